@@ -1,0 +1,142 @@
+//! C types, enums and result codes of `nccl.h` and `cuda_runtime_api.h`, as raw as they are.
+
+use std::ffi::{c_int, c_void};
+
+/// `ncclResult_t`: every NCCL call's status.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ncclResult_t(pub c_int);
+
+impl ncclResult_t {
+    /// The call succeeded.
+    pub const ncclSuccess: Self = Self(0);
+    /// A CUDA call made by NCCL failed.
+    pub const ncclUnhandledCudaError: Self = Self(1);
+    /// A system call (socket, memory, ...) failed.
+    pub const ncclSystemError: Self = Self(2);
+    /// An NCCL bug or an inconsistent state.
+    pub const ncclInternalError: Self = Self(3);
+    /// A bad argument (null pointer, out-of-range value).
+    pub const ncclInvalidArgument: Self = Self(4);
+    /// A call sequence that NCCL does not allow.
+    pub const ncclInvalidUsage: Self = Self(5);
+    /// A remote peer failed or disconnected.
+    pub const ncclRemoteError: Self = Self(6);
+    /// A non-blocking operation is still in progress.
+    pub const ncclInProgress: Self = Self(7);
+}
+
+/// `ncclDataType_t`: element type of a collective's buffers.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ncclDataType_t(pub c_int);
+
+impl ncclDataType_t {
+    /// `int8_t`.
+    pub const ncclInt8: Self = Self(0);
+    /// `uint8_t`.
+    pub const ncclUint8: Self = Self(1);
+    /// `int32_t`.
+    pub const ncclInt32: Self = Self(2);
+    /// `uint32_t`.
+    pub const ncclUint32: Self = Self(3);
+    /// `int64_t`.
+    pub const ncclInt64: Self = Self(4);
+    /// `uint64_t`.
+    pub const ncclUint64: Self = Self(5);
+    /// IEEE half precision.
+    pub const ncclFloat16: Self = Self(6);
+    /// `float`.
+    pub const ncclFloat32: Self = Self(7);
+    /// `double`.
+    pub const ncclFloat64: Self = Self(8);
+    /// bfloat16.
+    pub const ncclBfloat16: Self = Self(9);
+}
+
+/// `ncclRedOp_t`: the reduction of a reducing collective.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ncclRedOp_t(pub c_int);
+
+impl ncclRedOp_t {
+    /// Sum.
+    pub const ncclSum: Self = Self(0);
+    /// Product.
+    pub const ncclProd: Self = Self(1);
+    /// Maximum.
+    pub const ncclMax: Self = Self(2);
+    /// Minimum.
+    pub const ncclMin: Self = Self(3);
+    /// Sum divided by the number of ranks (NCCL >= 2.10).
+    pub const ncclAvg: Self = Self(4);
+}
+
+/// Size in bytes of [`ncclUniqueId`] (`NCCL_UNIQUE_ID_BYTES`).
+pub const NCCL_UNIQUE_ID_BYTES: usize = 128;
+
+/// `ncclUniqueId`: the opaque token rank 0 creates and every rank passes to
+/// `ncclCommInitRank`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ncclUniqueId {
+    /// Opaque bytes.
+    pub internal: [u8; NCCL_UNIQUE_ID_BYTES],
+}
+
+/// Opaque NCCL communicator.
+#[repr(C)]
+#[derive(Debug)]
+pub struct ncclComm {
+    _private: [u8; 0],
+}
+
+/// `ncclComm_t`: a communicator handle.
+pub type ncclComm_t = *mut ncclComm;
+
+/// `cudaStream_t`. The null pointer is the legacy default stream.
+pub type cudaStream_t = *mut c_void;
+
+/// `cudaError_t`: every CUDA runtime call's status.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct cudaError_t(pub c_int);
+
+impl cudaError_t {
+    /// The call succeeded.
+    pub const cudaSuccess: Self = Self(0);
+    /// Invalid device ordinal.
+    pub const cudaErrorInvalidDevice: Self = Self(101);
+    /// No CUDA-capable device is detected.
+    pub const cudaErrorNoDevice: Self = Self(100);
+    /// The driver is older than the runtime.
+    pub const cudaErrorInsufficientDriver: Self = Self(35);
+    /// Queued work is not finished yet (`cudaStreamQuery`).
+    pub const cudaErrorNotReady: Self = Self(600);
+}
+
+/// Formats an `ncclGetVersion` code (`major*10000 + minor*100 + patch` since 2.9) as
+/// `"major.minor.patch"`.
+pub fn version_string(code: c_int) -> String {
+    if code >= 10000 {
+        format!("{}.{}.{}", code / 10000, (code % 10000) / 100, code % 100)
+    } else {
+        format!("{}.{}.{}", code / 1000, (code % 1000) / 100, code % 100)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_codes_format_in_both_encodings() {
+        assert_eq!(version_string(22903), "2.29.3");
+        assert_eq!(version_string(2804), "2.8.4");
+    }
+
+    #[test]
+    fn unique_id_is_128_bytes() {
+        assert_eq!(std::mem::size_of::<ncclUniqueId>(), 128);
+    }
+}
