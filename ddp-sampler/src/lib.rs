@@ -1,0 +1,3 @@
+//! Deterministic rank-sharded sampling.
+//!
+//! Being built (the sampler issue); see `ARCHITECTURE.md`.

@@ -1,0 +1,3 @@
+//! DistributedDataParallel and the Trainer.
+//!
+//! Being built (the trainer issue); see `ARCHITECTURE.md`.

@@ -1,0 +1,112 @@
+//! Operator commands for the workspace: `cargo xtask <command>`.
+//!
+//! xtask must build before libtorch exists (it is what installs libtorch), so it never
+//! depends on tch; it drives the other crates through `cargo` and their binaries.
+
+mod setup;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "cargo xtask",
+    about = "Operator commands for the ddp workspace"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Install libtorch (the torch==2.13.0 Python wheel) into `.deps/` (idempotent).
+    Setup(setup::SetupArgs),
+    /// Run setup, then every test of the workspace, `cargo fmt --check` and clippy.
+    Test,
+    /// Train the ConvNet. For now: a few single-process steps on random tensors.
+    Train,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let root = project_root();
+    match cli.command {
+        Cmd::Setup(args) => setup::run(&root, &args).map(drop),
+        Cmd::Test => test(&root),
+        Cmd::Train => train(&root),
+    }
+}
+
+/// The workspace root: xtask lives one folder below it.
+fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask is one folder below the workspace root")
+        .to_path_buf()
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+/// Runs `cmd` in `root`, failing with the command line when it does not succeed.
+fn run(root: &Path, mut cmd: Command) -> Result<()> {
+    cmd.current_dir(root);
+    let line = format!("{cmd:?}");
+    println!("xtask: {line}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot start {line}"))?;
+    if !status.success() {
+        bail!("{line} failed ({status})");
+    }
+    Ok(())
+}
+
+fn test(root: &Path) -> Result<()> {
+    setup::run(root, &setup::SetupArgs::default())?;
+    let mut fmt = cargo();
+    fmt.args(["fmt", "--all", "--check"]);
+    run(root, fmt)?;
+    let mut test = cargo();
+    test.args(["test", "--workspace"]);
+    run(root, test)?;
+    let mut clippy = cargo();
+    clippy.args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    run(root, clippy)?;
+    let mut doc = cargo();
+    doc.args(["doc", "--workspace", "--no-deps"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    run(root, doc)?;
+    println!("xtask: all tests, formatting, lints and docs passed");
+    Ok(())
+}
+
+fn train(root: &Path) -> Result<()> {
+    setup::run(root, &setup::SetupArgs::default())?;
+    println!(
+        "xtask: distributed training is not built yet; training the ConvNet for a few \
+         single-process steps on random tensors instead"
+    );
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "-p",
+        "ddp-model",
+        "--example",
+        "random_steps",
+    ]);
+    run(root, cmd)
+}
