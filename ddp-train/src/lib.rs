@@ -1,3 +1,10 @@
 //! DistributedDataParallel and the Trainer.
-//!
-//! Being built (the trainer issue); see `ARCHITECTURE.md`.
+
+#![warn(missing_docs)]
+
+pub mod ddp;
+pub mod metrics;
+pub mod optim;
+pub mod scheduler;
+
+pub use ddp::{DdpError, DdpOptions, DistributedDataParallel};

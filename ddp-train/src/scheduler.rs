@@ -1,0 +1,142 @@
+//! `ReduceLROnPlateau`, as PyTorch defines it, in mode "max" on a validation metric.
+
+/// Settings of [`ReduceLrOnPlateau`] (PyTorch's defaults, mode "max", threshold mode "rel").
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PlateauConfig {
+    /// Multiplier applied to the learning rate on a plateau.
+    pub factor: f64,
+    /// Epochs without improvement tolerated before reducing.
+    pub patience: u32,
+    /// Relative improvement that counts: `metric > best * (1 + threshold)`.
+    pub threshold: f64,
+    /// Epochs to wait after a reduction before counting bad epochs again.
+    pub cooldown: u32,
+    /// The learning rate never goes below this.
+    pub min_lr: f64,
+}
+
+impl Default for PlateauConfig {
+    fn default() -> Self {
+        Self {
+            factor: 0.1,
+            patience: 10,
+            threshold: 1e-4,
+            cooldown: 0,
+            min_lr: 0.0,
+        }
+    }
+}
+
+/// Reduces the learning rate when a metric to maximise stops improving.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ReduceLrOnPlateau {
+    /// The settings.
+    pub config: PlateauConfig,
+    /// Best metric so far (`-inf` before the first epoch).
+    pub best: f64,
+    /// Consecutive epochs without improvement.
+    pub num_bad_epochs: u32,
+    /// Epochs of cooldown left.
+    pub cooldown_counter: u32,
+}
+
+/// Reductions smaller than this are ignored, as in PyTorch.
+const MIN_CHANGE: f64 = 1e-8;
+
+impl ReduceLrOnPlateau {
+    /// A scheduler with no history.
+    pub fn new(config: PlateauConfig) -> Self {
+        Self {
+            config,
+            best: f64::NEG_INFINITY,
+            num_bad_epochs: 0,
+            cooldown_counter: 0,
+        }
+    }
+
+    /// Records one epoch's `metric` and returns the learning rate to use from now on.
+    pub fn step(&mut self, metric: f64, lr: f64) -> f64 {
+        if metric > self.best * (1.0 + self.config.threshold) || self.best == f64::NEG_INFINITY {
+            self.best = metric;
+            self.num_bad_epochs = 0;
+        } else {
+            self.num_bad_epochs += 1;
+        }
+        if self.cooldown_counter > 0 {
+            self.cooldown_counter -= 1;
+            self.num_bad_epochs = 0;
+        }
+        if self.num_bad_epochs > self.config.patience {
+            self.cooldown_counter = self.config.cooldown;
+            self.num_bad_epochs = 0;
+            let new_lr = (lr * self.config.factor).max(self.config.min_lr);
+            if lr - new_lr > MIN_CHANGE {
+                return new_lr;
+            }
+        }
+        lr
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reduces_after_patience_bad_epochs_and_respects_min_lr() {
+        let config = PlateauConfig {
+            factor: 0.5,
+            patience: 2,
+            min_lr: 0.2,
+            ..Default::default()
+        };
+        let mut s = ReduceLrOnPlateau::new(config);
+        let metrics = [0.5, 0.6, 0.6, 0.6, 0.6, 0.59, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6];
+        let mut lr = 1.0;
+        let mut lrs = Vec::new();
+        for m in metrics {
+            lr = s.step(m, lr);
+            lrs.push(lr);
+        }
+        // Bad epochs: 3rd, 4th (patience 2), reduction on the 3rd bad one (5th epoch), then
+        // three more bad epochs (6th to 8th) before the next, and the floor of 0.2 after.
+        assert_eq!(
+            lrs,
+            [1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.2, 0.2]
+        );
+        assert_eq!(s.best, 0.6);
+    }
+
+    #[test]
+    fn improvement_must_exceed_the_relative_threshold() {
+        let config = PlateauConfig {
+            patience: 0,
+            threshold: 0.1,
+            ..Default::default()
+        };
+        let mut s = ReduceLrOnPlateau::new(config);
+        assert_eq!(s.step(1.0, 1.0), 1.0);
+        // 1.05 is not > 1.0 * 1.1: a bad epoch, and with patience 0 a reduction.
+        assert!((s.step(1.05, 1.0) - 0.1).abs() < 1e-12);
+        assert_eq!(s.best, 1.0);
+    }
+
+    #[test]
+    fn cooldown_suspends_counting() {
+        let config = PlateauConfig {
+            factor: 0.5,
+            patience: 0,
+            cooldown: 2,
+            ..Default::default()
+        };
+        let mut s = ReduceLrOnPlateau::new(config);
+        let lrs: Vec<f64> = [1.0, 0.9, 0.9, 0.9, 0.9]
+            .iter()
+            .scan(1.0, |lr, &m| {
+                *lr = s.step(m, *lr);
+                Some(*lr)
+            })
+            .collect();
+        assert_eq!(lrs, [1.0, 0.5, 0.5, 0.5, 0.25]);
+    }
+}
