@@ -1,3 +1,59 @@
-//! ODIR-5K loading, transforms and the batch loader.
+//! ODIR-5K data for the data-parallel trainer: annotations, decoding, torchvision-exact
+//! augmentation, a parallel batch loader, and a synthetic sample to train on without the real
+//! data.
 //!
-//! Being built (the data issue); see `ARCHITECTURE.md`.
+//! The central types:
+//!
+//! - [`OdirDataset`] opens a folder in either ODIR layout (`full_df.csv` or the challenge
+//!   workbook), checks every image exists, and lists samples (path, patient, 8 labels).
+//! - [`Transform`] is `RandomResizedCrop` (+ flip) or `Resize` + `CenterCrop`, then `ToTensor`
+//!   and optional `Normalize`, with crop boxes drawn exactly as torchvision draws them.
+//! - [`HostLoader`] (always) and [`Loader`] (feature `tch`) load one rank's indices in
+//!   batches on worker threads; the random draws of sample `i` in epoch `e` come from
+//!   `(seed, e, i)` only, so batches are identical whatever the number of workers.
+//!
+//! [`synthetic::generate`] writes a learnable ODIR-like folder, and [`split_by_patient`]
+//! makes a leak-free train/validation split.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use ddp_data::synthetic::{generate, SyntheticConfig};
+//! use ddp_data::{split_by_patient, HostLoader, LoaderConfig, OdirDataset, OdirOptions, Transform};
+//!
+//! let dir = std::env::temp_dir().join(format!("ddp-data-doctest-{}", std::process::id()));
+//! generate(&dir, &SyntheticConfig { images: 12, size: 64, ..SyntheticConfig::default() })?;
+//! let ds = Arc::new(OdirDataset::open(&dir, &OdirOptions::default())?);
+//! let split = split_by_patient(&ds, 0.5, 7)?;
+//! let config = LoaderConfig { drop_last: true, workers: 2, ..LoaderConfig::new(2) };
+//! let loader = HostLoader::new(ds.clone(), split.train, Transform::train(32), &config)?;
+//! for batch in loader {
+//!     let batch = batch?;
+//!     assert_eq!(batch.images.len(), 2 * 3 * 32 * 32);
+//!     assert_eq!(batch.labels.len(), 2 * 8);
+//! }
+//! # std::fs::remove_dir_all(&dir).ok();
+//! # Ok::<(), ddp_data::DataError>(())
+//! ```
+#![warn(missing_docs)]
+
+pub mod annotations;
+pub mod crop;
+pub mod dataset;
+pub mod decode;
+mod error;
+pub mod loader;
+pub mod rng;
+pub mod split;
+pub mod synthetic;
+#[cfg(feature = "tch")]
+pub mod tensor;
+pub mod transform;
+
+pub use annotations::{LabelMode, LabelSource, LABELS, LABEL_NAMES};
+pub use dataset::{Layout, OdirDataset, OdirOptions, Sample, SkippedImage};
+pub use error::DataError;
+pub use loader::{default_workers, HostBatch, HostLoader, LoaderConfig};
+pub use split::{all_indices, split_by_patient, Split};
+#[cfg(feature = "tch")]
+pub use tensor::{Batch, Loader};
+pub use transform::{Pipeline, Transform};

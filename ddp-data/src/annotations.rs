@@ -1,0 +1,403 @@
+//! Reading ODIR annotation files: the redistribution's `full_df.csv` (one row per eye image)
+//! and the challenge's `.xlsx` workbook (one row per patient, two images each).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use calamine::{open_workbook_auto, Data, Reader};
+
+use crate::error::DataError;
+
+/// The eight ODIR labels, in the order of every label vector this crate produces.
+pub const LABELS: [&str; 8] = ["N", "D", "G", "C", "A", "H", "M", "O"];
+
+/// The labels' long names, in [`LABELS`] order.
+pub const LABEL_NAMES: [&str; 8] = [
+    "normal",
+    "diabetic retinopathy",
+    "glaucoma",
+    "cataract",
+    "age-related macular degeneration",
+    "hypertension",
+    "pathological myopia",
+    "other",
+];
+
+/// Which labels a sample gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LabelMode {
+    /// Per-eye labels (`target`) where the annotation file has them, patient labels otherwise.
+    /// The default: a patient's label may describe only one eye (a diabetic patient with one
+    /// healthy eye), so per-eye labels are the truer target for a single-eye image.
+    #[default]
+    Auto,
+    /// Per-eye labels from the `target` column; an error where the file has none.
+    PerEye,
+    /// Patient labels from the `N`..`O` columns, the same for both eyes.
+    Patient,
+}
+
+/// Which labels the samples actually got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LabelSource {
+    /// From the per-eye `target` column.
+    PerEye,
+    /// From the patient-level `N`..`O` columns.
+    Patient,
+}
+
+/// One image as the annotation file lists it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    /// The image file name, relative to the image folder.
+    pub file: String,
+    /// The patient's `ID`.
+    pub patient_id: u64,
+    /// Multi-hot labels in [`LABELS`] order.
+    pub labels: [f32; 8],
+    /// The annotation row it came from (header = row 1).
+    pub row: usize,
+}
+
+/// Everything read from one annotation file.
+#[derive(Debug, Clone)]
+pub struct Annotations {
+    /// The file read.
+    pub file: PathBuf,
+    /// One record per image, in file order.
+    pub records: Vec<Record>,
+    /// Which labels the records carry.
+    pub label_source: LabelSource,
+}
+
+/// Column lookup by header name (trimmed, case-sensitive as the files write them).
+struct Columns {
+    file: PathBuf,
+    headers: Vec<String>,
+    index: HashMap<String, usize>,
+}
+
+impl Columns {
+    fn new(file: &Path, headers: Vec<String>) -> Self {
+        let index = headers
+            .iter()
+            .enumerate()
+            .map(|(i, h)| (h.trim().to_string(), i))
+            .collect();
+        Self {
+            file: file.to_path_buf(),
+            headers,
+            index,
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    fn get(&self, name: &str) -> Result<usize, DataError> {
+        self.index
+            .get(name)
+            .copied()
+            .ok_or_else(|| DataError::MissingColumn {
+                file: self.file.clone(),
+                column: name.to_string(),
+                found: self.headers.clone(),
+            })
+    }
+}
+
+fn parse_binary(file: &Path, row: usize, column: &str, text: &str) -> Result<f32, DataError> {
+    match text.trim() {
+        "0" | "0.0" => Ok(0.0),
+        "1" | "1.0" => Ok(1.0),
+        _ => Err(DataError::InvalidLabel {
+            file: file.to_path_buf(),
+            row,
+            column: column.to_string(),
+            value: text.to_string(),
+        }),
+    }
+}
+
+/// Parses a `target` cell such as `[1, 0, 0, 0, 0, 0, 0, 0]`.
+fn parse_target(file: &Path, row: usize, text: &str) -> Result<[f32; 8], DataError> {
+    let bad = || DataError::InvalidTarget {
+        file: file.to_path_buf(),
+        row,
+        value: text.to_string(),
+    };
+    let inner = text
+        .trim()
+        .strip_prefix('[')
+        .and_then(|t| t.strip_suffix(']'))
+        .ok_or_else(bad)?;
+    let mut out = [0f32; 8];
+    let mut n = 0;
+    for part in inner.split(',') {
+        let v = match part.trim() {
+            "0" | "0.0" => 0.0,
+            "1" | "1.0" => 1.0,
+            _ => return Err(bad()),
+        };
+        *out.get_mut(n).ok_or_else(bad)? = v;
+        n += 1;
+    }
+    if n != 8 {
+        return Err(bad());
+    }
+    Ok(out)
+}
+
+fn parse_id(file: &Path, row: usize, column: &str, text: &str) -> Result<u64, DataError> {
+    let t = text.trim();
+    let parsed = t.parse::<u64>().ok().or_else(|| {
+        // Spreadsheets store integers as floats ("12.0").
+        t.parse::<f64>()
+            .ok()
+            .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 1e15)
+            .map(|f| f as u64)
+    });
+    parsed.ok_or_else(|| DataError::InvalidCell {
+        file: file.to_path_buf(),
+        row,
+        column: column.to_string(),
+        expected: "a non-negative integer patient ID".to_string(),
+        value: text.to_string(),
+    })
+}
+
+fn non_empty(file: &Path, row: usize, column: &str, text: &str) -> Result<String, DataError> {
+    let t = text.trim();
+    if t.is_empty() {
+        return Err(DataError::InvalidCell {
+            file: file.to_path_buf(),
+            row,
+            column: column.to_string(),
+            expected: "an image file name".to_string(),
+            value: text.to_string(),
+        });
+    }
+    Ok(t.to_string())
+}
+
+fn resolve_source(
+    mode: LabelMode,
+    has_target: bool,
+    cols: &Columns,
+) -> Result<LabelSource, DataError> {
+    match mode {
+        LabelMode::Patient => Ok(LabelSource::Patient),
+        LabelMode::Auto if has_target => Ok(LabelSource::PerEye),
+        LabelMode::Auto => Ok(LabelSource::Patient),
+        LabelMode::PerEye => {
+            if has_target {
+                Ok(LabelSource::PerEye)
+            } else {
+                // Name the column the mode needs.
+                cols.get("target").map(|_| LabelSource::PerEye)
+            }
+        }
+    }
+}
+
+/// The annotations of `file`, or an error if it listed no images.
+fn finish(
+    file: &Path,
+    records: Vec<Record>,
+    source: LabelSource,
+) -> Result<Annotations, DataError> {
+    if records.is_empty() {
+        return Err(DataError::NoSamples {
+            file: file.to_path_buf(),
+        });
+    }
+    Ok(Annotations {
+        file: file.to_path_buf(),
+        records,
+        label_source: source,
+    })
+}
+
+/// Reads the redistribution's `full_df.csv`: needs `ID`, `filename`, and `target` (per-eye
+/// labels) or `N`..`O` (patient labels).
+pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> {
+    let open_error = |e: &dyn std::fmt::Display| DataError::Annotations {
+        file: file.to_path_buf(),
+        message: e.to_string(),
+    };
+    let mut reader = csv::ReaderBuilder::new()
+        .flexible(false)
+        .from_path(file)
+        .map_err(|e| open_error(&e))?;
+    let headers: Vec<String> = reader
+        .headers()
+        .map_err(|e| open_error(&e))?
+        .iter()
+        .map(str::to_string)
+        .collect();
+    let cols = Columns::new(file, headers);
+    let id_col = cols.get("ID")?;
+    let file_col = cols.get("filename")?;
+    let source = resolve_source(mode, cols.has("target"), &cols)?;
+    let label_cols = match source {
+        LabelSource::PerEye => vec![cols.get("target")?],
+        LabelSource::Patient => LABELS
+            .iter()
+            .map(|l| cols.get(l))
+            .collect::<Result<_, _>>()?,
+    };
+    let mut records = Vec::new();
+    for (i, result) in reader.records().enumerate() {
+        let record = result.map_err(|e| open_error(&e))?;
+        // Row numbers as a spreadsheet shows them; quoted fields may span lines, so prefer
+        // the reader's own line count.
+        let row = record
+            .position()
+            .map(|p| p.line() as usize)
+            .unwrap_or(i + 2);
+        let cell = |c: usize| record.get(c).unwrap_or("");
+        let patient_id = parse_id(file, row, "ID", cell(id_col))?;
+        let name = non_empty(file, row, "filename", cell(file_col))?;
+        let labels = match source {
+            LabelSource::PerEye => parse_target(file, row, cell(label_cols[0]))?,
+            LabelSource::Patient => {
+                let mut l = [0f32; 8];
+                for (k, &c) in label_cols.iter().enumerate() {
+                    l[k] = parse_binary(file, row, LABELS[k], cell(c))?;
+                }
+                l
+            }
+        };
+        records.push(Record {
+            file: name,
+            patient_id,
+            labels,
+            row,
+        });
+    }
+    finish(file, records, source)
+}
+
+fn cell_text(d: &Data) -> String {
+    match d {
+        Data::Empty => String::new(),
+        Data::String(s) => s.clone(),
+        Data::Float(f) if f.fract() == 0.0 => format!("{}", *f as i64),
+        Data::Float(f) => f.to_string(),
+        Data::Int(i) => i.to_string(),
+        Data::Bool(b) => if *b { "1" } else { "0" }.to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// Reads the challenge workbook (first sheet): one row per patient with `ID`, `Left-Fundus`,
+/// `Right-Fundus` and `N`..`O`; each row gives two samples with the patient's labels (the
+/// workbook has no per-eye labels, so [`LabelMode::PerEye`] is an error here).
+pub fn read_xlsx(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> {
+    let open_error = |e: &dyn std::fmt::Display| DataError::Annotations {
+        file: file.to_path_buf(),
+        message: e.to_string(),
+    };
+    let mut workbook = open_workbook_auto(file).map_err(|e| open_error(&e))?;
+    let sheet = workbook
+        .sheet_names()
+        .first()
+        .cloned()
+        .ok_or_else(|| open_error(&"the workbook has no sheets"))?;
+    let range = workbook
+        .worksheet_range(&sheet)
+        .map_err(|e| open_error(&e))?;
+    let mut rows = range.rows();
+    let headers: Vec<String> = rows
+        .next()
+        .map(|r| r.iter().map(cell_text).collect())
+        .unwrap_or_default();
+    let cols = Columns::new(file, headers);
+    let source = resolve_source(mode, false, &cols)?;
+    debug_assert_eq!(source, LabelSource::Patient);
+    let id_col = cols.get("ID")?;
+    let left_col = cols.get("Left-Fundus")?;
+    let right_col = cols.get("Right-Fundus")?;
+    let label_cols: Vec<usize> = LABELS
+        .iter()
+        .map(|l| cols.get(l))
+        .collect::<Result<_, _>>()?;
+    let mut records = Vec::new();
+    // `range` may start below row 1 when the sheet has leading blank rows.
+    let first_row = range.start().map(|(r, _)| r as usize + 1).unwrap_or(1);
+    for (i, r) in rows.enumerate() {
+        let row = first_row + 1 + i;
+        let cell = |c: usize| r.get(c).map(cell_text).unwrap_or_default();
+        if r.iter().all(|d| matches!(d, Data::Empty)) {
+            continue;
+        }
+        let patient_id = parse_id(file, row, "ID", &cell(id_col))?;
+        let mut labels = [0f32; 8];
+        for (k, &c) in label_cols.iter().enumerate() {
+            labels[k] = parse_binary(file, row, LABELS[k], &cell(c))?;
+        }
+        for (col, name) in [(left_col, "Left-Fundus"), (right_col, "Right-Fundus")] {
+            records.push(Record {
+                file: non_empty(file, row, name, &cell(col))?,
+                patient_id,
+                labels,
+                row,
+            });
+        }
+    }
+    finish(file, records, source)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn target_parses_eight_binary_values() {
+        let p = Path::new("full_df.csv");
+        assert_eq!(
+            parse_target(p, 2, "[0, 1, 0, 0, 0, 0, 0, 1]").unwrap(),
+            [0., 1., 0., 0., 0., 0., 0., 1.]
+        );
+        for bad in [
+            "[0, 1, 0]",
+            "0, 1, 0, 0, 0, 0, 0, 0",
+            "[0, 2, 0, 0, 0, 0, 0, 0]",
+            "[0, 1, 0, 0, 0, 0, 0, 0, 0]",
+            "['N']",
+            "",
+        ] {
+            let e = parse_target(p, 5, bad).unwrap_err();
+            assert!(
+                matches!(&e, DataError::InvalidTarget { row: 5, value, .. } if value == bad),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn ids_accept_integers_and_integral_floats_only() {
+        let p = Path::new("a.xlsx");
+        assert_eq!(parse_id(p, 2, "ID", "17").unwrap(), 17);
+        assert_eq!(parse_id(p, 2, "ID", "17.0").unwrap(), 17);
+        assert!(matches!(
+            parse_id(p, 2, "ID", "17.5"),
+            Err(DataError::InvalidCell { .. })
+        ));
+        assert!(parse_id(p, 2, "ID", "-3").is_err());
+        assert!(parse_id(p, 2, "ID", "abc").is_err());
+    }
+
+    #[test]
+    fn binary_labels_reject_other_values() {
+        let p = Path::new("f.csv");
+        assert_eq!(parse_binary(p, 2, "N", " 1 ").unwrap(), 1.0);
+        assert_eq!(parse_binary(p, 2, "N", "0").unwrap(), 0.0);
+        let e = parse_binary(p, 9, "G", "2").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "annotation file 'f.csv' row 9 column 'G': expected 0 or 1, found '2'"
+        );
+    }
+}

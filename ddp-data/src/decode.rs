@@ -1,0 +1,218 @@
+//! Image decoding to 8-bit RGB: JPEG through zune-jpeg into reused buffers (the hot path),
+//! everything else (PNG, 16-bit, grey, palette, alpha) through the `image` crate; EXIF
+//! orientation is applied in both cases.
+
+use std::io::Read;
+use std::path::Path;
+
+use image::metadata::Orientation;
+use image::{DynamicImage, ImageDecoder, ImageReader};
+use zune_jpeg::zune_core::bytestream::ZCursor;
+use zune_jpeg::zune_core::colorspace::ColorSpace;
+use zune_jpeg::zune_core::options::DecoderOptions;
+use zune_jpeg::JpegDecoder;
+
+use crate::error::DataError;
+
+/// A decoded image: `height` rows of `width` RGB pixels, 3 bytes each, row-major.
+#[derive(Debug, Clone, Copy)]
+pub struct RgbView<'a> {
+    /// Columns.
+    pub width: u32,
+    /// Rows.
+    pub height: u32,
+    /// `width * height * 3` bytes.
+    pub pixels: &'a [u8],
+}
+
+/// A reusable decoder: one per worker thread, so the file and pixel buffers are allocated once
+/// and grow to the largest image seen, not once per image.
+#[derive(Debug, Default)]
+pub struct Decoder {
+    file: Vec<u8>,
+    pixels: Vec<u8>,
+    width: u32,
+    height: u32,
+}
+
+fn decode_error(path: &Path, message: impl std::fmt::Display) -> DataError {
+    DataError::DecodeImage {
+        path: path.to_path_buf(),
+        message: message.to_string(),
+    }
+}
+
+/// Whether `bytes` start like a JPEG file (SOI marker followed by another marker).
+fn is_jpeg(bytes: &[u8]) -> bool {
+    bytes.len() >= 3 && bytes[0] == 0xFF && bytes[1] == 0xD8 && bytes[2] == 0xFF
+}
+
+/// A complete JPEG ends with the EOI marker; camera files may pad after it, so the last few
+/// bytes are searched. Entropy-coded data stuffs every 0xFF with 0x00, so 0xFF 0xD9 there can
+/// only be a real marker.
+fn has_end_marker(bytes: &[u8]) -> bool {
+    let tail = &bytes[bytes.len().saturating_sub(64)..];
+    tail.windows(2).any(|w| w == [0xFF, 0xD9])
+}
+
+impl Decoder {
+    /// A decoder with empty buffers.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reads and decodes the image at `path` to 8-bit RGB, upright according to its EXIF
+    /// orientation. The returned view borrows this decoder's buffer until the next call.
+    pub fn decode_file(&mut self, path: &Path) -> Result<RgbView<'_>, DataError> {
+        self.read_file(path)?;
+        self.decode_loaded(path)?;
+        Ok(self.view())
+    }
+
+    /// Decodes an in-memory encoded image; `path` only names it in errors.
+    pub fn decode_bytes(&mut self, bytes: &[u8], path: &Path) -> Result<RgbView<'_>, DataError> {
+        self.file.clear();
+        self.file.extend_from_slice(bytes);
+        self.decode_loaded(path)?;
+        Ok(self.view())
+    }
+
+    fn view(&self) -> RgbView<'_> {
+        RgbView {
+            width: self.width,
+            height: self.height,
+            pixels: &self.pixels[..self.width as usize * self.height as usize * 3],
+        }
+    }
+
+    fn read_file(&mut self, path: &Path) -> Result<(), DataError> {
+        let read_error = |source| DataError::ReadImage {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut f = std::fs::File::open(path).map_err(read_error)?;
+        self.file.clear();
+        f.read_to_end(&mut self.file).map_err(read_error)?;
+        Ok(())
+    }
+
+    fn decode_loaded(&mut self, path: &Path) -> Result<(), DataError> {
+        if self.file.is_empty() {
+            return Err(decode_error(path, "the file is empty"));
+        }
+        if is_jpeg(&self.file) {
+            self.decode_jpeg(path)
+        } else {
+            self.decode_other(path)
+        }
+    }
+
+    fn decode_jpeg(&mut self, path: &Path) -> Result<(), DataError> {
+        if !has_end_marker(&self.file) {
+            return Err(decode_error(
+                path,
+                "truncated JPEG: no end-of-image marker (0xFFD9) at the end of the file",
+            ));
+        }
+        let options = DecoderOptions::default()
+            .set_strict_mode(true)
+            .set_max_width(1 << 16)
+            .set_max_height(1 << 16)
+            .jpeg_set_out_colorspace(ColorSpace::RGB);
+        let mut decoder = JpegDecoder::new_with_options(ZCursor::new(&self.file[..]), options);
+        decoder
+            .decode_headers()
+            .map_err(|e| decode_error(path, format!("not a valid JPEG: {e:?}")))?;
+        let info = decoder
+            .info()
+            .ok_or_else(|| decode_error(path, "JPEG headers carry no image size"))?;
+        let size = decoder
+            .output_buffer_size()
+            .ok_or_else(|| decode_error(path, "JPEG headers carry no image size"))?;
+        let (width, height) = (u32::from(info.width), u32::from(info.height));
+        if size != width as usize * height as usize * 3 {
+            return Err(decode_error(
+                path,
+                format!(
+                    "decoder output is {size} bytes, expected {width} x {height} x 3 RGB bytes"
+                ),
+            ));
+        }
+        if self.pixels.len() < size {
+            self.pixels.resize(size, 0);
+        }
+        decoder
+            .decode_into(&mut self.pixels[..size])
+            .map_err(|e| decode_error(path, format!("corrupt JPEG data: {e:?}")))?;
+        self.width = width;
+        self.height = height;
+        let orientation = decoder
+            .exif()
+            .and_then(|exif| Orientation::from_exif_chunk(exif))
+            .unwrap_or(Orientation::NoTransforms);
+        if orientation != Orientation::NoTransforms {
+            let pixels = std::mem::take(&mut self.pixels);
+            let mut buf = pixels;
+            buf.truncate(size);
+            let img = image::RgbImage::from_raw(width, height, buf)
+                .ok_or_else(|| decode_error(path, "decoded buffer has the wrong size"))?;
+            let mut dynamic = DynamicImage::ImageRgb8(img);
+            dynamic.apply_orientation(orientation);
+            self.set_from_dynamic(dynamic);
+        }
+        Ok(())
+    }
+
+    fn decode_other(&mut self, path: &Path) -> Result<(), DataError> {
+        let reader = ImageReader::new(std::io::Cursor::new(&self.file[..]))
+            .with_guessed_format()
+            .map_err(|e| decode_error(path, e))?;
+        if reader.format().is_none() {
+            return Err(decode_error(
+                path,
+                "unknown image format (expected JPEG or PNG)",
+            ));
+        }
+        let mut decoder = reader.into_decoder().map_err(|e| decode_error(path, e))?;
+        let orientation = decoder.orientation().unwrap_or(Orientation::NoTransforms);
+        let mut dynamic = DynamicImage::from_decoder(decoder).map_err(|e| decode_error(path, e))?;
+        dynamic.apply_orientation(orientation);
+        self.set_from_dynamic(dynamic);
+        Ok(())
+    }
+
+    fn set_from_dynamic(&mut self, dynamic: DynamicImage) {
+        let rgb = match dynamic {
+            DynamicImage::ImageRgb8(img) => img,
+            other => other.to_rgb8(),
+        };
+        self.width = rgb.width();
+        self.height = rgb.height();
+        self.pixels = rgb.into_raw();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn end_marker_is_found_only_near_the_end() {
+        let mut bytes = vec![0xFF, 0xD8, 0xFF, 0xD9];
+        bytes.extend(std::iter::repeat_n(0x11, 100));
+        assert!(!has_end_marker(&bytes));
+        bytes.extend([0xFF, 0xD9, 0, 0]);
+        assert!(has_end_marker(&bytes));
+    }
+
+    #[test]
+    fn empty_and_unknown_files_are_errors_naming_the_file() {
+        let mut d = Decoder::new();
+        let p = Path::new("dir/a.jpg");
+        let e = d.decode_bytes(&[], p).unwrap_err();
+        assert!(matches!(e, DataError::DecodeImage { .. }), "{e}");
+        assert!(e.to_string().contains("dir/a.jpg"), "{e}");
+        let e = d.decode_bytes(b"hello world, not an image", p).unwrap_err();
+        assert!(e.to_string().contains("unknown image format"), "{e}");
+    }
+}

@@ -1,0 +1,196 @@
+//! The crate's one error type: every variant names the file, row, column or value at fault.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong while opening, splitting, decoding or loading ODIR data.
+///
+/// Messages are lower case, name the input the user must change, and give the expected and
+/// the actual value where there is one.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DataError {
+    /// The data folder holds neither `full_df.csv` nor a challenge annotation workbook.
+    #[error("no ODIR annotation file in '{}': looked for {}", .root.display(), .tried.join(", "))]
+    MissingAnnotations {
+        /// The folder that was searched.
+        root: PathBuf,
+        /// The file names that were looked for, in order.
+        tried: Vec<String>,
+    },
+
+    /// No image folder next to the annotation file.
+    #[error("no image folder in '{}': looked for {}", .root.display(), .tried.join(", "))]
+    MissingImageDir {
+        /// The data folder.
+        root: PathBuf,
+        /// The relative folder names that were looked for, in order.
+        tried: Vec<String>,
+    },
+
+    /// An annotation file lacks a column that the chosen label mode or layout needs.
+    #[error("annotation file '{}' has no column '{column}' (columns found: {})", .file.display(), .found.join(", "))]
+    MissingColumn {
+        /// The annotation file.
+        file: PathBuf,
+        /// The missing column's header.
+        column: String,
+        /// The headers that were found.
+        found: Vec<String>,
+    },
+
+    /// A label cell holds something other than 0 or 1.
+    #[error("annotation file '{}' row {row} column '{column}': expected 0 or 1, found '{value}'", .file.display())]
+    InvalidLabel {
+        /// The annotation file.
+        file: PathBuf,
+        /// The row, counted from 1 with the header as row 1 (as a spreadsheet shows it).
+        row: usize,
+        /// The column's header.
+        column: String,
+        /// The cell's text.
+        value: String,
+    },
+
+    /// A `target` cell is not a list of eight 0/1 values such as `[1, 0, 0, 0, 0, 0, 0, 0]`.
+    #[error("annotation file '{}' row {row} column 'target': expected a list of 8 values 0 or 1 like '[1, 0, 0, 0, 0, 0, 0, 0]', found '{value}'", .file.display())]
+    InvalidTarget {
+        /// The annotation file.
+        file: PathBuf,
+        /// The row, counted from 1 with the header as row 1.
+        row: usize,
+        /// The cell's text.
+        value: String,
+    },
+
+    /// Any other cell that cannot be read as what its column holds (the patient `ID`, a file name).
+    #[error("annotation file '{}' row {row} column '{column}': expected {expected}, found '{value}'", .file.display())]
+    InvalidCell {
+        /// The annotation file.
+        file: PathBuf,
+        /// The row, counted from 1 with the header as row 1.
+        row: usize,
+        /// The column's header.
+        column: String,
+        /// What the column must hold.
+        expected: String,
+        /// The cell's text.
+        value: String,
+    },
+
+    /// The annotation file could not be read or parsed at all.
+    #[error("cannot read annotation file '{}': {message}", .file.display())]
+    Annotations {
+        /// The annotation file.
+        file: PathBuf,
+        /// What the reader said.
+        message: String,
+    },
+
+    /// The annotation file has a header but no sample rows.
+    #[error("annotation file '{}' lists no images", .file.display())]
+    NoSamples {
+        /// The annotation file.
+        file: PathBuf,
+    },
+
+    /// Rows whose image file does not exist; every one is listed, not only the first.
+    #[error("{} image(s) listed in '{}' are missing from '{}': {}", .files.len(), .annotations.display(), .image_dir.display(), .files.join(", "))]
+    MissingImages {
+        /// The annotation file that lists them.
+        annotations: PathBuf,
+        /// The folder they were looked for in.
+        image_dir: PathBuf,
+        /// Every missing file name.
+        files: Vec<String>,
+    },
+
+    /// The same image file name is listed more than once.
+    #[error("annotation file '{}' lists image file names more than once: {}", .file.display(), .duplicates.join(", "))]
+    DuplicateFiles {
+        /// The annotation file.
+        file: PathBuf,
+        /// Each duplicated name with the rows it appears on, e.g. `1_left.jpg (rows 2, 7)`.
+        duplicates: Vec<String>,
+    },
+
+    /// A train/validation split left one side without samples.
+    #[error("the {side} split is empty: {patients} patient(s) split with validation fraction {fraction}; use a fraction that leaves at least one patient on each side")]
+    EmptySplit {
+        /// `train` or `validation`.
+        side: &'static str,
+        /// How many distinct patients there were to split.
+        patients: usize,
+        /// The validation fraction asked for.
+        fraction: f64,
+    },
+
+    /// A data set with no usable image left (every image was skipped as corrupt).
+    #[error("data set '{}' has no usable images ({skipped} skipped as corrupt)", .root.display())]
+    EmptyDataset {
+        /// The data folder.
+        root: PathBuf,
+        /// How many images were skipped.
+        skipped: usize,
+    },
+
+    /// A parameter outside its valid range (fraction, batch size, crop scale ...).
+    #[error("invalid {name}: expected {expected}, found {value}")]
+    InvalidParameter {
+        /// The parameter's name.
+        name: &'static str,
+        /// The valid range.
+        expected: String,
+        /// The value given.
+        value: String,
+    },
+
+    /// A sample index past the end of the data set.
+    #[error("sample index {index} is out of range for a data set of {len} samples")]
+    IndexOutOfRange {
+        /// The index given.
+        index: usize,
+        /// The data set's length.
+        len: usize,
+    },
+
+    /// An image file could not be read from disk.
+    #[error("cannot read image '{}': {source}", .path.display())]
+    ReadImage {
+        /// The image file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+
+    /// An image file is corrupt, truncated or in a format that cannot be decoded.
+    #[error("image '{}' cannot be decoded: {message}", .path.display())]
+    DecodeImage {
+        /// The image file.
+        path: PathBuf,
+        /// What the decoder said.
+        message: String,
+    },
+
+    /// Writing the synthetic sample failed.
+    #[error("cannot write '{}': {message}", .path.display())]
+    Write {
+        /// The file or folder being written.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+
+    /// A loader worker thread died without reporting an error (a panic).
+    #[error("loader worker thread {worker} panicked while loading '{}'", .path.display())]
+    WorkerPanicked {
+        /// The worker's number.
+        worker: usize,
+        /// The image it was loading.
+        path: PathBuf,
+    },
+
+    /// Converting a batch to tch tensors failed.
+    #[cfg(feature = "tch")]
+    #[error("cannot convert batch to tensors: {0}")]
+    Tensor(#[from] tch::TchError),
+}

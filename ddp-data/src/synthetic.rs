@@ -1,0 +1,274 @@
+//! The synthetic ODIR sample: a folder in the redistribution layout (`full_df.csv` +
+//! `preprocessed_images/*.jpg`) whose fundus-like images carry one visual cue per label, so a
+//! small ConvNet can learn them and the real loading code path is exercised end to end.
+//!
+//! Cues: D red haemorrhages and yellow exudates; G an enlarged, bright optic cup; C a global
+//! milky haze and blur; A yellow drusen around the macula; H narrowed pale arteries and
+//! tortuous veins; M a pale, tessellated fundus with a peripapillary crescent; O a ring of
+//! dark laser scars; N none of these. Eyes may carry several labels at once.
+
+mod fundus;
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use image::codecs::jpeg::JpegEncoder;
+use image::ExtendedColorType;
+
+use crate::annotations::{LABELS, LABEL_NAMES};
+use crate::error::DataError;
+use crate::rng::SampleRng;
+
+/// What to generate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyntheticConfig {
+    /// Number of images (eyes); patients get two each, the last one only a left eye when
+    /// the number is odd.
+    pub images: usize,
+    /// Side of the square images in pixels.
+    pub size: u32,
+    /// Seed: the same seed gives byte-identical files.
+    pub seed: u64,
+    /// JPEG quality (1-100).
+    pub quality: u8,
+}
+
+impl Default for SyntheticConfig {
+    /// 600 images of 256 pixels, seed 0, quality 90.
+    fn default() -> Self {
+        Self {
+            images: 600,
+            size: 256,
+            seed: 0,
+            quality: 90,
+        }
+    }
+}
+
+/// What was written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyntheticSummary {
+    /// The folder written.
+    pub root: PathBuf,
+    /// The annotation file.
+    pub csv: PathBuf,
+    /// Number of images written.
+    pub images: usize,
+    /// Number of patients.
+    pub patients: usize,
+    /// Images with each label, in N, D, G, C, A, H, M, O order.
+    pub label_counts: [usize; 8],
+}
+
+/// The per-eye labels for one patient.
+fn draw_patient(rng: &mut SampleRng) -> ([bool; 8], [bool; 8]) {
+    fn draw_eye(rng: &mut SampleRng) -> [bool; 8] {
+        let mut l = [false; 8];
+        if rng.unit() < 0.3 {
+            l[fundus::N] = true;
+            return l;
+        }
+        // D is the most common disease in ODIR; the others are rarer.
+        let p = [0.0, 0.4, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2];
+        for k in 1..8 {
+            l[k] = rng.unit() < p[k];
+        }
+        if !l.iter().any(|&b| b) {
+            l[1 + rng.below(7) as usize] = true;
+        }
+        l
+    }
+    let left = draw_eye(rng);
+    // Disease is often bilateral.
+    let right = if rng.unit() < 0.5 {
+        left
+    } else {
+        draw_eye(rng)
+    };
+    (left, right)
+}
+
+fn label_list(l: &[bool; 8]) -> String {
+    let names: Vec<String> = (0..8)
+        .filter(|&k| l[k])
+        .map(|k| format!("'{}'", LABELS[k]))
+        .collect();
+    format!("[{}]", names.join(", "))
+}
+
+fn target(l: &[bool; 8]) -> String {
+    let v: Vec<&str> = l.iter().map(|&b| if b { "1" } else { "0" }).collect();
+    format!("[{}]", v.join(", "))
+}
+
+fn keywords(l: &[bool; 8]) -> String {
+    let names: Vec<&str> = (0..8).filter(|&k| l[k]).map(|k| LABEL_NAMES[k]).collect();
+    names.join("，")
+}
+
+fn write_error(path: &Path, e: impl std::fmt::Display) -> DataError {
+    DataError::Write {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    }
+}
+
+struct Patient {
+    id: usize,
+    age: u64,
+    sex: &'static str,
+    eyes: Vec<(bool, [bool; 8])>,
+}
+
+/// Writes the synthetic sample into `out_dir` (created if needed): `full_df.csv` and
+/// `preprocessed_images/<id>_left.jpg` / `<id>_right.jpg`.
+///
+/// Deterministic: the files depend only on `config`, not on the number of threads used.
+pub fn generate(out_dir: &Path, config: &SyntheticConfig) -> Result<SyntheticSummary, DataError> {
+    if config.images == 0 {
+        return Err(DataError::InvalidParameter {
+            name: "synthetic image count",
+            expected: "at least 1".to_string(),
+            value: "0".to_string(),
+        });
+    }
+    if !(32..=4096).contains(&config.size) {
+        return Err(DataError::InvalidParameter {
+            name: "synthetic image size",
+            expected: "32 to 4096 pixels".to_string(),
+            value: config.size.to_string(),
+        });
+    }
+    if !(1..=100).contains(&config.quality) {
+        return Err(DataError::InvalidParameter {
+            name: "JPEG quality",
+            expected: "1 to 100".to_string(),
+            value: config.quality.to_string(),
+        });
+    }
+    let image_dir = out_dir.join("preprocessed_images");
+    std::fs::create_dir_all(&image_dir).map_err(|e| write_error(&image_dir, e))?;
+
+    let n_patients = config.images.div_ceil(2);
+    let patients: Vec<Patient> = (0..n_patients)
+        .map(|id| {
+            let mut rng = SampleRng::from_seed_and_tag(config.seed, b"patient\0", id as u64);
+            let (left, right) = draw_patient(&mut rng);
+            let mut eyes = vec![(true, left)];
+            if 2 * id + 1 < config.images {
+                eyes.push((false, right));
+            }
+            Patient {
+                id,
+                age: 40 + rng.below(45),
+                sex: if rng.below(2) == 0 { "Male" } else { "Female" },
+                eyes,
+            }
+        })
+        .collect();
+
+    // Paint and encode on all cores; each image's stream depends only on (seed, id, eye).
+    let jobs: Vec<(usize, bool, [bool; 8])> = patients
+        .iter()
+        .flat_map(|p| p.eyes.iter().map(move |&(left, l)| (p.id, left, l)))
+        .collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let chunk = jobs.len().div_ceil(threads).max(1);
+    let results: Vec<Result<(), DataError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = jobs
+            .chunks(chunk)
+            .map(|part| {
+                let image_dir = &image_dir;
+                scope.spawn(move || -> Result<(), DataError> {
+                    let mut encoded = Vec::new();
+                    for &(id, left, labels) in part {
+                        let stream = 2 * id as u64 + u64::from(!left);
+                        let mut rng =
+                            SampleRng::from_seed_and_tag(config.seed, b"fundus\0\0", stream);
+                        let px = fundus::paint(config.size, &labels, left, &mut rng);
+                        encoded.clear();
+                        JpegEncoder::new_with_quality(&mut encoded, config.quality)
+                            .encode(&px, config.size, config.size, ExtendedColorType::Rgb8)
+                            .map_err(|e| write_error(image_dir, e))?;
+                        let path = image_dir.join(file_name(id, left));
+                        std::fs::write(&path, &encoded).map_err(|e| write_error(&path, e))?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(write_error(&image_dir, "an image-writing thread panicked"))
+                })
+            })
+            .collect()
+    });
+    results.into_iter().collect::<Result<Vec<()>, _>>()?;
+
+    let csv_path = out_dir.join("full_df.csv");
+    let mut csv = String::from(
+        "ID,Patient Age,Patient Sex,Left-Fundus,Right-Fundus,Left-Diagnostic Keywords,\
+         Right-Diagnostic Keywords,N,D,G,C,A,H,M,O,filepath,labels,target,filename\n",
+    );
+    let mut label_counts = [0usize; 8];
+    for p in &patients {
+        let left = p.eyes[0].1;
+        let right = p.eyes.get(1).map_or(left, |e| e.1);
+        let mut patient = [false; 8];
+        for k in 1..8 {
+            patient[k] = left[k] || right[k];
+        }
+        patient[fundus::N] = !patient[1..].iter().any(|&b| b);
+        let patient_cols: Vec<&str> = patient.iter().map(|&b| if b { "1" } else { "0" }).collect();
+        for &(is_left, l) in &p.eyes {
+            for k in 0..8 {
+                label_counts[k] += usize::from(l[k]);
+            }
+            let name = file_name(p.id, is_left);
+            // Infallible: writing to a String.
+            let _ = writeln!(
+                csv,
+                "{id},{age},{sex},{lf},{rf},\"{lk}\",\"{rk}\",{pc},preprocessed_images/{name},\"{labels}\",\"{target}\",{name}",
+                id = p.id,
+                age = p.age,
+                sex = p.sex,
+                lf = file_name(p.id, true),
+                rf = file_name(p.id, false),
+                lk = keywords(&left),
+                rk = keywords(&right),
+                pc = patient_cols.join(","),
+                labels = label_list(&l),
+                target = target(&l),
+            );
+        }
+    }
+    std::fs::write(&csv_path, csv).map_err(|e| write_error(&csv_path, e))?;
+    Ok(SyntheticSummary {
+        root: out_dir.to_path_buf(),
+        csv: csv_path,
+        images: jobs.len(),
+        patients: n_patients,
+        label_counts,
+    })
+}
+
+fn file_name(id: usize, left: bool) -> String {
+    format!("{id}_{}.jpg", if left { "left" } else { "right" })
+}
+
+/// Paints one synthetic fundus image without writing anything: `size x size` RGB bytes for
+/// `labels` (N, D, G, C, A, H, M, O), drawn from `seed` and `stream`. Benchmarks use it to
+/// make ODIR-like JPEGs of any size.
+pub fn paint_fundus(
+    size: u32,
+    labels: [bool; 8],
+    left_eye: bool,
+    seed: u64,
+    stream: u64,
+) -> Vec<u8> {
+    let mut rng = SampleRng::from_seed_and_tag(seed, b"fundus\0\0", stream);
+    fundus::paint(size.max(8), &labels, left_eye, &mut rng)
+}

@@ -1,0 +1,399 @@
+//! The image transforms: torchvision's `RandomResizedCrop` (+ optional horizontal flip) for
+//! training, `Resize` + `CenterCrop` for evaluation, then `ToTensor` (CHW, f32 in [0, 1]) and
+//! an optional `Normalize`, written straight into a batch buffer.
+
+use std::path::Path;
+
+use fast_image_resize::images::{Image, ImageRef};
+use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
+
+use crate::crop::{random_resized_crop, resize_centre_crop_region, SourceRegion};
+use crate::decode::{Decoder, RgbView};
+use crate::error::DataError;
+use crate::rng::SampleRng;
+
+/// Which geometric transform runs before `ToTensor`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Geometry {
+    /// `RandomResizedCrop(size, scale, ratio)` with bilinear, antialiased resizing, then a
+    /// horizontal flip with probability 1/2 when `hflip` is set.
+    RandomResizedCrop {
+        /// Output side in pixels.
+        size: u32,
+        /// Range of the crop's area as a fraction of the image's.
+        scale: (f64, f64),
+        /// Range of the crop's aspect ratio (width / height), sampled log-uniformly.
+        ratio: (f64, f64),
+        /// Flip horizontally with probability 1/2 (`RandomHorizontalFlip()`).
+        hflip: bool,
+    },
+    /// `Resize(resize)` (shorter side) then `CenterCrop(crop)`.
+    ResizeCentreCrop {
+        /// The shorter side after resizing.
+        resize: u32,
+        /// Output side in pixels.
+        crop: u32,
+    },
+}
+
+/// A training or evaluation transform from an image file to a `[3, size, size]` f32 tensor.
+///
+/// ```
+/// use ddp_data::Transform;
+/// let train = Transform::train(224).with_hflip(true);
+/// assert_eq!(train.output_size(), 224);
+/// let eval = Transform::eval(256, 224).unwrap();
+/// assert_eq!(eval.sample_len(), 3 * 224 * 224);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Transform {
+    geometry: Geometry,
+    /// Per channel: `out = byte * scale + bias`, folding `ToTensor` and `Normalize` together.
+    scale: [f32; 3],
+    bias: [f32; 3],
+    normalized: bool,
+}
+
+/// torchvision's default `RandomResizedCrop` aspect-ratio range.
+pub const DEFAULT_RATIO: (f64, f64) = (3.0 / 4.0, 4.0 / 3.0);
+/// The area range the project's training recipe uses (`scale=(0.2, 1.0)`).
+pub const DEFAULT_SCALE: (f64, f64) = (0.2, 1.0);
+/// The ImageNet channel means that pretrained torchvision models expect.
+pub const IMAGENET_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
+/// The ImageNet channel standard deviations.
+pub const IMAGENET_STD: [f32; 3] = [0.229, 0.224, 0.225];
+
+fn invalid(name: &'static str, expected: &str, value: impl std::fmt::Debug) -> DataError {
+    DataError::InvalidParameter {
+        name,
+        expected: expected.to_string(),
+        value: format!("{value:?}"),
+    }
+}
+
+impl Transform {
+    fn with_geometry(geometry: Geometry) -> Self {
+        Self {
+            geometry,
+            scale: [1.0 / 255.0; 3],
+            bias: [0.0; 3],
+            normalized: false,
+        }
+    }
+
+    /// `RandomResizedCrop(size, scale=(0.2, 1.0), ratio=(3/4, 4/3))` + `ToTensor`, the seeds'
+    /// training transform; no flip unless [`with_hflip`](Self::with_hflip) turns it on.
+    pub fn train(size: u32) -> Self {
+        Self::with_geometry(Geometry::RandomResizedCrop {
+            size: size.max(1),
+            scale: DEFAULT_SCALE,
+            ratio: DEFAULT_RATIO,
+            hflip: false,
+        })
+    }
+
+    /// `RandomResizedCrop(size, scale, ratio)` + `ToTensor` with explicit ranges.
+    pub fn random_resized_crop(
+        size: u32,
+        scale: (f64, f64),
+        ratio: (f64, f64),
+    ) -> Result<Self, DataError> {
+        if size == 0 {
+            return Err(invalid("crop size", "a positive number of pixels", size));
+        }
+        if !(scale.0 > 0.0 && scale.0 <= scale.1 && scale.1.is_finite()) {
+            return Err(invalid("crop scale", "0 < min <= max", scale));
+        }
+        if !(ratio.0 > 0.0 && ratio.0 <= ratio.1 && ratio.1.is_finite()) {
+            return Err(invalid("crop ratio", "0 < min <= max", ratio));
+        }
+        Ok(Self::with_geometry(Geometry::RandomResizedCrop {
+            size,
+            scale,
+            ratio,
+            hflip: false,
+        }))
+    }
+
+    /// `Resize(resize)` + `CenterCrop(crop)` + `ToTensor`, the evaluation transform.
+    pub fn eval(resize: u32, crop: u32) -> Result<Self, DataError> {
+        if crop == 0 || resize < crop {
+            return Err(invalid(
+                "evaluation resize/crop",
+                "0 < crop <= resize",
+                (resize, crop),
+            ));
+        }
+        Ok(Self::with_geometry(Geometry::ResizeCentreCrop {
+            resize,
+            crop,
+        }))
+    }
+
+    /// Adds (or removes) a horizontal flip with probability 1/2 after the random crop; the
+    /// evaluation transform never flips.
+    pub fn with_hflip(mut self, on: bool) -> Self {
+        if let Geometry::RandomResizedCrop { hflip, .. } = &mut self.geometry {
+            *hflip = on;
+        }
+        self
+    }
+
+    /// Adds `Normalize(mean, std)` after `ToTensor`.
+    pub fn with_normalization(mut self, mean: [f32; 3], std: [f32; 3]) -> Result<Self, DataError> {
+        if std.iter().any(|&s| !(s > 0.0 && s.is_finite())) {
+            return Err(invalid("normalisation std", "positive, finite values", std));
+        }
+        for c in 0..3 {
+            self.scale[c] = 1.0 / (255.0 * std[c]);
+            self.bias[c] = -mean[c] / std[c];
+        }
+        self.normalized = true;
+        Ok(self)
+    }
+
+    /// The geometric part of the transform.
+    pub fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    /// Whether `Normalize` follows `ToTensor`.
+    pub fn is_normalized(&self) -> bool {
+        self.normalized
+    }
+
+    /// The output's side length: every sample becomes `[3, size, size]`.
+    pub fn output_size(&self) -> u32 {
+        match self.geometry {
+            Geometry::RandomResizedCrop { size, .. } => size,
+            Geometry::ResizeCentreCrop { crop, .. } => crop,
+        }
+    }
+
+    /// The number of f32 values one sample occupies (`3 * size * size`).
+    pub fn sample_len(&self) -> usize {
+        let s = self.output_size() as usize;
+        3 * s * s
+    }
+}
+
+/// Decoding and resizing state for one thread: reused across images so the hot loop does not
+/// allocate once the buffers have grown to the largest image.
+#[derive(Debug)]
+pub struct Pipeline {
+    decoder: Decoder,
+    resizer: Resizer,
+    resized: Vec<u8>,
+}
+
+impl Default for Pipeline {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The crop and flip drawn for one sample, in the decoded image's pixel coordinates.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Placement {
+    /// The source region that is resized to the output.
+    pub region: SourceRegion,
+    /// Whether the output is mirrored left-right.
+    pub flip: bool,
+}
+
+impl Transform {
+    /// The crop box and flip for an image of `height x width` pixels, drawn from `rng` in the
+    /// same order as torchvision (crop parameters first, then the flip).
+    pub fn placement(&self, height: u32, width: u32, rng: &mut SampleRng) -> Placement {
+        match self.geometry {
+            Geometry::RandomResizedCrop {
+                scale,
+                ratio,
+                hflip,
+                ..
+            } => {
+                let b = random_resized_crop(rng, height, width, scale, ratio);
+                let flip = hflip && rng.unit() < 0.5;
+                Placement {
+                    region: b.into(),
+                    flip,
+                }
+            }
+            Geometry::ResizeCentreCrop { resize, crop } => Placement {
+                region: resize_centre_crop_region(height, width, resize, crop).0,
+                flip: false,
+            },
+        }
+    }
+}
+
+impl Pipeline {
+    /// Empty buffers; they grow on first use.
+    pub fn new() -> Self {
+        Self {
+            decoder: Decoder::new(),
+            resizer: Resizer::new(),
+            resized: Vec::new(),
+        }
+    }
+
+    /// Decodes `path`, applies `transform` with draws from `rng`, and writes the
+    /// `[3, size, size]` result into `out` (length [`Transform::sample_len`]).
+    pub fn run(
+        &mut self,
+        transform: &Transform,
+        path: &Path,
+        rng: &mut SampleRng,
+        out: &mut [f32],
+    ) -> Result<(), DataError> {
+        let image = self.decoder.decode_file(path)?;
+        let placement = transform.placement(image.height, image.width, rng);
+        resize_region(
+            &mut self.resizer,
+            &mut self.resized,
+            image,
+            placement.region,
+            transform.output_size(),
+            path,
+        )?;
+        to_tensor(
+            &self.resized,
+            transform.output_size(),
+            placement.flip,
+            transform,
+            out,
+        );
+        Ok(())
+    }
+}
+
+/// Crops `region` out of `image` and resizes it to `size x size` in one pass (bilinear with
+/// antialiasing, as PIL's `resize(..., BILINEAR)` that torchvision calls).
+fn resize_region(
+    resizer: &mut Resizer,
+    resized: &mut Vec<u8>,
+    image: RgbView<'_>,
+    region: SourceRegion,
+    size: u32,
+    path: &Path,
+) -> Result<(), DataError> {
+    let len = size as usize * size as usize * 3;
+    resized.resize(len, 0);
+    let fail = |e: &dyn std::fmt::Display| DataError::DecodeImage {
+        path: path.to_path_buf(),
+        message: format!("cannot resize: {e}"),
+    };
+    let src = ImageRef::new(image.width, image.height, image.pixels, PixelType::U8x3)
+        .map_err(|e| fail(&e))?;
+    let mut dst = Image::from_slice_u8(size, size, &mut resized[..], PixelType::U8x3)
+        .map_err(|e| fail(&e))?;
+    let options = ResizeOptions::new()
+        .resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))
+        .crop(region.left, region.top, region.width, region.height);
+    resizer
+        .resize(&src, &mut dst, &options)
+        .map_err(|e| fail(&e))?;
+    Ok(())
+}
+
+/// HWC bytes to CHW floats (`byte * scale + bias`), mirrored when `flip` is set.
+fn to_tensor(pixels: &[u8], size: u32, flip: bool, t: &Transform, out: &mut [f32]) {
+    let s = size as usize;
+    let plane = s * s;
+    let (r_out, rest) = out.split_at_mut(plane);
+    let (g_out, b_out) = rest.split_at_mut(plane);
+    for y in 0..s {
+        let row = &pixels[y * s * 3..(y + 1) * s * 3];
+        let (r_row, g_row, b_row) = (
+            &mut r_out[y * s..(y + 1) * s],
+            &mut g_out[y * s..(y + 1) * s],
+            &mut b_out[y * s..(y + 1) * s],
+        );
+        for (x, px) in row.chunks_exact(3).enumerate() {
+            let dx = if flip { s - 1 - x } else { x };
+            r_row[dx] = f32::from(px[0]) * t.scale[0] + t.bias[0];
+            g_row[dx] = f32::from(px[1]) * t.scale[1] + t.bias[1];
+            b_row[dx] = f32::from(px[2]) * t.scale[2] + t.bias[2];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn to_tensor_is_chw_in_unit_range_and_flips_columns() {
+        // A 2x2 image: (0,0) red, (0,1) green, (1,0) blue, (1,1) white.
+        let px = [255, 0, 0, 0, 255, 0, 0, 0, 255, 255, 255, 255];
+        let t = Transform::train(2);
+        let mut out = [0f32; 12];
+        to_tensor(&px, 2, false, &t, &mut out);
+        assert_eq!(
+            out,
+            [1., 0., 0., 1., 0., 1., 0., 1., 0., 0., 1., 1.],
+            "R plane, G plane, B plane"
+        );
+        to_tensor(&px, 2, true, &t, &mut out);
+        assert_eq!(out, [0., 1., 1., 0., 1., 0., 1., 0., 0., 0., 1., 1.]);
+    }
+
+    #[test]
+    fn normalisation_applies_mean_and_std_per_channel() {
+        let t = Transform::train(1)
+            .with_normalization([0.5, 0.25, 0.0], [0.5, 0.25, 2.0])
+            .unwrap();
+        let mut out = [0f32; 3];
+        to_tensor(&[255, 0, 51], 1, false, &t, &mut out);
+        let want = [(1.0 - 0.5) / 0.5, (0.0 - 0.25) / 0.25, (0.2 - 0.0) / 2.0];
+        for (o, w) in out.iter().zip(want) {
+            assert!((o - w).abs() < 1e-6, "{out:?} vs {want:?}");
+        }
+        assert!(matches!(
+            Transform::train(1).with_normalization([0.0; 3], [1.0, 0.0, 1.0]),
+            Err(DataError::InvalidParameter { .. })
+        ));
+    }
+
+    #[test]
+    fn invalid_parameters_are_rejected() {
+        assert!(Transform::eval(200, 224).is_err());
+        assert!(Transform::random_resized_crop(0, DEFAULT_SCALE, DEFAULT_RATIO).is_err());
+        assert!(Transform::random_resized_crop(8, (0.5, 0.2), DEFAULT_RATIO).is_err());
+        assert!(Transform::random_resized_crop(8, DEFAULT_SCALE, (0.0, 1.0)).is_err());
+    }
+
+    #[test]
+    fn resizing_a_uniform_region_keeps_its_colour() {
+        let (w, h) = (40u32, 30u32);
+        let mut px = vec![0u8; (w * h * 3) as usize];
+        for p in px.chunks_exact_mut(3) {
+            p.copy_from_slice(&[200, 100, 50]);
+        }
+        let view = RgbView {
+            width: w,
+            height: h,
+            pixels: &px,
+        };
+        let mut resizer = Resizer::new();
+        let mut out = Vec::new();
+        let region = SourceRegion {
+            top: 3.0,
+            left: 5.0,
+            height: 20.0,
+            width: 25.0,
+        };
+        resize_region(&mut resizer, &mut out, view, region, 8, Path::new("x")).unwrap();
+        assert_eq!(out.len(), 8 * 8 * 3);
+        assert!(out.chunks_exact(3).all(|p| p == [200, 100, 50]));
+    }
+
+    #[test]
+    fn eval_placement_is_deterministic_and_never_flips() {
+        let t = Transform::eval(256, 224).unwrap().with_hflip(true);
+        let mut rng = SampleRng::new(0, 0, 0);
+        let p = t.placement(512, 512, &mut rng);
+        assert!(!p.flip);
+        assert!((p.region.top - 32.0).abs() < 1e-9 && (p.region.height - 448.0).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,211 @@
+//! Every kind of bad input gets its own error, naming the file, row, column or value.
+
+mod common;
+
+use common::{csv_row, valid_csv_layout, write_csv_layout};
+use ddp_data::{DataError, LabelMode, OdirDataset, OdirOptions};
+
+fn open(root: &std::path::Path) -> Result<OdirDataset, DataError> {
+    OdirDataset::open(root, &OdirOptions::default())
+}
+
+#[test]
+fn missing_annotation_file_lists_what_was_looked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = open(dir.path()).unwrap_err();
+    match &e {
+        DataError::MissingAnnotations { tried, .. } => {
+            assert_eq!(tried[0], "full_df.csv");
+            assert!(tried.iter().any(|t| t == "data.xlsx"));
+        }
+        other => panic!("expected MissingAnnotations, got {other}"),
+    }
+    assert!(e.to_string().starts_with("no ODIR annotation file in"));
+}
+
+#[test]
+fn missing_column_is_named_with_the_columns_found() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("preprocessed_images")).unwrap();
+    std::fs::write(
+        dir.path().join("full_df.csv"),
+        "ID,target\n1,\"[1, 0, 0, 0, 0, 0, 0, 0]\"\n",
+    )
+    .unwrap();
+    let e = open(dir.path()).unwrap_err();
+    match &e {
+        DataError::MissingColumn { column, found, .. } => {
+            assert_eq!(column, "filename");
+            assert_eq!(found, &["ID", "target"]);
+        }
+        other => panic!("expected MissingColumn, got {other}"),
+    }
+    // Patient labels need N..O.
+    std::fs::write(
+        dir.path().join("full_df.csv"),
+        "ID,filename,N,D\n1,a.jpg,1,0\n",
+    )
+    .unwrap();
+    let options = OdirOptions {
+        labels: LabelMode::Patient,
+        ..OdirOptions::default()
+    };
+    let e = OdirDataset::open(dir.path(), &options).unwrap_err();
+    assert!(
+        matches!(&e, DataError::MissingColumn { column, .. } if column == "G"),
+        "{e}"
+    );
+}
+
+#[test]
+fn label_other_than_zero_or_one_names_row_and_column() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = [
+        csv_row(
+            1,
+            "1_left.jpg",
+            "[1, 0, 0, 0, 0, 0, 0, 0]",
+            [1, 0, 0, 0, 0, 0, 0, 0],
+        ),
+        csv_row(
+            2,
+            "2_left.jpg",
+            "[1, 0, 0, 0, 0, 0, 0, 0]",
+            [1, 0, 0, 0, 0, 0, 0, 0],
+        )
+        .replace(",1,0,0,0,0,0,0,0,", ",1,0,0,0,0,yes,0,0,"),
+    ];
+    write_csv_layout(dir.path(), &rows, &["1_left.jpg", "2_left.jpg"]);
+    let options = OdirOptions {
+        labels: LabelMode::Patient,
+        ..OdirOptions::default()
+    };
+    let e = OdirDataset::open(dir.path(), &options).unwrap_err();
+    match &e {
+        DataError::InvalidLabel {
+            row, column, value, ..
+        } => assert_eq!((*row, column.as_str(), value.as_str()), (3, "H", "yes")),
+        other => panic!("expected InvalidLabel, got {other}"),
+    }
+    assert!(
+        e.to_string().contains("expected 0 or 1, found 'yes'"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unparsable_target_names_the_row_and_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = [
+        csv_row(
+            1,
+            "1_left.jpg",
+            "[1, 0, 0, 0, 0, 0, 0, 0]",
+            [1, 0, 0, 0, 0, 0, 0, 0],
+        ),
+        csv_row(1, "1_right.jpg", "[1, 0, 0]", [1, 0, 0, 0, 0, 0, 0, 0]),
+    ];
+    write_csv_layout(dir.path(), &rows, &["1_left.jpg", "1_right.jpg"]);
+    let e = open(dir.path()).unwrap_err();
+    assert!(
+        matches!(&e, DataError::InvalidTarget { row: 3, value, .. } if value == "[1, 0, 0]"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unparsable_patient_id_is_an_invalid_cell() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = [csv_row(
+        1,
+        "1_left.jpg",
+        "[1, 0, 0, 0, 0, 0, 0, 0]",
+        [1, 0, 0, 0, 0, 0, 0, 0],
+    )
+    .replacen('1', "x1", 1)];
+    write_csv_layout(dir.path(), &rows, &["1_left.jpg"]);
+    let e = open(dir.path()).unwrap_err();
+    assert!(
+        matches!(&e, DataError::InvalidCell { row: 2, column, value, .. } if column == "ID" && value == "x1"),
+        "{e}"
+    );
+}
+
+#[test]
+fn every_missing_image_is_listed() {
+    let dir = tempfile::tempdir().unwrap();
+    let names = valid_csv_layout(dir.path(), 4);
+    for gone in [&names[1], &names[4], &names[7]] {
+        std::fs::remove_file(dir.path().join("preprocessed_images").join(gone)).unwrap();
+    }
+    let e = open(dir.path()).unwrap_err();
+    match &e {
+        DataError::MissingImages { files, .. } => {
+            assert_eq!(files, &["1_right.jpg", "3_left.jpg", "4_right.jpg"]);
+        }
+        other => panic!("expected MissingImages, got {other}"),
+    }
+    let msg = e.to_string();
+    assert!(msg.starts_with("3 image(s) listed in"), "{msg}");
+    assert!(
+        msg.ends_with("1_right.jpg, 3_left.jpg, 4_right.jpg"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn missing_image_folder_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    valid_csv_layout(dir.path(), 1);
+    std::fs::remove_dir_all(dir.path().join("preprocessed_images")).unwrap();
+    let e = open(dir.path()).unwrap_err();
+    assert!(matches!(e, DataError::MissingImageDir { .. }), "{e}");
+}
+
+#[test]
+fn duplicate_file_names_are_listed_with_their_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = "[1, 0, 0, 0, 0, 0, 0, 0]";
+    let p = [1, 0, 0, 0, 0, 0, 0, 0];
+    let rows = [
+        csv_row(1, "1_left.jpg", t, p),
+        csv_row(1, "1_right.jpg", t, p),
+        csv_row(2, "1_left.jpg", t, p),
+        csv_row(3, "3_left.jpg", t, p),
+        csv_row(3, "3_left.jpg", t, p),
+    ];
+    write_csv_layout(
+        dir.path(),
+        &rows,
+        &["1_left.jpg", "1_right.jpg", "3_left.jpg"],
+    );
+    let e = open(dir.path()).unwrap_err();
+    match &e {
+        DataError::DuplicateFiles { duplicates, .. } => assert_eq!(
+            duplicates,
+            &["1_left.jpg (rows 2, 4)", "3_left.jpg (rows 5, 6)"]
+        ),
+        other => panic!("expected DuplicateFiles, got {other}"),
+    }
+}
+
+#[test]
+fn header_without_rows_has_no_samples() {
+    let dir = tempfile::tempdir().unwrap();
+    write_csv_layout(dir.path(), &[], &[]);
+    let e = open(dir.path()).unwrap_err();
+    assert!(matches!(e, DataError::NoSamples { .. }), "{e}");
+}
+
+#[test]
+fn ragged_csv_is_an_annotation_error_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    valid_csv_layout(dir.path(), 1);
+    let path = dir.path().join("full_df.csv");
+    let mut text = std::fs::read_to_string(&path).unwrap();
+    text.push_str("5,only,three\n");
+    std::fs::write(&path, text).unwrap();
+    let e = open(dir.path()).unwrap_err();
+    assert!(matches!(e, DataError::Annotations { .. }), "{e}");
+    assert!(e.to_string().contains("full_df.csv"), "{e}");
+}

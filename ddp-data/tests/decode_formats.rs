@@ -1,0 +1,193 @@
+//! Unusual inputs decode to correct 8-bit RGB; broken ones are errors naming the file.
+
+mod common;
+
+use std::path::Path;
+
+use ddp_data::decode::Decoder;
+use ddp_data::DataError;
+use image::codecs::jpeg::JpegEncoder;
+use image::codecs::png::PngEncoder;
+use image::{ExtendedColorType, ImageEncoder};
+
+fn png(px: &[u8], w: u32, h: u32, colour: ExtendedColorType) -> Vec<u8> {
+    let mut out = Vec::new();
+    PngEncoder::new(&mut out)
+        .write_image(px, w, h, colour)
+        .unwrap();
+    out
+}
+
+fn pixel(px: &[u8], w: u32, x: u32, y: u32) -> [u8; 3] {
+    let i = ((y * w + x) * 3) as usize;
+    [px[i], px[i + 1], px[i + 2]]
+}
+
+fn close(a: [u8; 3], b: [u8; 3], tol: u8) -> bool {
+    a.iter().zip(b).all(|(&x, y)| x.abs_diff(y) <= tol)
+}
+
+#[test]
+fn grayscale_jpeg_becomes_equal_rgb_channels() {
+    let mut bytes = Vec::new();
+    JpegEncoder::new_with_quality(&mut bytes, 100)
+        .encode(&[90u8; 64], 8, 8, ExtendedColorType::L8)
+        .unwrap();
+    let mut d = Decoder::new();
+    let img = d.decode_bytes(&bytes, Path::new("g.jpg")).unwrap();
+    assert_eq!((img.width, img.height), (8, 8));
+    for p in img.pixels.chunks_exact(3) {
+        assert_eq!(p[0], p[1]);
+        assert_eq!(p[1], p[2]);
+        assert!(p[0].abs_diff(90) <= 1, "{p:?}");
+    }
+}
+
+#[test]
+fn grayscale_png_is_exact() {
+    let px: Vec<u8> = (0..12).map(|v| v * 20).collect();
+    let bytes = png(&px, 4, 3, ExtendedColorType::L8);
+    let mut d = Decoder::new();
+    let img = d.decode_bytes(&bytes, Path::new("g.png")).unwrap();
+    assert_eq!((img.width, img.height), (4, 3));
+    let want: Vec<u8> = px.iter().flat_map(|&v| [v, v, v]).collect();
+    assert_eq!(img.pixels, &want[..]);
+}
+
+#[test]
+fn sixteen_bit_png_is_scaled_to_eight_bits() {
+    // Two RGB16 pixels: white and (0x8080, 0, 0x0101).
+    let values: [u16; 6] = [0xFFFF, 0xFFFF, 0xFFFF, 0x8080, 0, 0x0101];
+    let px: Vec<u8> = values.iter().flat_map(|v| v.to_be_bytes()).collect();
+    let bytes = png(&px, 2, 1, ExtendedColorType::Rgb16);
+    let mut d = Decoder::new();
+    let img = d.decode_bytes(&bytes, Path::new("deep.png")).unwrap();
+    assert_eq!(img.pixels, &[255, 255, 255, 128, 0, 1]);
+}
+
+#[test]
+fn rgba_png_drops_alpha() {
+    let bytes = png(
+        &[10, 20, 30, 0, 40, 50, 60, 255],
+        2,
+        1,
+        ExtendedColorType::Rgba8,
+    );
+    let mut d = Decoder::new();
+    let img = d.decode_bytes(&bytes, Path::new("a.png")).unwrap();
+    assert_eq!(img.pixels, &[10, 20, 30, 40, 50, 60]);
+}
+
+/// A 16x8 CMYK JPEG (Adobe, as Pillow writes it): left half red, right half blue.
+#[test]
+fn cmyk_jpeg_converts_to_rgb() {
+    let bytes = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/cmyk.jpg"
+    ))
+    .unwrap();
+    let mut d = Decoder::new();
+    let img = d.decode_bytes(&bytes, Path::new("cmyk.jpg")).unwrap();
+    assert_eq!((img.width, img.height), (16, 8));
+    // Pillow decodes these pixels to (255, 0, 0) and (0, 0, 255).
+    assert!(
+        close(pixel(img.pixels, 16, 2, 4), [255, 0, 0], 12),
+        "{:?}",
+        pixel(img.pixels, 16, 2, 4)
+    );
+    assert!(
+        close(pixel(img.pixels, 16, 13, 4), [0, 0, 255], 12),
+        "{:?}",
+        pixel(img.pixels, 16, 13, 4)
+    );
+}
+
+/// Inserts an EXIF APP1 segment with the given orientation right after the SOI marker.
+fn with_exif_orientation(jpeg: &[u8], orientation: u8) -> Vec<u8> {
+    let tiff: Vec<u8> = [
+        &b"II\x2a\x00\x08\x00\x00\x00"[..],
+        &[1, 0],                                               // one IFD entry
+        &[0x12, 0x01, 3, 0, 1, 0, 0, 0, orientation, 0, 0, 0], // Orientation, SHORT, 1
+        &[0, 0, 0, 0],                                         // no next IFD
+    ]
+    .concat();
+    let payload = [&b"Exif\0\0"[..], &tiff].concat();
+    let len = (payload.len() + 2) as u16;
+    [
+        &jpeg[..2],
+        &[0xFF, 0xE1],
+        &len.to_be_bytes(),
+        &payload,
+        &jpeg[2..],
+    ]
+    .concat()
+}
+
+#[test]
+fn exif_rotated_jpeg_is_turned_upright() {
+    // 32 x 16: left half red, right half blue. Orientation 6 = rotate 90 degrees clockwise to
+    // display, so the upright image is 16 x 32 with red on top and blue below.
+    let mut px = Vec::new();
+    for _y in 0..16 {
+        for x in 0..32 {
+            px.extend(if x < 16 { [230, 20, 20] } else { [20, 20, 230] });
+        }
+    }
+    let bytes = with_exif_orientation(&common::encode_jpeg(&px, 32, 16), 6);
+    let mut d = Decoder::new();
+    let img = d.decode_bytes(&bytes, Path::new("rot.jpg")).unwrap();
+    assert_eq!((img.width, img.height), (16, 32));
+    assert!(close(pixel(img.pixels, 16, 8, 6), [230, 20, 20], 20));
+    assert!(close(pixel(img.pixels, 16, 8, 26), [20, 20, 230], 20));
+    // Orientation 3 (180 degrees) keeps the size and swaps the halves.
+    let bytes = with_exif_orientation(&common::encode_jpeg(&px, 32, 16), 3);
+    let img = d.decode_bytes(&bytes, Path::new("rot.jpg")).unwrap();
+    assert_eq!((img.width, img.height), (32, 16));
+    assert!(close(pixel(img.pixels, 32, 4, 8), [20, 20, 230], 20));
+}
+
+#[test]
+fn truncated_jpeg_is_an_error_naming_the_file() {
+    let bytes = common::gradient_jpeg(64, 64);
+    let cut = &bytes[..bytes.len() * 2 / 3];
+    let mut d = Decoder::new();
+    let e = d.decode_bytes(cut, Path::new("imgs/cut.jpg")).unwrap_err();
+    assert!(matches!(e, DataError::DecodeImage { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.starts_with("image 'imgs/cut.jpg' cannot be decoded: truncated JPEG"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn corrupt_jpeg_and_png_are_errors_naming_the_file() {
+    let mut d = Decoder::new();
+    let garbage = [
+        &[0xFF, 0xD8, 0xFF, 0xDB, 0x00, 0x03][..],
+        &[0x55; 200],
+        &[0xFF, 0xD9],
+    ]
+    .concat();
+    let e = d.decode_bytes(&garbage, Path::new("bad.jpg")).unwrap_err();
+    assert!(
+        matches!(e, DataError::DecodeImage { .. }) && e.to_string().contains("bad.jpg"),
+        "{e}"
+    );
+    let good = png(&[1, 2, 3, 4, 5, 6], 2, 1, ExtendedColorType::Rgb8);
+    let e = d
+        .decode_bytes(&good[..good.len() - 20], Path::new("bad.png"))
+        .unwrap_err();
+    assert!(
+        matches!(e, DataError::DecodeImage { .. }) && e.to_string().contains("bad.png"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unreadable_file_is_a_read_error() {
+    let mut d = Decoder::new();
+    let e = d.decode_file(Path::new("/nonexistent/x.jpg")).unwrap_err();
+    assert!(matches!(e, DataError::ReadImage { .. }), "{e}");
+    assert!(e.to_string().contains("/nonexistent/x.jpg"));
+}

@@ -1,0 +1,266 @@
+//! Both ODIR layouts load, with the right labels, and splits keep patients together.
+
+mod common;
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use ddp_data::{
+    all_indices, split_by_patient, DataError, LabelMode, LabelSource, Layout, OdirDataset,
+    OdirOptions,
+};
+use rust_xlsxwriter::Workbook;
+
+/// Writes a challenge workbook with one row per patient: (id, left, right, labels N..O).
+fn write_xlsx(path: &Path, rows: &[(u64, &str, &str, [u8; 8])]) {
+    let mut wb = Workbook::new();
+    let ws = wb.add_worksheet();
+    let headers = [
+        "ID",
+        "Patient Age",
+        "Patient Sex",
+        "Left-Fundus",
+        "Right-Fundus",
+        "Left-Diagnostic Keywords",
+        "Right-Diagnostic Keywords",
+        "N",
+        "D",
+        "G",
+        "C",
+        "A",
+        "H",
+        "M",
+        "O",
+    ];
+    for (c, h) in headers.iter().enumerate() {
+        ws.write_string(0, c as u16, *h).unwrap();
+    }
+    for (r, (id, left, right, labels)) in rows.iter().enumerate() {
+        let r = r as u32 + 1;
+        ws.write_number(r, 0, *id as f64).unwrap();
+        ws.write_number(r, 1, 57).unwrap();
+        ws.write_string(r, 2, "Male").unwrap();
+        ws.write_string(r, 3, *left).unwrap();
+        ws.write_string(r, 4, *right).unwrap();
+        ws.write_string(r, 5, "normal fundus").unwrap();
+        ws.write_string(r, 6, "normal fundus").unwrap();
+        for (k, &l) in labels.iter().enumerate() {
+            ws.write_number(r, 7 + k as u16, l).unwrap();
+        }
+    }
+    wb.save(path).unwrap();
+}
+
+fn write_xlsx_images(dir: &Path, names: &[&str]) {
+    std::fs::create_dir_all(dir).unwrap();
+    for n in names {
+        std::fs::write(dir.join(n), common::jpeg_bytes(20, 20, [200, 90, 40])).unwrap();
+    }
+}
+
+#[test]
+fn redistribution_layout_loads_per_eye_labels_by_default() {
+    let dir = tempfile::tempdir().unwrap();
+    common::valid_csv_layout(dir.path(), 3);
+    let ds = OdirDataset::open(dir.path(), &OdirOptions::default()).unwrap();
+    assert_eq!(ds.layout(), Layout::Redistribution);
+    assert_eq!(ds.label_source(), LabelSource::PerEye);
+    assert_eq!(ds.len(), 6);
+    assert_eq!(ds.patient_count(), 3);
+    let s = ds.sample(1).unwrap();
+    assert_eq!(s.patient_id, 1);
+    assert_eq!(s.path, dir.path().join("preprocessed_images/1_right.jpg"));
+    assert_eq!(s.labels, [0., 1., 0., 0., 0., 0., 0., 0.]);
+    assert_eq!(
+        ds.sample(0).unwrap().labels,
+        [1., 0., 0., 0., 0., 0., 0., 0.]
+    );
+    assert_eq!(ds.label_counts(), [3, 3, 0, 0, 0, 0, 0, 0]);
+    assert!(matches!(
+        ds.sample(6),
+        Err(DataError::IndexOutOfRange { index: 6, len: 6 })
+    ));
+}
+
+#[test]
+fn redistribution_layout_patient_labels_on_request() {
+    let dir = tempfile::tempdir().unwrap();
+    common::valid_csv_layout(dir.path(), 2);
+    let options = OdirOptions {
+        labels: LabelMode::Patient,
+        ..OdirOptions::default()
+    };
+    let ds = OdirDataset::open(dir.path(), &options).unwrap();
+    assert_eq!(ds.label_source(), LabelSource::Patient);
+    for s in ds.samples() {
+        assert_eq!(s.labels, [0., 1., 0., 0., 0., 0., 0., 0.]);
+    }
+}
+
+#[test]
+fn original_images_folder_is_used_when_there_is_no_preprocessed_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    common::valid_csv_layout(dir.path(), 1);
+    let originals = dir.path().join("ODIR-5K/Training Images");
+    std::fs::rename(dir.path().join("preprocessed_images"), &originals).unwrap_or_else(|_| {
+        std::fs::create_dir_all(dir.path().join("ODIR-5K")).unwrap();
+        std::fs::rename(dir.path().join("preprocessed_images"), &originals).unwrap();
+    });
+    let ds = OdirDataset::open(dir.path(), &OdirOptions::default()).unwrap();
+    assert_eq!(ds.image_dir(), originals);
+}
+
+#[test]
+fn challenge_workbook_gives_two_samples_per_patient() {
+    let dir = tempfile::tempdir().unwrap();
+    write_xlsx(
+        &dir.path().join("data.xlsx"),
+        &[
+            (0, "0_left.jpg", "0_right.jpg", [0, 0, 0, 1, 0, 0, 0, 0]),
+            (1, "1_left.jpg", "1_right.jpg", [1, 0, 0, 0, 0, 0, 0, 0]),
+            (4, "4_left.jpg", "4_right.jpg", [0, 1, 0, 0, 0, 1, 0, 1]),
+        ],
+    );
+    write_xlsx_images(
+        &dir.path().join("Training Images"),
+        &[
+            "0_left.jpg",
+            "0_right.jpg",
+            "1_left.jpg",
+            "1_right.jpg",
+            "4_left.jpg",
+            "4_right.jpg",
+        ],
+    );
+    let ds = OdirDataset::open(dir.path(), &OdirOptions::default()).unwrap();
+    assert_eq!(ds.layout(), Layout::Challenge);
+    assert_eq!(ds.label_source(), LabelSource::Patient);
+    assert_eq!(ds.len(), 6);
+    let ids: Vec<u64> = ds.samples().iter().map(|s| s.patient_id).collect();
+    assert_eq!(ids, [0, 0, 1, 1, 4, 4]);
+    assert_eq!(
+        ds.sample(4).unwrap().labels,
+        [0., 1., 0., 0., 0., 1., 0., 1.]
+    );
+    assert_eq!(
+        ds.sample(5).unwrap().labels,
+        [0., 1., 0., 0., 0., 1., 0., 1.]
+    );
+    assert!(ds
+        .sample(5)
+        .unwrap()
+        .path
+        .ends_with("Training Images/4_right.jpg"));
+    // The challenge's own workbook name under ODIR-5K/ works too.
+    let dir2 = tempfile::tempdir().unwrap();
+    write_xlsx(
+        &dir2
+            .path()
+            .join("ODIR-5K_Training_Annotations(Updated)_V2.xlsx"),
+        &[(9, "9_left.jpg", "9_right.jpg", [1, 0, 0, 0, 0, 0, 0, 0])],
+    );
+    write_xlsx_images(
+        &dir2.path().join("ODIR-5K/Training Images"),
+        &["9_left.jpg", "9_right.jpg"],
+    );
+    let ds2 = OdirDataset::open(dir2.path(), &OdirOptions::default()).unwrap();
+    assert_eq!(ds2.len(), 2);
+}
+
+#[test]
+fn challenge_workbook_has_no_per_eye_labels() {
+    let dir = tempfile::tempdir().unwrap();
+    write_xlsx(
+        &dir.path().join("data.xlsx"),
+        &[(0, "0_left.jpg", "0_right.jpg", [1, 0, 0, 0, 0, 0, 0, 0])],
+    );
+    write_xlsx_images(
+        &dir.path().join("Training Images"),
+        &["0_left.jpg", "0_right.jpg"],
+    );
+    let options = OdirOptions {
+        labels: LabelMode::PerEye,
+        ..OdirOptions::default()
+    };
+    let e = OdirDataset::open(dir.path(), &options).unwrap_err();
+    assert!(
+        matches!(&e, DataError::MissingColumn { column, .. } if column == "target"),
+        "{e}"
+    );
+}
+
+#[test]
+fn challenge_workbook_rejects_a_label_that_is_not_binary() {
+    let dir = tempfile::tempdir().unwrap();
+    write_xlsx(
+        &dir.path().join("data.xlsx"),
+        &[
+            (0, "0_left.jpg", "0_right.jpg", [1, 0, 0, 0, 0, 0, 0, 0]),
+            (1, "1_left.jpg", "1_right.jpg", [0, 0, 3, 0, 0, 0, 0, 0]),
+        ],
+    );
+    write_xlsx_images(&dir.path().join("Training Images"), &["0_left.jpg"]);
+    let e = OdirDataset::open(dir.path(), &OdirOptions::default()).unwrap_err();
+    match e {
+        DataError::InvalidLabel {
+            row, column, value, ..
+        } => {
+            assert_eq!((row, column.as_str(), value.as_str()), (3, "G", "3"));
+        }
+        other => panic!("expected InvalidLabel, got {other}"),
+    }
+}
+
+#[test]
+fn split_keeps_both_eyes_of_a_patient_together_and_is_deterministic() {
+    let dir = tempfile::tempdir().unwrap();
+    common::valid_csv_layout(dir.path(), 40);
+    let ds = OdirDataset::open(dir.path(), &OdirOptions::default()).unwrap();
+    let split = split_by_patient(&ds, 0.25, 11).unwrap();
+    assert_eq!(split, split_by_patient(&ds, 0.25, 11).unwrap());
+    assert_ne!(split, split_by_patient(&ds, 0.25, 12).unwrap());
+    assert_eq!(split.val.len(), 20, "10 of 40 patients, 2 eyes each");
+    assert_eq!(split.train.len() + split.val.len(), 80);
+    let patients = |idx: &[usize]| -> HashSet<u64> {
+        idx.iter()
+            .map(|&i| ds.sample(i).unwrap().patient_id)
+            .collect()
+    };
+    let (pt, pv) = (patients(&split.train), patients(&split.val));
+    assert!(pt.is_disjoint(&pv));
+    assert_eq!(pt.len() + pv.len(), 40);
+    assert!(split.train.windows(2).all(|w| w[0] < w[1]));
+    assert_eq!(all_indices(&ds).unwrap(), (0..80).collect::<Vec<_>>());
+}
+
+#[test]
+fn empty_split_is_an_error_naming_the_side() {
+    let dir = tempfile::tempdir().unwrap();
+    common::valid_csv_layout(dir.path(), 3);
+    let ds = OdirDataset::open(dir.path(), &OdirOptions::default()).unwrap();
+    // round(0.1 * 3) = 0 validation patients.
+    let e = split_by_patient(&ds, 0.1, 0).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            DataError::EmptySplit {
+                side: "validation",
+                patients: 3,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // round(0.9 * 3) = 3: nothing left to train on.
+    let e = split_by_patient(&ds, 0.9, 0).unwrap_err();
+    assert!(
+        matches!(e, DataError::EmptySplit { side: "train", .. }),
+        "{e}"
+    );
+    for bad in [0.0, 1.0, -0.5, f64::NAN] {
+        assert!(matches!(
+            split_by_patient(&ds, bad, 0),
+            Err(DataError::InvalidParameter { .. })
+        ));
+    }
+}

@@ -1,0 +1,281 @@
+//! The batch loader: index order, drop_last, determinism across worker counts, bounded
+//! prefetch, prompt shutdown, and worker errors that name the file.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ddp_data::rng::SampleRng;
+use ddp_data::synthetic::{generate, SyntheticConfig};
+use ddp_data::{
+    DataError, HostBatch, HostLoader, LoaderConfig, OdirDataset, OdirOptions, Pipeline, Transform,
+};
+
+fn synthetic(dir: &Path, images: usize) -> Arc<OdirDataset> {
+    let config = SyntheticConfig {
+        images,
+        size: 64,
+        seed: 3,
+        quality: 90,
+    };
+    generate(dir, &config).unwrap();
+    Arc::new(OdirDataset::open(dir, &OdirOptions::default()).unwrap())
+}
+
+fn collect(
+    ds: &Arc<OdirDataset>,
+    indices: Vec<usize>,
+    transform: Transform,
+    config: &LoaderConfig,
+) -> Vec<HostBatch> {
+    HostLoader::new(ds.clone(), indices, transform, config)
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap()
+}
+
+#[test]
+fn batches_follow_the_index_list_and_drop_last() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 10);
+    let indices = vec![5, 3, 9, 1, 7];
+    let config = LoaderConfig {
+        workers: 3,
+        ..LoaderConfig::new(2)
+    };
+    let batches = collect(&ds, indices.clone(), Transform::train(16), &config);
+    let got: Vec<Vec<usize>> = batches.iter().map(|b| b.indices.clone()).collect();
+    assert_eq!(got, vec![vec![5, 3], vec![9, 1], vec![7]]);
+    for b in &batches {
+        assert_eq!(b.images.len(), b.len() * 3 * 16 * 16);
+        for (k, &i) in b.indices.iter().enumerate() {
+            assert_eq!(&b.labels[k * 8..(k + 1) * 8], &ds.sample(i).unwrap().labels);
+        }
+    }
+    let dropping = LoaderConfig {
+        drop_last: true,
+        ..config
+    };
+    let loader =
+        HostLoader::new(ds.clone(), indices.clone(), Transform::train(16), &dropping).unwrap();
+    assert_eq!(loader.len(), 2);
+    let got: Vec<Vec<usize>> = loader.map(|b| b.unwrap().indices).collect();
+    assert_eq!(got, vec![vec![5, 3], vec![9, 1]]);
+}
+
+/// The same epoch gives bit-identical tensors with 1 worker and with 4 workers (and any
+/// prefetch depth), because each sample's draws depend only on (seed, epoch, index).
+#[test]
+fn one_worker_and_four_workers_give_identical_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 24);
+    let indices: Vec<usize> = (0..24).rev().chain([3, 3, 7]).collect();
+    let transform = Transform::train(32).with_hflip(true);
+    let base = LoaderConfig {
+        seed: 1234,
+        epoch: 5,
+        ..LoaderConfig::new(4)
+    };
+    let one = collect(
+        &ds,
+        indices.clone(),
+        transform,
+        &LoaderConfig {
+            workers: 1,
+            prefetch: 1,
+            ..base.clone()
+        },
+    );
+    let four = collect(
+        &ds,
+        indices.clone(),
+        transform,
+        &LoaderConfig {
+            workers: 4,
+            prefetch: 3,
+            ..base.clone()
+        },
+    );
+    assert_eq!(one.len(), 7);
+    assert_eq!(one, four, "pixels differ between 1 and 4 workers");
+    // Repeated indices in one epoch get the same draws (the stream is per index).
+    let last = &one[6];
+    assert_eq!(last.indices, [3, 3, 7]);
+    assert_eq!(last.image(0), last.image(1));
+    assert_eq!(one[5].indices[0], 3);
+    assert_eq!(
+        last.image(0),
+        one[5].image(0),
+        "index 3 appears at positions 20, 24 and 25"
+    );
+
+    // Another epoch draws other crops.
+    let other = collect(&ds, indices, transform, &LoaderConfig { epoch: 6, ..base });
+    assert_ne!(one[0].images, other[0].images);
+}
+
+/// Each sample in a batch is exactly what the pipeline makes from (seed, epoch, index).
+#[test]
+fn batch_pixels_equal_the_single_sample_pipeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 6);
+    let transform = Transform::train(24).with_hflip(true);
+    let config = LoaderConfig {
+        seed: 9,
+        epoch: 2,
+        workers: 2,
+        ..LoaderConfig::new(3)
+    };
+    let batches = collect(&ds, vec![4, 0, 2, 5, 1, 3], transform, &config);
+    let mut pipeline = Pipeline::new();
+    let mut out = vec![0f32; transform.sample_len()];
+    for b in &batches {
+        for (k, &i) in b.indices.iter().enumerate() {
+            let mut rng = SampleRng::new(9, 2, i as u64);
+            pipeline
+                .run(&transform, &ds.sample(i).unwrap().path, &mut rng, &mut out)
+                .unwrap();
+            assert_eq!(b.image(k), &out[..]);
+            assert!(out.iter().all(|v| (0.0..=1.0).contains(v)));
+        }
+    }
+}
+
+#[test]
+fn eval_transform_is_the_same_every_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 4);
+    let t = Transform::eval(40, 32).unwrap();
+    let a = collect(
+        &ds,
+        vec![0, 1, 2, 3],
+        t,
+        &LoaderConfig {
+            epoch: 0,
+            ..LoaderConfig::new(4)
+        },
+    );
+    let b = collect(
+        &ds,
+        vec![0, 1, 2, 3],
+        t,
+        &LoaderConfig {
+            epoch: 9,
+            ..LoaderConfig::new(4)
+        },
+    );
+    assert_eq!(a, b);
+}
+
+#[test]
+fn a_corrupt_image_surfaces_as_an_error_naming_the_file_and_ends_the_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 8);
+    let victim = ds.sample(5).unwrap().path.clone();
+    let bytes = std::fs::read(&victim).unwrap();
+    std::fs::write(&victim, &bytes[..bytes.len() / 2]).unwrap();
+    let config = LoaderConfig {
+        workers: 2,
+        ..LoaderConfig::new(2)
+    };
+    let mut loader =
+        HostLoader::new(ds.clone(), (0..8).collect(), Transform::train(16), &config).unwrap();
+    assert!(loader.next().unwrap().is_ok());
+    assert!(loader.next().unwrap().is_ok());
+    let e = loader.next().unwrap().unwrap_err();
+    assert!(
+        matches!(e, DataError::DecodeImage { ref path, .. } if *path == victim),
+        "{e}"
+    );
+    assert!(e.to_string().contains("2_right.jpg"), "{e}");
+    assert!(loader.next().is_none());
+}
+
+#[test]
+fn skip_corrupt_leaves_out_and_reports_every_bad_image() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 8);
+    let bad: Vec<_> = [1, 6]
+        .iter()
+        .map(|&i| ds.sample(i).unwrap().path.clone())
+        .collect();
+    std::fs::write(&bad[0], b"not an image at all").unwrap();
+    let bytes = std::fs::read(&bad[1]).unwrap();
+    std::fs::write(&bad[1], &bytes[..bytes.len() - 100]).unwrap();
+    let options = OdirOptions {
+        skip_corrupt: true,
+        ..OdirOptions::default()
+    };
+    let ds = OdirDataset::open(dir.path(), &options).unwrap();
+    assert_eq!(ds.len(), 6);
+    let skipped: Vec<_> = ds.skipped().iter().map(|s| s.path.clone()).collect();
+    assert_eq!(skipped, bad);
+    assert!(
+        ds.skipped()[1].reason.contains("truncated"),
+        "{}",
+        ds.skipped()[1].reason
+    );
+    assert!(ds.samples().iter().all(|s| !bad.contains(&s.path)));
+    // Without the option the same folder opens with all 8 (the error comes when loading).
+    assert_eq!(
+        OdirDataset::open(dir.path(), &OdirOptions::default())
+            .unwrap()
+            .len(),
+        8
+    );
+}
+
+/// Workers never run more than `prefetch` batches ahead of the consumer, and dropping the
+/// loader mid-epoch returns (joins every worker) instead of finishing the epoch.
+#[test]
+fn prefetch_is_bounded_and_drop_stops_the_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 8);
+    let indices: Vec<usize> = (0..2000).map(|i| i % 8).collect();
+    let config = LoaderConfig {
+        workers: 2,
+        prefetch: 2,
+        ..LoaderConfig::new(4)
+    };
+    let mut loader = HostLoader::new(ds, indices, Transform::train(16), &config).unwrap();
+    assert_eq!(loader.len(), 500);
+    loader.next().unwrap().unwrap();
+    // Give unbounded workers time to run ahead, then check they did not.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let finished = loader.samples_finished();
+    assert!(
+        finished <= (1 + 2) * 4,
+        "{finished} samples decoded, window allows 12"
+    );
+    assert!(finished >= 4);
+    drop(loader);
+}
+
+#[test]
+fn invalid_loader_arguments_are_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 2);
+    let e = HostLoader::new(
+        ds.clone(),
+        vec![0, 2],
+        Transform::train(8),
+        &LoaderConfig::new(1),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, DataError::IndexOutOfRange { index: 2, len: 2 }),
+        "{e}"
+    );
+    let e = HostLoader::new(
+        ds.clone(),
+        vec![0],
+        Transform::train(8),
+        &LoaderConfig::new(0),
+    )
+    .unwrap_err();
+    assert!(matches!(e, DataError::InvalidParameter { .. }), "{e}");
+    let empty = HostLoader::new(ds, vec![], Transform::train(8), &LoaderConfig::new(4)).unwrap();
+    assert!(empty.is_empty());
+    assert_eq!(empty.count(), 0);
+}
