@@ -17,7 +17,7 @@
 //! let mut sampler = DistributedSampler::builder(10, 4, 1).seed(42).build()?;
 //! sampler.set_epoch(3);
 //! assert_eq!(sampler.len(), 3); // ceil(10 / 4), padded by repeating samples
-//! assert_eq!(sampler.indices(), [5, 0, 4]);
+//! assert_eq!(sampler.indices(), [3, 9, 2]);
 //! assert_eq!(sampler.iter_from(1)?.collect::<Vec<_>>(), sampler.indices()[1..]);
 //!
 //! // Evaluation: no padding, every index on exactly one rank.
@@ -67,17 +67,19 @@
 //! 2. **Key and stream.** The key is `s` as 8 little-endian bytes followed by 24 zero bytes;
 //!    the nonce ("stream", `set_stream`) is `e`. So `(s, e)` pairs never share a keystream,
 //!    unlike PyTorch's `seed + epoch`, where seed 0 / epoch 1 equals seed 1 / epoch 0.
-//! 3. **Draws.** Each draw `x` is the next 8 bytes of keystream read as a little-endian
-//!    `u64` (`ChaCha8Rng::next_u64`).
+//! 3. **Words.** The keystream is read as consecutive little-endian `u32` words. A 32-bit
+//!    draw takes the next word (`ChaCha8Rng::next_u32`); a 64-bit draw takes the next two,
+//!    the first as the low half (`ChaCha8Rng::next_u64`).
 //! 4. **Unbiased bounded integer** `below(b)` for `b >= 1`, Lemire's nearly divisionless
-//!    method: draw `x`; let `m = x * b` as a 128-bit product and `l = m mod 2^64`. If
-//!    `l < b`, let `t = (2^64 - b) mod b` and, while `l < t`, draw a new `x` and recompute
-//!    `m` and `l`. The result is `floor(m / 2^64)`.
+//!    method with `w = 32` bits if `b < 2^32`, else `w = 64`: take a `w`-bit draw `x`; let
+//!    `m = x * b` (a `2w`-bit product) and `l = m mod 2^w`. If `l < b`, let
+//!    `t = (2^w - b) mod b` and, while `l < t`, take a new `w`-bit draw and recompute `m` and
+//!    `l`. The result is `floor(m / 2^w)`.
 //! 5. **Shuffle.** Start from `a = [0, 1, ..., N - 1]`. For `i` from `N - 1` down to `1`:
 //!    `j = below(i + 1)`, swap `a[i]` and `a[j]`. The result is `a`. (`N <= 1` draws nothing.)
 //!
 //! For example, `permutation(20, 0, 0)` is
-//! `[13, 14, 5, 9, 8, 10, 2, 15, 18, 6, 7, 12, 3, 0, 19, 17, 1, 4, 11, 16]`; the
+//! `[13, 17, 14, 6, 18, 9, 8, 11, 0, 4, 2, 5, 1, 7, 19, 12, 10, 16, 15, 3]`; the
 //! crate's tests pin this and other cases, and check the steps above against an independent
 //! implementation of them.
 //!

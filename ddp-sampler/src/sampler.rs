@@ -434,7 +434,7 @@ mod tests {
 
     #[test]
     fn exact_shards_of_a_shuffled_order() {
-        // permutation(7, 9, 2) = [3, 5, 0, 1, 4, 2, 6]
+        // permutation(7, 9, 2) = [0, 2, 3, 1, 4, 5, 6]
         let shards: Vec<Vec<usize>> = (0..3)
             .map(|rank| {
                 let mut s = exact(7, 3, rank);
@@ -442,7 +442,7 @@ mod tests {
                 s.indices()
             })
             .collect();
-        assert_eq!(shards, [vec![3, 1, 6], vec![5, 4], vec![0, 2]]);
+        assert_eq!(shards, [vec![0, 1, 6], vec![2, 4], vec![3, 5]]);
         let s = exact(7, 3, 0);
         let lens: Vec<Option<usize>> = (0..4).map(|r| s.len_of_rank(r)).collect();
         assert_eq!(lens, [Some(3), Some(2), Some(2), None]);
@@ -456,8 +456,8 @@ mod tests {
             .expect("valid");
         s.set_epoch(2);
         assert_eq!(s.epoch(), 2);
-        // Padded: positions 2, 5, 8 % 7 = 1 of [3, 5, 0, 1, 4, 2, 6].
-        assert_eq!(s.indices(), [0, 2, 5]);
+        // Padded: positions 2, 5, 8 % 7 = 1 of [0, 2, 3, 1, 4, 5, 6].
+        assert_eq!(s.indices(), [3, 5, 2]);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The shuffled order, pinned: literal permutations for a few (seed, epoch), and an
 //! independent implementation of the algorithm exactly as the crate documentation writes it
-//! (ChaCha8 block function, little-endian u64 draws, Lemire's method, Fisher–Yates from the
-//! end), which must agree with `ddp_sampler::permutation` bit for bit.
+//! (ChaCha8 block function, little-endian 32- and 64-bit draws, Lemire's method, Fisher–Yates
+//! from the end), which must agree with `ddp_sampler::permutation` bit for bit.
 
 use ddp_sampler::permutation;
 
@@ -39,7 +39,8 @@ fn chacha8_block(key: &[u32; 8], counter: u64, nonce: u64) -> [u32; 16] {
     std::array::from_fn(|i| x[i].wrapping_add(input[i]))
 }
 
-/// The documented 64-bit draws for (seed, epoch).
+/// The documented draws for (seed, epoch): keystream words, one per 32-bit draw, two (low
+/// first) per 64-bit draw.
 struct Draws {
     key: [u32; 8],
     nonce: u64,
@@ -62,27 +63,38 @@ impl Draws {
         }
     }
 
-    fn next(&mut self) -> u64 {
+    fn word(&mut self) -> u32 {
         if self.used == 16 {
             self.block = chacha8_block(&self.key, self.counter, self.nonce);
             self.counter += 1;
             self.used = 0;
         }
-        let low = u64::from(self.block[self.used]);
-        let high = u64::from(self.block[self.used + 1]);
-        self.used += 2;
-        low | (high << 32)
+        self.used += 1;
+        self.block[self.used - 1]
     }
 
+    /// A `bits`-bit draw (32 or 64).
+    fn draw(&mut self, bits: u32) -> u128 {
+        let low = u128::from(self.word());
+        if bits == 32 {
+            low
+        } else {
+            low | (u128::from(self.word()) << 32)
+        }
+    }
+
+    /// Lemire's method, written with 128-bit arithmetic for both widths.
     fn below(&mut self, bound: u64) -> u64 {
-        let mut m = u128::from(self.next()) * u128::from(bound);
-        if (m as u64) < bound {
-            let t = (u64::MAX - bound + 1) % bound;
-            while (m as u64) < t {
-                m = u128::from(self.next()) * u128::from(bound);
+        let bits = if bound < 1 << 32 { 32 } else { 64 };
+        let (b, modulus) = (u128::from(bound), 1u128 << bits);
+        let mut m = self.draw(bits) * b;
+        if m % modulus < b {
+            let t = (modulus - b) % b;
+            while m % modulus < t {
+                m = self.draw(bits) * b;
             }
         }
-        (m >> 64) as u64
+        (m >> bits) as u64
     }
 }
 
@@ -113,71 +125,51 @@ fn chacha8_block_matches_the_published_zero_key_vector() {
 
 #[test]
 fn pinned_permutations_of_twenty() {
-    let cases: [(u64, u64, [usize; 20]); 4] = [
-        (
-            0,
-            0,
-            [
-                13, 14, 5, 9, 8, 10, 2, 15, 18, 6, 7, 12, 3, 0, 19, 17, 1, 4, 11, 16,
-            ],
-        ),
-        (
-            0,
-            1,
-            [
-                9, 3, 7, 12, 13, 5, 1, 18, 2, 14, 11, 8, 0, 6, 17, 16, 10, 4, 19, 15,
-            ],
-        ),
-        (
-            1,
-            0,
-            [
-                19, 6, 0, 11, 3, 9, 12, 17, 1, 8, 18, 4, 16, 10, 2, 13, 15, 14, 5, 7,
-            ],
-        ),
-        (
-            42,
-            3,
-            [
-                10, 11, 4, 17, 2, 18, 14, 0, 7, 19, 3, 5, 8, 13, 6, 1, 16, 15, 12, 9,
-            ],
-        ),
+    let p = |seed, epoch| permutation(20, seed, epoch);
+    let e00 = [
+        13, 17, 14, 6, 18, 9, 8, 11, 0, 4, 2, 5, 1, 7, 19, 12, 10, 16, 15, 3,
     ];
-    for (seed, epoch, expected) in cases {
-        assert_eq!(
-            permutation(20, seed, epoch),
-            expected,
-            "seed {seed} epoch {epoch}"
-        );
-    }
+    let e01 = [
+        5, 16, 17, 10, 0, 11, 18, 1, 2, 9, 6, 4, 7, 15, 3, 12, 13, 8, 19, 14,
+    ];
+    let e10 = [
+        18, 0, 4, 15, 3, 8, 17, 10, 1, 2, 9, 13, 14, 19, 11, 6, 5, 16, 7, 12,
+    ];
+    let e42_3 = [
+        7, 2, 10, 19, 18, 0, 16, 14, 3, 15, 1, 9, 12, 17, 13, 6, 11, 4, 8, 5,
+    ];
+    assert_eq!(p(0, 0), e00, "seed 0 epoch 0");
+    assert_eq!(p(0, 1), e01, "seed 0 epoch 1");
+    assert_eq!(p(1, 0), e10, "seed 1 epoch 0");
+    assert_eq!(p(42, 3), e42_3, "seed 42 epoch 3");
 }
 
 #[test]
 fn pinned_permutations_use_all_key_and_nonce_bits() {
     assert_eq!(
         permutation(12, 0xDEAD_BEEF_CAFE_F00D, (1 << 40) + 5),
-        [3, 0, 1, 2, 10, 11, 7, 6, 5, 8, 9, 4]
+        [4, 1, 6, 0, 10, 2, 9, 11, 8, 5, 3, 7]
     );
     assert_eq!(
         permutation(12, u64::MAX, u64::MAX),
-        [10, 5, 3, 1, 8, 4, 9, 7, 6, 0, 2, 11]
+        [11, 1, 8, 5, 3, 9, 0, 7, 2, 6, 10, 4]
     );
 }
 
 #[test]
 fn pinned_permutation_of_a_thousand() {
     let p = permutation(1000, 7, 11);
-    assert_eq!(p[..8], [140, 116, 537, 598, 642, 247, 965, 366]);
-    assert_eq!(p[992..], [186, 514, 588, 218, 148, 275, 376, 421]);
+    assert_eq!(p[..8], [128, 687, 277, 195, 261, 936, 942, 107]);
+    assert_eq!(p[992..], [148, 992, 274, 255, 375, 405, 421, 285]);
     let weighted: usize = p.iter().enumerate().map(|(i, v)| i * v).sum();
-    assert_eq!(weighted, 247_791_007);
+    assert_eq!(weighted, 246_044_676);
 }
 
 #[test]
 fn documented_algorithm_reproduces_the_crate_bit_for_bit() {
     let seeds = [0, 1, 42, 0x0123_4567_89ab_cdef, u64::MAX];
     let epochs = [0, 1, 2, 1 << 32, u64::MAX];
-    for len in [0, 1, 2, 3, 31, 32, 33, 1000, 4097] {
+    for len in [0, 1, 2, 3, 31, 32, 33, 64, 65, 66, 1000, 4097] {
         for seed in seeds {
             for epoch in epochs {
                 assert_eq!(
