@@ -72,6 +72,9 @@ impl Default for DdpOptions {
     }
 }
 
+/// Tensors with their names.
+type Named = Vec<(String, Tensor)>;
+
 /// One flat buffer and the tensors it carries: (index into the owner's list, offset, numel).
 #[derive(Debug)]
 struct Bucket {
@@ -194,7 +197,7 @@ impl DistributedDataParallel {
 }
 
 /// Splits the store into (trainable parameters, buffers), each in DDP order.
-fn split_named(vs: &VarStore) -> (Vec<(String, Tensor)>, Vec<(String, Tensor)>) {
+fn split_named(vs: &VarStore) -> (Named, Named) {
     let mut all: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     all.sort_by(|a, b| natural_cmp(&a.0, &b.0));
     all.into_iter().partition(|(_, t)| t.requires_grad())

@@ -1,0 +1,197 @@
+//! The trainer's settings: the `ddp-train` command line, also written to `config.json`.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+use serde::{Deserialize, Serialize};
+
+/// Which device a rank trains on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    /// `cuda:LOCAL_RANK` when CUDA is available, else the CPU.
+    Auto,
+    /// The CPU.
+    Cpu,
+    /// `cuda:LOCAL_RANK`; an error when CUDA is not available.
+    Cuda,
+}
+
+/// Which labels to train on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Labels {
+    /// Per-eye labels (`target`) where the annotations have them, else patient labels.
+    Auto,
+    /// Per-eye labels; an error when the annotations have none.
+    Eye,
+    /// Patient labels (`N`..`O`), the same for both eyes.
+    Patient,
+}
+
+/// One rank of a data-parallel training of the ConvNet on ODIR-5K.
+///
+/// The rank, world size and rendezvous address come from torchrun's environment (`RANK`,
+/// `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), or SLURM's;
+/// without them this is a single-process run. `cargo xtask train` starts N of these.
+#[derive(Debug, Clone, Parser, Serialize, Deserialize)]
+#[command(name = "ddp-train", version, about, long_about = None)]
+pub struct TrainConfig {
+    /// ODIR folder: `full_df.csv` + `preprocessed_images/` (or `ODIR-5K/Training Images/`),
+    /// or the challenge workbook (`data.xlsx`) + `Training Images/`.
+    #[arg(long)]
+    pub data: PathBuf,
+
+    /// A separate ODIR folder for validation (instead of splitting --data).
+    #[arg(long, conflicts_with = "val_split")]
+    pub val_data: Option<PathBuf>,
+
+    /// Fraction of --data's patients held out for validation (both eyes of a patient always
+    /// fall on the same side).
+    #[arg(long, default_value_t = 0.2)]
+    pub val_split: f64,
+
+    /// Labels: per-eye (`target`) by default, because a patient's diagnosis may concern only
+    /// one eye, and each image shows one eye; `patient` uses the patient-level N..O columns.
+    #[arg(long, value_enum, default_value_t = Labels::Auto)]
+    pub labels: Labels,
+
+    /// Skip images that fail to decode (each one is reported) instead of stopping.
+    #[arg(long)]
+    pub skip_corrupt: bool,
+
+    /// Number of epochs.
+    #[arg(long, default_value_t = 10)]
+    pub epochs: u64,
+
+    /// Batch size per rank (the global batch is this times the world size).
+    #[arg(long, default_value_t = 16)]
+    pub batch_size: usize,
+
+    /// Micro-batches per optimizer step (gradient accumulation; one all-reduce per step).
+    #[arg(long, default_value_t = 1)]
+    pub accumulate: usize,
+
+    /// Adam learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+
+    /// Adam weight decay (L2 added to the gradient, as torch.optim.Adam).
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+
+    /// Side of the square training crops (RandomResizedCrop) and of the validation crops.
+    #[arg(long, default_value_t = 224)]
+    pub image_size: u32,
+
+    /// Smallest crop area as a fraction of the image (RandomResizedCrop's scale lower bound).
+    #[arg(long, default_value_t = 0.2)]
+    pub min_crop_scale: f64,
+
+    /// Also flip training images horizontally with probability 1/2.
+    #[arg(long)]
+    pub hflip: bool,
+
+    /// Dropout probability before the classifier.
+    #[arg(long, default_value_t = 0.5)]
+    pub dropout: f64,
+
+    /// Loader threads per rank (default: the machine's cores shared among its ranks).
+    #[arg(long)]
+    pub workers: Option<usize>,
+
+    /// Intra-op threads per rank on CPU (default: the machine's cores shared among its ranks).
+    #[arg(long)]
+    pub threads: Option<usize>,
+
+    /// Seed of everything random: model init, sampling order, augmentation, dropout.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// Run directory (default: runs/<UTC timestamp>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+
+    /// Resume from a checkpoint: `latest` (the newest in --out) or a checkpoint file
+    /// (`.../checkpoints/epoch-0003.safetensors`).
+    #[arg(long)]
+    pub resume: Option<String>,
+
+    /// Only evaluate the model file given by --resume on the validation split (exact
+    /// distributed evaluation) and print the metrics as JSON; no training.
+    #[arg(long, requires = "resume")]
+    pub eval_only: bool,
+
+    /// Device of each rank.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+
+    /// Print every rank's loss every N steps (0: never), as the PyTorch tutorial does per GPU.
+    #[arg(long, default_value_t = 0)]
+    pub log_every: usize,
+
+    /// ReduceLROnPlateau (on validation macro-F1): factor applied to the learning rate.
+    #[arg(long, default_value_t = 0.5)]
+    pub plateau_factor: f64,
+
+    /// ReduceLROnPlateau: epochs without improvement before reducing.
+    #[arg(long, default_value_t = 2)]
+    pub plateau_patience: u32,
+
+    /// ReduceLROnPlateau: the learning rate never goes below this.
+    #[arg(long, default_value_t = 1e-6)]
+    pub min_lr: f64,
+
+    /// Stop each epoch after this many optimizer steps (for quick runs and benchmarks).
+    #[arg(long)]
+    pub max_steps_per_epoch: Option<usize>,
+
+    /// Seconds a collective may take before the job fails (a dead peer ends the job after
+    /// at most this long).
+    #[arg(long, default_value_t = 300)]
+    pub collective_timeout: u64,
+}
+
+impl TrainConfig {
+    /// Checks the settings that can be checked without data or peers.
+    pub fn validate(&self) -> Result<(), String> {
+        let min = ddp_model::ConvNet::MIN_IMAGE_SIZE as u32;
+        if self.image_size < min {
+            return Err(format!(
+                "--image-size {} is too small: the ConvNet's four 2x poolings need at least {min}",
+                self.image_size
+            ));
+        }
+        if self.batch_size == 0 {
+            return Err("--batch-size must be at least 1".into());
+        }
+        if self.accumulate == 0 {
+            return Err("--accumulate must be at least 1".into());
+        }
+        if self.epochs == 0 {
+            return Err("--epochs must be at least 1".into());
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(format!("--dropout {} must be in [0, 1)", self.dropout));
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return Err(format!("--lr {} must be a positive number", self.lr));
+        }
+        if !(self.min_crop_scale > 0.0 && self.min_crop_scale <= 1.0) {
+            return Err(format!(
+                "--min-crop-scale {} must be in (0, 1]",
+                self.min_crop_scale
+            ));
+        }
+        if !(self.plateau_factor > 0.0 && self.plateau_factor < 1.0) {
+            return Err(format!(
+                "--plateau-factor {} must be in (0, 1)",
+                self.plateau_factor
+            ));
+        }
+        if self.resume.as_deref() == Some("latest") && self.out.is_none() {
+            return Err("--resume latest needs --out <run directory> to know which run".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,159 @@
+//! Training checkpoints: everything needed to continue a run exactly where it stopped.
+//!
+//! An epoch's checkpoint is two files in `<run>/checkpoints/`, each written atomically:
+//!
+//! - `epoch-NNNN.safetensors`: the model alone, with PyTorch's state-dict names, loadable by
+//!   `ddp_model::checkpoint::load` and by PyTorch's `load_state_dict(strict=True)`;
+//! - `epoch-NNNN.state.safetensors`: Adam's moments (`exp_avg.<param>`, `exp_avg_sq.<param>`)
+//!   and, in the header's metadata under `train_state`, the JSON of [`TrainState`].
+//!
+//! Then `latest` (a one-line file naming `epoch-NNNN`) is replaced atomically. A crash at any
+//! point leaves `latest` naming a complete checkpoint.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use ddp_model::checkpoint;
+use serde::{Deserialize, Serialize};
+use tch::nn::VarStore;
+
+use crate::optim::Adam;
+use crate::scheduler::ReduceLrOnPlateau;
+
+/// The metadata key that holds [`TrainState`]'s JSON.
+const STATE_KEY: &str = "train_state";
+
+/// A best score and the epoch it was reached in.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Best {
+    /// The score.
+    pub value: f64,
+    /// The epoch.
+    pub epoch: u64,
+}
+
+/// The scalar state of a run after a completed epoch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    /// The last completed epoch (the next run starts at `epoch + 1`).
+    pub epoch: u64,
+    /// Optimizer steps taken in total.
+    pub adam_steps: i64,
+    /// The learning rate for the next epoch.
+    pub lr: f64,
+    /// The scheduler's history.
+    pub scheduler: ReduceLrOnPlateau,
+    /// Best validation macro-F1 so far.
+    pub best_macro: Option<Best>,
+    /// Best validation micro-F1 so far.
+    pub best_micro: Option<Best>,
+    /// The run's seed (every random draw derives from it and the epoch and step).
+    pub seed: u64,
+    /// The settings the run was started with, as JSON.
+    pub config: serde_json::Value,
+}
+
+/// The folder of a run's checkpoints.
+pub fn checkpoint_dir(run: &Path) -> PathBuf {
+    run.join("checkpoints")
+}
+
+fn stem(epoch: u64) -> String {
+    format!("epoch-{epoch:04}")
+}
+
+/// The state file that belongs to a model checkpoint file.
+pub fn state_path(model_path: &Path) -> PathBuf {
+    let name = model_path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let base = name.strip_suffix(".safetensors").unwrap_or(&name);
+    model_path.with_file_name(format!("{base}.state.safetensors"))
+}
+
+/// Writes the checkpoint of `state.epoch` and then points `latest` at it. Returns the model
+/// file's path.
+pub fn save(run: &Path, vs: &VarStore, adam: &Adam, state: &TrainState) -> Result<PathBuf, String> {
+    let dir = checkpoint_dir(run);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let model_path = dir.join(format!("{}.safetensors", stem(state.epoch)));
+    let meta = HashMap::from([("epoch".to_owned(), state.epoch.to_string())]);
+    checkpoint::save(vs, &model_path, &meta).map_err(|e| e.to_string())?;
+    let json = serde_json::to_string(state).map_err(|e| e.to_string())?;
+    let meta = HashMap::from([(STATE_KEY.to_owned(), json)]);
+    checkpoint::write_tensors(adam.state_tensors(), &meta, state_path(&model_path))
+        .map_err(|e| e.to_string())?;
+    let tmp = dir.join(".latest.tmp");
+    write_synced(&tmp, format!("{}\n", stem(state.epoch)).as_bytes())
+        .and_then(|()| std::fs::rename(&tmp, dir.join("latest")))
+        .map_err(|e| format!("cannot update {}: {e}", dir.join("latest").display()))?;
+    Ok(model_path)
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
+/// Finds the model file that `--resume` names: `latest` (in `run`) or a path.
+pub fn resolve(resume: &str, run: Option<&Path>) -> Result<PathBuf, String> {
+    if resume == "latest" {
+        let run = run.ok_or("--resume latest needs --out <run directory>")?;
+        let pointer = checkpoint_dir(run).join("latest");
+        let name = std::fs::read_to_string(&pointer).map_err(|_| {
+            format!(
+                "nothing to resume: {} does not exist (no epoch of this run has finished); \
+                 start without --resume",
+                pointer.display()
+            )
+        })?;
+        return Ok(checkpoint_dir(run).join(format!("{}.safetensors", name.trim())));
+    }
+    let path = PathBuf::from(resume);
+    if !path.is_file() {
+        return Err(format!("--resume {resume}: no such checkpoint file"));
+    }
+    Ok(path)
+}
+
+/// Loads the checkpoint whose model file is `model_path` into `vs` and `adam`, and returns
+/// its state. Everything is checked before anything changes.
+pub fn load(model_path: &Path, vs: &VarStore, adam: &mut Adam) -> Result<TrainState, String> {
+    let state_file = state_path(model_path);
+    let file = checkpoint::read_tensors(&state_file).map_err(|e| e.to_string())?;
+    let json = file.metadata.get(STATE_KEY).ok_or_else(|| {
+        format!(
+            "{} is not a training-state file (no '{STATE_KEY}' metadata)",
+            state_file.display()
+        )
+    })?;
+    let state: TrainState = serde_json::from_str(json)
+        .map_err(|e| format!("{}: unreadable training state: {e}", state_file.display()))?;
+    // Check the optimizer state against the model before loading either.
+    let mut problems = Vec::new();
+    for (name, t) in adam.state_tensors() {
+        match file.tensors.get(&name) {
+            None => problems.push(format!("'{name}' is missing")),
+            Some(f) if f.size() != t.size() => problems.push(format!(
+                "'{name}' has shape {:?} but the model needs {:?}",
+                f.size(),
+                t.size()
+            )),
+            Some(_) => {}
+        }
+    }
+    if !problems.is_empty() {
+        return Err(format!(
+            "{} does not fit this model: {}",
+            state_file.display(),
+            problems.join("; ")
+        ));
+    }
+    checkpoint::load(vs, model_path).map_err(|e| e.to_string())?;
+    adam.load_state(&file.tensors, state.adam_steps)
+        .map_err(|e| format!("{}: {e}", state_file.display()))?;
+    Ok(state)
+}

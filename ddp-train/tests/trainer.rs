@@ -1,0 +1,413 @@
+//! The `ddp-train` binary as ranks: exact distributed evaluation, exact resume, determinism,
+//! and bad input failing on every rank before training. Real processes on loopback, CPU.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use ddp_data::synthetic::{generate, SyntheticConfig};
+use ddp_model::{checkpoint, ConvNet, ConvNetConfig};
+use serde_json::Value;
+use tch::{nn, Device};
+
+const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ddp-train-bin-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A small synthetic ODIR folder (an odd number of validation images makes shards unequal).
+fn data(dir: &Path, images: usize) -> PathBuf {
+    let root = dir.join("data");
+    generate(
+        &root,
+        &SyntheticConfig {
+            images,
+            size: 48,
+            seed: 5,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    root
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Runs `world` ranks of ddp-train with `args` (plus per-run `env`) and returns each rank's
+/// output. Panics if they do not all finish within two minutes.
+fn run_ranks(world: usize, args: &[&str], env: &[(&str, &str)]) -> Vec<Output> {
+    let port = free_port().to_string();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            let mut cmd = Command::new(EXE);
+            cmd.args(args)
+                .args([
+                    "--threads",
+                    "1",
+                    "--workers",
+                    "1",
+                    "--collective-timeout",
+                    "30",
+                ])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("DDP_RDZV_TIMEOUT_S", "30")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let waiters: Vec<_> = children
+        .into_iter()
+        .map(|c| std::thread::spawn(move || c.wait_with_output().unwrap()))
+        .collect();
+    while !waiters.iter().all(|w| w.is_finished()) {
+        assert!(
+            Instant::now() < deadline,
+            "ranks did not finish within 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    waiters.into_iter().map(|w| w.join().unwrap()).collect()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn assert_all_ok(outputs: &[Output]) {
+    for (r, o) in outputs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r} failed:\n{}", text(o));
+    }
+}
+
+/// `metrics.jsonl` without its timing fields.
+fn metrics_without_timing(run: &Path) -> Vec<Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: Value = serde_json::from_str(l).unwrap();
+            let o = v.as_object_mut().unwrap();
+            o.remove("images_per_sec");
+            o.remove("epoch_seconds");
+            v
+        })
+        .collect()
+}
+
+#[test]
+fn distributed_evaluation_equals_one_process_on_the_whole_split() {
+    let dir = temp_dir("eval");
+    let data = data(&dir, 62);
+    tch::manual_seed(11);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _net = ConvNet::new(&vs.root(), ConvNetConfig::default());
+    let model = dir.join("model.safetensors");
+    checkpoint::save(&vs, &model, &Default::default()).unwrap();
+
+    let mut results = Vec::new();
+    for world in [1, 3] {
+        let out = dir.join(format!("run{world}"));
+        let args = [
+            "--data",
+            data.to_str().unwrap(),
+            "--val-split",
+            "0.4",
+            "--image-size",
+            "32",
+            "--batch-size",
+            "4",
+            "--eval-only",
+            "--resume",
+            model.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        let outputs = run_ranks(world, &args, &[]);
+        assert_all_ok(&outputs);
+        let json = String::from_utf8_lossy(&outputs[0].stdout)
+            .lines()
+            .last()
+            .unwrap()
+            .to_owned();
+        let v: Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(v["world_size"], world);
+        results.push(v);
+    }
+    let (one, three) = (&results[0], &results[1]);
+    // The counts are exactly those of one process: nothing counted twice, nothing missed.
+    for key in [
+        "tp",
+        "fp",
+        "fn_",
+        "val_f1_per_class",
+        "val_macro_f1",
+        "val_micro_f1",
+    ] {
+        assert_eq!(one[key], three[key], "{key} differs between 1 and 3 ranks");
+    }
+    let total: i64 = ["tp", "fn_"]
+        .iter()
+        .flat_map(|k| {
+            one[*k]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_i64().unwrap())
+        })
+        .sum();
+    assert!(
+        total > 0,
+        "the validation split has no positive labels: the test proves nothing"
+    );
+    let (l1, l3) = (
+        one["val_loss"].as_f64().unwrap(),
+        three["val_loss"].as_f64().unwrap(),
+    );
+    assert!(
+        (l1 - l3).abs() < 1e-6 * l1.abs().max(1.0),
+        "val loss {l1} vs {l3}"
+    );
+}
+
+/// Arguments of the short 2-rank training used by the resume and determinism tests.
+fn train_args<'a>(data: &'a str, out: &'a str) -> Vec<&'a str> {
+    vec![
+        "--data",
+        data,
+        "--epochs",
+        "3",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--min-crop-scale",
+        "0.5",
+        "--seed",
+        "3",
+        "--out",
+        out,
+    ]
+}
+
+#[test]
+fn an_interrupted_and_resumed_run_equals_an_uninterrupted_one() {
+    let dir = temp_dir("resume");
+    let data = data(&dir, 40);
+    let data_s = data.to_str().unwrap();
+    let full = dir.join("full");
+    let full_s = full.to_str().unwrap();
+    assert_all_ok(&run_ranks(2, &train_args(data_s, full_s), &[]));
+
+    // The same run, killed at epoch 2 step 1 by rank 1, then resumed from the latest
+    // checkpoint (the end of epoch 1).
+    let cut = dir.join("cut");
+    let cut_s = cut.to_str().unwrap();
+    let failing = [("DDP_TRAIN_FAIL_RANK", "1"), ("DDP_TRAIN_FAIL_AT", "2:1")];
+    let outputs = run_ranks(2, &train_args(data_s, cut_s), &failing);
+    assert_eq!(outputs[1].status.code(), Some(17), "{}", text(&outputs[1]));
+    assert!(
+        !outputs[0].status.success(),
+        "rank 0 should fail when rank 1 dies"
+    );
+    assert_eq!(
+        std::fs::read_to_string(cut.join("checkpoints/latest")).unwrap(),
+        "epoch-0001\n"
+    );
+    let mut resume = train_args(data_s, cut_s);
+    resume.extend(["--resume", "latest"]);
+    let outputs = run_ranks(2, &resume, &[("TORCHELASTIC_RESTART_COUNT", "1")]);
+    assert_all_ok(&outputs);
+    assert!(
+        text(&outputs[0]).contains("resumed from"),
+        "{}",
+        text(&outputs[0])
+    );
+
+    let model = "checkpoints/epoch-0003.safetensors";
+    let (a, b) = (
+        std::fs::read(full.join(model)).unwrap(),
+        std::fs::read(cut.join(model)).unwrap(),
+    );
+    assert!(
+        a == b,
+        "the final weights differ between the uninterrupted and the resumed run"
+    );
+    // The optimizer state too: every moment bit for bit, and the scalar state (the settings
+    // differ, by --resume, and are left out).
+    let state = "checkpoints/epoch-0003.state.safetensors";
+    let (a, b) = (
+        checkpoint::read_tensors(full.join(state)).unwrap(),
+        checkpoint::read_tensors(cut.join(state)).unwrap(),
+    );
+    assert_eq!(
+        a.tensors.keys().collect::<Vec<_>>(),
+        b.tensors.keys().collect::<Vec<_>>()
+    );
+    for (name, t) in &a.tensors {
+        assert!(t.equal(&b.tensors[name]), "{name} differs");
+    }
+    let scalars = |f: &checkpoint::TensorFile| {
+        let mut v: Value = serde_json::from_str(&f.metadata["train_state"]).unwrap();
+        v.as_object_mut().unwrap().remove("config");
+        v
+    };
+    assert_eq!(scalars(&a), scalars(&b));
+    assert_eq!(metrics_without_timing(&full), metrics_without_timing(&cut));
+    assert_eq!(metrics_without_timing(&full).len(), 3);
+}
+
+#[test]
+fn two_runs_with_one_seed_write_the_same_metrics_and_learn() {
+    let dir = temp_dir("determinism");
+    let data = data(&dir, 40);
+    let data_s = data.to_str().unwrap();
+    let runs: Vec<PathBuf> = ["a", "b"].iter().map(|n| dir.join(n)).collect();
+    for run in &runs {
+        assert_all_ok(&run_ranks(
+            2,
+            &train_args(data_s, run.to_str().unwrap()),
+            &[],
+        ));
+    }
+    let a = metrics_without_timing(&runs[0]);
+    assert_eq!(a, metrics_without_timing(&runs[1]));
+    // Every file of the run directory is there.
+    for f in [
+        "config.json",
+        "metrics.jsonl",
+        "curves.png",
+        "best-macro.safetensors",
+        "best-micro.safetensors",
+        "logs/rank-0.log",
+        "logs/rank-1.log",
+    ] {
+        assert!(runs[0].join(f).is_file(), "{f} is missing");
+    }
+    let loss = |e: usize| a[e]["train_loss"].as_f64().unwrap();
+    assert!(loss(2) < loss(0), "the training loss did not fall: {a:?}");
+}
+
+/// Runs two ranks expected to fail before training; returns rank 0's and rank 1's output.
+fn both_fail(args: &[&str]) -> (String, String) {
+    let outputs = run_ranks(2, args, &[]);
+    for (r, o) in outputs.iter().enumerate() {
+        assert!(
+            !o.status.success(),
+            "rank {r} should have failed:\n{}",
+            text(o)
+        );
+        assert!(
+            !text(o).contains("epoch 1/"),
+            "rank {r} started training:\n{}",
+            text(o)
+        );
+    }
+    (text(&outputs[0]), text(&outputs[1]))
+}
+
+#[test]
+fn bad_input_fails_on_every_rank_before_training() {
+    let dir = temp_dir("bad");
+    let data = data(&dir, 20);
+    let data_s = data.to_str().unwrap();
+    let out = dir.join("run");
+    let out_s = out.to_str().unwrap();
+
+    let missing = dir.join("no-such-folder");
+    let (a, b) = both_fail(&["--data", missing.to_str().unwrap()]);
+    for t in [&a, &b] {
+        assert!(t.contains("no-such-folder"), "{t}");
+    }
+
+    let (a, b) = both_fail(&["--data", data_s, "--image-size", "8"]);
+    for t in [&a, &b] {
+        assert!(t.contains("--image-size 8 is too small"), "{t}");
+    }
+
+    let (a, b) = both_fail(&["--data", data_s, "--batch-size", "64", "--out", out_s]);
+    for t in [&a, &b] {
+        assert!(t.contains("fewer than one step of --batch-size 64"), "{t}");
+    }
+
+    let (a, b) = both_fail(&[
+        "--data",
+        data_s,
+        "--batch-size",
+        "4",
+        "--resume",
+        "latest",
+        "--out",
+        out_s,
+    ]);
+    for t in [&a, &b] {
+        assert!(t.contains("nothing to resume"), "{t}");
+    }
+
+    // A checkpoint of another model (2 classes), and a corrupt one.
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _ = ConvNet::new(
+        &vs.root(),
+        ConvNetConfig {
+            num_classes: 2,
+            dropout: 0.5,
+        },
+    );
+    let other = dir.join("other.safetensors");
+    checkpoint::save(&vs, &other, &Default::default()).unwrap();
+    let (a, b) = both_fail(&[
+        "--data",
+        data_s,
+        "--eval-only",
+        "--resume",
+        other.to_str().unwrap(),
+        "--out",
+        out_s,
+    ]);
+    for t in [&a, &b] {
+        assert!(
+            t.contains("'classifier.3.weight' has shape [2, 256] in the checkpoint but [8, 256]"),
+            "{t}"
+        );
+    }
+    let corrupt = dir.join("corrupt.safetensors");
+    std::fs::write(&corrupt, b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":").unwrap();
+    let (a, b) = both_fail(&[
+        "--data",
+        data_s,
+        "--eval-only",
+        "--resume",
+        corrupt.to_str().unwrap(),
+        "--out",
+        out_s,
+    ]);
+    for t in [&a, &b] {
+        assert!(
+            t.contains("corrupt.safetensors' is not a valid safetensors file"),
+            "{t}"
+        );
+    }
+}
