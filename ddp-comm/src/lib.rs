@@ -1,3 +1,54 @@
-//! Rendezvous and a process group (all-reduce, broadcast, all-gather, barrier).
+//! Rendezvous and a process group for data-parallel training of tch programs: the Rust
+//! counterpart of `torch.distributed`'s `init_process_group("env://")`, `all_reduce`,
+//! `broadcast`, `all_gather` and `barrier`.
 //!
-//! Being built (the communication issue); see `ARCHITECTURE.md`.
+//! - [`ProcessGroup`] is the central type. [`ProcessGroup::from_env`] reads torchrun's
+//!   `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` (else SLURM's, else
+//!   rank 0 of 1) and meets the other ranks; [`ProcessGroup::new`] takes explicit
+//!   [`Options`].
+//! - Two backends: CUDA tensors travel through NCCL (loaded at run time through
+//!   `nccl-sys`), CPU tensors through a TCP ring ([`Backend`]). Results are identical on
+//!   every rank.
+//! - Failures are a [`CommError`] naming the rank, address or timeout: nothing waits forever.
+//!
+//! Rendezvous (`rendezvous.rs`) uses a small key-value store served by rank 0 (`store.rs`),
+//! or torchrun's own agent store (`c10d.rs`); ring schedules (`ring.rs`) run over
+//! non-blocking sockets (`tcp.rs`); NCCL lives in `nccl.rs` and CUDA loading in [`cuda`].
+//!
+//! ```
+//! use ddp_comm::{Backend, Options, ProcessGroup, ReduceOp};
+//! use tch::Tensor;
+//!
+//! // A group of one needs no environment and no network.
+//! let group = ProcessGroup::new(Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Tcp))?;
+//! let mut grads = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
+//! group.all_reduce(&mut grads, ReduceOp::Avg)?;
+//! assert_eq!(Vec::<f32>::try_from(&grads).unwrap(), [1.0, 2.0, 3.0]);
+//! let digests = group.all_gather_bytes(b"abc")?;
+//! assert_eq!(digests, vec![b"abc".to_vec()]);
+//! # Ok::<(), ddp_comm::CommError>(())
+//! ```
+
+#![warn(missing_docs)]
+
+mod c10d;
+pub mod cuda;
+mod element;
+pub mod env;
+mod error;
+mod group;
+mod nccl;
+mod rendezvous;
+mod ring;
+mod store;
+mod tcp;
+mod wire;
+
+pub use element::{DType, Element, ReduceOp};
+pub use env::EnvConfig;
+pub use error::CommError;
+pub use group::{
+    dtype_of, Backend, Options, ProcessGroup, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT,
+    DEFAULT_SOCKET_BUFFER,
+};
+pub use nccl::version as nccl_version;

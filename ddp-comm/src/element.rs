@@ -1,0 +1,231 @@
+//! Element types, reduction operators, and the reduction kernels of the TCP backend.
+
+/// How values from different ranks are combined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum over ranks.
+    Sum,
+    /// Sum over ranks divided by the world size (integer types: truncated toward zero, as
+    /// NCCL's `ncclAvg`).
+    Avg,
+    /// Element-wise maximum.
+    Max,
+    /// Element-wise minimum.
+    Min,
+}
+
+/// Element type of a buffer taking part in a collective.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// `u8`.
+    U8,
+    /// `i8`.
+    I8,
+    /// `i16`.
+    I16,
+    /// `i32`.
+    I32,
+    /// `i64`.
+    I64,
+    /// `f32`.
+    F32,
+    /// `f64`.
+    F64,
+    /// IEEE half (NCCL backend only).
+    F16,
+    /// bfloat16 (NCCL backend only).
+    BF16,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub fn size(self) -> usize {
+        match self {
+            DType::U8 | DType::I8 => 1,
+            DType::I16 | DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 => 8,
+        }
+    }
+
+    /// Whether the TCP backend can reduce this type on the CPU.
+    pub fn cpu_reducible(self) -> bool {
+        !matches!(self, DType::F16 | DType::BF16)
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A plain numeric type that the byte-level collectives accept (`all_reduce_slice` etc.).
+///
+/// Sealed: implemented for `u8`, `i8`, `i16`, `i32`, `i64`, `f32`, `f64`, types for which
+/// every bit pattern is a valid value.
+pub trait Element: sealed::Sealed + Copy + Send + Sync + PartialOrd + 'static {
+    /// The matching [`DType`].
+    const DTYPE: DType;
+}
+
+trait Arith: Element {
+    fn add(self, other: Self) -> Self;
+    fn div_count(self, n: usize) -> Self;
+}
+
+macro_rules! int_element {
+    ($($t:ty => $d:ident),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl Element for $t { const DTYPE: DType = DType::$d; }
+        impl Arith for $t {
+            #[inline(always)]
+            fn add(self, other: Self) -> Self { self.wrapping_add(other) }
+            #[inline(always)]
+            fn div_count(self, n: usize) -> Self { (self as i128 / n as i128) as $t }
+        }
+    )*};
+}
+int_element!(u8 => U8, i8 => I8, i16 => I16, i32 => I32, i64 => I64);
+
+macro_rules! float_element {
+    ($($t:ty => $d:ident),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl Element for $t { const DTYPE: DType = DType::$d; }
+        impl Arith for $t {
+            #[inline(always)]
+            fn add(self, other: Self) -> Self { self + other }
+            #[inline(always)]
+            fn div_count(self, n: usize) -> Self { self / n as $t }
+        }
+    )*};
+}
+float_element!(f32 => F32, f64 => F64);
+
+/// Views a byte buffer as elements. Panics if the buffer is misaligned or not a whole
+/// number of elements: callers only pass tensor storage, `Vec<T>`-backed scratch and
+/// element-aligned offsets into them.
+fn cast_mut<T: Element>(bytes: &mut [u8]) -> &mut [T] {
+    // SAFETY: `T` is a sealed plain numeric type: every bit pattern is a valid `T`, and
+    // `align_to_mut` only returns a middle part that is correctly aligned for `T`.
+    let (head, body, tail) = unsafe { bytes.align_to_mut::<T>() };
+    assert!(
+        head.is_empty() && tail.is_empty(),
+        "buffer not aligned to its element type"
+    );
+    body
+}
+
+fn cast<T: Element>(bytes: &[u8]) -> &[T] {
+    // SAFETY: as in `cast_mut`.
+    let (head, body, tail) = unsafe { bytes.align_to::<T>() };
+    assert!(
+        head.is_empty() && tail.is_empty(),
+        "buffer not aligned to its element type"
+    );
+    body
+}
+
+/// Views a typed slice as bytes.
+pub(crate) fn as_bytes_mut<T: Element>(values: &mut [T]) -> &mut [u8] {
+    let len = std::mem::size_of_val(values);
+    // SAFETY: `T` is a plain numeric type without padding; the byte view covers exactly the
+    // slice's memory and borrows it mutably for its lifetime.
+    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), len) }
+}
+
+fn reduce_typed<T: Arith>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    let dst = cast_mut::<T>(dst);
+    let src = cast::<T>(src);
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => dst.iter_mut().zip(src).for_each(|(d, s)| *d = d.add(*s)),
+        ReduceOp::Max => dst.iter_mut().zip(src).for_each(|(d, s)| {
+            if *s > *d {
+                *d = *s
+            }
+        }),
+        ReduceOp::Min => dst.iter_mut().zip(src).for_each(|(d, s)| {
+            if *s < *d {
+                *d = *s
+            }
+        }),
+    }
+}
+
+/// `dst[i] = dst[i] op src[i]` for byte buffers of element type `dtype` (`Avg` sums; the
+/// division happens once at the end, see [`finish_avg`]).
+pub(crate) fn reduce(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    debug_assert_eq!(dst.len(), src.len());
+    match dtype {
+        DType::U8 => reduce_typed::<u8>(op, dst, src),
+        DType::I8 => reduce_typed::<i8>(op, dst, src),
+        DType::I16 => reduce_typed::<i16>(op, dst, src),
+        DType::I32 => reduce_typed::<i32>(op, dst, src),
+        DType::I64 => reduce_typed::<i64>(op, dst, src),
+        DType::F32 => reduce_typed::<f32>(op, dst, src),
+        DType::F64 => reduce_typed::<f64>(op, dst, src),
+        DType::F16 | DType::BF16 => unreachable!("half types are refused before reduction"),
+    }
+}
+
+fn divide_typed<T: Arith>(buf: &mut [u8], n: usize) {
+    cast_mut::<T>(buf)
+        .iter_mut()
+        .for_each(|v| *v = v.div_count(n));
+}
+
+/// Divides every element by `n` (the last step of `Avg`).
+pub(crate) fn finish_avg(dtype: DType, buf: &mut [u8], n: usize) {
+    match dtype {
+        DType::U8 => divide_typed::<u8>(buf, n),
+        DType::I8 => divide_typed::<i8>(buf, n),
+        DType::I16 => divide_typed::<i16>(buf, n),
+        DType::I32 => divide_typed::<i32>(buf, n),
+        DType::I64 => divide_typed::<i64>(buf, n),
+        DType::F32 => divide_typed::<f32>(buf, n),
+        DType::F64 => divide_typed::<f64>(buf, n),
+        DType::F16 | DType::BF16 => unreachable!("half types are refused before reduction"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reductions_combine_element_wise() {
+        let mut a = [1.0f32, 5.0, -2.0];
+        let mut b = [2.0f32, 3.0, -7.0];
+        for (op, want) in [
+            (ReduceOp::Sum, [3.0, 8.0, -9.0]),
+            (ReduceOp::Max, [2.0, 5.0, -2.0]),
+            (ReduceOp::Min, [1.0, 3.0, -7.0]),
+        ] {
+            let mut d = a;
+            reduce(DType::F32, op, as_bytes_mut(&mut d), as_bytes_mut(&mut b));
+            assert_eq!(d, want, "{op:?}");
+        }
+        reduce(
+            DType::F32,
+            ReduceOp::Avg,
+            as_bytes_mut(&mut a),
+            as_bytes_mut(&mut b),
+        );
+        finish_avg(DType::F32, as_bytes_mut(&mut a), 2);
+        assert_eq!(a, [1.5, 4.0, -4.5]);
+    }
+
+    #[test]
+    fn integer_average_truncates_toward_zero_and_sum_wraps() {
+        let mut v = [7i64, -7, 9];
+        finish_avg(DType::I64, as_bytes_mut(&mut v), 2);
+        assert_eq!(v, [3, -3, 4]);
+        let mut a = [250u8];
+        let mut b = [10u8];
+        reduce(
+            DType::U8,
+            ReduceOp::Sum,
+            as_bytes_mut(&mut a),
+            as_bytes_mut(&mut b),
+        );
+        assert_eq!(a, [4]);
+    }
+}

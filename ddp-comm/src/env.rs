@@ -1,0 +1,406 @@
+//! Reading a rank's place in the job from the environment: torchrun's variables, SLURM's,
+//! or a single process.
+
+use std::time::Duration;
+
+use crate::error::CommError;
+
+/// Environment variable holding the job's run id, from which the rendezvous token is made.
+pub const RUN_ID_ENV: &str = "DDP_RUN_ID";
+/// Environment variable overriding the rendezvous timeout, in seconds.
+pub const RDZV_TIMEOUT_ENV: &str = "DDP_RDZV_TIMEOUT_S";
+/// Environment variable overriding the per-collective timeout, in seconds.
+pub const OP_TIMEOUT_ENV: &str = "DDP_OP_TIMEOUT_S";
+/// Longest run id accepted (bytes).
+pub const MAX_RUN_ID_LEN: usize = 256;
+
+/// Where a configuration came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EnvSource {
+    /// torchrun's (or `cargo xtask train`'s) `RANK`, `WORLD_SIZE`, ... variables.
+    Torchrun,
+    /// SLURM's `SLURM_PROCID`, `SLURM_NTASKS`, ... variables.
+    Slurm,
+    /// Nothing set: rank 0 of 1.
+    Single,
+}
+
+/// One rank's place in the job and how to reach the others, as read from the environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnvConfig {
+    /// Global rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Rank on this node (the CUDA device index).
+    pub local_rank: usize,
+    /// Number of ranks on this node.
+    pub local_world_size: usize,
+    /// Host of the rendezvous store (rank 0's address).
+    pub master_addr: String,
+    /// Port of the rendezvous store.
+    pub master_port: u16,
+    /// The job's run id: `DDP_RUN_ID`, else `TORCHELASTIC_RUN_ID`, else `SLURM_JOB_ID`, else
+    /// `"ddp-comm"`. Peers with another run id are rejected.
+    pub run_id: String,
+    /// `TORCHELASTIC_USE_AGENT_STORE=True`: torchrun's agent already serves a c10d TCPStore
+    /// on `MASTER_PORT`; every rank is a client of it.
+    pub agent_store: bool,
+    /// `TORCHELASTIC_RESTART_COUNT` (0 when unset): keeps keys of restarted workers apart.
+    pub restart_count: u64,
+    /// `DDP_RDZV_TIMEOUT_S`, if set.
+    pub rendezvous_timeout: Option<Duration>,
+    /// `DDP_OP_TIMEOUT_S`, if set.
+    pub op_timeout: Option<Duration>,
+    /// Which variables were used.
+    pub source: EnvSource,
+}
+
+impl EnvConfig {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Self, CommError> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Reads the variables through `get` (a map in tests, the process environment in
+    /// [`EnvConfig::from_env`]).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, CommError> {
+        let get = |name: &str| {
+            get(name)
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
+        let number = |name: &str| -> Result<Option<usize>, CommError> {
+            get(name).map(|v| parse_usize(name, &v)).transpose()
+        };
+        let timeout = |name: &str| -> Result<Option<Duration>, CommError> {
+            get(name).map(|v| parse_seconds(name, &v)).transpose()
+        };
+        let (source, rank, world_size, local_rank, local_world_size) =
+            if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
+                let rank = number("RANK")?.ok_or_else(|| missing("RANK", "WORLD_SIZE is set"))?;
+                let world =
+                    number("WORLD_SIZE")?.ok_or_else(|| missing("WORLD_SIZE", "RANK is set"))?;
+                let local_rank = number("LOCAL_RANK")?.unwrap_or(rank);
+                let local_world = number("LOCAL_WORLD_SIZE")?.unwrap_or(world);
+                (EnvSource::Torchrun, rank, world, local_rank, local_world)
+            } else if get("SLURM_PROCID").is_some() {
+                let rank = number("SLURM_PROCID")?.unwrap_or(0);
+                let world = number("SLURM_NTASKS")?
+                    .ok_or_else(|| missing("SLURM_NTASKS", "SLURM_PROCID is set"))?;
+                let local_rank = number("SLURM_LOCALID")?.unwrap_or(0);
+                let local_world =
+                    match get("SLURM_NTASKS_PER_NODE").or_else(|| get("SLURM_TASKS_PER_NODE")) {
+                        Some(v) => leading_count("SLURM_TASKS_PER_NODE", &v)?,
+                        None => world,
+                    };
+                (EnvSource::Slurm, rank, world, local_rank, local_world)
+            } else {
+                (EnvSource::Single, 0, 1, 0, 1)
+            };
+        if world_size == 0 {
+            return Err(malformed("WORLD_SIZE", "0", "a positive integer"));
+        }
+        if local_world_size == 0 {
+            return Err(malformed("LOCAL_WORLD_SIZE", "0", "a positive integer"));
+        }
+        let master_addr = match (get("MASTER_ADDR"), source) {
+            (Some(addr), _) => addr,
+            (None, EnvSource::Slurm) => {
+                let list = get("SLURM_JOB_NODELIST").or_else(|| get("SLURM_NODELIST"));
+                match list {
+                    Some(list) => first_slurm_host(&list).ok_or_else(|| {
+                        malformed("SLURM_JOB_NODELIST", &list, "a SLURM host list")
+                    })?,
+                    None => {
+                        return Err(missing(
+                            "MASTER_ADDR",
+                            "neither it nor SLURM_JOB_NODELIST is set",
+                        ))
+                    }
+                }
+            }
+            (None, _) => "127.0.0.1".to_string(),
+        };
+        let master_port = match get("MASTER_PORT") {
+            Some(v) => parse_port("MASTER_PORT", &v)?,
+            None => match source {
+                EnvSource::Slurm => match number("SLURM_JOB_ID")? {
+                    Some(job) => 20000 + (job % 10000) as u16,
+                    None => 29500,
+                },
+                EnvSource::Single => 0,
+                EnvSource::Torchrun if world_size == 1 => 0,
+                EnvSource::Torchrun => {
+                    return Err(missing("MASTER_PORT", "WORLD_SIZE is above 1"));
+                }
+            },
+        };
+        let run_id = get(RUN_ID_ENV)
+            .or_else(|| get("TORCHELASTIC_RUN_ID"))
+            .or_else(|| {
+                if source == EnvSource::Slurm {
+                    get("SLURM_JOB_ID")
+                } else {
+                    None
+                }
+            })
+            .unwrap_or_else(|| "ddp-comm".to_string());
+        if run_id.len() > MAX_RUN_ID_LEN {
+            return Err(malformed(RUN_ID_ENV, &run_id, "at most 256 bytes"));
+        }
+        let agent_store = match get("TORCHELASTIC_USE_AGENT_STORE").as_deref() {
+            None => false,
+            Some(v) if v.eq_ignore_ascii_case("true") || v == "1" => true,
+            Some(v) if v.eq_ignore_ascii_case("false") || v == "0" => false,
+            Some(v) => {
+                return Err(malformed(
+                    "TORCHELASTIC_USE_AGENT_STORE",
+                    v,
+                    "True or False",
+                ))
+            }
+        };
+        let restart_count = number("TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0) as u64;
+        Ok(EnvConfig {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            run_id,
+            agent_store,
+            restart_count,
+            rendezvous_timeout: timeout(RDZV_TIMEOUT_ENV)?,
+            op_timeout: timeout(OP_TIMEOUT_ENV)?,
+            source,
+        })
+    }
+}
+
+fn missing(var: &str, why: &str) -> CommError {
+    CommError::MissingEnv {
+        var: var.to_string(),
+        why: why.to_string(),
+    }
+}
+
+fn malformed(var: &str, value: &str, expected: &str) -> CommError {
+    CommError::MalformedEnv {
+        var: var.to_string(),
+        value: value.to_string(),
+        expected: expected.to_string(),
+    }
+}
+
+fn parse_usize(var: &str, value: &str) -> Result<usize, CommError> {
+    value
+        .parse::<usize>()
+        .ok()
+        .filter(|n| *n < 1 << 24)
+        .ok_or_else(|| malformed(var, value, "a non-negative integer below 16777216"))
+}
+
+fn parse_port(var: &str, value: &str) -> Result<u16, CommError> {
+    value
+        .parse::<u16>()
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| malformed(var, value, "a port number 1..=65535"))
+}
+
+fn parse_seconds(var: &str, value: &str) -> Result<Duration, CommError> {
+    value
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| malformed(var, value, "a positive number of seconds"))
+}
+
+/// `"4(x2),2"` -> 4: the count of tasks on the first node.
+fn leading_count(var: &str, value: &str) -> Result<usize, CommError> {
+    let digits: String = value.chars().take_while(char::is_ascii_digit).collect();
+    parse_usize(var, &digits).and_then(|n| {
+        if n == 0 {
+            Err(malformed(var, value, "a positive task count"))
+        } else {
+            Ok(n)
+        }
+    })
+}
+
+/// The first host of a SLURM host list: `"gpu[03-05,09],cpu1"` -> `"gpu03"`.
+pub fn first_slurm_host(list: &str) -> Option<String> {
+    let mut depth = 0usize;
+    let end = list
+        .char_indices()
+        .find(|&(_, c)| {
+            match c {
+                '[' => depth += 1,
+                ']' => depth = depth.saturating_sub(1),
+                ',' if depth == 0 => return true,
+                _ => {}
+            }
+            false
+        })
+        .map_or(list.len(), |(i, _)| i);
+    let first = &list[..end];
+    let host = match (first.find('['), first.find(']')) {
+        (Some(open), Some(close)) if open < close => {
+            let inside = &first[open + 1..close];
+            let start = inside.split([',', '-']).next()?;
+            format!("{}{}{}", &first[..open], start, &first[close + 1..])
+        }
+        (None, None) => first.to_string(),
+        _ => return None,
+    };
+    (!host.is_empty()).then_some(host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn read(vars: &[(&str, &str)]) -> Result<EnvConfig, CommError> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        EnvConfig::from_lookup(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn nothing_set_is_rank_0_of_1() {
+        let c = read(&[]).unwrap();
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (0, 1, 0, 1)
+        );
+        assert_eq!(c.source, EnvSource::Single);
+        assert_eq!(c.run_id, "ddp-comm");
+    }
+
+    #[test]
+    fn torchrun_variables_are_read() {
+        let c = read(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.0.0.7"),
+            ("MASTER_PORT", "29400"),
+            ("TORCHELASTIC_RUN_ID", "job9"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+            ("DDP_OP_TIMEOUT_S", "1.5"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (3, 8, 1, 2)
+        );
+        assert_eq!((c.master_addr.as_str(), c.master_port), ("10.0.0.7", 29400));
+        assert_eq!(c.run_id, "job9");
+        assert!(c.agent_store);
+        assert_eq!(c.restart_count, 2);
+        assert_eq!(c.op_timeout, Some(Duration::from_millis(1500)));
+        assert_eq!(c.source, EnvSource::Torchrun);
+    }
+
+    #[test]
+    fn slurm_variables_are_the_fallback() {
+        let c = read(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_TASKS_PER_NODE", "4(x2)"),
+            ("SLURM_JOB_NODELIST", "gpu[07-08,11],cpu1"),
+            ("SLURM_JOB_ID", "123456"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (5, 8, 1, 4)
+        );
+        assert_eq!((c.master_addr.as_str(), c.master_port), ("gpu07", 23456));
+        assert_eq!(c.run_id, "123456");
+        assert_eq!(c.source, EnvSource::Slurm);
+    }
+
+    #[test]
+    fn slurm_host_lists_give_their_first_host() {
+        assert_eq!(first_slurm_host("node1").as_deref(), Some("node1"));
+        assert_eq!(first_slurm_host("a,b").as_deref(), Some("a"));
+        assert_eq!(first_slurm_host("n[003-010]").as_deref(), Some("n003"));
+        assert_eq!(
+            first_slurm_host("rack[2,4]-gpu").as_deref(),
+            Some("rack2-gpu")
+        );
+        assert_eq!(first_slurm_host("bad[1"), None);
+    }
+
+    #[test]
+    fn malformed_values_name_the_variable() {
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (
+                &[("RANK", "one"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")],
+                "RANK",
+            ),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "-2"), ("MASTER_PORT", "1")],
+                "WORLD_SIZE",
+            ),
+            (&[("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")],
+                "MASTER_PORT",
+            ),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_PORT", "1"),
+                    ("LOCAL_RANK", "x"),
+                ],
+                "LOCAL_RANK",
+            ),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "1"),
+                    ("DDP_OP_TIMEOUT_S", "-1"),
+                ],
+                "DDP_OP_TIMEOUT_S",
+            ),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "1"),
+                    ("TORCHELASTIC_USE_AGENT_STORE", "maybe"),
+                ],
+                "TORCHELASTIC_USE_AGENT_STORE",
+            ),
+        ];
+        for (vars, var) in cases {
+            match read(vars) {
+                Err(CommError::MalformedEnv { var: got, .. }) => assert_eq!(&got, var, "{vars:?}"),
+                other => panic!("{vars:?}: expected MalformedEnv for {var}, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn missing_partners_are_named() {
+        match read(&[("RANK", "1")]) {
+            Err(CommError::MissingEnv { var, .. }) => assert_eq!(var, "WORLD_SIZE"),
+            other => panic!("{other:?}"),
+        }
+        match read(&[("RANK", "1"), ("WORLD_SIZE", "2")]) {
+            Err(CommError::MissingEnv { var, .. }) => assert_eq!(var, "MASTER_PORT"),
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! The error type of every fallible call in this crate.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// What went wrong in rendezvous, in the store, or in a collective.
+///
+/// Messages name what the user must look at: the rank, the address, the variable, the
+/// timeout.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommError {
+    /// An environment variable holds a value that cannot be used.
+    #[error("environment variable {var}={value:?} is not valid: expected {expected}")]
+    MalformedEnv {
+        /// The variable's name.
+        var: String,
+        /// Its value.
+        value: String,
+        /// What it should hold.
+        expected: String,
+    },
+    /// A required environment variable is missing.
+    #[error("environment variable {var} is not set ({why})")]
+    MissingEnv {
+        /// The variable's name.
+        var: String,
+        /// Why it is needed.
+        why: String,
+    },
+    /// A rank number is not below the world size.
+    #[error("rank {rank} is out of range for world size {world_size}")]
+    RankOutOfRange {
+        /// The rank.
+        rank: usize,
+        /// The world size.
+        world_size: usize,
+    },
+    /// An explicit argument is not valid.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// Rank 0 could not listen on the rendezvous address because something else holds it.
+    #[error("cannot listen on {addr}: port already in use (choose another MASTER_PORT)")]
+    PortInUse {
+        /// The address that was busy.
+        addr: SocketAddr,
+    },
+    /// An address could not be resolved or bound.
+    #[error("address {addr}: {source}")]
+    Address {
+        /// The address as given.
+        addr: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Rendezvous did not complete in time.
+    #[error("rendezvous at {addr} timed out after {timeout:?}: ranks {missing:?} never arrived")]
+    RendezvousTimeout {
+        /// The store's address.
+        addr: String,
+        /// The time waited.
+        timeout: Duration,
+        /// The ranks that did not show up.
+        missing: Vec<usize>,
+    },
+    /// The store could not be reached.
+    #[error("cannot reach the rendezvous store at {addr} within {timeout:?}: {source}")]
+    StoreUnreachable {
+        /// The store's address.
+        addr: String,
+        /// The time spent trying.
+        timeout: Duration,
+        /// The last connection error.
+        source: std::io::Error,
+    },
+    /// The store (or a peer) closed the connection during the handshake: usually a different
+    /// run id (token).
+    #[error("{addr} rejected this process's token (different DDP_RUN_ID / TORCHELASTIC_RUN_ID?)")]
+    Rejected {
+        /// The address that rejected us.
+        addr: String,
+    },
+    /// The store failed or answered something unexpected.
+    #[error("store at {addr}: {detail}")]
+    Store {
+        /// The store's address.
+        addr: String,
+        /// What happened.
+        detail: String,
+    },
+    /// Ranks disagree about the world size, or one rank number was started twice, or another
+    /// rank aborted the rendezvous.
+    #[error("rendezvous at {addr} failed: {detail}")]
+    Rendezvous {
+        /// The store's address.
+        addr: String,
+        /// What happened.
+        detail: String,
+    },
+    /// A peer closed its connection or failed.
+    #[error("{op}: peer rank {peer} at {addr} failed: {detail}")]
+    PeerLost {
+        /// The collective.
+        op: &'static str,
+        /// The peer's rank.
+        peer: usize,
+        /// The peer's address.
+        addr: SocketAddr,
+        /// What happened.
+        detail: String,
+    },
+    /// A collective did not complete in time.
+    #[error("{op} timed out after {timeout:?} waiting for peer ranks {peers:?}")]
+    Timeout {
+        /// The collective.
+        op: &'static str,
+        /// The timeout.
+        timeout: Duration,
+        /// The ranks this rank was waiting on.
+        peers: Vec<usize>,
+    },
+    /// Ranks called different collectives or passed different sizes.
+    #[error("{op}: rank {peer} called {theirs}, this rank (rank {rank}) called {ours}; every rank must call the same collectives with the same sizes")]
+    Mismatch {
+        /// The collective.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The peer's rank.
+        peer: usize,
+        /// What this rank called.
+        ours: String,
+        /// What the peer called.
+        theirs: String,
+    },
+    /// An earlier collective failed; the group cannot be used any more.
+    #[error("the process group is unusable after an earlier failure: {0}")]
+    Poisoned(String),
+    /// A tensor cannot take part in a collective.
+    #[error("tensor not supported by {backend}: {detail}")]
+    Tensor {
+        /// The backend that refused it.
+        backend: &'static str,
+        /// What is wrong (dtype, device, layout).
+        detail: String,
+    },
+    /// NCCL or the CUDA runtime failed.
+    #[error("{call} failed: {detail}")]
+    Nccl {
+        /// The call.
+        call: &'static str,
+        /// The library's message.
+        detail: String,
+    },
+    /// A library could not be loaded.
+    #[error(transparent)]
+    Load(#[from] nccl_sys::LoadError),
+    /// Any other I/O error.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+impl CommError {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        CommError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,538 @@
+//! [`ProcessGroup`]: the collectives a data-parallel trainer calls, over tensors and slices.
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::element::{as_bytes_mut, DType, Element, ReduceOp};
+use crate::env::EnvConfig;
+use crate::error::CommError;
+use crate::nccl::{self, NcclComm};
+use crate::rendezvous::{self, Plan};
+use crate::store::{Store, StoreServer};
+use crate::tcp::TcpBackend;
+
+/// Default rendezvous timeout.
+pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default timeout of one collective.
+pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default kernel send/receive buffer of ring sockets.
+pub const DEFAULT_SOCKET_BUFFER: usize = 4 << 20;
+
+/// Which engine carries CUDA tensors (CPU tensors always travel over TCP).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// NCCL for CUDA tensors (plus TCP for CPU tensors and byte-level calls).
+    Nccl,
+    /// TCP only: CPU tensors; CUDA tensors are refused.
+    Tcp,
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Backend::Nccl => "nccl",
+            Backend::Tcp => "tcp",
+        })
+    }
+}
+
+/// Everything [`ProcessGroup::new`] needs. Build with [`Options::new`] or
+/// [`Options::from_env`], then adjust with the builder methods.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// This process's rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Rank on this node (the CUDA device index).
+    pub local_rank: usize,
+    /// Number of ranks on this node.
+    pub local_world_size: usize,
+    /// Host of rank 0's store.
+    pub master_addr: String,
+    /// Port of rank 0's store.
+    pub master_port: u16,
+    /// The job's run id; peers presenting another one are rejected.
+    pub run_id: String,
+    /// `None`: NCCL when a CUDA device is visible (initialised at the first CUDA
+    /// collective), else TCP. `Some(Nccl)`: NCCL, initialised now.
+    pub backend: Option<Backend>,
+    /// How long rendezvous may take.
+    pub rendezvous_timeout: Duration,
+    /// How long one collective may take.
+    pub op_timeout: Duration,
+    /// Connect to torchrun's agent store instead of serving one on rank 0.
+    pub agent_store: bool,
+    /// torchrun's restart count (keeps keys of restarted workers apart).
+    pub restart_count: u64,
+    /// Kernel socket buffer size for ring sockets (0 leaves the kernel's autotuning).
+    pub socket_buffer: usize,
+}
+
+impl Options {
+    /// Options for rank `rank` of `world_size`, meeting at `master_addr:master_port`, one
+    /// rank per node, automatic backend, default timeouts.
+    pub fn new(
+        rank: usize,
+        world_size: usize,
+        master_addr: impl Into<String>,
+        master_port: u16,
+    ) -> Self {
+        Options {
+            rank,
+            world_size,
+            local_rank: rank,
+            local_world_size: world_size,
+            master_addr: master_addr.into(),
+            master_port,
+            run_id: "ddp-comm".to_string(),
+            backend: None,
+            rendezvous_timeout: DEFAULT_RENDEZVOUS_TIMEOUT,
+            op_timeout: DEFAULT_OP_TIMEOUT,
+            agent_store: false,
+            restart_count: 0,
+            socket_buffer: DEFAULT_SOCKET_BUFFER,
+        }
+    }
+
+    /// Options from the environment (see [`EnvConfig`]).
+    pub fn from_env() -> Result<Self, CommError> {
+        Ok(Self::from_config(&EnvConfig::from_env()?))
+    }
+
+    /// Options from an already-read environment.
+    pub fn from_config(c: &EnvConfig) -> Self {
+        Options {
+            local_rank: c.local_rank,
+            local_world_size: c.local_world_size,
+            run_id: c.run_id.clone(),
+            agent_store: c.agent_store,
+            restart_count: c.restart_count,
+            rendezvous_timeout: c.rendezvous_timeout.unwrap_or(DEFAULT_RENDEZVOUS_TIMEOUT),
+            op_timeout: c.op_timeout.unwrap_or(DEFAULT_OP_TIMEOUT),
+            ..Options::new(c.rank, c.world_size, c.master_addr.clone(), c.master_port)
+        }
+    }
+
+    /// Chooses the backend explicitly.
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+
+    /// Sets the rendezvous timeout.
+    pub fn rendezvous_timeout(mut self, timeout: Duration) -> Self {
+        self.rendezvous_timeout = timeout;
+        self
+    }
+
+    /// Sets the timeout of each collective.
+    pub fn op_timeout(mut self, timeout: Duration) -> Self {
+        self.op_timeout = timeout;
+        self
+    }
+
+    /// Sets the run id (the token peers must present).
+    pub fn run_id(mut self, run_id: impl Into<String>) -> Self {
+        self.run_id = run_id.into();
+        self
+    }
+
+    /// Sets the node-local rank and world size.
+    pub fn local(mut self, local_rank: usize, local_world_size: usize) -> Self {
+        self.local_rank = local_rank;
+        self.local_world_size = local_world_size;
+        self
+    }
+}
+
+/// A group of ranks that run collectives together.
+///
+/// Every rank must call the same collectives in the same order with the same sizes;
+/// mismatches are detected and reported as [`CommError::Mismatch`]. Methods take `&self`
+/// and serialise internally; the group is `Send + Sync`. After any failed collective the
+/// group is unusable ([`CommError::Poisoned`]) and the neighbours see the failure too.
+pub struct ProcessGroup {
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+    local_world_size: usize,
+    backend: Backend,
+    op_timeout: Duration,
+    tcp: Mutex<TcpBackend>,
+    nccl: Mutex<Option<NcclComm>>,
+    store: Mutex<Option<Box<dyn Store>>>,
+    _server: Option<StoreServer>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("local_rank", &self.local_rank)
+            .field("backend", &self.backend)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl ProcessGroup {
+    /// Joins the group described by the environment: torchrun's variables, else SLURM's,
+    /// else rank 0 of 1 (see [`EnvConfig`]).
+    pub fn from_env() -> Result<Self, CommError> {
+        Self::new(Options::from_env()?)
+    }
+
+    /// Joins the group described by `opts` (blocks until every rank has arrived, or the
+    /// rendezvous timeout).
+    pub fn new(opts: Options) -> Result<Self, CommError> {
+        if opts.world_size == 0 {
+            return Err(CommError::InvalidArgument("world size 0".into()));
+        }
+        let backend = opts.backend.unwrap_or_else(|| {
+            if crate::cuda::device_count() > 0 && nccl_sys::Nccl::load().is_ok() {
+                Backend::Nccl
+            } else {
+                Backend::Tcp
+            }
+        });
+        let plan = Plan {
+            rank: opts.rank,
+            world_size: opts.world_size,
+            master_addr: opts.master_addr.clone(),
+            master_port: opts.master_port,
+            token: opts.run_id.as_bytes().to_vec(),
+            agent_store: opts.agent_store,
+            key_prefix: format!("/ddp-comm/{}/{}/", opts.run_id, opts.restart_count),
+            timeout: opts.rendezvous_timeout,
+            socket_buffer: opts.socket_buffer,
+        };
+        let met = rendezvous::meet(&plan)?;
+        let tcp = TcpBackend::new(opts.rank, opts.world_size, met.link, opts.op_timeout)?;
+        let group = ProcessGroup {
+            rank: opts.rank,
+            world_size: opts.world_size,
+            local_rank: opts.local_rank,
+            local_world_size: opts.local_world_size,
+            backend,
+            op_timeout: opts.op_timeout,
+            tcp: Mutex::new(tcp),
+            nccl: Mutex::new(None),
+            store: Mutex::new(met.store),
+            _server: met.server,
+        };
+        if opts.backend == Some(Backend::Nccl) {
+            drop(group.nccl()?);
+        }
+        Ok(group)
+    }
+
+    /// This process's rank, `0..world_size()`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Rank on this node: the CUDA device this rank uses.
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    /// Number of ranks on this node.
+    pub fn local_world_size(&self) -> usize {
+        self.local_world_size
+    }
+
+    /// The backend that carries CUDA tensors ([`Backend::Tcp`]: none, CPU only).
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// The communicator, created at first use: TCP barrier (all ranks alive), unique id
+    /// from rank 0 through the store, `cudaSetDevice(local_rank)`, `ncclCommInitRank`.
+    fn nccl(&self) -> Result<MutexGuard<'_, Option<NcclComm>>, CommError> {
+        let mut guard = lock(&self.nccl);
+        if guard.is_some() {
+            return Ok(guard);
+        }
+        if self.backend != Backend::Nccl {
+            return Err(CommError::Tensor {
+                backend: "tcp",
+                detail: "CUDA tensors need the NCCL backend".into(),
+            });
+        }
+        lock(&self.tcp).barrier()?;
+        let id = if self.world_size == 1 {
+            nccl::unique_id()?
+        } else {
+            let mut store = lock(&self.store);
+            let store = store
+                .as_mut()
+                .ok_or_else(|| CommError::InvalidArgument("no store".into()))?;
+            if self.rank == 0 {
+                let id = nccl::unique_id()?;
+                store.set("nccl/uid", &id.internal)?;
+                id
+            } else {
+                let deadline = std::time::Instant::now() + self.op_timeout;
+                rendezvous::wait_keys(
+                    store.as_mut(),
+                    &["nccl/uid".to_string()],
+                    deadline,
+                    self.op_timeout,
+                    |_| Some(0),
+                )?;
+                let bytes = store.get("nccl/uid")?.unwrap_or_default();
+                let internal = bytes.try_into().map_err(|b: Vec<u8>| CommError::Store {
+                    addr: store.addr().to_string(),
+                    detail: format!("NCCL unique id has {} bytes, expected 128", b.len()),
+                })?;
+                nccl_sys::ncclUniqueId { internal }
+            }
+        };
+        let comm = NcclComm::init(
+            self.rank,
+            self.world_size,
+            self.local_rank,
+            id,
+            self.op_timeout,
+        )?;
+        if self.rank == 0 {
+            println!(
+                "ddp-comm: NCCL {} initialised, {} ranks",
+                nccl::version()?,
+                self.world_size
+            );
+        }
+        *guard = Some(comm);
+        Ok(guard)
+    }
+
+    /// In-place all-reduce of a contiguous tensor (CPU: TCP; CUDA: NCCL).
+    pub fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
+        match t.device() {
+            Device::Cpu => {
+                let (bytes, dtype) = cpu_bytes(t)?;
+                lock(&self.tcp).all_reduce(bytes, dtype, op)
+            }
+            Device::Cuda(_) => {
+                let (ptr, count, dtype) = self.cuda_buffer(t)?;
+                let mut comm = self.nccl()?;
+                // SAFETY: `cuda_buffer` checked that `t` is a defined contiguous tensor of
+                // `count` elements of `dtype` on the communicator's device.
+                unsafe {
+                    comm.as_mut()
+                        .map_or(Ok(()), |c| c.all_reduce(ptr, count, dtype, op))
+                }
+            }
+            other => Err(unsupported_device(other)),
+        }
+    }
+
+    /// Broadcasts a contiguous tensor from `root` into every rank's `t` (same shape and
+    /// dtype everywhere).
+    pub fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), CommError> {
+        self.check_root(root)?;
+        match t.device() {
+            Device::Cpu => {
+                let (bytes, _) = cpu_bytes(t)?;
+                lock(&self.tcp).broadcast(bytes, root)
+            }
+            Device::Cuda(_) => {
+                let (ptr, count, dtype) = self.cuda_buffer(t)?;
+                let mut comm = self.nccl()?;
+                // SAFETY: as in `all_reduce`.
+                unsafe {
+                    comm.as_mut()
+                        .map_or(Ok(()), |c| c.broadcast(ptr, count, dtype, root))
+                }
+            }
+            other => Err(unsupported_device(other)),
+        }
+    }
+
+    /// Gathers every rank's `t` (same shape and dtype everywhere); element `r` of the result
+    /// is rank `r`'s tensor. The results are views of one new tensor on `t`'s device.
+    pub fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>, CommError> {
+        let n = self.world_size as i64;
+        let mut shape = vec![n];
+        shape.extend(t.size());
+        let out = Tensor::empty(shape.as_slice(), (t.kind(), t.device()));
+        match t.device() {
+            Device::Cpu => {
+                let mut input = t.shallow_clone();
+                let (src, _) = cpu_bytes(&mut input)?;
+                let mut target = out.shallow_clone();
+                let (dst, _) = cpu_bytes(&mut target)?;
+                lock(&self.tcp).all_gather(src, dst)?;
+            }
+            Device::Cuda(_) => {
+                let (src, count, dtype) = self.cuda_buffer(t)?;
+                let (dst, _, _) = self.cuda_buffer(&out)?;
+                let mut comm = self.nccl()?;
+                // SAFETY: `src` holds `count` elements and `dst` (a fresh contiguous tensor
+                // of `n` times the shape) `n * count`, both on the communicator's device.
+                unsafe {
+                    comm.as_mut()
+                        .map_or(Ok(()), |c| c.all_gather(src, dst, count, dtype))?
+                }
+            }
+            other => return Err(unsupported_device(other)),
+        }
+        Ok((0..n).map(|r| out.get(r)).collect())
+    }
+
+    /// Returns once every rank has called `barrier` (and, with NCCL initialised, this
+    /// rank's queued GPU work has finished).
+    pub fn barrier(&self) -> Result<(), CommError> {
+        if let Some(comm) = lock(&self.nccl).as_mut() {
+            comm.synchronize()?;
+        }
+        lock(&self.tcp).barrier()
+    }
+
+    /// In-place all-reduce of a slice over TCP (no tensors involved).
+    pub fn all_reduce_slice<T: Element>(
+        &self,
+        data: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        lock(&self.tcp).all_reduce(as_bytes_mut(data), T::DTYPE, op)
+    }
+
+    /// Broadcast of a slice from `root` over TCP.
+    pub fn broadcast_slice<T: Element>(
+        &self,
+        data: &mut [T],
+        root: usize,
+    ) -> Result<(), CommError> {
+        self.check_root(root)?;
+        lock(&self.tcp).broadcast(as_bytes_mut(data), root)
+    }
+
+    /// Gathers every rank's byte string (lengths may differ); element `r` is rank `r`'s.
+    pub fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        lock(&self.tcp).all_gather_bytes(data)
+    }
+
+    fn check_root(&self, root: usize) -> Result<(), CommError> {
+        if root >= self.world_size {
+            return Err(CommError::RankOutOfRange {
+                rank: root,
+                world_size: self.world_size,
+            });
+        }
+        Ok(())
+    }
+
+    fn cuda_buffer(
+        &self,
+        t: &Tensor,
+    ) -> Result<(*mut std::ffi::c_void, usize, nccl_sys::ncclDataType_t), CommError> {
+        let refuse = |detail: String| CommError::Tensor {
+            backend: "nccl",
+            detail,
+        };
+        if self.backend != Backend::Nccl {
+            return Err(CommError::Tensor {
+                backend: "tcp",
+                detail: format!(
+                    "tensor on {:?}: the TCP backend only takes CPU tensors",
+                    t.device()
+                ),
+            });
+        }
+        check_layout(t, "nccl")?;
+        let dtype = dtype_of(t.kind())
+            .ok_or_else(|| refuse(format!("dtype {:?} is not supported", t.kind())))?;
+        let nccl_dtype = nccl::nccl_dtype(dtype)
+            .ok_or_else(|| refuse(format!("dtype {:?} has no NCCL type", t.kind())))?;
+        if t.device() != Device::Cuda(self.local_rank) {
+            return Err(refuse(format!(
+                "tensor on {:?}, but this rank's device is cuda:{}",
+                t.device(),
+                self.local_rank
+            )));
+        }
+        Ok((t.data_ptr(), t.numel(), nccl_dtype))
+    }
+
+    /// Overrides the TCP pipeline segment size (for benchmarks).
+    #[doc(hidden)]
+    pub fn set_tcp_segment(&self, bytes: usize) {
+        lock(&self.tcp).set_segment(bytes);
+    }
+}
+
+fn unsupported_device(device: Device) -> CommError {
+    CommError::Tensor {
+        backend: "any",
+        detail: format!("device {device:?} is not supported"),
+    }
+}
+
+/// The element type of a tch kind, if collectives support it.
+pub fn dtype_of(kind: Kind) -> Option<DType> {
+    Some(match kind {
+        Kind::Uint8 => DType::U8,
+        Kind::Int8 => DType::I8,
+        Kind::Int16 => DType::I16,
+        Kind::Int => DType::I32,
+        Kind::Int64 => DType::I64,
+        Kind::Float => DType::F32,
+        Kind::Double => DType::F64,
+        Kind::Half => DType::F16,
+        Kind::BFloat16 => DType::BF16,
+        _ => return None,
+    })
+}
+
+fn check_layout(t: &Tensor, backend: &'static str) -> Result<(), CommError> {
+    if !t.defined() {
+        return Err(CommError::Tensor {
+            backend,
+            detail: "undefined tensor".into(),
+        });
+    }
+    if !t.is_contiguous() {
+        return Err(CommError::Tensor {
+            backend,
+            detail: format!(
+                "tensor of shape {:?} is not contiguous (call .contiguous())",
+                t.size()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The bytes of a contiguous CPU tensor and their element type.
+fn cpu_bytes(t: &mut Tensor) -> Result<(&mut [u8], DType), CommError> {
+    check_layout(t, "tcp")?;
+    let dtype = dtype_of(t.kind())
+        .filter(|d| d.cpu_reducible())
+        .ok_or_else(|| CommError::Tensor {
+            backend: "tcp",
+            detail: format!("dtype {:?} is not supported on CPU", t.kind()),
+        })?;
+    let len = t.numel() * dtype.size();
+    if len == 0 {
+        return Ok((&mut [], dtype));
+    }
+    let ptr = t.data_ptr().cast::<u8>();
+    // SAFETY: `t` is a defined, contiguous CPU tensor, so its data is `numel * element size`
+    // initialised bytes at `data_ptr`, aligned for its element type; the mutable borrow of
+    // `t` keeps this handle from being used while the slice lives (other tensors sharing
+    // the storage are the caller's responsibility, as in PyTorch).
+    Ok((unsafe { std::slice::from_raw_parts_mut(ptr, len) }, dtype))
+}

@@ -1,0 +1,332 @@
+//! The NCCL backend: one communicator per process group, on the device `cuda:LOCAL_RANK`.
+//!
+//! **Stream invariant.** Collectives are issued on the legacy default stream (the null
+//! `cudaStream_t`). tch has no stream API, and PyTorch runs every kernel of a device on that
+//! device's default stream, which is the legacy default stream unless a program selects
+//! another one (tch programs cannot). So the collective is ordered after the kernels that
+//! produced the tensor (e.g. backward) and before the kernels that read the result, exactly
+//! as if PyTorch had queued it.
+//!
+//! **Completion.** Each call waits until the stream has drained, polling `cudaStreamQuery`
+//! and `ncclCommGetAsyncError`; a peer that died or an operation that exceeds the timeout
+//! makes the communicator abort (`ncclCommAbort`) so that nothing hangs, and the group is
+//! unusable afterwards.
+//!
+//! **Init.** `ncclCommInitRank` blocks until every rank calls it, so callers first pass a TCP
+//! barrier (every rank is alive) and exchange the unique id through the store.
+
+use std::ffi::{c_int, c_void, CStr};
+use std::time::{Duration, Instant};
+
+use nccl_sys::{
+    cudaError_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId, Cudart, Nccl,
+};
+
+use crate::element::{DType, ReduceOp};
+use crate::error::CommError;
+
+/// An NCCL communicator bound to one device.
+#[derive(Debug)]
+pub(crate) struct NcclComm {
+    nccl: &'static Nccl,
+    cudart: &'static Cudart,
+    comm: ncclComm_t,
+    device: c_int,
+    timeout: Duration,
+    aborted: bool,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
+// concurrent; `ProcessGroup` keeps it behind a mutex.
+unsafe impl Send for NcclComm {}
+
+fn nccl_text(nccl: &Nccl, rc: ncclResult_t) -> String {
+    // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any code.
+    unsafe { CStr::from_ptr((nccl.ncclGetErrorString)(rc)) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn check_cuda(call: &'static str, rc: cudaError_t) -> Result<(), CommError> {
+    if rc == cudaError_t::cudaSuccess {
+        Ok(())
+    } else {
+        Err(CommError::Nccl {
+            call,
+            detail: crate::cuda::cuda_error_string(rc),
+        })
+    }
+}
+
+/// NCCL's element type for `dtype` (`Int16` has none).
+pub(crate) fn nccl_dtype(dtype: DType) -> Option<ncclDataType_t> {
+    Some(match dtype {
+        DType::U8 => ncclDataType_t::ncclUint8,
+        DType::I8 => ncclDataType_t::ncclInt8,
+        DType::I32 => ncclDataType_t::ncclInt32,
+        DType::I64 => ncclDataType_t::ncclInt64,
+        DType::F16 => ncclDataType_t::ncclFloat16,
+        DType::BF16 => ncclDataType_t::ncclBfloat16,
+        DType::F32 => ncclDataType_t::ncclFloat32,
+        DType::F64 => ncclDataType_t::ncclFloat64,
+        DType::I16 => return None,
+    })
+}
+
+fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => ncclRedOp_t::ncclMax,
+        ReduceOp::Min => ncclRedOp_t::ncclMin,
+    }
+}
+
+/// Creates a fresh unique id (rank 0 does this and publishes it through the store).
+pub(crate) fn unique_id() -> Result<ncclUniqueId, CommError> {
+    let nccl = Nccl::load()?;
+    let mut id = ncclUniqueId {
+        internal: [0; nccl_sys::NCCL_UNIQUE_ID_BYTES],
+    };
+    // SAFETY: `id` is a valid, writable ncclUniqueId.
+    let rc = unsafe { (nccl.ncclGetUniqueId)(&mut id) };
+    if rc != ncclResult_t::ncclSuccess {
+        return Err(CommError::Nccl {
+            call: "ncclGetUniqueId",
+            detail: nccl_text(nccl, rc),
+        });
+    }
+    Ok(id)
+}
+
+/// The loaded NCCL's version as `"major.minor.patch"`.
+pub fn version() -> Result<String, CommError> {
+    let nccl = Nccl::load()?;
+    let mut code = 0;
+    // SAFETY: `code` is a valid out-pointer.
+    let rc = unsafe { (nccl.ncclGetVersion)(&mut code) };
+    if rc != ncclResult_t::ncclSuccess {
+        return Err(CommError::Nccl {
+            call: "ncclGetVersion",
+            detail: nccl_text(nccl, rc),
+        });
+    }
+    Ok(nccl_sys::version_string(code))
+}
+
+impl NcclComm {
+    /// `cudaSetDevice(device)` then `ncclCommInitRank`.
+    pub(crate) fn init(
+        rank: usize,
+        world: usize,
+        device: usize,
+        id: ncclUniqueId,
+        timeout: Duration,
+    ) -> Result<Self, CommError> {
+        let nccl = Nccl::load()?;
+        let cudart = Cudart::load()?;
+        let device = device as c_int;
+        // SAFETY: plain CUDA runtime call with a device ordinal.
+        check_cuda("cudaSetDevice", unsafe { (cudart.cudaSetDevice)(device) })?;
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid out-pointer; `id` is passed by value as the C API expects.
+        let rc = unsafe { (nccl.ncclCommInitRank)(&mut comm, world as c_int, id, rank as c_int) };
+        if rc != ncclResult_t::ncclSuccess {
+            return Err(CommError::Nccl {
+                call: "ncclCommInitRank",
+                detail: format!(
+                    "rank {rank} of {world} on cuda:{device}: {}",
+                    nccl_text(nccl, rc)
+                ),
+            });
+        }
+        Ok(NcclComm {
+            nccl,
+            cudart,
+            comm,
+            device,
+            timeout,
+            aborted: false,
+        })
+    }
+
+    fn check(&mut self, call: &'static str, rc: ncclResult_t) -> Result<(), CommError> {
+        if rc == ncclResult_t::ncclSuccess {
+            return Ok(());
+        }
+        // SAFETY: `self.comm` is a live communicator; the returned string is owned by NCCL.
+        let last = unsafe { (self.nccl.ncclGetLastError)(self.comm) };
+        let last = if last.is_null() {
+            String::new()
+        } else {
+            // SAFETY: non-null NUL-terminated string owned by NCCL.
+            unsafe { CStr::from_ptr(last) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        Err(CommError::Nccl {
+            call,
+            detail: format!("{} {last}", nccl_text(self.nccl, rc))
+                .trim()
+                .to_string(),
+        })
+    }
+
+    /// Waits for the default stream to drain, aborting on an async error or the timeout.
+    fn wait(&mut self, op: &'static str) -> Result<(), CommError> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(20);
+        loop {
+            // SAFETY: querying the legacy default stream of the current device.
+            let q = unsafe { (self.cudart.cudaStreamQuery)(std::ptr::null_mut()) };
+            if q == cudaError_t::cudaSuccess {
+                return Ok(());
+            }
+            if q != cudaError_t::cudaErrorNotReady {
+                return Err(self.abort(CommError::Nccl {
+                    call: "cudaStreamQuery",
+                    detail: crate::cuda::cuda_error_string(q),
+                }));
+            }
+            let mut async_rc = ncclResult_t::ncclSuccess;
+            // SAFETY: `self.comm` is live and `async_rc` is a valid out-pointer.
+            let rc = unsafe { (self.nccl.ncclCommGetAsyncError)(self.comm, &mut async_rc) };
+            if rc != ncclResult_t::ncclSuccess
+                || (async_rc != ncclResult_t::ncclSuccess
+                    && async_rc != ncclResult_t::ncclInProgress)
+            {
+                let bad = if rc != ncclResult_t::ncclSuccess {
+                    rc
+                } else {
+                    async_rc
+                };
+                let detail = format!("{op}: {}", nccl_text(self.nccl, bad));
+                return Err(self.abort(CommError::Nccl {
+                    call: "ncclCommGetAsyncError",
+                    detail,
+                }));
+            }
+            if start.elapsed() > self.timeout {
+                return Err(self.abort(CommError::Timeout {
+                    op,
+                    timeout: self.timeout,
+                    peers: Vec::new(),
+                }));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    fn abort(&mut self, err: CommError) -> CommError {
+        if !self.aborted {
+            // SAFETY: `self.comm` is live; after abort it is never used again.
+            unsafe { (self.nccl.ncclCommAbort)(self.comm) };
+            self.aborted = true;
+        }
+        err
+    }
+
+    fn enter(&mut self) -> Result<(), CommError> {
+        if self.aborted {
+            return Err(CommError::Poisoned(
+                "the NCCL communicator was aborted".into(),
+            ));
+        }
+        // SAFETY: plain CUDA runtime call with the communicator's device ordinal.
+        check_cuda("cudaSetDevice", unsafe {
+            (self.cudart.cudaSetDevice)(self.device)
+        })
+    }
+
+    /// In-place all-reduce of `count` elements at device pointer `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` must point to `count` elements of `dtype` in memory of this communicator's device.
+    pub(crate) unsafe fn all_reduce(
+        &mut self,
+        ptr: *mut c_void,
+        count: usize,
+        dtype: ncclDataType_t,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.enter()?;
+        // SAFETY: the caller guarantees the buffer; stream null = legacy default stream.
+        let rc = unsafe {
+            (self.nccl.ncclAllReduce)(
+                ptr,
+                ptr,
+                count,
+                dtype,
+                nccl_op(op),
+                self.comm,
+                std::ptr::null_mut(),
+            )
+        };
+        self.check("ncclAllReduce", rc)?;
+        self.wait("all_reduce")
+    }
+
+    /// In-place broadcast from `root`.
+    ///
+    /// # Safety
+    /// As [`NcclComm::all_reduce`].
+    pub(crate) unsafe fn broadcast(
+        &mut self,
+        ptr: *mut c_void,
+        count: usize,
+        dtype: ncclDataType_t,
+        root: usize,
+    ) -> Result<(), CommError> {
+        self.enter()?;
+        // SAFETY: the caller guarantees the buffer; stream null = legacy default stream.
+        let rc = unsafe {
+            (self.nccl.ncclBroadcast)(
+                ptr,
+                ptr,
+                count,
+                dtype,
+                root as c_int,
+                self.comm,
+                std::ptr::null_mut(),
+            )
+        };
+        self.check("ncclBroadcast", rc)?;
+        self.wait("broadcast")
+    }
+
+    /// All-gather of `count` elements per rank from `send` into `recv` (`world * count`).
+    ///
+    /// # Safety
+    /// `send` must hold `count` and `recv` `world * count` elements on this device.
+    pub(crate) unsafe fn all_gather(
+        &mut self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: ncclDataType_t,
+    ) -> Result<(), CommError> {
+        self.enter()?;
+        // SAFETY: the caller guarantees both buffers; stream null = legacy default stream.
+        let rc = unsafe {
+            (self.nccl.ncclAllGather)(send, recv, count, dtype, self.comm, std::ptr::null_mut())
+        };
+        self.check("ncclAllGather", rc)?;
+        self.wait("all_gather")
+    }
+
+    /// Waits for all queued work on the device's default stream.
+    pub(crate) fn synchronize(&mut self) -> Result<(), CommError> {
+        self.enter()?;
+        self.wait("synchronize")
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        if !self.aborted {
+            // SAFETY: `self.comm` is live and not used after this point.
+            unsafe { (self.nccl.ncclCommDestroy)(self.comm) };
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! Multi-process test harness: a test re-runs its own test binary once per rank, filtered
+//! to itself (`--exact <name>`), with torchrun's environment set; inside such a child,
+//! [`worker`] is true and the test runs the rank's body instead of spawning.
+
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// Set in worker processes.
+pub const WORKER_ENV: &str = "DDP_COMM_TEST_WORKER";
+
+/// Whether this process is a rank spawned by a test.
+pub fn worker() -> bool {
+    std::env::var_os(WORKER_ENV).is_some()
+}
+
+/// This worker's rank and world size, from the environment the parent set.
+pub fn rank_world() -> (usize, usize) {
+    let get = |k: &str| std::env::var(k).unwrap().parse::<usize>().unwrap();
+    (get("RANK"), get("WORLD_SIZE"))
+}
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The command that runs test `test` of this binary as a worker.
+pub fn worker_command(test: &str) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", test, "--nocapture", "--test-threads", "1"])
+        .env(WORKER_ENV, "1")
+        .env_remove("RUST_TEST_THREADS")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// Spawns rank `rank` of `world` for `test`, meeting on `port`.
+pub fn spawn_rank(
+    test: &str,
+    rank: usize,
+    world: usize,
+    port: u16,
+    extra: &[(&str, String)],
+) -> Child {
+    let mut cmd = worker_command(test);
+    cmd.env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("DDP_RUN_ID", format!("test-{port}"))
+        .env("DDP_RDZV_TIMEOUT_S", "60")
+        .env("DDP_OP_TIMEOUT_S", "60");
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    cmd.spawn().unwrap()
+}
+
+/// Waits for every child, killing all of them if `limit` passes. Returns outputs in order.
+pub fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
+    let pids: Vec<u32> = children.iter().map(Child::id).collect();
+    let (tx, rx) = mpsc::channel();
+    for (i, child) in children.into_iter().enumerate() {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send((i, child.wait_with_output()));
+        });
+    }
+    drop(tx);
+    let deadline = Instant::now() + limit;
+    let mut outputs: Vec<Option<Output>> = (0..pids.len()).map(|_| None).collect();
+    for _ in 0..pids.len() {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok((i, out)) => outputs[i] = Some(out.unwrap()),
+            Err(_) => {
+                for pid in &pids {
+                    // SAFETY: sending SIGKILL to our own child processes by pid.
+                    unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
+                }
+                panic!("ranks did not finish within {limit:?}");
+            }
+        }
+    }
+    outputs.into_iter().map(Option::unwrap).collect()
+}
+
+/// Text of a worker's output, for assertion messages.
+pub fn show(out: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Runs `test` with `world` ranks and asserts every rank succeeded.
+pub fn run_world(test: &str, world: usize, extra: &[(&str, String)]) -> Vec<Output> {
+    let port = free_port();
+    let children = (0..world)
+        .map(|r| spawn_rank(test, r, world, port, extra))
+        .collect();
+    let outputs = wait_all(children, Duration::from_secs(120));
+    for (rank, out) in outputs.iter().enumerate() {
+        assert!(
+            out.status.success(),
+            "rank {rank} of {world} failed:\n{}",
+            show(out)
+        );
+    }
+    outputs
+}
+
+/// Stdout lines of a worker starting with `prefix` (with the prefix removed).
+pub fn lines_with(out: &Output, prefix: &str) -> Vec<String> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix(prefix).map(str::to_string))
+        .collect()
+}
