@@ -88,7 +88,10 @@
 //! A shuffled epoch materialises the permutation once, in `u32` slots while `N < 2^32`
 //! (4 bytes per index, freed when this rank's `N / R` indices have been copied out) and in
 //! `usize` slots otherwise (compacted in place): never more than one `usize` per index.
-//! Nothing is shared between ranks and no rank needs another's indices.
+//! Nothing is shared between ranks and no rank needs another's indices. The shuffle draws
+//! each swap partner 64 steps before using it and prefetches its slot, which changes the
+//! speed, not the order. `benches/sampler.rs` times one epoch for `N = 10^6` and `10^7`;
+//! `benches/reference_sampler.py` times PyTorch on the same sizes.
 #![warn(missing_docs)]
 
 mod batch;
