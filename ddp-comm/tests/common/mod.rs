@@ -122,10 +122,11 @@ pub fn run_world(test: &str, world: usize, extra: &[(&str, String)]) -> Vec<Outp
     outputs
 }
 
-/// Stdout lines of a worker starting with `prefix` (with the prefix removed).
+/// The rest of each stdout line of a worker after `prefix` (libtest's `--nocapture` puts
+/// `test name ... ` in front of the first line a test prints).
 pub fn lines_with(out: &Output, prefix: &str) -> Vec<String> {
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .filter_map(|l| l.strip_prefix(prefix).map(str::to_string))
+        .filter_map(|l| l.find(prefix).map(|at| l[at + prefix.len()..].to_string()))
         .collect()
 }
