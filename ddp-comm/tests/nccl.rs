@@ -1,0 +1,185 @@
+//! NCCL backend on CUDA tensors, one rank per GPU (up to 4). Written to run everywhere:
+//! without a GPU every test prints `skipped: <reason>` and returns. `cargo xtask gpu-check`
+//! runs them on a GPU machine.
+
+mod common;
+
+use common::{rank_world, run_world, worker};
+use ddp_comm::{Backend, CommError, Options, ProcessGroup, ReduceOp};
+use tch::{Device, Kind, Tensor};
+
+/// The number of GPUs to use, or why the test is skipped.
+fn gpus() -> Result<usize, String> {
+    if let Some(reason) = ddp_comm::cuda::no_gpu_reason() {
+        return Err(reason);
+    }
+    match ddp_comm::cuda::load_torch_cuda() {
+        Ok(true) => {}
+        Ok(false) => return Err("libtorch has no libtorch_cuda.so (CPU-only build)".into()),
+        Err(e) => return Err(e.to_string()),
+    }
+    let n = tch::Cuda::device_count() as usize;
+    if n == 0 {
+        return Err("tch sees no CUDA device".into());
+    }
+    Ok(n.min(4))
+}
+
+macro_rules! skip_without_gpu {
+    () => {
+        match gpus() {
+            Ok(n) => n,
+            Err(reason) => {
+                println!("skipped: {reason}");
+                return;
+            }
+        }
+    };
+}
+
+fn value(r: usize, i: usize) -> f64 {
+    ((r * 31 + i * 7) % 11 + r) as f64 - 5.0
+}
+
+fn group_on_gpu() -> (ProcessGroup, Device) {
+    assert!(ddp_comm::cuda::load_torch_cuda().unwrap());
+    let group = ProcessGroup::from_env().unwrap();
+    assert_eq!(group.backend(), Backend::Nccl);
+    let device = Device::Cuda(group.local_rank());
+    (group, device)
+}
+
+fn check_kind(group: &ProcessGroup, device: Device, kind: Kind, sizes: &[usize], tol: f64) {
+    let (rank, n) = rank_world();
+    for &size in sizes {
+        let mine: Vec<f64> = (0..size).map(|i| value(rank, i)).collect();
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            if kind == Kind::Uint8 && op == ReduceOp::Avg {
+                continue;
+            }
+            let base = if kind == Kind::Uint8 {
+                mine.iter().map(|v| v + 5.0).collect()
+            } else {
+                mine.clone()
+            };
+            let mut t = Tensor::from_slice(&base).to_kind(kind).to_device(device);
+            group.all_reduce(&mut t, op).unwrap();
+            let got: Vec<f64> =
+                Vec::try_from(&t.to_kind(Kind::Double).to_device(Device::Cpu)).unwrap();
+            for (i, g) in got.iter().enumerate() {
+                let shift = if kind == Kind::Uint8 { 5.0 } else { 0.0 };
+                let vals: Vec<f64> = (0..n).map(|r| value(r, i) + shift).collect();
+                let sum: f64 = vals.iter().sum();
+                let want = match op {
+                    ReduceOp::Sum => sum,
+                    ReduceOp::Avg if matches!(kind, Kind::Int | Kind::Int64) => {
+                        (sum / n as f64).trunc()
+                    }
+                    ReduceOp::Avg => sum / n as f64,
+                    ReduceOp::Max => vals.iter().cloned().fold(f64::MIN, f64::max),
+                    ReduceOp::Min => vals.iter().cloned().fold(f64::MAX, f64::min),
+                };
+                // Integer averages may round either way at .5 boundaries depending on NCCL.
+                let slack = if op == ReduceOp::Avg && tol == 0.0 {
+                    1.0
+                } else {
+                    0.0
+                };
+                assert!(
+                    (g - want).abs() <= tol * want.abs().max(1.0) + slack,
+                    "{kind:?} {op:?} size {size} rank {rank} element {i}: {g} != {want}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn nccl_all_reduce_every_op_and_dtype() {
+    if worker() {
+        let (group, device) = group_on_gpu();
+        let sizes = [0, 1, 7, 1_000_003];
+        for (kind, tol) in [
+            (Kind::Float, 1e-6),
+            (Kind::Double, 1e-12),
+            (Kind::Int, 0.0),
+            (Kind::Int64, 0.0),
+            (Kind::Uint8, 0.0),
+            (Kind::Half, 1e-2),
+            (Kind::BFloat16, 1e-2),
+        ] {
+            check_kind(&group, device, kind, &sizes, tol);
+        }
+        // 64 MiB of f32.
+        let mut big = Tensor::ones([16 << 20], (Kind::Float, device));
+        group.all_reduce(&mut big, ReduceOp::Sum).unwrap();
+        let n = group.world_size() as f64;
+        assert_eq!(big.min().double_value(&[]), n);
+        assert_eq!(big.max().double_value(&[]), n);
+        println!("rank {}: nccl all_reduce ok", group.rank());
+        return;
+    }
+    let n = skip_without_gpu!();
+    run_world("nccl_all_reduce_every_op_and_dtype", n, &[]);
+}
+
+#[test]
+fn nccl_broadcast_all_gather_and_barrier() {
+    if worker() {
+        let (group, device) = group_on_gpu();
+        let (rank, n) = rank_world();
+        for root in 0..n {
+            let mut t = Tensor::full([1000], rank as f64, (Kind::Float, device));
+            group.broadcast(&mut t, root).unwrap();
+            assert_eq!(t.min().double_value(&[]), root as f64);
+            assert_eq!(t.max().double_value(&[]), root as f64);
+        }
+        let t = Tensor::full([2, 3], rank as f64 * 10.0, (Kind::BFloat16, device));
+        let parts = group.all_gather(&t).unwrap();
+        assert_eq!(parts.len(), n);
+        for (r, p) in parts.iter().enumerate() {
+            assert_eq!(p.size(), [2, 3]);
+            assert_eq!(p.device(), device);
+            assert_eq!(
+                p.to_kind(Kind::Float).mean(Kind::Float).double_value(&[]),
+                r as f64 * 10.0
+            );
+        }
+        group.barrier().unwrap();
+        // CPU tensors keep working beside CUDA ones (TCP).
+        let mut cpu = Tensor::from_slice(&[rank as f32]);
+        group.all_reduce(&mut cpu, ReduceOp::Max).unwrap();
+        assert_eq!(cpu.double_value(&[0]), (n - 1) as f64);
+        // A tensor on another rank's GPU is refused.
+        if tch::Cuda::device_count() as usize > 1 {
+            let other = Device::Cuda((group.local_rank() + 1) % tch::Cuda::device_count() as usize);
+            let mut wrong = Tensor::zeros([4], (Kind::Float, other));
+            let err = group.all_reduce(&mut wrong, ReduceOp::Sum).unwrap_err();
+            assert!(matches!(err, CommError::Tensor { .. }), "{err:?}");
+        }
+        println!("rank {rank}: nccl broadcast/all_gather ok");
+        return;
+    }
+    let n = skip_without_gpu!();
+    run_world("nccl_broadcast_all_gather_and_barrier", n, &[]);
+}
+
+#[test]
+fn cuda_tensors_are_refused_by_the_tcp_backend() {
+    skip_without_gpu!();
+    let group =
+        ProcessGroup::new(Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Tcp)).unwrap();
+    let mut t = Tensor::zeros([4], (Kind::Float, Device::Cuda(0)));
+    let err = group.all_reduce(&mut t, ReduceOp::Sum).unwrap_err();
+    assert!(
+        matches!(err, CommError::Tensor { backend: "tcp", .. }),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn the_nccl_version_is_reported() {
+    // Runs everywhere: the version comes from the library, no GPU needed.
+    let version = ddp_comm::nccl_version().unwrap();
+    assert!(version.starts_with("2.29."), "{version}");
+}
