@@ -80,6 +80,7 @@ pub fn save(run: &Path, vs: &VarStore, adam: &Adam, state: &TrainState) -> Resul
     let model_path = dir.join(format!("{}.safetensors", stem(state.epoch)));
     let meta = HashMap::from([("epoch".to_owned(), state.epoch.to_string())]);
     checkpoint::save(vs, &model_path, &meta).map_err(|e| e.to_string())?;
+    pause_if_injected(state.epoch);
     let json = serde_json::to_string(state).map_err(|e| e.to_string())?;
     let meta = HashMap::from([(STATE_KEY.to_owned(), json)]);
     checkpoint::write_tensors(adam.state_tensors(), &meta, state_path(&model_path))
@@ -89,6 +90,16 @@ pub fn save(run: &Path, vs: &VarStore, adam: &Adam, state: &TrainState) -> Resul
         .and_then(|()| std::fs::rename(&tmp, dir.join("latest")))
         .map_err(|e| format!("cannot update {}: {e}", dir.join("latest").display()))?;
     Ok(model_path)
+}
+
+/// For the launcher's fault tests: `DDP_TRAIN_PAUSE_IN_CHECKPOINT=<epoch>` makes rank 0
+/// stop for a minute in the middle of writing that epoch's checkpoint (model file written,
+/// state file and `latest` not yet), so a test can kill it there.
+fn pause_if_injected(epoch: u64) {
+    if std::env::var("DDP_TRAIN_PAUSE_IN_CHECKPOINT").is_ok_and(|e| e == epoch.to_string()) {
+        eprintln!("pausing inside the checkpoint of epoch {epoch} (DDP_TRAIN_PAUSE_IN_CHECKPOINT)");
+        std::thread::sleep(std::time::Duration::from_secs(60));
+    }
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {

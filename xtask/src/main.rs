@@ -3,6 +3,7 @@
 //! xtask must build before libtorch exists (it is what installs libtorch), so it never
 //! depends on tch; it drives the other crates through `cargo` and their binaries.
 
+mod launch;
 mod setup;
 
 use std::path::{Path, PathBuf};
@@ -27,8 +28,9 @@ enum Cmd {
     Setup(setup::SetupArgs),
     /// Run setup, then every test of the workspace, `cargo fmt --check` and clippy.
     Test,
-    /// Train the ConvNet. For now: a few single-process steps on random tensors.
-    Train,
+    /// Train the ConvNet with N ranks (default: every GPU, else 2 CPU ranks) on --data, or on
+    /// the built-in synthetic ODIR sample.
+    Train(launch::TrainArgs),
     /// Write a synthetic ODIR sample (full_df.csv + preprocessed_images/) to a folder.
     GenData(GenDataArgs),
 }
@@ -50,12 +52,12 @@ struct GenDataArgs {
 }
 
 fn main() -> Result<()> {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(launch::launcher_flags_first(std::env::args().collect()));
     let root = project_root();
     match cli.command {
         Cmd::Setup(args) => setup::run(&root, &args).map(drop),
         Cmd::Test => test(&root),
-        Cmd::Train => train(&root),
+        Cmd::Train(args) => train(&root, args),
         Cmd::GenData(args) => gen_data(&args),
     }
 }
@@ -112,22 +114,13 @@ fn test(root: &Path) -> Result<()> {
     Ok(())
 }
 
-fn train(root: &Path) -> Result<()> {
+fn train(root: &Path, args: launch::TrainArgs) -> Result<()> {
     setup::run(root, &setup::SetupArgs::default())?;
-    println!(
-        "xtask: distributed training is not built yet; training the ConvNet for a few \
-         single-process steps on random tensors instead"
-    );
-    let mut cmd = cargo();
-    cmd.args([
-        "run",
-        "--release",
-        "-p",
-        "ddp-model",
-        "--example",
-        "random_steps",
-    ]);
-    run(root, cmd)
+    let code = launch::run(root, args)?;
+    if code != 0 {
+        std::process::exit(code);
+    }
+    Ok(())
 }
 
 fn gen_data(args: &GenDataArgs) -> Result<()> {
