@@ -17,8 +17,11 @@ use crate::tcp::TcpBackend;
 pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default timeout of one collective.
 pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(300);
-/// Default kernel send/receive buffer of ring sockets.
-pub const DEFAULT_SOCKET_BUFFER: usize = 4 << 20;
+/// Default kernel send/receive buffer of ring sockets: 0, Linux's autotuning, which grows
+/// each socket's buffers up to `net.ipv4.tcp_rmem`/`tcp_wmem` (32 MiB / 4 MiB here).
+/// Setting `SO_RCVBUF` explicitly turns autotuning off and caps the buffer at
+/// `net.core.rmem_max`; on loopback that measured slower (see the README).
+pub const DEFAULT_SOCKET_BUFFER: usize = 0;
 
 /// Which engine carries CUDA tensors (CPU tensors always travel over TCP).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -67,7 +70,8 @@ pub struct Options {
     pub agent_store: bool,
     /// torchrun's restart count (keeps keys of restarted workers apart).
     pub restart_count: u64,
-    /// Kernel socket buffer size for ring sockets (0 leaves the kernel's autotuning).
+    /// Kernel socket buffer size for ring sockets in bytes; 0 (the default) leaves Linux's
+    /// autotuning, which grows buffers as large as the sysctl limits allow.
     pub socket_buffer: usize,
 }
 
@@ -471,6 +475,12 @@ impl ProcessGroup {
     #[doc(hidden)]
     pub fn set_tcp_segment(&self, bytes: usize) {
         lock(&self.tcp).set_segment(bytes);
+    }
+
+    /// Overrides the TCP latency-path threshold (for benchmarks).
+    #[doc(hidden)]
+    pub fn set_tcp_small_threshold(&self, bytes: usize) {
+        lock(&self.tcp).set_small(bytes);
     }
 }
 

@@ -85,6 +85,7 @@ pub(crate) struct TcpBackend {
     link: Option<Link>,
     timeout: Duration,
     segment: usize,
+    small: usize,
     schedule: Schedule,
     pieces: Vec<Span>,
     scratch: Vec<i64>,
@@ -112,6 +113,7 @@ impl TcpBackend {
             link,
             timeout,
             segment: SEGMENT,
+            small: SMALL_BYTES,
             schedule: Schedule::default(),
             pieces: Vec::new(),
             scratch: Vec::new(),
@@ -201,7 +203,7 @@ impl TcpBackend {
         }
         let head = header(Kind::AllReduce, dtype_code(dtype), op_code(op), buf.len());
         let elem = dtype.size();
-        if buf.len() * (n - 1) <= SMALL_BYTES {
+        if buf.len() * (n - 1) <= self.small {
             // Latency path: gather every rank's buffer, then reduce in rank order.
             let len = buf.len();
             let words = (len * n).div_ceil(8);
@@ -317,8 +319,12 @@ impl TcpBackend {
         )
     }
 
+    /// Overrides the latency-path threshold (benchmarks).
+    pub(crate) fn set_small(&mut self, bytes: usize) {
+        self.small = bytes;
+    }
+
     /// Overrides the segment size (benchmarks).
-    #[doc(hidden)]
     pub(crate) fn set_segment(&mut self, bytes: usize) {
         self.segment = bytes.max(8) / 8 * 8;
         let _ = self.scratch_bytes(self.segment);

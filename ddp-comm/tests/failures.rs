@@ -44,7 +44,7 @@ fn rendezvous_timeout_names_the_missing_rank_and_address() {
         return;
     }
     let port = free_port();
-    let extra = env(&[("DDP_RDZV_TIMEOUT_S", "2")]);
+    let extra = env(&[("DDP_RDZV_TIMEOUT_S", "6")]);
     let start = Instant::now();
     let children = (0..2)
         .map(|r| {
