@@ -12,7 +12,9 @@ use zune_jpeg::zune_core::colorspace::ColorSpace;
 use zune_jpeg::zune_core::options::DecoderOptions;
 use zune_jpeg::JpegDecoder;
 
+use crate::crop::SourceRegion;
 use crate::error::DataError;
+use crate::scaled_jpeg;
 
 /// A decoded image: `height` rows of `width` RGB pixels, 3 bytes each, row-major.
 #[derive(Debug, Clone, Copy)]
@@ -33,6 +35,16 @@ pub struct Decoder {
     pixels: Vec<u8>,
     width: u32,
     height: u32,
+}
+
+const TRUNCATED: &str = "truncated JPEG: no end-of-image marker (0xFFD9) at the end of the file";
+
+fn jpeg_options() -> DecoderOptions {
+    DecoderOptions::default()
+        .set_strict_mode(true)
+        .set_max_width(1 << 16)
+        .set_max_height(1 << 16)
+        .jpeg_set_out_colorspace(ColorSpace::RGB)
 }
 
 fn decode_error(path: &Path, message: impl std::fmt::Display) -> DataError {
@@ -77,6 +89,56 @@ impl Decoder {
         Ok(self.view())
     }
 
+    /// Reads `path` into this decoder's file buffer, for [`Self::jpeg_header`] and the
+    /// decode calls that follow.
+    pub(crate) fn load(&mut self, path: &Path) -> Result<(), DataError> {
+        self.read_file(path)
+    }
+
+    /// Size of the loaded file if it is a JPEG that the reduced-size decoder can take
+    /// (upright, YCbCr/RGB/grey), else `None`.
+    pub(crate) fn scalable_jpeg_size(&self) -> Option<(u32, u32)> {
+        if !is_jpeg(&self.file) {
+            return None;
+        }
+        let mut decoder =
+            JpegDecoder::new_with_options(ZCursor::new(&self.file[..]), jpeg_options());
+        decoder.decode_headers().ok()?;
+        let info = decoder.info()?;
+        let upright = decoder
+            .exif()
+            .and_then(|exif| Orientation::from_exif_chunk(exif))
+            .is_none_or(|o| o == Orientation::NoTransforms);
+        let colour = decoder.input_colorspace()?;
+        (upright && scaled_jpeg::supports(colour))
+            .then_some((u32::from(info.width), u32::from(info.height)))
+    }
+
+    /// Decodes the loaded file in full (see [`Self::decode_file`]).
+    pub(crate) fn decode_loaded_file(&mut self, path: &Path) -> Result<RgbView<'_>, DataError> {
+        self.decode_loaded(path)?;
+        Ok(self.view())
+    }
+
+    /// Decodes the part of the loaded JPEG that covers `region` at scale `1 / denom`; returns
+    /// it and the region in its coordinates. Only for files [`Self::scalable_jpeg_size`]
+    /// accepts.
+    pub(crate) fn decode_jpeg_part(
+        &mut self,
+        path: &Path,
+        denom: u32,
+        region: SourceRegion,
+    ) -> Result<(RgbView<'_>, SourceRegion), DataError> {
+        if !has_end_marker(&self.file) {
+            return Err(decode_error(path, TRUNCATED));
+        }
+        let part = scaled_jpeg::decode_part(&self.file, denom, region, &mut self.pixels)
+            .map_err(|m| decode_error(path, format!("corrupt JPEG data: {m}")))?;
+        self.width = part.width;
+        self.height = part.height;
+        Ok((self.view(), part.region))
+    }
+
     fn view(&self) -> RgbView<'_> {
         RgbView {
             width: self.width,
@@ -109,17 +171,10 @@ impl Decoder {
 
     fn decode_jpeg(&mut self, path: &Path) -> Result<(), DataError> {
         if !has_end_marker(&self.file) {
-            return Err(decode_error(
-                path,
-                "truncated JPEG: no end-of-image marker (0xFFD9) at the end of the file",
-            ));
+            return Err(decode_error(path, TRUNCATED));
         }
-        let options = DecoderOptions::default()
-            .set_strict_mode(true)
-            .set_max_width(1 << 16)
-            .set_max_height(1 << 16)
-            .jpeg_set_out_colorspace(ColorSpace::RGB);
-        let mut decoder = JpegDecoder::new_with_options(ZCursor::new(&self.file[..]), options);
+        let mut decoder =
+            JpegDecoder::new_with_options(ZCursor::new(&self.file[..]), jpeg_options());
         decoder
             .decode_headers()
             .map_err(|e| decode_error(path, format!("not a valid JPEG: {e:?}")))?;

@@ -43,6 +43,7 @@ pub mod decode;
 mod error;
 pub mod loader;
 pub mod rng;
+mod scaled_jpeg;
 pub mod split;
 pub mod synthetic;
 #[cfg(feature = "tch")]

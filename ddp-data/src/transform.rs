@@ -184,6 +184,7 @@ pub struct Pipeline {
     decoder: Decoder,
     resizer: Resizer,
     resized: Vec<u8>,
+    reduced_dct: bool,
 }
 
 impl Default for Pipeline {
@@ -234,7 +235,16 @@ impl Pipeline {
             decoder: Decoder::new(),
             resizer: Resizer::new(),
             resized: Vec::new(),
+            reduced_dct: true,
         }
+    }
+
+    /// Turns the reduced-size JPEG decoding off (`false`: every image is decoded in full
+    /// before cropping) or back on (the default). The crop boxes are the same either way;
+    /// the pixels differ only by the small filtering difference of the smaller IDCT.
+    pub fn with_reduced_dct(mut self, on: bool) -> Self {
+        self.reduced_dct = on;
+        self
     }
 
     /// Decodes `path`, applies `transform` with draws from `rng`, and writes the
@@ -246,14 +256,41 @@ impl Pipeline {
         rng: &mut SampleRng,
         out: &mut [f32],
     ) -> Result<(), DataError> {
-        let image = self.decoder.decode_file(path)?;
-        let placement = transform.placement(image.height, image.width, rng);
+        let size = transform.output_size();
+        self.decoder.load(path)?;
+        let scalable = if self.reduced_dct {
+            self.decoder.scalable_jpeg_size()
+        } else {
+            None
+        };
+        let (image, placement, region) = match scalable {
+            Some((width, height)) => {
+                // Choose the crop in full-resolution coordinates first (the same draws as a
+                // full decode), then decode only what it needs, as small as it allows.
+                let placement = transform.placement(height, width, rng);
+                let denom = dct_reduction(placement.region, size);
+                if denom > 1 {
+                    let (image, region) =
+                        self.decoder
+                            .decode_jpeg_part(path, denom, placement.region)?;
+                    (image, placement, region)
+                } else {
+                    let image = self.decoder.decode_loaded_file(path)?;
+                    (image, placement, placement.region)
+                }
+            }
+            None => {
+                let image = self.decoder.decode_loaded_file(path)?;
+                let placement = transform.placement(image.height, image.width, rng);
+                (image, placement, placement.region)
+            }
+        };
         resize_region(
             &mut self.resizer,
             &mut self.resized,
             image,
-            placement.region,
-            transform.output_size(),
+            region,
+            size,
             path,
         )?;
         to_tensor(
@@ -265,6 +302,16 @@ impl Pipeline {
         );
         Ok(())
     }
+}
+
+/// The largest JPEG DCT scale-down (8, 4, 2 or 1) after which `region` still has at least
+/// `size` pixels in both directions, so the final resize only ever shrinks.
+fn dct_reduction(region: SourceRegion, size: u32) -> u32 {
+    let smaller = region.width.min(region.height);
+    [8, 4, 2]
+        .into_iter()
+        .find(|&d| smaller / f64::from(d) >= f64::from(size))
+        .unwrap_or(1)
 }
 
 /// Crops `region` out of `image` and resizes it to `size x size` in one pass (bilinear with

@@ -1,0 +1,83 @@
+//! The reduced-size JPEG path: same crop boxes as a full decode, nearly the same pixels, and
+//! the same errors for broken files.
+
+mod common;
+
+use ddp_data::rng::SampleRng;
+use ddp_data::synthetic::paint_fundus;
+use ddp_data::{DataError, Pipeline, Transform};
+
+fn write(dir: &std::path::Path, name: &str, bytes: &[u8]) -> std::path::PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+/// Over many crops of a 1200x900 fundus photo (most are shrunk 2x-8x, so decoded at
+/// 1/2-1/8 scale), the output matches the full-decode pipeline closely everywhere.
+#[test]
+fn reduced_decode_matches_full_decode() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut labels = [false; 8];
+    labels[1] = true;
+    let px = paint_fundus(1200, labels, true, 1, 0);
+    // Crop it to 1200 x 900 (rectangular like the originals).
+    let px: Vec<u8> = px[..1200 * 900 * 3].to_vec();
+    let path = write(dir.path(), "big.jpg", &common::encode_jpeg(&px, 1200, 900));
+    let t = Transform::train(96).with_hflip(true);
+    let (mut fast, mut slow) = (Pipeline::new(), Pipeline::new().with_reduced_dct(false));
+    let (mut a, mut b) = (vec![0f32; t.sample_len()], vec![0f32; t.sample_len()]);
+    let mut worst_mean = 0f32;
+    for i in 0..30 {
+        fast.run(&t, &path, &mut SampleRng::new(3, 0, i), &mut a)
+            .unwrap();
+        slow.run(&t, &path, &mut SampleRng::new(3, 0, i), &mut b)
+            .unwrap();
+        let diffs: Vec<f32> = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).collect();
+        let mean = diffs.iter().sum::<f32>() / diffs.len() as f32;
+        worst_mean = worst_mean.max(mean);
+        // A misplaced crop would shift vessels and the disc by many pixels: mean errors of
+        // above 0.02. Filtering differences stay below 0.003.
+        assert!(mean < 0.008, "sample {i}: mean abs difference {mean}");
+        // Against another sample's crop the difference is an order of magnitude larger.
+        slow.run(&t, &path, &mut SampleRng::new(3, 0, i + 100), &mut b)
+            .unwrap();
+        let other = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32;
+        assert!(
+            other > 0.02,
+            "sample {i}: crops {i} and {} differ by only {other}",
+            i + 100
+        );
+    }
+    assert!(worst_mean > 0.0, "the reduced path was never taken");
+}
+
+#[test]
+fn reduced_path_reports_truncated_and_corrupt_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let jpeg = common::gradient_jpeg(1024, 1024);
+    let cut = write(dir.path(), "cut.jpg", &jpeg[..jpeg.len() * 3 / 4]);
+    let t = Transform::train(64);
+    let mut p = Pipeline::new();
+    let mut out = vec![0f32; t.sample_len()];
+    let e = p
+        .run(&t, &cut, &mut SampleRng::new(0, 0, 0), &mut out)
+        .unwrap_err();
+    assert!(
+        matches!(e, DataError::DecodeImage { .. }) && e.to_string().contains("cut.jpg"),
+        "{e}"
+    );
+    // Garbage in the middle of the entropy-coded data, but a valid end marker.
+    let mut broken = jpeg.clone();
+    let mid = broken.len() / 3;
+    for (k, b) in broken[mid..mid + 600].iter_mut().enumerate() {
+        *b = if k % 2 == 0 { 0xFF } else { 0xC4 };
+    }
+    let bad = write(dir.path(), "bad.jpg", &broken);
+    for i in 0..4 {
+        let e = p
+            .run(&t, &bad, &mut SampleRng::new(0, 0, i), &mut out)
+            .unwrap_err();
+        assert!(e.to_string().contains("bad.jpg"), "{e}");
+    }
+}
