@@ -1,0 +1,158 @@
+"""PyTorch DDP doing what benches/ddp_steps.rs measures, for a side-by-side table.
+
+N training steps of the ConvNet (the definition in ddp-model/tests/interop.py) on the CPU,
+one process per rank (torch.multiprocessing), Gloo, `torch.set_num_threads(1)` per rank,
+Adam, BCEWithLogitsLoss, warm-up steps excluded. Random tensors (one fixed batch per rank),
+or with --data an ODIR folder (full_df.csv + preprocessed_images/) read through
+DistributedSampler + DataLoader with RandomResizedCrop(224, scale=(0.2, 1.0)) + ToTensor,
+the seeds' loader (num_workers=0: decoding runs in series with compute), epochs chained
+with set_epoch until the steps are done.
+
+Prints per world size one line per rank:
+
+    RESULT reference_ddp source=random world=2 rank=0 ... images_per_sec=14.1 ...
+
+Usage: python reference_ddp.py [--ranks 1,2] [--data DIR] [--warmup 3] [--steps 12]
+"""
+
+import argparse
+import csv
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def convnet_class():
+    """The PyTorch ConvNet that ddp-model equals, tensor for tensor."""
+    path = ROOT / "ddp-model" / "tests" / "interop.py"
+    spec = importlib.util.spec_from_file_location("ddp_model_interop", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ConvNet
+
+
+class OdirFolder(torch.utils.data.Dataset):
+    """The redistribution layout: full_df.csv rows, images in preprocessed_images/."""
+
+    def __init__(self, root, transform):
+        from PIL import Image
+
+        self.image = Image
+        self.root = Path(root)
+        with open(self.root / "full_df.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        self.items = [(r["filename"], json.loads(r["target"])) for r in rows]
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        name, target = self.items[i]
+        img = self.image.open(self.root / "preprocessed_images" / name)
+        return self.transform(img), torch.tensor(target, dtype=torch.float32)
+
+
+def batches(args, rank, world):
+    """Endless (images, labels) batches for this rank."""
+    if args.data is None:
+        x = torch.rand(args.batch_size, 3, args.image_size, args.image_size)
+        y = (torch.rand(args.batch_size, 8) < 0.5).float()
+        while True:
+            yield x, y
+    import torchvision.transforms as T
+
+    transform = T.Compose([T.RandomResizedCrop(args.image_size, scale=(0.2, 1.0)), T.ToTensor()])
+    dataset = OdirFolder(args.data, transform)
+    sampler = torch.utils.data.distributed.DistributedSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def worker(rank, world, port, args):
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(rank)
+    model = nn.parallel.DistributedDataParallel(convnet_class()())
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    criterion = nn.BCEWithLogitsLoss()
+    data = batches(args, rank, world)
+    phases = {"data": [], "compute": [], "optim": [], "step": []}
+    started = time.perf_counter()
+    loss = float("nan")
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            dist.barrier()
+            started = time.perf_counter()
+        t0 = time.perf_counter()
+        x, y = next(data)
+        t1 = time.perf_counter()
+        optimizer.zero_grad()
+        out = model(x)
+        l = criterion(out, y)
+        l.backward()  # DDP's gradient all-reduce runs inside backward
+        loss = l.item()
+        t2 = time.perf_counter()
+        optimizer.step()
+        t3 = time.perf_counter()
+        if step >= args.warmup:
+            phases["data"].append(t1 - t0)
+            phases["compute"].append(t2 - t1)
+            phases["optim"].append(t3 - t2)
+            phases["step"].append(t3 - t0)
+    elapsed = time.perf_counter() - started
+    images = world * args.batch_size * args.steps
+    dist.barrier()
+    med = {k: statistics.median(v) for k, v in phases.items()}
+    print(
+        f"RESULT reference_ddp source={'random' if args.data is None else 'jpeg'} "
+        f"world={world} rank={rank} threads={args.threads} workers=0 batch={args.batch_size} "
+        f"size={args.image_size} warmup={args.warmup} steps={args.steps} "
+        f"images_per_sec={images / elapsed:.4f} elapsed_s={elapsed:.4f} "
+        f"step_median_s={med['step']:.5f} data_median_s={med['data']:.5f} "
+        f"compute_median_s={med['compute']:.5f} optim_median_s={med['optim']:.6f} "
+        f"loss={loss:.5f} torch={torch.__version__}",
+        flush=True,
+    )
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="1,2")
+    parser.add_argument("--data", default=None)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    for world in (int(r) for r in args.ranks.split(",")):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(worker, args=(world, port, args), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()
