@@ -3,6 +3,7 @@
 //! xtask must build before libtorch exists (it is what installs libtorch), so it never
 //! depends on tch; it drives the other crates through `cargo` and their binaries.
 
+mod bench;
 mod launch;
 mod setup;
 
@@ -33,6 +34,8 @@ enum Cmd {
     Train(launch::TrainArgs),
     /// Write a synthetic ODIR sample (full_df.csv + preprocessed_images/) to a folder.
     GenData(GenDataArgs),
+    /// Run every benchmark and print ours next to PyTorch's, in one table (or JSON lines).
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -59,6 +62,7 @@ fn main() -> Result<()> {
         Cmd::Test => test(&root),
         Cmd::Train(args) => train(&root, args),
         Cmd::GenData(args) => gen_data(&args),
+        Cmd::Bench(args) => bench::run(&root, args),
     }
 }
 

@@ -1,0 +1,1252 @@
+//! `cargo xtask bench`: every benchmark of the workspace, each next to PyTorch doing the same
+//! work in the same run, in one table (or one JSON object per line with `--json`).
+//!
+//! | group     | ours                                         | PyTorch side                              |
+//! |-----------|----------------------------------------------|-------------------------------------------|
+//! | `sampler` | `ddp-sampler/benches/sampler.rs` (criterion) | `ddp-sampler/benches/reference_sampler.py` |
+//! | `data`    | `ddp-data/benches/pipeline.rs` (criterion)   | `ddp-data/benches/reference_pipeline.py` (torchvision) |
+//! | `comm`    | `ddp-comm/benches/collectives.rs` (2 ranks)  | `ddp-comm/benches/reference_gloo.py`      |
+//! | `ddp`     | `ddp-train/benches/ddp_steps.rs` (2 ranks)   | (PyTorch overlaps it with backward)       |
+//! | `train`   | `ddp-train/benches/ddp_steps.rs`             | `ddp-train/benches/reference_ddp.py`      |
+//!
+//! xtask does not link libtorch: it builds each bench with `cargo bench --no-run`, runs the
+//! binaries and the Python scripts (the setup's `.deps/venv`), and reads their
+//! machine-readable output: criterion's `estimates.json` (medians, kept under
+//! `target/xtask-bench/criterion` so developers' own criterion baselines are untouched), and
+//! `key=value` / `RESULT` lines from the others. Every command's output goes to a log file
+//! under `target/xtask-bench/logs/`. torchvision, needed only here, is installed into the
+//! venv on first use. Ratios are "higher is better for us": speed-ups for times, ours/theirs
+//! for rates and bandwidths.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::setup;
+
+/// The torchvision that matches torch 2.13 (installed for benchmarks only).
+const TORCHVISION_VERSION: &str = "0.28.0";
+/// Images of each synthetic ODIR folder the training benchmark reads: 32 is one step of
+/// batch 16 on each of 2 ranks.
+const TRAIN_IMAGES: [(u32, usize); 2] = [(512, 64), (2048, 32)];
+
+/// A group of benchmarks, selectable with `--only`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
+pub enum Group {
+    /// One epoch's indices, N = 10^6 and 10^7, 8 ranks, vs DistributedSampler.
+    Sampler,
+    /// Decode + RandomResizedCrop(224) + ToTensor on one thread, vs torchvision.
+    Data,
+    /// All-reduce bus bandwidth and parameter broadcast, 2 ranks, vs Gloo.
+    Comm,
+    /// DDP overhead per training step (buffer broadcast, bucket copy, all-reduce), 2 ranks.
+    Ddp,
+    /// End-to-end training images/s, 1 and 2 ranks, random tensors and JPEGs, vs PyTorch DDP.
+    Train,
+}
+
+impl Group {
+    fn name(self) -> &'static str {
+        match self {
+            Group::Sampler => "sampler",
+            Group::Data => "data",
+            Group::Comm => "comm",
+            Group::Ddp => "ddp",
+            Group::Train => "train",
+        }
+    }
+}
+
+/// Options of `cargo xtask bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Print one JSON object per line (one per result) on stdout instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Fewer samples and training steps: checks that every benchmark runs, in a few minutes;
+    /// its figures are rougher than a full run's.
+    #[arg(long)]
+    pub quick: bool,
+    /// Run only these groups (comma separated).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub only: Vec<Group>,
+    /// Timed training steps per run (default 12; 4 with --quick).
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Untimed warm-up steps per training run (default 3; 1 with --quick).
+    #[arg(long)]
+    pub warmup: Option<usize>,
+}
+
+/// What a result is compared against.
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    /// The ratio (ours vs PyTorch, higher is better) must reach this.
+    Ratio(f64),
+    /// Our own figure must reach this.
+    Ours(f64),
+}
+
+/// How a figure is shown.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Unit {
+    Seconds,
+    ImagesPerSec,
+    GigabytesPerSec,
+    Fraction,
+}
+
+impl Unit {
+    fn label(self) -> &'static str {
+        match self {
+            Unit::Seconds => "s",
+            Unit::ImagesPerSec => "img/s",
+            Unit::GigabytesPerSec => "GB/s",
+            Unit::Fraction => "",
+        }
+    }
+
+    fn show(self, v: f64) -> String {
+        match self {
+            Unit::Seconds if v < 1e-3 => format!("{:.1} us", v * 1e6),
+            Unit::Seconds if v < 1.0 => format!("{:.2} ms", v * 1e3),
+            Unit::Seconds => format!("{v:.3} s"),
+            Unit::ImagesPerSec => format!("{v:.1} img/s"),
+            Unit::GigabytesPerSec => format!("{v:.3} GB/s"),
+            Unit::Fraction => format!("{v:.3}"),
+        }
+    }
+}
+
+/// One line of the table.
+#[derive(Debug, Clone)]
+struct Row {
+    group: Group,
+    name: String,
+    unit: Unit,
+    ours: Option<f64>,
+    pytorch: Option<f64>,
+    /// Higher is better for us.
+    ratio: Option<f64>,
+    target: Option<Target>,
+    note: String,
+}
+
+impl Row {
+    fn new(group: Group, name: impl Into<String>, unit: Unit) -> Self {
+        Self {
+            group,
+            name: name.into(),
+            unit,
+            ours: None,
+            pytorch: None,
+            ratio: None,
+            target: None,
+            note: String::new(),
+        }
+    }
+
+    /// Ours and PyTorch's figure; the ratio is a speed-up for times, ours/theirs otherwise.
+    fn pair(mut self, ours: Option<f64>, pytorch: Option<f64>) -> Self {
+        self.ours = ours;
+        self.pytorch = pytorch;
+        self.ratio = match (ours, pytorch) {
+            (Some(o), Some(p)) if o > 0.0 && p > 0.0 => Some(if self.unit == Unit::Seconds {
+                p / o
+            } else {
+                o / p
+            }),
+            _ => None,
+        };
+        self
+    }
+
+    fn target(mut self, target: Target) -> Self {
+        self.target = Some(target);
+        self
+    }
+
+    fn note(mut self, note: impl Into<String>) -> Self {
+        self.note = note.into();
+        self
+    }
+
+    fn meets_target(&self) -> Option<bool> {
+        match self.target? {
+            Target::Ratio(t) => self.ratio.map(|r| r >= t),
+            Target::Ours(t) => self.ours.map(|o| o >= t),
+        }
+    }
+
+    fn target_text(&self) -> String {
+        match self.target {
+            Some(Target::Ratio(t)) => format!(">= {t}x"),
+            Some(Target::Ours(t)) => format!(">= {t}"),
+            None => String::new(),
+        }
+    }
+
+    fn json(&self) -> String {
+        let num = |v: Option<f64>| match v {
+            Some(x) if x.is_finite() => format!("{x}"),
+            _ => "null".to_string(),
+        };
+        let (target, target_on) = match self.target {
+            Some(Target::Ratio(t)) => (Some(t), "\"ratio\""),
+            Some(Target::Ours(t)) => (Some(t), "\"ours\""),
+            None => (None, "null"),
+        };
+        format!(
+            "{{\"group\":{},\"name\":{},\"unit\":{},\"ours\":{},\"pytorch\":{},\"ratio\":{},\
+             \"target\":{},\"target_on\":{target_on},\"meets_target\":{},\"note\":{}}}",
+            json_str(self.group.name()),
+            json_str(&self.name),
+            json_str(self.unit.label()),
+            num(self.ours),
+            num(self.pytorch),
+            num(self.ratio),
+            num(target),
+            self.meets_target()
+                .map_or("null".to_string(), |b| b.to_string()),
+            json_str(&self.note)
+        )
+    }
+}
+
+fn json_str(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// Where and how this run works.
+struct Ctx {
+    root: PathBuf,
+    python: PathBuf,
+    /// `target/xtask-bench`
+    dir: PathBuf,
+    quick: bool,
+    warmup: usize,
+    steps: usize,
+}
+
+impl Ctx {
+    fn log_path(&self, name: &str) -> PathBuf {
+        self.dir.join("logs").join(format!("{name}.log"))
+    }
+
+    /// Runs `cmd` in the project root, stdout and stderr to `logs/<name>.log`; returns stdout.
+    fn capture(&self, name: &str, mut cmd: Command) -> Result<String> {
+        cmd.current_dir(&self.root)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let line = format!("{cmd:?}");
+        let out = cmd
+            .output()
+            .with_context(|| format!("cannot start {line}"))?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let log = self.log_path(name);
+        fs::write(
+            &log,
+            format!("$ {line}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"),
+        )
+        .with_context(|| format!("cannot write {}", log.display()))?;
+        if !out.status.success() {
+            bail!(
+                "{line} failed ({}); last lines:\n{}\nfull output in {}",
+                out.status,
+                tail(&stderr, 12),
+                log.display()
+            );
+        }
+        Ok(stdout)
+    }
+
+    /// Builds bench `name` of `package` (release) and returns its executable.
+    fn build_bench(&self, package: &str, name: &str) -> Result<PathBuf> {
+        say(&format!("building {package} bench {name} (release)"));
+        let mut cmd = crate::cargo();
+        cmd.current_dir(&self.root)
+            .args([
+                "bench",
+                "--no-run",
+                "--message-format=json-render-diagnostics",
+            ])
+            .args(["-p", package, "--bench", name])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let line = format!("{cmd:?}");
+        let out = cmd
+            .output()
+            .with_context(|| format!("cannot start {line}"))?;
+        if !out.status.success() {
+            bail!("{line} failed ({})", out.status);
+        }
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        stdout
+            .lines()
+            .filter(|l| l.contains("\"reason\":\"compiler-artifact\""))
+            .filter(|l| l.contains("\"kind\":[\"bench\"]"))
+            .filter(|l| l.contains(&format!("\"name\":\"{name}\"")))
+            .find_map(|l| json_field(l, "executable"))
+            .map(PathBuf::from)
+            .with_context(|| format!("{line} reported no executable for bench {name}"))
+    }
+
+    fn python(&self) -> Command {
+        let mut cmd = Command::new(&self.python);
+        cmd.env("OMP_NUM_THREADS", "1");
+        cmd
+    }
+
+    fn criterion_dir(&self) -> PathBuf {
+        self.dir.join("criterion")
+    }
+
+    /// Runs a criterion bench binary with this run's settings.
+    fn criterion(&self, name: &str, exe: &Path, extra_env: &[(&str, &str)]) -> Result<String> {
+        let mut cmd = Command::new(exe);
+        cmd.args(["--bench", "--noplot"])
+            .env("CRITERION_HOME", self.criterion_dir());
+        if self.quick {
+            cmd.arg("--quick");
+        }
+        for (k, v) in extra_env {
+            cmd.env(k, v);
+        }
+        self.capture(name, cmd)
+    }
+
+    /// The median time in seconds of criterion benchmark `id` (`group/function/param`).
+    fn criterion_median(&self, id: &str) -> Result<f64> {
+        let path = self
+            .criterion_dir()
+            .join(id)
+            .join("new")
+            .join("estimates.json");
+        let text =
+            fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let median = text
+            .find("\"median\"")
+            .map(|i| &text[i..])
+            .and_then(|t| json_number(t, "point_estimate"))
+            .with_context(|| format!("{} has no median point estimate", path.display()))?;
+        Ok(median * 1e-9)
+    }
+}
+
+/// Runs `cargo xtask bench`.
+pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
+    let started = Instant::now();
+    let deps = ensure_setup(root)?;
+    let dir = root.join("target").join("xtask-bench");
+    fs::create_dir_all(dir.join("logs"))
+        .with_context(|| format!("cannot create {}", dir.join("logs").display()))?;
+    let ctx = Ctx {
+        root: root.to_path_buf(),
+        python: deps.python(),
+        dir,
+        quick: args.quick,
+        warmup: args.warmup.unwrap_or(if args.quick { 1 } else { 3 }),
+        steps: args.steps.unwrap_or(if args.quick { 4 } else { 12 }),
+    };
+    if ctx.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let groups: BTreeSet<Group> = if args.only.is_empty() {
+        [
+            Group::Sampler,
+            Group::Data,
+            Group::Comm,
+            Group::Ddp,
+            Group::Train,
+        ]
+        .into()
+    } else {
+        args.only.iter().copied().collect()
+    };
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mut loads = vec![("start".to_string(), load_average())];
+    if args.json {
+        println!(
+            "{{\"group\":\"meta\",\"name\":\"start\",\"cores\":{cores},\"load_average\":{},\
+             \"quick\":{},\"warmup_steps\":{},\"timed_steps\":{}}}",
+            json_str(&loads[0].1),
+            ctx.quick,
+            ctx.warmup,
+            ctx.steps
+        );
+    }
+    let mut rows: Vec<Row> = Vec::new();
+    let mut failures = Vec::new();
+    for &group in &groups {
+        // The training runs also measure the DDP overhead: one run serves both groups.
+        if group == Group::Ddp && groups.contains(&Group::Train) {
+            continue;
+        }
+        say(&format!(
+            "{} (load average {})",
+            group.name(),
+            load_average()
+        ));
+        let result = match group {
+            Group::Sampler => sampler(&ctx),
+            Group::Data => data(&ctx),
+            Group::Comm => comm(&ctx),
+            Group::Ddp => ddp_only(&ctx),
+            Group::Train => train(&ctx, groups.contains(&Group::Ddp)),
+        };
+        let new_rows = match result {
+            Ok(r) => r,
+            Err(e) => {
+                let msg = format!("{e:#}");
+                say(&format!("{} failed: {msg}", group.name()));
+                failures.push(group.name());
+                let first = msg.lines().next().unwrap_or("").to_string();
+                vec![Row::new(group, "(did not run)", Unit::Fraction).note(first)]
+            }
+        };
+        if args.json {
+            for r in &new_rows {
+                println!("{}", r.json());
+            }
+        }
+        rows.extend(new_rows);
+        loads.push((format!("after {}", group.name()), load_average()));
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    if args.json {
+        let loads_json: Vec<String> = loads
+            .iter()
+            .map(|(k, v)| format!("{}:{}", json_str(k), json_str(v)))
+            .collect();
+        println!(
+            "{{\"group\":\"meta\",\"name\":\"end\",\"seconds\":{seconds:.1},\"load_average\":{{{}}}}}",
+            loads_json.join(",")
+        );
+    } else {
+        rows.sort_by_key(|r| r.group);
+        print_table(&rows);
+        println!(
+            "\n{cores} cores; load average (1, 5, 15 min): {}; {seconds:.0} s in all{}",
+            loads
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join("; "),
+            if ctx.quick {
+                " (--quick: rough figures)"
+            } else {
+                ""
+            }
+        );
+        println!(
+            "ratio: higher is better for us (speed-up for times, ours/PyTorch for rates); logs in {}",
+            ctx.dir.join("logs").display()
+        );
+    }
+    if !failures.is_empty() {
+        bail!(
+            "benchmark group(s) failed: {} (see the messages above)",
+            failures.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Makes sure libtorch is installed (the benches link it), quietly when it already is, so
+/// that `--json` output holds nothing but JSON.
+fn ensure_setup(root: &Path) -> Result<setup::Deps> {
+    let deps = setup::Deps::new(root);
+    if deps.installed_version().as_deref() == Some(setup::TORCH_VERSION) {
+        return Ok(deps);
+    }
+    setup::run(root, &setup::SetupArgs::default())
+}
+
+fn say(msg: &str) {
+    eprintln!("bench: {msg}");
+}
+
+fn load_average() -> String {
+    fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".to_string())
+}
+
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// The string value of `"key":"..."` in one line of JSON (no escapes expected).
+fn json_field(line: &str, key: &str) -> Option<String> {
+    let pat = format!("\"{key}\":\"");
+    let start = line.find(&pat)? + pat.len();
+    let end = line[start..].find('"')?;
+    Some(line[start..start + end].to_string())
+}
+
+/// The number after the first `"key":` in `text`.
+fn json_number(text: &str, key: &str) -> Option<f64> {
+    let pat = format!("\"{key}\":");
+    let start = text.find(&pat)? + pat.len();
+    let rest = &text[start..];
+    let end = rest
+        .find(|c: char| !(c.is_ascii_digit() || "+-.eE".contains(c)))
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}
+
+/// The value of `key=value` in a whitespace-separated line.
+fn kv<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}
+
+fn kv_f64(line: &str, key: &str) -> Option<f64> {
+    kv(line, key)?.parse().ok()
+}
+
+fn script(ctx: &Ctx, crate_dir: &str, name: &str) -> Result<PathBuf> {
+    let path = ctx.root.join(crate_dir).join("benches").join(name);
+    if !path.exists() {
+        bail!("{} is missing", path.display());
+    }
+    Ok(path)
+}
+
+// ---------------------------------------------------------------------------------------
+// sampler
+
+fn sampler(ctx: &Ctx) -> Result<Vec<Row>> {
+    let exe = ctx.build_bench("ddp-sampler", "sampler")?;
+    say("sampler: ours (criterion)");
+    ctx.criterion("sampler", &exe, &[])?;
+    say("sampler: PyTorch DistributedSampler");
+    let mut cmd = ctx.python();
+    cmd.arg(script(ctx, "ddp-sampler", "reference_sampler.py")?)
+        .args(["--runs", if ctx.quick { "3" } else { "7" }]);
+    let reference = ctx.capture("sampler-pytorch", cmd)?;
+    let mut rows = Vec::new();
+    for (n, label) in [(1_000_000usize, "10^6"), (10_000_000, "10^7")] {
+        let ours = ctx.criterion_median(&format!("epoch_indices/shuffle_r8/{n}"))?;
+        let theirs = reference
+            .lines()
+            .find(|l| kv(l, "n") == Some(&n.to_string()))
+            .and_then(|l| kv_f64(l, "median_s"));
+        rows.push(
+            Row::new(
+                Group::Sampler,
+                format!("one epoch's indices, N={label}, rank 0 of 8"),
+                Unit::Seconds,
+            )
+            .pair(Some(ours), theirs)
+            .target(Target::Ratio(5.0))
+            .note("PyTorch: DistributedSampler(shuffle=True), list(iter(sampler))"),
+        );
+    }
+    Ok(rows)
+}
+
+// ---------------------------------------------------------------------------------------
+// data
+
+/// Installs torchvision into the setup's venv if it is not there (benchmarks only).
+fn ensure_torchvision(ctx: &Ctx) -> Result<()> {
+    let probe = Command::new(&ctx.python)
+        .args(["-c", "import torchvision"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .with_context(|| format!("cannot start {}", ctx.python.display()))?;
+    if probe.success() {
+        return Ok(());
+    }
+    say(&format!(
+        "installing torchvision=={TORCHVISION_VERSION} into {} (for the PyTorch side of the \
+         benchmarks only; `cargo xtask setup` does not install it)",
+        ctx.python.display()
+    ));
+    let status = Command::new(&ctx.python)
+        .args(["-m", "pip", "install", "--quiet"])
+        .arg(format!("torchvision=={TORCHVISION_VERSION}"))
+        .stdout(Stdio::from(std::io::stderr()))
+        .status()
+        .with_context(|| format!("cannot start {} -m pip", ctx.python.display()))?;
+    if !status.success() {
+        bail!("installing torchvision=={TORCHVISION_VERSION} failed ({status})");
+    }
+    Ok(())
+}
+
+fn data(ctx: &Ctx) -> Result<Vec<Row>> {
+    ensure_torchvision(ctx)?;
+    let exe = ctx.build_bench("ddp-data", "pipeline")?;
+    say("data: ours (criterion, 1 thread)");
+    // The bench would also run torchvision when it finds a Python; here xtask runs it, once
+    // per malloc setting, so the bench is pointed at none.
+    ctx.criterion(
+        "data",
+        &exe,
+        &[(
+            "DDP_BENCH_PYTHON",
+            "/nonexistent/xtask-runs-torchvision-itself",
+        )],
+    )?;
+    let images_dir = ctx.root.join("target").join("ddp-data-bench");
+    let mut images: Vec<PathBuf> = fs::read_dir(&images_dir)
+        .with_context(|| format!("the data bench wrote no images in {}", images_dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("odir_like_") && n.ends_with(".jpg"))
+        })
+        .collect();
+    images.sort();
+    if images.is_empty() {
+        bail!("no odir_like_*.jpg images in {}", images_dir.display());
+    }
+    let pipeline = script(ctx, "ddp-data", "reference_pipeline.py")?;
+    let mut runs = Vec::new();
+    for (tuned, label) in [(false, "default"), (true, "malloc-tuned")] {
+        say(&format!("data: torchvision, {label} malloc"));
+        let mut cmd = ctx.python();
+        cmd.arg(&pipeline).args(&images);
+        if tuned {
+            // Keeps glibc from returning the large decode buffers to the OS every image.
+            cmd.env("MALLOC_MMAP_THRESHOLD_", "268435456")
+                .env("MALLOC_TRIM_THRESHOLD_", "268435456");
+        }
+        let out = ctx.capture(&format!("data-torchvision-{label}"), cmd)?;
+        runs.push(out);
+    }
+    // Lines: `mode width img_per_s`.
+    let find = |run: &str, mode: &str, size: u32| -> Option<f64> {
+        run.lines().find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() == 3 && f[0] == mode && f[1] == size.to_string())
+                .then(|| f[2].parse().ok())
+                .flatten()
+        })
+    };
+    let mut rows = Vec::new();
+    for size in [512u32, 2048] {
+        let ours =
+            1.0 / ctx.criterion_median(&format!("decode_crop_resize_to_tensor/{size}x{size}"))?;
+        let (d0, d1) = (
+            find(&runs[0], "default", size),
+            find(&runs[1], "default", size),
+        );
+        let (f0, f1) = (find(&runs[0], "draft", size), find(&runs[1], "draft", size));
+        let best = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(x), Some(y)) => Some(x.max(y)),
+            (x, y) => x.or(y),
+        };
+        let show = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.0}"));
+        rows.push(
+            Row::new(
+                Group::Data,
+                format!("decode+crop+resize+to-tensor {size}px, 1 thread, vs torchvision"),
+                Unit::ImagesPerSec,
+            )
+            .pair(Some(ours), best(d0, d1))
+            .target(Target::Ratio(2.0))
+            .note(format!(
+                "torchvision default {} img/s, with raised malloc thresholds {}",
+                show(d0),
+                show(d1)
+            )),
+        );
+        rows.push(
+            Row::new(
+                Group::Data,
+                format!("decode+crop+resize+to-tensor {size}px, 1 thread, vs PIL draft"),
+                Unit::ImagesPerSec,
+            )
+            .pair(Some(ours), best(f0, f1))
+            .target(Target::Ratio(1.3))
+            .note(format!(
+                "torchvision + PIL draft {} img/s, with raised malloc thresholds {}",
+                show(f0),
+                show(f1)
+            )),
+        );
+    }
+    Ok(rows)
+}
+
+// ---------------------------------------------------------------------------------------
+// comm
+
+/// `RESULT <label>|<seconds>|<value>` lines (the collectives bench's and Gloo's format).
+fn result_lines(text: &str) -> Vec<(String, f64, f64)> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("RESULT "))
+        .filter_map(|l| {
+            let mut parts = l.split('|');
+            Some((
+                parts.next()?.to_string(),
+                parts.next()?.trim().parse().ok()?,
+                parts.next()?.trim().parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+fn comm(ctx: &Ctx) -> Result<Vec<Row>> {
+    let exe = ctx.build_bench("ddp-comm", "collectives")?;
+    let world = 2;
+    say("comm: ours, 2 ranks on loopback (TCP backend)");
+    let mut args = vec!["--bench".to_string()];
+    if ctx.quick {
+        args.push("--quick".to_string());
+    }
+    // The bench's own rank protocol: the ranks are this binary with DDP_BENCH_WORKER set;
+    // rank 0 prints the RESULT lines.
+    let outs = run_ranks(
+        ctx,
+        "comm-ours",
+        &exe,
+        &args,
+        world,
+        &[("DDP_BENCH_WORKER", "1")],
+    )?;
+    let ours = result_lines(&outs[0]);
+    if ours.is_empty() {
+        bail!(
+            "the collectives bench printed no RESULT line (see {})",
+            ctx.log_path("comm-ours-rank0").display()
+        );
+    }
+    say("comm: PyTorch Gloo, 2 ranks");
+    let mut cmd = ctx.python();
+    cmd.arg(script(ctx, "ddp-comm", "reference_gloo.py")?)
+        .args([
+            "--ranks",
+            &world.to_string(),
+            "--scale",
+            if ctx.quick { "0.1" } else { "1.0" },
+        ]);
+    let gloo = result_lines(&ctx.capture("comm-gloo", cmd)?);
+    let mut rows = Vec::new();
+    for (label, secs, value) in &ours {
+        let theirs = gloo.iter().find(|(l, _, _)| l == label);
+        if let Some(size) = label.strip_prefix("all_reduce ") {
+            let big = ["4 MiB", "25 MiB", "64 MiB"].contains(&size);
+            if size == "4 KiB" {
+                rows.push(
+                    Row::new(
+                        Group::Comm,
+                        format!("all-reduce {size} f32, 2 ranks: median latency"),
+                        Unit::Seconds,
+                    )
+                    .pair(Some(*secs), theirs.map(|t| t.1))
+                    .target(Target::Ratio(1.0))
+                    .note("vs Gloo; ratio = Gloo time / ours"),
+                );
+            } else {
+                let mut row = Row::new(
+                    Group::Comm,
+                    format!("all-reduce {size} f32, 2 ranks: bus bandwidth"),
+                    Unit::GigabytesPerSec,
+                )
+                .pair(Some(*value), theirs.map(|t| t.2))
+                .note(format!(
+                    "median call {} ours, {} Gloo",
+                    Unit::Seconds.show(*secs),
+                    theirs.map_or("-".to_string(), |t| Unit::Seconds.show(t.1))
+                ));
+                if big {
+                    row = row.target(Target::Ratio(2.0));
+                }
+                rows.push(row);
+            }
+        } else {
+            rows.push(
+                Row::new(
+                    Group::Comm,
+                    format!("{label}: ConvNet parameters (1.56 MB), 2 ranks"),
+                    Unit::Seconds,
+                )
+                .pair(Some(*secs), theirs.map(|t| t.1))
+                .note("median per broadcast, vs Gloo"),
+            );
+        }
+    }
+    Ok(rows)
+}
+
+/// Starts `world` ranks of `exe` with torchrun's environment on loopback and returns each
+/// rank's stdout; the first rank to fail ends the others.
+fn run_ranks(
+    ctx: &Ctx,
+    name: &str,
+    exe: &Path,
+    args: &[String],
+    world: usize,
+    env: &[(&str, &str)],
+) -> Result<Vec<String>> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .context("finding a free port on 127.0.0.1")?
+        .port();
+    let mut children: Vec<Child> = Vec::new();
+    for rank in 0..world {
+        let log = ctx.log_path(&format!("{name}-rank{rank}"));
+        let stderr =
+            fs::File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
+        let mut cmd = Command::new(exe);
+        cmd.args(args)
+            .current_dir(&ctx.root)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("DDP_RUN_ID", format!("xtask-bench-{port}"))
+            .env("OMP_NUM_THREADS", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        match cmd.spawn() {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                stop(&mut children);
+                return Err(e).with_context(|| format!("cannot start {}", exe.display()));
+            }
+        }
+    }
+    // Drain stdout on threads so no rank blocks on a full pipe while we poll the others.
+    let readers: Vec<_> = children
+        .iter_mut()
+        .map(|c| {
+            let mut out = c.stdout.take();
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                if let Some(o) = out.as_mut() {
+                    let _ = std::io::Read::read_to_string(o, &mut s);
+                }
+                s
+            })
+        })
+        .collect();
+    let mut done = vec![false; world];
+    while done.iter().any(|d| !d) {
+        for rank in 0..world {
+            if done[rank] {
+                continue;
+            }
+            if let Some(status) = children[rank].try_wait().context("waiting for a rank")? {
+                done[rank] = true;
+                if !status.success() {
+                    stop(&mut children);
+                    bail!(
+                        "rank {rank} of {} failed ({status}); see {}",
+                        exe.display(),
+                        ctx.log_path(&format!("{name}-rank{rank}")).display()
+                    );
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let outs: Vec<String> = readers
+        .into_iter()
+        .map(|r| r.join().unwrap_or_default())
+        .collect();
+    for (rank, out) in outs.iter().enumerate() {
+        let log = ctx.log_path(&format!("{name}-rank{rank}.stdout"));
+        fs::write(&log, out).with_context(|| format!("cannot write {}", log.display()))?;
+    }
+    Ok(outs)
+}
+
+fn stop(children: &mut [Child]) {
+    for c in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// ddp and train
+
+/// One world size's result of `ddp_steps` or `reference_ddp.py`: the `RESULT` lines of all
+/// its ranks.
+struct Run {
+    lines: Vec<String>,
+}
+
+impl Run {
+    fn rank0(&self, key: &str) -> Option<f64> {
+        self.lines
+            .iter()
+            .find(|l| kv(l, "rank") == Some("0"))
+            .and_then(|l| kv_f64(l, key))
+    }
+
+    /// Medians of (buffer broadcast + gradient sync, broadcast, sync) per step, each step's
+    /// time taken on the rank that reached the collective last: it waited least, so its
+    /// time is the cost rather than the wait for a slower peer (the bench computes this).
+    fn ddp_overhead(&self) -> Option<(f64, f64, f64)> {
+        Some((
+            self.rank0("ddp_overhead_median_s")?,
+            self.rank0("bcast_cost_median_s")?,
+            self.rank0("sync_cost_median_s")?,
+        ))
+    }
+}
+
+/// `RESULT <tag> ...` lines grouped by world size.
+fn runs_by_world(text: &str, tag: &str) -> Vec<(usize, Run)> {
+    let mut runs: Vec<(usize, Run)> = Vec::new();
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with(&format!("RESULT {tag} ")))
+    {
+        let Some(world) = kv(line, "world").and_then(|w| w.parse().ok()) else {
+            continue;
+        };
+        match runs.iter_mut().find(|(w, _)| *w == world) {
+            Some((_, run)) => run.lines.push(line.to_string()),
+            None => runs.push((
+                world,
+                Run {
+                    lines: vec![line.to_string()],
+                },
+            )),
+        }
+    }
+    runs
+}
+
+fn get(runs: &[(usize, Run)], world: usize) -> Option<&Run> {
+    runs.iter().find(|(w, _)| *w == world).map(|(_, r)| r)
+}
+
+/// The synthetic ODIR folder of `count` images of `size` px, generated once.
+fn train_data(ctx: &Ctx, size: u32, count: usize) -> Result<PathBuf> {
+    let dir = ctx.dir.join(format!("odir-{size}px-{count}"));
+    let done = dir.join(".complete");
+    if done.exists() {
+        return Ok(dir);
+    }
+    if dir.exists() {
+        fs::remove_dir_all(&dir).with_context(|| format!("cannot remove {}", dir.display()))?;
+    }
+    say(&format!(
+        "generating {count} synthetic ODIR JPEGs of {size}x{size} px in {} (once{})",
+        dir.display(),
+        if size > 1024 { "; about a minute" } else { "" }
+    ));
+    let config = ddp_data::synthetic::SyntheticConfig {
+        images: count,
+        size,
+        seed: 0,
+        ..Default::default()
+    };
+    ddp_data::synthetic::generate(&dir, &config)
+        .with_context(|| format!("generating a synthetic ODIR sample in {}", dir.display()))?;
+    fs::write(&done, b"").with_context(|| format!("cannot write {}", done.display()))?;
+    Ok(dir)
+}
+
+fn steps_args(ctx: &Ctx, ranks: &str, data: Option<&Path>) -> Vec<String> {
+    let mut args = vec![
+        "--ranks".to_string(),
+        ranks.to_string(),
+        "--warmup".to_string(),
+        ctx.warmup.to_string(),
+        "--steps".to_string(),
+        ctx.steps.to_string(),
+        "--batch-size".to_string(),
+        "16".to_string(),
+        "--image-size".to_string(),
+        "224".to_string(),
+    ];
+    if let Some(d) = data {
+        args.push("--data".to_string());
+        args.push(d.display().to_string());
+    }
+    args
+}
+
+fn ours_steps(
+    ctx: &Ctx,
+    exe: &Path,
+    log: &str,
+    ranks: &str,
+    data: Option<&Path>,
+) -> Result<String> {
+    let mut cmd = Command::new(exe);
+    cmd.arg("--bench").args(steps_args(ctx, ranks, data));
+    ctx.capture(log, cmd)
+}
+
+fn ddp_rows(run: &Run) -> Vec<Row> {
+    let Some((total, bcast, sync)) = run.ddp_overhead() else {
+        return vec![Row::new(Group::Ddp, "(no per-phase times)", Unit::Seconds)];
+    };
+    let step = run.rank0("step_median_s").unwrap_or(f64::NAN);
+    let allreduce = run.rank0("allreduce_median_s");
+    let bytes = run.rank0("grad_bytes").unwrap_or(f64::NAN);
+    let mb = bytes / 1e6;
+    let mut rows = vec![
+        Row::new(
+            Group::Ddp,
+            "DDP overhead per step (buffer broadcast + gradient sync), 2 ranks",
+            Unit::Seconds,
+        )
+        .pair(Some(total), None)
+        .note(format!(
+            "{:.2}% of a {} step; PyTorch overlaps its all-reduce with backward, so it has no \
+             separate figure",
+            100.0 * total / step,
+            Unit::Seconds.show(step)
+        )),
+        Row::new(
+            Group::Ddp,
+            "  buffer broadcast (BatchNorm statistics)",
+            Unit::Seconds,
+        )
+        .pair(Some(bcast), None),
+        Row::new(
+            Group::Ddp,
+            format!("  gradient sync: bucket copy + all-reduce {mb:.2} MB + copy back"),
+            Unit::Seconds,
+        )
+        .pair(Some(sync), None),
+    ];
+    if let Some(a) = allreduce {
+        rows.push(
+            Row::new(
+                Group::Ddp,
+                format!("  all-reduce of {mb:.2} MB alone (flat tensor)"),
+                Unit::Seconds,
+            )
+            .pair(Some(a), None)
+            .note(format!(
+                "so bucket copies take about {}",
+                Unit::Seconds.show((sync - a).max(0.0))
+            )),
+        );
+    }
+    rows
+}
+
+/// `ddp` without `train`: one 2-rank run on random tensors.
+fn ddp_only(ctx: &Ctx) -> Result<Vec<Row>> {
+    let exe = ctx.build_bench("ddp-train", "ddp_steps")?;
+    say(&format!(
+        "ddp: ours, 2 ranks, random tensors, {} + {} steps",
+        ctx.warmup, ctx.steps
+    ));
+    let out = ours_steps(ctx, &exe, "ddp-ours", "2", None)?;
+    let runs = runs_by_world(&out, "ddp_steps");
+    let run = runs
+        .iter()
+        .find(|(w, _)| *w == 2)
+        .map(|(_, r)| r)
+        .context("ddp_steps printed no 2-rank result")?;
+    Ok(ddp_rows(run))
+}
+
+fn train(ctx: &Ctx, with_ddp: bool) -> Result<Vec<Row>> {
+    let exe = ctx.build_bench("ddp-train", "ddp_steps")?;
+    ensure_torchvision(ctx)?;
+    let reference = script(ctx, "ddp-train", "reference_ddp.py")?;
+    let mut sources: Vec<(String, Option<PathBuf>)> = vec![("random tensors".to_string(), None)];
+    for (size, count) in TRAIN_IMAGES {
+        sources.push((
+            format!("{size}-px JPEGs"),
+            Some(train_data(ctx, size, count)?),
+        ));
+    }
+    let mut rows = Vec::new();
+    for (label, data) in &sources {
+        let tag = label.split_whitespace().next().unwrap_or("run").to_string();
+        say(&format!(
+            "train: ours, {label}, 1 and 2 ranks, {} + {} steps each",
+            ctx.warmup, ctx.steps
+        ));
+        let ours_out = ours_steps(
+            ctx,
+            &exe,
+            &format!("train-ours-{tag}"),
+            "1,2",
+            data.as_deref(),
+        )?;
+        say(&format!(
+            "train: PyTorch DDP (Gloo), {label}, 1 and 2 ranks"
+        ));
+        let mut cmd = ctx.python();
+        cmd.arg(&reference)
+            .args(steps_args(ctx, "1,2", data.as_deref()));
+        let theirs_out = ctx.capture(&format!("train-pytorch-{tag}"), cmd)?;
+        let ours = runs_by_world(&ours_out, "ddp_steps");
+        let theirs = runs_by_world(&theirs_out, "reference_ddp");
+        let jpeg2048 = label.starts_with("2048");
+        let random = data.is_none();
+        for world in [1usize, 2] {
+            let (o, t) = (get(&ours, world), get(&theirs, world));
+            let phases = |r: Option<&Run>| {
+                r.map_or("-".to_string(), |r| {
+                    format!(
+                        "step {:.2} s = data {:.2} + compute {:.2}",
+                        r.rank0("step_median_s").unwrap_or(f64::NAN),
+                        r.rank0("data_median_s").unwrap_or(f64::NAN),
+                        r.rank0("compute_median_s").unwrap_or(f64::NAN)
+                    )
+                })
+            };
+            let mut row = Row::new(
+                Group::Train,
+                format!(
+                    "ConvNet 224px, batch 16/rank, 1 thread/rank, {label}, {world} rank{}",
+                    if world > 1 { "s" } else { "" }
+                ),
+                Unit::ImagesPerSec,
+            )
+            .pair(
+                o.and_then(|r| r.rank0("images_per_sec")),
+                t.and_then(|r| r.rank0("images_per_sec")),
+            )
+            .note(format!("ours: {}; PyTorch: {}", phases(o), phases(t)));
+            if random {
+                row = row.target(Target::Ratio(1.0));
+            } else if jpeg2048 {
+                row = row.target(Target::Ratio(1.15));
+            }
+            rows.push(row);
+        }
+        let efficiency = |runs: &[(usize, Run)]| {
+            let one = get(runs, 1)?.rank0("images_per_sec")?;
+            let two = get(runs, 2)?.rank0("images_per_sec")?;
+            Some(two / (2.0 * one))
+        };
+        rows.push(
+            Row::new(
+                Group::Train,
+                format!("scaling efficiency 2 ranks / (2 x 1 rank), {label}"),
+                Unit::Fraction,
+            )
+            .pair(efficiency(&ours), efficiency(&theirs))
+            .target(Target::Ours(0.95)),
+        );
+        if random && with_ddp {
+            if let Some(run) = get(&ours, 2) {
+                rows.extend(ddp_rows(run));
+            }
+        }
+    }
+    Ok(rows)
+}
+
+fn print_table(rows: &[Row]) {
+    let w_name = rows.iter().map(|r| r.name.len()).max().unwrap_or(10).max(9);
+    println!(
+        "\n{:<8} {:<w_name$} {:>14} {:>14} {:>8} {:>9} {:>6}  note",
+        "group", "benchmark", "ours", "PyTorch", "ratio", "target", "met"
+    );
+    println!("{}", "-".repeat(8 + w_name + 14 + 14 + 8 + 9 + 6 + 12));
+    for r in rows {
+        let show = |v: Option<f64>| v.map_or("-".to_string(), |x| r.unit.show(x));
+        println!(
+            "{:<8} {:<w_name$} {:>14} {:>14} {:>8} {:>9} {:>6}  {}",
+            r.group.name(),
+            r.name,
+            show(r.ours),
+            show(r.pytorch),
+            r.ratio.map_or("-".to_string(), |x| format!("{x:.2}x")),
+            r.target_text(),
+            match r.meets_target() {
+                Some(true) => "yes",
+                Some(false) => "NO",
+                None => "",
+            },
+            r.note
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_key_values_and_json_numbers() {
+        let line = "RESULT ddp_steps world=2 rank=1 images_per_sec=17.25 loss=0.5";
+        assert_eq!(kv(line, "rank"), Some("1"));
+        assert_eq!(kv_f64(line, "images_per_sec"), Some(17.25));
+        assert_eq!(kv(line, "images"), None);
+        let est = r#"{"mean":{"point_estimate":2.0},"median":{"confidence_interval":{"lower_bound":1.0},"point_estimate":6111294.8976}}"#;
+        let median = est.find("\"median\"").map(|i| &est[i..]).unwrap();
+        assert_eq!(json_number(median, "point_estimate"), Some(6111294.8976));
+        let art = r#"{"reason":"compiler-artifact","target":{"kind":["bench"],"name":"sampler"},"executable":"/t/release/deps/sampler-1a","fresh":true}"#;
+        assert_eq!(
+            json_field(art, "executable").as_deref(),
+            Some("/t/release/deps/sampler-1a")
+        );
+    }
+
+    #[test]
+    fn ratios_favour_us_when_higher() {
+        let t = Row::new(Group::Sampler, "t", Unit::Seconds).pair(Some(0.01), Some(0.05));
+        assert!((t.ratio.unwrap() - 5.0).abs() < 1e-12);
+        let r = Row::new(Group::Train, "r", Unit::ImagesPerSec)
+            .pair(Some(18.0), Some(12.0))
+            .target(Target::Ratio(1.15));
+        assert!((r.ratio.unwrap() - 1.5).abs() < 1e-12);
+        assert_eq!(r.meets_target(), Some(true));
+        let e = Row::new(Group::Train, "e", Unit::Fraction)
+            .pair(Some(0.9), Some(0.8))
+            .target(Target::Ours(0.95));
+        assert_eq!(e.meets_target(), Some(false));
+    }
+
+    #[test]
+    fn groups_results_by_world_and_finds_the_ddp_cost() {
+        let text = "noise\n\
+            RESULT ddp_steps world=1 rank=0 images_per_sec=9.0\n\
+            RESULT ddp_steps world=2 rank=0 images_per_sec=17.0 ddp_overhead_median_s=0.006 \
+            bcast_cost_median_s=0.004 sync_cost_median_s=0.002\n\
+            RESULT ddp_steps world=2 rank=1 images_per_sec=17.1\n";
+        let runs = runs_by_world(text, "ddp_steps");
+        assert_eq!(runs.len(), 2);
+        let (_, two) = runs.iter().find(|(w, _)| *w == 2).unwrap();
+        assert_eq!(two.rank0("images_per_sec"), Some(17.0));
+        let (total, bcast, sync) = two.ddp_overhead().unwrap();
+        assert!((total - 0.006).abs() < 1e-12 && bcast == 0.004 && sync == 0.002);
+    }
+
+    #[test]
+    fn json_lines_escape_and_use_null() {
+        let r = Row::new(Group::Comm, "a \"b\"", Unit::GigabytesPerSec).pair(Some(1.5), None);
+        let j = r.json();
+        assert!(j.starts_with("{\"group\":\"comm\",\"name\":\"a \\\"b\\\"\""));
+        assert!(j.contains("\"pytorch\":null") && j.contains("\"ratio\":null"));
+        assert!(j.contains("\"meets_target\":null"));
+    }
+}
