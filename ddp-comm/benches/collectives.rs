@@ -6,6 +6,7 @@
 //! cargo bench -p ddp-comm --bench collectives                      # 2 ranks, TCP vs Gloo
 //! cargo bench -p ddp-comm --bench collectives -- --ranks 4 --no-gloo
 //! cargo bench -p ddp-comm --bench collectives -- --backend nccl    # one rank per GPU
+//! cargo bench -p ddp-comm --bench collectives -- --quick           # a tenth of the calls
 //! ```
 //!
 //! `busbw = algbw * 2(n-1)/n` with `algbw = bytes / median time` (nccl-tests' definition).
@@ -60,10 +61,14 @@ fn parse_args() -> Args {
         gloo: true,
         scale: 1.0,
     };
+    let mut ranks_given = false;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
-            "--ranks" => args.ranks = it.next().and_then(|v| v.parse().ok()).expect("--ranks N"),
+            "--ranks" => {
+                args.ranks = it.next().and_then(|v| v.parse().ok()).expect("--ranks N");
+                ranks_given = true;
+            }
             "--backend" => {
                 args.backend = match it.next().as_deref() {
                     Some("nccl") => Backend::Nccl,
@@ -78,6 +83,10 @@ fn parse_args() -> Args {
     }
     if args.backend == Backend::Nccl {
         args.gloo = false;
+        if !ranks_given {
+            // One rank per GPU: NCCL refuses two ranks on one device.
+            args.ranks = ddp_comm::cuda::device_count().max(1);
+        }
     }
     args
 }

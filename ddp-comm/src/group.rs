@@ -546,3 +546,45 @@ fn cpu_bytes(t: &mut Tensor) -> Result<(&mut [u8], DType), CommError> {
     // the storage are the caller's responsibility, as in PyTorch).
     Ok((unsafe { std::slice::from_raw_parts_mut(ptr, len) }, dtype))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_group_can_be_shared_between_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<ProcessGroup>();
+    }
+
+    #[test]
+    fn options_from_the_environment_carry_every_setting() {
+        let config = EnvConfig::from_lookup(|k| {
+            let v = match k {
+                "RANK" => "1",
+                "WORLD_SIZE" => "4",
+                "LOCAL_RANK" => "1",
+                "LOCAL_WORLD_SIZE" => "2",
+                "MASTER_ADDR" => "node7",
+                "MASTER_PORT" => "29400",
+                "DDP_RUN_ID" => "r9",
+                "DDP_OP_TIMEOUT_S" => "7",
+                _ => return None,
+            };
+            Some(v.to_string())
+        })
+        .unwrap();
+        let o = Options::from_config(&config).backend(Backend::Tcp);
+        assert_eq!(
+            (o.rank, o.world_size, o.local_rank, o.local_world_size),
+            (1, 4, 1, 2)
+        );
+        assert_eq!(
+            (o.master_addr.as_str(), o.master_port, o.run_id.as_str()),
+            ("node7", 29400, "r9")
+        );
+        assert_eq!(o.op_timeout, Duration::from_secs(7));
+        assert_eq!(o.rendezvous_timeout, DEFAULT_RENDEZVOUS_TIMEOUT);
+        assert_eq!(o.backend, Some(Backend::Tcp));
+    }
+}
