@@ -23,6 +23,8 @@ use crate::wire;
 
 const PEER_MAGIC: &[u8; 4] = b"DDPR";
 const ABORT_KEY: &str = "abort";
+/// How long rank 0 keeps its store up after a failed rendezvous.
+const ABORT_LINGER: Duration = Duration::from_millis(500);
 
 /// What rendezvous needs to know.
 #[derive(Clone, Debug)]
@@ -163,7 +165,32 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
         None
     };
     let mut store = connect_store(plan, deadline, &server)?;
-    let s = store.as_mut();
+    match join(plan, store.as_mut(), deadline) {
+        Ok(link) => Ok(Met {
+            store: Some(store),
+            server,
+            link: Some(link),
+        }),
+        Err(err) => {
+            // A timeout is news for the others too; other failures have already been
+            // written (or came from another rank's abort).
+            let err = match err {
+                CommError::RendezvousTimeout { .. } => abort(store.as_mut(), err),
+                other => other,
+            };
+            if server.is_some() {
+                // Keep serving briefly, so that waiting ranks read `abort` (they poll at
+                // least every 50 ms) instead of finding the store gone.
+                std::thread::sleep(ABORT_LINGER);
+            }
+            Err(err)
+        }
+    }
+}
+
+/// Steps 2 and 3 of the rendezvous, over a connected store.
+fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Link, CommError> {
+    let (rank, world) = (plan.rank, plan.world_size);
     let addr = s.addr().to_string();
 
     if s.add(&format!("join/{rank}"), 1)? > 1 {
@@ -197,12 +224,7 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     let prev = (rank + world - 1) % world;
     let next_addr = peer_addr(s, next)?;
     let prev_addr = peer_addr(s, prev)?;
-    let link = connect_ring(plan, &listener, next, next_addr, prev, prev_addr, deadline)?;
-    Ok(Met {
-        store: Some(store),
-        server,
-        link: Some(link),
-    })
+    connect_ring(plan, &listener, next, next_addr, prev, prev_addr, deadline)
 }
 
 fn peer_addr(store: &mut dyn Store, rank: usize) -> Result<SocketAddr, CommError> {

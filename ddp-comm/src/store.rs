@@ -383,9 +383,17 @@ impl StoreClient {
     }
 
     fn fail(&self, e: io::Error) -> CommError {
+        let detail = match e.kind() {
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::BrokenPipe => {
+                "the store closed the connection (rank 0 exited or failed)".to_string()
+            }
+            _ => e.to_string(),
+        };
         CommError::Store {
             addr: self.addr.clone(),
-            detail: e.to_string(),
+            detail,
         }
     }
 

@@ -210,9 +210,10 @@ impl TcpBackend {
             if self.gather.len() < words {
                 self.gather.resize(words, 0);
             }
-            let pieces: Vec<Span> = (0..n).map(|r| Span { off: r * len, len }).collect();
+            equal_pieces(&mut self.pieces, n, len);
             as_bytes_mut(&mut self.gather)[self.rank * len..][..len].copy_from_slice(buf);
-            self.schedule.all_gather(&pieces, self.rank, self.segment);
+            self.schedule
+                .all_gather(&self.pieces, self.rank, self.segment);
             self.run("all_reduce", head, &mut [], None, true)?;
             let all = &as_bytes_mut(&mut self.gather)[..len * n];
             buf.copy_from_slice(&all[..len]);
@@ -260,10 +261,9 @@ impl TcpBackend {
         if self.world == 1 {
             return Ok(());
         }
-        let pieces: Vec<Span> = (0..self.world)
-            .map(|r| Span { off: r * len, len })
-            .collect();
-        self.schedule.all_gather(&pieces, self.rank, self.segment);
+        equal_pieces(&mut self.pieces, self.world, len);
+        self.schedule
+            .all_gather(&self.pieces, self.rank, self.segment);
         let head = header(Kind::AllGather, 0, 0, len);
         self.run("all_gather", head, out, None, false)
     }
@@ -308,8 +308,9 @@ impl TcpBackend {
             self.gather.resize(words, 0);
         }
         as_bytes_mut(&mut self.gather)[self.rank] = 1;
-        let pieces: Vec<Span> = (0..n).map(|r| Span { off: r, len: 1 }).collect();
-        self.schedule.all_gather(&pieces, self.rank, self.segment);
+        equal_pieces(&mut self.pieces, n, 1);
+        self.schedule
+            .all_gather(&self.pieces, self.rank, self.segment);
         self.run(
             "barrier",
             header(Kind::Barrier, 0, 0, 1),
@@ -329,6 +330,12 @@ impl TcpBackend {
         self.segment = bytes.max(8) / 8 * 8;
         let _ = self.scratch_bytes(self.segment);
     }
+}
+
+/// `n` consecutive pieces of `len` bytes, into a reused vector.
+fn equal_pieces(out: &mut Vec<Span>, n: usize, len: usize) {
+    out.clear();
+    out.extend((0..n).map(|r| Span { off: r * len, len }));
 }
 
 fn peer_error(

@@ -23,13 +23,25 @@ pub fn rank_world() -> (usize, usize) {
     (get("RANK"), get("WORLD_SIZE"))
 }
 
-/// A port that was free a moment ago.
+/// A port that was free a moment ago, below Linux's ephemeral range (32768-60999), so that
+/// the outgoing connections of concurrently running tests cannot take it in the meantime.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static CALLS: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let calls = CALLS.fetch_add(1, Ordering::Relaxed);
+    let mut seed =
+        nanos ^ std::process::id().wrapping_mul(2_654_435_761) ^ calls.wrapping_mul(40_503);
+    for _ in 0..1000 {
+        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        let port = (20_000 + (seed >> 8) % 12_000) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in 20000..32000")
 }
 
 /// The command that runs test `test` of this binary as a worker.
