@@ -287,7 +287,7 @@ fn ranks_and_device(args: &TrainArgs) -> Result<(usize, &'static str)> {
 }
 
 /// GPUs this process may use: `nvidia-smi --list-gpus`, narrowed by `CUDA_VISIBLE_DEVICES`.
-fn visible_gpus() -> usize {
+pub fn visible_gpus() -> usize {
     let listed = Command::new("nvidia-smi")
         .arg("--list-gpus")
         .stderr(Stdio::null())

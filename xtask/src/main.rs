@@ -4,6 +4,7 @@
 //! depends on tch; it drives the other crates through `cargo` and their binaries.
 
 mod bench;
+mod gpu_check;
 mod launch;
 mod setup;
 
@@ -36,6 +37,9 @@ enum Cmd {
     GenData(GenDataArgs),
     /// Run every benchmark and print ours next to PyTorch's, in one table (or JSON lines).
     Bench(bench::BenchArgs),
+    /// On a GPU machine: the NCCL tests, the NCCL bandwidth sweep, and trainings on one GPU
+    /// and on every GPU.
+    GpuCheck,
 }
 
 #[derive(Debug, clap::Args)]
@@ -63,6 +67,9 @@ fn main() -> Result<()> {
         Cmd::Train(args) => train(&root, args),
         Cmd::GenData(args) => gen_data(&args),
         Cmd::Bench(args) => bench::run(&root, args),
+        Cmd::GpuCheck => {
+            setup::run(&root, &setup::SetupArgs::default()).and_then(|_| gpu_check::run(&root))
+        }
     }
 }
 

@@ -1,0 +1,80 @@
+//! `cargo xtask gpu-check`: everything that needs a GPU, in one command, for a GPU machine.
+//!
+//! 1. nccl-sys's loader tests and ddp-comm's NCCL tests (which skip with a printed reason
+//!    where no GPU is usable; here they must run),
+//! 2. the NCCL all-reduce bandwidth sweep (one rank per GPU),
+//! 3. a short training on one GPU and one on every visible GPU, through the launcher.
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+
+use crate::launch::{self, TrainArgs};
+
+/// Steps per epoch of the training runs: enough to exercise loading, DDP and checkpoints.
+const TRAIN_STEPS: &str = "30";
+
+pub fn run(root: &Path) -> Result<()> {
+    let gpus = launch::visible_gpus();
+    if gpus == 0 {
+        bail!(
+            "gpu-check needs NVIDIA GPUs, and none is visible here (nvidia-smi lists none, or \
+             CUDA_VISIBLE_DEVICES hides them); run it on a GPU machine"
+        );
+    }
+    println!("gpu-check: {gpus} GPU(s) visible");
+    let mut test = crate::cargo();
+    test.args(["test", "-p", "nccl-sys"]);
+    crate::run(root, test)?;
+    let mut nccl = crate::cargo();
+    nccl.args([
+        "test",
+        "-p",
+        "ddp-comm",
+        "--test",
+        "nccl",
+        "--",
+        "--nocapture",
+    ]);
+    crate::run(root, nccl)?;
+    let mut sweep = crate::cargo();
+    sweep.args([
+        "bench",
+        "-p",
+        "ddp-comm",
+        "--bench",
+        "collectives",
+        "--",
+        "--backend",
+        "nccl",
+    ]);
+    crate::run(root, sweep)?;
+    let runs = if gpus > 1 { vec![1, gpus] } else { vec![1] };
+    for n in runs {
+        println!("gpu-check: training on {n} GPU(s)");
+        let args = TrainArgs {
+            gpus: Some(n),
+            cpus: None,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: None,
+            max_restarts: 0,
+            out: None,
+            grace: 10,
+            cache: None,
+            runs_root: Some(std::env::temp_dir().join(format!("gpu-check-{}", std::process::id()))),
+            bin: None,
+            rest: ["--epochs", "2", "--max-steps-per-epoch", TRAIN_STEPS]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+        };
+        let code = launch::run(root, args)?;
+        if code != 0 {
+            bail!("the training on {n} GPU(s) failed (exit code {code})");
+        }
+    }
+    println!("gpu-check: all GPU tests, the NCCL sweep and the GPU trainings passed");
+    Ok(())
+}
