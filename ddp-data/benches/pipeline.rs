@@ -5,10 +5,12 @@
 //! `target/ddp-data-bench/`, measures this crate with criterion, then runs
 //! `benches/reference_pipeline.py` with the project's Python (`.deps/venv/bin/python`, or
 //! `DDP_BENCH_PYTHON`) when torchvision is installed there, and prints img/s and ratios.
+//! The comparison counts images per CPU-second of the working thread on both sides, so other
+//! processes on a shared machine disturb it less than wall-clock rates.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use criterion::{criterion_group, Criterion, Throughput};
 use ddp_data::rng::SampleRng;
@@ -77,14 +79,29 @@ impl Runner {
     }
 }
 
-/// Images per second of the whole pipeline on one thread, over about `seconds`.
+/// CPU seconds this thread has used: on a shared machine other processes' load inflates wall
+/// time but not this, so both sides of the comparison are counted this way.
+fn thread_cpu_seconds() -> f64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid, writable timespec; the clock id is a constant libc knows.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_THREAD_CPUTIME_ID) failed");
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
+/// Images per CPU-second of the whole pipeline on one thread, over about `seconds` of CPU.
 fn rate(paths: Vec<PathBuf>, seconds: f64) -> f64 {
     let mut runner = Runner::new(paths);
-    let start = Instant::now();
-    while start.elapsed().as_secs_f64() < seconds {
+    runner.step(); // Grow the buffers before timing.
+    runner.n = 0;
+    let start = thread_cpu_seconds();
+    while thread_cpu_seconds() - start < seconds {
         runner.step();
     }
-    runner.n as f64 / start.elapsed().as_secs_f64()
+    runner.n as f64 / (thread_cpu_seconds() - start)
 }
 
 fn pipeline(c: &mut Criterion) {
@@ -146,9 +163,8 @@ fn torchvision(
 
 fn compare() {
     let ours: Vec<(u32, f64)> = SIZES.iter().map(|&s| (s, rate(images(s), 3.0))).collect();
-    println!(
-        "\nddp-data, 1 thread (decode + RandomResizedCrop(224, scale=(0.2, 1.0)) + ToTensor):"
-    );
+    println!("\nimages per CPU-second of one thread, decode + RandomResizedCrop(224) + ToTensor");
+    println!("ddp-data:");
     for (s, r) in &ours {
         println!("  {s}x{s}: {r:.0} img/s");
     }
@@ -170,7 +186,7 @@ fn compare() {
             .find(|r| r.0 == mode && r.1 == size)
             .map(|r| r.2)
     };
-    println!("torchvision 1 thread, same images (img/s; ratio = ddp-data / torchvision):");
+    println!("torchvision, same images (ratio = ddp-data / torchvision):");
     for (s, r) in &ours {
         let (Some(d0), Some(d1), Some(f0), Some(f1)) = (
             find(&plain, "default", *s),

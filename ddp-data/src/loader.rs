@@ -193,7 +193,7 @@ pub struct HostLoader {
     prefetch: usize,
     total: usize,
     next_batch: usize,
-    early: HashMap<usize, Vec<f32>>,
+    early: HashMap<usize, Result<Vec<f32>, DataError>>,
     finished: bool,
 }
 
@@ -320,10 +320,18 @@ impl HostLoader {
         let mut images = vec![0f32; (end - start) * len];
         let mut filled = 0;
         for position in start..end {
-            if let Some(buf) = self.early.remove(&position) {
-                images[(position - start) * len..][..len].copy_from_slice(&buf);
-                self.shared.return_buffer(buf);
-                filled += 1;
+            if let Some(result) = self.early.remove(&position) {
+                match result {
+                    Ok(buf) => {
+                        images[(position - start) * len..][..len].copy_from_slice(&buf);
+                        self.shared.return_buffer(buf);
+                        filled += 1;
+                    }
+                    Err(e) => {
+                        self.stop();
+                        return Some(Err(e));
+                    }
+                }
             }
         }
         while filled < end - start {
@@ -339,18 +347,21 @@ impl HostLoader {
                     return Some(Err(DataError::WorkerPanicked { worker: 0, path }));
                 }
             };
+            if !(start..end).contains(&done.position) {
+                // A later batch's sample (or error): keep it until that batch is due, so
+                // batches and errors come in index order.
+                self.early.insert(done.position, done.result);
+                continue;
+            }
             match done.result {
-                Err(e) => {
-                    self.stop();
-                    return Some(Err(e));
-                }
-                Ok(buf) if (start..end).contains(&done.position) => {
+                Ok(buf) => {
                     images[(done.position - start) * len..][..len].copy_from_slice(&buf);
                     self.shared.return_buffer(buf);
                     filled += 1;
                 }
-                Ok(buf) => {
-                    self.early.insert(done.position, buf);
+                Err(e) => {
+                    self.stop();
+                    return Some(Err(e));
                 }
             }
         }

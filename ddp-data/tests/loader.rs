@@ -192,6 +192,31 @@ fn a_corrupt_image_surfaces_as_an_error_naming_the_file_and_ends_the_epoch() {
     assert!(loader.next().is_none());
 }
 
+/// A later batch's error that a worker reports first must wait for the earlier batches:
+/// sample 1 is a large image (slow), sample 2 (next batch) fails at once.
+#[test]
+fn errors_come_in_index_order_even_when_reported_early() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 4);
+    std::fs::write(
+        &ds.sample(1).unwrap().path,
+        common::gradient_jpeg(2048, 2048),
+    )
+    .unwrap();
+    std::fs::write(&ds.sample(2).unwrap().path, b"broken").unwrap();
+    let config = LoaderConfig {
+        workers: 2,
+        prefetch: 2,
+        ..LoaderConfig::new(2)
+    };
+    let mut loader =
+        HostLoader::new(ds.clone(), (0..4).collect(), Transform::train(16), &config).unwrap();
+    assert_eq!(loader.next().unwrap().unwrap().indices, [0, 1]);
+    let e = loader.next().unwrap().unwrap_err();
+    assert!(e.to_string().contains("1_left.jpg"), "{e}");
+    assert!(loader.next().is_none());
+}
+
 #[test]
 fn skip_corrupt_leaves_out_and_reports_every_bad_image() {
     let dir = tempfile::tempdir().unwrap();
