@@ -347,6 +347,32 @@ impl Trainer {
         Ok(all)
     }
 
+    /// A loader over `indices` of the training set (`train`) or the validation set.
+    fn loader(
+        &self,
+        train: bool,
+        epoch: u64,
+        indices: Vec<usize>,
+        transform: Transform,
+    ) -> Result<Loader> {
+        let c = &self.config;
+        let config = LoaderConfig {
+            drop_last: train,
+            seed: c.seed,
+            epoch,
+            workers: c
+                .workers
+                .unwrap_or_else(|| ddp_data::default_workers(self.pg.local_world_size())),
+            ..LoaderConfig::new(c.batch_size)
+        };
+        let set = if train {
+            &self.data.train_set
+        } else {
+            &self.data.val_set
+        };
+        Ok(Loader::new(set.clone(), indices, transform, &config)?.pin_memory_for(self.device))
+    }
+
     /// One epoch of training; returns (mean loss over all ranks' samples, images, steps).
     fn train_epoch(&mut self, epoch: u64) -> Result<(f64, usize, usize)> {
         let c = &self.config;
@@ -368,23 +394,8 @@ impl Trainer {
             ddp_data::transform::DEFAULT_RATIO,
         )?
         .with_hflip(c.hflip);
-        let loader_config = LoaderConfig {
-            drop_last: true,
-            seed: c.seed,
-            epoch,
-            workers: c
-                .workers
-                .unwrap_or_else(|| ddp_data::default_workers(self.pg.local_world_size())),
-            ..LoaderConfig::new(c.batch_size)
-        };
         let indices = indices[..steps * c.batch_size * c.accumulate].to_vec();
-        let mut loader = Loader::new(
-            self.data.train_set.clone(),
-            indices,
-            transform,
-            &loader_config,
-        )?
-        .pin_memory_for(self.device);
+        let mut loader = self.loader(true, epoch, indices, transform)?;
         let progress = Progress::new(rank == 0, epoch, c.epochs, steps);
         let (mut loss_sum, mut samples) = (0.0f64, 0usize);
         let started = Instant::now();
@@ -445,22 +456,7 @@ impl Trainer {
         let indices: Vec<usize> = self.val_sampler.iter().map(|i| self.data.val[i]).collect();
         let resize = c.image_size * 8 / 7;
         let transform = Transform::eval(resize, c.image_size)?;
-        let loader_config = LoaderConfig {
-            drop_last: false,
-            seed: c.seed,
-            epoch,
-            workers: c
-                .workers
-                .unwrap_or_else(|| ddp_data::default_workers(self.pg.local_world_size())),
-            ..LoaderConfig::new(c.batch_size)
-        };
-        let mut loader = Loader::new(
-            self.data.val_set.clone(),
-            indices,
-            transform,
-            &loader_config,
-        )?
-        .pin_memory_for(self.device);
+        let mut loader = self.loader(false, epoch, indices, transform)?;
         let classes = ODIR_CLASSES.len();
         let mut confusion = Confusion::new(classes);
         let (mut loss_sum, mut samples) = (0.0f64, 0usize);
