@@ -3,9 +3,10 @@
 //! small ConvNet can learn them and the real loading code path is exercised end to end.
 //!
 //! Cues: D red haemorrhages and yellow exudates; G an enlarged, bright optic cup; C a global
-//! milky haze and blur; A yellow drusen around the macula; H narrowed pale arteries and
-//! tortuous veins; M a pale, tessellated fundus with a peripapillary crescent; O a ring of
-//! dark laser scars; N none of these. Eyes may carry several labels at once.
+//! milky haze and blur; A a pale macula ringed by large drusen; H narrowed pale arteries,
+//! dilated tortuous veins and white cotton-wool spots by the disc; M a pale, tessellated fundus
+//! with a peripapillary crescent; O a ring of dark laser scars; N none of these. Eyes may carry
+//! several labels at once.
 
 mod fundus;
 

@@ -126,6 +126,9 @@ pub(crate) fn paint(size: u32, labels: &[bool; 8], left_eye: bool, rng: &mut Sam
     if labels[D] {
         diabetic_lesions(&mut canvas, &eye, rng);
     }
+    if labels[H] {
+        cotton_wool_spots(&mut canvas, &eye, rng);
+    }
     if labels[A] {
         drusen(&mut canvas, &eye, rng);
     }
@@ -216,7 +219,8 @@ fn vessels(canvas: &mut Canvas, eye: &Eye, hypertensive: bool, rng: &mut SampleR
         let mut tortuous = 0.0;
         if hypertensive {
             if vein {
-                tortuous = 0.55;
+                tortuous = 0.8;
+                width *= 1.3; // dilated veins
             } else {
                 width *= 0.45;
                 colour = [205.0, 110.0, 60.0]; // "copper wiring"
@@ -341,15 +345,33 @@ impl Spots {
     }
 }
 
-/// A: soft yellow drusen clustered around the macula.
+/// A: a pale patch of atrophy over the macula, ringed by large soft yellow drusen.
 fn drusen(canvas: &mut Canvas, eye: &Eye, rng: &mut SampleRng) {
+    canvas.disc(
+        eye.mac_x,
+        eye.mac_y,
+        eye.radius * (0.1 + jitter(rng, 0.02)),
+        [215.0, 170.0, 120.0],
+        0.8,
+    );
     let count = 20 + rng.below(25);
     let drusen = Spots {
-        radius: (0.014, 0.03),
-        colour: [235.0, 210.0, 120.0],
-        alpha: 0.7,
+        radius: (0.02, 0.04),
+        colour: [240.0, 220.0, 150.0],
+        alpha: 0.75,
     };
-    drusen.scatter(canvas, eye, rng, count, (eye.mac_x, eye.mac_y), 0.26);
+    drusen.scatter(canvas, eye, rng, count, (eye.mac_x, eye.mac_y), 0.3);
+}
+
+/// H: soft white cotton-wool spots around the optic disc.
+fn cotton_wool_spots(canvas: &mut Canvas, eye: &Eye, rng: &mut SampleRng) {
+    let count = 3 + rng.below(4);
+    let spots = Spots {
+        radius: (0.045, 0.07),
+        colour: [238.0, 232.0, 220.0],
+        alpha: 0.6,
+    };
+    spots.scatter(canvas, eye, rng, count, (eye.disc_x, eye.disc_y), 0.55);
 }
 
 /// O: a ring of dark pigmented laser scars with pale halos in the mid-periphery.
