@@ -411,3 +411,70 @@ fn bad_input_fails_on_every_rank_before_training() {
         );
     }
 }
+
+#[test]
+fn torchrun_starts_ddp_train_ranks_that_train_together() {
+    let deps =
+        std::env::var_os("DDP_DEPS_DIR").expect("cargo sets DDP_DEPS_DIR (.cargo/config.toml)");
+    let torchrun = PathBuf::from(deps).join("venv/bin/torchrun");
+    assert!(
+        torchrun.exists(),
+        "{} not found: run cargo xtask setup",
+        torchrun.display()
+    );
+    let dir = temp_dir("torchrun");
+    let data = data(&dir, 24);
+    let out = dir.join("run");
+    let port = free_port().to_string();
+    let child = Command::new(torchrun)
+        .args([
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &port,
+            "--no-python",
+            EXE,
+        ])
+        .args([
+            "--data",
+            data.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .args([
+            "--epochs",
+            "1",
+            "--image-size",
+            "32",
+            "--batch-size",
+            "4",
+            "--threads",
+            "1",
+            "--workers",
+            "1",
+        ])
+        .env("OMP_NUM_THREADS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let waiter = std::thread::spawn(move || child.wait_with_output().unwrap());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !waiter.is_finished() {
+        assert!(
+            Instant::now() < deadline,
+            "torchrun did not finish within 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = waiter.join().unwrap();
+    let t = text(&output);
+    assert!(output.status.success(), "{t}");
+    // Both ranks took part: rank 1 announced itself, and the epoch's metrics count two ranks.
+    assert!(t.contains("rank 1 of 2"), "{t}");
+    let metrics = metrics_without_timing(&out);
+    assert_eq!(metrics.len(), 1);
+    assert_eq!(metrics[0]["world_size"], 2);
+}
