@@ -78,6 +78,8 @@ struct Args {
 fn main() -> Result<()> {
     let args = Args::parse();
     if std::env::var_os(WORKER_ENV).is_some() {
+        // The same allocator settings as the ddp-train binary: measure the product.
+        ddp_train::malloc::keep_freed_memory();
         return worker(&args);
     }
     let mut rates = Vec::new();

@@ -33,6 +33,7 @@
 
 pub mod config;
 pub mod ddp;
+pub mod malloc;
 pub mod metrics;
 pub mod optim;
 pub mod plot;

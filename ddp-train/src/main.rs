@@ -8,6 +8,7 @@ use clap::Parser;
 use ddp_train::{TrainConfig, Trainer};
 
 fn main() -> Result<()> {
+    ddp_train::malloc::keep_freed_memory();
     let config = TrainConfig::parse();
     let eval_only = config.eval_only;
     let mut trainer = Trainer::new(config)?;
