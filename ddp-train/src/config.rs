@@ -108,7 +108,7 @@ pub struct TrainConfig {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 
-    /// Run directory (default: runs/<UTC timestamp>).
+    /// Run directory (default: runs/YYYYMMDD-HHMMSS, UTC).
     #[arg(long)]
     pub out: Option<PathBuf>,
 

@@ -45,7 +45,7 @@ pub struct TrainArgs {
     /// Restart the whole group from the latest checkpoint after a failure, up to K times.
     #[arg(long, default_value_t = 0)]
     pub max_restarts: u32,
-    /// Run directory (default: runs/<UTC timestamp>-<pid>).
+    /// Run directory (default: runs/YYYYMMDD-HHMMSS-PID, UTC).
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Seconds between asking failed jobs' ranks to terminate and killing them.
