@@ -22,6 +22,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -123,16 +124,19 @@ def worker(rank, world, port, args):
     images = world * args.batch_size * args.steps
     dist.barrier()
     med = {k: statistics.median(v) for k, v in phases.items()}
-    print(
+    line = (
         f"RESULT reference_ddp source={'random' if args.data is None else 'jpeg'} "
         f"world={world} rank={rank} threads={args.threads} workers=0 batch={args.batch_size} "
         f"size={args.image_size} warmup={args.warmup} steps={args.steps} "
         f"images_per_sec={images / elapsed:.4f} elapsed_s={elapsed:.4f} "
         f"step_median_s={med['step']:.5f} data_median_s={med['data']:.5f} "
         f"compute_median_s={med['compute']:.5f} optim_median_s={med['optim']:.6f} "
-        f"loss={loss:.5f} torch={torch.__version__}",
-        flush=True,
+        f"loss={loss:.5f} torch={torch.__version__}\n"
     )
+    # One write per line: ranks share stdout, and print() writes the text and the newline
+    # separately, so two ranks' lines could interleave.
+    sys.stdout.write(line)
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
