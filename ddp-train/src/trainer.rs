@@ -181,7 +181,7 @@ impl Trainer {
         };
         let mut scheduler = ReduceLrOnPlateau::new(plateau);
         let (mut start_epoch, mut best_macro, mut best_micro) = (1, None, None);
-        let mut restored: Option<(TrainState, PathBuf)> = None;
+        let mut restored: Option<(TrainState, PathBuf, Adam)> = None;
         let mut resumed_note = None;
         if let (Some(path), true) = (&resume_from, config.eval_only) {
             checkpoint::load(&vs, path)?;
@@ -190,14 +190,15 @@ impl Trainer {
             // Loaded on the CPU first, then moved with the model to the rank's device.
             let mut cpu_adam = Adam::new(trainable(&vs), adam_config);
             let st = state::load(path, &vs, &mut cpu_adam).map_err(anyhow::Error::msg)?;
-            restored = Some((st, path.clone()));
+            restored = Some((st, path.clone(), cpu_adam));
         }
         vs.set_device(device);
         let mut adam = Adam::new(trainable(&vs), adam_config);
-        if let Some((st, path)) = restored {
-            // Re-read the moments onto the device (the CPU copy was only for validation).
-            let file = checkpoint::read_tensors(state::state_path(&path))?;
-            adam.load_state(&file.tensors, st.adam_steps)
+        if let Some((st, path, cpu_adam)) = restored {
+            // The moments were loaded on the CPU with the model; load_state moves them to
+            // the parameters' device.
+            let moments = cpu_adam.state_tensors().into_iter().collect();
+            adam.load_state(&moments, st.adam_steps)
                 .map_err(anyhow::Error::msg)?;
             adam.set_lr(st.lr);
             scheduler = st.scheduler.clone();
