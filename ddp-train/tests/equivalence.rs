@@ -3,9 +3,13 @@
 //! BatchNorm in training mode all ranks stay bit-identical. Ranks are real processes: this
 //! test binary re-invoked with `--ignored --exact <worker>` and torchrun's environment.
 
+mod common;
+
+use common::{free_port, rank_command};
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::Child;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,19 +24,8 @@ const BATCH: i64 = 4;
 const SIDE: i64 = 32;
 const OUT_ENV: &str = "DDP_TEST_OUT";
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ddp-train-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::temp_dir("ddp-train", name)
 }
 
 /// Runs `worker` as `world` rank processes and waits for all of them (bounded).
@@ -40,7 +33,7 @@ fn run_ranks(worker: &str, world: usize, out: &Path, env: &[(&str, String)]) -> 
     let port = free_port().to_string();
     let mut children: Vec<Child> = (0..world)
         .map(|rank| {
-            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            let mut cmd = rank_command(std::env::current_exe().unwrap(), rank, world, &port);
             cmd.args([
                 "--ignored",
                 "--exact",
@@ -48,12 +41,6 @@ fn run_ranks(worker: &str, world: usize, out: &Path, env: &[(&str, String)]) -> 
                 "--nocapture",
                 "--test-threads=1",
             ])
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", &port)
             .env(OUT_ENV, out)
             .stdout(std::fs::File::create(out.join(format!("{worker}-{rank}.log"))).unwrap())
             .stderr(std::process::Stdio::piped());

@@ -1,6 +1,10 @@
 //! The `ddp-train` binary as ranks: exact distributed evaluation, exact resume, determinism,
 //! and bad input failing on every rank before training. Real processes on loopback, CPU.
 
+mod common;
+
+use common::{free_port, rank_command};
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -13,10 +17,7 @@ use tch::{nn, Device};
 const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
 
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ddp-train-bin-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::temp_dir("ddp-train-bin", name)
 }
 
 /// A small synthetic ODIR folder (an odd number of validation images makes shards unequal).
@@ -35,21 +36,13 @@ fn data(dir: &Path, images: usize) -> PathBuf {
     root
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Runs `world` ranks of ddp-train with `args` (plus per-run `env`) and returns each rank's
 /// output. Panics if they do not all finish within two minutes.
 fn run_ranks(world: usize, args: &[&str], env: &[(&str, &str)]) -> Vec<Output> {
     let port = free_port().to_string();
     let children: Vec<_> = (0..world)
         .map(|rank| {
-            let mut cmd = Command::new(EXE);
+            let mut cmd = rank_command(EXE, rank, world, &port);
             cmd.args(args)
                 .args([
                     "--threads",
@@ -59,12 +52,6 @@ fn run_ranks(world: usize, args: &[&str], env: &[(&str, &str)]) -> Vec<Output> {
                     "--collective-timeout",
                     "30",
                 ])
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
                 .env("DDP_RDZV_TIMEOUT_S", "30")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
