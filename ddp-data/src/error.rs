@@ -181,12 +181,21 @@ pub enum DataError {
     },
 
     /// A loader worker thread died without reporting an error (a panic).
-    #[error("loader worker thread {worker} panicked while loading '{}'", .path.display())]
+    #[error("loader worker thread {worker} panicked while loading {sample}")]
     WorkerPanicked {
         /// The worker's number.
         worker: usize,
-        /// The image it was loading.
-        path: PathBuf,
+        /// The sample it was loading, as the data set describes it (an image's quoted path).
+        sample: String,
+    },
+
+    /// A CUDA runtime call of the pinned-memory input path failed.
+    #[error("CUDA call {call} failed: {message}")]
+    Cuda {
+        /// The runtime function.
+        call: &'static str,
+        /// The runtime's message, or why the runtime could not be loaded.
+        message: String,
     },
 
     /// Converting a batch to tch tensors failed.

@@ -8,9 +8,13 @@
 //!   workbook), checks every image exists, and lists samples (path, patient, 8 labels).
 //! - [`Transform`] is `RandomResizedCrop` (+ flip) or `Resize` + `CenterCrop`, then `ToTensor`
 //!   and optional `Normalize`, with crop boxes drawn exactly as torchvision draws them.
-//! - [`HostLoader`] (always) and [`Loader`] (feature `tch`) load one rank's indices in
-//!   batches on worker threads; the random draws of sample `i` in epoch `e` come from
-//!   `(seed, e, i)` only, so batches are identical whatever the number of workers.
+//! - [`HostLoader`] (always) and [`Loader`] (feature `tch`) load one rank's indices of any
+//!   [`Dataset`] in batches on worker threads, each writing its samples straight into a ring
+//!   of reusable batch buffers; the random draws of sample `i` in epoch `e` come from
+//!   `(seed, e, i)` only, so batches are identical whatever the number of workers. The tch
+//!   loader hands CPU batches out as views of their buffer and sends CUDA batches as bytes
+//!   from page-locked buffers, copied asynchronously and converted on the device.
+//!   [`OdirImages`] is ODIR as a `Dataset`.
 //!
 //! [`synthetic::generate`] writes a learnable ODIR-like folder, and [`split_by_patient`]
 //! makes a leak-free train/validation split.
@@ -18,18 +22,21 @@
 //! ```
 //! use std::sync::Arc;
 //! use ddp_data::synthetic::{generate, SyntheticConfig};
-//! use ddp_data::{split_by_patient, HostLoader, LoaderConfig, OdirDataset, OdirOptions, Transform};
+//! use ddp_data::{
+//!     split_by_patient, HostLoader, LoaderConfig, OdirDataset, OdirImages, OdirOptions, Transform,
+//! };
 //!
 //! let dir = std::env::temp_dir().join(format!("ddp-data-doctest-{}", std::process::id()));
 //! generate(&dir, &SyntheticConfig { images: 12, size: 64, ..SyntheticConfig::default() })?;
 //! let ds = Arc::new(OdirDataset::open(&dir, &OdirOptions::default())?);
 //! let split = split_by_patient(&ds, 0.5, 7)?;
 //! let config = LoaderConfig { drop_last: true, workers: 2, ..LoaderConfig::new(2) };
-//! let loader = HostLoader::new(ds.clone(), split.train, Transform::train(32), &config)?;
+//! let images = OdirImages::new(ds.clone(), Transform::train(32));
+//! let loader = HostLoader::new(images, split.train, &config)?;
 //! for batch in loader {
 //!     let batch = batch?;
-//!     assert_eq!(batch.images.len(), 2 * 3 * 32 * 32);
-//!     assert_eq!(batch.labels.len(), 2 * 8);
+//!     assert_eq!(batch.input_f32().unwrap().len(), 2 * 3 * 32 * 32);
+//!     assert_eq!(batch.targets().len(), 2 * 8);
 //! }
 //! # std::fs::remove_dir_all(&dir).ok();
 //! # Ok::<(), ddp_data::DataError>(())
@@ -38,11 +45,16 @@
 
 pub mod annotations;
 pub mod crop;
+#[cfg(feature = "tch")]
+mod cuda;
 pub mod dataset;
 pub mod decode;
 mod error;
+pub mod images;
 pub mod loader;
+pub mod memory;
 pub mod rng;
+pub mod sample;
 mod scaled_jpeg;
 pub mod split;
 pub mod synthetic;
@@ -53,7 +65,9 @@ pub mod transform;
 pub use annotations::{LabelMode, LabelSource, LABELS, LABEL_NAMES};
 pub use dataset::{Layout, OdirDataset, OdirOptions, Sample, SkippedImage};
 pub use error::DataError;
-pub use loader::{default_workers, HostBatch, HostLoader, LoaderConfig};
+pub use images::OdirImages;
+pub use loader::{default_workers, BatchIndices, HostBatch, HostLoader, InputRef, LoaderConfig};
+pub use sample::{Dataset, SampleLayout, Storage};
 pub use split::{all_indices, split_by_patient, Split};
 #[cfg(feature = "tch")]
 pub use tensor::{Batch, Loader};

@@ -1,24 +1,35 @@
-//! The parallel batch loader without tch: worker threads decode and transform samples into
-//! f32 buffers; the consumer assembles them into batches in index order.
+//! The parallel batch loader without tch: worker threads write samples straight into their
+//! place in a ring of reusable batch buffers; the consumer takes finished batches in index
+//! order, as leases on their slot.
 //!
-//! Workers claim sample positions from a window that reaches at most `prefetch` batches past
-//! the last batch handed out, so memory stays bounded by a few batches. Each sample's random
-//! draws come from `(seed, epoch, index)` alone, so the pixels do not depend on the number of
-//! workers or on their timing. Dropping the loader stops the workers after the image each one
-//! is working on.
+//! **Window.** Workers claim sample positions in order from a window that reaches at most
+//! `prefetch` batches past the last batch handed out, so work in progress stays bounded.
+//!
+//! **Ring.** The first sample claimed for a batch takes a free slot for the whole batch (or
+//! allocates one when none is free); each worker writes its samples into that slot, at the
+//! sample's offset, so a finished batch is already laid out as `[B, ...]` and nothing is
+//! copied to assemble it. The consumer gets a [`HostBatch`], a lease on the slot; dropping it
+//! returns the slot to the ring. A consumer that drops each batch before asking for the one
+//! after next keeps the ring at `prefetch + 2` slots and the loader allocates nothing after
+//! its first batches; one that keeps batches (say, collects an epoch) makes the ring grow
+//! instead of stalling.
+//!
+//! **Determinism.** Sample `i`'s random draws come from `(seed, epoch, i)` alone, so the values
+//! do not depend on the number of workers or on their timing. Batches, and errors, come in
+//! index order: a later batch's error waits until that batch is due. Dropping the loader
+//! stops the workers after the sample each one is writing.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use crate::dataset::OdirDataset;
 use crate::error::DataError;
+use crate::memory::{BatchMemory, HeapAllocator, SlotAllocator, SlotRequest};
 use crate::rng::SampleRng;
-use crate::transform::{Pipeline, Transform};
+use crate::sample::{Dataset, Input, SampleLayout, SampleOut, Storage};
 
 /// How a loader batches and parallelises one epoch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,162 +70,280 @@ pub fn default_workers(ranks_on_machine: usize) -> usize {
     (cores / ranks_on_machine.max(1)).max(1)
 }
 
-/// One batch as plain buffers: `images` is `[len, 3, size, size]` and `labels` `[len, 8]`,
-/// both row-major f32.
-#[derive(Debug, Clone, PartialEq)]
-pub struct HostBatch {
-    /// Pixel values, `len * 3 * size * size` of them.
-    pub images: Vec<f32>,
-    /// Multi-hot labels, `len * 8` of them.
-    pub labels: Vec<f32>,
-    /// The data-set index of each sample, in batch order.
-    pub indices: Vec<usize>,
-    /// The side of every image.
-    pub size: u32,
+/// Runs once a slot's memory may be written again (for example: waits for an asynchronous
+/// copy out of it to finish). Called by the worker that takes the slot for a new batch.
+pub type ReuseHook = Box<dyn FnOnce() -> Result<(), DataError> + Send>;
+
+/// One slot of the ring.
+struct Slot {
+    memory: Arc<dyn BatchMemory>,
+    /// The batch it holds (while filling or leased).
+    batch: usize,
+    /// Samples of that batch not finished yet.
+    remaining: usize,
+    /// The error of the lowest failed position in the batch.
+    error: Option<(usize, DataError)>,
+    before_reuse: Option<ReuseHook>,
 }
 
-impl HostBatch {
-    /// Number of samples.
-    pub fn len(&self) -> usize {
-        self.indices.len()
-    }
-
-    /// Whether the batch holds no samples (never the case for a batch a loader yields).
-    pub fn is_empty(&self) -> bool {
-        self.indices.is_empty()
-    }
-
-    /// The `[3, size, size]` values of sample `k` of the batch.
-    pub fn image(&self, k: usize) -> &[f32] {
-        let n = 3 * self.size as usize * self.size as usize;
-        &self.images[k * n..(k + 1) * n]
-    }
-}
-
-struct Window {
+struct State {
     /// Next position (into the index list) to hand to a worker.
     next: usize,
     /// Positions below this may be claimed.
     limit: usize,
     stop: bool,
+    /// Batches handed to the consumer so far.
+    handed: usize,
+    slots: Vec<Slot>,
+    free: Vec<usize>,
+    /// Batch number -> slot, for batches being filled or finished but not handed out.
+    filling: HashMap<usize, usize>,
+    /// An error that ends the epoch wherever it happens (a slot that cannot be allocated or
+    /// made reusable).
+    fatal: Option<DataError>,
+    live_workers: usize,
 }
 
-struct Shared {
-    dataset: Arc<OdirDataset>,
-    indices: Vec<usize>,
-    transform: Transform,
+/// The part of a loader a [`HostBatch`] keeps alive: slot memory and its bookkeeping.
+struct Ring {
+    state: Mutex<State>,
+    /// Workers wait here for the window to open.
+    work: Condvar,
+    /// The consumer waits here for a batch to finish.
+    ready: Condvar,
+    indices: Arc<[usize]>,
+    request: SlotRequest,
+}
+
+impl Ring {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock only means a thread panicked while holding it; every field stays
+        // meaningful (no invariant spans an unlock inside a panic-prone section).
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+struct Shared<D> {
+    ring: Arc<Ring>,
+    dataset: D,
+    allocator: Arc<dyn SlotAllocator>,
     seed: u64,
     epoch: u64,
-    window: Mutex<Window>,
-    wake: Condvar,
-    pool: Mutex<Vec<Vec<f32>>>,
+    batch_size: usize,
+    total: usize,
     finished: AtomicUsize,
 }
 
-impl Shared {
-    fn window(&self) -> MutexGuard<'_, Window> {
-        // A poisoned lock only means a thread panicked while holding it; the window's plain
-        // integers are still meaningful.
-        self.window.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn take_buffer(&self) -> Vec<f32> {
-        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        pool.pop()
-            .unwrap_or_else(|| vec![0.0; self.transform.sample_len()])
-    }
-
-    fn return_buffer(&self, buf: Vec<f32>) {
-        self.pool
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(buf);
-    }
-}
-
-struct Done {
-    position: usize,
-    result: Result<Vec<f32>, DataError>,
-}
-
-fn worker_loop(shared: Arc<Shared>, worker: usize, total: usize, results: Sender<Done>) {
-    let mut pipeline = Pipeline::new();
-    loop {
-        let position = {
-            let mut w = shared.window();
-            loop {
-                if w.stop || w.next >= total {
-                    return;
-                }
-                if w.next < w.limit {
-                    break;
-                }
-                w = shared.wake.wait(w).unwrap_or_else(|e| e.into_inner());
+impl<D> Shared<D> {
+    /// The slot for batch `batch`, taking (or allocating) one if it has none yet.
+    fn slot_for(&self, state: &mut State, batch: usize) -> Result<usize, DataError> {
+        if let Some(&s) = state.filling.get(&batch) {
+            return Ok(s);
+        }
+        let s = match state.free.pop() {
+            Some(s) => s,
+            None => {
+                let memory: Arc<dyn BatchMemory> =
+                    Arc::from(self.allocator.allocate(&self.ring.request)?);
+                state.slots.push(Slot {
+                    memory,
+                    batch,
+                    remaining: 0,
+                    error: None,
+                    before_reuse: None,
+                });
+                state.slots.len() - 1
             }
-            w.next += 1;
-            w.next - 1
         };
-        let index = shared.indices[position];
-        let mut buf = shared.take_buffer();
+        if let Some(hook) = state.slots[s].before_reuse.take() {
+            // Under the lock, so no other worker writes into the slot before it is ready.
+            if let Err(e) = hook() {
+                state.free.push(s);
+                return Err(e);
+            }
+        }
+        let len = self.batch_size.min(self.total - batch * self.batch_size);
+        let slot = &mut state.slots[s];
+        slot.batch = batch;
+        slot.remaining = len;
+        slot.error = None;
+        state.filling.insert(batch, s);
+        Ok(s)
+    }
+}
+
+/// Claims the next position; `None` when the worker should exit.
+fn claim<D>(shared: &Shared<D>) -> Option<(usize, Arc<dyn BatchMemory>)> {
+    let ring = &shared.ring;
+    let mut state = ring.lock();
+    loop {
+        if state.stop || state.next >= shared.total {
+            return None;
+        }
+        if state.next < state.limit {
+            break;
+        }
+        state = ring.work.wait(state).unwrap_or_else(|e| e.into_inner());
+    }
+    let position = state.next;
+    state.next += 1;
+    match shared.slot_for(&mut state, position / shared.batch_size) {
+        Ok(s) => Some((position, Arc::clone(&state.slots[s].memory))),
+        Err(e) => {
+            state.fatal.get_or_insert(e);
+            state.stop = true;
+            ring.work.notify_all();
+            ring.ready.notify_all();
+            None
+        }
+    }
+}
+
+fn worker_loop<D: Dataset>(shared: Arc<Shared<D>>, worker: usize) {
+    let ring = Arc::clone(&shared.ring);
+    let request = &ring.request;
+    let (input_len, targets_len) = (request.layout.input_len(), request.layout.targets);
+    let mut state = catch_unwind(AssertUnwindSafe(|| shared.dataset.worker())).ok();
+    while let Some(worker_state) = state.as_mut() {
+        let Some((position, memory)) = claim(&shared) else {
+            break;
+        };
+        let k = position % shared.batch_size;
+        let index = ring.indices[position];
         let outcome = catch_unwind(AssertUnwindSafe(|| {
-            let sample = shared.dataset.sample(index)?;
+            // SAFETY: `memory` holds a whole batch (`BatchMemory`'s contract, sized by
+            // `request`); sample `k` of it is written by this worker alone, because each
+            // position is claimed exactly once and a slot serves one batch at a time; nothing
+            // reads the slot until every sample of its batch is marked finished below, under
+            // the ring's lock (which orders these writes before the consumer's reads).
+            let out = unsafe {
+                let targets = std::slice::from_raw_parts_mut(
+                    memory.targets_ptr().add(k * targets_len),
+                    targets_len,
+                );
+                let input = match request.storage {
+                    Storage::U8 => Input::U8(std::slice::from_raw_parts_mut(
+                        memory.input_ptr().add(k * input_len),
+                        input_len,
+                    )),
+                    Storage::F32 => Input::F32(std::slice::from_raw_parts_mut(
+                        memory.input_ptr().cast::<f32>().add(k * input_len),
+                        input_len,
+                    )),
+                };
+                SampleOut { input, targets }
+            };
             let mut rng = SampleRng::new(shared.seed, shared.epoch, index as u64);
-            pipeline.run(&shared.transform, &sample.path, &mut rng, &mut buf)
+            shared.dataset.write(worker_state, index, &mut rng, out)
         }));
         let result = match outcome {
-            Ok(Ok(())) => Ok(buf),
-            Ok(Err(e)) => Err(e),
+            Ok(r) => r,
             Err(_) => {
-                pipeline = Pipeline::new();
+                // The per-thread state may be half-updated: start afresh.
+                state = catch_unwind(AssertUnwindSafe(|| shared.dataset.worker())).ok();
                 Err(DataError::WorkerPanicked {
                     worker,
-                    path: shared
-                        .dataset
-                        .get(index)
-                        .map_or_else(PathBuf::new, |s| s.path.clone()),
+                    sample: shared.dataset.describe(index),
                 })
             }
         };
         shared.finished.fetch_add(1, Ordering::Relaxed);
-        if results.send(Done { position, result }).is_err() {
-            return; // The loader was dropped.
+        let mut st = ring.lock();
+        let batch = position / shared.batch_size;
+        if let Some(&s) = st.filling.get(&batch) {
+            let slot = &mut st.slots[s];
+            if let Err(e) = result {
+                if slot.error.as_ref().is_none_or(|(p, _)| position < *p) {
+                    slot.error = Some((position, e));
+                }
+            }
+            slot.remaining -= 1;
+            if slot.remaining == 0 {
+                ring.ready.notify_all();
+            }
         }
     }
+    let mut st = ring.lock();
+    st.live_workers -= 1;
+    ring.ready.notify_all();
 }
 
 /// Iterates one epoch's batches of `indices` as [`HostBatch`]es, in index order.
 ///
 /// After an error the iterator ends: the error is the last item.
-pub struct HostLoader {
-    shared: Arc<Shared>,
-    results: Receiver<Done>,
+///
+/// ```
+/// use ddp_data::sample::{Dataset, Input, SampleLayout, SampleOut};
+/// use ddp_data::{rng::SampleRng, DataError, HostLoader, LoaderConfig};
+///
+/// /// Sample i is the vector [i, i, i] with target i * 10.
+/// struct Ramp;
+/// impl Dataset for Ramp {
+///     type Worker = ();
+///     fn len(&self) -> usize { 100 }
+///     fn layout(&self) -> SampleLayout {
+///         SampleLayout { shape: vec![3], targets: 1, bytes: None }
+///     }
+///     fn worker(&self) {}
+///     fn write(&self, _: &mut (), i: usize, _: &mut SampleRng, out: SampleOut<'_>)
+///         -> Result<(), DataError> {
+///         let Input::F32(x) = out.input else { unreachable!("f32 storage") };
+///         x.fill(i as f32);
+///         out.targets[0] = i as f32 * 10.0;
+///         Ok(())
+///     }
+/// }
+///
+/// let config = LoaderConfig { workers: 2, ..LoaderConfig::new(2) };
+/// let mut loader = HostLoader::new(Ramp, vec![7, 3, 5], &config)?;
+/// let first = loader.next().unwrap()?;
+/// assert_eq!(first.indices(), [7, 3]);
+/// assert_eq!(first.input_f32(), Some(&[7.0, 7.0, 7.0, 3.0, 3.0, 3.0][..]));
+/// assert_eq!(first.targets(), [70.0, 30.0]);
+/// assert_eq!(loader.next().unwrap()?.indices(), [5]);
+/// assert!(loader.next().is_none());
+/// # Ok::<(), DataError>(())
+/// ```
+pub struct HostLoader<D: Dataset> {
+    shared: Arc<Shared<D>>,
     workers: Vec<JoinHandle<()>>,
-    batch_size: usize,
     prefetch: usize,
-    total: usize,
-    next_batch: usize,
-    early: HashMap<usize, Result<Vec<f32>, DataError>>,
     finished: bool,
 }
 
-impl std::fmt::Debug for HostLoader {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl<D: Dataset> fmt::Debug for HostLoader<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HostLoader")
-            .field("samples", &self.total)
-            .field("batch_size", &self.batch_size)
-            .field("next_batch", &self.next_batch)
+            .field("samples", &self.shared.total)
+            .field("batch_size", &self.shared.batch_size)
+            .field("storage", &self.shared.ring.request.storage)
             .field("workers", &self.workers.len())
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
-impl HostLoader {
-    /// Starts `config.workers` threads loading `indices` of `dataset` with `transform`.
-    pub fn new(
-        dataset: Arc<OdirDataset>,
+impl<D: Dataset> HostLoader<D> {
+    /// Starts `config.workers` threads loading `indices` of `dataset` into `f32` batches in
+    /// heap memory.
+    pub fn new(dataset: D, indices: Vec<usize>, config: &LoaderConfig) -> Result<Self, DataError> {
+        Self::with_storage(
+            dataset,
+            indices,
+            config,
+            Storage::F32,
+            Arc::new(HeapAllocator),
+        )
+    }
+
+    /// Like [`HostLoader::new`], with the input's element type and the allocator of the
+    /// ring's slots chosen by the caller. [`Storage::U8`] needs a data set that can write
+    /// bytes ([`SampleLayout::bytes`]).
+    pub fn with_storage(
+        dataset: D,
         indices: Vec<usize>,
-        transform: Transform,
         config: &LoaderConfig,
+        storage: Storage,
+        allocator: Arc<dyn SlotAllocator>,
     ) -> Result<Self, DataError> {
         if config.batch_size == 0 {
             return Err(DataError::InvalidParameter {
@@ -223,10 +352,16 @@ impl HostLoader {
                 value: "0".to_string(),
             });
         }
-        if let Some(&index) = indices.iter().find(|&&i| i >= dataset.len()) {
-            return Err(DataError::IndexOutOfRange {
-                index,
-                len: dataset.len(),
+        let len = dataset.len();
+        if let Some(&index) = indices.iter().find(|&&i| i >= len) {
+            return Err(DataError::IndexOutOfRange { index, len });
+        }
+        let layout = dataset.layout();
+        if storage == Storage::U8 && layout.bytes.is_none() {
+            return Err(DataError::InvalidParameter {
+                name: "batch storage",
+                expected: "f32 for a data set that writes no bytes".to_string(),
+                value: "u8".to_string(),
             });
         }
         let b = config.batch_size;
@@ -236,62 +371,93 @@ impl HostLoader {
             indices.len()
         };
         let prefetch = config.prefetch.max(1);
-        let shared = Arc::new(Shared {
-            dataset,
-            indices,
-            transform,
-            seed: config.seed,
-            epoch: config.epoch,
-            window: Mutex::new(Window {
+        let workers = config.workers.max(1).min(total.max(1));
+        let ring = Arc::new(Ring {
+            state: Mutex::new(State {
                 next: 0,
                 limit: total.min(prefetch * b),
                 stop: false,
+                handed: 0,
+                slots: Vec::new(),
+                free: Vec::new(),
+                filling: HashMap::new(),
+                fatal: None,
+                live_workers: workers,
             }),
-            wake: Condvar::new(),
-            pool: Mutex::new(Vec::new()),
+            work: Condvar::new(),
+            ready: Condvar::new(),
+            indices: indices.into(),
+            request: SlotRequest {
+                batch_size: b,
+                layout,
+                storage,
+            },
+        });
+        let shared = Arc::new(Shared {
+            ring,
+            dataset,
+            allocator,
+            seed: config.seed,
+            epoch: config.epoch,
+            batch_size: b,
+            total,
             finished: AtomicUsize::new(0),
         });
-        let (tx, rx) = channel();
-        let workers = (0..config.workers.max(1).min(total.max(1)))
-            .map(|w| {
-                let shared = Arc::clone(&shared);
-                let tx = tx.clone();
-                std::thread::Builder::new()
-                    .name(format!("ddp-data-{w}"))
-                    .spawn(move || worker_loop(shared, w, total, tx))
-                    .map_err(|e| DataError::InvalidParameter {
+        let mut loader = Self {
+            shared,
+            workers: Vec::with_capacity(workers),
+            prefetch,
+            finished: false,
+        };
+        for w in 0..workers {
+            let shared = Arc::clone(&loader.shared);
+            let spawned = std::thread::Builder::new()
+                .name(format!("ddp-data-{w}"))
+                .spawn(move || worker_loop(shared, w));
+            match spawned {
+                Ok(handle) => loader.workers.push(handle),
+                Err(e) => {
+                    // Dropping `loader` stops and joins the threads started so far.
+                    loader.shared.ring.lock().live_workers -= workers - w;
+                    return Err(DataError::InvalidParameter {
                         name: "loader workers",
                         expected: "a number of threads the system can start".to_string(),
                         value: format!("{} ({e})", config.workers),
-                    })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self {
-            shared,
-            results: rx,
-            workers,
-            batch_size: b,
-            prefetch,
-            total,
-            next_batch: 0,
-            early: HashMap::new(),
-            finished: false,
-        })
+                    });
+                }
+            }
+        }
+        Ok(loader)
     }
 
     /// Number of batches this epoch yields.
     pub fn len(&self) -> usize {
-        self.total.div_ceil(self.batch_size)
+        self.shared.total.div_ceil(self.shared.batch_size)
     }
 
     /// Whether the epoch yields no batch.
     pub fn is_empty(&self) -> bool {
-        self.total == 0
+        self.shared.total == 0
     }
 
-    /// The side of every image.
-    pub fn image_size(&self) -> u32 {
-        self.shared.transform.output_size()
+    /// Samples per (full) batch.
+    pub fn batch_size(&self) -> usize {
+        self.shared.batch_size
+    }
+
+    /// The data set being read.
+    pub fn dataset(&self) -> &D {
+        &self.shared.dataset
+    }
+
+    /// One sample's shape.
+    pub fn layout(&self) -> &SampleLayout {
+        &self.shared.ring.request.layout
+    }
+
+    /// The input's element type in every batch.
+    pub fn storage(&self) -> Storage {
+        self.shared.ring.request.storage
     }
 
     /// How many samples the workers have finished so far (for progress and tests).
@@ -299,99 +465,84 @@ impl HostLoader {
         self.shared.finished.load(Ordering::Relaxed)
     }
 
+    /// Slots the ring has allocated so far.
+    pub fn slots_allocated(&self) -> usize {
+        self.shared.ring.lock().slots.len()
+    }
+
+    /// Whether the next batch is finished, so that [`Iterator::next`] will not wait.
+    pub fn is_next_ready(&self) -> bool {
+        let state = self.shared.ring.lock();
+        state
+            .filling
+            .get(&state.handed)
+            .is_some_and(|&s| state.slots[s].remaining == 0)
+    }
+
     fn stop(&mut self) {
         self.finished = true;
-        self.shared.window().stop = true;
-        self.shared.wake.notify_all();
+        self.shared.ring.lock().stop = true;
+        self.shared.ring.work.notify_all();
     }
 
     fn next_batch(&mut self) -> Option<Result<HostBatch, DataError>> {
         if self.finished {
             return None;
         }
-        let b = self.batch_size;
-        let start = self.next_batch * b;
-        if start >= self.total {
+        let shared = Arc::clone(&self.shared);
+        let (b, ring) = (shared.batch_size, &shared.ring);
+        let mut state = ring.lock();
+        let batch = state.handed;
+        let start = batch * b;
+        if start >= shared.total {
+            drop(state);
             self.finished = true;
             return None;
         }
-        let end = (start + b).min(self.total);
-        let len = self.shared.transform.sample_len();
-        let mut images = vec![0f32; (end - start) * len];
-        let mut filled = 0;
-        for position in start..end {
-            if let Some(result) = self.early.remove(&position) {
-                match result {
-                    Ok(buf) => {
-                        images[(position - start) * len..][..len].copy_from_slice(&buf);
-                        self.shared.return_buffer(buf);
-                        filled += 1;
-                    }
-                    Err(e) => {
-                        self.stop();
-                        return Some(Err(e));
-                    }
+        let slot = loop {
+            if let Some(e) = state.fatal.take() {
+                drop(state);
+                self.stop();
+                return Some(Err(e));
+            }
+            if let Some(&s) = state.filling.get(&batch) {
+                if state.slots[s].remaining == 0 {
+                    break s;
                 }
             }
-        }
-        while filled < end - start {
-            let done = match self.results.recv() {
-                Ok(done) => done,
-                Err(_) => {
-                    // Every worker has exited without delivering this batch.
-                    let missing = (start..end).find(|p| !self.early.contains_key(p));
-                    let path = missing
-                        .and_then(|p| self.shared.dataset.get(self.shared.indices[p]))
-                        .map_or_else(PathBuf::new, |s| s.path.clone());
-                    self.stop();
-                    return Some(Err(DataError::WorkerPanicked { worker: 0, path }));
-                }
-            };
-            if !(start..end).contains(&done.position) {
-                // A later batch's sample (or error): keep it until that batch is due, so
-                // batches and errors come in index order.
-                self.early.insert(done.position, done.result);
-                continue;
+            if state.live_workers == 0 {
+                let sample = shared.dataset.describe(ring.indices[start]);
+                drop(state);
+                self.stop();
+                return Some(Err(DataError::WorkerPanicked { worker: 0, sample }));
             }
-            match done.result {
-                Ok(buf) => {
-                    images[(done.position - start) * len..][..len].copy_from_slice(&buf);
-                    self.shared.return_buffer(buf);
-                    filled += 1;
-                }
-                Err(e) => {
-                    self.stop();
-                    return Some(Err(e));
-                }
-            }
+            state = ring.ready.wait(state).unwrap_or_else(|e| e.into_inner());
+        };
+        state.filling.remove(&batch);
+        if let Some((_, e)) = state.slots[slot].error.take() {
+            state.free.push(slot);
+            drop(state);
+            self.stop();
+            return Some(Err(e));
         }
-        self.next_batch += 1;
-        {
-            let mut w = self.shared.window();
-            w.limit = self.total.min((self.next_batch + self.prefetch) * b);
-        }
-        self.shared.wake.notify_all();
-
-        let indices: Vec<usize> = self.shared.indices[start..end].to_vec();
-        let mut labels = Vec::with_capacity(indices.len() * 8);
-        for &i in &indices {
-            // Indices were checked against the data set's length in `new`.
-            let sample = match self.shared.dataset.sample(i) {
-                Ok(s) => s,
-                Err(e) => return Some(Err(e)),
-            };
-            labels.extend_from_slice(&sample.labels);
-        }
+        state.handed += 1;
+        state.limit = shared.total.min((state.handed + self.prefetch) * b);
+        let memory = Arc::clone(&state.slots[slot].memory);
+        drop(state);
+        ring.work.notify_all();
+        let len = b.min(shared.total - start);
         Some(Ok(HostBatch {
-            images,
-            labels,
-            indices,
-            size: self.shared.transform.output_size(),
+            ring: Arc::clone(ring),
+            slot,
+            memory,
+            start,
+            len,
+            hook: None,
         }))
     }
 }
 
-impl Iterator for HostLoader {
+impl<D: Dataset> Iterator for HostLoader<D> {
     type Item = Result<HostBatch, DataError>;
 
     fn next(&mut self) -> Option<Self::Item> {
@@ -399,14 +550,204 @@ impl Iterator for HostLoader {
     }
 }
 
-impl Drop for HostLoader {
+impl<D: Dataset> Drop for HostLoader<D> {
     fn drop(&mut self) {
         self.stop();
-        // Unblock workers waiting to send: drop the receiving end first.
-        let (_, dead) = channel();
-        drop(std::mem::replace(&mut self.results, dead));
         for handle in self.workers.drain(..) {
             let _ = handle.join();
         }
+    }
+}
+
+/// A batch's data-set indices, in batch order: a window of the epoch's shared index list.
+#[derive(Clone)]
+pub struct BatchIndices {
+    all: Arc<[usize]>,
+    start: usize,
+    len: usize,
+}
+
+impl std::ops::Deref for BatchIndices {
+    type Target = [usize];
+
+    fn deref(&self) -> &[usize] {
+        &self.all[self.start..self.start + self.len]
+    }
+}
+
+impl fmt::Debug for BatchIndices {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+/// A sample's input values, borrowed from a batch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum InputRef<'a> {
+    /// Bytes ([`Storage::U8`]).
+    U8(&'a [u8]),
+    /// Final values ([`Storage::F32`]).
+    F32(&'a [f32]),
+}
+
+/// One finished batch: a lease on its ring slot, returned to the ring on drop.
+///
+/// The input is `[len, ...layout.shape]` and the targets `[len, layout.targets]`, both
+/// row-major, in the slot's memory.
+pub struct HostBatch {
+    ring: Arc<Ring>,
+    slot: usize,
+    memory: Arc<dyn BatchMemory>,
+    start: usize,
+    len: usize,
+    hook: Option<ReuseHook>,
+}
+
+impl HostBatch {
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the batch holds no samples (never the case for a batch a loader yields).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The data-set index of each sample, in batch order.
+    pub fn indices(&self) -> &[usize] {
+        &self.ring.indices[self.start..self.start + self.len]
+    }
+
+    /// The same indices as a value that outlives the lease (shares the epoch's index list;
+    /// allocates nothing).
+    pub fn index_list(&self) -> BatchIndices {
+        BatchIndices {
+            all: Arc::clone(&self.ring.indices),
+            start: self.start,
+            len: self.len,
+        }
+    }
+
+    /// One sample's shape.
+    pub fn layout(&self) -> &SampleLayout {
+        &self.ring.request.layout
+    }
+
+    /// The input's element type.
+    pub fn storage(&self) -> Storage {
+        self.ring.request.storage
+    }
+
+    /// The slot's number in the ring (slots are numbered in allocation order).
+    pub fn slot(&self) -> usize {
+        self.slot
+    }
+
+    /// The slot's memory, for allocators that hand it out in their own form (a tensor).
+    pub fn memory(&self) -> &dyn BatchMemory {
+        &*self.memory
+    }
+
+    /// Every sample's input.
+    pub fn input(&self) -> InputRef<'_> {
+        let n = self.len * self.ring.request.layout.input_len();
+        // SAFETY: the slot's memory holds a whole batch (`BatchMemory`'s contract) and this
+        // lease's first `len` samples are finished: their writes happened before the lock
+        // that handed the batch out, and no worker writes into a leased slot.
+        unsafe {
+            match self.storage() {
+                Storage::U8 => InputRef::U8(std::slice::from_raw_parts(self.memory.input_ptr(), n)),
+                Storage::F32 => InputRef::F32(std::slice::from_raw_parts(
+                    self.memory.input_ptr().cast::<f32>(),
+                    n,
+                )),
+            }
+        }
+    }
+
+    /// The input as `f32` values, when stored so.
+    pub fn input_f32(&self) -> Option<&[f32]> {
+        match self.input() {
+            InputRef::F32(v) => Some(v),
+            InputRef::U8(_) => None,
+        }
+    }
+
+    /// The input as bytes, when stored so.
+    pub fn input_u8(&self) -> Option<&[u8]> {
+        match self.input() {
+            InputRef::U8(v) => Some(v),
+            InputRef::F32(_) => None,
+        }
+    }
+
+    /// Sample `k`'s input.
+    pub fn sample(&self, k: usize) -> InputRef<'_> {
+        let n = self.ring.request.layout.input_len();
+        match self.input() {
+            InputRef::U8(v) => InputRef::U8(&v[k * n..(k + 1) * n]),
+            InputRef::F32(v) => InputRef::F32(&v[k * n..(k + 1) * n]),
+        }
+    }
+
+    /// Every sample's input as final `f32` values: bytes go through the layout's affine map
+    /// (as the device would convert them). Allocates; for checks and small batches.
+    pub fn input_values(&self) -> Vec<f32> {
+        match self.input() {
+            InputRef::F32(v) => v.to_vec(),
+            InputRef::U8(bytes) => {
+                let layout = &self.ring.request.layout;
+                let n = layout.input_len();
+                let mut out = vec![0f32; bytes.len()];
+                if let Some(affine) = &layout.bytes {
+                    for (src, dst) in bytes.chunks(n).zip(out.chunks_mut(n)) {
+                        affine.apply(src, dst);
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// Every sample's targets.
+    pub fn targets(&self) -> &[f32] {
+        let n = self.len * self.ring.request.layout.targets;
+        // SAFETY: as in `input`, for the target region.
+        unsafe { std::slice::from_raw_parts(self.memory.targets_ptr(), n) }
+    }
+
+    /// Returns the slot to the ring now, with `hook` to run before the slot is written again
+    /// (e.g. to wait for an asynchronous copy out of it).
+    pub fn release_after(mut self, hook: ReuseHook) {
+        self.hook = Some(hook);
+    }
+}
+
+impl Drop for HostBatch {
+    fn drop(&mut self) {
+        let mut state = self.ring.lock();
+        state.slots[self.slot].before_reuse = self.hook.take();
+        state.free.push(self.slot);
+    }
+}
+
+impl fmt::Debug for HostBatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostBatch")
+            .field("indices", &self.indices())
+            .field("storage", &self.storage())
+            .field("slot", &self.slot)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Batches are equal when they hold the same samples with the same values.
+impl PartialEq for HostBatch {
+    fn eq(&self, other: &Self) -> bool {
+        self.indices() == other.indices()
+            && self.layout() == other.layout()
+            && self.input() == other.input()
+            && self.targets() == other.targets()
     }
 }

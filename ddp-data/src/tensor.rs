@@ -1,87 +1,259 @@
-//! The tch edge: [`Loader`] wraps [`HostLoader`] and turns each [`HostBatch`] into CPU
-//! tensors, pinned when the consumer will copy them to a GPU.
+//! The tch edge: [`Loader`] hands out each batch as tensors on the training device without
+//! copying or allocating anything on the host for it.
+//!
+//! **CPU.** The ring's slots are CPU tensors; workers write final `f32` values into them, and
+//! a [`Batch`]'s inputs and targets are views of its slot. The batch holds the slot until it
+//! is dropped: keep a batch's tensors no longer than the batch (a training step), or take a
+//! `.copy()` of them, because the slot is refilled with a later batch afterwards.
+//!
+//! **CUDA.** The slots are page-locked once, when first allocated, and hold bytes (a quarter
+//! of the `f32` size) when the data set can write bytes. Taking a batch issues its
+//! host-to-device copies with `non_blocking`, records an event behind them and returns the
+//! slot to the ring at once; the worker that next takes the slot waits for that event before
+//! writing. Conversion to `f32` (`byte * scale + bias`, per channel, as the data set's
+//! [`Affine`](crate::sample::Affine) says) is queued on the device behind the copy. Nothing
+//! waits for the GPU on the training thread.
+//!
+//! **Ordering relied on.** tch has no stream API: libtorch queues every copy and kernel of a
+//! device on that device's current stream, which is the legacy default stream (`cudaStream_t`
+//! null) for a program that never selects another (no tch program can). The copies, the
+//! conversion and the training step that reads the batch are therefore executed in the
+//! order they were issued, and the event recorded on the null stream right after the copies
+//! completes exactly when they have. Taking the next batch before running the current step
+//! (as the `ddp-train` trainer does) puts its copy in the queue ahead of the step, so the GPU
+//! never waits for the host to start it.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
-use crate::dataset::OdirDataset;
+use crate::cuda::{CopyEvents, PinnedAllocator};
 use crate::error::DataError;
-use crate::loader::{HostBatch, HostLoader, LoaderConfig};
-use crate::transform::Transform;
+use crate::loader::{BatchIndices, HostBatch, HostLoader, LoaderConfig};
+use crate::memory::{BatchMemory, SlotAllocator, SlotRequest};
+use crate::sample::{Dataset, Storage};
 
-/// One batch as tensors on the CPU.
+/// One batch as tensors on the loader's device.
 #[derive(Debug)]
 pub struct Batch {
-    /// `[B, 3, H, W]` f32 in [0, 1] (or normalised).
-    pub images: Tensor,
-    /// `[B, 8]` f32 multi-hot labels in N, D, G, C, A, H, M, O order.
-    pub labels: Tensor,
-    /// The data-set index of each sample, in batch order.
-    pub indices: Vec<usize>,
+    inputs: Tensor,
+    targets: Tensor,
+    indices: BatchIndices,
+    /// CPU batches are views of their ring slot, held until the batch drops (declared last,
+    /// so the views drop first).
+    _lease: Option<HostBatch>,
 }
 
 impl Batch {
-    /// Converts host buffers to tensors; `pin_for` pins them for fast copies to that CUDA
-    /// device (ignored for the CPU).
-    pub fn from_host(batch: &HostBatch, pin_for: Option<Device>) -> Result<Self, DataError> {
-        let b = batch.len() as i64;
-        let s = i64::from(batch.size);
-        let mut images = Tensor::f_from_slice(&batch.images)?.f_view([b, 3, s, s])?;
-        let mut labels = Tensor::f_from_slice(&batch.labels)?.f_view([b, 8])?;
-        if let Some(device @ Device::Cuda(_)) = pin_for {
-            images = images.f_pin_memory(device)?;
-            labels = labels.f_pin_memory(device)?;
-        }
-        Ok(Self {
-            images,
-            labels,
-            indices: batch.indices.clone(),
-        })
+    /// `[B, ...shape]` `f32` inputs (for images: `[B, 3, H, W]` in [0, 1], or normalised).
+    pub fn inputs(&self) -> &Tensor {
+        &self.inputs
+    }
+
+    /// `[B, targets]` `f32` targets (for ODIR: multi-hot labels in N, D, G, C, A, H, M, O
+    /// order).
+    pub fn targets(&self) -> &Tensor {
+        &self.targets
+    }
+
+    /// The data-set index of each sample, in batch order.
+    pub fn indices(&self) -> &[usize] {
+        &self.indices
+    }
+
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        self.indices.len()
+    }
+
+    /// Whether the batch holds no samples (never the case for a batch a loader yields).
+    pub fn is_empty(&self) -> bool {
+        self.indices.is_empty()
     }
 }
 
-/// The batch loader: one epoch of `indices` as [`Batch`]es of tensors, in index order.
+/// A ring slot made of two CPU tensors (`[B, ...shape]` inputs and `[B, targets]`), so that
+/// a batch can be handed out as views of it.
+#[derive(Debug)]
+struct TensorMemory {
+    // `Tensor` is `Send` but not `Sync`; the ring shares slots between threads, which only
+    // use the raw pointers below. The consumer locks to make views.
+    inputs: Mutex<Tensor>,
+    targets: Mutex<Tensor>,
+    input_ptr: *mut u8,
+    targets_ptr: *mut f32,
+}
+
+// SAFETY: the tensors are behind mutexes; the raw pointers address their storage, which is
+// owned by the tensors and never reallocated (nothing resizes them).
+unsafe impl Send for TensorMemory {}
+// SAFETY: as above.
+unsafe impl Sync for TensorMemory {}
+
+// SAFETY: the pointers address the contiguous storages of the two tensors, sized `[B,
+// ...shape]` of the storage's kind and `[B, targets]` f32, alive as long as this value.
+unsafe impl BatchMemory for TensorMemory {
+    fn input_ptr(&self) -> *mut u8 {
+        self.input_ptr
+    }
+
+    fn targets_ptr(&self) -> *mut f32 {
+        self.targets_ptr
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+fn lock(t: &Mutex<Tensor>) -> MutexGuard<'_, Tensor> {
+    t.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn kind_of(storage: Storage) -> Kind {
+    match storage {
+        Storage::U8 => Kind::Uint8,
+        Storage::F32 => Kind::Float,
+    }
+}
+
+fn dims(len: usize, shape: &[usize]) -> Vec<i64> {
+    std::iter::once(len)
+        .chain(shape.iter().copied())
+        .map(|d| d as i64)
+        .collect()
+}
+
+/// Allocates slots as CPU tensors.
+#[derive(Debug, Clone, Copy, Default)]
+struct TensorAllocator;
+
+impl SlotAllocator for TensorAllocator {
+    fn allocate(&self, request: &SlotRequest) -> Result<Box<dyn BatchMemory>, DataError> {
+        let b = request.batch_size;
+        let inputs = Tensor::f_zeros(
+            dims(b, &request.layout.shape),
+            (kind_of(request.storage), Device::Cpu),
+        )?;
+        let targets = Tensor::f_zeros(
+            [b as i64, request.layout.targets as i64],
+            (Kind::Float, Device::Cpu),
+        )?;
+        Ok(Box::new(TensorMemory {
+            input_ptr: inputs.data_ptr().cast(),
+            targets_ptr: targets.data_ptr().cast(),
+            inputs: Mutex::new(inputs),
+            targets: Mutex::new(targets),
+        }))
+    }
+}
+
+/// The device side of `byte * scale + bias`.
+#[derive(Debug)]
+struct DeviceAffine {
+    scale: Tensor,
+    bias: Option<Tensor>,
+}
+
+/// The batch loader: one epoch of `indices` of a [`Dataset`] as [`Batch`]es of tensors on a
+/// device, in index order.
 ///
 /// ```no_run
 /// use std::sync::Arc;
-/// use ddp_data::{Loader, LoaderConfig, OdirDataset, OdirOptions, Transform};
-/// let ds = Arc::new(OdirDataset::open("data/odir".as_ref(), &OdirOptions::default())?);
-/// let indices: Vec<usize> = (0..ds.len()).collect();
+/// use ddp_data::{Loader, LoaderConfig, OdirDataset, OdirImages, OdirOptions, Transform};
+/// let set = Arc::new(OdirDataset::open("data/odir".as_ref(), &OdirOptions::default())?);
+/// let indices: Vec<usize> = (0..set.len()).collect();
+/// let images = OdirImages::new(set, Transform::train(224));
 /// let config = LoaderConfig { epoch: 3, ..LoaderConfig::new(32) };
-/// for batch in Loader::new(ds, indices, Transform::train(224), &config)? {
+/// for batch in Loader::on_device(images, indices, &config, tch::Device::Cuda(0))? {
 ///     let batch = batch?;
-///     assert_eq!(batch.images.size()[1..], [3, 224, 224]);
+///     assert_eq!(batch.inputs().size()[1..], [3, 224, 224]);
 /// }
 /// # Ok::<(), ddp_data::DataError>(())
 /// ```
 #[derive(Debug)]
-pub struct Loader {
-    host: HostLoader,
-    pin_for: Option<Device>,
+pub struct Loader<D: Dataset> {
+    // Declared first so that it drops (joining the workers, the only threads that wait on
+    // copy events) before `events`.
+    host: HostLoader<D>,
+    device: Device,
+    events: Option<CopyEvents>,
+    affine: Option<DeviceAffine>,
 }
 
-impl Loader {
-    /// Starts the workers; see [`HostLoader::new`].
-    pub fn new(
-        dataset: Arc<OdirDataset>,
+impl<D: Dataset> Loader<D> {
+    /// Batches as CPU tensors: `f32` values written by the workers, handed out as views.
+    pub fn new(dataset: D, indices: Vec<usize>, config: &LoaderConfig) -> Result<Self, DataError> {
+        Self::with_storage(dataset, indices, config, Device::Cpu, Storage::F32)
+    }
+
+    /// Batches on `device`: on the CPU as [`Loader::new`]; on a CUDA device through
+    /// page-locked byte slots (`f32` slots for data sets that write no bytes), copied
+    /// asynchronously and converted on the device.
+    pub fn on_device(
+        dataset: D,
         indices: Vec<usize>,
-        transform: Transform,
         config: &LoaderConfig,
+        device: Device,
     ) -> Result<Self, DataError> {
+        let storage = match device {
+            Device::Cuda(_) if dataset.layout().bytes.is_some() => Storage::U8,
+            _ => Storage::F32,
+        };
+        Self::with_storage(dataset, indices, config, device, storage)
+    }
+
+    /// Batches on `device` with the slots' element type chosen by the caller
+    /// ([`Storage::U8`] on the CPU converts on the training thread; useful to check that the
+    /// conversion gives exactly the workers' values).
+    pub fn with_storage(
+        dataset: D,
+        indices: Vec<usize>,
+        config: &LoaderConfig,
+        device: Device,
+        storage: Storage,
+    ) -> Result<Self, DataError> {
+        let layout = dataset.layout();
+        let (allocator, events): (Arc<dyn SlotAllocator>, _) = match device {
+            Device::Cuda(d) => {
+                let events = CopyEvents::new(d as i32)?;
+                events.make_current()?;
+                (Arc::new(PinnedAllocator { device: d as i32 }), Some(events))
+            }
+            _ => (Arc::new(TensorAllocator), None),
+        };
+        let affine = match (&layout.bytes, storage) {
+            (Some(a), Storage::U8) => {
+                let mut shape = vec![1i64; layout.shape.len() + 1];
+                shape[1] = a.scale.len() as i64;
+                let scale = Tensor::f_from_slice(&a.scale)?
+                    .f_view(shape.as_slice())?
+                    .f_to_device(device)?;
+                let bias = if a.has_bias() {
+                    Some(
+                        Tensor::f_from_slice(&a.bias)?
+                            .f_view(shape.as_slice())?
+                            .f_to_device(device)?,
+                    )
+                } else {
+                    None
+                };
+                Some(DeviceAffine { scale, bias })
+            }
+            _ => None,
+        };
+        let host = HostLoader::with_storage(dataset, indices, config, storage, allocator)?;
         Ok(Self {
-            host: HostLoader::new(dataset, indices, transform, config)?,
-            pin_for: None,
+            host,
+            device,
+            events,
+            affine,
         })
     }
 
-    /// Pins every batch's memory for copies to `device` when it is a CUDA device.
-    pub fn pin_memory_for(mut self, device: Device) -> Self {
-        self.pin_for = match device {
-            Device::Cuda(_) => Some(device),
-            _ => None,
-        };
-        self
+    /// The device batches are on.
+    pub fn device(&self) -> Device {
+        self.device
     }
 
     /// Number of batches this epoch yields.
@@ -95,16 +267,103 @@ impl Loader {
     }
 
     /// The tch-free loader underneath.
-    pub fn host(&self) -> &HostLoader {
+    pub fn host(&self) -> &HostLoader<D> {
         &self.host
+    }
+
+    fn convert(&self, inputs: Tensor) -> Result<Tensor, DataError> {
+        let Some(affine) = &self.affine else {
+            return Ok(inputs);
+        };
+        // Multiplication, then addition: two roundings, as `Affine::apply` does on the host.
+        let scaled = inputs.f_to_kind(Kind::Float)?.f_mul(&affine.scale)?;
+        Ok(match &affine.bias {
+            Some(bias) => scaled.f_add(bias)?,
+            None => scaled,
+        })
+    }
+
+    fn cpu_batch(&self, host: HostBatch) -> Result<Batch, DataError> {
+        let len = host.len() as i64;
+        let memory = host
+            .memory()
+            .as_any()
+            .downcast_ref::<TensorMemory>()
+            .ok_or(DataError::InvalidParameter {
+                name: "batch memory",
+                expected: "a slot made by the tch loader".to_string(),
+                value: "another allocator's slot".to_string(),
+            })?;
+        let inputs = lock(&memory.inputs).f_narrow(0, 0, len)?;
+        let targets = lock(&memory.targets).f_narrow(0, 0, len)?;
+        let mut inputs = self.convert(inputs)?;
+        let mut targets = targets;
+        if self.device != Device::Cpu {
+            // A device with neither zero-copy nor pinned staging (MPS, Vulkan): copy.
+            inputs = inputs.f_to_device(self.device)?;
+            targets = targets.f_to_device(self.device)?;
+        }
+        Ok(Batch {
+            inputs,
+            targets,
+            indices: host.index_list(),
+            _lease: Some(host),
+        })
+    }
+
+    fn cuda_batch(&mut self, host: HostBatch) -> Result<Batch, DataError> {
+        let layout = host.layout();
+        let shape = dims(host.len(), &layout.shape);
+        let target_shape = [host.len() as i64, layout.targets as i64];
+        let kind = kind_of(host.storage());
+        let events = self.events.as_mut().ok_or(DataError::InvalidParameter {
+            name: "loader device",
+            expected: "copy events for a CUDA loader".to_string(),
+            value: format!("{:?}", self.device),
+        })?;
+        events.make_current()?;
+        // SAFETY: the views cover the first `len` samples of the slot's page-locked regions
+        // (sized for a whole batch), which hold finished samples and stay untouched until the
+        // event recorded below has completed (the reuse hook waits for it). The views are
+        // dropped at the end of this block; only the device copies outlive it.
+        let (inputs, targets) = unsafe {
+            let src_in =
+                Tensor::f_from_blob(host.memory().input_ptr(), &shape, &[], kind, Device::Cpu)?;
+            let src_t = Tensor::f_from_blob(
+                host.memory().targets_ptr().cast::<u8>(),
+                &target_shape,
+                &[],
+                Kind::Float,
+                Device::Cpu,
+            )?;
+            (
+                src_in.f_to_device_(self.device, kind, true, false)?,
+                src_t.f_to_device_(self.device, Kind::Float, true, false)?,
+            )
+        };
+        let hook = events.record(host.slot())?;
+        let indices = host.index_list();
+        host.release_after(hook);
+        Ok(Batch {
+            inputs: self.convert(inputs)?,
+            targets,
+            indices,
+            _lease: None,
+        })
     }
 }
 
-impl Iterator for Loader {
+impl<D: Dataset> Iterator for Loader<D> {
     type Item = Result<Batch, DataError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let host = self.host.next()?;
-        Some(host.and_then(|b| Batch::from_host(&b, self.pin_for)))
+        let host = match self.host.next()? {
+            Ok(h) => h,
+            Err(e) => return Some(Err(e)),
+        };
+        Some(match self.device {
+            Device::Cuda(_) => self.cuda_batch(host),
+            _ => self.cpu_batch(host),
+        })
     }
 }

@@ -11,6 +11,7 @@ use crate::crop::{random_resized_crop, resize_centre_crop_region, SourceRegion};
 use crate::decode::{Decoder, RgbView};
 use crate::error::DataError;
 use crate::rng::SampleRng;
+use crate::sample::Affine;
 
 /// Which geometric transform runs before `ToTensor`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -52,12 +53,16 @@ pub struct Transform {
     scale: [f32; 3],
     bias: [f32; 3],
     normalized: bool,
+    /// How much the final resize may enlarge a crop decoded at reduced JPEG scale.
+    dct_upsampling: f64,
 }
 
 /// torchvision's default `RandomResizedCrop` aspect-ratio range.
 pub const DEFAULT_RATIO: (f64, f64) = (3.0 / 4.0, 4.0 / 3.0);
 /// The area range the project's training recipe uses (`scale=(0.2, 1.0)`).
 pub const DEFAULT_SCALE: (f64, f64) = (0.2, 1.0);
+/// The default of [`Transform::with_dct_upsampling`].
+pub const DEFAULT_DCT_UPSAMPLING: f64 = 1.0;
 /// The ImageNet channel means that pretrained torchvision models expect.
 pub const IMAGENET_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
 /// The ImageNet channel standard deviations.
@@ -78,6 +83,7 @@ impl Transform {
             scale: [1.0 / 255.0; 3],
             bias: [0.0; 3],
             normalized: false,
+            dct_upsampling: DEFAULT_DCT_UPSAMPLING,
         }
     }
 
@@ -150,6 +156,37 @@ impl Transform {
         }
         self.normalized = true;
         Ok(self)
+    }
+
+    /// Lets a JPEG be decoded at 1/2, 1/4 or 1/8 scale even when the crop then has fewer
+    /// pixels than the output, as long as the final resize enlarges it by at most `factor`
+    /// (1 = never enlarge: the exact-quality choice; PIL's `draft` enlarges by up to 2).
+    /// The crop boxes are the same whatever the factor; only the detail inside them changes.
+    pub fn with_dct_upsampling(mut self, factor: f64) -> Result<Self, DataError> {
+        if !(factor >= 1.0 && factor.is_finite()) {
+            return Err(invalid(
+                "DCT upsampling factor",
+                "a finite number >= 1",
+                factor,
+            ));
+        }
+        self.dct_upsampling = factor;
+        Ok(self)
+    }
+
+    /// The enlargement allowed after a reduced-scale JPEG decode (see
+    /// [`Transform::with_dct_upsampling`]).
+    pub fn dct_upsampling(&self) -> f64 {
+        self.dct_upsampling
+    }
+
+    /// The map from the bytes [`Pipeline::run_u8`] writes to the values [`Pipeline::run`]
+    /// writes: `ToTensor`'s 1/255, and `Normalize` when set.
+    pub fn affine(&self) -> Affine {
+        Affine {
+            scale: self.scale.to_vec(),
+            bias: self.bias.to_vec(),
+        }
     }
 
     /// The geometric part of the transform.
@@ -256,6 +293,34 @@ impl Pipeline {
         rng: &mut SampleRng,
         out: &mut [f32],
     ) -> Result<(), DataError> {
+        let flip = self.prepare(transform, path, rng)?;
+        to_tensor(&self.resized, transform.output_size(), flip, transform, out);
+        Ok(())
+    }
+
+    /// Like [`Pipeline::run`], but writes the `[3, size, size]` bytes before `ToTensor`
+    /// (channels first, flipped when drawn so); [`Transform::affine`] turns them into
+    /// exactly the values `run` writes.
+    pub fn run_u8(
+        &mut self,
+        transform: &Transform,
+        path: &Path,
+        rng: &mut SampleRng,
+        out: &mut [u8],
+    ) -> Result<(), DataError> {
+        let flip = self.prepare(transform, path, rng)?;
+        to_chw(&self.resized, transform.output_size(), flip, out);
+        Ok(())
+    }
+
+    /// Decodes, crops and resizes into `self.resized` (HWC bytes); returns whether the
+    /// output is to be mirrored.
+    fn prepare(
+        &mut self,
+        transform: &Transform,
+        path: &Path,
+        rng: &mut SampleRng,
+    ) -> Result<bool, DataError> {
         let size = transform.output_size();
         self.decoder.load(path)?;
         let scalable = if self.reduced_dct {
@@ -268,7 +333,7 @@ impl Pipeline {
                 // Choose the crop in full-resolution coordinates first (the same draws as a
                 // full decode), then decode only what it needs, as small as it allows.
                 let placement = transform.placement(height, width, rng);
-                let denom = dct_reduction(placement.region, size);
+                let denom = dct_reduction(placement.region, size, transform.dct_upsampling);
                 if denom > 1 {
                     let (image, region) =
                         self.decoder
@@ -293,24 +358,18 @@ impl Pipeline {
             size,
             path,
         )?;
-        to_tensor(
-            &self.resized,
-            transform.output_size(),
-            placement.flip,
-            transform,
-            out,
-        );
-        Ok(())
+        Ok(placement.flip)
     }
 }
 
-/// The largest JPEG DCT scale-down (8, 4, 2 or 1) after which `region` still has at least
-/// `size` pixels in both directions, so the final resize only ever shrinks.
-fn dct_reduction(region: SourceRegion, size: u32) -> u32 {
+/// The largest JPEG DCT scale-down `d` (8, 4, 2 or 1) after which `region` still has at
+/// least `size / upsampling` pixels in both directions: the final resize enlarges the
+/// decoded crop by at most `upsampling` (1 = it only ever shrinks).
+fn dct_reduction(region: SourceRegion, size: u32, upsampling: f64) -> u32 {
     let smaller = region.width.min(region.height);
     [8, 4, 2]
         .into_iter()
-        .find(|&d| smaller / f64::from(d) >= f64::from(size))
+        .find(|&d| smaller / f64::from(d) * upsampling >= f64::from(size))
         .unwrap_or(1)
 }
 
@@ -341,6 +400,28 @@ fn resize_region(
         .resize(&src, &mut dst, &options)
         .map_err(|e| fail(&e))?;
     Ok(())
+}
+
+/// HWC bytes to CHW bytes, mirrored when `flip` is set.
+fn to_chw(pixels: &[u8], size: u32, flip: bool, out: &mut [u8]) {
+    let s = size as usize;
+    let plane = s * s;
+    let (r_out, rest) = out.split_at_mut(plane);
+    let (g_out, b_out) = rest.split_at_mut(plane);
+    for y in 0..s {
+        let row = &pixels[y * s * 3..(y + 1) * s * 3];
+        let (r_row, g_row, b_row) = (
+            &mut r_out[y * s..(y + 1) * s],
+            &mut g_out[y * s..(y + 1) * s],
+            &mut b_out[y * s..(y + 1) * s],
+        );
+        for (x, px) in row.chunks_exact(3).enumerate() {
+            let dx = if flip { s - 1 - x } else { x };
+            r_row[dx] = px[0];
+            g_row[dx] = px[1];
+            b_row[dx] = px[2];
+        }
+    }
 }
 
 /// HWC bytes to CHW floats (`byte * scale + bias`), mirrored when `flip` is set.

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use ddp_data::rng::SampleRng;
 use ddp_data::synthetic::{generate, SyntheticConfig};
 use ddp_data::{
-    DataError, HostBatch, HostLoader, LoaderConfig, OdirDataset, OdirOptions, Pipeline, Transform,
+    DataError, HostBatch, HostLoader, InputRef, LoaderConfig, OdirDataset, OdirImages, OdirOptions,
+    Pipeline, Storage, Transform,
 };
 
 fn synthetic(dir: &Path, images: usize) -> Arc<OdirDataset> {
@@ -29,7 +30,7 @@ fn collect(
     transform: Transform,
     config: &LoaderConfig,
 ) -> Vec<HostBatch> {
-    HostLoader::new(ds.clone(), indices, transform, config)
+    HostLoader::new(OdirImages::new(ds.clone(), transform), indices, config)
         .unwrap()
         .collect::<Result<Vec<_>, _>>()
         .unwrap()
@@ -45,22 +46,25 @@ fn batches_follow_the_index_list_and_drop_last() {
         ..LoaderConfig::new(2)
     };
     let batches = collect(&ds, indices.clone(), Transform::train(16), &config);
-    let got: Vec<Vec<usize>> = batches.iter().map(|b| b.indices.clone()).collect();
+    let got: Vec<Vec<usize>> = batches.iter().map(|b| b.indices().to_vec()).collect();
     assert_eq!(got, vec![vec![5, 3], vec![9, 1], vec![7]]);
     for b in &batches {
-        assert_eq!(b.images.len(), b.len() * 3 * 16 * 16);
-        for (k, &i) in b.indices.iter().enumerate() {
-            assert_eq!(&b.labels[k * 8..(k + 1) * 8], &ds.sample(i).unwrap().labels);
+        assert_eq!(b.input_f32().unwrap().len(), b.len() * 3 * 16 * 16);
+        for (k, &i) in b.indices().iter().enumerate() {
+            assert_eq!(
+                &b.targets()[k * 8..(k + 1) * 8],
+                &ds.sample(i).unwrap().labels
+            );
         }
     }
     let dropping = LoaderConfig {
         drop_last: true,
         ..config
     };
-    let loader =
-        HostLoader::new(ds.clone(), indices.clone(), Transform::train(16), &dropping).unwrap();
+    let images = OdirImages::new(ds.clone(), Transform::train(16));
+    let loader = HostLoader::new(images, indices.clone(), &dropping).unwrap();
     assert_eq!(loader.len(), 2);
-    let got: Vec<Vec<usize>> = loader.map(|b| b.unwrap().indices).collect();
+    let got: Vec<Vec<usize>> = loader.map(|b| b.unwrap().indices().to_vec()).collect();
     assert_eq!(got, vec![vec![5, 3], vec![9, 1]]);
 }
 
@@ -101,18 +105,18 @@ fn one_worker_and_four_workers_give_identical_batches() {
     assert_eq!(one, four, "pixels differ between 1 and 4 workers");
     // Repeated indices in one epoch get the same draws (the stream is per index).
     let last = &one[6];
-    assert_eq!(last.indices, [3, 3, 7]);
-    assert_eq!(last.image(0), last.image(1));
-    assert_eq!(one[5].indices[0], 3);
+    assert_eq!(last.indices(), [3, 3, 7]);
+    assert_eq!(last.sample(0), last.sample(1));
+    assert_eq!(one[5].indices()[0], 3);
     assert_eq!(
-        last.image(0),
-        one[5].image(0),
+        last.sample(0),
+        one[5].sample(0),
         "index 3 appears at positions 20, 24 and 25"
     );
 
     // Another epoch draws other crops.
     let other = collect(&ds, indices, transform, &LoaderConfig { epoch: 6, ..base });
-    assert_ne!(one[0].images, other[0].images);
+    assert_ne!(one[0].input(), other[0].input());
 }
 
 /// Each sample in a batch is exactly what the pipeline makes from (seed, epoch, index).
@@ -131,12 +135,12 @@ fn batch_pixels_equal_the_single_sample_pipeline() {
     let mut pipeline = Pipeline::new();
     let mut out = vec![0f32; transform.sample_len()];
     for b in &batches {
-        for (k, &i) in b.indices.iter().enumerate() {
+        for (k, &i) in b.indices().iter().enumerate() {
             let mut rng = SampleRng::new(9, 2, i as u64);
             pipeline
                 .run(&transform, &ds.sample(i).unwrap().path, &mut rng, &mut out)
                 .unwrap();
-            assert_eq!(b.image(k), &out[..]);
+            assert_eq!(b.sample(k), InputRef::F32(&out[..]));
             assert!(out.iter().all(|v| (0.0..=1.0).contains(v)));
         }
     }
@@ -179,8 +183,8 @@ fn a_corrupt_image_surfaces_as_an_error_naming_the_file_and_ends_the_epoch() {
         workers: 2,
         ..LoaderConfig::new(2)
     };
-    let mut loader =
-        HostLoader::new(ds.clone(), (0..8).collect(), Transform::train(16), &config).unwrap();
+    let images = OdirImages::new(ds.clone(), Transform::train(16));
+    let mut loader = HostLoader::new(images, (0..8).collect(), &config).unwrap();
     assert!(loader.next().unwrap().is_ok());
     assert!(loader.next().unwrap().is_ok());
     let e = loader.next().unwrap().unwrap_err();
@@ -209,9 +213,9 @@ fn errors_come_in_index_order_even_when_reported_early() {
         prefetch: 2,
         ..LoaderConfig::new(2)
     };
-    let mut loader =
-        HostLoader::new(ds.clone(), (0..4).collect(), Transform::train(16), &config).unwrap();
-    assert_eq!(loader.next().unwrap().unwrap().indices, [0, 1]);
+    let images = OdirImages::new(ds.clone(), Transform::train(16));
+    let mut loader = HostLoader::new(images, (0..4).collect(), &config).unwrap();
+    assert_eq!(loader.next().unwrap().unwrap().indices(), [0, 1]);
     let e = loader.next().unwrap().unwrap_err();
     assert!(e.to_string().contains("1_left.jpg"), "{e}");
     assert!(loader.next().is_none());
@@ -263,7 +267,8 @@ fn prefetch_is_bounded_and_drop_stops_the_workers() {
         prefetch: 2,
         ..LoaderConfig::new(4)
     };
-    let mut loader = HostLoader::new(ds, indices, Transform::train(16), &config).unwrap();
+    let images = OdirImages::new(ds, Transform::train(16));
+    let mut loader = HostLoader::new(images, indices, &config).unwrap();
     assert_eq!(loader.len(), 500);
     loader.next().unwrap().unwrap();
     // Give unbounded workers time to run ahead, then check they did not.
@@ -281,26 +286,189 @@ fn prefetch_is_bounded_and_drop_stops_the_workers() {
 fn invalid_loader_arguments_are_rejected() {
     let dir = tempfile::tempdir().unwrap();
     let ds = synthetic(dir.path(), 2);
-    let e = HostLoader::new(
-        ds.clone(),
-        vec![0, 2],
-        Transform::train(8),
-        &LoaderConfig::new(1),
-    )
-    .unwrap_err();
+    let images = OdirImages::new(ds.clone(), Transform::train(8));
+    let e = HostLoader::new(images.clone(), vec![0, 2], &LoaderConfig::new(1)).unwrap_err();
     assert!(
         matches!(e, DataError::IndexOutOfRange { index: 2, len: 2 }),
         "{e}"
     );
-    let e = HostLoader::new(
-        ds.clone(),
-        vec![0],
-        Transform::train(8),
-        &LoaderConfig::new(0),
-    )
-    .unwrap_err();
-    assert!(matches!(e, DataError::InvalidParameter { .. }), "{e}");
-    let empty = HostLoader::new(ds, vec![], Transform::train(8), &LoaderConfig::new(4)).unwrap();
+    let e = HostLoader::new(images.clone(), vec![0], &LoaderConfig::new(0)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            DataError::InvalidParameter {
+                name: "batch size",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let empty = HostLoader::new(images, vec![], &LoaderConfig::new(4)).unwrap();
     assert!(empty.is_empty());
     assert_eq!(empty.count(), 0);
+}
+
+/// Bytes through the transform's affine map give exactly the values the workers write as
+/// `f32`, with and without normalisation: the GPU path's conversion loses nothing.
+#[test]
+fn byte_batches_convert_to_exactly_the_f32_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 9);
+    let indices: Vec<usize> = vec![8, 2, 5, 0, 7, 1, 3];
+    let config = LoaderConfig {
+        seed: 5,
+        epoch: 1,
+        workers: 3,
+        ..LoaderConfig::new(3)
+    };
+    let plain = Transform::train(24).with_hflip(true);
+    let normalised = plain
+        .with_normalization(
+            ddp_data::transform::IMAGENET_MEAN,
+            ddp_data::transform::IMAGENET_STD,
+        )
+        .unwrap();
+    for transform in [plain, normalised] {
+        let load = |storage| -> Vec<HostBatch> {
+            HostLoader::with_storage(
+                OdirImages::new(ds.clone(), transform),
+                indices.clone(),
+                &config,
+                storage,
+                std::sync::Arc::new(ddp_data::memory::HeapAllocator),
+            )
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+        };
+        let (bytes, floats) = (load(Storage::U8), load(Storage::F32));
+        assert_eq!(bytes.len(), 3);
+        for (b, f) in bytes.iter().zip(&floats) {
+            assert_eq!(b.indices(), f.indices());
+            assert_eq!(b.targets(), f.targets());
+            assert_eq!(b.input_u8().unwrap().len(), f.input_f32().unwrap().len());
+            let converted = b.input_values();
+            let exact = f.input_f32().unwrap();
+            assert!(
+                converted
+                    .iter()
+                    .zip(exact)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "byte path differs from the f32 path"
+            );
+        }
+    }
+}
+
+/// A consumer that drops each batch before asking for the one after next keeps the ring at
+/// `prefetch + 2` slots for a whole epoch; one that keeps every batch makes it grow instead
+/// of stalling.
+#[test]
+fn the_ring_reuses_its_slots_and_grows_only_for_kept_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 8);
+    let indices: Vec<usize> = (0..96).map(|i| i % 8).collect();
+    let config = LoaderConfig {
+        workers: 2,
+        prefetch: 2,
+        ..LoaderConfig::new(4)
+    };
+    let images = OdirImages::new(ds, Transform::train(16));
+    let mut loader = HostLoader::new(images.clone(), indices.clone(), &config).unwrap();
+    let mut previous = None;
+    let mut batches = 0;
+    while let Some(batch) = loader.next() {
+        // Hold one batch while the next is taken, as a pipelined consumer does.
+        previous = Some(batch.unwrap());
+        batches += 1;
+    }
+    drop(previous);
+    assert_eq!(batches, 24);
+    let slots = loader.slots_allocated();
+    assert!(
+        (2..=4).contains(&slots),
+        "{slots} slots for 24 batches with prefetch 2"
+    );
+
+    let kept: Vec<HostBatch> = HostLoader::new(images, indices, &config)
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(kept.len(), 24);
+    let distinct: std::collections::HashSet<usize> = kept.iter().map(|b| b.slot()).collect();
+    assert_eq!(distinct.len(), 24, "every kept batch has its own slot");
+}
+
+/// A slot given back with a hook is not written again before the hook has run.
+#[test]
+fn a_reuse_hook_runs_before_the_slot_is_refilled() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 4);
+    let config = LoaderConfig {
+        workers: 1,
+        prefetch: 1,
+        ..LoaderConfig::new(2)
+    };
+    let images = OdirImages::new(ds, Transform::train(8));
+    let mut loader = HostLoader::new(images, (0..4).chain(0..4).collect(), &config).unwrap();
+    let ran = std::sync::Arc::new(AtomicUsize::new(0));
+    let first = loader.next().unwrap().unwrap();
+    let slot = first.slot();
+    let counter = ran.clone();
+    first.release_after(Box::new(move || {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }));
+    let mut reused = false;
+    for batch in loader {
+        let batch = batch.unwrap();
+        if batch.slot() == slot {
+            reused = true;
+            assert_eq!(
+                ran.load(Ordering::SeqCst),
+                1,
+                "slot refilled before its hook ran"
+            );
+        }
+    }
+    assert!(reused, "the released slot was never reused");
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+}
+
+/// A hook that fails (a copy that cannot be waited for) ends the epoch with its error.
+#[test]
+fn a_failing_reuse_hook_ends_the_epoch_with_its_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 4);
+    let config = LoaderConfig {
+        workers: 1,
+        prefetch: 1,
+        ..LoaderConfig::new(2)
+    };
+    let images = OdirImages::new(ds, Transform::train(8));
+    let mut loader = HostLoader::new(images, (0..4).chain(0..4).collect(), &config).unwrap();
+    let first = loader.next().unwrap().unwrap();
+    first.release_after(Box::new(|| {
+        Err(DataError::Cuda {
+            call: "cudaEventSynchronize",
+            message: "an illegal memory access was encountered".to_string(),
+        })
+    }));
+    let rest: Vec<_> = loader.collect();
+    let e = rest
+        .iter()
+        .find_map(|r| r.as_ref().err())
+        .expect("the hook's error surfaces");
+    assert!(
+        matches!(
+            e,
+            DataError::Cuda {
+                call: "cudaEventSynchronize",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(rest.last().unwrap().is_err(), "the error ends the epoch");
 }

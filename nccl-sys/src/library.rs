@@ -1,6 +1,6 @@
 //! The loader: one table of function pointers per library, opened once per process.
 
-use std::ffi::{c_char, c_int, c_void};
+use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -162,7 +162,8 @@ function_table! {
 }
 
 function_table! {
-    /// The CUDA runtime calls around NCCL: devices, streams, errors.
+    /// The CUDA runtime calls around NCCL and the input pipeline: devices, streams, events,
+    /// pinned host memory, errors.
     Cudart, search::CUDART_NAME, search::cudart_candidates, CUDART {
         /// `cudaGetDeviceCount(int* count)`.
         fn cudaGetDeviceCount(count: *mut c_int) -> cudaError_t;
@@ -181,5 +182,21 @@ function_table! {
         fn cudaGetErrorString(error: cudaError_t) -> *const c_char;
         /// `cudaRuntimeGetVersion(int* version)`.
         fn cudaRuntimeGetVersion(version: *mut c_int) -> cudaError_t;
+        /// `cudaHostRegister(void* ptr, size_t size, unsigned int flags)`: page-locks host
+        /// memory so that copies from it can run asynchronously.
+        fn cudaHostRegister(ptr: *mut c_void, size: usize, flags: c_uint) -> cudaError_t;
+        /// `cudaHostUnregister(void* ptr)`.
+        fn cudaHostUnregister(ptr: *mut c_void) -> cudaError_t;
+        /// `cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags)`.
+        fn cudaEventCreateWithFlags(event: *mut cudaEvent_t, flags: c_uint) -> cudaError_t;
+        /// `cudaEventRecord(cudaEvent_t event, cudaStream_t stream)`.
+        fn cudaEventRecord(event: cudaEvent_t, stream: cudaStream_t) -> cudaError_t;
+        /// `cudaEventQuery(cudaEvent_t event)`: `cudaSuccess` once the work before the
+        /// recorded point is done, `cudaErrorNotReady` before.
+        fn cudaEventQuery(event: cudaEvent_t) -> cudaError_t;
+        /// `cudaEventSynchronize(cudaEvent_t event)`.
+        fn cudaEventSynchronize(event: cudaEvent_t) -> cudaError_t;
+        /// `cudaEventDestroy(cudaEvent_t event)`.
+        fn cudaEventDestroy(event: cudaEvent_t) -> cudaError_t;
     }
 }

@@ -97,6 +97,16 @@ pub type ncclComm_t = *mut ncclComm;
 /// `cudaStream_t`. The null pointer is the legacy default stream.
 pub type cudaStream_t = *mut c_void;
 
+/// `cudaEvent_t`: a marker recorded into a stream, to wait for the work before it.
+pub type cudaEvent_t = *mut c_void;
+
+/// `cudaEventDisableTiming`: the event records no timestamp (cheaper to record and query).
+pub const cudaEventDisableTiming: std::ffi::c_uint = 0x02;
+/// `cudaEventBlockingSync`: `cudaEventSynchronize` sleeps instead of spinning.
+pub const cudaEventBlockingSync: std::ffi::c_uint = 0x01;
+/// `cudaHostRegisterPortable`: registered memory counts as pinned in every CUDA context.
+pub const cudaHostRegisterPortable: std::ffi::c_uint = 0x01;
+
 /// `cudaError_t`: every CUDA runtime call's status.
 #[repr(transparent)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -1,0 +1,194 @@
+//! Page-locked ring slots and copy-completion events, through the CUDA runtime that
+//! `nccl-sys` loads (the same `libcudart` libtorch uses).
+//!
+//! A slot is plain page-aligned heap memory registered once with `cudaHostRegister`, so
+//! every copy out of it can be asynchronous; it is unregistered when the slot is freed. After
+//! a batch's copies are issued, an event is recorded behind them on the device's default
+//! stream; the worker that next takes the slot waits for that event before writing into it.
+
+use std::any::Any;
+use std::ffi::{c_int, c_void, CStr};
+
+use nccl_sys::{cudaError_t, cudaEvent_t, Cudart};
+
+use crate::error::DataError;
+use crate::loader::ReuseHook;
+use crate::memory::{BatchMemory, HeapMemory, SlotAllocator, SlotRequest};
+
+fn runtime(call: &'static str) -> Result<&'static Cudart, DataError> {
+    Cudart::load().map_err(|e| DataError::Cuda {
+        call,
+        message: e.to_string(),
+    })
+}
+
+fn check(rt: &Cudart, call: &'static str, rc: cudaError_t) -> Result<(), DataError> {
+    if rc == cudaError_t::cudaSuccess {
+        return Ok(());
+    }
+    // SAFETY: cudaGetErrorString returns a static NUL-terminated string for any code.
+    let text = unsafe { CStr::from_ptr((rt.cudaGetErrorString)(rc)) };
+    Err(DataError::Cuda {
+        call,
+        message: format!("{} (error {})", text.to_string_lossy(), rc.0),
+    })
+}
+
+/// Makes `device` current on the calling thread, so that later runtime calls (events,
+/// registration) use its context and no other device's context is created.
+fn set_device(rt: &Cudart, device: c_int) -> Result<(), DataError> {
+    // SAFETY: plain runtime call with a value argument.
+    check(rt, "cudaSetDevice", unsafe { (rt.cudaSetDevice)(device) })
+}
+
+/// A ring slot in page-locked host memory.
+#[derive(Debug)]
+pub(crate) struct PinnedMemory {
+    heap: HeapMemory,
+    rt: &'static Cudart,
+}
+
+impl Drop for PinnedMemory {
+    fn drop(&mut self) {
+        for ptr in [self.heap.input.as_ptr(), self.heap.targets.as_ptr()] {
+            // SAFETY: both regions were registered in `PinnedAllocator::allocate` and are
+            // unregistered once, before `heap` frees them. An error cannot be reported
+            // from drop; the memory is freed either way.
+            unsafe { (self.rt.cudaHostUnregister)(ptr.cast::<c_void>()) };
+        }
+    }
+}
+
+// SAFETY: the regions are `HeapMemory`'s, owned by this value and freed only when it drops
+// (after unregistering).
+unsafe impl BatchMemory for PinnedMemory {
+    fn input_ptr(&self) -> *mut u8 {
+        self.heap.input.as_ptr()
+    }
+
+    fn targets_ptr(&self) -> *mut f32 {
+        self.heap.targets.as_ptr().cast()
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Allocates page-locked slots for copies to CUDA device `device`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PinnedAllocator {
+    pub device: c_int,
+}
+
+impl SlotAllocator for PinnedAllocator {
+    fn allocate(&self, request: &SlotRequest) -> Result<Box<dyn BatchMemory>, DataError> {
+        let rt = runtime("cudaHostRegister")?;
+        set_device(rt, self.device)?;
+        let heap = HeapMemory::new(request)?;
+        let regions = [
+            (heap.input.as_ptr(), heap.input.capacity()),
+            (heap.targets.as_ptr(), heap.targets.capacity()),
+        ];
+        for (k, &(ptr, len)) in regions.iter().enumerate() {
+            // SAFETY: `ptr..ptr + len` is a live allocation owned by `heap` (whole pages).
+            let rc = unsafe {
+                (rt.cudaHostRegister)(
+                    ptr.cast::<c_void>(),
+                    len,
+                    nccl_sys::cudaHostRegisterPortable,
+                )
+            };
+            if let Err(e) = check(rt, "cudaHostRegister", rc) {
+                for &(done, _) in &regions[..k] {
+                    // SAFETY: registered just above; undone before `heap` is freed.
+                    unsafe { (rt.cudaHostUnregister)(done.cast::<c_void>()) };
+                }
+                return Err(e);
+            }
+        }
+        Ok(Box::new(PinnedMemory { heap, rt }))
+    }
+}
+
+/// A `cudaEvent_t` that may move between threads (the runtime's handles are thread-agnostic).
+#[derive(Debug, Clone, Copy)]
+struct Event(cudaEvent_t);
+
+// SAFETY: a CUDA event handle may be used from any thread of the process.
+unsafe impl Send for Event {}
+
+/// One reusable event per ring slot, recorded after the slot's copies.
+#[derive(Debug)]
+pub(crate) struct CopyEvents {
+    device: c_int,
+    rt: &'static Cudart,
+    events: Vec<Option<Event>>,
+}
+
+impl CopyEvents {
+    pub fn new(device: c_int) -> Result<Self, DataError> {
+        Ok(Self {
+            device,
+            rt: runtime("cudaEventCreateWithFlags")?,
+            events: Vec::new(),
+        })
+    }
+
+    /// Makes the loader's device current on the calling (consumer) thread.
+    pub fn make_current(&self) -> Result<(), DataError> {
+        set_device(self.rt, self.device)
+    }
+
+    /// Records slot `slot`'s event on the legacy default stream, behind the copies just
+    /// issued there, and returns the hook that waits for it before the slot is reused.
+    pub fn record(&mut self, slot: usize) -> Result<ReuseHook, DataError> {
+        let rt = self.rt;
+        if self.events.len() <= slot {
+            self.events.resize(slot + 1, None);
+        }
+        let event = match self.events[slot] {
+            Some(e) => e,
+            None => {
+                let mut raw: cudaEvent_t = std::ptr::null_mut();
+                // SAFETY: `raw` is a valid out-pointer; the event belongs to the current
+                // device (made current by `make_current`).
+                let rc = unsafe {
+                    (rt.cudaEventCreateWithFlags)(
+                        &mut raw,
+                        nccl_sys::cudaEventDisableTiming | nccl_sys::cudaEventBlockingSync,
+                    )
+                };
+                check(rt, "cudaEventCreateWithFlags", rc)?;
+                let e = Event(raw);
+                self.events[slot] = Some(e);
+                e
+            }
+        };
+        // SAFETY: a live event of the current device; stream null = the legacy default
+        // stream, where libtorch queued the copies (see the `tensor` module's docs).
+        let rc = unsafe { (rt.cudaEventRecord)(event.0, std::ptr::null_mut()) };
+        check(rt, "cudaEventRecord", rc)?;
+        let device = self.device;
+        Ok(Box::new(move || {
+            let event = event;
+            // The waiting thread is a loader worker: make the loader's device current first,
+            // so the wait does not create a context on device 0.
+            set_device(rt, device)?;
+            // SAFETY: the event lives until `CopyEvents` drops, which happens only after the
+            // loader's workers (the only callers of this hook) have been joined.
+            check(rt, "cudaEventSynchronize", unsafe {
+                (rt.cudaEventSynchronize)(event.0)
+            })
+        }))
+    }
+}
+
+impl Drop for CopyEvents {
+    fn drop(&mut self) {
+        for e in self.events.drain(..).flatten() {
+            // SAFETY: created by `record`, destroyed once; no worker waits on it any more.
+            unsafe { (self.rt.cudaEventDestroy)(e.0) };
+        }
+    }
+}
