@@ -14,38 +14,17 @@ use std::time::Duration;
 
 use criterion::{criterion_group, Criterion, Throughput};
 use ddp_data::rng::SampleRng;
-use ddp_data::synthetic::paint_fundus;
 use ddp_data::{Pipeline, Transform};
-use image::codecs::jpeg::JpegEncoder;
-use image::ExtendedColorType;
+
+mod common;
+
+use common::{images as write_images, thread_cpu_seconds};
 
 const SIZES: [u32; 2] = [512, 2048];
 const IMAGES_PER_SIZE: usize = 4;
 
-fn bench_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/ddp-data-bench")
-}
-
-/// Writes (once) `IMAGES_PER_SIZE` fundus JPEGs per size, with assorted lesions, quality 92.
 fn images(size: u32) -> Vec<PathBuf> {
-    let dir = bench_dir();
-    std::fs::create_dir_all(&dir).expect("create bench image folder");
-    (0..IMAGES_PER_SIZE)
-        .map(|k| {
-            let path = dir.join(format!("odir_like_{size}_{k}.jpg"));
-            if !path.exists() {
-                let mut labels = [false; 8];
-                labels[[1, 2, 4, 5][k % 4]] = true;
-                let px = paint_fundus(size, labels, k % 2 == 0, 17, k as u64);
-                let mut out = Vec::new();
-                JpegEncoder::new_with_quality(&mut out, 92)
-                    .encode(&px, size, size, ExtendedColorType::Rgb8)
-                    .expect("encode bench JPEG");
-                std::fs::write(&path, out).expect("write bench JPEG");
-            }
-            path
-        })
-        .collect()
+    write_images(size, IMAGES_PER_SIZE)
 }
 
 /// The measured work: one image through the pipeline per call, cycling through `paths`.
@@ -59,7 +38,10 @@ struct Runner {
 
 impl Runner {
     fn new(paths: Vec<PathBuf>) -> Self {
-        let transform = Transform::train(224);
+        Self::with(paths, Transform::train(224))
+    }
+
+    fn with(paths: Vec<PathBuf>, transform: Transform) -> Self {
         Self {
             paths,
             transform,
@@ -79,22 +61,13 @@ impl Runner {
     }
 }
 
-/// CPU seconds this thread has used: on a shared machine other processes' load inflates wall
-/// time but not this, so both sides of the comparison are counted this way.
-fn thread_cpu_seconds() -> f64 {
-    let mut t = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `t` is a valid, writable timespec; the clock id is a constant libc knows.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
-    assert_eq!(rc, 0, "clock_gettime(CLOCK_THREAD_CPUTIME_ID) failed");
-    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
-}
-
 /// Images per CPU-second of the whole pipeline on one thread, over about `seconds` of CPU.
 fn rate(paths: Vec<PathBuf>, seconds: f64) -> f64 {
-    let mut runner = Runner::new(paths);
+    rate_with(paths, Transform::train(224), seconds)
+}
+
+fn rate_with(paths: Vec<PathBuf>, transform: Transform, seconds: f64) -> f64 {
+    let mut runner = Runner::with(paths, transform);
     runner.step(); // Grow the buffers before timing.
     runner.n = 0;
     let start = thread_cpu_seconds();
@@ -205,10 +178,65 @@ fn compare() {
     }
 }
 
+/// Mean and 99th-percentile absolute difference (in 0-255 steps) between `transform`'s output
+/// and the same crops from a full-size decode, over `crops` draws per image.
+fn difference(paths: &[PathBuf], transform: Transform, crops: u64) -> (f64, f64) {
+    let mut reduced = Pipeline::new();
+    let mut full = Pipeline::new().with_reduced_dct(false);
+    let (mut a, mut b) = (
+        vec![0u8; transform.sample_len()],
+        vec![0u8; transform.sample_len()],
+    );
+    let mut diffs: Vec<u8> = Vec::new();
+    for path in paths {
+        for n in 0..crops {
+            let mut rng = SampleRng::new(3, 0, n);
+            reduced
+                .run_u8(&transform, path, &mut rng, &mut a)
+                .expect("decode");
+            let mut rng = SampleRng::new(3, 0, n);
+            full.run_u8(&transform, path, &mut rng, &mut b)
+                .expect("decode");
+            diffs.extend(a.iter().zip(&b).map(|(x, y)| x.abs_diff(*y)));
+        }
+    }
+    let mean = diffs.iter().map(|&d| f64::from(d)).sum::<f64>() / diffs.len() as f64;
+    diffs.sort_unstable();
+    (mean, f64::from(diffs[diffs.len() * 99 / 100]))
+}
+
+/// The reduced-scale decoding rule: speed and pixel difference from a full decode for each
+/// allowed enlargement after a 1/2, 1/4 or 1/8 decode.
+fn upsampling_study() {
+    println!("\nreduced-scale JPEG decoding: enlargement allowed after the DCT scale-down");
+    println!(
+        "(img/s per CPU-second of one thread; |difference| from a full decode in 0-255 steps)"
+    );
+    let sets: [(&str, Vec<PathBuf>); 3] = [
+        ("fundus 512", images(512)),
+        ("fundus 2048", images(2048)),
+        ("photo-like 2048", vec![common::photo_like(2048)]),
+    ];
+    for (name, paths) in &sets {
+        for factor in [1.0, 1.25, 1.5, 2.0] {
+            let t = Transform::train(224)
+                .with_dct_upsampling(factor)
+                .expect("valid factor");
+            let speed = rate_with(paths.clone(), t, 1.5);
+            let (mean, p99) = difference(paths, t, 24);
+            println!(
+                "RESULT dct kind={} factor={factor} img_per_s={speed:.1} mean_abs={mean:.3} p99_abs={p99}",
+                name.replace(' ', "_")
+            );
+        }
+    }
+}
+
 criterion_group!(benches, pipeline);
 
 fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
     compare();
+    upsampling_study();
 }

@@ -6,7 +6,17 @@
 //! cargo bench -p ddp-train --bench ddp_steps                         # random tensors, 1 and 2 ranks
 //! cargo bench -p ddp-train --bench ddp_steps -- --data DIR           # JPEGs through ddp-data's loader
 //! cargo bench -p ddp-train --bench ddp_steps -- --ranks 2 --steps 20 --warmup 3
+//! # on a GPU machine (a prebuilt binary and a Python with torch suffice, no cargo):
+//! ddp_steps --device cuda --ranks 1 --batch-size 64 --data DIR --workers 16 --reference python3
 //! ```
+//!
+//! `--device cuda` puts rank r on `cuda:r` with the NCCL backend; batches come from the loader
+//! as the trainer gets them (bytes from page-locked buffers, copied asynchronously, the next
+//! batch taken before the current step's loss is read). `--reference PYTHON` then runs
+//! `benches/reference_ddp.py` with that Python and the same settings in the same run (with
+//! `--data`: PyTorch's DataLoader with `--workers` - 1 worker processes, `pin_memory`,
+//! `persistent_workers`, `prefetch_factor=4`, once with PIL's default decode and once with
+//! `draft`) and prints ours next to it.
 //!
 //! Each step does what the `Trainer` does: next batch, buffer broadcast, forward,
 //! BCE-with-logits, backward, gradient sync, Adam. Every phase is timed on every rank, so
@@ -29,7 +39,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use ddp_comm::{Backend, Options, ProcessGroup, ReduceOp};
-use ddp_data::{Loader, LoaderConfig, OdirDataset, OdirOptions, Transform};
+use ddp_data::{Batch, Loader, LoaderConfig, OdirDataset, OdirImages, OdirOptions, Transform};
 use ddp_model::{ConvNet, ConvNetConfig};
 use ddp_sampler::DistributedSampler;
 use ddp_train::optim::{Adam, AdamConfig};
@@ -67,6 +77,20 @@ struct Args {
     /// Loader threads per rank (default: the trainer's default, cores / ranks).
     #[arg(long)]
     workers: Option<usize>,
+    /// `cpu`, or `cuda` (rank r on `cuda:r`, NCCL between ranks).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
+    /// Batches the loader may prepare ahead (default: the trainer's, 2 on the CPU, 4 on a GPU).
+    #[arg(long)]
+    prefetch: Option<usize>,
+    /// A Python with torch (and torchvision, for --data): run `reference_ddp.py` with the same
+    /// settings after ours and print both.
+    #[arg(long)]
+    reference: Option<PathBuf>,
+    /// The reference script (default: `benches/reference_ddp.py` of this crate, else
+    /// `ddp-train/benches/reference_ddp.py` below the working folder).
+    #[arg(long)]
+    reference_script: Option<PathBuf>,
     /// Calls of the standalone all-reduce timed after the steps.
     #[arg(long, default_value_t = 100)]
     allreduce_calls: usize,
@@ -111,6 +135,9 @@ fn main() -> Result<()> {
         );
         rates.push((world, rate));
     }
+    if let Some(python) = &args.reference {
+        reference(&args, python, &rates)?;
+    }
     if let (Some(&(1, one)), Some(&(two_world, two))) = (
         rates.iter().find(|r| r.0 == 1),
         rates.iter().find(|r| r.0 > 1),
@@ -119,6 +146,99 @@ fn main() -> Result<()> {
             "ddp_steps: scaling efficiency {two_world} ranks: {:.3}",
             two / (two_world as f64 * one)
         );
+    }
+    Ok(())
+}
+
+/// The reference script's path: given, next to this bench's source, or below the working
+/// folder (a checkout on a machine where the bench was built elsewhere).
+fn reference_script(args: &Args) -> Result<PathBuf> {
+    if let Some(p) = &args.reference_script {
+        return Ok(p.clone());
+    }
+    let beside = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/reference_ddp.py");
+    let below = PathBuf::from("ddp-train/benches/reference_ddp.py");
+    [beside, below]
+        .into_iter()
+        .find(|p| p.exists())
+        .context("reference_ddp.py not found next to the bench's source nor in ./ddp-train/benches; pass --reference-script")
+}
+
+/// Runs PyTorch doing the same work with `python`; prints its lines and the ratios.
+fn reference(args: &Args, python: &std::path::Path, ours: &[(usize, f64)]) -> Result<()> {
+    let script = reference_script(args)?;
+    let ranks: Vec<String> = args.ranks.iter().map(usize::to_string).collect();
+    let mut common = vec![
+        "--ranks".to_string(),
+        ranks.join(","),
+        "--warmup".into(),
+        args.warmup.to_string(),
+        "--steps".into(),
+        args.steps.to_string(),
+        "--batch-size".into(),
+        args.batch_size.to_string(),
+        "--image-size".into(),
+        args.image_size.to_string(),
+        "--threads".into(),
+        args.threads.to_string(),
+        "--device".into(),
+        args.device.clone(),
+    ];
+    let mut modes: Vec<(&str, Vec<String>)> = vec![("random tensors", vec![])];
+    if let Some(dir) = &args.data {
+        common.extend(["--data".into(), dir.display().to_string()]);
+        // PyTorch's best DataLoader settings: a worker process per core but the training one.
+        let workers = args
+            .workers
+            .unwrap_or_else(|| ddp_data::default_workers(1))
+            .saturating_sub(1)
+            .max(1);
+        common.extend(["--workers".into(), workers.to_string()]);
+        modes = vec![
+            ("DataLoader, PIL default decode", vec![]),
+            (
+                "DataLoader, PIL draft",
+                vec!["--draft".into(), args.image_size.to_string()],
+            ),
+        ];
+    }
+    for (label, extra) in modes {
+        let out = Command::new(python)
+            .arg(&script)
+            .args(&common)
+            .args(&extra)
+            .stderr(Stdio::inherit())
+            .output()
+            .with_context(|| format!("running {} {}", python.display(), script.display()))?;
+        if !out.status.success() {
+            bail!(
+                "{} {} failed ({})",
+                python.display(),
+                script.display(),
+                out.status
+            );
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        for line in text.lines().filter(|l| l.starts_with("RESULT ")) {
+            println!("{line}");
+            if value(line, "rank") != Some("0") {
+                continue;
+            }
+            let world: usize = value(line, "world")
+                .and_then(|w| w.parse().ok())
+                .unwrap_or(0);
+            let theirs: f64 = value(line, "images_per_sec")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(f64::NAN);
+            if let Some(&(_, mine)) = ours.iter().find(|r| r.0 == world) {
+                println!(
+                    "ddp_steps vs PyTorch ({label}), {world} rank(s), {}: ours {mine:.1} img/s, \
+                     PyTorch {theirs:.1} img/s, ratio {:.2}",
+                    args.device,
+                    mine / theirs
+                );
+            }
+        }
     }
     Ok(())
 }
@@ -204,17 +324,24 @@ fn stop(children: &mut [Child]) {
 enum Source {
     /// One fixed batch, reused every step.
     Random { images: Tensor, labels: Tensor },
-    /// ddp-data's loader over this rank's shards, and its number of worker threads.
-    Jpeg(Loader, usize),
+    /// ddp-data's loader over this rank's shards, its number of worker threads, the batch
+    /// taken ahead (as the trainer takes it), and the hand-off times: from "batch ready" to
+    /// "tensors on the device" on the training thread, for batches that were ready.
+    Jpeg {
+        loader: Loader<OdirImages>,
+        workers: usize,
+        upcoming: Option<Batch>,
+        handoff: Vec<f64>,
+    },
 }
 
 impl Source {
-    fn new(args: &Args, pg: &ProcessGroup) -> Result<Self> {
+    fn new(args: &Args, pg: &ProcessGroup, device: Device) -> Result<Self> {
         let b = args.batch_size as i64;
         let s = i64::from(args.image_size);
         let Some(dir) = &args.data else {
-            let images = Tensor::rand([b, 3, s, s], (Kind::Float, Device::Cpu));
-            let labels = Tensor::rand([b, 8], (Kind::Float, Device::Cpu))
+            let images = Tensor::rand([b, 3, s, s], (Kind::Float, device));
+            let labels = Tensor::rand([b, 8], (Kind::Float, device))
                 .lt(0.5)
                 .to_kind(Kind::Float);
             return Ok(Self::Random { images, labels });
@@ -247,22 +374,68 @@ impl Source {
         let config = LoaderConfig {
             drop_last: true,
             workers,
+            prefetch: args
+                .prefetch
+                .unwrap_or(if device.is_cuda() { 4 } else { 2 }),
             ..LoaderConfig::new(args.batch_size)
         };
-        let loader = Loader::new(dataset, indices, Transform::train(args.image_size), &config)
-            .context("starting the loader")?;
-        Ok(Self::Jpeg(loader, workers))
+        let images = OdirImages::new(dataset, Transform::train(args.image_size));
+        let loader =
+            Loader::on_device(images, indices, &config, device).context("starting the loader")?;
+        Ok(Self::Jpeg {
+            loader,
+            workers,
+            upcoming: None,
+            handoff: Vec::new(),
+        })
     }
 
-    fn next(&mut self) -> Result<(Tensor, Tensor)> {
+    /// This step's inputs and targets.
+    fn current(&mut self) -> Result<(Tensor, Tensor)> {
+        if matches!(self, Self::Jpeg { upcoming: None, .. }) {
+            self.advance()?;
+        }
         match self {
             Self::Random { images, labels } => Ok((images.shallow_clone(), labels.shallow_clone())),
-            Self::Jpeg(loader, _) => {
-                let batch = loader
-                    .next()
-                    .context("the loader ended before the last step")?
-                    .context("loading a batch")?;
-                Ok((batch.images, batch.labels))
+            Self::Jpeg { upcoming, .. } => {
+                let batch = upcoming
+                    .as_ref()
+                    .context("the loader ended before the last step")?;
+                Ok((
+                    batch.inputs().shallow_clone(),
+                    batch.targets().shallow_clone(),
+                ))
+            }
+        }
+    }
+
+    /// Takes the next batch from the loader (the trainer does this after queuing a step's
+    /// backward, before reading its loss).
+    fn advance(&mut self) -> Result<()> {
+        let Self::Jpeg {
+            loader,
+            upcoming,
+            handoff,
+            ..
+        } = self
+        else {
+            return Ok(());
+        };
+        *upcoming = None;
+        if loader.host().is_empty() {
+            return Ok(());
+        }
+        let ready = loader.host().is_next_ready();
+        let t = Instant::now();
+        match loader.next() {
+            None => Ok(()),
+            Some(batch) => {
+                let batch = batch.context("loading a batch")?;
+                if ready {
+                    handoff.push(t.elapsed().as_secs_f64());
+                }
+                *upcoming = Some(batch);
+                Ok(())
             }
         }
     }
@@ -305,16 +478,34 @@ fn min_over_ranks(pg: &ProcessGroup, mine: &[f64]) -> Result<Vec<f64>> {
 /// One rank: builds the model and DDP, runs the steps, prints its `RESULT` line.
 fn worker(args: &Args) -> Result<()> {
     tch::set_num_threads(args.threads as i32);
-    let opts = Options::from_env()
-        .context("reading the rank's environment")?
-        .backend(Backend::Tcp)
+    let env = ddp_comm::EnvConfig::from_env().context("reading the rank's environment")?;
+    let device = if args.device == "cuda" {
+        let loaded = ddp_comm::cuda::load_torch_cuda().unwrap_or(false);
+        if !(loaded && tch::Cuda::is_available()) {
+            bail!(
+                "--device cuda: CUDA is not available here ({})",
+                ddp_comm::cuda::no_gpu_reason().unwrap_or_else(|| "no device".into())
+            );
+        }
+        Device::Cuda(env.local_rank)
+    } else {
+        Device::Cpu
+    };
+    let backend = if device.is_cuda() {
+        Backend::Nccl
+    } else {
+        Backend::Tcp
+    };
+    let opts = Options::from_config(&env)
+        .backend(backend)
         .op_timeout(Duration::from_secs(120));
     let pg = Arc::new(ProcessGroup::new(opts).context("joining the process group")?);
     let (rank, world) = (pg.rank(), pg.world_size());
 
     tch::manual_seed(rank as i64);
-    let vs = nn::VarStore::new(Device::Cpu);
+    let mut vs = nn::VarStore::new(Device::Cpu);
     let net = ConvNet::new(&vs.root(), ConvNetConfig::default());
+    vs.set_device(device);
     let mut ddp = DistributedDataParallel::new(&vs, pg.clone(), DdpOptions::default())?;
     let params: Vec<(String, Tensor)> = ddp
         .parameters()
@@ -322,7 +513,7 @@ fn worker(args: &Args) -> Result<()> {
         .map(|(n, t)| (n.clone(), t.shallow_clone()))
         .collect();
     let mut adam = Adam::new(params, AdamConfig::default());
-    let mut source = Source::new(args, &pg)?;
+    let mut source = Source::new(args, &pg, device)?;
 
     let mut phases = Phases::default();
     let mut started = Instant::now();
@@ -333,7 +524,7 @@ fn worker(args: &Args) -> Result<()> {
             started = Instant::now();
         }
         let t0 = Instant::now();
-        let (x, y) = source.next()?;
+        let (x, y) = source.current()?;
         let t1 = Instant::now();
         adam.zero_grad();
         ddp.broadcast_buffers()?;
@@ -341,6 +532,10 @@ fn worker(args: &Args) -> Result<()> {
         let logits = net.forward_t(&x, true);
         let l = logits.binary_cross_entropy_with_logits::<Tensor>(&y, None, None, Reduction::Mean);
         l.backward();
+        drop((x, y));
+        let ta = Instant::now();
+        source.advance()?;
+        let tb = Instant::now();
         loss = l.double_value(&[]);
         let t3 = Instant::now();
         ddp.sync_gradients()?;
@@ -348,9 +543,9 @@ fn worker(args: &Args) -> Result<()> {
         adam.step();
         let t5 = Instant::now();
         if step >= args.warmup {
-            phases.data.push((t1 - t0).as_secs_f64());
+            phases.data.push((t1 - t0 + (tb - ta)).as_secs_f64());
             phases.bcast.push((t2 - t1).as_secs_f64());
-            phases.compute.push((t3 - t2).as_secs_f64());
+            phases.compute.push((t3 - t2 - (tb - ta)).as_secs_f64());
             phases.sync.push((t4 - t3).as_secs_f64());
             phases.optim.push((t5 - t4).as_secs_f64());
             phases.step.push((t5 - t0).as_secs_f64());
@@ -371,7 +566,7 @@ fn worker(args: &Args) -> Result<()> {
 
     // The gradient all-reduce alone: one flat tensor of all gradients' bytes.
     let grad_bytes: usize = ddp.bucket_sizes().iter().sum();
-    let mut flat = Tensor::zeros([(grad_bytes / 4) as i64], (Kind::Float, Device::Cpu));
+    let mut flat = Tensor::zeros([(grad_bytes / 4) as i64], (Kind::Float, device));
     let mut allreduce = Vec::new();
     if world > 1 {
         pg.barrier()?;
@@ -385,17 +580,20 @@ fn worker(args: &Args) -> Result<()> {
     }
     pg.barrier()?;
 
-    let workers = match &source {
-        Source::Random { .. } => 0,
-        Source::Jpeg(_, workers) => *workers,
+    let (workers, mut handoff) = match &source {
+        Source::Random { .. } => (0, Vec::new()),
+        Source::Jpeg {
+            workers, handoff, ..
+        } => (*workers, handoff.clone()),
     };
+    let handoff_ready = handoff.len();
     println!(
-        "RESULT ddp_steps source={} world={world} rank={rank} threads={} workers={workers} \
+        "RESULT ddp_steps source={} device={device:?} world={world} rank={rank} threads={} workers={workers} \
          batch={} size={} warmup={} steps={} images_per_sec={:.4} elapsed_s={elapsed:.4} \
          step_median_s={:.5} data_median_s={:.5} bcast_median_s={:.6} compute_median_s={:.5} \
          sync_median_s={:.6} sync_min_s={:.6} optim_median_s={:.6} allreduce_median_s={:.6} \
          bcast_cost_median_s={:.6} sync_cost_median_s={:.6} ddp_overhead_median_s={:.6} \
-         grad_bytes={grad_bytes} loss={loss:.5}",
+         grad_bytes={grad_bytes} handoff_median_s={:.7} handoff_ready={handoff_ready} loss={loss:.5}",
         if args.data.is_some() {
             "jpeg"
         } else {
@@ -418,6 +616,7 @@ fn worker(args: &Args) -> Result<()> {
         median(&mut bcast_cost.clone()),
         median(&mut sync_cost.clone()),
         median(&mut overhead),
+        median(&mut handoff),
     );
     Ok(())
 }

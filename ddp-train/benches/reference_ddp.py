@@ -1,18 +1,22 @@
 """PyTorch DDP doing what benches/ddp_steps.rs measures, for a side-by-side table.
 
-N training steps of the ConvNet (the definition in ddp-model/tests/interop.py) on the CPU,
-one process per rank (torch.multiprocessing), Gloo, `torch.set_num_threads(1)` per rank,
-Adam, BCEWithLogitsLoss, warm-up steps excluded. Random tensors (one fixed batch per rank),
-or with --data an ODIR folder (full_df.csv + preprocessed_images/) read through
-DistributedSampler + DataLoader with RandomResizedCrop(224, scale=(0.2, 1.0)) + ToTensor,
-the seeds' loader (num_workers=0: decoding runs in series with compute), epochs chained
-with set_epoch until the steps are done.
+N training steps of the ConvNet (the definition in ddp-model/tests/interop.py) on the CPU
+(Gloo) or with --device cuda on cuda:RANK (NCCL), one process per rank
+(torch.multiprocessing), `torch.set_num_threads(1)` per rank, Adam, BCEWithLogitsLoss,
+warm-up steps excluded. Random tensors (one fixed batch per rank), or with --data an ODIR
+folder (full_df.csv + preprocessed_images/) read through DistributedSampler + DataLoader with
+RandomResizedCrop(224, scale=(0.2, 1.0)) + ToTensor, epochs chained with set_epoch until the
+steps are done. --workers 0 (the default) is the seeds' loader (decoding in series with
+compute); --workers N is PyTorch's fast setting: N worker processes, pin_memory,
+persistent_workers, prefetch_factor=4, batches copied with non_blocking. --draft SIZE opens
+each JPEG with PIL's `draft("RGB", (SIZE, SIZE))` (reduced-scale DCT decoding).
 
 Prints per world size one line per rank:
 
     RESULT reference_ddp source=random world=2 rank=0 ... images_per_sec=14.1 ...
 
 Usage: python reference_ddp.py [--ranks 1,2] [--data DIR] [--warmup 3] [--steps 12]
+       [--device cpu|cuda] [--workers N] [--draft SIZE]
 """
 
 import argparse
@@ -46,10 +50,11 @@ def convnet_class():
 class OdirFolder(torch.utils.data.Dataset):
     """The redistribution layout: full_df.csv rows, images in preprocessed_images/."""
 
-    def __init__(self, root, transform):
+    def __init__(self, root, transform, draft=None):
         from PIL import Image
 
         self.image = Image
+        self.draft = draft
         self.root = Path(root)
         with open(self.root / "full_df.csv", newline="") as f:
             rows = list(csv.DictReader(f))
@@ -62,41 +67,54 @@ class OdirFolder(torch.utils.data.Dataset):
     def __getitem__(self, i):
         name, target = self.items[i]
         img = self.image.open(self.root / "preprocessed_images" / name)
+        if self.draft:
+            img.draft("RGB", (self.draft, self.draft))
         return self.transform(img), torch.tensor(target, dtype=torch.float32)
 
 
-def batches(args, rank, world):
-    """Endless (images, labels) batches for this rank."""
+def batches(args, rank, world, device):
+    """Endless (images, labels) batches for this rank, on `device`."""
     if args.data is None:
-        x = torch.rand(args.batch_size, 3, args.image_size, args.image_size)
-        y = (torch.rand(args.batch_size, 8) < 0.5).float()
+        x = torch.rand(args.batch_size, 3, args.image_size, args.image_size, device=device)
+        y = (torch.rand(args.batch_size, 8, device=device) < 0.5).float()
         while True:
             yield x, y
     import torchvision.transforms as T
 
     transform = T.Compose([T.RandomResizedCrop(args.image_size, scale=(0.2, 1.0)), T.ToTensor()])
-    dataset = OdirFolder(args.data, transform)
+    dataset = OdirFolder(args.data, transform, args.draft)
     sampler = torch.utils.data.distributed.DistributedSampler(
         dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    fast = {}
+    if args.workers > 0:
+        fast = dict(num_workers=args.workers, pin_memory=device.type == "cuda",
+                    persistent_workers=True, prefetch_factor=4)
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+        dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True, **fast)
     epoch = 0
     while True:
         sampler.set_epoch(epoch)
-        yield from loader
+        for x, y in loader:
+            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         epoch += 1
 
 
 def worker(rank, world, port, args):
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     torch.manual_seed(rank)
-    model = nn.parallel.DistributedDataParallel(convnet_class()())
+    model = convnet_class()().to(device)
+    model = nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     criterion = nn.BCEWithLogitsLoss()
-    data = batches(args, rank, world)
+    data = batches(args, rank, world, device)
     phases = {"data": [], "compute": [], "optim": [], "step": []}
     started = time.perf_counter()
     loss = float("nan")
@@ -126,7 +144,8 @@ def worker(rank, world, port, args):
     med = {k: statistics.median(v) for k, v in phases.items()}
     line = (
         f"RESULT reference_ddp source={'random' if args.data is None else 'jpeg'} "
-        f"world={world} rank={rank} threads={args.threads} workers=0 batch={args.batch_size} "
+        f"device={args.device} world={world} rank={rank} threads={args.threads} "
+        f"workers={args.workers} draft={args.draft or 0} batch={args.batch_size} "
         f"size={args.image_size} warmup={args.warmup} steps={args.steps} "
         f"images_per_sec={images / elapsed:.4f} elapsed_s={elapsed:.4f} "
         f"step_median_s={med['step']:.5f} data_median_s={med['data']:.5f} "
@@ -149,6 +168,9 @@ def main():
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--draft", type=int, default=None)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     for world in (int(r) for r in args.ranks.split(",")):

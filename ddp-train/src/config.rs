@@ -100,6 +100,12 @@ pub struct TrainConfig {
     #[arg(long)]
     pub workers: Option<usize>,
 
+    /// Batches the loader threads may prepare ahead of the training step (default: 2 on the
+    /// CPU, 4 on a GPU, where a slow image must not stall a fast step).
+    #[arg(long)]
+    #[serde(default)]
+    pub prefetch: Option<usize>,
+
     /// Intra-op threads per rank on CPU (default: the machine's cores shared among its ranks).
     #[arg(long)]
     pub threads: Option<usize>,

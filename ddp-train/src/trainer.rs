@@ -14,7 +14,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use ddp_comm::{ProcessGroup, ReduceOp};
 use ddp_data::{
-    split_by_patient, Batch, LabelMode, Loader, LoaderConfig, OdirDataset, OdirOptions, Transform,
+    split_by_patient, Batch, LabelMode, Loader, LoaderConfig, OdirDataset, OdirImages, OdirOptions,
+    Transform,
 };
 use ddp_model::{checkpoint, ConvNet, ConvNetConfig, ODIR_CLASSES};
 use ddp_sampler::{DistributedSampler, Partition};
@@ -348,15 +349,17 @@ impl Trainer {
         Ok(all)
     }
 
-    /// A loader over `indices` of the training set (`train`) or the validation set.
+    /// A loader over `indices` of the training set (`train`) or the validation set, whose
+    /// batches arrive on this rank's device.
     fn loader(
         &self,
         train: bool,
         epoch: u64,
         indices: Vec<usize>,
         transform: Transform,
-    ) -> Result<Loader> {
+    ) -> Result<Loader<OdirImages>> {
         let c = &self.config;
+        let default_prefetch = if self.device.is_cuda() { 4 } else { 2 };
         let config = LoaderConfig {
             drop_last: train,
             seed: c.seed,
@@ -364,6 +367,7 @@ impl Trainer {
             workers: c
                 .workers
                 .unwrap_or_else(|| ddp_data::default_workers(self.pg.local_world_size())),
+            prefetch: c.prefetch.unwrap_or(default_prefetch),
             ..LoaderConfig::new(c.batch_size)
         };
         let set = if train {
@@ -371,10 +375,16 @@ impl Trainer {
         } else {
             &self.data.val_set
         };
-        Ok(Loader::new(set.clone(), indices, transform, &config)?.pin_memory_for(self.device))
+        let images = OdirImages::new(set.clone(), transform);
+        Ok(Loader::on_device(images, indices, &config, self.device)?)
     }
 
     /// One epoch of training; returns (mean loss over all ranks' samples, images, steps).
+    ///
+    /// Each micro-step queues its forward and backward, then takes the next batch (which, on
+    /// a GPU, queues that batch's copy behind this step), and only then reads the loss, the
+    /// first point where the host waits for the device: the device always has the next
+    /// batch's copy queued, and the host waits for the loader while the device computes.
     fn train_epoch(&mut self, epoch: u64) -> Result<(f64, usize, usize)> {
         let c = &self.config;
         let rank = self.pg.rank();
@@ -400,6 +410,7 @@ impl Trainer {
         let progress = Progress::new(rank == 0, epoch, c.epochs, steps);
         let (mut loss_sum, mut samples) = (0.0f64, 0usize);
         let started = Instant::now();
+        let mut upcoming = loader.next();
         for step in 0..steps {
             fail_if_injected(rank, epoch, step);
             // Dropout masks derive from (seed, epoch, step, rank): a resumed run draws the
@@ -408,27 +419,24 @@ impl Trainer {
             self.adam.zero_grad();
             let mut step_loss = 0.0;
             for _ in 0..c.accumulate {
-                let batch = next_batch(&mut loader)?;
-                let (x, y) = (
-                    batch.images.to_device(self.device),
-                    batch.labels.to_device(self.device),
-                );
+                let batch = take_batch(upcoming)?;
                 self.ddp.broadcast_buffers()?;
-                let logits = self.net.forward_t(&x, true);
+                let logits = self.net.forward_t(batch.inputs(), true);
                 let loss = logits.binary_cross_entropy_with_logits::<Tensor>(
-                    &y,
+                    batch.targets(),
                     None,
                     None,
                     Reduction::Mean,
                 );
                 (&loss / c.accumulate as f64).backward();
+                upcoming = loader.next();
                 let l = loss.double_value(&[]);
                 if !l.is_finite() {
                     bail!("rank {rank}: the training loss became {l} at epoch {epoch} step {step}; lower --lr");
                 }
                 step_loss += l;
-                loss_sum += l * batch.indices.len() as f64;
-                samples += batch.indices.len();
+                loss_sum += l * batch.len() as f64;
+                samples += batch.len();
             }
             self.ddp.sync_gradients()?;
             self.adam.step();
@@ -464,20 +472,17 @@ impl Trainer {
         tch::no_grad(|| -> Result<()> {
             for batch in &mut loader {
                 let batch = batch?;
-                let (x, y) = (
-                    batch.images.to_device(self.device),
-                    batch.labels.to_device(self.device),
-                );
-                let logits = self.net.forward_t(&x, false);
+                let (x, y) = (batch.inputs(), batch.targets());
+                let logits = self.net.forward_t(x, false);
                 let loss = logits.binary_cross_entropy_with_logits::<Tensor>(
-                    &y,
+                    y,
                     None,
                     None,
                     Reduction::Sum,
                 );
                 loss_sum += loss.double_value(&[]) / classes as f64;
-                samples += batch.indices.len();
-                confusion.add(&logits, &y);
+                samples += batch.len();
+                confusion.add(&logits, y);
             }
             Ok(())
         })?;
@@ -561,8 +566,8 @@ impl Trainer {
     }
 }
 
-fn next_batch(loader: &mut Loader) -> Result<Batch> {
-    match loader.next() {
+fn take_batch(next: Option<Result<Batch, ddp_data::DataError>>) -> Result<Batch> {
+    match next {
         Some(b) => Ok(b?),
         None => bail!("the loader ended before the epoch's last step"),
     }
