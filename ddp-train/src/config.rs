@@ -100,6 +100,13 @@ pub struct TrainConfig {
     #[arg(long)]
     pub workers: Option<usize>,
 
+    /// Let a JPEG be decoded at 1/2, 1/4 or 1/8 scale when the crop then needs enlarging by
+    /// at most this factor (1: never enlarge, the exact torchvision result; 2: about what
+    /// PIL's `draft` does, up to 35% faster on large photos, pixels within ~1/255 on average).
+    #[arg(long, default_value_t = 1.0)]
+    #[serde(default = "one")]
+    pub dct_upsampling: f64,
+
     /// Batches the loader threads may prepare ahead of the training step (default: 2 on the
     /// CPU, 4 on a GPU, where a slow image must not stall a fast step).
     #[arg(long)]
@@ -171,6 +178,15 @@ impl TrainConfig {
         if self.batch_size == 0 {
             return Err("--batch-size must be at least 1".into());
         }
+        if !(self.dct_upsampling >= 1.0 && self.dct_upsampling.is_finite()) {
+            return Err(format!(
+                "--dct-upsampling {} must be a number >= 1 (1 decodes exactly as torchvision)",
+                self.dct_upsampling
+            ));
+        }
+        if self.prefetch == Some(0) {
+            return Err("--prefetch must be at least 1".into());
+        }
         if self.accumulate == 0 {
             return Err("--accumulate must be at least 1".into());
         }
@@ -200,4 +216,8 @@ impl TrainConfig {
         }
         Ok(())
     }
+}
+
+fn one() -> f64 {
+    1.0
 }

@@ -404,7 +404,8 @@ impl Trainer {
             (c.min_crop_scale, 1.0),
             ddp_data::transform::DEFAULT_RATIO,
         )?
-        .with_hflip(c.hflip);
+        .with_hflip(c.hflip)
+        .with_dct_upsampling(c.dct_upsampling)?;
         let indices = indices[..steps * c.batch_size * c.accumulate].to_vec();
         let mut loader = self.loader(true, epoch, indices, transform)?;
         let progress = Progress::new(rank == 0, epoch, c.epochs, steps);
