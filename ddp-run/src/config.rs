@@ -16,6 +16,9 @@ pub struct LaunchConfig {
     pub program: OsString,
     /// Its arguments, the same for every rank and attempt.
     pub args: Vec<OsString>,
+    /// Variables set for every rank on top of the launcher's own environment (torchrun's
+    /// variables are set last and win).
+    pub env: Vec<(OsString, OsString)>,
     /// Ranks on this node (torchrun's `--nproc-per-node`).
     pub nproc_per_node: usize,
     /// Number of nodes (`--nnodes`); every node runs the same command with its own
@@ -61,6 +64,7 @@ impl LaunchConfig {
         Self {
             program: program.into(),
             args: Vec::new(),
+            env: Vec::new(),
             nproc_per_node,
             nnodes: 1,
             node_rank: 0,

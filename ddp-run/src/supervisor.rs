@@ -315,6 +315,7 @@ impl Attempt<'_> {
         };
         let mut cmd = Command::new(&config.program);
         cmd.args(&config.args)
+            .envs(config.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

@@ -45,16 +45,18 @@ fn quiet(program: &str, nproc: usize, args: &[&str]) -> LaunchConfig {
 
 #[test]
 fn a_failure_then_a_restart_are_reported_in_order() {
-    // Rank 1 fails on the first attempt only.
+    // Rank 1 (named in an extra variable) fails on the first attempt only.
     let config = LaunchConfig {
         max_restarts: 1,
+        env: vec![("DDP_RUN_TEST_FAIL_RANK".into(), "1".into())],
         ..quiet(
             "sh",
             2,
             &[
                 "-c",
                 r#"echo "attempt $TORCHELASTIC_RESTART_COUNT"
-                   if [ "$RANK" = 1 ] && [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then exit 9; fi"#,
+                   if [ "$RANK" = "$DDP_RUN_TEST_FAIL_RANK" ] && [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]
+                   then exit 9; fi"#,
             ],
         )
     };
