@@ -59,3 +59,39 @@ fn xtask_does_not_depend_on_tch() {
         "xtask pulls in tch: {deps:?}"
     );
 }
+
+#[test]
+fn the_launcher_does_not_depend_on_tch() {
+    let deps = dependency_names("ddp-run");
+    assert!(
+        deps.iter().any(|d| d == "signal-hook"),
+        "unexpected tree: {deps:?}"
+    );
+    assert!(
+        !deps.iter().any(|d| d == "tch" || d == "torch-sys"),
+        "ddp-run pulls in tch: {deps:?}"
+    );
+}
+
+#[test]
+fn xtask_builds_nothing_heavy() {
+    let deps = dependency_names("xtask");
+    assert!(
+        deps.iter().any(|d| d == "ddp-run"),
+        "unexpected tree: {deps:?}"
+    );
+    for heavy in [
+        "ddp-data",
+        "image",
+        "zune-jpeg",
+        "mozjpeg-sys",
+        "calamine",
+        "plotters",
+    ] {
+        assert!(
+            !deps.iter().any(|d| d == heavy),
+            "xtask pulls in {heavy}, which a fresh clone's first `cargo xtask` would compile: \
+             {deps:?}"
+        );
+    }
+}
