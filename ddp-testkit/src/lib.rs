@@ -26,6 +26,7 @@ use std::process::{Child, Command, Output};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+pub use ddp_run::RankEnv;
 pub use tempfile::TempDir;
 
 /// A port on 127.0.0.1 that was free a moment ago, below the ephemeral range, so that the
