@@ -44,13 +44,22 @@ fn ddp_train() -> &'static Path {
     debug_binary(&BIN, "ddp-train", &["-p", "ddp-train"])
 }
 
-/// The debug ddp-gen-data binary (ddp-data's debug build is optimised: see Cargo.toml).
+/// The debug ddp-gen-data binary (ddp-data's debug build is optimised: see Cargo.toml),
+/// with ddp-data's features as ddp-train builds it, so that ddp-data is not compiled again.
 fn ddp_gen_data() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     debug_binary(
         &BIN,
         "ddp-gen-data",
-        &["-p", "ddp-data", "--bin", "ddp-gen-data"],
+        &[
+            "-p",
+            "ddp-data",
+            "--no-default-features",
+            "--features",
+            "tch",
+            "--bin",
+            "ddp-gen-data",
+        ],
     )
 }
 
