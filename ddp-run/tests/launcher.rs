@@ -193,7 +193,7 @@ fn failing_job(dir: &Path, fail: &str) -> String {
         r#"if [ "$RANK" = 0 ]; then
              trap 'echo rank 0 got SIGTERM; exit 0' TERM
              echo $$ > {pid0}
-             while :; do sleep 0.05; done
+             i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done
            else
              while [ ! -s {pid0} ]; do sleep 0.05; done
              echo rank 1 about to fail
@@ -263,7 +263,7 @@ fn a_rank_that_ignores_sigterm_is_killed_after_the_shutdown_timeout() {
         r#"if [ "$RANK" = 0 ]; then
              trap '' TERM
              echo $$ > {pid0}
-             while :; do sleep 0.05; done
+             i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done
            else
              while [ ! -s {pid0} ]; do sleep 0.05; done
              exit 4
@@ -284,13 +284,15 @@ fn a_rank_that_ignores_sigterm_is_killed_after_the_shutdown_timeout() {
     assert!(!procs::alive(pid_in(&pid0)));
 }
 
-/// A job of two ranks that write their pids (`pid0`, `pid1`) and wait, reporting `signal`.
+/// A job of two ranks that write their pids (`pid0`, `pid1`) and wait, reporting SIGINT and
+/// SIGTERM. (Every waiting rank gives up after a few minutes, so that even a broken launcher
+/// leaves no process behind for long.)
 fn waiting_job(dir: &Path) -> String {
     format!(
         r#"trap 'echo rank $RANK got SIGINT; exit 3' INT
            trap 'echo rank $RANK got SIGTERM; exit 3' TERM
            echo $$ > {dir}/pid$RANK
-           while :; do sleep 0.05; done"#,
+           i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
         dir = dir.display()
     )
 }
