@@ -32,7 +32,7 @@
 //! `cargo xtask bench` reads), then a summary.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -251,22 +251,13 @@ fn value<'a>(line: &'a str, key: &str) -> Option<&'a str> {
 
 /// Starts `world` rank processes of this binary and returns their `RESULT` lines.
 fn launch(world: usize) -> Result<Vec<String>> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .context("finding a free port on 127.0.0.1")?
-        .port();
+    let port = ddp_testkit::free_port();
     let exe = std::env::current_exe().context("locating this bench binary")?;
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..world {
-        let child = Command::new(&exe)
+        let child = ddp_testkit::rank_command(&exe, rank, world, port)
             .args(std::env::args_os().skip(1))
             .env(WORKER_ENV, "1")
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
             .env("DDP_RUN_ID", format!("ddp-steps-{port}"))
             .env("OMP_NUM_THREADS", "1")
             .stdout(Stdio::piped())

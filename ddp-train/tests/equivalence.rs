@@ -5,13 +5,13 @@
 
 mod common;
 
-use common::{free_port, rank_command};
+use common::{free_port, rank_command, wait_all};
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ddp_comm::{Options, ProcessGroup};
 use ddp_model::{checkpoint, ConvNet, ConvNetConfig};
@@ -24,16 +24,16 @@ const BATCH: i64 = 4;
 const SIDE: i64 = 32;
 const OUT_ENV: &str = "DDP_TEST_OUT";
 
-fn temp_dir(name: &str) -> PathBuf {
-    common::temp_dir("ddp-train", name)
+fn temp_dir(name: &str) -> common::TempDir {
+    common::temp_dir(&format!("ddp-train-{name}"))
 }
 
 /// Runs `worker` as `world` rank processes and waits for all of them (bounded).
 fn run_ranks(worker: &str, world: usize, out: &Path, env: &[(&str, String)]) -> Vec<bool> {
-    let port = free_port().to_string();
-    let mut children: Vec<Child> = (0..world)
+    let port = free_port();
+    let children: Vec<Child> = (0..world)
         .map(|rank| {
-            let mut cmd = rank_command(std::env::current_exe().unwrap(), rank, world, &port);
+            let mut cmd = rank_command(std::env::current_exe().unwrap(), rank, world, port);
             cmd.args([
                 "--ignored",
                 "--exact",
@@ -50,32 +50,14 @@ fn run_ranks(worker: &str, world: usize, out: &Path, env: &[(&str, String)]) -> 
             cmd.spawn().unwrap()
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(180);
-    let mut ok = vec![None; world];
-    while ok.iter().any(Option::is_none) {
-        for (r, child) in children.iter_mut().enumerate() {
-            if ok[r].is_none() {
-                if let Some(status) = child.try_wait().unwrap() {
-                    ok[r] = Some(status.success());
-                }
-            }
-        }
-        if Instant::now() > deadline {
-            for c in &mut children {
-                let _ = c.kill();
-            }
-            panic!("ranks of {worker} did not finish within 180 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for (rank, child) in children.iter_mut().enumerate() {
-        if ok[rank] == Some(false) {
-            let mut err = String::new();
-            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    let outputs = wait_all(children, Duration::from_secs(180));
+    for (rank, output) in outputs.iter().enumerate() {
+        if !output.status.success() {
+            let err = String::from_utf8_lossy(&output.stderr);
             eprintln!("rank {rank} of {worker} failed:\n{err}");
         }
     }
-    ok.into_iter().map(Option::unwrap).collect()
+    outputs.iter().map(|o| o.status.success()).collect()
 }
 
 /// The deterministic batch of `rank` at `step`, micro-batch `micro`.
@@ -185,11 +167,12 @@ fn reference(world: usize, accum: usize) -> nn::VarStore {
 
 fn check_equivalence(world: usize, accum: usize) {
     tch::set_num_threads(1);
-    let out = temp_dir(&format!("eq-{world}-{accum}"));
+    let tmp = temp_dir(&format!("eq-{world}-{accum}"));
+    let out = tmp.path();
     let ok = run_ranks(
         "worker_eval_mode",
         world,
-        &out,
+        out,
         &[("ACCUM", accum.to_string())],
     );
     assert_eq!(ok, vec![true; world], "a rank failed");
@@ -288,9 +271,10 @@ fn worker_train_mode() {
 
 #[test]
 fn train_mode_keeps_parameters_and_broadcast_buffers_bit_identical() {
-    let out = temp_dir("train-mode");
+    let tmp = temp_dir("train-mode");
+    let out = tmp.path();
     assert_eq!(
-        run_ranks("worker_train_mode", 2, &out, &[]),
+        run_ranks("worker_train_mode", 2, out, &[]),
         vec![true, true]
     );
     let read = |r: usize| -> Vec<Vec<u64>> {
@@ -345,9 +329,10 @@ fn worker_mismatched_model() {
 
 #[test]
 fn a_rank_with_another_model_is_named_on_every_rank() {
-    let out = temp_dir("mismatch");
+    let tmp = temp_dir("mismatch");
+    let out = tmp.path();
     assert_eq!(
-        run_ranks("worker_mismatched_model", 2, &out, &[]),
+        run_ranks("worker_mismatched_model", 2, out, &[]),
         vec![true, true]
     );
     let want = "rank 1's model differs from rank 0's at tensor parameter 'classifier.3.bias' \

@@ -3,11 +3,11 @@
 
 mod common;
 
-use common::{free_port, rank_command};
+use common::{free_port, rank_command, text, wait_all, wait_bounded};
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ddp_data::synthetic::{generate, SyntheticConfig};
 use ddp_model::{checkpoint, ConvNet, ConvNetConfig};
@@ -16,8 +16,8 @@ use tch::{nn, Device};
 
 const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
 
-fn temp_dir(name: &str) -> PathBuf {
-    common::temp_dir("ddp-train-bin", name)
+fn temp_dir(name: &str) -> common::TempDir {
+    common::temp_dir(&format!("ddp-train-bin-{name}"))
 }
 
 /// A small synthetic ODIR folder (an odd number of validation images makes shards unequal).
@@ -39,10 +39,10 @@ fn data(dir: &Path, images: usize) -> PathBuf {
 /// Runs `world` ranks of ddp-train with `args` (plus per-run `env`) and returns each rank's
 /// output. Panics if they do not all finish within two minutes.
 fn run_ranks(world: usize, args: &[&str], env: &[(&str, &str)]) -> Vec<Output> {
-    let port = free_port().to_string();
+    let port = free_port();
     let children: Vec<_> = (0..world)
         .map(|rank| {
-            let mut cmd = rank_command(EXE, rank, world, &port);
+            let mut cmd = rank_command(EXE, rank, world, port);
             cmd.args(args)
                 .args([
                     "--threads",
@@ -61,27 +61,7 @@ fn run_ranks(world: usize, args: &[&str], env: &[(&str, &str)]) -> Vec<Output> {
             cmd.spawn().unwrap()
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let waiters: Vec<_> = children
-        .into_iter()
-        .map(|c| std::thread::spawn(move || c.wait_with_output().unwrap()))
-        .collect();
-    while !waiters.iter().all(|w| w.is_finished()) {
-        assert!(
-            Instant::now() < deadline,
-            "ranks did not finish within 120 s"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    waiters.into_iter().map(|w| w.join().unwrap()).collect()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+    wait_all(children, Duration::from_secs(120))
 }
 
 fn assert_all_ok(outputs: &[Output]) {
@@ -107,8 +87,9 @@ fn metrics_without_timing(run: &Path) -> Vec<Value> {
 
 #[test]
 fn distributed_evaluation_equals_one_process_on_the_whole_split() {
-    let dir = temp_dir("eval");
-    let data = data(&dir, 62);
+    let tmp = temp_dir("eval");
+    let dir = tmp.path();
+    let data = data(dir, 62);
     tch::manual_seed(11);
     let vs = nn::VarStore::new(Device::Cpu);
     let _net = ConvNet::new(&vs.root(), ConvNetConfig::default());
@@ -202,8 +183,9 @@ fn train_args<'a>(data: &'a str, out: &'a str) -> Vec<&'a str> {
 
 #[test]
 fn an_interrupted_and_resumed_run_equals_an_uninterrupted_one() {
-    let dir = temp_dir("resume");
-    let data = data(&dir, 40);
+    let tmp = temp_dir("resume");
+    let dir = tmp.path();
+    let data = data(dir, 40);
     let data_s = data.to_str().unwrap();
     let full = dir.join("full");
     let full_s = full.to_str().unwrap();
@@ -269,8 +251,9 @@ fn an_interrupted_and_resumed_run_equals_an_uninterrupted_one() {
 
 #[test]
 fn two_runs_with_one_seed_write_the_same_metrics_and_learn() {
-    let dir = temp_dir("determinism");
-    let data = data(&dir, 40);
+    let tmp = temp_dir("determinism");
+    let dir = tmp.path();
+    let data = data(dir, 40);
     let data_s = data.to_str().unwrap();
     let runs: Vec<PathBuf> = ["a", "b"].iter().map(|n| dir.join(n)).collect();
     for run in &runs {
@@ -318,8 +301,9 @@ fn both_fail(args: &[&str]) -> (String, String) {
 
 #[test]
 fn bad_input_fails_on_every_rank_before_training() {
-    let dir = temp_dir("bad");
-    let data = data(&dir, 20);
+    let tmp = temp_dir("bad");
+    let dir = tmp.path();
+    let data = data(dir, 20);
     let data_s = data.to_str().unwrap();
     let out = dir.join("run");
     let out_s = out.to_str().unwrap();
@@ -409,8 +393,9 @@ fn torchrun_starts_ddp_train_ranks_that_train_together() {
         "{} not found: run cargo xtask setup",
         torchrun.display()
     );
-    let dir = temp_dir("torchrun");
-    let data = data(&dir, 24);
+    let tmp = temp_dir("torchrun");
+    let dir = tmp.path();
+    let data = data(dir, 24);
     let out = dir.join("run");
     let port = free_port().to_string();
     let child = Command::new(torchrun)
@@ -447,16 +432,7 @@ fn torchrun_starts_ddp_train_ranks_that_train_together() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let waiter = std::thread::spawn(move || child.wait_with_output().unwrap());
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !waiter.is_finished() {
-        assert!(
-            Instant::now() < deadline,
-            "torchrun did not finish within 120 s"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let output = waiter.join().unwrap();
+    let output = wait_bounded(child, Duration::from_secs(120));
     let t = text(&output);
     assert!(output.status.success(), "{t}");
     // Both ranks took part: rank 1 announced itself, and the epoch's metrics count two ranks.

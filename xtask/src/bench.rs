@@ -26,7 +26,7 @@
 use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -804,7 +804,7 @@ fn comm(ctx: &Ctx) -> Result<Vec<Row>> {
     if ours.is_empty() {
         bail!(
             "the collectives bench printed no RESULT line (see {})",
-            ctx.log_path("comm-ours-rank0").display()
+            ctx.dir.join("logs/comm-ours/rank-0.out").display()
         );
     }
     say("comm: PyTorch Gloo, 2 ranks");
@@ -865,8 +865,9 @@ fn comm(ctx: &Ctx) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// Starts `world` ranks of `exe` with torchrun's environment on loopback and returns each
-/// rank's stdout; the first rank to fail ends the others.
+/// Starts `world` ranks of `exe` on loopback with `ddp-run` (quietly: each rank's output goes
+/// to `logs/<name>/rank-<r>.out`) and returns each rank's output; the first rank to fail ends
+/// the others.
 fn run_ranks(
     ctx: &Ctx,
     name: &str,
@@ -875,90 +876,38 @@ fn run_ranks(
     world: usize,
     env: &[(&str, &str)],
 ) -> Result<Vec<String>> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .context("finding a free port on 127.0.0.1")?
-        .port();
-    let mut children: Vec<Child> = Vec::new();
-    for rank in 0..world {
-        let log = ctx.log_path(&format!("{name}-rank{rank}"));
-        let stderr =
-            fs::File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
-        let mut cmd = Command::new(exe);
-        cmd.args(args)
-            .current_dir(&ctx.root)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("DDP_RUN_ID", format!("xtask-bench-{port}"))
-            .env("OMP_NUM_THREADS", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(stderr);
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        match cmd.spawn() {
-            Ok(c) => children.push(c),
-            Err(e) => {
-                stop(&mut children);
-                return Err(e).with_context(|| format!("cannot start {}", exe.display()));
-            }
+    let logs = ctx.dir.join("logs").join(name);
+    if logs.exists() {
+        fs::remove_dir_all(&logs).with_context(|| format!("cannot remove {}", logs.display()))?;
+    }
+    let config = ddp_run::LaunchConfig {
+        env: env.iter().map(|(k, v)| (k.into(), v.into())).collect(),
+        log_dir: Some(logs.clone()),
+        omp_num_threads: Some(1),
+        shutdown_timeout: Duration::from_secs(5),
+        echo: false,
+        ..ddp_run::LaunchConfig::new(exe, world).args(args)
+    };
+    match ddp_run::launch(&config, |_| {})? {
+        ddp_run::Outcome::Succeeded { .. } => {}
+        ddp_run::Outcome::Failed { failure, .. } => bail!(
+            "{failure} ({}); see {}",
+            exe.display(),
+            logs.join(format!("rank-{}.out", failure.rank)).display()
+        ),
+        ddp_run::Outcome::Interrupted { signal } => {
+            bail!(
+                "interrupted by signal {signal} while running {}",
+                exe.display()
+            )
         }
     }
-    // Drain stdout on threads so no rank blocks on a full pipe while we poll the others.
-    let readers: Vec<_> = children
-        .iter_mut()
-        .map(|c| {
-            let mut out = c.stdout.take();
-            std::thread::spawn(move || {
-                let mut s = String::new();
-                if let Some(o) = out.as_mut() {
-                    let _ = std::io::Read::read_to_string(o, &mut s);
-                }
-                s
-            })
+    (0..world)
+        .map(|rank| {
+            let log = logs.join(format!("rank-{rank}.out"));
+            fs::read_to_string(&log).with_context(|| format!("cannot read {}", log.display()))
         })
-        .collect();
-    let mut done = vec![false; world];
-    while done.iter().any(|d| !d) {
-        for rank in 0..world {
-            if done[rank] {
-                continue;
-            }
-            if let Some(status) = children[rank].try_wait().context("waiting for a rank")? {
-                done[rank] = true;
-                if !status.success() {
-                    stop(&mut children);
-                    bail!(
-                        "rank {rank} of {} failed ({status}); see {}",
-                        exe.display(),
-                        ctx.log_path(&format!("{name}-rank{rank}")).display()
-                    );
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let outs: Vec<String> = readers
-        .into_iter()
-        .map(|r| r.join().unwrap_or_default())
-        .collect();
-    for (rank, out) in outs.iter().enumerate() {
-        let log = ctx.log_path(&format!("{name}-rank{rank}.stdout"));
-        fs::write(&log, out).with_context(|| format!("cannot write {}", log.display()))?;
-    }
-    Ok(outs)
-}
-
-fn stop(children: &mut [Child]) {
-    for c in children.iter_mut() {
-        let _ = c.kill();
-        let _ = c.wait();
-    }
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1032,14 +981,7 @@ fn train_data(ctx: &Ctx, size: u32, count: usize) -> Result<PathBuf> {
         dir.display(),
         if size > 1024 { "; about a minute" } else { "" }
     ));
-    let config = ddp_data::synthetic::SyntheticConfig {
-        images: count,
-        size,
-        seed: 0,
-        ..Default::default()
-    };
-    ddp_data::synthetic::generate(&dir, &config)
-        .with_context(|| format!("generating a synthetic ODIR sample in {}", dir.display()))?;
+    crate::launch::generate_sample(&ctx.root, None, &dir, count, size, 0)?;
     fs::write(&done, b"").with_context(|| format!("cannot write {}", done.display()))?;
     Ok(dir)
 }

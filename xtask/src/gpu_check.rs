@@ -15,7 +15,7 @@ use crate::launch::{self, TrainArgs};
 const TRAIN_STEPS: &str = "30";
 
 pub fn run(root: &Path) -> Result<()> {
-    let gpus = launch::visible_gpus();
+    let gpus = ddp_run::visible_gpus();
     if gpus == 0 {
         bail!(
             "gpu-check needs NVIDIA GPUs, and none is visible here (nvidia-smi lists none, or \
@@ -55,16 +55,13 @@ pub fn run(root: &Path) -> Result<()> {
         let args = TrainArgs {
             gpus: Some(n),
             cpus: None,
-            nnodes: 1,
-            node_rank: 0,
-            master_addr: "127.0.0.1".into(),
-            master_port: None,
-            max_restarts: 0,
+            node: ddp_run::cli::NodeArgs::default(),
             out: None,
             grace: 10,
             cache: None,
             runs_root: Some(std::env::temp_dir().join(format!("gpu-check-{}", std::process::id()))),
             bin: None,
+            gen_data_bin: None,
             rest: ["--epochs", "2", "--max-steps-per-epoch", TRAIN_STEPS]
                 .iter()
                 .map(|s| s.to_string())

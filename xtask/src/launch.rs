@@ -1,23 +1,19 @@
-//! `cargo xtask train`: launches N `ddp-train` ranks and supervises them.
+//! `cargo xtask train`: the ODIR application's front door, a thin caller of `ddp-run`.
 //!
-//! What torchrun's elastic agent does, for our binary: torchrun's environment names for every
-//! rank, a free port on a single node, per-rank thread counts so ranks do not oversubscribe
-//! the cores, rank 0's output on the terminal and every rank's in its log file, other ranks'
-//! stderr prefixed with `[rank i]`. The first rank to fail ends the job (terminate, then kill
-//! after a grace period), with `rank i exited with code c` and the tail of its log; with
-//! `--max-restarts K` the whole group restarts from the latest checkpoint up to K times.
-//! Ranks die with the launcher (parent-death signal), and Ctrl-C / SIGTERM is forwarded.
+//! What is ODIR's is here: building `ddp-train`, the built-in synthetic sample in `.cache/`
+//! and its training settings, the run directory, `--device` and `--threads` for each rank,
+//! and the run directory's checkpoint in the restart message. Starting and supervising the
+//! ranks (torchrun's environment, logs, fail-fast, restarts, signals) is `ddp_run::launch`.
+//! A restarted `ddp-train` resumes from the latest checkpoint by itself, as torchrun expects
+//! of its programs.
 
-use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use clap::CommandFactory;
+use ddp_run::cli::NodeArgs;
+use ddp_run::{Event, LaunchConfig, Outcome};
 
 /// Options of `cargo xtask train`; every argument after them goes to `ddp-train`.
 #[derive(Debug, Clone, clap::Args)]
@@ -30,21 +26,8 @@ pub struct TrainArgs {
     /// N ranks on the CPU.
     #[arg(long)]
     pub cpus: Option<usize>,
-    /// Number of nodes (run the same command on each).
-    #[arg(long, default_value_t = 1)]
-    pub nnodes: usize,
-    /// This node's index among --nnodes.
-    #[arg(long, default_value_t = 0)]
-    pub node_rank: usize,
-    /// Host of rank 0 (node 0); loopback on a single node.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub master_addr: String,
-    /// Port of rank 0's store (default: a free port on a single node; required with --nnodes > 1).
-    #[arg(long)]
-    pub master_port: Option<u16>,
-    /// Restart the whole group from the latest checkpoint after a failure, up to K times.
-    #[arg(long, default_value_t = 0)]
-    pub max_restarts: u32,
+    #[command(flatten)]
+    pub node: NodeArgs,
     /// Run directory (default: runs/YYYYMMDD-HHMMSS-PID, UTC).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -60,52 +43,62 @@ pub struct TrainArgs {
     /// Use this ddp-train binary instead of building one in release mode.
     #[arg(long, hide = true)]
     pub bin: Option<PathBuf>,
+    /// Use this ddp-gen-data binary instead of building one in release mode.
+    #[arg(long, hide = true)]
+    pub gen_data_bin: Option<PathBuf>,
     /// Arguments for ddp-train.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     pub rest: Vec<String>,
 }
 
-/// The launcher's own options that take a value; with [`launcher_flags_first`] they may
-/// appear anywhere among ddp-train's.
-const LAUNCHER_FLAGS: &[&str] = &[
-    "--gpus",
-    "--cpus",
-    "--nnodes",
-    "--node-rank",
-    "--master-addr",
-    "--master-port",
-    "--max-restarts",
-    "--out",
-    "--grace",
-    "--cache",
-    "--runs-root",
-    "--bin",
-];
-
 /// Moves the launcher's options (after `train`) in front of ddp-train's, so that
-/// `cargo xtask train --epochs 3 --max-restarts 1` means what it says.
+/// `cargo xtask train --epochs 3 --max-restarts 1` means what it says. The launcher's options
+/// are read from its clap definition, with their aliases.
 pub fn launcher_flags_first(args: Vec<String>) -> Vec<String> {
     let Some(pos) = args.iter().position(|a| a == "train") else {
         return args;
     };
+    let cli = crate::Cli::command();
+    let Some(train) = cli.find_subcommand("train") else {
+        return args;
+    };
+    // (name, takes a value) for each of the launcher's long options.
+    let ours: Vec<(String, bool)> = train
+        .get_arguments()
+        .filter(|a| a.get_long().is_some())
+        .flat_map(|a| {
+            let takes_value = a.get_action().takes_values();
+            let names: Vec<String> = a
+                .get_long_and_visible_aliases()
+                .into_iter()
+                .flatten()
+                .chain(a.get_all_aliases().into_iter().flatten())
+                .map(|n| format!("--{n}"))
+                .collect();
+            names.into_iter().map(move |n| (n, takes_value))
+        })
+        .collect();
     let (head, tail) = args.split_at(pos + 1);
-    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-    let mut it = tail.iter().cloned().peekable();
+    let (mut launcher, mut trainer) = (Vec::new(), Vec::new());
+    let mut it = tail.iter().cloned();
     while let Some(a) = it.next() {
         let name = a.split('=').next().unwrap_or(&a).to_owned();
-        if LAUNCHER_FLAGS.contains(&name.as_str()) {
-            let has_value = a.contains('=');
-            ours.push(a);
-            if !has_value {
-                if let Some(v) = it.next() {
-                    ours.push(v);
+        match ours.iter().find(|(n, _)| *n == name) {
+            Some(&(_, takes_value)) => {
+                let inline = a.contains('=');
+                launcher.push(a);
+                if takes_value && !inline {
+                    launcher.extend(it.next());
                 }
             }
-        } else {
-            theirs.push(a);
+            None => trainer.push(a),
         }
     }
-    head.iter().cloned().chain(ours).chain(theirs).collect()
+    head.iter()
+        .cloned()
+        .chain(launcher)
+        .chain(trainer)
+        .collect()
 }
 
 /// The built-in sample: the defaults that make the first run finish in minutes on 2 cores.
@@ -122,46 +115,24 @@ const SAMPLE_DEFAULTS: &[(&str, &str)] = &[
     ("--dropout", "0.2"),
 ];
 
-/// The signal that ended the launcher's wait (0: none yet).
-static SIGNALLED: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn on_signal(sig: libc::c_int) {
-    SIGNALLED.store(sig, Ordering::SeqCst);
-}
-
-fn install_signal_handlers() {
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: the handler only stores into an atomic, which is async-signal-safe.
-        unsafe {
-            libc::signal(sig, on_signal as *const () as libc::sighandler_t);
-        }
-    }
-}
-
 /// Runs the job; returns the process exit code for `main`.
 pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     let (nproc, device) = ranks_and_device(&args)?;
-    if args.nnodes == 0 || args.node_rank >= args.nnodes {
-        bail!(
-            "--node-rank {} must be below --nnodes {}",
-            args.node_rank,
-            args.nnodes
-        );
+    let mut rest = args.rest.clone();
+    if has_flag(&rest, "--out") {
+        bail!("give the run directory to the launcher as `cargo xtask train --out DIR ...`");
     }
-    if args.nnodes > 1 && args.master_port.is_none() {
-        bail!(
-            "--nnodes {} needs --master-port (the same on every node)",
-            args.nnodes
-        );
-    }
+    let mut config = LaunchConfig::new("ddp-train", nproc);
+    args.node.apply(&mut config);
+    // Bad node settings fail here, before anything is built.
+    config.validate()?;
     let bin = match &args.bin {
         Some(b) => b.clone(),
-        None => build_release(root)?,
+        None => build_release(root, "ddp-train", &["-p", "ddp-train"])?,
     };
-    let mut rest = args.rest.clone();
     if !has_flag(&rest, "--data") {
         let cache = args.cache.clone().unwrap_or_else(|| root.join(".cache"));
-        let data = synthetic_sample(&cache)?;
+        let data = synthetic_sample(root, &cache, args.gen_data_bin.as_deref())?;
         println!(
             "xtask: no --data given: training on the built-in synthetic ODIR sample ({} images) \
              in {}",
@@ -175,104 +146,85 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
             }
         }
     }
-    if has_flag(&rest, "--out") {
-        bail!("give the run directory to the launcher as `cargo xtask train --out DIR ...`");
-    }
     let runs_root = args.runs_root.clone().unwrap_or_else(|| root.join("runs"));
-    let out = args
-        .out
-        .clone()
-        .unwrap_or_else(|| default_run_dir(&runs_root));
-    std::fs::create_dir_all(out.join("logs"))
-        .with_context(|| format!("cannot create run directory {}", out.display()))?;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = (cores / nproc).max(1);
-    let world = nproc * args.nnodes;
-    let run_id = format!("xtask-{}-{}", std::process::id(), unix_millis());
-    install_signal_handlers();
+    let out = match &args.out {
+        Some(out) => out.clone(),
+        None => default_run_dir(&runs_root),
+    };
+    let threads = (ddp_run::available_cores() / nproc).max(1);
+    rest.extend(["--out".into(), out.to_string_lossy().into_owned()]);
+    rest.extend(["--device".into(), device.into()]);
+    if !has_flag(&rest, "--threads") {
+        rest.extend(["--threads".into(), threads.to_string()]);
+    }
+    config.program = bin.into_os_string();
+    config.args = rest.into_iter().map(Into::into).collect();
+    config.log_dir = Some(out.join("logs"));
+    config.shutdown_timeout = Duration::from_secs(args.grace);
+    config.omp_num_threads = Some(threads);
 
-    let mut attempt = 0u32;
-    loop {
-        let port = match args.master_port {
-            Some(p) => p,
-            None => free_port()?,
-        };
-        let mut rank_args = rest.clone();
-        rank_args.extend(["--out".into(), out.to_string_lossy().into_owned()]);
-        rank_args.extend(["--device".into(), device.into()]);
-        if attempt > 0 && out.join("checkpoints/latest").exists() && !has_flag(&rest, "--resume") {
-            rank_args.extend(["--resume".into(), "latest".into()]);
-        }
-        println!(
-            "xtask: starting {nproc} {device} rank(s) on node {}/{} (world size {world}), \
-             rendezvous at {}:{port}, {threads} thread(s) each, run directory {}",
-            args.node_rank,
-            args.nnodes,
-            args.master_addr,
+    let outcome = ddp_run::launch(&config, |event| match event {
+        Event::Starting {
+            world_size,
+            master_addr,
+            master_port,
+            ..
+        } => println!(
+            "xtask: starting {nproc} {device} rank(s) on node {}/{} (world size {world_size}), \
+             rendezvous at {master_addr}:{master_port}, {threads} thread(s) each, run \
+             directory {}",
+            config.node_rank,
+            config.nnodes,
             out.display()
-        );
-        let job = Job {
-            bin: &bin,
-            args: &rank_args,
-            out: &out,
-            nproc,
-            node_rank: args.node_rank,
-            world,
-            master_addr: &args.master_addr,
-            port,
-            threads,
-            run_id: &run_id,
-            attempt,
-            grace: Duration::from_secs(args.grace),
-        };
-        match job.run()? {
-            Outcome::Success => {
+        ),
+        Event::RankFailed(failure) => {
+            eprintln!("xtask: {failure}");
+            if let Some(log) = &failure.log {
+                eprintln!("xtask: last lines of {}:", log.display());
+            }
+            for line in &failure.tail {
+                eprintln!("    {line}");
+            }
+        }
+        Event::Restarting {
+            restart,
+            max_restarts,
+        } => {
+            let from = std::fs::read_to_string(out.join("checkpoints/latest"))
+                .map(|s| format!("checkpoint {}", s.trim()))
+                .unwrap_or_else(|_| "the start (no checkpoint yet)".into());
+            eprintln!("xtask: restart {restart}/{max_restarts} of the whole group from {from}");
+        }
+    })?;
+    match &outcome {
+        Outcome::Succeeded { .. } => {
+            println!(
+                "xtask: all {nproc} rank(s) finished; run directory {}",
+                out.display()
+            );
+            let curves = out.join("curves.png");
+            if curves.exists() {
                 println!(
-                    "xtask: all {nproc} rank(s) finished; run directory {}",
-                    out.display()
-                );
-                let curves = out.join("curves.png");
-                if curves.exists() {
-                    println!(
-                        "xtask: curves in {}, metrics in {}",
-                        curves.display(),
-                        out.join("metrics.jsonl").display()
-                    );
-                }
-                return Ok(0);
-            }
-            Outcome::Interrupted(sig) => {
-                eprintln!("xtask: interrupted by signal {sig}; all ranks stopped");
-                return Ok(128 + sig);
-            }
-            Outcome::Failed { rank, status, tail } => {
-                eprintln!("xtask: rank {rank} {}", describe_exit(status));
-                eprintln!("xtask: last lines of {}:", rank_log(&out, rank).display());
-                for line in tail {
-                    eprintln!("    {line}");
-                }
-                if attempt >= args.max_restarts {
-                    if args.max_restarts > 0 {
-                        eprintln!("xtask: giving up after {attempt} restart(s)");
-                    }
-                    return Ok(1);
-                }
-                attempt += 1;
-                let from = std::fs::read_to_string(out.join("checkpoints/latest"))
-                    .map(|s| format!("checkpoint {}", s.trim()))
-                    .unwrap_or_else(|_| "the start (no checkpoint yet)".into());
-                eprintln!(
-                    "xtask: restart {attempt}/{} of the whole group from {from}",
-                    args.max_restarts
+                    "xtask: curves in {}, metrics in {}",
+                    curves.display(),
+                    out.join("metrics.jsonl").display()
                 );
             }
+        }
+        Outcome::Failed { restarts, .. } if *restarts > 0 => {
+            eprintln!("xtask: giving up after {restarts} restart(s)");
+        }
+        Outcome::Failed { .. } => {}
+        Outcome::Interrupted { signal } => {
+            eprintln!("xtask: interrupted by signal {signal}; all ranks stopped");
         }
     }
+    Ok(outcome.exit_code())
 }
 
 /// How many ranks, on which device.
 fn ranks_and_device(args: &TrainArgs) -> Result<(usize, &'static str)> {
-    let visible = visible_gpus();
+    let visible = ddp_run::visible_gpus();
     match (args.gpus, args.cpus) {
         (Some(0), _) | (_, Some(0)) => bail!("the number of ranks must be at least 1"),
         (Some(n), _) if n > visible => bail!(
@@ -286,54 +238,78 @@ fn ranks_and_device(args: &TrainArgs) -> Result<(usize, &'static str)> {
     }
 }
 
-/// GPUs this process may use: `nvidia-smi --list-gpus`, narrowed by `CUDA_VISIBLE_DEVICES`.
-pub fn visible_gpus() -> usize {
-    let listed = Command::new("nvidia-smi")
-        .arg("--list-gpus")
-        .stderr(Stdio::null())
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map_or(0, |o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .filter(|l| l.starts_with("GPU "))
-                .count()
-        });
-    match std::env::var("CUDA_VISIBLE_DEVICES") {
-        Ok(v) if v.trim().is_empty() => 0,
-        Ok(v) => v
-            .split(',')
-            .filter(|s| !s.trim().is_empty())
-            .count()
-            .min(listed),
-        Err(_) => listed,
-    }
-}
-
 fn has_flag(args: &[String], flag: &str) -> bool {
     args.iter()
         .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
 }
 
-fn build_release(root: &Path) -> Result<PathBuf> {
-    println!("xtask: building ddp-train (release)");
+/// Builds binary `name` with `cargo build --release --quiet ARGS` and returns its path.
+pub fn build_release(root: &Path, name: &str, args: &[&str]) -> Result<PathBuf> {
+    println!("xtask: building {name} (release)");
     let status = crate::cargo()
         .current_dir(root)
-        .args(["build", "--release", "--quiet", "-p", "ddp-train"])
+        .args(["build", "--release", "--quiet"])
+        .args(args)
         .status()
         .context("cannot run cargo build")?;
     if !status.success() {
-        bail!("building ddp-train failed ({status})");
+        bail!("building {name} failed ({status})");
     }
     let target =
         std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
-    Ok(target.join("release").join("ddp-train"))
+    Ok(target.join("release").join(name))
+}
+
+/// The `ddp-gen-data` binary: `given`, or ddp-data's built in release mode without libtorch.
+pub fn gen_data_bin(root: &Path, given: Option<&Path>) -> Result<PathBuf> {
+    match given {
+        Some(bin) => Ok(bin.to_path_buf()),
+        None => build_release(
+            root,
+            "ddp-gen-data",
+            &[
+                "-p",
+                "ddp-data",
+                "--no-default-features",
+                "--bin",
+                "ddp-gen-data",
+            ],
+        ),
+    }
+}
+
+/// Runs `ddp-gen-data` (see [`gen_data_bin`]) to write a sample of `images` images of `size`
+/// px from `seed` into `out`.
+pub fn generate_sample(
+    root: &Path,
+    bin: Option<&Path>,
+    out: &Path,
+    images: usize,
+    size: u32,
+    seed: u64,
+) -> Result<()> {
+    let bin = gen_data_bin(root, bin)?;
+    let status = std::process::Command::new(&bin)
+        .arg("--out")
+        .arg(out)
+        .args(["--images", &images.to_string()])
+        .args(["--size", &size.to_string()])
+        .args(["--seed", &seed.to_string()])
+        .status()
+        .with_context(|| format!("cannot start {}", bin.display()))?;
+    if !status.success() {
+        bail!(
+            "{} could not write the synthetic sample in {} ({status})",
+            bin.display(),
+            out.display()
+        );
+    }
+    Ok(())
 }
 
 /// The built-in synthetic sample, generated once into `.cache/` and reused. Generation goes to
 /// a private temporary folder renamed into place, so concurrent jobs never see half a sample.
-fn synthetic_sample(cache: &Path) -> Result<PathBuf> {
+fn synthetic_sample(root: &Path, cache: &Path, bin: Option<&Path>) -> Result<PathBuf> {
     let dir = cache.join(format!(
         "synthetic-odir-{SAMPLE_IMAGES}x{SAMPLE_SIZE}-seed{SAMPLE_SEED}"
     ));
@@ -341,19 +317,16 @@ fn synthetic_sample(cache: &Path) -> Result<PathBuf> {
         return Ok(dir);
     }
     std::fs::create_dir_all(cache).with_context(|| format!("cannot create {}", cache.display()))?;
-    let tmp = cache.join(format!(".tmp-{}-{}", std::process::id(), unix_millis()));
-    let config = ddp_data::synthetic::SyntheticConfig {
-        images: SAMPLE_IMAGES,
-        size: SAMPLE_SIZE,
-        seed: SAMPLE_SEED,
-        ..Default::default()
-    };
+    let tmp = cache.join(format!(
+        ".tmp-{}-{}",
+        std::process::id(),
+        time::OffsetDateTime::now_utc().unix_timestamp_nanos()
+    ));
     println!(
         "xtask: generating the synthetic ODIR sample (once) into {}",
         dir.display()
     );
-    ddp_data::synthetic::generate(&tmp, &config)
-        .with_context(|| format!("generating the synthetic sample in {}", tmp.display()))?;
+    generate_sample(root, bin, &tmp, SAMPLE_IMAGES, SAMPLE_SIZE, SAMPLE_SEED)?;
     if std::fs::rename(&tmp, &dir).is_err() {
         // Another job won the race: its sample is identical (same seed); use it.
         let _ = std::fs::remove_dir_all(&tmp);
@@ -364,271 +337,24 @@ fn synthetic_sample(cache: &Path) -> Result<PathBuf> {
     Ok(dir)
 }
 
-fn unix_millis() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis())
-}
-
+/// `runs_root/YYYYMMDD-HHMMSS-PID` at the current UTC time.
 fn default_run_dir(runs_root: &Path) -> PathBuf {
-    let secs = (unix_millis() / 1000) as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let (y, m, d) = civil_from_days(days);
-    runs_root.join(format!(
-        "{y:04}{m:02}{d:02}-{:02}{:02}{:02}-{}",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        std::process::id()
+    runs_root.join(run_dir_name(
+        time::OffsetDateTime::now_utc(),
+        std::process::id(),
     ))
 }
 
-/// Days since 1970-01-01 to (year, month, day), Howard Hinnant's algorithm.
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
-}
-
-fn free_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("cannot find a free port")?;
-    Ok(listener.local_addr()?.port())
-}
-
-fn rank_log(out: &Path, rank: usize) -> PathBuf {
-    out.join("logs").join(format!("rank-{rank}.out"))
-}
-
-fn describe_exit(status: ExitStatus) -> String {
-    match (status.code(), status.signal()) {
-        (Some(c), _) => format!("exited with code {c}"),
-        (None, Some(s)) => format!("was killed by signal {s}"),
-        _ => format!("ended ({status})"),
-    }
-}
-
-enum Outcome {
-    Success,
-    Interrupted(i32),
-    Failed {
-        rank: usize,
-        status: ExitStatus,
-        tail: Vec<String>,
-    },
-}
-
-/// One attempt: the ranks of this node.
-struct Job<'a> {
-    bin: &'a Path,
-    args: &'a [String],
-    out: &'a Path,
-    nproc: usize,
-    node_rank: usize,
-    world: usize,
-    master_addr: &'a str,
-    port: u16,
-    threads: usize,
-    run_id: &'a str,
-    attempt: u32,
-    grace: Duration,
-}
-
-/// Lines kept per rank for the failure report.
-const TAIL_LINES: usize = 20;
-
-struct RankProcess {
-    rank: usize,
-    child: Child,
-    tail: Arc<Mutex<VecDeque<String>>>,
-    pumps: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl Job<'_> {
-    fn spawn(&self, local: usize) -> Result<RankProcess> {
-        let rank = self.node_rank * self.nproc + local;
-        let mut cmd = Command::new(self.bin);
-        cmd.args(self.args)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", self.world.to_string())
-            .env("LOCAL_RANK", local.to_string())
-            .env("LOCAL_WORLD_SIZE", self.nproc.to_string())
-            .env("MASTER_ADDR", self.master_addr)
-            .env("MASTER_PORT", self.port.to_string())
-            .env("DDP_RUN_ID", self.run_id)
-            .env("TORCHELASTIC_RESTART_COUNT", self.attempt.to_string())
-            .env("OMP_NUM_THREADS", self.threads.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        if !has_flag(self.args, "--threads") {
-            cmd.args(["--threads", &self.threads.to_string()]);
-        }
-        // SAFETY: prctl is async-signal-safe; it asks the kernel to kill this rank when the
-        // launcher dies, so no rank outlives it, whatever kills the launcher.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The launcher may have died between fork and prctl.
-                if libc::getppid() == 1 {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("cannot start {}", self.bin.display()))?;
-        let log_path = rank_log(self.out, rank);
-        let log = Arc::new(Mutex::new(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&log_path)
-                .with_context(|| format!("cannot open {}", log_path.display()))?,
-        ));
-        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
-        let stdout = child.stdout.take().context("rank stdout")?;
-        let stderr = child.stderr.take().context("rank stderr")?;
-        let pumps = vec![
-            pump(stdout, rank, false, log.clone(), tail.clone()),
-            pump(stderr, rank, true, log, tail.clone()),
-        ];
-        Ok(RankProcess {
-            rank,
-            child,
-            tail,
-            pumps,
-        })
-    }
-
-    fn run(&self) -> Result<Outcome> {
-        let mut ranks = Vec::with_capacity(self.nproc);
-        for local in 0..self.nproc {
-            match self.spawn(local) {
-                Ok(r) => ranks.push(r),
-                Err(e) => {
-                    stop_all(&mut ranks, self.grace);
-                    return Err(e);
-                }
-            }
-        }
-        let mut done = vec![false; ranks.len()];
-        loop {
-            let sig = SIGNALLED.load(Ordering::SeqCst);
-            if sig != 0 {
-                stop_all(&mut ranks, self.grace);
-                return Ok(Outcome::Interrupted(sig));
-            }
-            // Every rank that ended since the last look; among failures seen together, one
-            // killed by a signal is the likelier cause (its peers then fail on its absence).
-            let mut failures = Vec::new();
-            for (k, r) in ranks.iter_mut().enumerate() {
-                if done[k] {
-                    continue;
-                }
-                if let Some(status) = r.child.try_wait()? {
-                    done[k] = true;
-                    if !status.success() {
-                        failures.push((status.signal().is_none(), k, status));
-                    }
-                }
-            }
-            failures.sort_by_key(|&(by_code, k, _)| (by_code, k));
-            if let Some(&(_, k, status)) = failures.first() {
-                stop_all(&mut ranks, self.grace);
-                let r = &mut ranks[k];
-                for p in r.pumps.drain(..) {
-                    let _ = p.join();
-                }
-                let tail = r
-                    .tail
-                    .lock()
-                    .map(|t| t.iter().cloned().collect())
-                    .unwrap_or_default();
-                return Ok(Outcome::Failed {
-                    rank: r.rank,
-                    status,
-                    tail,
-                });
-            }
-            if done.iter().all(|d| *d) {
-                for r in &mut ranks {
-                    for p in r.pumps.drain(..) {
-                        let _ = p.join();
-                    }
-                }
-                return Ok(Outcome::Success);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-/// Copies one stream of a rank to its log file; rank 0's also to the terminal, and other
-/// ranks' stderr to the terminal prefixed with `[rank i]`.
-fn pump(
-    stream: impl std::io::Read + Send + 'static,
-    rank: usize,
-    is_stderr: bool,
-    log: Arc<Mutex<std::fs::File>>,
-    tail: Arc<Mutex<VecDeque<String>>>,
-) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        let reader = BufReader::new(stream);
-        for line in reader.split(b'\n') {
-            let Ok(line) = line else { break };
-            let line = String::from_utf8_lossy(&line).into_owned();
-            if let Ok(mut f) = log.lock() {
-                let _ = writeln!(f, "{line}");
-            }
-            match (rank, is_stderr) {
-                (0, false) => println!("{line}"),
-                (0, true) => eprintln!("{line}"),
-                (_, true) => eprintln!("[rank {rank}] {line}"),
-                (_, false) => {}
-            }
-            if let Ok(mut t) = tail.lock() {
-                if t.len() == TAIL_LINES {
-                    t.pop_front();
-                }
-                t.push_back(line);
-            }
-        }
-    })
-}
-
-/// SIGTERM to every rank still running, SIGKILL after `grace`, and wait for all.
-fn stop_all(ranks: &mut [RankProcess], grace: Duration) {
-    for r in ranks.iter_mut() {
-        if matches!(r.child.try_wait(), Ok(None)) {
-            // SAFETY: kill(2) on our own child's pid, which is not yet reaped.
-            unsafe {
-                libc::kill(r.child.id() as libc::pid_t, libc::SIGTERM);
-            }
-        }
-    }
-    let deadline = Instant::now() + grace;
-    for r in ranks.iter_mut() {
-        loop {
-            match r.child.try_wait() {
-                Ok(Some(_)) | Err(_) => break,
-                Ok(None) if Instant::now() >= deadline => {
-                    let _ = r.child.kill();
-                    let _ = r.child.wait();
-                    break;
-                }
-                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        }
-    }
+fn run_dir_name(at: time::OffsetDateTime, pid: u32) -> String {
+    format!(
+        "{:04}{:02}{:02}-{:02}{:02}{:02}-{pid}",
+        at.year(),
+        u8::from(at.month()),
+        at.day(),
+        at.hour(),
+        at.minute(),
+        at.second()
+    )
 }
 
 #[cfg(test)]
@@ -659,7 +385,11 @@ mod tests {
             "1",
             "--lr=0.1",
             "--out=/r",
+            "--node_rank",
+            "0",
             "--hflip",
+            "--grace",
+            "2",
         ]));
         assert_eq!(
             got,
@@ -669,6 +399,10 @@ mod tests {
                 "--max-restarts",
                 "1",
                 "--out=/r",
+                "--node_rank",
+                "0",
+                "--grace",
+                "2",
                 "--epochs",
                 "3",
                 "--lr=0.1",
@@ -683,9 +417,13 @@ mod tests {
     }
 
     #[test]
-    fn dates_of_run_directories() {
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        assert_eq!(civil_from_days(20_788), (2026, 12, 1));
-        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+    fn run_directories_are_named_by_utc_time_and_pid() {
+        let at = |unix: i64| time::OffsetDateTime::from_unix_timestamp(unix).unwrap();
+        assert_eq!(run_dir_name(at(0), 7), "19700101-000000-7");
+        // The last second of a leap day.
+        assert_eq!(run_dir_name(at(951_868_799), 42), "20000229-235959-42");
+        assert_eq!(run_dir_name(at(1_796_083_200), 1), "20261201-000000-1");
+        let dir = default_run_dir(Path::new("/runs"));
+        assert_eq!(dir.parent(), Some(Path::new("/runs")));
     }
 }

@@ -1,7 +1,9 @@
 //! Operator commands for the workspace: `cargo xtask <command>`.
 //!
 //! xtask must build before libtorch exists (it is what installs libtorch), so it never
-//! depends on tch; it drives the other crates through `cargo` and their binaries.
+//! depends on tch; and it must build in seconds on a fresh clone, so it depends on nothing
+//! heavy either (not ddp-data's image stack): it drives the other crates through `cargo` and
+//! their binaries, and starts ranks with the `ddp-run` library.
 
 mod bench;
 mod gpu_check;
@@ -9,7 +11,7 @@ mod launch;
 mod setup;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitCode};
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -56,19 +58,38 @@ struct GenDataArgs {
     /// Seed: the same seed writes the same files.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Use this ddp-gen-data binary instead of building one in release mode.
+    #[arg(long, hide = true)]
+    bin: Option<PathBuf>,
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
     let cli = Cli::parse_from(launch::launcher_flags_first(std::env::args().collect()));
     let root = project_root();
-    match cli.command {
+    let result = match cli.command {
         Cmd::Setup(args) => setup::run(&root, &args).map(drop),
         Cmd::Test => test(&root),
         Cmd::Train(args) => train(&root, args),
-        Cmd::GenData(args) => gen_data(&args),
+        Cmd::GenData(args) => launch::generate_sample(
+            &root,
+            args.bin.as_deref(),
+            &args.out,
+            args.images,
+            args.size,
+            args.seed,
+        ),
         Cmd::Bench(args) => bench::run(&root, args),
         Cmd::GpuCheck => {
             setup::run(&root, &setup::SetupArgs::default()).and_then(|_| gpu_check::run(&root))
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // What went wrong and why, without a backtrace: these are the user's or the
+            // machine's problems, not xtask's bugs (those panic, with their backtrace).
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
         }
     }
 }
@@ -131,32 +152,5 @@ fn train(root: &Path, args: launch::TrainArgs) -> Result<()> {
     if code != 0 {
         std::process::exit(code);
     }
-    Ok(())
-}
-
-fn gen_data(args: &GenDataArgs) -> Result<()> {
-    let config = ddp_data::synthetic::SyntheticConfig {
-        images: args.images,
-        size: args.size,
-        seed: args.seed,
-        ..Default::default()
-    };
-    let started = std::time::Instant::now();
-    let summary = ddp_data::synthetic::generate(&args.out, &config).with_context(|| {
-        format!(
-            "generating a synthetic ODIR sample in {}",
-            args.out.display()
-        )
-    })?;
-    println!(
-        "gen-data: {} images of {} patients ({}x{} px) in {} ({:.1} s); label counts N D G C A H M O: {:?}",
-        summary.images,
-        summary.patients,
-        args.size,
-        args.size,
-        summary.root.display(),
-        started.elapsed().as_secs_f64(),
-        summary.label_counts
-    );
     Ok(())
 }

@@ -33,29 +33,67 @@ fn dependency_names(package: &str) -> Vec<String> {
         .collect()
 }
 
+/// Asserts that `package`'s tree holds `witness` (so it really was listed) and none of
+/// `forbidden`, saying `why` otherwise.
+fn assert_tree_excludes(package: &str, witness: &str, forbidden: &[&str], why: &str) {
+    let deps = dependency_names(package);
+    assert!(
+        deps.iter().any(|d| d == witness),
+        "unexpected tree of {package}: {deps:?}"
+    );
+    for name in forbidden {
+        assert!(
+            !deps.iter().any(|d| d == name),
+            "{package} pulls in {name}, but {why}: {deps:?}"
+        );
+    }
+}
+
+const TCH: &[&str] = &["tch", "torch-sys"];
+
 #[test]
 fn sampler_does_not_depend_on_tch() {
-    let deps = dependency_names("ddp-sampler");
-    // The tree really was listed: the sampler's own random source is in it.
-    assert!(
-        deps.iter().any(|d| d == "rand_chacha"),
-        "unexpected tree: {deps:?}"
-    );
-    assert!(
-        !deps.iter().any(|d| d == "tch" || d == "torch-sys"),
-        "ddp-sampler pulls in tch: {deps:?}"
+    assert_tree_excludes(
+        "ddp-sampler",
+        "rand_chacha",
+        TCH,
+        "the sampler must work without libtorch",
     );
 }
 
 #[test]
 fn xtask_does_not_depend_on_tch() {
-    let deps = dependency_names("xtask");
-    assert!(
-        deps.iter().any(|d| d == "clap"),
-        "unexpected tree: {deps:?}"
+    assert_tree_excludes(
+        "xtask",
+        "clap",
+        TCH,
+        "xtask installs libtorch, so it must build before libtorch exists",
     );
-    assert!(
-        !deps.iter().any(|d| d == "tch" || d == "torch-sys"),
-        "xtask pulls in tch: {deps:?}"
+}
+
+#[test]
+fn the_launcher_does_not_depend_on_tch() {
+    assert_tree_excludes(
+        "ddp-run",
+        "signal-hook",
+        TCH,
+        "a launcher starts any program and must build anywhere",
+    );
+}
+
+#[test]
+fn xtask_builds_nothing_heavy() {
+    assert_tree_excludes(
+        "xtask",
+        "ddp-run",
+        &[
+            "ddp-data",
+            "image",
+            "zune-jpeg",
+            "mozjpeg-sys",
+            "calamine",
+            "plotters",
+        ],
+        "a fresh clone's first `cargo xtask` would compile it",
     );
 }

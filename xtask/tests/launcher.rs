@@ -1,13 +1,16 @@
-//! `cargo xtask train` under failure: real launcher and rank processes on the CPU.
+//! `cargo xtask train` under failure: real launcher and `ddp-train` rank processes on the CPU.
 //!
-//! The launcher runs the debug `ddp-train` (built here with `cargo build -p ddp-train`, a
-//! no-op after `cargo test --workspace`) through its hidden `--bin` option, on a small
-//! synthetic sample, with short collective timeouts.
+//! The launcher runs the debug `ddp-train` and `ddp-gen-data` (built here with `cargo build`,
+//! a no-op after `cargo test --workspace`) through its hidden `--bin` and `--gen-data-bin`
+//! options, on a small synthetic sample, with short collective timeouts. What holds for any
+//! program (signals, orphans, environment, logs) is tested in `ddp-run/tests`.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+
+use ddp_testkit::{kill, procs, temp_dir, text, wait_bounded, wait_for, wait_for_text};
 
 const XTASK: &str = env!("CARGO_BIN_EXE_xtask");
 
@@ -18,28 +21,46 @@ fn root() -> PathBuf {
         .to_path_buf()
 }
 
-/// The debug ddp-train binary, built once per test process.
-fn ddp_train() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
+/// `cargo build --quiet ARGS` (debug), once per test process; returns the binary `name`.
+fn debug_binary(cell: &'static OnceLock<PathBuf>, name: &str, args: &[&str]) -> &'static Path {
+    cell.get_or_init(|| {
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let status = Command::new(cargo)
             .current_dir(root())
-            .args(["build", "--quiet", "-p", "ddp-train"])
+            .args(["build", "--quiet"])
+            .args(args)
             .status()
             .unwrap();
-        assert!(status.success(), "building ddp-train failed");
+        assert!(status.success(), "building {name} failed");
         let target = std::env::var_os("CARGO_TARGET_DIR")
             .map_or_else(|| root().join("target"), PathBuf::from);
-        target.join("debug").join("ddp-train")
+        target.join("debug").join(name)
     })
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("xtask-launch-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// The debug ddp-train binary (a no-op build after `cargo test --workspace`).
+fn ddp_train() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    debug_binary(&BIN, "ddp-train", &["-p", "ddp-train"])
+}
+
+/// The debug ddp-gen-data binary (ddp-data's debug build is optimised: see Cargo.toml),
+/// with ddp-data's features as ddp-train builds it, so that ddp-data is not compiled again.
+fn ddp_gen_data() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    debug_binary(
+        &BIN,
+        "ddp-gen-data",
+        &[
+            "-p",
+            "ddp-data",
+            "--no-default-features",
+            "--features",
+            "tch",
+            "--bin",
+            "ddp-gen-data",
+        ],
+    )
 }
 
 /// A small synthetic ODIR folder, written by `cargo xtask gen-data`.
@@ -47,15 +68,18 @@ fn sample(dir: &Path) -> PathBuf {
     let data = dir.join("data");
     let out = Command::new(XTASK)
         .args([
-            "gen-data", "--images", "48", "--size", "48", "--seed", "2", "--out",
+            "gen-data", "--images", "48", "--size", "48", "--seed", "2", "--bin",
         ])
+        .arg(ddp_gen_data())
+        .arg("--out")
         .arg(&data)
         .output()
         .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
     assert!(
-        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).starts_with("ddp-gen-data: 48 images of 24 patients"),
         "{}",
-        String::from_utf8_lossy(&out.stderr)
+        text(&out)
     );
     data
 }
@@ -89,111 +113,30 @@ fn launcher(data: &Path, out: &Path, extra: &[&str], env: &[(&str, &str)]) -> Co
     cmd
 }
 
-/// Waits for `child` at most `limit`; kills it and panics when it takes longer.
-fn wait_bounded(child: Child, limit: Duration) -> Output {
-    let pid = child.id();
-    let waiter = std::thread::spawn(move || child.wait_with_output().unwrap());
-    let deadline = Instant::now() + limit;
-    while !waiter.is_finished() {
-        if Instant::now() > deadline {
-            // SAFETY: kill(2) on our own child.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            panic!("the launcher did not finish within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    waiter.join().unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// Processes whose parent is `pid` (from /proc), excluding zombies.
-fn children_of(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(p) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
-            continue;
-        };
-        // Fields after the parenthesised command name: state, ppid, ...
-        let Some(rest) = stat.rsplit_once(") ").map(|(_, r)| r) else {
-            continue;
-        };
-        let fields: Vec<&str> = rest.split(' ').collect();
-        if fields.len() > 1 && fields[0] != "Z" && fields[1] == pid.to_string() {
-            out.push(p);
-        }
-    }
-    out.sort_unstable();
-    out
-}
-
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        s.rsplit_once(") ")
-            .is_some_and(|(_, r)| !r.starts_with('Z'))
-    })
-}
-
-/// Waits until `path` contains `needle` (bounded).
-fn wait_for_text(path: &Path, needle: &str, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    loop {
-        if std::fs::read_to_string(path).is_ok_and(|t| t.contains(needle)) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} never contained {needle:?}",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// The rank processes of a running launcher, once both are up.
 fn rank_pids(launcher: u32) -> Vec<u32> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let kids = children_of(launcher);
-        if kids.len() == 2 {
-            return kids;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the launcher did not start 2 ranks: {kids:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mut kids = Vec::new();
+    wait_for(
+        "the launcher started 2 ranks",
+        Duration::from_secs(60),
+        || {
+            kids = procs::children_of(launcher);
+            kids.len() == 2
+        },
+    );
+    kids
 }
 
 /// Which rank a process is, from its environment.
 fn rank_of(pid: u32) -> usize {
-    let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
-    env.split(|b| *b == 0)
-        .find_map(|kv| kv.strip_prefix(b"RANK="))
-        .map(|v| String::from_utf8_lossy(v).parse().unwrap())
-        .unwrap()
-}
-
-fn kill9(pid: u32) {
-    // SAFETY: kill(2) with a pid read from /proc; at worst it names a process already gone.
-    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    procs::env_var(pid, "RANK").unwrap().parse().unwrap()
 }
 
 #[test]
 fn killing_a_rank_ends_the_job_naming_it_and_leaves_no_process() {
-    let dir = temp_dir("kill-rank");
-    let data = sample(&dir);
-    let out = dir.join("run");
+    let dir = temp_dir("xtask-kill-rank");
+    let data = sample(dir.path());
+    let out = dir.path().join("run");
     let child = launcher(&data, &out, &["--epochs", "50"], &[])
         .spawn()
         .unwrap();
@@ -205,7 +148,7 @@ fn killing_a_rank_ends_the_job_naming_it_and_leaves_no_process() {
         Duration::from_secs(90),
     );
     let victim = ranks.iter().copied().find(|&p| rank_of(p) == 1).unwrap();
-    kill9(victim);
+    kill(victim, libc::SIGKILL);
     let killed_at = Instant::now();
     // Bound: the configured collective timeout (10 s) plus the grace period, with margin.
     let output = wait_bounded(child, Duration::from_secs(60));
@@ -215,7 +158,7 @@ fn killing_a_rank_ends_the_job_naming_it_and_leaves_no_process() {
     assert!(t.contains("rank 1 was killed by signal 9"), "{t}");
     assert!(t.contains("last lines of"), "{t}");
     for p in ranks {
-        assert!(!alive(p), "rank process {p} survived the job");
+        assert!(!procs::alive(p), "rank process {p} survived the job");
     }
     assert!(
         took < Duration::from_secs(40),
@@ -224,31 +167,10 @@ fn killing_a_rank_ends_the_job_naming_it_and_leaves_no_process() {
 }
 
 #[test]
-fn killing_the_launcher_takes_the_ranks_with_it() {
-    let dir = temp_dir("kill-launcher");
-    let data = sample(&dir);
-    let out = dir.join("run");
-    let mut child = launcher(&data, &out, &["--epochs", "50"], &[])
-        .spawn()
-        .unwrap();
-    let ranks = rank_pids(child.id());
-    kill9(child.id());
-    let _ = child.wait();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while ranks.iter().any(|&p| alive(p)) {
-        assert!(
-            Instant::now() < deadline,
-            "ranks outlived the launcher by 10 s"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-#[test]
 fn a_restart_after_an_injected_failure_ends_with_the_same_weights() {
-    let dir = temp_dir("restart");
-    let data = sample(&dir);
-    let clean = dir.join("clean");
+    let dir = temp_dir("xtask-restart");
+    let data = sample(dir.path());
+    let clean = dir.path().join("clean");
     let output = wait_bounded(
         launcher(&data, &clean, &["--epochs", "3"], &[])
             .spawn()
@@ -257,7 +179,7 @@ fn a_restart_after_an_injected_failure_ends_with_the_same_weights() {
     );
     assert!(output.status.success(), "{}", text(&output));
 
-    let restarted = dir.join("restarted");
+    let restarted = dir.path().join("restarted");
     let failing = [("DDP_TRAIN_FAIL_RANK", "1"), ("DDP_TRAIN_FAIL_AT", "2:1")];
     let output = wait_bounded(
         launcher(
@@ -287,9 +209,9 @@ fn a_restart_after_an_injected_failure_ends_with_the_same_weights() {
 
 #[test]
 fn a_rank_killed_while_rank_0_writes_a_checkpoint_leaves_the_previous_one_usable() {
-    let dir = temp_dir("kill-in-checkpoint");
-    let data = sample(&dir);
-    let out = dir.join("run");
+    let dir = temp_dir("xtask-kill-in-checkpoint");
+    let data = sample(dir.path());
+    let out = dir.path().join("run");
     let pause = [("DDP_TRAIN_PAUSE_IN_CHECKPOINT", "2")];
     let child = launcher(&data, &out, &["--epochs", "3"], &pause)
         .spawn()
@@ -301,7 +223,7 @@ fn a_rank_killed_while_rank_0_writes_a_checkpoint_leaves_the_previous_one_usable
         Duration::from_secs(120),
     );
     let rank0 = ranks.iter().copied().find(|&p| rank_of(p) == 0).unwrap();
-    kill9(rank0);
+    kill(rank0, libc::SIGKILL);
     let output = wait_bounded(child, Duration::from_secs(60));
     assert!(!output.status.success());
     assert!(
@@ -338,9 +260,9 @@ fn a_rank_killed_while_rank_0_writes_a_checkpoint_leaves_the_previous_one_usable
 
 #[test]
 fn two_jobs_at_once_do_not_collide() {
-    let dir = temp_dir("two-jobs");
-    let cache = dir.join("cache");
-    let runs = dir.join("runs");
+    let dir = temp_dir("xtask-two-jobs");
+    let cache = dir.path().join("cache");
+    let runs = dir.path().join("runs");
     // No --data: both generate the built-in sample into one cache at the same time, choose
     // their own ports and their own run directories.
     let start = || {
@@ -351,6 +273,8 @@ fn two_jobs_at_once_do_not_collide() {
             .arg(&cache)
             .arg("--runs-root")
             .arg(&runs)
+            .arg("--gen-data-bin")
+            .arg(ddp_gen_data())
             .args([
                 "--epochs",
                 "1",

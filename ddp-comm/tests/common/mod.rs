@@ -4,10 +4,10 @@
 
 #![allow(dead_code)]
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+pub use ddp_testkit::{free_port, wait_all};
 
 /// Set in worker processes.
 pub const WORKER_ENV: &str = "DDP_COMM_TEST_WORKER";
@@ -21,27 +21,6 @@ pub fn worker() -> bool {
 pub fn rank_world() -> (usize, usize) {
     let get = |k: &str| std::env::var(k).unwrap().parse::<usize>().unwrap();
     (get("RANK"), get("WORLD_SIZE"))
-}
-
-/// A port that was free a moment ago, below Linux's ephemeral range (32768-60999), so that
-/// the outgoing connections of concurrently running tests cannot take it in the meantime.
-pub fn free_port() -> u16 {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static CALLS: AtomicU32 = AtomicU32::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let calls = CALLS.fetch_add(1, Ordering::Relaxed);
-    let mut seed =
-        nanos ^ std::process::id().wrapping_mul(2_654_435_761) ^ calls.wrapping_mul(40_503);
-    for _ in 0..1000 {
-        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-        let port = (20_000 + (seed >> 8) % 12_000) as u16;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free port in 20000..32000")
 }
 
 /// The command that runs test `test` of this binary as a worker.
@@ -64,47 +43,14 @@ pub fn spawn_rank(
     extra: &[(&str, String)],
 ) -> Child {
     let mut cmd = worker_command(test);
-    cmd.env("RANK", rank.to_string())
-        .env("WORLD_SIZE", world.to_string())
-        .env("LOCAL_RANK", rank.to_string())
-        .env("LOCAL_WORLD_SIZE", world.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port.to_string())
-        .env("DDP_RUN_ID", format!("test-{port}"))
+    ddp_testkit::RankEnv::single_node(rank, world, port).apply(&mut cmd);
+    cmd.env("DDP_RUN_ID", format!("test-{port}"))
         .env("DDP_RDZV_TIMEOUT_S", "60")
         .env("DDP_OP_TIMEOUT_S", "60");
     for (k, v) in extra {
         cmd.env(k, v);
     }
     cmd.spawn().unwrap()
-}
-
-/// Waits for every child, killing all of them if `limit` passes. Returns outputs in order.
-pub fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
-    let pids: Vec<u32> = children.iter().map(Child::id).collect();
-    let (tx, rx) = mpsc::channel();
-    for (i, child) in children.into_iter().enumerate() {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            let _ = tx.send((i, child.wait_with_output()));
-        });
-    }
-    drop(tx);
-    let deadline = Instant::now() + limit;
-    let mut outputs: Vec<Option<Output>> = (0..pids.len()).map(|_| None).collect();
-    for _ in 0..pids.len() {
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok((i, out)) => outputs[i] = Some(out.unwrap()),
-            Err(_) => {
-                for pid in &pids {
-                    // SAFETY: sending SIGKILL to our own child processes by pid.
-                    unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
-                }
-                panic!("ranks did not finish within {limit:?}");
-            }
-        }
-    }
-    outputs.into_iter().map(Option::unwrap).collect()
 }
 
 /// Text of a worker's output, for assertion messages.

@@ -1,0 +1,225 @@
+//! What to start, where, and how to supervise it: torchrun's command line as a struct.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::env::{OMP_NUM_THREADS, TORCH_NCCL_ASYNC_ERROR_HANDLING};
+use crate::LaunchError;
+
+/// A job on this node: `nproc_per_node` ranks of `program` with `args`.
+///
+/// [`LaunchConfig::new`] fills in torchrun's defaults; change the public fields to taste.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchConfig {
+    /// The program each rank runs (a path, or a name looked up in `PATH`).
+    pub program: OsString,
+    /// Its arguments, the same for every rank and attempt.
+    pub args: Vec<OsString>,
+    /// Variables set for every rank on top of the launcher's own environment (torchrun's
+    /// variables are set last and win).
+    pub env: Vec<(OsString, OsString)>,
+    /// Ranks on this node (torchrun's `--nproc-per-node`).
+    pub nproc_per_node: usize,
+    /// Number of nodes (`--nnodes`); every node runs the same command with its own
+    /// `node_rank`.
+    pub nnodes: usize,
+    /// This node's index, `0..nnodes` (`--node-rank`).
+    pub node_rank: usize,
+    /// Host of rank 0 (`--master-addr`).
+    pub master_addr: String,
+    /// Port where the ranks meet (`--master-port`). `None`: on one node, a free port
+    /// chosen for each attempt; on several, torchrun's 29500.
+    pub master_port: Option<u16>,
+    /// Restarts of the whole group after a failure (`--max-restarts`).
+    pub max_restarts: u32,
+    /// The workers' role, written to `ROLE_NAME` (`--role`).
+    pub role: String,
+    /// The job's id, written to `TORCHELASTIC_RUN_ID` (`--rdzv-id`). `None`: on one node a
+    /// fresh id per launch; on several nodes `none`, torchrun's default, which every node
+    /// computes alike.
+    pub run_id: Option<String>,
+    /// Folder of the per-rank logs `rank-<rank>.out` (`--log-dir`): everything each rank
+    /// printed, stdout and stderr, appended over the attempts. `None`: no log files.
+    pub log_dir: Option<PathBuf>,
+    /// How long ranks get to end after SIGTERM (or the forwarded signal) before SIGKILL
+    /// (`--shutdown-timeout`).
+    pub shutdown_timeout: Duration,
+    /// How often the ranks are checked (`--monitor-interval`).
+    pub monitor_interval: Duration,
+    /// `OMP_NUM_THREADS` for every rank. `None`: torchrun's rule, see
+    /// [`LaunchConfig::omp_num_threads_for_ranks`].
+    pub omp_num_threads: Option<usize>,
+    /// Copy the ranks' output to this process's stdout and stderr (rank 0's as is, the
+    /// others' prefixed with `[rank i] `). When false, output goes only to the log files.
+    pub echo: bool,
+    /// Lines of a failed rank's output kept for [`crate::RankFailure::tail`].
+    pub tail_lines: usize,
+}
+
+impl LaunchConfig {
+    /// `nproc_per_node` ranks of `program` on one node, with torchrun's defaults: no
+    /// restarts, master at 127.0.0.1, a 30 s shutdown timeout, checks every 0.1 s.
+    pub fn new(program: impl Into<OsString>, nproc_per_node: usize) -> Self {
+        Self {
+            program: program.into(),
+            args: Vec::new(),
+            env: Vec::new(),
+            nproc_per_node,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".to_string(),
+            master_port: None,
+            max_restarts: 0,
+            role: "default".to_string(),
+            run_id: None,
+            log_dir: None,
+            shutdown_timeout: Duration::from_secs(30),
+            monitor_interval: Duration::from_millis(100),
+            omp_num_threads: None,
+            echo: true,
+            tail_lines: 20,
+        }
+    }
+
+    /// Sets the program's arguments.
+    pub fn args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<OsString>,
+    {
+        self.args = args.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Checks the settings that need no process: at least one rank and one node, the node
+    /// rank among the nodes, a program.
+    pub fn validate(&self) -> Result<(), LaunchError> {
+        if self.program.is_empty() {
+            return Err(LaunchError::NoProgram);
+        }
+        if self.nproc_per_node == 0 {
+            return Err(LaunchError::NoRanks);
+        }
+        if self.nnodes == 0 {
+            return Err(LaunchError::NoNodes);
+        }
+        if self.node_rank >= self.nnodes {
+            return Err(LaunchError::NodeRankOutOfRange {
+                node_rank: self.node_rank,
+                nnodes: self.nnodes,
+            });
+        }
+        if self.master_addr.trim().is_empty() {
+            return Err(LaunchError::Invalid(
+                "--master-addr is empty: give the host of node 0".to_string(),
+            ));
+        }
+        if self.master_port == Some(0) {
+            return Err(LaunchError::Invalid(
+                "--master-port 0 is not a port the other ranks can reach; give a port from \
+                 1 to 65535, or none on a single node"
+                    .to_string(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Ranks in the whole job.
+    pub fn world_size(&self) -> usize {
+        self.nproc_per_node * self.nnodes
+    }
+
+    /// The global ranks on this node.
+    pub fn ranks(&self) -> std::ops::Range<usize> {
+        let first = self.node_rank * self.nproc_per_node;
+        first..first + self.nproc_per_node
+    }
+
+    /// The `OMP_NUM_THREADS` each rank gets: the configured number; else torchrun's rule, the
+    /// launcher's own `OMP_NUM_THREADS` if set, else 1 when there are several ranks per node
+    /// (so that they do not oversubscribe the cores); else none.
+    pub fn omp_num_threads_for_ranks(&self) -> Option<String> {
+        match self.omp_num_threads {
+            Some(n) => Some(n.to_string()),
+            None => match std::env::var(OMP_NUM_THREADS) {
+                Ok(v) => Some(v),
+                Err(_) if self.nproc_per_node > 1 => Some("1".to_string()),
+                Err(_) => None,
+            },
+        }
+    }
+
+    /// `TORCH_NCCL_ASYNC_ERROR_HANDLING` for the ranks: the launcher's own, else `1`.
+    pub(crate) fn nccl_async_error_handling(&self) -> String {
+        std::env::var(TORCH_NCCL_ASYNC_ERROR_HANDLING).unwrap_or_else(|_| "1".to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_settings_are_named() {
+        let ok = LaunchConfig::new("prog", 2);
+        assert!(ok.validate().is_ok());
+        let cases: Vec<(LaunchConfig, &str)> = vec![
+            (
+                LaunchConfig::new("prog", 0),
+                "the number of ranks per node (--nproc-per-node) must be at least 1",
+            ),
+            (
+                LaunchConfig::new("", 1),
+                "no program to start: give the program and its arguments after the launcher's \
+                 options",
+            ),
+            (
+                LaunchConfig {
+                    nnodes: 0,
+                    ..ok.clone()
+                },
+                "the number of nodes (--nnodes) must be at least 1",
+            ),
+            (
+                LaunchConfig {
+                    nnodes: 2,
+                    node_rank: 2,
+                    ..ok.clone()
+                },
+                "--node-rank 2 must be below --nnodes 2 (nodes are numbered from 0)",
+            ),
+            (
+                LaunchConfig {
+                    master_port: Some(0),
+                    ..ok.clone()
+                },
+                "--master-port 0 is not a port the other ranks can reach; give a port from 1 to \
+                 65535, or none on a single node",
+            ),
+        ];
+        for (config, message) in cases {
+            assert_eq!(config.validate().unwrap_err().to_string(), message);
+        }
+    }
+
+    #[test]
+    fn ranks_of_a_node_follow_the_nodes_before_it() {
+        let config = LaunchConfig {
+            nnodes: 3,
+            node_rank: 2,
+            ..LaunchConfig::new("prog", 4)
+        };
+        assert_eq!(config.world_size(), 12);
+        assert_eq!(config.ranks(), 8..12);
+    }
+
+    #[test]
+    fn a_configured_thread_count_wins() {
+        let config = LaunchConfig {
+            omp_num_threads: Some(3),
+            ..LaunchConfig::new("prog", 2)
+        };
+        assert_eq!(config.omp_num_threads_for_ranks().as_deref(), Some("3"));
+    }
+}

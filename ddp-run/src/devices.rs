@@ -1,0 +1,120 @@
+//! Counting what ranks can run on, without libtorch: the visible NVIDIA GPUs and the cores.
+
+use std::process::{Command, Stdio};
+use std::str::FromStr;
+
+/// GPUs this process may use: those `nvidia-smi --list-gpus` lists, narrowed by
+/// `CUDA_VISIBLE_DEVICES` (an empty value hides them all). 0 without `nvidia-smi`.
+pub fn visible_gpus() -> usize {
+    let listed = Command::new("nvidia-smi")
+        .arg("--list-gpus")
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map_or(0, |o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| l.starts_with("GPU "))
+                .count()
+        });
+    narrow_by_visible_devices(
+        listed,
+        std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
+    )
+}
+
+/// `listed` GPUs as seen through `CUDA_VISIBLE_DEVICES` = `visible` (None: unset).
+fn narrow_by_visible_devices(listed: usize, visible: Option<&str>) -> usize {
+    match visible {
+        None => listed,
+        Some(v) => v
+            .split(',')
+            .filter(|s| !s.trim().is_empty())
+            .count()
+            .min(listed),
+    }
+}
+
+/// Cores this process may run on (its affinity mask), at least 1.
+pub fn available_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// torchrun's `--nproc-per-node`: a number, or one rank per device of a kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NprocPerNode {
+    /// Exactly this many ranks.
+    Count(usize),
+    /// One rank per visible GPU (an error when there is none).
+    Gpu,
+    /// One rank per available core.
+    Cpu,
+    /// One rank per visible GPU, else one per core.
+    Auto,
+}
+
+impl NprocPerNode {
+    /// The number of ranks on this machine.
+    pub fn resolve(self) -> Result<usize, crate::LaunchError> {
+        match self {
+            Self::Count(n) => Ok(n),
+            Self::Cpu => Ok(available_cores()),
+            Self::Gpu => match visible_gpus() {
+                0 => Err(crate::LaunchError::Invalid(
+                    "--nproc-per-node gpu: no GPU is visible here (nvidia-smi lists none, or \
+                     CUDA_VISIBLE_DEVICES hides them); give a number of ranks or `cpu`"
+                        .to_string(),
+                )),
+                n => Ok(n),
+            },
+            Self::Auto => Ok(match visible_gpus() {
+                0 => available_cores(),
+                n => n,
+            }),
+        }
+    }
+}
+
+impl FromStr for NprocPerNode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "gpu" => Ok(Self::Gpu),
+            "cpu" => Ok(Self::Cpu),
+            "auto" => Ok(Self::Auto),
+            _ => s.parse().map(Self::Count).map_err(|_| {
+                format!("'{s}' is not a number of ranks, nor one of `gpu`, `cpu`, `auto`")
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_visible_devices_narrows_the_listed_gpus() {
+        assert_eq!(narrow_by_visible_devices(4, None), 4);
+        assert_eq!(narrow_by_visible_devices(4, Some("")), 0);
+        assert_eq!(narrow_by_visible_devices(4, Some("2,3")), 2);
+        assert_eq!(narrow_by_visible_devices(1, Some("0,1,2")), 1);
+        assert_eq!(narrow_by_visible_devices(0, Some("0")), 0);
+    }
+
+    #[test]
+    fn nproc_per_node_takes_torchruns_words() {
+        assert_eq!("4".parse(), Ok(NprocPerNode::Count(4)));
+        assert_eq!("gpu".parse(), Ok(NprocPerNode::Gpu));
+        assert_eq!("cpu".parse(), Ok(NprocPerNode::Cpu));
+        assert_eq!("auto".parse(), Ok(NprocPerNode::Auto));
+        assert_eq!(
+            "four".parse::<NprocPerNode>(),
+            Err("'four' is not a number of ranks, nor one of `gpu`, `cpu`, `auto`".to_string())
+        );
+        assert_eq!(NprocPerNode::Cpu.resolve().unwrap(), available_cores());
+    }
+}

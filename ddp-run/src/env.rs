@@ -1,0 +1,212 @@
+//! torchrun's worker environment: the variable names, and the values one rank gets.
+//!
+//! torchrun's elastic agent (`LocalElasticAgent._start_workers` in PyTorch) gives every worker
+//! the variables named here. [`RankEnv`] is the one place in this workspace that writes them;
+//! `ddp_comm::EnvConfig` is the one place that reads them.
+
+use std::process::Command;
+
+/// Global rank of the process, `0..WORLD_SIZE`.
+pub const RANK: &str = "RANK";
+/// Number of ranks in the job, on every node.
+pub const WORLD_SIZE: &str = "WORLD_SIZE";
+/// Rank on this node, `0..LOCAL_WORLD_SIZE` (the usual CUDA device index).
+pub const LOCAL_RANK: &str = "LOCAL_RANK";
+/// Number of ranks on this node.
+pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+/// This node's index among the nodes (torchrun's `--node-rank`).
+pub const GROUP_RANK: &str = "GROUP_RANK";
+/// Number of nodes.
+pub const GROUP_WORLD_SIZE: &str = "GROUP_WORLD_SIZE";
+/// Rank among the workers of the same role; with one role, the global rank.
+pub const ROLE_RANK: &str = "ROLE_RANK";
+/// Number of workers of the same role; with one role, the world size.
+pub const ROLE_WORLD_SIZE: &str = "ROLE_WORLD_SIZE";
+/// The workers' role (torchrun's `--role`, `default` unless given).
+pub const ROLE_NAME: &str = "ROLE_NAME";
+/// Host of rank 0, where the ranks meet.
+pub const MASTER_ADDR: &str = "MASTER_ADDR";
+/// Port on `MASTER_ADDR` where the ranks meet.
+pub const MASTER_PORT: &str = "MASTER_PORT";
+/// How many times the group was restarted before this attempt (0 on the first).
+pub const TORCHELASTIC_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
+/// The most restarts the launcher will make (`--max-restarts`).
+pub const TORCHELASTIC_MAX_RESTARTS: &str = "TORCHELASTIC_MAX_RESTARTS";
+/// The job's id, the same on every rank and node (torchrun's `--rdzv-id`).
+pub const TORCHELASTIC_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
+/// `True` when the launcher itself serves the rendezvous store on `MASTER_PORT`. ddp-run
+/// serves none, so it always writes `False`: rank 0 serves the store.
+pub const TORCHELASTIC_USE_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
+/// Passed on from the launcher's environment, else `1`, as torchrun does.
+pub const TORCH_NCCL_ASYNC_ERROR_HANDLING: &str = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
+/// Threads of OpenMP (and of libtorch's intra-op pool) in each rank.
+pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+
+/// The port torchrun uses when several nodes meet and none is given.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// Everything torchrun tells one rank about its place in the job.
+///
+/// ```
+/// let env = ddp_run::RankEnv::single_node(1, 2, 29500);
+/// let vars = env.vars();
+/// assert!(vars.contains(&("RANK", "1".to_string())));
+/// assert!(vars.contains(&("WORLD_SIZE", "2".to_string())));
+/// assert!(vars.contains(&("MASTER_ADDR", "127.0.0.1".to_string())));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankEnv {
+    /// Global rank.
+    pub rank: usize,
+    /// Ranks in the job.
+    pub world_size: usize,
+    /// Rank on this node.
+    pub local_rank: usize,
+    /// Ranks on this node.
+    pub local_world_size: usize,
+    /// This node's index.
+    pub group_rank: usize,
+    /// Number of nodes.
+    pub group_world_size: usize,
+    /// The workers' role name.
+    pub role: String,
+    /// Host of rank 0.
+    pub master_addr: String,
+    /// Port where the ranks meet.
+    pub master_port: u16,
+    /// Restarts before this attempt.
+    pub restart_count: u32,
+    /// The most restarts the launcher will make.
+    pub max_restarts: u32,
+    /// The job's id.
+    pub run_id: String,
+    /// `OMP_NUM_THREADS` for the rank, if the launcher sets it.
+    pub omp_num_threads: Option<usize>,
+    /// `TORCH_NCCL_ASYNC_ERROR_HANDLING` for the rank.
+    pub nccl_async_error_handling: String,
+}
+
+impl RankEnv {
+    /// Rank `rank` of `world_size` ranks on this machine, meeting at `127.0.0.1:master_port`;
+    /// the other values as torchrun sets them on a first attempt.
+    pub fn single_node(rank: usize, world_size: usize, master_port: u16) -> Self {
+        Self {
+            rank,
+            world_size,
+            local_rank: rank,
+            local_world_size: world_size,
+            group_rank: 0,
+            group_world_size: 1,
+            role: "default".to_string(),
+            master_addr: "127.0.0.1".to_string(),
+            master_port,
+            restart_count: 0,
+            max_restarts: 0,
+            run_id: format!("ddp-run-{master_port}"),
+            omp_num_threads: None,
+            nccl_async_error_handling: "1".to_string(),
+        }
+    }
+
+    /// The variables and their values, in torchrun's order.
+    pub fn vars(&self) -> Vec<(&'static str, String)> {
+        let mut vars = vec![
+            (RANK, self.rank.to_string()),
+            (GROUP_RANK, self.group_rank.to_string()),
+            (ROLE_RANK, self.rank.to_string()),
+            (ROLE_NAME, self.role.clone()),
+            (LOCAL_WORLD_SIZE, self.local_world_size.to_string()),
+            (WORLD_SIZE, self.world_size.to_string()),
+            (GROUP_WORLD_SIZE, self.group_world_size.to_string()),
+            (ROLE_WORLD_SIZE, self.world_size.to_string()),
+            (MASTER_ADDR, self.master_addr.clone()),
+            (MASTER_PORT, self.master_port.to_string()),
+            (TORCHELASTIC_RESTART_COUNT, self.restart_count.to_string()),
+            (TORCHELASTIC_MAX_RESTARTS, self.max_restarts.to_string()),
+            (TORCHELASTIC_RUN_ID, self.run_id.clone()),
+            (TORCHELASTIC_USE_AGENT_STORE, "False".to_string()),
+            (
+                TORCH_NCCL_ASYNC_ERROR_HANDLING,
+                self.nccl_async_error_handling.clone(),
+            ),
+            (LOCAL_RANK, self.local_rank.to_string()),
+        ];
+        if let Some(n) = self.omp_num_threads {
+            vars.push((OMP_NUM_THREADS, n.to_string()));
+        }
+        vars
+    }
+
+    /// Sets the variables on `cmd` (over any inherited values).
+    pub fn apply<'c>(&self, cmd: &'c mut Command) -> &'c mut Command {
+        for (name, value) in self.vars() {
+            cmd.env(name, value);
+        }
+        cmd
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_node_gets_global_ranks_after_the_first() {
+        let env = RankEnv {
+            rank: 5,
+            local_rank: 1,
+            local_world_size: 4,
+            world_size: 8,
+            group_rank: 1,
+            group_world_size: 2,
+            role: "trainer".into(),
+            master_addr: "node0".into(),
+            restart_count: 2,
+            max_restarts: 3,
+            run_id: "job7".into(),
+            omp_num_threads: Some(4),
+            ..RankEnv::single_node(0, 1, 29400)
+        };
+        let got: Vec<(&str, String)> = env.vars();
+        let want: Vec<(&str, &str)> = vec![
+            ("RANK", "5"),
+            ("GROUP_RANK", "1"),
+            ("ROLE_RANK", "5"),
+            ("ROLE_NAME", "trainer"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("WORLD_SIZE", "8"),
+            ("GROUP_WORLD_SIZE", "2"),
+            ("ROLE_WORLD_SIZE", "8"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29400"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+            ("TORCHELASTIC_MAX_RESTARTS", "3"),
+            ("TORCHELASTIC_RUN_ID", "job7"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "False"),
+            ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            ("LOCAL_RANK", "1"),
+            ("OMP_NUM_THREADS", "4"),
+        ];
+        let got: Vec<(&str, &str)> = got.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn apply_sets_every_variable_on_the_command() {
+        let mut cmd = Command::new("true");
+        RankEnv::single_node(1, 3, 20001).apply(&mut cmd);
+        let set: Vec<(String, String)> = cmd
+            .get_envs()
+            .map(|(k, v)| {
+                (
+                    k.to_string_lossy().into_owned(),
+                    v.unwrap().to_string_lossy().into_owned(),
+                )
+            })
+            .collect();
+        assert_eq!(set.len(), 16, "{set:?}");
+        assert!(set.contains(&("LOCAL_RANK".into(), "1".into())));
+        assert!(set.contains(&("MASTER_PORT".into(), "20001".into())));
+        assert!(!set.iter().any(|(k, _)| k == "OMP_NUM_THREADS"));
+    }
+}

@@ -1,0 +1,74 @@
+//! What can go wrong in the launcher itself (a rank that fails is an [`crate::Outcome`]).
+
+use std::path::PathBuf;
+
+/// An error of the launcher: bad settings, or a rank it could not start or watch.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// `nproc_per_node` is 0.
+    #[error("the number of ranks per node (--nproc-per-node) must be at least 1")]
+    NoRanks,
+    /// `nnodes` is 0.
+    #[error("the number of nodes (--nnodes) must be at least 1")]
+    NoNodes,
+    /// `node_rank` is not below `nnodes`.
+    #[error("--node-rank {node_rank} must be below --nnodes {nnodes} (nodes are numbered from 0)")]
+    NodeRankOutOfRange {
+        /// The node rank given.
+        node_rank: usize,
+        /// The number of nodes.
+        nnodes: usize,
+    },
+    /// A setting the launcher rejects, with what to do instead.
+    #[error("{0}")]
+    Invalid(String),
+    /// The program is empty.
+    #[error(
+        "no program to start: give the program and its arguments after the launcher's options"
+    )]
+    NoProgram,
+    /// No free port could be found for a single-node rendezvous.
+    #[error("cannot find a free port on 127.0.0.1 for the ranks to meet on (give --master-port)")]
+    NoFreePort(#[source] std::io::Error),
+    /// The log folder cannot be created, or a rank's log file opened.
+    #[error("cannot write the rank log {}", path.display())]
+    Log {
+        /// The folder or file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A rank's process could not be started.
+    #[error("cannot start rank {rank}: {program}")]
+    Spawn {
+        /// The global rank.
+        rank: usize,
+        /// The program, as given.
+        program: String,
+        /// Why (for instance, no such file).
+        #[source]
+        source: std::io::Error,
+    },
+    /// A rank's process could not be watched (waitid failed).
+    #[error("cannot watch rank {rank} (pid {pid})")]
+    Wait {
+        /// The global rank.
+        rank: usize,
+        /// Its process id.
+        pid: u32,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The signal handlers that forward SIGINT, SIGTERM, SIGHUP and SIGQUIT to the ranks
+    /// could not be installed.
+    #[error("cannot install the handler of signal {signal}")]
+    Signals {
+        /// The signal number.
+        signal: i32,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}

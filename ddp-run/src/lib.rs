@@ -1,0 +1,60 @@
+//! `ddp-run`: the torchrun counterpart, as a library and a binary.
+//!
+//! It starts N processes ("ranks") of any program on this node with torchrun's environment
+//! (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `ROLE_RANK`,
+//! `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_RESTART_COUNT`, ...) and supervises them as
+//! torchrun's elastic agent does: the first rank to fail ends the job (the others get SIGTERM,
+//! then SIGKILL after a grace period), `max_restarts` restarts the whole group, and signals the
+//! launcher receives are forwarded to every rank. Ranks die with the launcher even when it is
+//! killed with SIGKILL (`PR_SET_PDEATHSIG`). Each rank's output goes to its log file and to the
+//! terminal, other ranks' lines prefixed with `[rank i]`.
+//!
+//! - [`LaunchConfig`] is what torchrun's command line says: program, ranks per node, nodes,
+//!   master address and port, restarts, log folder.
+//! - [`launch`] runs the job and returns its [`Outcome`]; the [`Event`]s it reports
+//!   (attempt starting, rank failed, restarting) are for the caller to show.
+//! - [`RankEnv`] and the names in [`mod@env`] are the torchrun environment, for anything else
+//!   that starts ranks by hand (tests, benchmarks).
+//!
+//! The library prints nothing of its own (only the ranks' output, when
+//! [`LaunchConfig::echo`] is set) and needs neither tch nor clap; the `cli` feature (on by
+//! default) adds the `ddp-run` binary and [`cli`]'s reusable flag groups.
+//!
+//! ```
+//! use ddp_run::{launch, Event, LaunchConfig, Outcome};
+//!
+//! // Two ranks of a shell command that checks its own environment.
+//! let config = LaunchConfig {
+//!     echo: false,
+//!     ..LaunchConfig::new("sh", 2).args(["-c", r#"test "$WORLD_SIZE" = 2 && test "$RANK" -lt 2"#])
+//! };
+//! let mut attempts = 0;
+//! let outcome = launch(&config, |event| {
+//!     if let Event::Starting { .. } = event {
+//!         attempts += 1;
+//!     }
+//! })?;
+//! assert_eq!(outcome, Outcome::Succeeded { restarts: 0 });
+//! assert_eq!(attempts, 1);
+//! # Ok::<(), ddp_run::LaunchError>(())
+//! ```
+
+#![warn(missing_docs)]
+
+#[cfg(feature = "cli")]
+pub mod cli;
+mod config;
+mod devices;
+pub mod env;
+mod error;
+mod port;
+mod signals;
+mod supervisor;
+
+pub use config::LaunchConfig;
+pub use devices::{available_cores, visible_gpus, NprocPerNode};
+pub use env::RankEnv;
+pub use error::LaunchError;
+pub use port::free_port;
+pub use signals::FORWARDED as FORWARDED_SIGNALS;
+pub use supervisor::{launch, Event, Exit, Outcome, RankFailure};

@@ -1,0 +1,609 @@
+//! Starting the ranks of one node and watching them until the job ends.
+//!
+//! Each rank is a child process in a session (and process group) of its own, as torchrun's
+//! are, with `PR_SET_PDEATHSIG` so that the kernel kills it when the launcher dies, however the
+//! launcher dies. Ranks are watched with `waitid(WNOWAIT)`, which sees an exit without reaping
+//! it: until the launcher reaps a rank, its pid (and so its process group id) cannot be reused,
+//! so signalling the group can only reach that rank and what it started.
+
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::ops::Range;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::env::{RankEnv, DEFAULT_MASTER_PORT};
+use crate::signals::Watch;
+use crate::{LaunchConfig, LaunchError};
+
+/// How a rank's process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// It exited with this status.
+    Code(i32),
+    /// A signal killed it.
+    Signal(i32),
+}
+
+impl Exit {
+    /// Whether it exited with status 0.
+    pub fn success(self) -> bool {
+        self == Exit::Code(0)
+    }
+}
+
+impl fmt::Display for Exit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Exit::Code(c) => write!(f, "exited with code {c}"),
+            Exit::Signal(s) => write!(f, "was killed by signal {s}"),
+        }
+    }
+}
+
+/// The rank whose failure ended an attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankFailure {
+    /// Its global rank.
+    pub rank: usize,
+    /// How it ended.
+    pub exit: Exit,
+    /// The last lines it printed in this attempt (stdout and stderr, in order of arrival).
+    pub tail: Vec<String>,
+    /// Its log file, when the job has a log folder.
+    pub log: Option<PathBuf>,
+}
+
+impl fmt::Display for RankFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {} {}", self.rank, self.exit)
+    }
+}
+
+/// How a job ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every rank exited with status 0, after `restarts` restarts.
+    Succeeded {
+        /// Restarts it took.
+        restarts: u32,
+    },
+    /// A rank failed and no restart was left.
+    Failed {
+        /// The rank that failed last.
+        failure: RankFailure,
+        /// Restarts made before giving up.
+        restarts: u32,
+    },
+    /// The launcher received this signal; the ranks got it too and were stopped.
+    Interrupted {
+        /// The signal number.
+        signal: i32,
+    },
+}
+
+impl Outcome {
+    /// The exit status for the launcher's process: 0, 1 after a failure, 128 + the signal
+    /// after an interruption (the shell's convention).
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Outcome::Succeeded { .. } => 0,
+            Outcome::Failed { .. } => 1,
+            Outcome::Interrupted { signal } => 128 + signal,
+        }
+    }
+}
+
+/// What the launcher is doing, for the caller to show.
+#[derive(Debug)]
+pub enum Event<'a> {
+    /// An attempt is about to start its ranks.
+    Starting {
+        /// 0 for the first attempt, then the number of restarts so far.
+        attempt: u32,
+        /// The global ranks started on this node.
+        ranks: Range<usize>,
+        /// Ranks in the job.
+        world_size: usize,
+        /// Where the ranks meet.
+        master_addr: &'a str,
+        /// The port where they meet in this attempt.
+        master_port: u16,
+        /// `OMP_NUM_THREADS` of each rank, if the launcher sets it.
+        omp_num_threads: Option<&'a str>,
+    },
+    /// A rank failed; the others of its attempt have been stopped.
+    RankFailed(&'a RankFailure),
+    /// The whole group is restarting.
+    Restarting {
+        /// This restart's number, from 1.
+        restart: u32,
+        /// The most restarts.
+        max_restarts: u32,
+    },
+}
+
+/// Runs the job: starts the ranks of this node with torchrun's environment, copies their
+/// output to their log files (and the terminal), and ends the job as soon as one rank fails
+/// (the others get SIGTERM, then SIGKILL after `shutdown_timeout`), restarting the whole
+/// group up to `max_restarts` times. SIGINT, SIGTERM, SIGHUP and SIGQUIT received meanwhile
+/// are forwarded to every rank, which are then stopped alike.
+///
+/// `on_event` hears of each attempt, failure and restart, in order. Returns how the job
+/// ended; an `Err` is a failure of the launcher itself (bad settings, a program that cannot
+/// be started), after which no rank it started is left running.
+pub fn launch(
+    config: &LaunchConfig,
+    mut on_event: impl FnMut(&Event<'_>),
+) -> Result<Outcome, LaunchError> {
+    config.validate()?;
+    if let Some(dir) = &config.log_dir {
+        std::fs::create_dir_all(dir).map_err(|source| LaunchError::Log {
+            path: dir.clone(),
+            source,
+        })?;
+    }
+    let run_id = match (&config.run_id, config.nnodes) {
+        (Some(id), _) => id.clone(),
+        (None, 1) => format!("ddp-run-{}-{}", std::process::id(), unix_millis()),
+        (None, _) => "none".to_string(),
+    };
+    let omp = config.omp_num_threads_for_ranks();
+    let watch = Watch::start()?;
+    let mut restarts = 0;
+    loop {
+        let master_port = match (config.master_port, config.nnodes) {
+            (Some(port), _) => port,
+            (None, 1) => crate::free_port().map_err(LaunchError::NoFreePort)?,
+            (None, _) => DEFAULT_MASTER_PORT,
+        };
+        on_event(&Event::Starting {
+            attempt: restarts,
+            ranks: config.ranks(),
+            world_size: config.world_size(),
+            master_addr: &config.master_addr,
+            master_port,
+            omp_num_threads: omp.as_deref(),
+        });
+        let attempt = Attempt {
+            config,
+            master_port,
+            restart_count: restarts,
+            run_id: &run_id,
+            omp: omp.as_deref(),
+        };
+        match attempt.run(&watch)? {
+            End::Succeeded => return Ok(Outcome::Succeeded { restarts }),
+            End::Interrupted(signal) => return Ok(Outcome::Interrupted { signal }),
+            End::Failed(failure) => {
+                on_event(&Event::RankFailed(&failure));
+                if restarts >= config.max_restarts {
+                    return Ok(Outcome::Failed { failure, restarts });
+                }
+                restarts += 1;
+                on_event(&Event::Restarting {
+                    restart: restarts,
+                    max_restarts: config.max_restarts,
+                });
+            }
+        }
+    }
+}
+
+fn unix_millis() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+/// How one attempt ended.
+enum End {
+    Succeeded,
+    Interrupted(i32),
+    Failed(RankFailure),
+}
+
+/// One attempt: every rank of this node, started together.
+struct Attempt<'a> {
+    config: &'a LaunchConfig,
+    master_port: u16,
+    restart_count: u32,
+    run_id: &'a str,
+    omp: Option<&'a str>,
+}
+
+/// A running rank and the threads copying its output.
+struct Rank {
+    rank: usize,
+    child: Child,
+    exit: Option<Exit>,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    pumps: Vec<JoinHandle<()>>,
+    log: Option<PathBuf>,
+}
+
+impl Attempt<'_> {
+    fn run(&self, watch: &Watch) -> Result<End, LaunchError> {
+        let mut ranks: Vec<Rank> = Vec::with_capacity(self.config.nproc_per_node);
+        for (local_rank, rank) in self.config.ranks().enumerate() {
+            match self.spawn(rank, local_rank) {
+                Ok(r) => ranks.push(r),
+                Err(e) => {
+                    stop(&mut ranks, libc::SIGTERM, self.config.shutdown_timeout);
+                    return Err(e);
+                }
+            }
+        }
+        let end = self.watch(&mut ranks, watch);
+        if end.is_err() {
+            stop(&mut ranks, libc::SIGTERM, self.config.shutdown_timeout);
+        }
+        end
+    }
+
+    fn watch(&self, ranks: &mut [Rank], watch: &Watch) -> Result<End, LaunchError> {
+        loop {
+            if let Some(signal) = watch.received() {
+                stop(ranks, signal, self.config.shutdown_timeout);
+                return Ok(End::Interrupted(signal));
+            }
+            let mut failed = Vec::new();
+            for (k, r) in ranks.iter_mut().enumerate() {
+                if r.exit.is_some() {
+                    continue;
+                }
+                let pid = r.child.id();
+                r.exit = peek_exit(pid).map_err(|source| LaunchError::Wait {
+                    rank: r.rank,
+                    pid,
+                    source,
+                })?;
+                if r.exit.is_some_and(|e| !e.success()) {
+                    failed.push(k);
+                }
+            }
+            // Among ranks seen failing together, one killed by a signal is the likelier cause
+            // (its peers then fail for want of it); then the lowest rank.
+            failed.sort_by_key(|&k| (!matches!(ranks[k].exit, Some(Exit::Signal(_))), k));
+            if let Some(&k) = failed.first() {
+                stop(ranks, libc::SIGTERM, self.config.shutdown_timeout);
+                let r = &ranks[k];
+                let tail = r
+                    .tail
+                    .lock()
+                    .map(|t| t.iter().cloned().collect())
+                    .unwrap_or_default();
+                return Ok(End::Failed(RankFailure {
+                    rank: r.rank,
+                    exit: r.exit.unwrap_or(Exit::Code(1)),
+                    tail,
+                    log: r.log.clone(),
+                }));
+            }
+            if ranks.iter().all(|r| r.exit.is_some()) {
+                stop(ranks, libc::SIGTERM, Duration::ZERO);
+                return Ok(End::Succeeded);
+            }
+            std::thread::sleep(self.config.monitor_interval);
+        }
+    }
+
+    fn spawn(&self, rank: usize, local_rank: usize) -> Result<Rank, LaunchError> {
+        let config = self.config;
+        let env = RankEnv {
+            rank,
+            world_size: config.world_size(),
+            local_rank,
+            local_world_size: config.nproc_per_node,
+            group_rank: config.node_rank,
+            group_world_size: config.nnodes,
+            role: config.role.clone(),
+            master_addr: config.master_addr.clone(),
+            master_port: self.master_port,
+            restart_count: self.restart_count,
+            max_restarts: config.max_restarts,
+            run_id: self.run_id.to_string(),
+            omp_num_threads: None,
+            nccl_async_error_handling: config.nccl_async_error_handling(),
+        };
+        let mut cmd = Command::new(&config.program);
+        cmd.args(&config.args)
+            .envs(config.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        env.apply(&mut cmd);
+        if let Some(omp) = self.omp {
+            cmd.env(crate::env::OMP_NUM_THREADS, omp);
+        }
+        let launcher = std::process::id();
+        // SAFETY: between fork and exec the closure calls only async-signal-safe functions
+        // (setsid, prctl, getppid, _exit) and allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                // A session of its own, as torchrun's workers: the launcher signals the rank
+                // and everything it started as one group, and the terminal's Ctrl-C reaches
+                // the ranks only through the launcher.
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The kernel kills the rank when the launcher dies, even by SIGKILL.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The launcher may have died before prctl took effect.
+                if libc::getppid() as u32 != launcher {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
+            rank,
+            program: program_name(&config.program),
+            source,
+        })?;
+        let log_path = config
+            .log_dir
+            .as_ref()
+            .map(|dir| dir.join(format!("rank-{rank}.out")));
+        let log = match &log_path {
+            Some(path) => match open_log(path) {
+                Ok(f) => Some(f),
+                Err(source) => {
+                    kill_group(child.id(), libc::SIGKILL);
+                    let _ = child.wait();
+                    return Err(LaunchError::Log {
+                        path: path.clone(),
+                        source,
+                    });
+                }
+            },
+            None => None,
+        };
+        let log = Arc::new(Mutex::new(log));
+        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(config.tail_lines)));
+        let mut pumps = Vec::with_capacity(2);
+        let sink = |stream: Stream| Pump {
+            rank,
+            stream,
+            echo: config.echo,
+            log: Arc::clone(&log),
+            tail: Arc::clone(&tail),
+            tail_lines: config.tail_lines,
+        };
+        if let Some(out) = child.stdout.take() {
+            pumps.push(sink(Stream::Stdout).start(out));
+        }
+        if let Some(err) = child.stderr.take() {
+            pumps.push(sink(Stream::Stderr).start(err));
+        }
+        Ok(Rank {
+            rank,
+            child,
+            exit: None,
+            tail,
+            pumps,
+            log: log_path,
+        })
+    }
+}
+
+fn program_name(program: &std::ffi::OsStr) -> String {
+    let name: OsString = program.to_owned();
+    format!("`{}`", name.to_string_lossy())
+}
+
+fn open_log(path: &Path) -> std::io::Result<File> {
+    OpenOptions::new().create(true).append(true).open(path)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// Copies one output stream of a rank, line by line, to its log, its tail, and the
+/// launcher's own stream of the same kind.
+struct Pump {
+    rank: usize,
+    stream: Stream,
+    echo: bool,
+    log: Arc<Mutex<Option<File>>>,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    tail_lines: usize,
+}
+
+impl Pump {
+    fn start(self, from: impl Read + Send + 'static) -> JoinHandle<()> {
+        std::thread::spawn(move || {
+            for line in BufReader::new(from).split(b'\n') {
+                let Ok(line) = line else { break };
+                self.line(&String::from_utf8_lossy(&line));
+            }
+        })
+    }
+
+    fn line(&self, line: &str) {
+        if let Ok(mut log) = self.log.lock() {
+            if let Some(f) = log.as_mut() {
+                let _ = writeln!(f, "{line}");
+            }
+        }
+        if self.echo {
+            let prefix = if self.rank == 0 {
+                String::new()
+            } else {
+                format!("[rank {}] ", self.rank)
+            };
+            // Errors (a closed terminal) must not stop the copying to the log.
+            let _ = match self.stream {
+                Stream::Stdout => writeln!(std::io::stdout().lock(), "{prefix}{line}"),
+                Stream::Stderr => writeln!(std::io::stderr().lock(), "{prefix}{line}"),
+            };
+        }
+        if let Ok(mut tail) = self.tail.lock() {
+            if tail.len() == self.tail_lines {
+                tail.pop_front();
+            }
+            if self.tail_lines > 0 {
+                tail.push_back(line.to_string());
+            }
+        }
+    }
+}
+
+/// The exit of `pid`, if it has exited, without reaping it.
+fn peek_exit(pid: u32) -> std::io::Result<Option<Exit>> {
+    loop {
+        // SAFETY: a zeroed siginfo_t is a valid out-parameter for waitid; WNOWAIT leaves
+        // the child waitable, so std's `Child` still owns reaping it.
+        let (result, info) = unsafe {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            let r = libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            );
+            (r, info)
+        };
+        if result != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        // SAFETY: waitid filled `info` for a child state change (or left si_pid 0).
+        let (child, status) = unsafe { (info.si_pid(), info.si_status()) };
+        if child == 0 {
+            return Ok(None);
+        }
+        return Ok(Some(match info.si_code {
+            libc::CLD_EXITED => Exit::Code(status),
+            _ => Exit::Signal(status),
+        }));
+    }
+}
+
+/// Sends `signal` to the process group of the rank whose pid is `pid`.
+fn kill_group(pid: u32, signal: i32) {
+    // SAFETY: kill(2) on the group of our own unreaped child; ESRCH (nothing left) is fine.
+    unsafe {
+        libc::kill(-(pid as libc::pid_t), signal);
+    }
+}
+
+/// Ends an attempt: `signal` to every rank's process group, SIGKILL to what is left after
+/// `timeout` (or at once when every rank has exited), then reaps the ranks and lets their
+/// output threads finish.
+fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) {
+    for r in ranks.iter() {
+        kill_group(r.child.id(), signal);
+    }
+    let deadline = Instant::now() + timeout;
+    loop {
+        for r in ranks.iter_mut().filter(|r| r.exit.is_none()) {
+            r.exit = peek_exit(r.child.id()).ok().flatten();
+        }
+        if ranks.iter().all(|r| r.exit.is_some()) || Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Rank processes still running, and whatever the ranks started in their groups.
+    for r in ranks.iter() {
+        kill_group(r.child.id(), libc::SIGKILL);
+    }
+    for r in ranks.iter_mut() {
+        if let Ok(status) = r.child.wait() {
+            if r.exit.is_none() {
+                use std::os::unix::process::ExitStatusExt;
+                r.exit = status
+                    .code()
+                    .map(Exit::Code)
+                    .or(status.signal().map(Exit::Signal));
+            }
+        }
+    }
+    // The pipes close once every process holding them is gone; a process that left the
+    // rank's group could keep one open, so the wait for the last lines is bounded.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for r in ranks.iter_mut() {
+        for pump in r.pumps.drain(..) {
+            while !pump.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if pump.is_finished() {
+                let _ = pump.join();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exits_read_as_torchrun_reports_them() {
+        assert_eq!(Exit::Code(17).to_string(), "exited with code 17");
+        assert_eq!(Exit::Signal(9).to_string(), "was killed by signal 9");
+        assert!(Exit::Code(0).success());
+        assert!(!Exit::Signal(15).success());
+        let failure = RankFailure {
+            rank: 3,
+            exit: Exit::Code(2),
+            tail: vec![],
+            log: None,
+        };
+        assert_eq!(failure.to_string(), "rank 3 exited with code 2");
+    }
+
+    #[test]
+    fn exit_codes_follow_the_shell() {
+        assert_eq!(Outcome::Succeeded { restarts: 2 }.exit_code(), 0);
+        assert_eq!(Outcome::Interrupted { signal: 15 }.exit_code(), 143);
+        let failure = RankFailure {
+            rank: 0,
+            exit: Exit::Signal(9),
+            tail: vec![],
+            log: None,
+        };
+        assert_eq!(
+            Outcome::Failed {
+                failure,
+                restarts: 0
+            }
+            .exit_code(),
+            1
+        );
+    }
+
+    #[test]
+    fn an_exit_is_seen_without_reaping() {
+        let mut child = Command::new("sh").args(["-c", "exit 5"]).spawn().unwrap();
+        let pid = child.id();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let exit = loop {
+            if let Some(e) = peek_exit(pid).unwrap() {
+                break e;
+            }
+            assert!(Instant::now() < deadline, "sh did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(exit, Exit::Code(5));
+        // Still unreaped: seen again, then reaped by std.
+        assert_eq!(peek_exit(pid).unwrap(), Some(Exit::Code(5)));
+        assert_eq!(child.wait().unwrap().code(), Some(5));
+    }
+}

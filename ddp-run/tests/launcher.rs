@@ -1,0 +1,509 @@
+//! The `ddp-run` binary with real rank processes: small `sh` programs, so that every test runs
+//! in seconds and needs no libtorch.
+
+use std::collections::BTreeMap;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use ddp_testkit::{procs, temp_dir, text, wait_bounded, wait_for};
+
+const DDP_RUN: &str = env!("CARGO_BIN_EXE_ddp-run");
+/// Bound on any one launcher run, so that a broken launcher fails the test instead of hanging.
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// `ddp-run ARGS`, with stdout and stderr captured and signals at their defaults (a test
+/// runner started in the background may ignore SIGINT, and the launcher keeps what it finds
+/// ignored).
+fn ddp_run(args: &[&str]) -> Command {
+    let mut cmd = Command::new(DDP_RUN);
+    cmd.args(args)
+        .env_remove("OMP_NUM_THREADS")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: signal(2) with SIG_DFL is async-signal-safe and allocates nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+                libc::signal(sig, libc::SIG_DFL);
+            }
+            Ok(())
+        });
+    }
+    cmd
+}
+
+fn run(args: &[&str]) -> Output {
+    wait_bounded(ddp_run(args).spawn().unwrap(), LIMIT)
+}
+
+/// `ddp-run --nproc-per-node 2 --log-dir LOGS ARGS`.
+fn two_ranks(logs: &Path, args: &[&str]) -> Output {
+    let mut all = vec!["--nproc-per-node", "2", "--log-dir", logs.to_str().unwrap()];
+    all.extend_from_slice(args);
+    run(&all)
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// The `NAME=value` lines of a rank's log, as a map.
+fn env_in_log(log: &Path) -> BTreeMap<String, String> {
+    std::fs::read_to_string(log)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn s(v: &str) -> String {
+    v.to_string()
+}
+
+#[test]
+fn every_rank_gets_torchruns_environment() {
+    let dir = temp_dir("ddp-run-env");
+    let logs = dir.path().join("logs");
+    let out = two_ranks(&logs, &["--max-restarts", "3", "env"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let envs: Vec<_> = (0..2)
+        .map(|r| env_in_log(&logs.join(format!("rank-{r}.out"))))
+        .collect();
+    for (rank, env) in envs.iter().enumerate() {
+        let expected = [
+            ("RANK", rank.to_string()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("ROLE_RANK", rank.to_string()),
+            ("WORLD_SIZE", s("2")),
+            ("LOCAL_WORLD_SIZE", s("2")),
+            ("ROLE_WORLD_SIZE", s("2")),
+            ("GROUP_RANK", s("0")),
+            ("GROUP_WORLD_SIZE", s("1")),
+            ("ROLE_NAME", s("default")),
+            ("MASTER_ADDR", s("127.0.0.1")),
+            ("TORCHELASTIC_RESTART_COUNT", s("0")),
+            ("TORCHELASTIC_MAX_RESTARTS", s("3")),
+            ("TORCHELASTIC_USE_AGENT_STORE", s("False")),
+            ("TORCH_NCCL_ASYNC_ERROR_HANDLING", s("1")),
+            // torchrun's rule: one thread per rank when there are several and none is set.
+            ("OMP_NUM_THREADS", s("1")),
+        ];
+        for (name, value) in expected {
+            assert_eq!(env.get(name), Some(&value), "{name} of rank {rank}");
+        }
+    }
+    // One rendezvous for the job: the same port and run id on both ranks.
+    let port: u16 = envs[0]["MASTER_PORT"].parse().unwrap();
+    assert!(port > 0);
+    assert_eq!(envs[1]["MASTER_PORT"], envs[0]["MASTER_PORT"]);
+    assert!(envs[0]["TORCHELASTIC_RUN_ID"].starts_with("ddp-run-"));
+    assert_eq!(
+        envs[1]["TORCHELASTIC_RUN_ID"],
+        envs[0]["TORCHELASTIC_RUN_ID"]
+    );
+}
+
+#[test]
+fn a_set_omp_num_threads_is_passed_on() {
+    let dir = temp_dir("ddp-run-omp");
+    let logs = dir.path().join("logs");
+    let out = wait_bounded(
+        ddp_run(&[
+            "--nproc-per-node",
+            "2",
+            "--log-dir",
+            logs.to_str().unwrap(),
+            "env",
+        ])
+        .env("OMP_NUM_THREADS", "3")
+        .spawn()
+        .unwrap(),
+        LIMIT,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    for r in 0..2 {
+        let env = env_in_log(&logs.join(format!("rank-{r}.out")));
+        assert_eq!(env["OMP_NUM_THREADS"], "3");
+    }
+}
+
+#[test]
+fn a_second_node_numbers_its_ranks_after_the_first() {
+    let dir = temp_dir("ddp-run-node");
+    let logs = dir.path().join("logs");
+    let out = run(&[
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--nproc_per_node=2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "29411",
+        "--log-dir",
+        logs.to_str().unwrap(),
+        "--",
+        "env",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    for (local, rank) in [(0, 2), (1, 3)] {
+        let env = env_in_log(&logs.join(format!("rank-{rank}.out")));
+        assert_eq!(env["RANK"], rank.to_string());
+        assert_eq!(env["LOCAL_RANK"], local.to_string());
+        assert_eq!(env["WORLD_SIZE"], "4");
+        assert_eq!(env["LOCAL_WORLD_SIZE"], "2");
+        assert_eq!(env["GROUP_RANK"], "1");
+        assert_eq!(env["GROUP_WORLD_SIZE"], "2");
+        assert_eq!(env["MASTER_PORT"], "29411");
+        // Every node must agree on the run id without talking: torchrun's default.
+        assert_eq!(env["TORCHELASTIC_RUN_ID"], "none");
+    }
+    assert!(!logs.join("rank-0.out").exists());
+}
+
+#[test]
+fn output_reaches_the_terminal_with_rank_prefixes_and_the_logs() {
+    let dir = temp_dir("ddp-run-output");
+    let logs = dir.path().join("logs");
+    let out = two_ranks(&logs, &["sh", "-c", "echo out $RANK; echo err $RANK >&2"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut lines: Vec<&str> = stdout.lines().collect();
+    lines.sort_unstable();
+    assert_eq!(lines, ["[rank 1] out 1", "out 0"]);
+    let err = stderr(&out);
+    assert!(err.lines().any(|l| l == "err 0"), "{err}");
+    assert!(err.lines().any(|l| l == "[rank 1] err 1"), "{err}");
+    let log1 = std::fs::read_to_string(logs.join("rank-1.out")).unwrap();
+    let mut log_lines: Vec<&str> = log1.lines().collect();
+    log_lines.sort_unstable();
+    assert_eq!(log_lines, ["err 1", "out 1"]);
+}
+
+/// A rank program: rank 0 writes its pid and waits (reporting SIGTERM), rank 1 waits for
+/// rank 0 and then does `fail`.
+fn failing_job(dir: &Path, fail: &str) -> String {
+    let pid0 = dir.join("pid0");
+    format!(
+        r#"if [ "$RANK" = 0 ]; then
+             trap 'echo rank 0 got SIGTERM; exit 0' TERM
+             echo $$ > {pid0}
+             i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done
+           else
+             while [ ! -s {pid0} ]; do sleep 0.05; done
+             echo rank 1 about to fail
+             {fail}
+           fi"#,
+        pid0 = pid0.display()
+    )
+}
+
+fn pid_in(path: &Path) -> u32 {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn the_first_failure_ends_the_job_naming_the_rank() {
+    let dir = temp_dir("ddp-run-fail");
+    let logs = dir.path().join("logs");
+    let script = failing_job(dir.path(), "exit 17");
+    let out = two_ranks(&logs, &["sh", "-c", &script]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = stderr(&out);
+    let log1 = logs.join("rank-1.out");
+    assert!(
+        err.contains("ddp-run: rank 1 exited with code 17\n"),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "ddp-run: last lines of {}:\n    rank 1 about to fail\n",
+            log1.display()
+        )),
+        "{err}"
+    );
+    // Rank 0 was asked to stop, and stopped.
+    let log0 = std::fs::read_to_string(logs.join("rank-0.out")).unwrap();
+    assert!(log0.contains("rank 0 got SIGTERM"), "{log0}");
+    assert!(!procs::alive(pid_in(&dir.path().join("pid0"))));
+}
+
+#[test]
+fn a_rank_killed_by_a_signal_is_named() {
+    let dir = temp_dir("ddp-run-killed");
+    let script = failing_job(dir.path(), "kill -9 $$");
+    let out = run(&["--nproc-per-node", "2", "sh", "-c", &script]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("ddp-run: rank 1 was killed by signal 9\n"),
+        "{err}"
+    );
+    // Without a log folder the tail still comes from memory.
+    assert!(
+        err.contains("ddp-run: last lines of rank 1:\n    rank 1 about to fail\n"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_rank_that_ignores_sigterm_is_killed_after_the_shutdown_timeout() {
+    let dir = temp_dir("ddp-run-stubborn");
+    let pid0 = dir.path().join("pid0");
+    let script = format!(
+        r#"if [ "$RANK" = 0 ]; then
+             trap '' TERM
+             echo $$ > {pid0}
+             i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done
+           else
+             while [ ! -s {pid0} ]; do sleep 0.05; done
+             exit 4
+           fi"#,
+        pid0 = pid0.display()
+    );
+    let out = run(&[
+        "--nproc-per-node",
+        "2",
+        "--shutdown-timeout",
+        "1",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(stderr(&out).contains("rank 1 exited with code 4"));
+    assert!(!procs::alive(pid_in(&pid0)));
+}
+
+/// A job of two ranks that write their pids (`pid0`, `pid1`) and wait, reporting SIGINT and
+/// SIGTERM. (Every waiting rank gives up after a few minutes, so that even a broken launcher
+/// leaves no process behind for long.)
+fn waiting_job(dir: &Path) -> String {
+    format!(
+        r#"trap 'echo rank $RANK got SIGINT; exit 3' INT
+           trap 'echo rank $RANK got SIGTERM; exit 3' TERM
+           echo $$ > {dir}/pid$RANK
+           i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
+        dir = dir.display()
+    )
+}
+
+fn wait_for_pids(dir: &Path) -> Vec<u32> {
+    let files = [dir.join("pid0"), dir.join("pid1")];
+    wait_for("both ranks wrote their pid", LIMIT, || {
+        files
+            .iter()
+            .all(|f| std::fs::read_to_string(f).is_ok_and(|s| s.ends_with('\n')))
+    });
+    files.iter().map(|f| pid_in(f)).collect()
+}
+
+#[test]
+fn sigterm_and_sigint_are_forwarded_to_every_rank() {
+    for (signal, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
+        let dir = temp_dir("ddp-run-forward");
+        let logs = dir.path().join("logs");
+        let script = waiting_job(dir.path());
+        let child = ddp_run(&[
+            "--nproc-per-node",
+            "2",
+            "--log-dir",
+            logs.to_str().unwrap(),
+            "sh",
+            "-c",
+            &script,
+        ])
+        .spawn()
+        .unwrap();
+        let launcher = child.id();
+        let ranks = wait_for_pids(dir.path());
+        ddp_testkit::kill(launcher, signal);
+        let out = wait_bounded(child, LIMIT);
+        assert_eq!(out.status.code(), Some(128 + signal), "{}", text(&out));
+        assert!(
+            stderr(&out).contains(&format!("ddp-run: interrupted by signal {signal}")),
+            "{}",
+            text(&out)
+        );
+        for (r, &pid) in ranks.iter().enumerate() {
+            let log = std::fs::read_to_string(logs.join(format!("rank-{r}.out"))).unwrap();
+            assert!(log.contains(&format!("rank {r} got {name}")), "{log}");
+            assert!(!procs::alive(pid));
+        }
+    }
+}
+
+#[test]
+fn killing_the_launcher_with_sigkill_takes_the_ranks_with_it() {
+    let dir = temp_dir("ddp-run-orphans");
+    let script = waiting_job(dir.path());
+    let mut child = ddp_run(&["--nproc-per-node", "2", "sh", "-c", &script])
+        .spawn()
+        .unwrap();
+    let ranks = wait_for_pids(dir.path());
+    assert_eq!(procs::children_of(child.id()), {
+        let mut r = ranks.clone();
+        r.sort_unstable();
+        r
+    });
+    ddp_testkit::kill(child.id(), libc::SIGKILL);
+    assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGKILL));
+    wait_for(
+        "no rank outlives the launcher",
+        Duration::from_secs(30),
+        || ranks.iter().all(|&p| !procs::alive(p)),
+    );
+}
+
+#[test]
+fn restarts_rerun_the_whole_group_with_a_raised_restart_count() {
+    let dir = temp_dir("ddp-run-restart");
+    let logs = dir.path().join("logs");
+    // Attempts 0 and 1 fail on rank 1 (rank 0 waits to be stopped); attempt 2 succeeds.
+    let script = r#"echo attempt $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS
+        if [ "$TORCHELASTIC_RESTART_COUNT" != 2 ]; then
+          if [ "$RANK" = 1 ]; then exit 3; fi
+          sleep 30
+        fi"#;
+    let out = two_ranks(&logs, &["--max-restarts", "2", "sh", "-c", script]);
+    assert!(out.status.success(), "{}", text(&out));
+    let err = stderr(&out);
+    let events: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("ddp-run: ") && !l.contains("last lines"))
+        .map(|l| l.split(", rendezvous").next().unwrap())
+        .collect();
+    assert_eq!(
+        events,
+        [
+            "ddp-run: OMP_NUM_THREADS=1 for each rank, so that 2 ranks do not overload the \
+             cores; set OMP_NUM_THREADS to choose another number",
+            "ddp-run: starting ranks 0-1 of 2",
+            "ddp-run: rank 1 exited with code 3",
+            "ddp-run: restart 1/2 of the whole group",
+            "ddp-run: restarting ranks 0-1 of 2",
+            "ddp-run: rank 1 exited with code 3",
+            "ddp-run: restart 2/2 of the whole group",
+            "ddp-run: restarting ranks 0-1 of 2",
+            "ddp-run: all 2 rank(s) finished after 2 restart(s)",
+        ]
+    );
+    // Each rank's log holds every attempt, in order.
+    let log0 = std::fs::read_to_string(logs.join("rank-0.out")).unwrap();
+    assert_eq!(
+        log0.lines().collect::<Vec<_>>(),
+        ["attempt 0 of 2", "attempt 1 of 2", "attempt 2 of 2"]
+    );
+}
+
+#[test]
+fn the_launcher_gives_up_after_its_restarts() {
+    let out = run(&["--max-restarts", "1", "sh", "-c", "exit 5"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = stderr(&out);
+    assert_eq!(
+        err.matches("ddp-run: rank 0 exited with code 5").count(),
+        2,
+        "{err}"
+    );
+    assert!(
+        err.ends_with("ddp-run: giving up after 1 restart(s)\n"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_missing_program_is_one_line_without_a_backtrace() {
+    let out = wait_bounded(
+        ddp_run(&["--nproc-per-node", "2", "/nonexistent/ddp-run-test-program"])
+            .env("RUST_BACKTRACE", "1")
+            .spawn()
+            .unwrap(),
+        LIMIT,
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert_eq!(
+        err.lines().last(),
+        Some(
+            "error: cannot start rank 0: `/nonexistent/ddp-run-test-program`: No such file or \
+             directory (os error 2)"
+        ),
+        "{err}"
+    );
+    assert!(!err.contains("backtrace"), "{err}");
+}
+
+#[test]
+fn bad_command_lines_say_what_is_wrong() {
+    let cases: [(&[&str], i32, &str); 6] = [
+        (
+            &["--nproc-per-node", "0", "true"],
+            1,
+            "error: the number of ranks per node (--nproc-per-node) must be at least 1",
+        ),
+        (
+            &["--nnodes", "2", "--node-rank", "2", "true"],
+            1,
+            "error: --node-rank 2 must be below --nnodes 2 (nodes are numbered from 0)",
+        ),
+        (
+            &["--standalone", "--nnodes", "2", "true"],
+            1,
+            "error: --standalone runs a single node; it cannot be combined with --nnodes 2",
+        ),
+        (
+            &["--nnodes", "1:4", "true"],
+            2,
+            "a range of nodes needs elastic membership, which ddp-run does not have",
+        ),
+        (
+            &["--nproc-per-node", "many", "true"],
+            2,
+            "'many' is not a number of ranks, nor one of `gpu`, `cpu`, `auto`",
+        ),
+        (
+            &["--nproc-per-node", "2"],
+            2,
+            "required arguments were not provided",
+        ),
+    ];
+    for (args, code, message) in cases {
+        let out = wait_bounded(
+            ddp_run(args).env("RUST_BACKTRACE", "1").spawn().unwrap(),
+            LIMIT,
+        );
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+        assert!(err.contains(message), "{args:?}: {err}");
+        assert!(err.starts_with("error: "), "{args:?}: {err}");
+        assert!(!err.contains("backtrace"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn torchruns_single_node_flags_are_accepted() {
+    let out = run(&[
+        "--standalone",
+        "--nproc_per_node=2",
+        "--no-python",
+        "--monitor-interval",
+        "0.05",
+        "sh",
+        "-c",
+        r#"test "$WORLD_SIZE" = 2 && test "$MASTER_ADDR" = 127.0.0.1 && echo ok $RANK"#,
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.lines().any(|l| l == "ok 0"), "{stdout}");
+    assert!(stdout.lines().any(|l| l == "[rank 1] ok 1"), "{stdout}");
+}

@@ -1,0 +1,226 @@
+//! Helpers for the workspace's tests that run real processes (a dev-dependency only).
+//!
+//! - [`free_port`]: a loopback port below the ephemeral range ([`ddp_run::free_port`]).
+//! - [`temp_dir`]: a fresh folder, removed when the test ends.
+//! - [`rank_command`]: a command with torchrun's environment for one rank on loopback.
+//! - [`wait_all`], [`wait_bounded`], [`wait_for`]: waits that cannot hang a test; processes
+//!   still running at the limit are killed and the test fails.
+//! - [`procs`]: what `/proc` says of processes (children, liveness, environment).
+//!
+//! ```
+//! let dir = ddp_testkit::temp_dir("doc");
+//! let child = std::process::Command::new("sh")
+//!     .args(["-c", "echo $RANK/$WORLD_SIZE"])
+//!     .stdout(std::process::Stdio::piped())
+//!     .spawn()
+//!     .unwrap();
+//! let out = ddp_testkit::wait_bounded(child, std::time::Duration::from_secs(60));
+//! assert!(out.status.success());
+//! assert!(dir.path().is_dir());
+//! ```
+
+#![warn(missing_docs)]
+
+use std::path::Path;
+use std::process::{Child, Command, Output};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+pub use ddp_run::RankEnv;
+pub use tempfile::TempDir;
+
+/// A port on 127.0.0.1 that was free a moment ago, below the ephemeral range, so that the
+/// outgoing connections of tests running meanwhile cannot take it.
+pub fn free_port() -> u16 {
+    ddp_run::free_port().expect("no free port on 127.0.0.1")
+}
+
+/// A fresh, empty folder named after `name` under the system's temporary folder; it is
+/// removed when the returned guard drops.
+pub fn temp_dir(name: &str) -> TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("{name}-"))
+        .tempdir()
+        .expect("cannot create a temporary folder")
+}
+
+/// `program` as rank `rank` of `world` on this machine, with torchrun's environment
+/// ([`ddp_run::RankEnv::single_node`]) and the rendezvous at 127.0.0.1:`port`.
+pub fn rank_command(program: impl AsRef<Path>, rank: usize, world: usize, port: u16) -> Command {
+    let mut cmd = Command::new(program.as_ref());
+    ddp_run::RankEnv::single_node(rank, world, port).apply(&mut cmd);
+    cmd
+}
+
+/// Waits for every child and returns their outputs in order; if `limit` passes first, kills
+/// all of them and panics.
+pub fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
+    let pids: Vec<u32> = children.iter().map(Child::id).collect();
+    let (tx, rx) = mpsc::channel();
+    for (i, child) in children.into_iter().enumerate() {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send((i, child.wait_with_output()));
+        });
+    }
+    drop(tx);
+    let deadline = Instant::now() + limit;
+    let mut outputs: Vec<Option<Output>> = (0..pids.len()).map(|_| None).collect();
+    for _ in 0..pids.len() {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok((i, out)) => outputs[i] = Some(out.expect("waiting for a child")),
+            Err(_) => {
+                for &pid in &pids {
+                    kill(pid, libc::SIGKILL);
+                }
+                panic!("processes {pids:?} did not finish within {limit:?}");
+            }
+        }
+    }
+    outputs.into_iter().map(Option::unwrap).collect()
+}
+
+/// Waits for `child`; if `limit` passes first, kills it and panics.
+pub fn wait_bounded(child: Child, limit: Duration) -> Output {
+    wait_all(vec![child], limit).remove(0)
+}
+
+/// Polls `done` until it is true; panics with `what` if `limit` passes first.
+pub fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}: not so after {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until the file at `path` contains `needle`; panics if `limit` passes first.
+pub fn wait_for_text(path: &Path, needle: &str, limit: Duration) {
+    wait_for(
+        &format!("{} contains {needle:?}", path.display()),
+        limit,
+        || std::fs::read_to_string(path).is_ok_and(|t| t.contains(needle)),
+    );
+}
+
+/// stdout then stderr of `output`, as text.
+pub fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// Sends `signal` to process `pid` (nothing happens if it is gone).
+pub fn kill(pid: u32, signal: i32) {
+    // SAFETY: kill(2) has no memory effects; at worst the pid names no process.
+    unsafe {
+        libc::kill(pid as libc::pid_t, signal);
+    }
+}
+
+/// What `/proc` says of processes.
+pub mod procs {
+    /// The fields of `/proc/<pid>/stat` after the parenthesised command name: state, ppid, ...
+    fn stat_fields(pid: u32) -> Option<Vec<String>> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let (_, rest) = stat.rsplit_once(") ")?;
+        Some(rest.split(' ').map(str::to_owned).collect())
+    }
+
+    /// Whether process `pid` exists and is not a zombie.
+    pub fn alive(pid: u32) -> bool {
+        stat_fields(pid).is_some_and(|f| f.first().is_some_and(|s| s != "Z"))
+    }
+
+    /// The living (not zombie) processes whose parent is `pid`, in pid order.
+    pub fn children_of(pid: u32) -> Vec<u32> {
+        let mut kids: Vec<u32> = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|&p| {
+                stat_fields(p)
+                    .is_some_and(|f| f.len() > 1 && f[0] != "Z" && f[1] == pid.to_string())
+            })
+            .collect();
+        kids.sort_unstable();
+        kids
+    }
+
+    /// The value of `name` in the environment process `pid` started with.
+    pub fn env_var(pid: u32, name: &str) -> Option<String> {
+        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        let prefix = format!("{name}=");
+        env.split(|b| *b == 0)
+            .find_map(|kv| kv.strip_prefix(prefix.as_bytes()))
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn a_child_is_seen_alive_with_its_environment_then_gone() {
+            let mut child = std::process::Command::new("sleep")
+                .arg("30")
+                .env("DDP_TESTKIT_PROBE", "42")
+                .spawn()
+                .unwrap();
+            let pid = child.id();
+            assert!(alive(pid));
+            assert!(children_of(std::process::id()).contains(&pid));
+            assert_eq!(env_var(pid, "DDP_TESTKIT_PROBE").as_deref(), Some("42"));
+            assert_eq!(env_var(pid, "DDP_TESTKIT_ABSENT"), None);
+            child.kill().unwrap();
+            child.wait().unwrap();
+            assert!(!alive(pid));
+            assert!(!children_of(std::process::id()).contains(&pid));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_command_carries_torchruns_environment() {
+        let child = rank_command("sh", 1, 2, 20123)
+            .args([
+                "-c",
+                "echo $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_ADDR:$MASTER_PORT",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_bounded(child, Duration::from_secs(60));
+        assert_eq!(text(&out), "1 2 1 127.0.0.1:20123\n");
+    }
+
+    #[test]
+    #[should_panic(expected = "did not finish within")]
+    fn a_child_past_the_limit_is_killed_and_fails_the_test() {
+        let child = Command::new("sleep").arg("30").spawn().unwrap();
+        wait_bounded(child, Duration::from_millis(200));
+    }
+
+    #[test]
+    fn temporary_folders_are_fresh_and_removed() {
+        let a = temp_dir("kit");
+        let b = temp_dir("kit");
+        assert_ne!(a.path(), b.path());
+        assert!(a
+            .path()
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("kit-"));
+        let path = a.path().to_path_buf();
+        drop(a);
+        assert!(!path.exists());
+    }
+}

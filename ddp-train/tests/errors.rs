@@ -1,0 +1,63 @@
+//! Errors for people: a user's mistake prints `error: <what and why>` and nothing else, even
+//! with `RUST_BACKTRACE=1` (a backtrace belongs to bugs, which panic).
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
+
+/// `ddp-train ARGS` as a single process, with backtraces requested.
+fn ddp_train(args: &[&str]) -> Output {
+    let mut cmd = Command::new(EXE);
+    cmd.args(args)
+        .env("RUST_BACKTRACE", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for name in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+    ] {
+        cmd.env_remove(name);
+    }
+    ddp_testkit::wait_bounded(cmd.spawn().unwrap(), Duration::from_secs(120))
+}
+
+fn assert_one_error(out: &Output, first_line: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().next(), Some(first_line), "{err}");
+    assert!(!err.contains("stack backtrace"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn a_missing_data_folder_is_named_without_a_backtrace() {
+    let dir = ddp_testkit::temp_dir("ddp-train-errors");
+    let missing = dir.path().join("no-such-odir");
+    let out = ddp_train(&[
+        "--data",
+        missing.to_str().unwrap(),
+        "--out",
+        dir.path().join("run").to_str().unwrap(),
+        "--device",
+        "cpu",
+    ]);
+    assert_one_error(
+        &out,
+        &format!(
+            "error: loading ODIR data from {m}: no ODIR annotation file in '{m}': looked for \
+             full_df.csv, data.xlsx, ODIR-5K_Training_Annotations(Updated)_V2.xlsx",
+            m = missing.display()
+        ),
+    );
+}
+
+#[test]
+fn a_zero_batch_size_is_named_without_a_backtrace() {
+    let dir = ddp_testkit::temp_dir("ddp-train-errors");
+    let out = ddp_train(&["--data", dir.path().to_str().unwrap(), "--batch-size", "0"]);
+    assert_one_error(&out, "error: --batch-size must be at least 1");
+}
