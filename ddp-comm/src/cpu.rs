@@ -30,6 +30,9 @@ pub(crate) const SMALL_BYTES: usize = 256 * 1024;
 /// How long a rank with a shared-memory link polls its rings before it goes to sleep.
 pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 const HEADER: usize = 16;
+/// Collectives on at least this many bytes write what they receive with stores that bypass
+/// the cache: the result would not stay cached anyway.
+const STREAMING_BYTES: usize = 16 << 20;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -440,6 +443,7 @@ fn drive(link: &mut Link, job: Job<'_>, work: &mut [u8], tmp: &mut [u8]) -> Resu
         detail: e.detail(),
     };
     let spins = link.uses_shm() && !spin.is_zero();
+    let streaming = work.len() >= STREAMING_BYTES;
     let mut idle_since: Option<Instant> = None;
     loop {
         let mut progressed = false;
@@ -508,6 +512,9 @@ fn drive(link: &mut Link, job: Job<'_>, work: &mut [u8], tmp: &mut [u8]) -> Resu
                         rop,
                     )),
                     (end, Some(_)) => end.read(&mut tmp[recv_pos..s.len]),
+                    (end, None) if streaming => {
+                        end.read_streaming(&mut work[s.off + recv_pos..s.off + s.len])
+                    }
                     (end, None) => end.read(&mut work[s.off + recv_pos..s.off + s.len]),
                 }
                 .map_err(|e| recv_error(link, e))?;

@@ -214,6 +214,15 @@ impl RecvEnd {
         }
     }
 
+    /// As [`RecvEnd::read`], for results too large to stay cached: a shared-memory end
+    /// writes them with non-temporal stores (TCP's copy happens in the kernel).
+    pub(crate) fn read_streaming(&mut self, dst: &mut [u8]) -> Result<usize, EndError> {
+        match self {
+            RecvEnd::Shm(r) => Ok(r.read_streaming(dst)),
+            tcp => tcp.read(dst),
+        }
+    }
+
     /// Whether a shared-memory peer is known to be gone with nothing left to read (TCP
     /// reports it through I/O, after the last byte).
     pub(crate) fn gone(&self) -> bool {
