@@ -65,7 +65,7 @@ pub struct Options {
     /// The job's run id; peers presenting another one are rejected.
     pub run_id: String,
     /// `None`: NCCL when a CUDA device is visible (initialised at the first CUDA
-    /// collective), else TCP. `Some(Nccl)`: NCCL, initialised now.
+    /// collective), else the CPU links only. `Some(Nccl)`: NCCL, initialised now.
     pub backend: Option<Backend>,
     /// How long rendezvous may take.
     pub rendezvous_timeout: Duration,
@@ -346,7 +346,7 @@ impl ProcessGroup {
         }
     }
 
-    /// The communicator, created at first use: TCP barrier (all ranks alive), unique id
+    /// The communicator, created at first use: a CPU barrier (all ranks alive), unique id
     /// from rank 0 through the store, `cudaSetDevice(local_rank)`, `ncclCommInitRank`.
     fn nccl(&self) -> Result<MutexGuard<'_, Option<NcclComm>>, CommError> {
         let mut guard = lock(&self.nccl);
@@ -406,7 +406,8 @@ impl ProcessGroup {
         Ok(guard)
     }
 
-    /// In-place all-reduce of a contiguous tensor (CPU: TCP; CUDA: NCCL).
+    /// In-place all-reduce of a contiguous tensor (CPU: the ring of shared-memory and TCP
+    /// links; CUDA: NCCL).
     pub fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
         match t.device() {
             Device::Cpu => {
@@ -514,7 +515,7 @@ impl ProcessGroup {
         lock(&self.cpu).barrier()
     }
 
-    /// In-place all-reduce of a slice over TCP (no tensors involved).
+    /// In-place all-reduce of a slice over the CPU links (no tensors involved).
     pub fn all_reduce_slice<T: Element>(
         &self,
         data: &mut [T],
@@ -523,7 +524,7 @@ impl ProcessGroup {
         lock(&self.cpu).all_reduce(as_bytes_mut(data), T::DTYPE, op)
     }
 
-    /// Broadcast of a slice from `root` over TCP.
+    /// Broadcast of a slice from `root` over the CPU links.
     pub fn broadcast_slice<T: Element>(
         &self,
         data: &mut [T],
@@ -560,7 +561,7 @@ impl ProcessGroup {
             return Err(CommError::Tensor {
                 backend: "tcp",
                 detail: format!(
-                    "tensor on {:?}: the TCP backend only takes CPU tensors",
+                    "tensor on {:?}: the CPU backend (Backend::Tcp) only takes CPU tensors",
                     t.device()
                 ),
             });
@@ -674,6 +675,20 @@ mod tests {
     }
 
     #[test]
+    fn a_ring_size_that_is_not_a_power_of_two_in_range_is_refused() {
+        for bytes in [0, 5000, 1 << 31] {
+            let mut opts = Options::new(0, 1, "127.0.0.1", 0);
+            opts.shm_ring_bytes = bytes;
+            match ProcessGroup::new(opts) {
+                Err(CommError::InvalidArgument(why)) => {
+                    assert!(why.contains(&format!("ring of {bytes} bytes")), "{why}")
+                }
+                other => panic!("{bytes}: expected InvalidArgument, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn options_from_the_environment_carry_every_setting() {
         let config = EnvConfig::from_lookup(|k| {
             let v = match k {
@@ -685,6 +700,8 @@ mod tests {
                 "MASTER_PORT" => "29400",
                 "DDP_RUN_ID" => "r9",
                 "DDP_OP_TIMEOUT_S" => "7",
+                "DDP_TRANSPORT" => "tcp",
+                "DDP_HOST_ID" => "node7",
                 _ => return None,
             };
             Some(v.to_string())
@@ -702,5 +719,8 @@ mod tests {
         assert_eq!(o.op_timeout, Duration::from_secs(7));
         assert_eq!(o.rendezvous_timeout, DEFAULT_RENDEZVOUS_TIMEOUT);
         assert_eq!(o.backend, Some(Backend::Tcp));
+        assert_eq!(o.transport, Transport::Tcp);
+        assert_eq!(o.host_id.as_deref(), Some("node7"));
+        assert_eq!(o.shm_ring_bytes, DEFAULT_SHM_RING_BYTES);
     }
 }

@@ -370,6 +370,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn transports_parse_from_their_names() {
+        assert_eq!("auto".parse(), Ok(Transport::Auto));
+        assert_eq!("SHM".parse(), Ok(Transport::Auto));
+        assert_eq!("Tcp".parse(), Ok(Transport::Tcp));
+        assert!("rdma".parse::<Transport>().is_err());
+        assert_eq!(Transport::Tcp.to_string().parse(), Ok(Transport::Tcp));
+    }
+
+    #[test]
     fn headers_pad_shared_memory_streams_to_64_bytes() {
         assert_eq!(pad_after_header(0, 16), 48);
         assert_eq!(pad_after_header(48, 16), 0);
