@@ -1,21 +1,27 @@
-//! All-reduce latency and bus bandwidth, and the time to broadcast the ConvNet's parameters,
-//! for ranks on this machine, side by side with PyTorch's Gloo doing the same
-//! (`benches/reference_gloo.py`, run with the setup's Python).
+//! All-reduce latency and bus bandwidth, all-gather bandwidth, and the time to broadcast the
+//! ConvNet's parameters, for ranks on this machine: ddp-comm over shared memory and over TCP,
+//! side by side with PyTorch's Gloo doing the same (`benches/reference_gloo.py`, run with the
+//! setup's Python).
 //!
 //! ```text
-//! cargo bench -p ddp-comm --bench collectives                      # 2 ranks, TCP vs Gloo
-//! cargo bench -p ddp-comm --bench collectives -- --ranks 4 --no-gloo
+//! cargo bench -p ddp-comm --bench collectives                  # 2 ranks: shm, TCP, Gloo
+//! cargo bench -p ddp-comm --bench collectives -- --transport tcp --ranks 4 --no-gloo
 //! cargo bench -p ddp-comm --bench collectives -- --backend nccl    # one rank per GPU
 //! cargo bench -p ddp-comm --bench collectives -- --quick           # a tenth of the calls
 //! ```
 //!
-//! `busbw = algbw * 2(n-1)/n` with `algbw = bytes / median time` (nccl-tests' definition).
+//! All-reduce: `busbw = algbw * 2(n-1)/n` with `algbw = bytes / median time`; all-gather of
+//! `bytes` per rank: `busbw = n * bytes / time * (n-1)/n` (nccl-tests' definitions).
+//!
+//! Tuning knobs for experiments (environment, bytes or microseconds):
+//! `DDP_BENCH_SOCKET_BUFFER`, `DDP_BENCH_SEGMENT`, `DDP_BENCH_SMALL`, `DDP_BENCH_SHM_RING`,
+//! `DDP_BENCH_SPIN_US`.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ddp_comm::{Backend, ProcessGroup, ReduceOp};
+use ddp_comm::{Backend, ProcessGroup, ReduceOp, Transport};
 use tch::{Device, Kind, Tensor};
 
 const WORKER_ENV: &str = "DDP_BENCH_WORKER";
@@ -46,10 +52,14 @@ const CONVNET: [&[i64]; 14] = [
     &[8],
 ];
 const BROADCAST_CALLS: usize = 200;
+/// (label, bytes per rank, calls) of the all-gather.
+const GATHER: (&str, usize, usize) = ("4 MiB", 4 << 20, 100);
 
 struct Args {
     ranks: usize,
     backend: Backend,
+    /// `None`: run both CPU transports (shared memory, then TCP).
+    transport: Option<Transport>,
     gloo: bool,
     scale: f64,
 }
@@ -58,6 +68,7 @@ fn parse_args() -> Args {
     let mut args = Args {
         ranks: 2,
         backend: Backend::Tcp,
+        transport: None,
         gloo: true,
         scale: 1.0,
     };
@@ -76,6 +87,10 @@ fn parse_args() -> Args {
                     other => panic!("--backend tcp|nccl, got {other:?}"),
                 }
             }
+            "--transport" => {
+                let t = it.next().unwrap_or_default();
+                args.transport = Some(t.parse().expect("--transport auto|tcp"));
+            }
             "--no-gloo" => args.gloo = false,
             "--quick" => args.scale = 0.1,
             _ => {} // cargo bench passes --bench
@@ -83,6 +98,7 @@ fn parse_args() -> Args {
     }
     if args.backend == Backend::Nccl {
         args.gloo = false;
+        args.transport.get_or_insert(Transport::Auto);
         if !ranks_given {
             // One rank per GPU: NCCL refuses two ranks on one device.
             args.ranks = ddp_comm::cuda::device_count().max(1);
@@ -114,9 +130,9 @@ fn time_calls(calls: usize, mut f: impl FnMut()) -> f64 {
 fn worker(args: &Args) {
     let mut opts = ddp_comm::Options::from_env()
         .expect("environment")
-        .backend(args.backend);
+        .backend(args.backend)
+        .transport(args.transport.unwrap_or_default());
     opts.op_timeout = Duration::from_secs(120);
-    // Tuning knobs for experiments: kernel socket buffer and pipeline segment, in bytes.
     let knob = |name: &str| {
         std::env::var(name)
             .ok()
@@ -124,6 +140,9 @@ fn worker(args: &Args) {
     };
     if let Some(bytes) = knob("DDP_BENCH_SOCKET_BUFFER") {
         opts.socket_buffer = bytes;
+    }
+    if let Some(bytes) = knob("DDP_BENCH_SHM_RING") {
+        opts.shm_ring_bytes = bytes;
     }
     if args.backend == Backend::Nccl {
         assert!(
@@ -133,10 +152,13 @@ fn worker(args: &Args) {
     }
     let group = ProcessGroup::new(opts).expect("rendezvous");
     if let Some(bytes) = knob("DDP_BENCH_SEGMENT") {
-        group.set_tcp_segment(bytes);
+        group.set_ring_segment(bytes);
     }
     if let Some(bytes) = knob("DDP_BENCH_SMALL") {
-        group.set_tcp_small_threshold(bytes);
+        group.set_small_threshold(bytes);
+    }
+    if let Some(us) = knob("DDP_BENCH_SPIN_US") {
+        group.set_shm_spin(Duration::from_micros(us as u64));
     }
     let device = match args.backend {
         Backend::Nccl => Device::Cuda(group.local_rank()),
@@ -160,6 +182,22 @@ fn worker(args: &Args) {
         if group.rank() == 0 {
             println!("RESULT all_reduce {label}|{secs}|{busbw}");
         }
+    }
+    let (label, bytes, count) = GATHER;
+    let t = Tensor::zeros([(bytes / 4) as i64], (Kind::Float, device));
+    // A reused output, as Gloo's reference gathers into a preallocated list.
+    let mut out = Tensor::zeros(
+        [group.world_size() as i64, t.numel() as i64],
+        (Kind::Float, device),
+    );
+    group.barrier().unwrap();
+    let secs = time_calls(calls(count), || {
+        group.all_gather_into(&t, &mut out).unwrap();
+        sync();
+    });
+    if group.rank() == 0 {
+        let busbw = n * bytes as f64 / secs * (n - 1.0) / n / 1e9;
+        println!("RESULT all_gather {label}|{secs}|{busbw}");
     }
     let mut params: Vec<Tensor> = CONVNET
         .iter()
@@ -187,7 +225,10 @@ fn worker(args: &Args) {
     }
 }
 
-fn results(stdout: &[u8]) -> Vec<(String, f64, f64)> {
+/// `(label, median seconds, bandwidth or bytes)` lines of one run.
+type Results = Vec<(String, f64, f64)>;
+
+fn results(stdout: &[u8]) -> Results {
     String::from_utf8_lossy(stdout)
         .lines()
         .filter_map(|l| l.strip_prefix("RESULT "))
@@ -210,12 +251,13 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn run_ours(args: &Args) -> Vec<(String, f64, f64)> {
+fn run_ours(args: &Args, transport: Transport) -> Results {
     let port = free_port();
     let children: Vec<_> = (0..args.ranks)
         .map(|r| {
             Command::new(std::env::current_exe().unwrap())
                 .args(std::env::args().skip(1))
+                .args(["--transport", &transport.to_string()])
                 .env(WORKER_ENV, "1")
                 .env("RANK", r.to_string())
                 .env("WORLD_SIZE", args.ranks.to_string())
@@ -239,7 +281,7 @@ fn run_ours(args: &Args) -> Vec<(String, f64, f64)> {
     results(&outs.remove(0).stdout)
 }
 
-fn run_gloo(args: &Args) -> Result<Vec<(String, f64, f64)>, String> {
+fn run_gloo(args: &Args) -> Result<Results, String> {
     let deps = std::env::var_os("DDP_DEPS_DIR")
         .map(PathBuf::from)
         .ok_or("DDP_DEPS_DIR is not set")?;
@@ -276,7 +318,21 @@ fn main() {
         worker(&args);
         return;
     }
-    let ours = run_ours(&args);
+    let transports = match args.transport {
+        Some(t) => vec![t],
+        None => vec![Transport::Auto, Transport::Tcp],
+    };
+    let ours: Vec<(String, Results)> = transports
+        .iter()
+        .map(|&t| {
+            let name = match (args.backend, t) {
+                (Backend::Nccl, _) => "nccl",
+                (_, Transport::Auto) => "shm",
+                (_, Transport::Tcp) => "tcp",
+            };
+            (name.to_string(), run_ours(&args, t))
+        })
+        .collect();
     let gloo = if args.gloo {
         run_gloo(&args).unwrap_or_else(|e| {
             println!("gloo reference skipped: {e}");
@@ -285,41 +341,62 @@ fn main() {
     } else {
         Vec::new()
     };
-    let name = format!("ddp-comm {}", args.backend);
     println!(
-        "\n{} ranks on this machine; median of each call",
-        args.ranks
+        "\n{} ranks on this machine; median of each call; ddp-comm over {}",
+        args.ranks,
+        ours.iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>()
+            .join(" and ")
     );
-    println!(
-        "{:<22} {:>12} {:>14} {:>12} {:>14} {:>8}",
-        "operation", name, "busbw GB/s", "gloo", "busbw GB/s", "ratio"
-    );
-    for (label, secs, value) in &ours {
-        let g = gloo.iter().find(|(l, _, _)| l == label);
-        let is_reduce = label.starts_with("all_reduce");
+    let mut head = format!("{:<22}", "operation");
+    for (name, _) in &ours {
+        head += &format!(" {:>10} {:>9}", name, "GB/s");
+    }
+    head += &format!(" {:>10} {:>9}", "gloo", "GB/s");
+    for (name, _) in &ours {
+        head += &format!(" {:>9}", format!("{name}/gloo"));
+    }
+    println!("{head}");
+    let labels: Vec<&String> = ours[0].1.iter().map(|(l, _, _)| l).collect();
+    for label in labels {
+        let is_bw = label.starts_with("all_reduce") || label.starts_with("all_gather");
         let bw = |v: f64| {
-            if is_reduce {
+            if is_bw {
                 format!("{v:.3}")
             } else {
                 "-".into()
             }
         };
-        let (gt, gb, ratio) = match g {
-            Some((_, gs, gv)) => {
-                let ratio = if is_reduce && *gv > 0.0 && *label != "all_reduce 4 KiB" {
-                    value / gv
-                } else {
-                    gs / secs
-                };
-                (fmt_time(*gs), bw(*gv), format!("{ratio:.2}x"))
-            }
-            None => ("-".into(), "-".into(), "-".into()),
+        let find = |rows: &[(String, f64, f64)]| {
+            rows.iter().find(|(l, _, _)| l == label).map(|r| (r.1, r.2))
         };
-        println!(
-            "{label:<22} {:>12} {:>14} {gt:>12} {gb:>14} {ratio:>8}",
-            fmt_time(*secs),
-            bw(*value)
-        );
+        let mut line = format!("{label:<22}");
+        for (_, rows) in &ours {
+            match find(rows) {
+                Some((s, v)) => line += &format!(" {:>10} {:>9}", fmt_time(s), bw(v)),
+                None => line += &format!(" {:>10} {:>9}", "-", "-"),
+            }
+        }
+        let g = find(&gloo);
+        match g {
+            Some((s, v)) => line += &format!(" {:>10} {:>9}", fmt_time(s), bw(v)),
+            None => line += &format!(" {:>10} {:>9}", "-", "-"),
+        }
+        for (_, rows) in &ours {
+            let ratio = match (find(rows), g) {
+                (Some((s, v)), Some((gs, gv))) => {
+                    if is_bw && gv > 0.0 && label != "all_reduce 4 KiB" {
+                        format!("{:.2}x", v / gv)
+                    } else {
+                        format!("{:.2}x", gs / s)
+                    }
+                }
+                _ => "-".into(),
+            };
+            line += &format!(" {ratio:>9}");
+        }
+        println!("{line}");
     }
-    println!("ratio: bus bandwidth ours/gloo for all-reduce >= 256 KiB, else time gloo/ours (higher is better)");
+    println!("ratio: bus bandwidth ours/gloo for all-reduce >= 256 KiB and all-gather, else time gloo/ours (higher is better)");
 }

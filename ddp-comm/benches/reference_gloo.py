@@ -19,6 +19,7 @@ SIZES = [("4 KiB", 4 << 10, 1000), ("256 KiB", 256 << 10, 400), ("4 MiB", 4 << 2
 CONVNET = [(32, 3, 3, 3), (32,), (32,), (64, 32, 3, 3), (64,), (64,), (128, 64, 3, 3), (128,), (128,),
            (256, 128, 3, 3), (256,), (256,), (8, 256), (8,)]
 BROADCAST_CALLS = 200
+GATHER = ("4 MiB", 4 << 20, 100)
 
 
 def time_calls(calls, f):
@@ -44,6 +45,14 @@ def worker(rank, world, port, scale):
         busbw = nbytes / secs * 2 * (world - 1) / world / 1e9
         if rank == 0:
             print(f"RESULT all_reduce {label}|{secs}|{busbw}", flush=True)
+    label, nbytes, count = GATHER
+    t = torch.zeros(nbytes // 4, dtype=torch.float32)
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.barrier()
+    secs = time_calls(calls(count), lambda: dist.all_gather(out, t))
+    busbw = world * nbytes / secs * (world - 1) / world / 1e9
+    if rank == 0:
+        print(f"RESULT all_gather {label}|{secs}|{busbw}", flush=True)
     params = [torch.zeros(s) for s in CONVNET]
     total = sum(p.numel() for p in params)
     dist.barrier()

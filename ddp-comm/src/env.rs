@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::error::CommError;
+use crate::link::Transport;
 
 /// Environment variable holding the job's run id, from which the rendezvous token is made.
 pub const RUN_ID_ENV: &str = "DDP_RUN_ID";
@@ -11,6 +12,12 @@ pub const RUN_ID_ENV: &str = "DDP_RUN_ID";
 pub const RDZV_TIMEOUT_ENV: &str = "DDP_RDZV_TIMEOUT_S";
 /// Environment variable overriding the per-collective timeout, in seconds.
 pub const OP_TIMEOUT_ENV: &str = "DDP_OP_TIMEOUT_S";
+/// Environment variable choosing the transport between ranks on one host: `auto` (shared
+/// memory, the default) or `tcp`.
+pub const TRANSPORT_ENV: &str = "DDP_TRANSPORT";
+/// Environment variable replacing this rank's host identity (ranks with equal identities
+/// use shared memory), as `NCCL_HOSTID` does for NCCL.
+pub const HOST_ID_ENV: &str = "DDP_HOST_ID";
 /// Longest run id accepted (bytes).
 pub const MAX_RUN_ID_LEN: usize = 256;
 
@@ -52,6 +59,10 @@ pub struct EnvConfig {
     pub rendezvous_timeout: Option<Duration>,
     /// `DDP_OP_TIMEOUT_S`, if set.
     pub op_timeout: Option<Duration>,
+    /// `DDP_TRANSPORT`, if set.
+    pub transport: Option<Transport>,
+    /// `DDP_HOST_ID`, if set.
+    pub host_id: Option<String>,
     /// Which variables were used.
     pub source: EnvSource,
 }
@@ -162,6 +173,16 @@ impl EnvConfig {
             }
         };
         let restart_count = number("TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0) as u64;
+        let transport = get(TRANSPORT_ENV)
+            .map(|v| {
+                v.parse::<Transport>()
+                    .map_err(|_| malformed(TRANSPORT_ENV, &v, "auto or tcp"))
+            })
+            .transpose()?;
+        let host_id = get(HOST_ID_ENV);
+        if let Some(id) = host_id.as_deref().filter(|id| id.len() > MAX_RUN_ID_LEN) {
+            return Err(malformed(HOST_ID_ENV, id, "at most 256 bytes"));
+        }
         Ok(EnvConfig {
             rank,
             world_size,
@@ -174,6 +195,8 @@ impl EnvConfig {
             restart_count,
             rendezvous_timeout: timeout(RDZV_TIMEOUT_ENV)?,
             op_timeout: timeout(OP_TIMEOUT_ENV)?,
+            transport,
+            host_id,
             source,
         })
     }
@@ -296,6 +319,8 @@ mod tests {
             ("TORCHELASTIC_USE_AGENT_STORE", "True"),
             ("TORCHELASTIC_RESTART_COUNT", "2"),
             ("DDP_OP_TIMEOUT_S", "1.5"),
+            ("DDP_TRANSPORT", "TCP"),
+            ("DDP_HOST_ID", "rack4-node2"),
         ])
         .unwrap();
         assert_eq!(
@@ -307,6 +332,8 @@ mod tests {
         assert!(c.agent_store);
         assert_eq!(c.restart_count, 2);
         assert_eq!(c.op_timeout, Some(Duration::from_millis(1500)));
+        assert_eq!(c.transport, Some(Transport::Tcp));
+        assert_eq!(c.host_id.as_deref(), Some("rack4-node2"));
         assert_eq!(c.source, EnvSource::Torchrun);
     }
 
@@ -382,6 +409,10 @@ mod tests {
                     ("TORCHELASTIC_USE_AGENT_STORE", "maybe"),
                 ],
                 "TORCHELASTIC_USE_AGENT_STORE",
+            ),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "1"), ("DDP_TRANSPORT", "ib")],
+                "DDP_TRANSPORT",
             ),
         ];
         for (vars, var) in cases {

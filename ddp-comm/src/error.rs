@@ -98,14 +98,14 @@ pub enum CommError {
         detail: String,
     },
     /// A peer closed its connection or failed.
-    #[error("{op}: peer rank {peer} at {addr} failed: {detail}")]
+    #[error("{op}: peer rank {peer} ({via}) failed: {detail}")]
     PeerLost {
         /// The collective.
         op: &'static str,
         /// The peer's rank.
         peer: usize,
-        /// The peer's address.
-        addr: SocketAddr,
+        /// How the peer was reached: `tcp <address>` or `shared memory, pid <pid>`.
+        via: String,
         /// What happened.
         detail: String,
     },

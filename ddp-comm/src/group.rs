@@ -5,13 +5,15 @@ use std::time::Duration;
 
 use tch::{Device, Kind, Tensor};
 
+use crate::cpu::CpuBackend;
 use crate::element::{as_bytes_mut, DType, Element, ReduceOp};
 use crate::env::EnvConfig;
 use crate::error::CommError;
+use crate::link::{LinkKind, Transport};
 use crate::nccl::{self, NcclComm};
 use crate::rendezvous::{self, Plan};
+use crate::shm;
 use crate::store::{Store, StoreServer};
-use crate::tcp::TcpBackend;
 
 /// Default rendezvous timeout.
 pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
@@ -22,13 +24,16 @@ pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(300);
 /// Setting `SO_RCVBUF` explicitly turns autotuning off and caps the buffer at
 /// `net.core.rmem_max`; on loopback that measured slower (see the README).
 pub const DEFAULT_SOCKET_BUFFER: usize = 0;
+/// Default data bytes of each shared-memory ring (one per link between ranks on one host).
+pub const DEFAULT_SHM_RING_BYTES: usize = shm::DEFAULT_CAPACITY;
 
-/// Which engine carries CUDA tensors (CPU tensors always travel over TCP).
+/// Which engine carries CUDA tensors (CPU tensors travel over shared memory or TCP, see
+/// [`Transport`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Backend {
-    /// NCCL for CUDA tensors (plus TCP for CPU tensors and byte-level calls).
+    /// NCCL for CUDA tensors (plus the CPU links for CPU tensors and byte-level calls).
     Nccl,
-    /// TCP only: CPU tensors; CUDA tensors are refused.
+    /// CPU links only (shared memory and TCP): CPU tensors; CUDA tensors are refused.
     Tcp,
 }
 
@@ -60,7 +65,7 @@ pub struct Options {
     /// The job's run id; peers presenting another one are rejected.
     pub run_id: String,
     /// `None`: NCCL when a CUDA device is visible (initialised at the first CUDA
-    /// collective), else TCP. `Some(Nccl)`: NCCL, initialised now.
+    /// collective), else the CPU links only. `Some(Nccl)`: NCCL, initialised now.
     pub backend: Option<Backend>,
     /// How long rendezvous may take.
     pub rendezvous_timeout: Duration,
@@ -73,6 +78,16 @@ pub struct Options {
     /// Kernel socket buffer size for ring sockets in bytes; 0 (the default) leaves Linux's
     /// autotuning, which grows buffers as large as the sysctl limits allow.
     pub socket_buffer: usize,
+    /// Shared memory between ranks on one host ([`Transport::Auto`], the default) or TCP
+    /// everywhere ([`Transport::Tcp`]). Links use shared memory only where both ranks allow
+    /// it.
+    pub transport: Transport,
+    /// Replaces this rank's detected host identity (host name, boot id, network
+    /// namespace): ranks with equal identities use shared memory. Like `NCCL_HOSTID`.
+    pub host_id: Option<String>,
+    /// Data bytes of each shared-memory ring this rank creates: a power of two from 4 KiB
+    /// to 1 GiB.
+    pub shm_ring_bytes: usize,
 }
 
 impl Options {
@@ -98,6 +113,9 @@ impl Options {
             agent_store: false,
             restart_count: 0,
             socket_buffer: DEFAULT_SOCKET_BUFFER,
+            transport: Transport::Auto,
+            host_id: None,
+            shm_ring_bytes: DEFAULT_SHM_RING_BYTES,
         }
     }
 
@@ -116,6 +134,8 @@ impl Options {
             restart_count: c.restart_count,
             rendezvous_timeout: c.rendezvous_timeout.unwrap_or(DEFAULT_RENDEZVOUS_TIMEOUT),
             op_timeout: c.op_timeout.unwrap_or(DEFAULT_OP_TIMEOUT),
+            transport: c.transport.unwrap_or_default(),
+            host_id: c.host_id.clone(),
             ..Options::new(c.rank, c.world_size, c.master_addr.clone(), c.master_port)
         }
     }
@@ -144,12 +164,41 @@ impl Options {
         self
     }
 
+    /// Chooses the transport between ranks on one host (TCP is for comparison and
+    /// debugging; `DDP_TRANSPORT=tcp` does the same from the environment).
+    pub fn transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
+        self
+    }
+
+    /// Sets this rank's host identity (see [`Options::host_id`]).
+    pub fn host_id(mut self, id: impl Into<String>) -> Self {
+        self.host_id = Some(id.into());
+        self
+    }
+
     /// Sets the node-local rank and world size.
     pub fn local(mut self, local_rank: usize, local_world_size: usize) -> Self {
         self.local_rank = local_rank;
         self.local_world_size = local_world_size;
         self
     }
+}
+
+/// How a rank is wired into the ring that carries CPU collectives
+/// ([`ProcessGroup::ring_layout`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RingLayout {
+    /// The ranks in ring order: each host's ranks in a row.
+    pub order: Vec<usize>,
+    /// The rank this one sends to.
+    pub next: usize,
+    /// The rank this one receives from.
+    pub prev: usize,
+    /// What carries the link to `next` (`None` in a world of one).
+    pub to_next: Option<LinkKind>,
+    /// What carries the link from `prev` (`None` in a world of one).
+    pub from_prev: Option<LinkKind>,
 }
 
 /// A group of ranks that run collectives together.
@@ -165,7 +214,7 @@ pub struct ProcessGroup {
     local_world_size: usize,
     backend: Backend,
     op_timeout: Duration,
-    tcp: Mutex<TcpBackend>,
+    cpu: Mutex<CpuBackend>,
     nccl: Mutex<Option<NcclComm>>,
     store: Mutex<Option<Box<dyn Store>>>,
     _server: Option<StoreServer>,
@@ -199,6 +248,16 @@ impl ProcessGroup {
         if opts.world_size == 0 {
             return Err(CommError::InvalidArgument("world size 0".into()));
         }
+        let ring_bytes = opts.shm_ring_bytes;
+        if !ring_bytes.is_power_of_two()
+            || !(shm::MIN_CAPACITY..=shm::MAX_CAPACITY).contains(&ring_bytes)
+        {
+            return Err(CommError::InvalidArgument(format!(
+                "shared-memory ring of {ring_bytes} bytes: expected a power of two from {} to {}",
+                shm::MIN_CAPACITY,
+                shm::MAX_CAPACITY
+            )));
+        }
         let backend = opts.backend.unwrap_or_else(|| {
             if crate::cuda::device_count() > 0 && nccl_sys::Nccl::load().is_ok() {
                 Backend::Nccl
@@ -216,9 +275,18 @@ impl ProcessGroup {
             key_prefix: format!("/ddp-comm/{}/{}/", opts.run_id, opts.restart_count),
             timeout: opts.rendezvous_timeout,
             socket_buffer: opts.socket_buffer,
+            transport: opts.transport,
+            host_id: opts.host_id.clone(),
+            shm_capacity: ring_bytes,
         };
         let met = rendezvous::meet(&plan)?;
-        let tcp = TcpBackend::new(opts.rank, opts.world_size, met.link, opts.op_timeout)?;
+        let cpu = CpuBackend::new(
+            opts.rank,
+            opts.world_size,
+            met.ring,
+            met.link,
+            opts.op_timeout,
+        )?;
         let group = ProcessGroup {
             rank: opts.rank,
             world_size: opts.world_size,
@@ -226,7 +294,7 @@ impl ProcessGroup {
             local_world_size: opts.local_world_size,
             backend,
             op_timeout: opts.op_timeout,
-            tcp: Mutex::new(tcp),
+            cpu: Mutex::new(cpu),
             nccl: Mutex::new(None),
             store: Mutex::new(met.store),
             _server: met.server,
@@ -262,7 +330,23 @@ impl ProcessGroup {
         self.backend
     }
 
-    /// The communicator, created at first use: TCP barrier (all ranks alive), unique id
+    /// How this rank is wired into the ring that carries CPU collectives.
+    pub fn ring_layout(&self) -> RingLayout {
+        let cpu = lock(&self.cpu);
+        let order = cpu.order().to_vec();
+        let pos = order.iter().position(|&r| r == self.rank).unwrap_or(0);
+        let n = order.len();
+        let (to_next, from_prev) = cpu.link_kinds().unzip();
+        RingLayout {
+            next: order[(pos + 1) % n],
+            prev: order[(pos + n - 1) % n],
+            to_next,
+            from_prev,
+            order,
+        }
+    }
+
+    /// The communicator, created at first use: a CPU barrier (all ranks alive), unique id
     /// from rank 0 through the store, `cudaSetDevice(local_rank)`, `ncclCommInitRank`.
     fn nccl(&self) -> Result<MutexGuard<'_, Option<NcclComm>>, CommError> {
         let mut guard = lock(&self.nccl);
@@ -275,7 +359,7 @@ impl ProcessGroup {
                 detail: "CUDA tensors need the NCCL backend".into(),
             });
         }
-        lock(&self.tcp).barrier()?;
+        lock(&self.cpu).barrier()?;
         let id = if self.world_size == 1 {
             nccl::unique_id()?
         } else {
@@ -322,12 +406,13 @@ impl ProcessGroup {
         Ok(guard)
     }
 
-    /// In-place all-reduce of a contiguous tensor (CPU: TCP; CUDA: NCCL).
+    /// In-place all-reduce of a contiguous tensor (CPU: the ring of shared-memory and TCP
+    /// links; CUDA: NCCL).
     pub fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
         match t.device() {
             Device::Cpu => {
                 let (bytes, dtype) = cpu_bytes(t)?;
-                lock(&self.tcp).all_reduce(bytes, dtype, op)
+                lock(&self.cpu).all_reduce(bytes, dtype, op)
             }
             Device::Cuda(_) => {
                 let (ptr, count, dtype) = self.cuda_buffer(t)?;
@@ -350,7 +435,7 @@ impl ProcessGroup {
         match t.device() {
             Device::Cpu => {
                 let (bytes, _) = cpu_bytes(t)?;
-                lock(&self.tcp).broadcast(bytes, root)
+                lock(&self.cpu).broadcast(bytes, root)
             }
             Device::Cuda(_) => {
                 let (ptr, count, dtype) = self.cuda_buffer(t)?;
@@ -371,29 +456,54 @@ impl ProcessGroup {
         let n = self.world_size as i64;
         let mut shape = vec![n];
         shape.extend(t.size());
-        let out = Tensor::empty(shape.as_slice(), (t.kind(), t.device()));
-        match t.device() {
+        let mut out = Tensor::empty(shape.as_slice(), (t.kind(), t.device()));
+        self.all_gather_into(t, &mut out)?;
+        Ok((0..n).map(|r| out.get(r)).collect())
+    }
+
+    /// Gathers every rank's `input` into `output`, a contiguous tensor of the same dtype and
+    /// device holding `world_size` times as many elements (any shape): rank `r`'s elements
+    /// land at `r * input.numel()` in order. The counterpart of PyTorch's
+    /// `all_gather_into_tensor`; reusing `output` saves an allocation per call.
+    pub fn all_gather_into(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
+        if output.kind() != input.kind()
+            || output.device() != input.device()
+            || output.numel() != input.numel() * self.world_size
+        {
+            return Err(CommError::InvalidArgument(format!(
+                "all_gather_into: output is {:?} {:?} of {} elements, expected {:?} {:?} of {} \
+                 (world size {} times the input's {})",
+                output.kind(),
+                output.device(),
+                output.numel(),
+                input.kind(),
+                input.device(),
+                input.numel() * self.world_size,
+                self.world_size,
+                input.numel()
+            )));
+        }
+        match input.device() {
             Device::Cpu => {
-                let mut input = t.shallow_clone();
-                let (src, _) = cpu_bytes(&mut input)?;
-                let mut target = out.shallow_clone();
-                let (dst, _) = cpu_bytes(&mut target)?;
-                lock(&self.tcp).all_gather(src, dst)?;
+                let mut source = input.shallow_clone();
+                let (src, _) = cpu_bytes(&mut source)?;
+                let (dst, _) = cpu_bytes(output)?;
+                lock(&self.cpu).all_gather(src, dst)
             }
             Device::Cuda(_) => {
-                let (src, count, dtype) = self.cuda_buffer(t)?;
-                let (dst, _, _) = self.cuda_buffer(&out)?;
+                let (src, count, dtype) = self.cuda_buffer(input)?;
+                let (dst, _, _) = self.cuda_buffer(output)?;
                 let mut comm = self.nccl()?;
-                // SAFETY: `src` holds `count` elements and `dst` (a fresh contiguous tensor
-                // of `n` times the shape) `n * count`, both on the communicator's device.
+                // SAFETY: `src` holds `count` elements and `dst` (checked above: same dtype
+                // and device, contiguous) `world_size * count`, both on the communicator's
+                // device.
                 unsafe {
                     comm.as_mut()
-                        .map_or(Ok(()), |c| c.all_gather(src, dst, count, dtype))?
+                        .map_or(Ok(()), |c| c.all_gather(src, dst, count, dtype))
                 }
             }
-            other => return Err(unsupported_device(other)),
+            other => Err(unsupported_device(other)),
         }
-        Ok((0..n).map(|r| out.get(r)).collect())
     }
 
     /// Returns once every rank has called `barrier` (and, with NCCL initialised, this
@@ -402,31 +512,31 @@ impl ProcessGroup {
         if let Some(comm) = lock(&self.nccl).as_mut() {
             comm.synchronize()?;
         }
-        lock(&self.tcp).barrier()
+        lock(&self.cpu).barrier()
     }
 
-    /// In-place all-reduce of a slice over TCP (no tensors involved).
+    /// In-place all-reduce of a slice over the CPU links (no tensors involved).
     pub fn all_reduce_slice<T: Element>(
         &self,
         data: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        lock(&self.tcp).all_reduce(as_bytes_mut(data), T::DTYPE, op)
+        lock(&self.cpu).all_reduce(as_bytes_mut(data), T::DTYPE, op)
     }
 
-    /// Broadcast of a slice from `root` over TCP.
+    /// Broadcast of a slice from `root` over the CPU links.
     pub fn broadcast_slice<T: Element>(
         &self,
         data: &mut [T],
         root: usize,
     ) -> Result<(), CommError> {
         self.check_root(root)?;
-        lock(&self.tcp).broadcast(as_bytes_mut(data), root)
+        lock(&self.cpu).broadcast(as_bytes_mut(data), root)
     }
 
     /// Gathers every rank's byte string (lengths may differ); element `r` is rank `r`'s.
     pub fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        lock(&self.tcp).all_gather_bytes(data)
+        lock(&self.cpu).all_gather_bytes(data)
     }
 
     fn check_root(&self, root: usize) -> Result<(), CommError> {
@@ -451,7 +561,7 @@ impl ProcessGroup {
             return Err(CommError::Tensor {
                 backend: "tcp",
                 detail: format!(
-                    "tensor on {:?}: the TCP backend only takes CPU tensors",
+                    "tensor on {:?}: the CPU backend (Backend::Tcp) only takes CPU tensors",
                     t.device()
                 ),
             });
@@ -471,16 +581,23 @@ impl ProcessGroup {
         Ok((t.data_ptr(), t.numel(), nccl_dtype))
     }
 
-    /// Overrides the TCP pipeline segment size (for benchmarks).
+    /// Overrides the ring pipeline segment size (for benchmarks).
     #[doc(hidden)]
-    pub fn set_tcp_segment(&self, bytes: usize) {
-        lock(&self.tcp).set_segment(bytes);
+    pub fn set_ring_segment(&self, bytes: usize) {
+        lock(&self.cpu).set_segment(bytes);
     }
 
-    /// Overrides the TCP latency-path threshold (for benchmarks).
+    /// Overrides the latency-path threshold of CPU all-reduces (for benchmarks).
     #[doc(hidden)]
-    pub fn set_tcp_small_threshold(&self, bytes: usize) {
-        lock(&self.tcp).set_small(bytes);
+    pub fn set_small_threshold(&self, bytes: usize) {
+        lock(&self.cpu).set_small(bytes);
+    }
+
+    /// Overrides how long a rank polls its shared-memory rings before sleeping (for
+    /// benchmarks).
+    #[doc(hidden)]
+    pub fn set_shm_spin(&self, spin: Duration) {
+        lock(&self.cpu).set_spin(spin);
     }
 }
 
@@ -558,6 +675,20 @@ mod tests {
     }
 
     #[test]
+    fn a_ring_size_that_is_not_a_power_of_two_in_range_is_refused() {
+        for bytes in [0, 5000, 1 << 31] {
+            let mut opts = Options::new(0, 1, "127.0.0.1", 0);
+            opts.shm_ring_bytes = bytes;
+            match ProcessGroup::new(opts) {
+                Err(CommError::InvalidArgument(why)) => {
+                    assert!(why.contains(&format!("ring of {bytes} bytes")), "{why}")
+                }
+                other => panic!("{bytes}: expected InvalidArgument, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn options_from_the_environment_carry_every_setting() {
         let config = EnvConfig::from_lookup(|k| {
             let v = match k {
@@ -569,6 +700,8 @@ mod tests {
                 "MASTER_PORT" => "29400",
                 "DDP_RUN_ID" => "r9",
                 "DDP_OP_TIMEOUT_S" => "7",
+                "DDP_TRANSPORT" => "tcp",
+                "DDP_HOST_ID" => "node7",
                 _ => return None,
             };
             Some(v.to_string())
@@ -586,5 +719,8 @@ mod tests {
         assert_eq!(o.op_timeout, Duration::from_secs(7));
         assert_eq!(o.rendezvous_timeout, DEFAULT_RENDEZVOUS_TIMEOUT);
         assert_eq!(o.backend, Some(Backend::Tcp));
+        assert_eq!(o.transport, Transport::Tcp);
+        assert_eq!(o.host_id.as_deref(), Some("node7"));
+        assert_eq!(o.shm_ring_bytes, DEFAULT_SHM_RING_BYTES);
     }
 }

@@ -7,13 +7,17 @@
 //!   rank 0 of 1) and meets the other ranks; [`ProcessGroup::new`] takes explicit
 //!   [`Options`].
 //! - Two backends: CUDA tensors travel through NCCL (loaded at run time through
-//!   `nccl-sys`), CPU tensors through a TCP ring ([`Backend`]). Results are identical on
-//!   every rank.
+//!   `nccl-sys`), CPU tensors around a ring ([`Backend`]) whose links are shared memory
+//!   between ranks on one host and TCP between hosts ([`Transport`], [`LinkKind`]; set
+//!   `DDP_TRANSPORT=tcp` to use TCP everywhere). Results are identical on every rank, and
+//!   bit for bit the same over either transport.
 //! - Failures are a [`CommError`] naming the rank, address or timeout: nothing waits forever.
 //!
 //! Rendezvous (`rendezvous.rs`) uses a small key-value store served by rank 0 (`store.rs`),
-//! or torchrun's own agent store (`c10d.rs`); ring schedules (`ring.rs`) run over
-//! non-blocking sockets (`tcp.rs`); NCCL lives in `nccl.rs` and CUDA loading in [`cuda`].
+//! or torchrun's own agent store (`c10d.rs`), and connects the ring (`connect.rs`); ring
+//! schedules (`ring.rs`) are executed by `cpu.rs` over each link's end (`link.rs`): a
+//! non-blocking socket (`tcp.rs`) or a shared-memory ring (`shm.rs`); NCCL lives in
+//! `nccl.rs` and CUDA loading in [`cuda`].
 //!
 //! ```
 //! use ddp_comm::{Backend, Options, ProcessGroup, ReduceOp};
@@ -32,14 +36,18 @@
 #![warn(missing_docs)]
 
 mod c10d;
+mod connect;
+mod cpu;
 pub mod cuda;
 mod element;
 pub mod env;
 mod error;
 mod group;
+mod link;
 mod nccl;
 mod rendezvous;
 mod ring;
+mod shm;
 mod store;
 mod tcp;
 mod wire;
@@ -48,7 +56,8 @@ pub use element::{DType, Element, ReduceOp};
 pub use env::EnvConfig;
 pub use error::CommError;
 pub use group::{
-    dtype_of, Backend, Options, ProcessGroup, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT,
-    DEFAULT_SOCKET_BUFFER,
+    dtype_of, Backend, Options, ProcessGroup, RingLayout, DEFAULT_OP_TIMEOUT,
+    DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_SHM_RING_BYTES, DEFAULT_SOCKET_BUFFER,
 };
+pub use link::{LinkKind, Transport};
 pub use nccl::version as nccl_version;

@@ -6,22 +6,26 @@
 //! 2. Each rank claims `join/<rank>` with `add` (a second claim is a duplicated rank) and
 //!    publishes its world size; a rank whose world size differs from rank 0's fails.
 //!    A failing rank writes `abort`, which every waiting rank notices at its next poll.
-//! 3. Each rank listens for its predecessor on an ephemeral port of the interface that
-//!    reaches the store, publishes `addr/<rank>`, waits for all addresses (a timeout names
-//!    the ranks that never arrived), connects to its successor and accepts its predecessor,
-//!    both sides presenting the job's token.
+//! 3. Each rank listens on an ephemeral TCP port of the interface that reaches the store
+//!    and (unless told to use TCP only) on an abstract Unix socket, and publishes both with
+//!    its host identity (`addr/<rank>`, `host/<rank>`); it waits for every rank's entries (a
+//!    timeout names the ranks that never arrived).
+//! 4. Every rank computes the same ring: hosts in order of their lowest rank, each host's
+//!    ranks in a row. A link between two ranks of one host that both allow it is a
+//!    shared-memory ring, any other link TCP (`connect.rs`). Each rank connects to its
+//!    successor and accepts its predecessor, both sides presenting the job's token.
 
-use std::io::Write;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use crate::c10d::C10dStore;
+use crate::connect::{self, Listeners, PeerInfo};
+use crate::cpu::RingOrder;
 use crate::error::CommError;
-use crate::store::{connect_retry, resolve, Store, StoreClient, StoreServer};
-use crate::tcp::{self, Link};
-use crate::wire;
+use crate::link::{Link, LinkKind, Transport};
+use crate::ring::host_order;
+use crate::store::{resolve, Store, StoreClient, StoreServer};
 
-const PEER_MAGIC: &[u8; 4] = b"DDPR";
 const ABORT_KEY: &str = "abort";
 /// How long rank 0 keeps its store up after a failed rendezvous.
 const ABORT_LINGER: Duration = Duration::from_millis(500);
@@ -38,6 +42,12 @@ pub(crate) struct Plan {
     pub key_prefix: String,
     pub timeout: Duration,
     pub socket_buffer: usize,
+    /// Whether ranks on one host may use shared memory.
+    pub transport: Transport,
+    /// Replaces the detected host identity (`DDP_HOST_ID`).
+    pub host_id: Option<String>,
+    /// Data bytes of each shared-memory ring this rank creates.
+    pub shm_capacity: usize,
 }
 
 /// The result: the store connection (kept for NCCL ids), rank 0's server, the ring.
@@ -45,6 +55,7 @@ pub(crate) struct Met {
     pub store: Option<Box<dyn Store>>,
     pub server: Option<StoreServer>,
     pub link: Option<Link>,
+    pub ring: RingOrder,
 }
 
 impl std::fmt::Debug for Met {
@@ -52,6 +63,7 @@ impl std::fmt::Debug for Met {
         f.debug_struct("Met")
             .field("server", &self.server)
             .field("link", &self.link)
+            .field("ring", &self.ring)
             .finish_non_exhaustive()
     }
 }
@@ -84,6 +96,9 @@ pub(crate) fn wait_keys(
                     missing.extend(rank_of(key));
                 }
             }
+            // A rank may own several keys.
+            missing.sort_unstable();
+            missing.dedup();
             return Err(CommError::RendezvousTimeout {
                 addr: store.addr().to_string(),
                 timeout,
@@ -156,6 +171,10 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
             store: None,
             server: None,
             link: None,
+            ring: RingOrder {
+                order: vec![0],
+                pos: 0,
+            },
         });
     }
     let server = if rank == 0 && !plan.agent_store {
@@ -166,10 +185,11 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     };
     let mut store = connect_store(plan, deadline, &server)?;
     match join(plan, store.as_mut(), deadline) {
-        Ok(link) => Ok(Met {
+        Ok(joined) => Ok(Met {
             store: Some(store),
             server,
-            link: Some(link),
+            link: Some(joined.link),
+            ring: joined.ring,
         }),
         Err(err) => {
             // A timeout is news for the others too; other failures have already been
@@ -188,8 +208,8 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     }
 }
 
-/// Steps 2 and 3 of the rendezvous, over a connected store.
-fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Link, CommError> {
+/// Steps 2 to 4 of the rendezvous, over a connected store.
+fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Joined, CommError> {
     let (rank, world) = (plan.rank, plan.world_size);
     let addr = s.addr().to_string();
 
@@ -209,127 +229,131 @@ fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Link, CommE
         return Err(abort(s, CommError::Rendezvous { addr, detail }));
     }
 
-    let listen_ip = s.local_ip();
-    let listener = bind_listener(SocketAddr::new(listen_ip, 0), plan.socket_buffer)?;
-    let my_addr = listener
-        .local_addr()
-        .map_err(|e| CommError::io("ring listener", e))?;
-    s.set(&format!("addr/{rank}"), my_addr.to_string().as_bytes())?;
-    let keys: Vec<String> = (0..world).map(|r| format!("addr/{r}")).collect();
+    // Step 3: listen, publish how to be reached and which host this is, read everyone's.
+    let listeners = Listeners::bind(
+        SocketAddr::new(s.local_ip(), 0),
+        plan.socket_buffer,
+        plan.transport == Transport::Auto,
+        rank,
+    )?;
+    s.set(
+        &format!("addr/{rank}"),
+        listeners.tcp_addr()?.to_string().as_bytes(),
+    )?;
+    let local_name = listeners.local_name().unwrap_or_default();
+    let host = host_key(plan.host_id.as_deref());
+    s.set(
+        &format!("host/{rank}"),
+        format!("{local_name}\n{host}").as_bytes(),
+    )?;
+    let keys: Vec<String> = (0..world)
+        .flat_map(|r| [format!("addr/{r}"), format!("host/{r}")])
+        .collect();
     wait_keys(s, &keys, deadline, plan.timeout, |k| {
-        k.strip_prefix("addr/")?.parse().ok()
+        k.split_once('/')?.1.parse().ok()
     })?;
+    let mut peers = Vec::with_capacity(world);
+    for r in 0..world {
+        peers.push(peer_info(s, r)?);
+    }
 
-    let next = (rank + 1) % world;
-    let prev = (rank + world - 1) % world;
-    let next_addr = peer_addr(s, next)?;
-    let prev_addr = peer_addr(s, prev)?;
-    connect_ring(plan, &listener, next, next_addr, prev, prev_addr, deadline)
+    // Step 4: the ring visits each host's ranks in a row; connect its two links.
+    let hosts: Vec<&str> = peers.iter().map(|p| p.host.as_str()).collect();
+    let order = host_order(&hosts);
+    let pos = order
+        .iter()
+        .position(|&r| r == rank)
+        .expect("the ring order holds every rank");
+    let next = order[(pos + 1) % world];
+    let prev = order[(pos + world - 1) % world];
+    let kind = |a: &PeerInfo, b: &PeerInfo| {
+        if a.host == b.host && a.local.is_some() && b.local.is_some() {
+            LinkKind::SharedMemory
+        } else {
+            LinkKind::Tcp
+        }
+    };
+    let me = &peers[rank];
+    let link = connect::ring(
+        &connect::RingPlan {
+            rank,
+            token: &plan.token,
+            socket_buffer: plan.socket_buffer,
+            shm_capacity: plan.shm_capacity,
+            timeout: plan.timeout,
+            deadline,
+        },
+        &listeners,
+        (&peers[next], kind(me, &peers[next])),
+        (&peers[prev], kind(&peers[prev], me)),
+    )?;
+    Ok(Joined {
+        link,
+        ring: RingOrder { order, pos },
+    })
 }
 
-fn peer_addr(store: &mut dyn Store, rank: usize) -> Result<SocketAddr, CommError> {
+/// The ring of a world above one.
+struct Joined {
+    link: Link,
+    ring: RingOrder,
+}
+
+fn peer_info(store: &mut dyn Store, rank: usize) -> Result<PeerInfo, CommError> {
+    let invalid = |store: &dyn Store, what: &str, text: &str| CommError::Store {
+        addr: store.addr().to_string(),
+        detail: format!("rank {rank} published an invalid {what} {text:?}"),
+    };
     let text = store.get(&format!("addr/{rank}"))?.unwrap_or_default();
     let text = String::from_utf8_lossy(&text).into_owned();
-    text.parse().map_err(|_| CommError::Store {
-        addr: store.addr().to_string(),
-        detail: format!("rank {rank} published an invalid address {text:?}"),
+    let addr = text
+        .parse()
+        .map_err(|_| invalid(&*store, "address", &text))?;
+    let text = store.get(&format!("host/{rank}"))?.unwrap_or_default();
+    let text = String::from_utf8_lossy(&text).into_owned();
+    let (local, host) = text
+        .split_once('\n')
+        .ok_or_else(|| invalid(&*store, "host entry", &text))?;
+    Ok(PeerInfo {
+        rank,
+        addr,
+        local: (!local.is_empty()).then(|| local.to_string()),
+        host: host.to_string(),
     })
 }
 
-fn bind_listener(addr: SocketAddr, buffer: usize) -> Result<TcpListener, CommError> {
-    let listener = TcpListener::bind(addr).map_err(|source| CommError::Address {
-        addr: addr.to_string(),
-        source,
-    })?;
-    if buffer > 0 {
-        use std::os::fd::AsRawFd;
-        tcp::set_buffer(listener.as_raw_fd(), buffer)
-            .map_err(|e| CommError::io("ring listener buffers", e))?;
+/// This process's host identity: ranks with equal keys can share memory. `id` (the
+/// `DDP_HOST_ID` variable or option) replaces it, as `NCCL_HOSTID` does for NCCL; otherwise
+/// it is the host name, the kernel's boot id and the network namespace (the shared-memory
+/// handshake uses abstract Unix sockets, which belong to a network namespace).
+pub(crate) fn host_key(id: Option<&str>) -> String {
+    if let Some(id) = id {
+        return format!("id:{id}");
     }
-    Ok(listener)
+    let read = |path: &str| {
+        std::fs::read_to_string(path)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    };
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    format!(
+        "host:{}/{}/{netns}",
+        read("/proc/sys/kernel/hostname"),
+        read("/proc/sys/kernel/random/boot_id")
+    )
 }
 
-fn connect_ring(
-    plan: &Plan,
-    listener: &TcpListener,
-    next: usize,
-    next_addr: SocketAddr,
-    prev: usize,
-    prev_addr: SocketAddr,
-    deadline: Instant,
-) -> Result<Link, CommError> {
-    let left = |d: Instant| {
-        d.saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(10))
-    };
-    let mut send = connect_retry(&[next_addr], deadline, &format!("rank {next}"))?;
-    tcp::tune_socket(&send, plan.socket_buffer).map_err(|e| CommError::io("ring socket", e))?;
-    send.write_all(&wire::hello(PEER_MAGIC, &plan.token, plan.rank as u32))
-        .map_err(|e| CommError::PeerLost {
-            op: "rendezvous",
-            peer: next,
-            addr: next_addr,
-            detail: e.to_string(),
-        })?;
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-    // Accept until the predecessor shows up with the right token; drop anything else.
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| CommError::io("ring listener", e))?;
-    let mut recv = loop {
-        match listener.accept() {
-            Ok((mut stream, from)) => {
-                let _ = stream.set_nonblocking(false);
-                let _ = stream.set_read_timeout(Some(left(deadline).min(Duration::from_secs(10))));
-                match wire::read_hello(&mut stream, PEER_MAGIC, &plan.token) {
-                    Ok(Ok(r)) if r as usize == prev => {
-                        let _ = stream.set_read_timeout(None);
-                        break stream;
-                    }
-                    Ok(Ok(r)) => eprintln!("ddp-comm: rank {} dropped a ring connection from {from} claiming rank {r} (expected {prev})", plan.rank),
-                    Ok(Err(why)) => eprintln!("ddp-comm: rank {} rejected a connection from {from}: {why}", plan.rank),
-                    Err(e) => eprintln!("ddp-comm: rank {} rejected a connection from {from}: incomplete handshake ({e})", plan.rank),
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    return Err(CommError::RendezvousTimeout {
-                        addr: format!(
-                            "ring listener {}",
-                            listener
-                                .local_addr()
-                                .map(|a| a.to_string())
-                                .unwrap_or_default()
-                        ),
-                        timeout: plan.timeout,
-                        missing: vec![prev],
-                    });
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e) => return Err(CommError::io("accepting the ring predecessor", e)),
-        }
-    };
-    tcp::tune_socket(&recv, plan.socket_buffer).map_err(|e| CommError::io("ring socket", e))?;
-    recv.write_all(&[1]).map_err(|e| CommError::PeerLost {
-        op: "rendezvous",
-        peer: prev,
-        addr: prev_addr,
-        detail: e.to_string(),
-    })?;
-    let mut ack = [0u8; 1];
-    tcp::read_exact_timeout(&mut send, &mut ack, left(deadline)).map_err(|_| {
-        CommError::Rejected {
-            addr: format!("rank {next} at {next_addr}"),
-        }
-    })?;
-    let _ = TcpStream::set_nonblocking(&recv, false);
-    Ok(Link {
-        send,
-        recv,
-        next,
-        prev,
-        next_addr,
-        prev_addr,
-    })
+    #[test]
+    fn host_keys_are_stable_and_overridable() {
+        let key = host_key(None);
+        assert!(key.starts_with("host:") && key.contains("net:["), "{key}");
+        assert_eq!(key, host_key(None));
+        assert_eq!(host_key(Some("node-7")), "id:node-7");
+    }
 }

@@ -6,6 +6,22 @@
 //! that a rank forwards segment `j` as soon as it has received (and reduced) it, while
 //! segment `j + 1` is still on the wire: this is what pipelines the ring.
 
+/// The ring order of a world: hosts in the order of their lowest rank, and each host's
+/// ranks in a row in rank order, so that a ring over `h` hosts crosses between hosts `h`
+/// times (with one host: rank order). `hosts[r]` is rank `r`'s host identity.
+pub(crate) fn host_order(hosts: &[&str]) -> Vec<usize> {
+    let mut firsts: Vec<&str> = Vec::new();
+    for host in hosts {
+        if !firsts.contains(host) {
+            firsts.push(host);
+        }
+    }
+    firsts
+        .iter()
+        .flat_map(|h| (0..hosts.len()).filter(move |&r| hosts[r] == *h))
+        .collect()
+}
+
 /// A byte range of the working buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Span {
@@ -267,6 +283,36 @@ mod tests {
             let want: Vec<u32> = (0..n * 10).map(|i| i as u32).collect();
             assert!(out.iter().all(|b| b == &want), "n={n}");
         }
+    }
+
+    #[test]
+    fn the_ring_visits_each_host_in_a_row() {
+        assert_eq!(host_order(&["a", "a", "a"]), [0, 1, 2]);
+        assert_eq!(host_order(&["a", "b", "a", "b"]), [0, 2, 1, 3]);
+        assert_eq!(host_order(&["b", "a", "b", "c", "a"]), [0, 2, 1, 4, 3]);
+        assert_eq!(host_order(&["x"]), [0]);
+    }
+
+    #[test]
+    fn schedules_over_a_permuted_ring_deliver_each_rank_its_pieces() {
+        // The backend passes rank-indexed pieces in ring order; the gather must still put
+        // rank r's contribution at rank r's offset on every rank.
+        let order = host_order(&["a", "b", "a", "b", "c"]);
+        let n = order.len();
+        let mut by_rank = Vec::new();
+        split_even(n * 40, 4, n, &mut by_rank);
+        let by_position: Vec<Span> = order.iter().map(|&r| by_rank[r]).collect();
+        let bufs: Vec<Vec<u32>> = order
+            .iter()
+            .map(|&r| {
+                (0..n * 10)
+                    .map(|i| if i / 10 == r { 1 + i as u32 } else { 0 })
+                    .collect()
+            })
+            .collect();
+        let out = simulate(n, bufs, |s, p| s.all_gather(&by_position, p, 16));
+        let want: Vec<u32> = (0..n * 10).map(|i| 1 + i as u32).collect();
+        assert!(out.iter().all(|b| b == &want), "{out:?}");
     }
 
     #[test]

@@ -1,10 +1,12 @@
-//! Collectives on CPU tensors and slices with real processes on loopback: every rank
-//! asserts the exact values it ends with.
+//! Collectives on CPU tensors and slices with real processes on loopback, over shared memory
+//! (the default between ranks on one host) and over TCP (`DDP_TRANSPORT=tcp`), and over a
+//! ring that mixes both (ranks told they sit on different hosts): every rank asserts the
+//! exact values it ends with, and the transport that carried them.
 
 mod common;
 
 use common::{rank_world, run_world, worker};
-use ddp_comm::{Backend, ProcessGroup, ReduceOp};
+use ddp_comm::{Backend, LinkKind, ProcessGroup, ReduceOp};
 use tch::Tensor;
 
 const SIZES: [usize; 4] = [0, 1, 7, 1_000_003];
@@ -84,8 +86,35 @@ fn check_all_reduce<T: TestElem>(group: &ProcessGroup) {
     }
 }
 
-fn all_reduce_body() {
+/// Joins the group and checks that its links are the ones the test asked for: TCP with
+/// `DDP_TRANSPORT=tcp`, shared memory otherwise (all ranks on this host).
+fn join() -> ProcessGroup {
     let group = ProcessGroup::from_env().unwrap();
+    let layout = group.ring_layout();
+    let (rank, n) = rank_world();
+    if n == 1 {
+        assert_eq!((layout.to_next, layout.from_prev), (None, None));
+        return group;
+    }
+    let want = match std::env::var("DDP_TRANSPORT").as_deref() {
+        Ok("tcp") => LinkKind::Tcp,
+        _ => LinkKind::SharedMemory,
+    };
+    assert_eq!(layout.order, (0..n).collect::<Vec<_>>());
+    assert_eq!(
+        (layout.next, layout.prev),
+        ((rank + 1) % n, (rank + n - 1) % n)
+    );
+    assert_eq!(
+        (layout.to_next, layout.from_prev),
+        (Some(want), Some(want)),
+        "rank {rank}"
+    );
+    group
+}
+
+fn all_reduce_body() {
+    let group = join();
     assert_eq!(group.backend(), Backend::Tcp);
     assert_eq!((group.rank(), group.world_size()), rank_world());
     check_all_reduce::<f32>(&group);
@@ -106,13 +135,13 @@ fn all_reduce_body() {
 }
 
 macro_rules! world_tests {
-    ($($name:ident: $n:expr, $body:ident;)*) => {$(
+    ($($name:ident: $n:expr, $body:ident, $transport:expr;)*) => {$(
         #[test]
         fn $name() {
             if worker() {
                 return $body();
             }
-            let outputs = run_world(stringify!($name), $n, &[]);
+            let outputs = run_world(stringify!($name), $n, &[("DDP_TRANSPORT", $transport.to_string())]);
             for (rank, out) in outputs.iter().enumerate() {
                 assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("rank {rank}: ")), "rank {rank} did not report");
             }
@@ -121,22 +150,37 @@ macro_rules! world_tests {
 }
 
 world_tests! {
-    all_reduce_world_1: 1, all_reduce_body;
-    all_reduce_world_2: 2, all_reduce_body;
-    all_reduce_world_3: 3, all_reduce_body;
-    all_reduce_world_4: 4, all_reduce_body;
-    all_reduce_world_5: 5, all_reduce_body;
-    broadcast_world_1: 1, broadcast_body;
-    broadcast_world_2: 2, broadcast_body;
-    broadcast_world_3: 3, broadcast_body;
-    broadcast_world_4: 4, broadcast_body;
-    broadcast_world_5: 5, broadcast_body;
-    all_gather_world_1: 1, all_gather_body;
-    all_gather_world_2: 2, all_gather_body;
-    all_gather_world_3: 3, all_gather_body;
-    all_gather_world_5: 5, all_gather_body;
-    all_reduce_64_mib_world_2: 2, big_body;
-    barrier_waits_for_the_slowest_rank: 3, barrier_body;
+    all_reduce_world_1: 1, all_reduce_body, "auto";
+    all_reduce_world_2_shm: 2, all_reduce_body, "auto";
+    all_reduce_world_3_shm: 3, all_reduce_body, "auto";
+    all_reduce_world_4_shm: 4, all_reduce_body, "auto";
+    all_reduce_world_5_shm: 5, all_reduce_body, "auto";
+    all_reduce_world_2_tcp: 2, all_reduce_body, "tcp";
+    all_reduce_world_3_tcp: 3, all_reduce_body, "tcp";
+    all_reduce_world_4_tcp: 4, all_reduce_body, "tcp";
+    all_reduce_world_5_tcp: 5, all_reduce_body, "tcp";
+    broadcast_world_1: 1, broadcast_body, "auto";
+    broadcast_world_2_shm: 2, broadcast_body, "auto";
+    broadcast_world_3_shm: 3, broadcast_body, "auto";
+    broadcast_world_4_shm: 4, broadcast_body, "auto";
+    broadcast_world_5_shm: 5, broadcast_body, "auto";
+    broadcast_world_2_tcp: 2, broadcast_body, "tcp";
+    broadcast_world_3_tcp: 3, broadcast_body, "tcp";
+    broadcast_world_4_tcp: 4, broadcast_body, "tcp";
+    broadcast_world_5_tcp: 5, broadcast_body, "tcp";
+    all_gather_world_1: 1, all_gather_body, "auto";
+    all_gather_world_2_shm: 2, all_gather_body, "auto";
+    all_gather_world_3_shm: 3, all_gather_body, "auto";
+    all_gather_world_4_shm: 4, all_gather_body, "auto";
+    all_gather_world_5_shm: 5, all_gather_body, "auto";
+    all_gather_world_2_tcp: 2, all_gather_body, "tcp";
+    all_gather_world_3_tcp: 3, all_gather_body, "tcp";
+    all_gather_world_4_tcp: 4, all_gather_body, "tcp";
+    all_gather_world_5_tcp: 5, all_gather_body, "tcp";
+    all_reduce_64_mib_world_2_shm: 2, big_body, "auto";
+    all_reduce_64_mib_world_3_tcp: 3, big_body, "tcp";
+    barrier_waits_for_the_slowest_rank_shm: 3, barrier_body, "auto";
+    barrier_waits_for_the_slowest_rank_tcp: 3, barrier_body, "tcp";
 }
 
 fn check_broadcast<T: TestElem>(group: &ProcessGroup, sizes: &[usize]) {
@@ -167,7 +211,7 @@ fn check_broadcast<T: TestElem>(group: &ProcessGroup, sizes: &[usize]) {
 }
 
 fn broadcast_body() {
-    let group = ProcessGroup::from_env().unwrap();
+    let group = join();
     check_broadcast::<f32>(&group, &SIZES);
     check_broadcast::<f64>(&group, &SIZES[..3]);
     check_broadcast::<i32>(&group, &SIZES[..3]);
@@ -187,7 +231,7 @@ fn broadcast_body() {
 }
 
 fn all_gather_body() {
-    let group = ProcessGroup::from_env().unwrap();
+    let group = join();
     let (rank, n) = rank_world();
     let t = Tensor::from_slice(&[rank as f32 * 10.0, 1.0, 2.0, 3.0, 4.0, 5.0]).reshape([2, 3]);
     let parts = group.all_gather(&t).unwrap();
@@ -205,6 +249,25 @@ fn all_gather_body() {
     let parts = group.all_gather(&scalar).unwrap();
     let got: Vec<i64> = parts.iter().map(|p| p.int64_value(&[])).collect();
     assert_eq!(got, (0..n as i64).map(|r| r * 3).collect::<Vec<_>>());
+    // Into a reused output of any shape; a wrong size is refused before the ranks meet.
+    let mut out = Tensor::full(
+        [3, n as i64 * 2],
+        -1.0,
+        (tch::Kind::Float, tch::Device::Cpu),
+    );
+    let mine = Tensor::from_slice(&[rank as f32, 0.5, 1.5, 2.5, 3.5, 4.5]);
+    group.all_gather_into(&mine, &mut out).unwrap();
+    let got: Vec<f32> = Vec::try_from(&out.flatten(0, -1)).unwrap();
+    let want: Vec<f32> = (0..n)
+        .flat_map(|r| [r as f32, 0.5, 1.5, 2.5, 3.5, 4.5])
+        .collect();
+    assert_eq!(got, want, "rank {rank}: all_gather_into");
+    let mut short = Tensor::zeros([n as i64 * 6 - 1], (tch::Kind::Float, tch::Device::Cpu));
+    let err = group.all_gather_into(&mine, &mut short).unwrap_err();
+    assert!(
+        matches!(err, ddp_comm::CommError::InvalidArgument(_)),
+        "{err:?}"
+    );
     // Byte strings of different lengths, including empty and large ones.
     for scale in [1usize, 40_000] {
         let mine = vec![rank as u8 + 1; rank * 3 * scale];
@@ -221,7 +284,7 @@ fn all_gather_body() {
 }
 
 fn big_body() {
-    let group = ProcessGroup::from_env().unwrap();
+    let group = join();
     let (rank, n) = rank_world();
     let len = 16 << 20; // 64 MiB of f32
     let data: Vec<f32> = (0..len).map(|i| (i % 1000) as f32 + rank as f32).collect();
@@ -238,7 +301,7 @@ fn big_body() {
 }
 
 fn barrier_body() {
-    let group = ProcessGroup::from_env().unwrap();
+    let group = join();
     let (rank, n) = rank_world();
     group.barrier().unwrap();
     let start = std::time::Instant::now();
@@ -251,4 +314,215 @@ fn barrier_body() {
         "rank {rank} left after {waited:?}"
     );
     println!("rank {rank}: barrier ok after {waited:?}");
+}
+
+/// The ring order the crate promises: hosts in the order of their lowest rank, each host's
+/// ranks in a row.
+fn expected_order(hosts: &[&str]) -> Vec<usize> {
+    let mut order: Vec<usize> = Vec::new();
+    for r in 0..hosts.len() {
+        if !order.iter().any(|&o| hosts[o] == hosts[r]) {
+            order.extend((r..hosts.len()).filter(|&q| hosts[q] == hosts[r]));
+        }
+    }
+    order
+}
+
+/// A rank of a job whose ranks were told (by `DDP_HOST_ID`, published through the
+/// rendezvous) that they sit on the hosts listed in `HOSTS`; the ranks in `TCP_RANKS` run
+/// with `DDP_TRANSPORT=tcp`. Checks the ring and the link kinds, then every collective.
+fn spanning_body() {
+    let group = ProcessGroup::from_env().unwrap();
+    let (rank, n) = rank_world();
+    let hosts_var = std::env::var("HOSTS").unwrap();
+    let hosts: Vec<&str> = hosts_var.split(',').collect();
+    let tcp_ranks: Vec<usize> = std::env::var("TCP_RANKS")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|r| r.parse().ok())
+        .collect();
+    let order = expected_order(&hosts);
+    let layout = group.ring_layout();
+    assert_eq!(layout.order, order, "rank {rank}");
+    let pos = order.iter().position(|&r| r == rank).unwrap();
+    let (next, prev) = (order[(pos + 1) % n], order[(pos + n - 1) % n]);
+    assert_eq!((layout.next, layout.prev), (next, prev));
+    let kind = |a: usize, b: usize| {
+        if hosts[a] == hosts[b] && !tcp_ranks.contains(&a) && !tcp_ranks.contains(&b) {
+            LinkKind::SharedMemory
+        } else {
+            LinkKind::Tcp
+        }
+    };
+    assert_eq!(
+        (layout.to_next, layout.from_prev),
+        (Some(kind(rank, next)), Some(kind(prev, rank))),
+        "rank {rank}"
+    );
+    check_all_reduce::<f32>(&group);
+    check_all_reduce::<i64>(&group);
+    check_all_reduce::<u8>(&group);
+    check_broadcast::<f64>(&group, &SIZES);
+    let parts = group.all_gather(&Tensor::from(rank as i32 * 7)).unwrap();
+    let got: Vec<i64> = parts.iter().map(|p| p.int64_value(&[])).collect();
+    assert_eq!(got, (0..n as i64).map(|r| r * 7).collect::<Vec<_>>());
+    let mine = vec![rank as u8; 1000 * rank + 3];
+    for (r, bytes) in group.all_gather_bytes(&mine).unwrap().iter().enumerate() {
+        assert_eq!(bytes, &vec![r as u8; 1000 * r + 3]);
+    }
+    group.barrier().unwrap();
+    println!(
+        "rank {rank}: spanning ok, to_next={:?} from_prev={:?}",
+        layout.to_next.unwrap(),
+        layout.from_prev.unwrap()
+    );
+}
+
+/// Runs `spanning_body` on `hosts` (one entry per rank), with `tcp_ranks` forced to TCP, and
+/// returns the link kinds the ranks reported.
+fn run_spanning(test: &str, hosts: &[&str], tcp_ranks: &[usize]) -> Vec<String> {
+    let list = hosts.join(",");
+    let tcp: Vec<String> = tcp_ranks.iter().map(usize::to_string).collect();
+    let tcp = tcp.join(",");
+    let outputs = common::run_world_each(test, hosts.len(), |r| {
+        let mut env = vec![
+            ("HOSTS", list.clone()),
+            ("TCP_RANKS", tcp.clone()),
+            ("DDP_HOST_ID", hosts[r].to_string()),
+        ];
+        if tcp_ranks.contains(&r) {
+            env.push(("DDP_TRANSPORT", "tcp".to_string()));
+        }
+        env
+    });
+    outputs
+        .iter()
+        .enumerate()
+        .map(|(rank, out)| {
+            let line = common::lines_with(out, &format!("rank {rank}: spanning ok, "));
+            assert_eq!(
+                line.len(),
+                1,
+                "rank {rank} did not report:\n{}",
+                common::show(out)
+            );
+            line[0].clone()
+        })
+        .collect()
+}
+
+#[test]
+fn a_job_spanning_two_hosts_uses_shared_memory_inside_and_tcp_between() {
+    if worker() {
+        return spanning_body();
+    }
+    // Ring 0 -> 2 -> 4 (host a, shared memory), 4 -> 1 (tcp), 1 -> 3 (host b, shared
+    // memory), 3 -> 0 (tcp).
+    let kinds = run_spanning(
+        "a_job_spanning_two_hosts_uses_shared_memory_inside_and_tcp_between",
+        &["a", "b", "a", "b", "a"],
+        &[],
+    );
+    assert_eq!(
+        kinds,
+        [
+            "to_next=SharedMemory from_prev=Tcp",
+            "to_next=SharedMemory from_prev=Tcp",
+            "to_next=SharedMemory from_prev=SharedMemory",
+            "to_next=Tcp from_prev=SharedMemory",
+            "to_next=Tcp from_prev=SharedMemory",
+        ]
+    );
+}
+
+#[test]
+fn a_rank_that_forces_tcp_gets_tcp_links_and_the_others_keep_shared_memory() {
+    if worker() {
+        return spanning_body();
+    }
+    let kinds = run_spanning(
+        "a_rank_that_forces_tcp_gets_tcp_links_and_the_others_keep_shared_memory",
+        &["h", "h", "h", "h"],
+        &[1],
+    );
+    assert_eq!(
+        kinds,
+        [
+            "to_next=Tcp from_prev=SharedMemory",
+            "to_next=Tcp from_prev=Tcp",
+            "to_next=SharedMemory from_prev=Tcp",
+            "to_next=SharedMemory from_prev=SharedMemory",
+        ]
+    );
+}
+
+/// Values that are not exact in floating point, so that any difference in the order of
+/// reduction would show in the bits.
+fn inexact(rank: usize, i: usize) -> f64 {
+    ((i as f64 + 1.0) * (rank as f64 + 0.37)).sin() * 1e3 / 7.0
+}
+
+#[test]
+fn shared_memory_and_tcp_give_identical_bits() {
+    if worker() {
+        let (rank, n) = rank_world();
+        let shm = ProcessGroup::from_env().unwrap();
+        let second: u16 = std::env::var("SECOND_PORT").unwrap().parse().unwrap();
+        let mut opts = ddp_comm::Options::from_env()
+            .unwrap()
+            .transport(ddp_comm::Transport::Tcp)
+            .run_id("identical-bits-tcp");
+        opts.master_port = second;
+        let tcp = ProcessGroup::new(opts).unwrap();
+        assert_eq!(shm.ring_layout().to_next, Some(LinkKind::SharedMemory));
+        assert_eq!(tcp.ring_layout().to_next, Some(LinkKind::Tcp));
+        // Both sides of the latency path's limit, and a size whose pieces are uneven.
+        for len in [1usize, 999, 40_000, 1_000_003] {
+            let values: Vec<f64> = (0..len).map(|i| inexact(rank, i)).collect();
+            for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                let mut a = Tensor::from_slice(&values);
+                let mut b = Tensor::from_slice(&values).to_kind(tch::Kind::Float);
+                let mut c = Tensor::from_slice(&values);
+                let mut d = b.copy();
+                shm.all_reduce(&mut a, op).unwrap();
+                shm.all_reduce(&mut b, op).unwrap();
+                tcp.all_reduce(&mut c, op).unwrap();
+                tcp.all_reduce(&mut d, op).unwrap();
+                let (a, c) = (
+                    Vec::<f64>::try_from(&a).unwrap(),
+                    Vec::<f64>::try_from(&c).unwrap(),
+                );
+                let (b, d) = (
+                    Vec::<f32>::try_from(&b).unwrap(),
+                    Vec::<f32>::try_from(&d).unwrap(),
+                );
+                assert!(
+                    a.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "f64 {op:?} len {len}: shared memory and TCP differ on rank {rank}"
+                );
+                assert!(
+                    b.iter().zip(&d).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "f32 {op:?} len {len}: shared memory and TCP differ on rank {rank}"
+                );
+                // And the result is the sum it should be, within rounding.
+                let want: f64 = (0..n).map(|r| inexact(r, len - 1)).sum::<f64>()
+                    / if op == ReduceOp::Avg { n as f64 } else { 1.0 };
+                assert!((a[len - 1] - want).abs() < 1e-9, "{} vs {want}", a[len - 1]);
+            }
+        }
+        println!("rank {rank}: identical ok");
+        return;
+    }
+    let second = common::free_port();
+    let outputs = run_world(
+        "shared_memory_and_tcp_give_identical_bits",
+        3,
+        &[("SECOND_PORT", second.to_string())],
+    );
+    for (rank, out) in outputs.iter().enumerate() {
+        assert_eq!(
+            common::lines_with(out, &format!("rank {rank}: ")),
+            ["identical ok"]
+        );
+    }
 }

@@ -1,6 +1,7 @@
 //! What goes wrong must fail promptly with an error that names the culprit: missing, killed,
-//! duplicated or misconfigured ranks, busy ports, bad environment values, stray peers,
-//! mismatched collectives, unsupported tensors.
+//! hung, duplicated or misconfigured ranks, busy ports, bad environment values, stray peers
+//! (on the store, and on the shared-memory handshake), mismatched collectives, unsupported
+//! tensors; and a killed rank leaves no shared memory behind.
 
 mod common;
 
@@ -9,9 +10,10 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use common::{
-    free_port, lines_with, rank_world, show, spawn_rank, wait_all, worker, worker_command,
+    dev_shm_entries, free_port, lines_with, rank_world, ring_mappings, show, spawn_rank, wait_all,
+    worker, worker_command,
 };
-use ddp_comm::{Backend, CommError, Options, ProcessGroup, ReduceOp};
+use ddp_comm::{Backend, CommError, LinkKind, Options, ProcessGroup, ReduceOp};
 use tch::{Kind, Tensor};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -77,9 +79,10 @@ fn rendezvous_timeout_names_the_missing_rank_and_address() {
 }
 
 #[test]
-fn a_killed_rank_fails_the_others_and_poisons_the_group() {
+fn a_rank_that_exits_fails_the_others_and_poisons_the_group_over_tcp() {
     if worker() {
         let group = ProcessGroup::from_env().unwrap();
+        assert_eq!(group.ring_layout().to_next, Some(LinkKind::Tcp));
         let (rank, _) = rank_world();
         let mut t = Tensor::ones([4 << 20], (Kind::Float, tch::Device::Cpu));
         group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
@@ -107,11 +110,11 @@ fn a_killed_rank_fails_the_others_and_poisons_the_group() {
         return;
     }
     let port = free_port();
-    let extra = env(&[("DDP_OP_TIMEOUT_S", "20")]);
+    let extra = env(&[("DDP_OP_TIMEOUT_S", "20"), ("DDP_TRANSPORT", "tcp")]);
     let children = (0..3)
         .map(|r| {
             spawn_rank(
-                "a_killed_rank_fails_the_others_and_poisons_the_group",
+                "a_rank_that_exits_fails_the_others_and_poisons_the_group_over_tcp",
                 r,
                 3,
                 port,
@@ -131,7 +134,7 @@ fn a_killed_rank_fails_the_others_and_poisons_the_group() {
         assert!(out.status.success(), "rank {rank}:\n{}", show(out));
         let err = lines_with(out, "ERROR: ").join("\n");
         assert!(err.contains("peer rank"), "rank {rank}: {err}");
-        named |= err.contains("peer rank 2 at 127.0.0.1:");
+        named |= err.contains("peer rank 2 (tcp 127.0.0.1:");
     }
     assert!(
         named,
@@ -320,15 +323,19 @@ fn a_world_size_mismatch_aborts_the_rendezvous() {
     assert!(errors[0].contains("aborted"), "{errors:?}");
 }
 
+/// In a worker of a two-rank job: one all-reduce whose result shows both ranks took part.
+fn two_rank_sum(group: &ProcessGroup) {
+    let (rank, _) = rank_world();
+    let mut v = vec![rank as f64 + 1.0; 3];
+    group.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap();
+    assert_eq!(v, vec![3.0; 3]);
+    println!("rank {rank}: ok");
+}
+
 #[test]
 fn stray_connections_without_the_token_are_rejected() {
     if worker() {
-        let group = ProcessGroup::from_env().unwrap();
-        let (rank, _) = rank_world();
-        let mut v = vec![rank as f64 + 1.0; 3];
-        group.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap();
-        assert_eq!(v, vec![3.0; 3]);
-        println!("rank {rank}: ok");
+        two_rank_sum(&ProcessGroup::from_env().unwrap());
         return;
     }
     let test = "stray_connections_without_the_token_are_rejected";
@@ -387,25 +394,273 @@ fn mismatched_collectives_are_reported_not_corrupted() {
         println!("ERROR: {err}");
         return;
     }
+    for transport in ["auto", "tcp"] {
+        let port = free_port();
+        let test = "mismatched_collectives_are_reported_not_corrupted";
+        let extra = env(&[("DDP_TRANSPORT", transport)]);
+        let outs = wait_all(
+            (0..2)
+                .map(|r| spawn_rank(test, r, 2, port, &extra))
+                .collect(),
+            LIMIT,
+        );
+        let errors: Vec<String> = outs
+            .iter()
+            .map(|o| {
+                assert!(o.status.success(), "{transport}: {}", show(o));
+                lines_with(o, "ERROR: ").join("")
+            })
+            .collect();
+        assert!(
+            errors.iter().any(
+                |e| e.contains("all_reduce (dtype 6, argument 0) of 40 bytes")
+                    && e.contains("of 44 bytes")
+            ),
+            "{transport}: {errors:?}"
+        );
+    }
+}
+
+/// The shared-memory rings this worker maps, with a sanity check that they are the two of
+/// its links.
+fn two_ring_mappings() -> Vec<String> {
+    let maps = ring_mappings();
+    assert_eq!(
+        maps.len(),
+        2,
+        "expected two ring mappings:\n{}",
+        maps.join("\n")
+    );
+    maps
+}
+
+#[test]
+fn a_rank_killed_mid_collective_fails_the_others_and_leaves_no_shared_memory() {
+    if worker() {
+        let group = ProcessGroup::from_env().unwrap();
+        let (rank, _) = rank_world();
+        let layout = group.ring_layout();
+        assert_eq!(
+            (layout.to_next, layout.from_prev),
+            (Some(LinkKind::SharedMemory), Some(LinkKind::SharedMemory))
+        );
+        two_ring_mappings();
+        let mut t = Tensor::ones([4 << 20], (Kind::Float, tch::Device::Cpu));
+        group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+        assert_eq!(t.double_value(&[0]), 3.0);
+        if rank == 2 {
+            // SIGKILL: no destructor, no `closed` flag; only the kernel knows.
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                // SAFETY: sending SIGKILL to this very process.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            });
+        }
+        let start = Instant::now();
+        let err = loop {
+            if let Err(e) = group.all_reduce(&mut t, ReduceOp::Avg) {
+                break e;
+            }
+        };
+        println!("ERROR: {err}");
+        println!("FAILED AFTER: {:?}", start.elapsed());
+        assert!(
+            matches!(err, CommError::PeerLost { .. }),
+            "a dead peer must be noticed, not waited out: {err:?}"
+        );
+        let next = group.all_reduce(&mut t, ReduceOp::Sum).unwrap_err();
+        assert!(matches!(next, CommError::Poisoned(_)), "{next:?}");
+        // While the group lives, its rings stay mapped; once it is dropped nothing is left.
+        two_ring_mappings();
+        drop(group);
+        let left = ring_mappings();
+        assert!(left.is_empty(), "rings still mapped:\n{}", left.join("\n"));
+        let fds: Vec<String> = std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .map(|p| p.display().to_string())
+            .filter(|p| p.contains("memfd:"))
+            .collect();
+        assert!(fds.is_empty(), "memfd descriptors left open: {fds:?}");
+        println!("CLEAN");
+        return;
+    }
+    let before = dev_shm_entries();
     let port = free_port();
-    let test = "mismatched_collectives_are_reported_not_corrupted";
+    // The op timeout is far longer than the test's limit: the survivors must notice the
+    // death itself, not wait out the timeout.
+    let extra = env(&[("DDP_OP_TIMEOUT_S", "600")]);
+    let test = "a_rank_killed_mid_collective_fails_the_others_and_leaves_no_shared_memory";
+    let children: Vec<_> = (0..3)
+        .map(|r| spawn_rank(test, r, 3, port, &extra))
+        .collect();
+    let killed_pid = children[2].id();
+    let outs = wait_all(children, LIMIT);
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        outs[2].status.signal(),
+        Some(libc::SIGKILL),
+        "rank 2:\n{}",
+        show(&outs[2])
+    );
+    let mut named = false;
+    for (rank, out) in outs[..2].iter().enumerate() {
+        assert!(out.status.success(), "rank {rank}:\n{}", show(out));
+        assert_eq!(
+            lines_with(out, "CLEAN"),
+            [""],
+            "rank {rank}:\n{}",
+            show(out)
+        );
+        let err = lines_with(out, "ERROR: ").join("\n");
+        assert!(err.contains("peer rank"), "rank {rank}: {err}");
+        named |= err.contains(&format!("peer rank 2 (shared memory, pid {killed_pid})"));
+        eprintln!(
+            "rank {rank}: {err} (after {})",
+            lines_with(out, "FAILED AFTER: ").join("")
+        );
+    }
+    assert!(
+        named,
+        "no survivor named rank 2:\n{}\n{}",
+        show(&outs[0]),
+        show(&outs[1])
+    );
+    let after = dev_shm_entries();
+    let new: Vec<&String> = after.iter().filter(|e| !before.contains(e)).collect();
+    assert!(
+        new.iter().all(|e| !e.contains("ddp")),
+        "ddp-comm left files in /dev/shm: {new:?}"
+    );
+}
+
+#[test]
+fn a_hung_rank_times_out_the_others_naming_it() {
+    if worker() {
+        let group = ProcessGroup::from_env().unwrap();
+        let (rank, _) = rank_world();
+        assert_eq!(group.ring_layout().to_next, Some(LinkKind::SharedMemory));
+        let mut t = Tensor::ones([1000], (Kind::Float, tch::Device::Cpu));
+        group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+        if rank == 1 {
+            // Alive but stuck: its links stay open, it just never calls.
+            std::thread::sleep(Duration::from_secs(6));
+        }
+        // Rank 0 wrote its whole contribution before giving up, so the late rank may
+        // finish that call; the next one cannot.
+        let err = (0..2)
+            .find_map(|_| group.all_reduce(&mut t, ReduceOp::Sum).err())
+            .expect("the late rank never noticed that rank 0 gave up");
+        println!("ERROR: {err}");
+        return;
+    }
+    let port = free_port();
+    let extra = env(&[("DDP_OP_TIMEOUT_S", "2")]);
+    let test = "a_hung_rank_times_out_the_others_naming_it";
     let outs = wait_all(
-        (0..2).map(|r| spawn_rank(test, r, 2, port, &[])).collect(),
+        (0..2)
+            .map(|r| spawn_rank(test, r, 2, port, &extra))
+            .collect(),
         LIMIT,
     );
-    let errors: Vec<String> = outs
-        .iter()
-        .map(|o| {
-            assert!(o.status.success(), "{}", show(o));
-            lines_with(o, "ERROR: ").join("")
-        })
-        .collect();
+    for out in &outs {
+        assert!(out.status.success(), "{}", show(out));
+    }
+    assert_eq!(
+        lines_with(&outs[0], "ERROR: "),
+        ["all_reduce timed out after 2s waiting for peer ranks [1]"]
+    );
+    // The stuck rank, once it calls, finds that rank 0 has given up on it.
+    let late = lines_with(&outs[1], "ERROR: ").join("");
     assert!(
-        errors.iter().any(
-            |e| e.contains("all_reduce (dtype 6, argument 0) of 40 bytes")
-                && e.contains("of 44 bytes")
-        ),
-        "{errors:?}"
+        late.starts_with("all_reduce: peer rank 0 (shared memory, pid "),
+        "{late}"
+    );
+}
+
+#[test]
+fn a_stranger_with_a_wrong_token_cannot_attach_to_shared_memory() {
+    if worker() {
+        let group = ProcessGroup::from_env().unwrap();
+        assert_eq!(group.ring_layout().from_prev, Some(LinkKind::SharedMemory));
+        two_rank_sum(&group);
+        return;
+    }
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixStream};
+    let test = "a_stranger_with_a_wrong_token_cannot_attach_to_shared_memory";
+    let port = free_port();
+    let rank0 = spawn_rank(test, 0, 2, port, &[]);
+    // Abstract Unix sockets are visible to everyone in /proc/net/unix: find rank 0's.
+    let prefix = format!("@ddp-comm/{}/0/", rank0.id());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let name = loop {
+        let table = std::fs::read_to_string("/proc/net/unix").unwrap();
+        if let Some(name) = table.split_whitespace().find(|w| w.starts_with(&prefix)) {
+            break name[1..].to_string();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rank 0 never listened on {prefix}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // The right protocol with another run's token, offering a descriptor as a real sender
+    // does; queued before rank 1 exists, so rank 0 judges it first.
+    let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let stranger = UnixStream::connect_addr(&addr).unwrap();
+    let mut hello = b"DDPL\x01".to_vec();
+    hello.extend_from_slice(&5u16.to_le_bytes());
+    hello.extend_from_slice(b"other");
+    hello.extend_from_slice(&1u32.to_le_bytes());
+    let offered = std::fs::File::open("/dev/null").unwrap();
+    {
+        use std::os::fd::AsFd;
+        let fds = [offered.as_fd()];
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = rustix::net::SendAncillaryBuffer::new(&mut space);
+        assert!(control.push(rustix::net::SendAncillaryMessage::ScmRights(&fds)));
+        rustix::net::sendmsg(
+            &stranger,
+            &[std::io::IoSlice::new(&hello)],
+            &mut control,
+            rustix::net::SendFlags::empty(),
+        )
+        .unwrap();
+    }
+    let rank1 = spawn_rank(test, 1, 2, port, &[]);
+    // The stranger gets nothing: no byte, no descriptor, just the end of the stream.
+    stranger
+        .set_read_timeout(Some(Duration::from_secs(50)))
+        .unwrap();
+    let mut buf = [0u8; 16];
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut control = rustix::net::RecvAncillaryBuffer::new(&mut space);
+    let got = rustix::net::recvmsg(
+        &stranger,
+        &mut [std::io::IoSliceMut::new(&mut buf)],
+        &mut control,
+        rustix::net::RecvFlags::empty(),
+    );
+    let received_fds = control.drain().count();
+    assert_eq!(
+        got.map(|r| r.bytes).unwrap_or(0),
+        0,
+        "the stranger got an answer"
+    );
+    assert_eq!(received_fds, 0, "the stranger got descriptors");
+    let outs = wait_all(vec![rank0, rank1], LIMIT);
+    for (rank, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "rank {rank}:\n{}", show(out));
+        assert_eq!(lines_with(out, &format!("rank {rank}: ")), ["ok"]);
+    }
+    let log = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(
+        log.contains(&format!(
+            "rejected a connection from pid {} (shared memory): wrong token",
+            std::process::id()
+        )),
+        "rank 0's log:\n{log}"
     );
 }
 

@@ -65,9 +65,28 @@ pub fn show(out: &Output) -> String {
 
 /// Runs `test` with `world` ranks and asserts every rank succeeded.
 pub fn run_world(test: &str, world: usize, extra: &[(&str, String)]) -> Vec<Output> {
+    run_world_each(test, world, |_| extra.to_vec())
+}
+
+/// The rest of each stdout line of a worker after `prefix` (libtest's `--nocapture` puts
+/// `test name ... ` in front of the first line a test prints).
+pub fn lines_with(out: &Output, prefix: &str) -> Vec<String> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.find(prefix).map(|at| l[at + prefix.len()..].to_string()))
+        .collect()
+}
+
+/// Runs `test` with `world` ranks, rank `r` with the extra variables `extra(r)`, and asserts
+/// every rank succeeded.
+pub fn run_world_each<'a>(
+    test: &str,
+    world: usize,
+    extra: impl Fn(usize) -> Vec<(&'a str, String)>,
+) -> Vec<Output> {
     let port = free_port();
     let children = (0..world)
-        .map(|r| spawn_rank(test, r, world, port, extra))
+        .map(|r| spawn_rank(test, r, world, port, &extra(r)))
         .collect();
     let outputs = wait_all(children, Duration::from_secs(120));
     for (rank, out) in outputs.iter().enumerate() {
@@ -80,11 +99,25 @@ pub fn run_world(test: &str, world: usize, extra: &[(&str, String)]) -> Vec<Outp
     outputs
 }
 
-/// The rest of each stdout line of a worker after `prefix` (libtest's `--nocapture` puts
-/// `test name ... ` in front of the first line a test prints).
-pub fn lines_with(out: &Output, prefix: &str) -> Vec<String> {
-    String::from_utf8_lossy(&out.stdout)
+/// Lines of `/proc/self/maps` that map a ddp-comm shared-memory ring.
+pub fn ring_mappings() -> Vec<String> {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
         .lines()
-        .filter_map(|l| l.find(prefix).map(|at| l[at + prefix.len()..].to_string()))
+        .filter(|l| l.contains("memfd:ddp-comm-ring"))
+        .map(str::to_string)
         .collect()
+}
+
+/// Names in `/dev/shm` (empty if it does not exist).
+pub fn dev_shm_entries() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|dir| {
+            dir.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
 }

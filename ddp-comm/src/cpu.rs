@@ -1,0 +1,574 @@
+//! The CPU backend: executes ring schedules (`ring.rs`) over this rank's two links, each TCP
+//! or shared memory (`link.rs`), with non-blocking I/O on one thread, so that sending,
+//! receiving and reducing overlap.
+//!
+//! The ring visits the ranks in `order`, which puts the ranks of each host next to each
+//! other (see the crate's README): schedules work on ring positions, and pieces that belong
+//! to a rank (all-gather contributions) are mapped from rank to position.
+//!
+//! Small all-reduces take a latency path: an all-gather of the whole buffers along the ring
+//! (`n - 1` hops instead of `2(n - 1)`), then a local reduction in rank order 0, 1, ..., n-1,
+//! the same on every rank. Large ones take the bandwidth-optimal ring (reduce-scatter +
+//! all-gather). Either way every rank ends with identical bytes.
+//!
+//! Every collective starts with a 16-byte header (kind, dtype, argument, length) that each
+//! rank checks against its predecessor's, so ranks that call different collectives or sizes
+//! get [`CommError::Mismatch`] instead of corrupted data. A failure poisons the backend and
+//! closes both links, so neighbours fail promptly too.
+
+use std::time::{Duration, Instant};
+
+use crate::element::{self, as_bytes_mut, DType, ReduceOp};
+use crate::error::CommError;
+use crate::link::{EndError, Link, LinkKind, RecvEnd};
+use crate::ring::{split_even, Schedule, Span};
+
+/// Bytes per pipelined segment.
+pub(crate) const SEGMENT: usize = 256 * 1024;
+/// All-reduces of at most this many bytes (times `n - 1`) take the latency path.
+pub(crate) const SMALL_BYTES: usize = 256 * 1024;
+/// How long a rank with a shared-memory link polls its rings before it goes to sleep.
+pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+const HEADER: usize = 16;
+/// Collectives on at least this many bytes write what they receive with stores that bypass
+/// the cache: the result would not stay cached anyway.
+const STREAMING_BYTES: usize = 16 << 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+enum Kind {
+    AllReduce = 1,
+    Broadcast = 2,
+    AllGather = 3,
+    Barrier = 4,
+}
+
+fn header(kind: Kind, dtype: u8, arg: u32, len: usize) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[0] = kind as u8;
+    h[1] = dtype;
+    h[4..8].copy_from_slice(&arg.to_le_bytes());
+    h[8..16].copy_from_slice(&(len as u64).to_le_bytes());
+    h
+}
+
+fn describe(h: &[u8]) -> String {
+    let kind = match h[0] {
+        1 => "all_reduce",
+        2 => "broadcast",
+        3 => "all_gather",
+        4 => "barrier",
+        _ => "an unknown collective",
+    };
+    let arg = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
+    let len = u64::from_le_bytes(h[8..16].try_into().unwrap_or([0; 8]));
+    format!("{kind} (dtype {}, argument {arg}) of {len} bytes", h[1])
+}
+
+fn dtype_code(d: DType) -> u8 {
+    d as u8 + 1
+}
+
+fn op_code(op: ReduceOp) -> u32 {
+    op as u32
+}
+
+/// The ranks in ring order and this rank's place in it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct RingOrder {
+    /// `order[p]` is the rank at ring position `p`.
+    pub order: Vec<usize>,
+    /// This rank's position.
+    pub pos: usize,
+}
+
+/// The CPU process-group backend of one rank.
+#[derive(Debug)]
+pub(crate) struct CpuBackend {
+    rank: usize,
+    world: usize,
+    ring: RingOrder,
+    link: Option<Link>,
+    timeout: Duration,
+    segment: usize,
+    small: usize,
+    spin: Duration,
+    schedule: Schedule,
+    pieces: Vec<Span>,
+    by_position: Vec<Span>,
+    scratch: Vec<i64>,
+    gather: Vec<i64>,
+    poisoned: Option<String>,
+}
+
+impl CpuBackend {
+    /// Wraps the ring links (none for a world of one). TCP sockets become non-blocking.
+    pub(crate) fn new(
+        rank: usize,
+        world: usize,
+        ring: RingOrder,
+        link: Option<Link>,
+        timeout: Duration,
+    ) -> Result<Self, CommError> {
+        if let Some(link) = &link {
+            link.set_nonblocking()
+                .map_err(|e| CommError::io("ring socket", e))?;
+        }
+        debug_assert_eq!(ring.order.get(ring.pos), Some(&rank));
+        Ok(CpuBackend {
+            rank,
+            world,
+            ring,
+            link,
+            timeout,
+            segment: SEGMENT,
+            small: SMALL_BYTES,
+            spin: DEFAULT_SPIN,
+            schedule: Schedule::default(),
+            pieces: Vec::new(),
+            by_position: Vec::new(),
+            scratch: Vec::new(),
+            gather: Vec::new(),
+            poisoned: None,
+        })
+    }
+
+    /// The ranks in ring order.
+    pub(crate) fn order(&self) -> &[usize] {
+        &self.ring.order
+    }
+
+    /// What carries the link to the successor and from the predecessor (none for a world
+    /// of one).
+    pub(crate) fn link_kinds(&self) -> Option<(LinkKind, LinkKind)> {
+        self.link.as_ref().map(|l| (l.send.kind(), l.recv.kind()))
+    }
+
+    fn check(&self) -> Result<(), CommError> {
+        match &self.poisoned {
+            Some(why) => Err(CommError::Poisoned(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn poison(&mut self, err: CommError) -> CommError {
+        self.poisoned = Some(err.to_string());
+        if let Some(link) = &self.link {
+            link.shutdown();
+        }
+        err
+    }
+
+    fn scratch_bytes(&mut self, bytes: usize) -> &mut [u8] {
+        let words = bytes.div_ceil(8);
+        if self.scratch.len() < words {
+            self.scratch.resize(words, 0);
+        }
+        &mut as_bytes_mut(&mut self.scratch[..words])[..bytes]
+    }
+
+    /// `self.by_position[p] = pieces[order[p]]`: rank-indexed pieces in ring order.
+    fn position_pieces(&mut self, pieces: &[Span]) {
+        self.by_position.clear();
+        self.by_position
+            .extend(self.ring.order.iter().map(|&r| pieces[r]));
+    }
+
+    /// Runs the schedule in `self.schedule` over `work`, after exchanging `head`.
+    fn run(
+        &mut self,
+        op: &'static str,
+        head: [u8; HEADER],
+        work: &mut [u8],
+        reduce: Option<(DType, ReduceOp)>,
+        use_gather_as_work: bool,
+    ) -> Result<(), CommError> {
+        let segment = self.segment;
+        if self.scratch.len() * 8 < segment {
+            self.scratch.resize(segment / 8, 0);
+        }
+        let mut tmp = std::mem::take(&mut self.scratch);
+        let mut gather = std::mem::take(&mut self.gather);
+        let link = self.link.as_mut().expect("run needs a ring");
+        let work: &mut [u8] = if use_gather_as_work {
+            as_bytes_mut(&mut gather)
+        } else {
+            work
+        };
+        let result = drive(
+            link,
+            Job {
+                rank: self.rank,
+                op,
+                head,
+                schedule: &self.schedule,
+                reduce,
+                timeout: self.timeout,
+                spin: self.spin,
+            },
+            work,
+            as_bytes_mut(&mut tmp),
+        );
+        self.scratch = tmp;
+        self.gather = gather;
+        result.map_err(|e| self.poison(e))
+    }
+
+    /// In-place all-reduce of `buf`, holding elements of type `dtype`.
+    pub(crate) fn all_reduce(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.check()?;
+        if !dtype.cpu_reducible() {
+            return Err(CommError::Tensor {
+                backend: "cpu",
+                detail: format!("{dtype:?} cannot be reduced on the CPU"),
+            });
+        }
+        let n = self.world;
+        if n == 1 {
+            return Ok(());
+        }
+        let head = header(Kind::AllReduce, dtype_code(dtype), op_code(op), buf.len());
+        let elem = dtype.size();
+        if buf.len() * (n - 1) <= self.small {
+            // Latency path: gather every rank's buffer, then reduce in rank order.
+            let len = buf.len();
+            let words = (len * n).div_ceil(8);
+            if self.gather.len() < words {
+                self.gather.resize(words, 0);
+            }
+            equal_pieces(&mut self.pieces, n, len);
+            let pieces = std::mem::take(&mut self.pieces);
+            self.position_pieces(&pieces);
+            self.pieces = pieces;
+            as_bytes_mut(&mut self.gather)[self.rank * len..][..len].copy_from_slice(buf);
+            self.schedule
+                .all_gather(&self.by_position, self.ring.pos, self.segment);
+            self.run("all_reduce", head, &mut [], None, true)?;
+            let all = &as_bytes_mut(&mut self.gather)[..len * n];
+            buf.copy_from_slice(&all[..len]);
+            for r in 1..n {
+                element::reduce(dtype, op, buf, &all[r * len..][..len]);
+            }
+        } else {
+            // Any assignment of pieces to positions works: each piece is reduced along
+            // one path and then copied, so every rank ends with the same bytes.
+            let mut pieces = std::mem::take(&mut self.pieces);
+            split_even(buf.len(), elem, n, &mut pieces);
+            self.schedule
+                .all_reduce(&pieces, self.ring.pos, self.segment);
+            self.pieces = pieces;
+            self.run("all_reduce", head, buf, Some((dtype, op)), false)?;
+        }
+        if op == ReduceOp::Avg {
+            element::finish_avg(dtype, buf, n);
+        }
+        Ok(())
+    }
+
+    /// Broadcast of `buf` from `root` to every rank.
+    pub(crate) fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<(), CommError> {
+        self.check()?;
+        if root >= self.world {
+            return Err(CommError::RankOutOfRange {
+                rank: root,
+                world_size: self.world,
+            });
+        }
+        if self.world == 1 {
+            return Ok(());
+        }
+        let head = header(Kind::Broadcast, 0, root as u32, buf.len());
+        let root_pos = self
+            .ring
+            .order
+            .iter()
+            .position(|&r| r == root)
+            .expect("the ring order holds every rank");
+        self.schedule
+            .broadcast(buf.len(), self.world, self.ring.pos, root_pos, self.segment);
+        self.run("broadcast", head, buf, None, false)
+    }
+
+    /// All-gather of equal-sized contributions: `out` (`world * input.len()` bytes) receives
+    /// rank `r`'s `input` at offset `r * input.len()`.
+    pub(crate) fn all_gather(&mut self, input: &[u8], out: &mut [u8]) -> Result<(), CommError> {
+        self.check()?;
+        let len = input.len();
+        assert_eq!(out.len(), len * self.world, "all_gather output size");
+        out[self.rank * len..][..len].copy_from_slice(input);
+        if self.world == 1 {
+            return Ok(());
+        }
+        equal_pieces(&mut self.pieces, self.world, len);
+        let pieces = std::mem::take(&mut self.pieces);
+        self.position_pieces(&pieces);
+        self.pieces = pieces;
+        self.schedule
+            .all_gather(&self.by_position, self.ring.pos, self.segment);
+        let head = header(Kind::AllGather, 0, 0, len);
+        self.run("all_gather", head, out, None, false)
+    }
+
+    /// All-gather of contributions of any length.
+    pub(crate) fn all_gather_bytes(&mut self, input: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        let n = self.world;
+        let mut lens = vec![0u8; 8 * n];
+        self.all_gather(&(input.len() as u64).to_le_bytes(), &mut lens)?;
+        let lens: Vec<usize> = lens
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as usize)
+            .collect();
+        let mut pieces = Vec::with_capacity(n);
+        let mut off = 0;
+        for len in &lens {
+            pieces.push(Span { off, len: *len });
+            off += len;
+        }
+        let mut out = vec![0u8; off];
+        out[pieces[self.rank].off..][..input.len()].copy_from_slice(input);
+        if n > 1 {
+            self.position_pieces(&pieces);
+            self.schedule
+                .all_gather(&self.by_position, self.ring.pos, self.segment);
+            let head = header(Kind::AllGather, 1, 0, off);
+            self.run("all_gather_bytes", head, &mut out, None, false)?;
+        }
+        Ok(pieces
+            .iter()
+            .map(|p| out[p.off..][..p.len].to_vec())
+            .collect())
+    }
+
+    /// Returns once every rank has called `barrier`.
+    pub(crate) fn barrier(&mut self) -> Result<(), CommError> {
+        self.check()?;
+        if self.world == 1 {
+            return Ok(());
+        }
+        let n = self.world;
+        let words = n.div_ceil(8);
+        if self.gather.len() < words {
+            self.gather.resize(words, 0);
+        }
+        as_bytes_mut(&mut self.gather)[self.rank] = 1;
+        equal_pieces(&mut self.pieces, n, 1);
+        let pieces = std::mem::take(&mut self.pieces);
+        self.position_pieces(&pieces);
+        self.pieces = pieces;
+        self.schedule
+            .all_gather(&self.by_position, self.ring.pos, self.segment);
+        self.run(
+            "barrier",
+            header(Kind::Barrier, 0, 0, 1),
+            &mut [],
+            None,
+            true,
+        )
+    }
+
+    /// Overrides the latency-path threshold (benchmarks).
+    pub(crate) fn set_small(&mut self, bytes: usize) {
+        self.small = bytes;
+    }
+
+    /// Overrides the segment size (benchmarks).
+    pub(crate) fn set_segment(&mut self, bytes: usize) {
+        self.segment = bytes.max(64) / 64 * 64;
+        let _ = self.scratch_bytes(self.segment);
+    }
+
+    /// Overrides how long shared-memory waits spin before sleeping (benchmarks).
+    pub(crate) fn set_spin(&mut self, spin: Duration) {
+        self.spin = spin;
+    }
+}
+
+/// `n` consecutive pieces of `len` bytes, into a reused vector.
+fn equal_pieces(out: &mut Vec<Span>, n: usize, len: usize) {
+    out.clear();
+    out.extend((0..n).map(|r| Span { off: r * len, len }));
+}
+
+/// What one call of [`drive`] does.
+struct Job<'a> {
+    rank: usize,
+    op: &'static str,
+    head: [u8; HEADER],
+    schedule: &'a Schedule,
+    reduce: Option<(DType, ReduceOp)>,
+    timeout: Duration,
+    spin: Duration,
+}
+
+/// Executes one schedule. Sends go to `link.send`, receives come from `link.recv`; segments
+/// that reduce are combined into `work` straight from a shared-memory ring, or received into
+/// `tmp` first from TCP.
+fn drive(link: &mut Link, job: Job<'_>, work: &mut [u8], tmp: &mut [u8]) -> Result<(), CommError> {
+    let Job {
+        rank,
+        op,
+        head,
+        schedule,
+        reduce,
+        timeout,
+        spin,
+    } = job;
+    let deadline = Instant::now() + timeout;
+    let (sends, recvs) = (&schedule.sends, &schedule.recvs);
+    // Headers: 16 bytes, then (shared memory) zeros up to a multiple of 64 in the stream.
+    let mut head_out = [0u8; HEADER + 64];
+    head_out[..HEADER].copy_from_slice(&head);
+    let head_out_len = HEADER + link.send.header_pad(HEADER);
+    let mut head_in = [0u8; HEADER + 64];
+    let head_in_len = HEADER + link.recv.header_pad(HEADER);
+    // Positions count the header first: head_sent < head_out_len means it is in flight.
+    let (mut send_i, mut send_pos) = (0usize, 0usize);
+    let (mut recv_i, mut recv_pos) = (0usize, 0usize);
+    let (mut head_sent, mut head_received) = (0usize, 0usize);
+    let send_error = |link: &Link, e: EndError| CommError::PeerLost {
+        op,
+        peer: link.next,
+        via: link.send.describe(),
+        detail: e.detail(),
+    };
+    let recv_error = |link: &Link, e: EndError| CommError::PeerLost {
+        op,
+        peer: link.prev,
+        via: link.recv.describe(),
+        detail: e.detail(),
+    };
+    let spins = link.uses_shm() && !spin.is_zero();
+    let streaming = work.len() >= STREAMING_BYTES;
+    let mut idle_since: Option<Instant> = None;
+    loop {
+        let mut progressed = false;
+
+        // Send side: the header, then segments whose dependencies are met.
+        let send_ready =
+            head_sent < head_out_len || (send_i < sends.len() && sends[send_i].after <= recv_i);
+        if send_ready {
+            let chunk: &[u8] = if head_sent < head_out_len {
+                &head_out[head_sent..head_out_len]
+            } else {
+                let s = sends[send_i].span;
+                &work[s.off + send_pos..s.off + s.len]
+            };
+            let k = link.send.write(chunk).map_err(|e| send_error(link, e))?;
+            if k > 0 {
+                progressed = true;
+                if head_sent < head_out_len {
+                    head_sent += k;
+                } else {
+                    send_pos += k;
+                    if send_pos == sends[send_i].span.len {
+                        send_i += 1;
+                        send_pos = 0;
+                    }
+                }
+            }
+        }
+        // Zero-length segments complete without I/O.
+        while head_sent == head_out_len
+            && send_i < sends.len()
+            && sends[send_i].span.len == 0
+            && sends[send_i].after <= recv_i
+        {
+            send_i += 1;
+        }
+
+        // Receive side: the header, then segments in order.
+        if head_received < head_in_len {
+            let k = link
+                .recv
+                .read(&mut head_in[head_received..head_in_len])
+                .map_err(|e| recv_error(link, e))?;
+            if k > 0 {
+                progressed = true;
+                let before = head_received;
+                head_received += k;
+                if before < HEADER && head_received >= HEADER && head_in[..HEADER] != head {
+                    return Err(CommError::Mismatch {
+                        op,
+                        rank,
+                        peer: link.prev,
+                        ours: describe(&head),
+                        theirs: describe(&head_in),
+                    });
+                }
+            }
+        } else if recv_i < recvs.len() {
+            let s = recvs[recv_i].span;
+            let reducing = reduce.filter(|_| recvs[recv_i].reduce);
+            if recv_pos < s.len {
+                let k = match (&mut link.recv, reducing) {
+                    (RecvEnd::Shm(ring), Some((dtype, rop))) => Ok(ring.reduce_into(
+                        &mut work[s.off + recv_pos..s.off + s.len],
+                        dtype,
+                        rop,
+                    )),
+                    (end, Some(_)) => end.read(&mut tmp[recv_pos..s.len]),
+                    (end, None) if streaming => {
+                        end.read_streaming(&mut work[s.off + recv_pos..s.off + s.len])
+                    }
+                    (end, None) => end.read(&mut work[s.off + recv_pos..s.off + s.len]),
+                }
+                .map_err(|e| recv_error(link, e))?;
+                if k > 0 {
+                    progressed = true;
+                    recv_pos += k;
+                }
+            }
+            if recv_pos == s.len {
+                if let (Some((dtype, rop)), RecvEnd::Tcp { .. }) = (reducing, &link.recv) {
+                    element::reduce(dtype, rop, &mut work[s.off..s.off + s.len], &tmp[..s.len]);
+                }
+                recv_i += 1;
+                recv_pos = 0;
+                progressed = true;
+            }
+        }
+
+        let send_done = head_sent == head_out_len && send_i == sends.len();
+        let recv_done = head_received == head_in_len && recv_i == recvs.len();
+        if send_done && recv_done {
+            return Ok(());
+        }
+        if progressed {
+            idle_since = None;
+            continue;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            let mut peers = Vec::new();
+            if !recv_done {
+                peers.push(link.prev);
+            }
+            if !send_done && !peers.contains(&link.next) {
+                peers.push(link.next);
+            }
+            return Err(CommError::Timeout { op, timeout, peers });
+        }
+        let want_send = !send_done && (head_sent < head_out_len || sends[send_i].after <= recv_i);
+        let want_recv = !recv_done;
+        // A shared-memory peer that left can make no more room or data.
+        if want_send && link.send.gone() {
+            return Err(send_error(link, EndError::Closed));
+        }
+        if want_recv && link.recv.gone() {
+            return Err(recv_error(link, EndError::Closed));
+        }
+        if spins && now.duration_since(*idle_since.get_or_insert(now)) < spin {
+            // Yielding lets a peer (or anything else) that waits for this core run first,
+            // which matters when ranks outnumber cores; on an idle core it returns at once.
+            std::thread::yield_now();
+            continue;
+        }
+        link.wait(want_send, want_recv, deadline - now)
+            .map_err(|e| CommError::io("poll", e))?;
+    }
+}
