@@ -32,7 +32,7 @@
 //! `cargo xtask bench` reads), then a summary.
 
 use std::path::PathBuf;
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
