@@ -377,7 +377,7 @@ fn the_ring_reuses_its_slots_and_grows_only_for_kept_batches() {
     let mut loader = HostLoader::new(images.clone(), indices.clone(), &config).unwrap();
     let mut previous = None;
     let mut batches = 0;
-    while let Some(batch) = loader.next() {
+    for batch in loader.by_ref() {
         // Hold one batch while the next is taken, as a pipelined consumer does.
         previous = Some(batch.unwrap());
         batches += 1;

@@ -319,7 +319,7 @@ enum Source {
     /// taken ahead (as the trainer takes it), and the hand-off times: from "batch ready" to
     /// "tensors on the device" on the training thread, for batches that were ready.
     Jpeg {
-        loader: Loader<OdirImages>,
+        loader: Box<Loader<OdirImages>>,
         workers: usize,
         upcoming: Option<Batch>,
         handoff: Vec<f64>,
@@ -374,7 +374,7 @@ impl Source {
         let loader =
             Loader::on_device(images, indices, &config, device).context("starting the loader")?;
         Ok(Self::Jpeg {
-            loader,
+            loader: Box::new(loader),
             workers,
             upcoming: None,
             handoff: Vec::new(),
