@@ -5,6 +5,7 @@
 //! same shapes and dtypes (`num_batches_tracked` is int64). Loading checks every tensor first
 //! and changes nothing unless all of them match.
 
+use std::cmp::Ordering;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
 use std::io::Write;
@@ -50,7 +51,7 @@ pub enum CheckpointError {
     Mismatch {
         /// The file involved.
         path: PathBuf,
-        /// Every tensor that differs, sorted by name.
+        /// Every tensor that differs, sorted by name with [`natural_cmp`].
         problems: Vec<TensorProblem>,
     },
 }
@@ -103,11 +104,54 @@ pub struct TensorFile {
     pub metadata: HashMap<String, String>,
 }
 
-/// The model's tensors (parameters and buffers) sorted by name: the order every rank agrees on.
+/// The model's tensors (parameters and buffers) sorted by name with [`natural_cmp`]: the order
+/// every rank agrees on (`features.4.weight` before `features.12.weight`).
 pub fn named_tensors(vs: &VarStore) -> Vec<(String, Tensor)> {
     let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named.sort_by(|a, b| natural_cmp(&a.0, &b.0));
     named
+}
+
+/// Orders dotted state-dict names with numeric components compared as numbers.
+///
+/// The names are split at `.`; components are compared pairwise, and where both are non-empty
+/// runs of ASCII digits they compare by value (`layer.2` < `layer.10`), otherwise as strings. A
+/// name that is a prefix of the other (`a` < `a.b`) comes first. Digit runs of any length are
+/// compared without parsing, so no value overflows; names that differ only in leading zeros
+/// (`a.01` and `a.1`) are told apart by their plain string order, so two different names never
+/// compare equal and sorting gives the same sequence whatever order the names came in.
+///
+/// ```
+/// use ddp_model::checkpoint::natural_cmp;
+///
+/// let mut names = vec!["a.10.w", "a.2.w", "b", "a.1.w"];
+/// names.sort_by(|a, b| natural_cmp(a, b));
+/// assert_eq!(names, ["a.1.w", "a.2.w", "a.10.w", "b"]);
+/// ```
+pub fn natural_cmp(a: &str, b: &str) -> Ordering {
+    let mut ai = a.split('.');
+    let mut bi = b.split('.');
+    loop {
+        let ord = match (ai.next(), bi.next()) {
+            (None, None) => return a.cmp(b),
+            (None, Some(_)) => return Ordering::Less,
+            (Some(_), None) => return Ordering::Greater,
+            (Some(x), Some(y)) => match (digits(x), digits(y)) {
+                // Without leading zeros a longer run is a larger number; equal lengths compare
+                // digit by digit.
+                (Some(p), Some(q)) => p.len().cmp(&q.len()).then_with(|| p.cmp(q)),
+                _ => x.cmp(y),
+            },
+        };
+        if ord != Ordering::Equal {
+            return ord;
+        }
+    }
+}
+
+/// `s` without its leading zeros if it is a non-empty run of ASCII digits.
+fn digits(s: &str) -> Option<&str> {
+    (!s.is_empty() && s.bytes().all(|c| c.is_ascii_digit())).then(|| s.trim_start_matches('0'))
 }
 
 /// Writes the model's tensors to `path` atomically (see [`write_tensors`]).
@@ -155,7 +199,7 @@ pub fn load(
         }
     }
     if !problems.is_empty() {
-        problems.sort_by(|a, b| problem_name(a).cmp(problem_name(b)));
+        problems.sort_by(|a, b| natural_cmp(problem_name(a), problem_name(b)));
         return Err(CheckpointError::Mismatch {
             path: path.to_owned(),
             problems,
@@ -222,7 +266,7 @@ where
         path: path.to_owned(),
         reason: e.to_string(),
     })?;
-    write_atomically(path, &bytes)
+    write_atomic(path, &bytes).map_err(|source| io_error(path, source))
 }
 
 /// Reads every tensor of a safetensors file onto the CPU.
@@ -255,7 +299,16 @@ pub fn read_tensors(path: impl AsRef<Path>) -> Result<TensorFile, CheckpointErro
     Ok(TensorFile { tensors, metadata })
 }
 
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+/// Replaces the file at `path` with `bytes` so that a crash or power loss leaves either the old
+/// content or the new one, never a mix or a truncated file.
+///
+/// The bytes go to a hidden temporary file in the same folder (`.<name>.tmp-<pid>`, so the
+/// rename never crosses file systems), which is flushed to disk with `fsync` before it is
+/// renamed over `path`; the folder is then synced too, because the rename itself is durable only
+/// once the folder's entry is on disk. When this returns `Ok` the new content survives a crash.
+/// On error the temporary file is removed and `path` is untouched or already fully replaced
+/// (if only the final folder sync failed). The folder must exist.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
         _ => PathBuf::from("."),
@@ -274,10 +327,10 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
         // The rename is durable only once the folder's entry is on disk.
         File::open(&dir)?.sync_all()
     })();
-    result.map_err(|source| {
+    if result.is_err() {
         let _ = fs::remove_file(&tmp);
-        io_error(path, source)
-    })
+    }
+    result
 }
 
 fn io_error(path: &Path, source: std::io::Error) -> CheckpointError {
@@ -317,4 +370,123 @@ fn kind_of(dtype: Dtype) -> Option<Kind> {
         Dtype::BOOL => Kind::Bool,
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sorted(names: &[&str]) -> Vec<String> {
+        let mut v: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+        v.sort_by(|a, b| natural_cmp(a, b));
+        v
+    }
+
+    #[test]
+    fn natural_order_compares_digit_components_as_numbers() {
+        assert_eq!(
+            sorted(&["a.10.w", "a.2.w", "b", "a.1.w"]),
+            ["a.1.w", "a.2.w", "a.10.w", "b"]
+        );
+        assert_eq!(
+            sorted(&[
+                "features.12.weight",
+                "features.4.weight",
+                "classifier.3.bias",
+                "features.1.bias",
+            ]),
+            [
+                "classifier.3.bias",
+                "features.1.bias",
+                "features.4.weight",
+                "features.12.weight"
+            ]
+        );
+    }
+
+    #[test]
+    fn natural_order_edge_cases() {
+        // A prefix comes first; text compares as text, also against digits.
+        assert_eq!(natural_cmp("a", "a.b"), Ordering::Less);
+        assert_eq!(natural_cmp("a.b", "a"), Ordering::Greater);
+        assert_eq!(natural_cmp("a.10", "a.x"), Ordering::Less);
+        assert_eq!(natural_cmp("layer10", "layer9"), Ordering::Less);
+        // Runs longer than any integer type still compare by value.
+        assert_eq!(
+            natural_cmp("a.100000000000000000000000", "a.99999999999999999999999"),
+            Ordering::Greater
+        );
+        // Only identical names are equal; leading zeros are told apart, the order is total.
+        assert_eq!(natural_cmp("a.2.w", "a.2.w"), Ordering::Equal);
+        assert_eq!(natural_cmp("a.01", "a.1"), Ordering::Less);
+        assert_eq!(natural_cmp("a.1", "a.01"), Ordering::Greater);
+        assert_eq!(natural_cmp("a.01", "a.2"), Ordering::Less);
+        assert_eq!(sorted(&["a.1", "a.01", "a.001"]), ["a.001", "a.01", "a.1"]);
+    }
+
+    #[test]
+    fn named_tensors_are_in_natural_order() {
+        let vs = VarStore::new(Device::Cpu);
+        let root = vs.root();
+        // tch builds dotted names from path segments.
+        for path in [
+            vec!["b"],
+            vec!["a", "10", "w"],
+            vec!["a", "2", "w"],
+            vec!["a", "1", "w"],
+        ] {
+            let (last, parents) = path.split_last().unwrap();
+            let p = parents.iter().fold(root.clone(), |p, s| p / *s);
+            let _ = p.zeros(last, &[1]);
+        }
+        let names: Vec<String> = named_tensors(&vs).into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["a.1.w", "a.2.w", "a.10.w", "b"]);
+    }
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("ddp-model-unit-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn entries(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn write_atomic_creates_then_replaces_and_leaves_no_temporary_file() {
+        let dir = temp_dir("atomic");
+        let path = dir.join("state.json");
+        write_atomic(&path, b"first, longer content").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"first, longer content");
+        write_atomic(&path, b"second").unwrap();
+        // Replaced whole, not overwritten in place (which would leave the old tail).
+        assert_eq!(fs::read(&path).unwrap(), b"second");
+        assert_eq!(entries(&dir), ["state.json"]);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn write_atomic_failure_keeps_the_old_file_and_cleans_up() {
+        let dir = temp_dir("atomic-fail");
+        // Renaming a file over a non-empty folder fails after the temporary file was written.
+        let target = dir.join("occupied");
+        fs::create_dir(&target).unwrap();
+        fs::write(target.join("inside"), b"kept").unwrap();
+        let err = write_atomic(&target, b"new").unwrap_err();
+        assert_ne!(err.kind(), std::io::ErrorKind::NotFound, "{err}");
+        assert_eq!(entries(&dir), ["occupied"]);
+        assert_eq!(fs::read(target.join("inside")).unwrap(), b"kept");
+        // A missing folder is reported, not created.
+        let err = write_atomic(&dir.join("no-such-dir").join("f"), b"x").unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
+        fs::remove_dir_all(&dir).unwrap();
+    }
 }

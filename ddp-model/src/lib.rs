@@ -36,5 +36,5 @@
 pub mod checkpoint;
 mod convnet;
 
-pub use checkpoint::{CheckpointError, TensorProblem};
+pub use checkpoint::{natural_cmp, write_atomic, CheckpointError, TensorProblem};
 pub use convnet::{ConvNet, ConvNetConfig, ODIR_CLASSES};
