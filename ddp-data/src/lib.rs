@@ -19,7 +19,14 @@
 //! [`synthetic::generate`] writes a learnable ODIR-like folder, and [`split_by_patient`]
 //! makes a leak-free train/validation split.
 //!
+//! Features: `odir` (default) is everything ODIR-specific above (annotations, decoding,
+//! transforms, the split, the synthetic sample) and the image and spreadsheet crates it needs;
+//! `tch` (default) adds [`Loader`] and [`Batch`]. With neither, the crate is the generic
+//! loader ([`Dataset`], [`HostLoader`], [`memory`], [`rng`]) for any data set.
+//!
 //! ```
+//! # #[cfg(feature = "odir")]
+//! # fn main() -> Result<(), ddp_data::DataError> {
 //! use std::sync::Arc;
 //! use ddp_data::synthetic::{generate, SyntheticConfig};
 //! use ddp_data::{
@@ -39,36 +46,52 @@
 //!     assert_eq!(batch.targets().len(), 2 * 8);
 //! }
 //! # std::fs::remove_dir_all(&dir).ok();
-//! # Ok::<(), ddp_data::DataError>(())
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "odir"))]
+//! # fn main() {}
 //! ```
 #![warn(missing_docs)]
 
+#[cfg(feature = "odir")]
 pub mod annotations;
 pub mod crop;
 #[cfg(feature = "tch")]
 mod cuda;
+#[cfg(feature = "odir")]
 pub mod dataset;
+#[cfg(feature = "odir")]
 pub mod decode;
 mod error;
+#[cfg(feature = "odir")]
 pub mod images;
 pub mod loader;
 pub mod memory;
 pub mod rng;
 pub mod sample;
+#[cfg(feature = "odir")]
 mod scaled_jpeg;
+#[cfg(feature = "odir")]
 pub mod split;
+#[cfg(feature = "odir")]
 pub mod synthetic;
 #[cfg(feature = "tch")]
 pub mod tensor;
+#[cfg(feature = "odir")]
 pub mod transform;
 
+#[cfg(feature = "odir")]
 pub use annotations::{LabelMode, LabelSource, LABELS, LABEL_NAMES};
+#[cfg(feature = "odir")]
 pub use dataset::{Layout, OdirDataset, OdirOptions, Sample, SkippedImage};
 pub use error::DataError;
+#[cfg(feature = "odir")]
 pub use images::OdirImages;
 pub use loader::{default_workers, BatchIndices, HostBatch, HostLoader, InputRef, LoaderConfig};
 pub use sample::{Dataset, SampleLayout, Storage};
+#[cfg(feature = "odir")]
 pub use split::{all_indices, split_by_patient, Split};
 #[cfg(feature = "tch")]
 pub use tensor::{Batch, Loader};
+#[cfg(feature = "odir")]
 pub use transform::{Pipeline, Transform};

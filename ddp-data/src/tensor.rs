@@ -159,6 +159,8 @@ struct DeviceAffine {
 /// device, in index order.
 ///
 /// ```no_run
+/// # #[cfg(feature = "odir")]
+/// # fn main() -> Result<(), ddp_data::DataError> {
 /// use std::sync::Arc;
 /// use ddp_data::{Loader, LoaderConfig, OdirDataset, OdirImages, OdirOptions, Transform};
 /// let set = Arc::new(OdirDataset::open("data/odir".as_ref(), &OdirOptions::default())?);
@@ -169,7 +171,10 @@ struct DeviceAffine {
 ///     let batch = batch?;
 ///     assert_eq!(batch.inputs().size()[1..], [3, 224, 224]);
 /// }
-/// # Ok::<(), ddp_data::DataError>(())
+/// # Ok(())
+/// # }
+/// # #[cfg(not(feature = "odir"))]
+/// # fn main() {}
 /// ```
 #[derive(Debug)]
 pub struct Loader<D: Dataset> {

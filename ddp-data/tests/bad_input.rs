@@ -1,4 +1,5 @@
 //! Every kind of bad input gets its own error, naming the file, row, column or value.
+#![cfg(feature = "odir")]
 
 mod common;
 

@@ -1,4 +1,5 @@
 //! Unusual inputs decode to correct 8-bit RGB; broken ones are errors naming the file.
+#![cfg(feature = "odir")]
 
 mod common;
 

@@ -1,4 +1,5 @@
 //! Both ODIR layouts load, with the right labels, and splits keep patients together.
+#![cfg(feature = "odir")]
 
 mod common;
 

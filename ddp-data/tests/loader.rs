@@ -1,5 +1,6 @@
 //! The batch loader: index order, drop_last, determinism across worker counts, bounded
 //! prefetch, prompt shutdown, and worker errors that name the file.
+#![cfg(feature = "odir")]
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! The reduced-size JPEG path: same crop boxes as a full decode, nearly the same pixels, and
 //! the same errors for broken files.
+#![cfg(feature = "odir")]
 
 mod common;
 

@@ -1,4 +1,5 @@
 //! The synthetic ODIR sample: deterministic, in the redistribution layout, loadable.
+#![cfg(feature = "odir")]
 
 use ddp_data::synthetic::{generate, SyntheticConfig};
 use ddp_data::{LabelMode, LabelSource, Layout, OdirDataset, OdirOptions};

@@ -1,6 +1,6 @@
 //! The tch edge: batches become `[B, 3, H, W]` and `[B, 8]` f32 tensors with exactly the
 //! host values, as views of the ring (CPU) or through the byte path that CUDA uses.
-#![cfg(feature = "tch")]
+#![cfg(all(feature = "tch", feature = "odir"))]
 
 use std::sync::Arc;
 

@@ -271,6 +271,8 @@ pub fn gen_data_bin(root: &Path, given: Option<&Path>) -> Result<PathBuf> {
                 "-p",
                 "ddp-data",
                 "--no-default-features",
+                "--features",
+                "odir",
                 "--bin",
                 "ddp-gen-data",
             ],

@@ -3,8 +3,10 @@
 use std::path::Path;
 use std::process::Command;
 
-/// The names of every package in `package`'s normal and build dependency tree.
-fn dependency_names(package: &str) -> Vec<String> {
+/// The names of every package in `package`'s normal and build dependency tree, with the
+/// package's features chosen by `features` (e.g. `["--no-default-features"]`; empty for the
+/// defaults).
+fn dependency_names(package: &str, features: &[&str]) -> Vec<String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let out = Command::new(cargo)
@@ -19,6 +21,7 @@ fn dependency_names(package: &str) -> Vec<String> {
             "--prefix",
             "none",
         ])
+        .args(features)
         .output()
         .expect("cargo tree runs");
     assert!(
@@ -36,15 +39,26 @@ fn dependency_names(package: &str) -> Vec<String> {
 /// Asserts that `package`'s tree holds `witness` (so it really was listed) and none of
 /// `forbidden`, saying `why` otherwise.
 fn assert_tree_excludes(package: &str, witness: &str, forbidden: &[&str], why: &str) {
-    let deps = dependency_names(package);
+    assert_tree_with_features_excludes(package, &[], witness, forbidden, why);
+}
+
+/// [`assert_tree_excludes`] for `package` built with the feature options `features`.
+fn assert_tree_with_features_excludes(
+    package: &str,
+    features: &[&str],
+    witness: &str,
+    forbidden: &[&str],
+    why: &str,
+) {
+    let deps = dependency_names(package, features);
     assert!(
         deps.iter().any(|d| d == witness),
-        "unexpected tree of {package}: {deps:?}"
+        "unexpected tree of {package} {features:?}: {deps:?}"
     );
     for name in forbidden {
         assert!(
             !deps.iter().any(|d| d == name),
-            "{package} pulls in {name}, but {why}: {deps:?}"
+            "{package} {features:?} pulls in {name}, but {why}: {deps:?}"
         );
     }
 }
@@ -95,5 +109,30 @@ fn xtask_builds_nothing_heavy() {
             "plotters",
         ],
         "a fresh clone's first `cargo xtask` would compile it",
+    );
+}
+
+#[test]
+fn the_generic_data_loader_needs_no_image_or_spreadsheet_crate() {
+    let odir = [
+        "image",
+        "zune-jpeg",
+        "mozjpeg-sys",
+        "calamine",
+        "csv",
+        "fast_image_resize",
+    ];
+    // The names are spelled as cargo tree prints them: the default build has every one.
+    let full = dependency_names("ddp-data", &[]);
+    for name in odir {
+        assert!(full.iter().any(|d| d == name), "{name} not in {full:?}");
+    }
+    // `tch` is the witness that the feature options really reached ddp-data.
+    assert_tree_with_features_excludes(
+        "ddp-data",
+        &["--no-default-features", "--features", "tch"],
+        "tch",
+        &odir,
+        "ddp-data without its `odir` feature is the generic loader",
     );
 }

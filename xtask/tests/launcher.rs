@@ -56,7 +56,7 @@ fn ddp_gen_data() -> &'static Path {
             "ddp-data",
             "--no-default-features",
             "--features",
-            "tch",
+            "tch,odir",
             "--bin",
             "ddp-gen-data",
         ],

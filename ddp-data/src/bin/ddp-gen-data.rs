@@ -5,7 +5,8 @@
 //! ddp-gen-data --out DIR [--images N] [--size PX] [--seed S] [--quality Q]
 //! ```
 //!
-//! It needs no libtorch: `cargo build -p ddp-data --no-default-features --bin ddp-gen-data`.
+//! It needs no libtorch:
+//! `cargo build -p ddp-data --no-default-features --features odir --bin ddp-gen-data`.
 //! `cargo xtask gen-data` and the launcher's built-in sample run it. Exits with status 2 and
 //! the usage on a bad command line, 1 when the sample cannot be written.
 
