@@ -88,7 +88,7 @@ pub use error::DataError;
 #[cfg(feature = "odir")]
 pub use images::OdirImages;
 pub use loader::{default_workers, BatchIndices, HostBatch, HostLoader, InputRef, LoaderConfig};
-pub use sample::{Dataset, SampleLayout, Storage};
+pub use sample::{Dataset, SampleLayout, Storage, Subset};
 #[cfg(feature = "odir")]
 pub use split::{all_indices, split_by_patient, Split};
 #[cfg(feature = "tch")]

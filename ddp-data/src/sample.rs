@@ -143,6 +143,121 @@ pub trait Dataset: Send + Sync + 'static {
     }
 }
 
+/// The samples of a data set at chosen indices, in their order: sample `i` of the subset is
+/// sample `indices[i]` of the data set (torch's `torch.utils.data.Subset`).
+///
+/// Indices may repeat and come in any order. The layout, the worker state and the names in
+/// error messages are the data set's own. The loader keys a sample's random draws by the
+/// index it asks for, here the position in the subset: the same underlying sample gets other
+/// crops at another position, as it would in a different index list.
+///
+/// ```
+/// use ddp_data::sample::{Dataset, Input, SampleLayout, SampleOut, Subset};
+/// use ddp_data::{rng::SampleRng, DataError};
+///
+/// /// Sample i is the single value i.
+/// struct Count(usize);
+/// impl Dataset for Count {
+///     type Worker = ();
+///     fn len(&self) -> usize { self.0 }
+///     fn layout(&self) -> SampleLayout {
+///         SampleLayout { shape: vec![1], targets: 0, bytes: None }
+///     }
+///     fn worker(&self) {}
+///     fn write(&self, _: &mut (), i: usize, _: &mut SampleRng, out: SampleOut<'_>)
+///         -> Result<(), DataError> {
+///         let Input::F32(x) = out.input else { unreachable!("f32 storage") };
+///         x[0] = i as f32;
+///         Ok(())
+///     }
+/// }
+///
+/// let odd = Subset::new(Count(10), vec![1, 3, 5, 7, 9])?;
+/// assert_eq!(odd.len(), 5);
+/// assert!(matches!(
+///     Subset::new(Count(10), vec![2, 10]),
+///     Err(DataError::IndexOutOfRange { index: 10, len: 10 })
+/// ));
+/// # Ok::<(), DataError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Subset<D> {
+    dataset: D,
+    indices: Vec<usize>,
+}
+
+impl<D: Dataset> Subset<D> {
+    /// The samples `indices` of `dataset`, in that order.
+    ///
+    /// Fails with [`DataError::IndexOutOfRange`] naming the first index that is not below
+    /// `dataset.len()`, and that length.
+    pub fn new(dataset: D, indices: Vec<usize>) -> Result<Self, DataError> {
+        let len = dataset.len();
+        if let Some(&index) = indices.iter().find(|&&i| i >= len) {
+            return Err(DataError::IndexOutOfRange { index, len });
+        }
+        Ok(Self { dataset, indices })
+    }
+
+    /// The underlying data set.
+    pub fn dataset(&self) -> &D {
+        &self.dataset
+    }
+
+    /// The data set's index of each sample of the subset.
+    pub fn indices(&self) -> &[usize] {
+        &self.indices
+    }
+
+    /// The underlying data set and the indices, taken apart.
+    pub fn into_parts(self) -> (D, Vec<usize>) {
+        (self.dataset, self.indices)
+    }
+
+    fn inner(&self, index: usize) -> Result<usize, DataError> {
+        self.indices
+            .get(index)
+            .copied()
+            .ok_or(DataError::IndexOutOfRange {
+                index,
+                len: self.indices.len(),
+            })
+    }
+}
+
+impl<D: Dataset> Dataset for Subset<D> {
+    type Worker = D::Worker;
+
+    fn len(&self) -> usize {
+        self.indices.len()
+    }
+
+    fn layout(&self) -> SampleLayout {
+        self.dataset.layout()
+    }
+
+    fn worker(&self) -> Self::Worker {
+        self.dataset.worker()
+    }
+
+    fn write(
+        &self,
+        worker: &mut Self::Worker,
+        index: usize,
+        rng: &mut SampleRng,
+        out: SampleOut<'_>,
+    ) -> Result<(), DataError> {
+        self.dataset.write(worker, self.inner(index)?, rng, out)
+    }
+
+    fn describe(&self, index: usize) -> String {
+        match self.inner(index) {
+            Ok(inner) => self.dataset.describe(inner),
+            Err(_) => format!("sample {index}"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
