@@ -243,28 +243,15 @@ fn results(stdout: &[u8]) -> Results {
         .collect()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn run_ours(args: &Args, transport: Transport) -> Results {
-    let port = free_port();
+    let port = ddp_testkit::free_port();
+    let exe = std::env::current_exe().expect("the bench's own executable");
     let children: Vec<_> = (0..args.ranks)
         .map(|r| {
-            Command::new(std::env::current_exe().unwrap())
+            ddp_testkit::rank_command(&exe, r, args.ranks, port)
                 .args(std::env::args().skip(1))
                 .args(["--transport", &transport.to_string()])
                 .env(WORKER_ENV, "1")
-                .env("RANK", r.to_string())
-                .env("WORLD_SIZE", args.ranks.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("LOCAL_WORLD_SIZE", args.ranks.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
                 .env("DDP_RUN_ID", format!("bench-{port}"))
                 .stdout(Stdio::piped())
                 .spawn()

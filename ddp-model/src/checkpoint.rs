@@ -443,14 +443,6 @@ mod tests {
         assert_eq!(names, ["a.1.w", "a.2.w", "a.10.w", "b"]);
     }
 
-    fn temp_dir(name: &str) -> PathBuf {
-        let dir =
-            std::env::temp_dir().join(format!("ddp-model-unit-{name}-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
     fn entries(dir: &Path) -> Vec<String> {
         let mut v: Vec<String> = fs::read_dir(dir)
             .unwrap()
@@ -462,31 +454,31 @@ mod tests {
 
     #[test]
     fn write_atomic_creates_then_replaces_and_leaves_no_temporary_file() {
-        let dir = temp_dir("atomic");
+        let tmp = ddp_testkit::temp_dir("ddp-model-atomic");
+        let dir = tmp.path();
         let path = dir.join("state.json");
         write_atomic(&path, b"first, longer content").unwrap();
         assert_eq!(fs::read(&path).unwrap(), b"first, longer content");
         write_atomic(&path, b"second").unwrap();
         // Replaced whole, not overwritten in place (which would leave the old tail).
         assert_eq!(fs::read(&path).unwrap(), b"second");
-        assert_eq!(entries(&dir), ["state.json"]);
-        fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(entries(dir), ["state.json"]);
     }
 
     #[test]
     fn write_atomic_failure_keeps_the_old_file_and_cleans_up() {
-        let dir = temp_dir("atomic-fail");
+        let tmp = ddp_testkit::temp_dir("ddp-model-atomic-fail");
+        let dir = tmp.path();
         // Renaming a file over a non-empty folder fails after the temporary file was written.
         let target = dir.join("occupied");
         fs::create_dir(&target).unwrap();
         fs::write(target.join("inside"), b"kept").unwrap();
         let err = write_atomic(&target, b"new").unwrap_err();
         assert_ne!(err.kind(), std::io::ErrorKind::NotFound, "{err}");
-        assert_eq!(entries(&dir), ["occupied"]);
+        assert_eq!(entries(dir), ["occupied"]);
         assert_eq!(fs::read(target.join("inside")).unwrap(), b"kept");
         // A missing folder is reported, not created.
         let err = write_atomic(&dir.join("no-such-dir").join("f"), b"x").unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
-        fs::remove_dir_all(&dir).unwrap();
     }
 }

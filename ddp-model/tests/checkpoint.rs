@@ -1,18 +1,10 @@
 //! Checkpoint round trips and every way a checkpoint can fail to fit.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 use ddp_model::checkpoint::{self, CheckpointError, TensorProblem};
 use ddp_model::{ConvNet, ConvNetConfig};
 use tch::{nn, Device, Kind, Tensor};
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ddp-model-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 fn model(config: ConvNetConfig, seed: i64) -> (nn::VarStore, ConvNet) {
     tch::manual_seed(seed);
@@ -30,7 +22,8 @@ fn snapshot(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
 
 #[test]
 fn round_trip_restores_every_tensor_and_metadata() {
-    let dir = temp_dir("roundtrip");
+    let tmp = ddp_testkit::temp_dir("ddp-model-roundtrip");
+    let dir = tmp.path();
     let (vs, net) = model(ConvNetConfig::default(), 1);
     // Non-trivial running statistics and batch counters.
     let _ = net.forward_t(
@@ -53,7 +46,7 @@ fn round_trip_restores_every_tensor_and_metadata() {
         1
     );
     // The temporary file of the atomic write is gone.
-    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+    let leftovers: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
@@ -62,7 +55,8 @@ fn round_trip_restores_every_tensor_and_metadata() {
 
 #[test]
 fn another_models_checkpoint_names_tensor_and_shapes_and_loads_nothing() {
-    let dir = temp_dir("mismatch");
+    let tmp = ddp_testkit::temp_dir("ddp-model-mismatch");
+    let dir = tmp.path();
     let (other, _) = model(
         ConvNetConfig {
             num_classes: 2,
@@ -107,7 +101,8 @@ fn another_models_checkpoint_names_tensor_and_shapes_and_loads_nothing() {
 
 #[test]
 fn missing_unexpected_and_dtype_problems_are_all_reported() {
-    let dir = temp_dir("problems");
+    let tmp = ddp_testkit::temp_dir("ddp-model-problems");
+    let dir = tmp.path();
     let (vs, _) = model(ConvNetConfig::default(), 5);
     let mut tensors = checkpoint::named_tensors(&vs);
     tensors.retain(|(n, _)| n != "features.0.weight");
@@ -141,7 +136,8 @@ fn missing_unexpected_and_dtype_problems_are_all_reported() {
 
 #[test]
 fn corrupt_and_absent_files_are_errors_naming_the_file() {
-    let dir = temp_dir("corrupt");
+    let tmp = ddp_testkit::temp_dir("ddp-model-corrupt");
+    let dir = tmp.path();
     let (vs, _) = model(ConvNetConfig::default(), 6);
     let path = dir.join("m.safetensors");
     checkpoint::save(&vs, &path, &HashMap::new()).unwrap();
@@ -167,7 +163,8 @@ fn corrupt_and_absent_files_are_errors_naming_the_file() {
 
 #[test]
 fn overwriting_keeps_a_complete_file() {
-    let dir = temp_dir("overwrite");
+    let tmp = ddp_testkit::temp_dir("ddp-model-overwrite");
+    let dir = tmp.path();
     let path = dir.join("m.safetensors");
     let (a, _) = model(ConvNetConfig::default(), 7);
     let (b, _) = model(ConvNetConfig::default(), 8);

@@ -41,16 +41,10 @@ fn run_python(mode: &str, ckpt: &Path, io: &Path) -> String {
     stdout
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ddp-model-interop-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 #[test]
 fn pytorch_loads_a_rust_checkpoint_and_computes_the_same_outputs() {
-    let dir = temp_dir("rust-to-torch");
+    let tmp = ddp_testkit::temp_dir("ddp-model-interop-rust-to-torch");
+    let dir = tmp.path();
     tch::manual_seed(42);
     let vs = nn::VarStore::new(Device::Cpu);
     let net = ConvNet::new(&vs.root(), ConvNetConfig::default());
@@ -85,7 +79,8 @@ fn pytorch_loads_a_rust_checkpoint_and_computes_the_same_outputs() {
 
 #[test]
 fn rust_loads_a_pytorch_checkpoint_and_computes_the_same_outputs() {
-    let dir = temp_dir("torch-to-rust");
+    let tmp = ddp_testkit::temp_dir("ddp-model-interop-torch-to-rust");
+    let dir = tmp.path();
     let ckpt = dir.join("torch.safetensors");
     let io = dir.join("io.safetensors");
     let stdout = run_python("export", &ckpt, &io);
