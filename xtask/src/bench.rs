@@ -313,11 +313,7 @@ impl Ctx {
         let stdout = String::from_utf8_lossy(&out.stdout);
         stdout
             .lines()
-            .filter(|l| l.contains("\"reason\":\"compiler-artifact\""))
-            .filter(|l| l.contains("\"kind\":[\"bench\"]"))
-            .filter(|l| l.contains(&format!("\"name\":\"{name}\"")))
-            .find_map(|l| json_field(l, "executable"))
-            .map(PathBuf::from)
+            .find_map(|l| bench_executable(l, name))
             .with_context(|| format!("{line} reported no executable for bench {name}"))
     }
 
@@ -354,10 +350,7 @@ impl Ctx {
             .join("estimates.json");
         let text =
             fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-        let median = text
-            .find("\"median\"")
-            .map(|i| &text[i..])
-            .and_then(|t| json_number(t, "point_estimate"))
+        let median = median_point_estimate(&text)
             .with_context(|| format!("{} has no median point estimate", path.display()))?;
         Ok(median * 1e-9)
     }
@@ -507,23 +500,23 @@ fn tail(text: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// The string value of `"key":"..."` in one line of JSON (no escapes expected).
-fn json_field(line: &str, key: &str) -> Option<String> {
-    let pat = format!("\"{key}\":\"");
-    let start = line.find(&pat)? + pat.len();
-    let end = line[start..].find('"')?;
-    Some(line[start..start + end].to_string())
+/// The executable of bench target `name` if `line` is cargo's `compiler-artifact` message
+/// (`--message-format=json`) for it; `None` for any other line, JSON or not.
+fn bench_executable(line: &str, name: &str) -> Option<PathBuf> {
+    let msg: serde_json::Value = serde_json::from_str(line).ok()?;
+    let target = &msg["target"];
+    let is_bench = target["kind"]
+        .as_array()
+        .is_some_and(|kinds| kinds.iter().any(|k| k == "bench"));
+    (msg["reason"] == "compiler-artifact" && is_bench && target["name"] == name)
+        .then(|| msg["executable"].as_str().map(PathBuf::from))
+        .flatten()
 }
 
-/// The number after the first `"key":` in `text`.
-fn json_number(text: &str, key: &str) -> Option<f64> {
-    let pat = format!("\"{key}\":");
-    let start = text.find(&pat)? + pat.len();
-    let rest = &text[start..];
-    let end = rest
-        .find(|c: char| !(c.is_ascii_digit() || "+-.eE".contains(c)))
-        .unwrap_or(rest.len());
-    rest[..end].parse().ok()
+/// The median's point estimate in criterion's `estimates.json` (nanoseconds).
+fn median_point_estimate(estimates: &str) -> Option<f64> {
+    let v: serde_json::Value = serde_json::from_str(estimates).ok()?;
+    v["median"]["point_estimate"].as_f64()
 }
 
 /// The value of `key=value` in a whitespace-separated line.
@@ -1266,13 +1259,41 @@ mod tests {
         assert_eq!(kv(line, "rank"), Some("1"));
         assert_eq!(kv_f64(line, "images_per_sec"), Some(17.25));
         assert_eq!(kv(line, "images"), None);
-        let est = r#"{"mean":{"point_estimate":2.0},"median":{"confidence_interval":{"lower_bound":1.0},"point_estimate":6111294.8976}}"#;
-        let median = est.find("\"median\"").map(|i| &est[i..]).unwrap();
-        assert_eq!(json_number(median, "point_estimate"), Some(6111294.8976));
-        let art = r#"{"reason":"compiler-artifact","target":{"kind":["bench"],"name":"sampler"},"executable":"/t/release/deps/sampler-1a","fresh":true}"#;
+    }
+
+    #[test]
+    fn reads_the_median_of_criterions_estimates() {
+        // A real target/criterion/<id>/new/estimates.json (ddp-data's pipeline bench).
+        let est = r#"{"mean":{"confidence_interval":{"confidence_level":0.95,"lower_bound":2088834.874524359,"upper_bound":2288911.6957277},"point_estimate":2193771.5949371606,"standard_error":51360.55027308042},"median":{"confidence_interval":{"confidence_level":0.95,"lower_bound":2121140.476388889,"upper_bound":2363594.354166667},"point_estimate":2311712.284722222,"standard_error":79535.25508928086},"median_abs_dev":{"confidence_interval":{"confidence_level":0.95,"lower_bound":42280.83752853179,"upper_bound":353724.12491487834},"point_estimate":160025.01221353372,"standard_error":88667.10887949423},"slope":{"confidence_interval":{"confidence_level":0.95,"lower_bound":1956673.8867580288,"upper_bound":2226308.3223324213},"point_estimate":2094645.6584785134,"standard_error":69091.05081165876},"std_dev":{"confidence_interval":{"confidence_level":0.95,"lower_bound":148913.72526702748,"upper_bound":286715.9272199052},"point_estimate":235334.55434624478,"standard_error":35137.58363691713}}"#;
+        assert_eq!(median_point_estimate(est), Some(2311712.284722222));
+        // Whitespace and key order do not matter; an integer is a number too.
         assert_eq!(
-            json_field(art, "executable").as_deref(),
-            Some("/t/release/deps/sampler-1a")
+            median_point_estimate("{ \"median\" : { \"point_estimate\" : 12 },\n \"mean\": {} }"),
+            Some(12.0)
+        );
+        assert_eq!(
+            median_point_estimate(r#"{"mean":{"point_estimate":2.0}}"#),
+            None
+        );
+        assert_eq!(median_point_estimate("not json"), None);
+    }
+
+    #[test]
+    fn finds_the_bench_executable_in_cargos_messages() {
+        let art = r#"{"reason":"compiler-artifact","package_id":"path+file:///w/ddp-sampler#0.1.0","manifest_path":"/w/ddp-sampler/Cargo.toml","target":{"kind":["bench"],"crate_types":["bin"],"name":"sampler","src_path":"/w/ddp-sampler/benches/sampler.rs","edition":"2021","doc":false,"doctest":false,"test":false},"profile":{"opt_level":"3","debuginfo":1,"debug_assertions":false,"overflow_checks":false,"test":false},"features":[],"filenames":["/t/release/deps/sampler-1a"],"executable":"/t/release/deps/sampler-1a","fresh":true}"#;
+        assert_eq!(
+            bench_executable(art, "sampler"),
+            Some(PathBuf::from("/t/release/deps/sampler-1a"))
+        );
+        assert_eq!(bench_executable(art, "loader"), None);
+        // The library of the same package: an artifact, not a bench, no executable.
+        let lib = r#"{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"sampler"},"executable":null,"fresh":true}"#;
+        assert_eq!(bench_executable(lib, "sampler"), None);
+        let done = r#"{"reason":"build-finished","success":true}"#;
+        assert_eq!(bench_executable(done, "sampler"), None);
+        assert_eq!(
+            bench_executable("   Compiling sampler v0.1.0", "sampler"),
+            None
         );
     }
 
