@@ -125,6 +125,12 @@ impl cudaError_t {
     pub const cudaErrorNotReady: Self = Self(600);
 }
 
+/// The `ncclGetVersion` code of the oldest NCCL this crate works with: 2.13.0, the first release
+/// with every symbol [`crate::Nccl`] loads (`ncclGetLastError` and the `ncclRemoteError` result
+/// arrived in 2.13; `ncclAvg` and bfloat16 in 2.10). Newer releases keep these symbols, so any
+/// version at or above this one works; the tests check the capability, not one release.
+pub const MIN_VERSION_CODE: c_int = 21300;
+
 /// Formats an `ncclGetVersion` code (`major*10000 + minor*100 + patch` since 2.9) as
 /// `"major.minor.patch"`.
 pub fn version_string(code: c_int) -> String {
