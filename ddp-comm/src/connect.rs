@@ -242,9 +242,9 @@ fn accept_from<S, T>(
         match accept() {
             Ok((mut stream, from)) => match check(&mut stream) {
                 Ok(Ok((r, extra))) if r as usize == prev => return Ok((stream, extra)),
-                Ok(Ok((r, _))) => eprintln!("ddp-comm: rank {} dropped a ring connection from {from} claiming rank {r} (expected {prev})", plan.rank),
-                Ok(Err(why)) => eprintln!("ddp-comm: rank {} rejected a connection from {from}: {why}", plan.rank),
-                Err(e) => eprintln!("ddp-comm: rank {} rejected a connection from {from}: incomplete handshake ({e})", plan.rank),
+                Ok(Ok((r, _))) => tracing::warn!("ddp-comm: rank {} dropped a ring connection from {from} claiming rank {r} (expected {prev})", plan.rank),
+                Ok(Err(why)) => tracing::warn!("ddp-comm: rank {} rejected a connection from {from}: {why}", plan.rank),
+                Err(e) => tracing::warn!("ddp-comm: rank {} rejected a connection from {from}: incomplete handshake ({e})", plan.rank),
             },
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 if Instant::now() >= plan.deadline {

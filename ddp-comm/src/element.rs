@@ -62,7 +62,7 @@ mod sealed {
 ///
 /// Sealed: implemented for `u8`, `i8`, `i16`, `i32`, `i64`, `f32`, `f64`, types for which
 /// every bit pattern is a valid value.
-pub trait Element: sealed::Sealed + Copy + Send + Sync + PartialOrd + 'static {
+pub trait Element: sealed::Sealed + bytemuck::Pod + Send + Sync + PartialOrd + 'static {
     /// The matching [`DType`].
     const DTYPE: DType;
 }
@@ -100,36 +100,27 @@ macro_rules! float_element {
 }
 float_element!(f32 => F32, f64 => F64);
 
-/// Views a byte buffer as elements. Panics if the buffer is misaligned or not a whole
-/// number of elements: callers only pass tensor storage, `Vec<T>`-backed scratch and
-/// element-aligned offsets into them.
+/// Views a byte buffer as elements. Panics if a non-empty buffer is misaligned or not a
+/// whole number of elements: callers only pass tensor storage, `Vec<T>`-backed scratch and
+/// element-aligned offsets into them. An empty buffer is fine wherever it points (bytemuck
+/// would check the alignment of its pointer).
 fn cast_mut<T: Element>(bytes: &mut [u8]) -> &mut [T] {
-    // SAFETY: `T` is a sealed plain numeric type: every bit pattern is a valid `T`, and
-    // `align_to_mut` only returns a middle part that is correctly aligned for `T`.
-    let (head, body, tail) = unsafe { bytes.align_to_mut::<T>() };
-    assert!(
-        head.is_empty() && tail.is_empty(),
-        "buffer not aligned to its element type"
-    );
-    body
+    if bytes.is_empty() {
+        return &mut [];
+    }
+    bytemuck::cast_slice_mut(bytes)
 }
 
 fn cast<T: Element>(bytes: &[u8]) -> &[T] {
-    // SAFETY: as in `cast_mut`.
-    let (head, body, tail) = unsafe { bytes.align_to::<T>() };
-    assert!(
-        head.is_empty() && tail.is_empty(),
-        "buffer not aligned to its element type"
-    );
-    body
+    if bytes.is_empty() {
+        return &[];
+    }
+    bytemuck::cast_slice(bytes)
 }
 
 /// Views a typed slice as bytes.
 pub(crate) fn as_bytes_mut<T: Element>(values: &mut [T]) -> &mut [u8] {
-    let len = std::mem::size_of_val(values);
-    // SAFETY: `T` is a plain numeric type without padding; the byte view covers exactly the
-    // slice's memory and borrows it mutably for its lifetime.
-    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), len) }
+    bytemuck::cast_slice_mut(values)
 }
 
 fn reduce_typed<T: Arith>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {

@@ -396,7 +396,7 @@ impl ProcessGroup {
             self.op_timeout,
         )?;
         if self.rank == 0 {
-            println!(
+            tracing::info!(
                 "ddp-comm: NCCL {} initialised, {} ranks",
                 nccl::version()?,
                 self.world_size

@@ -229,7 +229,7 @@ fn accept_loop(
                     .map(|a| a.to_string())
                     .unwrap_or_default();
                 if let Err(why) = serve(stream, &token, &table) {
-                    eprintln!("ddp-comm: store dropped connection from {peer}: {why}");
+                    tracing::warn!("ddp-comm: store dropped connection from {peer}: {why}");
                 }
                 // Other handles (the server's list) must not keep the connection open.
                 let _ = closer.shutdown(Shutdown::Both);

@@ -43,7 +43,7 @@ use ddp_data::{Batch, Loader, LoaderConfig, OdirDataset, OdirImages, OdirOptions
 use ddp_model::{ConvNet, ConvNetConfig};
 use ddp_sampler::DistributedSampler;
 use ddp_train::optim::{Adam, AdamConfig};
-use ddp_train::{DdpOptions, DistributedDataParallel};
+use ddp_train::{DdpOptions, DeviceChoice, DistributedDataParallel};
 use tch::{nn, Device, Kind, Reduction, Tensor};
 
 /// Set in the environment of the rank processes this bench starts.
@@ -470,18 +470,12 @@ fn min_over_ranks(pg: &ProcessGroup, mine: &[f64]) -> Result<Vec<f64>> {
 fn worker(args: &Args) -> Result<()> {
     tch::set_num_threads(args.threads as i32);
     let env = ddp_comm::EnvConfig::from_env().context("reading the rank's environment")?;
-    let device = if args.device == "cuda" {
-        let loaded = ddp_comm::cuda::load_torch_cuda().unwrap_or(false);
-        if !(loaded && tch::Cuda::is_available()) {
-            bail!(
-                "--device cuda: CUDA is not available here ({})",
-                ddp_comm::cuda::no_gpu_reason().unwrap_or_else(|| "no device".into())
-            );
-        }
-        Device::Cuda(env.local_rank)
+    let choice = if args.device == "cuda" {
+        DeviceChoice::Cuda
     } else {
-        Device::Cpu
+        DeviceChoice::Cpu
     };
+    let device = choice.resolve(env.local_rank)?;
     let backend = if device.is_cuda() {
         Backend::Nccl
     } else {

@@ -1,21 +1,17 @@
-//! The trainer's settings: the `ddp-train` command line, also written to `config.json`.
+//! The `ddp-train` command line (feature `odir`): the ODIR application's flags, which become
+//! the generic Trainer's [`Settings`] and the [`crate::odir::OdirTask`]'s options, and are
+//! written to `config.json`.
 
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
-/// Which device a rank trains on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DeviceChoice {
-    /// `cuda:LOCAL_RANK` when CUDA is available, else the CPU.
-    Auto,
-    /// The CPU.
-    Cpu,
-    /// `cuda:LOCAL_RANK`; an error when CUDA is not available.
-    Cuda,
-}
+use crate::error::TrainError;
+use crate::optim::{AdamConfig, OptimizerConfig};
+use crate::scheduler::PlateauConfig;
+pub use crate::settings::DeviceChoice;
+use crate::settings::{Goal, Monitor, Plateau, Settings};
 
 /// Which labels to train on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -167,54 +163,68 @@ pub struct TrainConfig {
 
 impl TrainConfig {
     /// Checks the settings that can be checked without data or peers.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let invalid = |m: String| Err(TrainError::Invalid(m));
         let min = ddp_model::ConvNet::MIN_IMAGE_SIZE as u32;
         if self.image_size < min {
-            return Err(format!(
+            return invalid(format!(
                 "--image-size {} is too small: the ConvNet's four 2x poolings need at least {min}",
                 self.image_size
             ));
         }
-        if self.batch_size == 0 {
-            return Err("--batch-size must be at least 1".into());
-        }
         if !(self.dct_upsampling >= 1.0 && self.dct_upsampling.is_finite()) {
-            return Err(format!(
+            return invalid(format!(
                 "--dct-upsampling {} must be a number >= 1 (1 decodes exactly as torchvision)",
                 self.dct_upsampling
             ));
         }
-        if self.prefetch == Some(0) {
-            return Err("--prefetch must be at least 1".into());
-        }
-        if self.accumulate == 0 {
-            return Err("--accumulate must be at least 1".into());
-        }
-        if self.epochs == 0 {
-            return Err("--epochs must be at least 1".into());
-        }
         if !(0.0..1.0).contains(&self.dropout) {
-            return Err(format!("--dropout {} must be in [0, 1)", self.dropout));
-        }
-        if !(self.lr > 0.0 && self.lr.is_finite()) {
-            return Err(format!("--lr {} must be a positive number", self.lr));
+            return invalid(format!("--dropout {} must be in [0, 1)", self.dropout));
         }
         if !(self.min_crop_scale > 0.0 && self.min_crop_scale <= 1.0) {
-            return Err(format!(
+            return invalid(format!(
                 "--min-crop-scale {} must be in (0, 1]",
                 self.min_crop_scale
             ));
         }
-        if !(self.plateau_factor > 0.0 && self.plateau_factor < 1.0) {
-            return Err(format!(
-                "--plateau-factor {} must be in (0, 1)",
-                self.plateau_factor
-            ));
-        }
-        if self.resume.as_deref() == Some("latest") && self.out.is_none() {
-            return Err("--resume latest needs --out <run directory> to know which run".into());
-        }
-        Ok(())
+        self.settings().validate()
+    }
+
+    /// The generic Trainer's settings these flags stand for: Adam, `ReduceLROnPlateau` on
+    /// validation macro-F1, and the best macro-F1 and micro-F1 models kept.
+    pub fn settings(&self) -> Settings {
+        Settings::default()
+            .epochs(self.epochs)
+            .batch_size(self.batch_size)
+            .accumulate(self.accumulate)
+            .optimizer(OptimizerConfig::Adam(AdamConfig {
+                lr: self.lr,
+                weight_decay: self.weight_decay,
+                ..Default::default()
+            }))
+            .plateau(Some(Plateau {
+                metric: "val_macro_f1".into(),
+                goal: Goal::Max,
+                config: PlateauConfig {
+                    factor: self.plateau_factor,
+                    patience: self.plateau_patience,
+                    min_lr: self.min_lr,
+                    ..Default::default()
+                },
+            }))
+            .monitor(Monitor::max("val_macro_f1", "best-macro.safetensors"))
+            .monitor(Monitor::max("val_micro_f1", "best-micro.safetensors"))
+            .seed(self.seed)
+            .device(self.device)
+            .threads(self.threads)
+            .workers(self.workers)
+            .prefetch(self.prefetch)
+            .out(self.out.clone())
+            .resume(self.resume.clone())
+            .eval_only(self.eval_only)
+            .log_every(self.log_every)
+            .max_steps_per_epoch(self.max_steps_per_epoch)
+            .collective_timeout_secs(self.collective_timeout)
     }
 }
 

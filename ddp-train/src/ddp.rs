@@ -25,10 +25,10 @@
 //! backward has finished rather than while it runs; on CPU the contest is compute, not
 //! communication (see the README's measurements).
 
-use std::cmp::Ordering;
 use std::sync::Arc;
 
 use ddp_comm::{CommError, ProcessGroup, ReduceOp};
+use ddp_model::checkpoint::natural_cmp;
 use tch::{nn::VarStore, Kind, Tensor};
 
 /// Why a DDP operation failed.
@@ -201,28 +201,6 @@ fn split_named(vs: &VarStore) -> (Named, Named) {
     let mut all: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     all.sort_by(|a, b| natural_cmp(&a.0, &b.0));
     all.into_iter().partition(|(_, t)| t.requires_grad())
-}
-
-/// Orders dotted names with numeric components compared as numbers.
-pub fn natural_cmp(a: &str, b: &str) -> Ordering {
-    let mut ai = a.split('.');
-    let mut bi = b.split('.');
-    loop {
-        match (ai.next(), bi.next()) {
-            (None, None) => return Ordering::Equal,
-            (None, Some(_)) => return Ordering::Less,
-            (Some(_), None) => return Ordering::Greater,
-            (Some(x), Some(y)) => {
-                let ord = match (x.parse::<u64>(), y.parse::<u64>()) {
-                    (Ok(p), Ok(q)) => p.cmp(&q),
-                    _ => x.cmp(y),
-                };
-                if ord != Ordering::Equal {
-                    return ord;
-                }
-            }
-        }
-    }
 }
 
 fn describe(kind: &str, named: &[(String, Tensor)]) -> Vec<String> {

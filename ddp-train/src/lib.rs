@@ -4,10 +4,15 @@
 //!   verifies the ranks hold the same model, broadcasts rank 0's weights, broadcasts
 //!   BatchNorm buffers before each training forward, and averages gradients with bucketed
 //!   all-reduces after backward (PyTorch's `DistributedDataParallel`).
-//! - [`Trainer`] runs epochs of the ConvNet on ODIR-5K: rank-sharded sampling with the epoch
-//!   advanced by the trainer, Adam, BCE-with-logits, exact distributed evaluation (per-class,
-//!   macro and micro F1), `ReduceLROnPlateau`, best-model tracking, atomic checkpoints and
-//!   exact resume. The `ddp-train` binary is one rank.
+//! - [`Trainer`] trains any [`Task`] (a tch model, a [`ddp_data::Dataset`], a loss and
+//!   evaluation [`Stats`] that add up across ranks): rank-sharded sampling with the epoch
+//!   advanced by the trainer, gradient accumulation, Adam or SGD with checkpointable state,
+//!   exact distributed evaluation, `ReduceLROnPlateau`, best-model files, atomic checkpoints
+//!   and exact resume (also after a launcher's restart), and a run directory with
+//!   `metrics.jsonl`, `curves.png` and per-rank logs. [`Settings`] has defaults and a builder.
+//! - With the `odir` feature (default), [`odir::OdirTask`] is the ConvNet on ODIR-5K, and the
+//!   `ddp-train` binary (one rank) is its command line. Without default features the crate
+//!   compiles neither the image stack, nor clap, nor plotting (`plot` feature).
 //!
 //! A one-rank DDP on the CPU (more ranks are more processes with torchrun's environment):
 //!
@@ -31,16 +36,33 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "odir")]
 pub mod config;
 pub mod ddp;
+pub mod error;
+pub mod logging;
 pub mod malloc;
 pub mod metrics;
+#[cfg(feature = "odir")]
+pub mod odir;
 pub mod optim;
+#[cfg(feature = "plot")]
 pub mod plot;
 pub mod scheduler;
+pub mod settings;
 pub mod state;
+pub mod task;
 pub mod trainer;
 
+#[cfg(feature = "odir")]
 pub use config::TrainConfig;
 pub use ddp::{DdpError, DdpOptions, DistributedDataParallel};
-pub use trainer::{EpochMetrics, EvalMetrics, Trainer};
+pub use error::TrainError;
+pub use settings::{DeviceChoice, Goal, Monitor, Plateau, Settings};
+pub use task::{NoStats, Stats, Task};
+pub use trainer::{EpochReport, EvalReport, Trainer};
+
+/// The README's Rust blocks ("Use the crates in your project"), compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;

@@ -1,28 +1,14 @@
-//! `curves.png`: training and validation loss, and validation macro/micro F1, per epoch.
+//! `curves.png`: training and validation loss, and the monitored metrics, per epoch.
 
 use std::path::Path;
 use std::sync::OnceLock;
 
+use image::ImageEncoder;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
-/// A curve: its legend, colour and the value it plots.
-type Series = (&'static str, RGBColor, fn(&EpochPoint) -> f64);
-
-/// One epoch's numbers, as plotted.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct EpochPoint {
-    /// Epoch number.
-    pub epoch: u64,
-    /// Mean training loss.
-    pub train_loss: f64,
-    /// Mean validation loss.
-    pub val_loss: f64,
-    /// Validation macro-F1.
-    pub macro_f1: f64,
-    /// Validation micro-F1.
-    pub micro_f1: f64,
-}
+use crate::error::TrainError;
+use crate::trainer::EpochReport;
 
 /// Font files tried for the labels, in order (plotters draws text only with a registered
 /// font; these ship with common Linux distributions).
@@ -51,41 +37,73 @@ fn font_available() -> bool {
     })
 }
 
-/// Draws the curves of `points` into `path` (PNG, 1000x420): losses on the left, F1 on the
-/// right. Written to a temporary file and renamed, so readers never see half a picture.
-pub fn draw_curves(points: &[EpochPoint], path: &Path) -> Result<(), String> {
-    let tmp = path.with_extension("png.tmp.png");
-    draw(points, &tmp).map_err(|e| format!("cannot draw {}: {e}", path.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
+/// Width and height of `curves.png`.
+const SIZE: (u32, u32) = (1000, 420);
+
+/// Draws the curves of `reports` into `path` (PNG, 1000x420): losses on the left, the
+/// `metrics` named (each a number in the reports) on the right. Drawn in memory and written
+/// with [`ddp_model::checkpoint::write_atomic`], so readers never see half a picture.
+pub fn draw_curves(
+    reports: &[EpochReport],
+    metrics: &[String],
+    path: &Path,
+) -> Result<(), TrainError> {
+    let cannot_draw =
+        |e: String| TrainError::Invalid(format!("cannot draw {}: {e}", path.display()));
+    let mut rgb = vec![0u8; (SIZE.0 * SIZE.1 * 3) as usize];
+    draw(reports, metrics, &mut rgb).map_err(|e| cannot_draw(e.to_string()))?;
+    let mut png = Vec::new();
+    image::codecs::png::PngEncoder::new(&mut png)
+        .write_image(&rgb, SIZE.0, SIZE.1, image::ExtendedColorType::Rgb8)
+        .map_err(|e| cannot_draw(e.to_string()))?;
+    ddp_model::checkpoint::write_atomic(path, &png)
+        .map_err(|e| TrainError::io(format!("cannot write {}", path.display()), e))
 }
 
-fn draw(points: &[EpochPoint], path: &Path) -> Result<(), Box<dyn std::error::Error>> {
+const COLOURS: [RGBColor; 6] = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+
+/// What a curve is called and where its values come from.
+type Curve = (String, Vec<(f64, f64)>);
+
+fn curve(reports: &[EpochReport], label: &str, metric: &str) -> Curve {
+    let points = reports
+        .iter()
+        .filter_map(|r| Some((r.epoch as f64, r.metric(metric)?)))
+        .filter(|(_, v)| v.is_finite())
+        .collect();
+    (label.to_owned(), points)
+}
+
+fn draw<'a>(
+    reports: &[EpochReport],
+    metrics: &[String],
+    rgb: &'a mut [u8],
+) -> Result<(), Box<dyn std::error::Error + 'a>> {
     let text = font_available();
-    let root = BitMapBackend::new(path, (1000, 420)).into_drawing_area();
+    let root = BitMapBackend::with_buffer(rgb, SIZE).into_drawing_area();
     root.fill(&WHITE)?;
     let (left, right) = root.split_horizontally(500);
-    let last_epoch = points.iter().map(|p| p.epoch).max().unwrap_or(1).max(1) as f64;
-    let first_epoch = points.iter().map(|p| p.epoch).min().unwrap_or(0) as f64;
+    let last_epoch = reports.iter().map(|p| p.epoch).max().unwrap_or(1).max(1) as f64;
+    let first_epoch = reports.iter().map(|p| p.epoch).min().unwrap_or(0) as f64;
     let x_range = first_epoch..last_epoch.max(first_epoch + 1.0);
 
-    let losses = points
-        .iter()
-        .flat_map(|p| [p.train_loss, p.val_loss])
-        .filter(|v| v.is_finite());
-    let max_loss = losses.fold(0.0f64, f64::max).max(1e-3) * 1.1;
-    let series_loss: [Series; 2] = [
-        ("train loss", BLUE, |p| p.train_loss),
-        ("validation loss", RED, |p| p.val_loss),
+    let losses = vec![
+        curve(reports, "train loss", "train_loss"),
+        curve(reports, "validation loss", "val_loss"),
     ];
-    let series_f1: [Series; 2] = [
-        ("validation macro-F1", GREEN, |p| p.macro_f1),
-        ("validation micro-F1", MAGENTA, |p| p.micro_f1),
+    let others: Vec<Curve> = metrics.iter().map(|m| curve(reports, m, m)).collect();
+    let top = |curves: &[Curve], floor: f64| {
+        curves
+            .iter()
+            .flat_map(|(_, p)| p.iter().map(|&(_, v)| v))
+            .fold(floor, f64::max)
+            * 1.1
+    };
+    let panels = [
+        (left, "loss", top(&losses, 1e-3), losses),
+        (right, "metrics", top(&others, 1.0 / 1.1), others),
     ];
-
-    for (area, title, y_max, series) in [
-        (left, "loss", max_loss, series_loss),
-        (right, "F1", 1.0, series_f1),
-    ] {
+    for (area, title, y_max, curves) in panels {
         let mut builder = ChartBuilder::on(&area);
         builder
             .margin(12)
@@ -105,21 +123,23 @@ fn draw(points: &[EpochPoint], path: &Path) -> Result<(), Box<dyn std::error::Er
                 .y_labels(0);
         }
         mesh.draw()?;
-        for (name, colour, value) in series {
-            let line = points.iter().map(|p| (p.epoch as f64, value(p)));
-            let drawn = chart.draw_series(LineSeries::new(line, colour.stroke_width(2)))?;
-            if text {
+        let labelled = text && curves.iter().any(|(_, p)| !p.is_empty());
+        for (k, (name, points)) in curves.into_iter().enumerate() {
+            let colour = COLOURS[k % COLOURS.len()];
+            let drawn =
+                chart.draw_series(LineSeries::new(points.clone(), colour.stroke_width(2)))?;
+            if labelled {
                 drawn.label(name).legend(move |(x, y)| {
                     PathElement::new(vec![(x, y), (x + 16, y)], colour.stroke_width(2))
                 });
             }
             chart.draw_series(
                 points
-                    .iter()
-                    .map(|p| Circle::new((p.epoch as f64, value(p)), 3, colour.filled())),
+                    .into_iter()
+                    .map(|p| Circle::new(p, 3, colour.filled())),
             )?;
         }
-        if text {
+        if labelled {
             chart
                 .configure_series_labels()
                 .background_style(WHITE.mix(0.8))
@@ -141,23 +161,31 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("ddp-train-plot-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("curves.png");
-        let points: Vec<EpochPoint> = (1..=4)
-            .map(|e| EpochPoint {
+        let points: Vec<EpochReport> = (1..=4)
+            .map(|e| EpochReport {
                 epoch: e,
                 train_loss: 1.0 / e as f64,
-                val_loss: 1.2 / e as f64,
-                macro_f1: 0.2 * e as f64,
-                micro_f1: 0.15 * e as f64,
+                val_loss: Some(1.2 / e as f64),
+                metrics: serde_json::json!({"val_f1": 0.2 * e as f64})
+                    .as_object()
+                    .unwrap()
+                    .clone(),
+                lr: 1e-3,
+                images_per_sec: 10.0,
+                epoch_seconds: 1.0,
+                steps: 3,
+                world_size: 2,
             })
             .collect();
-        draw_curves(&points, &path).unwrap();
+        let metrics = ["val_f1".to_string()];
+        draw_curves(&points, &metrics, &path).unwrap();
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
         // IHDR: width and height, big-endian, at bytes 16..24.
         assert_eq!(u32::from_be_bytes(bytes[16..20].try_into().unwrap()), 1000);
         assert_eq!(u32::from_be_bytes(bytes[20..24].try_into().unwrap()), 420);
         // A single point (the first epoch) draws too.
-        draw_curves(&points[..1], &path).unwrap();
+        draw_curves(&points[..1], &metrics, &path).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -4,20 +4,22 @@
 //!
 //! - `epoch-NNNN.safetensors`: the model alone, with PyTorch's state-dict names, loadable by
 //!   `ddp_model::checkpoint::load` and by PyTorch's `load_state_dict(strict=True)`;
-//! - `epoch-NNNN.state.safetensors`: Adam's moments (`exp_avg.<param>`, `exp_avg_sq.<param>`)
-//!   and, in the header's metadata under `train_state`, the JSON of [`TrainState`].
+//! - `epoch-NNNN.state.safetensors`: the optimizer's tensors (Adam's `exp_avg.<param>` and
+//!   `exp_avg_sq.<param>`, SGD's `momentum_buffer.<param>`) and, in the header's metadata
+//!   under `train_state`, the JSON of [`TrainState`].
 //!
 //! Then `latest` (a one-line file naming `epoch-NNNN`) is replaced atomically. A crash at any
 //! point leaves `latest` naming a complete checkpoint.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use ddp_model::checkpoint;
 use serde::{Deserialize, Serialize};
 use tch::nn::VarStore;
 
-use crate::optim::Adam;
+use crate::error::TrainError;
+use crate::optim::Optimizer;
 use crate::scheduler::ReduceLrOnPlateau;
 
 /// The metadata key that holds [`TrainState`]'s JSON.
@@ -38,15 +40,15 @@ pub struct TrainState {
     /// The last completed epoch (the next run starts at `epoch + 1`).
     pub epoch: u64,
     /// Optimizer steps taken in total.
-    pub adam_steps: i64,
+    #[serde(alias = "adam_steps")]
+    pub optimizer_steps: i64,
     /// The learning rate for the next epoch.
     pub lr: f64,
-    /// The scheduler's history.
-    pub scheduler: ReduceLrOnPlateau,
-    /// Best validation macro-F1 so far.
-    pub best_macro: Option<Best>,
-    /// Best validation micro-F1 so far.
-    pub best_micro: Option<Best>,
+    /// The scheduler's history, when the run has one.
+    pub scheduler: Option<ReduceLrOnPlateau>,
+    /// The best value of each monitor so far, by the monitor's file name.
+    #[serde(default)]
+    pub bests: BTreeMap<String, Best>,
     /// The run's seed (every random draw derives from it and the epoch and step).
     pub seed: u64,
     /// The settings the run was started with, as JSON.
@@ -74,21 +76,26 @@ pub fn state_path(model_path: &Path) -> PathBuf {
 
 /// Writes the checkpoint of `state.epoch` and then points `latest` at it. Returns the model
 /// file's path.
-pub fn save(run: &Path, vs: &VarStore, adam: &Adam, state: &TrainState) -> Result<PathBuf, String> {
+pub fn save(
+    run: &Path,
+    vs: &VarStore,
+    optimizer: &Optimizer,
+    state: &TrainState,
+) -> Result<PathBuf, TrainError> {
     let dir = checkpoint_dir(run);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| TrainError::io(format!("cannot create {}", dir.display()), e))?;
     let model_path = dir.join(format!("{}.safetensors", stem(state.epoch)));
     let meta = HashMap::from([("epoch".to_owned(), state.epoch.to_string())]);
-    checkpoint::save(vs, &model_path, &meta).map_err(|e| e.to_string())?;
+    checkpoint::save(vs, &model_path, &meta)?;
     pause_if_injected(state.epoch);
-    let json = serde_json::to_string(state).map_err(|e| e.to_string())?;
+    let json = serde_json::to_string(state)
+        .map_err(|e| TrainError::context("encoding the training state", e))?;
     let meta = HashMap::from([(STATE_KEY.to_owned(), json)]);
-    checkpoint::write_tensors(adam.state_tensors(), &meta, state_path(&model_path))
-        .map_err(|e| e.to_string())?;
-    let tmp = dir.join(".latest.tmp");
-    write_synced(&tmp, format!("{}\n", stem(state.epoch)).as_bytes())
-        .and_then(|()| std::fs::rename(&tmp, dir.join("latest")))
-        .map_err(|e| format!("cannot update {}: {e}", dir.join("latest").display()))?;
+    checkpoint::write_tensors(optimizer.state_tensors(), &meta, state_path(&model_path))?;
+    let latest = dir.join("latest");
+    checkpoint::write_atomic(&latest, format!("{}\n", stem(state.epoch)).as_bytes())
+        .map_err(|e| TrainError::io(format!("cannot update {}", latest.display()), e))?;
     Ok(model_path)
 }
 
@@ -97,55 +104,62 @@ pub fn save(run: &Path, vs: &VarStore, adam: &Adam, state: &TrainState) -> Resul
 /// state file and `latest` not yet), so a test can kill it there.
 fn pause_if_injected(epoch: u64) {
     if std::env::var("DDP_TRAIN_PAUSE_IN_CHECKPOINT").is_ok_and(|e| e == epoch.to_string()) {
-        eprintln!("pausing inside the checkpoint of epoch {epoch} (DDP_TRAIN_PAUSE_IN_CHECKPOINT)");
+        tracing::warn!(
+            "pausing inside the checkpoint of epoch {epoch} (DDP_TRAIN_PAUSE_IN_CHECKPOINT)"
+        );
         std::thread::sleep(std::time::Duration::from_secs(60));
     }
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    let mut f = std::fs::File::create(path)?;
-    f.write_all(bytes)?;
-    f.sync_all()
-}
-
 /// Finds the model file that `--resume` names: `latest` (in `run`) or a path.
-pub fn resolve(resume: &str, run: Option<&Path>) -> Result<PathBuf, String> {
+pub fn resolve(resume: &str, run: Option<&Path>) -> Result<PathBuf, TrainError> {
     if resume == "latest" {
-        let run = run.ok_or("--resume latest needs --out <run directory>")?;
+        let run = run.ok_or_else(|| {
+            TrainError::Invalid("--resume latest needs --out <run directory>".into())
+        })?;
         let pointer = checkpoint_dir(run).join("latest");
         let name = std::fs::read_to_string(&pointer).map_err(|_| {
-            format!(
+            TrainError::Invalid(format!(
                 "nothing to resume: {} does not exist (no epoch of this run has finished); \
                  start without --resume",
                 pointer.display()
-            )
+            ))
         })?;
         return Ok(checkpoint_dir(run).join(format!("{}.safetensors", name.trim())));
     }
     let path = PathBuf::from(resume);
     if !path.is_file() {
-        return Err(format!("--resume {resume}: no such checkpoint file"));
+        return Err(TrainError::Invalid(format!(
+            "--resume {resume}: no such checkpoint file"
+        )));
     }
     Ok(path)
 }
 
-/// Loads the checkpoint whose model file is `model_path` into `vs` and `adam`, and returns
-/// its state. Everything is checked before anything changes.
-pub fn load(model_path: &Path, vs: &VarStore, adam: &mut Adam) -> Result<TrainState, String> {
+/// Loads the checkpoint whose model file is `model_path` into `vs` and `optimizer`, and
+/// returns its state. Everything is checked before anything changes.
+pub fn load(
+    model_path: &Path,
+    vs: &VarStore,
+    optimizer: &mut Optimizer,
+) -> Result<TrainState, TrainError> {
     let state_file = state_path(model_path);
-    let file = checkpoint::read_tensors(&state_file).map_err(|e| e.to_string())?;
+    let file = checkpoint::read_tensors(&state_file)?;
     let json = file.metadata.get(STATE_KEY).ok_or_else(|| {
-        format!(
+        TrainError::Invalid(format!(
             "{} is not a training-state file (no '{STATE_KEY}' metadata)",
             state_file.display()
-        )
+        ))
     })?;
-    let state: TrainState = serde_json::from_str(json)
-        .map_err(|e| format!("{}: unreadable training state: {e}", state_file.display()))?;
+    let state: TrainState = serde_json::from_str(json).map_err(|e| {
+        TrainError::Invalid(format!(
+            "{}: unreadable training state: {e}",
+            state_file.display()
+        ))
+    })?;
     // Check the optimizer state against the model before loading either.
     let mut problems = Vec::new();
-    for (name, t) in adam.state_tensors() {
+    for (name, t) in optimizer.state_tensors() {
         match file.tensors.get(&name) {
             None => problems.push(format!("'{name}' is missing")),
             Some(f) if f.size() != t.size() => problems.push(format!(
@@ -157,14 +171,15 @@ pub fn load(model_path: &Path, vs: &VarStore, adam: &mut Adam) -> Result<TrainSt
         }
     }
     if !problems.is_empty() {
-        return Err(format!(
+        return Err(TrainError::Invalid(format!(
             "{} does not fit this model: {}",
             state_file.display(),
             problems.join("; ")
-        ));
+        )));
     }
-    checkpoint::load(vs, model_path).map_err(|e| e.to_string())?;
-    adam.load_state(&file.tensors, state.adam_steps)
-        .map_err(|e| format!("{}: {e}", state_file.display()))?;
+    checkpoint::load(vs, model_path)?;
+    optimizer
+        .load_state(&file.tensors, state.optimizer_steps)
+        .map_err(|e| TrainError::Invalid(format!("{}: {e}", state_file.display())))?;
     Ok(state)
 }

@@ -1,54 +1,51 @@
-//! The Trainer: epochs of distributed training and exact distributed evaluation.
+//! The Trainer: epochs of distributed training and exact distributed evaluation of any
+//! [`Task`].
 //!
 //! Per epoch, on every rank, the collectives come in this fixed order: for each step,
 //! a buffer broadcast before each forward and one gradient all-reduce per optimizer step;
 //! then one all-reduce of the epoch's loss and sample counts; then one all-reduce of the
-//! validation counts. Rank 0 alone writes files and prints progress, between epochs.
+//! validation statistics. Rank 0 alone writes files and prints progress, between epochs.
 
+use std::collections::BTreeMap;
 use std::fs::OpenOptions;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
-use ddp_comm::{ProcessGroup, ReduceOp};
-use ddp_data::{
-    split_by_patient, Batch, LabelMode, Loader, LoaderConfig, OdirDataset, OdirImages, OdirOptions,
-    Transform,
-};
-use ddp_model::{checkpoint, ConvNet, ConvNetConfig, ODIR_CLASSES};
+use ddp_comm::{EnvConfig, ProcessGroup, ReduceOp};
+use ddp_data::{Batch, Dataset, Loader, LoaderConfig};
+use ddp_model::checkpoint;
 use ddp_sampler::{DistributedSampler, Partition};
 use indicatif::{ProgressBar, ProgressStyle};
-use serde::Serialize;
-use tch::{nn, Device, Kind, Reduction, Tensor};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use tch::{nn, Device, Kind, Tensor};
 
-use crate::config::{DeviceChoice, Labels, TrainConfig};
 use crate::ddp::{DdpOptions, DistributedDataParallel};
-use crate::metrics::Confusion;
-use crate::optim::{Adam, AdamConfig};
-use crate::plot::{draw_curves, EpochPoint};
-use crate::scheduler::{PlateauConfig, ReduceLrOnPlateau};
+use crate::error::{Context, TrainError};
+use crate::optim::Optimizer;
+use crate::scheduler::ReduceLrOnPlateau;
+use crate::settings::{Goal, Settings};
 use crate::state::{self, Best, TrainState};
+use crate::task::{Stats, Task};
 
-/// One line of `metrics.jsonl`.
-#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
-pub struct EpochMetrics {
+/// One epoch's results: a line of `metrics.jsonl`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EpochReport {
     /// Epoch number (from 1).
     pub epoch: u64,
     /// Mean training loss over every sample of every rank.
     pub train_loss: f64,
-    /// Mean validation loss over the whole validation split.
-    pub val_loss: f64,
-    /// Validation macro-F1.
-    pub val_macro_f1: f64,
-    /// Validation micro-F1.
-    pub val_micro_f1: f64,
-    /// Validation F1 of each class, in N D G C A H M O order.
-    pub val_f1_per_class: Vec<f64>,
+    /// Mean validation loss over the whole validation split (none without validation data).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+    /// The task's validation metrics ([`Stats::report`]).
+    #[serde(flatten)]
+    pub metrics: Map<String, Value>,
     /// Learning rate used in this epoch.
     pub lr: f64,
-    /// Training images per second, all ranks together.
+    /// Training samples per second, all ranks together.
     pub images_per_sec: f64,
     /// Wall time of the epoch (training and evaluation).
     pub epoch_seconds: f64,
@@ -58,57 +55,54 @@ pub struct EpochMetrics {
     pub world_size: usize,
 }
 
-/// The result of `--eval-only`.
-#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
-pub struct EvalMetrics {
+impl EpochReport {
+    /// A number of the report by name: `train_loss`, `val_loss`, `lr` or a task metric.
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        match name {
+            "train_loss" => Some(self.train_loss),
+            "val_loss" => self.val_loss,
+            "lr" => Some(self.lr),
+            _ => self.metrics.get(name)?.as_f64(),
+        }
+    }
+}
+
+/// The result of [`Trainer::evaluate`]: the whole validation split's loss and metrics.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EvalReport {
     /// Mean validation loss.
     pub val_loss: f64,
-    /// Validation macro-F1.
-    pub val_macro_f1: f64,
-    /// Validation micro-F1.
-    pub val_micro_f1: f64,
-    /// Validation F1 of each class.
-    pub val_f1_per_class: Vec<f64>,
-    /// True positives per class over the whole split.
-    pub tp: Vec<i64>,
-    /// False positives per class.
-    pub fp: Vec<i64>,
-    /// False negatives per class.
-    pub fn_: Vec<i64>,
+    /// The task's metrics ([`Stats::report`] and [`Stats::details`]).
+    #[serde(flatten)]
+    pub metrics: Map<String, Value>,
     /// Ranks that evaluated.
     pub world_size: usize,
 }
 
-/// The data a run trains and evaluates on.
-struct Data {
-    train_set: Arc<OdirDataset>,
-    train: Vec<usize>,
-    val_set: Arc<OdirDataset>,
-    val: Vec<usize>,
-}
-
-/// A rank's whole training run.
-pub struct Trainer {
-    config: TrainConfig,
+/// A rank's whole training run of a [`Task`].
+pub struct Trainer<T: Task> {
+    task: T,
+    settings: Settings,
     pg: Arc<ProcessGroup>,
     device: Device,
+    threads: usize,
     out: PathBuf,
-    data: Data,
     vs: nn::VarStore,
-    net: ConvNet,
+    model: T::Model,
     ddp: DistributedDataParallel,
-    adam: Adam,
-    scheduler: ReduceLrOnPlateau,
+    optimizer: Optimizer,
+    scheduler: Option<ReduceLrOnPlateau>,
     start_epoch: u64,
-    best_macro: Option<Best>,
-    best_micro: Option<Best>,
-    history: Vec<EpochPoint>,
+    bests: BTreeMap<String, Best>,
+    history: Vec<EpochReport>,
     log: RankLog,
+    train_set: T::Data,
+    val_set: Option<T::Data>,
     train_sampler: DistributedSampler,
-    val_sampler: DistributedSampler,
+    val_sampler: Option<DistributedSampler>,
 }
 
-impl std::fmt::Debug for Trainer {
+impl<T: Task> std::fmt::Debug for Trainer<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Trainer")
             .field("rank", &self.pg.rank())
@@ -118,113 +112,113 @@ impl std::fmt::Debug for Trainer {
     }
 }
 
-impl Trainer {
-    /// Prepares a rank: checks settings and data (before meeting the other ranks, so bad
-    /// input fails on every rank alike), joins the process group, builds the model, restores
-    /// a checkpoint when asked, and wraps the model in DDP.
-    pub fn new(config: TrainConfig) -> Result<Self> {
-        config.validate().map_err(anyhow::Error::msg)?;
-        let env = ddp_comm::EnvConfig::from_env().context("reading the rank's environment")?;
-        let device = choose_device(config.device, env.local_rank)?;
-        let threads = config
+impl<T: Task> Trainer<T> {
+    /// Prepares this process as one rank, from torchrun's environment (`RANK`,
+    /// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, ...; SLURM's; or none, for one process):
+    /// checks settings and data (before meeting the other ranks, so bad input fails on every
+    /// rank alike), builds the model, restores a checkpoint when asked, joins the process
+    /// group and wraps the model in DDP.
+    pub fn new(task: T, settings: Settings) -> Result<Self, TrainError> {
+        let env = EnvConfig::from_env().context(|| "reading the rank's environment".into())?;
+        Self::with_env(task, settings, &env)
+    }
+
+    /// As [`Trainer::new`], with the rank's place given instead of read.
+    pub fn with_env(task: T, mut settings: Settings, env: &EnvConfig) -> Result<Self, TrainError> {
+        settings.validate()?;
+        resume_after_restart(&mut settings, env);
+        let device = settings.device.resolve(env.local_rank)?;
+        // As many intra-op threads as the machine has cores per rank.
+        let threads = settings
             .threads
-            .unwrap_or_else(|| cores_per_rank(env.local_world_size));
+            .unwrap_or_else(|| ddp_data::default_workers(env.local_world_size));
         if device == Device::Cpu {
             tch::set_num_threads(threads as i32);
         }
-        let data = load_data(&config)?;
-        let resume_from = match &config.resume {
-            Some(r) => Some(state::resolve(r, config.out.as_deref()).map_err(anyhow::Error::msg)?),
+        let train_set = task.train_data();
+        let val_set = task.val_data();
+        let resume_from = match &settings.resume {
+            Some(r) => Some(state::resolve(r, settings.out.as_deref())?),
             None => None,
         };
-        let batches = config.batch_size * config.accumulate;
-        let train_sampler = DistributedSampler::builder(data.train.len(), env.world_size, env.rank)
-            .seed(config.seed)
+        let s = &settings;
+        let batches = s.batch_size * s.accumulate;
+        let train_sampler = DistributedSampler::builder(train_set.len(), env.world_size, env.rank)
+            .seed(s.seed)
             .build()
-            .with_context(|| format!("sharding {} training samples", data.train.len()))?;
-        if train_sampler.len() < batches && !config.eval_only {
-            bail!(
+            .context(|| format!("sharding {} training samples", train_set.len()))?;
+        if train_sampler.len() < batches && !s.eval_only {
+            return Err(TrainError::Invalid(format!(
                 "each of the {} ranks gets {} training samples, fewer than one step of \
                  --batch-size {} x --accumulate {}: lower them or use more data",
                 env.world_size,
                 train_sampler.len(),
-                config.batch_size,
-                config.accumulate
-            );
+                s.batch_size,
+                s.accumulate
+            )));
         }
-        let val_sampler = DistributedSampler::builder(data.val.len(), env.world_size, env.rank)
-            .shuffle(false)
-            .partition(Partition::Exact)
-            .build()
-            .with_context(|| format!("sharding {} validation samples", data.val.len()))?;
+        let val_sampler = match &val_set {
+            Some(v) => Some(
+                DistributedSampler::builder(v.len(), env.world_size, env.rank)
+                    .shuffle(false)
+                    .partition(Partition::Exact)
+                    .build()
+                    .context(|| format!("sharding {} validation samples", v.len()))?,
+            ),
+            None => None,
+        };
 
         // Model and checkpoint before meeting the other ranks: a bad checkpoint fails on
         // every rank alike instead of leaving some waiting in a collective.
-        tch::manual_seed(config.seed as i64);
+        tch::manual_seed(s.seed as i64);
         let mut vs = nn::VarStore::new(Device::Cpu);
-        let net = ConvNet::new(
-            &vs.root(),
-            ConvNetConfig {
-                num_classes: ODIR_CLASSES.len() as i64,
-                dropout: config.dropout,
-            },
-        );
-        let adam_config = AdamConfig {
-            lr: config.lr,
-            weight_decay: config.weight_decay,
-            ..Default::default()
-        };
-        let plateau = PlateauConfig {
-            factor: config.plateau_factor,
-            patience: config.plateau_patience,
-            min_lr: config.min_lr,
-            ..Default::default()
-        };
-        let mut scheduler = ReduceLrOnPlateau::new(plateau);
-        let (mut start_epoch, mut best_macro, mut best_micro) = (1, None, None);
-        let mut restored: Option<(TrainState, PathBuf, Adam)> = None;
+        let model = task.model(&vs.root());
+        let mut scheduler = s.plateau.as_ref().map(|p| ReduceLrOnPlateau::new(p.config));
+        let (mut start_epoch, mut bests) = (1, BTreeMap::new());
+        let mut restored = None;
         let mut resumed_note = None;
-        if let (Some(path), true) = (&resume_from, config.eval_only) {
+        if let (Some(path), true) = (&resume_from, s.eval_only) {
             checkpoint::load(&vs, path)?;
             resumed_note = Some(format!("evaluating {}", path.display()));
         } else if let Some(path) = &resume_from {
             // Loaded on the CPU first, then moved with the model to the rank's device.
-            let mut cpu_adam = Adam::new(trainable(&vs), adam_config);
-            let st = state::load(path, &vs, &mut cpu_adam).map_err(anyhow::Error::msg)?;
-            restored = Some((st, path.clone(), cpu_adam));
+            let mut cpu_optimizer = Optimizer::new(trainable(&vs), s.optimizer);
+            let st = state::load(path, &vs, &mut cpu_optimizer)?;
+            restored = Some((st, path.clone(), cpu_optimizer));
         }
         vs.set_device(device);
-        let mut adam = Adam::new(trainable(&vs), adam_config);
-        if let Some((st, path, cpu_adam)) = restored {
-            // The moments were loaded on the CPU with the model; load_state moves them to
-            // the parameters' device.
-            let moments = cpu_adam.state_tensors().into_iter().collect();
-            adam.load_state(&moments, st.adam_steps)
-                .map_err(anyhow::Error::msg)?;
-            adam.set_lr(st.lr);
-            scheduler = st.scheduler.clone();
+        let mut optimizer = Optimizer::new(trainable(&vs), s.optimizer);
+        if let Some((st, path, cpu_optimizer)) = restored {
+            // load_state moves the CPU copies to the parameters' device.
+            let tensors = cpu_optimizer.state_tensors().into_iter().collect();
+            optimizer
+                .load_state(&tensors, st.optimizer_steps)
+                .map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))?;
+            optimizer.set_lr(st.lr);
+            if st.scheduler.is_some() {
+                scheduler = st.scheduler.clone();
+            }
             start_epoch = st.epoch + 1;
-            best_macro = st.best_macro;
-            best_micro = st.best_micro;
+            bests = st.bests;
             resumed_note = Some(format!(
                 "resumed from {} (epoch {} done)",
                 path.display(),
                 st.epoch
             ));
         }
-        let opts = ddp_comm::Options::from_config(&env)
-            .op_timeout(std::time::Duration::from_secs(config.collective_timeout));
-        let pg = Arc::new(ddp_comm::ProcessGroup::new(opts).context("joining the process group")?);
+        let opts = ddp_comm::Options::from_config(env)
+            .op_timeout(Duration::from_secs(s.collective_timeout_secs));
+        let pg = Arc::new(ProcessGroup::new(opts).context(|| "joining the process group".into())?);
         let rank = pg.rank();
 
         // Every rank agrees on the run directory: rank 0's choice.
-        let proposed = config.out.clone().unwrap_or_else(default_run_dir);
+        let proposed = s.out.clone().unwrap_or_else(default_run_dir);
         let gathered = pg.all_gather_bytes(proposed.to_string_lossy().as_bytes())?;
         let out = PathBuf::from(String::from_utf8_lossy(&gathered[0]).into_owned());
-        std::fs::create_dir_all(out.join("logs"))
-            .with_context(|| format!("cannot create run directory {}", out.display()))?;
+        std::fs::create_dir_all(out.join("logs")).map_err(|e| {
+            TrainError::io(format!("cannot create run directory {}", out.display()), e)
+        })?;
         let log = RankLog::open(&out, rank)?;
-
         if let Some(note) = resumed_note {
             log.say(&note);
         }
@@ -235,25 +229,27 @@ impl Trainer {
             Vec::new()
         };
         let trainer = Self {
-            config,
+            task,
+            settings,
             pg,
             device,
+            threads,
             out,
-            data,
             vs,
-            net,
+            model,
             ddp,
-            adam,
+            optimizer,
             scheduler,
             start_epoch,
-            best_macro,
-            best_micro,
+            bests,
             history,
             log,
+            train_set,
+            val_set,
             train_sampler,
             val_sampler,
         };
-        trainer.describe(threads)?;
+        trainer.describe()?;
         Ok(trainer)
     }
 
@@ -262,153 +258,171 @@ impl Trainer {
         &self.out
     }
 
-    fn describe(&self, threads: usize) -> Result<()> {
-        let c = &self.config;
-        let d = &self.data;
+    /// The process group the ranks train in.
+    pub fn process_group(&self) -> &Arc<ProcessGroup> {
+        &self.pg
+    }
+
+    /// The model.
+    pub fn model(&self) -> &T::Model {
+        &self.model
+    }
+
+    /// The model's variables (on the rank's device).
+    pub fn var_store(&self) -> &nn::VarStore {
+        &self.vs
+    }
+
+    /// The task.
+    pub fn task(&self) -> &T {
+        &self.task
+    }
+
+    /// The device this rank trains on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    fn describe(&self) -> Result<(), TrainError> {
+        let s = &self.settings;
         self.log.say(&format!(
             "rank {} of {} on {:?} ({} intra-op threads, backend {:?})",
             self.pg.rank(),
             self.pg.world_size(),
             self.device,
-            threads,
+            self.threads,
             self.pg.backend()
         ));
-        if self.pg.rank() == 0 {
-            self.log.say(&format!(
-                "data: {} training images ({} per rank per epoch), {} validation images; \
-                 batch {} per rank x {} ranks; run directory {}",
-                d.train.len(),
-                self.train_sampler.len(),
-                d.val.len(),
-                c.batch_size,
-                self.pg.world_size(),
-                self.out.display()
-            ));
-            let json = serde_json::to_string_pretty(&serde_json::json!({
-                "config": c,
-                "world_size": self.pg.world_size(),
-                "backend": format!("{:?}", self.pg.backend()),
-                "device": format!("{:?}", self.device),
-                "intra_op_threads": threads,
-                "train_images": d.train.len(),
-                "val_images": d.val.len(),
-                "run_dir": self.out,
-            }))?;
-            write_atomic(&self.out.join("config.json"), json.as_bytes())?;
+        if self.pg.rank() != 0 {
+            return Ok(());
         }
-        Ok(())
+        let val_len = self.val_set.as_ref().map_or(0, |v| v.len());
+        self.log.say(&format!(
+            "data: {} training samples ({} per rank per epoch), {} validation samples; \
+             batch {} per rank x {} ranks; run directory {}",
+            self.train_set.len(),
+            self.train_sampler.len(),
+            val_len,
+            s.batch_size,
+            self.pg.world_size(),
+            self.out.display()
+        ));
+        let json = serde_json::json!({
+            "settings": s,
+            "task": self.task.describe(),
+            "world_size": self.pg.world_size(),
+            "backend": format!("{:?}", self.pg.backend()),
+            "device": format!("{:?}", self.device),
+            "intra_op_threads": self.threads,
+            "train_samples": self.train_set.len(),
+            "val_samples": val_len,
+            "run_dir": self.out,
+        });
+        let text = serde_json::to_string_pretty(&json).context(|| "encoding config.json".into())?;
+        write_file(&self.out.join("config.json"), text.as_bytes())
     }
 
-    /// Evaluates the loaded model on the validation split; every rank returns the metrics
-    /// of the whole split.
-    pub fn evaluate_only(&mut self) -> Result<EvalMetrics> {
-        let (val_loss, confusion) = self.evaluate(0)?;
-        Ok(EvalMetrics {
+    /// Evaluates the model on the validation split; every rank returns the metrics of the
+    /// whole split.
+    pub fn evaluate(&mut self) -> Result<EvalReport, TrainError> {
+        let (val_loss, stats) = self.evaluate_epoch(0)?.ok_or_else(|| {
+            TrainError::Invalid("nothing to evaluate: the task has no validation data".into())
+        })?;
+        let mut metrics = stats.report();
+        metrics.extend(stats.details());
+        Ok(EvalReport {
             val_loss,
-            val_macro_f1: confusion.macro_f1(),
-            val_micro_f1: confusion.micro_f1(),
-            val_f1_per_class: confusion.f1_per_class(),
-            tp: confusion.tp,
-            fp: confusion.fp,
-            fn_: confusion.fn_,
+            metrics,
             world_size: self.pg.world_size(),
         })
     }
 
-    /// Trains from the start (or resumed) epoch to `--epochs`, evaluating after each.
-    pub fn run(&mut self) -> Result<Vec<EpochMetrics>> {
+    /// Trains from the start (or resumed) epoch to the last, evaluating after each.
+    pub fn run(&mut self) -> Result<Vec<EpochReport>, TrainError> {
         let mut all = Vec::new();
-        for epoch in self.start_epoch..=self.config.epochs {
+        for epoch in self.start_epoch..=self.settings.epochs {
             let started = Instant::now();
-            let lr = self.adam.lr();
-            let (train_loss, images, steps) = self.train_epoch(epoch)?;
+            let lr = self.optimizer.lr();
+            let (train_loss, samples, steps) = self.train_epoch(epoch)?;
             let train_seconds = started.elapsed().as_secs_f64();
-            let (val_loss, confusion) = self.evaluate(epoch)?;
-            let macro_f1 = confusion.macro_f1();
-            let micro_f1 = confusion.micro_f1();
-            let new_lr = self.scheduler.step(macro_f1, lr);
-            self.adam.set_lr(new_lr);
-            let m = EpochMetrics {
+            let evaluated = self.evaluate_epoch(epoch)?;
+            let (val_loss, summary, metrics) = match &evaluated {
+                Some((loss, stats)) => (Some(*loss), stats.summary(), stats.report()),
+                None => (None, String::new(), Map::new()),
+            };
+            let report = EpochReport {
                 epoch,
                 train_loss,
                 val_loss,
-                val_macro_f1: macro_f1,
-                val_micro_f1: micro_f1,
-                val_f1_per_class: confusion.f1_per_class(),
+                metrics,
                 lr,
-                images_per_sec: images as f64 / train_seconds.max(1e-9),
+                images_per_sec: samples as f64 / train_seconds.max(1e-9),
                 epoch_seconds: started.elapsed().as_secs_f64(),
                 steps,
                 world_size: self.pg.world_size(),
             };
-            if self.pg.rank() == 0 {
-                self.finish_epoch(&m, new_lr)?;
+            if let (Some(p), Some(sched)) = (&self.settings.plateau, &mut self.scheduler) {
+                let value = watched(&report, &p.metric, "the plateau scheduler")?;
+                let signed = if p.goal == Goal::Max { value } else { -value };
+                self.optimizer.set_lr(sched.step(signed, lr));
             }
-            all.push(m);
+            if self.pg.rank() == 0 {
+                self.finish_epoch(&report, &summary)?;
+            }
+            all.push(report);
         }
         Ok(all)
     }
 
-    /// A loader over `indices` of the training set (`train`) or the validation set, whose
-    /// batches arrive on this rank's device.
+    /// A loader over `indices` of the training or the validation set, whose batches arrive
+    /// on this rank's device.
     fn loader(
         &self,
+        set: &T::Data,
         train: bool,
         epoch: u64,
         indices: Vec<usize>,
-        transform: Transform,
-    ) -> Result<Loader<OdirImages>> {
-        let c = &self.config;
+    ) -> Result<Loader<T::Data>, TrainError> {
+        let s = &self.settings;
         let default_prefetch = if self.device.is_cuda() { 4 } else { 2 };
         let config = LoaderConfig {
             drop_last: train,
-            seed: c.seed,
+            seed: s.seed,
             epoch,
-            workers: c
+            workers: s
                 .workers
                 .unwrap_or_else(|| ddp_data::default_workers(self.pg.local_world_size())),
-            prefetch: c.prefetch.unwrap_or(default_prefetch),
-            ..LoaderConfig::new(c.batch_size)
+            prefetch: s.prefetch.unwrap_or(default_prefetch),
+            ..LoaderConfig::new(s.batch_size)
         };
-        let set = if train {
-            &self.data.train_set
-        } else {
-            &self.data.val_set
-        };
-        let images = OdirImages::new(set.clone(), transform);
-        Ok(Loader::on_device(images, indices, &config, self.device)?)
+        Ok(Loader::on_device(
+            set.clone(),
+            indices,
+            &config,
+            self.device,
+        )?)
     }
 
-    /// One epoch of training; returns (mean loss over all ranks' samples, images, steps).
+    /// One epoch of training; returns (mean loss over all ranks' samples, samples, steps).
     ///
     /// Each micro-step queues its forward and backward, then takes the next batch (which, on
     /// a GPU, queues that batch's copy behind this step), and only then reads the loss, the
     /// first point where the host waits for the device: the device always has the next
     /// batch's copy queued, and the host waits for the loader while the device computes.
-    fn train_epoch(&mut self, epoch: u64) -> Result<(f64, usize, usize)> {
-        let c = &self.config;
+    fn train_epoch(&mut self, epoch: u64) -> Result<(f64, usize, usize), TrainError> {
+        let s = &self.settings;
         let rank = self.pg.rank();
         // The trainer advances the sampler itself: no one can forget set_epoch.
         self.train_sampler.set_epoch(epoch);
-        let indices: Vec<usize> = self
-            .train_sampler
-            .iter()
-            .map(|i| self.data.train[i])
-            .collect();
-        let steps_in_epoch = indices.len() / (c.batch_size * c.accumulate);
-        let steps = c
+        let indices: Vec<usize> = self.train_sampler.iter().collect();
+        let per_step = s.batch_size * s.accumulate;
+        let steps_in_epoch = indices.len() / per_step;
+        let steps = s
             .max_steps_per_epoch
             .map_or(steps_in_epoch, |m| m.min(steps_in_epoch));
-        let transform = Transform::random_resized_crop(
-            c.image_size,
-            (c.min_crop_scale, 1.0),
-            ddp_data::transform::DEFAULT_RATIO,
-        )?
-        .with_hflip(c.hflip)
-        .with_dct_upsampling(c.dct_upsampling)?;
-        let indices = indices[..steps * c.batch_size * c.accumulate].to_vec();
-        let mut loader = self.loader(true, epoch, indices, transform)?;
-        let progress = Progress::new(rank == 0, epoch, c.epochs, steps);
+        let indices = indices[..steps * per_step].to_vec();
+        let mut loader = self.loader(&self.train_set, true, epoch, indices)?;
+        let progress = Progress::new(rank == 0 && s.progress, epoch, s.epochs, steps);
         let (mut loss_sum, mut samples) = (0.0f64, 0usize);
         let started = Instant::now();
         let mut upcoming = loader.next();
@@ -416,36 +430,35 @@ impl Trainer {
             fail_if_injected(rank, epoch, step);
             // Dropout masks derive from (seed, epoch, step, rank): a resumed run draws the
             // same ones as an uninterrupted run.
-            tch::manual_seed(mix(c.seed, epoch, step as u64, rank as u64));
-            self.adam.zero_grad();
+            tch::manual_seed(mix(s.seed, epoch, step as u64, rank as u64));
+            self.optimizer.zero_grad();
             let mut step_loss = 0.0;
-            for _ in 0..c.accumulate {
+            for _ in 0..s.accumulate {
                 let batch = take_batch(upcoming)?;
                 self.ddp.broadcast_buffers()?;
-                let logits = self.net.forward_t(batch.inputs(), true);
-                let loss = logits.binary_cross_entropy_with_logits::<Tensor>(
-                    batch.targets(),
-                    None,
-                    None,
-                    Reduction::Mean,
-                );
-                (&loss / c.accumulate as f64).backward();
+                let loss = self.task.train_loss(&self.model, &batch);
+                (&loss / s.accumulate as f64).backward();
                 upcoming = loader.next();
-                let l = loss.double_value(&[]);
-                if !l.is_finite() {
-                    bail!("rank {rank}: the training loss became {l} at epoch {epoch} step {step}; lower --lr");
+                let value = loss.double_value(&[]);
+                if !value.is_finite() {
+                    return Err(TrainError::NonFiniteLoss {
+                        rank,
+                        value,
+                        epoch,
+                        step,
+                    });
                 }
-                step_loss += l;
-                loss_sum += l * batch.len() as f64;
+                step_loss += value;
+                loss_sum += value * batch.len() as f64;
                 samples += batch.len();
             }
             self.ddp.sync_gradients()?;
-            self.adam.step();
-            if c.log_every > 0 && (step + 1) % c.log_every == 0 {
+            self.optimizer.step();
+            if s.log_every > 0 && (step + 1) % s.log_every == 0 {
                 self.log.say(&format!(
                     "[rank {rank}] epoch {epoch} step {}/{steps} loss {:.4}",
                     step + 1,
-                    step_loss / c.accumulate as f64
+                    step_loss / s.accumulate as f64
                 ));
             }
             let rate =
@@ -459,128 +472,182 @@ impl Trainer {
         Ok((totals[0] / totals[1].max(1.0), totals[1] as usize, steps))
     }
 
-    /// Evaluates on this rank's exact shard of the validation split and combines the counts
-    /// of all ranks: the result equals one process evaluating the whole split.
-    fn evaluate(&mut self, epoch: u64) -> Result<(f64, Confusion)> {
-        let c = &self.config;
-        let indices: Vec<usize> = self.val_sampler.iter().map(|i| self.data.val[i]).collect();
-        let resize = c.image_size * 8 / 7;
-        let transform = Transform::eval(resize, c.image_size)?;
-        let mut loader = self.loader(false, epoch, indices, transform)?;
-        let classes = ODIR_CLASSES.len();
-        let mut confusion = Confusion::new(classes);
+    /// Evaluates on this rank's exact shard of the validation split and combines the
+    /// statistics of all ranks: the result equals one process evaluating the whole split.
+    /// `None` without validation data.
+    fn evaluate_epoch(&mut self, epoch: u64) -> Result<Option<(f64, T::Stats)>, TrainError> {
+        let (Some(set), Some(sampler)) = (&self.val_set, &self.val_sampler) else {
+            return Ok(None);
+        };
+        let indices: Vec<usize> = sampler.iter().collect();
+        let mut loader = self.loader(set, false, epoch, indices)?;
+        let mut stats = self.task.new_stats();
         let (mut loss_sum, mut samples) = (0.0f64, 0usize);
-        tch::no_grad(|| -> Result<()> {
+        tch::no_grad(|| -> Result<(), TrainError> {
             for batch in &mut loader {
                 let batch = batch?;
-                let (x, y) = (batch.inputs(), batch.targets());
-                let logits = self.net.forward_t(x, false);
-                let loss = logits.binary_cross_entropy_with_logits::<Tensor>(
-                    y,
-                    None,
-                    None,
-                    Reduction::Sum,
-                );
-                loss_sum += loss.double_value(&[]) / classes as f64;
+                let loss = self.task.eval_batch(&self.model, &batch, &mut stats);
+                loss_sum += loss.double_value(&[]);
                 samples += batch.len();
-                confusion.add(&logits, y);
             }
             Ok(())
         })?;
-        let mut counts: Vec<f64> = vec![loss_sum, samples as f64];
-        counts.extend(confusion.to_vec().iter().map(|&v| v as f64));
-        let mut t = Tensor::from_slice(&counts).to_kind(Kind::Double);
+        let mut sums = vec![loss_sum, samples as f64];
+        sums.extend(stats.to_sums());
+        let mut t = Tensor::from_slice(&sums).to_kind(Kind::Double);
         self.pg.all_reduce(&mut t, ReduceOp::Sum)?;
         let totals = Vec::<f64>::try_from(&t)?;
-        let merged: Vec<i64> = totals[2..].iter().map(|&v| v.round() as i64).collect();
-        Ok((totals[0] / totals[1].max(1.0), Confusion::from_vec(&merged)))
+        stats.set_sums(&totals[2..]);
+        Ok(Some((totals[0] / totals[1].max(1.0), stats)))
     }
 
     /// Rank 0's end of an epoch: metrics line, curves, best models, checkpoint.
-    fn finish_epoch(&mut self, m: &EpochMetrics, next_lr: f64) -> Result<()> {
+    fn finish_epoch(&mut self, m: &EpochReport, summary: &str) -> Result<(), TrainError> {
+        let val = match m.val_loss {
+            Some(v) => format!("  val loss {v:.4}"),
+            None => String::new(),
+        };
+        let summary = if summary.is_empty() {
+            String::new()
+        } else {
+            format!("  {summary}")
+        };
         self.log.say(&format!(
-            "epoch {}/{}: train loss {:.4}  val loss {:.4}  val macro-F1 {:.3}  micro-F1 {:.3}  \
-             lr {:.2e}  {:.1} img/s  {:.1} s",
-            m.epoch,
-            self.config.epochs,
-            m.train_loss,
-            m.val_loss,
-            m.val_macro_f1,
-            m.val_micro_f1,
-            m.lr,
-            m.images_per_sec,
-            m.epoch_seconds
+            "epoch {}/{}: train loss {:.4}{val}{summary}  lr {:.2e}  {:.1} img/s  {:.1} s",
+            m.epoch, self.settings.epochs, m.train_loss, m.lr, m.images_per_sec, m.epoch_seconds
         ));
-        let mut f = OpenOptions::new()
+        let metrics_path = self.out.join("metrics.jsonl");
+        let line = serde_json::to_string(m).context(|| "encoding an epoch's metrics".into())?;
+        OpenOptions::new()
             .create(true)
             .append(true)
-            .open(self.out.join("metrics.jsonl"))
-            .context("cannot open metrics.jsonl")?;
-        writeln!(f, "{}", serde_json::to_string(m)?)?;
-        f.sync_all()?;
-        self.history.push(EpochPoint {
-            epoch: m.epoch,
-            train_loss: m.train_loss,
-            val_loss: m.val_loss,
-            macro_f1: m.val_macro_f1,
-            micro_f1: m.val_micro_f1,
-        });
-        if let Err(e) = draw_curves(&self.history, &self.out.join("curves.png")) {
-            self.log.warn(&e);
-        }
+            .open(&metrics_path)
+            .and_then(|mut f| {
+                writeln!(f, "{line}")?;
+                f.sync_all()
+            })
+            .map_err(|e| TrainError::io(format!("cannot write {}", metrics_path.display()), e))?;
+        self.history.push(m.clone());
+        self.draw_curves();
         let meta = std::collections::HashMap::from([("epoch".to_owned(), m.epoch.to_string())]);
-        if self.best_macro.is_none_or(|b| m.val_macro_f1 > b.value) {
-            self.best_macro = Some(Best {
-                value: m.val_macro_f1,
-                epoch: m.epoch,
-            });
-            checkpoint::save(&self.vs, self.out.join("best-macro.safetensors"), &meta)?;
-        }
-        if self.best_micro.is_none_or(|b| m.val_micro_f1 > b.value) {
-            self.best_micro = Some(Best {
-                value: m.val_micro_f1,
-                epoch: m.epoch,
-            });
-            checkpoint::save(&self.vs, self.out.join("best-micro.safetensors"), &meta)?;
+        let mut best_notes = Vec::new();
+        for monitor in &self.settings.monitors {
+            let value = watched(m, &monitor.metric, "a best-model monitor")?;
+            let previous = self.bests.get(&monitor.file);
+            if previous.is_none_or(|b| monitor.goal.improves(value, b.value)) {
+                self.bests.insert(
+                    monitor.file.clone(),
+                    Best {
+                        value,
+                        epoch: m.epoch,
+                    },
+                );
+                checkpoint::save(&self.vs, self.out.join(&monitor.file), &meta)?;
+            }
+            if let Some(b) = self.bests.get(&monitor.file) {
+                best_notes.push(format!(
+                    "best {} {:.3} (epoch {})",
+                    monitor.metric, b.value, b.epoch
+                ));
+            }
         }
         let st = TrainState {
             epoch: m.epoch,
-            adam_steps: self.adam.steps(),
-            lr: next_lr,
+            optimizer_steps: self.optimizer.steps(),
+            lr: self.optimizer.lr(),
             scheduler: self.scheduler.clone(),
-            best_macro: self.best_macro,
-            best_micro: self.best_micro,
-            seed: self.config.seed,
-            config: serde_json::to_value(&self.config)?,
+            bests: self.bests.clone(),
+            seed: self.settings.seed,
+            config: serde_json::json!({
+                "settings": self.settings,
+                "task": self.task.describe(),
+            }),
         };
-        let path = state::save(&self.out, &self.vs, &self.adam, &st).map_err(anyhow::Error::msg)?;
-        self.log.say(&format!(
-            "checkpoint {}; best macro-F1 {:.3} (epoch {}), best micro-F1 {:.3} (epoch {}); curves {}",
-            path.display(),
-            self.best_macro.map_or(0.0, |b| b.value),
-            self.best_macro.map_or(0, |b| b.epoch),
-            self.best_micro.map_or(0.0, |b| b.value),
-            self.best_micro.map_or(0, |b| b.epoch),
-            self.out.join("curves.png").display()
-        ));
+        let path = state::save(&self.out, &self.vs, &self.optimizer, &st)?;
+        let mut note = format!("checkpoint {}", path.display());
+        if !best_notes.is_empty() {
+            note.push_str("; ");
+            note.push_str(&best_notes.join(", "));
+        }
+        if self.plots_enabled() {
+            note.push_str(&format!(
+                "; curves {}",
+                self.out.join("curves.png").display()
+            ));
+        }
+        self.log.say(&note);
         Ok(())
     }
-}
 
-fn take_batch(next: Option<Result<Batch, ddp_data::DataError>>) -> Result<Batch> {
-    match next {
-        Some(b) => Ok(b?),
-        None => bail!("the loader ended before the epoch's last step"),
+    fn plots_enabled(&self) -> bool {
+        cfg!(feature = "plot") && self.settings.plot
+    }
+
+    /// Redraws `curves.png` (a failure is a warning: the run goes on).
+    fn draw_curves(&self) {
+        #[cfg(feature = "plot")]
+        if self.settings.plot {
+            let metrics: Vec<String> = self
+                .settings
+                .monitors
+                .iter()
+                .map(|m| m.metric.clone())
+                .filter(|m| m != "train_loss" && m != "val_loss")
+                .collect();
+            let path = self.out.join("curves.png");
+            if let Err(e) = crate::plot::draw_curves(&self.history, &metrics, &path) {
+                self.log.warn(&e.to_string());
+            }
+        }
     }
 }
 
+/// The number `metric` of an epoch's report, or an error naming what watches it.
+fn watched(report: &EpochReport, metric: &str, watcher: &str) -> Result<f64, TrainError> {
+    report.metric(metric).ok_or_else(|| {
+        let mut names: Vec<&str> = vec!["train_loss", "lr"];
+        if report.val_loss.is_some() {
+            names.push("val_loss");
+        }
+        names.extend(report.metrics.keys().map(String::as_str));
+        TrainError::Invalid(format!(
+            "{watcher} watches '{metric}', which is not a number of the epoch's report \
+             (it has: {})",
+            names.join(", ")
+        ))
+    })
+}
+
+/// A launcher's restart (`ddp-run --max-restarts`, torchrun's) runs the same command again
+/// with `TORCHELASTIC_RESTART_COUNT` raised, and expects the program to continue by itself:
+/// with `out` set and a checkpoint in it, a restarted rank resumes from the latest one. An
+/// explicit `resume` wins; before the first checkpoint the run starts over.
+fn resume_after_restart(settings: &mut Settings, env: &EnvConfig) {
+    if !settings.resume_after_restart || env.restart_count == 0 || settings.resume.is_some() {
+        return;
+    }
+    if let Some(out) = &settings.out {
+        if state::checkpoint_dir(out).join("latest").is_file() {
+            settings.resume = Some("latest".to_string());
+        }
+    }
+}
+
+fn take_batch(next: Option<Result<Batch, ddp_data::DataError>>) -> Result<Batch, TrainError> {
+    match next {
+        Some(b) => Ok(b?),
+        None => Err(TrainError::LoaderEnded),
+    }
+}
+
+/// The trainable tensors in the order every rank agrees on.
 fn trainable(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
     let mut v: Vec<(String, Tensor)> = vs
         .variables()
         .into_iter()
         .filter(|(_, t)| t.requires_grad())
         .collect();
-    v.sort_by(|a, b| crate::ddp::natural_cmp(&a.0, &b.0));
+    v.sort_by(|a, b| checkpoint::natural_cmp(&a.0, &b.0));
     v
 }
 
@@ -596,139 +663,53 @@ fn mix(seed: u64, epoch: u64, step: u64, rank: u64) -> i64 {
     (z >> 1) as i64
 }
 
-fn cores_per_rank(ranks_on_machine: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cores / ranks_on_machine.max(1)).max(1)
-}
-
-fn choose_device(choice: DeviceChoice, local_rank: usize) -> Result<Device> {
-    if choice == DeviceChoice::Cpu {
-        return Ok(Device::Cpu);
-    }
-    // rustc links with --as-needed, so libtorch_cuda must be loaded before asking tch.
-    let loaded = ddp_comm::cuda::load_torch_cuda().unwrap_or(false);
-    let available = loaded && tch::Cuda::is_available();
-    match (choice, available) {
-        (DeviceChoice::Cuda, false) => bail!(
-            "--device cuda: CUDA is not available here ({}); use --device cpu",
-            ddp_comm::cuda::no_gpu_reason().unwrap_or_else(|| "no device".into())
-        ),
-        (_, true) => {
-            let count = tch::Cuda::device_count() as usize;
-            if local_rank >= count {
-                bail!("LOCAL_RANK {local_rank} needs cuda:{local_rank}, but only {count} CUDA devices are visible");
-            }
-            Ok(Device::Cuda(local_rank))
-        }
-        (_, false) => Ok(Device::Cpu),
-    }
-}
-
-fn load_data(c: &TrainConfig) -> Result<Data> {
-    let options = OdirOptions {
-        labels: match c.labels {
-            Labels::Auto => LabelMode::Auto,
-            Labels::Eye => LabelMode::PerEye,
-            Labels::Patient => LabelMode::Patient,
-        },
-        skip_corrupt: c.skip_corrupt,
-        ..Default::default()
-    };
-    let open = |dir: &Path| {
-        OdirDataset::open(dir, &options)
-            .with_context(|| format!("loading ODIR data from {}", dir.display()))
-    };
-    let train_set = Arc::new(open(&c.data)?);
-    if let Some(val_dir) = &c.val_data {
-        let val_set = Arc::new(open(val_dir)?);
-        let train = ddp_data::all_indices(&train_set)?;
-        let val = ddp_data::all_indices(&val_set)?;
-        return Ok(Data {
-            train_set,
-            train,
-            val_set,
-            val,
-        });
-    }
-    let split = split_by_patient(&train_set, c.val_split, c.seed)?;
-    Ok(Data {
-        val_set: train_set.clone(),
-        train_set,
-        train: split.train,
-        val: split.val,
-    })
-}
-
 /// The default run directory: `runs/<UTC date-time>`.
 fn default_run_dir() -> PathBuf {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    let (y, mo, d) = civil_from_days(days as i64);
+    let now = time::OffsetDateTime::now_utc();
     PathBuf::from("runs").join(format!(
-        "{y:04}{mo:02}{d:02}-{:02}{:02}{:02}",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
+        "{:04}{:02}{:02}-{:02}{:02}{:02}",
+        now.year(),
+        u8::from(now.month()),
+        now.day(),
+        now.hour(),
+        now.minute(),
+        now.second()
     ))
-}
-
-/// Days since 1970-01-01 to (year, month, day), Howard Hinnant's algorithm.
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
 }
 
 /// The epochs before `start` from an earlier `metrics.jsonl` (a resumed run keeps them and
 /// drops any line of an epoch that will be trained again).
-fn read_history(out: &Path, start: u64) -> Result<Vec<EpochPoint>> {
+fn read_history(out: &Path, start: u64) -> Result<Vec<EpochReport>, TrainError> {
     let path = out.join("metrics.jsonl");
     let Ok(text) = std::fs::read_to_string(&path) else {
         return Ok(Vec::new());
     };
     let mut kept_lines = Vec::new();
-    let mut points = Vec::new();
+    let mut reports = Vec::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let m: EpochMetrics = serde_json::from_str(line).with_context(|| {
-            format!(
-                "{} holds a line that is not an epoch's metrics",
+        let m: EpochReport = serde_json::from_str(line).map_err(|e| {
+            TrainError::Invalid(format!(
+                "{} holds a line that is not an epoch's metrics ({e}); move it away to start \
+                 a new run there",
                 path.display()
-            )
+            ))
         })?;
         if m.epoch < start {
             kept_lines.push(line.to_owned());
-            points.push(EpochPoint {
-                epoch: m.epoch,
-                train_loss: m.train_loss,
-                val_loss: m.val_loss,
-                macro_f1: m.val_macro_f1,
-                micro_f1: m.val_micro_f1,
-            });
+            reports.push(m);
         }
     }
     let mut body = kept_lines.join("\n");
     if !body.is_empty() {
         body.push('\n');
     }
-    write_atomic(&path, body.as_bytes())?;
-    Ok(points)
+    write_file(&path, body.as_bytes())?;
+    Ok(reports)
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut f =
-        std::fs::File::create(&tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+fn write_file(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
+    checkpoint::write_atomic(path, bytes)
+        .map_err(|e| TrainError::io(format!("cannot write {}", path.display()), e))
 }
 
 /// For the launcher's fault tests: `DDP_TRAIN_FAIL_RANK=r` and `DDP_TRAIN_FAIL_AT=epoch:step`
@@ -744,45 +725,43 @@ fn fail_if_injected(rank: usize, epoch: u64, step: usize) {
         return;
     }
     if at == format!("{epoch}:{step}") {
-        eprintln!("rank {rank}: injected failure at epoch {epoch} step {step} (DDP_TRAIN_FAIL_AT)");
+        tracing::warn!(
+            "rank {rank}: injected failure at epoch {epoch} step {step} (DDP_TRAIN_FAIL_AT)"
+        );
         std::process::exit(17);
     }
 }
 
-/// A rank's log: printed (rank 0 on stdout, others on stderr prefixed by the launcher) and
-/// appended to `<run>/logs/rank-<r>.log`.
+/// A rank's log: appended to `<run>/logs/rank-<r>.log` and emitted as `tracing` events
+/// (target `ddp_train`; the program's subscriber decides what is shown where).
 #[derive(Debug)]
 struct RankLog {
-    rank: usize,
     file: std::sync::Mutex<std::fs::File>,
 }
 
 impl RankLog {
-    fn open(out: &Path, rank: usize) -> Result<Self> {
+    fn open(out: &Path, rank: usize) -> Result<Self, TrainError> {
         let path = out.join("logs").join(format!("rank-{rank}.log"));
         let file = OpenOptions::new()
             .create(true)
             .append(true)
             .open(&path)
-            .with_context(|| format!("cannot open {}", path.display()))?;
+            .map_err(|e| TrainError::io(format!("cannot open {}", path.display()), e))?;
         Ok(Self {
-            rank,
             file: std::sync::Mutex::new(file),
         })
     }
 
     fn say(&self, line: &str) {
-        if self.rank == 0 {
-            println!("{line}");
-        } else {
-            eprintln!("{line}");
-        }
+        tracing::info!("{line}");
         self.append(line);
     }
 
+    #[cfg(feature = "plot")]
     fn warn(&self, line: &str) {
-        eprintln!("warning: {line}");
-        self.append(&format!("warning: {line}"));
+        let line = format!("warning: {line}");
+        tracing::warn!("{line}");
+        self.append(&line);
     }
 
     fn append(&self, line: &str) {
@@ -792,7 +771,8 @@ impl RankLog {
     }
 }
 
-/// Rank 0's progress: a bar on a terminal, a plain line every tenth of the epoch otherwise.
+/// Rank 0's progress: a bar when stdout is a terminal, a log line every tenth of the epoch
+/// otherwise.
 struct Progress {
     bar: Option<ProgressBar>,
     plain: bool,
@@ -851,14 +831,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn civil_dates() {
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        assert_eq!(civil_from_days(20_788), (2026, 12, 1));
-        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
-        assert_eq!(civil_from_days(11_017), (2000, 3, 1));
-    }
-
-    #[test]
     fn step_seeds_differ_by_every_component() {
         let base = mix(1, 2, 3, 4);
         assert_ne!(base, mix(0, 2, 3, 4));
@@ -867,5 +839,24 @@ mod tests {
         assert_ne!(base, mix(1, 2, 3, 5));
         assert_eq!(base, mix(1, 2, 3, 4));
         assert!(base >= 0);
+    }
+
+    #[test]
+    fn reports_round_trip_and_name_their_numbers() {
+        let line = r#"{"epoch":2,"train_loss":0.5,"val_loss":0.6,"val_f1":0.7,"val_f1_per_class":[0.1,0.2],"lr":0.001,"images_per_sec":10.0,"epoch_seconds":1.5,"steps":4,"world_size":2}"#;
+        let r: EpochReport = serde_json::from_str(line).unwrap();
+        assert_eq!(r.metric("val_f1"), Some(0.7));
+        assert_eq!(r.metric("val_loss"), Some(0.6));
+        assert_eq!(r.metric("val_f1_per_class"), None);
+        assert_eq!(r.metrics.len(), 2);
+        let back: EpochReport = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back, r);
+        let err = watched(&r, "accuracy", "a monitor")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("'accuracy'") && err.contains("val_f1"),
+            "{err}"
+        );
     }
 }

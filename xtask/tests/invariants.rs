@@ -112,27 +112,48 @@ fn xtask_builds_nothing_heavy() {
     );
 }
 
-#[test]
-fn the_generic_data_loader_needs_no_image_or_spreadsheet_crate() {
-    let odir = [
-        "image",
-        "zune-jpeg",
-        "mozjpeg-sys",
-        "calamine",
-        "csv",
-        "fast_image_resize",
-    ];
-    // The names are spelled as cargo tree prints them: the default build has every one.
-    let full = dependency_names("ddp-data", &[]);
-    for name in odir {
+/// The crates of ODIR's data stack, spelled as cargo tree prints them.
+const ODIR_STACK: [&str; 6] = [
+    "image",
+    "zune-jpeg",
+    "mozjpeg-sys",
+    "calamine",
+    "csv",
+    "fast_image_resize",
+];
+
+/// Asserts that `package` with default features lists every one of `optional` (so the names
+/// are right and the test can fail), and with `lean` (feature options) none of them, but
+/// `witness`.
+fn assert_features_drop(package: &str, lean: &[&str], witness: &str, optional: &[&str], why: &str) {
+    let full = dependency_names(package, &[]);
+    for name in optional {
         assert!(full.iter().any(|d| d == name), "{name} not in {full:?}");
     }
+    assert_tree_with_features_excludes(package, lean, witness, optional, why);
+}
+
+#[test]
+fn the_generic_data_loader_needs_no_image_or_spreadsheet_crate() {
     // `tch` is the witness that the feature options really reached ddp-data.
-    assert_tree_with_features_excludes(
+    assert_features_drop(
         "ddp-data",
         &["--no-default-features", "--features", "tch"],
         "tch",
-        &odir,
+        &ODIR_STACK,
         "ddp-data without its `odir` feature is the generic loader",
+    );
+}
+
+#[test]
+fn the_training_core_builds_no_odir_stack() {
+    let mut heavy = ODIR_STACK.to_vec();
+    heavy.extend(["clap", "plotters"]);
+    assert_features_drop(
+        "ddp-train",
+        &["--no-default-features"],
+        "ddp-comm",
+        &heavy,
+        "a project that trains its own model depends on the core without default features",
     );
 }

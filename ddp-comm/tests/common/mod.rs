@@ -12,9 +12,18 @@ pub use ddp_testkit::{free_port, wait_all};
 /// Set in worker processes.
 pub const WORKER_ENV: &str = "DDP_COMM_TEST_WORKER";
 
-/// Whether this process is a rank spawned by a test.
+/// Whether this process is a rank spawned by a test; a rank shows ddp-comm's `tracing`
+/// events on stderr, as a program with a subscriber would.
 pub fn worker() -> bool {
-    std::env::var_os(WORKER_ENV).is_some()
+    let worker = std::env::var_os(WORKER_ENV).is_some();
+    if worker {
+        let _ = tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .without_time()
+            .with_ansi(false)
+            .try_init();
+    }
+    worker
 }
 
 /// This worker's rank and world size, from the environment the parent set.

@@ -1,0 +1,100 @@
+//! The Trainer's error type.
+
+use std::error::Error as StdError;
+
+/// Everything the Trainer can fail with.
+///
+/// Errors that say what a person must change (a setting, a path, a checkpoint of another
+/// model) carry the whole sentence; the others wrap the failing layer's typed error, with
+/// what the Trainer was doing as context where that helps (`source()` gives the cause).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    /// A setting, or a combination of settings and data, that cannot work; the message
+    /// names the setting and what to do.
+    #[error("{0}")]
+    Invalid(String),
+    /// A step's loss became NaN or infinite.
+    #[error(
+        "rank {rank}: the training loss became {value} at epoch {epoch} step {step}; lower \
+         the learning rate (--lr)"
+    )]
+    NonFiniteLoss {
+        /// The rank that saw it.
+        rank: usize,
+        /// The loss.
+        value: f64,
+        /// Epoch (from 1).
+        epoch: u64,
+        /// Optimizer step within the epoch (from 0).
+        step: usize,
+    },
+    /// The loader delivered fewer batches than the epoch's steps need.
+    #[error("the loader ended before the epoch's last step")]
+    LoaderEnded,
+    /// What the Trainer was doing, and why it failed.
+    #[error("{context}")]
+    Context {
+        /// What the Trainer was doing.
+        context: String,
+        /// Why it failed.
+        #[source]
+        source: Box<dyn StdError + Send + Sync + 'static>,
+    },
+    /// The process group failed (a peer died, a collective timed out, ...).
+    #[error(transparent)]
+    Comm(#[from] ddp_comm::CommError),
+    /// The DDP layer failed (ranks disagree on the model, a parameter got no gradient, ...).
+    #[error(transparent)]
+    Ddp(#[from] crate::ddp::DdpError),
+    /// A batch could not be loaded.
+    #[error(transparent)]
+    Data(#[from] ddp_data::DataError),
+    /// A checkpoint could not be read or written, or does not fit the model.
+    #[error(transparent)]
+    Checkpoint(#[from] ddp_model::CheckpointError),
+    /// libtorch failed.
+    #[error(transparent)]
+    Tch(#[from] tch::TchError),
+    /// A file of the run directory could not be read or written.
+    #[error("{what}")]
+    Io {
+        /// The file and the operation.
+        what: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl TrainError {
+    /// `source` with `context` in front.
+    pub fn context(
+        context: impl Into<String>,
+        source: impl Into<Box<dyn StdError + Send + Sync + 'static>>,
+    ) -> Self {
+        Self::Context {
+            context: context.into(),
+            source: source.into(),
+        }
+    }
+
+    /// An I/O failure on `what`.
+    pub fn io(what: impl Into<String>, source: std::io::Error) -> Self {
+        Self::Io {
+            what: what.into(),
+            source,
+        }
+    }
+}
+
+/// Adds context to a result's error.
+pub(crate) trait Context<T> {
+    fn context(self, what: impl FnOnce() -> String) -> Result<T, TrainError>;
+}
+
+impl<T, E: Into<Box<dyn StdError + Send + Sync + 'static>>> Context<T> for Result<T, E> {
+    fn context(self, what: impl FnOnce() -> String) -> Result<T, TrainError> {
+        self.map_err(|e| TrainError::context(what(), e))
+    }
+}

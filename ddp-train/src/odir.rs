@@ -1,0 +1,177 @@
+//! The ODIR-5K application of the generic Trainer (feature `odir`): the ConvNet, 8-label
+//! BCE-with-logits, and exact per-class, macro and micro F1.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ddp_data::{
+    split_by_patient, Batch, LabelMode, OdirDataset, OdirImages, OdirOptions, Subset, Transform,
+};
+use ddp_model::{ConvNet, ConvNetConfig, ODIR_CLASSES};
+use serde_json::{Map, Value};
+use tch::{nn, Reduction, Tensor};
+
+use crate::config::{Labels, TrainConfig};
+use crate::error::{Context, TrainError};
+use crate::metrics::Confusion;
+use crate::task::{Stats, Task};
+
+/// Fundus photos to 8 multi-label classes (N D G C A H M O) with the ConvNet.
+#[derive(Debug, Clone)]
+pub struct OdirTask {
+    train: Subset<OdirImages>,
+    val: Subset<OdirImages>,
+    dropout: f64,
+    config: Value,
+}
+
+impl OdirTask {
+    /// Opens `--data` (and `--val-data`), checks every image exists, splits by patient and
+    /// prepares the train (`RandomResizedCrop` + flip) and validation (`Resize` +
+    /// `CenterCrop`) pipelines.
+    pub fn new(c: &TrainConfig) -> Result<Self, TrainError> {
+        let options = OdirOptions {
+            labels: match c.labels {
+                Labels::Auto => LabelMode::Auto,
+                Labels::Eye => LabelMode::PerEye,
+                Labels::Patient => LabelMode::Patient,
+            },
+            skip_corrupt: c.skip_corrupt,
+            ..Default::default()
+        };
+        let open = |dir: &Path| {
+            OdirDataset::open(dir, &options)
+                .map(Arc::new)
+                .context(|| format!("loading ODIR data from {}", dir.display()))
+        };
+        let train_set = open(&c.data)?;
+        let (val_set, train, val) = match &c.val_data {
+            Some(dir) => {
+                let val_set = open(dir)?;
+                let train = ddp_data::all_indices(&train_set)?;
+                let val = ddp_data::all_indices(&val_set)?;
+                (val_set, train, val)
+            }
+            None => {
+                let split = split_by_patient(&train_set, c.val_split, c.seed)?;
+                (train_set.clone(), split.train, split.val)
+            }
+        };
+        let augment = Transform::random_resized_crop(
+            c.image_size,
+            (c.min_crop_scale, 1.0),
+            ddp_data::transform::DEFAULT_RATIO,
+        )?
+        .with_hflip(c.hflip)
+        .with_dct_upsampling(c.dct_upsampling)?;
+        let resize = c.image_size * 8 / 7;
+        let eval = Transform::eval(resize, c.image_size)?;
+        Ok(Self {
+            train: Subset::new(OdirImages::new(train_set, augment), train)?,
+            val: Subset::new(OdirImages::new(val_set, eval), val)?,
+            dropout: c.dropout,
+            config: serde_json::to_value(c).unwrap_or(Value::Null),
+        })
+    }
+}
+
+impl Task for OdirTask {
+    type Model = ConvNet;
+    type Data = Subset<OdirImages>;
+    type Stats = OdirStats;
+
+    fn model(&self, root: &nn::Path) -> ConvNet {
+        ConvNet::new(
+            root,
+            ConvNetConfig {
+                num_classes: ODIR_CLASSES.len() as i64,
+                dropout: self.dropout,
+            },
+        )
+    }
+
+    fn train_data(&self) -> Self::Data {
+        self.train.clone()
+    }
+
+    fn val_data(&self) -> Option<Self::Data> {
+        Some(self.val.clone())
+    }
+
+    fn train_loss(&self, model: &ConvNet, batch: &Batch) -> Tensor {
+        model
+            .forward_t(batch.inputs(), true)
+            .binary_cross_entropy_with_logits::<Tensor>(
+                batch.targets(),
+                None,
+                None,
+                Reduction::Mean,
+            )
+    }
+
+    fn new_stats(&self) -> OdirStats {
+        OdirStats {
+            confusion: Confusion::new(ODIR_CLASSES.len()),
+        }
+    }
+
+    fn eval_batch(&self, model: &ConvNet, batch: &Batch, stats: &mut OdirStats) -> Tensor {
+        let logits = model.forward_t(batch.inputs(), false);
+        stats.confusion.add(&logits, batch.targets());
+        // Each sample's loss is the mean over its classes.
+        logits.binary_cross_entropy_with_logits::<Tensor>(
+            batch.targets(),
+            None,
+            None,
+            Reduction::Sum,
+        ) / ODIR_CLASSES.len() as f64
+    }
+
+    fn describe(&self) -> Value {
+        self.config.clone()
+    }
+}
+
+/// Per-class true positives, false positives and false negatives at logit 0.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OdirStats {
+    /// The counts.
+    pub confusion: Confusion,
+}
+
+impl Stats for OdirStats {
+    fn to_sums(&self) -> Vec<f64> {
+        self.confusion.to_vec().iter().map(|&v| v as f64).collect()
+    }
+
+    fn set_sums(&mut self, sums: &[f64]) {
+        let counts: Vec<i64> = sums.iter().map(|&v| v.round() as i64).collect();
+        self.confusion = Confusion::from_vec(&counts);
+    }
+
+    fn report(&self) -> Map<String, Value> {
+        let c = &self.confusion;
+        let mut m = Map::new();
+        m.insert("val_macro_f1".into(), c.macro_f1().into());
+        m.insert("val_micro_f1".into(), c.micro_f1().into());
+        m.insert("val_f1_per_class".into(), c.f1_per_class().into());
+        m
+    }
+
+    fn details(&self) -> Map<String, Value> {
+        let c = &self.confusion;
+        let mut m = Map::new();
+        m.insert("tp".into(), c.tp.clone().into());
+        m.insert("fp".into(), c.fp.clone().into());
+        m.insert("fn_".into(), c.fn_.clone().into());
+        m
+    }
+
+    fn summary(&self) -> String {
+        format!(
+            "val macro-F1 {:.3}  micro-F1 {:.3}",
+            self.confusion.macro_f1(),
+            self.confusion.micro_f1()
+        )
+    }
+}

@@ -1,0 +1,349 @@
+//! The Trainer's settings: a plain struct with defaults and a builder.
+//!
+//! ```
+//! use ddp_train::optim::{OptimizerConfig, SgdConfig};
+//! use ddp_train::{Monitor, Settings};
+//!
+//! let settings = Settings::default()
+//!     .epochs(5)
+//!     .batch_size(16)
+//!     .optimizer(OptimizerConfig::Sgd(SgdConfig { lr: 0.1, ..Default::default() }))
+//!     .monitor(Monitor::max("val_accuracy", "best-accuracy.safetensors"));
+//! assert_eq!(settings.epochs, 5);
+//! assert!(settings.validate().is_ok());
+//! ```
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::TrainError;
+use crate::optim::OptimizerConfig;
+use crate::scheduler::PlateauConfig;
+
+/// Which device a rank trains on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "odir", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    /// `cuda:LOCAL_RANK` when CUDA is available, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU.
+    Cpu,
+    /// `cuda:LOCAL_RANK`; an error when CUDA is not available.
+    Cuda,
+}
+
+impl DeviceChoice {
+    /// The device of the rank with `local_rank` on its machine: `cuda:local_rank` (CUDA is
+    /// made visible first, see `ddp_comm::cuda::load_torch_cuda`) or the CPU. An error names
+    /// what is missing when `Cuda` is asked for without CUDA, or for a rank without a GPU.
+    pub fn resolve(self, local_rank: usize) -> Result<tch::Device, TrainError> {
+        if self == Self::Cpu {
+            return Ok(tch::Device::Cpu);
+        }
+        // rustc links with --as-needed, so libtorch_cuda must be loaded before asking tch.
+        let loaded = ddp_comm::cuda::load_torch_cuda().unwrap_or(false);
+        let available = loaded && tch::Cuda::is_available();
+        match (self, available) {
+            (Self::Cuda, false) => Err(TrainError::Invalid(format!(
+                "--device cuda: CUDA is not available here ({}); use --device cpu",
+                ddp_comm::cuda::no_gpu_reason().unwrap_or_else(|| "no device".into())
+            ))),
+            (_, true) => {
+                let count = tch::Cuda::device_count() as usize;
+                if local_rank >= count {
+                    return Err(TrainError::Invalid(format!(
+                        "LOCAL_RANK {local_rank} needs cuda:{local_rank}, but only {count} \
+                         CUDA devices are visible"
+                    )));
+                }
+                Ok(tch::Device::Cuda(local_rank))
+            }
+            (_, false) => Ok(tch::Device::Cpu),
+        }
+    }
+}
+
+/// Whether a larger or a smaller value of a metric is better.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Goal {
+    /// Larger is better (accuracy, F1).
+    Max,
+    /// Smaller is better (a loss).
+    Min,
+}
+
+impl Goal {
+    /// Whether `new` improves on `old`.
+    pub fn improves(self, new: f64, old: f64) -> bool {
+        match self {
+            Self::Max => new > old,
+            Self::Min => new < old,
+        }
+    }
+}
+
+/// A metric whose best epoch's model rank 0 keeps in the run directory (PyTorch Lightning's
+/// `ModelCheckpoint(monitor=...)`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Monitor {
+    /// The metric's name in an epoch's report (`val_loss`, `train_loss` or one the task's
+    /// evaluation reports).
+    pub metric: String,
+    /// Which direction is better.
+    pub goal: Goal,
+    /// The model file's name in the run directory.
+    pub file: String,
+}
+
+impl Monitor {
+    /// Keeps the model of the epoch with the largest `metric` in `file`.
+    pub fn max(metric: impl Into<String>, file: impl Into<String>) -> Self {
+        Self {
+            metric: metric.into(),
+            goal: Goal::Max,
+            file: file.into(),
+        }
+    }
+
+    /// Keeps the model of the epoch with the smallest `metric` in `file`.
+    pub fn min(metric: impl Into<String>, file: impl Into<String>) -> Self {
+        Self {
+            metric: metric.into(),
+            goal: Goal::Min,
+            file: file.into(),
+        }
+    }
+}
+
+/// `ReduceLROnPlateau` on one metric of the epoch's report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plateau {
+    /// The metric it watches.
+    pub metric: String,
+    /// Which direction is better.
+    pub goal: Goal,
+    /// Factor, patience, cooldown, threshold and floor.
+    pub config: PlateauConfig,
+}
+
+/// Everything the generic Trainer needs besides the task. `Default` gives a sensible run
+/// (10 epochs of batch 32 with Adam at 1e-3); each field has a builder method of its name.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Settings {
+    /// Epochs to train (the last epoch's number).
+    pub epochs: u64,
+    /// Samples per rank per micro-batch.
+    pub batch_size: usize,
+    /// Micro-batches per optimizer step (gradient accumulation).
+    pub accumulate: usize,
+    /// The optimizer and its hyper-parameters.
+    pub optimizer: OptimizerConfig,
+    /// Lowers the learning rate when a metric stops improving.
+    pub plateau: Option<Plateau>,
+    /// Best-model files rank 0 keeps.
+    pub monitors: Vec<Monitor>,
+    /// Seed of the model's initialisation, the shuffling, the augmentations and dropout.
+    pub seed: u64,
+    /// Where each rank trains.
+    pub device: DeviceChoice,
+    /// Intra-op threads per rank on the CPU (default: the cores divided among the ranks).
+    pub threads: Option<usize>,
+    /// Loader threads per rank (default: `ddp_data::default_workers`).
+    pub workers: Option<usize>,
+    /// Batches the loader prepares ahead (default: 2 on the CPU, 4 on a GPU).
+    pub prefetch: Option<usize>,
+    /// The run directory (default: `runs/<UTC date-time>`).
+    pub out: Option<PathBuf>,
+    /// A checkpoint to start from: `latest` (of `out`) or a path to a model file.
+    pub resume: Option<String>,
+    /// Load only the model weights from `resume` (for [`crate::Trainer::evaluate`]; no
+    /// optimizer state is needed).
+    pub eval_only: bool,
+    /// After a launcher's restart (`TORCHELASTIC_RESTART_COUNT` > 0), resume from the
+    /// run's latest checkpoint when `out` has one and `resume` is not set.
+    pub resume_after_restart: bool,
+    /// Log a rank's loss every this many steps (0: never).
+    pub log_every: usize,
+    /// Stop each epoch after this many optimizer steps.
+    pub max_steps_per_epoch: Option<usize>,
+    /// Seconds a collective may take before the job fails.
+    pub collective_timeout_secs: u64,
+    /// Show rank 0's progress: a bar when stdout is a terminal, else a log line every tenth
+    /// of an epoch. (Log lines are `tracing` events and go to `logs/rank-<r>.log`; the
+    /// program's subscriber decides where else.)
+    pub progress: bool,
+    /// Draw `curves.png` after every epoch (needs the `plot` feature).
+    pub plot: bool,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            epochs: 10,
+            batch_size: 32,
+            accumulate: 1,
+            optimizer: OptimizerConfig::default(),
+            plateau: None,
+            monitors: Vec::new(),
+            seed: 0,
+            device: DeviceChoice::Auto,
+            threads: None,
+            workers: None,
+            prefetch: None,
+            out: None,
+            resume: None,
+            eval_only: false,
+            resume_after_restart: true,
+            log_every: 0,
+            max_steps_per_epoch: None,
+            collective_timeout_secs: 300,
+            progress: true,
+            plot: true,
+        }
+    }
+}
+
+macro_rules! builder {
+    ($($(#[$doc:meta])* $name:ident: $ty:ty),* $(,)?) => {
+        impl Settings {
+            $(
+                $(#[$doc])*
+                #[must_use]
+                pub fn $name(mut self, value: $ty) -> Self {
+                    self.$name = value;
+                    self
+                }
+            )*
+        }
+    };
+}
+
+builder! {
+    /// Sets [`Settings::epochs`].
+    epochs: u64,
+    /// Sets [`Settings::batch_size`].
+    batch_size: usize,
+    /// Sets [`Settings::accumulate`].
+    accumulate: usize,
+    /// Sets [`Settings::optimizer`].
+    optimizer: OptimizerConfig,
+    /// Sets [`Settings::plateau`].
+    plateau: Option<Plateau>,
+    /// Sets [`Settings::monitors`].
+    monitors: Vec<Monitor>,
+    /// Sets [`Settings::seed`].
+    seed: u64,
+    /// Sets [`Settings::device`].
+    device: DeviceChoice,
+    /// Sets [`Settings::threads`].
+    threads: Option<usize>,
+    /// Sets [`Settings::workers`].
+    workers: Option<usize>,
+    /// Sets [`Settings::prefetch`].
+    prefetch: Option<usize>,
+    /// Sets [`Settings::out`].
+    out: Option<PathBuf>,
+    /// Sets [`Settings::resume`].
+    resume: Option<String>,
+    /// Sets [`Settings::eval_only`].
+    eval_only: bool,
+    /// Sets [`Settings::resume_after_restart`].
+    resume_after_restart: bool,
+    /// Sets [`Settings::log_every`].
+    log_every: usize,
+    /// Sets [`Settings::max_steps_per_epoch`].
+    max_steps_per_epoch: Option<usize>,
+    /// Sets [`Settings::collective_timeout_secs`].
+    collective_timeout_secs: u64,
+    /// Sets [`Settings::progress`].
+    progress: bool,
+    /// Sets [`Settings::plot`].
+    plot: bool,
+}
+
+impl Settings {
+    /// Adds a best-model file.
+    #[must_use]
+    pub fn monitor(mut self, monitor: Monitor) -> Self {
+        self.monitors.push(monitor);
+        self
+    }
+
+    /// Checks the settings that can be checked without data or peers; the message names
+    /// the setting as the `ddp-train` command line spells it.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let invalid = |m: String| Err(TrainError::Invalid(m));
+        if self.batch_size == 0 {
+            return invalid("--batch-size must be at least 1".into());
+        }
+        if self.prefetch == Some(0) {
+            return invalid("--prefetch must be at least 1".into());
+        }
+        if self.accumulate == 0 {
+            return invalid("--accumulate must be at least 1".into());
+        }
+        if self.epochs == 0 {
+            return invalid("--epochs must be at least 1".into());
+        }
+        let lr = self.optimizer.lr();
+        if !(lr > 0.0 && lr.is_finite()) {
+            return invalid(format!("--lr {lr} must be a positive number"));
+        }
+        if let Some(p) = &self.plateau {
+            if !(p.config.factor > 0.0 && p.config.factor < 1.0) {
+                return invalid(format!(
+                    "--plateau-factor {} must be in (0, 1)",
+                    p.config.factor
+                ));
+            }
+        }
+        if self.resume.as_deref() == Some("latest") && self.out.is_none() {
+            return invalid("--resume latest needs --out <run directory> to know which run".into());
+        }
+        let mut files: Vec<&str> = self.monitors.iter().map(|m| m.file.as_str()).collect();
+        files.sort_unstable();
+        if let Some(w) = files.windows(2).find(|w| w[0] == w[1]) {
+            return invalid(format!("two monitors write the same file {}", w[0]));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builder_sets_fields_and_validation_names_the_setting() {
+        let s = Settings::default().batch_size(0);
+        assert_eq!(
+            s.validate().unwrap_err().to_string(),
+            "--batch-size must be at least 1"
+        );
+        let s = Settings::default().resume(Some("latest".into())).out(None);
+        assert!(s
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--resume latest needs --out"));
+        let twice = Settings::default()
+            .monitor(Monitor::max("a", "best.safetensors"))
+            .monitor(Monitor::min("b", "best.safetensors"));
+        assert!(twice.validate().is_err());
+        let s = Settings::default().epochs(3).accumulate(2).seed(9);
+        assert_eq!((s.epochs, s.accumulate, s.seed), (3, 2, 9));
+    }
+
+    #[test]
+    fn goals_compare_in_their_direction() {
+        assert!(Goal::Max.improves(0.6, 0.5));
+        assert!(!Goal::Max.improves(0.5, 0.5));
+        assert!(Goal::Min.improves(0.4, 0.5));
+        assert!(!Goal::Min.improves(0.6, 0.5));
+    }
+}

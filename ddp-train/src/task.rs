@@ -1,0 +1,97 @@
+//! What a user supplies to train their own model: a [`Task`] (the model, the data, the loss
+//! and the evaluation) and its [`Stats`] (evaluation counts that add up across ranks).
+
+use ddp_data::{Batch, Dataset};
+use serde_json::{Map, Value};
+use tch::{nn, Tensor};
+
+/// Evaluation statistics that combine across ranks by summation: counts, sums of errors,
+/// confusion matrices. The Trainer all-reduces [`Stats::to_sums`] and hands the totals back
+/// to [`Stats::set_sums`], so every rank reports the metrics of the whole validation split,
+/// exactly as one process would (ratios like F1 or accuracy are computed from the totals,
+/// never averaged).
+pub trait Stats {
+    /// The statistics as numbers to add up; the length must not depend on the data.
+    fn to_sums(&self) -> Vec<f64>;
+
+    /// Replaces the statistics with `sums` (the element-wise totals over all ranks).
+    fn set_sums(&mut self, sums: &[f64]);
+
+    /// The metrics of an epoch's report (`metrics.jsonl`), by name: numbers or arrays.
+    /// Names that [`crate::Monitor`] or [`crate::Plateau`] watch must be numbers.
+    fn report(&self) -> Map<String, Value>;
+
+    /// More detail for an evaluation-only run's report (counts, say); none by default.
+    fn details(&self) -> Map<String, Value> {
+        Map::new()
+    }
+
+    /// A few words for the epoch's log line; by default every number of the report as
+    /// `name value`.
+    fn summary(&self) -> String {
+        self.report()
+            .iter()
+            .filter_map(|(k, v)| Some(format!("{k} {:.4}", v.as_f64()?)))
+            .collect::<Vec<_>>()
+            .join("  ")
+    }
+}
+
+/// A model, its data and its loss: everything the Trainer does not know.
+///
+/// The Trainer calls `model` once (on a `VarStore` on the CPU, after seeding libtorch with
+/// the run's seed, then moves the store to the rank's device), `train_data` and `val_data`
+/// once, and `train_loss` / `eval_batch` for every batch. Batches arrive on the rank's
+/// device as `f32` inputs of shape `[batch, layout.shape...]` and targets of shape
+/// `[batch, layout.targets]`.
+pub trait Task {
+    /// The model (any type; the Trainer reaches its weights through the `VarStore`).
+    type Model;
+    /// The data set: ODIR's images, generated samples, anything the loader can read.
+    type Data: Dataset + Clone;
+    /// The evaluation statistics.
+    type Stats: Stats;
+
+    /// Builds the model's variables under `root`.
+    fn model(&self, root: &nn::Path) -> Self::Model;
+
+    /// The training samples (the sampler shards `0..len()` across ranks).
+    fn train_data(&self) -> Self::Data;
+
+    /// The validation samples; `None` trains without evaluation.
+    fn val_data(&self) -> Option<Self::Data> {
+        None
+    }
+
+    /// The mean loss of a training batch (model in training mode); the Trainer calls
+    /// `backward` on it.
+    fn train_loss(&self, model: &Self::Model, batch: &Batch) -> Tensor;
+
+    /// Empty evaluation statistics.
+    fn new_stats(&self) -> Self::Stats;
+
+    /// Evaluates one validation batch (model in evaluation mode, without gradients): adds
+    /// to `stats` and returns the sum of the batch's per-sample losses (a scalar tensor).
+    fn eval_batch(&self, model: &Self::Model, batch: &Batch, stats: &mut Self::Stats) -> Tensor;
+
+    /// What `config.json` records about the task (its own settings, the data's size).
+    fn describe(&self) -> Value {
+        Value::Null
+    }
+}
+
+/// Statistics with nothing to count, for tasks that report only the validation loss.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NoStats;
+
+impl Stats for NoStats {
+    fn to_sums(&self) -> Vec<f64> {
+        Vec::new()
+    }
+
+    fn set_sums(&mut self, _sums: &[f64]) {}
+
+    fn report(&self) -> Map<String, Value> {
+        Map::new()
+    }
+}
