@@ -421,7 +421,12 @@ fn a_reuse_hook_runs_before_the_slot_is_refilled() {
         counter.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }));
+    // Each batch is held until the next one is taken, as a pipelined consumer does: when
+    // batch 1 is handed out, batch 2 is claimed while the only free slot is the released
+    // one, so that slot must be refilled. (A consumer that dropped each batch at once could
+    // keep reusing its own slot, the last one returned, and never touch the released slot.)
     let mut reused = false;
+    let mut previous = None;
     for batch in loader {
         let batch = batch.unwrap();
         if batch.slot() == slot {
@@ -432,7 +437,9 @@ fn a_reuse_hook_runs_before_the_slot_is_refilled() {
                 "slot refilled before its hook ran"
             );
         }
+        previous = Some(batch);
     }
+    drop(previous);
     assert!(reused, "the released slot was never reused");
     assert_eq!(ran.load(Ordering::SeqCst), 1);
 }
