@@ -414,13 +414,13 @@ impl<T: Task> Trainer<T> {
         let rank = self.pg.rank();
         // The trainer advances the sampler itself: no one can forget set_epoch.
         self.train_sampler.set_epoch(epoch);
-        let indices: Vec<usize> = self.train_sampler.iter().collect();
+        let mut indices: Vec<usize> = self.train_sampler.iter().collect();
         let per_step = s.batch_size * s.accumulate;
         let steps_in_epoch = indices.len() / per_step;
         let steps = s
             .max_steps_per_epoch
             .map_or(steps_in_epoch, |m| m.min(steps_in_epoch));
-        let indices = indices[..steps * per_step].to_vec();
+        indices.truncate(steps * per_step);
         let mut loader = self.loader(&self.train_set, true, epoch, indices)?;
         let progress = Progress::new(rank == 0 && s.progress, epoch, s.epochs, steps);
         let (mut loss_sum, mut samples) = (0.0f64, 0usize);
