@@ -61,7 +61,7 @@ pub enum LaunchError {
         #[source]
         source: std::io::Error,
     },
-    /// The signal handlers that forward SIGINT, SIGTERM, SIGHUP and SIGQUIT to the ranks
+    /// The signal handlers that forward SIGINT, SIGTERM, SIGHUP, SIGQUIT and SIGUSR1 to the ranks
     /// could not be installed.
     #[error("cannot install the handler of signal {signal}")]
     Signals {

@@ -5,7 +5,8 @@
 //! `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_RESTART_COUNT`, ...) and supervises them as
 //! torchrun's elastic agent does: the first rank to fail ends the job (the others get SIGTERM,
 //! then SIGKILL after a grace period), `max_restarts` restarts the whole group, and signals the
-//! launcher receives are forwarded to every rank. Ranks die with the launcher even when it is
+//! launcher receives are forwarded to every rank; ranks that stop at a checkpoint on request
+//! (exit code [`EXIT_STOPPED`]) end the job as [`Outcome::Stopped`], not as a failure. Ranks die with the launcher even when it is
 //! killed with SIGKILL (`PR_SET_PDEATHSIG`). Each rank's output goes to its log file and to the
 //! terminal, other ranks' lines prefixed with `[rank i]`.
 //!
@@ -57,4 +58,4 @@ pub use env::RankEnv;
 pub use error::LaunchError;
 pub use port::free_port;
 pub use signals::FORWARDED as FORWARDED_SIGNALS;
-pub use supervisor::{launch, Event, Exit, Outcome, RankFailure};
+pub use supervisor::{launch, Event, Exit, Outcome, RankFailure, EXIT_STOPPED};

@@ -164,6 +164,14 @@ fn run(cli: Cli) -> Result<u8> {
         Outcome::Interrupted { signal } => {
             eprintln!("ddp-run: interrupted by signal {signal}; all ranks stopped");
         }
+        Outcome::Stopped { signal, .. } => {
+            let by = signal.map_or(String::new(), |s| format!(" after signal {s}"));
+            eprintln!(
+                "ddp-run: every rank stopped at a checkpoint{by} (exit code {}); starting \
+                 the job again continues it",
+                ddp_run::EXIT_STOPPED
+            );
+        }
     }
     Ok(u8::try_from(outcome.exit_code()).unwrap_or(1))
 }

@@ -1,5 +1,6 @@
-//! Noticing SIGINT, SIGTERM, SIGHUP and SIGQUIT while a job runs, to forward them to the ranks
-//! (torchrun's default `--signals-to-handle`).
+//! Noticing SIGINT, SIGTERM, SIGHUP, SIGQUIT (torchrun's default `--signals-to-handle`) and
+//! SIGUSR1 (what SLURM's `--signal` sends before a time limit) while a job runs, to forward
+//! them to the ranks.
 //!
 //! The handlers are installed once per process with signal-hook and stay installed (signal-hook
 //! cannot uninstall them). While no job runs they behave as before they were installed: a
@@ -13,7 +14,13 @@ use std::sync::OnceLock;
 use crate::LaunchError;
 
 /// The signals forwarded to the ranks.
-pub const FORWARDED: [i32; 4] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT];
+pub const FORWARDED: [i32; 5] = [
+    libc::SIGINT,
+    libc::SIGTERM,
+    libc::SIGHUP,
+    libc::SIGQUIT,
+    libc::SIGUSR1,
+];
 
 /// Jobs running in this process.
 static ACTIVE: AtomicUsize = AtomicUsize::new(0);

@@ -67,6 +67,13 @@ impl fmt::Display for RankFailure {
     }
 }
 
+/// The exit code of a rank that stopped on request at a checkpoint it can continue from
+/// (75, `EX_TEMPFAIL`: "try again later"), as `ddp-train` does on SIGTERM, SIGUSR1 or its
+/// time limit. The launcher does not count it as a failure (no restart, no stopping of the
+/// other ranks, which are stopping too); when every rank ends so, the job is
+/// [`Outcome::Stopped`] and the launcher exits with this code as well.
+pub const EXIT_STOPPED: i32 = 75;
+
 /// How a job ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -87,16 +94,26 @@ pub enum Outcome {
         /// The signal number.
         signal: i32,
     },
+    /// Every rank stopped on request with [`EXIT_STOPPED`] (after the launcher forwarded
+    /// `signal` to them, or by themselves, e.g. at a time limit): the job can continue from
+    /// its checkpoint when started again.
+    Stopped {
+        /// The signal the launcher received and forwarded, if any.
+        signal: Option<i32>,
+        /// Restarts made before.
+        restarts: u32,
+    },
 }
 
 impl Outcome {
     /// The exit status for the launcher's process: 0, 1 after a failure, 128 + the signal
-    /// after an interruption (the shell's convention).
+    /// after an interruption (the shell's convention), [`EXIT_STOPPED`] after a stop.
     pub fn exit_code(&self) -> i32 {
         match self {
             Outcome::Succeeded { .. } => 0,
             Outcome::Failed { .. } => 1,
             Outcome::Interrupted { signal } => 128 + signal,
+            Outcome::Stopped { .. } => EXIT_STOPPED,
         }
     }
 }
@@ -133,8 +150,9 @@ pub enum Event<'a> {
 /// Runs the job: starts the ranks of this node with torchrun's environment, copies their
 /// output to their log files (and the terminal), and ends the job as soon as one rank fails
 /// (the others get SIGTERM, then SIGKILL after `shutdown_timeout`), restarting the whole
-/// group up to `max_restarts` times. SIGINT, SIGTERM, SIGHUP and SIGQUIT received meanwhile
-/// are forwarded to every rank, which are then stopped alike.
+/// group up to `max_restarts` times. SIGINT, SIGTERM, SIGHUP, SIGQUIT and SIGUSR1 received
+/// meanwhile are forwarded to every rank, which then get `shutdown_timeout` to end (a rank
+/// that stops at a checkpoint exits with [`EXIT_STOPPED`], see [`Outcome::Stopped`]).
 ///
 /// `on_event` hears of each attempt, failure and restart, in order. Returns how the job
 /// ended; an `Err` is a failure of the launcher itself (bad settings, a program that cannot
@@ -182,6 +200,7 @@ pub fn launch(
         match attempt.run(&watch)? {
             End::Succeeded => return Ok(Outcome::Succeeded { restarts }),
             End::Interrupted(signal) => return Ok(Outcome::Interrupted { signal }),
+            End::Stopped(signal) => return Ok(Outcome::Stopped { signal, restarts }),
             End::Failed(failure) => {
                 on_event(&Event::RankFailed(&failure));
                 if restarts >= config.max_restarts {
@@ -207,6 +226,7 @@ fn unix_millis() -> u128 {
 enum End {
     Succeeded,
     Interrupted(i32),
+    Stopped(Option<i32>),
     Failed(RankFailure),
 }
 
@@ -252,6 +272,12 @@ impl Attempt<'_> {
         loop {
             if let Some(signal) = watch.received() {
                 stop(ranks, signal, self.config.shutdown_timeout);
+                if ranks
+                    .iter()
+                    .all(|r| r.exit == Some(Exit::Code(EXIT_STOPPED)))
+                {
+                    return Ok(End::Stopped(Some(signal)));
+                }
                 return Ok(End::Interrupted(signal));
             }
             let mut failed = Vec::new();
@@ -265,7 +291,9 @@ impl Attempt<'_> {
                     pid,
                     source,
                 })?;
-                if r.exit.is_some_and(|e| !e.success()) {
+                if r.exit
+                    .is_some_and(|e| !e.success() && e != Exit::Code(EXIT_STOPPED))
+                {
                     failed.push(k);
                 }
             }
@@ -289,6 +317,12 @@ impl Attempt<'_> {
             }
             if ranks.iter().all(|r| r.exit.is_some()) {
                 stop(ranks, libc::SIGTERM, Duration::ZERO);
+                if ranks
+                    .iter()
+                    .any(|r| r.exit == Some(Exit::Code(EXIT_STOPPED)))
+                {
+                    return Ok(End::Stopped(None));
+                }
                 return Ok(End::Succeeded);
             }
             std::thread::sleep(self.config.monitor_interval);
@@ -503,12 +537,14 @@ fn kill_group(pid: u32, signal: i32) {
     }
 }
 
-/// Ends an attempt: `signal` to every rank's process group, SIGKILL to what is left after
-/// `timeout` (or at once when every rank has exited), then reaps the ranks and lets their
-/// output threads finish.
+/// Ends an attempt: `signal` to every rank's process group, then SIGCONT (a stopped rank,
+/// SIGSTOP or a debugger's, acts on the signal only once continued, as a shell's `kill`
+/// does for stopped jobs), SIGKILL to what is left after `timeout` (or at once when every
+/// rank has exited), then reaps the ranks and lets their output threads finish.
 fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) {
     for r in ranks.iter() {
         kill_group(r.child.id(), signal);
+        kill_group(r.child.id(), libc::SIGCONT);
     }
     let deadline = Instant::now() + timeout;
     loop {
@@ -573,6 +609,11 @@ mod tests {
     fn exit_codes_follow_the_shell() {
         assert_eq!(Outcome::Succeeded { restarts: 2 }.exit_code(), 0);
         assert_eq!(Outcome::Interrupted { signal: 15 }.exit_code(), 143);
+        let stopped = Outcome::Stopped {
+            signal: Some(15),
+            restarts: 0,
+        };
+        assert_eq!(stopped.exit_code(), 75);
         let failure = RankFailure {
             rank: 0,
             exit: Exit::Signal(9),

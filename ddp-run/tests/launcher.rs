@@ -26,7 +26,7 @@ fn ddp_run(args: &[&str]) -> Command {
     // SAFETY: signal(2) with SIG_DFL is async-signal-safe and allocates nothing.
     unsafe {
         cmd.pre_exec(|| {
-            for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+            for sig in ddp_run::FORWARDED_SIGNALS {
                 libc::signal(sig, libc::SIG_DFL);
             }
             Ok(())
