@@ -130,6 +130,10 @@ function_table! {
         fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclResult_t;
         /// `ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank)`.
         fn ncclCommInitRank(comm: *mut ncclComm_t, nranks: c_int, id: ncclUniqueId, rank: c_int) -> ncclResult_t;
+        /// `ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
+        /// ncclConfig_t* config)` (NCCL >= 2.14): with `config.blocking = 0` it may return
+        /// `ncclInProgress`; poll `ncclCommGetAsyncError` until it is done.
+        fn ncclCommInitRankConfig(comm: *mut ncclComm_t, nranks: c_int, id: ncclUniqueId, rank: c_int, config: *mut ncclConfig_t) -> ncclResult_t;
         /// `ncclCommDestroy(ncclComm_t comm)`.
         fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t;
         /// `ncclCommAbort(ncclComm_t comm)`.
