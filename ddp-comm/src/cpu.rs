@@ -16,10 +16,12 @@
 //! get [`CommError::Mismatch`] instead of corrupted data. A failure poisons the backend and
 //! closes both links, so neighbours fail promptly too.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::element::{self, as_bytes_mut, DType, ReduceOp};
 use crate::error::CommError;
+use crate::heartbeat::Heartbeat;
 use crate::link::{EndError, Link, LinkKind, RecvEnd};
 use crate::ring::{split_even, Schedule, Span};
 
@@ -99,6 +101,7 @@ pub(crate) struct CpuBackend {
     scratch: Vec<i64>,
     gather: Vec<i64>,
     poisoned: Option<String>,
+    heartbeat: Arc<Heartbeat>,
 }
 
 impl CpuBackend {
@@ -109,6 +112,7 @@ impl CpuBackend {
         ring: RingOrder,
         link: Option<Link>,
         timeout: Duration,
+        heartbeat: Arc<Heartbeat>,
     ) -> Result<Self, CommError> {
         if let Some(link) = &link {
             link.set_nonblocking()
@@ -130,6 +134,7 @@ impl CpuBackend {
             scratch: Vec::new(),
             gather: Vec::new(),
             poisoned: None,
+            heartbeat,
         })
     }
 
@@ -152,6 +157,7 @@ impl CpuBackend {
     }
 
     fn poison(&mut self, err: CommError) -> CommError {
+        self.heartbeat.mark_failed();
         self.poisoned = Some(err.to_string());
         if let Some(link) = &self.link {
             link.shutdown();
@@ -211,7 +217,12 @@ impl CpuBackend {
         );
         self.scratch = tmp;
         self.gather = gather;
-        result.map_err(|e| self.poison(e))
+        // A timeout is diagnosed before the links close, so that the neighbours reach
+        // their own timeouts (and diagnoses) instead of seeing this rank hang up.
+        result.map_err(|e| {
+            let e = self.heartbeat.explain(e);
+            self.poison(e)
+        })
     }
 
     /// In-place all-reduce of `buf`, holding elements of type `dtype`.
@@ -543,18 +554,25 @@ fn drive(link: &mut Link, job: Job<'_>, work: &mut [u8], tmp: &mut [u8]) -> Resu
             continue;
         }
         let now = Instant::now();
-        if now >= deadline {
-            let mut peers = Vec::new();
-            if !recv_done {
-                peers.push(link.prev);
-            }
-            if !send_done && !peers.contains(&link.next) {
-                peers.push(link.next);
-            }
-            return Err(CommError::Timeout { op, timeout, peers });
-        }
         let want_send = !send_done && (head_sent < head_out_len || sends[send_i].after <= recv_i);
         let want_recv = !recv_done;
+        if now >= deadline {
+            // The successor counts only when it holds up a send that is ready (no room);
+            // sends that wait for a receive wait for the predecessor.
+            let mut peers = Vec::new();
+            if want_recv {
+                peers.push(link.prev);
+            }
+            if want_send && !peers.contains(&link.next) {
+                peers.push(link.next);
+            }
+            return Err(CommError::Timeout {
+                op,
+                timeout,
+                peers,
+                diagnosis: Box::default(),
+            });
+        }
         // A shared-memory peer that left can make no more room or data.
         if want_send && link.send.gone() {
             return Err(send_error(link, EndError::Closed));

@@ -109,15 +109,18 @@ pub enum CommError {
         /// What happened.
         detail: String,
     },
-    /// A collective did not complete in time.
-    #[error("{op} timed out after {timeout:?} waiting for peer ranks {peers:?}")]
+    /// A collective did not complete in time. `peers` are the ring neighbours this rank was
+    /// waiting on; `diagnosis` names the rank that is hung, which may be another one.
+    #[error("{op} timed out after {timeout:?}{}{diagnosis}", waiting_for(.peers))]
     Timeout {
         /// The collective.
         op: &'static str,
         /// The timeout.
         timeout: Duration,
-        /// The ranks this rank was waiting on.
+        /// The ranks this rank was waiting on (none for NCCL, which does not say).
         peers: Vec<usize>,
+        /// What the heartbeats said about every rank after the timeout.
+        diagnosis: Box<Diagnosis>,
     },
     /// Ranks called different collectives or passed different sizes.
     #[error("{op}: rank {peer} called {theirs}, this rank (rank {rank}) called {ours}; every rank must call the same collectives with the same sizes")]
@@ -144,6 +147,19 @@ pub enum CommError {
         /// What is wrong (dtype, device, layout).
         detail: String,
     },
+    /// An NCCL communicator could not be created: NCCL failed, or not every rank joined
+    /// within the collective timeout (the communicator is aborted, nothing is left waiting).
+    #[error("NCCL communicator init of rank {rank} on cuda:{device} {what}{diagnosis}")]
+    NcclInit {
+        /// This rank.
+        rank: usize,
+        /// Its CUDA device.
+        device: usize,
+        /// What happened: `timed out after ...` or `failed: ...`.
+        what: String,
+        /// On a timeout, what the heartbeats said about every rank.
+        diagnosis: Box<Diagnosis>,
+    },
     /// NCCL or the CUDA runtime failed.
     #[error("{call} failed: {detail}")]
     Nccl {
@@ -163,6 +179,88 @@ pub enum CommError {
         /// The OS error.
         source: std::io::Error,
     },
+}
+
+/// What a rank found out, after a collective timed out, about the ranks that did not keep
+/// up: from every rank's heartbeat in the rendezvous store (see the crate's README).
+///
+/// Its `Display` is empty when no diagnosis was made, else `"; "` followed by the findings,
+/// so that it reads as the end of [`CommError::Timeout`]'s message.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Diagnosis {
+    /// The number of collectives this rank had entered (the one that timed out is the
+    /// last); 0 when no diagnosis was made.
+    pub this_collective: u64,
+    /// Ranks whose heartbeat stopped: stopped (`SIGSTOP`), frozen, or on a host that cannot
+    /// be reached. Includes rank 0 when the store it serves does not answer.
+    pub not_responding: Vec<usize>,
+    /// Ranks that are alive but have not entered this collective: `(rank, collectives it
+    /// has entered)`. They are stuck outside the collectives (a data loader, a disk).
+    pub behind: Vec<(usize, u64)>,
+    /// Set when the rendezvous store did not answer: what happened.
+    pub store_silent: Option<String>,
+    /// Set when this rank has no heartbeat to read: why.
+    pub unavailable: Option<String>,
+}
+
+impl Diagnosis {
+    /// The ranks found hung, in order: not responding or behind.
+    pub fn hung_ranks(&self) -> Vec<usize> {
+        let mut ranks: Vec<usize> = self.not_responding.clone();
+        ranks.extend(self.behind.iter().map(|&(r, _)| r));
+        ranks.sort_unstable();
+        ranks.dedup();
+        ranks
+    }
+}
+
+impl std::fmt::Display for Diagnosis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.this_collective == 0 {
+            return Ok(());
+        }
+        let mut parts = Vec::new();
+        if let Some(why) = &self.unavailable {
+            parts.push(format!("no heartbeats to tell which rank is hung ({why})"));
+        }
+        if let Some(what) = &self.store_silent {
+            parts.push(what.clone());
+        }
+        match self.not_responding.as_slice() {
+            [] => {}
+            [one] => parts.push(format!(
+                "rank {one} is not responding (stopped, frozen, or its host is unreachable)"
+            )),
+            many => parts.push(format!(
+                "ranks {many:?} are not responding (stopped, frozen, or their hosts are \
+                 unreachable)"
+            )),
+        }
+        for (rank, at) in &self.behind {
+            parts.push(format!(
+                "rank {rank} is behind: still at collective #{at}, this rank is at #{} \
+                 (stuck outside the collectives, e.g. in data loading)",
+                self.this_collective
+            ));
+        }
+        if parts.is_empty() {
+            parts.push(format!(
+                "every rank is alive and has entered collective #{} (a slow or congested \
+                 link?)",
+                self.this_collective
+            ));
+        }
+        write!(f, "; {}", parts.join("; "))
+    }
+}
+
+fn waiting_for(peers: &[usize]) -> String {
+    if peers.is_empty() {
+        String::new()
+    } else {
+        format!(" waiting for peer ranks {peers:?}")
+    }
 }
 
 impl CommError {

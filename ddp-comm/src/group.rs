@@ -1,6 +1,6 @@
 //! [`ProcessGroup`]: the collectives a data-parallel trainer calls, over tensors and slices.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tch::{Device, Kind, Tensor};
@@ -9,6 +9,7 @@ use crate::cpu::CpuBackend;
 use crate::element::{as_bytes_mut, DType, Element, ReduceOp};
 use crate::env::EnvConfig;
 use crate::error::CommError;
+use crate::heartbeat::{self, Heartbeat, StoreInfo};
 use crate::link::{LinkKind, Transport};
 use crate::nccl::{self, NcclComm};
 use crate::rendezvous::{self, Plan};
@@ -69,7 +70,10 @@ pub struct Options {
     pub backend: Option<Backend>,
     /// How long rendezvous may take.
     pub rendezvous_timeout: Duration,
-    /// How long one collective may take.
+    /// How long one collective (and NCCL communicator init) may take. A timed-out
+    /// collective then spends up to three heartbeat intervals (`op_timeout / 20`, clamped
+    /// to 100 ms ..= 1 s; at least 500 ms in all) finding out which rank is hung, before it
+    /// returns [`CommError::Timeout`].
     pub op_timeout: Duration,
     /// Connect to torchrun's agent store instead of serving one on rank 0.
     pub agent_store: bool,
@@ -217,6 +221,8 @@ pub struct ProcessGroup {
     cpu: Mutex<CpuBackend>,
     nccl: Mutex<Option<NcclComm>>,
     store: Mutex<Option<Box<dyn Store>>>,
+    /// Dropped before the server, so that its last beat can still reach it.
+    heartbeat: Arc<Heartbeat>,
     _server: Option<StoreServer>,
 }
 
@@ -228,6 +234,19 @@ impl std::fmt::Debug for ProcessGroup {
             .field("local_rank", &self.local_rank)
             .field("backend", &self.backend)
             .finish_non_exhaustive()
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        // Rank 0 serves the store: after a failure, keep it up for one diagnosis window, so
+        // that ranks still diagnosing their own timeouts can read the heartbeats (as the
+        // rendezvous keeps it up after an abort).
+        if self._server.is_some() {
+            if let Some(linger) = self.heartbeat.linger() {
+                std::thread::sleep(linger);
+            }
+        }
     }
 }
 
@@ -280,12 +299,14 @@ impl ProcessGroup {
             shm_capacity: ring_bytes,
         };
         let met = rendezvous::meet(&plan)?;
+        let heartbeat = Arc::new(start_heartbeat(&opts, &plan, &met));
         let cpu = CpuBackend::new(
             opts.rank,
             opts.world_size,
             met.ring,
             met.link,
             opts.op_timeout,
+            heartbeat.clone(),
         )?;
         let group = ProcessGroup {
             rank: opts.rank,
@@ -297,6 +318,7 @@ impl ProcessGroup {
             cpu: Mutex::new(cpu),
             nccl: Mutex::new(None),
             store: Mutex::new(met.store),
+            heartbeat,
             _server: met.server,
         };
         if opts.backend == Some(Backend::Nccl) {
@@ -347,7 +369,8 @@ impl ProcessGroup {
     }
 
     /// The communicator, created at first use: a CPU barrier (all ranks alive), unique id
-    /// from rank 0 through the store, `cudaSetDevice(local_rank)`, `ncclCommInitRank`.
+    /// from rank 0 through the store, `cudaSetDevice(local_rank)`, a non-blocking
+    /// `ncclCommInitRankConfig` bounded by the op timeout.
     fn nccl(&self) -> Result<MutexGuard<'_, Option<NcclComm>>, CommError> {
         let mut guard = lock(&self.nccl);
         if guard.is_some() {
@@ -394,6 +417,7 @@ impl ProcessGroup {
             self.local_rank,
             id,
             self.op_timeout,
+            self.heartbeat.clone(),
         )?;
         if self.rank == 0 {
             tracing::info!(
@@ -409,6 +433,7 @@ impl ProcessGroup {
     /// In-place all-reduce of a contiguous tensor (CPU: the ring of shared-memory and TCP
     /// links; CUDA: NCCL).
     pub fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
+        self.heartbeat.enter();
         match t.device() {
             Device::Cpu => {
                 let (bytes, dtype) = cpu_bytes(t)?;
@@ -431,6 +456,7 @@ impl ProcessGroup {
     /// Broadcasts a contiguous tensor from `root` into every rank's `t` (same shape and
     /// dtype everywhere).
     pub fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), CommError> {
+        self.heartbeat.enter();
         self.check_root(root)?;
         match t.device() {
             Device::Cpu => {
@@ -466,6 +492,7 @@ impl ProcessGroup {
     /// land at `r * input.numel()` in order. The counterpart of PyTorch's
     /// `all_gather_into_tensor`; reusing `output` saves an allocation per call.
     pub fn all_gather_into(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
+        self.heartbeat.enter();
         if output.kind() != input.kind()
             || output.device() != input.device()
             || output.numel() != input.numel() * self.world_size
@@ -509,6 +536,7 @@ impl ProcessGroup {
     /// Returns once every rank has called `barrier` (and, with NCCL initialised, this
     /// rank's queued GPU work has finished).
     pub fn barrier(&self) -> Result<(), CommError> {
+        self.heartbeat.enter();
         if let Some(comm) = lock(&self.nccl).as_mut() {
             comm.synchronize()?;
         }
@@ -521,6 +549,7 @@ impl ProcessGroup {
         data: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
+        self.heartbeat.enter();
         lock(&self.cpu).all_reduce(as_bytes_mut(data), T::DTYPE, op)
     }
 
@@ -530,12 +559,14 @@ impl ProcessGroup {
         data: &mut [T],
         root: usize,
     ) -> Result<(), CommError> {
+        self.heartbeat.enter();
         self.check_root(root)?;
         lock(&self.cpu).broadcast(as_bytes_mut(data), root)
     }
 
     /// Gathers every rank's byte string (lengths may differ); element `r` is rank `r`'s.
     pub fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        self.heartbeat.enter();
         lock(&self.cpu).all_gather_bytes(data)
     }
 
@@ -598,6 +629,28 @@ impl ProcessGroup {
     #[doc(hidden)]
     pub fn set_shm_spin(&self, spin: Duration) {
         lock(&self.cpu).set_spin(spin);
+    }
+}
+
+/// The heartbeat of this rank (see `heartbeat.rs`), on its own store connection; without
+/// one (a world of one, or a store that cannot be reached again) timeouts cannot name the
+/// hung rank, and say so.
+fn start_heartbeat(opts: &Options, plan: &Plan, met: &rendezvous::Met) -> Heartbeat {
+    let (rank, world) = (opts.rank, opts.world_size);
+    let Some(store) = met.store.as_ref() else {
+        return Heartbeat::without_thread(rank, world, "no store");
+    };
+    let info = StoreInfo {
+        addr: store.addr().to_string(),
+        served_by_rank0: !opts.agent_store,
+    };
+    let timeout = heartbeat::store_timeout(heartbeat::interval_for(opts.op_timeout));
+    match rendezvous::connector(plan, met.server.as_ref(), timeout) {
+        Ok(connect) => Heartbeat::start(rank, world, opts.op_timeout, info, connect),
+        Err(e) => {
+            tracing::warn!("ddp-comm: rank {rank} runs without a heartbeat: {e}");
+            Heartbeat::without_thread(rank, world, format!("the store is unreachable: {e}"))
+        }
     }
 }
 

@@ -12,12 +12,15 @@
 //!   `DDP_TRANSPORT=tcp` to use TCP everywhere). Results are identical on every rank, and
 //!   bit for bit the same over either transport.
 //! - Failures are a [`CommError`] naming the rank, address or timeout: nothing waits forever.
+//!   A collective that times out names the rank that is hung, which may not be a neighbour,
+//!   from every rank's heartbeat in the store ([`Diagnosis`]).
 //!
 //! Rendezvous (`rendezvous.rs`) uses a small key-value store served by rank 0 (`store.rs`),
 //! or torchrun's own agent store (`c10d.rs`), and connects the ring (`connect.rs`); ring
 //! schedules (`ring.rs`) are executed by `cpu.rs` over each link's end (`link.rs`): a
 //! non-blocking socket (`tcp.rs`) or a shared-memory ring (`shm.rs`); NCCL lives in
-//! `nccl.rs` and CUDA loading in [`cuda`].
+//! `nccl.rs` and CUDA loading in [`cuda`]; heartbeats and the diagnosis of a timeout in
+//! `heartbeat.rs`.
 //!
 //! ```
 //! use ddp_comm::{Backend, Options, ProcessGroup, ReduceOp};
@@ -43,6 +46,7 @@ mod element;
 pub mod env;
 mod error;
 mod group;
+mod heartbeat;
 mod link;
 mod nccl;
 mod rendezvous;
@@ -54,7 +58,7 @@ mod wire;
 
 pub use element::{DType, Element, ReduceOp};
 pub use env::EnvConfig;
-pub use error::CommError;
+pub use error::{CommError, Diagnosis};
 pub use group::{
     dtype_of, Backend, Options, ProcessGroup, RingLayout, DEFAULT_OP_TIMEOUT,
     DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_SHM_RING_BYTES, DEFAULT_SOCKET_BUFFER,

@@ -10,20 +10,30 @@
 //! **Completion.** Each call waits until the stream has drained, polling `cudaStreamQuery`
 //! and `ncclCommGetAsyncError`; a peer that died or an operation that exceeds the timeout
 //! makes the communicator abort (`ncclCommAbort`) so that nothing hangs, and the group is
-//! unusable afterwards.
+//! unusable afterwards. Before aborting on a timeout, the rank reads every rank's heartbeat
+//! (`heartbeat.rs`) so that the error names the hung rank.
 //!
-//! **Init.** `ncclCommInitRank` blocks until every rank calls it, so callers first pass a TCP
-//! barrier (every rank is alive) and exchange the unique id through the store.
+//! **Init.** The communicator is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`):
+//! init returns at once, possibly with `ncclInProgress`, and this rank polls
+//! `ncclCommGetAsyncError` until it is done, for at most the collective timeout. A peer that
+//! dies or stops between the CPU barrier that precedes init and its own init therefore fails
+//! this rank's init with [`CommError::NcclInit`] (the communicator aborted) instead of
+//! hanging it. With a non-blocking communicator, enqueuing a collective may also return
+//! `ncclInProgress`; the same polling, under the same deadline, waits for it.
 
 use std::ffi::{c_int, c_void, CStr};
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use nccl_sys::{
-    cudaError_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId, Cudart, Nccl,
+    cudaError_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId,
+    Cudart, Nccl,
 };
 
 use crate::element::{DType, ReduceOp};
-use crate::error::CommError;
+use crate::error::{CommError, Diagnosis};
+use crate::heartbeat::Heartbeat;
 
 /// An NCCL communicator bound to one device.
 #[derive(Debug)]
@@ -34,6 +44,7 @@ pub(crate) struct NcclComm {
     device: c_int,
     timeout: Duration,
     aborted: bool,
+    heartbeat: Arc<Heartbeat>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
@@ -114,39 +125,116 @@ pub fn version() -> Result<String, CommError> {
     Ok(nccl_sys::version_string(code))
 }
 
+/// The detail NCCL keeps about the last error of `comm` (may be empty).
+fn last_error(nccl: &Nccl, comm: ncclComm_t) -> String {
+    // SAFETY: `comm` is a live communicator (or null, which NCCL accepts); the returned
+    // string is owned by NCCL.
+    let last = unsafe { (nccl.ncclGetLastError)(comm) };
+    if last.is_null() {
+        return String::new();
+    }
+    // SAFETY: non-null NUL-terminated string owned by NCCL.
+    unsafe { CStr::from_ptr(last) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// How long to sleep between polls of a pending NCCL call: doubling from 20 us to 1 ms.
+fn next_pause(pause: Duration) -> Duration {
+    (pause * 2).min(Duration::from_millis(1))
+}
+
 impl NcclComm {
-    /// `cudaSetDevice(device)` then `ncclCommInitRank`.
+    /// `cudaSetDevice(device)`, then a non-blocking `ncclCommInitRankConfig`, polled until
+    /// it is done, it fails, or `timeout` passes (see the module's documentation).
     pub(crate) fn init(
         rank: usize,
         world: usize,
         device: usize,
         id: ncclUniqueId,
         timeout: Duration,
+        heartbeat: Arc<Heartbeat>,
     ) -> Result<Self, CommError> {
         let nccl = Nccl::load()?;
         let cudart = Cudart::load()?;
-        let device = device as c_int;
+        let ordinal = device as c_int;
         // SAFETY: plain CUDA runtime call with a device ordinal.
-        check_cuda("cudaSetDevice", unsafe { (cudart.cudaSetDevice)(device) })?;
+        check_cuda("cudaSetDevice", unsafe { (cudart.cudaSetDevice)(ordinal) })?;
+        let failed = |what: String, diagnosis: Diagnosis| CommError::NcclInit {
+            rank,
+            device,
+            what,
+            diagnosis: Box::new(diagnosis),
+        };
+        let abort = |comm: ncclComm_t| {
+            if !comm.is_null() {
+                // SAFETY: `comm` came from ncclCommInitRankConfig and is not used again.
+                unsafe { (nccl.ncclCommAbort)(comm) };
+            }
+        };
+        let mut config = ncclConfig_t::initializer();
+        config.blocking = 0;
         let mut comm: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `comm` is a valid out-pointer; `id` is passed by value as the C API expects.
-        let rc = unsafe { (nccl.ncclCommInitRank)(&mut comm, world as c_int, id, rank as c_int) };
-        if rc != ncclResult_t::ncclSuccess {
-            return Err(CommError::Nccl {
-                call: "ncclCommInitRank",
-                detail: format!(
-                    "rank {rank} of {world} on cuda:{device}: {}",
-                    nccl_text(nccl, rc)
-                ),
-            });
+        let start = Instant::now();
+        // SAFETY: `comm` is a valid out-pointer, `config` a valid config that outlives the
+        // call (NCCL copies it); `id` is passed by value as the C API expects.
+        let rc = unsafe {
+            (nccl.ncclCommInitRankConfig)(&mut comm, world as c_int, id, rank as c_int, &mut config)
+        };
+        if rc != ncclResult_t::ncclSuccess && rc != ncclResult_t::ncclInProgress {
+            let what = format!(
+                "failed: ncclCommInitRankConfig: {} {}",
+                nccl_text(nccl, rc),
+                last_error(nccl, comm)
+            );
+            abort(comm);
+            return Err(failed(what.trim_end().to_string(), Diagnosis::default()));
+        }
+        if comm.is_null() {
+            let what = "failed: ncclCommInitRankConfig returned no communicator".to_string();
+            return Err(failed(what, Diagnosis::default()));
+        }
+        let mut pause = Duration::from_micros(20);
+        loop {
+            let mut state = ncclResult_t::ncclInProgress;
+            // SAFETY: `comm` is live and `state` is a valid out-pointer.
+            let rc = unsafe { (nccl.ncclCommGetAsyncError)(comm, &mut state) };
+            let bad = if rc != ncclResult_t::ncclSuccess {
+                Some(rc)
+            } else if state != ncclResult_t::ncclSuccess && state != ncclResult_t::ncclInProgress {
+                Some(state)
+            } else {
+                None
+            };
+            if let Some(bad) = bad {
+                let what = format!(
+                    "failed: {} {}",
+                    nccl_text(nccl, bad),
+                    last_error(nccl, comm)
+                );
+                abort(comm);
+                return Err(failed(what.trim_end().to_string(), Diagnosis::default()));
+            }
+            if state == ncclResult_t::ncclSuccess {
+                break;
+            }
+            if start.elapsed() > timeout {
+                // Diagnose first: the heartbeats say which rank never joined.
+                let diagnosis = heartbeat.diagnose();
+                abort(comm);
+                return Err(failed(format!("timed out after {timeout:?}"), diagnosis));
+            }
+            std::thread::sleep(pause);
+            pause = next_pause(pause);
         }
         Ok(NcclComm {
             nccl,
             cudart,
             comm,
-            device,
+            device: ordinal,
             timeout,
             aborted: false,
+            heartbeat,
         })
     }
 
@@ -154,27 +242,61 @@ impl NcclComm {
         if rc == ncclResult_t::ncclSuccess {
             return Ok(());
         }
-        // SAFETY: `self.comm` is a live communicator; the returned string is owned by NCCL.
-        let last = unsafe { (self.nccl.ncclGetLastError)(self.comm) };
-        let last = if last.is_null() {
-            String::new()
-        } else {
-            // SAFETY: non-null NUL-terminated string owned by NCCL.
-            unsafe { CStr::from_ptr(last) }
-                .to_string_lossy()
-                .into_owned()
-        };
-        Err(CommError::Nccl {
+        let last = last_error(self.nccl, self.comm);
+        Err(self.abort(CommError::Nccl {
             call,
             detail: format!("{} {last}", nccl_text(self.nccl, rc))
                 .trim()
                 .to_string(),
-        })
+        }))
+    }
+
+    /// Checks what enqueuing a collective returned: with a non-blocking communicator,
+    /// `ncclInProgress` means NCCL is still enqueuing it, so poll `ncclCommGetAsyncError`
+    /// until it is done (the wait for the stream follows). `start` is when the collective
+    /// began: the timeout covers both waits.
+    fn issued(
+        &mut self,
+        call: &'static str,
+        op: &'static str,
+        rc: ncclResult_t,
+        start: Instant,
+    ) -> Result<(), CommError> {
+        if rc != ncclResult_t::ncclInProgress {
+            return self.check(call, rc);
+        }
+        let mut pause = Duration::from_micros(20);
+        loop {
+            let mut state = ncclResult_t::ncclInProgress;
+            // SAFETY: `self.comm` is live and `state` is a valid out-pointer.
+            let rc = unsafe { (self.nccl.ncclCommGetAsyncError)(self.comm, &mut state) };
+            if rc != ncclResult_t::ncclSuccess {
+                return self.check("ncclCommGetAsyncError", rc);
+            }
+            if state != ncclResult_t::ncclInProgress {
+                return self.check(call, state);
+            }
+            if start.elapsed() > self.timeout {
+                return Err(self.timed_out(op));
+            }
+            std::thread::sleep(pause);
+            pause = next_pause(pause);
+        }
+    }
+
+    /// The timeout of `op`, diagnosed (which rank is hung), with the communicator aborted.
+    fn timed_out(&mut self, op: &'static str) -> CommError {
+        let err = self.heartbeat.explain(CommError::Timeout {
+            op,
+            timeout: self.timeout,
+            peers: Vec::new(),
+            diagnosis: Box::default(),
+        });
+        self.abort(err)
     }
 
     /// Waits for the default stream to drain, aborting on an async error or the timeout.
-    fn wait(&mut self, op: &'static str) -> Result<(), CommError> {
-        let start = Instant::now();
+    fn wait(&mut self, op: &'static str, start: Instant) -> Result<(), CommError> {
         let mut pause = Duration::from_micros(20);
         loop {
             // SAFETY: querying the legacy default stream of the current device.
@@ -207,18 +329,15 @@ impl NcclComm {
                 }));
             }
             if start.elapsed() > self.timeout {
-                return Err(self.abort(CommError::Timeout {
-                    op,
-                    timeout: self.timeout,
-                    peers: Vec::new(),
-                }));
+                return Err(self.timed_out(op));
             }
             std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(1));
+            pause = next_pause(pause);
         }
     }
 
     fn abort(&mut self, err: CommError) -> CommError {
+        self.heartbeat.mark_failed();
         if !self.aborted {
             // SAFETY: `self.comm` is live; after abort it is never used again.
             unsafe { (self.nccl.ncclCommAbort)(self.comm) };
@@ -227,7 +346,10 @@ impl NcclComm {
         err
     }
 
-    fn enter(&mut self) -> Result<(), CommError> {
+    /// Checks the communicator is usable and selects its device; returns when the call
+    /// began (its timeout starts there).
+    fn enter(&mut self) -> Result<Instant, CommError> {
+        let start = Instant::now();
         if self.aborted {
             return Err(CommError::Poisoned(
                 "the NCCL communicator was aborted".into(),
@@ -236,7 +358,8 @@ impl NcclComm {
         // SAFETY: plain CUDA runtime call with the communicator's device ordinal.
         check_cuda("cudaSetDevice", unsafe {
             (self.cudart.cudaSetDevice)(self.device)
-        })
+        })?;
+        Ok(start)
     }
 
     /// In-place all-reduce of `count` elements at device pointer `ptr`.
@@ -250,7 +373,7 @@ impl NcclComm {
         dtype: ncclDataType_t,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        self.enter()?;
+        let start = self.enter()?;
         // SAFETY: the caller guarantees the buffer; stream null = legacy default stream.
         let rc = unsafe {
             (self.nccl.ncclAllReduce)(
@@ -263,8 +386,8 @@ impl NcclComm {
                 std::ptr::null_mut(),
             )
         };
-        self.check("ncclAllReduce", rc)?;
-        self.wait("all_reduce")
+        self.issued("ncclAllReduce", "all_reduce", rc, start)?;
+        self.wait("all_reduce", start)
     }
 
     /// In-place broadcast from `root`.
@@ -278,7 +401,7 @@ impl NcclComm {
         dtype: ncclDataType_t,
         root: usize,
     ) -> Result<(), CommError> {
-        self.enter()?;
+        let start = self.enter()?;
         // SAFETY: the caller guarantees the buffer; stream null = legacy default stream.
         let rc = unsafe {
             (self.nccl.ncclBroadcast)(
@@ -291,8 +414,8 @@ impl NcclComm {
                 std::ptr::null_mut(),
             )
         };
-        self.check("ncclBroadcast", rc)?;
-        self.wait("broadcast")
+        self.issued("ncclBroadcast", "broadcast", rc, start)?;
+        self.wait("broadcast", start)
     }
 
     /// All-gather of `count` elements per rank from `send` into `recv` (`world * count`).
@@ -306,19 +429,19 @@ impl NcclComm {
         count: usize,
         dtype: ncclDataType_t,
     ) -> Result<(), CommError> {
-        self.enter()?;
+        let start = self.enter()?;
         // SAFETY: the caller guarantees both buffers; stream null = legacy default stream.
         let rc = unsafe {
             (self.nccl.ncclAllGather)(send, recv, count, dtype, self.comm, std::ptr::null_mut())
         };
-        self.check("ncclAllGather", rc)?;
-        self.wait("all_gather")
+        self.issued("ncclAllGather", "all_gather", rc, start)?;
+        self.wait("all_gather", start)
     }
 
     /// Waits for all queued work on the device's default stream.
     pub(crate) fn synchronize(&mut self) -> Result<(), CommError> {
-        self.enter()?;
-        self.wait("synchronize")
+        let start = self.enter()?;
+        self.wait("synchronize", start)
     }
 }
 

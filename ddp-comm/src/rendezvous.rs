@@ -22,6 +22,7 @@ use crate::c10d::C10dStore;
 use crate::connect::{self, Listeners, PeerInfo};
 use crate::cpu::RingOrder;
 use crate::error::CommError;
+use crate::heartbeat::Connector;
 use crate::link::{Link, LinkKind, Transport};
 use crate::ring::host_order;
 use crate::store::{resolve, Store, StoreClient, StoreServer};
@@ -125,21 +126,48 @@ fn connect_store(
         None => resolve(&plan.master_addr, plan.master_port)?,
     };
     let io_timeout = plan.timeout.max(Duration::from_secs(1));
+    open_store(plan, &addrs, deadline, io_timeout)
+}
+
+fn open_store(
+    plan: &Plan,
+    addrs: &[SocketAddr],
+    deadline: Instant,
+    io_timeout: Duration,
+) -> Result<Box<dyn Store>, CommError> {
     if plan.agent_store {
         Ok(Box::new(C10dStore::connect(
-            &addrs,
+            addrs,
             plan.key_prefix.clone(),
             deadline,
             io_timeout,
         )?))
     } else {
         Ok(Box::new(StoreClient::connect(
-            &addrs,
+            addrs,
             &plan.token,
             deadline,
             io_timeout,
         )?))
     }
+}
+
+/// Opens further connections to the store this rank met at (rank 0's own server, or
+/// torchrun's agent store), each within `timeout` and with every request limited to it:
+/// the heartbeat's, which must never wait for the group's connection or for long.
+pub(crate) fn connector(
+    plan: &Plan,
+    server: Option<&StoreServer>,
+    timeout: Duration,
+) -> Result<Connector, CommError> {
+    let addrs = match server {
+        Some(server) => vec![server.local_addr()],
+        None => resolve(&plan.master_addr, plan.master_port)?,
+    };
+    let plan = plan.clone();
+    Ok(Box::new(move || {
+        open_store(&plan, &addrs, Instant::now() + timeout, timeout)
+    }))
 }
 
 /// Runs the rendezvous of one rank.

@@ -25,6 +25,14 @@ const OP_CHECK: u8 = 4;
 const STATUS_OK: u8 = 0;
 const STATUS_MISSING: u8 = 1;
 const STATUS_ERROR: u8 = 2;
+/// What a client says when the store hung up: rank 0 is gone, not frozen.
+const STORE_CLOSED: &str = "the store closed the connection (rank 0 exited or failed)";
+
+/// Whether `err` says that rank 0's store hung up (as opposed to not answering in time).
+pub(crate) fn closed_by_store(err: &CommError) -> bool {
+    matches!(err, CommError::Store { detail, .. } if detail == STORE_CLOSED)
+}
+
 /// How long a new connection may take to present its token.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -386,9 +394,7 @@ impl StoreClient {
         let detail = match e.kind() {
             io::ErrorKind::UnexpectedEof
             | io::ErrorKind::ConnectionReset
-            | io::ErrorKind::BrokenPipe => {
-                "the store closed the connection (rank 0 exited or failed)".to_string()
-            }
+            | io::ErrorKind::BrokenPipe => STORE_CLOSED.to_string(),
             _ => e.to_string(),
         };
         CommError::Store {

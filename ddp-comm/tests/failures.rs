@@ -568,7 +568,10 @@ fn a_hung_rank_times_out_the_others_naming_it() {
     }
     assert_eq!(
         lines_with(&outs[0], "ERROR: "),
-        ["all_reduce timed out after 2s waiting for peer ranks [1]"]
+        [
+            "all_reduce timed out after 2s waiting for peer ranks [1]; rank 1 is behind: still at \
+          collective #1, this rank is at #2 (stuck outside the collectives, e.g. in data loading)"
+        ]
     );
     // The stuck rank, once it calls, finds that rank 0 has given up on it.
     let late = lines_with(&outs[1], "ERROR: ").join("");
@@ -576,6 +579,146 @@ fn a_hung_rank_times_out_the_others_naming_it() {
         late.starts_with("all_reduce: peer rank 0 (shared memory, pid "),
         "{late}"
     );
+}
+
+/// How rank 1 stops making progress in [`a_stalled_rank_is_named_by_every_other_rank`].
+#[derive(Clone, Copy, Debug)]
+enum Stall {
+    /// `SIGSTOP`: the whole process freezes, heartbeat included.
+    Stopped,
+    /// Alive (its heartbeat goes on) but never calls the next collective.
+    Outside,
+}
+
+/// Kills and reaps a child when dropped, so that a stopped rank never outlives its test.
+struct Reaped(Option<std::process::Child>);
+
+impl Reaped {
+    fn finish(mut self) -> std::process::Output {
+        let mut child = self.0.take().unwrap();
+        let _ = child.kill();
+        child.wait_with_output().unwrap()
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// In a worker: one all-reduce, then rank 1 stalls as `STALL` says while the others call a
+/// second one, which must time out naming rank 1.
+fn stalled_rank_worker() {
+    let group = ProcessGroup::from_env().unwrap();
+    let (rank, _) = rank_world();
+    let link = match std::env::var("DDP_TRANSPORT").as_deref() {
+        Ok("tcp") => LinkKind::Tcp,
+        _ => LinkKind::SharedMemory,
+    };
+    assert_eq!(group.ring_layout().to_next, Some(link));
+    let mut t = Tensor::ones([1000], (Kind::Float, tch::Device::Cpu));
+    group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    if rank == 1 {
+        println!("STALLING");
+        match std::env::var("STALL").as_deref() {
+            // SAFETY: raising a signal on this very process; the parent kills it later.
+            Ok("stopped") => unsafe {
+                libc::raise(libc::SIGSTOP);
+            },
+            _ => std::thread::sleep(Duration::from_secs(120)),
+        }
+        return;
+    }
+    let start = Instant::now();
+    let err = group.all_reduce(&mut t, ReduceOp::Sum).unwrap_err();
+    println!("ERROR: {err}");
+    println!("AFTER: {:.3}", start.elapsed().as_secs_f64());
+    match &err {
+        CommError::Timeout { diagnosis, .. } => println!("HUNG: {:?}", diagnosis.hung_ranks()),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+}
+
+/// Three ranks, op timeout 2 s, rank 1 stalls: ranks 0 and 2 fail within the timeout plus
+/// the diagnosis, naming rank 1 (rank 0 waits on rank 2, rank 2 on rank 1).
+fn a_stalled_rank_is_named(test: &str, transport: &str, stall: Stall) {
+    let port = free_port();
+    let mut extra = env(&[("DDP_OP_TIMEOUT_S", "2"), ("DDP_TRANSPORT", transport)]);
+    let stall_name = match stall {
+        Stall::Stopped => "stopped",
+        Stall::Outside => "outside",
+    };
+    extra.push(("STALL", stall_name.to_string()));
+    let mut children: Vec<_> = (0..3)
+        .map(|r| spawn_rank(test, r, 3, port, &extra))
+        .collect();
+    let stalled = Reaped(Some(children.remove(1)));
+    let outs = wait_all(children, LIMIT);
+    let stalled = stalled.finish();
+    assert_eq!(lines_with(&stalled, "STALLING"), [""], "{}", show(&stalled));
+    let finding = match stall {
+        Stall::Stopped => "rank 1 is not responding (stopped, frozen, or its host is unreachable)",
+        Stall::Outside => {
+            "rank 1 is behind: still at collective #1, this rank is at #2 (stuck outside the \
+             collectives, e.g. in data loading)"
+        }
+    };
+    for (out, (rank, waits_on)) in outs.iter().zip([(0, 2), (2, 1)]) {
+        let what = format!("{transport}, {stall:?}, rank {rank}");
+        assert!(out.status.success(), "{what}:\n{}", show(out));
+        assert_eq!(
+            lines_with(out, "ERROR: "),
+            [format!(
+                "all_reduce timed out after 2s waiting for peer ranks [{waits_on}]; {finding}"
+            )],
+            "{what}"
+        );
+        assert_eq!(lines_with(out, "HUNG: "), ["[1]"], "{what}");
+        let after: f64 = lines_with(out, "AFTER: ")[0].parse().unwrap();
+        eprintln!("{what}: failed after {after:.3} s");
+        // The timeout, then a diagnosis of at most a few heartbeat intervals; the upper
+        // bound is generous (a loaded machine), not a speed claim.
+        assert!((2.0..20.0).contains(&after), "{what}: after {after} s");
+    }
+}
+
+#[test]
+fn a_stopped_rank_is_named_over_shared_memory() {
+    if worker() {
+        return stalled_rank_worker();
+    }
+    let test = "a_stopped_rank_is_named_over_shared_memory";
+    a_stalled_rank_is_named(test, "auto", Stall::Stopped);
+}
+
+#[test]
+fn a_stopped_rank_is_named_over_tcp() {
+    if worker() {
+        return stalled_rank_worker();
+    }
+    a_stalled_rank_is_named("a_stopped_rank_is_named_over_tcp", "tcp", Stall::Stopped);
+}
+
+#[test]
+fn a_rank_stuck_outside_the_collectives_is_named_over_shared_memory() {
+    if worker() {
+        return stalled_rank_worker();
+    }
+    let test = "a_rank_stuck_outside_the_collectives_is_named_over_shared_memory";
+    a_stalled_rank_is_named(test, "auto", Stall::Outside);
+}
+
+#[test]
+fn a_rank_stuck_outside_the_collectives_is_named_over_tcp() {
+    if worker() {
+        return stalled_rank_worker();
+    }
+    let test = "a_rank_stuck_outside_the_collectives_is_named_over_tcp";
+    a_stalled_rank_is_named(test, "tcp", Stall::Outside);
 }
 
 #[test]
