@@ -17,7 +17,7 @@ use ddp_data::rng::SampleRng;
 use ddp_data::sample::{Input, SampleLayout, SampleOut};
 use ddp_data::{Batch, DataError, Dataset};
 use ddp_train::optim::{OptimizerConfig, SgdConfig};
-use ddp_train::{Monitor, Settings, Stats, Task, Trainer};
+use ddp_train::{Monitor, Settings, Stats, Task, TrainError, Trainer};
 use serde_json::{Map, Value};
 use tch::{nn, nn::Module, Reduction, Tensor};
 
@@ -173,7 +173,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     let mut trainer = Trainer::new(Regression, settings)?;
-    let reports = trainer.run()?;
+    let reports = match trainer.run() {
+        // SIGTERM, SIGUSR1 or the time limit: a checkpoint was written; the launcher
+        // reads exit code 75 as "stopped, to be continued", not as a failure.
+        Err(stopped @ TrainError::Stopped { .. }) => {
+            eprintln!("{stopped}");
+            std::process::exit(stopped.exit_code().into());
+        }
+        other => other?,
+    };
     if let Some(last) = reports.last() {
         if trainer.process_group().rank() == 0 {
             println!(

@@ -122,7 +122,8 @@ pub struct TrainConfig {
     pub out: Option<PathBuf>,
 
     /// Resume from a checkpoint: `latest` (the newest in --out) or a checkpoint file
-    /// (`.../checkpoints/epoch-0003.safetensors`).
+    /// (`.../checkpoints/epoch-0003.safetensors`, or a step checkpoint inside an epoch,
+    /// `epoch-0004-step-000120.safetensors`).
     #[arg(long)]
     pub resume: Option<String>,
 
@@ -159,6 +160,51 @@ pub struct TrainConfig {
     /// at most this long).
     #[arg(long, default_value_t = 300)]
     pub collective_timeout: u64,
+
+    /// Also checkpoint inside epochs, every N optimizer steps (a crash then loses at most N
+    /// steps; a restart continues from the newest checkpoint).
+    #[arg(long, value_name = "N")]
+    #[serde(default)]
+    pub checkpoint_every: Option<u64>,
+
+    /// Also checkpoint inside epochs once M minutes have passed since the last checkpoint.
+    #[arg(long, value_name = "M")]
+    #[serde(default)]
+    pub checkpoint_minutes: Option<f64>,
+
+    /// Step checkpoints to keep (the newest); epoch-end checkpoints and best models stay.
+    #[arg(long, default_value_t = 2, value_name = "K")]
+    #[serde(default = "two")]
+    pub keep_checkpoints: usize,
+
+    /// Stop cleanly with a checkpoint before this much time has passed since the start
+    /// (exit code 75); the same command started again continues. Seconds, or a number with
+    /// s, m or h (`90s`, `55m`, `4h`).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration_secs)]
+    #[serde(default)]
+    pub time_limit: Option<u64>,
+}
+
+/// Seconds of a duration written as `N`, `Ns`, `Nm` or `Nh`.
+pub fn parse_duration_secs(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let (number, unit) = match text.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => (&text[..i], c),
+        _ => (text, 's'),
+    };
+    let scale = match unit {
+        's' => 1,
+        'm' => 60,
+        'h' => 3600,
+        _ => return Err(format!("'{text}': the unit must be s, m or h")),
+    };
+    let n: u64 = number
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{text}' is not a whole number of seconds, minutes or hours"))?;
+    n.checked_mul(scale)
+        .filter(|&s| s > 0)
+        .ok_or_else(|| format!("'{text}' must be more than 0 and not absurdly large"))
 }
 
 impl TrainConfig {
@@ -225,9 +271,39 @@ impl TrainConfig {
             .log_every(self.log_every)
             .max_steps_per_epoch(self.max_steps_per_epoch)
             .collective_timeout_secs(self.collective_timeout)
+            .checkpoint_every(self.checkpoint_every)
+            .checkpoint_minutes(self.checkpoint_minutes)
+            .keep_checkpoints(self.keep_checkpoints)
+            .time_limit_secs(self.time_limit)
     }
 }
 
 fn one() -> f64 {
     1.0
+}
+
+fn two() -> usize {
+    2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_take_a_unit() {
+        assert_eq!(parse_duration_secs("90"), Ok(90));
+        assert_eq!(parse_duration_secs("90s"), Ok(90));
+        assert_eq!(parse_duration_secs("55m"), Ok(3300));
+        assert_eq!(parse_duration_secs("4h"), Ok(14400));
+        assert_eq!(
+            parse_duration_secs("4d"),
+            Err("'4d': the unit must be s, m or h".into())
+        );
+        assert_eq!(
+            parse_duration_secs("m"),
+            Err("'m' is not a whole number of seconds, minutes or hours".into())
+        );
+        assert!(parse_duration_secs("0s").is_err());
+    }
 }

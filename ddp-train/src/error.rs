@@ -29,6 +29,27 @@ pub enum TrainError {
         /// Optimizer step within the epoch (from 0).
         step: usize,
     },
+    /// The run stopped on request (a stop signal or its time limit) after writing a
+    /// checkpoint it can continue from; the process should exit with
+    /// [`crate::stop::EXIT_STOPPED`] ([`TrainError::exit_code`]).
+    #[error(
+        "stopped by {reason} at epoch {epoch} step {step} with checkpoint {}; start again \
+         with --out {} to continue from it",
+        checkpoint.display(),
+        run.display()
+    )]
+    Stopped {
+        /// Why.
+        reason: crate::stop::StopReason,
+        /// The epoch in progress.
+        epoch: u64,
+        /// Its optimizer steps done.
+        step: usize,
+        /// The checkpoint's model file.
+        checkpoint: std::path::PathBuf,
+        /// The run directory.
+        run: std::path::PathBuf,
+    },
     /// The loader delivered fewer batches than the epoch's steps need.
     #[error("the loader ended before the epoch's last step")]
     LoaderEnded,
@@ -76,6 +97,15 @@ impl TrainError {
         Self::Context {
             context: context.into(),
             source: source.into(),
+        }
+    }
+
+    /// The exit code a program should end with: [`crate::stop::EXIT_STOPPED`] after a
+    /// requested stop (the launcher then neither restarts nor reports a failure), else 1.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Self::Stopped { .. } => crate::stop::EXIT_STOPPED,
+            _ => 1,
         }
     }
 

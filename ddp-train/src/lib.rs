@@ -51,6 +51,7 @@ pub mod plot;
 pub mod scheduler;
 pub mod settings;
 pub mod state;
+pub mod stop;
 pub mod task;
 pub mod trainer;
 
@@ -59,6 +60,7 @@ pub use config::TrainConfig;
 pub use ddp::{DdpError, DdpOptions, DistributedDataParallel};
 pub use error::TrainError;
 pub use settings::{DeviceChoice, Goal, Monitor, Plateau, Settings};
+pub use stop::{StopReason, EXIT_STOPPED};
 pub use task::{NoStats, Stats, Task};
 pub use trainer::{EpochReport, EvalReport, Trainer};
 

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::Parser;
 use ddp_train::odir::OdirTask;
-use ddp_train::{TrainConfig, Trainer};
+use ddp_train::{TrainConfig, TrainError, Trainer};
 
 fn main() -> ExitCode {
     ddp_train::malloc::keep_freed_memory();
@@ -18,6 +18,12 @@ fn main() -> ExitCode {
     let config = TrainConfig::parse();
     match run(config) {
         Ok(()) => ExitCode::SUCCESS,
+        // A requested stop (SIGTERM, SIGUSR1, --time-limit) after its checkpoint: not an
+        // error, and a distinct exit code so that launchers and schedulers requeue the job.
+        Err(err) if err.downcast_ref::<TrainError>().is_some_and(is_stop) => {
+            eprintln!("{err}");
+            ExitCode::from(ddp_train::EXIT_STOPPED)
+        }
         Err(err) => {
             // A missing folder or a bad setting is the user's to fix, not a bug: the message
             // and its causes, without a backtrace (bugs panic, and keep theirs).
@@ -25,6 +31,10 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn is_stop(err: &TrainError) -> bool {
+    matches!(err, TrainError::Stopped { .. })
 }
 
 fn run(config: TrainConfig) -> Result<()> {

@@ -32,12 +32,27 @@ impl Default for PlateauConfig {
 pub struct ReduceLrOnPlateau {
     /// The settings.
     pub config: PlateauConfig,
-    /// Best metric so far (`-inf` before the first epoch).
+    /// Best metric so far (`-inf` before the first epoch, written as `null` in JSON, which has
+    /// no infinities: a checkpoint inside the first epoch has no best yet).
+    #[serde(with = "no_best_is_null")]
     pub best: f64,
     /// Consecutive epochs without improvement.
     pub num_bad_epochs: u32,
     /// Epochs of cooldown left.
     pub cooldown_counter: u32,
+}
+
+/// `-inf` (no best yet) as JSON's `null`, and back.
+mod no_best_is_null {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(best: &f64, s: S) -> Result<S::Ok, S::Error> {
+        best.is_finite().then_some(*best).serialize(s)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NEG_INFINITY))
+    }
 }
 
 /// Reductions smaller than this are ignored, as in PyTorch.
@@ -138,5 +153,19 @@ mod tests {
             })
             .collect();
         assert_eq!(lrs, [1.0, 0.5, 0.5, 0.5, 0.25]);
+    }
+
+    #[test]
+    fn a_scheduler_without_a_best_round_trips_through_json() {
+        let fresh = ReduceLrOnPlateau::new(PlateauConfig::default());
+        let json = serde_json::to_string(&fresh).unwrap();
+        assert!(json.contains(r#""best":null"#), "{json}");
+        let back: ReduceLrOnPlateau = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, fresh);
+        let mut stepped = fresh;
+        stepped.step(0.25, 1.0);
+        let back: ReduceLrOnPlateau =
+            serde_json::from_str(&serde_json::to_string(&stepped).unwrap()).unwrap();
+        assert_eq!(back.best, 0.25);
     }
 }

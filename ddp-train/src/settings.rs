@@ -173,6 +173,19 @@ pub struct Settings {
     pub max_steps_per_epoch: Option<usize>,
     /// Seconds a collective may take before the job fails.
     pub collective_timeout_secs: u64,
+    /// Also checkpoint inside epochs, every this many optimizer steps (counted over the run).
+    pub checkpoint_every: Option<u64>,
+    /// Also checkpoint inside epochs when this many minutes have passed since the last
+    /// checkpoint (or the start).
+    pub checkpoint_minutes: Option<f64>,
+    /// Step checkpoints kept (the newest); epoch-end checkpoints and best models are all kept.
+    pub keep_checkpoints: usize,
+    /// Stop cleanly, with a checkpoint, before this many seconds have passed since the
+    /// Trainer was created (for a scheduler's time limit); the next start continues.
+    pub time_limit_secs: Option<u64>,
+    /// Stop cleanly, with a checkpoint, at the next step when SIGTERM or SIGUSR1 arrives
+    /// (see [`crate::stop`]); when false the signals keep their previous behaviour.
+    pub stop_on_signals: bool,
     /// Show rank 0's progress: a bar when stdout is a terminal, else a log line every tenth
     /// of an epoch. (Log lines are `tracing` events and go to `logs/rank-<r>.log`; the
     /// program's subscriber decides where else.)
@@ -202,6 +215,11 @@ impl Default for Settings {
             log_every: 0,
             max_steps_per_epoch: None,
             collective_timeout_secs: 300,
+            checkpoint_every: None,
+            checkpoint_minutes: None,
+            keep_checkpoints: 2,
+            time_limit_secs: None,
+            stop_on_signals: true,
             progress: true,
             plot: true,
         }
@@ -260,6 +278,16 @@ builder! {
     max_steps_per_epoch: Option<usize>,
     /// Sets [`Settings::collective_timeout_secs`].
     collective_timeout_secs: u64,
+    /// Sets [`Settings::checkpoint_every`].
+    checkpoint_every: Option<u64>,
+    /// Sets [`Settings::checkpoint_minutes`].
+    checkpoint_minutes: Option<f64>,
+    /// Sets [`Settings::keep_checkpoints`].
+    keep_checkpoints: usize,
+    /// Sets [`Settings::time_limit_secs`].
+    time_limit_secs: Option<u64>,
+    /// Sets [`Settings::stop_on_signals`].
+    stop_on_signals: bool,
     /// Sets [`Settings::progress`].
     progress: bool,
     /// Sets [`Settings::plot`].
@@ -301,6 +329,26 @@ impl Settings {
                     p.config.factor
                 ));
             }
+        }
+        if self.checkpoint_every == Some(0) {
+            return invalid("--checkpoint-every must be at least 1 (optimizer steps)".into());
+        }
+        if let Some(m) = self.checkpoint_minutes {
+            if !(m > 0.0 && m.is_finite()) {
+                return invalid(format!(
+                    "--checkpoint-minutes {m} must be a positive number"
+                ));
+            }
+        }
+        if self.keep_checkpoints == 0 {
+            return invalid(
+                "--keep-checkpoints must be at least 1 (the newest step checkpoint is what a \
+                 restart continues from)"
+                    .into(),
+            );
+        }
+        if self.time_limit_secs == Some(0) {
+            return invalid("--time-limit must be more than 0 seconds".into());
         }
         if self.resume.as_deref() == Some("latest") && self.out.is_none() {
             return invalid("--resume latest needs --out <run directory> to know which run".into());

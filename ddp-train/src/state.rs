@@ -10,6 +10,14 @@
 //!
 //! Then `latest` (a one-line file naming `epoch-NNNN`) is replaced atomically. A crash at any
 //! point leaves `latest` naming a complete checkpoint.
+//!
+//! A checkpoint taken inside an epoch (every N optimizer steps, every M minutes, or when the
+//! run is stopped by a signal or its time limit) is named `epoch-NNNN-step-SSSSSS` (epoch NNNN
+//! in progress, SSSSSS of its optimizer steps done) and its state records that
+//! [`Position`]; resuming continues that epoch at that step. Rank 0 keeps the newest few of
+//! these ([`prune_steps`]); epoch-end checkpoints and best-model files are never pruned. A run
+//! that was stopped also leaves `stopped` (the stopped checkpoint's name and why), so that its
+//! next start continues it by itself; the next checkpoint removes it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -34,11 +42,30 @@ pub struct Best {
     pub epoch: u64,
 }
 
-/// The scalar state of a run after a completed epoch.
+/// Where inside an epoch a checkpoint was taken, and that epoch's training sums so far.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Position {
+    /// The epoch in progress (from 1).
+    pub epoch: u64,
+    /// Its optimizer steps done: the resumed run continues with this step.
+    pub step: usize,
+    /// Sum over every rank's samples of the training loss in this epoch so far.
+    pub loss_sum: f64,
+    /// Training samples of this epoch so far, all ranks together.
+    pub samples: usize,
+    /// Seconds spent training in this epoch so far.
+    pub train_seconds: f64,
+}
+
+/// The scalar state of a run at a checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainState {
-    /// The last completed epoch (the next run starts at `epoch + 1`).
+    /// The last completed epoch (the next run starts at `epoch + 1`, or inside it at
+    /// `position`).
     pub epoch: u64,
+    /// For a checkpoint inside an epoch: where (`None` at an epoch's end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub position: Option<Position>,
     /// Optimizer steps taken in total.
     #[serde(alias = "adam_steps")]
     pub optimizer_steps: i64,
@@ -64,6 +91,84 @@ fn stem(epoch: u64) -> String {
     format!("epoch-{epoch:04}")
 }
 
+/// The file stem of the checkpoint of `state`: `epoch-NNNN` or `epoch-NNNN-step-SSSSSS`.
+pub fn stem_of(state: &TrainState) -> String {
+    match &state.position {
+        None => stem(state.epoch),
+        Some(p) => format!("{}-step-{:06}", stem(p.epoch), p.step),
+    }
+}
+
+/// `(epoch, step)` of a step checkpoint's file stem.
+fn step_of(stem: &str) -> Option<(u64, usize)> {
+    let rest = stem.strip_prefix("epoch-")?;
+    let (epoch, step) = rest.split_once("-step-")?;
+    Some((epoch.parse().ok()?, step.parse().ok()?))
+}
+
+/// The file that marks a run as stopped (by a signal or its time limit) at its latest
+/// checkpoint.
+pub fn stopped_marker(run: &Path) -> PathBuf {
+    checkpoint_dir(run).join("stopped")
+}
+
+/// Whether the run in `run` was stopped at its latest checkpoint (and so should continue
+/// from it when started again).
+pub fn was_stopped(run: &Path) -> bool {
+    let dir = checkpoint_dir(run);
+    match (
+        std::fs::read_to_string(dir.join("latest")),
+        std::fs::read_to_string(stopped_marker(run)),
+    ) {
+        (Ok(latest), Ok(marker)) => marker.split_whitespace().next() == Some(latest.trim()),
+        _ => false,
+    }
+}
+
+/// Records that the run stopped at its latest checkpoint, `stem`, and why.
+pub fn mark_stopped(run: &Path, stem: &str, why: &str) -> Result<(), TrainError> {
+    let path = stopped_marker(run);
+    checkpoint::write_atomic(&path, format!("{stem} {why}\n").as_bytes())
+        .map_err(|e| TrainError::io(format!("cannot write {}", path.display()), e))
+}
+
+/// Removes the step checkpoints of `run` but the newest `keep` (by epoch, then step), never
+/// the one `latest` names. Epoch-end checkpoints are never removed. Returns the removed
+/// stems.
+pub fn prune_steps(run: &Path, keep: usize) -> Result<Vec<String>, TrainError> {
+    let dir = checkpoint_dir(run);
+    let latest = std::fs::read_to_string(dir.join("latest")).unwrap_or_default();
+    let entries = std::fs::read_dir(&dir)
+        .map_err(|e| TrainError::io(format!("cannot list {}", dir.display()), e))?;
+    let mut steps: Vec<((u64, usize), String)> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let stem = name.strip_suffix(".safetensors")?;
+            if stem.ends_with(".state") {
+                return None;
+            }
+            Some((step_of(stem)?, stem.to_owned()))
+        })
+        .collect();
+    steps.sort();
+    let excess = steps.len().saturating_sub(keep);
+    let mut removed = Vec::new();
+    for (_, stem) in steps.into_iter().take(excess) {
+        if stem == latest.trim() {
+            continue;
+        }
+        for file in [
+            format!("{stem}.safetensors"),
+            format!("{stem}.state.safetensors"),
+        ] {
+            remove_if_present(&dir.join(file))?;
+        }
+        removed.push(stem);
+    }
+    Ok(removed)
+}
+
 /// The state file that belongs to a model checkpoint file.
 pub fn state_path(model_path: &Path) -> PathBuf {
     let name = model_path
@@ -74,8 +179,19 @@ pub fn state_path(model_path: &Path) -> PathBuf {
     model_path.with_file_name(format!("{base}.state.safetensors"))
 }
 
-/// Writes the checkpoint of `state.epoch` and then points `latest` at it. Returns the model
-/// file's path.
+fn remove_if_present(path: &Path) -> Result<(), TrainError> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(TrainError::io(
+            format!("cannot remove {}", path.display()),
+            e,
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Writes the checkpoint of `state` (its epoch's end, or its position inside an epoch) and
+/// then points `latest` at it, and drops an earlier `stopped` mark. Returns the model file's
+/// path.
 pub fn save(
     run: &Path,
     vs: &VarStore,
@@ -85,17 +201,25 @@ pub fn save(
     let dir = checkpoint_dir(run);
     std::fs::create_dir_all(&dir)
         .map_err(|e| TrainError::io(format!("cannot create {}", dir.display()), e))?;
-    let model_path = dir.join(format!("{}.safetensors", stem(state.epoch)));
-    let meta = HashMap::from([("epoch".to_owned(), state.epoch.to_string())]);
+    let name = stem_of(state);
+    let model_path = dir.join(format!("{name}.safetensors"));
+    let mut meta = HashMap::from([("epoch".to_owned(), state.epoch.to_string())]);
+    if let Some(p) = &state.position {
+        meta.insert("epoch_in_progress".to_owned(), p.epoch.to_string());
+        meta.insert("step".to_owned(), p.step.to_string());
+    }
     checkpoint::save(vs, &model_path, &meta)?;
-    pause_if_injected(state.epoch);
+    if state.position.is_none() {
+        pause_if_injected(state.epoch);
+    }
     let json = serde_json::to_string(state)
         .map_err(|e| TrainError::context("encoding the training state", e))?;
     let meta = HashMap::from([(STATE_KEY.to_owned(), json)]);
     checkpoint::write_tensors(optimizer.state_tensors(), &meta, state_path(&model_path))?;
     let latest = dir.join("latest");
-    checkpoint::write_atomic(&latest, format!("{}\n", stem(state.epoch)).as_bytes())
+    checkpoint::write_atomic(&latest, format!("{name}\n").as_bytes())
         .map_err(|e| TrainError::io(format!("cannot update {}", latest.display()), e))?;
+    remove_if_present(&stopped_marker(run))?;
     Ok(model_path)
 }
 
@@ -120,7 +244,7 @@ pub fn resolve(resume: &str, run: Option<&Path>) -> Result<PathBuf, TrainError> 
         let pointer = checkpoint_dir(run).join("latest");
         let name = std::fs::read_to_string(&pointer).map_err(|_| {
             TrainError::Invalid(format!(
-                "nothing to resume: {} does not exist (no epoch of this run has finished); \
+                "nothing to resume: {} does not exist (no checkpoint of this run has been written yet); \
                  start without --resume",
                 pointer.display()
             ))
@@ -182,4 +306,109 @@ pub fn load(
         .load_state(&file.tensors, state.optimizer_steps)
         .map_err(|e| TrainError::Invalid(format!("{}: {e}", state_file.display())))?;
     Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn touch(dir: &Path, name: &str) {
+        std::fs::write(dir.join(name), b"x").unwrap();
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn pruning_keeps_the_newest_step_checkpoints_and_every_epoch_end() {
+        let run = ddp_testkit::temp_dir("ddp-train-prune");
+        let dir = checkpoint_dir(run.path());
+        std::fs::create_dir_all(&dir).unwrap();
+        for stem in [
+            "epoch-0001-step-000003",
+            "epoch-0001-step-000006",
+            "epoch-0001",
+            "epoch-0002-step-000010",
+            "epoch-0002-step-000009",
+        ] {
+            touch(&dir, &format!("{stem}.safetensors"));
+            touch(&dir, &format!("{stem}.state.safetensors"));
+        }
+        touch(&dir, "best.safetensors");
+        std::fs::write(dir.join("latest"), "epoch-0002-step-000010\n").unwrap();
+        let removed = prune_steps(run.path(), 2).unwrap();
+        // Ordered by step number, not by name: step 9 is older than step 10.
+        assert_eq!(
+            removed,
+            ["epoch-0001-step-000003", "epoch-0001-step-000006"]
+        );
+        assert_eq!(
+            names(&dir),
+            [
+                "best.safetensors",
+                "epoch-0001.safetensors",
+                "epoch-0001.state.safetensors",
+                "epoch-0002-step-000009.safetensors",
+                "epoch-0002-step-000009.state.safetensors",
+                "epoch-0002-step-000010.safetensors",
+                "epoch-0002-step-000010.state.safetensors",
+                "latest",
+            ]
+        );
+        // The checkpoint `latest` names survives even when older than the kept ones.
+        std::fs::write(dir.join("latest"), "epoch-0002-step-000009\n").unwrap();
+        assert_eq!(prune_steps(run.path(), 1).unwrap(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_stop_mark_counts_only_for_the_checkpoint_it_names() {
+        let run = ddp_testkit::temp_dir("ddp-train-stopped");
+        let dir = checkpoint_dir(run.path());
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(!was_stopped(run.path()));
+        std::fs::write(dir.join("latest"), "epoch-0001-step-000004\n").unwrap();
+        mark_stopped(run.path(), "epoch-0001-step-000004", "SIGTERM").unwrap();
+        assert!(was_stopped(run.path()));
+        assert_eq!(
+            std::fs::read_to_string(stopped_marker(run.path())).unwrap(),
+            "epoch-0001-step-000004 SIGTERM\n"
+        );
+        std::fs::write(dir.join("latest"), "epoch-0001\n").unwrap();
+        assert!(!was_stopped(run.path()));
+    }
+
+    #[test]
+    fn step_checkpoints_are_named_by_epoch_and_step() {
+        let mut st = TrainState {
+            epoch: 1,
+            position: None,
+            optimizer_steps: 0,
+            lr: 0.1,
+            scheduler: None,
+            bests: BTreeMap::new(),
+            seed: 0,
+            config: serde_json::Value::Null,
+        };
+        assert_eq!(stem_of(&st), "epoch-0001");
+        st.position = Some(Position {
+            epoch: 2,
+            step: 17,
+            loss_sum: 1.0,
+            samples: 4,
+            train_seconds: 0.5,
+        });
+        assert_eq!(stem_of(&st), "epoch-0002-step-000017");
+        assert_eq!(step_of("epoch-0002-step-000017"), Some((2, 17)));
+        assert_eq!(step_of("epoch-0002"), None);
+        // Old state files (no position) still read.
+        let old = r#"{"epoch":3,"adam_steps":30,"lr":0.001,"scheduler":null,"seed":1,"config":{}}"#;
+        let st: TrainState = serde_json::from_str(old).unwrap();
+        assert_eq!((st.epoch, st.position, st.optimizer_steps), (3, None, 30));
+    }
 }

@@ -27,7 +27,8 @@ use crate::error::{Context, TrainError};
 use crate::optim::Optimizer;
 use crate::scheduler::ReduceLrOnPlateau;
 use crate::settings::{Goal, Settings};
-use crate::state::{self, Best, TrainState};
+use crate::state::{self, Best, Position, TrainState};
+use crate::stop::{Budget, SignalWatch, StopReason};
 use crate::task::{Stats, Task};
 
 /// One epoch's results: a line of `metrics.jsonl`.
@@ -93,6 +94,10 @@ pub struct Trainer<T: Task> {
     optimizer: Optimizer,
     scheduler: Option<ReduceLrOnPlateau>,
     start_epoch: u64,
+    /// Where a checkpoint taken inside an epoch left off.
+    start_position: Option<Position>,
+    budget: Budget,
+    last_checkpoint: Instant,
     bests: BTreeMap<String, Best>,
     history: Vec<EpochReport>,
     log: RankLog,
@@ -125,8 +130,9 @@ impl<T: Task> Trainer<T> {
 
     /// As [`Trainer::new`], with the rank's place given instead of read.
     pub fn with_env(task: T, mut settings: Settings, env: &EnvConfig) -> Result<Self, TrainError> {
+        let created = Instant::now();
         settings.validate()?;
-        resume_after_restart(&mut settings, env);
+        let continuing = resume_after_restart(&mut settings, env);
         let device = settings.device.resolve(env.local_rank)?;
         // As many intra-op threads as the machine has cores per rank.
         let threads = settings
@@ -175,6 +181,7 @@ impl<T: Task> Trainer<T> {
         let model = task.model(&vs.root());
         let mut scheduler = s.plateau.as_ref().map(|p| ReduceLrOnPlateau::new(p.config));
         let (mut start_epoch, mut bests) = (1, BTreeMap::new());
+        let mut start_position = None;
         let mut restored = None;
         let mut resumed_note = None;
         if let (Some(path), true) = (&resume_from, s.eval_only) {
@@ -200,10 +207,17 @@ impl<T: Task> Trainer<T> {
             }
             start_epoch = st.epoch + 1;
             bests = st.bests;
+            let at = match st.position {
+                Some(p) => format!("epoch {} at step {}", p.epoch, p.step),
+                None => format!("epoch {} done", st.epoch),
+            };
+            if let Some(p) = st.position {
+                start_epoch = p.epoch;
+                start_position = Some(p);
+            }
             resumed_note = Some(format!(
-                "resumed from {} (epoch {} done)",
-                path.display(),
-                st.epoch
+                "resumed from {} ({at}){continuing}",
+                path.display()
             ));
         }
         let opts = ddp_comm::Options::from_config(env)
@@ -228,6 +242,16 @@ impl<T: Task> Trainer<T> {
         } else {
             Vec::new()
         };
+        let s_time_limit = settings.time_limit_secs.map(Duration::from_secs);
+        // The model and the optimizer's state (at most two tensors per parameter).
+        let checkpoint_bytes = vs
+            .variables()
+            .values()
+            .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64 * 3)
+            .sum();
+        let val_batches = val_sampler
+            .as_ref()
+            .map_or(0, |v| v.len().div_ceil(settings.batch_size));
         let trainer = Self {
             task,
             settings,
@@ -241,6 +265,9 @@ impl<T: Task> Trainer<T> {
             optimizer,
             scheduler,
             start_epoch,
+            start_position,
+            budget: Budget::new(created, s_time_limit, val_batches, checkpoint_bytes),
+            last_checkpoint: Instant::now(),
             bests,
             history,
             log,
@@ -338,14 +365,25 @@ impl<T: Task> Trainer<T> {
     }
 
     /// Trains from the start (or resumed) epoch to the last, evaluating after each.
+    ///
+    /// When a stop is requested (SIGTERM or SIGUSR1 with [`Settings::stop_on_signals`], or
+    /// the time limit), every rank finishes its step, rank 0 writes a checkpoint, and every
+    /// rank returns [`TrainError::Stopped`]; exit with [`TrainError::exit_code`].
     pub fn run(&mut self) -> Result<Vec<EpochReport>, TrainError> {
+        let signals = if self.settings.stop_on_signals {
+            Some(SignalWatch::start().map_err(TrainError::Invalid)?)
+        } else {
+            None
+        };
         let mut all = Vec::new();
         for epoch in self.start_epoch..=self.settings.epochs {
-            let started = Instant::now();
             let lr = self.optimizer.lr();
-            let (train_loss, samples, steps) = self.train_epoch(epoch)?;
-            let train_seconds = started.elapsed().as_secs_f64();
+            let resumed = self.start_position.take().filter(|p| p.epoch == epoch);
+            let (train_loss, samples, steps, train_seconds) =
+                self.train_epoch(epoch, resumed, signals.as_ref())?;
+            let evaluating = Instant::now();
             let evaluated = self.evaluate_epoch(epoch)?;
+            self.budget.eval_took(evaluating.elapsed());
             let (val_loss, summary, metrics) = match &evaluated {
                 Some((loss, stats)) => (Some(*loss), stats.summary(), stats.report()),
                 None => (None, String::new(), Map::new()),
@@ -357,7 +395,7 @@ impl<T: Task> Trainer<T> {
                 metrics,
                 lr,
                 images_per_sec: samples as f64 / train_seconds.max(1e-9),
-                epoch_seconds: started.elapsed().as_secs_f64(),
+                epoch_seconds: train_seconds + evaluating.elapsed().as_secs_f64(),
                 steps,
                 world_size: self.pg.world_size(),
             };
@@ -367,8 +405,11 @@ impl<T: Task> Trainer<T> {
                 self.optimizer.set_lr(sched.step(signed, lr));
             }
             if self.pg.rank() == 0 {
+                let saving = Instant::now();
                 self.finish_epoch(&report, &summary)?;
+                self.budget.save_took(saving.elapsed());
             }
+            self.last_checkpoint = Instant::now();
             all.push(report);
         }
         Ok(all)
@@ -403,14 +444,21 @@ impl<T: Task> Trainer<T> {
         )?)
     }
 
-    /// One epoch of training; returns (mean loss over all ranks' samples, samples, steps).
+    /// One epoch of training, from `resumed`'s step when a checkpoint inside it is resumed;
+    /// returns (mean loss over all ranks' samples, samples, steps, seconds), all counting the
+    /// part before `resumed` too.
     ///
     /// Each micro-step queues its forward and backward, then takes the next batch (which, on
     /// a GPU, queues that batch's copy behind this step), and only then reads the loss, the
     /// first point where the host waits for the device: the device always has the next
     /// batch's copy queued, and the host waits for the loader while the device computes.
-    fn train_epoch(&mut self, epoch: u64) -> Result<(f64, usize, usize), TrainError> {
-        let s = &self.settings;
+    fn train_epoch(
+        &mut self,
+        epoch: u64,
+        resumed: Option<Position>,
+        signals: Option<&SignalWatch>,
+    ) -> Result<(f64, usize, usize, f64), TrainError> {
+        let s = self.settings.clone();
         let rank = self.pg.rank();
         // The trainer advances the sampler itself: no one can forget set_epoch.
         self.train_sampler.set_epoch(epoch);
@@ -421,13 +469,32 @@ impl<T: Task> Trainer<T> {
             .max_steps_per_epoch
             .map_or(steps_in_epoch, |m| m.min(steps_in_epoch));
         indices.truncate(steps * per_step);
+        // A resumed epoch skips the steps its checkpoint had done; every sample's random
+        // draws depend only on (seed, epoch, index), so the rest is what it would have been.
+        let first = resumed.map_or(0, |p| p.step.min(steps));
+        indices.drain(..first * per_step);
         let mut loader = self.loader(&self.train_set, true, epoch, indices)?;
         let progress = Progress::new(rank == 0 && s.progress, epoch, s.epochs, steps);
-        let (mut loss_sum, mut samples) = (0.0f64, 0usize);
+        // Rank 0 carries the sums of all ranks before the checkpoint.
+        let (mut loss_sum, mut samples, earlier_seconds) = match (resumed, rank) {
+            (Some(p), 0) => (p.loss_sum, p.samples, p.train_seconds),
+            (Some(p), _) => (0.0, 0, p.train_seconds),
+            (None, _) => (0.0f64, 0usize, 0.0),
+        };
+        let mut fresh_samples = 0usize;
         let started = Instant::now();
         let mut upcoming = loader.next();
-        for step in 0..steps {
+        for step in first..steps {
+            let position = Position {
+                epoch,
+                step,
+                loss_sum,
+                samples,
+                train_seconds: earlier_seconds + started.elapsed().as_secs_f64(),
+            };
+            self.checkpoint_or_stop(position, first, steps, signals)?;
             fail_if_injected(rank, epoch, step);
+            let step_started = Instant::now();
             // Dropout masks derive from (seed, epoch, step, rank): a resumed run draws the
             // same ones as an uninterrupted run.
             tch::manual_seed(mix(s.seed, epoch, step as u64, rank as u64));
@@ -451,9 +518,11 @@ impl<T: Task> Trainer<T> {
                 step_loss += value;
                 loss_sum += value * batch.len() as f64;
                 samples += batch.len();
+                fresh_samples += batch.len();
             }
             self.ddp.sync_gradients()?;
             self.optimizer.step();
+            self.budget.step_took(step_started.elapsed());
             if s.log_every > 0 && (step + 1) % s.log_every == 0 {
                 self.log.say(&format!(
                     "[rank {rank}] epoch {epoch} step {}/{steps} loss {:.4}",
@@ -461,15 +530,128 @@ impl<T: Task> Trainer<T> {
                     step_loss / s.accumulate as f64
                 ));
             }
-            let rate =
-                samples as f64 * self.pg.world_size() as f64 / started.elapsed().as_secs_f64();
+            let rate = fresh_samples as f64 * self.pg.world_size() as f64
+                / started.elapsed().as_secs_f64();
             progress.step(step + 1, loss_sum / samples.max(1) as f64, rate, &self.log);
         }
         progress.finish();
         let mut totals = Tensor::from_slice(&[loss_sum, samples as f64]);
         self.pg.all_reduce(&mut totals, ReduceOp::Sum)?;
         let totals = Vec::<f64>::try_from(&totals)?;
-        Ok((totals[0] / totals[1].max(1.0), totals[1] as usize, steps))
+        let seconds = earlier_seconds + started.elapsed().as_secs_f64();
+        Ok((
+            totals[0] / totals[1].max(1.0),
+            totals[1] as usize,
+            steps,
+            seconds,
+        ))
+    }
+
+    /// Before each step: the ranks agree whether to stop (a stop signal reached some rank,
+    /// or some rank's time budget is spent) and whether to checkpoint (every N optimizer
+    /// steps, or M minutes since the last checkpoint on some rank), with one all-reduce of
+    /// two numbers; then rank 0 writes the checkpoint of `at`, and on a stop every rank waits
+    /// for it and returns [`TrainError::Stopped`].
+    fn checkpoint_or_stop(
+        &mut self,
+        at: Position,
+        first: usize,
+        steps: usize,
+        signals: Option<&SignalWatch>,
+    ) -> Result<(), TrainError> {
+        let s = &self.settings;
+        let periodic = at.step > first
+            && s.checkpoint_every
+                .is_some_and(|n| self.optimizer.steps() as u64 % n == 0);
+        // Whether anything may differ between ranks, and so needs their agreement.
+        let agree =
+            signals.is_some() || s.time_limit_secs.is_some() || s.checkpoint_minutes.is_some();
+        let (stop, checkpoint) = if agree {
+            let stop_wish = signals
+                .and_then(SignalWatch::received)
+                .map(StopReason::Signal)
+                .or_else(|| {
+                    let last = at.step + 1 == steps;
+                    self.budget.must_stop(last).then_some(StopReason::TimeLimit)
+                });
+            let timed = at.step > first
+                && s.checkpoint_minutes.is_some_and(|m| {
+                    self.last_checkpoint.elapsed() >= Duration::from_secs_f64(m * 60.0)
+                });
+            let mut flags = [StopReason::code(stop_wish), i64::from(periodic || timed)];
+            self.pg.all_reduce_slice(&mut flags, ReduceOp::Max)?;
+            (StopReason::from_code(flags[0]), flags[1] == 1)
+        } else {
+            (None, periodic)
+        };
+        if stop.is_none() && !checkpoint {
+            return Ok(());
+        }
+        // The sums of every rank so far, for the epoch's report after a resume.
+        let mut sums = [at.loss_sum, at.samples as f64];
+        self.pg.all_reduce_slice(&mut sums, ReduceOp::Sum)?;
+        let st = TrainState {
+            epoch: at.epoch - 1,
+            position: Some(Position {
+                loss_sum: sums[0],
+                samples: sums[1] as usize,
+                ..at
+            }),
+            ..self.train_state()
+        };
+        let name = state::stem_of(&st);
+        let path = state::checkpoint_dir(&self.out).join(format!("{name}.safetensors"));
+        if self.pg.rank() == 0 {
+            let saving = Instant::now();
+            state::save(&self.out, &self.vs, &self.optimizer, &st)?;
+            if let Some(reason) = stop {
+                state::mark_stopped(&self.out, &name, &reason.to_string())?;
+            }
+            self.budget.save_took(saving.elapsed());
+            let removed = state::prune_steps(&self.out, self.settings.keep_checkpoints)?;
+            let mut note = format!("checkpoint {}", path.display());
+            if !removed.is_empty() {
+                note.push_str(&format!(" (removed {})", removed.join(", ")));
+            }
+            self.log.say(&note);
+        }
+        self.last_checkpoint = Instant::now();
+        let Some(reason) = stop else {
+            return Ok(());
+        };
+        // Nobody leaves before rank 0's checkpoint is complete.
+        self.pg.barrier()?;
+        self.log.say(&format!(
+            "rank {}: stopping at epoch {} step {} ({reason}) after {:.1} s",
+            self.pg.rank(),
+            at.epoch,
+            at.step,
+            self.budget.elapsed().as_secs_f64()
+        ));
+        Err(TrainError::Stopped {
+            reason,
+            epoch: at.epoch,
+            step: at.step,
+            checkpoint: path,
+            run: self.out.clone(),
+        })
+    }
+
+    /// The run's scalar state after its last optimizer step (at an epoch's end).
+    fn train_state(&self) -> TrainState {
+        TrainState {
+            epoch: 0,
+            position: None,
+            optimizer_steps: self.optimizer.steps(),
+            lr: self.optimizer.lr(),
+            scheduler: self.scheduler.clone(),
+            bests: self.bests.clone(),
+            seed: self.settings.seed,
+            config: serde_json::json!({
+                "settings": self.settings,
+                "task": self.task.describe(),
+            }),
+        }
     }
 
     /// Evaluates on this rank's exact shard of the validation split and combines the
@@ -553,15 +735,7 @@ impl<T: Task> Trainer<T> {
         }
         let st = TrainState {
             epoch: m.epoch,
-            optimizer_steps: self.optimizer.steps(),
-            lr: self.optimizer.lr(),
-            scheduler: self.scheduler.clone(),
-            bests: self.bests.clone(),
-            seed: self.settings.seed,
-            config: serde_json::json!({
-                "settings": self.settings,
-                "task": self.task.describe(),
-            }),
+            ..self.train_state()
         };
         let path = state::save(&self.out, &self.vs, &self.optimizer, &st)?;
         let mut note = format!("checkpoint {}", path.display());
@@ -620,17 +794,26 @@ fn watched(report: &EpochReport, metric: &str, watcher: &str) -> Result<f64, Tra
 
 /// A launcher's restart (`ddp-run --max-restarts`, torchrun's) runs the same command again
 /// with `TORCHELASTIC_RESTART_COUNT` raised, and expects the program to continue by itself:
-/// with `out` set and a checkpoint in it, a restarted rank resumes from the latest one. An
-/// explicit `resume` wins; before the first checkpoint the run starts over.
-fn resume_after_restart(settings: &mut Settings, env: &EnvConfig) {
-    if !settings.resume_after_restart || env.restart_count == 0 || settings.resume.is_some() {
-        return;
+/// with `out` set and a checkpoint in it, a restarted rank resumes from the latest one. So
+/// does any new start of a run that was stopped (by a signal or its time limit: a requeued
+/// job). An explicit `resume` wins; before the first checkpoint the run starts over. Returns
+/// a note for the log ("" when the run does not continue by itself).
+fn resume_after_restart(settings: &mut Settings, env: &EnvConfig) -> &'static str {
+    if !settings.resume_after_restart || settings.resume.is_some() {
+        return "";
     }
-    if let Some(out) = &settings.out {
-        if state::checkpoint_dir(out).join("latest").is_file() {
-            settings.resume = Some("latest".to_string());
-        }
-    }
+    let Some(out) = &settings.out else {
+        return "";
+    };
+    let note = if state::was_stopped(out) {
+        ", continuing the stopped run"
+    } else if env.restart_count > 0 && state::checkpoint_dir(out).join("latest").is_file() {
+        ", after the launcher's restart"
+    } else {
+        return "";
+    };
+    settings.resume = Some("latest".to_string());
+    note
 }
 
 fn take_batch(next: Option<Result<Batch, ddp_data::DataError>>) -> Result<Batch, TrainError> {
@@ -712,23 +895,39 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
         .map_err(|e| TrainError::io(format!("cannot write {}", path.display()), e))
 }
 
-/// For the launcher's fault tests: `DDP_TRAIN_FAIL_RANK=r` and `DDP_TRAIN_FAIL_AT=epoch:step`
-/// make rank r exit with status 17 at that step, in the first attempt only (a restarted
-/// attempt has `TORCHELASTIC_RESTART_COUNT` > 0).
+/// For the fault tests, before a step:
+///
+/// - `DDP_TRAIN_FAIL_RANK=r` (or `all`) and `DDP_TRAIN_FAIL_AT=epoch:step` make rank r (or
+///   every rank) fail at that step, in the first attempt only (a restarted attempt has
+///   `TORCHELASTIC_RESTART_COUNT` > 0): exit with status 17, or with
+///   `DDP_TRAIN_FAIL_SIGNAL=KILL` kill itself, or with `STOP` stop itself (a hung rank);
+/// - `DDP_TRAIN_STEP_SLEEP_MS=n` makes every step n ms longer (so that a test can act in
+///   the middle of an epoch).
 fn fail_if_injected(rank: usize, epoch: u64, step: usize) {
     let var = |k: &str| std::env::var(k).ok();
+    if let Some(ms) = var("DDP_TRAIN_STEP_SLEEP_MS").and_then(|v| v.parse().ok()) {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
     let (Some(r), Some(at)) = (var("DDP_TRAIN_FAIL_RANK"), var("DDP_TRAIN_FAIL_AT")) else {
         return;
     };
     let restarted = var("TORCHELASTIC_RESTART_COUNT").is_some_and(|c| c != "0");
-    if restarted || r.parse() != Ok(rank) {
+    if restarted || (r != "all" && r.parse() != Ok(rank)) || at != format!("{epoch}:{step}") {
         return;
     }
-    if at == format!("{epoch}:{step}") {
-        tracing::warn!(
-            "rank {rank}: injected failure at epoch {epoch} step {step} (DDP_TRAIN_FAIL_AT)"
-        );
-        std::process::exit(17);
+    let how = var("DDP_TRAIN_FAIL_SIGNAL").unwrap_or_default();
+    tracing::warn!(
+        "rank {rank}: injected failure ({}) at epoch {epoch} step {step} (DDP_TRAIN_FAIL_AT)",
+        if how.is_empty() { "exit 17" } else { &how }
+    );
+    let signal = match how.as_str() {
+        "KILL" => libc::SIGKILL,
+        "STOP" => libc::SIGSTOP,
+        _ => std::process::exit(17),
+    };
+    // SAFETY: raise(3) on this process; for SIGSTOP it returns once the process is continued.
+    unsafe {
+        libc::raise(signal);
     }
 }
 

@@ -94,3 +94,9 @@ fn two_ranks_of_the_example_equal_one_process_with_twice_the_batch() {
     assert!(l2[2] < l2[0], "the validation loss did not fall: {l2:?}");
     assert!(two.join("best.safetensors").is_file());
 }
+
+#[test]
+fn the_trainer_and_the_launcher_agree_on_the_stop_exit_code() {
+    assert_eq!(i32::from(ddp_train::EXIT_STOPPED), ddp_run::EXIT_STOPPED);
+    assert_eq!(ddp_run::EXIT_STOPPED, 75);
+}

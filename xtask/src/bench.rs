@@ -924,6 +924,7 @@ fn run_ranks(
                 exe.display()
             )
         }
+        ddp_run::Outcome::Stopped { .. } => bail!("{} stopped before the end", exe.display()),
     }
     (0..world)
         .map(|rank| {

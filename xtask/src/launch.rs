@@ -218,6 +218,15 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
         Outcome::Interrupted { signal } => {
             eprintln!("xtask: interrupted by signal {signal}; all ranks stopped");
         }
+        Outcome::Stopped { .. } => {
+            let at = std::fs::read_to_string(out.join("checkpoints/latest"))
+                .map(|s| format!("checkpoint {}", s.trim()))
+                .unwrap_or_else(|_| "its checkpoint".into());
+            eprintln!(
+                "xtask: every rank stopped at {at}; the same command continues the run in {}",
+                out.display()
+            );
+        }
     }
     Ok(outcome.exit_code())
 }
