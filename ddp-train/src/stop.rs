@@ -189,8 +189,8 @@ impl Budget {
 
     /// Whether the run must stop now, before a step, to save within the limit: it stops when
     /// the longest step so far, then (before the epoch's end) evaluation and its checkpoint,
-    /// then a stop checkpoint, would not fit in the time left, with a quarter added for
-    /// safety. It never stops before this process has taken a step: a start that stopped
+    /// then a stop checkpoint, would not fit twice in the time left (a loaded machine's steps
+    /// vary; the limit is a hard one). It never stops before this process has taken a step: a start that stopped
     /// without progress would be started again forever.
     pub(crate) fn must_stop(&self, last_step_of_epoch: bool) -> bool {
         let Some(deadline) = self.deadline else {
@@ -205,7 +205,7 @@ impl Budget {
             let eval_guess = self.longest_step * self.eval_batches as u32;
             needed += self.longest_eval.unwrap_or(eval_guess) + save;
         }
-        Instant::now() + needed.mul_f64(1.25) >= deadline
+        Instant::now() + needed * 2 >= deadline
     }
 }
 
@@ -235,18 +235,18 @@ mod tests {
         assert!(!Budget::new(now, Some(Duration::from_millis(1)), 6, 0).must_stop(true));
         b.step_took(Duration::from_secs(1));
         b.save_took(Duration::from_secs(1));
-        // 1.25 * (1 + 1) s fits in 10 s.
+        // 2 * (1 + 1) s fits in 10 s.
         assert!(!b.must_stop(false));
-        // With evaluation (guessed: 6 batches of 1 s) and the epoch's checkpoint: 1.25 * 9 s.
+        // With evaluation (guessed: 6 batches of 1 s) and the epoch's checkpoint: 2 * 9 s.
         assert!(b.must_stop(true));
-        // Once timed, evaluation counts as it took.
-        b.eval_took(Duration::from_secs(2));
+        // Once timed, evaluation counts as it took: 2 * (1 + 1 + 1 + 1) s fits.
+        b.eval_took(Duration::from_secs(1));
         assert!(!b.must_stop(true));
         b.step_took(Duration::from_secs(7));
         assert!(b.must_stop(false));
         assert!(!Budget::new(now, None, 99, 0).must_stop(true));
         // Before a save has been timed, one is guessed from the checkpoint's size:
-        // 0.2 s + 500 MB at 100 MB/s = 5.2 s, which with a 1 s step leaves no room in 7 s.
+        // 0.2 s + 500 MB at 100 MB/s = 5.2 s, which with a 1 s step does not fit twice in 7 s.
         let mut b = Budget::new(now, Some(Duration::from_secs(7)), 0, 500_000_000);
         b.step_took(Duration::from_secs(1));
         assert!(b.must_stop(false));

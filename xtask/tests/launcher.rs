@@ -525,9 +525,10 @@ fn a_time_limit_stops_before_it_with_a_checkpoint_and_the_run_continues() {
     let reference = uninterrupted_weights(&data);
     let out = dir.path().join("run");
     let mut args = LONG_EPOCHS.to_vec();
-    args.extend(["--time-limit", "5s"]);
-    // The whole run needs about 2 x 9 x 0.3 s of steps plus evaluations: more than 5 s, so
-    // each start stops before its limit and the next continues, until it is done.
+    args.extend(["--time-limit", "6s"]);
+    // The whole run needs about 2 x 9 x 0.3 s of steps plus evaluations, and each start
+    // keeps twice a step and a save in reserve: each start stops before its limit and the
+    // next continues, until it is done.
     let mut stops = 0;
     loop {
         let before = std::fs::read_to_string(out.join("checkpoints/latest")).ok();
@@ -554,7 +555,7 @@ fn a_time_limit_stops_before_it_with_a_checkpoint_and_the_run_continues() {
             })
             .collect();
         assert!(!seconds.is_empty(), "{t}");
-        assert!(seconds.iter().all(|&s| s < 5.0), "{seconds:?}: {t}");
+        assert!(seconds.iter().all(|&s| s < 6.0), "{seconds:?}: {t}");
         stops += 1;
         assert!(stops < 8, "the run never finished: {t}");
     }
