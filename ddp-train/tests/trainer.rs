@@ -281,6 +281,44 @@ fn two_runs_with_one_seed_write_the_same_metrics_and_learn() {
     assert!(loss(2) < loss(0), "the training loss did not fall: {a:?}");
 }
 
+#[test]
+fn timed_step_checkpoints_are_written_inside_epochs_and_pruned_to_the_newest() {
+    let tmp = temp_dir("minutes");
+    let dir = tmp.path();
+    let data = data(dir, 40);
+    let out = dir.join("run");
+    let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    // 4 steps per rank per epoch, each at least 0.2 s: at the latest before step 2 of every
+    // epoch, 0.3 s have passed since the last checkpoint.
+    args.extend(["--checkpoint-minutes", "0.005", "--keep-checkpoints", "1"]);
+    let outputs = run_ranks(2, &args, &[("DDP_TRAIN_STEP_SLEEP_MS", "200")]);
+    assert_all_ok(&outputs);
+    let log = text(&outputs[0]);
+    assert!(log.contains("(removed epoch-0001-step-"), "{log}");
+    let mut models: Vec<String> = std::fs::read_dir(out.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors") && !n.ends_with(".state.safetensors"))
+        .collect();
+    models.sort();
+    // Every epoch's end, and the newest step checkpoint only (of epoch 3).
+    assert_eq!(models.len(), 4, "{models:?}");
+    assert_eq!(
+        models[..2],
+        ["epoch-0001.safetensors", "epoch-0002.safetensors"]
+    );
+    assert!(
+        models[2].starts_with("epoch-0003-step-00000") && models[3] == "epoch-0003.safetensors",
+        "{models:?}"
+    );
+    // A finished run's `latest` is its last epoch's end, and it is not marked stopped.
+    assert_eq!(
+        std::fs::read_to_string(out.join("checkpoints/latest")).unwrap(),
+        "epoch-0003\n"
+    );
+    assert!(!out.join("checkpoints/stopped").exists());
+}
+
 /// Runs two ranks expected to fail before training; returns rank 0's and rank 1's output.
 fn both_fail(args: &[&str]) -> (String, String) {
     let outputs = run_ranks(2, args, &[]);
