@@ -152,3 +152,43 @@ fn bad_settings_fail_before_anything_starts() {
     }
     assert_eq!(events, 0);
 }
+
+#[test]
+fn ranks_that_stop_with_exit_code_75_end_the_job_as_stopped_without_a_restart() {
+    let dir = ddp_testkit::temp_dir("ddp-run-api-stopped");
+    // Rank 0 stops at once; rank 1 takes longer (it is still writing its checkpoint) and
+    // must not be stopped meanwhile: 75 is not a failure.
+    let config = LaunchConfig {
+        max_restarts: 2,
+        log_dir: Some(dir.path().join("logs")),
+        ..quiet(
+            "sh",
+            2,
+            &[
+                "-c",
+                r#"if [ "$RANK" = 1 ]; then sleep 1; echo "rank 1 saved"; fi; exit 75"#,
+            ],
+        )
+    };
+    let mut seen = Vec::new();
+    let outcome = launch(&config, record(&mut seen)).unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Stopped {
+            signal: None,
+            restarts: 0
+        }
+    );
+    assert_eq!(outcome.exit_code(), ddp_run::EXIT_STOPPED);
+    assert_eq!(
+        seen,
+        [Seen::Starting {
+            attempt: 0,
+            world_size: 2
+        }]
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("logs/rank-1.out")).unwrap(),
+        "rank 1 saved\n"
+    );
+}

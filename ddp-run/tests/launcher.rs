@@ -343,6 +343,54 @@ fn sigterm_and_sigint_are_forwarded_to_every_rank() {
 }
 
 #[test]
+fn sigusr1_reaches_every_rank_even_a_stopped_one_and_exit_75_ends_the_job_as_stopped() {
+    let dir = temp_dir("ddp-run-usr1");
+    let logs = dir.path().join("logs");
+    // Each rank "checkpoints" on SIGUSR1 and exits 75; rank 1 is stopped (SIGSTOP) when the
+    // signal comes, and can act on it only because the launcher continues it.
+    let script = format!(
+        r#"trap 'echo rank $RANK got SIGUSR1; exit 75' USR1
+           echo $$ > {dir}/pid$RANK
+           if [ "$RANK" = 1 ]; then kill -STOP $$; fi
+           i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
+        dir = dir.path().display()
+    );
+    let child = ddp_run(&[
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        logs.to_str().unwrap(),
+        "sh",
+        "-c",
+        &script,
+    ])
+    .spawn()
+    .unwrap();
+    let launcher = child.id();
+    let ranks = wait_for_pids(dir.path());
+    wait_for("rank 1 is stopped", LIMIT, || {
+        std::fs::read_to_string(format!("/proc/{}/stat", ranks[1]))
+            .is_ok_and(|s| s.rsplit_once(") ").is_some_and(|(_, f)| f.starts_with('T')))
+    });
+    ddp_testkit::kill(launcher, libc::SIGUSR1);
+    let out = wait_bounded(child, LIMIT);
+    assert_eq!(out.status.code(), Some(75), "{}", text(&out));
+    assert!(
+        stderr(&out).contains(&format!(
+            "ddp-run: every rank stopped at a checkpoint after signal {} (exit code 75)",
+            libc::SIGUSR1
+        )),
+        "{}",
+        text(&out)
+    );
+    for (r, &pid) in ranks.iter().enumerate() {
+        let log = std::fs::read_to_string(logs.join(format!("rank-{r}.out"))).unwrap();
+        assert!(log.contains(&format!("rank {r} got SIGUSR1")), "{log}");
+        assert!(!procs::alive(pid));
+    }
+}
+
+#[test]
 fn killing_the_launcher_with_sigkill_takes_the_ranks_with_it() {
     let dir = temp_dir("ddp-run-orphans");
     let script = waiting_job(dir.path());
