@@ -23,7 +23,9 @@ use ddp_run::{launch, Event, LaunchConfig, NprocPerNode, Outcome};
 #[command(name = "ddp-run", version, about, long_about = None)]
 #[command(
     after_help = "Exit status: 0 when every rank succeeded, 1 when a rank failed (after \
-    the restarts), 128+N after signal N, 2 for a bad command line."
+    the restarts), 75 when every rank stopped at a checkpoint on request (exit code 75: a \
+    forwarded SIGTERM/SIGUSR1, a time limit; start the job again to continue), 128+N after \
+    signal N, 2 for a bad command line."
 )]
 struct Cli {
     /// Ranks on this node: a number, `gpu` (one per visible GPU), `cpu` (one per core) or
