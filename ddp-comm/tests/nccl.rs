@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{rank_world, run_world, worker};
+use common::{lines_with, rank_world, run_world, run_world_each, worker};
 use ddp_comm::{Backend, CommError, Options, ProcessGroup, ReduceOp};
 use tch::{Device, Kind, Tensor};
 
@@ -183,8 +183,43 @@ fn the_nccl_version_is_reported() {
     let version = ddp_comm::nccl_version().unwrap();
     let parts: Vec<u32> = version.split('.').map(|p| p.parse().unwrap()).collect();
     assert_eq!(parts.len(), 3, "{version}");
+    let code = (parts[0] * 10000 + parts[1] * 100 + parts[2]) as i32;
     assert!(
-        (parts[0], parts[1]) >= (2, 13),
-        "NCCL {version} is older than nccl-sys's minimum 2.13"
+        code >= nccl_sys::MIN_VERSION_CODE,
+        "NCCL {version} is older than nccl-sys's minimum {}",
+        nccl_sys::version_string(nccl_sys::MIN_VERSION_CODE)
+    );
+}
+
+#[test]
+fn nccl_init_times_out_when_a_rank_never_joins_it() {
+    // Rank 1 passes the CPU barrier that precedes NCCL init but never calls init itself (it
+    // uses the TCP backend): the blocking init would wait forever; the non-blocking one
+    // gives up after the op timeout and aborts the communicator. Needs one GPU, for rank 0.
+    if worker() {
+        let (rank, _) = rank_world();
+        let opts = Options::from_env().unwrap();
+        if rank == 0 {
+            assert!(ddp_comm::cuda::load_torch_cuda().unwrap());
+            let err = ProcessGroup::new(opts.backend(Backend::Nccl)).unwrap_err();
+            assert!(matches!(err, CommError::NcclInit { .. }), "{err:?}");
+            println!("ERROR: {err}");
+        } else {
+            let group = ProcessGroup::new(opts.backend(Backend::Tcp)).unwrap();
+            group.barrier().unwrap();
+            // Alive (its heartbeat goes on) until rank 0 has given up.
+            std::thread::sleep(std::time::Duration::from_secs(8));
+        }
+        return;
+    }
+    skip_without_gpu!();
+    let outputs = run_world_each("nccl_init_times_out_when_a_rank_never_joins_it", 2, |_| {
+        vec![("DDP_OP_TIMEOUT_S", "3".to_string())]
+    });
+    let errors = lines_with(&outputs[0], "ERROR: ");
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].starts_with("NCCL communicator init of rank 0 on cuda:0 timed out after 3s"),
+        "{errors:?}"
     );
 }
