@@ -88,6 +88,12 @@ pub enum CommError {
         /// What happened.
         detail: String,
     },
+    /// Rank 0's store hung up: rank 0 exited or failed (as opposed to not answering in time).
+    #[error("store at {addr}: the store closed the connection (rank 0 exited or failed)")]
+    StoreClosed {
+        /// The store's address.
+        addr: String,
+    },
     /// Ranks disagree about the world size, or one rank number was started twice, or another
     /// rank aborted the rendezvous.
     #[error("rendezvous at {addr} failed: {detail}")]

@@ -20,11 +20,12 @@
 //! `op_timeout` plus at most about `3 * interval` (or the store's I/O timeout).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{CommError, Diagnosis};
-use crate::store::{closed_by_store, Store};
+use crate::group::lock;
+use crate::store::Store;
 
 /// Opens a new connection to the rendezvous store (the heartbeat's own).
 pub(crate) type Connector = Box<dyn Fn() -> Result<Box<dyn Store>, CommError> + Send + Sync>;
@@ -116,10 +117,6 @@ struct Shared {
     failed: AtomicBool,
     stop: Mutex<bool>,
     wake: Condvar,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// A rank's collective counter, its heartbeat thread, and the diagnosis.
@@ -263,7 +260,10 @@ impl Heartbeat {
             };
             // A store that hung up means rank 0 exited (it may have failed too); one that
             // does not answer in time means rank 0 is frozen.
-            if store.served_by_rank0 && self.rank != 0 && !closed_by_store(&e) {
+            if store.served_by_rank0
+                && self.rank != 0
+                && !matches!(e, CommError::StoreClosed { .. })
+            {
                 found.not_responding.push(0);
             }
             found.store_silent = Some(format!(

@@ -144,6 +144,48 @@ fn next_pause(pause: Duration) -> Duration {
     (pause * 2).min(Duration::from_millis(1))
 }
 
+/// Why a pending call on a non-blocking communicator did not settle.
+enum Unsettled {
+    /// `call` returned `rc` (`ncclCommGetAsyncError` itself, or the pending call's result).
+    Failed {
+        call: &'static str,
+        rc: ncclResult_t,
+    },
+    /// Still `ncclInProgress` when the timeout passed since `start`.
+    TimedOut,
+}
+
+/// Polls `ncclCommGetAsyncError` until the pending `call` on `comm` is no longer
+/// `ncclInProgress`, or `timeout` has passed since `start`.
+fn settle(
+    nccl: &Nccl,
+    comm: ncclComm_t,
+    call: &'static str,
+    start: Instant,
+    timeout: Duration,
+) -> Result<(), Unsettled> {
+    let mut pause = Duration::from_micros(20);
+    loop {
+        let mut state = ncclResult_t::ncclInProgress;
+        // SAFETY: `comm` is live and `state` is a valid out-pointer.
+        let rc = unsafe { (nccl.ncclCommGetAsyncError)(comm, &mut state) };
+        if rc != ncclResult_t::ncclSuccess {
+            let call = "ncclCommGetAsyncError";
+            return Err(Unsettled::Failed { call, rc });
+        }
+        match state {
+            ncclResult_t::ncclSuccess => return Ok(()),
+            ncclResult_t::ncclInProgress if start.elapsed() > timeout => {
+                return Err(Unsettled::TimedOut)
+            }
+            ncclResult_t::ncclInProgress => {}
+            rc => return Err(Unsettled::Failed { call, rc }),
+        }
+        std::thread::sleep(pause);
+        pause = next_pause(pause);
+    }
+}
+
 impl NcclComm {
     /// `cudaSetDevice(device)`, then a non-blocking `ncclCommInitRankConfig`, polled until
     /// it is done, it fails, or `timeout` passes (see the module's documentation).
@@ -181,51 +223,31 @@ impl NcclComm {
         let rc = unsafe {
             (nccl.ncclCommInitRankConfig)(&mut comm, world as c_int, id, rank as c_int, &mut config)
         };
-        if rc != ncclResult_t::ncclSuccess && rc != ncclResult_t::ncclInProgress {
+        let nccl_failed = |prefix: &str, rc: ncclResult_t| {
             let what = format!(
-                "failed: ncclCommInitRankConfig: {} {}",
+                "failed: {prefix}{} {}",
                 nccl_text(nccl, rc),
                 last_error(nccl, comm)
             );
             abort(comm);
-            return Err(failed(what.trim_end().to_string(), Diagnosis::default()));
+            Err(failed(what.trim_end().to_string(), Diagnosis::default()))
+        };
+        if rc != ncclResult_t::ncclSuccess && rc != ncclResult_t::ncclInProgress {
+            return nccl_failed("ncclCommInitRankConfig: ", rc);
         }
         if comm.is_null() {
             let what = "failed: ncclCommInitRankConfig returned no communicator".to_string();
             return Err(failed(what, Diagnosis::default()));
         }
-        let mut pause = Duration::from_micros(20);
-        loop {
-            let mut state = ncclResult_t::ncclInProgress;
-            // SAFETY: `comm` is live and `state` is a valid out-pointer.
-            let rc = unsafe { (nccl.ncclCommGetAsyncError)(comm, &mut state) };
-            let bad = if rc != ncclResult_t::ncclSuccess {
-                Some(rc)
-            } else if state != ncclResult_t::ncclSuccess && state != ncclResult_t::ncclInProgress {
-                Some(state)
-            } else {
-                None
-            };
-            if let Some(bad) = bad {
-                let what = format!(
-                    "failed: {} {}",
-                    nccl_text(nccl, bad),
-                    last_error(nccl, comm)
-                );
-                abort(comm);
-                return Err(failed(what.trim_end().to_string(), Diagnosis::default()));
-            }
-            if state == ncclResult_t::ncclSuccess {
-                break;
-            }
-            if start.elapsed() > timeout {
+        match settle(nccl, comm, "ncclCommInitRankConfig", start, timeout) {
+            Ok(()) => {}
+            Err(Unsettled::Failed { rc, .. }) => return nccl_failed("", rc),
+            Err(Unsettled::TimedOut) => {
                 // Diagnose first: the heartbeats say which rank never joined.
                 let diagnosis = heartbeat.diagnose();
                 abort(comm);
                 return Err(failed(format!("timed out after {timeout:?}"), diagnosis));
             }
-            std::thread::sleep(pause);
-            pause = next_pause(pause);
         }
         Ok(NcclComm {
             nccl,
@@ -265,22 +287,10 @@ impl NcclComm {
         if rc != ncclResult_t::ncclInProgress {
             return self.check(call, rc);
         }
-        let mut pause = Duration::from_micros(20);
-        loop {
-            let mut state = ncclResult_t::ncclInProgress;
-            // SAFETY: `self.comm` is live and `state` is a valid out-pointer.
-            let rc = unsafe { (self.nccl.ncclCommGetAsyncError)(self.comm, &mut state) };
-            if rc != ncclResult_t::ncclSuccess {
-                return self.check("ncclCommGetAsyncError", rc);
-            }
-            if state != ncclResult_t::ncclInProgress {
-                return self.check(call, state);
-            }
-            if start.elapsed() > self.timeout {
-                return Err(self.timed_out(op));
-            }
-            std::thread::sleep(pause);
-            pause = next_pause(pause);
+        match settle(self.nccl, self.comm, call, start, self.timeout) {
+            Ok(()) => Ok(()),
+            Err(Unsettled::Failed { call, rc }) => self.check(call, rc),
+            Err(Unsettled::TimedOut) => Err(self.timed_out(op)),
         }
     }
 

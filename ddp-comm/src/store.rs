@@ -25,14 +25,6 @@ const OP_CHECK: u8 = 4;
 const STATUS_OK: u8 = 0;
 const STATUS_MISSING: u8 = 1;
 const STATUS_ERROR: u8 = 2;
-/// What a client says when the store hung up: rank 0 is gone, not frozen.
-const STORE_CLOSED: &str = "the store closed the connection (rank 0 exited or failed)";
-
-/// Whether `err` says that rank 0's store hung up (as opposed to not answering in time).
-pub(crate) fn closed_by_store(err: &CommError) -> bool {
-    matches!(err, CommError::Store { detail, .. } if detail == STORE_CLOSED)
-}
-
 /// How long a new connection may take to present its token.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -391,15 +383,15 @@ impl StoreClient {
     }
 
     fn fail(&self, e: io::Error) -> CommError {
-        let detail = match e.kind() {
+        let addr = self.addr.clone();
+        match e.kind() {
             io::ErrorKind::UnexpectedEof
             | io::ErrorKind::ConnectionReset
-            | io::ErrorKind::BrokenPipe => STORE_CLOSED.to_string(),
-            _ => e.to_string(),
-        };
-        CommError::Store {
-            addr: self.addr.clone(),
-            detail,
+            | io::ErrorKind::BrokenPipe => CommError::StoreClosed { addr },
+            _ => CommError::Store {
+                addr,
+                detail: e.to_string(),
+            },
         }
     }
 

@@ -39,11 +39,16 @@ fn run(args: &[&str]) -> Output {
     wait_bounded(ddp_run(args).spawn().unwrap(), LIMIT)
 }
 
-/// `ddp-run --nproc-per-node 2 --log-dir LOGS ARGS`.
-fn two_ranks(logs: &Path, args: &[&str]) -> Output {
+/// `ddp-run --nproc-per-node 2 --log-dir LOGS ARGS`, not started.
+fn two_ranks_command(logs: &Path, args: &[&str]) -> Command {
     let mut all = vec!["--nproc-per-node", "2", "--log-dir", logs.to_str().unwrap()];
     all.extend_from_slice(args);
-    run(&all)
+    ddp_run(&all)
+}
+
+/// `ddp-run --nproc-per-node 2 --log-dir LOGS ARGS`, run to its end.
+fn two_ranks(logs: &Path, args: &[&str]) -> Output {
+    wait_bounded(two_ranks_command(logs, args).spawn().unwrap(), LIMIT)
 }
 
 fn stderr(o: &Output) -> String {
@@ -313,17 +318,9 @@ fn sigterm_and_sigint_are_forwarded_to_every_rank() {
         let dir = temp_dir("ddp-run-forward");
         let logs = dir.path().join("logs");
         let script = waiting_job(dir.path());
-        let child = ddp_run(&[
-            "--nproc-per-node",
-            "2",
-            "--log-dir",
-            logs.to_str().unwrap(),
-            "sh",
-            "-c",
-            &script,
-        ])
-        .spawn()
-        .unwrap();
+        let child = two_ranks_command(&logs, &["sh", "-c", &script])
+            .spawn()
+            .unwrap();
         let launcher = child.id();
         let ranks = wait_for_pids(dir.path());
         ddp_testkit::kill(launcher, signal);
@@ -355,23 +352,12 @@ fn sigusr1_reaches_every_rank_even_a_stopped_one_and_exit_75_ends_the_job_as_sto
            i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
         dir = dir.path().display()
     );
-    let child = ddp_run(&[
-        "--nproc-per-node",
-        "2",
-        "--log-dir",
-        logs.to_str().unwrap(),
-        "sh",
-        "-c",
-        &script,
-    ])
-    .spawn()
-    .unwrap();
+    let child = two_ranks_command(&logs, &["sh", "-c", &script])
+        .spawn()
+        .unwrap();
     let launcher = child.id();
     let ranks = wait_for_pids(dir.path());
-    wait_for("rank 1 is stopped", LIMIT, || {
-        std::fs::read_to_string(format!("/proc/{}/stat", ranks[1]))
-            .is_ok_and(|s| s.rsplit_once(") ").is_some_and(|(_, f)| f.starts_with('T')))
-    });
+    wait_for("rank 1 is stopped", LIMIT, || procs::stopped(ranks[1]));
     ddp_testkit::kill(launcher, libc::SIGUSR1);
     let out = wait_bounded(child, LIMIT);
     assert_eq!(out.status.code(), Some(75), "{}", text(&out));

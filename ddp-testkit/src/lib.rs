@@ -134,6 +134,11 @@ pub mod procs {
         stat_fields(pid).is_some_and(|f| f.first().is_some_and(|s| s != "Z"))
     }
 
+    /// Whether process `pid` is stopped (by SIGSTOP or a debugger).
+    pub fn stopped(pid: u32) -> bool {
+        stat_fields(pid).is_some_and(|f| f.first().is_some_and(|s| s == "T"))
+    }
+
     /// The living (not zombie) processes whose parent is `pid`, in pid order.
     pub fn children_of(pid: u32) -> Vec<u32> {
         let mut kids: Vec<u32> = std::fs::read_dir("/proc")

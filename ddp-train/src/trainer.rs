@@ -205,16 +205,18 @@ impl<T: Task> Trainer<T> {
             if st.scheduler.is_some() {
                 scheduler = st.scheduler.clone();
             }
-            start_epoch = st.epoch + 1;
             bests = st.bests;
             let at = match st.position {
-                Some(p) => format!("epoch {} at step {}", p.epoch, p.step),
-                None => format!("epoch {} done", st.epoch),
+                Some(p) => {
+                    start_epoch = p.epoch;
+                    start_position = Some(p);
+                    format!("epoch {} at step {}", p.epoch, p.step)
+                }
+                None => {
+                    start_epoch = st.epoch + 1;
+                    format!("epoch {} done", st.epoch)
+                }
             };
-            if let Some(p) = st.position {
-                start_epoch = p.epoch;
-                start_position = Some(p);
-            }
             resumed_note = Some(format!(
                 "resumed from {} ({at}){continuing}",
                 path.display()
