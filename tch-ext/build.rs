@@ -1,0 +1,63 @@
+//! Compiles the C++ shim in `csrc/` against the libtorch that torch-sys links, and lets this
+//! crate's tests and doctests find libtorch at run time.
+//!
+//! The shim must be compiled exactly like torch-sys's own wrapper (same headers, C++17, same
+//! `_GLIBCXX_USE_CXX11_ABI`), or `std::string`-carrying types such as `c10::Error` would not
+//! match between the two. It uses only device-generic c10 interfaces (`c10::Stream`,
+//! `c10::Event`), so it needs no CUDA headers and links only `torch_cpu` and `c10`: the CUDA
+//! backend is found at run time through the device-guard registry that `libc10_cuda` fills
+//! when it is loaded.
+
+use std::path::{Path, PathBuf};
+
+const SOURCES: [&str; 3] = ["csrc/hooks.cpp", "csrc/autocast.cpp", "csrc/cuda.cpp"];
+
+fn main() {
+    println!("cargo:rerun-if-env-changed=LIBTORCH");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_INCLUDE");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_LIB");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    println!("cargo:rerun-if-changed=csrc/tch_ext.h");
+    for source in SOURCES {
+        println!("cargo:rerun-if-changed={source}");
+    }
+
+    // The same variables, with the same precedence, as torch-sys's build script.
+    let Some(libtorch) = std::env::var_os("LIBTORCH").map(PathBuf::from) else {
+        panic!("LIBTORCH is not set: run `cargo xtask setup` (.cargo/config.toml points it at .deps/libtorch)");
+    };
+    let include =
+        std::env::var_os("LIBTORCH_INCLUDE").map_or_else(|| libtorch.clone(), PathBuf::from);
+    let lib = std::env::var_os("LIBTORCH_LIB")
+        .map_or_else(|| libtorch.clone(), PathBuf::from)
+        .join("lib");
+    let lib = std::fs::canonicalize(&lib).unwrap_or(lib);
+    let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
+
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .std("c++17")
+        .include(include.join("include"))
+        .include(include.join("include/torch/csrc/api/include"))
+        .include("csrc")
+        .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
+        .define("GLOG_USE_GLOG_EXPORT", None)
+        // libtorch's headers are not warning-clean under -Wall (torch-sys turns warnings off
+        // too); the shim's own files are (g++ -Wall -Wextra -fsyntax-only).
+        .warnings(false)
+        .files(SOURCES)
+        .compile("tch_ext");
+
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    println!("cargo:rustc-link-lib=torch_cpu");
+    println!("cargo:rustc-link-lib=c10");
+    rpath(&lib);
+}
+
+/// See ddp-model/build.rs: rustc links with `--as-needed` and cargo overwrites
+/// `LD_LIBRARY_PATH`, so tests and doctests find libtorch through an rpath to the real
+/// (symlink-resolved) library folder.
+fn rpath(lib: &Path) {
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+}

@@ -1,0 +1,134 @@
+// Post-accumulate-grad hooks (PyTorch's `Tensor.register_post_accumulate_grad_hook`) and
+// `param.grad = ...` assignment.
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <memory>
+#include <stdexcept>
+#include <utility>
+
+#include "tch_ext.h"
+
+extern "C" {
+// Calls the Rust closure `ctx` with a new `at::Tensor` handle to the parameter, which the
+// callee owns (tch frees it). Returns false when the closure panicked.
+typedef bool (*tch_ext_hook_call_fn)(void* ctx, at::Tensor* param);
+// Drops the Rust closure `ctx`; called exactly once.
+typedef void (*tch_ext_hook_drop_fn)(void* ctx);
+}
+
+namespace {
+
+// Owns the Rust closure: dropping the last reference drops the closure.
+struct RustCallback {
+  tch_ext_hook_call_fn call;
+  void* ctx;
+  tch_ext_hook_drop_fn drop;
+
+  RustCallback(tch_ext_hook_call_fn call, void* ctx, tch_ext_hook_drop_fn drop)
+      : call(call), ctx(ctx), drop(drop) {}
+  RustCallback(const RustCallback&) = delete;
+  RustCallback& operator=(const RustCallback&) = delete;
+  ~RustCallback() { drop(ctx); }
+};
+
+// The one post-accumulate-grad hook object a tensor's autograd metadata holds.
+class RustPostAccumulateGradHook final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  explicit RustPostAccumulateGradHook(std::shared_ptr<RustCallback> callback)
+      : callback_(std::move(callback)) {}
+
+  void operator()(const torch::autograd::Variable& param) override {
+    // A local reference keeps the closure alive even if it replaces or clears its own hook
+    // (which destroys `this`); nothing below touches `this`.
+    std::shared_ptr<RustCallback> callback = callback_;
+    if (!callback->call(callback->ctx, new at::Tensor(param))) {
+      throw std::runtime_error(
+          "a Rust post-accumulate-grad hook panicked (its message was printed above)");
+    }
+  }
+
+ private:
+  std::shared_ptr<RustCallback> callback_;
+};
+
+}  // namespace
+
+extern "C" {
+
+// Sets `param`'s post-accumulate-grad hook, replacing (and so dropping) any previous one.
+// Takes ownership of `ctx` on every path: on error, `drop(ctx)` has run before it returns.
+char* tch_ext_set_post_acc_grad_hook(
+    const at::Tensor* param,
+    tch_ext_hook_call_fn call,
+    void* ctx,
+    tch_ext_hook_drop_fn drop) noexcept {
+  std::shared_ptr<RustCallback> callback;
+  try {
+    callback = std::make_shared<RustCallback>(call, ctx, drop);
+  } catch (...) {
+    drop(ctx);
+    return tch_ext::copy_message("out of memory while registering a hook");
+  }
+  return tch_ext::guarded([&] {
+    TORCH_CHECK(param->defined(), "cannot register a hook on an undefined tensor");
+    TORCH_CHECK(
+        param->requires_grad() && param->is_leaf(),
+        "post-accumulate-grad hooks can only be registered on leaf tensors that require grad");
+    torch::autograd::impl::set_post_acc_grad_hooks(
+        *param, std::make_unique<RustPostAccumulateGradHook>(std::move(callback)));
+  });
+}
+
+// Removes `param`'s post-accumulate-grad hook, if any.
+char* tch_ext_clear_post_acc_grad_hook(const at::Tensor* param) noexcept {
+  return tch_ext::guarded([&] {
+    TORCH_CHECK(param->defined(), "cannot clear a hook on an undefined tensor");
+    if (param->unsafeGetTensorImpl()->autograd_meta() != nullptr) {
+      torch::autograd::impl::set_post_acc_grad_hooks(*param, nullptr);
+    }
+  });
+}
+
+// Whether `param` has a post-accumulate-grad hook.
+char* tch_ext_has_post_acc_grad_hook(const at::Tensor* param, bool* out) noexcept {
+  return tch_ext::guarded([&] {
+    TORCH_CHECK(param->defined(), "cannot query the hook of an undefined tensor");
+    *out = param->unsafeGetTensorImpl()->autograd_meta() != nullptr &&
+        torch::autograd::impl::post_acc_grad_hooks(*param) != nullptr;
+  });
+}
+
+// `param.grad = grad` (PyTorch's checks included), or `param.grad = None` when `grad` is null.
+// The gradient aliases `grad`, as in PyTorch.
+char* tch_ext_set_grad(const at::Tensor* param, const at::Tensor* grad) noexcept {
+  return tch_ext::guarded([&] {
+    TORCH_CHECK(param->defined(), "cannot set the gradient of an undefined tensor");
+    if (grad == nullptr || !grad->defined()) {
+      param->mutable_grad().reset();
+      return;
+    }
+    TORCH_CHECK(
+        grad->scalar_type() == param->scalar_type(),
+        "assigned grad has data of a different type (",
+        grad->scalar_type(), " for a ", param->scalar_type(), " tensor)");
+    TORCH_CHECK(
+        grad->device() == param->device(),
+        "assigned grad has data located on a different device (",
+        grad->device(), " for a tensor on ", param->device(), ")");
+    TORCH_CHECK(
+        grad->sizes() == param->sizes(),
+        "assigned grad has data of a different size (",
+        grad->sizes(), " for a tensor of size ", param->sizes(), ")");
+    param->mutable_grad() = *grad;
+  });
+}
+
+// Releases an error message returned by any entry point.
+void tch_ext_free_error(char* message) noexcept {
+  if (message != tch_ext::kOutOfMemory) {
+    std::free(message);
+  }
+}
+
+}  // extern "C"

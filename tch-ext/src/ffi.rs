@@ -1,0 +1,98 @@
+//! The shim's `extern "C"` surface (`csrc/*.cpp`) and the conversion of its error strings.
+//!
+//! Every function returning `*mut c_char` returns null on success and otherwise an error
+//! message to be released with [`tch_ext_free_error`]; [`check`] does both. Tensor pointers
+//! are tch's `*mut C_tensor`, which torch-sys's wrapper defines as `torch::Tensor*`.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+use crate::TchExtError;
+
+/// Calls the closure behind `ctx` with a new tensor handle it owns; false when it panicked.
+pub(crate) type HookCallFn = extern "C" fn(ctx: *mut c_void, param: *mut c_void) -> bool;
+/// Drops the closure behind `ctx`.
+pub(crate) type HookDropFn = extern "C" fn(ctx: *mut c_void);
+
+extern "C" {
+    pub(crate) fn tch_ext_free_error(message: *mut c_char);
+
+    pub(crate) fn tch_ext_set_post_acc_grad_hook(
+        param: *const c_void,
+        call: HookCallFn,
+        ctx: *mut c_void,
+        drop: HookDropFn,
+    ) -> *mut c_char;
+    pub(crate) fn tch_ext_clear_post_acc_grad_hook(param: *const c_void) -> *mut c_char;
+    pub(crate) fn tch_ext_has_post_acc_grad_hook(
+        param: *const c_void,
+        out: *mut bool,
+    ) -> *mut c_char;
+    pub(crate) fn tch_ext_set_grad(param: *const c_void, grad: *const c_void) -> *mut c_char;
+
+    pub(crate) fn tch_ext_autocast_state(
+        device: c_int,
+        enabled: *mut bool,
+        dtype: *mut c_int,
+    ) -> *mut c_char;
+    pub(crate) fn tch_ext_autocast_enter(
+        device: c_int,
+        dtype: c_int,
+        prev_enabled: *mut bool,
+        prev_dtype: *mut c_int,
+    ) -> *mut c_char;
+    pub(crate) fn tch_ext_autocast_exit(
+        device: c_int,
+        prev_enabled: bool,
+        prev_dtype: c_int,
+    ) -> *mut c_char;
+
+    pub(crate) fn tch_ext_cuda_device_count() -> c_int;
+    pub(crate) fn tch_ext_cuda_current_stream(
+        device: c_int,
+        id: *mut i64,
+        raw: *mut *mut c_void,
+    ) -> *mut c_char;
+    pub(crate) fn tch_ext_cuda_pool_stream(
+        device: c_int,
+        high_priority: bool,
+        id: *mut i64,
+        raw: *mut *mut c_void,
+    ) -> *mut c_char;
+    pub(crate) fn tch_ext_cuda_exchange_stream(
+        id: i64,
+        device: c_int,
+        previous: *mut i64,
+    ) -> *mut c_char;
+    pub(crate) fn tch_ext_cuda_stream_synchronize(id: i64, device: c_int) -> *mut c_char;
+    pub(crate) fn tch_ext_cuda_stream_query(id: i64, device: c_int, done: *mut bool)
+        -> *mut c_char;
+    pub(crate) fn tch_ext_cuda_event_new(device: c_int, out: *mut *mut c_void) -> *mut c_char;
+    pub(crate) fn tch_ext_cuda_event_free(event: *mut c_void);
+    pub(crate) fn tch_ext_cuda_event_record(
+        event: *mut c_void,
+        id: i64,
+        device: c_int,
+    ) -> *mut c_char;
+    pub(crate) fn tch_ext_cuda_stream_wait_event(
+        id: i64,
+        device: c_int,
+        event: *mut c_void,
+    ) -> *mut c_char;
+    pub(crate) fn tch_ext_cuda_event_query(event: *mut c_void, done: *mut bool) -> *mut c_char;
+    pub(crate) fn tch_ext_cuda_event_synchronize(event: *mut c_void) -> *mut c_char;
+}
+
+/// Turns a shim return value into a result, naming the operation `op` in the error, and
+/// releases the message.
+pub(crate) fn check(message: *mut c_char, op: &str) -> Result<(), TchExtError> {
+    if message.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null return is a NUL-terminated string from the shim, valid until freed.
+    let text = unsafe { CStr::from_ptr(message) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: `message` came from the shim and is released exactly once, here.
+    unsafe { tch_ext_free_error(message) };
+    Err(TchExtError::Torch(format!("{op}: {text}")))
+}

@@ -1,0 +1,114 @@
+//! Post-accumulate-grad hooks and `param.grad = ...`, the autograd pieces tch lacks.
+
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
+
+use tch::Tensor;
+
+use crate::ffi;
+use crate::TchExtError;
+
+/// Calls `f(param)` each time autograd has accumulated a gradient into `param.grad()`: once
+/// per backward pass that reaches `param`, after the accumulation, with `param.grad()` holding
+/// the sum so far. This is PyTorch's `Tensor.register_post_accumulate_grad_hook`, except that
+/// a tensor holds at most one such hook: setting one replaces (and drops) the previous one.
+///
+/// `param` must be a leaf tensor that requires grad. The closure lives as long as the hook:
+/// until [`clear_post_accumulate_grad_hook`], the next `set_post_accumulate_grad_hook` on the
+/// same tensor, or the tensor's death (every handle to it dropped). A closure that owns a
+/// handle to its own `param` therefore keeps the tensor alive for ever; capture something
+/// else (an index, a channel) instead.
+///
+/// The hook runs on the thread that runs the backward pass (CPU tensors) or on autograd's
+/// worker thread for the tensor's device (CUDA tensors), hence `Send + Sync`. It may set or
+/// clear its own hook. Setting or clearing a tensor's hook from another thread while a
+/// backward pass is running through that tensor is a data race in libtorch itself (PyTorch
+/// avoids it with the GIL): don't.
+///
+/// If `f` panics, the panic message is printed by the panic hook as usual, the panic stops at
+/// the C++ boundary, and the backward pass fails with an error (tch's `f_backward` returns it,
+/// `backward` panics with it).
+///
+/// # Errors
+///
+/// [`TchExtError::Torch`] when `param` is undefined, not a leaf, or does not require grad.
+pub fn set_post_accumulate_grad_hook<F>(param: &Tensor, f: F) -> Result<(), TchExtError>
+where
+    F: Fn(&Tensor) + Send + Sync + 'static,
+{
+    let ctx = Box::into_raw(Box::new(f)).cast::<c_void>();
+    // SAFETY: `param` is a live tch tensor (a `torch::Tensor*`) for the duration of the call.
+    // `ctx` is a leaked `Box<F>`; the shim takes ownership of it on every path and calls
+    // `drop_hook::<F>` exactly once, after its last `call_hook::<F>` returns.
+    let message = unsafe {
+        ffi::tch_ext_set_post_acc_grad_hook(
+            param.as_ptr().cast(),
+            call_hook::<F>,
+            ctx,
+            drop_hook::<F>,
+        )
+    };
+    ffi::check(message, "set_post_accumulate_grad_hook")
+}
+
+/// Removes `param`'s post-accumulate-grad hook, dropping its closure; a no-op when it has none.
+///
+/// # Errors
+///
+/// [`TchExtError::Torch`] when `param` is undefined.
+pub fn clear_post_accumulate_grad_hook(param: &Tensor) -> Result<(), TchExtError> {
+    // SAFETY: `param` is a live tch tensor for the duration of the call.
+    let message = unsafe { ffi::tch_ext_clear_post_acc_grad_hook(param.as_ptr().cast()) };
+    ffi::check(message, "clear_post_accumulate_grad_hook")
+}
+
+/// Whether `param` has a post-accumulate-grad hook.
+///
+/// # Errors
+///
+/// [`TchExtError::Torch`] when `param` is undefined.
+pub fn has_post_accumulate_grad_hook(param: &Tensor) -> Result<bool, TchExtError> {
+    let mut out = false;
+    // SAFETY: `param` is a live tch tensor and `out` a valid out-pointer during the call.
+    let message = unsafe { ffi::tch_ext_has_post_acc_grad_hook(param.as_ptr().cast(), &mut out) };
+    ffi::check(message, "has_post_accumulate_grad_hook").map(|()| out)
+}
+
+/// Sets `param.grad()` to `grad` (which it then aliases, as in PyTorch), or with `None`
+/// resets it to an undefined tensor: PyTorch's `param.grad = None`, which optimizers use to
+/// zero gradients "to none" so that the next backward pass writes instead of adding.
+///
+/// # Errors
+///
+/// [`TchExtError::Torch`] when `param` is undefined or `grad` differs from it in dtype,
+/// device or shape (PyTorch's checks).
+pub fn set_grad(param: &Tensor, grad: Option<&Tensor>) -> Result<(), TchExtError> {
+    let grad = grad.map_or(ptr::null(), |g| g.as_ptr().cast());
+    // SAFETY: `param` and, when non-null, `grad` are live tch tensors during the call; the
+    // shim copies the `grad` handle (a new reference) and keeps neither pointer.
+    let message = unsafe { ffi::tch_ext_set_grad(param.as_ptr().cast(), grad) };
+    ffi::check(message, "set_grad")
+}
+
+/// The shim's call-back: runs the closure on the parameter, stopping any panic here.
+extern "C" fn call_hook<F: Fn(&Tensor)>(ctx: *mut c_void, param: *mut c_void) -> bool {
+    // SAFETY: the shim passes a heap `at::Tensor*` made for this call and gives up ownership;
+    // the tch `Tensor` frees it when dropped below.
+    let param = unsafe { Tensor::from_ptr(param.cast()) };
+    // SAFETY: `ctx` is the `Box<F>` leaked in `set_post_accumulate_grad_hook`; the shim keeps
+    // it alive until this call returns, and `F: Sync` allows calls from any thread.
+    let f = unsafe { &*ctx.cast::<F>() };
+    catch_unwind(AssertUnwindSafe(|| f(&param))).is_ok()
+}
+
+/// The shim's destructor call-back: drops the closure. A panic in a drop cannot be reported
+/// through a C++ destructor, so it aborts the process.
+extern "C" fn drop_hook<F>(ctx: *mut c_void) {
+    // SAFETY: `ctx` is the `Box<F>` leaked in `set_post_accumulate_grad_hook`, and the shim
+    // calls this exactly once, after the last call of the closure.
+    let f = unsafe { Box::from_raw(ctx.cast::<F>()) };
+    if catch_unwind(AssertUnwindSafe(move || drop(f))).is_err() {
+        std::process::abort();
+    }
+}

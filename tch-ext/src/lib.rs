@@ -1,0 +1,60 @@
+//! What tch lacks for a PyTorch-grade data-parallel trainer, as a small C++ shim over the
+//! same libtorch: post-accumulate-grad hooks, autocast with a chosen dtype, and CUDA streams
+//! and events.
+//!
+//! - [`set_post_accumulate_grad_hook`] runs a closure each time autograd has accumulated a
+//!   gradient into a parameter (PyTorch's `register_post_accumulate_grad_hook`), so gradient
+//!   communication can start while backward is still running; [`set_grad`] is
+//!   `param.grad = None`.
+//! - [`autocast`] returns an [`AutocastGuard`]: mixed precision in `BFloat16` or `Half` on CPU
+//!   or CUDA until it is dropped (`with torch.autocast(device, dtype)`).
+//! - [`CudaStream`], [`CudaEvent`] and [`set_current_stream`] order work between streams,
+//!   e.g. to run gradient all-reduces on a side stream.
+//!
+//! The C++ side (`csrc/`) is a narrow `extern "C"` surface: every entry point catches all
+//! exceptions and returns an error string, which becomes [`TchExtError`]; no C++ exception or
+//! Rust panic crosses the boundary.
+//!
+//! ```
+//! use std::sync::atomic::{AtomicUsize, Ordering};
+//! use std::sync::Arc;
+//! use tch::{Kind, Tensor};
+//! use tch_ext::{autocast, set_post_accumulate_grad_hook, AutocastDevice};
+//!
+//! # fn main() -> Result<(), tch_ext::TchExtError> {
+//! let w = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+//! let calls = Arc::new(AtomicUsize::new(0));
+//! let seen = Arc::clone(&calls);
+//! set_post_accumulate_grad_hook(&w, move |p| {
+//!     assert_eq!(Vec::<f32>::try_from(p.grad()).unwrap(), [3.0, 4.0]);
+//!     seen.fetch_add(1, Ordering::Relaxed);
+//! })?;
+//! (&w * Tensor::from_slice(&[3.0f32, 4.0])).sum(Kind::Float).backward();
+//! assert_eq!(calls.load(Ordering::Relaxed), 1);
+//!
+//! let a = Tensor::ones([2, 2], (Kind::Float, tch::Device::Cpu));
+//! {
+//!     let _bf16 = autocast(AutocastDevice::Cpu, Kind::BFloat16)?;
+//!     assert_eq!(a.matmul(&a).kind(), Kind::BFloat16);
+//! }
+//! assert_eq!(a.matmul(&a).kind(), Kind::Float);
+//! # Ok(())
+//! # }
+//! ```
+#![warn(missing_docs)]
+
+mod autocast;
+mod cuda;
+mod error;
+mod ffi;
+mod hooks;
+
+pub use autocast::{autocast, autocast_dtype, is_autocast_enabled, AutocastDevice, AutocastGuard};
+pub use cuda::{
+    cuda_device_count, cuda_is_available, set_current_stream, CudaEvent, CudaStream, StreamGuard,
+};
+pub use error::TchExtError;
+pub use hooks::{
+    clear_post_accumulate_grad_hook, has_post_accumulate_grad_hook, set_grad,
+    set_post_accumulate_grad_hook,
+};
