@@ -233,12 +233,6 @@ impl CpuBackend {
         op: ReduceOp,
     ) -> Result<(), CommError> {
         self.check()?;
-        if !dtype.cpu_reducible() {
-            return Err(CommError::Tensor {
-                backend: "cpu",
-                detail: format!("{dtype:?} cannot be reduced on the CPU"),
-            });
-        }
         let n = self.world;
         if n == 1 {
             return Ok(());

@@ -1,4 +1,4 @@
-//! Element types, reduction operators, and the reduction kernels of the TCP backend.
+//! Element types, reduction operators, and the reduction kernels of the CPU links.
 
 /// How values from different ranks are combined.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -31,9 +31,10 @@ pub enum DType {
     F32,
     /// `f64`.
     F64,
-    /// IEEE half (NCCL backend only).
+    /// IEEE half: CPU reductions compute each step in `f32` and round to nearest even, as
+    /// PyTorch's CPU kernels and Gloo do.
     F16,
-    /// bfloat16 (NCCL backend only).
+    /// bfloat16, reduced on the CPU like [`DType::F16`].
     BF16,
 }
 
@@ -46,11 +47,6 @@ impl DType {
             DType::I32 | DType::F32 => 4,
             DType::I64 | DType::F64 => 8,
         }
-    }
-
-    /// Whether the TCP backend can reduce this type on the CPU.
-    pub fn cpu_reducible(self) -> bool {
-        !matches!(self, DType::F16 | DType::BF16)
     }
 }
 
@@ -99,6 +95,63 @@ macro_rules! float_element {
     )*};
 }
 float_element!(f32 => F32, f64 => F64);
+
+/// A half-precision type, reduced through `f32` one step at a time: each partial result is
+/// rounded back to the type, as Gloo's and PyTorch's CPU kernels round `a + b`.
+trait HalfFloat: Copy + PartialOrd + bytemuck::Pod {
+    fn widen(self) -> f32;
+    fn narrow(v: f32) -> Self;
+}
+
+impl HalfFloat for half::f16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    fn narrow(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
+}
+
+impl HalfFloat for half::bf16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    fn narrow(v: f32) -> Self {
+        half::bf16::from_f32(v)
+    }
+}
+
+fn reduce_half<H: HalfFloat>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    let (dst, src) = (half_mut::<H>(dst), half_ref::<H>(src));
+    let combine = |d: f32, s: f32| match op {
+        ReduceOp::Sum | ReduceOp::Avg => d + s,
+        ReduceOp::Max => d.max(s),
+        ReduceOp::Min => d.min(s),
+    };
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = H::narrow(combine(d.widen(), s.widen()));
+    }
+}
+
+fn divide_half<H: HalfFloat>(buf: &mut [u8], n: usize) {
+    for v in half_mut::<H>(buf) {
+        *v = H::narrow(v.widen() / n as f32);
+    }
+}
+
+fn half_mut<H: HalfFloat>(bytes: &mut [u8]) -> &mut [H] {
+    if bytes.is_empty() {
+        return &mut [];
+    }
+    bytemuck::cast_slice_mut(bytes)
+}
+
+fn half_ref<H: HalfFloat>(bytes: &[u8]) -> &[H] {
+    if bytes.is_empty() {
+        return &[];
+    }
+    bytemuck::cast_slice(bytes)
+}
 
 /// Views a byte buffer as elements. Panics if a non-empty buffer is misaligned or not a
 /// whole number of elements: callers only pass tensor storage, `Vec<T>`-backed scratch and
@@ -153,7 +206,8 @@ pub(crate) fn reduce(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
         DType::I64 => reduce_typed::<i64>(op, dst, src),
         DType::F32 => reduce_typed::<f32>(op, dst, src),
         DType::F64 => reduce_typed::<f64>(op, dst, src),
-        DType::F16 | DType::BF16 => unreachable!("half types are refused before reduction"),
+        DType::F16 => reduce_half::<half::f16>(op, dst, src),
+        DType::BF16 => reduce_half::<half::bf16>(op, dst, src),
     }
 }
 
@@ -173,7 +227,8 @@ pub(crate) fn finish_avg(dtype: DType, buf: &mut [u8], n: usize) {
         DType::I64 => divide_typed::<i64>(buf, n),
         DType::F32 => divide_typed::<f32>(buf, n),
         DType::F64 => divide_typed::<f64>(buf, n),
-        DType::F16 | DType::BF16 => unreachable!("half types are refused before reduction"),
+        DType::F16 => divide_half::<half::f16>(buf, n),
+        DType::BF16 => divide_half::<half::bf16>(buf, n),
     }
 }
 
@@ -202,6 +257,41 @@ mod tests {
         );
         finish_avg(DType::F32, as_bytes_mut(&mut a), 2);
         assert_eq!(a, [1.5, 4.0, -4.5]);
+    }
+
+    #[test]
+    fn half_types_add_in_f32_and_round_to_nearest_even() {
+        use half::{bf16, f16};
+        // 1 + 2^-8 is not a bf16 (8 significant bits): the tie rounds to the even 1.0; one
+        // ulp more rounds up to 1 + 2^-7.
+        let mut a = [
+            bf16::from_f32(1.0),
+            bf16::from_f32(1.0),
+            bf16::from_f32(-3.0),
+        ];
+        let b = [
+            bf16::from_f32(1.0 / 256.0),
+            bf16::from_f32(3.0 / 256.0),
+            bf16::from_f32(2.0),
+        ];
+        reduce(
+            DType::BF16,
+            ReduceOp::Sum,
+            bytemuck::cast_slice_mut(&mut a),
+            bytemuck::cast_slice(&b),
+        );
+        assert_eq!(a.map(bf16::to_f32), [1.0, 1.015625, -1.0]);
+        let mut h = [f16::from_f32(3.0), f16::from_f32(-1.0)];
+        let g = [f16::from_f32(4.0), f16::from_f32(2.0)];
+        reduce(
+            DType::F16,
+            ReduceOp::Max,
+            bytemuck::cast_slice_mut(&mut h),
+            bytemuck::cast_slice(&g),
+        );
+        assert_eq!(h.map(f16::to_f32), [4.0, 2.0]);
+        finish_avg(DType::F16, bytemuck::cast_slice_mut(&mut h), 2);
+        assert_eq!(h.map(f16::to_f32), [2.0, 1.0]);
     }
 
     #[test]

@@ -15,6 +15,7 @@ use crate::nccl::{self, NcclComm};
 use crate::rendezvous::{self, Plan};
 use crate::shm;
 use crate::store::{Store, StoreServer};
+use crate::work::{Op, Queue, Work};
 
 /// Default rendezvous timeout.
 pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
@@ -221,6 +222,8 @@ pub struct ProcessGroup {
     cpu: Mutex<CpuBackend>,
     nccl: Mutex<Option<NcclComm>>,
     store: Mutex<Option<Box<dyn Store>>>,
+    /// The communication thread of asynchronous CPU collectives, started at the first one.
+    queue: Mutex<Option<Queue>>,
     /// Dropped before the server, so that its last beat can still reach it.
     heartbeat: Arc<Heartbeat>,
     _server: Option<StoreServer>,
@@ -319,6 +322,7 @@ impl ProcessGroup {
             cpu: Mutex::new(cpu),
             nccl: Mutex::new(None),
             store: Mutex::new(met.store),
+            queue: Mutex::new(None),
             heartbeat,
             _server: met.server,
         };
@@ -434,6 +438,96 @@ impl ProcessGroup {
     /// In-place all-reduce of a contiguous tensor (CPU: the ring of shared-memory and TCP
     /// links; CUDA: NCCL).
     pub fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
+        self.drain();
+        self.all_reduce_now(t, op)
+    }
+
+    /// Starts an in-place all-reduce of a contiguous tensor and returns at once (c10d's
+    /// `all_reduce(..., async_op=True)`). CPU tensors are reduced by the group's
+    /// communication thread, in the order the asynchronous collectives were issued; CUDA
+    /// tensors by NCCL on a side stream, after the work queued so far on the default stream.
+    /// `t` (and every tensor sharing its storage) must be left alone until [`Work::wait`]
+    /// has returned.
+    pub fn all_reduce_async(self: &Arc<Self>, t: &Tensor, op: ReduceOp) -> Work {
+        if self.world_size == 1 {
+            return Work::done(check_layout(t, "any"));
+        }
+        match t.device() {
+            Device::Cuda(_) => self.cuda_async(t, op),
+            _ => self.submit(t, Op::AllReduce(op)),
+        }
+    }
+
+    /// Starts a broadcast from `root` into every rank's `t` and returns at once (see
+    /// [`ProcessGroup::all_reduce_async`]; CUDA tensors are broadcast before this returns).
+    pub fn broadcast_async(self: &Arc<Self>, t: &Tensor, root: usize) -> Work {
+        if let Err(e) = self.check_root(root) {
+            return Work::done(Err(e));
+        }
+        match t.device() {
+            Device::Cuda(_) => Work::done(self.broadcast(&mut t.shallow_clone(), root)),
+            _ => self.submit(t, Op::Broadcast(root)),
+        }
+    }
+
+    fn submit(self: &Arc<Self>, t: &Tensor, op: Op) -> Work {
+        let mut queue = lock(&self.queue);
+        if queue.is_none() {
+            match Queue::start(Arc::downgrade(self), self.rank) {
+                Ok(q) => *queue = Some(q),
+                Err(e) => return Work::done(Err(e)),
+            }
+        }
+        match queue.as_ref() {
+            Some(q) => q.submit(t.shallow_clone(), op),
+            None => Work::done(Err(CommError::Poisoned("no communication thread".into()))),
+        }
+    }
+
+    /// Waits until the asynchronous CPU collectives issued so far have finished, so that a
+    /// blocking collective keeps its place in the order of collectives.
+    fn drain(&self) {
+        if let Some(queue) = lock(&self.queue).as_ref() {
+            queue.pending().drain();
+        }
+    }
+
+    /// Runs one job of the communication thread.
+    pub(crate) fn run_queued(&self, t: &mut Tensor, op: Op) -> Result<(), CommError> {
+        match op {
+            Op::AllReduce(op) => self.all_reduce_now(t, op),
+            Op::Broadcast(root) => self.broadcast_now(t, root),
+        }
+    }
+
+    fn cuda_async(self: &Arc<Self>, t: &Tensor, op: ReduceOp) -> Work {
+        self.heartbeat.enter();
+        let queued = (|| {
+            let (ptr, count, dtype) = self.cuda_buffer(t)?;
+            let mut comm = self.nccl()?;
+            let comm = comm
+                .as_mut()
+                .ok_or_else(|| CommError::Poisoned("no NCCL communicator".into()))?;
+            // SAFETY: `cuda_buffer` checked the tensor; `Work` keeps the caller from reusing
+            // it before the collective has completed (the documented contract).
+            unsafe { comm.all_reduce_async(ptr, count, dtype, op) }
+        })();
+        match queued {
+            Ok(work) => Work::cuda(self.clone(), work),
+            Err(e) => Work::done(Err(e)),
+        }
+    }
+
+    /// Waits for an asynchronous NCCL collective.
+    pub(crate) fn wait_cuda(&self, work: crate::nccl::NcclWork) -> Result<(), CommError> {
+        let mut comm = self.nccl()?;
+        match comm.as_mut() {
+            Some(c) => c.wait_work(work),
+            None => Err(CommError::Poisoned("no NCCL communicator".into())),
+        }
+    }
+
+    fn all_reduce_now(&self, t: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
         self.heartbeat.enter();
         match t.device() {
             Device::Cpu => {
@@ -457,6 +551,11 @@ impl ProcessGroup {
     /// Broadcasts a contiguous tensor from `root` into every rank's `t` (same shape and
     /// dtype everywhere).
     pub fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), CommError> {
+        self.drain();
+        self.broadcast_now(t, root)
+    }
+
+    fn broadcast_now(&self, t: &mut Tensor, root: usize) -> Result<(), CommError> {
         self.heartbeat.enter();
         self.check_root(root)?;
         match t.device() {
@@ -493,6 +592,7 @@ impl ProcessGroup {
     /// land at `r * input.numel()` in order. The counterpart of PyTorch's
     /// `all_gather_into_tensor`; reusing `output` saves an allocation per call.
     pub fn all_gather_into(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
+        self.drain();
         self.heartbeat.enter();
         if output.kind() != input.kind()
             || output.device() != input.device()
@@ -537,6 +637,7 @@ impl ProcessGroup {
     /// Returns once every rank has called `barrier` (and, with NCCL initialised, this
     /// rank's queued GPU work has finished).
     pub fn barrier(&self) -> Result<(), CommError> {
+        self.drain();
         self.heartbeat.enter();
         if let Some(comm) = lock(&self.nccl).as_mut() {
             comm.synchronize()?;
@@ -550,6 +651,7 @@ impl ProcessGroup {
         data: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
+        self.drain();
         self.heartbeat.enter();
         lock(&self.cpu).all_reduce(as_bytes_mut(data), T::DTYPE, op)
     }
@@ -560,6 +662,7 @@ impl ProcessGroup {
         data: &mut [T],
         root: usize,
     ) -> Result<(), CommError> {
+        self.drain();
         self.heartbeat.enter();
         self.check_root(root)?;
         lock(&self.cpu).broadcast(as_bytes_mut(data), root)
@@ -567,6 +670,7 @@ impl ProcessGroup {
 
     /// Gathers every rank's byte string (lengths may differ); element `r` is rank `r`'s.
     pub fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        self.drain();
         self.heartbeat.enter();
         lock(&self.cpu).all_gather_bytes(data)
     }
@@ -700,12 +804,10 @@ fn check_layout(t: &Tensor, backend: &'static str) -> Result<(), CommError> {
 /// The bytes of a contiguous CPU tensor and their element type.
 fn cpu_bytes(t: &mut Tensor) -> Result<(&mut [u8], DType), CommError> {
     check_layout(t, "tcp")?;
-    let dtype = dtype_of(t.kind())
-        .filter(|d| d.cpu_reducible())
-        .ok_or_else(|| CommError::Tensor {
-            backend: "tcp",
-            detail: format!("dtype {:?} is not supported on CPU", t.kind()),
-        })?;
+    let dtype = dtype_of(t.kind()).ok_or_else(|| CommError::Tensor {
+        backend: "tcp",
+        detail: format!("dtype {:?} is not supported on CPU", t.kind()),
+    })?;
     let len = t.numel() * dtype.size();
     if len == 0 {
         return Ok((&mut [], dtype));

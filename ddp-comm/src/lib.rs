@@ -20,7 +20,8 @@
 //! schedules (`ring.rs`) are executed by `cpu.rs` over each link's end (`link.rs`): a
 //! non-blocking socket (`tcp.rs`) or a shared-memory ring (`shm.rs`); NCCL lives in
 //! `nccl.rs` and CUDA loading in [`cuda`]; heartbeats and the diagnosis of a timeout in
-//! `heartbeat.rs`.
+//! `heartbeat.rs`; asynchronous collectives ([`Work`]) and the communication thread in
+//! `work.rs`.
 //!
 //! ```
 //! use ddp_comm::{Backend, Options, ProcessGroup, ReduceOp};
@@ -55,6 +56,7 @@ mod shm;
 mod store;
 mod tcp;
 mod wire;
+mod work;
 
 pub use element::{DType, Element, ReduceOp};
 pub use env::EnvConfig;
@@ -65,3 +67,4 @@ pub use group::{
 };
 pub use link::{LinkKind, Transport};
 pub use nccl::version as nccl_version;
+pub use work::Work;

@@ -7,6 +7,13 @@
 //! produced the tensor (e.g. backward) and before the kernels that read the result, exactly
 //! as if PyTorch had queued it.
 //!
+//! **Asynchronous collectives** ([`NcclComm::all_reduce_async`]) run on a side stream of the
+//! communicator's own (non-blocking, so it does not serialise with the default stream): an
+//! event recorded on the default stream orders the collective after the tensor's producer,
+//! and an event recorded after it on the side stream is what [`NcclWork`] waits for, so
+//! kernels queued on the default stream in the meantime (the rest of backward) overlap with
+//! the communication.
+//!
 //! **Completion.** Each call waits until the stream has drained, polling `cudaStreamQuery`
 //! and `ncclCommGetAsyncError`; a peer that died or an operation that exceeds the timeout
 //! makes the communicator abort (`ncclCommAbort`) so that nothing hangs, and the group is
@@ -27,8 +34,8 @@ use std::time::{Duration, Instant};
 use std::sync::Arc;
 
 use nccl_sys::{
-    cudaError_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId,
-    Cudart, Nccl,
+    cudaError_t, cudaEvent_t, cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t,
+    ncclResult_t, ncclUniqueId, Cudart, Nccl,
 };
 
 use crate::element::{DType, ReduceOp};
@@ -41,6 +48,8 @@ pub(crate) struct NcclComm {
     nccl: &'static Nccl,
     cudart: &'static Cudart,
     comm: ncclComm_t,
+    /// The side stream of asynchronous collectives, created at the first one.
+    side: Option<cudaStream_t>,
     device: c_int,
     timeout: Duration,
     aborted: bool,
@@ -253,6 +262,7 @@ impl NcclComm {
             nccl,
             cudart,
             comm,
+            side: None,
             device: ordinal,
             timeout,
             aborted: false,
@@ -307,16 +317,31 @@ impl NcclComm {
 
     /// Waits for the default stream to drain, aborting on an async error or the timeout.
     fn wait(&mut self, op: &'static str, start: Instant) -> Result<(), CommError> {
+        let cudart = self.cudart;
+        // SAFETY: querying the legacy default stream of the current device.
+        self.wait_for(op, start, "cudaStreamQuery", || unsafe {
+            (cudart.cudaStreamQuery)(std::ptr::null_mut())
+        })
+    }
+
+    /// Polls `query` (a CUDA query: `cudaSuccess` when done, `cudaErrorNotReady` before)
+    /// until it is done, aborting on an async NCCL error or the timeout.
+    fn wait_for(
+        &mut self,
+        op: &'static str,
+        start: Instant,
+        call: &'static str,
+        query: impl Fn() -> cudaError_t,
+    ) -> Result<(), CommError> {
         let mut pause = Duration::from_micros(20);
         loop {
-            // SAFETY: querying the legacy default stream of the current device.
-            let q = unsafe { (self.cudart.cudaStreamQuery)(std::ptr::null_mut()) };
+            let q = query();
             if q == cudaError_t::cudaSuccess {
                 return Ok(());
             }
             if q != cudaError_t::cudaErrorNotReady {
                 return Err(self.abort(CommError::Nccl {
-                    call: "cudaStreamQuery",
+                    call,
                     detail: crate::cuda::cuda_error_string(q),
                 }));
             }
@@ -453,10 +478,117 @@ impl NcclComm {
         let start = self.enter()?;
         self.wait("synchronize", start)
     }
+
+    /// The side stream, created at first use.
+    fn side_stream(&mut self) -> Result<cudaStream_t, CommError> {
+        if let Some(s) = self.side {
+            return Ok(s);
+        }
+        let mut s: cudaStream_t = std::ptr::null_mut();
+        // SAFETY: `s` is a valid out-pointer; 1 = cudaStreamNonBlocking.
+        check_cuda("cudaStreamCreateWithFlags", unsafe {
+            (self.cudart.cudaStreamCreateWithFlags)(&mut s, 1)
+        })?;
+        self.side = Some(s);
+        Ok(s)
+    }
+
+    /// A new event recorded on `stream` (timing disabled).
+    fn record(&self, stream: cudaStream_t) -> Result<cudaEvent_t, CommError> {
+        let mut e: cudaEvent_t = std::ptr::null_mut();
+        // SAFETY: `e` is a valid out-pointer; 2 = cudaEventDisableTiming.
+        check_cuda("cudaEventCreateWithFlags", unsafe {
+            (self.cudart.cudaEventCreateWithFlags)(&mut e, 2)
+        })?;
+        // SAFETY: `e` was just created; `stream` is the null stream or our side stream.
+        let rc = unsafe { (self.cudart.cudaEventRecord)(e, stream) };
+        if rc != cudaError_t::cudaSuccess {
+            // SAFETY: `e` is ours and unused.
+            unsafe { (self.cudart.cudaEventDestroy)(e) };
+            return Err(CommError::Nccl {
+                call: "cudaEventRecord",
+                detail: crate::cuda::cuda_error_string(rc),
+            });
+        }
+        Ok(e)
+    }
+
+    /// Queues an in-place all-reduce on the side stream, after everything queued so far on
+    /// the default stream, and returns the event that marks its end.
+    ///
+    /// # Safety
+    /// As [`NcclComm::all_reduce`]; in addition the buffer must stay allocated, and must not
+    /// be written, until the returned work has been waited for.
+    pub(crate) unsafe fn all_reduce_async(
+        &mut self,
+        ptr: *mut c_void,
+        count: usize,
+        dtype: ncclDataType_t,
+        op: ReduceOp,
+    ) -> Result<NcclWork, CommError> {
+        let start = self.enter()?;
+        let side = self.side_stream()?;
+        let ready = self.record(std::ptr::null_mut())?;
+        // SAFETY: both handles are live; destroying a recorded event that a stream waits
+        // on is allowed (CUDA releases it when the wait has been resolved).
+        let rc = unsafe {
+            let rc = (self.cudart.cudaStreamWaitEvent)(side, ready, 0);
+            (self.cudart.cudaEventDestroy)(ready);
+            rc
+        };
+        check_cuda("cudaStreamWaitEvent", rc)?;
+        // SAFETY: the caller guarantees the buffer; `side` is this communicator's stream.
+        let rc = unsafe {
+            (self.nccl.ncclAllReduce)(ptr, ptr, count, dtype, nccl_op(op), self.comm, side)
+        };
+        self.issued("ncclAllReduce", "all_reduce", rc, start)?;
+        Ok(NcclWork {
+            done: self.record(side)?,
+            start,
+        })
+    }
+
+    /// Waits until `work` has completed (bounded by the collective timeout, which counts
+    /// from when it was queued); kernels queued afterwards on the default stream then see
+    /// the result.
+    pub(crate) fn wait_work(&mut self, work: NcclWork) -> Result<(), CommError> {
+        let cudart = self.cudart;
+        let done = work.done;
+        // SAFETY: `done` is a live event owned by `work`.
+        let result = self.wait_for("all_reduce", work.start, "cudaEventQuery", || unsafe {
+            (cudart.cudaEventQuery)(done)
+        });
+        drop(work);
+        result
+    }
+}
+
+/// An asynchronous NCCL collective in flight: the event recorded after it on the side
+/// stream.
+#[derive(Debug)]
+pub(crate) struct NcclWork {
+    done: cudaEvent_t,
+    start: Instant,
+}
+
+// SAFETY: a CUDA event handle may be queried and destroyed from any thread.
+unsafe impl Send for NcclWork {}
+
+impl Drop for NcclWork {
+    fn drop(&mut self) {
+        if let Ok(cudart) = Cudart::load() {
+            // SAFETY: the event is ours; CUDA defers its release until it has completed.
+            unsafe { (cudart.cudaEventDestroy)(self.done) };
+        }
+    }
 }
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        if let Some(side) = self.side.take() {
+            // SAFETY: the stream is ours; CUDA releases it once its work is done.
+            unsafe { (self.cudart.cudaStreamDestroy)(side) };
+        }
         if !self.aborted {
             // SAFETY: `self.comm` is live and not used after this point.
             unsafe { (self.nccl.ncclCommDestroy)(self.comm) };

@@ -149,7 +149,67 @@ macro_rules! world_tests {
     )*};
 }
 
+/// Asynchronous collectives: issued back to back, mixed with blocking ones, they run in the
+/// order issued on every rank and give the blocking results; half types reduce in `f32`
+/// steps rounded to the type.
+fn async_body() {
+    let group = std::sync::Arc::new(join());
+    let (rank, n) = rank_world();
+    let sizes = [1usize, 7, 1000, 250_001];
+    let tensors: Vec<Tensor> = sizes
+        .iter()
+        .map(|&size| {
+            let v: Vec<f32> = (0..size).map(|i| value::<f32>(rank, i) as f32).collect();
+            Tensor::from_slice(&v)
+        })
+        .collect();
+    let mut works: Vec<_> = tensors
+        .iter()
+        .map(|t| group.all_reduce_async(t, ReduceOp::Sum))
+        .collect();
+    // A blocking collective issued now waits for the queued ones, keeping its place.
+    let mut blocking = Tensor::from_slice(&[rank as i64 + 1]);
+    group.all_reduce(&mut blocking, ReduceOp::Max).unwrap();
+    assert_eq!(i64::try_from(&blocking).unwrap(), n as i64);
+    assert!(works.iter().all(|w| w.is_completed()));
+    let root_data = Tensor::from_slice(&[rank as f64; 5]);
+    works.push(group.broadcast_async(&root_data, n - 1));
+    let avg = Tensor::from_slice(&[rank as f32 * 2.0; 3]);
+    works.push(group.all_reduce_async(&avg, ReduceOp::Avg));
+    for w in works {
+        w.wait().unwrap();
+    }
+    for (t, &size) in tensors.iter().zip(&sizes) {
+        let got: Vec<f32> = Vec::try_from(t).unwrap();
+        for (i, g) in got.iter().enumerate() {
+            let want = expected::<f32>(ReduceOp::Sum, n, i) as f32;
+            assert!(
+                (g - want).abs() <= 1e-4,
+                "size {size} element {i}: {g} vs {want}"
+            );
+        }
+    }
+    assert_eq!(
+        Vec::<f64>::try_from(&root_data).unwrap(),
+        [(n - 1) as f64; 5]
+    );
+    let mean = (0..n).map(|r| r as f32 * 2.0).sum::<f32>() / n as f32;
+    assert_eq!(Vec::<f32>::try_from(&avg).unwrap(), [mean; 3]);
+    // bf16 and f16: 1.5 + rank / 4 per rank sums exactly in both types.
+    for kind in [tch::Kind::BFloat16, tch::Kind::Half] {
+        let mut t = Tensor::full([9], 1.5 + rank as f64 / 4.0, (kind, tch::Device::Cpu));
+        group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+        let want = (0..n).map(|r| 1.5 + r as f64 / 4.0).sum::<f64>();
+        let got: Vec<f64> = Vec::try_from(&t.to_kind(tch::Kind::Double)).unwrap();
+        assert_eq!(got, [want; 9], "{kind:?}");
+    }
+    println!("rank {rank}: async ok");
+}
+
 world_tests! {
+    async_collectives_world_1: 1, async_body, "auto";
+    async_collectives_world_3_shm: 3, async_body, "auto";
+    async_collectives_world_2_tcp: 2, async_body, "tcp";
     all_reduce_world_1: 1, all_reduce_body, "auto";
     all_reduce_world_2_shm: 2, all_reduce_body, "auto";
     all_reduce_world_3_shm: 3, all_reduce_body, "auto";

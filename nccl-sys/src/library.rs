@@ -202,5 +202,12 @@ function_table! {
         fn cudaEventSynchronize(event: cudaEvent_t) -> cudaError_t;
         /// `cudaEventDestroy(cudaEvent_t event)`.
         fn cudaEventDestroy(event: cudaEvent_t) -> cudaError_t;
+        /// `cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags)`.
+        fn cudaStreamCreateWithFlags(stream: *mut cudaStream_t, flags: c_uint) -> cudaError_t;
+        /// `cudaStreamDestroy(cudaStream_t stream)`.
+        fn cudaStreamDestroy(stream: cudaStream_t) -> cudaError_t;
+        /// `cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags)`:
+        /// work queued on `stream` later waits for the event.
+        fn cudaStreamWaitEvent(stream: cudaStream_t, event: cudaEvent_t, flags: c_uint) -> cudaError_t;
     }
 }

@@ -1,0 +1,232 @@
+//! Asynchronous collectives: [`Work`], the handle of a collective in flight (c10d's `Work`),
+//! and the communication thread that runs CPU collectives in the order they were issued.
+//!
+//! CPU collectives issued with [`ProcessGroup::all_reduce_async`] and
+//! [`ProcessGroup::broadcast_async`] go to one thread per group, which runs them one after
+//! the other in the order they were issued, so the order of collectives is the program's
+//! order on every rank, as for the blocking calls. A blocking collective first waits for the
+//! queued ones to finish, so that it keeps its place in that order too. CUDA collectives are
+//! queued on NCCL's side stream instead (see `nccl.rs`); no thread is involved.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::thread::JoinHandle;
+
+use tch::Tensor;
+
+use crate::element::ReduceOp;
+use crate::error::CommError;
+use crate::group::{lock, ProcessGroup};
+use crate::nccl::NcclWork;
+
+/// A collective in flight. [`Work::wait`] returns once it has completed on this rank (for a
+/// CUDA tensor: once the device has finished it), with its result; until then the tensor
+/// must not be read or written. Dropping a `Work` without waiting lets the collective
+/// finish in the background; its error, if any, then poisons the group, and the next
+/// collective reports it.
+#[must_use = "a collective's result is only valid after `wait`"]
+#[derive(Debug)]
+pub struct Work {
+    state: State,
+}
+
+#[derive(Debug)]
+enum State {
+    /// Completed when it was issued (a world of one, or a refusal).
+    Done(Option<Result<(), CommError>>),
+    /// Queued on the group's communication thread.
+    Queued(Arc<Slot>),
+    /// Queued on the NCCL side stream.
+    Cuda {
+        group: Arc<ProcessGroup>,
+        work: Option<NcclWork>,
+    },
+}
+
+impl Work {
+    pub(crate) fn done(result: Result<(), CommError>) -> Self {
+        Work {
+            state: State::Done(Some(result)),
+        }
+    }
+
+    pub(crate) fn cuda(group: Arc<ProcessGroup>, work: NcclWork) -> Self {
+        Work {
+            state: State::Cuda {
+                group,
+                work: Some(work),
+            },
+        }
+    }
+
+    /// Blocks until the collective has completed and returns its result.
+    pub fn wait(mut self) -> Result<(), CommError> {
+        match &mut self.state {
+            State::Done(result) => result.take().unwrap_or(Ok(())),
+            State::Queued(slot) => slot.wait(),
+            State::Cuda { group, work } => match work.take() {
+                Some(work) => group.wait_cuda(work),
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// Whether the collective has completed on the CPU side (for a CUDA collective: whether
+    /// it has been queued; [`Work::wait`] waits for the device).
+    pub fn is_completed(&self) -> bool {
+        match &self.state {
+            State::Done(_) | State::Cuda { .. } => true,
+            State::Queued(slot) => lock(&slot.result).is_some(),
+        }
+    }
+}
+
+/// Where the communication thread leaves a job's result.
+#[derive(Debug, Default)]
+pub(crate) struct Slot {
+    result: Mutex<Option<Result<(), CommError>>>,
+    ready: Condvar,
+}
+
+impl Slot {
+    fn finish(&self, result: Result<(), CommError>) {
+        *lock(&self.result) = Some(result);
+        self.ready.notify_all();
+    }
+
+    fn wait(&self) -> Result<(), CommError> {
+        let mut guard = lock(&self.result);
+        loop {
+            if let Some(result) = guard.take() {
+                return result;
+            }
+            guard = self
+                .ready
+                .wait(guard)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+    }
+}
+
+/// What the communication thread does with a tensor.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Op {
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+}
+
+struct Job {
+    tensor: Tensor,
+    op: Op,
+    slot: Arc<Slot>,
+}
+
+/// The communication thread of a group and the count of its unfinished jobs.
+#[derive(Debug)]
+pub(crate) struct Queue {
+    sender: Option<Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+    pending: Arc<Pending>,
+}
+
+/// Unfinished jobs, so that a blocking collective can wait until the queue is empty.
+#[derive(Debug, Default)]
+pub(crate) struct Pending {
+    count: AtomicUsize,
+    lock: Mutex<()>,
+    empty: Condvar,
+}
+
+impl Pending {
+    /// Waits until every job queued so far has finished.
+    pub(crate) fn drain(&self) {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut guard = lock(&self.lock);
+        while self.count.load(Ordering::Acquire) != 0 {
+            guard = self
+                .empty
+                .wait(guard)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+    }
+
+    fn done(&self) {
+        let _guard = lock(&self.lock);
+        if self.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.empty.notify_all();
+        }
+    }
+}
+
+impl Queue {
+    /// Starts the communication thread of `group`. It holds the group only while it runs a
+    /// job, so dropping the group's last handle ends it.
+    pub(crate) fn start(group: Weak<ProcessGroup>, rank: usize) -> Result<Queue, CommError> {
+        let (sender, receiver) = mpsc::channel();
+        let pending = Arc::new(Pending::default());
+        let thread = std::thread::Builder::new()
+            .name(format!("ddp-comm-{rank}"))
+            .spawn({
+                let pending = pending.clone();
+                move || serve(group, receiver, &pending)
+            })
+            .map_err(|e| CommError::io("starting the communication thread", e))?;
+        Ok(Queue {
+            sender: Some(sender),
+            thread: Some(thread),
+            pending,
+        })
+    }
+
+    /// Queues `op` on `tensor` (a shallow copy sharing its storage).
+    pub(crate) fn submit(&self, tensor: Tensor, op: Op) -> Work {
+        let slot = Arc::new(Slot::default());
+        self.pending.count.fetch_add(1, Ordering::AcqRel);
+        let job = Job {
+            tensor,
+            op,
+            slot: slot.clone(),
+        };
+        let sent = self.sender.as_ref().map(|s| s.send(job));
+        if !matches!(sent, Some(Ok(()))) {
+            self.pending.done();
+            return Work::done(Err(CommError::Poisoned(
+                "the communication thread has stopped".into(),
+            )));
+        }
+        Work {
+            state: State::Queued(slot),
+        }
+    }
+
+    pub(crate) fn pending(&self) -> &Pending {
+        &self.pending
+    }
+}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        self.sender.take();
+        if let Some(thread) = self.thread.take() {
+            // The group's last handle may be dropped by the thread itself (it holds one while
+            // it runs a job); it must not wait for itself.
+            if thread.thread().id() != std::thread::current().id() {
+                let _ = thread.join();
+            }
+        }
+    }
+}
+
+fn serve(group: Weak<ProcessGroup>, jobs: Receiver<Job>, pending: &Pending) {
+    while let Ok(mut job) = jobs.recv() {
+        let result = match group.upgrade() {
+            Some(group) => group.run_queued(&mut job.tensor, job.op),
+            None => Err(CommError::Poisoned("the process group was dropped".into())),
+        };
+        job.slot.finish(result);
+        pending.done();
+    }
+}
