@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use clap::{Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
+use crate::amp::Precision;
+use crate::ddp::BuiltinHook;
 use crate::error::TrainError;
 use crate::optim::{AdamConfig, OptimizerConfig};
 use crate::scheduler::PlateauConfig;
@@ -183,6 +185,29 @@ pub struct TrainConfig {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration_secs)]
     #[serde(default)]
     pub time_limit: Option<u64>,
+
+    /// Precision of the forward pass and the loss (autocast): fp32, bf16, or fp16 with a
+    /// dynamic gradient scaler. Weights, gradients and Adam's state stay fp32.
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    #[serde(default)]
+    pub precision: Precision,
+
+    /// Allow parameters that get no gradient on some ranks in a step (PyTorch DDP's
+    /// find_unused_parameters): they count as zeros in the average.
+    #[arg(long)]
+    #[serde(default)]
+    pub find_unused_parameters: bool,
+
+    /// How gradient buckets are averaged: allreduce, bf16_compress or fp16_compress (half
+    /// the bytes on the wire, half-precision averages).
+    #[arg(long, default_value_t = BuiltinHook::Allreduce, value_name = "HOOK")]
+    #[serde(default)]
+    pub comm_hook: BuiltinHook,
+
+    /// Reduce gradients after backward instead of while it runs (for comparison).
+    #[arg(long)]
+    #[serde(default)]
+    pub no_overlap: bool,
 }
 
 /// Seconds of a duration written as `N`, `Ns`, `Nm` or `Nh`.
@@ -275,6 +300,10 @@ impl TrainConfig {
             .checkpoint_minutes(self.checkpoint_minutes)
             .keep_checkpoints(self.keep_checkpoints)
             .time_limit_secs(self.time_limit)
+            .precision(self.precision)
+            .find_unused_parameters(self.find_unused_parameters)
+            .comm_hook(self.comm_hook)
+            .overlap(!self.no_overlap)
     }
 }
 

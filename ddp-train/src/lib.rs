@@ -36,6 +36,7 @@
 
 #![warn(missing_docs)]
 
+pub mod amp;
 #[cfg(feature = "odir")]
 pub mod config;
 pub mod ddp;
@@ -55,9 +56,12 @@ pub mod stop;
 pub mod task;
 pub mod trainer;
 
+pub use amp::{GradScaler, Precision};
 #[cfg(feature = "odir")]
 pub use config::TrainConfig;
-pub use ddp::{DdpError, DdpOptions, DistributedDataParallel};
+pub use ddp::{
+    BuiltinHook, CommHook, DdpError, DdpOptions, DistributedDataParallel, GradBucket, HookWork,
+};
 pub use error::TrainError;
 pub use settings::{DeviceChoice, Goal, Monitor, Plateau, Settings};
 pub use stop::{StopReason, EXIT_STOPPED};

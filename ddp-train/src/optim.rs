@@ -251,7 +251,7 @@ impl Optimizer {
         }
     }
 
-    /// Zeroes every parameter's gradient.
+    /// Sets every parameter's gradient to none (PyTorch's default `set_to_none=True`).
     pub fn zero_grad(&mut self) {
         let params = match self {
             Self::Adam(o) => &o.params,
@@ -289,12 +289,12 @@ impl Optimizer {
     }
 }
 
+/// PyTorch's `zero_grad()` (`set_to_none=True`): every gradient becomes undefined, so the
+/// next backward writes it afresh, and a parameter that gets none is skipped by `step`.
 fn zero_grads(params: &[(String, Tensor)]) {
     for (_, p) in params {
-        let mut g = p.grad();
-        if g.defined() {
-            let _ = g.detach_().zero_();
-        }
+        // A parameter the caller handed us is a defined tensor; nothing else can fail.
+        let _ = tch_ext::set_grad(p, None);
     }
 }
 
@@ -370,7 +370,7 @@ impl Adam {
         self.step
     }
 
-    /// Sets every parameter's gradient to zero (or leaves it undefined if it has none).
+    /// Sets every parameter's gradient to none (PyTorch's default `set_to_none=True`).
     pub fn zero_grad(&mut self) {
         zero_grads(&self.params);
     }

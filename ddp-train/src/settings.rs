@@ -17,6 +17,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::amp::Precision;
+use crate::ddp::BuiltinHook;
 use crate::error::TrainError;
 use crate::optim::OptimizerConfig;
 use crate::scheduler::PlateauConfig;
@@ -192,6 +194,24 @@ pub struct Settings {
     pub progress: bool,
     /// Draw `curves.png` after every epoch (needs the `plot` feature).
     pub plot: bool,
+    /// Precision of the forward pass and the loss (autocast); weights, gradients and
+    /// optimizer state stay fp32. fp16 adds a gradient scaler.
+    #[serde(default)]
+    pub precision: Precision,
+    /// Allow parameters that get no gradient on some ranks (PyTorch DDP's
+    /// `find_unused_parameters`).
+    #[serde(default)]
+    pub find_unused_parameters: bool,
+    /// How DDP averages a bucket of gradients.
+    #[serde(default)]
+    pub comm_hook: BuiltinHook,
+    /// Reduce gradient buckets while backward runs (PyTorch's behaviour); off: after it.
+    #[serde(default = "yes")]
+    pub overlap: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Default for Settings {
@@ -222,6 +242,10 @@ impl Default for Settings {
             stop_on_signals: true,
             progress: true,
             plot: true,
+            precision: Precision::Fp32,
+            find_unused_parameters: false,
+            comm_hook: BuiltinHook::Allreduce,
+            overlap: true,
         }
     }
 }
@@ -292,6 +316,14 @@ builder! {
     progress: bool,
     /// Sets [`Settings::plot`].
     plot: bool,
+    /// Sets [`Settings::precision`].
+    precision: Precision,
+    /// Sets [`Settings::find_unused_parameters`].
+    find_unused_parameters: bool,
+    /// Sets [`Settings::comm_hook`].
+    comm_hook: BuiltinHook,
+    /// Sets [`Settings::overlap`].
+    overlap: bool,
 }
 
 impl Settings {

@@ -76,6 +76,9 @@ pub struct TrainState {
     /// The best value of each monitor so far, by the monitor's file name.
     #[serde(default)]
     pub bests: BTreeMap<String, Best>,
+    /// The fp16 gradient scaler's state, when the run has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_scaler: Option<crate::amp::ScalerState>,
     /// The run's seed (every random draw derives from it and the epoch and step).
     pub seed: u64,
     /// The settings the run was started with, as JSON.
@@ -392,6 +395,7 @@ mod tests {
             lr: 0.1,
             scheduler: None,
             bests: BTreeMap::new(),
+            grad_scaler: None,
             seed: 0,
             config: serde_json::Value::Null,
         };

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use tch::{nn, Device, Kind, Tensor};
 
+use crate::amp::{GradScaler, Precision};
 use crate::ddp::{DdpOptions, DistributedDataParallel};
 use crate::error::{Context, TrainError};
 use crate::optim::Optimizer;
@@ -92,6 +93,8 @@ pub struct Trainer<T: Task> {
     model: T::Model,
     ddp: DistributedDataParallel,
     optimizer: Optimizer,
+    /// fp16's loss scaler (`None` in other precisions).
+    scaler: Option<GradScaler>,
     scheduler: Option<ReduceLrOnPlateau>,
     start_epoch: u64,
     /// Where a checkpoint taken inside an epoch left off.
@@ -182,6 +185,7 @@ impl<T: Task> Trainer<T> {
         let mut scheduler = s.plateau.as_ref().map(|p| ReduceLrOnPlateau::new(p.config));
         let (mut start_epoch, mut bests) = (1, BTreeMap::new());
         let mut start_position = None;
+        let mut scaler = (s.precision == Precision::Fp16).then(GradScaler::default);
         let mut restored = None;
         let mut resumed_note = None;
         if let (Some(path), true) = (&resume_from, s.eval_only) {
@@ -206,6 +210,9 @@ impl<T: Task> Trainer<T> {
                 scheduler = st.scheduler.clone();
             }
             bests = st.bests;
+            if let (Some(scaler), Some(saved)) = (scaler.as_mut(), st.grad_scaler) {
+                scaler.set_state(saved);
+            }
             let at = match st.position {
                 Some(p) => {
                     start_epoch = p.epoch;
@@ -238,7 +245,13 @@ impl<T: Task> Trainer<T> {
         if let Some(note) = resumed_note {
             log.say(&note);
         }
-        let ddp = DistributedDataParallel::new(&vs, pg.clone(), DdpOptions::default())?;
+        let ddp_options = DdpOptions {
+            find_unused_parameters: s.find_unused_parameters,
+            comm_hook: s.comm_hook,
+            overlap: s.overlap,
+            ..DdpOptions::default()
+        };
+        let ddp = DistributedDataParallel::new(&vs, pg.clone(), ddp_options)?;
         let history = if rank == 0 {
             read_history(&out, start_epoch)?
         } else {
@@ -265,6 +278,7 @@ impl<T: Task> Trainer<T> {
             model,
             ddp,
             optimizer,
+            scaler,
             scheduler,
             start_epoch,
             start_position,
@@ -502,11 +516,21 @@ impl<T: Task> Trainer<T> {
             tch::manual_seed(mix(s.seed, epoch, step as u64, rank as u64));
             self.optimizer.zero_grad();
             let mut step_loss = 0.0;
-            for _ in 0..s.accumulate {
+            for micro in 0..s.accumulate {
                 let batch = take_batch(upcoming)?;
+                // Only the last micro-batch's backward communicates (PyTorch's `no_sync`).
+                self.ddp
+                    .set_require_gradient_sync(micro + 1 == s.accumulate);
                 self.ddp.broadcast_buffers()?;
-                let loss = self.task.train_loss(&self.model, &batch);
-                (&loss / s.accumulate as f64).backward();
+                let loss = {
+                    let _autocast = s.precision.autocast(self.device)?;
+                    self.task.train_loss(&self.model, &batch)
+                };
+                let scaled = &loss / s.accumulate as f64;
+                match &self.scaler {
+                    Some(scaler) => scaler.scale_loss(&scaled).backward(),
+                    None => scaled.backward(),
+                }
                 upcoming = loader.next();
                 let value = loss.double_value(&[]);
                 if !value.is_finite() {
@@ -523,7 +547,18 @@ impl<T: Task> Trainer<T> {
                 fresh_samples += batch.len();
             }
             self.ddp.sync_gradients()?;
-            self.optimizer.step();
+            match &mut self.scaler {
+                // The averaged gradients are the same bytes on every rank, so every rank
+                // finds the same inf/NaN and skips the same steps.
+                Some(scaler) => {
+                    let found_inf = scaler.unscale(self.ddp.parameters());
+                    if !found_inf {
+                        self.optimizer.step();
+                    }
+                    scaler.update(found_inf);
+                }
+                None => self.optimizer.step(),
+            }
             self.budget.step_took(step_started.elapsed());
             if s.log_every > 0 && (step + 1) % s.log_every == 0 {
                 self.log.say(&format!(
@@ -648,6 +683,7 @@ impl<T: Task> Trainer<T> {
             lr: self.optimizer.lr(),
             scheduler: self.scheduler.clone(),
             bests: self.bests.clone(),
+            grad_scaler: self.scaler.as_ref().map(GradScaler::state),
             seed: self.settings.seed,
             config: serde_json::json!({
                 "settings": self.settings,
@@ -670,6 +706,8 @@ impl<T: Task> Trainer<T> {
         tch::no_grad(|| -> Result<(), TrainError> {
             for batch in &mut loader {
                 let batch = batch?;
+                // Evaluation runs in the training precision.
+                let _autocast = self.settings.precision.autocast(self.device)?;
                 let loss = self.task.eval_batch(&self.model, &batch, &mut stats);
                 loss_sum += loss.double_value(&[]);
                 samples += batch.len();

@@ -6,30 +6,56 @@
 //!   tensor's name, shape and dtype, in name order); a rank whose model differs from rank 0's
 //!   gets an error naming the first differing tensor. Then rank 0's parameters and buffers
 //!   are broadcast, one message per dtype (coalesced), so all replicas start equal whatever
-//!   each rank initialised.
+//!   each rank initialised. Finally a post-accumulate-grad hook (through `tch-ext`, a small
+//!   C++ shim: tch has no autograd hooks) is set on every parameter.
 //! - [`DistributedDataParallel::broadcast_buffers`]: before each training forward, rank 0's
 //!   buffers (BatchNorm running statistics) overwrite the others', as PyTorch's default
 //!   `broadcast_buffers=True` does.
-//! - [`DistributedDataParallel::sync_gradients`]: after backward, gradients are averaged over
-//!   ranks: copied into flat buckets of at most [`DdpOptions::bucket_cap_bytes`], filled in
-//!   reverse parameter order (the order in which backward produces them), each bucket
-//!   all-reduced with `Avg`, then copied back. Buckets are allocated once and reused.
+//! - During backward, as PyTorch's `Reducer` does: each parameter's hook copies its gradient
+//!   into its flat bucket (at most [`DdpOptions::bucket_cap_bytes`], the first at most
+//!   [`DdpOptions::first_bucket_cap_bytes`]); a complete bucket is handed to the
+//!   communication hook ([`CommHook`], by default an `Avg` all-reduce), which starts an
+//!   asynchronous collective and returns at once, so communication runs while backward
+//!   computes the remaining gradients. Buckets are launched strictly in bucket order, so
+//!   every rank issues the same collectives in the same order.
+//! - [`DistributedDataParallel::sync_gradients`], after backward: parameters that got no
+//!   gradient on this rank contribute zeros, the remaining buckets are launched, the ranks
+//!   count who used each parameter (one small all-reduce), everything is waited for, and the
+//!   averages are written into the gradients. Parameters used by no rank keep no gradient
+//!   (optimizers skip them). With [`DdpOptions::find_unused_parameters`] off, a parameter
+//!   missing on any rank is an error on every rank ([`DdpError::UnusedParameters`]), naming it;
+//!   no rank is left waiting.
 //!
-//! Gradient accumulation (PyTorch's `no_sync`): run backward on K micro-batches, each loss
-//! scaled by 1/K, and call `sync_gradients` once, before the optimizer step; the result is
-//! one step on a K-times larger batch.
+//! Bucket order: reverse parameter order at first (the order backward usually produces
+//! gradients); after the first step, the order in which gradients became ready on rank 0
+//! (every rank takes rank 0's), unless `find_unused_parameters` is on (as in PyTorch).
+//!
+//! Gradient accumulation (PyTorch's `no_sync`): run the backward of every micro-batch but the
+//! last with [`DistributedDataParallel::set_require_gradient_sync`] off (or inside
+//! [`DistributedDataParallel::no_sync`]), each loss scaled by 1/K, then the last one with it
+//! on, and `sync_gradients` once: one step on a K-times larger batch, communicating once.
+//!
+//! With [`DdpOptions::overlap`] off, the hooks only note which parameters got a gradient and
+//! every bucket is copied and reduced in `sync_gradients`, after backward: the same buckets,
+//! the same collectives, bit for bit the same results, without the overlap.
 //!
 //! Order: parameters are ordered by name with numeric components compared as numbers
 //! (`features.4` before `features.12`), never by `VarStore::variables()`, whose `HashMap`
-//! order differs between processes. tch has no autograd hooks, so buckets are reduced after
-//! backward has finished rather than while it runs; on CPU the contest is compute, not
-//! communication (see the README's measurements).
+//! order differs between processes.
 
-use std::sync::Arc;
+mod bucket;
+mod comm_hook;
+mod reducer;
 
-use ddp_comm::{CommError, ProcessGroup, ReduceOp};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use ddp_comm::{CommError, ProcessGroup};
 use ddp_model::checkpoint::natural_cmp;
-use tch::{nn::VarStore, Kind, Tensor};
+use tch::{nn::VarStore, Tensor};
+
+use bucket::{make_buckets, pack, unpack, Bucket};
+pub use comm_hook::{BuiltinHook, CommHook, GradBucket, HookWork};
+use reducer::Reducer;
 
 /// Why a DDP operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -45,13 +71,47 @@ pub enum DdpError {
         /// The first differing tensor and both descriptions.
         detail: String,
     },
-    /// Parameters received no gradient in this step.
+    /// Parameters got no gradient on some rank in this step, and
+    /// [`DdpOptions::find_unused_parameters`] is off. Every rank reports the same list.
     #[error(
-        "parameters received no gradient in this step: {}; every parameter must take part \
-         in the loss on every rank (or be frozen)",
-        .0.join(", ")
+        "rank {rank}: parameters received no gradient on some of the {world_size} ranks in \
+         this step: {}; if parts of the model are skipped on purpose (branches, several \
+         heads), turn on find_unused_parameters (DdpOptions::find_unused_parameters, \
+         --find-unused-parameters), otherwise freeze those parameters or use them in the loss",
+        describe_unused(.parameters)
     )]
-    MissingGradients(Vec<String>),
+    UnusedParameters {
+        /// This rank.
+        rank: usize,
+        /// The number of ranks.
+        world_size: usize,
+        /// Each parameter that some rank did not use, with the number of ranks that used it.
+        parameters: Vec<(String, usize)>,
+    },
+    /// A parameter's gradient was accumulated twice with gradient sync on.
+    #[error(
+        "parameter '{0}' received a gradient twice before sync_gradients: when accumulating \
+         gradients, run every backward but the last micro-batch's with gradient sync off \
+         (DistributedDataParallel::no_sync or set_require_gradient_sync(false))"
+    )]
+    GradientTwice(String),
+    /// The C++ shim failed (setting a hook or a gradient).
+    #[error(transparent)]
+    Shim(#[from] tch_ext::TchExtError),
+    /// libtorch failed.
+    #[error(transparent)]
+    Tch(#[from] tch::TchError),
+}
+
+fn describe_unused(parameters: &[(String, usize)]) -> String {
+    parameters
+        .iter()
+        .map(|(name, used)| match used {
+            0 => format!("{name} (used by no rank)"),
+            n => format!("{name} (used by {n})"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Settings of [`DistributedDataParallel`].
@@ -59,28 +119,38 @@ pub enum DdpError {
 pub struct DdpOptions {
     /// Largest gradient bucket in bytes (PyTorch's `bucket_cap_mb`, default 25 MiB).
     pub bucket_cap_bytes: usize,
+    /// Largest first bucket in bytes (PyTorch's 1 MiB): the last layers' gradients, ready
+    /// first, start communicating early.
+    pub first_bucket_cap_bytes: usize,
     /// Broadcast rank 0's buffers before each training forward (PyTorch's default: true).
     pub broadcast_buffers: bool,
+    /// Allow parameters that get no gradient on some or all ranks in a step (PyTorch's
+    /// `find_unused_parameters`): they count as zeros in the average, and those used by no
+    /// rank keep no gradient. Off: such a parameter is an error on every rank.
+    pub find_unused_parameters: bool,
+    /// Reduce each bucket while backward still runs (default). Off: after backward, with
+    /// the same buckets and bit-identical results.
+    pub overlap: bool,
+    /// How buckets are averaged (replace with [`DistributedDataParallel::register_comm_hook`]
+    /// for a hook of your own).
+    pub comm_hook: BuiltinHook,
 }
 
 impl Default for DdpOptions {
     fn default() -> Self {
         Self {
             bucket_cap_bytes: 25 * 1024 * 1024,
+            first_bucket_cap_bytes: 1024 * 1024,
             broadcast_buffers: true,
+            find_unused_parameters: false,
+            overlap: true,
+            comm_hook: BuiltinHook::Allreduce,
         }
     }
 }
 
 /// Tensors with their names.
 type Named = Vec<(String, Tensor)>;
-
-/// One flat buffer and the tensors it carries: (index into the owner's list, offset, numel).
-#[derive(Debug)]
-struct Bucket {
-    flat: Tensor,
-    members: Vec<(usize, i64, i64)>,
-}
 
 /// Wraps a model's [`VarStore`] so that all ranks train one model. See the module docs.
 #[derive(Debug)]
@@ -89,13 +159,13 @@ pub struct DistributedDataParallel {
     options: DdpOptions,
     params: Vec<(String, Tensor)>,
     buffers: Vec<(String, Tensor)>,
-    grad_buckets: Vec<Bucket>,
+    reducer: Arc<Mutex<Reducer>>,
     buffer_buckets: Vec<Bucket>,
 }
 
 impl DistributedDataParallel {
-    /// Checks that every rank holds the same model, then broadcasts rank 0's parameters and
-    /// buffers. Every rank must call this at the same point.
+    /// Checks that every rank holds the same model, broadcasts rank 0's parameters and
+    /// buffers, and hooks every parameter. Every rank must call this at the same point.
     pub fn new(
         vs: &VarStore,
         pg: Arc<ProcessGroup>,
@@ -111,19 +181,36 @@ impl DistributedDataParallel {
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect();
         let order: Vec<usize> = (0..everything.len()).collect();
-        let all_buckets = make_buckets(&everything, &order, usize::MAX);
+        let all_buckets = make_buckets(&everything, &order, usize::MAX, usize::MAX);
         tch::no_grad(|| broadcast_tensors(&pg, &everything, &all_buckets))?;
 
-        let reverse: Vec<usize> = (0..params.len()).rev().collect();
-        let grad_buckets = make_buckets(&params, &reverse, options.bucket_cap_bytes);
         let buffer_order: Vec<usize> = (0..buffers.len()).collect();
-        let buffer_buckets = make_buckets(&buffers, &buffer_order, usize::MAX);
+        let buffer_buckets = make_buckets(&buffers, &buffer_order, usize::MAX, usize::MAX);
+        let hooked: Named = params
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let reducer = Arc::new(Mutex::new(Reducer::new(
+            pg.clone(),
+            Arc::new(options.comm_hook),
+            hooked,
+            options,
+        )));
+        for (k, (_, p)) in params.iter().enumerate() {
+            // The hook holds the reducer weakly: dropping the DDP ends it.
+            let weak = Arc::downgrade(&reducer);
+            tch_ext::set_post_accumulate_grad_hook(p, move |_| {
+                if let Some(reducer) = weak.upgrade() {
+                    lock(&reducer).mark_ready(k);
+                }
+            })?;
+        }
         Ok(Self {
             pg,
             options,
             params,
             buffers,
-            grad_buckets,
+            reducer,
             buffer_buckets,
         })
     }
@@ -131,6 +218,11 @@ impl DistributedDataParallel {
     /// The process group.
     pub fn process_group(&self) -> &Arc<ProcessGroup> {
         &self.pg
+    }
+
+    /// The options this DDP was built with.
+    pub fn options(&self) -> &DdpOptions {
+        &self.options
     }
 
     /// Trainable parameters in DDP order (by name, numbers compared as numbers).
@@ -145,10 +237,49 @@ impl DistributedDataParallel {
 
     /// The sizes in bytes of the gradient buckets, in reduction order.
     pub fn bucket_sizes(&self) -> Vec<usize> {
-        self.grad_buckets
+        lock(&self.reducer)
+            .buckets
             .iter()
-            .map(|b| b.flat.numel() * b.flat.kind().elt_size_in_bytes())
+            .map(Bucket::bytes)
             .collect()
+    }
+
+    /// The parameter names of each gradient bucket, in reduction order.
+    pub fn bucket_parameters(&self) -> Vec<Vec<String>> {
+        let reducer = lock(&self.reducer);
+        reducer
+            .buckets
+            .iter()
+            .map(|b| {
+                b.members
+                    .iter()
+                    .map(|&(k, _, _)| self.params[k].0.clone())
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Replaces the communication hook (PyTorch's `register_comm_hook`). Call on every rank,
+    /// before the first backward.
+    pub fn register_comm_hook(&mut self, hook: Arc<dyn CommHook>) {
+        lock(&self.reducer).hook = hook;
+    }
+
+    /// Turns gradient synchronisation of the following backward passes on or off (PyTorch's
+    /// `require_backward_grad_sync`, set by `no_sync`). Off, gradients accumulate locally and
+    /// nothing is communicated; the backward that completes an accumulated step must run
+    /// with it on.
+    pub fn set_require_gradient_sync(&mut self, on: bool) {
+        lock(&self.reducer).require_sync = on;
+    }
+
+    /// Runs `f` (micro-batches' backward passes) with gradient sync off, as PyTorch's
+    /// `with ddp.no_sync():`.
+    pub fn no_sync<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        let before = std::mem::replace(&mut lock(&self.reducer).require_sync, false);
+        let out = f();
+        lock(&self.reducer).require_sync = before;
+        out
     }
 
     /// Broadcasts rank 0's buffers to every rank (a no-op when disabled in the options or
@@ -160,40 +291,23 @@ impl DistributedDataParallel {
         tch::no_grad(|| broadcast_tensors(&self.pg, &self.buffers, &self.buffer_buckets))
     }
 
-    /// Averages every parameter's gradient over all ranks. Call after backward (after the
-    /// last micro-batch's backward when accumulating), before the optimizer step.
+    /// Completes the averaging of every parameter's gradient over all ranks. Call after the
+    /// backward that ran with gradient sync on, before the optimizer step.
     pub fn sync_gradients(&mut self) -> Result<(), DdpError> {
-        let grads: Vec<Tensor> = self.params.iter().map(|(_, p)| p.grad()).collect();
-        let missing: Vec<String> = self
-            .params
-            .iter()
-            .zip(&grads)
-            .filter(|(_, g)| !g.defined())
-            .map(|((n, _), _)| n.clone())
-            .collect();
-        if !missing.is_empty() {
-            return Err(DdpError::MissingGradients(missing));
-        }
-        if self.pg.world_size() == 1 {
-            return Ok(());
-        }
-        tch::no_grad(|| {
-            for bucket in &mut self.grad_buckets {
-                for &(k, offset, numel) in &bucket.members {
-                    bucket
-                        .flat
-                        .narrow(0, offset, numel)
-                        .copy_(&grads[k].reshape([-1]));
-                }
-                self.pg.all_reduce(&mut bucket.flat, ReduceOp::Avg)?;
-                for &(k, offset, numel) in &bucket.members {
-                    let mut g = grads[k].shallow_clone();
-                    g.copy_(&bucket.flat.narrow(0, offset, numel).view_as(&g));
-                }
-            }
-            Ok(())
-        })
+        lock(&self.reducer).finish()
     }
+}
+
+impl Drop for DistributedDataParallel {
+    fn drop(&mut self) {
+        for (_, p) in &self.params {
+            let _ = tch_ext::clear_post_accumulate_grad_hook(p);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Splits the store into (trainable parameters, buffers), each in DDP order.
@@ -239,76 +353,19 @@ fn verify_same_model(
     Ok(())
 }
 
-/// Groups `named[order[..]]` into flat buckets by dtype and device, each at most `cap` bytes
-/// (a single larger tensor gets a bucket of its own).
-fn make_buckets(named: &[(String, Tensor)], order: &[usize], cap: usize) -> Vec<Bucket> {
-    let mut buckets: Vec<Bucket> = Vec::new();
-    let mut open: Vec<(Kind, tch::Device, Vec<usize>, usize)> = Vec::new();
-    let mut closed: Vec<(Kind, tch::Device, Vec<usize>)> = Vec::new();
-    for &k in order {
-        let t = &named[k].1;
-        let (kind, device) = (t.kind(), t.device());
-        let bytes = t.numel() * kind.elt_size_in_bytes();
-        let slot = match open
-            .iter()
-            .position(|(k2, d2, _, _)| *k2 == kind && *d2 == device)
-        {
-            Some(i) => i,
-            None => {
-                open.push((kind, device, Vec::new(), 0));
-                open.len() - 1
-            }
-        };
-        if !open[slot].2.is_empty() && open[slot].3 + bytes > cap {
-            let (kd, dv, members, _) =
-                std::mem::replace(&mut open[slot], (kind, device, Vec::new(), 0));
-            closed.push((kd, dv, members));
-        }
-        open[slot].2.push(k);
-        open[slot].3 += bytes;
-    }
-    closed.extend(
-        open.into_iter()
-            .filter(|o| !o.2.is_empty())
-            .map(|(k, d, m, _)| (k, d, m)),
-    );
-    for (kind, device, members) in closed {
-        let mut offset = 0i64;
-        let mut placed = Vec::with_capacity(members.len());
-        for k in members {
-            let numel = named[k].1.numel() as i64;
-            placed.push((k, offset, numel));
-            offset += numel;
-        }
-        let flat = Tensor::zeros([offset], (kind, device));
-        buckets.push(Bucket {
-            flat,
-            members: placed,
-        });
-    }
-    buckets
-}
-
 fn broadcast_tensors(
     pg: &ProcessGroup,
     named: &[(String, Tensor)],
     buckets: &[Bucket],
 ) -> Result<(), DdpError> {
+    if pg.rank() == 0 {
+        pack(named, buckets);
+    }
     for bucket in buckets {
-        let mut flat = bucket.flat.shallow_clone();
-        if pg.rank() == 0 {
-            for &(k, offset, numel) in &bucket.members {
-                flat.narrow(0, offset, numel)
-                    .copy_(&named[k].1.reshape([-1]));
-            }
-        }
-        pg.broadcast(&mut flat, 0)?;
-        if pg.rank() != 0 {
-            for &(k, offset, numel) in &bucket.members {
-                let mut t = named[k].1.shallow_clone();
-                t.copy_(&flat.narrow(0, offset, numel).view_as(&t));
-            }
-        }
+        pg.broadcast(&mut bucket.flat.shallow_clone(), 0)?;
+    }
+    if pg.rank() != 0 {
+        unpack(named, buckets);
     }
     Ok(())
 }
@@ -335,32 +392,5 @@ mod tests {
                 "features.12.weight"
             ]
         );
-    }
-
-    #[test]
-    fn buckets_respect_the_cap_and_the_order() {
-        let named: Vec<(String, Tensor)> = [10i64, 20, 30, 5]
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| {
-                (
-                    format!("p{i}"),
-                    Tensor::zeros([n], (Kind::Float, tch::Device::Cpu)),
-                )
-            })
-            .collect();
-        let order = [3, 2, 1, 0];
-        // Cap of 40 floats: [p3, p2] = 35, then [p1] (+30 would be 50 > 40? 20 fits: 20), ...
-        let buckets = make_buckets(&named, &order, 40 * 4);
-        let layout: Vec<Vec<(usize, i64, i64)>> =
-            buckets.iter().map(|b| b.members.clone()).collect();
-        assert_eq!(
-            layout,
-            vec![vec![(3, 0, 5), (2, 5, 30)], vec![(1, 0, 20), (0, 20, 10)]]
-        );
-        assert_eq!(buckets[0].flat.numel(), 35);
-        // A tensor larger than the cap gets a bucket of its own.
-        let big = make_buckets(&named, &order, 8);
-        assert_eq!(big.len(), 4);
     }
 }

@@ -1,0 +1,230 @@
+//! Mixed precision: the [`Precision`] a model trains in and the [`GradScaler`] that keeps
+//! fp16 gradients from underflowing (PyTorch's `torch.autocast` and `torch.amp.GradScaler`).
+//!
+//! Weights, gradients and optimizer state stay in fp32 ("master weights"); only the forward
+//! pass and the loss run under autocast, which casts each operation's inputs to bf16 or fp16
+//! where libtorch's autocast lists say it is safe (matrix products, convolutions) and keeps
+//! the rest in fp32 (losses, reductions). Autocast works on CPU and CUDA (`tch-ext`).
+//!
+//! fp16's range is narrow, so small gradients vanish: the [`GradScaler`] multiplies the loss
+//! by a large scale before backward and divides the gradients by it before the optimizer
+//! (and before any clipping); a step whose gradients hold an inf or NaN is skipped and the
+//! scale halved, and after `growth_interval` good steps in a row the scale doubles. The
+//! scaler runs after DDP has averaged the gradients, which are then the same bytes on every
+//! rank: every rank finds the same inf/NaN and takes the same decision without another
+//! collective. bf16 has fp32's range and needs no scaler.
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use crate::error::TrainError;
+
+/// The precision of the forward pass and the loss.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "odir", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in fp32 (no autocast).
+    #[default]
+    Fp32,
+    /// Autocast to bfloat16; no gradient scaling.
+    Bf16,
+    /// Autocast to IEEE half, with a [`GradScaler`].
+    Fp16,
+}
+
+impl Precision {
+    /// The autocast dtype (`None` for fp32).
+    pub fn autocast_kind(self) -> Option<Kind> {
+        match self {
+            Precision::Fp32 => None,
+            Precision::Bf16 => Some(Kind::BFloat16),
+            Precision::Fp16 => Some(Kind::Half),
+        }
+    }
+
+    /// Turns autocast on for `device` until the guard is dropped (`None` for fp32).
+    pub fn autocast(self, device: Device) -> Result<Option<tch_ext::AutocastGuard>, TrainError> {
+        let Some(kind) = self.autocast_kind() else {
+            return Ok(None);
+        };
+        let on = match device {
+            Device::Cuda(_) => tch_ext::AutocastDevice::Cuda,
+            _ => tch_ext::AutocastDevice::Cpu,
+        };
+        tch_ext::autocast(on, kind)
+            .map(Some)
+            .map_err(|e| TrainError::Invalid(format!("--precision: {e}")))
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        })
+    }
+}
+
+/// The scaler's state, saved in training checkpoints so that a resumed run scales as the
+/// uninterrupted one would.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ScalerState {
+    /// The current scale.
+    pub scale: f64,
+    /// Good steps in a row since the scale last changed.
+    pub growth_tracker: u64,
+}
+
+/// Dynamic loss scaling for fp16, with PyTorch's `GradScaler` rules and defaults: initial
+/// scale 2^16, growth factor 2, backoff factor 0.5, growth interval 2000.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GradScaler {
+    state: ScalerState,
+    growth_factor: f64,
+    backoff_factor: f64,
+    growth_interval: u64,
+}
+
+impl Default for GradScaler {
+    fn default() -> Self {
+        GradScaler {
+            state: ScalerState {
+                scale: 65536.0,
+                growth_tracker: 0,
+            },
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+        }
+    }
+}
+
+impl GradScaler {
+    /// A scaler with PyTorch's defaults but `growth_interval` good steps between growths.
+    pub fn with_growth_interval(growth_interval: u64) -> Self {
+        GradScaler {
+            growth_interval: growth_interval.max(1),
+            ..Default::default()
+        }
+    }
+
+    /// The current scale.
+    pub fn scale(&self) -> f64 {
+        self.state.scale
+    }
+
+    /// The state to checkpoint.
+    pub fn state(&self) -> ScalerState {
+        self.state
+    }
+
+    /// Continues from a checkpoint's state.
+    pub fn set_state(&mut self, state: ScalerState) {
+        self.state = state;
+    }
+
+    /// `loss * scale`, to call backward on.
+    pub fn scale_loss(&self, loss: &Tensor) -> Tensor {
+        loss * self.state.scale
+    }
+
+    /// Divides every defined gradient by the scale (in place, in fp32: multiplied by
+    /// `1/scale` rounded to f32, as PyTorch does) and returns whether any of them holds an
+    /// inf or NaN, in which case the optimizer step must be skipped.
+    pub fn unscale(&self, params: &[(String, Tensor)]) -> bool {
+        let inv = (1.0 / self.state.scale) as f32 as f64;
+        tch::no_grad(|| {
+            let mut found = false;
+            for (_, p) in params {
+                let mut g = p.grad();
+                if !g.defined() {
+                    continue;
+                }
+                if !found && !bool::try_from(g.isfinite().all()).unwrap_or(false) {
+                    found = true;
+                }
+                let _ = g.g_mul_scalar_(inv);
+            }
+            found
+        })
+    }
+
+    /// After a step (taken or skipped): backs off on inf/NaN, else counts the good step and
+    /// grows the scale after `growth_interval` of them (PyTorch's `_amp_update_scale_`).
+    pub fn update(&mut self, found_inf: bool) {
+        let s = &mut self.state;
+        if found_inf {
+            s.scale *= self.backoff_factor;
+            s.growth_tracker = 0;
+        } else {
+            s.growth_tracker += 1;
+            if s.growth_tracker == self.growth_interval {
+                s.scale *= self.growth_factor;
+                s.growth_tracker = 0;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn param(values: &[f32], grad: &[f32]) -> (String, Tensor) {
+        let p = Tensor::from_slice(values).set_requires_grad(true);
+        tch_ext::set_grad(&p, Some(&Tensor::from_slice(grad))).unwrap();
+        ("p".into(), p)
+    }
+
+    #[test]
+    fn the_scale_backs_off_on_overflow_and_grows_after_the_interval() {
+        let mut s = GradScaler::with_growth_interval(3);
+        assert_eq!(s.scale(), 65536.0);
+        s.update(true);
+        assert_eq!((s.scale(), s.state().growth_tracker), (32768.0, 0));
+        s.update(false);
+        s.update(false);
+        assert_eq!((s.scale(), s.state().growth_tracker), (32768.0, 2));
+        s.update(false);
+        assert_eq!((s.scale(), s.state().growth_tracker), (65536.0, 0));
+        s.update(false);
+        s.update(true);
+        assert_eq!((s.scale(), s.state().growth_tracker), (32768.0, 0));
+    }
+
+    #[test]
+    fn unscaling_divides_the_gradients_and_finds_non_finite_values() {
+        let s = GradScaler::default();
+        let ok = [param(&[1.0, 2.0], &[65536.0, -131072.0])];
+        assert!(!s.unscale(&ok));
+        assert_eq!(Vec::<f32>::try_from(&ok[0].1.grad()).unwrap(), [1.0, -2.0]);
+        let bad = [param(&[1.0], &[f32::INFINITY]), param(&[1.0], &[2.0])];
+        assert!(s.unscale(&bad));
+        let nan = [param(&[1.0], &[f32::NAN])];
+        assert!(s.unscale(&nan));
+        // A parameter without a gradient is skipped.
+        let none = [(
+            "n".to_string(),
+            Tensor::from_slice(&[1f32]).set_requires_grad(true),
+        )];
+        assert!(!s.unscale(&none));
+    }
+
+    #[test]
+    fn autocast_follows_the_precision() {
+        let a = Tensor::ones([2, 2], (Kind::Float, Device::Cpu));
+        for (p, kind) in [
+            (Precision::Fp32, Kind::Float),
+            (Precision::Bf16, Kind::BFloat16),
+            (Precision::Fp16, Kind::Half),
+        ] {
+            let guard = p.autocast(Device::Cpu).unwrap();
+            assert_eq!(a.matmul(&a).kind(), kind, "{p}");
+            drop(guard);
+            assert_eq!(a.matmul(&a).kind(), Kind::Float);
+        }
+    }
+}

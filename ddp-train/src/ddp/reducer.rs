@@ -1,0 +1,254 @@
+//! The gradient reducer: the state that the parameters' post-accumulate-grad hooks share with
+//! [`DistributedDataParallel::sync_gradients`](super::DistributedDataParallel::sync_gradients).
+//!
+//! During a backward pass with gradient sync on, each parameter's hook marks it ready (and,
+//! when overlapping, copies its gradient into its bucket); a bucket whose members are all
+//! ready is handed to the communication hook, strictly in bucket order, so that every rank
+//! issues the same collectives in the same order whatever order its gradients arrive in. At
+//! the end ([`Reducer::finish`]), parameters that got no gradient on this rank contribute
+//! zeros, the remaining buckets are launched, and one more all-reduce counts on how many
+//! ranks each parameter was used; then everything is waited for and the averages are copied
+//! into the gradients of the parameters that some rank used.
+
+use std::sync::Arc;
+
+use ddp_comm::{ProcessGroup, ReduceOp};
+use tch::Tensor;
+
+use super::bucket::{make_buckets, Bucket};
+use super::comm_hook::{CommHook, GradBucket, HookWork};
+use super::{DdpError, DdpOptions};
+
+#[derive(Debug)]
+pub(crate) struct Reducer {
+    pg: Arc<ProcessGroup>,
+    pub(crate) hook: Arc<dyn CommHook>,
+    params: Vec<(String, Tensor)>,
+    pub(crate) buckets: Vec<Bucket>,
+    /// Parameter -> (bucket, offset, numel).
+    locate: Vec<(usize, i64, i64)>,
+    options: DdpOptions,
+    pub(crate) require_sync: bool,
+    /// Whether the buckets were rebuilt in the order gradients became ready.
+    rebuilt: bool,
+    // The step in progress.
+    ready: Vec<bool>,
+    pending: Vec<usize>,
+    next: usize,
+    works: Vec<HookWork>,
+    order: Vec<usize>,
+    twice: Option<usize>,
+}
+
+impl Reducer {
+    /// Buckets in reverse parameter order, the order in which backward usually produces
+    /// gradients, until the first step has shown the real one.
+    pub(crate) fn new(
+        pg: Arc<ProcessGroup>,
+        hook: Arc<dyn CommHook>,
+        params: Vec<(String, Tensor)>,
+        options: DdpOptions,
+    ) -> Self {
+        let reverse: Vec<usize> = (0..params.len()).rev().collect();
+        let mut r = Reducer {
+            pg,
+            hook,
+            buckets: Vec::new(),
+            locate: Vec::new(),
+            options,
+            require_sync: true,
+            rebuilt: false,
+            ready: vec![false; params.len()],
+            pending: Vec::new(),
+            next: 0,
+            works: Vec::new(),
+            order: Vec::with_capacity(params.len()),
+            twice: None,
+            params,
+        };
+        r.set_buckets(&reverse);
+        r
+    }
+
+    fn set_buckets(&mut self, order: &[usize]) {
+        self.buckets = make_buckets(
+            &self.params,
+            order,
+            self.options.first_bucket_cap_bytes,
+            self.options.bucket_cap_bytes,
+        );
+        self.locate = vec![(0, 0, 0); self.params.len()];
+        for (b, bucket) in self.buckets.iter().enumerate() {
+            for &(k, offset, numel) in &bucket.members {
+                self.locate[k] = (b, offset, numel);
+            }
+        }
+        self.reset();
+    }
+
+    fn reset(&mut self) {
+        self.ready.iter_mut().for_each(|r| *r = false);
+        self.pending.clear();
+        self.pending
+            .extend(self.buckets.iter().map(|b| b.members.len()));
+        self.next = 0;
+        self.works.clear();
+        self.order.clear();
+        self.twice = None;
+    }
+
+    /// Parameter `k`'s gradient has been accumulated (called by its hook during backward).
+    pub(crate) fn mark_ready(&mut self, k: usize) {
+        if !self.require_sync {
+            return;
+        }
+        if self.pg.world_size() == 1 {
+            // Nothing to communicate; only which parameters were used matters.
+            self.ready[k] = true;
+            return;
+        }
+        if self.ready[k] {
+            self.twice.get_or_insert(k);
+            return;
+        }
+        self.ready[k] = true;
+        self.order.push(k);
+        let (b, offset, numel) = self.locate[k];
+        if self.options.overlap {
+            let grad = self.params[k].1.grad();
+            tch::no_grad(|| {
+                self.buckets[b]
+                    .slot(offset, numel)
+                    .copy_(&grad.reshape([-1]))
+            });
+        }
+        self.pending[b] -= 1;
+        if self.options.overlap {
+            self.launch_ready();
+        }
+    }
+
+    /// Launches the complete buckets at the head of the order.
+    fn launch_ready(&mut self) {
+        while self.next < self.buckets.len() && self.pending[self.next] == 0 {
+            let b = self.next;
+            let bucket = &self.buckets[b];
+            let grad_bucket = GradBucket {
+                index: b,
+                count: self.buckets.len(),
+                buffer: &bucket.flat,
+                names: bucket
+                    .members
+                    .iter()
+                    .map(|&(k, _, _)| self.params[k].0.as_str())
+                    .collect(),
+            };
+            let work = self.hook.start(&self.pg, &grad_bucket);
+            self.works.push(work);
+            self.next += 1;
+        }
+    }
+
+    /// Ends the step: see the module docs. Every rank must call it once per synced backward.
+    pub(crate) fn finish(&mut self) -> Result<(), DdpError> {
+        let result = self.finish_step();
+        self.reset();
+        result
+    }
+
+    fn finish_step(&mut self) -> Result<(), DdpError> {
+        let world = self.pg.world_size();
+        if world == 1 {
+            let unused: Vec<usize> = (0..self.params.len()).filter(|&k| !self.ready[k]).collect();
+            if !self.options.find_unused_parameters && !unused.is_empty() {
+                return Err(self.unused_error(&unused, &vec![0; self.params.len()]));
+            }
+            return Ok(());
+        }
+        let used: Vec<i32> = self.ready.iter().map(|&r| i32::from(r)).collect();
+        tch::no_grad(|| {
+            for k in 0..self.params.len() {
+                let (b, offset, numel) = self.locate[k];
+                let mut slot = self.buckets[b].slot(offset, numel);
+                if !self.ready[k] {
+                    let _ = slot.zero_();
+                    self.pending[b] -= 1;
+                } else if !self.options.overlap {
+                    slot.copy_(&self.params[k].1.grad().reshape([-1]));
+                }
+            }
+        });
+        self.launch_ready();
+        let counts = Tensor::from_slice(&used);
+        let counting = self.pg.all_reduce_async(&counts, ReduceOp::Sum);
+        // Wait for everything, keeping the first error.
+        let mut first_error = None;
+        for work in self.works.drain(..) {
+            if let Err(e) = work.wait() {
+                first_error.get_or_insert(e);
+            }
+        }
+        if let Err(e) = counting.wait() {
+            first_error.get_or_insert(e);
+        }
+        if let Some(e) = first_error {
+            return Err(e.into());
+        }
+        if let Some(k) = self.twice {
+            return Err(DdpError::GradientTwice(self.params[k].0.clone()));
+        }
+        let counts: Vec<i32> = Vec::<i32>::try_from(&counts).map_err(DdpError::Tch)?;
+        let unused: Vec<usize> = (0..self.params.len())
+            .filter(|&k| counts[k] < world as i32)
+            .collect();
+        if !self.options.find_unused_parameters && !unused.is_empty() {
+            return Err(self.unused_error(&unused, &counts));
+        }
+        tch::no_grad(|| -> Result<(), DdpError> {
+            for (k, &count) in counts.iter().enumerate() {
+                if count == 0 {
+                    // Used by no rank: the gradient stays as it was (none, after a zero_grad),
+                    // so that optimizers skip the parameter, as PyTorch's DDP leaves it.
+                    continue;
+                }
+                let (b, offset, numel) = self.locate[k];
+                let p = &self.params[k].1;
+                let mut grad = p.grad();
+                if !grad.defined() {
+                    grad = p.zeros_like();
+                    tch_ext::set_grad(p, Some(&grad)).map_err(DdpError::Shim)?;
+                }
+                grad.copy_(&self.buckets[b].slot(offset, numel).view_as(&grad));
+            }
+            Ok(())
+        })?;
+        if !self.rebuilt && !self.options.find_unused_parameters {
+            self.rebuild()?;
+        }
+        Ok(())
+    }
+
+    /// After the first step: buckets in the order in which gradients became ready on rank 0
+    /// (PyTorch rebuilds its buckets once, the same way, unless unused parameters are
+    /// expected). Every rank takes rank 0's order, so that the buckets agree.
+    fn rebuild(&mut self) -> Result<(), DdpError> {
+        let mut order: Vec<i64> = self.order.iter().map(|&k| k as i64).collect();
+        self.pg.broadcast_slice(&mut order, 0)?;
+        let order: Vec<usize> = order.into_iter().map(|k| k as usize).collect();
+        self.set_buckets(&order);
+        self.rebuilt = true;
+        Ok(())
+    }
+
+    fn unused_error(&self, unused: &[usize], counts: &[i32]) -> DdpError {
+        let world = self.pg.world_size();
+        DdpError::UnusedParameters {
+            rank: self.pg.rank(),
+            world_size: world,
+            parameters: unused
+                .iter()
+                .map(|&k| (self.params[k].0.clone(), counts[k] as usize))
+                .collect(),
+        }
+    }
+}
