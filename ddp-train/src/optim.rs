@@ -6,12 +6,16 @@
 //! gradient; no amsgrad), step for step:
 //!
 //! ```text
-//! t += 1
+//! t += 1                                                   # per parameter, see below
 //! g  = grad + weight_decay * param
 //! m  = beta1 * m + (1 - beta1) * g
 //! v  = beta2 * v + (1 - beta2) * g * g
 //! param -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //! ```
+//!
+//! As in PyTorch, `t` counts the steps in which *that parameter* had a gradient: a branch
+//! first used at step 100 starts with `t = 1` (PyTorch keeps `state['step']` per parameter),
+//! which matters once DDP lets parameters go unused (`find_unused_parameters`).
 //!
 //! [`Sgd`] is `torch.optim.SGD` without dampening or Nesterov:
 //!
@@ -332,7 +336,10 @@ pub struct Adam {
     params: Vec<(String, Tensor)>,
     exp_avg: Vec<Tensor>,
     exp_avg_sq: Vec<Tensor>,
+    /// Optimizer steps taken.
     step: i64,
+    /// Steps in which each parameter had a gradient (the `t` of its bias corrections).
+    param_steps: Vec<i64>,
 }
 
 impl Adam {
@@ -348,6 +355,7 @@ impl Adam {
             .collect();
         Self {
             config,
+            param_steps: vec![0; params.len()],
             params,
             exp_avg,
             exp_avg_sq,
@@ -386,15 +394,16 @@ impl Adam {
             eps,
             weight_decay,
         } = self.config;
-        let t = self.step as f64;
-        let step_size = lr / (1.0 - beta1.powf(t));
-        let bias_correction2_sqrt = (1.0 - beta2.powf(t)).sqrt();
         tch::no_grad(|| {
             for (k, (_, p)) in self.params.iter().enumerate() {
                 let grad = p.grad();
                 if !grad.defined() {
                     continue;
                 }
+                self.param_steps[k] += 1;
+                let t = self.param_steps[k] as f64;
+                let step_size = lr / (1.0 - beta1.powf(t));
+                let bias_correction2_sqrt = (1.0 - beta2.powf(t)).sqrt();
                 let grad = if weight_decay != 0.0 {
                     &grad + p * weight_decay
                 } else {
@@ -413,16 +422,18 @@ impl Adam {
         });
     }
 
-    /// The optimizer's tensors by name (`exp_avg.<param>`, `exp_avg_sq.<param>`), for a
-    /// checkpoint; the step count is [`Adam::steps`].
+    /// The optimizer's tensors by name (`exp_avg.<param>`, `exp_avg_sq.<param>`, and
+    /// `step.<param>`, an int64 scalar: the parameter's own step count), for a checkpoint;
+    /// the optimizer's step count is [`Adam::steps`].
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
-        let mut out = Vec::with_capacity(2 * self.params.len());
+        let mut out = Vec::with_capacity(3 * self.params.len());
         for (k, (name, _)) in self.params.iter().enumerate() {
             out.push((format!("exp_avg.{name}"), self.exp_avg[k].shallow_clone()));
             out.push((
                 format!("exp_avg_sq.{name}"),
                 self.exp_avg_sq[k].shallow_clone(),
             ));
+            out.push((format!("step.{name}"), Tensor::from(self.param_steps[k])));
         }
         out
     }
@@ -440,12 +451,25 @@ impl Adam {
                 found.push(fitting(tensors, format!("{prefix}.{name}"), p)?);
             }
         }
+        // Checkpoints written before per-parameter counts: every parameter took every step.
+        let param_steps: Vec<i64> = self
+            .params
+            .iter()
+            .map(|(name, _)| {
+                tensors.get(&format!("step.{name}")).map_or(Ok(step), |t| {
+                    i64::try_from(t).map_err(|_| {
+                        OptimStateError::Missing(format!("step.{name} (not an integer scalar)"))
+                    })
+                })
+            })
+            .collect::<Result<_, _>>()?;
         let mut it = found.into_iter();
         for k in 0..self.params.len() {
             self.exp_avg[k] = it.next().unwrap_or_default();
             self.exp_avg_sq[k] = it.next().unwrap_or_default();
         }
         self.step = step;
+        self.param_steps = param_steps;
         Ok(())
     }
 }

@@ -288,6 +288,9 @@ pub fn load(
     let mut problems = Vec::new();
     for (name, t) in optimizer.state_tensors() {
         match file.tensors.get(&name) {
+            // Adam's per-parameter step counts are newer than some checkpoints; without
+            // them every parameter took every step.
+            None if name.starts_with("step.") => {}
             None => problems.push(format!("'{name}' is missing")),
             Some(f) if f.size() != t.size() => problems.push(format!(
                 "'{name}' has shape {:?} but the model needs {:?}",
