@@ -183,12 +183,34 @@ fn train_args<'a>(data: &'a str, out: &'a str) -> Vec<&'a str> {
 
 #[test]
 fn an_interrupted_and_resumed_run_equals_an_uninterrupted_one() {
-    let tmp = temp_dir("resume");
+    check_resume("resume", &[]);
+}
+
+/// fp16 adds the gradient scaler's state (its scale and count of good steps) to what a
+/// resumed run must continue from exactly.
+#[test]
+fn an_interrupted_and_resumed_fp16_run_equals_an_uninterrupted_one() {
+    let state = check_resume("resume-fp16", &["--precision", "fp16"]);
+    let scaler = &state["grad_scaler"];
+    let (scale, good) = (
+        scaler["scale"].as_f64().unwrap(),
+        scaler["growth_tracker"].as_u64().unwrap(),
+    );
+    // Three epochs of 5 steps: some steps were taken since the last change of scale.
+    assert!(scale > 0.0 && scale <= 65536.0 && good >= 1, "{scaler}");
+}
+
+/// Trains 3 epochs on 2 ranks with `extra` flags, once through and once killed at epoch 2
+/// and resumed; checks that weights, optimizer state, scalar state and metrics are equal,
+/// and returns the final scalar state.
+fn check_resume(name: &str, extra: &[&str]) -> Value {
+    let tmp = temp_dir(name);
     let dir = tmp.path();
     let data = data(dir, 40);
     let data_s = data.to_str().unwrap();
     let full = dir.join("full");
     let full_s = full.to_str().unwrap();
+    let train_args = |data, out| [train_args(data, out), extra.to_vec()].concat();
     assert_all_ok(&run_ranks(2, &train_args(data_s, full_s), &[]));
 
     // The same run, killed at epoch 2 step 1 by rank 1, then resumed from the latest
@@ -247,6 +269,7 @@ fn an_interrupted_and_resumed_run_equals_an_uninterrupted_one() {
     assert_eq!(scalars(&a), scalars(&b));
     assert_eq!(metrics_without_timing(&full), metrics_without_timing(&cut));
     assert_eq!(metrics_without_timing(&full).len(), 3);
+    scalars(&a)
 }
 
 #[test]

@@ -1,0 +1,197 @@
+"""PyTorch's own DistributedDataParallel on one scenario of ddp-train/tests/pytorch.rs.
+
+    python reference_ddp.py --scenario NAME --out DIR --port P
+
+Starts WORLD forked ranks (gloo, CPU, one thread each) that meet at 127.0.0.1:P, and writes to DIR:
+
+- init.safetensors: the model's initial state_dict (seeded), which the Rust ranks load;
+- data.safetensors: every rank's batches, x.{rank}.{step}.{micro} and y.{rank}.{step}.{micro};
+- torch.{rank}.safetensors: each rank's final state_dict, and torch.safetensors (rank 0's).
+
+The ranks' parameters must agree bit for bit (checked here); their BatchNorm buffers differ
+after the last step, since each rank's last forward updates its own running statistics after
+the broadcast, so the Rust test compares rank with rank.
+"""
+
+import argparse
+import ctypes
+import datetime
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+WORLD = 2
+STEPS = 5
+BATCH = 8
+IN, HIDDEN, OUT = 12, 24, 4
+# Small buckets so that the MLP's gradients travel in several (pytorch.rs uses the same).
+BUCKET_CAP_BYTES = 1024
+PR_SET_PDEATHSIG = 1
+SCENARIOS = ("plain", "accumulate", "batch_norm", "unused", "bf16_compress")
+
+
+class Branches(nn.Module):
+    """A trunk, a branch `a` always used, `b` used only by rank 1 on odd steps, `c` never."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(IN, HIDDEN)
+        self.a = nn.Linear(HIDDEN, OUT)
+        self.b = nn.Linear(HIDDEN, OUT)
+        self.c = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x, use_b):
+        h = F.relu(self.trunk(x))
+        out = self.a(h)
+        if use_b:
+            out = out + self.b(h)
+        return out
+
+
+def uses_b(rank, step):
+    return rank == 1 and step % 2 == 1
+
+
+def build(scenario):
+    if scenario == "batch_norm":
+        return nn.Sequential(
+            nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT)
+        )
+    if scenario == "unused":
+        return Branches()
+    return nn.Sequential(
+        nn.Linear(IN, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, OUT),
+    )
+
+
+def micro_batches(scenario):
+    return 2 if scenario == "accumulate" else 1
+
+
+def prepare(scenario, out):
+    """Writes init.safetensors and data.safetensors."""
+    torch.manual_seed(20240607)
+    model = build(scenario)
+    init = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if scenario == "batch_norm":
+        # BatchNorm's affine parameters start at 1 and 0: move them so that a mistake in
+        # either shows.
+        init["1.weight"] = 1.0 + 0.2 * torch.randn(HIDDEN)
+        init["1.bias"] = 0.1 * torch.randn(HIDDEN)
+    save_file(init, os.path.join(out, "init.safetensors"))
+    data = {}
+    for rank in range(WORLD):
+        for step in range(STEPS):
+            for micro in range(micro_batches(scenario)):
+                key = f"{rank}.{step}.{micro}"
+                # Ranks see different data, with different scales, so that averaging matters.
+                data[f"x.{key}"] = torch.randn(BATCH, IN) * (1.0 + rank) + 0.5 * rank
+                data[f"y.{key}"] = torch.randn(BATCH, OUT)
+    save_file(data, os.path.join(out, "data.safetensors"))
+
+
+def die_with_parent():
+    """Ends this rank when the parent dies (e.g. killed by the Rust test's time limit)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def worker(rank, scenario, out, port):
+    die_with_parent()
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    model = build(scenario)
+    model.load_state_dict(load_file(os.path.join(out, "init.safetensors")))
+    model.train()
+    ddp = DDP(
+        model,
+        bucket_cap_mb=BUCKET_CAP_BYTES / 2**20,
+        find_unused_parameters=scenario == "unused",
+    )
+    if scenario == "bf16_compress":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    if scenario == "unused":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = load_file(os.path.join(out, "data.safetensors"))
+    micros = micro_batches(scenario)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(micros):
+            x = data[f"x.{rank}.{step}.{micro}"]
+            y = data[f"y.{rank}.{step}.{micro}"]
+
+            def backward():
+                if scenario == "unused":
+                    pred = ddp(x, uses_b(rank, step))
+                else:
+                    pred = ddp(x)
+                (F.mse_loss(pred, y) / micros).backward()
+
+            if micro + 1 < micros:
+                with ddp.no_sync():
+                    backward()
+            else:
+                backward()
+        opt.step()
+    if rank == 0:
+        logged = ddp._get_ddp_logging_data()
+        sizes = logged.get("rebuilt_bucket_sizes", logged.get("bucket_sizes"))
+        print(f"pytorch bucket sizes: {sizes}", flush=True)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, os.path.join(out, f"torch.{rank}.safetensors"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scenario", required=True, choices=SCENARIOS)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--port", required=True, type=int)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    prepare(args.scenario, args.out)
+    # fork, not spawn: the ranks need not import torch again (seconds on a small machine).
+    mp.start_processes(
+        worker,
+        args=(args.scenario, args.out, args.port),
+        nprocs=WORLD,
+        join=True,
+        start_method="fork",
+    )
+    states = [load_file(os.path.join(args.out, f"torch.{r}.safetensors")) for r in range(WORLD)]
+    params = {name for name, _ in build(args.scenario).named_parameters()}
+    for name in sorted(params):
+        for rank in range(1, WORLD):
+            if not torch.equal(states[0][name], states[rank][name]):
+                sys.exit(f"pytorch's ranks 0 and {rank} disagree on {name}")
+    save_file(states[0], os.path.join(args.out, "torch.safetensors"))
+    print(f"pytorch ranks agree on {len(params)} parameters", flush=True)
+
+
+if __name__ == "__main__":
+    main()
