@@ -123,6 +123,46 @@ fn nccl_all_reduce_every_op_and_dtype() {
     run_world("nccl_all_reduce_every_op_and_dtype", n, &[]);
 }
 
+/// Asynchronous all-reduces on the side stream: queued while the default stream is still
+/// busy producing their inputs, they see those inputs, and after `wait` the results are
+/// there for the default stream's next kernels.
+#[test]
+fn nccl_async_all_reduce_is_ordered_after_its_producer() {
+    if worker() {
+        let (group, device) = group_on_gpu();
+        let group = std::sync::Arc::new(group);
+        let (rank, n) = rank_world();
+        let mut works = Vec::new();
+        let mut tensors = Vec::new();
+        for i in 0..8 {
+            // A chain of kernels on the default stream produces the input.
+            let mut t = Tensor::zeros([4 << 20], (Kind::Float, device));
+            for _ in 0..20 {
+                t += 1.0;
+            }
+            t += (rank * 100 + i) as f64 - 20.0;
+            works.push(group.all_reduce_async(&t, ReduceOp::Sum));
+            tensors.push(t);
+        }
+        for w in works {
+            w.wait().unwrap();
+        }
+        for (i, t) in tensors.iter().enumerate() {
+            let want: f64 = (0..n).map(|r| (r * 100 + i) as f64).sum();
+            assert_eq!(t.min().double_value(&[]), want, "tensor {i}");
+            assert_eq!(t.max().double_value(&[]), want, "tensor {i}");
+        }
+        println!("rank {rank}: nccl async ok");
+        return;
+    }
+    let n = skip_without_gpu!();
+    run_world(
+        "nccl_async_all_reduce_is_ordered_after_its_producer",
+        n,
+        &[],
+    );
+}
+
 #[test]
 fn nccl_broadcast_all_gather_and_barrier() {
     if worker() {

@@ -3,7 +3,9 @@
 //! 1. nccl-sys's loader tests and ddp-comm's NCCL tests (which skip with a printed reason
 //!    where no GPU is usable; here they must run),
 //! 2. the NCCL all-reduce bandwidth sweep (one rank per GPU),
-//! 3. a short training on one GPU and one on every visible GPU, through the launcher.
+//! 3. tch-ext's CUDA tests (streams, events, hooks on CUDA parameters),
+//! 4. a short training on one GPU and one on every visible GPU, through the launcher, and
+//!    one GPU in bf16 and in fp16.
 
 use std::path::Path;
 
@@ -37,6 +39,18 @@ pub fn run(root: &Path) -> Result<()> {
         "--nocapture",
     ]);
     crate::run(root, nccl)?;
+    // tch-ext's streams, events and CUDA-side hooks, and DDP on a GPU.
+    let mut shim = crate::cargo();
+    shim.args([
+        "test",
+        "-p",
+        "tch-ext",
+        "--test",
+        "cuda",
+        "--",
+        "--nocapture",
+    ]);
+    crate::run(root, shim)?;
     let mut sweep = crate::cargo();
     sweep.args([
         "bench",
@@ -50,8 +64,12 @@ pub fn run(root: &Path) -> Result<()> {
     ]);
     crate::run(root, sweep)?;
     let runs = if gpus > 1 { vec![1, gpus] } else { vec![1] };
-    for n in runs {
-        println!("gpu-check: training on {n} GPU(s)");
+    let precisions = runs
+        .iter()
+        .map(|&n| (n, "fp32"))
+        .chain([(1, "bf16"), (1, "fp16")]);
+    for (n, precision) in precisions {
+        println!("gpu-check: training on {n} GPU(s) in {precision}");
         let args = TrainArgs {
             gpus: Some(n),
             cpus: None,
@@ -62,14 +80,21 @@ pub fn run(root: &Path) -> Result<()> {
             runs_root: Some(std::env::temp_dir().join(format!("gpu-check-{}", std::process::id()))),
             bin: None,
             gen_data_bin: None,
-            rest: ["--epochs", "2", "--max-steps-per-epoch", TRAIN_STEPS]
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
+            rest: [
+                "--epochs",
+                "2",
+                "--max-steps-per-epoch",
+                TRAIN_STEPS,
+                "--precision",
+                precision,
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
         };
         let code = launch::run(root, args)?;
         if code != 0 {
-            bail!("the training on {n} GPU(s) failed (exit code {code})");
+            bail!("the {precision} training on {n} GPU(s) failed (exit code {code})");
         }
     }
     println!("gpu-check: all GPU tests, the NCCL sweep and the GPU trainings passed");
