@@ -41,7 +41,9 @@ const LIMIT: Duration = Duration::from_secs(180);
 
 const DIR_ENV: &str = "DDP_TEST_OUT";
 const SCENARIO_ENV: &str = "DDP_TEST_SCENARIO";
-const OVERLAP_ENV: &str = "DDP_TEST_OVERLAP";
+/// How our ranks reduce: `overlap` (default), `deferred` (`overlap: false`) or `view`
+/// (overlapped, gradients as bucket views).
+const MODE_ENV: &str = "DDP_TEST_MODE";
 const TAG_ENV: &str = "DDP_TEST_TAG";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,12 +106,13 @@ impl Scenario {
         self == Scenario::BatchNorm && name == "0.bias"
     }
 
-    fn options(self, overlap: bool) -> DdpOptions {
+    fn options(self, mode: &str) -> DdpOptions {
         DdpOptions {
+            overlap: mode != "deferred",
+            gradient_as_bucket_view: mode == "view",
             bucket_cap_bytes: BUCKET_CAP_BYTES,
             first_bucket_cap_bytes: BUCKET_CAP_BYTES,
             find_unused_parameters: self == Scenario::Unused,
-            overlap,
             comm_hook: if self == Scenario::Bf16Compress {
                 BuiltinHook::Bf16Compress
             } else {
@@ -245,7 +248,7 @@ fn rank_worker() {
     tch::set_num_threads(1);
     let dir = PathBuf::from(env(DIR_ENV));
     let scenario = Scenario::from_name(&env(SCENARIO_ENV));
-    let overlap = env(OVERLAP_ENV) == "1";
+    let mode = env(MODE_ENV);
     let pg = Arc::new(ProcessGroup::from_env().unwrap());
     let rank = pg.rank();
 
@@ -260,7 +263,7 @@ fn rank_worker() {
     let data = checkpoint::read_tensors(dir.join("data.safetensors"))
         .unwrap()
         .tensors;
-    let mut ddp = DistributedDataParallel::new(&vs, pg, scenario.options(overlap)).unwrap();
+    let mut ddp = DistributedDataParallel::new(&vs, pg, scenario.options(&mode)).unwrap();
     if scenario != Scenario::BatchNorm {
         let sizes = ddp.bucket_sizes();
         assert!(sizes.len() >= 3, "expected several buckets, got {sizes:?}");
@@ -284,6 +287,9 @@ fn rank_worker() {
             (loss / micros as f64).backward();
         }
         ddp.sync_gradients().unwrap();
+        if mode == "view" {
+            assert_gradients_lie_in_their_buckets(&ddp);
+        }
         opt.step();
     }
     let tag = env(TAG_ENV);
@@ -295,8 +301,34 @@ fn rank_worker() {
     .unwrap();
 }
 
+/// With `gradient_as_bucket_view`, each bucket's gradients are consecutive pieces of one
+/// buffer: every member's gradient starts where the previous one ends.
+fn assert_gradients_lie_in_their_buckets(ddp: &DistributedDataParallel) {
+    let by_name: HashMap<&str, &Tensor> = ddp
+        .parameters()
+        .iter()
+        .map(|(n, t)| (n.as_str(), t))
+        .collect();
+    for names in ddp.bucket_parameters() {
+        for pair in names.windows(2) {
+            let (a, b) = (
+                by_name[pair[0].as_str()].grad(),
+                by_name[pair[1].as_str()].grad(),
+            );
+            let end_of_a = a.data_ptr() as usize + a.numel() * a.kind().elt_size_in_bytes();
+            assert_eq!(
+                b.data_ptr() as usize,
+                end_of_a,
+                "the gradients of '{}' and '{}' are not neighbours in one bucket",
+                pair[0],
+                pair[1]
+            );
+        }
+    }
+}
+
 /// Runs our `world` ranks on the files in `dir`; they write `{tag}.{rank}.safetensors`.
-fn run_ours(scenario: Scenario, world: usize, dir: &Path, tag: &str, overlap: bool) {
+fn run_ours(scenario: Scenario, world: usize, dir: &Path, tag: &str) {
     let port = free_port();
     let children: Vec<Child> = (0..world)
         .map(|rank| {
@@ -310,7 +342,7 @@ fn run_ours(scenario: Scenario, world: usize, dir: &Path, tag: &str, overlap: bo
             ])
             .env(DIR_ENV, dir)
             .env(SCENARIO_ENV, scenario.name())
-            .env(OVERLAP_ENV, if overlap { "1" } else { "0" })
+            .env(MODE_ENV, tag)
             .env(TAG_ENV, tag)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -390,13 +422,13 @@ fn check_against_pytorch(scenario: Scenario) {
     let tmp = common::temp_dir(&format!("ddp-train-pytorch-{}", scenario.name()));
     let dir = tmp.path();
     run_pytorch(scenario, dir);
-    run_ours(scenario, 2, dir, "ours", true);
+    run_ours(scenario, 2, dir, "overlap");
 
     let init = read(dir, "init.safetensors");
     let mut failures = Vec::new();
     let mut largest = 0f64;
     for rank in 0..2 {
-        let ours = read(dir, &format!("ours.{rank}.safetensors"));
+        let ours = read(dir, &format!("overlap.{rank}.safetensors"));
         let theirs = read(dir, &format!("torch.{rank}.safetensors"));
         assert!(!ours.is_empty(), "our rank {rank} wrote no tensors");
         for (name, got) in &ours {
@@ -501,8 +533,9 @@ fn write_mlp_inputs(dir: &Path, world: usize) {
     checkpoint::write_tensors(data, &HashMap::new(), dir.join("data.safetensors")).unwrap();
 }
 
-/// Reducing each bucket during backward and reducing all of them after backward give the same
-/// weights, bit for bit (3 ranks, so that the average's division is inexact).
+/// Reducing each bucket during backward, reducing all of them after backward, and reducing
+/// during backward with gradients as bucket views give the same weights, bit for bit (3
+/// ranks, so that the average's division is inexact).
 #[test]
 fn overlapped_and_deferred_reduction_are_bit_identical_on_three_ranks() {
     tch::set_num_threads(1);
@@ -510,13 +543,14 @@ fn overlapped_and_deferred_reduction_are_bit_identical_on_three_ranks() {
     let tmp = common::temp_dir("ddp-train-pytorch-overlap");
     let dir = tmp.path();
     write_mlp_inputs(dir, world);
-    run_ours(Scenario::Plain, world, dir, "overlap", true);
-    run_ours(Scenario::Plain, world, dir, "deferred", false);
+    for mode in ["overlap", "deferred", "view"] {
+        run_ours(Scenario::Plain, world, dir, mode);
+    }
     let init = read(dir, "init.safetensors");
     let reference = read(dir, "overlap.0.safetensors");
     assert_eq!(reference.len(), 6, "the MLP has 6 tensors");
     for rank in 0..world {
-        for tag in ["overlap", "deferred"] {
+        for tag in ["overlap", "deferred", "view"] {
             let got = read(dir, &format!("{tag}.{rank}.safetensors"));
             assert_eq!(got.len(), reference.len());
             for (name, want) in &reference {

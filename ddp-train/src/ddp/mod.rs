@@ -134,6 +134,11 @@ pub struct DdpOptions {
     /// How buckets are averaged (replace with [`DistributedDataParallel::register_comm_hook`]
     /// for a hook of your own).
     pub comm_hook: BuiltinHook,
+    /// Make each gradient a view into its bucket (PyTorch's `gradient_as_bucket_view`): the
+    /// averages land in the gradients without a copy back, and a gradient takes no memory of
+    /// its own. The first copy into the bucket remains whenever autograd hands over a fresh
+    /// gradient (after `zero_grad` to none, every step).
+    pub gradient_as_bucket_view: bool,
 }
 
 impl Default for DdpOptions {
@@ -145,6 +150,7 @@ impl Default for DdpOptions {
             find_unused_parameters: false,
             overlap: true,
             comm_hook: BuiltinHook::Allreduce,
+            gradient_as_bucket_view: false,
         }
     }
 }

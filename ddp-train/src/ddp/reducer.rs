@@ -113,18 +113,30 @@ impl Reducer {
         }
         self.ready[k] = true;
         self.order.push(k);
-        let (b, offset, numel) = self.locate[k];
+        let (b, _, _) = self.locate[k];
         if self.options.overlap {
-            let grad = self.params[k].1.grad();
-            tch::no_grad(|| {
-                self.buckets[b]
-                    .slot(offset, numel)
-                    .copy_(&grad.reshape([-1]))
-            });
+            tch::no_grad(|| self.copy_in(k));
         }
         self.pending[b] -= 1;
         if self.options.overlap {
             self.launch_ready();
+        }
+    }
+
+    /// Copies parameter `k`'s gradient into its bucket, unless it already is a view of it;
+    /// with `gradient_as_bucket_view` the gradient then becomes that view.
+    fn copy_in(&self, k: usize) {
+        let (b, offset, numel) = self.locate[k];
+        let p = &self.params[k].1;
+        let mut slot = self.buckets[b].slot(offset, numel);
+        let grad = p.grad();
+        if is_view_of(&grad, &slot) {
+            return;
+        }
+        slot.copy_(&grad.reshape([-1]));
+        if self.options.gradient_as_bucket_view {
+            // Same dtype, device and shape as the parameter: set_grad cannot refuse it.
+            let _ = tch_ext::set_grad(p, Some(&slot.view_as(p)));
         }
     }
 
@@ -174,7 +186,7 @@ impl Reducer {
                     let _ = slot.zero_();
                     self.pending[b] -= 1;
                 } else if !self.options.overlap {
-                    slot.copy_(&self.params[k].1.grad().reshape([-1]));
+                    self.copy_in(k);
                 }
             }
         });
@@ -213,12 +225,20 @@ impl Reducer {
                 }
                 let (b, offset, numel) = self.locate[k];
                 let p = &self.params[k].1;
+                let slot = self.buckets[b].slot(offset, numel);
                 let mut grad = p.grad();
+                if is_view_of(&grad, &slot) {
+                    continue;
+                }
+                if self.options.gradient_as_bucket_view {
+                    tch_ext::set_grad(p, Some(&slot.view_as(p)))?;
+                    continue;
+                }
                 if !grad.defined() {
                     grad = p.zeros_like();
-                    tch_ext::set_grad(p, Some(&grad)).map_err(DdpError::Shim)?;
+                    tch_ext::set_grad(p, Some(&grad))?;
                 }
-                grad.copy_(&self.buckets[b].slot(offset, numel).view_as(&grad));
+                grad.copy_(&slot.view_as(&grad));
             }
             Ok(())
         })?;
@@ -237,6 +257,16 @@ impl Reducer {
         let order: Vec<usize> = order.into_iter().map(|k| k as usize).collect();
         self.set_buckets(&order);
         self.rebuilt = true;
+        if self.options.gradient_as_bucket_view {
+            // The gradients viewed the old buckets: move them into the new ones.
+            tch::no_grad(|| {
+                for k in 0..self.params.len() {
+                    if self.params[k].1.grad().defined() {
+                        self.copy_in(k);
+                    }
+                }
+            });
+        }
         Ok(())
     }
 
@@ -251,4 +281,9 @@ impl Reducer {
                 .collect(),
         }
     }
+}
+
+/// Whether `grad` is `slot` itself (a view of the same bucket elements).
+fn is_view_of(grad: &Tensor, slot: &Tensor) -> bool {
+    grad.defined() && grad.data_ptr() == slot.data_ptr() && grad.numel() == slot.numel()
 }
