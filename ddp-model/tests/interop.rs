@@ -2,7 +2,7 @@
 //! checkpoint, in both directions. Runs the Python that `cargo xtask setup` installed.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use ddp_model::{checkpoint, ConvNet, ConvNetConfig};
@@ -10,22 +10,9 @@ use tch::{nn, Device, Kind, Tensor};
 
 const TOLERANCE: f64 = 1e-4;
 
-fn python() -> PathBuf {
-    let deps = std::env::var_os("DDP_DEPS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.deps"));
-    let python = deps.join("venv/bin/python");
-    assert!(
-        python.exists(),
-        "{} not found: run `cargo xtask setup` first",
-        python.display()
-    );
-    python
-}
-
 fn run_python(mode: &str, ckpt: &Path, io: &Path) -> String {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/interop.py");
-    let out = Command::new(python())
+    let out = Command::new(ddp_testkit::setup_python())
         .arg(script)
         .args([mode, ckpt.to_str().unwrap(), io.to_str().unwrap()])
         .env("OMP_NUM_THREADS", "1")

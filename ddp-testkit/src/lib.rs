@@ -6,6 +6,8 @@
 //! - [`wait_all`], [`wait_bounded`], [`wait_for`]: waits that cannot hang a test; processes
 //!   still running at the limit are killed and the test fails.
 //! - [`procs`]: what `/proc` says of processes (children, liveness, environment).
+//! - [`setup_python`]: the Python of `cargo xtask setup` (with torch), for tests that run
+//!   PyTorch next to our code.
 //!
 //! ```
 //! let dir = ddp_testkit::temp_dir("doc");
@@ -21,13 +23,28 @@
 
 #![warn(missing_docs)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 pub use ddp_run::RankEnv;
 pub use tempfile::TempDir;
+
+/// The Python of `cargo xtask setup` (`.deps/venv/bin/python`, found through `DDP_DEPS_DIR`,
+/// which `.cargo/config.toml` sets); panics with what to run when it is missing.
+pub fn setup_python() -> PathBuf {
+    let deps = std::env::var_os("DDP_DEPS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.deps"));
+    let python = deps.join("venv/bin/python");
+    assert!(
+        python.exists(),
+        "{} not found: run `cargo xtask setup` first",
+        python.display()
+    );
+    python
+}
 
 /// A port on 127.0.0.1 that was free a moment ago, below the ephemeral range, so that the
 /// outgoing connections of tests running meanwhile cannot take it.

@@ -361,23 +361,10 @@ fn run_ours(scenario: Scenario, world: usize, dir: &Path, tag: &str) {
     }
 }
 
-fn python() -> PathBuf {
-    let deps = std::env::var_os("DDP_DEPS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.deps"));
-    let python = deps.join("venv/bin/python");
-    assert!(
-        python.exists(),
-        "{} not found: run `cargo xtask setup` first",
-        python.display()
-    );
-    python
-}
-
 /// Runs PyTorch's DDP on `scenario`: writes init, data and `torch.{rank}.safetensors` to `dir`.
 fn run_pytorch(scenario: Scenario, dir: &Path) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference_ddp.py");
-    let child = Command::new(python())
+    let child = Command::new(ddp_testkit::setup_python())
         .arg(script)
         .args(["--scenario", scenario.name(), "--out"])
         .arg(dir)
