@@ -1,13 +1,25 @@
-//! Training throughput and DDP overhead: N data-parallel steps of the ConvNet on the CPU,
-//! one process per rank, with the real `ProcessGroup` (TCP backend) and
-//! `DistributedDataParallel`, warm-up steps excluded.
+//! Training throughput and DDP overhead: N data-parallel steps of the ConvNet (or, with
+//! `--model resnet50`, tch's ResNet-50) on the CPU, one process per rank, with the real
+//! `ProcessGroup` (TCP backend) and `DistributedDataParallel`, warm-up steps excluded.
 //!
 //! ```text
 //! cargo bench -p ddp-train --bench ddp_steps                         # random tensors, 1 and 2 ranks
 //! cargo bench -p ddp-train --bench ddp_steps -- --data DIR           # JPEGs through ddp-data's loader
 //! cargo bench -p ddp-train --bench ddp_steps -- --ranks 2 --steps 20 --warmup 3
-//! # on a GPU machine (a prebuilt binary and a Python with torch suffice, no cargo):
+//! cargo bench -p ddp-train --bench ddp_steps -- --ranks 1 --precision bf16 --model resnet50 \
+//!     --image-size 64 --batch-size 2                                 # a CPU smoke run
+//! # on a GPU machine (a prebuilt binary and a Python with torch suffice, no cargo; torchvision
+//! # too for --data or --model resnet50):
 //! ddp_steps --device cuda --ranks 1 --batch-size 64 --data DIR --workers 16 --reference python3
+//! # ours vs PyTorch, random tensors, batch 64, 224 px, 1 rank: ConvNet and ResNet-50, fp32 and bf16
+//! ddp_steps --device cuda --ranks 1 --batch-size 64 --image-size 224 --warmup 10 --steps 50 \
+//!     --model convnet --precision fp32 --reference python3      # or bf16; --model resnet50
+//! # from a bundle (run from the checkout's root, which holds this script and the ConvNet's):
+//! bash .gpu-bundle/run.sh -- 'for m in convnet resnet50; do for p in fp32 bf16; do
+//!     "$GPU_BUNDLE_BIN"/ddp-train.bench.ddp_steps --device cuda --ranks 1 --batch-size 64
+//!     --image-size 224 --warmup 10 --steps 50 --model $m --precision $p
+//!     --reference "$GPU_BUNDLE_PYTHON" --reference-script ddp-train/benches/reference_ddp.py;
+//!     done; done'
 //! ```
 //!
 //! `--device cuda` puts rank r on `cuda:r` with the NCCL backend; batches come from the loader
@@ -24,12 +36,20 @@
 //! compute and from time spent waiting for data. After the steps, one flat all-reduce of
 //! the gradients' size is timed alone, to split the sync into communication and copying.
 //!
+//! `--precision bf16|fp16` runs forward and loss under autocast (`Precision::autocast`), as
+//! the Trainer does; fp16 adds its `GradScaler`: scaled loss, backward, sync, unscale (timed
+//! with the optimizer), Adam unless a gradient is inf/NaN, scale update. PyTorch's side uses
+//! `torch.autocast` and `torch.amp.GradScaler`. `--model resnet50` trains
+//! `tch::vision::resnet::resnet50` with 8 outputs (PyTorch: `torchvision.models.resnet50`),
+//! same BCE-with-logits loss, on random tensors only (`--data` feeds the ConvNet only).
+//!
 //! With `--data`, one loader runs over this rank's shards of as many epochs as the steps
 //! need (one continuous stream, as in a long epoch), with the trainer's default number of
 //! worker threads. `benches/reference_ddp.py` does the same work with PyTorch's DDP (Gloo).
 //!
 //! Output: per world size, one `RESULT ddp_steps key=value ...` line per rank (what
-//! `cargo xtask bench` reads), then a summary.
+//! `cargo xtask bench` reads; it ends with `precision=`, `model=`, `loss_scale=` and
+//! `skipped_steps=`, counted over warm-up and timed steps), then a summary.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -43,14 +63,36 @@ use ddp_data::{Batch, Loader, LoaderConfig, OdirDataset, OdirImages, OdirOptions
 use ddp_model::{ConvNet, ConvNetConfig};
 use ddp_sampler::DistributedSampler;
 use ddp_train::optim::{Adam, AdamConfig};
-use ddp_train::{DdpOptions, DeviceChoice, DistributedDataParallel};
+use ddp_train::{DdpOptions, DeviceChoice, DistributedDataParallel, GradScaler, Precision};
+use tch::nn::ModuleT;
 use tch::{nn, Device, Kind, Reduction, Tensor};
 
 /// Set in the environment of the rank processes this bench starts.
 const WORKER_ENV: &str = "DDP_STEPS_WORKER";
 
+/// The network trained: ODIR's ConvNet, or tch's ResNet-50 (8 outputs) as a compute-bound
+/// model whose convolutions use the tensor cores in bf16/fp16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Model {
+    /// `ddp_model::ConvNet` with its default configuration.
+    Convnet,
+    /// `tch::vision::resnet::resnet50` with 8 classes (random tensors only).
+    Resnet50,
+}
+
+impl std::fmt::Display for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Model::Convnet => "convnet",
+            Model::Resnet50 => "resnet50",
+        })
+    }
+}
+
 #[derive(Debug, Clone, Parser)]
-#[command(about = "DDP training steps of the ConvNet: images/s and DDP overhead per step")]
+#[command(
+    about = "DDP training steps of the ConvNet (or ResNet-50): images/s and DDP overhead per step"
+)]
 struct Args {
     /// World sizes to run, one after the other (comma separated).
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
@@ -91,6 +133,13 @@ struct Args {
     /// `ddp-train/benches/reference_ddp.py` below the working folder).
     #[arg(long)]
     reference_script: Option<PathBuf>,
+    /// Precision of the forward pass and the loss: autocast to bf16, or to fp16 with a
+    /// gradient scaler (the Trainer's `--precision`).
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    precision: Precision,
+    /// The network: the ConvNet, or ResNet-50 with 8 outputs (random tensors only).
+    #[arg(long, value_enum, default_value_t = Model::Convnet)]
+    model: Model,
     /// Calls of the standalone all-reduce timed after the steps.
     #[arg(long, default_value_t = 100)]
     allreduce_calls: usize,
@@ -101,6 +150,13 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.model != Model::Convnet && args.data.is_some() {
+        bail!(
+            "--model {}: --data feeds ODIR's JPEGs to the ConvNet only; drop --data (random \
+             tensors) or use --model convnet",
+            args.model
+        );
+    }
     if std::env::var_os(WORKER_ENV).is_some() {
         // The same allocator settings as the ddp-train binary: measure the product.
         ddp_train::malloc::keep_freed_memory();
@@ -124,8 +180,10 @@ fn main() -> Result<()> {
         let rate = field("images_per_sec", "0").context("rank 0 printed no result")?;
         let overhead = field("ddp_overhead_median_s", "0").unwrap_or(f64::NAN);
         println!(
-            "ddp_steps: {world} rank(s), {} : {rate:.2} img/s; per step: compute {:.3} s, \
+            "ddp_steps: {world} rank(s), {} {}, {} : {rate:.2} img/s; per step: compute {:.3} s, \
              waiting for data {:.3} s, DDP overhead (buffer broadcast + gradient sync) {:.2} ms",
+            args.model,
+            args.precision,
             args.data
                 .as_ref()
                 .map_or("random tensors".to_string(), |d| d.display().to_string()),
@@ -183,6 +241,10 @@ fn reference(args: &Args, python: &std::path::Path, ours: &[(usize, f64)]) -> Re
         args.threads.to_string(),
         "--device".into(),
         args.device.clone(),
+        "--precision".into(),
+        args.precision.to_string(),
+        "--model".into(),
+        args.model.to_string(),
     ];
     let mut modes: Vec<(&str, Vec<String>)> = vec![("random tensors", vec![])];
     if let Some(dir) = &args.data {
@@ -232,9 +294,11 @@ fn reference(args: &Args, python: &std::path::Path, ours: &[(usize, f64)]) -> Re
                 .unwrap_or(f64::NAN);
             if let Some(&(_, mine)) = ours.iter().find(|r| r.0 == world) {
                 println!(
-                    "ddp_steps vs PyTorch ({label}), {world} rank(s), {}: ours {mine:.1} img/s, \
-                     PyTorch {theirs:.1} img/s, ratio {:.2}",
+                    "ddp_steps vs PyTorch ({label}), {world} rank(s), {}, {} {}: ours \
+                     {mine:.1} img/s, PyTorch {theirs:.1} img/s, ratio {:.2}",
                     args.device,
+                    args.model,
+                    args.precision,
                     mine / theirs
                 );
             }
@@ -489,7 +553,10 @@ fn worker(args: &Args) -> Result<()> {
 
     tch::manual_seed(rank as i64);
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let net = ConvNet::new(&vs.root(), ConvNetConfig::default());
+    let net: Box<dyn ModuleT> = match args.model {
+        Model::Convnet => Box::new(ConvNet::new(&vs.root(), ConvNetConfig::default())),
+        Model::Resnet50 => Box::new(tch::vision::resnet::resnet50(&vs.root(), 8)),
+    };
     vs.set_device(device);
     let mut ddp = DistributedDataParallel::new(&vs, pg.clone(), DdpOptions::default())?;
     let params: Vec<(String, Tensor)> = ddp
@@ -499,6 +566,9 @@ fn worker(args: &Args) -> Result<()> {
         .collect();
     let mut adam = Adam::new(params, AdamConfig::default());
     let mut source = Source::new(args, &pg, device)?;
+    // fp16 only, as in the Trainer; counts the steps skipped for an inf/NaN gradient.
+    let mut scaler = (args.precision == Precision::Fp16).then(GradScaler::default);
+    let mut skipped = 0usize;
 
     let mut phases = Phases::default();
     let mut started = Instant::now();
@@ -514,9 +584,16 @@ fn worker(args: &Args) -> Result<()> {
         adam.zero_grad();
         ddp.broadcast_buffers()?;
         let t2 = Instant::now();
-        let logits = net.forward_t(&x, true);
-        let l = logits.binary_cross_entropy_with_logits::<Tensor>(&y, None, None, Reduction::Mean);
-        l.backward();
+        // The Trainer's step: forward and loss under autocast, backward outside it.
+        let l = {
+            let _autocast = args.precision.autocast(device)?;
+            let logits = net.forward_t(&x, true);
+            logits.binary_cross_entropy_with_logits::<Tensor>(&y, None, None, Reduction::Mean)
+        };
+        match &scaler {
+            Some(scaler) => scaler.scale_loss(&l).backward(),
+            None => l.backward(),
+        }
         drop((x, y));
         let ta = Instant::now();
         source.advance()?;
@@ -525,7 +602,19 @@ fn worker(args: &Args) -> Result<()> {
         let t3 = Instant::now();
         ddp.sync_gradients()?;
         let t4 = Instant::now();
-        adam.step();
+        match &mut scaler {
+            // The Trainer's order: unscale, step unless inf/NaN, update the scale.
+            Some(scaler) => {
+                let found_inf = scaler.unscale(ddp.parameters());
+                if found_inf {
+                    skipped += 1;
+                } else {
+                    adam.step();
+                }
+                scaler.update(found_inf);
+            }
+            None => adam.step(),
+        }
         let t5 = Instant::now();
         if step >= args.warmup {
             phases.data.push((t1 - t0 + (tb - ta)).as_secs_f64());
@@ -578,7 +667,8 @@ fn worker(args: &Args) -> Result<()> {
          step_median_s={:.5} data_median_s={:.5} bcast_median_s={:.6} compute_median_s={:.5} \
          sync_median_s={:.6} sync_min_s={:.6} optim_median_s={:.6} allreduce_median_s={:.6} \
          bcast_cost_median_s={:.6} sync_cost_median_s={:.6} ddp_overhead_median_s={:.6} \
-         grad_bytes={grad_bytes} handoff_median_s={:.7} handoff_ready={handoff_ready} loss={loss:.5}",
+         grad_bytes={grad_bytes} handoff_median_s={:.7} handoff_ready={handoff_ready} loss={loss:.5} \
+         precision={} model={} loss_scale={} skipped_steps={skipped}",
         if args.data.is_some() {
             "jpeg"
         } else {
@@ -602,6 +692,9 @@ fn worker(args: &Args) -> Result<()> {
         median(&mut sync_cost.clone()),
         median(&mut overhead),
         median(&mut handoff),
+        args.precision,
+        args.model,
+        scaler.as_ref().map_or(1.0, GradScaler::scale),
     );
     Ok(())
 }

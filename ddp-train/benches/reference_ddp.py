@@ -1,6 +1,7 @@
 """PyTorch DDP doing what benches/ddp_steps.rs measures, for a side-by-side table.
 
-N training steps of the ConvNet (the definition in ddp-model/tests/interop.py) on the CPU
+N training steps of the ConvNet (the definition in ddp-model/tests/interop.py; with --model
+resnet50, torchvision's ResNet-50 with 8 outputs, random tensors only) on the CPU
 (Gloo) or with --device cuda on cuda:RANK (NCCL), one process per rank
 (torch.multiprocessing), `torch.set_num_threads(1)` per rank, Adam, BCEWithLogitsLoss,
 warm-up steps excluded. Random tensors (one fixed batch per rank), or with --data an ODIR
@@ -10,19 +11,26 @@ steps are done. --workers 0 (the default) is the seeds' loader (decoding in seri
 compute); --workers N is PyTorch's fast setting: N worker processes, pin_memory,
 persistent_workers, prefetch_factor=4, batches copied with non_blocking. --draft SIZE opens
 each JPEG with PIL's `draft("RGB", (SIZE, SIZE))` (reduced-scale DCT decoding).
+--precision bf16|fp16 runs forward and loss under `torch.autocast(device_type, dtype)`;
+fp16 adds `torch.amp.GradScaler` (scaled backward, then scaler.step + scaler.update, timed
+as the optimizer phase), as ddp_steps.rs does with ddp-train's Precision and GradScaler.
 
 Prints per world size one line per rank:
 
     RESULT reference_ddp source=random world=2 rank=0 ... images_per_sec=14.1 ...
+        ... torch=2.13.0 precision=bf16 model=convnet loss_scale=1 skipped_steps=0
 
 Usage: python reference_ddp.py [--ranks 1,2] [--data DIR] [--warmup 3] [--steps 12]
-       [--device cpu|cuda] [--workers N] [--draft SIZE]
+       [--device cpu|cuda] [--workers N] [--draft SIZE] [--precision fp32|bf16|fp16]
+       [--model convnet|resnet50]
 """
 
 import argparse
+import contextlib
 import csv
 import importlib.util
 import json
+import math
 import os
 import socket
 import statistics
@@ -45,6 +53,21 @@ def convnet_class():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.ConvNet
+
+
+def build_model(name):
+    """The network `ddp_steps --model NAME` trains, with 8 outputs."""
+    if name == "resnet50":
+        import torchvision
+
+        return torchvision.models.resnet50(num_classes=8)
+    return convnet_class()()
+
+
+# torch.amp.GradScaler's default initial scale (ddp-train's GradScaler uses the same).
+INITIAL_SCALE = 65536.0
+# Its default growth interval: fewer steps than this never grow the scale.
+GROWTH_INTERVAL = 2000
 
 
 class OdirFolder(torch.utils.data.Dataset):
@@ -109,11 +132,19 @@ def worker(rank, world, port, args):
                             init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     torch.manual_seed(rank)
-    model = convnet_class()().to(device)
+    model = build_model(args.model).to(device)
     model = nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     criterion = nn.BCEWithLogitsLoss()
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
+
+    def autocast():
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
+
     data = batches(args, rank, world, device)
     phases = {"data": [], "compute": [], "optim": [], "step": []}
     started = time.perf_counter()
@@ -126,12 +157,21 @@ def worker(rank, world, port, args):
         x, y = next(data)
         t1 = time.perf_counter()
         optimizer.zero_grad()
-        out = model(x)
-        l = criterion(out, y)
-        l.backward()  # DDP's gradient all-reduce runs inside backward
+        with autocast():
+            out = model(x)
+            l = criterion(out, y)
+        # DDP's gradient all-reduce runs inside backward
+        if scaler is None:
+            l.backward()
+        else:
+            scaler.scale(l).backward()
         loss = l.item()
         t2 = time.perf_counter()
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)  # unscale_, then step unless a gradient is inf/NaN
+            scaler.update()
         t3 = time.perf_counter()
         if step >= args.warmup:
             phases["data"].append(t1 - t0)
@@ -142,6 +182,14 @@ def worker(rank, world, port, args):
     images = world * args.batch_size * args.steps
     dist.barrier()
     med = {k: statistics.median(v) for k, v in phases.items()}
+    scale = 1.0 if scaler is None else scaler.get_scale()
+    # Without growth (fewer steps than the growth interval) every skipped step halved the
+    # scale; counting them in the loop would need a device sync per step.
+    skipped = 0
+    if scaler is not None and args.warmup + args.steps < GROWTH_INTERVAL:
+        skipped = round(math.log2(INITIAL_SCALE / scale))
+    elif scaler is not None:
+        skipped = -1  # unknown
     line = (
         f"RESULT reference_ddp source={'random' if args.data is None else 'jpeg'} "
         f"device={args.device} world={world} rank={rank} threads={args.threads} "
@@ -150,7 +198,8 @@ def worker(rank, world, port, args):
         f"images_per_sec={images / elapsed:.4f} elapsed_s={elapsed:.4f} "
         f"step_median_s={med['step']:.5f} data_median_s={med['data']:.5f} "
         f"compute_median_s={med['compute']:.5f} optim_median_s={med['optim']:.6f} "
-        f"loss={loss:.5f} torch={torch.__version__}\n"
+        f"loss={loss:.5f} torch={torch.__version__} precision={args.precision} "
+        f"model={args.model} loss_scale={scale:g} skipped_steps={skipped}\n"
     )
     # One write per line: ranks share stdout, and print() writes the text and the newline
     # separately, so two ranks' lines could interleave.
@@ -171,7 +220,12 @@ def main():
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--draft", type=int, default=None)
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument("--model", choices=["convnet", "resnet50"], default="convnet")
     args = parser.parse_args()
+    if args.model != "convnet" and args.data is not None:
+        parser.error(f"--model {args.model}: --data feeds ODIR's JPEGs to the ConvNet only; "
+                     "drop --data (random tensors) or use --model convnet")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     for world in (int(r) for r in args.ranks.split(",")):
         with socket.socket() as s:
