@@ -10,7 +10,12 @@
 
 use std::path::{Path, PathBuf};
 
-const SOURCES: [&str; 3] = ["csrc/hooks.cpp", "csrc/autocast.cpp", "csrc/cuda.cpp"];
+const SOURCES: [&str; 4] = [
+    "csrc/hooks.cpp",
+    "csrc/autocast.cpp",
+    "csrc/cuda.cpp",
+    "csrc/ops.cpp",
+];
 
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");

@@ -8,7 +8,7 @@
 //! ```text
 //! t += 1                                                   # per parameter, see below
 //! g  = grad + weight_decay * param
-//! m  = beta1 * m + (1 - beta1) * g
+//! m  = lerp(m, g, 1 - beta1)                               # m + (1 - beta1) * (g - m)
 //! v  = beta2 * v + (1 - beta2) * g * g
 //! param -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //! ```
@@ -24,6 +24,11 @@
 //! b = g (first step), momentum * b + g (later steps)      # only when momentum != 0
 //! param -= lr * b   (or lr * g without momentum)
 //! ```
+//!
+//! Both are written with the same fused operations as PyTorch's single-tensor code paths
+//! (`add_(.., alpha)`, `lerp_`, `addcmul_(.., value)`, `addcdiv_(.., value)`, the first,
+//! third and fourth through `tch-ext`), so they round as PyTorch does and allocate no
+//! temporary per parameter for the update.
 //!
 //! [`Optimizer`] is either, as the Trainer holds it.
 
@@ -134,11 +139,7 @@ impl Sgd {
                 if !grad.defined() {
                     continue;
                 }
-                let grad = if weight_decay != 0.0 {
-                    &grad + p * weight_decay
-                } else {
-                    grad
-                };
+                let grad = with_weight_decay(grad, p, weight_decay);
                 let update = if momentum != 0.0 {
                     let buf = match self.momentum[k].take() {
                         Some(mut b) => {
@@ -154,8 +155,7 @@ impl Sgd {
                 } else {
                     grad
                 };
-                let mut p = p.shallow_clone();
-                let _ = p.g_add_(&(&update * -lr));
+                fused(tch_ext::add_(&mut p.shallow_clone(), &update, -lr));
             }
         });
     }
@@ -293,6 +293,25 @@ impl Optimizer {
     }
 }
 
+/// `grad + weight_decay * param` as PyTorch computes it (`grad.add(param, alpha=wd)`, one
+/// rounding), or `grad` itself without weight decay.
+fn with_weight_decay(grad: Tensor, param: &Tensor, weight_decay: f64) -> Tensor {
+    if weight_decay == 0.0 {
+        return grad;
+    }
+    let mut decayed = grad.copy();
+    fused(tch_ext::add_(&mut decayed, param, weight_decay));
+    decayed
+}
+
+/// The fused in-place operations of the steps act on a parameter and tensors made from it
+/// (same shape, dtype and device), which libtorch cannot refuse; a failure would be a bug.
+fn fused(result: Result<(), tch_ext::TchExtError>) {
+    if let Err(e) = result {
+        panic!("optimizer step: {e}");
+    }
+}
+
 /// PyTorch's `zero_grad()` (`set_to_none=True`): every gradient becomes undefined, so the
 /// next backward writes it afresh, and a parameter that gets none is skipped by `step`.
 fn zero_grads(params: &[(String, Tensor)]) {
@@ -404,20 +423,20 @@ impl Adam {
                 let t = self.param_steps[k] as f64;
                 let step_size = lr / (1.0 - beta1.powf(t));
                 let bias_correction2_sqrt = (1.0 - beta2.powf(t)).sqrt();
-                let grad = if weight_decay != 0.0 {
-                    &grad + p * weight_decay
-                } else {
-                    grad
-                };
+                let grad = with_weight_decay(grad, p, weight_decay);
                 let m = &mut self.exp_avg[k];
-                let _ = m.g_mul_scalar_(beta1);
-                let _ = m.g_add_(&(&grad * (1.0 - beta1)));
+                let _ = m.lerp_(&grad, 1.0 - beta1);
                 let v = &mut self.exp_avg_sq[k];
                 let _ = v.g_mul_scalar_(beta2);
-                let _ = v.addcmul_(&grad, &(&grad * (1.0 - beta2)));
-                let denom = v.sqrt() / bias_correction2_sqrt + eps;
-                let mut p = p.shallow_clone();
-                let _ = p.addcdiv_(&(&self.exp_avg[k] * -step_size), &denom);
+                fused(tch_ext::addcmul_(v, &grad, &grad, 1.0 - beta2));
+                let mut denom = v.sqrt() / bias_correction2_sqrt;
+                let _ = denom.g_add_scalar_(eps);
+                fused(tch_ext::addcdiv_(
+                    &mut p.shallow_clone(),
+                    &self.exp_avg[k],
+                    &denom,
+                    -step_size,
+                ));
             }
         });
     }

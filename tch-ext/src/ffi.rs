@@ -29,6 +29,20 @@ extern "C" {
     ) -> *mut c_char;
     pub(crate) fn tch_ext_set_grad(param: *const c_void, grad: *const c_void) -> *mut c_char;
 
+    pub(crate) fn tch_ext_add_(this: *mut c_void, other: *const c_void, alpha: f64) -> *mut c_char;
+    pub(crate) fn tch_ext_addcmul_(
+        this: *mut c_void,
+        a: *const c_void,
+        b: *const c_void,
+        value: f64,
+    ) -> *mut c_char;
+    pub(crate) fn tch_ext_addcdiv_(
+        this: *mut c_void,
+        a: *const c_void,
+        b: *const c_void,
+        value: f64,
+    ) -> *mut c_char;
+
     pub(crate) fn tch_ext_autocast_state(
         device: c_int,
         enabled: *mut bool,

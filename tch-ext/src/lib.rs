@@ -1,6 +1,6 @@
 //! What tch lacks for a PyTorch-grade data-parallel trainer, as a small C++ shim over the
-//! same libtorch: post-accumulate-grad hooks, autocast with a chosen dtype, and CUDA streams
-//! and events.
+//! same libtorch: post-accumulate-grad hooks, autocast with a chosen dtype, CUDA streams and
+//! events, and in-place operations with a scalar factor.
 //!
 //! - [`set_post_accumulate_grad_hook`] runs a closure each time autograd has accumulated a
 //!   gradient into a parameter (PyTorch's `register_post_accumulate_grad_hook`), so gradient
@@ -10,6 +10,8 @@
 //!   or CUDA until it is dropped (`with torch.autocast(device, dtype)`).
 //! - [`CudaStream`], [`CudaEvent`] and [`set_current_stream`] order work between streams,
 //!   e.g. to run gradient all-reduces on a side stream.
+//! - [`add_`], [`addcmul_`], [`addcdiv_`]: in-place operations with a scalar factor, the
+//!   fused kernels PyTorch's optimizers are written with.
 //!
 //! The C++ side (`csrc/`) is a narrow `extern "C"` surface: every entry point catches all
 //! exceptions and returns an error string, which becomes [`TchExtError`]; no C++ exception or
@@ -48,6 +50,7 @@ mod cuda;
 mod error;
 mod ffi;
 mod hooks;
+mod ops;
 
 pub use autocast::{autocast, autocast_dtype, is_autocast_enabled, AutocastDevice, AutocastGuard};
 pub use cuda::{
@@ -58,3 +61,4 @@ pub use hooks::{
     clear_post_accumulate_grad_hook, has_post_accumulate_grad_hook, set_grad,
     set_post_accumulate_grad_hook,
 };
+pub use ops::{add_, addcdiv_, addcmul_};
