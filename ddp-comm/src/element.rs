@@ -97,45 +97,78 @@ macro_rules! float_element {
 float_element!(f32 => F32, f64 => F64);
 
 /// A half-precision type, reduced through `f32` one step at a time: each partial result is
-/// rounded back to the type, as Gloo's and PyTorch's CPU kernels round `a + b`.
-trait HalfFloat: Copy + PartialOrd + bytemuck::Pod {
-    fn widen(self) -> f32;
-    fn narrow(v: f32) -> Self;
+/// rounded back to the type, as Gloo's and PyTorch's CPU kernels round `a + b`. Conversions
+/// work on slices, so that they vectorise (F16C for IEEE half where the CPU has it).
+trait HalfFloat: Copy + bytemuck::Pod {
+    fn widen(src: &[Self], dst: &mut [f32]);
+    fn narrow(src: &[f32], dst: &mut [Self]);
 }
 
 impl HalfFloat for half::f16 {
-    fn widen(self) -> f32 {
-        self.to_f32()
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
     }
-    fn narrow(v: f32) -> Self {
-        half::f16::from_f32(v)
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src);
     }
 }
 
 impl HalfFloat for half::bf16 {
-    fn widen(self) -> f32 {
-        self.to_f32()
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits(u32::from(s.to_bits()) << 16);
+        }
     }
-    fn narrow(v: f32) -> Self {
-        half::bf16::from_f32(v)
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = half::bf16::from_bits(bf16_bits(*s));
+        }
     }
 }
 
+/// `value` rounded to the nearest bfloat16, ties to even (c10's `round_to_nearest_even`),
+/// without branches so that the loop vectorises; NaN stays a (quiet) NaN.
+#[inline(always)]
+fn bf16_bits(value: f32) -> u16 {
+    let x = value.to_bits();
+    let rounded = (x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16) as u16;
+    let quiet_nan = ((x >> 16) | 0x40) as u16;
+    if x & 0x7FFF_FFFF > 0x7F80_0000 {
+        quiet_nan
+    } else {
+        rounded
+    }
+}
+
+/// Elements converted to `f32` at a time.
+const HALF_CHUNK: usize = 1024;
+
 fn reduce_half<H: HalfFloat>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     let (dst, src) = (half_mut::<H>(dst), half_ref::<H>(src));
-    let combine = |d: f32, s: f32| match op {
-        ReduceOp::Sum | ReduceOp::Avg => d + s,
-        ReduceOp::Max => d.max(s),
-        ReduceOp::Min => d.min(s),
-    };
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = H::narrow(combine(d.widen(), s.widen()));
+    let (mut a, mut b) = ([0f32; HALF_CHUNK], [0f32; HALF_CHUNK]);
+    for (d, s) in dst.chunks_mut(HALF_CHUNK).zip(src.chunks(HALF_CHUNK)) {
+        let (a, b) = (&mut a[..d.len()], &mut b[..d.len()]);
+        H::widen(d, a);
+        H::widen(s, b);
+        let pairs = a.iter_mut().zip(b.iter());
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => pairs.for_each(|(x, y)| *x += *y),
+            ReduceOp::Max => pairs.for_each(|(x, y)| *x = x.max(*y)),
+            ReduceOp::Min => pairs.for_each(|(x, y)| *x = x.min(*y)),
+        }
+        H::narrow(a, d);
     }
 }
 
 fn divide_half<H: HalfFloat>(buf: &mut [u8], n: usize) {
-    for v in half_mut::<H>(buf) {
-        *v = H::narrow(v.widen() / n as f32);
+    let mut a = [0f32; HALF_CHUNK];
+    for v in half_mut::<H>(buf).chunks_mut(HALF_CHUNK) {
+        let a = &mut a[..v.len()];
+        H::widen(v, a);
+        a.iter_mut().for_each(|x| *x /= n as f32);
+        H::narrow(a, v);
     }
 }
 
@@ -292,6 +325,62 @@ mod tests {
         assert_eq!(h.map(f16::to_f32), [4.0, 2.0]);
         finish_avg(DType::F16, bytemuck::cast_slice_mut(&mut h), 2);
         assert_eq!(h.map(f16::to_f32), [2.0, 1.0]);
+    }
+
+    #[test]
+    fn bf16_rounding_matches_the_half_crate_everywhere() {
+        // Every bf16 value, and every f32 halfway and one ulp around it between two of them.
+        for hi in 0..=u16::MAX {
+            for low in [0u32, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF] {
+                let f = f32::from_bits((u32::from(hi) << 16) | low);
+                let ours = bf16_bits(f);
+                let theirs = half::bf16::from_f32(f).to_bits();
+                if f.is_nan() {
+                    assert!(half::bf16::from_bits(ours).is_nan(), "{hi:#x} {low:#x}");
+                } else {
+                    assert_eq!(ours, theirs, "{f:e} ({hi:#x} {low:#x})");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn long_half_buffers_reduce_across_chunks_element_by_element() {
+        use half::{bf16, f16};
+        let n = 3 * HALF_CHUNK + 5;
+        let value = |i: usize, k: f32| ((i * 7919) % 1000) as f32 * k - 333.3;
+        let a32: Vec<f32> = (0..n).map(|i| value(i, 0.37)).collect();
+        let b32: Vec<f32> = (0..n).map(|i| value(i + 1, -0.71)).collect();
+        let mut a: Vec<bf16> = a32.iter().map(|&v| bf16::from_f32(v)).collect();
+        let b: Vec<bf16> = b32.iter().map(|&v| bf16::from_f32(v)).collect();
+        let want: Vec<bf16> = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| bf16::from_f32((x.to_f32() + y.to_f32()) / 2.0))
+            .collect();
+        reduce(
+            DType::BF16,
+            ReduceOp::Avg,
+            bytemuck::cast_slice_mut(&mut a),
+            bytemuck::cast_slice(&b),
+        );
+        // Avg sums (rounded), then divides by 2, which is exact.
+        finish_avg(DType::BF16, bytemuck::cast_slice_mut(&mut a), 2);
+        assert_eq!(a, want);
+        let mut h: Vec<f16> = a32.iter().map(|&v| f16::from_f32(v)).collect();
+        let g: Vec<f16> = b32.iter().map(|&v| f16::from_f32(v)).collect();
+        let want: Vec<f16> = h
+            .iter()
+            .zip(&g)
+            .map(|(x, y)| f16::from_f32(x.to_f32().max(y.to_f32())))
+            .collect();
+        reduce(
+            DType::F16,
+            ReduceOp::Max,
+            bytemuck::cast_slice_mut(&mut h),
+            bytemuck::cast_slice(&g),
+        );
+        assert_eq!(h, want);
     }
 
     #[test]
