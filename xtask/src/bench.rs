@@ -9,6 +9,7 @@
 //! | `comm`    | `ddp-comm/benches/collectives.rs` (2 ranks, shm and TCP) | `ddp-comm/benches/reference_gloo.py` |
 //! | `ddp`     | `ddp-train/benches/ddp_steps.rs` (2 ranks)   | (PyTorch overlaps it with backward)       |
 //! | `train`   | `ddp-train/benches/ddp_steps.rs`             | `ddp-train/benches/reference_ddp.py`      |
+//! | `overlap` | `ddp-train/benches/overlap.rs` (2 ranks, shm, TCP, TCP capped by `tc`) | `ddp-train/benches/reference_overlap.py` |
 //!
 //! xtask does not link libtorch: it builds each bench with `cargo bench --no-run`, runs the
 //! binaries and the Python scripts (the setup's `.deps/venv`), and reads their
@@ -22,6 +23,9 @@
 //! The `train` group also runs random tensors with glibc told never to return freed memory
 //! to the OS (`MALLOC_MMAP_MAX_=0`), on both sides: not the default of either, it shows what
 //! the allocator costs a CPU step (the kernel re-zeroing 100 MB activations every step).
+//!
+//! The `overlap` group caps loopback's bandwidth with `tc` (root only) for its last rows and
+//! removes the cap afterwards, also on an error, a panic or Ctrl-C ([`LoopbackCap`]).
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -54,6 +58,10 @@ pub enum Group {
     Ddp,
     /// End-to-end training images/s, 1 and 2 ranks, random tensors and JPEGs, vs PyTorch DDP.
     Train,
+    /// DDP steps of a communication-heavy MLP, 2 ranks: the all-reduce overlapped with
+    /// backward, after it, bf16-compressed; shared memory, TCP, and TCP capped at 1 Gbit/s
+    /// with `tc` (needs root); vs PyTorch DDP.
+    Overlap,
 }
 
 impl Group {
@@ -64,6 +72,7 @@ impl Group {
             Group::Comm => "comm",
             Group::Ddp => "ddp",
             Group::Train => "train",
+            Group::Overlap => "overlap",
         }
     }
 }
@@ -105,6 +114,7 @@ enum Target {
 enum Unit {
     Seconds,
     ImagesPerSec,
+    StepsPerSec,
     GigabytesPerSec,
     Fraction,
 }
@@ -114,6 +124,7 @@ impl Unit {
         match self {
             Unit::Seconds => "s",
             Unit::ImagesPerSec => "img/s",
+            Unit::StepsPerSec => "steps/s",
             Unit::GigabytesPerSec => "GB/s",
             Unit::Fraction => "",
         }
@@ -125,6 +136,7 @@ impl Unit {
             Unit::Seconds if v < 1.0 => format!("{:.2} ms", v * 1e3),
             Unit::Seconds => format!("{v:.3} s"),
             Unit::ImagesPerSec => format!("{v:.1} img/s"),
+            Unit::StepsPerSec => format!("{v:.2} steps/s"),
             Unit::GigabytesPerSec => format!("{v:.3} GB/s"),
             Unit::Fraction => format!("{v:.3}"),
         }
@@ -381,6 +393,7 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
             Group::Comm,
             Group::Ddp,
             Group::Train,
+            Group::Overlap,
         ]
         .into()
     } else {
@@ -416,6 +429,7 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
             Group::Comm => comm(&ctx),
             Group::Ddp => ddp_only(&ctx),
             Group::Train => train(&ctx, groups.contains(&Group::Ddp)),
+            Group::Overlap => overlap(&ctx),
         };
         let new_rows = match result {
             Ok(r) => r,
@@ -1223,6 +1237,348 @@ fn train(ctx: &Ctx, with_ddp: bool) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
+// ---------------------------------------------------------------------------------------
+// overlap
+
+/// The communication-heavy step: 10 `Linear(2048, 2048)` layers (42 M parameters, 168 MB
+/// of gradients) on a batch of 16 per rank.
+const OVERLAP_MODEL: [&str; 6] = ["--layers", "10", "--width", "2048", "--batch", "16"];
+/// The step under the bandwidth cap: 4 `Linear(1024, 1024)` layers (4.2 M parameters,
+/// 16.8 MB of gradients: 0.27 s of all-reduce at 1 Gbit/s, since both ranks' traffic shares
+/// loopback's one queue), with a batch large enough (1536) that backward takes about as
+/// long, so that there is something to overlap with, and 4 MiB buckets on both sides (one
+/// per layer): DDP's default 25 MiB would hold the whole model in one bucket, which nothing
+/// can overlap.
+const CAPPED_MODEL: [&str; 8] = [
+    "--layers",
+    "4",
+    "--width",
+    "1024",
+    "--batch",
+    "1536",
+    "--bucket-cap-mb",
+    "4",
+];
+/// tc's token bucket filter that caps loopback: 1 Gbit/s.
+const LOOPBACK_TBF: [&str; 7] = ["tbf", "rate", "1gbit", "burst", "256kb", "latency", "50ms"];
+/// Removes the cap once the process whose id is `$1` has ended (xtask killed by a signal).
+const CAP_WATCHER: &str = "trap '' INT HUP TERM; while kill -0 \"$1\" 2>/dev/null; do \
+                           sleep 1; done; tc qdisc del dev lo root 2>/dev/null";
+
+fn overlap(ctx: &Ctx) -> Result<Vec<Row>> {
+    let exe = ctx.build_bench("ddp-train", "overlap")?;
+    let reference = script(ctx, "ddp-train", "reference_overlap.py")?;
+    let mut rows = Vec::new();
+    // PyTorch runs between our two transports, so that a change of load over the run does
+    // not favour one side.
+    let ours_shm = overlap_ours(ctx, &exe, &OVERLAP_MODEL, "auto", "overlap-ours-shm")?;
+    say("overlap: PyTorch DDP (Gloo over loopback TCP), all-reduce and bf16_compress_hook");
+    let theirs = overlap_pytorch(ctx, &reference, &OVERLAP_MODEL, "overlap-pytorch")?;
+    let ours_tcp = overlap_ours(ctx, &exe, &OVERLAP_MODEL, "tcp", "overlap-ours-tcp")?;
+    rows.extend(overlap_rows("shared memory", &ours_shm, &theirs, false));
+    rows.extend(overlap_rows("TCP", &ours_tcp, &theirs, false));
+    let capped = "TCP capped at 1 Gbit/s";
+    match LoopbackCap::install() {
+        Err(why) => rows.push(
+            Row::new(
+                Group::Overlap,
+                format!("{capped} (tc tbf on lo): skipped"),
+                Unit::StepsPerSec,
+            )
+            .note(why),
+        ),
+        Ok(cap) => {
+            say(&format!(
+                "overlap: ours and PyTorch DDP, {capped} (`tc qdisc show dev lo` while it runs)"
+            ));
+            let ours = overlap_ours(ctx, &exe, &CAPPED_MODEL, "tcp", "overlap-ours-capped");
+            let theirs = ours
+                .as_ref()
+                .ok()
+                .map(|_| overlap_pytorch(ctx, &reference, &CAPPED_MODEL, "overlap-pytorch-capped"));
+            cap.remove()?;
+            let (ours, theirs) = (ours?, theirs.context("not run")??);
+            rows.extend(overlap_rows(capped, &ours, &theirs, true));
+        }
+    }
+    Ok(rows)
+}
+
+/// Our 2 ranks over `transport` (`auto`: shared memory; `tcp`), every configuration; rank
+/// 0's output.
+fn overlap_ours(
+    ctx: &Ctx,
+    exe: &Path,
+    model: &[&str],
+    transport: &str,
+    name: &str,
+) -> Result<String> {
+    say(&format!(
+        "overlap: ours, 2 ranks, DDP_TRANSPORT={transport}, overlapped / not / bf16 taking \
+         turns, {} + {} steps each",
+        ctx.warmup, ctx.steps
+    ));
+    let mut args: Vec<String> = model.iter().map(|s| s.to_string()).collect();
+    args.extend(overlap_steps(ctx));
+    args.extend(["--configs".into(), "overlap,no-overlap,bf16".into()]);
+    // Both sides keep freed memory (the ddp-train binary's setting): the comparison is DDP's.
+    let mut env = vec![("DDP_TRANSPORT", transport)];
+    env.extend(MALLOC_KEEP.iter().copied());
+    let outs = run_ranks(ctx, name, exe, &args, 2, &env)?;
+    Ok(outs.into_iter().next().unwrap_or_default())
+}
+
+fn overlap_pytorch(ctx: &Ctx, reference: &Path, model: &[&str], name: &str) -> Result<String> {
+    let mut cmd = ctx.python();
+    cmd.arg(reference)
+        .args(model)
+        .args(overlap_steps(ctx))
+        .args(["--ranks", "2", "--configs", "overlap,bf16"])
+        .envs(MALLOC_KEEP.iter().copied());
+    ctx.capture(name, cmd)
+}
+
+fn overlap_steps(ctx: &Ctx) -> [String; 4] {
+    [
+        "--warmup".into(),
+        ctx.warmup.to_string(),
+        "--steps".into(),
+        ctx.steps.to_string(),
+    ]
+}
+
+/// `key` of rank 0's `RESULT <tag> config=<config> ...` line.
+fn overlap_value(text: &str, tag: &str, config: &str, key: &str) -> Option<f64> {
+    let prefix = format!("RESULT {tag} ");
+    text.lines()
+        .filter(|l| l.starts_with(&prefix))
+        .find(|l| kv(l, "config") == Some(config) && kv(l, "rank") == Some("0"))
+        .and_then(|l| kv_f64(l, key))
+}
+
+/// The rows of one transport: ours overlapped, not overlapped and bf16-compressed next to
+/// PyTorch DDP, and the share of the communication the overlap hides. `capped`: the
+/// bandwidth-limited targets (ours >= PyTorch, half the communication hidden) instead of
+/// 1.3x PyTorch.
+fn overlap_rows(what: &str, ours: &str, theirs: &str, capped: bool) -> Vec<Row> {
+    let o = |config: &str, key: &str| overlap_value(ours, "overlap", config, key);
+    let t = |config: &str, key: &str| overlap_value(theirs, "reference_overlap", config, key);
+    let s = |v: Option<f64>| v.map_or("-".to_string(), |x| Unit::Seconds.show(x));
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => format!("{:.2}x", a / b),
+        _ => "-".to_string(),
+    };
+    let model = match (o("overlap", "layers"), o("overlap", "width")) {
+        (Some(l), Some(w)) => format!(
+            "MLP {l}x Linear({w},{w}), {:.1}M params, batch {}/rank, {} MiB buckets",
+            o("overlap", "parameters").unwrap_or(f64::NAN) / 1e6,
+            o("overlap", "batch").unwrap_or(f64::NAN),
+            o("overlap", "bucket_cap_mb").unwrap_or(f64::NAN)
+        ),
+        _ => "MLP".to_string(),
+    };
+    let (ov, noov) = (
+        o("overlap", "step_median_s"),
+        o("no-overlap", "step_median_s"),
+    );
+    let comm = o("no-overlap", "sync_cost_median_s");
+    let hidden = match (ov, noov, comm) {
+        (Some(a), Some(b), Some(c)) if c > 0.0 => Some((b - a) / c),
+        _ => None,
+    };
+    let mut first = Row::new(
+        Group::Overlap,
+        format!("{model}, 2 ranks, {what}: ours overlapped vs PyTorch DDP"),
+        Unit::StepsPerSec,
+    )
+    .pair(o("overlap", "steps_per_sec"), t("overlap", "steps_per_sec"))
+    .target(Target::Ratio(if capped { 1.0 } else { 1.3 }))
+    .note(format!(
+        "step: ours {} = fwd+bwd {} + wait in sync_gradients {} + SGD {}; PyTorch {} = \
+         fwd+bwd with its all-reduce {} + SGD {}",
+        s(ov),
+        s(o("overlap", "compute_median_s")),
+        s(o("overlap", "sync_median_s")),
+        s(o("overlap", "optim_median_s")),
+        s(t("overlap", "step_median_s")),
+        s(t("overlap", "compute_median_s")),
+        s(t("overlap", "optim_median_s")),
+    ));
+    if capped {
+        first.note = format!("{}; target: ours >= PyTorch under the cap", first.note);
+    }
+    let mut share = Row::new(
+        Group::Overlap,
+        format!("  {what}: share of the communication that overlapping hides"),
+        Unit::Fraction,
+    )
+    .pair(hidden, None)
+    .note(format!(
+        "(not overlapped {} - overlapped {}) / communication {} (sync_gradients after \
+         backward, on the rank that waited least); the {:.1} MB all-reduce alone {}",
+        s(noov),
+        s(ov),
+        s(comm),
+        o("overlap", "grad_bytes").unwrap_or(f64::NAN) / 1e6,
+        s(o("overlap", "allreduce_median_s")),
+    ));
+    if capped {
+        // overlapped <= not overlapped - 0.5 x communication
+        share = share.target(Target::Ours(0.5));
+    }
+    vec![
+        first,
+        Row::new(
+            Group::Overlap,
+            format!("  {what}: ours not overlapped (overlap: false) vs PyTorch DDP"),
+            Unit::StepsPerSec,
+        )
+        .pair(
+            o("no-overlap", "steps_per_sec"),
+            t("overlap", "steps_per_sec"),
+        )
+        .note(format!(
+            "step {} = fwd+bwd {} + sync_gradients {} + SGD {}",
+            s(noov),
+            s(o("no-overlap", "compute_median_s")),
+            s(o("no-overlap", "sync_median_s")),
+            s(o("no-overlap", "optim_median_s")),
+        )),
+        share,
+        Row::new(
+            Group::Overlap,
+            format!("  {what}: bf16_compress, ours overlapped vs PyTorch's bf16_compress_hook"),
+            Unit::StepsPerSec,
+        )
+        .pair(o("bf16", "steps_per_sec"), t("bf16", "steps_per_sec"))
+        .note(format!(
+            "bf16 / plain all-reduce steps/s: ours {}, PyTorch {}; bf16 all-reduce alone {}",
+            ratio(o("bf16", "steps_per_sec"), o("overlap", "steps_per_sec")),
+            ratio(t("bf16", "steps_per_sec"), t("overlap", "steps_per_sec")),
+            s(o("bf16", "allreduce_median_s")),
+        )),
+    ]
+}
+
+/// What `tc qdisc show dev lo` says is loopback's root queueing discipline.
+#[derive(Debug, PartialEq)]
+enum RootQdisc {
+    /// Loopback's default (`noqueue`), or none shown.
+    Default,
+    /// A `tbf` at 1 Gbit/s: our cap, left by a run that could not remove it.
+    OurCap,
+    /// Something else, someone's own: the line.
+    Other(String),
+}
+
+fn root_qdisc(shown: &str) -> RootQdisc {
+    let Some(line) = shown
+        .lines()
+        .find(|l| l.split_whitespace().any(|w| w == "root"))
+    else {
+        return RootQdisc::Default;
+    };
+    match line.split_whitespace().nth(1) {
+        Some("noqueue") => RootQdisc::Default,
+        Some("tbf") if line.contains("rate 1Gbit ") => RootQdisc::OurCap,
+        _ => RootQdisc::Other(line.trim().to_string()),
+    }
+}
+
+/// Runs `tc args`; the error says why tc is not usable here.
+fn tc(args: &[&str]) -> std::result::Result<String, String> {
+    let out = Command::new("tc")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run tc ({e}); it is in iproute2"))?;
+    if out.status.success() {
+        return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
+    }
+    let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    let hint = if err.contains("Operation not permitted") {
+        " (changing qdiscs needs root)"
+    } else if err.contains("unknown") || err.contains("No such file") {
+        " (the kernel lacks the sch_tbf module)"
+    } else {
+        ""
+    };
+    Err(format!("`tc {}` failed: {err}{hint}", args.join(" ")))
+}
+
+/// Loopback capped at 1 Gbit/s while this lives: removed by [`LoopbackCap::remove`] or on
+/// drop (an error, a panic, Ctrl-C while ranks run: `ddp_run::launch` turns it into an
+/// error). A watcher process, in a process group of its own so that Ctrl-C at the terminal
+/// does not reach it, removes the cap if xtask dies without dropping this (Ctrl-C while
+/// PyTorch runs, SIGKILL). A cap left over from an earlier run is removed first.
+struct LoopbackCap {
+    watcher: Option<std::process::Child>,
+    removed: bool,
+}
+
+impl LoopbackCap {
+    fn install() -> std::result::Result<Self, String> {
+        match root_qdisc(&tc(&["qdisc", "show", "dev", "lo"])?) {
+            RootQdisc::Default => {}
+            RootQdisc::OurCap => {
+                say("overlap: removing a loopback cap left by an earlier run");
+                tc(&["qdisc", "del", "dev", "lo", "root"])?;
+            }
+            RootQdisc::Other(line) => {
+                return Err(format!(
+                    "lo already has a root qdisc ({line}); not replacing it"
+                ))
+            }
+        }
+        let mut add = vec!["qdisc", "add", "dev", "lo", "root"];
+        add.extend(LOOPBACK_TBF);
+        tc(&add)?;
+        let watcher = {
+            use std::os::unix::process::CommandExt;
+            Command::new("sh")
+                .args(["-c", CAP_WATCHER, "xtask-loopback-cap"])
+                .arg(std::process::id().to_string())
+                .process_group(0)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .ok()
+        };
+        Ok(LoopbackCap {
+            watcher,
+            removed: false,
+        })
+    }
+
+    /// Removes the cap and checks that loopback is back to its default.
+    fn remove(mut self) -> Result<()> {
+        self.removed = true;
+        let deleted = tc(&["qdisc", "del", "dev", "lo", "root"]);
+        let shown = tc(&["qdisc", "show", "dev", "lo"]).map_err(anyhow::Error::msg)?;
+        if root_qdisc(&shown) != RootQdisc::Default {
+            bail!(
+                "loopback is still capped ({}; {}); remove it with `tc qdisc del dev lo root`",
+                shown.trim(),
+                deleted.err().unwrap_or_default()
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for LoopbackCap {
+    fn drop(&mut self) {
+        if !self.removed {
+            let _ = tc(&["qdisc", "del", "dev", "lo", "root"]);
+        }
+        if let Some(mut watcher) = self.watcher.take() {
+            let _ = watcher.kill();
+            let _ = watcher.wait();
+        }
+    }
+}
+
 fn print_table(rows: &[Row]) {
     let w_name = rows.iter().map(|r| r.name.len()).max().unwrap_or(10).max(9);
     println!(
@@ -1353,6 +1709,65 @@ mod tests {
         let tcp = comm_rows("TCP", &ours, &gloo, false);
         assert!(tcp.iter().all(|r| r.target.is_none()));
         assert!(tcp[3].name.ends_with("2 ranks, TCP"));
+    }
+
+    #[test]
+    fn reads_loopbacks_root_qdisc() {
+        assert_eq!(
+            root_qdisc("qdisc noqueue 0: root refcnt 2 \n"),
+            RootQdisc::Default
+        );
+        assert_eq!(root_qdisc(""), RootQdisc::Default);
+        assert_eq!(
+            root_qdisc("qdisc tbf 8001: root refcnt 2 rate 1Gbit burst 262125b lat 50ms \n"),
+            RootQdisc::OurCap
+        );
+        assert_eq!(
+            root_qdisc("qdisc netem 8002: root refcnt 2 limit 1000 delay 10ms\n"),
+            RootQdisc::Other("qdisc netem 8002: root refcnt 2 limit 1000 delay 10ms".into())
+        );
+        // Someone's own tbf at another rate is theirs.
+        assert!(matches!(
+            root_qdisc("qdisc tbf 8001: root refcnt 2 rate 10Gbit burst 1Mb lat 50ms"),
+            RootQdisc::Other(_)
+        ));
+    }
+
+    #[test]
+    fn overlap_rows_compare_configs_and_the_hidden_communication() {
+        let ours = "RESULT overlap config=overlap transport=tcp world=2 rank=0 layers=4 \
+            width=1024 batch=256 parameters=4198400 grad_bytes=16793600 bucket_cap_mb=4 \
+            steps_per_sec=2.0 \
+            step_median_s=0.5 compute_median_s=0.3 sync_median_s=0.15 optim_median_s=0.05 \
+            allreduce_median_s=0.3\n\
+            RESULT overlap config=overlap transport=tcp world=2 rank=1 steps_per_sec=9.0\n\
+            RESULT overlap config=no-overlap transport=tcp world=2 rank=0 steps_per_sec=1.25 \
+            step_median_s=0.8 compute_median_s=0.4 sync_median_s=0.35 \
+            sync_cost_median_s=0.4 optim_median_s=0.05\n\
+            RESULT overlap config=bf16 transport=tcp world=2 rank=0 steps_per_sec=3.0\n";
+        let theirs = "RESULT reference_overlap config=overlap world=2 rank=0 \
+            steps_per_sec=1.6 step_median_s=0.625\n\
+            RESULT reference_overlap config=bf16 world=2 rank=0 steps_per_sec=2.4\n";
+        let rows = overlap_rows("TCP capped", ours, theirs, true);
+        assert_eq!(rows.len(), 4);
+        assert!(rows[0]
+            .name
+            .starts_with("MLP 4x Linear(1024,1024), 4.2M params, batch 256/rank, 4 MiB buckets"));
+        assert!((rows[0].ratio.unwrap() - 1.25).abs() < 1e-12);
+        assert_eq!(rows[0].meets_target(), Some(true));
+        assert!((rows[1].ratio.unwrap() - 1.25 / 1.6).abs() < 1e-12);
+        // (0.8 - 0.5) / 0.4 of the communication hidden: more than half.
+        assert!((rows[2].ours.unwrap() - 0.75).abs() < 1e-12);
+        assert_eq!(rows[2].meets_target(), Some(true));
+        assert!((rows[3].ratio.unwrap() - 1.25).abs() < 1e-12);
+        assert!(rows[3].note.contains("ours 1.50x, PyTorch 1.50x"));
+        // Uncapped: 1.3x PyTorch is the target, the hidden share is shown without one.
+        let rows = overlap_rows("TCP", ours, theirs, false);
+        assert_eq!(rows[0].meets_target(), Some(false));
+        assert!(rows[2].target.is_none());
+        // A side that printed nothing leaves its figures empty, not wrong.
+        let rows = overlap_rows("TCP", ours, "", false);
+        assert_eq!(rows[0].ratio, None);
     }
 
     #[test]
