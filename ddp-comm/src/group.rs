@@ -15,6 +15,7 @@ use crate::nccl::{self, NcclComm};
 use crate::rendezvous::{self, Plan};
 use crate::shm;
 use crate::store::{Store, StoreServer};
+use crate::sync::lock;
 use crate::work::{Op, Queue, Work};
 
 /// Default rendezvous timeout.
@@ -253,11 +254,6 @@ impl Drop for ProcessGroup {
     }
 }
 
-/// Locks `m`, taking the guard back if a panic poisoned it.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 impl ProcessGroup {
     /// Joins the group described by the environment: torchrun's variables, else SLURM's,
     /// else rank 0 of 1 (see [`EnvConfig`]).
@@ -472,7 +468,14 @@ impl ProcessGroup {
     fn submit(self: &Arc<Self>, t: &Tensor, op: Op) -> Work {
         let mut queue = lock(&self.queue);
         if queue.is_none() {
-            match Queue::start(Arc::downgrade(self), self.rank) {
+            // The thread holds the group only while it runs a job, so dropping the group's
+            // last handle ends it.
+            let group = Arc::downgrade(self);
+            let run = move |t: &mut Tensor, op: Op| match group.upgrade() {
+                Some(group) => group.run_queued(t, op),
+                None => Err(CommError::Poisoned("the process group was dropped".into())),
+            };
+            match Queue::start(run, self.rank) {
                 Ok(q) => *queue = Some(q),
                 Err(e) => return Work::done(Err(e)),
             }
@@ -492,7 +495,7 @@ impl ProcessGroup {
     }
 
     /// Runs one job of the communication thread.
-    pub(crate) fn run_queued(&self, t: &mut Tensor, op: Op) -> Result<(), CommError> {
+    fn run_queued(&self, t: &mut Tensor, op: Op) -> Result<(), CommError> {
         match op {
             Op::AllReduce(op) => self.all_reduce_now(t, op),
             Op::Broadcast(root) => self.broadcast_now(t, root),
@@ -512,13 +515,16 @@ impl ProcessGroup {
             unsafe { comm.all_reduce_async(ptr, count, dtype, op) }
         })();
         match queued {
-            Ok(work) => Work::cuda(self.clone(), work),
+            Ok(work) => {
+                let group = self.clone();
+                Work::pending(move || group.wait_cuda(work))
+            }
             Err(e) => Work::done(Err(e)),
         }
     }
 
     /// Waits for an asynchronous NCCL collective.
-    pub(crate) fn wait_cuda(&self, work: crate::nccl::NcclWork) -> Result<(), CommError> {
+    fn wait_cuda(&self, work: crate::nccl::NcclWork) -> Result<(), CommError> {
         let mut comm = self.nccl()?;
         match comm.as_mut() {
             Some(c) => c.wait_work(work),

@@ -24,8 +24,8 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{CommError, Diagnosis};
-use crate::group::lock;
 use crate::store::Store;
+use crate::sync::lock;
 
 /// Opens a new connection to the rendezvous store (the heartbeat's own).
 pub(crate) type Connector = Box<dyn Fn() -> Result<Box<dyn Store>, CommError> + Send + Sync>;

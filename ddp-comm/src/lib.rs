@@ -54,6 +54,7 @@ mod rendezvous;
 mod ring;
 mod shm;
 mod store;
+mod sync;
 mod tcp;
 mod wire;
 mod work;

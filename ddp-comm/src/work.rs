@@ -1,5 +1,7 @@
 //! Asynchronous collectives: [`Work`], the handle of a collective in flight (c10d's `Work`),
 //! and the communication thread that runs CPU collectives in the order they were issued.
+//! This module knows nothing of the group: the group hands the thread a function that runs
+//! one job, and a CUDA collective's `Work` a function that waits for it.
 //!
 //! CPU collectives issued with [`ProcessGroup::all_reduce_async`] and
 //! [`ProcessGroup::broadcast_async`] go to one thread per group, which runs them one after
@@ -10,15 +12,14 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use tch::Tensor;
 
 use crate::element::ReduceOp;
 use crate::error::CommError;
-use crate::group::{lock, ProcessGroup};
-use crate::nccl::NcclWork;
+use crate::sync::lock;
 
 /// A collective in flight. [`Work::wait`] returns once it has completed on this rank (for a
 /// CUDA tensor: once the device has finished it), with its result; until then the tensor
@@ -26,49 +27,52 @@ use crate::nccl::NcclWork;
 /// finish in the background; its error, if any, then poisons the group, and the next
 /// collective reports it.
 #[must_use = "a collective's result is only valid after `wait`"]
-#[derive(Debug)]
 pub struct Work {
     state: State,
 }
 
-#[derive(Debug)]
+/// How a CUDA collective's completion is waited for (by the group that queued it).
+type Waiter = Box<dyn FnOnce() -> Result<(), CommError> + Send>;
+
 enum State {
     /// Completed when it was issued (a world of one, or a refusal).
-    Done(Option<Result<(), CommError>>),
+    Done(Result<(), CommError>),
     /// Queued on the group's communication thread.
     Queued(Arc<Slot>),
-    /// Queued on the NCCL side stream.
-    Cuda {
-        group: Arc<ProcessGroup>,
-        work: Option<NcclWork>,
-    },
+    /// Queued on the device (NCCL's side stream).
+    Device(Waiter),
+}
+
+impl std::fmt::Debug for Work {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match &self.state {
+            State::Done(_) => "Work(done)",
+            State::Queued(_) => "Work(queued)",
+            State::Device(_) => "Work(on the device)",
+        })
+    }
 }
 
 impl Work {
     pub(crate) fn done(result: Result<(), CommError>) -> Self {
         Work {
-            state: State::Done(Some(result)),
+            state: State::Done(result),
         }
     }
 
-    pub(crate) fn cuda(group: Arc<ProcessGroup>, work: NcclWork) -> Self {
+    /// Work whose completion `wait` waits for.
+    pub(crate) fn pending(wait: impl FnOnce() -> Result<(), CommError> + Send + 'static) -> Self {
         Work {
-            state: State::Cuda {
-                group,
-                work: Some(work),
-            },
+            state: State::Device(Box::new(wait)),
         }
     }
 
     /// Blocks until the collective has completed and returns its result.
-    pub fn wait(mut self) -> Result<(), CommError> {
-        match &mut self.state {
-            State::Done(result) => result.take().unwrap_or(Ok(())),
+    pub fn wait(self) -> Result<(), CommError> {
+        match self.state {
+            State::Done(result) => result,
             State::Queued(slot) => slot.wait(),
-            State::Cuda { group, work } => match work.take() {
-                Some(work) => group.wait_cuda(work),
-                None => Ok(()),
-            },
+            State::Device(wait) => wait(),
         }
     }
 
@@ -76,7 +80,7 @@ impl Work {
     /// it has been queued; [`Work::wait`] waits for the device).
     pub fn is_completed(&self) -> bool {
         match &self.state {
-            State::Done(_) | State::Cuda { .. } => true,
+            State::Done(_) | State::Device(_) => true,
             State::Queued(slot) => lock(&slot.result).is_some(),
         }
     }
@@ -161,17 +165,23 @@ impl Pending {
     }
 }
 
+/// What the communication thread does with each job.
+pub(crate) trait Runner:
+    Fn(&mut Tensor, Op) -> Result<(), CommError> + Send + 'static
+{
+}
+impl<F: Fn(&mut Tensor, Op) -> Result<(), CommError> + Send + 'static> Runner for F {}
+
 impl Queue {
-    /// Starts the communication thread of `group`. It holds the group only while it runs a
-    /// job, so dropping the group's last handle ends it.
-    pub(crate) fn start(group: Weak<ProcessGroup>, rank: usize) -> Result<Queue, CommError> {
+    /// Starts the communication thread of rank `rank`, which hands each job to `run`.
+    pub(crate) fn start(run: impl Runner, rank: usize) -> Result<Queue, CommError> {
         let (sender, receiver) = mpsc::channel();
         let pending = Arc::new(Pending::default());
         let thread = std::thread::Builder::new()
             .name(format!("ddp-comm-{rank}"))
             .spawn({
                 let pending = pending.clone();
-                move || serve(group, receiver, &pending)
+                move || serve(run, receiver, &pending)
             })
             .map_err(|e| CommError::io("starting the communication thread", e))?;
         Ok(Queue {
@@ -211,8 +221,8 @@ impl Drop for Queue {
     fn drop(&mut self) {
         self.sender.take();
         if let Some(thread) = self.thread.take() {
-            // The group's last handle may be dropped by the thread itself (it holds one while
-            // it runs a job); it must not wait for itself.
+            // The queue's owner may be dropped by the thread itself (a runner may hold the
+            // owner while it runs a job); it must not wait for itself.
             if thread.thread().id() != std::thread::current().id() {
                 let _ = thread.join();
             }
@@ -220,12 +230,9 @@ impl Drop for Queue {
     }
 }
 
-fn serve(group: Weak<ProcessGroup>, jobs: Receiver<Job>, pending: &Pending) {
+fn serve(run: impl Runner, jobs: Receiver<Job>, pending: &Pending) {
     while let Ok(mut job) = jobs.recv() {
-        let result = match group.upgrade() {
-            Some(group) => group.run_queued(&mut job.tensor, job.op),
-            None => Err(CommError::Poisoned("the process group was dropped".into())),
-        };
+        let result = run(&mut job.tensor, job.op);
         job.slot.finish(result);
         pending.done();
     }
