@@ -208,6 +208,18 @@ pub struct TrainConfig {
     #[arg(long)]
     #[serde(default)]
     pub no_overlap: bool,
+
+    /// Adam with decoupled weight decay (AdamW): --weight-decay shrinks the weights instead
+    /// of entering the gradient.
+    #[arg(long)]
+    #[serde(default)]
+    pub adamw: bool,
+
+    /// Clip the gradients' global 2-norm to this value after they are averaged over ranks
+    /// (the norm is logged with --log-every).
+    #[arg(long, value_name = "MAX_NORM")]
+    #[serde(default)]
+    pub clip_grad_norm: Option<f64>,
 }
 
 /// Seconds of a duration written as `N`, `Ns`, `Nm` or `Nh`.
@@ -268,11 +280,18 @@ impl TrainConfig {
             .epochs(self.epochs)
             .batch_size(self.batch_size)
             .accumulate(self.accumulate)
-            .optimizer(OptimizerConfig::Adam(AdamConfig {
-                lr: self.lr,
-                weight_decay: self.weight_decay,
-                ..Default::default()
-            }))
+            .optimizer({
+                let adam = AdamConfig {
+                    lr: self.lr,
+                    weight_decay: self.weight_decay,
+                    ..Default::default()
+                };
+                if self.adamw {
+                    OptimizerConfig::AdamW(adam)
+                } else {
+                    OptimizerConfig::Adam(adam)
+                }
+            })
             .plateau(Some(Plateau {
                 metric: "val_macro_f1".into(),
                 goal: Goal::Max,
@@ -304,6 +323,7 @@ impl TrainConfig {
             .find_unused_parameters(self.find_unused_parameters)
             .comm_hook(self.comm_hook)
             .overlap(!self.no_overlap)
+            .clip_grad_norm(self.clip_grad_norm)
     }
 }
 

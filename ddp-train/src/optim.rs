@@ -17,6 +17,9 @@
 //! first used at step 100 starts with `t = 1` (PyTorch keeps `state['step']` per parameter),
 //! which matters once DDP lets parameters go unused (`find_unused_parameters`).
 //!
+//! [`Adam::decoupled`] is `torch.optim.AdamW`: `param *= 1 - lr * weight_decay` first, and
+//! `g = grad`.
+//!
 //! [`Sgd`] is `torch.optim.SGD` without dampening or Nesterov:
 //!
 //! ```text
@@ -62,6 +65,10 @@ pub enum OptimStateError {
 pub enum OptimizerConfig {
     /// [`Adam`].
     Adam(AdamConfig),
+    /// [`Adam`] with decoupled weight decay (`torch.optim.AdamW`): `weight_decay` shrinks
+    /// the weights by `lr * weight_decay` each step instead of entering the gradient.
+    #[serde(rename = "adamw")]
+    AdamW(AdamConfig),
     /// [`Sgd`].
     Sgd(SgdConfig),
 }
@@ -76,7 +83,7 @@ impl OptimizerConfig {
     /// The initial learning rate.
     pub fn lr(&self) -> f64 {
         match self {
-            Self::Adam(c) => c.lr,
+            Self::Adam(c) | Self::AdamW(c) => c.lr,
             Self::Sgd(c) => c.lr,
         }
     }
@@ -227,6 +234,7 @@ impl Optimizer {
     pub fn new(params: Vec<(String, Tensor)>, config: OptimizerConfig) -> Self {
         match config {
             OptimizerConfig::Adam(c) => Self::Adam(Adam::new(params, c)),
+            OptimizerConfig::AdamW(c) => Self::Adam(Adam::decoupled(params, c)),
             OptimizerConfig::Sgd(c) => Self::Sgd(Sgd::new(params, c)),
         }
     }
@@ -291,6 +299,31 @@ impl Optimizer {
             Self::Sgd(o) => o.load_state(tensors, step),
         }
     }
+}
+
+/// Scales the gradients of `params` so that their global 2-norm is at most `max_norm`, and
+/// returns the norm before scaling (`torch.nn.utils.clip_grad_norm_`: every gradient times
+/// `min(1, max_norm / (norm + 1e-6))`; parameters without a gradient are left out). After
+/// DDP's average the gradients are the same on every rank, and so are the norm and the
+/// scaling. A non-finite norm leaves non-finite gradients (the fp16 scaler skips that step).
+pub fn clip_grad_norm(params: &[(String, Tensor)], max_norm: f64) -> f64 {
+    tch::no_grad(|| {
+        let grads: Vec<Tensor> = params
+            .iter()
+            .map(|(_, p)| p.grad())
+            .filter(Tensor::defined)
+            .collect();
+        if grads.is_empty() {
+            return 0.0;
+        }
+        let norms: Vec<Tensor> = grads.iter().map(|g| g.norm()).collect();
+        let total = Tensor::stack(&norms, 0).norm();
+        let coef = (max_norm / (&total + 1e-6)).clamp_max(1.0);
+        for g in &grads {
+            let _ = g.shallow_clone().g_mul_(&coef);
+        }
+        total.double_value(&[])
+    })
 }
 
 /// `grad + weight_decay * param` as PyTorch computes it (`grad.add(param, alpha=wd)`, one
@@ -359,6 +392,8 @@ pub struct Adam {
     step: i64,
     /// Steps in which each parameter had a gradient (the `t` of its bias corrections).
     param_steps: Vec<i64>,
+    /// AdamW: weight decay shrinks the weights instead of entering the gradient.
+    decoupled: bool,
 }
 
 impl Adam {
@@ -379,6 +414,16 @@ impl Adam {
             exp_avg,
             exp_avg_sq,
             step: 0,
+            decoupled: false,
+        }
+    }
+
+    /// AdamW (`torch.optim.AdamW`): as [`Adam::new`], but each step first multiplies the
+    /// weights by `1 - lr * weight_decay` and leaves the gradient alone.
+    pub fn decoupled(params: Vec<(String, Tensor)>, config: AdamConfig) -> Self {
+        Self {
+            decoupled: true,
+            ..Self::new(params, config)
         }
     }
 
@@ -423,7 +468,14 @@ impl Adam {
                 let t = self.param_steps[k] as f64;
                 let step_size = lr / (1.0 - beta1.powf(t));
                 let bias_correction2_sqrt = (1.0 - beta2.powf(t)).sqrt();
-                let grad = with_weight_decay(grad, p, weight_decay);
+                let grad = if self.decoupled {
+                    if weight_decay != 0.0 {
+                        let _ = p.shallow_clone().g_mul_scalar_(1.0 - lr * weight_decay);
+                    }
+                    grad
+                } else {
+                    with_weight_decay(grad, p, weight_decay)
+                };
                 let m = &mut self.exp_avg[k];
                 let _ = m.lerp_(&grad, 1.0 - beta1);
                 let v = &mut self.exp_avg_sq[k];
@@ -498,6 +550,93 @@ mod tests {
     use super::*;
     use tch::nn::OptimizerConfig as _;
     use tch::{nn, Device, Kind};
+
+    #[test]
+    fn clipping_scales_the_global_norm_down_to_the_limit_only() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let a = vs.root().var_copy("a", &Tensor::from_slice(&[1.0f32, 1.0]));
+        let b = vs.root().var_copy("b", &Tensor::from_slice(&[1.0f32]));
+        let unused = vs.root().var_copy("u", &Tensor::from_slice(&[1.0f32]));
+        let params = vec![
+            ("a".to_string(), a.shallow_clone()),
+            ("b".to_string(), b.shallow_clone()),
+            ("u".to_string(), unused),
+        ];
+        // Gradients (3, 4) and (12): global norm 13.
+        ((&a * Tensor::from_slice(&[3.0f32, 4.0])).sum(Kind::Float) + (&b * 12.0).sum(Kind::Float))
+            .backward();
+        let norm = clip_grad_norm(&params, 6.5);
+        assert!((norm - 13.0).abs() < 1e-5, "{norm}");
+        let scaled: Vec<f32> = Vec::try_from(&a.grad()).unwrap();
+        let coef = 6.5 / (13.0 + 1e-6);
+        assert!((scaled[0] - 3.0 * coef as f32).abs() < 1e-6, "{scaled:?}");
+        assert!((f32::try_from(&b.grad()).unwrap() - 12.0 * coef as f32).abs() < 1e-5);
+        // Below the limit nothing changes.
+        let again = clip_grad_norm(&params, 100.0);
+        assert!((again - 6.5).abs() < 1e-4, "{again}");
+        assert!((f32::try_from(&b.grad()).unwrap() - 12.0 * coef as f32).abs() < 1e-5);
+    }
+
+    /// Our AdamW and libtorch's `torch::optim::AdamW` take the same steps, and differ from
+    /// Adam with the same weight decay.
+    #[test]
+    fn adamw_matches_libtorch_adamw() {
+        let vs = [
+            nn::VarStore::new(Device::Cpu),
+            nn::VarStore::new(Device::Cpu),
+        ];
+        tch::manual_seed(5);
+        let w0 = Tensor::randn([5, 4], (Kind::Float, Device::Cpu));
+        let w: Vec<Tensor> = vs.iter().map(|v| v.root().var_copy("w", &w0)).collect();
+        let config = AdamConfig {
+            lr: 0.01,
+            weight_decay: 0.1,
+            ..Default::default()
+        };
+        let mut ours = Optimizer::new(
+            vec![("w".into(), w[0].shallow_clone())],
+            OptimizerConfig::AdamW(config),
+        );
+        let mut theirs = nn::AdamW {
+            beta1: 0.9,
+            beta2: 0.999,
+            wd: 0.1,
+            eps: 1e-8,
+            amsgrad: false,
+        }
+        .build(&vs[1], 0.01)
+        .unwrap();
+        let x = Tensor::randn([8, 5], (Kind::Float, Device::Cpu));
+        let loss = |w: &Tensor| x.matmul(w).pow_tensor_scalar(2).sum(Kind::Float);
+        for _ in 0..5 {
+            ours.zero_grad();
+            loss(&w[0]).backward();
+            ours.step();
+            theirs.zero_grad();
+            loss(&w[1]).backward();
+            theirs.step();
+        }
+        let diff = (&w[0] - &w[1]).abs().max().double_value(&[]);
+        assert!(diff < 1e-6, "max difference {diff}");
+        // Plain Adam with the same L2 weight decay ends elsewhere.
+        let adam_w = adam_weights_after_five_steps(&w0, config, &x);
+        assert!((&adam_w - &w[0]).abs().max().double_value(&[]) > 1e-5);
+    }
+
+    fn adam_weights_after_five_steps(w0: &Tensor, config: AdamConfig, x: &Tensor) -> Tensor {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let w = vs.root().var_copy("w", w0);
+        let mut adam = Adam::new(vec![("w".into(), w.shallow_clone())], config);
+        for _ in 0..5 {
+            adam.zero_grad();
+            x.matmul(&w)
+                .pow_tensor_scalar(2)
+                .sum(Kind::Float)
+                .backward();
+            adam.step();
+        }
+        w
+    }
 
     /// Our Adam and libtorch's `torch::optim::Adam` take the same steps.
     #[test]

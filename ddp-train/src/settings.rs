@@ -208,6 +208,10 @@ pub struct Settings {
     /// Reduce gradient buckets while backward runs (PyTorch's behaviour); off: after it.
     #[serde(default = "yes")]
     pub overlap: bool,
+    /// Clip the gradients' global 2-norm to this value after DDP's average (and after the
+    /// fp16 scaler's unscale), before the optimizer step.
+    #[serde(default)]
+    pub clip_grad_norm: Option<f64>,
 }
 
 fn yes() -> bool {
@@ -246,6 +250,7 @@ impl Default for Settings {
             find_unused_parameters: false,
             comm_hook: BuiltinHook::Allreduce,
             overlap: true,
+            clip_grad_norm: None,
         }
     }
 }
@@ -324,6 +329,8 @@ builder! {
     comm_hook: BuiltinHook,
     /// Sets [`Settings::overlap`].
     overlap: bool,
+    /// Sets [`Settings::clip_grad_norm`].
+    clip_grad_norm: Option<f64>,
 }
 
 impl Settings {
@@ -349,6 +356,11 @@ impl Settings {
         }
         if self.epochs == 0 {
             return invalid("--epochs must be at least 1".into());
+        }
+        if let Some(c) = self.clip_grad_norm {
+            if !(c > 0.0 && c.is_finite()) {
+                return invalid(format!("--clip-grad-norm {c} must be a positive number"));
+            }
         }
         let lr = self.optimizer.lr();
         if !(lr > 0.0 && lr.is_finite()) {

@@ -547,25 +547,38 @@ impl<T: Task> Trainer<T> {
                 fresh_samples += batch.len();
             }
             self.ddp.sync_gradients()?;
-            match &mut self.scaler {
-                // The averaged gradients are the same bytes on every rank, so every rank
-                // finds the same inf/NaN and skips the same steps.
-                Some(scaler) => {
-                    let found_inf = scaler.unscale(self.ddp.parameters());
-                    if !found_inf {
-                        self.optimizer.step();
-                    }
-                    scaler.update(found_inf);
-                }
-                None => self.optimizer.step(),
+            // The averaged gradients are the same bytes on every rank, so every rank finds
+            // the same inf/NaN, the same norm, and skips the same steps.
+            let found_inf = self
+                .scaler
+                .as_ref()
+                .is_some_and(|scaler| scaler.unscale(self.ddp.parameters()));
+            let grad_norm = s
+                .clip_grad_norm
+                .map(|max| crate::optim::clip_grad_norm(self.ddp.parameters(), max));
+            if !found_inf {
+                self.optimizer.step();
+            }
+            if let Some(scaler) = &mut self.scaler {
+                scaler.update(found_inf);
             }
             self.budget.step_took(step_started.elapsed());
             if s.log_every > 0 && (step + 1) % s.log_every == 0 {
-                self.log.say(&format!(
+                let mut line = format!(
                     "[rank {rank}] epoch {epoch} step {}/{steps} loss {:.4}",
                     step + 1,
                     step_loss / s.accumulate as f64
-                ));
+                );
+                if let Some(norm) = grad_norm {
+                    line.push_str(&format!(" grad norm {norm:.4}"));
+                }
+                if let Some(scaler) = &self.scaler {
+                    line.push_str(&format!(" loss scale {}", scaler.scale()));
+                    if found_inf {
+                        line.push_str(" (step skipped: inf/NaN gradients)");
+                    }
+                }
+                self.log.say(&line);
             }
             let rate = fresh_samples as f64 * self.pg.world_size() as f64
                 / started.elapsed().as_secs_f64();

@@ -502,3 +502,43 @@ fn torchrun_starts_ddp_train_ranks_that_train_together() {
     assert_eq!(metrics.len(), 1);
     assert_eq!(metrics[0]["world_size"], 2);
 }
+
+/// `--clip-grad-norm` clips after the average: every rank logs the same norms, each step's
+/// line names it, and AdamW (`--adamw --weight-decay`) trains through the same loop.
+#[test]
+fn clipping_logs_the_same_gradient_norm_on_every_rank() {
+    let tmp = temp_dir("clip");
+    let dir = tmp.path();
+    let data = data(dir, 40);
+    let out = dir.join("run");
+    let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    args.extend([
+        "--clip-grad-norm",
+        "0.05",
+        "--log-every",
+        "1",
+        "--adamw",
+        "--weight-decay",
+        "0.01",
+    ]);
+    assert_all_ok(&run_ranks(2, &args, &[]));
+    let norms = |rank: usize| -> Vec<String> {
+        std::fs::read_to_string(out.join(format!("logs/rank-{rank}.log")))
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.split(" grad norm ").nth(1).map(str::to_owned))
+            .collect()
+    };
+    let (a, b) = (norms(0), norms(1));
+    assert_eq!(
+        a.len(),
+        12,
+        "one norm per step: 3 epochs of 4 (32 training images, 4 x 2)"
+    );
+    assert_eq!(a, b, "the ranks clipped different gradients");
+    // The synthetic task's gradients are larger than 0.05 at the start: clipping acted.
+    let first: f64 = a[0].parse().unwrap();
+    assert!(first > 0.05, "first norm {first}");
+    let config = std::fs::read_to_string(out.join("config.json")).unwrap();
+    assert!(config.contains("\"kind\": \"adamw\""), "{config}");
+}
