@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::amp::Precision;
 use crate::ddp::BuiltinHook;
 use crate::error::TrainError;
+use crate::lr_schedule::LrSchedule;
 use crate::optim::{AdamConfig, OptimizerConfig};
 use crate::scheduler::PlateauConfig;
 pub use crate::settings::DeviceChoice;
@@ -220,6 +221,56 @@ pub struct TrainConfig {
     #[arg(long, value_name = "MAX_NORM")]
     #[serde(default)]
     pub clip_grad_norm: Option<f64>,
+
+    /// How the learning rate changes: plateau (halve it when validation macro-F1 stalls,
+    /// per epoch), or per optimizer step: constant, linear, cosine (each after
+    /// --warmup-steps), step (times --lr-gamma every --lr-step-every steps), one-cycle (--lr
+    /// is the peak).
+    #[arg(long, value_enum, default_value_t = ScheduleChoice::Plateau)]
+    #[serde(default)]
+    pub lr_schedule: ScheduleChoice,
+
+    /// Optimizer steps of linear warmup from 0 (constant, linear, cosine, step schedules).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    #[serde(default)]
+    pub warmup_steps: u64,
+
+    /// Steps between decays of the step schedule.
+    #[arg(long, default_value_t = 1000, value_name = "N")]
+    #[serde(default = "thousand")]
+    pub lr_step_every: u64,
+
+    /// Factor of each decay of the step schedule.
+    #[arg(long, default_value_t = 0.1)]
+    #[serde(default = "tenth")]
+    pub lr_gamma: f64,
+}
+
+/// `--lr-schedule`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScheduleChoice {
+    /// ReduceLROnPlateau on validation macro-F1, per epoch.
+    #[default]
+    Plateau,
+    /// Warmup, then the base learning rate.
+    Constant,
+    /// Warmup, then linear decay to 0.
+    Linear,
+    /// Warmup, then cosine decay to 0.
+    Cosine,
+    /// Warmup, then decays by --lr-gamma every --lr-step-every steps.
+    Step,
+    /// PyTorch's OneCycleLR.
+    OneCycle,
+}
+
+fn thousand() -> u64 {
+    1000
+}
+
+fn tenth() -> f64 {
+    0.1
 }
 
 /// Seconds of a duration written as `N`, `Ns`, `Nm` or `Nh`.
@@ -245,6 +296,23 @@ pub fn parse_duration_secs(text: &str) -> Result<u64, String> {
 }
 
 impl TrainConfig {
+    /// The per-step schedule `--lr-schedule` names (`None` for the plateau scheduler).
+    fn per_step_schedule(&self) -> Option<LrSchedule> {
+        let warmup = self.warmup_steps;
+        Some(match self.lr_schedule {
+            ScheduleChoice::Plateau => return None,
+            ScheduleChoice::Constant => LrSchedule::Constant { warmup },
+            ScheduleChoice::Linear => LrSchedule::Linear { warmup },
+            ScheduleChoice::Cosine => LrSchedule::Cosine { warmup },
+            ScheduleChoice::Step => LrSchedule::Step {
+                warmup,
+                every: self.lr_step_every,
+                gamma: self.lr_gamma,
+            },
+            ScheduleChoice::OneCycle => LrSchedule::one_cycle(),
+        })
+    }
+
     /// Checks the settings that can be checked without data or peers.
     pub fn validate(&self) -> Result<(), TrainError> {
         let invalid = |m: String| Err(TrainError::Invalid(m));
@@ -292,16 +360,19 @@ impl TrainConfig {
                     OptimizerConfig::Adam(adam)
                 }
             })
-            .plateau(Some(Plateau {
-                metric: "val_macro_f1".into(),
-                goal: Goal::Max,
-                config: PlateauConfig {
-                    factor: self.plateau_factor,
-                    patience: self.plateau_patience,
-                    min_lr: self.min_lr,
-                    ..Default::default()
-                },
-            }))
+            .plateau(
+                (self.lr_schedule == ScheduleChoice::Plateau).then(|| Plateau {
+                    metric: "val_macro_f1".into(),
+                    goal: Goal::Max,
+                    config: PlateauConfig {
+                        factor: self.plateau_factor,
+                        patience: self.plateau_patience,
+                        min_lr: self.min_lr,
+                        ..Default::default()
+                    },
+                }),
+            )
+            .lr_schedule(self.per_step_schedule())
             .monitor(Monitor::max("val_macro_f1", "best-macro.safetensors"))
             .monitor(Monitor::max("val_micro_f1", "best-micro.safetensors"))
             .seed(self.seed)

@@ -42,6 +42,7 @@ pub mod config;
 pub mod ddp;
 pub mod error;
 pub mod logging;
+pub mod lr_schedule;
 pub mod malloc;
 pub mod metrics;
 #[cfg(feature = "odir")]

@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::amp::Precision;
 use crate::ddp::BuiltinHook;
 use crate::error::TrainError;
+use crate::lr_schedule::LrSchedule;
 use crate::optim::OptimizerConfig;
 use crate::scheduler::PlateauConfig;
 
@@ -212,6 +213,10 @@ pub struct Settings {
     /// fp16 scaler's unscale), before the optimizer step.
     #[serde(default)]
     pub clip_grad_norm: Option<f64>,
+    /// A learning-rate schedule stepped every optimizer step (warmup, linear, cosine, step,
+    /// one-cycle), over `epochs` epochs; not together with `plateau`.
+    #[serde(default)]
+    pub lr_schedule: Option<LrSchedule>,
 }
 
 fn yes() -> bool {
@@ -251,6 +256,7 @@ impl Default for Settings {
             comm_hook: BuiltinHook::Allreduce,
             overlap: true,
             clip_grad_norm: None,
+            lr_schedule: None,
         }
     }
 }
@@ -331,6 +337,8 @@ builder! {
     overlap: bool,
     /// Sets [`Settings::clip_grad_norm`].
     clip_grad_norm: Option<f64>,
+    /// Sets [`Settings::lr_schedule`].
+    lr_schedule: Option<LrSchedule>,
 }
 
 impl Settings {
@@ -360,6 +368,16 @@ impl Settings {
         if let Some(c) = self.clip_grad_norm {
             if !(c > 0.0 && c.is_finite()) {
                 return invalid(format!("--clip-grad-norm {c} must be a positive number"));
+            }
+        }
+        if let Some(schedule) = &self.lr_schedule {
+            schedule.validate().map_err(TrainError::Invalid)?;
+            if self.plateau.is_some() {
+                return invalid(
+                    "a per-step learning-rate schedule and ReduceLROnPlateau cannot be combined: \
+                     choose one (--lr-schedule)"
+                        .into(),
+                );
             }
         }
         let lr = self.optimizer.lr();
@@ -429,6 +447,26 @@ mod tests {
         assert!(twice.validate().is_err());
         let s = Settings::default().epochs(3).accumulate(2).seed(9);
         assert_eq!((s.epochs, s.accumulate, s.seed), (3, 2, 9));
+        assert_eq!(
+            Settings::default()
+                .clip_grad_norm(Some(0.0))
+                .validate()
+                .unwrap_err()
+                .to_string(),
+            "--clip-grad-norm 0 must be a positive number"
+        );
+        let both = Settings::default()
+            .lr_schedule(Some(crate::lr_schedule::LrSchedule::Cosine { warmup: 0 }))
+            .plateau(Some(Plateau {
+                metric: "val_loss".into(),
+                goal: Goal::Min,
+                config: Default::default(),
+            }));
+        assert!(both
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("cannot be combined"));
     }
 
     #[test]

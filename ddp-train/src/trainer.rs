@@ -45,7 +45,7 @@ pub struct EpochReport {
     /// The task's validation metrics ([`Stats::report`]).
     #[serde(flatten)]
     pub metrics: Map<String, Value>,
-    /// Learning rate used in this epoch.
+    /// Learning rate used in this epoch (with a per-step schedule: at its last step).
     pub lr: f64,
     /// Training samples per second, all ranks together.
     pub images_per_sec: f64,
@@ -393,10 +393,14 @@ impl<T: Task> Trainer<T> {
         };
         let mut all = Vec::new();
         for epoch in self.start_epoch..=self.settings.epochs {
-            let lr = self.optimizer.lr();
+            let lr_at_start = self.optimizer.lr();
             let resumed = self.start_position.take().filter(|p| p.epoch == epoch);
             let (train_loss, samples, steps, train_seconds) =
                 self.train_epoch(epoch, resumed, signals.as_ref())?;
+            let lr = match self.settings.lr_schedule {
+                Some(_) => self.optimizer.lr(),
+                None => lr_at_start,
+            };
             let evaluating = Instant::now();
             let evaluated = self.evaluate_epoch(epoch)?;
             self.budget.eval_took(evaluating.elapsed());
@@ -429,6 +433,14 @@ impl<T: Task> Trainer<T> {
             all.push(report);
         }
         Ok(all)
+    }
+
+    /// Optimizer steps in each epoch (the same every epoch: the sampler gives every rank the
+    /// same number of samples).
+    fn steps_per_epoch(&self) -> usize {
+        let s = &self.settings;
+        let whole = self.train_sampler.len() / (s.batch_size * s.accumulate);
+        s.max_steps_per_epoch.map_or(whole, |m| m.min(whole))
     }
 
     /// A loader over `indices` of the training or the validation set, whose batches arrive
@@ -480,10 +492,7 @@ impl<T: Task> Trainer<T> {
         self.train_sampler.set_epoch(epoch);
         let mut indices: Vec<usize> = self.train_sampler.iter().collect();
         let per_step = s.batch_size * s.accumulate;
-        let steps_in_epoch = indices.len() / per_step;
-        let steps = s
-            .max_steps_per_epoch
-            .map_or(steps_in_epoch, |m| m.min(steps_in_epoch));
+        let steps = self.steps_per_epoch();
         indices.truncate(steps * per_step);
         // A resumed epoch skips the steps its checkpoint had done; every sample's random
         // draws depend only on (seed, epoch, index), so the rest is what it would have been.
@@ -514,6 +523,12 @@ impl<T: Task> Trainer<T> {
             // Dropout masks derive from (seed, epoch, step, rank): a resumed run draws the
             // same ones as an uninterrupted run.
             tch::manual_seed(mix(s.seed, epoch, step as u64, rank as u64));
+            if let Some(schedule) = &s.lr_schedule {
+                let total = s.epochs * self.steps_per_epoch() as u64;
+                let t = self.optimizer.steps() as u64;
+                self.optimizer
+                    .set_lr(s.optimizer.lr() * schedule.factor(t, total));
+            }
             self.optimizer.zero_grad();
             let mut step_loss = 0.0;
             for micro in 0..s.accumulate {

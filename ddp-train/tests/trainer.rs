@@ -542,3 +542,34 @@ fn clipping_logs_the_same_gradient_norm_on_every_rank() {
     let config = std::fs::read_to_string(out.join("config.json")).unwrap();
     assert!(config.contains("\"kind\": \"adamw\""), "{config}");
 }
+
+/// A per-step schedule (cosine after 3 warmup steps) is a function of the optimizer's step
+/// count: a resumed run continues it exactly, and each epoch reports its last step's rate.
+#[test]
+fn a_resumed_run_continues_a_per_step_schedule_exactly() {
+    check_resume(
+        "resume-cosine",
+        &["--lr-schedule", "cosine", "--warmup-steps", "3"],
+    );
+    let tmp = temp_dir("cosine-lrs");
+    let dir = tmp.path();
+    let data = data(dir, 40);
+    let out = dir.join("run");
+    let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    args.extend(["--lr-schedule", "cosine", "--warmup-steps", "3"]);
+    assert_all_ok(&run_ranks(2, &args, &[]));
+    // 3 epochs of 4 steps; the last step of epoch e has t = 4e - 1 steps before it.
+    let schedule = ddp_train::lr_schedule::LrSchedule::Cosine { warmup: 3 };
+    let lrs: Vec<f64> = metrics_without_timing(&out)
+        .iter()
+        .map(|m| m["lr"].as_f64().unwrap())
+        .collect();
+    let want: Vec<f64> = (1..=3u64)
+        .map(|e| 1e-3 * schedule.factor(4 * e - 1, 12))
+        .collect();
+    assert_eq!(lrs.len(), 3);
+    for (got, want) in lrs.iter().zip(&want) {
+        assert!((got - want).abs() < 1e-12, "{lrs:?} vs {want:?}");
+    }
+    assert!(lrs[0] > lrs[1] && lrs[1] > lrs[2], "{lrs:?}");
+}
