@@ -14,7 +14,7 @@ use crate::lr_schedule::LrSchedule;
 use crate::optim::{AdamConfig, OptimizerConfig};
 use crate::scheduler::PlateauConfig;
 pub use crate::settings::DeviceChoice;
-use crate::settings::{Goal, Monitor, Plateau, Settings};
+use crate::settings::{EarlyStopping, Goal, Monitor, Plateau, Settings};
 
 /// Which labels to train on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -244,6 +244,17 @@ pub struct TrainConfig {
     #[arg(long, default_value_t = 0.1)]
     #[serde(default = "tenth")]
     pub lr_gamma: f64,
+
+    /// Stop when validation macro-F1 has not improved (by more than
+    /// --early-stopping-min-delta) for this many epochs.
+    #[arg(long, value_name = "EPOCHS")]
+    #[serde(default)]
+    pub early_stopping_patience: Option<u32>,
+
+    /// The least change of macro-F1 that counts as an improvement for early stopping.
+    #[arg(long, default_value_t = 0.0)]
+    #[serde(default)]
+    pub early_stopping_min_delta: f64,
 }
 
 /// `--lr-schedule`.
@@ -373,6 +384,12 @@ impl TrainConfig {
                 }),
             )
             .lr_schedule(self.per_step_schedule())
+            .early_stopping(self.early_stopping_patience.map(|patience| EarlyStopping {
+                metric: "val_macro_f1".into(),
+                goal: Goal::Max,
+                patience,
+                min_delta: self.early_stopping_min_delta,
+            }))
             .monitor(Monitor::max("val_macro_f1", "best-macro.safetensors"))
             .monitor(Monitor::max("val_micro_f1", "best-micro.safetensors"))
             .seed(self.seed)

@@ -64,7 +64,7 @@ pub use ddp::{
     BuiltinHook, CommHook, DdpError, DdpOptions, DistributedDataParallel, GradBucket, HookWork,
 };
 pub use error::TrainError;
-pub use settings::{DeviceChoice, Goal, Monitor, Plateau, Settings};
+pub use settings::{DeviceChoice, EarlyStopping, Goal, Monitor, Plateau, Settings};
 pub use stop::{StopReason, EXIT_STOPPED};
 pub use task::{NoStats, Stats, Task};
 pub use trainer::{EpochReport, EvalReport, Trainer};

@@ -122,6 +122,20 @@ impl Monitor {
     }
 }
 
+/// Stop training when a metric of the epoch's report has not improved for `patience`
+/// epochs (PyTorch Lightning's `EarlyStopping`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EarlyStopping {
+    /// The metric it watches.
+    pub metric: String,
+    /// Which direction is better.
+    pub goal: Goal,
+    /// Epochs without improvement before stopping.
+    pub patience: u32,
+    /// The least change that counts as an improvement.
+    pub min_delta: f64,
+}
+
 /// `ReduceLROnPlateau` on one metric of the epoch's report.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Plateau {
@@ -217,6 +231,9 @@ pub struct Settings {
     /// one-cycle), over `epochs` epochs; not together with `plateau`.
     #[serde(default)]
     pub lr_schedule: Option<LrSchedule>,
+    /// Stop before `epochs` when a metric stops improving.
+    #[serde(default)]
+    pub early_stopping: Option<EarlyStopping>,
 }
 
 fn yes() -> bool {
@@ -257,6 +274,7 @@ impl Default for Settings {
             overlap: true,
             clip_grad_norm: None,
             lr_schedule: None,
+            early_stopping: None,
         }
     }
 }
@@ -339,6 +357,8 @@ builder! {
     clip_grad_norm: Option<f64>,
     /// Sets [`Settings::lr_schedule`].
     lr_schedule: Option<LrSchedule>,
+    /// Sets [`Settings::early_stopping`].
+    early_stopping: Option<EarlyStopping>,
 }
 
 impl Settings {
@@ -368,6 +388,15 @@ impl Settings {
         if let Some(c) = self.clip_grad_norm {
             if !(c > 0.0 && c.is_finite()) {
                 return invalid(format!("--clip-grad-norm {c} must be a positive number"));
+            }
+        }
+        if let Some(e) = &self.early_stopping {
+            if e.patience == 0 || !(e.min_delta >= 0.0 && e.min_delta.is_finite()) {
+                return invalid(format!(
+                    "early stopping on {}: the patience ({}) must be at least 1 and the \
+                     minimum change ({}) a number >= 0",
+                    e.metric, e.patience, e.min_delta
+                ));
             }
         }
         if let Some(schedule) = &self.lr_schedule {

@@ -42,6 +42,32 @@ pub struct Best {
     pub epoch: u64,
 }
 
+/// Where early stopping stands: the best value so far and the epochs since it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct EarlyStopState {
+    /// The best value and its epoch (none before the first evaluation).
+    pub best: Option<Best>,
+    /// Epochs since the best one.
+    pub bad_epochs: u32,
+}
+
+impl EarlyStopState {
+    /// Counts epoch `epoch`'s `value`; true when training should stop.
+    pub fn observe(&mut self, rule: &crate::EarlyStopping, epoch: u64, value: f64) -> bool {
+        let improved = self.best.is_none_or(|b| match rule.goal {
+            crate::Goal::Max => value > b.value + rule.min_delta,
+            crate::Goal::Min => value < b.value - rule.min_delta,
+        });
+        if improved {
+            self.best = Some(Best { value, epoch });
+            self.bad_epochs = 0;
+        } else {
+            self.bad_epochs += 1;
+        }
+        self.bad_epochs >= rule.patience
+    }
+}
+
 /// Where inside an epoch a checkpoint was taken, and that epoch's training sums so far.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Position {
@@ -76,6 +102,9 @@ pub struct TrainState {
     /// The best value of each monitor so far, by the monitor's file name.
     #[serde(default)]
     pub bests: BTreeMap<String, Best>,
+    /// Early stopping's count, when the run has it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early_stopping: Option<EarlyStopState>,
     /// The fp16 gradient scaler's state, when the run has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_scaler: Option<crate::amp::ScalerState>,
@@ -390,6 +419,30 @@ mod tests {
     }
 
     #[test]
+    fn early_stopping_counts_epochs_without_a_large_enough_improvement() {
+        let rule = crate::EarlyStopping {
+            metric: "val_loss".into(),
+            goal: crate::Goal::Min,
+            patience: 2,
+            min_delta: 0.01,
+        };
+        let mut st = EarlyStopState::default();
+        let stops: Vec<bool> = [1.0, 0.9, 0.895, 0.89, 0.85, 0.86, 0.86]
+            .iter()
+            .enumerate()
+            .map(|(e, &v)| st.observe(&rule, e as u64 + 1, v))
+            .collect();
+        assert_eq!(stops, [false, false, false, true, false, false, true]);
+        assert_eq!(
+            st.best,
+            Some(Best {
+                value: 0.85,
+                epoch: 5
+            })
+        );
+    }
+
+    #[test]
     fn step_checkpoints_are_named_by_epoch_and_step() {
         let mut st = TrainState {
             epoch: 1,
@@ -398,6 +451,7 @@ mod tests {
             lr: 0.1,
             scheduler: None,
             bests: BTreeMap::new(),
+            early_stopping: None,
             grad_scaler: None,
             seed: 0,
             config: serde_json::Value::Null,

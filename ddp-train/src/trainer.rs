@@ -28,7 +28,7 @@ use crate::error::{Context, TrainError};
 use crate::optim::Optimizer;
 use crate::scheduler::ReduceLrOnPlateau;
 use crate::settings::{Goal, Settings};
-use crate::state::{self, Best, Position, TrainState};
+use crate::state::{self, Best, EarlyStopState, Position, TrainState};
 use crate::stop::{Budget, SignalWatch, StopReason};
 use crate::task::{Stats, Task};
 
@@ -95,6 +95,8 @@ pub struct Trainer<T: Task> {
     optimizer: Optimizer,
     /// fp16's loss scaler (`None` in other precisions).
     scaler: Option<GradScaler>,
+    /// Early stopping's count (`None` without early stopping).
+    early: Option<EarlyStopState>,
     scheduler: Option<ReduceLrOnPlateau>,
     start_epoch: u64,
     /// Where a checkpoint taken inside an epoch left off.
@@ -186,6 +188,7 @@ impl<T: Task> Trainer<T> {
         let (mut start_epoch, mut bests) = (1, BTreeMap::new());
         let mut start_position = None;
         let mut scaler = (s.precision == Precision::Fp16).then(GradScaler::default);
+        let mut early = s.early_stopping.as_ref().map(|_| EarlyStopState::default());
         let mut restored = None;
         let mut resumed_note = None;
         if let (Some(path), true) = (&resume_from, s.eval_only) {
@@ -212,6 +215,9 @@ impl<T: Task> Trainer<T> {
             bests = st.bests;
             if let (Some(scaler), Some(saved)) = (scaler.as_mut(), st.grad_scaler) {
                 scaler.set_state(saved);
+            }
+            if let (Some(early), Some(saved)) = (early.as_mut(), st.early_stopping) {
+                *early = saved;
             }
             let at = match st.position {
                 Some(p) => {
@@ -279,6 +285,7 @@ impl<T: Task> Trainer<T> {
             ddp,
             optimizer,
             scaler,
+            early,
             scheduler,
             start_epoch,
             start_position,
@@ -424,6 +431,21 @@ impl<T: Task> Trainer<T> {
                 let signed = if p.goal == Goal::Max { value } else { -value };
                 self.optimizer.set_lr(sched.step(signed, lr));
             }
+            // Every rank sees the same all-reduced metrics, so every rank decides alike.
+            let stop = match (&self.settings.early_stopping, &mut self.early) {
+                (Some(rule), Some(early)) => {
+                    let value = watched(&report, &rule.metric, "early stopping")?;
+                    early.observe(rule, epoch, value).then(|| {
+                        let best = early.best.unwrap_or(Best { value, epoch });
+                        format!(
+                            "early stopping after epoch {epoch}: {} has not improved for {} \
+                             epochs (best {:.4} at epoch {})",
+                            rule.metric, early.bad_epochs, best.value, best.epoch
+                        )
+                    })
+                }
+                _ => None,
+            };
             if self.pg.rank() == 0 {
                 let saving = Instant::now();
                 self.finish_epoch(&report, &summary)?;
@@ -431,6 +453,10 @@ impl<T: Task> Trainer<T> {
             }
             self.last_checkpoint = Instant::now();
             all.push(report);
+            if let Some(note) = stop {
+                self.log.say(&note);
+                break;
+            }
         }
         Ok(all)
     }
@@ -711,6 +737,7 @@ impl<T: Task> Trainer<T> {
             lr: self.optimizer.lr(),
             scheduler: self.scheduler.clone(),
             bests: self.bests.clone(),
+            early_stopping: self.early,
             grad_scaler: self.scaler.as_ref().map(GradScaler::state),
             seed: self.settings.seed,
             config: serde_json::json!({

@@ -573,3 +573,37 @@ fn a_resumed_run_continues_a_per_step_schedule_exactly() {
     }
     assert!(lrs[0] > lrs[1] && lrs[1] > lrs[2], "{lrs:?}");
 }
+
+/// Early stopping ends every rank after the same epoch: with an improvement threshold no
+/// F1 can pass, the first epoch sets the best and the second is the one without improvement.
+#[test]
+fn early_stopping_ends_every_rank_after_the_same_epoch() {
+    let tmp = temp_dir("early");
+    let dir = tmp.path();
+    let data = data(dir, 40);
+    let out = dir.join("run");
+    let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    args.extend([
+        "--early-stopping-patience",
+        "1",
+        "--early-stopping-min-delta",
+        "1.0",
+    ]);
+    let outputs = run_ranks(2, &args, &[]);
+    assert_all_ok(&outputs);
+    assert_eq!(metrics_without_timing(&out).len(), 2, "3 epochs asked, 2 run");
+    for rank in 0..2 {
+        let log = std::fs::read_to_string(out.join(format!("logs/rank-{rank}.log"))).unwrap();
+        assert!(
+            log.contains(
+                "early stopping after epoch 2: val_macro_f1 has not improved for 1 epochs"
+            ),
+            "rank {rank}:\n{log}"
+        );
+    }
+    let state = checkpoint::read_tensors(out.join("checkpoints/epoch-0002.state.safetensors"))
+        .unwrap();
+    let st: Value = serde_json::from_str(&state.metadata["train_state"]).unwrap();
+    assert_eq!(st["early_stopping"]["bad_epochs"], 1, "{st}");
+    assert_eq!(st["early_stopping"]["best"]["epoch"], 1, "{st}");
+}
