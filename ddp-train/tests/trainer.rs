@@ -591,7 +591,11 @@ fn early_stopping_ends_every_rank_after_the_same_epoch() {
     ]);
     let outputs = run_ranks(2, &args, &[]);
     assert_all_ok(&outputs);
-    assert_eq!(metrics_without_timing(&out).len(), 2, "3 epochs asked, 2 run");
+    assert_eq!(
+        metrics_without_timing(&out).len(),
+        2,
+        "3 epochs asked, 2 run"
+    );
     for rank in 0..2 {
         let log = std::fs::read_to_string(out.join(format!("logs/rank-{rank}.log"))).unwrap();
         assert!(
@@ -601,8 +605,8 @@ fn early_stopping_ends_every_rank_after_the_same_epoch() {
             "rank {rank}:\n{log}"
         );
     }
-    let state = checkpoint::read_tensors(out.join("checkpoints/epoch-0002.state.safetensors"))
-        .unwrap();
+    let state =
+        checkpoint::read_tensors(out.join("checkpoints/epoch-0002.state.safetensors")).unwrap();
     let st: Value = serde_json::from_str(&state.metadata["train_state"]).unwrap();
     assert_eq!(st["early_stopping"]["bad_epochs"], 1, "{st}");
     assert_eq!(st["early_stopping"]["best"]["epoch"], 1, "{st}");
