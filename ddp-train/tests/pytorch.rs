@@ -9,6 +9,11 @@
 //! environment) build the same model with PyTorch's parameter names and PyTorch's ops
 //! (`linear`, `relu`, `batch_norm`, `mse_loss`), load the same files, train with our DDP and
 //! write theirs; the test compares tensor by tensor, rank by rank.
+//!
+//! The mixed-precision scenarios run the forward and the loss under CPU autocast
+//! (`torch.autocast("cpu", dtype=...)` there, [`Precision::autocast`] here) and backward
+//! outside; with fp16, PyTorch's `torch.amp.GradScaler("cpu")` against our [`GradScaler`], whose
+//! scale after every step must be PyTorch's exactly.
 
 mod common;
 
@@ -23,7 +28,7 @@ use std::time::Duration;
 use ddp_comm::ProcessGroup;
 use ddp_model::checkpoint;
 use ddp_train::optim::{AdamConfig, Optimizer, OptimizerConfig, SgdConfig};
-use ddp_train::{BuiltinHook, DdpOptions, DistributedDataParallel};
+use ddp_train::{BuiltinHook, DdpOptions, DistributedDataParallel, GradScaler, Precision};
 use tch::{nn, Device, Kind, Reduction, Tensor};
 
 /// Must equal `reference_ddp.py`'s constants.
@@ -32,6 +37,10 @@ const IN: i64 = 12;
 const HIDDEN: i64 = 24;
 const OUT: i64 = 4;
 const BUCKET_CAP_BYTES: usize = 1024;
+/// `Fp16GradScaler`'s scaler: PyTorch's default initial scale (which ours starts from too)
+/// and a growth interval short enough for the scale to grow within `STEPS`.
+const INIT_SCALE: f64 = 65536.0;
+const GROWTH_INTERVAL: u64 = 2;
 
 const TOLERANCE: f64 = 1e-5;
 /// Every trained tensor must have moved at least this far from its initial value, or the
@@ -58,14 +67,21 @@ enum Scenario {
     Unused,
     /// The MLP with the bf16 compression hook.
     Bf16Compress,
+    /// The MLP, its forward and MSE under bf16 autocast; SGD with momentum.
+    Bf16Autocast,
+    /// The MLP, its forward and MSE under fp16 autocast, with a grad scaler whose scale grows
+    /// and backs off (one step skipped) during the run.
+    Fp16GradScaler,
 }
 
-const SCENARIOS: [Scenario; 5] = [
+const SCENARIOS: [Scenario; 7] = [
     Scenario::Plain,
     Scenario::Accumulate,
     Scenario::BatchNorm,
     Scenario::Unused,
     Scenario::Bf16Compress,
+    Scenario::Bf16Autocast,
+    Scenario::Fp16GradScaler,
 ];
 
 impl Scenario {
@@ -77,6 +93,8 @@ impl Scenario {
             Scenario::BatchNorm => "batch_norm",
             Scenario::Unused => "unused",
             Scenario::Bf16Compress => "bf16_compress",
+            Scenario::Bf16Autocast => "bf16_autocast",
+            Scenario::Fp16GradScaler => "fp16_grad_scaler",
         }
     }
 
@@ -85,6 +103,23 @@ impl Scenario {
             .into_iter()
             .find(|s| s.name() == name)
             .unwrap_or_else(|| panic!("unknown scenario '{name}'"))
+    }
+
+    fn precision(self) -> Precision {
+        match self {
+            Scenario::Bf16Autocast => Precision::Bf16,
+            Scenario::Fp16GradScaler => Precision::Fp16,
+            _ => Precision::Fp32,
+        }
+    }
+
+    /// The scenario's grad scaler, if it has one.
+    fn scaler(self) -> Option<GradScaler> {
+        (self == Scenario::Fp16GradScaler).then(|| {
+            let scaler = GradScaler::with_growth_interval(GROWTH_INTERVAL);
+            assert_eq!(scaler.scale(), INIT_SCALE, "our initial scale");
+            scaler
+        })
     }
 
     fn micro_batches(self) -> usize {
@@ -275,6 +310,8 @@ fn rank_worker() {
         .collect();
     let mut opt = Optimizer::new(params, scenario.optimizer());
     let micros = scenario.micro_batches();
+    let mut scaler = scenario.scaler();
+    let mut scales = Vec::new();
     for step in 0..STEPS {
         opt.zero_grad();
         for micro in 0..micros {
@@ -283,14 +320,35 @@ fn rank_worker() {
             let key = format!("{rank}.{step}.{micro}");
             let x = &data[&format!("x.{key}")];
             let y = &data[&format!("y.{key}")];
-            let loss = model.forward(x, rank, step).mse_loss(y, Reduction::Mean);
-            (loss / micros as f64).backward();
+            // As the Trainer does: forward and loss under autocast, backward outside.
+            let loss = {
+                let _autocast = scenario.precision().autocast(Device::Cpu).unwrap();
+                let pred = model.forward(x, rank, step);
+                let kind = scenario.precision().autocast_kind().unwrap_or(Kind::Float);
+                assert_eq!(pred.kind(), kind, "the kind of the model's output");
+                pred.mse_loss(y, Reduction::Mean)
+            };
+            let loss = loss / micros as f64;
+            match &scaler {
+                Some(scaler) => scaler.scale_loss(&loss).backward(),
+                None => loss.backward(),
+            }
         }
         ddp.sync_gradients().unwrap();
         if mode == "view" {
             assert_gradients_lie_in_their_buckets(&ddp);
         }
-        opt.step();
+        match &mut scaler {
+            Some(scaler) => {
+                let found_inf = scaler.unscale(ddp.parameters());
+                if !found_inf {
+                    opt.step();
+                }
+                scaler.update(found_inf);
+                scales.push(scaler.scale());
+            }
+            None => opt.step(),
+        }
     }
     let tag = env(TAG_ENV);
     checkpoint::save(
@@ -299,6 +357,14 @@ fn rank_worker() {
         &HashMap::new(),
     )
     .unwrap();
+    if scaler.is_some() {
+        checkpoint::write_tensors(
+            [("scales".to_string(), Tensor::from_slice(&scales))],
+            &HashMap::new(),
+            dir.join(format!("{tag}.{rank}.scales.safetensors")),
+        )
+        .unwrap();
+    }
 }
 
 /// With `gradient_as_bucket_view`, each bucket's gradients are consecutive pieces of one
@@ -458,12 +524,38 @@ fn check_against_pytorch(scenario: Scenario) {
         "{}: largest max |ours - pytorch| = {largest:.3e}",
         scenario.name()
     );
+    if scenario.scaler().is_some() {
+        check_scales(dir);
+    }
     assert!(
         failures.is_empty(),
         "{}: ours differs from PyTorch's DDP by more than {TOLERANCE:e}:\n{}",
         scenario.name(),
         failures.join("\n")
     );
+}
+
+/// The scale after each step, PyTorch's (`scaler.get_scale()`) and ours, must be equal on
+/// every rank, and have grown and backed off (a skipped step) during the run.
+fn check_scales(dir: &Path) {
+    for rank in 0..2 {
+        let scales = |file: String| -> Vec<f64> {
+            let t = &read(dir, &file)["scales"];
+            assert_eq!(t.kind(), Kind::Double, "the kind of {file}'s scales");
+            Vec::<f64>::try_from(t).unwrap()
+        };
+        let ours = scales(format!("overlap.{rank}.scales.safetensors"));
+        let theirs = scales(format!("torch.{rank}.scales.safetensors"));
+        println!("rank {rank} scales after each step: ours {ours:?}, pytorch {theirs:?}");
+        assert_eq!(ours.len(), STEPS, "our rank {rank}'s scales");
+        assert_eq!(ours, theirs, "rank {rank}: our scales are not PyTorch's");
+        let before: Vec<f64> = std::iter::once(INIT_SCALE).chain(ours.clone()).collect();
+        let changes: Vec<_> = before.windows(2).map(|w| w[1] / w[0]).collect();
+        assert!(
+            changes.contains(&2.0) && changes.contains(&0.5),
+            "rank {rank}: the scale should both grow and back off during the run: {ours:?}"
+        );
+    }
 }
 
 #[test]
@@ -489,6 +581,16 @@ fn find_unused_parameters_with_adam_matches_pytorch() {
 #[test]
 fn bf16_compress_hook_matches_pytorch() {
     check_against_pytorch(Scenario::Bf16Compress);
+}
+
+#[test]
+fn bf16_autocast_matches_pytorch() {
+    check_against_pytorch(Scenario::Bf16Autocast);
+}
+
+#[test]
+fn fp16_autocast_with_grad_scaler_matches_pytorch() {
+    check_against_pytorch(Scenario::Fp16GradScaler);
 }
 
 /// Writes a seeded init.safetensors and data.safetensors for the MLP and `world` ranks.

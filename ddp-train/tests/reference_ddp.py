@@ -6,7 +6,9 @@ Starts WORLD forked ranks (gloo, CPU, one thread each) that meet at 127.0.0.1:P,
 
 - init.safetensors: the model's initial state_dict (seeded), which the Rust ranks load;
 - data.safetensors: every rank's batches, x.{rank}.{step}.{micro} and y.{rank}.{step}.{micro};
-- torch.{rank}.safetensors: each rank's final state_dict, and torch.safetensors (rank 0's).
+- torch.{rank}.safetensors: each rank's final state_dict, and torch.safetensors (rank 0's);
+- with a GradScaler (fp16_grad_scaler), torch.{rank}.scales.safetensors: `scales`, the scale
+  after each step's `scaler.update()` (float64, one per step; the last is `get_scale()`).
 
 The ranks' parameters must agree bit for bit (checked here); their BatchNorm buffers differ
 after the last step, since each rank's last forward updates its own running statistics after
@@ -14,6 +16,7 @@ the broadcast, so the Rust test compares rank with rank.
 """
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import os
@@ -36,7 +39,23 @@ IN, HIDDEN, OUT = 12, 24, 4
 # Small buckets so that the MLP's gradients travel in several (pytorch.rs uses the same).
 BUCKET_CAP_BYTES = 1024
 PR_SET_PDEATHSIG = 1
-SCENARIOS = ("plain", "accumulate", "batch_norm", "unused", "bf16_compress")
+SCENARIOS = (
+    "plain",
+    "accumulate",
+    "batch_norm",
+    "unused",
+    "bf16_compress",
+    "bf16_autocast",
+    "fp16_grad_scaler",
+)
+# Forward and loss under CPU autocast to this dtype (backward outside, as recommended).
+AUTOCAST = {"bf16_autocast": torch.bfloat16, "fp16_grad_scaler": torch.float16}
+# fp16_grad_scaler's GradScaler: PyTorch's default initial scale, and a growth interval short
+# enough that the scale grows within STEPS (pytorch.rs uses the same). With these, the scale
+# grows after steps 0 and 1, step 2's fp16 gradients overflow (a skipped step, with momentum
+# buffers already made, and a backoff), and it grows again after steps 3 and 4.
+INIT_SCALE = 2.0**16
+GROWTH_INTERVAL = 2
 
 
 class Branches(nn.Module):
@@ -135,6 +154,12 @@ def worker(rank, scenario, out, port):
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = None
+    if scenario == "fp16_grad_scaler":
+        scaler = torch.amp.GradScaler(
+            "cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL
+        )
+    scales = []
     data = load_file(os.path.join(out, "data.safetensors"))
     micros = micro_batches(scenario)
     for step in range(STEPS):
@@ -144,24 +169,46 @@ def worker(rank, scenario, out, port):
             y = data[f"y.{rank}.{step}.{micro}"]
 
             def backward():
-                if scenario == "unused":
-                    pred = ddp(x, uses_b(rank, step))
+                if scenario in AUTOCAST:
+                    autocast = torch.autocast("cpu", dtype=AUTOCAST[scenario])
                 else:
-                    pred = ddp(x)
-                (F.mse_loss(pred, y) / micros).backward()
+                    autocast = contextlib.nullcontext()
+                with autocast:
+                    if scenario == "unused":
+                        pred = ddp(x, uses_b(rank, step))
+                    else:
+                        pred = ddp(x)
+                    assert pred.dtype == AUTOCAST.get(scenario, torch.float32), pred.dtype
+                    loss = F.mse_loss(pred, y)
+                loss = loss / micros
+                if scaler is not None:
+                    loss = scaler.scale(loss)
+                loss.backward()
 
             if micro + 1 < micros:
                 with ddp.no_sync():
                     backward()
             else:
                 backward()
-        opt.step()
+        if scaler is not None:
+            # Unscales (skipping the step on inf/NaN), then backs off or counts a good step.
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        else:
+            opt.step()
     if rank == 0:
         logged = ddp._get_ddp_logging_data()
         sizes = logged.get("rebuilt_bucket_sizes", logged.get("bucket_sizes"))
         print(f"pytorch bucket sizes: {sizes}", flush=True)
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     save_file(state, os.path.join(out, f"torch.{rank}.safetensors"))
+    if scaler is not None:
+        print(f"pytorch rank {rank} scales: {scales}", flush=True)
+        save_file(
+            {"scales": torch.tensor(scales, dtype=torch.float64)},
+            os.path.join(out, f"torch.{rank}.scales.safetensors"),
+        )
     dist.barrier()
     dist.destroy_process_group()
 
