@@ -162,7 +162,11 @@ impl GradScaler {
         } else {
             s.growth_tracker += 1;
             if s.growth_tracker == self.growth_interval {
-                s.scale *= self.growth_factor;
+                // PyTorch keeps the scale in f32 and does not grow it past f32's range.
+                let grown = s.scale * self.growth_factor;
+                if (grown as f32).is_finite() {
+                    s.scale = grown;
+                }
                 s.growth_tracker = 0;
             }
         }
@@ -193,6 +197,16 @@ mod tests {
         s.update(false);
         s.update(true);
         assert_eq!((s.scale(), s.state().growth_tracker), (32768.0, 0));
+        // The scale stays within f32's range, as PyTorch's f32 scale does.
+        let top = 2f64.powi(127); // the largest power of two in f32
+        s.set_state(ScalerState {
+            scale: top,
+            growth_tracker: 0,
+        });
+        for _ in 0..3 {
+            s.update(false);
+        }
+        assert_eq!((s.scale(), s.state().growth_tracker), (top, 0));
     }
 
     #[test]
