@@ -21,7 +21,7 @@ use crate::error::TrainError;
 
 /// The precision of the forward pass and the loss.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[cfg_attr(feature = "odir", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// Everything in fp32 (no autocast).

@@ -37,6 +37,8 @@
 #![warn(missing_docs)]
 
 pub mod amp;
+#[cfg(feature = "cli")]
+pub mod cli;
 #[cfg(feature = "odir")]
 pub mod config;
 pub mod ddp;

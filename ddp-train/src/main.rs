@@ -10,31 +10,13 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::Parser;
 use ddp_train::odir::OdirTask;
-use ddp_train::{TrainConfig, TrainError, Trainer};
+use ddp_train::{TrainConfig, Trainer};
 
 fn main() -> ExitCode {
     ddp_train::malloc::keep_freed_memory();
     ddp_train::logging::init();
     let config = TrainConfig::parse();
-    match run(config) {
-        Ok(()) => ExitCode::SUCCESS,
-        // A requested stop (SIGTERM, SIGUSR1, --time-limit) after its checkpoint: not an
-        // error, and a distinct exit code so that launchers and schedulers requeue the job.
-        Err(err) if err.downcast_ref::<TrainError>().is_some_and(is_stop) => {
-            eprintln!("{err}");
-            ExitCode::from(ddp_train::EXIT_STOPPED)
-        }
-        Err(err) => {
-            // A missing folder or a bad setting is the user's to fix, not a bug: the message
-            // and its causes, without a backtrace (bugs panic, and keep theirs).
-            eprintln!("error: {err:#}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn is_stop(err: &TrainError) -> bool {
-    matches!(err, TrainError::Stopped { .. })
+    ddp_train::cli::run(|| run(config))
 }
 
 fn run(config: TrainConfig) -> Result<()> {
@@ -42,7 +24,7 @@ fn run(config: TrainConfig) -> Result<()> {
     let task = OdirTask::new(&config)?;
     let mut trainer = Trainer::new(task, config.settings())?;
     let rank0 = trainer.process_group().rank() == 0;
-    if config.eval_only {
+    if config.train.eval_only {
         let report = trainer.evaluate()?;
         if rank0 {
             println!("{}", serde_json::to_string(&report)?);

@@ -26,7 +26,7 @@ use crate::scheduler::PlateauConfig;
 
 /// Which device a rank trains on.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[cfg_attr(feature = "odir", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceChoice {
     /// `cuda:LOCAL_RANK` when CUDA is available, else the CPU.

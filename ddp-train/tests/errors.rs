@@ -61,3 +61,28 @@ fn a_zero_batch_size_is_named_without_a_backtrace() {
     let out = ddp_train(&["--data", dir.path().to_str().unwrap(), "--batch-size", "0"]);
     assert_one_error(&out, "error: --batch-size must be at least 1");
 }
+
+/// `python -m torch.distributed.launch` passes `--local_rank`; one that disagrees with the
+/// launcher's `LOCAL_RANK` names both before anything starts.
+#[test]
+fn a_local_rank_flag_that_disagrees_with_the_launcher_is_named() {
+    let dir = ddp_testkit::temp_dir("ddp-train-errors");
+    let mut cmd = Command::new(EXE);
+    cmd.args(["--data", dir.path().to_str().unwrap(), "--local_rank", "1"])
+        .envs([
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "1"),
+            ("RUST_BACKTRACE", "1"),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let out = ddp_testkit::wait_bounded(cmd.spawn().unwrap(), Duration::from_secs(120));
+    assert_one_error(
+        &out,
+        "error: --local-rank 1 disagrees with the launcher's local rank 0 (LOCAL_RANK or \
+         SLURM_LOCALID): both must name the same device",
+    );
+}
