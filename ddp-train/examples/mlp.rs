@@ -2,22 +2,24 @@
 //! from generated points, on as many ranks as the launcher starts.
 //!
 //! ```sh
-//! cargo build --example mlp -p ddp-train --no-default-features
+//! cargo build --example mlp -p ddp-train --no-default-features --features cli
 //! ddp-run --nproc-per-node 2 -- target/debug/examples/mlp --out runs/mlp --batch-size 8
 //! target/debug/examples/mlp --out runs/mlp-1 --batch-size 16   # one process, same steps
+//! target/debug/examples/mlp --help                               # every training flag
 //! ```
 //!
 //! With SGD, 2 ranks of batch B take exactly the steps of one process with batch 2B: the
 //! sampler deals the same shuffled order to both, DDP averages the two ranks' gradients, and
 //! the mean of two means of B samples is the mean over 2B (`tests/example.rs` checks it).
 
-use std::path::PathBuf;
+use std::process::ExitCode;
 
+use clap::{CommandFactory, FromArgMatches, Parser};
 use ddp_data::rng::SampleRng;
 use ddp_data::sample::{Input, SampleLayout, SampleOut};
 use ddp_data::{Batch, DataError, Dataset};
-use ddp_train::optim::{OptimizerConfig, SgdConfig};
-use ddp_train::{Monitor, Settings, Stats, Task, TrainError, Trainer};
+use ddp_train::cli::TrainArgs;
+use ddp_train::{Monitor, Stats, Task, Trainer};
 use serde_json::{Map, Value};
 use tch::{nn, nn::Module, Reduction, Tensor};
 
@@ -149,47 +151,41 @@ impl Task for Regression {
     }
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// The example's command line: every training flag, with the example's own defaults.
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    train: TrainArgs,
+}
+
+fn main() -> ExitCode {
     // The Trainer's lines: rank 0's on stdout, the others' on stderr.
     ddp_train::logging::init();
-    let mut settings = Settings::default()
-        .epochs(3)
-        .batch_size(8)
-        .seed(42)
-        .optimizer(OptimizerConfig::Sgd(SgdConfig {
-            lr: 0.05,
-            momentum: 0.9,
-            weight_decay: 0.0,
-        }))
-        .monitor(Monitor::min("val_loss", "best.safetensors"));
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let mut value = || args.next().ok_or(format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--out" => settings = settings.out(Some(PathBuf::from(value()?))),
-            "--batch-size" => settings = settings.batch_size(value()?.parse()?),
-            "--epochs" => settings = settings.epochs(value()?.parse()?),
-            other => return Err(format!("unknown flag {other}").into()),
-        }
-    }
-    let mut trainer = Trainer::new(Regression, settings)?;
-    let reports = match trainer.run() {
-        // SIGTERM, SIGUSR1 or the time limit: a checkpoint was written; the launcher
-        // reads exit code 75 as "stopped, to be continued", not as a failure.
-        Err(stopped @ TrainError::Stopped { .. }) => {
-            eprintln!("{stopped}");
-            std::process::exit(stopped.exit_code().into());
-        }
-        other => other?,
-    };
-    if let Some(last) = reports.last() {
-        if trainer.process_group().rank() == 0 {
+    let defaults = [
+        ("epochs", "3"),
+        ("batch_size", "8"),
+        ("seed", "42"),
+        ("optimizer", "sgd"),
+        ("lr", "0.05"),
+        ("momentum", "0.9"),
+    ];
+    let command = defaults.iter().fold(Cli::command(), |c, &(arg, value)| {
+        c.mut_arg(arg, |a| a.default_value(value))
+    });
+    let cli = Cli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit());
+    // 75 after a requested stop (SIGTERM, SIGUSR1, --time-limit): "to be continued".
+    ddp_train::cli::run(|| {
+        let settings = cli.train.settings();
+        let settings = settings.monitor(Monitor::min("val_loss", "best.safetensors"));
+        let mut trainer = Trainer::new(Regression, settings)?;
+        let reports = trainer.run()?;
+        if let (Some(last), 0) = (reports.last(), trainer.process_group().rank()) {
             println!(
                 "done: validation MSE {:.4} after {} epochs",
                 last.val_loss.unwrap_or(f64::NAN),
                 last.epoch
             );
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }

@@ -33,7 +33,7 @@ use crate::amp::Precision;
 use crate::ddp::BuiltinHook;
 use crate::error::TrainError;
 use crate::lr_schedule::LrSchedule;
-use crate::optim::{AdamConfig, OptimizerConfig};
+use crate::optim::{AdamConfig, OptimizerConfig, SgdConfig};
 use crate::scheduler::PlateauConfig;
 use crate::settings::{DeviceChoice, EarlyStopping, Goal, Plateau, Settings};
 
@@ -59,7 +59,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f64,
 
-    /// Weight decay: L2 added to the gradient (torch.optim.Adam), or decoupled with --adamw.
+    /// Weight decay: L2 added to the gradient (adam, sgd), or decoupled (adamw).
     #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f64,
 
@@ -172,11 +172,16 @@ pub struct TrainArgs {
     #[serde(default)]
     pub no_overlap: bool,
 
-    /// Adam with decoupled weight decay (AdamW): --weight-decay shrinks the weights instead
-    /// of entering the gradient.
-    #[arg(long)]
+    /// The optimizer: adam (torch.optim.Adam), adamw (decoupled weight decay) or sgd (with
+    /// --momentum).
+    #[arg(long, value_enum, default_value_t = OptimizerChoice::Adam)]
     #[serde(default)]
-    pub adamw: bool,
+    pub optimizer: OptimizerChoice,
+
+    /// SGD's momentum factor (0: plain SGD).
+    #[arg(long, default_value_t = 0.0)]
+    #[serde(default)]
+    pub momentum: f64,
 
     /// Clip the gradients' global 2-norm to this value after they are averaged over ranks
     /// (the norm is logged with --log-every).
@@ -225,6 +230,19 @@ pub struct TrainArgs {
     pub local_rank: Option<usize>,
 }
 
+/// `--optimizer`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerChoice {
+    /// Adam, weight decay as L2 in the gradient.
+    #[default]
+    Adam,
+    /// AdamW, decoupled weight decay.
+    Adamw,
+    /// SGD with optional momentum.
+    Sgd,
+}
+
 /// `--lr-schedule`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -258,10 +276,14 @@ impl TrainArgs {
                     weight_decay: self.weight_decay,
                     ..Default::default()
                 };
-                if self.adamw {
-                    OptimizerConfig::AdamW(adam)
-                } else {
-                    OptimizerConfig::Adam(adam)
+                match self.optimizer {
+                    OptimizerChoice::Adam => OptimizerConfig::Adam(adam),
+                    OptimizerChoice::Adamw => OptimizerConfig::AdamW(adam),
+                    OptimizerChoice::Sgd => OptimizerConfig::Sgd(SgdConfig {
+                        lr: self.lr,
+                        momentum: self.momentum,
+                        weight_decay: self.weight_decay,
+                    }),
                 }
             })
             .seed(self.seed)
@@ -445,7 +467,8 @@ mod tests {
             "cosine",
             "--warmup-steps",
             "5",
-            "--adamw",
+            "--optimizer",
+            "adamw",
             "--clip-grad-norm",
             "1.5",
             "--local_rank",

@@ -504,7 +504,7 @@ fn torchrun_starts_ddp_train_ranks_that_train_together() {
 }
 
 /// `--clip-grad-norm` clips after the average: every rank logs the same norms, each step's
-/// line names it, and AdamW (`--adamw --weight-decay`) trains through the same loop.
+/// line names it, and AdamW (`--optimizer adamw --weight-decay`) trains through the loop.
 #[test]
 fn clipping_logs_the_same_gradient_norm_on_every_rank() {
     let tmp = temp_dir("clip");
@@ -517,7 +517,8 @@ fn clipping_logs_the_same_gradient_norm_on_every_rank() {
         "0.05",
         "--log-every",
         "1",
-        "--adamw",
+        "--optimizer",
+        "adamw",
         "--weight-decay",
         "0.01",
     ]);
