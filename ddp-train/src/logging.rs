@@ -8,11 +8,13 @@ use tracing::Level;
 use tracing_subscriber::fmt::writer::MakeWriterExt;
 
 /// Prints `tracing` events of level INFO and above as bare lines, the way `ddp-train` does:
-/// rank 0's (`RANK` unset or `0`) on stdout, except warnings and errors, which go to stderr
-/// like every other rank's lines (a launcher prefixes those with the rank). Does nothing if
-/// the program already installed a subscriber.
+/// rank 0's (torchrun's `RANK` or SLURM's `SLURM_PROCID` 0, or no launcher) on stdout,
+/// except warnings and errors, which go to stderr like every other rank's lines (a launcher
+/// prefixes those with the rank). Does nothing if the program already installed a
+/// subscriber.
 pub fn init() {
-    let rank0 = std::env::var("RANK").map_or(true, |r| r.trim() == "0");
+    // An unreadable environment fails the Trainer later, with the message; print as rank 0.
+    let rank0 = ddp_comm::EnvConfig::from_env().map_or(true, |env| env.rank == 0);
     let builder = tracing_subscriber::fmt()
         .with_max_level(Level::INFO)
         .without_time()

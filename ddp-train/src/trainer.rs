@@ -93,6 +93,8 @@ pub struct Trainer<T: Task> {
     model: T::Model,
     ddp: DistributedDataParallel,
     optimizer: Optimizer,
+    /// Whether a launcher restarted this job (torchrun's restart count above 0).
+    restarted: bool,
     /// fp16's loss scaler (`None` in other precisions).
     scaler: Option<GradScaler>,
     /// Early stopping's count (`None` without early stopping).
@@ -284,6 +286,7 @@ impl<T: Task> Trainer<T> {
             model,
             ddp,
             optimizer,
+            restarted: env.restart_count > 0,
             scaler,
             early,
             scheduler,
@@ -544,7 +547,7 @@ impl<T: Task> Trainer<T> {
                 train_seconds: earlier_seconds + started.elapsed().as_secs_f64(),
             };
             self.checkpoint_or_stop(position, first, steps, signals)?;
-            fail_if_injected(rank, epoch, step);
+            fail_if_injected(rank, epoch, step, self.restarted);
             let step_started = Instant::now();
             // Dropout masks derive from (seed, epoch, step, rank): a resumed run draws the
             // same ones as an uninterrupted run.
@@ -998,7 +1001,7 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
 ///   `DDP_TRAIN_FAIL_SIGNAL=KILL` kill itself, or with `STOP` stop itself (a hung rank);
 /// - `DDP_TRAIN_STEP_SLEEP_MS=n` makes every step n ms longer (so that a test can act in
 ///   the middle of an epoch).
-fn fail_if_injected(rank: usize, epoch: u64, step: usize) {
+fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: bool) {
     let var = |k: &str| std::env::var(k).ok();
     if let Some(ms) = var("DDP_TRAIN_STEP_SLEEP_MS").and_then(|v| v.parse().ok()) {
         std::thread::sleep(Duration::from_millis(ms));
@@ -1006,7 +1009,6 @@ fn fail_if_injected(rank: usize, epoch: u64, step: usize) {
     let (Some(r), Some(at)) = (var("DDP_TRAIN_FAIL_RANK"), var("DDP_TRAIN_FAIL_AT")) else {
         return;
     };
-    let restarted = var("TORCHELASTIC_RESTART_COUNT").is_some_and(|c| c != "0");
     if restarted || (r != "all" && r.parse() != Ok(rank)) || at != format!("{epoch}:{step}") {
         return;
     }
@@ -1077,7 +1079,8 @@ struct Progress {
 
 impl Progress {
     fn new(show: bool, epoch: u64, epochs: u64, steps: usize) -> Self {
-        let terminal = show && std::io::stdout().is_terminal();
+        // indicatif draws on stderr.
+        let terminal = show && std::io::stderr().is_terminal();
         let bar = terminal.then(|| {
             let bar = ProgressBar::new(steps as u64);
             bar.set_style(
