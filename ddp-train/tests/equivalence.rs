@@ -5,11 +5,10 @@
 
 mod common;
 
-use common::{free_port, rank_command, wait_all};
+use common::{free_port, wait_all};
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Child;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,26 +29,12 @@ fn temp_dir(name: &str) -> common::TempDir {
 
 /// Runs `worker` as `world` rank processes and waits for all of them (bounded).
 fn run_ranks(worker: &str, world: usize, out: &Path, env: &[(&str, String)]) -> Vec<bool> {
-    let port = free_port();
-    let children: Vec<Child> = (0..world)
-        .map(|rank| {
-            let mut cmd = rank_command(std::env::current_exe().unwrap(), rank, world, port);
-            cmd.args([
-                "--ignored",
-                "--exact",
-                worker,
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(OUT_ENV, out)
+    let children = common::spawn_worker_ranks(worker, world, |rank, cmd| {
+        cmd.env(OUT_ENV, out)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(std::fs::File::create(out.join(format!("{worker}-{rank}.log"))).unwrap())
             .stderr(std::process::Stdio::piped());
-            for (k, v) in env {
-                cmd.env(k, v);
-            }
-            cmd.spawn().unwrap()
-        })
-        .collect();
+    });
     let outputs = wait_all(children, Duration::from_secs(180));
     for (rank, output) in outputs.iter().enumerate() {
         if !output.status.success() {

@@ -17,11 +17,11 @@
 
 mod common;
 
-use common::{free_port, rank_command, wait_all, wait_bounded};
+use common::{free_port, wait_all, wait_bounded};
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -395,26 +395,14 @@ fn assert_gradients_lie_in_their_buckets(ddp: &DistributedDataParallel) {
 
 /// Runs our `world` ranks on the files in `dir`; they write `{tag}.{rank}.safetensors`.
 fn run_ours(scenario: Scenario, world: usize, dir: &Path, tag: &str) {
-    let port = free_port();
-    let children: Vec<Child> = (0..world)
-        .map(|rank| {
-            let mut cmd = rank_command(std::env::current_exe().unwrap(), rank, world, port);
-            cmd.args([
-                "--ignored",
-                "--exact",
-                "rank_worker",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(DIR_ENV, dir)
+    let children = common::spawn_worker_ranks("rank_worker", world, |_, cmd| {
+        cmd.env(DIR_ENV, dir)
             .env(SCENARIO_ENV, scenario.name())
             .env(MODE_ENV, tag)
             .env(TAG_ENV, tag)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-            cmd.spawn().unwrap()
-        })
-        .collect();
+    });
     let outputs = wait_all(children, LIMIT);
     for (rank, output) in outputs.iter().enumerate() {
         assert!(
