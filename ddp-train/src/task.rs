@@ -63,15 +63,21 @@ pub trait Task {
         None
     }
 
-    /// The mean loss of a training batch (model in training mode); the Trainer calls
-    /// `backward` on it.
+    /// The mean loss of a training batch; the Trainer calls `backward` on it (scaled by
+    /// `1 / accumulate`, and by the fp16 loss scale). tch modules have no mode of their own:
+    /// run layers that behave differently in training (dropout, BatchNorm) with their
+    /// training behaviour, e.g. `model.forward_t(inputs, true)`. With
+    /// [`crate::Settings::precision`] bf16 or fp16 this runs under autocast.
     fn train_loss(&self, model: &Self::Model, batch: &Batch) -> Tensor;
 
     /// Empty evaluation statistics.
     fn new_stats(&self) -> Self::Stats;
 
-    /// Evaluates one validation batch (model in evaluation mode, without gradients): adds
-    /// to `stats` and returns the sum of the batch's per-sample losses (a scalar tensor).
+    /// Evaluates one validation batch, without gradients (and under autocast in bf16 or
+    /// fp16): adds to `stats` and returns the *sum* of the batch's per-sample losses (a
+    /// scalar tensor; the Trainer divides by the number of samples of the whole split). Run
+    /// layers with their evaluation behaviour, e.g. `model.forward_t(inputs, false)`: the
+    /// Trainer sets no mode.
     fn eval_batch(&self, model: &Self::Model, batch: &Batch, stats: &mut Self::Stats) -> Tensor;
 
     /// What `config.json` records about the task (its own settings, the data's size).
