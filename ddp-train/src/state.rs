@@ -255,11 +255,13 @@ pub fn save(
     Ok(model_path)
 }
 
-/// For the launcher's fault tests: `DDP_TRAIN_PAUSE_IN_CHECKPOINT=<epoch>` makes rank 0
-/// stop for a minute in the middle of writing that epoch's checkpoint (model file written,
-/// state file and `latest` not yet), so a test can kill it there.
+/// For the launcher's fault tests, in debug builds only: `DDP_TRAIN_PAUSE_IN_CHECKPOINT=<epoch>`
+/// makes rank 0 stop for a minute in the middle of writing that epoch's checkpoint (model
+/// file written, state file and `latest` not yet), so a test can kill it there.
 fn pause_if_injected(epoch: u64) {
-    if std::env::var("DDP_TRAIN_PAUSE_IN_CHECKPOINT").is_ok_and(|e| e == epoch.to_string()) {
+    if cfg!(debug_assertions)
+        && std::env::var("DDP_TRAIN_PAUSE_IN_CHECKPOINT").is_ok_and(|e| e == epoch.to_string())
+    {
         tracing::warn!(
             "pausing inside the checkpoint of epoch {epoch} (DDP_TRAIN_PAUSE_IN_CHECKPOINT)"
         );

@@ -993,7 +993,7 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
         .map_err(|e| TrainError::io(format!("cannot write {}", path.display()), e))
 }
 
-/// For the fault tests, before a step:
+/// For the fault tests, in debug builds only, before a step:
 ///
 /// - `DDP_TRAIN_FAIL_RANK=r` (or `all`) and `DDP_TRAIN_FAIL_AT=epoch:step` make rank r (or
 ///   every rank) fail at that step, in the first attempt only (a restarted attempt has
@@ -1002,6 +1002,10 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
 /// - `DDP_TRAIN_STEP_SLEEP_MS=n` makes every step n ms longer (so that a test can act in
 ///   the middle of an epoch).
 fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: bool) {
+    // Only in debug builds (what the tests run): a release binary never reads these.
+    if !cfg!(debug_assertions) {
+        return;
+    }
     let var = |k: &str| std::env::var(k).ok();
     if let Some(ms) = var("DDP_TRAIN_STEP_SLEEP_MS").and_then(|v| v.parse().ok()) {
         std::thread::sleep(Duration::from_millis(ms));
