@@ -171,6 +171,8 @@ mod tests {
                     .unwrap()
                     .clone(),
                 lr: 1e-3,
+                grad_norm: None,
+                skipped_steps: None,
                 images_per_sec: 10.0,
                 epoch_seconds: 1.0,
                 steps: 3,

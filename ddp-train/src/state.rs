@@ -81,6 +81,13 @@ pub struct Position {
     pub samples: usize,
     /// Seconds spent training in this epoch so far.
     pub train_seconds: f64,
+    /// Sum of the gradient norms clipping measured in this epoch so far (the same on every
+    /// rank).
+    #[serde(default)]
+    pub grad_norm_sum: f64,
+    /// Steps of this epoch so far that fp16's scaler skipped (the same on every rank).
+    #[serde(default)]
+    pub skipped_steps: u64,
 }
 
 /// The scalar state of a run at a checkpoint.
@@ -465,6 +472,8 @@ mod tests {
             loss_sum: 1.0,
             samples: 4,
             train_seconds: 0.5,
+            grad_norm_sum: 0.0,
+            skipped_steps: 0,
         });
         assert_eq!(stem_of(&st), "epoch-0002-step-000017");
         assert_eq!(step_of("epoch-0002-step-000017"), Some((2, 17)));

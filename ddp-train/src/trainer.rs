@@ -47,6 +47,13 @@ pub struct EpochReport {
     pub metrics: Map<String, Value>,
     /// Learning rate used in this epoch (with a per-step schedule: at its last step).
     pub lr: f64,
+    /// Mean over the epoch's steps of the gradients' global norm before clipping (with
+    /// [`Settings::clip_grad_norm`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f64>,
+    /// Steps the fp16 gradient scaler skipped (inf/NaN gradients) in this epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped_steps: Option<u64>,
     /// Training samples per second, all ranks together.
     pub images_per_sec: f64,
     /// Wall time of the epoch (training and evaluation).
@@ -64,6 +71,7 @@ impl EpochReport {
             "train_loss" => Some(self.train_loss),
             "val_loss" => self.val_loss,
             "lr" => Some(self.lr),
+            "grad_norm" => self.grad_norm,
             _ => self.metrics.get(name)?.as_f64(),
         }
     }
@@ -79,6 +87,22 @@ pub struct EvalReport {
     pub metrics: Map<String, Value>,
     /// Ranks that evaluated.
     pub world_size: usize,
+}
+
+/// What an epoch's training loop returns (all ranks' totals).
+struct EpochTraining {
+    /// Mean training loss over every rank's samples.
+    loss: f64,
+    /// Samples, all ranks together.
+    samples: usize,
+    /// Optimizer steps.
+    steps: usize,
+    /// Seconds spent training.
+    seconds: f64,
+    /// Sum of the steps' gradient norms (with clipping).
+    grad_norm_sum: f64,
+    /// Steps the fp16 scaler skipped.
+    skipped_steps: u64,
 }
 
 /// A rank's whole training run of a [`Task`].
@@ -405,8 +429,7 @@ impl<T: Task> Trainer<T> {
         for epoch in self.start_epoch..=self.settings.epochs {
             let lr_at_start = self.optimizer.lr();
             let resumed = self.start_position.take().filter(|p| p.epoch == epoch);
-            let (train_loss, samples, steps, train_seconds) =
-                self.train_epoch(epoch, resumed, signals.as_ref())?;
+            let trained = self.train_epoch(epoch, resumed, signals.as_ref())?;
             let lr = match self.settings.lr_schedule {
                 Some(_) => self.optimizer.lr(),
                 None => lr_at_start,
@@ -420,13 +443,18 @@ impl<T: Task> Trainer<T> {
             };
             let report = EpochReport {
                 epoch,
-                train_loss,
+                train_loss: trained.loss,
                 val_loss,
                 metrics,
                 lr,
-                images_per_sec: samples as f64 / train_seconds.max(1e-9),
-                epoch_seconds: train_seconds + evaluating.elapsed().as_secs_f64(),
-                steps,
+                grad_norm: self
+                    .settings
+                    .clip_grad_norm
+                    .map(|_| trained.grad_norm_sum / trained.steps.max(1) as f64),
+                skipped_steps: self.scaler.as_ref().map(|_| trained.skipped_steps),
+                images_per_sec: trained.samples as f64 / trained.seconds.max(1e-9),
+                epoch_seconds: trained.seconds + evaluating.elapsed().as_secs_f64(),
+                steps: trained.steps,
                 world_size: self.pg.world_size(),
             };
             if let (Some(p), Some(sched)) = (&self.settings.plateau, &mut self.scheduler) {
@@ -502,8 +530,7 @@ impl<T: Task> Trainer<T> {
     }
 
     /// One epoch of training, from `resumed`'s step when a checkpoint inside it is resumed;
-    /// returns (mean loss over all ranks' samples, samples, steps, seconds), all counting the
-    /// part before `resumed` too.
+    /// what it returns counts the part before `resumed` too.
     ///
     /// Each micro-step queues its forward and backward, then takes the next batch (which, on
     /// a GPU, queues that batch's copy behind this step), and only then reads the loss, the
@@ -514,7 +541,7 @@ impl<T: Task> Trainer<T> {
         epoch: u64,
         resumed: Option<Position>,
         signals: Option<&SignalWatch>,
-    ) -> Result<(f64, usize, usize, f64), TrainError> {
+    ) -> Result<EpochTraining, TrainError> {
         let s = self.settings.clone();
         let rank = self.pg.rank();
         // The trainer advances the sampler itself: no one can forget set_epoch.
@@ -535,6 +562,9 @@ impl<T: Task> Trainer<T> {
             (Some(p), _) => (0.0, 0, p.train_seconds),
             (None, _) => (0.0f64, 0usize, 0.0),
         };
+        // The same on every rank (they come from the averaged gradients).
+        let (mut grad_norm_sum, mut skipped_steps) =
+            resumed.map_or((0.0, 0), |p| (p.grad_norm_sum, p.skipped_steps));
         let mut fresh_samples = 0usize;
         let started = Instant::now();
         let mut upcoming = loader.next();
@@ -545,6 +575,8 @@ impl<T: Task> Trainer<T> {
                 loss_sum,
                 samples,
                 train_seconds: earlier_seconds + started.elapsed().as_secs_f64(),
+                grad_norm_sum,
+                skipped_steps,
             };
             self.checkpoint_or_stop(position, first, steps, signals)?;
             fail_if_injected(rank, epoch, step, self.restarted);
@@ -600,7 +632,10 @@ impl<T: Task> Trainer<T> {
             let grad_norm = s
                 .clip_grad_norm
                 .map(|max| crate::optim::clip_grad_norm(self.ddp.parameters(), max));
-            if !found_inf {
+            grad_norm_sum += grad_norm.unwrap_or(0.0);
+            if found_inf {
+                skipped_steps += 1;
+            } else {
                 self.optimizer.step();
             }
             if let Some(scaler) = &mut self.scaler {
@@ -632,13 +667,14 @@ impl<T: Task> Trainer<T> {
         let mut totals = Tensor::from_slice(&[loss_sum, samples as f64]);
         self.pg.all_reduce(&mut totals, ReduceOp::Sum)?;
         let totals = Vec::<f64>::try_from(&totals)?;
-        let seconds = earlier_seconds + started.elapsed().as_secs_f64();
-        Ok((
-            totals[0] / totals[1].max(1.0),
-            totals[1] as usize,
+        Ok(EpochTraining {
+            loss: totals[0] / totals[1].max(1.0),
+            samples: totals[1] as usize,
             steps,
-            seconds,
-        ))
+            seconds: earlier_seconds + started.elapsed().as_secs_f64(),
+            grad_norm_sum,
+            skipped_steps,
+        })
     }
 
     /// Before each step: the ranks agree whether to stop (a stop signal reached some rank,

@@ -190,7 +190,11 @@ fn an_interrupted_and_resumed_run_equals_an_uninterrupted_one() {
 /// resumed run must continue from exactly.
 #[test]
 fn an_interrupted_and_resumed_fp16_run_equals_an_uninterrupted_one() {
-    let state = check_resume("resume-fp16", &["--precision", "fp16"]);
+    // With clipping, the epoch's mean gradient norm and skipped steps must resume exactly.
+    let state = check_resume(
+        "resume-fp16",
+        &["--precision", "fp16", "--clip-grad-norm", "1.0"],
+    );
     let scaler = &state["grad_scaler"];
     let (scale, good) = (
         scaler["scale"].as_f64().unwrap(),
@@ -542,6 +546,22 @@ fn clipping_logs_the_same_gradient_norm_on_every_rank() {
     assert!(first > 0.05, "first norm {first}");
     let config = std::fs::read_to_string(out.join("config.json")).unwrap();
     assert!(config.contains("\"kind\": \"adamw\""), "{config}");
+    // metrics.jsonl has each epoch's mean of the logged norms (4 steps an epoch).
+    let metrics = metrics_without_timing(&out);
+    for (e, m) in metrics.iter().enumerate() {
+        let logged: Vec<f64> = a[4 * e..4 * e + 4]
+            .iter()
+            .map(|n| n.parse().unwrap())
+            .collect();
+        let mean = logged.iter().sum::<f64>() / 4.0;
+        let reported = m["grad_norm"].as_f64().unwrap();
+        assert!(
+            (reported - mean).abs() < 1e-4,
+            "epoch {}: {reported} vs {mean}",
+            e + 1
+        );
+        assert!(m.get("skipped_steps").is_none(), "fp32 has no scaler: {m}");
+    }
 }
 
 /// A per-step schedule (cosine after 3 warmup steps) is a function of the optimizer's step
