@@ -19,8 +19,7 @@ use ddp_data::rng::SampleRng;
 use ddp_data::sample::{Input, SampleLayout, SampleOut};
 use ddp_data::{Batch, DataError, Dataset};
 use ddp_train::cli::TrainArgs;
-use ddp_train::{Monitor, Stats, Task, Trainer};
-use serde_json::{Map, Value};
+use ddp_train::{Monitor, RegressionStats, Task, Trainer};
 use tch::{nn, nn::Module, Reduction, Tensor};
 
 /// Inputs per point.
@@ -79,32 +78,13 @@ impl Dataset for Points {
     }
 }
 
-/// The regression task: an MLP, mean squared error, and the validation MSE as its metric.
+/// The regression task: an MLP, mean squared error, and the validation MSE and MAE.
 struct Regression;
-
-/// Squared errors and samples, summed over ranks.
-struct Errors {
-    squared: f64,
-}
-
-impl Stats for Errors {
-    fn to_sums(&self) -> Vec<f64> {
-        vec![self.squared]
-    }
-
-    fn set_sums(&mut self, sums: &[f64]) {
-        self.squared = sums[0];
-    }
-
-    fn report(&self) -> Map<String, Value> {
-        Map::from_iter([("val_sse".to_string(), self.squared.into())])
-    }
-}
 
 impl Task for Regression {
     type Model = nn::Sequential;
     type Data = Points;
-    type Stats = Errors;
+    type Stats = RegressionStats;
 
     fn model(&self, root: &nn::Path) -> nn::Sequential {
         nn::seq()
@@ -138,16 +118,19 @@ impl Task for Regression {
             .mse_loss(batch.targets(), Reduction::Mean)
     }
 
-    fn new_stats(&self) -> Errors {
-        Errors { squared: 0.0 }
+    fn new_stats(&self) -> RegressionStats {
+        RegressionStats::default()
     }
 
-    fn eval_batch(&self, model: &nn::Sequential, batch: &Batch, stats: &mut Errors) -> Tensor {
-        let sse = model
-            .forward(batch.inputs())
-            .mse_loss(batch.targets(), Reduction::Sum);
-        stats.squared += sse.double_value(&[]);
-        sse
+    fn eval_batch(
+        &self,
+        model: &nn::Sequential,
+        batch: &Batch,
+        stats: &mut RegressionStats,
+    ) -> Tensor {
+        let predictions = model.forward(batch.inputs());
+        stats.add(&predictions, batch.targets());
+        predictions.mse_loss(batch.targets(), Reduction::Sum)
     }
 }
 

@@ -66,6 +66,7 @@ pub use ddp::{
     BuiltinHook, CommHook, DdpError, DdpOptions, DistributedDataParallel, GradBucket, HookWork,
 };
 pub use error::TrainError;
+pub use metrics::{MultiClassStats, MultiLabelStats, RegressionStats};
 pub use settings::{DeviceChoice, EarlyStopping, Goal, Monitor, Plateau, Settings};
 pub use stop::{StopReason, EXIT_STOPPED};
 pub use task::{NoStats, Stats, Task};

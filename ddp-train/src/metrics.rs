@@ -1,4 +1,7 @@
-//! Multi-label classification counts and F1 scores.
+//! Classification counts and F1 scores, and built-in [`Stats`] for the usual tasks:
+//! [`MultiLabelStats`] (thresholded per-class, macro and micro F1), [`MultiClassStats`]
+//! (accuracy, per-class, macro and micro F1 of the arg-max) and [`RegressionStats`] (MSE, MAE).
+//! All count or sum, so the Trainer's all-reduce gives exactly the whole split's metrics.
 //!
 //! A prediction is positive when its logit is above 0 (probability above 0.5). Per-class F1 is
 //! `2TP / (2TP + FP + FN)`, and 0 for a class with no positives and no predictions (sklearn's
@@ -6,7 +9,10 @@
 //! Counts add across ranks, so an all-reduced sum of [`Confusion::to_vec`] gives exactly what
 //! one process would compute on the whole split.
 
+use serde_json::{Map, Value};
 use tch::{Kind, Tensor};
+
+use crate::task::Stats;
 
 /// True positives, false positives and false negatives per class.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,6 +94,177 @@ impl Confusion {
     }
 }
 
+impl Confusion {
+    /// Adds `val_macro_f1`, `val_micro_f1` and `val_f1_per_class` to `m`.
+    pub(crate) fn report_into(&self, m: &mut Map<String, Value>) {
+        m.insert("val_macro_f1".into(), self.macro_f1().into());
+        m.insert("val_micro_f1".into(), self.micro_f1().into());
+        m.insert("val_f1_per_class".into(), self.f1_per_class().into());
+    }
+
+    /// The counts from the all-reduced sums of [`Confusion::sums`].
+    pub(crate) fn set_from_sums(&mut self, sums: &[f64]) {
+        let counts: Vec<i64> = sums.iter().map(|&v| v.round() as i64).collect();
+        *self = Confusion::from_vec(&counts);
+    }
+
+    /// The counts as numbers to all-reduce.
+    pub(crate) fn sums(&self) -> Vec<f64> {
+        self.to_vec().iter().map(|&v| v as f64).collect()
+    }
+}
+
+/// Multi-label classification (one logit per class, several classes may be true): a class is
+/// predicted when its logit is above 0. Reports `val_macro_f1`, `val_micro_f1` and
+/// `val_f1_per_class`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MultiLabelStats {
+    /// The counts.
+    pub confusion: Confusion,
+}
+
+impl MultiLabelStats {
+    /// Empty counts for `classes` classes.
+    pub fn new(classes: usize) -> Self {
+        Self {
+            confusion: Confusion::new(classes),
+        }
+    }
+
+    /// Adds a batch: `logits` and 0/1 `labels`, both `[B, classes]`.
+    pub fn add(&mut self, logits: &Tensor, labels: &Tensor) {
+        self.confusion.add(logits, labels);
+    }
+}
+
+impl Stats for MultiLabelStats {
+    fn to_sums(&self) -> Vec<f64> {
+        self.confusion.sums()
+    }
+
+    fn set_sums(&mut self, sums: &[f64]) {
+        self.confusion.set_from_sums(sums);
+    }
+
+    fn report(&self) -> Map<String, Value> {
+        let mut m = Map::new();
+        self.confusion.report_into(&mut m);
+        m
+    }
+}
+
+/// Single-label multi-class classification: the prediction is the arg-max of `[B, classes]`
+/// logits, the target a class index. Reports `val_accuracy`, `val_macro_f1`, `val_micro_f1`
+/// (equal to the accuracy when every sample has one class) and `val_f1_per_class`, as
+/// sklearn's `f1_score(average=...)` with `zero_division=0`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MultiClassStats {
+    /// Per-class counts of the arg-max predictions.
+    pub confusion: Confusion,
+    /// Correct predictions.
+    pub correct: i64,
+    /// Samples seen.
+    pub total: i64,
+}
+
+impl MultiClassStats {
+    /// Empty counts for `classes` classes.
+    pub fn new(classes: usize) -> Self {
+        Self {
+            confusion: Confusion::new(classes),
+            correct: 0,
+            total: 0,
+        }
+    }
+
+    /// Adds a batch: `[B, classes]` logits and `B` class indices (any integer or float kind,
+    /// shape `[B]` or `[B, 1]`).
+    pub fn add(&mut self, logits: &Tensor, targets: &Tensor) {
+        let classes = self.confusion.tp.len() as i64;
+        let pred = logits.argmax(-1, false).to_kind(Kind::Int64);
+        let truth = targets.reshape([-1]).to_kind(Kind::Int64);
+        let pred_hot = pred.one_hot(classes).to_kind(Kind::Float);
+        let truth_hot = truth.one_hot(classes).to_kind(Kind::Float);
+        // One-hot predictions as logits above/below 0, so the multi-label counts apply.
+        self.confusion.add(&(pred_hot * 2.0 - 1.0), &truth_hot);
+        self.correct += pred.eq_tensor(&truth).sum(Kind::Int64).int64_value(&[]);
+        self.total += truth.size()[0];
+    }
+
+    /// Correct predictions over samples (0 before any).
+    pub fn accuracy(&self) -> f64 {
+        if self.total == 0 {
+            0.0
+        } else {
+            self.correct as f64 / self.total as f64
+        }
+    }
+}
+
+impl Stats for MultiClassStats {
+    fn to_sums(&self) -> Vec<f64> {
+        let mut v = self.confusion.sums();
+        v.extend([self.correct as f64, self.total as f64]);
+        v
+    }
+
+    fn set_sums(&mut self, sums: &[f64]) {
+        let (counts, tail) = sums.split_at(sums.len().saturating_sub(2));
+        self.confusion.set_from_sums(counts);
+        self.correct = tail.first().map_or(0, |v| v.round() as i64);
+        self.total = tail.get(1).map_or(0, |v| v.round() as i64);
+    }
+
+    fn report(&self) -> Map<String, Value> {
+        let mut m = Map::new();
+        m.insert("val_accuracy".into(), self.accuracy().into());
+        self.confusion.report_into(&mut m);
+        m
+    }
+}
+
+/// Regression: sums of squared and absolute errors. Reports `val_mse` and `val_mae` (means
+/// over every predicted value).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RegressionStats {
+    /// Sum of squared errors.
+    pub squared: f64,
+    /// Sum of absolute errors.
+    pub absolute: f64,
+    /// Values compared.
+    pub count: f64,
+}
+
+impl RegressionStats {
+    /// Adds a batch of predictions and targets of the same shape.
+    pub fn add(&mut self, predictions: &Tensor, targets: &Tensor) {
+        let diff = (predictions.to_kind(Kind::Double) - targets.to_kind(Kind::Double)).detach();
+        self.squared += diff.square().sum(Kind::Double).double_value(&[]);
+        self.absolute += diff.abs().sum(Kind::Double).double_value(&[]);
+        self.count += diff.numel() as f64;
+    }
+}
+
+impl Stats for RegressionStats {
+    fn to_sums(&self) -> Vec<f64> {
+        vec![self.squared, self.absolute, self.count]
+    }
+
+    fn set_sums(&mut self, sums: &[f64]) {
+        if let [squared, absolute, count] = *sums {
+            (self.squared, self.absolute, self.count) = (squared, absolute, count);
+        }
+    }
+
+    fn report(&self) -> Map<String, Value> {
+        let n = self.count.max(1.0);
+        let mut m = Map::new();
+        m.insert("val_mse".into(), (self.squared / n).into());
+        m.insert("val_mae".into(), (self.absolute / n).into());
+        m
+    }
+}
+
 fn f1(tp: i64, fp: i64, fn_: i64) -> f64 {
     let denom = 2 * tp + fp + fn_;
     if denom == 0 {
@@ -131,6 +308,67 @@ mod tests {
         // micro: tp 4, fp 2, fn 1 -> 8 / 11.
         assert!((c.micro_f1() - 8.0 / 11.0).abs() < 1e-12);
         assert_eq!(Confusion::from_vec(&c.to_vec()), c);
+    }
+
+    #[test]
+    fn multi_class_scores_match_sklearn() {
+        // Targets [0, 1, 2, 2, 1], arg-max predictions [0, 2, 2, 1, 1]:
+        // sklearn f1_score(average=None) = [1.0, 0.5, 0.5], macro 2/3, micro = accuracy 3/5.
+        let logits = Tensor::from_slice(&[
+            3.0f32, 0.0, 0.0, //
+            0.0, 1.0, 2.0, //
+            0.0, 0.0, 1.0, //
+            0.0, 5.0, 1.0, //
+            0.0, 2.0, 1.0,
+        ])
+        .view([5, 3]);
+        let targets = Tensor::from_slice(&[0i64, 1, 2, 2, 1]);
+        let mut a = MultiClassStats::new(3);
+        a.add(&logits.narrow(0, 0, 2), &targets.narrow(0, 0, 2));
+        let mut b = MultiClassStats::new(3);
+        b.add(
+            &logits.narrow(0, 2, 3),
+            &targets.narrow(0, 2, 3).to_kind(Kind::Float),
+        );
+        // What the Trainer's all-reduce does: add the sums.
+        let sums: Vec<f64> = a
+            .to_sums()
+            .iter()
+            .zip(b.to_sums())
+            .map(|(x, y)| x + y)
+            .collect();
+        let mut all = MultiClassStats::new(3);
+        all.set_sums(&sums);
+        assert_eq!((all.correct, all.total), (3, 5));
+        let r = all.report();
+        assert_eq!(r["val_f1_per_class"], serde_json::json!([1.0, 0.5, 0.5]));
+        assert!((r["val_macro_f1"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-12);
+        assert!((r["val_micro_f1"].as_f64().unwrap() - 0.6).abs() < 1e-12);
+        assert!((r["val_accuracy"].as_f64().unwrap() - 0.6).abs() < 1e-12);
+    }
+
+    #[test]
+    fn multi_label_and_regression_stats_add_across_ranks() {
+        let mut m = MultiLabelStats::new(2);
+        m.add(
+            &Tensor::from_slice(&[1.0f32, -1.0, 1.0, 1.0]).view([2, 2]),
+            &Tensor::from_slice(&[1.0f32, 0.0, 0.0, 1.0]).view([2, 2]),
+        );
+        let mut twice = MultiLabelStats::new(2);
+        twice.set_sums(&m.to_sums().iter().map(|v| v * 2.0).collect::<Vec<_>>());
+        assert_eq!(twice.confusion.tp, [2, 2]);
+        assert_eq!(
+            twice.report()["val_f1_per_class"],
+            serde_json::json!([2.0 / 3.0, 1.0])
+        );
+        let mut r = RegressionStats::default();
+        r.add(
+            &Tensor::from_slice(&[1.0f32, 2.0, 4.0]),
+            &Tensor::from_slice(&[1.0f32, 0.0, 5.0]),
+        );
+        let report = r.report();
+        assert_eq!(report["val_mse"], serde_json::json!(5.0 / 3.0));
+        assert_eq!(report["val_mae"], serde_json::json!(1.0));
     }
 
     #[test]

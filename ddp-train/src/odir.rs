@@ -141,20 +141,16 @@ pub struct OdirStats {
 
 impl Stats for OdirStats {
     fn to_sums(&self) -> Vec<f64> {
-        self.confusion.to_vec().iter().map(|&v| v as f64).collect()
+        self.confusion.sums()
     }
 
     fn set_sums(&mut self, sums: &[f64]) {
-        let counts: Vec<i64> = sums.iter().map(|&v| v.round() as i64).collect();
-        self.confusion = Confusion::from_vec(&counts);
+        self.confusion.set_from_sums(sums);
     }
 
     fn report(&self) -> Map<String, Value> {
-        let c = &self.confusion;
         let mut m = Map::new();
-        m.insert("val_macro_f1".into(), c.macro_f1().into());
-        m.insert("val_micro_f1".into(), c.micro_f1().into());
-        m.insert("val_f1_per_class".into(), c.f1_per_class().into());
+        self.confusion.report_into(&mut m);
         m
     }
 
