@@ -96,20 +96,20 @@ impl Confusion {
 
 impl Confusion {
     /// Adds `val_macro_f1`, `val_micro_f1` and `val_f1_per_class` to `m`.
-    pub(crate) fn report_into(&self, m: &mut Map<String, Value>) {
+    fn report_into(&self, m: &mut Map<String, Value>) {
         m.insert("val_macro_f1".into(), self.macro_f1().into());
         m.insert("val_micro_f1".into(), self.micro_f1().into());
         m.insert("val_f1_per_class".into(), self.f1_per_class().into());
     }
 
     /// The counts from the all-reduced sums of [`Confusion::sums`].
-    pub(crate) fn set_from_sums(&mut self, sums: &[f64]) {
+    fn set_from_sums(&mut self, sums: &[f64]) {
         let counts: Vec<i64> = sums.iter().map(|&v| v.round() as i64).collect();
         *self = Confusion::from_vec(&counts);
     }
 
     /// The counts as numbers to all-reduce.
-    pub(crate) fn sums(&self) -> Vec<f64> {
+    fn sums(&self) -> Vec<f64> {
         self.to_vec().iter().map(|&v| v as f64).collect()
     }
 }
@@ -150,6 +150,24 @@ impl Stats for MultiLabelStats {
         let mut m = Map::new();
         self.confusion.report_into(&mut m);
         m
+    }
+
+    /// The per-class counts `tp`, `fp` and `fn_`.
+    fn details(&self) -> Map<String, Value> {
+        let c = &self.confusion;
+        let mut m = Map::new();
+        m.insert("tp".into(), c.tp.clone().into());
+        m.insert("fp".into(), c.fp.clone().into());
+        m.insert("fn_".into(), c.fn_.clone().into());
+        m
+    }
+
+    fn summary(&self) -> String {
+        format!(
+            "val macro-F1 {:.3}  micro-F1 {:.3}",
+            self.confusion.macro_f1(),
+            self.confusion.micro_f1()
+        )
     }
 }
 

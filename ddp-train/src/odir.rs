@@ -8,13 +8,13 @@ use ddp_data::{
     split_by_patient, Batch, LabelMode, OdirDataset, OdirImages, OdirOptions, Subset, Transform,
 };
 use ddp_model::{ConvNet, ConvNetConfig, ODIR_CLASSES};
-use serde_json::{Map, Value};
+use serde_json::Value;
 use tch::{nn, Reduction, Tensor};
 
 use crate::config::{Labels, TrainConfig};
 use crate::error::{Context, TrainError};
-use crate::metrics::Confusion;
-use crate::task::{Stats, Task};
+use crate::metrics::MultiLabelStats;
+use crate::task::Task;
 
 /// Fundus photos to 8 multi-label classes (N D G C A H M O) with the ConvNet.
 #[derive(Debug, Clone)]
@@ -78,7 +78,7 @@ impl OdirTask {
 impl Task for OdirTask {
     type Model = ConvNet;
     type Data = Subset<OdirImages>;
-    type Stats = OdirStats;
+    type Stats = MultiLabelStats;
 
     fn model(&self, root: &nn::Path) -> ConvNet {
         ConvNet::new(
@@ -109,15 +109,13 @@ impl Task for OdirTask {
             )
     }
 
-    fn new_stats(&self) -> OdirStats {
-        OdirStats {
-            confusion: Confusion::new(ODIR_CLASSES.len()),
-        }
+    fn new_stats(&self) -> MultiLabelStats {
+        MultiLabelStats::new(ODIR_CLASSES.len())
     }
 
-    fn eval_batch(&self, model: &ConvNet, batch: &Batch, stats: &mut OdirStats) -> Tensor {
+    fn eval_batch(&self, model: &ConvNet, batch: &Batch, stats: &mut MultiLabelStats) -> Tensor {
         let logits = model.forward_t(batch.inputs(), false);
-        stats.confusion.add(&logits, batch.targets());
+        stats.add(&logits, batch.targets());
         // Each sample's loss is the mean over its classes.
         logits.binary_cross_entropy_with_logits::<Tensor>(
             batch.targets(),
@@ -129,45 +127,5 @@ impl Task for OdirTask {
 
     fn describe(&self) -> Value {
         self.config.clone()
-    }
-}
-
-/// Per-class true positives, false positives and false negatives at logit 0.
-#[derive(Debug, Clone, PartialEq)]
-pub struct OdirStats {
-    /// The counts.
-    pub confusion: Confusion,
-}
-
-impl Stats for OdirStats {
-    fn to_sums(&self) -> Vec<f64> {
-        self.confusion.sums()
-    }
-
-    fn set_sums(&mut self, sums: &[f64]) {
-        self.confusion.set_from_sums(sums);
-    }
-
-    fn report(&self) -> Map<String, Value> {
-        let mut m = Map::new();
-        self.confusion.report_into(&mut m);
-        m
-    }
-
-    fn details(&self) -> Map<String, Value> {
-        let c = &self.confusion;
-        let mut m = Map::new();
-        m.insert("tp".into(), c.tp.clone().into());
-        m.insert("fp".into(), c.fp.clone().into());
-        m.insert("fn_".into(), c.fn_.clone().into());
-        m
-    }
-
-    fn summary(&self) -> String {
-        format!(
-            "val macro-F1 {:.3}  micro-F1 {:.3}",
-            self.confusion.macro_f1(),
-            self.confusion.micro_f1()
-        )
     }
 }
