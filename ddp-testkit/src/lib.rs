@@ -195,6 +195,12 @@ pub mod procs {
             let pid = child.id();
             assert!(alive(pid));
             assert!(children_of(std::process::id()).contains(&pid));
+            // Until the child has exec'd, /proc shows the environment it forked with (ours).
+            crate::wait_for(
+                "the child's exec",
+                std::time::Duration::from_secs(10),
+                || env_var(pid, "DDP_TESTKIT_PROBE").is_some(),
+            );
             assert_eq!(env_var(pid, "DDP_TESTKIT_PROBE").as_deref(), Some("42"));
             assert_eq!(env_var(pid, "DDP_TESTKIT_ABSENT"), None);
             child.kill().unwrap();
