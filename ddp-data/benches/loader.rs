@@ -112,7 +112,8 @@ fn copying_handoff(ds: &Arc<OdirDataset>, batches: usize) -> f64 {
             dst.copy_from_slice(s);
         }
         let x = Tensor::from_slice(&owned).view([BATCH as i64, 3, 224, 224]);
-        let y = Tensor::from_slice(batch.targets()).view([BATCH as i64, 8]);
+        let y =
+            Tensor::from_slice(batch.targets_f32().expect("f32 targets")).view([BATCH as i64, 8]);
         times.push(t.elapsed().as_secs_f64());
         drop((x, y));
     }

@@ -50,8 +50,12 @@ pub(crate) struct PinnedMemory {
 
 impl Drop for PinnedMemory {
     fn drop(&mut self) {
-        for ptr in [self.heap.input.as_ptr(), self.heap.targets.as_ptr()] {
-            // SAFETY: both regions were registered in `PinnedAllocator::allocate` and are
+        for ptr in [
+            self.heap.input.as_ptr(),
+            self.heap.targets.as_ptr(),
+            self.heap.lengths.as_ptr(),
+        ] {
+            // SAFETY: the three regions were registered in `PinnedAllocator::allocate` and are
             // unregistered once, before `heap` frees them. An error cannot be reported
             // from drop; the memory is freed either way.
             unsafe { (self.rt.cudaHostUnregister)(ptr.cast::<c_void>()) };
@@ -66,8 +70,12 @@ unsafe impl BatchMemory for PinnedMemory {
         self.heap.input.as_ptr()
     }
 
-    fn targets_ptr(&self) -> *mut f32 {
-        self.heap.targets.as_ptr().cast()
+    fn targets_ptr(&self) -> *mut u8 {
+        self.heap.targets.as_ptr()
+    }
+
+    fn lengths_ptr(&self) -> *mut i64 {
+        self.heap.lengths.as_ptr().cast()
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -89,6 +97,7 @@ impl SlotAllocator for PinnedAllocator {
         let regions = [
             (heap.input.as_ptr(), heap.input.capacity()),
             (heap.targets.as_ptr(), heap.targets.capacity()),
+            (heap.lengths.as_ptr(), heap.lengths.capacity()),
         ];
         for (k, &(ptr, len)) in regions.iter().enumerate() {
             // SAFETY: `ptr..ptr + len` is a live allocation owned by `heap` (whole pages).

@@ -153,6 +153,32 @@ pub enum DataError {
         len: usize,
     },
 
+    /// A sample's values do not fit the data set's layout (count or length).
+    #[error("{sample}: its {what} has {found} values; the layout expects {expected}")]
+    SampleShape {
+        /// The sample, as the data set describes it.
+        sample: String,
+        /// `input` or `targets`.
+        what: &'static str,
+        /// What the layout allows.
+        expected: String,
+        /// How many values the sample has.
+        found: usize,
+    },
+
+    /// A sample's values are of another kind than its layout declares.
+    #[error("{sample}: its {what} are {found} values; the layout declares {expected} (change the layout's kind or convert the values)")]
+    SampleKind {
+        /// The sample, as the data set describes it.
+        sample: String,
+        /// `input` or `targets`.
+        what: &'static str,
+        /// The kind the batch holds.
+        expected: String,
+        /// The kind the sample gave.
+        found: String,
+    },
+
     /// An image file could not be read from disk.
     #[error("cannot read image '{}': {source}", .path.display())]
     ReadImage {

@@ -44,11 +44,7 @@ impl Dataset for OdirImages {
 
     fn layout(&self) -> SampleLayout {
         let s = self.transform.output_size() as usize;
-        SampleLayout {
-            shape: vec![3, s, s],
-            targets: 8,
-            bytes: Some(self.transform.affine()),
-        }
+        SampleLayout::new([3, s, s], [8]).bytes(self.transform.affine())
     }
 
     fn worker(&self) -> Pipeline {
@@ -65,9 +61,9 @@ impl Dataset for OdirImages {
         let sample = self.set.sample(index)?;
         match out.input {
             Input::U8(bytes) => pipeline.run_u8(&self.transform, &sample.path, rng, bytes)?,
-            Input::F32(values) => pipeline.run(&self.transform, &sample.path, rng, values)?,
+            input => pipeline.run(&self.transform, &sample.path, rng, input.f32()?)?,
         }
-        out.targets.copy_from_slice(&sample.labels);
+        out.targets.f32()?.copy_from_slice(&sample.labels);
         Ok(())
     }
 

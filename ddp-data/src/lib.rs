@@ -43,7 +43,7 @@
 //! for batch in loader {
 //!     let batch = batch?;
 //!     assert_eq!(batch.input_f32().unwrap().len(), 2 * 3 * 32 * 32);
-//!     assert_eq!(batch.targets().len(), 2 * 8);
+//!     assert_eq!(batch.targets_f32().unwrap().len(), 2 * 8);
 //! }
 //! # std::fs::remove_dir_all(&dir).ok();
 //! # Ok(())
@@ -65,6 +65,7 @@ pub mod decode;
 mod error;
 #[cfg(feature = "odir")]
 pub mod images;
+pub mod item;
 pub mod loader;
 pub mod memory;
 pub mod rng;
@@ -77,6 +78,7 @@ pub mod split;
 pub mod synthetic;
 #[cfg(feature = "tch")]
 pub mod tensor;
+pub mod tensor_dataset;
 #[cfg(feature = "odir")]
 pub mod transform;
 
@@ -87,11 +89,15 @@ pub use dataset::{Layout, OdirDataset, OdirOptions, Sample, SkippedImage};
 pub use error::DataError;
 #[cfg(feature = "odir")]
 pub use images::OdirImages;
-pub use loader::{default_workers, BatchIndices, HostBatch, HostLoader, InputRef, LoaderConfig};
-pub use sample::{Dataset, SampleLayout, Storage, Subset};
+pub use item::{Item, MapDataset, Values, ValuesRef};
+pub use loader::{
+    default_workers, BatchIndices, HostBatch, HostLoader, InputRef, LoaderConfig, TargetsRef,
+};
+pub use sample::{Dataset, PadTo, Padding, SampleLayout, Storage, Subset, ValueKind};
 #[cfg(feature = "odir")]
 pub use split::{all_indices, split_by_patient, Split};
 #[cfg(feature = "tch")]
 pub use tensor::{Batch, Loader};
+pub use tensor_dataset::{Array, TensorDataset};
 #[cfg(feature = "odir")]
 pub use transform::{Pipeline, Transform};

@@ -29,7 +29,7 @@ use std::thread::JoinHandle;
 use crate::error::DataError;
 use crate::memory::{BatchMemory, HeapAllocator, SlotAllocator, SlotRequest};
 use crate::rng::SampleRng;
-use crate::sample::{Dataset, Input, SampleLayout, SampleOut, Storage};
+use crate::sample::{Dataset, Input, PadTo, SampleLayout, SampleOut, Storage, Targets, ValueKind};
 
 /// How a loader batches and parallelises one epoch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -202,7 +202,7 @@ fn claim<D>(shared: &Shared<D>) -> Option<(usize, Arc<dyn BatchMemory>)> {
 fn worker_loop<D: Dataset>(shared: Arc<Shared<D>>, worker: usize) {
     let ring = Arc::clone(&shared.ring);
     let request = &ring.request;
-    let (input_len, targets_len) = (request.layout.input_len(), request.layout.targets);
+    let layout = &request.layout;
     let mut state = catch_unwind(AssertUnwindSafe(|| shared.dataset.worker())).ok();
     while let Some(worker_state) = state.as_mut() {
         let Some((position, memory)) = claim(&shared) else {
@@ -216,25 +216,26 @@ fn worker_loop<D: Dataset>(shared: Arc<Shared<D>>, worker: usize) {
             // position is claimed exactly once and a slot serves one batch at a time; nothing
             // reads the slot until every sample of its batch is marked finished below, under
             // the ring's lock (which orders these writes before the consumer's reads).
-            let out = unsafe {
-                let targets = std::slice::from_raw_parts_mut(
-                    memory.targets_ptr().add(k * targets_len),
-                    targets_len,
-                );
-                let input = match request.storage {
-                    Storage::U8 => Input::U8(std::slice::from_raw_parts_mut(
-                        memory.input_ptr().add(k * input_len),
-                        input_len,
-                    )),
-                    Storage::F32 => Input::F32(std::slice::from_raw_parts_mut(
-                        memory.input_ptr().cast::<f32>().add(k * input_len),
-                        input_len,
-                    )),
-                };
-                SampleOut { input, targets }
+            let (input, targets) = unsafe {
+                (
+                    input_of(&*memory, request, k),
+                    targets_of(&*memory, request, k),
+                )
+            };
+            let mut len = layout.max_len();
+            let out = SampleOut {
+                input,
+                targets,
+                length: &mut len,
             };
             let mut rng = SampleRng::new(shared.seed, shared.epoch, index as u64);
-            shared.dataset.write(worker_state, index, &mut rng, out)
+            shared.dataset.write(worker_state, index, &mut rng, out)?;
+            // SAFETY: as above; the borrows handed to `write` have ended.
+            let input = unsafe { input_of(&*memory, request, k) };
+            finish_sample(layout, input, len, || shared.dataset.describe(index))?;
+            // SAFETY: as above, for sample `k`'s entry of the length region.
+            unsafe { *memory.lengths_ptr().add(k) = len as i64 };
+            Ok(())
         }));
         let result = match outcome {
             Ok(r) => r,
@@ -268,12 +269,103 @@ fn worker_loop<D: Dataset>(shared: Arc<Shared<D>>, worker: usize) {
     ring.ready.notify_all();
 }
 
+/// Sample `k`'s input region in `memory`.
+///
+/// # Safety
+///
+/// `memory` must hold a batch of `request` (`BatchMemory`'s contract), `k` must be below its
+/// batch size, and the caller must be the only one to read or write sample `k`'s input while
+/// the returned borrow lives.
+unsafe fn input_of<'a>(memory: &'a dyn BatchMemory, request: &SlotRequest, k: usize) -> Input<'a> {
+    let n = request.layout.input_len();
+    // SAFETY: the caller's contract; the region is aligned for `i64` (`BatchMemory`) and sized
+    // for the whole batch.
+    unsafe {
+        match request.storage {
+            Storage::U8 => Input::U8(std::slice::from_raw_parts_mut(
+                memory.input_ptr().add(k * n),
+                n,
+            )),
+            Storage::F32 => Input::F32(std::slice::from_raw_parts_mut(
+                memory.input_ptr().cast::<f32>().add(k * n),
+                n,
+            )),
+            Storage::I64 => Input::I64(std::slice::from_raw_parts_mut(
+                memory.input_ptr().cast::<i64>().add(k * n),
+                n,
+            )),
+        }
+    }
+}
+
+/// Sample `k`'s target region in `memory`.
+///
+/// # Safety
+///
+/// As [`input_of`], for the targets.
+unsafe fn targets_of<'a>(
+    memory: &'a dyn BatchMemory,
+    request: &SlotRequest,
+    k: usize,
+) -> Targets<'a> {
+    let t = request.layout.targets_len();
+    // SAFETY: as in `input_of`, for the target region.
+    unsafe {
+        match request.layout.target_kind {
+            ValueKind::F32 => Targets::F32(std::slice::from_raw_parts_mut(
+                memory.targets_ptr().cast::<f32>().add(k * t),
+                t,
+            )),
+            ValueKind::I64 => Targets::I64(std::slice::from_raw_parts_mut(
+                memory.targets_ptr().cast::<i64>().add(k * t),
+                t,
+            )),
+        }
+    }
+}
+
+/// Checks the length a data set gave its sample and pads the positions after it: without
+/// padding the length must be the maximum; with padding at most the maximum.
+fn finish_sample(
+    layout: &SampleLayout,
+    input: Input<'_>,
+    len: usize,
+    sample: impl Fn() -> String,
+) -> Result<(), DataError> {
+    let max = layout.max_len();
+    let Some(padding) = layout.padding else {
+        if len != max {
+            return Err(DataError::InvalidParameter {
+                name: "sample length",
+                expected: format!("{max} (the layout has no padding)"),
+                value: format!("{len} for {}", sample()),
+            });
+        }
+        return Ok(());
+    };
+    if len > max {
+        return Err(DataError::SampleShape {
+            sample: sample(),
+            what: "input",
+            expected: format!("at most {max} positions"),
+            found: len,
+        });
+    }
+    let from = len * layout.step_len();
+    match input {
+        Input::U8(v) => v[from..].fill(padding.value as u8),
+        Input::F32(v) => v[from..].fill(padding.value as f32),
+        Input::I64(v) => v[from..].fill(padding.value as i64),
+    }
+    Ok(())
+}
+
 /// Iterates one epoch's batches of `indices` as [`HostBatch`]es, in index order.
 ///
 /// After an error the iterator ends: the error is the last item.
 ///
 /// ```
-/// use ddp_data::sample::{Dataset, Input, SampleLayout, SampleOut};
+/// use ddp_data::sample::{Dataset, SampleLayout, SampleOut};
 /// use ddp_data::{rng::SampleRng, DataError, HostLoader, LoaderConfig};
 ///
 /// /// Sample i is the vector [i, i, i] with target i * 10.
@@ -282,14 +374,13 @@ fn worker_loop<D: Dataset>(shared: Arc<Shared<D>>, worker: usize) {
 ///     type Worker = ();
 ///     fn len(&self) -> usize { 100 }
 ///     fn layout(&self) -> SampleLayout {
-///         SampleLayout { shape: vec![3], targets: 1, bytes: None }
+///         SampleLayout::new([3], [1])
 ///     }
 ///     fn worker(&self) {}
 ///     fn write(&self, _: &mut (), i: usize, _: &mut SampleRng, out: SampleOut<'_>)
 ///         -> Result<(), DataError> {
-///         let Input::F32(x) = out.input else { unreachable!("f32 storage") };
-///         x.fill(i as f32);
-///         out.targets[0] = i as f32 * 10.0;
+///         out.input.f32()?.fill(i as f32);
+///         out.targets.f32()?[0] = i as f32 * 10.0;
 ///         Ok(())
 ///     }
 /// }
@@ -299,7 +390,7 @@ fn worker_loop<D: Dataset>(shared: Arc<Shared<D>>, worker: usize) {
 /// let first = loader.next().unwrap()?;
 /// assert_eq!(first.indices(), [7, 3]);
 /// assert_eq!(first.input_f32(), Some(&[7.0, 7.0, 7.0, 3.0, 3.0, 3.0][..]));
-/// assert_eq!(first.targets(), [70.0, 30.0]);
+/// assert_eq!(first.targets_f32(), Some(&[70.0, 30.0][..]));
 /// assert_eq!(loader.next().unwrap()?.indices(), [5]);
 /// assert!(loader.next().is_none());
 /// # Ok::<(), DataError>(())
@@ -323,16 +414,11 @@ impl<D: Dataset> fmt::Debug for HostLoader<D> {
 }
 
 impl<D: Dataset> HostLoader<D> {
-    /// Starts `config.workers` threads loading `indices` of `dataset` into `f32` batches in
-    /// heap memory.
+    /// Starts `config.workers` threads loading `indices` of `dataset` into batches of final
+    /// values (`f32` or `i64`, as the layout says) in heap memory.
     pub fn new(dataset: D, indices: Vec<usize>, config: &LoaderConfig) -> Result<Self, DataError> {
-        Self::with_storage(
-            dataset,
-            indices,
-            config,
-            Storage::F32,
-            Arc::new(HeapAllocator),
-        )
+        let storage = Storage::of(dataset.layout().input_kind);
+        Self::with_storage(dataset, indices, config, storage, Arc::new(HeapAllocator))
     }
 
     /// Like [`HostLoader::new`], with the input's element type and the allocator of the
@@ -357,13 +443,7 @@ impl<D: Dataset> HostLoader<D> {
             return Err(DataError::IndexOutOfRange { index, len });
         }
         let layout = dataset.layout();
-        if storage == Storage::U8 && layout.bytes.is_none() {
-            return Err(DataError::InvalidParameter {
-                name: "batch storage",
-                expected: "f32 for a data set that writes no bytes".to_string(),
-                value: "u8".to_string(),
-            });
-        }
+        layout.check(storage)?;
         let b = config.batch_size;
         let total = if config.drop_last {
             indices.len() / b * b
@@ -588,12 +668,23 @@ pub enum InputRef<'a> {
     U8(&'a [u8]),
     /// Final values ([`Storage::F32`]).
     F32(&'a [f32]),
+    /// Final values ([`Storage::I64`]).
+    I64(&'a [i64]),
+}
+
+/// A batch's targets, borrowed from it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TargetsRef<'a> {
+    /// `f32` targets.
+    F32(&'a [f32]),
+    /// `i64` targets.
+    I64(&'a [i64]),
 }
 
 /// One finished batch: a lease on its ring slot, returned to the ring on drop.
 ///
-/// The input is `[len, ...layout.shape]` and the targets `[len, layout.targets]`, both
-/// row-major, in the slot's memory.
+/// The input is `[len, ...layout.shape]` (at the maximum length for padded layouts) and the
+/// targets `[len, ...layout.target_shape]`, both row-major, in the slot's memory.
 pub struct HostBatch {
     ring: Arc<Ring>,
     slot: usize,
@@ -656,12 +747,11 @@ impl HostBatch {
         // lease's first `len` samples are finished: their writes happened before the lock
         // that handed the batch out, and no worker writes into a leased slot.
         unsafe {
+            let ptr = self.memory.input_ptr();
             match self.storage() {
-                Storage::U8 => InputRef::U8(std::slice::from_raw_parts(self.memory.input_ptr(), n)),
-                Storage::F32 => InputRef::F32(std::slice::from_raw_parts(
-                    self.memory.input_ptr().cast::<f32>(),
-                    n,
-                )),
+                Storage::U8 => InputRef::U8(std::slice::from_raw_parts(ptr, n)),
+                Storage::F32 => InputRef::F32(std::slice::from_raw_parts(ptr.cast::<f32>(), n)),
+                Storage::I64 => InputRef::I64(std::slice::from_raw_parts(ptr.cast::<i64>(), n)),
             }
         }
     }
@@ -670,7 +760,7 @@ impl HostBatch {
     pub fn input_f32(&self) -> Option<&[f32]> {
         match self.input() {
             InputRef::F32(v) => Some(v),
-            InputRef::U8(_) => None,
+            _ => None,
         }
     }
 
@@ -678,7 +768,15 @@ impl HostBatch {
     pub fn input_u8(&self) -> Option<&[u8]> {
         match self.input() {
             InputRef::U8(v) => Some(v),
-            InputRef::F32(_) => None,
+            _ => None,
+        }
+    }
+
+    /// The input as `i64` values, when stored so.
+    pub fn input_i64(&self) -> Option<&[i64]> {
+        match self.input() {
+            InputRef::I64(v) => Some(v),
+            _ => None,
         }
     }
 
@@ -688,14 +786,37 @@ impl HostBatch {
         match self.input() {
             InputRef::U8(v) => InputRef::U8(&v[k * n..(k + 1) * n]),
             InputRef::F32(v) => InputRef::F32(&v[k * n..(k + 1) * n]),
+            InputRef::I64(v) => InputRef::I64(&v[k * n..(k + 1) * n]),
+        }
+    }
+
+    /// Each sample's length along the input's first axis, for padded layouts
+    /// ([`SampleLayout::padding`]); `None` otherwise.
+    pub fn lengths(&self) -> Option<&[i64]> {
+        self.ring.request.layout.padding?;
+        // SAFETY: as in `input`, for the length region (`batch_size` values).
+        Some(unsafe { std::slice::from_raw_parts(self.memory.lengths_ptr(), self.len) })
+    }
+
+    /// The length the batch's inputs are padded to along their first axis: the longest
+    /// sample for [`PadTo::Longest`], the layout's maximum otherwise (also without padding).
+    pub fn padded_len(&self) -> usize {
+        let layout = &self.ring.request.layout;
+        match (layout.padding, self.lengths()) {
+            (Some(p), Some(lengths)) if p.to == PadTo::Longest => {
+                lengths.iter().copied().max().unwrap_or(0) as usize
+            }
+            _ => layout.max_len(),
         }
     }
 
     /// Every sample's input as final `f32` values: bytes go through the layout's affine map
-    /// (as the device would convert them). Allocates; for checks and small batches.
+    /// (as the device would convert them), `i64` values are converted with `as`. Allocates;
+    /// for checks and small batches.
     pub fn input_values(&self) -> Vec<f32> {
         match self.input() {
             InputRef::F32(v) => v.to_vec(),
+            InputRef::I64(v) => v.iter().map(|&x| x as f32).collect(),
             InputRef::U8(bytes) => {
                 let layout = &self.ring.request.layout;
                 let n = layout.input_len();
@@ -711,10 +832,33 @@ impl HostBatch {
     }
 
     /// Every sample's targets.
-    pub fn targets(&self) -> &[f32] {
-        let n = self.len * self.ring.request.layout.targets;
+    pub fn targets(&self) -> TargetsRef<'_> {
+        let layout = &self.ring.request.layout;
+        let n = self.len * layout.targets_len();
+        let ptr = self.memory.targets_ptr();
         // SAFETY: as in `input`, for the target region.
-        unsafe { std::slice::from_raw_parts(self.memory.targets_ptr(), n) }
+        unsafe {
+            match layout.target_kind {
+                ValueKind::F32 => TargetsRef::F32(std::slice::from_raw_parts(ptr.cast::<f32>(), n)),
+                ValueKind::I64 => TargetsRef::I64(std::slice::from_raw_parts(ptr.cast::<i64>(), n)),
+            }
+        }
+    }
+
+    /// The targets as `f32` values, when they are.
+    pub fn targets_f32(&self) -> Option<&[f32]> {
+        match self.targets() {
+            TargetsRef::F32(v) => Some(v),
+            TargetsRef::I64(_) => None,
+        }
+    }
+
+    /// The targets as `i64` values, when they are.
+    pub fn targets_i64(&self) -> Option<&[i64]> {
+        match self.targets() {
+            TargetsRef::I64(v) => Some(v),
+            TargetsRef::F32(_) => None,
+        }
     }
 
     /// Returns the slot to the ring now, with `hook` to run before the slot is written again
@@ -749,5 +893,6 @@ impl PartialEq for HostBatch {
             && self.layout() == other.layout()
             && self.input() == other.input()
             && self.targets() == other.targets()
+            && self.lengths() == other.lengths()
     }
 }

@@ -31,25 +31,33 @@ impl SlotRequest {
         self.batch_size * self.layout.input_len() * self.storage.bytes()
     }
 
-    /// `f32` values of the target region.
+    /// Target values of the target region (of the layout's target kind).
     pub fn targets_len(&self) -> usize {
-        self.batch_size * self.layout.targets
+        self.batch_size * self.layout.targets_len()
+    }
+
+    /// Bytes of the target region.
+    pub fn targets_bytes(&self) -> usize {
+        self.targets_len() * self.layout.target_kind.bytes()
     }
 }
 
-/// The memory of one ring slot: an input region of [`SlotRequest::input_bytes`] bytes and a
-/// target region of [`SlotRequest::targets_len`] `f32` values.
+/// The memory of one ring slot: an input region of [`SlotRequest::input_bytes`] bytes, a
+/// target region of [`SlotRequest::targets_bytes`] bytes and a length region of
+/// `batch_size` `i64` values (each sample's length along its first axis).
 ///
 /// # Safety
 ///
-/// An implementation guarantees that both pointers are valid for reads and writes of their
-/// whole region, aligned for `f32`, stable (never moved or freed) for the life of the value,
-/// and that nothing else reads or writes that memory while the loader owns the value.
+/// An implementation guarantees that the three pointers are valid for reads and writes of
+/// their whole region, aligned for `i64`, stable (never moved or freed) for the life of the
+/// value, and that nothing else reads or writes that memory while the loader owns the value.
 pub unsafe trait BatchMemory: Send + Sync + fmt::Debug {
     /// Start of the input region.
     fn input_ptr(&self) -> *mut u8;
     /// Start of the target region.
-    fn targets_ptr(&self) -> *mut f32;
+    fn targets_ptr(&self) -> *mut u8;
+    /// Start of the length region.
+    fn lengths_ptr(&self) -> *mut i64;
     /// For downcasting to the allocator's own type.
     fn as_any(&self) -> &dyn Any;
 }
@@ -116,13 +124,15 @@ unsafe impl Send for PageAligned {}
 // SAFETY: see `Send`; `&PageAligned` exposes only the pointer and the capacity.
 unsafe impl Sync for PageAligned {}
 
-/// A slot in plain heap memory: the input and target regions, each page-aligned.
+/// A slot in plain heap memory: the input, target and length regions, each page-aligned.
 #[derive(Debug)]
 pub struct HeapMemory {
     /// The input region.
     pub input: PageAligned,
     /// The target region.
     pub targets: PageAligned,
+    /// The length region.
+    pub lengths: PageAligned,
 }
 
 impl HeapMemory {
@@ -130,7 +140,8 @@ impl HeapMemory {
     pub fn new(request: &SlotRequest) -> Result<Self, DataError> {
         Ok(Self {
             input: PageAligned::zeroed(request.input_bytes())?,
-            targets: PageAligned::zeroed(request.targets_len() * 4)?,
+            targets: PageAligned::zeroed(request.targets_bytes())?,
+            lengths: PageAligned::zeroed(request.batch_size * 8)?,
         })
     }
 }
@@ -142,8 +153,12 @@ unsafe impl BatchMemory for HeapMemory {
         self.input.as_ptr()
     }
 
-    fn targets_ptr(&self) -> *mut f32 {
-        self.targets.as_ptr().cast()
+    fn targets_ptr(&self) -> *mut u8 {
+        self.targets.as_ptr()
+    }
+
+    fn lengths_ptr(&self) -> *mut i64 {
+        self.lengths.as_ptr().cast()
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -169,18 +184,16 @@ mod tests {
     fn heap_slots_are_page_aligned_zeroed_and_sized() {
         let request = SlotRequest {
             batch_size: 3,
-            layout: SampleLayout {
-                shape: vec![3, 5, 5],
-                targets: 8,
-                bytes: None,
-            },
+            layout: SampleLayout::new([3, 5, 5], [8]),
             storage: Storage::F32,
         };
         assert_eq!(request.input_bytes(), 3 * 75 * 4);
         assert_eq!(request.targets_len(), 24);
+        assert_eq!(request.targets_bytes(), 96);
         let m = HeapMemory::new(&request).unwrap();
         assert_eq!(m.input_ptr() as usize % PAGE, 0);
         assert_eq!(m.targets_ptr() as usize % PAGE, 0);
+        assert_eq!(m.lengths_ptr() as usize % PAGE, 0);
         assert!(m.input.capacity() >= request.input_bytes());
         // SAFETY: the region holds `input_bytes` initialised (zeroed) bytes.
         let bytes = unsafe { std::slice::from_raw_parts(m.input_ptr(), request.input_bytes()) };

@@ -8,6 +8,26 @@
 use crate::error::DataError;
 use crate::rng::SampleRng;
 
+/// The kind of values a sample's input or targets hold, as the task sees them in a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ValueKind {
+    /// `f32` (tch's `Kind::Float`): pixels, features, regression or multi-hot targets.
+    #[default]
+    F32,
+    /// `i64` (tch's `Kind::Int64`): token ids, class indices for a cross-entropy loss.
+    I64,
+}
+
+impl ValueKind {
+    /// Bytes per value.
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::I64 => 8,
+        }
+    }
+}
+
 /// The element type of a batch's input buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Storage {
@@ -16,6 +36,8 @@ pub enum Storage {
     U8,
     /// `f32` values, final.
     F32,
+    /// `i64` values (inputs of [`ValueKind::I64`]).
+    I64,
 }
 
 impl Storage {
@@ -24,6 +46,15 @@ impl Storage {
         match self {
             Self::U8 => 1,
             Self::F32 => 4,
+            Self::I64 => 8,
+        }
+    }
+
+    /// The storage of a layout's final values: `F32` or `I64`, by [`SampleLayout::input_kind`].
+    pub fn of(kind: ValueKind) -> Self {
+        match kind {
+            ValueKind::F32 => Self::F32,
+            ValueKind::I64 => Self::I64,
         }
     }
 }
@@ -65,33 +96,148 @@ impl Affine {
 }
 
 /// The shape of one sample and what the data set can write.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// `SampleLayout::new(shape, target_shape)` is `f32` inputs and targets; the builder methods
+/// change the kinds, add a byte form or padding.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct SampleLayout {
-    /// The input's shape, e.g. `[3, 224, 224]` (channels first).
+    /// The input's shape, e.g. `[3, 224, 224]` (channels first). With
+    /// [`SampleLayout::padding`] the first axis is the variable one and `shape[0]` its
+    /// maximum length.
     pub shape: Vec<usize>,
-    /// `f32` targets per sample (e.g. 8 multi-hot labels).
-    pub targets: usize,
+    /// The input's values.
+    pub input_kind: ValueKind,
+    /// The targets' shape per sample: `[8]` for 8 multi-hot labels, `[]` for one value (a
+    /// class index; the batch's targets are then `[B]`).
+    pub target_shape: Vec<usize>,
+    /// The targets' values.
+    pub target_kind: ValueKind,
     /// `Some` when the data set can write its input as bytes ([`Storage::U8`]) that this
     /// affine map turns into the `f32` values it would otherwise write; `None` when it writes
-    /// `f32` only.
+    /// final values only.
     pub bytes: Option<Affine>,
+    /// `Some` for variable-length inputs: each sample says its length along the first axis
+    /// ([`SampleOut::length`]), the loader fills the rest up to `shape[0]` with the padding
+    /// value, and batches carry the lengths.
+    pub padding: Option<Padding>,
+}
+
+/// How variable-length samples are padded in a batch (the job of a `collate_fn` with
+/// `pad_sequence` in PyTorch).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Padding {
+    /// The value of the padding positions (0 for token id 0, say).
+    pub value: f64,
+    /// How long a batch's inputs are along the variable axis.
+    pub to: PadTo,
+}
+
+/// The length a batch is padded to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PadTo {
+    /// The longest sample of the batch (`pad_sequence`).
+    #[default]
+    Longest,
+    /// Always the layout's maximum, `shape[0]`.
+    Fixed,
 }
 
 impl SampleLayout {
-    /// Values in one sample's input (the product of `shape`).
+    /// `f32` inputs of `shape` and `f32` targets of `target_shape`, no byte form, no padding.
+    pub fn new(shape: impl Into<Vec<usize>>, target_shape: impl Into<Vec<usize>>) -> Self {
+        Self {
+            shape: shape.into(),
+            target_shape: target_shape.into(),
+            ..Self::default()
+        }
+    }
+
+    /// With inputs of `kind`.
+    pub fn input_kind(mut self, kind: ValueKind) -> Self {
+        self.input_kind = kind;
+        self
+    }
+
+    /// With targets of `kind`.
+    pub fn target_kind(mut self, kind: ValueKind) -> Self {
+        self.target_kind = kind;
+        self
+    }
+
+    /// With a byte form of the input.
+    pub fn bytes(mut self, affine: Affine) -> Self {
+        self.bytes = Some(affine);
+        self
+    }
+
+    /// With variable lengths along the first axis, padded as `padding` says.
+    pub fn padded(mut self, padding: Padding) -> Self {
+        self.padding = Some(padding);
+        self
+    }
+
+    /// Values in one sample's input (the product of `shape`; at its maximum length).
     pub fn input_len(&self) -> usize {
         self.shape.iter().product()
     }
+
+    /// Values per position of the variable axis (the product of `shape[1..]`).
+    pub fn step_len(&self) -> usize {
+        self.shape.iter().skip(1).product()
+    }
+
+    /// The input's maximum length along its first axis (1 for a scalar input).
+    pub fn max_len(&self) -> usize {
+        self.shape.first().copied().unwrap_or(1)
+    }
+
+    /// Target values per sample (the product of `target_shape`; 1 for a scalar).
+    pub fn targets_len(&self) -> usize {
+        self.target_shape.iter().product()
+    }
+
+    /// Checks that the layout can be loaded in `storage`.
+    pub fn check(&self, storage: Storage) -> Result<(), DataError> {
+        let fits = match storage {
+            Storage::U8 => self.input_kind == ValueKind::F32 && self.bytes.is_some(),
+            Storage::F32 => self.input_kind == ValueKind::F32,
+            Storage::I64 => self.input_kind == ValueKind::I64,
+        };
+        if !fits {
+            return Err(DataError::InvalidParameter {
+                name: "batch storage",
+                expected: format!(
+                    "{:?} for {:?} inputs{}",
+                    Storage::of(self.input_kind),
+                    self.input_kind,
+                    if self.bytes.is_some() { " (or U8)" } else { "" }
+                ),
+                value: format!("{storage:?}"),
+            });
+        }
+        if self.padding.is_some() && self.shape.is_empty() {
+            return Err(DataError::InvalidParameter {
+                name: "sample layout",
+                expected: "a first axis to pad along, for a padded layout".to_string(),
+                value: "a scalar input shape []".to_string(),
+            });
+        }
+        Ok(())
+    }
 }
 
-/// One sample's place in a batch buffer: its input, in the storage the loader chose, and its
-/// targets.
+/// One sample's place in a batch buffer: its input, in the storage the loader chose, its
+/// targets, and (for padded layouts) its length.
 #[derive(Debug)]
 pub struct SampleOut<'a> {
-    /// The input values, `SampleLayout::input_len` of them.
+    /// The input values, `SampleLayout::input_len` of them (at the maximum length).
     pub input: Input<'a>,
-    /// The targets, `SampleLayout::targets` of them.
-    pub targets: &'a mut [f32],
+    /// The targets, `SampleLayout::targets_len` of them, of the layout's target kind.
+    pub targets: Targets<'a>,
+    /// The sample's length along the first axis, preset to the maximum `shape[0]`. A padded
+    /// layout's data set sets it and writes that many positions; the loader pads the rest.
+    /// Without padding it must stay at the maximum.
+    pub length: &'a mut usize,
 }
 
 /// A sample's input buffer.
@@ -101,6 +247,69 @@ pub enum Input<'a> {
     U8(&'a mut [u8]),
     /// Write final `f32` values.
     F32(&'a mut [f32]),
+    /// Write `i64` values (layouts with `i64` inputs).
+    I64(&'a mut [i64]),
+}
+
+/// A sample's target buffer, of the layout's target kind.
+#[derive(Debug)]
+pub enum Targets<'a> {
+    /// `f32` targets.
+    F32(&'a mut [f32]),
+    /// `i64` targets.
+    I64(&'a mut [i64]),
+}
+
+impl<'a> Input<'a> {
+    /// The `f32` buffer, or an error naming the storage asked for instead.
+    pub fn f32(self) -> Result<&'a mut [f32], DataError> {
+        match self {
+            Self::F32(v) => Ok(v),
+            other => Err(kind_mismatch("input", "f32", other.kind_name())),
+        }
+    }
+
+    /// The `i64` buffer, or an error naming the storage asked for instead.
+    pub fn i64(self) -> Result<&'a mut [i64], DataError> {
+        match self {
+            Self::I64(v) => Ok(v),
+            other => Err(kind_mismatch("input", "i64", other.kind_name())),
+        }
+    }
+
+    fn kind_name(&self) -> &'static str {
+        match self {
+            Self::U8(_) => "u8",
+            Self::F32(_) => "f32",
+            Self::I64(_) => "i64",
+        }
+    }
+}
+
+impl<'a> Targets<'a> {
+    /// The `f32` buffer, or an error when the layout's targets are `i64`.
+    pub fn f32(self) -> Result<&'a mut [f32], DataError> {
+        match self {
+            Self::F32(v) => Ok(v),
+            Self::I64(_) => Err(kind_mismatch("targets", "f32", "i64")),
+        }
+    }
+
+    /// The `i64` buffer, or an error when the layout's targets are `f32`.
+    pub fn i64(self) -> Result<&'a mut [i64], DataError> {
+        match self {
+            Self::I64(v) => Ok(v),
+            Self::F32(_) => Err(kind_mismatch("targets", "i64", "f32")),
+        }
+    }
+}
+
+fn kind_mismatch(what: &'static str, wanted: &str, found: &str) -> DataError {
+    DataError::InvalidParameter {
+        name: what,
+        expected: format!("{wanted} values, as the data set's layout declares"),
+        value: format!("a {found} buffer"),
+    }
 }
 
 /// A data set the loader can read in parallel.
@@ -152,7 +361,7 @@ pub trait Dataset: Send + Sync + 'static {
 /// crops at another position, as it would in a different index list.
 ///
 /// ```
-/// use ddp_data::sample::{Dataset, Input, SampleLayout, SampleOut, Subset};
+/// use ddp_data::sample::{Dataset, SampleLayout, SampleOut, Subset};
 /// use ddp_data::{rng::SampleRng, DataError};
 ///
 /// /// Sample i is the single value i.
@@ -161,13 +370,12 @@ pub trait Dataset: Send + Sync + 'static {
 ///     type Worker = ();
 ///     fn len(&self) -> usize { self.0 }
 ///     fn layout(&self) -> SampleLayout {
-///         SampleLayout { shape: vec![1], targets: 0, bytes: None }
+///         SampleLayout::new([1], [])
 ///     }
 ///     fn worker(&self) {}
 ///     fn write(&self, _: &mut (), i: usize, _: &mut SampleRng, out: SampleOut<'_>)
 ///         -> Result<(), DataError> {
-///         let Input::F32(x) = out.input else { unreachable!("f32 storage") };
-///         x[0] = i as f32;
+///         out.input.f32()?[0] = i as f32;
 ///         Ok(())
 ///     }
 /// }

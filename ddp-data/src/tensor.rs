@@ -31,13 +31,14 @@ use crate::cuda::{CopyEvents, PinnedAllocator};
 use crate::error::DataError;
 use crate::loader::{BatchIndices, HostBatch, HostLoader, LoaderConfig};
 use crate::memory::{BatchMemory, SlotAllocator, SlotRequest};
-use crate::sample::{Dataset, Storage};
+use crate::sample::{Dataset, Storage, ValueKind};
 
 /// One batch as tensors on the loader's device.
 #[derive(Debug)]
 pub struct Batch {
     inputs: Tensor,
     targets: Tensor,
+    lengths: Option<Tensor>,
     indices: BatchIndices,
     /// CPU batches are views of their ring slot, held until the batch drops (declared last,
     /// so the views drop first).
@@ -45,15 +46,33 @@ pub struct Batch {
 }
 
 impl Batch {
-    /// `[B, ...shape]` `f32` inputs (for images: `[B, 3, H, W]` in [0, 1], or normalised).
+    /// `[B, ...shape]` inputs of the layout's kind (for images: `f32` `[B, 3, H, W]` in
+    /// [0, 1], or normalised). For a padded layout the first sample axis is the batch's
+    /// padded length ([`PadTo`](crate::sample::PadTo)), padding positions hold the padding
+    /// value, and the tensor may be a non-contiguous view.
     pub fn inputs(&self) -> &Tensor {
         &self.inputs
     }
 
-    /// `[B, targets]` `f32` targets (for ODIR: multi-hot labels in N, D, G, C, A, H, M, O
-    /// order).
+    /// `[B, ...target_shape]` targets of the layout's kind (for ODIR: `f32` `[B, 8]`
+    /// multi-hot labels in N, D, G, C, A, H, M, O order; `i64` `[B]` class indices for a
+    /// layout with scalar `i64` targets).
     pub fn targets(&self) -> &Tensor {
         &self.targets
+    }
+
+    /// `[B]` `i64` lengths of the samples along the input's first axis, for padded layouts.
+    pub fn lengths(&self) -> Option<&Tensor> {
+        self.lengths.as_ref()
+    }
+
+    /// `[B, L]` boolean mask of the positions that are not padding (`true` for a sample's
+    /// own positions), for padded layouts: `arange(L) < lengths[:, None]`.
+    pub fn mask(&self) -> Option<Tensor> {
+        let lengths = self.lengths.as_ref()?;
+        let l = self.inputs.size().get(1).copied().unwrap_or(0);
+        let positions = Tensor::arange(l, (Kind::Int64, lengths.device()));
+        Some(positions.unsqueeze(0).lt_tensor(&lengths.unsqueeze(1)))
     }
 
     /// The data-set index of each sample, in batch order.
@@ -72,16 +91,18 @@ impl Batch {
     }
 }
 
-/// A ring slot made of two CPU tensors (`[B, ...shape]` inputs and `[B, targets]`), so that
-/// a batch can be handed out as views of it.
+/// A ring slot made of three CPU tensors (`[B, ...shape]` inputs, `[B, ...target_shape]`
+/// targets and `[B]` lengths), so that a batch can be handed out as views of it.
 #[derive(Debug)]
 struct TensorMemory {
     // `Tensor` is `Send` but not `Sync`; the ring shares slots between threads, which only
     // use the raw pointers below. The consumer locks to make views.
     inputs: Mutex<Tensor>,
     targets: Mutex<Tensor>,
+    lengths: Mutex<Tensor>,
     input_ptr: *mut u8,
-    targets_ptr: *mut f32,
+    targets_ptr: *mut u8,
+    lengths_ptr: *mut i64,
 }
 
 // SAFETY: the tensors are behind mutexes; the raw pointers address their storage, which is
@@ -90,15 +111,20 @@ unsafe impl Send for TensorMemory {}
 // SAFETY: as above.
 unsafe impl Sync for TensorMemory {}
 
-// SAFETY: the pointers address the contiguous storages of the two tensors, sized `[B,
-// ...shape]` of the storage's kind and `[B, targets]` f32, alive as long as this value.
+// SAFETY: the pointers address the contiguous storages of the three tensors, sized `[B,
+// ...shape]` of the storage's kind, `[B, ...target_shape]` of the target kind and `[B]`
+// i64, alive as long as this value (libtorch aligns every storage to at least 64 bytes).
 unsafe impl BatchMemory for TensorMemory {
     fn input_ptr(&self) -> *mut u8 {
         self.input_ptr
     }
 
-    fn targets_ptr(&self) -> *mut f32 {
+    fn targets_ptr(&self) -> *mut u8 {
         self.targets_ptr
+    }
+
+    fn lengths_ptr(&self) -> *mut i64 {
+        self.lengths_ptr
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -114,6 +140,14 @@ fn kind_of(storage: Storage) -> Kind {
     match storage {
         Storage::U8 => Kind::Uint8,
         Storage::F32 => Kind::Float,
+        Storage::I64 => Kind::Int64,
+    }
+}
+
+fn target_kind(kind: ValueKind) -> Kind {
+    match kind {
+        ValueKind::F32 => Kind::Float,
+        ValueKind::I64 => Kind::Int64,
     }
 }
 
@@ -122,6 +156,15 @@ fn dims(len: usize, shape: &[usize]) -> Vec<i64> {
         .chain(shape.iter().copied())
         .map(|d| d as i64)
         .collect()
+}
+
+/// A padded batch's inputs cut to its padded length along the first sample axis (a view).
+fn trim(inputs: Tensor, host: &HostBatch) -> Result<Tensor, DataError> {
+    let layout = host.layout();
+    if layout.padding.is_none() {
+        return Ok(inputs);
+    }
+    Ok(inputs.f_narrow(1, 0, host.padded_len() as i64)?)
 }
 
 /// Allocates slots as CPU tensors.
@@ -136,14 +179,17 @@ impl SlotAllocator for TensorAllocator {
             (kind_of(request.storage), Device::Cpu),
         )?;
         let targets = Tensor::f_zeros(
-            [b as i64, request.layout.targets as i64],
-            (Kind::Float, Device::Cpu),
+            dims(b, &request.layout.target_shape),
+            (target_kind(request.layout.target_kind), Device::Cpu),
         )?;
+        let lengths = Tensor::f_zeros([b as i64], (Kind::Int64, Device::Cpu))?;
         Ok(Box::new(TensorMemory {
             input_ptr: inputs.data_ptr().cast(),
             targets_ptr: targets.data_ptr().cast(),
+            lengths_ptr: lengths.data_ptr().cast(),
             inputs: Mutex::new(inputs),
             targets: Mutex::new(targets),
+            lengths: Mutex::new(lengths),
         }))
     }
 }
@@ -187,9 +233,11 @@ pub struct Loader<D: Dataset> {
 }
 
 impl<D: Dataset> Loader<D> {
-    /// Batches as CPU tensors: `f32` values written by the workers, handed out as views.
+    /// Batches as CPU tensors: final values (`f32` or `i64`, as the layout says) written by
+    /// the workers, handed out as views.
     pub fn new(dataset: D, indices: Vec<usize>, config: &LoaderConfig) -> Result<Self, DataError> {
-        Self::with_storage(dataset, indices, config, Device::Cpu, Storage::F32)
+        let storage = Storage::of(dataset.layout().input_kind);
+        Self::with_storage(dataset, indices, config, Device::Cpu, storage)
     }
 
     /// Batches on `device`: on the CPU as [`Loader::new`]; on a CUDA device through
@@ -201,9 +249,10 @@ impl<D: Dataset> Loader<D> {
         config: &LoaderConfig,
         device: Device,
     ) -> Result<Self, DataError> {
+        let layout = dataset.layout();
         let storage = match device {
-            Device::Cuda(_) if dataset.layout().bytes.is_some() => Storage::U8,
-            _ => Storage::F32,
+            Device::Cuda(_) if layout.bytes.is_some() => Storage::U8,
+            _ => Storage::of(layout.input_kind),
         };
         Self::with_storage(dataset, indices, config, device, storage)
     }
@@ -300,17 +349,22 @@ impl<D: Dataset> Loader<D> {
                 value: "another allocator's slot".to_string(),
             })?;
         let inputs = lock(&memory.inputs).f_narrow(0, 0, len)?;
-        let targets = lock(&memory.targets).f_narrow(0, 0, len)?;
-        let mut inputs = self.convert(inputs)?;
-        let mut targets = targets;
+        let mut targets = lock(&memory.targets).f_narrow(0, 0, len)?;
+        let mut lengths = match host.layout().padding {
+            Some(_) => Some(lock(&memory.lengths).f_narrow(0, 0, len)?),
+            None => None,
+        };
+        let mut inputs = self.convert(trim(inputs, &host)?)?;
         if self.device != Device::Cpu {
             // A device with neither zero-copy nor pinned staging (MPS, Vulkan): copy.
             inputs = inputs.f_to_device(self.device)?;
             targets = targets.f_to_device(self.device)?;
+            lengths = lengths.map(|l| l.f_to_device(self.device)).transpose()?;
         }
         Ok(Batch {
             inputs,
             targets,
+            lengths,
             indices: host.index_list(),
             _lease: Some(host),
         })
@@ -319,7 +373,9 @@ impl<D: Dataset> Loader<D> {
     fn cuda_batch(&mut self, host: HostBatch) -> Result<Batch, DataError> {
         let layout = host.layout();
         let shape = dims(host.len(), &layout.shape);
-        let target_shape = [host.len() as i64, layout.targets as i64];
+        let target_shape = dims(host.len(), &layout.target_shape);
+        let t_kind = target_kind(layout.target_kind);
+        let padded = layout.padding.is_some();
         let kind = kind_of(host.storage());
         let events = self.events.as_mut().ok_or(DataError::InvalidParameter {
             name: "loader device",
@@ -331,27 +387,42 @@ impl<D: Dataset> Loader<D> {
         // (sized for a whole batch), which hold finished samples and stay untouched until the
         // event recorded below has completed (the reuse hook waits for it). The views are
         // dropped at the end of this block; only the device copies outlive it.
-        let (inputs, targets) = unsafe {
+        let (inputs, targets, lengths) = unsafe {
             let src_in =
                 Tensor::f_from_blob(host.memory().input_ptr(), &shape, &[], kind, Device::Cpu)?;
             let src_t = Tensor::f_from_blob(
-                host.memory().targets_ptr().cast::<u8>(),
+                host.memory().targets_ptr(),
                 &target_shape,
                 &[],
-                Kind::Float,
+                t_kind,
                 Device::Cpu,
             )?;
+            let lengths = if padded {
+                let src_l = Tensor::f_from_blob(
+                    host.memory().lengths_ptr().cast::<u8>(),
+                    &[host.len() as i64],
+                    &[],
+                    Kind::Int64,
+                    Device::Cpu,
+                )?;
+                Some(src_l.f_to_device_(self.device, Kind::Int64, true, false)?)
+            } else {
+                None
+            };
             (
                 src_in.f_to_device_(self.device, kind, true, false)?,
-                src_t.f_to_device_(self.device, Kind::Float, true, false)?,
+                src_t.f_to_device_(self.device, t_kind, true, false)?,
+                lengths,
             )
         };
+        let inputs = trim(inputs, &host)?;
         let hook = events.record(host.slot())?;
         let indices = host.index_list();
         host.release_after(hook);
         Ok(Batch {
             inputs: self.convert(inputs)?,
             targets,
+            lengths,
             indices,
             _lease: None,
         })

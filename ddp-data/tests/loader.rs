@@ -53,7 +53,7 @@ fn batches_follow_the_index_list_and_drop_last() {
         assert_eq!(b.input_f32().unwrap().len(), b.len() * 3 * 16 * 16);
         for (k, &i) in b.indices().iter().enumerate() {
             assert_eq!(
-                &b.targets()[k * 8..(k + 1) * 8],
+                &b.targets_f32().unwrap()[k * 8..(k + 1) * 8],
                 &ds.sample(i).unwrap().labels
             );
         }

@@ -18,11 +18,7 @@ impl Dataset for Numbered {
     }
 
     fn layout(&self) -> SampleLayout {
-        SampleLayout {
-            shape: vec![2],
-            targets: 2,
-            bytes: None,
-        }
+        SampleLayout::new([2], [2])
     }
 
     fn worker(&self) {}
@@ -38,8 +34,9 @@ impl Dataset for Numbered {
             panic!("the loader asked for bytes, but the layout has none");
         };
         input.copy_from_slice(&[index as f32, index as f32 + 0.5]);
-        out.targets[0] = index as f32 * 10.0;
-        out.targets[1] = rng.below(1000) as f32;
+        let targets = out.targets.f32()?;
+        targets[0] = index as f32 * 10.0;
+        targets[1] = rng.below(1000) as f32;
         Ok(())
     }
 
@@ -73,11 +70,17 @@ fn loader_reads_the_chosen_samples_in_the_subset_order() {
         batches[0].input_f32().unwrap(),
         [0.0, 0.5, 2.0, 2.5, 2.0, 2.5]
     );
-    let tens: Vec<f32> = batches[0].targets().iter().step_by(2).copied().collect();
+    let tens: Vec<f32> = batches[0]
+        .targets_f32()
+        .unwrap()
+        .iter()
+        .step_by(2)
+        .copied()
+        .collect();
     assert_eq!(tens, [0.0, 20.0, 20.0]);
     assert_eq!(batches[1].indices(), [0]);
     assert_eq!(batches[1].input_f32().unwrap(), [7.0, 7.5]);
-    assert_eq!(batches[1].targets()[0], 70.0);
+    assert_eq!(batches[1].targets_f32().unwrap()[0], 70.0);
 }
 
 #[test]
@@ -91,7 +94,7 @@ fn random_draws_follow_the_position_in_the_subset() {
         .unwrap();
     // Both are sample 5, drawn as positions 0 and 1.
     assert_eq!(batch.input_f32().unwrap(), [5.0, 5.5, 5.0, 5.5]);
-    assert_eq!(batch.targets(), [50.0, draw(0), 50.0, draw(1)]);
+    assert_eq!(batch.targets_f32().unwrap(), [50.0, draw(0), 50.0, draw(1)]);
 }
 
 #[test]

@@ -54,7 +54,7 @@ fn loader_yields_tensors_equal_to_the_host_batches() {
         let images: Vec<f32> = Vec::try_from(b.inputs().flatten(0, -1)).unwrap();
         let labels: Vec<f32> = Vec::try_from(b.targets().flatten(0, -1)).unwrap();
         assert_eq!(images, h.input_f32().unwrap());
-        assert_eq!(labels, h.targets());
+        assert_eq!(labels, h.targets_f32().unwrap());
     }
     assert_eq!(tensors[2].inputs().size()[0], 1);
 }

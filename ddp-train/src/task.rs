@@ -42,8 +42,10 @@ pub trait Stats {
 /// The Trainer calls `model` once (on a `VarStore` on the CPU, after seeding libtorch with
 /// the run's seed, then moves the store to the rank's device), `train_data` and `val_data`
 /// once, and `train_loss` / `eval_batch` for every batch. Batches arrive on the rank's
-/// device as `f32` inputs of shape `[batch, layout.shape...]` and targets of shape
-/// `[batch, layout.targets]`.
+/// device as inputs of shape `[batch, layout.shape...]` and targets of shape
+/// `[batch, layout.target_shape...]`, each of the kind the data set's layout declares
+/// (`f32`, or `i64` for token ids and class indices); padded layouts add the lengths
+/// ([`Batch::lengths`], [`Batch::mask`]).
 pub trait Task {
     /// The model (any type; the Trainer reaches its weights through the `VarStore`).
     type Model;

@@ -33,6 +33,16 @@ fn train(ranks: usize, batch: usize, out: &Path) {
             out.to_str().unwrap(),
             "--batch-size",
             &batch.to_string(),
+            "--epochs",
+            "3",
+            "--seed",
+            "42",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.05",
+            "--momentum",
+            "0.9",
         ])
     };
     let outcome = launch(&config, |_| {}).expect("the launcher starts");
