@@ -1,49 +1,53 @@
-//! The `mlp` example (a user-defined model and data set on the generic Trainer) trains on 2
-//! ranks started by ddp-run's launcher and ends with the weights of one process trained on
-//! the combined batches.
+//! The examples (user-defined models and data sets on the generic Trainer) train on 2 ranks
+//! started by ddp-run's launcher and end with the weights of one process trained on the
+//! combined batches.
 
 use std::path::{Path, PathBuf};
 
 use ddp_model::checkpoint;
 use ddp_run::{launch, LaunchConfig, Outcome};
 
-/// `target/<profile>/examples/mlp`, built by `cargo test` with the tests.
-fn example() -> PathBuf {
+/// `target/<profile>/examples/<name>`, built by `cargo test` with the tests.
+fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test's own path");
     let profile = exe
         .parent()
         .and_then(Path::parent)
         .expect("tests run from target/<profile>/deps");
-    let path = profile.join("examples").join("mlp");
+    let path = profile.join("examples").join(name);
     assert!(
         path.is_file(),
         "{} is not built: `cargo test` builds the examples, a filtered run does not \
-         (`cargo build -p ddp-train --example mlp` first)",
+         (`cargo build -p ddp-train --examples` first)",
         path.display()
     );
     path
 }
 
-fn train(ranks: usize, batch: usize, out: &Path) {
+/// SGD with momentum, 3 epochs: the settings under which 2 ranks and 1 process agree (with
+/// `--lr`).
+const SGD: [&str; 8] = [
+    "--epochs",
+    "3",
+    "--seed",
+    "42",
+    "--optimizer",
+    "sgd",
+    "--momentum",
+    "0.9",
+];
+
+/// Runs example `name` on `ranks` ranks of `batch` samples each, with `args` after the
+/// output folder and batch size.
+fn train(name: &str, ranks: usize, batch: usize, out: &Path, args: &[&str]) {
+    let batch = batch.to_string();
+    let all = ["--out", out.to_str().unwrap(), "--batch-size", &batch]
+        .into_iter()
+        .chain(args.iter().copied());
     let config = LaunchConfig {
         echo: false,
         log_dir: Some(out.join("launcher-logs")),
-        ..LaunchConfig::new(example(), ranks).args([
-            "--out",
-            out.to_str().unwrap(),
-            "--batch-size",
-            &batch.to_string(),
-            "--epochs",
-            "3",
-            "--seed",
-            "42",
-            "--optimizer",
-            "sgd",
-            "--lr",
-            "0.05",
-            "--momentum",
-            "0.9",
-        ])
+        ..LaunchConfig::new(example(name), ranks).args(all)
     };
     let outcome = launch(&config, |_| {}).expect("the launcher starts");
     let logs: String = (0..ranks)
@@ -59,50 +63,82 @@ fn train(ranks: usize, batch: usize, out: &Path) {
 fn two_ranks_of_the_example_equal_one_process_with_twice_the_batch() {
     let tmp = ddp_testkit::temp_dir("ddp-train-example");
     let (two, one) = (tmp.path().join("two"), tmp.path().join("one"));
-    train(2, 8, &two);
-    train(1, 16, &one);
-
-    let weights = |run: &Path, epoch: u32| {
-        checkpoint::read_tensors(run.join(format!("checkpoints/epoch-{epoch:04}.safetensors")))
-            .unwrap()
-            .tensors
-    };
-    let (a, b) = (weights(&two, 3), weights(&one, 3));
+    let args = [&SGD[..], &["--lr", "0.05"]].concat();
+    train("mlp", 2, 8, &two, &args);
+    train("mlp", 1, 16, &one, &args);
+    let a = same_weights(&two, &one, 3, "0.weight");
     assert_eq!(
         a.keys().collect::<Vec<_>>(),
         ["0.bias", "0.weight", "2.bias", "2.weight"]
     );
-    for (name, t) in &a {
-        let diff = (t - &b[name]).abs().max().double_value(&[]);
-        assert!(diff < 1e-5, "{name} differs by {diff}");
-    }
-    // The weights did move: the equality is not that of two untrained models.
-    let first = weights(&two, 1);
-    let moved = (&a["0.weight"] - &first["0.weight"])
-        .abs()
-        .max()
-        .double_value(&[]);
-    assert!(moved > 1e-3, "the weights moved by only {moved}");
-
     // Both runs wrote the same validation loss, and it fell.
-    let val_losses = |run: &Path| -> Vec<f64> {
-        std::fs::read_to_string(run.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["val_loss"]
-                    .as_f64()
-                    .unwrap()
-            })
-            .collect()
-    };
-    let (l2, l1) = (val_losses(&two), val_losses(&one));
+    let (l2, l1) = (metric(&two, "val_loss"), metric(&one, "val_loss"));
     assert_eq!(l2.len(), 3);
     for (x, y) in l2.iter().zip(&l1) {
         assert!((x - y).abs() < 1e-5 * y.max(1.0), "{l2:?} vs {l1:?}");
     }
     assert!(l2[2] < l2[0], "the validation loss did not fall: {l2:?}");
     assert!(two.join("best.safetensors").is_file());
+}
+
+#[test]
+fn the_text_classifier_pads_per_batch_and_two_ranks_equal_one_process() {
+    let tmp = ddp_testkit::temp_dir("ddp-train-text");
+    let (two, one) = (tmp.path().join("two"), tmp.path().join("one"));
+    let args = [&SGD[..], &["--texts", "256", "--lr", "0.1"]].concat();
+    train("text", 2, 8, &two, &args);
+    train("text", 1, 16, &one, &args);
+    // Each rank pads its 8 texts to their own longest, the single process its 16: the
+    // padding embeds to zeros and is masked out of the pooling, so the steps are the same.
+    same_weights(&two, &one, 3, "conv.weight");
+    let (f2, f1) = (metric(&two, "val_macro_f1"), metric(&one, "val_macro_f1"));
+    assert_eq!(f2, f1, "macro-F1 is computed from counts: exactly equal");
+    assert!(
+        f2[2] > 0.4,
+        "the classifier learned nothing: macro-F1 {f2:?}"
+    );
+    assert_eq!(metric(&two, "val_micro_f1").len(), 3);
+    assert!(two.join("best_macro.safetensors").is_file());
+    assert!(two.join("best_micro.safetensors").is_file());
+}
+
+/// Asserts that runs `a` and `b` end epoch `epoch` with the same weights (within 1e-5) and
+/// that `moving` changed since epoch 1; returns `a`'s weights.
+fn same_weights(
+    a: &Path,
+    b: &Path,
+    epoch: u32,
+    moving: &str,
+) -> std::collections::BTreeMap<String, tch::Tensor> {
+    let weights = |run: &Path, epoch: u32| {
+        checkpoint::read_tensors(run.join(format!("checkpoints/epoch-{epoch:04}.safetensors")))
+            .unwrap()
+            .tensors
+    };
+    let (x, y) = (weights(a, epoch), weights(b, epoch));
+    assert_eq!(x.keys().collect::<Vec<_>>(), y.keys().collect::<Vec<_>>());
+    for (name, t) in &x {
+        let diff = (t - &y[name]).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "{name} differs by {diff}");
+    }
+    // The weights did move: the equality is not that of two untrained models.
+    let first = weights(a, 1);
+    let moved = (&x[moving] - &first[moving]).abs().max().double_value(&[]);
+    assert!(moved > 1e-3, "{moving} moved by only {moved}");
+    x
+}
+
+/// Every epoch's `name` from a run's `metrics.jsonl`.
+fn metric(run: &Path, name: &str) -> Vec<f64> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()[name]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{name} in {l}"))
+        })
+        .collect()
 }
 
 #[test]
