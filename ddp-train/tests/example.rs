@@ -146,3 +146,31 @@ fn the_trainer_and_the_launcher_agree_on_the_stop_exit_code() {
     assert_eq!(i32::from(ddp_train::EXIT_STOPPED), ddp_run::EXIT_STOPPED);
     assert_eq!(ddp_run::EXIT_STOPPED, 75);
 }
+
+#[test]
+fn the_resnet_trains_with_adamw_warmup_cosine_and_clipping_on_two_ranks() {
+    let tmp = ddp_testkit::temp_dir("ddp-train-resnet");
+    let (two, one) = (tmp.path().join("two"), tmp.path().join("one"));
+    // The example's defaults: AdamW, 10 warmup steps into a cosine, clipping at 1.0.
+    let args = ["--images", "64", "--epochs", "3", "--seed", "5"];
+    train("resnet", 2, 8, &two, &args);
+    train("resnet", 1, 16, &one, &args);
+    // 4 optimizer steps per epoch in both: the schedule is per step, so the learning rates
+    // are the same, rising through the warmup (4/10, 8/10 of the peak), then decaying.
+    let lr = metric(&two, "lr");
+    assert_eq!(lr, metric(&one, "lr"));
+    assert!(
+        lr[0] < lr[1] && lr[2] < lr[1],
+        "not warmup then cosine: {lr:?}"
+    );
+    let norms = metric(&two, "grad_norm");
+    assert!(norms.iter().all(|n| n.is_finite() && *n > 0.0), "{norms:?}");
+    let loss = metric(&two, "train_loss");
+    assert!(
+        loss[2] < loss[0] / 2.0,
+        "the ResNet did not learn: {loss:?}"
+    );
+    // BatchNorm normalises by each rank's own batch (as PyTorch's DDP without
+    // SyncBatchNorm): the runs differ in their weights, so only the schedule is compared.
+    assert!(two.join("best.safetensors").is_file());
+}
