@@ -1,0 +1,125 @@
+//! Checkpoints inside an epoch and requested stops: before each step the ranks agree whether
+//! to stop or checkpoint, rank 0 writes the checkpoint, and on a stop every rank returns
+//! [`TrainError::Stopped`]; and the run's state that every checkpoint holds.
+
+use std::time::{Duration, Instant};
+
+use ddp_comm::ReduceOp;
+
+use super::Trainer;
+use crate::amp::GradScaler;
+use crate::error::TrainError;
+use crate::state::{self, Position, TrainState};
+use crate::stop::{SignalWatch, StopReason};
+use crate::task::Task;
+
+impl<T: Task> Trainer<T> {
+    /// Before each step: the ranks agree whether to stop (a stop signal reached some rank,
+    /// or some rank's time budget is spent) and whether to checkpoint (every N optimizer
+    /// steps, or M minutes since the last checkpoint on some rank), with one all-reduce of
+    /// two numbers; then rank 0 writes the checkpoint of `at`, and on a stop every rank waits
+    /// for it and returns [`TrainError::Stopped`].
+    pub(super) fn checkpoint_or_stop(
+        &mut self,
+        at: Position,
+        first: usize,
+        steps: usize,
+        signals: Option<&SignalWatch>,
+    ) -> Result<(), TrainError> {
+        let s = &self.settings;
+        let periodic = at.step > first
+            && s.checkpoint_every
+                .is_some_and(|n| self.optimizer.steps() as u64 % n == 0);
+        // Whether anything may differ between ranks, and so needs their agreement.
+        let agree =
+            signals.is_some() || s.time_limit_secs.is_some() || s.checkpoint_minutes.is_some();
+        let (stop, checkpoint) = if agree {
+            let stop_wish = signals
+                .and_then(SignalWatch::received)
+                .map(StopReason::Signal)
+                .or_else(|| {
+                    let last = at.step + 1 == steps;
+                    self.budget.must_stop(last).then_some(StopReason::TimeLimit)
+                });
+            let timed = at.step > first
+                && s.checkpoint_minutes.is_some_and(|m| {
+                    self.last_checkpoint.elapsed() >= Duration::from_secs_f64(m * 60.0)
+                });
+            let mut flags = [StopReason::code(stop_wish), i64::from(periodic || timed)];
+            self.pg.all_reduce_slice(&mut flags, ReduceOp::Max)?;
+            (StopReason::from_code(flags[0]), flags[1] == 1)
+        } else {
+            (None, periodic)
+        };
+        if stop.is_none() && !checkpoint {
+            return Ok(());
+        }
+        // The sums of every rank so far, for the epoch's report after a resume.
+        let mut sums = [at.loss_sum, at.samples as f64];
+        self.pg.all_reduce_slice(&mut sums, ReduceOp::Sum)?;
+        let st = TrainState {
+            epoch: at.epoch - 1,
+            position: Some(Position {
+                loss_sum: sums[0],
+                samples: sums[1] as usize,
+                ..at
+            }),
+            ..self.train_state()
+        };
+        let name = state::stem_of(&st);
+        let path = state::checkpoint_dir(&self.out).join(format!("{name}.safetensors"));
+        if self.pg.rank() == 0 {
+            let saving = Instant::now();
+            state::save(&self.out, &self.vs, &self.optimizer, &st)?;
+            if let Some(reason) = stop {
+                state::mark_stopped(&self.out, &name, &reason.to_string())?;
+            }
+            self.budget.save_took(saving.elapsed());
+            let removed = state::prune_steps(&self.out, self.settings.keep_checkpoints)?;
+            let mut note = format!("checkpoint {}", path.display());
+            if !removed.is_empty() {
+                note.push_str(&format!(" (removed {})", removed.join(", ")));
+            }
+            self.log.say(&note);
+        }
+        self.last_checkpoint = Instant::now();
+        let Some(reason) = stop else {
+            return Ok(());
+        };
+        // Nobody leaves before rank 0's checkpoint is complete.
+        self.pg.barrier()?;
+        self.log.say(&format!(
+            "rank {}: stopping at epoch {} step {} ({reason}) after {:.1} s",
+            self.pg.rank(),
+            at.epoch,
+            at.step,
+            self.budget.elapsed().as_secs_f64()
+        ));
+        Err(TrainError::Stopped {
+            reason,
+            epoch: at.epoch,
+            step: at.step,
+            checkpoint: path,
+            run: self.out.clone(),
+        })
+    }
+
+    /// The run's scalar state after its last optimizer step (at an epoch's end).
+    pub(super) fn train_state(&self) -> TrainState {
+        TrainState {
+            epoch: 0,
+            position: None,
+            optimizer_steps: self.optimizer.steps(),
+            lr: self.optimizer.lr(),
+            scheduler: self.scheduler.clone(),
+            bests: self.bests.clone(),
+            early_stopping: self.early,
+            grad_scaler: self.scaler.as_ref().map(GradScaler::state),
+            seed: self.settings.seed,
+            config: serde_json::json!({
+                "settings": self.settings,
+                "task": self.task.describe(),
+            }),
+        }
+    }
+}

@@ -1,0 +1,60 @@
+//! Evaluation: [`Trainer::evaluate`], and each epoch's exact distributed evaluation (every
+//! rank evaluates its exact shard, one all-reduce combines the task's sums).
+
+use ddp_comm::ReduceOp;
+use tch::{Kind, Tensor};
+
+use super::{EvalReport, Trainer};
+use crate::error::TrainError;
+use crate::task::{Stats, Task};
+
+impl<T: Task> Trainer<T> {
+    /// Evaluates the model on the validation split; every rank returns the metrics of the
+    /// whole split.
+    pub fn evaluate(&mut self) -> Result<EvalReport, TrainError> {
+        let (val_loss, stats) = self.evaluate_epoch(0)?.ok_or_else(|| {
+            TrainError::Invalid("nothing to evaluate: the task has no validation data".into())
+        })?;
+        let mut metrics = stats.report();
+        metrics.extend(stats.details());
+        Ok(EvalReport {
+            val_loss,
+            metrics,
+            world_size: self.pg.world_size(),
+        })
+    }
+
+    /// Evaluates on this rank's exact shard of the validation split and combines the
+    /// statistics of all ranks: the result equals one process evaluating the whole split.
+    /// `None` without validation data.
+    pub(super) fn evaluate_epoch(
+        &mut self,
+        epoch: u64,
+    ) -> Result<Option<(f64, T::Stats)>, TrainError> {
+        let (Some(set), Some(sampler)) = (&self.val_set, &self.val_sampler) else {
+            return Ok(None);
+        };
+        let indices: Vec<usize> = sampler.iter().collect();
+        let mut loader = self.loader(set, false, epoch, indices)?;
+        let mut stats = self.task.new_stats();
+        let (mut loss_sum, mut samples) = (0.0f64, 0usize);
+        tch::no_grad(|| -> Result<(), TrainError> {
+            for batch in &mut loader {
+                let batch = batch?;
+                // Evaluation runs in the training precision.
+                let _autocast = self.settings.precision.autocast(self.device)?;
+                let loss = self.task.eval_batch(&self.model, &batch, &mut stats);
+                loss_sum += loss.double_value(&[]);
+                samples += batch.len();
+            }
+            Ok(())
+        })?;
+        let mut sums = vec![loss_sum, samples as f64];
+        sums.extend(stats.to_sums());
+        let mut t = Tensor::from_slice(&sums).to_kind(Kind::Double);
+        self.pg.all_reduce(&mut t, ReduceOp::Sum)?;
+        let totals = Vec::<f64>::try_from(&t)?;
+        stats.set_sums(&totals[2..]);
+        Ok(Some((totals[0] / totals[1].max(1.0), stats)))
+    }
+}

@@ -1,0 +1,43 @@
+//! The fault tests' injected failures and slow steps, read from the environment in debug
+//! builds only.
+
+use std::time::Duration;
+
+/// For the fault tests, in debug builds only, before a step:
+///
+/// - `DDP_TRAIN_FAIL_RANK=r` (or `all`) and `DDP_TRAIN_FAIL_AT=epoch:step` make rank r (or
+///   every rank) fail at that step, in the first attempt only (a restarted attempt has
+///   `TORCHELASTIC_RESTART_COUNT` > 0): exit with status 17, or with
+///   `DDP_TRAIN_FAIL_SIGNAL=KILL` kill itself, or with `STOP` stop itself (a hung rank);
+/// - `DDP_TRAIN_STEP_SLEEP_MS=n` makes every step n ms longer (so that a test can act in
+///   the middle of an epoch).
+pub(super) fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: bool) {
+    // Only in debug builds (what the tests run): a release binary never reads these.
+    if !cfg!(debug_assertions) {
+        return;
+    }
+    let var = |k: &str| std::env::var(k).ok();
+    if let Some(ms) = var("DDP_TRAIN_STEP_SLEEP_MS").and_then(|v| v.parse().ok()) {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+    let (Some(r), Some(at)) = (var("DDP_TRAIN_FAIL_RANK"), var("DDP_TRAIN_FAIL_AT")) else {
+        return;
+    };
+    if restarted || (r != "all" && r.parse() != Ok(rank)) || at != format!("{epoch}:{step}") {
+        return;
+    }
+    let how = var("DDP_TRAIN_FAIL_SIGNAL").unwrap_or_default();
+    tracing::warn!(
+        "rank {rank}: injected failure ({}) at epoch {epoch} step {step} (DDP_TRAIN_FAIL_AT)",
+        if how.is_empty() { "exit 17" } else { &how }
+    );
+    let signal = match how.as_str() {
+        "KILL" => libc::SIGKILL,
+        "STOP" => libc::SIGSTOP,
+        _ => std::process::exit(17),
+    };
+    // SAFETY: raise(3) on this process; for SIGSTOP it returns once the process is continued.
+    unsafe {
+        libc::raise(signal);
+    }
+}

@@ -1,0 +1,338 @@
+//! The training loops: [`Trainer::run`] over the epochs (evaluation, the plateau scheduler
+//! and early stopping after each), one epoch's optimizer steps (gradient accumulation, DDP,
+//! fp16's scaler, clipping, per-step learning rate and seeds), and the data loaders.
+
+use std::time::Instant;
+
+use ddp_comm::ReduceOp;
+use ddp_data::{Batch, Loader, LoaderConfig};
+use serde_json::Map;
+use tch::Tensor;
+
+use super::faults::fail_if_injected;
+use super::progress::Progress;
+use super::report::watched;
+use super::{EpochReport, Trainer};
+use crate::error::TrainError;
+use crate::settings::Goal;
+#[cfg(doc)]
+use crate::settings::Settings;
+use crate::state::{Best, Position};
+use crate::stop::SignalWatch;
+use crate::task::{Stats, Task};
+
+/// What an epoch's training loop returns (all ranks' totals).
+struct EpochTraining {
+    /// Mean training loss over every rank's samples.
+    loss: f64,
+    /// Samples, all ranks together.
+    samples: usize,
+    /// Optimizer steps.
+    steps: usize,
+    /// Seconds spent training.
+    seconds: f64,
+    /// Sum of the steps' gradient norms (with clipping).
+    grad_norm_sum: f64,
+    /// Steps the fp16 scaler skipped.
+    skipped_steps: u64,
+}
+
+impl<T: Task> Trainer<T> {
+    /// Trains from the start (or resumed) epoch to the last, evaluating after each.
+    ///
+    /// When a stop is requested (SIGTERM or SIGUSR1 with [`Settings::stop_on_signals`], or
+    /// the time limit), every rank finishes its step, rank 0 writes a checkpoint, and every
+    /// rank returns [`TrainError::Stopped`]; exit with [`TrainError::exit_code`].
+    pub fn run(&mut self) -> Result<Vec<EpochReport>, TrainError> {
+        let signals = if self.settings.stop_on_signals {
+            Some(SignalWatch::start().map_err(TrainError::Invalid)?)
+        } else {
+            None
+        };
+        let mut all = Vec::new();
+        for epoch in self.start_epoch..=self.settings.epochs {
+            let lr_at_start = self.optimizer.lr();
+            let resumed = self.start_position.take().filter(|p| p.epoch == epoch);
+            let trained = self.train_epoch(epoch, resumed, signals.as_ref())?;
+            let lr = match self.settings.lr_schedule {
+                Some(_) => self.optimizer.lr(),
+                None => lr_at_start,
+            };
+            let evaluating = Instant::now();
+            let evaluated = self.evaluate_epoch(epoch)?;
+            self.budget.eval_took(evaluating.elapsed());
+            let (val_loss, summary, metrics) = match &evaluated {
+                Some((loss, stats)) => (Some(*loss), stats.summary(), stats.report()),
+                None => (None, String::new(), Map::new()),
+            };
+            let report = EpochReport {
+                epoch,
+                train_loss: trained.loss,
+                val_loss,
+                metrics,
+                lr,
+                grad_norm: self
+                    .settings
+                    .clip_grad_norm
+                    .map(|_| trained.grad_norm_sum / trained.steps.max(1) as f64),
+                skipped_steps: self.scaler.as_ref().map(|_| trained.skipped_steps),
+                images_per_sec: trained.samples as f64 / trained.seconds.max(1e-9),
+                epoch_seconds: trained.seconds + evaluating.elapsed().as_secs_f64(),
+                steps: trained.steps,
+                world_size: self.pg.world_size(),
+            };
+            if let (Some(p), Some(sched)) = (&self.settings.plateau, &mut self.scheduler) {
+                let value = watched(&report, &p.metric, "the plateau scheduler")?;
+                let signed = if p.goal == Goal::Max { value } else { -value };
+                self.optimizer.set_lr(sched.step(signed, lr));
+            }
+            // Every rank sees the same all-reduced metrics, so every rank decides alike.
+            let stop = match (&self.settings.early_stopping, &mut self.early) {
+                (Some(rule), Some(early)) => {
+                    let value = watched(&report, &rule.metric, "early stopping")?;
+                    early.observe(rule, epoch, value).then(|| {
+                        let best = early.best.unwrap_or(Best { value, epoch });
+                        format!(
+                            "early stopping after epoch {epoch}: {} has not improved for {} \
+                             epochs (best {:.4} at epoch {})",
+                            rule.metric, early.bad_epochs, best.value, best.epoch
+                        )
+                    })
+                }
+                _ => None,
+            };
+            if self.pg.rank() == 0 {
+                let saving = Instant::now();
+                self.finish_epoch(&report, &summary)?;
+                self.budget.save_took(saving.elapsed());
+            }
+            self.last_checkpoint = Instant::now();
+            all.push(report);
+            if let Some(note) = stop {
+                self.log.say(&note);
+                break;
+            }
+        }
+        Ok(all)
+    }
+
+    /// Optimizer steps in each epoch (the same every epoch: the sampler gives every rank the
+    /// same number of samples).
+    fn steps_per_epoch(&self) -> usize {
+        let s = &self.settings;
+        let whole = self.train_sampler.len() / (s.batch_size * s.accumulate);
+        s.max_steps_per_epoch.map_or(whole, |m| m.min(whole))
+    }
+
+    /// A loader over `indices` of the training or the validation set, whose batches arrive
+    /// on this rank's device.
+    pub(super) fn loader(
+        &self,
+        set: &T::Data,
+        train: bool,
+        epoch: u64,
+        indices: Vec<usize>,
+    ) -> Result<Loader<T::Data>, TrainError> {
+        let s = &self.settings;
+        let default_prefetch = if self.device.is_cuda() { 4 } else { 2 };
+        let config = LoaderConfig {
+            drop_last: train,
+            seed: s.seed,
+            epoch,
+            workers: s
+                .workers
+                .unwrap_or_else(|| ddp_data::default_workers(self.pg.local_world_size())),
+            prefetch: s.prefetch.unwrap_or(default_prefetch),
+            ..LoaderConfig::new(s.batch_size)
+        };
+        Ok(Loader::on_device(
+            set.clone(),
+            indices,
+            &config,
+            self.device,
+        )?)
+    }
+
+    /// One epoch of training, from `resumed`'s step when a checkpoint inside it is resumed;
+    /// what it returns counts the part before `resumed` too.
+    ///
+    /// Each micro-step queues its forward and backward, then takes the next batch (which, on
+    /// a GPU, queues that batch's copy behind this step), and only then reads the loss, the
+    /// first point where the host waits for the device: the device always has the next
+    /// batch's copy queued, and the host waits for the loader while the device computes.
+    fn train_epoch(
+        &mut self,
+        epoch: u64,
+        resumed: Option<Position>,
+        signals: Option<&SignalWatch>,
+    ) -> Result<EpochTraining, TrainError> {
+        let s = self.settings.clone();
+        let rank = self.pg.rank();
+        // The trainer advances the sampler itself: no one can forget set_epoch.
+        self.train_sampler.set_epoch(epoch);
+        let mut indices: Vec<usize> = self.train_sampler.iter().collect();
+        let per_step = s.batch_size * s.accumulate;
+        let steps = self.steps_per_epoch();
+        indices.truncate(steps * per_step);
+        // A resumed epoch skips the steps its checkpoint had done; every sample's random
+        // draws depend only on (seed, epoch, index), so the rest is what it would have been.
+        let first = resumed.map_or(0, |p| p.step.min(steps));
+        indices.drain(..first * per_step);
+        let mut loader = self.loader(&self.train_set, true, epoch, indices)?;
+        let progress = Progress::new(rank == 0 && s.progress, epoch, s.epochs, steps);
+        // Rank 0 carries the sums of all ranks before the checkpoint.
+        let (mut loss_sum, mut samples, earlier_seconds) = match (resumed, rank) {
+            (Some(p), 0) => (p.loss_sum, p.samples, p.train_seconds),
+            (Some(p), _) => (0.0, 0, p.train_seconds),
+            (None, _) => (0.0f64, 0usize, 0.0),
+        };
+        // The same on every rank (they come from the averaged gradients).
+        let (mut grad_norm_sum, mut skipped_steps) =
+            resumed.map_or((0.0, 0), |p| (p.grad_norm_sum, p.skipped_steps));
+        let mut fresh_samples = 0usize;
+        let started = Instant::now();
+        let mut upcoming = loader.next();
+        for step in first..steps {
+            let position = Position {
+                epoch,
+                step,
+                loss_sum,
+                samples,
+                train_seconds: earlier_seconds + started.elapsed().as_secs_f64(),
+                grad_norm_sum,
+                skipped_steps,
+            };
+            self.checkpoint_or_stop(position, first, steps, signals)?;
+            fail_if_injected(rank, epoch, step, self.restarted);
+            let step_started = Instant::now();
+            // Dropout masks derive from (seed, epoch, step, rank): a resumed run draws the
+            // same ones as an uninterrupted run.
+            tch::manual_seed(mix(s.seed, epoch, step as u64, rank as u64));
+            if let Some(schedule) = &s.lr_schedule {
+                let total = s.epochs * self.steps_per_epoch() as u64;
+                let t = self.optimizer.steps() as u64;
+                self.optimizer
+                    .set_lr(s.optimizer.lr() * schedule.factor(t, total));
+            }
+            self.optimizer.zero_grad();
+            let mut step_loss = 0.0;
+            for micro in 0..s.accumulate {
+                let batch = take_batch(upcoming)?;
+                // Only the last micro-batch's backward communicates (PyTorch's `no_sync`).
+                self.ddp
+                    .set_require_gradient_sync(micro + 1 == s.accumulate);
+                self.ddp.broadcast_buffers()?;
+                let loss = {
+                    let _autocast = s.precision.autocast(self.device)?;
+                    self.task.train_loss(&self.model, &batch)
+                };
+                let scaled = &loss / s.accumulate as f64;
+                match &self.scaler {
+                    Some(scaler) => scaler.scale_loss(&scaled).backward(),
+                    None => scaled.backward(),
+                }
+                upcoming = loader.next();
+                let value = loss.double_value(&[]);
+                if !value.is_finite() {
+                    return Err(TrainError::NonFiniteLoss {
+                        rank,
+                        value,
+                        epoch,
+                        step,
+                    });
+                }
+                step_loss += value;
+                loss_sum += value * batch.len() as f64;
+                samples += batch.len();
+                fresh_samples += batch.len();
+            }
+            self.ddp.sync_gradients()?;
+            // The averaged gradients are the same bytes on every rank, so every rank finds
+            // the same inf/NaN, the same norm, and skips the same steps.
+            let found_inf = self
+                .scaler
+                .as_ref()
+                .is_some_and(|scaler| scaler.unscale(self.ddp.parameters()));
+            let grad_norm = s
+                .clip_grad_norm
+                .map(|max| crate::optim::clip_grad_norm(self.ddp.parameters(), max));
+            grad_norm_sum += grad_norm.unwrap_or(0.0);
+            if found_inf {
+                skipped_steps += 1;
+            } else {
+                self.optimizer.step();
+            }
+            if let Some(scaler) = &mut self.scaler {
+                scaler.update(found_inf);
+            }
+            self.budget.step_took(step_started.elapsed());
+            if s.log_every > 0 && (step + 1) % s.log_every == 0 {
+                let mut line = format!(
+                    "[rank {rank}] epoch {epoch} step {}/{steps} loss {:.4}",
+                    step + 1,
+                    step_loss / s.accumulate as f64
+                );
+                if let Some(norm) = grad_norm {
+                    line.push_str(&format!(" grad norm {norm:.4}"));
+                }
+                if let Some(scaler) = &self.scaler {
+                    line.push_str(&format!(" loss scale {}", scaler.scale()));
+                    if found_inf {
+                        line.push_str(" (step skipped: inf/NaN gradients)");
+                    }
+                }
+                self.log.say(&line);
+            }
+            let rate = fresh_samples as f64 * self.pg.world_size() as f64
+                / started.elapsed().as_secs_f64();
+            progress.step(step + 1, loss_sum / samples.max(1) as f64, rate, &self.log);
+        }
+        progress.finish();
+        let mut totals = Tensor::from_slice(&[loss_sum, samples as f64]);
+        self.pg.all_reduce(&mut totals, ReduceOp::Sum)?;
+        let totals = Vec::<f64>::try_from(&totals)?;
+        Ok(EpochTraining {
+            loss: totals[0] / totals[1].max(1.0),
+            samples: totals[1] as usize,
+            steps,
+            seconds: earlier_seconds + started.elapsed().as_secs_f64(),
+            grad_norm_sum,
+            skipped_steps,
+        })
+    }
+}
+
+fn take_batch(next: Option<Result<Batch, ddp_data::DataError>>) -> Result<Batch, TrainError> {
+    match next {
+        Some(b) => Ok(b?),
+        None => Err(TrainError::LoaderEnded),
+    }
+}
+
+/// A well-mixed 63-bit seed from the run seed, epoch, step and rank (SplitMix64 finaliser).
+fn mix(seed: u64, epoch: u64, step: u64, rank: u64) -> i64 {
+    let mut z = seed;
+    for v in [epoch, step, rank] {
+        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15).wrapping_add(v);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+    }
+    (z >> 1) as i64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_seeds_differ_by_every_component() {
+        let base = mix(1, 2, 3, 4);
+        assert_ne!(base, mix(0, 2, 3, 4));
+        assert_ne!(base, mix(1, 3, 3, 4));
+        assert_ne!(base, mix(1, 2, 4, 4));
+        assert_ne!(base, mix(1, 2, 3, 5));
+        assert_eq!(base, mix(1, 2, 3, 4));
+        assert!(base >= 0);
+    }
+}

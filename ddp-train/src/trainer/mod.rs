@@ -1,0 +1,126 @@
+//! The Trainer: epochs of distributed training and exact distributed evaluation of any
+//! [`Task`].
+//!
+//! Per epoch, on every rank, the collectives come in this fixed order: for each step,
+//! a buffer broadcast before each forward and one gradient all-reduce per optimizer step;
+//! then one all-reduce of the epoch's loss and sample counts; then one all-reduce of the
+//! validation statistics. Rank 0 alone writes files and prints progress, between epochs.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use ddp_comm::ProcessGroup;
+use ddp_sampler::DistributedSampler;
+use tch::{nn, Device};
+
+use crate::amp::GradScaler;
+use crate::ddp::DistributedDataParallel;
+use crate::optim::Optimizer;
+use crate::scheduler::ReduceLrOnPlateau;
+use crate::settings::Settings;
+use crate::state::{Best, EarlyStopState, Position};
+use crate::stop::Budget;
+use crate::task::Task;
+
+// One file per job. This one: the `Trainer`, its accessors and the public reports.
+// - `report.rs`: `EpochReport` (a line of `metrics.jsonl`), `EvalReport`, and a named number
+//   of an epoch's report for what watches it;
+// - `startup.rs`: `Trainer::new`: settings, data and samplers, the model, a restored
+//   checkpoint (also by itself after a launcher's restart), the process group, the run
+//   directory and its `config.json`;
+// - `loops.rs`: `Trainer::run`, the epoch loop, one epoch's training steps, the loaders;
+// - `checkpoint.rs`: the ranks' agreement before each step to stop or checkpoint, and the
+//   run's state that a checkpoint holds;
+// - `eval.rs`: `Trainer::evaluate` and each epoch's exact distributed evaluation;
+// - `outputs.rs`: what goes into the run directory: rank 0's end of an epoch
+//   (`metrics.jsonl`, `curves.png`, best-model files, checkpoint) and every rank's log;
+// - `progress.rs`: rank 0's progress bar or progress lines;
+// - `faults.rs`: the fault tests' injected failures (debug builds only).
+mod checkpoint;
+mod eval;
+mod faults;
+mod loops;
+mod outputs;
+mod progress;
+mod report;
+mod startup;
+
+use outputs::RankLog;
+pub use report::{EpochReport, EvalReport};
+
+/// A rank's whole training run of a [`Task`].
+pub struct Trainer<T: Task> {
+    task: T,
+    settings: Settings,
+    pg: Arc<ProcessGroup>,
+    device: Device,
+    threads: usize,
+    out: PathBuf,
+    vs: nn::VarStore,
+    model: T::Model,
+    ddp: DistributedDataParallel,
+    optimizer: Optimizer,
+    /// Whether a launcher restarted this job (torchrun's restart count above 0).
+    restarted: bool,
+    /// fp16's loss scaler (`None` in other precisions).
+    scaler: Option<GradScaler>,
+    /// Early stopping's count (`None` without early stopping).
+    early: Option<EarlyStopState>,
+    scheduler: Option<ReduceLrOnPlateau>,
+    start_epoch: u64,
+    /// Where a checkpoint taken inside an epoch left off.
+    start_position: Option<Position>,
+    budget: Budget,
+    last_checkpoint: Instant,
+    bests: BTreeMap<String, Best>,
+    history: Vec<EpochReport>,
+    log: RankLog,
+    train_set: T::Data,
+    val_set: Option<T::Data>,
+    train_sampler: DistributedSampler,
+    val_sampler: Option<DistributedSampler>,
+}
+
+impl<T: Task> std::fmt::Debug for Trainer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("rank", &self.pg.rank())
+            .field("device", &self.device)
+            .field("out", &self.out)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: Task> Trainer<T> {
+    /// The run directory.
+    pub fn out_dir(&self) -> &Path {
+        &self.out
+    }
+
+    /// The process group the ranks train in.
+    pub fn process_group(&self) -> &Arc<ProcessGroup> {
+        &self.pg
+    }
+
+    /// The model.
+    pub fn model(&self) -> &T::Model {
+        &self.model
+    }
+
+    /// The model's variables (on the rank's device).
+    pub fn var_store(&self) -> &nn::VarStore {
+        &self.vs
+    }
+
+    /// The task.
+    pub fn task(&self) -> &T {
+        &self.task
+    }
+
+    /// The device this rank trains on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+}

@@ -1,0 +1,187 @@
+//! What the trainer writes into the run directory: rank 0's end of an epoch
+//! (`metrics.jsonl`, `curves.png`, best-model files, the epoch's checkpoint), the history an
+//! earlier `metrics.jsonl` leaves, atomic file writes, and every rank's log.
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::path::Path;
+
+use ddp_model::checkpoint;
+
+use super::report::watched;
+use super::{EpochReport, Trainer};
+use crate::error::{Context, TrainError};
+use crate::state::{self, Best, TrainState};
+use crate::task::Task;
+
+impl<T: Task> Trainer<T> {
+    /// Rank 0's end of an epoch: metrics line, curves, best models, checkpoint.
+    pub(super) fn finish_epoch(
+        &mut self,
+        m: &EpochReport,
+        summary: &str,
+    ) -> Result<(), TrainError> {
+        let val = match m.val_loss {
+            Some(v) => format!("  val loss {v:.4}"),
+            None => String::new(),
+        };
+        let summary = if summary.is_empty() {
+            String::new()
+        } else {
+            format!("  {summary}")
+        };
+        self.log.say(&format!(
+            "epoch {}/{}: train loss {:.4}{val}{summary}  lr {:.2e}  {:.1} img/s  {:.1} s",
+            m.epoch, self.settings.epochs, m.train_loss, m.lr, m.images_per_sec, m.epoch_seconds
+        ));
+        let metrics_path = self.out.join("metrics.jsonl");
+        let line = serde_json::to_string(m).context(|| "encoding an epoch's metrics".into())?;
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&metrics_path)
+            .and_then(|mut f| {
+                writeln!(f, "{line}")?;
+                f.sync_all()
+            })
+            .map_err(|e| TrainError::io(format!("cannot write {}", metrics_path.display()), e))?;
+        self.history.push(m.clone());
+        self.draw_curves();
+        let meta = std::collections::HashMap::from([("epoch".to_owned(), m.epoch.to_string())]);
+        let mut best_notes = Vec::new();
+        for monitor in &self.settings.monitors {
+            let value = watched(m, &monitor.metric, "a best-model monitor")?;
+            let previous = self.bests.get(&monitor.file);
+            if previous.is_none_or(|b| monitor.goal.improves(value, b.value)) {
+                self.bests.insert(
+                    monitor.file.clone(),
+                    Best {
+                        value,
+                        epoch: m.epoch,
+                    },
+                );
+                checkpoint::save(&self.vs, self.out.join(&monitor.file), &meta)?;
+            }
+            if let Some(b) = self.bests.get(&monitor.file) {
+                best_notes.push(format!(
+                    "best {} {:.3} (epoch {})",
+                    monitor.metric, b.value, b.epoch
+                ));
+            }
+        }
+        let st = TrainState {
+            epoch: m.epoch,
+            ..self.train_state()
+        };
+        let path = state::save(&self.out, &self.vs, &self.optimizer, &st)?;
+        let mut note = format!("checkpoint {}", path.display());
+        if !best_notes.is_empty() {
+            note.push_str("; ");
+            note.push_str(&best_notes.join(", "));
+        }
+        if self.plots_enabled() {
+            note.push_str(&format!(
+                "; curves {}",
+                self.out.join("curves.png").display()
+            ));
+        }
+        self.log.say(&note);
+        Ok(())
+    }
+
+    fn plots_enabled(&self) -> bool {
+        cfg!(feature = "plot") && self.settings.plot
+    }
+
+    /// Redraws `curves.png` (a failure is a warning: the run goes on).
+    fn draw_curves(&self) {
+        #[cfg(feature = "plot")]
+        if self.settings.plot {
+            let metrics: Vec<String> = self
+                .settings
+                .monitors
+                .iter()
+                .map(|m| m.metric.clone())
+                .filter(|m| m != "train_loss" && m != "val_loss")
+                .collect();
+            let path = self.out.join("curves.png");
+            if let Err(e) = crate::plot::draw_curves(&self.history, &metrics, &path) {
+                self.log.warn(&e.to_string());
+            }
+        }
+    }
+}
+
+/// The epochs before `start` from an earlier `metrics.jsonl` (a resumed run keeps them and
+/// drops any line of an epoch that will be trained again).
+pub(super) fn read_history(out: &Path, start: u64) -> Result<Vec<EpochReport>, TrainError> {
+    let path = out.join("metrics.jsonl");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(Vec::new());
+    };
+    let mut kept_lines = Vec::new();
+    let mut reports = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let m: EpochReport = serde_json::from_str(line).map_err(|e| {
+            TrainError::Invalid(format!(
+                "{} holds a line that is not an epoch's metrics ({e}); move it away to start \
+                 a new run there",
+                path.display()
+            ))
+        })?;
+        if m.epoch < start {
+            kept_lines.push(line.to_owned());
+            reports.push(m);
+        }
+    }
+    let mut body = kept_lines.join("\n");
+    if !body.is_empty() {
+        body.push('\n');
+    }
+    write_file(&path, body.as_bytes())?;
+    Ok(reports)
+}
+
+pub(super) fn write_file(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
+    checkpoint::write_atomic(path, bytes)
+        .map_err(|e| TrainError::io(format!("cannot write {}", path.display()), e))
+}
+
+/// A rank's log: appended to `<run>/logs/rank-<r>.log` and emitted as `tracing` events
+/// (target `ddp_train`; the program's subscriber decides what is shown where).
+#[derive(Debug)]
+pub(super) struct RankLog {
+    file: std::sync::Mutex<std::fs::File>,
+}
+
+impl RankLog {
+    pub(super) fn open(out: &Path, rank: usize) -> Result<Self, TrainError> {
+        let path = out.join("logs").join(format!("rank-{rank}.log"));
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| TrainError::io(format!("cannot open {}", path.display()), e))?;
+        Ok(Self {
+            file: std::sync::Mutex::new(file),
+        })
+    }
+
+    pub(super) fn say(&self, line: &str) {
+        tracing::info!("{line}");
+        self.append(line);
+    }
+
+    #[cfg(feature = "plot")]
+    pub(super) fn warn(&self, line: &str) {
+        let line = format!("warning: {line}");
+        tracing::warn!("{line}");
+        self.append(&line);
+    }
+
+    fn append(&self, line: &str) {
+        if let Ok(mut f) = self.file.lock() {
+            let _ = writeln!(f, "{line}");
+        }
+    }
+}

@@ -1,0 +1,63 @@
+//! Rank 0's progress through an epoch: an indicatif bar on a terminal, log lines otherwise.
+
+use std::io::IsTerminal;
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::RankLog;
+
+/// Rank 0's progress: a bar when stdout is a terminal, a log line every tenth of the epoch
+/// otherwise.
+pub(super) struct Progress {
+    bar: Option<ProgressBar>,
+    plain: bool,
+    epoch: u64,
+    epochs: u64,
+    steps: usize,
+}
+
+impl Progress {
+    pub(super) fn new(show: bool, epoch: u64, epochs: u64, steps: usize) -> Self {
+        // indicatif draws on stderr.
+        let terminal = show && std::io::stderr().is_terminal();
+        let bar = terminal.then(|| {
+            let bar = ProgressBar::new(steps as u64);
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "epoch {prefix} [{bar:30}] {pos}/{len} steps  {msg}  eta {eta}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+            );
+            bar.set_prefix(format!("{epoch}/{epochs}"));
+            bar
+        });
+        Self {
+            bar,
+            plain: show && !terminal,
+            epoch,
+            epochs,
+            steps,
+        }
+    }
+
+    pub(super) fn step(&self, step: usize, loss: f64, rate: f64, log: &RankLog) {
+        if let Some(bar) = &self.bar {
+            bar.set_position(step as u64);
+            bar.set_message(format!("loss {loss:.4}  {rate:.1} img/s"));
+        } else if self.plain
+            && (step * 10 / self.steps.max(1) != (step - 1) * 10 / self.steps.max(1))
+        {
+            log.say(&format!(
+                "epoch {}/{} step {step}/{}  loss {loss:.4}  {rate:.1} img/s",
+                self.epoch, self.epochs, self.steps
+            ));
+        }
+    }
+
+    pub(super) fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}

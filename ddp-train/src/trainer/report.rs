@@ -1,0 +1,111 @@
+//! The public reports: an epoch's ([`EpochReport`], a line of `metrics.jsonl`) and an
+//! evaluation's ([`EvalReport`]); and a named number of an epoch's report for what watches
+//! it (the plateau scheduler, early stopping, best-model monitors).
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::error::TrainError;
+#[cfg(doc)]
+use crate::{settings::Settings, task::Stats, trainer::Trainer};
+
+/// One epoch's results: a line of `metrics.jsonl`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EpochReport {
+    /// Epoch number (from 1).
+    pub epoch: u64,
+    /// Mean training loss over every sample of every rank.
+    pub train_loss: f64,
+    /// Mean validation loss over the whole validation split (none without validation data).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+    /// The task's validation metrics ([`Stats::report`]).
+    #[serde(flatten)]
+    pub metrics: Map<String, Value>,
+    /// Learning rate used in this epoch (with a per-step schedule: at its last step).
+    pub lr: f64,
+    /// Mean over the epoch's steps of the gradients' global norm before clipping (with
+    /// [`Settings::clip_grad_norm`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f64>,
+    /// Steps the fp16 gradient scaler skipped (inf/NaN gradients) in this epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped_steps: Option<u64>,
+    /// Training samples per second, all ranks together.
+    pub images_per_sec: f64,
+    /// Wall time of the epoch (training and evaluation).
+    pub epoch_seconds: f64,
+    /// Optimizer steps taken in this epoch.
+    pub steps: usize,
+    /// Ranks that trained.
+    pub world_size: usize,
+}
+
+impl EpochReport {
+    /// A number of the report by name: `train_loss`, `val_loss`, `lr` or a task metric.
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        match name {
+            "train_loss" => Some(self.train_loss),
+            "val_loss" => self.val_loss,
+            "lr" => Some(self.lr),
+            "grad_norm" => self.grad_norm,
+            _ => self.metrics.get(name)?.as_f64(),
+        }
+    }
+}
+
+/// The result of [`Trainer::evaluate`]: the whole validation split's loss and metrics.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EvalReport {
+    /// Mean validation loss.
+    pub val_loss: f64,
+    /// The task's metrics ([`Stats::report`] and [`Stats::details`]).
+    #[serde(flatten)]
+    pub metrics: Map<String, Value>,
+    /// Ranks that evaluated.
+    pub world_size: usize,
+}
+
+/// The number `metric` of an epoch's report, or an error naming what watches it.
+pub(super) fn watched(
+    report: &EpochReport,
+    metric: &str,
+    watcher: &str,
+) -> Result<f64, TrainError> {
+    report.metric(metric).ok_or_else(|| {
+        let mut names: Vec<&str> = vec!["train_loss", "lr"];
+        if report.val_loss.is_some() {
+            names.push("val_loss");
+        }
+        names.extend(report.metrics.keys().map(String::as_str));
+        TrainError::Invalid(format!(
+            "{watcher} watches '{metric}', which is not a number of the epoch's report \
+             (it has: {})",
+            names.join(", ")
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_round_trip_and_name_their_numbers() {
+        let line = r#"{"epoch":2,"train_loss":0.5,"val_loss":0.6,"val_f1":0.7,"val_f1_per_class":[0.1,0.2],"lr":0.001,"images_per_sec":10.0,"epoch_seconds":1.5,"steps":4,"world_size":2}"#;
+        let r: EpochReport = serde_json::from_str(line).unwrap();
+        assert_eq!(r.metric("val_f1"), Some(0.7));
+        assert_eq!(r.metric("val_loss"), Some(0.6));
+        assert_eq!(r.metric("val_f1_per_class"), None);
+        assert_eq!(r.metrics.len(), 2);
+        let back: EpochReport = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back, r);
+        let err = watched(&r, "accuracy", "a monitor")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("'accuracy'") && err.contains("val_f1"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,298 @@
+//! A rank's start-up: [`Trainer::new`] checks the settings and the data, shards the data,
+//! builds the model, restores a checkpoint (by itself after a launcher's restart or a stopped
+//! run), joins the process group, agrees on the run directory and describes the run in its
+//! log and `config.json`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ddp_comm::{EnvConfig, ProcessGroup};
+use ddp_data::Dataset;
+use ddp_model::checkpoint;
+use ddp_sampler::{DistributedSampler, Partition};
+use tch::{nn, Device, Tensor};
+
+use super::outputs::{read_history, write_file, RankLog};
+use super::Trainer;
+use crate::amp::{GradScaler, Precision};
+use crate::ddp::{DdpOptions, DistributedDataParallel};
+use crate::error::{Context, TrainError};
+use crate::optim::Optimizer;
+use crate::scheduler::ReduceLrOnPlateau;
+use crate::settings::Settings;
+use crate::state::{self, EarlyStopState};
+use crate::stop::Budget;
+use crate::task::Task;
+
+impl<T: Task> Trainer<T> {
+    /// Prepares this process as one rank, from torchrun's environment (`RANK`,
+    /// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, ...; SLURM's; or none, for one process):
+    /// checks settings and data (before meeting the other ranks, so bad input fails on every
+    /// rank alike), builds the model, restores a checkpoint when asked, joins the process
+    /// group and wraps the model in DDP.
+    pub fn new(task: T, settings: Settings) -> Result<Self, TrainError> {
+        let env = EnvConfig::from_env().context(|| "reading the rank's environment".into())?;
+        Self::with_env(task, settings, &env)
+    }
+
+    /// As [`Trainer::new`], with the rank's place given instead of read.
+    pub fn with_env(task: T, mut settings: Settings, env: &EnvConfig) -> Result<Self, TrainError> {
+        let created = Instant::now();
+        settings.validate()?;
+        let continuing = resume_after_restart(&mut settings, env);
+        let device = settings.device.resolve(env.local_rank)?;
+        // As many intra-op threads as the machine has cores per rank.
+        let threads = settings
+            .threads
+            .unwrap_or_else(|| ddp_data::default_workers(env.local_world_size));
+        if device == Device::Cpu {
+            tch::set_num_threads(threads as i32);
+        }
+        let train_set = task.train_data();
+        let val_set = task.val_data();
+        let resume_from = match &settings.resume {
+            Some(r) => Some(state::resolve(r, settings.out.as_deref())?),
+            None => None,
+        };
+        let s = &settings;
+        let batches = s.batch_size * s.accumulate;
+        let train_sampler = DistributedSampler::builder(train_set.len(), env.world_size, env.rank)
+            .seed(s.seed)
+            .build()
+            .context(|| format!("sharding {} training samples", train_set.len()))?;
+        if train_sampler.len() < batches && !s.eval_only {
+            return Err(TrainError::Invalid(format!(
+                "each of the {} ranks gets {} training samples, fewer than one step of \
+                 --batch-size {} x --accumulate {}: lower them or use more data",
+                env.world_size,
+                train_sampler.len(),
+                s.batch_size,
+                s.accumulate
+            )));
+        }
+        let val_sampler = match &val_set {
+            Some(v) => Some(
+                DistributedSampler::builder(v.len(), env.world_size, env.rank)
+                    .shuffle(false)
+                    .partition(Partition::Exact)
+                    .build()
+                    .context(|| format!("sharding {} validation samples", v.len()))?,
+            ),
+            None => None,
+        };
+
+        // Model and checkpoint before meeting the other ranks: a bad checkpoint fails on
+        // every rank alike instead of leaving some waiting in a collective.
+        tch::manual_seed(s.seed as i64);
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let model = task.model(&vs.root());
+        let mut scheduler = s.plateau.as_ref().map(|p| ReduceLrOnPlateau::new(p.config));
+        let (mut start_epoch, mut bests) = (1, BTreeMap::new());
+        let mut start_position = None;
+        let mut scaler = (s.precision == Precision::Fp16).then(GradScaler::default);
+        let mut early = s.early_stopping.as_ref().map(|_| EarlyStopState::default());
+        let mut restored = None;
+        let mut resumed_note = None;
+        if let (Some(path), true) = (&resume_from, s.eval_only) {
+            checkpoint::load(&vs, path)?;
+            resumed_note = Some(format!("evaluating {}", path.display()));
+        } else if let Some(path) = &resume_from {
+            // Loaded on the CPU first, then moved with the model to the rank's device.
+            let mut cpu_optimizer = Optimizer::new(trainable(&vs), s.optimizer);
+            let st = state::load(path, &vs, &mut cpu_optimizer)?;
+            restored = Some((st, path.clone(), cpu_optimizer));
+        }
+        vs.set_device(device);
+        let mut optimizer = Optimizer::new(trainable(&vs), s.optimizer);
+        if let Some((st, path, cpu_optimizer)) = restored {
+            // load_state moves the CPU copies to the parameters' device.
+            let tensors = cpu_optimizer.state_tensors().into_iter().collect();
+            optimizer
+                .load_state(&tensors, st.optimizer_steps)
+                .map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))?;
+            optimizer.set_lr(st.lr);
+            if st.scheduler.is_some() {
+                scheduler = st.scheduler.clone();
+            }
+            bests = st.bests;
+            if let (Some(scaler), Some(saved)) = (scaler.as_mut(), st.grad_scaler) {
+                scaler.set_state(saved);
+            }
+            if let (Some(early), Some(saved)) = (early.as_mut(), st.early_stopping) {
+                *early = saved;
+            }
+            let at = match st.position {
+                Some(p) => {
+                    start_epoch = p.epoch;
+                    start_position = Some(p);
+                    format!("epoch {} at step {}", p.epoch, p.step)
+                }
+                None => {
+                    start_epoch = st.epoch + 1;
+                    format!("epoch {} done", st.epoch)
+                }
+            };
+            resumed_note = Some(format!(
+                "resumed from {} ({at}){continuing}",
+                path.display()
+            ));
+        }
+        let opts = ddp_comm::Options::from_config(env)
+            .op_timeout(Duration::from_secs(s.collective_timeout_secs));
+        let pg = Arc::new(ProcessGroup::new(opts).context(|| "joining the process group".into())?);
+        let rank = pg.rank();
+
+        // Every rank agrees on the run directory: rank 0's choice.
+        let proposed = s.out.clone().unwrap_or_else(default_run_dir);
+        let gathered = pg.all_gather_bytes(proposed.to_string_lossy().as_bytes())?;
+        let out = PathBuf::from(String::from_utf8_lossy(&gathered[0]).into_owned());
+        std::fs::create_dir_all(out.join("logs")).map_err(|e| {
+            TrainError::io(format!("cannot create run directory {}", out.display()), e)
+        })?;
+        let log = RankLog::open(&out, rank)?;
+        if let Some(note) = resumed_note {
+            log.say(&note);
+        }
+        let ddp_options = DdpOptions {
+            find_unused_parameters: s.find_unused_parameters,
+            comm_hook: s.comm_hook,
+            overlap: s.overlap,
+            ..DdpOptions::default()
+        };
+        let ddp = DistributedDataParallel::new(&vs, pg.clone(), ddp_options)?;
+        let history = if rank == 0 {
+            read_history(&out, start_epoch)?
+        } else {
+            Vec::new()
+        };
+        let s_time_limit = settings.time_limit_secs.map(Duration::from_secs);
+        // The model and the optimizer's state (at most two tensors per parameter).
+        let checkpoint_bytes = vs
+            .variables()
+            .values()
+            .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64 * 3)
+            .sum();
+        let val_batches = val_sampler
+            .as_ref()
+            .map_or(0, |v| v.len().div_ceil(settings.batch_size));
+        let trainer = Self {
+            task,
+            settings,
+            pg,
+            device,
+            threads,
+            out,
+            vs,
+            model,
+            ddp,
+            optimizer,
+            restarted: env.restart_count > 0,
+            scaler,
+            early,
+            scheduler,
+            start_epoch,
+            start_position,
+            budget: Budget::new(created, s_time_limit, val_batches, checkpoint_bytes),
+            last_checkpoint: Instant::now(),
+            bests,
+            history,
+            log,
+            train_set,
+            val_set,
+            train_sampler,
+            val_sampler,
+        };
+        trainer.describe()?;
+        Ok(trainer)
+    }
+
+    fn describe(&self) -> Result<(), TrainError> {
+        let s = &self.settings;
+        self.log.say(&format!(
+            "rank {} of {} on {:?} ({} intra-op threads, backend {:?})",
+            self.pg.rank(),
+            self.pg.world_size(),
+            self.device,
+            self.threads,
+            self.pg.backend()
+        ));
+        if self.pg.rank() != 0 {
+            return Ok(());
+        }
+        let val_len = self.val_set.as_ref().map_or(0, |v| v.len());
+        self.log.say(&format!(
+            "data: {} training samples ({} per rank per epoch), {} validation samples; \
+             batch {} per rank x {} ranks; run directory {}",
+            self.train_set.len(),
+            self.train_sampler.len(),
+            val_len,
+            s.batch_size,
+            self.pg.world_size(),
+            self.out.display()
+        ));
+        let json = serde_json::json!({
+            "settings": s,
+            "task": self.task.describe(),
+            "world_size": self.pg.world_size(),
+            "backend": format!("{:?}", self.pg.backend()),
+            "device": format!("{:?}", self.device),
+            "intra_op_threads": self.threads,
+            "train_samples": self.train_set.len(),
+            "val_samples": val_len,
+            "run_dir": self.out,
+        });
+        let text = serde_json::to_string_pretty(&json).context(|| "encoding config.json".into())?;
+        write_file(&self.out.join("config.json"), text.as_bytes())
+    }
+}
+
+/// A launcher's restart (`ddp-run --max-restarts`, torchrun's) runs the same command again
+/// with `TORCHELASTIC_RESTART_COUNT` raised, and expects the program to continue by itself:
+/// with `out` set and a checkpoint in it, a restarted rank resumes from the latest one. So
+/// does any new start of a run that was stopped (by a signal or its time limit: a requeued
+/// job). An explicit `resume` wins; before the first checkpoint the run starts over. Returns
+/// a note for the log ("" when the run does not continue by itself).
+fn resume_after_restart(settings: &mut Settings, env: &EnvConfig) -> &'static str {
+    if !settings.resume_after_restart || settings.resume.is_some() {
+        return "";
+    }
+    let Some(out) = &settings.out else {
+        return "";
+    };
+    let note = if state::was_stopped(out) {
+        ", continuing the stopped run"
+    } else if env.restart_count > 0 && state::checkpoint_dir(out).join("latest").is_file() {
+        ", after the launcher's restart"
+    } else {
+        return "";
+    };
+    settings.resume = Some("latest".to_string());
+    note
+}
+
+/// The trainable tensors in the order every rank agrees on.
+fn trainable(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut v: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .filter(|(_, t)| t.requires_grad())
+        .collect();
+    v.sort_by(|a, b| checkpoint::natural_cmp(&a.0, &b.0));
+    v
+}
+
+/// The default run directory: `runs/<UTC date-time>`.
+fn default_run_dir() -> PathBuf {
+    let now = time::OffsetDateTime::now_utc();
+    PathBuf::from("runs").join(format!(
+        "{:04}{:02}{:02}-{:02}{:02}{:02}",
+        now.year(),
+        u8::from(now.month()),
+        now.day(),
+        now.hour(),
+        now.minute(),
+        now.second()
+    ))
+}
