@@ -157,7 +157,7 @@ fn main() -> ExitCode {
     });
     let cli = Cli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit());
     // 75 after a requested stop (SIGTERM, SIGUSR1, --time-limit): "to be continued".
-    ddp_train::cli::run(|| {
+    ddp_train::cli::run(&cli.train, || {
         let settings = cli.train.settings();
         let settings = settings.monitor(Monitor::min("val_loss", "best.safetensors"));
         let mut trainer = Trainer::new(Regression, settings)?;

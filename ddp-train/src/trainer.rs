@@ -981,7 +981,7 @@ fn mix(seed: u64, epoch: u64, step: u64, rank: u64) -> i64 {
 }
 
 /// The default run directory: `runs/<UTC date-time>`.
-fn default_run_dir() -> PathBuf {
+pub(crate) fn default_run_dir() -> PathBuf {
     let now = time::OffsetDateTime::now_utc();
     PathBuf::from("runs").join(format!(
         "{:04}{:02}{:02}-{:02}{:02}{:02}",
