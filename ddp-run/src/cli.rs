@@ -1,8 +1,14 @@
-//! torchrun's flags as clap argument groups, for the `ddp-run` binary and for launchers built
-//! on this crate (`#[command(flatten)]`), so that every launcher spells them alike.
+//! What the `ddp-run` binary is made of, for launchers built on this crate, so that every
+//! launcher spells its flags and tells its user alike: torchrun's flags as clap argument
+//! groups ([`NodeArgs`], for `#[command(flatten)]`), and [`launch_and_report`], a job run
+//! with the binary's messages and exit status.
 //!
 //! Each flag takes torchrun's spellings (`--node-rank` and `--node_rank`) and, as torchrun,
 //! its `PET_*` environment variable (`PET_NODE_RANK`) when the flag is absent.
+
+mod report;
+
+pub use report::launch_and_report;
 
 use crate::LaunchConfig;
 

@@ -77,6 +77,18 @@ impl NprocPerNode {
     }
 }
 
+impl std::fmt::Display for NprocPerNode {
+    /// As the flag takes it: the number, or `gpu`, `cpu`, `auto`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Count(n) => write!(f, "{n}"),
+            Self::Gpu => f.write_str("gpu"),
+            Self::Cpu => f.write_str("cpu"),
+            Self::Auto => f.write_str("auto"),
+        }
+    }
+}
+
 impl FromStr for NprocPerNode {
     type Err = String;
 
@@ -116,5 +128,8 @@ mod tests {
             Err("'four' is not a number of ranks, nor one of `gpu`, `cpu`, `auto`".to_string())
         );
         assert_eq!(NprocPerNode::Cpu.resolve().unwrap(), available_cores());
+        for word in ["4", "gpu", "cpu", "auto"] {
+            assert_eq!(word.parse::<NprocPerNode>().unwrap().to_string(), word);
+        }
     }
 }

@@ -19,7 +19,9 @@
 //!
 //! The library prints nothing of its own (only the ranks' output, when
 //! [`LaunchConfig::echo`] is set) and needs neither tch nor clap; the `cli` feature (on by
-//! default) adds the `ddp-run` binary and [`cli`]'s reusable flag groups.
+//! default) adds the `ddp-run` binary and [`cli`]: its reusable flag groups, and
+//! [`cli::launch_and_report`], a job run with the binary's messages and exit status for
+//! programs that start ranks themselves.
 //!
 //! ```
 //! use ddp_run::{launch, Event, LaunchConfig, Outcome};

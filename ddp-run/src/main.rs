@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use clap::Parser;
-use ddp_run::cli::NodeArgs;
-use ddp_run::{launch, Event, LaunchConfig, NprocPerNode, Outcome};
+use ddp_run::cli::{launch_and_report, NodeArgs};
+use ddp_run::{LaunchConfig, NprocPerNode};
 
 /// Start N ranks of PROGRAM on this node with torchrun's environment (RANK, WORLD_SIZE,
 /// LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...) and supervise them: the first rank to fail ends
@@ -111,7 +111,7 @@ fn parse_interval(value: &str) -> Result<f64, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
-        Ok(code) => ExitCode::from(code),
+        Ok(code) => code,
         Err(err) => {
             // A user's mistake or the environment's, never a bug: the message chain alone.
             eprintln!("error: {err:#}");
@@ -120,7 +120,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> Result<u8> {
+fn run(cli: Cli) -> Result<ExitCode> {
     if cli.standalone && cli.node.nnodes != 1 {
         bail!(
             "--standalone runs a single node; it cannot be combined with --nnodes {}",
@@ -140,81 +140,5 @@ fn run(cli: Cli) -> Result<u8> {
     config.log_dir = cli.log_dir;
     config.shutdown_timeout = Duration::from_secs(cli.shutdown_timeout);
     config.monitor_interval = Duration::from_secs_f64(cli.monitor_interval);
-    config.validate()?;
-    if config.omp_num_threads.is_none()
-        && std::env::var_os(ddp_run::env::OMP_NUM_THREADS).is_none()
-        && nproc > 1
-    {
-        eprintln!(
-            "ddp-run: OMP_NUM_THREADS=1 for each rank, so that {nproc} ranks do not overload \
-             the cores; set OMP_NUM_THREADS to choose another number"
-        );
-    }
-    let outcome = launch(&config, report)?;
-    match &outcome {
-        Outcome::Succeeded { restarts } => {
-            let after = match restarts {
-                0 => String::new(),
-                n => format!(" after {n} restart(s)"),
-            };
-            eprintln!("ddp-run: all {nproc} rank(s) finished{after}");
-        }
-        Outcome::Failed { restarts, .. } if *restarts > 0 => {
-            eprintln!("ddp-run: giving up after {restarts} restart(s)");
-        }
-        Outcome::Failed { .. } => {}
-        Outcome::Interrupted { signal } => {
-            eprintln!("ddp-run: interrupted by signal {signal}; all ranks stopped");
-        }
-        Outcome::Stopped { signal, .. } => {
-            let by = signal.map_or(String::new(), |s| format!(" after signal {s}"));
-            eprintln!(
-                "ddp-run: every rank stopped at a checkpoint{by} (exit code {}); starting \
-                 the job again continues it",
-                ddp_run::EXIT_STOPPED
-            );
-        }
-    }
-    Ok(u8::try_from(outcome.exit_code()).unwrap_or(1))
-}
-
-/// Shows the launcher's events on stderr, apart from the ranks' own output.
-fn report(event: &Event<'_>) {
-    match event {
-        Event::Starting {
-            attempt,
-            ranks,
-            world_size,
-            master_addr,
-            master_port,
-            omp_num_threads,
-        } => {
-            let threads = omp_num_threads
-                .map(|n| format!(", OMP_NUM_THREADS={n}"))
-                .unwrap_or_default();
-            let again = if *attempt > 0 { "re" } else { "" };
-            let which = match ranks.len() {
-                1 => format!("rank {}", ranks.start),
-                _ => format!("ranks {}-{}", ranks.start, ranks.end - 1),
-            };
-            eprintln!(
-                "ddp-run: {again}starting {which} of {world_size}, rendezvous at \
-                 {master_addr}:{master_port}{threads}"
-            );
-        }
-        Event::RankFailed(failure) => {
-            eprintln!("ddp-run: {failure}");
-            match &failure.log {
-                Some(log) => eprintln!("ddp-run: last lines of {}:", log.display()),
-                None => eprintln!("ddp-run: last lines of rank {}:", failure.rank),
-            }
-            for line in &failure.tail {
-                eprintln!("    {line}");
-            }
-        }
-        Event::Restarting {
-            restart,
-            max_restarts,
-        } => eprintln!("ddp-run: restart {restart}/{max_restarts} of the whole group"),
-    }
+    Ok(launch_and_report(&config, "ddp-run")?)
 }

@@ -83,7 +83,7 @@ fn main() -> ExitCode {
     ddp_train::logging::init();
     let cli = Cli::parse();
     // Errors without backtraces; 75 after a requested stop (SIGTERM, --time-limit).
-    ddp_train::cli::run(|| {
+    ddp_train::cli::run(&cli.train, || {
         let task = Regression {
             train: points(256, 1)?,
             val: points(60, 2)?,

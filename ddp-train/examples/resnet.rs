@@ -118,7 +118,7 @@ fn main() -> ExitCode {
         c.mut_arg(arg, |a| a.default_value(value))
     });
     let cli = Cli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit());
-    ddp_train::cli::run(|| {
+    ddp_train::cli::run(&cli.train, || {
         let task = Images {
             train: images(cli.images, 1)?,
             val: images(cli.images / 4, 2)?,

@@ -134,7 +134,7 @@ struct Cli {
 fn main() -> ExitCode {
     ddp_train::logging::init();
     let cli = Cli::parse();
-    ddp_train::cli::run(|| {
+    ddp_train::cli::run(&cli.train, || {
         let task = TextTask {
             train: corpus(cli.texts, 1)?,
             val: corpus(cli.texts / 4, 2)?,

@@ -1,6 +1,7 @@
 //! The generic Trainer's command line (feature `cli`): [`TrainArgs`], every setting of
 //! [`Settings`] as a flag, for a program to flatten into its own parser, and [`run`], which
-//! turns a training's result into the process's exit code.
+//! runs the program as one rank, or starts all its ranks when given `--nproc-per-node`, and
+//! turns the result into the process's exit code.
 //!
 //! ```
 //! use clap::Parser;
@@ -21,7 +22,34 @@
 //! assert_eq!((cli.hidden, settings.epochs), (32, 3));
 //! assert_eq!(settings.precision, ddp_train::Precision::Bf16);
 //! assert!(settings.validate().is_ok());
+//!
+//! // Without --nproc-per-node the body runs here, as one rank (`Trainer::new(..)?.run()` in a
+//! // real program); with it, `run` starts the ranks that each run the body.
+//! let mut trained = false;
+//! let _exit = ddp_train::cli::run(&cli.train, || {
+//!     trained = true;
+//!     Ok(())
+//! });
+//! assert!(trained);
 //! ```
+//!
+//! # One command, all devices
+//!
+//! PyTorch's ways to use every device of a machine from one command are `DataParallel` (one
+//! process, a replica per GPU, slower than DDP) and `torch.multiprocessing.spawn` (the script
+//! starts one DDP process per device). A program that flattens [`TrainArgs`] and calls
+//! [`run`] does the second: `my-trainer --nproc-per-node gpu ...` (or a number, or `cpu`, or
+//! `auto`, as `ddp-run` takes them) runs its own executable again once per rank, with the same
+//! arguments minus `--nproc-per-node`, through [`ddp_run::launch`]. That is
+//! `ddp-run --nproc-per-node N my-trainer ...` in one command, with the same supervision and
+//! messages: the first rank to fail ends the job, signals are forwarded to every rank, the
+//! exit status is `ddp-run`'s (0, 1 after a failed rank, 75 when every rank stopped at a
+//! checkpoint, 128+N after signal N), the ranks meet on a free loopback port, and each rank's
+//! output goes to the terminal and to `<run directory>/logs/rank-<r>.out`, next to the
+//! Trainer's `rank-<r>.log` (without `--out`, the launching process chooses the run directory
+//! and passes it to the ranks as `--out`). Several nodes, `--max-restarts` and the other
+//! launcher settings are `ddp-run`'s (or torchrun's) to give; a process that already is a
+//! launcher's rank refuses `--nproc-per-node` instead of starting ranks of its own.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -36,6 +64,10 @@ use crate::lr_schedule::LrSchedule;
 use crate::optim::{AdamConfig, OptimizerConfig, SgdConfig};
 use crate::scheduler::PlateauConfig;
 use crate::settings::{DeviceChoice, EarlyStopping, Goal, Plateau, Settings};
+
+mod launch;
+
+pub use ddp_run::NprocPerNode;
 
 /// Every generic training setting as a flag (`#[command(flatten)]` it into your parser).
 /// [`TrainArgs::settings`] turns them into [`Settings`]; the settings that name one of the
@@ -228,6 +260,20 @@ pub struct TrainArgs {
     #[arg(long, alias = "local_rank", value_name = "N")]
     #[serde(skip)]
     pub local_rank: Option<usize>,
+
+    /// Start N ranks of this program on this machine, as `ddp-run --nproc-per-node N` would
+    /// (what PyTorch does with DataParallel or mp.spawn): a number, `gpu` (one per visible
+    /// GPU), `cpu` (one per core) or `auto`. Each rank runs the same command without this
+    /// flag; its output also goes to `<run>/logs/rank-<r>.out`. For several nodes or
+    /// restarts, use ddp-run.
+    #[arg(
+        long = "nproc-per-node",
+        visible_alias = "nproc_per_node",
+        value_name = "N",
+        conflicts_with = "local_rank"
+    )]
+    #[serde(skip)]
+    pub nproc_per_node: Option<NprocPerNode>,
 }
 
 /// `--optimizer`.
@@ -395,13 +441,25 @@ pub fn parse_duration_secs(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("'{text}' must be more than 0 and not absurdly large"))
 }
 
-/// Runs a training program's body and turns its result into the exit code: success, 75
-/// ([`crate::EXIT_STOPPED`]) after a requested stop (SIGTERM, SIGUSR1, `--time-limit`)
-/// and its checkpoint, which launchers and schedulers requeue, and otherwise `error: ` and
-/// the error's chain on stderr, without a backtrace, and exit code 1.
-pub fn run(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
-    match body() {
-        Ok(()) => ExitCode::SUCCESS,
+/// Runs a training program: its `body` as one rank, or, when `args` has `--nproc-per-node`,
+/// all its ranks on this machine (see [One command, all devices](self#one-command-all-devices):
+/// the answer to PyTorch's `DataParallel` and `mp.spawn`), and turns the result into the exit
+/// code.
+///
+/// As one rank (the rank's place read from torchrun's or SLURM's environment by the
+/// Trainer, or a single process without them): success, 75 ([`crate::EXIT_STOPPED`]) after a
+/// requested stop (SIGTERM, SIGUSR1, `--time-limit`) and its checkpoint, which launchers and
+/// schedulers requeue, and otherwise `error: ` and the error's chain on stderr, without a
+/// backtrace, and exit code 1. When starting the ranks: `ddp-run`'s exit status for the job,
+/// or `error: ...` and 1 when they cannot be started (among others in a process that is
+/// already a launcher's rank).
+pub fn run(args: &TrainArgs, body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
+    let result = match args.nproc_per_node {
+        Some(nproc) => launch::start_ranks(args, nproc),
+        None => body().map(|()| ExitCode::SUCCESS),
+    };
+    match result {
+        Ok(code) => code,
         Err(err)
             if err
                 .downcast_ref::<TrainError>()
@@ -484,5 +542,27 @@ mod tests {
         assert!(plain.train.plateau_on("m", Goal::Max, true).is_some());
         assert!(plain.train.plateau_on("m", Goal::Max, false).is_none());
         assert_eq!(plain.train.local_rank, Some(1));
+    }
+
+    #[test]
+    fn nproc_per_node_is_the_launchers_and_changes_no_setting() {
+        let with = Cli::parse_from(["x", "--epochs", "2", "--nproc-per-node", "2"]);
+        let without = Cli::parse_from(["x", "--epochs", "2"]);
+        assert_eq!(with.train.nproc_per_node, Some(NprocPerNode::Count(2)));
+        assert_eq!(without.train.nproc_per_node, None);
+        assert_eq!(with.train.settings(), without.train.settings());
+        // Nor is it recorded with the flags (config.json).
+        assert_eq!(
+            serde_json::to_value(&with.train).unwrap(),
+            serde_json::to_value(&without.train).unwrap()
+        );
+        let gpu = Cli::parse_from(["x", "--nproc_per_node=gpu"]);
+        assert_eq!(gpu.train.nproc_per_node, Some(NprocPerNode::Gpu));
+        // The ranks get their local rank from the launcher, not from a flag.
+        let both = Cli::try_parse_from(["x", "--nproc-per-node", "2", "--local-rank", "0"]);
+        assert_eq!(
+            both.err().map(|e| e.kind()),
+            Some(clap::error::ErrorKind::ArgumentConflict)
+        );
     }
 }

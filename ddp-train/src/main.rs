@@ -2,8 +2,10 @@
 //! application of the generic Trainer.
 //!
 //! Start N of these with torchrun's environment (`ddp-run` and `cargo xtask train` do it, and
-//! so do `torchrun --no-python` and `srun`); see `ddp-train --help`. A launcher's restart
-//! resumes from the run's latest checkpoint by itself (the Trainer's `resume_after_restart`).
+//! so do `torchrun --no-python` and `srun`), or let it start its own with
+//! `--nproc-per-node N|gpu|cpu` (`ddp_train::cli::run`); see `ddp-train --help`. A launcher's
+//! restart resumes from the run's latest checkpoint by itself (the Trainer's
+//! `resume_after_restart`).
 
 use std::process::ExitCode;
 
@@ -16,12 +18,12 @@ fn main() -> ExitCode {
     ddp_train::malloc::keep_freed_memory();
     ddp_train::logging::init();
     let config = TrainConfig::parse();
-    ddp_train::cli::run(|| run(config))
+    ddp_train::cli::run(&config.train, || run(&config))
 }
 
-fn run(config: TrainConfig) -> Result<()> {
+fn run(config: &TrainConfig) -> Result<()> {
     config.validate()?;
-    let task = OdirTask::new(&config)?;
+    let task = OdirTask::new(config)?;
     let mut trainer = Trainer::new(task, config.settings())?;
     let rank0 = trainer.process_group().rank() == 0;
     if config.train.eval_only {

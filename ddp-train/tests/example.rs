@@ -1,6 +1,6 @@
 //! The examples (user-defined models and data sets on the generic Trainer) train on 2 ranks
 //! started by ddp-run's launcher and end with the weights of one process trained on the
-//! combined batches.
+//! combined batches; started with `--nproc-per-node 2`, the mlp starts those 2 ranks itself.
 
 use std::path::{Path, PathBuf};
 
@@ -79,6 +79,51 @@ fn two_ranks_of_the_example_equal_one_process_with_twice_the_batch() {
     }
     assert!(l2[2] < l2[0], "the validation loss did not fall: {l2:?}");
     assert!(two.join("best.safetensors").is_file());
+}
+
+/// The final weights of the example's run in `run`.
+fn final_weights(run: &Path) -> std::collections::BTreeMap<String, tch::Tensor> {
+    checkpoint::read_tensors(run.join("checkpoints/epoch-0003.safetensors"))
+        .unwrap()
+        .tensors
+}
+
+#[test]
+fn the_example_given_nproc_per_node_starts_its_ranks_as_ddp_run_would() {
+    let tmp = ddp_testkit::temp_dir("ddp-train-example-self-launch");
+    let (itself, launched) = (tmp.path().join("itself"), tmp.path().join("launched"));
+    let args = [&SGD[..], &["--lr", "0.05"]].concat();
+    let mut cmd = std::process::Command::new(example("mlp"));
+    cmd.args(["--batch-size", "8", "--nproc-per-node", "2"])
+        .args(&args)
+        .arg("--out")
+        .arg(&itself)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for name in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"] {
+        cmd.env_remove(name);
+    }
+    let out = ddp_testkit::wait_bounded(cmd.spawn().unwrap(), std::time::Duration::from_secs(180));
+    let t = ddp_testkit::text(&out);
+    assert_eq!(out.status.code(), Some(0), "{t}");
+    train("mlp", 2, 8, &launched, &args);
+
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(itself.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["world_size"], 2, "{config}");
+    for rank in 0..2 {
+        let output = std::fs::read_to_string(itself.join(format!("logs/rank-{rank}.out")))
+            .unwrap_or_else(|e| panic!("rank {rank}'s output: {e}\n{t}"));
+        assert!(output.contains(&format!("rank {rank} of 2")), "{output}");
+    }
+    assert!(t.contains("mlp: all 2 rank(s) finished"), "{t}");
+    // The same two ranks as under ddp-run's launcher: the same weights, bit for bit.
+    let (a, b) = (final_weights(&itself), final_weights(&launched));
+    assert_eq!(a.len(), 4);
+    for (name, t) in &a {
+        assert!(t.equal(&b[name]), "{name} differs");
+    }
 }
 
 #[test]

@@ -49,6 +49,7 @@ mod startup;
 
 use outputs::RankLog;
 pub use report::{EpochReport, EvalReport};
+pub(crate) use startup::default_run_dir;
 
 /// A rank's whole training run of a [`Task`].
 pub struct Trainer<T: Task> {

@@ -284,7 +284,7 @@ fn trainable(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
 }
 
 /// The default run directory: `runs/<UTC date-time>`.
-fn default_run_dir() -> PathBuf {
+pub(crate) fn default_run_dir() -> PathBuf {
     let now = time::OffsetDateTime::now_utc();
     PathBuf::from("runs").join(format!(
         "{:04}{:02}{:02}-{:02}{:02}{:02}",

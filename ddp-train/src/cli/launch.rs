@@ -1,0 +1,183 @@
+//! `--nproc-per-node`: a training program that starts its own ranks by running its own
+//! executable again, through `ddp-run`'s library, with `ddp-run`'s supervision and messages.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use ddp_comm::env::EnvSource;
+use ddp_run::{LaunchConfig, NprocPerNode};
+
+use super::TrainArgs;
+use crate::error::TrainError;
+
+/// The flag's spellings, as `ddp-run` (and torchrun) take them.
+const SPELLINGS: [&str; 2] = ["--nproc-per-node", "--nproc_per_node"];
+
+/// Starts `nproc` ranks of this program with this process's arguments minus
+/// `--nproc-per-node`, in the run directory `args` names (or a new one, passed to the ranks as
+/// `--out`), and supervises them until the job ends; returns the job's exit status.
+pub(super) fn start_ranks(args: &TrainArgs, nproc: NprocPerNode) -> anyhow::Result<ExitCode> {
+    refuse_inside_a_launcher(nproc)?;
+    let ranks = nproc.resolve()?;
+    let exe = std::env::current_exe()
+        .context("cannot find this program's executable to start its ranks from")?;
+    let run_dir = args
+        .out
+        .clone()
+        .unwrap_or_else(crate::trainer::default_run_dir);
+    let chosen = args.out.is_none().then_some(run_dir.as_path());
+    let given: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let config = LaunchConfig {
+        log_dir: Some(run_dir.join("logs")),
+        ..LaunchConfig::new(&exe, ranks).args(rank_args(&given, chosen))
+    };
+    let name = exe
+        .file_name()
+        .map_or_else(|| "launcher".into(), |n| n.to_string_lossy());
+    Ok(ddp_run::cli::launch_and_report(&config, &name)?)
+}
+
+/// Fails when this process already is one of a launcher's ranks (torchrun's `RANK` and
+/// `WORLD_SIZE`, as `ddp-run` sets them, or a SLURM job step of several tasks): starting
+/// ranks from each of them would run N times as many processes as asked for.
+fn refuse_inside_a_launcher(nproc: NprocPerNode) -> Result<(), TrainError> {
+    let conflict = |what: String| {
+        Err(TrainError::Invalid(format!(
+            "--nproc-per-node {nproc} starts this program's ranks, but {what}: drop \
+             --nproc-per-node when a launcher (ddp-run, torchrun, srun) starts the ranks, or \
+             run the program without the launcher"
+        )))
+    };
+    match ddp_comm::EnvConfig::from_env() {
+        Ok(env) => match env.source {
+            EnvSource::Single => Ok(()),
+            EnvSource::Slurm if env.world_size == 1 => Ok(()),
+            EnvSource::Torchrun => conflict(format!(
+                "this process already is rank {} of {} started by a launcher (RANK and \
+                 WORLD_SIZE are set)",
+                env.rank, env.world_size
+            )),
+            EnvSource::Slurm => conflict(format!(
+                "this process already is rank {} of {} started by SLURM (SLURM_PROCID and \
+                 SLURM_NTASKS are set)",
+                env.rank, env.world_size
+            )),
+        },
+        Err(err) => Err(TrainError::Invalid(format!(
+            "--nproc-per-node {nproc}: cannot tell whether a launcher started this process: \
+             {err}"
+        ))),
+    }
+}
+
+/// The arguments each rank gets: `given` without `--nproc-per-node N` (`--nproc-per-node=N`,
+/// either spelling), with `--out DIR` in the flag's place when `out` is given (the place is
+/// one where the program's parser takes `TrainArgs`' flags). What follows `--` is the
+/// program's own and is left alone.
+fn rank_args(given: &[OsString], out: Option<&Path>) -> Vec<OsString> {
+    let mut out: Option<PathBuf> = out.map(Path::to_path_buf);
+    let mut kept = Vec::with_capacity(given.len() + 2);
+    let mut rest = given.iter();
+    while let Some(arg) = rest.next() {
+        if arg == "--" {
+            kept.push(arg.clone());
+            kept.extend(rest.by_ref().cloned());
+            break;
+        }
+        let bytes = arg.as_encoded_bytes();
+        let spelled = |s: &str| bytes == s.as_bytes();
+        let joined = |s: &str| bytes.starts_with(s.as_bytes()) && bytes.get(s.len()) == Some(&b'=');
+        if SPELLINGS.iter().any(|s| spelled(s)) {
+            rest.next(); // its value
+        } else if !SPELLINGS.iter().any(|s| joined(s)) {
+            kept.push(arg.clone());
+            continue;
+        }
+        if let Some(dir) = out.take() {
+            kept.extend(["--out".into(), dir.into_os_string()]);
+        }
+    }
+    kept
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strip(args: &[&str], out: Option<&str>) -> Vec<String> {
+        let given: Vec<OsString> = args.iter().map(OsString::from).collect();
+        rank_args(&given, out.map(Path::new))
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn the_flag_and_its_value_are_taken_out_in_both_forms_and_nothing_else() {
+        let ranks = ["--epochs", "2", "--batch-size", "8"];
+        for args in [
+            &[
+                "--nproc-per-node",
+                "2",
+                "--epochs",
+                "2",
+                "--batch-size",
+                "8",
+            ][..],
+            &["--epochs", "2", "--nproc-per-node=2", "--batch-size", "8"],
+            &[
+                "--epochs",
+                "2",
+                "--batch-size",
+                "8",
+                "--nproc_per_node",
+                "gpu",
+            ],
+            &["--nproc_per_node=cpu", "--epochs", "2", "--batch-size", "8"],
+        ] {
+            assert_eq!(strip(args, None), ranks, "{args:?}");
+        }
+        // With `=`, the next word is another flag's value and stays.
+        assert_eq!(
+            strip(&["--nproc-per-node=2", "2", "--seed", "2"], None),
+            ["2", "--seed", "2"]
+        );
+        // Other flags that only begin alike, values that mention it, and whatever follows
+        // `--` are the program's.
+        let untouched = [
+            "--nproc-per-node-extra",
+            "3",
+            "--note=--nproc-per-node",
+            "--nproc-per-nodes=4",
+            "--",
+            "--nproc-per-node",
+            "5",
+        ];
+        assert_eq!(strip(&untouched, None), untouched);
+        assert_eq!(strip(&[], None), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_chosen_run_directory_takes_the_flags_place() {
+        assert_eq!(
+            strip(
+                &["--epochs", "2", "--nproc-per-node", "2", "--lr", "0.1"],
+                Some("runs/20260101-000000")
+            ),
+            [
+                "--epochs",
+                "2",
+                "--out",
+                "runs/20260101-000000",
+                "--lr",
+                "0.1"
+            ]
+        );
+        assert_eq!(
+            strip(&["--nproc_per_node=auto", "--", "x"], Some("r")),
+            ["--out", "r", "--", "x"]
+        );
+    }
+}
