@@ -69,7 +69,7 @@ pub use error::TrainError;
 pub use metrics::{MultiClassStats, MultiLabelStats, RegressionStats};
 pub use settings::{DeviceChoice, EarlyStopping, Goal, Monitor, Plateau, Settings};
 pub use stop::{StopReason, EXIT_STOPPED};
-pub use task::{NoStats, Stats, Task};
+pub use task::{Metrics, NoStats, Stats, Task};
 pub use trainer::{EpochReport, EvalReport, Trainer};
 
 /// The README's Rust blocks ("Use the crates in your project"), compiled as doctests.

@@ -9,10 +9,9 @@
 //! Counts add across ranks, so an all-reduced sum of [`Confusion::to_vec`] gives exactly what
 //! one process would compute on the whole split.
 
-use serde_json::{Map, Value};
 use tch::{Kind, Tensor};
 
-use crate::task::Stats;
+use crate::task::{Metrics, Stats};
 
 /// True positives, false positives and false negatives per class.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,10 +95,10 @@ impl Confusion {
 
 impl Confusion {
     /// Adds `val_macro_f1`, `val_micro_f1` and `val_f1_per_class` to `m`.
-    fn report_into(&self, m: &mut Map<String, Value>) {
-        m.insert("val_macro_f1".into(), self.macro_f1().into());
-        m.insert("val_micro_f1".into(), self.micro_f1().into());
-        m.insert("val_f1_per_class".into(), self.f1_per_class().into());
+    fn report_into(&self, m: Metrics) -> Metrics {
+        m.number("val_macro_f1", self.macro_f1())
+            .number("val_micro_f1", self.micro_f1())
+            .list("val_f1_per_class", self.f1_per_class())
     }
 
     /// The counts from the all-reduced sums of [`Confusion::sums`].
@@ -146,20 +145,17 @@ impl Stats for MultiLabelStats {
         self.confusion.set_from_sums(sums);
     }
 
-    fn report(&self) -> Map<String, Value> {
-        let mut m = Map::new();
-        self.confusion.report_into(&mut m);
-        m
+    fn report(&self) -> Metrics {
+        self.confusion.report_into(Metrics::new())
     }
 
     /// The per-class counts `tp`, `fp` and `fn_`.
-    fn details(&self) -> Map<String, Value> {
+    fn details(&self) -> Metrics {
         let c = &self.confusion;
-        let mut m = Map::new();
-        m.insert("tp".into(), c.tp.clone().into());
-        m.insert("fp".into(), c.fp.clone().into());
-        m.insert("fn_".into(), c.fn_.clone().into());
-        m
+        Metrics::new()
+            .counts("tp", c.tp.iter().copied())
+            .counts("fp", c.fp.iter().copied())
+            .counts("fn_", c.fn_.iter().copied())
     }
 
     fn summary(&self) -> String {
@@ -233,11 +229,9 @@ impl Stats for MultiClassStats {
         self.total = tail.get(1).map_or(0, |v| v.round() as i64);
     }
 
-    fn report(&self) -> Map<String, Value> {
-        let mut m = Map::new();
-        m.insert("val_accuracy".into(), self.accuracy().into());
-        self.confusion.report_into(&mut m);
-        m
+    fn report(&self) -> Metrics {
+        let m = Metrics::new().number("val_accuracy", self.accuracy());
+        self.confusion.report_into(m)
     }
 }
 
@@ -274,12 +268,11 @@ impl Stats for RegressionStats {
         }
     }
 
-    fn report(&self) -> Map<String, Value> {
+    fn report(&self) -> Metrics {
         let n = self.count.max(1.0);
-        let mut m = Map::new();
-        m.insert("val_mse".into(), (self.squared / n).into());
-        m.insert("val_mae".into(), (self.absolute / n).into());
-        m
+        Metrics::new()
+            .number("val_mse", self.squared / n)
+            .number("val_mae", self.absolute / n)
     }
 }
 
@@ -358,7 +351,7 @@ mod tests {
         let mut all = MultiClassStats::new(3);
         all.set_sums(&sums);
         assert_eq!((all.correct, all.total), (3, 5));
-        let r = all.report();
+        let r = all.report().into_map();
         assert_eq!(r["val_f1_per_class"], serde_json::json!([1.0, 0.5, 0.5]));
         assert!((r["val_macro_f1"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-12);
         assert!((r["val_micro_f1"].as_f64().unwrap() - 0.6).abs() < 1e-12);
@@ -376,7 +369,7 @@ mod tests {
         twice.set_sums(&m.to_sums().iter().map(|v| v * 2.0).collect::<Vec<_>>());
         assert_eq!(twice.confusion.tp, [2, 2]);
         assert_eq!(
-            twice.report()["val_f1_per_class"],
+            twice.report().into_map()["val_f1_per_class"],
             serde_json::json!([2.0 / 3.0, 1.0])
         );
         let mut r = RegressionStats::default();
@@ -384,7 +377,7 @@ mod tests {
             &Tensor::from_slice(&[1.0f32, 2.0, 4.0]),
             &Tensor::from_slice(&[1.0f32, 0.0, 5.0]),
         );
-        let report = r.report();
+        let report = r.report().into_map();
         assert_eq!(report["val_mse"], serde_json::json!(5.0 / 3.0));
         assert_eq!(report["val_mae"], serde_json::json!(1.0));
     }

@@ -17,23 +17,120 @@ pub trait Stats {
     /// Replaces the statistics with `sums` (the element-wise totals over all ranks).
     fn set_sums(&mut self, sums: &[f64]);
 
-    /// The metrics of an epoch's report (`metrics.jsonl`), by name: numbers or arrays.
+    /// The metrics of an epoch's report (`metrics.jsonl`), by name: numbers or lists.
     /// Names that [`crate::Monitor`] or [`crate::Plateau`] watch must be numbers.
-    fn report(&self) -> Map<String, Value>;
+    fn report(&self) -> Metrics;
 
     /// More detail for an evaluation-only run's report (counts, say); none by default.
-    fn details(&self) -> Map<String, Value> {
-        Map::new()
+    fn details(&self) -> Metrics {
+        Metrics::new()
     }
 
     /// A few words for the epoch's log line; by default every number of the report as
     /// `name value`.
     fn summary(&self) -> String {
         self.report()
-            .iter()
-            .filter_map(|(k, v)| Some(format!("{k} {:.4}", v.as_f64()?)))
+            .numbers()
+            .map(|(k, v)| format!("{k} {v:.4}"))
             .collect::<Vec<_>>()
             .join("  ")
+    }
+}
+
+/// Named metrics, in the order they were added: numbers, or lists of numbers or counts (one
+/// value per class, say). What [`Stats::report`] returns, without the user's code touching
+/// JSON.
+///
+/// ```
+/// use ddp_train::task::Metrics;
+///
+/// let m = Metrics::new()
+///     .number("val_accuracy", 0.75)
+///     .list("val_f1_per_class", [0.5, 1.0])
+///     .counts("tp", [3, 4]);
+/// assert_eq!(m.get("val_accuracy"), Some(0.75));
+/// assert_eq!(m.get("val_f1_per_class"), None); // a list, not a number
+/// assert_eq!(m.numbers().collect::<Vec<_>>(), [("val_accuracy", 0.75)]);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Metrics(Map<String, Value>);
+
+impl Metrics {
+    /// No metric.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// With the number `value` named `name` (replacing one of that name).
+    pub fn number(mut self, name: impl Into<String>, value: f64) -> Self {
+        self.0.insert(name.into(), value.into());
+        self
+    }
+
+    /// With the list `values` named `name`.
+    pub fn list(mut self, name: impl Into<String>, values: impl IntoIterator<Item = f64>) -> Self {
+        let list: Vec<Value> = values.into_iter().map(Value::from).collect();
+        self.0.insert(name.into(), list.into());
+        self
+    }
+
+    /// With the integer list `values` named `name`.
+    pub fn counts(
+        mut self,
+        name: impl Into<String>,
+        values: impl IntoIterator<Item = i64>,
+    ) -> Self {
+        let list: Vec<Value> = values.into_iter().map(Value::from).collect();
+        self.0.insert(name.into(), list.into());
+        self
+    }
+
+    /// The number named `name`, if there is one (lists are not numbers).
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.0.get(name)?.as_f64()
+    }
+
+    /// Every number (not the lists), by name, in order.
+    pub fn numbers(&self) -> impl Iterator<Item = (&str, f64)> {
+        self.0
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str(), v.as_f64()?)))
+    }
+
+    /// Number of metrics.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether there is no metric.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The metrics as the JSON object written to `metrics.jsonl`.
+    pub fn into_map(self) -> Map<String, Value> {
+        self.0
+    }
+}
+
+impl From<Metrics> for Map<String, Value> {
+    fn from(m: Metrics) -> Self {
+        m.0
+    }
+}
+
+impl Extend<(String, Value)> for Metrics {
+    fn extend<I: IntoIterator<Item = (String, Value)>>(&mut self, iter: I) {
+        self.0.extend(iter);
+    }
+}
+
+impl IntoIterator for Metrics {
+    type Item = (String, Value);
+    type IntoIter = serde_json::map::IntoIter;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter()
     }
 }
 
@@ -99,7 +196,7 @@ impl Stats for NoStats {
 
     fn set_sums(&mut self, _sums: &[f64]) {}
 
-    fn report(&self) -> Map<String, Value> {
-        Map::new()
+    fn report(&self) -> Metrics {
+        Metrics::new()
     }
 }

@@ -17,6 +17,7 @@ impl<T: Task> Trainer<T> {
         })?;
         let mut metrics = stats.report();
         metrics.extend(stats.details());
+        let metrics = metrics.into_map();
         Ok(EvalReport {
             val_loss,
             metrics,

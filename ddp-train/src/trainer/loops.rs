@@ -62,7 +62,7 @@ impl<T: Task> Trainer<T> {
             let evaluated = self.evaluate_epoch(epoch)?;
             self.budget.eval_took(evaluating.elapsed());
             let (val_loss, summary, metrics) = match &evaluated {
-                Some((loss, stats)) => (Some(*loss), stats.summary(), stats.report()),
+                Some((loss, stats)) => (Some(*loss), stats.summary(), stats.report().into_map()),
                 None => (None, String::new(), Map::new()),
             };
             let report = EpochReport {
