@@ -31,7 +31,7 @@ impl<T: Task> Trainer<T> {
             format!("  {summary}")
         };
         self.log.say(&format!(
-            "epoch {}/{}: train loss {:.4}{val}{summary}  lr {:.2e}  {:.1} img/s  {:.1} s",
+            "epoch {}/{}: train loss {:.4}{val}{summary}  lr {:.2e}  {:.1} samples/s  {:.1} s",
             m.epoch, self.settings.epochs, m.train_loss, m.lr, m.images_per_sec, m.epoch_seconds
         ));
         let metrics_path = self.out.join("metrics.jsonl");

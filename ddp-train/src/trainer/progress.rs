@@ -44,12 +44,12 @@ impl Progress {
     pub(super) fn step(&self, step: usize, loss: f64, rate: f64, log: &RankLog) {
         if let Some(bar) = &self.bar {
             bar.set_position(step as u64);
-            bar.set_message(format!("loss {loss:.4}  {rate:.1} img/s"));
+            bar.set_message(format!("loss {loss:.4}  {rate:.1} samples/s"));
         } else if self.plain
             && (step * 10 / self.steps.max(1) != (step - 1) * 10 / self.steps.max(1))
         {
             log.say(&format!(
-                "epoch {}/{} step {step}/{}  loss {loss:.4}  {rate:.1} img/s",
+                "epoch {}/{} step {step}/{}  loss {loss:.4}  {rate:.1} samples/s",
                 self.epoch, self.epochs, self.steps
             ));
         }
