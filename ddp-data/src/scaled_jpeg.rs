@@ -107,6 +107,12 @@ pub(crate) fn decode_part(
     }
 }
 
+/// Decodes `jpeg` into `out` at `1/denom` scale, only `region`'s rows and columns.
+///
+/// # Safety
+///
+/// `cinfo` must be a decompressor created with `jpeg_create_decompress` whose error manager
+/// unwinds (panics) instead of returning, and not yet given a source.
 unsafe fn decode_into(
     cinfo: &mut jpeg_decompress_struct,
     jpeg: &[u8],
@@ -114,7 +120,7 @@ unsafe fn decode_into(
     region: SourceRegion,
     out: &mut Vec<u8>,
 ) -> DecodedPart {
-    // SAFETY (whole function): the caller guarantees `cinfo` is a created decompressor.
+    // SAFETY: (whole function) the caller guarantees `cinfo` is a created decompressor.
     unsafe {
         jpeg_mem_src(cinfo, jpeg.as_ptr(), jpeg.len() as _);
         jpeg_read_header(cinfo, true as boolean);

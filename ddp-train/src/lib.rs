@@ -52,6 +52,7 @@ pub mod odir;
 pub mod optim;
 #[cfg(feature = "plot")]
 pub mod plot;
+pub mod report;
 pub mod scheduler;
 pub mod settings;
 pub mod state;

@@ -8,7 +8,7 @@ use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
 use crate::error::TrainError;
-use crate::trainer::EpochReport;
+use crate::report::EpochReport;
 
 /// Font files tried for the labels, in order (plotters draws text only with a registered
 /// font; these ship with common Linux distributions).

@@ -11,9 +11,9 @@ use tch::Tensor;
 
 use super::faults::fail_if_injected;
 use super::progress::Progress;
-use super::report::watched;
 use super::{EpochReport, Trainer};
 use crate::error::TrainError;
+use crate::report::watched;
 use crate::settings::Goal;
 #[cfg(doc)]
 use crate::settings::Settings;

@@ -24,9 +24,8 @@ use crate::state::{Best, EarlyStopState, Position};
 use crate::stop::Budget;
 use crate::task::Task;
 
-// One file per job. This one: the `Trainer`, its accessors and the public reports.
-// - `report.rs`: `EpochReport` (a line of `metrics.jsonl`), `EvalReport`, and a named number
-//   of an epoch's report for what watches it;
+// One file per job. This one: the `Trainer` and its accessors (the public reports are the
+// crate's `report.rs`, below both the Trainer and the plots).
 // - `startup.rs`: `Trainer::new`: settings, data and samplers, the model, a restored
 //   checkpoint (also by itself after a launcher's restart), the process group, the run
 //   directory and its `config.json`;
@@ -44,11 +43,10 @@ mod faults;
 mod loops;
 mod outputs;
 mod progress;
-mod report;
 mod startup;
 
+pub use crate::report::{EpochReport, EvalReport};
 use outputs::RankLog;
-pub use report::{EpochReport, EvalReport};
 pub(crate) use startup::default_run_dir;
 
 /// A rank's whole training run of a [`Task`].

@@ -8,9 +8,9 @@ use std::path::Path;
 
 use ddp_model::checkpoint;
 
-use super::report::watched;
 use super::{EpochReport, Trainer};
 use crate::error::{Context, TrainError};
+use crate::report::watched;
 use crate::state::{self, Best, TrainState};
 use crate::task::Task;
 

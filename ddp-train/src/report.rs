@@ -7,7 +7,7 @@ use serde_json::{Map, Value};
 
 use crate::error::TrainError;
 #[cfg(doc)]
-use crate::{settings::Settings, task::Stats, trainer::Trainer};
+use crate::{Settings, Stats, Trainer};
 
 /// One epoch's results: a line of `metrics.jsonl`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -67,7 +67,7 @@ pub struct EvalReport {
 }
 
 /// The number `metric` of an epoch's report, or an error naming what watches it.
-pub(super) fn watched(
+pub(crate) fn watched(
     report: &EpochReport,
     metric: &str,
     watcher: &str,

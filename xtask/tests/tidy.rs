@@ -1,0 +1,541 @@
+//! Tidy checks (after rust-analyzer's `tidy`): rules about the source text that keep the house
+//! as `ARCHITECTURE.md` describes it. Each rule is a function over file texts, tested below
+//! on a text that breaks it, then applied to the workspace.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// The workspace root.
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// The workspace members, from the root `Cargo.toml`.
+fn members() -> Vec<String> {
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
+    let start = manifest.find("members = [").expect("a members list");
+    let end = start + manifest[start..].find(']').unwrap();
+    manifest[start..end]
+        .split('"')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Every `.rs` file under `dir`, sorted.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(rust_files(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+    out.sort();
+    out
+}
+
+/// `(path relative to the root, text)` of every file of each crate's `src/`.
+fn sources() -> Vec<(String, String)> {
+    let root = root();
+    members()
+        .iter()
+        .flat_map(|m| rust_files(&root.join(m).join("src")))
+        .map(|p| {
+            let rel = p
+                .strip_prefix(&root)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            (rel, std::fs::read_to_string(&p).unwrap())
+        })
+        .collect()
+}
+
+/// The text before a file's unit-test module (`#[cfg(test)]` followed by `mod`).
+fn before_tests(text: &str) -> &str {
+    let mut offset = 0;
+    let lines: Vec<&str> = text.split_inclusive('\n').collect();
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim() == "#[cfg(test)]"
+            && lines
+                .get(i + 1)
+                .is_some_and(|next| next.trim_start().starts_with("mod "))
+        {
+            return &text[..offset];
+        }
+        offset += line.len();
+    }
+    text
+}
+
+/// The code of a line: what is left after a `//` comment (strings are not parsed: a `//`
+/// inside a string cuts the line short, which only hides code from the checks).
+fn code(line: &str) -> &str {
+    line.find("//").map_or(line, |i| &line[..i])
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule: no import cycle between the top-level modules of a crate.
+
+/// A crate's top-level module of file `path` (relative to the crate's `src/`): `a.rs`,
+/// `a/mod.rs` and `a/b.rs` are all module `a`; the crate root is `None`.
+fn top_module(path: &str) -> Option<String> {
+    let first = path.split('/').next()?;
+    let name = first.strip_suffix(".rs").unwrap_or(first);
+    (!matches!(name, "lib" | "main" | "bin")).then(|| name.to_string())
+}
+
+/// The top-level modules that `text` names through `crate::` paths (also inside
+/// `use crate::{a, b::c}` groups).
+fn crate_references(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for line in text.lines() {
+        let line = code(line);
+        let mut rest = line;
+        while let Some(i) = rest.find("crate::") {
+            let after = &rest[i + "crate::".len()..];
+            if let Some(group) = after.strip_prefix('{') {
+                // Top-level names of the group: split at commas outside nested braces.
+                let mut depth = 0;
+                let mut name = String::new();
+                let mut names = Vec::new();
+                for c in group.chars() {
+                    match c {
+                        '{' => depth += 1,
+                        '}' if depth == 0 => break,
+                        '}' => depth -= 1,
+                        ',' if depth == 0 => names.push(std::mem::take(&mut name)),
+                        _ if depth == 0 => name.push(c),
+                        _ => {}
+                    }
+                }
+                names.push(name);
+                for n in names {
+                    let head: String = n
+                        .trim()
+                        .chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_')
+                        .collect();
+                    if !head.is_empty() {
+                        out.insert(head);
+                    }
+                }
+            } else {
+                let head: String = after
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                if !head.is_empty() {
+                    out.insert(head);
+                }
+            }
+            rest = &rest[i + "crate::".len()..];
+        }
+    }
+    out
+}
+
+/// The import cycles between the top-level modules of one crate, given `(path relative to
+/// src/, text)` of its files: each cycle as its modules in order, smallest first.
+fn module_cycles(files: &[(String, String)]) -> Vec<Vec<String>> {
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let modules: BTreeSet<String> = files.iter().filter_map(|(p, _)| top_module(p)).collect();
+    for (path, text) in files {
+        let Some(from) = top_module(path) else {
+            continue;
+        };
+        let targets = edges.entry(from.clone()).or_default();
+        for to in crate_references(before_tests(text)) {
+            if to != from && modules.contains(&to) {
+                targets.insert(to);
+            }
+        }
+    }
+    // Every elementary cycle through its smallest module (the graphs are small).
+    let mut cycles = BTreeSet::new();
+    for start in edges.keys() {
+        let mut stack = vec![(start.clone(), vec![start.clone()])];
+        while let Some((node, path)) = stack.pop() {
+            for next in edges.get(&node).into_iter().flatten() {
+                if next == start {
+                    cycles.insert(path.clone());
+                } else if next > start && !path.contains(next) {
+                    let mut longer = path.clone();
+                    longer.push(next.clone());
+                    stack.push((next.clone(), longer));
+                }
+            }
+        }
+    }
+    cycles.into_iter().collect()
+}
+
+#[test]
+fn module_cycles_are_found_and_only_cycles() {
+    let file = |p: &str, t: &str| (p.to_string(), t.to_string());
+    let cyclic = [
+        file("a.rs", "use crate::b::X;"),
+        file("b/mod.rs", "use crate::{c, d::Y};"),
+        file("c.rs", "fn f() { crate::a::g() }"),
+        file("d.rs", "use crate::a; // crate::c in a comment"),
+        file("lib.rs", "pub use crate::a::*;"),
+    ];
+    assert_eq!(
+        module_cycles(&cyclic),
+        [vec!["a", "b", "c"], vec!["a", "b", "d"]]
+    );
+    let layered = [
+        file("a.rs", "use crate::b::X;"),
+        file("b.rs", "use crate::c::Y;"),
+        file(
+            "c.rs",
+            "#[cfg(test)]\nmod tests {\n    use crate::a::Z;\n}\n",
+        ),
+    ];
+    assert!(module_cycles(&layered).is_empty());
+}
+
+#[test]
+fn no_crate_has_an_import_cycle_between_its_modules() {
+    let root = root();
+    let mut found = Vec::new();
+    for member in members() {
+        let src = root.join(&member).join("src");
+        let files: Vec<(String, String)> = rust_files(&src)
+            .into_iter()
+            .map(|p| {
+                let rel = p.strip_prefix(&src).unwrap().to_string_lossy().into_owned();
+                (rel, std::fs::read_to_string(&p).unwrap())
+            })
+            .collect();
+        for cycle in module_cycles(&files) {
+            found.push(format!("{member}: {}", cycle.join(" -> ")));
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "module import cycles (move what both sides need into a module below them):\n{}",
+        found.join("\n")
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule: every `unsafe` block and `unsafe impl` says why it is sound (`// SAFETY:` on the
+// lines just above it, or on its line); every `unsafe fn` documents `# Safety`.
+
+/// `(line number, what)` of each unsafe item of `text` that does not say why it is sound.
+fn unexplained_unsafe(text: &str) -> Vec<(usize, &'static str)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    // The comment and attribute lines just above line `i`, and above the start of its
+    // statement when rustfmt broke it after `=` or `(`.
+    let above = |i: usize| {
+        lines[..i]
+            .iter()
+            .rev()
+            .take_while(|l| {
+                let t = l.trim();
+                t.starts_with("//") || t.starts_with("#[") || t.ends_with('=') || t.ends_with('(')
+            })
+            .copied()
+            .collect::<Vec<_>>()
+    };
+    for (i, line) in lines.iter().enumerate() {
+        let c = code(line);
+        let trimmed = line.trim_start();
+        if trimmed.starts_with("//") {
+            continue;
+        }
+        let is_fn = c.contains("unsafe fn ") || c.contains("unsafe extern \"C\" fn ");
+        let is_fn_definition = is_fn && {
+            // `unsafe fn name(`: a definition; `unsafe fn(` (no name) is a pointer type.
+            let at = c.find(" fn ").unwrap() + " fn ".len();
+            c[at..].starts_with(|ch: char| ch.is_alphabetic() || ch == '_')
+        };
+        if is_fn_definition {
+            if !above(i).iter().any(|l| l.contains("# Safety")) {
+                out.push((i + 1, "unsafe fn without a `# Safety` doc section"));
+            }
+            continue;
+        }
+        let is_block = c.contains("unsafe {") || c.trim_end().ends_with("unsafe");
+        let is_impl = c.contains("unsafe impl");
+        if (is_block || is_impl)
+            && !line.contains("SAFETY:")
+            && !above(i).iter().any(|l| l.contains("SAFETY:"))
+        {
+            out.push((
+                i + 1,
+                if is_impl {
+                    "unsafe impl without a `// SAFETY:` comment"
+                } else {
+                    "unsafe block without a `// SAFETY:` comment"
+                },
+            ));
+        }
+    }
+    out
+}
+
+#[test]
+fn unexplained_unsafe_is_found() {
+    let text = "\
+// SAFETY: the pointer is valid.
+let a = unsafe { *p };
+let b = unsafe { *p };
+unsafe impl Send for X {}
+/// Reads.
+///
+/// # Safety
+///
+/// `p` is valid.
+pub unsafe fn read(p: *const u8) -> u8 { 0 }
+/// Writes.
+unsafe fn write() {}
+struct Table { f: unsafe extern \"C\" fn(i32) -> i32 }
+#[allow(dead_code)]
+// SAFETY: only raw pointers inside.
+unsafe impl Sync for X {}
+// SAFETY: a valid pointer.
+let long_name =
+    unsafe { *p };
+let unexplained =
+    unsafe { *p };
+";
+    assert_eq!(
+        unexplained_unsafe(text),
+        [
+            (3, "unsafe block without a `// SAFETY:` comment"),
+            (4, "unsafe impl without a `// SAFETY:` comment"),
+            (12, "unsafe fn without a `# Safety` doc section"),
+            (21, "unsafe block without a `// SAFETY:` comment"),
+        ]
+    );
+}
+
+#[test]
+fn every_unsafe_says_why_it_is_sound() {
+    let found: Vec<String> = sources()
+        .iter()
+        .flat_map(|(path, text)| {
+            unexplained_unsafe(text)
+                .into_iter()
+                .map(move |(line, what)| format!("{path}:{line}: {what}"))
+        })
+        .collect();
+    assert!(found.is_empty(), "{}", found.join("\n"));
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule: no source file over 700 lines before its unit tests, but for the named exceptions.
+
+const MAX_LINES: usize = 700;
+
+/// Files allowed to be longer, each with the reason.
+const LONG_FILES: [(&str, &str); 3] = [
+    (
+        "xtask/src/bench.rs",
+        "ten benchmark jobs in one file: to become the xtask/src/bench/ module tree (issue 20)",
+    ),
+    (
+        "ddp-comm/src/group.rs",
+        "Options still copies EnvConfig and the device dispatch is written out per \
+         collective: both go when Options is built on EnvConfig (issue 20)",
+    ),
+    (
+        "ddp-data/src/loader.rs",
+        "the ring and its lease (HostBatch) share the ring's private state; HostBatch moves \
+         out once the ring exposes a crate-level slot API",
+    ),
+];
+
+fn long_files(files: &[(String, String)]) -> Vec<(String, usize)> {
+    files
+        .iter()
+        .map(|(path, text)| (path.clone(), before_tests(text).lines().count()))
+        .filter(|&(_, n)| n > MAX_LINES)
+        .collect()
+}
+
+#[test]
+fn long_files_are_found_before_their_tests() {
+    let long = "x\n".repeat(701);
+    let tested = format!(
+        "{}#[cfg(test)]\nmod tests {{\n{}}}\n",
+        "x\n".repeat(700),
+        long
+    );
+    let files = [
+        ("long.rs".to_string(), long),
+        ("tested.rs".to_string(), tested),
+    ];
+    assert_eq!(long_files(&files), [("long.rs".to_string(), 701)]);
+}
+
+#[test]
+fn no_source_file_is_over_700_lines_but_the_named_exceptions() {
+    let found: Vec<String> = long_files(&sources())
+        .into_iter()
+        .filter(|(path, _)| !LONG_FILES.iter().any(|(p, _)| p == path))
+        .map(|(path, n)| format!("{path}: {n} lines before its tests (at most {MAX_LINES})"))
+        .collect();
+    assert!(found.is_empty(), "{}", found.join("\n"));
+    // The exceptions still need to be: one that shrank is taken off the list.
+    let all = sources();
+    for (path, why) in LONG_FILES {
+        let text = &all.iter().find(|(p, _)| p == path).expect(path).1;
+        let n = before_tests(text).lines().count();
+        assert!(
+            n > MAX_LINES,
+            "{path} is {n} lines now: drop its exception ({why})"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule: torchrun's variables are read only by ddp-comm's `EnvConfig` and written only by
+// ddp-run's `RankEnv`.
+
+const TORCHRUN_VARIABLES: [&str; 8] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TORCHELASTIC_RESTART_COUNT",
+];
+
+const TORCHRUN_HOMES: [&str; 2] = ["ddp-comm/src/env.rs", "ddp-run/src/env.rs"];
+
+/// `(line, variable)` of each torchrun variable named as a string in the code of `text`.
+fn torchrun_names(text: &str) -> Vec<(usize, &'static str)> {
+    let mut out = Vec::new();
+    for (i, line) in before_tests(text).lines().enumerate() {
+        if line.trim_start().starts_with("//") {
+            continue;
+        }
+        for var in TORCHRUN_VARIABLES {
+            if line.contains(&format!("\"{var}\"")) {
+                out.push((i + 1, var));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn torchrun_names_are_found_in_code_only() {
+    let text = "/// Reads \"RANK\".\nlet r = std::env::var(\"RANK\");\nlet s = \"RANKS\";\n";
+    assert_eq!(torchrun_names(text), [(2, "RANK")]);
+}
+
+#[test]
+fn torchrun_variables_live_in_their_two_homes() {
+    let found: Vec<String> = sources()
+        .iter()
+        .filter(|(path, _)| !TORCHRUN_HOMES.contains(&path.as_str()))
+        .flat_map(|(path, text)| {
+            torchrun_names(text)
+                .into_iter()
+                .map(move |(line, var)| format!("{path}:{line}: {var}"))
+        })
+        .collect();
+    assert!(
+        found.is_empty(),
+        "torchrun's variables outside EnvConfig and RankEnv (use them instead):\n{}",
+        found.join("\n")
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule: libraries return values and errors; binaries decide what users see.
+
+/// Library files whose job is a program's command-line front end, allowed to print.
+const FRONT_ENDS: [(&str, &str); 2] = [
+    (
+        "ddp-train/src/cli.rs",
+        "`cli::run` is the runner a user's `main` ends with: it prints the error without a \
+         backtrace and maps it to the exit code",
+    ),
+    (
+        "ddp-run/src/cli/report.rs",
+        "`launch_and_report` is the `ddp-run` binary's messages, shared with self-launching \
+         programs",
+    ),
+];
+
+/// Whether `path` is a library's source (not a binary's, not xtask, not a front end).
+fn is_library(path: &str) -> bool {
+    !(path.starts_with("xtask/")
+        || path.ends_with("/main.rs")
+        || path.contains("/src/bin/")
+        || path.ends_with("build.rs")
+        || FRONT_ENDS.iter().any(|(p, _)| *p == path))
+}
+
+/// Lines of `text` (before its tests) that print with `println!`/`eprintln!`.
+fn prints(text: &str) -> Vec<usize> {
+    before_tests(text)
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| {
+            let c = code(l);
+            c.contains("println!(") || c.contains("eprintln!(")
+        })
+        .map(|(i, _)| i + 1)
+        .collect()
+}
+
+#[test]
+fn prints_are_found_in_code_only() {
+    let text = "/// println!(\"doc\");\nfn f() { eprintln!(\"x\"); }\n#[cfg(test)]\nmod tests {\n    fn t() { println!(\"ok\"); }\n}\n";
+    assert_eq!(prints(text), [2]);
+    assert!(is_library("ddp-data/src/loader.rs"));
+    assert!(!is_library("ddp-data/src/bin/ddp-gen-data.rs"));
+    assert!(!is_library("ddp-run/src/main.rs"));
+}
+
+#[test]
+fn libraries_do_not_print() {
+    let found: Vec<String> = sources()
+        .iter()
+        .filter(|(path, _)| is_library(path))
+        .flat_map(|(path, text)| prints(text).into_iter().map(move |l| format!("{path}:{l}")))
+        .collect();
+    assert!(
+        found.is_empty(),
+        "println!/eprintln! in library code (return the text, or let the binary print it):\n{}",
+        found.join("\n")
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule: every crate has a README, and ARCHITECTURE.md names every crate.
+
+#[test]
+fn every_crate_has_a_readme_and_a_place_in_the_architecture() {
+    let root = root();
+    let architecture = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let mut problems = Vec::new();
+    for member in members() {
+        if !root.join(&member).join("README.md").is_file() {
+            problems.push(format!("{member} has no README.md"));
+        }
+        if !architecture.contains(&format!("`{member}`")) {
+            problems.push(format!("ARCHITECTURE.md does not name `{member}`"));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
