@@ -72,7 +72,8 @@ impl fmt::Display for RankFailure {
 /// time limit. The launcher does not count it as a failure (no restart, no stopping of the
 /// other ranks, which are stopping too); when every rank ends so, the job is
 /// [`Outcome::Stopped`] and the launcher exits with this code as well.
-pub const EXIT_STOPPED: i32 = 75;
+/// Defined once here: `ddp-train` re-exports it for the ranks' side.
+pub const EXIT_STOPPED: u8 = 75;
 
 /// How a job ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -113,7 +114,7 @@ impl Outcome {
             Outcome::Succeeded { .. } => 0,
             Outcome::Failed { .. } => 1,
             Outcome::Interrupted { signal } => 128 + signal,
-            Outcome::Stopped { .. } => EXIT_STOPPED,
+            Outcome::Stopped { .. } => i32::from(EXIT_STOPPED),
         }
     }
 }
@@ -274,7 +275,7 @@ impl Attempt<'_> {
                 stop(ranks, signal, self.config.shutdown_timeout);
                 if ranks
                     .iter()
-                    .all(|r| r.exit == Some(Exit::Code(EXIT_STOPPED)))
+                    .all(|r| r.exit == Some(Exit::Code(i32::from(EXIT_STOPPED))))
                 {
                     return Ok(End::Stopped(Some(signal)));
                 }
@@ -292,7 +293,7 @@ impl Attempt<'_> {
                     source,
                 })?;
                 if r.exit
-                    .is_some_and(|e| !e.success() && e != Exit::Code(EXIT_STOPPED))
+                    .is_some_and(|e| !e.success() && e != Exit::Code(i32::from(EXIT_STOPPED)))
                 {
                     failed.push(k);
                 }
@@ -319,7 +320,7 @@ impl Attempt<'_> {
                 stop(ranks, libc::SIGTERM, Duration::ZERO);
                 if ranks
                     .iter()
-                    .any(|r| r.exit == Some(Exit::Code(EXIT_STOPPED)))
+                    .any(|r| r.exit == Some(Exit::Code(i32::from(EXIT_STOPPED))))
                 {
                     return Ok(End::Stopped(None));
                 }

@@ -179,7 +179,7 @@ fn ranks_that_stop_with_exit_code_75_end_the_job_as_stopped_without_a_restart() 
             restarts: 0
         }
     );
-    assert_eq!(outcome.exit_code(), ddp_run::EXIT_STOPPED);
+    assert_eq!(outcome.exit_code(), i32::from(ddp_run::EXIT_STOPPED));
     assert_eq!(
         seen,
         [Seen::Starting {

@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 
 /// The exit code of a rank that stopped at a checkpoint on request (a signal or the time
 /// limit) and can continue from it: 75, `EX_TEMPFAIL` of `sysexits.h` ("try again later").
-/// `ddp-run` does not count it as a failure and ends with it too.
-pub const EXIT_STOPPED: u8 = 75;
+/// `ddp-run` does not count it as a failure and ends with it too; it is the launcher's own
+/// constant, so the two cannot drift apart.
+pub use ddp_run::EXIT_STOPPED;
 
 /// The signals that stop a run at the next step.
 pub const STOP_SIGNALS: [i32; 2] = [libc::SIGTERM, libc::SIGUSR1];

@@ -188,7 +188,7 @@ fn metric(run: &Path, name: &str) -> Vec<f64> {
 
 #[test]
 fn the_trainer_and_the_launcher_agree_on_the_stop_exit_code() {
-    assert_eq!(i32::from(ddp_train::EXIT_STOPPED), ddp_run::EXIT_STOPPED);
+    assert_eq!(ddp_train::EXIT_STOPPED, ddp_run::EXIT_STOPPED);
     assert_eq!(ddp_run::EXIT_STOPPED, 75);
 }
 
