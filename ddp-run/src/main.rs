@@ -150,6 +150,15 @@ fn run(cli: Cli) -> Result<u8> {
              the cores; set OMP_NUM_THREADS to choose another number"
         );
     }
+    if config.nnodes > 1 && std::env::var_os(ddp_run::env::DDP_SECRET).is_none() {
+        eprintln!(
+            "ddp-run: DDP_SECRET is not set, so the ranks of these {} nodes authenticate each \
+             other with a secret derived from the run id, which anyone who knows it can \
+             compute; give every node the same DDP_SECRET (e.g. `export DDP_SECRET=$(openssl \
+             rand -hex 16)` where the job is submitted)",
+            config.nnodes
+        );
+    }
     let outcome = launch(&config, report)?;
     match &outcome {
         Outcome::Succeeded { restarts } => {

@@ -173,6 +173,7 @@ pub fn launch(
         (None, 1) => format!("ddp-run-{}-{}", std::process::id(), unix_millis()),
         (None, _) => "none".to_string(),
     };
+    let secret = crate::secret::job_secret(config)?;
     let omp = config.omp_num_threads_for_ranks();
     let watch = Watch::start()?;
     let mut restarts = 0;
@@ -195,6 +196,7 @@ pub fn launch(
             master_port,
             restart_count: restarts,
             run_id: &run_id,
+            secret: secret.as_ref(),
             omp: omp.as_deref(),
         };
         match attempt.run(&watch)? {
@@ -236,6 +238,8 @@ struct Attempt<'a> {
     master_port: u16,
     restart_count: u32,
     run_id: &'a str,
+    /// The job's secret, the same for every attempt.
+    secret: Option<&'a crate::JobSecret>,
     omp: Option<&'a str>,
 }
 
@@ -346,6 +350,7 @@ impl Attempt<'_> {
             run_id: self.run_id.to_string(),
             omp_num_threads: None,
             nccl_async_error_handling: config.nccl_async_error_handling(),
+            secret: self.secret.cloned(),
         };
         let mut cmd = Command::new(&config.program);
         cmd.args(&config.args)
