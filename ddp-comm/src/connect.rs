@@ -1,37 +1,40 @@
 //! Connecting a rank's two ring links once rendezvous has decided what carries each.
 //!
-//! Each rank connects to its successor and presents the job's token (`wire::hello`), then
-//! accepts its predecessor, checks its token and rank and acknowledges it, then waits for
-//! its successor's acknowledgement; the writes go to kernel buffers, so no rank waits on a
-//! cycle. Connections that do not present the token, or claim another rank, are dropped.
+//! Each rank connects to its successor (on a thread of its own) while it accepts its
+//! predecessor, and every connection runs the mutual challenge–response of `auth.rs` before
+//! anything else crosses it: the connecting rank trusts only a successor that proves the job's
+//! secret, the accepting rank keeps only a connection that proves it and claims the rank it
+//! expects, and drops (and logs) the others. The accepting side gives each connection
+//! [`auth::HANDSHAKE_TIMEOUT`] from the moment it accepts it; the connecting side waits until
+//! the rendezvous deadline, since its successor may be busy with a stranger first.
 //!
 //! - TCP: the successor's published address; the acknowledgement is one byte.
 //! - Shared memory: the successor's abstract Unix socket (`@ddp-comm/<pid>/<rank>/<random>`,
-//!   gone when the process exits, never a file). The hello carries the sender's bell
-//!   (`SCM_RIGHTS`); only after the token check does the receiver create the ring segment
-//!   and send it, with its own bell, in the acknowledgement. The connection stays open as
-//!   the link's hang-up signal.
+//!   gone when the process exits, never a file). Both sides also check that the other runs
+//!   as the same user (`SO_PEERCRED`). The sender's bell (`SCM_RIGHTS`) goes with its proof,
+//!   after the receiver has proven the secret; only once the sender's proof checks out does
+//!   the receiver create the ring segment and send it, with its own bell, in the
+//!   acknowledgement. The connection stays open as the link's hang-up signal.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
+use crate::auth::{self, Failed, Timeouts};
 use crate::error::CommError;
 use crate::link::{Link, LinkKind, RecvEnd, SendEnd};
+use crate::secret::Secret;
 use crate::shm::{self, Bell, Peer, PendingRing, ShmSender};
 use crate::store::connect_retry;
 use crate::tcp;
-use crate::wire;
 
 /// Handshake magic of TCP ring links.
 const PEER_MAGIC: &[u8; 4] = b"DDPR";
 /// Handshake magic of shared-memory ring links.
 const LOCAL_MAGIC: &[u8; 4] = b"DDPL";
-/// Longest hello: magic, version, token length, token, rank.
-const MAX_HELLO: usize = 4 + 1 + 2 + crate::env::MAX_RUN_ID_LEN + 4;
 
 /// What rank `rank` published.
 #[derive(Clone, Debug)]
@@ -122,7 +125,7 @@ fn abstract_addr(name: &str) -> io::Result<std::os::unix::net::SocketAddr> {
 #[derive(Debug)]
 pub(crate) struct RingPlan<'a> {
     pub rank: usize,
-    pub token: &'a [u8],
+    pub secret: &'a Secret,
     pub socket_buffer: usize,
     pub shm_capacity: usize,
     pub timeout: Duration,
@@ -135,12 +138,17 @@ impl RingPlan<'_> {
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(10))
     }
-}
 
-/// A connection to the successor whose acknowledgement is still due.
-enum Pending {
-    Tcp(TcpStream),
-    Shm(UnixStream),
+    /// The deadline of a handshake the accepting side starts now.
+    fn handshake_deadline(&self) -> Instant {
+        Instant::now() + self.left().min(auth::HANDSHAKE_TIMEOUT)
+    }
+
+    /// The deadline of the connecting side's handshake: the rendezvous deadline (the
+    /// successor may first be busy judging a stranger), at least 10 ms from now.
+    fn connect_deadline(&self) -> Instant {
+        Instant::now() + self.left()
+    }
 }
 
 /// Connects both links: to `next` carried by `next_kind`, from `prev` by `prev_kind`.
@@ -156,81 +164,141 @@ pub(crate) fn ring(
     } else {
         None
     };
-    let pending = match next_kind {
-        LinkKind::Tcp => Pending::Tcp(connect_tcp(plan, next)?),
-        LinkKind::SharedMemory => {
-            Pending::Shm(connect_local(plan, next, bell.as_ref().expect("bell"))?)
-        }
-    };
-    let recv = match prev_kind {
-        LinkKind::Tcp => accept_tcp(plan, &listeners.tcp, prev)?,
-        LinkKind::SharedMemory => {
-            let (listener, name) = listeners
-                .local
-                .as_ref()
-                .expect("a shared-memory link implies a local listener");
-            accept_local(plan, listener, name, prev, bell.as_ref().expect("bell"))?
-        }
-    };
-    let send = match pending {
-        Pending::Tcp(mut stream) => {
-            let mut ack = [0u8; 1];
-            tcp::read_exact_timeout(&mut stream, &mut ack, plan.left()).map_err(|_| {
-                CommError::Rejected {
-                    addr: format!("rank {} at {}", next.rank, next.addr),
-                }
-            })?;
-            SendEnd::Tcp {
-                stream,
-                addr: next.addr,
+    let bell_ref = bell.as_ref();
+    // Both handshakes wait for the other rank's, so they run at once: every rank's
+    // connecting side only needs its successor's accepting side, which needs nothing.
+    let (send, recv) = std::thread::scope(|scope| {
+        let connecting = std::thread::Builder::new()
+            .name("ddp-ring-connect".into())
+            .spawn_scoped(scope, || match next_kind {
+                LinkKind::Tcp => connect_tcp(plan, next),
+                LinkKind::SharedMemory => connect_local(
+                    plan,
+                    next,
+                    bell_ref.expect("a shared-memory link has a bell"),
+                )
+                .map(SendEnd::Shm),
+            });
+        let recv = match prev_kind {
+            LinkKind::Tcp => accept_tcp(plan, &listeners.tcp, prev),
+            LinkKind::SharedMemory => {
+                let (listener, name) = listeners
+                    .local
+                    .as_ref()
+                    .expect("a shared-memory link implies a local listener");
+                accept_local(plan, listener, name, prev, bell_ref.expect("bell"))
             }
-        }
-        Pending::Shm(stream) => SendEnd::Shm(finish_local(plan, stream, next)?),
-    };
+        };
+        let send = match connecting {
+            Ok(thread) => thread.join().unwrap_or_else(|_| {
+                Err(CommError::io(
+                    format!("connecting to rank {}", next.rank),
+                    io::Error::other("the connecting thread panicked"),
+                ))
+            }),
+            Err(e) => Err(CommError::io("spawning the ring's connecting thread", e)),
+        };
+        (send, recv)
+    });
     Ok(Link {
         next: next.rank,
         prev: prev.rank,
-        send,
-        recv,
+        send: send?,
+        recv: recv?,
         bell,
     })
 }
 
-fn connect_tcp(plan: &RingPlan<'_>, next: &PeerInfo) -> Result<TcpStream, CommError> {
-    let mut send = connect_retry(&[next.addr], plan.deadline, &format!("rank {}", next.rank))?;
-    tcp::tune_socket(&send, plan.socket_buffer).map_err(|e| CommError::io("ring socket", e))?;
-    send.write_all(&wire::hello(PEER_MAGIC, plan.token, plan.rank as u32))
-        .map_err(|e| CommError::PeerLost {
-            op: "rendezvous",
-            peer: next.rank,
-            via: format!("tcp {}", next.addr),
-            detail: e.to_string(),
-        })?;
-    Ok(send)
+fn connect_tcp(plan: &RingPlan<'_>, next: &PeerInfo) -> Result<SendEnd, CommError> {
+    let stream = connect_retry(&[next.addr], plan.deadline, &format!("rank {}", next.rank))?;
+    tcp::tune_socket(&stream, plan.socket_buffer).map_err(|e| CommError::io("ring socket", e))?;
+    let peer = || format!("rank {} at {}", next.rank, next.addr);
+    let deadline = plan.connect_deadline();
+    match auth::tcp_client(&stream, plan.secret, PEER_MAGIC, plan.rank as u32, deadline) {
+        Ok(1) => {}
+        Ok(ack) => {
+            return Err(CommError::Rendezvous {
+                addr: peer(),
+                detail: format!("acknowledged the ring link with {ack}, expected 1"),
+            })
+        }
+        Err(failed) => return Err(failed.into_error(peer())),
+    }
+    stream
+        .set_timeouts(None)
+        .map_err(|e| CommError::io("ring socket", e))?;
+    Ok(SendEnd::Tcp {
+        stream,
+        addr: next.addr,
+    })
 }
 
+/// Connects to the successor's abstract socket, proves the secret both ways (the bell goes
+/// with this side's proof) and maps the ring it sends back.
 fn connect_local(
     plan: &RingPlan<'_>,
     next: &PeerInfo,
     bell: &Bell,
-) -> Result<UnixStream, CommError> {
+) -> Result<ShmSender, CommError> {
     let name = next.local.as_deref().unwrap_or_default();
-    let what = || {
-        format!(
-            "connecting to rank {}'s shared-memory socket @{name}",
-            next.rank
-        )
-    };
+    let peer = || format!("rank {} at shared-memory socket @{name}", next.rank);
     let stream = abstract_addr(name)
         .and_then(|addr| UnixStream::connect_addr(&addr))
-        .map_err(|e| local_error(&what(), e))?;
-    let hello = wire::hello(LOCAL_MAGIC, plan.token, plan.rank as u32);
-    shm::send_with_fds(&stream, &hello, &[bell.fd()]).map_err(|e| local_error(&what(), e))?;
-    Ok(stream)
+        .map_err(|e| local_error(&format!("connecting to {}", peer()), e))?;
+    auth::same_user(&stream).map_err(|failure| CommError::Handshake {
+        addr: peer(),
+        failure,
+    })?;
+    let deadline = plan.connect_deadline();
+    let start = Instant::now();
+    let fail = |e: io::Error| {
+        Failed::from_io(
+            auth::timed_out(e),
+            plan.secret,
+            deadline.saturating_duration_since(start),
+        )
+        .into_error(peer())
+    };
+    let client = auth::Client::new(plan.secret, LOCAL_MAGIC, plan.rank as u32)
+        .map_err(|e| CommError::io("starting a handshake", e))?;
+    auth::write_by(&stream, &client.hello(), deadline).map_err(fail)?;
+    let mut challenge = [0u8; auth::CHALLENGE_LEN];
+    auth::read_by(&stream, &mut challenge, deadline).map_err(fail)?;
+    let proof = client
+        .answer(&challenge)
+        .ok_or_else(|| Failed::unproven(plan.secret).into_error(peer()))?;
+    stream
+        .set_timeouts(Some(auth::left(deadline).map_err(fail)?))
+        .map_err(fail)?;
+    shm::send_with_fds(&stream, &proof, &[bell.fd()]).map_err(fail)?;
+    let mut ack = [0u8; 1];
+    let (n, fds) = shm::recv_with_fds(&stream, &mut ack).map_err(fail)?;
+    if n == 0 {
+        return Err(fail(io::ErrorKind::UnexpectedEof.into()));
+    }
+    let [segment, bell]: [OwnedFd; 2] = match fds.try_into() {
+        Ok(fds) if ack[0] == 1 => fds,
+        _ => {
+            return Err(CommError::Rendezvous {
+                addr: peer(),
+                detail: "acknowledged the link without a ring and a bell".into(),
+            })
+        }
+    };
+    stream
+        .set_timeouts(None)
+        .map_err(|e| local_error("shared-memory socket", e))?;
+    let pid = peer_pid(&stream);
+    ShmSender::open(&segment, Peer::new(stream, pid, bell)).map_err(|detail| {
+        CommError::Rendezvous {
+            addr: format!("shared-memory socket @{name}"),
+            detail: format!("rank {} sent an unusable ring: {detail}", next.rank),
+        }
+    })
 }
 
-/// Accepts connections until one presents the token and `prev`'s rank (`check` reads and
-/// judges the hello); drops and logs the others.
+/// Accepts connections until one proves the secret and claims `prev`'s rank (`check` runs
+/// the accepting side of the handshake and judges it); drops and logs the others.
 fn accept_from<S, T>(
     plan: &RingPlan<'_>,
     what: &str,
@@ -283,18 +351,19 @@ fn accept_tcp(
         || listener.accept().map(|(s, from)| (s, from.to_string())),
         |stream: &mut TcpStream| {
             stream.set_nonblocking(false)?;
-            stream.set_read_timeout(Some(plan.left().min(Duration::from_secs(10))))?;
-            Ok(wire::read_hello(stream, PEER_MAGIC, plan.token)?.map(|r| (r, ())))
+            let deadline = plan.handshake_deadline();
+            Ok(auth::tcp_server(stream, plan.secret, PEER_MAGIC, deadline).map(|r| (r, ())))
         },
     )?;
-    let _ = stream.set_read_timeout(None);
-    tcp::tune_socket(&stream, plan.socket_buffer).map_err(|e| CommError::io("ring socket", e))?;
-    stream.write_all(&[1]).map_err(|e| CommError::PeerLost {
+    let lost = |e: io::Error| CommError::PeerLost {
         op: "rendezvous",
         peer: prev.rank,
         via: format!("tcp {}", prev.addr),
         detail: e.to_string(),
-    })?;
+    };
+    stream.set_timeouts(None).map_err(lost)?;
+    tcp::tune_socket(&stream, plan.socket_buffer).map_err(|e| CommError::io("ring socket", e))?;
+    stream.write_all(&[1]).map_err(lost)?;
     Ok(RecvEnd::Tcp {
         stream,
         addr: prev.addr,
@@ -305,6 +374,41 @@ fn peer_pid(stream: &UnixStream) -> u32 {
     rustix::net::sockopt::socket_peercred(stream)
         .map(|cred| cred.pid.as_raw_pid() as u32)
         .unwrap_or(0)
+}
+
+/// The accepting side of a shared-memory handshake: the same user, the secret proven, one
+/// descriptor (the sender's bell) with the proof. Returns the claimed rank and the bell.
+fn check_local(
+    plan: &RingPlan<'_>,
+    stream: &mut UnixStream,
+) -> io::Result<Result<(u32, OwnedFd), String>> {
+    stream.set_nonblocking(false)?;
+    if let Err(failure) = auth::same_user(stream) {
+        return Ok(Err(failure.to_string()));
+    }
+    let deadline = plan.handshake_deadline();
+    let stream: &UnixStream = stream;
+    let server = match auth::Server::read(plan.secret, LOCAL_MAGIC, |buf| {
+        auth::read_by(stream, buf, deadline)
+    })? {
+        Ok(server) => server,
+        Err(why) => return Ok(Err(why)),
+    };
+    auth::write_by(stream, &server.challenge(), deadline)?;
+    stream.set_timeouts(Some(auth::left(deadline)?))?;
+    let mut proof = [0u8; auth::PROOF_LEN];
+    let (n, mut fds) = shm::recv_with_fds(stream, &mut proof).map_err(auth::timed_out)?;
+    if n == 0 {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    auth::read_by(stream, &mut proof[n..], deadline)?;
+    if !server.check(&proof) {
+        return Ok(Err(auth::WRONG_PROOF.to_string()));
+    }
+    if fds.len() != 1 {
+        return Ok(Err(format!("expected 1 descriptor, got {}", fds.len())));
+    }
+    Ok(Ok((server.number(), fds.remove(0))))
 }
 
 fn accept_local(
@@ -328,24 +432,7 @@ fn accept_local(
                 (s, from)
             })
         },
-        |stream: &mut UnixStream| {
-            stream.set_nonblocking(false)?;
-            stream.set_read_timeout(Some(plan.left().min(Duration::from_secs(10))))?;
-            let mut first = [0u8; MAX_HELLO];
-            let (n, mut fds) = shm::recv_with_fds(stream, &mut first)?;
-            if n == 0 {
-                return Err(io::ErrorKind::UnexpectedEof.into());
-            }
-            let mut rest: &UnixStream = stream;
-            let mut hello = (&first[..n]).chain(&mut rest);
-            Ok(
-                match wire::read_hello(&mut hello, LOCAL_MAGIC, plan.token)? {
-                    Ok(r) if fds.len() == 1 => Ok((r, fds.remove(0))),
-                    Ok(_) => Err(format!("expected 1 descriptor, got {}", fds.len())),
-                    Err(why) => Err(why),
-                },
-            )
-        },
+        |stream: &mut UnixStream| check_local(plan, stream),
     )?;
     let lost = |e: io::Error| CommError::PeerLost {
         op: "rendezvous",
@@ -353,46 +440,15 @@ fn accept_local(
         via: format!("shared memory, pid {}", peer_pid(&stream)),
         detail: e.to_string(),
     };
-    // Only now, with the token checked, does the segment exist and leave this process.
+    // Only now, with the secret proven both ways, does the segment exist and leave this
+    // process.
     let (segment, pending) = PendingRing::create(plan.shm_capacity)
         .map_err(|e| local_error("creating a shared-memory ring", e))?;
     shm::send_with_fds(&stream, &[1], &[segment.as_fd(), bell.fd()]).map_err(lost)?;
     drop(segment);
-    stream.set_read_timeout(None).map_err(lost)?;
+    stream.set_timeouts(None).map_err(lost)?;
     let pid = peer_pid(&stream);
     Ok(RecvEnd::Shm(
         pending.into_receiver(Peer::new(stream, pid, prev_bell)),
     ))
-}
-
-/// Reads the successor's acknowledgement (its ring segment and bell) and maps the ring.
-fn finish_local(
-    plan: &RingPlan<'_>,
-    stream: UnixStream,
-    next: &PeerInfo,
-) -> Result<ShmSender, CommError> {
-    let name = next.local.as_deref().unwrap_or_default();
-    let rejected = || CommError::Rejected {
-        addr: format!("rank {} at shared-memory socket @{name}", next.rank),
-    };
-    stream
-        .set_read_timeout(Some(plan.left()))
-        .map_err(|e| local_error("shared-memory socket", e))?;
-    let mut ack = [0u8; 1];
-    let (n, fds) = shm::recv_with_fds(&stream, &mut ack).map_err(|_| rejected())?;
-    let [segment, bell]: [OwnedFd; 2] = match fds.try_into() {
-        Ok(fds) if n == 1 && ack[0] == 1 => fds,
-        _ => return Err(rejected()),
-    };
-    stream
-        .set_read_timeout(None)
-        .map_err(|e| local_error("shared-memory socket", e))?;
-    let pid = peer_pid(&stream);
-    let sender = ShmSender::open(&segment, Peer::new(stream, pid, bell)).map_err(|detail| {
-        CommError::Rendezvous {
-            addr: format!("shared-memory socket @{name}"),
-            detail: format!("rank {} sent an unusable ring: {detail}", next.rank),
-        }
-    })?;
-    Ok(sender)
 }

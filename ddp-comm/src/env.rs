@@ -5,8 +5,10 @@ use std::time::Duration;
 
 use crate::error::CommError;
 use crate::link::Transport;
+use crate::secret::{Secret, SECRET_ENV};
 
-/// Environment variable holding the job's run id, from which the rendezvous token is made.
+/// Environment variable holding the job's run id (which keys in torchrun's agent store carry,
+/// and from which the fallback secret is derived when `DDP_SECRET` is not set).
 pub const RUN_ID_ENV: &str = "DDP_RUN_ID";
 /// Environment variable overriding the rendezvous timeout, in seconds.
 pub const RDZV_TIMEOUT_ENV: &str = "DDP_RDZV_TIMEOUT_S";
@@ -48,8 +50,12 @@ pub struct EnvConfig {
     /// Port of the rendezvous store.
     pub master_port: u16,
     /// The job's run id: `DDP_RUN_ID`, else `TORCHELASTIC_RUN_ID`, else `SLURM_JOB_ID`, else
-    /// `"ddp-comm"`. Peers with another run id are rejected.
+    /// `"ddp-comm"`.
     pub run_id: String,
+    /// `DDP_SECRET`, the key of every connection's handshake, if set (`ddp-run` sets it).
+    /// When it is not, ranks derive one from the run id, which anyone who knows the run id
+    /// can do too (see the crate's README, "Security").
+    pub secret: Option<Secret>,
     /// `TORCHELASTIC_USE_AGENT_STORE=True`: torchrun's agent already serves a c10d TCPStore
     /// on `MASTER_PORT`; every rank is a client of it.
     pub agent_store: bool,
@@ -160,6 +166,17 @@ impl EnvConfig {
         if run_id.len() > MAX_RUN_ID_LEN {
             return Err(malformed(RUN_ID_ENV, &run_id, "at most 256 bytes"));
         }
+        let secret = get(SECRET_ENV)
+            .map(|text| {
+                Secret::from_env_value(&text).map_err(|hidden| {
+                    malformed(
+                        SECRET_ENV,
+                        &hidden,
+                        "32 to 128 hexadecimal digits (128 to 512 bits, e.g. from `openssl rand -hex 16`)",
+                    )
+                })
+            })
+            .transpose()?;
         let agent_store = match get("TORCHELASTIC_USE_AGENT_STORE").as_deref() {
             None => false,
             Some(v) if v.eq_ignore_ascii_case("true") || v == "1" => true,
@@ -191,6 +208,7 @@ impl EnvConfig {
             master_addr,
             master_port,
             run_id,
+            secret,
             agent_store,
             restart_count,
             rendezvous_timeout: timeout(RDZV_TIMEOUT_ENV)?,
@@ -420,6 +438,26 @@ mod tests {
                 Err(CommError::MalformedEnv { var: got, .. }) => assert_eq!(&got, var, "{vars:?}"),
                 other => panic!("{vars:?}: expected MalformedEnv for {var}, got {other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn the_secret_is_read_and_never_quoted() {
+        let hex = "0123456789abcdef0123456789abcdef";
+        let c = read(&[("DDP_SECRET", hex)]).unwrap();
+        assert_eq!(c.secret, Some(Secret::from_env_value(hex).unwrap()));
+        assert_eq!(c.secret.unwrap().origin(), crate::SecretOrigin::Env);
+        assert_eq!(read(&[]).unwrap().secret, None);
+        for bad in [&hex[..31], "0123456789abcdef0123456789abcdeg"] {
+            match read(&[("DDP_SECRET", bad)]) {
+                Err(CommError::MalformedEnv { var, value, .. }) => {
+                    assert_eq!(var, "DDP_SECRET");
+                    assert!(value.starts_with("<hidden: "), "{value}");
+                }
+                other => panic!("expected MalformedEnv, got {other:?}"),
+            }
+            let message = read(&[("DDP_SECRET", bad)]).unwrap_err().to_string();
+            assert!(!message.contains(&bad[..16]), "{message}");
         }
     }
 

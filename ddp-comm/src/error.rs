@@ -73,12 +73,15 @@ pub enum CommError {
         /// The last connection error.
         source: std::io::Error,
     },
-    /// The store (or a peer) closed the connection during the handshake: usually a different
-    /// run id (token).
-    #[error("{addr} rejected this process's token (different DDP_RUN_ID / TORCHELASTIC_RUN_ID?)")]
-    Rejected {
-        /// The address that rejected us.
+    /// The handshake with a peer (the store, or a ring neighbour) failed: it does not know
+    /// this job's secret, or does not trust this rank's, or runs as another user. Nothing
+    /// was exchanged with it.
+    #[error("handshake with {addr} failed: {failure}")]
+    Handshake {
+        /// The peer: its address, and its rank when it is one.
         addr: String,
+        /// What went wrong, and what to check.
+        failure: AuthFailure,
     },
     /// The store failed or answered something unexpected.
     #[error("store at {addr}: {detail}")]
@@ -184,6 +187,49 @@ pub enum CommError {
         context: String,
         /// The OS error.
         source: std::io::Error,
+    },
+}
+
+/// Why a connection's handshake failed ([`CommError::Handshake`]). Each says what to check.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AuthFailure {
+    /// The peer hung up during the handshake: it refused this rank's proof of the secret
+    /// (the secrets differ), or it speaks another version of the handshake.
+    #[error(
+        "the peer closed the connection: it refused this rank's proof of the job secret, so \
+         the secrets differ ({hint}), or it runs another version of ddp-comm"
+    )]
+    Refused {
+        /// What to check.
+        hint: String,
+    },
+    /// The peer could not prove that it knows the secret: it is not a rank of this job (a
+    /// stranger, or a job started with another secret), so this rank did not trust it.
+    #[error(
+        "the peer could not prove that it knows the job secret: it is not a rank of this \
+         job, or the secrets differ ({hint})"
+    )]
+    Unproven {
+        /// What to check.
+        hint: String,
+    },
+    /// The peer did not finish the handshake in time.
+    #[error("the peer did not finish the handshake within {waited:?}")]
+    NoAnswer {
+        /// How long it was given.
+        waited: Duration,
+    },
+    /// A shared-memory peer runs as another user.
+    #[error(
+        "the peer runs as uid {peer_uid} and this rank as uid {uid}: ranks that share memory \
+         must run as the same user"
+    )]
+    OtherUser {
+        /// The peer's uid.
+        peer_uid: u32,
+        /// This process's effective uid.
+        uid: u32,
     },
 }
 

@@ -13,6 +13,7 @@ use crate::heartbeat::{self, Heartbeat, StoreInfo};
 use crate::link::{LinkKind, Transport};
 use crate::nccl::{self, NcclComm};
 use crate::rendezvous::{self, Plan};
+use crate::secret::{Secret, SecretOrigin};
 use crate::shm;
 use crate::store::{Store, StoreServer};
 use crate::sync::lock;
@@ -65,8 +66,15 @@ pub struct Options {
     pub master_addr: String,
     /// Port of rank 0's store.
     pub master_port: u16,
-    /// The job's run id; peers presenting another one are rejected.
+    /// The job's run id: it keeps the keys of jobs sharing torchrun's agent store apart, and
+    /// makes the fallback secret when [`Options::secret`] is `None`.
     pub run_id: String,
+    /// The key of the handshake every connection between ranks starts with (see the
+    /// crate's README, "Security"): `DDP_SECRET` from the environment, or given with
+    /// [`Options::with_secret`]. `None` (what [`Options::new`] gives): derived from
+    /// `run_id` ([`Secret::from_run_id`]), which protects against other jobs' ranks but not
+    /// against anyone who can guess the run id.
+    pub secret: Option<Secret>,
     /// `None`: NCCL when a CUDA device is visible (initialised at the first CUDA
     /// collective), else the CPU links only. `Some(Nccl)`: NCCL, initialised now.
     pub backend: Option<Backend>,
@@ -113,6 +121,7 @@ impl Options {
             master_addr: master_addr.into(),
             master_port,
             run_id: "ddp-comm".to_string(),
+            secret: None,
             backend: None,
             rendezvous_timeout: DEFAULT_RENDEZVOUS_TIMEOUT,
             op_timeout: DEFAULT_OP_TIMEOUT,
@@ -136,6 +145,7 @@ impl Options {
             local_rank: c.local_rank,
             local_world_size: c.local_world_size,
             run_id: c.run_id.clone(),
+            secret: c.secret.clone(),
             agent_store: c.agent_store,
             restart_count: c.restart_count,
             rendezvous_timeout: c.rendezvous_timeout.unwrap_or(DEFAULT_RENDEZVOUS_TIMEOUT),
@@ -164,9 +174,15 @@ impl Options {
         self
     }
 
-    /// Sets the run id (the token peers must present).
+    /// Sets the run id (and with it the fallback secret, see [`Options::secret`]).
     pub fn run_id(mut self, run_id: impl Into<String>) -> Self {
         self.run_id = run_id.into();
+        self
+    }
+
+    /// Sets the secret every rank must prove (the same on every rank).
+    pub fn with_secret(mut self, secret: Secret) -> Self {
+        self.secret = Some(secret);
         self
     }
 
@@ -284,12 +300,24 @@ impl ProcessGroup {
                 Backend::Tcp
             }
         });
+        let secret = match &opts.secret {
+            Some(secret) => secret.clone(),
+            None => Secret::from_run_id(&opts.run_id),
+        };
+        if secret.origin() == SecretOrigin::RunId && opts.world_size > 1 && opts.rank == 0 {
+            tracing::warn!(
+                "ddp-comm: DDP_SECRET is not set, so connections between ranks are \
+                 authenticated with a secret derived from the run id {:?}: anyone who can \
+                 guess it can join (ddp-run sets DDP_SECRET; see ddp-comm's README, Security)",
+                opts.run_id
+            );
+        }
         let plan = Plan {
             rank: opts.rank,
             world_size: opts.world_size,
             master_addr: opts.master_addr.clone(),
             master_port: opts.master_port,
-            token: opts.run_id.as_bytes().to_vec(),
+            secret,
             agent_store: opts.agent_store,
             key_prefix: format!("/ddp-comm/{}/{}/", opts.run_id, opts.restart_count),
             timeout: opts.rendezvous_timeout,

@@ -15,8 +15,14 @@
 //!   A collective that times out names the rank that is hung, which may not be a neighbour,
 //!   from every rank's heartbeat in the store ([`Diagnosis`]).
 //!
+//! - Every connection between ranks starts with a mutual challenge–response over the job's
+//!   [`Secret`] (`DDP_SECRET`, which `ddp-run` sets; else derived from the run id, which is
+//!   weak): strangers get nothing, and a peer that cannot prove the secret is not trusted
+//!   ([`CommError::Handshake`], [`AuthFailure`]). See the README's "Security".
+//!
 //! Rendezvous (`rendezvous.rs`) uses a small key-value store served by rank 0 (`store.rs`),
-//! or torchrun's own agent store (`c10d.rs`), and connects the ring (`connect.rs`); ring
+//! or torchrun's own agent store (`c10d.rs`), and connects the ring (`connect.rs`), each
+//! connection authenticated by `auth.rs` with the key of `secret.rs`; ring
 //! schedules (`ring.rs`) are executed by `cpu.rs` over each link's end (`link.rs`): a
 //! non-blocking socket (`tcp.rs`) or a shared-memory ring (`shm.rs`); NCCL lives in
 //! `nccl.rs` and CUDA loading in [`cuda`]; heartbeats and the diagnosis of a timeout in
@@ -39,6 +45,7 @@
 
 #![warn(missing_docs)]
 
+mod auth;
 mod c10d;
 mod connect;
 mod cpu;
@@ -52,6 +59,7 @@ mod link;
 mod nccl;
 mod rendezvous;
 mod ring;
+mod secret;
 mod shm;
 mod store;
 mod sync;
@@ -61,11 +69,12 @@ mod work;
 
 pub use element::{DType, Element, ReduceOp};
 pub use env::EnvConfig;
-pub use error::{CommError, Diagnosis};
+pub use error::{AuthFailure, CommError, Diagnosis};
 pub use group::{
     dtype_of, Backend, Options, ProcessGroup, RingLayout, DEFAULT_OP_TIMEOUT,
     DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_SHM_RING_BYTES, DEFAULT_SOCKET_BUFFER,
 };
 pub use link::{LinkKind, Transport};
 pub use nccl::version as nccl_version;
+pub use secret::{Secret, SecretOrigin, MAX_SECRET_BYTES, MIN_SECRET_BYTES, SECRET_ENV};
 pub use work::Work;

@@ -13,7 +13,8 @@
 //! 4. Every rank computes the same ring: hosts in order of their lowest rank, each host's
 //!    ranks in a row. A link between two ranks of one host that both allow it is a
 //!    shared-memory ring, any other link TCP (`connect.rs`). Each rank connects to its
-//!    successor and accepts its predecessor, both sides presenting the job's token.
+//!    successor and accepts its predecessor; both sides prove the job's secret to each other
+//!    (`auth.rs`), as every connection to the store does.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -25,6 +26,7 @@ use crate::error::CommError;
 use crate::heartbeat::Connector;
 use crate::link::{Link, LinkKind, Transport};
 use crate::ring::host_order;
+use crate::secret::Secret;
 use crate::store::{resolve, Store, StoreClient, StoreServer};
 
 const ABORT_KEY: &str = "abort";
@@ -38,7 +40,8 @@ pub(crate) struct Plan {
     pub world_size: usize,
     pub master_addr: String,
     pub master_port: u16,
-    pub token: Vec<u8>,
+    /// The key of every handshake.
+    pub secret: Secret,
     pub agent_store: bool,
     pub key_prefix: String,
     pub timeout: Duration,
@@ -145,7 +148,7 @@ fn open_store(
     } else {
         Ok(Box::new(StoreClient::connect(
             addrs,
-            &plan.token,
+            &plan.secret,
             deadline,
             io_timeout,
         )?))
@@ -207,7 +210,7 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     }
     let server = if rank == 0 && !plan.agent_store {
         let addr = resolve(&plan.master_addr, plan.master_port)?[0];
-        Some(StoreServer::bind(addr, plan.token.clone())?)
+        Some(StoreServer::bind(addr, plan.secret.clone())?)
     } else {
         None
     };
@@ -305,7 +308,7 @@ fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Joined, Com
     let link = connect::ring(
         &connect::RingPlan {
             rank,
-            token: &plan.token,
+            secret: &plan.secret,
             socket_buffer: plan.socket_buffer,
             shm_capacity: plan.shm_capacity,
             timeout: plan.timeout,

@@ -1,8 +1,10 @@
 //! The rendezvous key-value store: a small TCP server that rank 0 runs (set / get / add /
 //! check, as c10d's TCPStore) and its client.
 //!
-//! Every connection starts with a handshake carrying the job's token; the server drops
-//! connections that do not present it, and bounds every length it reads before allocating.
+//! Every connection starts with the mutual challenge–response of `auth.rs`: a client serves
+//! nothing to, and trusts nothing from, a server that cannot prove the job's secret; the
+//! server drops connections that cannot prove it (and keeps serving the others), and bounds
+//! every length it reads before allocating.
 //! Clients poll (`check`) to wait, so the server never blocks on behalf of a client and a
 //! waiting rank can notice an abort or its own deadline.
 
@@ -14,7 +16,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::auth::{self, Timeouts};
 use crate::error::CommError;
+use crate::secret::Secret;
 use crate::wire;
 
 const STORE_MAGIC: &[u8; 4] = b"DDPS";
@@ -25,8 +29,6 @@ const OP_CHECK: u8 = 4;
 const STATUS_OK: u8 = 0;
 const STATUS_MISSING: u8 = 1;
 const STATUS_ERROR: u8 = 2;
-/// How long a new connection may take to present its token.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The operations rendezvous needs from a store (ours, or torchrun's agent store).
 pub(crate) trait Store: Send {
@@ -150,7 +152,7 @@ type Clients = Arc<Mutex<HashMap<u64, TcpStream>>>;
 
 impl StoreServer {
     /// Listens on `addr`; a busy port is [`CommError::PortInUse`].
-    pub(crate) fn bind(addr: SocketAddr, token: Vec<u8>) -> Result<Self, CommError> {
+    pub(crate) fn bind(addr: SocketAddr, secret: Secret) -> Result<Self, CommError> {
         let listener = TcpListener::bind(addr).map_err(|source| match source.kind() {
             io::ErrorKind::AddrInUse => CommError::PortInUse { addr },
             _ => CommError::Address {
@@ -168,7 +170,7 @@ impl StoreServer {
             let (stop, clients) = (stop.clone(), clients.clone());
             std::thread::Builder::new()
                 .name("ddp-store".into())
-                .spawn(move || accept_loop(listener, token, table, stop, clients))
+                .spawn(move || accept_loop(listener, secret, table, stop, clients))
                 .map_err(|e| CommError::io("spawning the store thread", e))?
         };
         Ok(StoreServer {
@@ -203,12 +205,12 @@ impl Drop for StoreServer {
 
 fn accept_loop(
     listener: TcpListener,
-    token: Vec<u8>,
+    secret: Secret,
     table: Table,
     stop: Arc<AtomicBool>,
     clients: Clients,
 ) {
-    let token = Arc::new(token);
+    let secret = Arc::new(secret);
     for (id, stream) in (0u64..).zip(listener.incoming()) {
         if stop.load(Ordering::SeqCst) {
             return;
@@ -220,7 +222,7 @@ fn accept_loop(
         if let (Ok(clone), Ok(mut map)) = (stream.try_clone(), clients.lock()) {
             map.insert(id, clone);
         }
-        let (token, table, clients) = (token.clone(), table.clone(), clients.clone());
+        let (secret, table, clients) = (secret.clone(), table.clone(), clients.clone());
         let _ = std::thread::Builder::new()
             .name("ddp-store-conn".into())
             .spawn(move || {
@@ -228,7 +230,7 @@ fn accept_loop(
                     .peer_addr()
                     .map(|a| a.to_string())
                     .unwrap_or_default();
-                if let Err(why) = serve(stream, &token, &table) {
+                if let Err(why) = serve(stream, &secret, &table) {
                     tracing::warn!("ddp-comm: store dropped connection from {peer}: {why}");
                 }
                 // Other handles (the server's list) must not keep the connection open.
@@ -241,23 +243,15 @@ fn accept_loop(
 }
 
 /// Serves one client until it disconnects. Errors are reasons to drop the connection.
-fn serve(stream: TcpStream, token: &[u8], table: &Table) -> Result<(), String> {
+fn serve(stream: TcpStream, secret: &Secret, table: &Table) -> Result<(), String> {
     let _ = stream.set_nodelay(true);
-    stream
-        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-        .map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + auth::HANDSHAKE_TIMEOUT;
+    auth::tcp_server(&stream, secret, STORE_MAGIC, deadline)
+        .map_err(|why| format!("rejected: {why}"))?;
+    stream.set_timeouts(None).map_err(|e| e.to_string())?;
     let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
     let mut writer = BufWriter::new(stream);
-    match wire::read_hello(&mut reader, STORE_MAGIC, token) {
-        Ok(Ok(_)) => {}
-        Ok(Err(why)) => return Err(format!("rejected: {why}")),
-        Err(e) => return Err(format!("rejected: incomplete handshake ({e})")),
-    }
     wire::send_all(&mut writer, &[STATUS_OK]).map_err(|e| e.to_string())?;
-    writer
-        .get_ref()
-        .set_read_timeout(None)
-        .map_err(|e| e.to_string())?;
     loop {
         let op = match wire::read_u8(&mut reader) {
             Ok(op) => op,
@@ -356,30 +350,39 @@ pub(crate) struct StoreClient {
 }
 
 impl StoreClient {
-    /// Connects (retrying until `deadline`) and presents `token`. Each later request may
-    /// take at most `io_timeout`.
+    /// Connects (retrying until `deadline`) and runs the handshake with `secret` (within
+    /// `io_timeout`, at most [`auth::HANDSHAKE_TIMEOUT`]). Each later request may take at
+    /// most `io_timeout`.
     pub(crate) fn connect(
         addrs: &[SocketAddr],
-        token: &[u8],
+        secret: &Secret,
         deadline: Instant,
         io_timeout: Duration,
     ) -> Result<Self, CommError> {
         let c = Connection::open(addrs, deadline, io_timeout, "rendezvous store")?;
-        let mut client = StoreClient {
+        let stream = c.writer.get_ref();
+        let handshake = Instant::now() + io_timeout.min(auth::HANDSHAKE_TIMEOUT);
+        let peer = || format!("the rendezvous store at {}", c.addr);
+        match auth::tcp_client(stream, secret, STORE_MAGIC, 0, handshake) {
+            Ok(STATUS_OK) => {}
+            Ok(status) => {
+                return Err(CommError::Store {
+                    addr: c.addr.clone(),
+                    detail: format!("handshake answered status {status}"),
+                })
+            }
+            Err(failed) => return Err(failed.into_error(peer())),
+        }
+        stream
+            .set_timeouts(Some(io_timeout))
+            .map_err(|e| CommError::io(format!("connection to {}", peer()), e))?;
+        Ok(StoreClient {
             reader: c.reader,
             writer: c.writer,
             addr: c.addr,
             local_ip: c.local_ip,
             request: Vec::new(),
-        };
-        let hello = wire::hello(STORE_MAGIC, token, 0);
-        wire::send_all(&mut client.writer, &hello).map_err(|e| client.fail(e))?;
-        match wire::read_u8(&mut client.reader) {
-            Ok(STATUS_OK) => Ok(client),
-            Ok(_) | Err(_) => Err(CommError::Rejected {
-                addr: client.addr.clone(),
-            }),
-        }
+        })
     }
 
     fn fail(&self, e: io::Error) -> CommError {
@@ -486,27 +489,47 @@ impl Store for StoreClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::AuthFailure;
     use std::io::Write;
 
-    fn server() -> StoreServer {
-        StoreServer::bind("127.0.0.1:0".parse().unwrap(), b"tok".to_vec()).unwrap()
+    fn secret(digit: &str) -> Secret {
+        Secret::from_hex(&digit.repeat(32)).unwrap()
     }
 
-    fn client(server: &StoreServer, token: &[u8]) -> Result<StoreClient, CommError> {
+    fn server() -> StoreServer {
+        StoreServer::bind("127.0.0.1:0".parse().unwrap(), secret("a")).unwrap()
+    }
+
+    fn client_of(addr: SocketAddr, secret: &Secret) -> Result<StoreClient, CommError> {
         let deadline = Instant::now() + Duration::from_secs(5);
-        StoreClient::connect(
-            &[server.local_addr()],
-            token,
-            deadline,
-            Duration::from_secs(5),
-        )
+        StoreClient::connect(&[addr], secret, deadline, Duration::from_secs(2))
+    }
+
+    fn client(server: &StoreServer, secret: &Secret) -> Result<StoreClient, CommError> {
+        client_of(server.local_addr(), secret)
+    }
+
+    /// Reads until the server hangs up; what it sent before.
+    fn read_to_hangup(stream: &mut TcpStream) -> Vec<u8> {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut got = Vec::new();
+        let _ = stream.read_to_end(&mut got);
+        got
+    }
+
+    fn assert_serves(server: &StoreServer) {
+        let mut good = client(server, &secret("a")).unwrap();
+        good.set("still", b"ok").unwrap();
+        assert_eq!(good.get("still").unwrap().as_deref(), Some(&b"ok"[..]));
     }
 
     #[test]
     fn set_get_add_check_round_trip() {
         let server = server();
-        let mut a = client(&server, b"tok").unwrap();
-        let mut b = client(&server, b"tok").unwrap();
+        let mut a = client(&server, &secret("a")).unwrap();
+        let mut b = client(&server, &secret("a")).unwrap();
         assert_eq!(a.get("k").unwrap(), None);
         a.set("k", b"value").unwrap();
         assert_eq!(b.get("k").unwrap().as_deref(), Some(&b"value"[..]));
@@ -518,29 +541,114 @@ mod tests {
     }
 
     #[test]
-    fn wrong_token_is_rejected_and_the_store_keeps_serving() {
+    fn a_client_with_another_secret_does_not_trust_the_store_and_it_keeps_serving() {
         let server = server();
-        match client(&server, b"other") {
-            Err(CommError::Rejected { addr }) => assert_eq!(addr, server.local_addr().to_string()),
-            other => panic!("expected Rejected, got {other:?}"),
+        let other = Secret::from_hex(&"b".repeat(32)).unwrap();
+        match client(&server, &other) {
+            Err(CommError::Handshake {
+                addr,
+                failure: AuthFailure::Unproven { hint },
+            }) => {
+                assert_eq!(
+                    addr,
+                    format!("the rendezvous store at {}", server.local_addr())
+                );
+                assert!(hint.contains("Options::with_secret"), "{hint}");
+            }
+            other => panic!("expected Handshake Unproven, got {other:?}"),
         }
-        let mut stray = TcpStream::connect(server.local_addr()).unwrap();
-        stray.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
-        let mut buf = [0u8; 16];
-        assert_eq!(
-            stray.read(&mut buf).unwrap_or(0),
-            0,
-            "stray connection got an answer"
-        );
-        let mut good = client(&server, b"tok").unwrap();
-        good.set("still", b"ok").unwrap();
-        assert_eq!(good.get("still").unwrap().as_deref(), Some(&b"ok"[..]));
+        assert_serves(&server);
+    }
+
+    #[test]
+    fn garbage_and_the_old_cleartext_token_get_no_answer_and_the_store_keeps_serving() {
+        let server = server();
+        // Version 1's hello: magic, version, the run id in cleartext, rank.
+        let mut cleartext = b"DDPS\x01".to_vec();
+        cleartext.extend_from_slice(&8u16.to_le_bytes());
+        cleartext.extend_from_slice(b"ddp-comm");
+        cleartext.extend_from_slice(&0u32.to_le_bytes());
+        for probe in [
+            &b"GET / HTTP/1.1\r\n\r\n"[..],
+            &cleartext,
+            &[0xff; 4096][..],
+        ] {
+            let mut stray = TcpStream::connect(server.local_addr()).unwrap();
+            stray.write_all(probe).unwrap();
+            assert_eq!(
+                read_to_hangup(&mut stray),
+                b"",
+                "a stray connection got an answer"
+            );
+        }
+        assert_serves(&server);
+    }
+
+    #[test]
+    fn a_client_with_a_wrong_proof_gets_the_challenge_only() {
+        let server = server();
+        let other = secret("c");
+        let mut raw = TcpStream::connect(server.local_addr()).unwrap();
+        let client = auth::Client::new(&other, STORE_MAGIC, 0).unwrap();
+        raw.write_all(&client.hello()).unwrap();
+        let mut challenge = [0u8; auth::CHALLENGE_LEN];
+        raw.read_exact(&mut challenge).unwrap();
+        // The server proved nothing this client can check: it answers with garbage.
+        assert_eq!(client.answer(&challenge), None);
+        raw.write_all(&[7u8; auth::PROOF_LEN]).unwrap();
+        assert_eq!(read_to_hangup(&mut raw), b"", "no status, no service");
+        assert_serves(&server);
+    }
+
+    /// A listener that answers every hello with `answer` and records what it receives.
+    fn impostor(answer: Vec<u8>) -> (SocketAddr, std::thread::JoinHandle<Vec<u8>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let thread = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut hello = [0u8; auth::HELLO_LEN];
+            stream.read_exact(&mut hello).unwrap();
+            stream.write_all(&answer).unwrap();
+            let mut rest = hello.to_vec();
+            let _ = stream.read_to_end(&mut rest);
+            rest
+        });
+        (addr, thread)
+    }
+
+    #[test]
+    fn a_store_that_does_not_know_the_secret_is_not_trusted() {
+        let (addr, thread) = impostor(vec![0x5a; auth::CHALLENGE_LEN]);
+        match client_of(addr, &secret("a")) {
+            Err(CommError::Handshake {
+                failure: AuthFailure::Unproven { .. },
+                addr: named,
+            }) => assert_eq!(named, format!("the rendezvous store at {addr}")),
+            other => panic!("expected Handshake Unproven, got {other:?}"),
+        }
+        // The client hung up after its hello: no proof, no request.
+        let received = thread.join().unwrap();
+        assert_eq!(received.len(), auth::HELLO_LEN);
+    }
+
+    #[test]
+    fn a_store_that_answers_anything_at_once_is_not_trusted() {
+        // Version 1's servers answered a hello with one status byte.
+        let (addr, thread) = impostor(vec![STATUS_OK]);
+        match client_of(addr, &secret("a")) {
+            Err(CommError::Handshake {
+                failure: AuthFailure::NoAnswer { .. },
+                ..
+            }) => {}
+            other => panic!("expected Handshake NoAnswer, got {other:?}"),
+        }
+        assert_eq!(thread.join().unwrap().len(), auth::HELLO_LEN);
     }
 
     #[test]
     fn busy_port_names_the_address() {
         let server = server();
-        match StoreServer::bind(server.local_addr(), b"tok".to_vec()) {
+        match StoreServer::bind(server.local_addr(), secret("a")) {
             Err(CommError::PortInUse { addr }) => assert_eq!(addr, server.local_addr()),
             other => panic!("expected PortInUse, got {other:?}"),
         }
@@ -550,10 +658,10 @@ mod tests {
     fn oversized_lengths_drop_the_connection() {
         let server = server();
         let mut raw = TcpStream::connect(server.local_addr()).unwrap();
-        raw.write_all(&wire::hello(STORE_MAGIC, b"tok", 0)).unwrap();
-        let mut ok = [0u8; 1];
-        raw.read_exact(&mut ok).unwrap();
-        assert_eq!(ok[0], STATUS_OK);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let status = auth::tcp_client(&raw, &secret("a"), STORE_MAGIC, 0, deadline).unwrap();
+        assert_eq!(status, STATUS_OK);
+        raw.set_timeouts(None).unwrap();
         let mut msg = vec![OP_SET];
         msg.extend_from_slice(&3u32.to_le_bytes());
         msg.extend_from_slice(b"key");

@@ -1,11 +1,9 @@
-//! TCP socket settings for ring links: `TCP_NODELAY`, kernel buffer sizes, and a blocking
-//! read with a time limit for the ring handshake. The links themselves are driven by
-//! `link.rs` and `cpu.rs`.
+//! TCP socket settings for ring links: `TCP_NODELAY` and kernel buffer sizes. The links
+//! themselves are driven by `link.rs` and `cpu.rs`.
 
-use std::io::{self, Read};
+use std::io;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::time::Duration;
 
 /// Sets `TCP_NODELAY` and, when `bytes > 0`, the kernel send and receive buffer sizes.
 pub(crate) fn tune_socket(stream: &TcpStream, bytes: usize) -> io::Result<()> {
@@ -35,16 +33,4 @@ pub(crate) fn set_buffer(fd: std::os::fd::RawFd, bytes: usize) -> io::Result<()>
         }
     }
     Ok(())
-}
-
-/// Reads exactly `buf.len()` bytes from a blocking stream (ring setup).
-pub(crate) fn read_exact_timeout(
-    stream: &mut TcpStream,
-    buf: &mut [u8],
-    timeout: Duration,
-) -> io::Result<()> {
-    stream.set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
-    let result = stream.read_exact(buf);
-    stream.set_read_timeout(None)?;
-    result
 }

@@ -1,5 +1,5 @@
-//! Framing helpers shared by the store and the peer handshake: little-endian integers and
-//! length-prefixed byte strings whose lengths are bounded before anything is allocated.
+//! Framing helpers of the store's protocol: little-endian integers and length-prefixed byte
+//! strings whose lengths are bounded before anything is allocated.
 
 use std::io::{self, Read, Write};
 
@@ -14,12 +14,6 @@ pub(crate) fn read_u8(r: &mut impl Read) -> io::Result<u8> {
     let mut b = [0u8; 1];
     r.read_exact(&mut b)?;
     Ok(b[0])
-}
-
-pub(crate) fn read_u16(r: &mut impl Read) -> io::Result<u16> {
-    let mut b = [0u8; 2];
-    r.read_exact(&mut b)?;
-    Ok(u16::from_le_bytes(b))
 }
 
 pub(crate) fn read_u32(r: &mut impl Read) -> io::Result<u32> {
@@ -70,51 +64,6 @@ pub(crate) fn put_blob(out: &mut Vec<u8>, data: &[u8]) {
     out.extend_from_slice(data);
 }
 
-/// The handshake a ddp-comm peer sends first: magic, version, token, and a number (the
-/// sender's rank, or 0 for store clients).
-pub(crate) fn hello(magic: &[u8; 4], token: &[u8], number: u32) -> Vec<u8> {
-    let mut out = Vec::with_capacity(11 + token.len());
-    out.extend_from_slice(magic);
-    out.push(PROTOCOL_VERSION);
-    out.extend_from_slice(&(token.len() as u16).to_le_bytes());
-    out.extend_from_slice(token);
-    out.extend_from_slice(&number.to_le_bytes());
-    out
-}
-
-/// Protocol version of the store and peer handshakes.
-pub(crate) const PROTOCOL_VERSION: u8 = 1;
-
-/// Reads and checks a [`hello`]; returns its number, or why it was refused.
-pub(crate) fn read_hello(
-    r: &mut impl Read,
-    magic: &[u8; 4],
-    token: &[u8],
-) -> io::Result<Result<u32, String>> {
-    let mut got = [0u8; 4];
-    r.read_exact(&mut got)?;
-    if &got != magic {
-        return Ok(Err(format!("bad magic {got:02x?}")));
-    }
-    let version = read_u8(r)?;
-    if version != PROTOCOL_VERSION {
-        return Ok(Err(format!(
-            "protocol version {version}, expected {PROTOCOL_VERSION}"
-        )));
-    }
-    let len = read_u16(r)?;
-    let theirs = read_bounded(r, len.into(), crate::env::MAX_RUN_ID_LEN, "token")?;
-    let number = read_u32(r)?;
-    if !constant_time_eq(&theirs, token) {
-        return Ok(Err("wrong token (another run id)".to_string()));
-    }
-    Ok(Ok(number))
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 /// Writes all of `data` and flushes.
 pub(crate) fn send_all(w: &mut impl Write, data: &[u8]) -> io::Result<()> {
     w.write_all(data)?;
@@ -124,21 +73,6 @@ pub(crate) fn send_all(w: &mut impl Write, data: &[u8]) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hello_round_trips_and_refuses_wrong_tokens() {
-        let msg = hello(b"TEST", b"run-1", 7);
-        assert_eq!(
-            read_hello(&mut msg.as_slice(), b"TEST", b"run-1").unwrap(),
-            Ok(7)
-        );
-        assert!(read_hello(&mut msg.as_slice(), b"TEST", b"run-2")
-            .unwrap()
-            .is_err());
-        assert!(read_hello(&mut msg.as_slice(), b"XXXX", b"run-1")
-            .unwrap()
-            .is_err());
-    }
 
     #[test]
     fn lengths_are_bounded_before_allocation() {

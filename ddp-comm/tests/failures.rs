@@ -1,6 +1,6 @@
 //! What goes wrong must fail promptly with an error that names the culprit: missing, killed,
 //! hung, duplicated or misconfigured ranks, busy ports, bad environment values, stray peers
-//! (on the store, and on the shared-memory handshake), mismatched collectives, unsupported
+//! and ranks of another job (on the store, and on the shared-memory handshake), mismatched collectives, unsupported
 //! tensors; and a killed rank leaves no shared memory behind.
 
 mod common;
@@ -332,13 +332,32 @@ fn two_rank_sum(group: &ProcessGroup) {
     println!("rank {rank}: ok");
 }
 
+/// Version 1's hello: magic, version, the run id in cleartext, rank.
+fn cleartext_hello(magic: &[u8; 4], run_id: &str, rank: u32) -> Vec<u8> {
+    let mut hello = magic.to_vec();
+    hello.push(1);
+    hello.extend_from_slice(&(run_id.len() as u16).to_le_bytes());
+    hello.extend_from_slice(run_id.as_bytes());
+    hello.extend_from_slice(&rank.to_le_bytes());
+    hello
+}
+
+/// Version 2's hello with a zero nonce: magic, version, number, nonce.
+fn hello(magic: &[u8; 4], number: u32) -> Vec<u8> {
+    let mut hello = magic.to_vec();
+    hello.push(2);
+    hello.extend_from_slice(&number.to_le_bytes());
+    hello.extend_from_slice(&[0u8; 16]);
+    hello
+}
+
 #[test]
-fn stray_connections_without_the_token_are_rejected() {
+fn stray_connections_without_the_secret_are_rejected() {
     if worker() {
         two_rank_sum(&ProcessGroup::from_env().unwrap());
         return;
     }
-    let test = "stray_connections_without_the_token_are_rejected";
+    let test = "stray_connections_without_the_secret_are_rejected";
     let port = free_port();
     let rank0 = spawn_rank(test, 0, 2, port, &[]);
     let connect = || {
@@ -353,23 +372,33 @@ fn stray_connections_without_the_token_are_rejected() {
             }
         }
     };
-    // Not our protocol at all, then our protocol with another run's token.
-    let mut wrong_token = b"DDPS\x01".to_vec();
-    wrong_token.extend_from_slice(&5u16.to_le_bytes());
-    wrong_token.extend_from_slice(b"other\0\0\0\0");
-    for probe in [&b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..], &wrong_token] {
+    // Not our protocol at all, then the old cleartext token (the right run id, even).
+    let run_id = format!("test-{port}");
+    for probe in [
+        &b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..],
+        &cleartext_hello(b"DDPS", &run_id, 0),
+    ] {
         let mut stray = connect();
         stray
             .set_read_timeout(Some(Duration::from_secs(20)))
             .unwrap();
         stray.write_all(probe).unwrap();
-        let mut buf = [0u8; 64];
-        assert_eq!(
-            stray.read(&mut buf).unwrap_or(0),
-            0,
-            "a stray connection got an answer"
-        );
+        let mut got = Vec::new();
+        let _ = stray.read_to_end(&mut got);
+        assert_eq!(got, b"", "a stray connection got an answer");
     }
+    // Our protocol without the secret: the challenge, then nothing but the end.
+    let mut guesser = connect();
+    guesser
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    guesser.write_all(&hello(b"DDPS", 0)).unwrap();
+    let mut challenge = [0u8; 48];
+    guesser.read_exact(&mut challenge).unwrap();
+    guesser.write_all(&[0u8; 32]).unwrap();
+    let mut got = Vec::new();
+    let _ = guesser.read_to_end(&mut got);
+    assert_eq!(got, b"", "a wrong proof got an answer");
     // A silent connection must not hold up the rendezvous either.
     let _silent = connect();
     let rank1 = spawn_rank(test, 1, 2, port, &[]);
@@ -378,10 +407,72 @@ fn stray_connections_without_the_token_are_rejected() {
         assert!(out.status.success(), "rank {rank}:\n{}", show(out));
     }
     let log = String::from_utf8_lossy(&outs[0].stderr);
+    for why in [
+        "rejected: bad magic",
+        "rejected: protocol version 1, expected 2",
+        "rejected: wrong proof of the job secret",
+    ] {
+        assert!(log.contains(why), "{why}: rank 0's log:\n{log}");
+    }
     assert!(
-        log.contains("rejected: bad magic") && log.contains("rejected: wrong token"),
-        "rank 0's log:\n{log}"
+        !log.contains(&run_id),
+        "rank 0's log shows the run id:\n{log}"
     );
+}
+
+#[test]
+fn groups_with_different_secrets_cannot_rendezvous() {
+    if worker() {
+        let (rank, _) = rank_world();
+        let err = expect_join_error();
+        match (rank, &err) {
+            (
+                1,
+                CommError::Handshake {
+                    failure: ddp_comm::AuthFailure::Unproven { .. },
+                    ..
+                },
+            ) => {}
+            (0, CommError::RendezvousTimeout { missing, .. }) => assert_eq!(missing, &[1]),
+            _ => panic!("rank {rank}: unexpected {err:?}"),
+        }
+        return;
+    }
+    let test = "groups_with_different_secrets_cannot_rendezvous";
+    let port = free_port();
+    let secret = |digit: &str| digit.repeat(32);
+    let start = Instant::now();
+    let rank0 = spawn_rank(
+        test,
+        0,
+        2,
+        port,
+        &env(&[("DDP_SECRET", &secret("a")), ("DDP_RDZV_TIMEOUT_S", "8")]),
+    );
+    let rank1 = spawn_rank(
+        test,
+        1,
+        2,
+        port,
+        &env(&[("DDP_SECRET", &secret("b")), ("DDP_RDZV_TIMEOUT_S", "8")]),
+    );
+    let outs = wait_all(vec![rank0, rank1], LIMIT);
+    for (rank, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "rank {rank}:\n{}", show(out));
+    }
+    let err = lines_with(&outs[1], "ERROR: ").join("\n");
+    assert!(
+        err.contains(&format!(
+            "handshake with the rendezvous store at 127.0.0.1:{port}"
+        )) && err.contains("could not prove that it knows the job secret")
+            && err.contains("the same DDP_SECRET"),
+        "rank 1: {err}"
+    );
+    for out in &outs {
+        let all = format!("{}{}", show(out), err);
+        assert!(!all.contains(&secret("a")) && !all.contains(&secret("b")));
+    }
+    assert!(start.elapsed() < LIMIT);
 }
 
 #[test]
@@ -722,7 +813,7 @@ fn a_rank_stuck_outside_the_collectives_is_named_over_tcp() {
 }
 
 #[test]
-fn a_stranger_with_a_wrong_token_cannot_attach_to_shared_memory() {
+fn a_stranger_without_the_secret_cannot_attach_to_shared_memory() {
     if worker() {
         let group = ProcessGroup::from_env().unwrap();
         assert_eq!(group.ring_layout().from_prev, Some(LinkKind::SharedMemory));
@@ -731,7 +822,7 @@ fn a_stranger_with_a_wrong_token_cannot_attach_to_shared_memory() {
     }
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::net::{SocketAddr, UnixStream};
-    let test = "a_stranger_with_a_wrong_token_cannot_attach_to_shared_memory";
+    let test = "a_stranger_without_the_secret_cannot_attach_to_shared_memory";
     let port = free_port();
     let rank0 = spawn_rank(test, 0, 2, port, &[]);
     // Abstract Unix sockets are visible to everyone in /proc/net/unix: find rank 0's.
@@ -748,14 +839,28 @@ fn a_stranger_with_a_wrong_token_cannot_attach_to_shared_memory() {
         );
         std::thread::sleep(Duration::from_millis(20));
     };
-    // The right protocol with another run's token, offering a descriptor as a real sender
-    // does; queued before rank 1 exists, so rank 0 judges it first.
+    // Queued before rank 1 exists, so rank 0 judges it first: the right protocol without
+    // the secret, offering a descriptor with its (wrong) proof as a real sender does.
     let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
     let stranger = UnixStream::connect_addr(&addr).unwrap();
-    let mut hello = b"DDPL\x01".to_vec();
-    hello.extend_from_slice(&5u16.to_le_bytes());
-    hello.extend_from_slice(b"other");
-    hello.extend_from_slice(&1u32.to_le_bytes());
+    stranger
+        .set_read_timeout(Some(Duration::from_secs(50)))
+        .unwrap();
+    (&stranger).write_all(&hello(b"DDPL", 1)).unwrap();
+    let rank1 = spawn_rank(test, 1, 2, port, &[]);
+    // Receives a challenge it cannot check, and no descriptor.
+    let recv = |buf: &mut [u8]| {
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+        let mut control = rustix::net::RecvAncillaryBuffer::new(&mut space);
+        let got = rustix::net::recvmsg(
+            &stranger,
+            &mut [std::io::IoSliceMut::new(buf)],
+            &mut control,
+            rustix::net::RecvFlags::WAITALL,
+        );
+        (got.map(|r| r.bytes).unwrap_or(0), control.drain().count())
+    };
+    assert_eq!(recv(&mut [0u8; 48]), (48, 0), "the challenge");
     let offered = std::fs::File::open("/dev/null").unwrap();
     {
         use std::os::fd::AsFd;
@@ -765,33 +870,14 @@ fn a_stranger_with_a_wrong_token_cannot_attach_to_shared_memory() {
         assert!(control.push(rustix::net::SendAncillaryMessage::ScmRights(&fds)));
         rustix::net::sendmsg(
             &stranger,
-            &[std::io::IoSlice::new(&hello)],
+            &[std::io::IoSlice::new(&[0u8; 32])],
             &mut control,
             rustix::net::SendFlags::empty(),
         )
         .unwrap();
     }
-    let rank1 = spawn_rank(test, 1, 2, port, &[]);
-    // The stranger gets nothing: no byte, no descriptor, just the end of the stream.
-    stranger
-        .set_read_timeout(Some(Duration::from_secs(50)))
-        .unwrap();
-    let mut buf = [0u8; 16];
-    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
-    let mut control = rustix::net::RecvAncillaryBuffer::new(&mut space);
-    let got = rustix::net::recvmsg(
-        &stranger,
-        &mut [std::io::IoSliceMut::new(&mut buf)],
-        &mut control,
-        rustix::net::RecvFlags::empty(),
-    );
-    let received_fds = control.drain().count();
-    assert_eq!(
-        got.map(|r| r.bytes).unwrap_or(0),
-        0,
-        "the stranger got an answer"
-    );
-    assert_eq!(received_fds, 0, "the stranger got descriptors");
+    // Then nothing: no byte, no descriptor, just the end of the stream.
+    assert_eq!(recv(&mut [0u8; 16]), (0, 0), "the stranger got an answer");
     let outs = wait_all(vec![rank0, rank1], LIMIT);
     for (rank, out) in outs.iter().enumerate() {
         assert!(out.status.success(), "rank {rank}:\n{}", show(out));
@@ -800,7 +886,7 @@ fn a_stranger_with_a_wrong_token_cannot_attach_to_shared_memory() {
     let log = String::from_utf8_lossy(&outs[0].stderr);
     assert!(
         log.contains(&format!(
-            "rejected a connection from pid {} (shared memory): wrong token",
+            "rejected a connection from pid {} (shared memory): wrong proof of the job secret",
             std::process::id()
         )),
         "rank 0's log:\n{log}"

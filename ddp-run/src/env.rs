@@ -1,10 +1,12 @@
 //! torchrun's worker environment: the variable names, and the values one rank gets.
 //!
 //! torchrun's elastic agent (`LocalElasticAgent._start_workers` in PyTorch) gives every worker
-//! the variables named here. [`RankEnv`] is the one place in this workspace that writes them;
-//! `ddp_comm::EnvConfig` is the one place that reads them.
+//! the variables named here; ddp-run adds [`DDP_SECRET`]. [`RankEnv`] is the one place in
+//! this workspace that writes them; `ddp_comm::EnvConfig` is the one place that reads them.
 
 use std::process::Command;
+
+use crate::secret::JobSecret;
 
 /// Global rank of the process, `0..WORLD_SIZE`.
 pub const RANK: &str = "RANK";
@@ -41,6 +43,7 @@ pub const TORCHELASTIC_USE_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
 pub const TORCH_NCCL_ASYNC_ERROR_HANDLING: &str = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
 /// Threads of OpenMP (and of libtorch's intra-op pool) in each rank.
 pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+pub use crate::secret::DDP_SECRET;
 
 /// The port torchrun uses when several nodes meet and none is given.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -84,11 +87,15 @@ pub struct RankEnv {
     pub omp_num_threads: Option<usize>,
     /// `TORCH_NCCL_ASYNC_ERROR_HANDLING` for the rank.
     pub nccl_async_error_handling: String,
+    /// The job's secret ([`DDP_SECRET`]), the same for every rank of the job. `None`: not
+    /// set (ddp-comm then derives one from the run id, which is weaker).
+    pub secret: Option<JobSecret>,
 }
 
 impl RankEnv {
     /// Rank `rank` of `world_size` ranks on this machine, meeting at `127.0.0.1:master_port`;
-    /// the other values as torchrun sets them on a first attempt.
+    /// the other values as torchrun sets them on a first attempt, and no secret (give every
+    /// rank of a job the same with [`RankEnv::secret`]).
     pub fn single_node(rank: usize, world_size: usize, master_port: u16) -> Self {
         Self {
             rank,
@@ -105,10 +112,12 @@ impl RankEnv {
             run_id: format!("ddp-run-{master_port}"),
             omp_num_threads: None,
             nccl_async_error_handling: "1".to_string(),
+            secret: None,
         }
     }
 
-    /// The variables and their values, in torchrun's order.
+    /// The variables and their values, in torchrun's order; never the secret, so that
+    /// they can be shown.
     pub fn vars(&self) -> Vec<(&'static str, String)> {
         let mut vars = vec![
             (RANK, self.rank.to_string()),
@@ -137,10 +146,14 @@ impl RankEnv {
         vars
     }
 
-    /// Sets the variables on `cmd` (over any inherited values).
+    /// Sets the variables on `cmd` (over any inherited values), and `DDP_SECRET` when
+    /// there is a secret (an inherited `DDP_SECRET` stays otherwise).
     pub fn apply<'c>(&self, cmd: &'c mut Command) -> &'c mut Command {
         for (name, value) in self.vars() {
             cmd.env(name, value);
+        }
+        if let Some(secret) = &self.secret {
+            secret.apply(cmd);
         }
         cmd
     }
@@ -207,6 +220,30 @@ mod tests {
         assert_eq!(set.len(), 16, "{set:?}");
         assert!(set.contains(&("LOCAL_RANK".into(), "1".into())));
         assert!(set.contains(&("MASTER_PORT".into(), "20001".into())));
-        assert!(!set.iter().any(|(k, _)| k == "OMP_NUM_THREADS"));
+        assert!(!set
+            .iter()
+            .any(|(k, _)| k == "OMP_NUM_THREADS" || k == "DDP_SECRET"));
+    }
+
+    #[test]
+    fn the_secret_is_applied_but_never_listed_nor_shown() {
+        let secret = JobSecret::from_hex("00112233445566778899aabbccddeeff").unwrap();
+        let env = RankEnv {
+            secret: Some(secret),
+            ..RankEnv::single_node(0, 2, 20001)
+        };
+        assert!(!env.vars().iter().any(|(k, _)| *k == DDP_SECRET));
+        assert!(!format!("{env:?}").contains("0011"), "{env:?}");
+        let mut cmd = Command::new("true");
+        env.apply(&mut cmd);
+        let value = cmd
+            .get_envs()
+            .find(|(k, _)| *k == DDP_SECRET)
+            .and_then(|(_, v)| v);
+        assert_eq!(
+            value.and_then(|v| v.to_str()),
+            Some("00112233445566778899aabbccddeeff")
+        );
+        assert_eq!(cmd.get_args().count(), 0);
     }
 }

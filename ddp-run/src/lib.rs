@@ -15,7 +15,8 @@
 //! - [`launch`] runs the job and returns its [`Outcome`]; the [`Event`]s it reports
 //!   (attempt starting, rank failed, restarting) are for the caller to show.
 //! - [`RankEnv`] and the names in [`mod@env`] are the torchrun environment, for anything else
-//!   that starts ranks by hand (tests, benchmarks).
+//!   that starts ranks by hand (tests, benchmarks); [`JobSecret`] is the job's secret, drawn
+//!   by [`launch`] once per job and given to the ranks only in `DDP_SECRET`.
 //!
 //! The library prints nothing of its own (only the ranks' output, when
 //! [`LaunchConfig::echo`] is set) and needs neither tch nor clap; the `cli` feature (on by
@@ -51,6 +52,7 @@ mod devices;
 pub mod env;
 mod error;
 mod port;
+mod secret;
 mod signals;
 mod supervisor;
 
@@ -59,5 +61,6 @@ pub use devices::{available_cores, visible_gpus, NprocPerNode};
 pub use env::RankEnv;
 pub use error::LaunchError;
 pub use port::free_port;
+pub use secret::{JobSecret, SECRET_BYTES};
 pub use signals::FORWARDED as FORWARDED_SIGNALS;
 pub use supervisor::{launch, Event, Exit, Outcome, RankFailure, EXIT_STOPPED};

@@ -2,7 +2,8 @@
 //!
 //! - [`free_port`]: a loopback port below the ephemeral range ([`ddp_run::free_port`]).
 //! - [`temp_dir`]: a fresh folder, removed when the test ends.
-//! - [`rank_command`]: a command with torchrun's environment for one rank on loopback.
+//! - [`rank_command`]: a command with torchrun's environment for one rank on loopback, and
+//!   [`job_secret`], the `DDP_SECRET` it gives every rank this process starts.
 //! - [`wait_all`], [`wait_bounded`], [`wait_for`]: waits that cannot hang a test; processes
 //!   still running at the limit are killed and the test fails.
 //! - [`procs`]: what `/proc` says of processes (children, liveness, environment).
@@ -25,10 +26,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
-use std::sync::mpsc;
+use std::sync::{mpsc, OnceLock};
 use std::time::{Duration, Instant};
 
-pub use ddp_run::RankEnv;
+pub use ddp_run::{JobSecret, RankEnv};
 pub use tempfile::TempDir;
 
 /// The Python of `cargo xtask setup` (`.deps/venv/bin/python`, found through `DDP_DEPS_DIR`,
@@ -61,11 +62,24 @@ pub fn temp_dir(name: &str) -> TempDir {
         .expect("cannot create a temporary folder")
 }
 
+/// The secret of the jobs this process starts by hand, drawn at the first call: every rank
+/// of a job must have the same, as `ddp_run::launch` gives them (jobs of one test process
+/// are kept apart by their ports and run ids).
+pub fn job_secret() -> &'static JobSecret {
+    static SECRET: OnceLock<JobSecret> = OnceLock::new();
+    SECRET.get_or_init(|| JobSecret::generate().expect("no random bytes from the OS"))
+}
+
 /// `program` as rank `rank` of `world` on this machine, with torchrun's environment
-/// ([`ddp_run::RankEnv::single_node`]) and the rendezvous at 127.0.0.1:`port`.
+/// ([`ddp_run::RankEnv::single_node`]), the rendezvous at 127.0.0.1:`port`, and this
+/// process's [`job_secret`] in `DDP_SECRET`.
 pub fn rank_command(program: impl AsRef<Path>, rank: usize, world: usize, port: u16) -> Command {
     let mut cmd = Command::new(program.as_ref());
-    ddp_run::RankEnv::single_node(rank, world, port).apply(&mut cmd);
+    RankEnv {
+        secret: Some(job_secret().clone()),
+        ..RankEnv::single_node(rank, world, port)
+    }
+    .apply(&mut cmd);
     cmd
 }
 
@@ -220,13 +234,13 @@ mod tests {
         let child = rank_command("sh", 1, 2, 20123)
             .args([
                 "-c",
-                "echo $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_ADDR:$MASTER_PORT",
+                "echo $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_ADDR:$MASTER_PORT ${#DDP_SECRET}",
             ])
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         let out = wait_bounded(child, Duration::from_secs(60));
-        assert_eq!(text(&out), "1 2 1 127.0.0.1:20123\n");
+        assert_eq!(text(&out), "1 2 1 127.0.0.1:20123 32\n");
     }
 
     #[test]

@@ -43,7 +43,8 @@ pub fn worker_command(test: &str) -> Command {
     cmd
 }
 
-/// Spawns rank `rank` of `world` for `test`, meeting on `port`.
+/// Spawns rank `rank` of `world` for `test`, meeting on `port`, with this test process's
+/// `DDP_SECRET` (`extra` may replace it).
 pub fn spawn_rank(
     test: &str,
     rank: usize,
@@ -52,7 +53,11 @@ pub fn spawn_rank(
     extra: &[(&str, String)],
 ) -> Child {
     let mut cmd = worker_command(test);
-    ddp_testkit::RankEnv::single_node(rank, world, port).apply(&mut cmd);
+    ddp_testkit::RankEnv {
+        secret: Some(ddp_testkit::job_secret().clone()),
+        ..ddp_testkit::RankEnv::single_node(rank, world, port)
+    }
+    .apply(&mut cmd);
     cmd.env("DDP_RUN_ID", format!("test-{port}"))
         .env("DDP_RDZV_TIMEOUT_S", "60")
         .env("DDP_OP_TIMEOUT_S", "60");

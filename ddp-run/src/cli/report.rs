@@ -30,6 +30,15 @@ pub fn launch_and_report(config: &LaunchConfig, name: &str) -> Result<ExitCode, 
             config.nproc_per_node
         );
     }
+    if config.nnodes > 1 && std::env::var_os(crate::env::DDP_SECRET).is_none() {
+        eprintln!(
+            "{name}: DDP_SECRET is not set, so the ranks of these {} nodes authenticate each \
+             other with a secret derived from the run id, which anyone who knows it can \
+             compute; give every node the same DDP_SECRET (e.g. `export DDP_SECRET=$(openssl \
+             rand -hex 16)` where the job is submitted)",
+            config.nnodes
+        );
+    }
     let outcome = launch(config, |event| {
         for line in event_lines(name, event) {
             eprintln!("{line}");

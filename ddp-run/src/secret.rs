@@ -1,0 +1,87 @@
+//! The job's secret: 128 random bits from the OS, drawn once per job (the same for every
+//! attempt and every rank) and given to the ranks only in their environment (`DDP_SECRET`,
+//! hexadecimal), never on a command line and never in a message. ddp-comm's ranks prove it
+//! to each other on every connection without sending it.
+
+/// The environment variable that holds the job's secret (hexadecimal), which ddp-comm's
+/// ranks prove to each other on every connection. Not torchrun's: ddp-run's own, given only
+/// in the environment.
+pub const DDP_SECRET: &str = "DDP_SECRET";
+
+/// Random bytes of a secret the launcher draws.
+pub const SECRET_BYTES: usize = 16;
+
+/// A job's secret. Its `Debug` does not show it; only [`JobSecret::apply`] writes it, into a
+/// command's environment.
+///
+/// ```
+/// use std::process::Command;
+///
+/// let a = ddp_run::JobSecret::generate()?;
+/// let b = ddp_run::JobSecret::generate()?;
+/// assert_ne!(a, b);
+/// assert_eq!(format!("{a:?}"), "JobSecret(<hidden>)");
+/// let mut cmd = Command::new("true");
+/// a.apply(&mut cmd); // DDP_SECRET=<32 hexadecimal digits>
+/// # Ok::<(), std::io::Error>(())
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+pub struct JobSecret(String);
+
+impl JobSecret {
+    /// 128 fresh random bits from the OS.
+    pub fn generate() -> std::io::Result<Self> {
+        let mut bytes = [0u8; SECRET_BYTES];
+        getrandom::fill(&mut bytes)
+            .map_err(|e| std::io::Error::other(format!("no random bytes from the OS: {e}")))?;
+        Ok(JobSecret(
+            bytes.iter().map(|b| format!("{b:02x}")).collect(),
+        ))
+    }
+
+    /// A secret given as text (as `DDP_SECRET` holds it): 32 to 128 hexadecimal digits, an
+    /// even number, as ddp-comm accepts. `None` otherwise.
+    pub fn from_hex(text: &str) -> Option<Self> {
+        let text = text.trim();
+        let ok = (32..=128).contains(&text.len())
+            && text.len() % 2 == 0
+            && text.bytes().all(|b| b.is_ascii_hexdigit());
+        ok.then(|| JobSecret(text.to_ascii_lowercase()))
+    }
+
+    /// Sets `DDP_SECRET` on `cmd`.
+    pub fn apply<'c>(&self, cmd: &'c mut std::process::Command) -> &'c mut std::process::Command {
+        cmd.env(DDP_SECRET, &self.0)
+    }
+}
+
+impl std::fmt::Debug for JobSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("JobSecret(<hidden>)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_secrets_are_128_bits_of_hex_and_differ() {
+        let a = JobSecret::generate().unwrap();
+        assert_eq!(a.0.len(), 32);
+        assert!(a.0.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_ne!(a, JobSecret::generate().unwrap());
+    }
+
+    #[test]
+    fn given_secrets_are_checked() {
+        let hex = "0123456789ABCDEF0123456789abcdef";
+        assert_eq!(
+            JobSecret::from_hex(hex).unwrap().0,
+            hex.to_ascii_lowercase()
+        );
+        for bad in [&hex[..30], &hex[1..], "g123456789abcdef0123456789abcdef"] {
+            assert_eq!(JobSecret::from_hex(bad), None, "{bad}");
+        }
+    }
+}
