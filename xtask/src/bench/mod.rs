@@ -52,7 +52,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 
 pub use report::Group;
-use report::{json_str, print_table, Row, Unit};
+use report::{end_json, print_table, start_json, Row, Unit};
 use runner::{ensure_setup, say, Ctx};
 
 /// Options of `cargo xtask bench`.
@@ -111,12 +111,8 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
     let mut loads = vec![("start".to_string(), load_average())];
     if args.json {
         println!(
-            "{{\"group\":\"meta\",\"name\":\"start\",\"cores\":{cores},\"load_average\":{},\
-             \"quick\":{},\"warmup_steps\":{},\"timed_steps\":{}}}",
-            json_str(&loads[0].1),
-            ctx.quick,
-            ctx.warmup,
-            ctx.steps
+            "{}",
+            start_json(cores, &loads[0].1, ctx.quick, ctx.warmup, ctx.steps)?
         );
     }
     let mut rows: Vec<Row> = Vec::new();
@@ -151,7 +147,7 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
         };
         if args.json {
             for r in &new_rows {
-                println!("{}", r.json());
+                println!("{}", r.json()?);
             }
         }
         rows.extend(new_rows);
@@ -159,14 +155,7 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
     }
     let seconds = started.elapsed().as_secs_f64();
     if args.json {
-        let loads_json: Vec<String> = loads
-            .iter()
-            .map(|(k, v)| format!("{}:{}", json_str(k), json_str(v)))
-            .collect();
-        println!(
-            "{{\"group\":\"meta\",\"name\":\"end\",\"seconds\":{seconds:.1},\"load_average\":{{{}}}}}",
-            loads_json.join(",")
-        );
+        println!("{}", end_json(seconds, &loads)?);
     } else {
         rows.sort_by_key(|r| r.group);
         print_table(&rows);

@@ -1,7 +1,8 @@
 //! The result model and its output: a [`Row`] per figure (ours, PyTorch's, their ratio and
 //! the [`Target`] it must meet), printed as one table or as JSON lines.
 
-use std::fmt::Write as _;
+use serde::ser::SerializeMap;
+use serde::{Serialize, Serializer};
 
 /// A group of benchmarks, selectable with `--only`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
@@ -155,50 +156,110 @@ impl Row {
     }
 
     /// The row as one JSON object (a line of `--json`).
-    pub(super) fn json(&self) -> String {
-        let num = |v: Option<f64>| match v {
-            Some(x) if x.is_finite() => format!("{x}"),
-            _ => "null".to_string(),
-        };
+    pub(super) fn json(&self) -> serde_json::Result<String> {
+        let finite = |v: Option<f64>| v.filter(|x| x.is_finite());
         let (target, target_on) = match self.target {
-            Some(Target::Ratio(t)) => (Some(t), "\"ratio\""),
-            Some(Target::Ours(t)) => (Some(t), "\"ours\""),
-            Some(Target::OursAtMost(t)) => (Some(t), "\"ours_at_most\""),
-            None => (None, "null"),
+            Some(Target::Ratio(t)) => (Some(t), Some("ratio")),
+            Some(Target::Ours(t)) => (Some(t), Some("ours")),
+            Some(Target::OursAtMost(t)) => (Some(t), Some("ours_at_most")),
+            None => (None, None),
         };
-        format!(
-            "{{\"group\":{},\"name\":{},\"unit\":{},\"ours\":{},\"pytorch\":{},\"ratio\":{},\
-             \"target\":{},\"target_on\":{target_on},\"meets_target\":{},\"note\":{}}}",
-            json_str(self.group.name()),
-            json_str(&self.name),
-            json_str(self.unit.label()),
-            num(self.ours),
-            num(self.pytorch),
-            num(self.ratio),
-            num(target),
-            self.meets_target()
-                .map_or("null".to_string(), |b| b.to_string()),
-            json_str(&self.note)
-        )
+        serde_json::to_string(&RowJson {
+            group: self.group.name(),
+            name: &self.name,
+            unit: self.unit.label(),
+            ours: finite(self.ours),
+            pytorch: finite(self.pytorch),
+            ratio: finite(self.ratio),
+            target: finite(target),
+            target_on,
+            meets_target: self.meets_target(),
+            note: &self.note,
+        })
     }
 }
 
-pub(super) fn json_str(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
+/// A [`Row`] as a line of `--json`, fields in this order; a number that is missing or not
+/// finite is `null`.
+#[derive(Serialize)]
+struct RowJson<'a> {
+    group: &'static str,
+    name: &'a str,
+    unit: &'static str,
+    ours: Option<f64>,
+    pytorch: Option<f64>,
+    ratio: Option<f64>,
+    target: Option<f64>,
+    /// `ratio`, `ours` or `ours_at_most`: what the target is compared with.
+    target_on: Option<&'static str>,
+    meets_target: Option<bool>,
+    note: &'a str,
+}
+
+/// The first line of `--json`: the machine and the run's settings.
+#[derive(Serialize)]
+struct Start<'a> {
+    group: &'static str,
+    name: &'static str,
+    cores: usize,
+    load_average: &'a str,
+    quick: bool,
+    warmup_steps: usize,
+    timed_steps: usize,
+}
+
+/// The first line of `--json`: `cores`, the load average at the start, and the run's
+/// settings.
+pub(super) fn start_json(
+    cores: usize,
+    load_average: &str,
+    quick: bool,
+    warmup_steps: usize,
+    timed_steps: usize,
+) -> serde_json::Result<String> {
+    serde_json::to_string(&Start {
+        group: "meta",
+        name: "start",
+        cores,
+        load_average,
+        quick,
+        warmup_steps,
+        timed_steps,
+    })
+}
+
+/// The last line of `--json`: the run's seconds and the load average after each group.
+#[derive(Serialize)]
+struct End<'a> {
+    group: &'static str,
+    name: &'static str,
+    /// Rounded to tenths.
+    seconds: f64,
+    load_average: Loads<'a>,
+}
+
+/// `(when, load average)` pairs as one JSON object, in their order.
+struct Loads<'a>(&'a [(String, String)]);
+
+impl Serialize for Loads<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(Some(self.0.len()))?;
+        for (when, load) in self.0 {
+            map.serialize_entry(when, load)?;
         }
+        map.end()
     }
-    out.push('"');
-    out
+}
+
+/// The last line of `--json`: `seconds` in all (in tenths) and the load averages `loads`.
+pub(super) fn end_json(seconds: f64, loads: &[(String, String)]) -> serde_json::Result<String> {
+    serde_json::to_string(&End {
+        group: "meta",
+        name: "end",
+        // Tenths as `{:.1}` rounds them, so the line reads as it always has.
+        seconds: format!("{seconds:.1}").parse().unwrap_or(seconds),
+        load_average: Loads(loads),
+    })
 }
 
 /// Prints `rows` as the table of `cargo xtask bench`.
@@ -251,9 +312,71 @@ mod tests {
     #[test]
     fn json_lines_escape_and_use_null() {
         let r = Row::new(Group::Comm, "a \"b\"", Unit::GigabytesPerSec).pair(Some(1.5), None);
-        let j = r.json();
+        let j = r.json().unwrap();
         assert!(j.starts_with("{\"group\":\"comm\",\"name\":\"a \\\"b\\\"\""));
         assert!(j.contains("\"pytorch\":null") && j.contains("\"ratio\":null"));
         assert!(j.contains("\"meets_target\":null"));
+    }
+
+    /// Lines the hand-written JSON of earlier versions printed for these rows, byte for
+    /// byte. serde writes the same but for two spellings of the same JSON values: a
+    /// whole-number `f64` keeps its `.0` (`5.0`, was `5`), and a tab is `\t` (was `\u0009`).
+    #[test]
+    fn json_lines_are_the_hand_written_ones() {
+        let rows = [
+            (
+                Row::new(Group::Comm, "a \"b\"\n\tc\\", Unit::GigabytesPerSec)
+                    .pair(Some(1.5), None),
+                r#"{"group":"comm","name":"a \"b\"\n\u0009c\\","unit":"GB/s","ours":1.5,"pytorch":null,"ratio":null,"target":null,"target_on":null,"meets_target":null,"note":""}"#,
+            ),
+            (
+                Row::new(
+                    Group::Sampler,
+                    "one epoch's indices, N=10^6, rank 0 of 8",
+                    Unit::Seconds,
+                )
+                .pair(Some(0.00605), Some(0.0932))
+                .target(Target::Ratio(5.0))
+                .note("PyTorch: x"),
+                r#"{"group":"sampler","name":"one epoch's indices, N=10^6, rank 0 of 8","unit":"s","ours":0.00605,"pytorch":0.0932,"ratio":15.404958677685952,"target":5,"target_on":"ratio","meets_target":true,"note":"PyTorch: x"}"#,
+            ),
+            (
+                Row::new(Group::Data, "hand-off", Unit::Seconds)
+                    .pair(Some(0.000125), None)
+                    .target(Target::OursAtMost(0.0005)),
+                r#"{"group":"data","name":"hand-off","unit":"s","ours":0.000125,"pytorch":null,"ratio":null,"target":0.0005,"target_on":"ours_at_most","meets_target":true,"note":""}"#,
+            ),
+            (
+                Row::new(Group::Train, "eff", Unit::Fraction)
+                    .pair(Some(0.9), Some(f64::NAN))
+                    .target(Target::Ours(0.95)),
+                r#"{"group":"train","name":"eff","unit":"","ours":0.9,"pytorch":null,"ratio":null,"target":0.95,"target_on":"ours","meets_target":false,"note":""}"#,
+            ),
+        ];
+        for (row, old) in rows {
+            let old = old
+                .replace("\"target\":5,", "\"target\":5.0,")
+                .replace("\\u0009", "\\t");
+            assert_eq!(row.json().unwrap(), old);
+        }
+    }
+
+    #[test]
+    fn meta_lines_are_the_hand_written_ones() {
+        assert_eq!(
+            start_json(2, "0.52 0.61 0.70", true, 1, 4).unwrap(),
+            r#"{"group":"meta","name":"start","cores":2,"load_average":"0.52 0.61 0.70","quick":true,"warmup_steps":1,"timed_steps":4}"#
+        );
+        let loads = [
+            ("start".to_string(), "0.52 0.61 0.70".to_string()),
+            ("after sampler".to_string(), "1.00 0.80 0.71".to_string()),
+        ];
+        assert_eq!(
+            end_json(123.44, &loads).unwrap(),
+            r#"{"group":"meta","name":"end","seconds":123.4,"load_average":{"start":"0.52 0.61 0.70","after sampler":"1.00 0.80 0.71"}}"#
+        );
+        assert!(end_json(120.0, &loads)
+            .unwrap()
+            .contains(r#""seconds":120.0,"#));
     }
 }
