@@ -4,8 +4,9 @@
 use anyhow::{bail, Result};
 
 use super::parse::result_lines;
-use super::report::{Group, Row, Target, Unit};
+use super::report::{Group, Row, Unit};
 use super::runner::{run_ranks, say, Ctx};
+use super::targets;
 
 /// Runs the group.
 pub(super) fn comm(ctx: &Ctx) -> Result<Vec<Row>> {
@@ -48,9 +49,9 @@ pub(super) fn comm(ctx: &Ctx) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// Table rows for one transport's RESULT lines next to Gloo's. `targets`: the goals
-/// (2x Gloo's bus bandwidth from 4 MiB up, 4 KiB latency at least Gloo's) apply to this
-/// transport; the other one is shown for comparison.
+/// Table rows for one transport's RESULT lines next to Gloo's. `targets`: the goals
+/// ([`targets::ALLREDUCE_BANDWIDTH`] from 4 MiB up, [`targets::ALLREDUCE_LATENCY`] at 4 KiB)
+/// apply to this transport; the other one is shown for comparison.
 fn comm_rows(
     what: &str,
     ours: &[(String, f64, f64)],
@@ -68,7 +69,7 @@ fn comm_rows(
             )
         };
         if let Some(size) = label.strip_prefix("all_reduce ") {
-            let big = ["4 MiB", "25 MiB", "64 MiB"].contains(&size);
+            let big = targets::ALLREDUCE_BANDWIDTH_SIZES.contains(&size);
             if size == "4 KiB" {
                 let mut row = Row::new(
                     Group::Comm,
@@ -78,7 +79,7 @@ fn comm_rows(
                 .pair(Some(*secs), theirs.map(|t| t.1))
                 .note("vs Gloo; ratio = Gloo time / ours");
                 if targets {
-                    row = row.target(Target::Ratio(1.0));
+                    row = row.target(targets::ALLREDUCE_LATENCY);
                 }
                 rows.push(row);
             } else {
@@ -90,7 +91,7 @@ fn comm_rows(
                 .pair(Some(*value), theirs.map(|t| t.2))
                 .note(median_note());
                 if big && targets {
-                    row = row.target(Target::Ratio(2.0));
+                    row = row.target(targets::ALLREDUCE_BANDWIDTH);
                 }
                 rows.push(row);
             }

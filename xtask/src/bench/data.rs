@@ -9,8 +9,9 @@ use anyhow::{bail, Context, Result};
 
 use super::loader::loader;
 use super::parse::pipeline_rate;
-use super::report::{Group, Row, Target, Unit};
+use super::report::{Group, Row, Unit};
 use super::runner::{ensure_torchvision, say, Ctx};
+use super::targets;
 
 /// Runs the group.
 pub(super) fn data(ctx: &Ctx) -> Result<Vec<Row>> {
@@ -79,7 +80,7 @@ pub(super) fn data(ctx: &Ctx) -> Result<Vec<Row>> {
                 Unit::ImagesPerSec,
             )
             .pair(Some(ours), best(d0, d1))
-            .target(Target::Ratio(2.0))
+            .target(targets::DECODE_VS_TORCHVISION)
             .note(format!(
                 "torchvision default {} img/s, with raised malloc thresholds {}",
                 show(d0),
@@ -93,7 +94,7 @@ pub(super) fn data(ctx: &Ctx) -> Result<Vec<Row>> {
                 Unit::ImagesPerSec,
             )
             .pair(Some(ours), best(f0, f1))
-            .target(Target::Ratio(1.3))
+            .target(targets::DECODE_VS_PIL_DRAFT)
             .note(format!(
                 "torchvision + PIL draft {} img/s, with raised malloc thresholds {}",
                 show(f0),

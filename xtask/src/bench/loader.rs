@@ -6,8 +6,9 @@ use std::process::Command;
 use anyhow::Result;
 
 use super::parse::{tagged, value_where};
-use super::report::{Group, Row, Target, Unit};
+use super::report::{Group, Row, Unit};
 use super::runner::{say, Ctx};
+use super::targets;
 
 /// Runs the loader bench: training-thread hand-off per batch and throughput with 1 and 2
 /// threads.
@@ -26,7 +27,7 @@ pub(super) fn loader(ctx: &Ctx) -> Result<Vec<Row>> {
         Unit::Seconds,
     )
     .pair(metric("handoff_f32_s"), None)
-    .target(Target::OursAtMost(0.0005))
+    .target(targets::LOADER_HANDOFF)
     .note(format!(
         "the previous copying hand-off {}; bytes converted on the training thread {}",
         show(metric("handoff_copying_s"), Unit::Seconds),
@@ -57,7 +58,7 @@ pub(super) fn loader(ctx: &Ctx) -> Result<Vec<Row>> {
         }
         rows.push(
             scaling
-                .target(Target::Ours(1.8))
+                .target(targets::LOADER_SCALING)
                 .note("on an idle 2-core machine; other load lowers it"),
         );
     }

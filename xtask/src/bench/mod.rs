@@ -29,7 +29,7 @@
 //!
 //! One file per job: this one runs the groups and prints; `report.rs` is the result model
 //! and its table and JSON lines; `runner.rs` builds and runs benches, Python and ranks;
-//! `parse.rs` reads what they print; the groups
+//! `parse.rs` reads what they print; `targets.rs` holds every pass/fail target; the groups
 //! are `sampler.rs`, `data.rs` (+ `loader.rs`), `comm.rs`, `train.rs` (`train` and `ddp`)
 //! and `overlap.rs` (+ `netcap.rs`, the loopback cap).
 
@@ -42,6 +42,7 @@ mod parse;
 mod report;
 mod runner;
 mod sampler;
+mod targets;
 mod train;
 
 use std::collections::BTreeSet;

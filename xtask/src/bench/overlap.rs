@@ -9,8 +9,9 @@ use anyhow::{Context, Result};
 
 use super::netcap::LoopbackCap;
 use super::parse::overlap_value;
-use super::report::{Group, Row, Target, Unit};
+use super::report::{Group, Row, Unit};
 use super::runner::{run_ranks, say, Ctx, MALLOC_KEEP};
+use super::targets;
 
 /// The communication-heavy step: 10 `Linear(2048, 2048)` layers (42 M parameters, 168 MB
 /// of gradients) on a batch of 16 per rank.
@@ -118,8 +119,8 @@ fn overlap_steps(ctx: &Ctx) -> [String; 4] {
 
 /// The rows of one transport: ours overlapped, not overlapped and bf16-compressed next to
 /// PyTorch DDP, and the share of the communication the overlap hides. `capped`: the
-/// bandwidth-limited targets (ours >= PyTorch, half the communication hidden) instead of
-/// 1.3x PyTorch.
+/// bandwidth-limited targets ([`targets::OVERLAP_CAPPED_VS_DDP`],
+/// [`targets::OVERLAP_CAPPED_HIDDEN`]) instead of [`targets::OVERLAP_VS_DDP`].
 fn overlap_rows(what: &str, ours: &str, theirs: &str, capped: bool) -> Vec<Row> {
     let o = |config: &str, key: &str| overlap_value(ours, "overlap", config, key);
     let t = |config: &str, key: &str| overlap_value(theirs, "reference_overlap", config, key);
@@ -152,7 +153,11 @@ fn overlap_rows(what: &str, ours: &str, theirs: &str, capped: bool) -> Vec<Row> 
         Unit::StepsPerSec,
     )
     .pair(o("overlap", "steps_per_sec"), t("overlap", "steps_per_sec"))
-    .target(Target::Ratio(if capped { 1.0 } else { 1.3 }))
+    .target(if capped {
+        targets::OVERLAP_CAPPED_VS_DDP
+    } else {
+        targets::OVERLAP_VS_DDP
+    })
     .note(format!(
         "step: ours {} = fwd+bwd {} + wait in sync_gradients {} + SGD {}; PyTorch {} = \
          fwd+bwd with its all-reduce {} + SGD {}",
@@ -183,8 +188,7 @@ fn overlap_rows(what: &str, ours: &str, theirs: &str, capped: bool) -> Vec<Row> 
         s(o("overlap", "allreduce_median_s")),
     ));
     if capped {
-        // overlapped <= not overlapped - 0.5 x communication
-        share = share.target(Target::Ours(0.5));
+        share = share.target(targets::OVERLAP_CAPPED_HIDDEN);
     }
     vec![
         first,

@@ -4,8 +4,9 @@
 use anyhow::Result;
 
 use super::parse::value_where;
-use super::report::{Group, Row, Target, Unit};
+use super::report::{Group, Row, Unit};
 use super::runner::{say, Ctx};
+use super::targets;
 
 /// Runs the group.
 pub(super) fn sampler(ctx: &Ctx) -> Result<Vec<Row>> {
@@ -28,7 +29,7 @@ pub(super) fn sampler(ctx: &Ctx) -> Result<Vec<Row>> {
                 Unit::Seconds,
             )
             .pair(Some(ours), theirs)
-            .target(Target::Ratio(5.0))
+            .target(targets::SAMPLER_VS_DISTRIBUTED_SAMPLER)
             .note("PyTorch: DistributedSampler(shuffle=True), list(iter(sampler))"),
         );
     }

@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use super::parse::{run_of, runs_by_world, Run};
 use super::report::{Group, Row, Target, Unit};
 use super::runner::{ensure_torchvision, say, train_data, Ctx, MALLOC_KEEP};
+use super::targets;
 
 /// Images of each synthetic ODIR folder the training benchmark reads: 32 is one step of
 /// batch 16 on each of 2 ranks.
@@ -112,7 +113,7 @@ struct TrainSource {
     data: Option<PathBuf>,
     /// Extra environment of both sides' processes.
     env: &'static [(&'static str, &'static str)],
-    target: Option<f64>,
+    target: Option<Target>,
 }
 
 /// Runs the `train` group, and the `ddp` group's rows too when `with_ddp`.
@@ -125,7 +126,7 @@ pub(super) fn train(ctx: &Ctx, with_ddp: bool) -> Result<Vec<Row>> {
         tag: "random".to_string(),
         data: None,
         env: &[],
-        target: Some(1.0),
+        target: Some(targets::TRAIN_RANDOM_TENSORS),
     }];
     for (size, count) in TRAIN_IMAGES {
         sources.push(TrainSource {
@@ -133,7 +134,7 @@ pub(super) fn train(ctx: &Ctx, with_ddp: bool) -> Result<Vec<Row>> {
             tag: format!("jpeg{size}"),
             data: Some(train_data(ctx, size, count)?),
             env: &[],
-            target: (size == 2048).then_some(1.15),
+            target: (size == 2048).then_some(targets::TRAIN_2048_JPEGS),
         });
     }
     // Not the product's default: shows what the allocator costs both sides.
@@ -192,7 +193,7 @@ pub(super) fn train(ctx: &Ctx, with_ddp: bool) -> Result<Vec<Row>> {
             )
             .note(format!("ours: {}; PyTorch: {}", phases(o), phases(t)));
             if let Some(target) = source.target {
-                row = row.target(Target::Ratio(target));
+                row = row.target(target);
             }
             rows.push(row);
         }
@@ -208,7 +209,7 @@ pub(super) fn train(ctx: &Ctx, with_ddp: bool) -> Result<Vec<Row>> {
         )
         .pair(efficiency(&ours), efficiency(&theirs));
         if source.env.is_empty() {
-            row = row.target(Target::Ours(0.95));
+            row = row.target(targets::TRAIN_SCALING);
         }
         rows.push(row);
         if data.is_none() && source.env.is_empty() && with_ddp {
