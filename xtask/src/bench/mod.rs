@@ -1,0 +1,195 @@
+//! `cargo xtask bench`: every benchmark of the workspace, each next to PyTorch doing the same
+//! work in the same run, in one table (or one JSON object per line with `--json`).
+//!
+//! | group     | ours                                         | PyTorch side                              |
+//! |-----------|----------------------------------------------|-------------------------------------------|
+//! | `sampler` | `ddp-sampler/benches/sampler.rs` (criterion) | `ddp-sampler/benches/reference_sampler.py` |
+//! | `data`    | `ddp-data/benches/pipeline.rs` (criterion)   | `ddp-data/benches/reference_pipeline.py` (torchvision) |
+//! | `data`    | `ddp-data/benches/loader.rs` (hand-off, threads) | (the previous, copying hand-off) |
+//! | `comm`    | `ddp-comm/benches/collectives.rs` (2 ranks, shm and TCP) | `ddp-comm/benches/reference_gloo.py` |
+//! | `ddp`     | `ddp-train/benches/ddp_steps.rs` (2 ranks)   | (PyTorch overlaps it with backward)       |
+//! | `train`   | `ddp-train/benches/ddp_steps.rs`             | `ddp-train/benches/reference_ddp.py`      |
+//! | `overlap` | `ddp-train/benches/overlap.rs` (2 ranks, shm, TCP, TCP capped by `tc`) | `ddp-train/benches/reference_overlap.py` |
+//!
+//! xtask does not link libtorch: it builds each bench with `cargo bench --no-run`, runs the
+//! binaries and the Python scripts (the setup's `.deps/venv`), and reads their
+//! machine-readable output: criterion's `estimates.json` (medians, kept under
+//! `target/xtask-bench/criterion` so developers' own criterion baselines are untouched), and
+//! `key=value` / `RESULT` lines from the others. Every command's output goes to a log file
+//! under `target/xtask-bench/logs/`. torchvision, needed only here, is installed into the
+//! venv on first use. Ratios are "higher is better for us": speed-ups for times, ours/theirs
+//! for rates and bandwidths.
+//!
+//! The `train` group also runs random tensors with glibc told never to return freed memory
+//! to the OS (`MALLOC_MMAP_MAX_=0`), on both sides: not the default of either, it shows what
+//! the allocator costs a CPU step (the kernel re-zeroing 100 MB activations every step).
+//!
+//! The `overlap` group caps loopback's bandwidth with `tc` (root only) for its last rows and
+//! removes the cap afterwards, also on an error, a panic or Ctrl-C ([`netcap::LoopbackCap`]).
+//!
+//! One file per job: this one runs the groups and prints; `report.rs` is the result model
+//! and its table and JSON lines; `runner.rs` builds and runs benches, Python and ranks;
+//! `parse.rs` reads what they print; `targets.rs` holds every pass/fail target; the groups
+//! are `sampler.rs`, `data.rs` (+ `loader.rs`), `comm.rs`, `train.rs` (`train` and `ddp`)
+//! and `overlap.rs` (+ `netcap.rs`, the loopback cap).
+
+mod comm;
+mod data;
+mod loader;
+mod netcap;
+mod overlap;
+mod parse;
+mod report;
+mod runner;
+mod sampler;
+mod targets;
+mod train;
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+
+pub use report::Group;
+use report::{end_json, print_table, start_json, Row, Unit};
+use runner::{ensure_setup, say, Ctx};
+
+/// Options of `cargo xtask bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Print one JSON object per line (one per result) on stdout instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Fewer samples and training steps: checks that every benchmark runs, in a few minutes;
+    /// its figures are rougher than a full run's.
+    #[arg(long)]
+    pub quick: bool,
+    /// Run only these groups (comma separated).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub only: Vec<Group>,
+    /// Timed training steps per run (default 12; 4 with --quick).
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Untimed warm-up steps per training run (default 3; 1 with --quick).
+    #[arg(long)]
+    pub warmup: Option<usize>,
+}
+
+/// Runs `cargo xtask bench`.
+pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
+    let started = Instant::now();
+    let deps = ensure_setup(root)?;
+    let dir = root.join("target").join("xtask-bench");
+    fs::create_dir_all(dir.join("logs"))
+        .with_context(|| format!("cannot create {}", dir.join("logs").display()))?;
+    let ctx = Ctx {
+        root: root.to_path_buf(),
+        python: deps.python(),
+        dir,
+        quick: args.quick,
+        warmup: args.warmup.unwrap_or(if args.quick { 1 } else { 3 }),
+        steps: args.steps.unwrap_or(if args.quick { 4 } else { 12 }),
+    };
+    if ctx.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let groups: BTreeSet<Group> = if args.only.is_empty() {
+        [
+            Group::Sampler,
+            Group::Data,
+            Group::Comm,
+            Group::Ddp,
+            Group::Train,
+            Group::Overlap,
+        ]
+        .into()
+    } else {
+        args.only.iter().copied().collect()
+    };
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mut loads = vec![("start".to_string(), load_average())];
+    if args.json {
+        println!(
+            "{}",
+            start_json(cores, &loads[0].1, ctx.quick, ctx.warmup, ctx.steps)?
+        );
+    }
+    let mut rows: Vec<Row> = Vec::new();
+    let mut failures = Vec::new();
+    for &group in &groups {
+        // The training runs also measure the DDP overhead: one run serves both groups.
+        if group == Group::Ddp && groups.contains(&Group::Train) {
+            continue;
+        }
+        say(&format!(
+            "{} (load average {})",
+            group.name(),
+            load_average()
+        ));
+        let result = match group {
+            Group::Sampler => sampler::sampler(&ctx),
+            Group::Data => data::data(&ctx),
+            Group::Comm => comm::comm(&ctx),
+            Group::Ddp => train::ddp_only(&ctx),
+            Group::Train => train::train(&ctx, groups.contains(&Group::Ddp)),
+            Group::Overlap => overlap::overlap(&ctx),
+        };
+        let new_rows = match result {
+            Ok(r) => r,
+            Err(e) => {
+                let msg = format!("{e:#}");
+                say(&format!("{} failed: {msg}", group.name()));
+                failures.push(group.name());
+                let first = msg.lines().next().unwrap_or("").to_string();
+                vec![Row::new(group, "(did not run)", Unit::Fraction).note(first)]
+            }
+        };
+        if args.json {
+            for r in &new_rows {
+                println!("{}", r.json()?);
+            }
+        }
+        rows.extend(new_rows);
+        loads.push((format!("after {}", group.name()), load_average()));
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    if args.json {
+        println!("{}", end_json(seconds, &loads)?);
+    } else {
+        rows.sort_by_key(|r| r.group);
+        print_table(&rows);
+        println!(
+            "\n{cores} cores; load average (1, 5, 15 min): {}; {seconds:.0} s in all{}",
+            loads
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join("; "),
+            if ctx.quick {
+                " (--quick: rough figures)"
+            } else {
+                ""
+            }
+        );
+        println!(
+            "ratio: higher is better for us (speed-up for times, ours/PyTorch for rates); logs in {}",
+            ctx.dir.join("logs").display()
+        );
+    }
+    if !failures.is_empty() {
+        bail!(
+            "benchmark group(s) failed: {} (see the messages above)",
+            failures.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// The load average over 1, 5 and 15 minutes, as `/proc/loadavg` shows it.
+fn load_average() -> String {
+    fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".to_string())
+}

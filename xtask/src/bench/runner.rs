@@ -1,0 +1,307 @@
+//! How the benches are run: the run's [`Ctx`] (logs, builds, Python, criterion), the setup
+//! they need (libtorch, torchvision, synthetic images) and ranks started through `ddp-run`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+use super::parse::median_point_estimate;
+use crate::setup;
+
+/// The torchvision that matches torch 2.13 (installed for benchmarks only).
+const TORCHVISION_VERSION: &str = "0.28.0";
+
+/// glibc settings that keep freed memory in the heap instead of returning it to the OS: the
+/// ConvNet's activations (up to 100 MB each) are otherwise mmap'ed and unmapped on every
+/// use, and the kernel zeroes their pages again on every step.
+pub(super) const MALLOC_KEEP: &[(&str, &str)] = &[
+    ("MALLOC_MMAP_MAX_", "0"),
+    ("MALLOC_TRIM_THRESHOLD_", "17179869184"),
+];
+
+/// Where and how this run works.
+#[derive(Debug)]
+pub(super) struct Ctx {
+    pub(super) root: PathBuf,
+    pub(super) python: PathBuf,
+    /// `target/xtask-bench`
+    pub(super) dir: PathBuf,
+    pub(super) quick: bool,
+    pub(super) warmup: usize,
+    pub(super) steps: usize,
+}
+
+impl Ctx {
+    fn log_path(&self, name: &str) -> PathBuf {
+        self.dir.join("logs").join(format!("{name}.log"))
+    }
+
+    /// Runs `cmd` in the project root, stdout and stderr to `logs/<name>.log`; returns stdout.
+    pub(super) fn capture(&self, name: &str, mut cmd: Command) -> Result<String> {
+        cmd.current_dir(&self.root)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let line = format!("{cmd:?}");
+        let out = cmd
+            .output()
+            .with_context(|| format!("cannot start {line}"))?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let log = self.log_path(name);
+        fs::write(
+            &log,
+            format!("$ {line}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"),
+        )
+        .with_context(|| format!("cannot write {}", log.display()))?;
+        if !out.status.success() {
+            bail!(
+                "{line} failed ({}); last lines:\n{}\nfull output in {}",
+                out.status,
+                tail(&stderr, 12),
+                log.display()
+            );
+        }
+        Ok(stdout)
+    }
+
+    /// Builds bench `name` of `package` (release) and returns its executable.
+    pub(super) fn build_bench(&self, package: &str, name: &str) -> Result<PathBuf> {
+        say(&format!("building {package} bench {name} (release)"));
+        let mut cmd = crate::cargo();
+        cmd.current_dir(&self.root)
+            .args([
+                "bench",
+                "--no-run",
+                "--message-format=json-render-diagnostics",
+            ])
+            .args(["-p", package, "--bench", name])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let line = format!("{cmd:?}");
+        let out = cmd
+            .output()
+            .with_context(|| format!("cannot start {line}"))?;
+        if !out.status.success() {
+            bail!("{line} failed ({})", out.status);
+        }
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        stdout
+            .lines()
+            .find_map(|l| bench_executable(l, name))
+            .with_context(|| format!("{line} reported no executable for bench {name}"))
+    }
+
+    /// The setup's Python, one OpenMP thread.
+    pub(super) fn python(&self) -> Command {
+        let mut cmd = Command::new(&self.python);
+        cmd.env("OMP_NUM_THREADS", "1");
+        cmd
+    }
+
+    /// The Python reference `<crate_dir>/benches/<name>`, which must exist.
+    pub(super) fn script(&self, crate_dir: &str, name: &str) -> Result<PathBuf> {
+        let path = self.root.join(crate_dir).join("benches").join(name);
+        if !path.exists() {
+            bail!("{} is missing", path.display());
+        }
+        Ok(path)
+    }
+
+    fn criterion_dir(&self) -> PathBuf {
+        self.dir.join("criterion")
+    }
+
+    /// Runs a criterion bench binary with this run's settings.
+    pub(super) fn criterion(
+        &self,
+        name: &str,
+        exe: &Path,
+        extra_env: &[(&str, &str)],
+    ) -> Result<String> {
+        let mut cmd = Command::new(exe);
+        cmd.args(["--bench", "--noplot"])
+            .env("CRITERION_HOME", self.criterion_dir());
+        if self.quick {
+            cmd.arg("--quick");
+        }
+        for (k, v) in extra_env {
+            cmd.env(k, v);
+        }
+        self.capture(name, cmd)
+    }
+
+    /// The median time in seconds of criterion benchmark `id` (`group/function/param`).
+    pub(super) fn criterion_median(&self, id: &str) -> Result<f64> {
+        let path = self
+            .criterion_dir()
+            .join(id)
+            .join("new")
+            .join("estimates.json");
+        let text =
+            fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let median = median_point_estimate(&text)
+            .with_context(|| format!("{} has no median point estimate", path.display()))?;
+        Ok(median * 1e-9)
+    }
+}
+
+/// Makes sure libtorch is installed (the benches link it), quietly when it already is, so
+/// that `--json` output holds nothing but JSON.
+pub(super) fn ensure_setup(root: &Path) -> Result<setup::Deps> {
+    let deps = setup::Deps::new(root);
+    if deps.installed_version().as_deref() == Some(setup::TORCH_VERSION) {
+        return Ok(deps);
+    }
+    setup::run(root, &setup::SetupArgs::default())
+}
+
+/// Installs torchvision into the setup's venv if it is not there (benchmarks only).
+pub(super) fn ensure_torchvision(ctx: &Ctx) -> Result<()> {
+    let probe = Command::new(&ctx.python)
+        .args(["-c", "import torchvision"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .with_context(|| format!("cannot start {}", ctx.python.display()))?;
+    if probe.success() {
+        return Ok(());
+    }
+    say(&format!(
+        "installing torchvision=={TORCHVISION_VERSION} into {} (for the PyTorch side of the \
+         benchmarks only; `cargo xtask setup` does not install it)",
+        ctx.python.display()
+    ));
+    let status = Command::new(&ctx.python)
+        .args(["-m", "pip", "install", "--quiet"])
+        .arg(format!("torchvision=={TORCHVISION_VERSION}"))
+        .stdout(Stdio::from(std::io::stderr()))
+        .status()
+        .with_context(|| format!("cannot start {} -m pip", ctx.python.display()))?;
+    if !status.success() {
+        bail!("installing torchvision=={TORCHVISION_VERSION} failed ({status})");
+    }
+    Ok(())
+}
+
+/// The synthetic ODIR folder of `count` images of `size` px, generated once.
+pub(super) fn train_data(ctx: &Ctx, size: u32, count: usize) -> Result<PathBuf> {
+    let dir = ctx.dir.join(format!("odir-{size}px-{count}"));
+    let done = dir.join(".complete");
+    if done.exists() {
+        return Ok(dir);
+    }
+    if dir.exists() {
+        fs::remove_dir_all(&dir).with_context(|| format!("cannot remove {}", dir.display()))?;
+    }
+    say(&format!(
+        "generating {count} synthetic ODIR JPEGs of {size}x{size} px in {} (once{})",
+        dir.display(),
+        if size > 1024 { "; about a minute" } else { "" }
+    ));
+    crate::launch::generate_sample(&ctx.root, None, &dir, count, size, 0)?;
+    fs::write(&done, b"").with_context(|| format!("cannot write {}", done.display()))?;
+    Ok(dir)
+}
+
+/// Starts `world` ranks of `exe` on loopback with `ddp-run` (quietly: each rank's output goes
+/// to `logs/<name>/rank-<r>.out`) and returns each rank's output; the first rank to fail ends
+/// the others.
+pub(super) fn run_ranks(
+    ctx: &Ctx,
+    name: &str,
+    exe: &Path,
+    args: &[String],
+    world: usize,
+    env: &[(&str, &str)],
+) -> Result<Vec<String>> {
+    let logs = ctx.dir.join("logs").join(name);
+    if logs.exists() {
+        fs::remove_dir_all(&logs).with_context(|| format!("cannot remove {}", logs.display()))?;
+    }
+    let config = ddp_run::LaunchConfig {
+        env: env.iter().map(|(k, v)| (k.into(), v.into())).collect(),
+        log_dir: Some(logs.clone()),
+        omp_num_threads: Some(1),
+        shutdown_timeout: Duration::from_secs(5),
+        echo: false,
+        ..ddp_run::LaunchConfig::new(exe, world).args(args)
+    };
+    match ddp_run::launch(&config, |_| {})? {
+        ddp_run::Outcome::Succeeded { .. } => {}
+        ddp_run::Outcome::Failed { failure, .. } => bail!(
+            "{failure} ({}); see {}",
+            exe.display(),
+            logs.join(format!("rank-{}.out", failure.rank)).display()
+        ),
+        ddp_run::Outcome::Interrupted { signal } => {
+            bail!(
+                "interrupted by signal {signal} while running {}",
+                exe.display()
+            )
+        }
+        ddp_run::Outcome::Stopped { .. } => bail!("{} stopped before the end", exe.display()),
+    }
+    (0..world)
+        .map(|rank| {
+            let log = logs.join(format!("rank-{rank}.out"));
+            fs::read_to_string(&log).with_context(|| format!("cannot read {}", log.display()))
+        })
+        .collect()
+}
+
+/// A progress message on stderr (stdout holds only the table or the JSON lines).
+pub(super) fn say(msg: &str) {
+    eprintln!("bench: {msg}");
+}
+
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// The executable of bench target `name` if `line` is cargo's `compiler-artifact` message
+/// (`--message-format=json`) for it; `None` for any other line, JSON or not.
+fn bench_executable(line: &str, name: &str) -> Option<PathBuf> {
+    let msg: serde_json::Value = serde_json::from_str(line).ok()?;
+    let target = &msg["target"];
+    let is_bench = target["kind"]
+        .as_array()
+        .is_some_and(|kinds| kinds.iter().any(|k| k == "bench"));
+    (msg["reason"] == "compiler-artifact" && is_bench && target["name"] == name)
+        .then(|| msg["executable"].as_str().map(PathBuf::from))
+        .flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_bench_executable_in_cargos_messages() {
+        let art = r#"{"reason":"compiler-artifact","package_id":"path+file:///w/ddp-sampler#0.1.0","manifest_path":"/w/ddp-sampler/Cargo.toml","target":{"kind":["bench"],"crate_types":["bin"],"name":"sampler","src_path":"/w/ddp-sampler/benches/sampler.rs","edition":"2021","doc":false,"doctest":false,"test":false},"profile":{"opt_level":"3","debuginfo":1,"debug_assertions":false,"overflow_checks":false,"test":false},"features":[],"filenames":["/t/release/deps/sampler-1a"],"executable":"/t/release/deps/sampler-1a","fresh":true}"#;
+        assert_eq!(
+            bench_executable(art, "sampler"),
+            Some(PathBuf::from("/t/release/deps/sampler-1a"))
+        );
+        assert_eq!(bench_executable(art, "loader"), None);
+        // The library of the same package: an artifact, not a bench, no executable.
+        let lib = r#"{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"sampler"},"executable":null,"fresh":true}"#;
+        assert_eq!(bench_executable(lib, "sampler"), None);
+        let done = r#"{"reason":"build-finished","success":true}"#;
+        assert_eq!(bench_executable(done, "sampler"), None);
+        assert_eq!(
+            bench_executable("   Compiling sampler v0.1.0", "sampler"),
+            None
+        );
+    }
+
+    #[test]
+    fn keeps_the_last_lines() {
+        assert_eq!(tail("a\nb\nc\n", 2), "b\nc");
+        assert_eq!(tail("a", 12), "a");
+    }
+}
