@@ -113,7 +113,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 
-    /// Run directory (default: runs/YYYYMMDD-HHMMSS, UTC).
+    /// Run directory (default: runs/YYYYMMDD-HHMMSS-PID, UTC).
     #[arg(long)]
     pub out: Option<PathBuf>,
 

@@ -112,9 +112,13 @@ fn one_command_starts_two_ranks_that_train_together() {
     assert_eq!(runs.len(), 1, "{runs:?}");
     let run = &runs[0];
     let name = run.file_name().unwrap().to_str().unwrap();
+    let fields: Vec<&str> = name.split('-').collect();
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
     assert!(
-        name.len() == 15 && name.as_bytes()[8] == b'-',
-        "not runs/YYYYMMDD-HHMMSS: {name}"
+        fields.len() == 3
+            && (fields[0].len(), fields[1].len()) == (8, 6)
+            && fields.iter().all(|f| digits(f)),
+        "not runs/YYYYMMDD-HHMMSS-PID: {name}"
     );
 
     let config = json(&run.join("config.json"));

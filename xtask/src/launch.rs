@@ -149,7 +149,7 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     let runs_root = args.runs_root.clone().unwrap_or_else(|| root.join("runs"));
     let out = match &args.out {
         Some(out) => out.clone(),
-        None => default_run_dir(&runs_root),
+        None => ddp_run::default_run_dir(&runs_root),
     };
     let threads = (ddp_run::available_cores() / nproc).max(1);
     rest.extend(["--out".into(), out.to_string_lossy().into_owned()]);
@@ -348,26 +348,6 @@ fn synthetic_sample(root: &Path, cache: &Path, bin: Option<&Path>) -> Result<Pat
     Ok(dir)
 }
 
-/// `runs_root/YYYYMMDD-HHMMSS-PID` at the current UTC time.
-fn default_run_dir(runs_root: &Path) -> PathBuf {
-    runs_root.join(run_dir_name(
-        time::OffsetDateTime::now_utc(),
-        std::process::id(),
-    ))
-}
-
-fn run_dir_name(at: time::OffsetDateTime, pid: u32) -> String {
-    format!(
-        "{:04}{:02}{:02}-{:02}{:02}{:02}-{pid}",
-        at.year(),
-        u8::from(at.month()),
-        at.day(),
-        at.hour(),
-        at.minute(),
-        at.second()
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -425,16 +405,5 @@ mod tests {
             launcher_flags_first(args(&["xtask", "test"])),
             args(&["xtask", "test"])
         );
-    }
-
-    #[test]
-    fn run_directories_are_named_by_utc_time_and_pid() {
-        let at = |unix: i64| time::OffsetDateTime::from_unix_timestamp(unix).unwrap();
-        assert_eq!(run_dir_name(at(0), 7), "19700101-000000-7");
-        // The last second of a leap day.
-        assert_eq!(run_dir_name(at(951_868_799), 42), "20000229-235959-42");
-        assert_eq!(run_dir_name(at(1_796_083_200), 1), "20261201-000000-1");
-        let dir = default_run_dir(Path::new("/runs"));
-        assert_eq!(dir.parent(), Some(Path::new("/runs")));
     }
 }

@@ -4,7 +4,7 @@
 //! log and `config.json`.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -283,16 +283,7 @@ fn trainable(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
     v
 }
 
-/// The default run directory: `runs/<UTC date-time>`.
+/// The default run directory: `runs/YYYYMMDD-HHMMSS-PID` (UTC), as every tool names it.
 pub(crate) fn default_run_dir() -> PathBuf {
-    let now = time::OffsetDateTime::now_utc();
-    PathBuf::from("runs").join(format!(
-        "{:04}{:02}{:02}-{:02}{:02}{:02}",
-        now.year(),
-        u8::from(now.month()),
-        now.day(),
-        now.hour(),
-        now.minute(),
-        now.second()
-    ))
+    ddp_run::default_run_dir(Path::new("runs"))
 }
