@@ -402,8 +402,15 @@ fn resize_region(
     Ok(())
 }
 
-/// HWC bytes to CHW bytes, mirrored when `flip` is set.
-fn to_chw(pixels: &[u8], size: u32, flip: bool, out: &mut [u8]) {
+/// HWC bytes to CHW values, mirrored when `flip` is set: `value(channel, byte)` for each
+/// pixel (monomorphised, so each caller's loop is as tight as a hand-written one).
+fn hwc_to_chw<T>(
+    pixels: &[u8],
+    size: u32,
+    flip: bool,
+    out: &mut [T],
+    value: impl Fn(usize, u8) -> T,
+) {
     let s = size as usize;
     let plane = s * s;
     let (r_out, rest) = out.split_at_mut(plane);
@@ -417,33 +424,23 @@ fn to_chw(pixels: &[u8], size: u32, flip: bool, out: &mut [u8]) {
         );
         for (x, px) in row.chunks_exact(3).enumerate() {
             let dx = if flip { s - 1 - x } else { x };
-            r_row[dx] = px[0];
-            g_row[dx] = px[1];
-            b_row[dx] = px[2];
+            r_row[dx] = value(0, px[0]);
+            g_row[dx] = value(1, px[1]);
+            b_row[dx] = value(2, px[2]);
         }
     }
 }
 
+/// HWC bytes to CHW bytes, mirrored when `flip` is set.
+fn to_chw(pixels: &[u8], size: u32, flip: bool, out: &mut [u8]) {
+    hwc_to_chw(pixels, size, flip, out, |_, byte| byte);
+}
+
 /// HWC bytes to CHW floats (`byte * scale + bias`), mirrored when `flip` is set.
 fn to_tensor(pixels: &[u8], size: u32, flip: bool, t: &Transform, out: &mut [f32]) {
-    let s = size as usize;
-    let plane = s * s;
-    let (r_out, rest) = out.split_at_mut(plane);
-    let (g_out, b_out) = rest.split_at_mut(plane);
-    for y in 0..s {
-        let row = &pixels[y * s * 3..(y + 1) * s * 3];
-        let (r_row, g_row, b_row) = (
-            &mut r_out[y * s..(y + 1) * s],
-            &mut g_out[y * s..(y + 1) * s],
-            &mut b_out[y * s..(y + 1) * s],
-        );
-        for (x, px) in row.chunks_exact(3).enumerate() {
-            let dx = if flip { s - 1 - x } else { x };
-            r_row[dx] = f32::from(px[0]) * t.scale[0] + t.bias[0];
-            g_row[dx] = f32::from(px[1]) * t.scale[1] + t.bias[1];
-            b_row[dx] = f32::from(px[2]) * t.scale[2] + t.bias[2];
-        }
-    }
+    hwc_to_chw(pixels, size, flip, out, |c, byte| {
+        f32::from(byte) * t.scale[c] + t.bias[c]
+    });
 }
 
 #[cfg(test)]
