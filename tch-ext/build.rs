@@ -8,7 +8,9 @@
 //! backend is found at run time through the device-guard registry that `libc10_cuda` fills
 //! when it is loaded.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+
+include!("../build-support/libtorch.rs");
 
 const SOURCES: [&str; 4] = [
     "csrc/hooks.cpp",
@@ -20,7 +22,6 @@ const SOURCES: [&str; 4] = [
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-env-changed=LIBTORCH_INCLUDE");
-    println!("cargo:rerun-if-env-changed=LIBTORCH_LIB");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     println!("cargo:rerun-if-changed=csrc/tch_ext.h");
     for source in SOURCES {
@@ -33,10 +34,7 @@ fn main() {
     };
     let include =
         std::env::var_os("LIBTORCH_INCLUDE").map_or_else(|| libtorch.clone(), PathBuf::from);
-    let lib = std::env::var_os("LIBTORCH_LIB")
-        .map_or_else(|| libtorch.clone(), PathBuf::from)
-        .join("lib");
-    let lib = std::fs::canonicalize(&lib).unwrap_or(lib);
+    let lib = libtorch_lib().unwrap_or_else(|| libtorch.join("lib"));
     let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
 
     cc::Build::new()
@@ -57,12 +55,5 @@ fn main() {
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=torch_cpu");
     println!("cargo:rustc-link-lib=c10");
-    rpath(&lib);
-}
-
-/// See ddp-model/build.rs: rustc links with `--as-needed` and cargo overwrites
-/// `LD_LIBRARY_PATH`, so tests and doctests find libtorch through an rpath to the real
-/// (symlink-resolved) library folder.
-fn rpath(lib: &Path) {
-    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    libtorch_rpath();
 }

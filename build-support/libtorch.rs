@@ -1,0 +1,27 @@
+// The build scripts' one copy of how a crate that links libtorch finds it, `include!`d by
+// the `build.rs` of ddp-comm, ddp-data, ddp-model, ddp-train and tch-ext.
+//
+// `cargo xtask setup` installs libtorch under `.deps/` and `.cargo/config.toml` points
+// `LIBTORCH` there. rustc links with `--as-needed` and cargo overwrites `LD_LIBRARY_PATH`,
+// so the only robust way for binaries, tests, examples and doctests to find
+// `libtorch_cpu.so` at run time is an rpath to the real (symlink-resolved) library folder:
+// the libraries' own `$ORIGIN`-relative run paths (CUDA, NCCL) then resolve inside the
+// Python wheel they came from.
+
+/// libtorch's library folder, with torch-sys's precedence: `$LIBTORCH_LIB/lib`, else
+/// `$LIBTORCH/lib`, symlinks resolved; `None` when neither variable is set.
+#[allow(dead_code)] // Not every build script needs the folder itself.
+fn libtorch_lib() -> Option<std::path::PathBuf> {
+    println!("cargo:rerun-if-env-changed=LIBTORCH");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_LIB");
+    let root = std::env::var_os("LIBTORCH_LIB").or_else(|| std::env::var_os("LIBTORCH"))?;
+    let lib = std::path::Path::new(&root).join("lib");
+    Some(std::fs::canonicalize(&lib).unwrap_or(lib))
+}
+
+/// Adds the run-time path to libtorch's library folder to everything this crate links.
+fn libtorch_rpath() {
+    if let Some(lib) = libtorch_lib() {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    }
+}
