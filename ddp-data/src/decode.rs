@@ -27,14 +27,33 @@ pub struct RgbView<'a> {
     pub pixels: &'a [u8],
 }
 
+/// The most pixels (width x height) a full-size decode accepts by default: PIL's limit for
+/// `DecompressionBombError` (twice its `MAX_IMAGE_PIXELS` warning threshold), 537 MB of RGB.
+/// Reduced-size JPEG decoding ([`crate::Transform`]'s DCT scaling) never allocates the full
+/// size and is not bounded by it.
+pub const MAX_PIXELS: u64 = 178_956_970;
+
 /// A reusable decoder: one per worker thread, so the file and pixel buffers are allocated once
 /// and grow to the largest image seen, not once per image.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Decoder {
     file: Vec<u8>,
     pixels: Vec<u8>,
     width: u32,
     height: u32,
+    max_pixels: u64,
+}
+
+impl Default for Decoder {
+    fn default() -> Self {
+        Self {
+            file: Vec::new(),
+            pixels: Vec::new(),
+            width: 0,
+            height: 0,
+            max_pixels: MAX_PIXELS,
+        }
+    }
 }
 
 const TRUNCATED: &str = "truncated JPEG: no end-of-image marker (0xFFD9) at the end of the file";
@@ -68,9 +87,31 @@ fn has_end_marker(bytes: &[u8]) -> bool {
 }
 
 impl Decoder {
-    /// A decoder with empty buffers.
+    /// A decoder with empty buffers and the default pixel budget ([`MAX_PIXELS`]).
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The same decoder with a full-size decode refused above `max_pixels` (width x
+    /// height, read from the file's header before anything is allocated for it).
+    pub fn with_max_pixels(mut self, max_pixels: u64) -> Self {
+        self.max_pixels = max_pixels;
+        self
+    }
+
+    /// Refuses an image of `width` x `height` above the pixel budget, before its pixels are
+    /// allocated.
+    fn check_budget(&self, path: &Path, width: u32, height: u32) -> Result<(), DataError> {
+        let pixels = u64::from(width) * u64::from(height);
+        if pixels <= self.max_pixels {
+            return Ok(());
+        }
+        Err(DataError::ImageTooLarge {
+            path: path.to_path_buf(),
+            width,
+            height,
+            limit: self.max_pixels,
+        })
     }
 
     /// Reads and decodes the image at `path` to 8-bit RGB, upright according to its EXIF
@@ -185,6 +226,7 @@ impl Decoder {
             .output_buffer_size()
             .ok_or_else(|| decode_error(path, "JPEG headers carry no image size"))?;
         let (width, height) = (u32::from(info.width), u32::from(info.height));
+        self.check_budget(path, width, height)?;
         if size != width as usize * height as usize * 3 {
             return Err(decode_error(
                 path,
@@ -229,6 +271,8 @@ impl Decoder {
             ));
         }
         let mut decoder = reader.into_decoder().map_err(|e| decode_error(path, e))?;
+        let (width, height) = decoder.dimensions();
+        self.check_budget(path, width, height)?;
         let orientation = decoder.orientation().unwrap_or(Orientation::NoTransforms);
         let mut dynamic = DynamicImage::from_decoder(decoder).map_err(|e| decode_error(path, e))?;
         dynamic.apply_orientation(orientation);

@@ -179,6 +179,21 @@ pub enum DataError {
         found: String,
     },
 
+    /// An image is larger than the decoder's pixel budget (a decompression bomb, or a file
+    /// far larger than any fundus photo).
+    #[error("image '{}' is {width} x {height} pixels, over the limit of {limit} pixels; \
+             shrink it, or raise the limit (Decoder::with_max_pixels) if it is genuine", .path.display())]
+    ImageTooLarge {
+        /// The image file.
+        path: PathBuf,
+        /// Its width, from the header.
+        width: u32,
+        /// Its height, from the header.
+        height: u32,
+        /// The budget in pixels.
+        limit: u64,
+    },
+
     /// An image file could not be read from disk.
     #[error("cannot read image '{}': {source}", .path.display())]
     ReadImage {
