@@ -276,6 +276,83 @@ fn pause_if_injected(epoch: u64) {
     }
 }
 
+/// `name` when it can only name a file inside the checkpoint folder: not empty, at most 64
+/// characters of ASCII letters, digits, `-` and `_` (so no `/`, no `..`, no absolute path).
+fn checkpoint_stem(name: &str) -> Option<&str> {
+    let plain = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    plain.then_some(name)
+}
+
+/// Checks that a checkpoint's state can be continued from: counts that later arithmetic
+/// (`epoch + 1`, the step inside an epoch) cannot overflow, a finite positive learning rate.
+pub fn check_state(state: &TrainState, file: &Path) -> Result<(), TrainError> {
+    const MAX: u64 = 1 << 40;
+    let mut problems = Vec::new();
+    if state.epoch >= MAX {
+        problems.push(format!("epoch {}", state.epoch));
+    }
+    if let Some(p) = &state.position {
+        if p.epoch == 0 || p.epoch >= MAX || p.step as u64 >= MAX || p.samples as u64 >= MAX {
+            problems.push(format!("position epoch {} step {}", p.epoch, p.step));
+        }
+    }
+    if !(0..1 << 40).contains(&state.optimizer_steps) {
+        problems.push(format!("optimizer steps {}", state.optimizer_steps));
+    }
+    if !state.lr.is_finite() || state.lr < 0.0 {
+        problems.push(format!("learning rate {}", state.lr));
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(TrainError::Invalid(format!(
+        "{} holds values no run can continue from ({}): the file is damaged or was not \
+         written by the Trainer; resume from another checkpoint",
+        file.display(),
+        problems.join(", ")
+    )))
+}
+
+/// What every rank must agree on when it resumes: the checkpoint's file name and where it
+/// continues (epoch, step, optimizer steps, learning rate); "none" for a fresh start.
+pub fn resume_key(model_path: &Path, state: Option<&TrainState>) -> String {
+    let name = model_path
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    match state {
+        Some(s) => format!(
+            "{name} (epoch {}, step {}, {} optimizer steps, lr {:e})",
+            s.epoch,
+            s.position.as_ref().map_or(0, |p| p.step),
+            s.optimizer_steps,
+            s.lr
+        ),
+        None => name,
+    }
+}
+
+/// Fails, with the same error on every rank, when the ranks' resume keys (gathered in rank
+/// order) differ: naming rank 0's and the first other one.
+pub fn check_resume_agreement(keys: &[Vec<u8>]) -> Result<(), TrainError> {
+    let Some(first) = keys.first() else {
+        return Ok(());
+    };
+    match keys.iter().enumerate().find(|(_, k)| *k != first) {
+        None => Ok(()),
+        Some((rank, other)) => Err(TrainError::Invalid(format!(
+            "the ranks would resume from different checkpoints: rank 0 from {}, rank {rank} \
+             from {}; give every rank the same --resume (and --out), on a folder every rank \
+             sees the same",
+            String::from_utf8_lossy(first),
+            String::from_utf8_lossy(other)
+        ))),
+    }
+}
+
 /// Finds the model file that `--resume` names: `latest` (in `run`) or a path.
 pub fn resolve(resume: &str, run: Option<&Path>) -> Result<PathBuf, TrainError> {
     if resume == "latest" {
@@ -290,7 +367,17 @@ pub fn resolve(resume: &str, run: Option<&Path>) -> Result<PathBuf, TrainError> 
                 pointer.display()
             ))
         })?;
-        return Ok(checkpoint_dir(run).join(format!("{}.safetensors", name.trim())));
+        let stem = checkpoint_stem(name.trim()).ok_or_else(|| {
+            TrainError::Invalid(format!(
+                "{} names '{}', not a checkpoint of this folder (a plain name of letters, \
+                 digits, '-' and '_'): the file was not written by the Trainer; write the name of \
+                 one of the folder's checkpoints into it (e.g. epoch-0003), or start without \
+                 --resume",
+                pointer.display(),
+                name.trim().escape_debug()
+            ))
+        })?;
+        return Ok(checkpoint_dir(run).join(format!("{stem}.safetensors")));
     }
     let path = PathBuf::from(resume);
     if !path.is_file() {
@@ -322,6 +409,7 @@ pub fn load(
             state_file.display()
         ))
     })?;
+    check_state(&state, &state_file)?;
     // Check the optimizer state against the model before loading either.
     let mut problems = Vec::new();
     for (name, t) in optimizer.state_tensors() {
@@ -482,5 +570,83 @@ mod tests {
         let old = r#"{"epoch":3,"adam_steps":30,"lr":0.001,"scheduler":null,"seed":1,"config":{}}"#;
         let st: TrainState = serde_json::from_str(old).unwrap();
         assert_eq!((st.epoch, st.position, st.optimizer_steps), (3, None, 30));
+    }
+
+    fn state(epoch: u64, lr: f64) -> TrainState {
+        TrainState {
+            epoch,
+            position: None,
+            optimizer_steps: 8,
+            lr,
+            scheduler: None,
+            bests: BTreeMap::new(),
+            early_stopping: None,
+            grad_scaler: None,
+            seed: 0,
+            config: serde_json::Value::Null,
+        }
+    }
+
+    #[test]
+    fn latest_must_name_a_file_of_the_checkpoint_folder() {
+        let run = ddp_testkit::temp_dir("ddp-train-latest");
+        let dir = checkpoint_dir(run.path());
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("latest"), "epoch-0003\n").unwrap();
+        assert_eq!(
+            resolve("latest", Some(run.path())).unwrap(),
+            dir.join("epoch-0003.safetensors")
+        );
+        for bad in ["../../etc/passwd", "/tmp/x", "..", "a b", ""] {
+            std::fs::write(dir.join("latest"), bad).unwrap();
+            match resolve("latest", Some(run.path())) {
+                Err(TrainError::Invalid(m)) => assert!(m.contains("not a checkpoint"), "{m}"),
+                other => panic!("{bad:?} was accepted: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn states_no_run_can_continue_from_are_refused() {
+        let file = Path::new("c/epoch-0001.state.safetensors");
+        assert!(check_state(&state(3, 0.1), file).is_ok());
+        for (bad, what) in [
+            (state(u64::MAX, 0.1), "epoch 18446744073709551615"),
+            (state(3, f64::NAN), "learning rate NaN"),
+            (state(3, -1.0), "learning rate -1"),
+        ] {
+            match check_state(&bad, file) {
+                Err(TrainError::Invalid(m)) => assert!(m.contains(what), "{m}"),
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+        let mut negative = state(3, 0.1);
+        negative.optimizer_steps = -5;
+        assert!(check_state(&negative, file).is_err());
+    }
+
+    #[test]
+    fn ranks_that_would_resume_differently_all_get_one_error_naming_both() {
+        let path = Path::new("run/checkpoints/epoch-0002.safetensors");
+        let a = resume_key(path, Some(&state(2, 0.1)));
+        assert_eq!(
+            a,
+            "epoch-0002.safetensors (epoch 2, step 0, 8 optimizer steps, lr 1e-1)"
+        );
+        let b = resume_key(Path::new("epoch-0001.safetensors"), Some(&state(1, 0.1)));
+        let same = vec![a.clone().into_bytes(); 3];
+        assert!(check_resume_agreement(&same).is_ok());
+        let mixed = vec![a.clone().into_bytes(), a.into_bytes(), b.into_bytes()];
+        match check_resume_agreement(&mixed) {
+            Err(TrainError::Invalid(m)) => {
+                assert!(
+                    m.contains("rank 0 from epoch-0002") && m.contains("rank 2 from epoch-0001"),
+                    "{m}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        let fresh = vec![b"none".to_vec(), b"epoch-0001.safetensors".to_vec()];
+        assert!(check_resume_agreement(&fresh).is_err());
     }
 }

@@ -632,3 +632,48 @@ fn early_stopping_ends_every_rank_after_the_same_epoch() {
     assert_eq!(st["early_stopping"]["bad_epochs"], 1, "{st}");
     assert_eq!(st["early_stopping"]["best"]["epoch"], 1, "{st}");
 }
+
+#[test]
+fn ranks_given_different_checkpoints_all_stop_naming_both() {
+    let tmp = temp_dir("resume-disagree");
+    let data = data(tmp.path(), 24);
+    let (data, out) = (data.to_str().unwrap(), tmp.path().join("run"));
+    let out = out.to_str().unwrap();
+    let mut args = train_args(data, out);
+    args[3] = "2"; // two epochs: two checkpoints to disagree on
+    assert_all_ok(&run_ranks(1, &args, &[]));
+    let checkpoints = Path::new(out).join("checkpoints");
+    let (second, first) = (
+        checkpoints.join("epoch-0002.safetensors"),
+        checkpoints.join("epoch-0001.safetensors"),
+    );
+    // Rank 0 continues from epoch 2, rank 1 from epoch 1: neither may train.
+    let port = free_port();
+    let children: Vec<_> = [&second, &first]
+        .iter()
+        .enumerate()
+        .map(|(rank, resume)| {
+            let mut cmd = rank_command(EXE, rank, 2, port);
+            cmd.args(train_args(data, out))
+                .args(["--threads", "1", "--workers", "1"])
+                .arg("--resume")
+                .arg(resume)
+                .env("DDP_RDZV_TIMEOUT_S", "30")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    for (rank, o) in wait_all(children, Duration::from_secs(120))
+        .iter()
+        .enumerate()
+    {
+        let t = text(o);
+        assert!(!o.status.success(), "rank {rank} trained:\n{t}");
+        assert!(
+            t.contains("rank 0 from epoch-0002.safetensors (epoch 2")
+                && t.contains("rank 1 from epoch-0001.safetensors (epoch 1"),
+            "rank {rank}:\n{t}"
+        );
+    }
+}

@@ -95,13 +95,16 @@ impl<T: Task> Trainer<T> {
         let mut early = s.early_stopping.as_ref().map(|_| EarlyStopState::default());
         let mut restored = None;
         let mut resumed_note = None;
+        let mut resume_key = String::from("none");
         if let (Some(path), true) = (&resume_from, s.eval_only) {
             checkpoint::load(&vs, path)?;
+            resume_key = state::resume_key(path, None);
             resumed_note = Some(format!("evaluating {}", path.display()));
         } else if let Some(path) = &resume_from {
             // Loaded on the CPU first, then moved with the model to the rank's device.
             let mut cpu_optimizer = Optimizer::new(trainable(&vs), s.optimizer);
             let st = state::load(path, &vs, &mut cpu_optimizer)?;
+            resume_key = state::resume_key(path, Some(&st));
             restored = Some((st, path.clone(), cpu_optimizer));
         }
         vs.set_device(device);
@@ -143,6 +146,9 @@ impl<T: Task> Trainer<T> {
             .op_timeout(Duration::from_secs(s.collective_timeout_secs));
         let pg = Arc::new(ProcessGroup::new(opts).context(|| "joining the process group".into())?);
         let rank = pg.rank();
+        // Each rank resolved its checkpoint on its own: all must continue from the same one,
+        // or all stop with the same error.
+        state::check_resume_agreement(&pg.all_gather_bytes(resume_key.as_bytes())?)?;
 
         // Every rank agrees on the run directory: rank 0's choice.
         let proposed = s.out.clone().unwrap_or_else(default_run_dir);
