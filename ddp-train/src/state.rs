@@ -145,6 +145,37 @@ fn step_of(stem: &str) -> Option<(u64, usize)> {
     Some((epoch.parse().ok()?, step.parse().ok()?))
 }
 
+/// Where a checkpoint's file stem sits in the run: `(epoch, step)`, an epoch's end after
+/// all of its steps; `None` for a name the Trainer does not write.
+fn order_of(stem: &str) -> Option<(u64, usize)> {
+    if let Some(at) = step_of(stem) {
+        return Some(at);
+    }
+    let epoch = stem.strip_prefix("epoch-")?.parse().ok()?;
+    Some((epoch, usize::MAX))
+}
+
+/// The run's other checkpoints to fall back to when `latest` cannot be loaded: every model
+/// file of the folder but `latest`, newest first.
+pub fn fallbacks(run: &Path, latest: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(checkpoint_dir(run)) else {
+        return Vec::new();
+    };
+    let mut found: Vec<((u64, usize), PathBuf)> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p != latest)
+        .filter_map(|p| {
+            let name = p.file_name()?.to_str()?;
+            let stem = name.strip_suffix(".safetensors")?;
+            (!stem.ends_with(".state")).then_some(())?;
+            Some((order_of(stem)?, p.clone()))
+        })
+        .collect();
+    found.sort_by_key(|(at, _)| std::cmp::Reverse(*at));
+    found.into_iter().map(|(_, p)| p).collect()
+}
+
 /// The file that marks a run as stopped (by a signal or its time limit) at its latest
 /// checkpoint.
 pub fn stopped_marker(run: &Path) -> PathBuf {

@@ -677,3 +677,40 @@ fn ranks_given_different_checkpoints_all_stop_naming_both() {
         );
     }
 }
+
+#[test]
+fn a_damaged_latest_checkpoint_falls_back_to_the_previous_one_with_a_warning() {
+    let tmp = temp_dir("resume-fallback");
+    let data = data(tmp.path(), 24);
+    let (data, out) = (data.to_str().unwrap(), tmp.path().join("run"));
+    let out = out.to_str().unwrap();
+    let mut args = train_args(data, out);
+    args[3] = "2";
+    assert_all_ok(&run_ranks(1, &args, &[]));
+    // A crash of the disk, not of the Trainer (which writes atomically): epoch 2's state is
+    // cut short.
+    let state = Path::new(out).join("checkpoints/epoch-0002.state.safetensors");
+    let bytes = std::fs::read(&state).unwrap();
+    std::fs::write(&state, &bytes[..bytes.len() / 2]).unwrap();
+
+    let mut again = train_args(data, out);
+    again.extend(["--resume", "latest"]);
+    let outputs = run_ranks(2, &again, &[]);
+    assert_all_ok(&outputs);
+    let log = std::fs::read_to_string(Path::new(out).join("logs/rank-1.log")).unwrap();
+    assert!(
+        log.contains("warning: cannot resume from") && log.contains("epoch-0002.safetensors"),
+        "{log}"
+    );
+    let t = text(&outputs[0]);
+    assert!(
+        t.contains("resumed from") && t.contains("epoch-0001.safetensors"),
+        "{t}"
+    );
+    // Epochs 2 and 3 were trained again after epoch 1.
+    let epochs: Vec<u64> = metrics_without_timing(Path::new(out))
+        .iter()
+        .map(|m| m["epoch"].as_u64().unwrap())
+        .collect();
+    assert_eq!(epochs, [1, 2, 3], "{epochs:?}");
+}

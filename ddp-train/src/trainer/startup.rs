@@ -96,16 +96,40 @@ impl<T: Task> Trainer<T> {
         let mut restored = None;
         let mut resumed_note = None;
         let mut resume_key = String::from("none");
+        let mut fallback_warnings = Vec::new();
         if let (Some(path), true) = (&resume_from, s.eval_only) {
             checkpoint::load(&vs, path)?;
             resume_key = state::resume_key(path, None);
             resumed_note = Some(format!("evaluating {}", path.display()));
-        } else if let Some(path) = &resume_from {
-            // Loaded on the CPU first, then moved with the model to the rank's device.
-            let mut cpu_optimizer = Optimizer::new(trainable(&vs), s.optimizer);
-            let st = state::load(path, &vs, &mut cpu_optimizer)?;
-            resume_key = state::resume_key(path, Some(&st));
-            restored = Some((st, path.clone(), cpu_optimizer));
+        } else if let Some(newest) = &resume_from {
+            // `latest` that cannot be loaded (a damaged file) falls back to the run's previous
+            // checkpoints, newest first; every rank must end on the same one (checked below).
+            let mut candidates = vec![newest.clone()];
+            if let (Some("latest"), Some(run)) = (s.resume.as_deref(), s.out.as_deref()) {
+                candidates.extend(state::fallbacks(run, newest));
+            }
+            let mut first_error = None;
+            for path in candidates {
+                // Loaded on the CPU first, then moved with the model to the rank's device.
+                let mut cpu_optimizer = Optimizer::new(trainable(&vs), s.optimizer);
+                match state::load(&path, &vs, &mut cpu_optimizer) {
+                    Ok(st) => {
+                        resume_key = state::resume_key(&path, Some(&st));
+                        restored = Some((st, path, cpu_optimizer));
+                        break;
+                    }
+                    Err(e) => {
+                        fallback_warnings.push(format!(
+                            "cannot resume from {}: {e}; trying the previous checkpoint",
+                            path.display()
+                        ));
+                        first_error.get_or_insert(e);
+                    }
+                }
+            }
+            if let (None, Some(e)) = (&restored, first_error) {
+                return Err(e);
+            }
         }
         vs.set_device(device);
         let mut optimizer = Optimizer::new(trainable(&vs), s.optimizer);
@@ -158,6 +182,9 @@ impl<T: Task> Trainer<T> {
             TrainError::io(format!("cannot create run directory {}", out.display()), e)
         })?;
         let log = RankLog::open(&out, rank)?;
+        for warning in &fallback_warnings {
+            log.warn(warning);
+        }
         if let Some(note) = resumed_note {
             log.say(&note);
         }
