@@ -181,13 +181,18 @@ pub(crate) fn ring(
             });
         let recv = match prev_kind {
             LinkKind::Tcp => accept_tcp(plan, &listeners.tcp, prev),
-            LinkKind::SharedMemory => {
-                let (listener, name) = listeners
-                    .local
-                    .as_ref()
-                    .expect("a shared-memory link implies a local listener");
-                accept_local(plan, listener, name, prev, bell_ref.expect("bell"))
-            }
+            // The kind comes from this rank's record in the store; without a listener of
+            // its own (a forged record), there is nothing to accept on.
+            LinkKind::SharedMemory => match (&listeners.local, bell_ref) {
+                (Some((listener, name)), Some(bell)) => {
+                    accept_local(plan, listener, name, prev, bell)
+                }
+                _ => Err(CommError::InvalidArgument(format!(
+                    "rank {} was asked for a shared-memory link from rank {} but does not \
+                     listen for one (DDP_TRANSPORT=tcp?)",
+                    plan.rank, prev.rank
+                ))),
+            },
         };
         let send = match connecting {
             Ok(thread) => thread.join().unwrap_or_else(|_| {

@@ -32,6 +32,12 @@ pub(crate) const SMALL_BYTES: usize = 256 * 1024;
 /// How long a rank with a shared-memory link polls its rings before it goes to sleep.
 pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 const HEADER: usize = 16;
+/// The most bytes [`ProcessGroup::all_gather_bytes`](crate::ProcessGroup::all_gather_bytes)
+/// allocates for all ranks' contributions together, unless
+/// [`ProcessGroup::set_max_gather_bytes`](crate::ProcessGroup::set_max_gather_bytes) says
+/// otherwise: the lengths come from the peers, so they must not size an allocation
+/// unchecked.
+pub const DEFAULT_MAX_GATHER_BYTES: u64 = 1 << 30;
 /// Collectives on at least this many bytes write what they receive with stores that bypass
 /// the cache: the result would not stay cached anyway.
 const STREAMING_BYTES: usize = 16 << 20;
@@ -102,6 +108,7 @@ pub(crate) struct CpuBackend {
     gather: Vec<i64>,
     poisoned: Option<String>,
     heartbeat: Arc<Heartbeat>,
+    max_gather: u64,
 }
 
 impl CpuBackend {
@@ -135,6 +142,7 @@ impl CpuBackend {
             gather: Vec::new(),
             poisoned: None,
             heartbeat,
+            max_gather: DEFAULT_MAX_GATHER_BYTES,
         })
     }
 
@@ -320,20 +328,18 @@ impl CpuBackend {
     }
 
     /// All-gather of contributions of any length.
+    ///
+    /// The lengths the peers announce are checked before anything is allocated: their sum
+    /// must stay within [`CpuBackend::set_max_gather`]'s limit ([`CommError::TooLarge`]).
     pub(crate) fn all_gather_bytes(&mut self, input: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        const OP: &str = "all_gather_bytes";
+        self.check()?;
         let n = self.world;
         let mut lens = vec![0u8; 8 * n];
         self.all_gather(&(input.len() as u64).to_le_bytes(), &mut lens)?;
-        let lens: Vec<usize> = lens
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as usize)
-            .collect();
-        let mut pieces = Vec::with_capacity(n);
-        let mut off = 0;
-        for len in &lens {
-            pieces.push(Span { off, len: *len });
-            off += len;
-        }
+        // Every rank holds the same lengths, so a total over the limit fails every rank
+        // here alike, and the group stays usable.
+        let (pieces, off) = gather_layout(OP, &lens, self.max_gather)?;
         let mut out = vec![0u8; off];
         out[pieces[self.rank].off..][..input.len()].copy_from_slice(input);
         if n > 1 {
@@ -341,7 +347,7 @@ impl CpuBackend {
             self.schedule
                 .all_gather(&self.by_position, self.ring.pos, self.segment);
             let head = header(Kind::AllGather, 1, 0, off);
-            self.run("all_gather_bytes", head, &mut out, None, false)?;
+            self.run(OP, head, &mut out, None, false)?;
         }
         Ok(pieces
             .iter()
@@ -376,6 +382,11 @@ impl CpuBackend {
         )
     }
 
+    /// The most bytes [`CpuBackend::all_gather_bytes`] allocates for all contributions.
+    pub(crate) fn set_max_gather(&mut self, bytes: u64) {
+        self.max_gather = bytes;
+    }
+
     /// Overrides the latency-path threshold (benchmarks).
     pub(crate) fn set_small(&mut self, bytes: usize) {
         self.small = bytes;
@@ -391,6 +402,54 @@ impl CpuBackend {
     pub(crate) fn set_spin(&mut self, spin: Duration) {
         self.spin = spin;
     }
+}
+
+fn gather_too_large(
+    op: &'static str,
+    rank: usize,
+    bytes: u64,
+    total: u64,
+    limit: u64,
+) -> CommError {
+    CommError::TooLarge {
+        op,
+        rank,
+        bytes,
+        total,
+        limit,
+    }
+}
+
+/// Where each rank's contribution goes in [`CpuBackend::all_gather_bytes`]'s output, and the
+/// total, from the lengths the ranks announced (`lens`: 8 little-endian bytes per rank).
+/// The running sum is checked against `limit` at every rank, so no announced length can
+/// overflow it or make this rank allocate more than `limit` bytes.
+fn gather_layout(
+    op: &'static str,
+    lens: &[u8],
+    limit: u64,
+) -> Result<(Vec<Span>, usize), CommError> {
+    let mut pieces = Vec::with_capacity(lens.len() / 8);
+    let mut total: u64 = 0;
+    for (rank, chunk) in lens.chunks_exact(8).enumerate() {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        let len = u64::from_le_bytes(word);
+        let end = total.saturating_add(len);
+        // `limit` also keeps every offset within `usize` on 32-bit targets.
+        let (Ok(off), Ok(len_usize), true) =
+            (usize::try_from(total), usize::try_from(len), end <= limit)
+        else {
+            return Err(gather_too_large(op, rank, len, end, limit));
+        };
+        pieces.push(Span {
+            off,
+            len: len_usize,
+        });
+        total = end;
+    }
+    let total = usize::try_from(total).map_err(|_| gather_too_large(op, 0, total, total, limit))?;
+    Ok((pieces, total))
 }
 
 /// `n` consecutive pieces of `len` bytes, into a reused vector.
@@ -435,18 +494,8 @@ fn drive(link: &mut Link, job: Job<'_>, work: &mut [u8], tmp: &mut [u8]) -> Resu
     let (mut send_i, mut send_pos) = (0usize, 0usize);
     let (mut recv_i, mut recv_pos) = (0usize, 0usize);
     let (mut head_sent, mut head_received) = (0usize, 0usize);
-    let send_error = |link: &Link, e: EndError| CommError::PeerLost {
-        op,
-        peer: link.next,
-        via: link.send.describe(),
-        detail: e.detail(),
-    };
-    let recv_error = |link: &Link, e: EndError| CommError::PeerLost {
-        op,
-        peer: link.prev,
-        via: link.recv.describe(),
-        detail: e.detail(),
-    };
+    let send_error = |link: &Link, e: EndError| e.into_comm(op, link.next, link.send.describe());
+    let recv_error = |link: &Link, e: EndError| e.into_comm(op, link.prev, link.recv.describe());
     let spins = link.uses_shm() && !spin.is_zero();
     let streaming = work.len() >= STREAMING_BYTES;
     let mut idle_since: Option<Instant> = None;
@@ -511,11 +560,9 @@ fn drive(link: &mut Link, job: Job<'_>, work: &mut [u8], tmp: &mut [u8]) -> Resu
             let reducing = reduce.filter(|_| recvs[recv_i].reduce);
             if recv_pos < s.len {
                 let k = match (&mut link.recv, reducing) {
-                    (RecvEnd::Shm(ring), Some((dtype, rop))) => Ok(ring.reduce_into(
-                        &mut work[s.off + recv_pos..s.off + s.len],
-                        dtype,
-                        rop,
-                    )),
+                    (RecvEnd::Shm(ring), Some((dtype, rop))) => ring
+                        .reduce_into(&mut work[s.off + recv_pos..s.off + s.len], dtype, rop)
+                        .map_err(EndError::from),
                     (end, Some(_)) => end.read(&mut tmp[recv_pos..s.len]),
                     (end, None) if streaming => {
                         end.read_streaming(&mut work[s.off + recv_pos..s.off + s.len])
@@ -582,5 +629,57 @@ fn drive(link: &mut Link, job: Job<'_>, work: &mut [u8], tmp: &mut [u8]) -> Resu
         }
         link.wait(want_send, want_recv, deadline - now)
             .map_err(|e| CommError::io("poll", e))?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lens(values: &[u64]) -> Vec<u8> {
+        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn gather_layouts_place_pieces_back_to_back() {
+        let (pieces, total) = gather_layout("t", &lens(&[3, 0, 5]), 8).unwrap();
+        assert_eq!(total, 8);
+        assert_eq!(
+            pieces,
+            [
+                Span { off: 0, len: 3 },
+                Span { off: 3, len: 0 },
+                Span { off: 3, len: 5 }
+            ]
+        );
+    }
+
+    #[test]
+    fn announced_lengths_over_the_limit_are_refused_naming_the_rank() {
+        for (values, rank, bytes, total) in [
+            (vec![3, 0, 6], 2, 6, 9),
+            (vec![9, 0, 0], 0, 9, 9),
+            // A length that would overflow the sum saturates instead of wrapping.
+            (vec![1, u64::MAX, 1], 1, u64::MAX, u64::MAX),
+            (vec![u64::MAX - 2, 5], 0, u64::MAX - 2, u64::MAX - 2),
+        ] {
+            match gather_layout("all_gather_bytes", &lens(&values), 8) {
+                Err(CommError::TooLarge {
+                    op: "all_gather_bytes",
+                    rank: r,
+                    bytes: b,
+                    total: t,
+                    limit: 8,
+                }) => assert_eq!((r, b, t), (rank, bytes, total), "{values:?}"),
+                other => panic!("{values:?}: {other:?}"),
+            }
+        }
+        let err = gather_layout("all_gather_bytes", &lens(&[1, 20]), 8).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "all_gather_bytes: rank 1 contributes 20 bytes, which brings the total to 21 \
+             bytes, over the limit of 8 bytes for all ranks together \
+             (ProcessGroup::set_max_gather_bytes)"
+        );
     }
 }

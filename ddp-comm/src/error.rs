@@ -118,6 +118,37 @@ pub enum CommError {
         /// What happened.
         detail: String,
     },
+    /// A peer sent something no correct rank sends: an impossible ring index in shared
+    /// memory, say. The link cannot be used any more.
+    #[error("{op}: peer rank {peer} ({via}) broke the protocol: {detail}")]
+    Protocol {
+        /// The collective.
+        op: &'static str,
+        /// The peer's rank.
+        peer: usize,
+        /// How the peer was reached: `tcp <address>` or `shared memory, pid <pid>`.
+        via: String,
+        /// What it sent.
+        detail: String,
+    },
+    /// Peers' contributions to a gather add up to more than this rank accepts to allocate.
+    #[error(
+        "{op}: rank {rank} contributes {bytes} bytes, which brings the total to {total} bytes, \
+         over the limit of {limit} bytes for all ranks together \
+         (ProcessGroup::set_max_gather_bytes)"
+    )]
+    TooLarge {
+        /// The collective.
+        op: &'static str,
+        /// The rank whose contribution crossed the limit.
+        rank: usize,
+        /// Its contribution in bytes.
+        bytes: u64,
+        /// The total so far with it (saturating).
+        total: u64,
+        /// The limit.
+        limit: u64,
+    },
     /// A collective did not complete in time. `peers` are the ring neighbours this rank was
     /// waiting on; `diagnosis` names the rank that is hung, which may be another one.
     #[error("{op} timed out after {timeout:?}{}{diagnosis}", waiting_for(.peers))]

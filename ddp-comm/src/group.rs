@@ -708,6 +708,15 @@ impl ProcessGroup {
         lock(&self.cpu).all_gather_bytes(data)
     }
 
+    /// Sets the most bytes [`ProcessGroup::all_gather_bytes`] allocates for all ranks'
+    /// contributions together (default [`DEFAULT_MAX_GATHER_BYTES`](crate::DEFAULT_MAX_GATHER_BYTES), 1 GiB). The
+    /// lengths come from the peers: a larger total fails with [`CommError::TooLarge`],
+    /// naming the rank, before anything is allocated. Every rank sees the same lengths, so
+    /// give every rank the same limit.
+    pub fn set_max_gather_bytes(&self, bytes: u64) {
+        lock(&self.cpu).set_max_gather(bytes);
+    }
+
     fn check_root(&self, root: usize) -> Result<(), CommError> {
         if root >= self.world_size {
             return Err(CommError::RankOutOfRange {

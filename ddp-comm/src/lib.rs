@@ -67,6 +67,7 @@ mod tcp;
 mod wire;
 mod work;
 
+pub use cpu::DEFAULT_MAX_GATHER_BYTES;
 pub use element::{DType, Element, ReduceOp};
 pub use env::EnvConfig;
 pub use error::{AuthFailure, CommError, Diagnosis};

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
-use crate::shm::{Bell, ShmReceiver, ShmSender};
+use crate::error::CommError;
+use crate::shm::{Bell, RingFault, ShmReceiver, ShmSender};
 
 /// Which transports a rank may use for collectives on CPU data.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -69,14 +70,41 @@ pub(crate) enum EndError {
     Closed,
     /// The operating system reported an error.
     Os(io::Error),
+    /// A shared-memory peer wrote an impossible value into the ring.
+    Corrupt(RingFault),
 }
 
 impl EndError {
+    /// The error of collective `op` on the link to `peer`, reached `via`.
+    pub(crate) fn into_comm(self, op: &'static str, peer: usize, via: String) -> CommError {
+        match self {
+            EndError::Corrupt(fault) => CommError::Protocol {
+                op,
+                peer,
+                via,
+                detail: fault.to_string(),
+            },
+            other => CommError::PeerLost {
+                op,
+                peer,
+                via,
+                detail: other.detail(),
+            },
+        }
+    }
+
     pub(crate) fn detail(&self) -> String {
         match self {
             EndError::Closed => "closed the connection (process exited or failed)".into(),
             EndError::Os(e) => e.to_string(),
+            EndError::Corrupt(fault) => fault.to_string(),
         }
+    }
+}
+
+impl From<RingFault> for EndError {
+    fn from(fault: RingFault) -> Self {
+        EndError::Corrupt(fault)
     }
 }
 
@@ -141,7 +169,7 @@ impl SendEnd {
                 Err(e) if would_block(&e) => Ok(0),
                 Err(e) => Err(EndError::Os(e)),
             },
-            SendEnd::Shm(s) => Ok(s.write(data)),
+            SendEnd::Shm(s) => Ok(s.write(data)?),
         }
     }
 
@@ -210,7 +238,7 @@ impl RecvEnd {
                 Err(e) if would_block(&e) => Ok(0),
                 Err(e) => Err(EndError::Os(e)),
             },
-            RecvEnd::Shm(r) => Ok(r.read(dst)),
+            RecvEnd::Shm(r) => Ok(r.read(dst)?),
         }
     }
 
@@ -218,19 +246,22 @@ impl RecvEnd {
     /// writes them with non-temporal stores (TCP's copy happens in the kernel).
     pub(crate) fn read_streaming(&mut self, dst: &mut [u8]) -> Result<usize, EndError> {
         match self {
-            RecvEnd::Shm(r) => Ok(r.read_streaming(dst)),
+            RecvEnd::Shm(r) => Ok(r.read_streaming(dst)?),
             tcp => tcp.read(dst),
         }
     }
 
     /// Whether a shared-memory peer is known to be gone with nothing left to read (TCP
-    /// reports it through I/O, after the last byte).
+    /// reports it through I/O, after the last byte). A ring the peer broke is not "gone":
+    /// the next read reports it.
     pub(crate) fn gone(&self) -> bool {
         match self {
             RecvEnd::Tcp { .. } => false,
             // The peer's last writes happen before it closes, so data published before the
             // close is seen here and read first.
-            RecvEnd::Shm(r) => (r.peer.hung_up || r.peer_closed()) && r.available() == 0,
+            RecvEnd::Shm(r) => {
+                (r.peer.hung_up || r.peer_closed()) && r.available().is_ok_and(|n| n == 0)
+            }
         }
     }
 

@@ -287,6 +287,24 @@ fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Joined, Com
     for r in 0..world {
         peers.push(peer_info(s, r)?);
     }
+    // This rank's own entries decide which of its listeners its predecessor uses: they must
+    // read back as written, else someone else wrote them (torchrun's agent store, say,
+    // which anyone who reaches it can write).
+    let mine = PeerInfo {
+        rank,
+        addr: listeners.tcp_addr()?,
+        local: listeners.local_name(),
+        host,
+    };
+    check_own_record(&mine, &peers[rank]).map_err(|detail| {
+        abort(
+            s,
+            CommError::Rendezvous {
+                addr: addr.clone(),
+                detail,
+            },
+        )
+    })?;
 
     // Step 4: the ring visits each host's ranks in a row; connect its two links.
     let hosts: Vec<&str> = peers.iter().map(|p| p.host.as_str()).collect();
@@ -328,6 +346,24 @@ fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Joined, Com
 struct Joined {
     link: Link,
     ring: RingOrder,
+}
+
+/// Whether this rank's entries, as read back from the store (`read`), are the ones it
+/// published (`mine`).
+fn check_own_record(mine: &PeerInfo, read: &PeerInfo) -> Result<(), String> {
+    let same = mine.addr == read.addr && mine.local == read.local && mine.host == read.host;
+    if same {
+        return Ok(());
+    }
+    Err(format!(
+        "the store holds other entries for this rank (rank {}) than it published: addr/{0} \
+         {} and host/{0} {:?} instead of {} and {:?} (another process wrote them)",
+        mine.rank,
+        read.addr,
+        read.local.as_deref().unwrap_or(""),
+        mine.addr,
+        mine.local.as_deref().unwrap_or(""),
+    ))
 }
 
 fn peer_info(store: &mut dyn Store, rank: usize) -> Result<PeerInfo, CommError> {
@@ -379,6 +415,41 @@ pub(crate) fn host_key(id: Option<&str>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_forged_own_record_is_an_error() {
+        let mine = PeerInfo {
+            rank: 3,
+            addr: "127.0.0.1:4000".parse().unwrap(),
+            local: None,
+            host: "host:a".into(),
+        };
+        assert_eq!(check_own_record(&mine, &mine.clone()), Ok(()));
+        // A shared-memory name this rank never listened on (it runs with TCP only).
+        let forged = PeerInfo {
+            local: Some("ddp-comm/1/3/feed".into()),
+            ..mine.clone()
+        };
+        let err = check_own_record(&mine, &forged).unwrap_err();
+        assert_eq!(
+            err,
+            "the store holds other entries for this rank (rank 3) than it published: addr/3 \
+             127.0.0.1:4000 and host/3 \"ddp-comm/1/3/feed\" instead of 127.0.0.1:4000 and \"\" \
+             (another process wrote them)"
+        );
+        for forged in [
+            PeerInfo {
+                host: "host:b".into(),
+                ..mine.clone()
+            },
+            PeerInfo {
+                addr: "10.0.0.1:4000".parse().unwrap(),
+                ..mine.clone()
+            },
+        ] {
+            assert!(check_own_record(&mine, &forged).is_err(), "{forged:?}");
+        }
+    }
 
     #[test]
     fn host_keys_are_stable_and_overridable() {

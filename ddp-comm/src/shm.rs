@@ -21,6 +21,14 @@
 //! rings the bell only if it is set. `closed` tells the other side that this one failed or
 //! left the group; the link's Unix socket stays open as a second signal that the kernel
 //! raises even when the process is killed.
+//!
+//! The peer can write anything into the segment, so nothing read from it is trusted: every
+//! `head` or `tail` is checked ([`check_head`], [`check_tail`]) against this side's own
+//! position and the last value it accepted before it is used to index the ring, and an
+//! impossible one is a [`RingFault`], which the collective reports as
+//! [`CommError::Protocol`](crate::CommError::Protocol) naming the peer rank. The segment's
+//! memory is reserved (`fallocate`) when it is created, so a host short of memory fails the
+//! creation instead of raising `SIGBUS` in a later access.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -31,7 +39,10 @@ use std::sync::atomic::{fence, AtomicU32, Ordering};
 
 use rustix::event::{eventfd, EventfdFlags};
 use rustix::fs::SealFlags;
-use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, ftruncate, memfd_create, MemfdFlags};
+use rustix::fs::{
+    fallocate, fcntl_add_seals, fcntl_get_seals, fstat, ftruncate, memfd_create, FallocateFlags,
+    MemfdFlags,
+};
 use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
 use rustix::net::{
     recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
@@ -39,6 +50,10 @@ use rustix::net::{
 };
 
 use crate::element::{self, DType, ReduceOp};
+
+mod fault;
+pub(crate) use fault::RingFault;
+use fault::{check_head, check_tail};
 
 /// Bytes in front of the data: the control block, rounded up to a page.
 const CONTROL_BYTES: usize = 4096;
@@ -143,6 +158,18 @@ impl Drop for Mapping {
     }
 }
 
+/// Allocates every page of the segment now: without it a page is allocated at its first
+/// touch, and a host (or cgroup) out of memory answers that touch with `SIGBUS` instead of
+/// an error at creation.
+fn reserve(fd: &OwnedFd, len: usize) -> io::Result<()> {
+    fallocate(fd, FallocateFlags::empty(), 0, len as u64).map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::OutOfMemory,
+            format!("reserving {len} bytes of shared memory: {e}"),
+        )
+    })
+}
+
 /// One ring (either side's view of it).
 #[derive(Debug)]
 struct Ring {
@@ -163,6 +190,7 @@ impl Ring {
         )?;
         let len = CONTROL_BYTES + capacity;
         ftruncate(&fd, len as u64)?;
+        reserve(&fd, len)?;
         fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
         let map = Mapping::new(fd.as_fd(), len)?;
         let control = map.control();
@@ -195,6 +223,15 @@ impl Ring {
         }
         if control.capacity.load(Ordering::Relaxed) as usize != capacity {
             return Err("segment capacity disagrees with its size".into());
+        }
+        let (head, tail) = (
+            control.head.load(Ordering::Acquire),
+            control.tail.load(Ordering::Acquire),
+        );
+        if (head, tail) != (0, 0) {
+            return Err(format!(
+                "segment is not fresh: head {head}, tail {tail} (both must start at 0)"
+            ));
         }
         Ok(Ring { map, capacity })
     }
@@ -272,6 +309,8 @@ impl Peer {
 pub(crate) struct ShmSender {
     ring: Ring,
     head: u32,
+    /// The last `tail` accepted from the receiver.
+    seen_tail: u32,
     pub peer: Peer,
 }
 
@@ -279,8 +318,12 @@ impl ShmSender {
     /// Maps the segment the receiver sent.
     pub(crate) fn open(fd: &OwnedFd, peer: Peer) -> Result<Self, String> {
         let ring = Ring::open(fd)?;
-        let head = ring.control().head.load(Ordering::Relaxed);
-        Ok(ShmSender { ring, head, peer })
+        Ok(ShmSender {
+            ring,
+            head: 0,
+            seen_tail: 0,
+            peer,
+        })
     }
 
     /// Bytes written so far (wrapping): the stream position.
@@ -288,24 +331,29 @@ impl ShmSender {
         self.head
     }
 
-    fn free(&self) -> usize {
+    /// Free bytes, from the receiver's `tail` (checked, at most the capacity).
+    fn free(&self) -> Result<usize, RingFault> {
         let tail = self.ring.control().tail.load(Ordering::Acquire);
-        self.ring.capacity - self.head.wrapping_sub(tail) as usize
+        check_tail(self.head, self.seen_tail, tail, self.ring.capacity)
     }
 
     /// Copies as much of `src` as fits (at most one publish chunk) and publishes it; 0 when
-    /// the ring is full.
-    pub(crate) fn write(&mut self, src: &[u8]) -> usize {
-        let n = src.len().min(self.free()).min(PUBLISH_CHUNK);
+    /// the ring is full. An impossible `tail` from the receiver is an error.
+    pub(crate) fn write(&mut self, src: &[u8]) -> Result<usize, RingFault> {
+        let tail = self.ring.control().tail.load(Ordering::Acquire);
+        let free = check_tail(self.head, self.seen_tail, tail, self.ring.capacity)?;
+        self.seen_tail = tail;
+        let n = src.len().min(free).min(PUBLISH_CHUNK);
         if n == 0 {
-            return 0;
+            return Ok(0);
         }
         let off = (self.head & self.ring.mask()) as usize;
         let first = n.min(self.ring.capacity - off);
         let data = self.ring.map.data();
         // SAFETY: `[head, head + n)` is free: the receiver published a tail at least
         // `n + used` bytes behind capacity, so it no longer reads these bytes and will not
-        // until we publish `head`; the two parts lie inside the data area (`off + first <=
+        // until we publish `head`; `n <= free <= capacity` (checked by `check_tail`, not
+        // taken from the peer), so the two parts lie inside the data area (`off + first <=
         // capacity`, `n - first <= capacity`); `src` is our own memory, disjoint from it.
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), data.add(off), first);
@@ -315,14 +363,15 @@ impl ShmSender {
         let control = self.ring.control();
         control.head.store(self.head, Ordering::Release);
         wake_if_waiting(&control.reader_waiting, &self.peer.bell);
-        n
+        Ok(n)
     }
 
     /// Announces that this side is about to sleep until the ring has room; false if it has
-    /// room already (or the peer left), in which case nothing was armed.
+    /// room already (or the peer left, or broke the protocol, which the next write
+    /// reports), in which case nothing was armed.
     pub(crate) fn arm(&self) -> bool {
         arm(&self.ring.control().writer_waiting, || {
-            self.free() > 0 || self.peer_closed()
+            self.free().map_or(true, |free| free > 0) || self.peer_closed()
         })
     }
 
@@ -355,14 +404,22 @@ impl Drop for ShmSender {
 pub(crate) struct ShmReceiver {
     ring: Ring,
     tail: u32,
+    /// The last `head` accepted from the sender.
+    seen_head: u32,
     pub peer: Peer,
 }
 
 impl ShmReceiver {
     /// Wraps a created ring once the sender is known.
     fn from_ring(ring: Ring, peer: Peer) -> Self {
-        let tail = ring.control().tail.load(Ordering::Relaxed);
-        ShmReceiver { ring, tail, peer }
+        // A created segment starts at zero; what the sender may have written since is
+        // checked when it is read.
+        ShmReceiver {
+            ring,
+            tail: 0,
+            seen_head: 0,
+            peer,
+        }
     }
 
     /// Bytes consumed so far (wrapping): the stream position.
@@ -370,20 +427,31 @@ impl ShmReceiver {
         self.tail
     }
 
-    /// Published bytes not yet consumed.
-    pub(crate) fn available(&self) -> usize {
+    /// Published bytes not yet consumed (checked, at most the capacity).
+    pub(crate) fn available(&self) -> Result<usize, RingFault> {
         let head = self.ring.control().head.load(Ordering::Acquire);
-        head.wrapping_sub(self.tail) as usize
+        check_head(self.tail, self.seen_head, head, self.ring.capacity)
     }
 
-    /// The published bytes `[tail, tail + n)` as at most two slices (the ring wraps).
+    /// As [`ShmReceiver::available`], remembering the head it accepted.
+    fn accept_head(&mut self) -> Result<usize, RingFault> {
+        let head = self.ring.control().head.load(Ordering::Acquire);
+        let unread = check_head(self.tail, self.seen_head, head, self.ring.capacity)?;
+        self.seen_head = head;
+        Ok(unread)
+    }
+
+    /// The published bytes `[tail, tail + n)` as at most two slices (the ring wraps); `n`
+    /// comes from [`ShmReceiver::accept_head`].
     fn published(&self, n: usize) -> [&[u8]; 2] {
+        debug_assert!(n <= self.ring.capacity);
         let off = (self.tail & self.ring.mask()) as usize;
         let first = n.min(self.ring.capacity - off);
         let data = self.ring.map.data();
-        // SAFETY: the sender published `head >= tail + n` (acquire load in `available`), so
-        // these bytes are written and will not be written again before we publish a tail
-        // past them, which needs `&mut self`; both parts lie inside the data area.
+        // SAFETY: the sender published `head >= tail + n` (acquire load in `accept_head`),
+        // so these bytes are written and will not be written again before we publish a tail
+        // past them, which needs `&mut self`; `n <= capacity` (`check_head` bounds it, the
+        // peer's value is never used unchecked), so both parts lie inside the data area.
         unsafe {
             [
                 std::slice::from_raw_parts(data.add(off), first),
@@ -400,26 +468,30 @@ impl ShmReceiver {
     }
 
     /// Copies up to `dst.len()` published bytes into `dst`; 0 when none are there.
-    pub(crate) fn read(&mut self, dst: &mut [u8]) -> usize {
+    pub(crate) fn read(&mut self, dst: &mut [u8]) -> Result<usize, RingFault> {
         self.read_with(dst, <[u8]>::copy_from_slice)
     }
 
     /// As [`ShmReceiver::read`], with stores that bypass the cache: for results too large
     /// to stay cached, which then cost one write to memory instead of a read and a write.
-    pub(crate) fn read_streaming(&mut self, dst: &mut [u8]) -> usize {
+    pub(crate) fn read_streaming(&mut self, dst: &mut [u8]) -> Result<usize, RingFault> {
         self.read_with(dst, copy_streaming)
     }
 
-    fn read_with(&mut self, dst: &mut [u8], copy: impl Fn(&mut [u8], &[u8])) -> usize {
-        let n = dst.len().min(self.available());
+    fn read_with(
+        &mut self,
+        dst: &mut [u8],
+        copy: impl Fn(&mut [u8], &[u8]),
+    ) -> Result<usize, RingFault> {
+        let n = dst.len().min(self.accept_head()?);
         if n == 0 {
-            return 0;
+            return Ok(0);
         }
         let [a, b] = self.published(n);
         copy(&mut dst[..a.len()], a);
         copy(&mut dst[a.len()..n], b);
         self.consume(n);
-        n
+        Ok(n)
     }
 
     /// Combines up to `dst.len()` published bytes into `dst` element by element, straight
@@ -427,29 +499,35 @@ impl ShmReceiver {
     ///
     /// The stream position must be element-aligned, which the collectives guarantee by
     /// starting each one at a multiple of 64 bytes and cutting at element boundaries.
-    pub(crate) fn reduce_into(&mut self, dst: &mut [u8], dtype: DType, op: ReduceOp) -> usize {
+    pub(crate) fn reduce_into(
+        &mut self,
+        dst: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<usize, RingFault> {
         let elem = dtype.size();
         debug_assert_eq!(
             self.tail as usize % elem,
             0,
             "ring position not element-aligned"
         );
-        let n = dst.len().min(self.available()) / elem * elem;
+        let n = dst.len().min(self.accept_head()?) / elem * elem;
         if n == 0 {
-            return 0;
+            return Ok(0);
         }
         let [a, b] = self.published(n);
         element::reduce(dtype, op, &mut dst[..a.len()], a);
         element::reduce(dtype, op, &mut dst[a.len()..n], b);
         self.consume(n);
-        n
+        Ok(n)
     }
 
     /// Announces that this side is about to sleep until data arrives; false if data is
-    /// there already (or the peer left), in which case nothing was armed.
+    /// there already (or the peer left, or broke the protocol, which the next read
+    /// reports), in which case nothing was armed.
     pub(crate) fn arm(&self) -> bool {
         arm(&self.ring.control().reader_waiting, || {
-            self.available() > 0 || self.peer_closed()
+            self.available().map_or(true, |n| n > 0) || self.peer_closed()
         })
     }
 
@@ -637,12 +715,16 @@ mod tests {
         let (mut sent, mut received) = (0, 0);
         // Uneven pieces on both sides, so that copies straddle the end of the ring.
         while received < data.len() {
-            sent += tx.write(&data[sent..(sent + 1000).min(data.len())]);
-            received += rx.read(&mut got[received..(received + 777).min(data.len())]);
+            sent += tx
+                .write(&data[sent..(sent + 1000).min(data.len())])
+                .unwrap();
+            received += rx
+                .read(&mut got[received..(received + 777).min(data.len())])
+                .unwrap();
         }
         assert_eq!(got, data);
         assert_eq!(tx.position(), rx.position());
-        assert_eq!(rx.available(), 0);
+        assert_eq!(rx.available().unwrap(), 0);
     }
 
     #[test]
@@ -666,13 +748,13 @@ mod tests {
     fn a_full_ring_takes_nothing_until_the_reader_consumes() {
         let (mut tx, mut rx) = pair(MIN_CAPACITY);
         let block = vec![1u8; 3 * MIN_CAPACITY];
-        assert_eq!(tx.write(&block), MIN_CAPACITY);
-        assert_eq!(tx.write(&block), 0);
+        assert_eq!(tx.write(&block).unwrap(), MIN_CAPACITY);
+        assert_eq!(tx.write(&block).unwrap(), 0);
         assert!(tx.arm(), "a full ring must let the writer sleep");
         tx.disarm();
         let mut sink = vec![0u8; 100];
-        assert_eq!(rx.read(&mut sink), 100);
-        assert_eq!(tx.write(&block), 100);
+        assert_eq!(rx.read(&mut sink).unwrap(), 100);
+        assert_eq!(tx.write(&block).unwrap(), 100);
     }
 
     #[test]
@@ -680,8 +762,8 @@ mod tests {
         let (mut tx, mut rx) = pair(MIN_CAPACITY);
         // Start near the end of the ring so that the reduction wraps.
         let mut skip = vec![0u8; MIN_CAPACITY - 64];
-        tx.write(&skip);
-        rx.read(&mut skip);
+        tx.write(&skip).unwrap();
+        rx.read(&mut skip).unwrap();
         let mut theirs: Vec<f32> = (0..1000).map(|i| i as f32).collect();
         let mut mine: Vec<f32> = vec![0.5; 1000];
         let mut sent = 0;
@@ -689,8 +771,10 @@ mod tests {
         let theirs = as_bytes_mut(&mut theirs);
         let mine_bytes = as_bytes_mut(&mut mine);
         while done < mine_bytes.len() {
-            sent += tx.write(&theirs[sent..]);
-            done += rx.reduce_into(&mut mine_bytes[done..], DType::F32, ReduceOp::Sum);
+            sent += tx.write(&theirs[sent..]).unwrap();
+            done += rx
+                .reduce_into(&mut mine_bytes[done..], DType::F32, ReduceOp::Sum)
+                .unwrap();
         }
         assert!(mine.iter().enumerate().all(|(i, v)| *v == i as f32 + 0.5));
     }
@@ -700,7 +784,7 @@ mod tests {
         let (mut tx, mut rx, tx_bell, rx_bell) = wired(MIN_CAPACITY);
         let mut count = [0u8; 8];
         // Nobody sleeps: publishing does not touch the bell.
-        tx.write(&[1, 2, 3]);
+        tx.write(&[1, 2, 3]).unwrap();
         assert!(
             rustix::io::read(rx_bell.fd(), &mut count).is_err(),
             "bell rang for nobody"
@@ -708,16 +792,16 @@ mod tests {
         // With data present the reader does not arm; once it has read everything it does,
         // and the next write rings its bell once.
         assert!(!rx.arm());
-        rx.read(&mut [0u8; 3]);
+        rx.read(&mut [0u8; 3]).unwrap();
         assert!(rx.arm());
-        tx.write(&[4]);
-        tx.write(&[5]);
+        tx.write(&[4]).unwrap();
+        tx.write(&[5]).unwrap();
         assert_eq!(rustix::io::read(rx_bell.fd(), &mut count).unwrap(), 8);
         assert_eq!(u64::from_ne_bytes(count), 1);
         // A writer facing a full ring sleeps on its own bell, which the reader rings.
-        tx.write(&vec![0u8; MIN_CAPACITY]);
+        tx.write(&vec![0u8; MIN_CAPACITY]).unwrap();
         assert!(tx.arm());
-        rx.read(&mut [0u8; 10]);
+        rx.read(&mut [0u8; 10]).unwrap();
         assert_eq!(rustix::io::read(tx_bell.fd(), &mut count).unwrap(), 8);
         assert_eq!(u64::from_ne_bytes(count), 1);
     }
@@ -747,6 +831,64 @@ mod tests {
         let small = memfd_create("small", MemfdFlags::CLOEXEC).unwrap();
         ftruncate(&small, 100).unwrap();
         assert!(Ring::open(&small).unwrap_err().contains("not a ring"));
+    }
+
+    /// A peer that writes an impossible index into the shared control block gets an error
+    /// from the next operation, never an access outside the ring.
+    #[test]
+    fn corrupt_indices_in_the_segment_are_errors() {
+        let (mut tx, mut rx) = pair(MIN_CAPACITY);
+        tx.write(&[7u8; 100]).unwrap();
+        // The "sender" claims a head far beyond the ring.
+        tx.ring.control().head.store(1 << 30, Ordering::Release);
+        let mut sink = vec![0u8; 2 * MIN_CAPACITY];
+        assert!(matches!(
+            rx.read(&mut sink),
+            Err(RingFault::Head {
+                head: 0x4000_0000,
+                tail: 0,
+                ..
+            })
+        ));
+        assert!(matches!(
+            rx.reduce_into(&mut sink, DType::F32, ReduceOp::Sum),
+            Err(RingFault::Head { .. })
+        ));
+        assert!(!rx.arm(), "a broken ring must not put the reader to sleep");
+        // The "receiver" moves its tail past the head: the sender must not see free room.
+        tx.ring
+            .control()
+            .tail
+            .store(u32::MAX - 5, Ordering::Release);
+        assert_eq!(
+            tx.write(&[1u8; 10]),
+            Err(RingFault::Tail {
+                tail: u32::MAX - 5,
+                head: 100,
+                seen: 0,
+                capacity: MIN_CAPACITY
+            })
+        );
+        assert!(!tx.arm(), "a broken ring must not put the writer to sleep");
+    }
+
+    #[test]
+    fn a_segment_with_moved_indices_is_refused() {
+        let (fd, pending) = PendingRing::create(MIN_CAPACITY).unwrap();
+        pending.ring.control().head.store(13, Ordering::Release);
+        let err = Ring::open(&fd).unwrap_err();
+        assert!(err.contains("not fresh: head 13, tail 0"), "{err}");
+    }
+
+    #[test]
+    fn segments_are_reserved_before_use() {
+        let len = CONTROL_BYTES + MIN_CAPACITY;
+        let fd = memfd_create("reserve", MemfdFlags::CLOEXEC).unwrap();
+        ftruncate(&fd, len as u64).unwrap();
+        // st_blocks counts 512-byte units: nothing is allocated by sizing alone.
+        assert_eq!(fstat(&fd).unwrap().st_blocks, 0);
+        reserve(&fd, len).unwrap();
+        assert!(fstat(&fd).unwrap().st_blocks as usize * 512 >= len);
     }
 
     #[test]
