@@ -51,6 +51,7 @@ mod config;
 mod devices;
 pub mod env;
 mod error;
+mod lines;
 mod port;
 mod run_dir;
 mod secret;

@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::fmt;
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::ops::Range;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -442,8 +442,16 @@ fn program_name(program: &std::ffi::OsStr) -> String {
     format!("`{}`", name.to_string_lossy())
 }
 
+/// Opens (creating) a rank's log for appending; a symbolic link in its place is refused
+/// (`ELOOP`), so a log folder others can write to cannot redirect a rank's output into
+/// another file.
 fn open_log(path: &Path) -> std::io::Result<File> {
-    OpenOptions::new().create(true).append(true).open(path)
+    use std::os::unix::fs::OpenOptionsExt;
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -466,10 +474,9 @@ struct Pump {
 impl Pump {
     fn start(self, from: impl Read + Send + 'static) -> JoinHandle<()> {
         std::thread::spawn(move || {
-            for line in BufReader::new(from).split(b'\n') {
-                let Ok(line) = line else { break };
-                self.line(&String::from_utf8_lossy(&line));
-            }
+            crate::lines::for_each_line(from, crate::lines::MAX_LINE, |line| {
+                self.line(&String::from_utf8_lossy(line));
+            });
         })
     }
 

@@ -192,3 +192,55 @@ fn ranks_that_stop_with_exit_code_75_end_the_job_as_stopped_without_a_restart() 
         "rank 1 saved\n"
     );
 }
+
+#[test]
+fn a_symlink_in_place_of_a_rank_log_is_refused_and_its_target_untouched() {
+    let dir = ddp_testkit::temp_dir("ddp-run-log-symlink");
+    let logs = dir.path().join("logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, "keep me\n").unwrap();
+    std::os::unix::fs::symlink(&victim, logs.join("rank-0.out")).unwrap();
+    let config = LaunchConfig {
+        log_dir: Some(logs.clone()),
+        ..quiet("sh", 1, &["-c", "echo written"])
+    };
+    match launch(&config, |_| {}) {
+        Err(LaunchError::Log { path, source }) => {
+            assert_eq!(path, logs.join("rank-0.out"));
+            assert_eq!(source.raw_os_error(), Some(libc::ELOOP), "{source}");
+        }
+        other => panic!("expected a log error, got {other:?}"),
+    }
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me\n");
+}
+
+#[test]
+fn a_rank_printing_one_endless_line_is_logged_in_bounded_pieces() {
+    let dir = ddp_testkit::temp_dir("ddp-run-long-line");
+    let logs = dir.path().join("logs");
+    // 300 KiB without a newline, then a short line.
+    let config = LaunchConfig {
+        log_dir: Some(logs.clone()),
+        ..quiet(
+            "sh",
+            1,
+            &[
+                "-c",
+                "head -c 307200 /dev/zero | tr '\\0' x; echo; echo done",
+            ],
+        )
+    };
+    assert_eq!(
+        launch(&config, |_| {}).unwrap(),
+        Outcome::Succeeded { restarts: 0 }
+    );
+    let log = std::fs::read_to_string(logs.join("rank-0.out")).unwrap();
+    let lengths: Vec<usize> = log.lines().map(str::len).collect();
+    assert_eq!(
+        lengths,
+        [65536, 65536, 65536, 65536, 45056, 4],
+        "{:?}",
+        &lengths
+    );
+}
