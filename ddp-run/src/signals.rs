@@ -58,6 +58,12 @@ impl Watch {
     }
 }
 
+/// How many forwarded signals this process has received while jobs ran (for noticing a
+/// second one while ranks are being stopped).
+pub(crate) fn received_total() -> u64 {
+    RECEIVED.load(Ordering::SeqCst)
+}
+
 impl Drop for Watch {
     fn drop(&mut self) {
         ACTIVE.fetch_sub(1, Ordering::SeqCst);

@@ -210,6 +210,11 @@ pub fn launch(
                 if restarts >= config.max_restarts {
                     return Ok(Outcome::Failed { failure, restarts });
                 }
+                // A signal that arrived while the failed attempt was being stopped ends the
+                // job: no new generation of ranks starts after the user asked to stop.
+                if let Some(signal) = watch.received() {
+                    return Ok(Outcome::Interrupted { signal });
+                }
                 restarts += 1;
                 on_event(&Event::Restarting {
                     restart: restarts,
@@ -554,8 +559,12 @@ fn kill_group(pid: u32, signal: i32) {
 /// Ends an attempt: `signal` to every rank's process group, then SIGCONT (a stopped rank,
 /// SIGSTOP or a debugger's, acts on the signal only once continued, as a shell's `kill`
 /// does for stopped jobs), SIGKILL to what is left after `timeout` (or at once when every
-/// rank has exited), then reaps the ranks and lets their output threads finish.
+/// rank has exited, or when another signal arrives meanwhile: a second Ctrl-C escalates),
+/// then reaps the ranks and lets their output threads finish.
 fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) {
+    // A signal that arrives while the ranks are given time to end (a second Ctrl-C) ends the
+    // wait: they are killed at once.
+    let signals_before = crate::signals::received_total();
     for r in ranks.iter() {
         kill_group(r.child.id(), signal);
         kill_group(r.child.id(), libc::SIGCONT);
@@ -565,7 +574,8 @@ fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) {
         for r in ranks.iter_mut().filter(|r| r.exit.is_none()) {
             r.exit = peek_exit(r.child.id()).ok().flatten();
         }
-        if ranks.iter().all(|r| r.exit.is_some()) || Instant::now() >= deadline {
+        let escalated = crate::signals::received_total() != signals_before;
+        if ranks.iter().all(|r| r.exit.is_some()) || Instant::now() >= deadline || escalated {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));

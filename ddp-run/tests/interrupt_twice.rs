@@ -1,0 +1,57 @@
+//! A second signal while the ranks are given time to end kills them at once, as a second
+//! Ctrl-C does to torchrun. Alone in its test binary, because the signals reach the whole
+//! process.
+
+use std::time::{Duration, Instant};
+
+use ddp_run::{launch, LaunchConfig, Outcome};
+
+#[test]
+fn a_second_signal_during_the_shutdown_kills_the_ranks_at_once() {
+    let dir = ddp_testkit::temp_dir("ddp-run-interrupt-twice");
+    let ready = dir.path().join("ready");
+    // The ranks ignore SIGTERM: without escalation the launcher would wait the whole minute
+    // of the shutdown timeout before SIGKILL.
+    let config = LaunchConfig {
+        echo: false,
+        shutdown_timeout: Duration::from_secs(60),
+        ..LaunchConfig::new("sh", 2).args([
+            "-c".to_string(),
+            format!(
+                r#"trap '' TERM INT
+                   touch {}.$RANK
+                   i=0
+                   while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
+                ready.display()
+            ),
+        ])
+    };
+    let sender = std::thread::spawn(move || {
+        ddp_testkit::wait_for("both ranks are up", Duration::from_secs(60), || {
+            (0..2).all(|r| ready.with_extension(r.to_string()).exists())
+        });
+        // SAFETY: raise(3) delivers the signals to this process, whose handlers (installed
+        // before the ranks started) only record them while a job runs.
+        unsafe { libc::raise(libc::SIGTERM) };
+        std::thread::sleep(Duration::from_millis(1000));
+        let second = Instant::now();
+        // SAFETY: as above.
+        unsafe { libc::raise(libc::SIGINT) };
+        second
+    });
+    let outcome = launch(&config, |_| {}).unwrap();
+    let ended = Instant::now();
+    let second = sender.join().unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Interrupted {
+            signal: libc::SIGTERM
+        }
+    );
+    // Killed right after the second signal, not at the end of the 60 s shutdown timeout.
+    let after = ended.saturating_duration_since(second);
+    assert!(
+        after < Duration::from_secs(30),
+        "the ranks lived {after:?} after the second signal"
+    );
+}
