@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::io::{self, BufReader, BufWriter, Read};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -29,6 +29,23 @@ const OP_CHECK: u8 = 4;
 const STATUS_OK: u8 = 0;
 const STATUS_MISSING: u8 = 1;
 const STATUS_ERROR: u8 = 2;
+
+/// Connections that may be in their handshake at once; more are closed at accept, so that
+/// strangers cannot pile up threads and descriptors before proving anything (each has
+/// [`auth::HANDSHAKE_TIMEOUT`] to prove the secret). A job's own ranks connect once each.
+pub(crate) const MAX_PENDING_HANDSHAKES: usize = 64;
+
+/// A pause after a failed accept (out of descriptors, say), so that the loop does not spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// A handshake in progress, counted in the server's `pending` until it ends either way.
+struct Pending(Arc<AtomicUsize>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 /// The operations rendezvous needs from a store (ours, or torchrun's agent store).
 pub(crate) trait Store: Send {
@@ -211,43 +228,81 @@ fn accept_loop(
     clients: Clients,
 ) {
     let secret = Arc::new(secret);
+    let pending = Arc::new(AtomicUsize::new(0));
     for (id, stream) in (0u64..).zip(listener.incoming()) {
         if stop.load(Ordering::SeqCst) {
             return;
         }
-        let Ok(stream) = stream else { continue };
+        let stream = match stream {
+            Ok(stream) => stream,
+            Err(e) => {
+                // EMFILE, ENFILE, ENOMEM: the condition lasts; retrying at once would spin.
+                if e.kind() != io::ErrorKind::Interrupted {
+                    std::thread::sleep(ACCEPT_BACKOFF);
+                }
+                continue;
+            }
+        };
+        if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
+            pending.fetch_sub(1, Ordering::SeqCst);
+            let peer = stream
+                .peer_addr()
+                .map(|a| a.to_string())
+                .unwrap_or_default();
+            tracing::warn!(
+                "ddp-comm: store refused a connection from {peer}: {MAX_PENDING_HANDSHAKES} \
+                 handshakes already in progress"
+            );
+            continue;
+        }
+        let guard = Pending(pending.clone());
         let Ok(closer) = stream.try_clone() else {
             continue;
         };
         if let (Ok(clone), Ok(mut map)) = (stream.try_clone(), clients.lock()) {
             map.insert(id, clone);
         }
-        let (secret, table, clients) = (secret.clone(), table.clone(), clients.clone());
-        let _ = std::thread::Builder::new()
+        let (secret, table, clients_of_thread) = (secret.clone(), table.clone(), clients.clone());
+        let spawned = std::thread::Builder::new()
             .name("ddp-store-conn".into())
             .spawn(move || {
                 let peer = stream
                     .peer_addr()
                     .map(|a| a.to_string())
                     .unwrap_or_default();
-                if let Err(why) = serve(stream, &secret, &table) {
+                if let Err(why) = serve(stream, &secret, &table, guard) {
                     tracing::warn!("ddp-comm: store dropped connection from {peer}: {why}");
                 }
                 // Other handles (the server's list) must not keep the connection open.
                 let _ = closer.shutdown(Shutdown::Both);
-                if let Ok(mut map) = clients.lock() {
+                if let Ok(mut map) = clients_of_thread.lock() {
                     map.remove(&id);
                 }
             });
+        if spawned.is_err() {
+            // No thread: the connection is dropped here (and its guard with the closure);
+            // its clone must not stay in the list.
+            if let Ok(mut map) = clients.lock() {
+                if let Some(clone) = map.remove(&id) {
+                    let _ = clone.shutdown(Shutdown::Both);
+                }
+            }
+        }
     }
 }
 
 /// Serves one client until it disconnects. Errors are reasons to drop the connection.
-fn serve(stream: TcpStream, secret: &Secret, table: &Table) -> Result<(), String> {
+fn serve(
+    stream: TcpStream,
+    secret: &Secret,
+    table: &Table,
+    pending: Pending,
+) -> Result<(), String> {
     let _ = stream.set_nodelay(true);
     let deadline = Instant::now() + auth::HANDSHAKE_TIMEOUT;
-    auth::tcp_server(&stream, secret, STORE_MAGIC, deadline)
-        .map_err(|why| format!("rejected: {why}"))?;
+    let proven = auth::tcp_server(&stream, secret, STORE_MAGIC, deadline);
+    drop(pending);
+    proven.map_err(|why| format!("rejected: {why}"))?;
     stream.set_timeouts(None).map_err(|e| e.to_string())?;
     let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
     let mut writer = BufWriter::new(stream);
@@ -669,5 +724,28 @@ mod tests {
         raw.write_all(&msg).unwrap();
         let mut buf = [0u8; 1];
         assert_eq!(raw.read(&mut buf).unwrap_or(0), 0);
+    }
+
+    #[test]
+    fn strangers_holding_handshakes_open_cannot_pile_up_and_their_slots_come_back() {
+        let server = server();
+        let key = secret("a");
+        // As many silent connections as may be in their handshake at once.
+        let idle: Vec<TcpStream> = (0..MAX_PENDING_HANDSHAKES)
+            .map(|_| TcpStream::connect(server.local_addr()).unwrap())
+            .collect();
+        // One more, even a rank with the secret, is closed at accept while they wait.
+        assert!(client(&server, &key).is_err());
+        // Once they go, their slots are free again.
+        drop(idle);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match client(&server, &key) {
+                Ok(_) => break,
+                Err(e) if Instant::now() > deadline => panic!("the store stayed full: {e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+        assert_serves(&server);
     }
 }
