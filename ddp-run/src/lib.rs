@@ -55,7 +55,7 @@ mod lines;
 mod port;
 mod run_dir;
 mod secret;
-mod signals;
+pub mod signals;
 mod supervisor;
 
 pub use config::LaunchConfig;
@@ -65,5 +65,5 @@ pub use error::LaunchError;
 pub use port::free_port;
 pub use run_dir::{default_run_dir, run_dir_name};
 pub use secret::{JobSecret, SECRET_BYTES};
-pub use signals::FORWARDED as FORWARDED_SIGNALS;
+pub use signals::{SignalWatch, FORWARDED as FORWARDED_SIGNALS};
 pub use supervisor::{launch, Event, Exit, Outcome, RankFailure, EXIT_STOPPED};

@@ -1,15 +1,18 @@
-//! Noticing SIGINT, SIGTERM, SIGHUP, SIGQUIT (torchrun's default `--signals-to-handle`) and
-//! SIGUSR1 (what SLURM's `--signal` sends before a time limit) while a job runs, to forward
-//! them to the ranks.
+//! Noticing signals while a job runs instead of dying of them: the launcher's watch over
+//! SIGINT, SIGTERM, SIGHUP, SIGQUIT (torchrun's default `--signals-to-handle`) and SIGUSR1
+//! (what SLURM's `--signal` sends before a time limit), forwarded to the ranks; and, through
+//! the same [`SignalWatch`], the stop signals a training rank (`ddp-train`'s Trainer) acts on.
+//! The workspace's one place that registers signal handlers.
 //!
-//! The handlers are installed once per process with signal-hook and stay installed (signal-hook
-//! cannot uninstall them). While no job runs they behave as before they were installed: a
-//! signal whose disposition was the default gets the default action (the process ends), one
-//! that was ignored (for instance SIGHUP under `nohup`) is left alone entirely, and a handler
-//! installed earlier by the program still runs (signal-hook chains to it).
+//! A handler is installed once per process and signal with signal-hook and stays installed
+//! (signal-hook cannot uninstall it). While no watch for its signal is alive it behaves as
+//! before it was installed: a signal whose disposition was the default gets the default
+//! action (the process ends), one that was ignored (for instance SIGHUP under `nohup`) is
+//! left alone entirely, and a handler installed earlier by the program still runs
+//! (signal-hook chains to it).
 
 use std::sync::atomic::{AtomicI32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::Mutex;
 
 use crate::LaunchError;
 
@@ -22,52 +25,82 @@ pub const FORWARDED: [i32; 5] = [
     libc::SIGUSR1,
 ];
 
-/// Jobs running in this process.
-static ACTIVE: AtomicUsize = AtomicUsize::new(0);
-/// Signals received while a job ran, and the last one.
-static RECEIVED: AtomicU64 = AtomicU64::new(0);
-static LAST: AtomicI32 = AtomicI32::new(0);
-/// Whether the handlers are installed (or why they could not be).
-static INSTALLED: OnceLock<Result<(), (i32, std::io::ErrorKind)>> = OnceLock::new();
+/// One more than the largest signal number a watch may name (Linux's real-time signals end
+/// at 64).
+const SIGNALS: usize = 65;
 
-/// Marks a job as running while it lives; [`Watch::received`] says whether a forwarded
-/// signal arrived since it was made.
+/// Per signal: the watches alive for it, and how often it arrived while one was.
+static ACTIVE: [AtomicUsize; SIGNALS] = [const { AtomicUsize::new(0) }; SIGNALS];
+static RECEIVED: [AtomicU64; SIGNALS] = [const { AtomicU64::new(0) }; SIGNALS];
+/// The last signal that arrived while watched.
+static LAST: AtomicI32 = AtomicI32::new(0);
+/// Per signal: whether its handler is installed (`Some(Ok)`), or why it could not be.
+static INSTALLED: Mutex<[Option<Result<(), std::io::ErrorKind>>; SIGNALS]> =
+    Mutex::new([None; SIGNALS]);
+
+/// While it lives, the signals it was started for are noticed ([`SignalWatch::received`])
+/// instead of taking their default action.
+///
+/// ```
+/// let watch = ddp_run::SignalWatch::start(&[libc::SIGUSR2])?;
+/// assert_eq!(watch.received(), None);
+/// // SAFETY: raise(3) on this process; SIGUSR2 is watched, so it only records the signal.
+/// unsafe { libc::raise(libc::SIGUSR2) };
+/// assert_eq!(watch.received(), Some(libc::SIGUSR2));
+/// # Ok::<(), ddp_run::LaunchError>(())
+/// ```
 #[derive(Debug)]
-pub(crate) struct Watch {
-    seen: u64,
+pub struct SignalWatch {
+    /// The watched signals and how often each had arrived when the watch started.
+    seen: Vec<(i32, u64)>,
 }
 
-impl Watch {
-    pub(crate) fn start() -> Result<Self, LaunchError> {
-        ACTIVE.fetch_add(1, Ordering::SeqCst);
-        let watch = Self {
-            seen: RECEIVED.load(Ordering::SeqCst),
+impl SignalWatch {
+    /// Watches `signals` (installing their handlers the first time); fails with
+    /// [`LaunchError::Signals`] for a signal that cannot be handled.
+    pub fn start(signals: &[i32]) -> Result<Self, LaunchError> {
+        let mut seen = Vec::with_capacity(signals.len());
+        let watch_failed = |signal: i32, source: std::io::Error| LaunchError::Signals { signal, source };
+        for &signal in signals {
+            let Some(slot) = usize::try_from(signal).ok().filter(|&s| s > 0 && s < SIGNALS) else {
+                return Err(watch_failed(
+                    signal,
+                    std::io::Error::from(std::io::ErrorKind::InvalidInput),
+                ));
+            };
+            install(signal).map_err(|kind| watch_failed(signal, kind.into()))?;
+            ACTIVE[slot].fetch_add(1, Ordering::SeqCst);
+            seen.push((signal, RECEIVED[slot].load(Ordering::SeqCst)));
+        }
+        Ok(Self { seen })
+    }
+
+    /// The watched signal received since the watch started, if any: the last one to arrive
+    /// when it is watched here, else the first of this watch's signals that arrived.
+    pub fn received(&self) -> Option<i32> {
+        let arrived = |&(signal, count): &(i32, u64)| {
+            RECEIVED[signal as usize].load(Ordering::SeqCst) != count
         };
-        match INSTALLED.get_or_init(install) {
-            Ok(()) => Ok(watch),
-            Err((signal, kind)) => Err(LaunchError::Signals {
-                signal: *signal,
-                source: std::io::Error::from(*kind),
-            }),
+        let last = LAST.load(Ordering::SeqCst);
+        if self.seen.iter().any(|s| s.0 == last && arrived(s)) {
+            return Some(last);
+        }
+        self.seen.iter().find(|s| arrived(s)).map(|s| s.0)
+    }
+}
+
+impl Drop for SignalWatch {
+    fn drop(&mut self) {
+        for &(signal, _) in &self.seen {
+            ACTIVE[signal as usize].fetch_sub(1, Ordering::SeqCst);
         }
     }
-
-    /// The last forwarded signal received since this job started, if any.
-    pub(crate) fn received(&self) -> Option<i32> {
-        (RECEIVED.load(Ordering::SeqCst) != self.seen).then(|| LAST.load(Ordering::SeqCst))
-    }
 }
 
-/// How many forwarded signals this process has received while jobs ran (for noticing a
-/// second one while ranks are being stopped).
+/// How many watched signals this process has received in all (for noticing a second one
+/// while ranks are being stopped).
 pub(crate) fn received_total() -> u64 {
-    RECEIVED.load(Ordering::SeqCst)
-}
-
-impl Drop for Watch {
-    fn drop(&mut self) {
-        ACTIVE.fetch_sub(1, Ordering::SeqCst);
-    }
+    RECEIVED.iter().map(|r| r.load(Ordering::SeqCst)).sum()
 }
 
 /// What the signal's disposition was before we installed ours.
@@ -82,25 +115,37 @@ fn previous_disposition(signal: i32) -> std::io::Result<libc::sighandler_t> {
     }
 }
 
-fn install() -> Result<(), (i32, std::io::ErrorKind)> {
-    for signal in FORWARDED {
-        let previous = previous_disposition(signal).map_err(|e| (signal, e.kind()))?;
-        if previous == libc::SIG_IGN {
-            continue;
-        }
-        let default_when_idle = previous == libc::SIG_DFL;
-        let action = move || {
-            if ACTIVE.load(Ordering::SeqCst) > 0 {
-                LAST.store(signal, Ordering::SeqCst);
-                RECEIVED.fetch_add(1, Ordering::SeqCst);
-            } else if default_when_idle {
-                let _ = signal_hook::low_level::emulate_default_handler(signal);
-            }
-        };
-        // SAFETY: the action only touches atomics and calls `emulate_default_handler`, all
-        // async-signal-safe; it allocates nothing and takes no lock.
-        unsafe { signal_hook::low_level::register(signal, action) }
-            .map_err(|e| (signal, e.kind()))?;
+/// Installs `signal`'s handler once per process.
+fn install(signal: i32) -> Result<(), std::io::ErrorKind> {
+    let mut installed = INSTALLED.lock().unwrap_or_else(|e| e.into_inner());
+    let slot = signal as usize;
+    if let Some(done) = installed[slot] {
+        return done;
     }
-    Ok(())
+    let result = register(signal);
+    installed[slot] = Some(result);
+    result
+}
+
+fn register(signal: i32) -> Result<(), std::io::ErrorKind> {
+    let previous = previous_disposition(signal).map_err(|e| e.kind())?;
+    if previous == libc::SIG_IGN {
+        // Left ignored (`nohup`): the watch never hears it, as the process never did.
+        return Ok(());
+    }
+    let default_when_idle = previous == libc::SIG_DFL;
+    let slot = signal as usize;
+    let action = move || {
+        if ACTIVE[slot].load(Ordering::SeqCst) > 0 {
+            LAST.store(signal, Ordering::SeqCst);
+            RECEIVED[slot].fetch_add(1, Ordering::SeqCst);
+        } else if default_when_idle {
+            let _ = signal_hook::low_level::emulate_default_handler(signal);
+        }
+    };
+    // SAFETY: the action only touches atomics and calls `emulate_default_handler`, all
+    // async-signal-safe; it allocates nothing and takes no lock.
+    unsafe { signal_hook::low_level::register(signal, action) }
+        .map(drop)
+        .map_err(|e| e.kind())
 }

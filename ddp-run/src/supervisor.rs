@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use crate::env::{RankEnv, DDP_SECRET, DEFAULT_MASTER_PORT};
 use crate::secret::JobSecret;
-use crate::signals::Watch;
+use crate::signals::{SignalWatch, FORWARDED};
 use crate::{LaunchConfig, LaunchError};
 
 /// How a rank's process ended.
@@ -177,7 +177,7 @@ pub fn launch(
     };
     let secret = job_secret(config)?;
     let omp = config.omp_num_threads_for_ranks();
-    let watch = Watch::start()?;
+    let watch = SignalWatch::start(&FORWARDED)?;
     let mut restarts = 0;
     loop {
         let master_port = match (config.master_port, config.nnodes) {
@@ -261,7 +261,7 @@ struct Rank {
 }
 
 impl Attempt<'_> {
-    fn run(&self, watch: &Watch) -> Result<End, LaunchError> {
+    fn run(&self, watch: &SignalWatch) -> Result<End, LaunchError> {
         let mut ranks: Vec<Rank> = Vec::with_capacity(self.config.nproc_per_node);
         for (local_rank, rank) in self.config.ranks().enumerate() {
             match self.spawn(rank, local_rank) {
@@ -279,7 +279,7 @@ impl Attempt<'_> {
         end
     }
 
-    fn watch(&self, ranks: &mut [Rank], watch: &Watch) -> Result<End, LaunchError> {
+    fn watch(&self, ranks: &mut [Rank], watch: &SignalWatch) -> Result<End, LaunchError> {
         loop {
             if let Some(signal) = watch.received() {
                 stop(ranks, signal, self.config.shutdown_timeout);

@@ -6,13 +6,11 @@
 //! none waits on a peer that has left), rank 0 writes a checkpoint, and every rank ends with
 //! [`crate::TrainError::Stopped`], whose exit code is [`EXIT_STOPPED`].
 //!
-//! The handlers are installed once per process (signal-hook cannot remove them) and act only
-//! while a Trainer runs; otherwise a signal whose disposition was the default still ends the
-//! process as before, one that was ignored stays ignored, and an earlier handler of the
-//! program still runs (signal-hook chains to it).
+//! The handlers are ddp-run's ([`ddp_run::SignalWatch`]): installed once per process and
+//! acting only while a Trainer runs; otherwise a signal whose disposition was the default
+//! still ends the process as before, one that was ignored stays ignored, and an earlier
+//! handler of the program still runs.
 
-use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// The exit code of a rank that stopped at a checkpoint on request (a signal or the time
@@ -23,12 +21,6 @@ pub use ddp_run::EXIT_STOPPED;
 
 /// The signals that stop a run at the next step.
 pub const STOP_SIGNALS: [i32; 2] = [libc::SIGTERM, libc::SIGUSR1];
-
-/// Trainers running in this process.
-static ACTIVE: AtomicUsize = AtomicUsize::new(0);
-/// The stop signal received while a Trainer ran (0: none).
-static RECEIVED: AtomicI32 = AtomicI32::new(0);
-static INSTALLED: OnceLock<Result<(), String>> = OnceLock::new();
 
 /// Why a run stopped early.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,63 +67,16 @@ fn signal_name(signal: i32) -> String {
     }
 }
 
-/// While it lives, stop signals are noticed instead of ending the process.
-#[derive(Debug)]
-pub(crate) struct SignalWatch(());
+/// While it lives, stop signals are noticed instead of ending the process: ddp-run's watch
+/// (the workspace's one signal registration) over [`STOP_SIGNALS`].
+pub(crate) use ddp_run::SignalWatch;
 
-impl SignalWatch {
-    pub(crate) fn start() -> Result<Self, String> {
-        ACTIVE.fetch_add(1, Ordering::SeqCst);
-        let watch = Self(());
-        INSTALLED.get_or_init(install).clone().map(|()| watch)
-    }
-
-    /// The stop signal received since a Trainer started, if any.
-    pub(crate) fn received(&self) -> Option<i32> {
-        match RECEIVED.load(Ordering::SeqCst) {
-            0 => None,
-            s => Some(s),
-        }
-    }
-}
-
-impl Drop for SignalWatch {
-    fn drop(&mut self) {
-        ACTIVE.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-fn install() -> Result<(), String> {
-    for signal in STOP_SIGNALS {
-        // SAFETY: a zeroed sigaction is a valid out-parameter; a null `act` only queries.
-        let previous = unsafe {
-            let mut old: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(signal, std::ptr::null(), &mut old) != 0 {
-                return Err(format!(
-                    "cannot query the handler of {}: {}",
-                    signal_name(signal),
-                    std::io::Error::last_os_error()
-                ));
-            }
-            old.sa_sigaction
-        };
-        if previous == libc::SIG_IGN {
-            continue;
-        }
-        let default_when_idle = previous == libc::SIG_DFL;
-        let action = move || {
-            if ACTIVE.load(Ordering::SeqCst) > 0 {
-                RECEIVED.store(signal, Ordering::SeqCst);
-            } else if default_when_idle {
-                let _ = signal_hook::low_level::emulate_default_handler(signal);
-            }
-        };
-        // SAFETY: the action only touches atomics and calls `emulate_default_handler`, all
-        // async-signal-safe; it allocates nothing and takes no lock.
-        unsafe { signal_hook::low_level::register(signal, action) }
-            .map_err(|e| format!("cannot handle {}: {e}", signal_name(signal)))?;
-    }
-    Ok(())
+/// Watches [`STOP_SIGNALS`] while a Trainer runs.
+pub(crate) fn watch_stop_signals() -> Result<SignalWatch, String> {
+    SignalWatch::start(&STOP_SIGNALS).map_err(|e| {
+        let why = std::error::Error::source(&e).map_or_else(String::new, |s| format!(": {s}"));
+        format!("{e}{why}")
+    })
 }
 
 /// The time budget of a run: whether one more step (and what may follow it) still fits.

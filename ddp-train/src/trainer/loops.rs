@@ -45,7 +45,7 @@ impl<T: Task> Trainer<T> {
     /// rank returns [`TrainError::Stopped`]; exit with [`TrainError::exit_code`].
     pub fn run(&mut self) -> Result<Vec<EpochReport>, TrainError> {
         let signals = if self.settings.stop_on_signals {
-            Some(SignalWatch::start().map_err(TrainError::Invalid)?)
+            Some(crate::stop::watch_stop_signals().map_err(TrainError::Invalid)?)
         } else {
             None
         };
