@@ -60,9 +60,13 @@ impl SignalWatch {
     /// [`LaunchError::Signals`] for a signal that cannot be handled.
     pub fn start(signals: &[i32]) -> Result<Self, LaunchError> {
         let mut seen = Vec::with_capacity(signals.len());
-        let watch_failed = |signal: i32, source: std::io::Error| LaunchError::Signals { signal, source };
+        let watch_failed =
+            |signal: i32, source: std::io::Error| LaunchError::Signals { signal, source };
         for &signal in signals {
-            let Some(slot) = usize::try_from(signal).ok().filter(|&s| s > 0 && s < SIGNALS) else {
+            let Some(slot) = usize::try_from(signal)
+                .ok()
+                .filter(|&s| s > 0 && s < SIGNALS)
+            else {
                 return Err(watch_failed(
                     signal,
                     std::io::Error::from(std::io::ErrorKind::InvalidInput),

@@ -179,7 +179,7 @@ impl<T: Task> Trainer<T> {
         let first = resumed.map_or(0, |p| p.step.min(steps));
         indices.drain(..first * per_step);
         let mut loader = self.loader(&self.train_set, true, epoch, indices)?;
-        let progress = Progress::new(rank == 0 && s.progress, epoch, s.epochs, steps);
+        let progress = Progress::new(rank == 0 && s.progress, epoch, s.epochs, steps, &self.log);
         // Rank 0 carries the sums of all ranks before the checkpoint.
         let (mut loss_sum, mut samples, earlier_seconds) = match (resumed, rank) {
             (Some(p), 0) => (p.loss_sum, p.samples, p.train_seconds),
@@ -287,7 +287,7 @@ impl<T: Task> Trainer<T> {
                 / started.elapsed().as_secs_f64();
             progress.step(step + 1, loss_sum / samples.max(1) as f64, rate, &self.log);
         }
-        progress.finish();
+        progress.finish(&self.log);
         let mut totals = Tensor::from_slice(&[loss_sum, samples as f64]);
         self.pg.all_reduce(&mut totals, ReduceOp::Sum)?;
         let totals = Vec::<f64>::try_from(&totals)?;

@@ -47,6 +47,7 @@ mod startup;
 
 pub use crate::report::{EpochReport, EvalReport};
 use outputs::RankLog;
+#[cfg(feature = "cli")]
 pub(crate) use startup::default_run_dir;
 
 /// A rank's whole training run of a [`Task`].

@@ -149,9 +149,12 @@ pub(super) fn write_file(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
 
 /// A rank's log: appended to `<run>/logs/rank-<r>.log` and emitted as `tracing` events
 /// (target `ddp_train`; the program's subscriber decides what is shown where).
+/// While rank 0's progress bar is drawn, lines are printed with the bar suspended (cleared,
+/// then redrawn below them) so that they do not tear it.
 #[derive(Debug)]
 pub(super) struct RankLog {
     file: std::sync::Mutex<std::fs::File>,
+    bar: std::sync::Mutex<Option<indicatif::ProgressBar>>,
 }
 
 impl RankLog {
@@ -164,18 +167,32 @@ impl RankLog {
             .map_err(|e| TrainError::io(format!("cannot open {}", path.display()), e))?;
         Ok(Self {
             file: std::sync::Mutex::new(file),
+            bar: std::sync::Mutex::new(None),
         })
     }
 
+    /// The progress bar now drawn (`None` once it is gone).
+    pub(super) fn set_bar(&self, bar: Option<indicatif::ProgressBar>) {
+        *self.bar.lock().unwrap_or_else(|e| e.into_inner()) = bar;
+    }
+
+    /// Runs `show` with the progress bar, if any, out of the way.
+    fn around_bar(&self, show: impl FnOnce()) {
+        let bar = self.bar.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match bar {
+            Some(bar) => bar.suspend(show),
+            None => show(),
+        }
+    }
+
     pub(super) fn say(&self, line: &str) {
-        tracing::info!("{line}");
+        self.around_bar(|| tracing::info!("{line}"));
         self.append(line);
     }
 
-    #[cfg(feature = "plot")]
     pub(super) fn warn(&self, line: &str) {
         let line = format!("warning: {line}");
-        tracing::warn!("{line}");
+        self.around_bar(|| tracing::warn!("{line}"));
         self.append(&line);
     }
 

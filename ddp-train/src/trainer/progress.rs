@@ -6,8 +6,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::RankLog;
 
-/// Rank 0's progress: a bar when stdout is a terminal, a log line every tenth of the epoch
-/// otherwise.
+/// Rank 0's progress: a bar when stderr (where indicatif draws) is a terminal, a log line
+/// every tenth of the epoch otherwise. While the bar is up, the rank's log lines suspend it.
 pub(super) struct Progress {
     bar: Option<ProgressBar>,
     plain: bool,
@@ -17,7 +17,7 @@ pub(super) struct Progress {
 }
 
 impl Progress {
-    pub(super) fn new(show: bool, epoch: u64, epochs: u64, steps: usize) -> Self {
+    pub(super) fn new(show: bool, epoch: u64, epochs: u64, steps: usize, log: &RankLog) -> Self {
         // indicatif draws on stderr.
         let terminal = show && std::io::stderr().is_terminal();
         let bar = terminal.then(|| {
@@ -30,6 +30,7 @@ impl Progress {
                 .progress_chars("=> "),
             );
             bar.set_prefix(format!("{epoch}/{epochs}"));
+            log.set_bar(Some(bar.clone()));
             bar
         });
         Self {
@@ -55,8 +56,9 @@ impl Progress {
         }
     }
 
-    pub(super) fn finish(&self) {
+    pub(super) fn finish(&self, log: &RankLog) {
         if let Some(bar) = &self.bar {
+            log.set_bar(None);
             bar.finish_and_clear();
         }
     }
