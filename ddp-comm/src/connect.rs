@@ -302,32 +302,77 @@ fn connect_local(
     })
 }
 
+/// Handshakes judged at once on one ring listener; connections beyond it are closed at
+/// accept (strangers cannot pile up threads; each has [`auth::HANDSHAKE_TIMEOUT`]).
+const MAX_JUDGED: usize = 32;
+
 /// Accepts connections until one proves the secret and claims `prev`'s rank (`check` runs
-/// the accepting side of the handshake and judges it); drops and logs the others.
-fn accept_from<S, T>(
+/// the accepting side of the handshake, with the job's secret and the handshake's deadline,
+/// and judges it); drops and logs the others. Each connection is judged on a thread of its
+/// own, so a stranger that stalls its handshake does not hold the predecessor back.
+fn accept_from<S, T, C>(
     plan: &RingPlan<'_>,
     what: &str,
     prev: usize,
     mut accept: impl FnMut() -> io::Result<(S, String)>,
-    mut check: impl FnMut(&mut S) -> io::Result<Result<(u32, T), String>>,
-) -> Result<(S, T), CommError> {
+    check: C,
+) -> Result<(S, T), CommError>
+where
+    S: Send + 'static,
+    T: Send + 'static,
+    C: Fn(&mut S, &Secret, Instant) -> io::Result<Result<(u32, T), String>>
+        + Clone
+        + Send
+        + 'static,
+{
+    let (found, judged) = std::sync::mpsc::channel::<(S, T)>();
+    let in_flight = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let rank = plan.rank;
     loop {
+        if let Ok(winner) = judged.try_recv() {
+            return Ok(winner);
+        }
         match accept() {
-            Ok((mut stream, from)) => match check(&mut stream) {
-                Ok(Ok((r, extra))) if r as usize == prev => return Ok((stream, extra)),
-                Ok(Ok((r, _))) => tracing::warn!("ddp-comm: rank {} dropped a ring connection from {from} claiming rank {r} (expected {prev})", plan.rank),
-                Ok(Err(why)) => tracing::warn!("ddp-comm: rank {} rejected a connection from {from}: {why}", plan.rank),
-                Err(e) => tracing::warn!("ddp-comm: rank {} rejected a connection from {from}: incomplete handshake ({e})", plan.rank),
-            },
+            Ok((mut stream, from)) => {
+                use std::sync::atomic::Ordering::SeqCst;
+                if in_flight.fetch_add(1, SeqCst) >= MAX_JUDGED {
+                    in_flight.fetch_sub(1, SeqCst);
+                    tracing::warn!("ddp-comm: rank {rank} closed a connection from {from}: {MAX_JUDGED} handshakes already in progress");
+                    continue;
+                }
+                let (found, check, in_flight) = (found.clone(), check.clone(), in_flight.clone());
+                let (secret, deadline) = (plan.secret.clone(), plan.handshake_deadline());
+                let spawned = std::thread::Builder::new()
+                    .name("ddp-ring-accept".into())
+                    .spawn(move || {
+                        match check(&mut stream, &secret, deadline) {
+                            Ok(Ok((r, extra))) if r as usize == prev => {
+                                let _ = found.send((stream, extra));
+                            }
+                            Ok(Ok((r, _))) => tracing::warn!("ddp-comm: rank {rank} dropped a ring connection from {from} claiming rank {r} (expected {prev})"),
+                            Ok(Err(why)) => tracing::warn!("ddp-comm: rank {rank} rejected a connection from {from}: {why}"),
+                            Err(e) => tracing::warn!("ddp-comm: rank {rank} rejected a connection from {from}: incomplete handshake ({e})"),
+                        }
+                        in_flight.fetch_sub(1, SeqCst);
+                    });
+                if let Err(e) = spawned {
+                    return Err(CommError::io(format!("judging a connection on {what}"), e));
+                }
+            }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 if Instant::now() >= plan.deadline {
+                    if let Ok(winner) = judged.try_recv() {
+                        return Ok(winner);
+                    }
                     return Err(CommError::RendezvousTimeout {
                         addr: what.to_string(),
                         timeout: plan.timeout,
                         missing: vec![prev],
                     });
                 }
-                std::thread::sleep(Duration::from_millis(2));
+                if let Ok(winner) = judged.recv_timeout(Duration::from_millis(2)) {
+                    return Ok(winner);
+                }
             }
             Err(e) => return Err(CommError::io(format!("accepting rank {prev} on {what}"), e)),
         }
@@ -354,10 +399,9 @@ fn accept_tcp(
         &what,
         prev.rank,
         || listener.accept().map(|(s, from)| (s, from.to_string())),
-        |stream: &mut TcpStream| {
+        |stream: &mut TcpStream, secret: &Secret, deadline: Instant| {
             stream.set_nonblocking(false)?;
-            let deadline = plan.handshake_deadline();
-            Ok(auth::tcp_server(stream, plan.secret, PEER_MAGIC, deadline).map(|r| (r, ())))
+            Ok(auth::tcp_server(stream, secret, PEER_MAGIC, deadline).map(|r| (r, ())))
         },
     )?;
     let lost = |e: io::Error| CommError::PeerLost {
@@ -384,16 +428,16 @@ fn peer_pid(stream: &UnixStream) -> u32 {
 /// The accepting side of a shared-memory handshake: the same user, the secret proven, one
 /// descriptor (the sender's bell) with the proof. Returns the claimed rank and the bell.
 fn check_local(
-    plan: &RingPlan<'_>,
     stream: &mut UnixStream,
+    secret: &Secret,
+    deadline: Instant,
 ) -> io::Result<Result<(u32, OwnedFd), String>> {
     stream.set_nonblocking(false)?;
     if let Err(failure) = auth::same_user(stream) {
         return Ok(Err(failure.to_string()));
     }
-    let deadline = plan.handshake_deadline();
     let stream: &UnixStream = stream;
-    let server = match auth::Server::read(plan.secret, LOCAL_MAGIC, |buf| {
+    let server = match auth::Server::read(secret, LOCAL_MAGIC, |buf| {
         auth::read_by(stream, buf, deadline)
     })? {
         Ok(server) => server,
@@ -437,7 +481,7 @@ fn accept_local(
                 (s, from)
             })
         },
-        |stream: &mut UnixStream| check_local(plan, stream),
+        check_local,
     )?;
     let lost = |e: io::Error| CommError::PeerLost {
         op: "rendezvous",
@@ -456,4 +500,57 @@ fn accept_local(
     Ok(RecvEnd::Shm(
         pending.into_receiver(Peer::new(stream, pid, prev_bell)),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Condvar, Mutex};
+
+    #[test]
+    fn a_stranger_that_stalls_its_handshake_does_not_hold_the_predecessor_back() {
+        let secret = Secret::from_hex(&"ab".repeat(16)).unwrap();
+        let plan = RingPlan {
+            rank: 1,
+            secret: &secret,
+            socket_buffer: 0,
+            shm_capacity: 0,
+            timeout: Duration::from_secs(30),
+            deadline: Instant::now() + Duration::from_secs(30),
+        };
+        // Connection 0 is a stranger whose handshake stalls until released (at most 20 s);
+        // connection 1 is rank 0, the predecessor.
+        let stalled = Arc::new((Mutex::new(false), Condvar::new()));
+        let stranger_done = Arc::new(Mutex::new(false));
+        let mut next = 0u32;
+        let accept = || {
+            let n = next;
+            next += 1;
+            match n {
+                0 | 1 => Ok((n, format!("peer {n}"))),
+                _ => Err(io::ErrorKind::WouldBlock.into()),
+            }
+        };
+        let check = {
+            let (stalled, stranger_done) = (stalled.clone(), stranger_done.clone());
+            move |stream: &mut u32, _: &Secret, _: Instant| {
+                if *stream == 0 {
+                    let (lock, released) = &*stalled;
+                    let guard = lock.lock().unwrap();
+                    let _ = released
+                        .wait_timeout_while(guard, Duration::from_secs(20), |free| !*free)
+                        .unwrap();
+                    *stranger_done.lock().unwrap() = true;
+                    return Ok(Err("no proof".to_string()));
+                }
+                Ok(Ok((0u32, "rank 0's end")))
+            }
+        };
+        let (stream, extra) = accept_from(&plan, "test listener", 0, accept, check).unwrap();
+        assert_eq!((stream, extra), (1, "rank 0's end"));
+        // The predecessor was taken while the stranger still stalled.
+        assert!(!*stranger_done.lock().unwrap());
+        *stalled.0.lock().unwrap() = true;
+        stalled.1.notify_all();
+    }
 }
