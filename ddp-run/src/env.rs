@@ -1,7 +1,7 @@
 //! torchrun's worker environment: the variable names, and the values one rank gets.
 //!
 //! torchrun's elastic agent (`LocalElasticAgent._start_workers` in PyTorch) gives every worker
-//! the variables named here; ddp-run adds [`DDP_SECRET`]. [`RankEnv`] is the one place in
+//! the variables named here; ddp-run adds [`DDP_SECRET`] and [`DDP_LAUNCHER_PID`]. [`RankEnv`] is the one place in
 //! this workspace that writes them; `ddp_comm::EnvConfig` is the one place that reads them.
 
 use std::process::Command;
@@ -43,6 +43,7 @@ pub const TORCHELASTIC_USE_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
 pub const TORCH_NCCL_ASYNC_ERROR_HANDLING: &str = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
 /// Threads of OpenMP (and of libtorch's intra-op pool) in each rank.
 pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+pub use crate::lifeline::DDP_LAUNCHER_PID;
 pub use crate::secret::DDP_SECRET;
 
 /// The port torchrun uses when several nodes meet and none is given.

@@ -6,9 +6,11 @@
 //! torchrun's elastic agent does: the first rank to fail ends the job (the others get SIGTERM,
 //! then SIGKILL after a grace period), `max_restarts` restarts the whole group, and signals the
 //! launcher receives are forwarded to every rank; ranks that stop at a checkpoint on request
-//! (exit code [`EXIT_STOPPED`]) end the job as [`Outcome::Stopped`], not as a failure. Ranks die with the launcher even when it is
-//! killed with SIGKILL (`PR_SET_PDEATHSIG`). Each rank's output goes to its log file and to the
-//! terminal, other ranks' lines prefixed with `[rank i]`.
+//! (exit code [`EXIT_STOPPED`]) end the job as [`Outcome::Stopped`], not as a failure. Ranks
+//! die with the launcher even when it is killed with SIGKILL (`PR_SET_PDEATHSIG`); a rank
+//! started through a wrapper (`sh -c`) dies with it too when it calls [`die_with_launcher`]
+//! (ddp-train's Trainer does). Each rank's output goes to its log file and to the terminal,
+//! other ranks' lines prefixed with `[rank i]`.
 //!
 //! - [`LaunchConfig`] is what torchrun's command line says: program, ranks per node, nodes,
 //!   master address and port, restarts, log folder.
@@ -51,6 +53,7 @@ mod config;
 mod devices;
 pub mod env;
 mod error;
+mod lifeline;
 mod lines;
 mod port;
 mod run_dir;
@@ -62,6 +65,7 @@ pub use config::LaunchConfig;
 pub use devices::{available_cores, visible_gpus, NprocPerNode};
 pub use env::RankEnv;
 pub use error::LaunchError;
+pub use lifeline::die_with_launcher;
 pub use port::free_port;
 pub use run_dir::{default_run_dir, run_dir_name};
 pub use secret::{JobSecret, SECRET_BYTES};

@@ -370,6 +370,7 @@ impl Attempt<'_> {
             cmd.env(crate::env::OMP_NUM_THREADS, omp);
         }
         let launcher = std::process::id();
+        cmd.env(crate::env::DDP_LAUNCHER_PID, launcher.to_string());
         // SAFETY: between fork and exec the closure calls only async-signal-safe functions
         // (setsid, prctl, getppid, _exit) and allocates nothing.
         unsafe {

@@ -5,147 +5,14 @@
 //! options, on a small synthetic sample, with short collective timeouts. What holds for any
 //! program (signals, orphans, environment, logs) is tested in `ddp-run/tests`.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use common::*;
 use ddp_testkit::{kill, procs, temp_dir, text, wait_bounded, wait_for, wait_for_text};
-
-const XTASK: &str = env!("CARGO_BIN_EXE_xtask");
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// `cargo build --quiet ARGS` (debug), once per test process; returns the binary `name`.
-fn debug_binary(cell: &'static OnceLock<PathBuf>, name: &str, args: &[&str]) -> &'static Path {
-    cell.get_or_init(|| {
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .current_dir(root())
-            .args(["build", "--quiet"])
-            .args(args)
-            .status()
-            .unwrap();
-        assert!(status.success(), "building {name} failed");
-        let target = std::env::var_os("CARGO_TARGET_DIR")
-            .map_or_else(|| root().join("target"), PathBuf::from);
-        target.join("debug").join(name)
-    })
-}
-
-/// The debug ddp-train binary (a no-op build after `cargo test --workspace`).
-fn ddp_train() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    debug_binary(&BIN, "ddp-train", &["-p", "ddp-train"])
-}
-
-/// The debug ddp-gen-data binary (ddp-data's debug build is optimised: see Cargo.toml),
-/// with ddp-data's features as ddp-train builds it, so that ddp-data is not compiled again.
-fn ddp_gen_data() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    debug_binary(
-        &BIN,
-        "ddp-gen-data",
-        &[
-            "-p",
-            "ddp-data",
-            "--no-default-features",
-            "--features",
-            "tch,odir",
-            "--bin",
-            "ddp-gen-data",
-        ],
-    )
-}
-
-/// A small synthetic ODIR folder, written by `cargo xtask gen-data`.
-fn sample(dir: &Path) -> PathBuf {
-    let data = dir.join("data");
-    let out = Command::new(XTASK)
-        .args([
-            "gen-data", "--images", "48", "--size", "48", "--seed", "2", "--bin",
-        ])
-        .arg(ddp_gen_data())
-        .arg("--out")
-        .arg(&data)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        String::from_utf8_lossy(&out.stdout).starts_with("ddp-gen-data: 48 images of 24 patients"),
-        "{}",
-        text(&out)
-    );
-    data
-}
-
-/// `cargo xtask train --cpus 2` with quick settings plus `extra`.
-fn launcher(data: &Path, out: &Path, extra: &[&str], env: &[(&str, &str)]) -> Command {
-    launcher_with(&["--cpus", "2", "--grace", "2"], data, out, extra, env)
-}
-
-/// `cargo xtask train` with the launcher's flags `launch`, quick settings (batch 4 unless
-/// `extra` sets it), and `extra`.
-fn launcher_with(
-    launch: &[&str],
-    data: &Path,
-    out: &Path,
-    extra: &[&str],
-    env: &[(&str, &str)],
-) -> Command {
-    let mut cmd = Command::new(XTASK);
-    cmd.arg("train")
-        .args(launch)
-        .arg("--bin")
-        .arg(ddp_train())
-        .arg("--out")
-        .arg(out)
-        .args(["--data"])
-        .arg(data)
-        .args([
-            "--image-size",
-            "32",
-            "--workers",
-            "1",
-            "--collective-timeout",
-            "10",
-        ])
-        .args(extra)
-        .env("DDP_RDZV_TIMEOUT_S", "30")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    if !extra.contains(&"--batch-size") {
-        cmd.args(["--batch-size", "4"]);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd
-}
-
-/// The rank processes of a running launcher, once both are up.
-fn rank_pids(launcher: u32) -> Vec<u32> {
-    let mut kids = Vec::new();
-    wait_for(
-        "the launcher started 2 ranks",
-        Duration::from_secs(60),
-        || {
-            kids = procs::children_of(launcher);
-            kids.len() == 2
-        },
-    );
-    kids
-}
-
-/// Which rank a process is, from its environment.
-fn rank_of(pid: u32) -> usize {
-    procs::env_var(pid, "RANK").unwrap().parse().unwrap()
-}
 
 #[test]
 fn killing_a_rank_ends_the_job_naming_it_and_leaves_no_process() {
@@ -178,6 +45,51 @@ fn killing_a_rank_ends_the_job_naming_it_and_leaves_no_process() {
     assert!(
         took < Duration::from_secs(40),
         "the job took {took:?} to end"
+    );
+}
+
+#[test]
+fn a_launcher_killed_by_sigkill_takes_ranks_behind_a_wrapper_script_with_it() {
+    let dir = temp_dir("xtask-wrapper");
+    let data = sample(dir.path());
+    let out = dir.path().join("run");
+    // Each rank is `sh -c 'ddp-train ... >> log; true'`: ddp-train is the launcher's
+    // grandchild, out of reach of the PR_SET_PDEATHSIG the launcher sets on its own children,
+    // and writes to a file of its own, so a closed pipe does not end it either.
+    let wrapper = dir.path().join("rank.sh");
+    let logs = dir.path().join("wrapped");
+    let script = format!(
+        "#!/bin/sh\n'{}' \"$@\" >>'{}'-\"$RANK\".log 2>&1\ntrue\n",
+        ddp_train().display(),
+        logs.display()
+    );
+    std::fs::write(&wrapper, script).unwrap();
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let launch = ["--cpus", "2", "--grace", "2"];
+    let mut child = launcher_of(&wrapper, &launch, &data, &out, &["--epochs", "50"], &[])
+        .spawn()
+        .unwrap();
+    let shells = rank_pids(child.id());
+    wait_for_text(
+        &dir.path().join("wrapped-0.log"),
+        "step",
+        Duration::from_secs(90),
+    );
+    let ranks: Vec<u32> = shells
+        .iter()
+        .flat_map(|&sh| procs::children_of(sh))
+        .collect();
+    assert_eq!(ranks.len(), 2, "one ddp-train under each shell: {ranks:?}");
+    kill(child.id(), libc::SIGKILL);
+    child.wait().unwrap();
+    wait_for(
+        "every ddp-train rank to die with the launcher",
+        Duration::from_secs(2),
+        || ranks.iter().all(|&p| !procs::alive(p)),
     );
 }
 
@@ -337,72 +249,6 @@ fn two_jobs_at_once_do_not_collide() {
 }
 
 // Surviving the cluster: step checkpoints, preemption, time limits, hung ranks, two nodes.
-
-/// The training of the reliability tests: 2 epochs of batch 2 (9 steps per rank per epoch
-/// on the 48-image sample), a step checkpoint every 3 optimizer steps, each rank's loss
-/// logged at every step.
-const LONG_EPOCHS: [&str; 10] = [
-    "--epochs",
-    "2",
-    "--batch-size",
-    "2",
-    "--checkpoint-every",
-    "3",
-    "--log-every",
-    "1",
-    "--threads",
-    "1",
-];
-
-/// Makes every step at least this long, so that a test can act inside an epoch.
-const SLOW_STEPS: (&str, &str) = ("DDP_TRAIN_STEP_SLEEP_MS", "300");
-
-fn final_weights(run: &Path) -> Vec<u8> {
-    std::fs::read(run.join("checkpoints/epoch-0002.safetensors")).unwrap()
-}
-
-/// The final weights of an uninterrupted run of `LONG_EPOCHS` (computed once per process).
-fn uninterrupted_weights(data: &Path) -> &'static [u8] {
-    static WEIGHTS: OnceLock<Vec<u8>> = OnceLock::new();
-    WEIGHTS.get_or_init(|| {
-        let dir = temp_dir("xtask-reference");
-        let out = dir.path().join("run");
-        let output = wait_bounded(
-            launcher(data, &out, &LONG_EPOCHS, &[]).spawn().unwrap(),
-            Duration::from_secs(300),
-        );
-        assert!(output.status.success(), "{}", text(&output));
-        let steps: Vec<u64> = std::fs::read_to_string(out.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                let v: serde_json::Value = serde_json::from_str(l).unwrap();
-                v["steps"].as_u64().unwrap()
-            })
-            .collect();
-        assert_eq!(steps, [9, 9], "the tests below assume 9 steps per epoch");
-        final_weights(&out)
-    })
-}
-
-/// The checkpoint `latest` names.
-fn latest(run: &Path) -> String {
-    std::fs::read_to_string(run.join("checkpoints/latest"))
-        .unwrap()
-        .trim()
-        .to_string()
-}
-
-/// The model files in a run's checkpoint folder, sorted.
-fn checkpoint_files(run: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".safetensors") && !n.ends_with(".state.safetensors"))
-        .collect();
-    names.sort();
-    names
-}
 
 #[test]
 fn killing_every_rank_mid_epoch_loses_only_the_steps_since_the_step_checkpoint() {

@@ -40,6 +40,8 @@ impl<T: Task> Trainer<T> {
     /// As [`Trainer::new`], with the rank's place given instead of read.
     pub fn with_env(task: T, mut settings: Settings, env: &EnvConfig) -> Result<Self, TrainError> {
         let created = Instant::now();
+        // A rank started through a wrapper script dies with its launcher all the same.
+        ddp_run::die_with_launcher().map_err(|e| TrainError::Invalid(e.to_string()))?;
         settings.validate()?;
         let continuing = resume_after_restart(&mut settings, env);
         let device = settings.device.resolve(env.local_rank)?;
