@@ -39,6 +39,10 @@ enum Cmd {
     GenData(GenDataArgs),
     /// Run every benchmark and print ours next to PyTorch's, in one table (or JSON lines).
     Bench(bench::BenchArgs),
+    /// The chaos test, longer than `test` runs it: faults (kill -9 or SIGTERM or SIGSTOP of
+    /// a rank, kill -9 of the launcher) at random steps, then the weights of an uninterrupted
+    /// run.
+    Chaos(ChaosArgs),
     /// On a GPU machine: the NCCL tests, the NCCL bandwidth sweep, and trainings on one GPU
     /// and on every GPU.
     GpuCheck,
@@ -63,6 +67,16 @@ struct GenDataArgs {
     bin: Option<PathBuf>,
 }
 
+#[derive(Debug, clap::Args)]
+struct ChaosArgs {
+    /// Rounds of one fault each.
+    #[arg(long, default_value_t = 24)]
+    rounds: u64,
+    /// Seed of the faults, their ranks and their steps: the same seed, the same faults.
+    #[arg(long, default_value_t = 20261201)]
+    seed: u64,
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse_from(launch::launcher_flags_first(std::env::args().collect()));
     let root = project_root();
@@ -79,6 +93,7 @@ fn main() -> ExitCode {
             args.seed,
         ),
         Cmd::Bench(args) => bench::run(&root, args),
+        Cmd::Chaos(args) => chaos(&root, &args),
         Cmd::GpuCheck => {
             setup::run(&root, &setup::SetupArgs::default()).and_then(|_| gpu_check::run(&root))
         }
@@ -144,6 +159,24 @@ fn test(root: &Path) -> Result<()> {
     run(root, doc)?;
     println!("xtask: all tests, formatting, lints and docs passed");
     Ok(())
+}
+
+/// The chaos test (`xtask/tests/chaos.rs`) with `args`' rounds and seed, its progress shown.
+fn chaos(root: &Path, args: &ChaosArgs) -> Result<()> {
+    setup::run(root, &setup::SetupArgs::default())?;
+    let mut test = cargo();
+    test.args([
+        "test",
+        "-p",
+        "xtask",
+        "--test",
+        "chaos",
+        "--",
+        "--nocapture",
+    ])
+    .env("DDP_CHAOS_ROUNDS", args.rounds.to_string())
+    .env("DDP_CHAOS_SEED", args.seed.to_string());
+    run(root, test)
 }
 
 fn train(root: &Path, args: launch::TrainArgs) -> Result<()> {

@@ -8,7 +8,9 @@ use std::time::Duration;
 /// - `DDP_TRAIN_FAIL_RANK=r` (or `all`) and `DDP_TRAIN_FAIL_AT=epoch:step` make rank r (or
 ///   every rank) fail at that step, in the first attempt only (a restarted attempt has
 ///   `TORCHELASTIC_RESTART_COUNT` > 0): exit with status 17, or with
-///   `DDP_TRAIN_FAIL_SIGNAL=KILL` kill itself, or with `STOP` stop itself (a hung rank);
+///   `DDP_TRAIN_FAIL_SIGNAL=KILL` kill itself, with `STOP` stop itself (a hung rank), with
+///   `TERM` send itself SIGTERM (a stop request to one rank), or with `KILL_LAUNCHER` kill
+///   its launcher (`DDP_LAUNCHER_PID`) with SIGKILL and carry on until it dies with it;
 /// - `DDP_TRAIN_STEP_SLEEP_MS=n` makes every step n ms longer (so that a test can act in
 ///   the middle of an epoch).
 pub(super) fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: bool) {
@@ -34,9 +36,19 @@ pub(super) fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: 
     let signal = match how.as_str() {
         "KILL" => libc::SIGKILL,
         "STOP" => libc::SIGSTOP,
+        "TERM" => libc::SIGTERM,
+        "KILL_LAUNCHER" => {
+            let launcher = var(ddp_run::env::DDP_LAUNCHER_PID).and_then(|v| v.parse().ok());
+            if let Some(pid) = launcher {
+                // SAFETY: kill(2) on the launcher's pid; no memory is involved.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            return;
+        }
         _ => std::process::exit(17),
     };
-    // SAFETY: raise(3) on this process; for SIGSTOP it returns once the process is continued.
+    // SAFETY: raise(3) on this process; for SIGSTOP it returns once the process is continued,
+    // for SIGTERM once the stop watch has noted it.
     unsafe {
         libc::raise(signal);
     }
