@@ -518,6 +518,124 @@ fn libraries_do_not_print() {
 }
 
 // ---------------------------------------------------------------------------------------
+// Rule: library code panics only where a bug would, never on outside data; each place that
+// can is listed here with the reason it cannot be reached from files, the wire, the store
+// or the environment.
+
+/// `(file, code on the line, why it holds)` of every `expect`/`unwrap`/`panic!`/
+/// `unreachable!` left in library code before its tests.
+const PANICS: [(&str, &str, &str); 8] = [
+    (
+        "ddp-comm/src/auth.rs",
+        "number.try_into().expect(\"4 bytes\")",
+        "a slice of a fixed-size array taken with constant bounds",
+    ),
+    (
+        "ddp-comm/src/auth.rs",
+        "client_nonce.try_into().expect(\"nonce bytes\")",
+        "a slice of a fixed-size array taken with constant bounds",
+    ),
+    (
+        "ddp-comm/src/auth.rs",
+        ".expect(\"HMAC takes keys of any length\")",
+        "HMAC-SHA256 accepts any key length (RFC 2104); the key is never the peer's",
+    ),
+    (
+        "ddp-comm/src/connect.rs",
+        "bell_ref.expect(\"a shared-memory link has a bell\")",
+        "the bell is created in the same function for every shared-memory link",
+    ),
+    (
+        "ddp-comm/src/rendezvous.rs",
+        ".expect(\"the ring order holds every rank\")",
+        "host_order returns a permutation of 0..world, built from a list of world entries",
+    ),
+    (
+        "ddp-comm/src/cpu.rs",
+        ".expect(\"run needs a ring\")",
+        "a group of more than one rank always has its ring; one rank never runs a collective",
+    ),
+    (
+        "ddp-comm/src/cpu.rs",
+        ".expect(\"the ring order holds every rank\")",
+        "the ring order is a permutation of 0..world and the root was checked against world",
+    ),
+    (
+        "ddp-train/src/optim.rs",
+        "panic!(\"optimizer step: {e}\")",
+        "fused in-place updates of a parameter with tensors of its own shape, dtype and device",
+    ),
+];
+
+/// `(line, code)` of each line of `text` (before its tests) that can panic.
+fn panics(text: &str) -> Vec<(usize, String)> {
+    before_tests(text)
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| {
+            let c = code(l);
+            [
+                ".expect(",
+                ".unwrap()",
+                "panic!(",
+                "unreachable!(",
+                "todo!(",
+                "unimplemented!(",
+            ]
+            .iter()
+            .any(|p| c.contains(p))
+        })
+        .map(|(i, l)| (i + 1, code(l).trim().to_string()))
+        .collect()
+}
+
+#[test]
+fn panics_are_found_in_code_only() {
+    let text = "/// x.unwrap();\nfn f() { x.expect(\"y\"); }\nfn g() { h().unwrap() } // z.unwrap()\n#[cfg(test)]\nmod tests {\n    fn t() { panic!(); }\n}\n";
+    let found: Vec<usize> = panics(text).into_iter().map(|(l, _)| l).collect();
+    assert_eq!(found, [2, 3]);
+}
+
+#[test]
+fn every_panic_in_library_code_is_listed_with_its_reason() {
+    let found: Vec<(String, usize, String)> = sources()
+        .iter()
+        .filter(|(path, _)| is_library(path) && !path.starts_with("ddp-testkit/"))
+        .flat_map(|(path, text)| {
+            panics(text)
+                .into_iter()
+                .map(move |(line, code)| (path.clone(), line, code))
+        })
+        .collect();
+    let listed = |path: &str, code: &str| {
+        PANICS
+            .iter()
+            .any(|(p, snippet, _)| *p == path && code.contains(snippet))
+    };
+    let unlisted: Vec<String> = found
+        .iter()
+        .filter(|(path, _, code)| !listed(path, code))
+        .map(|(path, line, code)| format!("{path}:{line}: {code}"))
+        .collect();
+    assert!(
+        unlisted.is_empty(),
+        "library code that can panic: return a typed error, or list it in PANICS with why \
+         no outside data can reach it:\n{}",
+        unlisted.join("\n")
+    );
+    let stale: Vec<&str> = PANICS
+        .iter()
+        .filter(|(path, snippet, _)| {
+            !found
+                .iter()
+                .any(|(p, _, c)| p == path && c.contains(snippet))
+        })
+        .map(|(_, snippet, _)| *snippet)
+        .collect();
+    assert!(stale.is_empty(), "PANICS lists what is gone: {stale:?}");
+}
+
+// ---------------------------------------------------------------------------------------
 // Rule: every crate has a README, and ARCHITECTURE.md names every crate.
 
 #[test]
