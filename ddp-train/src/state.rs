@@ -62,7 +62,7 @@ impl EarlyStopState {
             self.best = Some(Best { value, epoch });
             self.bad_epochs = 0;
         } else {
-            self.bad_epochs += 1;
+            self.bad_epochs = self.bad_epochs.saturating_add(1);
         }
         self.bad_epochs >= rule.patience
     }
@@ -319,7 +319,8 @@ fn checkpoint_stem(name: &str) -> Option<&str> {
 }
 
 /// Checks that a checkpoint's state can be continued from: counts that later arithmetic
-/// (`epoch + 1`, the step inside an epoch) cannot overflow, a finite positive learning rate.
+/// (`epoch + 1`, the step inside an epoch, the scaler's and early stopping's counts) cannot
+/// overflow, a finite non-negative learning rate and a finite positive gradient scale.
 pub fn check_state(state: &TrainState, file: &Path) -> Result<(), TrainError> {
     const MAX: u64 = 1 << 40;
     let mut problems = Vec::new();
@@ -336,6 +337,19 @@ pub fn check_state(state: &TrainState, file: &Path) -> Result<(), TrainError> {
     }
     if !state.lr.is_finite() || state.lr < 0.0 {
         problems.push(format!("learning rate {}", state.lr));
+    }
+    if let Some(s) = &state.grad_scaler {
+        if !(s.scale.is_finite() && s.scale > 0.0) || s.growth_tracker >= MAX {
+            problems.push(format!(
+                "gradient scale {} after {} good steps",
+                s.scale, s.growth_tracker
+            ));
+        }
+    }
+    if let Some(e) = &state.early_stopping {
+        if e.bad_epochs >= 1 << 30 {
+            problems.push(format!("{} epochs without improvement", e.bad_epochs));
+        }
     }
     if problems.is_empty() {
         return Ok(());
@@ -679,5 +693,141 @@ mod tests {
         }
         let fresh = vec![b"none".to_vec(), b"epoch-0001.safetensors".to_vec()];
         assert!(check_resume_agreement(&fresh).is_err());
+    }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Mostly a plausible count, often an edge where arithmetic overflows, sometimes
+        /// anything.
+        fn edgy() -> impl Strategy<Value = u64> {
+            prop_oneof![
+                3 => 0..1000u64,
+                1 => prop_oneof![
+                    Just((1 << 40) - 1),
+                    Just(1 << 40),
+                    Just(u64::from(u32::MAX)),
+                    Just(u64::MAX - 1),
+                    Just(u64::MAX),
+                ],
+                1 => any::<u64>(),
+            ]
+        }
+
+        /// Mostly a plausible rate or scale, sometimes any float (NaN, infinities, negative).
+        fn real() -> impl Strategy<Value = f64> {
+            prop_oneof![3 => 0.0..70000.0f64, 1 => proptest::num::f64::ANY]
+        }
+
+        fn any_position() -> impl Strategy<Value = Option<Position>> {
+            proptest::option::of((edgy(), edgy(), edgy()).prop_map(|(epoch, step, samples)| {
+                Position {
+                    epoch,
+                    step: step as usize,
+                    loss_sum: 0.0,
+                    samples: samples as usize,
+                    train_seconds: 0.0,
+                    grad_norm_sum: 0.0,
+                    skipped_steps: 0,
+                }
+            }))
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+            /// Whatever numbers a state file holds, a state that passes the check can be
+            /// continued from without overflow.
+            #[test]
+            fn a_state_that_passes_the_check_cannot_overflow(
+                epoch in edgy(),
+                position in any_position(),
+                optimizer_steps in edgy(),
+                lr in real(),
+                scaler in proptest::option::of((real(), edgy())),
+                bad_epochs in proptest::option::of(edgy()),
+            ) {
+                // What a continued run may still add to each count.
+                const MORE: u64 = 1 << 20;
+                let (optimizer_steps, bad_epochs) =
+                    (optimizer_steps as i64, bad_epochs.map(|b| b as u32));
+                let st = TrainState {
+                    position,
+                    optimizer_steps,
+                    grad_scaler: scaler.map(|(scale, growth_tracker)| crate::amp::ScalerState {
+                        scale,
+                        growth_tracker,
+                    }),
+                    early_stopping: bad_epochs.map(|bad_epochs| EarlyStopState {
+                        best: None,
+                        bad_epochs,
+                    }),
+                    ..state(epoch, lr)
+                };
+                if check_state(&st, Path::new("s")).is_ok() {
+                    prop_assert!(st.epoch.checked_add(MORE).is_some());
+                    if let Some(p) = st.position {
+                        prop_assert!(p.epoch >= 1 && p.epoch.checked_add(MORE).is_some());
+                        prop_assert!(p.step.checked_add(MORE as usize).is_some());
+                        prop_assert!(p.samples.checked_add(MORE as usize).is_some());
+                    }
+                    prop_assert!(st.optimizer_steps >= 0);
+                    prop_assert!(st.optimizer_steps.checked_add(MORE as i64).is_some());
+                    prop_assert!(st.lr.is_finite() && st.lr >= 0.0);
+                    if let Some(s) = st.grad_scaler {
+                        prop_assert!(s.scale.is_finite() && s.scale > 0.0);
+                        prop_assert!(s.growth_tracker.checked_add(MORE).is_some());
+                    }
+                    if let Some(e) = st.early_stopping {
+                        prop_assert!(e.bad_epochs.checked_add(MORE as u32).is_some());
+                    }
+                }
+            }
+
+            /// A damaged state text is an error or a state, never a panic.
+            #[test]
+            fn a_damaged_state_text_never_panics(
+                changes in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+            ) {
+                let mut st = state(4, 0.01);
+                st.position = Some(Position {
+                    epoch: 5,
+                    step: 3,
+                    loss_sum: 1.5,
+                    samples: 12,
+                    train_seconds: 2.0,
+                    grad_norm_sum: 0.0,
+                    skipped_steps: 0,
+                });
+                let mut text = serde_json::to_vec(&st).unwrap();
+                for (at, value) in changes {
+                    let i = at.index(text.len());
+                    text[i] = value;
+                }
+                if let Ok(read) = serde_json::from_slice::<TrainState>(&text) {
+                    let _ = check_state(&read, Path::new("s"));
+                }
+            }
+
+            /// Whatever `latest` holds, it resolves to a model file inside the run's
+            /// checkpoint folder, or to an error.
+            #[test]
+            fn any_latest_resolves_inside_the_folder_or_fails(
+                name in proptest::collection::vec(any::<u8>(), 0..40),
+            ) {
+                let dir = ddp_testkit::temp_dir("ddp-train-fuzz-latest");
+                let run = dir.path();
+                std::fs::create_dir_all(checkpoint_dir(run)).unwrap();
+                std::fs::write(checkpoint_dir(run).join("latest"), &name).unwrap();
+                if let Ok(path) = resolve("latest", Some(run)) {
+                    let folder = checkpoint_dir(run);
+                    prop_assert_eq!(path.parent(), Some(folder.as_path()));
+                    let file = path.file_name().unwrap().to_string_lossy().into_owned();
+                    prop_assert!(file.ends_with(".safetensors"), "{}", file);
+                    prop_assert!(!file.starts_with('.'), "{}", file);
+                }
+            }
+        }
     }
 }
