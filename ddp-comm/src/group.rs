@@ -7,205 +7,17 @@ use tch::{Device, Kind, Tensor};
 
 use crate::cpu::CpuBackend;
 use crate::element::{as_bytes_mut, DType, Element, ReduceOp};
-use crate::env::EnvConfig;
 use crate::error::CommError;
 use crate::heartbeat::{self, Heartbeat, StoreInfo};
-use crate::link::{LinkKind, Transport};
+use crate::link::LinkKind;
 use crate::nccl::{self, NcclComm};
+use crate::options::{Backend, Options, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT};
 use crate::rendezvous::{self, Plan};
 use crate::secret::{Secret, SecretOrigin};
 use crate::shm;
 use crate::store::{Store, StoreServer};
 use crate::sync::lock;
 use crate::work::{Op, Queue, Work};
-
-/// Default rendezvous timeout.
-pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
-/// Default timeout of one collective.
-pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(300);
-/// Default kernel send/receive buffer of ring sockets: 0, Linux's autotuning, which grows
-/// each socket's buffers up to `net.ipv4.tcp_rmem`/`tcp_wmem` (32 MiB / 4 MiB here).
-/// Setting `SO_RCVBUF` explicitly turns autotuning off and caps the buffer at
-/// `net.core.rmem_max`; on loopback that measured slower (see the README).
-pub const DEFAULT_SOCKET_BUFFER: usize = 0;
-/// Default data bytes of each shared-memory ring (one per link between ranks on one host).
-pub const DEFAULT_SHM_RING_BYTES: usize = shm::DEFAULT_CAPACITY;
-
-/// Which engine carries CUDA tensors (CPU tensors travel over shared memory or TCP, see
-/// [`Transport`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Backend {
-    /// NCCL for CUDA tensors (plus the CPU links for CPU tensors and byte-level calls).
-    Nccl,
-    /// CPU links only (shared memory and TCP): CPU tensors; CUDA tensors are refused.
-    Tcp,
-}
-
-impl std::fmt::Display for Backend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Backend::Nccl => "nccl",
-            Backend::Tcp => "tcp",
-        })
-    }
-}
-
-/// Everything [`ProcessGroup::new`] needs. Build with [`Options::new`] or
-/// [`Options::from_env`], then adjust with the builder methods.
-#[derive(Clone, Debug)]
-pub struct Options {
-    /// This process's rank.
-    pub rank: usize,
-    /// Number of ranks.
-    pub world_size: usize,
-    /// Rank on this node (the CUDA device index).
-    pub local_rank: usize,
-    /// Number of ranks on this node.
-    pub local_world_size: usize,
-    /// Host of rank 0's store.
-    pub master_addr: String,
-    /// Port of rank 0's store.
-    pub master_port: u16,
-    /// The job's run id: it keeps the keys of jobs sharing torchrun's agent store apart, and
-    /// makes the fallback secret when [`Options::secret`] is `None`.
-    pub run_id: String,
-    /// The key of the handshake every connection between ranks starts with (see the
-    /// crate's README, "Security"): `DDP_SECRET` from the environment, or given with
-    /// [`Options::with_secret`]. `None` (what [`Options::new`] gives): derived from
-    /// `run_id` ([`Secret::from_run_id`]), which protects against other jobs' ranks but not
-    /// against anyone who can guess the run id.
-    pub secret: Option<Secret>,
-    /// `None`: NCCL when a CUDA device is visible (initialised at the first CUDA
-    /// collective), else the CPU links only. `Some(Nccl)`: NCCL, initialised now.
-    pub backend: Option<Backend>,
-    /// How long rendezvous may take.
-    pub rendezvous_timeout: Duration,
-    /// How long one collective (and NCCL communicator init) may take. A timed-out
-    /// collective then spends up to three heartbeat intervals (`op_timeout / 20`, clamped
-    /// to 100 ms ..= 1 s; at least 500 ms in all) finding out which rank is hung, before it
-    /// returns [`CommError::Timeout`].
-    pub op_timeout: Duration,
-    /// Connect to torchrun's agent store instead of serving one on rank 0.
-    pub agent_store: bool,
-    /// torchrun's restart count (keeps keys of restarted workers apart).
-    pub restart_count: u64,
-    /// Kernel socket buffer size for ring sockets in bytes; 0 (the default) leaves Linux's
-    /// autotuning, which grows buffers as large as the sysctl limits allow.
-    pub socket_buffer: usize,
-    /// Shared memory between ranks on one host ([`Transport::Auto`], the default) or TCP
-    /// everywhere ([`Transport::Tcp`]). Links use shared memory only where both ranks allow
-    /// it.
-    pub transport: Transport,
-    /// Replaces this rank's detected host identity (host name, boot id, network
-    /// namespace): ranks with equal identities use shared memory. Like `NCCL_HOSTID`.
-    pub host_id: Option<String>,
-    /// Data bytes of each shared-memory ring this rank creates: a power of two from 4 KiB
-    /// to 1 GiB.
-    pub shm_ring_bytes: usize,
-}
-
-impl Options {
-    /// Options for rank `rank` of `world_size`, meeting at `master_addr:master_port`, one
-    /// rank per node, automatic backend, default timeouts.
-    pub fn new(
-        rank: usize,
-        world_size: usize,
-        master_addr: impl Into<String>,
-        master_port: u16,
-    ) -> Self {
-        Options {
-            rank,
-            world_size,
-            local_rank: rank,
-            local_world_size: world_size,
-            master_addr: master_addr.into(),
-            master_port,
-            run_id: "ddp-comm".to_string(),
-            secret: None,
-            backend: None,
-            rendezvous_timeout: DEFAULT_RENDEZVOUS_TIMEOUT,
-            op_timeout: DEFAULT_OP_TIMEOUT,
-            agent_store: false,
-            restart_count: 0,
-            socket_buffer: DEFAULT_SOCKET_BUFFER,
-            transport: Transport::Auto,
-            host_id: None,
-            shm_ring_bytes: DEFAULT_SHM_RING_BYTES,
-        }
-    }
-
-    /// Options from the environment (see [`EnvConfig`]).
-    pub fn from_env() -> Result<Self, CommError> {
-        Ok(Self::from_config(&EnvConfig::from_env()?))
-    }
-
-    /// Options from an already-read environment.
-    pub fn from_config(c: &EnvConfig) -> Self {
-        Options {
-            local_rank: c.local_rank,
-            local_world_size: c.local_world_size,
-            run_id: c.run_id.clone(),
-            secret: c.secret.clone(),
-            agent_store: c.agent_store,
-            restart_count: c.restart_count,
-            rendezvous_timeout: c.rendezvous_timeout.unwrap_or(DEFAULT_RENDEZVOUS_TIMEOUT),
-            op_timeout: c.op_timeout.unwrap_or(DEFAULT_OP_TIMEOUT),
-            transport: c.transport.unwrap_or_default(),
-            host_id: c.host_id.clone(),
-            ..Options::new(c.rank, c.world_size, c.master_addr.clone(), c.master_port)
-        }
-    }
-
-    /// Chooses the backend explicitly.
-    pub fn backend(mut self, backend: Backend) -> Self {
-        self.backend = Some(backend);
-        self
-    }
-
-    /// Sets the rendezvous timeout.
-    pub fn rendezvous_timeout(mut self, timeout: Duration) -> Self {
-        self.rendezvous_timeout = timeout;
-        self
-    }
-
-    /// Sets the timeout of each collective.
-    pub fn op_timeout(mut self, timeout: Duration) -> Self {
-        self.op_timeout = timeout;
-        self
-    }
-
-    /// Sets the run id (and with it the fallback secret, see [`Options::secret`]).
-    pub fn run_id(mut self, run_id: impl Into<String>) -> Self {
-        self.run_id = run_id.into();
-        self
-    }
-
-    /// Sets the secret every rank must prove (the same on every rank).
-    pub fn with_secret(mut self, secret: Secret) -> Self {
-        self.secret = Some(secret);
-        self
-    }
-
-    /// Chooses the transport between ranks on one host (TCP is for comparison and
-    /// debugging; `DDP_TRANSPORT=tcp` does the same from the environment).
-    pub fn transport(mut self, transport: Transport) -> Self {
-        self.transport = transport;
-        self
-    }
-
-    /// Sets this rank's host identity (see [`Options::host_id`]).
-    pub fn host_id(mut self, id: impl Into<String>) -> Self {
-        self.host_id = Some(id.into());
-        self
-    }
-
-    /// Sets the node-local rank and world size.
-    pub fn local(mut self, local_rank: usize, local_world_size: usize) -> Self {
-        self.local_rank = local_rank;
-        self.local_world_size = local_world_size;
-        self
-    }
-}
 
 /// How a rank is wired into the ring that carries CPU collectives
 /// ([`ProcessGroup::ring_layout`]).
@@ -272,7 +84,7 @@ impl Drop for ProcessGroup {
 
 impl ProcessGroup {
     /// Joins the group described by the environment: torchrun's variables, else SLURM's,
-    /// else rank 0 of 1 (see [`EnvConfig`]).
+    /// else rank 0 of 1 (see [`EnvConfig`](crate::EnvConfig)).
     pub fn from_env() -> Result<Self, CommError> {
         Self::new(Options::from_env()?)
     }
@@ -280,7 +92,8 @@ impl ProcessGroup {
     /// Joins the group described by `opts` (blocks until every rank has arrived, or the
     /// rendezvous timeout).
     pub fn new(opts: Options) -> Result<Self, CommError> {
-        if opts.world_size == 0 {
+        let env = &opts.env;
+        if env.world_size == 0 {
             return Err(CommError::InvalidArgument("world size 0".into()));
         }
         let ring_bytes = opts.shm_ring_bytes;
@@ -300,49 +113,50 @@ impl ProcessGroup {
                 Backend::Tcp
             }
         });
-        let secret = match &opts.secret {
+        let secret = match &env.secret {
             Some(secret) => secret.clone(),
-            None => Secret::from_run_id(&opts.run_id),
+            None => Secret::from_run_id(&env.run_id),
         };
-        if secret.origin() == SecretOrigin::RunId && opts.world_size > 1 && opts.rank == 0 {
+        if secret.origin() == SecretOrigin::RunId && env.world_size > 1 && env.rank == 0 {
             tracing::warn!(
                 "ddp-comm: DDP_SECRET is not set, so connections between ranks are \
                  authenticated with a secret derived from the run id {:?}: anyone who can \
                  guess it can join (ddp-run sets DDP_SECRET; see ddp-comm's README, Security)",
-                opts.run_id
+                env.run_id
             );
         }
+        let op_timeout = env.op_timeout.unwrap_or(DEFAULT_OP_TIMEOUT);
         let plan = Plan {
-            rank: opts.rank,
-            world_size: opts.world_size,
-            master_addr: opts.master_addr.clone(),
-            master_port: opts.master_port,
+            rank: env.rank,
+            world_size: env.world_size,
+            master_addr: env.master_addr.clone(),
+            master_port: env.master_port,
             secret,
-            agent_store: opts.agent_store,
-            key_prefix: format!("/ddp-comm/{}/{}/", opts.run_id, opts.restart_count),
-            timeout: opts.rendezvous_timeout,
+            agent_store: env.agent_store,
+            key_prefix: format!("/ddp-comm/{}/{}/", env.run_id, env.restart_count),
+            timeout: env.rendezvous_timeout.unwrap_or(DEFAULT_RENDEZVOUS_TIMEOUT),
             socket_buffer: opts.socket_buffer,
-            transport: opts.transport,
-            host_id: opts.host_id.clone(),
+            transport: env.transport.unwrap_or_default(),
+            host_id: env.host_id.clone(),
             shm_capacity: ring_bytes,
         };
         let met = rendezvous::meet(&plan)?;
-        let heartbeat = Arc::new(start_heartbeat(&opts, &plan, &met));
+        let heartbeat = Arc::new(start_heartbeat(&plan, op_timeout, &met));
         let cpu = CpuBackend::new(
-            opts.rank,
-            opts.world_size,
+            env.rank,
+            env.world_size,
             met.ring,
             met.link,
-            opts.op_timeout,
+            op_timeout,
             heartbeat.clone(),
         )?;
         let group = ProcessGroup {
-            rank: opts.rank,
-            world_size: opts.world_size,
-            local_rank: opts.local_rank,
-            local_world_size: opts.local_world_size,
+            rank: env.rank,
+            world_size: env.world_size,
+            local_rank: env.local_rank,
+            local_world_size: env.local_world_size,
             backend,
-            op_timeout: opts.op_timeout,
+            op_timeout,
             cpu: Mutex::new(cpu),
             nccl: Mutex::new(None),
             store: Mutex::new(met.store),
@@ -782,18 +596,18 @@ impl ProcessGroup {
 /// The heartbeat of this rank (see `heartbeat.rs`), on its own store connection; without
 /// one (a world of one, or a store that cannot be reached again) timeouts cannot name the
 /// hung rank, and say so.
-fn start_heartbeat(opts: &Options, plan: &Plan, met: &rendezvous::Met) -> Heartbeat {
-    let (rank, world) = (opts.rank, opts.world_size);
+fn start_heartbeat(plan: &Plan, op_timeout: Duration, met: &rendezvous::Met) -> Heartbeat {
+    let (rank, world) = (plan.rank, plan.world_size);
     let Some(store) = met.store.as_ref() else {
         return Heartbeat::without_thread(rank, world, "no store");
     };
     let info = StoreInfo {
         addr: store.addr().to_string(),
-        served_by_rank0: !opts.agent_store,
+        served_by_rank0: !plan.agent_store,
     };
-    let timeout = heartbeat::store_timeout(heartbeat::interval_for(opts.op_timeout));
+    let timeout = heartbeat::store_timeout(heartbeat::interval_for(op_timeout));
     match rendezvous::connector(plan, met.server.as_ref(), timeout) {
-        Ok(connect) => Heartbeat::start(rank, world, opts.op_timeout, info, connect),
+        Ok(connect) => Heartbeat::start(rank, world, op_timeout, info, connect),
         Err(e) => {
             tracing::warn!("ddp-comm: rank {rank} runs without a heartbeat: {e}");
             Heartbeat::without_thread(rank, world, format!("the store is unreachable: {e}"))
@@ -884,41 +698,5 @@ mod tests {
                 other => panic!("{bytes}: expected InvalidArgument, got {other:?}"),
             }
         }
-    }
-
-    #[test]
-    fn options_from_the_environment_carry_every_setting() {
-        let config = EnvConfig::from_lookup(|k| {
-            let v = match k {
-                "RANK" => "1",
-                "WORLD_SIZE" => "4",
-                "LOCAL_RANK" => "1",
-                "LOCAL_WORLD_SIZE" => "2",
-                "MASTER_ADDR" => "node7",
-                "MASTER_PORT" => "29400",
-                "DDP_RUN_ID" => "r9",
-                "DDP_OP_TIMEOUT_S" => "7",
-                "DDP_TRANSPORT" => "tcp",
-                "DDP_HOST_ID" => "node7",
-                _ => return None,
-            };
-            Some(v.to_string())
-        })
-        .unwrap();
-        let o = Options::from_config(&config).backend(Backend::Tcp);
-        assert_eq!(
-            (o.rank, o.world_size, o.local_rank, o.local_world_size),
-            (1, 4, 1, 2)
-        );
-        assert_eq!(
-            (o.master_addr.as_str(), o.master_port, o.run_id.as_str()),
-            ("node7", 29400, "r9")
-        );
-        assert_eq!(o.op_timeout, Duration::from_secs(7));
-        assert_eq!(o.rendezvous_timeout, DEFAULT_RENDEZVOUS_TIMEOUT);
-        assert_eq!(o.backend, Some(Backend::Tcp));
-        assert_eq!(o.transport, Transport::Tcp);
-        assert_eq!(o.host_id.as_deref(), Some("node7"));
-        assert_eq!(o.shm_ring_bytes, DEFAULT_SHM_RING_BYTES);
     }
 }
