@@ -3,20 +3,21 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 use crate::cpu::CpuBackend;
-use crate::element::{as_bytes_mut, DType, Element, ReduceOp};
+use crate::element::{as_bytes_mut, Element, ReduceOp};
 use crate::error::CommError;
 use crate::heartbeat::{self, Heartbeat, StoreInfo};
 use crate::link::LinkKind;
-use crate::nccl::{self, NcclComm};
+use crate::nccl::{self, NcclComm, NcclOp};
 use crate::options::{Backend, Options, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT};
 use crate::rendezvous::{self, Plan};
 use crate::secret::{Secret, SecretOrigin};
 use crate::shm;
 use crate::store::{Store, StoreServer};
 use crate::sync::lock;
+use crate::tensor::{check_layout, cpu_bytes, cuda_buffer, unsupported_device, Collective};
 use crate::work::{Op, Queue, Work};
 
 /// How a rank is wired into the ring that carries CPU collectives
@@ -347,14 +348,14 @@ impl ProcessGroup {
     fn cuda_async(self: &Arc<Self>, t: &Tensor, op: ReduceOp) -> Work {
         self.heartbeat.enter();
         let queued = (|| {
-            let (ptr, count, dtype) = self.cuda_buffer(t)?;
+            let buf = cuda_buffer(t, self.backend, self.local_rank)?;
             let mut comm = self.nccl()?;
             let comm = comm
                 .as_mut()
                 .ok_or_else(|| CommError::Poisoned("no NCCL communicator".into()))?;
             // SAFETY: `cuda_buffer` checked the tensor; `Work` keeps the caller from reusing
             // it before the collective has completed (the documented contract).
-            unsafe { comm.all_reduce_async(ptr, count, dtype, op) }
+            unsafe { comm.all_reduce_async(buf, op) }
         })();
         match queued {
             Ok(work) => {
@@ -376,23 +377,7 @@ impl ProcessGroup {
 
     fn all_reduce_now(&self, t: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
         self.heartbeat.enter();
-        match t.device() {
-            Device::Cpu => {
-                let (bytes, dtype) = cpu_bytes(t)?;
-                lock(&self.cpu).all_reduce(bytes, dtype, op)
-            }
-            Device::Cuda(_) => {
-                let (ptr, count, dtype) = self.cuda_buffer(t)?;
-                let mut comm = self.nccl()?;
-                // SAFETY: `cuda_buffer` checked that `t` is a defined contiguous tensor of
-                // `count` elements of `dtype` on the communicator's device.
-                unsafe {
-                    comm.as_mut()
-                        .map_or(Ok(()), |c| c.all_reduce(ptr, count, dtype, op))
-                }
-            }
-            other => Err(unsupported_device(other)),
-        }
+        self.run(Collective::AllReduce(t, op))
     }
 
     /// Broadcasts a contiguous tensor from `root` into every rank's `t` (same shape and
@@ -405,22 +390,7 @@ impl ProcessGroup {
     fn broadcast_now(&self, t: &mut Tensor, root: usize) -> Result<(), CommError> {
         self.heartbeat.enter();
         self.check_root(root)?;
-        match t.device() {
-            Device::Cpu => {
-                let (bytes, _) = cpu_bytes(t)?;
-                lock(&self.cpu).broadcast(bytes, root)
-            }
-            Device::Cuda(_) => {
-                let (ptr, count, dtype) = self.cuda_buffer(t)?;
-                let mut comm = self.nccl()?;
-                // SAFETY: as in `all_reduce`.
-                unsafe {
-                    comm.as_mut()
-                        .map_or(Ok(()), |c| c.broadcast(ptr, count, dtype, root))
-                }
-            }
-            other => Err(unsupported_device(other)),
-        }
+        self.run(Collective::Broadcast(t, root))
     }
 
     /// Gathers every rank's `t` (same shape and dtype everywhere); element `r` of the result
@@ -458,27 +428,61 @@ impl ProcessGroup {
                 input.numel()
             )));
         }
-        match input.device() {
-            Device::Cpu => {
+        self.run(Collective::AllGather { input, output })
+    }
+
+    /// Runs `c` on the backend of its tensors' device: the device dispatch of every tensor
+    /// collective.
+    fn run(&self, c: Collective<'_>) -> Result<(), CommError> {
+        match c.device() {
+            Device::Cpu => self.run_cpu(c),
+            Device::Cuda(_) => self.run_nccl(c),
+            other => Err(unsupported_device(other)),
+        }
+    }
+
+    /// Each collective over the CPU ring.
+    fn run_cpu(&self, c: Collective<'_>) -> Result<(), CommError> {
+        match c {
+            Collective::AllReduce(t, op) => {
+                let (bytes, dtype) = cpu_bytes(t)?;
+                lock(&self.cpu).all_reduce(bytes, dtype, op)
+            }
+            Collective::Broadcast(t, root) => {
+                let (bytes, _) = cpu_bytes(t)?;
+                lock(&self.cpu).broadcast(bytes, root)
+            }
+            Collective::AllGather { input, output } => {
                 let mut source = input.shallow_clone();
                 let (src, _) = cpu_bytes(&mut source)?;
                 let (dst, _) = cpu_bytes(output)?;
                 lock(&self.cpu).all_gather(src, dst)
             }
-            Device::Cuda(_) => {
-                let (src, count, dtype) = self.cuda_buffer(input)?;
-                let (dst, _, _) = self.cuda_buffer(output)?;
-                let mut comm = self.nccl()?;
-                // SAFETY: `src` holds `count` elements and `dst` (checked above: same dtype
-                // and device, contiguous) `world_size * count`, both on the communicator's
-                // device.
-                unsafe {
-                    comm.as_mut()
-                        .map_or(Ok(()), |c| c.all_gather(src, dst, count, dtype))
-                }
-            }
-            other => Err(unsupported_device(other)),
         }
+    }
+
+    /// Each collective over NCCL (the communicator is created at the first).
+    fn run_nccl(&self, c: Collective<'_>) -> Result<(), CommError> {
+        let buffer = |t: &Tensor| cuda_buffer(t, self.backend, self.local_rank);
+        let (buf, op) = match c {
+            Collective::AllReduce(t, op) => (buffer(t)?, NcclOp::AllReduce(op)),
+            Collective::Broadcast(t, root) => (buffer(t)?, NcclOp::Broadcast(root)),
+            Collective::AllGather { input, output } => {
+                let buf = buffer(input)?;
+                (
+                    buf,
+                    NcclOp::AllGather {
+                        recv: buffer(output)?.ptr,
+                    },
+                )
+            }
+        };
+        let mut comm = self.nccl()?;
+        // SAFETY: `cuda_buffer` checked that each tensor is a defined contiguous tensor of
+        // its `count` elements of `dtype` on the communicator's device; an all-gather's
+        // output (checked by `all_gather_into`: same dtype and device) holds `world_size`
+        // times the input's elements.
+        unsafe { comm.as_mut().map_or(Ok(()), |c| c.run(buf, op)) }
     }
 
     /// Returns once every rank has called `barrier` (and, with NCCL initialised, this
@@ -541,38 +545,6 @@ impl ProcessGroup {
         Ok(())
     }
 
-    fn cuda_buffer(
-        &self,
-        t: &Tensor,
-    ) -> Result<(*mut std::ffi::c_void, usize, nccl_sys::ncclDataType_t), CommError> {
-        let refuse = |detail: String| CommError::Tensor {
-            backend: "nccl",
-            detail,
-        };
-        if self.backend != Backend::Nccl {
-            return Err(CommError::Tensor {
-                backend: "tcp",
-                detail: format!(
-                    "tensor on {:?}: the CPU backend (Backend::Tcp) only takes CPU tensors",
-                    t.device()
-                ),
-            });
-        }
-        check_layout(t, "nccl")?;
-        let dtype = dtype_of(t.kind())
-            .ok_or_else(|| refuse(format!("dtype {:?} is not supported", t.kind())))?;
-        let nccl_dtype = nccl::nccl_dtype(dtype)
-            .ok_or_else(|| refuse(format!("dtype {:?} has no NCCL type", t.kind())))?;
-        if t.device() != Device::Cuda(self.local_rank) {
-            return Err(refuse(format!(
-                "tensor on {:?}, but this rank's device is cuda:{}",
-                t.device(),
-                self.local_rank
-            )));
-        }
-        Ok((t.data_ptr(), t.numel(), nccl_dtype))
-    }
-
     /// Overrides the ring pipeline segment size (for benchmarks).
     #[doc(hidden)]
     pub fn set_ring_segment(&self, bytes: usize) {
@@ -613,67 +585,6 @@ fn start_heartbeat(plan: &Plan, op_timeout: Duration, met: &rendezvous::Met) -> 
             Heartbeat::without_thread(rank, world, format!("the store is unreachable: {e}"))
         }
     }
-}
-
-fn unsupported_device(device: Device) -> CommError {
-    CommError::Tensor {
-        backend: "any",
-        detail: format!("device {device:?} is not supported"),
-    }
-}
-
-/// The element type of a tch kind, if collectives support it.
-pub fn dtype_of(kind: Kind) -> Option<DType> {
-    Some(match kind {
-        Kind::Uint8 => DType::U8,
-        Kind::Int8 => DType::I8,
-        Kind::Int16 => DType::I16,
-        Kind::Int => DType::I32,
-        Kind::Int64 => DType::I64,
-        Kind::Float => DType::F32,
-        Kind::Double => DType::F64,
-        Kind::Half => DType::F16,
-        Kind::BFloat16 => DType::BF16,
-        _ => return None,
-    })
-}
-
-fn check_layout(t: &Tensor, backend: &'static str) -> Result<(), CommError> {
-    if !t.defined() {
-        return Err(CommError::Tensor {
-            backend,
-            detail: "undefined tensor".into(),
-        });
-    }
-    if !t.is_contiguous() {
-        return Err(CommError::Tensor {
-            backend,
-            detail: format!(
-                "tensor of shape {:?} is not contiguous (call .contiguous())",
-                t.size()
-            ),
-        });
-    }
-    Ok(())
-}
-
-/// The bytes of a contiguous CPU tensor and their element type.
-fn cpu_bytes(t: &mut Tensor) -> Result<(&mut [u8], DType), CommError> {
-    check_layout(t, "tcp")?;
-    let dtype = dtype_of(t.kind()).ok_or_else(|| CommError::Tensor {
-        backend: "tcp",
-        detail: format!("dtype {:?} is not supported on CPU", t.kind()),
-    })?;
-    let len = t.numel() * dtype.size();
-    if len == 0 {
-        return Ok((&mut [], dtype));
-    }
-    let ptr = t.data_ptr().cast::<u8>();
-    // SAFETY: `t` is a defined, contiguous CPU tensor, so its data is `numel * element size`
-    // initialised bytes at `data_ptr`, aligned for its element type; the mutable borrow of
-    // `t` keeps this handle from being used while the slice lives (other tensors sharing
-    // the storage are the caller's responsibility, as in PyTorch).
-    Ok((unsafe { std::slice::from_raw_parts_mut(ptr, len) }, dtype))
 }
 
 #[cfg(test)]

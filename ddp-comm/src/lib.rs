@@ -66,6 +66,7 @@ mod shm;
 mod store;
 mod sync;
 mod tcp;
+mod tensor;
 mod wire;
 mod work;
 
@@ -73,7 +74,7 @@ pub use cpu::DEFAULT_MAX_GATHER_BYTES;
 pub use element::{DType, Element, ReduceOp};
 pub use env::EnvConfig;
 pub use error::{AuthFailure, CommError, Diagnosis};
-pub use group::{dtype_of, ProcessGroup, RingLayout};
+pub use group::{ProcessGroup, RingLayout};
 pub use link::{LinkKind, Transport};
 pub use nccl::version as nccl_version;
 pub use options::{
@@ -81,4 +82,5 @@ pub use options::{
     DEFAULT_SOCKET_BUFFER,
 };
 pub use secret::{Secret, SecretOrigin, MAX_SECRET_BYTES, MIN_SECRET_BYTES, SECRET_ENV};
+pub use tensor::dtype_of;
 pub use work::Work;
