@@ -131,8 +131,8 @@ fn worker(args: &Args) {
     let mut opts = ddp_comm::Options::from_env()
         .expect("environment")
         .backend(args.backend)
-        .transport(args.transport.unwrap_or_default());
-    opts.op_timeout = Duration::from_secs(120);
+        .transport(args.transport.unwrap_or_default())
+        .op_timeout(Duration::from_secs(120));
     let knob = |name: &str| {
         std::env::var(name)
             .ok()

@@ -14,7 +14,8 @@ use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
-use crate::store::{Connection, Store};
+use crate::store::Store;
+use crate::tcp::Connection;
 use crate::wire;
 
 const VALIDATE: u8 = 0;

@@ -22,6 +22,8 @@ pub const TRANSPORT_ENV: &str = "DDP_TRANSPORT";
 pub const HOST_ID_ENV: &str = "DDP_HOST_ID";
 /// Longest run id accepted (bytes).
 pub const MAX_RUN_ID_LEN: usize = 256;
+/// The run id when none is set.
+const DEFAULT_RUN_ID: &str = "ddp-comm";
 
 /// Where a configuration came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,9 +34,13 @@ pub enum EnvSource {
     Slurm,
     /// Nothing set: rank 0 of 1.
     Single,
+    /// Nothing read: given in code ([`EnvConfig::new`], `Options::new`).
+    Code,
 }
 
-/// One rank's place in the job and how to reach the others, as read from the environment.
+/// One rank's place in the job, how to reach the others, and the settings the environment
+/// can give: read from it ([`EnvConfig::from_env`]) or given in code ([`EnvConfig::new`]).
+/// [`Options`](crate::Options) holds one, and its builder methods set its fields.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EnvConfig {
     /// Global rank.
@@ -61,19 +67,52 @@ pub struct EnvConfig {
     pub agent_store: bool,
     /// `TORCHELASTIC_RESTART_COUNT` (0 when unset): keeps keys of restarted workers apart.
     pub restart_count: u64,
-    /// `DDP_RDZV_TIMEOUT_S`, if set.
+    /// How long rendezvous may take: `DDP_RDZV_TIMEOUT_S`, if set (`None`:
+    /// [`DEFAULT_RENDEZVOUS_TIMEOUT`](crate::DEFAULT_RENDEZVOUS_TIMEOUT)).
     pub rendezvous_timeout: Option<Duration>,
-    /// `DDP_OP_TIMEOUT_S`, if set.
+    /// How long one collective may take: `DDP_OP_TIMEOUT_S`, if set (`None`:
+    /// [`DEFAULT_OP_TIMEOUT`](crate::DEFAULT_OP_TIMEOUT)).
     pub op_timeout: Option<Duration>,
-    /// `DDP_TRANSPORT`, if set.
+    /// `DDP_TRANSPORT`, if set (`None`: [`Transport::Auto`]). Links use shared memory only
+    /// where both ranks allow it.
     pub transport: Option<Transport>,
-    /// `DDP_HOST_ID`, if set.
+    /// `DDP_HOST_ID`, if set: replaces this rank's detected host identity (host name, boot
+    /// id, network namespace); ranks with equal identities use shared memory.
     pub host_id: Option<String>,
     /// Which variables were used.
     pub source: EnvSource,
 }
 
 impl EnvConfig {
+    /// Rank `rank` of `world_size`, meeting at `master_addr:master_port`, given in code:
+    /// what torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` alone would
+    /// give (one node, run id `ddp-comm`, no secret, no agent store, nothing else set), but
+    /// with [`EnvSource::Code`].
+    pub fn new(
+        rank: usize,
+        world_size: usize,
+        master_addr: impl Into<String>,
+        master_port: u16,
+    ) -> Self {
+        EnvConfig {
+            rank,
+            world_size,
+            local_rank: rank,
+            local_world_size: world_size,
+            master_addr: master_addr.into(),
+            master_port,
+            run_id: DEFAULT_RUN_ID.to_string(),
+            secret: None,
+            agent_store: false,
+            restart_count: 0,
+            rendezvous_timeout: None,
+            op_timeout: None,
+            transport: None,
+            host_id: None,
+            source: EnvSource::Code,
+        }
+    }
+
     /// Reads the process environment.
     pub fn from_env() -> Result<Self, CommError> {
         Self::from_lookup(|name| std::env::var(name).ok())
@@ -146,7 +185,8 @@ impl EnvConfig {
                     Some(job) => 20000 + (job % 10000) as u16,
                     None => 29500,
                 },
-                EnvSource::Single => 0,
+                // (Nothing read from the environment is `Code`.)
+                EnvSource::Single | EnvSource::Code => 0,
                 EnvSource::Torchrun if world_size == 1 => 0,
                 EnvSource::Torchrun => {
                     return Err(missing("MASTER_PORT", "WORLD_SIZE is above 1"));
@@ -162,7 +202,7 @@ impl EnvConfig {
                     None
                 }
             })
-            .unwrap_or_else(|| "ddp-comm".to_string());
+            .unwrap_or_else(|| DEFAULT_RUN_ID.to_string());
         if run_id.len() > MAX_RUN_ID_LEN {
             return Err(malformed(RUN_ID_ENV, &run_id, "at most 256 bytes"));
         }

@@ -3,209 +3,22 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 use crate::cpu::CpuBackend;
-use crate::element::{as_bytes_mut, DType, Element, ReduceOp};
-use crate::env::EnvConfig;
+use crate::element::{as_bytes_mut, Element, ReduceOp};
 use crate::error::CommError;
 use crate::heartbeat::{self, Heartbeat, StoreInfo};
-use crate::link::{LinkKind, Transport};
-use crate::nccl::{self, NcclComm};
+use crate::link::LinkKind;
+use crate::nccl::{self, NcclComm, NcclOp};
+use crate::options::{Backend, Options, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT};
 use crate::rendezvous::{self, Plan};
 use crate::secret::{Secret, SecretOrigin};
 use crate::shm;
 use crate::store::{Store, StoreServer};
 use crate::sync::lock;
+use crate::tensor::{check_layout, cpu_bytes, cuda_buffer, unsupported_device, Collective};
 use crate::work::{Op, Queue, Work};
-
-/// Default rendezvous timeout.
-pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
-/// Default timeout of one collective.
-pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(300);
-/// Default kernel send/receive buffer of ring sockets: 0, Linux's autotuning, which grows
-/// each socket's buffers up to `net.ipv4.tcp_rmem`/`tcp_wmem` (32 MiB / 4 MiB here).
-/// Setting `SO_RCVBUF` explicitly turns autotuning off and caps the buffer at
-/// `net.core.rmem_max`; on loopback that measured slower (see the README).
-pub const DEFAULT_SOCKET_BUFFER: usize = 0;
-/// Default data bytes of each shared-memory ring (one per link between ranks on one host).
-pub const DEFAULT_SHM_RING_BYTES: usize = shm::DEFAULT_CAPACITY;
-
-/// Which engine carries CUDA tensors (CPU tensors travel over shared memory or TCP, see
-/// [`Transport`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Backend {
-    /// NCCL for CUDA tensors (plus the CPU links for CPU tensors and byte-level calls).
-    Nccl,
-    /// CPU links only (shared memory and TCP): CPU tensors; CUDA tensors are refused.
-    Tcp,
-}
-
-impl std::fmt::Display for Backend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Backend::Nccl => "nccl",
-            Backend::Tcp => "tcp",
-        })
-    }
-}
-
-/// Everything [`ProcessGroup::new`] needs. Build with [`Options::new`] or
-/// [`Options::from_env`], then adjust with the builder methods.
-#[derive(Clone, Debug)]
-pub struct Options {
-    /// This process's rank.
-    pub rank: usize,
-    /// Number of ranks.
-    pub world_size: usize,
-    /// Rank on this node (the CUDA device index).
-    pub local_rank: usize,
-    /// Number of ranks on this node.
-    pub local_world_size: usize,
-    /// Host of rank 0's store.
-    pub master_addr: String,
-    /// Port of rank 0's store.
-    pub master_port: u16,
-    /// The job's run id: it keeps the keys of jobs sharing torchrun's agent store apart, and
-    /// makes the fallback secret when [`Options::secret`] is `None`.
-    pub run_id: String,
-    /// The key of the handshake every connection between ranks starts with (see the
-    /// crate's README, "Security"): `DDP_SECRET` from the environment, or given with
-    /// [`Options::with_secret`]. `None` (what [`Options::new`] gives): derived from
-    /// `run_id` ([`Secret::from_run_id`]), which protects against other jobs' ranks but not
-    /// against anyone who can guess the run id.
-    pub secret: Option<Secret>,
-    /// `None`: NCCL when a CUDA device is visible (initialised at the first CUDA
-    /// collective), else the CPU links only. `Some(Nccl)`: NCCL, initialised now.
-    pub backend: Option<Backend>,
-    /// How long rendezvous may take.
-    pub rendezvous_timeout: Duration,
-    /// How long one collective (and NCCL communicator init) may take. A timed-out
-    /// collective then spends up to three heartbeat intervals (`op_timeout / 20`, clamped
-    /// to 100 ms ..= 1 s; at least 500 ms in all) finding out which rank is hung, before it
-    /// returns [`CommError::Timeout`].
-    pub op_timeout: Duration,
-    /// Connect to torchrun's agent store instead of serving one on rank 0.
-    pub agent_store: bool,
-    /// torchrun's restart count (keeps keys of restarted workers apart).
-    pub restart_count: u64,
-    /// Kernel socket buffer size for ring sockets in bytes; 0 (the default) leaves Linux's
-    /// autotuning, which grows buffers as large as the sysctl limits allow.
-    pub socket_buffer: usize,
-    /// Shared memory between ranks on one host ([`Transport::Auto`], the default) or TCP
-    /// everywhere ([`Transport::Tcp`]). Links use shared memory only where both ranks allow
-    /// it.
-    pub transport: Transport,
-    /// Replaces this rank's detected host identity (host name, boot id, network
-    /// namespace): ranks with equal identities use shared memory. Like `NCCL_HOSTID`.
-    pub host_id: Option<String>,
-    /// Data bytes of each shared-memory ring this rank creates: a power of two from 4 KiB
-    /// to 1 GiB.
-    pub shm_ring_bytes: usize,
-}
-
-impl Options {
-    /// Options for rank `rank` of `world_size`, meeting at `master_addr:master_port`, one
-    /// rank per node, automatic backend, default timeouts.
-    pub fn new(
-        rank: usize,
-        world_size: usize,
-        master_addr: impl Into<String>,
-        master_port: u16,
-    ) -> Self {
-        Options {
-            rank,
-            world_size,
-            local_rank: rank,
-            local_world_size: world_size,
-            master_addr: master_addr.into(),
-            master_port,
-            run_id: "ddp-comm".to_string(),
-            secret: None,
-            backend: None,
-            rendezvous_timeout: DEFAULT_RENDEZVOUS_TIMEOUT,
-            op_timeout: DEFAULT_OP_TIMEOUT,
-            agent_store: false,
-            restart_count: 0,
-            socket_buffer: DEFAULT_SOCKET_BUFFER,
-            transport: Transport::Auto,
-            host_id: None,
-            shm_ring_bytes: DEFAULT_SHM_RING_BYTES,
-        }
-    }
-
-    /// Options from the environment (see [`EnvConfig`]).
-    pub fn from_env() -> Result<Self, CommError> {
-        Ok(Self::from_config(&EnvConfig::from_env()?))
-    }
-
-    /// Options from an already-read environment.
-    pub fn from_config(c: &EnvConfig) -> Self {
-        Options {
-            local_rank: c.local_rank,
-            local_world_size: c.local_world_size,
-            run_id: c.run_id.clone(),
-            secret: c.secret.clone(),
-            agent_store: c.agent_store,
-            restart_count: c.restart_count,
-            rendezvous_timeout: c.rendezvous_timeout.unwrap_or(DEFAULT_RENDEZVOUS_TIMEOUT),
-            op_timeout: c.op_timeout.unwrap_or(DEFAULT_OP_TIMEOUT),
-            transport: c.transport.unwrap_or_default(),
-            host_id: c.host_id.clone(),
-            ..Options::new(c.rank, c.world_size, c.master_addr.clone(), c.master_port)
-        }
-    }
-
-    /// Chooses the backend explicitly.
-    pub fn backend(mut self, backend: Backend) -> Self {
-        self.backend = Some(backend);
-        self
-    }
-
-    /// Sets the rendezvous timeout.
-    pub fn rendezvous_timeout(mut self, timeout: Duration) -> Self {
-        self.rendezvous_timeout = timeout;
-        self
-    }
-
-    /// Sets the timeout of each collective.
-    pub fn op_timeout(mut self, timeout: Duration) -> Self {
-        self.op_timeout = timeout;
-        self
-    }
-
-    /// Sets the run id (and with it the fallback secret, see [`Options::secret`]).
-    pub fn run_id(mut self, run_id: impl Into<String>) -> Self {
-        self.run_id = run_id.into();
-        self
-    }
-
-    /// Sets the secret every rank must prove (the same on every rank).
-    pub fn with_secret(mut self, secret: Secret) -> Self {
-        self.secret = Some(secret);
-        self
-    }
-
-    /// Chooses the transport between ranks on one host (TCP is for comparison and
-    /// debugging; `DDP_TRANSPORT=tcp` does the same from the environment).
-    pub fn transport(mut self, transport: Transport) -> Self {
-        self.transport = transport;
-        self
-    }
-
-    /// Sets this rank's host identity (see [`Options::host_id`]).
-    pub fn host_id(mut self, id: impl Into<String>) -> Self {
-        self.host_id = Some(id.into());
-        self
-    }
-
-    /// Sets the node-local rank and world size.
-    pub fn local(mut self, local_rank: usize, local_world_size: usize) -> Self {
-        self.local_rank = local_rank;
-        self.local_world_size = local_world_size;
-        self
-    }
-}
 
 /// How a rank is wired into the ring that carries CPU collectives
 /// ([`ProcessGroup::ring_layout`]).
@@ -272,7 +85,7 @@ impl Drop for ProcessGroup {
 
 impl ProcessGroup {
     /// Joins the group described by the environment: torchrun's variables, else SLURM's,
-    /// else rank 0 of 1 (see [`EnvConfig`]).
+    /// else rank 0 of 1 (see [`EnvConfig`](crate::EnvConfig)).
     pub fn from_env() -> Result<Self, CommError> {
         Self::new(Options::from_env()?)
     }
@@ -280,7 +93,8 @@ impl ProcessGroup {
     /// Joins the group described by `opts` (blocks until every rank has arrived, or the
     /// rendezvous timeout).
     pub fn new(opts: Options) -> Result<Self, CommError> {
-        if opts.world_size == 0 {
+        let env = &opts.env;
+        if env.world_size == 0 {
             return Err(CommError::InvalidArgument("world size 0".into()));
         }
         let ring_bytes = opts.shm_ring_bytes;
@@ -300,49 +114,50 @@ impl ProcessGroup {
                 Backend::Tcp
             }
         });
-        let secret = match &opts.secret {
+        let secret = match &env.secret {
             Some(secret) => secret.clone(),
-            None => Secret::from_run_id(&opts.run_id),
+            None => Secret::from_run_id(&env.run_id),
         };
-        if secret.origin() == SecretOrigin::RunId && opts.world_size > 1 && opts.rank == 0 {
+        if secret.origin() == SecretOrigin::RunId && env.world_size > 1 && env.rank == 0 {
             tracing::warn!(
                 "ddp-comm: DDP_SECRET is not set, so connections between ranks are \
                  authenticated with a secret derived from the run id {:?}: anyone who can \
                  guess it can join (ddp-run sets DDP_SECRET; see ddp-comm's README, Security)",
-                opts.run_id
+                env.run_id
             );
         }
+        let op_timeout = env.op_timeout.unwrap_or(DEFAULT_OP_TIMEOUT);
         let plan = Plan {
-            rank: opts.rank,
-            world_size: opts.world_size,
-            master_addr: opts.master_addr.clone(),
-            master_port: opts.master_port,
+            rank: env.rank,
+            world_size: env.world_size,
+            master_addr: env.master_addr.clone(),
+            master_port: env.master_port,
             secret,
-            agent_store: opts.agent_store,
-            key_prefix: format!("/ddp-comm/{}/{}/", opts.run_id, opts.restart_count),
-            timeout: opts.rendezvous_timeout,
+            agent_store: env.agent_store,
+            key_prefix: format!("/ddp-comm/{}/{}/", env.run_id, env.restart_count),
+            timeout: env.rendezvous_timeout.unwrap_or(DEFAULT_RENDEZVOUS_TIMEOUT),
             socket_buffer: opts.socket_buffer,
-            transport: opts.transport,
-            host_id: opts.host_id.clone(),
+            transport: env.transport.unwrap_or_default(),
+            host_id: env.host_id.clone(),
             shm_capacity: ring_bytes,
         };
         let met = rendezvous::meet(&plan)?;
-        let heartbeat = Arc::new(start_heartbeat(&opts, &plan, &met));
+        let heartbeat = Arc::new(start_heartbeat(&plan, op_timeout, &met));
         let cpu = CpuBackend::new(
-            opts.rank,
-            opts.world_size,
+            env.rank,
+            env.world_size,
             met.ring,
             met.link,
-            opts.op_timeout,
+            op_timeout,
             heartbeat.clone(),
         )?;
         let group = ProcessGroup {
-            rank: opts.rank,
-            world_size: opts.world_size,
-            local_rank: opts.local_rank,
-            local_world_size: opts.local_world_size,
+            rank: env.rank,
+            world_size: env.world_size,
+            local_rank: env.local_rank,
+            local_world_size: env.local_world_size,
             backend,
-            op_timeout: opts.op_timeout,
+            op_timeout,
             cpu: Mutex::new(cpu),
             nccl: Mutex::new(None),
             store: Mutex::new(met.store),
@@ -533,14 +348,14 @@ impl ProcessGroup {
     fn cuda_async(self: &Arc<Self>, t: &Tensor, op: ReduceOp) -> Work {
         self.heartbeat.enter();
         let queued = (|| {
-            let (ptr, count, dtype) = self.cuda_buffer(t)?;
+            let buf = cuda_buffer(t, self.backend, self.local_rank)?;
             let mut comm = self.nccl()?;
             let comm = comm
                 .as_mut()
                 .ok_or_else(|| CommError::Poisoned("no NCCL communicator".into()))?;
             // SAFETY: `cuda_buffer` checked the tensor; `Work` keeps the caller from reusing
             // it before the collective has completed (the documented contract).
-            unsafe { comm.all_reduce_async(ptr, count, dtype, op) }
+            unsafe { comm.all_reduce_async(buf, op) }
         })();
         match queued {
             Ok(work) => {
@@ -562,23 +377,7 @@ impl ProcessGroup {
 
     fn all_reduce_now(&self, t: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
         self.heartbeat.enter();
-        match t.device() {
-            Device::Cpu => {
-                let (bytes, dtype) = cpu_bytes(t)?;
-                lock(&self.cpu).all_reduce(bytes, dtype, op)
-            }
-            Device::Cuda(_) => {
-                let (ptr, count, dtype) = self.cuda_buffer(t)?;
-                let mut comm = self.nccl()?;
-                // SAFETY: `cuda_buffer` checked that `t` is a defined contiguous tensor of
-                // `count` elements of `dtype` on the communicator's device.
-                unsafe {
-                    comm.as_mut()
-                        .map_or(Ok(()), |c| c.all_reduce(ptr, count, dtype, op))
-                }
-            }
-            other => Err(unsupported_device(other)),
-        }
+        self.run(Collective::AllReduce(t, op))
     }
 
     /// Broadcasts a contiguous tensor from `root` into every rank's `t` (same shape and
@@ -591,22 +390,7 @@ impl ProcessGroup {
     fn broadcast_now(&self, t: &mut Tensor, root: usize) -> Result<(), CommError> {
         self.heartbeat.enter();
         self.check_root(root)?;
-        match t.device() {
-            Device::Cpu => {
-                let (bytes, _) = cpu_bytes(t)?;
-                lock(&self.cpu).broadcast(bytes, root)
-            }
-            Device::Cuda(_) => {
-                let (ptr, count, dtype) = self.cuda_buffer(t)?;
-                let mut comm = self.nccl()?;
-                // SAFETY: as in `all_reduce`.
-                unsafe {
-                    comm.as_mut()
-                        .map_or(Ok(()), |c| c.broadcast(ptr, count, dtype, root))
-                }
-            }
-            other => Err(unsupported_device(other)),
-        }
+        self.run(Collective::Broadcast(t, root))
     }
 
     /// Gathers every rank's `t` (same shape and dtype everywhere); element `r` of the result
@@ -644,27 +428,61 @@ impl ProcessGroup {
                 input.numel()
             )));
         }
-        match input.device() {
-            Device::Cpu => {
+        self.run(Collective::AllGather { input, output })
+    }
+
+    /// Runs `c` on the backend of its tensors' device: the device dispatch of every tensor
+    /// collective.
+    fn run(&self, c: Collective<'_>) -> Result<(), CommError> {
+        match c.device() {
+            Device::Cpu => self.run_cpu(c),
+            Device::Cuda(_) => self.run_nccl(c),
+            other => Err(unsupported_device(other)),
+        }
+    }
+
+    /// Each collective over the CPU ring.
+    fn run_cpu(&self, c: Collective<'_>) -> Result<(), CommError> {
+        match c {
+            Collective::AllReduce(t, op) => {
+                let (bytes, dtype) = cpu_bytes(t)?;
+                lock(&self.cpu).all_reduce(bytes, dtype, op)
+            }
+            Collective::Broadcast(t, root) => {
+                let (bytes, _) = cpu_bytes(t)?;
+                lock(&self.cpu).broadcast(bytes, root)
+            }
+            Collective::AllGather { input, output } => {
                 let mut source = input.shallow_clone();
                 let (src, _) = cpu_bytes(&mut source)?;
                 let (dst, _) = cpu_bytes(output)?;
                 lock(&self.cpu).all_gather(src, dst)
             }
-            Device::Cuda(_) => {
-                let (src, count, dtype) = self.cuda_buffer(input)?;
-                let (dst, _, _) = self.cuda_buffer(output)?;
-                let mut comm = self.nccl()?;
-                // SAFETY: `src` holds `count` elements and `dst` (checked above: same dtype
-                // and device, contiguous) `world_size * count`, both on the communicator's
-                // device.
-                unsafe {
-                    comm.as_mut()
-                        .map_or(Ok(()), |c| c.all_gather(src, dst, count, dtype))
-                }
-            }
-            other => Err(unsupported_device(other)),
         }
+    }
+
+    /// Each collective over NCCL (the communicator is created at the first).
+    fn run_nccl(&self, c: Collective<'_>) -> Result<(), CommError> {
+        let buffer = |t: &Tensor| cuda_buffer(t, self.backend, self.local_rank);
+        let (buf, op) = match c {
+            Collective::AllReduce(t, op) => (buffer(t)?, NcclOp::AllReduce(op)),
+            Collective::Broadcast(t, root) => (buffer(t)?, NcclOp::Broadcast(root)),
+            Collective::AllGather { input, output } => {
+                let buf = buffer(input)?;
+                (
+                    buf,
+                    NcclOp::AllGather {
+                        recv: buffer(output)?.ptr,
+                    },
+                )
+            }
+        };
+        let mut comm = self.nccl()?;
+        // SAFETY: `cuda_buffer` checked that each tensor is a defined contiguous tensor of
+        // its `count` elements of `dtype` on the communicator's device; an all-gather's
+        // output (checked by `all_gather_into`: same dtype and device) holds `world_size`
+        // times the input's elements.
+        unsafe { comm.as_mut().map_or(Ok(()), |c| c.run(buf, op)) }
     }
 
     /// Returns once every rank has called `barrier` (and, with NCCL initialised, this
@@ -727,38 +545,6 @@ impl ProcessGroup {
         Ok(())
     }
 
-    fn cuda_buffer(
-        &self,
-        t: &Tensor,
-    ) -> Result<(*mut std::ffi::c_void, usize, nccl_sys::ncclDataType_t), CommError> {
-        let refuse = |detail: String| CommError::Tensor {
-            backend: "nccl",
-            detail,
-        };
-        if self.backend != Backend::Nccl {
-            return Err(CommError::Tensor {
-                backend: "tcp",
-                detail: format!(
-                    "tensor on {:?}: the CPU backend (Backend::Tcp) only takes CPU tensors",
-                    t.device()
-                ),
-            });
-        }
-        check_layout(t, "nccl")?;
-        let dtype = dtype_of(t.kind())
-            .ok_or_else(|| refuse(format!("dtype {:?} is not supported", t.kind())))?;
-        let nccl_dtype = nccl::nccl_dtype(dtype)
-            .ok_or_else(|| refuse(format!("dtype {:?} has no NCCL type", t.kind())))?;
-        if t.device() != Device::Cuda(self.local_rank) {
-            return Err(refuse(format!(
-                "tensor on {:?}, but this rank's device is cuda:{}",
-                t.device(),
-                self.local_rank
-            )));
-        }
-        Ok((t.data_ptr(), t.numel(), nccl_dtype))
-    }
-
     /// Overrides the ring pipeline segment size (for benchmarks).
     #[doc(hidden)]
     pub fn set_ring_segment(&self, bytes: usize) {
@@ -782,84 +568,23 @@ impl ProcessGroup {
 /// The heartbeat of this rank (see `heartbeat.rs`), on its own store connection; without
 /// one (a world of one, or a store that cannot be reached again) timeouts cannot name the
 /// hung rank, and say so.
-fn start_heartbeat(opts: &Options, plan: &Plan, met: &rendezvous::Met) -> Heartbeat {
-    let (rank, world) = (opts.rank, opts.world_size);
+fn start_heartbeat(plan: &Plan, op_timeout: Duration, met: &rendezvous::Met) -> Heartbeat {
+    let (rank, world) = (plan.rank, plan.world_size);
     let Some(store) = met.store.as_ref() else {
         return Heartbeat::without_thread(rank, world, "no store");
     };
     let info = StoreInfo {
         addr: store.addr().to_string(),
-        served_by_rank0: !opts.agent_store,
+        served_by_rank0: !plan.agent_store,
     };
-    let timeout = heartbeat::store_timeout(heartbeat::interval_for(opts.op_timeout));
+    let timeout = heartbeat::store_timeout(heartbeat::interval_for(op_timeout));
     match rendezvous::connector(plan, met.server.as_ref(), timeout) {
-        Ok(connect) => Heartbeat::start(rank, world, opts.op_timeout, info, connect),
+        Ok(connect) => Heartbeat::start(rank, world, op_timeout, info, connect),
         Err(e) => {
             tracing::warn!("ddp-comm: rank {rank} runs without a heartbeat: {e}");
             Heartbeat::without_thread(rank, world, format!("the store is unreachable: {e}"))
         }
     }
-}
-
-fn unsupported_device(device: Device) -> CommError {
-    CommError::Tensor {
-        backend: "any",
-        detail: format!("device {device:?} is not supported"),
-    }
-}
-
-/// The element type of a tch kind, if collectives support it.
-pub fn dtype_of(kind: Kind) -> Option<DType> {
-    Some(match kind {
-        Kind::Uint8 => DType::U8,
-        Kind::Int8 => DType::I8,
-        Kind::Int16 => DType::I16,
-        Kind::Int => DType::I32,
-        Kind::Int64 => DType::I64,
-        Kind::Float => DType::F32,
-        Kind::Double => DType::F64,
-        Kind::Half => DType::F16,
-        Kind::BFloat16 => DType::BF16,
-        _ => return None,
-    })
-}
-
-fn check_layout(t: &Tensor, backend: &'static str) -> Result<(), CommError> {
-    if !t.defined() {
-        return Err(CommError::Tensor {
-            backend,
-            detail: "undefined tensor".into(),
-        });
-    }
-    if !t.is_contiguous() {
-        return Err(CommError::Tensor {
-            backend,
-            detail: format!(
-                "tensor of shape {:?} is not contiguous (call .contiguous())",
-                t.size()
-            ),
-        });
-    }
-    Ok(())
-}
-
-/// The bytes of a contiguous CPU tensor and their element type.
-fn cpu_bytes(t: &mut Tensor) -> Result<(&mut [u8], DType), CommError> {
-    check_layout(t, "tcp")?;
-    let dtype = dtype_of(t.kind()).ok_or_else(|| CommError::Tensor {
-        backend: "tcp",
-        detail: format!("dtype {:?} is not supported on CPU", t.kind()),
-    })?;
-    let len = t.numel() * dtype.size();
-    if len == 0 {
-        return Ok((&mut [], dtype));
-    }
-    let ptr = t.data_ptr().cast::<u8>();
-    // SAFETY: `t` is a defined, contiguous CPU tensor, so its data is `numel * element size`
-    // initialised bytes at `data_ptr`, aligned for its element type; the mutable borrow of
-    // `t` keeps this handle from being used while the slice lives (other tensors sharing
-    // the storage are the caller's responsibility, as in PyTorch).
-    Ok((unsafe { std::slice::from_raw_parts_mut(ptr, len) }, dtype))
 }
 
 #[cfg(test)]
@@ -884,41 +609,5 @@ mod tests {
                 other => panic!("{bytes}: expected InvalidArgument, got {other:?}"),
             }
         }
-    }
-
-    #[test]
-    fn options_from_the_environment_carry_every_setting() {
-        let config = EnvConfig::from_lookup(|k| {
-            let v = match k {
-                "RANK" => "1",
-                "WORLD_SIZE" => "4",
-                "LOCAL_RANK" => "1",
-                "LOCAL_WORLD_SIZE" => "2",
-                "MASTER_ADDR" => "node7",
-                "MASTER_PORT" => "29400",
-                "DDP_RUN_ID" => "r9",
-                "DDP_OP_TIMEOUT_S" => "7",
-                "DDP_TRANSPORT" => "tcp",
-                "DDP_HOST_ID" => "node7",
-                _ => return None,
-            };
-            Some(v.to_string())
-        })
-        .unwrap();
-        let o = Options::from_config(&config).backend(Backend::Tcp);
-        assert_eq!(
-            (o.rank, o.world_size, o.local_rank, o.local_world_size),
-            (1, 4, 1, 2)
-        );
-        assert_eq!(
-            (o.master_addr.as_str(), o.master_port, o.run_id.as_str()),
-            ("node7", 29400, "r9")
-        );
-        assert_eq!(o.op_timeout, Duration::from_secs(7));
-        assert_eq!(o.rendezvous_timeout, DEFAULT_RENDEZVOUS_TIMEOUT);
-        assert_eq!(o.backend, Some(Backend::Tcp));
-        assert_eq!(o.transport, Transport::Tcp);
-        assert_eq!(o.host_id.as_deref(), Some("node7"));
-        assert_eq!(o.shm_ring_bytes, DEFAULT_SHM_RING_BYTES);
     }
 }

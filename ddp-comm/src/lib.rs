@@ -5,7 +5,8 @@
 //! - [`ProcessGroup`] is the central type. [`ProcessGroup::from_env`] reads torchrun's
 //!   `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` (else SLURM's, else
 //!   rank 0 of 1) and meets the other ranks; [`ProcessGroup::new`] takes explicit
-//!   [`Options`].
+//!   [`Options`]: an [`EnvConfig`] (read from the environment or given in code) plus the
+//!   backend and buffer sizes.
 //! - Two backends: CUDA tensors travel through NCCL (loaded at run time through
 //!   `nccl-sys`), CPU tensors around a ring ([`Backend`]) whose links are shared memory
 //!   between ranks on one host and TCP between hosts ([`Transport`], [`LinkKind`]; set
@@ -57,6 +58,7 @@ mod group;
 mod heartbeat;
 mod link;
 mod nccl;
+mod options;
 mod rendezvous;
 mod ring;
 mod secret;
@@ -64,6 +66,7 @@ mod shm;
 mod store;
 mod sync;
 mod tcp;
+mod tensor;
 mod wire;
 mod work;
 
@@ -71,11 +74,13 @@ pub use cpu::DEFAULT_MAX_GATHER_BYTES;
 pub use element::{DType, Element, ReduceOp};
 pub use env::EnvConfig;
 pub use error::{AuthFailure, CommError, Diagnosis};
-pub use group::{
-    dtype_of, Backend, Options, ProcessGroup, RingLayout, DEFAULT_OP_TIMEOUT,
-    DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_SHM_RING_BYTES, DEFAULT_SOCKET_BUFFER,
-};
+pub use group::{ProcessGroup, RingLayout};
 pub use link::{LinkKind, Transport};
 pub use nccl::version as nccl_version;
+pub use options::{
+    Backend, Options, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_SHM_RING_BYTES,
+    DEFAULT_SOCKET_BUFFER,
+};
 pub use secret::{Secret, SecretOrigin, MAX_SECRET_BYTES, MIN_SECRET_BYTES, SECRET_ENV};
+pub use tensor::dtype_of;
 pub use work::Work;

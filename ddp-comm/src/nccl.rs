@@ -42,6 +42,52 @@ use crate::element::{DType, ReduceOp};
 use crate::error::{CommError, Diagnosis};
 use crate::heartbeat::Heartbeat;
 
+/// A tensor's memory on the communicator's device, as NCCL takes it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DeviceBuffer {
+    /// The first element.
+    pub ptr: *mut c_void,
+    /// Number of elements.
+    pub count: usize,
+    /// Their type.
+    pub dtype: ncclDataType_t,
+}
+
+/// A collective on a [`DeviceBuffer`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum NcclOp {
+    /// In place, on every rank.
+    AllReduce(ReduceOp),
+    /// In place, from rank `root`.
+    Broadcast(usize),
+    /// Every rank's buffer, in rank order, into `recv` (`world` times the buffer's
+    /// elements).
+    AllGather {
+        /// Where the gathered elements go.
+        recv: *mut c_void,
+    },
+}
+
+impl NcclOp {
+    /// NCCL's function, for messages.
+    fn call(self) -> &'static str {
+        match self {
+            NcclOp::AllReduce(_) => "ncclAllReduce",
+            NcclOp::Broadcast(_) => "ncclBroadcast",
+            NcclOp::AllGather { .. } => "ncclAllGather",
+        }
+    }
+
+    /// The collective's name, for messages.
+    fn name(self) -> &'static str {
+        match self {
+            NcclOp::AllReduce(_) => "all_reduce",
+            NcclOp::Broadcast(_) => "broadcast",
+            NcclOp::AllGather { .. } => "all_gather",
+        }
+    }
+}
+
 /// An NCCL communicator bound to one device.
 #[derive(Debug)]
 pub(crate) struct NcclComm {
@@ -397,80 +443,42 @@ impl NcclComm {
         Ok(start)
     }
 
-    /// In-place all-reduce of `count` elements at device pointer `ptr`.
+    /// Enqueues `op` on `buf` on `stream` and returns what NCCL answered: the one place
+    /// each collective is written for NCCL.
     ///
     /// # Safety
-    /// `ptr` must point to `count` elements of `dtype` in memory of this communicator's device.
-    pub(crate) unsafe fn all_reduce(
-        &mut self,
-        ptr: *mut c_void,
-        count: usize,
-        dtype: ncclDataType_t,
-        op: ReduceOp,
-    ) -> Result<(), CommError> {
-        let start = self.enter()?;
-        // SAFETY: the caller guarantees the buffer; stream null = legacy default stream.
-        let rc = unsafe {
-            (self.nccl.ncclAllReduce)(
-                ptr,
-                ptr,
-                count,
-                dtype,
-                nccl_op(op),
-                self.comm,
-                std::ptr::null_mut(),
-            )
-        };
-        self.issued("ncclAllReduce", "all_reduce", rc, start)?;
-        self.wait("all_reduce", start)
+    /// As [`NcclComm::run`]; `stream` is the legacy default stream (null) or this
+    /// communicator's side stream.
+    unsafe fn issue(&self, buf: DeviceBuffer, op: NcclOp, stream: cudaStream_t) -> ncclResult_t {
+        let DeviceBuffer { ptr, count, dtype } = buf;
+        let (nccl, comm) = (self.nccl, self.comm);
+        // SAFETY: the caller guarantees the buffers and the stream; the communicator is live.
+        unsafe {
+            match op {
+                NcclOp::AllReduce(op) => {
+                    (nccl.ncclAllReduce)(ptr, ptr, count, dtype, nccl_op(op), comm, stream)
+                }
+                NcclOp::Broadcast(root) => {
+                    (nccl.ncclBroadcast)(ptr, ptr, count, dtype, root as c_int, comm, stream)
+                }
+                NcclOp::AllGather { recv } => {
+                    (nccl.ncclAllGather)(ptr, recv, count, dtype, comm, stream)
+                }
+            }
+        }
     }
 
-    /// In-place broadcast from `root`.
+    /// Runs `op` on `buf` on the legacy default stream and waits until it has completed.
     ///
     /// # Safety
-    /// As [`NcclComm::all_reduce`].
-    pub(crate) unsafe fn broadcast(
-        &mut self,
-        ptr: *mut c_void,
-        count: usize,
-        dtype: ncclDataType_t,
-        root: usize,
-    ) -> Result<(), CommError> {
+    /// `buf.ptr` must point to `buf.count` elements of `buf.dtype` in memory of this
+    /// communicator's device, and an all-gather's `recv` to `world * buf.count` of them.
+    pub(crate) unsafe fn run(&mut self, buf: DeviceBuffer, op: NcclOp) -> Result<(), CommError> {
         let start = self.enter()?;
-        // SAFETY: the caller guarantees the buffer; stream null = legacy default stream.
-        let rc = unsafe {
-            (self.nccl.ncclBroadcast)(
-                ptr,
-                ptr,
-                count,
-                dtype,
-                root as c_int,
-                self.comm,
-                std::ptr::null_mut(),
-            )
-        };
-        self.issued("ncclBroadcast", "broadcast", rc, start)?;
-        self.wait("broadcast", start)
-    }
-
-    /// All-gather of `count` elements per rank from `send` into `recv` (`world * count`).
-    ///
-    /// # Safety
-    /// `send` must hold `count` and `recv` `world * count` elements on this device.
-    pub(crate) unsafe fn all_gather(
-        &mut self,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: ncclDataType_t,
-    ) -> Result<(), CommError> {
-        let start = self.enter()?;
-        // SAFETY: the caller guarantees both buffers; stream null = legacy default stream.
-        let rc = unsafe {
-            (self.nccl.ncclAllGather)(send, recv, count, dtype, self.comm, std::ptr::null_mut())
-        };
-        self.issued("ncclAllGather", "all_gather", rc, start)?;
-        self.wait("all_gather", start)
+        // SAFETY: the caller guarantees the buffers; stream null = legacy default stream.
+        let rc = unsafe { self.issue(buf, op, std::ptr::null_mut()) };
+        self.issued(op.call(), op.name(), rc, start)?;
+        self.wait(op.name(), start)
     }
 
     /// Waits for all queued work on the device's default stream.
@@ -517,13 +525,11 @@ impl NcclComm {
     /// the default stream, and returns the event that marks its end.
     ///
     /// # Safety
-    /// As [`NcclComm::all_reduce`]; in addition the buffer must stay allocated, and must not
+    /// As [`NcclComm::run`]; in addition the buffer must stay allocated, and must not
     /// be written, until the returned work has been waited for.
     pub(crate) unsafe fn all_reduce_async(
         &mut self,
-        ptr: *mut c_void,
-        count: usize,
-        dtype: ncclDataType_t,
+        buf: DeviceBuffer,
         op: ReduceOp,
     ) -> Result<NcclWork, CommError> {
         let start = self.enter()?;
@@ -537,11 +543,10 @@ impl NcclComm {
             rc
         };
         check_cuda("cudaStreamWaitEvent", rc)?;
+        let op = NcclOp::AllReduce(op);
         // SAFETY: the caller guarantees the buffer; `side` is this communicator's stream.
-        let rc = unsafe {
-            (self.nccl.ncclAllReduce)(ptr, ptr, count, dtype, nccl_op(op), self.comm, side)
-        };
-        self.issued("ncclAllReduce", "all_reduce", rc, start)?;
+        let rc = unsafe { self.issue(buf, op, side) };
+        self.issued(op.call(), op.name(), rc, start)?;
         Ok(NcclWork {
             done: self.record(side)?,
             start,

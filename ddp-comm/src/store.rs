@@ -19,7 +19,12 @@ use std::time::{Duration, Instant};
 use crate::auth::{self, Timeouts};
 use crate::error::CommError;
 use crate::secret::Secret;
+use crate::tcp::Connection;
 use crate::wire;
+
+// The ring's connect (`connect.rs`) still imports the retrying connect from here; it lives
+// in `tcp.rs` with the connection both store clients open.
+pub(crate) use crate::tcp::connect_retry;
 
 const STORE_MAGIC: &[u8; 4] = b"DDPS";
 const OP_SET: u8 = 1;
@@ -81,76 +86,6 @@ pub(crate) fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, CommErro
         });
     }
     Ok(addrs)
-}
-
-/// Connects to the first reachable address, retrying until `deadline` (the server may not
-/// be up yet).
-pub(crate) fn connect_retry(
-    addrs: &[SocketAddr],
-    deadline: Instant,
-    what: &str,
-) -> Result<TcpStream, CommError> {
-    let start = Instant::now();
-    let mut pause = Duration::from_millis(5);
-    loop {
-        let mut last = None;
-        for addr in addrs {
-            let left = deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(10));
-            match TcpStream::connect_timeout(addr, left.min(Duration::from_secs(5))) {
-                Ok(stream) => return Ok(stream),
-                Err(e) => last = Some(e),
-            }
-        }
-        if Instant::now() >= deadline {
-            return Err(CommError::StoreUnreachable {
-                addr: format!("{what} {}", addrs[0]),
-                timeout: start.elapsed(),
-                source: last.unwrap_or_else(|| io::Error::other("no attempt")),
-            });
-        }
-        std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
-        pause = (pause * 2).min(Duration::from_millis(200));
-    }
-}
-
-/// A client connection to a store: connected (retrying until a deadline), `TCP_NODELAY`,
-/// every read and write limited to an I/O timeout.
-pub(crate) struct Connection {
-    pub reader: BufReader<TcpStream>,
-    pub writer: BufWriter<TcpStream>,
-    /// The store's address, for messages.
-    pub addr: String,
-    /// The local interface that reaches the store.
-    pub local_ip: IpAddr,
-}
-
-impl Connection {
-    pub(crate) fn open(
-        addrs: &[SocketAddr],
-        deadline: Instant,
-        io_timeout: Duration,
-        what: &str,
-    ) -> Result<Self, CommError> {
-        let stream = connect_retry(addrs, deadline, what)?;
-        let addr = stream
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_else(|_| addrs[0].to_string());
-        let io = |e| CommError::io(format!("{what} connection to {addr}"), e);
-        let local_ip = stream.local_addr().map_err(io)?.ip();
-        let _ = stream.set_nodelay(true);
-        stream.set_read_timeout(Some(io_timeout)).map_err(io)?;
-        stream.set_write_timeout(Some(io_timeout)).map_err(io)?;
-        let reader = BufReader::new(stream.try_clone().map_err(io)?);
-        Ok(Connection {
-            reader,
-            writer: BufWriter::new(stream),
-            addr,
-            local_ip,
-        })
-    }
 }
 
 /// Rank 0's store server; stops (and disconnects every client) when dropped.

@@ -1,9 +1,85 @@
-//! TCP socket settings for ring links: `TCP_NODELAY` and kernel buffer sizes. The links
-//! themselves are driven by `link.rs` and `cpu.rs`.
+//! TCP sockets: connecting with retry (both store clients, `store.rs` and `c10d.rs`, and
+//! the ring's TCP links) and the settings of ring sockets (`TCP_NODELAY`, kernel buffer
+//! sizes). The links themselves are driven by `link.rs` and `cpu.rs`.
 
-use std::io;
-use std::net::TcpStream;
+use std::io::{self, BufReader, BufWriter};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use crate::error::CommError;
+
+/// Connects to the first reachable address, retrying until `deadline` (the server may not
+/// be up yet).
+pub(crate) fn connect_retry(
+    addrs: &[SocketAddr],
+    deadline: Instant,
+    what: &str,
+) -> Result<TcpStream, CommError> {
+    let start = Instant::now();
+    let mut pause = Duration::from_millis(5);
+    loop {
+        let mut last = None;
+        for addr in addrs {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(10));
+            match TcpStream::connect_timeout(addr, left.min(Duration::from_secs(5))) {
+                Ok(stream) => return Ok(stream),
+                Err(e) => last = Some(e),
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err(CommError::StoreUnreachable {
+                addr: format!("{what} {}", addrs[0]),
+                timeout: start.elapsed(),
+                source: last.unwrap_or_else(|| io::Error::other("no attempt")),
+            });
+        }
+        std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+        pause = (pause * 2).min(Duration::from_millis(200));
+    }
+}
+
+/// A client connection to a store: connected (retrying until a deadline), `TCP_NODELAY`,
+/// every read and write limited to an I/O timeout.
+pub(crate) struct Connection {
+    pub reader: BufReader<TcpStream>,
+    pub writer: BufWriter<TcpStream>,
+    /// The store's address, for messages.
+    pub addr: String,
+    /// The local interface that reaches the store.
+    pub local_ip: IpAddr,
+}
+
+impl Connection {
+    /// Connects to the first reachable of `addrs`, retrying until `deadline`; `what` names
+    /// the server in errors.
+    pub(crate) fn open(
+        addrs: &[SocketAddr],
+        deadline: Instant,
+        io_timeout: Duration,
+        what: &str,
+    ) -> Result<Self, CommError> {
+        let stream = connect_retry(addrs, deadline, what)?;
+        let addr = stream
+            .peer_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|_| addrs[0].to_string());
+        let io = |e| CommError::io(format!("{what} connection to {addr}"), e);
+        let local_ip = stream.local_addr().map_err(io)?.ip();
+        let _ = stream.set_nodelay(true);
+        stream.set_read_timeout(Some(io_timeout)).map_err(io)?;
+        stream.set_write_timeout(Some(io_timeout)).map_err(io)?;
+        let reader = BufReader::new(stream.try_clone().map_err(io)?);
+        Ok(Connection {
+            reader,
+            writer: BufWriter::new(stream),
+            addr,
+            local_ip,
+        })
+    }
+}
 
 /// Sets `TCP_NODELAY` and, when `bytes > 0`, the kernel send and receive buffer sizes.
 pub(crate) fn tune_socket(stream: &TcpStream, bytes: usize) -> io::Result<()> {

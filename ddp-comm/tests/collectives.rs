@@ -535,7 +535,7 @@ fn shared_memory_and_tcp_give_identical_bits() {
             .unwrap()
             .transport(ddp_comm::Transport::Tcp)
             .run_id("identical-bits-tcp");
-        opts.master_port = second;
+        opts.env.master_port = second;
         let tcp = ProcessGroup::new(opts).unwrap();
         assert_eq!(shm.ring_layout().to_next, Some(LinkKind::SharedMemory));
         assert_eq!(tcp.ring_layout().to_next, Some(LinkKind::Tcp));

@@ -52,7 +52,8 @@ fn refuse_inside_a_launcher(nproc: NprocPerNode) -> Result<(), TrainError> {
     };
     match ddp_comm::EnvConfig::from_env() {
         Ok(env) => match env.source {
-            EnvSource::Single => Ok(()),
+            // `Code` is never read from the environment.
+            EnvSource::Single | EnvSource::Code => Ok(()),
             EnvSource::Slurm if env.world_size == 1 => Ok(()),
             EnvSource::Torchrun => conflict(format!(
                 "this process already is rank {} of {} started by a launcher (RANK and \

@@ -1,0 +1,231 @@
+//! [`Options`]: what `ProcessGroup::new` needs. This rank's place in the job and the
+//! settings the environment can give are an [`EnvConfig`] (read by [`Options::from_env`],
+//! or given in code with [`Options::new`]); `Options` adds only what code alone chooses: the
+//! backend, the ring sockets' kernel buffers and the size of the shared-memory rings.
+
+use std::time::Duration;
+
+use crate::env::EnvConfig;
+use crate::error::CommError;
+use crate::link::Transport;
+use crate::secret::Secret;
+use crate::shm;
+
+/// Default rendezvous timeout.
+pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default timeout of one collective.
+pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default kernel send/receive buffer of ring sockets: 0, Linux's autotuning, which grows
+/// each socket's buffers up to `net.ipv4.tcp_rmem`/`tcp_wmem` (32 MiB / 4 MiB here).
+/// Setting `SO_RCVBUF` explicitly turns autotuning off and caps the buffer at
+/// `net.core.rmem_max`; on loopback that measured slower (see the README).
+pub const DEFAULT_SOCKET_BUFFER: usize = 0;
+/// Default data bytes of each shared-memory ring (one per link between ranks on one host).
+pub const DEFAULT_SHM_RING_BYTES: usize = shm::DEFAULT_CAPACITY;
+
+/// Which engine carries CUDA tensors (CPU tensors travel over shared memory or TCP, see
+/// [`Transport`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// NCCL for CUDA tensors (plus the CPU links for CPU tensors and byte-level calls).
+    Nccl,
+    /// CPU links only (shared memory and TCP): CPU tensors; CUDA tensors are refused.
+    Tcp,
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Backend::Nccl => "nccl",
+            Backend::Tcp => "tcp",
+        })
+    }
+}
+
+/// Everything `ProcessGroup::new` needs. Build with [`Options::new`] or
+/// [`Options::from_env`], then adjust with the builder methods.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// This rank's place in the job, how to reach the others, and the settings the
+    /// environment can give (`DDP_*`, see [`EnvConfig`]); the builder methods set them in
+    /// code. What is unset takes its default: the timeouts [`DEFAULT_RENDEZVOUS_TIMEOUT`]
+    /// and [`DEFAULT_OP_TIMEOUT`], the transport [`Transport::Auto`], and the secret is
+    /// derived from the run id ([`Secret::from_run_id`]), which protects against other
+    /// jobs' ranks but not against anyone who can guess the run id (see the crate's
+    /// README, "Security").
+    pub env: EnvConfig,
+    /// `None`: NCCL when a CUDA device is visible (initialised at the first CUDA
+    /// collective), else the CPU links only. `Some(Nccl)`: NCCL, initialised now.
+    pub backend: Option<Backend>,
+    /// Kernel socket buffer size for ring sockets in bytes; 0 (the default) leaves Linux's
+    /// autotuning, which grows buffers as large as the sysctl limits allow.
+    pub socket_buffer: usize,
+    /// Data bytes of each shared-memory ring this rank creates: a power of two from 4 KiB
+    /// to 1 GiB.
+    pub shm_ring_bytes: usize,
+}
+
+impl Options {
+    /// Options for rank `rank` of `world_size`, meeting at `master_addr:master_port`, one
+    /// rank per node, automatic backend, default timeouts (see [`EnvConfig::new`]).
+    pub fn new(
+        rank: usize,
+        world_size: usize,
+        master_addr: impl Into<String>,
+        master_port: u16,
+    ) -> Self {
+        Self::from_config(&EnvConfig::new(rank, world_size, master_addr, master_port))
+    }
+
+    /// Options from the environment (see [`EnvConfig`]).
+    pub fn from_env() -> Result<Self, CommError> {
+        Ok(Self::from_config(&EnvConfig::from_env()?))
+    }
+
+    /// Options from an already-read environment.
+    pub fn from_config(env: &EnvConfig) -> Self {
+        Options {
+            env: env.clone(),
+            backend: None,
+            socket_buffer: DEFAULT_SOCKET_BUFFER,
+            shm_ring_bytes: DEFAULT_SHM_RING_BYTES,
+        }
+    }
+
+    /// Chooses the backend explicitly.
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+
+    /// Sets the rendezvous timeout.
+    pub fn rendezvous_timeout(mut self, timeout: Duration) -> Self {
+        self.env.rendezvous_timeout = Some(timeout);
+        self
+    }
+
+    /// Sets how long one collective (and NCCL communicator init) may take. A timed-out
+    /// collective then spends up to three heartbeat intervals (`op_timeout / 20`, clamped
+    /// to 100 ms ..= 1 s; at least 500 ms in all) finding out which rank is hung, before it
+    /// returns [`CommError::Timeout`].
+    pub fn op_timeout(mut self, timeout: Duration) -> Self {
+        self.env.op_timeout = Some(timeout);
+        self
+    }
+
+    /// Sets the run id (and with it the fallback secret, see [`Options::env`]).
+    pub fn run_id(mut self, run_id: impl Into<String>) -> Self {
+        self.env.run_id = run_id.into();
+        self
+    }
+
+    /// Sets the secret every rank must prove (the same on every rank).
+    pub fn with_secret(mut self, secret: Secret) -> Self {
+        self.env.secret = Some(secret);
+        self
+    }
+
+    /// Chooses the transport between ranks on one host (TCP is for comparison and
+    /// debugging; `DDP_TRANSPORT=tcp` does the same from the environment).
+    pub fn transport(mut self, transport: Transport) -> Self {
+        self.env.transport = Some(transport);
+        self
+    }
+
+    /// Replaces this rank's detected host identity (host name, boot id, network
+    /// namespace): ranks with equal identities use shared memory. Like `NCCL_HOSTID`
+    /// (`DDP_HOST_ID` from the environment).
+    pub fn host_id(mut self, id: impl Into<String>) -> Self {
+        self.env.host_id = Some(id.into());
+        self
+    }
+
+    /// Sets the node-local rank and world size.
+    pub fn local(mut self, local_rank: usize, local_world_size: usize) -> Self {
+        self.env.local_rank = local_rank;
+        self.env.local_world_size = local_world_size;
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_from_the_environment_carry_every_setting() {
+        let config = EnvConfig::from_lookup(|k| {
+            let v = match k {
+                "RANK" => "1",
+                "WORLD_SIZE" => "4",
+                "LOCAL_RANK" => "1",
+                "LOCAL_WORLD_SIZE" => "2",
+                "MASTER_ADDR" => "node7",
+                "MASTER_PORT" => "29400",
+                "DDP_RUN_ID" => "r9",
+                "DDP_OP_TIMEOUT_S" => "7",
+                "DDP_TRANSPORT" => "tcp",
+                "DDP_HOST_ID" => "node7",
+                _ => return None,
+            };
+            Some(v.to_string())
+        })
+        .unwrap();
+        let o = Options::from_config(&config).backend(Backend::Tcp);
+        assert_eq!(o.env, config);
+        let e = &o.env;
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.local_world_size),
+            (1, 4, 1, 2)
+        );
+        assert_eq!(
+            (e.master_addr.as_str(), e.master_port, e.run_id.as_str()),
+            ("node7", 29400, "r9")
+        );
+        assert_eq!(e.op_timeout, Some(Duration::from_secs(7)));
+        assert_eq!(e.rendezvous_timeout, None);
+        assert_eq!(e.transport, Some(Transport::Tcp));
+        assert_eq!(e.host_id.as_deref(), Some("node7"));
+        assert_eq!(o.backend, Some(Backend::Tcp));
+        assert_eq!(o.socket_buffer, DEFAULT_SOCKET_BUFFER);
+        assert_eq!(o.shm_ring_bytes, DEFAULT_SHM_RING_BYTES);
+    }
+
+    #[test]
+    fn options_in_code_are_what_the_environment_would_give_and_builders_set_them() {
+        let o = Options::new(2, 3, "10.0.0.1", 29500);
+        let e = &o.env;
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.local_world_size),
+            (2, 3, 2, 3)
+        );
+        assert_eq!((e.master_addr.as_str(), e.master_port), ("10.0.0.1", 29500));
+        assert_eq!(e.run_id, "ddp-comm");
+        assert_eq!(
+            (e.secret.clone(), e.agent_store, e.restart_count),
+            (None, false, 0)
+        );
+        assert_eq!((e.rendezvous_timeout, e.op_timeout), (None, None));
+        assert_eq!((e.transport, e.host_id.clone()), (None, None));
+        assert_eq!(o.backend, None);
+
+        let secret = Secret::from_hex(&"5".repeat(32)).unwrap();
+        let o = o
+            .backend(Backend::Nccl)
+            .rendezvous_timeout(Duration::from_secs(3))
+            .op_timeout(Duration::from_secs(4))
+            .run_id("job")
+            .with_secret(secret.clone())
+            .transport(Transport::Tcp)
+            .host_id("h")
+            .local(0, 1);
+        let e = &o.env;
+        assert_eq!(o.backend, Some(Backend::Nccl));
+        assert_eq!(e.rendezvous_timeout, Some(Duration::from_secs(3)));
+        assert_eq!(e.op_timeout, Some(Duration::from_secs(4)));
+        assert_eq!((e.run_id.as_str(), e.secret.clone()), ("job", Some(secret)));
+        assert_eq!(e.transport, Some(Transport::Tcp));
+        assert_eq!(e.host_id.as_deref(), Some("h"));
+        assert_eq!((e.local_rank, e.local_world_size), (0, 1));
+    }
+}

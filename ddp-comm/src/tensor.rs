@@ -1,0 +1,137 @@
+//! The tensors collectives take: the [`Collective`] the group dispatches on, and what each
+//! backend needs of a tensor (its bytes on the CPU, its [`DeviceBuffer`] for NCCL), with
+//! the checks that refuse the others.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::element::{DType, ReduceOp};
+use crate::error::CommError;
+use crate::nccl::{self, DeviceBuffer};
+use crate::options::Backend;
+
+/// One collective on tensors, which `ProcessGroup::run` hands to the backend of their
+/// device, where it is written once per backend.
+pub(crate) enum Collective<'a> {
+    /// In place.
+    AllReduce(&'a mut Tensor, ReduceOp),
+    /// In place, from rank `root`.
+    Broadcast(&'a mut Tensor, usize),
+    /// Into `output`: same dtype and device, `world_size` times the input's elements.
+    AllGather {
+        input: &'a Tensor,
+        output: &'a mut Tensor,
+    },
+}
+
+impl Collective<'_> {
+    /// The device of the tensors (an all-gather's two are on one, checked by the caller).
+    pub(crate) fn device(&self) -> Device {
+        match self {
+            Collective::AllReduce(t, _) | Collective::Broadcast(t, _) => t.device(),
+            Collective::AllGather { input, .. } => input.device(),
+        }
+    }
+}
+
+/// The buffer of a CUDA tensor, checked for NCCL: the group's backend is NCCL (else `Tcp`
+/// refuses it), the tensor is defined, contiguous, of a dtype NCCL has, and on this rank's
+/// device `cuda:local_rank`.
+pub(crate) fn cuda_buffer(
+    t: &Tensor,
+    backend: Backend,
+    local_rank: usize,
+) -> Result<DeviceBuffer, CommError> {
+    let refuse = |detail: String| CommError::Tensor {
+        backend: "nccl",
+        detail,
+    };
+    if backend != Backend::Nccl {
+        return Err(CommError::Tensor {
+            backend: "tcp",
+            detail: format!(
+                "tensor on {:?}: the CPU backend (Backend::Tcp) only takes CPU tensors",
+                t.device()
+            ),
+        });
+    }
+    check_layout(t, "nccl")?;
+    let dtype = dtype_of(t.kind())
+        .ok_or_else(|| refuse(format!("dtype {:?} is not supported", t.kind())))?;
+    let nccl_dtype = nccl::nccl_dtype(dtype)
+        .ok_or_else(|| refuse(format!("dtype {:?} has no NCCL type", t.kind())))?;
+    if t.device() != Device::Cuda(local_rank) {
+        return Err(refuse(format!(
+            "tensor on {:?}, but this rank's device is cuda:{}",
+            t.device(),
+            local_rank
+        )));
+    }
+    Ok(DeviceBuffer {
+        ptr: t.data_ptr(),
+        count: t.numel(),
+        dtype: nccl_dtype,
+    })
+}
+
+/// The error for a tensor on a device no backend takes.
+pub(crate) fn unsupported_device(device: Device) -> CommError {
+    CommError::Tensor {
+        backend: "any",
+        detail: format!("device {device:?} is not supported"),
+    }
+}
+
+/// The element type of a tch kind, if collectives support it.
+pub fn dtype_of(kind: Kind) -> Option<DType> {
+    Some(match kind {
+        Kind::Uint8 => DType::U8,
+        Kind::Int8 => DType::I8,
+        Kind::Int16 => DType::I16,
+        Kind::Int => DType::I32,
+        Kind::Int64 => DType::I64,
+        Kind::Float => DType::F32,
+        Kind::Double => DType::F64,
+        Kind::Half => DType::F16,
+        Kind::BFloat16 => DType::BF16,
+        _ => return None,
+    })
+}
+
+/// Fails unless `t` is defined and contiguous (`backend` names the refusing backend).
+pub(crate) fn check_layout(t: &Tensor, backend: &'static str) -> Result<(), CommError> {
+    if !t.defined() {
+        return Err(CommError::Tensor {
+            backend,
+            detail: "undefined tensor".into(),
+        });
+    }
+    if !t.is_contiguous() {
+        return Err(CommError::Tensor {
+            backend,
+            detail: format!(
+                "tensor of shape {:?} is not contiguous (call .contiguous())",
+                t.size()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The bytes of a contiguous CPU tensor and their element type.
+pub(crate) fn cpu_bytes(t: &mut Tensor) -> Result<(&mut [u8], DType), CommError> {
+    check_layout(t, "tcp")?;
+    let dtype = dtype_of(t.kind()).ok_or_else(|| CommError::Tensor {
+        backend: "tcp",
+        detail: format!("dtype {:?} is not supported on CPU", t.kind()),
+    })?;
+    let len = t.numel() * dtype.size();
+    if len == 0 {
+        return Ok((&mut [], dtype));
+    }
+    let ptr = t.data_ptr().cast::<u8>();
+    // SAFETY: `t` is a defined, contiguous CPU tensor, so its data is `numel * element size`
+    // initialised bytes at `data_ptr`, aligned for its element type; the mutable borrow of
+    // `t` keeps this handle from being used while the slice lives (other tensors sharing
+    // the storage are the caller's responsibility, as in PyTorch).
+    Ok((unsafe { std::slice::from_raw_parts_mut(ptr, len) }, dtype))
+}
