@@ -28,8 +28,9 @@ use crate::error::CommError;
 use crate::link::{Link, LinkKind, RecvEnd, SendEnd};
 use crate::secret::Secret;
 use crate::shm::{self, Bell, Peer, PendingRing, ShmSender};
-use crate::store::connect_retry;
 use crate::tcp;
+use crate::tcp::connect_retry;
+use crate::throttle::{more, Throttle};
 
 /// Handshake magic of TCP ring links.
 const PEER_MAGIC: &[u8; 4] = b"DDPR";
@@ -306,6 +307,9 @@ fn connect_local(
 /// accept (strangers cannot pile up threads; each has [`auth::HANDSHAKE_TIMEOUT`]).
 const MAX_JUDGED: usize = 32;
 
+/// Warnings about connections turned away on the ring listeners: a burst, then counts.
+static TURNED_AWAY: Throttle = Throttle::new(Duration::from_secs(10), 20);
+
 /// Accepts connections until one proves the secret and claims `prev`'s rank (`check` runs
 /// the accepting side of the handshake, with the job's secret and the handshake's deadline,
 /// and judges it); drops and logs the others. Each connection is judged on a thread of its
@@ -337,7 +341,9 @@ where
                 use std::sync::atomic::Ordering::SeqCst;
                 if in_flight.fetch_add(1, SeqCst) >= MAX_JUDGED {
                     in_flight.fetch_sub(1, SeqCst);
-                    tracing::warn!("ddp-comm: rank {rank} closed a connection from {from}: {MAX_JUDGED} handshakes already in progress");
+                    if let Some(n) = TURNED_AWAY.admit() {
+                        tracing::warn!("ddp-comm: rank {rank} closed a connection from {from}: {MAX_JUDGED} handshakes already in progress{}", more(n));
+                    }
                     continue;
                 }
                 let (found, check, in_flight) = (found.clone(), check.clone(), in_flight.clone());
@@ -345,13 +351,17 @@ where
                 let spawned = std::thread::Builder::new()
                     .name("ddp-ring-accept".into())
                     .spawn(move || {
-                        match check(&mut stream, &secret, deadline) {
+                        let why = match check(&mut stream, &secret, deadline) {
                             Ok(Ok((r, extra))) if r as usize == prev => {
                                 let _ = found.send((stream, extra));
+                                None
                             }
-                            Ok(Ok((r, _))) => tracing::warn!("ddp-comm: rank {rank} dropped a ring connection from {from} claiming rank {r} (expected {prev})"),
-                            Ok(Err(why)) => tracing::warn!("ddp-comm: rank {rank} rejected a connection from {from}: {why}"),
-                            Err(e) => tracing::warn!("ddp-comm: rank {rank} rejected a connection from {from}: incomplete handshake ({e})"),
+                            Ok(Ok((r, _))) => Some(format!("dropped a ring connection from {from} claiming rank {r} (expected {prev})")),
+                            Ok(Err(why)) => Some(format!("rejected a connection from {from}: {why}")),
+                            Err(e) => Some(format!("rejected a connection from {from}: incomplete handshake ({e})")),
+                        };
+                        if let (Some(why), Some(n)) = (why, TURNED_AWAY.admit()) {
+                            tracing::warn!("ddp-comm: rank {rank} {why}{}", more(n));
                         }
                         in_flight.fetch_sub(1, SeqCst);
                     });

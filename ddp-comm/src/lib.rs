@@ -67,6 +67,7 @@ mod store;
 mod sync;
 mod tcp;
 mod tensor;
+mod throttle;
 mod wire;
 mod work;
 

@@ -22,9 +22,12 @@ use crate::secret::Secret;
 use crate::tcp::Connection;
 use crate::wire;
 
-// The ring's connect (`connect.rs`) still imports the retrying connect from here; it lives
-// in `tcp.rs` with the connection both store clients open.
-pub(crate) use crate::tcp::connect_retry;
+use crate::throttle::{more, Throttle};
+
+/// Warnings about refused and dropped connections: a burst, then counts (a flood of
+/// strangers must not become a flood of log lines).
+static REFUSED: Throttle = Throttle::new(Duration::from_secs(10), 20);
+static DROPPED: Throttle = Throttle::new(Duration::from_secs(10), 20);
 
 const STORE_MAGIC: &[u8; 4] = b"DDPS";
 const OP_SET: u8 = 1;
@@ -180,20 +183,21 @@ fn accept_loop(
         };
         if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
             pending.fetch_sub(1, Ordering::SeqCst);
-            let peer = stream
-                .peer_addr()
-                .map(|a| a.to_string())
-                .unwrap_or_default();
-            tracing::warn!(
-                "ddp-comm: store refused a connection from {peer}: {MAX_PENDING_HANDSHAKES} \
-                 handshakes already in progress"
-            );
+            if let Some(dropped) = REFUSED.admit() {
+                let peer = stream
+                    .peer_addr()
+                    .map(|a| a.to_string())
+                    .unwrap_or_default();
+                tracing::warn!(
+                    "ddp-comm: store refused a connection from {peer}: {MAX_PENDING_HANDSHAKES} \
+                     handshakes already in progress{}",
+                    more(dropped)
+                );
+            }
             continue;
         }
         let guard = Pending(pending.clone());
-        let Ok(closer) = stream.try_clone() else {
-            continue;
-        };
+        // Two descriptors per connection in its handshake: its own and the server's list's.
         if let (Ok(clone), Ok(mut map)) = (stream.try_clone(), clients.lock()) {
             map.insert(id, clone);
         }
@@ -206,12 +210,19 @@ fn accept_loop(
                     .map(|a| a.to_string())
                     .unwrap_or_default();
                 if let Err(why) = serve(stream, &secret, &table, guard) {
-                    tracing::warn!("ddp-comm: store dropped connection from {peer}: {why}");
+                    if let Some(dropped) = DROPPED.admit() {
+                        tracing::warn!(
+                            "ddp-comm: store dropped connection from {peer}: {why}{}",
+                            more(dropped)
+                        );
+                    }
                 }
-                // Other handles (the server's list) must not keep the connection open.
-                let _ = closer.shutdown(Shutdown::Both);
+                // `serve` has closed its handles; the server's list must not keep the
+                // connection open.
                 if let Ok(mut map) = clients_of_thread.lock() {
-                    map.remove(&id);
+                    if let Some(clone) = map.remove(&id) {
+                        let _ = clone.shutdown(Shutdown::Both);
+                    }
                 }
             });
         if spawned.is_err() {

@@ -1,0 +1,108 @@
+//! A flood of strangers on rank 0's store while the job trains: 2,000 connections that each
+//! send a byte now and then (a "slow drip", which defeats timeouts per read) and are opened
+//! again whenever rank 0 closes them. Rank 0 must stay below 200 descriptors (handshakes
+//! are capped and each has one deadline) and the job must finish.
+
+mod common;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::{rank_world, show, spawn_rank, wait_all, worker};
+use ddp_comm::{ProcessGroup, ReduceOp};
+
+const STRANGERS: usize = 2000;
+/// How long the ranks train under the flood.
+const TRAINING: Duration = Duration::from_secs(25);
+
+/// Descriptors open in process `pid`.
+fn descriptors(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+#[test]
+fn a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job() {
+    let ready =
+        |rank: usize| PathBuf::from(std::env::var("FLOOD_READY").unwrap()).join(rank.to_string());
+    if worker() {
+        let (rank, _) = rank_world();
+        let group = ProcessGroup::from_env().unwrap();
+        std::fs::write(ready(rank), b"").unwrap();
+        let start = Instant::now();
+        let mut rounds = 0u64;
+        while start.elapsed() < TRAINING {
+            let mut v = vec![rank as f64 + 1.0; 1024];
+            group.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap();
+            assert_eq!(v[1023], 3.0);
+            rounds += 1;
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Both ranks stop together: the number of rounds may differ, the last one may not.
+        let mut done = [rounds as f64];
+        group.all_reduce_slice(&mut done, ReduceOp::Max).unwrap();
+        group.barrier().unwrap();
+        println!("rank {rank}: done after {rounds} rounds");
+        return;
+    }
+    let test = "a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job";
+    let dir = ddp_testkit::temp_dir("ddp-comm-flood");
+    let port = common::free_port();
+    let env = [("FLOOD_READY", dir.path().display().to_string())];
+    let rank0 = spawn_rank(test, 0, 2, port, &env);
+    let rank1 = spawn_rank(test, 1, 2, port, &env);
+    let pid0 = rank0.id();
+    // Their output is read all along: a rank blocked on a full pipe would prove nothing.
+    let ranks = std::thread::spawn(move || wait_all(vec![rank0, rank1], Duration::from_secs(180)));
+    let flood_ready = dir.path().to_path_buf();
+    ddp_testkit::wait_for("both ranks joined", Duration::from_secs(60), || {
+        (0..2).all(|r| flood_ready.join(r.to_string()).exists())
+    });
+    let baseline = descriptors(pid0);
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let flood = std::thread::spawn(move || {
+        let mut strangers: Vec<Option<TcpStream>> = (0..STRANGERS).map(|_| None).collect();
+        let (mut opened, mut most) = (0usize, 0usize);
+        let start = Instant::now();
+        let until = TRAINING - Duration::from_secs(3);
+        while start.elapsed() < until {
+            for s in &mut strangers {
+                if start.elapsed() >= until {
+                    break;
+                }
+                if s.is_none() {
+                    *s = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok();
+                    opened += usize::from(s.is_some());
+                }
+                // One byte of a hello that never completes.
+                if let Some(stream) = s {
+                    if stream.write_all(b"D").is_err() {
+                        *s = None;
+                    }
+                }
+            }
+            most = most.max(descriptors(pid0));
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        (opened, most)
+    });
+    // Rank 0's descriptors, sampled while the flood lasts.
+    let mut most = baseline;
+    while !flood.is_finished() {
+        most = most.max(descriptors(pid0));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (opened, flood_most) = flood.join().unwrap();
+    let outs = ranks.join().unwrap();
+    for (rank, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "rank {rank}:\n{}", show(out));
+    }
+    let most = most.max(flood_most);
+    assert!(opened >= STRANGERS, "only {opened} connections were opened");
+    assert!(
+        most < 200,
+        "rank 0 held {most} descriptors under the flood (from {baseline})"
+    );
+    eprintln!("flood: {opened} connections opened; rank 0 held at most {most} descriptors (from {baseline})");
+}
