@@ -366,7 +366,8 @@ fn finish_sample(
 ///
 /// ```
 /// use ddp_data::sample::{Dataset, SampleLayout, SampleOut};
-/// use ddp_data::{rng::SampleRng, DataError, HostLoader, LoaderConfig};
+/// use ddp_data::{DataError, HostLoader, LoaderConfig};
+/// use ddp_data::rng::SampleRng;
 ///
 /// /// Sample i is the vector [i, i, i] with target i * 10.
 /// struct Ramp;

@@ -362,7 +362,8 @@ pub trait Dataset: Send + Sync + 'static {
 ///
 /// ```
 /// use ddp_data::sample::{Dataset, SampleLayout, SampleOut, Subset};
-/// use ddp_data::{rng::SampleRng, DataError};
+/// use ddp_data::DataError;
+/// use ddp_data::rng::SampleRng;
 ///
 /// /// Sample i is the single value i.
 /// struct Count(usize);

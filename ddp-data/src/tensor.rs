@@ -208,7 +208,9 @@ struct DeviceAffine {
 /// # #[cfg(feature = "odir")]
 /// # fn main() -> Result<(), ddp_data::DataError> {
 /// use std::sync::Arc;
-/// use ddp_data::{Loader, LoaderConfig, OdirDataset, OdirImages, OdirOptions, Transform};
+/// use ddp_data::{Loader, LoaderConfig};
+/// use ddp_data::odir::{OdirDataset, OdirImages, OdirOptions};
+/// use ddp_data::odir::transform::Transform;
 /// let set = Arc::new(OdirDataset::open("data/odir".as_ref(), &OdirOptions::default())?);
 /// let indices: Vec<usize> = (0..set.len()).collect();
 /// let images = OdirImages::new(set, Transform::train(224));

@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use crate::annotations::{read_csv, read_xlsx, LabelMode, LabelSource};
-use crate::decode::Decoder;
+use super::annotations::{read_csv, read_xlsx, LabelMode, LabelSource};
+use super::decode::Decoder;
 use crate::error::DataError;
 
 /// The redistribution's annotation file name.
@@ -62,7 +62,7 @@ pub struct SkippedImage {
 /// An ODIR-5K folder (real or synthetic), opened and checked.
 ///
 /// ```no_run
-/// use ddp_data::{OdirDataset, OdirOptions};
+/// use ddp_data::odir::{OdirDataset, OdirOptions};
 /// let ds = OdirDataset::open("data/odir".as_ref(), &OdirOptions::default())?;
 /// println!("{} images of {} patients", ds.len(), ds.patient_count());
 /// # Ok::<(), ddp_data::DataError>(())
