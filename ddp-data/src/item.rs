@@ -29,9 +29,10 @@
 //! # Ok::<(), DataError>(())
 //! ```
 
+use crate::dataset::Dataset;
 use crate::error::DataError;
 use crate::rng::SampleRng;
-use crate::sample::{Dataset, Input, SampleLayout, SampleOut, Targets};
+use crate::sample::{Input, SampleLayout, SampleOut, Targets};
 
 /// Owned values of one kind: a sample's input or targets.
 #[derive(Debug, Clone, PartialEq)]

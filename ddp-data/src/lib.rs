@@ -55,6 +55,7 @@
 pub mod crop;
 #[cfg(feature = "tch")]
 mod cuda;
+pub mod dataset;
 mod error;
 pub mod item;
 pub mod loader;
@@ -67,12 +68,13 @@ pub mod sample;
 pub mod tensor;
 pub mod tensor_dataset;
 
+pub use dataset::{Dataset, Subset};
 pub use error::DataError;
 pub use item::{Item, MapDataset, Values, ValuesRef};
 pub use loader::{
     default_workers, BatchIndices, HostBatch, HostLoader, InputRef, LoaderConfig, TargetsRef,
 };
-pub use sample::{Dataset, PadTo, Padding, SampleLayout, Storage, Subset, ValueKind};
+pub use sample::{PadTo, Padding, SampleLayout, Storage, ValueKind};
 #[cfg(feature = "tch")]
 pub use tensor::{Batch, Loader};
 pub use tensor_dataset::{Array, TensorDataset};

@@ -26,10 +26,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
+use crate::dataset::Dataset;
 use crate::error::DataError;
 use crate::memory::{BatchMemory, HeapAllocator, SlotAllocator, SlotRequest};
 use crate::rng::SampleRng;
-use crate::sample::{Dataset, Input, PadTo, SampleLayout, SampleOut, Storage, Targets, ValueKind};
+use crate::sample::{Input, PadTo, SampleLayout, SampleOut, Storage, Targets, ValueKind};
 
 /// How a loader batches and parallelises one epoch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -365,7 +366,8 @@ fn finish_sample(
 /// After an error the iterator ends: the error is the last item.
 ///
 /// ```
-/// use ddp_data::sample::{Dataset, SampleLayout, SampleOut};
+/// use ddp_data::Dataset;
+/// use ddp_data::sample::{SampleLayout, SampleOut};
 /// use ddp_data::{DataError, HostLoader, LoaderConfig};
 /// use ddp_data::rng::SampleRng;
 ///

@@ -28,10 +28,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tch::{Device, Kind, Tensor};
 
 use crate::cuda::{CopyEvents, PinnedAllocator};
+use crate::dataset::Dataset;
 use crate::error::DataError;
 use crate::loader::{BatchIndices, HostBatch, HostLoader, LoaderConfig};
 use crate::memory::{BatchMemory, SlotAllocator, SlotRequest};
-use crate::sample::{Dataset, Storage, ValueKind};
+use crate::sample::{Storage, ValueKind};
 
 /// One batch as tensors on the loader's device.
 #[derive(Debug)]

@@ -28,10 +28,11 @@
 
 use std::sync::Arc;
 
+use crate::dataset::Dataset;
 use crate::error::DataError;
 use crate::item::{write_input, write_targets, Values, ValuesRef};
 use crate::rng::SampleRng;
-use crate::sample::{Affine, Dataset, Padding, SampleLayout, SampleOut, ValueKind};
+use crate::sample::{Affine, Padding, SampleLayout, SampleOut, ValueKind};
 
 /// Values with a shape: `shape[0]` samples of `shape[1..]` values each, row-major.
 #[derive(Debug, Clone, PartialEq)]
