@@ -57,11 +57,13 @@ pub mod crop;
 mod cuda;
 pub mod dataset;
 mod error;
+pub mod host_batch;
 pub mod item;
 pub mod loader;
 pub mod memory;
 #[cfg(feature = "odir")]
 pub mod odir;
+mod ring;
 pub mod rng;
 pub mod sample;
 #[cfg(feature = "tch")]
@@ -70,10 +72,10 @@ pub mod tensor_dataset;
 
 pub use dataset::{Dataset, Subset};
 pub use error::DataError;
+pub use host_batch::{BatchIndices, HostBatch, InputRef, TargetsRef};
 pub use item::{Item, MapDataset, Values, ValuesRef};
-pub use loader::{
-    default_workers, BatchIndices, HostBatch, HostLoader, InputRef, LoaderConfig, TargetsRef,
-};
+pub use loader::{default_workers, HostLoader, LoaderConfig};
+pub use ring::ReuseHook;
 pub use sample::{PadTo, Padding, SampleLayout, Storage, ValueKind};
 #[cfg(feature = "tch")]
 pub use tensor::{Batch, Loader};

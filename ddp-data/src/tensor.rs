@@ -30,7 +30,8 @@ use tch::{Device, Kind, Tensor};
 use crate::cuda::{CopyEvents, PinnedAllocator};
 use crate::dataset::Dataset;
 use crate::error::DataError;
-use crate::loader::{BatchIndices, HostBatch, HostLoader, LoaderConfig};
+use crate::host_batch::{BatchIndices, HostBatch};
+use crate::loader::{HostLoader, LoaderConfig};
 use crate::memory::{BatchMemory, SlotAllocator, SlotRequest};
 use crate::sample::{Storage, ValueKind};
 
