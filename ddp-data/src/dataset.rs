@@ -59,7 +59,7 @@ pub trait Dataset: Send + Sync + 'static {
 ///
 /// ```
 /// use ddp_data::{Dataset, Subset};
-/// use ddp_data::sample::{SampleLayout, SampleOut};
+/// use ddp_data::{SampleLayout, SampleOut};
 /// use ddp_data::DataError;
 /// use ddp_data::rng::SampleRng;
 ///

@@ -55,20 +55,20 @@
 pub mod crop;
 #[cfg(feature = "tch")]
 mod cuda;
-pub mod dataset;
+mod dataset;
 mod error;
-pub mod host_batch;
-pub mod item;
-pub mod loader;
+mod host_batch;
+mod item;
+mod loader;
 pub mod memory;
 #[cfg(feature = "odir")]
 pub mod odir;
 mod ring;
 pub mod rng;
-pub mod sample;
+mod sample;
 #[cfg(feature = "tch")]
-pub mod tensor;
-pub mod tensor_dataset;
+mod tensor;
+mod tensor_dataset;
 
 pub use dataset::{Dataset, Subset};
 pub use error::DataError;
@@ -76,7 +76,9 @@ pub use host_batch::{BatchIndices, HostBatch, InputRef, TargetsRef};
 pub use item::{Item, MapDataset, Values, ValuesRef};
 pub use loader::{default_workers, HostLoader, LoaderConfig};
 pub use ring::ReuseHook;
-pub use sample::{PadTo, Padding, SampleLayout, Storage, ValueKind};
+pub use sample::{
+    Affine, Input, PadTo, Padding, SampleLayout, SampleOut, Storage, Targets, ValueKind,
+};
 #[cfg(feature = "tch")]
 pub use tensor::{Batch, Loader};
 pub use tensor_dataset::{Array, TensorDataset};

@@ -1,23 +1,4 @@
-//! The parallel batch loader without tch: worker threads write samples straight into their
-//! place in a ring of reusable batch buffers; the consumer takes finished batches in index
-//! order, as leases on their slot.
-//!
-//! **Window.** Workers claim sample positions in order from a window that reaches at most
-//! `prefetch` batches past the last batch handed out, so work in progress stays bounded.
-//!
-//! **Ring.** The first sample claimed for a batch takes a free slot for the whole batch (or
-//! allocates one when none is free); each worker writes its samples into that slot, at the
-//! sample's offset, so a finished batch is already laid out as `[B, ...]` and nothing is
-//! copied to assemble it. The consumer gets a [`HostBatch`], a lease on the slot; dropping it
-//! returns the slot to the ring. A consumer that drops each batch before asking for the one
-//! after next keeps the ring at `prefetch + 2` slots and the loader allocates nothing after
-//! its first batches; one that keeps batches (say, collects an epoch) makes the ring grow
-//! instead of stalling.
-//!
-//! **Determinism.** Sample `i`'s random draws come from `(seed, epoch, i)` alone, so the values
-//! do not depend on the number of workers or on their timing. Batches, and errors, come in
-//! index order: a later batch's error waits until that batch is due. Dropping the loader
-//! stops the workers after the sample each one is writing.
+//! The parallel batch loader without tch: [`HostLoader`] and its [`LoaderConfig`].
 
 use std::collections::HashMap;
 use std::fmt;
@@ -316,7 +297,7 @@ fn finish_sample(
 ///
 /// ```
 /// use ddp_data::Dataset;
-/// use ddp_data::sample::{SampleLayout, SampleOut};
+/// use ddp_data::{SampleLayout, SampleOut};
 /// use ddp_data::{DataError, HostLoader, LoaderConfig};
 /// use ddp_data::rng::SampleRng;
 ///
@@ -347,6 +328,26 @@ fn finish_sample(
 /// assert!(loader.next().is_none());
 /// # Ok::<(), DataError>(())
 /// ```
+///
+/// Worker threads write samples straight into their place in a ring of reusable batch
+/// buffers; the consumer takes finished batches in index order, as leases on their slot.
+///
+/// **Window.** Workers claim sample positions in order from a window that reaches at most
+/// `prefetch` batches past the last batch handed out, so work in progress stays bounded.
+///
+/// **Ring.** The first sample claimed for a batch takes a free slot for the whole batch (or
+/// allocates one when none is free); each worker writes its samples into that slot, at the
+/// sample's offset, so a finished batch is already laid out as `[B, ...]` and nothing is
+/// copied to assemble it. The consumer gets a [`HostBatch`], a lease on the slot; dropping it
+/// returns the slot to the ring. A consumer that drops each batch before asking for the one
+/// after next keeps the ring at `prefetch + 2` slots and the loader allocates nothing after
+/// its first batches; one that keeps batches (say, collects an epoch) makes the ring grow
+/// instead of stalling.
+///
+/// **Determinism.** Sample `i`'s random draws come from `(seed, epoch, i)` alone, so the values
+/// do not depend on the number of workers or on their timing. Batches, and errors, come in
+/// index order: a later batch's error waits until that batch is due. Dropping the loader
+/// stops the workers after the sample each one is writing.
 pub struct HostLoader<D: Dataset> {
     shared: Arc<Shared<D>>,
     workers: Vec<JoinHandle<()>>,

@@ -43,7 +43,8 @@ pub(crate) struct State {
     pub(crate) live_workers: usize,
 }
 
-/// The part of a loader a [`HostBatch`](crate::host_batch::HostBatch) keeps alive: slot memory and its bookkeeping.
+/// The part of a loader a [`HostBatch`](crate::host_batch::HostBatch) keeps alive: slot memory
+/// and its bookkeeping.
 pub(crate) struct Ring {
     pub(crate) state: Mutex<State>,
     /// Workers wait here for the window to open.
