@@ -39,8 +39,6 @@
 pub mod amp;
 #[cfg(feature = "cli")]
 pub mod cli;
-#[cfg(feature = "odir")]
-pub mod config;
 pub mod ddp;
 pub mod error;
 pub mod logging;
@@ -61,8 +59,6 @@ pub mod task;
 pub mod trainer;
 
 pub use amp::{GradScaler, Precision};
-#[cfg(feature = "odir")]
-pub use config::TrainConfig;
 pub use ddp::{
     BuiltinHook, CommHook, DdpError, DdpOptions, DistributedDataParallel, GradBucket, HookWork,
 };

@@ -1,5 +1,5 @@
-//! The ODIR-5K application of the generic Trainer (feature `odir`): the ConvNet, 8-label
-//! BCE-with-logits, and exact per-class, macro and micro F1.
+//! [`OdirTask`]: the ConvNet on ODIR-5K, 8-label BCE-with-logits, and exact per-class, macro
+//! and micro F1.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -11,7 +11,7 @@ use ddp_model::{ConvNet, ConvNetConfig, ODIR_CLASSES};
 use serde_json::Value;
 use tch::{nn, Reduction, Tensor};
 
-use crate::config::{Labels, TrainConfig};
+use super::cli::{Labels, TrainConfig};
 use crate::error::{Context, TrainError};
 use crate::metrics::MultiLabelStats;
 use crate::task::Task;
