@@ -19,10 +19,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ddp_data::memory::HeapAllocator;
-use ddp_data::synthetic::{generate, SyntheticConfig};
-use ddp_data::{
-    HostLoader, Loader, LoaderConfig, OdirDataset, OdirImages, OdirOptions, Storage, Transform,
-};
+use ddp_data::odir::synthetic::{generate, SyntheticConfig};
+use ddp_data::odir::transform::Transform;
+use ddp_data::odir::{OdirDataset, OdirImages, OdirOptions};
+use ddp_data::{HostLoader, Loader, LoaderConfig, Storage};
 use tch::{Device, Tensor};
 
 const BATCH: usize = 64;

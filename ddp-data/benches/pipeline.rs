@@ -13,8 +13,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use criterion::{criterion_group, Criterion, Throughput};
+use ddp_data::odir::transform::{Pipeline, Transform};
 use ddp_data::rng::SampleRng;
-use ddp_data::{Pipeline, Transform};
 
 mod common;
 

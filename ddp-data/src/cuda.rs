@@ -12,8 +12,8 @@ use std::ffi::{c_int, c_void, CStr};
 use nccl_sys::{cudaError_t, cudaEvent_t, Cudart};
 
 use crate::error::DataError;
-use crate::loader::ReuseHook;
 use crate::memory::{BatchMemory, HeapMemory, SlotAllocator, SlotRequest};
+use crate::ring::ReuseHook;
 
 fn runtime(call: &'static str) -> Result<&'static Cudart, DataError> {
     Cudart::load().map_err(|e| DataError::Cuda {

@@ -1,37 +1,9 @@
-//! The simple way to write a data set: return each sample as owned values
-//! ([`MapDataset::get`], PyTorch's map-style `__getitem__`), and the loader copies them into
-//! their place in the batch.
-//!
-//! Every [`MapDataset`] is a [`Dataset`]: the copy is checked against the layout (kind,
-//! number of values, length for padded layouts), so a sample that does not fit is an error
-//! naming it, never a silently truncated batch. Image data sets that decode straight into
-//! the batch keep implementing [`Dataset::write`] themselves.
-//!
-//! ```
-//! use ddp_data::{DataError, HostLoader, Item, LoaderConfig, MapDataset, SampleLayout, ValueKind};
-//! use ddp_data::rng::SampleRng;
-//!
-//! /// Sample i: the point (i, 2i) and the class i % 3.
-//! struct Points;
-//! impl MapDataset for Points {
-//!     fn len(&self) -> usize { 10 }
-//!     fn layout(&self) -> SampleLayout {
-//!         SampleLayout::new([2], []).target_kind(ValueKind::I64)
-//!     }
-//!     fn get(&self, i: usize, _: &mut SampleRng) -> Result<Item, DataError> {
-//!         Ok(Item::new(vec![i as f32, 2.0 * i as f32], (i % 3) as i64))
-//!     }
-//! }
-//!
-//! let batch = HostLoader::new(Points, vec![4, 5], &LoaderConfig::new(2))?.next().unwrap()?;
-//! assert_eq!(batch.input_f32(), Some(&[4.0, 8.0, 5.0, 10.0][..]));
-//! assert_eq!(batch.targets_i64(), Some(&[1, 2][..]));
-//! # Ok::<(), DataError>(())
-//! ```
+//! [`MapDataset`]: a data set that returns each sample as owned values, and its [`Item`].
 
+use crate::dataset::Dataset;
 use crate::error::DataError;
 use crate::rng::SampleRng;
-use crate::sample::{Dataset, Input, SampleLayout, SampleOut, Targets};
+use crate::sample::{Input, SampleLayout, SampleOut, Targets};
 
 /// Owned values of one kind: a sample's input or targets.
 #[derive(Debug, Clone, PartialEq)]
@@ -186,6 +158,37 @@ impl Item {
 ///
 /// `get` is called from several threads at once and must be a pure function of `index` and
 /// the draws from `rng`, as [`Dataset::write`].
+///
+/// The simple way to write a data set: return each sample as owned values
+/// ([`MapDataset::get`], PyTorch's map-style `__getitem__`), and the loader copies them into
+/// their place in the batch.
+///
+/// Every [`MapDataset`] is a [`Dataset`]: the copy is checked against the layout (kind,
+/// number of values, length for padded layouts), so a sample that does not fit is an error
+/// naming it, never a silently truncated batch. Image data sets that decode straight into
+/// the batch keep implementing [`Dataset::write`] themselves.
+///
+/// ```
+/// use ddp_data::{DataError, HostLoader, Item, LoaderConfig, MapDataset, SampleLayout, ValueKind};
+/// use ddp_data::rng::SampleRng;
+///
+/// /// Sample i: the point (i, 2i) and the class i % 3.
+/// struct Points;
+/// impl MapDataset for Points {
+///     fn len(&self) -> usize { 10 }
+///     fn layout(&self) -> SampleLayout {
+///         SampleLayout::new([2], []).target_kind(ValueKind::I64)
+///     }
+///     fn get(&self, i: usize, _: &mut SampleRng) -> Result<Item, DataError> {
+///         Ok(Item::new(vec![i as f32, 2.0 * i as f32], (i % 3) as i64))
+///     }
+/// }
+///
+/// let batch = HostLoader::new(Points, vec![4, 5], &LoaderConfig::new(2))?.next().unwrap()?;
+/// assert_eq!(batch.input_f32(), Some(&[4.0, 8.0, 5.0, 10.0][..]));
+/// assert_eq!(batch.targets_i64(), Some(&[1, 2][..]));
+/// # Ok::<(), DataError>(())
+/// ```
 pub trait MapDataset: Send + Sync + 'static {
     /// Number of samples.
     fn len(&self) -> usize;

@@ -1,37 +1,36 @@
-//! ODIR-5K data for the data-parallel trainer: annotations, decoding, torchvision-exact
-//! augmentation, a parallel batch loader, and a synthetic sample to train on without the real
-//! data.
+//! A parallel batch loader for data-parallel training, and the ODIR-5K fundus data set it was
+//! built for.
 //!
-//! The central types:
+//! The generic loader, for any data set:
 //!
-//! - [`OdirDataset`] opens a folder in either ODIR layout (`full_df.csv` or the challenge
-//!   workbook), checks every image exists, and lists samples (path, patient, 8 labels).
-//! - [`Transform`] is `RandomResizedCrop` (+ flip) or `Resize` + `CenterCrop`, then `ToTensor`
-//!   and optional `Normalize`, with crop boxes drawn exactly as torchvision draws them.
+//! - [`Dataset`] is what the loader reads: a length, the layout of one sample, and a way to
+//!   write sample `i` straight into its place in a batch. [`MapDataset`] (owned samples, as
+//!   PyTorch's `__getitem__`) and [`TensorDataset`] (samples in memory) are simpler ways in.
 //! - [`HostLoader`] (always) and [`Loader`] (feature `tch`) load one rank's indices of any
 //!   [`Dataset`] in batches on worker threads, each writing its samples straight into a ring
 //!   of reusable batch buffers; the random draws of sample `i` in epoch `e` come from
 //!   `(seed, e, i)` only, so batches are identical whatever the number of workers. The tch
 //!   loader hands CPU batches out as views of their buffer and sends CUDA batches as bytes
 //!   from page-locked buffers, copied asynchronously and converted on the device.
-//!   [`OdirImages`] is ODIR as a `Dataset`.
 //!
-//! [`synthetic::generate`] writes a learnable ODIR-like folder, and [`split_by_patient`]
-//! makes a leak-free train/validation split.
+//! The ODIR-5K application, in [`odir`] (feature `odir`): `OdirDataset` opens a folder in
+//! either ODIR layout and checks every image, `Transform` is torchvision's
+//! `RandomResizedCrop` or `Resize` + `CenterCrop` drawn exactly as torchvision draws them,
+//! `OdirImages` is ODIR as a [`Dataset`], `split_by_patient` makes a leak-free split, and
+//! `synthetic::generate` writes a learnable ODIR-like folder.
 //!
-//! Features: `odir` (default) is everything ODIR-specific above (annotations, decoding,
-//! transforms, the split, the synthetic sample) and the image and spreadsheet crates it needs;
-//! `tch` (default) adds [`Loader`] and [`Batch`]. With neither, the crate is the generic
+//! Features: `odir` (default) is the [`odir`] module and the image and spreadsheet crates it
+//! needs; `tch` (default) adds [`Loader`] and [`Batch`]. With neither, the crate is the generic
 //! loader ([`Dataset`], [`HostLoader`], [`memory`], [`rng`]) for any data set.
 //!
 //! ```
 //! # #[cfg(feature = "odir")]
 //! # fn main() -> Result<(), ddp_data::DataError> {
 //! use std::sync::Arc;
-//! use ddp_data::synthetic::{generate, SyntheticConfig};
-//! use ddp_data::{
-//!     split_by_patient, HostLoader, LoaderConfig, OdirDataset, OdirImages, OdirOptions, Transform,
-//! };
+//! use ddp_data::odir::synthetic::{generate, SyntheticConfig};
+//! use ddp_data::odir::transform::Transform;
+//! use ddp_data::odir::{split_by_patient, OdirDataset, OdirImages, OdirOptions};
+//! use ddp_data::{HostLoader, LoaderConfig};
 //!
 //! let dir = std::env::temp_dir().join(format!("ddp-data-doctest-{}", std::process::id()));
 //! generate(&dir, &SyntheticConfig { images: 12, size: 64, ..SyntheticConfig::default() })?;
@@ -53,51 +52,33 @@
 //! ```
 #![warn(missing_docs)]
 
-#[cfg(feature = "odir")]
-pub mod annotations;
 pub mod crop;
 #[cfg(feature = "tch")]
 mod cuda;
-#[cfg(feature = "odir")]
-pub mod dataset;
-#[cfg(feature = "odir")]
-pub mod decode;
+mod dataset;
 mod error;
-#[cfg(feature = "odir")]
-pub mod images;
-pub mod item;
-pub mod loader;
+mod host_batch;
+mod item;
+mod loader;
 pub mod memory;
+#[cfg(feature = "odir")]
+pub mod odir;
+mod ring;
 pub mod rng;
-pub mod sample;
-#[cfg(feature = "odir")]
-mod scaled_jpeg;
-#[cfg(feature = "odir")]
-pub mod split;
-#[cfg(feature = "odir")]
-pub mod synthetic;
+mod sample;
 #[cfg(feature = "tch")]
-pub mod tensor;
-pub mod tensor_dataset;
-#[cfg(feature = "odir")]
-pub mod transform;
+mod tensor;
+mod tensor_dataset;
 
-#[cfg(feature = "odir")]
-pub use annotations::{LabelMode, LabelSource, LABELS, LABEL_NAMES};
-#[cfg(feature = "odir")]
-pub use dataset::{Layout, OdirDataset, OdirOptions, Sample, SkippedImage};
+pub use dataset::{Dataset, Subset};
 pub use error::DataError;
-#[cfg(feature = "odir")]
-pub use images::OdirImages;
+pub use host_batch::{BatchIndices, HostBatch, InputRef, TargetsRef};
 pub use item::{Item, MapDataset, Values, ValuesRef};
-pub use loader::{
-    default_workers, BatchIndices, HostBatch, HostLoader, InputRef, LoaderConfig, TargetsRef,
+pub use loader::{default_workers, HostLoader, LoaderConfig};
+pub use ring::ReuseHook;
+pub use sample::{
+    Affine, Input, PadTo, Padding, SampleLayout, SampleOut, Storage, Targets, ValueKind,
 };
-pub use sample::{Dataset, PadTo, Padding, SampleLayout, Storage, Subset, ValueKind};
-#[cfg(feature = "odir")]
-pub use split::{all_indices, split_by_patient, Split};
 #[cfg(feature = "tch")]
 pub use tensor::{Batch, Loader};
 pub use tensor_dataset::{Array, TensorDataset};
-#[cfg(feature = "odir")]
-pub use transform::{Pipeline, Transform};

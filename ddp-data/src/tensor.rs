@@ -1,37 +1,16 @@
-//! The tch edge: [`Loader`] hands out each batch as tensors on the training device without
-//! copying or allocating anything on the host for it.
-//!
-//! **CPU.** The ring's slots are CPU tensors; workers write final `f32` values into them, and
-//! a [`Batch`]'s inputs and targets are views of its slot. The batch holds the slot until it
-//! is dropped: keep a batch's tensors no longer than the batch (a training step), or take a
-//! `.copy()` of them, because the slot is refilled with a later batch afterwards.
-//!
-//! **CUDA.** The slots are page-locked once, when first allocated, and hold bytes (a quarter
-//! of the `f32` size) when the data set can write bytes. Taking a batch issues its
-//! host-to-device copies with `non_blocking`, records an event behind them and returns the
-//! slot to the ring at once; the worker that next takes the slot waits for that event before
-//! writing. Conversion to `f32` (`byte * scale + bias`, per channel, as the data set's
-//! [`Affine`](crate::sample::Affine) says) is queued on the device behind the copy. Nothing
-//! waits for the GPU on the training thread.
-//!
-//! **Ordering relied on.** tch has no stream API: libtorch queues every copy and kernel of a
-//! device on that device's current stream, which is the legacy default stream (`cudaStream_t`
-//! null) for a program that never selects another (no tch program can). The copies, the
-//! conversion and the training step that reads the batch are therefore executed in the
-//! order they were issued, and the event recorded on the null stream right after the copies
-//! completes exactly when they have. Taking the next batch before running the current step
-//! (as the `ddp-train` trainer does) puts its copy in the queue ahead of the step, so the GPU
-//! never waits for the host to start it.
+//! The tch edge: [`Loader`] and its [`Batch`]es of tensors on the training device.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Device, Kind, Tensor};
 
 use crate::cuda::{CopyEvents, PinnedAllocator};
+use crate::dataset::Dataset;
 use crate::error::DataError;
-use crate::loader::{BatchIndices, HostBatch, HostLoader, LoaderConfig};
+use crate::host_batch::{BatchIndices, HostBatch};
+use crate::loader::{HostLoader, LoaderConfig};
 use crate::memory::{BatchMemory, SlotAllocator, SlotRequest};
-use crate::sample::{Dataset, Storage, ValueKind};
+use crate::sample::{Storage, ValueKind};
 
 /// One batch as tensors on the loader's device.
 #[derive(Debug)]
@@ -48,7 +27,7 @@ pub struct Batch {
 impl Batch {
     /// `[B, ...shape]` inputs of the layout's kind (for images: `f32` `[B, 3, H, W]` in
     /// [0, 1], or normalised). For a padded layout the first sample axis is the batch's
-    /// padded length ([`PadTo`](crate::sample::PadTo)), padding positions hold the padding
+    /// padded length ([`PadTo`](crate::PadTo)), padding positions hold the padding
     /// value, and the tensor may be a non-contiguous view.
     pub fn inputs(&self) -> &Tensor {
         &self.inputs
@@ -208,7 +187,9 @@ struct DeviceAffine {
 /// # #[cfg(feature = "odir")]
 /// # fn main() -> Result<(), ddp_data::DataError> {
 /// use std::sync::Arc;
-/// use ddp_data::{Loader, LoaderConfig, OdirDataset, OdirImages, OdirOptions, Transform};
+/// use ddp_data::{Loader, LoaderConfig};
+/// use ddp_data::odir::{OdirDataset, OdirImages, OdirOptions};
+/// use ddp_data::odir::transform::Transform;
 /// let set = Arc::new(OdirDataset::open("data/odir".as_ref(), &OdirOptions::default())?);
 /// let indices: Vec<usize> = (0..set.len()).collect();
 /// let images = OdirImages::new(set, Transform::train(224));
@@ -222,6 +203,31 @@ struct DeviceAffine {
 /// # #[cfg(not(feature = "odir"))]
 /// # fn main() {}
 /// ```
+///
+/// Each batch is handed out as tensors on the training device without copying or allocating
+/// anything on the host for it.
+///
+/// **CPU.** The ring's slots are CPU tensors; workers write final `f32` values into them, and
+/// a [`Batch`]'s inputs and targets are views of its slot. The batch holds the slot until it
+/// is dropped: keep a batch's tensors no longer than the batch (a training step), or take a
+/// `.copy()` of them, because the slot is refilled with a later batch afterwards.
+///
+/// **CUDA.** The slots are page-locked once, when first allocated, and hold bytes (a quarter
+/// of the `f32` size) when the data set can write bytes. Taking a batch issues its
+/// host-to-device copies with `non_blocking`, records an event behind them and returns the
+/// slot to the ring at once; the worker that next takes the slot waits for that event before
+/// writing. Conversion to `f32` (`byte * scale + bias`, per channel, as the data set's
+/// [`Affine`](crate::Affine) says) is queued on the device behind the copy. Nothing
+/// waits for the GPU on the training thread.
+///
+/// **Ordering relied on.** tch has no stream API: libtorch queues every copy and kernel of a
+/// device on that device's current stream, which is the legacy default stream (`cudaStream_t`
+/// null) for a program that never selects another (no tch program can). The copies, the
+/// conversion and the training step that reads the batch are therefore executed in the
+/// order they were issued, and the event recorded on the null stream right after the copies
+/// completes exactly when they have. Taking the next batch before running the current step
+/// (as the `ddp-train` trainer does) puts its copy in the queue ahead of the step, so the GPU
+/// never waits for the host to start it.
 #[derive(Debug)]
 pub struct Loader<D: Dataset> {
     // Declared first so that it drops (joining the workers, the only threads that wait on

@@ -1,37 +1,12 @@
-//! [`TensorDataset`]: samples held in memory, as PyTorch's `TensorDataset`: inputs and
-//! targets of any shape, `f32`, `i64` or bytes, and variable-length sequences padded per
-//! batch (PyTorch's `pad_sequence` in a `collate_fn`).
-//!
-//! ```
-//! use ddp_data::{Array, DataError, HostLoader, LoaderConfig, PadTo, Padding, TensorDataset};
-//!
-//! // Four points with two features each, and a class index per point.
-//! let points = TensorDataset::new(
-//!     Array::new(vec![0f32, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0], [4, 2])?,
-//!     Array::from(vec![0i64, 1, 1, 0]),
-//! )?;
-//! assert_eq!(points.len(), 4);
-//! assert_eq!(points.layout().target_shape, Vec::<usize>::new()); // one class per sample
-//!
-//! // Token sequences of different lengths, padded with 0 to the longest of each batch.
-//! let texts = TensorDataset::sequences(
-//!     vec![vec![5i64, 6, 7], vec![8], vec![9, 10]],
-//!     Array::from(vec![1i64, 0, 1]),
-//!     Padding { value: 0.0, to: PadTo::Longest },
-//! )?;
-//! let batch = HostLoader::new(texts, vec![1, 2], &LoaderConfig::new(2))?.next().unwrap()?;
-//! assert_eq!(batch.lengths(), Some(&[1, 2][..]));
-//! assert_eq!(batch.padded_len(), 2);
-//! assert_eq!(batch.input_i64(), Some(&[8, 0, 0, 9, 10, 0][..])); // rows of the maximum, 3
-//! # Ok::<(), DataError>(())
-//! ```
+//! [`TensorDataset`]: samples held in memory, and its [`Array`]s.
 
 use std::sync::Arc;
 
+use crate::dataset::Dataset;
 use crate::error::DataError;
 use crate::item::{write_input, write_targets, Values, ValuesRef};
 use crate::rng::SampleRng;
-use crate::sample::{Affine, Dataset, Padding, SampleLayout, SampleOut, ValueKind};
+use crate::sample::{Affine, Padding, SampleLayout, SampleOut, ValueKind};
 
 /// Values with a shape: `shape[0]` samples of `shape[1..]` values each, row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -144,6 +119,34 @@ struct Inner {
 /// Inputs of bytes get an identity byte form ([`SampleLayout::bytes`]; batches hold their
 /// values as `f32`, or as bytes for a GPU, converted there); [`TensorDataset::with_affine`]
 /// scales them (`1/255` for pixels, say).
+///
+/// [`TensorDataset`]: samples held in memory, as PyTorch's `TensorDataset`: inputs and
+/// targets of any shape, `f32`, `i64` or bytes, and variable-length sequences padded per
+/// batch (PyTorch's `pad_sequence` in a `collate_fn`).
+///
+/// ```
+/// use ddp_data::{Array, DataError, HostLoader, LoaderConfig, PadTo, Padding, TensorDataset};
+///
+/// // Four points with two features each, and a class index per point.
+/// let points = TensorDataset::new(
+///     Array::new(vec![0f32, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0], [4, 2])?,
+///     Array::from(vec![0i64, 1, 1, 0]),
+/// )?;
+/// assert_eq!(points.len(), 4);
+/// assert_eq!(points.layout().target_shape, Vec::<usize>::new()); // one class per sample
+///
+/// // Token sequences of different lengths, padded with 0 to the longest of each batch.
+/// let texts = TensorDataset::sequences(
+///     vec![vec![5i64, 6, 7], vec![8], vec![9, 10]],
+///     Array::from(vec![1i64, 0, 1]),
+///     Padding { value: 0.0, to: PadTo::Longest },
+/// )?;
+/// let batch = HostLoader::new(texts, vec![1, 2], &LoaderConfig::new(2))?.next().unwrap()?;
+/// assert_eq!(batch.lengths(), Some(&[1, 2][..]));
+/// assert_eq!(batch.padded_len(), 2);
+/// assert_eq!(batch.input_i64(), Some(&[8, 0, 0, 9, 10, 0][..])); // rows of the maximum, 3
+/// # Ok::<(), DataError>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct TensorDataset {
     inner: Arc<Inner>,

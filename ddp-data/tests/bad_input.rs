@@ -4,7 +4,8 @@
 mod common;
 
 use common::{csv_row, valid_csv_layout, write_csv_layout};
-use ddp_data::{DataError, LabelMode, OdirDataset, OdirOptions};
+use ddp_data::odir::{LabelMode, OdirDataset, OdirOptions};
+use ddp_data::DataError;
 
 fn open(root: &std::path::Path) -> Result<OdirDataset, DataError> {
     OdirDataset::open(root, &OdirOptions::default())

@@ -5,7 +5,7 @@ mod common;
 
 use std::path::Path;
 
-use ddp_data::decode::Decoder;
+use ddp_data::odir::decode::Decoder;
 use ddp_data::DataError;
 use image::codecs::jpeg::JpegEncoder;
 use image::codecs::png::PngEncoder;

@@ -6,10 +6,10 @@ mod common;
 use std::collections::HashSet;
 use std::path::Path;
 
-use ddp_data::{
-    all_indices, split_by_patient, DataError, LabelMode, LabelSource, Layout, OdirDataset,
-    OdirOptions,
+use ddp_data::odir::{
+    all_indices, split_by_patient, LabelMode, LabelSource, Layout, OdirDataset, OdirOptions,
 };
+use ddp_data::DataError;
 use rust_xlsxwriter::Workbook;
 
 /// Writes a challenge workbook with one row per patient: (id, left, right, labels N..O).

@@ -7,12 +7,11 @@ mod common;
 use std::path::Path;
 use std::sync::Arc;
 
+use ddp_data::odir::synthetic::{generate, SyntheticConfig};
+use ddp_data::odir::transform::{Pipeline, Transform};
+use ddp_data::odir::{OdirDataset, OdirImages, OdirOptions};
 use ddp_data::rng::SampleRng;
-use ddp_data::synthetic::{generate, SyntheticConfig};
-use ddp_data::{
-    DataError, HostBatch, HostLoader, InputRef, LoaderConfig, OdirDataset, OdirImages, OdirOptions,
-    Pipeline, Storage, Transform,
-};
+use ddp_data::{DataError, HostBatch, HostLoader, InputRef, LoaderConfig, Storage};
 
 fn synthetic(dir: &Path, images: usize) -> Arc<OdirDataset> {
     let config = SyntheticConfig {
@@ -325,8 +324,8 @@ fn byte_batches_convert_to_exactly_the_f32_batches() {
     let plain = Transform::train(24).with_hflip(true);
     let normalised = plain
         .with_normalization(
-            ddp_data::transform::IMAGENET_MEAN,
-            ddp_data::transform::IMAGENET_STD,
+            ddp_data::odir::transform::IMAGENET_MEAN,
+            ddp_data::odir::transform::IMAGENET_STD,
         )
         .unwrap();
     for transform in [plain, normalised] {

@@ -4,9 +4,10 @@
 
 mod common;
 
+use ddp_data::odir::synthetic::paint_fundus;
+use ddp_data::odir::transform::{Pipeline, Transform};
 use ddp_data::rng::SampleRng;
-use ddp_data::synthetic::paint_fundus;
-use ddp_data::{DataError, Pipeline, Transform};
+use ddp_data::DataError;
 
 fn write(dir: &std::path::Path, name: &str, bytes: &[u8]) -> std::path::PathBuf {
     let p = dir.join(name);

@@ -1,8 +1,8 @@
 //! `Subset`: sample `i` is sample `indices[i]` of the wrapped data set, through the loader.
 
 use ddp_data::rng::SampleRng;
-use ddp_data::sample::{Input, SampleOut};
 use ddp_data::{DataError, Dataset, HostLoader, LoaderConfig, SampleLayout, Subset};
+use ddp_data::{Input, SampleOut};
 
 /// Sample `i` is the input `[i, i + 0.5]` with targets `[i * 10, the sample's first draw]`.
 #[derive(Debug, Clone)]

@@ -1,8 +1,8 @@
 //! The synthetic ODIR sample: deterministic, in the redistribution layout, loadable.
 #![cfg(feature = "odir")]
 
-use ddp_data::synthetic::{generate, SyntheticConfig};
-use ddp_data::{LabelMode, LabelSource, Layout, OdirDataset, OdirOptions};
+use ddp_data::odir::synthetic::{generate, SyntheticConfig};
+use ddp_data::odir::{LabelMode, LabelSource, Layout, OdirDataset, OdirOptions};
 
 fn files(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
     let mut out: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir.join("preprocessed_images"))

@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use ddp_data::synthetic::{generate, SyntheticConfig};
-use ddp_data::{
-    HostLoader, Loader, LoaderConfig, OdirDataset, OdirImages, OdirOptions, Storage, Transform,
-};
+use ddp_data::odir::synthetic::{generate, SyntheticConfig};
+use ddp_data::odir::transform::Transform;
+use ddp_data::odir::{OdirDataset, OdirImages, OdirOptions};
+use ddp_data::{HostLoader, Loader, LoaderConfig, Storage};
 use tch::{Device, Kind};
 
 fn dataset(dir: &std::path::Path) -> Arc<OdirDataset> {
@@ -105,8 +105,8 @@ fn byte_batches_converted_by_libtorch_equal_the_f32_batches() {
     let plain = Transform::train(20).with_hflip(true);
     let normalised = plain
         .with_normalization(
-            ddp_data::transform::IMAGENET_MEAN,
-            ddp_data::transform::IMAGENET_STD,
+            ddp_data::odir::transform::IMAGENET_MEAN,
+            ddp_data::odir::transform::IMAGENET_STD,
         )
         .unwrap();
     for t in [plain, normalised] {

@@ -13,7 +13,7 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches, Parser};
 use ddp_data::rng::SampleRng;
-use ddp_data::sample::Affine;
+use ddp_data::Affine;
 use ddp_data::{Array, Batch, DataError, TensorDataset};
 use ddp_train::cli::TrainArgs;
 use ddp_train::{Monitor, MultiClassStats, Task, Trainer};

@@ -1,18 +1,4 @@
-//! Mixed precision: the [`Precision`] a model trains in and the [`GradScaler`] that keeps
-//! fp16 gradients from underflowing (PyTorch's `torch.autocast` and `torch.amp.GradScaler`).
-//!
-//! Weights, gradients and optimizer state stay in fp32 ("master weights"); only the forward
-//! pass and the loss run under autocast, which casts each operation's inputs to bf16 or fp16
-//! where libtorch's autocast lists say it is safe (matrix products, convolutions) and keeps
-//! the rest in fp32 (losses, reductions). Autocast works on CPU and CUDA (`tch-ext`).
-//!
-//! fp16's range is narrow, so small gradients vanish: the [`GradScaler`] multiplies the loss
-//! by a large scale before backward and divides the gradients by it before the optimizer
-//! (and before any clipping); a step whose gradients hold an inf or NaN is skipped and the
-//! scale halved, and after `growth_interval` good steps in a row the scale doubles. The
-//! scaler runs after DDP has averaged the gradients, which are then the same bytes on every
-//! rank: every rank finds the same inf/NaN and takes the same decision without another
-//! collective. bf16 has fp32's range and needs no scaler.
+//! Mixed precision: [`Precision`] and [`GradScaler`].
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
@@ -80,6 +66,22 @@ pub struct ScalerState {
 
 /// Dynamic loss scaling for fp16, with PyTorch's `GradScaler` rules and defaults: initial
 /// scale 2^16, growth factor 2, backoff factor 0.5, growth interval 2000.
+///
+/// Mixed precision: the [`Precision`] a model trains in and the [`GradScaler`] that keeps
+/// fp16 gradients from underflowing (PyTorch's `torch.autocast` and `torch.amp.GradScaler`).
+///
+/// Weights, gradients and optimizer state stay in fp32 ("master weights"); only the forward
+/// pass and the loss run under autocast, which casts each operation's inputs to bf16 or fp16
+/// where libtorch's autocast lists say it is safe (matrix products, convolutions) and keeps
+/// the rest in fp32 (losses, reductions). Autocast works on CPU and CUDA (`tch-ext`).
+///
+/// fp16's range is narrow, so small gradients vanish: the [`GradScaler`] multiplies the loss
+/// by a large scale before backward and divides the gradients by it before the optimizer
+/// (and before any clipping); a step whose gradients hold an inf or NaN is skipped and the
+/// scale halved, and after `growth_interval` good steps in a row the scale doubles. The
+/// scaler runs after DDP has averaged the gradients, which are then the same bytes on every
+/// rank: every rank finds the same inf/NaN and takes the same decision without another
+/// collective. bf16 has fp32's range and needs no scaler.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GradScaler {
     state: ScalerState,

@@ -31,7 +31,7 @@ pub enum TrainError {
     },
     /// The run stopped on request (a stop signal or its time limit) after writing a
     /// checkpoint it can continue from; the process should exit with
-    /// [`crate::stop::EXIT_STOPPED`] ([`TrainError::exit_code`]).
+    /// [`EXIT_STOPPED`](crate::EXIT_STOPPED) ([`TrainError::exit_code`]).
     #[error(
         "stopped by {reason} at epoch {epoch} step {step} with checkpoint {}; start again \
          with --out {} to continue from it",
@@ -100,7 +100,7 @@ impl TrainError {
         }
     }
 
-    /// The exit code a program should end with: [`crate::stop::EXIT_STOPPED`] after a
+    /// The exit code a program should end with: [`EXIT_STOPPED`](crate::EXIT_STOPPED) after a
     /// requested stop (the launcher then neither restarts nor reports a failure), else 1.
     pub fn exit_code(&self) -> u8 {
         match self {

@@ -36,42 +36,39 @@
 
 #![warn(missing_docs)]
 
-pub mod amp;
+mod amp;
 #[cfg(feature = "cli")]
 pub mod cli;
-#[cfg(feature = "odir")]
-pub mod config;
-pub mod ddp;
-pub mod error;
+mod ddp;
+mod error;
 pub mod logging;
 pub mod lr_schedule;
 pub mod malloc;
-pub mod metrics;
+mod metrics;
 #[cfg(feature = "odir")]
 pub mod odir;
 pub mod optim;
 #[cfg(feature = "plot")]
 pub mod plot;
-pub mod report;
+mod report;
 pub mod scheduler;
-pub mod settings;
+mod settings;
 pub mod state;
-pub mod stop;
-pub mod task;
-pub mod trainer;
+mod stop;
+mod task;
+mod trainer;
 
-pub use amp::{GradScaler, Precision};
-#[cfg(feature = "odir")]
-pub use config::TrainConfig;
+pub use amp::{GradScaler, Precision, ScalerState};
 pub use ddp::{
     BuiltinHook, CommHook, DdpError, DdpOptions, DistributedDataParallel, GradBucket, HookWork,
 };
 pub use error::TrainError;
-pub use metrics::{MultiClassStats, MultiLabelStats, RegressionStats};
+pub use metrics::{Confusion, MultiClassStats, MultiLabelStats, RegressionStats};
+pub use report::{EpochReport, EvalReport};
 pub use settings::{DeviceChoice, EarlyStopping, Goal, Monitor, Plateau, Settings};
-pub use stop::{StopReason, EXIT_STOPPED};
+pub use stop::{StopReason, EXIT_STOPPED, STOP_SIGNALS};
 pub use task::{Metrics, NoStats, Stats, Task};
-pub use trainer::{EpochReport, EvalReport, Trainer};
+pub use trainer::Trainer;
 
 /// The README's Rust blocks ("Use the crates in your project"), compiled as doctests.
 #[cfg(doctest)]

@@ -11,8 +11,8 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::Parser;
-use ddp_train::odir::OdirTask;
-use ddp_train::{TrainConfig, Trainer};
+use ddp_train::odir::{OdirTask, TrainConfig};
+use ddp_train::Trainer;
 
 fn main() -> ExitCode {
     ddp_train::malloc::keep_freed_memory();

@@ -1,19 +1,21 @@
-//! Classification counts and F1 scores, and built-in [`Stats`] for the usual tasks:
-//! [`MultiLabelStats`] (thresholded per-class, macro and micro F1), [`MultiClassStats`]
-//! (accuracy, per-class, macro and micro F1 of the arg-max) and [`RegressionStats`] (MSE, MAE).
-//! All count or sum, so the Trainer's all-reduce gives exactly the whole split's metrics.
-//!
-//! A prediction is positive when its logit is above 0 (probability above 0.5). Per-class F1 is
-//! `2TP / (2TP + FP + FN)`, and 0 for a class with no positives and no predictions (sklearn's
-//! `zero_division=0`); macro-F1 is their mean; micro-F1 pools the counts of all classes.
-//! Counts add across ranks, so an all-reduced sum of [`Confusion::to_vec`] gives exactly what
-//! one process would compute on the whole split.
+//! Classification counts and F1 scores ([`Confusion`]), and the built-in [`Stats`].
 
 use tch::{Kind, Tensor};
 
 use crate::task::{Metrics, Stats};
 
 /// True positives, false positives and false negatives per class.
+///
+/// Classification counts and F1 scores, and built-in [`Stats`] for the usual tasks:
+/// [`MultiLabelStats`] (thresholded per-class, macro and micro F1), [`MultiClassStats`]
+/// (accuracy, per-class, macro and micro F1 of the arg-max) and [`RegressionStats`] (MSE, MAE).
+/// All count or sum, so the Trainer's all-reduce gives exactly the whole split's metrics.
+///
+/// A prediction is positive when its logit is above 0 (probability above 0.5). Per-class F1 is
+/// `2TP / (2TP + FP + FN)`, and 0 for a class with no positives and no predictions (sklearn's
+/// `zero_division=0`); macro-F1 is their mean; micro-F1 pools the counts of all classes.
+/// Counts add across ranks, so an all-reduced sum of [`Confusion::to_vec`] gives exactly what
+/// one process would compute on the whole split.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Confusion {
     /// True positives per class.

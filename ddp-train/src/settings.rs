@@ -1,17 +1,4 @@
-//! The Trainer's settings: a plain struct with defaults and a builder.
-//!
-//! ```
-//! use ddp_train::optim::{OptimizerConfig, SgdConfig};
-//! use ddp_train::{Monitor, Settings};
-//!
-//! let settings = Settings::default()
-//!     .epochs(5)
-//!     .batch_size(16)
-//!     .optimizer(OptimizerConfig::Sgd(SgdConfig { lr: 0.1, ..Default::default() }))
-//!     .monitor(Monitor::max("val_accuracy", "best-accuracy.safetensors"));
-//! assert_eq!(settings.epochs, 5);
-//! assert!(settings.validate().is_ok());
-//! ```
+//! The Trainer's [`Settings`]: a plain struct with defaults and a builder.
 
 use std::path::PathBuf;
 
@@ -149,6 +136,21 @@ pub struct Plateau {
 
 /// Everything the generic Trainer needs besides the task. `Default` gives a sensible run
 /// (10 epochs of batch 32 with Adam at 1e-3); each field has a builder method of its name.
+///
+/// The Trainer's settings: a plain struct with defaults and a builder.
+///
+/// ```
+/// use ddp_train::optim::{OptimizerConfig, SgdConfig};
+/// use ddp_train::{Monitor, Settings};
+///
+/// let settings = Settings::default()
+///     .epochs(5)
+///     .batch_size(16)
+///     .optimizer(OptimizerConfig::Sgd(SgdConfig { lr: 0.1, ..Default::default() }))
+///     .monitor(Monitor::max("val_accuracy", "best-accuracy.safetensors"));
+/// assert_eq!(settings.epochs, 5);
+/// assert!(settings.validate().is_ok());
+/// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct Settings {
@@ -201,7 +203,8 @@ pub struct Settings {
     /// Trainer was created (for a scheduler's time limit); the next start continues.
     pub time_limit_secs: Option<u64>,
     /// Stop cleanly, with a checkpoint, at the next step when SIGTERM or SIGUSR1 arrives
-    /// (see [`crate::stop`]); when false the signals keep their previous behaviour.
+    /// (see [`StopReason`](crate::StopReason)); when false the signals keep their previous
+    /// behaviour.
     pub stop_on_signals: bool,
     /// Show rank 0's progress: a bar when stdout is a terminal, else a log line every tenth
     /// of an epoch. (Log lines are `tracing` events and go to `logs/rank-<r>.log`; the

@@ -42,7 +42,7 @@ pub trait Stats {
 /// JSON.
 ///
 /// ```
-/// use ddp_train::task::Metrics;
+/// use ddp_train::Metrics;
 ///
 /// let m = Metrics::new()
 ///     .number("val_accuracy", 0.75)

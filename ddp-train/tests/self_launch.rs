@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{temp_dir, text, wait_bounded};
-use ddp_data::synthetic::{generate, SyntheticConfig};
+use ddp_data::odir::synthetic::{generate, SyntheticConfig};
 use ddp_run::{launch, LaunchConfig, Outcome};
 use ddp_testkit::{kill, procs, wait_for, wait_for_text};
 use serde_json::Value;

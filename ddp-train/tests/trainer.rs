@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use ddp_data::synthetic::{generate, SyntheticConfig};
+use ddp_data::odir::synthetic::{generate, SyntheticConfig};
 use ddp_model::{checkpoint, ConvNet, ConvNetConfig};
 use serde_json::Value;
 use tch::{nn, Device};

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ddp_data::synthetic::paint_fundus;
+use ddp_data::odir::synthetic::paint_fundus;
 use image::codecs::jpeg::JpegEncoder;
 use image::ExtendedColorType;
 

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use ddp_data::synthetic::{generate, SyntheticConfig};
+use ddp_data::odir::synthetic::{generate, SyntheticConfig};
 
 const USAGE: &str =
     "usage: ddp-gen-data --out DIR [--images N] [--size PX] [--seed S] [--quality Q]";

@@ -1,47 +1,4 @@
-//! `DistributedDataParallel`: keeps the replicas of one model identical across ranks.
-//!
-//! What it does, and when:
-//!
-//! - [`DistributedDataParallel::new`]: every rank sends a description of its model (each
-//!   tensor's name, shape and dtype, in name order); a rank whose model differs from rank 0's
-//!   gets an error naming the first differing tensor. Then rank 0's parameters and buffers
-//!   are broadcast, one message per dtype (coalesced), so all replicas start equal whatever
-//!   each rank initialised. Finally a post-accumulate-grad hook (through `tch-ext`, a small
-//!   C++ shim: tch has no autograd hooks) is set on every parameter.
-//! - [`DistributedDataParallel::broadcast_buffers`]: before each training forward, rank 0's
-//!   buffers (BatchNorm running statistics) overwrite the others', as PyTorch's default
-//!   `broadcast_buffers=True` does.
-//! - During backward, as PyTorch's `Reducer` does: each parameter's hook copies its gradient
-//!   into its flat bucket (at most [`DdpOptions::bucket_cap_bytes`], the first at most
-//!   [`DdpOptions::first_bucket_cap_bytes`]); a complete bucket is handed to the
-//!   communication hook ([`CommHook`], by default an `Avg` all-reduce), which starts an
-//!   asynchronous collective and returns at once, so communication runs while backward
-//!   computes the remaining gradients. Buckets are launched strictly in bucket order, so
-//!   every rank issues the same collectives in the same order.
-//! - [`DistributedDataParallel::sync_gradients`], after backward: parameters that got no
-//!   gradient on this rank contribute zeros, the remaining buckets are launched, the ranks
-//!   count who used each parameter (one small all-reduce), everything is waited for, and the
-//!   averages are written into the gradients. Parameters used by no rank keep no gradient
-//!   (optimizers skip them). With [`DdpOptions::find_unused_parameters`] off, a parameter
-//!   missing on any rank is an error on every rank ([`DdpError::UnusedParameters`]), naming it;
-//!   no rank is left waiting.
-//!
-//! Bucket order: reverse parameter order at first (the order backward usually produces
-//! gradients); after the first step, the order in which gradients became ready on rank 0
-//! (every rank takes rank 0's), unless `find_unused_parameters` is on (as in PyTorch).
-//!
-//! Gradient accumulation (PyTorch's `no_sync`): run the backward of every micro-batch but the
-//! last with [`DistributedDataParallel::set_require_gradient_sync`] off (or inside
-//! [`DistributedDataParallel::no_sync`]), each loss scaled by 1/K, then the last one with it
-//! on, and `sync_gradients` once: one step on a K-times larger batch, communicating once.
-//!
-//! With [`DdpOptions::overlap`] off, the hooks only note which parameters got a gradient and
-//! every bucket is copied and reduced in `sync_gradients`, after backward: the same buckets,
-//! the same collectives, bit for bit the same results, without the overlap.
-//!
-//! Order: parameters are ordered by name with numeric components compared as numbers
-//! (`features.4` before `features.12`), never by `VarStore::variables()`, whose `HashMap`
-//! order differs between processes.
+//! [`DistributedDataParallel`]: keeps the replicas of one model identical across ranks.
 
 mod bucket;
 mod comm_hook;
@@ -159,6 +116,51 @@ impl Default for DdpOptions {
 type Named = Vec<(String, Tensor)>;
 
 /// Wraps a model's [`VarStore`] so that all ranks train one model. See the module docs.
+///
+/// `DistributedDataParallel`: keeps the replicas of one model identical across ranks.
+///
+/// What it does, and when:
+///
+/// - [`DistributedDataParallel::new`]: every rank sends a description of its model (each
+///   tensor's name, shape and dtype, in name order); a rank whose model differs from rank 0's
+///   gets an error naming the first differing tensor. Then rank 0's parameters and buffers
+///   are broadcast, one message per dtype (coalesced), so all replicas start equal whatever
+///   each rank initialised. Finally a post-accumulate-grad hook (through `tch-ext`, a small
+///   C++ shim: tch has no autograd hooks) is set on every parameter.
+/// - [`DistributedDataParallel::broadcast_buffers`]: before each training forward, rank 0's
+///   buffers (BatchNorm running statistics) overwrite the others', as PyTorch's default
+///   `broadcast_buffers=True` does.
+/// - During backward, as PyTorch's `Reducer` does: each parameter's hook copies its gradient
+///   into its flat bucket (at most [`DdpOptions::bucket_cap_bytes`], the first at most
+///   [`DdpOptions::first_bucket_cap_bytes`]); a complete bucket is handed to the
+///   communication hook ([`CommHook`], by default an `Avg` all-reduce), which starts an
+///   asynchronous collective and returns at once, so communication runs while backward
+///   computes the remaining gradients. Buckets are launched strictly in bucket order, so
+///   every rank issues the same collectives in the same order.
+/// - [`DistributedDataParallel::sync_gradients`], after backward: parameters that got no
+///   gradient on this rank contribute zeros, the remaining buckets are launched, the ranks
+///   count who used each parameter (one small all-reduce), everything is waited for, and the
+///   averages are written into the gradients. Parameters used by no rank keep no gradient
+///   (optimizers skip them). With [`DdpOptions::find_unused_parameters`] off, a parameter
+///   missing on any rank is an error on every rank ([`DdpError::UnusedParameters`]), naming it;
+///   no rank is left waiting.
+///
+/// Bucket order: reverse parameter order at first (the order backward usually produces
+/// gradients); after the first step, the order in which gradients became ready on rank 0
+/// (every rank takes rank 0's), unless `find_unused_parameters` is on (as in PyTorch).
+///
+/// Gradient accumulation (PyTorch's `no_sync`): run the backward of every micro-batch but the
+/// last with [`DistributedDataParallel::set_require_gradient_sync`] off (or inside
+/// [`DistributedDataParallel::no_sync`]), each loss scaled by 1/K, then the last one with it
+/// on, and `sync_gradients` once: one step on a K-times larger batch, communicating once.
+///
+/// With [`DdpOptions::overlap`] off, the hooks only note which parameters got a gradient and
+/// every bucket is copied and reduced in `sync_gradients`, after backward: the same buckets,
+/// the same collectives, bit for bit the same results, without the overlap.
+///
+/// Order: parameters are ordered by name with numeric components compared as numbers
+/// (`features.4` before `features.12`), never by `VarStore::variables()`, whose `HashMap`
+/// order differs between processes.
 #[derive(Debug)]
 pub struct DistributedDataParallel {
     pg: Arc<ProcessGroup>,

@@ -1,10 +1,4 @@
-//! The Trainer: epochs of distributed training and exact distributed evaluation of any
-//! [`Task`].
-//!
-//! Per epoch, on every rank, the collectives come in this fixed order: for each step,
-//! a buffer broadcast before each forward and one gradient all-reduce per optimizer step;
-//! then one all-reduce of the epoch's loss and sample counts; then one all-reduce of the
-//! validation statistics. Rank 0 alone writes files and prints progress, between epochs.
+//! The [`Trainer`]: epochs of distributed training and exact distributed evaluation.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -45,12 +39,20 @@ mod outputs;
 mod progress;
 mod startup;
 
-pub use crate::report::{EpochReport, EvalReport};
+use crate::report::{EpochReport, EvalReport};
 use outputs::RankLog;
 #[cfg(feature = "cli")]
 pub(crate) use startup::default_run_dir;
 
 /// A rank's whole training run of a [`Task`].
+///
+/// The Trainer: epochs of distributed training and exact distributed evaluation of any
+/// [`Task`].
+///
+/// Per epoch, on every rank, the collectives come in this fixed order: for each step,
+/// a buffer broadcast before each forward and one gradient all-reduce per optimizer step;
+/// then one all-reduce of the epoch's loss and sample counts; then one all-reduce of the
+/// validation statistics. Rank 0 alone writes files and prints progress, between epochs.
 pub struct Trainer<T: Task> {
     task: T,
     settings: Settings,

@@ -7,8 +7,8 @@ use std::path::Path;
 use fast_image_resize::images::{Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 
+use super::decode::{Decoder, RgbView};
 use crate::crop::{random_resized_crop, resize_centre_crop_region, SourceRegion};
-use crate::decode::{Decoder, RgbView};
 use crate::error::DataError;
 use crate::rng::SampleRng;
 use crate::sample::Affine;
@@ -40,7 +40,7 @@ pub enum Geometry {
 /// A training or evaluation transform from an image file to a `[3, size, size]` f32 tensor.
 ///
 /// ```
-/// use ddp_data::Transform;
+/// use ddp_data::odir::transform::Transform;
 /// let train = Transform::train(224).with_hflip(true);
 /// assert_eq!(train.output_size(), 224);
 /// let eval = Transform::eval(256, 224).unwrap();

@@ -1,15 +1,14 @@
-//! The `ddp-train` command line (feature `odir`): the ODIR application's flags, which become
-//! the generic Trainer's [`Settings`] and the [`crate::odir::OdirTask`]'s options, and are
-//! written to `config.json`.
+//! The `ddp-train` command line: the ODIR application's flags, which become the generic
+//! Trainer's [`Settings`] and the [`OdirTask`](super::OdirTask)'s options, and are written to
+//! `config.json`.
 
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
-pub use crate::cli::{parse_duration_secs, TrainArgs};
+use crate::cli::TrainArgs;
 use crate::error::TrainError;
-pub use crate::settings::DeviceChoice;
 use crate::settings::{Goal, Monitor, Settings};
 
 /// Which labels to train on.

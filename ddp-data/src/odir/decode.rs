@@ -12,9 +12,9 @@ use zune_jpeg::zune_core::colorspace::ColorSpace;
 use zune_jpeg::zune_core::options::DecoderOptions;
 use zune_jpeg::JpegDecoder;
 
+use super::scaled_jpeg;
 use crate::crop::SourceRegion;
 use crate::error::DataError;
-use crate::scaled_jpeg;
 
 /// A decoded image: `height` rows of `width` RGB pixels, 3 bytes each, row-major.
 #[derive(Debug, Clone, Copy)]
@@ -29,8 +29,8 @@ pub struct RgbView<'a> {
 
 /// The most pixels (width x height) a full-size decode accepts by default: PIL's limit for
 /// `DecompressionBombError` (twice its `MAX_IMAGE_PIXELS` warning threshold), 537 MB of RGB.
-/// Reduced-size JPEG decoding ([`crate::Transform`]'s DCT scaling) never allocates the full
-/// size and is not bounded by it.
+/// Reduced-size JPEG decoding ([`Transform`](super::transform::Transform)'s DCT scaling)
+/// never allocates the full size and is not bounded by it.
 pub const MAX_PIXELS: u64 = 178_956_970;
 
 /// A reusable decoder: one per worker thread, so the file and pixel buffers are allocated once

@@ -3,11 +3,12 @@
 
 use std::sync::Arc;
 
-use crate::dataset::OdirDataset;
+use super::dataset::OdirDataset;
+use super::transform::{Pipeline, Transform};
+use crate::dataset::Dataset;
 use crate::error::DataError;
 use crate::rng::SampleRng;
-use crate::sample::{Dataset, Input, SampleLayout, SampleOut};
-use crate::transform::{Pipeline, Transform};
+use crate::sample::{Input, SampleLayout, SampleOut};
 
 /// The images of an [`OdirDataset`] through a [`Transform`]: `[3, size, size]` inputs and 8
 /// multi-hot targets in N, D, G, C, A, H, M, O order. Writes bytes (for the GPU path, which

@@ -1,17 +1,17 @@
-//! The ODIR-5K application of the generic Trainer (feature `odir`): the ConvNet, 8-label
-//! BCE-with-logits, and exact per-class, macro and micro F1.
+//! [`OdirTask`]: the ConvNet on ODIR-5K, 8-label BCE-with-logits, and exact per-class, macro
+//! and micro F1.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use ddp_data::{
-    split_by_patient, Batch, LabelMode, OdirDataset, OdirImages, OdirOptions, Subset, Transform,
-};
+use ddp_data::odir::transform::Transform;
+use ddp_data::odir::{split_by_patient, LabelMode, OdirDataset, OdirImages, OdirOptions};
+use ddp_data::{Batch, Subset};
 use ddp_model::{ConvNet, ConvNetConfig, ODIR_CLASSES};
 use serde_json::Value;
 use tch::{nn, Reduction, Tensor};
 
-use crate::config::{Labels, TrainConfig};
+use super::cli::{Labels, TrainConfig};
 use crate::error::{Context, TrainError};
 use crate::metrics::MultiLabelStats;
 use crate::task::Task;
@@ -48,8 +48,8 @@ impl OdirTask {
         let (val_set, train, val) = match &c.val_data {
             Some(dir) => {
                 let val_set = open(dir)?;
-                let train = ddp_data::all_indices(&train_set)?;
-                let val = ddp_data::all_indices(&val_set)?;
+                let train = ddp_data::odir::all_indices(&train_set)?;
+                let val = ddp_data::odir::all_indices(&val_set)?;
                 (val_set, train, val)
             }
             None => {
@@ -60,7 +60,7 @@ impl OdirTask {
         let augment = Transform::random_resized_crop(
             c.image_size,
             (c.min_crop_scale, 1.0),
-            ddp_data::transform::DEFAULT_RATIO,
+            ddp_data::odir::transform::DEFAULT_RATIO,
         )?
         .with_hflip(c.hflip)
         .with_dct_upsampling(c.dct_upsampling)?;

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 
-use crate::dataset::OdirDataset;
+use super::dataset::OdirDataset;
 use crate::error::DataError;
 use crate::rng::SampleRng;
 

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use image::codecs::jpeg::JpegEncoder;
 use image::ExtendedColorType;
 
-use crate::annotations::{LABELS, LABEL_NAMES};
+use super::annotations::{LABELS, LABEL_NAMES};
 use crate::error::DataError;
 use crate::rng::SampleRng;
 

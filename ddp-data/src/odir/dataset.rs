@@ -1,0 +1,295 @@
+//! `OdirDataset`: an ODIR folder in either layout, checked at start-up (every image exists,
+//! no duplicate names, optionally every image decodes).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use super::annotations::{read_csv, read_xlsx, LabelMode, LabelSource};
+use super::decode::Decoder;
+use crate::error::DataError;
+
+/// The redistribution's annotation file name.
+pub const CSV_NAME: &str = "full_df.csv";
+/// The challenge workbook names, in the order they are looked for.
+pub const XLSX_NAMES: [&str; 2] = ["data.xlsx", "ODIR-5K_Training_Annotations(Updated)_V2.xlsx"];
+/// Image folders of the redistribution layout, in the order they are looked for.
+pub const CSV_IMAGE_DIRS: [&str; 2] = ["preprocessed_images", "ODIR-5K/Training Images"];
+/// Image folders of the challenge layout, in the order they are looked for.
+pub const XLSX_IMAGE_DIRS: [&str; 2] = ["Training Images", "ODIR-5K/Training Images"];
+
+/// Which of the two on-disk layouts a folder uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// `full_df.csv`, one row per eye image.
+    Redistribution,
+    /// The challenge `.xlsx` workbook, one row per patient.
+    Challenge,
+}
+
+/// How to open a folder.
+#[derive(Debug, Clone, Default)]
+pub struct OdirOptions {
+    /// Per-eye or patient labels; see [`LabelMode`].
+    pub labels: LabelMode,
+    /// Decode every image at start-up and leave out those that fail, listing each in
+    /// [`OdirDataset::skipped`]. Off by default: a corrupt image is then an error, naming the
+    /// file, when the loader reaches it.
+    pub skip_corrupt: bool,
+    /// Use this image folder instead of looking for the layout's usual ones.
+    pub image_dir: Option<PathBuf>,
+}
+
+/// One image with its labels.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    /// Full path of the image file.
+    pub path: PathBuf,
+    /// The patient's `ID`; both eyes of a patient share it.
+    pub patient_id: u64,
+    /// Multi-hot labels in N, D, G, C, A, H, M, O order.
+    pub labels: [f32; 8],
+}
+
+/// An image that [`OdirOptions::skip_corrupt`] left out, and why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SkippedImage {
+    /// The image file.
+    pub path: PathBuf,
+    /// The decoder's message.
+    pub reason: String,
+}
+
+/// An ODIR-5K folder (real or synthetic), opened and checked.
+///
+/// ```no_run
+/// use ddp_data::odir::{OdirDataset, OdirOptions};
+/// let ds = OdirDataset::open("data/odir".as_ref(), &OdirOptions::default())?;
+/// println!("{} images of {} patients", ds.len(), ds.patient_count());
+/// # Ok::<(), ddp_data::DataError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct OdirDataset {
+    root: PathBuf,
+    annotation_file: PathBuf,
+    image_dir: PathBuf,
+    layout: Layout,
+    label_source: LabelSource,
+    samples: Vec<Sample>,
+    skipped: Vec<SkippedImage>,
+}
+
+fn find_first(root: &Path, names: &[&str]) -> Option<PathBuf> {
+    names.iter().map(|n| root.join(n)).find(|p| p.exists())
+}
+
+impl OdirDataset {
+    /// Opens `root`, detecting the layout: `full_df.csv` first, then the challenge workbook.
+    pub fn open(root: &Path, options: &OdirOptions) -> Result<Self, DataError> {
+        let (layout, annotation_file) = if let Some(csv) = find_first(root, &[CSV_NAME]) {
+            (Layout::Redistribution, csv)
+        } else if let Some(xlsx) = find_first(root, &XLSX_NAMES) {
+            (Layout::Challenge, xlsx)
+        } else {
+            let tried = std::iter::once(CSV_NAME)
+                .chain(XLSX_NAMES)
+                .map(str::to_string)
+                .collect();
+            return Err(DataError::MissingAnnotations {
+                root: root.to_path_buf(),
+                tried,
+            });
+        };
+        let annotations = match layout {
+            Layout::Redistribution => read_csv(&annotation_file, options.labels)?,
+            Layout::Challenge => read_xlsx(&annotation_file, options.labels)?,
+        };
+        let dirs: &[&str] = match layout {
+            Layout::Redistribution => &CSV_IMAGE_DIRS,
+            Layout::Challenge => &XLSX_IMAGE_DIRS,
+        };
+        let image_dir = match &options.image_dir {
+            Some(d) => d.clone(),
+            None => find_first(root, dirs).ok_or_else(|| DataError::MissingImageDir {
+                root: root.to_path_buf(),
+                tried: dirs.iter().map(|d| d.to_string()).collect(),
+            })?,
+        };
+
+        // Duplicate names: every one, with all the rows it appears on.
+        let mut rows_of: HashMap<&str, Vec<usize>> = HashMap::new();
+        for r in &annotations.records {
+            rows_of.entry(r.file.as_str()).or_default().push(r.row);
+        }
+        let mut duplicates: Vec<(usize, String)> = rows_of
+            .iter()
+            .filter(|(_, rows)| rows.len() > 1)
+            .map(|(name, rows)| {
+                let rows: Vec<String> = rows.iter().map(usize::to_string).collect();
+                (
+                    rows_of[name][0],
+                    format!("{name} (rows {})", rows.join(", ")),
+                )
+            })
+            .collect();
+        if !duplicates.is_empty() {
+            duplicates.sort();
+            return Err(DataError::DuplicateFiles {
+                file: annotation_file,
+                duplicates: duplicates.into_iter().map(|(_, d)| d).collect(),
+            });
+        }
+
+        let samples: Vec<Sample> = annotations
+            .records
+            .iter()
+            .map(|r| Sample {
+                path: image_dir.join(&r.file),
+                patient_id: r.patient_id,
+                labels: r.labels,
+            })
+            .collect();
+        let missing: Vec<String> = annotations
+            .records
+            .iter()
+            .zip(&samples)
+            .filter(|(_, s)| !s.path.is_file())
+            .map(|(r, _)| r.file.clone())
+            .collect();
+        if !missing.is_empty() {
+            return Err(DataError::MissingImages {
+                annotations: annotation_file,
+                image_dir,
+                files: missing,
+            });
+        }
+
+        let mut dataset = Self {
+            root: root.to_path_buf(),
+            annotation_file,
+            image_dir,
+            layout,
+            label_source: annotations.label_source,
+            samples,
+            skipped: Vec::new(),
+        };
+        if options.skip_corrupt {
+            dataset.drop_undecodable();
+        }
+        Ok(dataset)
+    }
+
+    /// Decodes every image (on all cores) and removes those that fail, recording each one.
+    fn drop_undecodable(&mut self) {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let chunk = self.samples.len().div_ceil(threads).max(1);
+        let failures: Vec<Option<String>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .samples
+                .chunks(chunk)
+                .map(|part| {
+                    scope.spawn(move || {
+                        let mut decoder = Decoder::new();
+                        part.iter()
+                            .map(|s| decoder.decode_file(&s.path).err().map(|e| e.to_string()))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| match h.join() {
+                    Ok(v) => v,
+                    Err(_) => vec![Some("decoder thread panicked".to_string()); chunk],
+                })
+                .collect()
+        });
+        let mut kept = Vec::with_capacity(self.samples.len());
+        for (sample, failure) in std::mem::take(&mut self.samples).into_iter().zip(failures) {
+            match failure {
+                None => kept.push(sample),
+                Some(reason) => self.skipped.push(SkippedImage {
+                    path: sample.path,
+                    reason,
+                }),
+            }
+        }
+        self.samples = kept;
+    }
+
+    /// Number of samples (images).
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// Whether there are no samples (only possible when every image was skipped as corrupt).
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    /// Sample `index`, or `None` past the end.
+    pub fn get(&self, index: usize) -> Option<&Sample> {
+        self.samples.get(index)
+    }
+
+    /// Sample `index`, or an error naming the index and the length.
+    pub fn sample(&self, index: usize) -> Result<&Sample, DataError> {
+        self.samples.get(index).ok_or(DataError::IndexOutOfRange {
+            index,
+            len: self.samples.len(),
+        })
+    }
+
+    /// All samples in annotation order.
+    pub fn samples(&self) -> &[Sample] {
+        &self.samples
+    }
+
+    /// Number of distinct patients.
+    pub fn patient_count(&self) -> usize {
+        let mut ids: Vec<u64> = self.samples.iter().map(|s| s.patient_id).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.len()
+    }
+
+    /// Per-label count of positive samples, in N, D, G, C, A, H, M, O order.
+    pub fn label_counts(&self) -> [usize; 8] {
+        let mut counts = [0; 8];
+        for s in &self.samples {
+            for (c, &l) in counts.iter_mut().zip(&s.labels) {
+                *c += usize::from(l > 0.5);
+            }
+        }
+        counts
+    }
+
+    /// The folder that was opened.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The annotation file that was read.
+    pub fn annotation_file(&self) -> &Path {
+        &self.annotation_file
+    }
+
+    /// The folder the images are read from.
+    pub fn image_dir(&self) -> &Path {
+        &self.image_dir
+    }
+
+    /// The layout that was detected.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Whether the labels are per eye or per patient.
+    pub fn label_source(&self) -> LabelSource {
+        self.label_source
+    }
+
+    /// Images left out because they did not decode ([`OdirOptions::skip_corrupt`]).
+    pub fn skipped(&self) -> &[SkippedImage] {
+        &self.skipped
+    }
+}
