@@ -252,21 +252,13 @@ fn has_flag(args: &[String], flag: &str) -> bool {
         .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
 }
 
-/// Builds binary `name` with `cargo build --release --quiet ARGS` and returns its path.
+/// Builds binary `name` with `cargo build --release --quiet ARGS` and returns its path, as
+/// cargo reports it.
 pub fn build_release(root: &Path, name: &str, args: &[&str]) -> Result<PathBuf> {
     println!("xtask: building {name} (release)");
-    let status = crate::cargo()
-        .current_dir(root)
-        .args(["build", "--release", "--quiet"])
-        .args(args)
-        .status()
-        .context("cannot run cargo build")?;
-    if !status.success() {
-        bail!("building {name} failed ({status})");
-    }
-    let target =
-        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
-    Ok(target.join("release").join(name))
+    let mut all = vec!["build", "--release", "--quiet"];
+    all.extend(args);
+    crate::artifact::build(root, &all, "bin", name)
 }
 
 /// The `ddp-gen-data` binary: `given`, or ddp-data's built in release mode without libtorch.

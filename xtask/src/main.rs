@@ -5,6 +5,7 @@
 //! heavy either (not ddp-data's image stack): it drives the other crates through `cargo` and
 //! their binaries, and starts ranks with the `ddp-run` library.
 
+mod artifact;
 mod bench;
 mod gpu_check;
 mod launch;

@@ -71,28 +71,8 @@ impl Ctx {
     /// Builds bench `name` of `package` (release) and returns its executable.
     pub(super) fn build_bench(&self, package: &str, name: &str) -> Result<PathBuf> {
         say(&format!("building {package} bench {name} (release)"));
-        let mut cmd = crate::cargo();
-        cmd.current_dir(&self.root)
-            .args([
-                "bench",
-                "--no-run",
-                "--message-format=json-render-diagnostics",
-            ])
-            .args(["-p", package, "--bench", name])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        let line = format!("{cmd:?}");
-        let out = cmd
-            .output()
-            .with_context(|| format!("cannot start {line}"))?;
-        if !out.status.success() {
-            bail!("{line} failed ({})", out.status);
-        }
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        stdout
-            .lines()
-            .find_map(|l| bench_executable(l, name))
-            .with_context(|| format!("{line} reported no executable for bench {name}"))
+        let args = ["bench", "--no-run", "-p", package, "--bench", name];
+        crate::artifact::build(&self.root, &args, "bench", name)
     }
 
     /// The setup's Python, one OpenMP thread.
@@ -263,41 +243,9 @@ fn tail(text: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// The executable of bench target `name` if `line` is cargo's `compiler-artifact` message
-/// (`--message-format=json`) for it; `None` for any other line, JSON or not.
-fn bench_executable(line: &str, name: &str) -> Option<PathBuf> {
-    let msg: serde_json::Value = serde_json::from_str(line).ok()?;
-    let target = &msg["target"];
-    let is_bench = target["kind"]
-        .as_array()
-        .is_some_and(|kinds| kinds.iter().any(|k| k == "bench"));
-    (msg["reason"] == "compiler-artifact" && is_bench && target["name"] == name)
-        .then(|| msg["executable"].as_str().map(PathBuf::from))
-        .flatten()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn finds_the_bench_executable_in_cargos_messages() {
-        let art = r#"{"reason":"compiler-artifact","package_id":"path+file:///w/ddp-sampler#0.1.0","manifest_path":"/w/ddp-sampler/Cargo.toml","target":{"kind":["bench"],"crate_types":["bin"],"name":"sampler","src_path":"/w/ddp-sampler/benches/sampler.rs","edition":"2021","doc":false,"doctest":false,"test":false},"profile":{"opt_level":"3","debuginfo":1,"debug_assertions":false,"overflow_checks":false,"test":false},"features":[],"filenames":["/t/release/deps/sampler-1a"],"executable":"/t/release/deps/sampler-1a","fresh":true}"#;
-        assert_eq!(
-            bench_executable(art, "sampler"),
-            Some(PathBuf::from("/t/release/deps/sampler-1a"))
-        );
-        assert_eq!(bench_executable(art, "loader"), None);
-        // The library of the same package: an artifact, not a bench, no executable.
-        let lib = r#"{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"sampler"},"executable":null,"fresh":true}"#;
-        assert_eq!(bench_executable(lib, "sampler"), None);
-        let done = r#"{"reason":"build-finished","success":true}"#;
-        assert_eq!(bench_executable(done, "sampler"), None);
-        assert_eq!(
-            bench_executable("   Compiling sampler v0.1.0", "sampler"),
-            None
-        );
-    }
 
     #[test]
     fn keeps_the_last_lines() {
