@@ -299,15 +299,27 @@ pub fn read_xlsx(file: &Path, mode: LabelMode) -> Result<Annotations, DataError>
         file: file.to_path_buf(),
         message: e.to_string(),
     };
-    let mut workbook = open_workbook_auto(file).map_err(|e| open_error(&e))?;
-    let sheet = workbook
-        .sheet_names()
-        .first()
-        .cloned()
-        .ok_or_else(|| open_error(&"the workbook has no sheets"))?;
-    let range = workbook
-        .worksheet_range(&sheet)
-        .map_err(|e| open_error(&e))?;
+    // calamine indexes some tables of a damaged workbook without checking (0.30: a shared
+    // string index past the table panics); a damaged file is an error, not a crash.
+    let read = std::panic::catch_unwind(|| -> Result<_, DataError> {
+        let mut workbook = open_workbook_auto(file).map_err(|e| open_error(&e))?;
+        let sheet = workbook
+            .sheet_names()
+            .first()
+            .cloned()
+            .ok_or_else(|| open_error(&"the workbook has no sheets"))?;
+        workbook.worksheet_range(&sheet).map_err(|e| open_error(&e))
+    });
+    let range = read.unwrap_or_else(|panic| {
+        let why = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("no message");
+        Err(open_error(&format!(
+            "the workbook is damaged: the spreadsheet reader failed on it ({why})"
+        )))
+    })?;
     let mut rows = range.rows();
     let headers: Vec<String> = rows
         .next()
