@@ -144,3 +144,56 @@ impl Store for C10dStore {
         self.local_ip
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::io::Read;
+    use std::net::TcpListener;
+
+    /// A c10d store impostor: it validates and echoes the ping like a TCPStore, then answers
+    /// whatever comes with `answer` and hangs up.
+    fn impostor(answer: Vec<u8>) -> (SocketAddr, std::thread::JoinHandle<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let thread = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut hello = [0u8; 10];
+            stream.read_exact(&mut hello).unwrap();
+            stream.write_all(&hello[6..10]).unwrap();
+            let _ = stream.write_all(&answer);
+        });
+        (addr, thread)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// torchrun's agent store is not authenticated (see the README): whatever it
+        /// answers, every request returns a value or a typed error, without a panic or an
+        /// allocation past the wire's bounds, and an answer that stops short times out.
+        #[test]
+        fn any_answer_of_the_store_is_a_value_or_an_error(
+            answer in proptest::collection::vec(any::<u8>(), 0..64),
+            big in any::<u64>(),
+        ) {
+            let mut answer = answer;
+            // Sometimes a huge length where GET's value length goes.
+            if big % 2 == 0 {
+                answer.splice(1.min(answer.len())..1.min(answer.len()), big.to_le_bytes());
+            }
+            let (addr, thread) = impostor(answer);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let mut store = C10dStore::connect(&[addr], "/t/".into(), deadline, Duration::from_secs(2))
+                .unwrap();
+            let got = store.get("k");
+            if let Ok(Some(v)) = &got {
+                prop_assert!(v.len() <= wire::MAX_VALUE_LEN);
+            }
+            let _ = store.add("n", 1);
+            let _ = store.check(&["k".to_string()]);
+            thread.join().unwrap();
+        }
+    }
+}

@@ -694,4 +694,79 @@ mod tests {
         }
         assert_serves(&server);
     }
+
+    /// Requests as the table handler reads them: arbitrary bytes, and well-formed requests
+    /// with their fields damaged. Every one is answered or refused with an error; none
+    /// panics or allocates past the wire's bounds.
+    #[test]
+    fn any_request_bytes_are_answered_or_refused() {
+        use proptest::prelude::*;
+        let well_formed = |op: u8| {
+            let mut m = Vec::new();
+            wire::put_blob(&mut m, b"key");
+            match op {
+                OP_SET => wire::put_blob(&mut m, b"value"),
+                OP_ADD => m.extend_from_slice(&5u64.to_le_bytes()),
+                OP_CHECK => {
+                    let mut c = 1u32.to_le_bytes().to_vec();
+                    c.extend(&m);
+                    m = c;
+                }
+                _ => {}
+            }
+            m
+        };
+        let requests = prop_oneof![
+            (any::<u8>(), proptest::collection::vec(any::<u8>(), 0..64)),
+            (
+                prop_oneof![Just(OP_SET), Just(OP_GET), Just(OP_ADD), Just(OP_CHECK)],
+                proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+            )
+                .prop_map(move |(op, changes)| {
+                    let mut body = well_formed(op);
+                    for (at, v) in changes {
+                        let i = at.index(body.len());
+                        body[i] = v;
+                    }
+                    (op, body)
+                }),
+        ];
+        let table = Table::default();
+        let mut runner =
+            proptest::test_runner::TestRunner::new(proptest::test_runner::Config::with_cases(4096));
+        runner
+            .run(&requests, |(op, body)| {
+                let mut reply = Vec::new();
+                let _ = handle(op, &mut io::Cursor::new(&body), &table, &mut reply);
+                prop_assert!(reply.len() <= 1 + 4 + wire::MAX_VALUE_LEN);
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    /// After the handshake, a client that sends anything at all is served or dropped, and the
+    /// store keeps serving others.
+    #[test]
+    fn an_authenticated_client_sending_anything_leaves_the_store_serving() {
+        use proptest::prelude::*;
+        let server = server();
+        let mut runner =
+            proptest::test_runner::TestRunner::new(proptest::test_runner::Config::with_cases(48));
+        runner
+            .run(&proptest::collection::vec(any::<u8>(), 0..256), |bytes| {
+                let raw = TcpStream::connect(server.local_addr()).unwrap();
+                let deadline = Instant::now() + Duration::from_secs(5);
+                let status = auth::tcp_client(&raw, &secret("a"), STORE_MAGIC, 0, deadline);
+                prop_assert_eq!(status.ok(), Some(STATUS_OK));
+                raw.set_timeouts(None).unwrap();
+                let mut raw = raw;
+                let _ = raw.write_all(&bytes);
+                let _ = raw.shutdown(Shutdown::Write);
+                // The server reads to the end of what was sent, then hangs up.
+                let _ = read_to_hangup(&mut raw);
+                Ok(())
+            })
+            .unwrap();
+        assert_serves(&server);
+    }
 }

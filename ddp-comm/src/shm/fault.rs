@@ -131,4 +131,58 @@ mod tests {
             );
         }
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 4096, ..ProptestConfig::default() })]
+
+            /// Whatever head the peer writes, an accepted one leaves at most the ring's
+            /// capacity to read, exactly the bytes between tail and head, and never less
+            /// than was already accepted.
+            #[test]
+            fn an_accepted_head_stays_inside_the_ring(
+                tail in any::<u32>(),
+                known in 0usize..=4 * MIN_CAPACITY,
+                ahead in 0u64..=8 * MIN_CAPACITY as u64,
+                anything in any::<u32>(),
+                wild in any::<bool>(),
+                scale in 0u32..3,
+            ) {
+                let cap = MIN_CAPACITY << scale;
+                let seen = tail.wrapping_add(known.min(cap) as u32);
+                let head = if wild { anything } else { tail.wrapping_add(ahead as u32) };
+                if let Ok(unread) = check_head(tail, seen, head, cap) {
+                    prop_assert!(unread <= cap);
+                    prop_assert_eq!(tail.wrapping_add(unread as u32), head);
+                    prop_assert!(unread >= known.min(cap));
+                }
+            }
+
+            /// Whatever tail the peer writes, an accepted one leaves at most the ring's
+            /// capacity free, lies between the tail already accepted and head, and never
+            /// frees bytes not yet written.
+            #[test]
+            fn an_accepted_tail_stays_inside_the_ring(
+                head in any::<u32>(),
+                known in 0usize..=4 * MIN_CAPACITY,
+                behind in 0u64..=8 * MIN_CAPACITY as u64,
+                anything in any::<u32>(),
+                wild in any::<bool>(),
+                scale in 0u32..3,
+            ) {
+                let cap = MIN_CAPACITY << scale;
+                let seen = head.wrapping_sub(known.min(cap) as u32);
+                let tail = if wild { anything } else { head.wrapping_sub(behind as u32) };
+                if let Ok(free) = check_tail(head, seen, tail, cap) {
+                    prop_assert!(free <= cap);
+                    let used = cap - free;
+                    prop_assert_eq!(tail.wrapping_add(used as u32), head);
+                    prop_assert!(used <= known.min(cap));
+                }
+            }
+        }
+    }
 }
