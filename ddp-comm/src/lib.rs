@@ -52,7 +52,7 @@ mod connect;
 mod cpu;
 pub mod cuda;
 mod element;
-pub mod env;
+mod env;
 mod error;
 mod group;
 mod heartbeat;
@@ -73,7 +73,10 @@ mod work;
 
 pub use cpu::DEFAULT_MAX_GATHER_BYTES;
 pub use element::{DType, Element, ReduceOp};
-pub use env::EnvConfig;
+pub use env::{
+    first_slurm_host, EnvConfig, EnvSource, HOST_ID_ENV, MAX_RUN_ID_LEN, OP_TIMEOUT_ENV,
+    RDZV_TIMEOUT_ENV, RUN_ID_ENV, TRANSPORT_ENV,
+};
 pub use error::{AuthFailure, CommError, Diagnosis};
 pub use group::{ProcessGroup, RingLayout};
 pub use link::{LinkKind, Transport};

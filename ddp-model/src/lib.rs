@@ -36,5 +36,4 @@
 pub mod checkpoint;
 mod convnet;
 
-pub use checkpoint::{natural_cmp, write_atomic, CheckpointError, TensorProblem};
 pub use convnet::{ConvNet, ConvNetConfig, ODIR_CLASSES};

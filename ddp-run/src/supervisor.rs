@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::env::{RankEnv, DDP_SECRET, DEFAULT_MASTER_PORT};
+use crate::env::{DDP_SECRET, DEFAULT_MASTER_PORT};
+use crate::rank_env::RankEnv;
 use crate::secret::JobSecret;
 use crate::signals::{SignalWatch, FORWARDED};
 use crate::{LaunchConfig, LaunchError};

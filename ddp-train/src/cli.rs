@@ -408,7 +408,7 @@ impl TrainArgs {
             return Ok(());
         };
         let env = ddp_comm::EnvConfig::from_env()?;
-        if env.source == ddp_comm::env::EnvSource::Single || env.local_rank == flag {
+        if env.source == ddp_comm::EnvSource::Single || env.local_rank == flag {
             return Ok(());
         }
         Err(TrainError::Invalid(format!(

@@ -73,7 +73,7 @@ pub enum TrainError {
     Data(#[from] ddp_data::DataError),
     /// A checkpoint could not be read or written, or does not fit the model.
     #[error(transparent)]
-    Checkpoint(#[from] ddp_model::CheckpointError),
+    Checkpoint(#[from] ddp_model::checkpoint::CheckpointError),
     /// libtorch failed.
     #[error(transparent)]
     Tch(#[from] tch::TchError),

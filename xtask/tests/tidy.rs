@@ -626,6 +626,61 @@ fn every_panic_in_library_code_is_listed_with_its_reason() {
 }
 
 // ---------------------------------------------------------------------------------------
+// Rule: one path to each public name: a crate root re-exports nothing from its own public
+// modules (their names are reached through the module).
+
+/// `pub use` lines of a crate root (`lib.rs`) that re-export from one of its `pub mod`s.
+fn second_paths(lib: &str) -> Vec<String> {
+    let code: Vec<&str> = before_tests(lib).lines().map(code).collect();
+    let public: Vec<&str> = code
+        .iter()
+        .filter_map(|l| l.trim().strip_prefix("pub mod ")?.strip_suffix(';'))
+        .collect();
+    code.iter()
+        .filter_map(|l| {
+            let path = l.trim().strip_prefix("pub use ")?;
+            let path = path.strip_prefix("self::").unwrap_or(path);
+            public
+                .iter()
+                .any(|m| path.starts_with(&format!("{m}::")))
+                .then(|| l.trim().to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn second_paths_are_found() {
+    let lib = "pub mod a;\nmod b;\npub use a::X;\npub use b::Y;\npub use self::a::{Z, W};\n// pub use a::V;\n";
+    assert_eq!(
+        second_paths(lib),
+        ["pub use a::X;", "pub use self::a::{Z, W};"]
+    );
+}
+
+#[test]
+fn crate_roots_do_not_re_export_their_public_modules() {
+    let root = root();
+    let found: Vec<String> = members()
+        .iter()
+        .filter_map(|m| {
+            let lib = std::fs::read_to_string(root.join(m).join("src/lib.rs")).ok()?;
+            Some(
+                second_paths(&lib)
+                    .into_iter()
+                    .map(move |l| format!("{m}: {l}")),
+            )
+        })
+        .flatten()
+        .collect();
+    assert!(
+        found.is_empty(),
+        "a name reachable both at the crate root and through its public module (make the \
+         module private, or drop the re-export):\n{}",
+        found.join("\n")
+    );
+}
+
+// ---------------------------------------------------------------------------------------
 // Rule: every crate has a README, and ARCHITECTURE.md names every crate.
 
 #[test]

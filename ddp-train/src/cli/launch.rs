@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
-use ddp_comm::env::EnvSource;
+use ddp_comm::EnvSource;
 use ddp_run::{LaunchConfig, NprocPerNode};
 
 use super::TrainArgs;
