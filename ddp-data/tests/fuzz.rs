@@ -9,7 +9,6 @@ use std::path::Path;
 
 use ddp_data::odir::{read_csv, read_xlsx, LabelMode};
 use proptest::prelude::*;
-use rust_xlsxwriter::Workbook;
 
 /// A valid `full_df.csv` of three patients.
 fn csv_bytes() -> &'static [u8] {
@@ -25,41 +24,11 @@ fn csv_bytes() -> &'static [u8] {
 fn xlsx_bytes() -> &'static [u8] {
     static BYTES: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
     BYTES.get_or_init(|| {
-        let mut wb = Workbook::new();
-        let ws = wb.add_worksheet();
-        let headers = [
-            "ID",
-            "Patient Age",
-            "Patient Sex",
-            "Left-Fundus",
-            "Right-Fundus",
-            "Left-Diagnostic Keywords",
-            "Right-Diagnostic Keywords",
-            "N",
-            "D",
-            "G",
-            "C",
-            "A",
-            "H",
-            "M",
-            "O",
-        ];
-        for (c, h) in headers.iter().enumerate() {
-            ws.write_string(0, c as u16, *h).unwrap();
-        }
-        for r in 1..=2u32 {
-            ws.write_number(r, 0, f64::from(r)).unwrap();
-            ws.write_number(r, 1, 57).unwrap();
-            ws.write_string(r, 2, "Male").unwrap();
-            ws.write_string(r, 3, format!("{r}_left.jpg")).unwrap();
-            ws.write_string(r, 4, format!("{r}_right.jpg")).unwrap();
-            ws.write_string(r, 5, "normal fundus").unwrap();
-            ws.write_string(r, 6, "normal fundus").unwrap();
-            for c in 7..15u16 {
-                ws.write_number(r, c, if c == 7 { 1 } else { 0 }).unwrap();
-            }
-        }
-        wb.save_to_buffer().unwrap()
+        let normal = [1, 0, 0, 0, 0, 0, 0, 0];
+        common::xlsx_bytes(&[
+            (1, "1_left.jpg", "1_right.jpg", normal),
+            (2, "2_left.jpg", "2_right.jpg", normal),
+        ])
     })
 }
 

@@ -10,47 +10,6 @@ use ddp_data::odir::{
     all_indices, split_by_patient, LabelMode, LabelSource, Layout, OdirDataset, OdirOptions,
 };
 use ddp_data::DataError;
-use rust_xlsxwriter::Workbook;
-
-/// Writes a challenge workbook with one row per patient: (id, left, right, labels N..O).
-fn write_xlsx(path: &Path, rows: &[(u64, &str, &str, [u8; 8])]) {
-    let mut wb = Workbook::new();
-    let ws = wb.add_worksheet();
-    let headers = [
-        "ID",
-        "Patient Age",
-        "Patient Sex",
-        "Left-Fundus",
-        "Right-Fundus",
-        "Left-Diagnostic Keywords",
-        "Right-Diagnostic Keywords",
-        "N",
-        "D",
-        "G",
-        "C",
-        "A",
-        "H",
-        "M",
-        "O",
-    ];
-    for (c, h) in headers.iter().enumerate() {
-        ws.write_string(0, c as u16, *h).unwrap();
-    }
-    for (r, (id, left, right, labels)) in rows.iter().enumerate() {
-        let r = r as u32 + 1;
-        ws.write_number(r, 0, *id as f64).unwrap();
-        ws.write_number(r, 1, 57).unwrap();
-        ws.write_string(r, 2, "Male").unwrap();
-        ws.write_string(r, 3, *left).unwrap();
-        ws.write_string(r, 4, *right).unwrap();
-        ws.write_string(r, 5, "normal fundus").unwrap();
-        ws.write_string(r, 6, "normal fundus").unwrap();
-        for (k, &l) in labels.iter().enumerate() {
-            ws.write_number(r, 7 + k as u16, l).unwrap();
-        }
-    }
-    wb.save(path).unwrap();
-}
 
 fn write_xlsx_images(dir: &Path, names: &[&str]) {
     std::fs::create_dir_all(dir).unwrap();
@@ -114,7 +73,7 @@ fn original_images_folder_is_used_when_there_is_no_preprocessed_folder() {
 #[test]
 fn challenge_workbook_gives_two_samples_per_patient() {
     let dir = tempfile::tempdir().unwrap();
-    write_xlsx(
+    common::write_xlsx(
         &dir.path().join("data.xlsx"),
         &[
             (0, "0_left.jpg", "0_right.jpg", [0, 0, 0, 1, 0, 0, 0, 0]),
@@ -154,7 +113,7 @@ fn challenge_workbook_gives_two_samples_per_patient() {
         .ends_with("Training Images/4_right.jpg"));
     // The challenge's own workbook name under ODIR-5K/ works too.
     let dir2 = tempfile::tempdir().unwrap();
-    write_xlsx(
+    common::write_xlsx(
         &dir2
             .path()
             .join("ODIR-5K_Training_Annotations(Updated)_V2.xlsx"),
@@ -171,7 +130,7 @@ fn challenge_workbook_gives_two_samples_per_patient() {
 #[test]
 fn challenge_workbook_has_no_per_eye_labels() {
     let dir = tempfile::tempdir().unwrap();
-    write_xlsx(
+    common::write_xlsx(
         &dir.path().join("data.xlsx"),
         &[(0, "0_left.jpg", "0_right.jpg", [1, 0, 0, 0, 0, 0, 0, 0])],
     );
@@ -193,7 +152,7 @@ fn challenge_workbook_has_no_per_eye_labels() {
 #[test]
 fn challenge_workbook_rejects_a_label_that_is_not_binary() {
     let dir = tempfile::tempdir().unwrap();
-    write_xlsx(
+    common::write_xlsx(
         &dir.path().join("data.xlsx"),
         &[
             (0, "0_left.jpg", "0_right.jpg", [1, 0, 0, 0, 0, 0, 0, 0]),

@@ -89,3 +89,49 @@ pub fn valid_csv_layout(root: &Path, patients: u64) -> Vec<String> {
     write_csv_layout(root, &rows, &refs);
     names
 }
+
+/// A challenge workbook with one row per patient: (id, left, right, labels N..O).
+pub fn xlsx_bytes(rows: &[(u64, &str, &str, [u8; 8])]) -> Vec<u8> {
+    use rust_xlsxwriter::Workbook;
+    let mut wb = Workbook::new();
+    let ws = wb.add_worksheet();
+    let headers = [
+        "ID",
+        "Patient Age",
+        "Patient Sex",
+        "Left-Fundus",
+        "Right-Fundus",
+        "Left-Diagnostic Keywords",
+        "Right-Diagnostic Keywords",
+        "N",
+        "D",
+        "G",
+        "C",
+        "A",
+        "H",
+        "M",
+        "O",
+    ];
+    for (c, h) in headers.iter().enumerate() {
+        ws.write_string(0, c as u16, *h).unwrap();
+    }
+    for (r, (id, left, right, labels)) in rows.iter().enumerate() {
+        let r = r as u32 + 1;
+        ws.write_number(r, 0, *id as f64).unwrap();
+        ws.write_number(r, 1, 57).unwrap();
+        ws.write_string(r, 2, "Male").unwrap();
+        ws.write_string(r, 3, *left).unwrap();
+        ws.write_string(r, 4, *right).unwrap();
+        ws.write_string(r, 5, "normal fundus").unwrap();
+        ws.write_string(r, 6, "normal fundus").unwrap();
+        for (k, &l) in labels.iter().enumerate() {
+            ws.write_number(r, 7 + k as u16, l).unwrap();
+        }
+    }
+    wb.save_to_buffer().unwrap()
+}
+
+/// Writes [`xlsx_bytes`] of `rows` to `path`.
+pub fn write_xlsx(path: &Path, rows: &[(u64, &str, &str, [u8; 8])]) {
+    std::fs::write(path, xlsx_bytes(rows)).unwrap();
+}
