@@ -393,6 +393,20 @@ impl ShmSender {
     }
 }
 
+/// The tail a receiver publishes: its own, but for the multi-process test of a peer that
+/// writes an impossible one (`ddp-comm/tests/corrupt_ring.rs`): in debug builds only, with
+/// `DDP_COMM_TEST_FORGE_TAIL` set, a tail 1 GiB past it, which no sender can have written.
+fn published_tail(tail: u32) -> u32 {
+    static FORGE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let forge = cfg!(debug_assertions)
+        && *FORGE.get_or_init(|| std::env::var_os("DDP_COMM_TEST_FORGE_TAIL").is_some());
+    if forge {
+        tail.wrapping_add(1 << 30)
+    } else {
+        tail
+    }
+}
+
 impl Drop for ShmSender {
     fn drop(&mut self) {
         self.close();
@@ -463,7 +477,9 @@ impl ShmReceiver {
     fn consume(&mut self, n: usize) {
         self.tail = self.tail.wrapping_add(n as u32);
         let control = self.ring.control();
-        control.tail.store(self.tail, Ordering::Release);
+        control
+            .tail
+            .store(published_tail(self.tail), Ordering::Release);
         wake_if_waiting(&control.writer_waiting, &self.peer.bell);
     }
 
