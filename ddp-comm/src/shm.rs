@@ -52,6 +52,7 @@ use rustix::net::{
 use crate::element::{self, DType, ReduceOp};
 
 mod fault;
+use fault::published_tail;
 pub(crate) use fault::RingFault;
 use fault::{check_head, check_tail};
 
@@ -390,20 +391,6 @@ impl ShmSender {
     /// Marks the ring closed and wakes the receiver.
     pub(crate) fn close(&self) {
         close(&self.ring, &self.peer);
-    }
-}
-
-/// The tail a receiver publishes: its own, but for the multi-process test of a peer that
-/// writes an impossible one (`ddp-comm/tests/corrupt_ring.rs`): in debug builds only, with
-/// `DDP_COMM_TEST_FORGE_TAIL` set, a tail 1 GiB past it, which no sender can have written.
-fn published_tail(tail: u32) -> u32 {
-    static FORGE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let forge = cfg!(debug_assertions)
-        && *FORGE.get_or_init(|| std::env::var_os("DDP_COMM_TEST_FORGE_TAIL").is_some());
-    if forge {
-        tail.wrapping_add(1 << 30)
-    } else {
-        tail
     }
 }
 
