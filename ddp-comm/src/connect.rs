@@ -28,6 +28,7 @@ use crate::error::CommError;
 use crate::link::{Link, LinkKind, RecvEnd, SendEnd};
 use crate::secret::Secret;
 use crate::shm::{self, Bell, Peer, PendingRing, ShmSender};
+use crate::sync::Pending;
 use crate::tcp;
 use crate::tcp::connect_retry;
 use crate::throttle::{more, Throttle};
@@ -338,15 +339,13 @@ where
         }
         match accept() {
             Ok((mut stream, from)) => {
-                use std::sync::atomic::Ordering::SeqCst;
-                if in_flight.fetch_add(1, SeqCst) >= MAX_JUDGED {
-                    in_flight.fetch_sub(1, SeqCst);
+                let Some(slot) = Pending::take(&in_flight, MAX_JUDGED) else {
                     if let Some(n) = TURNED_AWAY.admit() {
                         tracing::warn!("ddp-comm: rank {rank} closed a connection from {from}: {MAX_JUDGED} handshakes already in progress{}", more(n));
                     }
                     continue;
-                }
-                let (found, check, in_flight) = (found.clone(), check.clone(), in_flight.clone());
+                };
+                let (found, check) = (found.clone(), check.clone());
                 let (secret, deadline) = (plan.secret.clone(), plan.handshake_deadline());
                 let spawned = std::thread::Builder::new()
                     .name("ddp-ring-accept".into())
@@ -363,7 +362,7 @@ where
                         if let (Some(why), Some(n)) = (why, TURNED_AWAY.admit()) {
                             tracing::warn!("ddp-comm: rank {rank} {why}{}", more(n));
                         }
-                        in_flight.fetch_sub(1, SeqCst);
+                        drop(slot);
                     });
                 if let Err(e) = spawned {
                     return Err(CommError::io(format!("judging a connection on {what}"), e));

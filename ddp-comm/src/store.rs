@@ -22,6 +22,7 @@ use crate::secret::Secret;
 use crate::tcp::Connection;
 use crate::wire;
 
+use crate::sync::Pending;
 use crate::throttle::{more, Throttle};
 
 /// Warnings about refused and dropped connections: a burst, then counts (a flood of
@@ -45,15 +46,6 @@ pub(crate) const MAX_PENDING_HANDSHAKES: usize = 64;
 
 /// A pause after a failed accept (out of descriptors, say), so that the loop does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
-
-/// A handshake in progress, counted in the server's `pending` until it ends either way.
-struct Pending(Arc<AtomicUsize>);
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
 
 /// The operations rendezvous needs from a store (ours, or torchrun's agent store).
 pub(crate) trait Store: Send {
@@ -181,8 +173,7 @@ fn accept_loop(
                 continue;
             }
         };
-        if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
-            pending.fetch_sub(1, Ordering::SeqCst);
+        let Some(guard) = Pending::take(&pending, MAX_PENDING_HANDSHAKES) else {
             if let Some(dropped) = REFUSED.admit() {
                 let peer = stream
                     .peer_addr()
@@ -195,8 +186,7 @@ fn accept_loop(
                 );
             }
             continue;
-        }
-        let guard = Pending(pending.clone());
+        };
         // Two descriptors per connection in its handshake: its own and the server's list's.
         if let (Ok(clone), Ok(mut map)) = (stream.try_clone(), clients.lock()) {
             map.insert(id, clone);
