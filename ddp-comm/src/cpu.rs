@@ -682,4 +682,160 @@ mod tests {
              (ProcessGroup::set_max_gather_bytes)"
         );
     }
+
+    /// What a peer sends on a TCP ring link, fuzzed: rank 1 of 2 runs a collective over
+    /// real loopback sockets whose other ends the test holds. The predecessor's bytes are
+    /// the fuzz input, then it hangs up; the successor's are drained.
+    mod framing {
+        use super::*;
+        use crate::link::{RecvEnd, SendEnd};
+        use proptest::prelude::*;
+        use std::io::{Read, Write};
+        use std::net::{TcpListener, TcpStream};
+
+        const MAX_GATHER: u64 = 1 << 20;
+
+        /// A pair of connected loopback sockets.
+        fn pair() -> (TcpStream, TcpStream) {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (b, _) = listener.accept().unwrap();
+            (a, b)
+        }
+
+        /// Runs `op` on rank 1 of 2 while its predecessor sends `bytes` and hangs up.
+        fn with_peer_sending<T>(
+            bytes: &[u8],
+            op: impl FnOnce(&mut CpuBackend) -> Result<T, CommError>,
+        ) -> Result<T, CommError> {
+            let (mut from_prev, recv) = pair();
+            let (send, mut to_next) = pair();
+            let addr = recv.local_addr().unwrap();
+            let link = Link {
+                next: 0,
+                prev: 0,
+                send: SendEnd::Tcp { stream: send, addr },
+                recv: RecvEnd::Tcp { stream: recv, addr },
+                bell: None,
+            };
+            let ring = RingOrder {
+                order: vec![0, 1],
+                pos: 1,
+            };
+            let heartbeat = Arc::new(Heartbeat::without_thread(1, 2, "fuzz"));
+            let mut backend =
+                CpuBackend::new(1, 2, ring, Some(link), Duration::from_secs(20), heartbeat)
+                    .unwrap();
+            backend.set_max_gather(MAX_GATHER);
+            let drain = std::thread::spawn(move || {
+                let mut sink = [0u8; 4096];
+                while matches!(to_next.read(&mut sink), Ok(k) if k > 0) {}
+            });
+            let feed = {
+                let bytes = bytes.to_vec();
+                std::thread::spawn(move || {
+                    let _ = from_prev.write_all(&bytes);
+                    let _ = from_prev.shutdown(std::net::Shutdown::Write);
+                    // Keep the socket open until rank 1 is done reading, so that what it
+                    // sees is the end of the data, not a reset.
+                    let mut rest = [0u8; 64];
+                    while matches!(from_prev.read(&mut rest), Ok(k) if k > 0) {}
+                })
+            };
+            let result = op(&mut backend);
+            drop(backend);
+            feed.join().unwrap();
+            drain.join().unwrap();
+            result
+        }
+
+        /// The only ways a collective may fail on a peer's bytes: they are not the same
+        /// collective, they announce too much, or the peer hung up before the end. Never a
+        /// timeout: the peer's hang-up is seen at once.
+        fn expected_failure(err: &CommError) -> bool {
+            matches!(
+                err,
+                CommError::Mismatch { peer: 0, .. }
+                    | CommError::TooLarge { .. }
+                    | CommError::PeerLost { peer: 0, .. }
+            )
+        }
+
+        fn lengths_header(len: u64) -> Vec<u8> {
+            let mut bytes = header(Kind::AllGather, 0, 0, 8).to_vec();
+            bytes.extend_from_slice(&len.to_le_bytes());
+            bytes
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+            /// Any bytes at all: every collective fails with a protocol error or the
+            /// hang-up, and the backend refuses further use (it is poisoned).
+            #[test]
+            fn any_bytes_end_every_collective_with_an_error(
+                bytes in proptest::collection::vec(any::<u8>(), 0..256),
+                which in 0u8..4,
+            ) {
+                let result = with_peer_sending(&bytes, |b| match which {
+                    0 => b.all_reduce(&mut [0u8; 64], DType::F32, ReduceOp::Sum).map(|_| ()),
+                    1 => b.broadcast(&mut [0u8; 32], 0),
+                    2 => b.barrier(),
+                    _ => b.all_gather_bytes(b"mine").map(|_| ()),
+                });
+                // Random bytes can only pass as a header of the same collective by chance
+                // (16 exact bytes); then too few data bytes follow.
+                let err = result.expect_err("a collective succeeded on random bytes");
+                prop_assert!(expected_failure(&err), "{err:?}");
+            }
+
+            /// A peer that speaks the protocol but announces any length in
+            /// `all_gather_bytes`: over the limit is `TooLarge` before any allocation;
+            /// within it, the bytes that follow are the peer's piece, or the hang-up.
+            #[test]
+            fn announced_gather_lengths_are_bounded_and_honoured(
+                len in prop_oneof![0u64..64, any::<u64>()],
+                tail in proptest::collection::vec(any::<u8>(), 0..80),
+            ) {
+                let mine = b"mine";
+                let total = len.saturating_add(mine.len() as u64);
+                let mut bytes = lengths_header(len);
+                bytes.extend_from_slice(&header(Kind::AllGather, 1, 0, total as usize));
+                bytes.extend_from_slice(&tail);
+                match with_peer_sending(&bytes, |b| b.all_gather_bytes(mine)) {
+                    Ok(pieces) => {
+                        prop_assert!(len as usize <= tail.len());
+                        prop_assert_eq!(&pieces[0][..], &tail[..len as usize]);
+                        prop_assert_eq!(&pieces[1][..], &mine[..]);
+                    }
+                    Err(CommError::TooLarge { rank: 0, bytes: b, .. }) => {
+                        prop_assert!(total > MAX_GATHER);
+                        prop_assert_eq!(b, len);
+                    }
+                    Err(err) => {
+                        prop_assert!(total <= MAX_GATHER && (len as usize) > tail.len(), "{err:?}");
+                        prop_assert!(matches!(err, CommError::PeerLost { peer: 0, .. }), "{err:?}");
+                    }
+                }
+            }
+
+            /// A header of another collective, dtype, argument or length (one byte
+            /// changed) is a mismatch naming both, whatever follows.
+            #[test]
+            fn a_header_that_differs_in_any_byte_is_a_mismatch(
+                at in 0usize..HEADER,
+                flip in 1u8..=255,
+                tail in proptest::collection::vec(any::<u8>(), 0..64),
+            ) {
+                let mut bytes = header(Kind::AllReduce, dtype_code(DType::F32), op_code(ReduceOp::Sum), 64).to_vec();
+                bytes[at] ^= flip;
+                bytes.extend_from_slice(&tail);
+                let err = with_peer_sending(&bytes, |b| {
+                    b.all_reduce(&mut [0u8; 64], DType::F32, ReduceOp::Sum)
+                })
+                .expect_err("a changed header passed");
+                prop_assert!(matches!(err, CommError::Mismatch { peer: 0, .. }), "{err:?}");
+            }
+        }
+    }
 }
