@@ -1,14 +1,16 @@
 //! Reading a rank's place in the job from the environment: torchrun's variables, SLURM's,
 //! or a single process.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::error::CommError;
+use crate::key_file::SECRET_FILE_ENV;
 use crate::link::Transport;
 use crate::secret::{Secret, SECRET_ENV};
 
 /// Environment variable holding the job's run id (which keys in torchrun's agent store carry,
-/// and from which the fallback secret is derived when `DDP_SECRET` is not set).
+/// and which goes into the fallback secret with the key file when `DDP_SECRET` is not set).
 pub const RUN_ID_ENV: &str = "DDP_RUN_ID";
 /// Environment variable overriding the rendezvous timeout, in seconds.
 pub const RDZV_TIMEOUT_ENV: &str = "DDP_RDZV_TIMEOUT_S";
@@ -59,9 +61,13 @@ pub struct EnvConfig {
     /// `"ddp-comm"`.
     pub run_id: String,
     /// `DDP_SECRET`, the key of every connection's handshake, if set (`ddp-run` sets it).
-    /// When it is not, ranks derive one from the run id, which anyone who knows the run id
-    /// can do too (see the crate's README, "Security").
+    /// When it is not, ranks of a job of several derive one from the user's key file
+    /// ([`secret_file`](Self::secret_file)) and the run id (see the crate's README,
+    /// "Security").
     pub secret: Option<Secret>,
+    /// `DDP_SECRET_FILE`, if set: the key file to use when there is no `secret` (`None`:
+    /// `$XDG_CONFIG_HOME/ddp/secret`, else `~/.config/ddp/secret`). Created if missing.
+    pub secret_file: Option<PathBuf>,
     /// `TORCHELASTIC_USE_AGENT_STORE=True`: torchrun's agent already serves a c10d TCPStore
     /// on `MASTER_PORT`; every rank is a client of it.
     pub agent_store: bool,
@@ -103,6 +109,7 @@ impl EnvConfig {
             master_port,
             run_id: DEFAULT_RUN_ID.to_string(),
             secret: None,
+            secret_file: None,
             agent_store: false,
             restart_count: 0,
             rendezvous_timeout: None,
@@ -249,6 +256,7 @@ impl EnvConfig {
             master_port,
             run_id,
             secret,
+            secret_file: get(SECRET_FILE_ENV).map(PathBuf::from),
             agent_store,
             restart_count,
             rendezvous_timeout: timeout(RDZV_TIMEOUT_ENV)?,
@@ -488,6 +496,13 @@ mod tests {
         assert_eq!(c.secret, Some(Secret::from_env_value(hex).unwrap()));
         assert_eq!(c.secret.unwrap().origin(), crate::SecretOrigin::Env);
         assert_eq!(read(&[]).unwrap().secret, None);
+        assert_eq!(read(&[]).unwrap().secret_file, None);
+        assert_eq!(
+            read(&[("DDP_SECRET_FILE", " /shared/key ")])
+                .unwrap()
+                .secret_file,
+            Some(PathBuf::from("/shared/key"))
+        );
         for bad in [&hex[..31], "0123456789abcdef0123456789abcdeg"] {
             match read(&[("DDP_SECRET", bad)]) {
                 Err(CommError::MalformedEnv { var, value, .. }) => {

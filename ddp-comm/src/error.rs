@@ -83,6 +83,15 @@ pub enum CommError {
         /// What went wrong, and what to check.
         failure: AuthFailure,
     },
+    /// The key file the job's secret comes from (`DDP_SECRET_FILE`, else
+    /// `~/.config/ddp/secret`, when `DDP_SECRET` is not set) cannot be used.
+    #[error("key file {}: {detail}", path.display())]
+    SecretFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong with it, and what to do (never its contents).
+        detail: String,
+    },
     /// The store failed or answered something unexpected.
     #[error("store at {addr}: {detail}")]
     Store {

@@ -13,7 +13,7 @@ use crate::link::LinkKind;
 use crate::nccl::{self, NcclComm, NcclOp};
 use crate::options::{Backend, Options, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT};
 use crate::rendezvous::{self, Plan};
-use crate::secret::{Secret, SecretOrigin};
+use crate::secret::Secret;
 use crate::shm;
 use crate::store::{Store, StoreServer};
 use crate::sync::lock;
@@ -116,16 +116,20 @@ impl ProcessGroup {
         });
         let secret = match &env.secret {
             Some(secret) => secret.clone(),
-            None => Secret::from_run_id(&env.run_id),
+            // A group of one makes no connection: nothing to prove, no key file to touch.
+            None if env.world_size == 1 => Secret::unused()?,
+            None => {
+                let (secret, made) = Secret::fallback(env.secret_file.as_deref(), &env.run_id)?;
+                if made {
+                    tracing::info!(
+                        "ddp-comm: DDP_SECRET is not set; created the key file {} (mode 0600) \
+                         for the ranks' handshakes",
+                        secret.file().unwrap_or(std::path::Path::new("?")).display()
+                    );
+                }
+                secret
+            }
         };
-        if secret.origin() == SecretOrigin::RunId && env.world_size > 1 && env.rank == 0 {
-            tracing::warn!(
-                "ddp-comm: DDP_SECRET is not set, so connections between ranks are \
-                 authenticated with a secret derived from the run id {:?}: anyone who can \
-                 guess it can join (ddp-run sets DDP_SECRET; see ddp-comm's README, Security)",
-                env.run_id
-            );
-        }
         let op_timeout = env.op_timeout.unwrap_or(DEFAULT_OP_TIMEOUT);
         let plan = Plan {
             rank: env.rank,

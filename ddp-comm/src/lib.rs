@@ -17,8 +17,8 @@
 //!   from every rank's heartbeat in the store ([`Diagnosis`]).
 //!
 //! - Every connection between ranks starts with a mutual challenge–response over the job's
-//!   [`Secret`] (`DDP_SECRET`, which `ddp-run` sets; else derived from the run id, which is
-//!   weak): strangers get nothing, and a peer that cannot prove the secret is not trusted
+//!   [`Secret`] (`DDP_SECRET`, which `ddp-run` sets; else derived from the user's key file,
+//!   `~/.config/ddp/secret`, and the run id): strangers get nothing, and a peer that cannot prove the secret is not trusted
 //!   ([`CommError::Handshake`], [`AuthFailure`]). See the README's "Security".
 //!
 //! Rendezvous (`rendezvous.rs`) uses a small key-value store served by rank 0 (`store.rs`),
@@ -56,6 +56,7 @@ mod env;
 mod error;
 mod group;
 mod heartbeat;
+mod key_file;
 mod link;
 mod nccl;
 mod options;
@@ -79,6 +80,7 @@ pub use env::{
 };
 pub use error::{AuthFailure, CommError, Diagnosis};
 pub use group::{ProcessGroup, RingLayout};
+pub use key_file::SECRET_FILE_ENV;
 pub use link::{LinkKind, Transport};
 pub use nccl::version as nccl_version;
 pub use options::{

@@ -50,9 +50,9 @@ pub struct Options {
     /// environment can give (`DDP_*`, see [`EnvConfig`]); the builder methods set them in
     /// code. What is unset takes its default: the timeouts [`DEFAULT_RENDEZVOUS_TIMEOUT`]
     /// and [`DEFAULT_OP_TIMEOUT`], the transport [`Transport::Auto`], and the secret is
-    /// derived from the run id ([`Secret::from_run_id`]), which protects against other
-    /// jobs' ranks but not against anyone who can guess the run id (see the crate's
-    /// README, "Security").
+    /// derived from the user's key file and the run id ([`Secret::from_key_file`]; the
+    /// file is `DDP_SECRET_FILE`, else `~/.config/ddp/secret`, created if missing), which
+    /// every rank must be able to read (see the crate's README, "Security").
     pub env: EnvConfig,
     /// `None`: NCCL when a CUDA device is visible (initialised at the first CUDA
     /// collective), else the CPU links only. `Some(Nccl)`: NCCL, initialised now.

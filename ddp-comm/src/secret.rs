@@ -3,11 +3,17 @@
 //!
 //! Where it comes from: `DDP_SECRET` (at least 128 bits in hexadecimal; `ddp-run` writes a
 //! fresh one for every job), or the program ([`Options::with_secret`](crate::Options::with_secret)),
-//! or, as a fallback, the run id. The fallback is as strong as the run id is hard to guess, which is
-//! not at all for `"ddp-comm"`, a `SLURM_JOB_ID` or a `TORCHELASTIC_RUN_ID` (see the
-//! crate's README, "Security").
+//! or, as a fallback, the user's key file (`key_file.rs`: `DDP_SECRET_FILE`, else
+//! `~/.config/ddp/secret`) together with the run id. Never the run id alone: a run id is no
+//! secret (`"ddp-comm"`, a `SLURM_JOB_ID` from `squeue`, torchrun's `--rdzv-id` in argv).
+//! See the crate's README, "Security".
+
+use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
+
+use crate::error::CommError;
+use crate::key_file::{self, decode_hex};
 
 /// Environment variable holding the job's secret: at least 32 hexadecimal digits (128 bits).
 pub const SECRET_ENV: &str = "DDP_SECRET";
@@ -23,8 +29,9 @@ pub enum SecretOrigin {
     Env,
     /// Given by the program ([`Secret::from_bytes`]).
     Given,
-    /// Derived from the run id, for lack of either: anyone who knows the run id knows it.
-    RunId,
+    /// Derived from the user's key file and the run id, for lack of either: every rank of
+    /// the job must read the same file (one host, or a shared home folder).
+    KeyFile,
 }
 
 /// The key of the connection handshake. Its `Debug` shows only where it came from.
@@ -32,6 +39,8 @@ pub enum SecretOrigin {
 pub struct Secret {
     key: [u8; 32],
     origin: SecretOrigin,
+    /// The key file, for [`SecretOrigin::KeyFile`].
+    file: Option<PathBuf>,
 }
 
 impl Secret {
@@ -50,10 +59,57 @@ impl Secret {
         Self::from_bytes(&bytes)
     }
 
-    /// The fallback: a secret derived from the run id. It protects against ranks of other
-    /// jobs, not against anyone who can guess the run id.
-    pub fn from_run_id(run_id: &str) -> Self {
-        Self::derive(b"run-id", run_id.as_bytes(), SecretOrigin::RunId)
+    /// The secret of the key file at `path` (created with fresh random digits, mode 0600, if
+    /// it does not exist; its folder must) for the run `run_id`: ranks that read the same
+    /// file and share the run id have the same secret, and other run ids get other secrets.
+    /// The file must belong to this user, be readable by no one else, and hold 32 to 128
+    /// hexadecimal digits ([`CommError::SecretFile`] otherwise, never quoting it).
+    pub fn from_key_file(path: &Path, run_id: &str) -> Result<Self, CommError> {
+        Self::key_file(path, false, run_id).map(|(secret, _)| secret)
+    }
+
+    /// The fallback when neither `DDP_SECRET` nor the program gave a secret: the key file
+    /// `explicit` (`DDP_SECRET_FILE`), else the user's default one, whose folder is made if
+    /// need be. The second value says whether this call created the file.
+    pub(crate) fn fallback(
+        explicit: Option<&Path>,
+        run_id: &str,
+    ) -> Result<(Self, bool), CommError> {
+        match explicit {
+            Some(path) => Self::key_file(path, false, run_id),
+            None => {
+                let path = key_file::default_path(|name| std::env::var_os(name)).ok_or_else(
+                    || CommError::MissingEnv {
+                        var: crate::SECRET_ENV.into(),
+                        why: "neither HOME nor XDG_CONFIG_HOME is set, so there is no key                               file (~/.config/ddp/secret) to take the job's secret from: set                               DDP_SECRET to the same 32 hexadecimal digits on every rank,                               e.g. from `openssl rand -hex 16`, or DDP_SECRET_FILE"
+                            .into(),
+                    },
+                )?;
+                Self::key_file(&path, true, run_id)
+            }
+        }
+    }
+
+    /// A random secret for a group that makes no connection (a group of one).
+    pub(crate) fn unused() -> Result<Self, CommError> {
+        let mut bytes = [0u8; 32];
+        getrandom::fill(&mut bytes).map_err(|e| CommError::Io {
+            context: "drawing a secret".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        Ok(Self::derive(b"bytes", &bytes, SecretOrigin::Given))
+    }
+
+    fn key_file(path: &Path, make_folder: bool, run_id: &str) -> Result<(Self, bool), CommError> {
+        let (bytes, made) =
+            key_file::read_or_create(path, make_folder, MIN_SECRET_BYTES..=MAX_SECRET_BYTES)?;
+        // The file's bytes are length-prefixed, so no (file, run id) pair can stand for another.
+        let mut material = (bytes.len() as u32).to_le_bytes().to_vec();
+        material.extend_from_slice(&bytes);
+        material.extend_from_slice(run_id.as_bytes());
+        let mut secret = Self::derive(b"key-file", &material, SecretOrigin::KeyFile);
+        secret.file = Some(path.to_path_buf());
+        Ok((secret, made))
     }
 
     /// `DDP_SECRET`'s secret, or the reason it cannot be used (which never quotes it).
@@ -79,18 +135,26 @@ impl Secret {
         self.origin
     }
 
+    /// The key file it was derived from, for [`SecretOrigin::KeyFile`].
+    pub fn file(&self) -> Option<&Path> {
+        self.file.as_deref()
+    }
+
     /// What to check when a peer's secret differs from this one.
-    pub(crate) fn hint(&self) -> &'static str {
-        match self.origin {
-            SecretOrigin::Env => "check that every rank was given the same DDP_SECRET",
-            SecretOrigin::Given => {
-                "check that every rank was given the same secret (Options::with_secret)"
+    pub(crate) fn hint(&self) -> String {
+        match (self.origin, &self.file) {
+            (SecretOrigin::Env, _) => "check that every rank was given the same DDP_SECRET".into(),
+            (SecretOrigin::Given, _) => {
+                "check that every rank was given the same secret (Options::with_secret)".into()
             }
-            SecretOrigin::RunId => {
-                "DDP_SECRET is not set, so the secret comes from the run id: check that every \
-                 rank has the same DDP_RUN_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID, or give \
-                 them all the same DDP_SECRET"
-            }
+            (SecretOrigin::KeyFile, file) => format!(
+                "DDP_SECRET is not set, so the secret comes from the key file {} and the run \
+                 id: ranks on hosts that do not share this file have different secrets; give \
+                 every rank the same DDP_SECRET (e.g. `export DDP_SECRET=$(openssl rand -hex \
+                 16)` where the job is submitted) or a DDP_SECRET_FILE they all share, and \
+                 check that they have the same DDP_RUN_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID",
+                file.as_deref().unwrap_or(Path::new("?")).display()
+            ),
         }
     }
 
@@ -109,6 +173,7 @@ impl Secret {
         Secret {
             key: hash.finalize().into(),
             origin,
+            file: None,
         }
     }
 }
@@ -133,18 +198,6 @@ impl PartialEq for Secret {
 }
 
 impl Eq for Secret {}
-
-fn decode_hex(text: &str) -> Option<Vec<u8>> {
-    let digits = text.as_bytes();
-    if digits.len() % 2 != 0 {
-        return None;
-    }
-    let value = |d: u8| (d as char).to_digit(16).map(|v| v as u8);
-    digits
-        .chunks_exact(2)
-        .map(|pair| Some((value(pair[0])? << 4) | value(pair[1])?))
-        .collect()
-}
 
 #[cfg(test)]
 mod tests {
@@ -175,15 +228,30 @@ mod tests {
         let env = Secret::from_env_value(HEX).unwrap();
         assert_eq!(env.origin(), SecretOrigin::Env);
         assert_eq!(env.key(), Secret::from_hex(HEX).unwrap().key());
-        assert_ne!(Secret::from_run_id(HEX).key(), env.key());
-        assert_eq!(
-            Secret::from_run_id("job").key(),
-            Secret::from_run_id("job").key()
+    }
+
+    #[test]
+    fn a_key_file_gives_one_secret_per_run_id_and_never_the_run_id_alone() {
+        let dir = std::env::temp_dir().join(format!("ddp-comm-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b) = (dir.join("a"), dir.join("b"));
+        let job = Secret::from_key_file(&a, "job").unwrap();
+        assert_eq!(job.origin(), SecretOrigin::KeyFile);
+        assert_eq!(job.file(), Some(a.as_path()));
+        assert_eq!(job, Secret::from_key_file(&a, "job").unwrap());
+        assert_ne!(job, Secret::from_key_file(&a, "job2").unwrap());
+        // Another file (another host without a shared home) is another secret.
+        assert_ne!(job.key(), Secret::from_key_file(&b, "job").unwrap().key());
+        // The file's digits as DDP_SECRET are not the key-file secret either.
+        let digits = std::fs::read_to_string(&a).unwrap();
+        assert_ne!(job.key(), Secret::from_hex(&digits).unwrap().key());
+        assert!(
+            job.hint().contains(&a.display().to_string()),
+            "{}",
+            job.hint()
         );
-        assert_ne!(
-            Secret::from_run_id("job").key(),
-            Secret::from_run_id("job2").key()
-        );
+        assert!(!format!("{job:?}").contains(digits.trim()));
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

@@ -148,7 +148,10 @@ fn a_rank_that_exits_fails_the_others_and_poisons_the_group_over_tcp() {
 fn a_busy_port_is_named() {
     let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = holder.local_addr().unwrap().port();
-    let opts = Options::new(0, 2, "127.0.0.1", port).rendezvous_timeout(Duration::from_secs(5));
+    let secret = ddp_comm::Secret::from_hex(&"ab".repeat(16)).unwrap();
+    let opts = Options::new(0, 2, "127.0.0.1", port)
+        .with_secret(secret)
+        .rendezvous_timeout(Duration::from_secs(5));
     let err = ProcessGroup::new(opts).unwrap_err();
     match &err {
         CommError::PortInUse { addr } => assert_eq!(addr.port(), port),

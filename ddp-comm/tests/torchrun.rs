@@ -1,6 +1,7 @@
 //! Started by the real `torchrun --no-python` from the setup's Python: the agent already
 //! serves a c10d TCPStore on MASTER_PORT (`TORCHELASTIC_USE_AGENT_STORE=True`), and the
-//! ranks must rendezvous through it.
+//! ranks must rendezvous through it. Without `DDP_SECRET`, as under a plain torchrun, the
+//! ranks authenticate their ring links with the user's key file.
 
 mod common;
 
@@ -47,6 +48,7 @@ fn ranks_started_by_torchrun_meet_through_the_agent_store() {
         return;
     };
     let port = free_port();
+    let config = ddp_testkit::temp_dir("torchrun-config");
     let mut cmd = Command::new(torchrun);
     cmd.args([
         "--nnodes",
@@ -67,6 +69,9 @@ fn ranks_started_by_torchrun_meet_through_the_agent_store() {
     ])
     .env(WORKER_ENV, "1")
     .env("DDP_RDZV_TIMEOUT_S", "60")
+    .env("XDG_CONFIG_HOME", config.path())
+    .env_remove("DDP_SECRET")
+    .env_remove("DDP_SECRET_FILE")
     .env_remove("DDP_RUN_ID")
     .stdout(std::process::Stdio::piped())
     .stderr(std::process::Stdio::piped());
@@ -80,4 +85,6 @@ fn ranks_started_by_torchrun_meet_through_the_agent_store() {
         "{}",
         show(&out)
     );
+    let key_file = config.path().join("ddp/secret");
+    assert!(key_file.is_file(), "no key file was made:\n{}", show(&out));
 }

@@ -46,7 +46,7 @@ pub struct RankEnv {
     /// `TORCH_NCCL_ASYNC_ERROR_HANDLING` for the rank.
     pub nccl_async_error_handling: String,
     /// The job's secret ([`DDP_SECRET`]), the same for every rank of the job. `None`: not
-    /// set (ddp-comm then derives one from the run id, which is weaker).
+    /// set (ddp-comm then takes one from the user's key file and the run id).
     pub secret: Option<JobSecret>,
 }
 

@@ -614,8 +614,8 @@ fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) {
 
 /// The secret of a job: `DDP_SECRET` from the configuration's variables, else from the
 /// launcher's own environment (every node of a job must be given the same), else a fresh
-/// one on a single node; `None` for several nodes without one (their ranks fall back to a
-/// secret derived from the run id, see the README).
+/// one on a single node; `None` for several nodes without one (their ranks fall back to the
+/// user's key file, see ddp-comm's README).
 fn job_secret(config: &LaunchConfig) -> Result<Option<JobSecret>, LaunchError> {
     let given: Option<OsString> = config
         .env

@@ -493,6 +493,10 @@ fn torchrun_starts_ddp_train_ranks_that_train_together() {
             "1",
         ])
         .env("OMP_NUM_THREADS", "1")
+        // As under a plain torchrun: no DDP_SECRET, so the ranks use the user's key file.
+        .env("XDG_CONFIG_HOME", dir.join("config"))
+        .env_remove("DDP_SECRET")
+        .env_remove("DDP_SECRET_FILE")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -500,6 +504,7 @@ fn torchrun_starts_ddp_train_ranks_that_train_together() {
     let output = wait_bounded(child, Duration::from_secs(120));
     let t = text(&output);
     assert!(output.status.success(), "{t}");
+    assert!(dir.join("config/ddp/secret").is_file(), "no key file:\n{t}");
     // Both ranks took part: rank 1 announced itself, and the epoch's metrics count two ranks.
     assert!(t.contains("rank 1 of 2"), "{t}");
     let metrics = metrics_without_timing(&out);

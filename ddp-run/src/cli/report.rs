@@ -33,9 +33,10 @@ pub fn launch_and_report(config: &LaunchConfig, name: &str) -> Result<ExitCode, 
     if config.nnodes > 1 && std::env::var_os(crate::env::DDP_SECRET).is_none() {
         eprintln!(
             "{name}: DDP_SECRET is not set, so the ranks of these {} nodes authenticate each \
-             other with a secret derived from the run id, which anyone who knows it can \
-             compute; give every node the same DDP_SECRET (e.g. `export DDP_SECRET=$(openssl \
-             rand -hex 16)` where the job is submitted)",
+             other with your key file (DDP_SECRET_FILE, else ~/.config/ddp/secret), which \
+             works only if every node reads the same file (a shared home folder); otherwise \
+             give every node the same DDP_SECRET (e.g. `export DDP_SECRET=$(openssl rand -hex \
+             16)` where the job is submitted)",
             config.nnodes
         );
     }
