@@ -24,6 +24,10 @@ use crate::error::CommError;
 /// Environment variable naming the key file, instead of the per-user default.
 pub const SECRET_FILE_ENV: &str = "DDP_SECRET_FILE";
 
+/// What to do when no key file can be made.
+const INSTEAD: &str = "set DDP_SECRET on every rank instead (e.g. `export \
+                       DDP_SECRET=$(openssl rand -hex 16)`), or DDP_SECRET_FILE to a file \
+                       that can be made";
 /// Random bytes in a file this crate creates (256 bits).
 const CREATED_BYTES: usize = 32;
 /// The most bytes read from a key file: 128 hexadecimal digits and some white space.
@@ -64,14 +68,10 @@ pub(crate) fn read_or_create(
             .recursive(true)
             .mode(0o700)
             .create(folder)
-            .map_err(|e| error(format!("cannot create its folder: {e}")))?;
+            .map_err(|e| error(format!("cannot create its folder ({e}); {INSTEAD}")))?;
     }
-    let made = create(path, folder).map_err(|e| {
-        error(format!(
-            "cannot create it ({e}); set DDP_SECRET on every rank instead (e.g. \
-             `export DDP_SECRET=$(openssl rand -hex 16)`)"
-        ))
-    })?;
+    let made =
+        create(path, folder).map_err(|e| error(format!("cannot create it ({e}); {INSTEAD}")))?;
     match read(path, &accept) {
         Ok(bytes) => Ok((bytes, made)),
         Err(ReadError::Missing) => Err(error("vanished right after it was created".into())),
@@ -90,7 +90,7 @@ fn read(path: &Path, accept: &RangeInclusive<usize>) -> Result<Vec<u8>, ReadErro
     let mut file = match File::open(path) {
         Ok(file) => file,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ReadError::Missing),
-        Err(e) => return Err(ReadError::Bad(format!("cannot open it: {e}"))),
+        Err(e) => return Err(ReadError::Bad(format!("cannot open it ({e}); {INSTEAD}"))),
     };
     let meta = file
         .metadata()
@@ -347,6 +347,22 @@ mod tests {
                 "{why}"
             );
         }
+        // A path through a file: the error says what to do.
+        let plain = dir.join("plain");
+        std::fs::write(&plain, b"").unwrap();
+        let why = detail(read_or_create(&plain.join("ddp/secret"), true, ACCEPT).unwrap_err());
+        assert!(
+            why.starts_with("cannot open it (Not a directory") && why.contains("set DDP_SECRET"),
+            "{why}"
+        );
+        // A folder that cannot be made (not even root makes one in /proc).
+        let why = detail(
+            read_or_create(Path::new("/proc/ddp-comm-test/ddp/secret"), true, ACCEPT).unwrap_err(),
+        );
+        assert!(
+            why.starts_with("cannot create its folder (") && why.contains("set DDP_SECRET"),
+            "{why}"
+        );
         // Without the folder, nothing is created and the error says what to do.
         let why = detail(read_or_create(&dir.join("none/secret"), false, ACCEPT).unwrap_err());
         assert!(
