@@ -4,7 +4,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::env::{OMP_NUM_THREADS, TORCH_NCCL_ASYNC_ERROR_HANDLING};
+use crate::env::{DDP_SECRET, OMP_NUM_THREADS, TORCH_NCCL_ASYNC_ERROR_HANDLING};
 use crate::LaunchError;
 
 /// A job on this node: `nproc_per_node` ranks of `program` with `args`.
@@ -125,6 +125,34 @@ impl LaunchConfig {
         Ok(())
     }
 
+    /// The `DDP_SECRET` given for the job: the last one in [`env`](Self::env), else the
+    /// launcher's own.
+    pub(crate) fn given_secret(&self) -> Option<OsString> {
+        self.env
+            .iter()
+            .rev()
+            .find(|(name, _)| name == DDP_SECRET)
+            .map(|(_, value)| value.clone())
+            .or_else(|| std::env::var_os(DDP_SECRET))
+    }
+
+    /// What a launcher should tell its user before a job of several nodes without a given
+    /// `DDP_SECRET` (the launcher of one node cannot draw a secret that the others share):
+    /// the ranks then use the user's key file, which only works where all nodes read the
+    /// same one. `None` when there is nothing to say.
+    pub fn secret_warning(&self) -> Option<String> {
+        (self.nnodes > 1 && self.given_secret().is_none()).then(|| {
+            format!(
+                "DDP_SECRET is not set, so the ranks of these {} nodes authenticate each other \
+                 with your key file (DDP_SECRET_FILE, else ~/.config/ddp/secret), which works \
+                 only if every node reads the same file (a shared home folder); otherwise give \
+                 every node the same DDP_SECRET (e.g. `export DDP_SECRET=$(openssl rand -hex \
+                 16)` where the job is submitted)",
+                self.nnodes
+            )
+        })
+    }
+
     /// Ranks in the whole job.
     pub fn world_size(&self) -> usize {
         self.nproc_per_node * self.nnodes
@@ -159,6 +187,26 @@ impl LaunchConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn several_nodes_without_a_secret_are_warned_about_the_key_file() {
+        let one = LaunchConfig::new("prog", 2);
+        assert_eq!(one.secret_warning(), None);
+        let mut two = LaunchConfig { nnodes: 2, ..one };
+        if std::env::var_os(DDP_SECRET).is_none() {
+            let warning = two.secret_warning().unwrap();
+            assert!(
+                warning.starts_with(
+                    "DDP_SECRET is not set, so the ranks of these 2 nodes authenticate each \
+                     other with your key file"
+                ),
+                "{warning}"
+            );
+        }
+        two.env
+            .push((DDP_SECRET.into(), "00112233445566778899aabbccddeeff".into()));
+        assert_eq!(two.secret_warning(), None);
+    }
 
     #[test]
     fn bad_settings_are_named() {

@@ -617,13 +617,7 @@ fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) {
 /// one on a single node; `None` for several nodes without one (their ranks fall back to the
 /// user's key file, see ddp-comm's README).
 fn job_secret(config: &LaunchConfig) -> Result<Option<JobSecret>, LaunchError> {
-    let given: Option<OsString> = config
-        .env
-        .iter()
-        .rev()
-        .find(|(name, _)| name == DDP_SECRET)
-        .map(|(_, value)| value.clone())
-        .or_else(|| std::env::var_os(DDP_SECRET));
+    let given = config.given_secret();
     match given {
         Some(text) => text
             .to_str()

@@ -163,6 +163,9 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     config.shutdown_timeout = Duration::from_secs(args.grace);
     config.omp_num_threads = Some(threads);
 
+    if let Some(warning) = config.secret_warning() {
+        eprintln!("xtask: {warning}");
+    }
     let outcome = ddp_run::launch(&config, |event| match event {
         Event::Starting {
             world_size,

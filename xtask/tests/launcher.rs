@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -477,14 +477,26 @@ fn node_flags(node: usize, port: u16) -> Vec<String> {
 }
 
 /// Starts node `node` of two; its ranks see another host id than the other node's, so the
-/// two nodes talk TCP as on two machines.
+/// two nodes talk TCP as on two machines. Without `DDP_SECRET` (the launchers of several
+/// nodes draw none), the ranks take the secret from the key file in the configuration folder
+/// beside `out`, which both nodes share, as machines with a shared home do.
 fn start_node(node: usize, port: u16, data: &Path, out: &Path, extra: &[&str]) -> Child {
     let flags = node_flags(node, port);
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let host = format!("test-node-{node}");
-    launcher_with(&flags, data, out, extra, &[("DDP_HOST_ID", &host)])
+    let config = shared_config(out);
+    let env = [
+        ("DDP_HOST_ID", host.as_str()),
+        ("XDG_CONFIG_HOME", config.to_str().unwrap()),
+    ];
+    launcher_with(&flags, data, out, extra, &env)
         .spawn()
         .unwrap()
+}
+
+/// The configuration folder both nodes of [`start_node`] share.
+fn shared_config(out: &Path) -> PathBuf {
+    out.with_extension("config")
 }
 
 #[test]
@@ -518,6 +530,14 @@ fn two_launchers_as_two_nodes_train_as_one_launcher_of_four_ranks() {
         "{}",
         text(&out1)
     );
+    if std::env::var_os("DDP_SECRET").is_none() {
+        assert!(
+            text(&out0).contains("DDP_SECRET is not set, so the ranks of these 2 nodes"),
+            "{}",
+            text(&out0)
+        );
+        assert!(shared_config(&two).join("ddp/secret").is_file());
+    }
     assert!(
         final_weights(&single) == final_weights(&two),
         "two nodes of 2 ranks ended with other weights than one node of 4"

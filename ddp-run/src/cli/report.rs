@@ -30,15 +30,8 @@ pub fn launch_and_report(config: &LaunchConfig, name: &str) -> Result<ExitCode, 
             config.nproc_per_node
         );
     }
-    if config.nnodes > 1 && std::env::var_os(crate::env::DDP_SECRET).is_none() {
-        eprintln!(
-            "{name}: DDP_SECRET is not set, so the ranks of these {} nodes authenticate each \
-             other with your key file (DDP_SECRET_FILE, else ~/.config/ddp/secret), which \
-             works only if every node reads the same file (a shared home folder); otherwise \
-             give every node the same DDP_SECRET (e.g. `export DDP_SECRET=$(openssl rand -hex \
-             16)` where the job is submitted)",
-            config.nnodes
-        );
+    if let Some(warning) = config.secret_warning() {
+        eprintln!("{name}: {warning}");
     }
     let outcome = launch(config, |event| {
         for line in event_lines(name, event) {
