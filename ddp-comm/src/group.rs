@@ -118,17 +118,7 @@ impl ProcessGroup {
             Some(secret) => secret.clone(),
             // A group of one makes no connection: nothing to prove, no key file to touch.
             None if env.world_size == 1 => Secret::unused()?,
-            None => {
-                let (secret, made) = Secret::fallback(env.secret_file.as_deref(), &env.run_id)?;
-                if made {
-                    tracing::info!(
-                        "ddp-comm: DDP_SECRET is not set; created the key file {} (mode 0600) \
-                         for the ranks' handshakes",
-                        secret.file().unwrap_or(std::path::Path::new("?")).display()
-                    );
-                }
-                secret
-            }
+            None => Secret::fallback(env.secret_file.as_deref(), &env.run_id)?,
         };
         let op_timeout = env.op_timeout.unwrap_or(DEFAULT_OP_TIMEOUT);
         let plan = Plan {

@@ -142,12 +142,12 @@ fn read(path: &Path, accept: &RangeInclusive<usize>) -> Result<Vec<u8>, ReadErro
 /// Writes fresh digits beside `path` and links them into place. `Ok(false)`: another
 /// process linked its own first (its file stands).
 fn create(path: &Path, folder: &Path) -> io::Result<bool> {
-    let mut random = [0u8; CREATED_BYTES];
+    // The secret, then a tag that makes the temporary name unique.
+    let mut random = [0u8; CREATED_BYTES + 8];
     getrandom::fill(&mut random).map_err(|e| io::Error::other(format!("no random bytes: {e}")))?;
-    let mut tag = [0u8; 8];
-    getrandom::fill(&mut tag).map_err(|e| io::Error::other(format!("no random bytes: {e}")))?;
+    let (secret, tag) = random.split_at(CREATED_BYTES);
     let name = path.file_name().unwrap_or_default().to_string_lossy();
-    let temp = folder.join(format!(".{name}.{}.{}", std::process::id(), hex(&tag)));
+    let temp = folder.join(format!(".{name}.{}.{}", std::process::id(), hex(tag)));
     let mut file = OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -155,7 +155,7 @@ fn create(path: &Path, folder: &Path) -> io::Result<bool> {
         .custom_flags(libc::O_NOFOLLOW)
         .open(&temp)?;
     let written = file
-        .write_all(format!("{}\n", hex(&random)).as_bytes())
+        .write_all(format!("{}\n", hex(secret)).as_bytes())
         .and_then(|()| file.sync_all())
         .and_then(|()| std::fs::hard_link(&temp, path));
     // The temporary name goes whatever happened; the linked name keeps the file.
@@ -191,16 +191,6 @@ mod tests {
 
     const ACCEPT: RangeInclusive<usize> = 16..=64;
 
-    fn temp(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!(
-            "ddp-comm-key-file-{name}-{}-{:?}",
-            std::process::id(),
-            std::time::SystemTime::now()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
     fn detail(err: CommError) -> String {
         match err {
             CommError::SecretFile { detail, .. } => detail,
@@ -233,7 +223,8 @@ mod tests {
 
     #[test]
     fn a_missing_file_is_made_private_and_then_reused() {
-        let dir = temp("make");
+        let tmp = ddp_testkit::temp_dir("key-file-make");
+        let dir = tmp.path();
         let path = dir.join("nested/ddp/secret");
         let (first, made) = read_or_create(&path, true, ACCEPT).unwrap();
         assert!(made);
@@ -250,12 +241,12 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["secret"]);
-        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
     fn racing_ranks_all_read_the_one_file_that_won() {
-        let dir = temp("race");
+        let tmp = ddp_testkit::temp_dir("key-file-race");
+        let dir = tmp.path();
         let path = dir.join("secret");
         let got: Vec<(Vec<u8>, bool)> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..8)
@@ -265,13 +256,13 @@ mod tests {
         });
         assert!(got.iter().all(|(bytes, _)| *bytes == got[0].0));
         assert_eq!(got.iter().filter(|(_, made)| *made).count(), 1);
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
-        std::fs::remove_dir_all(dir).unwrap();
+        assert_eq!(std::fs::read_dir(dir).unwrap().count(), 1);
     }
 
     #[test]
     fn a_file_others_can_read_is_refused_with_the_fix() {
-        let dir = temp("mode");
+        let tmp = ddp_testkit::temp_dir("key-file-mode");
+        let dir = tmp.path();
         let path = dir.join("secret");
         read_or_create(&path, false, ACCEPT).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
@@ -283,12 +274,12 @@ mod tests {
                 path.display()
             )
         );
-        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
     fn bad_contents_are_refused_without_quoting_them() {
-        let dir = temp("contents");
+        let tmp = ddp_testkit::temp_dir("key-file-contents");
+        let dir = tmp.path();
         let path = dir.join("secret");
         let write = |bytes: &[u8]| {
             std::fs::write(&path, bytes).unwrap();
@@ -324,12 +315,12 @@ mod tests {
             read_or_create(&path, false, ACCEPT).unwrap().0,
             decode_hex("00112233445566778899aabbccddeeff").unwrap()
         );
-        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
     fn a_folder_or_another_users_file_is_refused() {
-        let dir = temp("kind");
+        let tmp = ddp_testkit::temp_dir("key-file-kind");
+        let dir = tmp.path();
         let folder = dir.join("secret");
         std::fs::create_dir(&folder).unwrap();
         assert_eq!(
@@ -369,6 +360,5 @@ mod tests {
             why.starts_with("cannot create it (") && why.contains("DDP_SECRET"),
             "{why}"
         );
-        std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -18,8 +18,9 @@
 //!
 //! - Every connection between ranks starts with a mutual challenge–response over the job's
 //!   [`Secret`] (`DDP_SECRET`, which `ddp-run` sets; else derived from the user's key file,
-//!   `~/.config/ddp/secret`, and the run id): strangers get nothing, and a peer that cannot prove the secret is not trusted
-//!   ([`CommError::Handshake`], [`AuthFailure`]). See the README's "Security".
+//!   `~/.config/ddp/secret`, and the run id): strangers get nothing, and a peer that cannot
+//!   prove the secret is not trusted ([`CommError::Handshake`], [`AuthFailure`]). See the
+//!   README's "Security".
 //!
 //! Rendezvous (`rendezvous.rs`) uses a small key-value store served by rank 0 (`store.rs`),
 //! or torchrun's own agent store (`c10d.rs`), and connects the ring (`connect.rs`), each

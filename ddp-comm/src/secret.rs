@@ -65,29 +65,31 @@ impl Secret {
     /// The file must belong to this user, be readable by no one else, and hold 32 to 128
     /// hexadecimal digits ([`CommError::SecretFile`] otherwise, never quoting it).
     pub fn from_key_file(path: &Path, run_id: &str) -> Result<Self, CommError> {
-        Self::key_file(path, false, run_id).map(|(secret, _)| secret)
+        Self::key_file(path, false, run_id)
     }
 
     /// The fallback when neither `DDP_SECRET` nor the program gave a secret: the key file
     /// `explicit` (`DDP_SECRET_FILE`), else the user's default one, whose folder is made if
-    /// need be. The second value says whether this call created the file.
-    pub(crate) fn fallback(
-        explicit: Option<&Path>,
-        run_id: &str,
-    ) -> Result<(Self, bool), CommError> {
-        match explicit {
-            Some(path) => Self::key_file(path, false, run_id),
+    /// need be.
+    pub(crate) fn fallback(explicit: Option<&Path>, run_id: &str) -> Result<Self, CommError> {
+        let (path, make_folder) = match explicit {
+            Some(path) => (path.to_path_buf(), false),
             None => {
-                let path = key_file::default_path(|name| std::env::var_os(name)).ok_or_else(
-                    || CommError::MissingEnv {
-                        var: crate::SECRET_ENV.into(),
-                        why: "neither HOME nor XDG_CONFIG_HOME is set, so there is no key                               file (~/.config/ddp/secret) to take the job's secret from: set                               DDP_SECRET to the same 32 hexadecimal digits on every rank,                               e.g. from `openssl rand -hex 16`, or DDP_SECRET_FILE"
-                            .into(),
-                    },
-                )?;
-                Self::key_file(&path, true, run_id)
+                let path =
+                    key_file::default_path(|name| std::env::var_os(name)).ok_or_else(|| {
+                        CommError::MissingEnv {
+                            var: crate::SECRET_ENV.into(),
+                            why: "neither HOME nor XDG_CONFIG_HOME is set, so there is no key \
+                              file (~/.config/ddp/secret) to take the job's secret from: set \
+                              DDP_SECRET to the same 32 hexadecimal digits on every rank, \
+                              e.g. from `openssl rand -hex 16`, or DDP_SECRET_FILE"
+                                .into(),
+                        }
+                    })?;
+                (path, true)
             }
-        }
+        };
+        Self::key_file(&path, make_folder, run_id)
     }
 
     /// A random secret for a group that makes no connection (a group of one).
@@ -100,16 +102,22 @@ impl Secret {
         Ok(Self::derive(b"bytes", &bytes, SecretOrigin::Given))
     }
 
-    fn key_file(path: &Path, make_folder: bool, run_id: &str) -> Result<(Self, bool), CommError> {
+    fn key_file(path: &Path, make_folder: bool, run_id: &str) -> Result<Self, CommError> {
         let (bytes, made) =
             key_file::read_or_create(path, make_folder, MIN_SECRET_BYTES..=MAX_SECRET_BYTES)?;
+        if made {
+            tracing::info!(
+                "ddp-comm: created the key file {} (mode 0600) for the ranks' handshakes",
+                path.display()
+            );
+        }
         // The file's bytes are length-prefixed, so no (file, run id) pair can stand for another.
         let mut material = (bytes.len() as u32).to_le_bytes().to_vec();
         material.extend_from_slice(&bytes);
         material.extend_from_slice(run_id.as_bytes());
         let mut secret = Self::derive(b"key-file", &material, SecretOrigin::KeyFile);
         secret.file = Some(path.to_path_buf());
-        Ok((secret, made))
+        Ok(secret)
     }
 
     /// `DDP_SECRET`'s secret, or the reason it cannot be used (which never quotes it).
@@ -232,9 +240,8 @@ mod tests {
 
     #[test]
     fn a_key_file_gives_one_secret_per_run_id_and_never_the_run_id_alone() {
-        let dir = std::env::temp_dir().join(format!("ddp-comm-secret-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let (a, b) = (dir.join("a"), dir.join("b"));
+        let dir = ddp_testkit::temp_dir("ddp-comm-secret");
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
         let job = Secret::from_key_file(&a, "job").unwrap();
         assert_eq!(job.origin(), SecretOrigin::KeyFile);
         assert_eq!(job.file(), Some(a.as_path()));
@@ -251,7 +258,6 @@ mod tests {
             job.hint()
         );
         assert!(!format!("{job:?}").contains(digits.trim()));
-        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
