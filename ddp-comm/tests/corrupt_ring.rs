@@ -1,6 +1,6 @@
 //! A shared-memory peer that writes an impossible value into the ring: its neighbour must
 //! fail with a protocol error naming it, not read or write out of bounds. Rank 1 publishes a
-//! forged tail (the debug build's `DDP_COMM_TEST_FORGE_TAIL`); rank 0, which sends into that
+//! forged tail (`DDP_COMM_TEST_FORGE_TAIL`, read with the `fault-injection` feature only); rank 0, which sends into that
 //! ring, checks every tail it reads.
 
 mod common;
@@ -9,6 +9,10 @@ use common::{lines_with, rank_world, show, spawn_rank, wait_all, worker};
 use ddp_comm::{LinkKind, ProcessGroup, ReduceOp};
 
 #[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
 fn a_peer_that_writes_an_impossible_tail_is_a_protocol_error_naming_it() {
     if worker() {
         let group = ProcessGroup::from_env().unwrap();

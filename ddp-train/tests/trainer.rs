@@ -182,6 +182,10 @@ fn train_args<'a>(data: &'a str, out: &'a str) -> Vec<&'a str> {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
 fn an_interrupted_and_resumed_run_equals_an_uninterrupted_one() {
     check_resume("resume", &[]);
 }
@@ -189,6 +193,10 @@ fn an_interrupted_and_resumed_run_equals_an_uninterrupted_one() {
 /// fp16 adds the gradient scaler's state (its scale and count of good steps) to what a
 /// resumed run must continue from exactly.
 #[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
 fn an_interrupted_and_resumed_fp16_run_equals_an_uninterrupted_one() {
     // With clipping, the epoch's mean gradient norm and skipped steps must resume exactly.
     let state = check_resume(
@@ -309,6 +317,10 @@ fn two_runs_with_one_seed_write_the_same_metrics_and_learn() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
 fn timed_step_checkpoints_are_written_inside_epochs_and_pruned_to_the_newest() {
     let tmp = temp_dir("minutes");
     let dir = tmp.path();

@@ -48,7 +48,7 @@ impl Fault {
         Fault::KillLauncher,
     ];
 
-    /// Its `DDP_TRAIN_FAIL_SIGNAL` (the debug build's injected failures).
+    /// Its `DDP_TRAIN_FAIL_SIGNAL` (the injected failures of the `fault-injection` feature).
     fn injected(self) -> &'static str {
         match self {
             Fault::KillRank => "KILL",

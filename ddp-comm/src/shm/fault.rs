@@ -1,6 +1,6 @@
 //! The checks of the ring indices a shared-memory peer writes: the peer can write anything
 //! into the segment, so `head` and `tail` are validated before they index the ring; and the
-//! debug builds' forged tail that tests those checks across two processes.
+//! forged tail (feature `fault-injection`) that tests those checks across two processes.
 
 /// A value the peer wrote into a shared segment that no correct peer can write: the
 /// segment cannot be used any more.
@@ -75,11 +75,11 @@ pub(crate) fn check_tail(
 }
 
 /// The tail a receiver publishes: its own, but for the multi-process test of a peer that
-/// writes an impossible one (`ddp-comm/tests/corrupt_ring.rs`): in debug builds only, with
+/// writes an impossible one (`ddp-comm/tests/corrupt_ring.rs`): with the `fault-injection` feature only, and
 /// `DDP_COMM_TEST_FORGE_TAIL` set, a tail 1 GiB past it, which no sender can have written.
 pub(super) fn published_tail(tail: u32) -> u32 {
     static FORGE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let forge = cfg!(debug_assertions)
+    let forge = cfg!(feature = "fault-injection")
         && *FORGE.get_or_init(|| std::env::var_os("DDP_COMM_TEST_FORGE_TAIL").is_some());
     if forge {
         tail.wrapping_add(1 << 30)

@@ -1,9 +1,9 @@
-//! The fault tests' injected failures and slow steps, read from the environment in debug
-//! builds only.
+//! The fault tests' injected failures and slow steps, read from the environment only in
+//! builds with the `fault-injection` feature (which `cargo xtask test` turns on).
 
 use std::time::Duration;
 
-/// For the fault tests, in debug builds only, before a step:
+/// For the fault tests, with the `fault-injection` feature only, before a step:
 ///
 /// - `DDP_TRAIN_FAIL_RANK=r` (or `all`) and `DDP_TRAIN_FAIL_AT=epoch:step` make rank r (or
 ///   every rank) fail at that step, in the first attempt only (a restarted attempt has
@@ -14,8 +14,8 @@ use std::time::Duration;
 /// - `DDP_TRAIN_STEP_SLEEP_MS=n` makes every step n ms longer (so that a test can act in
 ///   the middle of an epoch).
 pub(super) fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: bool) {
-    // Only in debug builds (what the tests run): a release binary never reads these.
-    if !cfg!(debug_assertions) {
+    // Only with the feature (what the tests build): a user's program never reads these.
+    if !cfg!(feature = "fault-injection") {
         return;
     }
     let var = |k: &str| std::env::var(k).ok();

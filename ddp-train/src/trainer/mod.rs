@@ -30,7 +30,7 @@ use crate::task::Task;
 // - `outputs.rs`: what goes into the run directory: rank 0's end of an epoch
 //   (`metrics.jsonl`, `curves.png`, best-model files, checkpoint) and every rank's log;
 // - `progress.rs`: rank 0's progress bar or progress lines;
-// - `faults.rs`: the fault tests' injected failures (debug builds only).
+// - `faults.rs`: the fault tests' injected failures (feature `fault-injection` only).
 mod checkpoint;
 mod eval;
 mod faults;

@@ -20,9 +20,14 @@ pub fn root() -> PathBuf {
         .to_path_buf()
 }
 
-/// `cargo build --quiet ARGS` (debug), once per test process; returns the binary `name`.
+/// The debug binary `name`: the one `cargo xtask test` built (it passes each binary's path
+/// as `DDP_TEST_BIN_<NAME>`), else `cargo build --quiet ARGS`, once per test process.
 pub fn debug_binary(cell: &'static OnceLock<PathBuf>, name: &str, args: &[&str]) -> &'static Path {
     cell.get_or_init(|| {
+        let var = format!("DDP_TEST_BIN_{}", name.replace('-', "_").to_uppercase());
+        if let Some(path) = std::env::var_os(&var) {
+            return PathBuf::from(path);
+        }
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let status = Command::new(cargo)
             .current_dir(root())
@@ -37,28 +42,23 @@ pub fn debug_binary(cell: &'static OnceLock<PathBuf>, name: &str, args: &[&str])
     })
 }
 
-/// The debug ddp-train binary (a no-op build after `cargo test --workspace`).
+/// The debug ddp-train binary, with the injected faults the reliability tests use.
 pub fn ddp_train() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    debug_binary(&BIN, "ddp-train", &["-p", "ddp-train"])
+    debug_binary(
+        &BIN,
+        "ddp-train",
+        &["-p", "ddp-train", "--features", "fault-injection"],
+    )
 }
 
-/// The debug ddp-gen-data binary (ddp-data's debug build is optimised: see Cargo.toml),
-/// with ddp-data's features as ddp-train builds it, so that ddp-data is not compiled again.
+/// The debug ddp-gen-data binary (ddp-data's debug build is optimised: see Cargo.toml).
 pub fn ddp_gen_data() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     debug_binary(
         &BIN,
         "ddp-gen-data",
-        &[
-            "-p",
-            "ddp-data",
-            "--no-default-features",
-            "--features",
-            "tch,odir",
-            "--bin",
-            "ddp-gen-data",
-        ],
+        &["-p", "ddp-data", "--bin", "ddp-gen-data"],
     )
 }
 
