@@ -10,6 +10,7 @@ mod bench;
 mod gpu_check;
 mod launch;
 mod setup;
+mod test_suite;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -31,7 +32,8 @@ struct Cli {
 enum Cmd {
     /// Install libtorch (the torch==2.13.0 Python wheel) into `.deps/` (idempotent).
     Setup(setup::SetupArgs),
-    /// Run setup, then every test of the workspace, `cargo fmt --check` and clippy.
+    /// Run setup, `cargo fmt --check` and clippy, every test of the workspace (in parallel,
+    /// the ten slowest named at the end), the doctests and the docs build.
     Test,
     /// Train the ConvNet with N ranks (default: every GPU, else 2 CPU ranks) on --data, or on
     /// the built-in synthetic ODIR sample.
@@ -83,7 +85,7 @@ fn main() -> ExitCode {
     let root = project_root();
     let result = match cli.command {
         Cmd::Setup(args) => setup::run(&root, &args).map(drop),
-        Cmd::Test => test(&root),
+        Cmd::Test => test_suite::run(&root),
         Cmd::Train(args) => train(&root, args),
         Cmd::GenData(args) => launch::generate_sample(
             &root,
@@ -133,32 +135,6 @@ fn run(root: &Path, mut cmd: Command) -> Result<()> {
     if !status.success() {
         bail!("{line} failed ({status})");
     }
-    Ok(())
-}
-
-fn test(root: &Path) -> Result<()> {
-    setup::run(root, &setup::SetupArgs::default())?;
-    let mut fmt = cargo();
-    fmt.args(["fmt", "--all", "--check"]);
-    run(root, fmt)?;
-    let mut test = cargo();
-    test.args(["test", "--workspace"]);
-    run(root, test)?;
-    let mut clippy = cargo();
-    clippy.args([
-        "clippy",
-        "--workspace",
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ]);
-    run(root, clippy)?;
-    let mut doc = cargo();
-    doc.args(["doc", "--workspace", "--no-deps"])
-        .env("RUSTDOCFLAGS", "-D warnings");
-    run(root, doc)?;
-    println!("xtask: all tests, formatting, lints and docs passed");
     Ok(())
 }
 

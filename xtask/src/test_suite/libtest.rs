@@ -1,0 +1,134 @@
+//! What a libtest binary says: its `--list --format terse` listing, and the per-test results
+//! and times of a run with `--test-threads=1`, where each `test NAME ... RESULT` line is
+//! printed when that test ends.
+
+use std::time::Duration;
+
+/// The tests of a `--list --format terse` listing (`NAME: test` lines; benchmarks and the
+/// summary are skipped).
+pub fn listed_tests(listing: &str) -> Vec<String> {
+    listing
+        .lines()
+        .filter_map(|l| l.strip_suffix(": test"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// How one test ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Passed,
+    Failed,
+    Ignored,
+}
+
+/// One test's result and the time it took.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TestResult {
+    pub name: String,
+    pub outcome: Outcome,
+    pub time: Duration,
+}
+
+/// Folds the lines of a single-threaded libtest run, each with the time since the binary
+/// started, into per-test results: a test's time runs from the previous test's end (or the
+/// `running N tests` line) to its own `test NAME ... RESULT` line. Output of processes the
+/// test started may interleave; only lines of libtest's own shape count.
+#[derive(Debug, Default)]
+pub struct RunParser {
+    last: Duration,
+    current: Option<String>,
+    pub results: Vec<TestResult>,
+}
+
+impl RunParser {
+    /// Takes one line of the binary's stdout, seen `at` after it started.
+    pub fn line(&mut self, line: &str, at: Duration) {
+        if line.starts_with("running ") && line.ends_with(" tests") || line == "running 1 test" {
+            self.last = at;
+            return;
+        }
+        if let Some(rest) = line.strip_prefix("test ") {
+            if let Some((name, result)) = rest.split_once(" ... ") {
+                match outcome(result) {
+                    Some(outcome) => self.push(name, outcome, at),
+                    // Another process's output on the test's line: its result comes later.
+                    None => self.current = Some(name.to_owned()),
+                }
+                return;
+            }
+        }
+        if let Some(outcome) = outcome(line) {
+            if let Some(name) = self.current.take() {
+                self.push(&name, outcome, at);
+            }
+        }
+    }
+
+    fn push(&mut self, name: &str, outcome: Outcome, at: Duration) {
+        self.current = None;
+        self.results.push(TestResult {
+            name: name.to_owned(),
+            outcome,
+            time: at.saturating_sub(self.last),
+        });
+        self.last = at;
+    }
+}
+
+fn outcome(word: &str) -> Option<Outcome> {
+    let word = word.trim_end();
+    match word {
+        "ok" => Some(Outcome::Passed),
+        "FAILED" => Some(Outcome::Failed),
+        _ if word == "ignored" || word.starts_with("ignored, ") => Some(Outcome::Ignored),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listing_gives_its_tests_only() {
+        let listing = "a::b: test\nc: test\nbench_x: benchmark\n\n2 tests, 1 benchmark\n";
+        assert_eq!(listed_tests(listing), ["a::b", "c"]);
+        assert!(listed_tests("0 tests, 0 benchmarks\n").is_empty());
+    }
+
+    #[test]
+    fn each_test_takes_the_time_since_the_previous_one_ended() {
+        let s = Duration::from_secs;
+        let mut p = RunParser::default();
+        for (line, at) in [
+            ("", 0),
+            ("running 4 tests", 1),
+            ("test a ... ok", 3),
+            ("test b ... ignored, needs a GPU", 3),
+            ("test c ... rank 1: some output of a child", 4),
+            ("more child output", 5),
+            ("FAILED", 9),
+            ("test d ... ok", 10),
+            ("", 10),
+            ("failures:", 10),
+            ("test result: FAILED. 2 passed; 1 failed; 1 ignored", 10),
+        ] {
+            p.line(line, s(at));
+        }
+        let got: Vec<_> = p
+            .results
+            .iter()
+            .map(|r| (r.name.as_str(), r.outcome, r.time.as_secs()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("a", Outcome::Passed, 2),
+                ("b", Outcome::Ignored, 0),
+                ("c", Outcome::Failed, 6),
+                ("d", Outcome::Passed, 1),
+            ]
+        );
+    }
+}

@@ -1,0 +1,433 @@
+//! `cargo xtask test`, what CI runs: formatting and lints first (they fail in seconds, not
+//! after the tests), then every test binary of the workspace, run in parallel over the
+//! machine's cores, the doctests and the docs; it ends with the ten slowest tests.
+//!
+//! Each test binary runs as cargo would run it (its package folder as the working
+//! directory, cargo's variables set), single-threaded, so that each `test NAME ... ok` line
+//! marks when that test ended and gives its time. Binaries whose tests start several ranks
+//! (see [`RANK_BINARIES`]) run one at a time next to the other binaries, so that two
+//! trainings never compete for the cores. The longest jobs start first, by the times of the
+//! previous run (kept in `target/xtask/test-times.json`).
+
+mod libtest;
+mod schedule;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+
+use libtest::{Outcome, RunParser, TestResult};
+use schedule::{Group, Job};
+
+/// Cargo features the test build turns on: the fault injection the reliability tests use
+/// (never in a user's build).
+pub const TEST_FEATURES: &str = "ddp-train/fault-injection,ddp-comm/fault-injection";
+
+/// Test binaries (package, target) whose tests start several training or collective ranks:
+/// they run one binary at a time.
+const RANK_BINARIES: &[(&str, &str)] = &[
+    ("ddp-comm", "collectives"),
+    ("ddp-comm", "corrupt_ring"),
+    ("ddp-comm", "failures"),
+    ("ddp-comm", "flood"),
+    ("ddp-comm", "key_file"),
+    ("ddp-comm", "torchrun"),
+    ("ddp-run", "launcher"),
+    ("ddp-train", "equivalence"),
+    ("ddp-train", "errors"),
+    ("ddp-train", "example"),
+    ("ddp-train", "pytorch"),
+    ("ddp-train", "self_launch"),
+    ("ddp-train", "trainer"),
+    ("xtask", "chaos"),
+    ("xtask", "launcher"),
+];
+
+/// A test executable cargo built.
+#[derive(Debug, Clone)]
+struct Binary {
+    package: String,
+    target: String,
+    exe: PathBuf,
+    manifest_dir: PathBuf,
+}
+
+impl Binary {
+    fn label(&self) -> String {
+        format!("{}::{}", self.package, self.target)
+    }
+}
+
+pub fn run(root: &Path) -> Result<()> {
+    let started = Instant::now();
+    crate::setup::run(root, &crate::setup::SetupArgs::default())?;
+    let mut fmt = crate::cargo();
+    fmt.args(["fmt", "--all", "--check"]);
+    crate::run(root, fmt)?;
+    let mut clippy = crate::cargo();
+    clippy.args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--features",
+        TEST_FEATURES,
+    ]);
+    clippy.args(["--", "-D", "warnings"]);
+    crate::run(root, clippy)?;
+
+    let (binaries, programs) = build(root)?;
+    let history_file = target_dir(root).join("xtask/test-times.json");
+    let history = load_history(&history_file);
+    let mut jobs = Vec::new();
+    for bin in &binaries {
+        let tests = list(bin, &programs)?;
+        if tests.is_empty() {
+            continue;
+        }
+        let group = if RANK_BINARIES.contains(&(bin.package.as_str(), bin.target.as_str())) {
+            Group::Ranks
+        } else {
+            Group::Free
+        };
+        let estimate = tests
+            .iter()
+            .map(|t| history.get(&key(bin, t)).copied().unwrap_or(1.0))
+            .sum();
+        jobs.push(Job {
+            binary: jobs.len(),
+            label: bin.label(),
+            group,
+            estimate,
+            tests,
+        });
+    }
+    let slots = std::thread::available_parallelism().map_or(2, |n| n.get());
+    println!(
+        "xtask: {} tests in {} binaries on {slots} cores",
+        jobs.iter().map(|j| j.tests.len()).sum::<usize>(),
+        jobs.len()
+    );
+    let logs = target_dir(root).join("xtask/test-logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("cannot create {}", logs.display()))?;
+    let finished = schedule::run(jobs, slots, |job| {
+        run_job(&binaries[job.binary], &programs, job, &logs)
+    });
+
+    let mut results: Vec<(String, TestResult)> = Vec::new();
+    let mut failed_jobs = Vec::new();
+    for (job, outcome) in &finished {
+        match outcome {
+            Ok(run) => {
+                if !run.success {
+                    failed_jobs.push((job.label.clone(), run.log.clone()));
+                }
+                results.extend(run.results.iter().map(|r| (job.label.clone(), r.clone())));
+            }
+            Err(e) => failed_jobs.push((job.label.clone(), PathBuf::from(format!("{e:#}")))),
+        }
+    }
+    let mut history = history;
+    for (label, r) in &results {
+        if r.outcome == Outcome::Passed {
+            history.insert(format!("{label} {}", r.name), r.time.as_secs_f64());
+        }
+    }
+    save_history(&history_file, &history);
+
+    let doctests = doctests(root);
+    let count = |o| results.iter().filter(|(_, r)| r.outcome == o).count();
+    let (mut passed, mut failed, ignored) = (
+        count(Outcome::Passed),
+        count(Outcome::Failed),
+        count(Outcome::Ignored),
+    );
+    match &doctests {
+        Ok((p, f)) => {
+            passed += p;
+            failed += f;
+        }
+        Err(e) => failed_jobs.push(("doctests".into(), PathBuf::from(format!("{e:#}")))),
+    }
+
+    let mut slowest: Vec<_> = results.iter().collect();
+    slowest.sort_by_key(|(_, r)| std::cmp::Reverse(r.time));
+    println!("\nxtask: the ten slowest tests");
+    for (label, r) in slowest.iter().take(10) {
+        println!("  {:>7.1}s  {label} {}", r.time.as_secs_f64(), r.name);
+    }
+    for (label, log) in &failed_jobs {
+        println!("xtask: {label} failed; its output: {}", log.display());
+    }
+    println!(
+        "\nxtask: tests took {:.0} s in all",
+        started.elapsed().as_secs_f64()
+    );
+    println!("{passed} passed, {failed} failed, {ignored} skipped");
+    if failed > 0 || !failed_jobs.is_empty() {
+        bail!("{} test binaries failed", failed_jobs.len());
+    }
+
+    let mut doc = crate::cargo();
+    doc.args(["doc", "--workspace", "--no-deps"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    crate::run(root, doc)?;
+    println!("xtask: all tests, formatting, lints and docs passed");
+    Ok(())
+}
+
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
+}
+
+fn key(bin: &Binary, test: &str) -> String {
+    format!("{} {test}", bin.label())
+}
+
+fn load_history(file: &Path) -> BTreeMap<String, f64> {
+    std::fs::read(file)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
+}
+
+fn save_history(file: &Path, history: &BTreeMap<String, f64>) {
+    // Only a hint for the next run's order: a failure to write it costs nothing else.
+    if let Ok(text) = serde_json::to_vec_pretty(history) {
+        let _ = std::fs::write(file, text);
+    }
+}
+
+/// Builds every test target of the workspace and returns their executables, and the
+/// workspace's programs (`ddp-train`, ...) by name.
+fn build(root: &Path) -> Result<(Vec<Binary>, Programs)> {
+    let mut cmd = crate::cargo();
+    cmd.current_dir(root)
+        .args([
+            "test",
+            "--workspace",
+            "--no-run",
+            "--features",
+            TEST_FEATURES,
+        ])
+        .arg("--message-format=json-render-diagnostics")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let line = format!("{cmd:?}");
+    println!("xtask: {line}");
+    let out = cmd
+        .output()
+        .with_context(|| format!("cannot start {line}"))?;
+    if !out.status.success() {
+        bail!("{line} failed ({})", out.status);
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut binaries: Vec<Binary> = stdout.lines().filter_map(test_binary).collect();
+    binaries.sort_by_key(Binary::label);
+    binaries.dedup_by(|a, b| a.exe == b.exe);
+    Ok((binaries, stdout.lines().filter_map(program).collect()))
+}
+
+/// The programs of the test build, by name: each test gets their paths as
+/// `DDP_TEST_BIN_<NAME>`, so that tests driving them need not build them again (with
+/// other features).
+type Programs = Vec<(String, PathBuf)>;
+
+/// A `bin` target's executable (not its unit tests) from a `compiler-artifact` message.
+fn program(line: &str) -> Option<(String, PathBuf)> {
+    let msg: serde_json::Value = serde_json::from_str(line).ok()?;
+    let is_bin = msg["target"]["kind"]
+        .as_array()
+        .is_some_and(|k| k.iter().any(|k| k == "bin"));
+    if msg["reason"] != "compiler-artifact" || msg["profile"]["test"] != false || !is_bin {
+        return None;
+    }
+    let name = msg["target"]["name"].as_str()?;
+    Some((name.to_owned(), PathBuf::from(msg["executable"].as_str()?)))
+}
+
+/// The test executable of a `compiler-artifact` message, if it is one.
+fn test_binary(line: &str) -> Option<Binary> {
+    let msg: serde_json::Value = serde_json::from_str(line).ok()?;
+    if msg["reason"] != "compiler-artifact" || msg["profile"]["test"] != true {
+        return None;
+    }
+    let exe = PathBuf::from(msg["executable"].as_str()?);
+    let manifest = Path::new(msg["manifest_path"].as_str()?);
+    let package = manifest
+        .parent()?
+        .file_name()?
+        .to_string_lossy()
+        .into_owned();
+    let kinds = msg["target"]["kind"].as_array()?;
+    let name = msg["target"]["name"].as_str()?;
+    // A library's unit tests are named after the package; other targets by their own name.
+    let target = if kinds.iter().any(|k| k == "lib" || k == "rlib") {
+        "lib".to_owned()
+    } else {
+        name.to_owned()
+    };
+    Some(Binary {
+        package,
+        target,
+        exe,
+        manifest_dir: manifest.parent()?.to_path_buf(),
+    })
+}
+
+/// A command for `bin` as `cargo test` starts it, with the programs' paths.
+fn command(bin: &Binary, programs: &Programs) -> Command {
+    let mut cmd = Command::new(&bin.exe);
+    cmd.current_dir(&bin.manifest_dir)
+        .env(
+            "CARGO",
+            std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()),
+        )
+        .env("CARGO_MANIFEST_DIR", &bin.manifest_dir)
+        .env("CARGO_PKG_NAME", &bin.package);
+    for (name, path) in programs {
+        let var = format!("DDP_TEST_BIN_{}", name.replace('-', "_").to_uppercase());
+        cmd.env(var, path);
+    }
+    cmd
+}
+
+fn list(bin: &Binary, programs: &Programs) -> Result<Vec<String>> {
+    let out = command(bin, programs)
+        .args(["--list", "--format", "terse"])
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("cannot start {}", bin.exe.display()))?;
+    if !out.status.success() {
+        bail!("{} --list failed ({})", bin.exe.display(), out.status);
+    }
+    Ok(libtest::listed_tests(&String::from_utf8_lossy(&out.stdout)))
+}
+
+/// What one job's run gave.
+#[derive(Debug)]
+struct JobRun {
+    success: bool,
+    results: Vec<TestResult>,
+    log: PathBuf,
+}
+
+/// Runs `job`'s tests of `bin` one after another, its output into a log file and each
+/// result onto the terminal as it comes.
+fn run_job(bin: &Binary, programs: &Programs, job: &Job, logs: &Path) -> Result<JobRun> {
+    let log_path = logs.join(format!("{}.log", job.label.replace("::", "-")));
+    let mut log = std::fs::File::create(&log_path)
+        .with_context(|| format!("cannot create {}", log_path.display()))?;
+    let mut cmd = command(bin, programs);
+    cmd.args(["--test-threads", "1", "--exact"])
+        .args(&job.tests)
+        .stdout(Stdio::piped())
+        .stderr(log.try_clone()?);
+    let start = Instant::now();
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot start {}", bin.exe.display()))?;
+    let mut parser = RunParser::default();
+    let stdout = child.stdout.take().context("no stdout")?;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.unwrap_or_default();
+        let _ = writeln!(log, "{line}");
+        let before = parser.results.len();
+        parser.line(&line, start.elapsed());
+        for r in &parser.results[before..] {
+            let tag = match r.outcome {
+                Outcome::Passed => "PASS",
+                Outcome::Failed => "FAIL",
+                Outcome::Ignored => "SKIP",
+            };
+            println!(
+                "  {tag} [{:>6.1}s] {} {}",
+                r.time.as_secs_f64(),
+                job.label,
+                r.name
+            );
+        }
+    }
+    let status = child.wait()?;
+    let ran = parser.results.len();
+    if status.success() && ran != job.tests.len() {
+        bail!(
+            "{} reported {ran} of its {} tests (see {})",
+            job.label,
+            job.tests.len(),
+            log_path.display()
+        );
+    }
+    Ok(JobRun {
+        success: status.success(),
+        results: parser.results,
+        log: log_path,
+    })
+}
+
+/// `cargo test --doc` for the workspace: (passed, failed) from its `test result:` lines.
+fn doctests(root: &Path) -> Result<(usize, usize)> {
+    let mut cmd = crate::cargo();
+    cmd.current_dir(root)
+        .args(["test", "--workspace", "--doc", "--features", TEST_FEATURES])
+        .stderr(Stdio::inherit());
+    println!("xtask: {cmd:?}");
+    let out = cmd.output().context("cannot start cargo test --doc")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    print!("{text}");
+    let _ = std::io::stdout().flush();
+    let (mut passed, mut failed) = (0, 0);
+    for line in text.lines().filter(|l| l.starts_with("test result:")) {
+        let number = |word: &str| -> usize {
+            line.split(';')
+                .find_map(|part| part.trim().strip_suffix(word))
+                .and_then(|n| n.trim().rsplit(' ').next()?.parse().ok())
+                .unwrap_or(0)
+        };
+        passed += number(" passed");
+        failed += number(" failed");
+    }
+    if !out.status.success() && failed == 0 {
+        bail!("cargo test --doc failed ({})", out.status);
+    }
+    Ok((passed, failed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_executables_come_from_cargos_messages() {
+        let unit = r#"{"reason":"compiler-artifact","manifest_path":"/w/ddp-comm/Cargo.toml","target":{"kind":["lib"],"name":"ddp_comm"},"profile":{"test":true},"executable":"/t/debug/deps/ddp_comm-1"}"#;
+        let b = test_binary(unit).unwrap();
+        assert_eq!(
+            (b.package.as_str(), b.target.as_str(), b.exe.to_str()),
+            ("ddp-comm", "lib", Some("/t/debug/deps/ddp_comm-1"))
+        );
+        assert_eq!(b.manifest_dir, Path::new("/w/ddp-comm"));
+        let it = r#"{"reason":"compiler-artifact","manifest_path":"/w/xtask/Cargo.toml","target":{"kind":["test"],"name":"tidy"},"profile":{"test":true},"executable":"/t/debug/deps/tidy-2"}"#;
+        assert_eq!(test_binary(it).unwrap().label(), "xtask::tidy");
+        // The library itself (no test harness), and other messages, are not test binaries.
+        let lib = r#"{"reason":"compiler-artifact","manifest_path":"/w/xtask/Cargo.toml","target":{"kind":["lib"],"name":"x"},"profile":{"test":false},"executable":null}"#;
+        assert!(test_binary(lib).is_none());
+        assert!(test_binary(r#"{"reason":"build-finished","success":true}"#).is_none());
+        assert!(test_binary("   Compiling x v0.1.0").is_none());
+    }
+
+    #[test]
+    fn programs_are_bin_targets_outside_the_test_profile() {
+        let bin = r#"{"reason":"compiler-artifact","manifest_path":"/w/ddp-train/Cargo.toml","target":{"kind":["bin"],"name":"ddp-train"},"profile":{"test":false},"executable":"/t/debug/ddp-train"}"#;
+        assert_eq!(
+            program(bin),
+            Some(("ddp-train".into(), PathBuf::from("/t/debug/ddp-train")))
+        );
+        let unit = bin.replace(r#""test":false"#, r#""test":true"#);
+        assert_eq!(program(&unit), None);
+        let lib = r#"{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"x"},"profile":{"test":false},"executable":null}"#;
+        assert_eq!(program(lib), None);
+    }
+}
