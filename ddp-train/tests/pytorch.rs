@@ -2,9 +2,11 @@
 //! DistributedDataParallel`, gloo, CPU, one thread per rank): the same model, initial weights
 //! and batches on 2 ranks end with the same weights (and BatchNorm buffers) within 1e-5.
 //!
-//! Each scenario first runs `tests/reference_ddp.py` from `.deps/venv`, which spawns PyTorch's
-//! ranks, writes the initial weights (`init.safetensors`), every rank's batches
-//! (`data.safetensors`) and each rank's final state (`torch.{rank}.safetensors`). Then our ranks
+//! The first scenario a test process checks runs `tests/reference_ddp.py` from `.deps/venv`
+//! once for all of them (one Python start, one `import torch`); for each scenario it forks
+//! PyTorch's ranks and writes, in a folder of its own, the initial weights
+//! (`init.safetensors`), every rank's batches (`data.safetensors`) and each rank's final
+//! state (`torch.{rank}.safetensors`). Then each test's ranks
 //! (this test binary re-invoked with `--ignored --exact rank_worker` and torchrun's
 //! environment) build the same model with PyTorch's parameter names and PyTorch's ops
 //! (`linear`, `relu`, `batch_norm`, `mse_loss`), load the same files, train with our DDP and
@@ -17,12 +19,12 @@
 
 mod common;
 
-use common::{free_port, wait_all, wait_bounded};
+use common::{wait_all, wait_bounded};
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ddp_comm::ProcessGroup;
@@ -415,14 +417,29 @@ fn run_ours(scenario: Scenario, world: usize, dir: &Path, tag: &str) {
     }
 }
 
-/// Runs PyTorch's DDP on `scenario`: writes init, data and `torch.{rank}.safetensors` to `dir`.
-fn run_pytorch(scenario: Scenario, dir: &Path) {
+/// PyTorch's DDP on every scenario, run once per test process: the folder holding, per
+/// scenario, a folder with its init, data and `torch.{rank}.safetensors` (under cargo's
+/// temporary folder for tests, emptied first).
+fn pytorch_results() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pytorch-reference");
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).expect("cannot empty the reference folder");
+        }
+        std::fs::create_dir_all(&dir).expect("cannot create the reference folder");
+        run_pytorch(&dir);
+        dir
+    })
+}
+
+/// Runs PyTorch's DDP on every scenario, each into `dir/<scenario>`.
+fn run_pytorch(dir: &Path) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference_ddp.py");
     let child = Command::new(ddp_testkit::setup_python())
         .arg(script)
-        .args(["--scenario", scenario.name(), "--out"])
+        .arg("--out")
         .arg(dir)
-        .args(["--port", &free_port().to_string()])
         .env("OMP_NUM_THREADS", "1")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -432,8 +449,7 @@ fn run_pytorch(scenario: Scenario, dir: &Path) {
     let text = common::text(&output);
     assert!(
         output.status.success(),
-        "reference_ddp.py --scenario {} failed ({}):\n{text}",
-        scenario.name(),
+        "reference_ddp.py failed ({}):\n{text}",
         output.status
     );
     print!("{text}");
@@ -460,9 +476,7 @@ fn bytes(t: &Tensor) -> Vec<u8> {
 /// PyTorch's, rank with rank.
 fn check_against_pytorch(scenario: Scenario) {
     tch::set_num_threads(1);
-    let tmp = common::temp_dir(&format!("ddp-train-pytorch-{}", scenario.name()));
-    let dir = tmp.path();
-    run_pytorch(scenario, dir);
+    let dir = &pytorch_results().join(scenario.name());
     run_ours(scenario, 2, dir, "overlap");
 
     let init = read(dir, "init.safetensors");

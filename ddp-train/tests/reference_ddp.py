@@ -1,8 +1,10 @@
-"""PyTorch's own DistributedDataParallel on one scenario of ddp-train/tests/pytorch.rs.
+"""PyTorch's own DistributedDataParallel on the scenarios of ddp-train/tests/pytorch.rs.
 
-    python reference_ddp.py --scenario NAME --out DIR --port P
+    python reference_ddp.py --out DIR [--scenario NAME ...]
 
-Starts WORLD forked ranks (gloo, CPU, one thread each) that meet at 127.0.0.1:P, and writes to DIR:
+One Python process (torch is imported once) runs every scenario named (all of them when none
+is): for each, WORLD forked ranks (gloo, CPU, one thread each) meet through a file store in
+DIR/NAME and write to DIR/NAME:
 
 - init.safetensors: the model's initial state_dict (seeded), which the Rust ranks load;
 - data.safetensors: every rank's batches, x.{rank}.{step}.{micro} and y.{rank}.{step}.{micro};
@@ -130,12 +132,12 @@ def die_with_parent():
         pass
 
 
-def worker(rank, scenario, out, port):
+def worker(rank, scenario, out):
     die_with_parent()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method="file://" + os.path.join(out, "store"),
         rank=rank,
         world_size=WORLD,
         timeout=datetime.timedelta(seconds=60),
@@ -213,31 +215,37 @@ def worker(rank, scenario, out, port):
     dist.destroy_process_group()
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True, choices=SCENARIOS)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--port", required=True, type=int)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    prepare(args.scenario, args.out)
+def run(scenario, out):
+    """One scenario: its inputs, its forked ranks, and the check that they agree."""
+    os.makedirs(out, exist_ok=True)
+    prepare(scenario, out)
     # fork, not spawn: the ranks need not import torch again (seconds on a small machine).
     mp.start_processes(
         worker,
-        args=(args.scenario, args.out, args.port),
+        args=(scenario, out),
         nprocs=WORLD,
         join=True,
         start_method="fork",
     )
-    states = [load_file(os.path.join(args.out, f"torch.{r}.safetensors")) for r in range(WORLD)]
-    params = {name for name, _ in build(args.scenario).named_parameters()}
+    states = [load_file(os.path.join(out, f"torch.{r}.safetensors")) for r in range(WORLD)]
+    params = {name for name, _ in build(scenario).named_parameters()}
     for name in sorted(params):
         for rank in range(1, WORLD):
             if not torch.equal(states[0][name], states[rank][name]):
-                sys.exit(f"pytorch's ranks 0 and {rank} disagree on {name}")
-    save_file(states[0], os.path.join(args.out, "torch.safetensors"))
-    print(f"pytorch ranks agree on {len(params)} parameters", flush=True)
+                sys.exit(f"{scenario}: pytorch's ranks 0 and {rank} disagree on {name}")
+    save_file(states[0], os.path.join(out, "torch.safetensors"))
+    print(f"{scenario}: pytorch ranks agree on {len(params)} parameters", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scenario", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    for scenario in args.scenario:
+        run(scenario, os.path.join(args.out, scenario))
 
 
 if __name__ == "__main__":
