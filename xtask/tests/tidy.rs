@@ -698,3 +698,332 @@ fn every_crate_has_a_readme_and_a_place_in_the_architecture() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+// ---------------------------------------------------------------------------------------
+// Rule: the documentation's links lead somewhere: every relative link in README.md,
+// ARCHITECTURE.md, docs/*.md and the crates' READMEs names a file or folder that exists, and
+// every `#anchor` a heading of the file it points at.
+
+/// The Markdown files a reader follows links through, relative to the root.
+fn documentation() -> Vec<String> {
+    let root = root();
+    let mut files = vec!["README.md".to_string(), "ARCHITECTURE.md".to_string()];
+    if root.join("BENCHMARKS.md").is_file() {
+        files.push("BENCHMARKS.md".to_string());
+    }
+    let mut docs: Vec<String> = std::fs::read_dir(root.join("docs"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            name.ends_with(".md").then(|| format!("docs/{name}"))
+        })
+        .collect();
+    docs.sort();
+    files.extend(docs);
+    files.extend(
+        members()
+            .into_iter()
+            .map(|m| format!("{m}/README.md"))
+            .filter(|f| root.join(f).is_file()),
+    );
+    files
+}
+
+/// The lines of `text` outside fenced code blocks, with their numbers, inline code spans
+/// blanked out (a link or heading inside code is an example, not a link).
+fn prose_lines(text: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    let mut fence: Option<&str> = None;
+    for (i, line) in text.lines().enumerate() {
+        let trimmed = line.trim_start();
+        match fence {
+            Some(f) if trimmed.starts_with(f) => fence = None,
+            Some(_) => {}
+            None if trimmed.starts_with("```") => fence = Some("```"),
+            None if trimmed.starts_with("~~~") => fence = Some("~~~"),
+            None => {
+                let mut prose = String::new();
+                for (k, part) in line.split('`').enumerate() {
+                    if k % 2 == 0 {
+                        prose.push_str(part);
+                    } else {
+                        prose.push_str(&" ".repeat(part.len() + 2));
+                    }
+                }
+                out.push((i + 1, prose));
+            }
+        }
+    }
+    out
+}
+
+/// `(line, target)` of every inline link `[text](target)` and reference definition
+/// `[label]: target` of `text`, outside code.
+fn markdown_links(text: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    for (no, line) in prose_lines(text) {
+        let mut rest = line.as_str();
+        while let Some(i) = rest.find("](") {
+            let after = &rest[i + 2..];
+            let Some(end) = after.find(')') else { break };
+            let target = after[..end].split_whitespace().next().unwrap_or("");
+            let target = target.trim_start_matches('<').trim_end_matches('>');
+            out.push((no, target.to_string()));
+            rest = &after[end..];
+        }
+        let t = line.trim_start();
+        if let Some(close) = t.strip_prefix('[').and_then(|r| r.find("]: ")) {
+            let target = t[close + 4..].split_whitespace().next().unwrap_or("");
+            out.push((no, target.to_string()));
+        }
+    }
+    out
+}
+
+/// GitHub's anchor for a heading's text: lower case, punctuation dropped (but `-` and `_`),
+/// spaces as `-`.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || matches!(c, ' ' | '-' | '_'))
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// The anchors of every heading of `text` (a repeated heading's later ones get `-1`, `-2`,
+/// ..., as on GitHub).
+fn heading_anchors(text: &str) -> BTreeSet<String> {
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut out = BTreeSet::new();
+    let mut fence = false;
+    for line in text.lines() {
+        let t = line.trim_start();
+        if t.starts_with("```") || t.starts_with("~~~") {
+            fence = !fence;
+            continue;
+        }
+        let level = t.chars().take_while(|&c| c == '#').count();
+        if fence || !(1..=6).contains(&level) || !t[level..].starts_with(' ') {
+            continue;
+        }
+        let base = anchor(&t[level..].replace('`', ""));
+        let n = seen.entry(base.clone()).or_insert(0);
+        out.insert(if *n == 0 {
+            base.clone()
+        } else {
+            format!("{base}-{n}")
+        });
+        *n += 1;
+    }
+    out
+}
+
+/// What is wrong with each relative link of `file` (relative to the root), given a reader of
+/// files by root-relative path (`None`: no such file) and whether a path is a folder.
+fn broken_links(
+    file: &str,
+    text: &str,
+    read: &dyn Fn(&str) -> Option<String>,
+    is_dir: &dyn Fn(&str) -> bool,
+) -> Vec<String> {
+    let folder = Path::new(file).parent().unwrap_or(Path::new(""));
+    let mut out = Vec::new();
+    for (line, target) in markdown_links(text) {
+        if target.contains("://") || target.starts_with("mailto:") {
+            continue;
+        }
+        let (path, fragment) = match target.split_once('#') {
+            Some((p, f)) => (p, Some(f)),
+            None => (target.as_str(), None),
+        };
+        // The target relative to the root, `..` resolved.
+        let mut parts: Vec<String> = Vec::new();
+        let joined = if path.is_empty() {
+            PathBuf::from(file)
+        } else {
+            folder.join(path)
+        };
+        let mut escapes = false;
+        for c in joined.components() {
+            match c {
+                std::path::Component::ParentDir => escapes |= parts.pop().is_none(),
+                std::path::Component::CurDir => {}
+                c => parts.push(c.as_os_str().to_string_lossy().into_owned()),
+            }
+        }
+        let resolved = parts.join("/");
+        let at = format!("{file}:{line}: ({target})");
+        if escapes {
+            out.push(format!("{at} leaves the repository"));
+            continue;
+        }
+        let body = if path.is_empty() {
+            Some(text.to_string())
+        } else {
+            read(&resolved)
+        };
+        let Some(body) = body else {
+            if !is_dir(&resolved) {
+                out.push(format!("{at} {resolved} does not exist"));
+            } else if fragment.is_some() {
+                out.push(format!("{at} an anchor into a folder"));
+            }
+            continue;
+        };
+        if let Some(f) = fragment {
+            if resolved.ends_with(".md") && !heading_anchors(&body).contains(f) {
+                out.push(format!("{at} {resolved} has no heading #{f}"));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn broken_links_are_found_outside_code() {
+    let files = BTreeMap::from([
+        (
+            "docs/guide.md",
+            "# Guide\n\n## Two nodes (`--nnodes`)\n\n## Two nodes (`--nnodes`)\n",
+        ),
+        ("ddp-run/README.md", "# ddp-run\n\n## Security\n"),
+    ]);
+    let read = |p: &str| files.get(p).map(|t| t.to_string());
+    let is_dir = |p: &str| p == "docs" || p == "ddp-run";
+    let text = "\
+# Front
+
+See [the guide](docs/guide.md#two-nodes---nnodes), [again](docs/guide.md#two-nodes---nnodes-1),
+[security](ddp-run/README.md#security) and [docs](docs/), [up](../outside.md).
+[gone](docs/gone.md), [no heading](ddp-run/README.md#secrets), [here](#front), [not](#back).
+`[code](docs/none.md)` and [web](https://example.com/x#y) are not checked.
+```
+[fenced](docs/none.md)
+```
+[ref]: docs/missing.md
+";
+    assert_eq!(
+        broken_links("README.md", text, &read, &is_dir),
+        [
+            "README.md:4: (../outside.md) leaves the repository",
+            "README.md:5: (docs/gone.md) docs/gone.md does not exist",
+            "README.md:5: (ddp-run/README.md#secrets) ddp-run/README.md has no heading #secrets",
+            "README.md:5: (#back) README.md has no heading #back",
+            "README.md:10: (docs/missing.md) docs/missing.md does not exist",
+        ]
+    );
+    // From a file in a folder, links are relative to that folder.
+    assert!(broken_links(
+        "docs/x.md",
+        "[g](guide.md) [r](../ddp-run/README.md)",
+        &read,
+        &is_dir
+    )
+    .is_empty());
+}
+
+#[test]
+fn every_link_of_the_documentation_leads_somewhere() {
+    let root = root();
+    let read = |p: &str| std::fs::read_to_string(root.join(p)).ok();
+    let is_dir = |p: &str| root.join(p).is_dir();
+    let found: Vec<String> = documentation()
+        .iter()
+        .flat_map(|f| broken_links(f, &read(f).unwrap(), &read, &is_dir))
+        .collect();
+    assert!(found.is_empty(), "broken links:\n{}", found.join("\n"));
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule: the front page stays a front page (README.md at most 150 lines), the architecture
+// short (ARCHITECTURE.md at most 15 kB), and the documentation says what is: no dates and no
+// notes about the session that built something. Figures carry their machine and date once,
+// in the generated BENCHMARKS.md, which is not checked for dates.
+
+const README_LINES: usize = 150;
+const ARCHITECTURE_BYTES: usize = 15 * 1024;
+
+/// `(line, what)` of each dated note in `text`: a date (`2026-12-01`), or words about the
+/// session a text was written in or what it could not measure there.
+fn dated_notes(text: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let b = line.as_bytes();
+        let date = (0..b.len().saturating_sub(9)).find(|&k| {
+            let digits = |r: std::ops::Range<usize>| r.clone().all(|j| b[j].is_ascii_digit());
+            (b[k..].starts_with(b"19") || b[k..].starts_with(b"20"))
+                && digits(k..k + 4)
+                && b[k + 4] == b'-'
+                && digits(k + 5..k + 7)
+                && b[k + 7] == b'-'
+                && digits(k + 8..k + 10)
+                && (k == 0 || !b[k - 1].is_ascii_digit())
+        });
+        if let Some(k) = date {
+            out.push((i + 1, format!("a date, {}", &line[k..k + 10])));
+        }
+        let lower = line.to_lowercase();
+        for phrase in [
+            "this session",
+            "the session that",
+            "not measured",
+            "unmeasured",
+            "could not be measured",
+        ] {
+            if lower.contains(phrase) {
+                out.push((i + 1, format!("\"{phrase}\"")));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn dated_notes_are_found() {
+    let text = "Measured 2026-12-01 on this machine.\nThe rank runs in a session of its own.\n\
+                No GPU was lent to this session.\nport 20261201-000000 is a run directory\n\
+                Unmeasured on a GPU so far; the best model so far.\n";
+    assert_eq!(
+        dated_notes(text),
+        [
+            (1, "a date, 2026-12-01".to_string()),
+            (3, "\"this session\"".to_string()),
+            (5, "\"unmeasured\"".to_string()),
+        ]
+    );
+}
+
+#[test]
+fn the_front_page_is_short_and_the_documentation_undated() {
+    let root = root();
+    let read = |p: &str| std::fs::read_to_string(root.join(p)).unwrap();
+    let mut problems = Vec::new();
+    let readme = read("README.md").lines().count();
+    if readme > README_LINES {
+        problems.push(format!(
+            "README.md is {readme} lines (at most {README_LINES}): move guides to docs/"
+        ));
+    }
+    let architecture = read("ARCHITECTURE.md").len();
+    if architecture > ARCHITECTURE_BYTES {
+        problems.push(format!(
+            "ARCHITECTURE.md is {architecture} bytes (at most {ARCHITECTURE_BYTES}): say each \
+             fact once"
+        ));
+    }
+    for file in documentation() {
+        if file == "BENCHMARKS.md" {
+            continue;
+        }
+        for (line, what) in dated_notes(&read(&file)) {
+            problems.push(format!(
+                "{file}:{line}: {what} (say what is; figures go to BENCHMARKS.md)"
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}

@@ -27,19 +27,27 @@
 //! The `overlap` group caps loopback's bandwidth with `tc` (root only) for its last rows and
 //! removes the cap afterwards, also on an error, a panic or Ctrl-C ([`netcap::LoopbackCap`]).
 //!
-//! One file per job: this one runs the groups and prints; `report.rs` is the result model
-//! and its table and JSON lines; `runner.rs` builds and runs benches, Python and ranks;
-//! `parse.rs` reads what they print; `targets.rs` holds every pass/fail target; the groups
-//! are `sampler.rs`, `data.rs` (+ `loader.rs`), `comm.rs`, `train.rs` (`train` and `ddp`)
-//! and `overlap.rs` (+ `netcap.rs`, the loopback cap).
+//! Every run saves its results as JSON lines in `target/xtask-bench/results.jsonl`. A
+//! complete run (every group, without `--quick`, none failed) also writes `BENCHMARKS.md` at
+//! the workspace root: the machine, the date and the load once at the top, then every row;
+//! `--render FILE` writes that page from a saved run instead of running anything.
+//!
+//! One file per job: this one runs the groups and prints; `report.rs` is the row model and
+//! its table and JSON; `results.rs` is a whole run (machine, settings, loads, rows) as JSON
+//! lines and back; `page.rs` renders `BENCHMARKS.md`; `runner.rs` builds and runs benches,
+//! Python and ranks; `parse.rs` reads what they print; `targets.rs` holds every pass/fail
+//! target; the groups are `sampler.rs`, `data.rs` (+ `loader.rs`), `comm.rs`, `train.rs`
+//! (`train` and `ddp`) and `overlap.rs` (+ `netcap.rs`, the loopback cap).
 
 mod comm;
 mod data;
 mod loader;
 mod netcap;
 mod overlap;
+mod page;
 mod parse;
 mod report;
+mod results;
 mod runner;
 mod sampler;
 mod targets;
@@ -47,13 +55,15 @@ mod train;
 
 use std::collections::BTreeSet;
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
+use page::PAGE;
 pub use report::Group;
-use report::{end_json, print_table, start_json, Row, Unit};
+use report::{print_table, Row, Unit};
+use results::{end_json, Machine, Results, Start};
 use runner::{ensure_setup, say, Ctx};
 
 /// Options of `cargo xtask bench`.
@@ -75,10 +85,17 @@ pub struct BenchArgs {
     /// Untimed warm-up steps per training run (default 3; 1 with --quick).
     #[arg(long)]
     pub warmup: Option<usize>,
+    /// Run nothing: write BENCHMARKS.md from a saved complete run, the JSON lines of
+    /// `--json` or `target/xtask-bench/results.jsonl`.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["json", "quick", "only", "steps", "warmup"])]
+    pub render: Option<PathBuf>,
 }
 
 /// Runs `cargo xtask bench`.
 pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
+    if let Some(saved) = &args.render {
+        return render_saved(root, saved);
+    }
     let started = Instant::now();
     let deps = ensure_setup(root)?;
     let dir = root.join("target").join("xtask-bench");
@@ -96,25 +113,23 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
         bail!("--steps must be at least 1");
     }
     let groups: BTreeSet<Group> = if args.only.is_empty() {
-        [
-            Group::Sampler,
-            Group::Data,
-            Group::Comm,
-            Group::Ddp,
-            Group::Train,
-            Group::Overlap,
-        ]
-        .into()
+        Group::ALL.into()
     } else {
         args.only.iter().copied().collect()
     };
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let mut loads = vec![("start".to_string(), load_average())];
+    let start = Start {
+        machine: Machine::this(),
+        date: results::now_utc(),
+        torch: crate::setup::TORCH_VERSION.to_string(),
+        load_average: load_average(),
+        quick: ctx.quick,
+        warmup_steps: ctx.warmup,
+        timed_steps: ctx.steps,
+        groups: groups.iter().copied().collect(),
+    };
+    let mut loads = vec![("start".to_string(), start.load_average.clone())];
     if args.json {
-        println!(
-            "{}",
-            start_json(cores, &loads[0].1, ctx.quick, ctx.warmup, ctx.steps)?
-        );
+        println!("{}", start.json()?);
     }
     let mut rows: Vec<Row> = Vec::new();
     let mut failures = Vec::new();
@@ -143,7 +158,7 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
                 say(&format!("{} failed: {msg}", group.name()));
                 failures.push(group.name());
                 let first = msg.lines().next().unwrap_or("").to_string();
-                vec![Row::new(group, "(did not run)", Unit::Fraction).note(first)]
+                vec![Row::new(group, Row::DID_NOT_RUN, Unit::Fraction).note(first)]
             }
         };
         if args.json {
@@ -161,7 +176,9 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
         rows.sort_by_key(|r| r.group);
         print_table(&rows);
         println!(
-            "\n{cores} cores; load average (1, 5, 15 min): {}; {seconds:.0} s in all{}",
+            "\n{} cores of {}; load average (1, 5, 15 min): {}; {seconds:.0} s in all{}",
+            start.machine.cores,
+            start.machine.cpu,
             loads
                 .iter()
                 .map(|(k, v)| format!("{k} {v}"))
@@ -178,12 +195,55 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
             ctx.dir.join("logs").display()
         );
     }
+    let results = Results {
+        start,
+        loads,
+        seconds,
+        rows,
+    };
+    let saved = ctx.dir.join("results.jsonl");
+    fs::write(&saved, results.json_lines()?)
+        .with_context(|| format!("cannot write {}", saved.display()))?;
+    match page::incomplete(&results) {
+        None => {
+            page::write(root, &results)?;
+            say(&format!(
+                "wrote {PAGE} (this run's results are also in {})",
+                saved.display()
+            ));
+        }
+        Some(why) => say(&format!(
+            "{PAGE} is left as it is, since it holds complete runs only and {why}; this \
+             run's results are in {}",
+            saved.display()
+        )),
+    }
     if !failures.is_empty() {
         bail!(
             "benchmark group(s) failed: {} (see the messages above)",
             failures.join(", ")
         );
     }
+    Ok(())
+}
+
+/// `--render FILE`: the page from a saved run.
+fn render_saved(root: &Path, saved: &Path) -> Result<()> {
+    let text =
+        fs::read_to_string(saved).with_context(|| format!("cannot read {}", saved.display()))?;
+    let results = Results::from_json_lines(&text).with_context(|| {
+        format!(
+            "{} is not a saved run of cargo xtask bench",
+            saved.display()
+        )
+    })?;
+    page::write(root, &results)?;
+    say(&format!(
+        "wrote {PAGE} from {} (the run of {} on {})",
+        saved.display(),
+        results.start.date,
+        results.start.machine.cpu
+    ));
     Ok(())
 }
 

@@ -1,8 +1,7 @@
 //! The result model and its output: a [`Row`] per figure (ours, PyTorch's, their ratio and
 //! the [`Target`] it must meet), printed as one table or as JSON lines.
 
-use serde::ser::SerializeMap;
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 
 /// A group of benchmarks, selectable with `--only`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
@@ -26,6 +25,21 @@ pub enum Group {
 }
 
 impl Group {
+    /// Every group, in the order a full run runs them.
+    pub(super) const ALL: [Group; 6] = [
+        Group::Sampler,
+        Group::Data,
+        Group::Comm,
+        Group::Ddp,
+        Group::Train,
+        Group::Overlap,
+    ];
+
+    /// The group named `name` (as [`Group::name`] gives it).
+    pub(super) fn from_name(name: &str) -> Option<Group> {
+        Group::ALL.into_iter().find(|g| g.name() == name)
+    }
+
     /// The group's name in the table, the JSON lines and `--only`.
     pub(super) fn name(self) -> &'static str {
         match self {
@@ -61,6 +75,20 @@ pub(super) enum Unit {
 }
 
 impl Unit {
+    const ALL: [Unit; 5] = [
+        Unit::Seconds,
+        Unit::ImagesPerSec,
+        Unit::StepsPerSec,
+        Unit::GigabytesPerSec,
+        Unit::Fraction,
+    ];
+
+    /// The unit whose [`Unit::label`] is `label`.
+    pub(super) fn from_label(label: &str) -> Option<Unit> {
+        Unit::ALL.into_iter().find(|u| u.label() == label)
+    }
+
+    /// The unit's name in the JSON lines.
     fn label(self) -> &'static str {
         match self {
             Unit::Seconds => "s",
@@ -100,6 +128,9 @@ pub(super) struct Row {
 }
 
 impl Row {
+    /// The name of the one row a group that failed leaves (its note says why).
+    pub(super) const DID_NOT_RUN: &'static str = "(did not run)";
+
     pub(super) fn new(group: Group, name: impl Into<String>, unit: Unit) -> Self {
         Self {
             group,
@@ -146,7 +177,8 @@ impl Row {
         }
     }
 
-    fn target_text(&self) -> String {
+    /// The target as the table and the page show it: `>= 5x`, `>= 0.95`, `<= 500.0 us`.
+    pub(super) fn target_text(&self) -> String {
         match self.target {
             Some(Target::Ratio(t)) => format!(">= {t}x"),
             Some(Target::Ours(t)) => format!(">= {t}"),
@@ -194,72 +226,6 @@ struct RowJson<'a> {
     target_on: Option<&'static str>,
     meets_target: Option<bool>,
     note: &'a str,
-}
-
-/// The first line of `--json`: the machine and the run's settings.
-#[derive(Serialize)]
-struct Start<'a> {
-    group: &'static str,
-    name: &'static str,
-    cores: usize,
-    load_average: &'a str,
-    quick: bool,
-    warmup_steps: usize,
-    timed_steps: usize,
-}
-
-/// The first line of `--json`: `cores`, the load average at the start, and the run's
-/// settings.
-pub(super) fn start_json(
-    cores: usize,
-    load_average: &str,
-    quick: bool,
-    warmup_steps: usize,
-    timed_steps: usize,
-) -> serde_json::Result<String> {
-    serde_json::to_string(&Start {
-        group: "meta",
-        name: "start",
-        cores,
-        load_average,
-        quick,
-        warmup_steps,
-        timed_steps,
-    })
-}
-
-/// The last line of `--json`: the run's seconds and the load average after each group.
-#[derive(Serialize)]
-struct End<'a> {
-    group: &'static str,
-    name: &'static str,
-    /// Rounded to tenths.
-    seconds: f64,
-    load_average: Loads<'a>,
-}
-
-/// `(when, load average)` pairs as one JSON object, in their order.
-struct Loads<'a>(&'a [(String, String)]);
-
-impl Serialize for Loads<'_> {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut map = serializer.serialize_map(Some(self.0.len()))?;
-        for (when, load) in self.0 {
-            map.serialize_entry(when, load)?;
-        }
-        map.end()
-    }
-}
-
-/// The last line of `--json`: `seconds` in all (in tenths) and the load averages `loads`.
-pub(super) fn end_json(seconds: f64, loads: &[(String, String)]) -> serde_json::Result<String> {
-    serde_json::to_string(&End {
-        group: "meta",
-        name: "end",
-        // Tenths as `{:.1}` rounds them, so the line reads as it always has.
-        seconds: format!("{seconds:.1}").parse().unwrap_or(seconds),
-        load_average: Loads(loads),
-    })
 }
 
 /// Prints `rows` as the table of `cargo xtask bench`.
@@ -362,21 +328,14 @@ mod tests {
     }
 
     #[test]
-    fn meta_lines_are_the_hand_written_ones() {
-        assert_eq!(
-            start_json(2, "0.52 0.61 0.70", true, 1, 4).unwrap(),
-            r#"{"group":"meta","name":"start","cores":2,"load_average":"0.52 0.61 0.70","quick":true,"warmup_steps":1,"timed_steps":4}"#
-        );
-        let loads = [
-            ("start".to_string(), "0.52 0.61 0.70".to_string()),
-            ("after sampler".to_string(), "1.00 0.80 0.71".to_string()),
-        ];
-        assert_eq!(
-            end_json(123.44, &loads).unwrap(),
-            r#"{"group":"meta","name":"end","seconds":123.4,"load_average":{"start":"0.52 0.61 0.70","after sampler":"1.00 0.80 0.71"}}"#
-        );
-        assert!(end_json(120.0, &loads)
-            .unwrap()
-            .contains(r#""seconds":120.0,"#));
+    fn groups_and_units_read_back_from_their_names() {
+        for g in Group::ALL {
+            assert_eq!(Group::from_name(g.name()), Some(g));
+        }
+        for u in Unit::ALL {
+            assert_eq!(Unit::from_label(u.label()), Some(u));
+        }
+        assert_eq!(Group::from_name("gpu"), None);
+        assert_eq!(Unit::from_label("parsecs"), None);
     }
 }

@@ -25,55 +25,55 @@ targets! {
     SAMPLER_VS_DISTRIBUTED_SAMPLER = Target::Ratio(5.0),
         "One epoch's indices of rank 0 of 8 (N = 10^6 and 10^7) at least 5x as fast as \
          PyTorch's `DistributedSampler`.",
-        "the sampler's goal, in README.md's speed table (>= 5x)";
+        "the sampler's goal: shuffling a large data set must cost a trainer nothing";
     DECODE_VS_TORCHVISION = Target::Ratio(2.0),
         "Decode + RandomResizedCrop(224) + to-tensor on one thread, 512 and 2048 px: at least \
          2x torchvision's images/s with its default decoding.",
-        "ddp-data's goal, in ddp-data/README.md's pipeline table (target >= 2)";
+        "ddp-data's goal for decoding (ddp-data/README.md, Speed)";
     DECODE_VS_PIL_DRAFT = Target::Ratio(1.3),
         "The same pipeline: at least 1.3x torchvision's images/s with PIL's `draft` \
          (JPEGs decoded at a reduced size).",
-        "ddp-data's goal, in ddp-data/README.md's pipeline table (target >= 1.3)";
+        "ddp-data's goal for decoding against PIL's reduced-size decode (ddp-data/README.md, Speed)";
     LOADER_HANDOFF = Target::OursAtMost(0.0005),
         "The training thread's hand-off of a ready 64x224 batch as tensors on the CPU \
          device: at most 0.5 ms.",
-        "ddp-data/README.md, 'The loader as the training thread sees it' (<= 0.5 ms)";
+        "ddp-data's goal that the training thread never copies a batch (ddp-data/README.md, Speed)";
     LOADER_SCALING = Target::Ours(1.8),
         "The loader's throughput with 2 worker threads: at least 1.8x that with 1 thread \
          (on an idle 2-core machine).",
-        "ddp-data/README.md, 'The loader as the training thread sees it' (x1.8)";
+        "ddp-data's goal that loading scales with its threads (ddp-data/README.md, Speed)";
     ALLREDUCE_LATENCY = Target::Ratio(1.0),
         "All-reduce of 4 KiB between 2 ranks over shared memory: median latency no worse \
          than Gloo's.",
-        "ddp-comm's goal for ranks on one host, in README.md's speed table";
+        "ddp-comm's goal for ranks on one host (ddp-comm/README.md, Benchmark)";
     ALLREDUCE_BANDWIDTH = Target::Ratio(2.0),
         "All-reduce between 2 ranks over shared memory, from 4 MiB up \
          ([`ALLREDUCE_BANDWIDTH_SIZES`]): at least 2x Gloo's bus bandwidth.",
-        "ddp-comm's goal, in README.md's speed table and ddp-comm/README.md (2x)";
+        "ddp-comm's goal for ranks on one host (ddp-comm/README.md, Benchmark)";
     TRAIN_RANDOM_TENSORS = Target::Ratio(1.0),
         "ConvNet training on random tensors, 1 and 2 ranks: images/s at least PyTorch \
          DDP's.",
-        "README.md's speed table (train, random tensors, >= 1x)";
+        "the trainer's goal: the same kernels as PyTorch, no slower around them";
     TRAIN_2048_JPEGS = Target::Ratio(1.15),
         "ConvNet training on 2048-px JPEGs, loading included, 1 and 2 ranks: images/s at \
          least 1.15x PyTorch DDP's with its DataLoader.",
-        "README.md's speed table (train, 2048-px JPEG pipeline, >= 1.15x)";
+        "the trainer's goal: loading that never stalls the step";
     TRAIN_SCALING = Target::Ours(0.95),
         "Our training's scaling efficiency, 2 ranks / (2 x 1 rank), for every source with \
          the default allocator settings: at least 0.95.",
-        "README.md's speed table (scaling efficiency >= 0.95)";
+        "the trainer's goal: a second rank nearly doubles the images per second";
     OVERLAP_VS_DDP = Target::Ratio(1.3),
         "The communication-heavy MLP's step, overlapped, 2 ranks over shared memory and \
          over TCP: steps/s at least 1.3x PyTorch DDP's.",
-        "ddp-train/README.md's overlap table (>= 1.3x)";
+        "the DDP engine's goal for communication-heavy steps (docs/engine.md, What overlap gains)";
     OVERLAP_CAPPED_VS_DDP = Target::Ratio(1.0),
         "The MLP's step, overlapped, over TCP with loopback capped at 1 Gbit/s: steps/s at \
          least PyTorch DDP's under the same cap.",
-        "ddp-train/README.md's overlap table (capped, >= 1x)";
+        "the DDP engine's goal under a slow network (docs/engine.md, What overlap gains)";
     OVERLAP_CAPPED_HIDDEN = Target::Ours(0.5),
         "Under the cap, overlapping hides at least half the communication: overlapped step \
          <= step not overlapped - 0.5 x communication.",
-        "ddp-train/README.md's overlap table (capped, share hidden >= 0.5)";
+        "the DDP engine's goal under a slow network (docs/engine.md, What overlap gains)";
 }
 
 /// The all-reduce sizes that [`ALLREDUCE_BANDWIDTH`] applies to (labels of the collectives
