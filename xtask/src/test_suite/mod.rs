@@ -83,7 +83,7 @@ pub fn run(root: &Path) -> Result<()> {
     let history_file = target_dir(root).join("xtask/test-times.json");
     let history = load_history(&history_file);
     let mut jobs = Vec::new();
-    for bin in &binaries {
+    for (index, bin) in binaries.iter().enumerate() {
         let tests = list(bin, &programs)?;
         if tests.is_empty() {
             continue;
@@ -98,7 +98,7 @@ pub fn run(root: &Path) -> Result<()> {
             .map(|t| history.get(&key(bin, t)).copied().unwrap_or(1.0))
             .sum();
         jobs.push(Job {
-            binary: jobs.len(),
+            binary: index,
             label: bin.label(),
             group,
             estimate,
