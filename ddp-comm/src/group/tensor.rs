@@ -4,10 +4,10 @@
 
 use tch::{Device, Kind, Tensor};
 
+use crate::config::options::Backend;
 use crate::element::{DType, ReduceOp};
 use crate::error::CommError;
 use crate::nccl::{self, DeviceBuffer};
-use crate::options::Backend;
 
 /// One collective on tensors, which `ProcessGroup::run` hands to the backend of their
 /// device, where it is written once per backend.

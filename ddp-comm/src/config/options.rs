@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
-use crate::env::EnvConfig;
+use crate::config::env::EnvConfig;
 use crate::error::CommError;
-use crate::link::Transport;
-use crate::secret::Secret;
-use crate::shm;
+use crate::ring::link::Transport;
+use crate::ring::shm;
+use crate::security::secret::Secret;
 
 /// Default rendezvous timeout.
 pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
