@@ -34,7 +34,7 @@
 //! use tch::Tensor;
 //!
 //! // A group of one needs no environment and no network.
-//! let group = ProcessGroup::new(Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Tcp))?;
+//! let group = ProcessGroup::new(Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Cpu))?;
 //! let mut grads = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
 //! group.all_reduce(&mut grads, ReduceOp::Avg)?;
 //! assert_eq!(Vec::<f32>::try_from(&grads).unwrap(), [1.0, 2.0, 3.0]);

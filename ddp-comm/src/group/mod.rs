@@ -119,7 +119,7 @@ impl ProcessGroup {
             if crate::nccl::cuda::device_count() > 0 && nccl_sys::Nccl::load().is_ok() {
                 Backend::Nccl
             } else {
-                Backend::Tcp
+                Backend::Cpu
             }
         });
         let secret = match &env.secret {
@@ -193,7 +193,7 @@ impl ProcessGroup {
         self.local_world_size
     }
 
-    /// The backend that carries CUDA tensors ([`Backend::Tcp`]: none, CPU only).
+    /// The backend that carries CUDA tensors ([`Backend::Cpu`]: none, CPU only).
     pub fn backend(&self) -> Backend {
         self.backend
     }
@@ -224,7 +224,7 @@ impl ProcessGroup {
         }
         if self.backend != Backend::Nccl {
             return Err(CommError::Tensor {
-                backend: "tcp",
+                backend: "cpu",
                 detail: "CUDA tensors need the NCCL backend".into(),
             });
         }
