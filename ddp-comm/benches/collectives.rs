@@ -67,7 +67,7 @@ struct Args {
 fn parse_args() -> Args {
     let mut args = Args {
         ranks: 2,
-        backend: Backend::Tcp,
+        backend: Backend::Cpu,
         transport: None,
         gloo: true,
         scale: 1.0,
@@ -81,11 +81,8 @@ fn parse_args() -> Args {
                 ranks_given = true;
             }
             "--backend" => {
-                args.backend = match it.next().as_deref() {
-                    Some("nccl") => Backend::Nccl,
-                    Some("tcp") => Backend::Tcp,
-                    other => panic!("--backend tcp|nccl, got {other:?}"),
-                }
+                let b = it.next().unwrap_or_default();
+                args.backend = b.parse().expect("--backend cpu|nccl");
             }
             "--transport" => {
                 let t = it.next().unwrap_or_default();
@@ -162,7 +159,7 @@ fn worker(args: &Args) {
     }
     let device = match args.backend {
         Backend::Nccl => Device::Cuda(group.local_rank()),
-        Backend::Tcp => Device::Cpu,
+        Backend::Cpu => Device::Cpu,
     };
     let sync = || {
         if device != Device::Cpu {

@@ -191,7 +191,7 @@ pub enum CommError {
     /// A tensor cannot take part in a collective.
     #[error("tensor not supported by {backend}: {detail}")]
     Tensor {
-        /// The backend that refused it.
+        /// The backend that refused it: `"cpu"`, `"nccl"`, or `"any"` for a device neither takes.
         backend: &'static str,
         /// What is wrong (dtype, device, layout).
         detail: String,

@@ -22,21 +22,19 @@
 //!   prove the secret is not trusted ([`CommError::Handshake`], [`AuthFailure`]). See the
 //!   README's "Security".
 //!
-//! Rendezvous (`rendezvous.rs`) uses a small key-value store served by rank 0 (`store.rs`),
-//! or torchrun's own agent store (`c10d.rs`), and connects the ring (`connect.rs`), each
-//! connection authenticated by `auth.rs` with the key of `secret.rs`; ring
-//! schedules (`ring.rs`) are executed by `cpu.rs` over each link's end (`link.rs`): a
-//! non-blocking socket (`tcp.rs`) or a shared-memory ring (`shm.rs`); NCCL lives in
-//! `nccl.rs` and CUDA loading in [`cuda`]; heartbeats and the diagnosis of a timeout in
-//! `heartbeat.rs`; asynchronous collectives ([`Work`]) and the communication thread in
-//! `work.rs`.
+//! The source is one folder per seam, each `mod.rs` naming its job: `config/` (what a group
+//! is told: [`EnvConfig`], [`Options`]), `security/` (the [`Secret`] and the handshake every
+//! connection starts with), `store/` (the key-value store ranks meet at, and the heartbeats in
+//! it), `ring/` (the CPU backend and its links), `nccl/` (the NCCL backend, and [`cuda`]) and
+//! `group/` ([`ProcessGroup`]: rendezvous, tensors, [`Work`]). Below them all sit `error.rs`,
+//! `element.rs` (what collectives compute on), `sync.rs` and `tcp.rs`.
 //!
 //! ```
 //! use ddp_comm::{Backend, Options, ProcessGroup, ReduceOp};
 //! use tch::Tensor;
 //!
 //! // A group of one needs no environment and no network.
-//! let group = ProcessGroup::new(Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Tcp))?;
+//! let group = ProcessGroup::new(Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Cpu))?;
 //! let mut grads = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
 //! group.all_reduce(&mut grads, ReduceOp::Avg)?;
 //! assert_eq!(Vec::<f32>::try_from(&grads).unwrap(), [1.0, 2.0, 3.0]);
@@ -47,47 +45,34 @@
 
 #![warn(missing_docs)]
 
-mod auth;
-mod c10d;
-mod connect;
-mod cpu;
-pub mod cuda;
+mod config;
 mod element;
-mod env;
 mod error;
 mod group;
-mod heartbeat;
-mod key_file;
-mod link;
 mod nccl;
-mod options;
-mod rendezvous;
 mod ring;
-mod secret;
-mod shm;
+mod security;
 mod store;
 mod sync;
 mod tcp;
-mod tensor;
-mod throttle;
-mod wire;
-mod work;
 
-pub use cpu::DEFAULT_MAX_GATHER_BYTES;
-pub use element::{DType, Element, ReduceOp};
-pub use env::{
+pub use nccl::cuda;
+
+pub use config::env::{
     first_slurm_host, EnvConfig, EnvSource, HOST_ID_ENV, MAX_RUN_ID_LEN, OP_TIMEOUT_ENV,
     RDZV_TIMEOUT_ENV, RUN_ID_ENV, TRANSPORT_ENV,
 };
-pub use error::{AuthFailure, CommError, Diagnosis};
-pub use group::{ProcessGroup, RingLayout};
-pub use key_file::SECRET_FILE_ENV;
-pub use link::{LinkKind, Transport};
-pub use nccl::version as nccl_version;
-pub use options::{
+pub use config::options::{
     Backend, Options, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_SHM_RING_BYTES,
     DEFAULT_SOCKET_BUFFER,
 };
-pub use secret::{Secret, SecretOrigin, MAX_SECRET_BYTES, MIN_SECRET_BYTES, SECRET_ENV};
-pub use tensor::dtype_of;
-pub use work::Work;
+pub use element::{DType, Element, ReduceOp};
+pub use error::{AuthFailure, CommError, Diagnosis};
+pub use group::tensor::dtype_of;
+pub use group::work::Work;
+pub use group::{ProcessGroup, RingLayout};
+pub use nccl::version as nccl_version;
+pub use ring::cpu::DEFAULT_MAX_GATHER_BYTES;
+pub use ring::link::{LinkKind, Transport};
+pub use security::key_file::SECRET_FILE_ENV;
+pub use security::secret::{Secret, SecretOrigin, MAX_SECRET_BYTES, MIN_SECRET_BYTES, SECRET_ENV};

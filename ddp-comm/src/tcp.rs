@@ -1,6 +1,6 @@
-//! TCP sockets: connecting with retry (both store clients, `store.rs` and `c10d.rs`, and
-//! the ring's TCP links) and the settings of ring sockets (`TCP_NODELAY`, kernel buffer
-//! sizes). The links themselves are driven by `link.rs` and `cpu.rs`.
+//! TCP sockets: connecting with retry (both store clients in `store/`, and the ring's TCP
+//! links) and the settings of ring sockets (`TCP_NODELAY`, kernel buffer sizes). The links
+//! themselves are driven by `ring/`.
 
 use std::io::{self, BufReader, BufWriter};
 use std::net::{IpAddr, SocketAddr, TcpStream};

@@ -899,7 +899,7 @@ fn a_stranger_without_the_secret_cannot_attach_to_shared_memory() {
 #[test]
 fn unsupported_tensors_are_typed_errors() {
     let group =
-        ProcessGroup::new(Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Tcp)).unwrap();
+        ProcessGroup::new(Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Cpu)).unwrap();
     let base = Tensor::arange(6, (Kind::Float, tch::Device::Cpu)).reshape([2, 3]);
     let cases = [
         (base.transpose(0, 1), "not contiguous"),

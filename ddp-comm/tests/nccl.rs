@@ -205,14 +205,14 @@ fn nccl_broadcast_all_gather_and_barrier() {
 }
 
 #[test]
-fn cuda_tensors_are_refused_by_the_tcp_backend() {
+fn cuda_tensors_are_refused_by_the_cpu_backend() {
     skip_without_gpu!();
     let group =
-        ProcessGroup::new(Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Tcp)).unwrap();
+        ProcessGroup::new(Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Cpu)).unwrap();
     let mut t = Tensor::zeros([4], (Kind::Float, Device::Cuda(0)));
     let err = group.all_reduce(&mut t, ReduceOp::Sum).unwrap_err();
     assert!(
-        matches!(err, CommError::Tensor { backend: "tcp", .. }),
+        matches!(err, CommError::Tensor { backend: "cpu", .. }),
         "{err:?}"
     );
 }
@@ -234,7 +234,7 @@ fn the_nccl_version_is_reported() {
 #[test]
 fn nccl_init_times_out_when_a_rank_never_joins_it() {
     // Rank 1 passes the CPU barrier that precedes NCCL init but never calls init itself (it
-    // uses the TCP backend): the blocking init would wait forever; the non-blocking one
+    // uses the CPU backend): the blocking init would wait forever; the non-blocking one
     // gives up after the op timeout and aborts the communicator. Needs one GPU, for rank 0.
     if worker() {
         let (rank, _) = rank_world();
@@ -245,7 +245,7 @@ fn nccl_init_times_out_when_a_rank_never_joins_it() {
             assert!(matches!(err, CommError::NcclInit { .. }), "{err:?}");
             println!("ERROR: {err}");
         } else {
-            let group = ProcessGroup::new(opts.backend(Backend::Tcp)).unwrap();
+            let group = ProcessGroup::new(opts.backend(Backend::Cpu)).unwrap();
             group.barrier().unwrap();
             // Alive (its heartbeat goes on) until rank 0 has given up.
             std::thread::sleep(std::time::Duration::from_secs(8));

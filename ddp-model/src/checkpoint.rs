@@ -95,9 +95,12 @@ fn list(problems: &[TensorProblem]) -> String {
         .join("; ")
 }
 
-/// Named tensors plus the string metadata stored in a safetensors header.
+/// Named tensors plus the string metadata stored in a safetensors header, as
+/// [`read_tensors`] read them from one file.
 #[derive(Debug, Default)]
 pub struct TensorFile {
+    /// The file they were read from, named in errors about them.
+    pub path: PathBuf,
     /// Tensors by name, on the CPU.
     pub tensors: BTreeMap<String, Tensor>,
     /// The header's `__metadata__` map.
@@ -164,15 +167,21 @@ pub fn save(
 }
 
 /// Loads a checkpoint written by [`save`] (or by PyTorch's `safetensors.torch.save_file` of
-/// the same model) into `vs`. The file is read on the CPU, every tensor is checked against
-/// the model (names, shapes, dtypes), and only when all match are they copied to the model's
-/// device. Returns the file's metadata.
+/// the same model) into `vs`: [`read_tensors`], then [`load_tensors`]. Returns the file's
+/// metadata.
 pub fn load(
     vs: &VarStore,
     path: impl AsRef<Path>,
 ) -> Result<HashMap<String, String>, CheckpointError> {
-    let path = path.as_ref();
     let file = read_tensors(path)?;
+    load_tensors(vs, &file)?;
+    Ok(file.metadata)
+}
+
+/// Loads tensors already read from a checkpoint ([`read_tensors`]) into `vs`, reading nothing
+/// more: every tensor is checked against the model (names, shapes, dtypes), and only when
+/// all match are they copied to the model's device. Errors name `file.path`.
+pub fn load_tensors(vs: &VarStore, file: &TensorFile) -> Result<(), CheckpointError> {
     let model = named_tensors(vs);
     let mut problems = Vec::new();
     for (name, var) in &model {
@@ -201,7 +210,7 @@ pub fn load(
     if !problems.is_empty() {
         problems.sort_by(|a, b| natural_cmp(problem_name(a), problem_name(b)));
         return Err(CheckpointError::Mismatch {
-            path: path.to_owned(),
+            path: file.path.clone(),
             problems,
         });
     }
@@ -211,7 +220,7 @@ pub fn load(
             var.copy_(&src.to_device(var.device()));
         }
     });
-    Ok(file.metadata)
+    Ok(())
 }
 
 fn problem_name(p: &TensorProblem) -> &str {
@@ -296,7 +305,11 @@ pub fn read_tensors(path: impl AsRef<Path>) -> Result<TensorFile, CheckpointErro
         tensors.insert(name, t);
     }
     let metadata = header.metadata().clone().unwrap_or_default();
-    Ok(TensorFile { tensors, metadata })
+    Ok(TensorFile {
+        path: path.to_owned(),
+        tensors,
+        metadata,
+    })
 }
 
 /// Replaces the file at `path` with `bytes` so that a crash or power loss leaves either the old

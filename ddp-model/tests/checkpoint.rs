@@ -54,6 +54,34 @@ fn round_trip_restores_every_tensor_and_metadata() {
 }
 
 #[test]
+fn tensors_read_once_load_without_the_file_and_errors_name_where_they_came_from() {
+    let tmp = ddp_testkit::temp_dir("ddp-model-read-once");
+    let path = tmp.path().join("m.safetensors");
+    let (vs, _) = model(ConvNetConfig::default(), 10);
+    checkpoint::save(&vs, &path, &HashMap::new()).unwrap();
+    let file = checkpoint::read_tensors(&path).unwrap();
+    assert_eq!(file.path, path);
+    // Loading takes what was read: the file can be gone by then.
+    std::fs::remove_file(&path).unwrap();
+    let (restored, _) = model(ConvNetConfig::default(), 11);
+    checkpoint::load_tensors(&restored, &file).unwrap();
+    for ((name, a), (_, b)) in snapshot(&vs).iter().zip(snapshot(&restored).iter()) {
+        assert!(a.equal(b), "{name} differs after loading the tensors read");
+    }
+    let (other, _) = model(
+        ConvNetConfig {
+            num_classes: 2,
+            dropout: 0.5,
+        },
+        12,
+    );
+    match checkpoint::load_tensors(&other, &file).unwrap_err() {
+        CheckpointError::Mismatch { path: named, .. } => assert_eq!(named, path),
+        other => panic!("expected a mismatch, got {other:?}"),
+    }
+}
+
+#[test]
 fn another_models_checkpoint_names_tensor_and_shapes_and_loads_nothing() {
     let tmp = ddp_testkit::temp_dir("ddp-model-mismatch");
     let dir = tmp.path();

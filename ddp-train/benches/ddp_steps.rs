@@ -1,6 +1,6 @@
 //! Training throughput and DDP overhead: N data-parallel steps of the ConvNet (or, with
 //! `--model resnet50`, tch's ResNet-50) on the CPU, one process per rank, with the real
-//! `ProcessGroup` (TCP backend) and `DistributedDataParallel`, warm-up steps excluded.
+//! `ProcessGroup` (CPU backend) and `DistributedDataParallel`, warm-up steps excluded.
 //!
 //! ```text
 //! cargo bench -p ddp-train --bench ddp_steps                         # random tensors, 1 and 2 ranks
@@ -545,7 +545,7 @@ fn worker(args: &Args) -> Result<()> {
     let backend = if device.is_cuda() {
         Backend::Nccl
     } else {
-        Backend::Tcp
+        Backend::Cpu
     };
     let opts = Options::from_config(&env)
         .backend(backend)

@@ -353,7 +353,7 @@ fn worker(args: &Args) -> Result<()> {
     let env = EnvConfig::from_env()?;
     let transport = std::env::var("DDP_TRANSPORT").unwrap_or_else(|_| "auto".to_string());
     let opts = Options::from_config(&env)
-        .backend(Backend::Tcp)
+        .backend(Backend::Cpu)
         .op_timeout(Duration::from_secs(300));
     let pg = Arc::new(ProcessGroup::new(opts)?);
     let (rank, world) = (pg.rank(), pg.world_size());

@@ -433,16 +433,24 @@ pub fn resolve(resume: &str, run: Option<&Path>) -> Result<PathBuf, TrainError> 
     Ok(path)
 }
 
-/// Loads the checkpoint whose model file is `model_path` into `vs` and `optimizer`, and
-/// returns its state. Everything is checked before anything changes.
-pub fn load(
-    model_path: &Path,
-    vs: &VarStore,
-    optimizer: &mut Optimizer,
-) -> Result<TrainState, TrainError> {
+/// A checkpoint as read from its two files, each read once: the model's tensors, the
+/// optimizer's, and the training state (already checked with [`check_state`]).
+#[derive(Debug)]
+pub struct SavedCheckpoint {
+    /// The model file's tensors.
+    pub model: checkpoint::TensorFile,
+    /// The state file's tensors: the optimizer's.
+    pub optimizer: checkpoint::TensorFile,
+    /// The training state the state file holds.
+    pub state: TrainState,
+}
+
+/// Reads the checkpoint whose model file is `model_path`: its state file, whose training
+/// state is checked before the model file is read, then the model file; each once.
+pub fn read(model_path: &Path) -> Result<SavedCheckpoint, TrainError> {
     let state_file = state_path(model_path);
-    let file = checkpoint::read_tensors(&state_file)?;
-    let json = file.metadata.get(STATE_KEY).ok_or_else(|| {
+    let optimizer = checkpoint::read_tensors(&state_file)?;
+    let json = optimizer.metadata.get(STATE_KEY).ok_or_else(|| {
         TrainError::Invalid(format!(
             "{} is not a training-state file (no '{STATE_KEY}' metadata)",
             state_file.display()
@@ -455,34 +463,62 @@ pub fn load(
         ))
     })?;
     check_state(&state, &state_file)?;
-    // Check the optimizer state against the model before loading either.
-    let mut problems = Vec::new();
-    for (name, t) in optimizer.state_tensors() {
-        match file.tensors.get(&name) {
-            // Adam's per-parameter step counts are newer than some checkpoints; without
-            // them every parameter took every step.
-            None if name.starts_with("step.") => {}
-            None => problems.push(format!("'{name}' is missing")),
-            Some(f) if f.size() != t.size() => problems.push(format!(
-                "'{name}' has shape {:?} but the model needs {:?}",
-                f.size(),
-                t.size()
-            )),
-            Some(_) => {}
+    let model = checkpoint::read_tensors(model_path)?;
+    Ok(SavedCheckpoint {
+        model,
+        optimizer,
+        state,
+    })
+}
+
+impl SavedCheckpoint {
+    /// Loads the checkpoint into `vs` and `optimizer`, reading no file, and returns its
+    /// state: checks the optimizer's tensors against `optimizer` (names, shapes), then loads
+    /// the model's (all checked before any is copied), then the optimizer's.
+    pub fn restore(
+        self,
+        vs: &VarStore,
+        optimizer: &mut Optimizer,
+    ) -> Result<TrainState, TrainError> {
+        let state_file = &self.optimizer.path;
+        let mut problems = Vec::new();
+        for (name, t) in optimizer.state_tensors() {
+            match self.optimizer.tensors.get(&name) {
+                // Adam's per-parameter step counts are newer than some checkpoints; without
+                // them every parameter took every step.
+                None if name.starts_with("step.") => {}
+                None => problems.push(format!("'{name}' is missing")),
+                Some(f) if f.size() != t.size() => problems.push(format!(
+                    "'{name}' has shape {:?} but the model needs {:?}",
+                    f.size(),
+                    t.size()
+                )),
+                Some(_) => {}
+            }
         }
+        if !problems.is_empty() {
+            return Err(TrainError::Invalid(format!(
+                "{} does not fit this model: {}",
+                state_file.display(),
+                problems.join("; ")
+            )));
+        }
+        checkpoint::load_tensors(vs, &self.model)?;
+        optimizer
+            .load_state(&self.optimizer.tensors, self.state.optimizer_steps)
+            .map_err(|e| TrainError::Invalid(format!("{}: {e}", state_file.display())))?;
+        Ok(self.state)
     }
-    if !problems.is_empty() {
-        return Err(TrainError::Invalid(format!(
-            "{} does not fit this model: {}",
-            state_file.display(),
-            problems.join("; ")
-        )));
-    }
-    checkpoint::load(vs, model_path)?;
-    optimizer
-        .load_state(&file.tensors, state.optimizer_steps)
-        .map_err(|e| TrainError::Invalid(format!("{}: {e}", state_file.display())))?;
-    Ok(state)
+}
+
+/// Loads the checkpoint whose model file is `model_path` into `vs` and `optimizer`, and
+/// returns its state: [`read`], then [`SavedCheckpoint::restore`].
+pub fn load(
+    model_path: &Path,
+    vs: &VarStore,
+    optimizer: &mut Optimizer,
+) -> Result<TrainState, TrainError> {
+    read(model_path)?.restore(vs, optimizer)
 }
 
 #[cfg(test)]
@@ -630,6 +666,48 @@ mod tests {
             seed: 0,
             config: serde_json::Value::Null,
         }
+    }
+
+    /// Two parameters and an Adam that took one step from them, so that its moments are
+    /// not a fresh optimizer's; different seeds give different values throughout.
+    fn trained(seed: i64) -> (VarStore, Optimizer) {
+        tch::manual_seed(seed);
+        let vs = VarStore::new(tch::Device::Cpu);
+        let f32_cpu = (tch::Kind::Float, tch::Device::Cpu);
+        let w = vs
+            .root()
+            .var_copy("w", &tch::Tensor::randn([3, 2], f32_cpu));
+        let b = vs.root().var_copy("b", &tch::Tensor::randn([2], f32_cpu));
+        let config = crate::optim::OptimizerConfig::default();
+        let mut optimizer = Optimizer::new(checkpoint::named_tensors(&vs), config);
+        (w.square().sum(tch::Kind::Float) + b.sum(tch::Kind::Float)).backward();
+        optimizer.step();
+        (vs, optimizer)
+    }
+
+    #[test]
+    fn a_checkpoint_is_read_once_and_restored_without_reading_its_files_again() {
+        let run = ddp_testkit::temp_dir("ddp-train-read-once");
+        let (vs, optimizer) = trained(1);
+        let st = state(3, 0.01);
+        let model_path = save(run.path(), &vs, &optimizer, &st).unwrap();
+        let saved = read(&model_path).unwrap();
+        assert_eq!(saved.state, st);
+        assert_eq!(saved.model.path, model_path);
+        assert_eq!(saved.optimizer.path, state_path(&model_path));
+        // Restoring takes what was read: the files can be gone by then.
+        std::fs::remove_dir_all(checkpoint_dir(run.path())).unwrap();
+        let (vs2, mut optimizer2) = trained(2);
+        assert_eq!(saved.restore(&vs2, &mut optimizer2).unwrap(), st);
+        let model = |vs: &VarStore| checkpoint::named_tensors(vs);
+        for ((name, a), (_, b)) in model(&vs).iter().zip(&model(&vs2)) {
+            assert!(a.equal(b), "{name} differs after the restore");
+        }
+        let moments = |o: &Optimizer| o.state_tensors();
+        for ((name, a), (_, b)) in moments(&optimizer).iter().zip(&moments(&optimizer2)) {
+            assert!(a.equal(b), "{name} differs after the restore");
+        }
+        assert_eq!(optimizer2.steps(), st.optimizer_steps);
     }
 
     #[test]

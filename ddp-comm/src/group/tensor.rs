@@ -4,10 +4,10 @@
 
 use tch::{Device, Kind, Tensor};
 
+use crate::config::options::Backend;
 use crate::element::{DType, ReduceOp};
 use crate::error::CommError;
 use crate::nccl::{self, DeviceBuffer};
-use crate::options::Backend;
 
 /// One collective on tensors, which `ProcessGroup::run` hands to the backend of their
 /// device, where it is written once per backend.
@@ -47,9 +47,9 @@ pub(crate) fn cuda_buffer(
     };
     if backend != Backend::Nccl {
         return Err(CommError::Tensor {
-            backend: "tcp",
+            backend: "cpu",
             detail: format!(
-                "tensor on {:?}: the CPU backend (Backend::Tcp) only takes CPU tensors",
+                "tensor on {:?}: the CPU backend (Backend::Cpu) only takes CPU tensors",
                 t.device()
             ),
         });
@@ -119,9 +119,9 @@ pub(crate) fn check_layout(t: &Tensor, backend: &'static str) -> Result<(), Comm
 
 /// The bytes of a contiguous CPU tensor and their element type.
 pub(crate) fn cpu_bytes(t: &mut Tensor) -> Result<(&mut [u8], DType), CommError> {
-    check_layout(t, "tcp")?;
+    check_layout(t, "cpu")?;
     let dtype = dtype_of(t.kind()).ok_or_else(|| CommError::Tensor {
-        backend: "tcp",
+        backend: "cpu",
         detail: format!("dtype {:?} is not supported on CPU", t.kind()),
     })?;
     let len = t.numel() * dtype.size();

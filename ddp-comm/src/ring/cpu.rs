@@ -1,4 +1,4 @@
-//! The CPU backend: executes ring schedules (`ring.rs`) over this rank's two links, each TCP
+//! The CPU backend: executes ring schedules (`schedule.rs`) over this rank's two links, each TCP
 //! or shared memory (`link.rs`), with non-blocking I/O on one thread, so that sending,
 //! receiving and reducing overlap.
 //!
@@ -21,9 +21,9 @@ use std::time::{Duration, Instant};
 
 use crate::element::{self, as_bytes_mut, DType, ReduceOp};
 use crate::error::CommError;
-use crate::heartbeat::Heartbeat;
-use crate::link::{EndError, Link, LinkKind, RecvEnd};
-use crate::ring::{split_even, Schedule, Span};
+use crate::ring::link::{EndError, Link, LinkKind, RecvEnd};
+use crate::ring::schedule::{split_even, Schedule, Span};
+use crate::store::heartbeat::Heartbeat;
 
 /// Bytes per pipelined segment.
 pub(crate) const SEGMENT: usize = 256 * 1024;
@@ -688,7 +688,7 @@ mod tests {
     /// the fuzz input, then it hangs up; the successor's are drained.
     mod framing {
         use super::*;
-        use crate::link::{RecvEnd, SendEnd};
+        use crate::ring::link::{RecvEnd, SendEnd};
         use proptest::prelude::*;
         use std::io::{Read, Write};
         use std::net::{TcpListener, TcpStream};

@@ -1,24 +1,32 @@
 //! [`ProcessGroup`]: the collectives a data-parallel trainer calls, over tensors and slices.
+//!
+//! Beside it: `rendezvous.rs`, how a new group meets the others and connects its ring;
+//! `tensor.rs`, what each backend needs of a tensor; `work.rs`, asynchronous collectives
+//! ([`Work`]) and the communication thread that runs them.
+
+mod rendezvous;
+pub(crate) mod tensor;
+pub(crate) mod work;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tch::{Device, Tensor};
 
-use crate::cpu::CpuBackend;
+use crate::config::options::{Backend, Options, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT};
 use crate::element::{as_bytes_mut, Element, ReduceOp};
 use crate::error::CommError;
-use crate::heartbeat::{self, Heartbeat, StoreInfo};
-use crate::link::LinkKind;
+use crate::group::rendezvous::Plan;
+use crate::group::tensor::{check_layout, cpu_bytes, cuda_buffer, unsupported_device, Collective};
+use crate::group::work::{Op, Queue, Work};
 use crate::nccl::{self, NcclComm, NcclOp};
-use crate::options::{Backend, Options, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT};
-use crate::rendezvous::{self, Plan};
-use crate::secret::Secret;
-use crate::shm;
+use crate::ring::cpu::CpuBackend;
+use crate::ring::link::LinkKind;
+use crate::ring::shm;
+use crate::security::secret::Secret;
+use crate::store::heartbeat::{self, Heartbeat, StoreInfo};
 use crate::store::{Store, StoreServer};
 use crate::sync::lock;
-use crate::tensor::{check_layout, cpu_bytes, cuda_buffer, unsupported_device, Collective};
-use crate::work::{Op, Queue, Work};
 
 /// How a rank is wired into the ring that carries CPU collectives
 /// ([`ProcessGroup::ring_layout`]).
@@ -108,10 +116,10 @@ impl ProcessGroup {
             )));
         }
         let backend = opts.backend.unwrap_or_else(|| {
-            if crate::cuda::device_count() > 0 && nccl_sys::Nccl::load().is_ok() {
+            if crate::nccl::cuda::device_count() > 0 && nccl_sys::Nccl::load().is_ok() {
                 Backend::Nccl
             } else {
-                Backend::Tcp
+                Backend::Cpu
             }
         });
         let secret = match &env.secret {
@@ -185,7 +193,7 @@ impl ProcessGroup {
         self.local_world_size
     }
 
-    /// The backend that carries CUDA tensors ([`Backend::Tcp`]: none, CPU only).
+    /// The backend that carries CUDA tensors ([`Backend::Cpu`]: none, CPU only).
     pub fn backend(&self) -> Backend {
         self.backend
     }
@@ -216,7 +224,7 @@ impl ProcessGroup {
         }
         if self.backend != Backend::Nccl {
             return Err(CommError::Tensor {
-                backend: "tcp",
+                backend: "cpu",
                 detail: "CUDA tensors need the NCCL backend".into(),
             });
         }
@@ -559,7 +567,7 @@ impl ProcessGroup {
     }
 }
 
-/// The heartbeat of this rank (see `heartbeat.rs`), on its own store connection; without
+/// The heartbeat of this rank (see `store/heartbeat.rs`), on its own store connection; without
 /// one (a world of one, or a store that cannot be reached again) timeouts cannot name the
 /// hung rank, and say so.
 fn start_heartbeat(plan: &Plan, op_timeout: Duration, met: &rendezvous::Met) -> Heartbeat {

@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
-use crate::env::EnvConfig;
+use crate::config::env::EnvConfig;
 use crate::error::CommError;
-use crate::link::Transport;
-use crate::secret::Secret;
-use crate::shm;
+use crate::ring::link::Transport;
+use crate::ring::shm;
+use crate::security::secret::Secret;
 
 /// Default rendezvous timeout.
 pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
@@ -23,22 +23,36 @@ pub const DEFAULT_SOCKET_BUFFER: usize = 0;
 /// Default data bytes of each shared-memory ring (one per link between ranks on one host).
 pub const DEFAULT_SHM_RING_BYTES: usize = shm::DEFAULT_CAPACITY;
 
-/// Which engine carries CUDA tensors (CPU tensors travel over shared memory or TCP, see
+/// Which engine carries CUDA tensors. CPU tensors always travel around the CPU ring, whose
+/// links are shared memory between ranks on one host and TCP between hosts (see
 /// [`Transport`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Backend {
-    /// NCCL for CUDA tensors (plus the CPU links for CPU tensors and byte-level calls).
+    /// NCCL for CUDA tensors (plus the CPU ring for CPU tensors and byte-level calls).
     Nccl,
-    /// CPU links only (shared memory and TCP): CPU tensors; CUDA tensors are refused.
-    Tcp,
+    /// The CPU ring only: CPU tensors; CUDA tensors are refused.
+    Cpu,
 }
 
 impl std::fmt::Display for Backend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Backend::Nccl => "nccl",
-            Backend::Tcp => "tcp",
+            Backend::Cpu => "cpu",
         })
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+
+    /// `nccl` and `cpu` in any case; `tcp`, the CPU backend's earlier name, is taken as `cpu`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "nccl" => Ok(Backend::Nccl),
+            "cpu" | "tcp" => Ok(Backend::Cpu),
+            _ => Err(format!("unknown backend {s:?} (expected cpu or nccl)")),
+        }
     }
 }
 
@@ -171,7 +185,7 @@ mod tests {
             Some(v.to_string())
         })
         .unwrap();
-        let o = Options::from_config(&config).backend(Backend::Tcp);
+        let o = Options::from_config(&config).backend(Backend::Cpu);
         assert_eq!(o.env, config);
         let e = &o.env;
         assert_eq!(
@@ -186,7 +200,7 @@ mod tests {
         assert_eq!(e.rendezvous_timeout, None);
         assert_eq!(e.transport, Some(Transport::Tcp));
         assert_eq!(e.host_id.as_deref(), Some("node7"));
-        assert_eq!(o.backend, Some(Backend::Tcp));
+        assert_eq!(o.backend, Some(Backend::Cpu));
         assert_eq!(o.socket_buffer, DEFAULT_SOCKET_BUFFER);
         assert_eq!(o.shm_ring_bytes, DEFAULT_SHM_RING_BYTES);
     }
@@ -227,5 +241,18 @@ mod tests {
         assert_eq!(e.transport, Some(Transport::Tcp));
         assert_eq!(e.host_id.as_deref(), Some("h"));
         assert_eq!((e.local_rank, e.local_world_size), (0, 1));
+    }
+
+    #[test]
+    fn backends_are_named_and_parsed_alike_and_tcp_still_means_the_cpu_ring() {
+        for backend in [Backend::Nccl, Backend::Cpu] {
+            assert_eq!(backend.to_string().parse(), Ok(backend));
+        }
+        assert_eq!("CPU".parse(), Ok(Backend::Cpu));
+        assert_eq!("tcp".parse(), Ok(Backend::Cpu));
+        assert_eq!(
+            "gloo".parse::<Backend>(),
+            Err("unknown backend \"gloo\" (expected cpu or nccl)".to_string())
+        );
     }
 }

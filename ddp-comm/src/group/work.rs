@@ -8,7 +8,7 @@
 //! the other in the order they were issued, so the order of collectives is the program's
 //! order on every rank, as for the blocking calls. A blocking collective first waits for the
 //! queued ones to finish, so that it keeps its place in that order too. CUDA collectives are
-//! queued on NCCL's side stream instead (see `nccl.rs`); no thread is involved.
+//! queued on NCCL's side stream instead (see `nccl/`); no thread is involved.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};

@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::error::CommError;
-use crate::key_file::SECRET_FILE_ENV;
-use crate::link::Transport;
-use crate::secret::{Secret, SECRET_ENV};
+use crate::ring::link::Transport;
+use crate::security::key_file::SECRET_FILE_ENV;
+use crate::security::secret::{Secret, SECRET_ENV};
 
 /// Environment variable holding the job's run id (which keys in torchrun's agent store carry,
 /// and which goes into the fallback secret with the key file when `DDP_SECRET` is not set).

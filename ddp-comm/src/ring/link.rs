@@ -11,7 +11,7 @@ use std::time::Duration;
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
 use crate::error::CommError;
-use crate::shm::{Bell, RingFault, ShmReceiver, ShmSender};
+use crate::ring::shm::{Bell, RingFault, ShmReceiver, ShmSender};
 
 /// Which transports a rank may use for collectives on CPU data.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

@@ -1,12 +1,20 @@
 //! The rendezvous key-value store: a small TCP server that rank 0 runs (set / get / add /
 //! check, as c10d's TCPStore) and its client.
 //!
-//! Every connection starts with the mutual challenge–response of `auth.rs`: a client serves
+//! Every connection starts with the mutual challenge–response of `security/auth.rs`: a client serves
 //! nothing to, and trusts nothing from, a server that cannot prove the job's secret; the
 //! server drops connections that cannot prove it (and keeps serving the others), and bounds
 //! every length it reads before allocating.
 //! Clients poll (`check`) to wait, so the server never blocks on behalf of a client and a
 //! waiting rank can notice an abort or its own deadline.
+//!
+//! Beside it: `c10d.rs`, a client of torchrun's own store; `wire.rs`, the framing both
+//! protocols share; `heartbeat.rs`, the heartbeats every rank keeps in the store and the
+//! diagnosis of a collective that timed out.
+
+pub(crate) mod c10d;
+pub(crate) mod heartbeat;
+mod wire;
 
 use std::collections::HashMap;
 use std::io::{self, BufReader, BufWriter, Read};
@@ -16,14 +24,13 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::auth::{self, Timeouts};
 use crate::error::CommError;
-use crate::secret::Secret;
+use crate::security::auth::{self, Timeouts};
+use crate::security::secret::Secret;
 use crate::tcp::Connection;
-use crate::wire;
 
-use crate::sync::Pending;
-use crate::throttle::{more, Throttle};
+use crate::security::throttle::Pending;
+use crate::security::throttle::{more, Throttle};
 
 /// Warnings about refused and dropped connections: a burst, then counts (a flood of
 /// strangers must not become a flood of log lines).

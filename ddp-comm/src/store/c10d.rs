@@ -14,9 +14,9 @@ use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
+use crate::store::wire;
 use crate::store::Store;
 use crate::tcp::Connection;
-use crate::wire;
 
 const VALIDATE: u8 = 0;
 const SET: u8 = 1;

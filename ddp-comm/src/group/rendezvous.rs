@@ -12,21 +12,21 @@
 //!    timeout names the ranks that never arrived).
 //! 4. Every rank computes the same ring: hosts in order of their lowest rank, each host's
 //!    ranks in a row. A link between two ranks of one host that both allow it is a
-//!    shared-memory ring, any other link TCP (`connect.rs`). Each rank connects to its
+//!    shared-memory ring, any other link TCP (`ring/connect.rs`). Each rank connects to its
 //!    successor and accepts its predecessor; both sides prove the job's secret to each other
-//!    (`auth.rs`), as every connection to the store does.
+//!    (`security/auth.rs`), as every connection to the store does.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use crate::c10d::C10dStore;
-use crate::connect::{self, Listeners, PeerInfo};
-use crate::cpu::RingOrder;
 use crate::error::CommError;
-use crate::heartbeat::Connector;
-use crate::link::{Link, LinkKind, Transport};
-use crate::ring::host_order;
-use crate::secret::Secret;
+use crate::ring::connect::{self, Listeners, PeerInfo};
+use crate::ring::cpu::RingOrder;
+use crate::ring::link::{Link, LinkKind, Transport};
+use crate::ring::schedule::host_order;
+use crate::security::secret::Secret;
+use crate::store::c10d::C10dStore;
+use crate::store::heartbeat::Connector;
 use crate::store::{resolve, Store, StoreClient, StoreServer};
 
 const ABORT_KEY: &str = "abort";

@@ -1,5 +1,5 @@
 //! The mutual challenge–response every connection between ranks starts with: the store's
-//! (`store.rs`), and the ring's TCP and shared-memory links (`connect.rs`).
+//! (`store/`), and the ring's TCP and shared-memory links (`ring/connect.rs`).
 //!
 //! ```text
 //! client -> server  hello      magic (4) | version (1) | number (u32 LE) | client nonce (16)
@@ -32,7 +32,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use crate::error::{AuthFailure, CommError};
-use crate::secret::Secret;
+use crate::security::secret::Secret;
 
 /// Protocol version of every handshake (1 sent the run id in cleartext).
 pub(crate) const PROTOCOL_VERSION: u8 = 2;

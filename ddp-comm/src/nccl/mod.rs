@@ -18,7 +18,7 @@
 //! and `ncclCommGetAsyncError`; a peer that died or an operation that exceeds the timeout
 //! makes the communicator abort (`ncclCommAbort`) so that nothing hangs, and the group is
 //! unusable afterwards. Before aborting on a timeout, the rank reads every rank's heartbeat
-//! (`heartbeat.rs`) so that the error names the hung rank.
+//! (`store/heartbeat.rs`) so that the error names the hung rank.
 //!
 //! **Init.** The communicator is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`):
 //! init returns at once, possibly with `ncclInProgress`, and this rank polls
@@ -27,6 +27,10 @@
 //! this rank's init with [`CommError::NcclInit`] (the communicator aborted) instead of
 //! hanging it. With a non-blocking communicator, enqueuing a collective may also return
 //! `ncclInProgress`; the same polling, under the same deadline, waits for it.
+//!
+//! Beside it, `cuda.rs` (the public [`cuda`] module) makes CUDA visible to the program.
+
+pub mod cuda;
 
 use std::ffi::{c_int, c_void, CStr};
 use std::time::{Duration, Instant};
@@ -40,7 +44,7 @@ use nccl_sys::{
 
 use crate::element::{DType, ReduceOp};
 use crate::error::{CommError, Diagnosis};
-use crate::heartbeat::Heartbeat;
+use crate::store::heartbeat::Heartbeat;
 
 /// A tensor's memory on the communicator's device, as NCCL takes it.
 #[derive(Clone, Copy, Debug)]
@@ -119,7 +123,7 @@ fn check_cuda(call: &'static str, rc: cudaError_t) -> Result<(), CommError> {
     } else {
         Err(CommError::Nccl {
             call,
-            detail: crate::cuda::cuda_error_string(rc),
+            detail: crate::nccl::cuda::cuda_error_string(rc),
         })
     }
 }
@@ -388,7 +392,7 @@ impl NcclComm {
             if q != cudaError_t::cudaErrorNotReady {
                 return Err(self.abort(CommError::Nccl {
                     call,
-                    detail: crate::cuda::cuda_error_string(q),
+                    detail: crate::nccl::cuda::cuda_error_string(q),
                 }));
             }
             let mut async_rc = ncclResult_t::ncclSuccess;
@@ -515,7 +519,7 @@ impl NcclComm {
             unsafe { (self.cudart.cudaEventDestroy)(e) };
             return Err(CommError::Nccl {
                 call: "cudaEventRecord",
-                detail: crate::cuda::cuda_error_string(rc),
+                detail: crate::nccl::cuda::cuda_error_string(rc),
             });
         }
         Ok(e)

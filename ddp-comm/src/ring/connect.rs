@@ -1,7 +1,7 @@
 //! Connecting a rank's two ring links once rendezvous has decided what carries each.
 //!
 //! Each rank connects to its successor (on a thread of its own) while it accepts its
-//! predecessor, and every connection runs the mutual challenge–response of `auth.rs` before
+//! predecessor, and every connection runs the mutual challenge–response of `security/auth.rs` before
 //! anything else crosses it: the connecting rank trusts only a successor that proves the job's
 //! secret, the accepting rank keeps only a connection that proves it and claims the rank it
 //! expects, and drops (and logs) the others. The accepting side gives each connection
@@ -23,15 +23,15 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
-use crate::auth::{self, Failed, Timeouts};
 use crate::error::CommError;
-use crate::link::{Link, LinkKind, RecvEnd, SendEnd};
-use crate::secret::Secret;
-use crate::shm::{self, Bell, Peer, PendingRing, ShmSender};
-use crate::sync::Pending;
+use crate::ring::link::{Link, LinkKind, RecvEnd, SendEnd};
+use crate::ring::shm::{self, Bell, Peer, PendingRing, ShmSender};
+use crate::security::auth::{self, Failed, Timeouts};
+use crate::security::secret::Secret;
+use crate::security::throttle::Pending;
+use crate::security::throttle::{more, Throttle};
 use crate::tcp;
 use crate::tcp::connect_retry;
-use crate::throttle::{more, Throttle};
 
 /// Handshake magic of TCP ring links.
 const PEER_MAGIC: &[u8; 4] = b"DDPR";

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 use crate::error::CommError;
-use crate::key_file::{self, decode_hex};
+use crate::security::key_file::{self, decode_hex};
 
 /// Environment variable holding the job's secret: at least 32 hexadecimal digits (128 bits).
 pub const SECRET_ENV: &str = "DDP_SECRET";

@@ -1,8 +1,8 @@
 //! Ring schedules: which byte ranges a rank sends to its successor and receives from its
 //! predecessor, in which order, and which received segment each send waits for.
 //!
-//! The schedules are pure data, built once per call into reusable vectors; `tcp.rs`
-//! executes them over sockets. Every piece is cut into segments of at most `segment` bytes so
+//! The schedules are pure data, built once per call into reusable vectors; `cpu.rs`
+//! executes them over the links. Every piece is cut into segments of at most `segment` bytes so
 //! that a rank forwards segment `j` as soon as it has received (and reduced) it, while
 //! segment `j + 1` is still on the wire: this is what pipelines the ring.
 

@@ -1,7 +1,9 @@
-//! Warnings about strangers, at a bounded rate: a flood of connections must not become a flood
-//! of log lines (a full disk, or a rank blocked on a full stderr pipe).
+//! Bounds on what strangers can cost: warnings at a bounded rate, so that a flood of connections
+//! does not become a flood of log lines (a full disk, or a rank blocked on a full stderr pipe),
+//! and counted slots for the handshakes in progress on a listener.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::sync::lock;
@@ -69,6 +71,27 @@ pub(crate) fn more(dropped: u64) -> String {
     match dropped {
         0 => String::new(),
         n => format!(" ({n} more like it were not logged)"),
+    }
+}
+
+/// One of at most `max` handshakes in progress on a listener, counted in `count` until it
+/// is dropped, however its handshake ends (a panic included).
+pub(crate) struct Pending(Arc<AtomicUsize>);
+
+impl Pending {
+    /// A slot, or `None` when `max` are taken.
+    pub(crate) fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Self> {
+        if count.fetch_add(1, Ordering::SeqCst) >= max {
+            count.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        Some(Pending(count.clone()))
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
