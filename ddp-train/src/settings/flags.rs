@@ -4,6 +4,8 @@
 //! setting's path (`optimizer.lr`), its default the value in the type's `Default` (or, for a
 //! kind's parameters, in that kind's defaults).
 //!
+//! And [`parse_duration_secs`], `--time-limit`'s parser.
+//!
 //! Parsing updates a value: a parameter no flag sets (Adam's betas, the metric the plateau
 //! scheduler watches) keeps the value it had when the kind is unchanged.
 
@@ -259,5 +261,49 @@ impl FromArgMatches for LrSchedule {
             }
         }
         Ok(())
+    }
+}
+
+/// Seconds of a duration written as `N`, `Ns`, `Nm` or `Nh` (`--time-limit`).
+pub fn parse_duration_secs(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let (number, unit) = match text.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => (&text[..i], c),
+        _ => (text, 's'),
+    };
+    let scale = match unit {
+        's' => 1,
+        'm' => 60,
+        'h' => 3600,
+        _ => return Err(format!("'{text}': the unit must be s, m or h")),
+    };
+    let n: u64 = number
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{text}' is not a whole number of seconds, minutes or hours"))?;
+    n.checked_mul(scale)
+        .filter(|&s| s > 0)
+        .ok_or_else(|| format!("'{text}' must be more than 0 and not absurdly large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_take_a_unit() {
+        assert_eq!(parse_duration_secs("90"), Ok(90));
+        assert_eq!(parse_duration_secs("90s"), Ok(90));
+        assert_eq!(parse_duration_secs("55m"), Ok(3300));
+        assert_eq!(parse_duration_secs("4h"), Ok(14400));
+        assert_eq!(
+            parse_duration_secs("4d"),
+            Err("'4d': the unit must be s, m or h".into())
+        );
+        assert_eq!(
+            parse_duration_secs("m"),
+            Err("'m' is not a whole number of seconds, minutes or hours".into())
+        );
+        assert!(parse_duration_secs("0s").is_err());
     }
 }

@@ -41,7 +41,9 @@ mod flags;
 mod runtime;
 
 pub use checkpoint::CheckpointSettings;
-pub use runtime::{parse_duration_secs, DeviceChoice, RuntimeSettings};
+#[cfg(feature = "cli")]
+pub use flags::parse_duration_secs;
+pub use runtime::{DeviceChoice, RuntimeSettings};
 
 /// A metric whose best epoch's model rank 0 keeps in the run directory (PyTorch Lightning's
 /// `ModelCheckpoint(monitor=...)`).

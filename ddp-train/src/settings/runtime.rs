@@ -133,7 +133,7 @@ pub struct RuntimeSettings {
             id = "runtime.time_limit_secs",
             long = "time-limit",
             value_name = "DURATION",
-            value_parser = parse_duration_secs,
+            value_parser = super::flags::parse_duration_secs,
             help = "Stop cleanly with a checkpoint before this much time has passed since the \
                     start (exit code 75); the same command started again continues. Seconds, \
                     or a number with s, m or h (`90s`, `55m`, `4h`)"
@@ -197,47 +197,3 @@ builder!(RuntimeSettings {
     progress: bool,
     plot: bool,
 });
-
-/// Seconds of a duration written as `N`, `Ns`, `Nm` or `Nh` (`--time-limit`).
-pub fn parse_duration_secs(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let (number, unit) = match text.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => (&text[..i], c),
-        _ => (text, 's'),
-    };
-    let scale = match unit {
-        's' => 1,
-        'm' => 60,
-        'h' => 3600,
-        _ => return Err(format!("'{text}': the unit must be s, m or h")),
-    };
-    let n: u64 = number
-        .trim()
-        .parse()
-        .map_err(|_| format!("'{text}' is not a whole number of seconds, minutes or hours"))?;
-    n.checked_mul(scale)
-        .filter(|&s| s > 0)
-        .ok_or_else(|| format!("'{text}' must be more than 0 and not absurdly large"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn durations_take_a_unit() {
-        assert_eq!(parse_duration_secs("90"), Ok(90));
-        assert_eq!(parse_duration_secs("90s"), Ok(90));
-        assert_eq!(parse_duration_secs("55m"), Ok(3300));
-        assert_eq!(parse_duration_secs("4h"), Ok(14400));
-        assert_eq!(
-            parse_duration_secs("4d"),
-            Err("'4d': the unit must be s, m or h".into())
-        );
-        assert_eq!(
-            parse_duration_secs("m"),
-            Err("'m' is not a whole number of seconds, minutes or hours".into())
-        );
-        assert!(parse_duration_secs("0s").is_err());
-    }
-}
