@@ -154,7 +154,8 @@ impl EarlyStopping {
 
 /// Everything the generic Trainer needs besides the task. `Default` gives a sensible run
 /// (10 epochs of batch 32 with Adam at 1e-3, a constant learning rate); each field has a
-/// builder method of its name, and so has each field of a group.
+/// builder method of its name, and so has each field of `CheckpointSettings` and
+/// `RuntimeSettings` (`DdpOptions` is built as a struct).
 ///
 /// Errors name a setting by its path: the field, dotted through its group
 /// (`checkpoint.every`), as the settings serialize in `config.json`.
