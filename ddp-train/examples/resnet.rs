@@ -11,12 +11,14 @@
 
 use std::process::ExitCode;
 
-use clap::{CommandFactory, FromArgMatches, Parser};
+use clap::Parser;
 use ddp_data::rng::SampleRng;
 use ddp_data::Affine;
 use ddp_data::{Array, Batch, DataError, TensorDataset};
-use ddp_train::cli::TrainArgs;
-use ddp_train::{Monitor, MultiClassStats, Task, Trainer};
+use ddp_train::cli::{Defaults, TrainArgs};
+use ddp_train::lr_schedule::LrSchedule;
+use ddp_train::optim::{AdamConfig, OptimizerConfig};
+use ddp_train::{Monitor, MultiClassStats, Settings, Task, Trainer};
 use tch::nn::{self, FuncT, ModuleT};
 use tch::vision::resnet;
 use tch::{Reduction, Tensor};
@@ -93,6 +95,25 @@ impl Task for Images {
     }
 }
 
+/// The recipe, as the flags' defaults: AdamW, 10 warmup steps into a cosine, clipping at 1.0,
+/// 5 epochs, the best accuracy's model kept.
+struct Recipe;
+
+impl Defaults for Recipe {
+    fn settings() -> Settings {
+        let adamw = AdamConfig {
+            weight_decay: 0.05,
+            ..AdamConfig::default()
+        };
+        Settings::default()
+            .optimizer(OptimizerConfig::AdamW(adamw))
+            .lr_schedule(LrSchedule::Cosine { warmup: 10 })
+            .clip_grad_norm(Some(1.0))
+            .epochs(5)
+            .monitor(Monitor::max("val_accuracy", "best.safetensors"))
+    }
+}
+
 /// ResNet-18 on generated images: every training flag (defaults: AdamW, warmup + cosine,
 /// clipping at 1.0), and `--nproc-per-node N` to start N ranks.
 #[derive(Parser)]
@@ -101,30 +122,18 @@ struct Cli {
     #[arg(long, default_value_t = 256)]
     images: usize,
     #[command(flatten)]
-    train: TrainArgs,
+    train: TrainArgs<Recipe>,
 }
 
 fn main() -> ExitCode {
     ddp_train::logging::init();
-    let defaults = [
-        ("optimizer", "adamw"),
-        ("weight_decay", "0.05"),
-        ("lr_schedule", "cosine"),
-        ("warmup_steps", "10"),
-        ("clip_grad_norm", "1.0"),
-        ("epochs", "5"),
-    ];
-    let command = defaults.iter().fold(Cli::command(), |c, &(arg, value)| {
-        c.mut_arg(arg, |a| a.default_value(value))
-    });
-    let cli = Cli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit());
+    let cli = Cli::parse();
     ddp_train::cli::run(&cli.train, || {
         let task = Images {
             train: images(cli.images, 1)?,
             val: images(cli.images / 4, 2)?,
         };
-        let best = Monitor::max("val_accuracy", "best.safetensors");
-        Trainer::new(task, cli.train.settings().monitor(best))?.run()?;
+        Trainer::new(task, cli.train.settings())?.run()?;
         Ok(())
     })
 }

@@ -17,8 +17,9 @@ use std::process::ExitCode;
 use clap::Parser;
 use ddp_data::rng::SampleRng;
 use ddp_data::{Array, Batch, DataError, PadTo, Padding, TensorDataset};
-use ddp_train::cli::TrainArgs;
-use ddp_train::{Goal, Monitor, MultiClassStats, Task, Trainer};
+use ddp_train::cli::{Defaults, TrainArgs};
+use ddp_train::lr_schedule::{LrSchedule, Plateau};
+use ddp_train::{Monitor, MultiClassStats, Settings, Task, Trainer};
 use tch::nn::{self, Module};
 use tch::{Reduction, Tensor};
 
@@ -120,6 +121,22 @@ impl Task for TextTask {
     }
 }
 
+/// This program's defaults for the training flags, one line each: `--help` shows them, and a
+/// flag given on the command line overrides its own.
+struct TextDefaults;
+
+impl Defaults for TextDefaults {
+    fn settings() -> Settings {
+        Settings::default()
+            .epochs(5)
+            .batch_size(16)
+            // ReduceLROnPlateau('max') on macro-F1, unless --lr-schedule picks another.
+            .lr_schedule(LrSchedule::Plateau(Plateau::max("val_macro_f1")))
+            .monitor(Monitor::max("val_macro_f1", "best_macro.safetensors"))
+            .monitor(Monitor::max("val_micro_f1", "best_micro.safetensors"))
+    }
+}
+
 /// A text classifier on generated token sequences: every training flag, and
 /// `--nproc-per-node N` to start N ranks.
 #[derive(Parser)]
@@ -128,7 +145,7 @@ struct Cli {
     #[arg(long, default_value_t = 512)]
     texts: usize,
     #[command(flatten)]
-    train: TrainArgs,
+    train: TrainArgs<TextDefaults>,
 }
 
 fn main() -> ExitCode {
@@ -139,14 +156,7 @@ fn main() -> ExitCode {
             train: corpus(cli.texts, 1)?,
             val: corpus(cli.texts / 4, 2)?,
         };
-        let settings = cli
-            .train
-            .settings()
-            // ReduceLROnPlateau('max') on macro-F1, unless --lr-schedule picks another.
-            .plateau(cli.train.plateau_on("val_macro_f1", Goal::Max, true))
-            .monitor(Monitor::max("val_macro_f1", "best_macro.safetensors"))
-            .monitor(Monitor::max("val_micro_f1", "best_micro.safetensors"));
-        Trainer::new(task, settings)?.run()?;
+        Trainer::new(task, cli.train.settings())?.run()?;
         Ok(())
     })
 }

@@ -1,11 +1,27 @@
 //! The generic Trainer's command line (feature `cli`): [`TrainArgs`], every setting of
-//! [`Settings`] as a flag, for a program to flatten into its own parser, and [`run`], which
-//! runs the program as one rank, or starts all its ranks when given `--nproc-per-node`, and
-//! turns the result into the process's exit code.
+//! [`Settings`] as a flag, for a program to flatten into its own parser, with the program's
+//! own defaults ([`Defaults`]); and [`run`], which runs the program as one rank, or starts all
+//! its ranks when given `--nproc-per-node`, and turns the result into the process's exit code.
+//!
+//! The flags are derived from the settings' types (`Settings` and its groups implement
+//! `clap::Args`): a flag's default is its setting's default, `--help` groups the flags as
+//! `Settings` groups the settings, and an invalid setting is reported by its flag
+//! (`error: --batch-size must be at least 1`) where code names the field
+//! (`batch_size must be at least 1`).
 //!
 //! ```
 //! use clap::Parser;
-//! use ddp_train::cli::TrainArgs;
+//! use ddp_train::cli::{Defaults, TrainArgs};
+//! use ddp_train::Settings;
+//!
+//! /// The program's defaults: one line each.
+//! struct MyDefaults;
+//!
+//! impl Defaults for MyDefaults {
+//!     fn settings() -> Settings {
+//!         Settings::default().epochs(3).batch_size(64)
+//!     }
+//! }
 //!
 //! /// My model's command line: its own flags, then every training flag.
 //! #[derive(Parser)]
@@ -14,12 +30,12 @@
 //!     #[arg(long, default_value_t = 64)]
 //!     hidden: i64,
 //!     #[command(flatten)]
-//!     train: TrainArgs,
+//!     train: TrainArgs<MyDefaults>,
 //! }
 //!
-//! let cli = Cli::parse_from(["my-model", "--hidden", "32", "--epochs", "3", "--precision", "bf16"]);
+//! let cli = Cli::parse_from(["my-model", "--hidden", "32", "--precision", "bf16"]);
 //! let settings = cli.train.settings();
-//! assert_eq!((cli.hidden, settings.epochs), (32, 3));
+//! assert_eq!((cli.hidden, settings.epochs, settings.batch_size), (32, 3, 64));
 //! assert_eq!(settings.precision, ddp_train::Precision::Bf16);
 //! assert!(settings.validate().is_ok());
 //!
@@ -51,215 +67,44 @@
 //! launcher settings are `ddp-run`'s (or torchrun's) to give; a process that already is a
 //! launcher's rank refuses `--nproc-per-node` instead of starting ranks of its own.
 
-use std::path::PathBuf;
+use std::collections::BTreeSet;
+use std::marker::PhantomData;
 use std::process::ExitCode;
 
-use clap::{Args, ValueEnum};
-use serde::{Deserialize, Serialize};
+use clap::{ArgMatches, Args, Command, FromArgMatches};
 
-use crate::amp::Precision;
-use crate::ddp::BuiltinHook;
-use crate::error::TrainError;
-use crate::lr_schedule::LrSchedule;
-use crate::optim::{AdamConfig, OptimizerConfig, SgdConfig};
-use crate::scheduler::PlateauConfig;
-use crate::settings::{DeviceChoice, EarlyStopping, Goal, Plateau, Settings};
+use crate::error::{SettingError, TrainError};
+use crate::settings::Settings;
 
+mod defaults;
 mod launch;
 
+pub use crate::settings::parse_duration_secs;
 pub use ddp_run::NprocPerNode;
+pub use defaults::{Defaults, GenericDefaults};
 
-/// Every generic training setting as a flag (`#[command(flatten)]` it into your parser).
-/// [`TrainArgs::settings`] turns them into [`Settings`]; the settings that name one of the
-/// application's metrics (the plateau scheduler, early stopping, best-model files) are made
-/// with [`TrainArgs::plateau_on`] and [`TrainArgs::early_stopping_on`].
-#[derive(Debug, Clone, Args, Serialize, Deserialize)]
-pub struct TrainArgs {
-    /// Number of epochs.
-    #[arg(long, default_value_t = 10)]
-    pub epochs: u64,
+/// Every generic training flag (`#[command(flatten)]` it into your parser), with the defaults
+/// of `D` ([`Defaults`]; without one, `Settings::default()`'s), and the two flags of a
+/// launch (`--local-rank`, `--nproc-per-node`). [`TrainArgs::settings`] is what they stand
+/// for: `D`'s settings with each given flag applied, so settings that no flag sets (the
+/// best-model files, the metric the plateau scheduler and early stopping watch) come from `D`.
+pub struct TrainArgs<D = GenericDefaults> {
+    settings: Settings,
+    /// The node-local rank, as `python -m torch.distributed.launch` passes it (`--local-rank`
+    /// or `--local_rank`); it must agree with `LOCAL_RANK` when both are given.
+    pub local_rank: Option<usize>,
+    /// `--nproc-per-node`: start this many ranks of the program here (see [`run`]).
+    pub nproc_per_node: Option<NprocPerNode>,
+    defaults: PhantomData<fn() -> D>,
+}
 
-    /// Batch size per rank (the global batch is this times the world size).
-    #[arg(long, default_value_t = 16)]
-    pub batch_size: usize,
-
-    /// Micro-batches per optimizer step (gradient accumulation; one all-reduce per step).
-    #[arg(long, default_value_t = 1)]
-    pub accumulate: usize,
-
-    /// Learning rate (the peak with --lr-schedule one-cycle).
-    #[arg(long, default_value_t = 1e-3)]
-    pub lr: f64,
-
-    /// Weight decay: L2 added to the gradient (adam, sgd), or decoupled (adamw).
-    #[arg(long, default_value_t = 0.0)]
-    pub weight_decay: f64,
-
-    /// Loader threads per rank (default: the machine's cores shared among its ranks).
-    #[arg(long)]
-    pub workers: Option<usize>,
-
-    /// Batches the loader threads may prepare ahead of the training step (default: 2 on the
-    /// CPU, 4 on a GPU, where a slow image must not stall a fast step).
-    #[arg(long)]
-    #[serde(default)]
-    pub prefetch: Option<usize>,
-
-    /// Intra-op threads per rank on CPU (default: the machine's cores shared among its ranks).
-    #[arg(long)]
-    pub threads: Option<usize>,
-
-    /// Seed of everything random: model init, sampling order, augmentation, dropout.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-
-    /// Run directory (default: runs/YYYYMMDD-HHMMSS-PID, UTC).
-    #[arg(long)]
-    pub out: Option<PathBuf>,
-
-    /// Resume from a checkpoint: `latest` (the newest in --out) or a checkpoint file
-    /// (`.../checkpoints/epoch-0003.safetensors`, or a step checkpoint inside an epoch,
-    /// `epoch-0004-step-000120.safetensors`).
-    #[arg(long)]
-    pub resume: Option<String>,
-
-    /// Only evaluate the model file given by --resume on the validation split (exact
-    /// distributed evaluation) and print the metrics as JSON; no training.
-    #[arg(long, requires = "resume")]
-    pub eval_only: bool,
-
-    /// Device of each rank.
-    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
-    pub device: DeviceChoice,
-
-    /// Print every rank's loss every N steps (0: never), as the PyTorch tutorial does per GPU.
-    #[arg(long, default_value_t = 0)]
-    pub log_every: usize,
-
-    /// ReduceLROnPlateau (on the application's monitored metric): factor applied to the
-    /// learning rate.
-    #[arg(long, default_value_t = 0.5)]
-    pub plateau_factor: f64,
-
-    /// ReduceLROnPlateau: epochs without improvement before reducing.
-    #[arg(long, default_value_t = 2)]
-    pub plateau_patience: u32,
-
-    /// ReduceLROnPlateau: the learning rate never goes below this.
-    #[arg(long, default_value_t = 1e-6)]
-    pub min_lr: f64,
-
-    /// Stop each epoch after this many optimizer steps (for quick runs and benchmarks).
-    #[arg(long)]
-    pub max_steps_per_epoch: Option<usize>,
-
-    /// Seconds a collective may take before the job fails (a dead peer ends the job after
-    /// at most this long).
-    #[arg(long, default_value_t = 300)]
-    pub collective_timeout: u64,
-
-    /// Also checkpoint inside epochs, every N optimizer steps (a crash then loses at most N
-    /// steps; a restart continues from the newest checkpoint).
-    #[arg(long, value_name = "N")]
-    #[serde(default)]
-    pub checkpoint_every: Option<u64>,
-
-    /// Also checkpoint inside epochs once M minutes have passed since the last checkpoint.
-    #[arg(long, value_name = "M")]
-    #[serde(default)]
-    pub checkpoint_minutes: Option<f64>,
-
-    /// Step checkpoints to keep (the newest); epoch-end checkpoints and best models stay.
-    #[arg(long, default_value_t = 2, value_name = "K")]
-    #[serde(default = "two")]
-    pub keep_checkpoints: usize,
-
-    /// Stop cleanly with a checkpoint before this much time has passed since the start
-    /// (exit code 75); the same command started again continues. Seconds, or a number with
-    /// s, m or h (`90s`, `55m`, `4h`).
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration_secs)]
-    #[serde(default)]
-    pub time_limit: Option<u64>,
-
-    /// Precision of the forward pass and the loss (autocast): fp32, bf16, or fp16 with a
-    /// dynamic gradient scaler. Weights, gradients and Adam's state stay fp32.
-    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
-    #[serde(default)]
-    pub precision: Precision,
-
-    /// Allow parameters that get no gradient on some ranks in a step (PyTorch DDP's
-    /// find_unused_parameters): they count as zeros in the average.
-    #[arg(long)]
-    #[serde(default)]
-    pub find_unused_parameters: bool,
-
-    /// How gradient buckets are averaged: allreduce, bf16_compress or fp16_compress (half
-    /// the bytes on the wire, half-precision averages).
-    #[arg(long, default_value_t = BuiltinHook::Allreduce, value_name = "HOOK")]
-    #[serde(default)]
-    pub comm_hook: BuiltinHook,
-
-    /// Reduce gradients after backward instead of while it runs (for comparison).
-    #[arg(long)]
-    #[serde(default)]
-    pub no_overlap: bool,
-
-    /// The optimizer: adam (torch.optim.Adam), adamw (decoupled weight decay) or sgd (with
-    /// --momentum).
-    #[arg(long, value_enum, default_value_t = OptimizerChoice::Adam)]
-    #[serde(default)]
-    pub optimizer: OptimizerChoice,
-
-    /// SGD's momentum factor (0: plain SGD).
-    #[arg(long, default_value_t = 0.0)]
-    #[serde(default)]
-    pub momentum: f64,
-
-    /// Clip the gradients' global 2-norm to this value after they are averaged over ranks
-    /// (the norm is logged with --log-every).
-    #[arg(long, value_name = "MAX_NORM")]
-    #[serde(default)]
-    pub clip_grad_norm: Option<f64>,
-
-    /// How the learning rate changes: plateau (per epoch, when the application's monitored
-    /// metric stalls; the default where the application has one), or per optimizer step:
-    /// constant, linear, cosine (each after --warmup-steps), step (times --lr-gamma every
-    /// --lr-step-every steps), one-cycle (--lr is the peak).
-    #[arg(long, value_enum)]
-    #[serde(default)]
-    pub lr_schedule: Option<ScheduleChoice>,
-
-    /// Optimizer steps of linear warmup from 0 (constant, linear, cosine, step schedules).
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    #[serde(default)]
-    pub warmup_steps: u64,
-
-    /// Steps between decays of the step schedule.
-    #[arg(long, default_value_t = 1000, value_name = "N")]
-    #[serde(default = "thousand")]
-    pub lr_step_every: u64,
-
-    /// Factor of each decay of the step schedule.
-    #[arg(long, default_value_t = 0.1)]
-    #[serde(default = "tenth")]
-    pub lr_gamma: f64,
-
-    /// Stop when the application's monitored metric has not improved (by more than
-    /// --early-stopping-min-delta) for this many epochs.
-    #[arg(long, value_name = "EPOCHS")]
-    #[serde(default)]
-    pub early_stopping_patience: Option<u32>,
-
-    /// The least change of the monitored metric that counts as an improvement.
-    #[arg(long, default_value_t = 0.0)]
-    #[serde(default)]
-    pub early_stopping_min_delta: f64,
-
+/// The launch's flags: not settings of the training, never recorded with them.
+#[derive(clap::Args)]
+struct LaunchArgs {
     /// The node-local rank, as `python -m torch.distributed.launch` passes it (`--local-rank`
     /// or `--local_rank`); it must agree with `LOCAL_RANK` when both are given.
     #[arg(long, alias = "local_rank", value_name = "N")]
-    #[serde(skip)]
-    pub local_rank: Option<usize>,
+    local_rank: Option<usize>,
 
     /// Start N ranks of this program on this machine, as `ddp-run --nproc-per-node N` would
     /// (what PyTorch does with DataParallel or mp.spawn): a number, `gpu` (one per visible
@@ -272,133 +117,91 @@ pub struct TrainArgs {
         value_name = "N",
         conflicts_with = "local_rank"
     )]
-    #[serde(skip)]
-    pub nproc_per_node: Option<NprocPerNode>,
+    nproc_per_node: Option<NprocPerNode>,
 }
 
-/// `--optimizer`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OptimizerChoice {
-    /// Adam, weight decay as L2 in the gradient.
-    #[default]
-    Adam,
-    /// AdamW, decoupled weight decay.
-    Adamw,
-    /// SGD with optional momentum.
-    Sgd,
+impl<D: Defaults> Args for TrainArgs<D> {
+    fn augment_args(cmd: Command) -> Command {
+        let heading = cmd.get_next_help_heading().map(str::to_owned);
+        let before: BTreeSet<String> = ids(&cmd);
+        let cmd = Settings::augment_args(cmd);
+        let added: BTreeSet<String> = ids(&cmd).difference(&before).cloned().collect();
+        let cmd = defaults::install(cmd, &added, &D::settings());
+        let cmd = LaunchArgs::augment_args(cmd.next_help_heading("Launching"));
+        // The program's own flags after these keep the heading they had before.
+        match heading {
+            Some(heading) => cmd.next_help_heading(heading),
+            None => cmd.next_help_heading(None::<&'static str>),
+        }
+    }
+
+    fn augment_args_for_update(cmd: Command) -> Command {
+        Self::augment_args(cmd)
+    }
 }
 
-/// `--lr-schedule`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ScheduleChoice {
-    /// ReduceLROnPlateau on the application's monitored metric, per epoch.
-    Plateau,
-    /// Warmup, then the base learning rate.
-    Constant,
-    /// Warmup, then linear decay to 0.
-    Linear,
-    /// Warmup, then cosine decay to 0.
-    Cosine,
-    /// Warmup, then decays by --lr-gamma every --lr-step-every steps.
-    Step,
-    /// PyTorch's OneCycleLR.
-    OneCycle,
+/// The ids of `cmd`'s arguments.
+fn ids(cmd: &Command) -> BTreeSet<String> {
+    cmd.get_arguments()
+        .map(|a| a.get_id().to_string())
+        .collect()
 }
 
-impl TrainArgs {
-    /// The settings these flags stand for (Adam or AdamW, a per-step schedule if one was
-    /// chosen; no plateau scheduler, early stopping or best-model file, which need one of the
-    /// application's metrics: add them with [`TrainArgs::plateau_on`] and friends).
+impl<D: Defaults> FromArgMatches for TrainArgs<D> {
+    fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
+        let mut args = Self::default();
+        args.update_from_arg_matches(matches)?;
+        Ok(args)
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &ArgMatches) -> Result<(), clap::Error> {
+        self.settings.update_from_arg_matches(matches)?;
+        let launch = LaunchArgs::from_arg_matches(matches)?;
+        self.local_rank = launch.local_rank;
+        self.nproc_per_node = launch.nproc_per_node;
+        Ok(())
+    }
+}
+
+impl<D: Defaults> Default for TrainArgs<D> {
+    /// `D`'s settings, as a command line without flags gives them.
+    fn default() -> Self {
+        Self {
+            settings: D::settings(),
+            local_rank: None,
+            nproc_per_node: None,
+            defaults: PhantomData,
+        }
+    }
+}
+
+impl<D> Clone for TrainArgs<D> {
+    fn clone(&self) -> Self {
+        Self {
+            settings: self.settings.clone(),
+            local_rank: self.local_rank,
+            nproc_per_node: self.nproc_per_node,
+            defaults: PhantomData,
+        }
+    }
+}
+
+impl<D> std::fmt::Debug for TrainArgs<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainArgs")
+            .field("settings", &self.settings)
+            .field("local_rank", &self.local_rank)
+            .field("nproc_per_node", &self.nproc_per_node)
+            .finish()
+    }
+}
+
+impl<D> TrainArgs<D> {
+    /// The settings these flags stand for: the program's defaults with every given flag
+    /// applied. Add what needs the program (`monitor`) or change anything before handing
+    /// them to the Trainer.
     pub fn settings(&self) -> Settings {
-        Settings::default()
-            .epochs(self.epochs)
-            .batch_size(self.batch_size)
-            .accumulate(self.accumulate)
-            .optimizer({
-                let adam = AdamConfig {
-                    lr: self.lr,
-                    weight_decay: self.weight_decay,
-                    ..Default::default()
-                };
-                match self.optimizer {
-                    OptimizerChoice::Adam => OptimizerConfig::Adam(adam),
-                    OptimizerChoice::Adamw => OptimizerConfig::AdamW(adam),
-                    OptimizerChoice::Sgd => OptimizerConfig::Sgd(SgdConfig {
-                        lr: self.lr,
-                        momentum: self.momentum,
-                        weight_decay: self.weight_decay,
-                    }),
-                }
-            })
-            .seed(self.seed)
-            .device(self.device)
-            .threads(self.threads)
-            .workers(self.workers)
-            .prefetch(self.prefetch)
-            .out(self.out.clone())
-            .resume(self.resume.clone())
-            .eval_only(self.eval_only)
-            .log_every(self.log_every)
-            .max_steps_per_epoch(self.max_steps_per_epoch)
-            .collective_timeout_secs(self.collective_timeout)
-            .checkpoint_every(self.checkpoint_every)
-            .checkpoint_minutes(self.checkpoint_minutes)
-            .keep_checkpoints(self.keep_checkpoints)
-            .time_limit_secs(self.time_limit)
-            .precision(self.precision)
-            .find_unused_parameters(self.find_unused_parameters)
-            .comm_hook(self.comm_hook)
-            .overlap(!self.no_overlap)
-            .clip_grad_norm(self.clip_grad_norm)
-            .lr_schedule(self.per_step_schedule())
-    }
-
-    /// The plateau scheduler on `metric`, when `--lr-schedule` is `plateau` (or, with
-    /// `by_default`, not given).
-    pub fn plateau_on(&self, metric: &str, goal: Goal, by_default: bool) -> Option<Plateau> {
-        let chosen = match self.lr_schedule {
-            None => by_default,
-            Some(choice) => choice == ScheduleChoice::Plateau,
-        };
-        chosen.then(|| Plateau {
-            metric: metric.into(),
-            goal,
-            config: PlateauConfig {
-                factor: self.plateau_factor,
-                patience: self.plateau_patience,
-                min_lr: self.min_lr,
-                ..Default::default()
-            },
-        })
-    }
-
-    /// Early stopping on `metric`, when `--early-stopping-patience` is given.
-    pub fn early_stopping_on(&self, metric: &str, goal: Goal) -> Option<EarlyStopping> {
-        self.early_stopping_patience.map(|patience| EarlyStopping {
-            metric: metric.into(),
-            goal,
-            patience,
-            min_delta: self.early_stopping_min_delta,
-        })
-    }
-
-    /// The per-step schedule `--lr-schedule` names (`None` without one, or for `plateau`).
-    fn per_step_schedule(&self) -> Option<LrSchedule> {
-        let warmup = self.warmup_steps;
-        Some(match self.lr_schedule? {
-            ScheduleChoice::Plateau => return None,
-            ScheduleChoice::Constant => LrSchedule::Constant { warmup },
-            ScheduleChoice::Linear => LrSchedule::Linear { warmup },
-            ScheduleChoice::Cosine => LrSchedule::Cosine { warmup },
-            ScheduleChoice::Step => LrSchedule::Step {
-                warmup,
-                every: self.lr_step_every,
-                gamma: self.lr_gamma,
-            },
-            ScheduleChoice::OneCycle => LrSchedule::one_cycle(),
-        })
+        self.settings.clone()
     }
 
     /// Checks what only the command line can get wrong: `--local-rank` against
@@ -419,26 +222,28 @@ impl TrainArgs {
     }
 }
 
-/// Seconds of a duration written as `N`, `Ns`, `Nm` or `Nh`.
-pub fn parse_duration_secs(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let (number, unit) = match text.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => (&text[..i], c),
-        _ => (text, 's'),
+/// `error` and its causes as `{:#}` writes them (`outer: cause: cause`), with each setting
+/// an invalid-setting error names written as its flag (`--batch-size`), or as its path when
+/// it has none.
+pub fn describe_error(error: &anyhow::Error) -> String {
+    let flags = defaults::flag_names();
+    let name = |field: &'static str| {
+        flags
+            .get(field)
+            .cloned()
+            .unwrap_or_else(|| field.to_string())
     };
-    let scale = match unit {
-        's' => 1,
-        'm' => 60,
-        'h' => 3600,
-        _ => return Err(format!("'{text}': the unit must be s, m or h")),
+    let setting = |e: &(dyn std::error::Error + 'static)| -> Option<SettingError> {
+        match e.downcast_ref::<TrainError>() {
+            Some(TrainError::Setting(s)) => Some(s.clone()),
+            _ => e.downcast_ref::<SettingError>().cloned(),
+        }
     };
-    let n: u64 = number
-        .trim()
-        .parse()
-        .map_err(|_| format!("'{text}' is not a whole number of seconds, minutes or hours"))?;
-    n.checked_mul(scale)
-        .filter(|&s| s > 0)
-        .ok_or_else(|| format!("'{text}' must be more than 0 and not absurdly large"))
+    error
+        .chain()
+        .map(|e| setting(e).map_or_else(|| e.to_string(), |s| s.render(name)))
+        .collect::<Vec<_>>()
+        .join(": ")
 }
 
 /// Runs a training program: its `body` as one rank, or, when `args` has `--nproc-per-node`,
@@ -453,9 +258,9 @@ pub fn parse_duration_secs(text: &str) -> Result<u64, String> {
 /// backtrace, and exit code 1. When starting the ranks: `ddp-run`'s exit status for the job,
 /// or `error: ...` and 1 when they cannot be started (among others in a process that is
 /// already a launcher's rank).
-pub fn run(args: &TrainArgs, body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
+pub fn run<D>(args: &TrainArgs<D>, body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     let result = match args.nproc_per_node {
-        Some(nproc) => launch::start_ranks(args, nproc),
+        Some(nproc) => launch::start_ranks(args.settings.out.as_deref(), nproc),
         None => body().map(|()| ExitCode::SUCCESS),
     };
     match result {
@@ -471,95 +276,366 @@ pub fn run(args: &TrainArgs, body: impl FnOnce() -> anyhow::Result<()>) -> ExitC
         Err(err) => {
             // A missing folder or a bad setting is the user's to fix, not a bug: the message
             // and its causes, without a backtrace (bugs panic, and keep theirs).
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", describe_error(&err));
             ExitCode::FAILURE
         }
     }
 }
 
-fn two() -> usize {
-    2
-}
-
-fn thousand() -> u64 {
-    1000
-}
-
-fn tenth() -> f64 {
-    0.1
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
+    use crate::ddp::DdpOptions;
+    use crate::lr_schedule::{LrSchedule, Plateau};
+    use crate::optim::{AdamConfig, OptimizerConfig, SgdConfig};
+    use crate::scheduler::PlateauConfig;
+    use crate::settings::{
+        CheckpointSettings, DeviceChoice, EarlyStopping, Monitor, RuntimeSettings,
+    };
+    use crate::Precision;
+    use clap::{CommandFactory, Parser};
+    use serde_json::Value;
+    use std::collections::BTreeMap;
 
     #[derive(Parser)]
-    struct Cli {
+    struct Cli<D: Defaults = GenericDefaults> {
         #[command(flatten)]
-        train: TrainArgs,
+        train: TrainArgs<D>,
+    }
+
+    /// The settings' own flags, with the defaults their types derive (no program defaults).
+    #[derive(Parser)]
+    struct Raw {
+        #[command(flatten)]
+        settings: Settings,
+    }
+
+    fn parse<D: Defaults>(args: &[&str]) -> Settings {
+        let argv = std::iter::once("x").chain(args.iter().copied());
+        Cli::<D>::try_parse_from(argv)
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+            .train
+            .settings()
+    }
+
+    /// The issue's drift check: every flag's default is its setting's default, so a command
+    /// line without flags is `Settings::default()`, field for field.
+    #[test]
+    fn no_flags_are_the_default_settings() {
+        assert_eq!(Raw::parse_from(["x"]).settings, Settings::default());
+        assert_eq!(parse::<GenericDefaults>(&[]), Settings::default());
+    }
+
+    /// A program's defaults for every setting that has a flag, and some that have none.
+    struct Everything;
+
+    fn everything() -> Settings {
+        Settings::default()
+            .epochs(7)
+            .batch_size(5)
+            .accumulate(3)
+            .seed(11)
+            .max_steps_per_epoch(Some(9))
+            .precision(Precision::Bf16)
+            .out(Some("runs/x".into()))
+            .optimizer(OptimizerConfig::Sgd(SgdConfig {
+                lr: 0.25,
+                momentum: 0.5,
+                weight_decay: 0.125,
+            }))
+            .clip_grad_norm(Some(2.5))
+            .lr_schedule(LrSchedule::Step {
+                warmup: 4,
+                every: 40,
+                gamma: 0.5,
+            })
+            .early_stopping(EarlyStopping::max("val_f1").after(6))
+            .monitor(Monitor::max("val_f1", "best.safetensors"))
+            .checkpoint(
+                CheckpointSettings::default()
+                    .resume(Some("latest".into()))
+                    .eval_only(true)
+                    .resume_after_restart(false)
+                    .every(Some(12))
+                    .minutes(Some(1.5))
+                    .keep(4),
+            )
+            .ddp(DdpOptions {
+                broadcast_buffers: false,
+                find_unused_parameters: true,
+                overlap: false,
+                comm_hook: crate::BuiltinHook::Bf16Compress,
+                gradient_as_bucket_view: true,
+                ..DdpOptions::default()
+            })
+            .runtime(
+                RuntimeSettings::default()
+                    .device(DeviceChoice::Cpu)
+                    .threads(Some(2))
+                    .workers(Some(3))
+                    .prefetch(Some(6))
+                    .collective_timeout_secs(60)
+                    .time_limit_secs(Some(3600))
+                    .log_every(10)
+                    .progress(false),
+            )
+    }
+
+    impl Defaults for Everything {
+        fn settings() -> Settings {
+            everything()
+        }
     }
 
     #[test]
-    fn durations_take_a_unit() {
-        assert_eq!(parse_duration_secs("90"), Ok(90));
-        assert_eq!(parse_duration_secs("90s"), Ok(90));
-        assert_eq!(parse_duration_secs("55m"), Ok(3300));
-        assert_eq!(parse_duration_secs("4h"), Ok(14400));
+    fn a_programs_defaults_are_what_no_flags_parse_to_and_what_help_shows() {
+        assert_eq!(parse::<Everything>(&[]), everything());
+        let cmd = Cli::<Everything>::command();
+        let default_of = |id: &str| {
+            let arg = cmd.get_arguments().find(|a| a.get_id() == id).unwrap();
+            let values: Vec<String> = arg
+                .get_default_values()
+                .iter()
+                .map(|v| v.to_string_lossy().into_owned())
+                .collect();
+            values.join(",")
+        };
+        for (id, shown) in [
+            ("epochs", "7"),
+            ("optimizer.kind", "sgd"),
+            ("optimizer.lr", "0.25"),
+            ("lr_schedule.kind", "step"),
+            ("runtime.time_limit_secs", "3600"),
+            ("ddp.comm_hook", "bf16_compress"),
+            ("checkpoint.minutes", "1.5"),
+        ] {
+            assert_eq!(default_of(id), shown, "{id}");
+        }
+        let help = Cli::<Everything>::command().render_help().to_string();
+        assert!(help.contains("[default: bf16_compress]"), "{help}");
+        // Switches whose program default is already on their side take a value.
+        assert!(help.contains("--find-unused-parameters[=<BOOL>]"), "{help}");
+        let off = parse::<Everything>(&["--find-unused-parameters=false", "--no-overlap=false"]);
+        assert!(!off.ddp.find_unused_parameters && off.ddp.overlap);
+        // A given flag overrides the program's default; the others stay.
+        let given = parse::<Everything>(&["--batch-size", "8", "--threads", "1"]);
         assert_eq!(
-            parse_duration_secs("4d"),
-            Err("'4d': the unit must be s, m or h".into())
+            given,
+            everything()
+                .batch_size(8)
+                .runtime(everything().runtime.threads(Some(1)))
         );
-        assert_eq!(
-            parse_duration_secs("m"),
-            Err("'m' is not a whole number of seconds, minutes or hours".into())
-        );
-        assert!(parse_duration_secs("0s").is_err());
     }
 
     #[test]
-    fn flags_become_settings_and_the_old_launcher_spelling_of_local_rank_is_accepted() {
-        let cli = Cli::parse_from([
-            "x",
+    fn flags_become_the_settings_they_name() {
+        let s = parse::<GenericDefaults>(&[
             "--lr-schedule",
             "cosine",
             "--warmup-steps",
             "5",
             "--optimizer",
             "adamw",
+            "--weight-decay",
+            "0.01",
             "--clip-grad-norm",
             "1.5",
-            "--local_rank",
-            "3",
+            "--checkpoint-every",
+            "100",
+            "--time-limit",
+            "2m",
+            "--no-broadcast-buffers",
+            "--gradient-as-bucket-view",
+            "--comm-hook",
+            "fp16_compress",
+            "--device",
+            "cpu",
         ]);
-        let s = cli.train.settings();
-        assert_eq!(s.lr_schedule, Some(LrSchedule::Cosine { warmup: 5 }));
-        assert!(matches!(s.optimizer, OptimizerConfig::AdamW(_)));
-        assert_eq!(s.clip_grad_norm, Some(1.5));
+        let want = Settings::default()
+            .lr_schedule(LrSchedule::Cosine { warmup: 5 })
+            .optimizer(OptimizerConfig::AdamW(AdamConfig {
+                weight_decay: 0.01,
+                ..AdamConfig::default()
+            }))
+            .clip_grad_norm(Some(1.5))
+            .checkpoint(CheckpointSettings::default().every(Some(100)))
+            .ddp(DdpOptions {
+                broadcast_buffers: false,
+                gradient_as_bucket_view: true,
+                comm_hook: crate::BuiltinHook::Fp16Compress,
+                ..DdpOptions::default()
+            })
+            .runtime(
+                RuntimeSettings::default()
+                    .time_limit_secs(Some(120))
+                    .device(DeviceChoice::Cpu),
+            );
+        assert_eq!(s, want);
+    }
+
+    struct Odirish;
+
+    impl Defaults for Odirish {
+        fn settings() -> Settings {
+            let plateau = PlateauConfig {
+                factor: 0.5,
+                patience: 2,
+                ..Default::default()
+            };
+            Settings::default()
+                .optimizer(OptimizerConfig::Adam(AdamConfig {
+                    beta2: 0.98,
+                    ..Default::default()
+                }))
+                .lr_schedule(LrSchedule::Plateau(Plateau::max("val_f1").with(plateau)))
+                .early_stopping(EarlyStopping::max("val_f1"))
+        }
+    }
+
+    /// What no flag sets (the watched metric, Adam's beta2) comes from the program's
+    /// defaults while the kind stays; another kind starts from its own defaults.
+    #[test]
+    fn parameters_without_flags_stay_with_their_kind() {
+        let plain = parse::<Odirish>(&["--plateau-patience", "4", "--lr", "0.01"]);
+        let LrSchedule::Plateau(p) = &plain.lr_schedule else {
+            panic!("{:?}", plain.lr_schedule)
+        };
+        assert_eq!(
+            (p.metric.as_str(), p.config.factor, p.config.patience),
+            ("val_f1", 0.5, 4)
+        );
+        assert_eq!(
+            plain.optimizer,
+            OptimizerConfig::Adam(AdamConfig {
+                lr: 0.01,
+                beta2: 0.98,
+                ..Default::default()
+            })
+        );
+        let early = parse::<Odirish>(&["--early-stopping-patience", "3"]).early_stopping;
+        assert_eq!(early, EarlyStopping::max("val_f1").after(3));
+        let other = parse::<Odirish>(&["--lr-schedule", "step", "--optimizer", "sgd"]);
+        assert_eq!(
+            other.lr_schedule,
+            LrSchedule::Step {
+                warmup: 0,
+                every: 1000,
+                gamma: 0.1
+            }
+        );
+        assert_eq!(
+            other.optimizer,
+            OptimizerConfig::Sgd(SgdConfig {
+                lr: 1e-3,
+                ..Default::default()
+            })
+        );
+        // A generic program's plateau watches the validation loss.
+        let generic = parse::<GenericDefaults>(&["--lr-schedule", "plateau"]).lr_schedule;
+        assert_eq!(generic, LrSchedule::Plateau(Plateau::min("val_loss")));
+    }
+
+    /// Every setting has a flag whose id is its path, but for those listed here, which are
+    /// the program's to choose; a new setting without a flag must be added to the list.
+    #[test]
+    fn every_setting_has_a_flag_named_by_its_path_or_is_listed_without_one() {
+        let without_flag = [
+            "monitors",
+            "early_stopping.metric",
+            "early_stopping.goal",
+            "checkpoint.resume_after_restart",
+            "ddp.bucket_cap_bytes",
+            "ddp.first_bucket_cap_bytes",
+            "runtime.stop_on_signals",
+            "runtime.progress",
+            "runtime.plot",
+            "optimizer.beta1",
+            "optimizer.beta2",
+            "optimizer.eps",
+            "lr_schedule.metric",
+            "lr_schedule.goal",
+            "lr_schedule.config.threshold",
+            "lr_schedule.config.cooldown",
+            "lr_schedule.pct_start",
+            "lr_schedule.div_factor",
+            "lr_schedule.final_div_factor",
+        ];
+        let ids = ids(&Raw::command());
+        let mut paths = BTreeMap::new();
+        let kinds = [
+            Settings::default(),
+            everything(),
+            Settings::default().lr_schedule(LrSchedule::Plateau(Plateau::default())),
+            Settings::default().lr_schedule(LrSchedule::one_cycle()),
+        ];
+        for s in &kinds {
+            let json: Value = serde_json::to_value(s).unwrap();
+            defaults::leaves(&json, "", &mut paths);
+        }
+        for path in paths.keys() {
+            assert!(
+                ids.contains(path) || without_flag.contains(&path.as_str()),
+                "setting {path} has no flag"
+            );
+        }
+        for id in &ids {
+            assert!(
+                paths.contains_key(id) || id == "optimizer.kind" || id == "lr_schedule.kind",
+                "flag {id} names no setting"
+            );
+        }
+    }
+
+    #[test]
+    fn errors_name_settings_by_their_flags() {
+        let batch = Settings::default().batch_size(0).validate().unwrap_err();
+        let error = anyhow::Error::from(TrainError::from(batch)).context("starting");
+        assert_eq!(
+            describe_error(&error),
+            "starting: --batch-size must be at least 1"
+        );
+        let latest = SettingError::new("checkpoint.resume", " latest needs ")
+            .setting("out")
+            .text(" to know which run");
+        assert_eq!(
+            describe_error(&anyhow::Error::from(latest)),
+            "--resume latest needs --out to know which run"
+        );
+        // A setting without a flag keeps its path.
+        let cycle = SettingError::new("lr_schedule.pct_start", " 2 must be in (0, 1)");
+        assert_eq!(
+            describe_error(&anyhow::Error::from(cycle)),
+            "lr_schedule.pct_start 2 must be in (0, 1)"
+        );
+    }
+
+    #[test]
+    fn the_old_launcher_spelling_of_local_rank_is_accepted() {
+        let cli = Cli::<GenericDefaults>::parse_from(["x", "--local_rank", "3"]);
         assert_eq!(cli.train.local_rank, Some(3));
-        assert!(cli.train.plateau_on("m", Goal::Max, true).is_none());
-        let plain = Cli::parse_from(["x", "--local-rank", "1"]);
-        assert!(plain.train.plateau_on("m", Goal::Max, true).is_some());
-        assert!(plain.train.plateau_on("m", Goal::Max, false).is_none());
-        assert_eq!(plain.train.local_rank, Some(1));
+        let cli = Cli::<GenericDefaults>::parse_from(["x", "--local-rank", "1"]);
+        assert_eq!(cli.train.local_rank, Some(1));
+        assert_eq!(cli.train.settings(), Settings::default());
     }
 
     #[test]
     fn nproc_per_node_is_the_launchers_and_changes_no_setting() {
-        let with = Cli::parse_from(["x", "--epochs", "2", "--nproc-per-node", "2"]);
-        let without = Cli::parse_from(["x", "--epochs", "2"]);
+        let with =
+            Cli::<GenericDefaults>::parse_from(["x", "--epochs", "2", "--nproc-per-node", "2"]);
+        let without = Cli::<GenericDefaults>::parse_from(["x", "--epochs", "2"]);
         assert_eq!(with.train.nproc_per_node, Some(NprocPerNode::Count(2)));
         assert_eq!(without.train.nproc_per_node, None);
         assert_eq!(with.train.settings(), without.train.settings());
-        // Nor is it recorded with the flags (config.json).
-        assert_eq!(
-            serde_json::to_value(&with.train).unwrap(),
-            serde_json::to_value(&without.train).unwrap()
-        );
-        let gpu = Cli::parse_from(["x", "--nproc_per_node=gpu"]);
+        let gpu = Cli::<GenericDefaults>::parse_from(["x", "--nproc_per_node=gpu"]);
         assert_eq!(gpu.train.nproc_per_node, Some(NprocPerNode::Gpu));
         // The ranks get their local rank from the launcher, not from a flag.
-        let both = Cli::try_parse_from(["x", "--nproc-per-node", "2", "--local-rank", "0"]);
+        let both = Cli::<GenericDefaults>::try_parse_from([
+            "x",
+            "--nproc-per-node",
+            "2",
+            "--local-rank",
+            "0",
+        ]);
         assert_eq!(
             both.err().map(|e| e.kind()),
             Some(clap::error::ErrorKind::ArgumentConflict)

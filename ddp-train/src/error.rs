@@ -14,6 +14,10 @@ pub enum TrainError {
     /// names the setting and what to do.
     #[error("{0}")]
     Invalid(String),
+    /// A [`Settings`](crate::Settings) value that cannot work, naming the setting by its
+    /// field; a command line names it by its flag ([`SettingError::render`]).
+    #[error(transparent)]
+    Setting(#[from] SettingError),
     /// A step's loss became NaN or infinite.
     #[error(
         "rank {rank}: the training loss became {value} at epoch {epoch} step {step}; lower \
@@ -115,6 +119,75 @@ impl TrainError {
             what: what.into(),
             source,
         }
+    }
+}
+
+/// A setting that cannot work: a message that names one or more settings by their path in
+/// [`Settings`](crate::Settings) (`batch_size`, `checkpoint.every`, `lr_schedule.config.factor`:
+/// the field, dotted through groups, as the settings serialize). `Display` names them so; the
+/// command line renders the same message with its flags (`--batch-size must be at least 1`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", self.render(|field| field.to_string()))]
+pub struct SettingError {
+    pieces: Vec<Piece>,
+}
+
+/// A piece of a [`SettingError`]'s message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Piece {
+    Text(String),
+    Setting(&'static str),
+}
+
+impl SettingError {
+    /// A message that begins with the setting `field`, then `text`:
+    /// `SettingError::new("batch_size", " must be at least 1")`.
+    pub fn new(field: &'static str, text: impl Into<String>) -> Self {
+        Self { pieces: Vec::new() }.setting(field).text(text)
+    }
+
+    /// A message that begins with `text`; add the settings it names with
+    /// [`SettingError::setting`].
+    pub fn starting(text: impl Into<String>) -> Self {
+        Self { pieces: Vec::new() }.text(text)
+    }
+
+    /// Appends another setting's name.
+    #[must_use]
+    pub fn setting(mut self, field: &'static str) -> Self {
+        self.pieces.push(Piece::Setting(field));
+        self
+    }
+
+    /// Appends text.
+    #[must_use]
+    pub fn text(mut self, text: impl Into<String>) -> Self {
+        self.pieces.push(Piece::Text(text.into()));
+        self
+    }
+
+    /// The first setting the message names: the one to change.
+    pub fn field(&self) -> &'static str {
+        self.fields().next().unwrap_or_default()
+    }
+
+    /// Every setting the message names, in order.
+    pub fn fields(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.pieces.iter().filter_map(|p| match p {
+            Piece::Setting(field) => Some(*field),
+            Piece::Text(_) => None,
+        })
+    }
+
+    /// The message with each setting named by `name` (its field path in `Display`).
+    pub fn render(&self, name: impl Fn(&'static str) -> String) -> String {
+        self.pieces
+            .iter()
+            .map(|p| match p {
+                Piece::Text(t) => t.clone(),
+                Piece::Setting(field) => name(field),
+            })
+            .collect()
     }
 }
 

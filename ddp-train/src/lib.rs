@@ -62,10 +62,12 @@ pub use amp::{GradScaler, Precision, ScalerState};
 pub use ddp::{
     BuiltinHook, CommHook, DdpError, DdpOptions, DistributedDataParallel, GradBucket, HookWork,
 };
-pub use error::TrainError;
-pub use metrics::{Confusion, MultiClassStats, MultiLabelStats, RegressionStats};
+pub use error::{SettingError, TrainError};
+pub use metrics::{Confusion, Goal, MultiClassStats, MultiLabelStats, RegressionStats};
 pub use report::{EpochReport, EvalReport};
-pub use settings::{DeviceChoice, EarlyStopping, Goal, Monitor, Plateau, Settings};
+pub use settings::{
+    CheckpointSettings, DeviceChoice, EarlyStopping, Monitor, RuntimeSettings, Settings,
+};
 pub use stop::{StopReason, EXIT_STOPPED, STOP_SIGNALS};
 pub use task::{Metrics, NoStats, Stats, Task};
 pub use trainer::Trainer;

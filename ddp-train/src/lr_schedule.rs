@@ -1,5 +1,7 @@
-//! Learning-rate schedules stepped once per optimizer step, with warmup: the factor of the
-//! base learning rate at optimizer step `t` (0 for the first step).
+//! How the learning rate changes: [`LrSchedule`], one choice among schedules stepped once
+//! per optimizer step, with warmup (below: the factor of the base learning rate at optimizer
+//! step `t`, 0 for the first step), and `ReduceLROnPlateau` on a metric after each epoch
+//! ([`Plateau`]).
 //!
 //! | schedule | factor at step `t` (`w` warmup steps, `T` steps in all) | as |
 //! |---|---|---|
@@ -8,18 +10,24 @@
 //! | `cosine` | `t / w`, then `(1 + cos(pi p)) / 2` with `p = (t - w) / (T - w)` | `get_cosine_schedule_with_warmup` |
 //! | `step` | `t / w`, then `gamma^floor((t - w) / every)` | `torch.optim.lr_scheduler.StepLR` |
 //! | `one-cycle` | cosine from `1 / div` up to 1 over `pct_start * T` steps, then cosine down to `1 / (div * final_div)` | `torch.optim.lr_scheduler.OneCycleLR` (`anneal_strategy='cos'`) |
+//! | `plateau` | 1, times `factor` after each `patience` epochs without improvement | `torch.optim.lr_scheduler.ReduceLROnPlateau` |
 //!
 //! The warmup and decay formulas are Hugging Face's `transformers` schedules (which take the
-//! step count `t` as above), the step and one-cycle ones PyTorch's. A factor is a pure
-//! function of the optimizer's step count, which checkpoints keep, so a resumed run
-//! continues the schedule exactly.
+//! step count `t` as above), the step and one-cycle ones PyTorch's. A per-step factor is a
+//! pure function of the optimizer's step count, which checkpoints keep, so a resumed run
+//! continues the schedule exactly; the plateau scheduler's history is in the checkpoint too.
 
 use std::f64::consts::PI;
 
 use serde::{Deserialize, Serialize};
 
-/// The shape of a per-step schedule.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+use crate::error::SettingError;
+use crate::metrics::Goal;
+use crate::scheduler::PlateauConfig;
+
+/// How the learning rate changes over the run. The default, `Constant` without warmup, keeps
+/// the optimizer's learning rate throughout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
 pub enum LrSchedule {
     /// The base learning rate after warmup.
@@ -55,6 +63,77 @@ pub enum LrSchedule {
         /// The last learning rate is the initial one divided by this (default 1e4).
         final_div_factor: f64,
     },
+    /// `ReduceLROnPlateau` on one metric of the epoch's report, after each epoch.
+    Plateau(Plateau),
+}
+
+impl Default for LrSchedule {
+    fn default() -> Self {
+        Self::Constant { warmup: 0 }
+    }
+}
+
+/// The kinds of [`LrSchedule`], as `--lr-schedule` names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[serde(rename_all = "kebab-case")]
+pub enum ScheduleKind {
+    /// Warmup, then the base learning rate.
+    Constant,
+    /// Warmup, then linear decay to 0.
+    Linear,
+    /// Warmup, then cosine decay to 0.
+    Cosine,
+    /// Warmup, then decays by --lr-gamma every --lr-step-every steps.
+    Step,
+    /// PyTorch's OneCycleLR (--lr is the peak).
+    OneCycle,
+    /// ReduceLROnPlateau, per epoch, on the metric the program watches.
+    Plateau,
+}
+
+/// `ReduceLROnPlateau` on one metric of the epoch's report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plateau {
+    /// The metric it watches (`val_loss`, `train_loss` or one the task's evaluation reports).
+    pub metric: String,
+    /// Which direction is better.
+    pub goal: Goal,
+    /// Factor, patience, cooldown, threshold and floor.
+    pub config: PlateauConfig,
+}
+
+impl Default for Plateau {
+    /// On the validation loss, with PyTorch's defaults.
+    fn default() -> Self {
+        Self::min("val_loss")
+    }
+}
+
+impl Plateau {
+    /// Lowers the learning rate when `metric` stops growing (PyTorch's `mode='max'`), with
+    /// PyTorch's defaults.
+    pub fn max(metric: impl Into<String>) -> Self {
+        Self {
+            metric: metric.into(),
+            goal: Goal::Max,
+            config: PlateauConfig::default(),
+        }
+    }
+
+    /// Lowers the learning rate when `metric` stops falling (`mode='min'`).
+    pub fn min(metric: impl Into<String>) -> Self {
+        Self {
+            goal: Goal::Min,
+            ..Self::max(metric)
+        }
+    }
+
+    /// The same with `config`.
+    #[must_use]
+    pub fn with(self, config: PlateauConfig) -> Self {
+        Self { config, ..self }
+    }
 }
 
 impl LrSchedule {
@@ -67,22 +146,64 @@ impl LrSchedule {
         }
     }
 
-    /// The factor of the base learning rate at optimizer step `t` of `total`.
-    pub fn factor(&self, t: u64, total: u64) -> f64 {
-        let warmup = match *self {
+    /// A schedule of `kind` with its defaults: no warmup, the step schedule's decay by 0.1
+    /// every 1000 steps, one-cycle's and the plateau scheduler's PyTorch defaults (on
+    /// `val_loss`).
+    pub fn of_kind(kind: ScheduleKind) -> Self {
+        match kind {
+            ScheduleKind::Constant => LrSchedule::Constant { warmup: 0 },
+            ScheduleKind::Linear => LrSchedule::Linear { warmup: 0 },
+            ScheduleKind::Cosine => LrSchedule::Cosine { warmup: 0 },
+            ScheduleKind::Step => LrSchedule::Step {
+                warmup: 0,
+                every: 1000,
+                gamma: 0.1,
+            },
+            ScheduleKind::OneCycle => Self::one_cycle(),
+            ScheduleKind::Plateau => LrSchedule::Plateau(Plateau::default()),
+        }
+    }
+
+    /// Its kind.
+    pub fn kind(&self) -> ScheduleKind {
+        match self {
+            LrSchedule::Constant { .. } => ScheduleKind::Constant,
+            LrSchedule::Linear { .. } => ScheduleKind::Linear,
+            LrSchedule::Cosine { .. } => ScheduleKind::Cosine,
+            LrSchedule::Step { .. } => ScheduleKind::Step,
+            LrSchedule::OneCycle { .. } => ScheduleKind::OneCycle,
+            LrSchedule::Plateau(_) => ScheduleKind::Plateau,
+        }
+    }
+
+    /// Whether it sets the learning rate at every optimizer step (all but `Plateau`, which
+    /// changes it between epochs).
+    pub fn per_step(&self) -> bool {
+        !matches!(self, LrSchedule::Plateau(_))
+    }
+
+    /// The warmup steps (0 for one-cycle and plateau, which have none).
+    pub fn warmup(&self) -> u64 {
+        match *self {
             LrSchedule::Constant { warmup }
             | LrSchedule::Linear { warmup }
             | LrSchedule::Cosine { warmup }
             | LrSchedule::Step { warmup, .. } => warmup,
-            LrSchedule::OneCycle { .. } => 0,
-        };
+            LrSchedule::OneCycle { .. } | LrSchedule::Plateau(_) => 0,
+        }
+    }
+
+    /// The factor of the base learning rate at optimizer step `t` of `total` (1 for
+    /// `Plateau`, whose changes come from the epochs' metrics instead).
+    pub fn factor(&self, t: u64, total: u64) -> f64 {
+        let warmup = self.warmup();
         if t < warmup {
             return t as f64 / warmup.max(1) as f64;
         }
         let after = (t - warmup) as f64;
         let decay_steps = total.saturating_sub(warmup).max(1) as f64;
         match *self {
-            LrSchedule::Constant { .. } => 1.0,
+            LrSchedule::Constant { .. } | LrSchedule::Plateau(_) => 1.0,
             LrSchedule::Linear { .. } => ((decay_steps - after) / decay_steps).max(0.0),
             LrSchedule::Cosine { .. } => {
                 let progress = after / decay_steps;
@@ -115,15 +236,23 @@ impl LrSchedule {
         }
     }
 
-    /// Checks the parameters; the message names the flag.
-    pub fn validate(&self) -> Result<(), String> {
-        match *self {
+    /// Checks the parameters; the error names them by their path in
+    /// [`Settings`](crate::Settings) (`lr_schedule.every`).
+    pub fn validate(&self) -> Result<(), SettingError> {
+        let positive = |x: f64| x > 0.0 && x.is_finite();
+        match self {
             LrSchedule::Step { every, gamma, .. } => {
-                if every == 0 {
-                    return Err("--lr-step-every must be at least 1".into());
+                if *every == 0 {
+                    return Err(SettingError::new(
+                        "lr_schedule.every",
+                        " must be at least 1",
+                    ));
                 }
-                if !(gamma > 0.0 && gamma.is_finite()) {
-                    return Err(format!("--lr-gamma {gamma} must be a positive number"));
+                if !positive(*gamma) {
+                    return Err(SettingError::new(
+                        "lr_schedule.gamma",
+                        format!(" {gamma} must be a positive number"),
+                    ));
                 }
             }
             LrSchedule::OneCycle {
@@ -131,14 +260,47 @@ impl LrSchedule {
                 div_factor,
                 final_div_factor,
             } => {
-                if !(pct_start > 0.0 && pct_start < 1.0) {
-                    return Err(format!("one-cycle pct_start {pct_start} must be in (0, 1)"));
+                if !(*pct_start > 0.0 && *pct_start < 1.0) {
+                    return Err(SettingError::new(
+                        "lr_schedule.pct_start",
+                        format!(" {pct_start} must be in (0, 1)"),
+                    ));
                 }
-                if !(div_factor >= 1.0 && final_div_factor >= 1.0) {
-                    return Err("one-cycle div factors must be at least 1".into());
+                for (field, value) in [
+                    ("lr_schedule.div_factor", div_factor),
+                    ("lr_schedule.final_div_factor", final_div_factor),
+                ] {
+                    if !(*value >= 1.0 && value.is_finite()) {
+                        return Err(SettingError::new(
+                            field,
+                            format!(" {value} must be at least 1"),
+                        ));
+                    }
                 }
             }
-            _ => {}
+            LrSchedule::Plateau(p) => {
+                let c = &p.config;
+                if !(c.factor > 0.0 && c.factor < 1.0) {
+                    return Err(SettingError::new(
+                        "lr_schedule.config.factor",
+                        format!(" {} must be in (0, 1)", c.factor),
+                    ));
+                }
+                if !(c.min_lr >= 0.0 && c.min_lr.is_finite()) {
+                    return Err(SettingError::new(
+                        "lr_schedule.config.min_lr",
+                        format!(" {} must be a number >= 0", c.min_lr),
+                    ));
+                }
+                if !(c.threshold >= 0.0 && c.threshold.is_finite()) {
+                    return Err(SettingError::new(
+                        "lr_schedule.config.threshold",
+                        format!(" {} must be a number >= 0", c.threshold),
+                    ));
+                }
+            }
+            LrSchedule::Constant { .. } | LrSchedule::Linear { .. } | LrSchedule::Cosine { .. } => {
+            }
         }
         Ok(())
     }
@@ -196,6 +358,71 @@ mod tests {
         ];
         for (g, w) in got.iter().zip(want) {
             assert!((g - w).abs() < 1e-9, "{got:?} vs {want:?}");
+        }
+    }
+
+    #[test]
+    fn every_kind_round_trips_and_only_plateau_leaves_the_steps_alone() {
+        for kind in [
+            ScheduleKind::Constant,
+            ScheduleKind::Linear,
+            ScheduleKind::Cosine,
+            ScheduleKind::Step,
+            ScheduleKind::OneCycle,
+            ScheduleKind::Plateau,
+        ] {
+            let schedule = LrSchedule::of_kind(kind);
+            assert_eq!(schedule.kind(), kind);
+            assert!(schedule.validate().is_ok(), "{schedule:?}");
+            assert_eq!(schedule.per_step(), kind != ScheduleKind::Plateau);
+            let json = serde_json::to_value(&schedule).unwrap();
+            assert_eq!(json["kind"], serde_json::to_value(kind).unwrap());
+            assert_eq!(
+                serde_json::from_value::<LrSchedule>(json).unwrap(),
+                schedule
+            );
+        }
+        assert_eq!(LrSchedule::default().factor(7, 10), 1.0);
+        assert_eq!(LrSchedule::Plateau(Plateau::max("f1")).factor(0, 10), 1.0);
+    }
+
+    #[test]
+    fn invalid_parameters_are_named_by_their_path() {
+        let bad = [
+            (
+                LrSchedule::Step {
+                    warmup: 0,
+                    every: 10,
+                    gamma: 0.0,
+                },
+                "lr_schedule.gamma 0 must be a positive number",
+            ),
+            (
+                LrSchedule::OneCycle {
+                    pct_start: 1.5,
+                    div_factor: 25.0,
+                    final_div_factor: 1e4,
+                },
+                "lr_schedule.pct_start 1.5 must be in (0, 1)",
+            ),
+            (
+                LrSchedule::OneCycle {
+                    pct_start: 0.3,
+                    div_factor: 0.5,
+                    final_div_factor: 1e4,
+                },
+                "lr_schedule.div_factor 0.5 must be at least 1",
+            ),
+            (
+                LrSchedule::Plateau(Plateau::min("val_loss").with(PlateauConfig {
+                    min_lr: -1.0,
+                    ..Default::default()
+                })),
+                "lr_schedule.config.min_lr -1 must be a number >= 0",
+            ),
+        ];
+        for (schedule, message) in bad {
+            assert_eq!(schedule.validate().unwrap_err().to_string(), message);
         }
     }
 }

@@ -24,9 +24,11 @@ fn main() -> ExitCode {
 fn run(config: &TrainConfig) -> Result<()> {
     config.validate()?;
     let task = OdirTask::new(config)?;
-    let mut trainer = Trainer::new(task, config.settings())?;
+    let settings = config.settings();
+    let eval_only = settings.checkpoint.eval_only;
+    let mut trainer = Trainer::new(task, settings)?;
     let rank0 = trainer.process_group().rank() == 0;
-    if config.train.eval_only {
+    if eval_only {
         let report = trainer.evaluate()?;
         if rank0 {
             println!("{}", serde_json::to_string(&report)?);

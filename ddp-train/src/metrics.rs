@@ -1,8 +1,30 @@
-//! Classification counts and F1 scores ([`Confusion`]), and the built-in [`Stats`].
+//! Classification counts and F1 scores ([`Confusion`]), the built-in [`Stats`], and which
+//! direction of a metric is better ([`Goal`]).
 
+use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::task::{Metrics, Stats};
+
+/// Whether a larger or a smaller value of a metric is better.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Goal {
+    /// Larger is better (accuracy, F1).
+    Max,
+    /// Smaller is better (a loss).
+    Min,
+}
+
+impl Goal {
+    /// Whether `new` improves on `old`.
+    pub fn improves(self, new: f64, old: f64) -> bool {
+        match self {
+            Self::Max => new > old,
+            Self::Min => new < old,
+        }
+    }
+}
 
 /// True positives, false positives and false negatives per class.
 ///
@@ -290,6 +312,14 @@ fn f1(tp: i64, fp: i64, fn_: i64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn goals_compare_in_their_direction() {
+        assert!(Goal::Max.improves(0.6, 0.5));
+        assert!(!Goal::Max.improves(0.5, 0.5));
+        assert!(Goal::Min.improves(0.4, 0.5));
+        assert!(!Goal::Min.improves(0.6, 0.5));
+    }
 
     #[test]
     fn counts_and_scores_match_hand_computation() {

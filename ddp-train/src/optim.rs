@@ -87,6 +87,14 @@ impl OptimizerConfig {
             Self::Sgd(c) => c.lr,
         }
     }
+
+    /// The weight decay.
+    pub fn weight_decay(&self) -> f64 {
+        match self {
+            Self::Adam(c) | Self::AdamW(c) => c.weight_decay,
+            Self::Sgd(c) => c.weight_decay,
+        }
+    }
 }
 
 /// SGD's hyper-parameters.

@@ -64,7 +64,8 @@ impl EarlyStopState {
         } else {
             self.bad_epochs = self.bad_epochs.saturating_add(1);
         }
-        self.bad_epochs >= rule.patience
+        rule.patience
+            .is_some_and(|patience| self.bad_epochs >= patience)
     }
 }
 
@@ -601,7 +602,7 @@ mod tests {
         let rule = crate::EarlyStopping {
             metric: "val_loss".into(),
             goal: crate::Goal::Min,
-            patience: 2,
+            patience: Some(2),
             min_delta: 0.01,
         };
         let mut st = EarlyStopState::default();

@@ -18,7 +18,7 @@ pub trait Stats {
     fn set_sums(&mut self, sums: &[f64]);
 
     /// The metrics of an epoch's report (`metrics.jsonl`), by name: numbers or lists.
-    /// Names that [`crate::Monitor`] or [`crate::Plateau`] watch must be numbers.
+    /// Names that [`crate::Monitor`] or [`crate::lr_schedule::Plateau`] watch must be numbers.
     fn report(&self) -> Metrics;
 
     /// More detail for an evaluation-only run's report (counts, say); none by default.

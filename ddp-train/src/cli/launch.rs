@@ -9,25 +9,21 @@ use anyhow::Context;
 use ddp_comm::EnvSource;
 use ddp_run::{LaunchConfig, NprocPerNode};
 
-use super::TrainArgs;
 use crate::error::TrainError;
 
 /// The flag's spellings, as `ddp-run` (and torchrun) take them.
 const SPELLINGS: [&str; 2] = ["--nproc-per-node", "--nproc_per_node"];
 
 /// Starts `nproc` ranks of this program with this process's arguments minus
-/// `--nproc-per-node`, in the run directory `args` names (or a new one, passed to the ranks as
+/// `--nproc-per-node`, in the run directory `out` (or a new one, passed to the ranks as
 /// `--out`), and supervises them until the job ends; returns the job's exit status.
-pub(super) fn start_ranks(args: &TrainArgs, nproc: NprocPerNode) -> anyhow::Result<ExitCode> {
+pub(super) fn start_ranks(out: Option<&Path>, nproc: NprocPerNode) -> anyhow::Result<ExitCode> {
     refuse_inside_a_launcher(nproc)?;
     let ranks = nproc.resolve()?;
     let exe = std::env::current_exe()
         .context("cannot find this program's executable to start its ranks from")?;
-    let run_dir = args
-        .out
-        .clone()
-        .unwrap_or_else(crate::trainer::default_run_dir);
-    let chosen = args.out.is_none().then_some(run_dir.as_path());
+    let run_dir = out.map_or_else(crate::trainer::default_run_dir, Path::to_path_buf);
+    let chosen = out.is_none().then_some(run_dir.as_path());
     let given: Vec<OsString> = std::env::args_os().skip(1).collect();
     let config = LaunchConfig {
         log_dir: Some(run_dir.join("logs")),

@@ -71,30 +71,85 @@ fn describe_unused(parameters: &[(String, usize)]) -> String {
         .join(", ")
 }
 
-/// Settings of [`DistributedDataParallel`].
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Settings of [`DistributedDataParallel`], and the Trainer's DDP settings
+/// ([`Settings::ddp`](crate::Settings::ddp); with feature `cli`, their flags).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
+#[serde(default)]
 pub struct DdpOptions {
     /// Largest gradient bucket in bytes (PyTorch's `bucket_cap_mb`, default 25 MiB).
+    #[cfg_attr(feature = "cli", arg(skip = DdpOptions::default().bucket_cap_bytes))]
     pub bucket_cap_bytes: usize,
     /// Largest first bucket in bytes (PyTorch's 1 MiB): the last layers' gradients, ready
     /// first, start communicating early.
+    #[cfg_attr(feature = "cli", arg(skip = DdpOptions::default().first_bucket_cap_bytes))]
     pub first_bucket_cap_bytes: usize,
     /// Broadcast rank 0's buffers before each training forward (PyTorch's default: true).
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "ddp.broadcast_buffers",
+            long = "no-broadcast-buffers",
+            action = clap::ArgAction::SetFalse,
+            help = "Keep each rank's own buffers (BatchNorm statistics) instead of \
+                    broadcasting rank 0's before each training forward (PyTorch DDP's \
+                    broadcast_buffers=False)"
+        )
+    )]
     pub broadcast_buffers: bool,
     /// Allow parameters that get no gradient on some or all ranks in a step (PyTorch's
     /// `find_unused_parameters`): they count as zeros in the average, and those used by no
     /// rank keep no gradient. Off: such a parameter is an error on every rank.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "ddp.find_unused_parameters",
+            long = "find-unused-parameters",
+            help = "Allow parameters that get no gradient on some ranks in a step (PyTorch \
+                    DDP's find_unused_parameters): they count as zeros in the average"
+        )
+    )]
     pub find_unused_parameters: bool,
     /// Reduce each bucket while backward still runs (default). Off: after backward, with
     /// the same buckets and bit-identical results.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "ddp.overlap",
+            long = "no-overlap",
+            action = clap::ArgAction::SetFalse,
+            help = "Reduce gradients after backward instead of while it runs (for comparison)"
+        )
+    )]
     pub overlap: bool,
     /// How buckets are averaged (replace with [`DistributedDataParallel::register_comm_hook`]
     /// for a hook of your own).
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "ddp.comm_hook",
+            long = "comm-hook",
+            value_name = "HOOK",
+            default_value_t = DdpOptions::default().comm_hook,
+            help = "How gradient buckets are averaged: allreduce, bf16_compress or \
+                    fp16_compress (half the bytes on the wire, half-precision averages)"
+        )
+    )]
     pub comm_hook: BuiltinHook,
     /// Make each gradient a view into its bucket (PyTorch's `gradient_as_bucket_view`): the
     /// averages land in the gradients without a copy back, and a gradient takes no memory of
     /// its own. The first copy into the bucket remains whenever autograd hands over a fresh
     /// gradient (after `zero_grad` to none, every step).
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "ddp.gradient_as_bucket_view",
+            long = "gradient-as-bucket-view",
+            help = "Make each gradient a view into its DDP bucket (PyTorch DDP's \
+                    gradient_as_bucket_view): no copy back after the average, no memory of \
+                    its own"
+        )
+    )]
     pub gradient_as_bucket_view: bool,
 }
 

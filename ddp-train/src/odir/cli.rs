@@ -1,15 +1,43 @@
-//! The `ddp-train` command line: the ODIR application's flags, which become the generic
-//! Trainer's [`Settings`] and the [`OdirTask`](super::OdirTask)'s options, and are written to
-//! `config.json`.
+//! The `ddp-train` command line: the ODIR application's flags, which become the
+//! [`OdirTask`](super::OdirTask)'s options (written to `config.json` as the task's), and the
+//! generic Trainer's flags with ODIR's defaults ([`OdirDefaults`]), which become its
+//! [`Settings`].
 
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
-use crate::cli::TrainArgs;
+use crate::cli::{Defaults, TrainArgs};
 use crate::error::TrainError;
-use crate::settings::{Goal, Monitor, Settings};
+use crate::lr_schedule::{LrSchedule, Plateau};
+use crate::scheduler::PlateauConfig;
+use crate::settings::{EarlyStopping, Monitor, Settings};
+
+/// ODIR's defaults for the generic flags: batches of 16, `ReduceLROnPlateau` on validation
+/// macro-F1 (halving after 2 epochs without improvement, down to 1e-6), early stopping on it
+/// once given a patience, and the best macro-F1 and micro-F1 models kept.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OdirDefaults;
+
+impl Defaults for OdirDefaults {
+    fn settings() -> Settings {
+        let plateau = PlateauConfig {
+            factor: 0.5,
+            patience: 2,
+            min_lr: 1e-6,
+            ..PlateauConfig::default()
+        };
+        Settings::default()
+            .batch_size(16)
+            .lr_schedule(LrSchedule::Plateau(
+                Plateau::max("val_macro_f1").with(plateau),
+            ))
+            .early_stopping(EarlyStopping::max("val_macro_f1"))
+            .monitor(Monitor::max("val_macro_f1", "best-macro.safetensors"))
+            .monitor(Monitor::max("val_micro_f1", "best-micro.safetensors"))
+    }
+}
 
 /// Which labels to train on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -78,10 +106,10 @@ pub struct TrainConfig {
     pub dct_upsampling: f64,
 
     /// Every generic training flag (epochs, batch size, optimizer, schedule, precision, DDP,
-    /// checkpoints, ...).
+    /// checkpoints, ...); `config.json` records their settings on their own.
     #[command(flatten)]
-    #[serde(flatten)]
-    pub train: TrainArgs,
+    #[serde(skip)]
+    pub train: TrainArgs<OdirDefaults>,
 }
 
 impl TrainConfig {
@@ -111,19 +139,13 @@ impl TrainConfig {
             ));
         }
         self.train.validate()?;
-        self.settings().validate()
+        Ok(self.settings().validate()?)
     }
 
-    /// The generic Trainer's settings these flags stand for: the generic flags, plus
-    /// `ReduceLROnPlateau` on validation macro-F1 (unless another --lr-schedule is chosen),
-    /// early stopping on it, and the best macro-F1 and micro-F1 models kept.
+    /// The generic Trainer's settings these flags stand for ([`OdirDefaults`] with the given
+    /// flags applied).
     pub fn settings(&self) -> Settings {
-        self.train
-            .settings()
-            .plateau(self.train.plateau_on("val_macro_f1", Goal::Max, true))
-            .early_stopping(self.train.early_stopping_on("val_macro_f1", Goal::Max))
-            .monitor(Monitor::max("val_macro_f1", "best-macro.safetensors"))
-            .monitor(Monitor::max("val_micro_f1", "best-micro.safetensors"))
+        self.train.settings()
     }
 }
 

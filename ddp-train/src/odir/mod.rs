@@ -6,5 +6,5 @@
 mod cli;
 mod task;
 
-pub use cli::{Labels, TrainConfig};
+pub use cli::{Labels, OdirDefaults, TrainConfig};
 pub use task::OdirTask;

@@ -53,7 +53,7 @@ impl OdirTask {
                 (val_set, train, val)
             }
             None => {
-                let split = split_by_patient(&train_set, c.val_split, c.train.seed)?;
+                let split = split_by_patient(&train_set, c.val_split, c.settings().seed)?;
                 (train_set.clone(), split.train, split.val)
             }
         };

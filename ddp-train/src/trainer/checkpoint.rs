@@ -28,11 +28,13 @@ impl<T: Task> Trainer<T> {
     ) -> Result<(), TrainError> {
         let s = &self.settings;
         let periodic = at.step > first
-            && s.checkpoint_every
+            && s.checkpoint
+                .every
                 .is_some_and(|n| self.optimizer.steps() as u64 % n == 0);
         // Whether anything may differ between ranks, and so needs their agreement.
-        let agree =
-            signals.is_some() || s.time_limit_secs.is_some() || s.checkpoint_minutes.is_some();
+        let agree = signals.is_some()
+            || s.runtime.time_limit_secs.is_some()
+            || s.checkpoint.minutes.is_some();
         let (stop, checkpoint) = if agree {
             let stop_wish = signals
                 .and_then(SignalWatch::received)
@@ -42,7 +44,7 @@ impl<T: Task> Trainer<T> {
                     self.budget.must_stop(last).then_some(StopReason::TimeLimit)
                 });
             let timed = at.step > first
-                && s.checkpoint_minutes.is_some_and(|m| {
+                && s.checkpoint.minutes.is_some_and(|m| {
                     self.last_checkpoint.elapsed() >= Duration::from_secs_f64(m * 60.0)
                 });
             let mut flags = [StopReason::code(stop_wish), i64::from(periodic || timed)];
@@ -75,7 +77,7 @@ impl<T: Task> Trainer<T> {
                 state::mark_stopped(&self.out, &name, &reason.to_string())?;
             }
             self.budget.save_took(saving.elapsed());
-            let removed = state::prune_steps(&self.out, self.settings.keep_checkpoints)?;
+            let removed = state::prune_steps(&self.out, self.settings.checkpoint.keep)?;
             let mut note = format!("checkpoint {}", path.display());
             if !removed.is_empty() {
                 note.push_str(&format!(" (removed {})", removed.join(", ")));

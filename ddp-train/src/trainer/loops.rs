@@ -13,10 +13,11 @@ use super::faults::fail_if_injected;
 use super::progress::Progress;
 use super::{EpochReport, Trainer};
 use crate::error::TrainError;
+use crate::lr_schedule::LrSchedule;
+use crate::metrics::Goal;
 use crate::report::watched;
-use crate::settings::Goal;
 #[cfg(doc)]
-use crate::settings::Settings;
+use crate::settings::RuntimeSettings;
 use crate::state::{Best, Position};
 use crate::stop::SignalWatch;
 use crate::task::{Stats, Task};
@@ -40,11 +41,11 @@ struct EpochTraining {
 impl<T: Task> Trainer<T> {
     /// Trains from the start (or resumed) epoch to the last, evaluating after each.
     ///
-    /// When a stop is requested (SIGTERM or SIGUSR1 with [`Settings::stop_on_signals`], or
+    /// When a stop is requested (SIGTERM or SIGUSR1 with [`RuntimeSettings::stop_on_signals`], or
     /// the time limit), every rank finishes its step, rank 0 writes a checkpoint, and every
     /// rank returns [`TrainError::Stopped`]; exit with [`TrainError::exit_code`].
     pub fn run(&mut self) -> Result<Vec<EpochReport>, TrainError> {
-        let signals = if self.settings.stop_on_signals {
+        let signals = if self.settings.runtime.stop_on_signals {
             Some(crate::stop::watch_stop_signals().map_err(TrainError::Invalid)?)
         } else {
             None
@@ -54,9 +55,10 @@ impl<T: Task> Trainer<T> {
             let lr_at_start = self.optimizer.lr();
             let resumed = self.start_position.take().filter(|p| p.epoch == epoch);
             let trained = self.train_epoch(epoch, resumed, signals.as_ref())?;
-            let lr = match self.settings.lr_schedule {
-                Some(_) => self.optimizer.lr(),
-                None => lr_at_start,
+            let lr = if self.settings.lr_schedule.per_step() {
+                self.optimizer.lr()
+            } else {
+                lr_at_start
             };
             let evaluating = Instant::now();
             let evaluated = self.evaluate_epoch(epoch)?;
@@ -81,14 +83,16 @@ impl<T: Task> Trainer<T> {
                 steps: trained.steps,
                 world_size: self.pg.world_size(),
             };
-            if let (Some(p), Some(sched)) = (&self.settings.plateau, &mut self.scheduler) {
+            if let (LrSchedule::Plateau(p), Some(sched)) =
+                (&self.settings.lr_schedule, &mut self.scheduler)
+            {
                 let value = watched(&report, &p.metric, "the plateau scheduler")?;
                 let signed = if p.goal == Goal::Max { value } else { -value };
                 self.optimizer.set_lr(sched.step(signed, lr));
             }
             // Every rank sees the same all-reduced metrics, so every rank decides alike.
             let stop = match (&self.settings.early_stopping, &mut self.early) {
-                (Some(rule), Some(early)) => {
+                (rule, Some(early)) => {
                     let value = watched(&report, &rule.metric, "early stopping")?;
                     early.observe(rule, epoch, value).then(|| {
                         let best = early.best.unwrap_or(Best { value, epoch });
@@ -140,9 +144,10 @@ impl<T: Task> Trainer<T> {
             seed: s.seed,
             epoch,
             workers: s
+                .runtime
                 .workers
                 .unwrap_or_else(|| ddp_data::default_workers(self.pg.local_world_size())),
-            prefetch: s.prefetch.unwrap_or(default_prefetch),
+            prefetch: s.runtime.prefetch.unwrap_or(default_prefetch),
             ..LoaderConfig::new(s.batch_size)
         };
         Ok(Loader::on_device(
@@ -179,7 +184,13 @@ impl<T: Task> Trainer<T> {
         let first = resumed.map_or(0, |p| p.step.min(steps));
         indices.drain(..first * per_step);
         let mut loader = self.loader(&self.train_set, true, epoch, indices)?;
-        let progress = Progress::new(rank == 0 && s.progress, epoch, s.epochs, steps, &self.log);
+        let progress = Progress::new(
+            rank == 0 && s.runtime.progress,
+            epoch,
+            s.epochs,
+            steps,
+            &self.log,
+        );
         // Rank 0 carries the sums of all ranks before the checkpoint.
         let (mut loss_sum, mut samples, earlier_seconds) = match (resumed, rank) {
             (Some(p), 0) => (p.loss_sum, p.samples, p.train_seconds),
@@ -208,7 +219,8 @@ impl<T: Task> Trainer<T> {
             // Dropout masks derive from (seed, epoch, step, rank): a resumed run draws the
             // same ones as an uninterrupted run.
             tch::manual_seed(mix(s.seed, epoch, step as u64, rank as u64));
-            if let Some(schedule) = &s.lr_schedule {
+            if s.lr_schedule.per_step() {
+                let schedule = &s.lr_schedule;
                 let total = s.epochs * self.steps_per_epoch() as u64;
                 let t = self.optimizer.steps() as u64;
                 self.optimizer
@@ -266,7 +278,8 @@ impl<T: Task> Trainer<T> {
                 scaler.update(found_inf);
             }
             self.budget.step_took(step_started.elapsed());
-            if s.log_every > 0 && (step + 1) % s.log_every == 0 {
+            let log_every = s.runtime.log_every;
+            if log_every > 0 && (step + 1) % log_every == 0 {
                 let mut line = format!(
                     "[rank {rank}] epoch {epoch} step {}/{steps} loss {:.4}",
                     step + 1,

@@ -90,13 +90,13 @@ impl<T: Task> Trainer<T> {
     }
 
     fn plots_enabled(&self) -> bool {
-        cfg!(feature = "plot") && self.settings.plot
+        cfg!(feature = "plot") && self.settings.runtime.plot
     }
 
     /// Redraws `curves.png` (a failure is a warning: the run goes on).
     fn draw_curves(&self) {
         #[cfg(feature = "plot")]
-        if self.settings.plot {
+        if self.settings.runtime.plot {
             let metrics: Vec<String> = self
                 .settings
                 .monitors

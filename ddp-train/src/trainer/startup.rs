@@ -17,8 +17,9 @@ use tch::{nn, Device, Tensor};
 use super::outputs::{read_history, write_file, RankLog};
 use super::Trainer;
 use crate::amp::{GradScaler, Precision};
-use crate::ddp::{DdpOptions, DistributedDataParallel};
-use crate::error::{Context, TrainError};
+use crate::ddp::DistributedDataParallel;
+use crate::error::{Context, SettingError, TrainError};
+use crate::lr_schedule::LrSchedule;
 use crate::optim::Optimizer;
 use crate::scheduler::ReduceLrOnPlateau;
 use crate::settings::Settings;
@@ -44,9 +45,10 @@ impl<T: Task> Trainer<T> {
         ddp_run::die_with_launcher().map_err(|e| TrainError::Invalid(e.to_string()))?;
         settings.validate()?;
         let continuing = resume_after_restart(&mut settings, env);
-        let device = settings.device.resolve(env.local_rank)?;
+        let device = settings.runtime.device.resolve(env.local_rank)?;
         // As many intra-op threads as the machine has cores per rank.
         let threads = settings
+            .runtime
             .threads
             .unwrap_or_else(|| ddp_data::default_workers(env.local_world_size));
         if device == Device::Cpu {
@@ -54,7 +56,7 @@ impl<T: Task> Trainer<T> {
         }
         let train_set = task.train_data();
         let val_set = task.val_data();
-        let resume_from = match &settings.resume {
+        let resume_from = match &settings.checkpoint.resume {
             Some(r) => Some(state::resolve(r, settings.out.as_deref())?),
             None => None,
         };
@@ -64,15 +66,17 @@ impl<T: Task> Trainer<T> {
             .seed(s.seed)
             .build()
             .context(|| format!("sharding {} training samples", train_set.len()))?;
-        if train_sampler.len() < batches && !s.eval_only {
-            return Err(TrainError::Invalid(format!(
-                "each of the {} ranks gets {} training samples, fewer than one step of \
-                 --batch-size {} x --accumulate {}: lower them or use more data",
+        if train_sampler.len() < batches && !s.checkpoint.eval_only {
+            return Err(SettingError::starting(format!(
+                "each of the {} ranks gets {} training samples, fewer than one step of ",
                 env.world_size,
                 train_sampler.len(),
-                s.batch_size,
-                s.accumulate
-            )));
+            ))
+            .setting("batch_size")
+            .text(format!(" {} x ", s.batch_size))
+            .setting("accumulate")
+            .text(format!(" {}: lower them or use more data", s.accumulate))
+            .into());
         }
         let val_sampler = match &val_set {
             Some(v) => Some(
@@ -90,16 +94,19 @@ impl<T: Task> Trainer<T> {
         tch::manual_seed(s.seed as i64);
         let mut vs = nn::VarStore::new(Device::Cpu);
         let model = task.model(&vs.root());
-        let mut scheduler = s.plateau.as_ref().map(|p| ReduceLrOnPlateau::new(p.config));
+        let mut scheduler = match &s.lr_schedule {
+            LrSchedule::Plateau(p) => Some(ReduceLrOnPlateau::new(p.config)),
+            _ => None,
+        };
         let (mut start_epoch, mut bests) = (1, BTreeMap::new());
         let mut start_position = None;
         let mut scaler = (s.precision == Precision::Fp16).then(GradScaler::default);
-        let mut early = s.early_stopping.as_ref().map(|_| EarlyStopState::default());
+        let mut early = s.early_stopping.patience.map(|_| EarlyStopState::default());
         let mut restored = None;
         let mut resumed_note = None;
         let mut resume_key = String::from("none");
         let mut fallback_warnings = Vec::new();
-        if let (Some(path), true) = (&resume_from, s.eval_only) {
+        if let (Some(path), true) = (&resume_from, s.checkpoint.eval_only) {
             checkpoint::load(&vs, path)?;
             resume_key = state::resume_key(path, None);
             resumed_note = Some(format!("evaluating {}", path.display()));
@@ -107,7 +114,8 @@ impl<T: Task> Trainer<T> {
             // `latest` that cannot be loaded (a damaged file) falls back to the run's previous
             // checkpoints, newest first; every rank must end on the same one (checked below).
             let mut candidates = vec![newest.clone()];
-            if let (Some("latest"), Some(run)) = (s.resume.as_deref(), s.out.as_deref()) {
+            if let (Some("latest"), Some(run)) = (s.checkpoint.resume.as_deref(), s.out.as_deref())
+            {
                 candidates.extend(state::fallbacks(run, newest));
             }
             let mut first_error = None;
@@ -169,7 +177,7 @@ impl<T: Task> Trainer<T> {
             ));
         }
         let opts = ddp_comm::Options::from_config(env)
-            .op_timeout(Duration::from_secs(s.collective_timeout_secs));
+            .op_timeout(Duration::from_secs(s.runtime.collective_timeout_secs));
         let pg = Arc::new(ProcessGroup::new(opts).context(|| "joining the process group".into())?);
         let rank = pg.rank();
         // Each rank resolved its checkpoint on its own: all must continue from the same one,
@@ -190,19 +198,13 @@ impl<T: Task> Trainer<T> {
         if let Some(note) = resumed_note {
             log.say(&note);
         }
-        let ddp_options = DdpOptions {
-            find_unused_parameters: s.find_unused_parameters,
-            comm_hook: s.comm_hook,
-            overlap: s.overlap,
-            ..DdpOptions::default()
-        };
-        let ddp = DistributedDataParallel::new(&vs, pg.clone(), ddp_options)?;
+        let ddp = DistributedDataParallel::new(&vs, pg.clone(), s.ddp)?;
         let history = if rank == 0 {
             read_history(&out, start_epoch)?
         } else {
             Vec::new()
         };
-        let s_time_limit = settings.time_limit_secs.map(Duration::from_secs);
+        let s_time_limit = settings.runtime.time_limit_secs.map(Duration::from_secs);
         // The model and the optimizer's state (at most two tensors per parameter).
         let checkpoint_bytes = vs
             .variables()
@@ -290,7 +292,7 @@ impl<T: Task> Trainer<T> {
 /// job). An explicit `resume` wins; before the first checkpoint the run starts over. Returns
 /// a note for the log ("" when the run does not continue by itself).
 fn resume_after_restart(settings: &mut Settings, env: &EnvConfig) -> &'static str {
-    if !settings.resume_after_restart || settings.resume.is_some() {
+    if !settings.checkpoint.resume_after_restart || settings.checkpoint.resume.is_some() {
         return "";
     }
     let Some(out) = &settings.out else {
@@ -303,7 +305,7 @@ fn resume_after_restart(settings: &mut Settings, env: &EnvConfig) -> &'static st
     } else {
         return "";
     };
-    settings.resume = Some("latest".to_string());
+    settings.checkpoint.resume = Some("latest".to_string());
     note
 }
 

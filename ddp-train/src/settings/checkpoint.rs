@@ -1,0 +1,110 @@
+//! [`CheckpointSettings`]: when to checkpoint, how many to keep, and what to start from.
+
+use serde::{Deserialize, Serialize};
+
+#[cfg(doc)]
+use super::Settings;
+
+/// When to checkpoint, how many to keep, and what to start from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
+#[serde(default)]
+#[non_exhaustive]
+pub struct CheckpointSettings {
+    /// A checkpoint to start from: `latest` (the newest of the run directory,
+    /// [`Settings::out`]) or a model file (`.../checkpoints/epoch-0003.safetensors`, or a
+    /// step checkpoint inside an epoch, `epoch-0004-step-000120.safetensors`).
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "checkpoint.resume",
+            long = "resume",
+            value_name = "RESUME",
+            help = "Resume from a checkpoint: `latest` (the newest in --out) or a checkpoint \
+                    file (`.../checkpoints/epoch-0003.safetensors`, or a step checkpoint \
+                    inside an epoch, `epoch-0004-step-000120.safetensors`)"
+        )
+    )]
+    pub resume: Option<String>,
+    /// Load only the model weights from `resume` (for [`crate::Trainer::evaluate`]; no
+    /// optimizer state is needed).
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "checkpoint.eval_only",
+            long = "eval-only",
+            requires = "checkpoint.resume",
+            help = "Only evaluate the model file given by --resume on the validation split \
+                    (exact distributed evaluation) and print the metrics as JSON; no training"
+        )
+    )]
+    pub eval_only: bool,
+    /// After a launcher's restart (`TORCHELASTIC_RESTART_COUNT` > 0), or a new start of a
+    /// run that was stopped, resume from the run's latest checkpoint when the run directory
+    /// has one and `resume` is not set.
+    #[cfg_attr(
+        feature = "cli",
+        arg(skip = CheckpointSettings::default().resume_after_restart)
+    )]
+    pub resume_after_restart: bool,
+    /// Also checkpoint inside epochs, every this many optimizer steps (counted over the run).
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "checkpoint.every",
+            long = "checkpoint-every",
+            value_name = "N",
+            help = "Also checkpoint inside epochs, every N optimizer steps (a crash then loses \
+                    at most N steps; a restart continues from the newest checkpoint)"
+        )
+    )]
+    pub every: Option<u64>,
+    /// Also checkpoint inside epochs when this many minutes have passed since the last
+    /// checkpoint (or the start).
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "checkpoint.minutes",
+            long = "checkpoint-minutes",
+            value_name = "M",
+            help = "Also checkpoint inside epochs once M minutes have passed since the last \
+                    checkpoint"
+        )
+    )]
+    pub minutes: Option<f64>,
+    /// Step checkpoints kept (the newest); epoch-end checkpoints and best models are all kept.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "checkpoint.keep",
+            long = "keep-checkpoints",
+            value_name = "K",
+            default_value_t = CheckpointSettings::default().keep,
+            help = "Step checkpoints to keep (the newest); epoch-end checkpoints and best \
+                    models stay"
+        )
+    )]
+    pub keep: usize,
+}
+
+impl Default for CheckpointSettings {
+    fn default() -> Self {
+        Self {
+            resume: None,
+            eval_only: false,
+            resume_after_restart: true,
+            every: None,
+            minutes: None,
+            keep: 2,
+        }
+    }
+}
+
+builder!(CheckpointSettings {
+    resume: Option<String>,
+    eval_only: bool,
+    resume_after_restart: bool,
+    every: Option<u64>,
+    minutes: Option<f64>,
+    keep: usize,
+});

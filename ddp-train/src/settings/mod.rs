@@ -1,0 +1,539 @@
+//! The Trainer's [`Settings`], grouped by job: the loop's own (epochs, batch, accumulation,
+//! seed, precision, clipping, the run directory), the optimizer, the learning-rate schedule,
+//! early stopping and best-model files, checkpoints ([`CheckpointSettings`]), DDP
+//! ([`DdpOptions`]) and the runtime ([`RuntimeSettings`]).
+//!
+//! Each setting and its default is written once, here (or on its own type), and with feature
+//! `cli` the same types derive the command line (`clap::Args`): a flag's default is the
+//! setting's default, and `cli::TrainArgs` parses into a `Settings`. The enum-valued settings
+//! (the optimizer, the schedule) have their flags in `flags.rs`.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::amp::Precision;
+use crate::ddp::DdpOptions;
+use crate::error::SettingError;
+use crate::lr_schedule::LrSchedule;
+use crate::metrics::Goal;
+use crate::optim::OptimizerConfig;
+
+/// A builder method for each listed field of `$group`.
+macro_rules! builder {
+    ($group:ty { $($name:ident: $ty:ty),* $(,)? }) => {
+        impl $group {
+            $(
+                #[doc = concat!("Sets [`", stringify!($group), "::", stringify!($name), "`].")]
+                #[must_use]
+                pub fn $name(mut self, value: $ty) -> Self {
+                    self.$name = value;
+                    self
+                }
+            )*
+        }
+    };
+}
+
+mod checkpoint;
+#[cfg(feature = "cli")]
+mod flags;
+mod runtime;
+
+pub use checkpoint::CheckpointSettings;
+#[cfg(feature = "cli")]
+pub use flags::parse_duration_secs;
+pub use runtime::{DeviceChoice, RuntimeSettings};
+
+/// A metric whose best epoch's model rank 0 keeps in the run directory (PyTorch Lightning's
+/// `ModelCheckpoint(monitor=...)`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Monitor {
+    /// The metric's name in an epoch's report (`val_loss`, `train_loss` or one the task's
+    /// evaluation reports).
+    pub metric: String,
+    /// Which direction is better.
+    pub goal: Goal,
+    /// The model file's name in the run directory.
+    pub file: String,
+}
+
+impl Monitor {
+    /// Keeps the model of the epoch with the largest `metric` in `file`.
+    pub fn max(metric: impl Into<String>, file: impl Into<String>) -> Self {
+        Self {
+            metric: metric.into(),
+            goal: Goal::Max,
+            file: file.into(),
+        }
+    }
+
+    /// Keeps the model of the epoch with the smallest `metric` in `file`.
+    pub fn min(metric: impl Into<String>, file: impl Into<String>) -> Self {
+        Self {
+            goal: Goal::Min,
+            ..Self::max(metric, file)
+        }
+    }
+}
+
+/// Stop training when a metric of the epoch's report has not improved for `patience`
+/// epochs (PyTorch Lightning's `EarlyStopping`); off without a patience. The metric is the
+/// program's choice (no flag names it): `--early-stopping-patience` turns it on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
+#[serde(default)]
+pub struct EarlyStopping {
+    /// The metric it watches (default `val_loss`).
+    #[cfg_attr(feature = "cli", arg(skip = EarlyStopping::default().metric))]
+    pub metric: String,
+    /// Which direction is better (default: smaller).
+    #[cfg_attr(feature = "cli", arg(skip = EarlyStopping::default().goal))]
+    pub goal: Goal,
+    /// Epochs without improvement before stopping; `None`: never stop early.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "early_stopping.patience",
+            long = "early-stopping-patience",
+            value_name = "EPOCHS",
+            help = "Stop when the program's watched metric has not improved (by more than \
+                    --early-stopping-min-delta) for this many epochs"
+        )
+    )]
+    pub patience: Option<u32>,
+    /// The least change that counts as an improvement.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "early_stopping.min_delta",
+            long = "early-stopping-min-delta",
+            value_name = "EARLY_STOPPING_MIN_DELTA",
+            default_value_t = EarlyStopping::default().min_delta,
+            help = "The least change of the watched metric that counts as an improvement"
+        )
+    )]
+    pub min_delta: f64,
+}
+
+impl Default for EarlyStopping {
+    /// On the validation loss, off.
+    fn default() -> Self {
+        Self::min("val_loss")
+    }
+}
+
+impl EarlyStopping {
+    /// On `metric`, larger is better; off until given a patience ([`EarlyStopping::after`]).
+    pub fn max(metric: impl Into<String>) -> Self {
+        Self {
+            metric: metric.into(),
+            goal: Goal::Max,
+            patience: None,
+            min_delta: 0.0,
+        }
+    }
+
+    /// On `metric`, smaller is better; off until given a patience.
+    pub fn min(metric: impl Into<String>) -> Self {
+        Self {
+            goal: Goal::Min,
+            ..Self::max(metric)
+        }
+    }
+
+    /// Stops after `patience` epochs without an improvement.
+    #[must_use]
+    pub fn after(self, patience: u32) -> Self {
+        Self {
+            patience: Some(patience),
+            ..self
+        }
+    }
+}
+
+/// Everything the generic Trainer needs besides the task. `Default` gives a sensible run
+/// (10 epochs of batch 32 with Adam at 1e-3, a constant learning rate); each field has a
+/// builder method of its name, and so has each field of `CheckpointSettings` and
+/// `RuntimeSettings` (`DdpOptions` is built as a struct).
+///
+/// Errors name a setting by its path: the field, dotted through its group
+/// (`checkpoint.every`), as the settings serialize in `config.json`.
+///
+/// ```
+/// use ddp_train::lr_schedule::LrSchedule;
+/// use ddp_train::optim::{OptimizerConfig, SgdConfig};
+/// use ddp_train::{CheckpointSettings, Monitor, Settings};
+///
+/// let settings = Settings::default()
+///     .epochs(5)
+///     .batch_size(16)
+///     .optimizer(OptimizerConfig::Sgd(SgdConfig { lr: 0.1, ..Default::default() }))
+///     .lr_schedule(LrSchedule::Cosine { warmup: 100 })
+///     .checkpoint(CheckpointSettings::default().every(Some(500)))
+///     .monitor(Monitor::max("val_accuracy", "best-accuracy.safetensors"));
+/// assert_eq!((settings.epochs, settings.checkpoint.every), (5, Some(500)));
+/// assert!(settings.validate().is_ok());
+///
+/// let error = Settings::default().batch_size(0).validate().unwrap_err();
+/// assert_eq!(error.to_string(), "batch_size must be at least 1");
+/// assert_eq!(error.field(), "batch_size");
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
+#[serde(default)]
+#[non_exhaustive]
+pub struct Settings {
+    /// Epochs to train (the last epoch's number).
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, default_value_t = Settings::default().epochs, help = "Number of epochs")
+    )]
+    pub epochs: u64,
+    /// Samples per rank per micro-batch (the global batch is this times the world size).
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            long,
+            default_value_t = Settings::default().batch_size,
+            help = "Batch size per rank (the global batch is this times the world size)"
+        )
+    )]
+    pub batch_size: usize,
+    /// Micro-batches per optimizer step (gradient accumulation; one all-reduce per step).
+    #[cfg_attr(feature = "cli", arg(long, default_value_t = Settings::default().accumulate))]
+    pub accumulate: usize,
+    /// Seed of everything random: the model's initialisation, the sampling order, the
+    /// augmentations and dropout.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            long,
+            default_value_t = Settings::default().seed,
+            help = "Seed of everything random: model init, sampling order, augmentation, dropout"
+        )
+    )]
+    pub seed: u64,
+    /// Stop each epoch after this many optimizer steps (for quick runs and benchmarks).
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub max_steps_per_epoch: Option<usize>,
+    /// Precision of the forward pass and the loss (autocast); weights, gradients and
+    /// optimizer state stay fp32. fp16 adds a gradient scaler.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            long,
+            value_enum,
+            default_value_t = Settings::default().precision,
+            help = "Precision of the forward pass and the loss (autocast): fp32, bf16, or fp16 \
+                    with a dynamic gradient scaler. Weights, gradients and Adam's state stay fp32"
+        )
+    )]
+    pub precision: Precision,
+    /// The run directory (default: `runs/<UTC date-time>-<pid>`): logs, metrics,
+    /// checkpoints, best models.
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, help = "Run directory (default: runs/YYYYMMDD-HHMMSS-PID, UTC)")
+    )]
+    pub out: Option<PathBuf>,
+    /// The optimizer and its hyper-parameters.
+    #[cfg_attr(feature = "cli", command(flatten, next_help_heading = "Optimizer"))]
+    pub optimizer: OptimizerConfig,
+    /// Clip the gradients' global 2-norm to this value after DDP's average (and after the
+    /// fp16 scaler's unscale), before the optimizer step.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            long,
+            value_name = "MAX_NORM",
+            help_heading = "Optimizer",
+            help = "Clip the gradients' global 2-norm to this value after they are averaged \
+                    over ranks (the norm is logged with --log-every)"
+        )
+    )]
+    pub clip_grad_norm: Option<f64>,
+    /// How the learning rate changes: a schedule per optimizer step, or `ReduceLROnPlateau`
+    /// per epoch.
+    #[cfg_attr(feature = "cli", command(flatten, next_help_heading = "Learning rate"))]
+    pub lr_schedule: LrSchedule,
+    /// Stop before `epochs` when a metric stops improving (off by default).
+    #[cfg_attr(
+        feature = "cli",
+        command(flatten, next_help_heading = "Early stopping")
+    )]
+    pub early_stopping: EarlyStopping,
+    /// Best-model files rank 0 keeps.
+    #[cfg_attr(feature = "cli", arg(skip))]
+    pub monitors: Vec<Monitor>,
+    /// When to checkpoint and what to start from.
+    #[cfg_attr(feature = "cli", command(flatten, next_help_heading = "Checkpoints"))]
+    pub checkpoint: CheckpointSettings,
+    /// DistributedDataParallel's options.
+    #[cfg_attr(feature = "cli", command(flatten, next_help_heading = "DDP"))]
+    pub ddp: DdpOptions,
+    /// Device, threads, loader, time limits, logging.
+    #[cfg_attr(feature = "cli", command(flatten, next_help_heading = "Runtime"))]
+    pub runtime: RuntimeSettings,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            epochs: 10,
+            batch_size: 32,
+            accumulate: 1,
+            seed: 0,
+            max_steps_per_epoch: None,
+            precision: Precision::Fp32,
+            out: None,
+            optimizer: OptimizerConfig::default(),
+            clip_grad_norm: None,
+            lr_schedule: LrSchedule::default(),
+            early_stopping: EarlyStopping::default(),
+            monitors: Vec::new(),
+            checkpoint: CheckpointSettings::default(),
+            ddp: DdpOptions::default(),
+            runtime: RuntimeSettings::default(),
+        }
+    }
+}
+
+builder!(Settings {
+    epochs: u64,
+    batch_size: usize,
+    accumulate: usize,
+    seed: u64,
+    max_steps_per_epoch: Option<usize>,
+    precision: Precision,
+    out: Option<PathBuf>,
+    optimizer: OptimizerConfig,
+    clip_grad_norm: Option<f64>,
+    lr_schedule: LrSchedule,
+    early_stopping: EarlyStopping,
+    monitors: Vec<Monitor>,
+    checkpoint: CheckpointSettings,
+    ddp: DdpOptions,
+    runtime: RuntimeSettings,
+});
+
+impl Settings {
+    /// Adds a best-model file.
+    #[must_use]
+    pub fn monitor(mut self, monitor: Monitor) -> Self {
+        self.monitors.push(monitor);
+        self
+    }
+
+    /// Checks the settings that can be checked without data or peers; the error names the
+    /// setting by its path (`batch_size`, `checkpoint.every`).
+    pub fn validate(&self) -> Result<(), SettingError> {
+        let positive = |x: f64| x > 0.0 && x.is_finite();
+        let at_least_one = [
+            ("batch_size", self.batch_size as u64),
+            ("accumulate", self.accumulate as u64),
+            ("epochs", self.epochs),
+            (
+                "runtime.prefetch",
+                self.runtime.prefetch.map_or(1, |p| p as u64),
+            ),
+        ];
+        if let Some(&(field, _)) = at_least_one.iter().find(|(_, v)| *v == 0) {
+            return Err(SettingError::new(field, " must be at least 1"));
+        }
+        if let Some(c) = self.clip_grad_norm.filter(|&c| !positive(c)) {
+            return Err(SettingError::new(
+                "clip_grad_norm",
+                format!(" {c} must be a positive number"),
+            ));
+        }
+        let lr = self.optimizer.lr();
+        if !positive(lr) {
+            return Err(SettingError::new(
+                "optimizer.lr",
+                format!(" {lr} must be a positive number"),
+            ));
+        }
+        self.lr_schedule.validate()?;
+        let e = &self.early_stopping;
+        if e.patience == Some(0) {
+            return Err(SettingError::new(
+                "early_stopping.patience",
+                " must be at least 1 (epochs without improvement)",
+            ));
+        }
+        if !(e.min_delta >= 0.0 && e.min_delta.is_finite()) {
+            return Err(SettingError::new(
+                "early_stopping.min_delta",
+                format!(" {} must be a number >= 0", e.min_delta),
+            ));
+        }
+        self.check_checkpoints()?;
+        if self.runtime.time_limit_secs == Some(0) {
+            return Err(SettingError::new(
+                "runtime.time_limit_secs",
+                " must be more than 0 seconds",
+            ));
+        }
+        let mut files: Vec<&str> = self.monitors.iter().map(|m| m.file.as_str()).collect();
+        files.sort_unstable();
+        if let Some(w) = files.windows(2).find(|w| w[0] == w[1]) {
+            return Err(SettingError::new(
+                "monitors",
+                format!(": two write the same file {}", w[0]),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_checkpoints(&self) -> Result<(), SettingError> {
+        let c = &self.checkpoint;
+        if c.every == Some(0) {
+            return Err(SettingError::new(
+                "checkpoint.every",
+                " must be at least 1 (optimizer steps)",
+            ));
+        }
+        if let Some(m) = c.minutes.filter(|&m| !(m > 0.0 && m.is_finite())) {
+            return Err(SettingError::new(
+                "checkpoint.minutes",
+                format!(" {m} must be a positive number"),
+            ));
+        }
+        if c.keep == 0 {
+            return Err(SettingError::new(
+                "checkpoint.keep",
+                " must be at least 1 (the newest step checkpoint is what a restart continues \
+                 from)",
+            ));
+        }
+        if c.resume.as_deref() == Some("latest") && self.out.is_none() {
+            return Err(SettingError::new("checkpoint.resume", " latest needs ")
+                .setting("out")
+                .text(" (the run directory) to know which run"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lr_schedule::Plateau;
+
+    fn error(s: Settings) -> String {
+        s.validate().unwrap_err().to_string()
+    }
+
+    #[test]
+    fn validation_names_the_field_by_its_path() {
+        assert_eq!(
+            error(Settings::default().batch_size(0)),
+            "batch_size must be at least 1"
+        );
+        assert_eq!(
+            error(Settings::default().runtime(RuntimeSettings::default().prefetch(Some(0)))),
+            "runtime.prefetch must be at least 1"
+        );
+        assert_eq!(
+            error(Settings::default().clip_grad_norm(Some(0.0))),
+            "clip_grad_norm 0 must be a positive number"
+        );
+        assert_eq!(
+            error(Settings::default().checkpoint(CheckpointSettings::default().every(Some(0)))),
+            "checkpoint.every must be at least 1 (optimizer steps)"
+        );
+        let latest = Settings::default()
+            .checkpoint(CheckpointSettings::default().resume(Some("latest".into())))
+            .out(None);
+        let e = latest.validate().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "checkpoint.resume latest needs out (the run directory) to know which run"
+        );
+        assert_eq!(e.fields().collect::<Vec<_>>(), ["checkpoint.resume", "out"]);
+        let plateau = LrSchedule::Plateau(Plateau::max("val_f1").with(
+            crate::scheduler::PlateauConfig {
+                factor: 1.5,
+                ..Default::default()
+            },
+        ));
+        assert_eq!(
+            error(Settings::default().lr_schedule(plateau)),
+            "lr_schedule.config.factor 1.5 must be in (0, 1)"
+        );
+        let step = LrSchedule::Step {
+            warmup: 0,
+            every: 0,
+            gamma: 0.1,
+        };
+        assert_eq!(
+            error(Settings::default().lr_schedule(step)),
+            "lr_schedule.every must be at least 1"
+        );
+        assert_eq!(
+            error(Settings::default().early_stopping(EarlyStopping::max("f1").after(0))),
+            "early_stopping.patience must be at least 1 (epochs without improvement)"
+        );
+        let twice = Settings::default()
+            .monitor(Monitor::max("a", "best.safetensors"))
+            .monitor(Monitor::min("b", "best.safetensors"));
+        assert_eq!(
+            error(twice),
+            "monitors: two write the same file best.safetensors"
+        );
+        assert!(Settings::default().validate().is_ok());
+    }
+
+    #[test]
+    fn builders_set_their_fields() {
+        let s = Settings::default()
+            .epochs(3)
+            .accumulate(2)
+            .seed(9)
+            .runtime(
+                RuntimeSettings::default()
+                    .device(DeviceChoice::Cpu)
+                    .log_every(5),
+            )
+            .early_stopping(EarlyStopping::max("val_f1").after(4));
+        assert_eq!((s.epochs, s.accumulate, s.seed), (3, 2, 9));
+        assert_eq!(
+            (s.runtime.device, s.runtime.log_every),
+            (DeviceChoice::Cpu, 5)
+        );
+        assert_eq!(
+            s.runtime.collective_timeout_secs, 300,
+            "the rest stays default"
+        );
+        assert_eq!(
+            (s.early_stopping.goal, s.early_stopping.patience),
+            (Goal::Max, Some(4))
+        );
+    }
+
+    /// The serialized settings (`config.json`, a checkpoint's state) are grouped as the
+    /// struct is, and a partial or older document fills what it lacks with the defaults.
+    #[test]
+    fn settings_serialize_by_group_and_missing_fields_take_their_defaults() {
+        let s = Settings::default()
+            .lr_schedule(LrSchedule::Plateau(Plateau::max("val_macro_f1")))
+            .checkpoint(CheckpointSettings::default().every(Some(7)));
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["checkpoint"]["every"], 7);
+        assert_eq!(json["ddp"]["comm_hook"], "allreduce");
+        assert_eq!(json["lr_schedule"]["kind"], "plateau");
+        assert_eq!(json["lr_schedule"]["metric"], "val_macro_f1");
+        assert_eq!(json["optimizer"]["kind"], "adam");
+        let back: Settings = serde_json::from_value(json).unwrap();
+        assert_eq!(back, s);
+        let partial: Settings =
+            serde_json::from_str(r#"{"epochs": 4, "runtime": {"threads": 2}}"#).unwrap();
+        assert_eq!(
+            partial,
+            Settings::default()
+                .epochs(4)
+                .runtime(RuntimeSettings::default().threads(Some(2)))
+        );
+    }
+}

@@ -1,0 +1,199 @@
+//! [`RuntimeSettings`]: where and how a rank runs (its device, threads, loader, time limits,
+//! logging), and [`DeviceChoice`].
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::SettingError;
+
+/// Which device a rank trains on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    /// `cuda:LOCAL_RANK` when CUDA is available, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU.
+    Cpu,
+    /// `cuda:LOCAL_RANK`; an error when CUDA is not available.
+    Cuda,
+}
+
+impl DeviceChoice {
+    /// The device of the rank with `local_rank` on its machine: `cuda:local_rank` (CUDA is
+    /// made visible first, see `ddp_comm::cuda::load_torch_cuda`) or the CPU. An error names
+    /// what is missing when `Cuda` is asked for without CUDA, or for a rank without a GPU.
+    pub fn resolve(self, local_rank: usize) -> Result<tch::Device, crate::TrainError> {
+        if self == Self::Cpu {
+            return Ok(tch::Device::Cpu);
+        }
+        // rustc links with --as-needed, so libtorch_cuda must be loaded before asking tch.
+        let loaded = ddp_comm::cuda::load_torch_cuda().unwrap_or(false);
+        let available = loaded && tch::Cuda::is_available();
+        match (self, available) {
+            (Self::Cuda, false) => Err(SettingError::new(
+                "runtime.device",
+                format!(
+                    " cuda: CUDA is not available here ({}); set ",
+                    ddp_comm::cuda::no_gpu_reason().unwrap_or_else(|| "no device".into())
+                ),
+            )
+            .setting("runtime.device")
+            .text(" to cpu")
+            .into()),
+            (_, true) => {
+                let count = tch::Cuda::device_count() as usize;
+                if local_rank >= count {
+                    return Err(crate::TrainError::Invalid(format!(
+                        "LOCAL_RANK {local_rank} needs cuda:{local_rank}, but only {count} \
+                         CUDA devices are visible"
+                    )));
+                }
+                Ok(tch::Device::Cuda(local_rank))
+            }
+            (_, false) => Ok(tch::Device::Cpu),
+        }
+    }
+}
+
+/// Where and how a rank runs: its device, threads, loader, time limits, logging.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
+#[serde(default)]
+#[non_exhaustive]
+pub struct RuntimeSettings {
+    /// Where each rank trains.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "runtime.device",
+            long = "device",
+            value_name = "DEVICE",
+            value_enum,
+            default_value_t = RuntimeSettings::default().device,
+            help = "Device of each rank"
+        )
+    )]
+    pub device: DeviceChoice,
+    /// Intra-op threads per rank on the CPU (default: the cores divided among the ranks).
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "runtime.threads",
+            long = "threads",
+            value_name = "THREADS",
+            help = "Intra-op threads per rank on CPU (default: the machine's cores shared \
+                    among its ranks)"
+        )
+    )]
+    pub threads: Option<usize>,
+    /// Loader threads per rank (default: `ddp_data::default_workers`).
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "runtime.workers",
+            long = "workers",
+            value_name = "WORKERS",
+            help = "Loader threads per rank (default: the machine's cores shared among its \
+                    ranks)"
+        )
+    )]
+    pub workers: Option<usize>,
+    /// Batches the loader prepares ahead (default: 2 on the CPU, 4 on a GPU).
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "runtime.prefetch",
+            long = "prefetch",
+            value_name = "PREFETCH",
+            help = "Batches the loader threads may prepare ahead of the training step \
+                    (default: 2 on the CPU, 4 on a GPU, where a slow image must not stall a \
+                    fast step)"
+        )
+    )]
+    pub prefetch: Option<usize>,
+    /// Seconds a collective may take before the job fails.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "runtime.collective_timeout_secs",
+            long = "collective-timeout",
+            value_name = "COLLECTIVE_TIMEOUT",
+            default_value_t = RuntimeSettings::default().collective_timeout_secs,
+            help = "Seconds a collective may take before the job fails (a dead peer ends the \
+                    job after at most this long)"
+        )
+    )]
+    pub collective_timeout_secs: u64,
+    /// Stop cleanly, with a checkpoint, before this many seconds have passed since the
+    /// Trainer was created (for a scheduler's time limit); the next start continues.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "runtime.time_limit_secs",
+            long = "time-limit",
+            value_name = "DURATION",
+            value_parser = super::flags::parse_duration_secs,
+            help = "Stop cleanly with a checkpoint before this much time has passed since the \
+                    start (exit code 75); the same command started again continues. Seconds, \
+                    or a number with s, m or h (`90s`, `55m`, `4h`)"
+        )
+    )]
+    pub time_limit_secs: Option<u64>,
+    /// Stop cleanly, with a checkpoint, at the next step when SIGTERM or SIGUSR1 arrives
+    /// (see [`StopReason`](crate::StopReason)); when false the signals keep their previous
+    /// behaviour.
+    #[cfg_attr(feature = "cli", arg(skip = RuntimeSettings::default().stop_on_signals))]
+    pub stop_on_signals: bool,
+    /// Log a rank's loss every this many steps (0: never).
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "runtime.log_every",
+            long = "log-every",
+            value_name = "LOG_EVERY",
+            default_value_t = RuntimeSettings::default().log_every,
+            help = "Print every rank's loss every N steps (0: never), as the PyTorch tutorial \
+                    does per GPU"
+        )
+    )]
+    pub log_every: usize,
+    /// Show rank 0's progress: a bar when stdout is a terminal, else a log line every tenth
+    /// of an epoch. (Log lines are `tracing` events and go to `logs/rank-<r>.log`; the
+    /// program's subscriber decides where else.)
+    #[cfg_attr(feature = "cli", arg(skip = RuntimeSettings::default().progress))]
+    pub progress: bool,
+    /// Draw `curves.png` after every epoch (needs the `plot` feature).
+    #[cfg_attr(feature = "cli", arg(skip = RuntimeSettings::default().plot))]
+    pub plot: bool,
+}
+
+impl Default for RuntimeSettings {
+    fn default() -> Self {
+        Self {
+            device: DeviceChoice::Auto,
+            threads: None,
+            workers: None,
+            prefetch: None,
+            collective_timeout_secs: 300,
+            time_limit_secs: None,
+            stop_on_signals: true,
+            log_every: 0,
+            progress: true,
+            plot: true,
+        }
+    }
+}
+
+builder!(RuntimeSettings {
+    device: DeviceChoice,
+    threads: Option<usize>,
+    workers: Option<usize>,
+    prefetch: Option<usize>,
+    collective_timeout_secs: u64,
+    time_limit_secs: Option<u64>,
+    stop_on_signals: bool,
+    log_every: usize,
+    progress: bool,
+    plot: bool,
+});
