@@ -72,7 +72,7 @@ pub use stop::{StopReason, EXIT_STOPPED, STOP_SIGNALS};
 pub use task::{Metrics, NoStats, Stats, Task};
 pub use trainer::Trainer;
 
-/// The README's Rust blocks ("Use the crates in your project"), compiled as doctests.
+/// The README's Rust blocks ("Your own model"), compiled as doctests.
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
 struct ReadmeDoctests;
