@@ -95,7 +95,7 @@ pub fn run(root: &Path) -> Result<()> {
         };
         let estimate = tests
             .iter()
-            .map(|t| history.get(&key(bin, t)).copied().unwrap_or(1.0))
+            .map(|t| history.get(&key(&bin.label(), t)).copied().unwrap_or(1.0))
             .sum();
         jobs.push(Job {
             binary: index,
@@ -133,7 +133,7 @@ pub fn run(root: &Path) -> Result<()> {
     let mut history = history;
     for (label, r) in &results {
         if r.outcome == Outcome::Passed {
-            history.insert(format!("{label} {}", r.name), r.time.as_secs_f64());
+            history.insert(key(label, &r.name), r.time.as_secs_f64());
         }
     }
     save_history(&history_file, &history);
@@ -183,8 +183,9 @@ fn target_dir(root: &Path) -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
 }
 
-fn key(bin: &Binary, test: &str) -> String {
-    format!("{} {test}", bin.label())
+/// A test's name in the history: its binary's label, a space, the test.
+fn key(label: &str, test: &str) -> String {
+    format!("{label} {test}")
 }
 
 fn load_history(file: &Path) -> BTreeMap<String, f64> {
