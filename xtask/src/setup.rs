@@ -21,9 +21,17 @@ use anyhow::{bail, Context, Result};
 /// The libtorch version tch 0.26 binds.
 pub const TORCH_VERSION: &str = "2.13.0";
 
-/// Python packages installed next to torch: `safetensors` lets Python read our checkpoints,
-/// `numpy` silences torch's warning when tensors cross into Python.
-const EXTRA_PACKAGES: &[&str] = &["safetensors", "numpy"];
+/// Python packages installed next to torch, for the tests and benchmarks that compare with
+/// the PyTorch ecosystem: `safetensors` lets Python read our checkpoints, `numpy` silences
+/// torch's warning when tensors cross into Python, torchvision is the reference for models
+/// and transforms, scikit-learn for the ODIR challenge's metrics.
+const EXTRA_PACKAGES: &[&str] = &[
+    "safetensors",
+    "numpy",
+    // The release built against torch TORCH_VERSION.
+    "torchvision==0.28.0",
+    "scikit-learn",
+];
 
 /// Where the setup step puts things, relative to the project root.
 #[derive(Debug, Clone)]
@@ -56,6 +64,16 @@ impl Deps {
         self.libtorch().join("build-version")
     }
 
+    /// Lists the extra packages the venv was given, one per line, written after pip
+    /// installed them; a different list means they are installed again.
+    fn extras_file(&self) -> PathBuf {
+        self.venv().join("ddp-extras")
+    }
+
+    fn extras_installed(&self) -> bool {
+        fs::read_to_string(self.extras_file()).is_ok_and(|s| s == extras_marker())
+    }
+
     /// The installed libtorch version, if a complete install is present.
     pub fn installed_version(&self) -> Option<String> {
         let version = fs::read_to_string(self.version_file()).ok()?;
@@ -83,6 +101,9 @@ pub fn run(project_root: &Path, args: &SetupArgs) -> Result<Deps> {
     }
     match deps.installed_version() {
         Some(v) if v == TORCH_VERSION => {
+            if !deps.extras_installed() {
+                install_extras(&deps)?;
+            }
             println!(
                 "setup: libtorch {v} already installed in {}",
                 deps.libtorch().display()
@@ -162,12 +183,51 @@ pub fn run(project_root: &Path, args: &SetupArgs) -> Result<Deps> {
             torch.join("lib").display()
         );
     }
+    write_extras_marker(&deps)?;
     link_libtorch(&deps, &torch)?;
     println!(
         "setup: libtorch {TORCH_VERSION} ready in {}",
         deps.libtorch().display()
     );
     Ok(deps)
+}
+
+fn extras_marker() -> String {
+    EXTRA_PACKAGES.iter().map(|p| format!("{p}\n")).collect()
+}
+
+fn write_extras_marker(deps: &Deps) -> Result<()> {
+    fs::write(deps.extras_file(), extras_marker())
+        .with_context(|| format!("cannot write {}", deps.extras_file().display()))
+}
+
+/// Adds the extra packages to an install that predates them (torch itself stays).
+fn install_extras(deps: &Deps) -> Result<()> {
+    println!(
+        "setup: installing {} into {}",
+        EXTRA_PACKAGES.join(", "),
+        deps.venv().display()
+    );
+    let status = Command::new(deps.python())
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--quiet",
+        ])
+        .arg(format!("torch=={TORCH_VERSION}"))
+        .args(EXTRA_PACKAGES)
+        .status()
+        .context("cannot run pip in the virtual environment")?;
+    if !status.success() {
+        bail!(
+            "pip could not install {} ({status}); check access to the Python package \
+             index, then run `cargo xtask setup` again",
+            EXTRA_PACKAGES.join(", ")
+        );
+    }
+    write_extras_marker(deps)
 }
 
 /// The Python used to create the virtual environment: `DDP_PYTHON`, else `python3`.

@@ -10,12 +10,11 @@ use anyhow::{bail, Context, Result};
 use super::loader::loader;
 use super::parse::pipeline_rate;
 use super::report::{Group, Row, Unit};
-use super::runner::{ensure_torchvision, say, Ctx};
+use super::runner::{say, Ctx};
 use super::targets;
 
 /// Runs the group.
 pub(super) fn data(ctx: &Ctx) -> Result<Vec<Row>> {
-    ensure_torchvision(ctx)?;
     let exe = ctx.build_bench("ddp-data", "pipeline")?;
     say("data: ours (criterion, 1 thread)");
     // The bench would also run torchvision when it finds a Python; here xtask runs it, once

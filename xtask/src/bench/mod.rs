@@ -16,8 +16,7 @@
 //! machine-readable output: criterion's `estimates.json` (medians, kept under
 //! `target/xtask-bench/criterion` so developers' own criterion baselines are untouched), and
 //! `key=value` / `RESULT` lines from the others. Every command's output goes to a log file
-//! under `target/xtask-bench/logs/`. torchvision, needed only here, is installed into the
-//! venv on first use. Ratios are "higher is better for us": speed-ups for times, ours/theirs
+//! under `target/xtask-bench/logs/`. torchvision comes with the setup. Ratios are "higher is better for us": speed-ups for times, ours/theirs
 //! for rates and bandwidths.
 //!
 //! The `train` group also runs random tensors with glibc told never to return freed memory

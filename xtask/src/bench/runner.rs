@@ -11,9 +11,6 @@ use anyhow::{bail, Context, Result};
 use super::parse::median_point_estimate;
 use crate::setup;
 
-/// The torchvision that matches torch 2.13 (installed for benchmarks only).
-const TORCHVISION_VERSION: &str = "0.28.0";
-
 /// glibc settings that keep freed memory in the heap instead of returning it to the OS: the
 /// ConvNet's activations (up to 100 MB each) are otherwise mmap'ed and unmapped on every
 /// use, and the kernel zeroes their pages again on every step.
@@ -137,34 +134,6 @@ pub(super) fn ensure_setup(root: &Path) -> Result<setup::Deps> {
         return Ok(deps);
     }
     setup::run(root, &setup::SetupArgs::default())
-}
-
-/// Installs torchvision into the setup's venv if it is not there (benchmarks only).
-pub(super) fn ensure_torchvision(ctx: &Ctx) -> Result<()> {
-    let probe = Command::new(&ctx.python)
-        .args(["-c", "import torchvision"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .with_context(|| format!("cannot start {}", ctx.python.display()))?;
-    if probe.success() {
-        return Ok(());
-    }
-    say(&format!(
-        "installing torchvision=={TORCHVISION_VERSION} into {} (for the PyTorch side of the \
-         benchmarks only; `cargo xtask setup` does not install it)",
-        ctx.python.display()
-    ));
-    let status = Command::new(&ctx.python)
-        .args(["-m", "pip", "install", "--quiet"])
-        .arg(format!("torchvision=={TORCHVISION_VERSION}"))
-        .stdout(Stdio::from(std::io::stderr()))
-        .status()
-        .with_context(|| format!("cannot start {} -m pip", ctx.python.display()))?;
-    if !status.success() {
-        bail!("installing torchvision=={TORCHVISION_VERSION} failed ({status})");
-    }
-    Ok(())
 }
 
 /// The synthetic ODIR folder of `count` images of `size` px, generated once.

@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 
 use super::parse::{run_of, runs_by_world, Run};
 use super::report::{Group, Row, Target, Unit};
-use super::runner::{ensure_torchvision, say, train_data, Ctx, MALLOC_KEEP};
+use super::runner::{say, train_data, Ctx, MALLOC_KEEP};
 use super::targets;
 
 /// Images of each synthetic ODIR folder the training benchmark reads: 32 is one step of
@@ -119,7 +119,6 @@ struct TrainSource {
 /// Runs the `train` group, and the `ddp` group's rows too when `with_ddp`.
 pub(super) fn train(ctx: &Ctx, with_ddp: bool) -> Result<Vec<Row>> {
     let exe = ctx.build_bench("ddp-train", "ddp_steps")?;
-    ensure_torchvision(ctx)?;
     let reference = ctx.script("ddp-train", "reference_ddp.py")?;
     let mut sources = vec![TrainSource {
         label: "random tensors".to_string(),
