@@ -1,7 +1,9 @@
 //! The ConvNet: four conv/BatchNorm/ReLU/max-pool blocks and a linear classifier.
 
 use tch::nn::{self, ModuleT};
-use tch::{Kind, Tensor};
+use tch::Tensor;
+
+use crate::norm::{BatchNorm2d, BatchNormConfig};
 
 /// The ODIR-5K labels in the order of the model's outputs.
 pub const ODIR_CLASSES: [&str; 8] = ["N", "D", "G", "C", "A", "H", "M", "O"];
@@ -34,10 +36,7 @@ impl Default for ConvNetConfig {
 #[derive(Debug)]
 struct Block {
     conv: nn::Conv2D,
-    bn: nn::BatchNorm,
-    /// PyTorch's `num_batches_tracked` buffer: kept so checkpoints round-trip with
-    /// `load_state_dict(strict=True)`; counted like PyTorch, used by nothing.
-    num_batches_tracked: Tensor,
+    bn: BatchNorm2d,
 }
 
 /// The ConvNet of the PyTorch definition
@@ -74,19 +73,15 @@ impl ConvNet {
                     ..Default::default()
                 };
                 let conv = nn::conv2d(&features / (4 * k), in_channels, out_channels, 3, conv_cfg);
-                let bn_path = &features / (4 * k + 1);
-                let bn = nn::batch_norm2d(&bn_path, out_channels, Default::default());
-                let num_batches_tracked = bn_path.add(
-                    "num_batches_tracked",
-                    Tensor::zeros([], (Kind::Int64, root.device())),
-                    false,
-                );
+                // tch's `nn::batch_norm2d` initial weights (uniform in [0, 1), not PyTorch's
+                // ones), kept so that a seed gives the ConvNet the weights it always had.
+                let config = BatchNormConfig {
+                    weight_init: nn::Init::Uniform { lo: 0.0, up: 1.0 },
+                    ..Default::default()
+                };
+                let bn = BatchNorm2d::with_config(&features / (4 * k + 1), out_channels, config);
                 in_channels = out_channels;
-                Block {
-                    conv,
-                    bn,
-                    num_batches_tracked,
-                }
+                Block { conv, bn }
             })
             .collect();
         let linear = nn::linear(
@@ -112,16 +107,11 @@ impl ConvNet {
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         let mut xs = xs.shallow_clone();
         for block in &self.blocks {
-            xs = xs
-                .apply(&block.conv)
-                .apply_t(&block.bn, train)
+            xs = block
+                .bn
+                .forward_t(&xs.apply(&block.conv), train)
                 .relu()
                 .max_pool2d_default(2);
-            if train {
-                tch::no_grad(|| {
-                    let _ = block.num_batches_tracked.shallow_clone().g_add_scalar_(1);
-                });
-            }
         }
         xs.adaptive_avg_pool2d([1, 1])
             .flatten(1, -1)
@@ -142,7 +132,7 @@ impl ModuleT for ConvNet {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tch::Device;
+    use tch::{Device, Kind};
 
     fn names_and_shapes(vs: &nn::VarStore) -> Vec<(String, Vec<i64>)> {
         let mut v: Vec<_> = vs

@@ -3,6 +3,8 @@
 //! - [`ConvNet`]: four conv/BatchNorm/ReLU/max-pool blocks and a linear classifier, the
 //!   same function, tensor for tensor, as the PyTorch definition shown on its docs, with
 //!   PyTorch's state-dict names (`features.0.weight`, ..., `classifier.3.bias`).
+//! - [`norm::BatchNorm2d`]: PyTorch's `BatchNorm2d` (names, running statistics), switchable
+//!   to statistics over every rank (`SyncBatchNorm`) through a [`norm::StatsReducer`].
 //! - [`checkpoint`]: safetensors files that PyTorch reads with `safetensors.torch.load_file`
 //!   and `load_state_dict(strict=True)`, written atomically and loaded all-or-nothing.
 //!
@@ -35,5 +37,6 @@
 
 pub mod checkpoint;
 mod convnet;
+pub mod norm;
 
 pub use convnet::{ConvNet, ConvNetConfig, ODIR_CLASSES};

@@ -1,0 +1,466 @@
+//! [`BatchNorm2d`]: PyTorch's `nn.BatchNorm2d` with its state-dict names, running statistics
+//! updated as PyTorch updates them, and batch statistics that can be taken over every rank
+//! (`nn.SyncBatchNorm`) through a [`StatsReducer`] that the training side provides.
+//!
+//! This crate knows nothing of ranks: a reducer is any differentiable sum over the
+//! replicas. [`BatchNormLayers::collect`] finds the layers a model builds, so that a trainer
+//! can switch them all to synchronised statistics, as `convert_sync_batchnorm` does.
+
+use std::cell::RefCell;
+use std::fmt;
+use std::sync::{Arc, PoisonError, RwLock};
+
+use tch::nn::{self, Init};
+use tch::{Kind, Tensor};
+
+/// A differentiable sum over the ranks that train one model: the communication a
+/// synchronised [`BatchNorm2d`] needs, without this crate knowing how ranks talk.
+///
+/// [`StatsReducer::all_reduce_sum`] must be differentiable: its backward pass is the same sum
+/// of the incoming gradients over the ranks (PyTorch's
+/// `torch.distributed.nn.functional.all_reduce`). Every rank calls it in the same order.
+pub trait StatsReducer: Send + Sync + fmt::Debug {
+    /// This rank's index in `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// The number of ranks.
+    fn world_size(&self) -> usize;
+
+    /// The element-wise sum of every rank's `t` (same shape everywhere), as a new tensor
+    /// that autograd differentiates by summing the gradients over the ranks.
+    ///
+    /// A forward pass cannot return an error, so an implementation that fails to
+    /// communicate returns `t` itself (this rank's statistics alone) and reports the failure
+    /// through its own channel, for its caller to stop before the optimizer step.
+    fn all_reduce_sum(&self, t: &Tensor) -> Tensor;
+}
+
+/// The reducer a layer uses in training, shared with the [`BatchNormLayers`] that found it.
+type SyncCell = Arc<RwLock<Option<Arc<dyn StatsReducer>>>>;
+
+/// Hyper-parameters of [`BatchNorm2d`]; the default is PyTorch's.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchNormConfig {
+    /// Added to the variance before its square root (PyTorch's `eps`, 1e-5).
+    pub eps: f64,
+    /// Weight of the newest batch in the running statistics (PyTorch's `momentum`, 0.1);
+    /// `None` averages all batches so far (`1 / num_batches_tracked`).
+    pub momentum: Option<f64>,
+    /// Initial `weight` (PyTorch: ones). `bias` starts at zero.
+    pub weight_init: Init,
+}
+
+impl Default for BatchNormConfig {
+    fn default() -> Self {
+        Self {
+            eps: 1e-5,
+            momentum: Some(0.1),
+            weight_init: Init::Const(1.0),
+        }
+    }
+}
+
+/// `nn.BatchNorm2d(channels)` over inputs `[N, C, ...]`, with the variables `weight` and
+/// `bias` (trainable) and the buffers `running_mean`, `running_var` and
+/// `num_batches_tracked` (int64), so that a PyTorch state dict loads by name.
+///
+/// In training, the batch's mean and biased variance normalise the input and the running
+/// statistics move towards the mean and the *unbiased* variance by `momentum`, and
+/// `num_batches_tracked` counts the batch, as in PyTorch. With a [`StatsReducer`] of more
+/// than one rank ([`BatchNorm2d::set_sync`], or [`BatchNormLayers::synchronise`]), the batch
+/// is every rank's batch together (PyTorch's `SyncBatchNorm`): each rank's count, mean and
+/// sum of squared deviations are summed over the ranks, combined exactly (Chan's parallel
+/// variance), and the gradients flow back through that sum to every rank's input.
+/// Evaluation uses the running statistics and never communicates.
+///
+/// ```
+/// use ddp_model::norm::BatchNorm2d;
+/// use tch::{nn, Device, Kind, Tensor};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let bn = BatchNorm2d::new(vs.root() / "bn", 4);
+/// let x = Tensor::randn([8, 4, 5, 5], (Kind::Float, Device::Cpu)) * 3.0 + 1.0;
+/// let y = bn.forward_t(&x, true);
+/// // Normalised per channel: mean 0, biased variance 1 (up to eps).
+/// let mean = y.mean_dim([0, 2, 3].as_slice(), false, Kind::Float);
+/// assert!(mean.abs().max().double_value(&[]) < 1e-5);
+/// assert_eq!(vs.variables()["bn.num_batches_tracked"].int64_value(&[]), 1);
+/// ```
+pub struct BatchNorm2d {
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    num_batches_tracked: Tensor,
+    channels: i64,
+    config: BatchNormConfig,
+    sync: SyncCell,
+}
+
+impl fmt::Debug for BatchNorm2d {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BatchNorm2d")
+            .field("channels", &self.channels)
+            .field("config", &self.config)
+            .field("synchronised", &self.is_synchronised())
+            .finish_non_exhaustive()
+    }
+}
+
+impl BatchNorm2d {
+    /// `nn.BatchNorm2d(channels)` with PyTorch's defaults, its variables under `path`.
+    pub fn new(path: nn::Path, channels: i64) -> Self {
+        Self::with_config(path, channels, BatchNormConfig::default())
+    }
+
+    /// As [`BatchNorm2d::new`], with the given hyper-parameters.
+    pub fn with_config(path: nn::Path, channels: i64, config: BatchNormConfig) -> Self {
+        // The order tch's `nn::batch_norm2d` creates them in, so that models built on it
+        // draw the same initial weights.
+        let weight = path.var("weight", &[channels], config.weight_init);
+        let bias = path.var("bias", &[channels], Init::Const(0.0));
+        let running_mean = path.zeros_no_train("running_mean", &[channels]);
+        let running_var = path.ones_no_train("running_var", &[channels]);
+        let num_batches_tracked = path.add(
+            "num_batches_tracked",
+            Tensor::zeros([], (Kind::Int64, path.device())),
+            false,
+        );
+        let sync: SyncCell = Arc::new(RwLock::new(None));
+        let name = path.components().collect::<Vec<_>>().join(".");
+        COLLECTORS.with(|c| {
+            if let Some(top) = c.borrow_mut().last_mut() {
+                top.push((name, sync.clone()));
+            }
+        });
+        Self {
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            num_batches_tracked,
+            channels,
+            config,
+            sync,
+        }
+    }
+
+    /// Takes training statistics over every rank through `reducer` from now on (`None`:
+    /// this rank's batch alone, the default).
+    pub fn set_sync(&self, reducer: Option<Arc<dyn StatsReducer>>) {
+        *self.sync.write().unwrap_or_else(PoisonError::into_inner) = reducer;
+    }
+
+    /// Whether training statistics are taken over the ranks of a reducer.
+    pub fn is_synchronised(&self) -> bool {
+        self.sync
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
+    }
+
+    /// The number of channels.
+    pub fn channels(&self) -> i64 {
+        self.channels
+    }
+
+    /// The layer's hyper-parameters.
+    pub fn config(&self) -> BatchNormConfig {
+        self.config
+    }
+
+    /// Normalises `x` (`[N, C, ...]`): with the batch's statistics (updating the running
+    /// ones) when `train` is set, as `model.train()` does, else with the running statistics.
+    pub fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        if !train {
+            return self.plain(x, false, 0.0);
+        }
+        tch::no_grad(|| {
+            let _ = self.num_batches_tracked.shallow_clone().g_add_scalar_(1);
+        });
+        let factor = match self.config.momentum {
+            Some(m) => m,
+            None => 1.0 / self.num_batches_tracked.int64_value(&[]) as f64,
+        };
+        let reducer = self
+            .sync
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        match reducer {
+            // One rank is its own batch: PyTorch's SyncBatchNorm falls back the same way.
+            Some(r) if r.world_size() > 1 => self.synchronised(x, r.as_ref(), factor),
+            _ => self.plain(x, true, factor),
+        }
+    }
+
+    /// libtorch's own batch norm (the one `nn::batch_norm2d` calls).
+    fn plain(&self, x: &Tensor, train: bool, factor: f64) -> Tensor {
+        Tensor::batch_norm(
+            x,
+            Some(&self.weight),
+            Some(&self.bias),
+            Some(&self.running_mean),
+            Some(&self.running_var),
+            train,
+            factor,
+            self.config.eps,
+            true,
+        )
+    }
+
+    /// Training statistics over every rank of `r`: per rank (count, mean, sum of squared
+    /// deviations) in that rank's row of a `[world, 2C + 1]` table, summed over the ranks
+    /// (which gathers the rows), then combined as Chan et al. combine partial variances.
+    fn synchronised(&self, x: &Tensor, r: &dyn StatsReducer, factor: f64) -> Tensor {
+        let c = self.channels;
+        let xf = x.to_kind(Kind::Float);
+        let dims: Vec<i64> = (0..xf.dim() as i64).filter(|&d| d != 1).collect();
+        let mut shape = vec![1i64; xf.dim()];
+        shape[1] = c;
+        let count = (xf.numel() as i64 / c.max(1)) as f64;
+        let mean = xf.mean_dim(dims.as_slice(), false, Kind::Float);
+        let m2 = (&xf - mean.view(shape.as_slice()))
+            .square()
+            .sum_dim_intlist(dims.as_slice(), false, Kind::Float);
+        let opts = (Kind::Float, xf.device());
+        let width = 2 * c + 1;
+        let (rank, world) = (r.rank() as i64, r.world_size() as i64);
+        let row = Tensor::cat(
+            &[
+                Tensor::zeros([rank * width], opts),
+                mean,
+                m2,
+                Tensor::full([1], count, opts),
+                Tensor::zeros([(world - rank - 1) * width], opts),
+            ],
+            0,
+        )
+        .view([world, width]);
+        let table = r.all_reduce_sum(&row);
+        let means = table.narrow(1, 0, c);
+        let m2s = table.narrow(1, c, c);
+        let counts = table.narrow(1, 2 * c, 1);
+        let total = counts.sum(Kind::Float);
+        let mean = (&means * &counts).sum_dim_intlist(0, false, Kind::Float) / &total;
+        let m2 = m2s.sum_dim_intlist(0, false, Kind::Float)
+            + (&counts * (&means - &mean).square()).sum_dim_intlist(0, false, Kind::Float);
+        let var = &m2 / &total;
+        tch::no_grad(|| {
+            let unbiased = &m2 / (&total - 1.0);
+            let mut rm = self.running_mean.shallow_clone();
+            let mut rv = self.running_var.shallow_clone();
+            let _ = rm.g_mul_scalar_(1.0 - factor);
+            let _ = rm.g_add_(&(mean.detach().to_kind(rm.kind()) * factor));
+            let _ = rv.g_mul_scalar_(1.0 - factor);
+            let _ = rv.g_add_(&(unbiased.to_kind(rv.kind()) * factor));
+        });
+        let scale = (var + self.config.eps).rsqrt() * &self.weight;
+        let y = (&xf - mean.view(shape.as_slice())) * scale.view(shape.as_slice())
+            + self.bias.view(shape.as_slice());
+        y.to_kind(x.kind())
+    }
+}
+
+impl nn::ModuleT for BatchNorm2d {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        BatchNorm2d::forward_t(self, xs, train)
+    }
+}
+
+thread_local! {
+    /// The open [`BatchNormLayers::collect`] calls of this thread, innermost last.
+    static COLLECTORS: RefCell<Vec<Vec<(String, SyncCell)>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The [`BatchNorm2d`] layers a model built, found without walking the model: what
+/// `convert_sync_batchnorm` converts.
+///
+/// ```
+/// use std::sync::Arc;
+/// use ddp_model::norm::BatchNormLayers;
+/// use ddp_model::{ConvNet, ConvNetConfig};
+/// use tch::{nn, Device};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let (net, layers) = BatchNormLayers::collect(|| ConvNet::new(&vs.root(), ConvNetConfig::default()));
+/// assert_eq!(layers.names(), ["features.1", "features.5", "features.9", "features.13"]);
+/// # let _ = net;
+/// ```
+#[derive(Clone, Default)]
+pub struct BatchNormLayers {
+    layers: Vec<(String, SyncCell)>,
+}
+
+impl fmt::Debug for BatchNormLayers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.names()).finish()
+    }
+}
+
+impl BatchNormLayers {
+    /// Runs `build` (which creates a model) on this thread and returns what it returns with
+    /// every [`BatchNorm2d`] created meanwhile, in creation order. Calls may nest: a layer
+    /// belongs to the innermost.
+    pub fn collect<R>(build: impl FnOnce() -> R) -> (R, Self) {
+        struct Pop;
+        impl Drop for Pop {
+            fn drop(&mut self) {
+                COLLECTORS.with(|c| {
+                    c.borrow_mut().pop();
+                });
+            }
+        }
+        COLLECTORS.with(|c| c.borrow_mut().push(Vec::new()));
+        let pop = Pop;
+        let built = build();
+        let layers = COLLECTORS.with(|c| c.borrow_mut().last_mut().map(std::mem::take));
+        drop(pop);
+        (
+            built,
+            Self {
+                layers: layers.unwrap_or_default(),
+            },
+        )
+    }
+
+    /// The layers' variable paths (`features.1`, ...).
+    pub fn names(&self) -> Vec<&str> {
+        self.layers.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    /// The number of layers.
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Whether the model has no [`BatchNorm2d`].
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    /// Switches every layer to statistics over the ranks of `reducer` (`None`: back to each
+    /// rank's own batch).
+    pub fn synchronise(&self, reducer: Option<Arc<dyn StatsReducer>>) {
+        for (_, cell) in &self.layers {
+            *cell.write().unwrap_or_else(PoisonError::into_inner) = reducer.clone();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
+        let d = (a - b).abs().max().double_value(&[]);
+        assert!(d <= tol, "{what} differs by {d}");
+    }
+
+    /// A world of one rank through the synchronised formula: the sum over ranks is the
+    /// identity, so the formula itself is checked against libtorch's batch norm (outputs,
+    /// gradients of input, weight and bias, running statistics).
+    #[derive(Debug)]
+    struct Alone;
+
+    impl StatsReducer for Alone {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world_size(&self) -> usize {
+            1
+        }
+        fn all_reduce_sum(&self, t: &Tensor) -> Tensor {
+            t.shallow_clone()
+        }
+    }
+
+    #[test]
+    fn synchronised_formula_equals_libtorch_on_one_rank() {
+        tch::manual_seed(3);
+        let make = || {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let bn = BatchNorm2d::new(vs.root() / "bn", 3);
+            tch::no_grad(|| {
+                let _ = bn.weight.shallow_clone().copy_(&Tensor::from_slice(&[0.5f32, 2.0, -1.0]));
+                let _ = bn.bias.shallow_clone().copy_(&Tensor::from_slice(&[0.1f32, 0.0, 3.0]));
+            });
+            (vs, bn)
+        };
+        let (vs_a, a) = make();
+        let (vs_b, b) = make();
+        let x = (Tensor::randn([4, 3, 5, 6], (Kind::Float, Device::Cpu)) * 2.0 + 0.7)
+            .set_requires_grad(true);
+        let w = Tensor::randn([4, 3, 5, 6], (Kind::Float, Device::Cpu));
+        let ya = a.forward_t(&x, true);
+        (&ya * &w).sum(Kind::Float).backward();
+        let gxa = x.grad().copy();
+        let _ = x.grad().zero_();
+        let yb = b.synchronised(&x, &Alone, 0.1);
+        let _ = b.num_batches_tracked.shallow_clone().g_add_scalar_(1);
+        (&yb * &w).sum(Kind::Float).backward();
+        assert_close(&ya, &yb, 1e-5, "output");
+        assert_close(&gxa, &x.grad(), 1e-5, "input gradient");
+        let (va, vb) = (vs_a.variables(), vs_b.variables());
+        for name in ["bn.running_mean", "bn.running_var"] {
+            assert_close(&va[name], &vb[name], 1e-6, name);
+        }
+        for name in ["bn.weight", "bn.bias"] {
+            assert_close(&va[name].grad(), &vb[name].grad(), 1e-4, name);
+        }
+        assert_eq!(vb["bn.num_batches_tracked"].int64_value(&[]), 1);
+    }
+
+    #[test]
+    fn running_statistics_follow_pytorch() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let bn = BatchNorm2d::new(vs.root(), 1);
+        // One channel, values 1..=4: mean 2.5, unbiased variance 5/3.
+        let x = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([4, 1, 1, 1]);
+        let _ = bn.forward_t(&x, true);
+        let v = vs.variables();
+        assert!((v["running_mean"].double_value(&[0]) - 0.25).abs() < 1e-6);
+        let want = 0.9 + 0.1 * 5.0 / 3.0;
+        assert!((v["running_var"].double_value(&[0]) - want).abs() < 1e-6);
+        assert_eq!(v["num_batches_tracked"].kind(), Kind::Int64);
+        assert!(!v["num_batches_tracked"].requires_grad());
+        let y = bn.forward_t(&x, false);
+        let expect = (x - 0.25) / (want + 1e-5).sqrt();
+        assert_close(&y, &expect, 1e-6, "evaluation output");
+    }
+
+    #[test]
+    fn cumulative_average_without_momentum() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let config = BatchNormConfig {
+            momentum: None,
+            ..Default::default()
+        };
+        let bn = BatchNorm2d::with_config(vs.root(), 1, config);
+        for v in [2.0f32, 4.0] {
+            let _ = bn.forward_t(&Tensor::from_slice(&[v, v]).view([2, 1, 1, 1]), true);
+        }
+        // Averages of the batch means 2 and 4: 1/1 then 1/2.
+        assert!((vs.variables()["running_mean"].double_value(&[0]) - 3.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn collect_finds_nested_layers_in_the_innermost_call() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let root = vs.root();
+        let ((inner, a), outer) = BatchNormLayers::collect(|| {
+            let _first = BatchNorm2d::new(&root / "a", 2);
+            BatchNormLayers::collect(|| BatchNorm2d::new(&root / "b" / 0, 2))
+        });
+        let _ = inner;
+        assert_eq!(a.names(), ["b.0"]);
+        assert_eq!(outer.names(), ["a"]);
+        let _outside = BatchNorm2d::new(&root / "c", 2);
+        assert!(COLLECTORS.with(|c| c.borrow().is_empty()));
+        a.synchronise(Some(Arc::new(Alone)));
+        assert!(inner.is_synchronised());
+        a.synchronise(None);
+        assert!(!inner.is_synchronised());
+    }
+}
