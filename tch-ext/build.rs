@@ -12,8 +12,9 @@ use std::path::PathBuf;
 
 include!("../build-support/libtorch.rs");
 
-const SOURCES: [&str; 4] = [
+const SOURCES: [&str; 5] = [
     "csrc/hooks.cpp",
+    "csrc/function.cpp",
     "csrc/autocast.cpp",
     "csrc/cuda.cpp",
     "csrc/ops.cpp",

@@ -13,8 +13,26 @@ pub(crate) type HookCallFn = extern "C" fn(ctx: *mut c_void, param: *mut c_void)
 /// Drops the closure behind `ctx`.
 pub(crate) type HookDropFn = extern "C" fn(ctx: *mut c_void);
 
+/// Calls a backward closure on a new gradient handle it owns; see `csrc/function.cpp`.
+pub(crate) type BackwardCallFn = extern "C" fn(
+    ctx: *mut c_void,
+    grad: *mut c_void,
+    result: *mut c_void,
+    error: *mut c_void,
+) -> bool;
+
 extern "C" {
     pub(crate) fn tch_ext_free_error(message: *mut c_char);
+
+    pub(crate) fn tch_ext_set_backward(
+        input: *const c_void,
+        output: *const c_void,
+        call: BackwardCallFn,
+        ctx: *mut c_void,
+        drop: HookDropFn,
+    ) -> *mut c_char;
+    pub(crate) fn tch_ext_slot_set(slot: *mut c_void, tensor: *const c_void);
+    pub(crate) fn tch_ext_message_set(sink: *mut c_void, text: *const c_char, len: usize);
 
     pub(crate) fn tch_ext_set_post_acc_grad_hook(
         param: *const c_void,

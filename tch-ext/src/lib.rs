@@ -6,6 +6,8 @@
 //!   gradient into a parameter (PyTorch's `register_post_accumulate_grad_hook`), so gradient
 //!   communication can start while backward is still running; [`set_grad`] is
 //!   `param.grad = None`.
+//! - [`set_backward`] gives a result computed outside autograd a backward function written
+//!   in Rust (PyTorch's `torch.autograd.Function`), e.g. a differentiable all-reduce.
 //! - [`autocast`] returns an [`AutocastGuard`]: mixed precision in `BFloat16` or `Half` on CPU
 //!   or CUDA until it is dropped (`with torch.autocast(device, dtype)`).
 //! - [`CudaStream`], [`CudaEvent`] and [`set_current_stream`] order work between streams,
@@ -49,6 +51,7 @@ mod autocast;
 mod cuda;
 mod error;
 mod ffi;
+mod function;
 mod hooks;
 mod ops;
 
@@ -57,6 +60,7 @@ pub use cuda::{
     cuda_device_count, cuda_is_available, set_current_stream, CudaEvent, CudaStream, StreamGuard,
 };
 pub use error::TchExtError;
+pub use function::set_backward;
 pub use hooks::{
     clear_post_accumulate_grad_hook, has_post_accumulate_grad_hook, set_grad,
     set_post_accumulate_grad_hook,
