@@ -41,6 +41,7 @@ mod amp;
 pub mod cli;
 mod ddp;
 mod error;
+pub mod functional;
 pub mod logging;
 pub mod lr_schedule;
 pub mod malloc;

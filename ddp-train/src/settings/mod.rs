@@ -269,6 +269,20 @@ pub struct Settings {
     /// When to checkpoint and what to start from.
     #[cfg_attr(feature = "cli", command(flatten, next_help_heading = "Checkpoints"))]
     pub checkpoint: CheckpointSettings,
+    /// Take BatchNorm's training statistics over every rank's batch (PyTorch's
+    /// `SyncBatchNorm.convert_sync_batchnorm`, Lightning's `sync_batchnorm=True`): every
+    /// [`ddp_model::norm::BatchNorm2d`] the task's model builds is switched; a model without
+    /// one is an error.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            long,
+            help_heading = "DDP",
+            help = "Take BatchNorm's training statistics over all ranks' batches together \
+                    (PyTorch's SyncBatchNorm): for small per-rank batches"
+        )
+    )]
+    pub sync_batchnorm: bool,
     /// DistributedDataParallel's options.
     #[cfg_attr(feature = "cli", command(flatten, next_help_heading = "DDP"))]
     pub ddp: DdpOptions,
@@ -293,6 +307,7 @@ impl Default for Settings {
             early_stopping: EarlyStopping::default(),
             monitors: Vec::new(),
             checkpoint: CheckpointSettings::default(),
+            sync_batchnorm: false,
             ddp: DdpOptions::default(),
             runtime: RuntimeSettings::default(),
         }
@@ -313,6 +328,7 @@ builder!(Settings {
     early_stopping: EarlyStopping,
     monitors: Vec<Monitor>,
     checkpoint: CheckpointSettings,
+    sync_batchnorm: bool,
     ddp: DdpOptions,
     runtime: RuntimeSettings,
 });

@@ -243,6 +243,9 @@ impl<T: Task> Trainer<T> {
                     Some(scaler) => scaler.scale_loss(&scaled).backward(),
                     None => scaled.backward(),
                 }
+                if let Some(e) = self.sync_bn.as_ref().and_then(|r| r.take_error()) {
+                    return Err(e.into());
+                }
                 upcoming = loader.next();
                 let value = loss.double_value(&[]);
                 if !value.is_finite() {

@@ -63,6 +63,9 @@ pub struct Trainer<T: Task> {
     vs: nn::VarStore,
     model: T::Model,
     ddp: DistributedDataParallel,
+    /// The statistics of SyncBatchNorm (`Settings::sync_batchnorm`), whose failures end the
+    /// step.
+    sync_bn: Option<Arc<crate::functional::GroupReducer>>,
     optimizer: Optimizer,
     /// Whether a launcher restarted this job (torchrun's restart count above 0).
     restarted: bool,

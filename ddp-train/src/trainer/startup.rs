@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use ddp_comm::{EnvConfig, ProcessGroup};
 use ddp_data::Dataset;
 use ddp_model::checkpoint;
+use ddp_model::norm::BatchNormLayers;
 use ddp_sampler::{DistributedSampler, Partition};
 use tch::{nn, Device, Tensor};
 
@@ -19,6 +20,7 @@ use super::Trainer;
 use crate::amp::{GradScaler, Precision};
 use crate::ddp::DistributedDataParallel;
 use crate::error::{Context, SettingError, TrainError};
+use crate::functional::GroupReducer;
 use crate::lr_schedule::LrSchedule;
 use crate::optim::Optimizer;
 use crate::scheduler::ReduceLrOnPlateau;
@@ -93,7 +95,10 @@ impl<T: Task> Trainer<T> {
         // every rank alike instead of leaving some waiting in a collective.
         tch::manual_seed(s.seed as i64);
         let mut vs = nn::VarStore::new(Device::Cpu);
-        let model = task.model(&vs.root());
+        let (model, norms) = BatchNormLayers::collect(|| task.model(&vs.root()));
+        if s.sync_batchnorm && norms.is_empty() {
+            return Err(no_batchnorm_to_synchronise(&vs).into());
+        }
         let mut scheduler = match &s.lr_schedule {
             LrSchedule::Plateau(p) => Some(ReduceLrOnPlateau::new(p.config)),
             _ => None,
@@ -199,6 +204,19 @@ impl<T: Task> Trainer<T> {
             log.say(&note);
         }
         let ddp = DistributedDataParallel::new(&vs, pg.clone(), s.ddp)?;
+        let sync_bn = s.sync_batchnorm.then(|| {
+            let reducer = Arc::new(GroupReducer::new(pg.clone()));
+            norms.synchronise(Some(reducer.clone()));
+            if rank == 0 {
+                log.say(&format!(
+                    "SyncBatchNorm: {} BatchNorm layers take their training statistics over \
+                     {} ranks",
+                    norms.len(),
+                    pg.world_size()
+                ));
+            }
+            reducer
+        });
         let history = if rank == 0 {
             read_history(&out, start_epoch)?
         } else {
@@ -224,6 +242,7 @@ impl<T: Task> Trainer<T> {
             vs,
             model,
             ddp,
+            sync_bn,
             optimizer,
             restarted: env.restart_count > 0,
             scaler,
@@ -307,6 +326,27 @@ fn resume_after_restart(settings: &mut Settings, env: &EnvConfig) -> &'static st
     };
     settings.checkpoint.resume = Some("latest".to_string());
     note
+}
+
+/// `sync_batchnorm` with a model that has no [`ddp_model::norm::BatchNorm2d`]: names the
+/// BatchNorm-like buffers it has instead (tch's `nn::batch_norm2d`), if any.
+fn no_batchnorm_to_synchronise(vs: &nn::VarStore) -> SettingError {
+    let mut others: Vec<String> = vs
+        .variables()
+        .into_keys()
+        .filter_map(|n| n.strip_suffix(".running_mean").map(str::to_string))
+        .collect();
+    others.sort_by(|a, b| checkpoint::natural_cmp(a, b));
+    let found = if others.is_empty() {
+        "the model has no BatchNorm layer to synchronise".to_string()
+    } else {
+        format!(
+            "the model's BatchNorm layers ({}) are not ddp_model::norm::BatchNorm2d, which \
+             alone can synchronise: build them with BatchNorm2d::new",
+            others.join(", ")
+        )
+    };
+    SettingError::new("sync_batchnorm", format!(" is set, but {found}"))
 }
 
 /// The trainable tensors in the order every rank agrees on.

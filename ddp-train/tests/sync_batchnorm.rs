@@ -1,0 +1,220 @@
+//! SyncBatchNorm: 2 ranks with per-rank batch B and `--sync-batchnorm` end with the weights
+//! and BatchNorm running statistics of 1 process with batch 2B and plain BatchNorm. Ranks are
+//! real `ddp-train` processes on loopback; the model is the ConvNet, four BatchNorm layers.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use common::{free_port, rank_command, text, wait_all};
+use ddp_data::odir::synthetic::{generate, SyntheticConfig};
+use ddp_model::checkpoint;
+use ddp_train::{NoStats, Settings, Task, TrainError, Trainer};
+use tch::{nn, Kind, Tensor};
+
+const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
+
+fn run_ranks(world: usize, args: &[&str]) -> Vec<Output> {
+    let port = free_port();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            let mut cmd = rank_command(EXE, rank, world, port);
+            cmd.args(args)
+                .args(["--threads", "1", "--workers", "1"])
+                .args(["--collective-timeout", "30"])
+                .env("DDP_RDZV_TIMEOUT_S", "30")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    wait_all(children, Duration::from_secs(180))
+}
+
+/// Trains `world` ranks with per-rank `batch` for 2 epochs of 3 steps of plain SGD (linear in
+/// the gradient, so the comparison measures the statistics, not Adam's magnification of
+/// rounding), without dropout; returns the last epoch's model tensors.
+fn train(
+    data: &Path,
+    out: &Path,
+    world: usize,
+    batch: usize,
+    extra: &[&str],
+) -> Vec<(String, Tensor)> {
+    let (data, run) = (data.to_str().unwrap(), out.to_str().unwrap());
+    let batch = batch.to_string();
+    let mut args = vec![
+        "--data",
+        data,
+        "--out",
+        run,
+        "--epochs",
+        "2",
+        "--max-steps-per-epoch",
+        "3",
+        "--batch-size",
+        &batch,
+        "--image-size",
+        "32",
+        "--dropout",
+        "0",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--lr-schedule",
+        "constant",
+        "--seed",
+        "11",
+    ];
+    args.extend_from_slice(extra);
+    let outputs = run_ranks(world, &args);
+    for (r, o) in outputs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r} failed:\n{}", text(o));
+    }
+    let file = out.join("checkpoints").join("epoch-0002.safetensors");
+    let mut tensors: Vec<_> = checkpoint::read_tensors(&file)
+        .unwrap()
+        .tensors
+        .into_iter()
+        .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    tensors
+}
+
+/// The largest difference between float tensors of the same name, relative to the tensor's
+/// largest magnitude (at least 1e-3), and the tensor it occurs in.
+fn largest_difference(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> (f64, String) {
+    assert_eq!(
+        a.iter().map(|t| &t.0).collect::<Vec<_>>(),
+        b.iter().map(|t| &t.0).collect::<Vec<_>>()
+    );
+    let mut worst = (0.0, String::new());
+    for ((name, x), (_, y)) in a.iter().zip(b) {
+        if x.kind() != Kind::Float {
+            assert!(x.equal(y), "{name} differs: {x:?} vs {y:?}");
+            continue;
+        }
+        let scale = x.abs().max().double_value(&[]).max(1e-3);
+        let d = (x - y).abs().max().double_value(&[]) / scale;
+        if d > worst.0 {
+            worst = (d, name.clone());
+        }
+    }
+    worst
+}
+
+#[test]
+fn two_synchronised_ranks_equal_one_process_with_twice_the_batch() {
+    tch::set_num_threads(1);
+    let tmp = common::temp_dir("ddp-train-sync-bn");
+    let data = tmp.path().join("data");
+    generate(
+        &data,
+        &SyntheticConfig {
+            images: 60,
+            size: 48,
+            seed: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let one = train(&data, &tmp.path().join("one"), 1, 8, &[]);
+    let synced = train(
+        &data,
+        &tmp.path().join("synced"),
+        2,
+        4,
+        &["--sync-batchnorm"],
+    );
+    let (diff, name) = largest_difference(&one, &synced);
+    eprintln!("synchronised vs one process: {diff:e} ({name})");
+    assert!(diff <= 1e-5, "{name} differs by {diff} (relative)");
+    // num_batches_tracked counted 6 batches on both sides (compared exactly above).
+    let nbt = &one
+        .iter()
+        .find(|(n, _)| n == "features.1.num_batches_tracked")
+        .unwrap()
+        .1;
+    assert_eq!(nbt.int64_value(&[]), 6);
+
+    // Without synchronisation each rank normalises its own 4 samples: the test can fail.
+    let local = train(&data, &tmp.path().join("local"), 2, 4, &[]);
+    let (diff, name) = largest_difference(&one, &local);
+    eprintln!("per-rank vs one process: {diff:e} ({name})");
+    assert!(
+        diff > 1e-3,
+        "per-rank BatchNorm came within {diff} of the global one ({name}): the comparison \
+         above would prove nothing"
+    );
+}
+
+/// A task whose model has no synchronisable BatchNorm: a linear layer, and with `tch_bn`
+/// tch's own `nn::batch_norm2d` too.
+#[derive(Debug, Clone)]
+struct NoNorm {
+    tch_bn: bool,
+}
+
+impl Task for NoNorm {
+    type Model = nn::Linear;
+    type Data = ddp_data::TensorDataset;
+    type Stats = NoStats;
+
+    fn model(&self, root: &nn::Path) -> nn::Linear {
+        if self.tch_bn {
+            let _ = nn::batch_norm2d(root / "bn", 2, Default::default());
+        }
+        nn::linear(root / "fc", 2, 1, Default::default())
+    }
+
+    fn train_data(&self) -> Self::Data {
+        let x = Tensor::zeros([8, 2], (Kind::Float, tch::Device::Cpu));
+        let y = Tensor::zeros([8, 1], (Kind::Float, tch::Device::Cpu));
+        ddp_data::TensorDataset::from_tensors(&x, &y).unwrap()
+    }
+
+    fn train_loss(&self, model: &nn::Linear, batch: &ddp_data::Batch) -> Tensor {
+        batch.inputs().apply(model).mse_loss(batch.targets(), tch::Reduction::Mean)
+    }
+
+    fn new_stats(&self) -> NoStats {
+        NoStats
+    }
+
+    fn eval_batch(&self, _: &nn::Linear, _: &ddp_data::Batch, _: &mut NoStats) -> Tensor {
+        Tensor::from(0.0f32)
+    }
+}
+
+/// `sync_batchnorm` with nothing to synchronise is refused before the ranks meet, naming the
+/// setting, and tch's BatchNorm by its path.
+#[test]
+fn sync_batchnorm_without_batchnorm_is_refused_naming_the_setting() {
+    let tmp = common::temp_dir("ddp-train-sync-bn-none");
+    let refuse = |tch_bn| {
+        let settings = Settings::default()
+            .batch_size(2)
+            .sync_batchnorm(true)
+            .out(Some(PathBuf::from(tmp.path())));
+        let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", free_port());
+        let e = Trainer::with_env(NoNorm { tch_bn }, settings, &env).unwrap_err();
+        let TrainError::Setting(s) = &e else {
+            panic!("not a setting error: {e}");
+        };
+        assert_eq!(s.field(), "sync_batchnorm");
+        e.to_string()
+    };
+    assert_eq!(
+        refuse(false),
+        "sync_batchnorm is set, but the model has no BatchNorm layer to synchronise"
+    );
+    assert_eq!(
+        refuse(true),
+        "sync_batchnorm is set, but the model's BatchNorm layers (bn) are not \
+         ddp_model::norm::BatchNorm2d, which alone can synchronise: build them with \
+         BatchNorm2d::new"
+    );
+}
