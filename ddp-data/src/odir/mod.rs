@@ -4,7 +4,8 @@
 //!
 //! - [`OdirDataset`] opens a folder in either ODIR layout (`full_df.csv` or the challenge
 //!   workbook), checks every image exists, and lists samples (path, patient, 8 labels).
-//! - [`transform::Transform`] is `RandomResizedCrop` (+ flip) or `Resize` + `CenterCrop`, then
+//! - [`transform::Transform`] is `RandomResizedCrop` (+ flips, rotation and colour jitter:
+//!   [`transform::Augment`]) or `Resize` + `CenterCrop`, then
 //!   `ToTensor` and optional `Normalize`, with crop boxes drawn exactly as torchvision draws
 //!   them; [`decode`] turns files into upright 8-bit RGB.
 //! - [`OdirImages`] is ODIR as a [`Dataset`](crate::Dataset), for the loaders.
@@ -15,6 +16,7 @@
 //! the generic loader.
 
 mod annotations;
+mod augment;
 mod dataset;
 pub mod decode;
 mod images;

@@ -1,12 +1,14 @@
-//! The image transforms: torchvision's `RandomResizedCrop` (+ optional horizontal flip) for
-//! training, `Resize` + `CenterCrop` for evaluation, then `ToTensor` (CHW, f32 in [0, 1]) and
-//! an optional `Normalize`, written straight into a batch buffer.
+//! The image transforms: torchvision's `RandomResizedCrop` (+ optional horizontal flip, and
+//! the augmentations of [`Augment`]: vertical flip, rotation, colour jitter) for training,
+//! `Resize` + `CenterCrop` for evaluation, then `ToTensor` (CHW, f32 in [0, 1]) and an
+//! optional `Normalize`, written straight into a batch buffer.
 
 use std::path::Path;
 
 use fast_image_resize::images::{Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 
+pub use super::augment::{Augment, AugmentDraw, ColorOp};
 use super::decode::{Decoder, RgbView};
 use crate::crop::{random_resized_crop, resize_centre_crop_region, SourceRegion};
 use crate::error::DataError;
@@ -55,6 +57,8 @@ pub struct Transform {
     normalized: bool,
     /// How much the final resize may enlarge a crop decoded at reduced JPEG scale.
     dct_upsampling: f64,
+    /// What follows the training crop (nothing for the evaluation transform).
+    augment: Augment,
 }
 
 /// torchvision's default `RandomResizedCrop` aspect-ratio range.
@@ -84,6 +88,7 @@ impl Transform {
             bias: [0.0; 3],
             normalized: false,
             dct_upsampling: DEFAULT_DCT_UPSAMPLING,
+            augment: Augment::default(),
         }
     }
 
@@ -143,6 +148,22 @@ impl Transform {
             *hflip = on;
         }
         self
+    }
+
+    /// Adds the augmentations of `augment` after the random crop and its horizontal flip
+    /// (`RandomVerticalFlip`, `RandomRotation`, `ColorJitter`, in that order); the
+    /// evaluation transform ignores them, as it ignores the flip.
+    pub fn with_augment(mut self, augment: Augment) -> Result<Self, DataError> {
+        augment.validate()?;
+        if let Geometry::RandomResizedCrop { .. } = self.geometry {
+            self.augment = augment;
+        }
+        Ok(self)
+    }
+
+    /// The augmentations after the crop.
+    pub fn augment(&self) -> Augment {
+        self.augment
     }
 
     /// Adds `Normalize(mean, std)` after `ToTensor`.
@@ -221,6 +242,10 @@ pub struct Pipeline {
     decoder: Decoder,
     resizer: Resizer,
     resized: Vec<u8>,
+    /// The rotation's output, swapped with `resized`.
+    scratch: Vec<u8>,
+    /// A training crop's pixels, resized on their own.
+    cropped: Vec<u8>,
     reduced_dct: bool,
 }
 
@@ -230,18 +255,22 @@ impl Default for Pipeline {
     }
 }
 
-/// The crop and flip drawn for one sample, in the decoded image's pixel coordinates.
+/// The crop and flip drawn for one sample, in the decoded image's pixel coordinates, and
+/// the augmentations drawn after them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Placement {
     /// The source region that is resized to the output.
     pub region: SourceRegion,
     /// Whether the output is mirrored left-right.
     pub flip: bool,
+    /// The vertical flip, rotation and colour jitter.
+    pub augment: AugmentDraw,
 }
 
 impl Transform {
-    /// The crop box and flip for an image of `height x width` pixels, drawn from `rng` in the
-    /// same order as torchvision (crop parameters first, then the flip).
+    /// The crop box, flip and augmentations for an image of `height x width` pixels, drawn
+    /// from `rng` in the same order as torchvision (crop parameters first, then the flips,
+    /// the angle and the colour jitter).
     pub fn placement(&self, height: u32, width: u32, rng: &mut SampleRng) -> Placement {
         match self.geometry {
             Geometry::RandomResizedCrop {
@@ -255,11 +284,13 @@ impl Transform {
                 Placement {
                     region: b.into(),
                     flip,
+                    augment: self.augment.draw(rng),
                 }
             }
             Geometry::ResizeCentreCrop { resize, crop } => Placement {
                 region: resize_centre_crop_region(height, width, resize, crop).0,
                 flip: false,
+                augment: AugmentDraw::default(),
             },
         }
     }
@@ -272,6 +303,8 @@ impl Pipeline {
             decoder: Decoder::new(),
             resizer: Resizer::new(),
             resized: Vec::new(),
+            scratch: Vec::new(),
+            cropped: Vec::new(),
             reduced_dct: true,
         }
     }
@@ -293,8 +326,8 @@ impl Pipeline {
         rng: &mut SampleRng,
         out: &mut [f32],
     ) -> Result<(), DataError> {
-        let flip = self.prepare(transform, path, rng)?;
-        to_tensor(&self.resized, transform.output_size(), flip, transform, out);
+        let flips = self.prepare(transform, path, rng)?;
+        to_tensor(&self.resized, transform.output_size(), flips, transform, out);
         Ok(())
     }
 
@@ -308,19 +341,52 @@ impl Pipeline {
         rng: &mut SampleRng,
         out: &mut [u8],
     ) -> Result<(), DataError> {
-        let flip = self.prepare(transform, path, rng)?;
-        to_chw(&self.resized, transform.output_size(), flip, out);
+        let flips = self.prepare(transform, path, rng)?;
+        to_chw(&self.resized, transform.output_size(), flips, out);
         Ok(())
     }
 
-    /// Decodes, crops and resizes into `self.resized` (HWC bytes); returns whether the
-    /// output is to be mirrored.
+    /// Like [`Pipeline::run_u8`] with the sample's draws given instead of drawn (to compare
+    /// with another implementation of the same parameters); `placement.region` must lie in
+    /// the decoded image, and is taken as it is (no reduced-size JPEG decoding).
+    pub fn run_u8_placed(
+        &mut self,
+        transform: &Transform,
+        path: &Path,
+        placement: &Placement,
+        out: &mut [u8],
+    ) -> Result<(), DataError> {
+        let image = self.decoder.decode_file(path)?;
+        let size = transform.output_size();
+        let edges = transform.edges();
+        resize_region(
+            &mut self.resizer,
+            &mut self.resized,
+            &mut self.cropped,
+            image,
+            (placement.region, edges),
+            size,
+            path,
+        )?;
+        let flips = super::augment::apply(
+            &placement.augment,
+            placement.flip,
+            &mut self.resized,
+            &mut self.scratch,
+            size,
+        );
+        to_chw(&self.resized, size, flips, out);
+        Ok(())
+    }
+
+    /// Decodes, crops and resizes into `self.resized` (HWC bytes), then augments; returns the
+    /// flips `(left-right, top-bottom)` still to apply.
     fn prepare(
         &mut self,
         transform: &Transform,
         path: &Path,
         rng: &mut SampleRng,
-    ) -> Result<bool, DataError> {
+    ) -> Result<(bool, bool), DataError> {
         let size = transform.output_size();
         self.decoder.load(path)?;
         let scalable = if self.reduced_dct {
@@ -353,12 +419,19 @@ impl Pipeline {
         resize_region(
             &mut self.resizer,
             &mut self.resized,
+            &mut self.cropped,
             image,
-            region,
+            (region, transform.edges()),
             size,
             path,
         )?;
-        Ok(placement.flip)
+        Ok(super::augment::apply(
+            &placement.augment,
+            placement.flip,
+            &mut self.resized,
+            &mut self.scratch,
+            size,
+        ))
     }
 }
 
@@ -373,16 +446,40 @@ fn dct_reduction(region: SourceRegion, size: u32, upsampling: f64) -> u32 {
         .unwrap_or(1)
 }
 
-/// Crops `region` out of `image` and resizes it to `size x size` in one pass (bilinear with
-/// antialiasing, as PIL's `resize(..., BILINEAR)` that torchvision calls).
+/// Where the resampling filter stops at the edges of the region it resizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Edges {
+    /// At the region's own edges: torchvision's `crop` then `resize` (`RandomResizedCrop`).
+    Region,
+    /// At the image's edges: `Resize` of the whole image, then `CenterCrop`.
+    Image,
+}
+
+impl Transform {
+    fn edges(&self) -> Edges {
+        match self.geometry {
+            Geometry::RandomResizedCrop { .. } => Edges::Region,
+            Geometry::ResizeCentreCrop { .. } => Edges::Image,
+        }
+    }
+}
+
+/// Resizes `region` of `image` to `size x size` in one pass (bilinear with antialiasing, as
+/// PIL's `resize(..., BILINEAR)` that torchvision calls). With [`Edges::Region`] the region's
+/// whole pixels are first copied into `cropped`, so that no filter reaches past them.
 fn resize_region(
     resizer: &mut Resizer,
     resized: &mut Vec<u8>,
+    cropped: &mut Vec<u8>,
     image: RgbView<'_>,
-    region: SourceRegion,
+    (region, edges): (SourceRegion, Edges),
     size: u32,
     path: &Path,
 ) -> Result<(), DataError> {
+    let (image, region) = match edges {
+        Edges::Image => (image, region),
+        Edges::Region => crop_pixels(image, region, cropped),
+    };
     let len = size as usize * size as usize * 3;
     resized.resize(len, 0);
     let fail = |e: &dyn std::fmt::Display| DataError::DecodeImage {
@@ -402,12 +499,49 @@ fn resize_region(
     Ok(())
 }
 
-/// HWC bytes to CHW values, mirrored when `flip` is set: `value(channel, byte)` for each
-/// pixel (monomorphised, so each caller's loop is as tight as a hand-written one).
+/// Copies the whole pixels that `region` touches into `cropped`; returns them as an image
+/// and `region` in its coordinates (the same box, for a box of whole pixels).
+fn crop_pixels<'a>(
+    image: RgbView<'_>,
+    region: SourceRegion,
+    cropped: &'a mut Vec<u8>,
+) -> (RgbView<'a>, SourceRegion) {
+    let clamp = |v: f64, max: u32| (v.max(0.0) as u32).min(max);
+    let (x0, y0) = (
+        clamp(region.left.floor(), image.width),
+        clamp(region.top.floor(), image.height),
+    );
+    let x1 = clamp((region.left + region.width).ceil(), image.width).max(x0 + 1);
+    let y1 = clamp((region.top + region.height).ceil(), image.height).max(y0 + 1);
+    let (x1, y1) = (x1.min(image.width), y1.min(image.height));
+    let (w, h) = ((x1 - x0) as usize, (y1 - y0) as usize);
+    let stride = image.width as usize * 3;
+    cropped.clear();
+    for y in y0 as usize..y1 as usize {
+        let start = y * stride + x0 as usize * 3;
+        cropped.extend_from_slice(&image.pixels[start..start + w * 3]);
+    }
+    let view = RgbView {
+        width: w as u32,
+        height: h as u32,
+        pixels: cropped,
+    };
+    let inner = SourceRegion {
+        top: region.top - f64::from(y0),
+        left: region.left - f64::from(x0),
+        height: region.height,
+        width: region.width,
+    };
+    (view, inner)
+}
+
+/// HWC bytes to CHW values, mirrored left-right and top-bottom as `(hflip, vflip)` say:
+/// `value(channel, byte)` for each pixel (monomorphised, so each caller's loop is as tight as
+/// a hand-written one).
 fn hwc_to_chw<T>(
     pixels: &[u8],
     size: u32,
-    flip: bool,
+    (flip, vflip): (bool, bool),
     out: &mut [T],
     value: impl Fn(usize, u8) -> T,
 ) {
@@ -417,10 +551,11 @@ fn hwc_to_chw<T>(
     let (g_out, b_out) = rest.split_at_mut(plane);
     for y in 0..s {
         let row = &pixels[y * s * 3..(y + 1) * s * 3];
+        let dy = if vflip { s - 1 - y } else { y };
         let (r_row, g_row, b_row) = (
-            &mut r_out[y * s..(y + 1) * s],
-            &mut g_out[y * s..(y + 1) * s],
-            &mut b_out[y * s..(y + 1) * s],
+            &mut r_out[dy * s..(dy + 1) * s],
+            &mut g_out[dy * s..(dy + 1) * s],
+            &mut b_out[dy * s..(dy + 1) * s],
         );
         for (x, px) in row.chunks_exact(3).enumerate() {
             let dx = if flip { s - 1 - x } else { x };
@@ -431,14 +566,14 @@ fn hwc_to_chw<T>(
     }
 }
 
-/// HWC bytes to CHW bytes, mirrored when `flip` is set.
-fn to_chw(pixels: &[u8], size: u32, flip: bool, out: &mut [u8]) {
-    hwc_to_chw(pixels, size, flip, out, |_, byte| byte);
+/// HWC bytes to CHW bytes, mirrored as `flips` say.
+fn to_chw(pixels: &[u8], size: u32, flips: (bool, bool), out: &mut [u8]) {
+    hwc_to_chw(pixels, size, flips, out, |_, byte| byte);
 }
 
-/// HWC bytes to CHW floats (`byte * scale + bias`), mirrored when `flip` is set.
-fn to_tensor(pixels: &[u8], size: u32, flip: bool, t: &Transform, out: &mut [f32]) {
-    hwc_to_chw(pixels, size, flip, out, |c, byte| {
+/// HWC bytes to CHW floats (`byte * scale + bias`), mirrored as `flips` say.
+fn to_tensor(pixels: &[u8], size: u32, flips: (bool, bool), t: &Transform, out: &mut [f32]) {
+    hwc_to_chw(pixels, size, flips, out, |c, byte| {
         f32::from(byte) * t.scale[c] + t.bias[c]
     });
 }
@@ -453,14 +588,16 @@ mod tests {
         let px = [255, 0, 0, 0, 255, 0, 0, 0, 255, 255, 255, 255];
         let t = Transform::train(2);
         let mut out = [0f32; 12];
-        to_tensor(&px, 2, false, &t, &mut out);
+        to_tensor(&px, 2, (false, false), &t, &mut out);
         assert_eq!(
             out,
             [1., 0., 0., 1., 0., 1., 0., 1., 0., 0., 1., 1.],
             "R plane, G plane, B plane"
         );
-        to_tensor(&px, 2, true, &t, &mut out);
+        to_tensor(&px, 2, (true, false), &t, &mut out);
         assert_eq!(out, [0., 1., 1., 0., 1., 0., 1., 0., 0., 0., 1., 1.]);
+        to_tensor(&px, 2, (false, true), &t, &mut out);
+        assert_eq!(out, [0., 1., 1., 0., 0., 1., 0., 1., 1., 1., 0., 0.]);
     }
 
     #[test]
@@ -469,7 +606,7 @@ mod tests {
             .with_normalization([0.5, 0.25, 0.0], [0.5, 0.25, 2.0])
             .unwrap();
         let mut out = [0f32; 3];
-        to_tensor(&[255, 0, 51], 1, false, &t, &mut out);
+        to_tensor(&[255, 0, 51], 1, (false, false), &t, &mut out);
         let want = [(1.0 - 0.5) / 0.5, (0.0 - 0.25) / 0.25, (0.2 - 0.0) / 2.0];
         for (o, w) in out.iter().zip(want) {
             assert!((o - w).abs() < 1e-6, "{out:?} vs {want:?}");
@@ -508,7 +645,19 @@ mod tests {
             height: 20.0,
             width: 25.0,
         };
-        resize_region(&mut resizer, &mut out, view, region, 8, Path::new("x")).unwrap();
+        for edges in [Edges::Image, Edges::Region] {
+            resize_region(
+                &mut resizer,
+                &mut out,
+                &mut Vec::new(),
+                view,
+                (region, edges),
+                8,
+                Path::new("x"),
+            )
+            .unwrap();
+            assert!(out.chunks_exact(3).all(|p| p == [200, 100, 50]));
+        }
         assert_eq!(out.len(), 8 * 8 * 3);
         assert!(out.chunks_exact(3).all(|p| p == [200, 100, 50]));
     }
