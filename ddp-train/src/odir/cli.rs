@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use clap::{Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
+use super::options::{Normalize, PosWeight};
 use crate::cli::{Defaults, TrainArgs};
 use crate::error::TrainError;
 use crate::lr_schedule::{LrSchedule, Plateau};
@@ -94,6 +95,51 @@ pub struct TrainConfig {
     #[arg(long)]
     pub hflip: bool,
 
+    /// Also flip training images vertically with probability 1/2 (RandomVerticalFlip).
+    #[arg(long)]
+    #[serde(default)]
+    pub vflip: bool,
+
+    /// Rotate training images by up to this many degrees either way (RandomRotation:
+    /// nearest neighbour, black corners); 0 is off.
+    #[arg(long, value_name = "DEGREES", default_value_t = 0.0)]
+    #[serde(default)]
+    pub rotation: f64,
+
+    /// ColorJitter's brightness: a factor in [max(0, 1 - B), 1 + B] per image; 0 is off.
+    #[arg(long, value_name = "B", default_value_t = 0.0)]
+    #[serde(default)]
+    pub brightness: f64,
+
+    /// ColorJitter's contrast: a factor in [max(0, 1 - C), 1 + C] per image; 0 is off.
+    #[arg(long, value_name = "C", default_value_t = 0.0)]
+    #[serde(default)]
+    pub contrast: f64,
+
+    /// ColorJitter's saturation: a factor in [max(0, 1 - S), 1 + S] per image; 0 is off.
+    #[arg(long, value_name = "S", default_value_t = 0.0)]
+    #[serde(default)]
+    pub saturation: f64,
+
+    /// Normalize after ToTensor: imagenet (the means and deviations pretrained torchvision
+    /// models expect), none, or MEAN,STD for all channels.
+    #[arg(long, value_name = "imagenet|none|MEAN,STD", default_value_t = Normalize::None)]
+    #[serde(default)]
+    pub normalize: Normalize,
+
+    /// The evaluation transform's Resize (shorter side, bilinear, antialiased) before
+    /// CenterCrop(--image-size); default 8/7 of --image-size (256 for 224). Equal to
+    /// --image-size: Resize(S) + CenterCrop(S).
+    #[arg(long, value_name = "PIXELS")]
+    #[serde(default)]
+    pub eval_resize: Option<u32>,
+
+    /// BCE's pos_weight per class: auto (negatives / positives over the training split,
+    /// recorded in config.json) or W1,...,W8 in N D G C A H M O order.
+    #[arg(long, value_name = "auto|W1,...,W8")]
+    #[serde(default)]
+    pub pos_weight: Option<PosWeight>,
+
     /// Dropout probability before the classifier.
     #[arg(long, default_value_t = 0.5)]
     pub dropout: f64,
@@ -127,6 +173,28 @@ impl TrainConfig {
             return invalid(format!(
                 "--dct-upsampling {} must be a number >= 1 (1 decodes exactly as torchvision)",
                 self.dct_upsampling
+            ));
+        }
+        if !(0.0..=180.0).contains(&self.rotation) {
+            return invalid(format!(
+                "--rotation {} must be degrees in [0, 180]",
+                self.rotation
+            ));
+        }
+        for (flag, v) in [
+            ("--brightness", self.brightness),
+            ("--contrast", self.contrast),
+            ("--saturation", self.saturation),
+        ] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return invalid(format!("{flag} {v} must be a number >= 0"));
+            }
+        }
+        if let Some(r) = self.eval_resize.filter(|&r| r < self.image_size) {
+            return invalid(format!(
+                "--eval-resize {r} is smaller than --image-size {}: the centre crop would \
+                 not fit",
+                self.image_size
             ));
         }
         if !(0.0..1.0).contains(&self.dropout) {

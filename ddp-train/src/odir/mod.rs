@@ -4,7 +4,9 @@
 //! task's options. The `ddp-train` binary (`src/main.rs`) is one rank of it.
 
 mod cli;
+mod options;
 mod task;
 
 pub use cli::{Labels, OdirDefaults, TrainConfig};
+pub use options::{auto_pos_weight, Normalize, PosWeight};
 pub use task::OdirTask;

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use ddp_data::odir::transform::Transform;
+use ddp_data::odir::transform::{Augment, Transform};
 use ddp_data::odir::{split_by_patient, LabelMode, OdirDataset, OdirImages, OdirOptions};
 use ddp_data::{Batch, Subset};
 use ddp_model::{ConvNet, ConvNetConfig, ODIR_CLASSES};
@@ -12,6 +12,7 @@ use serde_json::Value;
 use tch::{nn, Reduction, Tensor};
 
 use super::cli::{Labels, TrainConfig};
+use super::options::{auto_pos_weight, PosWeight};
 use crate::error::{Context, TrainError};
 use crate::metrics::MultiLabelStats;
 use crate::task::Task;
@@ -22,6 +23,8 @@ pub struct OdirTask {
     train: Subset<OdirImages>,
     val: Subset<OdirImages>,
     dropout: f64,
+    /// BCE's `pos_weight` (`--pos-weight`).
+    pos_weight: Option<Vec<f64>>,
     config: Value,
 }
 
@@ -63,14 +66,53 @@ impl OdirTask {
             ddp_data::odir::transform::DEFAULT_RATIO,
         )?
         .with_hflip(c.hflip)
+        .with_augment(Augment {
+            vflip: c.vflip,
+            rotation: c.rotation,
+            jitter: [c.brightness, c.contrast, c.saturation],
+        })?
         .with_dct_upsampling(c.dct_upsampling)?;
-        let resize = c.image_size * 8 / 7;
-        let eval = Transform::eval(resize, c.image_size)?;
+        let resize = c.eval_resize.unwrap_or(c.image_size * 8 / 7);
+        let mut eval = Transform::eval(resize, c.image_size)?;
+        let augment = match c.normalize.mean_std() {
+            Some((mean, std)) => {
+                eval = eval.with_normalization(mean, std)?;
+                augment.with_normalization(mean, std)?
+            }
+            None => augment,
+        };
+        // The training split's labels: the same on every rank (the split is by seed).
+        let weights = match &c.pos_weight {
+            None => None,
+            Some(PosWeight::Given(w)) => Some(w.clone()),
+            Some(PosWeight::Auto) => Some(
+                auto_pos_weight(train.iter().filter_map(|&i| train_set.get(i)).map(|s| s.labels))
+                    .map_err(TrainError::Invalid)?,
+            ),
+        };
+        let mut config = serde_json::to_value(c).unwrap_or(Value::Null);
+        if let (Some(w), Some(o)) = (&weights, config.as_object_mut()) {
+            o.insert("pos_weight_values".into(), serde_json::json!(w));
+        }
         Ok(Self {
             train: Subset::new(OdirImages::new(train_set, augment), train)?,
             val: Subset::new(OdirImages::new(val_set, eval), val)?,
             dropout: c.dropout,
-            config: serde_json::to_value(c).unwrap_or(Value::Null),
+            pos_weight: weights,
+            config,
+        })
+    }
+
+    /// BCE's `pos_weight` per class (N D G C A H M O), when `--pos-weight` is given.
+    pub fn pos_weight(&self) -> Option<&[f64]> {
+        self.pos_weight.as_deref()
+    }
+
+    /// The loss's `pos_weight` as a tensor on `device` (8 floats).
+    fn pos_weight_on(&self, device: tch::Device) -> Option<Tensor> {
+        self.pos_weight.as_ref().map(|w| {
+            let w: Vec<f32> = w.iter().map(|&v| v as f32).collect();
+            Tensor::from_slice(&w).to_device(device)
         })
     }
 }
@@ -104,7 +146,7 @@ impl Task for OdirTask {
             .binary_cross_entropy_with_logits::<Tensor>(
                 batch.targets(),
                 None,
-                None,
+                self.pos_weight_on(batch.targets().device()),
                 Reduction::Mean,
             )
     }
@@ -120,7 +162,7 @@ impl Task for OdirTask {
         logits.binary_cross_entropy_with_logits::<Tensor>(
             batch.targets(),
             None,
-            None,
+            self.pos_weight_on(batch.targets().device()),
             Reduction::Sum,
         ) / ODIR_CLASSES.len() as f64
     }
