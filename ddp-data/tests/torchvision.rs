@@ -23,7 +23,11 @@ fn write_image(path: &Path, width: u32, height: u32) {
     let mut px = Vec::with_capacity((width * height * 3) as usize);
     for y in 0..height {
         for x in 0..width {
-            let base = [x * 200 / width, y * 200 / height, (x + y) * 100 / (width + height)];
+            let base = [
+                x * 200 / width,
+                y * 200 / height,
+                (x + y) * 100 / (width + height),
+            ];
             for b in base {
                 px.push((b + rng.below(56) as u32) as u8);
             }
@@ -226,7 +230,10 @@ fn transforms_equal_torchvision_within_one_level() {
     }
 
     let list = tmp.path().join("cases.txt");
-    let lines: String = cases.iter().map(|c| format!("{} {}\n", c.name, c.ops)).collect();
+    let lines: String = cases
+        .iter()
+        .map(|c| format!("{} {}\n", c.name, c.ops))
+        .collect();
     std::fs::write(&list, lines).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/torchvision_reference.py");
     let out = Command::new(ddp_testkit::setup_python())
@@ -251,7 +258,12 @@ fn transforms_equal_torchvision_within_one_level() {
             .map(|(a, b)| a.abs_diff(*b))
             .max()
             .unwrap_or(0);
-        let differing = case.ours.iter().zip(&theirs).filter(|(a, b)| a != b).count();
+        let differing = case
+            .ours
+            .iter()
+            .zip(&theirs)
+            .filter(|(a, b)| a != b)
+            .count();
         eprintln!(
             "{}: max diff {worst}, {differing} of {} bytes differ ({})",
             case.name,

@@ -42,7 +42,10 @@ fn auto_pos_weight_is_negatives_over_positives_of_the_training_split() {
         want.push(negatives as f64 / positives as f64);
     }
     assert_eq!(got, want);
-    assert!(want.iter().any(|&w| w != want[0]), "classes differ: {want:?}");
+    assert!(
+        want.iter().any(|&w| w != want[0]),
+        "classes differ: {want:?}"
+    );
     let described = task.describe();
     assert_eq!(described["pos_weight"], "auto");
     assert_eq!(described["pos_weight_values"], serde_json::json!(want));

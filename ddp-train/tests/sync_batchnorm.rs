@@ -177,7 +177,10 @@ impl Task for NoNorm {
     }
 
     fn train_loss(&self, model: &nn::Linear, batch: &ddp_data::Batch) -> Tensor {
-        batch.inputs().apply(model).mse_loss(batch.targets(), tch::Reduction::Mean)
+        batch
+            .inputs()
+            .apply(model)
+            .mse_loss(batch.targets(), tch::Reduction::Mean)
     }
 
     fn new_stats(&self) -> NoStats {

@@ -327,7 +327,13 @@ impl Pipeline {
         out: &mut [f32],
     ) -> Result<(), DataError> {
         let flips = self.prepare(transform, path, rng)?;
-        to_tensor(&self.resized, transform.output_size(), flips, transform, out);
+        to_tensor(
+            &self.resized,
+            transform.output_size(),
+            flips,
+            transform,
+            out,
+        );
         Ok(())
     }
 

@@ -86,8 +86,13 @@ impl OdirTask {
             None => None,
             Some(PosWeight::Given(w)) => Some(w.clone()),
             Some(PosWeight::Auto) => Some(
-                auto_pos_weight(train.iter().filter_map(|&i| train_set.get(i)).map(|s| s.labels))
-                    .map_err(TrainError::Invalid)?,
+                auto_pos_weight(
+                    train
+                        .iter()
+                        .filter_map(|&i| train_set.get(i))
+                        .map(|s| s.labels),
+                )
+                .map_err(TrainError::Invalid)?,
             ),
         };
         let mut config = serde_json::to_value(c).unwrap_or(Value::Null);
