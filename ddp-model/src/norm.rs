@@ -383,12 +383,10 @@ mod tests {
             let vs = nn::VarStore::new(Device::Cpu);
             let bn = BatchNorm2d::new(vs.root() / "bn", 3);
             tch::no_grad(|| {
-                let _ = bn
-                    .weight
+                bn.weight
                     .shallow_clone()
                     .copy_(&Tensor::from_slice(&[0.5f32, 2.0, -1.0]));
-                let _ = bn
-                    .bias
+                bn.bias
                     .shallow_clone()
                     .copy_(&Tensor::from_slice(&[0.1f32, 0.0, 3.0]));
             });

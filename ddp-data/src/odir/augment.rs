@@ -176,6 +176,9 @@ fn blend_with(pixels: &mut [u8], factor: f64, degenerate: impl Fn(&[u8]) -> [u8;
     }
 }
 
+/// Where output pixel `(x, y)` of a quarter-turn transpose of an `s`-pixel square comes from.
+type SourceOf = fn(usize, usize, usize) -> (usize, usize);
+
 /// PIL's `Image.rotate(angle)` (nearest neighbour, about the centre, no expansion, black
 /// outside) of a square `s x s` image `src` read through `flips`, into `dst`: the same
 /// special cases (multiples of 90 degrees are transposes), the same matrix (rounded to 15
@@ -193,12 +196,16 @@ fn rotate(src: &[u8], s: usize, angle: f64, flips: (bool, bool), dst: &mut [u8])
         dst[i..i + 3].copy_from_slice(&px);
     };
     let angle = angle.rem_euclid(360.0);
-    let transpose: Option<fn(usize, usize, usize) -> (usize, usize)> = match angle {
-        a if a == 0.0 => Some(|x, y, _| (x, y)),
-        a if a == 90.0 => Some(|x, y, s| (s - 1 - y, x)),
-        a if a == 180.0 => Some(|x, y, s| (s - 1 - x, s - 1 - y)),
-        a if a == 270.0 => Some(|x, y, s| (y, s - 1 - x)),
-        _ => None,
+    let transpose: Option<SourceOf> = if angle == 0.0 {
+        Some(|x, y, _| (x, y))
+    } else if angle == 90.0 {
+        Some(|x, y, s| (s - 1 - y, x))
+    } else if angle == 180.0 {
+        Some(|x, y, s| (s - 1 - x, s - 1 - y))
+    } else if angle == 270.0 {
+        Some(|x, y, s| (y, s - 1 - x))
+    } else {
+        None
     };
     if let Some(source_of) = transpose {
         for y in 0..s {
