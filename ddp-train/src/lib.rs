@@ -41,6 +41,7 @@ mod amp;
 pub mod cli;
 mod ddp;
 mod error;
+mod gather;
 pub mod logging;
 pub mod lr_schedule;
 pub mod malloc;
@@ -63,6 +64,7 @@ pub use ddp::{
     BuiltinHook, CommHook, DdpError, DdpOptions, DistributedDataParallel, GradBucket, HookWork,
 };
 pub use error::{SettingError, TrainError};
+pub use gather::{gather_rows, Rows};
 pub use metrics::{Confusion, Goal, MultiClassStats, MultiLabelStats, RegressionStats};
 pub use report::{EpochReport, EvalReport};
 pub use settings::{
