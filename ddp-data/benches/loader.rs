@@ -38,6 +38,7 @@ fn dataset() -> Arc<OdirDataset> {
             size: 512,
             seed: 7,
             quality: 92,
+            ..Default::default()
         };
         generate(&tmp, &config).expect("write the bench's ODIR sample");
         // Another bench run may have finished first; either copy is complete.

@@ -124,6 +124,32 @@ pub enum DataError {
         fraction: f64,
     },
 
+    /// A folder of unlabelled images holds files that are not named as the challenge's test
+    /// images; every one is listed.
+    #[error("'{}' holds {} file(s) not named <id>_left.jpg or <id>_right.jpg: {}; an unlabelled folder holds only the challenge's test images (for a labelled ODIR folder, use `evaluate`)", .dir.display(), .files.len(), .files.join(", "))]
+    UnexpectedFiles {
+        /// The folder.
+        dir: PathBuf,
+        /// Every file that does not fit.
+        files: Vec<String>,
+    },
+
+    /// A folder of unlabelled images holds none.
+    #[error("'{}' holds no images named <id>_left.jpg or <id>_right.jpg", .dir.display())]
+    NoImages {
+        /// The folder.
+        dir: PathBuf,
+    },
+
+    /// A folder could not be listed.
+    #[error("cannot list folder '{}': {source}", .dir.display())]
+    ListDir {
+        /// The folder.
+        dir: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+
     /// A data set with no usable image left (every image was skipped as corrupt).
     #[error("data set '{}' has no usable images ({skipped} skipped as corrupt)", .root.display())]
     EmptyDataset {

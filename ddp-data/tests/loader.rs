@@ -19,6 +19,7 @@ fn synthetic(dir: &Path, images: usize) -> Arc<OdirDataset> {
         size: 64,
         seed: 3,
         quality: 90,
+        ..Default::default()
     };
     generate(dir, &config).unwrap();
     Arc::new(OdirDataset::open(dir, &OdirOptions::default()).unwrap())

@@ -30,6 +30,7 @@ fn same_seed_gives_identical_files_and_another_seed_does_not() {
         size: 48,
         seed: 21,
         quality: 85,
+        ..Default::default()
     };
     let (a, b, c) = (
         tempfile::tempdir().unwrap(),
@@ -64,6 +65,7 @@ fn sample_loads_through_the_real_code_path_with_consistent_labels() {
             size: 64,
             seed: 5,
             quality: 90,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -121,4 +123,75 @@ fn invalid_configurations_are_rejected() {
             Err(ddp_data::DataError::InvalidParameter { .. })
         ));
     }
+}
+
+#[test]
+fn the_test_split_is_a_labelled_folder_whose_images_are_an_unlabelled_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = generate(
+        dir.path(),
+        &SyntheticConfig {
+            images: 6,
+            size: 32,
+            seed: 4,
+            test_images: 5,
+            ..SyntheticConfig::default()
+        },
+    )
+    .unwrap();
+    let test = summary.test.expect("a test split");
+    assert_eq!((test.images, test.patients), (5, 3));
+    // Patients 0..3 are the sample's; the test split's continue from 3.
+    let labelled = OdirDataset::open(&dir.path().join("test"), &OdirOptions::default()).unwrap();
+    let ids: Vec<u64> = labelled.samples().iter().map(|s| s.patient_id).collect();
+    assert_eq!(ids, [3, 3, 4, 4, 5]);
+    assert!(labelled.samples().iter().all(|s| s.patient_labels.is_some()));
+    let images = dir.path().join("test/preprocessed_images");
+    let unlabelled = OdirDataset::open_unlabelled(&images).unwrap();
+    let names: Vec<String> = unlabelled
+        .samples()
+        .iter()
+        .map(|s| s.path.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        ["3_left.jpg", "3_right.jpg", "4_left.jpg", "4_right.jpg", "5_left.jpg"]
+    );
+    assert!(unlabelled
+        .samples()
+        .iter()
+        .all(|s| s.patient_labels.is_none() && s.labels == [0.0; 8]));
+    // Its images are the labelled folder's, byte for byte.
+    for s in unlabelled.samples() {
+        assert_eq!(
+            std::fs::read(&s.path).unwrap(),
+            std::fs::read(labelled.image_dir().join(s.path.file_name().unwrap())).unwrap()
+        );
+    }
+}
+
+#[test]
+fn an_unlabelled_folder_names_every_file_that_is_not_a_test_image() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["1_left.jpg", "1_right.jpg", "notes.txt", "2_middle.jpg", ".hidden"] {
+        std::fs::write(dir.path().join(name), b"x").unwrap();
+    }
+    std::fs::write(dir.path().join("1_LEFT.jpeg"), b"x").unwrap();
+    let err = OdirDataset::open_unlabelled(dir.path()).unwrap_err();
+    match &err {
+        ddp_data::DataError::UnexpectedFiles { files, .. } => assert_eq!(
+            files,
+            &[
+                "1_left.jpg (a second left eye of patient 1, besides 1_LEFT.jpeg)",
+                "2_middle.jpg",
+                "notes.txt"
+            ]
+        ),
+        other => panic!("unexpected error {other}"),
+    }
+    let empty = tempfile::tempdir().unwrap();
+    assert!(matches!(
+        OdirDataset::open_unlabelled(empty.path()),
+        Err(ddp_data::DataError::NoImages { .. })
+    ));
 }

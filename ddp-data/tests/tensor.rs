@@ -18,6 +18,7 @@ fn dataset(dir: &std::path::Path) -> Arc<OdirDataset> {
             size: 48,
             seed: 1,
             quality: 90,
+            ..Default::default()
         },
     )
     .unwrap();

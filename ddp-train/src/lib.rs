@@ -42,6 +42,7 @@ pub mod cli;
 mod ddp;
 mod error;
 pub mod functional;
+mod gather;
 pub mod logging;
 pub mod lr_schedule;
 pub mod malloc;
@@ -64,6 +65,7 @@ pub use ddp::{
     BuiltinHook, CommHook, DdpError, DdpOptions, DistributedDataParallel, GradBucket, HookWork,
 };
 pub use error::{SettingError, TrainError};
+pub use gather::{gather_rows, Rows};
 pub use metrics::{Confusion, Goal, MultiClassStats, MultiLabelStats, RegressionStats};
 pub use report::{EpochReport, EvalReport};
 pub use settings::{

@@ -1,5 +1,6 @@
 //! `ddp-train`: one rank of a data-parallel training of the ConvNet on ODIR-5K, the ODIR
-//! application of the generic Trainer.
+//! application of the generic Trainer; `ddp-train predict` and `ddp-train evaluate`, one rank
+//! of a trained model's predictions for a folder, or of its challenge score on one.
 //!
 //! Start N of these with torchrun's environment (`ddp-run` and `cargo xtask train` do it, and
 //! so do `torchrun --no-python` and `srun`), or let it start its own with
@@ -10,15 +11,99 @@
 use std::process::ExitCode;
 
 use anyhow::Result;
-use clap::Parser;
-use ddp_train::odir::{OdirTask, TrainConfig};
+use clap::{CommandFactory, FromArgMatches, Subcommand};
+use ddp_train::odir::{OdirCommand, OdirTask, TrainConfig};
 use ddp_train::Trainer;
 
 fn main() -> ExitCode {
     ddp_train::malloc::keep_freed_memory();
     ddp_train::logging::init();
-    let config = TrainConfig::parse();
-    ddp_train::cli::run(&config.train, || run(&config))
+    match parse() {
+        Ok(config) => ddp_train::cli::run(&config.train, || run(&config)),
+        Err(OdirCommand::Predict(args)) => {
+            ddp_train::cli::run(&args.config.train, || predict(&args))
+        }
+        Err(OdirCommand::Evaluate(args)) => {
+            ddp_train::cli::run(&args.config.train, || evaluate(&args))
+        }
+    }
+}
+
+/// The command line: training's flags without a command (as always), or a command and its
+/// flags. Exits with clap's message on a bad command line.
+fn parse() -> Result<TrainConfig, OdirCommand> {
+    let train = TrainConfig::command();
+    let about = train.get_about().cloned().unwrap_or_default();
+    let mut cmd = OdirCommand::augment_subcommands(
+        train
+            .subcommand_negates_reqs(true)
+            .args_conflicts_with_subcommands(true),
+    )
+    // The commands' own words for --data, and training's description for the program.
+    .about(about)
+    .mut_subcommand("predict", |c| {
+        c.mut_arg("data", |a| {
+            a.help(
+                "The folder of images to predict, named as the challenge's test set \
+                 (<id>_left.jpg, <id>_right.jpg), without labels",
+            )
+        })
+    })
+    .mut_subcommand("evaluate", |c| {
+        c.mut_arg("data", |a| {
+            a.help("The labelled ODIR folder to score, every image of it (either layout)")
+        })
+    });
+    let matches = cmd.clone().get_matches();
+    let parsed = if matches.subcommand().is_some() {
+        OdirCommand::from_arg_matches(&matches).map(Err)
+    } else {
+        TrainConfig::from_arg_matches(&matches).map(Ok)
+    };
+    parsed.unwrap_or_else(|e| e.format(&mut cmd).exit())
+}
+
+fn predict(args: &ddp_train::odir::PredictArgs) -> Result<()> {
+    let p = ddp_train::odir::predict(args)?;
+    if p.rank0 {
+        let thresholds = match &p.thresholds.1 {
+            Some(file) => format!("the thresholds of {}", file.display()),
+            None => "0.5".to_string(),
+        };
+        let files: Vec<String> = p.files.iter().map(|f| f.display().to_string()).collect();
+        println!(
+            "predict: {} images of {} patients ({} from one eye) on {} rank(s); decisions at \
+             {thresholds}; wrote {}",
+            p.images,
+            p.patients,
+            p.one_eye.len(),
+            p.world_size,
+            files.join(", ")
+        );
+    }
+    Ok(())
+}
+
+fn evaluate(args: &ddp_train::odir::EvaluateArgs) -> Result<()> {
+    let e = ddp_train::odir::evaluate(args)?;
+    if e.rank0 {
+        let num = |k: &str| e.report.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+        println!(
+            "evaluate: {} images of {} patients: challenge score {:.4} (kappa {:.4}, F1 {:.4}, \
+             AUC {:.4}); per image macro-F1 {:.4}, micro-F1 {:.4}; wrote {}",
+            num("images"),
+            num("odir_patients"),
+            num("odir_score"),
+            num("odir_kappa"),
+            num("odir_f1"),
+            num("odir_auc"),
+            num("val_macro_f1"),
+            num("val_micro_f1"),
+            e.file.display()
+        );
+        println!("{}", serde_json::to_string(&e.report)?);
+    }
+    Ok(())
 }
 
 fn run(config: &TrainConfig) -> Result<()> {
@@ -38,10 +123,12 @@ fn run(config: &TrainConfig) -> Result<()> {
     let reports = trainer.run()?;
     if let (Some(last), true) = (reports.last(), rank0) {
         println!(
-            "done: {} epochs, final validation macro-F1 {:.3}, micro-F1 {:.3}; run directory {}",
+            "done: {} epochs, final validation macro-F1 {:.3}, micro-F1 {:.3}, challenge score \
+             {:.3}; run directory {}",
             last.epoch,
             last.metric("val_macro_f1").unwrap_or(f64::NAN),
             last.metric("val_micro_f1").unwrap_or(f64::NAN),
+            last.metric("odir_score").unwrap_or(f64::NAN),
             trainer.out_dir().display()
         );
     }

@@ -5,6 +5,8 @@ use ddp_data::{Batch, Dataset};
 use serde_json::{Map, Value};
 use tch::{nn, Tensor};
 
+use crate::gather::Rows;
+
 /// Evaluation statistics that combine across ranks by summation: counts, sums of errors,
 /// confusion matrices. The Trainer all-reduces [`Stats::to_sums`] and hands the totals back
 /// to [`Stats::set_sums`], so every rank reports the metrics of the whole validation split,
@@ -20,6 +22,25 @@ pub trait Stats {
     /// The metrics of an epoch's report (`metrics.jsonl`), by name: numbers or lists.
     /// Names that [`crate::Monitor`] or [`crate::lr_schedule::Plateau`] watch must be numbers.
     fn report(&self) -> Metrics;
+
+    /// Per-sample rows that cannot be summed (the scores an AUC ranks), keyed by each
+    /// sample's index in the validation split ([`Batch::indices`]); `None` (the default)
+    /// gathers nothing. When `Some` (on every rank alike), the Trainer gathers every rank's
+    /// rows exactly ([`crate::gather_rows`]) and hands all of them, ordered by key, to
+    /// [`Stats::set_rows`] after [`Stats::set_sums`].
+    fn rows(&self) -> Option<Rows> {
+        None
+    }
+
+    /// Replaces the rows with those of every rank, ordered by key.
+    fn set_rows(&mut self, _rows: Rows) {}
+
+    /// A JSON document to save beside each best model the epoch's metrics improve
+    /// (`best.safetensors` gets `best.json`): what else a prediction with that model needs,
+    /// such as decision thresholds tuned on the validation split. None by default.
+    fn beside_best_model(&self) -> Option<Value> {
+        None
+    }
 
     /// More detail for an evaluation-only run's report (counts, say); none by default.
     fn details(&self) -> Metrics {

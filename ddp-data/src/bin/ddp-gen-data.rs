@@ -2,8 +2,12 @@
 //! the same files for the same settings.
 //!
 //! ```text
-//! ddp-gen-data --out DIR [--images N] [--size PX] [--seed S] [--quality Q]
+//! ddp-gen-data --out DIR [--images N] [--size PX] [--seed S] [--quality Q] [--test-images N]
 //! ```
+//!
+//! `--test-images N` also writes a held-out test split of N images into `DIR/test/`: a
+//! labelled folder for `ddp-train evaluate`, whose `preprocessed_images/` is an unlabelled
+//! folder of `<id>_left.jpg` / `<id>_right.jpg` for `ddp-train predict`.
 //!
 //! It needs no libtorch:
 //! `cargo build -p ddp-data --no-default-features --features odir --bin ddp-gen-data`.
@@ -18,7 +22,8 @@ use std::time::Instant;
 use ddp_data::odir::synthetic::{generate, SyntheticConfig};
 
 const USAGE: &str =
-    "usage: ddp-gen-data --out DIR [--images N] [--size PX] [--seed S] [--quality Q]";
+    "usage: ddp-gen-data --out DIR [--images N] [--size PX] [--seed S] [--quality Q] \
+     [--test-images N]";
 
 /// The parsed command line.
 #[derive(Debug)]
@@ -50,6 +55,7 @@ fn parse(mut argv: impl Iterator<Item = String>) -> Result<Option<Args>, String>
             "--size" => config.size = number(&flag, value())?,
             "--seed" => config.seed = number(&flag, value())?,
             "--quality" => config.quality = number(&flag, value())?,
+            "--test-images" => config.test_images = number(&flag, value())?,
             "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown argument '{other}'")),
         }
@@ -95,6 +101,16 @@ fn main() -> ExitCode {
                 started.elapsed().as_secs_f64(),
                 summary.label_counts
             );
+            if let Some(test) = &summary.test {
+                println!(
+                    "ddp-gen-data: test split: {} images of {} patients in {} (unlabelled \
+                     images in {})",
+                    test.images,
+                    test.patients,
+                    test.root.display(),
+                    test.root.join("preprocessed_images").display()
+                );
+            }
             ExitCode::SUCCESS
         }
         Err(err) => {

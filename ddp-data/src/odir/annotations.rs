@@ -55,6 +55,9 @@ pub struct Record {
     pub patient_id: u64,
     /// Multi-hot labels in [`LABELS`] order.
     pub labels: [f32; 8],
+    /// The patient's labels (the `N`..`O` columns) when the file has them, whichever labels
+    /// `labels` holds: what the challenge scores a patient against.
+    pub patient_labels: Option<[f32; 8]>,
     /// The annotation row it came from (header = row 1).
     pub row: usize,
 }
@@ -247,6 +250,12 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
             .map(|l| cols.get(l))
             .collect::<Result<_, _>>()?,
     };
+    // The patient columns, read for the challenge's patient-level scores when present.
+    let patient_cols: Option<Vec<usize>> = if LABELS.iter().all(|l| cols.has(l)) {
+        Some(LABELS.iter().map(|l| cols.get(l)).collect::<Result<_, _>>()?)
+    } else {
+        None
+    };
     let mut records = Vec::new();
     for (i, result) in reader.records().enumerate() {
         let record = result.map_err(|e| open_error(&e))?;
@@ -269,10 +278,21 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
                 l
             }
         };
+        let patient_labels = match &patient_cols {
+            Some(pc) => {
+                let mut l = [0f32; 8];
+                for (k, &c) in pc.iter().enumerate() {
+                    l[k] = parse_binary(file, row, LABELS[k], cell(c))?;
+                }
+                Some(l)
+            }
+            None => None,
+        };
         records.push(Record {
             file: name,
             patient_id,
             labels,
+            patient_labels,
             row,
         });
     }
@@ -354,6 +374,7 @@ pub fn read_xlsx(file: &Path, mode: LabelMode) -> Result<Annotations, DataError>
                 file: non_empty(file, row, name, &cell(col))?,
                 patient_id,
                 labels,
+                patient_labels: Some(labels),
                 row,
             });
         }

@@ -24,6 +24,9 @@ pub enum Layout {
     Redistribution,
     /// The challenge `.xlsx` workbook, one row per patient.
     Challenge,
+    /// No annotations: a folder of `<id>_left.jpg` / `<id>_right.jpg` images, as the
+    /// challenge's test set ([`OdirDataset::open_unlabelled`]).
+    Unlabelled,
 }
 
 /// How to open a folder.
@@ -48,6 +51,9 @@ pub struct Sample {
     pub patient_id: u64,
     /// Multi-hot labels in N, D, G, C, A, H, M, O order.
     pub labels: [f32; 8],
+    /// The patient's labels (the annotations' `N`..`O` columns) where the annotations have
+    /// them: the challenge scores patients against these.
+    pub patient_labels: Option<[f32; 8]>,
 }
 
 /// An image that [`OdirOptions::skip_corrupt`] left out, and why.
@@ -85,27 +91,25 @@ fn find_first(root: &Path, names: &[&str]) -> Option<PathBuf> {
 impl OdirDataset {
     /// Opens `root`, detecting the layout: `full_df.csv` first, then the challenge workbook.
     pub fn open(root: &Path, options: &OdirOptions) -> Result<Self, DataError> {
-        let (layout, annotation_file) = if let Some(csv) = find_first(root, &[CSV_NAME]) {
-            (Layout::Redistribution, csv)
-        } else if let Some(xlsx) = find_first(root, &XLSX_NAMES) {
-            (Layout::Challenge, xlsx)
+        let (layout, annotation_file, dirs): (_, _, &[&str]) =
+            if let Some(csv) = find_first(root, &[CSV_NAME]) {
+                (Layout::Redistribution, csv, &CSV_IMAGE_DIRS)
+            } else if let Some(xlsx) = find_first(root, &XLSX_NAMES) {
+                (Layout::Challenge, xlsx, &XLSX_IMAGE_DIRS)
+            } else {
+                let tried = std::iter::once(CSV_NAME)
+                    .chain(XLSX_NAMES)
+                    .map(str::to_string)
+                    .collect();
+                return Err(DataError::MissingAnnotations {
+                    root: root.to_path_buf(),
+                    tried,
+                });
+            };
+        let annotations = if layout == Layout::Redistribution {
+            read_csv(&annotation_file, options.labels)?
         } else {
-            let tried = std::iter::once(CSV_NAME)
-                .chain(XLSX_NAMES)
-                .map(str::to_string)
-                .collect();
-            return Err(DataError::MissingAnnotations {
-                root: root.to_path_buf(),
-                tried,
-            });
-        };
-        let annotations = match layout {
-            Layout::Redistribution => read_csv(&annotation_file, options.labels)?,
-            Layout::Challenge => read_xlsx(&annotation_file, options.labels)?,
-        };
-        let dirs: &[&str] = match layout {
-            Layout::Redistribution => &CSV_IMAGE_DIRS,
-            Layout::Challenge => &XLSX_IMAGE_DIRS,
+            read_xlsx(&annotation_file, options.labels)?
         };
         let image_dir = match &options.image_dir {
             Some(d) => d.clone(),
@@ -146,6 +150,7 @@ impl OdirDataset {
                 path: image_dir.join(&r.file),
                 patient_id: r.patient_id,
                 labels: r.labels,
+                patient_labels: r.patient_labels,
             })
             .collect();
         let missing: Vec<String> = annotations
@@ -176,6 +181,33 @@ impl OdirDataset {
             dataset.drop_undecodable();
         }
         Ok(dataset)
+    }
+
+    /// Opens a folder of unlabelled images named as the challenge's test set
+    /// (`<id>_left.jpg`, `<id>_right.jpg`), in ID order, left eye first. The samples' labels
+    /// are zeros and they have no patient labels; the annotation file is the folder itself.
+    /// Any other file in the folder is an error naming it (hidden files and sub-folders are
+    /// left alone); images are decoded when the loader reaches them, so an undecodable one
+    /// stops the loader with its name.
+    pub fn open_unlabelled(dir: &Path) -> Result<Self, DataError> {
+        let samples = super::unlabelled::list_images(dir)?
+            .into_iter()
+            .map(|(name, patient_id, _)| Sample {
+                path: dir.join(name),
+                patient_id,
+                labels: [0.0; 8],
+                patient_labels: None,
+            })
+            .collect();
+        Ok(Self {
+            root: dir.to_path_buf(),
+            annotation_file: dir.to_path_buf(),
+            image_dir: dir.to_path_buf(),
+            layout: Layout::Unlabelled,
+            label_source: LabelSource::Patient,
+            samples,
+            skipped: Vec::new(),
+        })
     }
 
     /// Decodes every image (on all cores) and removes those that fail, recording each one.

@@ -8,6 +8,8 @@
 //!   [`transform::Augment`]) or `Resize` + `CenterCrop`, then
 //!   `ToTensor` and optional `Normalize`, with crop boxes drawn exactly as torchvision draws
 //!   them; [`decode`] turns files into upright 8-bit RGB.
+//! - [`OdirDataset::open_unlabelled`] opens a folder of test images (`<id>_left.jpg`,
+//!   `<id>_right.jpg`) without annotations, for predictions.
 //! - [`OdirImages`] is ODIR as a [`Dataset`](crate::Dataset), for the loaders.
 //! - [`split_by_patient`] makes a leak-free train/validation split, and
 //!   [`synthetic::generate`] writes a learnable ODIR-like folder.
@@ -24,6 +26,7 @@ mod scaled_jpeg;
 mod split;
 pub mod synthetic;
 pub mod transform;
+mod unlabelled;
 
 pub use annotations::{
     read_csv, read_xlsx, Annotations, LabelMode, LabelSource, Record, LABELS, LABEL_NAMES,
@@ -34,3 +37,4 @@ pub use dataset::{
 };
 pub use images::OdirImages;
 pub use split::{all_indices, split_by_patient, Split};
+pub use unlabelled::{parse_image_name, Eye};

@@ -32,16 +32,23 @@ pub struct SyntheticConfig {
     pub seed: u64,
     /// JPEG quality (1-100).
     pub quality: u8,
+    /// Images of a held-out test split, written as `test/` beside the sample: a labelled
+    /// folder of the same layout (`test/full_df.csv`) whose image folder,
+    /// `test/preprocessed_images/`, is an unlabelled folder of `<id>_left.jpg` /
+    /// `<id>_right.jpg` as the challenge's test set is. Its patients come after the sample's
+    /// (their IDs continue the count); 0 writes none.
+    pub test_images: usize,
 }
 
 impl Default for SyntheticConfig {
-    /// 600 images of 256 pixels, seed 0, quality 90.
+    /// 600 images of 256 pixels, seed 0, quality 90, no test split.
     fn default() -> Self {
         Self {
             images: 600,
             size: 256,
             seed: 0,
             quality: 90,
+            test_images: 0,
         }
     }
 }
@@ -59,6 +66,8 @@ pub struct SyntheticSummary {
     pub patients: usize,
     /// Images with each label, in N, D, G, C, A, H, M, O order.
     pub label_counts: [usize; 8],
+    /// The test split written into `root/test/` ([`SyntheticConfig::test_images`]).
+    pub test: Option<Box<SyntheticSummary>>,
 }
 
 /// The per-eye labels for one patient.
@@ -122,10 +131,27 @@ struct Patient {
 }
 
 /// Writes the synthetic sample into `out_dir` (created if needed): `full_df.csv` and
-/// `preprocessed_images/<id>_left.jpg` / `<id>_right.jpg`.
+/// `preprocessed_images/<id>_left.jpg` / `<id>_right.jpg`, and with
+/// [`SyntheticConfig::test_images`] its test split in `out_dir/test/`.
 ///
 /// Deterministic: the files depend only on `config`, not on the number of threads used.
 pub fn generate(out_dir: &Path, config: &SyntheticConfig) -> Result<SyntheticSummary, DataError> {
+    let mut summary = write_folder(out_dir, config, 0, config.images)?;
+    if config.test_images > 0 {
+        let first = config.images.div_ceil(2);
+        let test = write_folder(&out_dir.join("test"), config, first, config.test_images)?;
+        summary.test = Some(Box::new(test));
+    }
+    Ok(summary)
+}
+
+/// Writes `images` images of patients from ID `first_id` on into `out_dir`.
+fn write_folder(
+    out_dir: &Path,
+    config: &SyntheticConfig,
+    first_id: usize,
+    images: usize,
+) -> Result<SyntheticSummary, DataError> {
     if config.images == 0 {
         return Err(DataError::InvalidParameter {
             name: "synthetic image count",
@@ -150,13 +176,13 @@ pub fn generate(out_dir: &Path, config: &SyntheticConfig) -> Result<SyntheticSum
     let image_dir = out_dir.join("preprocessed_images");
     std::fs::create_dir_all(&image_dir).map_err(|e| write_error(&image_dir, e))?;
 
-    let n_patients = config.images.div_ceil(2);
-    let patients: Vec<Patient> = (0..n_patients)
+    let n_patients = images.div_ceil(2);
+    let patients: Vec<Patient> = (first_id..first_id + n_patients)
         .map(|id| {
             let mut rng = SampleRng::from_seed_and_tag(config.seed, b"patient\0", id as u64);
             let (left, right) = draw_patient(&mut rng);
             let mut eyes = vec![(true, left)];
-            if 2 * id + 1 < config.images {
+            if 2 * (id - first_id) + 1 < images {
                 eyes.push((false, right));
             }
             Patient {
@@ -253,6 +279,7 @@ pub fn generate(out_dir: &Path, config: &SyntheticConfig) -> Result<SyntheticSum
         images: jobs.len(),
         patients: n_patients,
         label_counts,
+        test: None,
     })
 }
 

@@ -9,6 +9,7 @@ use clap::{Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
 use super::options::{Normalize, PosWeight};
+use super::challenge::EyeCombine;
 use crate::cli::{Defaults, TrainArgs};
 use crate::error::TrainError;
 use crate::lr_schedule::{LrSchedule, Plateau};
@@ -17,7 +18,7 @@ use crate::settings::{EarlyStopping, Monitor, Settings};
 
 /// ODIR's defaults for the generic flags: batches of 16, `ReduceLROnPlateau` on validation
 /// macro-F1 (halving after 2 epochs without improvement, down to 1e-6), early stopping on it
-/// once given a patience, and the best macro-F1 and micro-F1 models kept.
+/// once given a patience, and the best macro-F1, micro-F1 and challenge-score models kept.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct OdirDefaults;
 
@@ -37,6 +38,7 @@ impl Defaults for OdirDefaults {
             .early_stopping(EarlyStopping::max("val_macro_f1"))
             .monitor(Monitor::max("val_macro_f1", "best-macro.safetensors"))
             .monitor(Monitor::max("val_micro_f1", "best-micro.safetensors"))
+            .monitor(Monitor::max("odir_score", "best-score.safetensors"))
     }
 }
 
@@ -150,6 +152,20 @@ pub struct TrainConfig {
     #[arg(long, default_value_t = 1.0)]
     #[serde(default = "one")]
     pub dct_upsampling: f64,
+
+    /// How a patient's two eyes combine into the patient's prediction, for the challenge's
+    /// patient-level score (`odir_score`) and `predict`'s submission: each class's larger
+    /// probability (`max`) or their mean.
+    #[arg(long, value_enum, default_value_t = EyeCombine::Max)]
+    #[serde(default)]
+    pub eye_combine: EyeCombine,
+
+    /// Tune each class's threshold on the validation split's patients to maximise its F1,
+    /// saved as `<best model>.json` beside each best model for `predict` (the challenge's
+    /// own metrics stay at 0.5).
+    #[arg(long)]
+    #[serde(default)]
+    pub tune_thresholds: bool,
 
     /// Every generic training flag (epochs, batch size, optimizer, schedule, precision, DDP,
     /// checkpoints, ...); `config.json` records their settings on their own.

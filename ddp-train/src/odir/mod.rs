@@ -1,12 +1,25 @@
 //! The ODIR-5K application of the generic Trainer (feature `odir`): [`OdirTask`], the ConvNet
-//! on ODIR-5K fundus photos (8-label BCE-with-logits, exact per-class, macro and micro F1), and
+//! on ODIR-5K fundus photos (8-label BCE-with-logits, exact per-class, macro and micro F1, and
+//! the challenge's patient-level score in [`OdirStats`], [`challenge`]), and
 //! [`TrainConfig`], the `ddp-train` command line that becomes the Trainer's settings and the
-//! task's options. The `ddp-train` binary (`src/main.rs`) is one rank of it.
+//! task's options; `ddp-train predict` and `evaluate` ([`OdirCommand`]), a trained model on
+//! a folder. The `ddp-train` binary (`src/main.rs`) is one rank of it.
 
+pub mod challenge;
 mod cli;
 mod options;
+mod predict;
+mod score;
+mod stats;
 mod task;
 
+pub use challenge::{ChallengeScores, EyeCombine};
 pub use cli::{Labels, OdirDefaults, TrainConfig};
 pub use options::{auto_pos_weight, Normalize, PosWeight};
-pub use task::OdirTask;
+pub use predict::{
+    evaluate, predict, submission_csv, EvaluateArgs, Evaluation, OdirCommand, PredictArgs,
+    Prediction,
+};
+pub use score::{load_checkpoint, score, Scored};
+pub use stats::{combine_patients, OdirStats, PatientPredictions, Patients};
+pub use task::{odir_model, OdirTask};

@@ -11,10 +11,11 @@ use ddp_model::{ConvNet, ConvNetConfig, ODIR_CLASSES};
 use serde_json::Value;
 use tch::{nn, Reduction, Tensor};
 
+use super::challenge::EyeCombine;
 use super::cli::{Labels, TrainConfig};
 use super::options::{auto_pos_weight, PosWeight};
+use super::stats::{OdirStats, Patients};
 use crate::error::{Context, TrainError};
-use crate::metrics::MultiLabelStats;
 use crate::task::Task;
 
 /// Fundus photos to 8 multi-label classes (N D G C A H M O) with the ConvNet.
@@ -22,10 +23,25 @@ use crate::task::Task;
 pub struct OdirTask {
     train: Subset<OdirImages>,
     val: Subset<OdirImages>,
-    dropout: f64,
+    options: TrainConfig,
+    patients: Arc<Patients>,
+    eye_combine: EyeCombine,
+    tune_thresholds: bool,
     /// BCE's `pos_weight` (`--pos-weight`).
     pos_weight: Option<Vec<f64>>,
     config: Value,
+}
+
+/// The ODIR application's model, built under `root`: the one place `ddp-train` (training,
+/// `predict`, `evaluate`) constructs it.
+pub fn odir_model(root: &nn::Path, c: &TrainConfig) -> ConvNet {
+    ConvNet::new(
+        root,
+        ConvNetConfig {
+            num_classes: ODIR_CLASSES.len() as i64,
+            dropout: c.dropout,
+        },
+    )
 }
 
 impl OdirTask {
@@ -33,15 +49,7 @@ impl OdirTask {
     /// prepares the train (`RandomResizedCrop` + flip) and validation (`Resize` +
     /// `CenterCrop`) pipelines.
     pub fn new(c: &TrainConfig) -> Result<Self, TrainError> {
-        let options = OdirOptions {
-            labels: match c.labels {
-                Labels::Auto => LabelMode::Auto,
-                Labels::Eye => LabelMode::PerEye,
-                Labels::Patient => LabelMode::Patient,
-            },
-            skip_corrupt: c.skip_corrupt,
-            ..Default::default()
-        };
+        let options = data_options(c);
         let open = |dir: &Path| {
             OdirDataset::open(dir, &options)
                 .map(Arc::new)
@@ -72,13 +80,9 @@ impl OdirTask {
             jitter: [c.brightness, c.contrast, c.saturation],
         })?
         .with_dct_upsampling(c.dct_upsampling)?;
-        let resize = c.eval_resize.unwrap_or(c.image_size * 8 / 7);
-        let mut eval = Transform::eval(resize, c.image_size)?;
+        let eval = eval_transform(c)?;
         let augment = match c.normalize.mean_std() {
-            Some((mean, std)) => {
-                eval = eval.with_normalization(mean, std)?;
-                augment.with_normalization(mean, std)?
-            }
+            Some((mean, std)) => augment.with_normalization(mean, std)?,
             None => augment,
         };
         // The training split's labels: the same on every rank (the split is by seed).
@@ -99,10 +103,14 @@ impl OdirTask {
         if let (Some(w), Some(o)) = (&weights, config.as_object_mut()) {
             o.insert("pos_weight_values".into(), serde_json::json!(w));
         }
+        let patients = Patients::new(val.iter().filter_map(|&i| val_set.get(i)));
         Ok(Self {
             train: Subset::new(OdirImages::new(train_set, augment), train)?,
             val: Subset::new(OdirImages::new(val_set, eval), val)?,
-            dropout: c.dropout,
+            options: c.clone(),
+            patients: Arc::new(patients),
+            eye_combine: c.eye_combine,
+            tune_thresholds: c.tune_thresholds,
             pos_weight: weights,
             config,
         })
@@ -125,16 +133,10 @@ impl OdirTask {
 impl Task for OdirTask {
     type Model = ConvNet;
     type Data = Subset<OdirImages>;
-    type Stats = MultiLabelStats;
+    type Stats = OdirStats;
 
     fn model(&self, root: &nn::Path) -> ConvNet {
-        ConvNet::new(
-            root,
-            ConvNetConfig {
-                num_classes: ODIR_CLASSES.len() as i64,
-                dropout: self.dropout,
-            },
-        )
+        odir_model(root, &self.options)
     }
 
     fn train_data(&self) -> Self::Data {
@@ -156,13 +158,17 @@ impl Task for OdirTask {
             )
     }
 
-    fn new_stats(&self) -> MultiLabelStats {
-        MultiLabelStats::new(ODIR_CLASSES.len())
+    fn new_stats(&self) -> OdirStats {
+        OdirStats::new(
+            self.patients.clone(),
+            self.eye_combine,
+            self.tune_thresholds,
+        )
     }
 
-    fn eval_batch(&self, model: &ConvNet, batch: &Batch, stats: &mut MultiLabelStats) -> Tensor {
+    fn eval_batch(&self, model: &ConvNet, batch: &Batch, stats: &mut OdirStats) -> Tensor {
         let logits = model.forward_t(batch.inputs(), false);
-        stats.add(&logits, batch.targets());
+        stats.add(&logits, batch);
         // Each sample's loss is the mean over its classes.
         logits.binary_cross_entropy_with_logits::<Tensor>(
             batch.targets(),
@@ -174,5 +180,29 @@ impl Task for OdirTask {
 
     fn describe(&self) -> Value {
         self.config.clone()
+    }
+}
+
+/// The evaluation transform (`Resize` to `--eval-resize`, by default 8/7 of `--image-size`,
+/// then `CenterCrop`, then `--normalize`), for validation, `predict` and `evaluate` alike.
+pub(super) fn eval_transform(c: &TrainConfig) -> Result<Transform, TrainError> {
+    let resize = c.eval_resize.unwrap_or(c.image_size * 8 / 7);
+    let eval = Transform::eval(resize, c.image_size)?;
+    Ok(match c.normalize.mean_std() {
+        Some((mean, std)) => eval.with_normalization(mean, std)?,
+        None => eval,
+    })
+}
+
+/// How `--data` is opened: the labels and `--skip-corrupt` as given.
+pub(super) fn data_options(c: &TrainConfig) -> OdirOptions {
+    OdirOptions {
+        labels: match c.labels {
+            Labels::Auto => LabelMode::Auto,
+            Labels::Eye => LabelMode::PerEye,
+            Labels::Patient => LabelMode::Patient,
+        },
+        skip_corrupt: c.skip_corrupt,
+        ..Default::default()
     }
 }

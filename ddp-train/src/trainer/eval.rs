@@ -1,5 +1,6 @@
 //! Evaluation: [`Trainer::evaluate`], and each epoch's exact distributed evaluation (every
-//! rank evaluates its exact shard, one all-reduce combines the task's sums).
+//! rank evaluates its exact shard, one all-reduce combines the task's sums, and one
+//! all-gather the per-sample rows of tasks that have them).
 
 use ddp_comm::ReduceOp;
 use tch::{Kind, Tensor};
@@ -56,6 +57,10 @@ impl<T: Task> Trainer<T> {
         self.pg.all_reduce(&mut t, ReduceOp::Sum)?;
         let totals = Vec::<f64>::try_from(&t)?;
         stats.set_sums(&totals[2..]);
+        if let Some(rows) = stats.rows() {
+            let all = crate::gather::gather_rows(&self.pg, &rows)?;
+            stats.set_rows(all);
+        }
         Ok(Some((totals[0] / totals[1].max(1.0), stats)))
     }
 }

@@ -67,6 +67,7 @@ impl<T: Task> Trainer<T> {
                 Some((loss, stats)) => (Some(*loss), stats.summary(), stats.report().into_map()),
                 None => (None, String::new(), Map::new()),
             };
+            let beside_best = evaluated.as_ref().and_then(|(_, s)| s.beside_best_model());
             let report = EpochReport {
                 epoch,
                 train_loss: trained.loss,
@@ -107,7 +108,7 @@ impl<T: Task> Trainer<T> {
             };
             if self.pg.rank() == 0 {
                 let saving = Instant::now();
-                self.finish_epoch(&report, &summary)?;
+                self.finish_epoch(&report, &summary, beside_best.as_ref())?;
                 self.budget.save_took(saving.elapsed());
             }
             self.last_checkpoint = Instant::now();

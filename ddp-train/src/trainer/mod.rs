@@ -52,7 +52,8 @@ pub(crate) use startup::default_run_dir;
 /// Per epoch, on every rank, the collectives come in this fixed order: for each step,
 /// a buffer broadcast before each forward and one gradient all-reduce per optimizer step;
 /// then one all-reduce of the epoch's loss and sample counts; then one all-reduce of the
-/// validation statistics. Rank 0 alone writes files and prints progress, between epochs.
+/// validation statistics (and one all-gather of their per-sample rows, for statistics that
+/// have them: [`crate::Stats::rows`]). Rank 0 alone writes files and prints progress, between epochs.
 pub struct Trainer<T: Task> {
     task: T,
     settings: Settings,

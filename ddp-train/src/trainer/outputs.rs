@@ -1,5 +1,6 @@
 //! What the trainer writes into the run directory: rank 0's end of an epoch
-//! (`metrics.jsonl`, `curves.png`, best-model files, the epoch's checkpoint), the history an
+//! (`metrics.jsonl`, `curves.png`, best-model files and what the task saves beside them, the
+//! epoch's checkpoint), the history an
 //! earlier `metrics.jsonl` leaves, atomic file writes, and every rank's log.
 
 use std::fs::OpenOptions;
@@ -20,6 +21,7 @@ impl<T: Task> Trainer<T> {
         &mut self,
         m: &EpochReport,
         summary: &str,
+        beside_best: Option<&serde_json::Value>,
     ) -> Result<(), TrainError> {
         let val = match m.val_loss {
             Some(v) => format!("  val loss {v:.4}"),
@@ -61,6 +63,12 @@ impl<T: Task> Trainer<T> {
                     },
                 );
                 checkpoint::save(&self.vs, self.out.join(&monitor.file), &meta)?;
+                if let Some(doc) = beside_best {
+                    let path = self.out.join(&monitor.file).with_extension("json");
+                    let text = serde_json::to_string_pretty(doc)
+                        .context(|| format!("encoding {}", path.display()))?;
+                    write_file(&path, text.as_bytes())?;
+                }
             }
             if let Some(b) = self.bests.get(&monitor.file) {
                 best_notes.push(format!(

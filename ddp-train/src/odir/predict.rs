@@ -1,0 +1,269 @@
+//! `ddp-train predict` and `ddp-train evaluate`: a trained model on a folder, on N ranks.
+//!
+//! - [`predict`] reads an unlabelled folder of the challenge's test images
+//!   (`<id>_left.jpg`, `<id>_right.jpg`) and writes `predictions.csv` (each image's 8
+//!   probabilities), `submission.csv` (the challenge's format: `ID,N,D,G,C,A,H,M,O`, one row
+//!   per patient in ascending ID, the eyes combined by `--eye-combine`) and `decisions.csv`
+//!   (each patient's 0/1 decisions at the thresholds the training tuned, else 0.5).
+//! - [`evaluate`] scores a labelled ODIR folder (either layout) with the challenge's metrics
+//!   and writes them to `evaluation.json`.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use clap::{Args, Subcommand};
+use ddp_data::odir::{parse_image_name, OdirDataset, LABELS};
+use serde_json::{json, Map, Value};
+
+use super::challenge::THRESHOLD;
+use super::cli::TrainConfig;
+use super::score::{score, Scored};
+use super::task::data_options;
+use crate::error::TrainError;
+use crate::task::Stats;
+
+/// `ddp-train`'s commands besides training.
+#[derive(Debug, Clone, Subcommand)]
+pub enum OdirCommand {
+    /// Predict an unlabelled folder of the challenge's test images (`<id>_left.jpg`,
+    /// `<id>_right.jpg`): writes predictions.csv, submission.csv and decisions.csv into the
+    /// run directory (--out).
+    Predict(PredictArgs),
+    /// Score a labelled ODIR folder (either layout, every image) with the challenge's metrics:
+    /// prints them and writes evaluation.json into the run directory (--out).
+    Evaluate(EvaluateArgs),
+}
+
+/// `ddp-train predict`'s flags: the model file, the thresholds, and the training's own flags
+/// (`--data` is the folder to predict; the model, transform and runtime flags are read as
+/// training reads them, the others are not used).
+#[derive(Debug, Clone, Args)]
+pub struct PredictArgs {
+    /// The model: a best-model file or checkpoint of a run (`.safetensors`), or a run
+    /// directory (its latest checkpoint).
+    #[arg(long, value_name = "FILE")]
+    pub checkpoint: PathBuf,
+
+    /// Per-class thresholds for decisions.csv: a JSON file with `"thresholds": [8 numbers]`
+    /// as `--tune-thresholds` writes beside each best model. Default: `<checkpoint>.json`
+    /// where it exists, else 0.5 for every class.
+    #[arg(long, value_name = "FILE")]
+    pub thresholds: Option<PathBuf>,
+
+    /// The training flags.
+    #[command(flatten)]
+    pub config: TrainConfig,
+}
+
+/// `ddp-train evaluate`'s flags: the model file and the training's own flags (`--data` is
+/// the labelled folder to score, every image of it).
+#[derive(Debug, Clone, Args)]
+pub struct EvaluateArgs {
+    /// The model: a best-model file or checkpoint of a run (`.safetensors`), or a run
+    /// directory (its latest checkpoint).
+    #[arg(long, value_name = "FILE")]
+    pub checkpoint: PathBuf,
+
+    /// The training flags.
+    #[command(flatten)]
+    pub config: TrainConfig,
+}
+
+/// What `predict` did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    /// Images predicted.
+    pub images: usize,
+    /// Patients in submission.csv.
+    pub patients: usize,
+    /// Patients predicted from one eye only.
+    pub one_eye: Vec<u64>,
+    /// The thresholds of decisions.csv, and the file they came from (`None`: 0.5).
+    pub thresholds: ([f64; 8], Option<PathBuf>),
+    /// The files written (rank 0 only; empty on the other ranks).
+    pub files: Vec<PathBuf>,
+    /// The number of ranks.
+    pub world_size: usize,
+    /// Whether this is rank 0.
+    pub rank0: bool,
+}
+
+/// Runs `ddp-train predict` as this rank.
+pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
+    let c = &args.config;
+    c.validate()?;
+    let set = Arc::new(OdirDataset::open_unlabelled(&c.data)?);
+    // Read before meeting the other ranks: a bad file fails on every rank alike.
+    let thresholds = read_thresholds(args.thresholds.as_deref(), &args.checkpoint)?;
+    let scored = score(c, &args.checkpoint, set)?;
+    let patients = scored.stats.patient_predictions();
+    for id in &patients.one_eye {
+        let eye = scored
+            .set
+            .samples()
+            .iter()
+            .find(|s| s.patient_id == *id)
+            .map(|s| file_name(&s.path))
+            .unwrap_or_default();
+        tracing::warn!(
+            "patient {id} has one image only ({eye}): its prediction is that eye's alone"
+        );
+    }
+    let mut files = Vec::new();
+    if scored.rank == 0 {
+        let write = |name: &str, text: String| -> Result<PathBuf, TrainError> {
+            let path = scored.out.join(name);
+            ddp_model::checkpoint::write_atomic(&path, text.as_bytes())
+                .map_err(|e| TrainError::io(format!("cannot write {}", path.display()), e))?;
+            Ok(path)
+        };
+        files.push(write("submission.csv", submission_csv(&patients.rows))?);
+        files.push(write("predictions.csv", predictions_csv(&scored))?);
+        files.push(write(
+            "decisions.csv",
+            decisions_csv(&patients.rows, &thresholds.0),
+        )?);
+    }
+    Ok(Prediction {
+        images: scored.set.len(),
+        patients: patients.rows.len(),
+        one_eye: patients.one_eye,
+        thresholds,
+        files,
+        world_size: scored.world_size,
+        rank0: scored.rank == 0,
+    })
+}
+
+/// What `evaluate` measured: the challenge's metrics and the per-image ones, with what was
+/// scored; rank 0 has written it to `evaluation.json`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Evaluation {
+    /// The report: `odir_*` and `val_*` metrics, the counts, and what was scored.
+    pub report: Map<String, Value>,
+    /// Where rank 0 wrote it.
+    pub file: PathBuf,
+    /// Whether this is rank 0.
+    pub rank0: bool,
+}
+
+/// Runs `ddp-train evaluate` as this rank.
+pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
+    let c = &args.config;
+    c.validate()?;
+    let set = Arc::new(OdirDataset::open(&c.data, &data_options(c))?);
+    let scored = score(c, &args.checkpoint, set)?;
+    let mut report = scored.stats.report();
+    report.extend(scored.stats.details());
+    let mut report = report.into_map();
+    report.insert("checkpoint".into(), json!(args.checkpoint));
+    report.insert("data".into(), json!(c.data));
+    report.insert("images".into(), json!(scored.set.len()));
+    report.insert("eye_combine".into(), json!(c.eye_combine.as_str()));
+    report.insert("world_size".into(), json!(scored.world_size));
+    let file = scored.out.join("evaluation.json");
+    if scored.rank == 0 {
+        let text = serde_json::to_string_pretty(&report)
+            .map_err(|e| TrainError::Invalid(format!("encoding evaluation.json: {e}")))?;
+        ddp_model::checkpoint::write_atomic(&file, text.as_bytes())
+            .map_err(|e| TrainError::io(format!("cannot write {}", file.display()), e))?;
+    }
+    Ok(Evaluation {
+        report,
+        file,
+        rank0: scored.rank == 0,
+    })
+}
+
+/// The thresholds of `given`, else of `<checkpoint>.json` where it exists, else 0.5.
+fn read_thresholds(
+    given: Option<&Path>,
+    checkpoint: &Path,
+) -> Result<([f64; 8], Option<PathBuf>), TrainError> {
+    let beside = checkpoint.with_extension("json");
+    let path = match given {
+        Some(p) => p.to_path_buf(),
+        None if checkpoint.is_file() && beside.is_file() => beside,
+        None => return Ok(([THRESHOLD; 8], None)),
+    };
+    let bad = |why: String| {
+        TrainError::Invalid(format!(
+            "--thresholds {}: {why}; expected a JSON object with \"thresholds\": [8 numbers \
+             in N, D, G, C, A, H, M, O order], as --tune-thresholds writes",
+            path.display()
+        ))
+    };
+    let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
+    let doc: Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let list = doc
+        .get("thresholds")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad("no \"thresholds\" list".into()))?;
+    let values: Vec<f64> = list.iter().filter_map(Value::as_f64).collect();
+    let thresholds: [f64; 8] = values
+        .try_into()
+        .map_err(|_| bad(format!("\"thresholds\" holds {} entries", list.len())))?;
+    if thresholds.iter().any(|t| !t.is_finite()) {
+        return Err(bad("a threshold is not a finite number".into()));
+    }
+    Ok((thresholds, Some(path)))
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+fn header(first: &str) -> String {
+    format!("{first},{}\n", LABELS.join(","))
+}
+
+fn push_row(out: &mut String, first: &str, values: impl IntoIterator<Item = String>) {
+    let values: Vec<String> = values.into_iter().collect();
+    // Infallible: writing to a String.
+    let _ = writeln!(out, "{first},{}", values.join(","));
+}
+
+/// The challenge's submission: `ID,N,D,G,C,A,H,M,O` and one row per patient, in ascending
+/// ID.
+pub fn submission_csv(patients: &[(u64, [f64; 8])]) -> String {
+    let mut out = header("ID");
+    for (id, p) in patients {
+        push_row(&mut out, &id.to_string(), p.iter().map(f64::to_string));
+    }
+    out
+}
+
+/// Each patient's 0/1 decisions, `probability > threshold` per class.
+fn decisions_csv(patients: &[(u64, [f64; 8])], thresholds: &[f64; 8]) -> String {
+    let mut out = header("ID");
+    for (id, p) in patients {
+        let decided = p
+            .iter()
+            .zip(thresholds)
+            .map(|(p, t)| u8::from(p > t).to_string());
+        push_row(&mut out, &id.to_string(), decided);
+    }
+    out
+}
+
+/// Each image's probabilities: `image,eye,N,..,O`, in the folder's order (ID, left first).
+fn predictions_csv(scored: &Scored) -> String {
+    let mut out = header("image,eye");
+    for (key, row) in scored.stats.image_rows().iter() {
+        let name = scored
+            .set
+            .get(key as usize)
+            .map(|s| file_name(&s.path))
+            .unwrap_or_default();
+        let eye = parse_image_name(&name).map_or("", |(_, e)| e.as_str());
+        push_row(
+            &mut out,
+            &format!("{name},{eye}"),
+            row.iter().map(f64::to_string),
+        );
+    }
+    out
+}

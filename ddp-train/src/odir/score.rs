@@ -1,0 +1,214 @@
+//! Scoring a folder with a trained model on N ranks, for `ddp-train predict` and
+//! `ddp-train evaluate`: the model from `--checkpoint` ([`load_checkpoint`], the one place a
+//! checkpoint is read for them), exact shards of whole batches, and every image's
+//! probabilities gathered onto every rank in image order.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ddp_comm::{EnvConfig, ProcessGroup, ReduceOp};
+use ddp_data::odir::{OdirDataset, OdirImages};
+use ddp_data::{Dataset, Loader, LoaderConfig};
+use ddp_model::checkpoint;
+use tch::{nn, Device, Kind, Tensor};
+
+use super::cli::TrainConfig;
+use super::stats::{OdirStats, Patients};
+use super::task::{eval_transform, odir_model};
+use crate::error::{Context, TrainError};
+use crate::task::Stats;
+
+/// Reads the model's weights from `path` into `vs` (on the CPU): a model file of ours
+/// (`best-*.safetensors`, a `checkpoints/epoch-*.safetensors` of a run, or PyTorch's
+/// `safetensors.torch.save_file` of the same model), or a run directory, whose latest
+/// checkpoint is read. Every name, shape and dtype is checked before anything is loaded.
+pub fn load_checkpoint(vs: &nn::VarStore, path: &Path) -> Result<(), TrainError> {
+    let file = if path.is_dir() {
+        crate::state::resolve("latest", Some(path))?
+    } else if path.is_file() {
+        path.to_path_buf()
+    } else {
+        return Err(TrainError::Invalid(format!(
+            "--checkpoint {}: no such file or run directory",
+            path.display()
+        )));
+    };
+    checkpoint::load(vs, &file)?;
+    Ok(())
+}
+
+/// What the ranks scored: the statistics of the whole folder (on every rank), the run
+/// directory, and this rank's place.
+#[derive(Debug)]
+pub struct Scored {
+    /// Every image's probabilities ([`OdirStats::image_rows`], keyed by the image's index in
+    /// `set`), and per-image counts against the folder's labels (zeros for an unlabelled
+    /// folder).
+    pub stats: OdirStats,
+    /// The folder scored.
+    pub set: Arc<OdirDataset>,
+    /// The run directory every rank agreed on (rank 0's), created.
+    pub out: PathBuf,
+    /// This rank.
+    pub rank: usize,
+    /// The number of ranks.
+    pub world_size: usize,
+}
+
+/// Runs the model of `checkpoint` (built as the training built it, from `c`) on every image
+/// of `set` through the evaluation transform, as this rank of the job in the environment.
+///
+/// Each rank takes whole batches of the folder in turn (batch `b` goes to rank
+/// `b % world_size`), so every image is scored once, in a batch of the same images whatever
+/// the number of ranks. A rank that cannot read an image still meets the others: every rank
+/// then fails with that rank's error, which names the image.
+pub fn score(c: &TrainConfig, checkpoint: &Path, set: Arc<OdirDataset>) -> Result<Scored, TrainError> {
+    let env = EnvConfig::from_env().context(|| "reading the rank's environment".into())?;
+    ddp_run::die_with_launcher().map_err(|e| TrainError::Invalid(e.to_string()))?;
+    let settings = c.settings();
+    settings.validate()?;
+    let device = settings.runtime.device.resolve(env.local_rank)?;
+    let threads = settings
+        .runtime
+        .threads
+        .unwrap_or_else(|| ddp_data::default_workers(env.local_world_size));
+    if device == Device::Cpu {
+        tch::set_num_threads(threads as i32);
+    }
+    // The model before meeting the others: a bad checkpoint fails on every rank alike.
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let model = odir_model(&vs.root(), c);
+    load_checkpoint(&vs, checkpoint)
+        .context(|| format!("loading the model from {}", checkpoint.display()))?;
+    vs.set_device(device);
+    let images = OdirImages::new(set.clone(), eval_transform(c)?);
+    let all: Vec<usize> = (0..images.len()).collect();
+    let patients = Arc::new(Patients::new(set.samples()));
+
+    let opts = ddp_comm::Options::from_config(&env)
+        .op_timeout(Duration::from_secs(settings.runtime.collective_timeout_secs));
+    let pg = ProcessGroup::new(opts).context(|| "joining the process group".into())?;
+    let (rank, world) = (pg.rank(), pg.world_size());
+    // Every rank must score the same folder with the same model.
+    let key = format!(
+        "{} images of {} with {}",
+        images.len(),
+        set.root().display(),
+        checkpoint.display()
+    );
+    let keys = pg.all_gather_bytes(key.as_bytes())?;
+    if let Some((r, theirs)) = keys.iter().enumerate().find(|(_, k)| k[..] != keys[0][..]) {
+        return Err(TrainError::Invalid(format!(
+            "the ranks disagree on what to score: rank 0 has {key0}, rank {r} {theirs}: give \
+             every rank the same --data and --checkpoint",
+            key0 = String::from_utf8_lossy(&keys[0]),
+            theirs = String::from_utf8_lossy(theirs),
+        )));
+    }
+    let proposed = settings
+        .out
+        .clone()
+        .unwrap_or_else(crate::trainer::default_run_dir);
+    let gathered = pg.all_gather_bytes(proposed.to_string_lossy().as_bytes())?;
+    let out = PathBuf::from(String::from_utf8_lossy(&gathered[0]).into_owned());
+
+    let batch = settings.batch_size;
+    let mine: Vec<usize> = all
+        .chunks(batch)
+        .enumerate()
+        .filter(|(b, _)| b % world == rank)
+        .flat_map(|(_, chunk)| chunk.iter().copied())
+        .collect();
+    let mut stats = OdirStats::new(patients, c.eye_combine, false);
+    let outcome = run_batches(&settings, &images, mine, device, &model, &mut stats, &env);
+    // Every rank learns whether any failed, before the collectives that would wait for it.
+    let failure = match &outcome {
+        Ok(()) => String::new(),
+        Err(e) => chain(e),
+    };
+    let failures = pg.all_gather_bytes(failure.as_bytes())?;
+    if let Some((r, why)) = failures.iter().enumerate().find(|(_, f)| !f.is_empty()) {
+        return Err(TrainError::Invalid(format!(
+            "rank {r} could not score its images: {}",
+            String::from_utf8_lossy(why)
+        )));
+    }
+    let sums = stats.to_sums();
+    let mut t = Tensor::from_slice(&sums).to_kind(Kind::Double);
+    pg.all_reduce(&mut t, ReduceOp::Sum)?;
+    stats.set_sums(&Vec::<f64>::try_from(&t)?);
+    if let Some(rows) = stats.rows() {
+        let rows = crate::gather::gather_rows(&pg, &rows)?;
+        if rows.len() != images.len() {
+            return Err(TrainError::Invalid(format!(
+                "the ranks scored {} of the {} images",
+                rows.len(),
+                images.len()
+            )));
+        }
+        stats.set_rows(rows);
+    }
+    if rank == 0 {
+        std::fs::create_dir_all(&out).map_err(|e| {
+            TrainError::io(format!("cannot create run directory {}", out.display()), e)
+        })?;
+    }
+    Ok(Scored {
+        stats,
+        set,
+        out,
+        rank,
+        world_size: world,
+    })
+}
+
+/// This rank's batches through the model.
+fn run_batches(
+    settings: &crate::settings::Settings,
+    images: &OdirImages,
+    indices: Vec<usize>,
+    device: Device,
+    model: &ddp_model::ConvNet,
+    stats: &mut OdirStats,
+    env: &EnvConfig,
+) -> Result<(), TrainError> {
+    if indices.is_empty() {
+        return Ok(());
+    }
+    let config = LoaderConfig {
+        drop_last: false,
+        seed: settings.seed,
+        workers: settings
+            .runtime
+            .workers
+            .unwrap_or_else(|| ddp_data::default_workers(env.local_world_size)),
+        prefetch: settings
+            .runtime
+            .prefetch
+            .unwrap_or(if device.is_cuda() { 4 } else { 2 }),
+        ..LoaderConfig::new(settings.batch_size)
+    };
+    let mut loader = Loader::on_device(images.clone(), indices, &config, device)?;
+    tch::no_grad(|| -> Result<(), TrainError> {
+        for batch in &mut loader {
+            let batch = batch?;
+            let _autocast = settings.precision.autocast(device)?;
+            let logits = model.forward_t(batch.inputs(), false);
+            stats.add(&logits, &batch);
+        }
+        Ok(())
+    })
+}
+
+/// `e` and its causes, joined by ": ".
+fn chain(e: &TrainError) -> String {
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
+}

@@ -1,0 +1,212 @@
+//! `ddp-train predict` and `evaluate` as real ranks on loopback: the submission file in the
+//! challenge's format, byte-identical on 1 and 2 ranks; a patient with one eye predicted
+//! from it with a warning; an undecodable image stopping every rank with its name.
+
+mod common;
+
+use common::{free_port, rank_command, text, wait_all};
+
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use ddp_data::odir::synthetic::{generate, SyntheticConfig};
+use ddp_model::{checkpoint, ConvNet, ConvNetConfig};
+use serde_json::Value;
+use tch::{nn, Device};
+
+const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
+
+/// A synthetic sample with an 11-image test split (patients 12..18; 17 has a left eye only)
+/// and a model file of a freshly initialised ConvNet.
+fn setup(dir: &Path) -> (PathBuf, PathBuf) {
+    let data = dir.join("data");
+    generate(
+        &data,
+        &SyntheticConfig {
+            images: 24,
+            size: 48,
+            seed: 9,
+            test_images: 11,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    tch::manual_seed(5);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _net = ConvNet::new(&vs.root(), ConvNetConfig::default());
+    let model = dir.join("model.safetensors");
+    checkpoint::save(&vs, &model, &Default::default()).unwrap();
+    (data, model)
+}
+
+/// `world` ranks of `ddp-train <args>`, each rank's output.
+fn run_ranks(world: usize, args: &[&str]) -> Vec<Output> {
+    let port = free_port();
+    let children = (0..world)
+        .map(|rank| {
+            let mut cmd = rank_command(EXE, rank, world, port);
+            cmd.args(args)
+                .args(["--threads", "1", "--workers", "1", "--collective-timeout", "30"])
+                .env("DDP_RDZV_TIMEOUT_S", "30")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    wait_all(children, Duration::from_secs(120))
+}
+
+fn predict(world: usize, images: &Path, model: &Path, out: &Path) -> Vec<Output> {
+    run_ranks(
+        world,
+        &[
+            "predict",
+            "--checkpoint",
+            model.to_str().unwrap(),
+            "--data",
+            images.to_str().unwrap(),
+            "--image-size",
+            "32",
+            // 11 images in batches of 4: rank 0 gets batches 0 and 2, rank 1 batch 1.
+            "--batch-size",
+            "4",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    )
+}
+
+fn floats(fields: &[&str]) -> Vec<f64> {
+    fields.iter().map(|f| f.parse::<f64>().unwrap()).collect()
+}
+
+#[test]
+fn predict_writes_the_same_submission_on_1_and_2_ranks_in_the_challenges_format() {
+    let tmp = common::temp_dir("ddp-train-predict");
+    let dir = tmp.path();
+    let (data, model) = setup(dir);
+    let images = data.join("test/preprocessed_images");
+    let mut runs = Vec::new();
+    for world in [1, 2] {
+        let out = dir.join(format!("run{world}"));
+        let outputs = predict(world, &images, &model, &out);
+        for (r, o) in outputs.iter().enumerate() {
+            assert!(o.status.success(), "rank {r} of {world}:\n{}", text(o));
+        }
+        let all = text(&outputs[0]);
+        assert!(
+            all.contains("patient 17 has one image only (17_left.jpg)"),
+            "no warning for the one-eyed patient:\n{all}"
+        );
+        assert!(all.contains("predict: 11 images of 6 patients (1 from one eye)"), "{all}");
+        runs.push(out);
+    }
+    for file in ["submission.csv", "predictions.csv", "decisions.csv"] {
+        let one = std::fs::read(runs[0].join(file)).unwrap();
+        let two = std::fs::read(runs[1].join(file)).unwrap();
+        assert!(one == two, "{file} differs between 1 and 2 ranks");
+    }
+    let submission = std::fs::read_to_string(runs[0].join("submission.csv")).unwrap();
+    let lines: Vec<&str> = submission.lines().collect();
+    assert_eq!(lines[0], "ID,N,D,G,C,A,H,M,O");
+    let ids: Vec<&str> = lines[1..].iter().map(|l| l.split(',').next().unwrap()).collect();
+    assert_eq!(ids, ["12", "13", "14", "15", "16", "17"]);
+    let predictions = std::fs::read_to_string(runs[0].join("predictions.csv")).unwrap();
+    let eyes: Vec<Vec<&str>> = predictions.lines().map(|l| l.split(',').collect()).collect();
+    assert_eq!(eyes[0].join(","), "image,eye,N,D,G,C,A,H,M,O");
+    assert_eq!(eyes.len(), 12);
+    assert_eq!(eyes[1][..2], ["12_left.jpg", "left"]);
+    assert_eq!(eyes[11][..2], ["17_left.jpg", "left"]);
+    for (p, line) in lines[1..].iter().enumerate() {
+        let fields: Vec<&str> = line.split(',').collect();
+        assert_eq!(fields.len(), 9, "{line}");
+        let patient = floats(&fields[1..]);
+        assert!(patient.iter().all(|v| (0.0..=1.0).contains(v)), "{line}");
+        // Eyes combine by their maximum (the default); the one-eyed patient is its left eye.
+        let left = floats(&eyes[1 + 2 * p][2..]);
+        let expected: Vec<f64> = match eyes.get(2 + 2 * p) {
+            Some(right) if p < 5 => {
+                let right = floats(&right[2..]);
+                left.iter().zip(&right).map(|(a, b)| a.max(*b)).collect()
+            }
+            _ => left,
+        };
+        assert_eq!(patient, expected, "patient row {line}");
+    }
+    // No tuned thresholds beside the model: decisions at 0.5.
+    let decisions = std::fs::read_to_string(runs[0].join("decisions.csv")).unwrap();
+    for (d, s) in decisions.lines().zip(submission.lines()).skip(1) {
+        let want: Vec<String> = s.split(',').skip(1).map(|v| u8::from(v.parse::<f64>().unwrap() > 0.5).to_string()).collect();
+        assert_eq!(d.split(',').skip(1).collect::<Vec<_>>(), want);
+    }
+}
+
+#[test]
+fn an_undecodable_image_stops_every_rank_naming_it() {
+    let tmp = common::temp_dir("ddp-train-predict-corrupt");
+    let dir = tmp.path();
+    let (data, model) = setup(dir);
+    let images = data.join("test/preprocessed_images");
+    // Batch 1 (images 4..8) is rank 1's: 14_left, 14_right, 15_left, 15_right.
+    std::fs::write(images.join("15_left.jpg"), b"\xff\xd8 not a jpeg").unwrap();
+    let out = dir.join("run");
+    let outputs = predict(2, &images, &model, &out);
+    for (r, o) in outputs.iter().enumerate() {
+        assert!(!o.status.success(), "rank {r} succeeded");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains("rank 1 could not score its images") && err.contains("15_left.jpg"),
+            "rank {r}:\n{err}"
+        );
+    }
+    assert!(!out.join("submission.csv").exists());
+}
+
+#[test]
+fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
+    let tmp = common::temp_dir("ddp-train-evaluate");
+    let dir = tmp.path();
+    let (data, model) = setup(dir);
+    let mut reports = Vec::new();
+    for world in [1, 2] {
+        let out = dir.join(format!("eval{world}"));
+        let outputs = run_ranks(
+            world,
+            &[
+                "evaluate",
+                "--checkpoint",
+                model.to_str().unwrap(),
+                "--data",
+                data.join("test").to_str().unwrap(),
+                "--image-size",
+                "32",
+                "--batch-size",
+                "4",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+        );
+        for (r, o) in outputs.iter().enumerate() {
+            assert!(o.status.success(), "rank {r} of {world}:\n{}", text(o));
+        }
+        let stdout = String::from_utf8_lossy(&outputs[0].stdout).into_owned();
+        assert!(stdout.contains("evaluate: 11 images of 6 patients: challenge score"), "{stdout}");
+        let written: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("evaluation.json")).unwrap())
+                .unwrap();
+        let mut printed: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        assert_eq!(printed, written);
+        let score = written["odir_score"].as_f64().unwrap();
+        let mean = ["odir_kappa", "odir_f1", "odir_auc"]
+            .iter()
+            .map(|k| written[*k].as_f64().unwrap())
+            .sum::<f64>()
+            / 3.0;
+        assert!((score - mean).abs() < 1e-12, "{written}");
+        assert_eq!(written["world_size"], world);
+        printed.as_object_mut().unwrap().remove("world_size");
+        reports.push(printed);
+    }
+    assert_eq!(reports[0], reports[1]);
+}
