@@ -145,7 +145,10 @@ fn the_test_split_is_a_labelled_folder_whose_images_are_an_unlabelled_one() {
     let labelled = OdirDataset::open(&dir.path().join("test"), &OdirOptions::default()).unwrap();
     let ids: Vec<u64> = labelled.samples().iter().map(|s| s.patient_id).collect();
     assert_eq!(ids, [3, 3, 4, 4, 5]);
-    assert!(labelled.samples().iter().all(|s| s.patient_labels.is_some()));
+    assert!(labelled
+        .samples()
+        .iter()
+        .all(|s| s.patient_labels.is_some()));
     let images = dir.path().join("test/preprocessed_images");
     let unlabelled = OdirDataset::open_unlabelled(&images).unwrap();
     let names: Vec<String> = unlabelled
@@ -155,7 +158,13 @@ fn the_test_split_is_a_labelled_folder_whose_images_are_an_unlabelled_one() {
         .collect();
     assert_eq!(
         names,
-        ["3_left.jpg", "3_right.jpg", "4_left.jpg", "4_right.jpg", "5_left.jpg"]
+        [
+            "3_left.jpg",
+            "3_right.jpg",
+            "4_left.jpg",
+            "4_right.jpg",
+            "5_left.jpg"
+        ]
     );
     assert!(unlabelled
         .samples()
@@ -173,7 +182,13 @@ fn the_test_split_is_a_labelled_folder_whose_images_are_an_unlabelled_one() {
 #[test]
 fn an_unlabelled_folder_names_every_file_that_is_not_a_test_image() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["1_left.jpg", "1_right.jpg", "notes.txt", "2_middle.jpg", ".hidden"] {
+    for name in [
+        "1_left.jpg",
+        "1_right.jpg",
+        "notes.txt",
+        "2_middle.jpg",
+        ".hidden",
+    ] {
         std::fs::write(dir.path().join(name), b"x").unwrap();
     }
     std::fs::write(dir.path().join("1_LEFT.jpeg"), b"x").unwrap();

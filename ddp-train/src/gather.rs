@@ -59,10 +59,7 @@ impl Rows {
 
     /// `(key, numbers)` for every row, in order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, &[f64])> + '_ {
-        self.keys
-            .iter()
-            .enumerate()
-            .map(|(i, &k)| (k, self.row(i)))
+        self.keys.iter().enumerate().map(|(i, &k)| (k, self.row(i)))
     }
 
     /// The rows as bytes: the width, then each row's key and numbers, little-endian.

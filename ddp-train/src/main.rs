@@ -19,19 +19,29 @@ fn main() -> ExitCode {
     ddp_train::malloc::keep_freed_memory();
     ddp_train::logging::init();
     match parse() {
-        Ok(config) => ddp_train::cli::run(&config.train, || run(&config)),
-        Err(OdirCommand::Predict(args)) => {
-            ddp_train::cli::run(&args.config.train, || predict(&args))
-        }
-        Err(OdirCommand::Evaluate(args)) => {
-            ddp_train::cli::run(&args.config.train, || evaluate(&args))
-        }
+        Invocation::Train(config) => ddp_train::cli::run(&config.train, || run(&config)),
+        Invocation::Command(command) => match *command {
+            OdirCommand::Predict(args) => {
+                ddp_train::cli::run(&args.config.train, || predict(&args))
+            }
+            OdirCommand::Evaluate(args) => {
+                ddp_train::cli::run(&args.config.train, || evaluate(&args))
+            }
+        },
     }
+}
+
+/// What the command line asks for.
+enum Invocation {
+    /// Training (no command).
+    Train(Box<TrainConfig>),
+    /// `predict` or `evaluate`.
+    Command(Box<OdirCommand>),
 }
 
 /// The command line: training's flags without a command (as always), or a command and its
 /// flags. Exits with clap's message on a bad command line.
-fn parse() -> Result<TrainConfig, OdirCommand> {
+fn parse() -> Invocation {
     let train = TrainConfig::command();
     let about = train.get_about().cloned().unwrap_or_default();
     let mut cmd = OdirCommand::augment_subcommands(
@@ -56,9 +66,9 @@ fn parse() -> Result<TrainConfig, OdirCommand> {
     });
     let matches = cmd.clone().get_matches();
     let parsed = if matches.subcommand().is_some() {
-        OdirCommand::from_arg_matches(&matches).map(Err)
+        OdirCommand::from_arg_matches(&matches).map(|c| Invocation::Command(Box::new(c)))
     } else {
-        TrainConfig::from_arg_matches(&matches).map(Ok)
+        TrainConfig::from_arg_matches(&matches).map(|c| Invocation::Train(Box::new(c)))
     };
     parsed.unwrap_or_else(|e| e.format(&mut cmd).exit())
 }

@@ -163,7 +163,10 @@ fn close(ours: &Value, theirs: &Value, what: &str) {
     match (ours.as_f64(), theirs.as_f64()) {
         (Some(a), Some(b)) => assert!((a - b).abs() < 1e-9, "{what}: ours {a}, sklearn {b}"),
         // An undefined per-class AUC: NaN, written as null, on both sides.
-        _ => assert!(ours.is_null() && theirs.is_null(), "{what}: {ours} vs {theirs}"),
+        _ => assert!(
+            ours.is_null() && theirs.is_null(),
+            "{what}: {ours} vs {theirs}"
+        ),
     }
 }
 
@@ -179,17 +182,22 @@ fn challenge_metrics_equal_sklearn_on_1_2_and_3_ranks() {
         }
         let mut first: Option<Value> = None;
         for world in [1, 2, 3] {
-            let children = common::spawn_worker_ranks("worker_challenge_metrics", world, |_, cmd| {
-                cmd.env(OUT_ENV, dir)
-                    .env(CASE_ENV, name)
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::piped());
-            });
+            let children =
+                common::spawn_worker_ranks("worker_challenge_metrics", world, |_, cmd| {
+                    cmd.env(OUT_ENV, dir)
+                        .env(CASE_ENV, name)
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::piped());
+                });
             for (r, o) in common::wait_all(children, Duration::from_secs(120))
                 .iter()
                 .enumerate()
             {
-                assert!(o.status.success(), "rank {r} of {world}: {}", common::text(o));
+                assert!(
+                    o.status.success(),
+                    "rank {r} of {world}: {}",
+                    common::text(o)
+                );
             }
             for rank in 0..world {
                 let text =
@@ -197,7 +205,11 @@ fn challenge_metrics_equal_sklearn_on_1_2_and_3_ranks() {
                         .unwrap();
                 let ours: Value = serde_json::from_str(&text).unwrap();
                 for key in ["odir_kappa", "odir_f1", "odir_auc", "odir_score"] {
-                    close(&ours[key], &reference[key], &format!("{name} {key} on {world} ranks"));
+                    close(
+                        &ours[key],
+                        &reference[key],
+                        &format!("{name} {key} on {world} ranks"),
+                    );
                 }
                 for k in 0..8 {
                     close(

@@ -47,7 +47,14 @@ fn run_ranks(world: usize, args: &[&str]) -> Vec<Output> {
         .map(|rank| {
             let mut cmd = rank_command(EXE, rank, world, port);
             cmd.args(args)
-                .args(["--threads", "1", "--workers", "1", "--collective-timeout", "30"])
+                .args([
+                    "--threads",
+                    "1",
+                    "--workers",
+                    "1",
+                    "--collective-timeout",
+                    "30",
+                ])
                 .env("DDP_RDZV_TIMEOUT_S", "30")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
@@ -99,7 +106,10 @@ fn predict_writes_the_same_submission_on_1_and_2_ranks_in_the_challenges_format(
             all.contains("patient 17 has one image only (17_left.jpg)"),
             "no warning for the one-eyed patient:\n{all}"
         );
-        assert!(all.contains("predict: 11 images of 6 patients (1 from one eye)"), "{all}");
+        assert!(
+            all.contains("predict: 11 images of 6 patients (1 from one eye)"),
+            "{all}"
+        );
         runs.push(out);
     }
     for file in ["submission.csv", "predictions.csv", "decisions.csv"] {
@@ -110,10 +120,16 @@ fn predict_writes_the_same_submission_on_1_and_2_ranks_in_the_challenges_format(
     let submission = std::fs::read_to_string(runs[0].join("submission.csv")).unwrap();
     let lines: Vec<&str> = submission.lines().collect();
     assert_eq!(lines[0], "ID,N,D,G,C,A,H,M,O");
-    let ids: Vec<&str> = lines[1..].iter().map(|l| l.split(',').next().unwrap()).collect();
+    let ids: Vec<&str> = lines[1..]
+        .iter()
+        .map(|l| l.split(',').next().unwrap())
+        .collect();
     assert_eq!(ids, ["12", "13", "14", "15", "16", "17"]);
     let predictions = std::fs::read_to_string(runs[0].join("predictions.csv")).unwrap();
-    let eyes: Vec<Vec<&str>> = predictions.lines().map(|l| l.split(',').collect()).collect();
+    let eyes: Vec<Vec<&str>> = predictions
+        .lines()
+        .map(|l| l.split(',').collect())
+        .collect();
     assert_eq!(eyes[0].join(","), "image,eye,N,D,G,C,A,H,M,O");
     assert_eq!(eyes.len(), 12);
     assert_eq!(eyes[1][..2], ["12_left.jpg", "left"]);
@@ -137,7 +153,11 @@ fn predict_writes_the_same_submission_on_1_and_2_ranks_in_the_challenges_format(
     // No tuned thresholds beside the model: decisions at 0.5.
     let decisions = std::fs::read_to_string(runs[0].join("decisions.csv")).unwrap();
     for (d, s) in decisions.lines().zip(submission.lines()).skip(1) {
-        let want: Vec<String> = s.split(',').skip(1).map(|v| u8::from(v.parse::<f64>().unwrap() > 0.5).to_string()).collect();
+        let want: Vec<String> = s
+            .split(',')
+            .skip(1)
+            .map(|v| u8::from(v.parse::<f64>().unwrap() > 0.5).to_string())
+            .collect();
         assert_eq!(d.split(',').skip(1).collect::<Vec<_>>(), want);
     }
 }
@@ -191,7 +211,10 @@ fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
             assert!(o.status.success(), "rank {r} of {world}:\n{}", text(o));
         }
         let stdout = String::from_utf8_lossy(&outputs[0].stdout).into_owned();
-        assert!(stdout.contains("evaluate: 11 images of 6 patients: challenge score"), "{stdout}");
+        assert!(
+            stdout.contains("evaluate: 11 images of 6 patients: challenge score"),
+            "{stdout}"
+        );
         let written: Value =
             serde_json::from_str(&std::fs::read_to_string(out.join("evaluation.json")).unwrap())
                 .unwrap();

@@ -134,6 +134,8 @@ fn distributed_evaluation_equals_one_process_on_the_whole_split() {
         "val_f1_per_class",
         "val_macro_f1",
         "val_micro_f1",
+        // The gathered scores: every patient once, whatever the number of ranks.
+        "odir_patients",
     ] {
         assert_eq!(one[key], three[key], "{key} differs between 1 and 3 ranks");
     }
@@ -307,6 +309,7 @@ fn two_runs_with_one_seed_write_the_same_metrics_and_learn() {
         "curves.png",
         "best-macro.safetensors",
         "best-micro.safetensors",
+        "best-score.safetensors",
         "logs/rank-0.log",
         "logs/rank-1.log",
     ] {

@@ -252,7 +252,12 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
     };
     // The patient columns, read for the challenge's patient-level scores when present.
     let patient_cols: Option<Vec<usize>> = if LABELS.iter().all(|l| cols.has(l)) {
-        Some(LABELS.iter().map(|l| cols.get(l)).collect::<Result<_, _>>()?)
+        Some(
+            LABELS
+                .iter()
+                .map(|l| cols.get(l))
+                .collect::<Result<_, _>>()?,
+        )
     } else {
         None
     };

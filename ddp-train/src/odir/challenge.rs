@@ -220,7 +220,10 @@ mod tests {
 
     #[test]
     fn eyes_combine_by_max_or_mean() {
-        let eyes = [[0.2, 0.9, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0.6, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]];
+        let eyes = [
+            [0.2, 0.9, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+            [0.6, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        ];
         assert_eq!(EyeCombine::Max.combine(&eyes)[..2], [0.6, 0.9]);
         assert_eq!(EyeCombine::Mean.combine(&eyes)[..2], [0.4, 0.5]);
         assert_eq!(EyeCombine::Mean.combine(&eyes[..1]), eyes[0]);

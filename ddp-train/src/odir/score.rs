@@ -63,7 +63,11 @@ pub struct Scored {
 /// `b % world_size`), so every image is scored once, in a batch of the same images whatever
 /// the number of ranks. A rank that cannot read an image still meets the others: every rank
 /// then fails with that rank's error, which names the image.
-pub fn score(c: &TrainConfig, checkpoint: &Path, set: Arc<OdirDataset>) -> Result<Scored, TrainError> {
+pub fn score(
+    c: &TrainConfig,
+    checkpoint: &Path,
+    set: Arc<OdirDataset>,
+) -> Result<Scored, TrainError> {
     let env = EnvConfig::from_env().context(|| "reading the rank's environment".into())?;
     ddp_run::die_with_launcher().map_err(|e| TrainError::Invalid(e.to_string()))?;
     let settings = c.settings();
@@ -86,8 +90,9 @@ pub fn score(c: &TrainConfig, checkpoint: &Path, set: Arc<OdirDataset>) -> Resul
     let all: Vec<usize> = (0..images.len()).collect();
     let patients = Arc::new(Patients::new(set.samples()));
 
-    let opts = ddp_comm::Options::from_config(&env)
-        .op_timeout(Duration::from_secs(settings.runtime.collective_timeout_secs));
+    let opts = ddp_comm::Options::from_config(&env).op_timeout(Duration::from_secs(
+        settings.runtime.collective_timeout_secs,
+    ));
     let pg = ProcessGroup::new(opts).context(|| "joining the process group".into())?;
     let (rank, world) = (pg.rank(), pg.world_size());
     // Every rank must score the same folder with the same model.

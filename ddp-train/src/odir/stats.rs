@@ -77,7 +77,11 @@ pub struct PatientPredictions {
 }
 
 /// Each sample's probabilities (`rows`, keyed by split index) combined per patient.
-pub fn combine_patients(patients: &Patients, rows: &Rows, combine: EyeCombine) -> PatientPredictions {
+pub fn combine_patients(
+    patients: &Patients,
+    rows: &Rows,
+    combine: EyeCombine,
+) -> PatientPredictions {
     let mut by_patient: BTreeMap<u64, Vec<[f64; 8]>> = BTreeMap::new();
     for (key, row) in rows.iter() {
         let Some(id) = patients.patient_of(key as usize) else {
