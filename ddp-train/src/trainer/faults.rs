@@ -1,7 +1,11 @@
 //! The fault tests' injected failures and slow steps, read from the environment only in
 //! builds with the `fault-injection` feature (which `cargo xtask test` turns on).
 
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use crate::error::TrainError;
 
 /// For the fault tests, with the `fault-injection` feature only, before a step:
 ///
@@ -52,4 +56,34 @@ pub(super) fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: 
     unsafe {
         libc::raise(signal);
     }
+}
+
+/// For the tests of resumes on other allocations, with the `fault-injection` feature only:
+/// `DDP_TRAIN_LOG_INDICES=<folder>` makes every rank append, after each optimizer step, a
+/// line `epoch step index,index,...` of the samples that step trained to
+/// `<folder>/rank-<rank>-pid-<pid>.txt` (one file per process, so restarts are apart).
+pub(super) fn index_log() -> Option<PathBuf> {
+    if !cfg!(feature = "fault-injection") {
+        return None;
+    }
+    std::env::var_os("DDP_TRAIN_LOG_INDICES").map(PathBuf::from)
+}
+
+/// Appends one step's line to this rank's index log in `dir` (see [`index_log`]).
+pub(super) fn log_indices(
+    dir: &Path,
+    rank: usize,
+    epoch: u64,
+    step: usize,
+    indices: &[usize],
+) -> Result<(), TrainError> {
+    let path = dir.join(format!("rank-{rank}-pid-{}.txt", std::process::id()));
+    let list: Vec<String> = indices.iter().map(usize::to_string).collect();
+    let line = format!("{epoch} {step} {}\n", list.join(","));
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(line.as_bytes()))
+        .map_err(|e| TrainError::io(format!("cannot append to {}", path.display()), e))
 }
