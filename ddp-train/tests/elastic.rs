@@ -25,6 +25,7 @@ use tch::{nn, nn::Module, Device, Kind, Reduction, Tensor};
 const WORKER: &str = "rank_worker";
 const OUT_ENV: &str = "ELASTIC_TEST_OUT";
 const BATCH_ENV: &str = "ELASTIC_TEST_BATCH";
+const EVERY_ENV: &str = "ELASTIC_TEST_CHECKPOINT_EVERY";
 /// 256 training points: 8 steps of 32 samples per epoch.
 const POINTS: i64 = 256;
 const EPOCHS: u64 = 3;
@@ -82,8 +83,9 @@ impl Task for Regression {
 }
 
 /// One rank: 3 epochs of Adam with a cosine schedule after 3 warmup steps, a batch of
-/// `ELASTIC_TEST_BATCH` per rank, into `ELASTIC_TEST_OUT`; exits with the Trainer's code
-/// (75 after a requested stop).
+/// `ELASTIC_TEST_BATCH` per rank, into `ELASTIC_TEST_OUT`, a checkpoint every
+/// `ELASTIC_TEST_CHECKPOINT_EVERY` steps if set; exits with the Trainer's code (75 after a
+/// requested stop).
 #[test]
 #[ignore = "a rank of the tests in this file, started by them"]
 fn rank_worker() {
@@ -103,6 +105,9 @@ fn rank_worker() {
     settings.runtime.workers = Some(1);
     settings.runtime.progress = false;
     settings.runtime.collective_timeout_secs = 30;
+    settings.checkpoint.every = std::env::var(EVERY_ENV)
+        .ok()
+        .map(|n| n.parse().expect("a number"));
     let task = Regression {
         train: points(POINTS, 1),
         val: points(60, 2),
@@ -356,6 +361,7 @@ fn two_ranks_stopped_inside_an_epoch_continue_on_three_with_every_sample_once() 
     let mut trained = Vec::new();
     let first = index_logs(&first_log);
     assert_eq!(first.len(), 2, "one log per rank of the first start");
+    assert!(first.iter().all(|(name, _)| name.contains("-first-")));
     for (_, steps) in &first {
         // Steps 0 and 1 of epoch 1, then the stop.
         assert_eq!(steps.keys().copied().collect::<Vec<_>>(), [(1, 0), (1, 1)]);
@@ -436,4 +442,127 @@ fn an_old_checkpoint_inside_an_epoch_is_refused_on_another_world_size() {
     // On its own world size it continues.
     assert_codes(&start(Launcher::Torchrun, 2, 16, &run, &[]), 0);
     assert_eq!(column(&metrics(&run), "steps"), [8.0, 8.0, 8.0]);
+}
+
+/// One torchrun agent of the elastic test: `--nnodes 1:2`, one rank of this binary's worker,
+/// c10d rendezvous on loopback that forgets a dead node after 2 s without heartbeats, one
+/// restart. A round closes when both nodes joined, or 15 s after the first (so the second
+/// node of the first round has 15 s to start, and the survivor's round waits 15 s).
+fn agent(port: u16, host: bool, dir: &Path, env: &[(&str, &str)]) -> std::process::Child {
+    let deps =
+        std::env::var_os("DDP_DEPS_DIR").expect("cargo sets DDP_DEPS_DIR (.cargo/config.toml)");
+    let torchrun = Path::new(&deps).join("venv/bin/torchrun");
+    assert!(
+        torchrun.exists(),
+        "{} not found: run cargo xtask setup",
+        torchrun.display()
+    );
+    let conf = format!(
+        "is_host={host},join_timeout=120,last_call_timeout=15,keep_alive_interval=1,\
+         keep_alive_max_attempt=2"
+    );
+    Command::new(torchrun)
+        .args([
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "1",
+        ])
+        .args(["--rdzv-backend", "c10d", "--rdzv-id", "elastic-test"])
+        .arg("--rdzv-endpoint")
+        .arg(format!("127.0.0.1:{port}"))
+        .args(["--rdzv-conf", &conf, "--no-python"])
+        .arg(std::env::current_exe().expect("the test binary's path"))
+        .args([
+            "--ignored",
+            "--exact",
+            WORKER,
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(OUT_ENV, dir.join("run"))
+        .env(BATCH_ENV, "16")
+        .env(EVERY_ENV, "2")
+        .env("DDP_TRAIN_LOG_INDICES", dir.join("indices"))
+        .env("DDP_RDZV_TIMEOUT_S", "60")
+        .env("OMP_NUM_THREADS", "1")
+        // As under a plain torchrun: no DDP_SECRET, so the ranks share the user's key file.
+        .env("XDG_CONFIG_HOME", dir.join("config"))
+        .env_remove("DDP_SECRET")
+        .env_remove("DDP_SECRET_FILE")
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("torchrun starts")
+}
+
+/// Two torchrun agents (`--nnodes 1:2`, c10d rendezvous) train together at 2 x 16; in
+/// epoch 1 step 5 the second node is lost, agent and rank (its rank kills both). The
+/// survivor's agent restarts its rank with world size 1; the rank resumes from the run's
+/// latest checkpoint (step 4, written every 2 steps) and trains exactly the 128 samples
+/// epoch 1 had left, in 8 steps of 16, then two epochs of 16 steps.
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn a_torchrun_elastic_job_that_loses_a_node_continues_with_the_samples_left() {
+    let tmp = common::temp_dir("ddp-train-elastic-torchrun");
+    let dir = tmp.path();
+    std::fs::create_dir_all(dir.join("indices")).unwrap();
+    let port = common::free_port();
+    // The node to lose is a client of the rendezvous store, which the survivor hosts.
+    let lost = [
+        ("DDP_TRAIN_FAIL_RANK", "all"),
+        ("DDP_TRAIN_FAIL_AT", "1:5"),
+        ("DDP_TRAIN_FAIL_SIGNAL", "KILL_PARENT"),
+    ];
+    let second = agent(port, false, dir, &lost);
+    let first = agent(port, true, dir, &[]);
+    let outputs = wait_all(vec![first, second], Duration::from_secs(300));
+    let (survivor, lost) = (&outputs[0], &outputs[1]);
+    let t = text(survivor);
+    assert!(
+        survivor.status.success(),
+        "the surviving agent failed:\n{t}\n{}",
+        text(lost)
+    );
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(lost.status.signal(), Some(libc::SIGKILL), "{}", text(lost));
+    assert!(
+        t.contains("rank 1 of 2") || text(lost).contains("rank 1 of 2"),
+        "{t}"
+    );
+    assert!(
+        t.contains(
+            "epoch-0001-step-000004.safetensors (epoch 1 at step 4), after the launcher's restart"
+        ) && t.contains("the global batch changes from 32 to 16"),
+        "{t}"
+    );
+
+    let m = metrics(&dir.join("run"));
+    assert_eq!(column(&m, "world_size"), [1.0, 1.0, 1.0]);
+    assert_eq!(column(&m, "steps"), [12.0, 16.0, 16.0]);
+    assert_eq!(m[0]["allocation_change"]["from"]["world_size"], 2);
+    assert_eq!(m[0]["allocation_change"]["consumed"], 128);
+
+    // Epoch 1: steps 0-3 of both first ranks (what the checkpoint holds), then steps 4-11 of
+    // the restarted rank: every sample once.
+    let logs = index_logs(&dir.join("indices"));
+    let names: Vec<&str> = logs.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(logs.len(), 3, "{names:?}");
+    let mut trained = Vec::new();
+    for (name, steps) in &logs {
+        for ((epoch, step), indices) in steps {
+            let restarted = name.contains("-restarted-");
+            if *epoch == 1 && (restarted || *step < 4) {
+                trained.extend(indices.iter().copied());
+            }
+        }
+    }
+    trained.sort_unstable();
+    assert_eq!(trained, (0..POINTS as usize).collect::<Vec<_>>());
 }

@@ -13,8 +13,10 @@ use crate::error::TrainError;
 ///   every rank) fail at that step, in the first attempt only (a restarted attempt has
 ///   `TORCHELASTIC_RESTART_COUNT` > 0): exit with status 17, or with
 ///   `DDP_TRAIN_FAIL_SIGNAL=KILL` kill itself, with `STOP` stop itself (a hung rank), with
-///   `TERM` send itself SIGTERM (a stop request to one rank), or with `KILL_LAUNCHER` kill
-///   its launcher (`DDP_LAUNCHER_PID`) with SIGKILL and carry on until it dies with it;
+///   `TERM` send itself SIGTERM (a stop request to one rank), with `KILL_LAUNCHER` kill
+///   its launcher (`DDP_LAUNCHER_PID`) with SIGKILL and carry on until it dies with it, or
+///   with `KILL_PARENT` kill its parent process (torchrun's agent) and itself with SIGKILL
+///   (a node lost with its agent);
 /// - `DDP_TRAIN_STEP_SLEEP_MS=n` makes every step n ms longer (so that a test can act in
 ///   the middle of an epoch).
 pub(super) fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: bool) {
@@ -39,6 +41,11 @@ pub(super) fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: 
     );
     let signal = match how.as_str() {
         "KILL" => libc::SIGKILL,
+        "KILL_PARENT" => {
+            // SAFETY: getppid(2) and kill(2) take and return plain integers.
+            unsafe { libc::kill(libc::getppid(), libc::SIGKILL) };
+            libc::SIGKILL
+        }
         "STOP" => libc::SIGSTOP,
         "TERM" => libc::SIGTERM,
         "KILL_LAUNCHER" => {
@@ -61,7 +68,8 @@ pub(super) fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: 
 /// For the tests of resumes on other allocations, with the `fault-injection` feature only:
 /// `DDP_TRAIN_LOG_INDICES=<folder>` makes every rank append, after each optimizer step, a
 /// line `epoch step index,index,...` of the samples that step trained to
-/// `<folder>/rank-<rank>-pid-<pid>.txt` (one file per process, so restarts are apart).
+/// `<folder>/rank-<rank>-<attempt>-pid-<pid>.txt`, where `<attempt>` is `first` or
+/// `restarted` (after a launcher's restart): one file per process.
 pub(super) fn index_log() -> Option<PathBuf> {
     if !cfg!(feature = "fault-injection") {
         return None;
@@ -73,11 +81,16 @@ pub(super) fn index_log() -> Option<PathBuf> {
 pub(super) fn log_indices(
     dir: &Path,
     rank: usize,
+    restarted: bool,
     epoch: u64,
     step: usize,
     indices: &[usize],
 ) -> Result<(), TrainError> {
-    let path = dir.join(format!("rank-{rank}-pid-{}.txt", std::process::id()));
+    let attempt = if restarted { "restarted" } else { "first" };
+    let path = dir.join(format!(
+        "rank-{rank}-{attempt}-pid-{}.txt",
+        std::process::id()
+    ));
     let list: Vec<String> = indices.iter().map(usize::to_string).collect();
     let line = format!("{epoch} {step} {}\n", list.join(","));
     std::fs::OpenOptions::new()

@@ -303,7 +303,7 @@ impl<T: Task> Trainer<T> {
                 scaler.update(found_inf);
             }
             if let Some(dir) = &index_log {
-                super::faults::log_indices(dir, rank, epoch, step, &step_indices)?;
+                super::faults::log_indices(dir, rank, self.restarted, epoch, step, &step_indices)?;
             }
             self.budget.step_took(step_started.elapsed());
             let log_every = s.runtime.log_every;
