@@ -289,8 +289,11 @@ fn one_rank_of_32_stopped_inside_an_epoch_continues_on_two_ranks_of_16_exactly()
     check_same_global_batch("1x32-2x16", (1, 32), (2, 16), Launcher::Torchrun);
 }
 
-/// `(epoch, step) -> indices` of every file of an index log, one map per process.
-fn index_logs(dir: &Path) -> Vec<(String, BTreeMap<(u64, usize), Vec<usize>>)> {
+/// What one process trained: `(epoch, step) -> indices`.
+type StepIndices = BTreeMap<(u64, usize), Vec<usize>>;
+
+/// Every file of an index log by name, one per process.
+fn index_logs(dir: &Path) -> Vec<(String, StepIndices)> {
     let mut logs: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| {

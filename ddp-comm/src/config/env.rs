@@ -476,14 +476,21 @@ mod tests {
         assert_eq!(place(&[("LOCAL_WORLD_SIZE", "2")]), (1, 2));
         // torchrun's own variables win.
         assert_eq!(place(&[("LOCAL_RANK", "2")]), (2, 4));
-        assert_eq!(place(&[("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")]), (1, 2));
+        assert_eq!(
+            place(&[("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")]),
+            (1, 2)
+        );
         // Inside an srun task: SLURM's local id and tasks per node.
         assert_eq!(
             place(&[("SLURM_LOCALID", "1"), ("SLURM_TASKS_PER_NODE", "2(x2)")]),
             (1, 2)
         );
         assert_eq!(place(&[("SLURM_LOCALID", "3")]), (3, 4));
-        match read(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "0")]) {
+        match read(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_WORLD_SIZE", "0"),
+        ]) {
             Err(CommError::MalformedEnv { var, .. }) => assert_eq!(var, "LOCAL_WORLD_SIZE"),
             other => panic!("{other:?}"),
         }
