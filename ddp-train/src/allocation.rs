@@ -95,11 +95,11 @@ impl EpochRest {
     /// The steps left on `now`, at most `max_steps` in the whole epoch: exact when the global
     /// batch is unchanged, else rounded up (the last step is filled by padding).
     pub fn steps_left(&self, now: Allocation, max_steps: Option<usize>) -> usize {
-        let left = (self.end - self.consumed).div_ceil(now.global_batch());
-        match (self.changed_from, max_steps) {
-            (Some(_), Some(m)) => left.min(m.saturating_sub(self.first_step)),
-            _ => left,
-        }
+        let left = self
+            .end
+            .saturating_sub(self.consumed)
+            .div_ceil(now.global_batch());
+        max_steps.map_or(left, |m| left.min(m.saturating_sub(self.first_step)))
     }
 }
 
@@ -261,6 +261,9 @@ mod tests {
         let rest = continue_epoch(saved(alloc(2, 8, 2), 3, 320), alloc(2, 8, 2), 10).unwrap();
         assert_eq!((rest.changed_from, rest.consumed), (None, 96));
         assert_eq!(rest.steps_left(alloc(2, 8, 2), Some(10)), 7);
+        // A lower cap on the resume counts too, and a step past it leaves nothing.
+        assert_eq!(rest.steps_left(alloc(2, 8, 2), Some(5)), 2);
+        assert_eq!(rest.steps_left(alloc(2, 8, 2), Some(2)), 0);
     }
 
     #[test]

@@ -818,6 +818,51 @@ mod tests {
         assert!(check_resume_agreement(&fresh).is_err());
     }
 
+    #[test]
+    fn the_resume_key_and_the_check_cover_the_allocation() {
+        let mut st = state(1, 0.1);
+        st.allocation = Some(Allocation {
+            world_size: 2,
+            batch_size: 16,
+            accumulate: 1,
+        });
+        st.position = Some(Position {
+            epoch: 2,
+            step: 4,
+            loss_sum: 1.0,
+            samples: 128,
+            train_seconds: 1.0,
+            grad_norm_sum: 0.0,
+            skipped_steps: 0,
+            consumed: Some(128),
+            epoch_end: Some(256),
+        });
+        assert_eq!(
+            resume_key(Path::new("epoch-0002-step-000004.safetensors"), Some(&st)),
+            "epoch-0002-step-000004.safetensors (epoch 1, step 4, 8 optimizer steps, lr 1e-1, \
+             written on 2 rank(s) x batch 16 x accumulate 1 (global batch 32), 128 samples \
+             consumed)"
+        );
+        let file = Path::new("s");
+        assert!(check_state(&st, file).is_ok());
+        let mut past = st.clone();
+        past.position.as_mut().unwrap().consumed = Some(300);
+        match check_state(&past, file) {
+            Err(TrainError::Invalid(m)) => {
+                assert!(m.contains("300 samples consumed of an epoch of 256"), "{m}")
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut empty = st;
+        empty.allocation.as_mut().unwrap().batch_size = 0;
+        match check_state(&empty, file) {
+            Err(TrainError::Invalid(m)) => {
+                assert!(m.contains("allocation 2 rank(s) x batch 0"), "{m}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     mod fuzz {
         use super::*;
         use proptest::prelude::*;

@@ -417,12 +417,12 @@ fn describe_change(
         now.global_batch()
     ));
     if let Some(rest) = rest {
-        let left = rest.end - rest.consumed;
+        let left = rest.end.saturating_sub(rest.consumed);
         let steps = rest.steps_left(now, None);
         line.push_str(&format!(
             "; the rest of epoch {epoch} ({left} samples) takes {steps} step(s)"
         ));
-        let padding = steps * now.global_batch() - left;
+        let padding = (steps * now.global_batch()).saturating_sub(left);
         if padding > 0 {
             line.push_str(&format!(
                 ", the last one filled with {padding} repeated sample(s)"
