@@ -116,7 +116,8 @@ pub struct Saved {
     pub consumed: Option<usize>,
     /// Where the epoch ends (`None` in old checkpoints).
     pub end: Option<usize>,
-    /// The per-rank batch and accumulation in the checkpoint's settings, for old checkpoints.
+    /// The per-rank batch and accumulation in the checkpoint's settings, for old checkpoints
+    /// (both positive).
     pub old_batch: Option<(usize, usize)>,
 }
 
@@ -165,7 +166,10 @@ pub fn continue_epoch(
         });
     }
     let before = match (saved.samples % saved.step, saved.old_batch) {
-        (0, Some((b, a))) if (saved.samples / saved.step) % (b * a) == 0 => {
+        (0, Some((b, a)))
+            if b.checked_mul(a)
+                .is_some_and(|g| g > 0 && (saved.samples / saved.step) % g == 0) =>
+        {
             let ranks = saved.samples / saved.step / (b * a);
             format!("{ranks} rank(s) x batch {b} x accumulate {a}")
         }

@@ -378,7 +378,9 @@ fn continue_at(
     steps_now: usize,
 ) -> Result<EpochRest, String> {
     let setting = |name: &str| st.config["settings"][name].as_u64().map(|v| v as usize);
-    let old_batch = setting("batch_size").map(|b| (b, setting("accumulate").unwrap_or(1)));
+    let old_batch = setting("batch_size")
+        .map(|b| (b, setting("accumulate").unwrap_or(1)))
+        .filter(|&(b, a)| b > 0 && a > 0);
     allocation::continue_epoch(
         Saved {
             allocation: st.allocation,
