@@ -447,11 +447,17 @@ fn an_old_checkpoint_inside_an_epoch_is_refused_on_another_world_size() {
     assert_eq!(column(&metrics(&run), "steps"), [8.0, 8.0, 8.0]);
 }
 
-/// One torchrun agent of the elastic test: `--nnodes 1:2`, one rank of this binary's worker,
-/// c10d rendezvous on loopback that forgets a dead node after 2 s without heartbeats, one
-/// restart. A round closes when both nodes joined, or 15 s after the first (so the second
-/// node of the first round has 15 s to start, and the survivor's round waits 15 s).
-fn agent(port: u16, host: bool, dir: &Path, env: &[(&str, &str)]) -> std::process::Child {
+/// One torchrun agent of the elastic tests: `--nnodes 1:2`, one rank of this binary's
+/// worker, c10d rendezvous on loopback that forgets a dead node after 5 s without
+/// heartbeats, one restart. A round closes when both nodes joined, or `last_call` seconds
+/// after the first.
+fn agent(
+    port: u16,
+    host: bool,
+    last_call: u32,
+    dir: &Path,
+    env: &[(&str, &str)],
+) -> std::process::Child {
     let deps =
         std::env::var_os("DDP_DEPS_DIR").expect("cargo sets DDP_DEPS_DIR (.cargo/config.toml)");
     let torchrun = Path::new(&deps).join("venv/bin/torchrun");
@@ -461,8 +467,8 @@ fn agent(port: u16, host: bool, dir: &Path, env: &[(&str, &str)]) -> std::proces
         torchrun.display()
     );
     let conf = format!(
-        "is_host={host},join_timeout=120,last_call_timeout=15,keep_alive_interval=1,\
-         keep_alive_max_attempt=2"
+        "is_host={host},join_timeout=120,last_call_timeout={last_call},keep_alive_interval=1,\
+         keep_alive_max_attempt=5"
     );
     Command::new(torchrun)
         .args([
@@ -523,8 +529,9 @@ fn a_torchrun_elastic_job_that_loses_a_node_continues_with_the_samples_left() {
         ("DDP_TRAIN_FAIL_AT", "1:5"),
         ("DDP_TRAIN_FAIL_SIGNAL", "KILL_PARENT"),
     ];
-    let second = agent(port, false, dir, &lost);
-    let first = agent(port, true, dir, &[]);
+    // The second node of the first round has 15 s to join; the survivor's round waits 15 s.
+    let second = agent(port, false, 15, dir, &lost);
+    let first = agent(port, true, 15, dir, &[]);
     let outputs = wait_all(vec![first, second], Duration::from_secs(300));
     let (survivor, lost) = (&outputs[0], &outputs[1]);
     let t = text(survivor);
