@@ -71,4 +71,29 @@ pub enum SamplerError {
         /// The number of samples this rank yields per epoch.
         len: usize,
     },
+
+    /// The rest of an epoch was asked for after more positions than the epoch has.
+    #[error(
+        "cannot continue an epoch after {consumed} consumed positions: it ends at position {end}"
+    )]
+    ConsumedPastEnd {
+        /// The positions of the epoch's order already consumed.
+        consumed: usize,
+        /// Where the epoch ends.
+        end: usize,
+    },
+
+    /// An epoch's end past the dataset was given to a rule that never repeats a sample.
+    #[error(
+        "an epoch of {dataset_len} samples under {partition} ends at position {dataset_len} at \
+         the latest, not {end}: only Partition::Padded repeats samples"
+    )]
+    EndPastDataset {
+        /// The end asked for.
+        end: usize,
+        /// The number of samples in the dataset.
+        dataset_len: usize,
+        /// The partition rule in force, in words.
+        partition: &'static str,
+    },
 }

@@ -6,7 +6,8 @@
 //! rules exactly (padding, `drop_last`, strided shards) except for the random source, which
 //! is specified below so that any implementation can reproduce it. Beyond PyTorch it offers
 //! exact evaluation shards ([`Partition::Exact`]), mid-epoch resume
-//! ([`DistributedSampler::iter_from`]) and [`Batches`] that have the same count on every
+//! ([`DistributedSampler::iter_from`]), the rest of an epoch on another number of ranks
+//! ([`DistributedSampler::remaining`]) and [`Batches`] that have the same count on every
 //! rank. It has no I/O and no dependency on libtorch.
 //!
 //! ```
@@ -97,6 +98,7 @@
 mod batch;
 mod error;
 mod permutation;
+mod resume;
 mod sampler;
 mod shard;
 

@@ -91,11 +91,7 @@ impl SamplerBuilder {
             (Partition::Exact, false) => Rule::Exact,
             (Partition::Exact, true) => return Err(SamplerError::DropLastWithExact),
         };
-        let layout = Layout {
-            dataset_len: self.dataset_len,
-            num_replicas,
-            rule,
-        };
+        let layout = Layout::epoch(self.dataset_len, num_replicas, rule);
         // The last rank has the shortest shard under every rule.
         if layout.len_of_rank(num_replicas - 1) == 0 {
             return Err(SamplerError::EmptyShard {
@@ -216,8 +212,12 @@ impl DistributedSampler {
     /// A shuffled epoch costs one permutation of `0..dataset_len` (4 bytes per index while
     /// `dataset_len` fits in `u32`, else 8 bytes, reused in place) that is freed on return.
     pub fn indices(&self) -> Vec<usize> {
-        let shard = self.shard();
-        if !self.shuffle {
+        self.indices_of(self.shard())
+    }
+
+    /// The indices of `shard` (of this sampler's dataset) in the current epoch's order.
+    pub(crate) fn indices_of(&self, shard: Shard) -> Vec<usize> {
+        if !self.shuffle || shard.len == 0 {
             return shard.sequential();
         }
         let n = self.layout.dataset_len;
@@ -281,6 +281,11 @@ impl DistributedSampler {
 
     fn shard(&self) -> Shard {
         self.layout.shard(self.rank)
+    }
+
+    /// The layout of a whole epoch.
+    pub(crate) fn layout(&self) -> Layout {
+        self.layout
     }
 }
 

@@ -44,18 +44,33 @@ impl Rule {
     }
 }
 
-/// The shape of every rank's shard: dataset length, replica count and rule.
+/// The shape of every rank's shard: dataset length, replica count and rule, and which
+/// positions of the epoch's order are dealt: `span` of them from `start` on (the whole order,
+/// `0` and `dataset_len`, except for the rest of an epoch after a resume).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Layout {
     pub(crate) dataset_len: usize,
     pub(crate) num_replicas: usize,
     pub(crate) rule: Rule,
+    pub(crate) start: usize,
+    pub(crate) span: usize,
 }
 
 impl Layout {
+    /// The layout of a whole epoch.
+    pub(crate) fn epoch(dataset_len: usize, num_replicas: usize, rule: Rule) -> Layout {
+        Layout {
+            dataset_len,
+            num_replicas,
+            rule,
+            start: 0,
+            span: dataset_len,
+        }
+    }
+
     /// How many samples rank `rank` (below `num_replicas`) takes per epoch.
     pub(crate) fn len_of_rank(&self, rank: usize) -> usize {
-        let (n, r) = (self.dataset_len, self.num_replicas);
+        let (n, r) = (self.span, self.num_replicas);
         match self.rule {
             Rule::Pad => n.div_ceil(r),
             Rule::Drop => n / r,
@@ -70,32 +85,35 @@ impl Layout {
             num_replicas: self.num_replicas,
             rank,
             len: self.len_of_rank(rank),
+            start: self.start,
         }
     }
 }
 
-/// One rank's share of an epoch: its `k`-th sample sits at position `rank + k * num_replicas`
-/// of the padded order, which is position `(rank + k * num_replicas) % dataset_len` of the
-/// order itself.
+/// One rank's share of an epoch: its `k`-th sample sits at position
+/// `start + rank + k * num_replicas` of the padded order, which is position
+/// `(start + rank + k * num_replicas) % dataset_len` of the order itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Shard {
     pub(crate) dataset_len: usize,
     pub(crate) num_replicas: usize,
     pub(crate) rank: usize,
     pub(crate) len: usize,
+    /// The first position dealt (0 for a whole epoch).
+    pub(crate) start: usize,
 }
 
 impl Shard {
     /// Where in the epoch's order this rank's `k`-th sample is.
     #[inline]
     pub(crate) fn position(&self, k: usize) -> usize {
-        (self.rank + k * self.num_replicas) % self.dataset_len
+        (self.start + self.rank + k * self.num_replicas) % self.dataset_len
     }
 
     /// How many of this rank's samples lie before the padding (need no wrap-around).
     fn unpadded(&self) -> usize {
         self.dataset_len
-            .saturating_sub(self.rank)
+            .saturating_sub(self.start + self.rank)
             .div_ceil(self.num_replicas)
             .min(self.len)
     }
@@ -125,7 +143,8 @@ impl Gather for u32 {
         let unpadded = shard.unpadded();
         let mut out = Vec::with_capacity(shard.len);
         if unpadded > 0 {
-            let strided = order[shard.rank..].iter().step_by(shard.num_replicas);
+            let first = shard.start + shard.rank;
+            let strided = order[first..].iter().step_by(shard.num_replicas);
             out.extend(strided.take(unpadded).map(|slot| slot.index()));
         }
         out.extend((unpadded..shard.len).map(|k| order[shard.position(k)].index()));
@@ -135,16 +154,16 @@ impl Gather for u32 {
 
 impl Gather for usize {
     /// Compacts the share to the front of `order` in place: the `k`-th sample comes from
-    /// position `rank + k * R >= k`, so no source is overwritten before it is read. Padding
-    /// positions (at most one per rank, since padding is shorter than `R`) wrap to the start of
-    /// the order and are read first.
+    /// position `start + rank + k * R >= k`, so no source is overwritten before it is read.
+    /// Padding positions (past the order's end: at most one per rank in a whole epoch, since
+    /// padding is shorter than `R`) wrap to the start of the order and are read first.
     fn gather(mut order: Vec<usize>, shard: &Shard) -> Vec<usize> {
         let unpadded = shard.unpadded();
         let padding: Vec<usize> = (unpadded..shard.len)
             .map(|k| order[shard.position(k)])
             .collect();
         for k in 0..unpadded {
-            order[k] = order[shard.rank + k * shard.num_replicas];
+            order[k] = order[shard.start + shard.rank + k * shard.num_replicas];
         }
         order.truncate(unpadded);
         order.extend(padding);
@@ -158,11 +177,7 @@ mod tests {
     use super::*;
 
     fn layout(dataset_len: usize, num_replicas: usize, rule: Rule) -> Layout {
-        Layout {
-            dataset_len,
-            num_replicas,
-            rule,
-        }
+        Layout::epoch(dataset_len, num_replicas, rule)
     }
 
     fn lens(layout: Layout) -> Vec<usize> {

@@ -36,6 +36,7 @@
 
 #![warn(missing_docs)]
 
+pub mod allocation;
 mod amp;
 #[cfg(feature = "cli")]
 pub mod cli;

@@ -1,7 +1,10 @@
 //! How the learning rate changes: [`LrSchedule`], one choice among schedules stepped once
 //! per optimizer step, with warmup (below: the factor of the base learning rate at optimizer
 //! step `t`, 0 for the first step), and `ReduceLROnPlateau` on a metric after each epoch
-//! ([`Plateau`]).
+//! ([`Plateau`]). `T` is the run's planned total, recorded when it starts (`--epochs` times
+//! the starting allocation's steps per epoch), so that a resume on another number of ranks
+//! keeps the curve; past `T` the `linear`, `cosine` and `one-cycle` factors stay at their
+//! last value.
 //!
 //! | schedule | factor at step `t` (`w` warmup steps, `T` steps in all) | as |
 //! |---|---|---|
@@ -206,7 +209,9 @@ impl LrSchedule {
             LrSchedule::Constant { .. } | LrSchedule::Plateau(_) => 1.0,
             LrSchedule::Linear { .. } => ((decay_steps - after) / decay_steps).max(0.0),
             LrSchedule::Cosine { .. } => {
-                let progress = after / decay_steps;
+                // Past the planned total (a run resumed on a smaller global batch takes more
+                // steps) the rate stays at the curve's end instead of rising again.
+                let progress = (after / decay_steps).min(1.0);
                 (0.5 * (1.0 + (PI * progress).cos())).max(0.0)
             }
             LrSchedule::Step { every, gamma, .. } => {
@@ -326,6 +331,8 @@ mod tests {
         assert!(close(cosine.factor(10, 110), 1.0));
         assert!(close(cosine.factor(60, 110), 0.5));
         assert!(close(cosine.factor(110, 110), 0.0));
+        // Past the planned total (more steps than planned after a resume) it stays at 0.
+        assert!(close(cosine.factor(160, 110), 0.0));
         let constant = LrSchedule::Constant { warmup: 4 };
         assert_eq!(constant.factor(1, 100), 0.25);
         assert_eq!(constant.factor(99, 100), 1.0);

@@ -177,6 +177,7 @@ mod tests {
                 epoch_seconds: 1.0,
                 steps: 3,
                 world_size: 2,
+                allocation_change: None,
             })
             .collect();
         let metrics = ["val_f1".to_string()];

@@ -39,6 +39,12 @@ pub struct EpochReport {
     pub steps: usize,
     /// Ranks that trained.
     pub world_size: usize,
+    /// In the first epoch of a run resumed on another allocation (ranks, batch,
+    /// accumulation) than its checkpoint's: what changed (the checkpoint's and the new
+    /// allocation, their global batches and steps per epoch, and for a checkpoint inside the
+    /// epoch its step and samples consumed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocation_change: Option<Value>,
 }
 
 impl EpochReport {

@@ -26,6 +26,7 @@ use ddp_model::checkpoint;
 use serde::{Deserialize, Serialize};
 use tch::nn::VarStore;
 
+use crate::allocation::{Allocation, Plan};
 use crate::error::TrainError;
 use crate::optim::Optimizer;
 use crate::scheduler::ReduceLrOnPlateau;
@@ -89,6 +90,14 @@ pub struct Position {
     /// Steps of this epoch so far that fp16's scaler skipped (the same on every rank).
     #[serde(default)]
     pub skipped_steps: u64,
+    /// Positions of the epoch's order its steps so far consumed, all ranks together (the
+    /// first `consumed`); `None` in checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumed: Option<usize>,
+    /// Where the epoch ends, in positions of its order: a whole number of steps of the
+    /// allocation that started it. `None` in checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch_end: Option<usize>,
 }
 
 /// The scalar state of a run at a checkpoint.
@@ -118,6 +127,14 @@ pub struct TrainState {
     pub grad_scaler: Option<crate::amp::ScalerState>,
     /// The run's seed (every random draw derives from it and the epoch and step).
     pub seed: u64,
+    /// The ranks and batches the checkpoint was written on; `None` in checkpoints written
+    /// before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocation: Option<Allocation>,
+    /// The run's planned length, recorded at its start (per-step schedules run over it);
+    /// `None` in checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<Plan>,
     /// The settings the run was started with, as JSON.
     pub config: serde_json::Value,
 }
@@ -332,6 +349,17 @@ pub fn check_state(state: &TrainState, file: &Path) -> Result<(), TrainError> {
         if p.epoch == 0 || p.epoch >= MAX || p.step as u64 >= MAX || p.samples as u64 >= MAX {
             problems.push(format!("position epoch {} step {}", p.epoch, p.step));
         }
+        let (consumed, end) = (p.consumed.unwrap_or(0), p.epoch_end.unwrap_or(0));
+        if consumed as u64 >= MAX || end as u64 >= MAX || (p.epoch_end.is_some() && consumed > end)
+        {
+            problems.push(format!("{consumed} samples consumed of an epoch of {end}"));
+        }
+    }
+    if let Some(a) = &state.allocation {
+        let each = [a.world_size, a.batch_size, a.accumulate];
+        if each.iter().any(|&n| n == 0 || n >= 1 << 20) || (a.global_batch() as u64) >= MAX {
+            problems.push(format!("allocation {a}"));
+        }
     }
     if !(0..1 << 40).contains(&state.optimizer_steps) {
         problems.push(format!("optimizer steps {}", state.optimizer_steps));
@@ -370,13 +398,23 @@ pub fn resume_key(model_path: &Path, state: Option<&TrainState>) -> String {
         .file_name()
         .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
     match state {
-        Some(s) => format!(
-            "{name} (epoch {}, step {}, {} optimizer steps, lr {:e})",
-            s.epoch,
-            s.position.as_ref().map_or(0, |p| p.step),
-            s.optimizer_steps,
-            s.lr
-        ),
+        Some(s) => {
+            let mut key = format!(
+                "{name} (epoch {}, step {}, {} optimizer steps, lr {:e}",
+                s.epoch,
+                s.position.as_ref().map_or(0, |p| p.step),
+                s.optimizer_steps,
+                s.lr
+            );
+            if let Some(a) = &s.allocation {
+                key.push_str(&format!(", written on {a}"));
+            }
+            if let Some(consumed) = s.position.as_ref().and_then(|p| p.consumed) {
+                key.push_str(&format!(", {consumed} samples consumed"));
+            }
+            key.push(')');
+            key
+        }
         None => name,
     }
 }
@@ -633,6 +671,8 @@ mod tests {
             early_stopping: None,
             grad_scaler: None,
             seed: 0,
+            allocation: None,
+            plan: None,
             config: serde_json::Value::Null,
         };
         assert_eq!(stem_of(&st), "epoch-0001");
@@ -644,6 +684,8 @@ mod tests {
             train_seconds: 0.5,
             grad_norm_sum: 0.0,
             skipped_steps: 0,
+            consumed: None,
+            epoch_end: None,
         });
         assert_eq!(stem_of(&st), "epoch-0002-step-000017");
         assert_eq!(step_of("epoch-0002-step-000017"), Some((2, 17)));
@@ -665,6 +707,8 @@ mod tests {
             early_stopping: None,
             grad_scaler: None,
             seed: 0,
+            allocation: None,
+            plan: None,
             config: serde_json::Value::Null,
         }
     }
@@ -774,6 +818,51 @@ mod tests {
         assert!(check_resume_agreement(&fresh).is_err());
     }
 
+    #[test]
+    fn the_resume_key_and_the_check_cover_the_allocation() {
+        let mut st = state(1, 0.1);
+        st.allocation = Some(Allocation {
+            world_size: 2,
+            batch_size: 16,
+            accumulate: 1,
+        });
+        st.position = Some(Position {
+            epoch: 2,
+            step: 4,
+            loss_sum: 1.0,
+            samples: 128,
+            train_seconds: 1.0,
+            grad_norm_sum: 0.0,
+            skipped_steps: 0,
+            consumed: Some(128),
+            epoch_end: Some(256),
+        });
+        assert_eq!(
+            resume_key(Path::new("epoch-0002-step-000004.safetensors"), Some(&st)),
+            "epoch-0002-step-000004.safetensors (epoch 1, step 4, 8 optimizer steps, lr 1e-1, \
+             written on 2 rank(s) x batch 16 x accumulate 1 (global batch 32), 128 samples \
+             consumed)"
+        );
+        let file = Path::new("s");
+        assert!(check_state(&st, file).is_ok());
+        let mut past = st.clone();
+        past.position.as_mut().unwrap().consumed = Some(300);
+        match check_state(&past, file) {
+            Err(TrainError::Invalid(m)) => {
+                assert!(m.contains("300 samples consumed of an epoch of 256"), "{m}")
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut empty = st;
+        empty.allocation.as_mut().unwrap().batch_size = 0;
+        match check_state(&empty, file) {
+            Err(TrainError::Invalid(m)) => {
+                assert!(m.contains("allocation 2 rank(s) x batch 0"), "{m}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     mod fuzz {
         use super::*;
         use proptest::prelude::*;
@@ -809,6 +898,8 @@ mod tests {
                     train_seconds: 0.0,
                     grad_norm_sum: 0.0,
                     skipped_steps: 0,
+                    consumed: None,
+                    epoch_end: None,
                 }
             }))
         }
@@ -878,6 +969,8 @@ mod tests {
                     train_seconds: 2.0,
                     grad_norm_sum: 0.0,
                     skipped_steps: 0,
+                    consumed: None,
+                    epoch_end: None,
                 });
                 let mut text = serde_json::to_vec(&st).unwrap();
                 for (at, value) in changes {

@@ -144,19 +144,14 @@ impl EnvConfig {
                 let rank = number("RANK")?.ok_or_else(|| missing("RANK", "WORLD_SIZE is set"))?;
                 let world =
                     number("WORLD_SIZE")?.ok_or_else(|| missing("WORLD_SIZE", "RANK is set"))?;
-                let local_rank = number("LOCAL_RANK")?.unwrap_or(rank);
-                let local_world = number("LOCAL_WORLD_SIZE")?.unwrap_or(world);
+                let (local_rank, local_world) = local_place(rank, world, number, &get)?;
                 (EnvSource::Torchrun, rank, world, local_rank, local_world)
             } else if get("SLURM_PROCID").is_some() {
                 let rank = number("SLURM_PROCID")?.unwrap_or(0);
                 let world = number("SLURM_NTASKS")?
                     .ok_or_else(|| missing("SLURM_NTASKS", "SLURM_PROCID is set"))?;
                 let local_rank = number("SLURM_LOCALID")?.unwrap_or(0);
-                let local_world =
-                    match get("SLURM_NTASKS_PER_NODE").or_else(|| get("SLURM_TASKS_PER_NODE")) {
-                        Some(v) => leading_count("SLURM_TASKS_PER_NODE", &v)?,
-                        None => world,
-                    };
+                let local_world = slurm_tasks_per_node(&get)?.unwrap_or(world);
                 (EnvSource::Slurm, rank, world, local_rank, local_world)
             } else {
                 (EnvSource::Single, 0, 1, 0, 1)
@@ -266,6 +261,51 @@ impl EnvConfig {
             source,
         })
     }
+}
+
+/// The local rank and local world size of rank `rank` of `world` that has `RANK` and
+/// `WORLD_SIZE`, in this order of precedence:
+///
+/// 1. `LOCAL_RANK` (torchrun, `ddp-run`), with `LOCAL_WORLD_SIZE`, else `world`;
+/// 2. `SLURM_LOCALID` (torchrun's variables set by hand inside an `srun` task), with
+///    `LOCAL_WORLD_SIZE`, else SLURM's tasks per node, else `world`;
+/// 3. `LOCAL_WORLD_SIZE` alone: ranks fill the hosts in order, `rank % LOCAL_WORLD_SIZE`;
+/// 4. none of them (a Kubeflow `PyTorchJob` pod, which gets `RANK`, `WORLD_SIZE`,
+///    `MASTER_ADDR` and `MASTER_PORT` only): one rank per host, local rank 0 of 1, so that a
+///    single-GPU pod's rank uses `cuda:0` and all of the pod's cores.
+fn local_place<G: Fn(&str) -> Option<String>>(
+    rank: usize,
+    world: usize,
+    number: impl Fn(&str) -> Result<Option<usize>, CommError>,
+    get: &G,
+) -> Result<(usize, usize), CommError> {
+    let local_world = number("LOCAL_WORLD_SIZE")?;
+    if let Some(local_rank) = number("LOCAL_RANK")? {
+        return Ok((local_rank, local_world.unwrap_or(world)));
+    }
+    if let Some(local_rank) = number("SLURM_LOCALID")? {
+        let per_node = match local_world {
+            Some(n) => Some(n),
+            None => slurm_tasks_per_node(get)?,
+        };
+        return Ok((local_rank, per_node.unwrap_or(world)));
+    }
+    match local_world {
+        Some(0) => Err(malformed("LOCAL_WORLD_SIZE", "0", "a positive integer")),
+        Some(n) => Ok((rank % n, n)),
+        None => Ok((0, 1)),
+    }
+}
+
+/// SLURM's tasks on this node: `SLURM_NTASKS_PER_NODE`, else the first count of
+/// `SLURM_TASKS_PER_NODE` (`"4(x2),2"` -> 4).
+fn slurm_tasks_per_node<G: Fn(&str) -> Option<String>>(
+    get: &G,
+) -> Result<Option<usize>, CommError> {
+    get("SLURM_NTASKS_PER_NODE")
+        .or_else(|| get("SLURM_TASKS_PER_NODE"))
+        .map(|v| leading_count("SLURM_TASKS_PER_NODE", &v))
+        .transpose()
 }
 
 fn missing(var: &str, why: &str) -> CommError {
@@ -421,6 +461,39 @@ mod tests {
         assert_eq!((c.master_addr.as_str(), c.master_port), ("gpu07", 23456));
         assert_eq!(c.run_id, "123456");
         assert_eq!(c.source, EnvSource::Slurm);
+    }
+
+    #[test]
+    fn without_local_variables_a_rank_is_alone_on_its_host() {
+        let place = |vars: &[(&str, &str)]| {
+            let base = [("RANK", "3"), ("WORLD_SIZE", "4"), ("MASTER_PORT", "23456")];
+            let c = read(&[&base[..], vars].concat()).unwrap();
+            (c.local_rank, c.local_world_size)
+        };
+        // A Kubeflow PyTorchJob pod: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT only.
+        assert_eq!(place(&[("MASTER_ADDR", "job-master-0")]), (0, 1));
+        // LOCAL_WORLD_SIZE alone: ranks fill the hosts in order.
+        assert_eq!(place(&[("LOCAL_WORLD_SIZE", "2")]), (1, 2));
+        // torchrun's own variables win.
+        assert_eq!(place(&[("LOCAL_RANK", "2")]), (2, 4));
+        assert_eq!(
+            place(&[("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")]),
+            (1, 2)
+        );
+        // Inside an srun task: SLURM's local id and tasks per node.
+        assert_eq!(
+            place(&[("SLURM_LOCALID", "1"), ("SLURM_TASKS_PER_NODE", "2(x2)")]),
+            (1, 2)
+        );
+        assert_eq!(place(&[("SLURM_LOCALID", "3")]), (3, 4));
+        match read(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_WORLD_SIZE", "0"),
+        ]) {
+            Err(CommError::MalformedEnv { var, .. }) => assert_eq!(var, "LOCAL_WORLD_SIZE"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

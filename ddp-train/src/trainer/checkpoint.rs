@@ -118,6 +118,8 @@ impl<T: Task> Trainer<T> {
             early_stopping: self.early,
             grad_scaler: self.scaler.as_ref().map(GradScaler::state),
             seed: self.settings.seed,
+            allocation: Some(self.allocation),
+            plan: Some(self.plan),
             config: serde_json::json!({
                 "settings": self.settings,
                 "task": self.task.describe(),

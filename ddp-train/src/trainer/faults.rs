@@ -1,7 +1,11 @@
 //! The fault tests' injected failures and slow steps, read from the environment only in
 //! builds with the `fault-injection` feature (which `cargo xtask test` turns on).
 
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use crate::error::TrainError;
 
 /// For the fault tests, with the `fault-injection` feature only, before a step:
 ///
@@ -9,8 +13,10 @@ use std::time::Duration;
 ///   every rank) fail at that step, in the first attempt only (a restarted attempt has
 ///   `TORCHELASTIC_RESTART_COUNT` > 0): exit with status 17, or with
 ///   `DDP_TRAIN_FAIL_SIGNAL=KILL` kill itself, with `STOP` stop itself (a hung rank), with
-///   `TERM` send itself SIGTERM (a stop request to one rank), or with `KILL_LAUNCHER` kill
-///   its launcher (`DDP_LAUNCHER_PID`) with SIGKILL and carry on until it dies with it;
+///   `TERM` send itself SIGTERM (a stop request to one rank), with `KILL_LAUNCHER` kill
+///   its launcher (`DDP_LAUNCHER_PID`) with SIGKILL and carry on until it dies with it, or
+///   with `KILL_PARENT` kill its parent process (torchrun's agent) and itself with SIGKILL
+///   (a node lost with its agent);
 /// - `DDP_TRAIN_STEP_SLEEP_MS=n` makes every step n ms longer (so that a test can act in
 ///   the middle of an epoch).
 pub(super) fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: bool) {
@@ -35,6 +41,11 @@ pub(super) fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: 
     );
     let signal = match how.as_str() {
         "KILL" => libc::SIGKILL,
+        "KILL_PARENT" => {
+            // SAFETY: getppid(2) and kill(2) take and return plain integers.
+            unsafe { libc::kill(libc::getppid(), libc::SIGKILL) };
+            libc::SIGKILL
+        }
         "STOP" => libc::SIGSTOP,
         "TERM" => libc::SIGTERM,
         "KILL_LAUNCHER" => {
@@ -52,4 +63,40 @@ pub(super) fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: 
     unsafe {
         libc::raise(signal);
     }
+}
+
+/// For the tests of resumes on other allocations, with the `fault-injection` feature only:
+/// `DDP_TRAIN_LOG_INDICES=<folder>` makes every rank append, after each optimizer step, a
+/// line `epoch step index,index,...` of the samples that step trained to
+/// `<folder>/rank-<rank>-<attempt>-pid-<pid>.txt`, where `<attempt>` is `first` or
+/// `restarted` (after a launcher's restart): one file per process.
+pub(super) fn index_log() -> Option<PathBuf> {
+    if !cfg!(feature = "fault-injection") {
+        return None;
+    }
+    std::env::var_os("DDP_TRAIN_LOG_INDICES").map(PathBuf::from)
+}
+
+/// Appends one step's line to this rank's index log in `dir` (see [`index_log`]).
+pub(super) fn log_indices(
+    dir: &Path,
+    rank: usize,
+    restarted: bool,
+    epoch: u64,
+    step: usize,
+    indices: &[usize],
+) -> Result<(), TrainError> {
+    let attempt = if restarted { "restarted" } else { "first" };
+    let path = dir.join(format!(
+        "rank-{rank}-{attempt}-pid-{}.txt",
+        std::process::id()
+    ));
+    let list: Vec<String> = indices.iter().map(usize::to_string).collect();
+    let line = format!("{epoch} {step} {}\n", list.join(","));
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(line.as_bytes()))
+        .map_err(|e| TrainError::io(format!("cannot append to {}", path.display()), e))
 }

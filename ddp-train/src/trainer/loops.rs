@@ -12,7 +12,8 @@ use tch::Tensor;
 use super::faults::fail_if_injected;
 use super::progress::Progress;
 use super::{EpochReport, Trainer};
-use crate::error::TrainError;
+use crate::allocation::EpochRest;
+use crate::error::{Context, TrainError};
 use crate::lr_schedule::LrSchedule;
 use crate::metrics::Goal;
 use crate::report::watched;
@@ -53,7 +54,7 @@ impl<T: Task> Trainer<T> {
         let mut all = Vec::new();
         for epoch in self.start_epoch..=self.settings.epochs {
             let lr_at_start = self.optimizer.lr();
-            let resumed = self.start_position.take().filter(|p| p.epoch == epoch);
+            let resumed = self.start_position.take().filter(|(p, _)| p.epoch == epoch);
             let trained = self.train_epoch(epoch, resumed, signals.as_ref())?;
             let lr = if self.settings.lr_schedule.per_step() {
                 self.optimizer.lr()
@@ -83,6 +84,11 @@ impl<T: Task> Trainer<T> {
                 epoch_seconds: trained.seconds + evaluating.elapsed().as_secs_f64(),
                 steps: trained.steps,
                 world_size: self.pg.world_size(),
+                allocation_change: if epoch == self.start_epoch {
+                    self.allocation_change.clone()
+                } else {
+                    None
+                },
             };
             if let (LrSchedule::Plateau(p), Some(sched)) =
                 (&self.settings.lr_schedule, &mut self.scheduler)
@@ -124,9 +130,10 @@ impl<T: Task> Trainer<T> {
     /// Optimizer steps in each epoch (the same every epoch: the sampler gives every rank the
     /// same number of samples).
     fn steps_per_epoch(&self) -> usize {
-        let s = &self.settings;
-        let whole = self.train_sampler.len() / (s.batch_size * s.accumulate);
-        s.max_steps_per_epoch.map_or(whole, |m| m.min(whole))
+        self.allocation.steps_per_epoch(
+            self.train_sampler.dataset_len(),
+            self.settings.max_steps_per_epoch,
+        )
     }
 
     /// A loader over `indices` of the training or the validation set, whose batches arrive
@@ -159,8 +166,8 @@ impl<T: Task> Trainer<T> {
         )?)
     }
 
-    /// One epoch of training, from `resumed`'s step when a checkpoint inside it is resumed;
-    /// what it returns counts the part before `resumed` too.
+    /// One epoch of training, from `resumed`'s step when a checkpoint inside it is resumed
+    /// (on this allocation or another); what it returns counts the part before `resumed` too.
     ///
     /// Each micro-step queues its forward and backward, then takes the next batch (which, on
     /// a GPU, queues that batch's copy behind this step), and only then reads the loss, the
@@ -169,21 +176,31 @@ impl<T: Task> Trainer<T> {
     fn train_epoch(
         &mut self,
         epoch: u64,
-        resumed: Option<Position>,
+        resumed: Option<(Position, EpochRest)>,
         signals: Option<&SignalWatch>,
     ) -> Result<EpochTraining, TrainError> {
         let s = self.settings.clone();
         let rank = self.pg.rank();
         // The trainer advances the sampler itself: no one can forget set_epoch.
         self.train_sampler.set_epoch(epoch);
-        let mut indices: Vec<usize> = self.train_sampler.iter().collect();
-        let per_step = s.batch_size * s.accumulate;
-        let steps = self.steps_per_epoch();
-        indices.truncate(steps * per_step);
-        // A resumed epoch skips the steps its checkpoint had done; every sample's random
-        // draws depend only on (seed, epoch, index), so the rest is what it would have been.
-        let first = resumed.map_or(0, |p| p.step.min(steps));
-        indices.drain(..first * per_step);
+        let global = self.allocation.global_batch();
+        let rest = resumed.map_or_else(
+            || EpochRest::fresh(self.steps_per_epoch(), self.allocation),
+            |(_, rest)| rest,
+        );
+        // Each step takes the next `global` positions of the epoch's order, whatever the
+        // ranks; a resumed epoch deals the positions its checkpoint had not consumed over
+        // this run's ranks. Every sample's random draws depend only on (seed, epoch, index),
+        // so the rest is what it would have been.
+        let left = rest.steps_left(self.allocation, s.max_steps_per_epoch);
+        let first = rest.first_step;
+        let steps = first + left;
+        let indices = self
+            .train_sampler
+            .remaining_until(rest.consumed, rest.consumed + left * global)
+            .context(|| format!("dealing the rest of epoch {epoch}"))?;
+        let resumed = resumed.map(|(p, _)| p);
+        let index_log = super::faults::index_log();
         let mut loader = self.loader(&self.train_set, true, epoch, indices)?;
         let progress = Progress::new(
             rank == 0 && s.runtime.progress,
@@ -213,6 +230,8 @@ impl<T: Task> Trainer<T> {
                 train_seconds: earlier_seconds + started.elapsed().as_secs_f64(),
                 grad_norm_sum,
                 skipped_steps,
+                consumed: Some(rest.consumed + (step - first) * global),
+                epoch_end: Some(rest.end),
             };
             self.checkpoint_or_stop(position, first, steps, signals)?;
             fail_if_injected(rank, epoch, step, self.restarted);
@@ -222,15 +241,21 @@ impl<T: Task> Trainer<T> {
             tch::manual_seed(mix(s.seed, epoch, step as u64, rank as u64));
             if s.lr_schedule.per_step() {
                 let schedule = &s.lr_schedule;
-                let total = s.epochs * self.steps_per_epoch() as u64;
+                // Over the run's planned total, recorded at its start: a resume on another
+                // allocation does not move the curve.
+                let total = self.plan.optimizer_steps;
                 let t = self.optimizer.steps() as u64;
                 self.optimizer
                     .set_lr(s.optimizer.lr() * schedule.factor(t, total));
             }
             self.optimizer.zero_grad();
             let mut step_loss = 0.0;
+            let mut step_indices = Vec::new();
             for micro in 0..s.accumulate {
                 let batch = take_batch(upcoming)?;
+                if index_log.is_some() {
+                    step_indices.extend_from_slice(batch.indices());
+                }
                 // Only the last micro-batch's backward communicates (PyTorch's `no_sync`).
                 self.ddp
                     .set_require_gradient_sync(micro + 1 == s.accumulate);
@@ -280,6 +305,9 @@ impl<T: Task> Trainer<T> {
             }
             if let Some(scaler) = &mut self.scaler {
                 scaler.update(found_inf);
+            }
+            if let Some(dir) = &index_log {
+                super::faults::log_indices(dir, rank, self.restarted, epoch, step, &step_indices)?;
             }
             self.budget.step_took(step_started.elapsed());
             let log_every = s.runtime.log_every;

@@ -9,6 +9,7 @@ use ddp_comm::ProcessGroup;
 use ddp_sampler::DistributedSampler;
 use tch::{nn, Device};
 
+use crate::allocation::{Allocation, EpochRest, Plan};
 use crate::amp::GradScaler;
 use crate::ddp::DistributedDataParallel;
 use crate::optim::Optimizer;
@@ -76,8 +77,15 @@ pub struct Trainer<T: Task> {
     early: Option<EarlyStopState>,
     scheduler: Option<ReduceLrOnPlateau>,
     start_epoch: u64,
-    /// Where a checkpoint taken inside an epoch left off.
-    start_position: Option<Position>,
+    /// Where a checkpoint taken inside an epoch left off, and where that epoch continues.
+    start_position: Option<(Position, EpochRest)>,
+    /// The ranks and batches this run trains on.
+    allocation: Allocation,
+    /// The run's planned length (per-step schedules run over it).
+    plan: Plan,
+    /// What changed when this run resumed a checkpoint of another allocation (for
+    /// `config.json` and the first epoch's line of `metrics.jsonl`).
+    allocation_change: Option<serde_json::Value>,
     budget: Budget,
     last_checkpoint: Instant,
     bests: BTreeMap<String, Best>,

@@ -17,6 +17,7 @@ use tch::{nn, Device, Tensor};
 
 use super::outputs::{read_history, write_file, RankLog};
 use super::Trainer;
+use crate::allocation::{self, Allocation, EpochRest, Plan, Saved};
 use crate::amp::{GradScaler, Precision};
 use crate::ddp::DistributedDataParallel;
 use crate::error::{Context, SettingError, TrainError};
@@ -103,6 +104,17 @@ impl<T: Task> Trainer<T> {
             LrSchedule::Plateau(p) => Some(ReduceLrOnPlateau::new(p.config)),
             _ => None,
         };
+        let now = Allocation {
+            world_size: env.world_size,
+            batch_size: s.batch_size,
+            accumulate: s.accumulate,
+        };
+        let steps_now = now.steps_per_epoch(train_set.len(), s.max_steps_per_epoch);
+        let mut plan = Plan {
+            epochs: s.epochs,
+            optimizer_steps: s.epochs * steps_now as u64,
+        };
+        let mut allocation_change = None;
         let (mut start_epoch, mut bests) = (1, BTreeMap::new());
         let mut start_position = None;
         let mut scaler = (s.precision == Precision::Fp16).then(GradScaler::default);
@@ -158,20 +170,62 @@ impl<T: Task> Trainer<T> {
             if st.scheduler.is_some() {
                 scheduler = st.scheduler.clone();
             }
-            bests = st.bests;
+            bests = st.bests.clone();
             if let (Some(scaler), Some(saved)) = (scaler.as_mut(), st.grad_scaler) {
                 scaler.set_state(saved);
             }
             if let (Some(early), Some(saved)) = (early.as_mut(), st.early_stopping) {
                 *early = saved;
             }
-            let at = match st.position {
-                Some(p) => {
+            match st.plan {
+                Some(saved) if saved.epochs == s.epochs => plan = saved,
+                Some(saved) => fallback_warnings.push(format!(
+                    "the run was planned for {} epochs and continues for {}: per-step \
+                     schedules now run over {} optimizer steps instead of {}",
+                    saved.epochs, s.epochs, plan.optimizer_steps, saved.optimizer_steps
+                )),
+                None => {}
+            }
+            let rest = match st.position {
+                Some(p) => Some(continue_at(&st, &p, now, steps_now).map_err(|e| {
+                    TrainError::Invalid(format!(
+                        "cannot continue epoch {} of {} on {now}: {e}",
+                        p.epoch,
+                        path.display()
+                    ))
+                })?),
+                None => None,
+            };
+            if let Some(before) = st.allocation.filter(|b| *b != now) {
+                let epoch = st.position.map_or(st.epoch + 1, |p| p.epoch);
+                let spe = (
+                    before.steps_per_epoch(train_set.len(), s.max_steps_per_epoch),
+                    steps_now,
+                );
+                fallback_warnings.push(describe_change(
+                    before,
+                    now,
+                    epoch,
+                    rest.as_ref(),
+                    spe,
+                    plan,
+                ));
+                allocation_change = Some(allocation::change_record(
+                    epoch,
+                    before,
+                    now,
+                    rest.as_ref(),
+                    spe,
+                ));
+            }
+            resume_key.push_str(&format!("; continuing on {now}"));
+            let at = match (st.position, rest) {
+                (Some(p), Some(rest)) => {
                     start_epoch = p.epoch;
-                    start_position = Some(p);
+                    start_position = Some((p, rest));
                     format!("epoch {} at step {}", p.epoch, p.step)
                 }
-                None => {
+                _ => {
                     start_epoch = st.epoch + 1;
                     format!("epoch {} done", st.epoch)
                 }
@@ -250,6 +304,9 @@ impl<T: Task> Trainer<T> {
             scheduler,
             start_epoch,
             start_position,
+            allocation: now,
+            plan,
+            allocation_change,
             budget: Budget::new(created, s_time_limit, val_batches, checkpoint_bytes),
             last_checkpoint: Instant::now(),
             bests,
@@ -296,6 +353,9 @@ impl<T: Task> Trainer<T> {
             "device": format!("{:?}", self.device),
             "intra_op_threads": self.threads,
             "train_samples": self.train_set.len(),
+            "allocation": self.allocation,
+            "planned_optimizer_steps": self.plan.optimizer_steps,
+            "allocation_change": self.allocation_change,
             "val_samples": val_len,
             "run_dir": self.out,
         });
@@ -347,6 +407,76 @@ fn no_batchnorm_to_synchronise(vs: &nn::VarStore) -> SettingError {
         )
     };
     SettingError::new("sync_batchnorm", format!(" is set, but {found}"))
+}
+
+/// Where the epoch of `st`'s position `p` continues on `now` (whose epochs have `steps_now`
+/// steps); an error sentence when it cannot.
+fn continue_at(
+    st: &state::TrainState,
+    p: &state::Position,
+    now: Allocation,
+    steps_now: usize,
+) -> Result<EpochRest, String> {
+    let setting = |name: &str| st.config["settings"][name].as_u64().map(|v| v as usize);
+    let old_batch = setting("batch_size")
+        .map(|b| (b, setting("accumulate").unwrap_or(1)))
+        .filter(|&(b, a)| b > 0 && a > 0);
+    allocation::continue_epoch(
+        Saved {
+            allocation: st.allocation,
+            step: p.step,
+            samples: p.samples,
+            consumed: p.consumed,
+            end: p.epoch_end,
+            old_batch,
+        },
+        now,
+        steps_now,
+    )
+}
+
+/// The warning of a resume on another allocation: what changes and what does not.
+fn describe_change(
+    before: Allocation,
+    now: Allocation,
+    epoch: u64,
+    rest: Option<&EpochRest>,
+    (spe_before, spe_now): (usize, usize),
+    plan: Plan,
+) -> String {
+    let mut line = format!("resuming on {now}; the checkpoint was written on {before}: ");
+    if before.global_batch() == now.global_batch() {
+        line.push_str(
+            "the global batch is the same, so the run continues with the same samples in \
+             the same order and the same optimizer steps",
+        );
+        return line;
+    }
+    line.push_str(&format!(
+        "the global batch changes from {} to {}, so epochs take {spe_now} optimizer steps \
+         instead of {spe_before}",
+        before.global_batch(),
+        now.global_batch()
+    ));
+    if let Some(rest) = rest {
+        let left = rest.end.saturating_sub(rest.consumed);
+        let steps = rest.steps_left(now, None);
+        line.push_str(&format!(
+            "; the rest of epoch {epoch} ({left} samples) takes {steps} step(s)"
+        ));
+        let padding = (steps * now.global_batch()).saturating_sub(left);
+        if padding > 0 {
+            line.push_str(&format!(
+                ", the last one filled with {padding} repeated sample(s)"
+            ));
+        }
+    }
+    line.push_str(&format!(
+        "; the learning rate is not changed, and per-step schedules keep their planned {} \
+         optimizer steps",
+        plan.optimizer_steps
+    ));
+    line
 }
 
 /// The trainable tensors in the order every rank agrees on.

@@ -1,0 +1,578 @@
+//! A run stopped inside an epoch continues on another number of ranks with exactly the
+//! samples it had left: with the same global batch it ends as the uninterrupted run does,
+//! and with another one every sample of the interrupted epoch is trained once; a per-step
+//! schedule stays on its curve. Ranks are real processes on loopback: this test binary
+//! re-invoked with `--ignored --exact rank_worker`, a small MLP (no BatchNorm, no dropout,
+//! so that 2 ranks x 16 and 1 rank x 32 compute the same steps), started with torchrun's
+//! variables or SLURM's.
+
+mod common;
+
+use common::{spawn_worker_ranks, text, wait_all};
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use ddp_data::{Batch, TensorDataset};
+use ddp_model::checkpoint;
+use ddp_train::lr_schedule::LrSchedule;
+use ddp_train::{RegressionStats, Settings, Task, Trainer};
+use serde_json::Value;
+use tch::{nn, nn::Module, Device, Kind, Reduction, Tensor};
+
+const WORKER: &str = "rank_worker";
+const OUT_ENV: &str = "ELASTIC_TEST_OUT";
+const BATCH_ENV: &str = "ELASTIC_TEST_BATCH";
+const EVERY_ENV: &str = "ELASTIC_TEST_CHECKPOINT_EVERY";
+/// 256 training points: 8 steps of 32 samples per epoch.
+const POINTS: i64 = 256;
+const EPOCHS: u64 = 3;
+const WARMUP: u64 = 3;
+
+/// y = 2 x0 - x1 + 0.5 x2 + 0.1 sin(7 x3) on `count` points of [-1, 1)^4.
+fn points(count: i64, seed: i64) -> TensorDataset {
+    tch::manual_seed(seed);
+    let x = Tensor::rand([count, 4], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
+    let w = Tensor::from_slice(&[2f32, -1.0, 0.5, 0.0]);
+    let y = x.matmul(&w) + (x.select(1, 3) * 7.0).sin() * 0.1;
+    TensorDataset::from_tensors(&x, &y.unsqueeze(1)).expect("a valid data set")
+}
+
+struct Regression {
+    train: TensorDataset,
+    val: TensorDataset,
+}
+
+impl Task for Regression {
+    type Model = nn::Sequential;
+    type Data = TensorDataset;
+    type Stats = RegressionStats;
+
+    fn model(&self, root: &nn::Path) -> nn::Sequential {
+        nn::seq()
+            .add(nn::linear(root / "0", 4, 16, Default::default()))
+            .add_fn(|x| x.relu())
+            .add(nn::linear(root / "2", 16, 1, Default::default()))
+    }
+
+    fn train_data(&self) -> TensorDataset {
+        self.train.clone()
+    }
+
+    fn val_data(&self) -> Option<TensorDataset> {
+        Some(self.val.clone())
+    }
+
+    fn train_loss(&self, model: &nn::Sequential, batch: &Batch) -> Tensor {
+        model
+            .forward(batch.inputs())
+            .mse_loss(batch.targets(), Reduction::Mean)
+    }
+
+    fn new_stats(&self) -> RegressionStats {
+        RegressionStats::default()
+    }
+
+    fn eval_batch(&self, model: &Self::Model, batch: &Batch, stats: &mut Self::Stats) -> Tensor {
+        let predictions = model.forward(batch.inputs());
+        stats.add(&predictions, batch.targets());
+        predictions.mse_loss(batch.targets(), Reduction::Sum)
+    }
+}
+
+/// One rank: 3 epochs of Adam with a cosine schedule after 3 warmup steps, a batch of
+/// `ELASTIC_TEST_BATCH` per rank, into `ELASTIC_TEST_OUT`, a checkpoint every
+/// `ELASTIC_TEST_CHECKPOINT_EVERY` steps if set; exits with the Trainer's code (75 after a
+/// requested stop).
+#[test]
+#[ignore = "a rank of the tests in this file, started by them"]
+fn rank_worker() {
+    ddp_train::logging::init();
+    let out = std::env::var(OUT_ENV).expect("the test sets the run directory");
+    let batch: usize = std::env::var(BATCH_ENV)
+        .expect("the test sets the batch")
+        .parse()
+        .expect("a number");
+    let mut settings = Settings::default()
+        .epochs(EPOCHS)
+        .batch_size(batch)
+        .seed(7)
+        .out(Some(out.into()))
+        .lr_schedule(LrSchedule::Cosine { warmup: WARMUP });
+    settings.runtime.threads = Some(1);
+    settings.runtime.workers = Some(1);
+    settings.runtime.progress = false;
+    settings.runtime.collective_timeout_secs = 30;
+    settings.checkpoint.every = std::env::var(EVERY_ENV)
+        .ok()
+        .map(|n| n.parse().expect("a number"));
+    let task = Regression {
+        train: points(POINTS, 1),
+        val: points(60, 2),
+    };
+    let code = match Trainer::new(task, settings).and_then(|mut t| t.run()) {
+        Ok(_) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            e.exit_code()
+        }
+    };
+    std::process::exit(i32::from(code));
+}
+
+/// How the ranks of a start find their place.
+#[derive(Clone, Copy)]
+enum Launcher {
+    Torchrun,
+    /// SLURM's `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` (a requeued job).
+    Slurm,
+}
+
+/// Starts `world` ranks of batch `batch` into `out` with `env`, and returns their outputs.
+fn start(
+    launcher: Launcher,
+    world: usize,
+    batch: usize,
+    out: &Path,
+    env: &[(&str, &str)],
+) -> Vec<Output> {
+    let configure = |rank: usize, cmd: &mut Command| {
+        cmd.env(OUT_ENV, out)
+            .env(BATCH_ENV, batch.to_string())
+            .env("DDP_RDZV_TIMEOUT_S", "30")
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Launcher::Slurm = launcher {
+            for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"] {
+                cmd.env_remove(var);
+            }
+            cmd.env("SLURM_PROCID", rank.to_string())
+                .env("SLURM_NTASKS", world.to_string())
+                .env("SLURM_LOCALID", rank.to_string())
+                .env("SLURM_NTASKS_PER_NODE", world.to_string())
+                .env("SLURM_JOB_ID", "4242");
+        }
+    };
+    let children = spawn_worker_ranks(WORKER, world, configure);
+    wait_all(children, Duration::from_secs(180))
+}
+
+fn assert_codes(outputs: &[Output], code: i32) {
+    for (rank, o) in outputs.iter().enumerate() {
+        assert_eq!(o.status.code(), Some(code), "rank {rank}:\n{}", text(o));
+    }
+}
+
+/// Rank 1 asks to stop (SIGTERM) during epoch `epoch` step `step`: the ranks agree before the
+/// next step, so the checkpoint is at step `step + 1`.
+fn stop_at(epoch: u64, step: usize) -> [(&'static str, String); 3] {
+    [
+        ("DDP_TRAIN_FAIL_RANK", "1".to_string()),
+        ("DDP_TRAIN_FAIL_AT", format!("{epoch}:{step}")),
+        ("DDP_TRAIN_FAIL_SIGNAL", "TERM".to_string()),
+    ]
+}
+
+fn pairs<'a>(vars: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    vars.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+fn metrics(run: &Path) -> Vec<Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn column(metrics: &[Value], key: &str) -> Vec<f64> {
+    metrics.iter().map(|m| m[key].as_f64().unwrap()).collect()
+}
+
+/// The largest difference between two runs' final weights (every tensor, by name).
+fn weight_difference(a: &Path, b: &Path) -> f64 {
+    let file = format!("checkpoints/epoch-{EPOCHS:04}.safetensors");
+    let (a, b) = (
+        checkpoint::read_tensors(a.join(&file)).unwrap(),
+        checkpoint::read_tensors(b.join(&file)).unwrap(),
+    );
+    assert_eq!(
+        a.tensors.keys().collect::<Vec<_>>(),
+        ["0.bias", "0.weight", "2.bias", "2.weight"]
+    );
+    a.tensors
+        .iter()
+        .map(|(name, t)| (t - &b.tensors[name]).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
+}
+
+/// Runs `before` ranks x `batch_before` uninterrupted, and again stopped by SIGTERM inside
+/// epoch 2 then continued on `after` x `batch_after` (started as `launcher` starts ranks);
+/// checks that both end with the same weights (1e-5) and learning rates.
+fn check_same_global_batch(
+    name: &str,
+    (before, batch_before): (usize, usize),
+    (after, batch_after): (usize, usize),
+    launcher: Launcher,
+) {
+    let tmp = common::temp_dir(&format!("ddp-train-elastic-{name}"));
+    let (full, cut) = (tmp.path().join("full"), tmp.path().join("cut"));
+    assert_codes(
+        &start(Launcher::Torchrun, before, batch_before, &full, &[]),
+        0,
+    );
+
+    // With one rank, rank 1 does not exist: rank 0 asks to stop.
+    let mut stop = stop_at(2, 3);
+    stop[0].1 = (before - 1).to_string();
+    let outputs = start(
+        Launcher::Torchrun,
+        before,
+        batch_before,
+        &cut,
+        &pairs(&stop),
+    );
+    assert_codes(&outputs, 75);
+    let latest = std::fs::read_to_string(cut.join("checkpoints/latest")).unwrap();
+    assert_eq!(latest, "epoch-0002-step-000004\n");
+    let outputs = start(launcher, after, batch_after, &cut, &[]);
+    assert_codes(&outputs, 0);
+    let log = text(&outputs[0]);
+    assert!(
+        log.contains("resumed from") && log.contains("the global batch is the same"),
+        "{log}"
+    );
+
+    let difference = weight_difference(&full, &cut);
+    assert!(difference < 1e-5, "final weights differ by {difference}");
+    let (a, b) = (metrics(&full), metrics(&cut));
+    assert_eq!(column(&a, "steps"), [8.0, 8.0, 8.0]);
+    assert_eq!(column(&b, "steps"), [8.0, 8.0, 8.0]);
+    for (x, y) in column(&a, "lr").iter().zip(column(&b, "lr")) {
+        assert!((x - y).abs() < 1e-12, "learning rates {a:?} vs {b:?}");
+    }
+    for (x, y) in column(&a, "val_loss").iter().zip(column(&b, "val_loss")) {
+        assert!((x - y).abs() < 1e-5 * x.max(1.0), "{x} vs {y}");
+    }
+    // What changed is recorded in epoch 2's line and in config.json.
+    let change = &b[1]["allocation_change"];
+    assert_eq!(change["epoch"], 2);
+    assert_eq!(change["from"]["world_size"], before);
+    assert_eq!(change["to"]["world_size"], after);
+    assert_eq!(change["consumed"], 128);
+    assert!(b[0].get("allocation_change").is_none() && b[2].get("allocation_change").is_none());
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(cut.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["allocation_change"], *change);
+    assert_eq!(config["planned_optimizer_steps"], 24);
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn two_ranks_of_16_stopped_inside_an_epoch_continue_on_one_rank_of_32_exactly() {
+    // The second start is a requeued SLURM job with one task.
+    check_same_global_batch("2x16-1x32", (2, 16), (1, 32), Launcher::Slurm);
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn one_rank_of_32_stopped_inside_an_epoch_continues_on_two_ranks_of_16_exactly() {
+    check_same_global_batch("1x32-2x16", (1, 32), (2, 16), Launcher::Torchrun);
+}
+
+/// What one process trained: `(epoch, step) -> indices`.
+type StepIndices = BTreeMap<(u64, usize), Vec<usize>>;
+
+/// Every file of an index log by name, one per process.
+fn index_logs(dir: &Path) -> Vec<(String, StepIndices)> {
+    let mut logs: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let path = e.unwrap().path();
+            let steps = std::fs::read_to_string(&path)
+                .unwrap()
+                .lines()
+                .map(|line| {
+                    let mut parts = line.split(' ');
+                    let epoch = parts.next().unwrap().parse().unwrap();
+                    let step = parts.next().unwrap().parse().unwrap();
+                    let indices = parts
+                        .next()
+                        .unwrap()
+                        .split(',')
+                        .map(|i| i.parse().unwrap())
+                        .collect();
+                    ((epoch, step), indices)
+                })
+                .collect();
+            (
+                path.file_name().unwrap().to_string_lossy().into_owned(),
+                steps,
+            )
+        })
+        .collect();
+    logs.sort_by(|a, b| a.0.cmp(&b.0));
+    logs
+}
+
+/// 2 ranks x 16 stopped after 2 of epoch 1's 8 steps continue on 3 ranks x 16: the 192
+/// samples left take 4 steps of 48, and the samples trained in epoch 1 by both starts are
+/// every sample once. The cosine schedule keeps its planned 24 steps, although the run now
+/// takes 6 + 5 + 5.
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn two_ranks_stopped_inside_an_epoch_continue_on_three_with_every_sample_once() {
+    let tmp = common::temp_dir("ddp-train-elastic-2-3");
+    let run = tmp.path().join("run");
+    let (first_log, second_log) = (tmp.path().join("first"), tmp.path().join("second"));
+    std::fs::create_dir_all(&first_log).unwrap();
+    std::fs::create_dir_all(&second_log).unwrap();
+    let mut env = stop_at(1, 1).to_vec();
+    env.push(("DDP_TRAIN_LOG_INDICES", first_log.to_string_lossy().into()));
+    assert_codes(&start(Launcher::Torchrun, 2, 16, &run, &pairs(&env)), 75);
+    let log = second_log.to_string_lossy().into_owned();
+    let outputs = start(
+        Launcher::Torchrun,
+        3,
+        16,
+        &run,
+        &[("DDP_TRAIN_LOG_INDICES", &log)],
+    );
+    assert_codes(&outputs, 0);
+    let text0 = text(&outputs[0]);
+    assert!(
+        text0.contains(
+            "the global batch changes from 32 to 48, so epochs take 5 optimizer steps instead \
+             of 8; the rest of epoch 1 (192 samples) takes 4 step(s); the learning rate is not \
+             changed, and per-step schedules keep their planned 24 optimizer steps"
+        ),
+        "{text0}"
+    );
+
+    let mut trained = Vec::new();
+    let first = index_logs(&first_log);
+    assert_eq!(first.len(), 2, "one log per rank of the first start");
+    assert!(first.iter().all(|(name, _)| name.contains("-first-")));
+    for (_, steps) in &first {
+        // Steps 0 and 1 of epoch 1, then the stop.
+        assert_eq!(steps.keys().copied().collect::<Vec<_>>(), [(1, 0), (1, 1)]);
+        trained.extend(steps.values().flatten().copied());
+    }
+    let second = index_logs(&second_log);
+    assert_eq!(second.len(), 3, "one log per rank of the second start");
+    for (_, steps) in &second {
+        let epoch1: Vec<usize> = steps.keys().filter(|k| k.0 == 1).map(|k| k.1).collect();
+        assert_eq!(epoch1, [2, 3, 4, 5]);
+        for ((epoch, _), indices) in steps {
+            assert_eq!(indices.len(), 16);
+            if *epoch == 1 {
+                trained.extend(indices.iter().copied());
+            }
+        }
+    }
+    trained.sort_unstable();
+    assert_eq!(trained, (0..POINTS as usize).collect::<Vec<_>>());
+
+    let m = metrics(&run);
+    assert_eq!(column(&m, "steps"), [6.0, 5.0, 5.0]);
+    assert_eq!(column(&m, "world_size"), [3.0, 3.0, 3.0]);
+    assert_eq!(m[0]["allocation_change"]["global_batch"]["to"], 48);
+    // Each epoch reports the rate of its last step, on the curve of the planned 24 steps.
+    let schedule = LrSchedule::Cosine { warmup: WARMUP };
+    let want: Vec<f64> = [5, 10, 15]
+        .iter()
+        .map(|&t| 1e-3 * schedule.factor(t, 24))
+        .collect();
+    for (got, want) in column(&m, "lr").iter().zip(&want) {
+        assert!((got - want).abs() < 1e-12, "{m:?} vs {want:?}");
+    }
+}
+
+/// A checkpoint of a Trainer that did not record its allocation resumes on its own world
+/// size and is refused on another, naming both.
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn an_old_checkpoint_inside_an_epoch_is_refused_on_another_world_size() {
+    let tmp = common::temp_dir("ddp-train-elastic-old");
+    let run = tmp.path().join("run");
+    assert_codes(
+        &start(Launcher::Torchrun, 2, 16, &run, &pairs(&stop_at(1, 1))),
+        75,
+    );
+    // Strip what an old Trainer did not write: the allocation, the plan, the position's
+    // consumed samples and end.
+    let dir = run.join("checkpoints");
+    let state_file = dir.join("epoch-0001-step-000002.state.safetensors");
+    let saved = checkpoint::read_tensors(&state_file).unwrap();
+    let mut st: Value = serde_json::from_str(&saved.metadata["train_state"]).unwrap();
+    let o = st.as_object_mut().unwrap();
+    o.remove("allocation");
+    o.remove("plan");
+    let p = o["position"].as_object_mut().unwrap();
+    p.remove("consumed");
+    p.remove("epoch_end");
+    let meta: std::collections::HashMap<String, String> =
+        [("train_state".to_string(), st.to_string())].into();
+    let tensors: Vec<(String, Tensor)> = saved.tensors.into_iter().collect();
+    checkpoint::write_tensors(tensors, &meta, &state_file).unwrap();
+
+    let outputs = start(Launcher::Torchrun, 3, 16, &run, &[]);
+    assert_codes(&outputs, 1);
+    for o in &outputs {
+        let t = text(o);
+        assert!(
+            t.contains("cannot continue epoch 1 of")
+                && t.contains("written before checkpoints recorded their ranks and batch, on 2 rank(s) x batch 16 x accumulate 1")
+                && t.contains("not on 3 rank(s) x batch 16 x accumulate 1 (global batch 48)"),
+            "{t}"
+        );
+    }
+    // On its own world size it continues.
+    assert_codes(&start(Launcher::Torchrun, 2, 16, &run, &[]), 0);
+    assert_eq!(column(&metrics(&run), "steps"), [8.0, 8.0, 8.0]);
+}
+
+/// One torchrun agent of the elastic tests: `--nnodes 1:2`, one rank of this binary's
+/// worker, c10d rendezvous on loopback that forgets a dead node after 5 s without
+/// heartbeats, one restart. A round closes when both nodes joined, or `last_call` seconds
+/// after the first.
+fn agent(
+    port: u16,
+    host: bool,
+    last_call: u32,
+    dir: &Path,
+    env: &[(&str, &str)],
+) -> std::process::Child {
+    let deps =
+        std::env::var_os("DDP_DEPS_DIR").expect("cargo sets DDP_DEPS_DIR (.cargo/config.toml)");
+    let torchrun = Path::new(&deps).join("venv/bin/torchrun");
+    assert!(
+        torchrun.exists(),
+        "{} not found: run cargo xtask setup",
+        torchrun.display()
+    );
+    let conf = format!(
+        "is_host={host},join_timeout=120,last_call_timeout={last_call},keep_alive_interval=1,\
+         keep_alive_max_attempt=5"
+    );
+    Command::new(torchrun)
+        .args([
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "1",
+        ])
+        .args(["--rdzv-backend", "c10d", "--rdzv-id", "elastic-test"])
+        .arg("--rdzv-endpoint")
+        .arg(format!("127.0.0.1:{port}"))
+        .args(["--rdzv-conf", &conf, "--no-python"])
+        .arg(std::env::current_exe().expect("the test binary's path"))
+        .args([
+            "--ignored",
+            "--exact",
+            WORKER,
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(OUT_ENV, dir.join("run"))
+        .env(BATCH_ENV, "16")
+        .env(EVERY_ENV, "2")
+        .env("DDP_TRAIN_LOG_INDICES", dir.join("indices"))
+        .env("DDP_RDZV_TIMEOUT_S", "60")
+        .env("OMP_NUM_THREADS", "1")
+        // As under a plain torchrun: no DDP_SECRET, so the ranks share the user's key file.
+        .env("XDG_CONFIG_HOME", dir.join("config"))
+        .env_remove("DDP_SECRET")
+        .env_remove("DDP_SECRET_FILE")
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("torchrun starts")
+}
+
+/// Two torchrun agents (`--nnodes 1:2`, c10d rendezvous) train together at 2 x 16; in
+/// epoch 1 step 5 the second node is lost, agent and rank (its rank kills both). The
+/// survivor's agent restarts its rank with world size 1; the rank resumes from the run's
+/// latest checkpoint (step 4, written every 2 steps) and trains exactly the 128 samples
+/// epoch 1 had left, in 8 steps of 16, then two epochs of 16 steps.
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn a_torchrun_elastic_job_that_loses_a_node_continues_with_the_samples_left() {
+    let tmp = common::temp_dir("ddp-train-elastic-torchrun");
+    let dir = tmp.path();
+    std::fs::create_dir_all(dir.join("indices")).unwrap();
+    let port = common::free_port();
+    // The node to lose is a client of the rendezvous store, which the survivor hosts.
+    let lost = [
+        ("DDP_TRAIN_FAIL_RANK", "all"),
+        ("DDP_TRAIN_FAIL_AT", "1:5"),
+        ("DDP_TRAIN_FAIL_SIGNAL", "KILL_PARENT"),
+    ];
+    // The second node of the first round has 15 s to join; the survivor's round waits 15 s.
+    let second = agent(port, false, 15, dir, &lost);
+    let first = agent(port, true, 15, dir, &[]);
+    let outputs = wait_all(vec![first, second], Duration::from_secs(300));
+    let (survivor, lost) = (&outputs[0], &outputs[1]);
+    let t = text(survivor);
+    assert!(
+        survivor.status.success(),
+        "the surviving agent failed:\n{t}\n{}",
+        text(lost)
+    );
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(lost.status.signal(), Some(libc::SIGKILL), "{}", text(lost));
+    assert!(
+        t.contains("rank 1 of 2") || text(lost).contains("rank 1 of 2"),
+        "{t}"
+    );
+    assert!(
+        t.contains(
+            "epoch-0001-step-000004.safetensors (epoch 1 at step 4), after the launcher's restart"
+        ) && t.contains("the global batch changes from 32 to 16"),
+        "{t}"
+    );
+
+    let m = metrics(&dir.join("run"));
+    assert_eq!(column(&m, "world_size"), [1.0, 1.0, 1.0]);
+    assert_eq!(column(&m, "steps"), [12.0, 16.0, 16.0]);
+    assert_eq!(m[0]["allocation_change"]["from"]["world_size"], 2);
+    assert_eq!(m[0]["allocation_change"]["consumed"], 128);
+
+    // Epoch 1: steps 0-3 of both first ranks (what the checkpoint holds), then steps 4-11 of
+    // the restarted rank: every sample once.
+    let logs = index_logs(&dir.join("indices"));
+    let names: Vec<&str> = logs.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(logs.len(), 3, "{names:?}");
+    let mut trained = Vec::new();
+    for (name, steps) in &logs {
+        for ((epoch, step), indices) in steps {
+            let restarted = name.contains("-restarted-");
+            if *epoch == 1 && (restarted || *step < 4) {
+                trained.extend(indices.iter().copied());
+            }
+        }
+    }
+    trained.sort_unstable();
+    assert_eq!(trained, (0..POINTS as usize).collect::<Vec<_>>());
+}
