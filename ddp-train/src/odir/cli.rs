@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use clap::{Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
-use super::options::{Normalize, PosWeight};
 use super::challenge::EyeCombine;
+use super::options::{Normalize, PosWeight};
 use crate::cli::{Defaults, TrainArgs};
 use crate::error::TrainError;
 use crate::lr_schedule::{LrSchedule, Plateau};
