@@ -155,18 +155,7 @@ pub fn run(project_root: &Path, args: &SetupArgs) -> Result<Deps> {
         "setup: installing torch=={TORCH_VERSION} (CUDA build, about 2.6 GB) into {}",
         deps.venv().display()
     );
-    let status = Command::new(deps.python())
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            "--quiet",
-        ])
-        .arg(format!("torch=={TORCH_VERSION}"))
-        .args(EXTRA_PACKAGES)
-        .status()
-        .context("cannot run pip in the virtual environment")?;
+    let status = pip_install(&deps)?;
     if !status.success() {
         bail!(
             "pip could not install torch=={TORCH_VERSION} ({status}); check access to the \
@@ -201,14 +190,9 @@ fn write_extras_marker(deps: &Deps) -> Result<()> {
         .with_context(|| format!("cannot write {}", deps.extras_file().display()))
 }
 
-/// Adds the extra packages to an install that predates them (torch itself stays).
-fn install_extras(deps: &Deps) -> Result<()> {
-    println!(
-        "setup: installing {} into {}",
-        EXTRA_PACKAGES.join(", "),
-        deps.venv().display()
-    );
-    let status = Command::new(deps.python())
+/// Installs torch TORCH_VERSION (kept if present) and the extra packages into the venv.
+fn pip_install(deps: &Deps) -> Result<std::process::ExitStatus> {
+    Command::new(deps.python())
         .args([
             "-m",
             "pip",
@@ -219,7 +203,17 @@ fn install_extras(deps: &Deps) -> Result<()> {
         .arg(format!("torch=={TORCH_VERSION}"))
         .args(EXTRA_PACKAGES)
         .status()
-        .context("cannot run pip in the virtual environment")?;
+        .context("cannot run pip in the virtual environment")
+}
+
+/// Adds the extra packages to an install that predates them (torch itself stays).
+fn install_extras(deps: &Deps) -> Result<()> {
+    println!(
+        "setup: installing {} into {}",
+        EXTRA_PACKAGES.join(", "),
+        deps.venv().display()
+    );
+    let status = pip_install(deps)?;
     if !status.success() {
         bail!(
             "pip could not install {} ({status}); check access to the Python package \

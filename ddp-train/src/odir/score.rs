@@ -72,14 +72,9 @@ pub fn score(
     ddp_run::die_with_launcher().map_err(|e| TrainError::Invalid(e.to_string()))?;
     let settings = c.settings();
     settings.validate()?;
-    let device = settings.runtime.device.resolve(env.local_rank)?;
-    let threads = settings
+    let (device, _) = settings
         .runtime
-        .threads
-        .unwrap_or_else(|| ddp_data::default_workers(env.local_world_size));
-    if device == Device::Cpu {
-        tch::set_num_threads(threads as i32);
-    }
+        .place(env.local_rank, env.local_world_size)?;
     // The model before meeting the others: a bad checkpoint fails on every rank alike.
     let mut vs = nn::VarStore::new(Device::Cpu);
     let model = odir_model(&vs.root(), c);

@@ -168,6 +168,25 @@ pub struct RuntimeSettings {
     pub plot: bool,
 }
 
+impl RuntimeSettings {
+    /// This rank's device and intra-op thread count (`--threads`, else the cores per rank),
+    /// with libtorch's CPU thread pool set to that count when the device is the CPU.
+    pub(crate) fn place(
+        &self,
+        local_rank: usize,
+        local_world_size: usize,
+    ) -> Result<(tch::Device, usize), crate::TrainError> {
+        let device = self.device.resolve(local_rank)?;
+        let threads = self
+            .threads
+            .unwrap_or_else(|| ddp_data::default_workers(local_world_size));
+        if device == tch::Device::Cpu {
+            tch::set_num_threads(threads as i32);
+        }
+        Ok((device, threads))
+    }
+}
+
 impl Default for RuntimeSettings {
     fn default() -> Self {
         Self {

@@ -48,15 +48,10 @@ impl<T: Task> Trainer<T> {
         ddp_run::die_with_launcher().map_err(|e| TrainError::Invalid(e.to_string()))?;
         settings.validate()?;
         let continuing = resume_after_restart(&mut settings, env);
-        let device = settings.runtime.device.resolve(env.local_rank)?;
         // As many intra-op threads as the machine has cores per rank.
-        let threads = settings
+        let (device, threads) = settings
             .runtime
-            .threads
-            .unwrap_or_else(|| ddp_data::default_workers(env.local_world_size));
-        if device == Device::Cpu {
-            tch::set_num_threads(threads as i32);
-        }
+            .place(env.local_rank, env.local_world_size)?;
         let train_set = task.train_data();
         let val_set = task.val_data();
         let resume_from = match &settings.checkpoint.resume {
