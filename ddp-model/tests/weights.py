@@ -18,6 +18,11 @@ Writes into DIR:
                    Python's own pickle runs the same payload on PYTHON_MARKER first, to
                    show that the file does what it says
   legacy.pt        the legacy (non-zip) format
+  checkpoint.pth   a training checkpoint, {"epoch": 3, "model": state_dict}, not a state_dict
+  short-record.pth a tensor of 4 floats whose storage record holds 2
+  past-storage.pth a tensor of 4 floats whose storage claims 2 elements
+  resnet18-ddp.pth torchvision's resnet18(num_classes=8) state_dict with DDP's prefix, and
+                   resnet18.safetensors, the same tensors by safetensors
 """
 import os
 import pickle
@@ -143,6 +148,22 @@ def main(out, marker, python_marker):
     evil(os.path.join(out, "evil.pth"), marker, python_marker)
     torch.save({"a": torch.ones(2)}, os.path.join(out, "legacy.pt"),
                _use_new_zipfile_serialization=False)
+    torch.save({"epoch": 3, "model": sd}, os.path.join(out, "checkpoint.pth"))
+    short = os.path.join(out, "short-record.pth")
+    torch.save({"t": torch.zeros(4)}, short)
+    rewrite(short, {"short-record/data/0": bytes(8)})
+    past = os.path.join(out, "past-storage.pth")
+    torch.save({"t": torch.zeros(4)}, past)
+    with zipfile.ZipFile(past) as z:
+        pkl = z.read("past-storage/data.pkl")
+    assert pkl.count(b"K\x04t") == 1, pkl
+    rewrite(past, {"past-storage/data.pkl": pkl.replace(b"K\x04t", b"K\x02t")})
+    import torchvision
+    torch.manual_seed(9)
+    resnet = torchvision.models.resnet18(num_classes=8).state_dict()
+    torch.save(OrderedDict((f"module.{k}", v) for k, v in resnet.items()),
+               os.path.join(out, "resnet18-ddp.pth"))
+    save_file(resnet, os.path.join(out, "resnet18.safetensors"))
     print("written")
 
 

@@ -1,7 +1,7 @@
 //! `weights` against files that PyTorch itself wrote (`tests/weights.py`, run once with the
 //! Python of `cargo xtask setup`): every dtype's exact values, strides, offsets and shared
 //! storages, big-endian records, a `cuda:0` location, a DDP prefix, strict and partial loads,
-//! a malicious pickle, and the legacy format.
+//! a malicious pickle, damaged and legacy files.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -346,4 +346,55 @@ fn the_legacy_format_and_other_files_are_refused_with_what_to_do() {
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
     let err = weights::read_state_dict(&cut).unwrap_err();
     assert!(matches!(err, WeightsError::Archive { .. }), "{err:?}");
+}
+
+#[test]
+fn files_that_are_not_state_dicts_or_are_damaged_say_so() {
+    let err = weights::read_state_dict(file("checkpoint.pth")).unwrap_err();
+    assert!(matches!(err, WeightsError::NotAStateDict { .. }), "{err:?}");
+    assert!(
+        err.to_string()
+            .contains("entry 'epoch' is an int, not a tensor: save the model's state_dict alone"),
+        "{err}"
+    );
+    let err = weights::read_state_dict(file("short-record.pth")).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::BadTensor { name, reason, .. }
+            if name == "t" && reason.contains("has 8 bytes, but its storage of 4 Float elements needs 16")),
+        "{err:?}"
+    );
+    let err = weights::read_state_dict(file("past-storage.pth")).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::BadTensor { name, reason, .. }
+            if name == "t" && reason.contains("reaches past the end of its storage of 2 elements")),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_torchvision_resnet18_state_dict_reads_as_its_safetensors_copy() {
+    let pth = weights::read_state_dict(file("resnet18-ddp.pth")).unwrap();
+    let st = weights::read_state_dict(file("resnet18.safetensors")).unwrap();
+    assert_eq!(pth.len(), 122);
+    // The module order of torchvision's state_dict() (safetensors orders by dtype and name).
+    let names: Vec<&str> = pth.names().collect();
+    assert_eq!(
+        names[..3],
+        [
+            "module.conv1.weight",
+            "module.bn1.weight",
+            "module.bn1.bias"
+        ]
+    );
+    assert_eq!(names[120..], ["module.fc.weight", "module.fc.bias"]);
+    assert_eq!(st.len(), 122);
+    for (name, b) in st.tensors() {
+        let a = pth.get(&format!("module.{name}")).unwrap();
+        assert_eq!(a.kind(), b.kind(), "{name}");
+        assert!(a.equal(b), "{name}");
+    }
+    assert_eq!(
+        pth.get("module.bn1.num_batches_tracked").unwrap().kind(),
+        Kind::Int64
+    );
 }
