@@ -38,5 +38,6 @@
 pub mod checkpoint;
 mod convnet;
 pub mod norm;
+pub mod weights;
 
 pub use convnet::{ConvNet, ConvNetConfig, ODIR_CLASSES};
