@@ -209,9 +209,19 @@ pub fn needed_libraries(elf: &Path) -> std::io::Result<Vec<String>> {
     if header[..4] != *b"\x7fELF" || header[4] != 2 || header[5] != 1 {
         return Err(bad("not a 64-bit little-endian ELF file"));
     }
-    let u16_at = |b: &[u8], at: usize| u16::from_le_bytes([b[at], b[at + 1]]);
-    let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
-    let u64_at = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+    // Little-endian integers; every offset used below is inside a header or an entry of a
+    // size checked beforehand, and a short slice reads as 0 rather than panicking.
+    let int_at = |b: &[u8], at: usize, len: usize| {
+        b.get(at..at + len).map_or(0, |bytes| {
+            bytes
+                .iter()
+                .rev()
+                .fold(0u64, |acc, &byte| (acc << 8) | u64::from(byte))
+        })
+    };
+    let u16_at = |b: &[u8], at: usize| int_at(b, at, 2) as u16;
+    let u32_at = |b: &[u8], at: usize| int_at(b, at, 4) as u32;
+    let u64_at = |b: &[u8], at: usize| int_at(b, at, 8);
     let (shoff, shentsize, shnum) = (
         u64_at(&header, 0x28),
         usize::from(u16_at(&header, 0x3a)),
@@ -332,7 +342,7 @@ mod tests {
             &site(&cu12).join("nvidia/cuda_runtime/lib/libcudart.so.12")
         );
         // Nothing known about libtorch: 13, then 12.
-        let list = cudart_candidates_in(&[cu12.clone()], &[]);
+        let list = cudart_candidates_in(std::slice::from_ref(&cu12), &[]);
         let want: Vec<PathBuf> = vec![
             site(&cu12).join("nvidia/cu13/lib/libcudart.so.13"),
             PathBuf::from("libcudart.so.13"),

@@ -16,12 +16,42 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use nccl_sys::{cudaError_t, cudaEvent_t, Cudart};
+
 use crate::error::CommError;
 
 /// A point recorded on a stream.
 pub(crate) trait Marker {
     /// Whether the stream has passed the point; `Err` carries the CUDA runtime's message.
     fn reached(&self) -> Result<bool, String>;
+}
+
+/// A CUDA event recorded on a stream (timing disabled), destroyed on drop.
+#[derive(Debug)]
+pub(crate) struct Event {
+    pub(crate) raw: cudaEvent_t,
+    pub(crate) cudart: &'static Cudart,
+}
+
+// SAFETY: a CUDA event may be queried, waited on and destroyed from any thread.
+unsafe impl Send for Event {}
+
+impl Marker for Event {
+    fn reached(&self) -> Result<bool, String> {
+        // SAFETY: `raw` is a live event owned by this value.
+        match unsafe { (self.cudart.cudaEventQuery)(self.raw) } {
+            cudaError_t::cudaSuccess => Ok(true),
+            cudaError_t::cudaErrorNotReady => Ok(false),
+            rc => Err(crate::nccl::cuda::cuda_error_string(rc)),
+        }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: the event is ours; CUDA defers its release until it has completed.
+        unsafe { (self.cudart.cudaEventDestroy)(self.raw) };
+    }
 }
 
 /// Where an entry stands.

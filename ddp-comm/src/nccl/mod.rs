@@ -60,7 +60,7 @@ use tch_ext::CudaStream;
 
 use crate::element::{DType, ReduceOp};
 use crate::error::{CommError, Diagnosis};
-use crate::nccl::inflight::{InFlight, Marker, Status};
+use crate::nccl::inflight::{Event, InFlight, Marker, Status};
 use crate::store::heartbeat::Heartbeat;
 
 /// A tensor's memory on the communicator's device, as NCCL takes it.
@@ -122,34 +122,6 @@ pub(crate) struct NcclComm {
     /// Queued collectives not yet seen complete, and whether the communicator was aborted.
     inflight: InFlight<Event, Vec<Tensor>>,
     heartbeat: Arc<Heartbeat>,
-}
-
-/// A CUDA event recorded on a stream (timing disabled), destroyed on drop.
-#[derive(Debug)]
-pub(crate) struct Event {
-    raw: cudaEvent_t,
-    cudart: &'static Cudart,
-}
-
-// SAFETY: a CUDA event may be queried, waited on and destroyed from any thread.
-unsafe impl Send for Event {}
-
-impl Marker for Event {
-    fn reached(&self) -> Result<bool, String> {
-        // SAFETY: `raw` is a live event owned by this value.
-        match unsafe { (self.cudart.cudaEventQuery)(self.raw) } {
-            cudaError_t::cudaSuccess => Ok(true),
-            cudaError_t::cudaErrorNotReady => Ok(false),
-            rc => Err(crate::nccl::cuda::cuda_error_string(rc)),
-        }
-    }
-}
-
-impl Drop for Event {
-    fn drop(&mut self) {
-        // SAFETY: the event is ours; CUDA defers its release until it has completed.
-        unsafe { (self.cudart.cudaEventDestroy)(self.raw) };
-    }
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
