@@ -101,7 +101,8 @@ impl Work {
     }
 
     /// Whether the collective has completed, with success or an error (for a CUDA
-    /// collective: on the device). Does not block, nor wait for a result.
+    /// collective: on the device). Does not wait for the collective (a CUDA one asks the
+    /// communicator, which another thread's blocking call into the group may hold).
     pub fn is_completed(&self) -> bool {
         match &self.state {
             State::Done(_) => true,
