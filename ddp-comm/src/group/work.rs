@@ -263,3 +263,56 @@ fn serve(run: impl Runner, jobs: Receiver<Job>, pending: &Pending) {
         pending.done();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    /// Device work that records which wait it got.
+    struct Probe {
+        done: Arc<AtomicBool>,
+        waited: Arc<Mutex<&'static str>>,
+    }
+
+    impl DeviceWork for Probe {
+        fn wait(self: Box<Self>) -> Result<(), CommError> {
+            *lock(&self.waited) = "host";
+            Ok(())
+        }
+        fn wait_stream(self: Box<Self>) -> Result<(), CommError> {
+            *lock(&self.waited) = "stream";
+            Err(CommError::Poisoned("aborted".into()))
+        }
+        fn is_completed(&self) -> bool {
+            self.done.load(Ordering::SeqCst)
+        }
+    }
+
+    #[test]
+    fn device_work_reports_the_device_and_waits_as_asked() {
+        let done = Arc::new(AtomicBool::new(false));
+        let waited = Arc::new(Mutex::new(""));
+        let probe = || Probe {
+            done: done.clone(),
+            waited: waited.clone(),
+        };
+        let work = Work::device(probe());
+        assert!(!work.is_completed(), "complete before the device is");
+        done.store(true, Ordering::SeqCst);
+        assert!(work.is_completed());
+        work.wait().unwrap();
+        assert_eq!(*lock(&waited), "host");
+        let err = Work::device(probe()).wait_stream().unwrap_err();
+        assert!(matches!(err, CommError::Poisoned(_)), "{err:?}");
+        assert_eq!(*lock(&waited), "stream");
+        // Work done at issue: `wait_stream` is `wait`.
+        assert!(Work::done(Ok(())).wait_stream().is_ok());
+        let refused = Work::done(Err(CommError::InvalidArgument("x".into())));
+        assert!(refused.is_completed());
+        assert!(matches!(
+            refused.wait_stream(),
+            Err(CommError::InvalidArgument(_))
+        ));
+    }
+}
