@@ -308,8 +308,14 @@ fn nccl_a_wait_after_an_abort_is_an_error() {
         let first = group.all_reduce_async(&a, ReduceOp::Sum);
         let second = group.all_reduce_async(&b, ReduceOp::Sum);
         assert!(!second.is_completed(), "reported complete while queued");
+        // The wait times out, or the watchdog did a moment before it.
         let err = first.wait().unwrap_err();
-        assert!(matches!(err, CommError::Timeout { .. }), "{err:?}");
+        let timed_out = match &err {
+            CommError::Timeout { .. } => true,
+            CommError::Poisoned(why) => why.contains("all_reduce timed out after 1s"),
+            _ => false,
+        };
+        assert!(timed_out, "{err:?}");
         // Let the device run everything out, the aborted collectives included.
         tch::Cuda::synchronize(group.local_rank() as i64);
         assert!(second.is_completed());
@@ -422,4 +428,43 @@ fn nccl_collectives_follow_the_current_stream() {
     }
     let n = skip_without_gpu!();
     run_world("nccl_collectives_follow_the_current_stream", n, &[]);
+}
+
+/// A collective that only a stream waits for (`wait_stream`) and that exceeds the timeout:
+/// the watchdog aborts the communicator without any further call from the program, so the
+/// stream cannot hang forever, and the other work then reports the abort.
+#[test]
+fn nccl_the_watchdog_aborts_a_collective_only_a_stream_waits_for() {
+    if worker() {
+        assert!(ddp_comm::cuda::load_torch_cuda().unwrap());
+        let opts = Options::from_env().unwrap();
+        let group = std::sync::Arc::new(ProcessGroup::new(opts.backend(Backend::Nccl)).unwrap());
+        let device = Device::Cuda(group.local_rank());
+        keep_busy(device, 4.0);
+        let a = Tensor::ones([1 << 20], (Kind::Float, device));
+        let b = Tensor::ones([1 << 20], (Kind::Float, device));
+        group
+            .all_reduce_async(&a, ReduceOp::Sum)
+            .wait_stream()
+            .unwrap();
+        let other = group.all_reduce_async(&b, ReduceOp::Sum);
+        // Past the timeout, with no call into the group meanwhile.
+        std::thread::sleep(std::time::Duration::from_millis(2000));
+        assert!(other.is_completed(), "the watchdog did not abort");
+        match other.wait() {
+            Err(CommError::Poisoned(why)) => {
+                assert!(why.contains("all_reduce timed out after 1s"), "{why}")
+            }
+            other => panic!("expected the watchdog's abort, got {other:?}"),
+        }
+        tch::Cuda::synchronize(group.local_rank() as i64);
+        println!("rank 0: the watchdog aborted the communicator");
+        return;
+    }
+    skip_without_gpu!();
+    run_world_each(
+        "nccl_the_watchdog_aborts_a_collective_only_a_stream_waits_for",
+        1,
+        |_| vec![("DDP_OP_TIMEOUT_S", "1".to_string())],
+    );
 }

@@ -58,7 +58,10 @@ pub struct ProcessGroup {
     backend: Backend,
     op_timeout: Duration,
     cpu: Mutex<CpuBackend>,
-    nccl: Mutex<Option<NcclComm>>,
+    /// Shared with the watchdog thread (started at the first asynchronous CUDA collective),
+    /// which holds it weakly.
+    nccl: Arc<Mutex<Option<NcclComm>>>,
+    watchdog: std::sync::Once,
     store: Mutex<Option<Box<dyn Store>>>,
     /// The communication thread of asynchronous CPU collectives, started at the first one.
     queue: Mutex<Option<Queue>>,
@@ -161,7 +164,8 @@ impl ProcessGroup {
             backend,
             op_timeout,
             cpu: Mutex::new(cpu),
-            nccl: Mutex::new(None),
+            nccl: Arc::new(Mutex::new(None)),
+            watchdog: std::sync::Once::new(),
             store: Mutex::new(met.store),
             queue: Mutex::new(None),
             heartbeat,
@@ -350,6 +354,8 @@ impl ProcessGroup {
 
     fn cuda_async(self: &Arc<Self>, t: &Tensor, op: NcclOp) -> Work {
         self.heartbeat.enter();
+        self.watchdog
+            .call_once(|| start_watchdog(Arc::downgrade(&self.nccl), self.rank));
         let queued = (|| {
             let buf = cuda_buffer(t, self.backend, self.local_rank)?;
             let mut comm = self.nccl()?;
@@ -571,6 +577,44 @@ impl ProcessGroup {
     #[doc(hidden)]
     pub fn set_shm_spin(&self, spin: Duration) {
         lock(&self.cpu).set_spin(spin);
+    }
+}
+
+/// How often the watchdog looks at the communicator's pending collectives.
+const WATCH_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Starts the watchdog of a communicator (c10d's NCCL watchdog): every [`WATCH_INTERVAL`],
+/// unless a call into the group holds the communicator (that call checks it itself), it
+/// retires completed collectives and aborts the communicator when one pending has exceeded
+/// the timeout or NCCL reports an error, so that a collective only a stream waits for
+/// ([`Work::wait_stream`]) cannot hang that stream forever. It ends with the group.
+fn start_watchdog(comm: std::sync::Weak<Mutex<Option<NcclComm>>>, rank: usize) {
+    let watch = move || {
+        while let Some(shared) = comm.upgrade() {
+            {
+                let guard = match shared.try_lock() {
+                    Ok(guard) => Some(guard),
+                    Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                    Err(std::sync::TryLockError::WouldBlock) => None,
+                };
+                if let Some(mut guard) = guard {
+                    if let Some(c) = guard.as_mut() {
+                        c.watch();
+                    }
+                }
+            }
+            drop(shared);
+            std::thread::sleep(WATCH_INTERVAL);
+        }
+    };
+    let started = std::thread::Builder::new()
+        .name(format!("ddp-comm-watch-{rank}"))
+        .spawn(watch);
+    if let Err(e) = started {
+        tracing::warn!(
+            "ddp-comm: rank {rank} runs without an NCCL watchdog ({e}): collectives that \
+             only a stream waits for are checked at the group's next call"
+        );
     }
 }
 

@@ -91,8 +91,8 @@ impl Work {
     /// current CUDA stream wait for it (`cudaStreamWaitEvent`) and returns without blocking
     /// the host; kernels queued on that stream afterwards see the result. An error of the
     /// collective itself (a peer lost, the timeout) is then reported by the group's next
-    /// call, which also aborts a collective pending past the timeout. For a CPU collective
-    /// it is [`Work::wait`].
+    /// call; the group's watchdog thread aborts a collective pending past the timeout, so
+    /// the waiting stream cannot hang forever. For a CPU collective it is [`Work::wait`].
     pub fn wait_stream(self) -> Result<(), CommError> {
         match self.state {
             State::Device(work) => work.wait_stream(),

@@ -26,8 +26,9 @@
 //! without touching NCCL (the communicator is freed by the abort, and an aborted kernel's
 //! end event completes on a half-reduced tensor). Before aborting on a timeout, the rank
 //! reads every rank's heartbeat (`store/heartbeat.rs`) so that the error names the hung
-//! rank. At each call, collectives still pending past the timeout abort the communicator
-//! too, which catches the ones that only a stream waits for. A communicator dropped with
+//! rank. At each call, and every 100 ms from the group's watchdog thread, collectives still
+//! pending past the timeout abort the communicator too, which catches the ones that only a
+//! stream waits for. A communicator dropped with
 //! collectives pending is aborted, never destroyed (`ncclCommDestroy` would wait for them,
 //! forever if a peer is gone); the tensors of collectives still running then are leaked
 //! rather than handed back to the allocator under a running kernel.
@@ -468,6 +469,14 @@ impl NcclComm {
             }
         }
         Ok(start)
+    }
+
+    /// The watchdog's look: retires completed collectives; aborts when one pending has
+    /// exceeded the timeout or NCCL reports an error (the error is what later waits report).
+    pub(crate) fn watch(&mut self) {
+        if !self.inflight.is_aborted() {
+            let _ = self.enter("watchdog");
+        }
     }
 
     /// The calling thread's current stream on the communicator's device.
