@@ -354,8 +354,6 @@ impl ProcessGroup {
 
     fn cuda_async(self: &Arc<Self>, t: &Tensor, op: NcclOp) -> Work {
         self.heartbeat.enter();
-        self.watchdog
-            .call_once(|| start_watchdog(Arc::downgrade(&self.nccl), self.rank));
         let queued = (|| {
             let buf = cuda_buffer(t, self.backend, self.local_rank)?;
             let mut comm = self.nccl()?;
@@ -368,10 +366,14 @@ impl ProcessGroup {
             unsafe { comm.enqueue(buf, op, vec![t.shallow_clone()]) }
         })();
         match queued {
-            Ok(work) => Work::device(CudaWork {
-                group: self.clone(),
-                work,
-            }),
+            Ok(work) => {
+                let comm = Arc::downgrade(&self.nccl);
+                self.watchdog.call_once(|| start_watchdog(comm, self.rank));
+                Work::device(CudaWork {
+                    group: self.clone(),
+                    work,
+                })
+            }
             Err(e) => Work::done(Err(e)),
         }
     }
