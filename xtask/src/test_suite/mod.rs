@@ -37,6 +37,7 @@ const RANK_BINARIES: &[(&str, &str)] = &[
     ("ddp-comm", "key_file"),
     ("ddp-comm", "torchrun"),
     ("ddp-run", "launcher"),
+    ("ddp-train", "cuda_streams"),
     ("ddp-train", "elastic"),
     ("ddp-train", "equivalence"),
     ("ddp-train", "errors"),
