@@ -385,6 +385,7 @@ impl<D: Dataset> HostLoader<D> {
                 layout,
                 storage,
             },
+            warm_slots: prefetch + 2,
         });
         let shared = Arc::new(Shared {
             ring,

@@ -10,7 +10,13 @@
 //!
 //! **Free list.** First in, first out: a worker takes the slot given back longest ago, whose
 //! copy was queued earliest and has most likely completed, not the one just given back
-//! behind the step the GPU is running now.
+//! behind the step the GPU is running now. And a slot with a pending hook is reused only once
+//! the ring has [`Ring::warm_slots`] slots (`prefetch + 2`): a new slot is allocated instead
+//! until then. A CUDA loader gives every slot back the moment its copy is queued, so without
+//! that floor the ring would stay at `prefetch` slots and the only free one would always be
+//! the one whose copy waits behind the running step: each new batch would wait for the GPU.
+//! With it, the oldest free slot's copy was queued before the previous step, which the
+//! consumer has waited for (its loss) before taking the current batch.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -82,6 +88,8 @@ pub(crate) struct State {
     /// Slots being made ready (a hook or an allocation running without the lock); each comes
     /// to the front of `free` when done.
     pub(crate) preparing: usize,
+    /// Of those, allocations.
+    pub(crate) allocating: usize,
     /// Batch number -> slot, for batches being filled or finished but not handed out.
     pub(crate) filling: HashMap<usize, usize>,
     /// An error that ends the epoch wherever it happens (a slot that cannot be allocated or
@@ -101,6 +109,7 @@ impl State {
             slots: Vec::new(),
             free: VecDeque::new(),
             preparing: 0,
+            allocating: 0,
             filling: HashMap::new(),
             fatal: None,
             live_workers: workers,
@@ -118,6 +127,8 @@ pub(crate) struct Ring {
     pub(crate) ready: Condvar,
     pub(crate) indices: Arc<[usize]>,
     pub(crate) request: SlotRequest,
+    /// Slots the ring allocates before it reuses a slot whose hook has not run yet.
+    pub(crate) warm_slots: usize,
 }
 
 impl Ring {
@@ -142,8 +153,9 @@ impl Ring {
     }
 
     /// The slot batch `batch` (of `len` samples) is written into: the one it already has, or
-    /// else the oldest free slot, or else a new one from `allocator`. A free slot's hook, and
-    /// an allocation, run with the lock released (the returned guard is a fresh one); while
+    /// else the oldest free slot (unless its hook has yet to run and the ring is below
+    /// `warm_slots`), or else a new one from `allocator`. A free slot's hook, and an
+    /// allocation, run with the lock released (the returned guard is a fresh one); while
     /// another worker does either and no slot is free, this one waits for it. `Ok(None)`
     /// when the loader stops meanwhile; an error leaves the slot it concerns out of the ring.
     pub(crate) fn slot_for<'a>(
@@ -160,16 +172,22 @@ impl Ring {
             if let Some(&s) = state.filling.get(&batch) {
                 return (state, Ok(Some(s)));
             }
-            let Some(s) = state.free.pop_front() else {
-                if state.preparing > 0 {
+            let front = state.free.front().copied();
+            let cold = state.slots.len() + state.allocating < self.warm_slots;
+            // Below the warm size, a new slot rather than a wait in a hook.
+            let taken = front.filter(|&s| !(cold && state.slots[s].before_reuse.is_some()));
+            let Some(s) = taken else {
+                if front.is_none() && !cold && state.preparing > 0 {
                     state = self.wait(state);
                     continue;
                 }
                 state.preparing += 1;
+                state.allocating += 1;
                 drop(state);
                 let made = allocator.allocate(&self.request);
                 state = self.lock();
                 state.preparing -= 1;
+                state.allocating -= 1;
                 self.work.notify_all();
                 match made {
                     Ok(memory) => {
@@ -181,6 +199,7 @@ impl Ring {
                 }
                 continue;
             };
+            state.free.pop_front();
             let Some(hook) = state.slots[s].before_reuse.take() else {
                 let slot = &mut state.slots[s];
                 slot.batch = batch;

@@ -104,6 +104,34 @@ fn a_new_batch_takes_the_slot_given_back_longest_ago() {
     assert_eq!(loader.slots_allocated(), 3);
 }
 
+/// A slot whose hook has yet to run (for CUDA: whose copy may wait behind the running step)
+/// is reused only once the ring holds `prefetch + 2` slots: a CUDA consumer gives every slot
+/// back as soon as it takes the batch, and a ring of `prefetch` slots would make each new
+/// batch wait for the step behind which the previous copy was queued.
+#[test]
+fn hooked_slots_wait_until_the_ring_holds_prefetch_plus_two() {
+    let log = Log::default();
+    let ramp = Ramp {
+        len: 8,
+        log: log.clone(),
+    };
+    let mut slots = Vec::new();
+    for batch in HostLoader::new(ramp, (0..8).collect(), &one_per_batch(1, 1)).unwrap() {
+        let batch = batch.unwrap();
+        let slot = batch.slot();
+        slots.push(slot);
+        let hook_log = log.clone();
+        batch.release_after(Box::new(move || {
+            hook_log.lock().unwrap().push(format!("hook {slot}"));
+            Ok(())
+        }));
+    }
+    assert_eq!(slots, [0, 1, 2, 0, 1, 2, 0, 1]);
+    let seen = entries(&log);
+    let at = |e: &str| seen.iter().position(|x| x == e).unwrap();
+    assert!(at("hook 0") < at("write 3"), "{seen:?}");
+}
+
 /// A worker blocked in a slot's reuse hook holds no lock that another needs: while it waits,
 /// another worker takes a different free slot and writes its sample, and the consumer takes
 /// a finished batch. Once the hook returns, the blocked slot is refilled and every batch
