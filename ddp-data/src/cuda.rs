@@ -1,13 +1,17 @@
 //! Page-locked ring slots and copy-completion events, through the CUDA runtime that
 //! `nccl-sys` loads (the same `libcudart` libtorch uses).
 //!
-//! A slot is plain page-aligned heap memory registered once with `cudaHostRegister`, so
-//! every copy out of it can be asynchronous; it is unregistered when the slot is freed. After
-//! a batch's copies are issued, an event is recorded behind them on the device's default
-//! stream; the worker that next takes the slot waits for that event before writing into it.
+//! A slot is plain heap memory on whole pages of the operating system's size, registered
+//! once with `cudaHostRegister`, so every copy out of it can be asynchronous; it is
+//! unregistered when the slot is freed. After a batch's copies are issued, an event is
+//! recorded behind them on the device's default stream and becomes the slot's reuse hook:
+//! the worker that next takes the slot waits for that event (without the ring's lock) before
+//! writing into it, and the ring waits for it before it frees the slot. If the event cannot
+//! be recorded, the hook waits for the whole device instead.
 
 use std::any::Any;
 use std::ffi::{c_int, c_void, CStr};
+use std::sync::Arc;
 
 use nccl_sys::{cudaError_t, cudaEvent_t, Cudart};
 
@@ -49,6 +53,8 @@ pub(crate) struct PinnedMemory {
 }
 
 impl Drop for PinnedMemory {
+    /// Runs after the slot's last copy has completed: the ring runs a slot's pending reuse
+    /// hook (the wait for its event) before it drops the slot's memory.
     fn drop(&mut self) {
         for ptr in [
             self.heap.input.as_ptr(),
@@ -120,19 +126,33 @@ impl SlotAllocator for PinnedAllocator {
     }
 }
 
-/// A `cudaEvent_t` that may move between threads (the runtime's handles are thread-agnostic).
-#[derive(Debug, Clone, Copy)]
-struct Event(cudaEvent_t);
+/// A CUDA event, destroyed when the last of the loader and the hooks that wait on it drops
+/// (a hook may outlive the loader: the ring runs pending hooks before it frees a slot).
+#[derive(Debug)]
+struct Event {
+    raw: cudaEvent_t,
+    rt: &'static Cudart,
+}
 
 // SAFETY: a CUDA event handle may be used from any thread of the process.
 unsafe impl Send for Event {}
+// SAFETY: as above; the runtime's event calls are thread-safe.
+unsafe impl Sync for Event {}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created by `CopyEvents::record`, destroyed once, when nothing can wait on
+        // it any more (every holder is gone).
+        unsafe { (self.rt.cudaEventDestroy)(self.raw) };
+    }
+}
 
 /// One reusable event per ring slot, recorded after the slot's copies.
 #[derive(Debug)]
 pub(crate) struct CopyEvents {
     device: c_int,
     rt: &'static Cudart,
-    events: Vec<Option<Event>>,
+    events: Vec<Option<Arc<Event>>>,
 }
 
 impl CopyEvents {
@@ -156,8 +176,8 @@ impl CopyEvents {
         if self.events.len() <= slot {
             self.events.resize(slot + 1, None);
         }
-        let event = match self.events[slot] {
-            Some(e) => e,
+        let event = match &self.events[slot] {
+            Some(e) => Arc::clone(e),
             None => {
                 let mut raw: cudaEvent_t = std::ptr::null_mut();
                 // SAFETY: `raw` is a valid out-pointer; the event belongs to the current
@@ -169,35 +189,40 @@ impl CopyEvents {
                     )
                 };
                 check(rt, "cudaEventCreateWithFlags", rc)?;
-                let e = Event(raw);
-                self.events[slot] = Some(e);
+                let e = Arc::new(Event { raw, rt });
+                self.events[slot] = Some(Arc::clone(&e));
                 e
             }
         };
         // SAFETY: a live event of the current device; stream null = the legacy default
-        // stream, where libtorch queued the copies (see the `tensor` module's docs).
-        let rc = unsafe { (rt.cudaEventRecord)(event.0, std::ptr::null_mut()) };
+        // stream, where libtorch queued the copies (see the `tensor` module's docs). The
+        // slot's previous recording has been waited for (its hook ran before the slot was
+        // refilled), so re-recording loses nothing.
+        let rc = unsafe { (rt.cudaEventRecord)(event.raw, std::ptr::null_mut()) };
         check(rt, "cudaEventRecord", rc)?;
         let device = self.device;
         Ok(Box::new(move || {
-            let event = event;
-            // The waiting thread is a loader worker: make the loader's device current first,
-            // so the wait does not create a context on device 0.
+            // The waiting thread is a loader worker (or whoever drops the ring): make the
+            // loader's device current first, so the wait does not create a context on
+            // device 0.
             set_device(rt, device)?;
-            // SAFETY: the event lives until `CopyEvents` drops, which happens only after the
-            // loader's workers (the only callers of this hook) have been joined.
+            // SAFETY: the hook holds the event, so it is alive.
             check(rt, "cudaEventSynchronize", unsafe {
-                (rt.cudaEventSynchronize)(event.0)
+                (rt.cudaEventSynchronize)(event.raw)
             })
         }))
     }
-}
 
-impl Drop for CopyEvents {
-    fn drop(&mut self) {
-        for e in self.events.drain(..).flatten() {
-            // SAFETY: created by `record`, destroyed once; no worker waits on it any more.
-            unsafe { (self.rt.cudaEventDestroy)(e.0) };
-        }
+    /// The hook for a slot whose event could not be recorded after copies were (maybe)
+    /// queued out of it: waits for all work on the device, those copies included.
+    pub fn device_wait(&self) -> ReuseHook {
+        let (rt, device) = (self.rt, self.device);
+        Box::new(move || {
+            set_device(rt, device)?;
+            // SAFETY: plain runtime call; the device is current.
+            check(rt, "cudaDeviceSynchronize", unsafe {
+                (rt.cudaDeviceSynchronize)()
+            })
+        })
     }
 }

@@ -1,6 +1,5 @@
 //! The parallel batch loader without tch: [`HostLoader`] and its [`LoaderConfig`].
 
-use std::collections::HashMap;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,7 +10,7 @@ use crate::dataset::Dataset;
 use crate::error::DataError;
 use crate::host_batch::HostBatch;
 use crate::memory::{BatchMemory, HeapAllocator, SlotAllocator, SlotRequest};
-use crate::ring::{Ring, Slot, State};
+use crate::ring::{Ring, State};
 use crate::rng::SampleRng;
 use crate::sample::{Input, SampleLayout, SampleOut, Storage, Targets, ValueKind};
 
@@ -65,44 +64,6 @@ struct Shared<D> {
     finished: AtomicUsize,
 }
 
-impl<D> Shared<D> {
-    /// The slot for batch `batch`, taking (or allocating) one if it has none yet.
-    fn slot_for(&self, state: &mut State, batch: usize) -> Result<usize, DataError> {
-        if let Some(&s) = state.filling.get(&batch) {
-            return Ok(s);
-        }
-        let s = match state.free.pop() {
-            Some(s) => s,
-            None => {
-                let memory: Arc<dyn BatchMemory> =
-                    Arc::from(self.allocator.allocate(&self.ring.request)?);
-                state.slots.push(Slot {
-                    memory,
-                    batch,
-                    remaining: 0,
-                    error: None,
-                    before_reuse: None,
-                });
-                state.slots.len() - 1
-            }
-        };
-        if let Some(hook) = state.slots[s].before_reuse.take() {
-            // Under the lock, so no other worker writes into the slot before it is ready.
-            if let Err(e) = hook() {
-                state.free.push(s);
-                return Err(e);
-            }
-        }
-        let len = self.batch_size.min(self.total - batch * self.batch_size);
-        let slot = &mut state.slots[s];
-        slot.batch = batch;
-        slot.remaining = len;
-        slot.error = None;
-        state.filling.insert(batch, s);
-        Ok(s)
-    }
-}
-
 /// Claims the next position; `None` when the worker should exit.
 fn claim<D>(shared: &Shared<D>) -> Option<(usize, Arc<dyn BatchMemory>)> {
     let ring = &shared.ring;
@@ -118,8 +79,14 @@ fn claim<D>(shared: &Shared<D>) -> Option<(usize, Arc<dyn BatchMemory>)> {
     }
     let position = state.next;
     state.next += 1;
-    match shared.slot_for(&mut state, position / shared.batch_size) {
-        Ok(s) => Some((position, Arc::clone(&state.slots[s].memory))),
+    let batch = position / shared.batch_size;
+    let len = shared
+        .batch_size
+        .min(shared.total - batch * shared.batch_size);
+    let (mut state, slot) = ring.slot_for(state, batch, len, &*shared.allocator);
+    match slot {
+        Ok(Some(s)) => Some((position, Arc::clone(&state.slots[s].memory))),
+        Ok(None) => None,
         Err(e) => {
             state.fatal.get_or_insert(e);
             state.stop = true;
@@ -335,14 +302,17 @@ fn finish_sample(
 /// **Window.** Workers claim sample positions in order from a window that reaches at most
 /// `prefetch` batches past the last batch handed out, so work in progress stays bounded.
 ///
-/// **Ring.** The first sample claimed for a batch takes a free slot for the whole batch (or
-/// allocates one when none is free); each worker writes its samples into that slot, at the
-/// sample's offset, so a finished batch is already laid out as `[B, ...]` and nothing is
-/// copied to assemble it. The consumer gets a [`HostBatch`], a lease on the slot; dropping it
-/// returns the slot to the ring. A consumer that drops each batch before asking for the one
-/// after next keeps the ring at `prefetch + 2` slots and the loader allocates nothing after
-/// its first batches; one that keeps batches (say, collects an epoch) makes the ring grow
-/// instead of stalling.
+/// **Ring.** The first sample claimed for a batch takes a free slot for the whole batch: the
+/// one given back longest ago (the free list is first in, first out), or a new one when none
+/// is free. Each worker writes its samples into that slot, at the sample's offset, so a
+/// finished batch is already laid out as `[B, ...]` and nothing is copied to assemble it. The
+/// consumer gets a [`HostBatch`], a lease on the slot; dropping it returns the slot to the
+/// ring, with a reuse hook if [`HostBatch::release_after`] gave one. A hook runs before the
+/// slot is written again, and before its memory is freed, without the ring's lock: one worker
+/// waiting in a hook keeps no other from taking another slot. A consumer that drops each
+/// batch before asking for the one after next keeps the ring at `prefetch + 2` slots and the
+/// loader allocates nothing after its first batches; one that keeps batches (say, collects
+/// an epoch) makes the ring grow instead of stalling.
 ///
 /// **Determinism.** Sample `i`'s random draws come from `(seed, epoch, i)` alone, so the values
 /// do not depend on the number of workers or on their timing. Batches, and errors, come in
@@ -406,17 +376,7 @@ impl<D: Dataset> HostLoader<D> {
         let prefetch = config.prefetch.max(1);
         let workers = config.workers.max(1).min(total.max(1));
         let ring = Arc::new(Ring {
-            state: Mutex::new(State {
-                next: 0,
-                limit: total.min(prefetch * b),
-                stop: false,
-                handed: 0,
-                slots: Vec::new(),
-                free: Vec::new(),
-                filling: HashMap::new(),
-                fatal: None,
-                live_workers: workers,
-            }),
+            state: Mutex::new(State::new(total.min(prefetch * b), workers)),
             work: Condvar::new(),
             ready: Condvar::new(),
             indices: indices.into(),
@@ -425,6 +385,7 @@ impl<D: Dataset> HostLoader<D> {
                 layout,
                 storage,
             },
+            warm_slots: prefetch + 2,
         });
         let shared = Arc::new(Shared {
             ring,
@@ -553,7 +514,7 @@ impl<D: Dataset> HostLoader<D> {
         };
         state.filling.remove(&batch);
         if let Some((_, e)) = state.slots[slot].error.take() {
-            state.free.push(slot);
+            state.free.push_back(slot);
             drop(state);
             self.stop();
             return Some(Err(e));

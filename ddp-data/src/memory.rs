@@ -10,6 +10,7 @@ use std::alloc::Layout;
 use std::any::Any;
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::OnceLock;
 
 use crate::error::DataError;
 use crate::sample::{SampleLayout, Storage};
@@ -68,27 +69,55 @@ pub trait SlotAllocator: Send + Sync + fmt::Debug {
     fn allocate(&self, request: &SlotRequest) -> Result<Box<dyn BatchMemory>, DataError>;
 }
 
-/// Zeroed heap memory aligned to a page, freed on drop.
+/// Zeroed heap memory on whole pages of its own, freed on drop.
 #[derive(Debug)]
 pub struct PageAligned {
     ptr: NonNull<u8>,
     layout: Layout,
 }
 
-/// Page size assumed for alignment (the smallest x86-64 and arm64 page).
-const PAGE: usize = 4096;
+/// The page size used where the operating system's cannot be read: the largest common one
+/// (arm64 kernels with 64 KiB pages), which is also a whole number of every smaller page.
+const FALLBACK_PAGE: usize = 64 << 10;
+
+/// The operating system's page size (`sysconf(_SC_PAGESIZE)`): 4 KiB on most x86-64 and arm64
+/// kernels, 16 or 64 KiB on some arm64 ones (Grace Hopper systems among them). Regions that
+/// are page-locked one by one must not share a page, so slots are aligned and sized to it.
+pub fn page_size() -> usize {
+    static PAGE: OnceLock<usize> = OnceLock::new();
+    *PAGE.get_or_init(|| {
+        // SAFETY: `sysconf` has no preconditions; it returns -1 for an unknown name.
+        let raw = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        usize::try_from(raw)
+            .ok()
+            .filter(|p| p.is_power_of_two())
+            .unwrap_or(FALLBACK_PAGE)
+    })
+}
+
+/// The layout of a region of `len` bytes on pages of `page` bytes (a power of two): whole
+/// pages, at least one, starting on a page boundary.
+fn region_layout(len: usize, page: usize) -> Result<Layout, DataError> {
+    len.max(1)
+        .checked_next_multiple_of(page)
+        .and_then(|size| Layout::from_size_align(size, page).ok())
+        .ok_or_else(|| DataError::InvalidParameter {
+            name: "batch buffer size",
+            expected: "a size the allocator can serve".to_string(),
+            value: format!("{len} bytes in pages of {page} bytes"),
+        })
+}
 
 impl PageAligned {
-    /// `len` zeroed bytes (at least one page is reserved for `len == 0`).
+    /// `len` zeroed bytes on whole pages of the operating system's [`page_size`] (at least
+    /// one page is reserved for `len == 0`).
     pub fn zeroed(len: usize) -> Result<Self, DataError> {
-        let layout =
-            Layout::from_size_align(len.max(1).next_multiple_of(PAGE), PAGE).map_err(|e| {
-                DataError::InvalidParameter {
-                    name: "batch buffer size",
-                    expected: "a size the allocator can serve".to_string(),
-                    value: format!("{len} bytes ({e})"),
-                }
-            })?;
+        Self::zeroed_on_pages(len, page_size())
+    }
+
+    /// `len` zeroed bytes on whole pages of `page` bytes (a power of two).
+    pub(crate) fn zeroed_on_pages(len: usize, page: usize) -> Result<Self, DataError> {
+        let layout = region_layout(len, page)?;
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or_else(|| DataError::InvalidParameter {
@@ -136,12 +165,17 @@ pub struct HeapMemory {
 }
 
 impl HeapMemory {
-    /// Zeroed regions sized for `request`.
+    /// Zeroed regions sized for `request`, each on pages of its own ([`page_size`]).
     pub fn new(request: &SlotRequest) -> Result<Self, DataError> {
+        Self::on_pages(request, page_size())
+    }
+
+    /// As [`HeapMemory::new`], on pages of `page` bytes.
+    pub(crate) fn on_pages(request: &SlotRequest, page: usize) -> Result<Self, DataError> {
         Ok(Self {
-            input: PageAligned::zeroed(request.input_bytes())?,
-            targets: PageAligned::zeroed(request.targets_bytes())?,
-            lengths: PageAligned::zeroed(request.batch_size * 8)?,
+            input: PageAligned::zeroed_on_pages(request.input_bytes(), page)?,
+            targets: PageAligned::zeroed_on_pages(request.targets_bytes(), page)?,
+            lengths: PageAligned::zeroed_on_pages(request.batch_size * 8, page)?,
         })
     }
 }
@@ -180,23 +214,70 @@ impl SlotAllocator for HeapAllocator {
 mod tests {
     use super::*;
 
-    #[test]
-    fn heap_slots_are_page_aligned_zeroed_and_sized() {
-        let request = SlotRequest {
+    fn request() -> SlotRequest {
+        SlotRequest {
             batch_size: 3,
             layout: SampleLayout::new([3, 5, 5], [8]),
             storage: Storage::F32,
-        };
+        }
+    }
+
+    #[test]
+    fn heap_slots_are_page_aligned_zeroed_and_sized() {
+        let request = request();
         assert_eq!(request.input_bytes(), 3 * 75 * 4);
         assert_eq!(request.targets_len(), 24);
         assert_eq!(request.targets_bytes(), 96);
+        let page = page_size();
+        assert!(page.is_power_of_two() && page >= 4096, "page size {page}");
         let m = HeapMemory::new(&request).unwrap();
-        assert_eq!(m.input_ptr() as usize % PAGE, 0);
-        assert_eq!(m.targets_ptr() as usize % PAGE, 0);
-        assert_eq!(m.lengths_ptr() as usize % PAGE, 0);
-        assert!(m.input.capacity() >= request.input_bytes());
+        assert_eq!(m.input_ptr() as usize % page, 0);
+        assert_eq!(m.targets_ptr() as usize % page, 0);
+        assert_eq!(m.lengths_ptr() as usize % page, 0);
+        assert_eq!(m.input.capacity(), page);
         // SAFETY: the region holds `input_bytes` initialised (zeroed) bytes.
         let bytes = unsafe { std::slice::from_raw_parts(m.input_ptr(), request.input_bytes()) };
         assert!(bytes.iter().all(|&b| b == 0));
+    }
+
+    /// On a kernel with 64 KiB pages every region still starts on a page of its own and
+    /// covers whole pages, so no two regions share a page (`cudaHostRegister` of the second
+    /// would fail) and none ends inside a page another allocation may use.
+    #[test]
+    fn regions_take_whole_pages_of_64_kib() {
+        const PAGE: usize = 64 << 10;
+        for (len, size) in [
+            (0, PAGE),
+            (1, PAGE),
+            (4096, PAGE),
+            (PAGE, PAGE),
+            (PAGE + 1, 2 * PAGE),
+            (3 * 224 * 224 * 64, 147 * PAGE),
+        ] {
+            let layout = region_layout(len, PAGE).unwrap();
+            assert_eq!((layout.size(), layout.align()), (size, PAGE), "{len} bytes");
+        }
+        assert!(matches!(
+            region_layout(usize::MAX - 5, PAGE),
+            Err(DataError::InvalidParameter {
+                name: "batch buffer size",
+                ..
+            })
+        ));
+        let m = HeapMemory::on_pages(&request(), PAGE).unwrap();
+        let mut pages: Vec<(usize, usize)> = [&m.input, &m.targets, &m.lengths]
+            .iter()
+            .map(|r| {
+                let start = r.as_ptr() as usize;
+                assert_eq!(start % PAGE, 0);
+                assert_eq!(r.capacity(), PAGE);
+                (start / PAGE, (start + r.capacity()) / PAGE)
+            })
+            .collect();
+        pages.sort();
+        assert!(
+            pages.windows(2).all(|w| w[0].1 <= w[1].0),
+            "regions share a page: {pages:?}"
+        );
     }
 }

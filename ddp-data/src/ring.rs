@@ -1,15 +1,32 @@
 //! The ring of batch slots: the memory the loader's workers write samples into and the
 //! bookkeeping they, the consumer and the batches' leases share under one lock (which batch
 //! each slot holds, the free slots, the window of positions the workers may claim).
+//!
+//! **Lock discipline.** The lock guards bookkeeping only. A slot's reuse hook (for CUDA
+//! slots: the wait for the copy out of it) and the allocation of a new slot run with the lock
+//! released, so a worker waiting for the GPU, or for a slot to be page-locked, never keeps
+//! another worker from taking a different slot, finishing a sample, or the consumer from
+//! taking a finished batch.
+//!
+//! **Free list.** First in, first out: a worker takes the slot given back longest ago, whose
+//! copy was queued earliest and has most likely completed, not the one just given back
+//! behind the step the GPU is running now. And a slot with a pending hook is reused only once
+//! the ring has `Ring::warm_slots` slots (`prefetch + 2`): a new slot is allocated instead
+//! until then. A CUDA loader gives every slot back the moment its copy is queued, so without
+//! that floor the ring would stay at `prefetch` slots and the only free one would always be
+//! the one whose copy waits behind the running step: each new batch would wait for the GPU.
+//! With it, the oldest free slot's copy was queued before the previous step, which the
+//! consumer has waited for (its loss) before taking the current batch.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::error::DataError;
-use crate::memory::{BatchMemory, SlotRequest};
+use crate::memory::{BatchMemory, SlotAllocator, SlotRequest};
 
 /// Runs once a slot's memory may be written again (for example: waits for an asynchronous
-/// copy out of it to finish). Called by the worker that takes the slot for a new batch.
+/// copy out of it to finish). Called, without the ring's lock, by the worker that takes the
+/// slot for a new batch, or by whoever drops the ring before the memory is freed.
 pub type ReuseHook = Box<dyn FnOnce() -> Result<(), DataError> + Send>;
 
 /// One slot of the ring.
@@ -22,6 +39,38 @@ pub(crate) struct Slot {
     /// The error of the lowest failed position in the batch.
     pub(crate) error: Option<(usize, DataError)>,
     pub(crate) before_reuse: Option<ReuseHook>,
+    /// A hook of this slot failed: whether something still reads its memory is unknown, so
+    /// the slot is never reused and its memory never freed.
+    pub(crate) poisoned: bool,
+}
+
+impl Slot {
+    fn new(memory: Arc<dyn BatchMemory>) -> Self {
+        Self {
+            memory,
+            batch: 0,
+            remaining: 0,
+            error: None,
+            before_reuse: None,
+            poisoned: false,
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // Freeing is a reuse too: wait for the memory's last reader first (for CUDA slots,
+        // the copy out of it; page-locked memory is unregistered and freed right after).
+        if let Some(hook) = self.before_reuse.take() {
+            if hook().is_err() {
+                self.poisoned = true;
+            }
+        }
+        if self.poisoned {
+            // A copy may still read this memory: leak it rather than free it under the copy.
+            std::mem::forget(Arc::clone(&self.memory));
+        }
+    }
 }
 
 /// Where the workers, the consumer and the leases stand; under [`Ring::lock`].
@@ -34,7 +83,13 @@ pub(crate) struct State {
     /// Batches handed to the consumer so far.
     pub(crate) handed: usize,
     pub(crate) slots: Vec<Slot>,
-    pub(crate) free: Vec<usize>,
+    /// Slots no batch holds, oldest first.
+    pub(crate) free: VecDeque<usize>,
+    /// Slots being made ready (a hook or an allocation running without the lock); each comes
+    /// to the front of `free` when done.
+    pub(crate) preparing: usize,
+    /// Of those, allocations.
+    pub(crate) allocating: usize,
     /// Batch number -> slot, for batches being filled or finished but not handed out.
     pub(crate) filling: HashMap<usize, usize>,
     /// An error that ends the epoch wherever it happens (a slot that cannot be allocated or
@@ -43,16 +98,37 @@ pub(crate) struct State {
     pub(crate) live_workers: usize,
 }
 
+impl State {
+    /// The state before the first claim: positions below `limit` may be claimed.
+    pub(crate) fn new(limit: usize, workers: usize) -> Self {
+        Self {
+            next: 0,
+            limit,
+            stop: false,
+            handed: 0,
+            slots: Vec::new(),
+            free: VecDeque::new(),
+            preparing: 0,
+            allocating: 0,
+            filling: HashMap::new(),
+            fatal: None,
+            live_workers: workers,
+        }
+    }
+}
+
 /// The part of a loader a [`HostBatch`](crate::host_batch::HostBatch) keeps alive: slot memory
 /// and its bookkeeping.
 pub(crate) struct Ring {
     pub(crate) state: Mutex<State>,
-    /// Workers wait here for the window to open.
+    /// Workers wait here for the window to open or a slot to become ready.
     pub(crate) work: Condvar,
     /// The consumer waits here for a batch to finish.
     pub(crate) ready: Condvar,
     pub(crate) indices: Arc<[usize]>,
     pub(crate) request: SlotRequest,
+    /// Slots the ring allocates before it reuses a slot whose hook has not run yet.
+    pub(crate) warm_slots: usize,
 }
 
 impl Ring {
@@ -62,10 +138,91 @@ impl Ring {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Returns `slot` to the free list, with `hook` to run before it is written again.
+    fn wait<'a>(&self, state: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.work.wait(state).unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Returns `slot` to the back of the free list, with `hook` to run before it is written
+    /// again.
     pub(crate) fn give_back(&self, slot: usize, hook: Option<ReuseHook>) {
         let mut state = self.lock();
         state.slots[slot].before_reuse = hook;
-        state.free.push(slot);
+        state.free.push_back(slot);
+        drop(state);
+        self.work.notify_all();
+    }
+
+    /// The slot batch `batch` (of `len` samples) is written into: the one it already has, or
+    /// else the oldest free slot (unless its hook has yet to run and the ring is below
+    /// `warm_slots`), or else a new one from `allocator`. A free slot's hook, and an
+    /// allocation, run with the lock released (the returned guard is a fresh one); while
+    /// another worker does either and no slot is free, this one waits for it. `Ok(None)`
+    /// when the loader stops meanwhile; an error leaves the slot it concerns out of the ring.
+    pub(crate) fn slot_for<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, State>,
+        batch: usize,
+        len: usize,
+        allocator: &dyn SlotAllocator,
+    ) -> (MutexGuard<'a, State>, Result<Option<usize>, DataError>) {
+        loop {
+            if state.stop {
+                return (state, Ok(None));
+            }
+            if let Some(&s) = state.filling.get(&batch) {
+                return (state, Ok(Some(s)));
+            }
+            let front = state.free.front().copied();
+            let cold = state.slots.len() + state.allocating < self.warm_slots;
+            // Below the warm size, a new slot rather than a wait in a hook.
+            let taken = front.filter(|&s| !(cold && state.slots[s].before_reuse.is_some()));
+            let Some(s) = taken else {
+                if front.is_none() && !cold && state.preparing > 0 {
+                    state = self.wait(state);
+                    continue;
+                }
+                state.preparing += 1;
+                state.allocating += 1;
+                drop(state);
+                let made = allocator.allocate(&self.request);
+                state = self.lock();
+                state.preparing -= 1;
+                state.allocating -= 1;
+                self.work.notify_all();
+                match made {
+                    Ok(memory) => {
+                        state.slots.push(Slot::new(Arc::from(memory)));
+                        let s = state.slots.len() - 1;
+                        state.free.push_front(s);
+                    }
+                    Err(e) => return (state, Err(e)),
+                }
+                continue;
+            };
+            state.free.pop_front();
+            let Some(hook) = state.slots[s].before_reuse.take() else {
+                let slot = &mut state.slots[s];
+                slot.batch = batch;
+                slot.remaining = len;
+                slot.error = None;
+                state.filling.insert(batch, s);
+                return (state, Ok(Some(s)));
+            };
+            // Out of the free list and of `filling`, the slot is this worker's alone until it
+            // goes back to the front of the free list, ready.
+            state.preparing += 1;
+            drop(state);
+            let ran = hook();
+            state = self.lock();
+            state.preparing -= 1;
+            self.work.notify_all();
+            match ran {
+                Ok(()) => state.free.push_front(s),
+                Err(e) => {
+                    state.slots[s].poisoned = true;
+                    return (state, Err(e));
+                }
+            }
+        }
     }
 }

@@ -215,10 +215,13 @@ struct DeviceAffine {
 /// **CUDA.** The slots are page-locked once, when first allocated, and hold bytes (a quarter
 /// of the `f32` size) when the data set can write bytes. Taking a batch issues its
 /// host-to-device copies with `non_blocking`, records an event behind them and returns the
-/// slot to the ring at once; the worker that next takes the slot waits for that event before
-/// writing. Conversion to `f32` (`byte * scale + bias`, per channel, as the data set's
-/// [`Affine`](crate::Affine) says) is queued on the device behind the copy. Nothing
-/// waits for the GPU on the training thread.
+/// slot to the ring at once (with a hook that waits for the event, even when a copy failed);
+/// the worker that next takes the slot waits for that event before writing, and dropping the
+/// loader waits for it before the slot is freed. The ring hands out the slot given back
+/// longest ago, whose copy has usually completed, and the wait holds no lock, so while one
+/// worker waits for the GPU the others keep decoding into other slots. Conversion to `f32`
+/// (`byte * scale + bias`, per channel, as the data set's [`Affine`](crate::Affine) says) is
+/// queued on the device behind the copy. Nothing waits for the GPU on the training thread.
 ///
 /// **Ordering relied on.** tch has no stream API: libtorch queues every copy and kernel of a
 /// device on that device's current stream, which is the legacy default stream (`cudaStream_t`
@@ -377,54 +380,25 @@ impl<D: Dataset> Loader<D> {
     }
 
     fn cuda_batch(&mut self, host: HostBatch) -> Result<Batch, DataError> {
-        let layout = host.layout();
-        let shape = dims(host.len(), &layout.shape);
-        let target_shape = dims(host.len(), &layout.target_shape);
-        let t_kind = target_kind(layout.target_kind);
-        let padded = layout.padding.is_some();
-        let kind = kind_of(host.storage());
         let events = self.events.as_mut().ok_or(DataError::InvalidParameter {
             name: "loader device",
             expected: "copy events for a CUDA loader".to_string(),
             value: format!("{:?}", self.device),
         })?;
         events.make_current()?;
-        // SAFETY: the views cover the first `len` samples of the slot's page-locked regions
-        // (sized for a whole batch), which hold finished samples and stay untouched until the
-        // event recorded below has completed (the reuse hook waits for it). The views are
-        // dropped at the end of this block; only the device copies outlive it.
-        let (inputs, targets, lengths) = unsafe {
-            let src_in =
-                Tensor::f_from_blob(host.memory().input_ptr(), &shape, &[], kind, Device::Cpu)?;
-            let src_t = Tensor::f_from_blob(
-                host.memory().targets_ptr(),
-                &target_shape,
-                &[],
-                t_kind,
-                Device::Cpu,
-            )?;
-            let lengths = if padded {
-                let src_l = Tensor::f_from_blob(
-                    host.memory().lengths_ptr().cast::<u8>(),
-                    &[host.len() as i64],
-                    &[],
-                    Kind::Int64,
-                    Device::Cpu,
-                )?;
-                Some(src_l.f_to_device_(self.device, Kind::Int64, true, false)?)
-            } else {
-                None
-            };
-            (
-                src_in.f_to_device_(self.device, kind, true, false)?,
-                src_t.f_to_device_(self.device, t_kind, true, false)?,
-                lengths,
-            )
+        let copies = copy_to(&host, self.device);
+        // Whether or not every copy was queued, the earlier ones may be in flight: the slot
+        // goes back with a hook that waits for them, never without one.
+        let (hook, unrecorded) = match events.record(host.slot()) {
+            Ok(hook) => (hook, None),
+            Err(e) => (events.device_wait(), Some(e)),
         };
-        let inputs = trim(inputs, &host)?;
-        let hook = events.record(host.slot())?;
         let indices = host.index_list();
         host.release_after(hook);
+        let (inputs, targets, lengths) = copies?;
+        if let Some(e) = unrecorded {
+            return Err(e);
+        }
         Ok(Batch {
             inputs: self.convert(inputs)?,
             targets,
@@ -433,6 +407,50 @@ impl<D: Dataset> Loader<D> {
             _lease: None,
         })
     }
+}
+
+/// Queues the copies of `host`'s inputs, targets and (for padded layouts) lengths from its
+/// page-locked slot to `device`, asynchronously; the inputs are cut to the padded length.
+fn copy_to(
+    host: &HostBatch,
+    device: Device,
+) -> Result<(Tensor, Tensor, Option<Tensor>), DataError> {
+    let layout = host.layout();
+    let shape = dims(host.len(), &layout.shape);
+    let target_shape = dims(host.len(), &layout.target_shape);
+    let t_kind = target_kind(layout.target_kind);
+    let kind = kind_of(host.storage());
+    // SAFETY: the views cover the first `len` samples of the slot's page-locked regions
+    // (sized for a whole batch), which hold finished samples and stay untouched until the
+    // event recorded after this call has completed (the reuse hook waits for it). The views
+    // are dropped at the end of this block; only the device copies outlive it.
+    let (inputs, targets, lengths) = unsafe {
+        let src_in =
+            Tensor::f_from_blob(host.memory().input_ptr(), &shape, &[], kind, Device::Cpu)?;
+        let src_t = Tensor::f_from_blob(
+            host.memory().targets_ptr(),
+            &target_shape,
+            &[],
+            t_kind,
+            Device::Cpu,
+        )?;
+        let inputs = src_in.f_to_device_(device, kind, true, false)?;
+        let targets = src_t.f_to_device_(device, t_kind, true, false)?;
+        let lengths = if layout.padding.is_some() {
+            let src_l = Tensor::f_from_blob(
+                host.memory().lengths_ptr().cast::<u8>(),
+                &[host.len() as i64],
+                &[],
+                Kind::Int64,
+                Device::Cpu,
+            )?;
+            Some(src_l.f_to_device_(device, Kind::Int64, true, false)?)
+        } else {
+            None
+        };
+        (inputs, targets, lengths)
+    };
+    Ok((trim(inputs, host)?, targets, lengths))
 }
 
 impl<D: Dataset> Iterator for Loader<D> {

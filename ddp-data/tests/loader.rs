@@ -423,8 +423,7 @@ fn a_reuse_hook_runs_before_the_slot_is_refilled() {
     }));
     // Each batch is held until the next one is taken, as a pipelined consumer does: when
     // batch 1 is handed out, batch 2 is claimed while the only free slot is the released
-    // one, so that slot must be refilled. (A consumer that dropped each batch at once could
-    // keep reusing its own slot, the last one returned, and never touch the released slot.)
+    // one, so that slot must be refilled.
     let mut reused = false;
     let mut previous = None;
     for batch in loader {

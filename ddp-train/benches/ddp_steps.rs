@@ -607,7 +607,7 @@ fn worker(args: &Args) -> Result<()> {
         match &mut scaler {
             // The Trainer's order: unscale, step unless inf/NaN, update the scale.
             Some(scaler) => {
-                let found_inf = scaler.unscale(ddp.parameters());
+                let found_inf = scaler.unscale(ddp.parameters())?.found()?;
                 if found_inf {
                     skipped += 1;
                 } else {

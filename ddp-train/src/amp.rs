@@ -104,6 +104,36 @@ impl Default for GradScaler {
     }
 }
 
+/// Whether the gradients a [`GradScaler::unscale`] divided hold an inf or NaN, still on
+/// their device: one `f32` flag per device (1 when found), so reading it is one
+/// synchronisation with each (for a rank on one device: one per step).
+#[derive(Debug)]
+#[must_use = "the optimizer step must be skipped when an inf or NaN was found"]
+pub struct FoundInf {
+    flags: Vec<Tensor>,
+}
+
+impl FoundInf {
+    /// The one-element flags, one per device that holds gradients, in the order the
+    /// parameters first name each (none when no parameter has a gradient).
+    pub fn flags(&self) -> &[Tensor] {
+        &self.flags
+    }
+
+    /// Reads the flags to the host: waits for the unscale to finish on each device.
+    ///
+    /// # Errors
+    ///
+    /// [`TrainError::Tch`] when a device reports an error.
+    pub fn found(self) -> Result<bool, TrainError> {
+        let mut found = false;
+        for flag in &self.flags {
+            found |= flag.f_double_value(&[0])? != 0.0;
+        }
+        Ok(found)
+    }
+}
+
 impl GradScaler {
     /// A scaler with PyTorch's defaults but `growth_interval` good steps between growths.
     pub fn with_growth_interval(growth_interval: u64) -> Self {
@@ -134,23 +164,50 @@ impl GradScaler {
     }
 
     /// Divides every defined gradient by the scale (in place, in fp32: multiplied by
-    /// `1/scale` rounded to f32, as PyTorch does) and returns whether any of them holds an
-    /// inf or NaN, in which case the optimizer step must be skipped.
-    pub fn unscale(&self, params: &[(String, Tensor)]) -> bool {
-        let inv = (1.0 / self.state.scale) as f32 as f64;
+    /// `1/scale` rounded to f32, as PyTorch does) and records whether any of them holds an
+    /// inf or NaN, in which case the optimizer step must be skipped. Like PyTorch's
+    /// `unscale_`, it runs one fused `_amp_foreach_non_finite_check_and_unscale_` per device
+    /// and dtype of the gradients, all writing one found-inf flag per device, and reads
+    /// nothing back: [`FoundInf::found`] is the one host-device synchronisation.
+    ///
+    /// # Errors
+    ///
+    /// [`TrainError::Invalid`] when libtorch refuses the gradients (a sparse or non-floating
+    /// one).
+    pub fn unscale(&self, params: &[(String, Tensor)]) -> Result<FoundInf, TrainError> {
+        let inv = f64::from((1.0 / self.state.scale) as f32);
         tch::no_grad(|| {
-            let mut found = false;
+            let mut groups: Vec<((Device, Kind), Vec<Tensor>)> = Vec::new();
             for (_, p) in params {
-                let mut g = p.grad();
+                let g = p.grad();
                 if !g.defined() {
                     continue;
                 }
-                if !found && !bool::try_from(g.isfinite().all()).unwrap_or(false) {
-                    found = true;
+                let key = (g.device(), g.kind());
+                match groups.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, grads)) => grads.push(g),
+                    None => groups.push((key, vec![g])),
                 }
-                let _ = g.g_mul_scalar_(inv);
             }
-            found
+            let mut flags: Vec<(Device, Tensor, Tensor)> = Vec::new();
+            for ((device, _), mut grads) in groups {
+                let k = match flags.iter().position(|(d, _, _)| *d == device) {
+                    Some(k) => k,
+                    None => {
+                        // Made on the device by fill kernels: no copy from the host, no wait.
+                        let found = Tensor::f_zeros([1], (Kind::Float, device))?;
+                        let inv = Tensor::f_full([1], inv, (Kind::Float, device))?;
+                        flags.push((device, found, inv));
+                        flags.len() - 1
+                    }
+                };
+                let (_, found, inv) = &mut flags[k];
+                tch_ext::amp_foreach_non_finite_check_and_unscale_(&mut grads, found, inv)
+                    .map_err(|e| TrainError::Invalid(format!("unscaling the gradients: {e}")))?;
+            }
+            Ok(FoundInf {
+                flags: flags.into_iter().map(|(_, found, _)| found).collect(),
+            })
         })
     }
 
@@ -211,22 +268,104 @@ mod tests {
         assert_eq!((s.scale(), s.state().growth_tracker), (top, 0));
     }
 
+    /// What the fused unscale replaces: every gradient multiplied by `1/scale` (rounded to
+    /// f32) one at a time, and one `isfinite().all()` read back per gradient.
+    fn per_parameter(scale: f64, grads: &[Tensor]) -> (Vec<Tensor>, bool) {
+        let inv = f64::from((1.0 / scale) as f32);
+        let mut found = false;
+        let out = grads
+            .iter()
+            .map(|g| {
+                let mut g = g.copy();
+                found |= !bool::try_from(g.isfinite().all()).unwrap();
+                let _ = g.g_mul_scalar_(inv);
+                g
+            })
+            .collect();
+        (out, found)
+    }
+
+    fn same_bits(a: &Tensor, b: &Tensor) -> bool {
+        let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+        let a = Vec::<f64>::try_from(a.flatten(0, -1)).unwrap();
+        let b = Vec::<f64>::try_from(b.flatten(0, -1)).unwrap();
+        a.len() == b.len()
+            && a.iter()
+                .zip(&b)
+                .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+    }
+
+    /// The fused unscale gives the per-parameter values bit for bit and the same decision,
+    /// for finite gradients and for an inf or a NaN anywhere among them (first, middle, last
+    /// gradient; f32 and f64 gradients mixed), and the decision is one flag tensor computed
+    /// on the device: reading it is the step's one synchronisation.
+    #[test]
+    fn the_fused_unscale_equals_the_per_parameter_one_in_one_flag() {
+        let mut s = GradScaler::default();
+        let finite = |n: usize, kind: Kind| {
+            Tensor::randn([n as i64], (kind, Device::Cpu)) * 65536.0 * (n as f64)
+        };
+        for scale in [65536.0, 3.0, 1.0] {
+            s.set_state(ScalerState {
+                scale,
+                growth_tracker: 0,
+            });
+            for bad in [
+                None,
+                Some(f32::INFINITY),
+                Some(f32::NEG_INFINITY),
+                Some(f32::NAN),
+            ] {
+                for at in 0..3 {
+                    let grads = vec![
+                        finite(5, Kind::Float),
+                        finite(3, Kind::Double),
+                        finite(7, Kind::Float),
+                    ];
+                    if let Some(v) = bad {
+                        let _ = grads[at].get(1).fill_(f64::from(v));
+                    }
+                    let (expected, expected_found) = per_parameter(scale, &grads);
+                    let params: Vec<(String, Tensor)> = grads
+                        .iter()
+                        .map(|g| {
+                            let p = g.zeros_like().set_requires_grad(true);
+                            tch_ext::set_grad(&p, Some(&g.copy())).unwrap();
+                            ("p".to_string(), p)
+                        })
+                        .collect();
+                    let found = s.unscale(&params).unwrap();
+                    assert_eq!(found.flags().len(), 1, "one flag for one device");
+                    assert_eq!(found.flags()[0].size(), [1]);
+                    assert_eq!(found.flags()[0].kind(), Kind::Float);
+                    for ((_, p), e) in params.iter().zip(&expected) {
+                        assert!(same_bits(&p.grad(), e), "scale {scale}, {bad:?} at {at}");
+                    }
+                    assert_eq!(found.found().unwrap(), expected_found, "{bad:?} at {at}");
+                    assert_eq!(expected_found, bad.is_some());
+                }
+            }
+        }
+    }
+
     #[test]
     fn unscaling_divides_the_gradients_and_finds_non_finite_values() {
         let s = GradScaler::default();
         let ok = [param(&[1.0, 2.0], &[65536.0, -131072.0])];
-        assert!(!s.unscale(&ok));
+        assert!(!s.unscale(&ok).unwrap().found().unwrap());
         assert_eq!(Vec::<f32>::try_from(&ok[0].1.grad()).unwrap(), [1.0, -2.0]);
         let bad = [param(&[1.0], &[f32::INFINITY]), param(&[1.0], &[2.0])];
-        assert!(s.unscale(&bad));
+        assert!(s.unscale(&bad).unwrap().found().unwrap());
         let nan = [param(&[1.0], &[f32::NAN])];
-        assert!(s.unscale(&nan));
-        // A parameter without a gradient is skipped.
+        assert!(s.unscale(&nan).unwrap().found().unwrap());
+        // A parameter without a gradient is skipped; with none, there is no flag to read.
         let none = [(
             "n".to_string(),
             Tensor::from_slice(&[1f32]).set_requires_grad(true),
         )];
-        assert!(!s.unscale(&none));
+        let found = s.unscale(&none).unwrap();
+        assert!(found.flags().is_empty());
+        assert!(!found.found().unwrap());
     }
 
     #[test]

@@ -61,7 +61,7 @@ mod stop;
 mod task;
 mod trainer;
 
-pub use amp::{GradScaler, Precision, ScalerState};
+pub use amp::{FoundInf, GradScaler, Precision, ScalerState};
 pub use ddp::{
     BuiltinHook, CommHook, DdpError, DdpOptions, DistributedDataParallel, GradBucket, HookWork,
 };

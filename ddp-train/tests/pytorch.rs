@@ -342,7 +342,7 @@ fn rank_worker() {
         }
         match &mut scaler {
             Some(scaler) => {
-                let found_inf = scaler.unscale(ddp.parameters());
+                let found_inf = scaler.unscale(ddp.parameters()).unwrap().found().unwrap();
                 if !found_inf {
                     opt.step();
                 }

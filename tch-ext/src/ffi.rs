@@ -60,6 +60,12 @@ extern "C" {
         b: *const c_void,
         value: f64,
     ) -> *mut c_char;
+    pub(crate) fn tch_ext_amp_foreach_non_finite_check_and_unscale_(
+        grads: *const *const c_void,
+        n: usize,
+        found_inf: *mut c_void,
+        inv_scale: *const c_void,
+    ) -> *mut c_char;
 
     pub(crate) fn tch_ext_autocast_state(
         device: c_int,

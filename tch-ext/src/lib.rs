@@ -13,7 +13,9 @@
 //! - [`CudaStream`], [`CudaEvent`] and [`set_current_stream`] order work between streams,
 //!   e.g. to run gradient all-reduces on a side stream.
 //! - [`add_`], [`addcmul_`], [`addcdiv_`]: in-place operations with a scalar factor, the
-//!   fused kernels PyTorch's optimizers are written with.
+//!   fused kernels PyTorch's optimizers are written with;
+//!   [`amp_foreach_non_finite_check_and_unscale_`], `GradScaler`'s fused unscale of a list
+//!   of gradients.
 //!
 //! The C++ side (`csrc/`) is a narrow `extern "C"` surface: every entry point catches all
 //! exceptions and returns an error string, which becomes [`TchExtError`]; no C++ exception or
@@ -65,4 +67,4 @@ pub use hooks::{
     clear_post_accumulate_grad_hook, has_post_accumulate_grad_hook, set_grad,
     set_post_accumulate_grad_hook,
 };
-pub use ops::{add_, addcdiv_, addcmul_};
+pub use ops::{add_, addcdiv_, addcmul_, amp_foreach_non_finite_check_and_unscale_};

@@ -11,7 +11,13 @@
 //! 3. tch-ext's CUDA tests (streams, events, hooks on CUDA parameters), and DDP's gradients
 //!    with forward and backward on a pool stream against the default stream (ddp-train's
 //!    `cuda_streams`; it needs two GPUs and says `skipped:` with one),
-//! 4. a short training on one GPU and one on every visible GPU, through the launcher, and
+//! 4. ddp-data's CUDA tests (batches on `cuda:0` equal the CPU path's) and its ring tests,
+//! 5. the input pipeline beside a busy GPU: `ddp_steps --device cuda --data` on a synthetic
+//!    sample, whose `data_median_s` is the data wait per step (the loader's workers keep
+//!    decoding while the GPU runs a step: the ring takes no slot whose copy waits behind the
+//!    running step), and fp16 steps/s with the fused unscale next to bf16 (the same step
+//!    without a scaler) on random tensors; these print figures to read, not verdicts,
+//! 6. a short training on one GPU and one on every visible GPU, through the launcher, and
 //!    one GPU in bf16 and in fp16.
 
 use std::path::Path;
@@ -81,6 +87,20 @@ pub fn run(root: &Path) -> Result<()> {
         "nccl",
     ]);
     crate::run(root, sweep)?;
+    let mut data = crate::cargo();
+    data.args([
+        "test",
+        "-p",
+        "ddp-data",
+        "--test",
+        "tensor",
+        "--test",
+        "ring",
+        "--",
+        "--nocapture",
+    ]);
+    crate::run(root, data)?;
+    feed_and_fp16(root)?;
     let runs = if gpus > 1 { vec![1, gpus] } else { vec![1] };
     let precisions = runs
         .iter()
@@ -116,5 +136,44 @@ pub fn run(root: &Path) -> Result<()> {
         }
     }
     println!("gpu-check: all GPU tests, the NCCL sweep and the GPU trainings passed");
+    Ok(())
+}
+
+/// One GPU: the ConvNet fed by ddp-data's CUDA loader from a synthetic sample (the data wait
+/// per step is `data_median_s` in the `RESULT` line), then random tensors in fp16 and bf16 (each a
+/// few seconds on one GPU).
+fn feed_and_fp16(root: &Path) -> Result<()> {
+    let sample = std::env::temp_dir().join(format!("gpu-check-feed-{}", std::process::id()));
+    launch::generate_sample(root, None, &sample, 256, 512, 0)?;
+    let steps = [
+        "--device",
+        "cuda",
+        "--ranks",
+        "1",
+        "--batch-size",
+        "64",
+        "--warmup",
+        "5",
+        "--steps",
+        "40",
+    ];
+    println!("gpu-check: the CUDA loader beside a busy GPU (data wait per step: data_median_s)");
+    let mut feed = crate::cargo();
+    feed.args(["bench", "-p", "ddp-train", "--bench", "ddp_steps", "--"])
+        .args(steps)
+        .arg("--data")
+        .arg(&sample);
+    let fed = crate::run(root, feed);
+    let _ = std::fs::remove_dir_all(&sample);
+    fed?;
+    for precision in ["fp16", "bf16"] {
+        println!("gpu-check: ConvNet steps/s in {precision}, random tensors, 224 px");
+        let mut bench = crate::cargo();
+        bench
+            .args(["bench", "-p", "ddp-train", "--bench", "ddp_steps", "--"])
+            .args(steps)
+            .args(["--image-size", "224", "--precision", precision]);
+        crate::run(root, bench)?;
+    }
     Ok(())
 }

@@ -290,10 +290,10 @@ impl<T: Task> Trainer<T> {
             self.ddp.sync_gradients()?;
             // The averaged gradients are the same bytes on every rank, so every rank finds
             // the same inf/NaN, the same norm, and skips the same steps.
-            let found_inf = self
-                .scaler
-                .as_ref()
-                .is_some_and(|scaler| scaler.unscale(self.ddp.parameters()));
+            let found_inf = match &self.scaler {
+                Some(scaler) => scaler.unscale(self.ddp.parameters())?.found()?,
+                None => false,
+            };
             let grad_norm = s
                 .clip_grad_norm
                 .map(|max| crate::optim::clip_grad_norm(self.ddp.parameters(), max));

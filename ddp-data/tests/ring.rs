@@ -1,0 +1,315 @@
+//! The ring of batch slots under the loader: which free slot a new batch takes, that a
+//! worker waiting in a slot's reuse hook (for CUDA slots: the wait for a copy) keeps no other
+//! worker from taking another slot, and that a slot's pending hook runs before its memory is
+//! freed. Hooks here are closures that stand for the CUDA event waits of the tch loader.
+
+use std::any::Any;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ddp_data::memory::{BatchMemory, HeapMemory, SlotAllocator, SlotRequest};
+use ddp_data::rng::SampleRng;
+use ddp_data::{DataError, Dataset, HostLoader, LoaderConfig, SampleLayout, SampleOut, Storage};
+use ddp_testkit::wait_for;
+
+/// What happened, in order, across the test's threads.
+type Log = Arc<Mutex<Vec<String>>>;
+
+fn entries(log: &Log) -> Vec<String> {
+    log.lock().unwrap().clone()
+}
+
+fn position(log: &Log, entry: &str) -> Option<usize> {
+    entries(log).iter().position(|e| e == entry)
+}
+
+/// Sample `i` is the value `i`; each write is logged as `write i`.
+struct Ramp {
+    len: usize,
+    log: Log,
+}
+
+impl Dataset for Ramp {
+    type Worker = ();
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn layout(&self) -> SampleLayout {
+        SampleLayout::new([1], [1])
+    }
+
+    fn worker(&self) {}
+
+    fn write(
+        &self,
+        _: &mut (),
+        index: usize,
+        _: &mut SampleRng,
+        out: SampleOut<'_>,
+    ) -> Result<(), DataError> {
+        out.input.f32()?[0] = index as f32;
+        out.targets.f32()?[0] = index as f32;
+        self.log.lock().unwrap().push(format!("write {index}"));
+        Ok(())
+    }
+}
+
+fn one_per_batch(workers: usize, prefetch: usize) -> LoaderConfig {
+    LoaderConfig {
+        workers,
+        prefetch,
+        ..LoaderConfig::new(1)
+    }
+}
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// The free list is first in, first out: a new batch takes the slot given back longest ago
+/// (for CUDA: the one whose copy was queued earliest), not the one just given back.
+#[test]
+fn a_new_batch_takes_the_slot_given_back_longest_ago() {
+    let ramp = Ramp {
+        len: 8,
+        log: Log::default(),
+    };
+    let mut loader = HostLoader::new(ramp, (0..8).collect(), &one_per_batch(1, 1)).unwrap();
+    let b0 = loader.next().unwrap().unwrap();
+    let b1 = loader.next().unwrap().unwrap();
+    // Batch 2 is written while both are held: a third slot.
+    wait_for("batch 2 finished", LIMIT, || loader.is_next_ready());
+    assert_eq!((b0.slot(), b1.slot()), (0, 1));
+    drop(b1);
+    drop(b0);
+    // Free: slot 1, then slot 0. Handing batch 2 out lets batch 3 start: it takes slot 1.
+    let b2 = loader.next().unwrap().unwrap();
+    let b2_slot = b2.slot();
+    wait_for("batch 3 finished", LIMIT, || loader.is_next_ready());
+    drop(b2);
+    // Free: slot 0, then slot 2. Batch 4 takes slot 0.
+    let b3 = loader.next().unwrap().unwrap();
+    wait_for("batch 4 finished", LIMIT, || loader.is_next_ready());
+    let b4 = loader.next().unwrap().unwrap();
+    assert_eq!(
+        [b2_slot, b3.slot(), b4.slot()],
+        [2, 1, 0],
+        "slots of batches 2, 3 and 4"
+    );
+    assert_eq!(
+        (b3.input_f32(), b4.input_f32()),
+        (Some(&[3.0][..]), Some(&[4.0][..]))
+    );
+    assert_eq!(loader.slots_allocated(), 3);
+}
+
+/// A slot whose hook has yet to run (for CUDA: whose copy may wait behind the running step)
+/// is reused only once the ring holds `prefetch + 2` slots: a CUDA consumer gives every slot
+/// back as soon as it takes the batch, and a ring of `prefetch` slots would make each new
+/// batch wait for the step behind which the previous copy was queued.
+#[test]
+fn hooked_slots_wait_until_the_ring_holds_prefetch_plus_two() {
+    let log = Log::default();
+    let ramp = Ramp {
+        len: 8,
+        log: log.clone(),
+    };
+    let mut slots = Vec::new();
+    for batch in HostLoader::new(ramp, (0..8).collect(), &one_per_batch(1, 1)).unwrap() {
+        let batch = batch.unwrap();
+        let slot = batch.slot();
+        slots.push(slot);
+        let hook_log = log.clone();
+        batch.release_after(Box::new(move || {
+            hook_log.lock().unwrap().push(format!("hook {slot}"));
+            Ok(())
+        }));
+    }
+    assert_eq!(slots, [0, 1, 2, 0, 1, 2, 0, 1]);
+    let seen = entries(&log);
+    let at = |e: &str| seen.iter().position(|x| x == e).unwrap();
+    assert!(at("hook 0") < at("write 3"), "{seen:?}");
+}
+
+/// A worker blocked in a slot's reuse hook holds no lock that another needs: while it waits,
+/// another worker takes a different free slot and writes its sample, and the consumer takes
+/// a finished batch. Once the hook returns, the blocked slot is refilled and every batch
+/// comes out in order with its own values.
+#[test]
+fn a_worker_waiting_in_a_hook_keeps_no_other_from_a_different_slot() {
+    let log = Log::default();
+    let ramp = Ramp {
+        len: 8,
+        log: log.clone(),
+    };
+    let mut loader = HostLoader::new(ramp, (0..8).collect(), &one_per_batch(2, 2)).unwrap();
+    let b0 = loader.next().unwrap().unwrap();
+    let b1 = loader.next().unwrap().unwrap();
+    // Batches 0 to 3 were given slots while none was free: four slots.
+    wait_for("batches 2 and 3 written", LIMIT, || {
+        position(&log, "write 2").is_some() && position(&log, "write 3").is_some()
+    });
+    let (blocked_slot, free_slot) = (b0.slot(), b1.slot());
+    let (release, released) = mpsc::channel::<()>();
+    let hook_log = log.clone();
+    b0.release_after(Box::new(move || {
+        hook_log.lock().unwrap().push("hook waits".into());
+        // Bounded, so that a loader which ran hooks under its lock fails this test (below)
+        // instead of hanging it.
+        let _ = released.recv_timeout(Duration::from_secs(20));
+        hook_log.lock().unwrap().push("hook returns".into());
+        Ok(())
+    }));
+    drop(b1);
+    // Free: the hooked slot, then a clean one. Batch 4 takes the hooked slot and waits in
+    // its hook; batch 5 (after batch 3 is handed out) takes the clean slot.
+    let b2 = loader.next().unwrap().unwrap();
+    wait_for("batch 4 waiting in the hook", LIMIT, || {
+        position(&log, "hook waits").is_some()
+    });
+    let b3 = loader.next().unwrap().unwrap();
+    wait_for("batch 5 written", LIMIT, || {
+        position(&log, "write 5").is_some()
+    });
+    release.send(()).unwrap();
+    let seen = entries(&log);
+    let at = |e: &str| seen.iter().position(|x| x == e);
+    assert!(
+        at("write 5").unwrap() < at("hook returns").unwrap_or(usize::MAX),
+        "batch 5 waited for another slot's hook: {seen:?}"
+    );
+    let mut slots = vec![b2.slot(), b3.slot()];
+    let mut values = vec![b2.input_f32().unwrap()[0], b3.input_f32().unwrap()[0]];
+    drop((b2, b3));
+    for batch in loader {
+        let batch = batch.unwrap();
+        slots.push(batch.slot());
+        values.push(batch.input_f32().unwrap()[0]);
+    }
+    assert_eq!(values, [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]);
+    assert_eq!(slots[2], blocked_slot, "batch 4 is in the hooked slot");
+    assert_eq!(slots[3], free_slot, "batch 5 is in the other free slot");
+    let seen = entries(&log);
+    let at = |e: &str| seen.iter().position(|x| x == e).unwrap();
+    assert!(
+        at("hook returns") < at("write 4"),
+        "the hooked slot was written before its hook returned: {seen:?}"
+    );
+}
+
+/// Slots in heap memory whose freeing is logged as `free SLOT`.
+#[derive(Debug)]
+struct LoggedMemory {
+    heap: HeapMemory,
+    id: usize,
+    log: Log,
+}
+
+impl Drop for LoggedMemory {
+    fn drop(&mut self) {
+        self.log.lock().unwrap().push(format!("free {}", self.id));
+    }
+}
+
+// SAFETY: the regions are `HeapMemory`'s, owned by this value and freed only when it drops.
+unsafe impl BatchMemory for LoggedMemory {
+    fn input_ptr(&self) -> *mut u8 {
+        self.heap.input.as_ptr()
+    }
+
+    fn targets_ptr(&self) -> *mut u8 {
+        self.heap.targets.as_ptr()
+    }
+
+    fn lengths_ptr(&self) -> *mut i64 {
+        self.heap.lengths.as_ptr().cast()
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+#[derive(Debug)]
+struct LoggedAllocator {
+    made: Mutex<usize>,
+    log: Log,
+}
+
+impl SlotAllocator for LoggedAllocator {
+    fn allocate(&self, request: &SlotRequest) -> Result<Box<dyn BatchMemory>, DataError> {
+        let mut made = self.made.lock().unwrap();
+        *made += 1;
+        Ok(Box::new(LoggedMemory {
+            heap: HeapMemory::new(request)?,
+            id: *made - 1,
+            log: self.log.clone(),
+        }))
+    }
+}
+
+fn logged_loader(log: &Log) -> HostLoader<Ramp> {
+    let ramp = Ramp {
+        len: 4,
+        log: log.clone(),
+    };
+    let allocator = Arc::new(LoggedAllocator {
+        made: Mutex::new(0),
+        log: log.clone(),
+    });
+    HostLoader::with_storage(
+        ramp,
+        (0..4).collect(),
+        &one_per_batch(1, 1),
+        Storage::F32,
+        allocator,
+    )
+    .unwrap()
+}
+
+/// A slot given back with a hook and never reused is not freed before the hook has run: for
+/// CUDA slots, page-locked memory is not unregistered and freed under a copy in flight.
+#[test]
+fn dropping_the_loader_runs_a_pending_hook_before_freeing_the_slot() {
+    let log = Log::default();
+    let mut loader = logged_loader(&log);
+    let first = loader.next().unwrap().unwrap();
+    assert_eq!(first.slot(), 0);
+    let hook_log = log.clone();
+    first.release_after(Box::new(move || {
+        hook_log.lock().unwrap().push("hook 0".into());
+        Ok(())
+    }));
+    drop(loader);
+    let seen = entries(&log);
+    let hook = seen.iter().position(|e| e == "hook 0");
+    let free = seen.iter().position(|e| e == "free 0");
+    assert!(
+        hook.is_some() && hook < free,
+        "slot 0 freed without waiting for its hook: {seen:?}"
+    );
+    assert_eq!(seen.iter().filter(|e| *e == "hook 0").count(), 1);
+}
+
+/// When a slot's hook fails, nothing says its copy is done: the slot is never freed (its
+/// memory is leaked), while the slots without a failed hook are.
+#[test]
+fn a_slot_whose_hook_failed_at_drop_is_never_freed() {
+    let log = Log::default();
+    let mut loader = logged_loader(&log);
+    let first = loader.next().unwrap().unwrap();
+    let second = loader.next().unwrap().unwrap();
+    assert_eq!((first.slot(), second.slot()), (0, 1));
+    first.release_after(Box::new(|| {
+        Err(DataError::Cuda {
+            call: "cudaEventSynchronize",
+            message: "an illegal memory access was encountered".to_string(),
+        })
+    }));
+    drop(second);
+    drop(loader);
+    let seen = entries(&log);
+    assert!(seen.iter().any(|e| e == "free 1"), "{seen:?}");
+    assert!(!seen.iter().any(|e| e == "free 0"), "{seen:?}");
+}
