@@ -70,7 +70,8 @@ pub use gather::{gather_rows, Rows};
 pub use metrics::{Confusion, Goal, MultiClassStats, MultiLabelStats, RegressionStats};
 pub use report::{EpochReport, EvalReport};
 pub use settings::{
-    CheckpointSettings, DeviceChoice, EarlyStopping, Monitor, RuntimeSettings, Settings,
+    CheckpointSettings, DeviceChoice, EarlyStopping, FreezeSettings, Monitor, RuntimeSettings,
+    Settings,
 };
 pub use stop::{StopReason, EXIT_STOPPED, STOP_SIGNALS};
 pub use task::{Metrics, NoStats, Stats, Task};

@@ -234,12 +234,13 @@ impl DistributedDataParallel {
         pg: Arc<ProcessGroup>,
         options: DdpOptions,
     ) -> Result<Self, DdpError> {
-        let (params, buffers) = split_named(vs);
-        verify_same_model(&pg, &params, &buffers)?;
+        let (params, frozen, buffers) = split_named(vs);
+        verify_same_model(&pg, &params, &frozen, &buffers)?;
 
         // Initial broadcast of everything, one bucket per dtype, no size cap.
         let everything: Vec<(String, Tensor)> = params
             .iter()
+            .chain(frozen.iter())
             .chain(buffers.iter())
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect();
@@ -293,9 +294,29 @@ impl DistributedDataParallel {
         &self.params
     }
 
-    /// Buffers (non-trainable tensors) in DDP order.
+    /// Buffers (the store's tensors that are not parameters, such as BatchNorm statistics)
+    /// in DDP order. Frozen parameters (variables created trainable whose `requires_grad` is
+    /// off) are neither parameters nor buffers here: broadcast once by
+    /// [`DistributedDataParallel::new`], never bucketed, never broadcast again (PyTorch's
+    /// DDP skips parameters without `requires_grad`).
     pub fn buffers(&self) -> &[(String, Tensor)] {
         &self.buffers
+    }
+
+    /// Wraps the store again after parameters were frozen or unfrozen (as a PyTorch user
+    /// wraps the model in a new `DistributedDataParallel`): unhooks the current parameters,
+    /// then does what [`DistributedDataParallel::new`] does with the same options and
+    /// communication hook. Every rank must call this at the same point.
+    pub fn rebuild(&mut self, vs: &VarStore) -> Result<(), DdpError> {
+        for (_, p) in self.params.drain(..) {
+            let _ = tch_ext::clear_post_accumulate_grad_hook(&p);
+        }
+        let hook = lock(&self.reducer).hook.clone();
+        let fresh = Self::new(vs, self.pg.clone(), self.options)?;
+        lock(&fresh.reducer).hook = hook;
+        // The old value's drop finds no parameter to unhook.
+        *self = fresh;
+        Ok(())
     }
 
     /// The sizes in bytes of the gradient buckets, in reduction order.
@@ -373,11 +394,23 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Splits the store into (trainable parameters, buffers), each in DDP order.
-fn split_named(vs: &VarStore) -> (Named, Named) {
+/// Splits the store into (parameters that train, frozen parameters, buffers), each in DDP
+/// order. A frozen parameter is a variable the store holds as trainable (created with
+/// `var`) whose `requires_grad` is off.
+fn split_named(vs: &VarStore) -> (Named, Named, Named) {
     let mut all: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     all.sort_by(|a, b| natural_cmp(&a.0, &b.0));
-    all.into_iter().partition(|(_, t)| t.requires_grad())
+    let declared: std::collections::HashSet<usize> = vs
+        .trainable_variables()
+        .iter()
+        .filter(|t| t.numel() > 0)
+        .map(|t| t.data_ptr() as usize)
+        .collect();
+    let (params, rest): (Named, Named) = all.into_iter().partition(|(_, t)| t.requires_grad());
+    let (frozen, buffers) = rest
+        .into_iter()
+        .partition(|(_, t)| t.numel() > 0 && declared.contains(&(t.data_ptr() as usize)));
+    (params, frozen, buffers)
 }
 
 fn describe(kind: &str, named: &[(String, Tensor)]) -> Vec<String> {
@@ -390,9 +423,11 @@ fn describe(kind: &str, named: &[(String, Tensor)]) -> Vec<String> {
 fn verify_same_model(
     pg: &ProcessGroup,
     params: &[(String, Tensor)],
+    frozen: &[(String, Tensor)],
     buffers: &[(String, Tensor)],
 ) -> Result<(), DdpError> {
     let mut mine = describe("parameter", params);
+    mine.extend(describe("frozen parameter", frozen));
     mine.extend(describe("buffer", buffers));
     let gathered = pg.all_gather_bytes(mine.join("\n").as_bytes())?;
     let reference: Vec<&str> = std::str::from_utf8(&gathered[0])

@@ -41,6 +41,7 @@ const RANK_BINARIES: &[(&str, &str)] = &[
     ("ddp-train", "equivalence"),
     ("ddp-train", "errors"),
     ("ddp-train", "example"),
+    ("ddp-train", "freeze"),
     ("ddp-train", "pytorch"),
     ("ddp-train", "self_launch"),
     ("ddp-train", "trainer"),
