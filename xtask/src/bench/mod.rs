@@ -46,6 +46,7 @@ mod overlap;
 mod page;
 mod parse;
 mod report;
+mod resnet;
 mod results;
 mod runner;
 mod sampler;
@@ -148,6 +149,7 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
             Group::Comm => comm::comm(&ctx),
             Group::Ddp => train::ddp_only(&ctx),
             Group::Train => train::train(&ctx, groups.contains(&Group::Ddp)),
+            Group::Resnet => resnet::resnet(&ctx),
             Group::Overlap => overlap::overlap(&ctx),
         };
         let new_rows = match result {
