@@ -30,9 +30,9 @@ pub struct FreezeSettings {
             value_name = "PREFIX",
             num_args = 1..,
             value_delimiter = ',',
-            help = "Freeze the parameters whose name is PREFIX or starts with PREFIX. (e.g. \
-                    `--freeze conv1 bn1 layer1 layer2`): no gradient, no optimizer state, not \
-                    in DDP's buckets"
+            help = "Freeze the parameters whose name is PREFIX or starts with `PREFIX.` \
+                    (`--freeze conv1 bn1 layer1`): no gradient, no optimizer state, not in \
+                    DDP's buckets"
         )
     )]
     pub prefixes: Vec<String>,
