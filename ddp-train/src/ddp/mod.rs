@@ -472,6 +472,23 @@ fn broadcast_tensors(
 mod tests {
     use super::*;
 
+    /// A frozen parameter is neither bucketed nor broadcast with the buffers.
+    #[test]
+    fn frozen_parameters_are_neither_parameters_nor_buffers() {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let root = vs.root();
+        let _a = root.var("a", &[2], tch::nn::Init::Const(1.0));
+        let b = root.var("b", &[3], tch::nn::Init::Const(1.0));
+        let _ = b.set_requires_grad(false);
+        let _c = root.zeros_no_train("c", &[4]);
+        let names = |v: &Named| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+        let (params, frozen, buffers) = split_named(&vs);
+        assert_eq!(
+            (names(&params), names(&frozen), names(&buffers)),
+            (vec!["a".into()], vec!["b".into()], vec!["c".to_string()])
+        );
+    }
+
     #[test]
     fn natural_order_compares_numbers_as_numbers() {
         let mut names = vec![
