@@ -489,6 +489,43 @@ mod tests {
         );
     }
 
+    /// After a parameter is unfrozen, `rebuild` buckets and hooks it, once: a step's
+    /// backward reduces every gradient without a second hook firing.
+    #[test]
+    fn rebuild_takes_an_unfrozen_parameter_in() {
+        let pg = Arc::new(
+            ProcessGroup::new(ddp_comm::Options::new(
+                0,
+                1,
+                "127.0.0.1",
+                ddp_testkit::free_port(),
+            ))
+            .unwrap(),
+        );
+        let vs = VarStore::new(tch::Device::Cpu);
+        let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+        let b = vs.root().var("b", &[3], tch::nn::Init::Const(1.0));
+        let _ = b.set_requires_grad(false);
+        let mut ddp = DistributedDataParallel::new(&vs, pg, DdpOptions::default()).unwrap();
+        assert_eq!(ddp.bucket_parameters(), [vec!["a".to_string()]]);
+        let _ = b.set_requires_grad(true);
+        ddp.rebuild(&vs).unwrap();
+        assert_eq!(ddp.parameters().len(), 2);
+        assert_eq!(
+            ddp.bucket_parameters(),
+            [vec!["b".to_string(), "a".to_string()]]
+        );
+        for _ in 0..2 {
+            for (_, p) in ddp.parameters() {
+                tch_ext::set_grad(p, None).unwrap();
+            }
+            (a.sum(tch::Kind::Float) * 2.0 + b.sum(tch::Kind::Float) * 3.0).backward();
+            ddp.sync_gradients().unwrap();
+            assert_eq!(Vec::<f32>::try_from(&b.grad()).unwrap(), [3.0; 3]);
+            assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
+        }
+    }
+
     #[test]
     fn natural_order_compares_numbers_as_numbers() {
         let mut names = vec![
