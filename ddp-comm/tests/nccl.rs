@@ -263,3 +263,208 @@ fn nccl_init_times_out_when_a_rank_never_joins_it() {
         "{errors:?}"
     );
 }
+
+/// Seconds one 4096x4096 f32 matmul takes on `device`, measured after a warm-up.
+fn seconds_per_matmul(x: &Tensor) -> f64 {
+    let Device::Cuda(index) = x.device() else {
+        unreachable!("a CUDA tensor")
+    };
+    for _ in 0..2 {
+        let _ = x.mm(x);
+    }
+    tch::Cuda::synchronize(index as i64);
+    let start = std::time::Instant::now();
+    for _ in 0..8 {
+        let _ = x.mm(x);
+    }
+    tch::Cuda::synchronize(index as i64);
+    start.elapsed().as_secs_f64() / 8.0
+}
+
+/// Queues about `seconds` of matmuls on the current stream of `device` and returns at once
+/// (the host is far ahead of the device afterwards).
+fn keep_busy(device: Device, seconds: f64) {
+    let x = Tensor::randn([4096, 4096], (Kind::Float, device)) / 64.0;
+    let count = (seconds / seconds_per_matmul(&x)).ceil() as usize;
+    for _ in 0..count {
+        let _ = x.mm(&x);
+    }
+}
+
+/// Bucket 0's wait times out and aborts the communicator. Bucket 1's wait must then fail
+/// too, even once its end event has completed (the aborted kernel exited early, the tensor
+/// half-reduced), and without asking NCCL about the freed communicator.
+#[test]
+fn nccl_a_wait_after_an_abort_is_an_error() {
+    if worker() {
+        assert!(ddp_comm::cuda::load_torch_cuda().unwrap());
+        let opts = Options::from_env().unwrap();
+        let group = std::sync::Arc::new(ProcessGroup::new(opts.backend(Backend::Nccl)).unwrap());
+        let device = Device::Cuda(group.local_rank());
+        // The collectives wait on the current stream, busy for three times the timeout.
+        keep_busy(device, 3.0);
+        let a = Tensor::ones([1 << 20], (Kind::Float, device));
+        let b = Tensor::ones([1 << 20], (Kind::Float, device));
+        let first = group.all_reduce_async(&a, ReduceOp::Sum);
+        let second = group.all_reduce_async(&b, ReduceOp::Sum);
+        assert!(!second.is_completed(), "reported complete while queued");
+        // The wait times out, or the watchdog did a moment before it.
+        let err = first.wait().unwrap_err();
+        let timed_out = match &err {
+            CommError::Timeout { .. } => true,
+            CommError::Poisoned(why) => why.contains("all_reduce timed out after 1s"),
+            _ => false,
+        };
+        assert!(timed_out, "{err:?}");
+        // Let the device run everything out, the aborted collectives included.
+        tch::Cuda::synchronize(group.local_rank() as i64);
+        assert!(second.is_completed());
+        match second.wait() {
+            Err(CommError::Poisoned(why)) => assert!(why.contains("aborted"), "{why}"),
+            other => panic!("the wait after the abort returned {other:?}"),
+        }
+        let mut c = Tensor::ones([4], (Kind::Float, device));
+        let err = group.all_reduce(&mut c, ReduceOp::Sum).unwrap_err();
+        assert!(matches!(err, CommError::Poisoned(_)), "{err:?}");
+        println!("rank 0: the wait after the abort failed");
+        return;
+    }
+    skip_without_gpu!();
+    run_world_each("nccl_a_wait_after_an_abort_is_an_error", 1, |_| {
+        vec![("DDP_OP_TIMEOUT_S", "1".to_string())]
+    });
+}
+
+/// A temporary all-reduced with its `Work` dropped at once: the caching allocator must not
+/// hand its memory to the next tensor while NCCL still has to write it, and the result
+/// of a kept tensor is right. `is_completed` says false while the device is busy.
+#[test]
+fn nccl_a_dropped_work_keeps_its_temporary() {
+    if worker() {
+        let (group, device) = group_on_gpu();
+        let group = std::sync::Arc::new(group);
+        let (rank, n) = rank_world();
+        // An odd size, so that no other free block fits it exactly.
+        let len = 1_000_003;
+        keep_busy(device, 0.5);
+        let temporary_at = {
+            let temporary = Tensor::full([len], (rank + 1) as f64, (Kind::Float, device));
+            let _ = group.all_reduce_async(&temporary, ReduceOp::Sum);
+            temporary.data_ptr() as usize
+        };
+        let next = Tensor::full([len], 7.0, (Kind::Float, device));
+        assert_ne!(
+            next.data_ptr() as usize,
+            temporary_at,
+            "the allocator reused the memory of a collective still in flight"
+        );
+        let kept = Tensor::full([len], (rank + 1) as f64, (Kind::Float, device));
+        let work = group.all_reduce_async(&kept, ReduceOp::Sum);
+        assert!(
+            !work.is_completed(),
+            "complete while the device is still busy"
+        );
+        group.barrier().unwrap();
+        assert!(work.is_completed(), "not complete after the barrier");
+        work.wait().unwrap();
+        assert_eq!(next.min().double_value(&[]), 7.0);
+        assert_eq!(next.max().double_value(&[]), 7.0);
+        let want = (n * (n + 1) / 2) as f64;
+        assert_eq!(kept.min().double_value(&[]), want);
+        assert_eq!(kept.max().double_value(&[]), want);
+        println!("rank {rank}: the dropped work kept its temporary");
+        return;
+    }
+    let n = skip_without_gpu!();
+    run_world("nccl_a_dropped_work_keeps_its_temporary", n, &[]);
+}
+
+/// Inputs produced on a pool stream made current (not the default stream): the collectives
+/// wait for them, and after `wait_stream` that stream's next kernels see the results.
+#[test]
+fn nccl_collectives_follow_the_current_stream() {
+    if worker() {
+        let (group, device) = group_on_gpu();
+        let group = std::sync::Arc::new(group);
+        let (rank, n) = rank_world();
+        let stream = tch_ext::CudaStream::from_pool(group.local_rank(), false).unwrap();
+        let guard = tch_ext::set_current_stream(stream).unwrap();
+        let len = 1 << 20;
+        let mut input = Tensor::zeros([len], (Kind::Float, device));
+        keep_busy(device, 0.5);
+        input += (rank + 1) as f64;
+        // Blocking and out of place, so even one rank shows whether it read the input early.
+        let mut gathered = Tensor::empty([n as i64 * len], (Kind::Float, device));
+        group.all_gather_into(&input, &mut gathered).unwrap();
+        for r in 0..n {
+            let part = gathered.narrow(0, r as i64 * len, len);
+            assert_eq!(
+                part.min().double_value(&[]),
+                (r + 1) as f64,
+                "rank {r}'s part"
+            );
+            assert_eq!(
+                part.max().double_value(&[]),
+                (r + 1) as f64,
+                "rank {r}'s part"
+            );
+        }
+        // Asynchronous, waited for by the stream: the sum lands before the next kernel.
+        let mut t = Tensor::zeros([len], (Kind::Float, device));
+        keep_busy(device, 0.5);
+        t += (rank + 1) as f64;
+        group
+            .all_reduce_async(&t, ReduceOp::Sum)
+            .wait_stream()
+            .unwrap();
+        let doubled = &t * 2.0;
+        let want = (n * (n + 1)) as f64;
+        assert_eq!(doubled.min().double_value(&[]), want);
+        assert_eq!(doubled.max().double_value(&[]), want);
+        drop(guard);
+        group.barrier().unwrap();
+        println!("rank {rank}: collectives followed the current stream");
+        return;
+    }
+    let n = skip_without_gpu!();
+    run_world("nccl_collectives_follow_the_current_stream", n, &[]);
+}
+
+/// A collective that only a stream waits for (`wait_stream`) and that exceeds the timeout:
+/// the watchdog aborts the communicator without any further call from the program, so the
+/// stream cannot hang forever, and the other work then reports the abort.
+#[test]
+fn nccl_the_watchdog_aborts_a_collective_only_a_stream_waits_for() {
+    if worker() {
+        assert!(ddp_comm::cuda::load_torch_cuda().unwrap());
+        let opts = Options::from_env().unwrap();
+        let group = std::sync::Arc::new(ProcessGroup::new(opts.backend(Backend::Nccl)).unwrap());
+        let device = Device::Cuda(group.local_rank());
+        keep_busy(device, 4.0);
+        let a = Tensor::ones([1 << 20], (Kind::Float, device));
+        let b = Tensor::ones([1 << 20], (Kind::Float, device));
+        group
+            .all_reduce_async(&a, ReduceOp::Sum)
+            .wait_stream()
+            .unwrap();
+        let other = group.all_reduce_async(&b, ReduceOp::Sum);
+        // Past the timeout, with no call into the group meanwhile.
+        std::thread::sleep(std::time::Duration::from_millis(2000));
+        assert!(other.is_completed(), "the watchdog did not abort");
+        match other.wait() {
+            Err(CommError::Poisoned(why)) => {
+                assert!(why.contains("all_reduce timed out after 1s"), "{why}")
+            }
+            other => panic!("expected the watchdog's abort, got {other:?}"),
+        }
+        tch::Cuda::synchronize(group.local_rank() as i64);
+        println!("rank 0: the watchdog aborted the communicator");
+        return;
+    }
+    skip_without_gpu!();
+    run_world_each(
+        "nccl_the_watchdog_aborts_a_collective_only_a_stream_waits_for",
+        1,
+        |_| vec![("DDP_OP_TIMEOUT_S", "1".to_string())],
+    );
+}

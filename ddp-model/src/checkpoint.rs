@@ -369,7 +369,7 @@ fn dtype_of(kind: Kind) -> Option<Dtype> {
     })
 }
 
-fn kind_of(dtype: Dtype) -> Option<Kind> {
+pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
     Some(match dtype {
         Dtype::F32 => Kind::Float,
         Dtype::F64 => Kind::Double,

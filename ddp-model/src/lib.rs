@@ -43,6 +43,7 @@ mod convnet;
 mod model;
 pub mod norm;
 pub mod vision;
+pub mod weights;
 
 pub use convnet::{ConvNet, ConvNetConfig, ODIR_CLASSES};
 pub use model::{Model, ModelKind, UnknownModel};

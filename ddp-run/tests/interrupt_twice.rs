@@ -10,19 +10,20 @@ use ddp_run::{launch, LaunchConfig, Outcome};
 fn a_second_signal_during_the_shutdown_kills_the_ranks_at_once() {
     let dir = ddp_testkit::temp_dir("ddp-run-interrupt-twice");
     let ready = dir.path().join("ready");
-    // The ranks ignore SIGTERM: without escalation the launcher would wait the whole minute
-    // of the shutdown timeout before SIGKILL.
+    // The ranks outlive SIGTERM (they only note it in a file): without escalation the
+    // launcher would wait the whole minute of the shutdown timeout before SIGKILL.
     let config = LaunchConfig {
         echo: false,
         shutdown_timeout: Duration::from_secs(60),
         ..LaunchConfig::new("sh", 2).args([
             "-c".to_string(),
             format!(
-                r#"trap '' TERM INT
-                   touch {}.$RANK
+                r#"trap 'touch {ready}.term.$RANK' TERM
+                   trap '' INT
+                   touch {ready}.$RANK
                    i=0
                    while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
-                ready.display()
+                ready = ready.display()
             ),
         ])
     };
@@ -33,7 +34,11 @@ fn a_second_signal_during_the_shutdown_kills_the_ranks_at_once() {
         // SAFETY: raise(3) delivers the signals to this process, whose handlers (installed
         // before the ranks started) only record them while a job runs.
         unsafe { libc::raise(libc::SIGTERM) };
-        std::thread::sleep(Duration::from_millis(1000));
+        // The second signal must come while the launcher stops the ranks, not before it has
+        // noticed the first: wait until both ranks got the forwarded SIGTERM.
+        ddp_testkit::wait_for("both ranks got SIGTERM", Duration::from_secs(60), || {
+            (0..2).all(|r| ready.with_extension(format!("term.{r}")).exists())
+        });
         let second = Instant::now();
         // SAFETY: as above.
         unsafe { libc::raise(libc::SIGINT) };

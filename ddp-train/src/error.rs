@@ -78,6 +78,10 @@ pub enum TrainError {
     /// A checkpoint could not be read or written, or does not fit the model.
     #[error(transparent)]
     Checkpoint(#[from] ddp_model::checkpoint::CheckpointError),
+    /// The initial weights (`checkpoint.init_from`) could not be read or do not fit the
+    /// model; the message names the file.
+    #[error(transparent)]
+    Weights(#[from] ddp_model::weights::WeightsError),
     /// libtorch failed.
     #[error(transparent)]
     Tch(#[from] tch::TchError),

@@ -1,15 +1,15 @@
 //! Run-time-loaded raw bindings to NCCL and the CUDA runtime calls it needs.
 //!
 //! Nothing here is linked at build time: [`Nccl::load`] and [`Cudart::load`] open
-//! `libnccl.so.2` and `libcudart.so.13` with `dlopen` (through `libloading`) the first time
+//! `libnccl.so.2` and `libcudart.so.N` (CUDA 13 or 12) with `dlopen` (through `libloading`) the first time
 //! they are called, so this crate builds, and its loader tests run, on machines without CUDA.
 //! The two central types are tables of raw `extern "C"` function pointers; there are no safe
 //! wrappers here (`ddp-comm` holds the safe API).
 //!
 //! Where the libraries are looked for is described in [`search`]; in short: an explicit path
-//! from `DDP_NCCL_LIBRARY` / `DDP_CUDART_LIBRARY`, else the `nvidia/nccl/lib` and
-//! `nvidia/cu13/lib` folders of the PyTorch wheel that provides libtorch, else the system's
-//! library search path.
+//! from `DDP_NCCL_LIBRARY` / `DDP_CUDART_LIBRARY`, else the `nvidia/nccl/lib` and CUDA
+//! runtime folders of the PyTorch wheel that provides libtorch (libtorch's own CUDA major
+//! first), else the system's library search path.
 //!
 //! ```no_run
 //! let nccl = nccl_sys::Nccl::load()?;

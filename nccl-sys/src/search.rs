@@ -1,16 +1,28 @@
 //! Where the NCCL and CUDA runtime libraries are looked for.
 //!
-//! In order, for NCCL (`libnccl.so.2`; CUDA runtime `libcudart.so.13` likewise):
+//! In order, for NCCL (`libnccl.so.2`):
 //!
-//! 1. `DDP_NCCL_LIBRARY` (`DDP_CUDART_LIBRARY`): a path to the library file. When set, it is
-//!    the only candidate, so a wrong value is an error rather than a silent fallback.
+//! 1. `DDP_NCCL_LIBRARY`: a path to the library file. When set, it is the only candidate, so
+//!    a wrong value is an error rather than a silent fallback.
 //! 2. The PyTorch wheel that provides libtorch: for each libtorch `lib` folder (the folder of
 //!    the `libtorch_cpu.so` already mapped into this process, then `$LIBTORCH/lib`, then
 //!    `$DDP_DEPS_DIR/libtorch/lib`, then `.deps/libtorch/lib` in any ancestor folder of the
-//!    running executable), the wheel's `site-packages/nvidia/nccl/lib` (`nvidia/cu13/lib`),
-//!    reached from the symlink-resolved `torch/lib` folder as `../../nvidia/...`.
+//!    running executable), the wheel's `site-packages/nvidia/nccl/lib`, reached from the
+//!    symlink-resolved `torch/lib` folder as `../../nvidia/...`.
 //! 3. The bare file name, resolved by the dynamic loader's usual search (`LD_LIBRARY_PATH`,
 //!    the executable's run path, the system cache).
+//!
+//! The CUDA runtime comes in one file per major version (`libcudart.so.13`,
+//! `libcudart.so.12`), and the one to use is the one libtorch was built with:
+//!
+//! 1. `DDP_CUDART_LIBRARY`, alone, as for NCCL.
+//! 2. A `libcudart.so.N` already mapped into this process (libtorch's CUDA libraries loaded
+//!    it), alone: a second runtime beside it would be another CUDA context's worth of state.
+//! 3. For each major version, best first: the versions that libtorch's `libc10_cuda.so`
+//!    names in its `DT_NEEDED` entries (read from the ELF file of the first libtorch folder
+//!    that has one), then 13, then 12 ([`CUDA_MAJORS`]). For each version: the wheel's
+//!    folder for it under each libtorch folder (`nvidia/cu13/lib` for CUDA 13,
+//!    `nvidia/cuda_runtime/lib` for CUDA 12), then the bare file name.
 
 use std::path::{Path, PathBuf};
 
@@ -20,8 +32,12 @@ pub const NCCL_ENV: &str = "DDP_NCCL_LIBRARY";
 pub const CUDART_ENV: &str = "DDP_CUDART_LIBRARY";
 /// NCCL's file name.
 pub const NCCL_NAME: &str = "libnccl.so.2";
-/// The CUDA runtime's file name (the torch 2.13 wheel's CUDA 13 runtime).
-pub const CUDART_NAME: &str = "libcudart.so.13";
+/// The CUDA runtime, as load errors name it (the file is `libcudart.so.N`, see
+/// [`cudart_candidates`]).
+pub const CUDART_NAME: &str = "libcudart.so (CUDA 13 or 12)";
+/// The CUDA major versions whose runtime is looked for when libtorch does not say which it
+/// needs, best first.
+pub const CUDA_MAJORS: [u32; 2] = [13, 12];
 
 /// The libtorch `lib` folders this process can see, best first, symlinks resolved, without
 /// duplicates (see the module documentation).
@@ -88,9 +104,181 @@ pub fn nccl_candidates() -> Vec<PathBuf> {
     candidates(NCCL_ENV, "nccl/lib", NCCL_NAME)
 }
 
-/// Candidate files for the CUDA runtime (see [`candidates`]).
+/// The folder inside `site-packages/nvidia` where the PyTorch wheels keep the CUDA runtime
+/// of major version `major`.
+pub fn cudart_wheel_dir(major: u32) -> String {
+    if major >= 13 {
+        format!("cu{major}/lib")
+    } else {
+        "cuda_runtime/lib".to_string()
+    }
+}
+
+/// Candidate files for the CUDA runtime (see the module documentation).
 pub fn cudart_candidates() -> Vec<PathBuf> {
-    candidates(CUDART_ENV, "cu13/lib", CUDART_NAME)
+    if let Some(path) = std::env::var_os(CUDART_ENV) {
+        return vec![PathBuf::from(path)];
+    }
+    if let Some(path) = mapped_cudart() {
+        return vec![path];
+    }
+    let dirs = torch_lib_dirs();
+    let needed = dirs
+        .iter()
+        .map(|d| d.join("libc10_cuda.so"))
+        .find(|p| p.is_file())
+        .map(|p| needed_cuda_majors(&p))
+        .unwrap_or_default();
+    cudart_candidates_in(&dirs, &needed)
+}
+
+/// The CUDA runtime candidates for the libtorch folders `torch_dirs` when libtorch needs the
+/// major versions `needed` (maybe none): for each version in [`cuda_major_order`], the
+/// wheel's file under each folder, then the bare name.
+pub fn cudart_candidates_in(torch_dirs: &[PathBuf], needed: &[u32]) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = Vec::new();
+    for major in cuda_major_order(needed) {
+        let name = format!("libcudart.so.{major}");
+        for site_packages in torch_dirs.iter().filter_map(|lib| lib.parent()?.parent()) {
+            let path = site_packages
+                .join("nvidia")
+                .join(cudart_wheel_dir(major))
+                .join(&name);
+            if !out.contains(&path) {
+                out.push(path);
+            }
+        }
+        out.push(PathBuf::from(name));
+    }
+    out
+}
+
+/// The major versions to try: `needed` first (in its order), then the rest of
+/// [`CUDA_MAJORS`], without duplicates.
+pub fn cuda_major_order(needed: &[u32]) -> Vec<u32> {
+    let mut order: Vec<u32> = Vec::new();
+    for &major in needed.iter().chain(CUDA_MAJORS.iter()) {
+        if !order.contains(&major) {
+            order.push(major);
+        }
+    }
+    order
+}
+
+/// A `libcudart.so.N` already mapped into this process, from `/proc/self/maps`.
+pub fn mapped_cudart() -> Option<PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .map(Path::new)
+        .find(|path| {
+            path.file_name()
+                .and_then(|n| n.to_str())
+                .and_then(cudart_major)
+                .is_some()
+        })
+        .map(Path::to_path_buf)
+}
+
+/// `N` for a file named `libcudart.so.N` (`N` a number; `libcudart.so.13.0.96` is not a
+/// soname and does not count).
+pub fn cudart_major(file_name: &str) -> Option<u32> {
+    file_name.strip_prefix("libcudart.so.")?.parse().ok()
+}
+
+/// The CUDA runtime major versions an ELF shared library names in its `DT_NEEDED` entries
+/// (`libcudart.so.N`), in the file's order; empty when the file cannot be read or is not a
+/// 64-bit little-endian ELF file.
+pub fn needed_cuda_majors(elf: &Path) -> Vec<u32> {
+    needed_libraries(elf)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|name| cudart_major(name))
+        .collect()
+}
+
+/// The `DT_NEEDED` entries of a 64-bit little-endian ELF file, read from its `.dynamic`
+/// section and the string table that section links to (only those parts are read).
+pub fn needed_libraries(elf: &Path) -> std::io::Result<Vec<String>> {
+    use std::io::{Error, ErrorKind, Read, Seek, SeekFrom};
+    let bad = |what: &str| Error::new(ErrorKind::InvalidData, what.to_string());
+    let mut file = std::fs::File::open(elf)?;
+    let mut header = [0u8; 64];
+    file.read_exact(&mut header)?;
+    // Magic, ELFCLASS64, ELFDATA2LSB.
+    if header[..4] != *b"\x7fELF" || header[4] != 2 || header[5] != 1 {
+        return Err(bad("not a 64-bit little-endian ELF file"));
+    }
+    // Little-endian integers; every offset used below is inside a header or an entry of a
+    // size checked beforehand, and a short slice reads as 0 rather than panicking.
+    let int_at = |b: &[u8], at: usize, len: usize| {
+        b.get(at..at + len).map_or(0, |bytes| {
+            bytes
+                .iter()
+                .rev()
+                .fold(0u64, |acc, &byte| (acc << 8) | u64::from(byte))
+        })
+    };
+    let u16_at = |b: &[u8], at: usize| int_at(b, at, 2) as u16;
+    let u32_at = |b: &[u8], at: usize| int_at(b, at, 4) as u32;
+    let u64_at = |b: &[u8], at: usize| int_at(b, at, 8);
+    let (shoff, shentsize, shnum) = (
+        u64_at(&header, 0x28),
+        usize::from(u16_at(&header, 0x3a)),
+        usize::from(u16_at(&header, 0x3c)),
+    );
+    if shentsize < 64 || shnum == 0 || shnum > 1 << 16 {
+        return Err(bad("no usable section header table"));
+    }
+    let mut table = vec![0u8; shentsize * shnum];
+    file.seek(SeekFrom::Start(shoff))?;
+    file.read_exact(&mut table)?;
+    let section = |i: usize| &table[i * shentsize..(i + 1) * shentsize];
+    // (type, link, offset, size) of each section header.
+    let fields = |s: &[u8]| (u32_at(s, 4), u32_at(s, 40), u64_at(s, 24), u64_at(s, 32));
+    const SHT_DYNAMIC: u32 = 6;
+    let Some(dynamic) = (0..shnum)
+        .map(section)
+        .find(|s| u32_at(s, 4) == SHT_DYNAMIC)
+    else {
+        return Ok(Vec::new());
+    };
+    let (_, link, offset, size) = fields(dynamic);
+    let link = link as usize;
+    if link >= shnum {
+        return Err(bad("the .dynamic section links to no string table"));
+    }
+    let (_, _, str_offset, str_size) = fields(section(link));
+    let read = |file: &mut std::fs::File, offset: u64, size: u64| -> std::io::Result<Vec<u8>> {
+        if size > 64 << 20 {
+            return Err(bad("section larger than 64 MiB"));
+        }
+        let mut buf = vec![0u8; size as usize];
+        file.seek(SeekFrom::Start(offset))?;
+        file.read_exact(&mut buf)?;
+        Ok(buf)
+    };
+    let entries = read(&mut file, offset, size)?;
+    let strings = read(&mut file, str_offset, str_size)?;
+    const DT_NULL: u64 = 0;
+    const DT_NEEDED: u64 = 1;
+    let mut out = Vec::new();
+    for entry in entries.chunks_exact(16) {
+        let (tag, value) = (u64_at(entry, 0), u64_at(entry, 8));
+        if tag == DT_NULL {
+            break;
+        }
+        if tag != DT_NEEDED {
+            continue;
+        }
+        let start = usize::try_from(value).map_err(|_| bad("string offset out of range"))?;
+        let rest = strings
+            .get(start..)
+            .ok_or_else(|| bad("string offset out of range"))?;
+        let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
+        out.push(String::from_utf8_lossy(&rest[..end]).into_owned());
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -112,5 +300,95 @@ mod tests {
                 path.display()
             );
         }
+    }
+
+    /// A fake tree of two PyTorch installs: a CUDA 12 wheel (`nvidia/cuda_runtime/lib`) and a
+    /// CUDA 13 wheel (`nvidia/cu13/lib`), each with its `torch/lib`.
+    fn fake_installs() -> (PathBuf, PathBuf, PathBuf) {
+        let root = std::env::temp_dir().join(format!("nccl-sys-search-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let make = |name: &str, wheel_dir: &str, file: &str| {
+            let site = root.join(name).join("site-packages");
+            std::fs::create_dir_all(site.join("torch/lib")).unwrap();
+            std::fs::create_dir_all(site.join("nvidia").join(wheel_dir)).unwrap();
+            std::fs::write(site.join("nvidia").join(wheel_dir).join(file), b"").unwrap();
+            site.join("torch/lib")
+        };
+        let cu12 = make("cu12", "cuda_runtime/lib", "libcudart.so.12");
+        let cu13 = make("cu13", "cu13/lib", "libcudart.so.13");
+        (root, cu12, cu13)
+    }
+
+    #[test]
+    fn the_cuda_runtime_libtorch_needs_comes_first() {
+        let (root, cu12, cu13) = fake_installs();
+        let dirs = vec![cu12.clone(), cu13.clone()];
+        let site = |lib: &Path| lib.parent().unwrap().parent().unwrap().to_path_buf();
+        // A CUDA 12 libtorch: every CUDA 12 candidate before any CUDA 13 one.
+        let list = cudart_candidates_in(&dirs, &[12]);
+        let want: Vec<PathBuf> = vec![
+            site(&cu12).join("nvidia/cuda_runtime/lib/libcudart.so.12"),
+            site(&cu13).join("nvidia/cuda_runtime/lib/libcudart.so.12"),
+            PathBuf::from("libcudart.so.12"),
+            site(&cu12).join("nvidia/cu13/lib/libcudart.so.13"),
+            site(&cu13).join("nvidia/cu13/lib/libcudart.so.13"),
+            PathBuf::from("libcudart.so.13"),
+        ];
+        assert_eq!(list, want);
+        // The first candidate that exists is the CUDA 12 wheel's runtime.
+        let first = list.iter().find(|p| p.is_file()).unwrap();
+        assert_eq!(
+            first,
+            &site(&cu12).join("nvidia/cuda_runtime/lib/libcudart.so.12")
+        );
+        // Nothing known about libtorch: 13, then 12.
+        let list = cudart_candidates_in(std::slice::from_ref(&cu12), &[]);
+        let want: Vec<PathBuf> = vec![
+            site(&cu12).join("nvidia/cu13/lib/libcudart.so.13"),
+            PathBuf::from("libcudart.so.13"),
+            site(&cu12).join("nvidia/cuda_runtime/lib/libcudart.so.12"),
+            PathBuf::from("libcudart.so.12"),
+        ];
+        assert_eq!(list, want);
+        // So a CUDA 12 wheel alone is still found.
+        let first = list.iter().find(|p| p.is_file()).unwrap();
+        assert_eq!(
+            first,
+            &site(&cu12).join("nvidia/cuda_runtime/lib/libcudart.so.12")
+        );
+        std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn major_versions_are_ordered_needed_first_without_duplicates() {
+        assert_eq!(cuda_major_order(&[]), vec![13, 12]);
+        assert_eq!(cuda_major_order(&[12]), vec![12, 13]);
+        assert_eq!(cuda_major_order(&[13]), vec![13, 12]);
+        assert_eq!(cuda_major_order(&[11, 12]), vec![11, 12, 13]);
+        assert_eq!(cudart_major("libcudart.so.12"), Some(12));
+        assert_eq!(cudart_major("libcudart.so.13.0.96"), None);
+        assert_eq!(cudart_major("libcudart.so"), None);
+    }
+
+    #[test]
+    fn the_setup_libtorch_needs_cuda_13() {
+        // The setup installs torch 2.13's CUDA 13 wheel; its libc10_cuda.so says so.
+        let lib = torch_lib_dirs()
+            .into_iter()
+            .map(|d| d.join("libc10_cuda.so"))
+            .find(|p| p.is_file())
+            .expect("the setup's libtorch has libc10_cuda.so");
+        let needed = needed_libraries(&lib).unwrap();
+        assert!(needed.iter().any(|n| n == "libc10.so"), "{needed:?}");
+        assert_eq!(needed_cuda_majors(&lib), vec![13]);
+        // Not an ELF file: nothing needed, no panic.
+        let text = std::env::temp_dir().join(format!("nccl-sys-not-elf-{}", std::process::id()));
+        std::fs::write(
+            &text,
+            b"not an ELF file at all, but long enough for a header ........",
+        )
+        .unwrap();
+        assert_eq!(needed_cuda_majors(&text), Vec::<u32>::new());
+        std::fs::remove_file(text).unwrap();
     }
 }

@@ -1,9 +1,16 @@
 //! `cargo xtask gpu-check`: everything that needs a GPU, in one command, for a GPU machine.
 //!
 //! 1. nccl-sys's loader tests and ddp-comm's NCCL tests (which skip with a printed reason
-//!    where no GPU is usable; here they must run),
+//!    where no GPU is usable; here they must run): among them, a wait after another wait's
+//!    timeout aborted the communicator fails (`nccl_a_wait_after_an_abort_is_an_error`), a
+//!    temporary dropped with its `Work` is not reused while in flight
+//!    (`nccl_a_dropped_work_keeps_its_temporary`), and collectives read inputs produced on a
+//!    pool stream made current (`nccl_collectives_follow_the_current_stream`), each a few
+//!    seconds on one GPU,
 //! 2. the NCCL all-reduce bandwidth sweep (one rank per GPU),
-//! 3. tch-ext's CUDA tests (streams, events, hooks on CUDA parameters),
+//! 3. tch-ext's CUDA tests (streams, events, hooks on CUDA parameters), and DDP's gradients
+//!    with forward and backward on a pool stream against the default stream (ddp-train's
+//!    `cuda_streams`; it needs two GPUs and says `skipped:` with one),
 //! 4. a short training on one GPU and one on every visible GPU, through the launcher, and
 //!    one GPU in bf16 and in fp16.
 
@@ -51,6 +58,17 @@ pub fn run(root: &Path) -> Result<()> {
         "--nocapture",
     ]);
     crate::run(root, shim)?;
+    let mut streams = crate::cargo();
+    streams.args([
+        "test",
+        "-p",
+        "ddp-train",
+        "--test",
+        "cuda_streams",
+        "--",
+        "--nocapture",
+    ]);
+    crate::run(root, streams)?;
     let mut sweep = crate::cargo();
     sweep.args([
         "bench",

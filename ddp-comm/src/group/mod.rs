@@ -18,8 +18,8 @@ use crate::element::{as_bytes_mut, Element, ReduceOp};
 use crate::error::CommError;
 use crate::group::rendezvous::Plan;
 use crate::group::tensor::{check_layout, cpu_bytes, cuda_buffer, unsupported_device, Collective};
-use crate::group::work::{Op, Queue, Work};
-use crate::nccl::{self, NcclComm, NcclOp};
+use crate::group::work::{DeviceWork, Op, Queue, Work};
+use crate::nccl::{self, NcclComm, NcclOp, NcclWork};
 use crate::ring::cpu::CpuBackend;
 use crate::ring::link::LinkKind;
 use crate::ring::shm;
@@ -58,7 +58,10 @@ pub struct ProcessGroup {
     backend: Backend,
     op_timeout: Duration,
     cpu: Mutex<CpuBackend>,
-    nccl: Mutex<Option<NcclComm>>,
+    /// Shared with the watchdog thread (started at the first asynchronous CUDA collective),
+    /// which holds it weakly.
+    nccl: Arc<Mutex<Option<NcclComm>>>,
+    watchdog: std::sync::Once,
     store: Mutex<Option<Box<dyn Store>>>,
     /// The communication thread of asynchronous CPU collectives, started at the first one.
     queue: Mutex<Option<Queue>>,
@@ -161,7 +164,8 @@ impl ProcessGroup {
             backend,
             op_timeout,
             cpu: Mutex::new(cpu),
-            nccl: Mutex::new(None),
+            nccl: Arc::new(Mutex::new(None)),
+            watchdog: std::sync::Once::new(),
             store: Mutex::new(met.store),
             queue: Mutex::new(None),
             heartbeat,
@@ -286,26 +290,27 @@ impl ProcessGroup {
     /// Starts an in-place all-reduce of a contiguous tensor and returns at once (c10d's
     /// `all_reduce(..., async_op=True)`). CPU tensors are reduced by the group's
     /// communication thread, in the order the asynchronous collectives were issued; CUDA
-    /// tensors by NCCL on a side stream, after the work queued so far on the default stream.
-    /// `t` (and every tensor sharing its storage) must be left alone until [`Work::wait`]
-    /// has returned.
+    /// tensors by NCCL on a side stream, after the work queued so far on the calling
+    /// thread's current stream. `t` (and every tensor sharing its storage) must be left
+    /// alone until [`Work::wait`] (or [`Work::wait_stream`]) has returned; dropping `t` is
+    /// safe, the group keeps its storage until the collective has completed.
     pub fn all_reduce_async(self: &Arc<Self>, t: &Tensor, op: ReduceOp) -> Work {
         match t.device() {
             // NCCL takes worlds of one too, so that one GPU exercises this path.
-            Device::Cuda(_) => self.cuda_async(t, op),
+            Device::Cuda(_) => self.cuda_async(t, NcclOp::AllReduce(op)),
             _ if self.world_size == 1 => Work::done(check_layout(t, "any")),
             _ => self.submit(t, Op::AllReduce(op)),
         }
     }
 
     /// Starts a broadcast from `root` into every rank's `t` and returns at once (see
-    /// [`ProcessGroup::all_reduce_async`]; CUDA tensors are broadcast before this returns).
+    /// [`ProcessGroup::all_reduce_async`]).
     pub fn broadcast_async(self: &Arc<Self>, t: &Tensor, root: usize) -> Work {
         if let Err(e) = self.check_root(root) {
             return Work::done(Err(e));
         }
         match t.device() {
-            Device::Cuda(_) => Work::done(self.broadcast(&mut t.shallow_clone(), root)),
+            Device::Cuda(_) => self.cuda_async(t, NcclOp::Broadcast(root)),
             _ => self.submit(t, Op::Broadcast(root)),
         }
     }
@@ -347,7 +352,7 @@ impl ProcessGroup {
         }
     }
 
-    fn cuda_async(self: &Arc<Self>, t: &Tensor, op: ReduceOp) -> Work {
+    fn cuda_async(self: &Arc<Self>, t: &Tensor, op: NcclOp) -> Work {
         self.heartbeat.enter();
         let queued = (|| {
             let buf = cuda_buffer(t, self.backend, self.local_rank)?;
@@ -355,24 +360,31 @@ impl ProcessGroup {
             let comm = comm
                 .as_mut()
                 .ok_or_else(|| CommError::Poisoned("no NCCL communicator".into()))?;
-            // SAFETY: `cuda_buffer` checked the tensor; `Work` keeps the caller from reusing
-            // it before the collective has completed (the documented contract).
-            unsafe { comm.all_reduce_async(buf, op) }
+            // SAFETY: `cuda_buffer` checked the tensor; the communicator keeps a handle of it
+            // until the collective has completed, and `Work` keeps the caller from reusing
+            // it before then (the documented contract).
+            unsafe { comm.enqueue(buf, op, vec![t.shallow_clone()]) }
         })();
         match queued {
             Ok(work) => {
-                let group = self.clone();
-                Work::pending(move || group.wait_cuda(work))
+                let comm = Arc::downgrade(&self.nccl);
+                self.watchdog.call_once(|| start_watchdog(comm, self.rank));
+                Work::device(CudaWork {
+                    group: self.clone(),
+                    work,
+                })
             }
             Err(e) => Work::done(Err(e)),
         }
     }
 
-    /// Waits for an asynchronous NCCL collective.
-    fn wait_cuda(&self, work: crate::nccl::NcclWork) -> Result<(), CommError> {
-        let mut comm = self.nccl()?;
-        match comm.as_mut() {
-            Some(c) => c.wait_work(work),
+    /// Runs `f` on the communicator (which exists once a CUDA collective was queued).
+    fn with_comm<R>(
+        &self,
+        f: impl FnOnce(&mut NcclComm) -> Result<R, CommError>,
+    ) -> Result<R, CommError> {
+        match lock(&self.nccl).as_mut() {
+            Some(c) => f(c),
             None => Err(CommError::Poisoned("no NCCL communicator".into())),
         }
     }
@@ -466,17 +478,18 @@ impl ProcessGroup {
     /// Each collective over NCCL (the communicator is created at the first).
     fn run_nccl(&self, c: Collective<'_>) -> Result<(), CommError> {
         let buffer = |t: &Tensor| cuda_buffer(t, self.backend, self.local_rank);
-        let (buf, op) = match c {
-            Collective::AllReduce(t, op) => (buffer(t)?, NcclOp::AllReduce(op)),
-            Collective::Broadcast(t, root) => (buffer(t)?, NcclOp::Broadcast(root)),
+        let (buf, op, keep) = match c {
+            Collective::AllReduce(t, op) => {
+                (buffer(t)?, NcclOp::AllReduce(op), vec![t.shallow_clone()])
+            }
+            Collective::Broadcast(t, root) => {
+                (buffer(t)?, NcclOp::Broadcast(root), vec![t.shallow_clone()])
+            }
             Collective::AllGather { input, output } => {
                 let buf = buffer(input)?;
-                (
-                    buf,
-                    NcclOp::AllGather {
-                        recv: buffer(output)?.ptr,
-                    },
-                )
+                let recv = buffer(output)?.ptr;
+                let keep = vec![input.shallow_clone(), output.shallow_clone()];
+                (buf, NcclOp::AllGather { recv }, keep)
             }
         };
         let mut comm = self.nccl()?;
@@ -484,11 +497,13 @@ impl ProcessGroup {
         // its `count` elements of `dtype` on the communicator's device; an all-gather's
         // output (checked by `all_gather_into`: same dtype and device) holds `world_size`
         // times the input's elements.
-        unsafe { comm.as_mut().map_or(Ok(()), |c| c.run(buf, op)) }
+        unsafe { comm.as_mut().map_or(Ok(()), |c| c.run(buf, op, keep)) }
     }
 
     /// Returns once every rank has called `barrier` (and, with NCCL initialised, this
-    /// rank's queued GPU work has finished).
+    /// rank's queued GPU work has finished: every collective queued on NCCL's side stream,
+    /// asynchronous ones included, and the work queued so far on the calling thread's
+    /// current stream).
     pub fn barrier(&self) -> Result<(), CommError> {
         self.drain();
         self.heartbeat.enter();
@@ -564,6 +579,68 @@ impl ProcessGroup {
     #[doc(hidden)]
     pub fn set_shm_spin(&self, spin: Duration) {
         lock(&self.cpu).set_spin(spin);
+    }
+}
+
+/// How often the watchdog looks at the communicator's pending collectives.
+const WATCH_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Starts the watchdog of a communicator (c10d's NCCL watchdog): every [`WATCH_INTERVAL`],
+/// unless a call into the group holds the communicator (that call checks it itself), it
+/// retires completed collectives and aborts the communicator when one pending has exceeded
+/// the timeout or NCCL reports an error, so that a collective only a stream waits for
+/// ([`Work::wait_stream`]) cannot hang that stream forever. It ends with the group.
+fn start_watchdog(comm: std::sync::Weak<Mutex<Option<NcclComm>>>, rank: usize) {
+    let watch = move || {
+        while let Some(shared) = comm.upgrade() {
+            {
+                let guard = match shared.try_lock() {
+                    Ok(guard) => Some(guard),
+                    Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                    Err(std::sync::TryLockError::WouldBlock) => None,
+                };
+                if let Some(mut guard) = guard {
+                    if let Some(c) = guard.as_mut() {
+                        c.watch();
+                    }
+                }
+            }
+            drop(shared);
+            std::thread::sleep(WATCH_INTERVAL);
+        }
+    };
+    let started = std::thread::Builder::new()
+        .name(format!("ddp-comm-watch-{rank}"))
+        .spawn(watch);
+    if let Err(e) = started {
+        tracing::warn!(
+            "ddp-comm: rank {rank} runs without an NCCL watchdog ({e}): collectives that \
+             only a stream waits for are checked at the group's next call"
+        );
+    }
+}
+
+/// The [`Work`] of a CUDA collective: its entry in the communicator's in-flight table.
+struct CudaWork {
+    group: Arc<ProcessGroup>,
+    work: NcclWork,
+}
+
+impl DeviceWork for CudaWork {
+    fn wait(self: Box<Self>) -> Result<(), CommError> {
+        let CudaWork { group, work } = *self;
+        group.with_comm(|c| c.wait_work(work))
+    }
+
+    fn wait_stream(self: Box<Self>) -> Result<(), CommError> {
+        let CudaWork { group, work } = *self;
+        group.with_comm(|c| c.wait_work_on_stream(work))
+    }
+
+    fn is_completed(&self) -> bool {
+        self.group
+            .with_comm(|c| Ok(c.work_completed(&self.work)))
+            .unwrap_or(true)
     }
 }
 

@@ -8,7 +8,8 @@
 //! the other in the order they were issued, so the order of collectives is the program's
 //! order on every rank, as for the blocking calls. A blocking collective first waits for the
 //! queued ones to finish, so that it keeps its place in that order too. CUDA collectives are
-//! queued on NCCL's side stream instead (see `nccl/`); no thread is involved.
+//! queued on NCCL's side stream instead (see `nccl/`), in the order they were issued; no
+//! thread is involved, and their `Work` asks the communicator's in-flight table.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -24,15 +25,24 @@ use crate::sync::lock;
 /// A collective in flight. [`Work::wait`] returns once it has completed on this rank (for a
 /// CUDA tensor: once the device has finished it), with its result; until then the tensor
 /// must not be read or written. Dropping a `Work` without waiting lets the collective
-/// finish in the background; its error, if any, then poisons the group, and the next
-/// collective reports it.
+/// finish in the background: the group keeps the tensor (a handle to its storage) until the
+/// collective has completed, on the device for a CUDA tensor, so a temporary may be dropped
+/// with its `Work`. Its error, if any, then poisons the group, and the next collective
+/// reports it.
 #[must_use = "a collective's result is only valid after `wait`"]
 pub struct Work {
     state: State,
 }
 
-/// How a CUDA collective's completion is waited for (by the group that queued it).
-type Waiter = Box<dyn FnOnce() -> Result<(), CommError> + Send>;
+/// A collective queued on the device, as the group that queued it waits for it.
+pub(crate) trait DeviceWork: Send {
+    /// Blocks until the device has completed it; its result.
+    fn wait(self: Box<Self>) -> Result<(), CommError>;
+    /// Makes the calling thread's current stream wait for it, without blocking.
+    fn wait_stream(self: Box<Self>) -> Result<(), CommError>;
+    /// Whether the device has completed it (or it has failed).
+    fn is_completed(&self) -> bool;
+}
 
 enum State {
     /// Completed when it was issued (a world of one, or a refusal).
@@ -40,7 +50,7 @@ enum State {
     /// Queued on the group's communication thread.
     Queued(Arc<Slot>),
     /// Queued on the device (NCCL's side stream).
-    Device(Waiter),
+    Device(Box<dyn DeviceWork>),
 }
 
 impl std::fmt::Debug for Work {
@@ -60,27 +70,43 @@ impl Work {
         }
     }
 
-    /// Work whose completion `wait` waits for.
-    pub(crate) fn pending(wait: impl FnOnce() -> Result<(), CommError> + Send + 'static) -> Self {
+    /// Work queued on the device.
+    pub(crate) fn device(work: impl DeviceWork + 'static) -> Self {
         Work {
-            state: State::Device(Box::new(wait)),
+            state: State::Device(Box::new(work)),
         }
     }
 
-    /// Blocks until the collective has completed and returns its result.
+    /// Blocks until the collective has completed and returns its result (for a CUDA
+    /// tensor: until the device has finished it, so any stream may then use the result).
     pub fn wait(self) -> Result<(), CommError> {
         match self.state {
             State::Done(result) => result,
             State::Queued(slot) => slot.wait(),
-            State::Device(wait) => wait(),
+            State::Device(work) => work.wait(),
         }
     }
 
-    /// Whether the collective has completed on the CPU side (for a CUDA collective: whether
-    /// it has been queued; [`Work::wait`] waits for the device).
+    /// c10d's `Work.wait()` for NCCL: for a CUDA collective, makes the calling thread's
+    /// current CUDA stream wait for it (`cudaStreamWaitEvent`) and returns without blocking
+    /// the host; kernels queued on that stream afterwards see the result. An error of the
+    /// collective itself (a peer lost, the timeout) is then reported by the group's next
+    /// call; the group's watchdog thread aborts a collective pending past the timeout, so
+    /// the waiting stream cannot hang forever. For a CPU collective it is [`Work::wait`].
+    pub fn wait_stream(self) -> Result<(), CommError> {
+        match self.state {
+            State::Device(work) => work.wait_stream(),
+            _ => self.wait(),
+        }
+    }
+
+    /// Whether the collective has completed, with success or an error (for a CUDA
+    /// collective: on the device). Does not wait for the collective (a CUDA one asks the
+    /// communicator, which another thread's blocking call into the group may hold).
     pub fn is_completed(&self) -> bool {
         match &self.state {
-            State::Done(_) | State::Device(_) => true,
+            State::Done(_) => true,
+            State::Device(work) => work.is_completed(),
             State::Queued(slot) => lock(&slot.result).is_some(),
         }
     }
@@ -235,5 +261,58 @@ fn serve(run: impl Runner, jobs: Receiver<Job>, pending: &Pending) {
         let result = run(&mut job.tensor, job.op);
         job.slot.finish(result);
         pending.done();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    /// Device work that records which wait it got.
+    struct Probe {
+        done: Arc<AtomicBool>,
+        waited: Arc<Mutex<&'static str>>,
+    }
+
+    impl DeviceWork for Probe {
+        fn wait(self: Box<Self>) -> Result<(), CommError> {
+            *lock(&self.waited) = "host";
+            Ok(())
+        }
+        fn wait_stream(self: Box<Self>) -> Result<(), CommError> {
+            *lock(&self.waited) = "stream";
+            Err(CommError::Poisoned("aborted".into()))
+        }
+        fn is_completed(&self) -> bool {
+            self.done.load(Ordering::SeqCst)
+        }
+    }
+
+    #[test]
+    fn device_work_reports_the_device_and_waits_as_asked() {
+        let done = Arc::new(AtomicBool::new(false));
+        let waited = Arc::new(Mutex::new(""));
+        let probe = || Probe {
+            done: done.clone(),
+            waited: waited.clone(),
+        };
+        let work = Work::device(probe());
+        assert!(!work.is_completed(), "complete before the device is");
+        done.store(true, Ordering::SeqCst);
+        assert!(work.is_completed());
+        work.wait().unwrap();
+        assert_eq!(*lock(&waited), "host");
+        let err = Work::device(probe()).wait_stream().unwrap_err();
+        assert!(matches!(err, CommError::Poisoned(_)), "{err:?}");
+        assert_eq!(*lock(&waited), "stream");
+        // Work done at issue: `wait_stream` is `wait`.
+        assert!(Work::done(Ok(())).wait_stream().is_ok());
+        let refused = Work::done(Err(CommError::InvalidArgument("x".into())));
+        assert!(refused.is_completed());
+        assert!(matches!(
+            refused.wait_stream(),
+            Err(CommError::InvalidArgument(_))
+        ));
     }
 }

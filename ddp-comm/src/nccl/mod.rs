@@ -1,24 +1,37 @@
 //! The NCCL backend: one communicator per process group, on the device `cuda:LOCAL_RANK`.
 //!
-//! **Stream invariant.** Collectives are issued on the legacy default stream (the null
-//! `cudaStream_t`). tch has no stream API, and PyTorch runs every kernel of a device on that
-//! device's default stream, which is the legacy default stream unless a program selects
-//! another one (tch programs cannot). So the collective is ordered after the kernels that
-//! produced the tensor (e.g. backward) and before the kernels that read the result, exactly
-//! as if PyTorch had queued it.
+//! **Streams.** Every collective runs on the communicator's side stream, a high-priority
+//! stream from libtorch's pool (non-blocking: it does not serialise with the legacy default
+//! stream), in the order the collectives were issued. Before each one, an event recorded on
+//! the caller's *current* stream (libtorch's, as tch-ext reads it: the stream the kernels
+//! that produced the tensor were queued on) makes the side stream wait, so the collective
+//! reads the finished tensor; kernels queued on the current stream afterwards overlap with
+//! it. An event recorded on the side stream after the collective marks its end:
 //!
-//! **Asynchronous collectives** ([`NcclComm::all_reduce_async`]) run on a side stream of the
-//! communicator's own (non-blocking, so it does not serialise with the default stream): an
-//! event recorded on the default stream orders the collective after the tensor's producer,
-//! and an event recorded after it on the side stream is what [`NcclWork`] waits for, so
-//! kernels queued on the default stream in the meantime (the rest of backward) overlap with
-//! the communication.
+//! - a blocking collective ([`NcclComm::run`]) and [`NcclComm::wait_work`] wait on the host
+//!   for that event (polling it with `ncclCommGetAsyncError`, bounded by the timeout);
+//! - [`NcclComm::wait_work_on_stream`] makes the caller's current stream wait for it
+//!   (`cudaStreamWaitEvent`) and returns at once;
+//! - [`NcclComm::synchronize`] (the barrier) waits for an event recorded on the side stream
+//!   and one recorded on the current stream, so it covers queued collectives and compute.
 //!
-//! **Completion.** Each call waits until the stream has drained, polling `cudaStreamQuery`
-//! and `ncclCommGetAsyncError`; a peer that died or an operation that exceeds the timeout
-//! makes the communicator abort (`ncclCommAbort`) so that nothing hangs, and the group is
-//! unusable afterwards. Before aborting on a timeout, the rank reads every rank's heartbeat
-//! (`store/heartbeat.rs`) so that the error names the hung rank.
+//! **Ownership.** `inflight.rs` keeps each queued collective's end event and a handle of
+//! each tensor it touches until the event is seen complete, so a tensor whose caller dropped
+//! it (and its [`crate::Work`]) goes back to the caching allocator only once NCCL is done
+//! with it. Completed entries are retired at every call into the communicator.
+//!
+//! **Failures.** A peer that died or an operation that exceeds the timeout makes the
+//! communicator abort (`ncclCommAbort`) so that nothing hangs, and the group is unusable
+//! afterwards: every later wait, of any collective, fails with [`CommError::Poisoned`]
+//! without touching NCCL (the communicator is freed by the abort, and an aborted kernel's
+//! end event completes on a half-reduced tensor). Before aborting on a timeout, the rank
+//! reads every rank's heartbeat (`store/heartbeat.rs`) so that the error names the hung
+//! rank. At each call, and every 100 ms from the group's watchdog thread, collectives still
+//! pending past the timeout abort the communicator too, which catches the ones that only a
+//! stream waits for. A communicator dropped with
+//! collectives pending is aborted, never destroyed (`ncclCommDestroy` would wait for them,
+//! forever if a peer is gone); the tensors of collectives still running then are leaked
+//! rather than handed back to the allocator under a running kernel.
 //!
 //! **Init.** The communicator is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`):
 //! init returns at once, possibly with `ncclInProgress`, and this rank polls
@@ -31,6 +44,7 @@
 //! Beside it, `cuda.rs` (the public [`cuda`] module) makes CUDA visible to the program.
 
 pub mod cuda;
+pub(crate) mod inflight;
 
 use std::ffi::{c_int, c_void, CStr};
 use std::time::{Duration, Instant};
@@ -42,8 +56,12 @@ use nccl_sys::{
     ncclResult_t, ncclUniqueId, Cudart, Nccl,
 };
 
+use tch::Tensor;
+use tch_ext::CudaStream;
+
 use crate::element::{DType, ReduceOp};
 use crate::error::{CommError, Diagnosis};
+use crate::nccl::inflight::{Event, InFlight, Marker, Status};
 use crate::store::heartbeat::Heartbeat;
 
 /// A tensor's memory on the communicator's device, as NCCL takes it.
@@ -98,11 +116,12 @@ pub(crate) struct NcclComm {
     nccl: &'static Nccl,
     cudart: &'static Cudart,
     comm: ncclComm_t,
-    /// The side stream of asynchronous collectives, created at the first one.
-    side: Option<cudaStream_t>,
+    /// The side stream of every collective, taken from libtorch's pool at the first one.
+    side: Option<CudaStream>,
     device: c_int,
     timeout: Duration,
-    aborted: bool,
+    /// Queued collectives not yet seen complete, and whether the communicator was aborted.
+    inflight: InFlight<Event, Vec<Tensor>>,
     heartbeat: Arc<Heartbeat>,
 }
 
@@ -315,7 +334,7 @@ impl NcclComm {
             side: None,
             device: ordinal,
             timeout,
-            aborted: false,
+            inflight: InFlight::new(),
             heartbeat,
         })
     }
@@ -365,54 +384,29 @@ impl NcclComm {
         self.abort(err)
     }
 
-    /// Waits for the default stream to drain, aborting on an async error or the timeout.
-    fn wait(&mut self, op: &'static str, start: Instant) -> Result<(), CommError> {
-        let cudart = self.cudart;
-        // SAFETY: querying the legacy default stream of the current device.
-        self.wait_for(op, start, "cudaStreamQuery", || unsafe {
-            (cudart.cudaStreamQuery)(std::ptr::null_mut())
-        })
-    }
-
-    /// Polls `query` (a CUDA query: `cudaSuccess` when done, `cudaErrorNotReady` before)
-    /// until it is done, aborting on an async NCCL error or the timeout.
-    fn wait_for(
+    /// Polls `done` until it says the awaited work has completed, checking before each poll
+    /// that the communicator was not aborted (then the answer is an error, and NCCL is not
+    /// called again) and after it NCCL's asynchronous error and the timeout (counted from
+    /// `start`), either of which aborts the communicator.
+    fn wait_until(
         &mut self,
         op: &'static str,
         start: Instant,
-        call: &'static str,
-        query: impl Fn() -> cudaError_t,
+        mut done: impl FnMut(&mut Self) -> Result<bool, CommError>,
     ) -> Result<(), CommError> {
         let mut pause = Duration::from_micros(20);
         loop {
-            let q = query();
-            if q == cudaError_t::cudaSuccess {
-                return Ok(());
+            if let Some(e) = self.inflight.aborted_error(op) {
+                return Err(e);
             }
-            if q != cudaError_t::cudaErrorNotReady {
-                return Err(self.abort(CommError::Nccl {
-                    call,
-                    detail: crate::nccl::cuda::cuda_error_string(q),
-                }));
+            match done(self) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                // The communicator was aborted meanwhile: already the answer.
+                Err(e) if self.inflight.is_aborted() => return Err(e),
+                Err(e) => return Err(self.abort(e)),
             }
-            let mut async_rc = ncclResult_t::ncclSuccess;
-            // SAFETY: `self.comm` is live and `async_rc` is a valid out-pointer.
-            let rc = unsafe { (self.nccl.ncclCommGetAsyncError)(self.comm, &mut async_rc) };
-            if rc != ncclResult_t::ncclSuccess
-                || (async_rc != ncclResult_t::ncclSuccess
-                    && async_rc != ncclResult_t::ncclInProgress)
-            {
-                let bad = if rc != ncclResult_t::ncclSuccess {
-                    rc
-                } else {
-                    async_rc
-                };
-                let detail = format!("{op}: {}", nccl_text(self.nccl, bad));
-                return Err(self.abort(CommError::Nccl {
-                    call: "ncclCommGetAsyncError",
-                    detail,
-                }));
-            }
+            self.check_async(op)?;
             if start.elapsed() > self.timeout {
                 return Err(self.timed_out(op));
             }
@@ -421,38 +415,83 @@ impl NcclComm {
         }
     }
 
+    /// Fails, aborting the communicator, if NCCL reports an asynchronous error. Must not be
+    /// called after an abort (the communicator is gone).
+    fn check_async(&mut self, op: &'static str) -> Result<(), CommError> {
+        debug_assert!(!self.inflight.is_aborted());
+        let mut async_rc = ncclResult_t::ncclSuccess;
+        // SAFETY: `self.comm` is live (not aborted) and `async_rc` is a valid out-pointer.
+        let rc = unsafe { (self.nccl.ncclCommGetAsyncError)(self.comm, &mut async_rc) };
+        let bad = if rc != ncclResult_t::ncclSuccess {
+            rc
+        } else {
+            async_rc
+        };
+        if bad == ncclResult_t::ncclSuccess || bad == ncclResult_t::ncclInProgress {
+            return Ok(());
+        }
+        let detail = format!("{op}: {}", nccl_text(self.nccl, bad));
+        Err(self.abort(CommError::Nccl {
+            call: "ncclCommGetAsyncError",
+            detail,
+        }))
+    }
+
     fn abort(&mut self, err: CommError) -> CommError {
         self.heartbeat.mark_failed();
-        if !self.aborted {
-            // SAFETY: `self.comm` is live; after abort it is never used again.
+        if !self.inflight.is_aborted() {
+            // SAFETY: `self.comm` is live; after abort it is never used again (every path
+            // to NCCL checks `inflight.is_aborted()` first).
             unsafe { (self.nccl.ncclCommAbort)(self.comm) };
-            self.aborted = true;
+            self.inflight.mark_aborted(err.to_string());
         }
         err
     }
 
-    /// Checks the communicator is usable and selects its device; returns when the call
-    /// began (its timeout starts there).
-    fn enter(&mut self) -> Result<Instant, CommError> {
+    /// Checks the communicator is usable and selects its device; retires the collectives
+    /// that have completed, and fails (aborting) when one still pending has exceeded the
+    /// timeout or NCCL reports an error. Returns when the call began (its timeout starts
+    /// there).
+    fn enter(&mut self, op: &'static str) -> Result<Instant, CommError> {
         let start = Instant::now();
-        if self.aborted {
-            return Err(CommError::Poisoned(
-                "the NCCL communicator was aborted".into(),
-            ));
+        if let Some(e) = self.inflight.aborted_error(op) {
+            return Err(e);
         }
         // SAFETY: plain CUDA runtime call with the communicator's device ordinal.
         check_cuda("cudaSetDevice", unsafe {
             (self.cudart.cudaSetDevice)(self.device)
         })?;
+        self.inflight.retire_completed();
+        if self.inflight.pending() > 0 {
+            self.check_async(op)?;
+            if let Some(late) = self.inflight.overdue(self.timeout) {
+                return Err(self.timed_out(late));
+            }
+        }
         Ok(start)
+    }
+
+    /// The watchdog's look: retires completed collectives; aborts when one pending has
+    /// exceeded the timeout or NCCL reports an error (the error is what later waits report).
+    pub(crate) fn watch(&mut self) {
+        if !self.inflight.is_aborted() {
+            let _ = self.enter("watchdog");
+        }
+    }
+
+    /// The calling thread's current stream on the communicator's device.
+    fn current_stream(&self) -> Result<CudaStream, CommError> {
+        CudaStream::current(self.device as usize).map_err(|e| CommError::Nccl {
+            call: "current CUDA stream",
+            detail: e.to_string(),
+        })
     }
 
     /// Enqueues `op` on `buf` on `stream` and returns what NCCL answered: the one place
     /// each collective is written for NCCL.
     ///
     /// # Safety
-    /// As [`NcclComm::run`]; `stream` is the legacy default stream (null) or this
-    /// communicator's side stream.
+    /// As [`NcclComm::run`]; `stream` is this communicator's side stream.
     unsafe fn issue(&self, buf: DeviceBuffer, op: NcclOp, stream: cudaStream_t) -> ncclResult_t {
         let DeviceBuffer { ptr, count, dtype } = buf;
         let (nccl, comm) = (self.nccl, self.comm);
@@ -472,135 +511,182 @@ impl NcclComm {
         }
     }
 
-    /// Runs `op` on `buf` on the legacy default stream and waits until it has completed.
+    /// Runs `op` on `buf` (after the work queued so far on the current stream) and waits
+    /// on the host until it has completed; `keep` are the tensors behind the buffers.
     ///
     /// # Safety
     /// `buf.ptr` must point to `buf.count` elements of `buf.dtype` in memory of this
     /// communicator's device, and an all-gather's `recv` to `world * buf.count` of them.
-    pub(crate) unsafe fn run(&mut self, buf: DeviceBuffer, op: NcclOp) -> Result<(), CommError> {
-        let start = self.enter()?;
-        // SAFETY: the caller guarantees the buffers; stream null = legacy default stream.
-        let rc = unsafe { self.issue(buf, op, std::ptr::null_mut()) };
-        self.issued(op.call(), op.name(), rc, start)?;
-        self.wait(op.name(), start)
+    pub(crate) unsafe fn run(
+        &mut self,
+        buf: DeviceBuffer,
+        op: NcclOp,
+        keep: Vec<Tensor>,
+    ) -> Result<(), CommError> {
+        // SAFETY: as guaranteed by the caller.
+        let work = unsafe { self.enqueue(buf, op, keep)? };
+        self.wait_work(work)
     }
 
-    /// Waits for all queued work on the device's default stream.
+    /// Waits for the work queued so far on the side stream (every collective) and on the
+    /// calling thread's current stream.
     pub(crate) fn synchronize(&mut self) -> Result<(), CommError> {
-        let start = self.enter()?;
-        self.wait("synchronize", start)
+        let op = "barrier";
+        let start = self.enter(op)?;
+        let mut marks = vec![self.record(self.current_stream()?.as_raw())?];
+        if let Some(side) = self.side {
+            marks.push(self.record(side.as_raw())?);
+        }
+        self.wait_until(op, start, |_| {
+            for mark in &marks {
+                if !mark.reached().map_err(|detail| CommError::Nccl {
+                    call: "cudaEventQuery",
+                    detail,
+                })? {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        })?;
+        self.inflight.retire_completed();
+        Ok(())
     }
 
-    /// The side stream, created at first use.
-    fn side_stream(&mut self) -> Result<cudaStream_t, CommError> {
+    /// The side stream, taken from libtorch's high-priority pool at first use.
+    fn side_stream(&mut self) -> Result<CudaStream, CommError> {
         if let Some(s) = self.side {
             return Ok(s);
         }
-        let mut s: cudaStream_t = std::ptr::null_mut();
-        // SAFETY: `s` is a valid out-pointer; 1 = cudaStreamNonBlocking.
-        check_cuda("cudaStreamCreateWithFlags", unsafe {
-            (self.cudart.cudaStreamCreateWithFlags)(&mut s, 1)
+        let s = CudaStream::from_pool(self.device as usize, true).map_err(|e| CommError::Nccl {
+            call: "CUDA stream from pool",
+            detail: e.to_string(),
         })?;
         self.side = Some(s);
         Ok(s)
     }
 
     /// A new event recorded on `stream` (timing disabled).
-    fn record(&self, stream: cudaStream_t) -> Result<cudaEvent_t, CommError> {
-        let mut e: cudaEvent_t = std::ptr::null_mut();
-        // SAFETY: `e` is a valid out-pointer; 2 = cudaEventDisableTiming.
+    fn record(&self, stream: cudaStream_t) -> Result<Event, CommError> {
+        let mut raw: cudaEvent_t = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; 2 = cudaEventDisableTiming.
         check_cuda("cudaEventCreateWithFlags", unsafe {
-            (self.cudart.cudaEventCreateWithFlags)(&mut e, 2)
+            (self.cudart.cudaEventCreateWithFlags)(&mut raw, 2)
         })?;
-        // SAFETY: `e` was just created; `stream` is the null stream or our side stream.
-        let rc = unsafe { (self.cudart.cudaEventRecord)(e, stream) };
-        if rc != cudaError_t::cudaSuccess {
-            // SAFETY: `e` is ours and unused.
-            unsafe { (self.cudart.cudaEventDestroy)(e) };
-            return Err(CommError::Nccl {
-                call: "cudaEventRecord",
-                detail: crate::nccl::cuda::cuda_error_string(rc),
-            });
-        }
-        Ok(e)
+        let event = Event {
+            raw,
+            cudart: self.cudart,
+        };
+        // SAFETY: the event was just created; `stream` is a live stream of this device.
+        check_cuda("cudaEventRecord", unsafe {
+            (self.cudart.cudaEventRecord)(event.raw, stream)
+        })?;
+        Ok(event)
     }
 
-    /// Queues an in-place all-reduce on the side stream, after everything queued so far on
-    /// the default stream, and returns the event that marks its end.
+    /// Queues `op` on the side stream, after everything queued so far on the calling
+    /// thread's current stream, and returns its handle; the communicator keeps `keep` (the
+    /// tensors behind the buffers) until the collective has completed on the device.
     ///
     /// # Safety
-    /// As [`NcclComm::run`]; in addition the buffer must stay allocated, and must not
-    /// be written, until the returned work has been waited for.
-    pub(crate) unsafe fn all_reduce_async(
+    /// As [`NcclComm::run`]; in addition the buffers must not be written, nor read while the
+    /// collective writes them, until the returned work has been waited for.
+    pub(crate) unsafe fn enqueue(
         &mut self,
         buf: DeviceBuffer,
-        op: ReduceOp,
+        op: NcclOp,
+        keep: Vec<Tensor>,
     ) -> Result<NcclWork, CommError> {
-        let start = self.enter()?;
+        let start = self.enter(op.name())?;
         let side = self.side_stream()?;
-        let ready = self.record(std::ptr::null_mut())?;
-        // SAFETY: both handles are live; destroying a recorded event that a stream waits
-        // on is allowed (CUDA releases it when the wait has been resolved).
-        let rc = unsafe {
-            let rc = (self.cudart.cudaStreamWaitEvent)(side, ready, 0);
-            (self.cudart.cudaEventDestroy)(ready);
-            rc
-        };
-        check_cuda("cudaStreamWaitEvent", rc)?;
-        let op = NcclOp::AllReduce(op);
-        // SAFETY: the caller guarantees the buffer; `side` is this communicator's stream.
-        let rc = unsafe { self.issue(buf, op, side) };
+        let current = self.current_stream()?;
+        if current != side {
+            let ready = self.record(current.as_raw())?;
+            // SAFETY: both handles are live; the event is destroyed after the wait has been
+            // queued, which CUDA allows (it releases it once the wait has been resolved).
+            check_cuda("cudaStreamWaitEvent", unsafe {
+                (self.cudart.cudaStreamWaitEvent)(side.as_raw(), ready.raw, 0)
+            })?;
+        }
+        // SAFETY: the caller guarantees the buffers; `side` is this communicator's stream.
+        let rc = unsafe { self.issue(buf, op, side.as_raw()) };
         self.issued(op.call(), op.name(), rc, start)?;
+        let done = match self.record(side.as_raw()) {
+            Ok(done) => done,
+            // Without its end event nothing could tell when the collective is done.
+            Err(e) => return Err(self.abort(e)),
+        };
+        let id = self.inflight.push(op.name(), start, done, keep);
         Ok(NcclWork {
-            done: self.record(side)?,
+            id,
+            op: op.name(),
             start,
         })
     }
 
-    /// Waits until `work` has completed (bounded by the collective timeout, which counts
-    /// from when it was queued); kernels queued afterwards on the default stream then see
-    /// the result.
+    /// Waits on the host until `work` has completed (bounded by the collective timeout,
+    /// which counts from when it was queued); kernels queued afterwards on any stream then
+    /// see the result. Fails without touching NCCL once the communicator was aborted.
     pub(crate) fn wait_work(&mut self, work: NcclWork) -> Result<(), CommError> {
-        let cudart = self.cudart;
-        let done = work.done;
-        // SAFETY: `done` is a live event owned by `work`.
-        let result = self.wait_for("all_reduce", work.start, "cudaEventQuery", || unsafe {
-            (cudart.cudaEventQuery)(done)
-        });
-        drop(work);
-        result
+        let NcclWork { id, op, start } = work;
+        self.wait_until(op, start, |comm| {
+            Ok(comm.inflight.status(id, op)? == Status::Done)
+        })
+    }
+
+    /// Makes the calling thread's current stream wait (on the device) until `work` has
+    /// completed, and returns at once. A failure of the collective is reported by the next
+    /// call into the communicator.
+    pub(crate) fn wait_work_on_stream(&mut self, work: NcclWork) -> Result<(), CommError> {
+        let NcclWork { id, op, .. } = work;
+        self.enter(op)?;
+        if self.inflight.status(id, op)? == Status::Done {
+            return Ok(());
+        }
+        let current = self.current_stream()?;
+        let Some(done) = self.inflight.marker(id) else {
+            return Ok(());
+        };
+        // SAFETY: both handles are live (the event stays in `inflight` until retired).
+        check_cuda("cudaStreamWaitEvent", unsafe {
+            (self.cudart.cudaStreamWaitEvent)(current.as_raw(), done.raw, 0)
+        })
+    }
+
+    /// Whether `work` has completed on the device (`true` too once it has failed: its
+    /// wait then returns the error).
+    pub(crate) fn work_completed(&mut self, work: &NcclWork) -> bool {
+        !matches!(self.inflight.status(work.id, work.op), Ok(Status::Pending))
     }
 }
 
-/// An asynchronous NCCL collective in flight: the event recorded after it on the side
-/// stream.
+/// A collective queued on the side stream: its entry in the communicator's in-flight table.
 #[derive(Debug)]
 pub(crate) struct NcclWork {
-    done: cudaEvent_t,
+    id: u64,
+    op: &'static str,
     start: Instant,
-}
-
-// SAFETY: a CUDA event handle may be queried and destroyed from any thread.
-unsafe impl Send for NcclWork {}
-
-impl Drop for NcclWork {
-    fn drop(&mut self) {
-        if let Ok(cudart) = Cudart::load() {
-            // SAFETY: the event is ours; CUDA defers its release until it has completed.
-            unsafe { (cudart.cudaEventDestroy)(self.done) };
-        }
-    }
 }
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        if let Some(side) = self.side.take() {
-            // SAFETY: the stream is ours; CUDA releases it once its work is done.
-            unsafe { (self.cudart.cudaStreamDestroy)(side) };
-        }
-        if !self.aborted {
-            // SAFETY: `self.comm` is live and not used after this point.
+        self.inflight.retire_completed();
+        if self.inflight.is_aborted() {
+            // Already gone.
+        } else if self.inflight.pending() > 0 {
+            // `ncclCommDestroy` would wait for the pending collectives, forever if a peer
+            // is gone: abort, as PyTorch does with a communicator that may have work.
+            self.abort(CommError::Poisoned(
+                "the process group was dropped with collectives in flight".into(),
+            ));
+        } else {
+            // SAFETY: `self.comm` is live, idle, and not used after this point.
             unsafe { (self.nccl.ncclCommDestroy)(self.comm) };
+        }
+        // The aborted kernels exit early; tensors of those still running are leaked rather
+        // than handed back to the allocator under them.
+        self.inflight.retire_completed();
+        for keep in self.inflight.take_pending() {
+            std::mem::forget(keep);
         }
     }
 }

@@ -206,7 +206,11 @@ fn accept_loop(
                     .peer_addr()
                     .map(|a| a.to_string())
                     .unwrap_or_default();
-                if let Err(why) = serve(stream, &secret, &table, guard) {
+                // The handshake's slot: given back at once by a proven client, otherwise
+                // only once both of the connection's descriptors are closed, so that
+                // strangers whose handshakes end together cannot hold more than the cap.
+                let mut guard = Some(guard);
+                if let Err(why) = serve(stream, &secret, &table, &mut guard) {
                     if let Some(dropped) = DROPPED.admit() {
                         tracing::warn!(
                             "ddp-comm: store dropped connection from {peer}: {why}{}",
@@ -221,6 +225,7 @@ fn accept_loop(
                         let _ = clone.shutdown(Shutdown::Both);
                     }
                 }
+                drop(guard);
             });
         if spawned.is_err() {
             // No thread: the connection is dropped here (and its guard with the closure);
@@ -234,18 +239,19 @@ fn accept_loop(
     }
 }
 
-/// Serves one client until it disconnects. Errors are reasons to drop the connection.
+/// Serves one client until it disconnects; its handshake's slot in `pending` is given back
+/// once the client has proven the secret. Errors are reasons to drop the connection.
 fn serve(
     stream: TcpStream,
     secret: &Secret,
     table: &Table,
-    pending: Pending,
+    pending: &mut Option<Pending>,
 ) -> Result<(), String> {
     let _ = stream.set_nodelay(true);
     let deadline = Instant::now() + auth::HANDSHAKE_TIMEOUT;
-    let proven = auth::tcp_server(&stream, secret, STORE_MAGIC, deadline);
-    drop(pending);
-    proven.map_err(|why| format!("rejected: {why}"))?;
+    auth::tcp_server(&stream, secret, STORE_MAGIC, deadline)
+        .map_err(|why| format!("rejected: {why}"))?;
+    *pending = None;
     stream.set_timeouts(None).map_err(|e| e.to_string())?;
     let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
     let mut writer = BufWriter::new(stream);

@@ -74,9 +74,13 @@ impl HookWork {
         self
     }
 
-    /// Waits for the collective, then runs the follow-up.
+    /// Waits for the collective, then runs the follow-up. For a CUDA bucket the wait is on
+    /// the device, as in PyTorch's DDP: the calling thread's current stream waits for the
+    /// collective ([`Work::wait_stream`]) and the host goes on; the follow-up's kernels and
+    /// every later reader of the gradients on that stream come after the result. An error of
+    /// the collective is then reported by the process group's next call.
     pub fn wait(self) -> Result<(), CommError> {
-        self.work.wait()?;
+        self.work.wait_stream()?;
         if let Some(f) = self.then {
             tch::no_grad(f);
         }

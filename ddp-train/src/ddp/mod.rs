@@ -452,7 +452,7 @@ fn verify_same_model(
 }
 
 fn broadcast_tensors(
-    pg: &ProcessGroup,
+    pg: &Arc<ProcessGroup>,
     named: &[(String, Tensor)],
     buckets: &[Bucket],
 ) -> Result<(), DdpError> {
@@ -460,7 +460,13 @@ fn broadcast_tensors(
         pack(named, buckets);
     }
     for bucket in buckets {
-        pg.broadcast(&mut bucket.flat.shallow_clone(), 0)?;
+        if bucket.flat.device().is_cuda() {
+            // The current stream waits for the broadcast, not the host: the forward that
+            // follows is queued at once (as PyTorch's DDP does).
+            pg.broadcast_async(&bucket.flat, 0).wait_stream()?;
+        } else {
+            pg.broadcast(&mut bucket.flat.shallow_clone(), 0)?;
+        }
     }
     if pg.rank() != 0 {
         unpack(named, buckets);

@@ -1,5 +1,7 @@
 //! [`CheckpointSettings`]: when to checkpoint, how many to keep, and what to start from.
 
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 #[cfg(doc)]
@@ -72,6 +74,38 @@ pub struct CheckpointSettings {
         )
     )]
     pub minutes: Option<f64>,
+    /// Initial weights for the model: a PyTorch `torch.save` state_dict (`.pth`, `.pt`,
+    /// `.bin`; a DDP model's `module.` prefix is stripped) or a safetensors file, read with
+    /// [`ddp_model::weights`]. Every rank loads it right after building the model, before
+    /// DDP's broadcast; a resume (`resume`, or a restart that continues the run) takes
+    /// precedence, and the file is then not read.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "checkpoint.init_from",
+            long = "init-from",
+            value_name = "FILE",
+            help = "Start from these weights: a PyTorch torch.save state_dict (.pth, .pt, .bin; \
+                    a DDP `module.` prefix is stripped) or a safetensors file. Every name and \
+                    shape must match the model (see --init-partial). Ignored, with a note in \
+                    the log, when the run resumes from a checkpoint"
+        )
+    )]
+    pub init_from: Option<PathBuf>,
+    /// Load from `init_from` only the tensors whose name and shape match the model (a new
+    /// classification head keeps its initialisation); rank 0 logs the rest. Without it, any
+    /// missing, unexpected or mis-shaped tensor is an error that lists them all.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "checkpoint.init_partial",
+            long = "init-partial",
+            requires = "checkpoint.init_from",
+            help = "Load from --init-from only what matches the model by name and shape (e.g. \
+                    a backbone with another head) and log what was left"
+        )
+    )]
+    pub init_partial: bool,
     /// Step checkpoints kept (the newest); epoch-end checkpoints and best models are all kept.
     #[cfg_attr(
         feature = "cli",
@@ -95,6 +129,8 @@ impl Default for CheckpointSettings {
             resume_after_restart: true,
             every: None,
             minutes: None,
+            init_from: None,
+            init_partial: false,
             keep: 2,
         }
     }
@@ -106,5 +142,7 @@ builder!(CheckpointSettings {
     resume_after_restart: bool,
     every: Option<u64>,
     minutes: Option<f64>,
+    init_from: Option<PathBuf>,
+    init_partial: bool,
     keep: usize,
 });

@@ -432,6 +432,11 @@ impl Settings {
                  from)",
             ));
         }
+        if c.init_partial && c.init_from.is_none() {
+            return Err(SettingError::new("checkpoint.init_partial", " needs ")
+                .setting("checkpoint.init_from")
+                .text(" (the weights file to load from)"));
+        }
         if c.resume.as_deref() == Some("latest") && self.out.is_none() {
             return Err(SettingError::new("checkpoint.resume", " latest needs ")
                 .setting("out")
@@ -506,6 +511,12 @@ mod tests {
         assert_eq!(
             error(twice),
             "monitors: two write the same file best.safetensors"
+        );
+        let partial =
+            Settings::default().checkpoint(CheckpointSettings::default().init_partial(true));
+        assert_eq!(
+            error(partial),
+            "checkpoint.init_partial needs checkpoint.init_from (the weights file to load from)"
         );
         assert!(Settings::default().validate().is_ok());
     }

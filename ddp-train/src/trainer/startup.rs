@@ -1,6 +1,6 @@
 //! A rank's start-up: [`Trainer::new`] checks the settings and the data, shards the data,
-//! builds the model, restores a checkpoint (by itself after a launcher's restart or a stopped
-//! run), joins the process group, agrees on the run directory and describes the run in its
+//! builds the model, loads its initial weights or restores a checkpoint (by itself after a
+//! launcher's restart or a stopped run), joins the process group, agrees on the run directory and describes the run in its
 //! log and `config.json`.
 
 use std::collections::BTreeMap;
@@ -12,6 +12,7 @@ use ddp_comm::{EnvConfig, ProcessGroup};
 use ddp_data::Dataset;
 use ddp_model::checkpoint;
 use ddp_model::norm::BatchNormLayers;
+use ddp_model::weights::{self, Strictness};
 use ddp_sampler::{DistributedSampler, Partition};
 use tch::{nn, Device, Tensor};
 
@@ -96,6 +97,7 @@ impl<T: Task> Trainer<T> {
         if s.sync_batchnorm && norms.is_empty() {
             return Err(no_batchnorm_to_synchronise(&vs).into());
         }
+        let (init_note, init_record) = init_weights(&vs, s, resume_from.as_deref())?;
         let parameters = freeze::declared_parameters(&vs);
         let mut frozen = freeze::freezable(&parameters, &s.freeze)?;
         if !s.freeze.frozen_in(1) || s.checkpoint.eval_only {
@@ -279,6 +281,9 @@ impl<T: Task> Trainer<T> {
         if let Some(note) = resumed_note {
             log.say(&note);
         }
+        if let (Some(note), 0) = (init_note, rank) {
+            log.say(&note);
+        }
         let ddp = DistributedDataParallel::new(&vs, pg.clone(), s.ddp)?;
         let sync_bn = s.sync_batchnorm.then(|| {
             let reducer = Arc::new(GroupReducer::new(pg.clone()));
@@ -341,11 +346,11 @@ impl<T: Task> Trainer<T> {
             train_sampler,
             val_sampler,
         };
-        trainer.describe()?;
+        trainer.describe(init_record)?;
         Ok(trainer)
     }
 
-    fn describe(&self) -> Result<(), TrainError> {
+    fn describe(&self, init_weights: serde_json::Value) -> Result<(), TrainError> {
         let s = &self.settings;
         self.log.say(&format!(
             "rank {} of {} on {:?} ({} intra-op threads, backend {:?})",
@@ -381,6 +386,7 @@ impl<T: Task> Trainer<T> {
             "planned_optimizer_steps": self.plan.optimizer_steps,
             "allocation_change": self.allocation_change,
             "val_samples": val_len,
+            "init_weights": init_weights,
             "run_dir": self.out,
         });
         let text = serde_json::to_string_pretty(&json).context(|| "encoding config.json".into())?;
@@ -410,6 +416,52 @@ fn resume_after_restart(settings: &mut Settings, env: &EnvConfig) -> &'static st
     };
     settings.checkpoint.resume = Some("latest".to_string());
     note
+}
+
+/// Loads `checkpoint.init_from` into the freshly built model (on the CPU, before the process
+/// group exists: a bad file fails on every rank alike), unless the run resumes from
+/// `resume_from`, which takes precedence. Returns rank 0's log line and `config.json`'s
+/// record of what was loaded.
+fn init_weights(
+    vs: &nn::VarStore,
+    s: &Settings,
+    resume_from: Option<&Path>,
+) -> Result<(Option<String>, serde_json::Value), TrainError> {
+    let Some(file) = &s.checkpoint.init_from else {
+        return Ok((None, serde_json::Value::Null));
+    };
+    if let Some(from) = resume_from {
+        let note = format!(
+            "initial weights {} not loaded: resuming from {} takes precedence",
+            file.display(),
+            from.display()
+        );
+        let record = serde_json::json!({ "file": file, "loaded": false, "resumed_from": from });
+        return Ok((Some(note), record));
+    }
+    let strictness = if s.checkpoint.init_partial {
+        Strictness::Partial
+    } else {
+        Strictness::Strict
+    };
+    let report = weights::load(vs, file, strictness)?;
+    let note = format!("initial weights from {}: {report}", file.display());
+    let mismatched: Vec<_> = report
+        .mismatched
+        .iter()
+        .map(|m| serde_json::json!({ "name": m.name, "model": m.expected, "file": m.found }))
+        .collect();
+    let record = serde_json::json!({
+        "file": file,
+        "loaded": true,
+        "partial": s.checkpoint.init_partial,
+        "tensors_loaded": report.loaded.len(),
+        "stripped_module_prefix": report.stripped_module_prefix,
+        "missing": report.missing,
+        "unexpected": report.unexpected,
+        "mismatched": mismatched,
+    });
+    Ok((Some(note), record))
 }
 
 /// `sync_batchnorm` with a model that has no [`ddp_model::norm::BatchNorm2d`]: names the

@@ -1,0 +1,335 @@
+//! The collectives a communicator has queued on its side stream and not yet seen complete,
+//! and whether the communicator was aborted: the state every wait consults before it touches
+//! NCCL.
+//!
+//! Each entry holds the marker recorded after the collective (a CUDA event) and what must
+//! outlive the device work (the tensors NCCL reads and writes). A [`Work`](crate::Work)
+//! names its entry by id only, so dropping it changes nothing here: the tensors stay owned
+//! until the marker has been seen complete, and only then go back to the caching allocator.
+//! All entries are on one stream, so they complete in the order they were queued: seeing one
+//! complete retires it and every entry before it.
+//!
+//! After an abort, no entry is ever reported complete (its marker may well complete: the
+//! aborted kernels exit early, leaving half-reduced tensors), and nothing asks NCCL about
+//! the communicator again.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use nccl_sys::{cudaError_t, cudaEvent_t, Cudart};
+
+use crate::error::CommError;
+
+/// A point recorded on a stream.
+pub(crate) trait Marker {
+    /// Whether the stream has passed the point; `Err` carries the CUDA runtime's message.
+    fn reached(&self) -> Result<bool, String>;
+}
+
+/// A CUDA event recorded on a stream (timing disabled), destroyed on drop.
+#[derive(Debug)]
+pub(crate) struct Event {
+    pub(crate) raw: cudaEvent_t,
+    pub(crate) cudart: &'static Cudart,
+}
+
+// SAFETY: a CUDA event may be queried, waited on and destroyed from any thread.
+unsafe impl Send for Event {}
+
+impl Marker for Event {
+    fn reached(&self) -> Result<bool, String> {
+        // SAFETY: `raw` is a live event owned by this value.
+        match unsafe { (self.cudart.cudaEventQuery)(self.raw) } {
+            cudaError_t::cudaSuccess => Ok(true),
+            cudaError_t::cudaErrorNotReady => Ok(false),
+            rc => Err(crate::nccl::cuda::cuda_error_string(rc)),
+        }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: the event is ours; CUDA defers its release until it has completed.
+        unsafe { (self.cudart.cudaEventDestroy)(self.raw) };
+    }
+}
+
+/// Where an entry stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Status {
+    /// Still queued or running on the device.
+    Pending,
+    /// Completed (retired, its tensors released).
+    Done,
+}
+
+struct Entry<M, K> {
+    id: u64,
+    marker: M,
+    keep: K,
+    start: Instant,
+    op: &'static str,
+}
+
+/// The in-flight collectives of one communicator (see the module documentation).
+pub(crate) struct InFlight<M, K> {
+    next: u64,
+    entries: VecDeque<Entry<M, K>>,
+    aborted: Option<String>,
+}
+
+impl<M, K> std::fmt::Debug for InFlight<M, K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InFlight")
+            .field("pending", &self.entries.len())
+            .field("aborted", &self.aborted)
+            .finish()
+    }
+}
+
+impl<M: Marker, K> InFlight<M, K> {
+    pub(crate) fn new() -> Self {
+        InFlight {
+            next: 0,
+            entries: VecDeque::new(),
+            aborted: None,
+        }
+    }
+
+    /// The error every call gets once the communicator was aborted, naming `op`.
+    pub(crate) fn aborted_error(&self, op: &str) -> Option<CommError> {
+        self.aborted.as_ref().map(|why| {
+            CommError::Poisoned(format!(
+                "{op}: the NCCL communicator was aborted ({why}); the results of its \
+                 unfinished collectives are invalid; create a new process group"
+            ))
+        })
+    }
+
+    /// Whether the communicator was aborted.
+    pub(crate) fn is_aborted(&self) -> bool {
+        self.aborted.is_some()
+    }
+
+    /// Records that the communicator was aborted because of `why`.
+    pub(crate) fn mark_aborted(&mut self, why: String) {
+        self.aborted.get_or_insert(why);
+    }
+
+    /// Adds a collective queued at `start`, whose end is `marker`, keeping `keep` until it
+    /// completes; returns its id.
+    pub(crate) fn push(&mut self, op: &'static str, start: Instant, marker: M, keep: K) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        self.entries.push_back(Entry {
+            id,
+            marker,
+            keep,
+            start,
+            op,
+        });
+        id
+    }
+
+    /// Where collective `id` stands. An error once the communicator was aborted (whatever
+    /// the marker says), or when the marker cannot be queried.
+    pub(crate) fn status(&mut self, id: u64, op: &str) -> Result<Status, CommError> {
+        if let Some(e) = self.aborted_error(op) {
+            return Err(e);
+        }
+        let Some(pos) = self.entries.iter().position(|e| e.id == id) else {
+            return Ok(if id < self.next {
+                Status::Done
+            } else {
+                Status::Pending
+            });
+        };
+        let reached = self.entries[pos]
+            .marker
+            .reached()
+            .map_err(|detail| CommError::Nccl {
+                call: "cudaEventQuery",
+                detail,
+            })?;
+        if !reached {
+            return Ok(Status::Pending);
+        }
+        // One stream: everything queued before it has completed too.
+        self.entries.drain(..=pos);
+        Ok(Status::Done)
+    }
+
+    /// The marker of collective `id`, while it is pending and the communicator usable.
+    pub(crate) fn marker(&self, id: u64) -> Option<&M> {
+        if self.is_aborted() {
+            return None;
+        }
+        self.entries.iter().find(|e| e.id == id).map(|e| &e.marker)
+    }
+
+    /// Retires the collectives seen complete, oldest first, stopping at the first pending
+    /// one. Safe after an abort: it only asks the markers (CUDA), never NCCL.
+    pub(crate) fn retire_completed(&mut self) {
+        while let Some(front) = self.entries.front() {
+            if front.marker.reached() != Ok(true) {
+                break;
+            }
+            self.entries.pop_front();
+        }
+    }
+
+    /// The oldest pending collective (its op) if it has been pending longer than `timeout`.
+    pub(crate) fn overdue(&self, timeout: Duration) -> Option<&'static str> {
+        self.entries
+            .front()
+            .filter(|e| e.start.elapsed() > timeout)
+            .map(|e| e.op)
+    }
+
+    /// How many collectives are pending (after the last retirement).
+    pub(crate) fn pending(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Takes what the pending collectives keep, retiring them: for a communicator that goes
+    /// away with work the device may still run.
+    pub(crate) fn take_pending(&mut self) -> Vec<K> {
+        self.entries.drain(..).map(|e| e.keep).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    /// A marker the test completes by hand.
+    #[derive(Clone, Default)]
+    struct Flag(Arc<AtomicBool>);
+
+    impl Flag {
+        fn set(&self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    impl Marker for Flag {
+        fn reached(&self) -> Result<bool, String> {
+            Ok(self.0.load(Ordering::SeqCst))
+        }
+    }
+
+    type Table = InFlight<Flag, Arc<Vec<f32>>>;
+
+    #[test]
+    fn a_dropped_handle_leaves_the_tensor_owned_until_the_device_is_done() {
+        let mut table = Table::new();
+        let done = Flag::default();
+        let tensor = Arc::new(vec![1.0f32; 4]);
+        let id = table.push("all_reduce", Instant::now(), done.clone(), tensor.clone());
+        // The caller drops its tensor and its work handle (the id): the table still owns
+        // the tensor.
+        let watch = Arc::downgrade(&tensor);
+        drop(tensor);
+        let _ = id;
+        assert_eq!(watch.strong_count(), 1);
+        table.retire_completed();
+        assert_eq!(
+            watch.strong_count(),
+            1,
+            "released before the device finished"
+        );
+        assert_eq!(table.status(id, "all_reduce").unwrap(), Status::Pending);
+        done.set();
+        table.retire_completed();
+        assert_eq!(watch.strong_count(), 0, "kept after the device finished");
+        assert_eq!(table.status(id, "all_reduce").unwrap(), Status::Done);
+        assert_eq!(table.pending(), 0);
+    }
+
+    #[test]
+    fn completion_is_reported_only_when_the_marker_is_reached_and_retires_in_order() {
+        let mut table = Table::new();
+        let flags: Vec<Flag> = (0..3).map(|_| Flag::default()).collect();
+        let ids: Vec<u64> = flags
+            .iter()
+            .map(|f| table.push("all_reduce", Instant::now(), f.clone(), Arc::new(vec![])))
+            .collect();
+        assert_eq!(ids, [0, 1, 2]);
+        for &id in &ids {
+            assert_eq!(table.status(id, "x").unwrap(), Status::Pending);
+        }
+        // The stream passed the second collective: the first is done too.
+        flags[0].set();
+        flags[1].set();
+        assert_eq!(table.status(1, "x").unwrap(), Status::Done);
+        assert_eq!(table.pending(), 1);
+        assert_eq!(table.status(0, "x").unwrap(), Status::Done);
+        assert_eq!(table.status(2, "x").unwrap(), Status::Pending);
+        // An id never issued is not done.
+        assert_eq!(table.status(7, "x").unwrap(), Status::Pending);
+    }
+
+    #[test]
+    fn after_an_abort_every_wait_fails_even_when_the_marker_completes() {
+        let mut table = Table::new();
+        let first = Flag::default();
+        let second = Flag::default();
+        let a = table.push(
+            "all_reduce",
+            Instant::now(),
+            first.clone(),
+            Arc::new(vec![]),
+        );
+        let b = table.push(
+            "all_reduce",
+            Instant::now(),
+            second.clone(),
+            Arc::new(vec![]),
+        );
+        table.mark_aborted("all_reduce timed out after 1s".into());
+        // The aborted kernels exit: both markers complete, on half-reduced tensors.
+        first.set();
+        second.set();
+        for id in [a, b] {
+            match table.status(id, "all_reduce") {
+                Err(CommError::Poisoned(why)) => {
+                    assert!(
+                        why.contains("aborted (all_reduce timed out after 1s)"),
+                        "{why}"
+                    )
+                }
+                other => panic!("expected Poisoned, got {other:?}"),
+            }
+        }
+        assert!(
+            table.marker(b).is_none(),
+            "no stream may wait on aborted work"
+        );
+        // A later abort keeps the first reason.
+        table.mark_aborted("other".into());
+        assert!(format!("{:?}", table.aborted_error("x")).contains("timed out"));
+        // The tensors are released once the markers say the device is done.
+        table.retire_completed();
+        assert_eq!(table.pending(), 0);
+    }
+
+    #[test]
+    fn the_oldest_pending_collective_is_overdue_after_the_timeout() {
+        let mut table = Table::new();
+        let old = Instant::now() - Duration::from_secs(5);
+        table.push("broadcast", old, Flag::default(), Arc::new(vec![]));
+        table.push(
+            "all_reduce",
+            Instant::now(),
+            Flag::default(),
+            Arc::new(vec![]),
+        );
+        assert_eq!(table.overdue(Duration::from_secs(10)), None);
+        assert_eq!(table.overdue(Duration::from_secs(1)), Some("broadcast"));
+        let kept = table.take_pending();
+        assert_eq!(kept.len(), 2);
+        assert_eq!(table.pending(), 0);
+    }
+}

@@ -1,0 +1,533 @@
+//! Initial weights from other programs: PyTorch `torch.save` state_dicts and safetensors
+//! files, loaded by name into a model's [`VarStore`], strictly or partially.
+//!
+//! - [`read_state_dict`]: a file's tensors in file order, on the CPU. The format is told by
+//!   the content, not the extension (`.pth`, `.pt`, `.bin` and `.safetensors` all work): a
+//!   zip archive is `torch.save`'s format (any top folder name, any dtype, stride and storage
+//!   offset, views sharing a storage, the storage location such as `cuda:0` ignored as
+//!   `map_location="cpu"` does, a big-endian `byteorder` swapped); a file that starts with a
+//!   JSON header is safetensors; a bare pickle is `torch.save`'s legacy format, refused with
+//!   how to re-save it.
+//! - [`load_state_dict`]: copies a [`StateDict`] into the model's variables (parameters and
+//!   buffers) with dtype conversion and no gradient, as PyTorch's `load_state_dict` does,
+//!   after stripping a `module.` prefix that every name has (a file saved from a DDP model,
+//!   as `consume_prefix_in_state_dict_if_present` does). [`Strictness::Strict`] copies
+//!   nothing unless every name and shape matches and lists every difference in one error;
+//!   [`Strictness::Partial`] copies what matches and reports the rest in its [`LoadReport`].
+//! - [`load`]: reads a file, then loads it.
+//!
+//! ## The pickle is read by `torch.load(weights_only=True)`'s rule
+//!
+//! `data.pkl` is unpickled by a small data-only machine of this module, not by Python's
+//! rules: only the globals that rebuild tensors are allowed (`collections.OrderedDict`,
+//! `torch._utils._rebuild_tensor{,_v2,_v3}`, `torch._utils._rebuild_parameter{,_with_state}`,
+//! the `torch.*Storage` types, `torch.storage.UntypedStorage`, torch's dtypes, `torch.Size`,
+//! `_codecs.encode` and `builtins.set`), and a file that names any other (`os.system`,
+//! `builtins.eval`, ...) is refused with [`WeightsError::Pickle`] holding
+//! [`PickleError::Forbidden`] and that name, when its `GLOBAL` is read. Nothing is ever called:
+//! the machine has no Python to call, and builds tensors from the allowed globals' arguments.
+//!
+//! Neither existing reader could serve. libtorch's own C++ unpickler (`torch::pickle_load`)
+//! reads `collections.OrderedDict`, the type of every `state_dict()`, as `None`. The
+//! `serde-pickle` crate has no persistent-load hook (`BINPERSID`, by which every tensor names
+//! its storage, is an unsupported opcode there) and knows three globals only (`set`,
+//! `frozenset`, `_codecs.encode`), so tensors cannot be rebuilt through it.
+//!
+//! ```
+//! use ddp_model::weights::{self, LoadReport, StateDict, Strictness};
+//! use tch::{nn, Device, Kind, Tensor};
+//!
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let linear = nn::linear(vs.root() / "fc", 3, 2, Default::default());
+//! // A state_dict with a new head: `fc.weight` of another shape, and a name the model lacks.
+//! let file = StateDict::new(
+//!     "example.pth",
+//!     vec![
+//!         ("module.fc.weight".into(), Tensor::ones([5, 3], (Kind::Double, Device::Cpu))),
+//!         ("module.fc.bias".into(), Tensor::from_slice(&[1.5f32, -2.0])),
+//!         ("module.extra".into(), Tensor::zeros([1], (Kind::Float, Device::Cpu))),
+//!     ],
+//! );
+//! let err = weights::load_state_dict(&vs, &file, Strictness::Strict).unwrap_err();
+//! assert!(err.to_string().contains("'fc.weight' has shape [5, 3] in the checkpoint but [2, 3] in the model"));
+//!
+//! let report = weights::load_state_dict(&vs, &file, Strictness::Partial)?;
+//! assert_eq!(report.loaded, ["fc.bias"]);
+//! assert_eq!(report.unexpected, ["extra"]);
+//! assert_eq!(report.mismatched[0].name, "fc.weight");
+//! assert!(report.stripped_module_prefix);
+//! assert_eq!(Vec::<f32>::try_from(&linear.bs.unwrap())?, [1.5, -2.0]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::collections::HashSet;
+use std::fmt;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::SafeTensors;
+use tch::nn::VarStore;
+use tch::{Kind, Tensor};
+
+use crate::checkpoint::{self, natural_cmp, TensorProblem};
+
+mod pickle;
+mod torch_zip;
+
+pub use pickle::PickleError;
+
+/// The prefix `DistributedDataParallel` puts in front of every name of the model it wraps.
+pub const DDP_PREFIX: &str = "module.";
+
+/// Why weights could not be read or loaded. Every message names the file.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WeightsError {
+    /// Opening or reading the file failed.
+    #[error("weights file '{path}': {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file is neither a `torch.save` zip nor safetensors.
+    #[error(
+        "weights file '{path}' is neither a torch.save file (a zip archive) nor a safetensors \
+         file: {reason}"
+    )]
+    UnknownFormat {
+        /// The file.
+        path: PathBuf,
+        /// What its first bytes are.
+        reason: String,
+    },
+    /// The file is in `torch.save`'s legacy format (`_use_new_zipfile_serialization=False`,
+    /// or PyTorch before 1.6).
+    #[error(
+        "weights file '{path}' is in torch.save's legacy (non-zip) format, which is not read: \
+         re-save it with PyTorch 1.6 or later, `torch.save(torch.load(old, \
+         weights_only=True), new)`"
+    )]
+    LegacyFormat {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The zip archive is damaged, or not laid out as `torch.save` lays it out.
+    #[error("weights file '{path}' is not a readable torch.save archive: {reason}")]
+    Archive {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A record the pickle refers to is not in the archive.
+    #[error("weights file '{path}' lacks its record '{record}' (a truncated or edited archive)")]
+    MissingRecord {
+        /// The file.
+        path: PathBuf,
+        /// The record's name in the archive.
+        record: String,
+    },
+    /// The pickle was refused (a global outside the allow list, or something a state_dict
+    /// does not use) or is damaged; nothing of it was run.
+    #[error("weights file '{path}': its pickle {source}; nothing was run or loaded")]
+    Pickle {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: PickleError,
+    },
+    /// The file holds something else than a state_dict (names to tensors).
+    #[error("weights file '{path}' is not a state_dict: {reason}")]
+    NotAStateDict {
+        /// The file.
+        path: PathBuf,
+        /// What it holds.
+        reason: String,
+    },
+    /// A tensor has a dtype that tch cannot represent.
+    #[error("weights file '{path}': tensor '{name}' has dtype {dtype}, which is not supported")]
+    UnsupportedDtype {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// The dtype, in the file's spelling.
+        dtype: String,
+    },
+    /// A tensor's description does not fit its data (a view past its storage, a short
+    /// record, a corrupt safetensors entry).
+    #[error("weights file '{path}': tensor '{name}' is damaged: {reason}")]
+    BadTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A strict load found differences between the file and the model; nothing was copied.
+    #[error(
+        "weights file '{path}' does not fit the model (nothing was loaded; a partial load \
+         copies what fits): {}",
+        problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+    )]
+    Mismatch {
+        /// The file.
+        path: PathBuf,
+        /// Every difference, sorted by name with [`natural_cmp`].
+        problems: Vec<TensorProblem>,
+    },
+    /// libtorch failed to copy a tensor into the model.
+    #[error("weights file '{path}': copying '{name}' into the model failed: {reason}")]
+    Copy {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// libtorch's message.
+        reason: String,
+    },
+}
+
+impl WeightsError {
+    fn io(path: &Path, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.to_owned(),
+            source,
+        }
+    }
+}
+
+/// Named tensors on the CPU, in the order of the file they came from.
+#[derive(Debug)]
+pub struct StateDict {
+    path: PathBuf,
+    tensors: Vec<(String, Tensor)>,
+}
+
+impl StateDict {
+    /// Tensors under their names; `path` names them in errors.
+    pub fn new(path: impl Into<PathBuf>, tensors: Vec<(String, Tensor)>) -> Self {
+        Self {
+            path: path.into(),
+            tensors,
+        }
+    }
+
+    /// The file the tensors came from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The names and tensors, in file order.
+    pub fn tensors(&self) -> &[(String, Tensor)] {
+        &self.tensors
+    }
+
+    /// The tensor named `name`.
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t)
+    }
+
+    /// The names, in file order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.iter().map(|(n, _)| n.as_str())
+    }
+
+    /// How many tensors there are.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// Takes the tensors.
+    pub fn into_tensors(self) -> Vec<(String, Tensor)> {
+        self.tensors
+    }
+}
+
+/// How [`load_state_dict`] treats names and shapes that differ.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Strictness {
+    /// Every model tensor must be in the file with its shape, and nothing else may be:
+    /// otherwise nothing is copied and [`WeightsError::Mismatch`] lists every difference
+    /// (PyTorch's `load_state_dict(strict=True)`).
+    #[default]
+    Strict,
+    /// Copy the tensors whose name and shape match; the [`LoadReport`] lists the rest (a new
+    /// classification head, a backbone without its head).
+    Partial,
+}
+
+/// A model tensor and a file tensor of the same name with different shapes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShapeMismatch {
+    /// The name (after stripping the `module.` prefix).
+    pub name: String,
+    /// The model's shape.
+    pub expected: Vec<i64>,
+    /// The file's shape.
+    pub found: Vec<i64>,
+}
+
+/// What [`load_state_dict`] copied and what it left.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Model tensors copied from the file, in the model's order ([`natural_cmp`]).
+    pub loaded: Vec<String>,
+    /// Model tensors the file lacks (they keep their values), in the model's order.
+    pub missing: Vec<String>,
+    /// File tensors the model lacks, in file order.
+    pub unexpected: Vec<String>,
+    /// Names in both whose shapes differ (the model keeps its values), in the model's order.
+    pub mismatched: Vec<ShapeMismatch>,
+    /// Whether the file's names all began with `module.`, which was stripped.
+    pub stripped_module_prefix: bool,
+}
+
+impl LoadReport {
+    /// Whether every model tensor was loaded and every file tensor used.
+    pub fn is_complete(&self) -> bool {
+        self.missing.is_empty() && self.unexpected.is_empty() && self.mismatched.is_empty()
+    }
+}
+
+impl fmt::Display for LoadReport {
+    /// `loaded 24 tensors; kept the model's 2 (not in the file: ...; other shape in the file:
+    /// 'fc.weight' [1000, 512] for [8, 512]); ignored 1 of the file's (...)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "loaded {} tensors", self.loaded.len())?;
+        if self.stripped_module_prefix {
+            write!(f, " (names without their '{DDP_PREFIX}' prefix)")?;
+        }
+        let kept = self.missing.len() + self.mismatched.len();
+        if kept > 0 {
+            write!(f, "; kept the model's own values of {kept} (")?;
+            let mut parts = Vec::new();
+            if !self.missing.is_empty() {
+                parts.push(format!("not in the file: {}", self.missing.join(", ")));
+            }
+            if !self.mismatched.is_empty() {
+                let shapes: Vec<String> = self
+                    .mismatched
+                    .iter()
+                    .map(|m| format!("{} {:?} for {:?}", m.name, m.found, m.expected))
+                    .collect();
+                parts.push(format!("another shape in the file: {}", shapes.join(", ")));
+            }
+            write!(f, "{})", parts.join("; "))?;
+        }
+        if !self.unexpected.is_empty() {
+            write!(
+                f,
+                "; ignored {} of the file's, not in the model: {}",
+                self.unexpected.len(),
+                self.unexpected.join(", ")
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Reads a state_dict from a `torch.save` file or a safetensors file, told apart by content.
+pub fn read_state_dict(path: impl AsRef<Path>) -> Result<StateDict, WeightsError> {
+    let path = path.as_ref();
+    let mut head = [0u8; 9];
+    let n = read_head(path, &mut head)?;
+    let head = &head[..n];
+    if head.starts_with(b"PK\x03\x04") || head.starts_with(b"PK\x05\x06") {
+        return torch_zip::read(path);
+    }
+    // A pickle's PROTO opcode: the legacy format starts with a pickled magic number.
+    if head.len() >= 2 && head[0] == 0x80 && (2..=5).contains(&head[1]) {
+        return Err(WeightsError::LegacyFormat {
+            path: path.to_owned(),
+        });
+    }
+    // safetensors: an 8-byte little-endian header length, then the JSON header.
+    if head.len() == 9 && head[8] == b'{' {
+        return read_safetensors(path);
+    }
+    let reason = if head.is_empty() {
+        "it is empty".to_string()
+    } else {
+        format!("it starts with the bytes {head:02x?}")
+    };
+    Err(WeightsError::UnknownFormat {
+        path: path.to_owned(),
+        reason,
+    })
+}
+
+fn read_head(path: &Path, head: &mut [u8]) -> Result<usize, WeightsError> {
+    let mut file = File::open(path).map_err(|e| WeightsError::io(path, e))?;
+    let mut n = 0;
+    while n < head.len() {
+        match file.read(&mut head[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(WeightsError::io(path, e)),
+        }
+    }
+    Ok(n)
+}
+
+fn read_safetensors(path: &Path) -> Result<StateDict, WeightsError> {
+    let bytes = std::fs::read(path).map_err(|e| WeightsError::io(path, e))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| WeightsError::UnknownFormat {
+        path: path.to_owned(),
+        reason: format!("its safetensors header is invalid: {e}"),
+    })?;
+    let mut views = st.tensors();
+    // File order is data order.
+    views.sort_by_key(|(_, v)| v.data().as_ptr() as usize);
+    let mut tensors = Vec::with_capacity(views.len());
+    for (name, view) in views {
+        let kind =
+            checkpoint::kind_of(view.dtype()).ok_or_else(|| WeightsError::UnsupportedDtype {
+                path: path.to_owned(),
+                name: name.clone(),
+                dtype: format!("{:?}", view.dtype()),
+            })?;
+        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        let t = Tensor::f_from_data_size(view.data(), &shape, kind).map_err(|e| {
+            WeightsError::BadTensor {
+                path: path.to_owned(),
+                name: name.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        tensors.push((name, t));
+    }
+    Ok(StateDict::new(path, tensors))
+}
+
+/// Copies `state` into the model's variables, by name, as PyTorch's `load_state_dict` does:
+/// a `module.` prefix on every file name is stripped first (unless the model's names have it
+/// too), values are converted to the variable's dtype and moved to its device, and no
+/// gradient is recorded. See [`Strictness`] for what happens to names and shapes that differ.
+pub fn load_state_dict(
+    vs: &VarStore,
+    state: &StateDict,
+    strictness: Strictness,
+) -> Result<LoadReport, WeightsError> {
+    let model = checkpoint::named_tensors(vs);
+    let model_has_prefix =
+        !model.is_empty() && model.iter().all(|(n, _)| n.starts_with(DDP_PREFIX));
+    let strip =
+        !state.is_empty() && !model_has_prefix && state.names().all(|n| n.starts_with(DDP_PREFIX));
+    let file: Vec<(&str, &Tensor)> = state
+        .tensors
+        .iter()
+        .map(|(n, t)| {
+            let n = if strip {
+                &n[DDP_PREFIX.len()..]
+            } else {
+                n.as_str()
+            };
+            (n, t)
+        })
+        .collect();
+    let find = |name: &str| file.iter().rev().find(|(n, _)| *n == name).map(|(_, t)| *t);
+
+    let mut report = LoadReport {
+        stripped_module_prefix: strip,
+        ..Default::default()
+    };
+    let mut problems = Vec::new();
+    let mut copies = Vec::new();
+    for (name, var) in &model {
+        match find(name) {
+            None => {
+                report.missing.push(name.clone());
+                problems.push(TensorProblem::Missing(name.clone()));
+            }
+            Some(t) if t.size() != var.size() => {
+                report.mismatched.push(ShapeMismatch {
+                    name: name.clone(),
+                    expected: var.size(),
+                    found: t.size(),
+                });
+                problems.push(TensorProblem::Shape {
+                    name: name.clone(),
+                    expected: var.size(),
+                    found: t.size(),
+                });
+            }
+            // libtorch cannot copy a complex value into a real variable.
+            Some(t) if is_complex(t.kind()) && !is_complex(var.kind()) => {
+                problems.push(TensorProblem::Dtype {
+                    name: name.clone(),
+                    expected: var.kind(),
+                    found: t.kind(),
+                });
+                report.mismatched.push(ShapeMismatch {
+                    name: name.clone(),
+                    expected: var.size(),
+                    found: t.size(),
+                });
+            }
+            Some(t) => copies.push((name, var, t)),
+        }
+    }
+    let model_names: HashSet<&str> = model.iter().map(|(n, _)| n.as_str()).collect();
+    let mut seen = HashSet::new();
+    for (name, _) in &file {
+        if !model_names.contains(name) && seen.insert(*name) {
+            report.unexpected.push(name.to_string());
+            problems.push(TensorProblem::Unexpected(name.to_string()));
+        }
+    }
+    if strictness == Strictness::Strict && !problems.is_empty() {
+        problems.sort_by(|a, b| natural_cmp(problem_name(a), problem_name(b)));
+        return Err(WeightsError::Mismatch {
+            path: state.path.clone(),
+            problems,
+        });
+    }
+    tch::no_grad(|| {
+        for (name, var, src) in copies {
+            let mut var = var.shallow_clone();
+            var.f_copy_(src).map_err(|e| WeightsError::Copy {
+                path: state.path.clone(),
+                name: name.clone(),
+                reason: e.to_string(),
+            })?;
+            report.loaded.push(name.clone());
+        }
+        Ok::<(), WeightsError>(())
+    })?;
+    Ok(report)
+}
+
+/// [`read_state_dict`], then [`load_state_dict`].
+pub fn load(
+    vs: &VarStore,
+    path: impl AsRef<Path>,
+    strictness: Strictness,
+) -> Result<LoadReport, WeightsError> {
+    let state = read_state_dict(path)?;
+    load_state_dict(vs, &state, strictness)
+}
+
+fn is_complex(kind: Kind) -> bool {
+    matches!(
+        kind,
+        Kind::ComplexHalf | Kind::ComplexFloat | Kind::ComplexDouble
+    )
+}
+
+fn problem_name(p: &TensorProblem) -> &str {
+    match p {
+        TensorProblem::Missing(n) | TensorProblem::Unexpected(n) => n,
+        TensorProblem::Shape { name, .. } | TensorProblem::Dtype { name, .. } => name,
+    }
+}

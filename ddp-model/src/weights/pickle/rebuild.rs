@@ -1,0 +1,147 @@
+//! What `REDUCE` and `BINPERSID` make of the allowed globals' arguments: dicts, tensor
+//! descriptions and storage references, built as values, never by calling anything.
+
+use std::rc::Rc;
+
+use super::globals::global_name;
+use super::{Arena, Element, Fault, Global, StorageRef, TensorRef, Value};
+
+fn malformed<T>(reason: impl Into<String>) -> Result<T, Fault> {
+    Err(Fault::Malformed(reason.into()))
+}
+
+/// `('storage', storage_type, key, location, numel)`; the location (`cpu`, `cuda:0`) is not
+/// used: every storage is read onto the CPU (`map_location="cpu"`).
+pub(super) fn persistent_load(pid: &Value) -> Result<StorageRef, Fault> {
+    let Value::Tuple(items) = pid else {
+        return malformed(format!(
+            "a persistent id is {}, not a tuple",
+            pid.describe()
+        ));
+    };
+    match &items[..] {
+        [Value::Str(tag), Value::Global(g), Value::Str(key), Value::Str(_location), Value::Int(numel)]
+            if &**tag == "storage" =>
+        {
+            let element = match g {
+                Global::Storage(e) => Some(e.clone()),
+                Global::UntypedStorage => None,
+                _ => return malformed("a persistent id names no storage type"),
+            };
+            if *numel < 0 {
+                return malformed("a storage has a negative size");
+            }
+            Ok(StorageRef {
+                element,
+                key: key.to_string(),
+                numel: *numel,
+            })
+        }
+        [Value::Str(tag), ..] if &**tag != "storage" => Err(Fault::Unsupported(format!(
+            "a persistent id of kind '{tag}' (only storages are allowed)"
+        ))),
+        _ => malformed("a persistent id is not ('storage', type, key, location, numel)"),
+    }
+}
+
+/// The value of `callable(*args)` for an allowed global.
+pub(super) fn reduce(arena: &mut Arena, callable: Value, args: &[Value]) -> Result<Value, Fault> {
+    let Value::Global(g) = callable else {
+        return malformed(format!("REDUCE calls {}", callable.describe()));
+    };
+    match (g, args) {
+        (Global::OrderedDict, []) => Ok(arena.new_dict()),
+        (Global::OrderedDict, [Value::List(id)]) => {
+            let mut items = Vec::new();
+            for pair in arena.list(*id)? {
+                match pair {
+                    Value::Tuple(kv) if kv.len() == 2 => items.extend(kv.iter().cloned()),
+                    _ => return malformed("OrderedDict needs (key, value) pairs"),
+                }
+            }
+            let dict = arena.new_dict();
+            if let Value::Dict(id) = dict {
+                arena.insert(id, items)?;
+            }
+            Ok(dict)
+        }
+        (Global::RebuildTensor, [storage, offset, size, stride])
+        | (Global::RebuildTensorV2, [storage, offset, size, stride, _, _])
+        | (Global::RebuildTensorV2, [storage, offset, size, stride, _, _, _]) => {
+            tensor(storage, offset, size, stride, None)
+        }
+        (Global::RebuildTensorV3, [storage, offset, size, stride, _, _, dtype])
+        | (Global::RebuildTensorV3, [storage, offset, size, stride, _, _, dtype, _]) => {
+            let Value::Global(Global::Dtype(element)) = dtype else {
+                return malformed("_rebuild_tensor_v3 needs a dtype");
+            };
+            tensor(storage, offset, size, stride, Some(element.clone()))
+        }
+        (Global::RebuildParameter, [tensor @ Value::Tensor(_), _, _])
+        | (Global::RebuildParameterWithState, [tensor @ Value::Tensor(_), _, _, _]) => {
+            Ok(tensor.clone())
+        }
+        (Global::Size, [Value::Tuple(dims)]) => Ok(Value::Tuple(dims.clone())),
+        (Global::Encode, [Value::Str(s), Value::Str(encoding)])
+            if &**encoding == "latin1" || &**encoding == "latin-1" =>
+        {
+            let bytes: Option<Vec<u8>> =
+                s.chars().map(|c| u8::try_from(u32::from(c)).ok()).collect();
+            match bytes {
+                Some(b) => Ok(Value::Bytes(b.into())),
+                None => malformed("_codecs.encode of a non-latin1 string"),
+            }
+        }
+        (Global::Set, []) => Ok(arena.new_list(Vec::new())),
+        (Global::Set, [Value::List(id)]) => {
+            let items = arena.list(*id)?.to_vec();
+            Ok(arena.new_list(items))
+        }
+        (g, args) => malformed(format!(
+            "{} cannot be called with {} argument(s) of these types: {}",
+            global_name(&g),
+            args.len(),
+            args.iter()
+                .map(Value::describe)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
+
+fn tensor(
+    storage: &Value,
+    offset: &Value,
+    size: &Value,
+    stride: &Value,
+    element: Option<Element>,
+) -> Result<Value, Fault> {
+    let Value::Storage(storage) = storage else {
+        return malformed(format!(
+            "a tensor is rebuilt from {}, not a storage",
+            storage.describe()
+        ));
+    };
+    let Value::Int(offset) = *offset else {
+        return malformed("a tensor's storage offset is not an int");
+    };
+    let ints = |v: &Value, what: &str| -> Result<Vec<i64>, Fault> {
+        match v {
+            Value::Tuple(items) => items
+                .iter()
+                .map(|i| match i {
+                    Value::Int(n) => Ok(*n),
+                    _ => malformed(format!("a tensor's {what} holds a non-integer")),
+                })
+                .collect(),
+            _ => malformed(format!("a tensor's {what} is not a tuple")),
+        }
+    };
+    Ok(Value::Tensor(Rc::new(TensorRef {
+        storage: storage.clone(),
+        element,
+        offset,
+        size: ints(size, "size")?,
+        stride: ints(stride, "stride")?,
+    })))
+}

@@ -1,0 +1,259 @@
+//! `torch.save`'s zip format: `<name>/data.pkl` (the pickle), `<name>/data/<key>` (one record
+//! per storage, raw elements in the byte order of `<name>/byteorder`), under any top folder.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufReader, Read, Seek};
+use std::path::Path;
+use std::rc::Rc;
+
+use tch::{Kind, Tensor};
+use zip::ZipArchive;
+
+use super::pickle::{self, Element, StorageRef, TensorRef, Value};
+use super::{StateDict, WeightsError};
+
+/// Reads a `torch.save` zip file holding a state_dict.
+pub(super) fn read(path: &Path) -> Result<StateDict, WeightsError> {
+    let file = File::open(path).map_err(|source| WeightsError::io(path, source))?;
+    let zip_error = |e: zip::result::ZipError| WeightsError::Archive {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    };
+    let mut archive = ZipArchive::new(BufReader::new(file)).map_err(zip_error)?;
+    let prefix = archive_prefix(&archive).ok_or_else(|| WeightsError::Archive {
+        path: path.to_owned(),
+        reason: "it has no '<name>/data.pkl' record, so it is not a torch.save file".into(),
+    })?;
+    let big_endian = match record(&mut archive, path, &format!("{prefix}byteorder")) {
+        // Files written before the record existed are little-endian.
+        Err(WeightsError::MissingRecord { .. }) => false,
+        Err(e) => return Err(e),
+        Ok(bytes) => match bytes.trim_ascii() {
+            b"little" => false,
+            b"big" => true,
+            other => {
+                return Err(WeightsError::Archive {
+                    path: path.to_owned(),
+                    reason: format!(
+                        "its byteorder record says '{}', not 'little' or 'big'",
+                        String::from_utf8_lossy(other)
+                    ),
+                })
+            }
+        },
+    };
+    let pkl = record(&mut archive, path, &format!("{prefix}data.pkl"))?;
+    let unpickled = pickle::unpickle(&pkl).map_err(|source| WeightsError::Pickle {
+        path: path.to_owned(),
+        source,
+    })?;
+    let Some(entries) = unpickled.dict(&unpickled.value) else {
+        return Err(WeightsError::NotAStateDict {
+            path: path.to_owned(),
+            reason: format!(
+                "it holds {}, not a dict of tensors",
+                unpickled.value.describe()
+            ),
+        });
+    };
+    let mut storages = Storages {
+        archive,
+        path,
+        prefix,
+        big_endian,
+        loaded: HashMap::new(),
+    };
+    let mut tensors = Vec::with_capacity(entries.len());
+    for (key, value) in entries {
+        let Value::Str(name) = key else {
+            return Err(WeightsError::NotAStateDict {
+                path: path.to_owned(),
+                reason: format!("a key is {}, not a str", key.describe()),
+            });
+        };
+        let Value::Tensor(t) = value else {
+            return Err(WeightsError::NotAStateDict {
+                path: path.to_owned(),
+                reason: format!(
+                    "entry '{name}' is {}, not a tensor: save the model's state_dict alone \
+                     (torch.save(model.state_dict(), path))",
+                    value.describe()
+                ),
+            });
+        };
+        let tensor = storages.tensor(name, t)?;
+        tensors.push((name.to_string(), tensor));
+    }
+    Ok(StateDict::new(path, tensors))
+}
+
+/// `"<name>/"` of the one `<name>/data.pkl` record.
+fn archive_prefix<R: Read + Seek>(archive: &ZipArchive<R>) -> Option<String> {
+    archive
+        .file_names()
+        .filter_map(|n| n.strip_suffix("data.pkl"))
+        .find(|p| p.ends_with('/') && p.matches('/').count() == 1)
+        .map(str::to_string)
+}
+
+fn record<R: Read + Seek>(
+    archive: &mut ZipArchive<R>,
+    path: &Path,
+    name: &str,
+) -> Result<Vec<u8>, WeightsError> {
+    let mut entry = match archive.by_name(name) {
+        Ok(e) => e,
+        Err(zip::result::ZipError::FileNotFound) => {
+            return Err(WeightsError::MissingRecord {
+                path: path.to_owned(),
+                record: name.to_string(),
+            })
+        }
+        Err(e) => {
+            return Err(WeightsError::Archive {
+                path: path.to_owned(),
+                reason: format!("record '{name}': {e}"),
+            })
+        }
+    };
+    let mut bytes = Vec::with_capacity(usize::try_from(entry.size()).unwrap_or(0).min(1 << 30));
+    entry
+        .read_to_end(&mut bytes)
+        .map_err(|e| WeightsError::Archive {
+            path: path.to_owned(),
+            reason: format!("record '{name}': {e}"),
+        })?;
+    Ok(bytes)
+}
+
+/// The storages read so far, each once, as 1-D tensors by (key, kind).
+struct Storages<'a, R: Read + Seek> {
+    archive: ZipArchive<R>,
+    path: &'a Path,
+    prefix: String,
+    big_endian: bool,
+    loaded: HashMap<(String, Kind), Tensor>,
+}
+
+impl<R: Read + Seek> Storages<'_, R> {
+    fn tensor(&mut self, name: &str, t: &Rc<TensorRef>) -> Result<Tensor, WeightsError> {
+        let bad = |reason: String| WeightsError::BadTensor {
+            path: self.path.to_owned(),
+            name: name.to_string(),
+            reason,
+        };
+        let element = t.element.as_ref().or(t.storage.element.as_ref());
+        let kind = match element {
+            Some(Element::Kind(k)) => *k,
+            Some(Element::Other(dtype)) => {
+                return Err(WeightsError::UnsupportedDtype {
+                    path: self.path.to_owned(),
+                    name: name.to_string(),
+                    dtype: dtype.clone(),
+                })
+            }
+            None => return Err(bad("its storage is untyped and no dtype is given".into())),
+        };
+        let elt = kind.elt_size_in_bytes() as i64;
+        // An untyped storage counts bytes.
+        let numel = match t.storage.element {
+            Some(_) => t.storage.numel,
+            None if t.storage.numel % elt == 0 => t.storage.numel / elt,
+            None => {
+                return Err(bad(format!(
+                    "its storage of {} bytes does not hold whole {kind:?} elements",
+                    t.storage.numel
+                )))
+            }
+        };
+        check_view(t, numel).map_err(bad)?;
+        let storage = self.storage(name, &t.storage, kind, numel)?;
+        storage
+            .f_as_strided(&t.size, &t.stride, Some(t.offset))
+            .map_err(|e| bad(e.to_string()))
+    }
+
+    fn storage(
+        &mut self,
+        name: &str,
+        s: &StorageRef,
+        kind: Kind,
+        numel: i64,
+    ) -> Result<Tensor, WeightsError> {
+        let id = (s.key.clone(), kind);
+        if let Some(t) = self.loaded.get(&id) {
+            return Ok(t.shallow_clone());
+        }
+        let record_name = format!("{}data/{}", self.prefix, s.key);
+        let mut bytes = record(&mut self.archive, self.path, &record_name)?;
+        let elt = kind.elt_size_in_bytes();
+        let expected = numel as u128 * elt as u128;
+        if bytes.len() as u128 != expected {
+            return Err(WeightsError::BadTensor {
+                path: self.path.to_owned(),
+                name: name.to_string(),
+                reason: format!(
+                    "record '{record_name}' has {} bytes, but its storage of {numel} {kind:?} \
+                     elements needs {expected}",
+                    bytes.len()
+                ),
+            });
+        }
+        if self.big_endian {
+            // Complex numbers are two floats, each swapped on its own.
+            let unit = match kind {
+                Kind::ComplexHalf | Kind::ComplexFloat | Kind::ComplexDouble => elt / 2,
+                _ => elt,
+            };
+            if unit > 1 {
+                bytes.chunks_exact_mut(unit).for_each(<[u8]>::reverse);
+            }
+        }
+        let t = Tensor::f_from_data_size(&bytes, &[numel], kind).map_err(|e| {
+            WeightsError::BadTensor {
+                path: self.path.to_owned(),
+                name: name.to_string(),
+                reason: e.to_string(),
+            }
+        })?;
+        self.loaded.insert(id, t.shallow_clone());
+        Ok(t)
+    }
+}
+
+/// Checks that the view stays inside its storage of `numel` elements: as many strides as
+/// dimensions, no negative size, stride or offset, and the last element reached in bounds.
+fn check_view(t: &TensorRef, numel: i64) -> Result<(), String> {
+    if t.size.len() != t.stride.len() {
+        return Err(format!(
+            "its size {:?} and stride {:?} have different lengths",
+            t.size, t.stride
+        ));
+    }
+    if t.offset < 0 || t.size.iter().chain(&t.stride).any(|&d| d < 0) {
+        return Err(format!(
+            "a negative size, stride or offset (size {:?}, stride {:?}, offset {})",
+            t.size, t.stride, t.offset
+        ));
+    }
+    if t.size.contains(&0) {
+        return Ok(());
+    }
+    // i128 holds any one product of two i64; the sum is checked.
+    let last = t
+        .size
+        .iter()
+        .zip(&t.stride)
+        .try_fold(i128::from(t.offset), |acc, (&n, &s)| {
+            acc.checked_add(i128::from(n - 1) * i128::from(s))
+        });
+    if last.is_none_or(|l| l >= i128::from(numel)) {
+        return Err(format!(
+            "its view (size {:?}, stride {:?}, offset {}) reaches past the end of its storage \
+             of {numel} elements",
+            t.size, t.stride, t.offset
+        ));
+    }
+    Ok(())
+}

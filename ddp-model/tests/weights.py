@@ -1,0 +1,171 @@
+"""PyTorch side of ddp-model's weights test: writes every file the test reads.
+
+Usage: weights.py DIR MARKER PYTHON_MARKER
+
+Writes into DIR:
+  dtypes.pth       every dtype with known values, a transposed tensor, three views of one
+                   storage (offsets 2, 4 and 1 with stride 3), a Parameter, a 0-d tensor
+  dtypes-p4.pt     the same with pickle protocol 4, saved as first.pt and renamed (its top
+                   folder is `first`)
+  big-endian.pth   f32, f16 and i64 tensors in a file whose byteorder is `big`
+  cuda.pth         a tensor whose storage location is `cuda:0`
+  convnet8.pth     the ConvNet of interop.py (8 classes), seeded; also convnet8.safetensors
+                   saved under the extension `.bin` (convnet8.bin)
+  convnet8-ddp.pth the same state_dict with DDP's `module.` prefix
+  convnet1000.pth  the ConvNet with a 1000-class head
+  wrong.pth        convnet8 with features.0.weight of shape [16, 3, 3, 3] and an extra name
+  evil.pth         a torch.save archive whose data.pkl calls os.system('touch MARKER');
+                   Python's own pickle runs the same payload on PYTHON_MARKER first, to
+                   show that the file does what it says
+  legacy.pt        the legacy (non-zip) format
+  checkpoint.pth   a training checkpoint, {"epoch": 3, "model": state_dict}, not a state_dict
+  short-record.pth a tensor of 4 floats whose storage record holds 2
+  past-storage.pth a tensor of 4 floats whose storage claims 2 elements
+  resnet18-ddp.pth torchvision's resnet18(num_classes=8) state_dict with DDP's prefix, and
+                   resnet18.safetensors, the same tensors by safetensors
+"""
+import os
+import pickle
+import sys
+import zipfile
+from collections import OrderedDict
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from interop import ConvNet  # noqa: E402
+
+
+def dtype_state():
+    sd = OrderedDict()
+    sd["f32"] = torch.tensor([1.5, -2.25, 3.0e-8, 65504.0], dtype=torch.float32)
+    sd["f16"] = torch.tensor([[1.5, -2.25], [0.0009765625, 65504.0]], dtype=torch.float16)
+    sd["bf16"] = torch.tensor([1.5, -2.25, 256.0, -0.0078125], dtype=torch.bfloat16)
+    sd["f64"] = torch.tensor([1.0 / 3.0, -2.5, 1e300], dtype=torch.float64)
+    sd["i64"] = torch.tensor([-(2**62), 7, -1, 2**40], dtype=torch.int64)
+    sd["i32"] = torch.tensor([-(2**31), 2**31 - 1, 0], dtype=torch.int32)
+    sd["i16"] = torch.tensor([-32768, 32767, 1], dtype=torch.int16)
+    sd["i8"] = torch.tensor([-128, 127, 3], dtype=torch.int8)
+    sd["u8"] = torch.tensor([0, 255, 128], dtype=torch.uint8)
+    sd["bool"] = torch.tensor([True, False, True])
+    sd["transposed"] = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
+    base = torch.arange(10, dtype=torch.float32) * 10
+    sd["view_a"] = base[2:5]
+    sd["view_b"] = base[4:8]
+    sd["view_strided"] = base[1::3]
+    sd["param"] = torch.nn.Parameter(torch.tensor([0.25, 0.5]))
+    sd["scalar"] = torch.tensor(42, dtype=torch.int64)
+    sd._metadata = OrderedDict({"": {"version": 1}})
+    return sd
+
+
+def rewrite(path, records):
+    """Rewrites a zip archive, replacing the named records' bytes (stored, like torch)."""
+    with zipfile.ZipFile(path) as z:
+        entries = [(n, z.read(n)) for n in z.namelist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, data in entries:
+            z.writestr(name, records.get(name, data))
+
+
+def big_endian(path):
+    sd = OrderedDict()
+    sd["f32"] = torch.tensor([1.5, -2.25, 3.0e-8], dtype=torch.float32)
+    sd["f16"] = torch.tensor([1.5, -2.25], dtype=torch.float16)
+    sd["i64"] = torch.tensor([-(2**62), 7], dtype=torch.int64)
+    torch.save(sd, path)
+    # Storages are keyed 0, 1, 2 in order of appearance; swap each element's bytes.
+    prefix = os.path.splitext(os.path.basename(path))[0]
+    records = {f"{prefix}/byteorder": b"big"}
+    for key, t in enumerate(sd.values()):
+        swapped = t.contiguous().numpy().byteswap().tobytes()
+        records[f"{prefix}/data/{key}"] = swapped
+    rewrite(path, records)
+    back = torch.load(path, weights_only=True)
+    for name, t in sd.items():
+        assert torch.equal(back[name], t), f"torch reads the big-endian {name} differently"
+
+
+def cuda_location(path):
+    # torch.save asks location_tag for each storage's location; a CPU-only machine can still
+    # write the file a GPU would.
+    original = torch.serialization.location_tag
+    torch.serialization.location_tag = lambda storage: "cuda:0"
+    try:
+        torch.save({"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}, path)
+    finally:
+        torch.serialization.location_tag = original
+    with zipfile.ZipFile(path) as z:
+        assert b"cuda:0" in z.read("cuda/data.pkl")
+
+
+def evil(path, marker, python_marker):
+    torch.save({"weight": torch.zeros(1)}, path)
+
+    def payload(target):
+        cmd = f"touch {target}".encode()
+        # {'weight': os.system(cmd)}, naming the global 'os system' as a pickle would.
+        return (b"\x80\x02}q\x00X\x06\x00\x00\x00weightq\x01cos\nsystem\nq\x02X"
+                + len(cmd).to_bytes(4, "little") + cmd + b"\x85q\x03Rq\x04s.")
+
+    pickle.loads(payload(python_marker))
+    assert os.path.exists(python_marker), "the payload does not run under Python's pickle"
+    rewrite(path, {"evil/data.pkl": payload(marker)})
+    try:
+        torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        assert "system" in str(e), e
+    else:
+        raise AssertionError("torch.load(weights_only=True) accepted the payload")
+
+
+def main(out, marker, python_marker):
+    torch.save(dtype_state(), os.path.join(out, "dtypes.pth"))
+    first = os.path.join(out, "first.pt")
+    torch.save(dtype_state(), first, pickle_protocol=4)
+    os.rename(first, os.path.join(out, "dtypes-p4.pt"))
+    big_endian(os.path.join(out, "big-endian.pth"))
+    cuda_location(os.path.join(out, "cuda.pth"))
+
+    torch.manual_seed(7)
+    model = ConvNet()
+    model.train()
+    with torch.no_grad():
+        model(torch.rand(4, 3, 32, 32))
+    sd = model.state_dict()
+    torch.save(sd, os.path.join(out, "convnet8.pth"))
+    save_file(sd, os.path.join(out, "convnet8.bin"))
+    torch.save(OrderedDict((f"module.{k}", v) for k, v in sd.items()),
+               os.path.join(out, "convnet8-ddp.pth"))
+    wrong = OrderedDict(sd)
+    wrong["features.0.weight"] = torch.zeros(16, 3, 3, 3)
+    wrong["extra.bias"] = torch.zeros(3)
+    torch.save(wrong, os.path.join(out, "wrong.pth"))
+    torch.manual_seed(8)
+    torch.save(ConvNet(num_classes=1000).state_dict(), os.path.join(out, "convnet1000.pth"))
+
+    evil(os.path.join(out, "evil.pth"), marker, python_marker)
+    torch.save({"a": torch.ones(2)}, os.path.join(out, "legacy.pt"),
+               _use_new_zipfile_serialization=False)
+    torch.save({"epoch": 3, "model": sd}, os.path.join(out, "checkpoint.pth"))
+    short = os.path.join(out, "short-record.pth")
+    torch.save({"t": torch.zeros(4)}, short)
+    rewrite(short, {"short-record/data/0": bytes(8)})
+    past = os.path.join(out, "past-storage.pth")
+    torch.save({"t": torch.zeros(4)}, past)
+    with zipfile.ZipFile(past) as z:
+        pkl = z.read("past-storage/data.pkl")
+    assert pkl.count(b"K\x04t") == 1, pkl
+    rewrite(past, {"past-storage/data.pkl": pkl.replace(b"K\x04t", b"K\x02t")})
+    import torchvision
+    torch.manual_seed(9)
+    resnet = torchvision.models.resnet18(num_classes=8).state_dict()
+    torch.save(OrderedDict((f"module.{k}", v) for k, v in resnet.items()),
+               os.path.join(out, "resnet18-ddp.pth"))
+    save_file(resnet, os.path.join(out, "resnet18.safetensors"))
+    print("written")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

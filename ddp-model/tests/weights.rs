@@ -1,0 +1,400 @@
+//! `weights` against files that PyTorch itself wrote (`tests/weights.py`, run once with the
+//! Python of `cargo xtask setup`): every dtype's exact values, strides, offsets and shared
+//! storages, big-endian records, a `cuda:0` location, a DDP prefix, strict and partial loads,
+//! a malicious pickle, damaged and legacy files.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use ddp_model::checkpoint::TensorProblem;
+use ddp_model::weights::{self, PickleError, ShapeMismatch, StateDict, Strictness, WeightsError};
+use ddp_model::{ConvNet, ConvNetConfig};
+use tch::{nn, Device, Kind, Tensor};
+
+/// The folder of files written by `weights.py`, and the marker its malicious pickle would
+/// create if anything ran it.
+fn files() -> &'static (PathBuf, PathBuf) {
+    static DIR: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("weights-from-torch");
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).expect("cannot empty the folder");
+        }
+        std::fs::create_dir_all(&dir).expect("cannot create the folder");
+        let marker = dir.join("ran-os-system");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/weights.py");
+        let out = Command::new(ddp_testkit::setup_python())
+            .arg(script)
+            .arg(&dir)
+            .arg(&marker)
+            .arg(dir.join("python-ran-it"))
+            .env("OMP_NUM_THREADS", "1")
+            .output()
+            .expect("python runs");
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "written",
+            "weights.py failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (dir, marker)
+    })
+}
+
+fn file(name: &str) -> PathBuf {
+    files().0.join(name)
+}
+
+fn f64s(t: &Tensor) -> Vec<f64> {
+    Vec::<f64>::try_from(t.to_kind(Kind::Double).flatten(0, -1)).unwrap()
+}
+
+fn i64s(t: &Tensor) -> Vec<i64> {
+    Vec::<i64>::try_from(t.to_kind(Kind::Int64).flatten(0, -1)).unwrap()
+}
+
+fn convnet(classes: i64) -> (nn::VarStore, ConvNet) {
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = ConvNet::new(
+        &vs.root(),
+        ConvNetConfig {
+            num_classes: classes,
+            dropout: 0.5,
+        },
+    );
+    (vs, net)
+}
+
+fn var(vs: &nn::VarStore, name: &str) -> Tensor {
+    vs.variables()[name].shallow_clone()
+}
+
+fn check_dtypes(sd: &StateDict) {
+    let names: Vec<&str> = sd.names().collect();
+    assert_eq!(
+        names,
+        [
+            "f32",
+            "f16",
+            "bf16",
+            "f64",
+            "i64",
+            "i32",
+            "i16",
+            "i8",
+            "u8",
+            "bool",
+            "transposed",
+            "view_a",
+            "view_b",
+            "view_strided",
+            "param",
+            "scalar"
+        ],
+        "file order"
+    );
+    let t = |n: &str| sd.get(n).unwrap();
+    let kinds: Vec<Kind> = names.iter().take(10).map(|n| t(n).kind()).collect();
+    assert_eq!(
+        kinds,
+        [
+            Kind::Float,
+            Kind::Half,
+            Kind::BFloat16,
+            Kind::Double,
+            Kind::Int64,
+            Kind::Int,
+            Kind::Int16,
+            Kind::Int8,
+            Kind::Uint8,
+            Kind::Bool
+        ]
+    );
+    assert_eq!(f64s(t("f32")), [1.5, -2.25, 3.0e-8f32 as f64, 65504.0]);
+    assert_eq!(t("f16").size(), [2, 2]);
+    assert_eq!(f64s(t("f16")), [1.5, -2.25, 0.0009765625, 65504.0]);
+    assert_eq!(f64s(t("bf16")), [1.5, -2.25, 256.0, -0.0078125]);
+    assert_eq!(f64s(t("f64")), [1.0 / 3.0, -2.5, 1e300]);
+    assert_eq!(i64s(t("i64")), [-(1 << 62), 7, -1, 1 << 40]);
+    assert_eq!(i64s(t("i32")), [i32::MIN as i64, i32::MAX as i64, 0]);
+    assert_eq!(i64s(t("i16")), [-32768, 32767, 1]);
+    assert_eq!(i64s(t("i8")), [-128, 127, 3]);
+    assert_eq!(i64s(t("u8")), [0, 255, 128]);
+    assert_eq!(i64s(t("bool")), [1, 0, 1]);
+
+    // arange(12).reshape(3, 4).t(): shape [4, 3], strides [1, 4], not contiguous.
+    let tr = t("transposed");
+    assert_eq!((tr.size(), tr.stride()), (vec![4, 3], vec![1, 4]));
+    assert!(!tr.is_contiguous());
+    assert_eq!(
+        f64s(tr),
+        [0.0, 4.0, 8.0, 1.0, 5.0, 9.0, 2.0, 6.0, 10.0, 3.0, 7.0, 11.0]
+    );
+
+    // Views of one storage (10 * arange(10)) at offsets 2, 4 and 1 (stride 3).
+    assert_eq!(f64s(t("view_a")), [20.0, 30.0, 40.0]);
+    assert_eq!(f64s(t("view_b")), [40.0, 50.0, 60.0, 70.0]);
+    assert_eq!(f64s(t("view_strided")), [10.0, 40.0, 70.0]);
+    assert_eq!(t("view_strided").stride(), [3]);
+    let ptr = |n: &str| t(n).data_ptr() as usize;
+    assert_eq!(
+        ptr("view_b") - ptr("view_a"),
+        2 * 4,
+        "one storage, offsets 2 and 4"
+    );
+    assert_eq!(ptr("view_a") - ptr("view_strided"), 4);
+
+    assert_eq!(f64s(t("param")), [0.25, 0.5]);
+    let scalar = t("scalar");
+    assert_eq!((scalar.size(), scalar.int64_value(&[])), (vec![], 42));
+}
+
+#[test]
+fn every_dtype_stride_and_view_reads_exactly() {
+    check_dtypes(&weights::read_state_dict(file("dtypes.pth")).unwrap());
+    // Pickle protocol 4 (frames, short strings, memoize, stack globals), and a top folder
+    // (`first/`) that is not the file's name.
+    check_dtypes(&weights::read_state_dict(file("dtypes-p4.pt")).unwrap());
+}
+
+#[test]
+fn big_endian_records_are_swapped_and_locations_are_ignored() {
+    let sd = weights::read_state_dict(file("big-endian.pth")).unwrap();
+    assert_eq!(f64s(sd.get("f32").unwrap()), [1.5, -2.25, 3.0e-8f32 as f64]);
+    assert_eq!(f64s(sd.get("f16").unwrap()), [1.5, -2.25]);
+    assert_eq!(i64s(sd.get("i64").unwrap()), [-(1 << 62), 7]);
+
+    // Saved with the storage location `cuda:0`: read onto the CPU.
+    let sd = weights::read_state_dict(file("cuda.pth")).unwrap();
+    let w = sd.get("w").unwrap();
+    assert_eq!(w.device(), Device::Cpu);
+    assert_eq!(f64s(w), [1.0, 2.0, 3.0, 4.0]);
+}
+
+#[test]
+fn a_convnet_loads_from_pth_ddp_pth_and_safetensors_named_bin() {
+    let reference = weights::read_state_dict(file("convnet8.pth")).unwrap();
+    assert_eq!(reference.len(), 26);
+    for name in ["convnet8.pth", "convnet8-ddp.pth", "convnet8.bin"] {
+        let (vs, _net) = convnet(8);
+        let report = weights::load(&vs, file(name), Strictness::Strict).unwrap();
+        assert!(report.is_complete(), "{name}: {report}");
+        assert_eq!(report.loaded.len(), 26, "{name}");
+        assert_eq!(report.stripped_module_prefix, name == "convnet8-ddp.pth");
+        for (n, t) in reference.tensors() {
+            assert!(var(&vs, n).equal(t), "{name}: {n} differs from the file");
+        }
+    }
+    // The DDP file's names as saved, before loading strips them.
+    let ddp = weights::read_state_dict(file("convnet8-ddp.pth")).unwrap();
+    assert_eq!(ddp.names().next(), Some("module.features.0.weight"));
+}
+
+#[test]
+fn a_pickle_naming_os_system_is_refused_and_nothing_runs() {
+    let (dir, marker) = files();
+    assert!(
+        dir.join("python-ran-it").exists(),
+        "Python's pickle ran the payload"
+    );
+    let err = weights::read_state_dict(file("evil.pth")).unwrap_err();
+    match &err {
+        WeightsError::Pickle {
+            source: PickleError::Forbidden(global),
+            ..
+        } => assert_eq!(global, "os.system"),
+        other => panic!("{other:?}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.contains("evil.pth") && msg.contains("'os.system'"),
+        "{msg}"
+    );
+    let (vs, _net) = convnet(8);
+    let before = var(&vs, "features.0.weight").copy();
+    assert!(weights::load(&vs, file("evil.pth"), Strictness::Partial).is_err());
+    assert!(var(&vs, "features.0.weight").equal(&before));
+    assert!(!marker.exists(), "the payload ran");
+}
+
+#[test]
+fn strict_loading_lists_every_difference_and_copies_nothing() {
+    let (vs, _net) = convnet(8);
+    let before = var(&vs, "features.1.weight").copy();
+    let err = weights::load(&vs, file("wrong.pth"), Strictness::Strict).unwrap_err();
+    let WeightsError::Mismatch { path, problems } = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(path, &file("wrong.pth"));
+    assert_eq!(
+        problems,
+        &[
+            TensorProblem::Unexpected("extra.bias".into()),
+            TensorProblem::Shape {
+                name: "features.0.weight".into(),
+                expected: vec![32, 3, 3, 3],
+                found: vec![16, 3, 3, 3],
+            },
+        ]
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains(
+            "'features.0.weight' has shape [16, 3, 3, 3] in the checkpoint but [32, 3, 3, 3]"
+        ) && msg.contains("'extra.bias' is in the checkpoint but not in the model"),
+        "{msg}"
+    );
+    assert!(
+        var(&vs, "features.1.weight").equal(&before),
+        "a name that matched was copied"
+    );
+}
+
+#[test]
+fn partial_loading_a_1000_class_file_reports_the_head() {
+    let file_1000 = weights::read_state_dict(file("convnet1000.pth")).unwrap();
+    let (vs, _net) = convnet(8);
+    let head = var(&vs, "classifier.3.weight").copy();
+    let report = weights::load_state_dict(&vs, &file_1000, Strictness::Partial).unwrap();
+    assert_eq!(
+        report.mismatched,
+        [
+            ShapeMismatch {
+                name: "classifier.3.bias".into(),
+                expected: vec![8],
+                found: vec![1000],
+            },
+            ShapeMismatch {
+                name: "classifier.3.weight".into(),
+                expected: vec![8, 256],
+                found: vec![1000, 256],
+            },
+        ]
+    );
+    assert!(report.missing.is_empty() && report.unexpected.is_empty());
+    assert_eq!(report.loaded.len(), 24);
+    assert!(
+        var(&vs, "classifier.3.weight").equal(&head),
+        "the head kept its values"
+    );
+    for name in &report.loaded {
+        assert!(var(&vs, name).equal(file_1000.get(name).unwrap()), "{name}");
+    }
+    assert!(
+        report
+            .to_string()
+            .contains("classifier.3.weight [1000, 256] for [8, 256]"),
+        "{report}"
+    );
+    // The same file strictly: the two head tensors, nothing copied.
+    let (vs, _net) = convnet(8);
+    let err = weights::load_state_dict(&vs, &file_1000, Strictness::Strict).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::Mismatch { problems, .. } if problems.len() == 2),
+        "{err}"
+    );
+}
+
+#[test]
+fn dtype_conversion_follows_copy() {
+    // A float64 file into float32 variables, and a float file into the int64 counter.
+    let (vs, _net) = convnet(8);
+    let sd = weights::read_state_dict(file("convnet8.pth")).unwrap();
+    let converted: Vec<(String, Tensor)> = sd
+        .tensors()
+        .iter()
+        .map(|(n, t)| (n.clone(), t.to_kind(Kind::Double)))
+        .collect();
+    let converted = StateDict::new("converted", converted);
+    weights::load_state_dict(&vs, &converted, Strictness::Strict).unwrap();
+    let w = var(&vs, "features.0.weight");
+    assert_eq!(w.kind(), Kind::Float);
+    assert!(w.equal(sd.get("features.0.weight").unwrap()));
+    assert!(!w.grad().defined(), "the copy recorded no gradient");
+    assert_eq!(
+        var(&vs, "features.1.num_batches_tracked").kind(),
+        Kind::Int64
+    );
+    assert_eq!(
+        var(&vs, "features.1.num_batches_tracked").int64_value(&[]),
+        1
+    );
+}
+
+#[test]
+fn the_legacy_format_and_other_files_are_refused_with_what_to_do() {
+    let err = weights::read_state_dict(file("legacy.pt")).unwrap_err();
+    assert!(matches!(err, WeightsError::LegacyFormat { .. }), "{err:?}");
+    assert!(err.to_string().contains("re-save it"), "{err}");
+
+    let dir = &files().0;
+    let text = dir.join("notes.pth");
+    std::fs::write(&text, "not weights").unwrap();
+    let err = weights::read_state_dict(&text).unwrap_err();
+    assert!(matches!(err, WeightsError::UnknownFormat { .. }), "{err:?}");
+    let err = weights::read_state_dict(dir.join("absent.pth")).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound),
+        "{err:?}"
+    );
+    // A truncated archive.
+    let bytes = std::fs::read(file("convnet8.pth")).unwrap();
+    let cut = dir.join("cut.pth");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let err = weights::read_state_dict(&cut).unwrap_err();
+    assert!(matches!(err, WeightsError::Archive { .. }), "{err:?}");
+}
+
+#[test]
+fn files_that_are_not_state_dicts_or_are_damaged_say_so() {
+    let err = weights::read_state_dict(file("checkpoint.pth")).unwrap_err();
+    assert!(matches!(err, WeightsError::NotAStateDict { .. }), "{err:?}");
+    assert!(
+        err.to_string()
+            .contains("entry 'epoch' is an int, not a tensor: save the model's state_dict alone"),
+        "{err}"
+    );
+    let err = weights::read_state_dict(file("short-record.pth")).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::BadTensor { name, reason, .. }
+            if name == "t" && reason.contains("has 8 bytes, but its storage of 4 Float elements needs 16")),
+        "{err:?}"
+    );
+    let err = weights::read_state_dict(file("past-storage.pth")).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::BadTensor { name, reason, .. }
+            if name == "t" && reason.contains("reaches past the end of its storage of 2 elements")),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_torchvision_resnet18_state_dict_reads_as_its_safetensors_copy() {
+    let pth = weights::read_state_dict(file("resnet18-ddp.pth")).unwrap();
+    let st = weights::read_state_dict(file("resnet18.safetensors")).unwrap();
+    assert_eq!(pth.len(), 122);
+    // The module order of torchvision's state_dict() (safetensors orders by dtype and name).
+    let names: Vec<&str> = pth.names().collect();
+    assert_eq!(
+        names[..3],
+        [
+            "module.conv1.weight",
+            "module.bn1.weight",
+            "module.bn1.bias"
+        ]
+    );
+    assert_eq!(names[120..], ["module.fc.weight", "module.fc.bias"]);
+    assert_eq!(st.len(), 122);
+    for (name, b) in st.tensors() {
+        let a = pth.get(&format!("module.{name}")).unwrap();
+        assert_eq!(a.kind(), b.kind(), "{name}");
+        assert!(a.equal(b), "{name}");
+    }
+    assert_eq!(
+        pth.get("module.bn1.num_batches_tracked").unwrap().kind(),
+        Kind::Int64
+    );
+}

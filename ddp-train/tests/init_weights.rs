@@ -1,0 +1,278 @@
+//! `--init-from` with real ranks: two CPU ranks start from a PyTorch-saved `.pth`, a file that
+//! does not fit fails on both ranks naming it, `--init-partial` keeps a new head, and a resume
+//! takes precedence over the file.
+
+mod common;
+
+use common::{free_port, rank_command, text, wait_all};
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use ddp_data::odir::synthetic::{generate, SyntheticConfig};
+use ddp_model::{checkpoint, ConvNet, ConvNetConfig};
+use serde_json::Value;
+use tch::{nn, Device};
+
+const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
+
+/// The ConvNet with `classes` outputs, seeded by `seed`, saved by PyTorch's `torch.save` (as
+/// a DDP model's state_dict when `ddp_prefix`) to `dir/name`; returns the path and the
+/// tensors as written.
+fn pytorch_file(
+    dir: &Path,
+    name: &str,
+    classes: i64,
+    seed: i64,
+    ddp_prefix: bool,
+) -> (PathBuf, checkpoint::TensorFile) {
+    tch::manual_seed(seed);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _ = ConvNet::new(
+        &vs.root(),
+        ConvNetConfig {
+            num_classes: classes,
+            dropout: 0.5,
+        },
+    );
+    let st = dir.join(format!("{name}.safetensors"));
+    checkpoint::save(&vs, &st, &Default::default()).unwrap();
+    let pth = dir.join(name);
+    let prefix = if ddp_prefix { "module." } else { "" };
+    let script = format!(
+        "import sys, torch\nfrom collections import OrderedDict\n\
+         from safetensors.torch import load_file\n\
+         sd = load_file(sys.argv[1])\n\
+         torch.save(OrderedDict(('{prefix}' + k, v) for k, v in sd.items()), sys.argv[2])\n"
+    );
+    let out = Command::new(ddp_testkit::setup_python())
+        .args(["-c", &script])
+        .arg(&st)
+        .arg(&pth)
+        .output()
+        .expect("python runs");
+    assert!(
+        out.status.success(),
+        "torch.save failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tensors = checkpoint::read_tensors(&st).unwrap();
+    std::fs::remove_file(&st).unwrap();
+    (pth, tensors)
+}
+
+fn data(dir: &Path) -> PathBuf {
+    let root = dir.join("data");
+    generate(
+        &root,
+        &SyntheticConfig {
+            images: 40,
+            size: 48,
+            seed: 5,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    root
+}
+
+fn run_ranks(world: usize, args: &[&str]) -> Vec<Output> {
+    let port = free_port();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            let mut cmd = rank_command(EXE, rank, world, port);
+            cmd.args(args)
+                .args([
+                    "--threads",
+                    "1",
+                    "--workers",
+                    "1",
+                    "--collective-timeout",
+                    "30",
+                ])
+                .env("DDP_RDZV_TIMEOUT_S", "30")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    wait_all(children, Duration::from_secs(120))
+}
+
+fn assert_all_ok(outputs: &[Output]) {
+    for (r, o) in outputs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r} failed:\n{}", text(o));
+    }
+}
+
+/// One short epoch whose optimizer steps change no weight by more than [`UNMOVED`] (SGD at
+/// 1e-30, no decay or momentum): what it saves is what it started from, except BatchNorm's
+/// running statistics.
+fn args<'a>(data: &'a str, out: &'a str, epochs: &'a str) -> Vec<&'a str> {
+    vec![
+        "--data",
+        data,
+        "--epochs",
+        epochs,
+        "--max-steps-per-epoch",
+        "2",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "1e-30",
+        "--momentum",
+        "0",
+        "--weight-decay",
+        "0",
+        "--seed",
+        "3",
+        "--out",
+        out,
+    ]
+}
+
+/// How far SGD at 1e-30 may move a weight; seeds give weights that differ by far more.
+const UNMOVED: f64 = 1e-12;
+
+fn same_weights(a: &tch::Tensor, b: &tch::Tensor) -> bool {
+    a.size() == b.size() && (a - b).abs().max().double_value(&[]) <= UNMOVED
+}
+
+fn is_statistic(name: &str) -> bool {
+    name.ends_with("running_mean") || name.ends_with("running_var") || name.ends_with("tracked")
+}
+
+#[test]
+fn two_ranks_start_from_a_pytorch_pth_and_a_resume_takes_precedence() {
+    let tmp = common::temp_dir("ddp-train-init-from");
+    let dir = tmp.path();
+    let data = data(dir);
+    let data_s = data.to_str().unwrap();
+    // Saved from a DDP model, with weights the run's seed would not give.
+    let (pth, file) = pytorch_file(dir, "pretrained.pth", 8, 99, true);
+    let out = dir.join("run");
+    let out_s = out.to_str().unwrap();
+    let mut first = args(data_s, out_s, "1");
+    first.extend(["--init-from", pth.to_str().unwrap()]);
+    let outputs = run_ranks(2, &first);
+    assert_all_ok(&outputs);
+    let log = text(&outputs[0]);
+    assert!(
+        log.contains(&format!(
+            "initial weights from {}: loaded 26 tensors (names without their 'module.' prefix)",
+            pth.display()
+        )),
+        "{log}"
+    );
+
+    // Every weight of the saved model is the file's; the statistics moved.
+    let saved = checkpoint::read_tensors(out.join("checkpoints/epoch-0001.safetensors")).unwrap();
+    assert_eq!(saved.tensors.len(), 26);
+    let mut compared = 0;
+    for (name, t) in &file.tensors {
+        if is_statistic(name) {
+            continue;
+        }
+        assert!(
+            same_weights(t, &saved.tensors[name]),
+            "{name} is not the file's"
+        );
+        compared += 1;
+    }
+    assert_eq!(compared, 14);
+    let mean = "features.1.running_mean";
+    assert!(
+        !file.tensors[mean].equal(&saved.tensors[mean]),
+        "no step ran"
+    );
+
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["init_weights"]["loaded"], true, "{config}");
+    assert_eq!(config["init_weights"]["tensors_loaded"], 26);
+    assert_eq!(config["init_weights"]["file"], pth.to_str().unwrap());
+    assert_eq!(
+        config["settings"]["checkpoint"]["init_from"],
+        pth.to_str().unwrap()
+    );
+
+    // Continuing the run: the checkpoint wins, and the file (now unreadable) is not read.
+    std::fs::write(&pth, b"no longer weights").unwrap();
+    let mut resume = args(data_s, out_s, "2");
+    resume.extend(["--resume", "latest", "--init-from", pth.to_str().unwrap()]);
+    let outputs = run_ranks(2, &resume);
+    assert_all_ok(&outputs);
+    let log = text(&outputs[0]);
+    assert!(
+        log.contains(&format!(
+            "initial weights {} not loaded: resuming from",
+            pth.display()
+        )) && log.contains("takes precedence"),
+        "{log}"
+    );
+    assert!(!text(&outputs[1]).contains("initial weights"));
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["init_weights"]["loaded"], false, "{config}");
+}
+
+#[test]
+fn a_file_that_does_not_fit_fails_on_every_rank_and_partial_keeps_the_head() {
+    let tmp = common::temp_dir("ddp-train-init-partial");
+    let dir = tmp.path();
+    let data = data(dir);
+    let data_s = data.to_str().unwrap();
+    let (pth, file) = pytorch_file(dir, "imagenet-head.pth", 1000, 41, false);
+    let pth_s = pth.to_str().unwrap();
+
+    let out = dir.join("strict");
+    let mut strict = args(data_s, out.to_str().unwrap(), "1");
+    strict.extend(["--init-from", pth_s]);
+    let outputs = run_ranks(2, &strict);
+    for (r, o) in outputs.iter().enumerate() {
+        let t = text(o);
+        assert!(!o.status.success(), "rank {r} should have failed:\n{t}");
+        assert!(
+            t.contains(&format!("weights file '{pth_s}' does not fit the model"))
+                && t.contains("'classifier.3.weight' has shape [1000, 256] in the checkpoint"),
+            "rank {r}:\n{t}"
+        );
+        assert!(!t.contains("epoch 1/"), "rank {r} started training:\n{t}");
+    }
+
+    let out = dir.join("partial");
+    let mut partial = args(data_s, out.to_str().unwrap(), "1");
+    partial.extend(["--init-from", pth_s, "--init-partial"]);
+    let outputs = run_ranks(2, &partial);
+    assert_all_ok(&outputs);
+    let log = text(&outputs[0]);
+    assert!(
+        log.contains(
+            "loaded 24 tensors; kept the model's own values of 2 (another shape in the file: \
+             classifier.3.bias [1000] for [8], classifier.3.weight [1000, 256] for [8, 256])"
+        ),
+        "{log}"
+    );
+    let saved = checkpoint::read_tensors(out.join("checkpoints/epoch-0001.safetensors")).unwrap();
+    for (name, t) in &file.tensors {
+        if name.starts_with("classifier") {
+            assert_ne!(saved.tensors[name].size(), t.size(), "{name}");
+        } else if !is_statistic(name) {
+            assert!(
+                same_weights(t, &saved.tensors[name]),
+                "{name} is not the file's"
+            );
+        }
+    }
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        config["init_weights"]["mismatched"][1],
+        serde_json::json!({"name": "classifier.3.weight", "model": [8, 256], "file": [1000, 256]})
+    );
+}
