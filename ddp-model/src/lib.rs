@@ -1,10 +1,13 @@
-//! The ConvNet that `ddp-train` trains on ODIR-5K fundus photos, and its checkpoints.
+//! The models that `ddp-train` trains on ODIR-5K fundus photos, and their checkpoints.
 //!
 //! - [`ConvNet`]: four conv/BatchNorm/ReLU/max-pool blocks and a linear classifier, the
 //!   same function, tensor for tensor, as the PyTorch definition shown on its docs, with
 //!   PyTorch's state-dict names (`features.0.weight`, ..., `classifier.3.bias`).
 //! - [`norm::BatchNorm2d`]: PyTorch's `BatchNorm2d` (names, running statistics), switchable
 //!   to statistics over every rank (`SyncBatchNorm`) through a [`norm::StatsReducer`].
+//! - [`vision`]: torchvision's `resnet18`, `resnet34`, `resnet50` and `efficientnet_b0`, the
+//!   same functions with torchvision's state-dict names, so that its weights load by name.
+//! - [`Model`]: any of them, chosen by a [`ModelKind`] (`convnet`, `resnet50`, ...).
 //! - [`checkpoint`]: safetensors files that PyTorch reads with `safetensors.torch.load_file`
 //!   and `load_state_dict(strict=True)`, written atomically and loaded all-or-nothing.
 //!
@@ -37,7 +40,10 @@
 
 pub mod checkpoint;
 mod convnet;
+mod model;
 pub mod norm;
+pub mod vision;
 pub mod weights;
 
 pub use convnet::{ConvNet, ConvNetConfig, ODIR_CLASSES};
+pub use model::{Model, ModelKind, UnknownModel};

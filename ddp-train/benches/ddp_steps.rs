@@ -1,5 +1,5 @@
 //! Training throughput and DDP overhead: N data-parallel steps of the ConvNet (or, with
-//! `--model resnet50`, tch's ResNet-50) on the CPU, one process per rank, with the real
+//! `--model resnet50`, torchvision's ResNet-50 as ddp-model builds it) on the CPU, one process per rank, with the real
 //! `ProcessGroup` (CPU backend) and `DistributedDataParallel`, warm-up steps excluded.
 //!
 //! ```text
@@ -40,7 +40,7 @@
 //! the Trainer does; fp16 adds its `GradScaler`: scaled loss, backward, sync, unscale (timed
 //! with the optimizer), Adam unless a gradient is inf/NaN, scale update. PyTorch's side uses
 //! `torch.autocast` and `torch.amp.GradScaler`. `--model resnet50` trains
-//! `tch::vision::resnet::resnet50` with 8 outputs (PyTorch: `torchvision.models.resnet50`),
+//! `ddp_model::Model` of `ModelKind::Resnet50` with 8 outputs (PyTorch: `torchvision.models.resnet50`),
 //! same BCE-with-logits loss, on random tensors only (`--data` feeds the ConvNet only).
 //!
 //! With `--data`, one loader runs over this rank's shards of as many epochs as the steps
@@ -72,13 +72,13 @@ use tch::{nn, Device, Kind, Reduction, Tensor};
 /// Set in the environment of the rank processes this bench starts.
 const WORKER_ENV: &str = "DDP_STEPS_WORKER";
 
-/// The network trained: ODIR's ConvNet, or tch's ResNet-50 (8 outputs) as a compute-bound
+/// The network trained: ODIR's ConvNet, or torchvision's ResNet-50 (8 outputs) as a compute-bound
 /// model whose convolutions use the tensor cores in bf16/fp16.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Model {
     /// `ddp_model::ConvNet` with its default configuration.
     Convnet,
-    /// `tch::vision::resnet::resnet50` with 8 classes (random tensors only).
+    /// ddp-model's torchvision ResNet-50 with 8 classes (random tensors only).
     Resnet50,
 }
 
@@ -557,7 +557,12 @@ fn worker(args: &Args) -> Result<()> {
     let mut vs = nn::VarStore::new(Device::Cpu);
     let net: Box<dyn ModuleT> = match args.model {
         Model::Convnet => Box::new(ConvNet::new(&vs.root(), ConvNetConfig::default())),
-        Model::Resnet50 => Box::new(tch::vision::resnet::resnet50(&vs.root(), 8)),
+        Model::Resnet50 => Box::new(ddp_model::Model::new(
+            &vs.root(),
+            ddp_model::ModelKind::Resnet50,
+            8,
+            None,
+        )),
     };
     vs.set_device(device);
     let mut ddp = DistributedDataParallel::new(&vs, pg.clone(), DdpOptions::default())?;

@@ -10,7 +10,7 @@
 //!   exact distributed evaluation, `ReduceLROnPlateau`, best-model files, atomic checkpoints
 //!   and exact resume (also after a launcher's restart), and a run directory with
 //!   `metrics.jsonl`, `curves.png` and per-rank logs. [`Settings`] has defaults and a builder.
-//! - With the `odir` feature (default), [`odir::OdirTask`] is the ConvNet on ODIR-5K, and the
+//! - With the `odir` feature (default), [`odir::OdirTask`] is `--model` on ODIR-5K, and the
 //!   `ddp-train` binary (one rank) is its command line. Without default features the crate
 //!   compiles neither the image stack, nor clap, nor plotting (`plot` feature).
 //!
@@ -70,7 +70,8 @@ pub use gather::{gather_rows, Rows};
 pub use metrics::{Confusion, Goal, MultiClassStats, MultiLabelStats, RegressionStats};
 pub use report::{EpochReport, EvalReport};
 pub use settings::{
-    CheckpointSettings, DeviceChoice, EarlyStopping, Monitor, RuntimeSettings, Settings,
+    CheckpointSettings, DeviceChoice, EarlyStopping, FreezeSettings, Monitor, RuntimeSettings,
+    Settings,
 };
 pub use stop::{StopReason, EXIT_STOPPED, STOP_SIGNALS};
 pub use task::{Metrics, NoStats, Stats, Task};

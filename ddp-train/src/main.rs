@@ -1,5 +1,5 @@
-//! `ddp-train`: one rank of a data-parallel training of the ConvNet on ODIR-5K, the ODIR
-//! application of the generic Trainer; `ddp-train predict` and `ddp-train evaluate`, one rank
+//! `ddp-train`: one rank of a data-parallel training of a ConvNet, ResNet or EfficientNet on
+//! ODIR-5K, the ODIR application of the generic Trainer; `ddp-train predict` and `ddp-train evaluate`, one rank
 //! of a trained model's predictions for a folder, or of its challenge score on one.
 //!
 //! Start N of these with torchrun's environment (`ddp-run` and `cargo xtask train` do it, and

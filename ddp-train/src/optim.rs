@@ -118,7 +118,7 @@ impl Default for SgdConfig {
     }
 }
 
-/// SGD (with optional momentum) over a fixed, named list of parameters.
+/// SGD (with optional momentum) over a named list of parameters.
 #[derive(Debug)]
 pub struct Sgd {
     config: SgdConfig,
@@ -126,6 +126,8 @@ pub struct Sgd {
     /// One buffer per parameter once the first step has made it (momentum only).
     momentum: Vec<Option<Tensor>>,
     step: i64,
+    /// Steps in which each parameter had a gradient (a buffer exists once this is above 0).
+    param_steps: Vec<i64>,
 }
 
 impl Sgd {
@@ -134,10 +136,29 @@ impl Sgd {
         let momentum = params.iter().map(|_| None).collect();
         Self {
             config,
+            param_steps: vec![0; params.len()],
             params,
             momentum,
             step: 0,
         }
+    }
+
+    /// Optimizes `params` from now on: a parameter already optimized keeps its momentum
+    /// buffer and step count, a new one starts without, and the state of one left out is
+    /// dropped.
+    pub fn set_params(&mut self, params: Vec<(String, Tensor)>) {
+        let mut old: BTreeMap<String, (Option<Tensor>, i64)> = self
+            .params
+            .drain(..)
+            .zip(self.momentum.drain(..).zip(self.param_steps.drain(..)))
+            .map(|((name, _), state)| (name, state))
+            .collect();
+        for (name, _) in &params {
+            let (buffer, steps) = old.remove(name).unwrap_or((None, 0));
+            self.momentum.push(buffer);
+            self.param_steps.push(steps);
+        }
+        self.params = params;
     }
 
     /// One step from the parameters' current gradients; parameters without one are skipped.
@@ -154,6 +175,7 @@ impl Sgd {
                 if !grad.defined() {
                     continue;
                 }
+                self.param_steps[k] += 1;
                 let grad = with_weight_decay(grad, p, weight_decay);
                 let update = if momentum != 0.0 {
                     let buf = match self.momentum[k].take() {
@@ -175,28 +197,31 @@ impl Sgd {
         });
     }
 
-    /// The momentum buffers by name (`momentum_buffer.<param>`), for a checkpoint.
+    /// The momentum buffers by name (`momentum_buffer.<param>`) and each parameter's step
+    /// count (`step.<param>`, an int64 scalar), for a checkpoint.
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
-        self.params
-            .iter()
-            .zip(&self.momentum)
-            .filter_map(|((name, _), b)| {
-                b.as_ref()
-                    .map(|b| (format!("momentum_buffer.{name}"), b.shallow_clone()))
-            })
-            .collect()
+        let mut out = Vec::with_capacity(2 * self.params.len());
+        for (k, (name, _)) in self.params.iter().enumerate() {
+            if let Some(b) = &self.momentum[k] {
+                out.push((format!("momentum_buffer.{name}"), b.shallow_clone()));
+            }
+            out.push((format!("step.{name}"), Tensor::from(self.param_steps[k])));
+        }
+        out
     }
 
-    /// Restores buffers saved by [`Sgd::state_tensors`]; with momentum, every parameter's
-    /// buffer must be there once a step was taken. On any mismatch nothing is changed.
+    /// Restores buffers saved by [`Sgd::state_tensors`]; with momentum, the buffer of every
+    /// parameter that took a step must be there (checkpoints without per-parameter step
+    /// counts: every parameter took every step). On any mismatch nothing is changed.
     pub fn load_state(
         &mut self,
         tensors: &BTreeMap<String, Tensor>,
         step: i64,
     ) -> Result<(), OptimStateError> {
+        let param_steps = saved_param_steps(&self.params, tensors, step)?;
         let mut found = Vec::with_capacity(self.params.len());
-        for (name, p) in &self.params {
-            if self.config.momentum == 0.0 || step == 0 {
+        for ((name, p), &steps) in self.params.iter().zip(&param_steps) {
+            if self.config.momentum == 0.0 || steps == 0 {
                 found.push(None);
                 continue;
             }
@@ -205,8 +230,28 @@ impl Sgd {
         }
         self.momentum = found;
         self.step = step;
+        self.param_steps = param_steps;
         Ok(())
     }
+}
+
+/// Each parameter's step count saved as `step.<param>`; `step` (the optimizer's) for
+/// checkpoints written without them.
+fn saved_param_steps(
+    params: &[(String, Tensor)],
+    tensors: &BTreeMap<String, Tensor>,
+    step: i64,
+) -> Result<Vec<i64>, OptimStateError> {
+    params
+        .iter()
+        .map(|(name, _)| {
+            tensors.get(&format!("step.{name}")).map_or(Ok(step), |t| {
+                i64::try_from(t).map_err(|_| {
+                    OptimStateError::Missing(format!("step.{name} (not an integer scalar)"))
+                })
+            })
+        })
+        .collect()
 }
 
 /// The state tensor `key`, checked against its parameter and moved to its device and kind.
@@ -294,6 +339,26 @@ impl Optimizer {
             Self::Adam(o) => o.state_tensors(),
             Self::Sgd(o) => o.state_tensors(),
         }
+    }
+
+    /// Optimizes `params` from now on (PyTorch's `add_param_group` after unfreezing, or a
+    /// new optimizer over fewer): parameters already optimized keep their state, new ones
+    /// start with none (zero moments, no momentum buffer, no steps), and the state of those
+    /// left out is dropped. The learning rate and the step count stay.
+    pub fn set_params(&mut self, params: Vec<(String, Tensor)>) {
+        match self {
+            Self::Adam(o) => o.set_params(params),
+            Self::Sgd(o) => o.set_params(params),
+        }
+    }
+
+    /// The names of the parameters it optimizes, in its order.
+    pub fn param_names(&self) -> Vec<&str> {
+        let params = match self {
+            Self::Adam(o) => &o.params,
+            Self::Sgd(o) => &o.params,
+        };
+        params.iter().map(|(n, _)| n.as_str()).collect()
     }
 
     /// Restores the state tensors and step count of a checkpoint.
@@ -389,7 +454,7 @@ impl Default for AdamConfig {
     }
 }
 
-/// Adam over a fixed, named list of parameters.
+/// Adam over a named list of parameters.
 #[derive(Debug)]
 pub struct Adam {
     config: AdamConfig,
@@ -433,6 +498,27 @@ impl Adam {
             decoupled: true,
             ..Self::new(params, config)
         }
+    }
+
+    /// Optimizes `params` from now on: a parameter already optimized keeps its moments and
+    /// step count, a new one starts from zero moments and no steps, and the state of one
+    /// left out is dropped.
+    pub fn set_params(&mut self, params: Vec<(String, Tensor)>) {
+        let mut old: BTreeMap<String, (Tensor, Tensor, i64)> = BTreeMap::new();
+        let moments = self.exp_avg.drain(..).zip(self.exp_avg_sq.drain(..));
+        for (((name, _), (m, v)), t) in self.params.drain(..).zip(moments).zip(&self.param_steps) {
+            old.insert(name, (m, v, *t));
+        }
+        self.param_steps.clear();
+        for (name, p) in &params {
+            let (m, v, t) = old
+                .remove(name)
+                .unwrap_or_else(|| (p.zeros_like().detach(), p.zeros_like().detach(), 0));
+            self.exp_avg.push(m);
+            self.exp_avg_sq.push(v);
+            self.param_steps.push(t);
+        }
+        self.params = params;
     }
 
     /// The current learning rate.
@@ -531,17 +617,7 @@ impl Adam {
             }
         }
         // Checkpoints written before per-parameter counts: every parameter took every step.
-        let param_steps: Vec<i64> = self
-            .params
-            .iter()
-            .map(|(name, _)| {
-                tensors.get(&format!("step.{name}")).map_or(Ok(step), |t| {
-                    i64::try_from(t).map_err(|_| {
-                        OptimStateError::Missing(format!("step.{name} (not an integer scalar)"))
-                    })
-                })
-            })
-            .collect::<Result<_, _>>()?;
+        let param_steps = saved_param_steps(&self.params, tensors, step)?;
         let mut it = found.into_iter();
         for k in 0..self.params.len() {
             self.exp_avg[k] = it.next().unwrap_or_default();
@@ -788,8 +864,8 @@ mod tests {
             .collect();
         assert_eq!(
             saved.keys().collect::<Vec<_>>(),
-            ["momentum_buffer.w"],
-            "one buffer per parameter"
+            ["momentum_buffer.w", "step.w"],
+            "one buffer and one step count per parameter"
         );
         let copy_vs = nn::VarStore::new(Device::Cpu);
         let w2 = copy_vs.root().var_copy("w", &w);
@@ -808,5 +884,76 @@ mod tests {
             restored.load_state(&BTreeMap::new(), 3).unwrap_err(),
             OptimStateError::Missing("momentum_buffer.w".into())
         );
+    }
+
+    /// A parameter added later starts with no state and is stepped from then on; one kept
+    /// keeps its state; one dropped loses it. With SGD's momentum, a parameter that never
+    /// stepped needs no buffer to resume.
+    #[test]
+    fn set_params_keeps_old_state_and_starts_new_parameters_fresh() {
+        for config in [
+            OptimizerConfig::Adam(AdamConfig::default()),
+            OptimizerConfig::Sgd(SgdConfig {
+                momentum: 0.9,
+                ..Default::default()
+            }),
+        ] {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let a = vs.root().var_copy("a", &Tensor::from_slice(&[1.0f32, 2.0]));
+            let b = vs.root().var_copy("b", &Tensor::from_slice(&[3.0f32]));
+            let mut opt = Optimizer::new(vec![("a".into(), a.shallow_clone())], config);
+            let step = |opt: &mut Optimizer| {
+                opt.zero_grad();
+                (a.sum(Kind::Float) + b.sum(Kind::Float) * 2.0).backward();
+                opt.step();
+            };
+            step(&mut opt);
+            let b0 = b.copy();
+            assert!(b.equal(&b0), "b is not optimized yet");
+            let state_a: BTreeMap<String, Tensor> = opt.state_tensors().into_iter().collect();
+            assert!(
+                !state_a.keys().any(|k| k.ends_with(".b")),
+                "{:?}",
+                state_a.keys()
+            );
+            // Restoring a state without b's buffer works while b took no step.
+            let mut resumed = Optimizer::new(
+                vec![
+                    ("a".into(), a.shallow_clone()),
+                    ("b".into(), b.shallow_clone()),
+                ],
+                config,
+            );
+            let mut with_b: BTreeMap<String, Tensor> =
+                state_a.iter().map(|(n, t)| (n.clone(), t.copy())).collect();
+            if matches!(config, OptimizerConfig::Adam(_)) {
+                with_b.insert(
+                    "exp_avg.b".into(),
+                    Tensor::zeros([1], (Kind::Float, Device::Cpu)),
+                );
+                with_b.insert(
+                    "exp_avg_sq.b".into(),
+                    Tensor::zeros([1], (Kind::Float, Device::Cpu)),
+                );
+            }
+            with_b.insert("step.b".into(), Tensor::from(0i64));
+            resumed.load_state(&with_b, 1).unwrap();
+            opt.set_params(vec![
+                ("a".into(), a.shallow_clone()),
+                ("b".into(), b.shallow_clone()),
+            ]);
+            assert_eq!(opt.param_names(), ["a", "b"]);
+            let saved: BTreeMap<String, Tensor> = opt.state_tensors().into_iter().collect();
+            assert_eq!(saved["step.a"].int64_value(&[]), 1);
+            assert_eq!(saved["step.b"].int64_value(&[]), 0);
+            step(&mut opt);
+            assert!(!b.equal(&b0), "b is optimized once added");
+            let saved: BTreeMap<String, Tensor> = opt.state_tensors().into_iter().collect();
+            assert_eq!(saved["step.a"].int64_value(&[]), 2);
+            assert_eq!(saved["step.b"].int64_value(&[]), 1);
+            assert_eq!(opt.steps(), 2);
+            opt.set_params(vec![("b".into(), b.shallow_clone())]);
+            assert!(opt.state_tensors().iter().all(|(n, _)| n.ends_with(".b")));
+        }
     }
 }

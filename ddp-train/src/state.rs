@@ -135,6 +135,10 @@ pub struct TrainState {
     /// `None` in checkpoints written before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<Plan>,
+    /// The parameters that were frozen ([`crate::FreezeSettings`]) when the checkpoint was
+    /// written, which the optimizer's state leaves out; empty when none was.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub frozen: Vec<String>,
     /// The settings the run was started with, as JSON.
     pub config: serde_json::Value,
 }
@@ -673,6 +677,7 @@ mod tests {
             seed: 0,
             allocation: None,
             plan: None,
+            frozen: Vec::new(),
             config: serde_json::Value::Null,
         };
         assert_eq!(stem_of(&st), "epoch-0001");
@@ -709,6 +714,7 @@ mod tests {
             seed: 0,
             allocation: None,
             plan: None,
+            frozen: Vec::new(),
             config: serde_json::Value::Null,
         }
     }

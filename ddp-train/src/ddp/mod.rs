@@ -234,12 +234,13 @@ impl DistributedDataParallel {
         pg: Arc<ProcessGroup>,
         options: DdpOptions,
     ) -> Result<Self, DdpError> {
-        let (params, buffers) = split_named(vs);
-        verify_same_model(&pg, &params, &buffers)?;
+        let (params, frozen, buffers) = split_named(vs);
+        verify_same_model(&pg, &params, &frozen, &buffers)?;
 
         // Initial broadcast of everything, one bucket per dtype, no size cap.
         let everything: Vec<(String, Tensor)> = params
             .iter()
+            .chain(frozen.iter())
             .chain(buffers.iter())
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect();
@@ -293,9 +294,29 @@ impl DistributedDataParallel {
         &self.params
     }
 
-    /// Buffers (non-trainable tensors) in DDP order.
+    /// Buffers (the store's tensors that are not parameters, such as BatchNorm statistics)
+    /// in DDP order. Frozen parameters (variables created trainable whose `requires_grad` is
+    /// off) are neither parameters nor buffers here: broadcast once by
+    /// [`DistributedDataParallel::new`], never bucketed, never broadcast again (PyTorch's
+    /// DDP skips parameters without `requires_grad`).
     pub fn buffers(&self) -> &[(String, Tensor)] {
         &self.buffers
+    }
+
+    /// Wraps the store again after parameters were frozen or unfrozen (as a PyTorch user
+    /// wraps the model in a new `DistributedDataParallel`): unhooks the current parameters,
+    /// then does what [`DistributedDataParallel::new`] does with the same options and
+    /// communication hook. Every rank must call this at the same point.
+    pub fn rebuild(&mut self, vs: &VarStore) -> Result<(), DdpError> {
+        for (_, p) in self.params.drain(..) {
+            let _ = tch_ext::clear_post_accumulate_grad_hook(&p);
+        }
+        let hook = lock(&self.reducer).hook.clone();
+        let fresh = Self::new(vs, self.pg.clone(), self.options)?;
+        lock(&fresh.reducer).hook = hook;
+        // The old value's drop finds no parameter to unhook.
+        *self = fresh;
+        Ok(())
     }
 
     /// The sizes in bytes of the gradient buckets, in reduction order.
@@ -373,11 +394,23 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Splits the store into (trainable parameters, buffers), each in DDP order.
-fn split_named(vs: &VarStore) -> (Named, Named) {
+/// Splits the store into (parameters that train, frozen parameters, buffers), each in DDP
+/// order. A frozen parameter is a variable the store holds as trainable (created with
+/// `var`) whose `requires_grad` is off.
+fn split_named(vs: &VarStore) -> (Named, Named, Named) {
     let mut all: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     all.sort_by(|a, b| natural_cmp(&a.0, &b.0));
-    all.into_iter().partition(|(_, t)| t.requires_grad())
+    let declared: std::collections::HashSet<usize> = vs
+        .trainable_variables()
+        .iter()
+        .filter(|t| t.numel() > 0)
+        .map(|t| t.data_ptr() as usize)
+        .collect();
+    let (params, rest): (Named, Named) = all.into_iter().partition(|(_, t)| t.requires_grad());
+    let (frozen, buffers) = rest
+        .into_iter()
+        .partition(|(_, t)| t.numel() > 0 && declared.contains(&(t.data_ptr() as usize)));
+    (params, frozen, buffers)
 }
 
 fn describe(kind: &str, named: &[(String, Tensor)]) -> Vec<String> {
@@ -390,9 +423,11 @@ fn describe(kind: &str, named: &[(String, Tensor)]) -> Vec<String> {
 fn verify_same_model(
     pg: &ProcessGroup,
     params: &[(String, Tensor)],
+    frozen: &[(String, Tensor)],
     buffers: &[(String, Tensor)],
 ) -> Result<(), DdpError> {
     let mut mine = describe("parameter", params);
+    mine.extend(describe("frozen parameter", frozen));
     mine.extend(describe("buffer", buffers));
     let gathered = pg.all_gather_bytes(mine.join("\n").as_bytes())?;
     let reference: Vec<&str> = std::str::from_utf8(&gathered[0])
@@ -442,6 +477,60 @@ fn broadcast_tensors(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A frozen parameter is neither bucketed nor broadcast with the buffers.
+    #[test]
+    fn frozen_parameters_are_neither_parameters_nor_buffers() {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let root = vs.root();
+        let _a = root.var("a", &[2], tch::nn::Init::Const(1.0));
+        let b = root.var("b", &[3], tch::nn::Init::Const(1.0));
+        let _ = b.set_requires_grad(false);
+        let _c = root.zeros_no_train("c", &[4]);
+        let names = |v: &Named| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+        let (params, frozen, buffers) = split_named(&vs);
+        assert_eq!(
+            (names(&params), names(&frozen), names(&buffers)),
+            (vec!["a".into()], vec!["b".into()], vec!["c".to_string()])
+        );
+    }
+
+    /// After a parameter is unfrozen, `rebuild` buckets and hooks it, once: a step's
+    /// backward reduces every gradient without a second hook firing.
+    #[test]
+    fn rebuild_takes_an_unfrozen_parameter_in() {
+        let pg = Arc::new(
+            ProcessGroup::new(ddp_comm::Options::new(
+                0,
+                1,
+                "127.0.0.1",
+                ddp_testkit::free_port(),
+            ))
+            .unwrap(),
+        );
+        let vs = VarStore::new(tch::Device::Cpu);
+        let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+        let b = vs.root().var("b", &[3], tch::nn::Init::Const(1.0));
+        let _ = b.set_requires_grad(false);
+        let mut ddp = DistributedDataParallel::new(&vs, pg, DdpOptions::default()).unwrap();
+        assert_eq!(ddp.bucket_parameters(), [vec!["a".to_string()]]);
+        let _ = b.set_requires_grad(true);
+        ddp.rebuild(&vs).unwrap();
+        assert_eq!(ddp.parameters().len(), 2);
+        assert_eq!(
+            ddp.bucket_parameters(),
+            [vec!["b".to_string(), "a".to_string()]]
+        );
+        for _ in 0..2 {
+            for (_, p) in ddp.parameters() {
+                tch_ext::set_grad(p, None).unwrap();
+            }
+            (a.sum(tch::Kind::Float) * 2.0 + b.sum(tch::Kind::Float) * 3.0).backward();
+            ddp.sync_gradients().unwrap();
+            assert_eq!(Vec::<f32>::try_from(&b.grad()).unwrap(), [3.0; 3]);
+            assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
+        }
+    }
 
     #[test]
     fn natural_order_compares_numbers_as_numbers() {

@@ -8,6 +8,8 @@ use std::path::PathBuf;
 use clap::{Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
+use ddp_model::ModelKind;
+
 use super::challenge::EyeCombine;
 use super::options::{Normalize, PosWeight};
 use crate::cli::{Defaults, TrainArgs};
@@ -54,7 +56,7 @@ pub enum Labels {
     Patient,
 }
 
-/// One rank of a data-parallel training of the ConvNet on ODIR-5K.
+/// One rank of a data-parallel training of a ConvNet, ResNet or EfficientNet on ODIR-5K.
 ///
 /// The rank, world size and rendezvous address come from torchrun's environment (`RANK`,
 /// `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), or SLURM's;
@@ -142,9 +144,19 @@ pub struct TrainConfig {
     #[serde(default)]
     pub pos_weight: Option<PosWeight>,
 
-    /// Dropout probability before the classifier.
-    #[arg(long, default_value_t = 0.5)]
-    pub dropout: f64,
+    /// The model: convnet (the small ConvNet, from scratch), or torchvision's resnet18,
+    /// resnet34, resnet50 or efficientnet_b0, with torchvision's parameter names (so a
+    /// torchvision state_dict loads by name).
+    #[arg(long, value_name = "MODEL", default_value_t = ModelKind::Convnet)]
+    #[serde(default)]
+    pub model: ModelKind,
+
+    /// Dropout probability before the classifier: the ConvNet's (default 0.5) or
+    /// EfficientNet's `classifier.0` (default torchvision's 0.2); the ResNets have none and
+    /// ignore it.
+    #[arg(long)]
+    #[serde(default)]
+    pub dropout: Option<f64>,
 
     /// Let a JPEG be decoded at 1/2, 1/4 or 1/8 scale when the crop then needs enlarging by
     /// at most this factor (1: never enlarge, the exact torchvision result; 2: about what
@@ -178,7 +190,7 @@ impl TrainConfig {
     /// Checks the settings that can be checked without data or peers.
     pub fn validate(&self) -> Result<(), TrainError> {
         let invalid = |m: String| Err(TrainError::Invalid(m));
-        let min = ddp_model::ConvNet::MIN_IMAGE_SIZE as u32;
+        let min = self.model.min_image_size() as u32;
         if self.image_size < min {
             return invalid(format!(
                 "--image-size {} is too small: the ConvNet's four 2x poolings need at least {min}",
@@ -213,8 +225,8 @@ impl TrainConfig {
                 self.image_size
             ));
         }
-        if !(0.0..1.0).contains(&self.dropout) {
-            return invalid(format!("--dropout {} must be in [0, 1)", self.dropout));
+        if let Some(d) = self.dropout.filter(|d| !(0.0..1.0).contains(d)) {
+            return invalid(format!("--dropout {d} must be in [0, 1)"));
         }
         if !(self.min_crop_scale > 0.0 && self.min_crop_scale <= 1.0) {
             return invalid(format!(

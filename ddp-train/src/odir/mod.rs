@@ -1,6 +1,6 @@
-//! The ODIR-5K application of the generic Trainer (feature `odir`): [`OdirTask`], the ConvNet
-//! on ODIR-5K fundus photos (8-label BCE-with-logits, exact per-class, macro and micro F1, and
-//! the challenge's patient-level score in [`OdirStats`], [`challenge`]), and
+//! The ODIR-5K application of the generic Trainer (feature `odir`): [`OdirTask`], the
+//! `--model` (ConvNet, ResNet, EfficientNet) on ODIR-5K fundus photos (8-label
+//! BCE-with-logits, exact per-class, macro and micro F1, and the challenge's patient-level score in [`OdirStats`], [`challenge`]), and
 //! [`TrainConfig`], the `ddp-train` command line that becomes the Trainer's settings and the
 //! task's options; `ddp-train predict` and `evaluate` ([`OdirCommand`]), a trained model on
 //! a folder. The `ddp-train` binary (`src/main.rs`) is one rank of it.

@@ -169,7 +169,7 @@ fn run_batches(
     images: &OdirImages,
     indices: Vec<usize>,
     device: Device,
-    model: &ddp_model::ConvNet,
+    model: &ddp_model::Model,
     stats: &mut OdirStats,
     env: &EnvConfig,
 ) -> Result<(), TrainError> {

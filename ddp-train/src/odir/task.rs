@@ -1,4 +1,4 @@
-//! [`OdirTask`]: the ConvNet on ODIR-5K, 8-label BCE-with-logits, and exact per-class, macro
+//! [`OdirTask`]: the model of `--model` on ODIR-5K, 8-label BCE-with-logits, and exact per-class, macro
 //! and micro F1.
 
 use std::path::Path;
@@ -7,7 +7,7 @@ use std::sync::Arc;
 use ddp_data::odir::transform::{Augment, Transform};
 use ddp_data::odir::{split_by_patient, LabelMode, OdirDataset, OdirImages, OdirOptions};
 use ddp_data::{Batch, Subset};
-use ddp_model::{ConvNet, ConvNetConfig, ODIR_CLASSES};
+use ddp_model::{Model, ODIR_CLASSES};
 use serde_json::Value;
 use tch::{nn, Reduction, Tensor};
 
@@ -18,7 +18,7 @@ use super::stats::{OdirStats, Patients};
 use crate::error::{Context, TrainError};
 use crate::task::Task;
 
-/// Fundus photos to 8 multi-label classes (N D G C A H M O) with the ConvNet.
+/// Fundus photos to 8 multi-label classes (N D G C A H M O) with the model of `--model`.
 #[derive(Debug, Clone)]
 pub struct OdirTask {
     train: Subset<OdirImages>,
@@ -32,16 +32,10 @@ pub struct OdirTask {
     config: Value,
 }
 
-/// The ODIR application's model, built under `root`: the one place `ddp-train` (training,
+/// The ODIR application's model (`--model`, 8 outputs), built under `root`: the one place `ddp-train` (training,
 /// `predict`, `evaluate`) constructs it.
-pub fn odir_model(root: &nn::Path, c: &TrainConfig) -> ConvNet {
-    ConvNet::new(
-        root,
-        ConvNetConfig {
-            num_classes: ODIR_CLASSES.len() as i64,
-            dropout: c.dropout,
-        },
-    )
+pub fn odir_model(root: &nn::Path, c: &TrainConfig) -> Model {
+    Model::new(root, c.model, ODIR_CLASSES.len() as i64, c.dropout)
 }
 
 impl OdirTask {
@@ -131,11 +125,11 @@ impl OdirTask {
 }
 
 impl Task for OdirTask {
-    type Model = ConvNet;
+    type Model = Model;
     type Data = Subset<OdirImages>;
     type Stats = OdirStats;
 
-    fn model(&self, root: &nn::Path) -> ConvNet {
+    fn model(&self, root: &nn::Path) -> Model {
         odir_model(root, &self.options)
     }
 
@@ -147,7 +141,7 @@ impl Task for OdirTask {
         Some(self.val.clone())
     }
 
-    fn train_loss(&self, model: &ConvNet, batch: &Batch) -> Tensor {
+    fn train_loss(&self, model: &Model, batch: &Batch) -> Tensor {
         model
             .forward_t(batch.inputs(), true)
             .binary_cross_entropy_with_logits::<Tensor>(
@@ -166,7 +160,7 @@ impl Task for OdirTask {
         )
     }
 
-    fn eval_batch(&self, model: &ConvNet, batch: &Batch, stats: &mut OdirStats) -> Tensor {
+    fn eval_batch(&self, model: &Model, batch: &Batch, stats: &mut OdirStats) -> Tensor {
         let logits = model.forward_t(batch.inputs(), false);
         stats.add(&logits, batch);
         // Each sample's loss is the mean over its classes.

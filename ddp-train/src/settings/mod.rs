@@ -38,11 +38,14 @@ macro_rules! builder {
 mod checkpoint;
 #[cfg(feature = "cli")]
 mod flags;
+mod freeze;
 mod runtime;
 
 pub use checkpoint::CheckpointSettings;
 #[cfg(feature = "cli")]
 pub use flags::parse_duration_secs;
+pub(crate) use freeze::prefix_matches;
+pub use freeze::FreezeSettings;
 pub use runtime::{DeviceChoice, RuntimeSettings};
 
 /// A metric whose best epoch's model rank 0 keeps in the run directory (PyTorch Lightning's
@@ -269,6 +272,9 @@ pub struct Settings {
     /// When to checkpoint and what to start from.
     #[cfg_attr(feature = "cli", command(flatten, next_help_heading = "Checkpoints"))]
     pub checkpoint: CheckpointSettings,
+    /// Parameters that do not train until an epoch (`--freeze`, `--unfreeze-at`).
+    #[cfg_attr(feature = "cli", command(flatten, next_help_heading = "Fine-tuning"))]
+    pub freeze: FreezeSettings,
     /// Take BatchNorm's training statistics over every rank's batch (PyTorch's
     /// `SyncBatchNorm.convert_sync_batchnorm`, Lightning's `sync_batchnorm=True`): every
     /// [`ddp_model::norm::BatchNorm2d`] the task's model builds is switched; a model without
@@ -307,6 +313,7 @@ impl Default for Settings {
             early_stopping: EarlyStopping::default(),
             monitors: Vec::new(),
             checkpoint: CheckpointSettings::default(),
+            freeze: FreezeSettings::default(),
             sync_batchnorm: false,
             ddp: DdpOptions::default(),
             runtime: RuntimeSettings::default(),
@@ -328,6 +335,7 @@ builder!(Settings {
     early_stopping: EarlyStopping,
     monitors: Vec<Monitor>,
     checkpoint: CheckpointSettings,
+    freeze: FreezeSettings,
     sync_batchnorm: bool,
     ddp: DdpOptions,
     runtime: RuntimeSettings,
@@ -385,6 +393,7 @@ impl Settings {
             ));
         }
         self.check_checkpoints()?;
+        self.freeze.validate()?;
         if self.runtime.time_limit_secs == Some(0) {
             return Err(SettingError::new(
                 "runtime.time_limit_secs",

@@ -120,6 +120,7 @@ impl<T: Task> Trainer<T> {
             seed: self.settings.seed,
             allocation: Some(self.allocation),
             plan: Some(self.plan),
+            frozen: self.frozen.clone(),
             config: serde_json::json!({
                 "settings": self.settings,
                 "task": self.task.describe(),

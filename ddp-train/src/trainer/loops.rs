@@ -53,6 +53,7 @@ impl<T: Task> Trainer<T> {
         };
         let mut all = Vec::new();
         for epoch in self.start_epoch..=self.settings.epochs {
+            self.freeze_for_epoch(epoch)?;
             let lr_at_start = self.optimizer.lr();
             let resumed = self.start_position.take().filter(|(p, _)| p.epoch == epoch);
             let trained = self.train_epoch(epoch, resumed, signals.as_ref())?;

@@ -27,6 +27,7 @@ use crate::task::Task;
 // - `loops.rs`: `Trainer::run`, the epoch loop, one epoch's training steps, the loaders;
 // - `checkpoint.rs`: the ranks' agreement before each step to stop or checkpoint, and the
 //   run's state that a checkpoint holds;
+// - `freeze.rs`: frozen parameters and the epoch they unfreeze at;
 // - `eval.rs`: `Trainer::evaluate` and each epoch's exact distributed evaluation;
 // - `outputs.rs`: what goes into the run directory: rank 0's end of an epoch
 //   (`metrics.jsonl`, `curves.png`, best-model files, checkpoint) and every rank's log;
@@ -35,6 +36,7 @@ use crate::task::Task;
 mod checkpoint;
 mod eval;
 mod faults;
+mod freeze;
 mod loops;
 mod outputs;
 mod progress;
@@ -69,6 +71,10 @@ pub struct Trainer<T: Task> {
     /// step.
     sync_bn: Option<Arc<crate::functional::GroupReducer>>,
     optimizer: Optimizer,
+    /// The model's parameters (what requires a gradient when built), in DDP order.
+    parameters: Vec<String>,
+    /// Those of them frozen now (`Settings::freeze`), in the same order.
+    frozen: Vec<String>,
     /// Whether a launcher restarted this job (torchrun's restart count above 0).
     restarted: bool,
     /// fp16's loss scaler (`None` in other precisions).

@@ -16,6 +16,7 @@ use ddp_model::weights::{self, Strictness};
 use ddp_sampler::{DistributedSampler, Partition};
 use tch::{nn, Device, Tensor};
 
+use super::freeze;
 use super::outputs::{read_history, write_file, RankLog};
 use super::Trainer;
 use crate::allocation::{self, Allocation, EpochRest, Plan, Saved};
@@ -97,6 +98,12 @@ impl<T: Task> Trainer<T> {
             return Err(no_batchnorm_to_synchronise(&vs).into());
         }
         let (init_note, init_record) = init_weights(&vs, s, resume_from.as_deref())?;
+        let parameters = freeze::declared_parameters(&vs);
+        let mut frozen = freeze::freezable(&parameters, &s.freeze)?;
+        if !s.freeze.frozen_in(1) || s.checkpoint.eval_only {
+            frozen.clear();
+        }
+        freeze::set_frozen(&vs, &parameters, &frozen);
         let mut scheduler = match &s.lr_schedule {
             LrSchedule::Plateau(p) => Some(ReduceLrOnPlateau::new(p.config)),
             _ => None,
@@ -134,12 +141,20 @@ impl<T: Task> Trainer<T> {
             }
             let mut first_error = None;
             for path in candidates {
-                // Loaded on the CPU first, then moved with the model to the rank's device.
-                let mut cpu_optimizer = Optimizer::new(trainable(&vs), s.optimizer);
-                match state::load(&path, &vs, &mut cpu_optimizer) {
-                    Ok(st) => {
+                // Loaded on the CPU first, then moved with the model to the rank's device;
+                // the optimizer over the parameters that were not frozen then.
+                let attempt = state::read(&path).and_then(|saved| {
+                    let was_frozen = freeze::recorded(&parameters, &saved.state.frozen, &path)?;
+                    freeze::set_frozen(&vs, &parameters, &was_frozen);
+                    let mut cpu_optimizer = Optimizer::new(trainable(&vs), s.optimizer);
+                    let st = saved.restore(&vs, &mut cpu_optimizer)?;
+                    Ok((st, cpu_optimizer, was_frozen))
+                });
+                match attempt {
+                    Ok((st, cpu_optimizer, was_frozen)) => {
                         resume_key = state::resume_key(&path, Some(&st));
                         restored = Some((st, path, cpu_optimizer));
+                        frozen = was_frozen;
                         break;
                     }
                     Err(e) => {
@@ -251,6 +266,18 @@ impl<T: Task> Trainer<T> {
         for warning in &fallback_warnings {
             log.warn(warning);
         }
+        if rank == 0 && !frozen.is_empty() {
+            let until = s.freeze.unfreeze_at.map_or_else(
+                || "for the whole run".to_string(),
+                |e| format!("until epoch {e}"),
+            );
+            log.say(&format!(
+                "frozen: {} of the model's {} parameters ({}) {until}",
+                frozen.len(),
+                parameters.len(),
+                s.freeze.prefixes.join(", ")
+            ));
+        }
         if let Some(note) = resumed_note {
             log.say(&note);
         }
@@ -298,6 +325,8 @@ impl<T: Task> Trainer<T> {
             ddp,
             sync_bn,
             optimizer,
+            parameters,
+            frozen,
             restarted: env.restart_count > 0,
             scaler,
             early,
@@ -526,8 +555,8 @@ fn describe_change(
     line
 }
 
-/// The trainable tensors in the order every rank agrees on.
-fn trainable(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+/// The tensors that train (require a gradient), in the order every rank agrees on.
+pub(super) fn trainable(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
     let mut v: Vec<(String, Tensor)> = vs
         .variables()
         .into_iter()

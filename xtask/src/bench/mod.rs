@@ -9,6 +9,7 @@
 //! | `comm`    | `ddp-comm/benches/collectives.rs` (2 ranks, shm and TCP) | `ddp-comm/benches/reference_gloo.py` |
 //! | `ddp`     | `ddp-train/benches/ddp_steps.rs` (2 ranks)   | (PyTorch overlaps it with backward)       |
 //! | `train`   | `ddp-train/benches/ddp_steps.rs`             | `ddp-train/benches/reference_ddp.py`      |
+//! | `resnet`  | `ddp_steps.rs --model resnet50` (batch 8, 224 px) | `reference_ddp.py --model resnet50` (torchvision) |
 //! | `overlap` | `ddp-train/benches/overlap.rs` (2 ranks, shm, TCP, TCP capped by `tc`) | `ddp-train/benches/reference_overlap.py` |
 //!
 //! xtask does not link libtorch: it builds each bench with `cargo bench --no-run`, runs the
@@ -36,7 +37,7 @@
 //! lines and back; `page.rs` renders `BENCHMARKS.md`; `runner.rs` builds and runs benches,
 //! Python and ranks; `parse.rs` reads what they print; `targets.rs` holds every pass/fail
 //! target; the groups are `sampler.rs`, `data.rs` (+ `loader.rs`), `comm.rs`, `train.rs`
-//! (`train` and `ddp`) and `overlap.rs` (+ `netcap.rs`, the loopback cap).
+//! (`train` and `ddp`), `resnet.rs` and `overlap.rs` (+ `netcap.rs`, the loopback cap).
 
 mod comm;
 mod data;
@@ -46,6 +47,7 @@ mod overlap;
 mod page;
 mod parse;
 mod report;
+mod resnet;
 mod results;
 mod runner;
 mod sampler;
@@ -148,6 +150,7 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
             Group::Comm => comm::comm(&ctx),
             Group::Ddp => train::ddp_only(&ctx),
             Group::Train => train::train(&ctx, groups.contains(&Group::Ddp)),
+            Group::Resnet => resnet::resnet(&ctx),
             Group::Overlap => overlap::overlap(&ctx),
         };
         let new_rows = match result {

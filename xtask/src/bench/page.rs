@@ -196,7 +196,7 @@ mod tests {
         let mut results = sample();
         assert_eq!(
             incomplete(&results).as_deref(),
-            Some("it did not run data, comm, train, overlap")
+            Some("it did not run data, comm, train, resnet, overlap")
         );
         results.start.groups = Group::ALL.to_vec();
         assert_eq!(incomplete(&results), None);

@@ -18,6 +18,9 @@ pub enum Group {
     Ddp,
     /// End-to-end training images/s, 1 and 2 ranks, random tensors and JPEGs, vs PyTorch DDP.
     Train,
+    /// Training steps/s of torchvision's ResNet-50, batch 8 of 224 px, 1 and 2 ranks, vs
+    /// PyTorch DDP.
+    Resnet,
     /// DDP steps of a communication-heavy MLP, 2 ranks: the all-reduce overlapped with
     /// backward, after it, bf16-compressed; shared memory, TCP, and TCP capped at 1 Gbit/s
     /// with `tc` (needs root); vs PyTorch DDP.
@@ -26,12 +29,13 @@ pub enum Group {
 
 impl Group {
     /// Every group, in the order a full run runs them.
-    pub(super) const ALL: [Group; 6] = [
+    pub(super) const ALL: [Group; 7] = [
         Group::Sampler,
         Group::Data,
         Group::Comm,
         Group::Ddp,
         Group::Train,
+        Group::Resnet,
         Group::Overlap,
     ];
 
@@ -48,6 +52,7 @@ impl Group {
             Group::Comm => "comm",
             Group::Ddp => "ddp",
             Group::Train => "train",
+            Group::Resnet => "resnet",
             Group::Overlap => "overlap",
         }
     }

@@ -42,6 +42,7 @@ const RANK_BINARIES: &[(&str, &str)] = &[
     ("ddp-train", "equivalence"),
     ("ddp-train", "errors"),
     ("ddp-train", "example"),
+    ("ddp-train", "freeze"),
     ("ddp-train", "init_weights"),
     ("ddp-train", "pytorch"),
     ("ddp-train", "self_launch"),
