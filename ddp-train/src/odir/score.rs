@@ -10,7 +10,7 @@ use std::time::Duration;
 use ddp_comm::{EnvConfig, ProcessGroup, ReduceOp};
 use ddp_data::odir::{OdirDataset, OdirImages};
 use ddp_data::{Dataset, Loader, LoaderConfig};
-use ddp_model::checkpoint;
+use ddp_model::weights::{self, Strictness};
 use tch::{nn, Device, Kind, Tensor};
 
 use super::cli::TrainConfig;
@@ -20,9 +20,11 @@ use crate::error::{Context, TrainError};
 use crate::task::Stats;
 
 /// Reads the model's weights from `path` into `vs` (on the CPU): a model file of ours
-/// (`best-*.safetensors`, a `checkpoints/epoch-*.safetensors` of a run, or PyTorch's
-/// `safetensors.torch.save_file` of the same model), or a run directory, whose latest
-/// checkpoint is read. Every name, shape and dtype is checked before anything is loaded.
+/// (`best-*.safetensors`, a `checkpoints/epoch-*.safetensors` of a run), PyTorch's
+/// `torch.save(model.state_dict())` or `safetensors.torch.save_file` of the same model (a
+/// DDP `module.` prefix is stripped), or a run directory, whose latest checkpoint is read.
+/// Every name and shape is checked before anything is loaded (strictly, as
+/// `--init-from`).
 pub fn load_checkpoint(vs: &nn::VarStore, path: &Path) -> Result<(), TrainError> {
     let file = if path.is_dir() {
         crate::state::resolve("latest", Some(path))?
@@ -34,7 +36,7 @@ pub fn load_checkpoint(vs: &nn::VarStore, path: &Path) -> Result<(), TrainError>
             path.display()
         )));
     };
-    checkpoint::load(vs, &file)?;
+    weights::load(vs, &file, Strictness::Strict)?;
     Ok(())
 }
 

@@ -48,6 +48,7 @@ const RANK_BINARIES: &[(&str, &str)] = &[
     ("ddp-train", "self_launch"),
     ("ddp-train", "trainer"),
     ("xtask", "chaos"),
+    ("xtask", "fine_tune"),
     ("xtask", "launcher"),
 ];
 
