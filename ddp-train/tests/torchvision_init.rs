@@ -103,8 +103,8 @@ fn logits_after_init(file: PathBuf, out: &Path, x: &Tensor) -> Tensor {
 fn a_torchvision_resnet18_saved_by_torch_save_gives_torchvision_logits_through_init_from() {
     let tmp = common::temp_dir("ddp-train-torchvision-init");
     torchvision_files(tmp.path());
-    let reference = ddp_model::checkpoint::read_tensors(tmp.path().join("reference.safetensors"))
-        .unwrap();
+    let reference =
+        ddp_model::checkpoint::read_tensors(tmp.path().join("reference.safetensors")).unwrap();
     let get = |name: &str| reference.tensors[name].shallow_clone();
     let (x, expected) = (get("x"), get("logits"));
     assert_eq!(expected.size(), [2, 8]);
@@ -124,6 +124,9 @@ fn a_torchvision_resnet18_saved_by_torch_save_gives_torchvision_logits_through_i
             .abs()
             .max()
             .double_value(&[]);
-        assert!(far > 100.0 * TOLERANCE, "{name}: a fresh model is as close ({far})");
+        assert!(
+            far > 100.0 * TOLERANCE,
+            "{name}: a fresh model is as close ({far})"
+        );
     }
 }

@@ -77,9 +77,15 @@ fn a_fine_tuned_resnet18_stopped_by_sigterm_continues_to_the_uninterrupted_weigh
 
     let reference = dir.path().join("reference");
     let output = wait_bounded(
-        launcher_with(&["--cpus", "2", "--grace", "2"], &data, &reference, &flags, &[])
-            .spawn()
-            .unwrap(),
+        launcher_with(
+            &["--cpus", "2", "--grace", "2"],
+            &data,
+            &reference,
+            &flags,
+            &[],
+        )
+        .spawn()
+        .unwrap(),
         Duration::from_secs(600),
     );
     let t = text(&output);
