@@ -25,8 +25,9 @@ impl DistributedSampler {
     ///
     /// So `remaining(0)` is [`indices`](Self::indices), and when `R'` is the `R` that
     /// consumed `c` samples per rank, `remaining(c * R)` is [`iter_from(c)`](Self::iter_from).
-    /// A rank may get no samples (the epoch is nearly done); [`Partition::Exact`]'s shards
-    /// differ by at most one sample, as in a whole epoch.
+    /// A rank may get no samples (the epoch is nearly done);
+    /// [`Partition::Exact`](crate::Partition::Exact)'s shards differ by at most one sample,
+    /// as in a whole epoch.
     ///
     /// ```
     /// use ddp_sampler::DistributedSampler;
