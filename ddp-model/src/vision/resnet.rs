@@ -80,17 +80,21 @@ impl Block {
     fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
         let last = self.convs.len() - 1;
         let mut out = x.shallow_clone();
+        // In place where torchvision's blocks are (`ReLU(inplace=True)`, `out += identity`):
+        // BatchNorm's and the sum's backward do not read their outputs, and ReLU's reads
+        // only its own, so this saves an allocation per operation and changes no value.
         for (i, (c, bn)) in self.convs.iter().enumerate() {
             out = bn.forward_t(&out.apply(c), train);
             if i != last {
-                out = out.relu();
+                out = out.relu_();
             }
         }
         let identity = match &self.downsample {
             Some((c, bn)) => bn.forward_t(&x.apply(c), train),
             None => x.shallow_clone(),
         };
-        (out + identity).relu()
+        let _ = out.g_add_(&identity);
+        out.relu_()
     }
 }
 
@@ -169,7 +173,7 @@ impl ResNet {
         let mut x = self
             .bn1
             .forward_t(&xs.apply(&self.conv1), train)
-            .relu()
+            .relu_()
             .max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false);
         for block in self.layers.iter().flatten() {
             x = block.forward_t(&x, train);
