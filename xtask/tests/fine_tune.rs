@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{latest, launcher_with, rank_pids, sample, SLOW_STEPS};
+use common::{final_weights, latest, launcher_with, rank_pids, sample, LONG_EPOCHS, SLOW_STEPS};
 use ddp_testkit::{kill, procs, temp_dir, text, wait_bounded, wait_for_text};
 
 /// `torchvision.models.resnet18(num_classes=8)`, seeded, saved as a DDP model's state_dict
@@ -36,34 +36,22 @@ fn torchvision_resnet18(path: &Path) {
 /// The run's flags: 2 epochs of 9 steps per rank, a checkpoint every 3 steps, the stem and
 /// layer1 frozen in epoch 1.
 fn fine_tune(weights: &Path) -> Vec<String> {
-    let mut v: Vec<String> = [
-        "--model",
-        "resnet18",
-        "--epochs",
-        "2",
-        "--batch-size",
-        "2",
-        "--checkpoint-every",
-        "3",
-        "--log-every",
-        "1",
-        "--threads",
-        "1",
-        "--normalize",
-        "imagenet",
-        "--unfreeze-at",
-        "2",
-        "--init-from",
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut v: Vec<String> = LONG_EPOCHS.map(String::from).to_vec();
+    v.extend(
+        [
+            "--model",
+            "resnet18",
+            "--normalize",
+            "imagenet",
+            "--unfreeze-at",
+            "2",
+            "--init-from",
+        ]
+        .map(String::from),
+    );
     v.push(weights.display().to_string());
     v.extend(["--freeze", "conv1", "bn1", "layer1"].map(String::from));
     v
-}
-
-fn final_weights(run: &Path) -> Vec<u8> {
-    std::fs::read(run.join("checkpoints/epoch-0002.safetensors")).unwrap()
 }
 
 #[test]
