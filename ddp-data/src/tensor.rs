@@ -10,6 +10,7 @@ use crate::error::DataError;
 use crate::host_batch::{BatchIndices, HostBatch};
 use crate::loader::{HostLoader, LoaderConfig};
 use crate::memory::{BatchMemory, SlotAllocator, SlotRequest};
+use crate::ring::ReuseHook;
 use crate::sample::{Storage, ValueKind};
 
 /// One batch as tensors on the loader's device.
@@ -223,14 +224,16 @@ struct DeviceAffine {
 /// (`byte * scale + bias`, per channel, as the data set's [`Affine`](crate::Affine) says) is
 /// queued on the device behind the copy. Nothing waits for the GPU on the training thread.
 ///
-/// **Ordering relied on.** tch has no stream API: libtorch queues every copy and kernel of a
-/// device on that device's current stream, which is the legacy default stream (`cudaStream_t`
-/// null) for a program that never selects another (no tch program can). The copies, the
-/// conversion and the training step that reads the batch are therefore executed in the
-/// order they were issued, and the event recorded on the null stream right after the copies
-/// completes exactly when they have. Taking the next batch before running the current step
-/// (as the `ddp-train` trainer does) puts its copy in the queue ahead of the step, so the GPU
-/// never waits for the host to start it.
+/// **Ordering relied on.** libtorch queues every copy and kernel of a device on the calling
+/// thread's current stream of that device: the legacy default stream (`cudaStream_t` null)
+/// unless the program made another current (tch-ext's `set_current_stream`). The copies and
+/// the conversion are queued on the current stream of the thread that calls
+/// [`Iterator::next`], and the slot's event is recorded on that same stream right after the
+/// copies, so it completes exactly when they have, whichever stream it is. The training step
+/// that reads the batch must run on that stream too (or make its own stream wait for it), as
+/// with any `non_blocking` copy in PyTorch. Taking the next batch before running the current
+/// step (as the `ddp-train` trainer does) puts its copy in the queue ahead of the step, so the
+/// GPU never waits for the host to start it.
 #[derive(Debug)]
 pub struct Loader<D: Dataset> {
     // Declared first so that it drops (joining the workers, the only threads that wait on
@@ -387,18 +390,11 @@ impl<D: Dataset> Loader<D> {
         })?;
         events.make_current()?;
         let copies = copy_to(&host, self.device);
-        // Whether or not every copy was queued, the earlier ones may be in flight: the slot
-        // goes back with a hook that waits for them, never without one.
-        let (hook, unrecorded) = match events.record(host.slot()) {
-            Ok(hook) => (hook, None),
-            Err(e) => (events.device_wait(), Some(e)),
-        };
-        let indices = host.index_list();
-        host.release_after(hook);
-        let (inputs, targets, lengths) = copies?;
-        if let Some(e) = unrecorded {
-            return Err(e);
-        }
+        let ((inputs, targets, lengths), indices) =
+            hand_back(host, copies, |slot| match events.record(slot) {
+                Ok(hook) => (hook, None),
+                Err(e) => (events.device_wait(), Some(e)),
+            })?;
         Ok(Batch {
             inputs: self.convert(inputs)?,
             targets,
@@ -406,6 +402,27 @@ impl<D: Dataset> Loader<D> {
             indices,
             _lease: None,
         })
+    }
+}
+
+/// Gives a slot whose device copies were queued (all, or the first few before one failed)
+/// back to the ring with the hook `hook` makes for it, and returns the copies and the
+/// batch's indices. The slot never goes back without a hook, even when a copy failed: the
+/// copies queued before it may still be reading the slot. `hook` returns the hook and the
+/// error of making it (its hook then waits for more than the copies). The first error
+/// wins: the copy's, then the hook's.
+fn hand_back<T>(
+    host: HostBatch,
+    copies: Result<T, DataError>,
+    hook: impl FnOnce(usize) -> (ReuseHook, Option<DataError>),
+) -> Result<(T, BatchIndices), DataError> {
+    let (hook, unrecorded) = hook(host.slot());
+    let indices = host.index_list();
+    host.release_after(hook);
+    let copies = copies?;
+    match unrecorded {
+        Some(e) => Err(e),
+        None => Ok((copies, indices)),
     }
 }
 
@@ -465,5 +482,140 @@ impl<D: Dataset> Iterator for Loader<D> {
             Device::Cuda(_) => self.cuda_batch(host),
             _ => self.cpu_batch(host),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::tensor_dataset::{Array, TensorDataset};
+
+    const SAMPLES: usize = 8;
+
+    /// One sample per batch, one worker and one batch of prefetch: the ring grows to three
+    /// slots, then refills the slot given back longest ago.
+    fn loader() -> HostLoader<TensorDataset> {
+        let inputs = Array::new(
+            (0..SAMPLES).map(|i| i as f32).collect::<Vec<_>>(),
+            [SAMPLES, 1],
+        )
+        .unwrap();
+        let targets = Array::new(vec![0f32; SAMPLES], [SAMPLES, 1]).unwrap();
+        let config = LoaderConfig {
+            workers: 1,
+            prefetch: 1,
+            ..LoaderConfig::new(1)
+        };
+        HostLoader::new(
+            TensorDataset::new(inputs, targets).unwrap(),
+            (0..SAMPLES).collect(),
+            &config,
+        )
+        .unwrap()
+    }
+
+    fn failure(name: &'static str) -> DataError {
+        DataError::InvalidParameter {
+            name,
+            expected: "a test's success".into(),
+            value: "its failure".into(),
+        }
+    }
+
+    /// A hook that counts its runs in `runs`.
+    fn counting(runs: &Arc<AtomicUsize>) -> ReuseHook {
+        let runs = Arc::clone(runs);
+        Box::new(move || {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+    }
+
+    /// Takes the rest of the epoch's batches (so every slot is refilled at least once) and
+    /// returns their first values.
+    fn drain(loader: &mut HostLoader<TensorDataset>) -> Vec<usize> {
+        loader
+            .by_ref()
+            .map(|b| b.unwrap().index_list()[0])
+            .collect()
+    }
+
+    /// A copy fails after earlier copies of the slot were queued: the batch fails with the
+    /// copy's error, and the slot still goes back with its hook, which runs before a worker
+    /// writes into the slot again.
+    #[test]
+    fn a_failed_copy_gives_the_slot_back_with_its_hook() {
+        let mut loader = loader();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let first = loader.next().unwrap().unwrap();
+        let err =
+            hand_back::<()>(first, Err(failure("copy")), |_| (counting(&runs), None)).unwrap_err();
+        assert!(
+            matches!(err, DataError::InvalidParameter { name: "copy", .. }),
+            "{err:?}"
+        );
+        assert_eq!(drain(&mut loader), (1..SAMPLES).collect::<Vec<_>>());
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "the slot was refilled without waiting for the copies queued before the failure"
+        );
+    }
+
+    /// The copies were queued but their event could not be recorded: the batch fails with
+    /// the recording's error, and the slot goes back with the fallback hook.
+    #[test]
+    fn an_unrecorded_event_fails_the_batch_and_keeps_the_fallback_hook() {
+        let mut loader = loader();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let first = loader.next().unwrap().unwrap();
+        let slot = first.slot();
+        let mut asked = None;
+        let err = hand_back(first, Ok(7), |s| {
+            asked = Some(s);
+            (counting(&runs), Some(failure("event")))
+        })
+        .unwrap_err();
+        assert_eq!(asked, Some(slot));
+        assert!(
+            matches!(err, DataError::InvalidParameter { name: "event", .. }),
+            "{err:?}"
+        );
+        assert_eq!(drain(&mut loader), (1..SAMPLES).collect::<Vec<_>>());
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    /// Both failed: the copy's error is the one reported.
+    #[test]
+    fn the_copy_error_is_reported_before_the_event_error() {
+        let mut loader = loader();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let first = loader.next().unwrap().unwrap();
+        let err = hand_back::<()>(first, Err(failure("copy")), |_| {
+            (counting(&runs), Some(failure("event")))
+        })
+        .unwrap_err();
+        assert!(
+            matches!(err, DataError::InvalidParameter { name: "copy", .. }),
+            "{err:?}"
+        );
+        drain(&mut loader);
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    /// On success the copies and the batch's indices come back, and the hook is attached.
+    #[test]
+    fn a_queued_copy_returns_its_tensors_and_indices() {
+        let mut loader = loader();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let first = loader.next().unwrap().unwrap();
+        let (copies, indices) =
+            hand_back(first, Ok("copies"), |_| (counting(&runs), None)).unwrap();
+        assert_eq!(copies, "copies");
+        assert_eq!(&indices[..], &[0]);
+        drain(&mut loader);
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 }
