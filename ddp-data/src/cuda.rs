@@ -4,7 +4,8 @@
 //! A slot is plain heap memory on whole pages of the operating system's size, registered
 //! once with `cudaHostRegister`, so every copy out of it can be asynchronous; it is
 //! unregistered when the slot is freed. After a batch's copies are issued, an event is
-//! recorded behind them on the device's default stream and becomes the slot's reuse hook:
+//! recorded behind them on the consumer thread's current stream (libtorch's, as tch-ext reads
+//! it: where the copies were queued) and becomes the slot's reuse hook:
 //! the worker that next takes the slot waits for that event (without the ring's lock) before
 //! writing into it, and the ring waits for it before it frees the slot. If the event cannot
 //! be recorded, the hook waits for the whole device instead.
@@ -169,10 +170,16 @@ impl CopyEvents {
         set_device(self.rt, self.device)
     }
 
-    /// Records slot `slot`'s event on the legacy default stream, behind the copies just
-    /// issued there, and returns the hook that waits for it before the slot is reused.
+    /// Records slot `slot`'s event on the calling thread's current stream of the device,
+    /// behind the copies just issued there, and returns the hook that waits for it before the
+    /// slot is reused.
     pub fn record(&mut self, slot: usize) -> Result<ReuseHook, DataError> {
         let rt = self.rt;
+        let stream =
+            tch_ext::CudaStream::current(self.device as usize).map_err(|e| DataError::Cuda {
+                call: "current CUDA stream",
+                message: e.to_string(),
+            })?;
         if self.events.len() <= slot {
             self.events.resize(slot + 1, None);
         }
@@ -194,11 +201,11 @@ impl CopyEvents {
                 e
             }
         };
-        // SAFETY: a live event of the current device; stream null = the legacy default
-        // stream, where libtorch queued the copies (see the `tensor` module's docs). The
-        // slot's previous recording has been waited for (its hook ran before the slot was
-        // refilled), so re-recording loses nothing.
-        let rc = unsafe { (rt.cudaEventRecord)(event.raw, std::ptr::null_mut()) };
+        // SAFETY: a live event of the current device, and the stream libtorch queued the
+        // copies on (the thread's current stream: the null stream unless the program made
+        // another current). The slot's previous recording has been waited for (its hook ran
+        // before the slot was refilled), so re-recording loses nothing.
+        let rc = unsafe { (rt.cudaEventRecord)(event.raw, stream.as_raw().cast()) };
         check(rt, "cudaEventRecord", rc)?;
         let device = self.device;
         Ok(Box::new(move || {

@@ -3,12 +3,16 @@
 #![cfg(all(feature = "tch", feature = "odir"))]
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use ddp_data::odir::synthetic::{generate, SyntheticConfig};
 use ddp_data::odir::transform::Transform;
 use ddp_data::odir::{OdirDataset, OdirImages, OdirOptions};
-use ddp_data::{HostLoader, Loader, LoaderConfig, Storage};
-use tch::{Device, Kind};
+use ddp_data::rng::SampleRng;
+use ddp_data::{
+    DataError, Dataset, HostLoader, Loader, LoaderConfig, SampleLayout, SampleOut, Storage,
+};
+use tch::{Device, Kind, Tensor};
 
 fn dataset(dir: &std::path::Path) -> Arc<OdirDataset> {
     generate(
@@ -185,6 +189,183 @@ fn cuda_batches_equal_the_cpu_batches() {
         n += 1;
     }
     assert_eq!(n, cpu.len());
+}
+
+/// On a machine with a GPU: with a pool stream made current on the consumer thread, the
+/// copies are queued on that stream and the slot's event must be recorded there too. Each
+/// batch's copy waits behind a busy stream; an event on the (idle) default stream would let a
+/// worker rewrite the slot before the copy ran, and the batch would hold another's values.
+#[test]
+fn cuda_batches_follow_the_current_stream() {
+    if !ddp_data_cuda_available() {
+        println!("skipped: no CUDA device ({})", no_gpu_reason());
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let config = LoaderConfig {
+        workers: 2,
+        seed: 3,
+        prefetch: 1,
+        ..LoaderConfig::new(3)
+    };
+    let indices: Vec<usize> = (0..6).flat_map(|_| 0..7).collect();
+    let t = Transform::train(20);
+    let cpu: Vec<_> = Loader::new(OdirImages::new(ds.clone(), t), indices.clone(), &config)
+        .unwrap()
+        .map(|b| b.unwrap().inputs().copy())
+        .collect();
+    let stream = tch_ext::CudaStream::from_pool(0, false).unwrap();
+    let guard = tch_ext::set_current_stream(stream).unwrap();
+    let busy = Busy::new(Device::Cuda(0), 0.05);
+    let mut gpu =
+        Loader::on_device(OdirImages::new(ds, t), indices, &config, Device::Cuda(0)).unwrap();
+    let mut inputs = Vec::new();
+    loop {
+        busy.queue();
+        let Some(batch) = gpu.next() else { break };
+        // The values are read once every batch was taken (and its slot given back).
+        inputs.push(batch.unwrap().inputs().shallow_clone());
+    }
+    assert_eq!(inputs.len(), cpu.len());
+    for (n, (g, c)) in inputs.iter().zip(&cpu).enumerate() {
+        assert!(
+            g.to_device(Device::Cpu).equal(c),
+            "batch {n}: its slot was rewritten before its copy ran"
+        );
+    }
+    drop(guard);
+}
+
+/// Sample `i` is 256 values `i`, written after `per_sample` of sleep (a decode's time).
+struct Slow {
+    len: usize,
+    per_sample: Duration,
+}
+
+impl Dataset for Slow {
+    type Worker = ();
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn layout(&self) -> SampleLayout {
+        SampleLayout::new([256], [1])
+    }
+
+    fn worker(&self) {}
+
+    fn write(
+        &self,
+        _: &mut (),
+        index: usize,
+        _: &mut SampleRng,
+        out: SampleOut<'_>,
+    ) -> Result<(), DataError> {
+        std::thread::sleep(self.per_sample);
+        out.input.f32()?.fill(index as f32);
+        out.targets.f32()?[0] = index as f32;
+        Ok(())
+    }
+}
+
+/// On a machine with a GPU: while the consumer keeps the GPU busy with a long step, the
+/// workers keep decoding the batches after the next, so taking a batch does not wait for
+/// them. A ring that handed a worker the slot whose copy was queued behind the running step,
+/// and let it wait for that copy under the ring's lock, stalled every worker for the whole
+/// step: the data then arrived a batch's decoding time after each step.
+#[test]
+fn a_busy_gpu_keeps_no_worker_from_decoding() {
+    if !ddp_data_cuda_available() {
+        println!("skipped: no CUDA device ({})", no_gpu_reason());
+        return;
+    }
+    const BATCH: usize = 8;
+    const WORKERS: usize = 2;
+    const STEPS: usize = 30;
+    let per_sample = Duration::from_millis(5);
+    // One batch's decoding on all the workers, and the GPU step (five times longer).
+    let decode = per_sample.as_secs_f64() * (BATCH / WORKERS) as f64;
+    let busy = Busy::new(Device::Cuda(0), 5.0 * decode);
+    let config = LoaderConfig {
+        workers: WORKERS,
+        prefetch: 2,
+        ..LoaderConfig::new(BATCH)
+    };
+    let slow = Slow {
+        len: STEPS * BATCH,
+        per_sample,
+    };
+    let mut loader =
+        Loader::on_device(slow, (0..STEPS * BATCH).collect(), &config, Device::Cuda(0)).unwrap();
+    let mut waits = Vec::new();
+    let mut next = loader.next();
+    while let Some(batch) = next {
+        let batch = batch.unwrap();
+        // The step: reads the batch, then holds the GPU; the next batch is taken before the
+        // step's result is read, as the trainer does.
+        let sum = batch.inputs().sum(Kind::Double);
+        busy.queue();
+        let start = Instant::now();
+        next = loader.next();
+        waits.push(start.elapsed().as_secs_f64());
+        let want: f64 = batch.indices().iter().map(|&i| 256.0 * i as f64).sum();
+        assert_eq!(sum.double_value(&[]), want, "batch {:?}", batch.indices());
+    }
+    assert_eq!(waits.len(), STEPS);
+    // The first steps fill the ring.
+    let mut steady = waits[4..].to_vec();
+    steady.sort_by(f64::total_cmp);
+    let median = steady[steady.len() / 2];
+    println!(
+        "data wait per step: median {:.2} ms (a batch takes {:.1} ms to decode on {WORKERS} \
+         workers, a step {:.1} ms on the GPU)",
+        median * 1e3,
+        decode * 1e3,
+        5.0 * decode * 1e3
+    );
+    assert!(
+        median < decode / 4.0,
+        "the loader waited {:.2} ms per step for data with the GPU busy (a batch decodes in \
+         {:.1} ms): its workers stalled behind the step",
+        median * 1e3,
+        decode * 1e3
+    );
+}
+
+/// Matmuls that keep a GPU's current stream busy for about a given time per [`Busy::queue`].
+struct Busy {
+    x: Tensor,
+    count: usize,
+}
+
+impl Busy {
+    fn new(device: Device, seconds: f64) -> Self {
+        let Device::Cuda(index) = device else {
+            unreachable!("a CUDA device")
+        };
+        let x = Tensor::randn([4096, 4096], (Kind::Float, device)) / 64.0;
+        let time = |n: usize| {
+            tch::Cuda::synchronize(index as i64);
+            let start = Instant::now();
+            for _ in 0..n {
+                let _ = x.mm(&x);
+            }
+            tch::Cuda::synchronize(index as i64);
+            start.elapsed().as_secs_f64() / n as f64
+        };
+        time(2);
+        let count = (seconds / time(8)).ceil() as usize;
+        Self { x, count }
+    }
+
+    /// Queues the matmuls and returns at once.
+    fn queue(&self) {
+        for _ in 0..self.count {
+            let _ = self.x.mm(&self.x);
+        }
+    }
 }
 
 fn ddp_data_cuda_available() -> bool {
