@@ -4,26 +4,9 @@
 
 mod common;
 
-use common::{lines_with, rank_world, run_world, run_world_each, worker};
+use common::{gpus, lines_with, rank_world, run_world, run_world_each, worker};
 use ddp_comm::{Backend, CommError, Options, ProcessGroup, ReduceOp};
 use tch::{Device, Kind, Tensor};
-
-/// The number of GPUs to use, or why the test is skipped.
-fn gpus() -> Result<usize, String> {
-    if let Some(reason) = ddp_comm::cuda::no_gpu_reason() {
-        return Err(reason);
-    }
-    match ddp_comm::cuda::load_torch_cuda() {
-        Ok(true) => {}
-        Ok(false) => return Err("libtorch has no libtorch_cuda.so (CPU-only build)".into()),
-        Err(e) => return Err(e.to_string()),
-    }
-    let n = tch::Cuda::device_count() as usize;
-    if n == 0 {
-        return Err("tch sees no CUDA device".into());
-    }
-    Ok(n.min(4))
-}
 
 macro_rules! skip_without_gpu {
     () => {

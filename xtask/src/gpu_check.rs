@@ -6,17 +6,21 @@
 //!    temporary dropped with its `Work` is not reused while in flight
 //!    (`nccl_a_dropped_work_keeps_its_temporary`), and collectives read inputs produced on a
 //!    pool stream made current (`nccl_collectives_follow_the_current_stream`), each a few
-//!    seconds on one GPU,
+//!    seconds on one GPU; with two GPUs, a group dropped while a collective waits for a peer
+//!    that never comes is aborted, not destroyed (`nccl_peers.rs`; it says `skipped:` on one),
 //! 2. the NCCL all-reduce bandwidth sweep (one rank per GPU),
 //! 3. tch-ext's CUDA tests (streams, events, hooks on CUDA parameters), and DDP's gradients
 //!    with forward and backward on a pool stream against the default stream (ddp-train's
 //!    `cuda_streams`; it needs two GPUs and says `skipped:` with one),
-//! 4. ddp-data's CUDA tests (batches on `cuda:0` equal the CPU path's) and its ring tests,
-//! 5. the input pipeline beside a busy GPU: `ddp_steps --device cuda --data` on a synthetic
-//!    sample, whose `data_median_s` is the data wait per step (the loader's workers keep
-//!    decoding while the GPU runs a step: the ring takes no slot whose copy waits behind the
-//!    running step), and fp16 steps/s with the fused unscale next to bf16 (the same step
-//!    without a scaler) on random tensors; these print figures to read, not verdicts,
+//! 4. ddp-data's CUDA tests and its ring tests: batches on `cuda:0` equal the CPU path's, also
+//!    with a pool stream current (`cuda_batches_follow_the_current_stream`), and a consumer
+//!    that holds the GPU for five batches' decoding time per step waits less than a quarter
+//!    of one for each batch (`a_busy_gpu_keeps_no_worker_from_decoding`: the ring takes no
+//!    slot whose copy waits behind the running step, and waits for a copy under no lock),
+//! 5. figures to read, not verdicts: the ConvNet fed by the CUDA loader from a synthetic
+//!    sample (`ddp_steps --device cuda --data`; `data_median_s` is the data wait per step),
+//!    and ResNet-50 steps/s in fp16 with the fused unscale next to bf16 (the same step
+//!    without a scaler) on random tensors,
 //! 6. a short training on one GPU and one on every visible GPU, through the launcher, and
 //!    one GPU in bf16 and in fp16.
 
@@ -48,6 +52,8 @@ pub fn run(root: &Path) -> Result<()> {
         "ddp-comm",
         "--test",
         "nccl",
+        "--test",
+        "nccl_peers",
         "--",
         "--nocapture",
     ]);
@@ -140,8 +146,8 @@ pub fn run(root: &Path) -> Result<()> {
 }
 
 /// One GPU: the ConvNet fed by ddp-data's CUDA loader from a synthetic sample (the data wait
-/// per step is `data_median_s` in the `RESULT` line), then random tensors in fp16 and bf16 (each a
-/// few seconds on one GPU).
+/// per step is `data_median_s` in the `RESULT` line), then ResNet-50 on random tensors in fp16
+/// and bf16 (each a few seconds on one GPU).
 fn feed_and_fp16(root: &Path) -> Result<()> {
     let sample = std::env::temp_dir().join(format!("gpu-check-feed-{}", std::process::id()));
     launch::generate_sample(root, None, &sample, 256, 512, 0)?;
@@ -167,12 +173,13 @@ fn feed_and_fp16(root: &Path) -> Result<()> {
     let _ = std::fs::remove_dir_all(&sample);
     fed?;
     for precision in ["fp16", "bf16"] {
-        println!("gpu-check: ConvNet steps/s in {precision}, random tensors, 224 px");
+        println!("gpu-check: ResNet-50 steps/s in {precision}, random tensors, 224 px");
         let mut bench = crate::cargo();
         bench
             .args(["bench", "-p", "ddp-train", "--bench", "ddp_steps", "--"])
             .args(steps)
-            .args(["--image-size", "224", "--precision", precision]);
+            .args(["--image-size", "224", "--precision", precision])
+            .args(["--model", "resnet50"]);
         crate::run(root, bench)?;
     }
     Ok(())

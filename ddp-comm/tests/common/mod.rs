@@ -135,3 +135,20 @@ pub fn dev_shm_entries() -> Vec<String> {
     names.sort();
     names
 }
+
+/// The number of GPUs to use, or why the test is skipped.
+pub fn gpus() -> Result<usize, String> {
+    if let Some(reason) = ddp_comm::cuda::no_gpu_reason() {
+        return Err(reason);
+    }
+    match ddp_comm::cuda::load_torch_cuda() {
+        Ok(true) => {}
+        Ok(false) => return Err("libtorch has no libtorch_cuda.so (CPU-only build)".into()),
+        Err(e) => return Err(e.to_string()),
+    }
+    let n = tch::Cuda::device_count() as usize;
+    if n == 0 {
+        return Err("tch sees no CUDA device".into());
+    }
+    Ok(n.min(4))
+}
