@@ -413,6 +413,47 @@ fn nccl_collectives_follow_the_current_stream() {
     run_world("nccl_collectives_follow_the_current_stream", n, &[]);
 }
 
+/// A blocking collective waits on the host for its own end only: with a pool stream current,
+/// work queued earlier on the default stream, which the input does not depend on, is still
+/// running when the all-reduce returns (a wait for the whole default stream would have let it
+/// finish first, and idled the GPU before every step's next kernel).
+#[test]
+fn nccl_a_blocking_collective_waits_for_its_input_only() {
+    if worker() {
+        let (group, device) = group_on_gpu();
+        let (rank, n) = rank_world();
+        let index = group.local_rank();
+        // Long enough to outlast the first collective's connection set-up.
+        keep_busy(device, 3.0);
+        let unrelated = tch_ext::CudaEvent::new(index).unwrap();
+        unrelated
+            .record(&tch_ext::CudaStream::current(index).unwrap())
+            .unwrap();
+        let stream = tch_ext::CudaStream::from_pool(index, false).unwrap();
+        let guard = tch_ext::set_current_stream(stream).unwrap();
+        let mut t = Tensor::full([1 << 20], (rank + 1) as f64, (Kind::Float, device));
+        group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+        let waited = unrelated.query().unwrap();
+        let want = (n * (n + 1) / 2) as f64;
+        assert_eq!(t.min().double_value(&[]), want);
+        assert_eq!(t.max().double_value(&[]), want);
+        assert!(
+            !waited,
+            "the blocking all-reduce waited for the default stream's unrelated work"
+        );
+        drop(guard);
+        tch::Cuda::synchronize(index as i64);
+        println!("rank {rank}: the blocking all-reduce waited for its input only");
+        return;
+    }
+    let n = skip_without_gpu!();
+    run_world(
+        "nccl_a_blocking_collective_waits_for_its_input_only",
+        n,
+        &[],
+    );
+}
+
 /// A collective that only a stream waits for (`wait_stream`) and that exceeds the timeout:
 /// the watchdog aborts the communicator without any further call from the program, so the
 /// stream cannot hang forever, and the other work then reports the abort.

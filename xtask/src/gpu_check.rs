@@ -4,9 +4,10 @@
 //!    where no GPU is usable; here they must run): among them, a wait after another wait's
 //!    timeout aborted the communicator fails (`nccl_a_wait_after_an_abort_is_an_error`), a
 //!    temporary dropped with its `Work` is not reused while in flight
-//!    (`nccl_a_dropped_work_keeps_its_temporary`), and collectives read inputs produced on a
-//!    pool stream made current (`nccl_collectives_follow_the_current_stream`), each a few
-//!    seconds on one GPU; with two GPUs, a group dropped while a collective waits for a peer
+//!    (`nccl_a_dropped_work_keeps_its_temporary`), collectives read inputs produced on a
+//!    pool stream made current (`nccl_collectives_follow_the_current_stream`), and a
+//!    blocking collective does not wait for unrelated work on the default stream
+//!    (`nccl_a_blocking_collective_waits_for_its_input_only`), each a few seconds on one GPU; with two GPUs, a group dropped while a collective waits for a peer
 //!    that never comes is aborted, not destroyed (`nccl_peers.rs`; it says `skipped:` on one),
 //! 2. the NCCL all-reduce bandwidth sweep (one rank per GPU),
 //! 3. tch-ext's CUDA tests (streams, events, hooks on CUDA parameters), and DDP's gradients
