@@ -576,3 +576,90 @@ fn a_torchrun_elastic_job_that_loses_a_node_continues_with_the_samples_left() {
     trained.sort_unstable();
     assert_eq!(trained, (0..POINTS as usize).collect::<Vec<_>>());
 }
+
+/// A torchrun elastic job (`--nnodes 1:2`) that starts on one node and gains a second: the
+/// first agent sees the node waiting, stops its rank (SIGTERM: an agreed stop with a
+/// checkpoint, exit code 75) and meets the new node in the next round; both ranks then
+/// continue the stopped run from its checkpoint at 2 x 16 with exactly the samples the
+/// interrupted epoch had left. Every epoch trains every sample once, whichever step the
+/// second node arrives at.
+///
+/// torchrun shares its rendezvous store with the workers by default and publishes that
+/// store's address only in a node's first round, so a node that joins later never learns it
+/// (torch 2.13's `DynamicRendezvousHandler.next_rendezvous`); the agents here opt out with
+/// `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, and rank 0 hosts our store each round.
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn a_torchrun_elastic_job_that_gains_a_node_continues_on_both_with_the_samples_left() {
+    let tmp = common::temp_dir("ddp-train-elastic-gain");
+    let dir = tmp.path();
+    let indices = dir.join("indices");
+    std::fs::create_dir_all(&indices).unwrap();
+    let port = common::free_port();
+    let env = [
+        ("DDP_TRAIN_STEP_SLEEP_MS", "300"),
+        ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
+    ];
+    // The first round closes a second after the first node joined: the job starts alone.
+    let first = agent(port, true, 1, dir, &env);
+    ddp_testkit::wait_for(
+        "the first node's rank trained two steps",
+        Duration::from_secs(120),
+        || {
+            std::fs::read_dir(&indices).is_ok_and(|mut d| {
+                d.next().is_some_and(|e| {
+                    std::fs::read_to_string(e.unwrap().path()).is_ok_and(|t| t.lines().count() >= 2)
+                })
+            })
+        },
+    );
+    let second = agent(port, false, 1, dir, &env);
+    let outputs = wait_all(vec![first, second], Duration::from_secs(300));
+    for (name, out) in ["first", "second"].iter().zip(&outputs) {
+        assert!(
+            out.status.success(),
+            "the {name} agent failed:\n{}\n--- the other:\n{}",
+            text(out),
+            text(&outputs[usize::from(*name == "first")])
+        );
+    }
+    let t = text(&outputs[0]);
+    assert!(t.contains("continuing the stopped run"), "{t}");
+
+    let m = metrics(&dir.join("run"));
+    let worlds = column(&m, "world_size");
+    assert_eq!(worlds.len(), EPOCHS as usize);
+    assert_eq!(worlds.last(), Some(&2.0), "{worlds:?}");
+    let changed: Vec<&Value> = m
+        .iter()
+        .filter(|l| !l["allocation_change"].is_null())
+        .collect();
+    assert_eq!(changed.len(), 1, "{m:?}");
+    assert_eq!(changed[0]["allocation_change"]["from"]["world_size"], 1);
+    println!(
+        "the second node arrived after {} samples of epoch {}",
+        changed[0]["allocation_change"]["consumed"], changed[0]["epoch"]
+    );
+
+    // Three processes (the first start, then both ranks of the second round); nothing
+    // trained twice, nothing left out.
+    let logs = index_logs(&indices);
+    let names: Vec<&str> = logs.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(logs.len(), 3, "{names:?}");
+    for epoch in 1..=EPOCHS {
+        let mut trained: Vec<usize> = logs
+            .iter()
+            .flat_map(|(_, steps)| steps.range((epoch, 0)..(epoch + 1, 0)))
+            .flat_map(|(_, i)| i.iter().copied())
+            .collect();
+        trained.sort_unstable();
+        assert_eq!(
+            trained,
+            (0..POINTS as usize).collect::<Vec<_>>(),
+            "epoch {epoch}"
+        );
+    }
+}
