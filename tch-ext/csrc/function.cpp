@@ -10,6 +10,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "tch_ext.h"
@@ -66,6 +67,22 @@ class RustBackward final : public torch::autograd::Node {
   std::unique_ptr<RustBackwardCallback> callback_;
 };
 
+// How libtorch owns autograd nodes: `std::shared_ptr<Node>` up to 2.11 (the GPU machine's),
+// `c10::intrusive_ptr<Node>` in 2.13. An edge holds that pointer type.
+using NodePtr = std::remove_cv_t<
+    std::remove_reference_t<decltype(std::declval<torch::autograd::Edge>().function)>>;
+
+// A new node of type `N` owned the way this libtorch owns nodes. `N` is a template parameter
+// so that the branch this libtorch does not use is never instantiated.
+template <typename N, typename Ptr = NodePtr>
+Ptr make_node(std::unique_ptr<RustBackwardCallback> callback) {
+  if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<N>(std::move(callback));
+  } else {
+    return c10::make_intrusive<N>(std::move(callback));
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -98,8 +115,7 @@ char* tch_ext_set_backward(
     TORCH_CHECK(
         torch::autograd::isDifferentiableType(output->scalar_type()),
         "the output of a custom backward must have a floating-point dtype");
-    c10::intrusive_ptr<torch::autograd::Node> node =
-        c10::make_intrusive<RustBackward>(std::move(callback));
+    NodePtr node = make_node<RustBackward>(std::move(callback));
     node->set_next_edges(torch::autograd::collect_next_edges(*input));
     torch::autograd::set_history(*output, node);
   });
