@@ -7,8 +7,9 @@
 //!    (`nccl_a_dropped_work_keeps_its_temporary`), collectives read inputs produced on a
 //!    pool stream made current (`nccl_collectives_follow_the_current_stream`), and a
 //!    blocking collective does not wait for unrelated work on the default stream
-//!    (`nccl_a_blocking_collective_waits_for_its_input_only`), each a few seconds on one GPU; with two GPUs, a group dropped while a collective waits for a peer
-//!    that never comes is aborted, not destroyed (`nccl_peers.rs`; it says `skipped:` on one),
+//!    (`nccl_a_blocking_collective_waits_for_its_input_only`), each a few seconds on one
+//!    GPU; with two GPUs, a group dropped while a collective waits for a peer that never
+//!    comes is aborted, not destroyed (`nccl_peers.rs`; it says `skipped:` on one),
 //! 2. the NCCL all-reduce bandwidth sweep (one rank per GPU),
 //! 3. tch-ext's CUDA tests (streams, events, hooks on CUDA parameters), and DDP's gradients
 //!    with forward and backward on a pool stream against the default stream (ddp-train's
@@ -24,6 +25,9 @@
 //!    without a scaler) on random tensors,
 //! 6. a short training on one GPU and one on every visible GPU, through the launcher, and
 //!    one GPU in bf16 and in fp16.
+//!
+//! Where the GPU machine has no cargo, the GPU bundle's `run.sh` with `xtask/gpu-extra.sh` as
+//! its command runs the same steps from prebuilt binaries (`xtask/README.md`).
 
 use std::path::Path;
 

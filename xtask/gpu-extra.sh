@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# xtask/gpu-extra.sh: the steps of `cargo xtask gpu-check` that the GPU bundle's run.sh does
+# not run itself, from the bundle's prebuilt binaries, for a GPU machine without cargo. It
+# runs as run.sh's COMMAND, after the steps that make the synthetic sample:
+#
+#   GPU_BUNDLE_BUDGET_S=480 bash .gpu-bundle/run.sh probe comm train random -- 'bash xtask/gpu-extra.sh'
+#
+# (from the checkout's root; give the call a limit of about 540 s). The bundle must hold the
+# binaries gpu-bundle.list names. Checks, each under its own time limit:
+#   shim       tch-ext's CUDA tests (streams, events, hooks on CUDA parameters)
+#   loader     ddp-data's CUDA tests: batches on cuda:0 equal the CPU path's, also on a pool
+#              stream; a GPU busy for five batches' decoding per step stalls no worker (the
+#              median data wait is printed)
+#   peers      a group dropped with a collective pending is aborted (two GPUs; SKIP on one)
+#   streams    DDP on a pool stream against the default stream (two GPUs; SKIP on one)
+#   feed       the ConvNet fed by the CUDA loader from 256 synthetic 512-px JPEGs
+#              (ddp_steps --data; data_median_s is the data wait per step)
+#   resnet50-fp16, resnet50-bf16
+#              ResNet-50 on random tensors, batch 64, 224 px, ours then PyTorch's DDP in the
+#              same run (fp16: GradScaler with the fused unscale)
+#   train-bf16, train-fp16
+#              ddp-train on cuda:0 on the synthetic sample, 1 epoch of 30 steps
+#
+# Writes $OUT/extra.txt (a line per check: name, status, rc, seconds, figure) and
+# $OUT/extra-log.txt (every command and its whole output); prints extra.txt last. Statuses:
+# ok, FAIL, TIMEOUT, NO-GPU (a test said `skipped:` where a GPU was needed), SKIP (needs two
+# GPUs, or a binary is missing). Exit code: the number of FAIL, TIMEOUT and NO-GPU lines.
+# GPU_BUNDLE_SIMULATE_CPU=1 (as for run.sh) runs the same checks on the CPU with tiny sizes:
+# it tests this script and measures nothing.
+
+set -u
+
+BIN=${GPU_BUNDLE_BIN:?"run this through the bundle: bash .gpu-bundle/run.sh probe comm train random -- 'bash xtask/gpu-extra.sh'"}
+OUT=${OUT:?"OUT (the output folder) is not set: run this through .gpu-bundle/run.sh"}
+PY=${GPU_BUNDLE_PYTHON:-python3}
+WORK=${GPU_BUNDLE_WORK:-$(mktemp -d)}
+SUMMARY=$OUT/extra.txt
+LOG=$OUT/extra-log.txt
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+BAD=0
+: >"$SUMMARY"
+: >"$LOG"
+
+row() { # row NAME STATUS RC SECONDS FIGURE
+    printf '%-16s %-8s %4s %6s  %s\n' "$1" "$2" "$3" "$4" "$5" | tee -a "$SUMMARY"
+    case $2 in FAIL | TIMEOUT | NO-GPU) BAD=$((BAD + 1)) ;; esac
+}
+
+# check NAME LIMIT_S CMD...: runs CMD under `timeout`, its output into $LOG and $STEP_OUT.
+check() {
+    local name=$1 limit=$2 start ms
+    shift 2
+    STEP_OUT=$WORK/extra-$name.out
+    start=$(date +%s%N)
+    printf '\n=== %s (limit %ss): %s\n' "$name" "$limit" "$*" >>"$LOG"
+    timeout --kill-after=10 "$limit" "$@" >"$STEP_OUT" 2>&1
+    RC=$?
+    ms=$((($(date +%s%N) - start) / 1000000))
+    SECS=$((ms / 1000)).$((ms % 1000 / 100))
+    cat "$STEP_OUT" >>"$LOG"
+    printf '=== %s: rc %s, %ss\n' "$name" "$RC" "$SECS" >>"$LOG"
+}
+
+status() { # the status of the last check; NEED_GPUS=2 turns `skipped:` on one GPU into SKIP
+    if ((RC == 124 || RC == 137)); then
+        echo TIMEOUT
+    elif ((RC != 0)); then
+        echo FAIL
+    elif grep -q 'skipped:' "$STEP_OUT"; then
+        if ((${NEED_GPUS:-1} > GPUS)); then echo SKIP; else echo NO-GPU; fi
+    else
+        echo ok
+    fi
+}
+
+tests_figure() { # "N passed, M failed" from libtest's result line, and the first skip reason
+    local r
+    r=$(grep -oE 'test result: [a-zA-Z]+\. [0-9]+ passed; [0-9]+ failed' "$STEP_OUT" | tail -1 | sed 's/test result: [a-zA-Z]*\. //')
+    grep -q 'skipped:' "$STEP_OUT" && r+="; $(grep -m1 -o 'skipped:.*' "$STEP_OUT" | head -c 120)"
+    echo "${r:-no test result; $(grep -v '^\s*$' "$STEP_OUT" | tail -1 | head -c 160)}"
+}
+
+run_test() { # run_test NAME BINARY NEED_GPUS [FILTER]
+    local name=$1 bin=$BIN/$2
+    NEED_GPUS=$3
+    if [[ ! -x $bin ]]; then
+        row "$name" SKIP - 0.0 "no $2 in the bundle (gpu-bundle.list names it; rebuild the bundle)"
+        return
+    fi
+    check "$name" 180 "$bin" --nocapture --test-threads=1 ${4:+"$4"}
+    local fig
+    fig=$(tests_figure)
+    local wait
+    wait=$(grep -m1 -oE 'data wait per step: median [0-9.]+ ms[^)]*\)' "$STEP_OUT" | head -c 160)
+    [[ -n $wait ]] && fig+="; $wait"
+    row "$name" "$(status)" "$RC" "$SECS" "$fig"
+    NEED_GPUS=1
+}
+
+result_figure() { # rank 0's rate and phases, then each comparison with PyTorch
+    grep -m1 -E '^RESULT ddp_steps .* rank=0 ' "$STEP_OUT" |
+        grep -oE ' (images_per_sec|step_median_s|data_median_s|loss_scale|skipped_steps)=[^ ]+' | tr -d '\n'
+    grep -E '^ddp_steps vs PyTorch' "$STEP_OUT" |
+        sed -E 's/^ddp_steps vs PyTorch \(([^)]*)\).*, PyTorch ([0-9.]+) img\/s, ratio ([0-9.]+).*/; PyTorch (\1) \2 img\/s, ours\/PyTorch \3/' | tr -d '\n'
+}
+
+DEV=cuda images=256 feed_px=512 px=224 train_steps=30 batch=64
+steps_args=(--ranks 1 --batch-size 64 --warmup 5 --steps 40)
+if [[ ${GPU_BUNDLE_SIMULATE_CPU:-0} == 1 ]]; then
+    DEV=cpu images=16 feed_px=64 px=64 train_steps=2 batch=4
+    steps_args=(--ranks 1 --batch-size 4 --warmup 1 --steps 2)
+    echo "gpu-extra: GPU_BUNDLE_SIMULATE_CPU=1: a CPU dry run of this script, NOT a GPU check" | tee -a "$LOG"
+fi
+steps_args+=(--device "$DEV")
+steps=$BIN/ddp-train.bench.ddp_steps
+
+echo "gpu-extra: $GPUS GPU(s); bundle binaries in $BIN; writing $SUMMARY" | tee -a "$LOG"
+run_test shim tch-ext.test.cuda 1
+run_test loader ddp-data.test.tensor 1
+run_test peers ddp-comm.test.nccl_peers 2
+run_test streams ddp-train.test.cuda_streams 2
+
+if [[ -x $steps && -x $BIN/ddp-gen-data ]]; then
+    check feed-sample 120 "$BIN/ddp-gen-data" --out "$WORK/feed" --images "$images" --size "$feed_px" --seed 0
+    if ((RC == 0)); then
+        check feed 180 "$steps" "${steps_args[@]}" --data "$WORK/feed"
+        row feed "$(status)" "$RC" "$SECS" "$(result_figure)"
+    else
+        row feed FAIL "$RC" "$SECS" "generating the sample failed: $(tail -1 "$STEP_OUT" | head -c 160)"
+    fi
+    for p in fp16 bf16; do
+        check "resnet50-$p" 180 "$steps" "${steps_args[@]}" --image-size "$px" --precision "$p" \
+            --model resnet50 --reference "$PY" --reference-script ddp-train/benches/reference_ddp.py
+        row "resnet50-$p" "$(status)" "$RC" "$SECS" "$(result_figure)"
+    done
+else
+    row feed SKIP - 0.0 "no ddp_steps bench or ddp-gen-data in the bundle"
+fi
+
+if [[ -n ${GPU_BUNDLE_SAMPLE:-} && -x $BIN/ddp-train ]]; then
+    for p in bf16 fp16; do
+        port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+        check "train-$p" 120 env WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
+            MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" "$BIN/ddp-train" --device "$DEV" \
+            --data "$GPU_BUNDLE_SAMPLE" --epochs 1 --max-steps-per-epoch "$train_steps" \
+            --image-size 128 --batch-size "$batch" --precision "$p" --out "$WORK/run-$p"
+        row "train-$p" "$(status)" "$RC" "$SECS" "$(grep -m1 -E '^epoch 1/[0-9]+: ' "$STEP_OUT" | head -c 200)"
+    done
+else
+    row train SKIP - 0.0 "no synthetic sample: name run.sh's train (or sample) step before -- "
+fi
+
+echo
+echo "=== gpu-extra summary ($SUMMARY)"
+cat "$SUMMARY"
+exit "$BAD"
