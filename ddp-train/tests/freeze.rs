@@ -5,18 +5,16 @@
 
 mod common;
 
-use common::{free_port, rank_command, text, wait_all};
+use common::{assert_all_ok, run_ddp_train, text, Limits};
 
 use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
+use std::process::Output;
 use std::time::Duration;
 
 use ddp_data::odir::synthetic::{generate, SyntheticConfig};
 use ddp_model::{checkpoint, Model, ModelKind};
 use serde_json::Value;
 use tch::{nn, Device};
-
-const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
 
 /// The prefixes the tests freeze: the stem and the first stage of resnet18.
 const FROZEN: [&str; 3] = ["conv1", "bn1", "layer1"];
@@ -36,36 +34,13 @@ fn data(dir: &Path) -> PathBuf {
     root
 }
 
+/// Two ranks of ddp-train; resnet18 takes longer than the ConvNet.
 fn run_ranks(args: &[String], env: &[(&str, &str)]) -> Vec<Output> {
-    let port = free_port();
-    let children: Vec<_> = (0..2)
-        .map(|rank| {
-            let mut cmd = rank_command(EXE, rank, 2, port);
-            cmd.args(args)
-                .args([
-                    "--threads",
-                    "1",
-                    "--workers",
-                    "1",
-                    "--collective-timeout",
-                    "60",
-                ])
-                .env("DDP_RDZV_TIMEOUT_S", "60")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            for (k, v) in env {
-                cmd.env(k, v);
-            }
-            cmd.spawn().unwrap()
-        })
-        .collect();
-    wait_all(children, Duration::from_secs(300))
-}
-
-fn assert_all_ok(outputs: &[Output]) {
-    for (r, o) in outputs.iter().enumerate() {
-        assert!(o.status.success(), "rank {r} failed:\n{}", text(o));
-    }
+    let limits = Limits {
+        collective_s: 60,
+        run: Duration::from_secs(300),
+    };
+    run_ddp_train(2, args, env, limits)
 }
 
 /// `epochs` of resnet18 on 32-pixel crops, 4 steps each, with the stem and layer1 frozen.

@@ -4,18 +4,15 @@
 
 mod common;
 
-use common::{free_port, rank_command, text, wait_all};
+use common::{assert_all_ok, run_ddp_train, text, Limits};
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::Duration;
+use std::process::{Command, Output};
 
 use ddp_data::odir::synthetic::{generate, SyntheticConfig};
 use ddp_model::{checkpoint, ConvNet, ConvNetConfig};
 use serde_json::Value;
 use tch::{nn, Device};
-
-const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
 
 /// The ConvNet with `classes` outputs, seeded by `seed`, saved by PyTorch's `torch.save` (as
 /// a DDP model's state_dict when `ddp_prefix`) to `dir/name`; returns the path and the
@@ -78,32 +75,7 @@ fn data(dir: &Path) -> PathBuf {
 }
 
 fn run_ranks(world: usize, args: &[&str]) -> Vec<Output> {
-    let port = free_port();
-    let children: Vec<_> = (0..world)
-        .map(|rank| {
-            let mut cmd = rank_command(EXE, rank, world, port);
-            cmd.args(args)
-                .args([
-                    "--threads",
-                    "1",
-                    "--workers",
-                    "1",
-                    "--collective-timeout",
-                    "30",
-                ])
-                .env("DDP_RDZV_TIMEOUT_S", "30")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            cmd.spawn().unwrap()
-        })
-        .collect();
-    wait_all(children, Duration::from_secs(120))
-}
-
-fn assert_all_ok(outputs: &[Output]) {
-    for (r, o) in outputs.iter().enumerate() {
-        assert!(o.status.success(), "rank {r} failed:\n{}", text(o));
-    }
+    run_ddp_train(world, args, &[], Limits::SHORT)
 }
 
 /// One short epoch whose optimizer steps change no weight by more than [`UNMOVED`] (SGD at

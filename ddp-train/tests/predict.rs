@@ -4,18 +4,15 @@
 
 mod common;
 
-use common::{free_port, rank_command, text, wait_all};
+use common::{run_ddp_train, text, Limits};
 
 use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
-use std::time::Duration;
+use std::process::Output;
 
 use ddp_data::odir::synthetic::{generate, SyntheticConfig};
 use ddp_model::{checkpoint, ConvNet, ConvNetConfig};
 use serde_json::Value;
 use tch::{nn, Device};
-
-const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
 
 /// A synthetic sample with an 11-image test split (patients 12..18; 17 has a left eye only)
 /// and a model file of a freshly initialised ConvNet.
@@ -42,26 +39,7 @@ fn setup(dir: &Path) -> (PathBuf, PathBuf) {
 
 /// `world` ranks of `ddp-train <args>`, each rank's output.
 fn run_ranks(world: usize, args: &[&str]) -> Vec<Output> {
-    let port = free_port();
-    let children = (0..world)
-        .map(|rank| {
-            let mut cmd = rank_command(EXE, rank, world, port);
-            cmd.args(args)
-                .args([
-                    "--threads",
-                    "1",
-                    "--workers",
-                    "1",
-                    "--collective-timeout",
-                    "30",
-                ])
-                .env("DDP_RDZV_TIMEOUT_S", "30")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            cmd.spawn().unwrap()
-        })
-        .collect();
-    wait_all(children, Duration::from_secs(120))
+    run_ddp_train(world, args, &[], Limits::SHORT)
 }
 
 fn predict(world: usize, images: &Path, model: &Path, out: &Path) -> Vec<Output> {

@@ -5,32 +5,21 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
+use std::process::Output;
 use std::time::Duration;
 
-use common::{free_port, rank_command, text, wait_all};
+use common::{free_port, run_ddp_train, text, Limits};
 use ddp_data::odir::synthetic::{generate, SyntheticConfig};
 use ddp_model::checkpoint;
 use ddp_train::{NoStats, Settings, Task, TrainError, Trainer};
 use tch::{nn, Kind, Tensor};
 
-const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
-
 fn run_ranks(world: usize, args: &[&str]) -> Vec<Output> {
-    let port = free_port();
-    let children: Vec<_> = (0..world)
-        .map(|rank| {
-            let mut cmd = rank_command(EXE, rank, world, port);
-            cmd.args(args)
-                .args(["--threads", "1", "--workers", "1"])
-                .args(["--collective-timeout", "30"])
-                .env("DDP_RDZV_TIMEOUT_S", "30")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            cmd.spawn().unwrap()
-        })
-        .collect();
-    wait_all(children, Duration::from_secs(180))
+    let limits = Limits {
+        collective_s: 30,
+        run: Duration::from_secs(180),
+    };
+    run_ddp_train(world, args, &[], limits)
 }
 
 /// Trains `world` ranks with per-rank `batch` for 2 epochs of 3 steps of plain SGD (linear in

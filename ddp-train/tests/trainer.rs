@@ -3,7 +3,9 @@
 
 mod common;
 
-use common::{free_port, rank_command, text, wait_all, wait_bounded};
+use common::{
+    assert_all_ok, free_port, rank_command, run_ddp_train, text, wait_all, wait_bounded, Limits,
+};
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -36,38 +38,8 @@ fn data(dir: &Path, images: usize) -> PathBuf {
     root
 }
 
-/// Runs `world` ranks of ddp-train with `args` (plus per-run `env`) and returns each rank's
-/// output. Panics if they do not all finish within two minutes.
 fn run_ranks(world: usize, args: &[&str], env: &[(&str, &str)]) -> Vec<Output> {
-    let port = free_port();
-    let children: Vec<_> = (0..world)
-        .map(|rank| {
-            let mut cmd = rank_command(EXE, rank, world, port);
-            cmd.args(args)
-                .args([
-                    "--threads",
-                    "1",
-                    "--workers",
-                    "1",
-                    "--collective-timeout",
-                    "30",
-                ])
-                .env("DDP_RDZV_TIMEOUT_S", "30")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            for (k, v) in env {
-                cmd.env(k, v);
-            }
-            cmd.spawn().unwrap()
-        })
-        .collect();
-    wait_all(children, Duration::from_secs(120))
-}
-
-fn assert_all_ok(outputs: &[Output]) {
-    for (r, o) in outputs.iter().enumerate() {
-        assert!(o.status.success(), "rank {r} failed:\n{}", text(o));
-    }
+    run_ddp_train(world, args, env, Limits::SHORT)
 }
 
 /// `metrics.jsonl` without its timing fields.

@@ -6,7 +6,59 @@
 
 pub use ddp_testkit::{free_port, rank_command, temp_dir, text, wait_all, wait_bounded, TempDir};
 
-use std::process::{Child, Command};
+use std::ffi::OsStr;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+/// How long the ranks of [`run_ddp_train`] may take: each rank's collective and rendezvous
+/// timeout, and the bound on the whole run.
+#[derive(Clone, Copy)]
+pub struct Limits {
+    pub collective_s: u64,
+    pub run: Duration,
+}
+
+impl Limits {
+    /// 30 s per collective, two minutes for the run: short runs on a synthetic sample.
+    pub const SHORT: Limits = Limits {
+        collective_s: 30,
+        run: Duration::from_secs(120),
+    };
+}
+
+/// Runs `world` ranks of the `ddp-train` binary on loopback with `args` (one intra-op thread
+/// and one loader worker each) and `env`, and returns each rank's output in rank order.
+/// Panics if they do not all finish within `limits.run`.
+pub fn run_ddp_train(
+    world: usize,
+    args: &[impl AsRef<OsStr>],
+    env: &[(&str, &str)],
+    limits: Limits,
+) -> Vec<Output> {
+    let port = free_port();
+    let timeout = limits.collective_s.to_string();
+    let children = (0..world)
+        .map(|rank| {
+            let mut cmd = rank_command(env!("CARGO_BIN_EXE_ddp-train"), rank, world, port);
+            cmd.args(args)
+                .args(["--threads", "1", "--workers", "1"])
+                .args(["--collective-timeout", &timeout])
+                .env("DDP_RDZV_TIMEOUT_S", &timeout)
+                .envs(env.iter().copied())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            cmd.spawn().expect("a ddp-train rank starts")
+        })
+        .collect();
+    wait_all(children, limits.run)
+}
+
+/// Asserts that every rank exited with 0, printing the output of the first that did not.
+pub fn assert_all_ok(outputs: &[Output]) {
+    for (r, o) in outputs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r} failed:\n{}", text(o));
+    }
+}
 
 /// Starts `world` ranks of this test binary on loopback, each running only the ignored test
 /// `worker` (`--ignored --exact worker`) with torchrun's environment; `configure` adds what
