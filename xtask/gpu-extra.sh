@@ -3,9 +3,10 @@
 # not run itself, from the bundle's prebuilt binaries, for a GPU machine without cargo. It
 # runs as run.sh's COMMAND, after the steps that make the synthetic sample:
 #
-#   GPU_BUNDLE_BUDGET_S=480 bash .gpu-bundle/run.sh probe comm train random -- 'bash xtask/gpu-extra.sh'
+#   GPU_BUNDLE_BUDGET_S=480 bash .gpu-bundle/run.sh probe nccl-sys comm sweep train random -- 'bash xtask/gpu-extra.sh'
 #
-# (from the checkout's root; give the call a limit of about 540 s). The bundle must hold the
+# (from the checkout's root; give the call a limit of about 540 s; `all` instead of the step
+# names adds run.sh's JPEG pipeline comparison, 1-1.5 minutes more). The bundle must hold the
 # binaries gpu-bundle.list names. Checks, each under its own time limit:
 #   shim       tch-ext's CUDA tests (streams, events, hooks on CUDA parameters)
 #   loader     ddp-data's CUDA tests: batches on cuda:0 equal the CPU path's, also on a pool
@@ -30,7 +31,7 @@
 
 set -u
 
-BIN=${GPU_BUNDLE_BIN:?"run this through the bundle: bash .gpu-bundle/run.sh probe comm train random -- 'bash xtask/gpu-extra.sh'"}
+BIN=${GPU_BUNDLE_BIN:?"run this through the bundle: bash .gpu-bundle/run.sh train -- 'bash xtask/gpu-extra.sh'"}
 OUT=${OUT:?"OUT (the output folder) is not set: run this through .gpu-bundle/run.sh"}
 PY=${GPU_BUNDLE_PYTHON:-python3}
 WORK=${GPU_BUNDLE_WORK:-$(mktemp -d)}
