@@ -62,13 +62,13 @@ check() {
     printf '=== %s: rc %s, %ss\n' "$name" "$RC" "$SECS" >>"$LOG"
 }
 
-status() { # the status of the last check; NEED_GPUS=2 turns `skipped:` on one GPU into SKIP
+status() { # status [NEED_GPUS]: the last check's; `skipped:` with fewer GPUs than needed is SKIP
     if ((RC == 124 || RC == 137)); then
         echo TIMEOUT
     elif ((RC != 0)); then
         echo FAIL
     elif grep -q 'skipped:' "$STEP_OUT"; then
-        if ((${NEED_GPUS:-1} > GPUS)); then echo SKIP; else echo NO-GPU; fi
+        if ((${1:-1} > GPUS)); then echo SKIP; else echo NO-GPU; fi
     else
         echo ok
     fi
@@ -81,21 +81,19 @@ tests_figure() { # "N passed, M failed" from libtest's result line, and the firs
     echo "${r:-no test result; $(grep -v '^\s*$' "$STEP_OUT" | tail -1 | head -c 160)}"
 }
 
-run_test() { # run_test NAME BINARY NEED_GPUS [FILTER]
+run_test() { # run_test NAME BINARY NEED_GPUS
     local name=$1 bin=$BIN/$2
-    NEED_GPUS=$3
     if [[ ! -x $bin ]]; then
         row "$name" SKIP - 0.0 "no $2 in the bundle (gpu-bundle.list names it; rebuild the bundle)"
         return
     fi
-    check "$name" 180 "$bin" --nocapture --test-threads=1 ${4:+"$4"}
+    check "$name" 180 "$bin" --nocapture --test-threads=1
     local fig
     fig=$(tests_figure)
     local wait
     wait=$(grep -m1 -oE 'data wait per step: median [0-9.]+ ms[^)]*\)' "$STEP_OUT" | head -c 160)
     [[ -n $wait ]] && fig+="; $wait"
-    row "$name" "$(status)" "$RC" "$SECS" "$fig"
-    NEED_GPUS=1
+    row "$name" "$(status "$3")" "$RC" "$SECS" "$fig"
 }
 
 result_figure() { # rank 0's rate and phases, then each comparison with PyTorch
