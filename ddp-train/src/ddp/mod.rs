@@ -366,10 +366,10 @@ impl DistributedDataParallel {
         out
     }
 
-    /// Broadcasts rank 0's buffers to every rank (a no-op when disabled in the options or
-    /// with one rank). Call before each training forward.
+    /// Broadcasts rank 0's buffers to every rank (a no-op when disabled in the options).
+    /// Call before each training forward.
     pub fn broadcast_buffers(&mut self) -> Result<(), DdpError> {
-        if !self.options.broadcast_buffers || self.pg.world_size() == 1 {
+        if !self.options.broadcast_buffers {
             return Ok(());
         }
         tch::no_grad(|| broadcast_tensors(&self.pg, &self.buffers, &self.buffer_buckets))

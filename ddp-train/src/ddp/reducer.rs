@@ -102,11 +102,6 @@ impl Reducer {
         if !self.require_sync {
             return;
         }
-        if self.pg.world_size() == 1 {
-            // Nothing to communicate; only which parameters were used matters.
-            self.ready[k] = true;
-            return;
-        }
         if self.ready[k] {
             self.twice.get_or_insert(k);
             return;
@@ -169,14 +164,10 @@ impl Reducer {
     }
 
     fn finish_step(&mut self) -> Result<(), DdpError> {
+        // A world of one takes the same path, as in PyTorch's DDP: the comm hook sees every
+        // bucket (a compressing hook rounds the gradients), gradients become bucket views
+        // when asked, and one GPU runs the whole CUDA path.
         let world = self.pg.world_size();
-        if world == 1 {
-            let unused: Vec<usize> = (0..self.params.len()).filter(|&k| !self.ready[k]).collect();
-            if !self.options.find_unused_parameters && !unused.is_empty() {
-                return Err(self.unused_error(&unused, &vec![0; self.params.len()]));
-            }
-            return Ok(());
-        }
         let used: Vec<i32> = self.ready.iter().map(|&r| i32::from(r)).collect();
         tch::no_grad(|| {
             for k in 0..self.params.len() {
