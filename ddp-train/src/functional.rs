@@ -22,16 +22,27 @@ use crate::ddp::DdpError;
 /// record the operation.
 pub fn all_reduce_sum(pg: &Arc<ProcessGroup>, t: &Tensor) -> Result<Tensor, DdpError> {
     let mut out = t.detach().contiguous().copy();
-    pg.all_reduce(&mut out, ReduceOp::Sum)?;
+    sum_in_place(pg, &mut out)?;
     let group = pg.clone();
     tch_ext::set_backward(t, &out, move |grad| {
         let mut grad = grad.contiguous().copy();
-        group
-            .all_reduce(&mut grad, ReduceOp::Sum)
+        sum_in_place(&group, &mut grad)
             .map_err(|e| format!("all-reduce of a gradient failed: {e}"))?;
         Ok(grad)
     })?;
     Ok(out)
+}
+
+/// Sums `t` over the ranks, in place. A CUDA tensor's all-reduce is queued on NCCL's stream
+/// and the current stream waits for it, not the host (c10d's `work.wait()` for NCCL), so
+/// the kernels after it are queued at once; a failure of the collective itself (a lost
+/// peer, the timeout) fails the group's next call. A CPU tensor's is a blocking all-reduce.
+fn sum_in_place(pg: &Arc<ProcessGroup>, t: &mut Tensor) -> Result<(), ddp_comm::CommError> {
+    if t.device().is_cuda() {
+        pg.all_reduce_async(t, ReduceOp::Sum).wait_stream()
+    } else {
+        pg.all_reduce(t, ReduceOp::Sum)
+    }
 }
 
 /// A [`StatsReducer`] over a process group: what `Settings::sync_batchnorm` gives every
@@ -40,7 +51,10 @@ pub fn all_reduce_sum(pg: &Arc<ProcessGroup>, t: &Tensor) -> Result<Tensor, DdpE
 /// A forward or backward pass cannot return an error, so a failed collective here is kept
 /// (the first one) and the layer goes on with its own rank's statistics or gradient;
 /// [`GroupReducer::take_error`] returns it, and the Trainer fails the step with it before
-/// the optimizer step.
+/// the optimizer step. On CUDA no layer waits on the host for its statistics (see
+/// [`all_reduce_sum`]); a collective that fails on the device fails the group's next call
+/// (DDP's gradient sync, or a later one), and the group's watchdog aborts one pending past
+/// the timeout, so the waiting stream cannot hang.
 #[derive(Debug)]
 pub struct GroupReducer {
     pg: Arc<ProcessGroup>,
@@ -82,14 +96,14 @@ impl StatsReducer for GroupReducer {
 
     fn all_reduce_sum(&self, t: &Tensor) -> Tensor {
         let mut out = t.detach().contiguous().copy();
-        if let Err(e) = self.pg.all_reduce(&mut out, ReduceOp::Sum) {
+        if let Err(e) = sum_in_place(&self.pg, &mut out) {
             keep(&self.error, e);
             return t.shallow_clone();
         }
         let (group, error) = (self.pg.clone(), self.error.clone());
         let recorded = tch_ext::set_backward(t, &out, move |grad| {
             let mut summed = grad.contiguous().copy();
-            match group.all_reduce(&mut summed, ReduceOp::Sum) {
+            match sum_in_place(&group, &mut summed) {
                 Ok(()) => Ok(summed),
                 Err(e) => {
                     keep(&error, e);

@@ -1,7 +1,11 @@
 //! DDP on CUDA with forward and backward on a pool stream made current (not the default
-//! stream), buckets reduced while backward runs: the gradients equal those of the same step
-//! on the default stream. Needs two GPUs (one rank each: a world of one communicates
-//! nothing); elsewhere it prints `skipped: <reason>`. `cargo xtask gpu-check` runs it.
+//! stream), buckets reduced while backward runs behind a second of queued work: the
+//! gradients equal those of the same step on the default stream. One rank per GPU, up to
+//! four; one GPU (a world of one) runs the same path (hooks on the autograd engine's device
+//! thread, buckets, NCCL, stream waits) but reduces nothing, so only errors show there, and
+//! a misordered bucket shows with two. Also: SyncBatchNorm's all-reduces leave the host
+//! free. Without a GPU each test prints `skipped: <reason>`. `cargo xtask gpu-check` runs
+//! them.
 
 mod common;
 
@@ -10,9 +14,12 @@ use std::time::Duration;
 
 use common::wait_all;
 use ddp_comm::{Backend, Options, ProcessGroup};
+use ddp_model::norm::StatsReducer;
 use ddp_model::{ConvNet, ConvNetConfig};
+use ddp_train::functional::GroupReducer;
 use ddp_train::{DdpOptions, DistributedDataParallel};
 use tch::{nn, Device, Kind, Reduction, Tensor};
+use tch_ext::{CudaEvent, CudaStream};
 
 /// The GPUs to use (one rank each), or why the test is skipped.
 fn gpus() -> Result<usize, String> {
@@ -25,8 +32,28 @@ fn gpus() -> Result<usize, String> {
         Err(e) => return Err(e.to_string()),
     }
     match tch::Cuda::device_count() as usize {
-        n if n >= 2 => Ok(n.min(4)),
-        n => Err(format!("needs 2 CUDA devices, {n} visible")),
+        0 => Err("libtorch sees no CUDA device".into()),
+        n => Ok(n.min(4)),
+    }
+}
+
+/// Queues about `seconds` of 4096x4096 matmuls on the current stream of `device` (measured
+/// first) and returns at once: the host is then far ahead of the device.
+fn keep_busy(device: Device, seconds: f64) {
+    let x = Tensor::randn([4096, 4096], (Kind::Float, device)) / 64.0;
+    for _ in 0..2 {
+        let _ = x.mm(&x);
+    }
+    let stream = CudaStream::current(0).unwrap();
+    stream.synchronize().unwrap();
+    let start = std::time::Instant::now();
+    for _ in 0..8 {
+        let _ = x.mm(&x);
+    }
+    stream.synchronize().unwrap();
+    let each = start.elapsed().as_secs_f64() / 8.0;
+    for _ in 0..(seconds / each).ceil() as usize {
+        let _ = x.mm(&x);
     }
 }
 
@@ -89,9 +116,13 @@ fn worker_pool_stream() {
     let x = Tensor::rand([16, 3, 64, 64], (Kind::Float, device));
     let y = Tensor::rand([16, 8], (Kind::Float, device)).round();
     let on_default = step_gradients(&mut ddp, &net, &params, &x, &y);
-    let stream = tch_ext::CudaStream::from_pool(local, false).unwrap();
+    let stream = CudaStream::from_pool(local, false).unwrap();
     let on_pool = {
         let _guard = tch_ext::set_current_stream(stream).unwrap();
+        // The step's kernels wait behind a second of work while the host queues them and
+        // backward's hooks launch the buckets: a bucket reduced before its gradients landed
+        // would hold stale values.
+        keep_busy(device, 1.0);
         step_gradients(&mut ddp, &net, &params, &x, &y)
     };
     for ((name, _), (a, b)) in params.iter().zip(on_default.iter().zip(&on_pool)) {
@@ -103,8 +134,10 @@ fn worker_pool_stream() {
         );
     }
     println!(
-        "rank {rank}: {} gradients equal on both streams",
-        params.len()
+        "rank {rank}: {} gradients equal on both streams ({} bucket(s), world {})",
+        params.len(),
+        ddp.bucket_sizes().len(),
+        pg.world_size()
     );
 }
 
@@ -130,4 +163,40 @@ fn gradients_on_a_pool_stream_equal_those_on_the_default_stream() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+/// SyncBatchNorm's statistics (`GroupReducer`, through NCCL, here a world of one) are summed
+/// without the host waiting for the work queued before them: the all-reduce returns while a
+/// second of matmuls still runs ahead of it, and its forward and backward values are right.
+#[test]
+fn sync_batchnorm_statistics_leave_the_host_free() {
+    if let Err(reason) = gpus() {
+        println!("skipped: {reason}");
+        return;
+    }
+    let device = Device::Cuda(0);
+    let opts = Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Nccl);
+    let reducer = GroupReducer::new(Arc::new(ProcessGroup::new(opts).unwrap()));
+    // The communicator is created at the first CUDA collective, outside the measurement.
+    let _ = reducer.all_reduce_sum(&Tensor::ones([1], (Kind::Float, device)));
+    let row = Tensor::arange(18, (Kind::Float, device))
+        .view([2, 9])
+        .set_requires_grad(true);
+    let current = CudaStream::current(0).unwrap();
+    current.synchronize().unwrap();
+    keep_busy(device, 1.0);
+    let busy = CudaEvent::new(0).unwrap();
+    busy.record(&current).unwrap();
+    let summed = reducer.all_reduce_sum(&row);
+    assert!(
+        !busy.query().unwrap(),
+        "the statistics' all-reduce waited on the host for the work queued before it"
+    );
+    let expected: Vec<f32> = (0..18).map(|v| v as f32).collect();
+    let values = Vec::<f32>::try_from(summed.to_device(Device::Cpu).view([-1])).unwrap();
+    assert_eq!(values, expected);
+    (&summed * 3.0).sum(Kind::Float).backward();
+    let grad = Vec::<f32>::try_from(row.grad().to_device(Device::Cpu).view([-1])).unwrap();
+    assert_eq!(grad, vec![3.0f32; 18]);
+    assert!(reducer.take_error().is_none());
 }

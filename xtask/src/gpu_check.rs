@@ -12,8 +12,10 @@
 //!    comes is aborted, not destroyed (`nccl_peers.rs`; it says `skipped:` on one),
 //! 2. the NCCL all-reduce bandwidth sweep (one rank per GPU),
 //! 3. tch-ext's CUDA tests (streams, events, hooks on CUDA parameters), and DDP's gradients
-//!    with forward and backward on a pool stream against the default stream (ddp-train's
-//!    `cuda_streams`; it needs two GPUs and says `skipped:` with one),
+//!    with forward and backward on a pool stream, behind a second of queued work, against
+//!    the default stream (ddp-train's `cuda_streams`, one rank per GPU: with one GPU the
+//!    whole path runs, but a world of one reduces nothing, so only errors show), where
+//!    SyncBatchNorm's all-reduces must also leave the host free,
 //! 4. ddp-data's CUDA tests and its ring tests: batches on `cuda:0` equal the CPU path's, also
 //!    with a pool stream current (`cuda_batches_follow_the_current_stream`), and a consumer
 //!    that holds the GPU for five batches' decoding time per step waits less than a quarter
