@@ -117,6 +117,10 @@ fn nccl_async_all_reduce_is_ordered_after_its_producer() {
         let (rank, n) = rank_world();
         let mut works = Vec::new();
         let mut tensors = Vec::new();
+        // Half a second of work ahead of the producers: an all-reduce that did not wait for
+        // its input would reduce unfinished ones (with two ranks or more; one rank's sum is
+        // its input).
+        keep_busy(device, 0.5);
         for i in 0..8 {
             // A chain of kernels on the default stream produces the input.
             let mut t = Tensor::zeros([4 << 20], (Kind::Float, device));

@@ -232,6 +232,9 @@ impl ProcessGroup {
                 detail: "CUDA tensors need the NCCL backend".into(),
             });
         }
+        // The barrier keeps its place among the CPU collectives queued before it (which
+        // the communication thread may still be running), as every blocking one does.
+        self.drain();
         lock(&self.cpu).barrier()?;
         let id = if self.world_size == 1 {
             nccl::unique_id()?
@@ -638,9 +641,16 @@ impl DeviceWork for CudaWork {
     }
 
     fn is_completed(&self) -> bool {
-        self.group
-            .with_comm(|c| Ok(c.work_completed(&self.work)))
-            .unwrap_or(true)
+        // Never blocks: while another thread's call holds the communicator (a blocking
+        // collective may hold it up to the timeout), the answer is "not yet".
+        match self.group.nccl.try_lock() {
+            Ok(mut guard) => guard.as_mut().is_none_or(|c| c.work_completed(&self.work)),
+            Err(std::sync::TryLockError::Poisoned(p)) => p
+                .into_inner()
+                .as_mut()
+                .is_none_or(|c| c.work_completed(&self.work)),
+            Err(std::sync::TryLockError::WouldBlock) => false,
+        }
     }
 }
 

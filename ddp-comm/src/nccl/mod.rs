@@ -30,8 +30,9 @@
 //! pending past the timeout abort the communicator too, which catches the ones that only a
 //! stream waits for. A communicator dropped with
 //! collectives pending is aborted, never destroyed (`ncclCommDestroy` would wait for them,
-//! forever if a peer is gone); the tensors of collectives still running then are leaked
-//! rather than handed back to the allocator under a running kernel.
+//! forever if a peer is gone), once they have made no progress for a few seconds; the
+//! tensors of collectives still running then are leaked rather than handed back to the
+//! allocator under a running kernel.
 //!
 //! **Init.** The communicator is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`):
 //! init returns at once, possibly with `ncclInProgress`, and this rank polls
@@ -609,11 +610,26 @@ impl NcclComm {
         }
         // SAFETY: the caller guarantees the buffers; `side` is this communicator's stream.
         let rc = unsafe { self.issue(buf, op, side.as_raw()) };
-        self.issued(op.call(), op.name(), rc, start)?;
-        let done = match self.record(side.as_raw()) {
+        let accepted = rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress;
+        let done = self.issued(op.call(), op.name(), rc, start).and_then(|()| {
+            match self.record(side.as_raw()) {
+                Ok(done) => Ok(done),
+                // Without its end event nothing could tell when the collective is done.
+                Err(e) => Err(self.abort(e)),
+            }
+        });
+        let done = match done {
             Ok(done) => done,
-            // Without its end event nothing could tell when the collective is done.
-            Err(e) => return Err(self.abort(e)),
+            Err(e) => {
+                if accepted {
+                    // NCCL took the collective (its kernel may be queued, or launched
+                    // later by NCCL's own thread) before the communicator was aborted:
+                    // nothing tells when the kernel stops using the tensors, so they are
+                    // leaked rather than handed back to the allocator under it.
+                    std::mem::forget(keep);
+                }
+                return Err(e);
+            }
         };
         let id = self.inflight.push(op.name(), start, done, keep);
         Ok(NcclWork {
@@ -667,14 +683,49 @@ pub(crate) struct NcclWork {
     start: Instant,
 }
 
+/// How long a communicator being dropped waits for its pending collectives to make
+/// progress before it aborts them.
+const DROP_GRACE: Duration = Duration::from_secs(5);
+
+impl NcclComm {
+    /// Waits while the pending collectives keep completing: it returns once none is pending,
+    /// when none has completed for [`DROP_GRACE`] (or the op timeout, if shorter), or when
+    /// NCCL reports an error (the communicator is then aborted). A program that drops its
+    /// group right after a step whose buckets only a stream waited for has collectives
+    /// still running that its peers are in too; aborting them would leave the peers to
+    /// their timeout.
+    fn let_pending_finish(&mut self) {
+        let grace = DROP_GRACE.min(self.timeout);
+        let mut pending = self.inflight.pending();
+        let mut progress = Instant::now();
+        let mut pause = Duration::from_micros(20);
+        while pending > 0 && progress.elapsed() < grace {
+            if self.check_async("drop").is_err() {
+                return;
+            }
+            std::thread::sleep(pause);
+            pause = next_pause(pause);
+            self.inflight.retire_completed();
+            if self.inflight.pending() < pending {
+                pending = self.inflight.pending();
+                progress = Instant::now();
+            }
+        }
+    }
+}
+
 impl Drop for NcclComm {
     fn drop(&mut self) {
         self.inflight.retire_completed();
+        if !self.inflight.is_aborted() {
+            self.let_pending_finish();
+        }
         if self.inflight.is_aborted() {
             // Already gone.
         } else if self.inflight.pending() > 0 {
             // `ncclCommDestroy` would wait for the pending collectives, forever if a peer
-            // is gone: abort, as PyTorch does with a communicator that may have work.
+            // is gone: abort, as PyTorch does with a communicator that may have work (they
+            // made no progress for the grace period).
             self.abort(CommError::Poisoned(
                 "the process group was dropped with collectives in flight".into(),
             ));
