@@ -19,7 +19,9 @@ use crate::TchExtError;
 /// `backward` is dropped.
 ///
 /// `backward` runs on the thread that runs the backward pass (CPU tensors) or on autograd's
-/// worker thread for the device (CUDA tensors), hence `Send + Sync`. When it returns an error
+/// worker thread for the device (CUDA tensors), hence `Send + Sync`; for CUDA tensors with the
+/// stream current that was current at the call to `set_backward`, on which the incoming
+/// gradient is ready and the returned one must be. When it returns an error
 /// or panics, the backward pass fails with that error (tch's `f_backward` returns it). It is
 /// dropped with the graph that holds it.
 ///

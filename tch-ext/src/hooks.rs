@@ -21,8 +21,11 @@ use crate::TchExtError;
 /// else (an index, a channel) instead.
 ///
 /// The hook runs on the thread that runs the backward pass (CPU tensors) or on autograd's
-/// worker thread for the tensor's device (CUDA tensors), hence `Send + Sync`. It may set or
-/// clear its own hook. Setting or clearing a tensor's hook from another thread while a
+/// worker thread for the tensor's device (CUDA tensors), hence `Send + Sync`. For a CUDA
+/// tensor the engine makes current, while the hook runs, the stream that was current when a
+/// forward pass first used the parameter since its last backward (the stream of its
+/// gradient accumulator): the gradient is ready on that stream. It may set or clear its own
+/// hook. Setting or clearing a tensor's hook from another thread while a
 /// backward pass is running through that tensor is a data race in libtorch itself (PyTorch
 /// avoids it with the GIL): don't.
 ///

@@ -76,9 +76,21 @@ fn stream_guard_sets_and_restores_the_current_stream() {
     {
         let _guard = set_current_stream(side).unwrap();
         assert_eq!(CudaStream::current(0).unwrap(), side);
-        // libtorch queues kernels on the current stream.
+        // libtorch queues kernels on the current stream: tens of milliseconds of matmuls
+        // keep the side stream busy (had they gone to another stream, it would be idle).
+        let a = Tensor::randn([4096, 4096], (Kind::Float, Device::Cuda(0))) / 64.0;
+        side.synchronize().unwrap();
+        let mut b = a.shallow_clone();
+        for _ in 0..10 {
+            b = b.mm(&a);
+        }
+        assert!(
+            !side.query().unwrap(),
+            "the kernels were not queued on the side stream"
+        );
         let x = Tensor::ones([1024], (Kind::Float, Device::Cuda(0))) * 2.0;
         side.synchronize().unwrap();
+        assert!(side.query().unwrap());
         assert_eq!(x.sum(Kind::Float).double_value(&[]), 2048.0);
     }
     assert_eq!(CudaStream::current(0).unwrap(), before);
@@ -185,4 +197,52 @@ fn hooks_on_cuda_parameters_run_on_autograd_device_thread() {
         std::thread::current().id(),
         "CUDA hooks run on autograd's thread"
     );
+}
+
+/// The autograd engine runs a parameter's hook, and a custom backward, on its device thread
+/// with the stream current that was current when the forward used the parameter (the
+/// node's stream): DDP's buckets are ordered after the gradients because of this.
+#[test]
+fn hooks_and_custom_backwards_run_on_the_forward_stream() {
+    if !gpu() {
+        return;
+    }
+    let side = CudaStream::from_pool(0, false).unwrap();
+    let default = CudaStream::current(0).unwrap();
+    assert_ne!(default, side);
+    let w = Tensor::from_slice(&[1.0f32, 2.0])
+        .to_device(Device::Cuda(0))
+        .set_requires_grad(true);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (in_hook, in_backward) = (seen.clone(), seen.clone());
+    tch_ext::set_post_accumulate_grad_hook(&w, move |_| {
+        in_hook
+            .lock()
+            .unwrap()
+            .push(("hook", CudaStream::current(0).unwrap()));
+    })
+    .unwrap();
+    let guard = set_current_stream(side).unwrap();
+    let x = Tensor::from_slice(&[3.0f32, -4.0]).to_device(Device::Cuda(0));
+    let y = &w * &x;
+    let out = y.detach() * 2.0;
+    tch_ext::set_backward(&y, &out, move |grad| {
+        in_backward
+            .lock()
+            .unwrap()
+            .push(("backward", CudaStream::current(0).unwrap()));
+        Ok(grad * 2.0)
+    })
+    .unwrap();
+    drop(guard);
+    // backward() is called with the default stream current.
+    out.sum(Kind::Float).backward();
+    let seen = seen.lock().unwrap();
+    assert_eq!(
+        *seen,
+        [("backward", side), ("hook", side)],
+        "the default stream is {default:?}"
+    );
+    let grad = Vec::<f32>::try_from(w.grad().to_device(Device::Cpu)).unwrap();
+    assert_eq!(grad, [6.0, -8.0]);
 }
