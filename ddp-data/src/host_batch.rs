@@ -199,8 +199,8 @@ impl HostBatch {
     }
 
     /// Every sample's input as final `f32` values: bytes go through the layout's affine map
-    /// (as the device would convert them), `i64` values are converted with `as`. Allocates;
-    /// for checks and small batches.
+    /// and their padding positions hold the padding value (as the device would convert
+    /// them), `i64` values are converted with `as`. Allocates; for checks and small batches.
     pub fn input_values(&self) -> Vec<f32> {
         match self.input() {
             InputRef::F32(v) => v.to_vec(),
@@ -212,6 +212,13 @@ impl HostBatch {
                 if let Some(affine) = &layout.bytes {
                     for (src, dst) in bytes.chunks(n).zip(out.chunks_mut(n)) {
                         affine.apply(src, dst);
+                    }
+                }
+                // The padding's byte is a placeholder: the value need not be a byte, and the
+                // map would move it.
+                if let (Some(padding), Some(lengths)) = (layout.padding, self.lengths()) {
+                    for (dst, &len) in out.chunks_mut(n).zip(lengths) {
+                        dst[len as usize * layout.step_len()..].fill(padding.value as f32);
                     }
                 }
                 out
@@ -280,5 +287,44 @@ impl PartialEq for HostBatch {
             && self.input() == other.input()
             && self.targets() == other.targets()
             && self.lengths() == other.lengths()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use crate::loader::{HostLoader, LoaderConfig};
+    use crate::memory::HeapAllocator;
+    use crate::sample::{Padding, Storage};
+    use crate::tensor_dataset::{Array, TensorDataset};
+
+    use super::*;
+
+    /// The values of a padded batch in byte slots hold the padding value at the padding
+    /// positions, as a batch of `f32` slots does: the padding's byte (-1 as `u8` is 0) is
+    /// not converted.
+    #[test]
+    fn input_values_of_padded_bytes_hold_the_padding_value() {
+        let set = TensorDataset::sequences(
+            vec![vec![1u8, 2, 3], vec![4]],
+            Array::from(vec![0i64, 1]),
+            Padding {
+                value: -1.0,
+                to: PadTo::Longest,
+            },
+        )
+        .unwrap();
+        let want = [4.0, -1.0, -1.0, 1.0, 2.0, 3.0];
+        for storage in [Storage::F32, Storage::U8] {
+            let config = LoaderConfig::new(2);
+            let allocator = Arc::new(HeapAllocator);
+            let mut loader =
+                HostLoader::with_storage(set.clone(), vec![1, 0], &config, storage, allocator)
+                    .unwrap();
+            let batch = loader.next().unwrap().unwrap();
+            assert_eq!(batch.storage(), storage);
+            assert_eq!(batch.input_values(), want, "{storage:?}");
+        }
     }
 }

@@ -251,6 +251,9 @@ fn finish_sample(
     }
     let from = len * layout.step_len();
     match input {
+        // A placeholder: whoever converts the bytes writes the padding value itself
+        // (`Loader`, `HostBatch::input_values`), since it need not be a byte and the affine
+        // map would move it.
         Input::U8(v) => v[from..].fill(padding.value as u8),
         Input::F32(v) => v[from..].fill(padding.value as f32),
         Input::I64(v) => v[from..].fill(padding.value as i64),

@@ -138,13 +138,27 @@ fn dims(len: usize, shape: &[usize]) -> Vec<i64> {
         .collect()
 }
 
-/// A padded batch's inputs cut to its padded length along the first sample axis (a view).
-fn trim(inputs: Tensor, host: &HostBatch) -> Result<Tensor, DataError> {
-    let layout = host.layout();
-    if layout.padding.is_none() {
-        return Ok(inputs);
-    }
-    Ok(inputs.f_narrow(1, 0, host.padded_len() as i64)?)
+/// The length a padded batch's inputs are cut to along the first sample axis; `None` for a
+/// layout without padding.
+fn padded_len(host: &HostBatch) -> Option<usize> {
+    host.layout().padding.map(|_| host.padded_len())
+}
+
+/// Sets the positions of `inputs` (`[B, L, ...]`) at or past each sample's length
+/// (`lengths`, `[B]`, on the same device) to `value`, in place, on their device.
+fn fill_padding(inputs: &mut Tensor, lengths: &Tensor, value: f64) -> Result<(), DataError> {
+    let size = inputs.size();
+    let positions = Tensor::f_arange(size[1], (Kind::Int64, inputs.device()))?;
+    // `[B, L]`, then `[B, L, 1, ...]` to broadcast over each position's values.
+    let mut mask_shape = vec![1i64; size.len()];
+    mask_shape[..2].copy_from_slice(&size[..2]);
+    let padding = positions
+        .f_unsqueeze(0)?
+        .f_ge_tensor(&lengths.f_unsqueeze(1)?)?
+        .f_reshape(mask_shape.as_slice())?;
+    // The returned tensor is `inputs` itself.
+    let _ = inputs.f_masked_fill_(&padding, value)?;
+    Ok(())
 }
 
 /// Allocates slots as CPU tensors.
@@ -179,6 +193,18 @@ impl SlotAllocator for TensorAllocator {
 struct DeviceAffine {
     scale: Tensor,
     bias: Option<Tensor>,
+}
+
+impl DeviceAffine {
+    /// `inputs` (`[B, ...shape]` bytes) as `f32`, on their device.
+    fn apply(&self, inputs: &Tensor) -> Result<Tensor, DataError> {
+        // Multiplication, then addition: two roundings, as `Affine::apply` does on the host.
+        let scaled = inputs.f_to_kind(Kind::Float)?.f_mul(&self.scale)?;
+        Ok(match &self.bias {
+            Some(bias) => scaled.f_add(bias)?,
+            None => scaled,
+        })
+    }
 }
 
 /// The batch loader: one epoch of `indices` of a [`Dataset`] as [`Batch`]es of tensors on a
@@ -221,8 +247,9 @@ struct DeviceAffine {
 /// loader waits for it before the slot is freed. The ring hands out the slot given back
 /// longest ago, whose copy has usually completed, and the wait holds no lock, so while one
 /// worker waits for the GPU the others keep decoding into other slots. Conversion to `f32`
-/// (`byte * scale + bias`, per channel, as the data set's [`Affine`](crate::Affine) says) is
-/// queued on the device behind the copy. Nothing waits for the GPU on the training thread.
+/// (`byte * scale + bias`, per channel, as the data set's [`Affine`](crate::Affine) says), and
+/// for a padded layout the padding value at the padding positions, is queued on the device
+/// behind the copy. Nothing waits for the GPU on the training thread.
 ///
 /// **Ordering relied on.** libtorch queues every copy and kernel of a device on the calling
 /// thread's current stream of that device: the legacy default stream (`cudaStream_t` null)
@@ -230,8 +257,12 @@ struct DeviceAffine {
 /// the conversion are queued on the current stream of the thread that calls
 /// [`Iterator::next`], and the slot's event is recorded on that same stream right after the
 /// copies, so it completes exactly when they have, whichever stream it is. The training step
-/// that reads the batch must run on that stream too (or make its own stream wait for it), as
-/// with any `non_blocking` copy in PyTorch. Taking the next batch before running the current
+/// that reads the batch must run on that stream too: the current stream of the thread that
+/// calls [`Iterator::next`]. Making another stream wait for it is not enough: the batch's
+/// tensors are allocated by libtorch's caching allocator on that stream, and when they are
+/// freed the allocator may hand their memory to the next batch's copies on that stream at
+/// once, while the other stream still reads them (PyTorch's `record_stream` exists for that
+/// pattern; this loader offers none). Taking the next batch before running the current
 /// step (as the `ddp-train` trainer does) puts its copy in the queue ahead of the step, so the
 /// GPU never waits for the host to start it.
 #[derive(Debug)]
@@ -290,8 +321,12 @@ impl<D: Dataset> Loader<D> {
         };
         let affine = match (&layout.bytes, storage) {
             (Some(a), Storage::U8) => {
+                // `[1, channels, 1, ...]` against `[B, ...shape]` inputs; `[1]` for scalar
+                // samples (`[B]` inputs, one channel).
                 let mut shape = vec![1i64; layout.shape.len() + 1];
-                shape[1] = a.scale.len() as i64;
+                if let Some(channels) = shape.get_mut(1) {
+                    *channels = a.scale.len() as i64;
+                }
                 let scale = Tensor::f_from_slice(&a.scale)?
                     .f_view(shape.as_slice())?
                     .f_to_device(device)?;
@@ -337,15 +372,28 @@ impl<D: Dataset> Loader<D> {
         &self.host
     }
 
-    fn convert(&self, inputs: Tensor) -> Result<Tensor, DataError> {
-        let Some(affine) = &self.affine else {
-            return Ok(inputs);
-        };
-        // Multiplication, then addition: two roundings, as `Affine::apply` does on the host.
-        let scaled = inputs.f_to_kind(Kind::Float)?.f_mul(&affine.scale)?;
-        Ok(match &affine.bias {
-            Some(bias) => scaled.f_add(bias)?,
-            None => scaled,
+    /// A batch's final inputs from its slot's `[B, ...shape]` inputs (at the maximum length
+    /// for a padded layout), on the batch's device. Bytes are converted over the full width,
+    /// since a map per position of the first axis spans the maximum length; their padding
+    /// positions are then set to the padding value, since the byte the workers put there is
+    /// only a placeholder (the value need not be a byte, and the map would move it). Last,
+    /// a padded batch is cut to its `padded_len` (a view).
+    fn finish_inputs(
+        &self,
+        inputs: Tensor,
+        lengths: Option<&Tensor>,
+        padded_len: Option<usize>,
+    ) -> Result<Tensor, DataError> {
+        let mut inputs = inputs;
+        if let Some(affine) = &self.affine {
+            inputs = affine.apply(&inputs)?;
+            if let (Some(padding), Some(lengths)) = (self.host.layout().padding, lengths) {
+                fill_padding(&mut inputs, lengths, padding.value)?;
+            }
+        }
+        Ok(match padded_len {
+            Some(l) => inputs.f_narrow(1, 0, l as i64)?,
+            None => inputs,
         })
     }
 
@@ -366,7 +414,7 @@ impl<D: Dataset> Loader<D> {
             Some(_) => Some(lock(&memory.lengths).f_narrow(0, 0, len)?),
             None => None,
         };
-        let mut inputs = self.convert(trim(inputs, &host)?)?;
+        let mut inputs = self.finish_inputs(inputs, lengths.as_ref(), padded_len(&host))?;
         if self.device != Device::Cpu {
             // A device with neither zero-copy nor pinned staging (MPS, Vulkan): copy.
             inputs = inputs.f_to_device(self.device)?;
@@ -390,13 +438,14 @@ impl<D: Dataset> Loader<D> {
         })?;
         events.make_current()?;
         let copies = copy_to(&host, self.device);
+        let padded_len = padded_len(&host);
         let ((inputs, targets, lengths), indices) =
             hand_back(host, copies, |slot| match events.record(slot) {
                 Ok(hook) => (hook, None),
                 Err(e) => (events.device_wait(), Some(e)),
             })?;
         Ok(Batch {
-            inputs: self.convert(inputs)?,
+            inputs: self.finish_inputs(inputs, lengths.as_ref(), padded_len)?,
             targets,
             lengths,
             indices,
@@ -427,7 +476,7 @@ fn hand_back<T>(
 }
 
 /// Queues the copies of `host`'s inputs, targets and (for padded layouts) lengths from its
-/// page-locked slot to `device`, asynchronously; the inputs are cut to the padded length.
+/// page-locked slot to `device`, asynchronously; the inputs at the layout's maximum length.
 fn copy_to(
     host: &HostBatch,
     device: Device,
@@ -467,7 +516,7 @@ fn copy_to(
         };
         (inputs, targets, lengths)
     };
-    Ok((trim(inputs, host)?, targets, lengths))
+    Ok((inputs, targets, lengths))
 }
 
 impl<D: Dataset> Iterator for Loader<D> {

@@ -10,7 +10,8 @@ use ddp_data::odir::transform::Transform;
 use ddp_data::odir::{OdirDataset, OdirImages, OdirOptions};
 use ddp_data::rng::SampleRng;
 use ddp_data::{
-    DataError, Dataset, HostLoader, Loader, LoaderConfig, SampleLayout, SampleOut, Storage,
+    Affine, Array, DataError, Dataset, HostLoader, Loader, LoaderConfig, PadTo, Padding,
+    SampleLayout, SampleOut, Storage, TensorDataset,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -147,6 +148,110 @@ fn byte_batches_converted_by_libtorch_equal_the_f32_batches() {
     }
 }
 
+/// Each CPU batch of `set` over `indices` in slots of `storage`: its input's shape and values.
+fn cpu_inputs(
+    set: &TensorDataset,
+    indices: &[usize],
+    batch_size: usize,
+    storage: Storage,
+) -> Vec<(Vec<i64>, Vec<f32>)> {
+    let config = LoaderConfig {
+        workers: 2,
+        ..LoaderConfig::new(batch_size)
+    };
+    Loader::with_storage(set.clone(), indices.to_vec(), &config, Device::Cpu, storage)
+        .unwrap()
+        .map(|b| {
+            let b = b.unwrap();
+            let x = b.inputs();
+            (x.size(), Vec::try_from(x.flatten(0, -1)).unwrap())
+        })
+        .collect()
+}
+
+/// Scalar byte samples (shape `[]`, with the identity byte form `TensorDataset` gives bytes)
+/// become `[B]` batches, the same through byte slots as through `f32` ones.
+#[test]
+fn scalar_byte_samples_give_the_f32_batches_through_bytes() {
+    let set = TensorDataset::new(
+        Array::new(vec![0u8, 1, 2], [3]).unwrap(),
+        Array::from(vec![0i64, 1, 2]),
+    )
+    .unwrap();
+    assert_eq!(set.layout().shape, Vec::<usize>::new());
+    let want = vec![(vec![2], vec![2.0, 0.0]), (vec![1], vec![1.0])];
+    assert_eq!(cpu_inputs(&set, &[2, 0, 1], 2, Storage::F32), want);
+    assert_eq!(cpu_inputs(&set, &[2, 0, 1], 2, Storage::U8), want);
+}
+
+/// Byte sequences padded with -1: the padding positions of a batch from byte slots hold -1,
+/// as those of the `f32` batch do, not the padding's byte (-1 as `u8` is 0) converted.
+#[test]
+fn padded_byte_sequences_hold_the_padding_value() {
+    let sequences = vec![vec![1u8, 2, 3], vec![4], vec![5, 6]];
+    for (to, want) in [
+        (
+            PadTo::Longest,
+            vec![
+                (vec![2, 2], vec![4.0, -1.0, 5.0, 6.0]),
+                (vec![1, 3], vec![1.0, 2.0, 3.0]),
+            ],
+        ),
+        (
+            PadTo::Fixed,
+            vec![
+                (
+                    vec![2, 4],
+                    vec![4.0, -1.0, -1.0, -1.0, 5.0, 6.0, -1.0, -1.0],
+                ),
+                (vec![1, 4], vec![1.0, 2.0, 3.0, -1.0]),
+            ],
+        ),
+    ] {
+        let set = TensorDataset::sequences(
+            sequences.clone(),
+            Array::from(vec![0i64, 1, 2]),
+            Padding { value: -1.0, to },
+        )
+        .unwrap()
+        .max_len(4)
+        .unwrap();
+        assert_eq!(
+            cpu_inputs(&set, &[1, 2, 0], 2, Storage::F32),
+            want,
+            "{to:?}"
+        );
+        assert_eq!(cpu_inputs(&set, &[1, 2, 0], 2, Storage::U8), want, "{to:?}");
+    }
+}
+
+/// A per-position affine map (one scale and bias per position of the longest sequence)
+/// converts batches padded to a shorter length: each position gets its own scale, and the
+/// padding stays the padding value.
+#[test]
+fn per_position_affine_converts_sequences_padded_to_the_longest_of_the_batch() {
+    let set = TensorDataset::sequences(
+        vec![vec![1u8, 2, 3], vec![4], vec![5, 6]],
+        Array::from(vec![0i64, 1, 2]),
+        Padding {
+            value: -1.0,
+            to: PadTo::Longest,
+        },
+    )
+    .unwrap()
+    .with_affine(Affine {
+        scale: vec![0.5, 2.0, 4.0],
+        bias: vec![1.0, 0.0, -1.0],
+    })
+    .unwrap();
+    let want = vec![
+        (vec![2, 2], vec![3.0, -1.0, 3.5, 12.0]),
+        (vec![1, 3], vec![1.5, 4.0, 11.0]),
+    ];
+    assert_eq!(cpu_inputs(&set, &[1, 2, 0], 2, Storage::F32), want);
+    assert_eq!(cpu_inputs(&set, &[1, 2, 0], 2, Storage::U8), want);
+}
+
 /// On a machine with a GPU: batches arrive on `cuda:0` with the CPU path's values; without
 /// one the test says why it skipped.
 #[test]
@@ -227,6 +332,9 @@ fn cuda_batches_follow_the_current_stream() {
         // The values are read once every batch was taken (and its slot given back).
         inputs.push(batch.unwrap().inputs().shallow_clone());
     }
+    // Dropped with copies still queued behind the busy stream: its slots are freed only once
+    // those copies are done, so the batches keep their values.
+    drop(gpu);
     assert_eq!(inputs.len(), cpu.len());
     for (n, (g, c)) in inputs.iter().zip(&cpu).enumerate() {
         assert!(
