@@ -16,7 +16,9 @@
 //! that floor the ring would stay at `prefetch` slots and the only free one would always be
 //! the one whose copy waits behind the running step: each new batch would wait for the GPU.
 //! With it, the oldest free slot's copy was queued before the previous step, which the
-//! consumer has waited for (its loss) before taking the current batch.
+//! consumer has waited for (its loss) before taking the current batch. When such an
+//! allocation fails (page-locking refused, say), the hooked slot is taken after all and the
+//! ring grows no further that way: a wait in a hook costs time, a failed epoch costs the run.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -90,6 +92,9 @@ pub(crate) struct State {
     pub(crate) preparing: usize,
     /// Of those, allocations.
     pub(crate) allocating: usize,
+    /// An allocation made to spare a wait in a free slot's hook failed: the ring reuses
+    /// hooked slots from then on, whatever its size.
+    pub(crate) growth_failed: bool,
     /// Batch number -> slot, for batches being filled or finished but not handed out.
     pub(crate) filling: HashMap<usize, usize>,
     /// An error that ends the epoch wherever it happens (a slot that cannot be allocated or
@@ -110,6 +115,7 @@ impl State {
             free: VecDeque::new(),
             preparing: 0,
             allocating: 0,
+            growth_failed: false,
             filling: HashMap::new(),
             fatal: None,
             live_workers: workers,
@@ -153,8 +159,9 @@ impl Ring {
     }
 
     /// The slot batch `batch` (of `len` samples) is written into: the one it already has, or
-    /// else the oldest free slot (unless its hook has yet to run and the ring is below
-    /// `warm_slots`), or else a new one from `allocator`. A free slot's hook, and an
+    /// else the oldest free slot (unless its hook has yet to run, the ring is below
+    /// `warm_slots` and no allocation in its place has failed), or else a new one from
+    /// `allocator` (the hooked free slot after all if that fails). A free slot's hook, and an
     /// allocation, run with the lock released (the returned guard is a fresh one); while
     /// another worker does either and no slot is free, this one waits for it. `Ok(None)`
     /// when the loader stops meanwhile; an error leaves the slot it concerns out of the ring.
@@ -173,7 +180,8 @@ impl Ring {
                 return (state, Ok(Some(s)));
             }
             let front = state.free.front().copied();
-            let cold = state.slots.len() + state.allocating < self.warm_slots;
+            let cold =
+                !state.growth_failed && state.slots.len() + state.allocating < self.warm_slots;
             // Below the warm size, a new slot rather than a wait in a hook.
             let taken = front.filter(|&s| !(cold && state.slots[s].before_reuse.is_some()));
             let Some(s) = taken else {
@@ -181,6 +189,8 @@ impl Ring {
                     state = self.wait(state);
                     continue;
                 }
+                // A free slot was passed over (its hook pending) for this allocation.
+                let optional = front.is_some();
                 state.preparing += 1;
                 state.allocating += 1;
                 drop(state);
@@ -195,6 +205,11 @@ impl Ring {
                         let s = state.slots.len() - 1;
                         state.free.push_front(s);
                     }
+                    // The new slot was only to spare a wait in the free slot's hook: waiting
+                    // there is slower but correct, so the epoch goes on in the slots the ring
+                    // has (page-locking may fail for good, e.g. at the locked-memory limit),
+                    // and the ring stops growing rather than fail the same way each batch.
+                    Err(_) if optional => state.growth_failed = true,
                     Err(e) => return (state, Err(e)),
                 }
                 continue;

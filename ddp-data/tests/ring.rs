@@ -313,3 +313,76 @@ fn a_slot_whose_hook_failed_at_drop_is_never_freed() {
     assert!(seen.iter().any(|e| e == "free 1"), "{seen:?}");
     assert!(!seen.iter().any(|e| e == "free 0"), "{seen:?}");
 }
+
+/// Heap slots, except that the allocator's `fail_on`-th call fails as a refused
+/// `cudaHostRegister` would; every call is logged as `allocate N`.
+#[derive(Debug)]
+struct FailingAllocator {
+    calls: Mutex<usize>,
+    fail_on: usize,
+    log: Log,
+}
+
+impl SlotAllocator for FailingAllocator {
+    fn allocate(&self, request: &SlotRequest) -> Result<Box<dyn BatchMemory>, DataError> {
+        let mut calls = self.calls.lock().unwrap();
+        *calls += 1;
+        self.log.lock().unwrap().push(format!("allocate {calls}"));
+        if *calls == self.fail_on {
+            return Err(DataError::Cuda {
+                call: "cudaHostRegister",
+                message: "out of memory".to_string(),
+            });
+        }
+        Ok(Box::new(HeapMemory::new(request)?))
+    }
+}
+
+/// While the ring is below `prefetch + 2` slots it allocates a new slot rather than reuse
+/// a free one whose hook has yet to run. When that allocation fails, the hooked slot is
+/// used instead (its hook run first), and the ring grows no further: the epoch finishes with
+/// every batch, in order, in the two slots it has.
+#[test]
+fn a_failed_allocation_falls_back_to_a_hooked_free_slot() {
+    let log = Log::default();
+    let ramp = Ramp {
+        len: 8,
+        log: log.clone(),
+    };
+    let allocator = Arc::new(FailingAllocator {
+        calls: Mutex::new(0),
+        fail_on: 3,
+        log: log.clone(),
+    });
+    let loader = HostLoader::with_storage(
+        ramp,
+        (0..8).collect(),
+        &one_per_batch(1, 1),
+        Storage::F32,
+        allocator,
+    )
+    .unwrap();
+    let (mut values, mut slots) = (Vec::new(), Vec::new());
+    for batch in loader {
+        let batch = batch.unwrap();
+        values.push(batch.input_f32().unwrap()[0]);
+        let slot = batch.slot();
+        slots.push(slot);
+        let hook_log = log.clone();
+        batch.release_after(Box::new(move || {
+            hook_log.lock().unwrap().push(format!("hook {slot}"));
+            Ok(())
+        }));
+    }
+    assert_eq!(values, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]);
+    assert_eq!(slots, [0, 1, 0, 1, 0, 1, 0, 1]);
+    let seen = entries(&log);
+    let allocations: Vec<_> = seen.iter().filter(|e| e.starts_with("allocate")).collect();
+    assert_eq!(
+        allocations,
+        ["allocate 1", "allocate 2", "allocate 3"],
+        "{seen:?}"
+    );
+    let at = |e: &str| seen.iter().position(|x| x == e).unwrap();
+    assert!(at("hook 0") < at("write 2"), "{seen:?}");
+}
