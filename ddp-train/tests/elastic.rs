@@ -581,8 +581,9 @@ fn a_torchrun_elastic_job_that_loses_a_node_continues_with_the_samples_left() {
 /// first agent sees the node waiting, stops its rank (SIGTERM: an agreed stop with a
 /// checkpoint, exit code 75) and meets the new node in the next round; both ranks then
 /// continue the stopped run from its checkpoint at 2 x 16 with exactly the samples the
-/// interrupted epoch had left. Every epoch trains every sample once, whichever step the
-/// second node arrives at.
+/// interrupted epoch had left, its last step filled from the order's start when they do not
+/// fill 2 x 16 (the step the second node arrives at depends on timing). Every later epoch
+/// trains every sample once.
 ///
 /// torchrun shares its rendezvous store with the workers by default and publishes that
 /// store's address only in a node's first round, so a node that joins later never learns it
@@ -639,25 +640,57 @@ fn a_torchrun_elastic_job_that_gains_a_node_continues_on_both_with_the_samples_l
         .collect();
     assert_eq!(changed.len(), 1, "{m:?}");
     assert_eq!(changed[0]["allocation_change"]["from"]["world_size"], 1);
-    println!(
-        "the second node arrived after {} samples of epoch {}",
-        changed[0]["allocation_change"]["consumed"], changed[0]["epoch"]
-    );
+    let consumed = changed[0]["allocation_change"]["consumed"]
+        .as_u64()
+        .unwrap() as usize;
+    assert_eq!(changed[0]["epoch"], 1);
+    println!("the second node arrived after {consumed} samples of epoch 1");
 
-    // Three processes (the first start, then both ranks of the second round); nothing
-    // trained twice, nothing left out.
+    // Three processes (the first start, then both ranks of the second round). Epoch 1: the
+    // steps the first rank took (16 samples each, the first positions of the epoch's order)
+    // and the rest of the epoch on two ranks: each sample left once, and, when they do not
+    // fill the last step of 2 x 16, as many positions from the order's start as it lacks
+    // (as PyTorch's DistributedSampler pads; the resume warning says how many).
     let logs = index_logs(&indices);
     let names: Vec<&str> = logs.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(logs.len(), 3, "{names:?}");
-    for epoch in 1..=EPOCHS {
-        let mut trained: Vec<usize> = logs
-            .iter()
-            .flat_map(|(_, steps)| steps.range((epoch, 0)..(epoch + 1, 0)))
+    let in_order = |epoch: u64, steps: std::ops::Range<usize>| -> Vec<usize> {
+        logs.iter()
+            .flat_map(|(_, s)| s.range((epoch, steps.start)..(epoch, steps.end)))
             .flat_map(|(_, i)| i.iter().copied())
-            .collect();
-        trained.sort_unstable();
+            .collect()
+    };
+    let sorted = |mut v: Vec<usize>| {
+        v.sort_unstable();
+        v
+    };
+    let first_steps = consumed / 16;
+    // One rank: its steps read the order's positions 0, 1, 2, ...
+    let order = in_order(1, 0..first_steps);
+    assert_eq!(order.len(), consumed);
+    let left = POINTS as usize - consumed;
+    let padding = left.div_ceil(32) * 32 - left;
+    if padding > 0 {
+        assert!(
+            text(&outputs[0]).contains(&format!("filled with {padding} repeated sample(s)")),
+            "{}",
+            text(&outputs[0])
+        );
+    }
+    let trained_before = sorted(order.clone());
+    let mut expected: Vec<usize> = (0..POINTS as usize)
+        .filter(|i| trained_before.binary_search(i).is_err())
+        .collect();
+    expected.extend(&order[..padding]);
+    assert_eq!(
+        sorted(in_order(1, first_steps..usize::MAX)),
+        sorted(expected),
+        "the rest of epoch 1"
+    );
+    // The later epochs, all on two ranks: every sample once.
+    for epoch in 2..=EPOCHS {
         assert_eq!(
-            trained,
+            sorted(in_order(epoch, 0..usize::MAX)),
             (0..POINTS as usize).collect::<Vec<_>>(),
             "epoch {epoch}"
         );
