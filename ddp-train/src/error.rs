@@ -18,16 +18,16 @@ pub enum TrainError {
     /// field; a command line names it by its flag ([`SettingError::render`]).
     #[error(transparent)]
     Setting(#[from] SettingError),
-    /// A step's loss became NaN or infinite.
+    /// A step's loss became NaN or infinite on some ranks (without fp16's scaler, which
+    /// skips such a step instead): every rank returns this error at that step, naming them.
     #[error(
-        "rank {rank}: the training loss became {value} at epoch {epoch} step {step}; lower \
-         the learning rate (--lr)"
+        "the training loss became {} at epoch {epoch} step {step}; lower the learning rate \
+         (--lr)",
+        on_ranks(ranks)
     )]
     NonFiniteLoss {
-        /// The rank that saw it.
-        rank: usize,
-        /// The loss.
-        value: f64,
+        /// Each rank that saw one, in rank order, with its first non-finite loss of the step.
+        ranks: Vec<(usize, f64)>,
         /// Epoch (from 1).
         epoch: u64,
         /// Optimizer step within the epoch (from 0).
@@ -126,6 +126,31 @@ impl TrainError {
     }
 }
 
+/// `inf on rank 1`, `NaN on ranks 0, 2 and inf on rank 1`: the ranks of each value, in the
+/// order of their first rank; with more than 8, the first 8 and the count.
+fn on_ranks(ranks: &[(usize, f64)]) -> String {
+    let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+    for (rank, value) in ranks {
+        let value = value.to_string();
+        match groups.iter_mut().find(|(v, _)| *v == value) {
+            Some((_, rs)) => rs.push(*rank),
+            None => groups.push((value, vec![*rank])),
+        }
+    }
+    groups
+        .iter()
+        .map(|(value, rs)| {
+            let list: Vec<String> = rs.iter().take(8).map(usize::to_string).collect();
+            match rs.len() {
+                1 => format!("{value} on rank {}", list[0]),
+                2..=8 => format!("{value} on ranks {}", list.join(", ")),
+                n => format!("{value} on {n} ranks ({}, ...)", list.join(", ")),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" and ")
+}
+
 /// A setting that cannot work: a message that names one or more settings by their path in
 /// [`Settings`](crate::Settings) (`batch_size`, `checkpoint.every`, `lr_schedule.config.factor`:
 /// the field, dotted through groups, as the settings serialize). `Display` names them so; the
@@ -203,5 +228,37 @@ pub(crate) trait Context<T> {
 impl<T, E: Into<Box<dyn StdError + Send + Sync + 'static>>> Context<T> for Result<T, E> {
     fn context(self, what: impl FnOnce() -> String) -> Result<T, TrainError> {
         self.map_err(|e| TrainError::context(what(), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_non_finite_loss_names_the_ranks_of_each_value() {
+        let message = |ranks: Vec<(usize, f64)>| {
+            TrainError::NonFiniteLoss {
+                ranks,
+                epoch: 2,
+                step: 5,
+            }
+            .to_string()
+        };
+        assert_eq!(
+            message(vec![(1, f64::INFINITY)]),
+            "the training loss became inf on rank 1 at epoch 2 step 5; lower the learning \
+             rate (--lr)"
+        );
+        assert_eq!(
+            message(vec![(0, f64::NAN), (1, f64::NEG_INFINITY), (3, f64::NAN)]),
+            "the training loss became NaN on ranks 0, 3 and -inf on rank 1 at epoch 2 step 5; \
+             lower the learning rate (--lr)"
+        );
+        assert_eq!(
+            message((0..12).map(|r| (r, f64::NAN)).collect()),
+            "the training loss became NaN on 12 ranks (0, 1, 2, 3, 4, 5, 6, 7, ...) at epoch 2 \
+             step 5; lower the learning rate (--lr)"
+        );
     }
 }

@@ -559,6 +559,10 @@ fn clipping_logs_the_same_gradient_norm_on_every_rank() {
 /// A per-step schedule (cosine after 3 warmup steps) is a function of the optimizer's step
 /// count: a resumed run continues it exactly, and each epoch reports its last step's rate.
 #[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
 fn a_resumed_run_continues_a_per_step_schedule_exactly() {
     check_resume(
         "resume-cosine",

@@ -10,6 +10,7 @@ use serde_json::Map;
 use tch::Tensor;
 
 use super::faults::fail_if_injected;
+use super::non_finite::{gradients_finite, poison};
 use super::progress::Progress;
 use super::{EpochReport, Trainer};
 use crate::allocation::EpochRest;
@@ -25,9 +26,10 @@ use crate::task::{Stats, Task};
 
 /// What an epoch's training loop returns (all ranks' totals).
 struct EpochTraining {
-    /// Mean training loss over every rank's samples.
+    /// Mean training loss over every rank's samples, but those of micro-batches whose loss
+    /// was not finite.
     loss: f64,
-    /// Samples, all ranks together.
+    /// Samples trained on, all ranks together.
     samples: usize,
     /// Optimizer steps.
     steps: usize,
@@ -174,6 +176,14 @@ impl<T: Task> Trainer<T> {
     /// a GPU, queues that batch's copy behind this step), and only then reads the loss, the
     /// first point where the host waits for the device: the device always has the next
     /// batch's copy queued, and the host waits for the loader while the device computes.
+    ///
+    /// A NaN or infinite loss on any rank is decided alike on every rank, from the averaged
+    /// gradients it poisons (`non_finite.rs`): with fp16's scaler every rank skips the step;
+    /// without one every rank returns [`TrainError::NonFiniteLoss`] before the optimizer step
+    /// (checking the averaged gradients each step: the clipped norm, or one fused pass and
+    /// one read). Such a micro-batch's loss and samples are left out of the epoch's loss mean
+    /// (and of a checkpoint's sums), and counted in rank 0's log at the epoch's end (the
+    /// count starts again at a resume inside the epoch).
     fn train_epoch(
         &mut self,
         epoch: u64,
@@ -220,6 +230,8 @@ impl<T: Task> Trainer<T> {
         let (mut grad_norm_sum, mut skipped_steps) =
             resumed.map_or((0.0, 0), |p| (p.grad_norm_sum, p.skipped_steps));
         let mut fresh_samples = 0usize;
+        // Micro-batches whose loss was not finite, and their samples, on this rank.
+        let (mut left_out, mut left_out_samples) = (0usize, 0usize);
         let started = Instant::now();
         let mut upcoming = loader.next();
         for step in first..steps {
@@ -250,7 +262,9 @@ impl<T: Task> Trainer<T> {
                     .set_lr(s.optimizer.lr() * schedule.factor(t, total));
             }
             self.optimizer.zero_grad();
-            let mut step_loss = 0.0;
+            let (mut step_loss, mut finite_micro) = (0.0, 0usize);
+            // This rank's first non-finite loss in this step.
+            let mut non_finite: Option<f64> = None;
             let mut step_indices = Vec::new();
             for micro in 0..s.accumulate {
                 let batch = take_batch(upcoming)?;
@@ -265,7 +279,8 @@ impl<T: Task> Trainer<T> {
                     let _autocast = s.precision.autocast(self.device)?;
                     self.task.train_loss(&self.model, &batch)
                 };
-                let scaled = &loss / s.accumulate as f64;
+                // Times 1, or NaN for a non-finite loss: it reaches every rank's gradients.
+                let scaled = &loss * poison(&loss) / s.accumulate as f64;
                 match &self.scaler {
                     Some(scaler) => scaler.scale_loss(&scaled).backward(),
                     None => scaled.backward(),
@@ -275,22 +290,23 @@ impl<T: Task> Trainer<T> {
                 }
                 upcoming = loader.next();
                 let value = loss.double_value(&[]);
-                if !value.is_finite() {
-                    return Err(TrainError::NonFiniteLoss {
-                        rank,
-                        value,
-                        epoch,
-                        step,
-                    });
+                if value.is_finite() {
+                    step_loss += value;
+                    finite_micro += 1;
+                    loss_sum += value * batch.len() as f64;
+                    samples += batch.len();
+                } else {
+                    // No rank leaves here: its peers would wait for it in the all-reduce.
+                    non_finite.get_or_insert(value);
+                    left_out += 1;
+                    left_out_samples += batch.len();
                 }
-                step_loss += value;
-                loss_sum += value * batch.len() as f64;
-                samples += batch.len();
                 fresh_samples += batch.len();
             }
             self.ddp.sync_gradients()?;
             // The averaged gradients are the same bytes on every rank, so every rank finds
-            // the same inf/NaN, the same norm, and skips the same steps.
+            // the same inf/NaN, the same norm, and skips the same steps (or stops at the
+            // same step).
             let found_inf = match &self.scaler {
                 Some(scaler) => scaler.unscale(self.ddp.parameters())?.found()?,
                 None => false,
@@ -298,6 +314,22 @@ impl<T: Task> Trainer<T> {
             let grad_norm = s
                 .clip_grad_norm
                 .map(|max| crate::optim::clip_grad_norm(self.ddp.parameters(), max));
+            if self.scaler.is_none() {
+                let finite = match grad_norm {
+                    Some(norm) => norm.is_finite(),
+                    None => gradients_finite(self.ddp.parameters())?,
+                };
+                if !finite {
+                    self.stop_on_non_finite_loss(non_finite, epoch, step)?;
+                }
+            }
+            if let (Some(value), false) = (non_finite, found_inf) {
+                // Only a loss whose gradients do not depend on its value gets here.
+                self.log.warn(&format!(
+                    "rank {rank}: the training loss was {value} at epoch {epoch} step {step} \
+                     but the averaged gradients are finite: the step is taken"
+                ));
+            }
             grad_norm_sum += grad_norm.unwrap_or(0.0);
             if found_inf {
                 skipped_steps += 1;
@@ -313,10 +345,13 @@ impl<T: Task> Trainer<T> {
             self.budget.step_took(step_started.elapsed());
             let log_every = s.runtime.log_every;
             if log_every > 0 && (step + 1) % log_every == 0 {
+                let shown = match non_finite {
+                    Some(value) if finite_micro == 0 => value,
+                    _ => step_loss / finite_micro as f64,
+                };
                 let mut line = format!(
-                    "[rank {rank}] epoch {epoch} step {}/{steps} loss {:.4}",
+                    "[rank {rank}] epoch {epoch} step {}/{steps} loss {shown:.4}",
                     step + 1,
-                    step_loss / s.accumulate as f64
                 );
                 if let Some(norm) = grad_norm {
                     line.push_str(&format!(" grad norm {norm:.4}"));
@@ -327,6 +362,9 @@ impl<T: Task> Trainer<T> {
                         line.push_str(" (step skipped: inf/NaN gradients)");
                     }
                 }
+                if let Some(value) = non_finite {
+                    line.push_str(&format!(" (non-finite loss {value} left out)"));
+                }
                 self.log.say(&line);
             }
             let rate = fresh_samples as f64 * self.pg.world_size() as f64
@@ -334,12 +372,26 @@ impl<T: Task> Trainer<T> {
             progress.step(step + 1, loss_sum / samples.max(1) as f64, rate, &self.log);
         }
         progress.finish(&self.log);
-        let mut totals = Tensor::from_slice(&[loss_sum, samples as f64]);
+        let mut totals = Tensor::from_slice(&[
+            loss_sum,
+            samples as f64,
+            left_out as f64,
+            left_out_samples as f64,
+        ]);
         self.pg.all_reduce(&mut totals, ReduceOp::Sum)?;
         let totals = Vec::<f64>::try_from(&totals)?;
+        if rank == 0 && totals[2] > 0.0 {
+            let n = totals[2] as usize;
+            self.log.say(&format!(
+                "epoch {epoch}: {n} micro-batch{} ({} samples) with a non-finite loss left out \
+                 of the training loss",
+                if n == 1 { "" } else { "es" },
+                totals[3] as usize
+            ));
+        }
         Ok(EpochTraining {
             loss: totals[0] / totals[1].max(1.0),
-            samples: totals[1] as usize,
+            samples: (totals[1] + totals[3]) as usize,
             steps,
             seconds: earlier_seconds + started.elapsed().as_secs_f64(),
             grad_norm_sum,

@@ -25,6 +25,7 @@ use crate::task::Task;
 //   checkpoint (also by itself after a launcher's restart), the process group, the run
 //   directory and its `config.json`;
 // - `loops.rs`: `Trainer::run`, the epoch loop, one epoch's training steps, the loaders;
+// - `non_finite.rs`: a NaN or infinite loss on some rank, decided alike on every rank;
 // - `checkpoint.rs`: the ranks' agreement before each step to stop or checkpoint, and the
 //   run's state that a checkpoint holds;
 // - `freeze.rs`: frozen parameters and the epoch they unfreeze at;
@@ -38,6 +39,7 @@ mod eval;
 mod faults;
 mod freeze;
 mod loops;
+mod non_finite;
 mod outputs;
 mod progress;
 mod startup;
@@ -53,10 +55,12 @@ pub(crate) use startup::default_run_dir;
 /// [`Task`].
 ///
 /// Per epoch, on every rank, the collectives come in this fixed order: for each step,
-/// a buffer broadcast before each forward and one gradient all-reduce per optimizer step;
-/// then one all-reduce of the epoch's loss and sample counts; then one all-reduce of the
-/// validation statistics (and one all-gather of their per-sample rows, for statistics that
-/// have them: [`crate::Stats::rows`]). Rank 0 alone writes files and prints progress, between epochs.
+/// a buffer broadcast before each forward and one gradient all-reduce per optimizer step
+/// (without fp16's scaler, a step whose averaged gradients are not finite adds one
+/// all-reduce of which ranks saw a non-finite loss); then one all-reduce of the epoch's loss
+/// and sample counts; then one all-reduce of the validation statistics (and one all-gather
+/// of their per-sample rows, for statistics that have them: [`crate::Stats::rows`]). Rank 0
+/// alone writes files and prints progress, between epochs.
 pub struct Trainer<T: Task> {
     task: T,
     settings: Settings,

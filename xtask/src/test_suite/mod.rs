@@ -44,6 +44,7 @@ const RANK_BINARIES: &[(&str, &str)] = &[
     ("ddp-train", "example"),
     ("ddp-train", "freeze"),
     ("ddp-train", "init_weights"),
+    ("ddp-train", "non_finite"),
     ("ddp-train", "pytorch"),
     ("ddp-train", "self_launch"),
     ("ddp-train", "trainer"),

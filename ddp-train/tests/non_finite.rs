@@ -1,0 +1,267 @@
+//! A non-finite training loss on one rank: with fp16's gradient scaler every rank skips that
+//! step and halves its scale, and training goes on; without a scaler every rank stops at
+//! that step with the same error, naming the rank that saw it. Ranks are real processes on
+//! loopback (CPU): this test binary re-invoked with `--ignored --exact rank_worker`, a small
+//! MLP whose loss becomes `loss + inf` (finite gradients: only the Trainer can make the
+//! other ranks see it) on rank 1 at one chosen call.
+
+mod common;
+
+use common::{spawn_worker_ranks, text, wait_all};
+
+use std::path::Path;
+use std::process::{Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use ddp_data::{Batch, TensorDataset};
+use ddp_model::checkpoint;
+use ddp_train::{Precision, RegressionStats, Settings, Task, Trainer};
+use serde_json::Value;
+use tch::{nn, nn::Module, Device, Kind, Reduction, Tensor};
+
+const WORKER: &str = "rank_worker";
+const OUT_ENV: &str = "NON_FINITE_TEST_OUT";
+const PRECISION_ENV: &str = "NON_FINITE_TEST_PRECISION";
+const ACCUMULATE_ENV: &str = "NON_FINITE_TEST_ACCUMULATE";
+/// Set on the rank whose loss becomes infinite: at which call of `train_loss` (from 0).
+const BAD_CALL_ENV: &str = "NON_FINITE_TEST_BAD_CALL";
+/// 64 training points: 4 micro-batches of 8 per rank per epoch on 2 ranks.
+const POINTS: i64 = 64;
+const BATCH: usize = 8;
+const EPOCHS: u64 = 3;
+
+/// y = 2 x0 - x1 + 0.5 x2 on `count` points of [-1, 1)^4.
+fn points(count: i64, seed: i64) -> TensorDataset {
+    tch::manual_seed(seed);
+    let x = Tensor::rand([count, 4], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
+    let w = Tensor::from_slice(&[2f32, -1.0, 0.5, 0.0]);
+    let y = x.matmul(&w);
+    TensorDataset::from_tensors(&x, &y.unsqueeze(1)).expect("a valid data set")
+}
+
+/// A regression whose `bad_call`-th training loss (if any) is `loss + inf`.
+struct Regression {
+    train: TensorDataset,
+    val: TensorDataset,
+    bad_call: Option<usize>,
+    calls: AtomicUsize,
+}
+
+impl Task for Regression {
+    type Model = nn::Sequential;
+    type Data = TensorDataset;
+    type Stats = RegressionStats;
+
+    fn model(&self, root: &nn::Path) -> nn::Sequential {
+        nn::seq()
+            .add(nn::linear(root / "0", 4, 16, Default::default()))
+            .add_fn(|x| x.relu())
+            .add(nn::linear(root / "2", 16, 1, Default::default()))
+    }
+
+    fn train_data(&self) -> TensorDataset {
+        self.train.clone()
+    }
+
+    fn val_data(&self) -> Option<TensorDataset> {
+        Some(self.val.clone())
+    }
+
+    fn train_loss(&self, model: &nn::Sequential, batch: &Batch) -> Tensor {
+        // Small, so that fp16's first scale (2^16) overflows no gradient by itself.
+        let loss = model
+            .forward(batch.inputs())
+            .mse_loss(batch.targets(), Reduction::Mean)
+            * 1e-3;
+        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        if self.bad_call == Some(call) {
+            loss + f64::INFINITY
+        } else {
+            loss
+        }
+    }
+
+    fn new_stats(&self) -> RegressionStats {
+        RegressionStats::default()
+    }
+
+    fn eval_batch(&self, model: &Self::Model, batch: &Batch, stats: &mut Self::Stats) -> Tensor {
+        let predictions = model.forward(batch.inputs());
+        stats.add(&predictions, batch.targets());
+        predictions.mse_loss(batch.targets(), Reduction::Sum)
+    }
+}
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// One rank: 3 epochs of Adam in `NON_FINITE_TEST_PRECISION`, `NON_FINITE_TEST_ACCUMULATE`
+/// micro-batches per step, logging every step, into `NON_FINITE_TEST_OUT`; prints the
+/// Trainer's error and exits with its code.
+#[test]
+#[ignore = "a rank of the tests in this file, started by them"]
+fn rank_worker() {
+    ddp_train::logging::init();
+    let out = var(OUT_ENV).expect("the test sets the run directory");
+    let precision = match var(PRECISION_ENV).as_deref() {
+        Some("fp16") => Precision::Fp16,
+        _ => Precision::Fp32,
+    };
+    let accumulate = var(ACCUMULATE_ENV).map_or(1, |n| n.parse().expect("a number"));
+    let mut settings = Settings::default()
+        .epochs(EPOCHS)
+        .batch_size(BATCH)
+        .accumulate(accumulate)
+        .precision(precision)
+        .seed(7)
+        .out(Some(out.into()));
+    settings.runtime.threads = Some(1);
+    settings.runtime.workers = Some(1);
+    settings.runtime.progress = false;
+    settings.runtime.log_every = 1;
+    settings.runtime.collective_timeout_secs = 20;
+    let task = Regression {
+        train: points(POINTS, 1),
+        val: points(16, 2),
+        bad_call: var(BAD_CALL_ENV).map(|n| n.parse().expect("a number")),
+        calls: AtomicUsize::new(0),
+    };
+    let code = match Trainer::new(task, settings).and_then(|mut t| t.run()) {
+        Ok(_) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            e.exit_code()
+        }
+    };
+    std::process::exit(i32::from(code));
+}
+
+/// Two ranks in `precision` with `accumulate`, rank 1's loss infinite at its `bad_call`-th
+/// micro-batch; their outputs.
+fn train(out: &Path, precision: &str, accumulate: usize, bad_call: usize) -> Vec<Output> {
+    let children = spawn_worker_ranks(WORKER, 2, |rank, cmd| {
+        cmd.env(OUT_ENV, out)
+            .env(PRECISION_ENV, precision)
+            .env(ACCUMULATE_ENV, accumulate.to_string())
+            .env("DDP_RDZV_TIMEOUT_S", "30")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if rank == 1 {
+            cmd.env(BAD_CALL_ENV, bad_call.to_string());
+        }
+    });
+    wait_all(children, Duration::from_secs(180))
+}
+
+/// Each step's log line of `rank`, from epoch 1 step 1 on.
+fn step_lines(out: &Path, rank: usize) -> Vec<String> {
+    std::fs::read_to_string(out.join(format!("logs/rank-{rank}.log")))
+        .unwrap()
+        .lines()
+        .filter(|l| l.starts_with(&format!("[rank {rank}] epoch ")))
+        .map(str::to_owned)
+        .collect()
+}
+
+fn metrics(out: &Path) -> Vec<Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// fp16 (a GradScaler, usable on CPU): rank 1's loss is infinite at epoch 2 step 1 (its 6th
+/// micro-batch). Both ranks skip exactly that step and halve their scale, as PyTorch's scaler
+/// does for the inf gradients it would find, train to the end, and report a finite epoch
+/// loss that leaves the infinite one out.
+#[test]
+fn an_fp16_loss_overflow_on_one_rank_skips_that_step_on_every_rank() {
+    let tmp = common::temp_dir("ddp-train-non-finite-fp16");
+    let out = tmp.path().join("run");
+    let outputs = train(&out, "fp16", 1, 5);
+    for (rank, o) in outputs.iter().enumerate() {
+        assert!(o.status.success(), "rank {rank} failed:\n{}", text(o));
+    }
+    for rank in 0..2 {
+        let lines = step_lines(&out, rank);
+        assert_eq!(
+            lines.len(),
+            12,
+            "3 epochs of 4 steps, rank {rank}: {lines:#?}"
+        );
+        for (i, line) in lines.iter().enumerate() {
+            let (scale, skipped) = match i {
+                0..=4 => ("65536", false),
+                5 => ("32768", true),
+                _ => ("32768", false),
+            };
+            assert!(
+                line.contains(&format!(" loss scale {scale}")),
+                "rank {rank} step {i}: {line}"
+            );
+            assert_eq!(
+                line.contains("(step skipped: inf/NaN gradients)"),
+                skipped,
+                "rank {rank} step {i}: {line}"
+            );
+        }
+        // The rank that saw it says so; its loss is left out of the step's mean.
+        assert_eq!(
+            lines[5].contains("non-finite loss inf left out"),
+            rank == 1,
+            "rank {rank}: {}",
+            lines[5]
+        );
+    }
+    let m = metrics(&out);
+    let skipped: Vec<u64> = m
+        .iter()
+        .map(|e| e["skipped_steps"].as_u64().unwrap())
+        .collect();
+    assert_eq!(skipped, [0, 1, 0]);
+    for e in &m {
+        let loss = e["train_loss"].as_f64().unwrap();
+        assert!(loss.is_finite() && loss > 0.0, "{e}");
+    }
+    let log = std::fs::read_to_string(out.join("logs/rank-0.log")).unwrap();
+    assert!(
+        log.contains(
+            "epoch 2: 1 micro-batch (8 samples) with a non-finite loss left out of the \
+             training loss"
+        ),
+        "{log}"
+    );
+    let state =
+        checkpoint::read_tensors(out.join("checkpoints/epoch-0003.state.safetensors")).unwrap();
+    let st: Value = serde_json::from_str(&state.metadata["train_state"]).unwrap();
+    assert_eq!(st["grad_scaler"]["scale"], 32768.0, "{st}");
+}
+
+/// fp32, two micro-batches per step: rank 1's loss is infinite in the first (not yet
+/// communicating) micro-batch of epoch 2 step 0. Both ranks fail with the same error at that
+/// step, naming rank 1; neither takes that step's checkpoint.
+#[test]
+fn an_fp32_non_finite_loss_on_one_rank_stops_every_rank_at_that_step() {
+    let tmp = common::temp_dir("ddp-train-non-finite-fp32");
+    let out = tmp.path().join("run");
+    let outputs = train(&out, "fp32", 2, 4);
+    let message = "error: the training loss became inf on rank 1 at epoch 2 step 0; lower the \
+                   learning rate (--lr)";
+    for (rank, o) in outputs.iter().enumerate() {
+        let t = text(o);
+        assert_eq!(o.status.code(), Some(1), "rank {rank}:\n{t}");
+        assert!(t.contains(message), "rank {rank}:\n{t}");
+    }
+    assert_eq!(metrics(&out).len(), 1, "epoch 2 did not end");
+    for rank in 0..2 {
+        let lines = step_lines(&out, rank);
+        assert_eq!(
+            lines.len(),
+            2,
+            "epoch 1's 2 steps only, rank {rank}: {lines:#?}"
+        );
+    }
+}
