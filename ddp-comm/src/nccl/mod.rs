@@ -42,10 +42,12 @@
 //! hanging it. With a non-blocking communicator, enqueuing a collective may also return
 //! `ncclInProgress`; the same polling, under the same deadline, waits for it.
 //!
-//! Beside it, `cuda.rs` (the public [`cuda`] module) makes CUDA visible to the program.
+//! Beside it, `init.rs` creates the communicator, and `cuda.rs` (the public [`cuda`] module)
+//! makes CUDA visible to the program.
 
 pub mod cuda;
 pub(crate) mod inflight;
+mod init;
 
 use std::ffi::{c_int, c_void, CStr};
 use std::time::{Duration, Instant};
@@ -53,15 +55,15 @@ use std::time::{Duration, Instant};
 use std::sync::Arc;
 
 use nccl_sys::{
-    cudaError_t, cudaEvent_t, cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t,
-    ncclResult_t, ncclUniqueId, Cudart, Nccl,
+    cudaError_t, cudaEvent_t, cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t,
+    ncclUniqueId, Cudart, Nccl,
 };
 
 use tch::Tensor;
 use tch_ext::CudaStream;
 
 use crate::element::{DType, ReduceOp};
-use crate::error::{CommError, Diagnosis};
+use crate::error::CommError;
 use crate::nccl::inflight::{Event, InFlight, Marker, Status};
 use crate::store::heartbeat::Heartbeat;
 
@@ -266,80 +268,6 @@ fn settle(
 }
 
 impl NcclComm {
-    /// `cudaSetDevice(device)`, then a non-blocking `ncclCommInitRankConfig`, polled until
-    /// it is done, it fails, or `timeout` passes (see the module's documentation).
-    pub(crate) fn init(
-        rank: usize,
-        world: usize,
-        device: usize,
-        id: ncclUniqueId,
-        timeout: Duration,
-        heartbeat: Arc<Heartbeat>,
-    ) -> Result<Self, CommError> {
-        let nccl = Nccl::load()?;
-        let cudart = Cudart::load()?;
-        let ordinal = device as c_int;
-        // SAFETY: plain CUDA runtime call with a device ordinal.
-        check_cuda("cudaSetDevice", unsafe { (cudart.cudaSetDevice)(ordinal) })?;
-        let failed = |what: String, diagnosis: Diagnosis| CommError::NcclInit {
-            rank,
-            device,
-            what,
-            diagnosis: Box::new(diagnosis),
-        };
-        let abort = |comm: ncclComm_t| {
-            if !comm.is_null() {
-                // SAFETY: `comm` came from ncclCommInitRankConfig and is not used again.
-                unsafe { (nccl.ncclCommAbort)(comm) };
-            }
-        };
-        let mut config = ncclConfig_t::initializer();
-        config.blocking = 0;
-        let mut comm: ncclComm_t = std::ptr::null_mut();
-        let start = Instant::now();
-        // SAFETY: `comm` is a valid out-pointer, `config` a valid config that outlives the
-        // call (NCCL copies it); `id` is passed by value as the C API expects.
-        let rc = unsafe {
-            (nccl.ncclCommInitRankConfig)(&mut comm, world as c_int, id, rank as c_int, &mut config)
-        };
-        let nccl_failed = |prefix: &str, rc: ncclResult_t| {
-            let what = format!(
-                "failed: {prefix}{} {}",
-                nccl_text(nccl, rc),
-                last_error(nccl, comm)
-            );
-            abort(comm);
-            Err(failed(what.trim_end().to_string(), Diagnosis::default()))
-        };
-        if rc != ncclResult_t::ncclSuccess && rc != ncclResult_t::ncclInProgress {
-            return nccl_failed("ncclCommInitRankConfig: ", rc);
-        }
-        if comm.is_null() {
-            let what = "failed: ncclCommInitRankConfig returned no communicator".to_string();
-            return Err(failed(what, Diagnosis::default()));
-        }
-        match settle(nccl, comm, "ncclCommInitRankConfig", start, timeout) {
-            Ok(()) => {}
-            Err(Unsettled::Failed { rc, .. }) => return nccl_failed("", rc),
-            Err(Unsettled::TimedOut) => {
-                // Diagnose first: the heartbeats say which rank never joined.
-                let diagnosis = heartbeat.diagnose();
-                abort(comm);
-                return Err(failed(format!("timed out after {timeout:?}"), diagnosis));
-            }
-        }
-        Ok(NcclComm {
-            nccl,
-            cudart,
-            comm,
-            side: None,
-            device: ordinal,
-            timeout,
-            inflight: InFlight::new(),
-            heartbeat,
-        })
-    }
-
     fn check(&mut self, call: &'static str, rc: ncclResult_t) -> Result<(), CommError> {
         if rc == ncclResult_t::ncclSuccess {
             return Ok(());
