@@ -122,8 +122,32 @@ fn all_reduce_body() {
     check_all_reduce::<i32>(&group);
     check_all_reduce::<i64>(&group);
     check_all_reduce::<u8>(&group);
-    // The slice API gives the same results without tensors.
     let (rank, n) = rank_world();
+    // Bools travel as bytes: Sum and Max say whether any rank is true, Min whether every
+    // rank is; Avg is refused on every rank before the ranks meet.
+    let mine = [rank == 0, true, false, rank % 2 == 1];
+    for (op, want) in [
+        (ReduceOp::Sum, [true, true, false, n > 1]),
+        (ReduceOp::Max, [true, true, false, n > 1]),
+        (ReduceOp::Min, [n == 1, true, false, false]),
+    ] {
+        let mut t = Tensor::from_slice(&mine);
+        group.all_reduce(&mut t, op).unwrap();
+        assert_eq!(t.kind(), tch::Kind::Bool);
+        assert_eq!(Vec::<bool>::try_from(&t).unwrap(), want, "{op:?}");
+    }
+    let mut t = Tensor::from_slice(&mine);
+    match group.all_reduce(&mut t, ReduceOp::Avg) {
+        Err(ddp_comm::CommError::InvalidArgument(why)) => assert!(why.contains("bool"), "{why}"),
+        other => panic!("Avg of bools: {other:?}"),
+    }
+    let mut t = Tensor::from_slice(&mine);
+    group.broadcast(&mut t, n - 1).unwrap();
+    assert_eq!(
+        Vec::<bool>::try_from(&t).unwrap(),
+        [n == 1, true, false, (n - 1) % 2 == 1]
+    );
+    // The slice API gives the same results without tensors.
     let mut v: Vec<i64> = (0..1000).map(|i| (rank * i) as i64).collect();
     group.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap();
     let tri = (n * (n - 1) / 2) as i64;

@@ -17,7 +17,9 @@ use crate::config::options::{Backend, Options, DEFAULT_OP_TIMEOUT, DEFAULT_RENDE
 use crate::element::{as_bytes_mut, Element, ReduceOp};
 use crate::error::CommError;
 use crate::group::rendezvous::Plan;
-use crate::group::tensor::{check_layout, cpu_bytes, cuda_buffer, unsupported_device, Collective};
+use crate::group::tensor::{
+    bool_op, check_layout, cpu_bytes, cuda_buffer, unsupported_device, Collective,
+};
 use crate::group::work::{DeviceWork, Op, Queue, Work};
 use crate::nccl::{self, NcclComm, NcclOp, NcclWork};
 use crate::ring::cpu::CpuBackend;
@@ -284,8 +286,10 @@ impl ProcessGroup {
     }
 
     /// In-place all-reduce of a contiguous tensor (CPU: the ring of shared-memory and TCP
-    /// links; CUDA: NCCL).
+    /// links; CUDA: NCCL). A bool tensor's `Sum` and `Max` say whether any rank is true, its
+    /// `Min` whether every rank is, and its `Avg` is refused (as in PyTorch).
     pub fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
+        let op = bool_op(t, op)?;
         self.drain();
         self.all_reduce_now(t, op)
     }
@@ -298,6 +302,10 @@ impl ProcessGroup {
     /// alone until [`Work::wait`] (or [`Work::wait_stream`]) has returned; dropping `t` is
     /// safe, the group keeps its storage until the collective has completed.
     pub fn all_reduce_async(self: &Arc<Self>, t: &Tensor, op: ReduceOp) -> Work {
+        let op = match bool_op(t, op) {
+            Ok(op) => op,
+            Err(e) => return Work::done(Err(e)),
+        };
         match t.device() {
             // NCCL takes worlds of one too, so that one GPU exercises this path.
             Device::Cuda(_) => self.cuda_async(t, NcclOp::AllReduce(op)),

@@ -81,10 +81,11 @@ pub(crate) fn unsupported_device(device: Device) -> CommError {
     }
 }
 
-/// The element type of a tch kind, if collectives support it.
+/// The element type of a tch kind, if collectives support it. A bool travels as its byte
+/// (0 or 1), as in PyTorch's backends; its all-reduce takes [`bool_op`]'s op.
 pub fn dtype_of(kind: Kind) -> Option<DType> {
     Some(match kind {
-        Kind::Uint8 => DType::U8,
+        Kind::Uint8 | Kind::Bool => DType::U8,
         Kind::Int8 => DType::I8,
         Kind::Int16 => DType::I16,
         Kind::Int => DType::I32,
@@ -95,6 +96,24 @@ pub fn dtype_of(kind: Kind) -> Option<DType> {
         Kind::BFloat16 => DType::BF16,
         _ => return None,
     })
+}
+
+/// The op an all-reduce of `t` runs on its bytes: `op` itself, but for a bool tensor, where
+/// `Sum` (any rank true, as PyTorch maps it) and `Max` are the bytes' maximum, `Min` (every
+/// rank true) their minimum, and `Avg` is refused, as PyTorch refuses it.
+pub(crate) fn bool_op(t: &Tensor, op: ReduceOp) -> Result<ReduceOp, CommError> {
+    if !t.defined() || t.kind() != Kind::Bool {
+        return Ok(op);
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Max => Ok(ReduceOp::Max),
+        ReduceOp::Min => Ok(ReduceOp::Min),
+        ReduceOp::Avg => Err(CommError::InvalidArgument(
+            "ReduceOp::Avg of a bool tensor has no meaning: use Sum or Max (true on any \
+             rank) or Min (true on every rank)"
+                .into(),
+        )),
+    }
 }
 
 /// Fails unless `t` is defined and contiguous (`backend` names the refusing backend).
