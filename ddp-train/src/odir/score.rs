@@ -193,8 +193,12 @@ fn run_batches(
     };
     let mut loader = Loader::on_device(images.clone(), indices, &config, device)?;
     tch::no_grad(|| -> Result<(), TrainError> {
-        for batch in &mut loader {
+        let mut upcoming = loader.next();
+        while let Some(batch) = upcoming {
             let batch = batch?;
+            // The next batch's copy is queued before the statistics make the host wait for
+            // the device (on a GPU).
+            upcoming = loader.next();
             let _autocast = settings.precision.autocast(device)?;
             let logits = model.forward_t(batch.inputs(), false);
             stats.add(&logits, &batch);

@@ -41,8 +41,12 @@ impl<T: Task> Trainer<T> {
         let mut stats = self.task.new_stats();
         let (mut loss_sum, mut samples) = (0.0f64, 0usize);
         tch::no_grad(|| -> Result<(), TrainError> {
-            for batch in &mut loader {
+            let mut upcoming = loader.next();
+            while let Some(batch) = upcoming {
                 let batch = batch?;
+                // The next batch's copy is queued before this batch's statistics or loss
+                // make the host wait for the device (on a GPU).
+                upcoming = loader.next();
                 // Evaluation runs in the training precision.
                 let _autocast = self.settings.precision.autocast(self.device)?;
                 let loss = self.task.eval_batch(&self.model, &batch, &mut stats);
