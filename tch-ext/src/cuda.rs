@@ -83,7 +83,9 @@ impl CudaStream {
         Ok(Self { id, device, raw })
     }
 
-    /// The `cudaStream_t`, for CUDA libraries (NCCL) that take one.
+    /// The `cudaStream_t`, for CUDA libraries (NCCL) that take one. The default stream's is
+    /// null, which the CUDA runtime reads as the legacy default stream of whichever device is
+    /// current on the calling thread: pass it only with this stream's device current.
     pub fn as_raw(&self) -> *mut c_void {
         self.raw
     }
@@ -137,7 +139,10 @@ impl CudaStream {
 }
 
 /// Makes `stream` the current stream of its device on this thread (what libtorch's kernels
-/// are queued on) until the returned guard is dropped. It does not change the current device.
+/// are queued on) until the returned guard is dropped. It does not change the current device
+/// (PyTorch's `torch.cuda.set_stream` does): libtorch's operations pick each tensor's device
+/// and that device's current stream, but raw CUDA calls on a null (default) stream go to the
+/// current device's.
 ///
 /// # Errors
 ///
