@@ -82,7 +82,7 @@ pub(crate) fn unsupported_device(device: Device) -> CommError {
 }
 
 /// The element type of a tch kind, if collectives support it. A bool travels as its byte
-/// (0 or 1), as in PyTorch's backends; its all-reduce takes [`bool_op`]'s op.
+/// (0 or 1), as in PyTorch's backends (an all-reduce's `Sum` of bools is their maximum).
 pub fn dtype_of(kind: Kind) -> Option<DType> {
     Some(match kind {
         Kind::Uint8 | Kind::Bool => DType::U8,
