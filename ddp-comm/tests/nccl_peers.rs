@@ -17,8 +17,9 @@ const AWAY: Duration = Duration::from_secs(10);
 
 /// Rank 0 drops its group while an all-reduce waits in a kernel for rank 1, which never
 /// joins it. `ncclCommDestroy` would wait for that kernel, which waits for rank 1 forever
-/// (even after rank 1 has exited); the communicator must be aborted instead, so the drop
-/// returns before rank 1 leaves.
+/// (even after rank 1 has exited); once the collective has made no progress for the drop's
+/// grace period (5 s) the communicator must be aborted instead, so the drop returns before
+/// rank 1 leaves.
 #[test]
 fn nccl_a_group_dropped_with_a_collective_pending_is_aborted() {
     if worker() {
