@@ -8,6 +8,7 @@
 
 mod common;
 
+use common::regression::{points, Regression};
 use common::{spawn_worker_ranks, text, wait_all};
 
 use std::collections::BTreeMap;
@@ -15,12 +16,11 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use ddp_data::{Batch, TensorDataset};
 use ddp_model::checkpoint;
 use ddp_train::lr_schedule::LrSchedule;
-use ddp_train::{RegressionStats, Settings, Task, Trainer};
+use ddp_train::{Settings, Trainer};
 use serde_json::Value;
-use tch::{nn, nn::Module, Device, Kind, Reduction, Tensor};
+use tch::Tensor;
 
 const WORKER: &str = "rank_worker";
 const OUT_ENV: &str = "ELASTIC_TEST_OUT";
@@ -30,57 +30,6 @@ const EVERY_ENV: &str = "ELASTIC_TEST_CHECKPOINT_EVERY";
 const POINTS: i64 = 256;
 const EPOCHS: u64 = 3;
 const WARMUP: u64 = 3;
-
-/// y = 2 x0 - x1 + 0.5 x2 + 0.1 sin(7 x3) on `count` points of [-1, 1)^4.
-fn points(count: i64, seed: i64) -> TensorDataset {
-    tch::manual_seed(seed);
-    let x = Tensor::rand([count, 4], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
-    let w = Tensor::from_slice(&[2f32, -1.0, 0.5, 0.0]);
-    let y = x.matmul(&w) + (x.select(1, 3) * 7.0).sin() * 0.1;
-    TensorDataset::from_tensors(&x, &y.unsqueeze(1)).expect("a valid data set")
-}
-
-struct Regression {
-    train: TensorDataset,
-    val: TensorDataset,
-}
-
-impl Task for Regression {
-    type Model = nn::Sequential;
-    type Data = TensorDataset;
-    type Stats = RegressionStats;
-
-    fn model(&self, root: &nn::Path) -> nn::Sequential {
-        nn::seq()
-            .add(nn::linear(root / "0", 4, 16, Default::default()))
-            .add_fn(|x| x.relu())
-            .add(nn::linear(root / "2", 16, 1, Default::default()))
-    }
-
-    fn train_data(&self) -> TensorDataset {
-        self.train.clone()
-    }
-
-    fn val_data(&self) -> Option<TensorDataset> {
-        Some(self.val.clone())
-    }
-
-    fn train_loss(&self, model: &nn::Sequential, batch: &Batch) -> Tensor {
-        model
-            .forward(batch.inputs())
-            .mse_loss(batch.targets(), Reduction::Mean)
-    }
-
-    fn new_stats(&self) -> RegressionStats {
-        RegressionStats::default()
-    }
-
-    fn eval_batch(&self, model: &Self::Model, batch: &Batch, stats: &mut Self::Stats) -> Tensor {
-        let predictions = model.forward(batch.inputs());
-        stats.add(&predictions, batch.targets());
-        predictions.mse_loss(batch.targets(), Reduction::Sum)
-    }
-}
 
 /// One rank: 3 epochs of Adam with a cosine schedule after 3 warmup steps, a batch of
 /// `ELASTIC_TEST_BATCH` per rank, into `ELASTIC_TEST_OUT`, a checkpoint every
@@ -108,10 +57,7 @@ fn rank_worker() {
     settings.checkpoint.every = std::env::var(EVERY_ENV)
         .ok()
         .map(|n| n.parse().expect("a number"));
-    let task = Regression {
-        train: points(POINTS, 1),
-        val: points(60, 2),
-    };
+    let task = Regression::new(points(POINTS, 1), points(60, 2));
     let code = match Trainer::new(task, settings).and_then(|mut t| t.run()) {
         Ok(_) => 0,
         Err(e) => {

@@ -7,18 +7,16 @@
 
 mod common;
 
+use common::regression::{points, Regression};
 use common::{spawn_worker_ranks, text, wait_all};
 
 use std::path::Path;
 use std::process::{Output, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use ddp_data::{Batch, TensorDataset};
 use ddp_model::checkpoint;
-use ddp_train::{Precision, RegressionStats, Settings, Task, Trainer};
+use ddp_train::{Precision, Settings, Trainer};
 use serde_json::Value;
-use tch::{nn, nn::Module, Device, Kind, Reduction, Tensor};
 
 const WORKER: &str = "rank_worker";
 const OUT_ENV: &str = "NON_FINITE_TEST_OUT";
@@ -30,68 +28,6 @@ const BAD_CALL_ENV: &str = "NON_FINITE_TEST_BAD_CALL";
 const POINTS: i64 = 64;
 const BATCH: usize = 8;
 const EPOCHS: u64 = 3;
-
-/// y = 2 x0 - x1 + 0.5 x2 on `count` points of [-1, 1)^4.
-fn points(count: i64, seed: i64) -> TensorDataset {
-    tch::manual_seed(seed);
-    let x = Tensor::rand([count, 4], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
-    let w = Tensor::from_slice(&[2f32, -1.0, 0.5, 0.0]);
-    let y = x.matmul(&w);
-    TensorDataset::from_tensors(&x, &y.unsqueeze(1)).expect("a valid data set")
-}
-
-/// A regression whose `bad_call`-th training loss (if any) is `loss + inf`.
-struct Regression {
-    train: TensorDataset,
-    val: TensorDataset,
-    bad_call: Option<usize>,
-    calls: AtomicUsize,
-}
-
-impl Task for Regression {
-    type Model = nn::Sequential;
-    type Data = TensorDataset;
-    type Stats = RegressionStats;
-
-    fn model(&self, root: &nn::Path) -> nn::Sequential {
-        nn::seq()
-            .add(nn::linear(root / "0", 4, 16, Default::default()))
-            .add_fn(|x| x.relu())
-            .add(nn::linear(root / "2", 16, 1, Default::default()))
-    }
-
-    fn train_data(&self) -> TensorDataset {
-        self.train.clone()
-    }
-
-    fn val_data(&self) -> Option<TensorDataset> {
-        Some(self.val.clone())
-    }
-
-    fn train_loss(&self, model: &nn::Sequential, batch: &Batch) -> Tensor {
-        // Small, so that fp16's first scale (2^16) overflows no gradient by itself.
-        let loss = model
-            .forward(batch.inputs())
-            .mse_loss(batch.targets(), Reduction::Mean)
-            * 1e-3;
-        let call = self.calls.fetch_add(1, Ordering::Relaxed);
-        if self.bad_call == Some(call) {
-            loss + f64::INFINITY
-        } else {
-            loss
-        }
-    }
-
-    fn new_stats(&self) -> RegressionStats {
-        RegressionStats::default()
-    }
-
-    fn eval_batch(&self, model: &Self::Model, batch: &Batch, stats: &mut Self::Stats) -> Tensor {
-        let predictions = model.forward(batch.inputs());
-        stats.add(&predictions, batch.targets());
-        predictions.mse_loss(batch.targets(), Reduction::Sum)
-    }
-}
 
 fn var(name: &str) -> Option<String> {
     std::env::var(name).ok()
@@ -122,12 +58,10 @@ fn rank_worker() {
     settings.runtime.progress = false;
     settings.runtime.log_every = 1;
     settings.runtime.collective_timeout_secs = 20;
-    let task = Regression {
-        train: points(POINTS, 1),
-        val: points(16, 2),
-        bad_call: var(BAD_CALL_ENV).map(|n| n.parse().expect("a number")),
-        calls: AtomicUsize::new(0),
-    };
+    let mut task = Regression::new(points(POINTS, 1), points(16, 2));
+    // Small, so that fp16's first scale (2^16) overflows no gradient by itself.
+    task.loss_scale = 1e-3;
+    task.inf_at = var(BAD_CALL_ENV).map(|n| n.parse().expect("a number"));
     let code = match Trainer::new(task, settings).and_then(|mut t| t.run()) {
         Ok(_) => 0,
         Err(e) => {

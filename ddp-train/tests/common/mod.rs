@@ -4,6 +4,8 @@
 
 #![allow(unused_imports, dead_code)] // Each test file uses its own subset.
 
+pub mod regression;
+
 pub use ddp_testkit::{free_port, rank_command, temp_dir, text, wait_all, wait_bounded, TempDir};
 
 use std::ffi::OsStr;

@@ -1,0 +1,84 @@
+//! A small regression `Task` for the tests that train real ranks: an MLP from 4 inputs to 1
+//! output, mean squared error, on synthetic points.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use ddp_data::{Batch, TensorDataset};
+use ddp_train::{RegressionStats, Task};
+use tch::{nn, nn::Module, Device, Kind, Reduction, Tensor};
+
+/// y = 2 x0 - x1 + 0.5 x2 + 0.1 sin(7 x3) on `count` points of [-1, 1)^4.
+pub fn points(count: i64, seed: i64) -> TensorDataset {
+    tch::manual_seed(seed);
+    let x = Tensor::rand([count, 4], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
+    let w = Tensor::from_slice(&[2f32, -1.0, 0.5, 0.0]);
+    let y = x.matmul(&w) + (x.select(1, 3) * 7.0).sin() * 0.1;
+    TensorDataset::from_tensors(&x, &y.unsqueeze(1)).expect("a valid data set")
+}
+
+/// The MLP (4 -> 16 -> relu -> 1) on `train`, evaluated on `val`. Its training loss is the
+/// mean squared error times `loss_scale`, plus infinity at the `inf_at`-th call (from 0).
+pub struct Regression {
+    pub train: TensorDataset,
+    pub val: TensorDataset,
+    pub loss_scale: f64,
+    pub inf_at: Option<usize>,
+    calls: AtomicUsize,
+}
+
+impl Regression {
+    /// The plain task: loss scale 1, never infinite.
+    pub fn new(train: TensorDataset, val: TensorDataset) -> Self {
+        Regression {
+            train,
+            val,
+            loss_scale: 1.0,
+            inf_at: None,
+            calls: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl Task for Regression {
+    type Model = nn::Sequential;
+    type Data = TensorDataset;
+    type Stats = RegressionStats;
+
+    fn model(&self, root: &nn::Path) -> nn::Sequential {
+        nn::seq()
+            .add(nn::linear(root / "0", 4, 16, Default::default()))
+            .add_fn(|x| x.relu())
+            .add(nn::linear(root / "2", 16, 1, Default::default()))
+    }
+
+    fn train_data(&self) -> TensorDataset {
+        self.train.clone()
+    }
+
+    fn val_data(&self) -> Option<TensorDataset> {
+        Some(self.val.clone())
+    }
+
+    fn train_loss(&self, model: &nn::Sequential, batch: &Batch) -> Tensor {
+        let loss = model
+            .forward(batch.inputs())
+            .mse_loss(batch.targets(), Reduction::Mean)
+            * self.loss_scale;
+        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        if self.inf_at == Some(call) {
+            loss + f64::INFINITY
+        } else {
+            loss
+        }
+    }
+
+    fn new_stats(&self) -> RegressionStats {
+        RegressionStats::default()
+    }
+
+    fn eval_batch(&self, model: &Self::Model, batch: &Batch, stats: &mut Self::Stats) -> Tensor {
+        let predictions = model.forward(batch.inputs());
+        stats.add(&predictions, batch.targets());
+        predictions.mse_loss(batch.targets(), Reduction::Sum)
+    }
+}
