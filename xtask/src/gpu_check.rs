@@ -28,12 +28,17 @@
 //! 6. a short training on one GPU and one on every visible GPU, through the launcher, and
 //!    one GPU in bf16 and in fp16.
 //!
+//! A GPU test that says `skipped:` fails the check, unless it needs a second GPU the machine
+//! lacks: here a skip would pass for a run.
+//!
 //! Where the GPU machine has no cargo, the GPU bundle's `run.sh` with `xtask/gpu-extra.sh` as
 //! its command runs the same steps from prebuilt binaries (`xtask/README.md`).
 
+use std::io::{BufRead, BufReader};
 use std::path::Path;
+use std::process::{Command, Stdio};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::launch::{self, TrainArgs};
 
@@ -64,7 +69,7 @@ pub fn run(root: &Path) -> Result<()> {
         "--",
         "--nocapture",
     ]);
-    crate::run(root, nccl)?;
+    run_gpu_tests(root, nccl, gpus)?;
     // tch-ext's streams, events and CUDA-side hooks, and DDP on a GPU.
     let mut shim = crate::cargo();
     shim.args([
@@ -76,7 +81,7 @@ pub fn run(root: &Path) -> Result<()> {
         "--",
         "--nocapture",
     ]);
-    crate::run(root, shim)?;
+    run_gpu_tests(root, shim, gpus)?;
     let mut streams = crate::cargo();
     streams.args([
         "test",
@@ -87,7 +92,7 @@ pub fn run(root: &Path) -> Result<()> {
         "--",
         "--nocapture",
     ]);
-    crate::run(root, streams)?;
+    run_gpu_tests(root, streams, gpus)?;
     let mut sweep = crate::cargo();
     sweep.args([
         "bench",
@@ -112,7 +117,7 @@ pub fn run(root: &Path) -> Result<()> {
         "--",
         "--nocapture",
     ]);
-    crate::run(root, data)?;
+    run_gpu_tests(root, data, gpus)?;
     feed_and_fp16(root)?;
     let runs = if gpus > 1 { vec![1, gpus] } else { vec![1] };
     let precisions = runs
@@ -190,4 +195,70 @@ fn feed_and_fp16(root: &Path) -> Result<()> {
         crate::run(root, bench)?;
     }
     Ok(())
+}
+
+/// Runs `cmd`, a `cargo test` of GPU tests with `--nocapture`, as `crate::run` does, echoing
+/// its output, and fails when a test said `skipped:` although this machine has what it needs
+/// (CUDA not loadable, say): on a GPU machine a skipped GPU test must not pass for a run one.
+fn run_gpu_tests(root: &Path, mut cmd: Command, gpus: usize) -> Result<()> {
+    cmd.current_dir(root).stdout(Stdio::piped());
+    let line = format!("{cmd:?}");
+    println!("xtask: {line}");
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot start {line}"))?;
+    let mut output = String::new();
+    if let Some(out) = child.stdout.take() {
+        for text in BufReader::new(out).lines() {
+            let text = text.with_context(|| format!("reading the output of {line}"))?;
+            println!("{text}");
+            output.push_str(&text);
+            output.push('\n');
+        }
+    }
+    let status = child
+        .wait()
+        .with_context(|| format!("waiting for {line}"))?;
+    if !status.success() {
+        bail!("{line} failed ({status})");
+    }
+    let skipped = unexpected_skips(&output, gpus);
+    if !skipped.is_empty() {
+        bail!(
+            "{line}: GPU tests skipped on a machine with {gpus} GPU(s): {}",
+            skipped.join("; ")
+        );
+    }
+    Ok(())
+}
+
+/// The `skipped:` reasons in `output` that `gpus` GPUs do not explain: all but a two-GPU
+/// test's on a machine with one.
+fn unexpected_skips(output: &str, gpus: usize) -> Vec<String> {
+    output
+        .lines()
+        .filter_map(|l| l.find("skipped:").map(|at| l[at..].trim().to_string()))
+        .filter(|reason| {
+            let needs_two = reason.contains("needs two GPUs") || reason.contains("needs 2 CUDA");
+            !(needs_two && gpus < 2)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unexpected_skips;
+
+    #[test]
+    fn only_a_missing_second_gpu_excuses_a_skip() {
+        let output = "test a ... skipped: needs two GPUs, 1 visible\nok\n\
+                      test b ... skipped: no CUDA device (libcudart not found)\n\
+                      skipped: needs 2 CUDA devices\n";
+        assert_eq!(
+            unexpected_skips(output, 1),
+            ["skipped: no CUDA device (libcudart not found)"]
+        );
+        assert_eq!(unexpected_skips(output, 2).len(), 3);
+        assert!(unexpected_skips("test result: ok. 3 passed\n", 1).is_empty());
+    }
 }
