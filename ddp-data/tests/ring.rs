@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use ddp_data::memory::{BatchMemory, HeapMemory, SlotAllocator, SlotRequest};
 use ddp_data::rng::SampleRng;
-use ddp_data::{DataError, Dataset, HostLoader, LoaderConfig, SampleLayout, SampleOut, Storage};
+use ddp_data::{
+    DataError, Dataset, HostBatch, HostLoader, LoaderConfig, SampleLayout, SampleOut, Storage,
+};
 use ddp_testkit::wait_for;
 
 /// What happened, in order, across the test's threads.
@@ -18,6 +20,17 @@ type Log = Arc<Mutex<Vec<String>>>;
 
 fn entries(log: &Log) -> Vec<String> {
     log.lock().unwrap().clone()
+}
+
+/// Gives `batch` back with a reuse hook that logs `hook <slot>`; returns the slot.
+fn release_logged(batch: HostBatch, log: &Log) -> usize {
+    let slot = batch.slot();
+    let log = log.clone();
+    batch.release_after(Box::new(move || {
+        log.lock().unwrap().push(format!("hook {slot}"));
+        Ok(())
+    }));
+    slot
 }
 
 fn position(log: &Log, entry: &str) -> Option<usize> {
@@ -117,14 +130,7 @@ fn hooked_slots_wait_until_the_ring_holds_prefetch_plus_two() {
     };
     let mut slots = Vec::new();
     for batch in HostLoader::new(ramp, (0..8).collect(), &one_per_batch(1, 1)).unwrap() {
-        let batch = batch.unwrap();
-        let slot = batch.slot();
-        slots.push(slot);
-        let hook_log = log.clone();
-        batch.release_after(Box::new(move || {
-            hook_log.lock().unwrap().push(format!("hook {slot}"));
-            Ok(())
-        }));
+        slots.push(release_logged(batch.unwrap(), &log));
     }
     assert_eq!(slots, [0, 1, 2, 0, 1, 2, 0, 1]);
     let seen = entries(&log);
@@ -275,12 +281,7 @@ fn dropping_the_loader_runs_a_pending_hook_before_freeing_the_slot() {
     let log = Log::default();
     let mut loader = logged_loader(&log);
     let first = loader.next().unwrap().unwrap();
-    assert_eq!(first.slot(), 0);
-    let hook_log = log.clone();
-    first.release_after(Box::new(move || {
-        hook_log.lock().unwrap().push("hook 0".into());
-        Ok(())
-    }));
+    assert_eq!(release_logged(first, &log), 0);
     drop(loader);
     let seen = entries(&log);
     let hook = seen.iter().position(|e| e == "hook 0");
@@ -366,13 +367,7 @@ fn a_failed_allocation_falls_back_to_a_hooked_free_slot() {
     for batch in loader {
         let batch = batch.unwrap();
         values.push(batch.input_f32().unwrap()[0]);
-        let slot = batch.slot();
-        slots.push(slot);
-        let hook_log = log.clone();
-        batch.release_after(Box::new(move || {
-            hook_log.lock().unwrap().push(format!("hook {slot}"));
-            Ok(())
-        }));
+        slots.push(release_logged(batch, &log));
     }
     assert_eq!(values, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]);
     assert_eq!(slots, [0, 1, 0, 1, 0, 1, 0, 1]);

@@ -651,14 +651,12 @@ impl DeviceWork for CudaWork {
     fn is_completed(&self) -> bool {
         // Never blocks: while another thread's call holds the communicator (a blocking
         // collective may hold it up to the timeout), the answer is "not yet".
-        match self.group.nccl.try_lock() {
-            Ok(mut guard) => guard.as_mut().is_none_or(|c| c.work_completed(&self.work)),
-            Err(std::sync::TryLockError::Poisoned(p)) => p
-                .into_inner()
-                .as_mut()
-                .is_none_or(|c| c.work_completed(&self.work)),
-            Err(std::sync::TryLockError::WouldBlock) => false,
-        }
+        let mut guard = match self.group.nccl.try_lock() {
+            Ok(guard) => guard,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        guard.as_mut().is_none_or(|c| c.work_completed(&self.work))
     }
 }
 
