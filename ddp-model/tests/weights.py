@@ -18,7 +18,10 @@ Writes into DIR:
                    Python's own pickle runs the same payload on PYTHON_MARKER first, to
                    show that the file does what it says
   legacy.pt        the legacy (non-zip) format
-  checkpoint.pth   a training checkpoint, {"epoch": 3, "model": state_dict}, not a state_dict
+  checkpoint.pth   a training checkpoint of convnet8: {"epoch": 3, "model": state_dict,
+                   "optimizer": an SGD state_dict with momentum buffers}
+  two-models.pth   {"model": convnet8, "ema": convnet8 with its floats doubled, "epoch": 3}
+  not-a-state-dict.pth  {"epoch": 3, "weights": [a tensor]}: no entry is a state_dict
   short-record.pth a tensor of 4 floats whose storage record holds 2
   past-storage.pth a tensor of 4 floats whose storage claims 2 elements
   resnet18-ddp.pth torchvision's resnet18(num_classes=8) state_dict with DDP's prefix, and
@@ -148,7 +151,17 @@ def main(out, marker, python_marker):
     evil(os.path.join(out, "evil.pth"), marker, python_marker)
     torch.save({"a": torch.ones(2)}, os.path.join(out, "legacy.pt"),
                _use_new_zipfile_serialization=False)
-    torch.save({"epoch": 3, "model": sd}, os.path.join(out, "checkpoint.pth"))
+    # state_dict() shares the model's storages: keep convnet8's values before the step.
+    sd = OrderedDict((k, v.clone()) for k, v in sd.items())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.rand(2, 3, 32, 32)).sum().backward()
+    optimizer.step()
+    assert optimizer.state_dict()["state"], "the optimizer has no state to save"
+    torch.save({"epoch": 3, "model": sd, "optimizer": optimizer.state_dict()},
+               os.path.join(out, "checkpoint.pth"))
+    ema = OrderedDict((k, v * 2 if v.is_floating_point() else v) for k, v in sd.items())
+    torch.save({"model": sd, "ema": ema, "epoch": 3}, os.path.join(out, "two-models.pth"))
+    torch.save({"epoch": 3, "weights": [torch.ones(2)]}, os.path.join(out, "not-a-state-dict.pth"))
     short = os.path.join(out, "short-record.pth")
     torch.save({"t": torch.zeros(4)}, short)
     rewrite(short, {"short-record/data/0": bytes(8)})

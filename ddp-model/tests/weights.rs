@@ -1,7 +1,7 @@
 //! `weights` against files that PyTorch itself wrote (`tests/weights.py`, run once with the
 //! Python of `cargo xtask setup`): every dtype's exact values, strides, offsets and shared
 //! storages, big-endian records, a `cuda:0` location, a DDP prefix, strict and partial loads,
-//! a malicious pickle, damaged and legacy files.
+//! training checkpoints and their entries, a malicious pickle, damaged and legacy files.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -180,7 +180,7 @@ fn a_convnet_loads_from_pth_ddp_pth_and_safetensors_named_bin() {
     assert_eq!(reference.len(), 26);
     for name in ["convnet8.pth", "convnet8-ddp.pth", "convnet8.bin"] {
         let (vs, _net) = convnet(8);
-        let report = weights::load(&vs, file(name), Strictness::Strict).unwrap();
+        let report = weights::load(&vs, file(name), None, Strictness::Strict).unwrap();
         assert!(report.is_complete(), "{name}: {report}");
         assert_eq!(report.loaded.len(), 26, "{name}");
         assert_eq!(report.stripped_module_prefix, name == "convnet8-ddp.pth");
@@ -215,7 +215,7 @@ fn a_pickle_naming_os_system_is_refused_and_nothing_runs() {
     );
     let (vs, _net) = convnet(8);
     let before = var(&vs, "features.0.weight").copy();
-    assert!(weights::load(&vs, file("evil.pth"), Strictness::Partial).is_err());
+    assert!(weights::load(&vs, file("evil.pth"), None, Strictness::Partial).is_err());
     assert!(var(&vs, "features.0.weight").equal(&before));
     assert!(!marker.exists(), "the payload ran");
 }
@@ -224,7 +224,7 @@ fn a_pickle_naming_os_system_is_refused_and_nothing_runs() {
 fn strict_loading_lists_every_difference_and_copies_nothing() {
     let (vs, _net) = convnet(8);
     let before = var(&vs, "features.1.weight").copy();
-    let err = weights::load(&vs, file("wrong.pth"), Strictness::Strict).unwrap_err();
+    let err = weights::load(&vs, file("wrong.pth"), None, Strictness::Strict).unwrap_err();
     let WeightsError::Mismatch { path, problems } = &err else {
         panic!("{err:?}")
     };
@@ -349,8 +349,104 @@ fn the_legacy_format_and_other_files_are_refused_with_what_to_do() {
 }
 
 #[test]
+fn a_training_checkpoint_is_read_from_its_one_state_dict_entry() {
+    let reference = weights::read_state_dict(file("convnet8.pth")).unwrap();
+    assert_eq!(reference.entry(), None);
+    // {"epoch": 3, "model": state_dict, "optimizer": SGD's state_dict with its buffers}.
+    let sd = weights::read_state_dict(file("checkpoint.pth")).unwrap();
+    assert_eq!(sd.entry(), Some("model"));
+    let names: Vec<&str> = sd.names().collect();
+    assert_eq!(names, reference.names().collect::<Vec<_>>());
+    for (n, t) in reference.tensors() {
+        assert!(sd.get(n).unwrap().equal(t), "{n} differs from convnet8.pth");
+    }
+    let (vs, _net) = convnet(8);
+    let report = weights::load(&vs, file("checkpoint.pth"), None, Strictness::Strict).unwrap();
+    assert!(report.is_complete(), "{report}");
+    assert_eq!(report.entry.as_deref(), Some("model"));
+    assert!(report
+        .to_string()
+        .starts_with("loaded 26 tensors of its entry 'model'"));
+    // The same entry by its key, as `checkpoint["model"]` in PyTorch.
+    let keyed = weights::read_state_dict_entry(file("checkpoint.pth"), "model").unwrap();
+    assert_eq!(keyed.entry(), Some("model"));
+    assert_eq!(keyed.len(), 26);
+}
+
+#[test]
+fn a_file_with_several_state_dicts_needs_the_key_of_one() {
+    let err = weights::read_state_dict(file("two-models.pth")).unwrap_err();
+    match &err {
+        WeightsError::SeveralStateDicts { entries, .. } => {
+            assert_eq!(
+                entries,
+                &[("model".to_string(), 26), ("ema".to_string(), 26)]
+            )
+        }
+        other => panic!("expected SeveralStateDicts, got {other:?}"),
+    }
+    assert!(
+        err.to_string().ends_with(
+            "holds several state_dicts, under 'model' (26 tensors), 'ema' (26 tensors): \
+             choose one by its key"
+        ),
+        "{err}"
+    );
+    let reference = weights::read_state_dict(file("convnet8.pth")).unwrap();
+    let ema = weights::read_state_dict_entry(file("two-models.pth"), "ema").unwrap();
+    assert_eq!(ema.entry(), Some("ema"));
+    for (n, t) in reference.tensors() {
+        let expected = if t.is_floating_point() {
+            t * 2
+        } else {
+            t.shallow_clone()
+        };
+        assert!(ema.get(n).unwrap().equal(&expected), "{n} is not doubled");
+    }
+    let (vs, _net) = convnet(8);
+    weights::load(&vs, file("two-models.pth"), Some("ema"), Strictness::Strict).unwrap();
+    assert!(var(&vs, "features.0.weight").equal(&(reference.get("features.0.weight").unwrap() * 2)));
+
+    // Keys that are no state_dict, or no entry at all.
+    let err = weights::read_state_dict_entry(file("two-models.pth"), "student").unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::NoEntry { key, entries, .. }
+            if key == "student" && entries == &["model", "ema", "epoch"]),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string()
+            .ends_with("has no entry 'student' (its entries: 'model', 'ema', 'epoch')"),
+        "{err}"
+    );
+    let err = weights::read_state_dict_entry(file("checkpoint.pth"), "epoch").unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::NotAStateDict { reason, .. } if reason == "entry 'epoch' is an int"),
+        "{err:?}"
+    );
+    let err = weights::read_state_dict_entry(file("checkpoint.pth"), "optimizer").unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::NotAStateDict { reason, .. }
+            if reason == "entry 'optimizer' is a dict, but not of names to tensors: entry 'state' is a dict, not a tensor"),
+        "{err:?}"
+    );
+    // A safetensors file is one state_dict: it has no entries to choose from.
+    let err = weights::read_state_dict_entry(file("convnet8.bin"), "model").unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::NoEntry { entries, .. } if entries.is_empty()),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string()
+            .contains("it has none: the file is one state_dict"),
+        "{err}"
+    );
+}
+
+#[test]
 fn files_that_are_not_state_dicts_or_are_damaged_say_so() {
-    let err = weights::read_state_dict(file("checkpoint.pth")).unwrap_err();
+    // {"epoch": 3, "weights": [tensor]}: no entry is a state_dict.
+    let err = weights::read_state_dict(file("not-a-state-dict.pth")).unwrap_err();
     assert!(matches!(err, WeightsError::NotAStateDict { .. }), "{err:?}");
     assert!(
         err.to_string()

@@ -1,6 +1,7 @@
 //! `--init-from` with real ranks: two CPU ranks start from a PyTorch-saved `.pth`, a file that
 //! does not fit fails on both ranks naming it, `--init-partial` keeps a new head, and a resume
-//! takes precedence over the file.
+//! takes precedence over the file; a training checkpoint with two state_dicts needs
+//! `--init-key`.
 
 mod common;
 
@@ -247,4 +248,70 @@ fn a_file_that_does_not_fit_fails_on_every_rank_and_partial_keeps_the_head() {
         config["init_weights"]["mismatched"][1],
         serde_json::json!({"name": "classifier.3.weight", "model": [8, 256], "file": [1000, 256]})
     );
+}
+
+#[test]
+fn a_training_checkpoint_with_two_models_needs_init_key() {
+    let tmp = common::temp_dir("ddp-train-init-key");
+    let dir = tmp.path();
+    let data = data(dir);
+    let data_s = data.to_str().unwrap();
+    let (model, _) = pytorch_file(dir, "model.pth", 8, 99, false);
+    let (ema, ema_file) = pytorch_file(dir, "ema.pth", 8, 41, false);
+    // {"epoch": 3, "model": ..., "ema": ...}, as a training script saves its checkpoint.
+    let pth = dir.join("checkpoint.pth");
+    let script = "import sys, torch\n\
+                  torch.save({'epoch': 3, 'model': torch.load(sys.argv[1]), \
+                  'ema': torch.load(sys.argv[2])}, sys.argv[3])\n";
+    let out = Command::new(ddp_testkit::setup_python())
+        .args(["-c", script])
+        .args([&model, &ema, &pth])
+        .output()
+        .expect("python runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pth_s = pth.to_str().unwrap();
+
+    let run = dir.join("no-key");
+    let mut no_key = args(data_s, run.to_str().unwrap(), "1");
+    no_key.extend(["--init-from", pth_s]);
+    let outputs = run_ranks(2, &no_key);
+    for (r, o) in outputs.iter().enumerate() {
+        let t = text(o);
+        assert!(!o.status.success(), "rank {r} should have failed:\n{t}");
+        assert!(
+            t.contains(&format!(
+                "weights file '{pth_s}' holds several state_dicts, under 'model' (26 tensors), \
+                 'ema' (26 tensors): choose one by its key (--init-key)"
+            )),
+            "rank {r}:\n{t}"
+        );
+    }
+
+    let run = dir.join("ema");
+    let mut keyed = args(data_s, run.to_str().unwrap(), "1");
+    keyed.extend(["--init-from", pth_s, "--init-key", "ema"]);
+    let outputs = run_ranks(2, &keyed);
+    assert_all_ok(&outputs);
+    let log = text(&outputs[0]);
+    assert!(
+        log.contains(&format!(
+            "initial weights from {pth_s}: loaded 26 tensors of its entry 'ema'"
+        )),
+        "{log}"
+    );
+    let saved = checkpoint::read_tensors(run.join("checkpoints/epoch-0001.safetensors")).unwrap();
+    for (name, t) in ema_file.tensors.iter().filter(|(n, _)| !is_statistic(n)) {
+        assert!(
+            same_weights(t, &saved.tensors[name]),
+            "{name} is not the ema's"
+        );
+    }
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["init_weights"]["entry"], "ema", "{config}");
+    assert_eq!(config["settings"]["checkpoint"]["init_key"], "ema");
 }

@@ -1,6 +1,7 @@
 //! `ddp-train predict` and `evaluate` as real ranks on loopback: the submission file in the
 //! challenge's format, byte-identical on 1 and 2 ranks; a patient with one eye predicted
-//! from it with a warning; an undecodable image stopping every rank with its name.
+//! from it with a warning; an undecodable image stopping every rank with its name; a model
+//! read from a PyTorch training checkpoint by `--checkpoint-key`.
 
 mod common;
 
@@ -43,23 +44,39 @@ fn run_ranks(world: usize, args: &[&str]) -> Vec<Output> {
 }
 
 fn predict(world: usize, images: &Path, model: &Path, out: &Path) -> Vec<Output> {
-    run_ranks(
-        world,
-        &[
-            "predict",
-            "--checkpoint",
-            model.to_str().unwrap(),
-            "--data",
-            images.to_str().unwrap(),
-            "--image-size",
-            "32",
-            // 11 images in batches of 4: rank 0 gets batches 0 and 2, rank 1 batch 1.
-            "--batch-size",
-            "4",
-            "--out",
-            out.to_str().unwrap(),
-        ],
-    )
+    scoring("predict", world, images, model, out, &[])
+}
+
+fn evaluate(world: usize, data: &Path, model: &Path, out: &Path, extra: &[&str]) -> Vec<Output> {
+    scoring("evaluate", world, data, model, out, extra)
+}
+
+/// `world` ranks of `ddp-train <command>` (`predict` or `evaluate`) of `model` on the folder
+/// `data`, with `extra` flags.
+fn scoring(
+    command: &str,
+    world: usize,
+    data: &Path,
+    model: &Path,
+    out: &Path,
+    extra: &[&str],
+) -> Vec<Output> {
+    let mut args = vec![
+        command,
+        "--checkpoint",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--image-size",
+        "32",
+        // 11 images in batches of 4: rank 0 gets batches 0 and 2, rank 1 batch 1.
+        "--batch-size",
+        "4",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    run_ranks(world, &args)
 }
 
 fn floats(fields: &[&str]) -> Vec<f64> {
@@ -169,22 +186,7 @@ fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
     let mut reports = Vec::new();
     for world in [1, 2] {
         let out = dir.join(format!("eval{world}"));
-        let outputs = run_ranks(
-            world,
-            &[
-                "evaluate",
-                "--checkpoint",
-                model.to_str().unwrap(),
-                "--data",
-                data.join("test").to_str().unwrap(),
-                "--image-size",
-                "32",
-                "--batch-size",
-                "4",
-                "--out",
-                out.to_str().unwrap(),
-            ],
-        );
+        let outputs = evaluate(world, &data.join("test"), &model, &out, &[]);
         for (r, o) in outputs.iter().enumerate() {
             assert!(o.status.success(), "rank {r} of {world}:\n{}", text(o));
         }
@@ -210,4 +212,48 @@ fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
         reports.push(printed);
     }
     assert_eq!(reports[0], reports[1]);
+
+    // The same model inside a PyTorch training checkpoint with two state_dicts: scored from
+    // the entry `--checkpoint-key` names, and refused without it.
+    let pth = dir.join("checkpoint.pth");
+    let script = "import sys, torch\n\
+                  from safetensors.torch import load_file\n\
+                  sd = load_file(sys.argv[1])\n\
+                  ema = {k: v * 2 if v.is_floating_point() else v for k, v in sd.items()}\n\
+                  torch.save({'model': sd, 'ema': ema, 'epoch': 3}, sys.argv[2])\n";
+    let made = std::process::Command::new(ddp_testkit::setup_python())
+        .args(["-c", script])
+        .args([&model, &pth])
+        .output()
+        .expect("python runs");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let evaluate_pth = |key: &[&str]| {
+        let out = dir.join(format!("eval-pth{}", key.len()));
+        evaluate(1, &data.join("test"), &pth, &out, key).remove(0)
+    };
+    let refused = evaluate_pth(&[]);
+    assert!(!refused.status.success(), "{}", text(&refused));
+    assert!(
+        text(&refused).contains(
+            "holds several state_dicts, under 'model' (26 tensors), 'ema' (26 tensors): choose \
+             one by its key (--checkpoint-key)"
+        ),
+        "{}",
+        text(&refused)
+    );
+    let keyed = evaluate_pth(&["--checkpoint-key", "model"]);
+    assert!(keyed.status.success(), "{}", text(&keyed));
+    let stdout = String::from_utf8_lossy(&keyed.stdout).into_owned();
+    let mut printed: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(printed["checkpoint_key"], "model");
+    let report = printed.as_object_mut().unwrap();
+    for field in ["world_size", "checkpoint_key", "checkpoint"] {
+        report.remove(field);
+    }
+    reports[0].as_object_mut().unwrap().remove("checkpoint");
+    assert_eq!(printed, reports[0]);
 }

@@ -7,7 +7,9 @@
 //!   offset, views sharing a storage, the storage location such as `cuda:0` ignored as
 //!   `map_location="cpu"` does, a big-endian `byteorder` swapped); a file that starts with a
 //!   JSON header is safetensors; a bare pickle is `torch.save`'s legacy format, refused with
-//!   how to re-save it.
+//!   how to re-save it. A training checkpoint saved by `torch.save` (`{"epoch": 3, "model":
+//!   model.state_dict(), "optimizer": ...}`) is read from its one entry that is a
+//!   state_dict; [`read_state_dict_entry`] names the entry where there are several.
 //! - [`load_state_dict`]: copies a [`StateDict`] into the model's variables (parameters and
 //!   buffers) with dtype conversion and no gradient, as PyTorch's `load_state_dict` does,
 //!   after stripping a `module.` prefix that every name has (a file saved from a DDP model,
@@ -147,6 +149,30 @@ pub enum WeightsError {
         /// What it holds.
         reason: String,
     },
+    /// A key was given, and the file's top-level dict has no entry of that name.
+    #[error(
+        "weights file '{path}' has no entry '{key}' ({})",
+        listed_entries(entries)
+    )]
+    NoEntry {
+        /// The file.
+        path: PathBuf,
+        /// The key asked for.
+        key: String,
+        /// The keys the file has (none for a safetensors file, which is one state_dict).
+        entries: Vec<String>,
+    },
+    /// No key was given, and more than one entry of the file holds a state_dict.
+    #[error(
+        "weights file '{path}' holds several state_dicts, under {}: choose one by its key",
+        entries.iter().map(|(k, n)| format!("'{k}' ({n} tensors)")).collect::<Vec<_>>().join(", ")
+    )]
+    SeveralStateDicts {
+        /// The file.
+        path: PathBuf,
+        /// Each entry holding a state_dict and its number of tensors, in file order.
+        entries: Vec<(String, usize)>,
+    },
     /// A tensor has a dtype that tch cannot represent.
     #[error("weights file '{path}': tensor '{name}' has dtype {dtype}, which is not supported")]
     UnsupportedDtype {
@@ -192,6 +218,15 @@ pub enum WeightsError {
     },
 }
 
+/// `its entries: 'epoch', 'model'`, for [`WeightsError::NoEntry`].
+fn listed_entries(entries: &[String]) -> String {
+    if entries.is_empty() {
+        return "it has none: the file is one state_dict, read without a key".into();
+    }
+    let quoted: Vec<String> = entries.iter().map(|k| format!("'{k}'")).collect();
+    format!("its entries: {}", quoted.join(", "))
+}
+
 impl WeightsError {
     fn io(path: &Path, source: std::io::Error) -> Self {
         Self::Io {
@@ -205,6 +240,7 @@ impl WeightsError {
 #[derive(Debug)]
 pub struct StateDict {
     path: PathBuf,
+    entry: Option<String>,
     tensors: Vec<(String, Tensor)>,
 }
 
@@ -213,13 +249,28 @@ impl StateDict {
     pub fn new(path: impl Into<PathBuf>, tensors: Vec<(String, Tensor)>) -> Self {
         Self {
             path: path.into(),
+            entry: None,
             tensors,
         }
+    }
+
+    /// The same tensors, recorded as read from the file's entry `entry` (`None`: the
+    /// file's top level).
+    #[must_use]
+    pub fn from_entry(mut self, entry: Option<String>) -> Self {
+        self.entry = entry;
+        self
     }
 
     /// The file the tensors came from.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The entry of the file's top-level dict that held the tensors (`"model"` of
+    /// `{"epoch": 3, "model": state_dict}`), or `None` when the file is the state_dict.
+    pub fn entry(&self) -> Option<&str> {
+        self.entry.as_deref()
     }
 
     /// The names and tensors, in file order.
@@ -290,6 +341,8 @@ pub struct LoadReport {
     pub mismatched: Vec<ShapeMismatch>,
     /// Whether the file's names all began with `module.`, which was stripped.
     pub stripped_module_prefix: bool,
+    /// The entry of the file that held the state_dict ([`StateDict::entry`]).
+    pub entry: Option<String>,
 }
 
 impl LoadReport {
@@ -304,6 +357,9 @@ impl fmt::Display for LoadReport {
     /// 'fc.weight' [1000, 512] for [8, 512]); ignored 1 of the file's (...)`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "loaded {} tensors", self.loaded.len())?;
+        if let Some(entry) = &self.entry {
+            write!(f, " of its entry '{entry}'")?;
+        }
         if self.stripped_module_prefix {
             write!(f, " (names without their '{DDP_PREFIX}' prefix)")?;
         }
@@ -337,13 +393,29 @@ impl fmt::Display for LoadReport {
 }
 
 /// Reads a state_dict from a `torch.save` file or a safetensors file, told apart by content.
+///
+/// A `torch.save` file may also hold a training checkpoint, a dict such as `{"epoch": 3,
+/// "model": model.state_dict(), "optimizer": optimizer.state_dict()}`: its one entry that is
+/// a state_dict is read ([`StateDict::entry`] names it). With several such entries
+/// (`"model"` and `"ema"`) it fails with [`WeightsError::SeveralStateDicts`]; choose one with
+/// [`read_state_dict_entry`].
 pub fn read_state_dict(path: impl AsRef<Path>) -> Result<StateDict, WeightsError> {
-    let path = path.as_ref();
+    read_state_dict_at(path.as_ref(), None)
+}
+
+/// Reads the state_dict under `key` of a `torch.save` file whose top level is a dict
+/// (`checkpoint[key]` in PyTorch): [`WeightsError::NoEntry`] when there is no such entry,
+/// which is always the case in a safetensors file.
+pub fn read_state_dict_entry(path: impl AsRef<Path>, key: &str) -> Result<StateDict, WeightsError> {
+    read_state_dict_at(path.as_ref(), Some(key))
+}
+
+fn read_state_dict_at(path: &Path, key: Option<&str>) -> Result<StateDict, WeightsError> {
     let mut head = [0u8; 9];
     let n = read_head(path, &mut head)?;
     let head = &head[..n];
     if head.starts_with(b"PK\x03\x04") || head.starts_with(b"PK\x05\x06") {
-        return torch_zip::read(path);
+        return torch_zip::read(path, key);
     }
     // A pickle's PROTO opcode: the legacy format starts with a pickled magic number.
     if head.len() >= 2 && head[0] == 0x80 && (2..=5).contains(&head[1]) {
@@ -353,6 +425,13 @@ pub fn read_state_dict(path: impl AsRef<Path>) -> Result<StateDict, WeightsError
     }
     // safetensors: an 8-byte little-endian header length, then the JSON header.
     if head.len() == 9 && head[8] == b'{' {
+        if let Some(key) = key {
+            return Err(WeightsError::NoEntry {
+                path: path.to_owned(),
+                key: key.to_string(),
+                entries: Vec::new(),
+            });
+        }
         return read_safetensors(path);
     }
     let reason = if head.is_empty() {
@@ -440,6 +519,7 @@ pub fn load_state_dict(
 
     let mut report = LoadReport {
         stripped_module_prefix: strip,
+        entry: state.entry.clone(),
         ..Default::default()
     };
     let mut problems = Vec::new();
@@ -508,13 +588,15 @@ pub fn load_state_dict(
     Ok(report)
 }
 
-/// [`read_state_dict`], then [`load_state_dict`].
+/// [`read_state_dict`] (or [`read_state_dict_entry`] with a `key`), then
+/// [`load_state_dict`].
 pub fn load(
     vs: &VarStore,
     path: impl AsRef<Path>,
+    key: Option<&str>,
     strictness: Strictness,
 ) -> Result<LoadReport, WeightsError> {
-    let state = read_state_dict(path)?;
+    let state = read_state_dict_at(path.as_ref(), key)?;
     load_state_dict(vs, &state, strictness)
 }
 

@@ -13,8 +13,9 @@ use zip::ZipArchive;
 use super::pickle::{self, Element, StorageRef, TensorRef, Value};
 use super::{StateDict, WeightsError};
 
-/// Reads a `torch.save` zip file holding a state_dict.
-pub(super) fn read(path: &Path) -> Result<StateDict, WeightsError> {
+/// Reads a `torch.save` zip file holding a state_dict, or a dict with one (see
+/// [`super::read_state_dict_entry`]).
+pub(super) fn read(path: &Path, key: Option<&str>) -> Result<StateDict, WeightsError> {
     let file = File::open(path).map_err(|source| WeightsError::io(path, source))?;
     let zip_error = |e: zip::result::ZipError| WeightsError::Archive {
         path: path.to_owned(),
@@ -48,7 +49,7 @@ pub(super) fn read(path: &Path) -> Result<StateDict, WeightsError> {
         path: path.to_owned(),
         source,
     })?;
-    let Some(entries) = unpickled.dict(&unpickled.value) else {
+    let Some(top) = unpickled.dict(&unpickled.value) else {
         return Err(WeightsError::NotAStateDict {
             path: path.to_owned(),
             reason: format!(
@@ -57,6 +58,7 @@ pub(super) fn read(path: &Path) -> Result<StateDict, WeightsError> {
             ),
         });
     };
+    let (entry, entries) = choose_entry(path, &unpickled, top, key)?;
     let mut storages = Storages {
         archive,
         path,
@@ -65,27 +67,112 @@ pub(super) fn read(path: &Path) -> Result<StateDict, WeightsError> {
         loaded: HashMap::new(),
     };
     let mut tensors = Vec::with_capacity(entries.len());
-    for (key, value) in entries {
-        let Value::Str(name) = key else {
-            return Err(WeightsError::NotAStateDict {
-                path: path.to_owned(),
-                reason: format!("a key is {}, not a str", key.describe()),
-            });
-        };
-        let Value::Tensor(t) = value else {
-            return Err(WeightsError::NotAStateDict {
-                path: path.to_owned(),
-                reason: format!(
-                    "entry '{name}' is {}, not a tensor: save the model's state_dict alone \
-                     (torch.save(model.state_dict(), path))",
-                    value.describe()
-                ),
-            });
-        };
+    for (name, t) in entries {
         let tensor = storages.tensor(name, t)?;
         tensors.push((name.to_string(), tensor));
     }
-    Ok(StateDict::new(path, tensors))
+    Ok(StateDict::new(path, tensors).from_entry(entry))
+}
+
+/// A state_dict's names and tensors, as the pickle describes them.
+type Entries<'u> = Vec<(&'u str, &'u Rc<TensorRef>)>;
+
+/// A dict's entries when every key is a str and every value a tensor: a state_dict.
+fn state_dict_entries(entries: &[(Value, Value)]) -> Option<Entries<'_>> {
+    entries
+        .iter()
+        .map(|(k, v)| match (k, v) {
+            (Value::Str(name), Value::Tensor(t)) => Some((&**name, t)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Where the state_dict of a file whose pickle holds the dict `top` is: `top` itself when
+/// it is one (and no `key` is given); else its entry `key`; else, without a key, its one
+/// entry that is a non-empty state_dict (a training checkpoint such as `{"epoch": 3,
+/// "model": state_dict, "optimizer": ...}`). Returns the entry's key (`None` for `top`) and
+/// the tensors.
+fn choose_entry<'u>(
+    path: &Path,
+    unpickled: &'u pickle::Unpickled,
+    top: &'u [(Value, Value)],
+    key: Option<&str>,
+) -> Result<(Option<String>, Entries<'u>), WeightsError> {
+    let not_a_state_dict = |reason: String| WeightsError::NotAStateDict {
+        path: path.to_owned(),
+        reason,
+    };
+    if let Some(key) = key {
+        let found = top
+            .iter()
+            .find(|(k, _)| matches!(k, Value::Str(s) if &**s == key));
+        let Some((_, value)) = found else {
+            let entries = top
+                .iter()
+                .map(|(k, _)| match k {
+                    Value::Str(s) => s.to_string(),
+                    other => format!("<{}>", other.describe()),
+                })
+                .collect();
+            return Err(WeightsError::NoEntry {
+                path: path.to_owned(),
+                key: key.to_string(),
+                entries,
+            });
+        };
+        let inner = unpickled
+            .dict(value)
+            .ok_or_else(|| not_a_state_dict(format!("entry '{key}' is {}", value.describe())))?;
+        let tensors = state_dict_entries(inner).ok_or_else(|| {
+            not_a_state_dict(format!(
+                "entry '{key}' is a dict, but not of names to tensors: {}",
+                first_non_tensor(inner)
+            ))
+        })?;
+        return Ok((Some(key.to_string()), tensors));
+    }
+    if let Some(tensors) = state_dict_entries(top) {
+        return Ok((None, tensors));
+    }
+    let candidates: Vec<(&str, Entries<'u>)> = top
+        .iter()
+        .filter_map(|(k, v)| {
+            let Value::Str(name) = k else { return None };
+            let inner = unpickled.dict(v)?;
+            let tensors = state_dict_entries(inner).filter(|t| !t.is_empty())?;
+            Some((&**name, tensors))
+        })
+        .collect();
+    match <[_; 1]>::try_from(candidates) {
+        Ok([(name, tensors)]) => Ok((Some(name.to_string()), tensors)),
+        Err(candidates) if candidates.is_empty() => Err(not_a_state_dict(format!(
+            "{}: save the model's state_dict alone (torch.save(model.state_dict(), path))",
+            first_non_tensor(top)
+        ))),
+        Err(candidates) => Err(WeightsError::SeveralStateDicts {
+            path: path.to_owned(),
+            entries: candidates
+                .into_iter()
+                .map(|(name, tensors)| (name.to_string(), tensors.len()))
+                .collect(),
+        }),
+    }
+}
+
+/// `entry 'epoch' is an int, not a tensor`: the first entry of a dict that keeps it from
+/// being a state_dict.
+fn first_non_tensor(entries: &[(Value, Value)]) -> String {
+    entries
+        .iter()
+        .find_map(|(k, v)| match (k, v) {
+            (Value::Str(_), Value::Tensor(_)) => None,
+            (Value::Str(name), v) => {
+                Some(format!("entry '{name}' is {}, not a tensor", v.describe()))
+            }
+            (k, _) => Some(format!("a key is {}, not a str", k.describe())),
+        })
+        .unwrap_or_default()
 }
 
 /// `"<name>/"` of the one `<name>/data.pkl` record.

@@ -17,8 +17,8 @@ pub use challenge::{ChallengeScores, EyeCombine};
 pub use cli::{Labels, OdirDefaults, TrainConfig};
 pub use options::{auto_pos_weight, Normalize, PosWeight};
 pub use predict::{
-    evaluate, predict, submission_csv, EvaluateArgs, Evaluation, OdirCommand, PredictArgs,
-    Prediction,
+    evaluate, predict, submission_csv, EvaluateArgs, Evaluation, ModelFile, OdirCommand,
+    PredictArgs, Prediction,
 };
 pub use score::{load_checkpoint, score, Scored};
 pub use stats::{combine_patients, OdirStats, PatientPredictions, Patients};

@@ -40,10 +40,9 @@ pub enum OdirCommand {
 /// training reads them, the others are not used).
 #[derive(Debug, Clone, Args)]
 pub struct PredictArgs {
-    /// The model: a best-model file or checkpoint of a run (`.safetensors`), or a run
-    /// directory (its latest checkpoint).
-    #[arg(long, value_name = "FILE")]
-    pub checkpoint: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelFile,
 
     /// Per-class thresholds for decisions.csv: a JSON file with `"thresholds": [8 numbers]`
     /// as `--tune-thresholds` writes beside each best model. Default: `<checkpoint>.json`
@@ -60,14 +59,29 @@ pub struct PredictArgs {
 /// the labelled folder to score, every image of it).
 #[derive(Debug, Clone, Args)]
 pub struct EvaluateArgs {
-    /// The model: a best-model file or checkpoint of a run (`.safetensors`), or a run
-    /// directory (its latest checkpoint).
-    #[arg(long, value_name = "FILE")]
-    pub checkpoint: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelFile,
 
     /// The training flags.
     #[command(flatten)]
     pub config: TrainConfig,
+}
+
+/// The model `predict` and `evaluate` run, and where in its file it is.
+#[derive(Debug, Clone, Args)]
+pub struct ModelFile {
+    /// The model: a best-model file or checkpoint of a run (`.safetensors`), a run directory
+    /// (its latest checkpoint), or a PyTorch file of the same model (`torch.save` of its
+    /// state_dict, or a training checkpoint holding it).
+    #[arg(long = "checkpoint", value_name = "FILE")]
+    pub checkpoint: PathBuf,
+
+    /// The entry of a PyTorch `--checkpoint` that holds the state_dict (`checkpoint[KEY]`),
+    /// for a file with several; a training checkpoint with one (`{"epoch": 3, "model":
+    /// ...}`) is read without it.
+    #[arg(long = "checkpoint-key", value_name = "KEY")]
+    pub key: Option<String>,
 }
 
 /// What `predict` did.
@@ -95,8 +109,8 @@ pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
     c.validate()?;
     let set = Arc::new(OdirDataset::open_unlabelled(&c.data)?);
     // Read before meeting the other ranks: a bad file fails on every rank alike.
-    let thresholds = read_thresholds(args.thresholds.as_deref(), &args.checkpoint)?;
-    let scored = score(c, &args.checkpoint, set)?;
+    let thresholds = read_thresholds(args.thresholds.as_deref(), &args.model.checkpoint)?;
+    let scored = score(c, &args.model, set)?;
     let patients = scored.stats.patient_predictions();
     for id in &patients.one_eye {
         let eye = scored
@@ -153,11 +167,14 @@ pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
     let c = &args.config;
     c.validate()?;
     let set = Arc::new(OdirDataset::open(&c.data, &data_options(c))?);
-    let scored = score(c, &args.checkpoint, set)?;
+    let scored = score(c, &args.model, set)?;
     let mut report = scored.stats.report();
     report.extend(scored.stats.details());
     let mut report = report.into_map();
-    report.insert("checkpoint".into(), json!(args.checkpoint));
+    report.insert("checkpoint".into(), json!(args.model.checkpoint));
+    if let Some(key) = &args.model.key {
+        report.insert("checkpoint_key".into(), json!(key));
+    }
     report.insert("data".into(), json!(c.data));
     report.insert("images".into(), json!(scored.set.len()));
     report.insert("eye_combine".into(), json!(c.eye_combine.as_str()));

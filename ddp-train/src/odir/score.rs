@@ -3,29 +3,32 @@
 //! checkpoint is read for them), exact shards of whole batches, and every image's
 //! probabilities gathered onto every rank in image order.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use ddp_comm::{EnvConfig, ProcessGroup, ReduceOp};
 use ddp_data::odir::{OdirDataset, OdirImages};
 use ddp_data::{Dataset, Loader, LoaderConfig};
-use ddp_model::weights::{self, Strictness};
+use ddp_model::weights::{self, Strictness, WeightsError};
 use tch::{nn, Device, Kind, Tensor};
 
 use super::cli::TrainConfig;
+use super::predict::ModelFile;
 use super::stats::{OdirStats, Patients};
 use super::task::{eval_transform, odir_model};
 use crate::error::{Context, TrainError};
 use crate::task::Stats;
 
-/// Reads the model's weights from `path` into `vs` (on the CPU): a model file of ours
-/// (`best-*.safetensors`, a `checkpoints/epoch-*.safetensors` of a run), PyTorch's
-/// `torch.save(model.state_dict())` or `safetensors.torch.save_file` of the same model (a
+/// Reads the model's weights from `model.checkpoint` into `vs` (on the CPU): a model file of
+/// ours (`best-*.safetensors`, a `checkpoints/epoch-*.safetensors` of a run), PyTorch's
+/// `torch.save(model.state_dict())`, a training checkpoint holding it (its entry
+/// `model.key`, or its one state_dict) or `safetensors.torch.save_file` of the same model (a
 /// DDP `module.` prefix is stripped), or a run directory, whose latest checkpoint is read.
 /// Every name and shape is checked before anything is loaded (strictly, as
 /// `--init-from`).
-pub fn load_checkpoint(vs: &nn::VarStore, path: &Path) -> Result<(), TrainError> {
+pub fn load_checkpoint(vs: &nn::VarStore, model: &ModelFile) -> Result<(), TrainError> {
+    let path = &model.checkpoint;
     let file = if path.is_dir() {
         crate::state::resolve("latest", Some(path))?
     } else if path.is_file() {
@@ -36,8 +39,16 @@ pub fn load_checkpoint(vs: &nn::VarStore, path: &Path) -> Result<(), TrainError>
             path.display()
         )));
     };
-    weights::load(vs, &file, Strictness::Strict)?;
-    Ok(())
+    match weights::load(vs, &file, model.key.as_deref(), Strictness::Strict) {
+        Ok(_) => Ok(()),
+        Err(e @ WeightsError::SeveralStateDicts { .. }) => {
+            Err(TrainError::Invalid(format!("{e} (--checkpoint-key)")))
+        }
+        Err(e @ WeightsError::NoEntry { .. }) => {
+            Err(TrainError::Invalid(format!("--checkpoint-key: {e}")))
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// What the ranks scored: the statistics of the whole folder (on every rank), the run
@@ -67,9 +78,10 @@ pub struct Scored {
 /// then fails with that rank's error, which names the image.
 pub fn score(
     c: &TrainConfig,
-    checkpoint: &Path,
+    model_file: &ModelFile,
     set: Arc<OdirDataset>,
 ) -> Result<Scored, TrainError> {
+    let checkpoint = &model_file.checkpoint;
     let env = EnvConfig::from_env().context(|| "reading the rank's environment".into())?;
     ddp_run::die_with_launcher().map_err(|e| TrainError::Invalid(e.to_string()))?;
     let settings = c.settings();
@@ -80,7 +92,7 @@ pub fn score(
     // The model before meeting the others: a bad checkpoint fails on every rank alike.
     let mut vs = nn::VarStore::new(Device::Cpu);
     let model = odir_model(&vs.root(), c);
-    load_checkpoint(&vs, checkpoint)
+    load_checkpoint(&vs, model_file)
         .context(|| format!("loading the model from {}", checkpoint.display()))?;
     vs.set_device(device);
     let images = OdirImages::new(set.clone(), eval_transform(c)?);

@@ -75,8 +75,9 @@ pub struct CheckpointSettings {
     )]
     pub minutes: Option<f64>,
     /// Initial weights for the model: a PyTorch `torch.save` state_dict (`.pth`, `.pt`,
-    /// `.bin`; a DDP model's `module.` prefix is stripped) or a safetensors file, read with
-    /// [`ddp_model::weights`]. Every rank loads it right after building the model, before
+    /// `.bin`; a DDP model's `module.` prefix is stripped), a training checkpoint holding one
+    /// (`{"epoch": 3, "model": state_dict, ...}`: see `init_key`), or a safetensors file,
+    /// read with [`ddp_model::weights`]. Every rank loads it right after building the model, before
     /// DDP's broadcast; a resume (`resume`, or a restart that continues the run) takes
     /// precedence, and the file is then not read.
     #[cfg_attr(
@@ -86,12 +87,29 @@ pub struct CheckpointSettings {
             long = "init-from",
             value_name = "FILE",
             help = "Start from these weights: a PyTorch torch.save state_dict (.pth, .pt, .bin; \
-                    a DDP `module.` prefix is stripped) or a safetensors file. Every name and \
-                    shape must match the model (see --init-partial). Ignored, with a note in \
-                    the log, when the run resumes from a checkpoint"
+                    a DDP `module.` prefix is stripped), a training checkpoint's state_dict \
+                    entry (see --init-key), or a safetensors file. Every name and shape must \
+                    match the model (see --init-partial). Ignored, with a note in the log, \
+                    when the run resumes from a checkpoint"
         )
     )]
     pub init_from: Option<PathBuf>,
+    /// The entry of `init_from` that holds the state_dict, when the file is a dict of
+    /// several (`checkpoint["ema"]` of `{"model": ..., "ema": ..., "epoch": 3}`). Without
+    /// it, a file that is not a state_dict itself is read from its one entry that is.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            id = "checkpoint.init_key",
+            long = "init-key",
+            value_name = "KEY",
+            requires = "checkpoint.init_from",
+            help = "The entry of --init-from's dict that holds the state_dict (checkpoint[KEY] \
+                    in PyTorch), for a file with several; a training checkpoint with one \
+                    (e.g. {\"epoch\": 3, \"model\": ...}) is read without it"
+        )
+    )]
+    pub init_key: Option<String>,
     /// Load from `init_from` only the tensors whose name and shape match the model (a new
     /// classification head keeps its initialisation); rank 0 logs the rest. Without it, any
     /// missing, unexpected or mis-shaped tensor is an error that lists them all.
@@ -130,6 +148,7 @@ impl Default for CheckpointSettings {
             every: None,
             minutes: None,
             init_from: None,
+            init_key: None,
             init_partial: false,
             keep: 2,
         }
@@ -143,6 +162,7 @@ builder!(CheckpointSettings {
     every: Option<u64>,
     minutes: Option<f64>,
     init_from: Option<PathBuf>,
+    init_key: Option<String>,
     init_partial: bool,
     keep: usize,
 });

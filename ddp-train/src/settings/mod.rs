@@ -432,10 +432,15 @@ impl Settings {
                  from)",
             ));
         }
-        if c.init_partial && c.init_from.is_none() {
-            return Err(SettingError::new("checkpoint.init_partial", " needs ")
-                .setting("checkpoint.init_from")
-                .text(" (the weights file to load from)"));
+        for (set, field) in [
+            (c.init_partial, "checkpoint.init_partial"),
+            (c.init_key.is_some(), "checkpoint.init_key"),
+        ] {
+            if set && c.init_from.is_none() {
+                return Err(SettingError::new(field, " needs ")
+                    .setting("checkpoint.init_from")
+                    .text(" (the weights file to load from)"));
+            }
         }
         if c.resume.as_deref() == Some("latest") && self.out.is_none() {
             return Err(SettingError::new("checkpoint.resume", " latest needs ")
@@ -517,6 +522,12 @@ mod tests {
         assert_eq!(
             error(partial),
             "checkpoint.init_partial needs checkpoint.init_from (the weights file to load from)"
+        );
+        let key = Settings::default()
+            .checkpoint(CheckpointSettings::default().init_key(Some("ema".into())));
+        assert_eq!(
+            error(key),
+            "checkpoint.init_key needs checkpoint.init_from (the weights file to load from)"
         );
         assert!(Settings::default().validate().is_ok());
     }

@@ -12,7 +12,7 @@ use ddp_comm::{EnvConfig, ProcessGroup};
 use ddp_data::Dataset;
 use ddp_model::checkpoint;
 use ddp_model::norm::BatchNormLayers;
-use ddp_model::weights::{self, Strictness};
+use ddp_model::weights::{self, Strictness, WeightsError};
 use ddp_sampler::{DistributedSampler, Partition};
 use tch::{nn, Device, Tensor};
 
@@ -444,7 +444,19 @@ fn init_weights(
     } else {
         Strictness::Strict
     };
-    let report = weights::load(vs, file, strictness)?;
+    let key = s.checkpoint.init_key.as_deref();
+    let report = weights::load(vs, file, key, strictness).map_err(|e| match e {
+        // The key is what the user must set, or change.
+        WeightsError::SeveralStateDicts { .. } => TrainError::from(
+            SettingError::starting(format!("{e} ("))
+                .setting("checkpoint.init_key")
+                .text(")"),
+        ),
+        WeightsError::NoEntry { .. } => {
+            TrainError::from(SettingError::new("checkpoint.init_key", format!(": {e}")))
+        }
+        e => TrainError::from(e),
+    })?;
     let note = format!("initial weights from {}: {report}", file.display());
     let mismatched: Vec<_> = report
         .mismatched
@@ -455,6 +467,7 @@ fn init_weights(
         "file": file,
         "loaded": true,
         "partial": s.checkpoint.init_partial,
+        "entry": report.entry,
         "tensors_loaded": report.loaded.len(),
         "stripped_module_prefix": report.stripped_module_prefix,
         "missing": report.missing,
