@@ -64,13 +64,56 @@ fn parse() -> Invocation {
             a.help("The labelled ODIR folder to score, every image of it (either layout)")
         })
     });
+    // Training flags a command does not read are hidden from its help.
+    for command in ["predict", "evaluate"] {
+        cmd = cmd.mut_subcommand(command, |mut c| {
+            for id in unread_flags(command) {
+                c = c.mut_arg(id, |a| a.hide(true));
+            }
+            c
+        });
+    }
     let matches = cmd.clone().get_matches();
+    // ... and refused when given, rather than silently dropped.
+    if let Some((command, given)) = matches.subcommand() {
+        let unread = unread_flags(command).into_iter().find(|id| {
+            given.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine)
+        });
+        if let Some(id) = unread {
+            let arg = TrainConfig::command()
+                .get_arguments()
+                .find(|a| *a.get_id() == id)
+                .and_then(|a| a.get_long().map(|l| format!("--{l}")))
+                .unwrap_or_else(|| id.to_string());
+            let text = format!("{arg} is a training flag, which `{command}` does not read");
+            let kind = clap::error::ErrorKind::ArgumentConflict;
+            // The command's own usage line under the error.
+            cmd.build();
+            match cmd.find_subcommand_mut(command) {
+                Some(sub) => sub.error(kind, text).exit(),
+                None => cmd.error(kind, text).exit(),
+            }
+        }
+    }
     let parsed = if matches.subcommand().is_some() {
         OdirCommand::from_arg_matches(&matches).map(|c| Invocation::Command(Box::new(c)))
     } else {
         TrainConfig::from_arg_matches(&matches).map(|c| Invocation::Train(Box::new(c)))
     };
     parsed.unwrap_or_else(|e| e.format(&mut cmd).exit())
+}
+
+/// The ids of the training flags that `command` (`predict` or `evaluate`) does not read.
+fn unread_flags(command: &str) -> Vec<clap::Id> {
+    use ddp_train::odir::{EVALUATE_FLAGS, PREDICT_FLAGS};
+    let read = |id: &str| {
+        PREDICT_FLAGS.contains(&id) || (command == "evaluate" && EVALUATE_FLAGS.contains(&id))
+    };
+    TrainConfig::command()
+        .get_arguments()
+        .map(|a| a.get_id().clone())
+        .filter(|id| !read(id.as_str()) && id != "help" && id != "version")
+        .collect()
 }
 
 fn predict(args: &ddp_train::odir::PredictArgs) -> Result<()> {

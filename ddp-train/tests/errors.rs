@@ -86,3 +86,72 @@ fn a_local_rank_flag_that_disagrees_with_the_launcher_is_named() {
          SLURM_LOCALID): both must name the same device",
     );
 }
+
+/// `predict` and `evaluate` read the training flags of the model, the transform and the
+/// runtime; the others are not in their help and are refused, not silently dropped.
+#[test]
+fn a_training_flag_that_predict_does_not_read_is_refused() {
+    let dir = ddp_testkit::temp_dir("ddp-train-errors");
+    let folder = dir.path().to_str().unwrap();
+    for (command, flag, value) in [
+        ("predict", "--lr", "0.1"),
+        ("predict", "--labels", "eye"),
+        ("evaluate", "--init-from", "model.pth"),
+        ("evaluate", "--epochs", "3"),
+    ] {
+        let args = [
+            command,
+            "--checkpoint",
+            folder,
+            "--data",
+            folder,
+            flag,
+            value,
+        ];
+        let out = ddp_train(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{command} {flag}: {err}");
+        assert_eq!(
+            err.lines().next(),
+            Some(
+                format!("error: {flag} is a training flag, which `{command}` does not read")
+                    .as_str()
+            ),
+            "{err}"
+        );
+    }
+    let help = |command: &str| {
+        String::from_utf8_lossy(&ddp_train(&[command, "--help"]).stdout).into_owned()
+    };
+    let (predict, evaluate) = (help("predict"), help("evaluate"));
+    for read in [
+        "--image-size",
+        "--normalize",
+        "--model",
+        "--batch-size",
+        "--device",
+    ] {
+        assert!(predict.contains(read) && evaluate.contains(read), "{read}");
+    }
+    for unread in ["--lr", "--epochs", "--init-from", "--resume", "--hflip"] {
+        assert!(
+            !predict.contains(unread) && !evaluate.contains(unread),
+            "{unread}"
+        );
+    }
+    assert!(evaluate.contains("--labels") && !predict.contains("--labels"));
+    // A flag evaluate reads gets past the command line: the folder is what fails.
+    let out = ddp_train(&[
+        "evaluate",
+        "--checkpoint",
+        folder,
+        "--data",
+        folder,
+        "--labels",
+        "eye",
+    ]);
+    assert_one_error(
+        &out,
+        &format!("error: no ODIR annotation file in '{folder}': looked for full_df.csv, data.xlsx, ODIR-5K_Training_Annotations(Updated)_V2.xlsx"),
+    );
+}

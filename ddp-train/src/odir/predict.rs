@@ -35,9 +35,9 @@ pub enum OdirCommand {
     Evaluate(EvaluateArgs),
 }
 
-/// `ddp-train predict`'s flags: the model file, the thresholds, and the training's own flags
-/// (`--data` is the folder to predict; the model, transform and runtime flags are read as
-/// training reads them, the others are not used).
+/// `ddp-train predict`'s flags: the model file, the thresholds, and the training flags it
+/// reads ([`PREDICT_FLAGS`]: `--data` is the folder to predict; the model, transform and
+/// runtime flags are read as training reads them).
 #[derive(Debug, Clone, Args)]
 pub struct PredictArgs {
     /// The model.
@@ -55,8 +55,9 @@ pub struct PredictArgs {
     pub config: TrainConfig,
 }
 
-/// `ddp-train evaluate`'s flags: the model file and the training's own flags (`--data` is
-/// the labelled folder to score, every image of it).
+/// `ddp-train evaluate`'s flags: the model file and the training flags it reads
+/// ([`PREDICT_FLAGS`] and [`EVALUATE_FLAGS`]: `--data` is the labelled folder to score, every
+/// image of it).
 #[derive(Debug, Clone, Args)]
 pub struct EvaluateArgs {
     /// The model.
@@ -67,6 +68,33 @@ pub struct EvaluateArgs {
     #[command(flatten)]
     pub config: TrainConfig,
 }
+
+/// The training flags (their ids in [`TrainConfig`]'s command) that `predict` reads: the
+/// model, the evaluation transform, the batches and the runtime. `ddp-train predict` hides
+/// the others from its help and refuses them, so that none is given in vain.
+pub const PREDICT_FLAGS: &[&str] = &[
+    "data",
+    "image_size",
+    "normalize",
+    "eval_resize",
+    "model",
+    "dropout",
+    "eye_combine",
+    "batch_size",
+    "precision",
+    "out",
+    "runtime.device",
+    "runtime.threads",
+    "runtime.workers",
+    "runtime.prefetch",
+    "runtime.collective_timeout_secs",
+    "local_rank",
+    "nproc_per_node",
+];
+
+/// The training flags `evaluate` reads besides [`PREDICT_FLAGS`]: how the labelled folder is
+/// opened.
+pub const EVALUATE_FLAGS: &[&str] = &["labels", "skip_corrupt"];
 
 /// The model `predict` and `evaluate` run, and where in its file it is.
 #[derive(Debug, Clone, Args)]
@@ -283,4 +311,23 @@ fn predictions_csv(scored: &Scored) -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::{TrainConfig, EVALUATE_FLAGS, PREDICT_FLAGS};
+
+    #[test]
+    fn the_flags_predict_and_evaluate_read_are_training_flags() {
+        let command = TrainConfig::command();
+        let ids: Vec<&str> = command
+            .get_arguments()
+            .map(|a| a.get_id().as_str())
+            .collect();
+        for id in PREDICT_FLAGS.iter().chain(EVALUATE_FLAGS) {
+            assert!(ids.contains(id), "no training flag has the id {id}");
+        }
+    }
 }
