@@ -40,12 +40,19 @@ pub enum LaunchError {
         source: std::io::Error,
     },
     /// A rank's process could not be started.
-    #[error("cannot start rank {rank}: {program}")]
+    #[error(
+        "cannot start rank {rank}: {program}{}",
+        hint.as_deref().map(|h| format!(", {h}")).unwrap_or_default()
+    )]
     Spawn {
         /// The global rank.
         rank: usize,
         /// The program, as given.
         program: String,
+        /// What the user probably meant, where the failure has a known cause: a script in
+        /// the current folder given without `./`, or a Python script given as torchrun takes
+        /// it (torchrun runs `python SCRIPT`; ddp-run runs the program itself).
+        hint: Option<String>,
         /// Why (for instance, no such file).
         #[source]
         source: std::io::Error,

@@ -396,6 +396,7 @@ impl Attempt<'_> {
         let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
             rank,
             program: program_name(&config.program),
+            hint: spawn_hint(&config.program, &source),
             source,
         })?;
         let log_path = config
@@ -447,6 +448,38 @@ impl Attempt<'_> {
 fn program_name(program: &std::ffi::OsStr) -> String {
     let name: OsString = program.to_owned();
     format!("`{}`", name.to_string_lossy())
+}
+
+/// What to do about `program` failing to start with `err`, where the cause is a habit of
+/// torchrun's users: a file of the current folder named without `./` (exec looks it up in
+/// `PATH` only), or a Python script, which torchrun runs with `python` unless `--no-python`
+/// while ddp-run always runs the program itself.
+fn spawn_hint(program: &std::ffi::OsStr, err: &std::io::Error) -> Option<String> {
+    let path = Path::new(program);
+    let name = path.to_string_lossy();
+    let python = path.extension().is_some_and(|e| e == "py");
+    let with_python = || {
+        format!(
+            "give `python {name}` (ddp-run runs the program itself, where torchrun adds python \
+             unless --no-python)"
+        )
+    };
+    let bare = !name.contains('/');
+    match err.kind() {
+        std::io::ErrorKind::NotFound if bare && path.is_file() && python => Some(format!(
+            "a Python script of the current folder; {}",
+            with_python()
+        )),
+        std::io::ErrorKind::NotFound if bare && path.is_file() => Some(format!(
+            "a file of the current folder, which a name without `/` does not reach (it is \
+             looked up in PATH); give `./{name}`"
+        )),
+        std::io::ErrorKind::PermissionDenied if python => Some(format!(
+            "a Python script that is not executable; {}",
+            with_python()
+        )),
+        _ => None,
+    }
 }
 
 /// Opens (creating) a rank's log for appending; a symbolic link in its place is refused

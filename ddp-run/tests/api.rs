@@ -126,6 +126,7 @@ fn a_program_that_cannot_start_is_a_spawn_error() {
         Err(LaunchError::Spawn {
             rank: 0,
             program,
+            hint: None,
             source,
         }) => {
             assert_eq!(program, "`/nonexistent/ddp-run-api-program`");

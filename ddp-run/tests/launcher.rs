@@ -477,6 +477,46 @@ fn a_missing_program_is_one_line_without_a_backtrace() {
     assert!(!err.contains("backtrace"), "{err}");
 }
 
+/// torchrun's habits: `torchrun train.py` runs `python train.py`; ddp-run runs the program
+/// itself and says what to give instead.
+#[test]
+fn a_script_named_as_torchrun_takes_it_gets_what_to_give_instead() {
+    let dir = temp_dir("ddp-run-script");
+    std::fs::write(dir.path().join("train.py"), "print('hello')\n").unwrap();
+    std::fs::write(dir.path().join("train.sh"), "#!/bin/sh\necho hello\n").unwrap();
+    let python = "(ddp-run runs the program itself, where torchrun adds python unless \
+                  --no-python)";
+    let cases = [
+        (
+            "train.py",
+            format!("a Python script of the current folder; give `python train.py` {python}"),
+        ),
+        (
+            "./train.py",
+            format!("a Python script that is not executable; give `python ./train.py` {python}"),
+        ),
+        (
+            "train.sh",
+            "a file of the current folder, which a name without `/` does not reach (it is \
+             looked up in PATH); give `./train.sh`"
+                .to_string(),
+        ),
+    ];
+    for (program, hint) in cases {
+        let mut cmd = ddp_run(&["--nproc-per-node", "2", program]);
+        let out = wait_bounded(cmd.current_dir(dir.path()).spawn().unwrap(), LIMIT);
+        assert_eq!(out.status.code(), Some(1), "{program}");
+        let err = stderr(&out);
+        let last = err.lines().last().unwrap_or_default();
+        assert!(
+            last.starts_with(&format!(
+                "error: cannot start rank 0: `{program}`, {hint}: "
+            )),
+            "{program}: {err}"
+        );
+    }
+}
+
 #[test]
 fn bad_command_lines_say_what_is_wrong() {
     let cases: [(&[&str], i32, &str); 6] = [
