@@ -257,7 +257,7 @@ impl StateDict {
     /// The same tensors, recorded as read from the file's entry `entry` (`None`: the
     /// file's top level).
     #[must_use]
-    pub fn from_entry(mut self, entry: Option<String>) -> Self {
+    pub fn with_entry(mut self, entry: Option<String>) -> Self {
         self.entry = entry;
         self
     }

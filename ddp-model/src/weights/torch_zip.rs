@@ -71,7 +71,7 @@ pub(super) fn read(path: &Path, key: Option<&str>) -> Result<StateDict, WeightsE
         let tensor = storages.tensor(name, t)?;
         tensors.push((name.to_string(), tensor));
     }
-    Ok(StateDict::new(path, tensors).from_entry(entry))
+    Ok(StateDict::new(path, tensors).with_entry(entry))
 }
 
 /// A state_dict's names and tensors, as the pickle describes them.
