@@ -124,9 +124,13 @@ fn predict(args: &ddp_train::odir::PredictArgs) -> Result<()> {
             None => "0.5".to_string(),
         };
         let files: Vec<String> = p.files.iter().map(|f| f.display().to_string()).collect();
+        let model = match &p.checkpoint_entry {
+            Some(entry) => format!(" with the model of the checkpoint's entry '{entry}'"),
+            None => String::new(),
+        };
         println!(
-            "predict: {} images of {} patients ({} from one eye) on {} rank(s); decisions at \
-             {thresholds}; wrote {}",
+            "predict: {} images of {} patients ({} from one eye) on {} rank(s){model}; \
+             decisions at {thresholds}; wrote {}",
             p.images,
             p.patients,
             p.one_eye.len(),

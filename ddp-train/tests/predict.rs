@@ -215,27 +215,28 @@ fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
 
     // The same model inside a PyTorch training checkpoint with two state_dicts: scored from
     // the entry `--checkpoint-key` names, and refused without it.
-    let pth = dir.join("checkpoint.pth");
+    // The same model inside PyTorch training checkpoints: one with two state_dicts, scored
+    // from the entry `--checkpoint-key` names and refused without it, and one with one.
+    let (two, one) = (dir.join("two.pth"), dir.join("one.pth"));
     let script = "import sys, torch\n\
                   from safetensors.torch import load_file\n\
                   sd = load_file(sys.argv[1])\n\
                   ema = {k: v * 2 if v.is_floating_point() else v for k, v in sd.items()}\n\
-                  torch.save({'model': sd, 'ema': ema, 'epoch': 3}, sys.argv[2])\n";
+                  torch.save({'model': sd, 'ema': ema, 'epoch': 3}, sys.argv[2])\n\
+                  torch.save({'epoch': 3, 'model': sd}, sys.argv[3])\n";
     let made = std::process::Command::new(ddp_testkit::setup_python())
         .args(["-c", script])
-        .args([&model, &pth])
+        .args([&model, &two, &one])
         .output()
         .expect("python runs");
-    assert!(
-        made.status.success(),
-        "{}",
-        String::from_utf8_lossy(&made.stderr)
-    );
-    let evaluate_pth = |key: &[&str]| {
-        let out = dir.join(format!("eval-pth{}", key.len()));
-        evaluate(1, &data.join("test"), &pth, &out, key).remove(0)
+    let err = String::from_utf8_lossy(&made.stderr);
+    assert!(made.status.success(), "{err}");
+    let evaluate_pth = |pth: &Path, key: &[&str]| {
+        let name = pth.file_stem().unwrap().to_string_lossy();
+        let out = dir.join(format!("eval-{name}-{}", key.len()));
+        evaluate(1, &data.join("test"), pth, &out, key).remove(0)
     };
-    let refused = evaluate_pth(&[]);
+    let refused = evaluate_pth(&two, &[]);
     assert!(!refused.status.success(), "{}", text(&refused));
     assert!(
         text(&refused).contains(
@@ -245,15 +246,19 @@ fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
         "{}",
         text(&refused)
     );
-    let keyed = evaluate_pth(&["--checkpoint-key", "model"]);
-    assert!(keyed.status.success(), "{}", text(&keyed));
-    let stdout = String::from_utf8_lossy(&keyed.stdout).into_owned();
-    let mut printed: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-    assert_eq!(printed["checkpoint_key"], "model");
-    let report = printed.as_object_mut().unwrap();
-    for field in ["world_size", "checkpoint_key", "checkpoint"] {
-        report.remove(field);
-    }
     reports[0].as_object_mut().unwrap().remove("checkpoint");
-    assert_eq!(printed, reports[0]);
+    for scored in [
+        evaluate_pth(&two, &["--checkpoint-key", "model"]),
+        evaluate_pth(&one, &[]),
+    ] {
+        assert!(scored.status.success(), "{}", text(&scored));
+        let stdout = String::from_utf8_lossy(&scored.stdout).into_owned();
+        let mut printed: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        assert_eq!(printed["checkpoint_entry"], "model");
+        let report = printed.as_object_mut().unwrap();
+        for field in ["world_size", "checkpoint_entry", "checkpoint"] {
+            report.remove(field);
+        }
+        assert_eq!(printed, reports[0]);
+    }
 }

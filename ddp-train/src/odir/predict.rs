@@ -121,6 +121,9 @@ pub struct Prediction {
     pub patients: usize,
     /// Patients predicted from one eye only.
     pub one_eye: Vec<u64>,
+    /// The entry of the checkpoint's file that held the model (a PyTorch training
+    /// checkpoint's).
+    pub checkpoint_entry: Option<String>,
     /// The thresholds of decisions.csv, and the file they came from (`None`: 0.5).
     pub thresholds: ([f64; 8], Option<PathBuf>),
     /// The files written (rank 0 only; empty on the other ranks).
@@ -171,6 +174,7 @@ pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
         images: scored.set.len(),
         patients: patients.rows.len(),
         one_eye: patients.one_eye,
+        checkpoint_entry: scored.checkpoint_entry,
         thresholds,
         files,
         world_size: scored.world_size,
@@ -200,8 +204,8 @@ pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
     report.extend(scored.stats.details());
     let mut report = report.into_map();
     report.insert("checkpoint".into(), json!(args.model.checkpoint));
-    if let Some(key) = &args.model.key {
-        report.insert("checkpoint_key".into(), json!(key));
+    if let Some(entry) = &scored.checkpoint_entry {
+        report.insert("checkpoint_entry".into(), json!(entry));
     }
     report.insert("data".into(), json!(c.data));
     report.insert("images".into(), json!(scored.set.len()));

@@ -10,7 +10,7 @@ use std::time::Duration;
 use ddp_comm::{EnvConfig, ProcessGroup, ReduceOp};
 use ddp_data::odir::{OdirDataset, OdirImages};
 use ddp_data::{Dataset, Loader, LoaderConfig};
-use ddp_model::weights::{self, Strictness, WeightsError};
+use ddp_model::weights::{self, LoadReport, Strictness, WeightsError};
 use tch::{nn, Device, Kind, Tensor};
 
 use super::cli::TrainConfig;
@@ -26,8 +26,8 @@ use crate::task::Stats;
 /// `model.key`, or its one state_dict) or `safetensors.torch.save_file` of the same model (a
 /// DDP `module.` prefix is stripped), or a run directory, whose latest checkpoint is read.
 /// Every name and shape is checked before anything is loaded (strictly, as
-/// `--init-from`).
-pub fn load_checkpoint(vs: &nn::VarStore, model: &ModelFile) -> Result<(), TrainError> {
+/// `--init-from`). Returns what was loaded, and from which entry of the file.
+pub fn load_checkpoint(vs: &nn::VarStore, model: &ModelFile) -> Result<LoadReport, TrainError> {
     let path = &model.checkpoint;
     let file = if path.is_dir() {
         crate::state::resolve("latest", Some(path))?
@@ -40,7 +40,7 @@ pub fn load_checkpoint(vs: &nn::VarStore, model: &ModelFile) -> Result<(), Train
         )));
     };
     match weights::load(vs, &file, model.key.as_deref(), Strictness::Strict) {
-        Ok(_) => Ok(()),
+        Ok(report) => Ok(report),
         Err(e @ WeightsError::SeveralStateDicts { .. }) => {
             Err(TrainError::Invalid(format!("{e} (--checkpoint-key)")))
         }
@@ -61,6 +61,9 @@ pub struct Scored {
     pub stats: OdirStats,
     /// The folder scored.
     pub set: Arc<OdirDataset>,
+    /// The entry of the checkpoint's file that held the model, for a PyTorch training
+    /// checkpoint ([`LoadReport::entry`]).
+    pub checkpoint_entry: Option<String>,
     /// The run directory every rank agreed on (rank 0's), created.
     pub out: PathBuf,
     /// This rank.
@@ -92,7 +95,7 @@ pub fn score(
     // The model before meeting the others: a bad checkpoint fails on every rank alike.
     let mut vs = nn::VarStore::new(Device::Cpu);
     let model = odir_model(&vs.root(), c);
-    load_checkpoint(&vs, model_file)
+    let loaded = load_checkpoint(&vs, model_file)
         .context(|| format!("loading the model from {}", checkpoint.display()))?;
     vs.set_device(device);
     let images = OdirImages::new(set.clone(), eval_transform(c)?);
@@ -171,6 +174,7 @@ pub fn score(
     Ok(Scored {
         stats,
         set,
+        checkpoint_entry: loaded.entry,
         out,
         rank,
         world_size: world,
