@@ -67,8 +67,8 @@ fn parse() -> Invocation {
     // Training flags a command does not read are hidden from its help.
     for command in ["predict", "evaluate"] {
         cmd = cmd.mut_subcommand(command, |mut c| {
-            for id in unread_flags(command) {
-                c = c.mut_arg(id, |a| a.hide(true));
+            for arg in unread_flags(command) {
+                c = c.mut_arg(arg.get_id(), |a| a.hide(true));
             }
             c
         });
@@ -76,15 +76,14 @@ fn parse() -> Invocation {
     let matches = cmd.clone().get_matches();
     // ... and refused when given, rather than silently dropped.
     if let Some((command, given)) = matches.subcommand() {
-        let unread = unread_flags(command).into_iter().find(|id| {
-            given.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine)
+        let unread = unread_flags(command).into_iter().find(|a| {
+            given.value_source(a.get_id().as_str()) == Some(clap::parser::ValueSource::CommandLine)
         });
-        if let Some(id) = unread {
-            let arg = TrainConfig::command()
-                .get_arguments()
-                .find(|a| *a.get_id() == id)
-                .and_then(|a| a.get_long().map(|l| format!("--{l}")))
-                .unwrap_or_else(|| id.to_string());
+        if let Some(unread) = unread {
+            let arg = match unread.get_long() {
+                Some(long) => format!("--{long}"),
+                None => unread.get_id().to_string(),
+            };
             let text = format!("{arg} is a training flag, which `{command}` does not read");
             let kind = clap::error::ErrorKind::ArgumentConflict;
             // The command's own usage line under the error.
@@ -103,16 +102,19 @@ fn parse() -> Invocation {
     parsed.unwrap_or_else(|e| e.format(&mut cmd).exit())
 }
 
-/// The ids of the training flags that `command` (`predict` or `evaluate`) does not read.
-fn unread_flags(command: &str) -> Vec<clap::Id> {
+/// The training flags that `command` (`predict` or `evaluate`) does not read.
+fn unread_flags(command: &str) -> Vec<clap::Arg> {
     use ddp_train::odir::{EVALUATE_FLAGS, PREDICT_FLAGS};
     let read = |id: &str| {
         PREDICT_FLAGS.contains(&id) || (command == "evaluate" && EVALUATE_FLAGS.contains(&id))
     };
     TrainConfig::command()
         .get_arguments()
-        .map(|a| a.get_id().clone())
-        .filter(|id| !read(id.as_str()) && id != "help" && id != "version")
+        .filter(|a| {
+            let id = a.get_id().as_str();
+            !read(id) && id != "help" && id != "version"
+        })
+        .cloned()
         .collect()
 }
 
