@@ -42,6 +42,12 @@ fn run_ranks(world: usize, args: &[&str], env: &[(&str, &str)]) -> Vec<Output> {
     run_ddp_train(world, args, env, Limits::SHORT)
 }
 
+/// The JSON report an `--eval-only` run prints last.
+fn report(rank0: &Output) -> Value {
+    let stdout = String::from_utf8_lossy(&rank0.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+}
+
 /// `metrics.jsonl` without its timing fields.
 fn metrics_without_timing(run: &Path) -> Vec<Value> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
@@ -88,12 +94,7 @@ fn distributed_evaluation_equals_one_process_on_the_whole_split() {
         ];
         let outputs = run_ranks(world, &args, &[]);
         assert_all_ok(&outputs);
-        let json = String::from_utf8_lossy(&outputs[0].stdout)
-            .lines()
-            .last()
-            .unwrap()
-            .to_owned();
-        let v: Value = serde_json::from_str(&json).unwrap();
+        let v = report(&outputs[0]);
         assert_eq!(v["world_size"], world);
         results.push(v);
     }
@@ -709,4 +710,54 @@ fn a_damaged_latest_checkpoint_falls_back_to_the_previous_one_with_a_warning() {
         .map(|m| m["epoch"].as_u64().unwrap())
         .collect();
     assert_eq!(epochs, [1, 2, 3], "{epochs:?}");
+}
+
+/// Each epoch's validation scores rank 0's model, the one its checkpoint holds: evaluating
+/// that checkpoint again on one rank gives the same figures. Without rank 0's BatchNorm
+/// statistics sent first, rank 1 would score with the statistics its own last batch left.
+#[test]
+fn an_epochs_validation_equals_evaluating_its_checkpoint() {
+    let tmp = temp_dir("val-is-checkpoint");
+    let dir = tmp.path();
+    let data = data(dir, 40);
+    let out = dir.join("run");
+    let data_s = data.to_str().unwrap();
+    let mut args = train_args(data_s, out.to_str().unwrap());
+    args[3] = "1";
+    assert_all_ok(&run_ranks(2, &args, &[]));
+    let trained = &metrics_without_timing(&out)[0];
+
+    let checkpoint = out.join("checkpoints/epoch-0001.safetensors");
+    let again = dir.join("again");
+    let outputs = run_ranks(
+        1,
+        &[
+            "--data",
+            data_s,
+            "--image-size",
+            "32",
+            "--batch-size",
+            "4",
+            "--seed",
+            "3",
+            "--eval-only",
+            "--resume",
+            checkpoint.to_str().unwrap(),
+            "--out",
+            again.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_all_ok(&outputs);
+    let evaluated = report(&outputs[0]);
+    for key in ["val_loss", "odir_auc", "odir_kappa", "val_macro_f1"] {
+        let (a, b) = (
+            trained[key].as_f64().unwrap(),
+            evaluated[key].as_f64().unwrap(),
+        );
+        assert!(
+            (a - b).abs() <= 1e-6 * a.abs().max(1.0),
+            "{key}: {a} in training, {b} from the checkpoint"
+        );
+    }
 }

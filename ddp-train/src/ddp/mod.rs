@@ -182,9 +182,9 @@ type Named = Vec<(String, Tensor)>;
 ///   are broadcast, one message per dtype (coalesced), so all replicas start equal whatever
 ///   each rank initialised. Finally a post-accumulate-grad hook (through `tch-ext`, a small
 ///   C++ shim: tch has no autograd hooks) is set on every parameter.
-/// - [`DistributedDataParallel::broadcast_buffers`]: before each training forward, rank 0's
-///   buffers (BatchNorm running statistics) overwrite the others', as PyTorch's default
-///   `broadcast_buffers=True` does.
+/// - [`DistributedDataParallel::broadcast_buffers`]: before each training step and before
+///   evaluating, rank 0's buffers (BatchNorm running statistics) overwrite the others', as
+///   PyTorch's default `broadcast_buffers=True` does.
 /// - During backward, as PyTorch's `Reducer` does: each parameter's hook copies its gradient
 ///   into its flat bucket (at most [`DdpOptions::bucket_cap_bytes`], the first at most
 ///   [`DdpOptions::first_bucket_cap_bytes`]); a complete bucket is handed to the
@@ -367,7 +367,9 @@ impl DistributedDataParallel {
     }
 
     /// Broadcasts rank 0's buffers to every rank (a no-op when disabled in the options).
-    /// Call before each training forward.
+    /// Call before the first forward of each training step (not before the other
+    /// micro-batches of an accumulated step) and before evaluating: where PyTorch's DDP
+    /// syncs them, in the first forward after a forward whose backward synchronised.
     pub fn broadcast_buffers(&mut self) -> Result<(), DdpError> {
         if !self.options.broadcast_buffers {
             return Ok(());

@@ -37,6 +37,10 @@ impl<T: Task> Trainer<T> {
             return Ok(None);
         };
         let indices: Vec<usize> = sampler.iter().collect();
+        // Every rank evaluates rank 0's model, the one the checkpoints hold: its buffers
+        // (BatchNorm's running statistics, which each rank's last batch moved) go to all
+        // ranks first, as PyTorch's DDP does in the first forward after a training step.
+        self.ddp.broadcast_buffers()?;
         let mut loader = self.loader(set, false, epoch, indices)?;
         let mut stats = self.task.new_stats();
         let (mut loss_sum, mut samples) = (0.0f64, 0usize);

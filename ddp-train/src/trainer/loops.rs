@@ -274,7 +274,11 @@ impl<T: Task> Trainer<T> {
                 // Only the last micro-batch's backward communicates (PyTorch's `no_sync`).
                 self.ddp
                     .set_require_gradient_sync(micro + 1 == s.accumulate);
-                self.ddp.broadcast_buffers()?;
+                // Rank 0's buffers, once per step, before its first micro-batch: PyTorch's
+                // DDP syncs them in the first forward after a step that synchronised.
+                if micro == 0 {
+                    self.ddp.broadcast_buffers()?;
+                }
                 let loss = {
                     let _autocast = s.precision.autocast(self.device)?;
                     self.task.train_loss(&self.model, &batch)
