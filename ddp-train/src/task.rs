@@ -204,6 +204,12 @@ pub trait Task {
     fn describe(&self) -> Value {
         Value::Null
     }
+
+    /// What the user should know before training starts (data left out, say): rank 0
+    /// shows each line as a warning and writes it to its log. None by default.
+    fn warnings(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// Statistics with nothing to count, for tasks that report only the validation loss.

@@ -105,6 +105,10 @@ fn predict_writes_the_same_submission_on_1_and_2_ranks_in_the_challenges_format(
             all.contains("predict: 11 images of 6 patients (1 from one eye)"),
             "{all}"
         );
+        // Every rank knows it; rank 0 alone says it.
+        for o in &outputs[1..] {
+            assert!(!text(o).contains("has one image only"), "{}", text(o));
+        }
         runs.push(out);
     }
     for file in ["submission.csv", "predictions.csv", "decisions.csv"] {
@@ -179,6 +183,36 @@ fn an_undecodable_image_stops_every_rank_naming_it() {
 }
 
 #[test]
+fn evaluate_with_skip_corrupt_names_each_image_it_leaves_out() {
+    let tmp = common::temp_dir("ddp-train-evaluate-skip");
+    let dir = tmp.path();
+    let (data, model) = setup(dir);
+    let bad = data.join("test/preprocessed_images/15_left.jpg");
+    std::fs::write(&bad, b"\xff\xd8 not a jpeg").unwrap();
+    let out = dir.join("eval");
+    let outputs = evaluate(2, &data.join("test"), &model, &out, &["--skip-corrupt"]);
+    for (r, o) in outputs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r}:\n{}", text(o));
+    }
+    let warning = format!("warning: left out {} (--skip-corrupt): ", bad.display());
+    let rank0 = String::from_utf8_lossy(&outputs[0].stderr).into_owned();
+    assert_eq!(rank0.matches(&warning).count(), 1, "{rank0}");
+    assert!(
+        !text(&outputs[1]).contains(&warning),
+        "{}",
+        text(&outputs[1])
+    );
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("evaluation.json")).unwrap())
+            .unwrap();
+    assert_eq!(report["images"], 10);
+    let skipped = report["skipped_images"].as_array().unwrap();
+    assert_eq!(skipped.len(), 1, "{report}");
+    assert_eq!(skipped[0]["path"], bad.to_str().unwrap());
+    assert!(!skipped[0]["reason"].as_str().unwrap().is_empty());
+}
+
+#[test]
 fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
     let tmp = common::temp_dir("ddp-train-evaluate");
     let dir = tmp.path();
@@ -213,8 +247,6 @@ fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
     }
     assert_eq!(reports[0], reports[1]);
 
-    // The same model inside a PyTorch training checkpoint with two state_dicts: scored from
-    // the entry `--checkpoint-key` names, and refused without it.
     // The same model inside PyTorch training checkpoints: one with two state_dicts, scored
     // from the entry `--checkpoint-key` names and refused without it, and one with one.
     let (two, one) = (dir.join("two.pth"), dir.join("one.pth"));

@@ -761,3 +761,62 @@ fn an_epochs_validation_equals_evaluating_its_checkpoint() {
         );
     }
 }
+
+/// `--skip-corrupt` trains on the images that decode and names each one it leaves out:
+/// once, on rank 0's stderr, and in `config.json`.
+#[test]
+fn skip_corrupt_names_each_image_it_leaves_out_once() {
+    let tmp = temp_dir("skip-corrupt");
+    let dir = tmp.path();
+    let data = data(dir, 40);
+    let images = data.join("preprocessed_images");
+    let mut names: Vec<_> = std::fs::read_dir(&images)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    names.sort();
+    let (truncated, garbage) = (names[3].clone(), names[20].clone());
+    let bytes = std::fs::read(&truncated).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() / 3]).unwrap();
+    std::fs::write(&garbage, b"\xff\xd8 not a jpeg").unwrap();
+    let out = dir.join("run");
+    let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    args[3] = "1";
+    args.push("--skip-corrupt");
+    let outputs = run_ranks(2, &args, &[]);
+    assert_all_ok(&outputs);
+    let rank0 = String::from_utf8_lossy(&outputs[0].stderr).into_owned();
+    for path in [&truncated, &garbage] {
+        let warning = format!("warning: left out {} (--skip-corrupt): ", path.display());
+        assert_eq!(rank0.matches(&warning).count(), 1, "{rank0}");
+        assert!(
+            !text(&outputs[1]).contains(&warning),
+            "{}",
+            text(&outputs[1])
+        );
+    }
+    let stdout = String::from_utf8_lossy(&outputs[0].stdout);
+    let data_line = stdout.lines().find(|l| l.starts_with("data: ")).unwrap();
+    let count = |what: &str| -> usize {
+        let before = data_line.split(what).next().unwrap();
+        before.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(
+        count(" training samples") + count(" validation samples"),
+        38,
+        "{data_line}"
+    );
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let mut listed: Vec<&str> = config["task"]["skipped_images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["path"].as_str().unwrap())
+        .collect();
+    listed.sort_unstable();
+    assert_eq!(
+        listed,
+        [truncated.to_str().unwrap(), garbage.to_str().unwrap()]
+    );
+}

@@ -19,7 +19,7 @@ use serde_json::{json, Map, Value};
 use super::challenge::THRESHOLD;
 use super::cli::TrainConfig;
 use super::score::{score, Scored};
-use super::task::data_options;
+use super::task::{data_options, skipped_json, skipped_lines};
 use crate::error::TrainError;
 use crate::task::Stats;
 
@@ -143,7 +143,8 @@ pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
     let thresholds = read_thresholds(args.thresholds.as_deref(), &args.model.checkpoint)?;
     let scored = score(c, &args.model, set)?;
     let patients = scored.stats.patient_predictions();
-    for id in &patients.one_eye {
+    // Every rank has the same list; rank 0 names them.
+    for id in patients.one_eye.iter().filter(|_| scored.rank == 0) {
         let eye = scored
             .set
             .samples()
@@ -209,6 +210,14 @@ pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
     }
     report.insert("data".into(), json!(c.data));
     report.insert("images".into(), json!(scored.set.len()));
+    if c.skip_corrupt {
+        report.insert("skipped_images".into(), skipped_json(scored.set.skipped()));
+        if scored.rank == 0 {
+            for line in skipped_lines(scored.set.skipped()) {
+                tracing::warn!("warning: {line}");
+            }
+        }
+    }
     report.insert("eye_combine".into(), json!(c.eye_combine.as_str()));
     report.insert("world_size".into(), json!(scored.world_size));
     let file = scored.out.join("evaluation.json");

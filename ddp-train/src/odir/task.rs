@@ -5,7 +5,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ddp_data::odir::transform::{Augment, Transform};
-use ddp_data::odir::{split_by_patient, LabelMode, OdirDataset, OdirImages, OdirOptions};
+use ddp_data::odir::{
+    split_by_patient, LabelMode, OdirDataset, OdirImages, OdirOptions, SkippedImage,
+};
 use ddp_data::{Batch, Subset};
 use ddp_model::{Model, ODIR_CLASSES};
 use serde_json::Value;
@@ -29,6 +31,8 @@ pub struct OdirTask {
     tune_thresholds: bool,
     /// BCE's `pos_weight` (`--pos-weight`).
     pos_weight: Option<Vec<f64>>,
+    /// The images `--skip-corrupt` left out of `--data` and `--val-data`.
+    skipped: Vec<SkippedImage>,
     config: Value,
 }
 
@@ -50,9 +54,11 @@ impl OdirTask {
                 .context(|| format!("loading ODIR data from {}", dir.display()))
         };
         let train_set = open(&c.data)?;
+        let mut skipped = train_set.skipped().to_vec();
         let (val_set, train, val) = match &c.val_data {
             Some(dir) => {
                 let val_set = open(dir)?;
+                skipped.extend_from_slice(val_set.skipped());
                 let train = ddp_data::odir::all_indices(&train_set)?;
                 let val = ddp_data::odir::all_indices(&val_set)?;
                 (val_set, train, val)
@@ -94,8 +100,13 @@ impl OdirTask {
             ),
         };
         let mut config = serde_json::to_value(c).unwrap_or(Value::Null);
-        if let (Some(w), Some(o)) = (&weights, config.as_object_mut()) {
-            o.insert("pos_weight_values".into(), serde_json::json!(w));
+        if let Some(o) = config.as_object_mut() {
+            if let Some(w) = &weights {
+                o.insert("pos_weight_values".into(), serde_json::json!(w));
+            }
+            if c.skip_corrupt {
+                o.insert("skipped_images".into(), skipped_json(&skipped));
+            }
         }
         let patients = Patients::new(val.iter().filter_map(|&i| val_set.get(i)));
         Ok(Self {
@@ -106,6 +117,7 @@ impl OdirTask {
             eye_combine: c.eye_combine,
             tune_thresholds: c.tune_thresholds,
             pos_weight: weights,
+            skipped,
             config,
         })
     }
@@ -175,6 +187,32 @@ impl Task for OdirTask {
     fn describe(&self) -> Value {
         self.config.clone()
     }
+
+    fn warnings(&self) -> Vec<String> {
+        skipped_lines(&self.skipped)
+    }
+}
+
+/// One line per image `--skip-corrupt` left out, naming it and the decoder's reason.
+pub(super) fn skipped_lines(skipped: &[SkippedImage]) -> Vec<String> {
+    skipped
+        .iter()
+        .map(|s| {
+            format!(
+                "left out {} (--skip-corrupt): {}",
+                s.path.display(),
+                s.reason
+            )
+        })
+        .collect()
+}
+
+/// The images `--skip-corrupt` left out, as `config.json` and `evaluation.json` list them.
+pub(super) fn skipped_json(skipped: &[SkippedImage]) -> Value {
+    skipped
+        .iter()
+        .map(|s| serde_json::json!({ "path": s.path, "reason": s.reason }))
+        .collect()
 }
 
 /// The evaluation transform (`Resize` to `--eval-resize`, by default 8/7 of `--image-size`,

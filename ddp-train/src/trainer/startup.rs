@@ -363,6 +363,9 @@ impl<T: Task> Trainer<T> {
         if self.pg.rank() != 0 {
             return Ok(());
         }
+        for line in self.task.warnings() {
+            self.log.warn(&line);
+        }
         let val_len = self.val_set.as_ref().map_or(0, |v| v.len());
         self.log.say(&format!(
             "data: {} training samples ({} per rank per epoch), {} validation samples; \
