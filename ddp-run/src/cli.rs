@@ -8,7 +8,7 @@
 
 mod report;
 
-pub use report::launch_and_report;
+pub use report::{error_message, join_causes, launch_and_report};
 
 use crate::LaunchConfig;
 

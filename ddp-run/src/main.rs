@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{bail, Result};
-use clap::Parser;
+use anyhow::Result;
+use clap::{CommandFactory, Parser};
 use ddp_run::cli::{launch_and_report, NodeArgs};
 use ddp_run::{LaunchConfig, NprocPerNode};
 
@@ -110,23 +110,80 @@ fn parse_interval(value: &str) -> Result<f64, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Err(message) = check_command_line(&cli) {
+        // Exit status 2 and the usage line, as for the command lines clap refuses.
+        Cli::command()
+            .error(clap::error::ErrorKind::ArgumentConflict, message)
+            .exit();
+    }
     match run(cli) {
         Ok(code) => code,
         Err(err) => {
             // A user's mistake or the environment's, never a bug: the message chain alone.
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", ddp_run::cli::error_message(&err));
             ExitCode::FAILURE
         }
     }
 }
 
-fn run(cli: Cli) -> Result<ExitCode> {
+/// What the command line gets wrong beyond what clap checks: a torchrun option ddp-run does
+/// not have (taken for the program, since the program may begin with `-`), and settings the
+/// launcher refuses.
+fn check_command_line(cli: &Cli) -> Result<(), String> {
+    if let Some(first) = cli.command.first().and_then(|p| p.to_str()) {
+        if first.starts_with('-') {
+            return Err(unknown_option(first));
+        }
+    }
     if cli.standalone && cli.node.nnodes != 1 {
-        bail!(
+        return Err(format!(
             "--standalone runs a single node; it cannot be combined with --nnodes {}",
             cli.node.nnodes
-        );
+        ));
     }
+    // Checked with a stand-in for the ranks per node, which `gpu` or `cpu` resolve later.
+    let mut config = LaunchConfig::new(cli.command[0].clone(), 1);
+    cli.node.apply(&mut config);
+    if let NprocPerNode::Count(n) = cli.nproc_per_node {
+        config.nproc_per_node = n;
+    }
+    config.validate().map_err(|e| e.to_string())
+}
+
+/// The message for an option ddp-run does not have, given where PROGRAM goes: what to do
+/// instead for torchrun's options.
+fn unknown_option(arg: &str) -> String {
+    let given = arg.split('=').next().unwrap_or(arg);
+    let flag = given.replace('_', "-");
+    let instead = match flag.as_str() {
+        "-m" | "--module" => {
+            "ddp-run starts programs, not Python modules: give the interpreter, \
+             `ddp-run [OPTIONS] python -m MODULE [ARGS]`"
+        }
+        "--run-path" => {
+            "ddp-run starts programs, not Python scripts: give the interpreter, \
+             `ddp-run [OPTIONS] python SCRIPT [ARGS]`"
+        }
+        "--rdzv-backend" | "--rdzv-endpoint" | "--rdzv-conf" => {
+            "ddp-run has torchrun's static rendezvous only: rank 0 of node 0 at \
+             --master-addr and --master-port, each node with its own --node-rank"
+        }
+        "--redirects" | "--tee" | "--local-ranks-filter" | "--log-line-prefix-template" => {
+            "ddp-run shows every rank's output, prefixed with its rank, and --log-dir DIR \
+             keeps each rank's in DIR/rank-<RANK>.out"
+        }
+        "--start-method" => "ddp-run starts every rank as a new process of PROGRAM",
+        "--local-rank" => {
+            "that is a flag of the program (torch.distributed.launch passes it); ddp-run \
+             sets LOCAL_RANK in each rank's environment: give it after PROGRAM if the \
+             program reads it"
+        }
+        _ => "the launcher's options come first, then PROGRAM and its arguments (see --help)",
+    };
+    format!("ddp-run has no option '{given}': {instead}")
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
     let nproc = cli.nproc_per_node.resolve()?;
     let (program, args) = cli
         .command

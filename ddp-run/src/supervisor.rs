@@ -97,9 +97,10 @@ pub enum Outcome {
         /// The signal number.
         signal: i32,
     },
-    /// Every rank stopped on request with [`EXIT_STOPPED`] (after the launcher forwarded
-    /// `signal` to them, or by themselves, e.g. at a time limit): the job can continue from
-    /// its checkpoint when started again.
+    /// The ranks stopped on request with [`EXIT_STOPPED`]: every one after the launcher
+    /// forwarded `signal` to them, or, by themselves (at a time limit, say), at least one
+    /// while the others succeeded. The job can continue from its checkpoint when started
+    /// again.
     Stopped {
         /// The signal the launcher received and forwarded, if any.
         signal: Option<i32>,

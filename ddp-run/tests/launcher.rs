@@ -363,7 +363,7 @@ fn sigusr1_reaches_every_rank_even_a_stopped_one_and_exit_75_ends_the_job_as_sto
     assert_eq!(out.status.code(), Some(75), "{}", text(&out));
     assert!(
         stderr(&out).contains(&format!(
-            "ddp-run: every rank stopped at a checkpoint after signal {} (exit code 75)",
+            "ddp-run: every rank stopped after signal {} at a checkpoint (exit code 75)",
             libc::SIGUSR1
         )),
         "{}",
@@ -519,20 +519,20 @@ fn a_script_named_as_torchrun_takes_it_gets_what_to_give_instead() {
 
 #[test]
 fn bad_command_lines_say_what_is_wrong() {
-    let cases: [(&[&str], i32, &str); 6] = [
+    let cases: [(&[&str], i32, &str); 10] = [
         (
             &["--nproc-per-node", "0", "true"],
-            1,
+            2,
             "error: the number of ranks per node (--nproc-per-node) must be at least 1",
         ),
         (
             &["--nnodes", "2", "--node-rank", "2", "true"],
-            1,
+            2,
             "error: --node-rank 2 must be below --nnodes 2 (nodes are numbered from 0)",
         ),
         (
             &["--standalone", "--nnodes", "2", "true"],
-            1,
+            2,
             "error: --standalone runs a single node; it cannot be combined with --nnodes 2",
         ),
         (
@@ -549,6 +549,30 @@ fn bad_command_lines_say_what_is_wrong() {
             &["--nproc-per-node", "2"],
             2,
             "required arguments were not provided",
+        ),
+        (
+            &["--master-port", "0", "true"],
+            2,
+            "error: --master-port 0 is not a port the other ranks can reach",
+        ),
+        // torchrun's options that ddp-run does not have: refused with what to give instead,
+        // not started as the program.
+        (
+            &["--nproc-per-node", "2", "-m", "pkg.train"],
+            2,
+            "error: ddp-run has no option '-m': ddp-run starts programs, not Python modules: \
+             give the interpreter, `ddp-run [OPTIONS] python -m MODULE [ARGS]`",
+        ),
+        (
+            &["--rdzv_endpoint=node0:29400", "train"],
+            2,
+            "error: ddp-run has no option '--rdzv_endpoint': ddp-run has torchrun's static \
+             rendezvous only",
+        ),
+        (
+            &["--tee", "3", "train"],
+            2,
+            "--log-dir DIR keeps each rank's in DIR/rank-<RANK>.out",
         ),
     ];
     for (args, code, message) in cases {

@@ -222,7 +222,8 @@ impl<D> TrainArgs<D> {
     }
 }
 
-/// `error` and its causes as `{:#}` writes them (`outer: cause: cause`), with each setting
+/// `error` and its causes as [`ddp_run::cli::error_message`] writes them (`outer: cause:
+/// cause`, each said once), with each setting
 /// an invalid-setting error names written as its flag (`--batch-size`), or as its path when
 /// it has none.
 pub fn describe_error(error: &anyhow::Error) -> String {
@@ -239,11 +240,11 @@ pub fn describe_error(error: &anyhow::Error) -> String {
             _ => e.downcast_ref::<SettingError>().cloned(),
         }
     };
-    error
-        .chain()
-        .map(|e| setting(e).map_or_else(|| e.to_string(), |s| s.render(name)))
-        .collect::<Vec<_>>()
-        .join(": ")
+    ddp_run::cli::join_causes(
+        error
+            .chain()
+            .map(|e| setting(e).map_or_else(|| e.to_string(), |s| s.render(name))),
+    )
 }
 
 /// Runs a training program: its `body` as one rank, or, when `args` has `--nproc-per-node`,

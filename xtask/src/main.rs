@@ -106,7 +106,7 @@ fn main() -> ExitCode {
         Err(err) => {
             // What went wrong and why, without a backtrace: these are the user's or the
             // machine's problems, not xtask's bugs (those panic, with their backtrace).
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", ddp_run::cli::error_message(&err));
             ExitCode::FAILURE
         }
     }

@@ -106,10 +106,12 @@ fn outcome_line(outcome: &Outcome, nproc: usize) -> Option<String> {
             Some(format!("interrupted by signal {signal}; all ranks stopped"))
         }
         Outcome::Stopped { signal, .. } => {
-            let by = signal.map_or(String::new(), |s| format!(" after signal {s}"));
+            // Without a signal, some ranks may have finished while others stopped.
+            let who = signal.map_or("the job stopped".to_string(), |s| {
+                format!("every rank stopped after signal {s}")
+            });
             Some(format!(
-                "every rank stopped at a checkpoint{by} (exit code {}); starting the job \
-                 again continues it",
+                "{who} at a checkpoint (exit code {}); starting the job again continues it",
                 crate::EXIT_STOPPED
             ))
         }
@@ -121,10 +123,66 @@ fn exit_status(outcome: &Outcome) -> u8 {
     u8::try_from(outcome.exit_code()).unwrap_or(1)
 }
 
+/// `error` and its causes, `outer: cause: cause`, as anyhow's `{:#}` writes them, but
+/// without a cause the text before it already holds: a typed error that writes its source
+/// into its own message (`checkpoint 'x': No such file or directory`) also hands it out as
+/// its cause, and it would otherwise be said twice.
+pub fn error_message(error: &anyhow::Error) -> String {
+    join_causes(error.chain().map(ToString::to_string))
+}
+
+/// Joins messages, outermost first, with `: `, leaving out each one that is empty or that
+/// the text before it already contains.
+pub fn join_causes(messages: impl IntoIterator<Item = String>) -> String {
+    let mut text = String::new();
+    for message in messages {
+        if message.is_empty() || text.contains(&message) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&message);
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::{Exit, RankFailure};
+
+    #[test]
+    fn a_cause_the_message_already_says_is_said_once() {
+        let missing = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let io = missing.to_string();
+        // As thiserror writes `#[error("checkpoint '{path}': {source}")]`: the source in the
+        // message, and handed out as the cause too.
+        #[derive(Debug)]
+        struct Checkpoint(std::io::Error);
+        impl std::fmt::Display for Checkpoint {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "checkpoint 'a.safetensors': {}", self.0)
+            }
+        }
+        impl std::error::Error for Checkpoint {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let err = anyhow::Error::new(Checkpoint(missing)).context("resuming run/a");
+        assert_eq!(
+            format!("{err:#}"),
+            format!("resuming run/a: checkpoint 'a.safetensors': {io}: {io}")
+        );
+        assert_eq!(
+            error_message(&err),
+            format!("resuming run/a: checkpoint 'a.safetensors': {io}")
+        );
+        // Causes the message does not hold are all kept, and empty ones dropped.
+        let parts = ["outer", "", "middle", "inner"].map(String::from);
+        assert_eq!(join_causes(parts), "outer: middle: inner");
+    }
 
     #[test]
     fn events_read_as_the_launcher_tells_them() {
@@ -211,7 +269,7 @@ mod tests {
                     restarts: 0,
                 },
                 Some(
-                    "every rank stopped at a checkpoint after signal 15 (exit code 75); \
+                    "every rank stopped after signal 15 at a checkpoint (exit code 75); \
                      starting the job again continues it",
                 ),
                 75,
