@@ -468,6 +468,29 @@ pub fn resolve(resume: &str, run: Option<&Path>) -> Result<PathBuf, TrainError> 
         return Ok(checkpoint_dir(run).join(format!("{stem}.safetensors")));
     }
     let path = PathBuf::from(resume);
+    if path.is_dir() {
+        // A run directory, or its `checkpoints/`: its latest checkpoint, as `predict` reads
+        // a run directory.
+        let run = match path.file_name() {
+            Some(name) if name == "checkpoints" && path.join("latest").is_file() => {
+                path.parent().unwrap_or(Path::new("."))
+            }
+            _ => &path,
+        };
+        if !checkpoint_dir(run).join("latest").is_file() {
+            return Err(TrainError::Invalid(format!(
+                "--resume {resume}: a folder without checkpoints (no {}); give a checkpoint \
+                 file (a run's checkpoints/epoch-NNNN.safetensors) or a run directory",
+                checkpoint_dir(run).join("latest").display()
+            )));
+        }
+        return resolve("latest", Some(run));
+    }
+    // The state file names the same checkpoint as its model file.
+    let path = match resume.strip_suffix(".state.safetensors") {
+        Some(base) if path.is_file() => PathBuf::from(format!("{base}.safetensors")),
+        _ => path,
+    };
     if !path.is_file() {
         return Err(TrainError::Invalid(format!(
             "--resume {resume}: no such checkpoint file"
@@ -492,6 +515,15 @@ pub struct SavedCheckpoint {
 /// state is checked before the model file is read, then the model file; each once.
 pub fn read(model_path: &Path) -> Result<SavedCheckpoint, TrainError> {
     let state_file = state_path(model_path);
+    if model_path.is_file() && !state_file.exists() {
+        return Err(TrainError::Invalid(format!(
+            "{} holds weights only: a checkpoint to resume from has its training state \
+             beside it ({} does not exist), as a run's checkpoints/epoch-NNNN.safetensors \
+             have; to start a new run from these weights, give them to --init-from",
+            model_path.display(),
+            state_file.display()
+        )));
+    }
     let optimizer = checkpoint::read_tensors(&state_file)?;
     let json = optimizer.metadata.get(STATE_KEY).ok_or_else(|| {
         TrainError::Invalid(format!(
@@ -777,6 +809,49 @@ mod tests {
                 Err(TrainError::Invalid(m)) => assert!(m.contains("not a checkpoint"), "{m}"),
                 other => panic!("{bad:?} was accepted: {other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn resume_takes_a_run_its_checkpoint_folder_or_either_file_of_a_checkpoint() {
+        let run = ddp_testkit::temp_dir("ddp-train-resume-forms");
+        let dir = checkpoint_dir(run.path());
+        std::fs::create_dir_all(&dir).unwrap();
+        let text = |p: &Path| p.to_str().unwrap().to_owned();
+        // A folder without checkpoints is refused, naming what it lacks.
+        match resolve(&text(run.path()), None) {
+            Err(TrainError::Invalid(m)) => {
+                assert!(m.contains("a folder without checkpoints (no "), "{m}");
+                assert!(m.contains("checkpoints/latest"), "{m}");
+            }
+            other => panic!("{other:?}"),
+        }
+        std::fs::write(dir.join("latest"), "epoch-0002").unwrap();
+        for f in ["epoch-0002.safetensors", "epoch-0002.state.safetensors"] {
+            std::fs::write(dir.join(f), b"").unwrap();
+        }
+        let model = dir.join("epoch-0002.safetensors");
+        for given in [
+            text(run.path()),
+            text(&dir),
+            text(&model),
+            text(&dir.join("epoch-0002.state.safetensors")),
+        ] {
+            assert_eq!(resolve(&given, None).unwrap(), model, "{given}");
+        }
+        // Weights without a training state beside them: pointed to --init-from.
+        let best = run.path().join("best-macro.safetensors");
+        std::fs::write(&best, b"").unwrap();
+        match read(&best) {
+            Err(TrainError::Invalid(m)) => {
+                assert!(m.contains("holds weights only"), "{m}");
+                assert!(
+                    m.contains("best-macro.state.safetensors does not exist"),
+                    "{m}"
+                );
+                assert!(m.contains("--init-from"), "{m}");
+            }
+            other => panic!("{other:?}"),
         }
     }
 

@@ -820,3 +820,51 @@ fn skip_corrupt_names_each_image_it_leaves_out_once() {
         [truncated.to_str().unwrap(), garbage.to_str().unwrap()]
     );
 }
+
+/// A new start in the run directory of a finished run is refused on every rank, naming
+/// what to do, and leaves the run's files as they were; `--resume latest` continues it.
+#[test]
+fn a_new_start_over_a_finished_run_is_refused_and_writes_nothing() {
+    let tmp = temp_dir("over-finished");
+    let dir = tmp.path();
+    let data = data(dir, 40);
+    let out = dir.join("run");
+    let out_s = out.to_str().unwrap();
+    let mut args = train_args(data.to_str().unwrap(), out_s);
+    args[3] = "1";
+    assert_all_ok(&run_ranks(2, &args, &[]));
+    let metrics = std::fs::read(out.join("metrics.jsonl")).unwrap();
+    let model = std::fs::read(out.join("checkpoints/epoch-0001.safetensors")).unwrap();
+
+    let (a, b) = both_fail(&args);
+    let refusal = format!(
+        "--out {out_s} already holds a run (its {out_s}/checkpoints/latest names epoch-0001): \
+         continue it with --resume latest, or give another --out"
+    );
+    for t in [&a, &b] {
+        assert!(t.contains(&refusal), "{t}");
+    }
+    assert_eq!(std::fs::read(out.join("metrics.jsonl")).unwrap(), metrics);
+    assert_eq!(
+        std::fs::read(out.join("checkpoints/epoch-0001.safetensors")).unwrap(),
+        model
+    );
+
+    // Two epochs in all: the second continues the first.
+    let mut more = args.clone();
+    more[3] = "2";
+    more.extend(["--resume", "latest"]);
+    let outputs = run_ranks(2, &more, &[]);
+    assert_all_ok(&outputs);
+    assert!(
+        text(&outputs[0]).contains("epoch 2/2"),
+        "{}",
+        text(&outputs[0])
+    );
+    assert!(
+        !text(&outputs[0]).contains("epoch 1/2"),
+        "{}",
+        text(&outputs[0])
+    );
+    assert_eq!(metrics_without_timing(&out).len(), 2);
+}

@@ -14,17 +14,18 @@ use super::Settings;
 #[non_exhaustive]
 pub struct CheckpointSettings {
     /// A checkpoint to start from: `latest` (the newest of the run directory,
-    /// [`Settings::out`]) or a model file (`.../checkpoints/epoch-0003.safetensors`, or a
-    /// step checkpoint inside an epoch, `epoch-0004-step-000120.safetensors`).
+    /// [`Settings::out`]), another run's directory (its newest), or a checkpoint file
+    /// (`.../checkpoints/epoch-0003.safetensors` or its `.state.safetensors`, or a step
+    /// checkpoint inside an epoch, `epoch-0004-step-000120.safetensors`).
     #[cfg_attr(
         feature = "cli",
         arg(
             id = "checkpoint.resume",
             long = "resume",
             value_name = "RESUME",
-            help = "Resume from a checkpoint: `latest` (the newest in --out) or a checkpoint \
-                    file (`.../checkpoints/epoch-0003.safetensors`, or a step checkpoint \
-                    inside an epoch, `epoch-0004-step-000120.safetensors`)"
+            help = "Resume from a checkpoint: `latest` (the newest in --out), a run directory \
+                    (its newest), or a checkpoint file (`.../checkpoints/epoch-0003.safetensors`, \
+                    or a step checkpoint inside an epoch, `epoch-0004-step-000120.safetensors`)"
         )
     )]
     pub resume: Option<String>,

@@ -49,7 +49,7 @@ impl<T: Task> Trainer<T> {
         // A rank started through a wrapper script dies with its launcher all the same.
         ddp_run::die_with_launcher().map_err(|e| TrainError::Invalid(e.to_string()))?;
         settings.validate()?;
-        let continuing = resume_after_restart(&mut settings, env);
+        let continuing = resume_after_restart(&mut settings, env)?;
         // As many intra-op threads as the machine has cores per rank.
         let (device, threads) = settings
             .runtime
@@ -403,22 +403,40 @@ impl<T: Task> Trainer<T> {
 /// does any new start of a run that was stopped (by a signal or its time limit: a requeued
 /// job). An explicit `resume` wins; before the first checkpoint the run starts over. Returns
 /// a note for the log ("" when the run does not continue by itself).
-fn resume_after_restart(settings: &mut Settings, env: &EnvConfig) -> &'static str {
-    if !settings.checkpoint.resume_after_restart || settings.checkpoint.resume.is_some() {
-        return "";
+///
+/// A first start (no launcher's restart) in a run directory that already has checkpoints of
+/// a run that was not stopped (it finished, or failed) is refused: starting over would
+/// overwrite its metrics, best models and checkpoints.
+fn resume_after_restart(
+    settings: &mut Settings,
+    env: &EnvConfig,
+) -> Result<&'static str, TrainError> {
+    if settings.checkpoint.resume.is_some() {
+        return Ok("");
     }
     let Some(out) = &settings.out else {
-        return "";
+        return Ok("");
     };
-    let note = if state::was_stopped(out) {
+    let latest = state::checkpoint_dir(out).join("latest");
+    let auto = settings.checkpoint.resume_after_restart;
+    let note = if auto && state::was_stopped(out) {
         ", continuing the stopped run"
-    } else if env.restart_count > 0 && state::checkpoint_dir(out).join("latest").is_file() {
+    } else if auto && env.restart_count > 0 && latest.is_file() {
         ", after the launcher's restart"
+    } else if env.restart_count == 0 && latest.is_file() {
+        let names = std::fs::read_to_string(&latest).unwrap_or_default();
+        return Err(TrainError::Invalid(format!(
+            "--out {} already holds a run (its {} names {}): continue it with --resume \
+             latest, or give another --out (or remove that folder) to start a new run",
+            out.display(),
+            latest.display(),
+            names.trim().escape_debug()
+        )));
     } else {
-        return "";
+        return Ok("");
     };
     settings.checkpoint.resume = Some("latest".to_string());
-    note
+    Ok(note)
 }
 
 /// Loads `checkpoint.init_from` into the freshly built model (on the CPU, before the process
@@ -545,11 +563,16 @@ fn describe_change(
         return line;
     }
     line.push_str(&format!(
-        "the global batch changes from {} to {}, so epochs take {spe_now} optimizer steps \
-         instead of {spe_before}",
+        "the global batch changes from {} to {}",
         before.global_batch(),
         now.global_batch()
     ));
+    // With --max-steps-per-epoch both can be the cap.
+    if spe_now != spe_before {
+        line.push_str(&format!(
+            ", so epochs take {spe_now} optimizer steps instead of {spe_before}"
+        ));
+    }
     if let Some(rest) = rest {
         let left = rest.end.saturating_sub(rest.consumed);
         let steps = rest.steps_left(now, None);
