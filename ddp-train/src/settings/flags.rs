@@ -264,26 +264,22 @@ impl FromArgMatches for LrSchedule {
     }
 }
 
-/// Seconds of a duration written as `N`, `Ns`, `Nm` or `Nh` (`--time-limit`).
+/// Whole seconds of a duration (`--time-limit`): a number of seconds, or humantime's
+/// notation, units after numbers (`90s`, `55m`, `4h`, `3h55m`, `1h 30m`).
 pub fn parse_duration_secs(text: &str) -> Result<u64, String> {
     let text = text.trim();
-    let (number, unit) = match text.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => (&text[..i], c),
-        _ => (text, 's'),
+    let secs = match text.parse::<u64>() {
+        Ok(secs) => secs,
+        Err(_) => humantime::parse_duration(text)
+            .map_err(|e| {
+                format!("'{text}': {e}; give seconds, or units after numbers (`55m`, `3h55m`)")
+            })?
+            .as_secs(),
     };
-    let scale = match unit {
-        's' => 1,
-        'm' => 60,
-        'h' => 3600,
-        _ => return Err(format!("'{text}': the unit must be s, m or h")),
-    };
-    let n: u64 = number
-        .trim()
-        .parse()
-        .map_err(|_| format!("'{text}' is not a whole number of seconds, minutes or hours"))?;
-    n.checked_mul(scale)
-        .filter(|&s| s > 0)
-        .ok_or_else(|| format!("'{text}' must be more than 0 and not absurdly large"))
+    if secs == 0 {
+        return Err(format!("'{text}' must be at least 1 second"));
+    }
+    Ok(secs)
 }
 
 #[cfg(test)]
@@ -296,14 +292,20 @@ mod tests {
         assert_eq!(parse_duration_secs("90s"), Ok(90));
         assert_eq!(parse_duration_secs("55m"), Ok(3300));
         assert_eq!(parse_duration_secs("4h"), Ok(14400));
-        assert_eq!(
-            parse_duration_secs("4d"),
-            Err("'4d': the unit must be s, m or h".into())
+        assert_eq!(parse_duration_secs("3h55m"), Ok(14100));
+        assert_eq!(parse_duration_secs(" 1h 30m "), Ok(5400));
+        let unknown = parse_duration_secs("4x").unwrap_err();
+        assert!(
+            unknown.starts_with("'4x': unknown time unit \"x\""),
+            "{unknown}"
         );
+        assert!(unknown.ends_with("give seconds, or units after numbers (`55m`, `3h55m`)"));
+        assert!(parse_duration_secs("m").unwrap_err().starts_with("'m': "));
         assert_eq!(
-            parse_duration_secs("m"),
-            Err("'m' is not a whole number of seconds, minutes or hours".into())
+            parse_duration_secs("0s"),
+            Err("'0s' must be at least 1 second".into())
         );
-        assert!(parse_duration_secs("0s").is_err());
+        // Under a second rounds down to nothing.
+        assert!(parse_duration_secs("500ms").is_err());
     }
 }

@@ -136,7 +136,7 @@ pub struct RuntimeSettings {
             value_parser = super::flags::parse_duration_secs,
             help = "Stop cleanly with a checkpoint before this much time has passed since the \
                     start (exit code 75); the same command started again continues. Seconds, \
-                    or a number with s, m or h (`90s`, `55m`, `4h`)"
+                    or numbers with units (`90s`, `55m`, `4h`, `3h55m`)"
         )
     )]
     pub time_limit_secs: Option<u64>,
