@@ -54,7 +54,10 @@ pub enum CommError {
         source: std::io::Error,
     },
     /// Rendezvous did not complete in time.
-    #[error("rendezvous at {addr} timed out after {timeout:?}: ranks {missing:?} never arrived")]
+    #[error(
+        "rendezvous at {addr} timed out after {timeout:?}: ranks {missing:?} never arrived{}",
+        turned_away_hint(*turned_away)
+    )]
     RendezvousTimeout {
         /// The store's address.
         addr: String,
@@ -62,6 +65,9 @@ pub enum CommError {
         timeout: Duration,
         /// The ranks that did not show up.
         missing: Vec<usize>,
+        /// Connections rank 0's store refused in their handshake meanwhile (0 where this
+        /// rank does not serve the store): a rank with another secret is one of them.
+        turned_away: usize,
     },
     /// The store could not be reached.
     #[error("cannot reach the rendezvous store at {addr} within {timeout:?}: {source}")]
@@ -362,4 +368,16 @@ impl CommError {
             source,
         }
     }
+}
+
+/// What a rendezvous timeout adds when rank 0's store refused connections meanwhile.
+fn turned_away_hint(turned_away: usize) -> String {
+    if turned_away == 0 {
+        return String::new();
+    }
+    format!(
+        "; meanwhile the store refused {turned_away} connection(s) that failed the handshake, \
+         as a rank whose job secret differs does: every node must have the same DDP_SECRET \
+         (or, without it, the same key file, DDP_SECRET_FILE or ~/.config/ddp/secret)"
+    )
 }

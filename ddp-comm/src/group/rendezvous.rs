@@ -107,6 +107,7 @@ pub(crate) fn wait_keys(
                 addr: store.addr().to_string(),
                 timeout,
                 missing,
+                turned_away: 0,
             });
         }
         std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
@@ -226,7 +227,21 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
             // A timeout is news for the others too; other failures have already been
             // written (or came from another rank's abort).
             let err = match err {
-                CommError::RendezvousTimeout { .. } => abort(store.as_mut(), err),
+                CommError::RendezvousTimeout {
+                    addr,
+                    timeout,
+                    missing,
+                    ..
+                } => {
+                    let turned_away = server.as_ref().map_or(0, StoreServer::turned_away);
+                    let err = CommError::RendezvousTimeout {
+                        addr,
+                        timeout,
+                        missing,
+                        turned_away,
+                    };
+                    abort(store.as_mut(), err)
+                }
                 other => other,
             };
             if server.is_some() {

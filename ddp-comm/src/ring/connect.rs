@@ -377,6 +377,7 @@ where
                         addr: what.to_string(),
                         timeout: plan.timeout,
                         missing: vec![prev],
+                        turned_away: 0,
                     });
                 }
                 if let Ok(winner) = judged.recv_timeout(Duration::from_millis(2)) {

@@ -96,6 +96,8 @@ pub(crate) struct StoreServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     clients: Clients,
+    /// Connections refused in their handshake (see [`StoreServer::turned_away`]).
+    turned_away: Arc<AtomicUsize>,
     accept_thread: Option<JoinHandle<()>>,
 }
 
@@ -120,19 +122,32 @@ impl StoreServer {
         let stop = Arc::new(AtomicBool::new(false));
         let clients: Clients = Arc::default();
         let table: Table = Arc::default();
+        let turned_away = Arc::new(AtomicUsize::new(0));
         let accept_thread = {
             let (stop, clients) = (stop.clone(), clients.clone());
+            let server = Served {
+                secret,
+                table,
+                turned_away: turned_away.clone(),
+            };
             std::thread::Builder::new()
                 .name("ddp-store".into())
-                .spawn(move || accept_loop(listener, secret, table, stop, clients))
+                .spawn(move || accept_loop(listener, server, stop, clients))
                 .map_err(|e| CommError::io("spawning the store thread", e))?
         };
         Ok(StoreServer {
             addr,
             stop,
             clients,
+            turned_away,
             accept_thread: Some(accept_thread),
         })
+    }
+
+    /// How many connections the store has refused in their handshake so far: strangers,
+    /// and ranks whose secret (`DDP_SECRET`, the key file) differs from this one's.
+    pub(crate) fn turned_away(&self) -> usize {
+        self.turned_away.load(Ordering::Relaxed)
     }
 
     /// The address the server listens on.
@@ -157,14 +172,15 @@ impl Drop for StoreServer {
     }
 }
 
-fn accept_loop(
-    listener: TcpListener,
+/// What the server's connections share: the secret, the table, the count of refusals.
+struct Served {
     secret: Secret,
     table: Table,
-    stop: Arc<AtomicBool>,
-    clients: Clients,
-) {
-    let secret = Arc::new(secret);
+    turned_away: Arc<AtomicUsize>,
+}
+
+fn accept_loop(listener: TcpListener, server: Served, stop: Arc<AtomicBool>, clients: Clients) {
+    let server = Arc::new(server);
     let pending = Arc::new(AtomicUsize::new(0));
     for (id, stream) in (0u64..).zip(listener.incoming()) {
         if stop.load(Ordering::SeqCst) {
@@ -198,7 +214,7 @@ fn accept_loop(
         if let (Ok(clone), Ok(mut map)) = (stream.try_clone(), clients.lock()) {
             map.insert(id, clone);
         }
-        let (secret, table, clients_of_thread) = (secret.clone(), table.clone(), clients.clone());
+        let (server, clients_of_thread) = (server.clone(), clients.clone());
         let spawned = std::thread::Builder::new()
             .name("ddp-store-conn".into())
             .spawn(move || {
@@ -210,7 +226,10 @@ fn accept_loop(
                 // only once both of the connection's descriptors are closed, so that
                 // strangers whose handshakes end together cannot hold more than the cap.
                 let mut guard = Some(guard);
-                if let Err(why) = serve(stream, &secret, &table, &mut guard) {
+                if let Err(why) = serve(stream, &server.secret, &server.table, &mut guard) {
+                    if why.starts_with(REJECTED) {
+                        server.turned_away.fetch_add(1, Ordering::Relaxed);
+                    }
                     if let Some(dropped) = DROPPED.admit() {
                         tracing::warn!(
                             "ddp-comm: store dropped connection from {peer}: {why}{}",
@@ -239,6 +258,9 @@ fn accept_loop(
     }
 }
 
+/// How the reason for dropping a connection begins when its handshake failed.
+const REJECTED: &str = "rejected: ";
+
 /// Serves one client until it disconnects; its handshake's slot in `pending` is given back
 /// once the client has proven the secret. Errors are reasons to drop the connection.
 fn serve(
@@ -250,22 +272,37 @@ fn serve(
     let _ = stream.set_nodelay(true);
     let deadline = Instant::now() + auth::HANDSHAKE_TIMEOUT;
     auth::tcp_server(&stream, secret, STORE_MAGIC, deadline)
-        .map_err(|why| format!("rejected: {why}"))?;
+        .map_err(|why| format!("{REJECTED}{why}"))?;
     *pending = None;
     stream.set_timeouts(None).map_err(|e| e.to_string())?;
     let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
     let mut writer = BufWriter::new(stream);
-    wire::send_all(&mut writer, &[STATUS_OK]).map_err(|e| e.to_string())?;
-    loop {
-        let op = match wire::read_u8(&mut reader) {
-            Ok(op) => op,
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e.to_string()),
-        };
-        let mut reply = Vec::new();
-        handle(op, &mut reader, table, &mut reply).map_err(|e| e.to_string())?;
-        wire::send_all(&mut writer, &reply).map_err(|e| e.to_string())?;
+    // From here on the client is one of the job's: its leaving, whenever it happens (a rank
+    // that exits, or is killed, with a request unanswered), is no news for the store's log.
+    let mut served = || -> io::Result<()> {
+        wire::send_all(&mut writer, &[STATUS_OK])?;
+        loop {
+            let op = wire::read_u8(&mut reader)?;
+            let mut reply = Vec::new();
+            handle(op, &mut reader, table, &mut reply)?;
+            wire::send_all(&mut writer, &reply)?;
+        }
+    };
+    match served() {
+        Err(e) if !client_left(&e) => Err(e.to_string()),
+        _ => Ok(()),
     }
+}
+
+/// Whether `e` says only that the peer closed or reset its end.
+fn client_left(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+    )
 }
 
 fn handle(op: u8, r: &mut impl Read, table: &Table, reply: &mut Vec<u8>) -> io::Result<()> {
@@ -745,6 +782,46 @@ mod tests {
                 Ok(())
             })
             .unwrap();
+    }
+
+    /// A client of the job that leaves, mid-request or with a reset (a rank that exits or
+    /// is killed), ends its connection without an error to warn about; one that sends what
+    /// the store cannot read is still one.
+    #[test]
+    fn a_proven_client_that_leaves_is_no_error_and_a_bad_request_is_one() {
+        let verdict = |client: fn(TcpStream)| -> Result<(), String> {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = listener.local_addr().unwrap();
+            let peer = std::thread::spawn(move || {
+                let raw = TcpStream::connect(addr).unwrap();
+                let deadline = Instant::now() + Duration::from_secs(5);
+                let status = auth::tcp_client(&raw, &secret("a"), STORE_MAGIC, 0, deadline);
+                assert_eq!(status.ok(), Some(STATUS_OK));
+                client(raw);
+            });
+            let (stream, _) = listener.accept().unwrap();
+            let served = serve(stream, &secret("a"), &Table::default(), &mut None);
+            peer.join().unwrap();
+            served
+        };
+        // The op of a request, then the end of the stream.
+        let half_request = |mut raw: TcpStream| {
+            raw.write_all(&[OP_SET]).unwrap();
+            raw.shutdown(Shutdown::Write).unwrap();
+            let _ = read_to_hangup(&mut raw);
+        };
+        assert_eq!(verdict(half_request), Ok(()));
+        // Closed with SO_LINGER 0: the server's read fails with ECONNRESET.
+        let reset = |raw: TcpStream| {
+            rustix::net::sockopt::set_socket_linger(&raw, Some(Duration::ZERO)).unwrap();
+            drop(raw);
+        };
+        assert_eq!(verdict(reset), Ok(()));
+        let unknown_op = |mut raw: TcpStream| {
+            raw.write_all(&[0xee]).unwrap();
+            let _ = read_to_hangup(&mut raw);
+        };
+        assert_eq!(verdict(unknown_op), Err("unknown store op 238".to_string()));
     }
 
     /// After the handshake, a client that sends anything at all is served or dropped, and the

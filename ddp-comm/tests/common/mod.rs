@@ -152,3 +152,24 @@ pub fn gpus() -> Result<usize, String> {
     }
     Ok(n.min(4))
 }
+
+/// Rank 0's error when rank 1 has another secret: a rendezvous timeout, rank 1 missing, and
+/// the store's count of the connections it refused, with what to check.
+pub fn assert_rank_1_was_turned_away(err: &ddp_comm::CommError) {
+    match err {
+        ddp_comm::CommError::RendezvousTimeout {
+            missing,
+            turned_away,
+            ..
+        } => {
+            assert_eq!(missing, &[1]);
+            assert!(*turned_away >= 1, "{err}");
+            assert!(
+                err.to_string()
+                    .contains("every node must have the same DDP_SECRET"),
+                "{err}"
+            );
+        }
+        _ => panic!("rank 0: unexpected {err:?}"),
+    }
+}
