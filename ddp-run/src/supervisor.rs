@@ -528,11 +528,11 @@ impl Pump {
             }
         }
         if self.echo {
-            let prefix = if self.rank == 0 {
-                String::new()
-            } else {
-                format!("[rank {}] ", self.rank)
-            };
+            let mut prefix = format!("[rank {}] ", self.rank);
+            // Rank 0 goes as it is, and so does a line that names its rank already.
+            if self.rank == 0 || line.starts_with(&prefix) {
+                prefix.clear();
+            }
             // Errors (a closed terminal) must not stop the copying to the log.
             let _ = match self.stream {
                 Stream::Stdout => writeln!(std::io::stdout().lock(), "{prefix}{line}"),

@@ -175,19 +175,41 @@ fn a_second_node_numbers_its_ranks_after_the_first() {
 fn output_reaches_the_terminal_with_rank_prefixes_and_the_logs() {
     let dir = temp_dir("ddp-run-output");
     let logs = dir.path().join("logs");
-    let out = two_ranks(&logs, &["sh", "-c", "echo out $RANK; echo err $RANK >&2"]);
+    // The second line names its rank itself, as ddp-train's step lines do: not twice.
+    let program = "echo out $RANK; echo \"[rank $RANK] mine\"; echo err $RANK >&2";
+    let out = two_ranks(&logs, &["sh", "-c", program]);
     assert!(out.status.success(), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let mut lines: Vec<&str> = stdout.lines().collect();
     lines.sort_unstable();
-    assert_eq!(lines, ["[rank 1] out 1", "out 0"]);
+    assert_eq!(
+        lines,
+        ["[rank 0] mine", "[rank 1] mine", "[rank 1] out 1", "out 0"]
+    );
     let err = stderr(&out);
     assert!(err.lines().any(|l| l == "err 0"), "{err}");
     assert!(err.lines().any(|l| l == "[rank 1] err 1"), "{err}");
     let log1 = std::fs::read_to_string(logs.join("rank-1.out")).unwrap();
     let mut log_lines: Vec<&str> = log1.lines().collect();
     log_lines.sort_unstable();
-    assert_eq!(log_lines, ["err 1", "out 1"]);
+    assert_eq!(log_lines, ["[rank 1] mine", "err 1", "out 1"]);
+}
+
+/// A reader of the launcher's stderr that goes away (`ddp-run ... 2>&1 | head -1`) does not
+/// end the launcher: its lines are lost, the job is not.
+#[test]
+fn a_closed_stderr_does_not_stop_the_launcher() {
+    let mut cmd = ddp_run(&[
+        "--nproc-per-node",
+        "2",
+        "sh",
+        "-c",
+        "sleep 0.5; seq 1 50 >&2",
+    ]);
+    let mut child = cmd.spawn().unwrap();
+    drop(child.stderr.take());
+    let out = wait_bounded(child, LIMIT);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
 }
 
 /// A rank program: rank 0 writes its pid and waits (reporting SIGTERM), rank 1 waits for

@@ -24,22 +24,22 @@ pub fn launch_and_report(config: &LaunchConfig, name: &str) -> Result<ExitCode, 
         && std::env::var_os(crate::env::OMP_NUM_THREADS).is_none()
         && config.nproc_per_node > 1;
     if omp_chosen {
-        eprintln!(
+        say(&format!(
             "{name}: OMP_NUM_THREADS=1 for each rank, so that {} ranks do not overload the \
              cores; set OMP_NUM_THREADS to choose another number",
             config.nproc_per_node
-        );
+        ));
     }
     if let Some(warning) = config.secret_warning() {
-        eprintln!("{name}: {warning}");
+        say(&format!("{name}: {warning}"));
     }
     let outcome = launch(config, |event| {
         for line in event_lines(name, event) {
-            eprintln!("{line}");
+            say(&line);
         }
     })?;
     if let Some(line) = outcome_line(&outcome, config.nproc_per_node) {
-        eprintln!("{name}: {line}");
+        say(&format!("{name}: {line}"));
     }
     Ok(ExitCode::from(exit_status(&outcome)))
 }
@@ -121,6 +121,13 @@ fn outcome_line(outcome: &Outcome, nproc: usize) -> Option<String> {
 /// [`Outcome::exit_code`] as a process's exit status (1 for anything out of range).
 fn exit_status(outcome: &Outcome) -> u8 {
     u8::try_from(outcome.exit_code()).unwrap_or(1)
+}
+
+/// Writes `line` to stderr; a closed stderr (`ddp-run ... 2>&1 | head`) is no reason to
+/// stop supervising the ranks, as `eprintln!`'s panic would.
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
 }
 
 /// `error` and its causes, `outer: cause: cause`, as anyhow's `{:#}` writes them, but
