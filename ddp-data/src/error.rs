@@ -134,6 +134,13 @@ pub enum DataError {
         files: Vec<String>,
     },
 
+    /// A synthetic sample was to be written into a folder that already holds files.
+    #[error("'{}' is not empty: a synthetic sample is written into a new or empty folder (give another, or remove this one first)", .dir.display())]
+    NotEmpty {
+        /// The folder.
+        dir: PathBuf,
+    },
+
     /// A folder of unlabelled images holds none.
     #[error("'{}' holds no images named <id>_left.jpg or <id>_right.jpg", .dir.display())]
     NoImages {

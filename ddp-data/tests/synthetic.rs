@@ -210,3 +210,29 @@ fn an_unlabelled_folder_names_every_file_that_is_not_a_test_image() {
         Err(ddp_data::DataError::NoImages { .. })
     ));
 }
+
+/// A second sample is not written over a first: the folder must be new or empty, and the
+/// first sample stays as it was.
+#[test]
+fn a_folder_that_holds_files_is_refused_and_left_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |images| SyntheticConfig {
+        images,
+        size: 48,
+        ..Default::default()
+    };
+    generate(dir.path(), &config(6)).unwrap();
+    let before = files(dir.path());
+    match generate(dir.path(), &config(2)) {
+        Err(err @ ddp_data::DataError::NotEmpty { .. }) => assert_eq!(
+            err.to_string(),
+            format!(
+                "'{}' is not empty: a synthetic sample is written into a new or empty folder \
+                 (give another, or remove this one first)",
+                dir.path().display()
+            )
+        ),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(files(dir.path()), before);
+}

@@ -53,7 +53,7 @@ enum Cmd {
 
 #[derive(Debug, clap::Args)]
 struct GenDataArgs {
-    /// Folder to write (created; must not already hold an ODIR sample).
+    /// Folder to write (created; a new or empty one).
     #[arg(long)]
     out: PathBuf,
     /// Number of images (two per patient).

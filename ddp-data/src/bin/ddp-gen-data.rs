@@ -25,6 +25,16 @@ const USAGE: &str =
     "usage: ddp-gen-data --out DIR [--images N] [--size PX] [--seed S] [--quality Q] \
      [--test-images N]";
 
+/// `--help`'s words on each option, with the defaults.
+const HELP: &str = concat!(
+    "  --out DIR          a new or empty folder to write full_df.csv and preprocessed_images/ into\n",
+    "  --images N         fundus-like images, two per patient (default 600)\n",
+    "  --size PX          their side, 32 to 4096 (default 256)\n",
+    "  --seed S           the same seed writes the same files (default 0)\n",
+    "  --quality Q        JPEG quality, 1 to 100 (default 90)\n",
+    "  --test-images N    also a held-out test split of N images in DIR/test/ (default 0: none)",
+);
+
 /// The parsed command line.
 #[derive(Debug)]
 struct Args {
@@ -79,7 +89,7 @@ fn main() -> ExitCode {
     let args = match parse(std::env::args().skip(1)) {
         Ok(Some(args)) => args,
         Ok(None) => {
-            println!("{USAGE}");
+            println!("{USAGE}\n\n{HELP}");
             return ExitCode::SUCCESS;
         }
         Err(message) => {
@@ -120,6 +130,27 @@ fn main() -> ExitCode {
                 chain(&err)
             );
             ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_help_states_the_defaults_the_sample_uses() {
+        let d = SyntheticConfig::default();
+        for (option, default) in [
+            ("--images N", d.images.to_string()),
+            ("--size PX", d.size.to_string()),
+            ("--seed S", d.seed.to_string()),
+            ("--quality Q", d.quality.to_string()),
+            ("--test-images N", d.test_images.to_string()),
+        ] {
+            let line = HELP.lines().find(|l| l.trim_start().starts_with(option));
+            let line = line.unwrap_or_else(|| panic!("no line for {option}"));
+            assert!(line.contains(&format!("(default {default}")), "{line}");
         }
     }
 }

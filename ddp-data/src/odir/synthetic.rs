@@ -132,10 +132,19 @@ struct Patient {
 
 /// Writes the synthetic sample into `out_dir` (created if needed): `full_df.csv` and
 /// `preprocessed_images/<id>_left.jpg` / `<id>_right.jpg`, and with
-/// [`SyntheticConfig::test_images`] its test split in `out_dir/test/`.
+/// [`SyntheticConfig::test_images`] its test split in `out_dir/test/`. A folder that holds
+/// anything already is refused ([`DataError::NotEmpty`]): a smaller sample written over a
+/// larger one would leave the other's images beside the new annotations.
 ///
 /// Deterministic: the files depend only on `config`, not on the number of threads used.
 pub fn generate(out_dir: &Path, config: &SyntheticConfig) -> Result<SyntheticSummary, DataError> {
+    if let Ok(mut entries) = std::fs::read_dir(out_dir) {
+        if entries.next().is_some() {
+            return Err(DataError::NotEmpty {
+                dir: out_dir.to_path_buf(),
+            });
+        }
+    }
     let mut summary = write_folder(out_dir, config, 0, config.images)?;
     if config.test_images > 0 {
         let first = config.images.div_ceil(2);
