@@ -51,7 +51,8 @@ pub enum CheckpointError {
     Mismatch {
         /// The file involved.
         path: PathBuf,
-        /// Every tensor that differs, sorted by name with [`natural_cmp`].
+        /// Every tensor that differs, sorted by name with [`natural_cmp`]; the message
+        /// lists the first [`MISMATCH_SHOWN`] and counts the rest.
         problems: Vec<TensorProblem>,
     },
 }
@@ -87,12 +88,42 @@ pub enum TensorProblem {
     },
 }
 
-fn list(problems: &[TensorProblem]) -> String {
-    problems
+/// How many of a mismatch's differences its message lists.
+pub const MISMATCH_SHOWN: usize = 8;
+
+/// The first [`MISMATCH_SHOWN`] problems, and how many of each kind the others are.
+pub(crate) fn list(problems: &[TensorProblem]) -> String {
+    let mut text = problems
         .iter()
+        .take(MISMATCH_SHOWN)
         .map(ToString::to_string)
         .collect::<Vec<_>>()
-        .join("; ")
+        .join("; ");
+    let rest = &problems[problems.len().min(MISMATCH_SHOWN)..];
+    if !rest.is_empty() {
+        let count = |f: fn(&TensorProblem) -> bool| rest.iter().filter(|p| f(p)).count();
+        let kinds = [
+            (
+                count(|p| matches!(p, TensorProblem::Missing(_))),
+                "missing from the file",
+            ),
+            (
+                count(|p| matches!(p, TensorProblem::Unexpected(_))),
+                "not in the model",
+            ),
+            (
+                count(|p| matches!(p, TensorProblem::Shape { .. } | TensorProblem::Dtype { .. })),
+                "of another shape or dtype",
+            ),
+        ];
+        let kinds: Vec<String> = kinds
+            .iter()
+            .filter(|(n, _)| *n > 0)
+            .map(|(n, what)| format!("{n} {what}"))
+            .collect();
+        text.push_str(&format!("; and {} more ({})", rest.len(), kinds.join(", ")));
+    }
+    text
 }
 
 /// Named tensors plus the string metadata stored in a safetensors header, as

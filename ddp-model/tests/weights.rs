@@ -225,10 +225,17 @@ fn strict_loading_lists_every_difference_and_copies_nothing() {
     let (vs, _net) = convnet(8);
     let before = var(&vs, "features.1.weight").copy();
     let err = weights::load(&vs, file("wrong.pth"), None, Strictness::Strict).unwrap_err();
-    let WeightsError::Mismatch { path, problems } = &err else {
+    let WeightsError::Mismatch {
+        path,
+        problems,
+        file_holds,
+    } = &err
+    else {
         panic!("{err:?}")
     };
     assert_eq!(path, &file("wrong.pth"));
+    // Names of no model of this crate: nothing to tell about what the file holds.
+    assert_eq!(file_holds, &None);
     assert_eq!(
         problems,
         &[
@@ -251,6 +258,50 @@ fn strict_loading_lists_every_difference_and_copies_nothing() {
         var(&vs, "features.1.weight").equal(&before),
         "a name that matched was copied"
     );
+}
+
+/// A file of another model: the message names that model, lists the first differences and
+/// counts the others, instead of every one of its 182 names.
+#[test]
+fn strict_loading_another_models_file_names_it_and_counts_what_it_does_not_list() {
+    let (vs, _net) = convnet(8);
+    let err = weights::load(&vs, file("resnet18-ddp.pth"), None, Strictness::Strict).unwrap_err();
+    let WeightsError::Mismatch {
+        problems,
+        file_holds,
+        ..
+    } = &err
+    else {
+        panic!("{err:?}")
+    };
+    assert_eq!(*file_holds, Some(ddp_model::ModelKind::Resnet18));
+    let missing = problems
+        .iter()
+        .filter(|p| matches!(p, TensorProblem::Missing(_)))
+        .count();
+    let unexpected = problems.len() - missing;
+    // The ConvNet's 4 x 6 + 2 tensors, and resnet18's 122 (BatchNorms' counters included).
+    assert_eq!((missing, unexpected), (26, 122));
+    let msg = err.to_string();
+    assert!(
+        msg.contains("(nothing was loaded; a partial load copies what fits); the file holds a resnet18 model: "),
+        "{msg}"
+    );
+    let shown = ddp_model::checkpoint::MISMATCH_SHOWN;
+    let rest = &problems[shown..];
+    let rest_missing = rest
+        .iter()
+        .filter(|p| matches!(p, TensorProblem::Missing(_)))
+        .count();
+    assert!(
+        msg.ends_with(&format!(
+            "; and {} more ({rest_missing} missing from the file, {} not in the model)",
+            rest.len(),
+            rest.len() - rest_missing
+        )),
+        "{msg}"
+    );
+    assert_eq!(msg.matches("' is ").count(), shown, "{msg}");
 }
 
 #[test]

@@ -212,7 +212,8 @@ fn a_file_that_does_not_fit_fails_on_every_rank_and_partial_keeps_the_head() {
         assert!(!o.status.success(), "rank {r} should have failed:\n{t}");
         assert!(
             t.contains(&format!("weights file '{pth_s}' does not fit the model"))
-                && t.contains("'classifier.3.weight' has shape [1000, 256] in the checkpoint"),
+                && t.contains("'classifier.3.weight' has shape [1000, 256] in the checkpoint")
+                && t.contains("; to load what fits, set --init-partial"),
             "rank {r}:\n{t}"
         );
         assert!(!t.contains("epoch 1/"), "rank {r} started training:\n{t}");

@@ -294,3 +294,27 @@ fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
         assert_eq!(printed, reports[0]);
     }
 }
+
+/// A model file of another architecture than `--model` says: the error names the one the
+/// file holds and the flag to give, and lists only the first differences.
+#[test]
+fn a_checkpoint_of_another_model_names_it_and_the_flag() {
+    let tmp = common::temp_dir("ddp-train-predict-other-model");
+    let dir = tmp.path();
+    let (data, _) = setup(dir);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _net = ddp_model::Model::new(&vs.root(), ddp_model::ModelKind::Resnet18, 8, None);
+    let model = dir.join("resnet18.safetensors");
+    checkpoint::save(&vs, &model, &Default::default()).unwrap();
+    let out = dir.join("run");
+    let outputs = predict(1, &data.join("test/preprocessed_images"), &model, &out);
+    let err = String::from_utf8_lossy(&outputs[0].stderr).into_owned();
+    assert!(!outputs[0].status.success(), "{err}");
+    assert!(
+        err.contains("; the file holds a resnet18 model: ")
+            && err.contains("(give --model resnet18 to score it)"),
+        "{err}"
+    );
+    // The first differences and a count, not all 148 of them.
+    assert!(err.len() < 2000, "{} bytes:\n{err}", err.len());
+}

@@ -195,16 +195,22 @@ pub enum WeightsError {
         reason: String,
     },
     /// A strict load found differences between the file and the model; nothing was copied.
+    /// The message lists the first [`checkpoint::MISMATCH_SHOWN`] differences and counts the
+    /// rest.
     #[error(
         "weights file '{path}' does not fit the model (nothing was loaded; a partial load \
-         copies what fits): {}",
-        problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+         copies what fits){}: {}",
+        file_holds.map(|k| format!("; the file holds a {} model", k.name())).unwrap_or_default(),
+        checkpoint::list(problems)
     )]
     Mismatch {
         /// The file.
         path: PathBuf,
         /// Every difference, sorted by name with [`natural_cmp`].
         problems: Vec<TensorProblem>,
+        /// The model the file's names belong to, when that is another model than the one
+        /// loaded into ([`crate::ModelKind::holding`]).
+        file_holds: Option<crate::ModelKind>,
     },
     /// libtorch failed to copy a tensor into the model.
     #[error("weights file '{path}': copying '{name}' into the model failed: {reason}")]
@@ -568,9 +574,13 @@ pub fn load_state_dict(
     }
     if strictness == Strictness::Strict && !problems.is_empty() {
         problems.sort_by(|a, b| natural_cmp(problem_name(a), problem_name(b)));
+        let model_kind = crate::ModelKind::holding(model.iter().map(|(n, _)| n.as_str()));
+        let file_holds = crate::ModelKind::holding(file.iter().map(|(n, _)| *n))
+            .filter(|&k| model_kind != Some(k));
         return Err(WeightsError::Mismatch {
             path: state.path.clone(),
             problems,
+            file_holds,
         });
     }
     tch::no_grad(|| {

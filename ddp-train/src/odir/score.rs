@@ -47,6 +47,15 @@ pub fn load_checkpoint(vs: &nn::VarStore, model: &ModelFile) -> Result<LoadRepor
         Err(e @ WeightsError::NoEntry { .. }) => {
             Err(TrainError::Invalid(format!("--checkpoint-key: {e}")))
         }
+        Err(
+            e @ WeightsError::Mismatch {
+                file_holds: Some(kind),
+                ..
+            },
+        ) => Err(TrainError::Invalid(format!(
+            "{e} (give --model {} to score it)",
+            kind.name()
+        ))),
         Err(e) => Err(e.into()),
     }
 }

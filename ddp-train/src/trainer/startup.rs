@@ -476,6 +476,11 @@ fn init_weights(
         WeightsError::NoEntry { .. } => {
             TrainError::from(SettingError::new("checkpoint.init_key", format!(": {e}")))
         }
+        // Say how to load what fits.
+        WeightsError::Mismatch { .. } => TrainError::from(
+            SettingError::starting(format!("{e}; to load what fits, set "))
+                .setting("checkpoint.init_partial"),
+        ),
         e => TrainError::from(e),
     })?;
     let note = format!("initial weights from {}: {report}", file.display());
