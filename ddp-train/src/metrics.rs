@@ -173,13 +173,13 @@ impl Stats for MultiLabelStats {
         self.confusion.report_into(Metrics::new())
     }
 
-    /// The per-class counts `tp`, `fp` and `fn_`.
+    /// The per-class counts `tp`, `fp` and `fn`.
     fn details(&self) -> Metrics {
         let c = &self.confusion;
         Metrics::new()
             .counts("tp", c.tp.iter().copied())
             .counts("fp", c.fp.iter().copied())
-            .counts("fn_", c.fn_.iter().copied())
+            .counts("fn", c.fn_.iter().copied())
     }
 
     fn summary(&self) -> String {

@@ -68,10 +68,15 @@ pub trait Stats {
 /// let m = Metrics::new()
 ///     .number("val_accuracy", 0.75)
 ///     .list("val_f1_per_class", [0.5, 1.0])
-///     .counts("tp", [3, 4]);
+///     .counts("tp", [3, 4])
+///     .count("patients", 2);
 /// assert_eq!(m.get("val_accuracy"), Some(0.75));
+/// assert_eq!(m.get("patients"), Some(2.0));
 /// assert_eq!(m.get("val_f1_per_class"), None); // a list, not a number
-/// assert_eq!(m.numbers().collect::<Vec<_>>(), [("val_accuracy", 0.75)]);
+/// assert_eq!(
+///     m.numbers().collect::<Vec<_>>(),
+///     [("val_accuracy", 0.75), ("patients", 2.0)]
+/// );
 /// ```
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Metrics(Map<String, Value>);
@@ -92,6 +97,12 @@ impl Metrics {
     pub fn list(mut self, name: impl Into<String>, values: impl IntoIterator<Item = f64>) -> Self {
         let list: Vec<Value> = values.into_iter().map(Value::from).collect();
         self.0.insert(name.into(), list.into());
+        self
+    }
+
+    /// With the count `value` named `name` (an integer in JSON, a number to [`Self::get`]).
+    pub fn count(mut self, name: impl Into<String>, value: i64) -> Self {
+        self.0.insert(name.into(), value.into());
         self
     }
 

@@ -103,7 +103,7 @@ fn distributed_evaluation_equals_one_process_on_the_whole_split() {
     for key in [
         "tp",
         "fp",
-        "fn_",
+        "fn",
         "val_f1_per_class",
         "val_macro_f1",
         "val_micro_f1",
@@ -112,7 +112,7 @@ fn distributed_evaluation_equals_one_process_on_the_whole_split() {
     ] {
         assert_eq!(one[key], three[key], "{key} differs between 1 and 3 ranks");
     }
-    let total: i64 = ["tp", "fn_"]
+    let total: i64 = ["tp", "fn"]
         .iter()
         .flat_map(|k| {
             one[*k]

@@ -222,7 +222,7 @@ impl Stats for OdirStats {
         let p = self.patient_predictions();
         self.eyes
             .details()
-            .number("odir_patients", p.rows.len() as f64)
+            .count("odir_patients", p.rows.len() as i64)
     }
 
     fn summary(&self) -> String {
