@@ -40,7 +40,10 @@ pub enum CommError {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     /// Rank 0 could not listen on the rendezvous address because something else holds it.
-    #[error("cannot listen on {addr}: port already in use (choose another MASTER_PORT)")]
+    #[error(
+        "cannot listen on {addr}: port already in use (choose another MASTER_PORT, or a \
+         launcher's --master-port)"
+    )]
     PortInUse {
         /// The address that was busy.
         addr: SocketAddr,

@@ -72,7 +72,8 @@ pub(crate) trait Store: Send {
 
 /// Resolves `host:port` to socket addresses (IPv4 first).
 pub(crate) fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, CommError> {
-    let text = format!("{host}:{port}");
+    // Named as the user gives it: torchrun's variables, a launcher's flags.
+    let text = format!("{host}:{port} (MASTER_ADDR:MASTER_PORT, --master-addr/--master-port)");
     let mut addrs: Vec<SocketAddr> = (host, port)
         .to_socket_addrs()
         .map_err(|source| CommError::Address {

@@ -71,6 +71,10 @@ fn event_lines(name: &str, event: &Event<'_>) -> Vec<String> {
         }
         Event::RankFailed(failure) => {
             let mut lines = vec![format!("{name}: {failure}")];
+            if failure.tail.is_empty() {
+                lines.push(format!("{name}: rank {} printed nothing", failure.rank));
+                return lines;
+            }
             lines.push(match &failure.log {
                 Some(log) => format!("{name}: last lines of {}:", log.display()),
                 None => format!("{name}: last lines of rank {}:", failure.rank),
@@ -218,6 +222,17 @@ mod tests {
                 "ddp-run: last lines of logs/rank-1.out:",
                 "    loss nan",
                 "    giving up"
+            ]
+        );
+        let silent = RankFailure {
+            tail: Vec::new(),
+            ..failure.clone()
+        };
+        assert_eq!(
+            event_lines("ddp-run", &Event::RankFailed(&silent)),
+            [
+                "ddp-run: rank 1 exited with code 17",
+                "ddp-run: rank 1 printed nothing"
             ]
         );
         let restarting = Event::Restarting {
