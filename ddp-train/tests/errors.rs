@@ -62,6 +62,17 @@ fn a_zero_batch_size_is_named_without_a_backtrace() {
     assert_one_error(&out, "error: --batch-size must be at least 1");
 }
 
+#[test]
+fn a_validation_fraction_out_of_range_names_its_flag() {
+    let dir = ddp_testkit::temp_dir("ddp-train-errors");
+    let out = ddp_train(&["--data", dir.path().to_str().unwrap(), "--val-split", "1.5"]);
+    assert_one_error(
+        &out,
+        "error: --val-split 1.5 must be a fraction strictly between 0 and 1 (of the patients \
+         held out for validation)",
+    );
+}
+
 /// `python -m torch.distributed.launch` passes `--local_rank`; one that disagrees with the
 /// launcher's `LOCAL_RANK` names both before anything starts.
 #[test]
@@ -153,5 +164,39 @@ fn a_training_flag_that_predict_does_not_read_is_refused() {
     assert_one_error(
         &out,
         &format!("error: no ODIR annotation file in '{folder}': looked for full_df.csv, data.xlsx, ODIR-5K_Training_Annotations(Updated)_V2.xlsx"),
+    );
+}
+
+#[test]
+fn per_eye_labels_asked_of_annotations_without_them_name_the_other_choice() {
+    let dir = ddp_testkit::temp_dir("ddp-train-errors");
+    let data = dir.path().join("odir");
+    ddp_data::odir::synthetic::generate(
+        &data,
+        &ddp_data::odir::synthetic::SyntheticConfig {
+            images: 8,
+            size: 48,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    // The same annotations without their per-eye column.
+    let csv = data.join("full_df.csv");
+    let text = std::fs::read_to_string(&csv).unwrap();
+    std::fs::write(&csv, text.replacen(",target,", ",unused,", 1)).unwrap();
+    let out = dir.path().join("run");
+    // `per-eye`, as the help's words say, is `eye`.
+    let args = ["--data", data.to_str().unwrap(), "--labels", "per-eye"];
+    let out = ddp_train(&[&args[..], &["--out", out.to_str().unwrap()]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.starts_with("error: loading ODIR data from "), "{err}");
+    assert!(
+        err.contains("'target'")
+            && err.contains(
+                ": --labels eye needs per-eye labels; --labels patient (or auto) takes the \
+                 patient columns N..O"
+            ),
+        "{err}"
     );
 }

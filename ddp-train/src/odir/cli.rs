@@ -51,6 +51,7 @@ pub enum Labels {
     /// Per-eye labels (`target`) where the annotations have them, else patient labels.
     Auto,
     /// Per-eye labels; an error when the annotations have none.
+    #[value(alias = "per-eye")]
     Eye,
     /// Patient labels (`N`..`O`), the same for both eyes.
     Patient,
@@ -227,6 +228,14 @@ impl TrainConfig {
         }
         if let Some(d) = self.dropout.filter(|d| !(0.0..1.0).contains(d)) {
             return invalid(format!("--dropout {d} must be in [0, 1)"));
+        }
+        // Read only when --data is split (no --val-data), but checked before any data is.
+        if self.val_data.is_none() && !(self.val_split > 0.0 && self.val_split < 1.0) {
+            return invalid(format!(
+                "--val-split {} must be a fraction strictly between 0 and 1 (of the \
+                 patients held out for validation)",
+                self.val_split
+            ));
         }
         if !(self.min_crop_scale > 0.0 && self.min_crop_scale <= 1.0) {
             return invalid(format!(

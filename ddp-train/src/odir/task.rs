@@ -8,7 +8,7 @@ use ddp_data::odir::transform::{Augment, Transform};
 use ddp_data::odir::{
     split_by_patient, LabelMode, OdirDataset, OdirImages, OdirOptions, SkippedImage,
 };
-use ddp_data::{Batch, Subset};
+use ddp_data::{Batch, DataError, Subset};
 use ddp_model::{Model, ODIR_CLASSES};
 use serde_json::Value;
 use tch::{nn, Reduction, Tensor};
@@ -50,6 +50,17 @@ impl OdirTask {
         let options = data_options(c);
         let open = |dir: &Path| {
             OdirDataset::open(dir, &options)
+                .map_err(|e| match &e {
+                    DataError::MissingColumn { column, .. }
+                        if column == "target" && c.labels == Labels::Eye =>
+                    {
+                        TrainError::Invalid(format!(
+                            "{e}: --labels eye needs per-eye labels; --labels patient (or \
+                             auto) takes the patient columns N..O"
+                        ))
+                    }
+                    _ => TrainError::from(e),
+                })
                 .map(Arc::new)
                 .context(|| format!("loading ODIR data from {}", dir.display()))
         };
