@@ -58,7 +58,7 @@ pub trait Stats {
     }
 }
 
-/// Named metrics, in the order they were added: numbers, or lists of numbers or counts (one
+/// Named metrics, in the order of their names: numbers, or lists of numbers or counts (one
 /// value per class, say). What [`Stats::report`] returns, without the user's code touching
 /// JSON.
 ///
@@ -75,7 +75,7 @@ pub trait Stats {
 /// assert_eq!(m.get("val_f1_per_class"), None); // a list, not a number
 /// assert_eq!(
 ///     m.numbers().collect::<Vec<_>>(),
-///     [("val_accuracy", 0.75), ("patients", 2.0)]
+///     [("patients", 2.0), ("val_accuracy", 0.75)]
 /// );
 /// ```
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -122,7 +122,7 @@ impl Metrics {
         self.0.get(name)?.as_f64()
     }
 
-    /// Every number (not the lists), by name, in order.
+    /// Every number (not the lists), by name, in the order of the names.
     pub fn numbers(&self) -> impl Iterator<Item = (&str, f64)> {
         self.0
             .iter()
