@@ -318,3 +318,46 @@ fn a_checkpoint_of_another_model_names_it_and_the_flag() {
     // The first differences and a count, not all 148 of them.
     assert!(err.len() < 2000, "{} bytes:\n{err}", err.len());
 }
+
+/// A model file of a run directory is scored with the transform its run recorded, or with
+/// a warning naming each setting that differs and the value to give.
+#[test]
+fn scoring_with_another_transform_than_the_training_warns_on_rank_0() {
+    let tmp = common::temp_dir("ddp-train-predict-transform");
+    let dir = tmp.path();
+    let (data, model) = setup(dir);
+    let run = dir.join("trained");
+    std::fs::create_dir_all(&run).unwrap();
+    let config = r#"{"task": {"image_size": 48, "normalize": "imagenet", "eval_resize": null}}"#;
+    std::fs::write(run.join("config.json"), config).unwrap();
+    let best = run.join("best-score.safetensors");
+    std::fs::copy(&model, &best).unwrap();
+    let outputs = predict(
+        2,
+        &data.join("test/preprocessed_images"),
+        &best,
+        &dir.join("out"),
+    );
+    for (r, o) in outputs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r}:\n{}", text(o));
+    }
+    let rank0 = String::from_utf8_lossy(&outputs[0].stderr).into_owned();
+    let config = run.join("config.json");
+    for (flag, then, now) in [
+        ("--image-size", "48", "32"),
+        ("--normalize", "imagenet", "none"),
+    ] {
+        let warning = format!(
+            "warning: the model was trained with {flag} {then} ({}) and is scored with {now}: \
+             give {flag} {then} to score it on what it learnt from",
+            config.display()
+        );
+        assert_eq!(rank0.matches(&warning).count(), 1, "{rank0}");
+        assert!(
+            !text(&outputs[1]).contains(&warning),
+            "{}",
+            text(&outputs[1])
+        );
+    }
+    assert!(!rank0.contains("--eval-resize"), "{rank0}");
+}

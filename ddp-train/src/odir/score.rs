@@ -3,7 +3,7 @@
 //! checkpoint is read for them), exact shards of whole batches, and every image's
 //! probabilities gathered onto every rank in image order.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,6 +14,7 @@ use ddp_model::weights::{self, LoadReport, Strictness, WeightsError};
 use tch::{nn, Device, Kind, Tensor};
 
 use super::cli::TrainConfig;
+use super::options::Normalize;
 use super::predict::ModelFile;
 use super::stats::{OdirStats, Patients};
 use super::task::{eval_transform, odir_model};
@@ -58,6 +59,56 @@ pub fn load_checkpoint(vs: &nn::VarStore, model: &ModelFile) -> Result<LoadRepor
         ))),
         Err(e) => Err(e.into()),
     }
+}
+
+/// The transform settings that differ from those the model was trained with, as warnings,
+/// when the model file lies in a run directory whose `config.json` records them (a run's
+/// `best-*.safetensors`, its `checkpoints/epoch-*.safetensors`, or the run directory).
+fn transform_differences(c: &TrainConfig, checkpoint: &Path) -> Vec<String> {
+    let run = if checkpoint.is_dir() {
+        Some(checkpoint)
+    } else {
+        checkpoint.parent().map(|p| match p.file_name() {
+            Some(name) if name == "checkpoints" => p.parent().unwrap_or(p),
+            _ => p,
+        })
+    };
+    let Some(config) = run.map(|r| r.join("config.json")) else {
+        return Vec::new();
+    };
+    let Some(task) = std::fs::read_to_string(&config)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|mut v| v.get_mut("task").map(serde_json::Value::take))
+    else {
+        return Vec::new();
+    };
+    let trained = |key: &str| task.get(key).cloned();
+    let mut lines = Vec::new();
+    let mut differs = |flag: &str, then: String, now: String| {
+        if then != now {
+            lines.push(format!(
+                "the model was trained with {flag} {then} ({}) and is scored with {now}: give \
+                 {flag} {then} to score it on what it learnt from",
+                config.display()
+            ));
+        }
+    };
+    if let Some(Ok(size)) = trained("image_size").map(serde_json::from_value::<u32>) {
+        differs("--image-size", size.to_string(), c.image_size.to_string());
+    }
+    if let Some(Ok(norm)) = trained("normalize").map(serde_json::from_value::<Normalize>) {
+        differs("--normalize", norm.to_string(), c.normalize.to_string());
+    }
+    if let Some(Ok(Some(resize))) =
+        trained("eval_resize").map(serde_json::from_value::<Option<u32>>)
+    {
+        let now = c
+            .eval_resize
+            .map_or("its default".to_string(), |r| r.to_string());
+        differs("--eval-resize", resize.to_string(), now);
+    }
+    lines
 }
 
 /// What the ranks scored: the statistics of the whole folder (on every rank), the run
@@ -116,6 +167,11 @@ pub fn score(
     ));
     let pg = ProcessGroup::new(opts).context(|| "joining the process group".into())?;
     let (rank, world) = (pg.rank(), pg.world_size());
+    if rank == 0 {
+        for line in transform_differences(c, checkpoint) {
+            tracing::warn!("warning: {line}");
+        }
+    }
     // Every rank must score the same folder with the same model.
     let key = format!(
         "{} images of {} with {}",
