@@ -31,7 +31,17 @@ pub enum LaunchError {
     #[error("cannot find a free port on 127.0.0.1 for the ranks to meet on (give --master-port)")]
     NoFreePort(#[source] std::io::Error),
     /// The log folder cannot be created, or a rank's log file opened.
-    #[error("cannot write the rank log {}", path.display())]
+    #[error(
+        "cannot write the rank log {}{}",
+        path.display(),
+        if source.raw_os_error() == Some(libc::ELOOP) {
+            // What O_NOFOLLOW answers for a symbolic link.
+            ": it is a symbolic link, which a rank's log may not be (so that a shared folder \
+             cannot send it elsewhere); remove it, or give another --log-dir"
+        } else {
+            ""
+        }
+    )]
     Log {
         /// The folder or file.
         path: PathBuf,

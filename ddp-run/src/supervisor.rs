@@ -167,6 +167,12 @@ pub fn launch(
 ) -> Result<Outcome, LaunchError> {
     config.validate()?;
     if let Some(dir) = &config.log_dir {
+        if dir.exists() && !dir.is_dir() {
+            return Err(LaunchError::Invalid(format!(
+                "--log-dir {} is a file, not a folder: give a folder (created if missing)",
+                dir.display()
+            )));
+        }
         std::fs::create_dir_all(dir).map_err(|source| LaunchError::Log {
             path: dir.clone(),
             source,

@@ -207,9 +207,13 @@ fn a_symlink_in_place_of_a_rank_log_is_refused_and_its_target_untouched() {
         ..quiet("sh", 1, &["-c", "echo written"])
     };
     match launch(&config, |_| {}) {
-        Err(LaunchError::Log { path, source }) => {
-            assert_eq!(path, logs.join("rank-0.out"));
+        Err(err @ LaunchError::Log { .. }) => {
+            let LaunchError::Log { path, source } = &err else {
+                unreachable!()
+            };
+            assert_eq!(path, &logs.join("rank-0.out"));
             assert_eq!(source.raw_os_error(), Some(libc::ELOOP), "{source}");
+            assert!(err.to_string().ends_with(": it is a symbolic link, which a rank's log may not be (so that a shared folder cannot send it elsewhere); remove it, or give another --log-dir"), "{err}");
         }
         other => panic!("expected a log error, got {other:?}"),
     }
@@ -244,4 +248,26 @@ fn a_rank_printing_one_endless_line_is_logged_in_bounded_pieces() {
         "{:?}",
         &lengths
     );
+}
+
+#[test]
+fn a_log_dir_that_is_a_file_is_refused_naming_it() {
+    let dir = ddp_testkit::temp_dir("ddp-run-log-file");
+    let file = dir.path().join("logs");
+    std::fs::write(&file, "not a folder\n").unwrap();
+    let config = LaunchConfig {
+        log_dir: Some(file.clone()),
+        ..quiet("true", 1, &[])
+    };
+    match launch(&config, |_| {}) {
+        Err(LaunchError::Invalid(m)) => assert_eq!(
+            m,
+            format!(
+                "--log-dir {} is a file, not a folder: give a folder (created if missing)",
+                file.display()
+            )
+        ),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a folder\n");
 }
