@@ -710,6 +710,26 @@ fn a_damaged_latest_checkpoint_falls_back_to_the_previous_one_with_a_warning() {
         .map(|m| m["epoch"].as_u64().unwrap())
         .collect();
     assert_eq!(epochs, [1, 2, 3], "{epochs:?}");
+
+    // With every checkpoint damaged, the error says what is left to do.
+    let dir = Path::new(out).join("checkpoints");
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.to_string_lossy().ends_with(".state.safetensors") {
+            std::fs::write(&path, b"damaged").unwrap();
+        }
+    }
+    let (a, b) = both_fail(&again);
+    for t in [&a, &b] {
+        assert!(
+            t.contains(
+                "; none of the 2 older checkpoint(s) of the run could be read either: to \
+                 continue, give --resume with a checkpoint file that reads; to start a new \
+                 run, another --out"
+            ),
+            "{t}"
+        );
+    }
 }
 
 /// Each epoch's validation scores rank 0's model, the one its checkpoint holds: evaluating

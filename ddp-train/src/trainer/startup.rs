@@ -140,6 +140,7 @@ impl<T: Task> Trainer<T> {
                 candidates.extend(state::fallbacks(run, newest));
             }
             let mut first_error = None;
+            let candidates_tried = candidates.len();
             for path in candidates {
                 // Loaded on the CPU first, then moved with the model to the rank's device;
                 // the optimizer over the parameters that were not frozen then.
@@ -167,7 +168,19 @@ impl<T: Task> Trainer<T> {
                 }
             }
             if let (None, Some(e)) = (&restored, first_error) {
-                return Err(e);
+                if s.checkpoint.resume.as_deref() != Some("latest") {
+                    return Err(e);
+                }
+                // Nothing of the run could be read: say what is left to do.
+                let older = candidates_tried - 1;
+                return Err(TrainError::Invalid(format!(
+                    "{e}; {} could be read either: to continue, give --resume with a \
+                     checkpoint file that reads; to start a new run, another --out",
+                    match older {
+                        0 => "no older checkpoint of the run".to_string(),
+                        n => format!("none of the {n} older checkpoint(s) of the run"),
+                    }
+                )));
             }
         }
         vs.set_device(device);
