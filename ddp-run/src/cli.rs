@@ -91,10 +91,15 @@ pub fn parse_nnodes(value: &str) -> Result<usize, String> {
             let (min, max) = (number(min)?, number(max)?);
             if min == max {
                 Ok(min)
+            } else if min > max {
+                Err(format!(
+                    "'{value}' is not a range of nodes: MIN:MAX with MIN at most MAX"
+                ))
             } else {
                 Err(format!(
                     "'{value}': a range of nodes needs elastic membership, which ddp-run does \
-                     not have; give a fixed number of nodes"
+                     not have; give a fixed number of nodes (torchrun's elastic agent runs \
+                     ddp-train on a range: docs/preemption.md)"
                 ))
             }
         }
@@ -150,9 +155,14 @@ mod tests {
             parse_nnodes("1:4"),
             Err(
                 "'1:4': a range of nodes needs elastic membership, which ddp-run does not \
-                 have; give a fixed number of nodes"
+                 have; give a fixed number of nodes (torchrun's elastic agent runs ddp-train \
+                 on a range: docs/preemption.md)"
                     .to_string()
             )
+        );
+        assert_eq!(
+            parse_nnodes("3:2"),
+            Err("'3:2' is not a range of nodes: MIN:MAX with MIN at most MAX".to_string())
         );
         assert_eq!(
             parse_nnodes("two"),
