@@ -6,6 +6,7 @@ mod common;
 use common::{
     assert_all_ok, free_port, rank_command, run_ddp_train, text, wait_all, wait_bounded, Limits,
 };
+use ddp_testkit::wait_for;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -887,4 +888,54 @@ fn a_new_start_over_a_finished_run_is_refused_and_writes_nothing() {
         text(&outputs[0])
     );
     assert_eq!(metrics_without_timing(&out).len(), 2);
+}
+
+/// A second job on the `--out` of a job that is still running is refused on all its ranks,
+/// naming the holder, before it writes anything; the first job ends as it would have.
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "needs --features fault-injection (slow steps)"
+)]
+fn a_second_job_on_a_run_directory_in_use_is_refused() {
+    let tmp = temp_dir("out-in-use");
+    let dir = tmp.path();
+    let data = data(dir, 40);
+    let out = dir.join("run");
+    let (data_s, out_s) = (data.to_str().unwrap(), out.to_str().unwrap());
+    let mut args = train_args(data_s, out_s);
+    args[3] = "1";
+    // The first job: 4 steps of a second each, so that the second job starts (and passes
+    // the check for a finished run's checkpoints) before the first writes its checkpoint.
+    let port = free_port();
+    let first: Vec<_> = (0..2)
+        .map(|rank| {
+            let mut cmd = rank_command(EXE, rank, 2, port);
+            cmd.args(&args)
+                .args(["--threads", "1", "--workers", "1"])
+                .env("DDP_TRAIN_STEP_SLEEP_MS", "1000")
+                .env("DDP_RDZV_TIMEOUT_S", "30")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    let lock = out.join(".lock");
+    wait_for("the first job's lock", Duration::from_secs(60), || {
+        std::fs::read_to_string(&lock).is_ok_and(|t| t.starts_with("pid "))
+    });
+    let holder = std::fs::read_to_string(&lock).unwrap();
+
+    let (a, b) = both_fail(&args);
+    let refusal = format!(
+        "--out {out_s} is in use by another job ({holder}, which holds {}): give another \
+         --out, or wait for that job to end",
+        lock.display()
+    );
+    for t in [&a, &b] {
+        assert!(t.contains(&refusal), "{t}");
+    }
+    let outputs = wait_all(first, Duration::from_secs(120));
+    assert_all_ok(&outputs);
+    assert_eq!(metrics_without_timing(&out).len(), 1);
 }

@@ -68,6 +68,8 @@ pub struct Trainer<T: Task> {
     device: Device,
     threads: usize,
     out: PathBuf,
+    /// Rank 0's lock on the run directory, held while the Trainer lives.
+    _run_lock: Option<std::fs::File>,
     vs: nn::VarStore,
     model: T::Model,
     ddp: DistributedDataParallel,

@@ -275,6 +275,20 @@ impl<T: Task> Trainer<T> {
         std::fs::create_dir_all(out.join("logs")).map_err(|e| {
             TrainError::io(format!("cannot create run directory {}", out.display()), e)
         })?;
+        // One job per run directory: rank 0 locks it, and every rank learns the verdict.
+        let (run_lock, refusal) = match rank {
+            0 => match lock_run_dir(&out) {
+                Ok(lock) => (lock, String::new()),
+                Err(refusal) => (None, refusal),
+            },
+            _ => (None, String::new()),
+        };
+        let verdicts = pg.all_gather_bytes(refusal.as_bytes())?;
+        if !verdicts[0].is_empty() {
+            return Err(TrainError::Invalid(
+                String::from_utf8_lossy(&verdicts[0]).into_owned(),
+            ));
+        }
         let log = RankLog::open(&out, rank)?;
         for warning in &fallback_warnings {
             log.warn(warning);
@@ -333,6 +347,7 @@ impl<T: Task> Trainer<T> {
             device,
             threads,
             out,
+            _run_lock: run_lock,
             vs,
             model,
             ddp,
@@ -450,6 +465,49 @@ fn resume_after_restart(
     };
     settings.checkpoint.resume = Some("latest".to_string());
     Ok(note)
+}
+
+/// The file whose lock marks a run directory in use.
+const RUN_LOCK: &str = ".lock";
+
+/// Takes the run directory's lock (an exclusive `flock` on `out/.lock`, which the kernel
+/// lets go when the process ends, however it ends) and writes who holds it. A lock another
+/// process holds is a refusal naming it; a file system without locks gets no lock.
+fn lock_run_dir(out: &Path) -> Result<Option<std::fs::File>, String> {
+    use std::io::{Read, Seek, Write};
+    use std::os::fd::AsRawFd;
+    let path = out.join(RUN_LOCK);
+    let Ok(mut file) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+    else {
+        return Ok(None);
+    };
+    // SAFETY: flock on a descriptor this function owns; no memory is involved.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Ok(None);
+        }
+        let mut holder = String::new();
+        let _ = file.read_to_string(&mut holder);
+        return Err(format!(
+            "--out {} is in use by another job ({}, which holds {}): give another --out, or \
+             wait for that job to end",
+            out.display(),
+            holder.trim(),
+            path.display()
+        ));
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let holder = format!("pid {} on {}", std::process::id(), host.trim());
+    let _ = file.set_len(0);
+    let _ = file.rewind();
+    let _ = file.write_all(holder.as_bytes());
+    Ok(Some(file))
 }
 
 /// Loads `checkpoint.init_from` into the freshly built model (on the CPU, before the process
