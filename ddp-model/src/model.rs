@@ -54,21 +54,11 @@ impl ModelKind {
         Self::EfficientNetB0,
     ];
 
-    /// The kind whose state_dict has exactly these tensor names (a DDP `module.` prefix
-    /// on every name is ignored), if one has: tells which model a file holds. Builds each
+    /// The kind whose state_dict has exactly these tensor names (as a model's own, without
+    /// DDP's `module.` prefix), if one has: tells which model a file holds. Builds each
     /// model once on the CPU to list its names, so it is meant for error paths.
     pub fn holding<'a>(names: impl IntoIterator<Item = &'a str>) -> Option<ModelKind> {
         let mut names: Vec<&str> = names.into_iter().collect();
-        if !names.is_empty()
-            && names
-                .iter()
-                .all(|n| n.starts_with(crate::weights::DDP_PREFIX))
-        {
-            names = names
-                .iter()
-                .map(|n| &n[crate::weights::DDP_PREFIX.len()..])
-                .collect();
-        }
         names.sort_unstable();
         names.dedup();
         Self::ALL.into_iter().find(|&kind| {

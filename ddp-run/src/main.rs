@@ -110,13 +110,13 @@ fn parse_interval(value: &str) -> Result<f64, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Err(message) = check_command_line(&cli) {
+    let config = launch_config(&cli).unwrap_or_else(|message| {
         // Exit status 2 and the usage line, as for the command lines clap refuses.
         Cli::command()
             .error(clap::error::ErrorKind::ArgumentConflict, message)
-            .exit();
-    }
-    match run(cli) {
+            .exit()
+    });
+    match run(cli.nproc_per_node, config) {
         Ok(code) => code,
         Err(err) => {
             // A user's mistake or the environment's, never a bug: the message chain alone.
@@ -126,14 +126,14 @@ fn main() -> ExitCode {
     }
 }
 
-/// What the command line gets wrong beyond what clap checks: a torchrun option ddp-run does
-/// not have (taken for the program, since the program may begin with `-`), and settings the
-/// launcher refuses.
-fn check_command_line(cli: &Cli) -> Result<(), String> {
-    if let Some(first) = cli.command.first().and_then(|p| p.to_str()) {
-        if first.starts_with('-') {
-            return Err(unknown_option(first));
-        }
+/// The launch the command line asks for, its ranks per node still to count where they are
+/// `gpu`, `cpu` or `auto`; or what is wrong with it beyond what clap checks: a torchrun
+/// option ddp-run does not have (taken for the program, since the program may begin with
+/// `-`), and settings the launcher refuses.
+fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
+    let (program, args) = cli.command.split_first().ok_or("no program to start")?;
+    if let Some(flag) = program.to_str().filter(|p| p.starts_with('-')) {
+        return Err(unknown_option(flag));
     }
     if cli.standalone && cli.node.nnodes != 1 {
         return Err(format!(
@@ -141,13 +141,20 @@ fn check_command_line(cli: &Cli) -> Result<(), String> {
             cli.node.nnodes
         ));
     }
-    // Checked with a stand-in for the ranks per node, which `gpu` or `cpu` resolve later.
-    let mut config = LaunchConfig::new(cli.command[0].clone(), 1);
+    // A stand-in for the ranks per node until `run` counts the devices.
+    let nproc = match cli.nproc_per_node {
+        NprocPerNode::Count(n) => n,
+        _ => 1,
+    };
+    let mut config = LaunchConfig::new(program.clone(), nproc).args(args.to_vec());
     cli.node.apply(&mut config);
-    if let NprocPerNode::Count(n) = cli.nproc_per_node {
-        config.nproc_per_node = n;
-    }
-    config.validate().map_err(|e| e.to_string())
+    config.role = cli.role.clone();
+    config.run_id = cli.rdzv_id.clone();
+    config.log_dir = cli.log_dir.clone();
+    config.shutdown_timeout = Duration::from_secs(cli.shutdown_timeout);
+    config.monitor_interval = Duration::from_secs_f64(cli.monitor_interval);
+    config.validate().map_err(|e| e.to_string())?;
+    Ok(config)
 }
 
 /// The message for an option ddp-run does not have, given where PROGRAM goes: what to do
@@ -183,19 +190,7 @@ fn unknown_option(arg: &str) -> String {
     format!("ddp-run has no option '{given}': {instead}")
 }
 
-fn run(cli: Cli) -> Result<ExitCode> {
-    let nproc = cli.nproc_per_node.resolve()?;
-    let (program, args) = cli
-        .command
-        .split_first()
-        .map(|(p, a)| (p.clone(), a.to_vec()))
-        .unwrap_or_default();
-    let mut config = LaunchConfig::new(program, nproc).args(args);
-    cli.node.apply(&mut config);
-    config.role = cli.role;
-    config.run_id = cli.rdzv_id;
-    config.log_dir = cli.log_dir;
-    config.shutdown_timeout = Duration::from_secs(cli.shutdown_timeout);
-    config.monitor_interval = Duration::from_secs_f64(cli.monitor_interval);
+fn run(nproc: NprocPerNode, mut config: LaunchConfig) -> Result<ExitCode> {
+    config.nproc_per_node = nproc.resolve()?;
     Ok(launch_and_report(&config, "ddp-run")?)
 }

@@ -534,10 +534,13 @@ impl Pump {
             }
         }
         if self.echo {
-            let mut prefix = format!("[rank {}] ", self.rank);
             // Rank 0 goes as it is, and so does a line that names its rank already.
-            if self.rank == 0 || line.starts_with(&prefix) {
-                prefix.clear();
+            let mut prefix = String::new();
+            if self.rank != 0 {
+                prefix = format!("[rank {}] ", self.rank);
+                if line.starts_with(&prefix) {
+                    prefix.clear();
+                }
             }
             // Errors (a closed terminal) must not stop the copying to the log.
             let _ = match self.stream {

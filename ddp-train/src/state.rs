@@ -148,6 +148,15 @@ pub fn checkpoint_dir(run: &Path) -> PathBuf {
     run.join("checkpoints")
 }
 
+/// The run directory `folder` stands for: its parent when it is a run's checkpoint folder
+/// (named so, with a `latest`), else itself.
+pub fn run_of(folder: &Path) -> &Path {
+    match (folder.file_name(), folder.parent()) {
+        (Some(name), Some(run)) if name == "checkpoints" && folder.join("latest").is_file() => run,
+        _ => folder,
+    }
+}
+
 fn stem(epoch: u64) -> String {
     format!("epoch-{epoch:04}")
 }
@@ -471,12 +480,7 @@ pub fn resolve(resume: &str, run: Option<&Path>) -> Result<PathBuf, TrainError> 
     if path.is_dir() {
         // A run directory, or its `checkpoints/`: its latest checkpoint, as `predict` reads
         // a run directory.
-        let run = match path.file_name() {
-            Some(name) if name == "checkpoints" && path.join("latest").is_file() => {
-                path.parent().unwrap_or(Path::new("."))
-            }
-            _ => &path,
-        };
+        let run = run_of(&path);
         if !checkpoint_dir(run).join("latest").is_file() {
             return Err(TrainError::Invalid(format!(
                 "--resume {resume}: a folder without checkpoints (no {}); give a checkpoint \

@@ -223,27 +223,13 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
             link: Some(joined.link),
             ring: joined.ring,
         }),
-        Err(err) => {
-            // A timeout is news for the others too; other failures have already been
-            // written (or came from another rank's abort).
-            let err = match err {
-                CommError::RendezvousTimeout {
-                    addr,
-                    timeout,
-                    missing,
-                    ..
-                } => {
-                    let turned_away = server.as_ref().map_or(0, StoreServer::turned_away);
-                    let err = CommError::RendezvousTimeout {
-                        addr,
-                        timeout,
-                        missing,
-                        turned_away,
-                    };
-                    abort(store.as_mut(), err)
-                }
-                other => other,
-            };
+        Err(mut err) => {
+            // A timeout is news for the others too, with what rank 0's store turned away;
+            // other failures have already been written (or came from another rank's abort).
+            if let CommError::RendezvousTimeout { turned_away, .. } = &mut err {
+                *turned_away = server.as_ref().map_or(0, StoreServer::turned_away);
+                err = abort(store.as_mut(), err);
+            }
             if server.is_some() {
                 // Keep serving briefly, so that waiting ranks read `abort` (they poll at
                 // least every 50 ms) instead of finding the store gone.

@@ -227,10 +227,7 @@ fn accept_loop(listener: TcpListener, server: Served, stop: Arc<AtomicBool>, cli
                 // only once both of the connection's descriptors are closed, so that
                 // strangers whose handshakes end together cannot hold more than the cap.
                 let mut guard = Some(guard);
-                if let Err(why) = serve(stream, &server.secret, &server.table, &mut guard) {
-                    if why.starts_with(REJECTED) {
-                        server.turned_away.fetch_add(1, Ordering::Relaxed);
-                    }
+                if let Err(why) = serve(stream, &server, &mut guard) {
                     if let Some(dropped) = DROPPED.admit() {
                         tracing::warn!(
                             "ddp-comm: store dropped connection from {peer}: {why}{}",
@@ -259,21 +256,16 @@ fn accept_loop(listener: TcpListener, server: Served, stop: Arc<AtomicBool>, cli
     }
 }
 
-/// How the reason for dropping a connection begins when its handshake failed.
-const REJECTED: &str = "rejected: ";
-
 /// Serves one client until it disconnects; its handshake's slot in `pending` is given back
-/// once the client has proven the secret. Errors are reasons to drop the connection.
-fn serve(
-    stream: TcpStream,
-    secret: &Secret,
-    table: &Table,
-    pending: &mut Option<Pending>,
-) -> Result<(), String> {
+/// once the client has proven the secret, and a failed handshake is counted in
+/// `server.turned_away`. Errors are reasons to drop the connection.
+fn serve(stream: TcpStream, server: &Served, pending: &mut Option<Pending>) -> Result<(), String> {
     let _ = stream.set_nodelay(true);
     let deadline = Instant::now() + auth::HANDSHAKE_TIMEOUT;
-    auth::tcp_server(&stream, secret, STORE_MAGIC, deadline)
-        .map_err(|why| format!("{REJECTED}{why}"))?;
+    auth::tcp_server(&stream, &server.secret, STORE_MAGIC, deadline).map_err(|why| {
+        server.turned_away.fetch_add(1, Ordering::Relaxed);
+        format!("rejected: {why}")
+    })?;
     *pending = None;
     stream.set_timeouts(None).map_err(|e| e.to_string())?;
     let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
@@ -285,7 +277,7 @@ fn serve(
         loop {
             let op = wire::read_u8(&mut reader)?;
             let mut reply = Vec::new();
-            handle(op, &mut reader, table, &mut reply)?;
+            handle(op, &mut reader, &server.table, &mut reply)?;
             wire::send_all(&mut writer, &reply)?;
         }
     };
@@ -801,7 +793,12 @@ mod tests {
                 client(raw);
             });
             let (stream, _) = listener.accept().unwrap();
-            let served = serve(stream, &secret("a"), &Table::default(), &mut None);
+            let server = Served {
+                secret: secret("a"),
+                table: Table::default(),
+                turned_away: Arc::default(),
+            };
+            let served = serve(stream, &server, &mut None);
             peer.join().unwrap();
             served
         };

@@ -574,9 +574,13 @@ pub fn load_state_dict(
     }
     if strictness == Strictness::Strict && !problems.is_empty() {
         problems.sort_by(|a, b| natural_cmp(problem_name(a), problem_name(b)));
-        let model_kind = crate::ModelKind::holding(model.iter().map(|(n, _)| n.as_str()));
-        let file_holds = crate::ModelKind::holding(file.iter().map(|(n, _)| *n))
-            .filter(|&k| model_kind != Some(k));
+        // Another model than this one only when the names differ (`file`'s are stripped).
+        let names_differ = problems
+            .iter()
+            .any(|p| matches!(p, TensorProblem::Missing(_) | TensorProblem::Unexpected(_)));
+        let file_holds = names_differ
+            .then(|| crate::ModelKind::holding(file.iter().map(|(n, _)| *n)))
+            .flatten();
         return Err(WeightsError::Mismatch {
             path: state.path.clone(),
             problems,

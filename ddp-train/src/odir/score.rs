@@ -66,12 +66,9 @@ pub fn load_checkpoint(vs: &nn::VarStore, model: &ModelFile) -> Result<LoadRepor
 /// `best-*.safetensors`, its `checkpoints/epoch-*.safetensors`, or the run directory).
 fn transform_differences(c: &TrainConfig, checkpoint: &Path) -> Vec<String> {
     let run = if checkpoint.is_dir() {
-        Some(checkpoint)
+        Some(crate::state::run_of(checkpoint))
     } else {
-        checkpoint.parent().map(|p| match p.file_name() {
-            Some(name) if name == "checkpoints" => p.parent().unwrap_or(p),
-            _ => p,
-        })
+        checkpoint.parent().map(crate::state::run_of)
     };
     let Some(config) = run.map(|r| r.join("config.json")) else {
         return Vec::new();
