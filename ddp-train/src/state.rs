@@ -83,10 +83,14 @@ pub struct Position {
     pub samples: usize,
     /// Seconds spent training in this epoch so far.
     pub train_seconds: f64,
-    /// Sum of the gradient norms clipping measured in this epoch so far (the same on every
-    /// rank).
+    /// Sum of the finite gradient norms clipping measured in this epoch so far (the same on
+    /// every rank).
     #[serde(default)]
     pub grad_norm_sum: f64,
+    /// How many norms `grad_norm_sum` adds up: the steps clipping measured a finite norm in.
+    /// `None` in checkpoints written before it was recorded (then every step not skipped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_norm_steps: Option<u64>,
     /// Steps of this epoch so far that fp16's scaler skipped (the same on every rank).
     #[serde(default)]
     pub skipped_steps: u64,
@@ -724,6 +728,7 @@ mod tests {
             samples: 4,
             train_seconds: 0.5,
             grad_norm_sum: 0.0,
+            grad_norm_steps: None,
             skipped_steps: 0,
             consumed: None,
             epoch_end: None,
@@ -918,6 +923,7 @@ mod tests {
             samples: 128,
             train_seconds: 1.0,
             grad_norm_sum: 0.0,
+            grad_norm_steps: None,
             skipped_steps: 0,
             consumed: Some(128),
             epoch_end: Some(256),
@@ -982,6 +988,7 @@ mod tests {
                     samples: samples as usize,
                     train_seconds: 0.0,
                     grad_norm_sum: 0.0,
+                    grad_norm_steps: None,
                     skipped_steps: 0,
                     consumed: None,
                     epoch_end: None,
@@ -1053,6 +1060,7 @@ mod tests {
                     samples: 12,
                     train_seconds: 2.0,
                     grad_norm_sum: 0.0,
+                    grad_norm_steps: None,
                     skipped_steps: 0,
                     consumed: None,
                     epoch_end: None,

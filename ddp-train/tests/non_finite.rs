@@ -24,6 +24,8 @@ const PRECISION_ENV: &str = "NON_FINITE_TEST_PRECISION";
 const ACCUMULATE_ENV: &str = "NON_FINITE_TEST_ACCUMULATE";
 /// Set on the rank whose loss becomes infinite: at which call of `train_loss` (from 0).
 const BAD_CALL_ENV: &str = "NON_FINITE_TEST_BAD_CALL";
+/// Set: clip the gradients' norm to this, and checkpoint after every step (keeping them all).
+const CLIP_ENV: &str = "NON_FINITE_TEST_CLIP";
 /// 64 training points: 4 micro-batches of 8 per rank per epoch on 2 ranks.
 const POINTS: i64 = 64;
 const BATCH: usize = 8;
@@ -34,8 +36,9 @@ fn var(name: &str) -> Option<String> {
 }
 
 /// One rank: 3 epochs of Adam in `NON_FINITE_TEST_PRECISION`, `NON_FINITE_TEST_ACCUMULATE`
-/// micro-batches per step, logging every step, into `NON_FINITE_TEST_OUT`; prints the
-/// Trainer's error and exits with its code.
+/// micro-batches per step, logging every step, into `NON_FINITE_TEST_OUT` (with
+/// `NON_FINITE_TEST_CLIP`: clipping, and a checkpoint every step); prints the Trainer's error
+/// and exits with its code.
 #[test]
 #[ignore = "a rank of the tests in this file, started by them"]
 fn rank_worker() {
@@ -58,6 +61,11 @@ fn rank_worker() {
     settings.runtime.progress = false;
     settings.runtime.log_every = 1;
     settings.runtime.collective_timeout_secs = 20;
+    if let Some(max) = var(CLIP_ENV) {
+        settings.clip_grad_norm = Some(max.parse().expect("a number"));
+        settings.checkpoint.every = Some(1);
+        settings.checkpoint.keep = 100;
+    }
     let mut task = Regression::new(points(POINTS, 1), points(16, 2));
     // Small, so that fp16's first scale (2^16) overflows no gradient by itself.
     task.loss_scale = 1e-3;
@@ -72,10 +80,19 @@ fn rank_worker() {
     std::process::exit(i32::from(code));
 }
 
-/// Two ranks in `precision` with `accumulate`, rank 1's loss infinite at its `bad_call`-th
-/// micro-batch; their outputs.
-fn train(out: &Path, precision: &str, accumulate: usize, bad_call: usize) -> Vec<Output> {
+/// Two ranks in `precision` with `accumulate` (and `clip`, see [`CLIP_ENV`]), rank 1's loss
+/// infinite at its `bad_call`-th micro-batch; their outputs.
+fn train(
+    out: &Path,
+    precision: &str,
+    accumulate: usize,
+    bad_call: usize,
+    clip: Option<f64>,
+) -> Vec<Output> {
     let children = spawn_worker_ranks(WORKER, 2, |rank, cmd| {
+        if let Some(max) = clip {
+            cmd.env(CLIP_ENV, max.to_string());
+        }
         cmd.env(OUT_ENV, out)
             .env(PRECISION_ENV, precision)
             .env(ACCUMULATE_ENV, accumulate.to_string())
@@ -110,12 +127,15 @@ fn metrics(out: &Path) -> Vec<Value> {
 /// fp16 (a GradScaler, usable on CPU): rank 1's loss is infinite at epoch 2 step 1 (its 6th
 /// micro-batch). Both ranks skip exactly that step and halve their scale, as PyTorch's scaler
 /// does for the inf gradients it would find, train to the end, and report a finite epoch
-/// loss that leaves the infinite one out.
+/// loss that leaves the infinite one out. With clipping, the skipped step's norm (inf) is
+/// neither measured nor summed: the epoch's mean norm is finite, and so is every checkpoint's
+/// sum, which a resume must read back.
 #[test]
 fn an_fp16_loss_overflow_on_one_rank_skips_that_step_on_every_rank() {
     let tmp = common::temp_dir("ddp-train-non-finite-fp16");
     let out = tmp.path().join("run");
-    let outputs = train(&out, "fp16", 1, 5);
+    // Far above any norm here: clipping measures but never scales.
+    let outputs = train(&out, "fp16", 1, 5, Some(1e9));
     for (rank, o) in outputs.iter().enumerate() {
         assert!(o.status.success(), "rank {rank} failed:\n{}", text(o));
     }
@@ -172,6 +192,24 @@ fn an_fp16_loss_overflow_on_one_rank_skips_that_step_on_every_rank() {
         checkpoint::read_tensors(out.join("checkpoints/epoch-0003.state.safetensors")).unwrap();
     let st: Value = serde_json::from_str(&state.metadata["train_state"]).unwrap();
     assert_eq!(st["grad_scaler"]["scale"], 32768.0, "{st}");
+    for e in &m {
+        let norm = e["grad_norm"].as_f64();
+        assert!(norm.is_some_and(|n| n.is_finite() && n > 0.0), "{e}");
+    }
+    // Taken before epoch 2's step 3: step 1 measured, step 2 skipped, step 3 measured.
+    let state =
+        checkpoint::read_tensors(out.join("checkpoints/epoch-0002-step-000003.state.safetensors"))
+            .unwrap();
+    let st: Value = serde_json::from_str(&state.metadata["train_state"]).unwrap();
+    let position = &st["position"];
+    assert!(
+        position["grad_norm_sum"]
+            .as_f64()
+            .is_some_and(f64::is_finite),
+        "{position}"
+    );
+    assert_eq!(position["grad_norm_steps"], 2, "{position}");
+    assert_eq!(position["skipped_steps"], 1, "{position}");
 }
 
 /// fp32, two micro-batches per step: rank 1's loss is infinite in the first (not yet
@@ -181,7 +219,7 @@ fn an_fp16_loss_overflow_on_one_rank_skips_that_step_on_every_rank() {
 fn an_fp32_non_finite_loss_on_one_rank_stops_every_rank_at_that_step() {
     let tmp = common::temp_dir("ddp-train-non-finite-fp32");
     let out = tmp.path().join("run");
-    let outputs = train(&out, "fp32", 2, 4);
+    let outputs = train(&out, "fp32", 2, 4, None);
     let message = "error: the training loss became inf on rank 1 at epoch 2 step 0; lower the \
                    learning rate (--lr)";
     for (rank, o) in outputs.iter().enumerate() {

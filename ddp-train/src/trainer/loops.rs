@@ -35,8 +35,10 @@ struct EpochTraining {
     steps: usize,
     /// Seconds spent training.
     seconds: f64,
-    /// Sum of the steps' gradient norms (with clipping).
+    /// Sum of the steps' finite gradient norms (with clipping).
     grad_norm_sum: f64,
+    /// How many norms `grad_norm_sum` adds up.
+    grad_norm_steps: u64,
     /// Steps the fp16 scaler skipped.
     skipped_steps: u64,
 }
@@ -81,7 +83,7 @@ impl<T: Task> Trainer<T> {
                 grad_norm: self
                     .settings
                     .clip_grad_norm
-                    .map(|_| trained.grad_norm_sum / trained.steps.max(1) as f64),
+                    .map(|_| trained.grad_norm_sum / trained.grad_norm_steps.max(1) as f64),
                 skipped_steps: self.scaler.as_ref().map(|_| trained.skipped_steps),
                 images_per_sec: trained.samples as f64 / trained.seconds.max(1e-9),
                 epoch_seconds: trained.seconds + evaluating.elapsed().as_secs_f64(),
@@ -229,6 +231,10 @@ impl<T: Task> Trainer<T> {
         // The same on every rank (they come from the averaged gradients).
         let (mut grad_norm_sum, mut skipped_steps) =
             resumed.map_or((0.0, 0), |p| (p.grad_norm_sum, p.skipped_steps));
+        let mut grad_norm_steps = resumed.map_or(0, |p| {
+            p.grad_norm_steps
+                .unwrap_or((p.step as u64).saturating_sub(p.skipped_steps))
+        });
         let mut fresh_samples = 0usize;
         // Micro-batches whose loss was not finite, and their samples, on this rank.
         let (mut left_out, mut left_out_samples) = (0usize, 0usize);
@@ -242,6 +248,7 @@ impl<T: Task> Trainer<T> {
                 samples,
                 train_seconds: earlier_seconds + started.elapsed().as_secs_f64(),
                 grad_norm_sum,
+                grad_norm_steps: Some(grad_norm_steps),
                 skipped_steps,
                 consumed: Some(rest.consumed + (step - first) * global),
                 epoch_end: Some(rest.end),
@@ -315,8 +322,11 @@ impl<T: Task> Trainer<T> {
                 Some(scaler) => scaler.unscale(self.ddp.parameters())?.found()?,
                 None => false,
             };
+            // A step the scaler skips is not clipped: its norm is inf or NaN, and the
+            // gradients are thrown away.
             let grad_norm = s
                 .clip_grad_norm
+                .filter(|_| !found_inf)
                 .map(|max| crate::optim::clip_grad_norm(self.ddp.parameters(), max));
             if self.scaler.is_none() {
                 let finite = match grad_norm {
@@ -334,7 +344,11 @@ impl<T: Task> Trainer<T> {
                      but the averaged gradients are finite: the step is taken"
                 ));
             }
-            grad_norm_sum += grad_norm.unwrap_or(0.0);
+            // Only finite norms: the sum goes into checkpoints, whose JSON has no inf or NaN.
+            if let Some(norm) = grad_norm.filter(|n| n.is_finite()) {
+                grad_norm_sum += norm;
+                grad_norm_steps += 1;
+            }
             if found_inf {
                 skipped_steps += 1;
             } else {
@@ -399,6 +413,7 @@ impl<T: Task> Trainer<T> {
             steps,
             seconds: earlier_seconds + started.elapsed().as_secs_f64(),
             grad_norm_sum,
+            grad_norm_steps,
             skipped_steps,
         })
     }
