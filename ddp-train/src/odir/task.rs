@@ -2,7 +2,7 @@
 //! and micro F1.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use ddp_data::odir::transform::{Augment, Transform};
 use ddp_data::odir::{
@@ -31,6 +31,9 @@ pub struct OdirTask {
     tune_thresholds: bool,
     /// BCE's `pos_weight` (`--pos-weight`).
     pos_weight: Option<Vec<f64>>,
+    /// `pos_weight` as a tensor on the device last asked for, made once: a copy from the
+    /// host per micro-batch would make the host wait for the GPU's queue every time.
+    pos_weight_tensor: Arc<Mutex<Option<Tensor>>>,
     /// The images `--skip-corrupt` left out of `--data` and `--val-data`.
     skipped: Vec<SkippedImage>,
     config: Value,
@@ -128,6 +131,7 @@ impl OdirTask {
             eye_combine: c.eye_combine,
             tune_thresholds: c.tune_thresholds,
             pos_weight: weights,
+            pos_weight_tensor: Arc::default(),
             skipped,
             config,
         })
@@ -138,12 +142,22 @@ impl OdirTask {
         self.pos_weight.as_deref()
     }
 
-    /// The loss's `pos_weight` as a tensor on `device` (8 floats).
+    /// The loss's `pos_weight` as a tensor on `device` (8 floats), copied there once.
     fn pos_weight_on(&self, device: tch::Device) -> Option<Tensor> {
-        self.pos_weight.as_ref().map(|w| {
-            let w: Vec<f32> = w.iter().map(|&v| v as f32).collect();
-            Tensor::from_slice(&w).to_device(device)
-        })
+        let w = self.pos_weight.as_ref()?;
+        let mut cached = self
+            .pos_weight_tensor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match cached.as_ref() {
+            Some(t) if t.device() == device => Some(t.shallow_clone()),
+            _ => {
+                let w: Vec<f32> = w.iter().map(|&v| v as f32).collect();
+                let t = Tensor::from_slice(&w).to_device(device);
+                *cached = Some(t.shallow_clone());
+                Some(t)
+            }
+        }
     }
 }
 
