@@ -63,6 +63,9 @@ pub struct ProcessGroup {
     /// Shared with the watchdog thread (started at the first asynchronous CUDA collective),
     /// which holds it weakly.
     nccl: Arc<Mutex<Option<NcclComm>>>,
+    /// Why the communicator's initialisation failed, once it has: it is not tried again
+    /// (the peers may be past it, and rank 0's unique id in the store is spent).
+    nccl_failed: std::sync::OnceLock<String>,
     watchdog: std::sync::Once,
     store: Mutex<Option<Box<dyn Store>>>,
     /// The communication thread of asynchronous CPU collectives, started at the first one.
@@ -85,6 +88,10 @@ impl std::fmt::Debug for ProcessGroup {
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
+        // The communicator goes now, on this thread: the watchdog may hold the last other
+        // reference for a moment, and would otherwise drop it (wait, abort or destroy)
+        // after this group is gone.
+        drop(lock(&self.nccl).take());
         // Rank 0 serves the store: after a failure, keep it up for one diagnosis window, so
         // that ranks still diagnosing their own timeouts can read the heartbeats (as the
         // rendezvous keeps it up after an abort).
@@ -167,6 +174,7 @@ impl ProcessGroup {
             op_timeout,
             cpu: Mutex::new(cpu),
             nccl: Arc::new(Mutex::new(None)),
+            nccl_failed: std::sync::OnceLock::new(),
             watchdog: std::sync::Once::new(),
             store: Mutex::new(met.store),
             queue: Mutex::new(None),
@@ -234,6 +242,26 @@ impl ProcessGroup {
                 detail: "CUDA tensors need the NCCL backend".into(),
             });
         }
+        if let Some(why) = self.nccl_failed.get() {
+            return Err(CommError::Poisoned(format!(
+                "NCCL's initialisation failed: {why}"
+            )));
+        }
+        match self.init_nccl() {
+            Ok(comm) => {
+                *guard = Some(comm);
+                Ok(guard)
+            }
+            Err(e) => {
+                let _ = self.nccl_failed.set(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    /// The communicator's initialisation (with the caller holding the slot it goes in):
+    /// a barrier, rank 0's unique id through the store, `ncclCommInitRankConfig`.
+    fn init_nccl(&self) -> Result<NcclComm, CommError> {
         // The barrier keeps its place among the CPU collectives queued before it (which
         // the communication thread may still be running), as every blocking one does.
         self.drain();
@@ -281,8 +309,7 @@ impl ProcessGroup {
                 self.world_size
             );
         }
-        *guard = Some(comm);
-        Ok(guard)
+        Ok(comm)
     }
 
     /// In-place all-reduce of a contiguous tensor (CPU: the ring of shared-memory and TCP

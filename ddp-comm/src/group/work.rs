@@ -103,6 +103,10 @@ impl Work {
     /// Whether the collective has completed, with success or an error (for a CUDA
     /// collective: on the device). Does not wait for the collective (a CUDA one asks the
     /// communicator, which another thread's blocking call into the group may hold).
+    ///
+    /// "With an error" includes a CUDA collective of an aborted communicator, whose kernel
+    /// may still be queued behind other work and write the buffer when it runs: its
+    /// contents are undefined, and only an `Ok` from [`Work::wait`] makes it safe to use.
     pub fn is_completed(&self) -> bool {
         match &self.state {
             State::Done(_) => true,

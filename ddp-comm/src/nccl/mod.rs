@@ -387,9 +387,13 @@ impl NcclComm {
             return Err(e);
         }
         // SAFETY: plain CUDA runtime call with the communicator's device ordinal.
-        check_cuda("cudaSetDevice", unsafe {
+        let selected = check_cuda("cudaSetDevice", unsafe {
             (self.cudart.cudaSetDevice)(self.device)
-        })?;
+        });
+        if let Err(e) = selected {
+            // This rank cannot take part in what its peers are entering.
+            return Err(self.abort(e));
+        }
         self.inflight.retire_completed();
         if self.inflight.pending() > 0 {
             self.check_async(op)?;
@@ -462,10 +466,14 @@ impl NcclComm {
     pub(crate) fn synchronize(&mut self) -> Result<(), CommError> {
         let op = "barrier";
         let start = self.enter(op)?;
-        let mut marks = vec![self.record(self.current_stream()?.as_raw())?];
-        if let Some(side) = self.side {
-            marks.push(self.record(side.as_raw())?);
-        }
+        let marked = self.current_stream().and_then(|current| {
+            let mut marks = vec![self.record(current.as_raw())?];
+            if let Some(side) = self.side {
+                marks.push(self.record(side.as_raw())?);
+            }
+            Ok(marks)
+        });
+        let marks = marked.map_err(|e| self.abort(e))?;
         self.wait_until(op, start, |_| {
             for mark in &marks {
                 if !mark.reached().map_err(|detail| CommError::Nccl {
@@ -492,6 +500,22 @@ impl NcclComm {
         })?;
         self.side = Some(s);
         Ok(s)
+    }
+
+    /// The side stream, made to wait (on the device) for the work queued so far on the
+    /// calling thread's current stream.
+    fn side_after_current(&mut self) -> Result<CudaStream, CommError> {
+        let side = self.side_stream()?;
+        let current = self.current_stream()?;
+        if current != side {
+            let ready = self.record(current.as_raw())?;
+            // SAFETY: both handles are live; the event is destroyed after the wait has been
+            // queued, which CUDA allows (it releases it once the wait has been resolved).
+            check_cuda("cudaStreamWaitEvent", unsafe {
+                (self.cudart.cudaStreamWaitEvent)(side.as_raw(), ready.raw, 0)
+            })?;
+        }
+        Ok(side)
     }
 
     /// A new event recorded on `stream` (timing disabled).
@@ -526,16 +550,12 @@ impl NcclComm {
         keep: Vec<Tensor>,
     ) -> Result<NcclWork, CommError> {
         let start = self.enter(op.name())?;
-        let side = self.side_stream()?;
-        let current = self.current_stream()?;
-        if current != side {
-            let ready = self.record(current.as_raw())?;
-            // SAFETY: both handles are live; the event is destroyed after the wait has been
-            // queued, which CUDA allows (it releases it once the wait has been resolved).
-            check_cuda("cudaStreamWaitEvent", unsafe {
-                (self.cudart.cudaStreamWaitEvent)(side.as_raw(), ready.raw, 0)
-            })?;
-        }
+        let side = match self.side_after_current() {
+            Ok(side) => side,
+            // The peers issue this collective: skipping it here would pair this rank's
+            // next one with it.
+            Err(e) => return Err(self.abort(e)),
+        };
         // SAFETY: the caller guarantees the buffers; `side` is this communicator's stream.
         let rc = unsafe { self.issue(buf, op, side.as_raw()) };
         let accepted = rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress;
@@ -586,14 +606,16 @@ impl NcclComm {
         if self.inflight.status(id, op)? == Status::Done {
             return Ok(());
         }
-        let current = self.current_stream()?;
+        let current = self.current_stream().map_err(|e| self.abort(e))?;
         let Some(done) = self.inflight.marker(id) else {
             return Ok(());
         };
         // SAFETY: both handles are live (the event stays in `inflight` until retired).
-        check_cuda("cudaStreamWaitEvent", unsafe {
+        let waits = check_cuda("cudaStreamWaitEvent", unsafe {
             (self.cudart.cudaStreamWaitEvent)(current.as_raw(), done.raw, 0)
-        })
+        });
+        // Without the wait, kernels queued next would read the buffer before the result.
+        waits.map_err(|e| self.abort(e))
     }
 
     /// Whether `work` has completed on the device (`true` too once it has failed: its
