@@ -273,6 +273,10 @@ impl<T: Task> Trainer<T> {
             // This rank's first non-finite loss in this step.
             let mut non_finite: Option<f64> = None;
             let mut step_indices = Vec::new();
+            // Each micro-batch's loss and samples, read after the step's gradients are
+            // checked: reading one makes the host wait for the device, and between
+            // micro-batches that would leave the GPU idle.
+            let mut micro_losses = Vec::with_capacity(s.accumulate);
             for micro in 0..s.accumulate {
                 let batch = take_batch(upcoming)?;
                 if index_log.is_some() {
@@ -300,18 +304,7 @@ impl<T: Task> Trainer<T> {
                     return Err(e.into());
                 }
                 upcoming = loader.next();
-                let value = loss.double_value(&[]);
-                if value.is_finite() {
-                    step_loss += value;
-                    finite_micro += 1;
-                    loss_sum += value * batch.len() as f64;
-                    samples += batch.len();
-                } else {
-                    // No rank leaves here: its peers would wait for it in the all-reduce.
-                    non_finite.get_or_insert(value);
-                    left_out += 1;
-                    left_out_samples += batch.len();
-                }
+                micro_losses.push((loss.detach(), batch.len()));
                 fresh_samples += batch.len();
             }
             self.ddp.sync_gradients()?;
@@ -328,14 +321,27 @@ impl<T: Task> Trainer<T> {
                 .clip_grad_norm
                 .filter(|_| !found_inf)
                 .map(|max| crate::optim::clip_grad_norm(self.ddp.parameters(), max));
-            if self.scaler.is_none() {
-                let finite = match grad_norm {
-                    Some(norm) => norm.is_finite(),
-                    None => gradients_finite(self.ddp.parameters())?,
-                };
-                if !finite {
-                    self.stop_on_non_finite_loss(non_finite, epoch, step)?;
+            let finite = match (&self.scaler, grad_norm) {
+                (Some(_), _) => true,
+                (None, Some(norm)) => norm.is_finite(),
+                (None, None) => gradients_finite(self.ddp.parameters())?,
+            };
+            // The device has finished the losses by now: one more read.
+            for ((_, len), value) in micro_losses.iter().zip(read_losses(&micro_losses)?) {
+                if value.is_finite() {
+                    step_loss += value;
+                    finite_micro += 1;
+                    loss_sum += value * *len as f64;
+                    samples += len;
+                } else {
+                    // No rank leaves here: its peers would wait for it in the all-reduce.
+                    non_finite.get_or_insert(value);
+                    left_out += 1;
+                    left_out_samples += len;
                 }
+            }
+            if !finite {
+                self.stop_on_non_finite_loss(non_finite, epoch, step)?;
             }
             if let (Some(value), false) = (non_finite, found_inf) {
                 // Only a loss whose gradients do not depend on its value gets here.
@@ -417,6 +423,21 @@ impl<T: Task> Trainer<T> {
             skipped_steps,
         })
     }
+}
+
+/// The values of a step's micro-batch losses (0-dimensional tensors), in one copy to the
+/// host.
+fn read_losses(losses: &[(Tensor, usize)]) -> Result<Vec<f64>, TrainError> {
+    Ok(match losses {
+        [(loss, _)] => vec![loss.double_value(&[])],
+        _ => {
+            let all: Vec<Tensor> = losses
+                .iter()
+                .map(|(loss, _)| loss.to_kind(tch::Kind::Double))
+                .collect();
+            Vec::<f64>::try_from(&Tensor::stack(&all, 0))?
+        }
+    })
 }
 
 fn take_batch(next: Option<Result<Batch, ddp_data::DataError>>) -> Result<Batch, TrainError> {
