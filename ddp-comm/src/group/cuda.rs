@@ -1,0 +1,206 @@
+//! The process group's NCCL side: the communicator made at the first CUDA collective, its
+//! asynchronous collectives' [`Work`], and the watchdog that checks them.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tch::Tensor;
+
+use super::rendezvous;
+use super::tensor::cuda_buffer;
+use super::work::{DeviceWork, Work};
+use super::ProcessGroup;
+use crate::config::options::Backend;
+use crate::error::CommError;
+use crate::nccl::{self, NcclComm, NcclOp, NcclWork};
+use crate::sync::lock;
+
+impl ProcessGroup {
+    /// The communicator, created at first use: a CPU barrier (all ranks alive), unique id
+    /// from rank 0 through the store, `cudaSetDevice(local_rank)`, a non-blocking
+    /// `ncclCommInitRankConfig` bounded by the op timeout.
+    pub(super) fn nccl(&self) -> Result<MutexGuard<'_, Option<NcclComm>>, CommError> {
+        let mut guard = lock(&self.nccl);
+        if guard.is_some() {
+            return Ok(guard);
+        }
+        if self.backend != Backend::Nccl {
+            return Err(CommError::Tensor {
+                backend: "cpu",
+                detail: "CUDA tensors need the NCCL backend".into(),
+            });
+        }
+        if let Some(why) = self.nccl_failed.get() {
+            return Err(CommError::Poisoned(format!(
+                "NCCL's initialisation failed: {why}"
+            )));
+        }
+        match self.init_nccl() {
+            Ok(comm) => {
+                *guard = Some(comm);
+                Ok(guard)
+            }
+            Err(e) => {
+                let _ = self.nccl_failed.set(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    /// The communicator's initialisation (with the caller holding the slot it goes in):
+    /// a barrier, rank 0's unique id through the store, `ncclCommInitRankConfig`.
+    fn init_nccl(&self) -> Result<NcclComm, CommError> {
+        // The barrier keeps its place among the CPU collectives queued before it (which
+        // the communication thread may still be running), as every blocking one does.
+        self.drain();
+        lock(&self.cpu).barrier()?;
+        let id = if self.world_size == 1 {
+            nccl::unique_id()?
+        } else {
+            let mut store = lock(&self.store);
+            let store = store
+                .as_mut()
+                .ok_or_else(|| CommError::InvalidArgument("no store".into()))?;
+            if self.rank == 0 {
+                let id = nccl::unique_id()?;
+                store.set("nccl/uid", &id.internal)?;
+                id
+            } else {
+                let deadline = std::time::Instant::now() + self.op_timeout;
+                rendezvous::wait_keys(
+                    store.as_mut(),
+                    &["nccl/uid".to_string()],
+                    deadline,
+                    self.op_timeout,
+                    |_| Some(0),
+                )?;
+                let bytes = store.get("nccl/uid")?.unwrap_or_default();
+                let internal = bytes.try_into().map_err(|b: Vec<u8>| CommError::Store {
+                    addr: store.addr().to_string(),
+                    detail: format!("NCCL unique id has {} bytes, expected 128", b.len()),
+                })?;
+                nccl_sys::ncclUniqueId { internal }
+            }
+        };
+        let comm = NcclComm::init(
+            self.rank,
+            self.world_size,
+            self.local_rank,
+            id,
+            self.op_timeout,
+            self.heartbeat.clone(),
+        )?;
+        if self.rank == 0 {
+            tracing::info!(
+                "ddp-comm: NCCL {} initialised, {} ranks",
+                nccl::version()?,
+                self.world_size
+            );
+        }
+        Ok(comm)
+    }
+
+    pub(super) fn cuda_async(self: &Arc<Self>, t: &Tensor, op: NcclOp) -> Work {
+        self.heartbeat.enter();
+        let queued = (|| {
+            let buf = cuda_buffer(t, self.backend, self.local_rank)?;
+            let mut comm = self.nccl()?;
+            let comm = comm
+                .as_mut()
+                .ok_or_else(|| CommError::Poisoned("no NCCL communicator".into()))?;
+            // SAFETY: `cuda_buffer` checked the tensor; the communicator keeps a handle of it
+            // until the collective has completed, and `Work` keeps the caller from reusing
+            // it before then (the documented contract).
+            unsafe { comm.enqueue(buf, op, vec![t.shallow_clone()]) }
+        })();
+        match queued {
+            Ok(work) => {
+                let comm = Arc::downgrade(&self.nccl);
+                self.watchdog.call_once(|| start_watchdog(comm, self.rank));
+                Work::device(CudaWork {
+                    group: self.clone(),
+                    work,
+                })
+            }
+            Err(e) => Work::done(Err(e)),
+        }
+    }
+
+    /// Runs `f` on the communicator (which exists once a CUDA collective was queued).
+    pub(super) fn with_comm<R>(
+        &self,
+        f: impl FnOnce(&mut NcclComm) -> Result<R, CommError>,
+    ) -> Result<R, CommError> {
+        match lock(&self.nccl).as_mut() {
+            Some(c) => f(c),
+            None => Err(CommError::Poisoned("no NCCL communicator".into())),
+        }
+    }
+}
+
+/// How often the watchdog looks at the communicator's pending collectives.
+const WATCH_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Starts the watchdog of a communicator (c10d's NCCL watchdog): every [`WATCH_INTERVAL`],
+/// unless a call into the group holds the communicator (that call checks it itself), it
+/// retires completed collectives and aborts the communicator when one pending has exceeded
+/// the timeout or NCCL reports an error, so that a collective only a stream waits for
+/// ([`Work::wait_stream`]) cannot hang that stream forever. It ends with the group.
+fn start_watchdog(comm: std::sync::Weak<Mutex<Option<NcclComm>>>, rank: usize) {
+    let watch = move || {
+        while let Some(shared) = comm.upgrade() {
+            {
+                let guard = match shared.try_lock() {
+                    Ok(guard) => Some(guard),
+                    Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                    Err(std::sync::TryLockError::WouldBlock) => None,
+                };
+                if let Some(mut guard) = guard {
+                    if let Some(c) = guard.as_mut() {
+                        c.watch();
+                    }
+                }
+            }
+            drop(shared);
+            std::thread::sleep(WATCH_INTERVAL);
+        }
+    };
+    let started = std::thread::Builder::new()
+        .name(format!("ddp-comm-watch-{rank}"))
+        .spawn(watch);
+    if let Err(e) = started {
+        tracing::warn!(
+            "ddp-comm: rank {rank} runs without an NCCL watchdog ({e}): collectives that \
+             only a stream waits for are checked at the group's next call"
+        );
+    }
+}
+
+/// The [`Work`] of a CUDA collective: its entry in the communicator's in-flight table.
+struct CudaWork {
+    group: Arc<ProcessGroup>,
+    work: NcclWork,
+}
+
+impl DeviceWork for CudaWork {
+    fn wait(self: Box<Self>) -> Result<(), CommError> {
+        let CudaWork { group, work } = *self;
+        group.with_comm(|c| c.wait_work(work))
+    }
+
+    fn wait_stream(self: Box<Self>) -> Result<(), CommError> {
+        let CudaWork { group, work } = *self;
+        group.with_comm(|c| c.wait_work_on_stream(work))
+    }
+
+    fn is_completed(&self) -> bool {
+        // Never blocks: while another thread's call holds the communicator (a blocking
+        // collective may hold it up to the timeout), the answer is "not yet".
+        let mut guard = match self.group.nccl.try_lock() {
+            Ok(guard) => guard,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        guard.as_mut().is_none_or(|c| c.work_completed(&self.work))
+    }
+}
