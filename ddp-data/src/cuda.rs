@@ -46,27 +46,50 @@ fn set_device(rt: &Cudart, device: c_int) -> Result<(), DataError> {
     check(rt, "cudaSetDevice", unsafe { (rt.cudaSetDevice)(device) })
 }
 
+/// Runs `f` with `device` current on the calling thread, then makes the thread's own device
+/// current again: for what a drop releases, on whichever thread drops it, so that no other
+/// device's context is used (or made) for it and the thread's device is left as it was.
+fn on_device<R>(rt: &Cudart, device: c_int, f: impl FnOnce() -> R) -> R {
+    let mut previous: c_int = -1;
+    // SAFETY: `previous` is a valid out-pointer.
+    let known = unsafe { (rt.cudaGetDevice)(&mut previous) } == cudaError_t::cudaSuccess;
+    let switch = !known || previous != device;
+    if switch {
+        // An error cannot be reported from a drop; the call that follows reports its own.
+        let _ = set_device(rt, device);
+    }
+    let r = f();
+    if switch && known {
+        let _ = set_device(rt, previous);
+    }
+    r
+}
+
 /// A ring slot in page-locked host memory.
 #[derive(Debug)]
 pub(crate) struct PinnedMemory {
     heap: HeapMemory,
     rt: &'static Cudart,
+    device: c_int,
 }
 
 impl Drop for PinnedMemory {
     /// Runs after the slot's last copy has completed: the ring runs a slot's pending reuse
     /// hook (the wait for its event) before it drops the slot's memory.
     fn drop(&mut self) {
-        for ptr in [
+        let regions = [
             self.heap.input.as_ptr(),
             self.heap.targets.as_ptr(),
             self.heap.lengths.as_ptr(),
-        ] {
-            // SAFETY: the three regions were registered in `PinnedAllocator::allocate` and are
-            // unregistered once, before `heap` frees them. An error cannot be reported
-            // from drop; the memory is freed either way.
-            unsafe { (self.rt.cudaHostUnregister)(ptr.cast::<c_void>()) };
-        }
+        ];
+        on_device(self.rt, self.device, || {
+            for ptr in regions {
+                // SAFETY: the three regions were registered in `PinnedAllocator::allocate`
+                // and are unregistered once, before `heap` frees them. An error cannot be
+                // reported from drop; the memory is freed either way.
+                unsafe { (self.rt.cudaHostUnregister)(ptr.cast::<c_void>()) };
+            }
+        });
     }
 }
 
@@ -123,7 +146,11 @@ impl SlotAllocator for PinnedAllocator {
                 return Err(e);
             }
         }
-        Ok(Box::new(PinnedMemory { heap, rt }))
+        Ok(Box::new(PinnedMemory {
+            heap,
+            rt,
+            device: self.device,
+        }))
     }
 }
 
@@ -133,6 +160,7 @@ impl SlotAllocator for PinnedAllocator {
 struct Event {
     raw: cudaEvent_t,
     rt: &'static Cudart,
+    device: c_int,
 }
 
 // SAFETY: a CUDA event handle may be used from any thread of the process.
@@ -144,7 +172,9 @@ impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: created by `CopyEvents::record`, destroyed once, when nothing can wait on
         // it any more (every holder is gone).
-        unsafe { (self.rt.cudaEventDestroy)(self.raw) };
+        on_device(self.rt, self.device, || unsafe {
+            (self.rt.cudaEventDestroy)(self.raw)
+        });
     }
 }
 
@@ -196,7 +226,11 @@ impl CopyEvents {
                     )
                 };
                 check(rt, "cudaEventCreateWithFlags", rc)?;
-                let e = Arc::new(Event { raw, rt });
+                let e = Arc::new(Event {
+                    raw,
+                    rt,
+                    device: self.device,
+                });
                 self.events[slot] = Some(Arc::clone(&e));
                 e
             }
