@@ -263,6 +263,15 @@ pub enum DataError {
         sample: String,
     },
 
+    /// A ring slot's reuse hook, or the allocator of slots, panicked in a loader worker.
+    #[error("the loader's {what} panicked: {message}")]
+    SlotPanicked {
+        /// `"slot reuse hook"` or `"slot allocator"`.
+        what: &'static str,
+        /// The panic's message.
+        message: String,
+    },
+
     /// A CUDA runtime call of the pinned-memory input path failed.
     #[error("CUDA call {call} failed: {message}")]
     Cuda {
@@ -276,4 +285,13 @@ pub enum DataError {
     #[cfg(feature = "tch")]
     #[error("cannot convert batch to tensors: {0}")]
     Tensor(#[from] tch::TchError),
+}
+
+/// The message of a caught panic (`"no message"` when its payload is not text).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or("no message")
 }

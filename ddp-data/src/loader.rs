@@ -1,5 +1,6 @@
 //! The parallel batch loader without tch: [`HostLoader`] and its [`LoaderConfig`].
 
+use std::cell::Cell;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -7,7 +8,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crate::dataset::Dataset;
-use crate::error::DataError;
+use crate::error::{panic_message, DataError};
 use crate::host_batch::HostBatch;
 use crate::memory::{BatchMemory, HeapAllocator, SlotAllocator, SlotRequest};
 use crate::ring::{Ring, State};
@@ -99,15 +100,44 @@ fn claim<D>(shared: &Shared<D>) -> Option<(usize, Arc<dyn BatchMemory>)> {
 
 fn worker_loop<D: Dataset>(shared: Arc<Shared<D>>, worker: usize) {
     let ring = Arc::clone(&shared.ring);
+    // The sample index in hand, for a panic that escapes `work`'s own catch (in a data set's
+    // `describe`, say).
+    let current = Cell::new(None);
+    let escaped = catch_unwind(AssertUnwindSafe(|| work(&shared, worker, &current)));
+    let mut st = ring.lock();
+    if let Err(panic) = escaped {
+        // Its claimed sample will never be finished: stop the loader with the error rather
+        // than leave the consumer waiting for it.
+        let sample = match current.get() {
+            Some(index) => format!("sample index {index}"),
+            None => "no sample".to_string(),
+        };
+        st.fatal.get_or_insert(DataError::WorkerPanicked {
+            worker,
+            sample: format!("{sample} ({})", panic_message(&*panic)),
+        });
+        st.stop = true;
+        ring.work.notify_all();
+    }
+    st.live_workers -= 1;
+    ring.ready.notify_all();
+}
+
+/// A worker's loop: claims positions and writes their samples until none is left or the
+/// loader stops. Panics in the data set's `worker` and `write` are caught here.
+fn work<D: Dataset>(shared: &Shared<D>, worker: usize, current: &Cell<Option<usize>>) {
+    let ring = &shared.ring;
     let request = &ring.request;
     let layout = &request.layout;
     let mut state = catch_unwind(AssertUnwindSafe(|| shared.dataset.worker())).ok();
     while let Some(worker_state) = state.as_mut() {
-        let Some((position, memory)) = claim(&shared) else {
+        current.set(None);
+        let Some((position, memory)) = claim(shared) else {
             break;
         };
         let k = position % shared.batch_size;
         let index = ring.indices[position];
+        current.set(Some(index));
         let outcome = catch_unwind(AssertUnwindSafe(|| {
             // SAFETY: `memory` holds a whole batch (`BatchMemory`'s contract, sized by
             // `request`); sample `k` of it is written by this worker alone, because each
@@ -162,9 +192,6 @@ fn worker_loop<D: Dataset>(shared: Arc<Shared<D>>, worker: usize) {
             }
         }
     }
-    let mut st = ring.lock();
-    st.live_workers -= 1;
-    ring.ready.notify_all();
 }
 
 /// Sample `k`'s input region in `memory`.
@@ -371,6 +398,12 @@ impl<D: Dataset> HostLoader<D> {
         let layout = dataset.layout();
         layout.check(storage)?;
         let b = config.batch_size;
+        let request = SlotRequest {
+            batch_size: b,
+            layout,
+            storage,
+        };
+        request.check_sizes()?;
         let total = if config.drop_last {
             indices.len() / b * b
         } else {
@@ -379,16 +412,12 @@ impl<D: Dataset> HostLoader<D> {
         let prefetch = config.prefetch.max(1);
         let workers = config.workers.max(1).min(total.max(1));
         let ring = Arc::new(Ring {
-            state: Mutex::new(State::new(total.min(prefetch * b), workers)),
+            state: Mutex::new(State::new(total.min(prefetch.saturating_mul(b)), workers)),
             work: Condvar::new(),
             ready: Condvar::new(),
             indices: indices.into(),
-            request: SlotRequest {
-                batch_size: b,
-                layout,
-                storage,
-            },
-            warm_slots: prefetch + 2,
+            request,
+            warm_slots: prefetch.saturating_add(2),
         });
         let shared = Arc::new(Shared {
             ring,
@@ -523,7 +552,9 @@ impl<D: Dataset> HostLoader<D> {
             return Some(Err(e));
         }
         state.handed += 1;
-        state.limit = shared.total.min((state.handed + self.prefetch) * b);
+        state.limit = shared
+            .total
+            .min(state.handed.saturating_add(self.prefetch).saturating_mul(b));
         let memory = Arc::clone(&state.slots[slot].memory);
         drop(state);
         ring.work.notify_all();

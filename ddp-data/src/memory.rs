@@ -27,6 +27,31 @@ pub struct SlotRequest {
 }
 
 impl SlotRequest {
+    /// Checks that every region's size fits in a `usize` (the size methods below multiply
+    /// without checking): a batch that does not is refused, never allocated short.
+    pub fn check_sizes(&self) -> Result<(), DataError> {
+        let b = self.batch_size;
+        let product = |dims: &[usize]| dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        let input = product(&self.layout.shape)
+            .and_then(|n| n.checked_mul(b))
+            .and_then(|n| n.checked_mul(self.storage.bytes()));
+        let targets = product(&self.layout.target_shape)
+            .and_then(|n| n.checked_mul(b))
+            .and_then(|n| n.checked_mul(self.layout.target_kind.bytes()));
+        let lengths = b.checked_mul(8);
+        match (input, targets, lengths) {
+            (Some(_), Some(_), Some(_)) => Ok(()),
+            _ => Err(DataError::InvalidParameter {
+                name: "batch size",
+                expected: "a batch whose bytes can be addressed".to_string(),
+                value: format!(
+                    "{b} samples of input shape {:?} and target shape {:?}",
+                    self.layout.shape, self.layout.target_shape
+                ),
+            }),
+        }
+    }
+
     /// Bytes of the input region.
     pub fn input_bytes(&self) -> usize {
         self.batch_size * self.layout.input_len() * self.storage.bytes()
@@ -172,6 +197,7 @@ impl HeapMemory {
 
     /// As [`HeapMemory::new`], on pages of `page` bytes.
     pub(crate) fn on_pages(request: &SlotRequest, page: usize) -> Result<Self, DataError> {
+        request.check_sizes()?;
         Ok(Self {
             input: PageAligned::zeroed_on_pages(request.input_bytes(), page)?,
             targets: PageAligned::zeroed_on_pages(request.targets_bytes(), page)?,
@@ -220,6 +246,38 @@ mod tests {
             layout: SampleLayout::new([3, 5, 5], [8]),
             storage: Storage::F32,
         }
+    }
+
+    /// The page size is the system's, as `getconf` reports it (a constant 4096 would pass
+    /// every other test on a 4 KiB machine and break on a 64 KiB one).
+    #[test]
+    fn the_page_size_is_the_systems() {
+        let Ok(out) = std::process::Command::new("getconf")
+            .arg("PAGESIZE")
+            .output()
+        else {
+            eprintln!("skipped: no getconf");
+            return;
+        };
+        let reported: usize = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+        assert_eq!(page_size(), reported);
+    }
+
+    /// A batch whose bytes overflow `usize` is refused, not allocated short.
+    #[test]
+    fn a_batch_too_large_to_address_is_refused() {
+        let huge = SlotRequest {
+            batch_size: 1 << 29,
+            layout: SampleLayout::new([1 << 33], [8]),
+            storage: Storage::F32,
+        };
+        let e = HeapMemory::new(&huge).map(|_| ()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid batch size: expected a batch whose bytes can be addressed, found \
+             536870912 samples of input shape [8589934592] and target shape [8]"
+        );
+        assert!(request().check_sizes().is_ok());
     }
 
     #[test]

@@ -21,9 +21,10 @@
 //! ring grows no further that way: a wait in a hook costs time, a failed epoch costs the run.
 
 use std::collections::{HashMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use crate::error::DataError;
+use crate::error::{panic_message, DataError};
 use crate::memory::{BatchMemory, SlotAllocator, SlotRequest};
 
 /// Runs once a slot's memory may be written again (for example: waits for an asynchronous
@@ -64,7 +65,7 @@ impl Drop for Slot {
         // Freeing is a reuse too: wait for the memory's last reader first (for CUDA slots,
         // the copy out of it; page-locked memory is unregistered and freed right after).
         if let Some(hook) = self.before_reuse.take() {
-            if hook().is_err() {
+            if !matches!(run_hook(hook), Ok(())) {
                 self.poisoned = true;
             }
         }
@@ -194,7 +195,13 @@ impl Ring {
                 state.preparing += 1;
                 state.allocating += 1;
                 drop(state);
-                let made = allocator.allocate(&self.request);
+                let made = catch_unwind(AssertUnwindSafe(|| allocator.allocate(&self.request)))
+                    .unwrap_or_else(|panic| {
+                        Err(DataError::SlotPanicked {
+                            what: "slot allocator",
+                            message: panic_message(&*panic).to_string(),
+                        })
+                    });
                 state = self.lock();
                 state.preparing -= 1;
                 state.allocating -= 1;
@@ -227,7 +234,7 @@ impl Ring {
             // goes back to the front of the free list, ready.
             state.preparing += 1;
             drop(state);
-            let ran = hook();
+            let ran = run_hook(hook);
             state = self.lock();
             state.preparing -= 1;
             self.work.notify_all();
@@ -240,4 +247,15 @@ impl Ring {
             }
         }
     }
+}
+
+/// Runs a reuse hook; a panic in it is its error (the slot is then never reused nor freed,
+/// as after any failed hook).
+fn run_hook(hook: ReuseHook) -> Result<(), DataError> {
+    catch_unwind(AssertUnwindSafe(hook)).unwrap_or_else(|panic| {
+        Err(DataError::SlotPanicked {
+            what: "slot reuse hook",
+            message: panic_message(&*panic).to_string(),
+        })
+    })
 }

@@ -37,10 +37,13 @@ fn position(log: &Log, entry: &str) -> Option<usize> {
     entries(log).iter().position(|e| e == entry)
 }
 
-/// Sample `i` is the value `i`; each write is logged as `write i`.
+/// Sample `i` is the value `i`; each write is logged as `write i`. Writing sample `broken`,
+/// and describing it, panic.
+#[derive(Default)]
 struct Ramp {
     len: usize,
     log: Log,
+    broken: Option<usize>,
 }
 
 impl Dataset for Ramp {
@@ -56,6 +59,11 @@ impl Dataset for Ramp {
 
     fn worker(&self) {}
 
+    fn describe(&self, index: usize) -> String {
+        assert!(Some(index) != self.broken, "cannot describe sample {index}");
+        format!("sample {index}")
+    }
+
     fn write(
         &self,
         _: &mut (),
@@ -63,6 +71,7 @@ impl Dataset for Ramp {
         _: &mut SampleRng,
         out: SampleOut<'_>,
     ) -> Result<(), DataError> {
+        assert!(Some(index) != self.broken, "sample {index} is broken");
         out.input.f32()?[0] = index as f32;
         out.targets.f32()?[0] = index as f32;
         self.log.lock().unwrap().push(format!("write {index}"));
@@ -87,6 +96,7 @@ fn a_new_batch_takes_the_slot_given_back_longest_ago() {
     let ramp = Ramp {
         len: 8,
         log: Log::default(),
+        broken: None,
     };
     let mut loader = HostLoader::new(ramp, (0..8).collect(), &one_per_batch(1, 1)).unwrap();
     let b0 = loader.next().unwrap().unwrap();
@@ -127,6 +137,7 @@ fn hooked_slots_wait_until_the_ring_holds_prefetch_plus_two() {
     let ramp = Ramp {
         len: 8,
         log: log.clone(),
+        broken: None,
     };
     let mut slots = Vec::new();
     for batch in HostLoader::new(ramp, (0..8).collect(), &one_per_batch(1, 1)).unwrap() {
@@ -148,6 +159,7 @@ fn a_worker_waiting_in_a_hook_keeps_no_other_from_a_different_slot() {
     let ramp = Ramp {
         len: 8,
         log: log.clone(),
+        broken: None,
     };
     let mut loader = HostLoader::new(ramp, (0..8).collect(), &one_per_batch(2, 2)).unwrap();
     let b0 = loader.next().unwrap().unwrap();
@@ -259,6 +271,7 @@ fn logged_loader(log: &Log) -> HostLoader<Ramp> {
     let ramp = Ramp {
         len: 4,
         log: log.clone(),
+        broken: None,
     };
     let allocator = Arc::new(LoggedAllocator {
         made: Mutex::new(0),
@@ -349,6 +362,7 @@ fn a_failed_allocation_falls_back_to_a_hooked_free_slot() {
     let ramp = Ramp {
         len: 8,
         log: log.clone(),
+        broken: None,
     };
     let allocator = Arc::new(FailingAllocator {
         calls: Mutex::new(0),
@@ -380,4 +394,193 @@ fn a_failed_allocation_falls_back_to_a_hooked_free_slot() {
     );
     let at = |e: &str| seen.iter().position(|x| x == e).unwrap();
     assert!(at("hook 0") < at("write 2"), "{seen:?}");
+}
+
+/// Runs `f` on a thread of its own and returns what it returned; fails the test, instead of
+/// hanging it, when `f` panics or takes longer than [`LIMIT`].
+fn bounded<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(LIMIT)
+        .unwrap_or_else(|e| panic!("{what}: no answer within {LIMIT:?} (it panicked or hung): {e}"))
+}
+
+/// Each batch's first value, or its error's message, for the whole epoch of `loader`,
+/// giving batch 0 back with `hook` and the others plainly.
+fn epoch_with_hook(loader: HostLoader<Ramp>, hook: ddp_data::ReuseHook) -> Vec<String> {
+    let mut hook = Some(hook);
+    let mut seen = Vec::new();
+    for next in loader {
+        match next {
+            Ok(batch) => {
+                seen.push(batch.input_f32().unwrap()[0].to_string());
+                match hook.take() {
+                    Some(h) => batch.release_after(h),
+                    None => drop(batch),
+                }
+            }
+            Err(e) => seen.push(e.to_string()),
+        }
+    }
+    seen
+}
+
+/// A reuse hook that panics is that slot's failure, as an error would be: the batch that
+/// would reuse the slot ends the epoch with the panic's message (it does not wait forever
+/// for a worker that died), and the slot is never freed, since nothing says its copy is done.
+#[test]
+fn a_panicking_reuse_hook_ends_the_epoch_with_its_error() {
+    let log = Log::default();
+    let loader = logged_loader(&log);
+    let seen = bounded("the epoch", move || {
+        epoch_with_hook(
+            loader,
+            Box::new(|| panic!("the copy's event could not be read")),
+        )
+    });
+    assert_eq!(
+        seen,
+        [
+            "0",
+            "1",
+            "2",
+            "the loader's slot reuse hook panicked: the copy's event could not be read"
+        ]
+    );
+    let freed = entries(&log);
+    assert!(freed.iter().any(|e| e == "free 1"), "{freed:?}");
+    assert!(!freed.iter().any(|e| e == "free 0"), "{freed:?}");
+}
+
+/// Heap slots, except that the allocator's second call panics.
+#[derive(Debug)]
+struct PanickingAllocator {
+    calls: Mutex<usize>,
+}
+
+impl SlotAllocator for PanickingAllocator {
+    fn allocate(&self, request: &SlotRequest) -> Result<Box<dyn BatchMemory>, DataError> {
+        let mut calls = self.calls.lock().unwrap();
+        *calls += 1;
+        assert!(*calls != 2, "no memory for slot {}", *calls - 1);
+        Ok(Box::new(HeapMemory::new(request)?))
+    }
+}
+
+/// An allocator that panics while no free slot is left ends the epoch with the panic's
+/// message.
+#[test]
+fn a_panicking_allocator_ends_the_epoch_with_its_error() {
+    let ramp = Ramp {
+        len: 4,
+        log: Log::default(),
+        broken: None,
+    };
+    let allocator = Arc::new(PanickingAllocator {
+        calls: Mutex::new(0),
+    });
+    let mut loader = HostLoader::with_storage(
+        ramp,
+        (0..4).collect(),
+        &one_per_batch(1, 1),
+        Storage::F32,
+        allocator,
+    )
+    .unwrap();
+    let (first, second) = bounded("two batches", move || {
+        // The first batch is held: the second needs a new slot.
+        let first = loader.next().unwrap().unwrap();
+        let second = loader.next().unwrap().map(|_| ()).unwrap_err().to_string();
+        (first.input_f32().unwrap()[0], second)
+    });
+    assert_eq!(first, 0.0);
+    assert_eq!(
+        second,
+        "the loader's slot allocator panicked: no memory for slot 1"
+    );
+}
+
+/// A panic the worker's own catch cannot report (here: describing the sample whose write
+/// panicked panics too) stops the loader with an error naming the sample index; the
+/// consumer does not wait for the sample the dead worker had claimed, although other workers
+/// are still alive.
+#[test]
+fn a_panic_outside_the_workers_catch_stops_the_loader_with_an_error() {
+    let data = Ramp {
+        len: 8,
+        broken: Some(2),
+        ..Ramp::default()
+    };
+    let loader = HostLoader::new(data, (0..8).collect(), &one_per_batch(2, 2)).unwrap();
+    let seen = bounded("the epoch", move || {
+        loader
+            .map(|b| match b {
+                Ok(b) => b.input_f32().unwrap()[0].to_string(),
+                // Either worker may have taken sample 2.
+                Err(e) => e.to_string().replace("thread 1 ", "thread 0 "),
+            })
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(
+        seen,
+        [
+            "0",
+            "1",
+            "loader worker thread 0 panicked while loading sample index 2 (cannot describe \
+             sample 2)"
+        ]
+    );
+}
+
+/// One sample of `shape`, never written.
+struct Wide {
+    shape: Vec<usize>,
+}
+
+impl Dataset for Wide {
+    type Worker = ();
+
+    fn len(&self) -> usize {
+        1
+    }
+
+    fn layout(&self) -> SampleLayout {
+        SampleLayout::new(self.shape.clone(), [1])
+    }
+
+    fn worker(&self) {}
+
+    fn write(
+        &self,
+        _: &mut (),
+        _: usize,
+        _: &mut SampleRng,
+        _: SampleOut<'_>,
+    ) -> Result<(), DataError> {
+        unreachable!("the loader is refused before any sample is written")
+    }
+}
+
+/// A batch whose bytes overflow `usize` is refused when the loader is made, before any
+/// slot exists, rather than allocated short.
+#[test]
+fn a_batch_too_large_to_address_is_refused_up_front() {
+    let wide = Wide {
+        shape: vec![1 << 31, 1 << 31],
+    };
+    let e = HostLoader::new(wide, vec![0], &LoaderConfig::new(1 << 20))
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            DataError::InvalidParameter {
+                name: "batch size",
+                ..
+            }
+        ),
+        "{e}"
+    );
 }

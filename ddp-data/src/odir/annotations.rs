@@ -336,11 +336,7 @@ pub fn read_xlsx(file: &Path, mode: LabelMode) -> Result<Annotations, DataError>
         workbook.worksheet_range(&sheet).map_err(|e| open_error(&e))
     });
     let range = read.unwrap_or_else(|panic| {
-        let why = panic
-            .downcast_ref::<String>()
-            .map(String::as_str)
-            .or_else(|| panic.downcast_ref::<&str>().copied())
-            .unwrap_or("no message");
+        let why = crate::error::panic_message(&*panic);
         Err(open_error(&format!(
             "the workbook is damaged: the spreadsheet reader failed on it ({why})"
         )))
