@@ -42,18 +42,20 @@
 //! hanging it. With a non-blocking communicator, enqueuing a collective may also return
 //! `ncclInProgress`; the same polling, under the same deadline, waits for it.
 //!
-//! Beside it, `init.rs` creates the communicator, and `cuda.rs` (the public [`cuda`] module)
-//! makes CUDA visible to the program.
+//! Beside it, `init.rs` creates the communicator, `poll.rs` paces the host's polls, and
+//! `cuda.rs` (the public [`cuda`] module) makes CUDA visible to the program.
 
 pub mod cuda;
 pub(crate) mod inflight;
 mod init;
+mod poll;
 
 use std::ffi::{c_int, c_void, CStr};
 use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
+use self::poll::Poll;
 use nccl_sys::{
     cudaError_t, cudaEvent_t, cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t,
     ncclUniqueId, Cudart, Nccl,
@@ -220,11 +222,6 @@ fn last_error(nccl: &Nccl, comm: ncclComm_t) -> String {
         .into_owned()
 }
 
-/// How long to sleep between polls of a pending NCCL call: doubling from 20 us to 1 ms.
-fn next_pause(pause: Duration) -> Duration {
-    (pause * 2).min(Duration::from_millis(1))
-}
-
 /// Why a pending call on a non-blocking communicator did not settle.
 enum Unsettled {
     /// `call` returned `rc` (`ncclCommGetAsyncError` itself, or the pending call's result).
@@ -245,7 +242,7 @@ fn settle(
     start: Instant,
     timeout: Duration,
 ) -> Result<(), Unsettled> {
-    let mut pause = Duration::from_micros(20);
+    let mut poll = Poll::new();
     loop {
         let mut state = ncclResult_t::ncclInProgress;
         // SAFETY: `comm` is live and `state` is a valid out-pointer.
@@ -262,8 +259,7 @@ fn settle(
             ncclResult_t::ncclInProgress => {}
             rc => return Err(Unsettled::Failed { call, rc }),
         }
-        std::thread::sleep(pause);
-        pause = next_pause(pause);
+        poll.pause();
     }
 }
 
@@ -323,7 +319,7 @@ impl NcclComm {
         start: Instant,
         mut done: impl FnMut(&mut Self) -> Result<bool, CommError>,
     ) -> Result<(), CommError> {
-        let mut pause = Duration::from_micros(20);
+        let mut poll = Poll::new();
         loop {
             if let Some(e) = self.inflight.aborted_error(op) {
                 return Err(e);
@@ -339,8 +335,7 @@ impl NcclComm {
             if start.elapsed() > self.timeout {
                 return Err(self.timed_out(op));
             }
-            std::thread::sleep(pause);
-            pause = next_pause(pause);
+            poll.pause();
         }
     }
 
@@ -648,13 +643,12 @@ impl NcclComm {
         let grace = DROP_GRACE.min(self.timeout);
         let mut pending = self.inflight.pending();
         let mut progress = Instant::now();
-        let mut pause = Duration::from_micros(20);
+        let mut poll = Poll::new();
         while pending > 0 && progress.elapsed() < grace {
             if self.check_async("drop").is_err() {
                 return;
             }
-            std::thread::sleep(pause);
-            pause = next_pause(pause);
+            poll.pause();
             self.inflight.retire_completed();
             if self.inflight.pending() < pending {
                 pending = self.inflight.pending();
