@@ -2,7 +2,9 @@
 // `self.add_(other, alpha)`, `self.addcmul_(a, b, value)`, `self.addcdiv_(a, b, value)`.
 // PyTorch's optimizers are written with them; the fused kernels round once and need no
 // temporary tensor. And GradScaler's fused unscale over a list of gradients, which tch
-// binds for one tensor at a time only.
+// binds for one tensor at a time only, and Adam's step over lists of tensors (the foreach
+// kernels, which tch does not bind).
+
 #include <ATen/ATen.h>
 
 #include <vector>
@@ -34,6 +36,52 @@ char* tch_ext_amp_foreach_non_finite_check_and_unscale_(const at::Tensor* const*
       list.push_back(*grads[i]);
     }
     at::_amp_foreach_non_finite_check_and_unscale_(list, *found_inf, *inv_scale);
+  });
+}
+
+namespace {
+
+// Handles sharing the storage of `n` tensors (the foreach kernels write through them).
+std::vector<at::Tensor> tensor_list(const at::Tensor* const* tensors, size_t n) {
+  std::vector<at::Tensor> list;
+  list.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    list.push_back(*tensors[i]);
+  }
+  return list;
+}
+
+std::vector<at::Scalar> scalar_list(const double* values, size_t n) {
+  return std::vector<at::Scalar>(values, values + n);
+}
+
+}  // namespace
+
+char* tch_ext_foreach_adam_(const at::Tensor* const* params, const at::Tensor* const* grads,
+                            const at::Tensor* const* exp_avgs,
+                            const at::Tensor* const* exp_avg_sqs, size_t n,
+                            const double* neg_step_sizes, const double* bias_correction2_sqrts,
+                            double beta1, double beta2, double eps, double weight_decay,
+                            double param_factor) {
+  return tch_ext::guarded([&] {
+    auto p = tensor_list(params, n);
+    auto g = tensor_list(grads, n);
+    auto m = tensor_list(exp_avgs, n);
+    auto v = tensor_list(exp_avg_sqs, n);
+    // Decoupled weight decay (AdamW) scales the parameters; L2 adds to new gradients.
+    if (param_factor != 1.0) {
+      at::_foreach_mul_(p, param_factor);
+    }
+    if (weight_decay != 0.0) {
+      g = at::_foreach_add(g, p, weight_decay);
+    }
+    at::_foreach_lerp_(m, g, 1.0 - beta1);
+    at::_foreach_mul_(v, beta2);
+    at::_foreach_addcmul_(v, g, g, 1.0 - beta2);
+    auto denom = at::_foreach_sqrt(v);
+    at::_foreach_div_(denom, scalar_list(bias_correction2_sqrts, n));
+    at::_foreach_add_(denom, eps);
+    at::_foreach_addcdiv_(p, m, denom, scalar_list(neg_step_sizes, n));
   });
 }
 

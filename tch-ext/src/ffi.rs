@@ -66,6 +66,21 @@ extern "C" {
         found_inf: *mut c_void,
         inv_scale: *const c_void,
     ) -> *mut c_char;
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn tch_ext_foreach_adam_(
+        params: *const *const c_void,
+        grads: *const *const c_void,
+        exp_avgs: *const *const c_void,
+        exp_avg_sqs: *const *const c_void,
+        n: usize,
+        neg_step_sizes: *const f64,
+        bias_correction2_sqrts: *const f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        param_factor: f64,
+    ) -> *mut c_char;
 
     pub(crate) fn tch_ext_autocast_state(
         device: c_int,

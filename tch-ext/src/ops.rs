@@ -1,7 +1,8 @@
 //! In-place operations with a scalar factor, which tch's bindings lack (its `g_add_`,
 //! `addcmul_` and `addcdiv_` take no `alpha` / `value`): the fused kernels PyTorch's
 //! optimizers use, one rounding and no temporary tensor per call. And the fused unscale of
-//! PyTorch's `GradScaler` over a whole list of gradients (tch binds it for one tensor).
+//! PyTorch's `GradScaler` over a whole list of gradients (tch binds it for one tensor), and
+//! Adam's step over lists of tensors with the `_foreach_*` kernels (tch binds none).
 
 use tch::Tensor;
 
@@ -90,6 +91,100 @@ pub fn amp_foreach_non_finite_check_and_unscale_(
     ffi::check(message, "_amp_foreach_non_finite_check_and_unscale_")
 }
 
+/// Adam's hyper-parameters for [`foreach_adam_`], as PyTorch's `Adam` and `AdamW` take them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamHyper {
+    /// The learning rate.
+    pub lr: f64,
+    /// The first moment's decay.
+    pub beta1: f64,
+    /// The second moment's decay.
+    pub beta2: f64,
+    /// Added to the denominator.
+    pub eps: f64,
+    /// Weight decay: Adam's L2 term added to the gradients, or AdamW's decoupled decay.
+    pub weight_decay: f64,
+    /// AdamW: the parameters are multiplied by `1 - lr * weight_decay` instead.
+    pub decoupled: bool,
+}
+
+/// One Adam step over lists of tensors, as PyTorch's `torch.optim.Adam(foreach=True)`
+/// (`_multi_tensor_adam`, without `amsgrad` or `maximize`) computes it: for parameter `i`,
+/// after its `steps[i]`-th gradient, `exp_avg.lerp_(grad, 1 - beta1)`,
+/// `exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)`, and
+/// `param.addcdiv_(exp_avg, exp_avg_sq.sqrt() / sqrt(1 - beta2^t) + eps, -lr / (1 - beta1^t))`.
+/// Each of those is one `_foreach_*` call for the whole list: on CUDA a handful of kernel
+/// launches per step instead of several per parameter; on the CPU libtorch runs the same
+/// per-tensor operations, so the result is the for-loop's, bit for bit.
+///
+/// # Errors
+///
+/// [`TchExtError::Torch`] when the lists differ in length, or when libtorch refuses the
+/// tensors (shapes, dtypes or devices that do not fit together).
+pub fn foreach_adam_(
+    params: &mut [Tensor],
+    grads: &[Tensor],
+    exp_avgs: &mut [Tensor],
+    exp_avg_sqs: &mut [Tensor],
+    steps: &[i64],
+    h: &AdamHyper,
+) -> Result<(), TchExtError> {
+    let n = params.len();
+    let lengths = [grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()];
+    if lengths.iter().any(|&len| len != n) {
+        return Err(TchExtError::Torch(format!(
+            "foreach_adam_: {n} parameters, but {} gradients, {} first and {} second moments, \
+             and {} step counts",
+            lengths[0], lengths[1], lengths[2], lengths[3]
+        )));
+    }
+    let neg_step_sizes: Vec<f64> = steps
+        .iter()
+        .map(|&t| -(h.lr / (1.0 - h.beta1.powf(t as f64))))
+        .collect();
+    let bias_correction2_sqrts: Vec<f64> = steps
+        .iter()
+        .map(|&t| (1.0 - h.beta2.powf(t as f64)).sqrt())
+        .collect();
+    // (L2 weight decay, the parameters' factor before the step).
+    let (weight_decay, param_factor) = if h.weight_decay == 0.0 {
+        (0.0, 1.0)
+    } else if h.decoupled {
+        (0.0, 1.0 - h.lr * h.weight_decay)
+    } else {
+        (h.weight_decay, 1.0)
+    };
+    let handles = |ts: &[Tensor]| -> Vec<*const std::ffi::c_void> {
+        ts.iter().map(|t| t.as_ptr().cast()).collect()
+    };
+    let (p, g, m, v) = (
+        handles(params),
+        handles(grads),
+        handles(exp_avgs),
+        handles(exp_avg_sqs),
+    );
+    // SAFETY: every pointer is a live tch tensor (`torch::Tensor*`) borrowed for the call (the
+    // `&mut` borrows keep the written handles from being used meanwhile); each list, and the
+    // two scalar lists, hold `n` entries.
+    let message = unsafe {
+        ffi::tch_ext_foreach_adam_(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            n,
+            neg_step_sizes.as_ptr(),
+            bias_correction2_sqrts.as_ptr(),
+            h.beta1,
+            h.beta2,
+            h.eps,
+            weight_decay,
+            param_factor,
+        )
+    };
+    ffi::check(message, "foreach_adam_")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,6 +246,100 @@ mod tests {
             matches!(err, TchExtError::Torch(ref m)
                 if m.starts_with("_amp_foreach_non_finite_check_and_unscale_: ")),
             "{err}"
+        );
+    }
+
+    /// The per-parameter Adam step `foreach_adam_` stands for, op by op.
+    fn adam_one(p: &mut Tensor, g: &Tensor, m: &mut Tensor, v: &mut Tensor, t: i64, h: &AdamHyper) {
+        let _guard = tch::no_grad_guard();
+        let mut g = g.copy();
+        if h.weight_decay != 0.0 {
+            if h.decoupled {
+                let _ = p.g_mul_scalar_(1.0 - h.lr * h.weight_decay);
+            } else {
+                add_(&mut g, p, h.weight_decay).unwrap();
+            }
+        }
+        let _ = m.lerp_(&g, 1.0 - h.beta1);
+        let _ = v.g_mul_scalar_(h.beta2);
+        addcmul_(v, &g, &g, 1.0 - h.beta2).unwrap();
+        let step_size = h.lr / (1.0 - h.beta1.powf(t as f64));
+        let mut denom = v.sqrt() / (1.0 - h.beta2.powf(t as f64)).sqrt();
+        let _ = denom.g_add_scalar_(h.eps);
+        addcdiv_(p, m, &denom, -step_size).unwrap();
+    }
+
+    /// On the CPU the foreach step is the per-parameter step, bit for bit, for parameters at
+    /// different step counts, with L2 and with decoupled weight decay; lists of different
+    /// lengths are refused.
+    #[test]
+    fn the_foreach_adam_step_is_the_per_parameter_step() {
+        use tch::{Device, Kind};
+        let opts = (Kind::Float, Device::Cpu);
+        tch::manual_seed(3);
+        for (weight_decay, decoupled) in [(0.0, false), (0.1, false), (0.1, true)] {
+            let h = AdamHyper {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay,
+                decoupled,
+            };
+            let shapes: [&[i64]; 3] = [&[4, 3], &[7], &[2, 2, 2]];
+            let make =
+                || -> Vec<Tensor> { shapes.iter().map(|s| Tensor::randn(*s, opts)).collect() };
+            let (params, grads, moments, squares) = (
+                make(),
+                make(),
+                make(),
+                make().iter().map(Tensor::abs).collect::<Vec<_>>(),
+            );
+            let steps = [1i64, 5, 30];
+            let copies = |ts: &[Tensor]| -> Vec<Tensor> { ts.iter().map(Tensor::copy).collect() };
+            let (mut p1, mut m1, mut v1) = (copies(&params), copies(&moments), copies(&squares));
+            for k in 0..3 {
+                adam_one(&mut p1[k], &grads[k], &mut m1[k], &mut v1[k], steps[k], &h);
+            }
+            let (mut p2, mut m2, mut v2) = (copies(&params), copies(&moments), copies(&squares));
+            let before = p2[0].data_ptr();
+            foreach_adam_(&mut p2, &grads, &mut m2, &mut v2, &steps, &h).unwrap();
+            assert_eq!(p2[0].data_ptr(), before, "in place");
+            for k in 0..3 {
+                for (a, b, what) in [
+                    (&p1[k], &p2[k], "param"),
+                    (&m1[k], &m2[k], "exp_avg"),
+                    (&v1[k], &v2[k], "exp_avg_sq"),
+                ] {
+                    assert!(
+                        a.equal(b),
+                        "{what} {k}, weight decay {weight_decay} decoupled {decoupled}"
+                    );
+                }
+                assert!(!p2[k].equal(&params[k]), "param {k} moved");
+            }
+        }
+        let mut one = vec![Tensor::zeros([2], opts)];
+        let err = foreach_adam_(
+            &mut one.iter().map(Tensor::copy).collect::<Vec<_>>(),
+            &[],
+            &mut one,
+            &mut [],
+            &[1],
+            &AdamHyper {
+                lr: 0.1,
+                beta1: 0.9,
+                beta2: 0.99,
+                eps: 1e-8,
+                weight_decay: 0.0,
+                decoupled: false,
+            },
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "foreach_adam_: 1 parameters, but 0 gradients, 1 first and 0 second moments, and 1 \
+             step counts"
         );
     }
 }
