@@ -425,17 +425,17 @@ impl<T: Task> Trainer<T> {
     }
 }
 
-/// The values of a step's micro-batch losses (0-dimensional tensors), in one copy to the
-/// host.
+/// The values of a step's micro-batch losses (one-element tensors, as backward needs), in
+/// one copy to the host.
 fn read_losses(losses: &[(Tensor, usize)]) -> Result<Vec<f64>, TrainError> {
     Ok(match losses {
         [(loss, _)] => vec![loss.double_value(&[])],
         _ => {
             let all: Vec<Tensor> = losses
                 .iter()
-                .map(|(loss, _)| loss.to_kind(tch::Kind::Double))
+                .map(|(loss, _)| loss.reshape([-1]).to_kind(tch::Kind::Double))
                 .collect();
-            Vec::<f64>::try_from(&Tensor::stack(&all, 0))?
+            Vec::<f64>::try_from(&Tensor::cat(&all, 0))?
         }
     })
 }
