@@ -162,6 +162,10 @@ impl Sgd {
     }
 
     /// One step from the parameters' current gradients; parameters without one are skipped.
+    /// The parameters whose momentum buffers exist (all of them without momentum) step
+    /// together with libtorch's `_foreach_*` kernels, as PyTorch's `SGD` does on CUDA by
+    /// default (`foreach`); a parameter's first step with momentum, which makes its buffer
+    /// from its gradient, is taken on its own.
     pub fn step(&mut self) {
         self.step += 1;
         let SgdConfig {
@@ -170,29 +174,41 @@ impl Sgd {
             weight_decay,
         } = self.config;
         tch::no_grad(|| {
+            let (mut params, mut grads, mut buffers) = (Vec::new(), Vec::new(), Vec::new());
             for (k, (_, p)) in self.params.iter().enumerate() {
                 let grad = p.grad();
                 if !grad.defined() {
                     continue;
                 }
                 self.param_steps[k] += 1;
-                let grad = with_weight_decay(grad, p, weight_decay);
-                let update = if momentum != 0.0 {
-                    let buf = match self.momentum[k].take() {
-                        Some(mut b) => {
-                            let _ = b.g_mul_scalar_(momentum);
-                            let _ = b.g_add_(&grad);
-                            b
-                        }
-                        None => grad.detach().copy(),
-                    };
-                    let u = buf.shallow_clone();
-                    self.momentum[k] = Some(buf);
-                    u
-                } else {
-                    grad
-                };
-                fused(tch_ext::add_(&mut p.shallow_clone(), &update, -lr));
+                if momentum == 0.0 {
+                    params.push(p.shallow_clone());
+                    grads.push(grad);
+                    continue;
+                }
+                match &self.momentum[k] {
+                    Some(buffer) => {
+                        params.push(p.shallow_clone());
+                        grads.push(grad);
+                        buffers.push(buffer.shallow_clone());
+                    }
+                    None => {
+                        let buffer = with_weight_decay(grad, p, weight_decay).detach().copy();
+                        fused(tch_ext::add_(&mut p.shallow_clone(), &buffer, -lr));
+                        self.momentum[k] = Some(buffer);
+                    }
+                }
+            }
+            // libtorch's foreach kernels refuse empty lists.
+            if !params.is_empty() {
+                fused(tch_ext::foreach_sgd_(
+                    &mut params,
+                    &grads,
+                    &mut buffers,
+                    lr,
+                    momentum,
+                    weight_decay,
+                ));
             }
         });
     }

@@ -2,8 +2,8 @@
 // `self.add_(other, alpha)`, `self.addcmul_(a, b, value)`, `self.addcdiv_(a, b, value)`.
 // PyTorch's optimizers are written with them; the fused kernels round once and need no
 // temporary tensor. And GradScaler's fused unscale over a list of gradients, which tch
-// binds for one tensor at a time only, and Adam's step over lists of tensors (the foreach
-// kernels, which tch does not bind).
+// binds for one tensor at a time only, and Adam's and SGD's steps over lists of tensors (the
+// foreach kernels, which tch does not bind).
 
 #include <ATen/ATen.h>
 
@@ -82,6 +82,25 @@ char* tch_ext_foreach_adam_(const at::Tensor* const* params, const at::Tensor* c
     at::_foreach_div_(denom, scalar_list(bias_correction2_sqrts, n));
     at::_foreach_add_(denom, eps);
     at::_foreach_addcdiv_(p, m, denom, scalar_list(neg_step_sizes, n));
+  });
+}
+
+char* tch_ext_foreach_sgd_(const at::Tensor* const* params, const at::Tensor* const* grads,
+                           const at::Tensor* const* momentum_buffers, size_t n, double lr,
+                           double momentum, double weight_decay) {
+  return tch_ext::guarded([&] {
+    auto p = tensor_list(params, n);
+    auto g = tensor_list(grads, n);
+    if (weight_decay != 0.0) {
+      g = at::_foreach_add(g, p, weight_decay);
+    }
+    if (momentum != 0.0) {
+      auto b = tensor_list(momentum_buffers, n);
+      at::_foreach_mul_(b, momentum);
+      at::_foreach_add_(b, g, 1.0);
+      g = b;
+    }
+    at::_foreach_add_(p, g, -lr);
   });
 }
 

@@ -81,6 +81,15 @@ extern "C" {
         weight_decay: f64,
         param_factor: f64,
     ) -> *mut c_char;
+    pub(crate) fn tch_ext_foreach_sgd_(
+        params: *const *const c_void,
+        grads: *const *const c_void,
+        momentum_buffers: *const *const c_void,
+        n: usize,
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+    ) -> *mut c_char;
 
     pub(crate) fn tch_ext_autocast_state(
         device: c_int,

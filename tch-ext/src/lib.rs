@@ -15,7 +15,8 @@
 //! - [`add_`], [`addcmul_`], [`addcdiv_`]: in-place operations with a scalar factor, the
 //!   fused kernels PyTorch's optimizers are written with;
 //!   [`amp_foreach_non_finite_check_and_unscale_`], `GradScaler`'s fused unscale of a list
-//!   of gradients; [`foreach_adam_`], Adam's step over lists of tensors.
+//!   of gradients; [`foreach_adam_`] and [`foreach_sgd_`], optimizer steps over lists of
+//!   tensors.
 //!
 //! The C++ side (`csrc/`) is a narrow `extern "C"` surface: every entry point catches all
 //! exceptions and returns an error string, which becomes [`TchExtError`]; no C++ exception or
@@ -68,5 +69,6 @@ pub use hooks::{
     set_post_accumulate_grad_hook,
 };
 pub use ops::{
-    add_, addcdiv_, addcmul_, amp_foreach_non_finite_check_and_unscale_, foreach_adam_, AdamHyper,
+    add_, addcdiv_, addcmul_, amp_foreach_non_finite_check_and_unscale_, foreach_adam_,
+    foreach_sgd_, AdamHyper,
 };

@@ -185,6 +185,57 @@ pub fn foreach_adam_(
     ffi::check(message, "foreach_adam_")
 }
 
+/// One SGD step over lists of tensors whose momentum buffers all exist, as PyTorch's
+/// `torch.optim.SGD(foreach=True)` (`_multi_tensor_sgd`, without dampening, Nesterov or
+/// `maximize`) computes it: `grad + weight_decay * param`, then with momentum
+/// `buf.mul_(momentum).add_(grad)` and the buffer as the update, then
+/// `param.add_(update, alpha=-lr)`, each one `_foreach_*` call for the whole list. Without
+/// momentum `momentum_buffers` is empty. A parameter's first step, which makes its buffer
+/// from its gradient, is the caller's (PyTorch too takes it one parameter at a time). On
+/// the CPU the result is the for-loop's, bit for bit.
+///
+/// # Errors
+///
+/// [`TchExtError::Torch`] when the lists differ in length, or libtorch refuses the tensors.
+pub fn foreach_sgd_(
+    params: &mut [Tensor],
+    grads: &[Tensor],
+    momentum_buffers: &mut [Tensor],
+    lr: f64,
+    momentum: f64,
+    weight_decay: f64,
+) -> Result<(), TchExtError> {
+    let n = params.len();
+    let buffers = if momentum == 0.0 { 0 } else { n };
+    if grads.len() != n || momentum_buffers.len() != buffers {
+        return Err(TchExtError::Torch(format!(
+            "foreach_sgd_: {n} parameters, but {} gradients and {} momentum buffers (expected \
+             {buffers})",
+            grads.len(),
+            momentum_buffers.len()
+        )));
+    }
+    let handles = |ts: &[Tensor]| -> Vec<*const std::ffi::c_void> {
+        ts.iter().map(|t| t.as_ptr().cast()).collect()
+    };
+    let (p, g, b) = (handles(params), handles(grads), handles(momentum_buffers));
+    // SAFETY: every pointer is a live tch tensor (`torch::Tensor*`) borrowed for the call (the
+    // `&mut` borrows keep the written handles from being used meanwhile); `p` and `g` hold
+    // `n` entries, and `b` too when the shim reads it (momentum not 0).
+    let message = unsafe {
+        ffi::tch_ext_foreach_sgd_(
+            p.as_ptr(),
+            g.as_ptr(),
+            b.as_ptr(),
+            n,
+            lr,
+            momentum,
+            weight_decay,
+        )
+    };
+    ffi::check(message, "foreach_sgd_")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,6 +391,62 @@ mod tests {
             err.to_string(),
             "foreach_adam_: 1 parameters, but 0 gradients, 1 first and 0 second moments, and 1 \
              step counts"
+        );
+    }
+
+    /// On the CPU the foreach SGD step is the per-parameter step, bit for bit, with and
+    /// without momentum and weight decay; a missing buffer list is refused.
+    #[test]
+    fn the_foreach_sgd_step_is_the_per_parameter_step() {
+        use tch::{Device, Kind};
+        let opts = (Kind::Float, Device::Cpu);
+        tch::manual_seed(5);
+        let _guard = tch::no_grad_guard();
+        for (momentum, weight_decay) in [(0.0, 0.0), (0.9, 0.0), (0.9, 0.01), (0.0, 0.01)] {
+            let shapes: [&[i64]; 2] = [&[3, 2], &[5]];
+            let make =
+                || -> Vec<Tensor> { shapes.iter().map(|s| Tensor::randn(*s, opts)).collect() };
+            let (params, grads, buffers) = (make(), make(), make());
+            let copies = |ts: &[Tensor]| -> Vec<Tensor> { ts.iter().map(Tensor::copy).collect() };
+            let (mut p1, mut b1) = (copies(&params), copies(&buffers));
+            for k in 0..2 {
+                let mut g = grads[k].copy();
+                if weight_decay != 0.0 {
+                    add_(&mut g, &p1[k], weight_decay).unwrap();
+                }
+                let update = if momentum != 0.0 {
+                    let _ = b1[k].g_mul_scalar_(momentum);
+                    let _ = b1[k].g_add_(&g);
+                    b1[k].shallow_clone()
+                } else {
+                    g
+                };
+                add_(&mut p1[k], &update, -0.1).unwrap();
+            }
+            let mut p2 = copies(&params);
+            let mut b2 = if momentum != 0.0 {
+                copies(&buffers)
+            } else {
+                Vec::new()
+            };
+            foreach_sgd_(&mut p2, &grads, &mut b2, 0.1, momentum, weight_decay).unwrap();
+            for k in 0..2 {
+                assert!(
+                    p1[k].equal(&p2[k]),
+                    "param {k}, momentum {momentum}, decay {weight_decay}"
+                );
+                assert!(!p2[k].equal(&params[k]), "param {k} moved");
+                if momentum != 0.0 {
+                    assert!(b1[k].equal(&b2[k]), "buffer {k}, decay {weight_decay}");
+                }
+            }
+        }
+        let mut one = vec![Tensor::zeros([2], opts)];
+        let grads = [Tensor::ones([2], opts)];
+        let err = foreach_sgd_(&mut one, &grads, &mut [], 0.1, 0.9, 0.0).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "foreach_sgd_: 1 parameters, but 1 gradients and 0 momentum buffers (expected 1)"
         );
     }
 }
