@@ -65,7 +65,7 @@ impl Drop for Slot {
         // Freeing is a reuse too: wait for the memory's last reader first (for CUDA slots,
         // the copy out of it; page-locked memory is unregistered and freed right after).
         if let Some(hook) = self.before_reuse.take() {
-            if !matches!(run_hook(hook), Ok(())) {
+            if run_hook(hook).is_err() {
                 self.poisoned = true;
             }
         }

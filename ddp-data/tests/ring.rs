@@ -329,11 +329,13 @@ fn a_slot_whose_hook_failed_at_drop_is_never_freed() {
 }
 
 /// Heap slots, except that the allocator's `fail_on`-th call fails as a refused
-/// `cudaHostRegister` would; every call is logged as `allocate N`.
+/// `cudaHostRegister` would (or, with `panics`, panics); every call is logged as
+/// `allocate N`.
 #[derive(Debug)]
 struct FailingAllocator {
     calls: Mutex<usize>,
     fail_on: usize,
+    panics: bool,
     log: Log,
 }
 
@@ -343,6 +345,7 @@ impl SlotAllocator for FailingAllocator {
         *calls += 1;
         self.log.lock().unwrap().push(format!("allocate {calls}"));
         if *calls == self.fail_on {
+            assert!(!self.panics, "no memory for slot {}", *calls - 1);
             return Err(DataError::Cuda {
                 call: "cudaHostRegister",
                 message: "out of memory".to_string(),
@@ -367,6 +370,7 @@ fn a_failed_allocation_falls_back_to_a_hooked_free_slot() {
     let allocator = Arc::new(FailingAllocator {
         calls: Mutex::new(0),
         fail_on: 3,
+        panics: false,
         log: log.clone(),
     });
     let loader = HostLoader::with_storage(
@@ -454,21 +458,6 @@ fn a_panicking_reuse_hook_ends_the_epoch_with_its_error() {
     assert!(!freed.iter().any(|e| e == "free 0"), "{freed:?}");
 }
 
-/// Heap slots, except that the allocator's second call panics.
-#[derive(Debug)]
-struct PanickingAllocator {
-    calls: Mutex<usize>,
-}
-
-impl SlotAllocator for PanickingAllocator {
-    fn allocate(&self, request: &SlotRequest) -> Result<Box<dyn BatchMemory>, DataError> {
-        let mut calls = self.calls.lock().unwrap();
-        *calls += 1;
-        assert!(*calls != 2, "no memory for slot {}", *calls - 1);
-        Ok(Box::new(HeapMemory::new(request)?))
-    }
-}
-
 /// An allocator that panics while no free slot is left ends the epoch with the panic's
 /// message.
 #[test]
@@ -478,8 +467,11 @@ fn a_panicking_allocator_ends_the_epoch_with_its_error() {
         log: Log::default(),
         broken: None,
     };
-    let allocator = Arc::new(PanickingAllocator {
+    let allocator = Arc::new(FailingAllocator {
         calls: Mutex::new(0),
+        fail_on: 2,
+        panics: true,
+        log: Log::default(),
     });
     let mut loader = HostLoader::with_storage(
         ramp,

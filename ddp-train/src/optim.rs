@@ -181,23 +181,19 @@ impl Sgd {
                     continue;
                 }
                 self.param_steps[k] += 1;
-                if momentum == 0.0 {
-                    params.push(p.shallow_clone());
-                    grads.push(grad);
-                    continue;
-                }
-                match &self.momentum[k] {
-                    Some(buffer) => {
-                        params.push(p.shallow_clone());
-                        grads.push(grad);
-                        buffers.push(buffer.shallow_clone());
-                    }
-                    None => {
-                        let buffer = with_weight_decay(grad, p, weight_decay).detach().copy();
-                        fused(tch_ext::add_(&mut p.shallow_clone(), &buffer, -lr));
-                        self.momentum[k] = Some(buffer);
+                if momentum != 0.0 {
+                    match &self.momentum[k] {
+                        Some(buffer) => buffers.push(buffer.shallow_clone()),
+                        None => {
+                            let buffer = with_weight_decay(grad, p, weight_decay).detach().copy();
+                            fused(tch_ext::add_(&mut p.shallow_clone(), &buffer, -lr));
+                            self.momentum[k] = Some(buffer);
+                            continue;
+                        }
                     }
                 }
+                params.push(p.shallow_clone());
+                grads.push(grad);
             }
             // libtorch's foreach kernels refuse empty lists.
             if !params.is_empty() {
@@ -579,29 +575,23 @@ impl Adam {
             weight_decay,
             decoupled: self.decoupled,
         };
-        let mut taking = Vec::with_capacity(self.params.len());
-        let mut grads = Vec::with_capacity(self.params.len());
+        let (mut params, mut grads) = (Vec::new(), Vec::new());
+        let (mut exp_avg, mut exp_avg_sq, mut steps) = (Vec::new(), Vec::new(), Vec::new());
         for (k, (_, p)) in self.params.iter().enumerate() {
             let grad = p.grad();
             if grad.defined() {
                 self.param_steps[k] += 1;
-                taking.push(k);
+                params.push(p.shallow_clone());
                 grads.push(grad);
+                exp_avg.push(self.exp_avg[k].shallow_clone());
+                exp_avg_sq.push(self.exp_avg_sq[k].shallow_clone());
+                steps.push(self.param_steps[k]);
             }
         }
-        if taking.is_empty() {
+        if params.is_empty() {
             // libtorch's foreach kernels refuse empty lists.
             return;
         }
-        let pick = |ts: &[Tensor]| -> Vec<Tensor> {
-            taking.iter().map(|&k| ts[k].shallow_clone()).collect()
-        };
-        let mut params: Vec<Tensor> = taking
-            .iter()
-            .map(|&k| self.params[k].1.shallow_clone())
-            .collect();
-        let (mut exp_avg, mut exp_avg_sq) = (pick(&self.exp_avg), pick(&self.exp_avg_sq));
-        let steps: Vec<i64> = taking.iter().map(|&k| self.param_steps[k]).collect();
         tch::no_grad(|| {
             fused(tch_ext::foreach_adam_(
                 &mut params,
@@ -913,9 +903,6 @@ mod tests {
         );
     }
 
-    /// A parameter added later starts with no state and is stepped from then on; one kept
-    /// keeps its state; one dropped loses it. With SGD's momentum, a parameter that never
-    /// stepped needs no buffer to resume.
     /// A step in which no parameter has a gradient changes nothing but the step count (the
     /// foreach kernels are not given empty lists).
     #[test]
@@ -934,6 +921,9 @@ mod tests {
         }
     }
 
+    /// A parameter added later starts with no state and is stepped from then on; one kept
+    /// keeps its state; one dropped loses it. With SGD's momentum, a parameter that never
+    /// stepped needs no buffer to resume.
     #[test]
     fn set_params_keeps_old_state_and_starts_new_parameters_fresh() {
         for config in [
