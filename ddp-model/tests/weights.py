@@ -26,6 +26,8 @@ Writes into DIR:
   past-storage.pth a tensor of 4 floats whose storage claims 2 elements
   resnet18-ddp.pth torchvision's resnet18(num_classes=8) state_dict with DDP's prefix, and
                    resnet18.safetensors, the same tensors by safetensors
+  resnet18-legacy.pth  the same state_dict without its num_batches_tracked counters, as
+                   torchvision's ImageNet ResNet files were saved
 """
 import os
 import pickle
@@ -177,6 +179,9 @@ def main(out, marker, python_marker):
     torch.save(OrderedDict((f"module.{k}", v) for k, v in resnet.items()),
                os.path.join(out, "resnet18-ddp.pth"))
     save_file(resnet, os.path.join(out, "resnet18.safetensors"))
+    torch.save(OrderedDict((k, v) for k, v in resnet.items()
+                           if not k.endswith("num_batches_tracked")),
+               os.path.join(out, "resnet18-legacy.pth"))
     print("written")
 
 

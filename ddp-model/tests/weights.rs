@@ -545,3 +545,46 @@ fn a_torchvision_resnet18_state_dict_reads_as_its_safetensors_copy() {
         Kind::Int64
     );
 }
+
+/// torchvision's ImageNet ResNet files lack `num_batches_tracked`; PyTorch's strict
+/// `load_state_dict` takes them, keeping each counter's value, and so does this crate.
+#[test]
+fn a_state_dict_without_batch_norm_counters_loads_strictly_keeping_them() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _net = ddp_model::Model::new(&vs.root(), ddp_model::ModelKind::Resnet18, 8, None);
+    tch::no_grad(|| {
+        let _ = var(&vs, "layer1.0.bn1.num_batches_tracked").fill_(7);
+    });
+    let report = weights::load(&vs, file("resnet18-legacy.pth"), None, Strictness::Strict).unwrap();
+    assert!(report.is_complete(), "{report}");
+    assert_eq!(report.loaded.len(), 102);
+    assert!(report
+        .loaded
+        .iter()
+        .all(|n| !n.ends_with("num_batches_tracked")));
+    assert_eq!(
+        i64s(&var(&vs, "layer1.0.bn1.num_batches_tracked")),
+        [7],
+        "the model's counter is kept"
+    );
+    let full = weights::read_state_dict(file("resnet18.safetensors")).unwrap();
+    assert!(
+        var(&vs, "layer4.1.bn2.running_var").equal(full.get("layer4.1.bn2.running_var").unwrap())
+    );
+    // Without its running_mean the layer is not one the file holds: the counter is missing.
+    let legacy = weights::read_state_dict(file("resnet18-legacy.pth")).unwrap();
+    let mut tensors = legacy.into_tensors();
+    tensors.retain(|(name, _)| name != "bn1.running_mean");
+    let without = StateDict::new("without.pth", tensors);
+    let err = weights::load_state_dict(&vs, &without, Strictness::Strict).unwrap_err();
+    let WeightsError::Mismatch { problems, .. } = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(
+        problems,
+        &[
+            TensorProblem::Missing("bn1.num_batches_tracked".into()),
+            TensorProblem::Missing("bn1.running_mean".into()),
+        ]
+    );
+}

@@ -499,6 +499,8 @@ fn read_safetensors(path: &Path) -> Result<StateDict, WeightsError> {
 /// a `module.` prefix on every file name is stripped first (unless the model's names have it
 /// too), values are converted to the variable's dtype and moved to its device, and no
 /// gradient is recorded. See [`Strictness`] for what happens to names and shapes that differ.
+/// A BatchNorm's `num_batches_tracked` that the file lacks while it holds the layer's
+/// `running_mean` keeps the model's value and is not missing, as in PyTorch.
 pub fn load_state_dict(
     vs: &VarStore,
     state: &StateDict,
@@ -532,6 +534,9 @@ pub fn load_state_dict(
     let mut copies = Vec::new();
     for (name, var) in &model {
         match find(name) {
+            // PyTorch's BatchNorm fills a counter that files written before it existed lack
+            // (torchvision's ImageNet ResNet weights) with the module's own: so does this.
+            None if is_batch_norm_counter(name, &find) => {}
             None => {
                 report.missing.push(name.clone());
                 problems.push(TensorProblem::Missing(name.clone()));
@@ -612,6 +617,14 @@ pub fn load(
 ) -> Result<LoadReport, WeightsError> {
     let state = read_state_dict_at(path.as_ref(), key)?;
     load_state_dict(vs, &state, strictness)
+}
+
+/// Whether `name` is a BatchNorm layer's `num_batches_tracked` whose layer the file holds
+/// (its `running_mean`).
+fn is_batch_norm_counter<'a>(name: &str, find: &impl Fn(&str) -> Option<&'a Tensor>) -> bool {
+    name.strip_suffix("num_batches_tracked")
+        .filter(|layer| layer.is_empty() || layer.ends_with('.'))
+        .is_some_and(|layer| find(&format!("{layer}running_mean")).is_some())
 }
 
 fn is_complex(kind: Kind) -> bool {
