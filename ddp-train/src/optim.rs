@@ -403,7 +403,9 @@ pub fn clip_grad_norm(params: &[(String, Tensor)], max_norm: f64) -> f64 {
         }
         let norms: Vec<Tensor> = grads.iter().map(|g| g.norm()).collect();
         let total = Tensor::stack(&norms, 0).norm();
-        let coef = (max_norm / (&total + 1e-6)).clamp_max(1.0);
+        // PyTorch's `max_norm / (total + 1e-6)` is `reciprocal(total + 1e-6) * max_norm`
+        // (`Tensor.__rtruediv__`); tch's `f64 / Tensor` rounds differently.
+        let coef = ((&total + 1e-6).reciprocal() * max_norm).clamp_max(1.0);
         for g in &grads {
             let _ = g.shallow_clone().g_mul_(&coef);
         }
@@ -676,6 +678,31 @@ mod tests {
         let again = clip_grad_norm(&params, 100.0);
         assert!((again - 6.5).abs() < 1e-4, "{again}");
         assert!((f32::try_from(&b.grad()).unwrap() - 12.0 * coef as f32).abs() < 1e-5);
+    }
+
+    /// `torch.nn.utils.clip_grad_norm_([a, b], 5.0)` in torch 2.13 gives exactly these
+    /// gradients (a coefficient of `5 / (norm + 1e-6)` rounded another way is 1 ulp off).
+    #[test]
+    fn clipping_rounds_as_pytorch_does() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let a = vs.root().zeros("a", &[3]);
+        let b = vs.root().zeros("b", &[2]);
+        let ga = [-4.1957865f32, 1.2100406, 2.514079];
+        let gb = [-2.1577728f32, -1.2100306];
+        ((&a * Tensor::from_slice(&ga)).sum(Kind::Float)
+            + (&b * Tensor::from_slice(&gb)).sum(Kind::Float))
+        .backward();
+        let params = vec![
+            ("a".to_string(), a.shallow_clone()),
+            ("b".to_string(), b.shallow_clone()),
+        ];
+        clip_grad_norm(&params, 5.0);
+        let (ca, cb): (Vec<f32>, Vec<f32>) = (
+            Vec::try_from(&a.grad()).unwrap(),
+            Vec::try_from(&b.grad()).unwrap(),
+        );
+        assert_eq!(ca, [-3.7373352, 1.0778259, 2.2393792]);
+        assert_eq!(cb, [-1.9220045, -1.077817]);
     }
 
     /// Our AdamW and libtorch's `torch::optim::AdamW` take the same steps, and differ from
