@@ -1,13 +1,17 @@
-//! `ReduceLROnPlateau`, as PyTorch defines it, in mode "max" on a validation metric.
+//! `ReduceLROnPlateau`, as PyTorch defines it, on a validation metric to maximise (mode
+//! "max") or to minimise (mode "min").
 
-/// Settings of [`ReduceLrOnPlateau`] (PyTorch's defaults, mode "max", threshold mode "rel").
+use crate::metrics::Goal;
+
+/// Settings of [`ReduceLrOnPlateau`] (PyTorch's defaults, threshold mode "rel").
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PlateauConfig {
     /// Multiplier applied to the learning rate on a plateau.
     pub factor: f64,
     /// Epochs without improvement tolerated before reducing.
     pub patience: u32,
-    /// Relative improvement that counts: `metric > best * (1 + threshold)`.
+    /// Relative improvement that counts: `metric > best * (1 + threshold)` for a metric to
+    /// maximise, `metric < best * (1 - threshold)` for one to minimise.
     pub threshold: f64,
     /// Epochs to wait after a reduction before counting bad epochs again.
     pub cooldown: u32,
@@ -27,13 +31,14 @@ impl Default for PlateauConfig {
     }
 }
 
-/// Reduces the learning rate when a metric to maximise stops improving.
+/// Reduces the learning rate when a metric stops improving.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ReduceLrOnPlateau {
     /// The settings.
     pub config: PlateauConfig,
-    /// Best metric so far (`-inf` before the first epoch, written as `null` in JSON, which has
-    /// no infinities: a checkpoint inside the first epoch has no best yet).
+    /// Best metric so far, signed so that larger is better (a metric to minimise is stored
+    /// negated); `-inf` before the first epoch, written as `null` in JSON, which has no
+    /// infinities: a checkpoint inside the first epoch has no best yet.
     #[serde(with = "no_best_is_null")]
     pub best: f64,
     /// Consecutive epochs without improvement.
@@ -69,10 +74,17 @@ impl ReduceLrOnPlateau {
         }
     }
 
-    /// Records one epoch's `metric` and returns the learning rate to use from now on.
-    pub fn step(&mut self, metric: f64, lr: f64) -> f64 {
-        if metric > self.best * (1.0 + self.config.threshold) || self.best == f64::NEG_INFINITY {
-            self.best = metric;
+    /// Records one epoch's `metric`, to maximise or minimise as `goal` says, and returns the
+    /// learning rate to use from now on.
+    pub fn step(&mut self, metric: f64, goal: Goal, lr: f64) -> f64 {
+        // PyTorch's `is_better` in threshold mode "rel", on the signed value: "max" is
+        // `m > best * (1 + t)`; "min" is `m < best * (1 - t)`, that is `-m > -best * (1 - t)`.
+        let (signed, threshold) = match goal {
+            Goal::Max => (metric, self.config.threshold),
+            Goal::Min => (-metric, -self.config.threshold),
+        };
+        if signed > self.best * (1.0 + threshold) || self.best == f64::NEG_INFINITY {
+            self.best = signed;
             self.num_bad_epochs = 0;
         } else {
             self.num_bad_epochs += 1;
@@ -110,7 +122,7 @@ mod tests {
         let mut lr = 1.0;
         let mut lrs = Vec::new();
         for m in metrics {
-            lr = s.step(m, lr);
+            lr = s.step(m, Goal::Max, lr);
             lrs.push(lr);
         }
         // Bad epochs: 3rd, 4th (patience 2), reduction on the 3rd bad one (5th epoch), then
@@ -130,10 +142,42 @@ mod tests {
             ..Default::default()
         };
         let mut s = ReduceLrOnPlateau::new(config);
-        assert_eq!(s.step(1.0, 1.0), 1.0);
+        assert_eq!(s.step(1.0, Goal::Max, 1.0), 1.0);
         // 1.05 is not > 1.0 * 1.1: a bad epoch, and with patience 0 a reduction.
-        assert!((s.step(1.05, 1.0) - 0.1).abs() < 1e-12);
+        assert!((s.step(1.05, Goal::Max, 1.0) - 0.1).abs() < 1e-12);
         assert_eq!(s.best, 1.0);
+    }
+
+    /// torch 2.13: `ReduceLROnPlateau(opt, mode="min", patience=2)` stepped with these
+    /// losses gives these learning rates (a loss 5e-5 above the best is no improvement).
+    #[test]
+    fn a_metric_to_minimise_must_fall_below_the_relative_threshold() {
+        let config = PlateauConfig {
+            patience: 2,
+            ..Default::default()
+        };
+        let mut s = ReduceLrOnPlateau::new(config);
+        let losses = [1.0, 1.0, 1.0, 1.0, 1.00005, 1.00005, 1.00005, 1.00005];
+        let mut lr = 1.0;
+        let mut lrs = Vec::new();
+        for m in losses {
+            lr = s.step(m, Goal::Min, lr);
+            lrs.push(lr);
+        }
+        let expected = [1.0, 1.0, 1.0, 0.1, 0.1, 0.1, 0.01, 0.01];
+        assert!(
+            lrs.iter().zip(expected).all(|(a, b)| (a - b).abs() < 1e-12),
+            "{lrs:?}"
+        );
+        assert_eq!(s.best, -1.0);
+        // A loss below best * (1 - 1e-4) is an improvement.
+        let mut s = ReduceLrOnPlateau::new(PlateauConfig {
+            patience: 0,
+            ..Default::default()
+        });
+        assert_eq!(s.step(1.0, Goal::Min, 1.0), 1.0);
+        assert_eq!(s.step(0.9998, Goal::Min, 1.0), 1.0);
+        assert_eq!(s.best, -0.9998);
     }
 
     #[test]
@@ -148,7 +192,7 @@ mod tests {
         let lrs: Vec<f64> = [1.0, 0.9, 0.9, 0.9, 0.9]
             .iter()
             .scan(1.0, |lr, &m| {
-                *lr = s.step(m, *lr);
+                *lr = s.step(m, Goal::Max, *lr);
                 Some(*lr)
             })
             .collect();
@@ -163,7 +207,7 @@ mod tests {
         let back: ReduceLrOnPlateau = serde_json::from_str(&json).unwrap();
         assert_eq!(back, fresh);
         let mut stepped = fresh;
-        stepped.step(0.25, 1.0);
+        stepped.step(0.25, Goal::Max, 1.0);
         let back: ReduceLrOnPlateau =
             serde_json::from_str(&serde_json::to_string(&stepped).unwrap()).unwrap();
         assert_eq!(back.best, 0.25);

@@ -16,7 +16,6 @@ use super::{EpochReport, Trainer};
 use crate::allocation::EpochRest;
 use crate::error::{Context, TrainError};
 use crate::lr_schedule::LrSchedule;
-use crate::metrics::Goal;
 use crate::report::watched;
 #[cfg(doc)]
 use crate::settings::RuntimeSettings;
@@ -99,8 +98,7 @@ impl<T: Task> Trainer<T> {
                 (&self.settings.lr_schedule, &mut self.scheduler)
             {
                 let value = watched(&report, &p.metric, "the plateau scheduler")?;
-                let signed = if p.goal == Goal::Max { value } else { -value };
-                self.optimizer.set_lr(sched.step(signed, lr));
+                self.optimizer.set_lr(sched.step(value, p.goal, lr));
             }
             // Every rank sees the same all-reduced metrics, so every rank decides alike.
             let stop = match (&self.settings.early_stopping, &mut self.early) {
