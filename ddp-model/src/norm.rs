@@ -219,11 +219,18 @@ impl BatchNorm2d {
         let mut shape = vec![1i64; xf.dim()];
         shape[1] = c;
         let count = (xf.numel() as i64 / c.max(1)) as f64;
-        let mean = xf.mean_dim(dims.as_slice(), false, Kind::Float);
-        let m2 = (&xf - mean.view(shape.as_slice()))
-            .square()
-            .sum_dim_intlist(dims.as_slice(), false, Kind::Float);
         let opts = (Kind::Float, xf.device());
+        // An empty batch sends zeros with a count of 0, which drop out of the sums below (the
+        // mean of nothing would be NaN for every rank), as PyTorch's SyncBatchNorm does.
+        let (mean, m2) = if count > 0.0 {
+            let mean = xf.mean_dim(dims.as_slice(), false, Kind::Float);
+            let m2 = (&xf - mean.view(shape.as_slice()))
+                .square()
+                .sum_dim_intlist(dims.as_slice(), false, Kind::Float);
+            (mean, m2)
+        } else {
+            (Tensor::zeros([c], opts), Tensor::zeros([c], opts))
+        };
         let width = 2 * c + 1;
         let (rank, world) = (r.rank() as i64, r.world_size() as i64);
         let row = Tensor::cat(
@@ -414,6 +421,64 @@ mod tests {
             assert_close(&va[name].grad(), &vb[name].grad(), 1e-4, name);
         }
         assert_eq!(vb["bn.num_batches_tracked"].int64_value(&[]), 1);
+    }
+
+    /// Rank `rank` of two whose peer's row of the table is `peer`; keeps what it sent.
+    #[derive(Debug)]
+    struct Pair {
+        rank: usize,
+        peer: Vec<f32>,
+        sent: std::sync::Mutex<Vec<f32>>,
+    }
+
+    impl StatsReducer for Pair {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn world_size(&self) -> usize {
+            2
+        }
+        fn all_reduce_sum(&self, t: &Tensor) -> Tensor {
+            *self.sent.lock().unwrap() = Vec::try_from(&t.flatten(0, -1)).unwrap();
+            t + Tensor::from_slice(&self.peer).view(t.size().as_slice())
+        }
+    }
+
+    /// Rank 0's batch is empty, rank 1's is not: both ranks normalise with rank 1's
+    /// statistics alone, exactly as one process would, and nothing becomes NaN.
+    #[test]
+    fn an_empty_batch_on_one_rank_drops_out_of_the_statistics() {
+        tch::manual_seed(4);
+        let x = Tensor::randn([4, 3, 5, 6], (Kind::Float, Device::Cpu)) * 2.0 + 0.7;
+        let empty = Tensor::zeros([0, 3, 5, 6], (Kind::Float, Device::Cpu));
+        let vs_ref = nn::VarStore::new(Device::Cpu);
+        let alone = BatchNorm2d::new(vs_ref.root(), 3);
+        let want = alone.forward_t(&x, true);
+        // One rank's forward with the peer's row given; returns what it sent.
+        let run = |rank: usize, input: &Tensor, peer: Vec<f32>| {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let bn = BatchNorm2d::new(vs.root(), 3);
+            let pair = Arc::new(Pair {
+                rank,
+                peer,
+                sent: Default::default(),
+            });
+            bn.set_sync(Some(pair.clone()));
+            let y = bn.forward_t(input, true);
+            let sent = std::mem::take(&mut *pair.sent.lock().unwrap());
+            (vs, y, sent)
+        };
+        let (_, _, row1) = run(1, &x, vec![0.0; 14]);
+        let (vs0, y0, row0) = run(0, &empty, row1);
+        assert_eq!(y0.size(), [0, 3, 5, 6]);
+        assert_eq!(row0, [0.0; 14], "an empty rank sends zeros");
+        let (vs1, y1, _) = run(1, &x, row0);
+        assert_close(&y1, &want, 1e-5, "output");
+        for name in ["running_mean", "running_var"] {
+            let r = &vs_ref.variables()[name];
+            assert_close(&vs0.variables()[name], r, 1e-6, name);
+            assert_close(&vs1.variables()[name], r, 1e-6, name);
+        }
     }
 
     #[test]
