@@ -67,6 +67,9 @@ enum Scenario {
     BatchNorm,
     /// Branches used by some ranks on some steps, a head used by none; Adam.
     Unused,
+    /// The same with 2 micro-batches per step, the first without gradient sync; a branch
+    /// is used on some steps only in the micro-batch without sync.
+    UnusedAccumulate,
     /// The MLP with the bf16 compression hook.
     Bf16Compress,
     /// The MLP, its forward and MSE under bf16 autocast; SGD with momentum.
@@ -76,11 +79,12 @@ enum Scenario {
     Fp16GradScaler,
 }
 
-const SCENARIOS: [Scenario; 7] = [
+const SCENARIOS: [Scenario; 8] = [
     Scenario::Plain,
     Scenario::Accumulate,
     Scenario::BatchNorm,
     Scenario::Unused,
+    Scenario::UnusedAccumulate,
     Scenario::Bf16Compress,
     Scenario::Bf16Autocast,
     Scenario::Fp16GradScaler,
@@ -94,6 +98,7 @@ impl Scenario {
             Scenario::Accumulate => "accumulate",
             Scenario::BatchNorm => "batch_norm",
             Scenario::Unused => "unused",
+            Scenario::UnusedAccumulate => "unused_accumulate",
             Scenario::Bf16Compress => "bf16_compress",
             Scenario::Bf16Autocast => "bf16_autocast",
             Scenario::Fp16GradScaler => "fp16_grad_scaler",
@@ -125,16 +130,20 @@ impl Scenario {
     }
 
     fn micro_batches(self) -> usize {
-        if self == Scenario::Accumulate {
-            2
-        } else {
-            1
+        match self {
+            Scenario::Accumulate | Scenario::UnusedAccumulate => 2,
+            _ => 1,
         }
+    }
+
+    /// Whether the model is `Branches`, with find_unused_parameters and Adam.
+    fn branches(self) -> bool {
+        matches!(self, Scenario::Unused | Scenario::UnusedAccumulate)
     }
 
     /// Parameters that no rank ever uses: they must keep their initial values exactly.
     fn never_used(self, name: &str) -> bool {
-        self == Scenario::Unused && name.starts_with("c.")
+        self.branches() && name.starts_with("c.")
     }
 
     /// Parameters whose gradient is zero up to rounding: the bias of the Linear before
@@ -149,7 +158,7 @@ impl Scenario {
             gradient_as_bucket_view: mode == "view",
             bucket_cap_bytes: BUCKET_CAP_BYTES,
             first_bucket_cap_bytes: BUCKET_CAP_BYTES,
-            find_unused_parameters: self == Scenario::Unused,
+            find_unused_parameters: self.branches(),
             comm_hook: if self == Scenario::Bf16Compress {
                 BuiltinHook::Bf16Compress
             } else {
@@ -160,7 +169,7 @@ impl Scenario {
     }
 
     fn optimizer(self) -> OptimizerConfig {
-        if self == Scenario::Unused {
+        if self.branches() {
             OptimizerConfig::Adam(AdamConfig {
                 lr: 1e-2,
                 ..AdamConfig::default()
@@ -175,10 +184,16 @@ impl Scenario {
     }
 }
 
-/// Whether branch `b` is used by `rank` at `step` (as `uses_b` in `reference_ddp.py`): by
-/// rank 1 on odd steps only, so by nobody on even steps.
-fn uses_b(rank: usize, step: usize) -> bool {
-    rank == 1 && step % 2 == 1
+/// Whether branch `b` is used by `rank` in micro-batch `micro` of `step` (as `uses_b` in
+/// `reference_ddp.py`): without accumulation by rank 1 on odd steps only, so by nobody on
+/// even steps; with it, by rank 1 in the micro-batch without sync of odd steps and by rank 0
+/// in the synced one of step 3.
+fn uses_b(accumulate: bool, rank: usize, step: usize, micro: usize) -> bool {
+    if accumulate {
+        (rank == 1 && micro == 0 && step % 2 == 1) || (rank == 0 && micro == 1 && step % 4 == 3)
+    } else {
+        rank == 1 && step % 2 == 1
+    }
 }
 
 /// `torch.nn.Linear`'s parameters, applied with `F.linear`'s op.
@@ -214,6 +229,7 @@ enum Model {
         a: Linear,
         b: Linear,
         _c: Linear,
+        accumulate: bool,
     },
 }
 
@@ -225,11 +241,12 @@ impl Model {
                 nn::batch_norm1d(root / "1", HIDDEN, Default::default()),
                 Linear::new(root / "3", HIDDEN, OUT),
             ),
-            Scenario::Unused => Model::Branches {
+            Scenario::Unused | Scenario::UnusedAccumulate => Model::Branches {
                 trunk: Linear::new(root / "trunk", IN, HIDDEN),
                 a: Linear::new(root / "a", HIDDEN, OUT),
                 b: Linear::new(root / "b", HIDDEN, OUT),
                 _c: Linear::new(root / "c", HIDDEN, OUT),
+                accumulate: scenario == Scenario::UnusedAccumulate,
             },
             _ => Model::Mlp([
                 Linear::new(root / "0", IN, HIDDEN),
@@ -239,17 +256,23 @@ impl Model {
         }
     }
 
-    /// The training forward of `rank` at `step`.
-    fn forward(&self, x: &Tensor, rank: usize, step: usize) -> Tensor {
+    /// The training forward of `rank` in micro-batch `micro` of `step`.
+    fn forward(&self, x: &Tensor, rank: usize, step: usize, micro: usize) -> Tensor {
         match self {
             Model::Mlp([l0, l2, l4]) => l4.forward(&l2.forward(&l0.forward(x).relu()).relu()),
             Model::BatchNorm(l0, bn, l3) => {
                 l3.forward(&nn::ModuleT::forward_t(bn, &l0.forward(x), true).relu())
             }
-            Model::Branches { trunk, a, b, .. } => {
+            Model::Branches {
+                trunk,
+                a,
+                b,
+                accumulate,
+                ..
+            } => {
                 let h = trunk.forward(x).relu();
                 let out = a.forward(&h);
-                if uses_b(rank, step) {
+                if uses_b(*accumulate, rank, step, micro) {
                     out + b.forward(&h)
                 } else {
                     out
@@ -325,7 +348,7 @@ fn rank_worker() {
             // As the Trainer does: forward and loss under autocast, backward outside.
             let loss = {
                 let _autocast = scenario.precision().autocast(Device::Cpu).unwrap();
-                let pred = model.forward(x, rank, step);
+                let pred = model.forward(x, rank, step, micro);
                 let kind = scenario.precision().autocast_kind().unwrap_or(Kind::Float);
                 assert_eq!(pred.kind(), kind, "the kind of the model's output");
                 pred.mse_loss(y, Reduction::Mean)
@@ -370,7 +393,8 @@ fn rank_worker() {
 }
 
 /// With `gradient_as_bucket_view`, each bucket's gradients are consecutive pieces of one
-/// buffer: every member's gradient starts where the previous one ends.
+/// buffer: every member's gradient starts where the previous one ends (parameters that no
+/// rank used have none).
 fn assert_gradients_lie_in_their_buckets(ddp: &DistributedDataParallel) {
     let by_name: HashMap<&str, &Tensor> = ddp
         .parameters()
@@ -383,6 +407,9 @@ fn assert_gradients_lie_in_their_buckets(ddp: &DistributedDataParallel) {
                 by_name[pair[0].as_str()].grad(),
                 by_name[pair[1].as_str()].grad(),
             );
+            if !a.defined() || !b.defined() {
+                continue;
+            }
             let end_of_a = a.data_ptr() as usize + a.numel() * a.kind().elt_size_in_bytes();
             assert_eq!(
                 b.data_ptr() as usize,
@@ -475,15 +502,26 @@ fn bytes(t: &Tensor) -> Vec<u8> {
 /// Trains `scenario` with PyTorch and with ours, and compares every float tensor of ours with
 /// PyTorch's, rank with rank.
 fn check_against_pytorch(scenario: Scenario) {
+    check_modes_against_pytorch(scenario, &["overlap"]);
+}
+
+/// [`check_against_pytorch`] with ours run in each of `modes` (see [`MODE_ENV`]).
+fn check_modes_against_pytorch(scenario: Scenario, modes: &[&str]) {
+    for mode in modes {
+        check_mode_against_pytorch(scenario, mode);
+    }
+}
+
+fn check_mode_against_pytorch(scenario: Scenario, mode: &str) {
     tch::set_num_threads(1);
     let dir = &pytorch_results().join(scenario.name());
-    run_ours(scenario, 2, dir, "overlap");
+    run_ours(scenario, 2, dir, mode);
 
     let init = read(dir, "init.safetensors");
     let mut failures = Vec::new();
     let mut largest = 0f64;
     for rank in 0..2 {
-        let ours = read(dir, &format!("overlap.{rank}.safetensors"));
+        let ours = read(dir, &format!("{mode}.{rank}.safetensors"));
         let theirs = read(dir, &format!("torch.{rank}.safetensors"));
         assert!(!ours.is_empty(), "our rank {rank} wrote no tensors");
         for (name, got) in &ours {
@@ -495,12 +533,12 @@ fn check_against_pytorch(scenario: Scenario) {
             let diff = max_abs_diff(got, want);
             largest = largest.max(diff);
             println!(
-                "{} rank {rank} {name}: max |ours - pytorch| = {diff:.3e}",
+                "{} ({mode}) rank {rank} {name}: max |ours - pytorch| = {diff:.3e}",
                 scenario.name()
             );
             if diff > TOLERANCE {
                 failures.push(format!(
-                    "rank {rank} '{name}': max |ours - pytorch| = {diff:.3e}"
+                    "rank {rank} '{name}' ({mode}): max |ours - pytorch| = {diff:.3e}"
                 ));
             }
             let start = &init[name];
@@ -578,6 +616,14 @@ fn batch_norm_with_broadcast_buffers_matches_pytorch() {
 #[test]
 fn find_unused_parameters_with_adam_matches_pytorch() {
     check_against_pytorch(Scenario::Unused);
+}
+
+/// A parameter used only in a micro-batch without sync is still averaged over the ranks,
+/// with each rank's accumulated gradient, as PyTorch's reducer does; overlapped, deferred
+/// and with gradients as bucket views.
+#[test]
+fn find_unused_parameters_with_accumulation_matches_pytorch() {
+    check_modes_against_pytorch(Scenario::UnusedAccumulate, &["overlap", "deferred", "view"]);
 }
 
 #[test]

@@ -46,10 +46,13 @@ SCENARIOS = (
     "accumulate",
     "batch_norm",
     "unused",
+    "unused_accumulate",
     "bf16_compress",
     "bf16_autocast",
     "fp16_grad_scaler",
 )
+# The scenarios of `Branches`, with find_unused_parameters and Adam.
+UNUSED = ("unused", "unused_accumulate")
 # Forward and loss under CPU autocast to this dtype (backward outside, as recommended).
 AUTOCAST = {"bf16_autocast": torch.bfloat16, "fp16_grad_scaler": torch.float16}
 # fp16_grad_scaler's GradScaler: PyTorch's default initial scale, and a growth interval short
@@ -78,7 +81,13 @@ class Branches(nn.Module):
         return out
 
 
-def uses_b(rank, step):
+def uses_b(scenario, rank, step, micro):
+    if scenario == "unused_accumulate":
+        # Rank 1 in the no_sync micro-batch of odd steps, rank 0 in the synced one of step 3:
+        # on step 1 only a micro-batch without sync used `b`.
+        return (rank == 1 and micro == 0 and step % 2 == 1) or (
+            rank == 0 and micro == 1 and step % 4 == 3
+        )
     return rank == 1 and step % 2 == 1
 
 
@@ -87,7 +96,7 @@ def build(scenario):
         return nn.Sequential(
             nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT)
         )
-    if scenario == "unused":
+    if scenario in UNUSED:
         return Branches()
     return nn.Sequential(
         nn.Linear(IN, HIDDEN),
@@ -99,7 +108,7 @@ def build(scenario):
 
 
 def micro_batches(scenario):
-    return 2 if scenario == "accumulate" else 1
+    return 2 if scenario in ("accumulate", "unused_accumulate") else 1
 
 
 def prepare(scenario, out):
@@ -148,11 +157,11 @@ def worker(rank, scenario, out):
     ddp = DDP(
         model,
         bucket_cap_mb=BUCKET_CAP_BYTES / 2**20,
-        find_unused_parameters=scenario == "unused",
+        find_unused_parameters=scenario in UNUSED,
     )
     if scenario == "bf16_compress":
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    if scenario == "unused":
+    if scenario in UNUSED:
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -176,8 +185,8 @@ def worker(rank, scenario, out):
                 else:
                     autocast = contextlib.nullcontext()
                 with autocast:
-                    if scenario == "unused":
-                        pred = ddp(x, uses_b(rank, step))
+                    if scenario in UNUSED:
+                        pred = ddp(x, uses_b(scenario, rank, step, micro))
                     else:
                         pred = ddp(x)
                     assert pred.dtype == AUTOCAST.get(scenario, torch.float32), pred.dtype

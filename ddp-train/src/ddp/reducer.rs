@@ -5,10 +5,13 @@
 //! when overlapping, copies its gradient into its bucket); a bucket whose members are all
 //! ready is handed to the communication hook, strictly in bucket order, so that every rank
 //! issues the same collectives in the same order whatever order its gradients arrive in. At
-//! the end ([`Reducer::finish`]), parameters that got no gradient on this rank contribute
-//! zeros, the remaining buckets are launched, and one more all-reduce counts on how many
-//! ranks each parameter was used; then everything is waited for and the averages are copied
-//! into the gradients of the parameters that some rank used.
+//! the end ([`Reducer::finish`]), parameters that got no gradient in this backward contribute
+//! the gradient they hold (accumulated in backward passes without sync) or zeros, the
+//! remaining buckets are launched, and one more all-reduce counts on how many ranks each
+//! parameter was used, in this backward or one without sync since the last synced one; then
+//! everything is waited for and the averages are copied into the gradients of the parameters
+//! that some rank used. PyTorch's reducer does the same (`local_used_map_`,
+//! `mark_variable_ready_dense`).
 
 use std::sync::Arc;
 
@@ -33,6 +36,9 @@ pub(crate) struct Reducer {
     rebuilt: bool,
     // The step in progress.
     ready: Vec<bool>,
+    /// Parameters that got a gradient in a backward pass without sync since the last synced
+    /// one.
+    used_without_sync: Vec<bool>,
     pending: Vec<usize>,
     next: usize,
     works: Vec<HookWork>,
@@ -59,6 +65,7 @@ impl Reducer {
             require_sync: true,
             rebuilt: false,
             ready: vec![false; params.len()],
+            used_without_sync: vec![false; params.len()],
             pending: Vec::new(),
             next: 0,
             works: Vec::new(),
@@ -88,6 +95,7 @@ impl Reducer {
 
     fn reset(&mut self) {
         self.ready.iter_mut().for_each(|r| *r = false);
+        self.used_without_sync.iter_mut().for_each(|u| *u = false);
         self.pending.clear();
         self.pending
             .extend(self.buckets.iter().map(|b| b.members.len()));
@@ -100,6 +108,7 @@ impl Reducer {
     /// Parameter `k`'s gradient has been accumulated (called by its hook during backward).
     pub(crate) fn mark_ready(&mut self, k: usize) {
         if !self.require_sync {
+            self.used_without_sync[k] = true;
             return;
         }
         if self.ready[k] {
@@ -168,13 +177,18 @@ impl Reducer {
         // bucket (a compressing hook rounds the gradients), gradients become bucket views
         // when asked, and one GPU runs the whole CUDA path.
         let world = self.pg.world_size();
-        let used: Vec<i32> = self.ready.iter().map(|&r| i32::from(r)).collect();
+        let used: Vec<i32> = (0..self.params.len())
+            .map(|k| i32::from(self.ready[k] || self.used_without_sync[k]))
+            .collect();
         tch::no_grad(|| {
             for k in 0..self.params.len() {
                 let (b, offset, numel) = self.locate[k];
-                let mut slot = self.buckets[b].slot(offset, numel);
                 if !self.ready[k] {
-                    let _ = slot.zero_();
+                    if self.params[k].1.grad().defined() {
+                        self.copy_in(k);
+                    } else {
+                        let _ = self.buckets[b].slot(offset, numel).zero_();
+                    }
                     self.pending[b] -= 1;
                 } else if !self.options.overlap {
                     self.copy_in(k);
