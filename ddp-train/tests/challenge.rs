@@ -134,8 +134,12 @@ for pid, p in d["images"]:
     by.setdefault(pid, []).append(p)
 truth = {pid: t for pid, t in d["truth"]}
 ids = sorted(by)
-combine = np.max if d["combine"] == "max" else np.mean
-pr = np.array([combine(np.array(by[i]), axis=0) for i in ids])
+def combine(eyes):
+    if d["combine"] == "mean":
+        return eyes.mean(axis=0)
+    # Each disease's larger probability; N's smaller (normal only when both eyes are).
+    return np.concatenate([eyes[:, :1].min(axis=0), eyes[:, 1:].max(axis=0)])
+pr = np.array([combine(np.array(by[i])) for i in ids])
 gt = np.array([truth[i] for i in ids], dtype=int)
 g, p = gt.flatten(), pr.flatten()
 kappa = cohen_kappa_score(g, p > 0.5)

@@ -138,12 +138,15 @@ fn predict_writes_the_same_submission_on_1_and_2_ranks_in_the_challenges_format(
         assert_eq!(fields.len(), 9, "{line}");
         let patient = floats(&fields[1..]);
         assert!(patient.iter().all(|v| (0.0..=1.0).contains(v)), "{line}");
-        // Eyes combine by their maximum (the default); the one-eyed patient is its left eye.
+        // Eyes combine by each disease's maximum and N's minimum (the default); the one-eyed
+        // patient is its left eye.
         let left = floats(&eyes[1 + 2 * p][2..]);
         let expected: Vec<f64> = match eyes.get(2 + 2 * p) {
             Some(right) if p < 5 => {
                 let right = floats(&right[2..]);
-                left.iter().zip(&right).map(|(a, b)| a.max(*b)).collect()
+                let n = left[0].min(right[0]);
+                let diseases = left[1..].iter().zip(&right[1..]).map(|(a, b)| a.max(*b));
+                std::iter::once(n).chain(diseases).collect()
             }
             _ => left,
         };

@@ -12,11 +12,13 @@ use serde::{Deserialize, Serialize};
 /// The organisers' decision threshold.
 pub const THRESHOLD: f64 = 0.5;
 
-/// How a patient's two eye predictions become the patient's.
+/// How a patient's two eye predictions become the patient's. The patient is normal (`N`)
+/// only when neither eye shows a disease, so `max` takes `N`'s smaller probability.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EyeCombine {
-    /// Each class's larger probability: a disease seen in either eye is the patient's.
+    /// Each disease's larger probability (a disease seen in either eye is the patient's), and
+    /// `N`'s smaller (normal only when both eyes are).
     #[default]
     Max,
     /// Each class's mean probability.
@@ -30,6 +32,7 @@ impl EyeCombine {
         for (k, o) in out.iter_mut().enumerate() {
             let values = eyes.iter().map(|e| e[k]);
             *o = match self {
+                EyeCombine::Max if k == 0 => values.fold(f64::INFINITY, f64::min),
                 EyeCombine::Max => values.fold(f64::NEG_INFINITY, f64::max),
                 EyeCombine::Mean => values.sum::<f64>() / eyes.len() as f64,
             };
@@ -224,7 +227,10 @@ mod tests {
             [0.2, 0.9, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
             [0.6, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
         ];
-        assert_eq!(EyeCombine::Max.combine(&eyes)[..2], [0.6, 0.9]);
+        // N is the patient's only when both eyes are normal: the smaller probability.
+        assert_eq!(EyeCombine::Max.combine(&eyes)[..2], [0.2, 0.9]);
+        assert_eq!(EyeCombine::Max.combine(&eyes)[7], 1.0);
+        assert_eq!(EyeCombine::Max.combine(&eyes[1..]), eyes[1]);
         assert_eq!(EyeCombine::Mean.combine(&eyes)[..2], [0.4, 0.5]);
         assert_eq!(EyeCombine::Mean.combine(&eyes[..1]), eyes[0]);
     }

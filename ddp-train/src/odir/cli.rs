@@ -167,8 +167,9 @@ pub struct TrainConfig {
     pub dct_upsampling: f64,
 
     /// How a patient's two eyes combine into the patient's prediction, for the challenge's
-    /// patient-level score (`odir_score`) and `predict`'s submission: each class's larger
-    /// probability (`max`) or their mean.
+    /// patient-level score (`odir_score`) and `predict`'s submission: each disease's larger
+    /// probability and N's smaller, normal only when both eyes are (`max`), or each class's
+    /// mean (`mean`).
     #[arg(long, value_enum, default_value_t = EyeCombine::Max)]
     #[serde(default)]
     pub eye_combine: EyeCombine,
