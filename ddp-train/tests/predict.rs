@@ -325,7 +325,7 @@ fn a_checkpoint_of_another_model_names_it_and_the_flag() {
 /// A model file of a run directory is scored with the transform its run recorded, or with
 /// a warning naming each setting that differs and the value to give.
 #[test]
-fn scoring_with_another_transform_than_the_training_warns_on_rank_0() {
+fn scoring_with_another_transform_or_eye_combination_than_the_training_warns_on_rank_0() {
     let tmp = common::temp_dir("ddp-train-predict-transform");
     let dir = tmp.path();
     let (data, model) = setup(dir);
@@ -335,6 +335,11 @@ fn scoring_with_another_transform_than_the_training_warns_on_rank_0() {
     std::fs::write(run.join("config.json"), config).unwrap();
     let best = run.join("best-score.safetensors");
     std::fs::copy(&model, &best).unwrap();
+    // Thresholds tuned with the eyes' mean, applied to patients combined by max.
+    let tuned = run.join("best-score.json");
+    let thresholds =
+        r#"{"thresholds": [0.5, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.3], "eye_combine": "mean"}"#;
+    std::fs::write(&tuned, thresholds).unwrap();
     let outputs = predict(
         2,
         &data.join("test/preprocessed_images"),
@@ -363,4 +368,11 @@ fn scoring_with_another_transform_than_the_training_warns_on_rank_0() {
         );
     }
     assert!(!rank0.contains("--eval-resize"), "{rank0}");
+    let warning = format!(
+        "warning: the thresholds of {} were tuned with --eye-combine mean, and the eyes are \
+         combined with max: give --eye-combine mean",
+        tuned.display()
+    );
+    assert_eq!(rank0.matches(&warning).count(), 1, "{rank0}");
+    assert!(!text(&outputs[1]).contains("were tuned with"));
 }

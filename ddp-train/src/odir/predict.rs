@@ -140,8 +140,19 @@ pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
     c.validate()?;
     let set = Arc::new(OdirDataset::open_unlabelled(&c.data)?);
     // Read before meeting the other ranks: a bad file fails on every rank alike.
-    let thresholds = read_thresholds(args.thresholds.as_deref(), &args.model.checkpoint)?;
+    let (thresholds, tuned_with) =
+        read_thresholds(args.thresholds.as_deref(), &args.model.checkpoint)?;
     let scored = score(c, &args.model, set)?;
+    let combine = c.eye_combine.as_str();
+    if let (Some(tuned), Some(file), 0) = (&tuned_with, &thresholds.1, scored.rank) {
+        if tuned != combine {
+            tracing::warn!(
+                "warning: the thresholds of {} were tuned with --eye-combine {tuned}, and the \
+                 eyes are combined with {combine}: give --eye-combine {tuned}",
+                file.display()
+            );
+        }
+    }
     let patients = scored.stats.patient_predictions();
     // Every rank has the same list; rank 0 names them.
     for id in patients.one_eye.iter().filter(|_| scored.rank == 0) {
@@ -234,16 +245,20 @@ pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
     })
 }
 
-/// The thresholds of `given`, else of `<checkpoint>.json` where it exists, else 0.5.
+/// Per-class thresholds and the file they came from (`None`: 0.5).
+type Thresholds = ([f64; 8], Option<PathBuf>);
+
+/// The thresholds of `given`, else of `<checkpoint>.json` where it exists, else 0.5; and the
+/// `--eye-combine` the file says they were tuned with.
 fn read_thresholds(
     given: Option<&Path>,
     checkpoint: &Path,
-) -> Result<([f64; 8], Option<PathBuf>), TrainError> {
+) -> Result<(Thresholds, Option<String>), TrainError> {
     let beside = checkpoint.with_extension("json");
     let path = match given {
         Some(p) => p.to_path_buf(),
         None if checkpoint.is_file() && beside.is_file() => beside,
-        None => return Ok(([THRESHOLD; 8], None)),
+        None => return Ok((([THRESHOLD; 8], None), None)),
     };
     let bad = |why: String| {
         TrainError::Invalid(format!(
@@ -265,7 +280,11 @@ fn read_thresholds(
     if thresholds.iter().any(|t| !t.is_finite()) {
         return Err(bad("a threshold is not a finite number".into()));
     }
-    Ok((thresholds, Some(path)))
+    let tuned_with = doc
+        .get("eye_combine")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    Ok(((thresholds, Some(path)), tuned_with))
 }
 
 fn file_name(path: &Path) -> String {
