@@ -134,6 +134,18 @@ pub fn auto_pos_weight(labels: impl Iterator<Item = [f32; 8]>) -> Result<Vec<f64
             missing.join(", ")
         ));
     }
+    let everywhere: Vec<&str> = (0..8)
+        .filter(|&c| positives[c] == total)
+        .map(|c| names[c])
+        .collect();
+    if !everywhere.is_empty() {
+        return Err(format!(
+            "--pos-weight auto: every training sample has class {}, so negatives/positives is \
+             0 and the class would not be trained; give the weights (--pos-weight W1,...,W8) \
+             or use more data",
+            everywhere.join(", ")
+        ));
+    }
     Ok(positives
         .iter()
         .map(|&p| (total - p) as f64 / p as f64)
@@ -160,17 +172,24 @@ mod tests {
     }
 
     #[test]
-    fn auto_is_negatives_over_positives_and_refuses_an_absent_class() {
+    fn auto_is_negatives_over_positives_and_refuses_an_absent_or_universal_class() {
         let mut a = [0.0f32; 8];
         a[0] = 1.0;
         let b = [1.0f32; 8];
-        // Class N: 4 of 4 positive; the others 1 of 4.
-        let w = auto_pos_weight([a, a, b, [1.0, 0., 0., 0., 0., 0., 0., 0.]].into_iter());
-        assert!(w.is_ok());
-        let w = w.unwrap();
-        assert_eq!(w[0], 0.0, "N: 0 negatives / 4 positives");
-        assert_eq!(w[1], 3.0);
+        let mut c = [0.0f32; 8];
+        c[1] = 1.0;
+        // Class N: 3 of 4 positive; the others 1 of 4.
+        let w = auto_pos_weight([a, a, b, c].into_iter()).unwrap();
+        assert_eq!(w[0], 1.0 / 3.0, "N: 1 negative / 3 positives");
+        assert_eq!(w[1], 1.0, "D: 2 negatives / 2 positives");
+        assert_eq!(w[2], 3.0);
         let e = auto_pos_weight([a].into_iter()).unwrap_err();
-        assert!(e.contains("class D, G, C, A, H, M, O"), "{e}");
+        assert!(
+            e.contains("no training sample has class D, G, C, A, H, M, O"),
+            "{e}"
+        );
+        // N in every sample: a weight of 0 would leave the class untrained.
+        let e = auto_pos_weight([a, b].into_iter()).unwrap_err();
+        assert!(e.contains("every training sample has class N,"), "{e}");
     }
 }
