@@ -15,15 +15,15 @@ use ddp_model::{checkpoint, ConvNet, ConvNetConfig};
 use serde_json::Value;
 use tch::{nn, Device};
 
-/// The ConvNet with `classes` outputs, seeded by `seed`, saved by PyTorch's `torch.save` (as
-/// a DDP model's state_dict when `ddp_prefix`) to `dir/name`; returns the path and the
-/// tensors as written.
+/// The ConvNet with `classes` outputs, seeded by `seed`, saved by PyTorch's `torch.save` with
+/// `prefix` before every name (`module.` for a DDP model's state_dict) to `dir/name`; returns
+/// the path and the tensors as written.
 fn pytorch_file(
     dir: &Path,
     name: &str,
     classes: i64,
     seed: i64,
-    ddp_prefix: bool,
+    prefix: &str,
 ) -> (PathBuf, checkpoint::TensorFile) {
     tch::manual_seed(seed);
     let vs = nn::VarStore::new(Device::Cpu);
@@ -37,7 +37,6 @@ fn pytorch_file(
     let st = dir.join(format!("{name}.safetensors"));
     checkpoint::save(&vs, &st, &Default::default()).unwrap();
     let pth = dir.join(name);
-    let prefix = if ddp_prefix { "module." } else { "" };
     let script = format!(
         "import sys, torch\nfrom collections import OrderedDict\n\
          from safetensors.torch import load_file\n\
@@ -127,7 +126,7 @@ fn two_ranks_start_from_a_pytorch_pth_and_a_resume_takes_precedence() {
     let data = data(dir);
     let data_s = data.to_str().unwrap();
     // Saved from a DDP model, with weights the run's seed would not give.
-    let (pth, file) = pytorch_file(dir, "pretrained.pth", 8, 99, true);
+    let (pth, file) = pytorch_file(dir, "pretrained.pth", 8, 99, "module.");
     let out = dir.join("run");
     let out_s = out.to_str().unwrap();
     let mut first = args(data_s, out_s, "1");
@@ -200,7 +199,7 @@ fn a_file_that_does_not_fit_fails_on_every_rank_and_partial_keeps_the_head() {
     let dir = tmp.path();
     let data = data(dir);
     let data_s = data.to_str().unwrap();
-    let (pth, file) = pytorch_file(dir, "imagenet-head.pth", 1000, 41, false);
+    let (pth, file) = pytorch_file(dir, "imagenet-head.pth", 1000, 41, "");
     let pth_s = pth.to_str().unwrap();
 
     let out = dir.join("strict");
@@ -251,14 +250,42 @@ fn a_file_that_does_not_fit_fails_on_every_rank_and_partial_keeps_the_head() {
     );
 }
 
+/// A partial load that matches no name (another prefix) would train from scratch: refused.
+#[test]
+fn a_partial_load_that_matches_nothing_fails_naming_both_sides() {
+    let tmp = common::temp_dir("ddp-train-init-nothing");
+    let dir = tmp.path();
+    let data = data(dir);
+    let (pth, _) = pytorch_file(dir, "backbone.pth", 8, 41, "backbone.");
+    let pth_s = pth.to_str().unwrap();
+    let out = dir.join("run");
+    let mut partial = args(data.to_str().unwrap(), out.to_str().unwrap(), "1");
+    partial.extend(["--init-from", pth_s, "--init-partial"]);
+    for (r, o) in run_ranks(2, &partial).iter().enumerate() {
+        let t = text(o);
+        assert!(!o.status.success(), "rank {r} should have failed:\n{t}");
+        assert!(
+            t.contains(&format!(
+                "--init-from {pth_s}: no tensor of the file has a name and shape of the model \
+                 (the file has e.g. 'backbone.features."
+            )) && t.contains(
+                "', the model e.g. 'classifier.3.bias'): save the model's own state_dict, or \
+                 pick its entry with --init-key"
+            ),
+            "rank {r}:\n{t}"
+        );
+        assert!(!t.contains("epoch 1/"), "rank {r} started training:\n{t}");
+    }
+}
+
 #[test]
 fn a_training_checkpoint_with_two_models_needs_init_key() {
     let tmp = common::temp_dir("ddp-train-init-key");
     let dir = tmp.path();
     let data = data(dir);
     let data_s = data.to_str().unwrap();
-    let (model, _) = pytorch_file(dir, "model.pth", 8, 99, false);
-    let (ema, ema_file) = pytorch_file(dir, "ema.pth", 8, 41, false);
+    let (model, _) = pytorch_file(dir, "model.pth", 8, 99, "");
+    let (ema, ema_file) = pytorch_file(dir, "ema.pth", 8, 41, "");
     // {"epoch": 3, "model": ..., "ema": ...}, as a training script saves its checkpoint.
     let pth = dir.join("checkpoint.pth");
     let script = "import sys, torch\n\

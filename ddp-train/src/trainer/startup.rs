@@ -554,6 +554,23 @@ fn init_weights(
         ),
         e => TrainError::from(e),
     })?;
+    if report.loaded.is_empty() {
+        // A partial load that matched nothing would train from scratch under a note.
+        let example = |names: &[String]| names.first().cloned().unwrap_or_default();
+        return Err(SettingError::new(
+            "checkpoint.init_from",
+            format!(
+                " {}: no tensor of the file has a name and shape of the model (the file has \
+                 e.g. '{}', the model e.g. '{}'): save the model's own state_dict, or pick \
+                 its entry with ",
+                file.display(),
+                example(&report.unexpected),
+                example(&report.missing),
+            ),
+        )
+        .setting("checkpoint.init_key")
+        .into());
+    }
     let note = format!("initial weights from {}: {report}", file.display());
     let mismatched: Vec<_> = report
         .mismatched
