@@ -90,6 +90,13 @@ pub struct EnvConfig {
 }
 
 impl EnvConfig {
+    /// Whether [`EnvConfig::run_id`] names this job: set by the user, a launcher or SLURM,
+    /// rather than the default `ddp-comm` or torchrun's `none` (its `--rdzv-id` unset). A
+    /// restarted or requeued job keeps its id.
+    pub fn names_a_job(&self) -> bool {
+        !matches!(self.run_id.as_str(), DEFAULT_RUN_ID | "none" | "")
+    }
+
     /// Rank `rank` of `world_size`, meeting at `master_addr:master_port`, given in code:
     /// what torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` alone would
     /// give (one node, run id `ddp-comm`, no secret, no agent store, nothing else set), but
@@ -410,6 +417,7 @@ mod tests {
         );
         assert_eq!(c.source, EnvSource::Single);
         assert_eq!(c.run_id, "ddp-comm");
+        assert!(!c.names_a_job());
     }
 
     #[test]
@@ -435,6 +443,7 @@ mod tests {
         );
         assert_eq!((c.master_addr.as_str(), c.master_port), ("10.0.0.7", 29400));
         assert_eq!(c.run_id, "job9");
+        assert!(c.names_a_job());
         assert!(c.agent_store);
         assert_eq!(c.restart_count, 2);
         assert_eq!(c.op_timeout, Some(Duration::from_millis(1500)));

@@ -42,6 +42,7 @@ mod loops;
 mod non_finite;
 mod outputs;
 mod progress;
+mod run_dir;
 mod startup;
 
 use crate::report::{EpochReport, EvalReport};

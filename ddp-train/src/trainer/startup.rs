@@ -18,6 +18,7 @@ use tch::{nn, Device, Tensor};
 
 use super::freeze;
 use super::outputs::{read_history, write_file, RankLog};
+use super::run_dir::{lock_run_dir, resume_after_restart, RUN_ID_KEY};
 use super::Trainer;
 use crate::allocation::{self, Allocation, EpochRest, Plan, Saved};
 use crate::amp::{GradScaler, Precision};
@@ -374,11 +375,11 @@ impl<T: Task> Trainer<T> {
             train_sampler,
             val_sampler,
         };
-        trainer.describe(init_record)?;
+        trainer.describe(init_record, &env.run_id)?;
         Ok(trainer)
     }
 
-    fn describe(&self, init_weights: serde_json::Value) -> Result<(), TrainError> {
+    fn describe(&self, init_weights: serde_json::Value, run_id: &str) -> Result<(), TrainError> {
         let s = &self.settings;
         self.log.say(&format!(
             "rank {} of {} on {:?} ({} intra-op threads, backend {:?})",
@@ -405,7 +406,7 @@ impl<T: Task> Trainer<T> {
             self.pg.world_size(),
             self.out.display()
         ));
-        let json = serde_json::json!({
+        let mut json = serde_json::json!({
             "settings": s,
             "task": self.task.describe(),
             "world_size": self.pg.world_size(),
@@ -420,94 +421,10 @@ impl<T: Task> Trainer<T> {
             "init_weights": init_weights,
             "run_dir": self.out,
         });
+        json[RUN_ID_KEY] = run_id.into();
         let text = serde_json::to_string_pretty(&json).context(|| "encoding config.json".into())?;
         write_file(&self.out.join("config.json"), text.as_bytes())
     }
-}
-
-/// A launcher's restart (`ddp-run --max-restarts`, torchrun's) runs the same command again
-/// with `TORCHELASTIC_RESTART_COUNT` raised, and expects the program to continue by itself:
-/// with `out` set and a checkpoint in it, a restarted rank resumes from the latest one. So
-/// does any new start of a run that was stopped (by a signal or its time limit: a requeued
-/// job). An explicit `resume` wins; before the first checkpoint the run starts over. Returns
-/// a note for the log ("" when the run does not continue by itself).
-///
-/// A first start (no launcher's restart) in a run directory that already has checkpoints of
-/// a run that was not stopped (it finished, or failed) is refused: starting over would
-/// overwrite its metrics, best models and checkpoints.
-fn resume_after_restart(
-    settings: &mut Settings,
-    env: &EnvConfig,
-) -> Result<&'static str, TrainError> {
-    if settings.checkpoint.resume.is_some() {
-        return Ok("");
-    }
-    let Some(out) = &settings.out else {
-        return Ok("");
-    };
-    let latest = state::checkpoint_dir(out).join("latest");
-    let auto = settings.checkpoint.resume_after_restart;
-    let note = if auto && state::was_stopped(out) {
-        ", continuing the stopped run"
-    } else if auto && env.restart_count > 0 && latest.is_file() {
-        ", after the launcher's restart"
-    } else if env.restart_count == 0 && latest.is_file() {
-        let names = std::fs::read_to_string(&latest).unwrap_or_default();
-        return Err(TrainError::Invalid(format!(
-            "--out {} already holds a run (its {} names {}): continue it with --resume \
-             latest, or give another --out (or remove that folder) to start a new run",
-            out.display(),
-            latest.display(),
-            names.trim().escape_debug()
-        )));
-    } else {
-        return Ok("");
-    };
-    settings.checkpoint.resume = Some("latest".to_string());
-    Ok(note)
-}
-
-/// The file whose lock marks a run directory in use.
-const RUN_LOCK: &str = ".lock";
-
-/// Takes the run directory's lock (an exclusive `flock` on `out/.lock`, which the kernel
-/// lets go when the process ends, however it ends) and writes who holds it. A lock another
-/// process holds is a refusal naming it; a file system without locks gets no lock.
-fn lock_run_dir(out: &Path) -> Result<Option<std::fs::File>, String> {
-    use std::io::{Read, Seek, Write};
-    use std::os::fd::AsRawFd;
-    let path = out.join(RUN_LOCK);
-    let Ok(mut file) = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-    else {
-        return Ok(None);
-    };
-    // SAFETY: flock on a descriptor this function owns; no memory is involved.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            return Ok(None);
-        }
-        let mut holder = String::new();
-        let _ = file.read_to_string(&mut holder);
-        return Err(format!(
-            "--out {} is in use by another job ({}, which holds {}): give another --out, or \
-             wait for that job to end",
-            out.display(),
-            holder.trim(),
-            path.display()
-        ));
-    }
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let holder = format!("pid {} on {}", std::process::id(), host.trim());
-    let _ = file.set_len(0);
-    let _ = file.rewind();
-    let _ = file.write_all(holder.as_bytes());
-    Ok(Some(file))
 }
 
 /// Loads `checkpoint.init_from` into the freshly built model (on the CPU, before the process

@@ -1,0 +1,235 @@
+//! The run directory at start-up: whether a start continues the run already in `--out`
+//! (a launcher's restart, a stopped run, the same job started again) or would write over it,
+//! and the lock that keeps a second job out.
+
+use std::path::Path;
+
+use ddp_comm::EnvConfig;
+
+use crate::error::TrainError;
+use crate::settings::Settings;
+use crate::state;
+
+/// The key of `config.json` that records the job's run id ([`EnvConfig::run_id`]).
+pub(super) const RUN_ID_KEY: &str = "run_id";
+
+/// Whether this start continues the run in `out`: the run was stopped (by a signal or its
+/// time limit, and so should go on when started again), a launcher restarted its ranks
+/// (`TORCHELASTIC_RESTART_COUNT` above 0), or the same job started it (its run id, which a
+/// restart, a requeue and torchrun's membership changes keep, is the one `config.json`
+/// records; torchrun counts no restart for a node joining or leaving).
+fn continues_the_run(out: &Path, env: &EnvConfig) -> bool {
+    state::was_stopped(out)
+        || env.restart_count > 0
+        || (env.names_a_job() && recorded_run_id(out).as_deref() == Some(env.run_id.as_str()))
+}
+
+/// The run id `out/config.json` records, if any.
+fn recorded_run_id(out: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(out.join("config.json")).ok()?;
+    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    json.get(RUN_ID_KEY)?.as_str().map(str::to_string)
+}
+
+/// A run that continues resumes from the latest checkpoint of its `out` by itself (with
+/// `resume_after_restart`, the default), even where `resume` names another file (where the
+/// run began): a restarted, requeued or re-formed job goes on from where it got to. Before
+/// the first checkpoint the run starts over. Returns a note for the log ("" when the run
+/// does not continue by itself).
+///
+/// A start that does not continue the run in `out` (another job, or resuming by itself is
+/// off), without an explicit `resume`, is refused when `out` holds checkpoints: starting over
+/// would overwrite the run's metrics, best models and checkpoints.
+pub(super) fn resume_after_restart(
+    settings: &mut Settings,
+    env: &EnvConfig,
+) -> Result<String, TrainError> {
+    let Some(out) = &settings.out else {
+        return Ok(String::new());
+    };
+    let latest = state::checkpoint_dir(out).join("latest");
+    if !latest.is_file() {
+        return Ok(String::new());
+    }
+    let auto = settings.checkpoint.resume_after_restart;
+    let continuing = auto && continues_the_run(out, env);
+    let note = match (&settings.checkpoint.resume, continuing) {
+        (Some(given), true) if given != "latest" => {
+            format!(", continuing the run from its latest checkpoint (it began from {given})")
+        }
+        (Some(_), _) => return Ok(String::new()),
+        (None, true) if state::was_stopped(out) => ", continuing the stopped run".to_string(),
+        (None, true) if env.restart_count > 0 => ", after the launcher's restart".to_string(),
+        (None, true) => format!(", continuing job {}", env.run_id),
+        (None, false) => {
+            let names = std::fs::read_to_string(&latest).unwrap_or_default();
+            let off = if auto {
+                ""
+            } else {
+                " (resuming by itself after a restart is off)"
+            };
+            return Err(TrainError::Invalid(format!(
+                "--out {} already holds a run{off} (its {} names {}): continue it with \
+                 --resume latest, or give another --out (or remove that folder) to start a new \
+                 run",
+                out.display(),
+                latest.display(),
+                names.trim().escape_debug()
+            )));
+        }
+    };
+    settings.checkpoint.resume = Some("latest".to_string());
+    Ok(note)
+}
+
+/// The file whose lock marks a run directory in use.
+const RUN_LOCK: &str = ".lock";
+
+/// Takes the run directory's lock (an exclusive `flock` on `out/.lock`, which the kernel
+/// lets go when the process ends, however it ends) and writes who holds it. A lock another
+/// process holds is a refusal naming it; a file system without locks gets no lock.
+pub(super) fn lock_run_dir(out: &Path) -> Result<Option<std::fs::File>, String> {
+    use std::io::{Read, Seek, Write};
+    use std::os::fd::AsRawFd;
+    let path = out.join(RUN_LOCK);
+    let Ok(mut file) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+    else {
+        return Ok(None);
+    };
+    // SAFETY: flock on a descriptor this function owns; no memory is involved.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Ok(None);
+        }
+        let mut holder = String::new();
+        let _ = file.read_to_string(&mut holder);
+        return Err(format!(
+            "--out {} is in use by another job ({}, which holds {}): give another --out, or \
+             wait for that job to end",
+            out.display(),
+            holder.trim(),
+            path.display()
+        ));
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let holder = format!("pid {} on {}", std::process::id(), host.trim());
+    let _ = file.set_len(0);
+    let _ = file.rewind();
+    let _ = file.write_all(holder.as_bytes());
+    Ok(Some(file))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A run directory whose `latest` names `epoch-0001`, written by job `job`.
+    fn run_of_job(job: &str) -> ddp_testkit::TempDir {
+        let dir = ddp_testkit::temp_dir("run-dir");
+        std::fs::create_dir_all(state::checkpoint_dir(dir.path())).unwrap();
+        std::fs::write(
+            state::checkpoint_dir(dir.path()).join("latest"),
+            "epoch-0001\n",
+        )
+        .unwrap();
+        let config = serde_json::json!({ RUN_ID_KEY: job, "world_size": 2 });
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        dir
+    }
+
+    fn settings(out: &Path, resume: Option<&str>) -> Settings {
+        let mut s = Settings {
+            out: Some(out.to_path_buf()),
+            ..Default::default()
+        };
+        s.checkpoint.resume = resume.map(str::to_string);
+        s
+    }
+
+    fn env(run_id: &str, restart_count: u64) -> EnvConfig {
+        let mut e = EnvConfig::new(0, 2, "127.0.0.1", 1);
+        e.run_id = run_id.to_string();
+        e.restart_count = restart_count;
+        e
+    }
+
+    #[test]
+    fn the_same_job_continues_its_run_and_another_is_refused() {
+        let run = run_of_job("slurm-42");
+        let out = run.path();
+        // A requeued job, or a torchrun node joining (no restart counted): same id.
+        let mut s = settings(out, None);
+        let note = resume_after_restart(&mut s, &env("slurm-42", 0)).unwrap();
+        assert_eq!(note, ", continuing job slurm-42");
+        assert_eq!(s.checkpoint.resume.as_deref(), Some("latest"));
+        // Another job, or no id at all (torchrun's `none`, the default): refused.
+        for other in ["slurm-43", "none", "ddp-comm"] {
+            let mut s = settings(out, None);
+            let e = resume_after_restart(&mut s, &env(other, 0)).unwrap_err();
+            assert!(
+                e.to_string().contains("already holds a run (its "),
+                "{other}: {e}"
+            );
+            assert_eq!(s.checkpoint.resume, None);
+        }
+        // A launcher's restart continues whatever the id.
+        let mut s = settings(out, None);
+        let note = resume_after_restart(&mut s, &env("none", 1)).unwrap();
+        assert_eq!(note, ", after the launcher's restart");
+    }
+
+    #[test]
+    fn a_continuing_run_prefers_its_latest_checkpoint_to_where_it_began() {
+        let run = run_of_job("job-7");
+        let out = run.path();
+        let mut s = settings(out, Some("/elsewhere/epoch-0003.safetensors"));
+        let note = resume_after_restart(&mut s, &env("job-7", 1)).unwrap();
+        assert_eq!(
+            note,
+            ", continuing the run from its latest checkpoint (it began from \
+             /elsewhere/epoch-0003.safetensors)"
+        );
+        assert_eq!(s.checkpoint.resume.as_deref(), Some("latest"));
+        // A stopped run, started again by a new job (a requeue with a new id), too.
+        state::mark_stopped(out, "epoch-0001", "time limit").unwrap();
+        let mut s = settings(out, Some("/elsewhere/epoch-0003.safetensors"));
+        assert!(resume_after_restart(&mut s, &env("job-8", 0))
+            .unwrap()
+            .starts_with(", continuing the run from its latest checkpoint"));
+        // A new job's explicit resume is its own choice.
+        let run = run_of_job("job-7");
+        let mut s = settings(run.path(), Some("/elsewhere/epoch-0003.safetensors"));
+        assert_eq!(resume_after_restart(&mut s, &env("job-8", 0)).unwrap(), "");
+        assert_eq!(
+            s.checkpoint.resume.as_deref(),
+            Some("/elsewhere/epoch-0003.safetensors")
+        );
+    }
+
+    #[test]
+    fn a_restart_without_resuming_by_itself_is_refused_not_started_over() {
+        let run = run_of_job("job-7");
+        let mut s = settings(run.path(), None);
+        s.checkpoint.resume_after_restart = false;
+        let e = resume_after_restart(&mut s, &env("job-7", 2)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("already holds a run (resuming by itself after a restart is off)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_run_without_checkpoints_starts_over() {
+        let dir = ddp_testkit::temp_dir("run-dir");
+        let mut s = settings(dir.path(), None);
+        assert_eq!(resume_after_restart(&mut s, &env("job-7", 3)).unwrap(), "");
+        assert_eq!(s.checkpoint.resume, None);
+    }
+}
