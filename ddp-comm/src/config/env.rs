@@ -172,15 +172,21 @@ impl EnvConfig {
         let master_addr = match (get("MASTER_ADDR"), source) {
             (Some(addr), _) => addr,
             (None, EnvSource::Slurm) => {
-                let list = get("SLURM_JOB_NODELIST").or_else(|| get("SLURM_NODELIST"));
+                // The step's nodes: a step may run on some of the job's.
+                let list = [
+                    "SLURM_STEP_NODELIST",
+                    "SLURM_JOB_NODELIST",
+                    "SLURM_NODELIST",
+                ]
+                .into_iter()
+                .find_map(|var| get(var).map(|list| (var, list)));
                 match list {
-                    Some(list) => first_slurm_host(&list).ok_or_else(|| {
-                        malformed("SLURM_JOB_NODELIST", &list, "a SLURM host list")
-                    })?,
+                    Some((var, list)) => first_slurm_host(&list)
+                        .ok_or_else(|| malformed(var, &list, "a SLURM host list"))?,
                     None => {
                         return Err(missing(
                             "MASTER_ADDR",
-                            "neither it nor SLURM_JOB_NODELIST is set",
+                            "neither it nor SLURM_STEP_NODELIST or SLURM_JOB_NODELIST is set",
                         ))
                     }
                 }
@@ -304,15 +310,41 @@ fn local_place<G: Fn(&str) -> Option<String>>(
     }
 }
 
-/// SLURM's tasks on this node: `SLURM_NTASKS_PER_NODE`, else the first count of
-/// `SLURM_TASKS_PER_NODE` (`"4(x2),2"` -> 4).
+/// SLURM's tasks on this node: `SLURM_NTASKS_PER_NODE`, else this node's (`SLURM_NODEID`,
+/// 0 when unset) count of `SLURM_TASKS_PER_NODE` (`"4(x2),2"`: 4 on nodes 0 and 1, 2 on 2).
 fn slurm_tasks_per_node<G: Fn(&str) -> Option<String>>(
     get: &G,
 ) -> Result<Option<usize>, CommError> {
-    get("SLURM_NTASKS_PER_NODE")
-        .or_else(|| get("SLURM_TASKS_PER_NODE"))
-        .map(|v| leading_count("SLURM_TASKS_PER_NODE", &v))
-        .transpose()
+    if let Some(v) = get("SLURM_NTASKS_PER_NODE") {
+        return leading_count("SLURM_NTASKS_PER_NODE", &v).map(Some);
+    }
+    let Some(list) = get("SLURM_TASKS_PER_NODE") else {
+        return Ok(None);
+    };
+    let node = match get("SLURM_NODEID") {
+        Some(v) => parse_usize("SLURM_NODEID", &v)?,
+        None => 0,
+    };
+    let bad = || malformed("SLURM_TASKS_PER_NODE", &list, "counts such as 4(x2),2");
+    let mut first = 0;
+    for group in list.split(',') {
+        let (count, repeat) = match group.split_once("(x") {
+            Some((count, rest)) => {
+                let times = rest.strip_suffix(')').ok_or_else(bad)?;
+                (count, parse_usize("SLURM_TASKS_PER_NODE", times)?)
+            }
+            None => (group, 1),
+        };
+        if node < first + repeat {
+            return leading_count("SLURM_TASKS_PER_NODE", count).map(Some);
+        }
+        first += repeat;
+    }
+    Err(malformed(
+        "SLURM_NODEID",
+        &node.to_string(),
+        &format!("a node of SLURM_TASKS_PER_NODE {list} ({first} nodes)"),
+    ))
 }
 
 fn missing(var: &str, why: &str) -> CommError {
@@ -367,7 +399,8 @@ fn leading_count(var: &str, value: &str) -> Result<usize, CommError> {
     })
 }
 
-/// The first host of a SLURM host list: `"gpu[03-05,09],cpu1"` -> `"gpu03"`.
+/// The first host of a SLURM host list: `"gpu[03-05,09],cpu1"` -> `"gpu03"`,
+/// `"rack[1-2]-n[01-02]"` -> `"rack1-n01"`.
 pub fn first_slurm_host(list: &str) -> Option<String> {
     let mut depth = 0usize;
     let end = list
@@ -382,16 +415,19 @@ pub fn first_slurm_host(list: &str) -> Option<String> {
             false
         })
         .map_or(list.len(), |(i, _)| i);
-    let first = &list[..end];
-    let host = match (first.find('['), first.find(']')) {
-        (Some(open), Some(close)) if open < close => {
-            let inside = &first[open + 1..close];
-            let start = inside.split([',', '-']).next()?;
-            format!("{}{}{}", &first[..open], start, &first[close + 1..])
-        }
-        (None, None) => first.to_string(),
-        _ => return None,
-    };
+    // Each bracketed range of the first entry at its first value.
+    let mut rest = &list[..end];
+    let mut host = String::new();
+    while let Some(open) = rest.find('[') {
+        let close = open + rest[open..].find(']')?;
+        host.push_str(&rest[..open]);
+        host.push_str(rest[open + 1..close].split([',', '-']).next()?);
+        rest = &rest[close + 1..];
+    }
+    if rest.contains(']') {
+        return None;
+    }
+    host.push_str(rest);
     (!host.is_empty()).then_some(host)
 }
 
@@ -469,6 +505,16 @@ mod tests {
         );
         assert_eq!((c.master_addr.as_str(), c.master_port), ("gpu07", 23456));
         assert_eq!(c.run_id, "123456");
+        // A step on some of the job's nodes meets on its own first node.
+        let c = read(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_JOB_NODELIST", "gpu[07-08,11]"),
+            ("SLURM_STEP_NODELIST", "gpu[08,11]"),
+            ("SLURM_JOB_ID", "7"),
+        ])
+        .unwrap();
+        assert_eq!(c.master_addr, "gpu08");
         assert_eq!(c.source, EnvSource::Slurm);
     }
 
@@ -495,6 +541,28 @@ mod tests {
             (1, 2)
         );
         assert_eq!(place(&[("SLURM_LOCALID", "3")]), (3, 4));
+        // Uneven nodes: this node's count.
+        let uneven = [("SLURM_LOCALID", "1"), ("SLURM_TASKS_PER_NODE", "3(x2),2")];
+        assert_eq!(
+            place(&[&uneven[..], &[("SLURM_NODEID", "1")]].concat()),
+            (1, 3)
+        );
+        assert_eq!(
+            place(&[&uneven[..], &[("SLURM_NODEID", "2")]].concat()),
+            (1, 2)
+        );
+        assert_eq!(place(&uneven), (1, 3));
+        match read(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "8"),
+            ("MASTER_PORT", "1"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_TASKS_PER_NODE", "3(x2),2"),
+            ("SLURM_NODEID", "3"),
+        ]) {
+            Err(CommError::MalformedEnv { var, .. }) => assert_eq!(var, "SLURM_NODEID"),
+            other => panic!("{other:?}"),
+        }
         match read(&[
             ("RANK", "0"),
             ("WORLD_SIZE", "1"),
@@ -514,7 +582,12 @@ mod tests {
             first_slurm_host("rack[2,4]-gpu").as_deref(),
             Some("rack2-gpu")
         );
+        assert_eq!(
+            first_slurm_host("rack[1-2]-n[01-02],x").as_deref(),
+            Some("rack1-n01")
+        );
         assert_eq!(first_slurm_host("bad[1"), None);
+        assert_eq!(first_slurm_host("bad]1"), None);
     }
 
     #[test]

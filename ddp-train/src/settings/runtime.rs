@@ -43,16 +43,27 @@ impl DeviceChoice {
             .into()),
             (_, true) => {
                 let count = tch::Cuda::device_count() as usize;
-                if local_rank >= count {
-                    return Err(crate::TrainError::Invalid(format!(
-                        "LOCAL_RANK {local_rank} needs cuda:{local_rank}, but only {count} \
-                         CUDA devices are visible"
-                    )));
-                }
-                Ok(tch::Device::Cuda(local_rank))
+                let bound = std::env::var_os("CUDA_VISIBLE_DEVICES").is_some();
+                cuda_index(local_rank, count, bound)
+                    .map(tch::Device::Cuda)
+                    .map_err(crate::TrainError::Invalid)
             }
             (_, false) => Ok(tch::Device::Cpu),
         }
+    }
+}
+
+/// The CUDA device of local rank `local_rank` among `count` visible ones: `cuda:local_rank`,
+/// or `cuda:0` for any local rank when `CUDA_VISIBLE_DEVICES` shows one device only (`srun
+/// --gpus-per-task=1`, or a launcher that binds one GPU to each rank).
+fn cuda_index(local_rank: usize, count: usize, visible_set: bool) -> Result<usize, String> {
+    match (local_rank < count, count, visible_set) {
+        (true, _, _) => Ok(local_rank),
+        (false, 1, true) => Ok(0),
+        (false, _, _) => Err(format!(
+            "LOCAL_RANK {local_rank} needs cuda:{local_rank}, but only {count} CUDA devices are \
+             visible (with one per rank, set CUDA_VISIBLE_DEVICES to each rank's own)"
+        )),
     }
 }
 
@@ -216,3 +227,23 @@ builder!(RuntimeSettings {
     progress: bool,
     plot: bool,
 });
+
+#[cfg(test)]
+mod tests {
+    use super::cuda_index;
+
+    #[test]
+    fn a_rank_uses_its_local_device_or_the_one_bound_to_it() {
+        assert_eq!(cuda_index(1, 4, false), Ok(1));
+        assert_eq!(cuda_index(1, 4, true), Ok(1));
+        // srun --gpus-per-task=1: each task sees its own GPU as cuda:0.
+        assert_eq!(cuda_index(3, 1, true), Ok(0));
+        // One GPU for all, nothing bound: two ranks must not share it silently.
+        let e = cuda_index(1, 1, false).unwrap_err();
+        assert!(
+            e.starts_with("LOCAL_RANK 1 needs cuda:1, but only 1 CUDA devices"),
+            "{e}"
+        );
+        assert!(cuda_index(2, 2, true).is_err());
+    }
+}
