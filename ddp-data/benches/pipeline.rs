@@ -1,5 +1,7 @@
 //! Decode + RandomResizedCrop(224, scale=(0.2, 1.0)) + ToTensor, one thread, on ODIR-like
-//! JPEGs of 512x512 and 2048x2048, and the same work through torchvision for the ratio.
+//! JPEGs of 512x512 and 2048x2048, and the same work through torchvision for the ratio: by
+//! default (full decode, torchvision's pixels) against torchvision's, and with reduced-scale
+//! decoding (`with_dct_upsampling(2.0)`, `-reduced`) against torchvision with PIL's `draft`.
 //!
 //! `cargo bench -p ddp-data --bench pipeline` writes the images to
 //! `target/ddp-data-bench/`, measures this crate with criterion, then runs
@@ -86,8 +88,19 @@ fn pipeline(c: &mut Criterion) {
     for size in SIZES {
         let mut runner = Runner::new(images(size));
         group.bench_function(format!("{size}x{size}"), |b| b.iter(|| runner.step()));
+        let mut runner = Runner::with(images(size), reduced());
+        group.bench_function(format!("{size}x{size}-reduced"), |b| {
+            b.iter(|| runner.step())
+        });
     }
     group.finish();
+}
+
+/// The benched transform with reduced-scale JPEG decoding as PIL's `draft` does it.
+fn reduced() -> Transform {
+    Transform::train(224)
+        .with_dct_upsampling(2.0)
+        .expect("a valid factor")
 }
 
 fn python() -> Option<PathBuf> {
@@ -135,11 +148,20 @@ fn torchvision(
 }
 
 fn compare() {
-    let ours: Vec<(u32, f64)> = SIZES.iter().map(|&s| (s, rate(images(s), 3.0))).collect();
+    let ours: Vec<(u32, f64, f64)> = SIZES
+        .iter()
+        .map(|&s| {
+            (
+                s,
+                rate(images(s), 3.0),
+                rate_with(images(s), reduced(), 3.0),
+            )
+        })
+        .collect();
     println!("\nimages per CPU-second of one thread, decode + RandomResizedCrop(224) + ToTensor");
-    println!("ddp-data:");
-    for (s, r) in &ours {
-        println!("  {s}x{s}: {r:.0} img/s");
+    println!("ddp-data (full decode; reduced-scale decoding):");
+    for (s, r, q) in &ours {
+        println!("  {s}x{s}: {r:.0} img/s; reduced {q:.0} img/s");
     }
     let Some(python) = python() else {
         println!(
@@ -160,7 +182,7 @@ fn compare() {
             .map(|r| r.2)
     };
     println!("torchvision, same images (ratio = ddp-data / torchvision):");
-    for (s, r) in &ours {
+    for (s, r, q) in &ours {
         let (Some(d0), Some(d1), Some(f0), Some(f1)) = (
             find(&plain, "default", *s),
             find(&tuned, "default", *s),
@@ -171,18 +193,23 @@ fn compare() {
         };
         let (default, draft) = (d0.max(d1), f0.max(f1));
         println!(
-            "  {s}x{s}: default {d0:.0} (malloc-tuned {d1:.0}) -> ratio {:.2}; draft {draft:.0} -> ratio {:.2}",
+            "  {s}x{s}: default {d0:.0} (malloc-tuned {d1:.0}) -> ratio {:.2}; draft {draft:.0} -> reduced's ratio {:.2}",
             r / default,
-            r / draft
+            q / draft
         );
     }
 }
 
 /// Mean and 99th-percentile absolute difference (in 0-255 steps) between `transform`'s output
-/// and the same crops from a full-size decode, over `crops` draws per image.
-fn difference(paths: &[PathBuf], transform: Transform, crops: u64) -> (f64, f64) {
+/// and the same crops from a full-size decode (`full`), over `crops` draws per image.
+fn difference(
+    paths: &[PathBuf],
+    transform: Transform,
+    full_t: Transform,
+    crops: u64,
+) -> (f64, f64) {
     let mut reduced = Pipeline::new();
-    let mut full = Pipeline::new().with_reduced_dct(false);
+    let mut full = Pipeline::new();
     let (mut a, mut b) = (
         vec![0u8; transform.sample_len()],
         vec![0u8; transform.sample_len()],
@@ -195,7 +222,7 @@ fn difference(paths: &[PathBuf], transform: Transform, crops: u64) -> (f64, f64)
                 .run_u8(&transform, path, &mut rng, &mut a)
                 .expect("decode");
             let mut rng = SampleRng::new(3, 0, n);
-            full.run_u8(&transform, path, &mut rng, &mut b)
+            full.run_u8(&full_t, path, &mut rng, &mut b)
                 .expect("decode");
             diffs.extend(a.iter().zip(&b).map(|(x, y)| x.abs_diff(*y)));
         }
@@ -223,7 +250,7 @@ fn upsampling_study() {
                 .with_dct_upsampling(factor)
                 .expect("valid factor");
             let speed = rate_with(paths.clone(), t, 1.5);
-            let (mean, p99) = difference(paths, t, 24);
+            let (mean, p99) = difference(paths, t, Transform::train(224), 24);
             println!(
                 "RESULT dct kind={} factor={factor} img_per_s={speed:.1} mean_abs={mean:.3} p99_abs={p99}",
                 name.replace(' ', "_")

@@ -26,14 +26,15 @@ fn reduced_decode_matches_full_decode() {
     // Crop it to 1200 x 900 (rectangular like the originals).
     let px: Vec<u8> = px[..1200 * 900 * 3].to_vec();
     let path = write(dir.path(), "big.jpg", &common::encode_jpeg(&px, 1200, 900));
-    let t = Transform::train(96).with_hflip(true);
-    let (mut fast, mut slow) = (Pipeline::new(), Pipeline::new().with_reduced_dct(false));
+    let full = Transform::train(96).with_hflip(true);
+    let t = full.with_dct_upsampling(1.0).unwrap();
+    let (mut fast, mut slow) = (Pipeline::new(), Pipeline::new());
     let (mut a, mut b) = (vec![0f32; t.sample_len()], vec![0f32; t.sample_len()]);
     let mut worst_mean = 0f32;
     for i in 0..30 {
         fast.run(&t, &path, &mut SampleRng::new(3, 0, i), &mut a)
             .unwrap();
-        slow.run(&t, &path, &mut SampleRng::new(3, 0, i), &mut b)
+        slow.run(&full, &path, &mut SampleRng::new(3, 0, i), &mut b)
             .unwrap();
         let diffs: Vec<f32> = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).collect();
         let mean = diffs.iter().sum::<f32>() / diffs.len() as f32;
@@ -42,7 +43,7 @@ fn reduced_decode_matches_full_decode() {
         // above 0.02. Filtering differences stay below 0.003.
         assert!(mean < 0.008, "sample {i}: mean abs difference {mean}");
         // Against another sample's crop the difference is an order of magnitude larger.
-        slow.run(&t, &path, &mut SampleRng::new(3, 0, i + 100), &mut b)
+        slow.run(&full, &path, &mut SampleRng::new(3, 0, i + 100), &mut b)
             .unwrap();
         let other = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32;
         assert!(
@@ -59,7 +60,7 @@ fn reduced_path_reports_truncated_and_corrupt_files() {
     let dir = tempfile::tempdir().unwrap();
     let jpeg = common::gradient_jpeg(1024, 1024);
     let cut = write(dir.path(), "cut.jpg", &jpeg[..jpeg.len() * 3 / 4]);
-    let t = Transform::train(64);
+    let t = Transform::train(64).with_dct_upsampling(1.0).unwrap();
     let mut p = Pipeline::new();
     let mut out = vec![0f32; t.sample_len()];
     let e = p

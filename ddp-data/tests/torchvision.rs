@@ -3,7 +3,8 @@
 //! same image; both flips, `RandomRotation`, and `ColorJitter`'s brightness, contrast and
 //! saturation on the same crop, alone and drawn together as training draws them. (The resize
 //! itself may differ by one level from PIL's, which a jitter factor above 1 would magnify:
-//! hence the augmentations start from the same crop.) Runs the Python of `cargo xtask setup`
+//! hence the augmentations start from the same crop.) A large JPEG through the default
+//! pipeline equals torchvision on PIL's decode of the same file. Runs the Python of `cargo xtask setup`
 //! (`tests/torchvision_reference.py`) once for all cases.
 
 use std::fmt::Write as _;
@@ -229,7 +230,13 @@ fn transforms_equal_torchvision_within_one_level() {
         });
     }
 
-    let list = tmp.path().join("cases.txt");
+    compare_with_torchvision(&image, &cases, tmp.path(), 1);
+}
+
+/// Runs torchvision's side of `cases` on `image` (scratch files in `dir`) and checks every
+/// case against ours: resizes within `resize_levels` per byte, what follows them exactly.
+fn compare_with_torchvision(image: &Path, cases: &[Case], dir: &Path, resize_levels: u8) {
+    let list = dir.join("cases.txt");
     let lines: String = cases
         .iter()
         .map(|c| format!("{} {}\n", c.name, c.ops))
@@ -238,7 +245,9 @@ fn transforms_equal_torchvision_within_one_level() {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/torchvision_reference.py");
     let out = Command::new(ddp_testkit::setup_python())
         .arg(script)
-        .args([&image, &list, &tmp.path().to_path_buf()])
+        .arg(image)
+        .arg(&list)
+        .arg(dir)
         .env("OMP_NUM_THREADS", "1")
         .output()
         .expect("python runs");
@@ -248,8 +257,8 @@ fn transforms_equal_torchvision_within_one_level() {
         String::from_utf8_lossy(&out.stderr)
     );
     let mut failures = Vec::new();
-    for case in &cases {
-        let theirs = std::fs::read(tmp.path().join(format!("{}.bin", case.name))).unwrap();
+    for case in cases {
+        let theirs = std::fs::read(dir.join(format!("{}.bin", case.name))).unwrap();
         assert_eq!(theirs.len(), case.ours.len(), "{}: size", case.name);
         let worst = case
             .ours
@@ -271,7 +280,11 @@ fn transforms_equal_torchvision_within_one_level() {
             case.ops
         );
         // The resize may round differently from PIL's; what follows it is exact.
-        let allowed = if case.ops.starts_with("raw ") { 0 } else { 1 };
+        let allowed = if case.ops.starts_with("raw ") {
+            0
+        } else {
+            resize_levels
+        };
         if worst > allowed {
             failures.push(format!("{} (max diff {worst}: {})", case.name, case.ops));
         }
@@ -281,4 +294,50 @@ fn transforms_equal_torchvision_within_one_level() {
         "differ from torchvision (resizes by more than 1/255, augmentations at all): \
          {failures:#?}"
     );
+}
+
+/// A JPEG of 1000 x 760 through the default pipeline, as the loader decodes it: the
+/// evaluation transform and drawn training crops (most shrink 2x or more) equal torchvision's
+/// on the file PIL decodes.
+#[test]
+fn a_large_jpeg_transforms_as_torchvision_by_default() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (w, h) = (1000u32, 760u32);
+    let png = tmp.path().join("source.png");
+    write_image(&png, w, h);
+    let px = image::open(&png).unwrap().to_rgb8();
+    let image = tmp.path().join("image.jpg");
+    let mut bytes = Vec::new();
+    image::codecs::jpeg::JpegEncoder::new_with_quality(&mut bytes, 90)
+        .encode(&px, w, h, image::ExtendedColorType::Rgb8)
+        .unwrap();
+    std::fs::write(&image, bytes).unwrap();
+    let mut pipeline = Pipeline::new();
+    let mut cases = Vec::new();
+    for (resize, crop) in [(256, 224), (96, 64)] {
+        let t = Transform::eval(resize, crop).unwrap();
+        let mut ours = vec![0u8; t.sample_len()];
+        pipeline
+            .run_u8(&t, &image, &mut SampleRng::new(0, 0, 0), &mut ours)
+            .unwrap();
+        cases.push(Case {
+            name: format!("eval_{resize}_{crop}"),
+            ops: format!("resize_centre_crop {resize} {crop}"),
+            ours,
+        });
+    }
+    let t = Transform::random_resized_crop(96, (0.2, 1.0), DEFAULT_RATIO).unwrap();
+    for i in 0..8 {
+        let placement = t.placement(h, w, &mut SampleRng::new(7, 1, i));
+        let mut ours = vec![0u8; t.sample_len()];
+        pipeline
+            .run_u8(&t, &image, &mut SampleRng::new(7, 1, i), &mut ours)
+            .unwrap();
+        cases.push(Case {
+            name: format!("drawn_{i}"),
+            ops: crop_op(&placement, 96),
+            ours,
+        });
+    }
+    compare_with_torchvision(&image, &cases, tmp.path(), 1);
 }

@@ -55,8 +55,9 @@ pub struct Transform {
     scale: [f32; 3],
     bias: [f32; 3],
     normalized: bool,
-    /// How much the final resize may enlarge a crop decoded at reduced JPEG scale.
-    dct_upsampling: f64,
+    /// How much the final resize may enlarge a crop decoded at reduced JPEG scale; `None`:
+    /// every JPEG is decoded at full size, as PIL does.
+    dct_upsampling: Option<f64>,
     /// What follows the training crop (nothing for the evaluation transform).
     augment: Augment,
 }
@@ -65,8 +66,6 @@ pub struct Transform {
 pub const DEFAULT_RATIO: (f64, f64) = (3.0 / 4.0, 4.0 / 3.0);
 /// The area range the project's training recipe uses (`scale=(0.2, 1.0)`).
 pub const DEFAULT_SCALE: (f64, f64) = (0.2, 1.0);
-/// The default of [`Transform::with_dct_upsampling`].
-pub const DEFAULT_DCT_UPSAMPLING: f64 = 1.0;
 /// The ImageNet channel means that pretrained torchvision models expect.
 pub const IMAGENET_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
 /// The ImageNet channel standard deviations.
@@ -87,7 +86,7 @@ impl Transform {
             scale: [1.0 / 255.0; 3],
             bias: [0.0; 3],
             normalized: false,
-            dct_upsampling: DEFAULT_DCT_UPSAMPLING,
+            dct_upsampling: None,
             augment: Augment::default(),
         }
     }
@@ -179,10 +178,11 @@ impl Transform {
         Ok(self)
     }
 
-    /// Lets a JPEG be decoded at 1/2, 1/4 or 1/8 scale even when the crop then has fewer
-    /// pixels than the output, as long as the final resize enlarges it by at most `factor`
-    /// (1 = never enlarge: the exact-quality choice; PIL's `draft` enlarges by up to 2).
-    /// The crop boxes are the same whatever the factor; only the detail inside them changes.
+    /// Lets a JPEG be decoded at 1/2, 1/4 or 1/8 scale (libjpeg's scaled IDCT, faster on
+    /// large photos) when the final resize then enlarges the crop by at most `factor` (1: only
+    /// while it still shrinks it; PIL's `draft` enlarges by up to 2). The crop boxes are the
+    /// same whatever the factor; the pixels inside them are no longer torchvision's, which
+    /// decodes in full (a few levels apart, more on fine texture). Off by default.
     pub fn with_dct_upsampling(mut self, factor: f64) -> Result<Self, DataError> {
         if !(factor >= 1.0 && factor.is_finite()) {
             return Err(invalid(
@@ -191,13 +191,13 @@ impl Transform {
                 factor,
             ));
         }
-        self.dct_upsampling = factor;
+        self.dct_upsampling = Some(factor);
         Ok(self)
     }
 
     /// The enlargement allowed after a reduced-scale JPEG decode (see
-    /// [`Transform::with_dct_upsampling`]).
-    pub fn dct_upsampling(&self) -> f64 {
+    /// [`Transform::with_dct_upsampling`]); `None` when JPEGs are decoded in full.
+    pub fn dct_upsampling(&self) -> Option<f64> {
         self.dct_upsampling
     }
 
@@ -246,7 +246,6 @@ pub struct Pipeline {
     scratch: Vec<u8>,
     /// A training crop's pixels, resized on their own.
     cropped: Vec<u8>,
-    reduced_dct: bool,
 }
 
 impl Default for Pipeline {
@@ -305,16 +304,7 @@ impl Pipeline {
             resized: Vec::new(),
             scratch: Vec::new(),
             cropped: Vec::new(),
-            reduced_dct: true,
         }
-    }
-
-    /// Turns the reduced-size JPEG decoding off (`false`: every image is decoded in full
-    /// before cropping) or back on (the default). The crop boxes are the same either way;
-    /// the pixels differ only by the small filtering difference of the smaller IDCT.
-    pub fn with_reduced_dct(mut self, on: bool) -> Self {
-        self.reduced_dct = on;
-        self
     }
 
     /// Decodes `path`, applies `transform` with draws from `rng`, and writes the
@@ -395,17 +385,15 @@ impl Pipeline {
     ) -> Result<(bool, bool), DataError> {
         let size = transform.output_size();
         self.decoder.load(path)?;
-        let scalable = if self.reduced_dct {
-            self.decoder.scalable_jpeg_size()
-        } else {
-            None
-        };
+        let scalable = transform
+            .dct_upsampling
+            .and_then(|factor| Some((self.decoder.scalable_jpeg_size()?, factor)));
         let (image, placement, region) = match scalable {
-            Some((width, height)) => {
+            Some(((width, height), factor)) => {
                 // Choose the crop in full-resolution coordinates first (the same draws as a
                 // full decode), then decode only what it needs, as small as it allows.
                 let placement = transform.placement(height, width, rng);
-                let denom = dct_reduction(placement.region, size, transform.dct_upsampling);
+                let denom = dct_reduction(placement.region, size, factor);
                 if denom > 1 {
                     let (image, region) =
                         self.decoder

@@ -159,12 +159,14 @@ pub struct TrainConfig {
     #[serde(default)]
     pub dropout: Option<f64>,
 
-    /// Let a JPEG be decoded at 1/2, 1/4 or 1/8 scale when the crop then needs enlarging by
-    /// at most this factor (1: never enlarge, the exact torchvision result; 2: about what
-    /// PIL's `draft` does, up to 35% faster on large photos, pixels within ~1/255 on average).
-    #[arg(long, default_value_t = 1.0)]
-    #[serde(default = "one")]
-    pub dct_upsampling: f64,
+    /// Decode training JPEGs at 1/2, 1/4 or 1/8 scale when the crop then needs enlarging by
+    /// at most this factor (1: only while the final resize still shrinks it; 2: about what
+    /// PIL's `draft` does): faster on large photos, but the pixels are no longer
+    /// torchvision's (a few levels apart). Without it every JPEG is decoded in full, as
+    /// torchvision does; evaluation always is.
+    #[arg(long, value_name = "F")]
+    #[serde(default)]
+    pub dct_upsampling: Option<f64>,
 
     /// How a patient's two eyes combine into the patient's prediction, for the challenge's
     /// patient-level score (`odir_score`) and `predict`'s submission: each disease's larger
@@ -199,10 +201,13 @@ impl TrainConfig {
                 self.image_size
             ));
         }
-        if !(self.dct_upsampling >= 1.0 && self.dct_upsampling.is_finite()) {
+        if let Some(f) = self
+            .dct_upsampling
+            .filter(|f| !(*f >= 1.0 && f.is_finite()))
+        {
             return invalid(format!(
-                "--dct-upsampling {} must be a number >= 1 (1 decodes exactly as torchvision)",
-                self.dct_upsampling
+                "--dct-upsampling {f} must be a number >= 1 (leave it out to decode every JPEG \
+                 in full, as torchvision does)"
             ));
         }
         if !(0.0..=180.0).contains(&self.rotation) {
@@ -253,8 +258,4 @@ impl TrainConfig {
     pub fn settings(&self) -> Settings {
         self.train.settings()
     }
-}
-
-fn one() -> f64 {
-    1.0
 }

@@ -92,8 +92,11 @@ impl OdirTask {
             vflip: c.vflip,
             rotation: c.rotation,
             jitter: [c.brightness, c.contrast, c.saturation],
-        })?
-        .with_dct_upsampling(c.dct_upsampling)?;
+        })?;
+        let augment = match c.dct_upsampling {
+            Some(factor) => augment.with_dct_upsampling(factor)?,
+            None => augment,
+        };
         let eval = eval_transform(c)?;
         let augment = match c.normalize.mean_std() {
             Some((mean, std)) => augment.with_normalization(mean, std)?,

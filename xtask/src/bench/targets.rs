@@ -27,12 +27,12 @@ targets! {
          PyTorch's `DistributedSampler`.",
         "the sampler's goal: shuffling a large data set must cost a trainer nothing";
     DECODE_VS_TORCHVISION = Target::Ratio(2.0),
-        "Decode + RandomResizedCrop(224) + to-tensor on one thread, 512 and 2048 px: at least \
-         2x torchvision's images/s with its default decoding.",
+        "Decode + RandomResizedCrop(224) + to-tensor on one thread, 512 and 2048 px, with \
+         torchvision's pixels (full decode): at least 2x torchvision's images/s.",
         "ddp-data's goal for decoding (ddp-data/README.md, Speed)";
     DECODE_VS_PIL_DRAFT = Target::Ratio(1.3),
-        "The same pipeline: at least 1.3x torchvision's images/s with PIL's `draft` \
-         (JPEGs decoded at a reduced size).",
+        "The same pipeline decoding JPEGs at a reduced size (`--dct-upsampling 2`): at least \
+         1.3x torchvision's images/s with PIL's `draft`, which does the same.",
         "ddp-data's goal for decoding against PIL's reduced-size decode (ddp-data/README.md, Speed)";
     LOADER_HANDOFF = Target::OursAtMost(0.0005),
         "The training thread's hand-off of a ready 64x224 batch as tensors on the CPU \
