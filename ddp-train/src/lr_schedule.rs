@@ -12,7 +12,7 @@
 //! | `linear` | `t / w`, then `(T - t) / (T - w)`, down to 0 | `get_linear_schedule_with_warmup` |
 //! | `cosine` | `t / w`, then `(1 + cos(pi p)) / 2` with `p = (t - w) / (T - w)` | `get_cosine_schedule_with_warmup` |
 //! | `step` | `t / w`, then `gamma^floor((t - w) / every)` | `torch.optim.lr_scheduler.StepLR` |
-//! | `one-cycle` | cosine from `1 / div` up to 1 over `pct_start * T` steps, then cosine down to `1 / (div * final_div)` | `torch.optim.lr_scheduler.OneCycleLR` (`anneal_strategy='cos'`) |
+//! | `one-cycle` | cosine from `1 / div` up to 1 over `pct_start * T` steps, then cosine down to `1 / (div * final_div)` | `torch.optim.lr_scheduler.OneCycleLR` (`anneal_strategy='cos'`, `cycle_momentum=False`) |
 //! | `plateau` | 1, times `factor` after each `patience` epochs without improvement | `torch.optim.lr_scheduler.ReduceLROnPlateau` |
 //!
 //! The warmup and decay formulas are Hugging Face's `transformers` schedules (which take the
@@ -57,7 +57,9 @@ pub enum LrSchedule {
         /// The factor of each decay.
         gamma: f64,
     },
-    /// PyTorch's `OneCycleLR` with cosine annealing; the base learning rate is `max_lr`.
+    /// PyTorch's `OneCycleLR` with cosine annealing; the base learning rate is `max_lr`. The
+    /// momentum (Adam's beta1) stays as set: PyTorch's `cycle_momentum=False`, not its
+    /// default, which also moves it between 0.95 and 0.85.
     OneCycle {
         /// Share of the steps spent rising (PyTorch's default 0.3).
         pct_start: f64,
