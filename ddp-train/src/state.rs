@@ -143,6 +143,11 @@ pub struct TrainState {
     /// written, which the optimizer's state leaves out; empty when none was.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub frozen: Vec<String>,
+    /// DDP's bucket order after its first step's rebuild
+    /// ([`crate::DistributedDataParallel::bucket_order`]), which a resumed run takes on;
+    /// `None` before the rebuild and in checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket_order: Option<Vec<String>>,
     /// The settings the run was started with, as JSON.
     pub config: serde_json::Value,
 }
@@ -718,6 +723,7 @@ mod tests {
             allocation: None,
             plan: None,
             frozen: Vec::new(),
+            bucket_order: None,
             config: serde_json::Value::Null,
         };
         assert_eq!(stem_of(&st), "epoch-0001");
@@ -756,6 +762,7 @@ mod tests {
             allocation: None,
             plan: None,
             frozen: Vec::new(),
+            bucket_order: None,
             config: serde_json::Value::Null,
         }
     }

@@ -163,7 +163,20 @@ fn train_args<'a>(data: &'a str, out: &'a str) -> Vec<&'a str> {
     ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
 )]
 fn an_interrupted_and_resumed_run_equals_an_uninterrupted_one() {
-    check_resume("resume", &[]);
+    check_resume("resume", 2, &[]);
+}
+
+/// On three ranks the ring sums each element in an order that depends on its place in its
+/// bucket: the resumed run must reduce in the buckets the run had (the checkpoint's order).
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn an_interrupted_and_resumed_run_on_three_ranks_equals_an_uninterrupted_one() {
+    let state = check_resume("resume-3", 3, &[]);
+    let order = state["bucket_order"].as_array().unwrap();
+    assert_eq!(order.len(), 14, "the ConvNet's parameters: {order:?}");
 }
 
 /// fp16 adds the gradient scaler's state (its scale and count of good steps) to what a
@@ -177,6 +190,7 @@ fn an_interrupted_and_resumed_fp16_run_equals_an_uninterrupted_one() {
     // With clipping, the epoch's mean gradient norm and skipped steps must resume exactly.
     let state = check_resume(
         "resume-fp16",
+        2,
         &["--precision", "fp16", "--clip-grad-norm", "1.0"],
     );
     let scaler = &state["grad_scaler"];
@@ -188,10 +202,10 @@ fn an_interrupted_and_resumed_fp16_run_equals_an_uninterrupted_one() {
     assert!(scale > 0.0 && scale <= 65536.0 && good >= 1, "{scaler}");
 }
 
-/// Trains 3 epochs on 2 ranks with `extra` flags, once through and once killed at epoch 2
-/// and resumed; checks that weights, optimizer state, scalar state and metrics are equal,
-/// and returns the final scalar state.
-fn check_resume(name: &str, extra: &[&str]) -> Value {
+/// Trains 3 epochs on `world` ranks with `extra` flags, once through and once killed at
+/// epoch 2 and resumed; checks that weights, optimizer state, scalar state and metrics are
+/// equal, and returns the final scalar state.
+fn check_resume(name: &str, world: usize, extra: &[&str]) -> Value {
     let tmp = temp_dir(name);
     let dir = tmp.path();
     let data = data(dir, 40);
@@ -199,14 +213,14 @@ fn check_resume(name: &str, extra: &[&str]) -> Value {
     let full = dir.join("full");
     let full_s = full.to_str().unwrap();
     let train_args = |data, out| [train_args(data, out), extra.to_vec()].concat();
-    assert_all_ok(&run_ranks(2, &train_args(data_s, full_s), &[]));
+    assert_all_ok(&run_ranks(world, &train_args(data_s, full_s), &[]));
 
     // The same run, killed at epoch 2 step 1 by rank 1, then resumed from the latest
     // checkpoint (the end of epoch 1).
     let cut = dir.join("cut");
     let cut_s = cut.to_str().unwrap();
     let failing = [("DDP_TRAIN_FAIL_RANK", "1"), ("DDP_TRAIN_FAIL_AT", "2:1")];
-    let outputs = run_ranks(2, &train_args(data_s, cut_s), &failing);
+    let outputs = run_ranks(world, &train_args(data_s, cut_s), &failing);
     assert_eq!(outputs[1].status.code(), Some(17), "{}", text(&outputs[1]));
     assert!(
         !outputs[0].status.success(),
@@ -218,7 +232,7 @@ fn check_resume(name: &str, extra: &[&str]) -> Value {
     );
     let mut resume = train_args(data_s, cut_s);
     resume.extend(["--resume", "latest"]);
-    let outputs = run_ranks(2, &resume, &[("TORCHELASTIC_RESTART_COUNT", "1")]);
+    let outputs = run_ranks(world, &resume, &[("TORCHELASTIC_RESTART_COUNT", "1")]);
     assert_all_ok(&outputs);
     assert!(
         text(&outputs[0]).contains("resumed from"),
@@ -568,6 +582,7 @@ fn clipping_logs_the_same_gradient_norm_on_every_rank() {
 fn a_resumed_run_continues_a_per_step_schedule_exactly() {
     check_resume(
         "resume-cosine",
+        2,
         &["--lr-schedule", "cosine", "--warmup-steps", "3"],
     );
     let tmp = temp_dir("cosine-lrs");

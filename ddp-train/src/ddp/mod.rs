@@ -328,6 +328,50 @@ impl DistributedDataParallel {
             .collect()
     }
 
+    /// The parameter names in the order the buckets were rebuilt in after the first step
+    /// (`None` before it, or when buckets are not rebuilt, with `find_unused_parameters`):
+    /// what a checkpoint keeps so that a resumed run reduces in the same buckets
+    /// ([`DistributedDataParallel::restore_bucket_order`]). With three ranks or more the
+    /// ring sums each element in an order that depends on where it lies in its bucket.
+    pub fn bucket_order(&self) -> Option<Vec<String>> {
+        let order = lock(&self.reducer).rebuilt_order()?;
+        Some(
+            order
+                .into_iter()
+                .map(|k| self.params[k].0.clone())
+                .collect(),
+        )
+    }
+
+    /// Lays the buckets out in `names`' order as the first step's rebuild would, when
+    /// `names` is exactly this model's trainable parameters (each once) and buckets are
+    /// rebuilt at all; returns whether it did. Every rank must give the same order (a
+    /// checkpoint's).
+    pub fn restore_bucket_order(&mut self, names: &[String]) -> bool {
+        if self.options.find_unused_parameters || names.len() != self.params.len() {
+            return false;
+        }
+        let index: std::collections::HashMap<&str, usize> = self
+            .params
+            .iter()
+            .enumerate()
+            .map(|(k, (n, _))| (n.as_str(), k))
+            .collect();
+        let order: Option<Vec<usize>> = names
+            .iter()
+            .map(|n| index.get(n.as_str()).copied())
+            .collect();
+        let Some(order) = order else {
+            return false;
+        };
+        let mut seen = vec![false; order.len()];
+        if order.iter().any(|&k| std::mem::replace(&mut seen[k], true)) {
+            return false;
+        }
+        lock(&self.reducer).restore_order(&order);
+        true
+    }
+
     /// The parameter names of each gradient bucket, in reduction order.
     pub fn bucket_parameters(&self) -> Vec<Vec<String>> {
         let reducer = lock(&self.reducer);
@@ -532,6 +576,58 @@ mod tests {
             assert_eq!(Vec::<f32>::try_from(&b.grad()).unwrap(), [3.0; 3]);
             assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
         }
+    }
+
+    /// The first step rebuilds the buckets in the order gradients became ready; a new DDP
+    /// given that order (a resumed run's) starts with the same buckets.
+    #[test]
+    fn a_restored_bucket_order_is_the_rebuilt_one() {
+        let pg = Arc::new(
+            ProcessGroup::new(ddp_comm::Options::new(
+                0,
+                1,
+                "127.0.0.1",
+                ddp_testkit::free_port(),
+            ))
+            .unwrap(),
+        );
+        let options = DdpOptions {
+            bucket_cap_bytes: 1500,
+            first_bucket_cap_bytes: 1500,
+            ..DdpOptions::default()
+        };
+        let model = || {
+            let vs = VarStore::new(tch::Device::Cpu);
+            for name in ["a", "b", "c"] {
+                let _ = vs.root().var(name, &[300], tch::nn::Init::Const(1.0));
+            }
+            vs
+        };
+        let one_each = |names: [&str; 3]| names.map(|n| vec![n.to_string()]).to_vec();
+        let vs = model();
+        let mut ddp = DistributedDataParallel::new(&vs, pg.clone(), options).unwrap();
+        assert_eq!(ddp.bucket_parameters(), one_each(["c", "b", "a"]));
+        assert_eq!(ddp.bucket_order(), None);
+        // c is used first, a last: backward makes a's gradient first.
+        let v = vs.variables();
+        (Tensor::ones([300], (tch::Kind::Float, tch::Device::Cpu)) * &v["c"] * &v["b"] * &v["a"])
+            .sum(tch::Kind::Float)
+            .backward();
+        ddp.sync_gradients().unwrap();
+        assert_eq!(ddp.bucket_parameters(), one_each(["a", "b", "c"]));
+        let order = ddp.bucket_order().unwrap();
+        assert_eq!(order, ["a", "b", "c"]);
+
+        let vs = model();
+        let mut resumed = DistributedDataParallel::new(&vs, pg, options).unwrap();
+        let wrong = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        assert!(!resumed.restore_bucket_order(&wrong(&["a", "b"])));
+        assert!(!resumed.restore_bucket_order(&wrong(&["a", "a", "c"])));
+        assert!(!resumed.restore_bucket_order(&wrong(&["a", "b", "x"])));
+        assert_eq!(resumed.bucket_parameters(), one_each(["c", "b", "a"]));
+        assert!(resumed.restore_bucket_order(&order));
+        assert_eq!(resumed.bucket_parameters(), one_each(["a", "b", "c"]));
+        assert_eq!(resumed.bucket_order().unwrap(), order);
     }
 
     #[test]

@@ -253,6 +253,23 @@ impl Reducer {
         Ok(())
     }
 
+    /// The parameters (by index) in the order the buckets were rebuilt in, once they were.
+    pub(crate) fn rebuilt_order(&self) -> Option<Vec<usize>> {
+        self.rebuilt.then(|| {
+            self.buckets
+                .iter()
+                .flat_map(|b| b.members.iter().map(|&(k, _, _)| k))
+                .collect()
+        })
+    }
+
+    /// Buckets in `order` (every parameter once), as a rebuild after the first step would
+    /// have left them: a resumed run continues with the buckets it was checkpointed with.
+    pub(crate) fn restore_order(&mut self, order: &[usize]) {
+        self.set_buckets(order);
+        self.rebuilt = true;
+    }
+
     /// After the first step: buckets in the order in which gradients became ready on rank 0
     /// (PyTorch rebuilds its buckets once, the same way, unless unused parameters are
     /// expected). Every rank takes rank 0's order, so that the buckets agree.

@@ -121,6 +121,7 @@ impl<T: Task> Trainer<T> {
             allocation: Some(self.allocation),
             plan: Some(self.plan),
             frozen: self.frozen.clone(),
+            bucket_order: self.ddp.bucket_order(),
             config: serde_json::json!({
                 "settings": self.settings,
                 "task": self.task.describe(),

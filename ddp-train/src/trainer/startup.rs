@@ -125,6 +125,7 @@ impl<T: Task> Trainer<T> {
         let mut scaler = (s.precision == Precision::Fp16).then(GradScaler::default);
         let mut early = s.early_stopping.patience.map(|_| EarlyStopState::default());
         let mut restored = None;
+        let mut bucket_order = None;
         let mut resumed_note = None;
         let mut resume_key = String::from("none");
         let mut fallback_warnings = Vec::new();
@@ -193,6 +194,7 @@ impl<T: Task> Trainer<T> {
                 .load_state(&tensors, st.optimizer_steps)
                 .map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))?;
             optimizer.set_lr(st.lr);
+            bucket_order = st.bucket_order.clone();
             if st.scheduler.is_some() {
                 scheduler = st.scheduler.clone();
             }
@@ -312,7 +314,11 @@ impl<T: Task> Trainer<T> {
         if let (Some(note), 0) = (init_note, rank) {
             log.say(&note);
         }
-        let ddp = DistributedDataParallel::new(&vs, pg.clone(), s.ddp)?;
+        let mut ddp = DistributedDataParallel::new(&vs, pg.clone(), s.ddp)?;
+        if let Some(order) = &bucket_order {
+            // The buckets the run reduced in; another set of parameters keeps the default.
+            ddp.restore_bucket_order(order);
+        }
         let sync_bn = s.sync_batchnorm.then(|| {
             let reducer = Arc::new(GroupReducer::new(pg.clone()));
             norms.synchronise(Some(reducer.clone()));
