@@ -59,8 +59,8 @@ mod tcp;
 pub use nccl::cuda;
 
 pub use config::env::{
-    first_slurm_host, EnvConfig, EnvSource, HOST_ID_ENV, MAX_RUN_ID_LEN, OP_TIMEOUT_ENV,
-    RDZV_TIMEOUT_ENV, RUN_ID_ENV, TRANSPORT_ENV,
+    first_slurm_host, EnvConfig, EnvSource, HOST_ID_ENV, LAUNCHER_ATTEMPT_ENV, MAX_RUN_ID_LEN,
+    OP_TIMEOUT_ENV, RDZV_TIMEOUT_ENV, RUN_ID_ENV, TRANSPORT_ENV,
 };
 pub use config::options::{
     Backend, Options, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_SHM_RING_BYTES,

@@ -326,6 +326,85 @@ fn a_world_size_mismatch_aborts_the_rendezvous() {
     assert!(errors[0].contains("aborted"), "{errors:?}");
 }
 
+/// A node restarts its rank 1 (attempt 1) while rank 0 of attempt 0 still runs, as
+/// `ddp-run --nnodes 2 --max-restarts 1` does on each node (`DDP_LAUNCHER_ATTEMPT`): the new rank 1 waits for rank 0
+/// of its own attempt instead of joining the old store (where it was "started twice").
+#[test]
+fn a_restarted_rank_waits_for_rank_0_of_its_own_attempt() {
+    const TEST: &str = "a_restarted_rank_waits_for_rank_0_of_its_own_attempt";
+    if worker() {
+        let group = ProcessGroup::from_env().unwrap();
+        match std::env::var("DDP_TEST_ROLE").unwrap().as_str() {
+            // Rank 0 of attempt 0 outlives its rank 1 by a few seconds.
+            "old" if group.rank() == 0 => std::thread::sleep(Duration::from_secs(4)),
+            "old" => {}
+            _ => two_rank_sum(&group),
+        }
+        println!("done");
+        return;
+    }
+    let port = free_port();
+    let spawn = |rank: usize, attempt: &str, role: &str| {
+        let extra = env(&[("DDP_LAUNCHER_ATTEMPT", attempt), ("DDP_TEST_ROLE", role)]);
+        spawn_rank(TEST, rank, 2, port, &extra)
+    };
+    let old0 = spawn(0, "0", "old");
+    let old1 = spawn(1, "0", "old");
+    let out = wait_all(vec![old1], LIMIT).remove(0);
+    assert!(out.status.success(), "old rank 1:\n{}", show(&out));
+    let new1 = spawn(1, "1", "new");
+    let out = wait_all(vec![old0], LIMIT).remove(0);
+    assert!(out.status.success(), "old rank 0:\n{}", show(&out));
+    let new0 = spawn(0, "1", "new");
+    for (rank, out) in wait_all(vec![new0, new1], LIMIT).iter().enumerate() {
+        assert!(out.status.success(), "new rank {rank}:\n{}", show(out));
+        assert_eq!(
+            lines_with(out, "rank "),
+            [format!("{rank}: ok")],
+            "{}",
+            show(out)
+        );
+    }
+}
+
+/// A rank of an earlier attempt than rank 0's is the stale one: both fail at once, naming
+/// the attempts.
+#[test]
+fn a_rank_of_an_earlier_attempt_than_rank_0_fails_naming_both() {
+    const TEST: &str = "a_rank_of_an_earlier_attempt_than_rank_0_fails_naming_both";
+    if worker() {
+        expect_join_error();
+        return;
+    }
+    let port = free_port();
+    let children = [(0, "2"), (1, "1")]
+        .into_iter()
+        .map(|(rank, attempt)| {
+            spawn_rank(
+                TEST,
+                rank,
+                2,
+                port,
+                &env(&[("DDP_LAUNCHER_ATTEMPT", attempt)]),
+            )
+        })
+        .collect();
+    let start = Instant::now();
+    let outs = wait_all(children, LIMIT);
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+    let want = "rank 1 was started by its launcher's attempt 1 (DDP_LAUNCHER_ATTEMPT) and rank \
+                0 by attempt 2: every node's launcher must restart its ranks together";
+    for (rank, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "rank {rank}:\n{}", show(out));
+        let err = lines_with(out, "ERROR: ").join("\n");
+        assert!(err.contains(want), "rank {rank}: {err}");
+    }
+}
+
 /// In a worker of a two-rank job: one all-reduce whose result shows both ranks took part.
 fn two_rank_sum(group: &ProcessGroup) {
     let (rank, _) = rank_world();

@@ -379,6 +379,12 @@ impl Attempt<'_> {
         }
         let launcher = std::process::id();
         cmd.env(crate::env::DDP_LAUNCHER_PID, launcher.to_string());
+        // Each node's launcher restarts its ranks on its own: a restarted rank must meet
+        // rank 0 of its own attempt, not the previous one still running on another node.
+        cmd.env(
+            crate::env::DDP_LAUNCHER_ATTEMPT,
+            env.restart_count.to_string(),
+        );
         // SAFETY: between fork and exec the closure calls only async-signal-safe functions
         // (setsid, prctl, getppid, _exit) and allocates nothing.
         unsafe {

@@ -12,6 +12,10 @@ use crate::security::secret::{Secret, SECRET_ENV};
 /// Environment variable holding the job's run id (which keys in torchrun's agent store carry,
 /// and which goes into the fallback secret with the key file when `DDP_SECRET` is not set).
 pub const RUN_ID_ENV: &str = "DDP_RUN_ID";
+/// Environment variable with the attempt of a launcher whose nodes restart their ranks each
+/// on their own (`ddp-run` sets it; torchrun's agents restart together and need none): ranks
+/// then meet only rank 0 of their own attempt.
+pub const LAUNCHER_ATTEMPT_ENV: &str = "DDP_LAUNCHER_ATTEMPT";
 /// Environment variable overriding the rendezvous timeout, in seconds.
 pub const RDZV_TIMEOUT_ENV: &str = "DDP_RDZV_TIMEOUT_S";
 /// Environment variable overriding the per-collective timeout, in seconds.
@@ -73,6 +77,8 @@ pub struct EnvConfig {
     pub agent_store: bool,
     /// `TORCHELASTIC_RESTART_COUNT` (0 when unset): keeps keys of restarted workers apart.
     pub restart_count: u64,
+    /// `DDP_LAUNCHER_ATTEMPT`, if set: the rendezvous waits for rank 0 of this attempt.
+    pub launcher_attempt: Option<u64>,
     /// How long rendezvous may take: `DDP_RDZV_TIMEOUT_S`, if set (`None`:
     /// [`DEFAULT_RENDEZVOUS_TIMEOUT`](crate::DEFAULT_RENDEZVOUS_TIMEOUT)).
     pub rendezvous_timeout: Option<Duration>,
@@ -119,6 +125,7 @@ impl EnvConfig {
             secret_file: None,
             agent_store: false,
             restart_count: 0,
+            launcher_attempt: None,
             rendezvous_timeout: None,
             op_timeout: None,
             transport: None,
@@ -245,6 +252,7 @@ impl EnvConfig {
             }
         };
         let restart_count = number("TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0) as u64;
+        let launcher_attempt = number(LAUNCHER_ATTEMPT_ENV)?.map(|n| n as u64);
         let transport = get(TRANSPORT_ENV)
             .map(|v| {
                 v.parse::<Transport>()
@@ -267,6 +275,7 @@ impl EnvConfig {
             secret_file: get(SECRET_FILE_ENV).map(PathBuf::from),
             agent_store,
             restart_count,
+            launcher_attempt,
             rendezvous_timeout: timeout(RDZV_TIMEOUT_ENV)?,
             op_timeout: timeout(OP_TIMEOUT_ENV)?,
             transport,

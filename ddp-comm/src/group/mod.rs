@@ -155,6 +155,7 @@ impl ProcessGroup {
             transport: env.transport.unwrap_or_default(),
             host_id: env.host_id.clone(),
             shm_capacity: ring_bytes,
+            attempt: env.launcher_attempt,
         };
         let met = rendezvous::meet(&plan)?;
         let heartbeat = Arc::new(start_heartbeat(&plan, op_timeout, &met));

@@ -32,6 +32,8 @@ use crate::store::{resolve, Store, StoreClient, StoreServer};
 const ABORT_KEY: &str = "abort";
 /// How long rank 0 keeps its store up after a failed rendezvous.
 const ABORT_LINGER: Duration = Duration::from_millis(500);
+/// The key under which rank 0 writes its launcher's attempt in its own store.
+const ATTEMPT_KEY: &str = "attempt";
 
 /// What rendezvous needs to know.
 #[derive(Clone, Debug)]
@@ -52,6 +54,9 @@ pub(crate) struct Plan {
     pub host_id: Option<String>,
     /// Data bytes of each shared-memory ring this rank creates.
     pub shm_capacity: usize,
+    /// The launcher's attempt that started this rank, where its nodes restart their ranks
+    /// each on their own (`DDP_LAUNCHER_ATTEMPT`).
+    pub attempt: Option<u64>,
 }
 
 /// The result: the store connection (kept for NCCL ids), rank 0's server, the ring.
@@ -215,7 +220,7 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     } else {
         None
     };
-    let mut store = connect_store(plan, deadline, &server)?;
+    let mut store = store_of_this_attempt(plan, deadline, &server)?;
     match join(plan, store.as_mut(), deadline) {
         Ok(joined) => Ok(Met {
             store: Some(store),
@@ -236,6 +241,118 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
                 std::thread::sleep(ABORT_LINGER);
             }
             Err(err)
+        }
+    }
+}
+
+/// What a rank finds in rank 0's own store about the attempt that started rank 0.
+enum Attempt {
+    /// Rank 0 has not written it yet.
+    NotYet,
+    /// This rank's own.
+    Same,
+    /// A later one: this rank is the stale one.
+    Later(u64),
+    /// An earlier one, or the store went away: rank 0 of an earlier attempt still runs (or
+    /// has just ended) and the restarted one is still to come.
+    Earlier(Option<u64>),
+}
+
+/// Connects to rank 0's store of this rank's own launcher attempt, when the launcher gives
+/// one. Rank 0 writes its attempt first. When several nodes restart their ranks each on their
+/// own (`ddp-run --nnodes 2 --max-restarts 1`), a restarted rank may reach the store of the
+/// previous attempt's rank 0, which has not yet noticed the failure: it lets go and tries
+/// again until that rank 0 has been replaced, or its deadline. torchrun's agents stop and
+/// restart every node's ranks together (and count restarts on their own, so the counts of
+/// two nodes may differ): no attempt is given there.
+fn store_of_this_attempt(
+    plan: &Plan,
+    deadline: Instant,
+    server: &Option<StoreServer>,
+) -> Result<Box<dyn Store>, CommError> {
+    let mut store = connect_store(plan, deadline, server)?;
+    let Some(mine) = plan.attempt.filter(|_| !plan.agent_store) else {
+        return Ok(store);
+    };
+    if server.is_some() {
+        store.set(ATTEMPT_KEY, mine.to_string().as_bytes())?;
+        return Ok(store);
+    }
+    let mut pause = Duration::from_millis(1);
+    loop {
+        let addr = store.addr().to_string();
+        let seen = match store.get(ATTEMPT_KEY) {
+            Ok(None) => Attempt::NotYet,
+            Ok(Some(v)) => match String::from_utf8_lossy(&v).parse::<u64>() {
+                Ok(t) if t == mine => Attempt::Same,
+                Ok(t) if t > mine => Attempt::Later(t),
+                Ok(t) => Attempt::Earlier(Some(t)),
+                Err(_) => {
+                    return Err(CommError::Store {
+                        addr,
+                        detail: format!("'{ATTEMPT_KEY}' holds {v:?}, not a number"),
+                    })
+                }
+            },
+            Err(CommError::StoreClosed { .. }) => Attempt::Earlier(None),
+            Err(e) => return Err(e),
+        };
+        let late = Instant::now() >= deadline;
+        match seen {
+            Attempt::Same => return Ok(store),
+            Attempt::Later(theirs) => {
+                let err = CommError::Rendezvous {
+                    addr,
+                    detail: format!(
+                        "rank {} was started by its launcher's attempt {mine} \
+                         (DDP_LAUNCHER_ATTEMPT) and rank 0 by attempt {theirs}: every node's \
+                         launcher must restart its ranks together",
+                        plan.rank
+                    ),
+                };
+                return Err(abort(store.as_mut(), err));
+            }
+            Attempt::Earlier(theirs) if late => {
+                let which = theirs.map_or("an earlier".to_string(), |t| t.to_string());
+                return Err(CommError::Rendezvous {
+                    addr,
+                    detail: format!(
+                        "rank 0's store is still that of launcher attempt {which} while this \
+                         rank is of attempt {mine}: rank 0's node did not restart it"
+                    ),
+                });
+            }
+            Attempt::Earlier(_) => {
+                drop(store);
+                store = loop {
+                    std::thread::sleep(
+                        Duration::from_millis(100)
+                            .min(deadline.saturating_duration_since(Instant::now())),
+                    );
+                    match connect_store(plan, deadline, server) {
+                        Ok(store) => break store,
+                        // The old store closing under the handshake.
+                        Err(
+                            CommError::StoreClosed { .. }
+                            | CommError::Io { .. }
+                            | CommError::Handshake { .. },
+                        ) if Instant::now() < deadline => {}
+                        Err(e) => return Err(e),
+                    }
+                };
+            }
+            Attempt::NotYet if late => {
+                return Err(CommError::RendezvousTimeout {
+                    addr,
+                    timeout: plan.timeout,
+                    missing: vec![0],
+                    turned_away: 0,
+                })
+            }
+            Attempt::NotYet => {
+                std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+                pause = (pause * 2).min(Duration::from_millis(50));
+            }
         }
     }
 }
