@@ -630,6 +630,36 @@ mod tests {
         assert_eq!(resumed.bucket_order().unwrap(), order);
     }
 
+    /// Without `find_unused_parameters`, a parameter that only a micro-batch without sync
+    /// used is unused in the synced step: an error naming it, as in PyTorch, not a rebuild
+    /// of the buckets without it.
+    #[test]
+    fn a_parameter_used_only_without_sync_needs_find_unused_parameters() {
+        let pg = Arc::new(
+            ProcessGroup::new(ddp_comm::Options::new(
+                0,
+                1,
+                "127.0.0.1",
+                ddp_testkit::free_port(),
+            ))
+            .unwrap(),
+        );
+        let vs = VarStore::new(tch::Device::Cpu);
+        let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+        let b = vs.root().var("b", &[3], tch::nn::Init::Const(1.0));
+        let mut ddp = DistributedDataParallel::new(&vs, pg, DdpOptions::default()).unwrap();
+        ddp.set_require_gradient_sync(false);
+        b.sum(tch::Kind::Float).backward();
+        ddp.set_require_gradient_sync(true);
+        a.sum(tch::Kind::Float).backward();
+        match ddp.sync_gradients() {
+            Err(DdpError::UnusedParameters { parameters, .. }) => {
+                assert_eq!(parameters, [("b".to_string(), 0)]);
+            }
+            other => panic!("expected UnusedParameters, got {other:?}"),
+        }
+    }
+
     #[test]
     fn natural_order_compares_numbers_as_numbers() {
         let mut names = vec![

@@ -177,8 +177,12 @@ impl Reducer {
         // bucket (a compressing hook rounds the gradients), gradients become bucket views
         // when asked, and one GPU runs the whole CUDA path.
         let world = self.pg.world_size();
+        // Use in a backward without sync counts only where unused parameters are expected
+        // (as PyTorch's `local_used_map_`): otherwise the rebuild below would bucket only
+        // what the synced backward reached, and such a parameter is an error, as in PyTorch.
+        let find_unused = self.options.find_unused_parameters;
         let used: Vec<i32> = (0..self.params.len())
-            .map(|k| i32::from(self.ready[k] || self.used_without_sync[k]))
+            .map(|k| i32::from(self.ready[k] || (find_unused && self.used_without_sync[k])))
             .collect();
         tch::no_grad(|| {
             for k in 0..self.params.len() {
