@@ -221,7 +221,9 @@ impl BatchNorm2d {
         let count = (xf.numel() as i64 / c.max(1)) as f64;
         let opts = (Kind::Float, xf.device());
         // An empty batch sends zeros with a count of 0, which drop out of the sums below (the
-        // mean of nothing would be NaN for every rank), as PyTorch's SyncBatchNorm does.
+        // mean of nothing would be NaN for every rank), as PyTorch's SyncBatchNorm does. The
+        // zeros are sums over the empty input, so that they stay in the graph and this rank
+        // joins the backward all-reduce of the statistics with the others.
         let (mean, m2) = if count > 0.0 {
             let mean = xf.mean_dim(dims.as_slice(), false, Kind::Float);
             let m2 = (&xf - mean.view(shape.as_slice()))
@@ -229,7 +231,8 @@ impl BatchNorm2d {
                 .sum_dim_intlist(dims.as_slice(), false, Kind::Float);
             (mean, m2)
         } else {
-            (Tensor::zeros([c], opts), Tensor::zeros([c], opts))
+            let nothing = xf.sum_dim_intlist(dims.as_slice(), false, Kind::Float);
+            (nothing.shallow_clone(), nothing)
         };
         let width = 2 * c + 1;
         let (rank, world) = (r.rank() as i64, r.world_size() as i64);

@@ -210,3 +210,84 @@ fn sync_batchnorm_without_batchnorm_is_refused_naming_the_setting() {
          BatchNorm2d::new"
     );
 }
+
+/// The empty-batch test's rank: rank 0 has no samples, rank 1 has 4. Both run forward and
+/// backward through a synchronised BatchNorm, then one more all-reduce that shows the
+/// collectives stayed paired; rank 1's input gradient must be plain BatchNorm's on its batch.
+#[test]
+#[ignore = "a rank of an_empty_batch_on_one_rank_takes_part_in_forward_and_backward"]
+fn empty_batch_worker() {
+    use ddp_comm::{ProcessGroup, ReduceOp};
+    use ddp_model::norm::BatchNorm2d;
+    use ddp_train::functional::GroupReducer;
+    use std::sync::Arc;
+
+    tch::set_num_threads(1);
+    let pg = Arc::new(ProcessGroup::from_env().unwrap());
+    let rank = pg.rank();
+    tch::manual_seed(7);
+    let opts = (Kind::Float, tch::Device::Cpu);
+    let full = Tensor::randn([4, 3, 5, 5], opts) * 1.5 + 0.3;
+    let w = Tensor::randn([4, 3, 5, 5], opts);
+    let (x, w) = if rank == 0 {
+        (Tensor::zeros([0, 3, 5, 5], opts), w.narrow(0, 0, 0))
+    } else {
+        (full.copy(), w)
+    };
+    let x = x.set_requires_grad(true);
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let bn = BatchNorm2d::new(vs.root() / "bn", 3);
+    let reducer = Arc::new(GroupReducer::new(pg.clone()));
+    bn.set_sync(Some(reducer.clone()));
+    let y = bn.forward_t(&x, true);
+    (&y * &w).sum(Kind::Float).backward();
+    assert!(reducer.take_error().is_none());
+    let mut after = vec![rank as f64 + 1.0];
+    pg.all_reduce_slice(&mut after, ReduceOp::Sum).unwrap();
+    assert_eq!(
+        after,
+        [3.0],
+        "the collectives after the backward are still paired"
+    );
+    let running = vs.variables()["bn.running_mean"].copy();
+    if rank == 1 {
+        let alone = nn::VarStore::new(tch::Device::Cpu);
+        let plain = BatchNorm2d::new(alone.root() / "bn", 3);
+        let x1 = full.copy().set_requires_grad(true);
+        (plain.forward_t(&x1, true) * &w)
+            .sum(Kind::Float)
+            .backward();
+        let d = (x.grad() - x1.grad()).abs().max().double_value(&[]);
+        assert!(d < 1e-5, "input gradient differs by {d}");
+        let r = (&running - &alone.variables()["bn.running_mean"])
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(r < 1e-6, "running mean differs by {r}");
+    }
+    assert!(bool::try_from(running.isfinite().all()).unwrap());
+    println!("rank {rank}: ok");
+}
+
+/// A rank with an empty batch takes part in SyncBatchNorm's forward and backward all-reduces
+/// (as PyTorch's does), so the other rank normalises with its own statistics alone and no
+/// collective is left unpaired.
+#[test]
+fn an_empty_batch_on_one_rank_takes_part_in_forward_and_backward() {
+    let children = common::spawn_worker_ranks("empty_batch_worker", 2, |_, cmd| {
+        cmd.env("DDP_OP_TIMEOUT_S", "20")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+    });
+    for (rank, out) in common::wait_all(children, Duration::from_secs(120))
+        .iter()
+        .enumerate()
+    {
+        assert!(out.status.success(), "rank {rank}:\n{}", text(out));
+        assert!(
+            text(out).contains(&format!("rank {rank}: ok")),
+            "{}",
+            text(out)
+        );
+    }
+}
