@@ -367,13 +367,13 @@ fn a_restarted_rank_waits_for_rank_0_of_its_own_attempt() {
     }
 }
 
-/// A rank of an earlier attempt than rank 0's is the stale one: both fail at once, naming
-/// the attempts.
+/// Ranks of different launcher attempts that never met (rank 0's node restarted before the
+/// other node's rank got to the rendezvous) form the group.
 #[test]
-fn a_rank_of_an_earlier_attempt_than_rank_0_fails_naming_both() {
-    const TEST: &str = "a_rank_of_an_earlier_attempt_than_rank_0_fails_naming_both";
+fn ranks_of_different_attempts_that_never_met_form_the_group() {
+    const TEST: &str = "ranks_of_different_attempts_that_never_met_form_the_group";
     if worker() {
-        expect_join_error();
+        two_rank_sum(&ProcessGroup::from_env().unwrap());
         return;
     }
     let port = free_port();
@@ -389,19 +389,14 @@ fn a_rank_of_an_earlier_attempt_than_rank_0_fails_naming_both() {
             )
         })
         .collect();
-    let start = Instant::now();
-    let outs = wait_all(children, LIMIT);
-    assert!(
-        start.elapsed() < Duration::from_secs(30),
-        "{:?}",
-        start.elapsed()
-    );
-    let want = "rank 1 was started by its launcher's attempt 1 (DDP_LAUNCHER_ATTEMPT) and rank \
-                0 by attempt 2: every node's launcher must restart its ranks together";
-    for (rank, out) in outs.iter().enumerate() {
+    for (rank, out) in wait_all(children, LIMIT).iter().enumerate() {
         assert!(out.status.success(), "rank {rank}:\n{}", show(out));
-        let err = lines_with(out, "ERROR: ").join("\n");
-        assert!(err.contains(want), "rank {rank}: {err}");
+        assert_eq!(
+            lines_with(out, "rank "),
+            [format!("{rank}: ok")],
+            "{}",
+            show(out)
+        );
     }
 }
 

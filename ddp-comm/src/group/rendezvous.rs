@@ -245,26 +245,15 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     }
 }
 
-/// What a rank finds in rank 0's own store about the attempt that started rank 0.
-enum Attempt {
-    /// Rank 0 has not written it yet.
-    NotYet,
-    /// This rank's own.
-    Same,
-    /// A later one: this rank is the stale one.
-    Later(u64),
-    /// An earlier one, or the store went away: rank 0 of an earlier attempt still runs (or
-    /// has just ended) and the restarted one is still to come.
-    Earlier(Option<u64>),
-}
-
-/// Connects to rank 0's store of this rank's own launcher attempt, when the launcher gives
-/// one. Rank 0 writes its attempt first. When several nodes restart their ranks each on their
-/// own (`ddp-run --nnodes 2 --max-restarts 1`), a restarted rank may reach the store of the
-/// previous attempt's rank 0, which has not yet noticed the failure: it lets go and tries
-/// again until that rank 0 has been replaced, or its deadline. torchrun's agents stop and
-/// restart every node's ranks together (and count restarts on their own, so the counts of
-/// two nodes may differ): no attempt is given there.
+/// Connects to rank 0's store, not to one of an earlier launcher attempt where this rank
+/// already met, when the launcher gives its attempt. When several nodes restart their ranks
+/// each on their own (`ddp-run --nnodes 2 --max-restarts 1`), a restarted rank may reach
+/// the store of the previous attempt's rank 0, which has not yet noticed the failure and
+/// where the previous rank of this number joined: it lets go and tries again until that
+/// rank 0 has been replaced, or its deadline. A store of another attempt where this rank's
+/// number has not joined is simply joined: the ranks never met, and can form the group.
+/// torchrun's agents stop and restart every node's ranks together (and count restarts on
+/// their own, so the counts of two nodes may differ): no attempt is given there.
 fn store_of_this_attempt(
     plan: &Plan,
     deadline: Instant,
@@ -278,83 +267,59 @@ fn store_of_this_attempt(
         store.set(ATTEMPT_KEY, mine.to_string().as_bytes())?;
         return Ok(store);
     }
-    let mut pause = Duration::from_millis(1);
     loop {
-        let addr = store.addr().to_string();
-        let seen = match store.get(ATTEMPT_KEY) {
-            Ok(None) => Attempt::NotYet,
-            Ok(Some(v)) => match String::from_utf8_lossy(&v).parse::<u64>() {
-                Ok(t) if t == mine => Attempt::Same,
-                Ok(t) if t > mine => Attempt::Later(t),
-                Ok(t) => Attempt::Earlier(Some(t)),
-                Err(_) => {
-                    return Err(CommError::Store {
-                        addr,
-                        detail: format!("'{ATTEMPT_KEY}' holds {v:?}, not a number"),
-                    })
-                }
-            },
-            Err(CommError::StoreClosed { .. }) => Attempt::Earlier(None),
+        let earlier = match earlier_attempt(store.as_mut(), plan.rank, mine) {
+            Ok(None) => return Ok(store),
+            Ok(Some(theirs)) => Some(theirs),
+            // The old store closing: the restarted rank 0 is to come.
+            Err(CommError::StoreClosed { .. }) => None,
             Err(e) => return Err(e),
         };
-        let late = Instant::now() >= deadline;
-        match seen {
-            Attempt::Same => return Ok(store),
-            Attempt::Later(theirs) => {
-                let err = CommError::Rendezvous {
-                    addr,
-                    detail: format!(
-                        "rank {} was started by its launcher's attempt {mine} \
-                         (DDP_LAUNCHER_ATTEMPT) and rank 0 by attempt {theirs}: every node's \
-                         launcher must restart its ranks together",
-                        plan.rank
-                    ),
-                };
-                return Err(abort(store.as_mut(), err));
-            }
-            Attempt::Earlier(theirs) if late => {
-                let which = theirs.map_or("an earlier".to_string(), |t| t.to_string());
-                return Err(CommError::Rendezvous {
-                    addr,
-                    detail: format!(
-                        "rank 0's store is still that of launcher attempt {which} while this \
-                         rank is of attempt {mine}: rank 0's node did not restart it"
-                    ),
-                });
-            }
-            Attempt::Earlier(_) => {
-                drop(store);
-                store = loop {
-                    std::thread::sleep(
-                        Duration::from_millis(100)
-                            .min(deadline.saturating_duration_since(Instant::now())),
-                    );
-                    match connect_store(plan, deadline, server) {
-                        Ok(store) => break store,
-                        // The old store closing under the handshake.
-                        Err(
-                            CommError::StoreClosed { .. }
-                            | CommError::Io { .. }
-                            | CommError::Handshake { .. },
-                        ) if Instant::now() < deadline => {}
-                        Err(e) => return Err(e),
-                    }
-                };
-            }
-            Attempt::NotYet if late => {
-                return Err(CommError::RendezvousTimeout {
-                    addr,
-                    timeout: plan.timeout,
-                    missing: vec![0],
-                    turned_away: 0,
-                })
-            }
-            Attempt::NotYet => {
-                std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
-                pause = (pause * 2).min(Duration::from_millis(50));
-            }
+        if Instant::now() >= deadline {
+            let which = earlier.map_or("an earlier".to_string(), |t| t.to_string());
+            return Err(CommError::Rendezvous {
+                addr: store.addr().to_string(),
+                detail: format!(
+                    "rank 0's store is still that of launcher attempt {which}, where rank {} \
+                     already met, while this rank is of attempt {mine}: rank 0's node did not \
+                     restart it",
+                    plan.rank
+                ),
+            });
         }
+        drop(store);
+        store = loop {
+            std::thread::sleep(
+                Duration::from_millis(100).min(deadline.saturating_duration_since(Instant::now())),
+            );
+            match connect_store(plan, deadline, server) {
+                Ok(store) => break store,
+                // The old store closing under the handshake.
+                Err(
+                    CommError::StoreClosed { .. }
+                    | CommError::Io { .. }
+                    | CommError::Handshake { .. },
+                ) if Instant::now() < deadline => {}
+                Err(e) => return Err(e),
+            }
+        };
     }
+}
+
+/// The attempt of rank 0's store when it is earlier than `mine` and a rank numbered `rank`
+/// already joined it (the rank this one replaces); `None` otherwise.
+fn earlier_attempt(
+    store: &mut dyn Store,
+    rank: usize,
+    mine: u64,
+) -> Result<Option<u64>, CommError> {
+    if !store.check(&[format!("join/{rank}")])? {
+        return Ok(None);
+    }
+    let theirs = store
+        .get(ATTEMPT_KEY)?
+        .and_then(|v| String::from_utf8_lossy(&v).parse::<u64>().ok());
+    Ok(theirs.filter(|&t| t < mine))
 }
 
 /// Steps 2 to 4 of the rendezvous, over a connected store.
