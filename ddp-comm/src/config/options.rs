@@ -77,6 +77,9 @@ pub struct Options {
     /// Data bytes of each shared-memory ring this rank creates: a power of two from 4 KiB
     /// to 1 GiB.
     pub shm_ring_bytes: usize,
+    /// The CUDA device of this rank's NCCL collectives; `None`: `cuda:LOCAL_RANK`. A rank
+    /// bound to one GPU (`CUDA_VISIBLE_DEVICES` showing only it) uses `cuda:0`.
+    pub cuda_device: Option<usize>,
 }
 
 impl Options {
@@ -103,7 +106,14 @@ impl Options {
             backend: None,
             socket_buffer: DEFAULT_SOCKET_BUFFER,
             shm_ring_bytes: DEFAULT_SHM_RING_BYTES,
+            cuda_device: None,
         }
+    }
+
+    /// Sets the CUDA device of this rank's NCCL collectives (default `cuda:LOCAL_RANK`).
+    pub fn cuda_device(mut self, index: usize) -> Self {
+        self.cuda_device = Some(index);
+        self
     }
 
     /// Chooses the backend explicitly.

@@ -17,7 +17,7 @@ use crate::sync::lock;
 
 impl ProcessGroup {
     /// The communicator, created at first use: a CPU barrier (all ranks alive), unique id
-    /// from rank 0 through the store, `cudaSetDevice(local_rank)`, a non-blocking
+    /// from rank 0 through the store, `cudaSetDevice` of the group's CUDA device, a non-blocking
     /// `ncclCommInitRankConfig` bounded by the op timeout.
     pub(super) fn nccl(&self) -> Result<MutexGuard<'_, Option<NcclComm>>, CommError> {
         let mut guard = lock(&self.nccl);
@@ -85,7 +85,7 @@ impl ProcessGroup {
         let comm = NcclComm::init(
             self.rank,
             self.world_size,
-            self.local_rank,
+            self.cuda_device,
             id,
             self.op_timeout,
             self.heartbeat.clone(),
@@ -103,7 +103,7 @@ impl ProcessGroup {
     pub(super) fn cuda_async(self: &Arc<Self>, t: &Tensor, op: NcclOp) -> Work {
         self.heartbeat.enter();
         let queued = (|| {
-            let buf = cuda_buffer(t, self.backend, self.local_rank)?;
+            let buf = cuda_buffer(t, self.backend, self.cuda_device)?;
             let mut comm = self.nccl()?;
             let comm = comm
                 .as_mut()

@@ -58,6 +58,8 @@ pub struct ProcessGroup {
     world_size: usize,
     local_rank: usize,
     local_world_size: usize,
+    /// The CUDA device of NCCL collectives (`Options::cuda_device`, else the local rank).
+    cuda_device: usize,
     backend: Backend,
     op_timeout: Duration,
     cpu: Mutex<CpuBackend>,
@@ -172,6 +174,7 @@ impl ProcessGroup {
             world_size: env.world_size,
             local_rank: env.local_rank,
             local_world_size: env.local_world_size,
+            cuda_device: opts.cuda_device.unwrap_or(env.local_rank),
             backend,
             op_timeout,
             cpu: Mutex::new(cpu),
@@ -396,7 +399,7 @@ impl ProcessGroup {
 
     /// Each collective over NCCL (the communicator is created at the first).
     fn run_nccl(&self, c: Collective<'_>) -> Result<(), CommError> {
-        let buffer = |t: &Tensor| cuda_buffer(t, self.backend, self.local_rank);
+        let buffer = |t: &Tensor| cuda_buffer(t, self.backend, self.cuda_device);
         let (buf, op, keep) = match c {
             Collective::AllReduce(t, op) => {
                 (buffer(t)?, NcclOp::AllReduce(op), vec![t.shallow_clone()])

@@ -35,11 +35,11 @@ impl Collective<'_> {
 
 /// The buffer of a CUDA tensor, checked for NCCL: the group's backend is NCCL (else `Tcp`
 /// refuses it), the tensor is defined, contiguous, of a dtype NCCL has, and on this rank's
-/// device `cuda:local_rank`.
+/// CUDA device `cuda:device`.
 pub(crate) fn cuda_buffer(
     t: &Tensor,
     backend: Backend,
-    local_rank: usize,
+    device: usize,
 ) -> Result<DeviceBuffer, CommError> {
     let refuse = |detail: String| CommError::Tensor {
         backend: "nccl",
@@ -59,11 +59,10 @@ pub(crate) fn cuda_buffer(
         .ok_or_else(|| refuse(format!("dtype {:?} is not supported", t.kind())))?;
     let nccl_dtype = nccl::nccl_dtype(dtype)
         .ok_or_else(|| refuse(format!("dtype {:?} has no NCCL type", t.kind())))?;
-    if t.device() != Device::Cuda(local_rank) {
+    if t.device() != Device::Cuda(device) {
         return Err(refuse(format!(
-            "tensor on {:?}, but this rank's device is cuda:{}",
+            "tensor on {:?}, but this rank's device is cuda:{device}",
             t.device(),
-            local_rank
         )));
     }
     Ok(DeviceBuffer {
