@@ -42,9 +42,11 @@ pub struct CheckpointSettings {
         )
     )]
     pub eval_only: bool,
-    /// After a launcher's restart (`TORCHELASTIC_RESTART_COUNT` > 0), or a new start of a
-    /// run that was stopped, resume from the run's latest checkpoint when the run directory
-    /// has one and `resume` is not set.
+    /// When a start continues the run in `out` (a launcher's restart,
+    /// `TORCHELASTIC_RESTART_COUNT` > 0; a new start of a run that was stopped; the same job,
+    /// by its run id), resume from the run's latest checkpoint, also over a `resume` that
+    /// names where the run began (never with `eval_only`). Off, such a start into a run with
+    /// checkpoints is refused rather than started over.
     #[cfg_attr(
         feature = "cli",
         arg(skip = CheckpointSettings::default().resume_after_restart)

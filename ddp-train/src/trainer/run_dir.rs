@@ -51,6 +51,10 @@ pub(super) fn resume_after_restart(
     if !latest.is_file() {
         return Ok(String::new());
     }
+    if settings.checkpoint.eval_only {
+        // Evaluates the file it names, whatever the run directory holds.
+        return Ok(String::new());
+    }
     let auto = settings.checkpoint.resume_after_restart;
     let continuing = auto && continues_the_run(out, env);
     let note = match (&settings.checkpoint.resume, continuing) {
@@ -222,6 +226,19 @@ mod tests {
             e.to_string()
                 .contains("already holds a run (resuming by itself after a restart is off)"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn evaluating_a_file_keeps_it_whatever_the_run_directory_holds() {
+        let run = run_of_job("job-7");
+        state::mark_stopped(run.path(), "epoch-0001", "time limit").unwrap();
+        let mut s = settings(run.path(), Some("/elsewhere/best.safetensors"));
+        s.checkpoint.eval_only = true;
+        assert_eq!(resume_after_restart(&mut s, &env("job-7", 1)).unwrap(), "");
+        assert_eq!(
+            s.checkpoint.resume.as_deref(),
+            Some("/elsewhere/best.safetensors")
         );
     }
 

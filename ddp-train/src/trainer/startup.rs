@@ -482,16 +482,24 @@ fn init_weights(
     })?;
     if report.loaded.is_empty() {
         // A partial load that matched nothing would train from scratch under a note.
-        let example = |names: &[String]| names.first().cloned().unwrap_or_default();
+        let example = match (report.unexpected.first(), report.missing.first()) {
+            (Some(theirs), Some(ours)) => {
+                format!("the file has e.g. '{theirs}', the model e.g. '{ours}'")
+            }
+            _ => match report.mismatched.first() {
+                Some(m) => format!(
+                    "e.g. '{}' is {:?} in the file and {:?} in the model",
+                    m.name, m.found, m.expected
+                ),
+                None => "the file holds no tensor".to_string(),
+            },
+        };
         return Err(SettingError::new(
             "checkpoint.init_from",
             format!(
-                " {}: no tensor of the file has a name and shape of the model (the file has \
-                 e.g. '{}', the model e.g. '{}'): save the model's own state_dict, or pick \
-                 its entry with ",
+                " {}: no tensor of the file has a name and shape of the model ({example}): \
+                 save the model's own state_dict, or pick its entry with ",
                 file.display(),
-                example(&report.unexpected),
-                example(&report.missing),
             ),
         )
         .setting("checkpoint.init_key")
