@@ -524,6 +524,12 @@ fn broadcast_tensors(
 mod tests {
     use super::*;
 
+    /// A group of one rank.
+    fn alone() -> Arc<ProcessGroup> {
+        let port = ddp_testkit::free_port();
+        Arc::new(ProcessGroup::new(ddp_comm::Options::new(0, 1, "127.0.0.1", port)).unwrap())
+    }
+
     /// A frozen parameter is neither bucketed nor broadcast with the buffers.
     #[test]
     fn frozen_parameters_are_neither_parameters_nor_buffers() {
@@ -545,15 +551,7 @@ mod tests {
     /// backward reduces every gradient without a second hook firing.
     #[test]
     fn rebuild_takes_an_unfrozen_parameter_in() {
-        let pg = Arc::new(
-            ProcessGroup::new(ddp_comm::Options::new(
-                0,
-                1,
-                "127.0.0.1",
-                ddp_testkit::free_port(),
-            ))
-            .unwrap(),
-        );
+        let pg = alone();
         let vs = VarStore::new(tch::Device::Cpu);
         let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
         let b = vs.root().var("b", &[3], tch::nn::Init::Const(1.0));
@@ -582,15 +580,7 @@ mod tests {
     /// given that order (a resumed run's) starts with the same buckets.
     #[test]
     fn a_restored_bucket_order_is_the_rebuilt_one() {
-        let pg = Arc::new(
-            ProcessGroup::new(ddp_comm::Options::new(
-                0,
-                1,
-                "127.0.0.1",
-                ddp_testkit::free_port(),
-            ))
-            .unwrap(),
-        );
+        let pg = alone();
         let options = DdpOptions {
             bucket_cap_bytes: 1500,
             first_bucket_cap_bytes: 1500,
@@ -635,15 +625,7 @@ mod tests {
     /// of the buckets without it.
     #[test]
     fn a_parameter_used_only_without_sync_needs_find_unused_parameters() {
-        let pg = Arc::new(
-            ProcessGroup::new(ddp_comm::Options::new(
-                0,
-                1,
-                "127.0.0.1",
-                ddp_testkit::free_port(),
-            ))
-            .unwrap(),
-        );
+        let pg = alone();
         let vs = VarStore::new(tch::Device::Cpu);
         let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
         let b = vs.root().var("b", &[3], tch::nn::Init::Const(1.0));
