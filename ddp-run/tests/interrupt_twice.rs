@@ -6,8 +6,25 @@ use std::time::{Duration, Instant};
 
 use ddp_run::{launch, LaunchConfig, Outcome};
 
+/// Whether `signal` is ignored in this process (inherited: a shell starts background jobs
+/// with SIGINT ignored, and the launcher leaves an ignored signal alone, as torchrun does).
+fn ignored(signal: i32) -> bool {
+    // SAFETY: a zeroed sigaction is a valid out-parameter, and a null `act` only queries.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(signal, std::ptr::null(), &mut old) == 0
+            && old.sa_sigaction == libc::SIG_IGN
+    }
+}
+
 #[test]
 fn a_second_signal_during_the_shutdown_kills_the_ranks_at_once() {
+    // A second Ctrl-C, or where this test runs with SIGINT ignored, a second SIGTERM.
+    let second_signal = if ignored(libc::SIGINT) {
+        libc::SIGTERM
+    } else {
+        libc::SIGINT
+    };
     let dir = ddp_testkit::temp_dir("ddp-run-interrupt-twice");
     let ready = dir.path().join("ready");
     // The ranks outlive SIGTERM (they only note it in a file): without escalation the
@@ -41,7 +58,7 @@ fn a_second_signal_during_the_shutdown_kills_the_ranks_at_once() {
         });
         let second = Instant::now();
         // SAFETY: as above.
-        unsafe { libc::raise(libc::SIGINT) };
+        unsafe { libc::raise(second_signal) };
         second
     });
     let outcome = launch(&config, |_| {}).unwrap();
