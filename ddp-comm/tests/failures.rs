@@ -326,7 +326,7 @@ fn a_world_size_mismatch_aborts_the_rendezvous() {
     assert!(errors[0].contains("aborted"), "{errors:?}");
 }
 
-/// A node restarts its rank 1 (attempt 1) while rank 0 of attempt 0 still runs, as
+/// A node restarts its rank 1 (attempt 1) while the previous rank 0 still runs, as
 /// `ddp-run --nnodes 2 --max-restarts 1` does on each node (`DDP_LAUNCHER_ATTEMPT`): the new rank 1 waits for rank 0
 /// of its own attempt instead of joining the old store (where it was "started twice").
 #[test]
@@ -348,14 +348,15 @@ fn a_restarted_rank_waits_for_rank_0_of_its_own_attempt() {
         let extra = env(&[("DDP_LAUNCHER_ATTEMPT", attempt), ("DDP_TEST_ROLE", role)]);
         spawn_rank(TEST, rank, 2, port, &extra)
     };
-    let old0 = spawn(0, "0", "old");
+    // Two nodes count their attempts on their own: rank 0's node has restarted once more.
+    let old0 = spawn(0, "1", "old");
     let old1 = spawn(1, "0", "old");
     let out = wait_all(vec![old1], LIMIT).remove(0);
     assert!(out.status.success(), "old rank 1:\n{}", show(&out));
     let new1 = spawn(1, "1", "new");
     let out = wait_all(vec![old0], LIMIT).remove(0);
     assert!(out.status.success(), "old rank 0:\n{}", show(&out));
-    let new0 = spawn(0, "1", "new");
+    let new0 = spawn(0, "2", "new");
     for (rank, out) in wait_all(vec![new0, new1], LIMIT).iter().enumerate() {
         assert!(out.status.success(), "new rank {rank}:\n{}", show(out));
         assert_eq!(

@@ -32,8 +32,9 @@ use crate::store::{resolve, Store, StoreClient, StoreServer};
 const ABORT_KEY: &str = "abort";
 /// How long rank 0 keeps its store up after a failed rendezvous.
 const ABORT_LINGER: Duration = Duration::from_millis(500);
-/// The key under which rank 0 writes its launcher's attempt in its own store.
-const ATTEMPT_KEY: &str = "attempt";
+/// The key prefix under which each rank writes its launcher's attempt in rank 0's own store
+/// (`attempt/<rank>`), right after joining.
+const ATTEMPT_PREFIX: &str = "attempt/";
 
 /// What rendezvous needs to know.
 #[derive(Clone, Debug)]
@@ -245,32 +246,32 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     }
 }
 
-/// Connects to rank 0's store, not to one of an earlier launcher attempt where this rank
-/// already met, when the launcher gives its attempt. When several nodes restart their ranks
-/// each on their own (`ddp-run --nnodes 2 --max-restarts 1`), a restarted rank may reach
-/// the store of the previous attempt's rank 0, which has not yet noticed the failure and
-/// where the previous rank of this number joined: it lets go and tries again until that
-/// rank 0 has been replaced, or its deadline. A store of another attempt where this rank's
-/// number has not joined is simply joined: the ranks never met, and can form the group.
-/// torchrun's agents stop and restart every node's ranks together (and count restarts on
-/// their own, so the counts of two nodes may differ): no attempt is given there.
+/// Connects to rank 0's store, not to one where this rank's predecessor met, when the
+/// launcher gives its attempt. When several nodes restart their ranks each on their own
+/// (`ddp-run --nnodes 2 --max-restarts 1`), a restarted rank may reach the store of the
+/// previous attempt's rank 0, which has not yet noticed the failure and where the previous
+/// rank of this number joined: it lets go and tries again until that rank 0 has been
+/// replaced, or its deadline. Each rank records its own attempt beside its join
+/// (`attempt/<rank>`): a rank always runs on the same node, so that attempt and this one come
+/// from one launcher's count (two nodes count on their own). A store where this rank's number
+/// has not joined is simply joined. torchrun's agents stop and restart every node's ranks
+/// together: no attempt is given there.
 fn store_of_this_attempt(
     plan: &Plan,
     deadline: Instant,
     server: &Option<StoreServer>,
 ) -> Result<Box<dyn Store>, CommError> {
     let mut store = connect_store(plan, deadline, server)?;
-    let Some(mine) = plan.attempt.filter(|_| !plan.agent_store) else {
+    let Some(mine) = plan
+        .attempt
+        .filter(|_| !plan.agent_store && server.is_none())
+    else {
         return Ok(store);
     };
-    if server.is_some() {
-        store.set(ATTEMPT_KEY, mine.to_string().as_bytes())?;
-        return Ok(store);
-    }
     loop {
         let earlier = match earlier_attempt(store.as_mut(), plan.rank, mine) {
             Ok(None) => return Ok(store),
-            Ok(Some(theirs)) => Some(theirs),
+            Ok(Some(theirs)) => theirs,
             // The old store closing: the restarted rank 0 is to come.
             Err(CommError::StoreClosed { .. }) => None,
             Err(e) => return Err(e),
@@ -280,9 +281,8 @@ fn store_of_this_attempt(
             return Err(CommError::Rendezvous {
                 addr: store.addr().to_string(),
                 detail: format!(
-                    "rank 0's store is still that of launcher attempt {which}, where rank {} \
-                     already met, while this rank is of attempt {mine}: rank 0's node did not \
-                     restart it",
+                    "rank 0's store still holds rank {} of launcher attempt {which}, while \
+                     this rank is of attempt {mine}: rank 0's node did not restart it",
                     plan.rank
                 ),
             });
@@ -306,20 +306,27 @@ fn store_of_this_attempt(
     }
 }
 
-/// The attempt of rank 0's store when it is earlier than `mine` and a rank numbered `rank`
-/// already joined it (the rank this one replaces); `None` otherwise.
+/// When a rank numbered `rank` of an earlier attempt than `mine` already joined the store
+/// (the rank this one replaces; one that recorded no attempt counts as earlier than any
+/// restart): `Some` of its attempt, if it recorded one. `None` when the store is this
+/// rank's to join (no such rank, or one of this attempt: a real duplicate, which `join`
+/// names).
 fn earlier_attempt(
     store: &mut dyn Store,
     rank: usize,
     mine: u64,
-) -> Result<Option<u64>, CommError> {
+) -> Result<Option<Option<u64>>, CommError> {
     if !store.check(&[format!("join/{rank}")])? {
         return Ok(None);
     }
     let theirs = store
-        .get(ATTEMPT_KEY)?
+        .get(&format!("{ATTEMPT_PREFIX}{rank}"))?
         .and_then(|v| String::from_utf8_lossy(&v).parse::<u64>().ok());
-    Ok(theirs.filter(|&t| t < mine))
+    Ok(match theirs {
+        Some(t) if t < mine => Some(Some(t)),
+        None if mine > 0 => Some(None),
+        _ => None,
+    })
 }
 
 /// Steps 2 to 4 of the rendezvous, over a connected store.
@@ -330,6 +337,12 @@ fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Joined, Com
     if s.add(&format!("join/{rank}"), 1)? > 1 {
         let detail = format!("rank {rank} was started twice (two processes have RANK={rank})");
         return Err(abort(s, CommError::Rendezvous { addr, detail }));
+    }
+    if let Some(attempt) = plan.attempt.filter(|_| !plan.agent_store) {
+        s.set(
+            &format!("{ATTEMPT_PREFIX}{rank}"),
+            attempt.to_string().as_bytes(),
+        )?;
     }
     s.set(&format!("world/{rank}"), world.to_string().as_bytes())?;
     let zero = ["world/0".to_string()];
