@@ -547,9 +547,12 @@ fn worker(args: &Args) -> Result<()> {
     } else {
         Backend::Cpu
     };
-    let opts = Options::from_config(&env)
+    let mut opts = Options::from_config(&env)
         .backend(backend)
         .op_timeout(Duration::from_secs(120));
+    if let Device::Cuda(index) = device {
+        opts = opts.cuda_device(index);
+    }
     let pg = Arc::new(ProcessGroup::new(opts).context("joining the process group")?);
     let (rank, world) = (pg.rank(), pg.world_size());
 

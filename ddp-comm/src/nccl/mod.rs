@@ -1,4 +1,5 @@
-//! The NCCL backend: one communicator per process group, on the device `cuda:LOCAL_RANK`.
+//! The NCCL backend: one communicator per process group, on the group's CUDA device
+//! (`Options::cuda_device`, by default `cuda:LOCAL_RANK`).
 //!
 //! **Streams.** Every collective runs on the communicator's side stream, a high-priority
 //! stream from libtorch's pool (non-blocking: it does not serialise with the legacy default
