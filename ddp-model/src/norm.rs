@@ -252,18 +252,23 @@ impl BatchNorm2d {
         let m2s = table.narrow(1, c, c);
         let counts = table.narrow(1, 2 * c, 1);
         let total = counts.sum(Kind::Float);
-        let mean = (&means * &counts).sum_dim_intlist(0, false, Kind::Float) / &total;
+        // Every rank empty: no statistics (0, not 0/0), and the running ones stay as they are.
+        let samples = total.clamp_min(1.0);
+        let mean = (&means * &counts).sum_dim_intlist(0, false, Kind::Float) / &samples;
         let m2 = m2s.sum_dim_intlist(0, false, Kind::Float)
             + (&counts * (&means - &mean).square()).sum_dim_intlist(0, false, Kind::Float);
-        let var = &m2 / &total;
+        let var = &m2 / &samples;
         tch::no_grad(|| {
-            let unbiased = &m2 / (&total - 1.0);
-            let mut rm = self.running_mean.shallow_clone();
-            let mut rv = self.running_var.shallow_clone();
-            let _ = rm.g_mul_scalar_(1.0 - factor);
-            let _ = rm.g_add_(&(mean.detach().to_kind(rm.kind()) * factor));
-            let _ = rv.g_mul_scalar_(1.0 - factor);
-            let _ = rv.g_add_(&(unbiased.to_kind(rv.kind()) * factor));
+            let unbiased = &m2 / (&total - 1.0).clamp_min(1.0);
+            let any = total.gt(0.0);
+            for (running, batch) in [
+                (&self.running_mean, mean.detach()),
+                (&self.running_var, unbiased),
+            ] {
+                let mut running = running.shallow_clone();
+                let moved = &running * (1.0 - factor) + batch.to_kind(running.kind()) * factor;
+                running.copy_(&moved.where_self(&any, &running));
+            }
         });
         let scale = (var + self.config.eps).rsqrt() * &self.weight;
         let y = (&xf - mean.view(shape.as_slice())) * scale.view(shape.as_slice())
@@ -475,6 +480,17 @@ mod tests {
         let (vs0, y0, row0) = run(0, &empty, row1);
         assert_eq!(y0.size(), [0, 3, 5, 6]);
         assert_eq!(row0, [0.0; 14], "an empty rank sends zeros");
+        // Every rank empty: nothing to learn, the running statistics stay as they were.
+        let (vs_none, y_none, _) = run(1, &empty, vec![0.0; 14]);
+        assert_eq!(y_none.size(), [0, 3, 5, 6]);
+        assert_eq!(
+            Vec::<f32>::try_from(&vs_none.variables()["running_mean"]).unwrap(),
+            [0.0; 3]
+        );
+        assert_eq!(
+            Vec::<f32>::try_from(&vs_none.variables()["running_var"]).unwrap(),
+            [1.0; 3]
+        );
         let (vs1, y1, _) = run(1, &x, row0);
         assert_close(&y1, &want, 1e-5, "output");
         for name in ["running_mean", "running_var"] {
