@@ -362,6 +362,13 @@ impl Settings {
                 self.runtime.prefetch.map_or(1, |p| p as u64),
             ),
         ];
+        if self.checkpoint.eval_only && self.checkpoint.resume.is_none() {
+            return Err(SettingError::new(
+                "checkpoint.eval_only",
+                " needs the model file to evaluate: set ",
+            )
+            .setting("checkpoint.resume"));
+        }
         if let Some(&(field, _)) = at_least_one.iter().find(|(_, v)| *v == 0) {
             return Err(SettingError::new(field, " must be at least 1"));
         }
@@ -465,6 +472,10 @@ mod tests {
         assert_eq!(
             error(Settings::default().batch_size(0)),
             "batch_size must be at least 1"
+        );
+        assert_eq!(
+            error(Settings::default().checkpoint(CheckpointSettings::default().eval_only(true))),
+            "checkpoint.eval_only needs the model file to evaluate: set checkpoint.resume"
         );
         assert_eq!(
             error(Settings::default().runtime(RuntimeSettings::default().prefetch(Some(0)))),

@@ -51,7 +51,7 @@ pub(super) fn resume_after_restart(
     if !latest.is_file() {
         return Ok(String::new());
     }
-    if settings.checkpoint.eval_only {
+    if settings.checkpoint.eval_only && settings.checkpoint.resume.is_some() {
         // Evaluates the file it names, whatever the run directory holds.
         return Ok(String::new());
     }
