@@ -547,12 +547,10 @@ fn worker(args: &Args) -> Result<()> {
     } else {
         Backend::Cpu
     };
-    let mut opts = Options::from_config(&env)
+    let opts = Options::from_config(&env)
         .backend(backend)
-        .op_timeout(Duration::from_secs(120));
-    if let Device::Cuda(index) = device {
-        opts = opts.cuda_device(index);
-    }
+        .op_timeout(Duration::from_secs(120))
+        .device(device);
     let pg = Arc::new(ProcessGroup::new(opts).context("joining the process group")?);
     let (rank, world) = (pg.rank(), pg.world_size());
 

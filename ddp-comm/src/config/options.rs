@@ -110,9 +110,12 @@ impl Options {
         }
     }
 
-    /// Sets the CUDA device of this rank's NCCL collectives (default `cuda:LOCAL_RANK`).
-    pub fn cuda_device(mut self, index: usize) -> Self {
-        self.cuda_device = Some(index);
+    /// Sets the device this rank trains on: a CUDA device becomes that of its NCCL
+    /// collectives (default `cuda:LOCAL_RANK`); the CPU changes nothing.
+    pub fn device(mut self, device: tch::Device) -> Self {
+        if let tch::Device::Cuda(index) = device {
+            self.cuda_device = Some(index);
+        }
         self
     }
 

@@ -13,15 +13,29 @@ use crate::state;
 /// The key of `config.json` that records the job's run id ([`EnvConfig::run_id`]).
 pub(super) const RUN_ID_KEY: &str = "run_id";
 
-/// Whether this start continues the run in `out`: the run was stopped (by a signal or its
-/// time limit, and so should go on when started again), a launcher restarted its ranks
-/// (`TORCHELASTIC_RESTART_COUNT` above 0), or the same job started it (its run id, which a
-/// restart, a requeue and torchrun's membership changes keep, is the one `config.json`
-/// records; torchrun counts no restart for a node joining or leaving).
-fn continues_the_run(out: &Path, env: &EnvConfig) -> bool {
-    state::was_stopped(out)
-        || env.restart_count > 0
-        || (env.names_a_job() && recorded_run_id(out).as_deref() == Some(env.run_id.as_str()))
+/// Why a start continues the run in `out`.
+enum Continuation {
+    /// The run was stopped (by a signal or its time limit), and so goes on when started again.
+    Stopped,
+    /// A launcher restarted the rank (`TORCHELASTIC_RESTART_COUNT` above 0).
+    Restarted,
+    /// The same job started it: its run id, which a restart, a requeue and torchrun's
+    /// membership changes keep, is the one `config.json` records (torchrun counts no restart
+    /// for a node joining or leaving).
+    SameJob,
+}
+
+/// Whether, and why, this start continues the run in `out`.
+fn continuation(out: &Path, env: &EnvConfig) -> Option<Continuation> {
+    if state::was_stopped(out) {
+        Some(Continuation::Stopped)
+    } else if env.restart_count > 0 {
+        Some(Continuation::Restarted)
+    } else if env.names_a_job() && recorded_run_id(out).as_deref() == Some(env.run_id.as_str()) {
+        Some(Continuation::SameJob)
+    } else {
+        None
+    }
 }
 
 /// The run id `out/config.json` records, if any.
@@ -56,16 +70,16 @@ pub(super) fn resume_after_restart(
         return Ok(String::new());
     }
     let auto = settings.checkpoint.resume_after_restart;
-    let continuing = auto && continues_the_run(out, env);
+    let continuing = auto.then(|| continuation(out, env)).flatten();
     let note = match (&settings.checkpoint.resume, continuing) {
-        (Some(given), true) if given != "latest" => {
+        (Some(given), Some(_)) if given != "latest" => {
             format!(", continuing the run from its latest checkpoint (it began from {given})")
         }
         (Some(_), _) => return Ok(String::new()),
-        (None, true) if state::was_stopped(out) => ", continuing the stopped run".to_string(),
-        (None, true) if env.restart_count > 0 => ", after the launcher's restart".to_string(),
-        (None, true) => format!(", continuing job {}", env.run_id),
-        (None, false) => {
+        (None, Some(Continuation::Stopped)) => ", continuing the stopped run".to_string(),
+        (None, Some(Continuation::Restarted)) => ", after the launcher's restart".to_string(),
+        (None, Some(Continuation::SameJob)) => format!(", continuing job {}", env.run_id),
+        (None, None) => {
             let names = std::fs::read_to_string(&latest).unwrap_or_default();
             let off = if auto {
                 ""

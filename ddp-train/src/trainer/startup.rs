@@ -263,11 +263,9 @@ impl<T: Task> Trainer<T> {
                 path.display()
             ));
         }
-        let mut opts = ddp_comm::Options::from_config(env)
-            .op_timeout(Duration::from_secs(s.runtime.collective_timeout_secs));
-        if let Device::Cuda(index) = device {
-            opts = opts.cuda_device(index);
-        }
+        let opts = ddp_comm::Options::from_config(env)
+            .op_timeout(Duration::from_secs(s.runtime.collective_timeout_secs))
+            .device(device);
         let pg = Arc::new(ProcessGroup::new(opts).context(|| "joining the process group".into())?);
         let rank = pg.rank();
         // Each rank resolved its checkpoint on its own: all must continue from the same one,
