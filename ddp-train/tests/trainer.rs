@@ -786,6 +786,36 @@ fn an_epochs_validation_equals_evaluating_its_checkpoint() {
     );
     assert_all_ok(&outputs);
     let evaluated = report(&outputs[0]);
+
+    // Evaluating into the training's own run directory leaves its config.json (and the job
+    // id a requeue is recognised by) as training wrote it.
+    let config = std::fs::read_to_string(out.join("config.json")).unwrap();
+    let outputs = run_ranks(
+        1,
+        &[
+            "--data",
+            data_s,
+            "--image-size",
+            "32",
+            "--batch-size",
+            "4",
+            "--seed",
+            "3",
+            "--eval-only",
+            "--resume",
+            checkpoint.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_all_ok(&outputs);
+    assert_eq!(report(&outputs[0]), evaluated);
+    assert_eq!(
+        std::fs::read_to_string(out.join("config.json")).unwrap(),
+        config
+    );
+
     for key in ["val_loss", "odir_auc", "odir_kappa", "val_macro_f1"] {
         let (a, b) = (
             trained[key].as_f64().unwrap(),

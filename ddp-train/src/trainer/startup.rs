@@ -428,9 +428,19 @@ impl<T: Task> Trainer<T> {
             "init_weights": init_weights,
             "run_dir": self.out,
         });
+        let file = self.out.join("config.json");
+        if s.checkpoint.eval_only && file.exists() {
+            // An evaluation in a run's directory leaves that run's record, and the job id a
+            // requeue of it is recognised by, as they are.
+            self.log.say(&format!(
+                "evaluating only: {} stays as the run wrote it",
+                file.display()
+            ));
+            return Ok(());
+        }
         json[RUN_ID_KEY] = run_id.into();
         let text = serde_json::to_string_pretty(&json).context(|| "encoding config.json".into())?;
-        write_file(&self.out.join("config.json"), text.as_bytes())
+        write_file(&file, text.as_bytes())
     }
 }
 
