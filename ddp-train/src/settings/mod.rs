@@ -361,6 +361,14 @@ impl Settings {
                 "runtime.prefetch",
                 self.runtime.prefetch.map_or(1, |p| p as u64),
             ),
+            (
+                "runtime.threads",
+                self.runtime.threads.map_or(1, |t| t as u64),
+            ),
+            (
+                "runtime.workers",
+                self.runtime.workers.map_or(1, |w| w as u64),
+            ),
         ];
         if self.checkpoint.eval_only && self.checkpoint.resume.is_none() {
             return Err(SettingError::new(
@@ -385,6 +393,7 @@ impl Settings {
                 format!(" {lr} must be a positive number"),
             ));
         }
+        self.check_optimizer()?;
         self.lr_schedule.validate()?;
         let e = &self.early_stopping;
         if e.patience == Some(0) {
@@ -416,6 +425,39 @@ impl Settings {
             ));
         }
         Ok(())
+    }
+
+    /// The optimizer's hyper-parameters, in the ranges `torch.optim` accepts.
+    fn check_optimizer(&self) -> Result<(), SettingError> {
+        let at_least_zero = |field: &'static str, x: f64| {
+            if x >= 0.0 && x.is_finite() {
+                Ok(())
+            } else {
+                Err(SettingError::new(
+                    field,
+                    format!(" {x} must be a number >= 0"),
+                ))
+            }
+        };
+        let below_one = |field: &'static str, x: f64| {
+            if (0.0..1.0).contains(&x) {
+                Ok(())
+            } else {
+                Err(SettingError::new(
+                    field,
+                    format!(" {x} must be at least 0 and less than 1"),
+                ))
+            }
+        };
+        at_least_zero("optimizer.weight_decay", self.optimizer.weight_decay())?;
+        match self.optimizer {
+            OptimizerConfig::Sgd(c) => at_least_zero("optimizer.momentum", c.momentum),
+            OptimizerConfig::Adam(c) | OptimizerConfig::AdamW(c) => {
+                below_one("optimizer.beta1", c.beta1)?;
+                below_one("optimizer.beta2", c.beta2)?;
+                at_least_zero("optimizer.eps", c.eps)
+            }
+        }
     }
 
     fn check_checkpoints(&self) -> Result<(), SettingError> {
@@ -544,6 +586,57 @@ mod tests {
     }
 
     #[test]
+    fn the_optimizer_and_threads_take_the_ranges_pytorch_accepts() {
+        use crate::optim::{AdamConfig, SgdConfig};
+        let sgd = |momentum, weight_decay| {
+            Settings::default().optimizer(OptimizerConfig::Sgd(SgdConfig {
+                momentum,
+                weight_decay,
+                ..Default::default()
+            }))
+        };
+        assert_eq!(
+            error(sgd(-5.0, 0.0)),
+            "optimizer.momentum -5 must be a number >= 0"
+        );
+        assert_eq!(
+            error(sgd(0.9, -1.0)),
+            "optimizer.weight_decay -1 must be a number >= 0"
+        );
+        assert_eq!(
+            error(sgd(0.9, f64::NAN)),
+            "optimizer.weight_decay NaN must be a number >= 0"
+        );
+        assert!(sgd(0.0, 0.0).validate().is_ok());
+        let adam = |beta2| {
+            Settings::default().optimizer(OptimizerConfig::AdamW(AdamConfig {
+                beta2,
+                ..Default::default()
+            }))
+        };
+        assert_eq!(
+            error(adam(1.0)),
+            "optimizer.beta2 1 must be at least 0 and less than 1"
+        );
+        assert!(adam(0.0).validate().is_ok());
+        for (runtime, field) in [
+            (
+                RuntimeSettings::default().threads(Some(0)),
+                "runtime.threads",
+            ),
+            (
+                RuntimeSettings::default().workers(Some(0)),
+                "runtime.workers",
+            ),
+        ] {
+            assert_eq!(
+                error(Settings::default().runtime(runtime)),
+                format!("{field} must be at least 1")
+            );
+        }
+    }
+
+    #[test]
     fn builders_set_their_fields() {
         let s = Settings::default()
             .epochs(3)
@@ -561,7 +654,7 @@ mod tests {
             (DeviceChoice::Cpu, 5)
         );
         assert_eq!(
-            s.runtime.collective_timeout_secs, 300,
+            s.runtime.collective_timeout_secs, None,
             "the rest stays default"
         );
         assert_eq!(
