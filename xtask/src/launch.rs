@@ -122,6 +122,12 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     if has_flag(&rest, "--out") {
         bail!("give the run directory to the launcher as `cargo xtask train --out DIR ...`");
     }
+    if has_flag(&rest, "--device") {
+        bail!(
+            "the launcher gives each rank its device: choose with `cargo xtask train --gpus N` \
+             or `--cpus N` instead of --device"
+        );
+    }
     let mut config = LaunchConfig::new("ddp-train", nproc);
     args.node.apply(&mut config);
     // Bad node settings fail here, before anything is built.
@@ -357,6 +363,32 @@ mod tests {
         assert!(has_flag(&args, "--data"));
         assert!(!has_flag(&args, "--out"));
         assert!(!has_flag(&args, "--dat"));
+    }
+
+    #[test]
+    fn what_the_launcher_sets_is_refused_among_the_trainers_flags() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        let refusal = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["train"].iter().chain(args)).unwrap();
+            run(Path::new("/nonexistent"), cli.train)
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            refusal(&["--cpus", "1", "--epochs", "1", "--device", "cpu"]),
+            "the launcher gives each rank its device: choose with `cargo xtask train --gpus N` \
+             or `--cpus N` instead of --device"
+        );
+        assert!(refusal(&["--cpus", "1", "--device=cuda"]).starts_with("the launcher gives"));
+        assert_eq!(
+            refusal(&["--cpus", "1", "--lr", "0.1", "--out", "/r"]),
+            "give the run directory to the launcher as `cargo xtask train --out DIR ...`"
+        );
     }
 
     #[test]
