@@ -262,7 +262,11 @@ pub fn describe_error(error: &anyhow::Error) -> String {
 pub fn run<D>(args: &TrainArgs<D>, body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     let result = match args.nproc_per_node {
         Some(nproc) => launch::start_ranks(args.settings.out.as_deref(), nproc),
-        None => body().map(|()| ExitCode::SUCCESS),
+        None => args
+            .validate()
+            .map_err(anyhow::Error::from)
+            .and_then(|()| body())
+            .map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,
@@ -375,7 +379,7 @@ mod tests {
                     .threads(Some(2))
                     .workers(Some(3))
                     .prefetch(Some(6))
-                    .collective_timeout_secs(60)
+                    .collective_timeout_secs(Some(60))
                     .time_limit_secs(Some(3600))
                     .log_every(10)
                     .progress(false),

@@ -219,3 +219,34 @@ fn the_resnet_trains_with_adamw_warmup_cosine_and_clipping_on_two_ranks() {
     // SyncBatchNorm): the runs differ in their weights, so only the schedule is compared.
     assert!(two.join("best.safetensors").is_file());
 }
+
+/// A generic program checks `--local-rank` (torch.distributed.launch's flag) against the
+/// launcher's `LOCAL_RANK` before it trains, as `ddp-train` does.
+#[test]
+fn a_local_rank_flag_that_disagrees_with_the_launcher_is_refused() {
+    let tmp = ddp_testkit::temp_dir("local-rank");
+    let out = tmp.path().join("run");
+    let output = std::process::Command::new(example("mlp"))
+        .args(["--local-rank", "3", "--epochs", "1", "--out"])
+        .arg(&out)
+        .envs([
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_RANK", "0"),
+            ("LOCAL_WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "1"),
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(
+            "error: --local-rank 3 disagrees with the launcher's local rank 0 (LOCAL_RANK or \
+             SLURM_LOCALID)"
+        ),
+        "{stderr}"
+    );
+    assert!(!out.exists(), "nothing was started");
+}
