@@ -176,6 +176,7 @@ impl EnvConfig {
         if local_world_size == 0 {
             return Err(malformed("LOCAL_WORLD_SIZE", "0", "a positive integer"));
         }
+        check_places(source, rank, world_size, local_rank, local_world_size, &get)?;
         let master_addr = match (get("MASTER_ADDR"), source) {
             (Some(addr), _) => addr,
             (None, EnvSource::Slurm) => {
@@ -317,6 +318,58 @@ fn local_place<G: Fn(&str) -> Option<String>>(
         Some(n) => Ok((rank % n, n)),
         None => Ok((0, 1)),
     }
+}
+
+/// A rank inside its world and a local rank inside its node, the node no larger than the
+/// world: each refusal names the variable that says otherwise.
+fn check_places<G: Fn(&str) -> Option<String>>(
+    source: EnvSource,
+    rank: usize,
+    world: usize,
+    local_rank: usize,
+    local_world: usize,
+    get: &G,
+) -> Result<(), CommError> {
+    let (rank_var, world_var) = match source {
+        EnvSource::Slurm => ("SLURM_PROCID", "SLURM_NTASKS"),
+        _ => ("RANK", "WORLD_SIZE"),
+    };
+    if rank >= world {
+        return Err(malformed(
+            rank_var,
+            &rank.to_string(),
+            &format!("a rank below {world_var} {world} (ranks count from 0)"),
+        ));
+    }
+    let local_var = if source == EnvSource::Torchrun && get("LOCAL_RANK").is_some() {
+        "LOCAL_RANK"
+    } else {
+        "SLURM_LOCALID"
+    };
+    let local_world_var = if get("LOCAL_WORLD_SIZE").is_some() {
+        "LOCAL_WORLD_SIZE"
+    } else if get("SLURM_NTASKS_PER_NODE").is_some() {
+        "SLURM_NTASKS_PER_NODE"
+    } else if get("SLURM_TASKS_PER_NODE").is_some() {
+        "SLURM_TASKS_PER_NODE"
+    } else {
+        world_var
+    };
+    if local_world > world {
+        return Err(malformed(
+            local_world_var,
+            &local_world.to_string(),
+            &format!("ranks on this node, at most {world_var} {world}"),
+        ));
+    }
+    if local_rank >= local_world {
+        return Err(malformed(
+            local_var,
+            &local_rank.to_string(),
+            &format!("a local rank below the {local_world} ranks on this node ({local_world_var})"),
+        ));
+    }
+    Ok(())
 }
 
 /// SLURM's tasks on this node: `SLURM_NTASKS_PER_NODE`, else this node's (`SLURM_NODEID`,
@@ -643,6 +696,48 @@ mod tests {
             (
                 &[("RANK", "0"), ("WORLD_SIZE", "1"), ("DDP_TRANSPORT", "ib")],
                 "DDP_TRANSPORT",
+            ),
+            (
+                &[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")],
+                "RANK",
+            ),
+            (
+                &[
+                    ("RANK", "1"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_PORT", "1"),
+                    ("LOCAL_RANK", "2"),
+                    ("LOCAL_WORLD_SIZE", "2"),
+                ],
+                "LOCAL_RANK",
+            ),
+            (
+                &[
+                    ("RANK", "1"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_PORT", "1"),
+                    ("LOCAL_RANK", "1"),
+                    ("LOCAL_WORLD_SIZE", "4"),
+                ],
+                "LOCAL_WORLD_SIZE",
+            ),
+            (
+                &[
+                    ("SLURM_PROCID", "4"),
+                    ("SLURM_NTASKS", "4"),
+                    ("SLURM_JOB_NODELIST", "n1"),
+                ],
+                "SLURM_PROCID",
+            ),
+            (
+                &[
+                    ("SLURM_PROCID", "3"),
+                    ("SLURM_NTASKS", "4"),
+                    ("SLURM_LOCALID", "2"),
+                    ("SLURM_TASKS_PER_NODE", "2(x2)"),
+                    ("SLURM_JOB_NODELIST", "n[1-2]"),
+                ],
+                "SLURM_LOCALID",
             ),
         ];
         for (vars, var) in cases {
