@@ -53,7 +53,7 @@ fn rank_worker() {
     settings.runtime.threads = Some(1);
     settings.runtime.workers = Some(1);
     settings.runtime.progress = false;
-    settings.runtime.collective_timeout_secs = 30;
+    settings.runtime.collective_timeout_secs = Some(30);
     settings.checkpoint.every = std::env::var(EVERY_ENV)
         .ok()
         .map(|n| n.parse().expect("a number"));

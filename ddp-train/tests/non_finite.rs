@@ -60,7 +60,7 @@ fn rank_worker() {
     settings.runtime.workers = Some(1);
     settings.runtime.progress = false;
     settings.runtime.log_every = 1;
-    settings.runtime.collective_timeout_secs = 20;
+    settings.runtime.collective_timeout_secs = Some(20);
     if let Some(max) = var(CLIP_ENV) {
         settings.clip_grad_norm = Some(max.parse().expect("a number"));
         settings.checkpoint.every = Some(1);

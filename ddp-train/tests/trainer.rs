@@ -984,3 +984,39 @@ fn a_second_job_on_a_run_directory_in_use_is_refused() {
     assert_all_ok(&outputs);
     assert_eq!(metrics_without_timing(&out).len(), 1);
 }
+
+/// Without `--collective-timeout`, a rank's collectives time out after ddp-comm's
+/// `DDP_OP_TIMEOUT_S`: here 1 s, while rank 1 takes 4 s for its first step.
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn the_collective_timeout_defaults_to_ddp_op_timeout_s() {
+    let tmp = temp_dir("op-timeout-env");
+    let dir = tmp.path();
+    let data = data(dir, 24);
+    let out = dir.join("run");
+    let port = free_port();
+    let children = (0..2)
+        .map(|rank| {
+            let mut cmd = rank_command(EXE, rank, 2, port);
+            cmd.args(["--data", data.to_str().unwrap(), "--out"])
+                .arg(&out)
+                .args(["--image-size", "32", "--batch-size", "4", "--epochs", "1"])
+                .args(["--threads", "1", "--workers", "1", "--device", "cpu"])
+                .env("DDP_OP_TIMEOUT_S", "1")
+                .env(
+                    "DDP_TRAIN_STEP_SLEEP_MS",
+                    if rank == 1 { "4000" } else { "0" },
+                )
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    let outputs = wait_all(children, Duration::from_secs(60));
+    let rank0 = text(&outputs[0]);
+    assert_eq!(outputs[0].status.code(), Some(1), "{rank0}");
+    assert!(rank0.contains("timed out after 1s"), "{rank0}");
+}

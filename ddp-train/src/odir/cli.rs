@@ -196,8 +196,12 @@ impl TrainConfig {
         let invalid = |m: String| Err(TrainError::Invalid(m));
         let min = self.model.min_image_size() as u32;
         if self.image_size < min {
+            let why = match self.model {
+                ModelKind::Convnet => "the ConvNet's four 2x poolings need",
+                _ => "the model needs",
+            };
             return invalid(format!(
-                "--image-size {} is too small: the ConvNet's four 2x poolings need at least {min}",
+                "--image-size {} is too small: {why} at least {min}",
                 self.image_size
             ));
         }

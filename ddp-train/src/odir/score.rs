@@ -159,11 +159,10 @@ pub fn score(
     let all: Vec<usize> = (0..images.len()).collect();
     let patients = Arc::new(Patients::new(set.samples()));
 
-    let opts = ddp_comm::Options::from_config(&env)
-        .op_timeout(Duration::from_secs(
-            settings.runtime.collective_timeout_secs,
-        ))
-        .device(device);
+    let mut opts = ddp_comm::Options::from_config(&env).device(device);
+    if let Some(secs) = settings.runtime.collective_timeout_secs {
+        opts = opts.op_timeout(Duration::from_secs(secs));
+    }
     let pg = ProcessGroup::new(opts).context(|| "joining the process group".into())?;
     let (rank, world) = (pg.rank(), pg.world_size());
     if rank == 0 {

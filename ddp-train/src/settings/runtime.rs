@@ -123,19 +123,20 @@ pub struct RuntimeSettings {
         )
     )]
     pub prefetch: Option<usize>,
-    /// Seconds a collective may take before the job fails.
+    /// Seconds a collective may take before the job fails (default: `DDP_OP_TIMEOUT_S`
+    /// where set, else [`ddp_comm::DEFAULT_OP_TIMEOUT`], 300 s).
     #[cfg_attr(
         feature = "cli",
         arg(
             id = "runtime.collective_timeout_secs",
             long = "collective-timeout",
             value_name = "COLLECTIVE_TIMEOUT",
-            default_value_t = RuntimeSettings::default().collective_timeout_secs,
             help = "Seconds a collective may take before the job fails (a dead peer ends the \
-                    job after at most this long)"
+                    job after at most this long) [default: DDP_OP_TIMEOUT_S where set, else \
+                    300]"
         )
     )]
-    pub collective_timeout_secs: u64,
+    pub collective_timeout_secs: Option<u64>,
     /// Stop cleanly, with a checkpoint, before this many seconds have passed since the
     /// Trainer was created (for a scheduler's time limit); the next start continues.
     #[cfg_attr(
@@ -205,7 +206,7 @@ impl Default for RuntimeSettings {
             threads: None,
             workers: None,
             prefetch: None,
-            collective_timeout_secs: 300,
+            collective_timeout_secs: None,
             time_limit_secs: None,
             stop_on_signals: true,
             log_every: 0,
@@ -220,7 +221,7 @@ builder!(RuntimeSettings {
     threads: Option<usize>,
     workers: Option<usize>,
     prefetch: Option<usize>,
-    collective_timeout_secs: u64,
+    collective_timeout_secs: Option<u64>,
     time_limit_secs: Option<u64>,
     stop_on_signals: bool,
     log_every: usize,

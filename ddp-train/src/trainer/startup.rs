@@ -263,9 +263,10 @@ impl<T: Task> Trainer<T> {
                 path.display()
             ));
         }
-        let opts = ddp_comm::Options::from_config(env)
-            .op_timeout(Duration::from_secs(s.runtime.collective_timeout_secs))
-            .device(device);
+        let mut opts = ddp_comm::Options::from_config(env).device(device);
+        if let Some(secs) = s.runtime.collective_timeout_secs {
+            opts = opts.op_timeout(Duration::from_secs(secs));
+        }
         let pg = Arc::new(ProcessGroup::new(opts).context(|| "joining the process group".into())?);
         let rank = pg.rank();
         // Each rank resolved its checkpoint on its own: all must continue from the same one,
