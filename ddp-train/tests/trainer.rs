@@ -1020,3 +1020,36 @@ fn the_collective_timeout_defaults_to_ddp_op_timeout_s() {
     assert_eq!(outputs[0].status.code(), Some(1), "{rank0}");
     assert!(rank0.contains("timed out after 1s"), "{rank0}");
 }
+
+/// A rank outside its world (RANK=2 of WORLD_SIZE=2) is refused by the rendezvous before any
+/// data is sharded, and rank 0 learns it at once rather than at its rendezvous timeout.
+#[test]
+fn a_rank_outside_its_world_fails_every_rank_at_once() {
+    let tmp = temp_dir("rank-out-of-range");
+    let dir = tmp.path();
+    let data = data(dir, 24);
+    let out = dir.join("run");
+    let port = free_port();
+    let children = [0, 2]
+        .into_iter()
+        .map(|rank| {
+            let mut cmd = rank_command(EXE, rank, 2, port);
+            cmd.args(["--data", data.to_str().unwrap(), "--out"])
+                .arg(&out)
+                .args(["--image-size", "32", "--batch-size", "4", "--device", "cpu"])
+                .env("DDP_RDZV_TIMEOUT_S", "100")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    let outputs = wait_all(children, Duration::from_secs(60));
+    for o in &outputs {
+        assert_eq!(o.status.code(), Some(1), "{}", text(o));
+        assert!(
+            text(o).contains("rank 2 is out of range for world size 2"),
+            "{}",
+            text(o)
+        );
+    }
+}

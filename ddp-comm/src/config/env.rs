@@ -320,8 +320,9 @@ fn local_place<G: Fn(&str) -> Option<String>>(
     }
 }
 
-/// A rank inside its world and a local rank inside its node, the node no larger than the
-/// world: each refusal names the variable that says otherwise.
+/// A local rank inside its node, the node no larger than the world: each refusal names the
+/// variable that says otherwise. (A rank outside its world is the rendezvous's to refuse:
+/// it tells the other ranks, which then fail at once too.)
 fn check_places<G: Fn(&str) -> Option<String>>(
     source: EnvSource,
     rank: usize,
@@ -330,17 +331,13 @@ fn check_places<G: Fn(&str) -> Option<String>>(
     local_world: usize,
     get: &G,
 ) -> Result<(), CommError> {
-    let (rank_var, world_var) = match source {
-        EnvSource::Slurm => ("SLURM_PROCID", "SLURM_NTASKS"),
-        _ => ("RANK", "WORLD_SIZE"),
-    };
     if rank >= world {
-        return Err(malformed(
-            rank_var,
-            &rank.to_string(),
-            &format!("a rank below {world_var} {world} (ranks count from 0)"),
-        ));
+        return Ok(());
     }
+    let world_var = match source {
+        EnvSource::Slurm => "SLURM_NTASKS",
+        _ => "WORLD_SIZE",
+    };
     let local_var = if source == EnvSource::Torchrun && get("LOCAL_RANK").is_some() {
         "LOCAL_RANK"
     } else {
@@ -698,10 +695,6 @@ mod tests {
                 "DDP_TRANSPORT",
             ),
             (
-                &[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")],
-                "RANK",
-            ),
-            (
                 &[
                     ("RANK", "1"),
                     ("WORLD_SIZE", "2"),
@@ -720,14 +713,6 @@ mod tests {
                     ("LOCAL_WORLD_SIZE", "4"),
                 ],
                 "LOCAL_WORLD_SIZE",
-            ),
-            (
-                &[
-                    ("SLURM_PROCID", "4"),
-                    ("SLURM_NTASKS", "4"),
-                    ("SLURM_JOB_NODELIST", "n1"),
-                ],
-                "SLURM_PROCID",
             ),
             (
                 &[

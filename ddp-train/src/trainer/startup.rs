@@ -61,6 +61,11 @@ impl<T: Task> Trainer<T> {
             Some(r) => Some(state::resolve(r, settings.out.as_deref())?),
             None => None,
         };
+        if env.rank >= env.world_size {
+            // The rendezvous refuses it, and tells the other ranks, which then fail at once.
+            ProcessGroup::new(ddp_comm::Options::from_config(env))
+                .context(|| "joining the process group".into())?;
+        }
         let s = &settings;
         let batches = s.batch_size * s.accumulate;
         let train_sampler = DistributedSampler::builder(train_set.len(), env.world_size, env.rank)
