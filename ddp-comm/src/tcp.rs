@@ -50,6 +50,8 @@ pub(crate) struct Connection {
     pub addr: String,
     /// The local interface that reaches the store.
     pub local_ip: IpAddr,
+    /// The store's IP as this process reaches it.
+    pub peer_ip: IpAddr,
 }
 
 impl Connection {
@@ -62,10 +64,8 @@ impl Connection {
         what: &str,
     ) -> Result<Self, CommError> {
         let stream = connect_retry(addrs, deadline, what)?;
-        let addr = stream
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_else(|_| addrs[0].to_string());
+        let peer = stream.peer_addr().unwrap_or(addrs[0]);
+        let addr = peer.to_string();
         let io = |e| CommError::io(format!("{what} connection to {addr}"), e);
         let local_ip = stream.local_addr().map_err(io)?.ip();
         let _ = stream.set_nodelay(true);
@@ -77,6 +77,7 @@ impl Connection {
             writer: BufWriter::new(stream),
             addr,
             local_ip,
+            peer_ip: peer.ip(),
         })
     }
 }

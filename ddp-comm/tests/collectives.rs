@@ -498,6 +498,40 @@ fn run_spanning(test: &str, hosts: &[&str], tcp_ranks: &[usize]) -> Vec<String> 
         .collect()
 }
 
+/// Two nodes that reach the store at different addresses: rank 0 at 127.0.0.1, rank 1 at
+/// 127.0.0.2, as when the master's host name maps to loopback on its own node (Debian's
+/// `127.0.1.1`) and to its network address elsewhere. Rank 0's store and ring listener
+/// answer on every interface, as c10d's TCPStore does, and rank 1 reaches rank 0's listener
+/// at the store's address.
+#[test]
+fn nodes_that_reach_the_store_at_different_addresses_meet() {
+    if worker() {
+        return spanning_body();
+    }
+    let outputs = common::run_world_each(
+        "nodes_that_reach_the_store_at_different_addresses_meet",
+        2,
+        |r| {
+            vec![
+                ("HOSTS", "a,b".to_string()),
+                ("DDP_HOST_ID", ["a", "b"][r].to_string()),
+                ("MASTER_ADDR", ["127.0.0.1", "127.0.0.2"][r].to_string()),
+                ("LOCAL_RANK", "0".to_string()),
+                ("LOCAL_WORLD_SIZE", "1".to_string()),
+                ("GROUP_RANK", r.to_string()),
+            ]
+        },
+    );
+    for (rank, out) in outputs.iter().enumerate() {
+        assert_eq!(
+            common::lines_with(out, &format!("rank {rank}: spanning ok, ")),
+            ["to_next=Tcp from_prev=Tcp"],
+            "{}",
+            common::show(out)
+        );
+    }
+}
+
 #[test]
 fn a_job_spanning_two_hosts_uses_shared_memory_inside_and_tcp_between() {
     if worker() {

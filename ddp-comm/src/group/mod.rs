@@ -147,6 +147,7 @@ impl ProcessGroup {
         let plan = Plan {
             rank: env.rank,
             world_size: env.world_size,
+            single_node: env.local_world_size >= env.world_size,
             master_addr: env.master_addr.clone(),
             master_port: env.master_port,
             secret,

@@ -16,7 +16,7 @@
 //!    successor and accepts its predecessor; both sides prove the job's secret to each other
 //!    (`security/auth.rs`), as every connection to the store does.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
@@ -41,6 +41,8 @@ const ATTEMPT_PREFIX: &str = "attempt/";
 pub(crate) struct Plan {
     pub rank: usize,
     pub world_size: usize,
+    /// Whether every rank runs on this host (`LOCAL_WORLD_SIZE` equals `WORLD_SIZE`).
+    pub single_node: bool,
     pub master_addr: String,
     pub master_port: u16,
     /// The key of every handshake.
@@ -217,7 +219,10 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     }
     let server = if rank == 0 && !plan.agent_store {
         let addr = resolve(&plan.master_addr, plan.master_port)?[0];
-        Some(StoreServer::bind(addr, plan.secret.clone())?)
+        Some(StoreServer::bind(
+            store_bind_addr(addr, plan.single_node),
+            plan.secret.clone(),
+        )?)
     } else {
         None
     };
@@ -358,7 +363,7 @@ fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Joined, Com
 
     // Step 3: listen, publish how to be reached and which host this is, read everyone's.
     let listeners = Listeners::bind(
-        SocketAddr::new(s.local_ip(), 0),
+        SocketAddr::new(listen_ip(s.local_ip(), plan.single_node), 0),
         plan.socket_buffer,
         plan.transport == Transport::Auto,
         rank,
@@ -402,6 +407,14 @@ fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Joined, Com
         )
     })?;
 
+    // A rank on the store's host that reaches it through loopback published no IP of its
+    // own: the others reach that host at the store's IP, as each of them reaches it.
+    for peer in &mut peers {
+        if peer.addr.ip().is_unspecified() {
+            peer.addr.set_ip(s.peer_ip());
+        }
+    }
+
     // Step 4: the ring visits each host's ranks in a row; connect its two links.
     let hosts: Vec<&str> = peers.iter().map(|p| p.host.as_str()).collect();
     let order = host_order(&hosts);
@@ -436,6 +449,30 @@ fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Joined, Com
         link,
         ring: RingOrder { order, pos },
     })
+}
+
+/// Where rank 0's store listens, given `MASTER_ADDR`'s address: there when every rank runs
+/// on this host; otherwise on every interface at its port, as c10d's TCPStore does, since
+/// the name may resolve to loopback here (Debian's `127.0.1.1` for the host's own name) or
+/// to an address this host does not hold (a forwarded IP) while the other nodes reach it.
+fn store_bind_addr(master: SocketAddr, single_node: bool) -> SocketAddr {
+    if single_node {
+        master
+    } else {
+        SocketAddr::new(crate::store::unspecified_like(master.ip()), master.port())
+    }
+}
+
+/// The IP a rank's ring listener binds, given the local IP of its store connection: that
+/// interface, unless it is loopback in a job of several nodes (a rank on the store's host
+/// that reached it through loopback), which listens on every interface and publishes no IP
+/// (the others use the store's).
+fn listen_ip(store_local_ip: IpAddr, single_node: bool) -> IpAddr {
+    if store_local_ip.is_loopback() && !single_node {
+        crate::store::unspecified_like(store_local_ip)
+    } else {
+        store_local_ip
+    }
 }
 
 /// The ring of a world above one.

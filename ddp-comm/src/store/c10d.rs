@@ -34,6 +34,7 @@ pub(crate) struct C10dStore {
     writer: BufWriter<TcpStream>,
     addr: String,
     local_ip: IpAddr,
+    peer_ip: IpAddr,
     prefix: String,
 }
 
@@ -51,6 +52,7 @@ impl C10dStore {
             writer: c.writer,
             addr: c.addr,
             local_ip: c.local_ip,
+            peer_ip: c.peer_ip,
             prefix,
         };
         let mut msg = vec![VALIDATE];
@@ -142,6 +144,10 @@ impl Store for C10dStore {
 
     fn local_ip(&self) -> IpAddr {
         self.local_ip
+    }
+
+    fn peer_ip(&self) -> IpAddr {
+        self.peer_ip
     }
 }
 

@@ -68,6 +68,9 @@ pub(crate) trait Store: Send {
     fn addr(&self) -> &str;
     /// The local IP of the connection to the store: the interface peers can reach us on.
     fn local_ip(&self) -> IpAddr;
+    /// The store's IP as this process reaches it: the store's host, for an address a peer
+    /// on that host published without an IP of its own.
+    fn peer_ip(&self) -> IpAddr;
 }
 
 /// Resolves `host:port` to socket addresses (IPv4 first).
@@ -117,9 +120,12 @@ impl StoreServer {
                 source,
             },
         })?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| CommError::io("store listener address", e))?;
+        // Bound to every interface, the server is reached here through loopback.
+        let addr = reachable(
+            listener
+                .local_addr()
+                .map_err(|e| CommError::io("store listener address", e))?,
+        );
         let stop = Arc::new(AtomicBool::new(false));
         let clients: Clients = Arc::default();
         let table: Table = Arc::default();
@@ -151,9 +157,29 @@ impl StoreServer {
         self.turned_away.load(Ordering::Relaxed)
     }
 
-    /// The address the server listens on.
+    /// The address this process reaches the server at: where it listens, or loopback
+    /// where it listens on every interface.
     pub(crate) fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+}
+
+/// `addr`, with loopback of its family in place of an unspecified IP (a socket bound to
+/// every interface): an address this host can connect to.
+pub(crate) fn reachable(addr: SocketAddr) -> SocketAddr {
+    let ip = match addr.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    SocketAddr::new(ip, addr.port())
+}
+
+/// The IP that stands for every interface in `ip`'s family.
+pub(crate) fn unspecified_like(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
     }
 }
 
@@ -380,6 +406,7 @@ pub(crate) struct StoreClient {
     writer: BufWriter<TcpStream>,
     addr: String,
     local_ip: IpAddr,
+    peer_ip: IpAddr,
     request: Vec<u8>,
 }
 
@@ -415,6 +442,7 @@ impl StoreClient {
             writer: c.writer,
             addr: c.addr,
             local_ip: c.local_ip,
+            peer_ip: c.peer_ip,
             request: Vec::new(),
         })
     }
@@ -517,6 +545,10 @@ impl Store for StoreClient {
 
     fn local_ip(&self) -> IpAddr {
         self.local_ip
+    }
+
+    fn peer_ip(&self) -> IpAddr {
+        self.peer_ip
     }
 }
 
