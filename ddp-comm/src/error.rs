@@ -263,6 +263,19 @@ pub enum AuthFailure {
         /// What to check.
         hint: String,
     },
+    /// The peer hung up before sending its challenge, each time until the deadline: it was
+    /// busy with other handshakes (a store or listener takes a bounded number at once, so
+    /// strangers' connections or very many ranks at once turn some away), or it is not a
+    /// ddp-comm peer of this version.
+    #[error(
+        "the peer closed the connection before its challenge, {times} time(s) until the \
+         deadline: it was busy with other handshakes (strangers connecting to its port, or \
+         very many ranks at once), or it is not a peer of this ddp-comm version"
+    )]
+    TurnedAway {
+        /// How many connections it closed so.
+        times: usize,
+    },
     /// The peer did not finish the handshake in time.
     #[error("the peer did not finish the handshake within {waited:?}")]
     NoAnswer {

@@ -216,7 +216,13 @@ pub(crate) fn ring(
     })
 }
 
+/// Connects to the successor's TCP listener and proves the secret both ways, connecting
+/// again while the listener turns connections away before its challenge.
 fn connect_tcp(plan: &RingPlan<'_>, next: &PeerInfo) -> Result<SendEnd, CommError> {
+    auth::handshake_retrying(plan.deadline, || connect_tcp_once(plan, next))
+}
+
+fn connect_tcp_once(plan: &RingPlan<'_>, next: &PeerInfo) -> Result<SendEnd, CommError> {
     let stream = connect_retry(&[next.addr], plan.deadline, &format!("rank {}", next.rank))?;
     tcp::tune_socket(&stream, plan.socket_buffer).map_err(|e| CommError::io("ring socket", e))?;
     let peer = || format!("rank {} at {}", next.rank, next.addr);

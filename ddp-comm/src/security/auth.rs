@@ -288,6 +288,9 @@ pub(crate) fn timed_out(e: io::Error) -> io::Error {
 pub(crate) enum Failed {
     /// The peer is not trusted, or refused this rank.
     Auth(AuthFailure),
+    /// The peer hung up before its challenge: busy with other handshakes (worth another
+    /// connection), or not a peer of this version.
+    TurnedAway,
     /// The connection failed otherwise.
     Io(io::Error),
 }
@@ -321,13 +324,18 @@ impl Failed {
     pub(crate) fn into_error(self, addr: String) -> CommError {
         match self {
             Failed::Auth(failure) => CommError::Handshake { addr, failure },
+            Failed::TurnedAway => CommError::Handshake {
+                addr,
+                failure: AuthFailure::TurnedAway { times: 1 },
+            },
             Failed::Io(source) => CommError::io(format!("handshake with {addr}"), source),
         }
     }
 }
 
 /// The client side over TCP, up to the server's one-byte acknowledgement, which it
-/// returns; all before `deadline`.
+/// returns; all before `deadline`. A hang-up before the server's challenge is
+/// [`Failed::TurnedAway`] (see [`handshake_retrying`]).
 pub(crate) fn tcp_client(
     stream: &TcpStream,
     secret: &Secret,
@@ -337,10 +345,15 @@ pub(crate) fn tcp_client(
 ) -> Result<u8, Failed> {
     let start = Instant::now();
     let fail = |e| Failed::from_io(e, secret, deadline.saturating_duration_since(start));
+    // A hang-up before the challenge refuses no proof: the peer turned the connection away.
+    let turned_away = |e: io::Error| match fail(e) {
+        Failed::Auth(AuthFailure::Refused { .. }) => Failed::TurnedAway,
+        other => other,
+    };
     let client = Client::new(secret, magic, number).map_err(Failed::Io)?;
-    write_by(stream, &client.hello(), deadline).map_err(fail)?;
+    write_by(stream, &client.hello(), deadline).map_err(turned_away)?;
     let mut challenge = [0u8; CHALLENGE_LEN];
-    read_by(stream, &mut challenge, deadline).map_err(fail)?;
+    read_by(stream, &mut challenge, deadline).map_err(turned_away)?;
     let proof = client
         .answer(&challenge)
         .ok_or_else(|| Failed::unproven(secret))?;
@@ -348,6 +361,38 @@ pub(crate) fn tcp_client(
     let mut ack = [0u8; 1];
     read_by(stream, &mut ack, deadline).map_err(fail)?;
     Ok(ack[0])
+}
+
+/// Runs `attempt` (a new connection and its handshake) again while the peer turns it away
+/// before its challenge (a store or listener busy with other handshakes closes new
+/// connections at once), pausing 10 ms doubling to 200 ms, until `deadline`; the last
+/// refusal counts the connections turned away.
+pub(crate) fn handshake_retrying<T>(
+    deadline: Instant,
+    mut attempt: impl FnMut() -> Result<T, CommError>,
+) -> Result<T, CommError> {
+    let mut pause = Duration::from_millis(10);
+    let mut times = 0;
+    loop {
+        match attempt() {
+            Err(CommError::Handshake {
+                addr,
+                failure: AuthFailure::TurnedAway { .. },
+            }) => {
+                times += 1;
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(CommError::Handshake {
+                        addr,
+                        failure: AuthFailure::TurnedAway { times },
+                    });
+                }
+                std::thread::sleep(pause.min(deadline - now));
+                pause = (pause * 2).min(Duration::from_millis(200));
+            }
+            done => return done,
+        }
+    }
 }
 
 /// The server side over TCP, up to (not including) the acknowledgement: the number the

@@ -412,9 +412,21 @@ pub(crate) struct StoreClient {
 
 impl StoreClient {
     /// Connects (retrying until `deadline`) and runs the handshake with `secret` (within
-    /// `io_timeout`, at most [`auth::HANDSHAKE_TIMEOUT`]). Each later request may take at
-    /// most `io_timeout`.
+    /// `io_timeout`, at most [`auth::HANDSHAKE_TIMEOUT`]), connecting again while the store
+    /// turns connections away before its challenge (busy with other handshakes). Each later
+    /// request may take at most `io_timeout`.
     pub(crate) fn connect(
+        addrs: &[SocketAddr],
+        secret: &Secret,
+        deadline: Instant,
+        io_timeout: Duration,
+    ) -> Result<Self, CommError> {
+        auth::handshake_retrying(deadline, || {
+            Self::connect_once(addrs, secret, deadline, io_timeout)
+        })
+    }
+
+    fn connect_once(
         addrs: &[SocketAddr],
         secret: &Secret,
         deadline: Instant,
@@ -745,18 +757,25 @@ mod tests {
         let idle: Vec<TcpStream> = (0..MAX_PENDING_HANDSHAKES)
             .map(|_| TcpStream::connect(server.local_addr()).unwrap())
             .collect();
-        // One more, even a rank with the secret, is closed at accept while they wait.
-        assert!(client(&server, &key).is_err());
-        // Once they go, their slots are free again.
-        drop(idle);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            match client(&server, &key) {
-                Ok(_) => break,
-                Err(e) if Instant::now() > deadline => panic!("the store stayed full: {e}"),
-                Err(_) => std::thread::sleep(Duration::from_millis(100)),
-            }
+        // One more, even a rank with the secret, is closed at accept while they wait: it
+        // connects again until its deadline, and then says it was turned away, not that the
+        // secrets differ.
+        let soon = Instant::now() + Duration::from_millis(500);
+        match StoreClient::connect(&[server.local_addr()], &key, soon, Duration::from_secs(2)) {
+            Err(CommError::Handshake {
+                failure: AuthFailure::TurnedAway { times },
+                ..
+            }) => assert!(times > 1, "connected {times} time(s)"),
+            other => panic!("expected TurnedAway, got {other:?}"),
         }
+        // Once they go, their slots are free again, and a rank still connecting gets in.
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(idle);
+        });
+        let waited = client(&server, &key);
+        release.join().unwrap();
+        assert!(waited.is_ok(), "{waited:?}");
         assert_serves(&server);
     }
 
