@@ -533,6 +533,15 @@ impl Store for StoreClient {
     }
 
     fn check(&mut self, keys: &[String]) -> Result<bool, CommError> {
+        if keys.len() > wire::MAX_KEYS {
+            // A request holds at most MAX_KEYS (the rendezvous checks two per rank).
+            for part in keys.chunks(wire::MAX_KEYS) {
+                if !self.check(part)? {
+                    return Ok(false);
+                }
+            }
+            return Ok(true);
+        }
         self.request.clear();
         self.request.push(OP_CHECK);
         self.request
@@ -721,6 +730,24 @@ mod tests {
             other => panic!("expected Handshake NoAnswer, got {other:?}"),
         }
         assert_eq!(thread.join().unwrap().len(), auth::HELLO_LEN);
+    }
+
+    /// The rendezvous checks two keys per rank: above 2048 ranks a check takes more keys
+    /// than one request holds, and is sent in parts.
+    #[test]
+    fn a_check_of_more_keys_than_a_request_holds_is_answered() {
+        let server = server();
+        let mut c = client(&server, &secret("a")).unwrap();
+        let keys: Vec<String> = (0..wire::MAX_KEYS * 2 + 3)
+            .map(|i| format!("k/{i}"))
+            .collect();
+        for key in &keys[..keys.len() - 1] {
+            c.set(key, b"1").unwrap();
+        }
+        assert!(!c.check(&keys).unwrap());
+        c.set(keys.last().unwrap(), b"1").unwrap();
+        assert!(c.check(&keys).unwrap());
+        assert_serves(&server);
     }
 
     #[test]
