@@ -291,9 +291,13 @@ impl Attempt<'_> {
         loop {
             if let Some(signal) = watch.received() {
                 stop(ranks, signal, self.config.shutdown_timeout);
-                if ranks
-                    .iter()
-                    .all(|r| r.exit == Some(Exit::Code(i32::from(EXIT_STOPPED))))
+                // Stopped at a checkpoint: some ranks stopped so and the others succeeded
+                // (ranks that had nothing left to do), as without a signal.
+                let stopped = |r: &Rank| r.exit == Some(Exit::Code(i32::from(EXIT_STOPPED)));
+                if ranks.iter().any(stopped)
+                    && ranks
+                        .iter()
+                        .all(|r| stopped(r) || r.exit == Some(Exit::Code(0)))
                 {
                     return Ok(End::Stopped(Some(signal)));
                 }
@@ -368,9 +372,11 @@ impl Attempt<'_> {
             secret: self.secret.cloned(),
         };
         let mut cmd = Command::new(&config.program);
+        // Standard input passes through, as torchrun's (a debugger in a rank reads the
+        // terminal); the outputs go through the launcher (prefixes, logs, last lines).
         cmd.args(&config.args)
             .envs(config.env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
+            .stdin(Stdio::inherit())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         env.apply(&mut cmd);
@@ -473,8 +479,8 @@ fn spawn_hint(program: &std::ffi::OsStr, err: &std::io::Error) -> Option<String>
     let python = path.extension().is_some_and(|e| e == "py");
     let with_python = || {
         format!(
-            "give `python {name}` (ddp-run runs the program itself, where torchrun adds python \
-             unless --no-python)"
+            "give `python -u {name}` (ddp-run runs the program itself, where torchrun adds \
+             `python -u` unless --no-python)"
         )
     };
     let bare = !name.contains('/');

@@ -385,7 +385,7 @@ fn sigusr1_reaches_every_rank_even_a_stopped_one_and_exit_75_ends_the_job_as_sto
     assert_eq!(out.status.code(), Some(75), "{}", text(&out));
     assert!(
         stderr(&out).contains(&format!(
-            "ddp-run: every rank stopped after signal {} at a checkpoint (exit code 75)",
+            "ddp-run: the job stopped after signal {} at a checkpoint (exit code 75)",
             libc::SIGUSR1
         )),
         "{}",
@@ -396,6 +396,37 @@ fn sigusr1_reaches_every_rank_even_a_stopped_one_and_exit_75_ends_the_job_as_sto
         assert!(log.contains(&format!("rank {r} got SIGUSR1")), "{log}");
         assert!(!procs::alive(pid));
     }
+}
+
+/// A forwarded SIGTERM that rank 0 answers with a checkpoint (75) while rank 1, with
+/// nothing left to do, ends with 0: the job stopped, to be continued (75), as without a
+/// signal.
+#[test]
+fn a_signal_that_some_ranks_answer_with_75_and_the_others_with_0_ends_as_stopped() {
+    let dir = temp_dir("ddp-run-term-mixed");
+    let logs = dir.path().join("logs");
+    let script = format!(
+        r#"if [ "$RANK" = 0 ]; then trap 'exit 75' TERM; else trap 'exit 0' TERM; fi
+           echo $$ > {dir}/pid$RANK
+           i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
+        dir = dir.path().display()
+    );
+    let child = two_ranks_command(&logs, &["sh", "-c", &script])
+        .spawn()
+        .unwrap();
+    let launcher = child.id();
+    wait_for_pids(dir.path());
+    ddp_testkit::kill(launcher, libc::SIGTERM);
+    let out = wait_bounded(child, LIMIT);
+    assert_eq!(out.status.code(), Some(75), "{}", text(&out));
+    assert!(
+        stderr(&out).contains(&format!(
+            "ddp-run: the job stopped after signal {} at a checkpoint (exit code 75)",
+            libc::SIGTERM
+        )),
+        "{}",
+        text(&out)
+    );
 }
 
 #[test]
@@ -506,16 +537,16 @@ fn a_script_named_as_torchrun_takes_it_gets_what_to_give_instead() {
     let dir = temp_dir("ddp-run-script");
     std::fs::write(dir.path().join("train.py"), "print('hello')\n").unwrap();
     std::fs::write(dir.path().join("train.sh"), "#!/bin/sh\necho hello\n").unwrap();
-    let python = "(ddp-run runs the program itself, where torchrun adds python unless \
+    let python = "(ddp-run runs the program itself, where torchrun adds `python -u` unless \
                   --no-python)";
     let cases = [
         (
             "train.py",
-            format!("a Python script of the current folder; give `python train.py` {python}"),
+            format!("a Python script of the current folder; give `python -u train.py` {python}"),
         ),
         (
             "./train.py",
-            format!("a Python script that is not executable; give `python ./train.py` {python}"),
+            format!("a Python script that is not executable; give `python -u ./train.py` {python}"),
         ),
         (
             "train.sh",
@@ -626,4 +657,29 @@ fn torchruns_single_node_flags_are_accepted() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.lines().any(|l| l == "ok 0"), "{stdout}");
     assert!(stdout.lines().any(|l| l == "[rank 1] ok 1"), "{stdout}");
+}
+
+/// A rank reads the launcher's standard input, as under torchrun (a debugger in a rank reads
+/// the terminal).
+#[test]
+fn ranks_read_the_launchers_standard_input() {
+    use std::io::Write;
+    let mut child = ddp_run(&[
+        "--nproc-per-node",
+        "1",
+        "sh",
+        "-c",
+        "read line; echo \"rank read: $line\"",
+    ])
+    .stdin(Stdio::piped())
+    .spawn()
+    .unwrap();
+    child.stdin.take().unwrap().write_all(b"hello\n").unwrap();
+    let out = wait_bounded(child, LIMIT);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("rank read: hello"),
+        "{}",
+        text(&out)
+    );
 }

@@ -301,7 +301,7 @@ fn sigterm_stops_every_rank_at_a_checkpoint_with_exit_code_75() {
     let t = text(&out);
     assert_eq!(out.status.code(), Some(75), "{t}");
     assert!(
-        t.contains("ddp-train: every rank stopped after signal 15 at a checkpoint (exit code 75)"),
+        t.contains("ddp-train: the job stopped after signal 15 at a checkpoint (exit code 75)"),
         "{t}"
     );
     for pid in ranks {

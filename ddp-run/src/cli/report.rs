@@ -110,9 +110,9 @@ fn outcome_line(outcome: &Outcome, nproc: usize) -> Option<String> {
             Some(format!("interrupted by signal {signal}; all ranks stopped"))
         }
         Outcome::Stopped { signal, .. } => {
-            // Without a signal, some ranks may have finished while others stopped.
+            // Some ranks may have finished while others stopped.
             let who = signal.map_or("the job stopped".to_string(), |s| {
-                format!("every rank stopped after signal {s}")
+                format!("the job stopped after signal {s}")
             });
             Some(format!(
                 "{who} at a checkpoint (exit code {}); starting the job again continues it",
@@ -291,7 +291,7 @@ mod tests {
                     restarts: 0,
                 },
                 Some(
-                    "every rank stopped after signal 15 at a checkpoint (exit code 75); \
+                    "the job stopped after signal 15 at a checkpoint (exit code 75); \
                      starting the job again continues it",
                 ),
                 75,
