@@ -260,12 +260,40 @@ impl Drop for Queue {
     }
 }
 
+/// Runs each job and finishes its slot. A job that panics finishes with
+/// [`CommError::Poisoned`], and so does every later one (the ring may be half-way through a
+/// collective): a waiter never hangs on a slot nobody finishes.
 fn serve(run: impl Runner, jobs: Receiver<Job>, pending: &Pending) {
+    let mut poisoned: Option<String> = None;
     while let Ok(mut job) = jobs.recv() {
-        let result = run(&mut job.tensor, job.op);
+        let result = match &poisoned {
+            Some(why) => Err(CommError::Poisoned(why.clone())),
+            None => {
+                let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    run(&mut job.tensor, job.op)
+                }));
+                ran.unwrap_or_else(|payload| {
+                    let why = format!(
+                        "the communication thread panicked: {}",
+                        panic_text(payload.as_ref())
+                    );
+                    poisoned = Some(why.clone());
+                    Err(CommError::Poisoned(why))
+                })
+            }
+        };
         job.slot.finish(result);
         pending.done();
     }
+}
+
+/// A panic's message, where it has one.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }
 
 #[cfg(test)]
@@ -291,6 +319,34 @@ mod tests {
         fn is_completed(&self) -> bool {
             self.done.load(Ordering::SeqCst)
         }
+    }
+
+    #[test]
+    fn a_job_that_panics_fails_it_and_every_later_one_and_never_hangs() {
+        let queue = Queue::start(
+            |t: &mut Tensor, _op| {
+                if t.int64_value(&[]) == 1 {
+                    panic!("ring out of step");
+                }
+                Ok(())
+            },
+            0,
+        )
+        .unwrap();
+        let op = Op::AllReduce(crate::ReduceOp::Sum);
+        let ok = queue.submit(Tensor::from(0i64), op);
+        let bad = queue.submit(Tensor::from(1i64), op);
+        let after = queue.submit(Tensor::from(0i64), op);
+        assert!(ok.wait().is_ok());
+        let why = "the communication thread panicked: ring out of step";
+        for work in [bad, after] {
+            match work.wait() {
+                Err(CommError::Poisoned(m)) => assert_eq!(m, why),
+                other => panic!("expected Poisoned, got {other:?}"),
+            }
+        }
+        // Nothing is left pending: a blocking collective's drain returns.
+        queue.pending().drain();
     }
 
     #[test]
