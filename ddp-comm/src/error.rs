@@ -72,10 +72,11 @@ pub enum CommError {
         /// rank does not serve the store): a rank with another secret is one of them.
         turned_away: usize,
     },
-    /// The store could not be reached.
-    #[error("cannot reach the rendezvous store at {addr} within {timeout:?}: {source}")]
+    /// The store (rank 0's, or torchrun's agent store), or a ring neighbour, could not be
+    /// reached.
+    #[error("cannot reach {addr} within {timeout:?}: {source}")]
     StoreUnreachable {
-        /// The store's address.
+        /// What was not reached and its address (`the rendezvous store at HOST:PORT`).
         addr: String,
         /// The time spent trying.
         timeout: Duration,

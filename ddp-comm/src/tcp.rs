@@ -31,7 +31,7 @@ pub(crate) fn connect_retry(
         }
         if Instant::now() >= deadline {
             return Err(CommError::StoreUnreachable {
-                addr: format!("{what} {}", addrs[0]),
+                addr: format!("the {what} at {}", addrs[0]),
                 timeout: start.elapsed(),
                 source: last.unwrap_or_else(|| io::Error::other("no attempt")),
             });

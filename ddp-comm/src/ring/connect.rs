@@ -223,7 +223,11 @@ fn connect_tcp(plan: &RingPlan<'_>, next: &PeerInfo) -> Result<SendEnd, CommErro
 }
 
 fn connect_tcp_once(plan: &RingPlan<'_>, next: &PeerInfo) -> Result<SendEnd, CommError> {
-    let stream = connect_retry(&[next.addr], plan.deadline, &format!("rank {}", next.rank))?;
+    let stream = connect_retry(
+        &[next.addr],
+        plan.deadline,
+        &format!("ring link to rank {}", next.rank),
+    )?;
     tcp::tune_socket(&stream, plan.socket_buffer).map_err(|e| CommError::io("ring socket", e))?;
     let peer = || format!("rank {} at {}", next.rank, next.addr);
     let deadline = plan.connect_deadline();
