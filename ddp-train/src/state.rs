@@ -131,6 +131,10 @@ pub struct TrainState {
     pub grad_scaler: Option<crate::amp::ScalerState>,
     /// The run's seed (every random draw derives from it and the epoch and step).
     pub seed: u64,
+    /// The training samples the epochs were dealt from (a mid-epoch position counts
+    /// positions of their order); `None` in checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_samples: Option<usize>,
     /// The ranks and batches the checkpoint was written on; `None` in checkpoints written
     /// before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -720,6 +724,7 @@ mod tests {
             early_stopping: None,
             grad_scaler: None,
             seed: 0,
+            train_samples: None,
             allocation: None,
             plan: None,
             frozen: Vec::new(),
@@ -759,6 +764,7 @@ mod tests {
             early_stopping: None,
             grad_scaler: None,
             seed: 0,
+            train_samples: None,
             allocation: None,
             plan: None,
             frozen: Vec::new(),

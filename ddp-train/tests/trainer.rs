@@ -1053,3 +1053,81 @@ fn a_rank_outside_its_world_fails_every_rank_at_once() {
         );
     }
 }
+
+/// A resume that cannot continue the run as it was is refused before anything is loaded:
+/// another seed, another optimizer, or another number of training samples inside an epoch;
+/// what the checkpoint's state overrides (the plateau scheduler's learning rate and
+/// settings) is a warning.
+#[test]
+fn a_resume_refuses_what_cannot_continue_the_run_and_warns_of_what_it_keeps() {
+    let tmp = temp_dir("resume-refusals");
+    let dir = tmp.path();
+    let data = data(dir, 24);
+    let data_s = data.to_str().unwrap();
+    let run = dir.join("run");
+    let common = ["--data", data_s, "--image-size", "32", "--batch-size", "4"];
+    let with = |more: &[&str]| -> Vec<String> {
+        common.iter().chain(more).map(|s| s.to_string()).collect()
+    };
+    let args = with(&["--epochs", "1", "--checkpoint-every", "2", "--out"]);
+    let mut first: Vec<&str> = args.iter().map(String::as_str).collect();
+    first.push(run.to_str().unwrap());
+    assert_all_ok(&run_ranks(1, &first, &[]));
+
+    let epoch = run.join("checkpoints/epoch-0001.safetensors");
+    let step = run.join("checkpoints/epoch-0001-step-000002.safetensors");
+    let resume = |file: &Path, out: &str, more: &[&str]| {
+        let out = dir.join(out);
+        let mut all = with(&["--epochs", "2", "--resume", file.to_str().unwrap()]);
+        all.extend(["--out".to_string(), out.to_str().unwrap().to_string()]);
+        all.extend(more.iter().map(|s| s.to_string()));
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        run_ranks(1, &all, &[]).remove(0)
+    };
+    let refusal = |o: &Output| {
+        assert_eq!(o.status.code(), Some(1), "{}", text(o));
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let e = refusal(&resume(&epoch, "seed", &["--seed", "7"]));
+    assert!(
+        e.contains(&format!(
+            "error: --seed 7 differs from the seed 0 of {}: every epoch's order",
+            epoch.display()
+        )) && e.contains("resume with the same --seed"),
+        "{e}"
+    );
+    let e = refusal(&resume(&epoch, "sgd", &["--optimizer", "sgd"]));
+    assert!(
+        e.contains(&format!(
+            "error: --optimizer sgd is not the optimizer of {} (adam)",
+            epoch.display()
+        )),
+        "{e}"
+    );
+    let e = refusal(&resume(&step, "split", &["--val-split", "0.3"]));
+    assert!(
+        e.contains(&format!(
+            "error: {} stopped inside epoch 1 of 20 training samples, and the training set now \
+             has 16",
+            step.display()
+        )),
+        "{e}"
+    );
+
+    let kept = resume(&epoch, "lr", &["--lr", "0.5", "--plateau-factor", "0.9"]);
+    assert!(kept.status.success(), "{}", text(&kept));
+    let log = text(&kept);
+    assert!(
+        log.contains(
+            "warning: learning rate 5e-1 is not applied: the run continues at its own 1e-3"
+        ),
+        "{log}"
+    );
+    assert!(
+        log.contains(
+            "warning: the plateau scheduler continues with the run's own settings (factor 0.5, \
+             patience 2, min_lr 1e-6)"
+        ),
+        "{log}"
+    );
+}

@@ -2,13 +2,17 @@
 //! to stop or checkpoint, rank 0 writes the checkpoint, and on a stop every rank returns
 //! [`TrainError::Stopped`]; and the run's state that every checkpoint holds.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use ddp_comm::ReduceOp;
+use ddp_data::Dataset;
 
 use super::Trainer;
 use crate::amp::GradScaler;
-use crate::error::TrainError;
+use crate::error::{SettingError, TrainError};
+use crate::lr_schedule::LrSchedule;
+use crate::settings::Settings;
 use crate::state::{self, Position, TrainState};
 use crate::stop::{SignalWatch, StopReason};
 use crate::task::Task;
@@ -118,6 +122,7 @@ impl<T: Task> Trainer<T> {
             early_stopping: self.early,
             grad_scaler: self.scaler.as_ref().map(GradScaler::state),
             seed: self.settings.seed,
+            train_samples: Some(self.train_set.len()),
             allocation: Some(self.allocation),
             plan: Some(self.plan),
             frozen: self.frozen.clone(),
@@ -128,4 +133,99 @@ impl<T: Task> Trainer<T> {
             }),
         }
     }
+}
+
+/// What a resume from `st` (read from `path`) cannot continue with: another seed (every
+/// epoch's order, and a task's split, derive from it), another optimizer (its state is
+/// another's), or, inside an epoch, another number of training samples (the position counts
+/// places in the epoch's order of them). A setting error naming what to give.
+pub(super) fn refuse_resume(
+    st: &TrainState,
+    s: &Settings,
+    train_samples: usize,
+    path: &Path,
+) -> Result<(), TrainError> {
+    let file = path.display();
+    if st.seed != s.seed {
+        return Err(SettingError::new(
+            "seed",
+            format!(
+                " {} differs from the seed {} of {file}: every epoch's order (and a task's \
+                 validation split) derives from it, so the run cannot continue with another; \
+                 resume with the same ",
+                s.seed, st.seed
+            ),
+        )
+        .setting("seed")
+        .text(", or start a new run from its weights with ")
+        .setting("checkpoint.init_from")
+        .into());
+    }
+    let kind = |config: &serde_json::Value| config["kind"].as_str().map(str::to_string);
+    let was = kind(&st.config["settings"]["optimizer"]);
+    let now = kind(&serde_json::to_value(s.optimizer).unwrap_or_default());
+    if let (Some(was), Some(now)) = (was, now) {
+        if was != now {
+            return Err(SettingError::new(
+                "optimizer.kind",
+                format!(
+                    " {now} is not the optimizer of {file} ({was}), whose state cannot continue \
+                     another's: resume with the same "
+                ),
+            )
+            .setting("optimizer.kind")
+            .text(", or start a new run from its weights with ")
+            .setting("checkpoint.init_from")
+            .into());
+        }
+    }
+    if let (Some(p), Some(was)) = (st.position, st.train_samples) {
+        if was != train_samples {
+            return Err(TrainError::Invalid(format!(
+                "{file} stopped inside epoch {} of {was} training samples, and the training set \
+                 now has {train_samples}: which samples the epoch has left depends on them; \
+                 resume with the same data, or from the checkpoint at that epoch's start",
+                p.epoch
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What a resume from `st` takes from the checkpoint rather than from `s`, and another
+/// number of training samples at an epoch's end: warnings for the log.
+pub(super) fn resume_warnings(st: &TrainState, s: &Settings, train_samples: usize) -> Vec<String> {
+    let mut warnings = Vec::new();
+    if let (None, Some(was)) = (st.position, st.train_samples) {
+        if was != train_samples {
+            warnings.push(format!(
+                "the run trained on {was} samples and continues on {train_samples} (a task's \
+                 validation split may have changed with them)"
+            ));
+        }
+    }
+    let saved = &st.config["settings"];
+    if let LrSchedule::Plateau(plateau) = &s.lr_schedule {
+        let given = s.optimizer.lr();
+        if saved["optimizer"]["lr"]
+            .as_f64()
+            .is_some_and(|was| was != given)
+        {
+            warnings.push(format!(
+                "learning rate {given:e} is not applied: the run continues at its own {:e}, \
+                 which its plateau scheduler keeps (as PyTorch's load_state_dict)",
+                st.lr
+            ));
+        }
+        if let Some(kept) = st.scheduler.as_ref().map(|r| r.config) {
+            if kept != plateau.config {
+                warnings.push(format!(
+                    "the plateau scheduler continues with the run's own settings (factor {}, \
+                     patience {}, min_lr {:e}), not the ones given",
+                    kept.factor, kept.patience, kept.min_lr
+                ));
+            }
+        }
+    }
+    warnings
 }

@@ -151,7 +151,12 @@ impl<T: Task> Trainer<T> {
             for path in candidates {
                 // Loaded on the CPU first, then moved with the model to the rank's device;
                 // the optimizer over the parameters that were not frozen then.
-                let attempt = state::read(&path).and_then(|saved| {
+                let saved = state::read(&path);
+                if let Ok(saved) = &saved {
+                    // Not a damaged file: an older checkpoint of the run would not do either.
+                    super::checkpoint::refuse_resume(&saved.state, s, train_set.len(), &path)?;
+                }
+                let attempt = saved.and_then(|saved| {
                     let was_frozen = freeze::recorded(&parameters, &saved.state.frozen, &path)?;
                     freeze::set_frozen(&vs, &parameters, &was_frozen);
                     let mut cpu_optimizer = Optimizer::new(trainable(&vs), s.optimizer);
@@ -199,6 +204,7 @@ impl<T: Task> Trainer<T> {
                 .load_state(&tensors, st.optimizer_steps)
                 .map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))?;
             optimizer.set_lr(st.lr);
+            fallback_warnings.extend(super::checkpoint::resume_warnings(&st, s, train_set.len()));
             bucket_order = st.bucket_order.clone();
             if st.scheduler.is_some() {
                 scheduler = st.scheduler.clone();
