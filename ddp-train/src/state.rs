@@ -572,6 +572,9 @@ impl SavedCheckpoint {
         vs: &VarStore,
         optimizer: &mut Optimizer,
     ) -> Result<TrainState, TrainError> {
+        // The model first: a checkpoint of another model says so, before its optimizer state
+        // (which then misses every tensor) would.
+        checkpoint::load_tensors(vs, &self.model)?;
         let state_file = &self.optimizer.path;
         let mut problems = Vec::new();
         for (name, t) in optimizer.state_tensors() {
@@ -589,13 +592,18 @@ impl SavedCheckpoint {
             }
         }
         if !problems.is_empty() {
+            let shown = checkpoint::MISMATCH_SHOWN;
+            let more = match problems.len().saturating_sub(shown) {
+                0 => String::new(),
+                n => format!("; and {n} more"),
+            };
+            problems.truncate(shown);
             return Err(TrainError::Invalid(format!(
-                "{} does not fit this model: {}",
+                "{} does not fit this model's optimizer: {}{more}",
                 state_file.display(),
                 problems.join("; ")
             )));
         }
-        checkpoint::load_tensors(vs, &self.model)?;
         optimizer
             .load_state(&self.optimizer.tensors, self.state.optimizer_steps)
             .map_err(|e| TrainError::Invalid(format!("{}: {e}", state_file.display())))?;

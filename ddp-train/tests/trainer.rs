@@ -1104,6 +1104,13 @@ fn a_resume_refuses_what_cannot_continue_the_run_and_warns_of_what_it_keeps() {
         )),
         "{e}"
     );
+    // A checkpoint of another model says so in a bounded list, before its optimizer state.
+    let e = refusal(&resume(&epoch, "resnet", &["--model", "resnet18"]));
+    assert!(
+        e.contains("does not fit the model (nothing was loaded): 'bn1.bias' is missing")
+            && e.contains("and 140 more (116 missing from the file, 24 not in the model)"),
+        "{e}"
+    );
     let e = refusal(&resume(&step, "split", &["--val-split", "0.3"]));
     assert!(
         e.contains(&format!(
