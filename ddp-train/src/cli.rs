@@ -140,6 +140,84 @@ impl<D: Defaults> Args for TrainArgs<D> {
     }
 }
 
+/// Refuses a flag given on the command line that the other settings leave unused (SGD's
+/// `--momentum` with Adam, a schedule's parameters under another schedule, the early-stopping
+/// threshold without early stopping), naming the setting it needs: nothing given is silently
+/// dropped.
+fn refuse_unused_flags(matches: &ArgMatches, s: &Settings) -> Result<(), clap::Error> {
+    use crate::lr_schedule::ScheduleKind;
+    use crate::optim::OptimizerConfig;
+    let given = |id: &str| {
+        matches.ids().any(|i| i.as_str() == id)
+            && matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+    };
+    let flags = defaults::flag_names();
+    let flag = |id: &str| flags.get(id).cloned().unwrap_or_else(|| id.to_string());
+    let kind = s.lr_schedule.kind();
+    let schedule = clap::ValueEnum::to_possible_value(&kind)
+        .map_or_else(String::new, |v| v.get_name().to_string());
+    let for_schedules = |kinds: &[ScheduleKind], which: &str| {
+        (!kinds.contains(&kind))
+            .then(|| format!("applies to {which} (--lr-schedule is {schedule})"))
+    };
+    use ScheduleKind::{Constant, Cosine, Linear, Plateau, Step};
+    let rules: [(&str, Option<String>); 8] = [
+        (
+            "optimizer.momentum",
+            match s.optimizer {
+                OptimizerConfig::Sgd(_) => None,
+                OptimizerConfig::Adam(_) => Some("applies to --optimizer sgd only (it is adam)"),
+                OptimizerConfig::AdamW(_) => Some("applies to --optimizer sgd only (it is adamw)"),
+            }
+            .map(str::to_string),
+        ),
+        (
+            "lr_schedule.warmup",
+            for_schedules(
+                &[Constant, Linear, Cosine, Step],
+                "the constant, linear, cosine and step schedules",
+            ),
+        ),
+        (
+            "lr_schedule.every",
+            for_schedules(&[Step], "--lr-schedule step only"),
+        ),
+        (
+            "lr_schedule.gamma",
+            for_schedules(&[Step], "--lr-schedule step only"),
+        ),
+        (
+            "lr_schedule.config.factor",
+            for_schedules(&[Plateau], "--lr-schedule plateau only"),
+        ),
+        (
+            "lr_schedule.config.patience",
+            for_schedules(&[Plateau], "--lr-schedule plateau only"),
+        ),
+        (
+            "lr_schedule.config.min_lr",
+            for_schedules(&[Plateau], "--lr-schedule plateau only"),
+        ),
+        (
+            "early_stopping.min_delta",
+            s.early_stopping
+                .patience
+                .is_none()
+                .then(|| "needs --early-stopping-patience (early stopping is off)".to_string()),
+        ),
+    ];
+    match rules
+        .into_iter()
+        .find_map(|(id, why)| why.filter(|_| given(id)).map(|why| (id, why)))
+    {
+        Some((id, why)) => Err(clap::Error::raw(
+            clap::error::ErrorKind::ArgumentConflict,
+            format!("{} {why}", flag(id)),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// The ids of `cmd`'s arguments.
 fn ids(cmd: &Command) -> BTreeSet<String> {
     cmd.get_arguments()
@@ -156,6 +234,7 @@ impl<D: Defaults> FromArgMatches for TrainArgs<D> {
 
     fn update_from_arg_matches(&mut self, matches: &ArgMatches) -> Result<(), clap::Error> {
         self.settings.update_from_arg_matches(matches)?;
+        refuse_unused_flags(matches, &self.settings)?;
         let launch = LaunchArgs::from_arg_matches(matches)?;
         self.local_rank = launch.local_rank;
         self.nproc_per_node = launch.nproc_per_node;
@@ -644,6 +723,72 @@ mod tests {
         assert_eq!(
             both.err().map(|e| e.kind()),
             Some(clap::error::ErrorKind::ArgumentConflict)
+        );
+    }
+
+    /// A flag the other settings leave unused is refused, naming what it needs; the same
+    /// flag where it is used parses.
+    #[test]
+    fn a_flag_the_other_settings_leave_unused_is_refused() {
+        let refusal = |args: &[&str]| {
+            let argv = std::iter::once("x").chain(args.iter().copied());
+            let e = Cli::<GenericDefaults>::try_parse_from(argv)
+                .err()
+                .unwrap_or_else(|| panic!("{args:?} parsed"));
+            assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict);
+            e.to_string().lines().next().unwrap_or_default().to_string()
+        };
+        let cases: [(&[&str], &str); 6] = [
+            (
+                &["--momentum", "0.9"],
+                "--momentum applies to --optimizer sgd only (it is adam)",
+            ),
+            (
+                &["--lr-schedule", "plateau", "--warmup-steps", "5"],
+                "--warmup-steps applies to the constant, linear, cosine and step schedules \
+                 (--lr-schedule is plateau)",
+            ),
+            (
+                &["--lr-gamma", "0.5"],
+                "--lr-gamma applies to --lr-schedule step only (--lr-schedule is constant)",
+            ),
+            (
+                &["--lr-schedule", "cosine", "--min-lr", "0.1"],
+                "--min-lr applies to --lr-schedule plateau only (--lr-schedule is cosine)",
+            ),
+            (
+                &["--plateau-patience", "3"],
+                "--plateau-patience applies to --lr-schedule plateau only (--lr-schedule is \
+                 constant)",
+            ),
+            (
+                &["--early-stopping-min-delta", "0.01"],
+                "--early-stopping-min-delta needs --early-stopping-patience (early stopping \
+                 is off)",
+            ),
+        ];
+        for (args, first_line) in cases {
+            assert_eq!(refusal(args), format!("error: {first_line}"), "{args:?}");
+        }
+        let used = parse::<GenericDefaults>(&[
+            "--optimizer",
+            "sgd",
+            "--momentum",
+            "0.9",
+            "--lr-schedule",
+            "step",
+            "--lr-gamma",
+            "0.5",
+            "--warmup-steps",
+            "2",
+        ]);
+        assert_eq!(used.lr_schedule.warmup(), 2);
+        // Defaults a program sets are never "given": its plateau parses without flags.
+        assert_eq!(
+            parse::<Odirish>(&["--plateau-factor", "0.3"])
+                .lr_schedule
+                .kind(),
+            crate::lr_schedule::ScheduleKind::Plateau
         );
     }
 }
