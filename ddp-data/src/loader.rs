@@ -129,7 +129,23 @@ fn work<D: Dataset>(shared: &Shared<D>, worker: usize, current: &Cell<Option<usi
     let ring = &shared.ring;
     let request = &ring.request;
     let layout = &request.layout;
-    let mut state = catch_unwind(AssertUnwindSafe(|| shared.dataset.worker())).ok();
+    // A data set whose `worker` panics cannot load with this thread: the loader stops with
+    // `sample` (what it was about) and that panic's message, rather than leave the samples
+    // to the other workers, or to nobody.
+    let start = |sample: &dyn Fn(&str) -> String| {
+        catch_unwind(AssertUnwindSafe(|| shared.dataset.worker())).map_err(|panic| {
+            let mut st = ring.lock();
+            st.fatal.get_or_insert(DataError::WorkerPanicked {
+                worker,
+                sample: sample(panic_message(&*panic)),
+            });
+            st.stop = true;
+            ring.work.notify_all();
+            ring.ready.notify_all();
+        })
+    };
+    let mut state =
+        start(&|m| format!("no sample: the data set's worker state panicked ({m})")).ok();
     while let Some(worker_state) = state.as_mut() {
         current.set(None);
         let Some((position, memory)) = claim(shared) else {
@@ -167,13 +183,18 @@ fn work<D: Dataset>(shared: &Shared<D>, worker: usize, current: &Cell<Option<usi
         }));
         let result = match outcome {
             Ok(r) => r,
-            Err(_) => {
+            Err(panic) => {
+                let sample = format!(
+                    "{} ({})",
+                    shared.dataset.describe(index),
+                    panic_message(&*panic)
+                );
                 // The per-thread state may be half-updated: start afresh.
-                state = catch_unwind(AssertUnwindSafe(|| shared.dataset.worker())).ok();
-                Err(DataError::WorkerPanicked {
-                    worker,
-                    sample: shared.dataset.describe(index),
+                state = start(&|m| {
+                    format!("{sample}; its worker state, made again, panicked too ({m})")
                 })
+                .ok();
+                Err(DataError::WorkerPanicked { worker, sample })
             }
         };
         shared.finished.fetch_add(1, Ordering::Relaxed);
@@ -537,10 +558,22 @@ impl<D: Dataset> HostLoader<D> {
                 }
             }
             if state.live_workers == 0 {
-                let sample = shared.dataset.describe(ring.indices[start]);
+                // Every worker has gone with this batch unfinished: its own error if one of
+                // its samples failed, else the batch's first sample.
+                let own = match state.filling.get(&batch).copied() {
+                    Some(s) => state.slots[s].error.take(),
+                    None => None,
+                };
+                let e = own.map_or_else(
+                    || DataError::WorkerPanicked {
+                        worker: 0,
+                        sample: shared.dataset.describe(ring.indices[start]),
+                    },
+                    |(_, e)| e,
+                );
                 drop(state);
                 self.stop();
-                return Some(Err(DataError::WorkerPanicked { worker: 0, sample }));
+                return Some(Err(e));
             }
             state = ring.ready.wait(state).unwrap_or_else(|e| e.into_inner());
         };

@@ -576,3 +576,94 @@ fn a_batch_too_large_to_address_is_refused_up_front() {
         "{e}"
     );
 }
+
+/// Sample `i` is the value `i`. Writing sample `broken` panics, and `worker` panics from its
+/// call number `worker_panics_from` (counting from 0) on.
+struct Moody {
+    broken: Option<usize>,
+    worker_panics_from: usize,
+    workers_made: std::sync::atomic::AtomicUsize,
+}
+
+impl Dataset for Moody {
+    type Worker = ();
+
+    fn len(&self) -> usize {
+        8
+    }
+
+    fn layout(&self) -> SampleLayout {
+        SampleLayout::new([1], [1])
+    }
+
+    fn worker(&self) {
+        let made = self
+            .workers_made
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        assert!(made < self.worker_panics_from, "no state for call {made}");
+    }
+
+    fn write(
+        &self,
+        _: &mut (),
+        index: usize,
+        _: &mut SampleRng,
+        out: SampleOut<'_>,
+    ) -> Result<(), DataError> {
+        assert!(Some(index) != self.broken, "sample {index} is broken");
+        out.input.f32()?[0] = index as f32;
+        out.targets.f32()?[0] = index as f32;
+        Ok(())
+    }
+}
+
+/// The epoch of `data` on one worker, one sample per batch: each batch's value, until the
+/// first error, and the error's text.
+fn moody_epoch(data: Moody) -> (Vec<f32>, String) {
+    let loader = HostLoader::new(data, (0..8).collect(), &one_per_batch(1, 2)).unwrap();
+    bounded("the epoch", move || {
+        let mut values = Vec::new();
+        for batch in loader {
+            match batch {
+                Ok(b) => values.push(b.input_f32().unwrap()[0]),
+                Err(e) => return (values, e.to_string()),
+            }
+        }
+        (values, "no error".to_string())
+    })
+}
+
+/// A panicking data set is reported with its own message and the sample it was about, as
+/// PyTorch re-raises a worker's exception: a `worker` that panics at once names no sample; a
+/// `write` that panics names its sample, also when making the worker's state again panics.
+#[test]
+fn a_panicking_data_set_is_reported_with_its_message_and_its_sample() {
+    let moody = |broken, worker_panics_from| Moody {
+        broken,
+        worker_panics_from,
+        workers_made: Default::default(),
+    };
+    let (values, error) = moody_epoch(moody(None, 0));
+    assert_eq!(values, [] as [f32; 0]);
+    assert_eq!(
+        error,
+        "loader worker thread 0 panicked while loading no sample: the data set's worker state \
+         panicked (no state for call 0)"
+    );
+    let (values, error) = moody_epoch(moody(Some(5), usize::MAX));
+    assert_eq!(values, [0.0, 1.0, 2.0, 3.0, 4.0]);
+    assert_eq!(
+        error,
+        "loader worker thread 0 panicked while loading sample 5 (sample 5 is broken)"
+    );
+    let (values, error) = moody_epoch(moody(Some(5), 1));
+    assert_eq!(
+        values,
+        (0..values.len()).map(|v| v as f32).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        error,
+        "loader worker thread 0 panicked while loading sample 5 (sample 5 is broken); \
+         its worker state, made again, panicked too (no state for call 1)"
+    );
+}
