@@ -37,9 +37,18 @@ pub struct SamplerBuilder {
     seed: u64,
     drop_last: bool,
     partition: Partition,
+    allow_empty: bool,
 }
 
 impl SamplerBuilder {
+    /// Whether a rank may get no samples of a non-empty dataset (default `false`): an
+    /// evaluation over [`Partition::Exact`] shards of fewer samples than replicas, where the
+    /// ranks without samples still take part in combining the results.
+    pub fn allow_empty_shards(mut self, allow: bool) -> Self {
+        self.allow_empty = allow;
+        self
+    }
+
     /// Whether each epoch's order is a seeded random permutation (`true`, the default) or
     /// `0..dataset_len`.
     pub fn shuffle(mut self, shuffle: bool) -> Self {
@@ -73,7 +82,7 @@ impl SamplerBuilder {
     /// [`SamplerError::ZeroReplicas`], [`SamplerError::RankOutOfRange`],
     /// [`SamplerError::DropLastWithExact`], and [`SamplerError::EmptyShard`] when some rank
     /// would get no samples: an empty dataset, or fewer samples than replicas with `drop_last`
-    /// or [`Partition::Exact`].
+    /// or [`Partition::Exact`] (unless [`SamplerBuilder::allow_empty_shards`]).
     pub fn build(self) -> Result<DistributedSampler, SamplerError> {
         let num_replicas = self.num_replicas;
         if num_replicas == 0 {
@@ -93,7 +102,8 @@ impl SamplerBuilder {
         };
         let layout = Layout::epoch(self.dataset_len, num_replicas, rule);
         // The last rank has the shortest shard under every rule.
-        if layout.len_of_rank(num_replicas - 1) == 0 {
+        let allowed = self.allow_empty && self.dataset_len > 0;
+        if layout.len_of_rank(num_replicas - 1) == 0 && !allowed {
             return Err(SamplerError::EmptyShard {
                 dataset_len: self.dataset_len,
                 num_replicas,
@@ -122,6 +132,7 @@ impl DistributedSampler {
             seed: 0,
             drop_last: false,
             partition: Partition::Padded,
+            allow_empty: false,
         }
     }
 
@@ -429,6 +440,37 @@ mod tests {
                 .build(),
             Err(SamplerError::DropLastWithExact)
         );
+    }
+
+    #[test]
+    fn exact_shards_may_be_empty_when_allowed() {
+        let shard = |rank| {
+            DistributedSampler::builder(3, 5, rank)
+                .shuffle(false)
+                .partition(Partition::Exact)
+                .allow_empty_shards(true)
+                .build()
+                .map(|s| s.indices())
+        };
+        let shards: Vec<_> = (0..5).map(shard).collect();
+        assert_eq!(
+            shards,
+            [
+                Ok(vec![0]),
+                Ok(vec![1]),
+                Ok(vec![2]),
+                Ok(vec![]),
+                Ok(vec![])
+            ]
+        );
+        // An empty dataset is still refused: there is nothing to evaluate.
+        assert!(matches!(
+            DistributedSampler::builder(0, 2, 0)
+                .partition(Partition::Exact)
+                .allow_empty_shards(true)
+                .build(),
+            Err(SamplerError::EmptyShard { .. })
+        ));
     }
 
     #[test]

@@ -1138,3 +1138,58 @@ fn a_resume_refuses_what_cannot_continue_the_run_and_warns_of_what_it_keeps() {
         "{log}"
     );
 }
+
+/// Fewer validation samples than ranks (2 on 3 ranks): the rank without any still takes part
+/// in combining the sums, and the epoch's figures equal one process evaluating its
+/// checkpoint.
+#[test]
+fn fewer_validation_samples_than_ranks_still_evaluate_exactly() {
+    let tmp = temp_dir("tiny-val");
+    let dir = tmp.path();
+    let data = data(dir, 24);
+    let data_s = data.to_str().unwrap();
+    let out = dir.join("run");
+    let common = [
+        "--data",
+        data_s,
+        "--image-size",
+        "32",
+        "--batch-size",
+        "2",
+        "--val-split",
+        "0.1",
+    ];
+    let mut train: Vec<&str> = common.to_vec();
+    train.extend(["--epochs", "1", "--out", out.to_str().unwrap()]);
+    let outputs = run_ranks(3, &train, &[]);
+    assert_all_ok(&outputs);
+    assert!(
+        text(&outputs[0]).contains("2 validation samples"),
+        "{}",
+        text(&outputs[0])
+    );
+    let trained = &metrics_without_timing(&out)[0];
+    let checkpoint = out.join("checkpoints/epoch-0001.safetensors");
+    let again = dir.join("again");
+    let mut eval: Vec<&str> = common.to_vec();
+    eval.extend([
+        "--eval-only",
+        "--resume",
+        checkpoint.to_str().unwrap(),
+        "--out",
+        again.to_str().unwrap(),
+    ]);
+    let outputs = run_ranks(1, &eval, &[]);
+    assert_all_ok(&outputs);
+    let evaluated = report(&outputs[0]);
+    for key in ["val_loss", "odir_auc", "val_macro_f1", "val_micro_f1"] {
+        let (a, b) = (
+            trained[key].as_f64().unwrap(),
+            evaluated[key].as_f64().unwrap(),
+        );
+        assert!(
+            (a - b).abs() <= 1e-6 * a.abs().max(1.0),
+            "{key}: {a} vs {b}"
+        );
+    }
+}

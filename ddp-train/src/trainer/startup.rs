@@ -89,6 +89,8 @@ impl<T: Task> Trainer<T> {
                 DistributedSampler::builder(v.len(), env.world_size, env.rank)
                     .shuffle(false)
                     .partition(Partition::Exact)
+                    // Fewer samples than ranks: the ranks without any still combine the sums.
+                    .allow_empty_shards(true)
                     .build()
                     .context(|| format!("sharding {} validation samples", v.len()))?,
             ),
