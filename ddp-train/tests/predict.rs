@@ -368,6 +368,38 @@ fn scoring_with_another_transform_or_eye_combination_than_the_training_warns_on_
         );
     }
     assert!(!rank0.contains("--eval-resize"), "{rank0}");
+
+    // Trained with the default resize (8/7 of 32: 36), scored with another.
+    let run36 = dir.join("trained-36");
+    std::fs::create_dir_all(&run36).unwrap();
+    let config36 = run36.join("config.json");
+    std::fs::write(
+        &config36,
+        r#"{"task": {"image_size": 32, "normalize": "none", "eval_resize": null}}"#,
+    )
+    .unwrap();
+    let best36 = run36.join("best-score.safetensors");
+    std::fs::copy(&model, &best36).unwrap();
+    let images = data.join("test/preprocessed_images");
+    let resized = scoring(
+        "predict",
+        1,
+        &images,
+        &best36,
+        &dir.join("out36"),
+        &["--eval-resize", "40"],
+    );
+    assert!(resized[0].status.success(), "{}", text(&resized[0]));
+    let warning = format!(
+        "warning: the model was trained with --eval-resize 36 ({}) and is scored with 40",
+        config36.display()
+    );
+    assert!(
+        text(&resized[0]).contains(&warning),
+        "{}",
+        text(&resized[0])
+    );
+
     let warning = format!(
         "warning: the thresholds of {} were tuned with --eye-combine mean, and the eyes are \
          combined with max: give --eye-combine mean",

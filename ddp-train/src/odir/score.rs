@@ -97,13 +97,26 @@ fn transform_differences(c: &TrainConfig, checkpoint: &Path) -> Vec<String> {
     if let Some(Ok(norm)) = trained("normalize").map(serde_json::from_value::<Normalize>) {
         differs("--normalize", norm.to_string(), c.normalize.to_string());
     }
-    if let Some(Ok(Some(resize))) =
-        trained("eval_resize").map(serde_json::from_value::<Option<u32>>)
-    {
-        let now = c
-            .eval_resize
-            .map_or("its default".to_string(), |r| r.to_string());
-        differs("--eval-resize", resize.to_string(), now);
+    let trained_size = trained("image_size").and_then(|v| serde_json::from_value::<u32>(v).ok());
+    match trained("eval_resize").map(serde_json::from_value::<Option<u32>>) {
+        Some(Ok(Some(resize))) => {
+            let now = c
+                .eval_resize
+                .map_or("its default".to_string(), |r| r.to_string());
+            differs("--eval-resize", resize.to_string(), now);
+        }
+        // Trained with the default (8/7 of the image size), scored with another resize of
+        // the same image size (another image size is named above).
+        Some(Ok(None)) if trained_size == Some(c.image_size) => {
+            if let Some(now) = c.eval_resize {
+                differs(
+                    "--eval-resize",
+                    (c.image_size * 8 / 7).to_string(),
+                    now.to_string(),
+                );
+            }
+        }
+        _ => {}
     }
     lines
 }

@@ -246,7 +246,7 @@ impl<T: Task> Trainer<T> {
                 fallback_warnings.push(describe_change(
                     before,
                     now,
-                    epoch,
+                    (epoch, train_set.len()),
                     rest.as_ref(),
                     spe,
                     plan,
@@ -598,7 +598,7 @@ fn continue_at(
 fn describe_change(
     before: Allocation,
     now: Allocation,
-    epoch: u64,
+    (epoch, train_len): (u64, usize),
     rest: Option<&EpochRest>,
     (spe_before, spe_now): (usize, usize),
     plan: Plan,
@@ -629,10 +629,22 @@ fn describe_change(
             "; the rest of epoch {epoch} ({left} samples) takes {steps} step(s)"
         ));
         let padding = (steps * now.global_batch()).saturating_sub(left);
-        if padding > 0 {
+        // Positions past the epoch's end: below the data set's size, samples the epoch
+        // would have left out; from it on, the order again from its start.
+        let unseen = padding.min(train_len.saturating_sub(rest.end));
+        if padding > unseen && unseen > 0 {
             line.push_str(&format!(
-                ", the last one filled with {padding} repeated sample(s)"
+                ", the last one filled with {padding} sample(s) past the epoch's end ({unseen} \
+                 it would have left out, {} repeated)",
+                padding - unseen
             ));
+        } else if padding > 0 {
+            let what = if unseen > 0 {
+                "sample(s) the epoch would have left out"
+            } else {
+                "repeated sample(s)"
+            };
+            line.push_str(&format!(", the last one filled with {padding} {what}"));
         }
     }
     line.push_str(&format!(
@@ -657,4 +669,60 @@ pub(super) fn trainable(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
 /// The default run directory: `runs/YYYYMMDD-HHMMSS-PID` (UTC), as every tool names it.
 pub(crate) fn default_run_dir() -> PathBuf {
     ddp_run::default_run_dir(Path::new("runs"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 1000 samples on 2 ranks x 16 end their epoch at 992; stopped after 960 and continued
+    /// on 4 x 16, the last step is filled with 32 positions: 8 samples the epoch would have
+    /// left out (992..1000), then 24 of the order's start again.
+    #[test]
+    fn the_fill_of_a_changed_epoch_tells_left_out_samples_from_repeats() {
+        let on = |world_size, batch_size| Allocation {
+            world_size,
+            batch_size,
+            accumulate: 1,
+        };
+        let plan = Plan {
+            epochs: 1,
+            optimizer_steps: 31,
+        };
+        let rest = |end| EpochRest {
+            first_step: 30,
+            consumed: 960,
+            end,
+            changed_from: Some(on(2, 16)),
+        };
+        let change = |len, end| {
+            describe_change(
+                on(2, 16),
+                on(4, 16),
+                (1, len),
+                Some(&rest(end)),
+                (31, 15),
+                plan,
+            )
+        };
+        assert!(
+            change(1000, 992).contains(
+                "the rest of epoch 1 (32 samples) takes 1 step(s), the last one filled with 32 \
+                 sample(s) past the epoch's end (8 it would have left out, 24 repeated)"
+            ),
+            "{}",
+            change(1000, 992)
+        );
+        assert!(
+            change(992, 992).contains("the last one filled with 32 repeated sample(s)"),
+            "{}",
+            change(992, 992)
+        );
+        assert!(
+            change(2000, 992)
+                .contains("the last one filled with 32 sample(s) the epoch would have left out"),
+            "{}",
+            change(2000, 992)
+        );
+    }
 }
