@@ -240,8 +240,12 @@ fn nccl_init_times_out_when_a_rank_never_joins_it() {
         return;
     }
     skip_without_gpu!();
+    // Init is bounded by the longer of the two timeouts.
     let outputs = run_world_each("nccl_init_times_out_when_a_rank_never_joins_it", 2, |_| {
-        vec![("DDP_OP_TIMEOUT_S", "3".to_string())]
+        vec![
+            ("DDP_OP_TIMEOUT_S", "3".to_string()),
+            ("DDP_RDZV_TIMEOUT_S", "3".to_string()),
+        ]
     });
     let errors = lines_with(&outputs[0], "ERROR: ");
     assert_eq!(errors.len(), 1, "{errors:?}");
@@ -317,6 +321,8 @@ fn nccl_a_wait_after_an_abort_is_an_error() {
         return;
     }
     skip_without_gpu!();
+    // The 1 s op timeout bounds the collectives only: init, whose first run in a process
+    // can take about a second, has the harness's rendezvous timeout.
     run_world_each("nccl_a_wait_after_an_abort_is_an_error", 1, |_| {
         vec![("DDP_OP_TIMEOUT_S", "1".to_string())]
     });
@@ -490,6 +496,7 @@ fn nccl_the_watchdog_aborts_a_collective_only_a_stream_waits_for() {
         return;
     }
     skip_without_gpu!();
+    // As above: the 1 s bounds the collectives, not init.
     run_world_each(
         "nccl_the_watchdog_aborts_a_collective_only_a_stream_waits_for",
         1,

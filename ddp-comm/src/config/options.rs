@@ -125,16 +125,19 @@ impl Options {
         self
     }
 
-    /// Sets the rendezvous timeout.
+    /// Sets the rendezvous timeout (also the least time NCCL communicator init is given:
+    /// see [`Options::op_timeout`]).
     pub fn rendezvous_timeout(mut self, timeout: Duration) -> Self {
         self.env.rendezvous_timeout = Some(timeout);
         self
     }
 
-    /// Sets how long one collective (and NCCL communicator init) may take. A timed-out
-    /// collective then spends up to three heartbeat intervals (`op_timeout / 20`, clamped
-    /// to 100 ms ..= 1 s; at least 500 ms in all) finding out which rank is hung, before it
-    /// returns [`CommError::Timeout`].
+    /// Sets how long one collective may take. A timed-out collective then spends up to
+    /// three heartbeat intervals (`op_timeout / 20`, clamped to 100 ms ..= 1 s; at least
+    /// 500 ms in all) finding out which rank is hung, before it returns
+    /// [`CommError::Timeout`]. NCCL communicator init, a meeting of every rank like the
+    /// rendezvous (and about a second for the first one in a process), may take the longer
+    /// of this and the rendezvous timeout.
     pub fn op_timeout(mut self, timeout: Duration) -> Self {
         self.env.op_timeout = Some(timeout);
         self

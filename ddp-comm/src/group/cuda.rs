@@ -18,7 +18,8 @@ use crate::sync::lock;
 impl ProcessGroup {
     /// The communicator, created at first use: a CPU barrier (all ranks alive), unique id
     /// from rank 0 through the store, `cudaSetDevice` of the group's CUDA device, a non-blocking
-    /// `ncclCommInitRankConfig` bounded by the op timeout.
+    /// `ncclCommInitRankConfig` bounded by the init timeout (the longer of the op and
+    /// rendezvous timeouts).
     pub(super) fn nccl(&self) -> Result<MutexGuard<'_, Option<NcclComm>>, CommError> {
         let mut guard = lock(&self.nccl);
         if guard.is_some() {
@@ -66,12 +67,12 @@ impl ProcessGroup {
                 store.set("nccl/uid", &id.internal)?;
                 id
             } else {
-                let deadline = std::time::Instant::now() + self.op_timeout;
+                let deadline = std::time::Instant::now() + self.nccl_init_timeout;
                 rendezvous::wait_keys(
                     store.as_mut(),
                     &["nccl/uid".to_string()],
                     deadline,
-                    self.op_timeout,
+                    self.nccl_init_timeout,
                     |_| Some(0),
                 )?;
                 let bytes = store.get("nccl/uid")?.unwrap_or_default();
@@ -87,6 +88,7 @@ impl ProcessGroup {
             self.world_size,
             self.cuda_device,
             id,
+            self.nccl_init_timeout,
             self.op_timeout,
             self.heartbeat.clone(),
         )?;

@@ -62,6 +62,8 @@ pub struct ProcessGroup {
     cuda_device: usize,
     backend: Backend,
     op_timeout: Duration,
+    /// The bound of NCCL communicator init: the longer of the op and rendezvous timeouts.
+    nccl_init_timeout: Duration,
     cpu: Mutex<CpuBackend>,
     /// Shared with the watchdog thread (started at the first asynchronous CUDA collective),
     /// which holds it weakly.
@@ -144,6 +146,7 @@ impl ProcessGroup {
             None => Secret::fallback(env.secret_file.as_deref(), &env.run_id)?,
         };
         let op_timeout = env.op_timeout.unwrap_or(DEFAULT_OP_TIMEOUT);
+        let rendezvous_timeout = env.rendezvous_timeout.unwrap_or(DEFAULT_RENDEZVOUS_TIMEOUT);
         let plan = Plan {
             rank: env.rank,
             world_size: env.world_size,
@@ -153,7 +156,7 @@ impl ProcessGroup {
             secret,
             agent_store: env.agent_store,
             key_prefix: format!("/ddp-comm/{}/{}/", env.run_id, env.restart_count),
-            timeout: env.rendezvous_timeout.unwrap_or(DEFAULT_RENDEZVOUS_TIMEOUT),
+            timeout: rendezvous_timeout,
             socket_buffer: opts.socket_buffer,
             transport: env.transport.unwrap_or_default(),
             host_id: env.host_id.clone(),
@@ -178,6 +181,7 @@ impl ProcessGroup {
             cuda_device: opts.cuda_device.unwrap_or(env.local_rank),
             backend,
             op_timeout,
+            nccl_init_timeout: op_timeout.max(rendezvous_timeout),
             cpu: Mutex::new(cpu),
             nccl: Arc::new(Mutex::new(None)),
             nccl_failed: std::sync::OnceLock::new(),

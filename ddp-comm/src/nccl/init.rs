@@ -14,13 +14,15 @@ use crate::store::heartbeat::Heartbeat;
 
 impl NcclComm {
     /// `cudaSetDevice(device)`, then a non-blocking `ncclCommInitRankConfig`, polled until
-    /// it is done, it fails, or `timeout` passes (see the module's documentation).
+    /// it is done, it fails, or `init_timeout` passes (see the module's documentation); its
+    /// collectives then time out after `op_timeout`.
     pub(crate) fn init(
         rank: usize,
         world: usize,
         device: usize,
         id: ncclUniqueId,
-        timeout: Duration,
+        init_timeout: Duration,
+        op_timeout: Duration,
         heartbeat: Arc<Heartbeat>,
     ) -> Result<Self, CommError> {
         let nccl = Nccl::load()?;
@@ -65,14 +67,15 @@ impl NcclComm {
             let what = "failed: ncclCommInitRankConfig returned no communicator".to_string();
             return Err(failed(what, Diagnosis::default()));
         }
-        match settle(nccl, comm, "ncclCommInitRankConfig", start, timeout) {
+        match settle(nccl, comm, "ncclCommInitRankConfig", start, init_timeout) {
             Ok(()) => {}
             Err(Unsettled::Failed { rc, .. }) => return nccl_failed("", rc),
             Err(Unsettled::TimedOut) => {
                 // Diagnose first: the heartbeats say which rank never joined.
                 let diagnosis = heartbeat.diagnose();
                 abort(comm);
-                return Err(failed(format!("timed out after {timeout:?}"), diagnosis));
+                let what = format!("timed out after {init_timeout:?}");
+                return Err(failed(what, diagnosis));
             }
         }
         Ok(NcclComm {
@@ -81,7 +84,7 @@ impl NcclComm {
             comm,
             side: None,
             device: ordinal,
-            timeout,
+            timeout: op_timeout,
             inflight: InFlight::new(),
             heartbeat,
         })

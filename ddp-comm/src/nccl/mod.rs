@@ -37,11 +37,14 @@
 //!
 //! **Init.** The communicator is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`):
 //! init returns at once, possibly with `ncclInProgress`, and this rank polls
-//! `ncclCommGetAsyncError` until it is done, for at most the collective timeout. A peer that
-//! dies or stops between the CPU barrier that precedes init and its own init therefore fails
-//! this rank's init with [`CommError::NcclInit`] (the communicator aborted) instead of
-//! hanging it. With a non-blocking communicator, enqueuing a collective may also return
-//! `ncclInProgress`; the same polling, under the same deadline, waits for it.
+//! `ncclCommGetAsyncError` until it is done, for at most the init timeout: the longer of the
+//! collective and the rendezvous timeouts, since init is a meeting of every rank, and the
+//! first init in a process (NCCL loading its plugins and topology) can take about a second,
+//! more than a short collective timeout. A peer that dies or stops between the CPU barrier
+//! that precedes init and its own init therefore fails this rank's init with
+//! [`CommError::NcclInit`] (the communicator aborted) instead of hanging it. With a
+//! non-blocking communicator, enqueuing a collective may also return `ncclInProgress`; the
+//! same polling, under the collective's deadline, waits for it.
 //!
 //! Beside it, `init.rs` creates the communicator, `poll.rs` paces the host's polls, and
 //! `cuda.rs` (the public [`cuda`] module) makes CUDA visible to the program.
