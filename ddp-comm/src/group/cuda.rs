@@ -1,5 +1,7 @@
 //! The process group's NCCL side: the communicator made at the first CUDA collective, its
-//! asynchronous collectives' [`Work`], and the watchdog that checks them.
+//! asynchronous collectives' [`Work`], and the watchdog that checks them. Once the
+//! communicator was aborted, every call and every `Work` answers from its abort flag
+//! without waiting for the communicator's lock (see `nccl::inflight::Aborted`).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -16,11 +18,22 @@ use crate::nccl::{self, NcclComm, NcclOp, NcclWork};
 use crate::sync::lock;
 
 impl ProcessGroup {
-    /// The communicator, created at first use: a CPU barrier (all ranks alive), unique id
-    /// from rank 0 through the store, `cudaSetDevice` of the group's CUDA device, a non-blocking
-    /// `ncclCommInitRankConfig` bounded by the init timeout (the longer of the op and
-    /// rendezvous timeouts).
-    pub(super) fn nccl(&self) -> Result<MutexGuard<'_, Option<NcclComm>>, CommError> {
+    /// Fails with the abort's error once the communicator was aborted (or is being aborted:
+    /// the flag is set before `ncclCommAbort`, which may hold the communicator's lock for as
+    /// long as the queued kernels run). Never takes that lock.
+    pub(super) fn nccl_usable(&self, op: &str) -> Result<(), CommError> {
+        match self.nccl_aborted.get().and_then(|a| a.error(op)) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The communicator for `op`, created at first use: a CPU barrier (all ranks alive),
+    /// unique id from rank 0 through the store, `cudaSetDevice` of the group's CUDA device, a
+    /// non-blocking `ncclCommInitRankConfig` bounded by the init timeout (the longer of the
+    /// op and rendezvous timeouts).
+    pub(super) fn nccl(&self, op: &str) -> Result<MutexGuard<'_, Option<NcclComm>>, CommError> {
+        self.nccl_usable(op)?;
         let mut guard = lock(&self.nccl);
         if guard.is_some() {
             return Ok(guard);
@@ -38,6 +51,7 @@ impl ProcessGroup {
         }
         match self.init_nccl() {
             Ok(comm) => {
+                let _ = self.nccl_aborted.set(comm.aborted());
                 *guard = Some(comm);
                 Ok(guard)
             }
@@ -106,7 +120,7 @@ impl ProcessGroup {
         self.heartbeat.enter();
         let queued = (|| {
             let buf = cuda_buffer(t, self.backend, self.cuda_device)?;
-            let mut comm = self.nccl()?;
+            let mut comm = self.nccl(op.name())?;
             let comm = comm
                 .as_mut()
                 .ok_or_else(|| CommError::Poisoned("no NCCL communicator".into()))?;
@@ -128,11 +142,14 @@ impl ProcessGroup {
         }
     }
 
-    /// Runs `f` on the communicator (which exists once a CUDA collective was queued).
+    /// Runs `f` on the communicator (which exists once a CUDA collective was queued) for
+    /// `op`; once the communicator was aborted, fails without waiting for its lock.
     pub(super) fn with_comm<R>(
         &self,
+        op: &str,
         f: impl FnOnce(&mut NcclComm) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
+        self.nccl_usable(op)?;
         match lock(&self.nccl).as_mut() {
             Some(c) => f(c),
             None => Err(CommError::Poisoned("no NCCL communicator".into())),
@@ -187,15 +204,20 @@ struct CudaWork {
 impl DeviceWork for CudaWork {
     fn wait(self: Box<Self>) -> Result<(), CommError> {
         let CudaWork { group, work } = *self;
-        group.with_comm(|c| c.wait_work(work))
+        group.with_comm(work.op(), |c| c.wait_work(work))
     }
 
     fn wait_stream(self: Box<Self>) -> Result<(), CommError> {
         let CudaWork { group, work } = *self;
-        group.with_comm(|c| c.wait_work_on_stream(work))
+        group.with_comm(work.op(), |c| c.wait_work_on_stream(work))
     }
 
     fn is_completed(&self) -> bool {
+        // An aborted communicator's collectives are complete (with an error), even while
+        // the thread that aborts it still holds it in `ncclCommAbort`.
+        if self.group.nccl_usable(self.work.op()).is_err() {
+            return true;
+        }
         // Never blocks: while another thread's call holds the communicator (a blocking
         // collective may hold it up to the timeout), the answer is "not yet".
         let mut guard = match self.group.nccl.try_lock() {
@@ -204,5 +226,53 @@ impl DeviceWork for CudaWork {
             Err(std::sync::TryLockError::WouldBlock) => return false,
         };
         guard.as_mut().is_none_or(|c| c.work_completed(&self.work))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::options::Options;
+    use crate::nccl::inflight::Aborted;
+
+    /// The watchdog aborts a communicator and sits in `ncclCommAbort` (blocked until the
+    /// queued kernels exit, with more than one rank) holding the communicator's lock: a
+    /// `Work` of that communicator is complete, and its wait fails, without that lock.
+    #[test]
+    fn work_is_answered_from_the_abort_flag_while_the_communicator_is_held() {
+        let opts = Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Cpu);
+        let group = Arc::new(ProcessGroup::new(opts).unwrap());
+        let flag = Arc::new(Aborted::default());
+        group.nccl_aborted.set(flag.clone()).unwrap();
+        let pending = || CudaWork {
+            group: group.clone(),
+            work: NcclWork::for_test(0, "all_reduce"),
+        };
+        // Held, not aborted: no answer yet, and none that blocks.
+        let held = lock(&group.nccl);
+        assert!(!pending().is_completed());
+        flag.abort_with("all_reduce timed out after 1s".into(), || {
+            assert!(pending().is_completed(), "not complete during the abort");
+        });
+        assert!(pending().is_completed(), "not complete after the abort");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let work = pending();
+        std::thread::spawn(move || {
+            let waited = Box::new(work).wait();
+            let _ = tx.send(waited);
+        });
+        // A hang guard only: the wait must not need the lock this thread holds.
+        let waited = rx.recv_timeout(Duration::from_secs(30));
+        drop(held);
+        match waited {
+            Ok(Err(CommError::Poisoned(why))) => {
+                assert!(why.contains("all_reduce timed out after 1s"), "{why}")
+            }
+            other => panic!("the wait after the abort returned {other:?}"),
+        }
+        assert!(matches!(
+            group.barrier(),
+            Err(CommError::Poisoned(why)) if why.starts_with("barrier: ")
+        ));
     }
 }

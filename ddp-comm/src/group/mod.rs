@@ -22,6 +22,7 @@ use crate::group::tensor::{
     bool_op, check_layout, cpu_bytes, cuda_buffer, unsupported_device, Collective,
 };
 use crate::group::work::{Op, Queue, Work};
+use crate::nccl::inflight::Aborted;
 use crate::nccl::{NcclComm, NcclOp};
 use crate::ring::cpu::CpuBackend;
 use crate::ring::link::LinkKind;
@@ -68,6 +69,9 @@ pub struct ProcessGroup {
     /// Shared with the watchdog thread (started at the first asynchronous CUDA collective),
     /// which holds it weakly.
     nccl: Arc<Mutex<Option<NcclComm>>>,
+    /// The communicator's abort flag, once it exists: read without `nccl`'s lock, which the
+    /// thread that aborts holds while `ncclCommAbort` waits for the queued kernels.
+    nccl_aborted: std::sync::OnceLock<Arc<Aborted>>,
     /// Why the communicator's initialisation failed, once it has: it is not tried again
     /// (the peers may be past it, and rank 0's unique id in the store is spent).
     nccl_failed: std::sync::OnceLock<String>,
@@ -184,6 +188,7 @@ impl ProcessGroup {
             nccl_init_timeout: op_timeout.max(rendezvous_timeout),
             cpu: Mutex::new(cpu),
             nccl: Arc::new(Mutex::new(None)),
+            nccl_aborted: std::sync::OnceLock::new(),
             nccl_failed: std::sync::OnceLock::new(),
             watchdog: std::sync::Once::new(),
             store: Mutex::new(met.store),
@@ -192,7 +197,7 @@ impl ProcessGroup {
             _server: met.server,
         };
         if opts.backend == Some(Backend::Nccl) {
-            drop(group.nccl()?);
+            drop(group.nccl("NCCL init")?);
         }
         Ok(group)
     }
@@ -419,7 +424,7 @@ impl ProcessGroup {
                 (buf, NcclOp::AllGather { recv }, keep)
             }
         };
-        let mut comm = self.nccl()?;
+        let mut comm = self.nccl(op.name())?;
         // SAFETY: `cuda_buffer` checked that each tensor is a defined contiguous tensor of
         // its `count` elements of `dtype` on the communicator's device; an all-gather's
         // output (checked by `all_gather_into`: same dtype and device) holds `world_size`
@@ -434,6 +439,7 @@ impl ProcessGroup {
     pub fn barrier(&self) -> Result<(), CommError> {
         self.drain();
         self.heartbeat.enter();
+        self.nccl_usable("barrier")?;
         if let Some(comm) = lock(&self.nccl).as_mut() {
             comm.synchronize()?;
         }

@@ -11,9 +11,12 @@
 //!
 //! After an abort, no entry is ever reported complete (its marker may well complete: the
 //! aborted kernels exit early, leaving half-reduced tensors), and nothing asks NCCL about
-//! the communicator again.
+//! the communicator again. Whether it was aborted is an [`Aborted`] flag that the group
+//! reads without the communicator's lock: `ncclCommAbort` may block its caller, holding that
+//! lock, until the queued kernels have exited, and the flag is set before it is called.
 
 use std::collections::VecDeque;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use nccl_sys::{cudaError_t, cudaEvent_t, Cudart};
@@ -54,6 +57,39 @@ impl Drop for Event {
     }
 }
 
+/// Whether a communicator was aborted, and why (the first reason): shared between the
+/// communicator, which sets it, and the group, which reads it without taking the
+/// communicator's lock.
+#[derive(Debug, Default)]
+pub(crate) struct Aborted(OnceLock<String>);
+
+impl Aborted {
+    /// Marks the communicator aborted because of `why`, then runs `abort` (the call that
+    /// frees it), the first time only. The mark comes first: a call that frees the
+    /// communicator may block for as long as its queued kernels run, and whoever reads the
+    /// flag meanwhile already has the answer.
+    pub(crate) fn abort_with(&self, why: String, abort: impl FnOnce()) {
+        if self.0.set(why).is_ok() {
+            abort();
+        }
+    }
+
+    /// Whether the communicator was aborted (or is being aborted).
+    pub(crate) fn is_set(&self) -> bool {
+        self.0.get().is_some()
+    }
+
+    /// The error every call gets once the communicator was aborted, naming `op`.
+    pub(crate) fn error(&self, op: &str) -> Option<CommError> {
+        self.0.get().map(|why| {
+            CommError::Poisoned(format!(
+                "{op}: the NCCL communicator was aborted ({why}); the results of its \
+                 unfinished collectives are invalid; create a new process group"
+            ))
+        })
+    }
+}
+
 /// Where an entry stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Status {
@@ -75,7 +111,7 @@ struct Entry<M, K> {
 pub(crate) struct InFlight<M, K> {
     next: u64,
     entries: VecDeque<Entry<M, K>>,
-    aborted: Option<String>,
+    aborted: Arc<Aborted>,
 }
 
 impl<M, K> std::fmt::Debug for InFlight<M, K> {
@@ -92,28 +128,23 @@ impl<M: Marker, K> InFlight<M, K> {
         InFlight {
             next: 0,
             entries: VecDeque::new(),
-            aborted: None,
+            aborted: Arc::default(),
         }
     }
 
     /// The error every call gets once the communicator was aborted, naming `op`.
     pub(crate) fn aborted_error(&self, op: &str) -> Option<CommError> {
-        self.aborted.as_ref().map(|why| {
-            CommError::Poisoned(format!(
-                "{op}: the NCCL communicator was aborted ({why}); the results of its \
-                 unfinished collectives are invalid; create a new process group"
-            ))
-        })
+        self.aborted.error(op)
     }
 
     /// Whether the communicator was aborted.
     pub(crate) fn is_aborted(&self) -> bool {
-        self.aborted.is_some()
+        self.aborted.is_set()
     }
 
-    /// Records that the communicator was aborted because of `why`.
-    pub(crate) fn mark_aborted(&mut self, why: String) {
-        self.aborted.get_or_insert(why);
+    /// The abort flag, for readers that do not hold the communicator.
+    pub(crate) fn aborted(&self) -> &Arc<Aborted> {
+        &self.aborted
     }
 
     /// Adds a collective queued at `start`, whose end is `marker`, keeping `keep` until it
@@ -288,7 +319,9 @@ mod tests {
             second.clone(),
             Arc::new(vec![]),
         );
-        table.mark_aborted("all_reduce timed out after 1s".into());
+        table
+            .aborted()
+            .abort_with("all_reduce timed out after 1s".into(), || {});
         // The aborted kernels exit: both markers complete, on half-reduced tensors.
         first.set();
         second.set();
@@ -308,11 +341,32 @@ mod tests {
             "no stream may wait on aborted work"
         );
         // A later abort keeps the first reason.
-        table.mark_aborted("other".into());
+        table.aborted().abort_with("other".into(), || {});
         assert!(format!("{:?}", table.aborted_error("x")).contains("timed out"));
         // The tensors are released once the markers say the device is done.
         table.retire_completed();
         assert_eq!(table.pending(), 0);
+    }
+
+    #[test]
+    fn the_flag_is_set_before_the_abort_runs_and_the_abort_runs_once() {
+        let flag = Aborted::default();
+        assert!(!flag.is_set() && flag.error("x").is_none());
+        let mut calls = 0;
+        flag.abort_with("all_reduce timed out after 1s".into(), || {
+            // A reader that does not hold the communicator already sees the abort while
+            // `ncclCommAbort` blocks.
+            assert!(flag.is_set(), "the flag was not set before the abort call");
+            assert!(matches!(flag.error("wait"), Some(CommError::Poisoned(_))));
+            calls += 1;
+        });
+        flag.abort_with("later".into(), || calls += 1);
+        assert_eq!(calls, 1, "the communicator was aborted twice");
+        let why = flag.error("wait").unwrap().to_string();
+        assert!(
+            why.contains("wait: the NCCL communicator was aborted (all_reduce timed out"),
+            "{why}"
+        );
     }
 
     #[test]

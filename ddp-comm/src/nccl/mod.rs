@@ -112,7 +112,7 @@ impl NcclOp {
     }
 
     /// The collective's name, for messages.
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             NcclOp::AllReduce(_) => "all_reduce",
             NcclOp::Broadcast(_) => "broadcast",
@@ -367,15 +367,25 @@ impl NcclComm {
         }))
     }
 
+    /// Aborts the communicator (once) because of `err`, and returns `err`. The abort flag is
+    /// set before `ncclCommAbort`, which with more than one rank blocks until the queued
+    /// kernels have exited, while this thread holds the communicator's lock: the group
+    /// answers `Work::is_completed` and every later call from the flag meanwhile.
     fn abort(&mut self, err: CommError) -> CommError {
         self.heartbeat.mark_failed();
-        if !self.inflight.is_aborted() {
-            // SAFETY: `self.comm` is live; after abort it is never used again (every path
-            // to NCCL checks `inflight.is_aborted()` first).
-            unsafe { (self.nccl.ncclCommAbort)(self.comm) };
-            self.inflight.mark_aborted(err.to_string());
-        }
+        let (nccl, comm) = (self.nccl, self.comm);
+        self.inflight.aborted().abort_with(err.to_string(), || {
+            // SAFETY: `comm` is live; after abort it is never used again (every path to
+            // NCCL checks `inflight.is_aborted()` first, and the flag is set now).
+            unsafe { (nccl.ncclCommAbort)(comm) };
+        });
         err
+    }
+
+    /// The flag that says whether this communicator was aborted, for readers that do not
+    /// hold it.
+    pub(crate) fn aborted(&self) -> std::sync::Arc<inflight::Aborted> {
+        self.inflight.aborted().clone()
     }
 
     /// Checks the communicator is usable and selects its device; retires the collectives
@@ -632,4 +642,21 @@ pub(crate) struct NcclWork {
     id: u64,
     op: &'static str,
     start: Instant,
+}
+
+impl NcclWork {
+    /// The collective's name, for messages.
+    pub(crate) fn op(&self) -> &'static str {
+        self.op
+    }
+
+    /// The handle of collective `id`, queued now (for tests that need no communicator).
+    #[cfg(test)]
+    pub(crate) fn for_test(id: u64, op: &'static str) -> Self {
+        NcclWork {
+            id,
+            op,
+            start: Instant::now(),
+        }
+    }
 }
