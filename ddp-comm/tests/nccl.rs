@@ -24,11 +24,19 @@ fn value(r: usize, i: usize) -> f64 {
     ((r * 31 + i * 7) % 11 + r) as f64 - 5.0
 }
 
+/// This rank's group, its communicator created at construction (not lazily at the first
+/// CUDA collective) and its connections made by a first all-reduce: tests that queue a
+/// fixed time of work (`keep_busy`) and then a collective would otherwise spend part of that
+/// time in NCCL's set-up, and pass with the defect they look for once it outlasts the work.
 fn group_on_gpu() -> (ProcessGroup, Device) {
     assert!(ddp_comm::cuda::load_torch_cuda().unwrap());
-    let group = ProcessGroup::from_env().unwrap();
+    let opts = Options::from_env().unwrap().backend(Backend::Nccl);
+    let group = ProcessGroup::new(opts).unwrap();
     assert_eq!(group.backend(), Backend::Nccl);
     let device = Device::Cuda(group.local_rank());
+    let mut warm = Tensor::ones([1], (Kind::Float, device));
+    group.all_reduce(&mut warm, ReduceOp::Sum).unwrap();
+    assert_eq!(warm.double_value(&[0]), group.world_size() as f64);
     (group, device)
 }
 
