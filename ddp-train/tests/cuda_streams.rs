@@ -1,11 +1,12 @@
 //! DDP on CUDA with forward and backward on a pool stream made current (not the default
 //! stream), buckets reduced while backward runs behind a second of queued work: the
-//! gradients equal those of the same step on the default stream. One rank per GPU, up to
-//! four; one GPU (a world of one) runs the same path (hooks on the autograd engine's device
-//! thread, buckets, NCCL, stream waits) but reduces nothing, so only errors show there, and
-//! a misordered bucket shows with two. Also: SyncBatchNorm's all-reduces leave the host
-//! free. Without a GPU each test prints `skipped: <reason>`. `cargo xtask gpu-check` runs
-//! them.
+//! gradients equal those of the same step on the default stream, and `sync_gradients`
+//! returns while that second of work still runs (the stream waits for the buckets, not the
+//! host). One rank per GPU, up to four; one GPU (a world of one) runs the same path (hooks
+//! on the autograd engine's device thread, buckets, NCCL, stream waits) but reduces
+//! nothing, so only the host-side wait and errors show there, and a misordered bucket shows
+//! with two. Also: SyncBatchNorm's all-reduces leave the host free. Without a GPU each test
+//! prints `skipped: <reason>`. `cargo xtask gpu-check` runs them.
 
 mod common;
 
@@ -40,11 +41,14 @@ fn gpus() -> Result<usize, String> {
 /// Queues about `seconds` of 4096x4096 matmuls on the current stream of `device` (measured
 /// first) and returns at once: the host is then far ahead of the device.
 fn keep_busy(device: Device, seconds: f64) {
+    let Device::Cuda(index) = device else {
+        unreachable!("a CUDA device")
+    };
     let x = Tensor::randn([4096, 4096], (Kind::Float, device)) / 64.0;
     for _ in 0..2 {
         let _ = x.mm(&x);
     }
-    let stream = CudaStream::current(0).unwrap();
+    let stream = CudaStream::current(index).unwrap();
     stream.synchronize().unwrap();
     let start = std::time::Instant::now();
     for _ in 0..8 {
@@ -57,14 +61,15 @@ fn keep_busy(device: Device, seconds: f64) {
     }
 }
 
-/// The gradients of one step, on the current stream, as CPU tensors in name order.
-fn step_gradients(
+/// One step on the current stream, up to the synced gradients (nothing here waits for the
+/// device).
+fn step(
     ddp: &mut DistributedDataParallel,
     net: &ConvNet,
     params: &[(String, Tensor)],
     x: &Tensor,
     y: &Tensor,
-) -> Vec<Tensor> {
+) {
     for (_, p) in params {
         let mut g = p.grad();
         if g.defined() {
@@ -75,6 +80,10 @@ fn step_gradients(
         .binary_cross_entropy_with_logits::<Tensor>(y, None, None, Reduction::Mean)
         .backward();
     ddp.sync_gradients().unwrap();
+}
+
+/// The gradients, as CPU tensors in name order (waits for the device).
+fn gradients(params: &[(String, Tensor)]) -> Vec<Tensor> {
     params
         .iter()
         .map(|(_, p)| p.grad().to_device(Device::Cpu))
@@ -115,16 +124,29 @@ fn worker_pool_stream() {
     tch::manual_seed(100 + rank as i64);
     let x = Tensor::rand([16, 3, 64, 64], (Kind::Float, device));
     let y = Tensor::rand([16, 8], (Kind::Float, device)).round();
-    let on_default = step_gradients(&mut ddp, &net, &params, &x, &y);
+    step(&mut ddp, &net, &params, &x, &y);
+    let on_default = gradients(&params);
     let stream = CudaStream::from_pool(local, false).unwrap();
-    let on_pool = {
+    let (on_pool, host_free) = {
         let _guard = tch_ext::set_current_stream(stream).unwrap();
         // The step's kernels wait behind a second of work while the host queues them and
         // backward's hooks launch the buckets: a bucket reduced before its gradients landed
         // would hold stale values.
         keep_busy(device, 1.0);
-        step_gradients(&mut ddp, &net, &params, &x, &y)
+        let busy = CudaEvent::new(local).unwrap();
+        busy.record(&stream).unwrap();
+        step(&mut ddp, &net, &params, &x, &y);
+        // Each bucket's collective comes after that work on the stream, so a host-side wait
+        // for any bucket (rather than the stream's `cudaStreamWaitEvent`) would have let it
+        // finish. This shows with one rank too, where NCCL may do no device work at all.
+        let host_free = !busy.query().unwrap();
+        (gradients(&params), host_free)
     };
+    assert!(
+        host_free,
+        "sync_gradients waited on the host for the buckets: the second of work queued \
+         before the step had finished when it returned"
+    );
     for ((name, _), (a, b)) in params.iter().zip(on_default.iter().zip(&on_pool)) {
         let diff = (a - b).abs().max().double_value(&[]);
         let scale = a.abs().max().double_value(&[]).max(1e-3);
