@@ -29,7 +29,10 @@
 //!    one GPU in bf16 and in fp16.
 //!
 //! A GPU test that says `skipped:` fails the check, unless it needs a second GPU the machine
-//! lacks: here a skip would pass for a run.
+//! lacks: here a skip would pass for a run. The GPU tests run one at a time
+//! (`--test-threads=1`): each spawns its ranks onto the same GPUs, and tests that time
+//! queued work against a collective (`keep_busy`) measure nothing while others share the
+//! device.
 //!
 //! Where the GPU machine has no cargo, the GPU bundle's `run.sh` with `xtask/gpu-extra.sh` as
 //! its command runs the same steps from prebuilt binaries (`xtask/README.md`).
@@ -57,42 +60,10 @@ pub fn run(root: &Path) -> Result<()> {
     let mut test = crate::cargo();
     test.args(["test", "-p", "nccl-sys"]);
     crate::run(root, test)?;
-    let mut nccl = crate::cargo();
-    nccl.args([
-        "test",
-        "-p",
-        "ddp-comm",
-        "--test",
-        "nccl",
-        "--test",
-        "nccl_peers",
-        "--",
-        "--nocapture",
-    ]);
-    run_gpu_tests(root, nccl, gpus)?;
+    run_gpu_tests(root, "ddp-comm", &["nccl", "nccl_peers"], gpus)?;
     // tch-ext's streams, events and CUDA-side hooks, and DDP on a GPU.
-    let mut shim = crate::cargo();
-    shim.args([
-        "test",
-        "-p",
-        "tch-ext",
-        "--test",
-        "cuda",
-        "--",
-        "--nocapture",
-    ]);
-    run_gpu_tests(root, shim, gpus)?;
-    let mut streams = crate::cargo();
-    streams.args([
-        "test",
-        "-p",
-        "ddp-train",
-        "--test",
-        "cuda_streams",
-        "--",
-        "--nocapture",
-    ]);
-    run_gpu_tests(root, streams, gpus)?;
+    run_gpu_tests(root, "tch-ext", &["cuda"], gpus)?;
+    run_gpu_tests(root, "ddp-train", &["cuda_streams"], gpus)?;
     let mut sweep = crate::cargo();
     sweep.args([
         "bench",
@@ -105,19 +76,7 @@ pub fn run(root: &Path) -> Result<()> {
         "nccl",
     ]);
     crate::run(root, sweep)?;
-    let mut data = crate::cargo();
-    data.args([
-        "test",
-        "-p",
-        "ddp-data",
-        "--test",
-        "tensor",
-        "--test",
-        "ring",
-        "--",
-        "--nocapture",
-    ]);
-    run_gpu_tests(root, data, gpus)?;
+    run_gpu_tests(root, "ddp-data", &["tensor", "ring"], gpus)?;
     feed_and_fp16(root)?;
     let runs = if gpus > 1 { vec![1, gpus] } else { vec![1] };
     let precisions = runs
@@ -197,10 +156,39 @@ fn feed_and_fp16(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Runs `cmd`, a `cargo test` of GPU tests with `--nocapture`, as `crate::run` does, echoing
-/// its output, and fails when a test said `skipped:` although this machine has what it needs
+/// `cargo test` of the GPU test targets `tests` of `package`, with `--nocapture` (their
+/// `skipped:` lines are read) and one test at a time: each test spawns ranks onto the same
+/// GPUs, and a test that times queued work against a collective measures nothing while
+/// another runs beside it.
+fn gpu_test_command(package: &str, tests: &[&str]) -> Command {
+    let mut cmd = crate::cargo();
+    cmd.args(["test", "-p", package]);
+    for test in tests {
+        cmd.args(["--test", test]);
+    }
+    cmd.args(["--", "--nocapture", "--test-threads=1"]);
+    cmd
+}
+
+/// Runs `package`'s GPU test targets `tests` (see [`gpu_test_command`]), echoing their
+/// output, and fails when a test said `skipped:` although this machine has what it needs
 /// (CUDA not loadable, say): on a GPU machine a skipped GPU test must not pass for a run one.
-fn run_gpu_tests(root: &Path, mut cmd: Command, gpus: usize) -> Result<()> {
+fn run_gpu_tests(root: &Path, package: &str, tests: &[&str], gpus: usize) -> Result<()> {
+    let cmd = gpu_test_command(package, tests);
+    let line = format!("{cmd:?}");
+    let output = run_echoed(root, cmd)?;
+    let skipped = unexpected_skips(&output, gpus);
+    if !skipped.is_empty() {
+        bail!(
+            "{line}: GPU tests skipped on a machine with {gpus} GPU(s): {}",
+            skipped.join("; ")
+        );
+    }
+    Ok(())
+}
+
+/// Runs `cmd` in `root` as `crate::run` does, echoing its standard output and returning it.
+fn run_echoed(root: &Path, mut cmd: Command) -> Result<String> {
     cmd.current_dir(root).stdout(Stdio::piped());
     let line = format!("{cmd:?}");
     println!("xtask: {line}");
@@ -222,15 +210,13 @@ fn run_gpu_tests(root: &Path, mut cmd: Command, gpus: usize) -> Result<()> {
     if !status.success() {
         bail!("{line} failed ({status})");
     }
-    let skipped = unexpected_skips(&output, gpus);
-    if !skipped.is_empty() {
-        bail!(
-            "{line}: GPU tests skipped on a machine with {gpus} GPU(s): {}",
-            skipped.join("; ")
-        );
-    }
-    Ok(())
+    Ok(output)
 }
+
+/// How a test that needs two GPUs says so when it skips itself (`skipped: needs two GPUs, 1
+/// visible`, tch-ext's `skipped: needs 2 CUDA devices`): on a machine with one GPU, these
+/// skips are expected. gpu-extra.sh excuses the same phrases.
+const TWO_GPU_SKIPS: [&str; 2] = ["needs two GPUs", "needs 2 CUDA"];
 
 /// The `skipped:` reasons in `output` that `gpus` GPUs do not explain: all but a two-GPU
 /// test's on a machine with one.
@@ -239,7 +225,7 @@ fn unexpected_skips(output: &str, gpus: usize) -> Vec<String> {
         .lines()
         .filter_map(|l| l.find("skipped:").map(|at| l[at..].trim().to_string()))
         .filter(|reason| {
-            let needs_two = reason.contains("needs two GPUs") || reason.contains("needs 2 CUDA");
+            let needs_two = TWO_GPU_SKIPS.iter().any(|p| reason.contains(p));
             !(needs_two && gpus < 2)
         })
         .collect()
@@ -247,7 +233,7 @@ fn unexpected_skips(output: &str, gpus: usize) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::unexpected_skips;
+    use super::*;
 
     #[test]
     fn only_a_missing_second_gpu_excuses_a_skip() {
@@ -260,5 +246,39 @@ mod tests {
         );
         assert_eq!(unexpected_skips(output, 2).len(), 3);
         assert!(unexpected_skips("test result: ok. 3 passed\n", 1).is_empty());
+    }
+
+    #[test]
+    fn every_gpu_test_runs_alone_with_its_output_shown() {
+        let cmd = gpu_test_command("ddp-data", &["tensor", "ring"]);
+        let args: Vec<_> = cmd.get_args().map(|a| a.to_string_lossy()).collect();
+        assert_eq!(
+            args,
+            [
+                "test",
+                "-p",
+                "ddp-data",
+                "--test",
+                "tensor",
+                "--test",
+                "ring",
+                "--",
+                "--nocapture",
+                "--test-threads=1"
+            ]
+        );
+    }
+
+    #[test]
+    fn gpu_extra_applies_the_same_rules() {
+        // The shell script on the machine without cargo must judge as this command does.
+        let script = include_str!("../gpu-extra.sh");
+        for phrase in TWO_GPU_SKIPS {
+            assert!(
+                script.contains(&format!("-e '{phrase}'")),
+                "gpu-extra.sh does not excuse `{phrase}`"
+            );
+        }
+        assert!(script.contains("--test-threads=1"));
     }
 }

@@ -14,8 +14,12 @@ fn root() -> PathBuf {
         .to_path_buf()
 }
 
+/// The test binaries every bundle holds without a `gpu-bundle.list` line (make-bundle.sh's
+/// defaults, see the GPU bundle's README): run.sh's own steps run them.
+const ALWAYS_BUNDLED: [&str; 1] = ["ddp-comm.test.nccl"];
+
 /// The bundle names (`PACKAGE.test.TARGET`) of the `test PACKAGE TARGET` lines of a
-/// `gpu-bundle.list` text.
+/// `gpu-bundle.list` text, and the test binaries every bundle holds.
 fn listed_tests(list: &str) -> BTreeSet<String> {
     list.lines()
         .map(|l| l.split('#').next().unwrap_or(""))
@@ -23,6 +27,7 @@ fn listed_tests(list: &str) -> BTreeSet<String> {
             ["test", package, target] => Some(format!("{package}.test.{target}")),
             _ => None,
         })
+        .chain(ALWAYS_BUNDLED.map(str::to_owned))
         .collect()
 }
 
@@ -47,16 +52,21 @@ fn unbundled(script: &str, listed: &BTreeSet<String>, root: &Path) -> Vec<String
 
 #[test]
 fn a_test_binary_missing_from_the_list_or_the_workspace_is_found() {
-    let list = "# comment\ntest ddp-data tensor\ntest ddp-comm nccl # two GPUs\nbench x y\n";
+    let list = "# comment\ntest ddp-data tensor\ntest ddp-comm nccl_peers # two GPUs\nbench x y\n";
     let listed = listed_tests(list);
     assert_eq!(
         listed.iter().map(String::as_str).collect::<Vec<_>>(),
-        ["ddp-comm.test.nccl", "ddp-data.test.tensor"]
+        [
+            "ddp-comm.test.nccl",
+            "ddp-comm.test.nccl_peers",
+            "ddp-data.test.tensor"
+        ]
     );
     let script = "run_test loader ddp-data.test.tensor 1\n\
                   run_test shim tch-ext.test.cuda 1\n\
                   run_test gone ddp-comm.test.nccl 2\n";
-    // tch-ext's test is not listed; ddp-comm's is listed but has no file under this root.
+    // tch-ext's test is not listed; ddp-comm's is always bundled but has no file under this
+    // root.
     let dir = ddp_testkit::temp_dir("xtask-gpu-extra");
     let tests = dir.path().join("ddp-data/tests");
     std::fs::create_dir_all(&tests).unwrap();
