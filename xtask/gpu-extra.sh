@@ -25,7 +25,8 @@
 #              (ddp_steps --data; data_median_s is the data wait per step)
 #   resnet50-fp16, resnet50-bf16
 #              ResNet-50 on random tensors, batch 64, 224 px, ours then PyTorch's DDP in the
-#              same run (fp16: GradScaler with the fused unscale)
+#              same run (fp16: GradScaler with the fused unscale); FAIL when rank 0's loss is
+#              not finite or more than MAX_SKIPPED_STEPS steps were skipped
 #   train-bf16, train-fp16
 #              ddp-train on cuda:0 on the synthetic sample, 1 epoch of 30 steps
 #
@@ -48,6 +49,9 @@ SUMMARY=$OUT/extra.txt
 LOG=$OUT/extra-log.txt
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 BAD=0
+# The most steps (of 45) a mixed-precision ResNet-50 run may skip for overflowing gradients:
+# MAX_SKIPPED_STEPS in xtask/src/gpu_check.rs, whose test holds the two equal.
+MAX_SKIPPED_STEPS=5
 : >"$SUMMARY"
 : >"$LOG"
 
@@ -96,6 +100,24 @@ status() { # status [NEED_GPUS]: the last check's; only expected skips, with few
     fi
 }
 
+# precision_verdict: the last ResNet-50 run's status and a note: FAIL when rank 0's loss is
+# not finite or more than MAX_SKIPPED_STEPS steps were skipped for overflowing gradients.
+precision_verdict() {
+    local line loss skipped
+    VERDICT=$(status) VERDICT_NOTE=""
+    [[ $VERDICT == ok ]] || return
+    line=$(grep -m1 -E '^RESULT ddp_steps .* rank=0 ' "$STEP_OUT")
+    loss=$(grep -oE ' loss=[^ ]+' <<<"$line" | cut -d= -f2)
+    skipped=$(grep -oE ' skipped_steps=[0-9]+' <<<"$line" | cut -d= -f2)
+    if [[ -z $line ]]; then
+        VERDICT=FAIL VERDICT_NOTE="no RESULT line of rank 0; "
+    elif [[ ! $loss =~ ^-?[0-9]+(\.[0-9]+)?$ ]]; then
+        VERDICT=FAIL VERDICT_NOTE="the loss is ${loss:-missing}; "
+    elif [[ -z $skipped ]] || ((skipped > MAX_SKIPPED_STEPS)); then
+        VERDICT=FAIL VERDICT_NOTE="${skipped:-?} steps skipped, more than $MAX_SKIPPED_STEPS; "
+    fi
+}
+
 tests_figure() { # "N passed, M failed" from libtest's result line, and the first skip reason
     local r
     r=$(grep -oE 'test result: [a-zA-Z]+\. [0-9]+ passed; [0-9]+ failed' "$STEP_OUT" | tail -1 | sed 's/test result: [a-zA-Z]*\. //')
@@ -120,7 +142,7 @@ run_test() { # run_test NAME BINARY NEED_GPUS
 
 result_figure() { # rank 0's rate and phases, then each comparison with PyTorch
     grep -m1 -E '^RESULT ddp_steps .* rank=0 ' "$STEP_OUT" |
-        grep -oE ' (images_per_sec|step_median_s|data_median_s|loss_scale|skipped_steps)=[^ ]+' | tr -d '\n'
+        grep -oE ' (images_per_sec|step_median_s|data_median_s|loss|loss_scale|skipped_steps)=[^ ]+' | tr -d '\n'
     grep -E '^ddp_steps vs PyTorch' "$STEP_OUT" |
         sed -E 's/^ddp_steps vs PyTorch \(([^)]*)\).*, PyTorch ([0-9.]+) img\/s, ratio ([0-9.]+).*/; PyTorch (\1) \2 img\/s, ours\/PyTorch \3/' | tr -d '\n'
 }
@@ -153,7 +175,8 @@ if [[ -x $steps && -x $BIN/ddp-gen-data ]]; then
     for p in fp16 bf16; do
         check "resnet50-$p" 180 "$steps" "${steps_args[@]}" --image-size "$px" --precision "$p" \
             --model resnet50 --reference "$PY" --reference-script ddp-train/benches/reference_ddp.py
-        row "resnet50-$p" "$(status)" "$RC" "$SECS" "$(result_figure)"
+        precision_verdict
+        row "resnet50-$p" "$VERDICT" "$RC" "$SECS" "$VERDICT_NOTE$(result_figure)"
     done
 else
     row feed SKIP - 0.0 "no ddp_steps bench or ddp-gen-data in the bundle"

@@ -21,10 +21,11 @@
 //!    that holds the GPU for five batches' decoding time per step waits less than a quarter
 //!    of one for each batch (`a_busy_gpu_keeps_no_worker_from_decoding`: the ring takes no
 //!    slot whose copy waits behind the running step, and waits for a copy under no lock),
-//! 5. figures to read, not verdicts: the ConvNet fed by the CUDA loader from a synthetic
-//!    sample (`ddp_steps --device cuda --data`; `data_median_s` is the data wait per step),
-//!    and ResNet-50 steps/s in fp16 with the fused unscale next to bf16 (the same step
-//!    without a scaler) on random tensors,
+//! 5. the ConvNet fed by the CUDA loader from a synthetic sample (`ddp_steps --device cuda
+//!    --data`; `data_median_s` is the data wait per step), a figure to read, and ResNet-50
+//!    steps/s in fp16 with the fused unscale next to bf16 (the same step without a scaler) on
+//!    random tensors, which fail when rank 0's loss is not finite or more than
+//!    [`MAX_SKIPPED_STEPS`] steps were skipped for overflowing gradients,
 //! 6. a short training on one GPU and one on every visible GPU, through the launcher, and
 //!    one GPU in bf16 and in fp16.
 //!
@@ -118,7 +119,7 @@ pub fn run(root: &Path) -> Result<()> {
 
 /// One GPU: the ConvNet fed by ddp-data's CUDA loader from a synthetic sample (the data wait
 /// per step is `data_median_s` in the `RESULT` line), then ResNet-50 on random tensors in fp16
-/// and bf16 (each a few seconds on one GPU).
+/// and bf16 (each a few seconds on one GPU), judged by [`precision_verdict`].
 fn feed_and_fp16(root: &Path) -> Result<()> {
     let sample = std::env::temp_dir().join(format!("gpu-check-feed-{}", std::process::id()));
     launch::generate_sample(root, None, &sample, 256, 512, 0)?;
@@ -151,9 +152,46 @@ fn feed_and_fp16(root: &Path) -> Result<()> {
             .args(steps)
             .args(["--image-size", "224", "--precision", precision])
             .args(["--model", "resnet50"]);
-        crate::run(root, bench)?;
+        let output = run_echoed(root, bench)?;
+        let verdict = precision_verdict(&output)
+            .with_context(|| format!("ResNet-50 in {precision} on random tensors"))?;
+        println!("gpu-check: ResNet-50 in {precision}: {verdict}");
     }
     Ok(())
+}
+
+/// The most steps (of 45) a mixed-precision ResNet-50 run may skip for overflowing
+/// gradients: the fp16 scaler starts at 2^16 and halves at each skip, so the first few steps
+/// may overflow; a run that keeps skipping is not training. gpu-extra.sh uses the same bound.
+const MAX_SKIPPED_STEPS: u64 = 5;
+
+/// Whether a `ddp_steps` run trained: rank 0's `RESULT` line has a finite loss and at most
+/// [`MAX_SKIPPED_STEPS`] skipped steps. Its loss and skipped steps, or why it failed.
+fn precision_verdict(output: &str) -> Result<String> {
+    let Some(line) = output
+        .lines()
+        .find(|l| l.starts_with("RESULT ddp_steps ") && l.contains(" rank=0 "))
+    else {
+        bail!("no `RESULT ddp_steps ... rank=0` line in the bench's output");
+    };
+    let field = |key: &str| {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+            .with_context(|| format!("no {key}= in {line:?}"))
+    };
+    let loss: f64 = field("loss")?
+        .parse()
+        .with_context(|| format!("loss= is no number in {line:?}"))?;
+    let skipped: u64 = field("skipped_steps")?
+        .parse()
+        .with_context(|| format!("skipped_steps= is no count in {line:?}"))?;
+    if !loss.is_finite() {
+        bail!("the loss is {loss} ({skipped} skipped steps)");
+    }
+    if skipped > MAX_SKIPPED_STEPS {
+        bail!("{skipped} steps skipped for overflowing gradients, more than {MAX_SKIPPED_STEPS}");
+    }
+    Ok(format!("loss {loss}, {skipped} skipped steps"))
 }
 
 /// `cargo test` of the GPU test targets `tests` of `package`, with `--nocapture` (their
@@ -270,6 +308,27 @@ mod tests {
     }
 
     #[test]
+    fn a_mixed_precision_run_fails_on_a_bad_loss_or_many_skipped_steps() {
+        let run = |loss: &str, skipped: u64| {
+            let output = format!(
+                "RESULT ddp_steps source=random world=1 rank=1 loss=0.5 skipped_steps=0\n\
+                 RESULT ddp_steps source=random world=1 rank=0 images_per_sec=900.0 \
+                 loss={loss} precision=fp16 loss_scale=8192 skipped_steps={skipped}\n"
+            );
+            precision_verdict(&output).map_err(|e| e.to_string())
+        };
+        assert_eq!(run("0.69310", 3).unwrap(), "loss 0.6931, 3 skipped steps");
+        assert!(run("NaN", 0).unwrap_err().contains("the loss is NaN"));
+        assert!(run("inf", 0).unwrap_err().contains("the loss is inf"));
+        let many = run("0.69310", MAX_SKIPPED_STEPS + 1).unwrap_err();
+        assert!(
+            many.contains("steps skipped for overflowing gradients"),
+            "{many}"
+        );
+        assert!(precision_verdict("test result: ok\n").is_err());
+    }
+
+    #[test]
     fn gpu_extra_applies_the_same_rules() {
         // The shell script on the machine without cargo must judge as this command does.
         let script = include_str!("../gpu-extra.sh");
@@ -279,6 +338,7 @@ mod tests {
                 "gpu-extra.sh does not excuse `{phrase}`"
             );
         }
+        assert!(script.contains(&format!("MAX_SKIPPED_STEPS={MAX_SKIPPED_STEPS}\n")));
         assert!(script.contains("--test-threads=1"));
     }
 }
