@@ -32,10 +32,17 @@
 #
 # Writes $OUT/extra.txt (a line per check: name, status, rc, seconds, figure) and
 # $OUT/extra-log.txt (every command and its whole output); prints extra.txt last. Statuses:
-# ok, FAIL, TIMEOUT, NO-GPU (a test said `skipped:` where a GPU was needed; a skip that says
-# it needs two GPUs is expected on one, as `cargo xtask gpu-check` reads it), SKIP (a check
-# that needs two GPUs on one, or a binary is missing). Exit code: the number of FAIL,
-# TIMEOUT and NO-GPU lines.
+# ok, FAIL, TIMEOUT (also: not run, the time left was too short), NO-GPU (a test said
+# `skipped:` where a GPU was needed; a skip that says it needs two GPUs is expected on one,
+# as `cargo xtask gpu-check` reads it), SKIP (a check that needs two GPUs on one, or a
+# binary is missing). Exit code: the number of FAIL, TIMEOUT and NO-GPU lines.
+#
+# Time: each check's limit is cut to what is left of run.sh's budget for this command (read
+# from the header of run.sh's summary.txt, else GPU_EXTRA_BUDGET_S seconds from the start,
+# else GPU_BUNDLE_BUDGET_S), and when run.sh's own limit stops this script (SIGTERM), the
+# running check, its process group (ranks included), is killed with it instead of holding
+# the GPU past the end of run.sh.
+#
 # GPU_BUNDLE_SIMULATE_CPU=1 (as for run.sh) runs the same checks on the CPU with tiny sizes:
 # it tests this script and measures nothing.
 
@@ -49,26 +56,87 @@ SUMMARY=$OUT/extra.txt
 LOG=$OUT/extra-log.txt
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 BAD=0
+NOT_RUN=0
+KILL_AFTER=10 # seconds from a check's TERM to its KILL
+MIN_CHECK_S=20
 # The most steps (of 45) a mixed-precision ResNet-50 run may skip for overflowing gradients:
 # MAX_SKIPPED_STEPS in xtask/src/gpu_check.rs, whose test holds the two equal.
 MAX_SKIPPED_STEPS=5
 : >"$SUMMARY"
 : >"$LOG"
 
+# When this script must end (seconds since the epoch), or empty: run.sh gives the command
+# what is left of its budget, less 5 s, and writes the elapsed time in its summary's header
+# just before starting it.
+DEADLINE=""
+now_s=$(date +%s)
+if [[ -n ${GPU_EXTRA_BUDGET_S:-} ]]; then
+    DEADLINE=$((now_s + GPU_EXTRA_BUDGET_S))
+elif read -r elapsed budget < <(sed -nE 's/^elapsed ([0-9]+)s of a ([0-9]+)s budget; INCOMPLETE: was running command$/\1 \2/p' "$OUT/summary.txt" 2>/dev/null); then
+    DEADLINE=$((now_s + budget - elapsed - 5))
+elif [[ -n ${GPU_BUNDLE_BUDGET_S:-} ]]; then
+    DEADLINE=$((now_s + GPU_BUNDLE_BUDGET_S))
+fi
+
 row() { # row NAME STATUS RC SECONDS FIGURE
     printf '%-16s %-8s %4s %6s  %s\n' "$1" "$2" "$3" "$4" "$5" | tee -a "$SUMMARY"
     case $2 in FAIL | TIMEOUT | NO-GPU) BAD=$((BAD + 1)) ;; esac
 }
 
-# check NAME LIMIT_S CMD...: runs CMD under `timeout`, its output into $LOG and $STEP_OUT.
+summary() {
+    echo
+    echo "=== gpu-extra summary ($SUMMARY)"
+    cat "$SUMMARY"
+}
+
+# run.sh's time limit ends this script with SIGTERM (and SIGKILL 5 s later). `timeout`
+# gives each check a process group of its own, which that signal does not reach: kill it
+# here, so that nothing of it keeps the GPU after run.sh has finished.
+CHECK_PID=""
+CHECK_NAME=""
+on_signal() {
+    trap - TERM INT HUP
+    if [[ -n $CHECK_PID ]]; then
+        # `timeout` passes the TERM on to its process group; the KILL is for what ignores it.
+        kill -TERM "$CHECK_PID" 2>/dev/null
+        kill -TERM -- "-$CHECK_PID" 2>/dev/null
+        sleep 2
+        kill -KILL -- "-$CHECK_PID" 2>/dev/null
+        row "$CHECK_NAME" TIMEOUT - - "killed with gpu-extra.sh (run.sh's time limit)"
+    fi
+    summary
+    exit 124
+}
+trap on_signal TERM INT HUP
+
+# check NAME LIMIT_S CMD...: runs CMD under `timeout`, its output into $LOG and $STEP_OUT;
+# the limit is cut to the time left before DEADLINE. Sets RC, SECS and NOT_RUN (1: too
+# little time was left to start it).
 check() {
-    local name=$1 limit=$2 start ms
+    local name=$1 limit=$2 start ms left
     shift 2
     STEP_OUT=$WORK/extra-$name.out
+    NOT_RUN=0
+    if [[ -n $DEADLINE ]]; then
+        left=$((DEADLINE - $(date +%s) - KILL_AFTER - 2))
+        if ((left < MIN_CHECK_S)); then
+            NOT_RUN=1 RC=124 SECS=0.0
+            echo "not run: ${left}s left of the time budget" >"$STEP_OUT"
+            printf '\n=== %s: not run, %ss left of the time budget\n' "$name" "$left" >>"$LOG"
+            return
+        fi
+        ((limit > left)) && limit=$left
+    fi
     start=$(date +%s%N)
     printf '\n=== %s (limit %ss): %s\n' "$name" "$limit" "$*" >>"$LOG"
-    timeout --kill-after=10 "$limit" "$@" >"$STEP_OUT" 2>&1
+    # In the background, so that a TERM to this script is handled at once (bash runs a trap
+    # only between commands, and `wait` is one).
+    CHECK_NAME=$name
+    timeout --kill-after="$KILL_AFTER" "$limit" "$@" >"$STEP_OUT" 2>&1 </dev/null &
+    CHECK_PID=$!
+    wait "$CHECK_PID"
     RC=$?
+    CHECK_PID=""
     ms=$((($(date +%s%N) - start) / 1000000))
     SECS=$((ms / 1000)).$((ms % 1000 / 100))
     cat "$STEP_OUT" >>"$LOG"
@@ -87,7 +155,9 @@ unexpected_skips() {
 }
 
 status() { # status [NEED_GPUS]: the last check's; only expected skips, with fewer GPUs than needed, is SKIP
-    if ((RC == 124 || RC == 137)); then
+    if ((NOT_RUN)); then
+        echo TIMEOUT
+    elif ((RC == 124 || RC == 137)); then
         echo TIMEOUT
     elif ((RC != 0)); then
         echo FAIL
@@ -98,6 +168,10 @@ status() { # status [NEED_GPUS]: the last check's; only expected skips, with few
     else
         echo ok
     fi
+}
+
+why_not() { # why_not FIGURE: FIGURE, or why the last check was not run
+    if ((NOT_RUN)); then cat "$STEP_OUT"; else printf '%s' "$1"; fi
 }
 
 # precision_verdict: the last ResNet-50 run's status and a note: FAIL when rank 0's loss is
@@ -157,7 +231,7 @@ fi
 steps_args+=(--device "$DEV")
 steps=$BIN/ddp-train.bench.ddp_steps
 
-echo "gpu-extra: $GPUS GPU(s); bundle binaries in $BIN; writing $SUMMARY" | tee -a "$LOG"
+echo "gpu-extra: $GPUS GPU(s); bundle binaries in $BIN; writing $SUMMARY; ${DEADLINE:+$((DEADLINE - $(date +%s)))s left}" | tee -a "$LOG"
 run_test comm ddp-comm.test.nccl 1
 run_test shim tch-ext.test.cuda 1
 run_test loader ddp-data.test.tensor 1
@@ -168,7 +242,7 @@ if [[ -x $steps && -x $BIN/ddp-gen-data ]]; then
     check feed-sample 120 "$BIN/ddp-gen-data" --out "$WORK/feed" --images "$images" --size "$feed_px" --seed 0
     if ((RC == 0)); then
         check feed 180 "$steps" "${steps_args[@]}" --data "$WORK/feed"
-        row feed "$(status)" "$RC" "$SECS" "$(result_figure)"
+        row feed "$(status)" "$RC" "$SECS" "$(why_not "$(result_figure)")"
     else
         row feed "$(status)" "$RC" "$SECS" "generating the sample failed: $(tail -1 "$STEP_OUT" | head -c 160)"
     fi
@@ -176,7 +250,7 @@ if [[ -x $steps && -x $BIN/ddp-gen-data ]]; then
         check "resnet50-$p" 180 "$steps" "${steps_args[@]}" --image-size "$px" --precision "$p" \
             --model resnet50 --reference "$PY" --reference-script ddp-train/benches/reference_ddp.py
         precision_verdict
-        row "resnet50-$p" "$VERDICT" "$RC" "$SECS" "$VERDICT_NOTE$(result_figure)"
+        row "resnet50-$p" "$VERDICT" "$RC" "$SECS" "$(why_not "$VERDICT_NOTE$(result_figure)")"
     done
 else
     row feed SKIP - 0.0 "no ddp_steps bench or ddp-gen-data in the bundle"
@@ -189,13 +263,11 @@ if [[ -n ${GPU_BUNDLE_SAMPLE:-} && -x $BIN/ddp-train ]]; then
             MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" "$BIN/ddp-train" --device "$DEV" \
             --data "$GPU_BUNDLE_SAMPLE" --epochs 1 --max-steps-per-epoch "$train_steps" \
             --image-size 128 --batch-size "$batch" --precision "$p" --out "$WORK/run-$p"
-        row "train-$p" "$(status)" "$RC" "$SECS" "$(grep -m1 -E '^epoch 1/[0-9]+: ' "$STEP_OUT" | head -c 200)"
+        row "train-$p" "$(status)" "$RC" "$SECS" "$(why_not "$(grep -m1 -E '^epoch 1/[0-9]+: ' "$STEP_OUT" | head -c 200)")"
     done
 else
     row train SKIP - 0.0 "no synthetic sample: name run.sh's train (or sample) step before -- "
 fi
 
-echo
-echo "=== gpu-extra summary ($SUMMARY)"
-cat "$SUMMARY"
+summary
 exit "$BAD"
