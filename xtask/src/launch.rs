@@ -146,8 +146,11 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
             data.display()
         );
         rest.extend(["--data".into(), data.to_string_lossy().into_owned()]);
+        // torchvision's ResNets have no dropout, and ddp-train refuses --dropout with them.
+        let resnet = flag_value(&rest, "--model").is_some_and(|m| m.starts_with("resnet"));
         for (flag, value) in SAMPLE_DEFAULTS {
-            if !has_flag(&rest, flag) {
+            let unused = resnet && *flag == "--dropout";
+            if !has_flag(&rest, flag) && !unused {
                 rest.extend([flag.to_string(), value.to_string()]);
             }
         }
@@ -261,6 +264,20 @@ fn has_flag(args: &[String], flag: &str) -> bool {
         .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
 }
 
+/// The value of the last `flag V` or `flag=V` in `args`.
+fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+    let prefix = format!("{flag}=");
+    args.iter()
+        .enumerate()
+        .filter_map(|(i, a)| match a.strip_prefix(&prefix) {
+            Some(v) => Some(v),
+            None => (a == flag)
+                .then(|| args.get(i + 1).map(String::as_str))
+                .flatten(),
+        })
+        .next_back()
+}
+
 /// Builds binary `name` with `cargo build --release --quiet ARGS` and returns its path, as
 /// cargo reports it.
 pub fn build_release(root: &Path, name: &str, args: &[&str]) -> Result<PathBuf> {
@@ -363,6 +380,14 @@ mod tests {
         assert!(has_flag(&args, "--data"));
         assert!(!has_flag(&args, "--out"));
         assert!(!has_flag(&args, "--dat"));
+        assert_eq!(flag_value(&args, "--epochs"), Some("3"));
+        assert_eq!(flag_value(&args, "--data"), Some("/x"));
+        assert_eq!(flag_value(&args, "--out"), None);
+        let last: Vec<String> = ["--model", "convnet", "--model=resnet18", "--model"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(flag_value(&last, "--model"), Some("resnet18"));
     }
 
     #[test]

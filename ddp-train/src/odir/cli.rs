@@ -153,8 +153,8 @@ pub struct TrainConfig {
     pub model: ModelKind,
 
     /// Dropout probability before the classifier: the ConvNet's (default 0.5) or
-    /// EfficientNet's `classifier.0` (default torchvision's 0.2); the ResNets have none and
-    /// ignore it.
+    /// EfficientNet's `classifier.0` (default torchvision's 0.2). The ResNets have none, and
+    /// refuse it as torchvision's `resnet50(dropout=...)` does.
     #[arg(long)]
     #[serde(default)]
     pub dropout: Option<f64>,
@@ -239,6 +239,18 @@ impl TrainConfig {
         if let Some(d) = self.dropout.filter(|d| !(0.0..1.0).contains(d)) {
             return invalid(format!("--dropout {d} must be in [0, 1)"));
         }
+        if self.dropout.is_some()
+            && matches!(
+                self.model,
+                ModelKind::Resnet18 | ModelKind::Resnet34 | ModelKind::Resnet50
+            )
+        {
+            return invalid(format!(
+                "--dropout applies to the convnet and efficientnet_b0 models: torchvision's \
+                 {} has no dropout layer (leave the flag out)",
+                self.model
+            ));
+        }
         // Read only when --data is split (no --val-data), but checked before any data is.
         if self.val_data.is_none() && !(self.val_split > 0.0 && self.val_split < 1.0) {
             return invalid(format!(
@@ -261,5 +273,36 @@ impl TrainConfig {
     /// flags applied).
     pub fn settings(&self) -> Settings {
         self.train.settings()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn validate(flags: &[&str]) -> Result<(), String> {
+        let args = ["ddp-train", "--data", "d"].iter().chain(flags);
+        TrainConfig::try_parse_from(args)
+            .unwrap()
+            .validate()
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn dropout_is_refused_with_a_model_that_has_none() {
+        for model in ["resnet18", "resnet34", "resnet50"] {
+            let e = validate(&["--model", model, "--dropout", "0.3"]).unwrap_err();
+            assert_eq!(
+                e,
+                format!(
+                    "--dropout applies to the convnet and efficientnet_b0 models: \
+                     torchvision's {model} has no dropout layer (leave the flag out)"
+                )
+            );
+            assert_eq!(validate(&["--model", model]), Ok(()));
+        }
+        for model in ["convnet", "efficientnet_b0"] {
+            assert_eq!(validate(&["--model", model, "--dropout", "0.3"]), Ok(()));
+        }
     }
 }
