@@ -647,3 +647,97 @@ fn shared_memory_and_tcp_give_identical_bits() {
         );
     }
 }
+
+/// A rank of one SLURM step: `SLURM_*` variables only, as `srun` sets them. It sums
+/// `rank + 1 + 100 * step` over its step's ranks.
+fn slurm_step_body() {
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_PORT",
+    ] {
+        assert!(std::env::var_os(var).is_none(), "{var} is set");
+    }
+    let group = ProcessGroup::from_env().unwrap();
+    let step: f64 = std::env::var("SLURM_STEP_ID").unwrap().parse().unwrap();
+    let (rank, n) = (group.rank(), group.world_size());
+    let mut t = Tensor::from_slice(&[rank as f64 + 1.0 + 100.0 * step]);
+    group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    // Slow enough that the steps overlap.
+    group.barrier().unwrap();
+    println!(
+        "rank {rank} of step {step}: {} of {n}",
+        t.double_value(&[0])
+    );
+}
+
+/// The port a SLURM step's ranks derive from its job and step ids (ddp-comm's README).
+fn slurm_port(job: u16, step: u16) -> u16 {
+    20000 + (job % 10000 + step * 1009) % 10000
+}
+
+/// Two steps of one SLURM job, started at once on one node (`srun ... & srun ... & wait`),
+/// with one `DDP_SECRET`: each meets on its own port under its own run id
+/// (`JOB.STEP`), and sums over its own two ranks only.
+#[test]
+fn two_slurm_steps_of_one_job_running_at_once_meet_apart() {
+    const TEST: &str = "two_slurm_steps_of_one_job_running_at_once_meet_apart";
+    if worker() {
+        return slurm_step_body();
+    }
+    let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+    // A job id whose two step ports are free now (after a seed from this process's id).
+    let job = (0..10000u16)
+        .map(|i| (i + std::process::id() as u16 % 10000) % 10000)
+        .find(|&job| free(slurm_port(job, 0)) && free(slurm_port(job, 1)))
+        .expect("a free pair of ports in 20000..30000");
+    let spawn = |step: usize, rank: usize| {
+        let mut cmd = common::worker_command(TEST);
+        for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"] {
+            cmd.env_remove(var);
+        }
+        for var in [
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "DDP_RUN_ID",
+            "TORCHELASTIC_RUN_ID",
+        ] {
+            cmd.env_remove(var);
+        }
+        cmd.env("SLURM_JOB_ID", job.to_string())
+            .env("SLURM_STEP_ID", step.to_string())
+            .env("SLURM_PROCID", rank.to_string())
+            .env("SLURM_LOCALID", rank.to_string())
+            .env("SLURM_NTASKS", "2")
+            .env("SLURM_TASKS_PER_NODE", "2")
+            .env("SLURM_STEP_NODELIST", "localhost")
+            .env("SLURM_JOB_NODELIST", "localhost")
+            .env("DDP_RDZV_TIMEOUT_S", "60")
+            .env("DDP_OP_TIMEOUT_S", "60");
+        ddp_testkit::job_secret().apply(&mut cmd);
+        cmd.spawn().unwrap()
+    };
+    // (step, rank), step by step.
+    let children = [(0, 0), (0, 1), (1, 0), (1, 1)]
+        .into_iter()
+        .map(|(step, rank)| spawn(step, rank))
+        .collect();
+    let outputs = common::wait_all(children, std::time::Duration::from_secs(120));
+    for (i, out) in outputs.iter().enumerate() {
+        let (step, rank) = (i / 2, i % 2);
+        assert!(
+            out.status.success(),
+            "step {step} rank {rank}:\n{}",
+            common::show(out)
+        );
+        let sum = 3 + 200 * step;
+        assert_eq!(
+            common::lines_with(out, &format!("rank {rank} of step {step}: ")),
+            [format!("{sum} of 2")],
+            "{}",
+            common::show(out)
+        );
+    }
+}

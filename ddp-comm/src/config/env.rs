@@ -61,8 +61,8 @@ pub struct EnvConfig {
     pub master_addr: String,
     /// Port of the rendezvous store.
     pub master_port: u16,
-    /// The job's run id: `DDP_RUN_ID`, else `TORCHELASTIC_RUN_ID`, else `SLURM_JOB_ID`, else
-    /// `"ddp-comm"`.
+    /// The job's run id: `DDP_RUN_ID`, else `TORCHELASTIC_RUN_ID`, else SLURM's step
+    /// (`SLURM_JOB_ID.SLURM_STEP_ID`, or `SLURM_JOB_ID` outside a step), else `"ddp-comm"`.
     pub run_id: String,
     /// `DDP_SECRET`, the key of every connection's handshake, if set (`ddp-run` sets it).
     /// When it is not, ranks of a job of several derive one from the user's key file
@@ -204,8 +204,16 @@ impl EnvConfig {
         let master_port = match get("MASTER_PORT") {
             Some(v) => parse_port("MASTER_PORT", &v)?,
             None => match source {
+                // Steps of one job that run at once meet on ports of their own: step s is
+                // 1009 s ports on (step 0's is the job's).
                 EnvSource::Slurm => match number("SLURM_JOB_ID")? {
-                    Some(job) => 20000 + (job % 10000) as u16,
+                    Some(job) => {
+                        // (SLURM's own value; one that is no number counts as step 0.)
+                        let step = get("SLURM_STEP_ID")
+                            .and_then(|v| v.parse::<usize>().ok())
+                            .map_or(0, |s| s % 10000);
+                        20000 + ((job % 10000 + step * 1009) % 10000) as u16
+                    }
                     None => 29500,
                 },
                 // (Nothing read from the environment is `Code`.)
@@ -219,11 +227,13 @@ impl EnvConfig {
         let run_id = get(RUN_ID_ENV)
             .or_else(|| get("TORCHELASTIC_RUN_ID"))
             .or_else(|| {
-                if source == EnvSource::Slurm {
-                    get("SLURM_JOB_ID")
-                } else {
-                    None
-                }
+                // SLURM's name of the step (`sacct`'s `4242.0`): steps of one job running at
+                // once keep their keys and secrets apart; a requeue numbers its steps again.
+                let job = get("SLURM_JOB_ID").filter(|_| source == EnvSource::Slurm)?;
+                Some(match get("SLURM_STEP_ID") {
+                    Some(step) => format!("{job}.{step}"),
+                    None => job,
+                })
             })
             .unwrap_or_else(|| DEFAULT_RUN_ID.to_string());
         if run_id.len() > MAX_RUN_ID_LEN {
@@ -564,6 +574,21 @@ mod tests {
         );
         assert_eq!((c.master_addr.as_str(), c.master_port), ("gpu07", 23456));
         assert_eq!(c.run_id, "123456");
+        // Steps of one job: run ids and ports of their own (step 0's port is the job's).
+        let step = |id: &str| {
+            let c = read(&[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_JOB_NODELIST", "gpu07"),
+                ("SLURM_JOB_ID", "123456"),
+                ("SLURM_STEP_ID", id),
+            ])
+            .unwrap();
+            (c.run_id, c.master_port)
+        };
+        assert_eq!(step("0"), ("123456.0".to_string(), 23456));
+        assert_eq!(step("1"), ("123456.1".to_string(), 24465));
+        assert_eq!(step("7"), ("123456.7".to_string(), 20519));
         // A step on some of the job's nodes meets on its own first node.
         let c = read(&[
             ("SLURM_PROCID", "0"),

@@ -160,7 +160,8 @@ impl Secret {
                  id: ranks on hosts that do not share this file have different secrets; give \
                  every rank the same DDP_SECRET (e.g. `export DDP_SECRET=$(openssl rand -hex \
                  16)` where the job is submitted) or a DDP_SECRET_FILE they all share, and \
-                 check that they have the same DDP_RUN_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID",
+                 check that they have the same DDP_RUN_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID and \
+                 SLURM_STEP_ID",
                 file.as_deref().unwrap_or(Path::new("?")).display()
             ),
         }
