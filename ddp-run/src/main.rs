@@ -135,6 +135,23 @@ fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
     if let Some(flag) = program.to_str().filter(|p| p.starts_with('-')) {
         return Err(unknown_option(flag));
     }
+    // torchrun reads each of its options from `PET_<OPTION>` too (Kubeflow's elastic jobs set
+    // these): a rendezvous other than the static one is refused as its flag would be.
+    for (var, flag) in [
+        ("PET_RDZV_BACKEND", "--rdzv-backend"),
+        ("PET_RDZV_ENDPOINT", "--rdzv-endpoint"),
+        ("PET_RDZV_CONF", "--rdzv-conf"),
+    ] {
+        let value = std::env::var_os(var).unwrap_or_default();
+        let static_backend = flag == "--rdzv-backend" && value == "static";
+        if !value.is_empty() && !static_backend {
+            return Err(format!(
+                "{var}={} asks for torchrun's {flag}: {} (unset {var})",
+                value.to_string_lossy(),
+                instead_of(flag)
+            ));
+        }
+    }
     if cli.standalone && cli.node.nnodes != 1 {
         return Err(format!(
             "--standalone runs a single node; it cannot be combined with --nnodes {}",
@@ -161,8 +178,15 @@ fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
 /// instead for torchrun's options.
 fn unknown_option(arg: &str) -> String {
     let given = arg.split('=').next().unwrap_or(arg);
-    let flag = given.replace('_', "-");
-    let instead = match flag.as_str() {
+    format!(
+        "ddp-run has no option '{given}': {}",
+        instead_of(&given.replace('_', "-"))
+    )
+}
+
+/// What to do instead of torchrun's option `flag` (spelt with `-`), which ddp-run lacks.
+fn instead_of(flag: &str) -> &'static str {
+    match flag {
         "-m" | "--module" => {
             "ddp-run starts programs, not Python modules: give the interpreter, \
              `ddp-run [OPTIONS] python -m MODULE [ARGS]`"
@@ -186,8 +210,7 @@ fn unknown_option(arg: &str) -> String {
              program reads it"
         }
         _ => "the launcher's options come first, then PROGRAM and its arguments (see --help)",
-    };
-    format!("ddp-run has no option '{given}': {instead}")
+    }
 }
 
 fn run(nproc: NprocPerNode, mut config: LaunchConfig) -> Result<ExitCode> {

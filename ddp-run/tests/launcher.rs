@@ -630,7 +630,11 @@ fn bad_command_lines_say_what_is_wrong() {
     ];
     for (args, code, message) in cases {
         let out = wait_bounded(
-            ddp_run(args).env("RUST_BACKTRACE", "1").spawn().unwrap(),
+            ddp_run(args)
+                .env("RUST_BACKTRACE", "1")
+                .env_remove("PET_RDZV_BACKEND")
+                .spawn()
+                .unwrap(),
             LIMIT,
         );
         let err = stderr(&out);
@@ -639,6 +643,37 @@ fn bad_command_lines_say_what_is_wrong() {
         assert!(err.starts_with("error: "), "{args:?}: {err}");
         assert!(!err.contains("backtrace"), "{args:?}: {err}");
     }
+}
+
+/// torchrun's options come from `PET_*` variables too (as Kubeflow's elastic jobs set them):
+/// an elastic rendezvous is refused there as on the command line; `static` is ddp-run's own.
+#[test]
+fn an_elastic_rendezvous_from_pet_variables_is_refused() {
+    let out = wait_bounded(
+        ddp_run(&["--nproc-per-node", "1", "true"])
+            .env("PET_RDZV_BACKEND", "c10d")
+            .spawn()
+            .unwrap(),
+        LIMIT,
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).starts_with(
+            "error: PET_RDZV_BACKEND=c10d asks for torchrun's --rdzv-backend: ddp-run has \
+             torchrun's static rendezvous only: rank 0 of node 0 at --master-addr and \
+             --master-port, each node with its own --node-rank (unset PET_RDZV_BACKEND)"
+        ),
+        "{}",
+        stderr(&out)
+    );
+    let out = wait_bounded(
+        ddp_run(&["--nproc-per-node", "1", "true"])
+            .env("PET_RDZV_BACKEND", "static")
+            .spawn()
+            .unwrap(),
+        LIMIT,
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
 
 #[test]
