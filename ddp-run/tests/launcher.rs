@@ -382,15 +382,7 @@ fn sigusr1_reaches_every_rank_even_a_stopped_one_and_exit_75_ends_the_job_as_sto
     wait_for("rank 1 is stopped", LIMIT, || procs::stopped(ranks[1]));
     ddp_testkit::kill(launcher, libc::SIGUSR1);
     let out = wait_bounded(child, LIMIT);
-    assert_eq!(out.status.code(), Some(75), "{}", text(&out));
-    assert!(
-        stderr(&out).contains(&format!(
-            "ddp-run: the job stopped after signal {} at a checkpoint (exit code 75)",
-            libc::SIGUSR1
-        )),
-        "{}",
-        text(&out)
-    );
+    assert_stopped_after(&out, libc::SIGUSR1);
     for (r, &pid) in ranks.iter().enumerate() {
         let log = std::fs::read_to_string(logs.join(format!("rank-{r}.out"))).unwrap();
         assert!(log.contains(&format!("rank {r} got SIGUSR1")), "{log}");
@@ -401,6 +393,18 @@ fn sigusr1_reaches_every_rank_even_a_stopped_one_and_exit_75_ends_the_job_as_sto
 /// A forwarded SIGTERM that rank 0 answers with a checkpoint (75) while rank 1, with
 /// nothing left to do, ends with 0: the job stopped, to be continued (75), as without a
 /// signal.
+/// Asserts that the launcher ended the job as stopped (75) after forwarding `signal`.
+fn assert_stopped_after(out: &Output, signal: i32) {
+    assert_eq!(out.status.code(), Some(75), "{}", text(out));
+    assert!(
+        stderr(out).contains(&format!(
+            "ddp-run: the job stopped after signal {signal} at a checkpoint (exit code 75)"
+        )),
+        "{}",
+        text(out)
+    );
+}
+
 #[test]
 fn a_signal_that_some_ranks_answer_with_75_and_the_others_with_0_ends_as_stopped() {
     let dir = temp_dir("ddp-run-term-mixed");
@@ -418,15 +422,7 @@ fn a_signal_that_some_ranks_answer_with_75_and_the_others_with_0_ends_as_stopped
     wait_for_pids(dir.path());
     ddp_testkit::kill(launcher, libc::SIGTERM);
     let out = wait_bounded(child, LIMIT);
-    assert_eq!(out.status.code(), Some(75), "{}", text(&out));
-    assert!(
-        stderr(&out).contains(&format!(
-            "ddp-run: the job stopped after signal {} at a checkpoint (exit code 75)",
-            libc::SIGTERM
-        )),
-        "{}",
-        text(&out)
-    );
+    assert_stopped_after(&out, libc::SIGTERM);
 }
 
 #[test]

@@ -764,51 +764,35 @@ fn an_epochs_validation_equals_evaluating_its_checkpoint() {
     let trained = &metrics_without_timing(&out)[0];
 
     let checkpoint = out.join("checkpoints/epoch-0001.safetensors");
-    let again = dir.join("again");
-    let outputs = run_ranks(
-        1,
-        &[
-            "--data",
-            data_s,
-            "--image-size",
-            "32",
-            "--batch-size",
-            "4",
-            "--seed",
-            "3",
-            "--eval-only",
-            "--resume",
-            checkpoint.to_str().unwrap(),
-            "--out",
-            again.to_str().unwrap(),
-        ],
-        &[],
-    );
+    let evaluate_into = |run: &std::path::Path| {
+        run_ranks(
+            1,
+            &[
+                "--data",
+                data_s,
+                "--image-size",
+                "32",
+                "--batch-size",
+                "4",
+                "--seed",
+                "3",
+                "--eval-only",
+                "--resume",
+                checkpoint.to_str().unwrap(),
+                "--out",
+                run.to_str().unwrap(),
+            ],
+            &[],
+        )
+    };
+    let outputs = evaluate_into(&dir.join("again"));
     assert_all_ok(&outputs);
     let evaluated = report(&outputs[0]);
 
     // Evaluating into the training's own run directory leaves its config.json (and the job
     // id a requeue is recognised by) as training wrote it.
     let config = std::fs::read_to_string(out.join("config.json")).unwrap();
-    let outputs = run_ranks(
-        1,
-        &[
-            "--data",
-            data_s,
-            "--image-size",
-            "32",
-            "--batch-size",
-            "4",
-            "--seed",
-            "3",
-            "--eval-only",
-            "--resume",
-            checkpoint.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        &[],
-    );
+    let outputs = evaluate_into(&out);
     assert_all_ok(&outputs);
     assert_eq!(report(&outputs[0]), evaluated);
     assert_eq!(
