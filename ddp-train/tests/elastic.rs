@@ -99,7 +99,8 @@ fn start(
                 .env("SLURM_NTASKS", world.to_string())
                 .env("SLURM_LOCALID", rank.to_string())
                 .env("SLURM_NTASKS_PER_NODE", world.to_string())
-                .env("SLURM_JOB_ID", "4242");
+                .env("SLURM_JOB_ID", "4242")
+                .env("SLURM_STEP_ID", "0");
         }
     };
     let children = spawn_worker_ranks(WORKER, world, configure);

@@ -80,7 +80,9 @@ fn the_help_lists_the_flag() {
 }
 
 /// Without `--out` the launching process names the run directory (`runs/<date>` under its
-/// working directory) and hands it to both ranks, whose output lands next to their logs.
+/// working directory) and hands it to both ranks, whose output lands next to their logs. It
+/// runs as in SLURM's batch script (`SLURM_PROCID` 0 of the job's 2 tasks, no step), which
+/// is no launcher's rank.
 #[test]
 fn one_command_starts_two_ranks_that_train_together() {
     let tmp = temp_dir("ddp-train-self-launch");
@@ -99,6 +101,12 @@ fn one_command_starts_two_ranks_that_train_together() {
                 "4",
             ],
         )
+        .envs([
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_JOB_ID", "77"),
+            ("SLURM_JOB_NODELIST", "localhost"),
+        ])
         .spawn()
         .unwrap(),
         LIMIT,

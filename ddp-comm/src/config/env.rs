@@ -162,8 +162,20 @@ impl EnvConfig {
                 (EnvSource::Torchrun, rank, world, local_rank, local_world)
             } else if get("SLURM_PROCID").is_some() {
                 let rank = number("SLURM_PROCID")?.unwrap_or(0);
-                let world = number("SLURM_NTASKS")?
+                // The step's tasks: `srun --preserve-env` leaves SLURM_NTASKS the job's.
+                let world_var = slurm_world_var(&get);
+                let world = number(world_var)?
                     .ok_or_else(|| missing("SLURM_NTASKS", "SLURM_PROCID is set"))?;
+                if world > 1 && get("SLURM_STEP_ID").is_none() {
+                    return Err(missing(
+                        "SLURM_STEP_ID",
+                        &format!(
+                            "so this process is SLURM's batch script, not a task that `srun` \
+                             started, and {world_var}={world} counts the job's tasks: start \
+                             the ranks with `srun`, or one process with `srun --ntasks 1`"
+                        ),
+                    ));
+                }
                 let local_rank = number("SLURM_LOCALID")?.unwrap_or(0);
                 let local_world = slurm_tasks_per_node(&get)?.unwrap_or(world);
                 (EnvSource::Slurm, rank, world, local_rank, local_world)
@@ -345,7 +357,7 @@ fn check_places<G: Fn(&str) -> Option<String>>(
         return Ok(());
     }
     let world_var = match source {
-        EnvSource::Slurm => "SLURM_NTASKS",
+        EnvSource::Slurm => slurm_world_var(get),
         _ => "WORLD_SIZE",
     };
     let local_var = if source == EnvSource::Torchrun && get("LOCAL_RANK").is_some() {
@@ -353,15 +365,11 @@ fn check_places<G: Fn(&str) -> Option<String>>(
     } else {
         "SLURM_LOCALID"
     };
-    let local_world_var = if get("LOCAL_WORLD_SIZE").is_some() {
-        "LOCAL_WORLD_SIZE"
-    } else if get("SLURM_NTASKS_PER_NODE").is_some() {
-        "SLURM_NTASKS_PER_NODE"
-    } else if get("SLURM_TASKS_PER_NODE").is_some() {
-        "SLURM_TASKS_PER_NODE"
-    } else {
-        world_var
-    };
+    let local_world_var = ["LOCAL_WORLD_SIZE"]
+        .into_iter()
+        .chain(SLURM_PER_NODE)
+        .find(|var| get(var).is_some())
+        .unwrap_or(world_var);
     if local_world > world {
         return Err(malformed(
             local_world_var,
@@ -379,40 +387,61 @@ fn check_places<G: Fn(&str) -> Option<String>>(
     Ok(())
 }
 
-/// SLURM's tasks on this node: `SLURM_NTASKS_PER_NODE`, else this node's (`SLURM_NODEID`,
-/// 0 when unset) count of `SLURM_TASKS_PER_NODE` (`"4(x2),2"`: 4 on nodes 0 and 1, 2 on 2).
+/// The variable holding SLURM's number of tasks: the step's, else the job's.
+fn slurm_world_var<G: Fn(&str) -> Option<String>>(get: &G) -> &'static str {
+    ["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"]
+        .into_iter()
+        .find(|var| get(var).is_some())
+        .unwrap_or("SLURM_NTASKS")
+}
+
+/// The variables that say how many of SLURM's tasks run on each node, in order of
+/// precedence: the step's layout (which `srun` always sets), the `--ntasks-per-node` asked
+/// for, the job's layout.
+const SLURM_PER_NODE: [&str; 3] = [
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+];
+
+/// SLURM's tasks on this node: this node's (`SLURM_NODEID`, 0 when unset) count of
+/// `SLURM_STEP_TASKS_PER_NODE`, else `SLURM_NTASKS_PER_NODE`, else this node's count of
+/// `SLURM_TASKS_PER_NODE` (`"4(x2),2"`: 4 on nodes 0 and 1, 2 on 2).
 fn slurm_tasks_per_node<G: Fn(&str) -> Option<String>>(
     get: &G,
 ) -> Result<Option<usize>, CommError> {
-    if let Some(v) = get("SLURM_NTASKS_PER_NODE") {
-        return leading_count("SLURM_NTASKS_PER_NODE", &v).map(Some);
-    }
-    let Some(list) = get("SLURM_TASKS_PER_NODE") else {
+    let Some((var, list)) = SLURM_PER_NODE
+        .into_iter()
+        .find_map(|var| get(var).map(|v| (var, v)))
+    else {
         return Ok(None);
     };
+    if var == "SLURM_NTASKS_PER_NODE" {
+        return leading_count(var, &list).map(Some);
+    }
     let node = match get("SLURM_NODEID") {
         Some(v) => parse_usize("SLURM_NODEID", &v)?,
         None => 0,
     };
-    let bad = || malformed("SLURM_TASKS_PER_NODE", &list, "counts such as 4(x2),2");
+    let bad = || malformed(var, &list, "counts such as 4(x2),2");
     let mut first = 0;
     for group in list.split(',') {
         let (count, repeat) = match group.split_once("(x") {
             Some((count, rest)) => {
                 let times = rest.strip_suffix(')').ok_or_else(bad)?;
-                (count, parse_usize("SLURM_TASKS_PER_NODE", times)?)
+                (count, parse_usize(var, times)?)
             }
             None => (group, 1),
         };
         if node < first + repeat {
-            return leading_count("SLURM_TASKS_PER_NODE", count).map(Some);
+            return leading_count(var, count).map(Some);
         }
         first += repeat;
     }
     Err(malformed(
         "SLURM_NODEID",
         &node.to_string(),
-        &format!("a node of SLURM_TASKS_PER_NODE {list} ({first} nodes)"),
+        &format!("a node of {var} {list} ({first} nodes)"),
     ))
 }
 
@@ -566,6 +595,7 @@ mod tests {
             ("SLURM_TASKS_PER_NODE", "4(x2)"),
             ("SLURM_JOB_NODELIST", "gpu[07-08,11],cpu1"),
             ("SLURM_JOB_ID", "123456"),
+            ("SLURM_STEP_ID", "0"),
         ])
         .unwrap();
         assert_eq!(
@@ -573,7 +603,47 @@ mod tests {
             (5, 8, 1, 4)
         );
         assert_eq!((c.master_addr.as_str(), c.master_port), ("gpu07", 23456));
-        assert_eq!(c.run_id, "123456");
+        assert_eq!(c.run_id, "123456.0");
+        // The step's own counts win over the job's (`srun --preserve-env` keeps those).
+        let c = read(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "16"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "8"),
+            ("SLURM_TASKS_PER_NODE", "8(x2)"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2(x2)"),
+            ("SLURM_JOB_NODELIST", "gpu[07-08]"),
+            ("SLURM_STEP_ID", "3"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (3, 4, 1, 2)
+        );
+        // SLURM's batch script itself (no step): alone it is a run of one, named by the job;
+        // with the job's tasks to wait for it is told to use srun.
+        let batch = |tasks: &'static str| {
+            read(&[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", tasks),
+                ("SLURM_JOB_NODELIST", "gpu07"),
+                ("SLURM_JOB_ID", "123456"),
+            ])
+        };
+        let c = batch("1").unwrap();
+        assert_eq!((c.world_size, c.run_id.as_str()), (1, "123456"));
+        match batch("4") {
+            Err(CommError::MissingEnv { var, why }) => {
+                assert_eq!(var, "SLURM_STEP_ID");
+                assert!(
+                    why.contains("SLURM_NTASKS=4 counts the job's tasks"),
+                    "{why}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
         // Steps of one job: run ids and ports of their own (step 0's port is the job's).
         let step = |id: &str| {
             let c = read(&[
@@ -596,6 +666,7 @@ mod tests {
             ("SLURM_JOB_NODELIST", "gpu[07-08,11]"),
             ("SLURM_STEP_NODELIST", "gpu[08,11]"),
             ("SLURM_JOB_ID", "7"),
+            ("SLURM_STEP_ID", "1"),
         ])
         .unwrap();
         assert_eq!(c.master_addr, "gpu08");
@@ -746,6 +817,7 @@ mod tests {
                     ("SLURM_LOCALID", "2"),
                     ("SLURM_TASKS_PER_NODE", "2(x2)"),
                     ("SLURM_JOB_NODELIST", "n[1-2]"),
+                    ("SLURM_STEP_ID", "0"),
                 ],
                 "SLURM_LOCALID",
             ),

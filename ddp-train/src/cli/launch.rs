@@ -36,7 +36,7 @@ pub(super) fn start_ranks(out: Option<&Path>, nproc: NprocPerNode) -> anyhow::Re
 }
 
 /// Fails when this process already is one of a launcher's ranks (torchrun's `RANK` and
-/// `WORLD_SIZE`, as `ddp-run` sets them, or a SLURM job step of several tasks): starting
+/// `WORLD_SIZE`, as `ddp-run` sets them, or an `srun` step of several tasks): starting
 /// ranks from each of them would run N times as many processes as asked for.
 fn refuse_inside_a_launcher(nproc: NprocPerNode) -> Result<(), TrainError> {
     let conflict = |what: String| {
@@ -62,6 +62,9 @@ fn refuse_inside_a_launcher(nproc: NprocPerNode) -> Result<(), TrainError> {
                 env.rank, env.world_size
             )),
         },
+        // SLURM's batch script (SLURM_PROCID without SLURM_STEP_ID) is no launcher's rank:
+        // the ranks it starts are the job's.
+        Err(ddp_comm::CommError::MissingEnv { var, .. }) if var == "SLURM_STEP_ID" => Ok(()),
         Err(err) => Err(TrainError::Invalid(format!(
             "--nproc-per-node {nproc}: cannot tell whether a launcher started this process: \
              {err}"
