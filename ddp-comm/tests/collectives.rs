@@ -695,10 +695,11 @@ fn two_slurm_steps_of_one_job_running_at_once_meet_apart() {
         .expect("a free pair of ports in 20000..30000");
     let spawn = |step: usize, rank: usize| {
         let mut cmd = common::worker_command(TEST);
-        for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"] {
-            cmd.env_remove(var);
-        }
         for var in [
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
             "MASTER_ADDR",
             "MASTER_PORT",
             "DDP_RUN_ID",

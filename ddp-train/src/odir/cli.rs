@@ -239,12 +239,8 @@ impl TrainConfig {
         if let Some(d) = self.dropout.filter(|d| !(0.0..1.0).contains(d)) {
             return invalid(format!("--dropout {d} must be in [0, 1)"));
         }
-        if self.dropout.is_some()
-            && matches!(
-                self.model,
-                ModelKind::Resnet18 | ModelKind::Resnet34 | ModelKind::Resnet50
-            )
-        {
+        // An architecture without a default dropout has no dropout layer (the ResNets).
+        if self.dropout.is_some() && self.model.default_dropout().is_none() {
             return invalid(format!(
                 "--dropout applies to the convnet and efficientnet_b0 models: torchvision's \
                  {} has no dropout layer (leave the flag out)",
