@@ -218,11 +218,19 @@ impl EnvConfig {
             None => match source {
                 // Steps of one job that run at once meet on ports of their own: step s is
                 // 1009 s ports on (step 0's is the job's).
-                EnvSource::Slurm => match number("SLURM_JOB_ID")? {
+                // (Job ids pass 2^24 on busy clusters: SLURM counts to 67043328 by default,
+                // and a federation's ids start above 2^26.)
+                EnvSource::Slurm => match get("SLURM_JOB_ID")
+                    .map(|v| {
+                        v.parse::<u64>()
+                            .map_err(|_| malformed("SLURM_JOB_ID", &v, "a job number"))
+                    })
+                    .transpose()?
+                {
                     Some(job) => {
                         // (SLURM's own value; one that is no number counts as step 0.)
                         let step = get("SLURM_STEP_ID")
-                            .and_then(|v| v.parse::<usize>().ok())
+                            .and_then(|v| v.parse::<u64>().ok())
                             .map_or(0, |s| s % 10000);
                         20000 + ((job % 10000 + step * 1009) % 10000) as u16
                     }
@@ -519,7 +527,11 @@ pub fn first_slurm_host(list: &str) -> Option<String> {
     while let Some(open) = rest.find('[') {
         let close = open + rest[open..].find(']')?;
         host.push_str(&rest[..open]);
-        host.push_str(rest[open + 1..close].split([',', '-']).next()?);
+        let first = rest[open + 1..close].split([',', '-']).next()?;
+        if first.is_empty() {
+            return None;
+        }
+        host.push_str(first);
         rest = &rest[close + 1..];
     }
     if rest.contains(']') {
@@ -659,6 +671,18 @@ mod tests {
         assert_eq!(step("0"), ("123456.0".to_string(), 23456));
         assert_eq!(step("1"), ("123456.1".to_string(), 24465));
         assert_eq!(step("7"), ("123456.7".to_string(), 20519));
+        // Job ids above 2^24 (SLURM's default limit is 67043328; federated ids are larger).
+        for (job, port) in [("67043327", 23327), ("134217729", 27729)] {
+            let c = read(&[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_JOB_NODELIST", "gpu07"),
+                ("SLURM_JOB_ID", job),
+                ("SLURM_STEP_ID", "0"),
+            ])
+            .unwrap();
+            assert_eq!((c.run_id, c.master_port), (format!("{job}.0"), port));
+        }
         // A step on some of the job's nodes meets on its own first node.
         let c = read(&[
             ("SLURM_PROCID", "0"),
@@ -742,6 +766,8 @@ mod tests {
             Some("rack1-n01")
         );
         assert_eq!(first_slurm_host("bad[1"), None);
+        assert_eq!(first_slurm_host("bad[]"), None);
+        assert_eq!(first_slurm_host("bad[,1]"), None);
         assert_eq!(first_slurm_host("bad]1"), None);
     }
 
