@@ -249,7 +249,7 @@ impl<T: Task> Trainer<T> {
                     (epoch, train_set.len()),
                     rest.as_ref(),
                     spe,
-                    plan,
+                    (plan, s.max_steps_per_epoch),
                 ));
                 allocation_change = Some(allocation::change_record(
                     epoch,
@@ -601,8 +601,16 @@ fn describe_change(
     (epoch, train_len): (u64, usize),
     rest: Option<&EpochRest>,
     (spe_before, spe_now): (usize, usize),
-    plan: Plan,
+    (plan, max_steps): (Plan, Option<usize>),
 ) -> String {
+    let finish = |mut line: String| {
+        line.push_str(&format!(
+            "; the learning rate is not changed, and per-step schedules keep their planned {} \
+             optimizer steps",
+            plan.optimizer_steps
+        ));
+        line
+    };
     let mut line = format!("resuming on {now}; the checkpoint was written on {before}: ");
     if before.global_batch() == now.global_batch() {
         line.push_str(
@@ -625,6 +633,19 @@ fn describe_change(
     if let Some(rest) = rest {
         let left = rest.end.saturating_sub(rest.consumed);
         let steps = rest.steps_left(now, None);
+        let capped = rest.steps_left(now, max_steps);
+        if capped < steps {
+            // The cap counts optimizer steps, so smaller steps train less of the epoch.
+            let trained = (capped * now.global_batch()).min(left);
+            line.push_str(&format!(
+                "; the rest of epoch {epoch} ({left} samples) would take {steps} step(s), but \
+                 --max-steps-per-epoch {} ends it after {capped} more, so {} of its samples \
+                 are not trained",
+                max_steps.unwrap_or(0),
+                left - trained
+            ));
+            return finish(line);
+        }
         line.push_str(&format!(
             "; the rest of epoch {epoch} ({left} samples) takes {steps} step(s)"
         ));
@@ -647,12 +668,7 @@ fn describe_change(
             line.push_str(&format!(", the last one filled with {padding} {what}"));
         }
     }
-    line.push_str(&format!(
-        "; the learning rate is not changed, and per-step schedules keep their planned {} \
-         optimizer steps",
-        plan.optimizer_steps
-    ));
-    line
+    finish(line)
 }
 
 /// The tensors that train (require a gradient), in the order every rank agrees on.
@@ -702,7 +718,7 @@ mod tests {
                 (1, len),
                 Some(&rest(end)),
                 (31, 15),
-                plan,
+                (plan, None),
             )
         };
         assert!(
@@ -723,6 +739,50 @@ mod tests {
                 .contains("the last one filled with 32 sample(s) the epoch would have left out"),
             "{}",
             change(2000, 992)
+        );
+    }
+
+    /// The reviewer's case: 1024 samples on 4 x 16 capped at 10 steps (640 positions),
+    /// stopped after 5 steps, resumed on 2 x 16: the cap leaves 5 steps of 32 for the 320
+    /// samples left, so 160 of them are not trained, and the warning says so.
+    #[test]
+    fn a_capped_epoch_on_a_smaller_global_batch_says_what_it_leaves_untrained() {
+        let on = |world_size| Allocation {
+            world_size,
+            batch_size: 16,
+            accumulate: 1,
+        };
+        let rest = EpochRest {
+            first_step: 5,
+            consumed: 320,
+            end: 640,
+            changed_from: Some(on(4)),
+        };
+        let plan = Plan {
+            epochs: 1,
+            optimizer_steps: 10,
+        };
+        let line = describe_change(
+            on(4),
+            on(2),
+            (1, 1024),
+            Some(&rest),
+            (10, 10),
+            (plan, Some(10)),
+        );
+        assert!(
+            line.contains(
+                "the rest of epoch 1 (320 samples) would take 10 step(s), but \
+                 --max-steps-per-epoch 10 ends it after 5 more, so 160 of its samples are not \
+                 trained; the learning rate is not changed"
+            ),
+            "{line}"
+        );
+        // Without the cap the rest takes its 10 steps.
+        let line = describe_change(on(4), on(2), (1, 1024), Some(&rest), (32, 64), (plan, None));
+        assert!(
+            line.contains("the rest of epoch 1 (320 samples) takes 10 step(s); the learning"),
+            "{line}"
         );
     }
 }
