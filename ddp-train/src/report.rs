@@ -48,14 +48,18 @@ pub struct EpochReport {
 }
 
 impl EpochReport {
-    /// A number of the report by name: `train_loss`, `val_loss`, `lr` or a task metric.
+    /// A number of the report by name: `train_loss`, `val_loss`, `lr` or a task metric. A
+    /// task metric that was NaN or infinite (JSON's `null`) is NaN.
     pub fn metric(&self, name: &str) -> Option<f64> {
         match name {
             "train_loss" => Some(self.train_loss),
             "val_loss" => self.val_loss,
             "lr" => Some(self.lr),
             "grad_norm" => self.grad_norm,
-            _ => self.metrics.get(name)?.as_f64(),
+            _ => match self.metrics.get(name)? {
+                Value::Null => Some(f64::NAN),
+                v => v.as_f64(),
+            },
         }
     }
 }
@@ -104,6 +108,10 @@ mod tests {
         assert_eq!(r.metric("val_loss"), Some(0.6));
         assert_eq!(r.metric("val_f1_per_class"), None);
         assert_eq!(r.metrics.len(), 2);
+        // A NaN metric (null in JSON) is a NaN, not a missing name.
+        let mut nan = r.clone();
+        nan.metrics.insert("odir_score".into(), f64::NAN.into());
+        assert!(watched(&nan, "odir_score", "a monitor").unwrap().is_nan());
         let back: EpochReport = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(back, r);
         let err = watched(&r, "accuracy", "a monitor")

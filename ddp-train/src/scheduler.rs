@@ -83,7 +83,10 @@ impl ReduceLrOnPlateau {
             Goal::Max => (metric, self.config.threshold),
             Goal::Min => (-metric, -self.config.threshold),
         };
-        if signed > self.best * (1.0 + threshold) || self.best == f64::NEG_INFINITY {
+        // A NaN metric is no improvement, also the first (PyTorch's best starts at ±inf).
+        if !signed.is_nan()
+            && (signed > self.best * (1.0 + threshold) || self.best == f64::NEG_INFINITY)
+        {
             self.best = signed;
             self.num_bad_epochs = 0;
         } else {
@@ -178,6 +181,33 @@ mod tests {
         assert_eq!(s.step(1.0, Goal::Min, 1.0), 1.0);
         assert_eq!(s.step(0.9998, Goal::Min, 1.0), 1.0);
         assert_eq!(s.best, -0.9998);
+    }
+
+    /// torch 2.13: `ReduceLROnPlateau(opt, mode="min", patience=1)` stepped with NaN, 1.0,
+    /// NaN, NaN, 0.5 keeps lr 1, 1, 1, then 0.1, 0.1; its best is 1.0 after the second step
+    /// (a NaN is a bad epoch, and never the best).
+    #[test]
+    fn a_nan_metric_is_a_bad_epoch() {
+        let mut s = ReduceLrOnPlateau::new(PlateauConfig {
+            patience: 1,
+            ..Default::default()
+        });
+        let mut lr = 1.0;
+        let mut seen = Vec::new();
+        for m in [f64::NAN, 1.0, f64::NAN, f64::NAN, 0.5] {
+            lr = s.step(m, Goal::Min, lr);
+            seen.push((lr, s.best, s.num_bad_epochs));
+        }
+        assert_eq!(
+            seen,
+            [
+                (1.0, f64::NEG_INFINITY, 1),
+                (1.0, -1.0, 0),
+                (1.0, -1.0, 1),
+                (0.1, -1.0, 0),
+                (0.1, -0.5, 0)
+            ]
+        );
     }
 
     #[test]

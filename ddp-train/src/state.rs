@@ -53,12 +53,14 @@ pub struct EarlyStopState {
 }
 
 impl EarlyStopState {
-    /// Counts epoch `epoch`'s `value`; true when training should stop.
+    /// Counts epoch `epoch`'s `value`; true when training should stop. A NaN value (a
+    /// diverged model's) is an epoch without improvement, and never the best.
     pub fn observe(&mut self, rule: &crate::EarlyStopping, epoch: u64, value: f64) -> bool {
-        let improved = self.best.is_none_or(|b| match rule.goal {
-            crate::Goal::Max => value > b.value + rule.min_delta,
-            crate::Goal::Min => value < b.value - rule.min_delta,
-        });
+        let improved = !value.is_nan()
+            && self.best.is_none_or(|b| match rule.goal {
+                crate::Goal::Max => value > b.value + rule.min_delta,
+                crate::Goal::Min => value < b.value - rule.min_delta,
+            });
         if improved {
             self.best = Some(Best { value, epoch });
             self.bad_epochs = 0;
@@ -716,6 +718,21 @@ mod tests {
             Some(Best {
                 value: 0.85,
                 epoch: 5
+            })
+        );
+        // NaN epochs count as bad, the first included, and never become the best.
+        let mut st = EarlyStopState::default();
+        let stops: Vec<bool> = [f64::NAN, 1.0, f64::NAN, f64::NAN]
+            .iter()
+            .enumerate()
+            .map(|(e, &v)| st.observe(&rule, e as u64 + 1, v))
+            .collect();
+        assert_eq!(stops, [false, false, false, true]);
+        assert_eq!(
+            st.best,
+            Some(Best {
+                value: 1.0,
+                epoch: 2
             })
         );
     }

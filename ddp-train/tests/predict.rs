@@ -408,3 +408,48 @@ fn scoring_with_another_transform_or_eye_combination_than_the_training_warns_on_
     assert_eq!(rank0.matches(&warning).count(), 1, "{rank0}");
     assert!(!text(&outputs[1]).contains("were tuned with"));
 }
+
+/// A model with NaN weights: `predict` and `evaluate` (with either eye combination, whose
+/// AUC grouped tied scores by `==` and so never got past a NaN) stop every rank naming the
+/// images, and write no submission.
+#[test]
+fn a_model_with_nan_outputs_is_refused_on_every_rank() {
+    let tmp = common::temp_dir("ddp-train-predict-nan");
+    let dir = tmp.path();
+    let (data, _) = setup(dir);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _net = ConvNet::new(&vs.root(), ConvNetConfig::default());
+    tch::no_grad(|| {
+        for (_, mut t) in vs.variables() {
+            if t.is_floating_point() {
+                let _ = t.fill_(f64::NAN);
+            }
+        }
+    });
+    let model = dir.join("nan.safetensors");
+    checkpoint::save(&vs, &model, &Default::default()).unwrap();
+    let refused = |outputs: &[Output], what: &str, images: &str| {
+        for (r, o) in outputs.iter().enumerate() {
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(!o.status.success(), "{what}: rank {r} succeeded\n{err}");
+            assert!(
+                err.contains(&format!(
+                    "the model's outputs are NaN or infinite for {images} of the {images} images"
+                )) && err.contains("nan.safetensors"),
+                "{what}: rank {r}:\n{err}"
+            );
+        }
+    };
+    let out = dir.join("run");
+    refused(
+        &predict(2, &data.join("test/preprocessed_images"), &model, &out),
+        "predict",
+        "11",
+    );
+    assert!(!out.join("submission.csv").exists());
+    for combine in ["max", "mean"] {
+        let outputs = evaluate(1, &data, &model, &out, &["--eye-combine", combine]);
+        refused(&outputs, combine, "24");
+    }
+    assert!(!out.join("evaluation.json").exists());
+}

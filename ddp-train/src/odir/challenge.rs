@@ -4,8 +4,6 @@
 //! probabilities, and their mean. Also the per-class AUC, a patient's two eyes combined into
 //! one prediction ([`EyeCombine`]), and per-class thresholds that maximise F1.
 
-use std::cmp::Ordering;
-
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
@@ -26,15 +24,17 @@ pub enum EyeCombine {
 }
 
 impl EyeCombine {
-    /// The patient's probabilities from those of the eyes there are (one or two).
+    /// The patient's probabilities from those of the eyes there are (one or two). An eye's
+    /// NaN makes the patient's NaN (`f64::max` would drop it for the other eye's value).
     pub fn combine(self, eyes: &[[f64; 8]]) -> [f64; 8] {
         let mut out = [0.0; 8];
         for (k, o) in out.iter_mut().enumerate() {
-            let values = eyes.iter().map(|e| e[k]);
+            let values = || eyes.iter().map(|e| e[k]);
             *o = match self {
-                EyeCombine::Max if k == 0 => values.fold(f64::INFINITY, f64::min),
-                EyeCombine::Max => values.fold(f64::NEG_INFINITY, f64::max),
-                EyeCombine::Mean => values.sum::<f64>() / eyes.len() as f64,
+                _ if values().any(f64::is_nan) => f64::NAN,
+                EyeCombine::Max if k == 0 => values().fold(f64::INFINITY, f64::min),
+                EyeCombine::Max => values().fold(f64::NEG_INFINITY, f64::max),
+                EyeCombine::Mean => values().sum::<f64>() / eyes.len() as f64,
             };
         }
         out
@@ -129,10 +129,11 @@ pub fn micro_f1(truth: &[bool], pred: &[bool]) -> f64 {
 /// The area under the ROC curve of `scores` against binary `truth`, as sklearn's
 /// `roc_auc_score`: the trapezoids between the curve's points at each distinct score, so
 /// tied scores count half (the Mann–Whitney U statistic over positives × negatives). NaN
-/// when `truth` lacks positives or negatives.
+/// when `truth` lacks positives or negatives, and when a score is NaN (where sklearn raises).
 pub fn roc_auc(truth: &[bool], scores: &[f64]) -> f64 {
-    let mut order: Vec<usize> = (0..truth.len().min(scores.len())).collect();
-    order.sort_by(|&i, &j| scores[j].partial_cmp(&scores[i]).unwrap_or(Ordering::Equal));
+    let Some(order) = descending(truth.len().min(scores.len()), scores) else {
+        return f64::NAN;
+    };
     let positives = order.iter().filter(|&&i| truth[i]).count() as f64;
     let negatives = order.len() as f64 - positives;
     if positives == 0.0 || negatives == 0.0 {
@@ -162,14 +163,15 @@ pub fn roc_auc(truth: &[bool], scores: &[f64]) -> f64 {
 
 /// The threshold that maximises the F1 of `scores > threshold` against `truth`, chosen
 /// halfway between neighbouring distinct scores (ties: the higher threshold). [`THRESHOLD`]
-/// when `truth` has no positive.
+/// when `truth` has no positive; NaN when a score is NaN.
 pub fn best_f1_threshold(truth: &[bool], scores: &[f64]) -> f64 {
     let positives = truth.iter().filter(|&&t| t).count() as f64;
+    let Some(order) = descending(truth.len().min(scores.len()), scores) else {
+        return f64::NAN;
+    };
     if positives == 0.0 {
         return THRESHOLD;
     }
-    let mut order: Vec<usize> = (0..truth.len().min(scores.len())).collect();
-    order.sort_by(|&i, &j| scores[j].partial_cmp(&scores[i]).unwrap_or(Ordering::Equal));
     let (mut tp, mut predicted) = (0.0f64, 0.0f64);
     let (mut best_f1, mut best) = (-1.0, THRESHOLD);
     let mut i = 0;
@@ -191,6 +193,17 @@ pub fn best_f1_threshold(truth: &[bool], scores: &[f64]) -> f64 {
         }
     }
     best
+}
+
+/// The first `n` indices of `scores`, highest score first; `None` when one of them is NaN
+/// (which equals nothing, so no group of equal scores could end).
+fn descending(n: usize, scores: &[f64]) -> Option<Vec<usize>> {
+    if scores[..n].iter().any(|s| s.is_nan()) {
+        return None;
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&i, &j| scores[j].total_cmp(&scores[i]));
+    Some(order)
 }
 
 #[cfg(test)]
@@ -233,6 +246,23 @@ mod tests {
         assert_eq!(EyeCombine::Max.combine(&eyes[1..]), eyes[1]);
         assert_eq!(EyeCombine::Mean.combine(&eyes)[..2], [0.4, 0.5]);
         assert_eq!(EyeCombine::Mean.combine(&eyes[..1]), eyes[0]);
+        // A NaN eye makes the patient NaN, whichever way the eyes combine.
+        let nan_eye = [[f64::NAN; 8], eyes[1]];
+        for combine in [EyeCombine::Max, EyeCombine::Mean] {
+            assert!(combine.combine(&nan_eye).iter().all(|p| p.is_nan()));
+        }
+    }
+
+    /// A NaN score equals nothing: grouping tied scores by `==` never got past it.
+    #[test]
+    fn a_nan_score_gives_nan_instead_of_a_loop() {
+        let truth = [true, false, true, false];
+        let scores = [0.9, f64::NAN, 0.4, 0.1];
+        assert!(roc_auc(&truth, &scores).is_nan());
+        assert!(best_f1_threshold(&truth, &scores).is_nan());
+        let probs = [[0.5; 8], [f64::NAN; 8]];
+        let scores = ChallengeScores::compute(&[[1.0; 8], [0.0; 8]], &probs);
+        assert!(scores.auc.is_nan() && scores.score.is_nan(), "{scores:?}");
     }
 
     #[test]

@@ -242,6 +242,31 @@ pub fn score(
         }
         stats.set_rows(rows);
     }
+    // Every rank has every row: all refuse alike (sklearn refuses NaN; a submission of NaN or
+    // inf is no submission).
+    let not_finite: Vec<String> = stats
+        .image_rows()
+        .iter()
+        .filter(|(_, row)| row.iter().any(|p| !p.is_finite()))
+        .filter_map(|(key, _)| set.samples().get(key as usize))
+        .map(|s| {
+            s.path
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    if let Some(first) = not_finite.first() {
+        return Err(TrainError::Invalid(format!(
+            "the model's outputs are NaN or infinite for {} of the {} images (first: {first}): \
+             {} holds weights that are not finite, or comes from a training that diverged; \
+             nothing was written",
+            not_finite.len(),
+            images.len(),
+            checkpoint.display()
+        )));
+    }
     if rank == 0 {
         std::fs::create_dir_all(&out).map_err(|e| {
             TrainError::io(format!("cannot create run directory {}", out.display()), e)
