@@ -273,12 +273,30 @@ fn read_thresholds(
         .get("thresholds")
         .and_then(Value::as_array)
         .ok_or_else(|| bad("no \"thresholds\" list".into()))?;
-    let values: Vec<f64> = list.iter().filter_map(Value::as_f64).collect();
-    let thresholds: [f64; 8] = values
-        .try_into()
-        .map_err(|_| bad(format!("\"thresholds\" holds {} entries", list.len())))?;
-    if thresholds.iter().any(|t| !t.is_finite()) {
-        return Err(bad("a threshold is not a finite number".into()));
+    if list.len() != LABELS.len() {
+        return Err(bad(format!("\"thresholds\" holds {} entries", list.len())));
+    }
+    let mut thresholds = [0.0; 8];
+    for (k, (t, v)) in thresholds.iter_mut().zip(list).enumerate() {
+        *t = v.as_f64().filter(|t| t.is_finite()).ok_or_else(|| {
+            bad(format!(
+                "threshold {} (class {}) is {v}, not a finite number",
+                k + 1,
+                LABELS[k]
+            ))
+        })?;
+    }
+    if let Some(classes) = doc.get("classes") {
+        let names: Option<Vec<&str>> = classes
+            .as_array()
+            .map(|c| c.iter().map(Value::as_str).collect::<Option<_>>())
+            .unwrap_or_default();
+        if names.as_deref() != Some(&LABELS[..]) {
+            return Err(bad(format!(
+                "its \"classes\" are {classes}, not {}",
+                LABELS.join(", ")
+            )));
+        }
     }
     let tuned_with = doc
         .get("eye_combine")
@@ -349,7 +367,7 @@ fn predictions_csv(scored: &Scored) -> String {
 mod tests {
     use clap::CommandFactory;
 
-    use super::{TrainConfig, EVALUATE_FLAGS, PREDICT_FLAGS};
+    use super::{read_thresholds, TrainConfig, TrainError, EVALUATE_FLAGS, PREDICT_FLAGS};
 
     #[test]
     fn the_flags_predict_and_evaluate_read_are_training_flags() {
@@ -361,5 +379,51 @@ mod tests {
         for id in PREDICT_FLAGS.iter().chain(EVALUATE_FLAGS) {
             assert!(ids.contains(id), "no training flag has the id {id}");
         }
+    }
+
+    /// Each entry is read in its place: one that is no number was dropped before, which moved
+    /// the later classes' thresholds onto their neighbours.
+    #[test]
+    fn thresholds_are_eight_finite_numbers_in_the_classes_order() {
+        let tmp = ddp_testkit::temp_dir("ddp-train-thresholds");
+        let file = tmp.path().join("t.json");
+        let model = tmp.path().join("model.safetensors");
+        let read = |text: &str| {
+            std::fs::write(&file, text).unwrap();
+            read_thresholds(Some(&file), &model).map(|((t, _), combine)| (t, combine))
+        };
+        let ok = read(
+            r#"{"classes": ["N","D","G","C","A","H","M","O"],
+                "thresholds": [0.5, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.3], "eye_combine": "mean"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            ok,
+            (
+                [0.5, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.3],
+                Some("mean".to_string())
+            )
+        );
+        let refused = |text: &str, why: &str| match read(text) {
+            Err(TrainError::Invalid(e)) => assert!(e.contains(why), "{e}"),
+            other => panic!("{text}: {other:?}"),
+        };
+        refused(
+            r#"{"thresholds": [0.5, 0.5, "x", 0.5, 0.5, 0.5, 0.5, 0.5, 0.3]}"#,
+            "\"thresholds\" holds 9 entries",
+        );
+        refused(
+            r#"{"thresholds": [0.5, 0.5, "x", 0.5, 0.5, 0.5, 0.5, 0.3]}"#,
+            "threshold 3 (class G) is \"x\", not a finite number",
+        );
+        refused(
+            r#"{"thresholds": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, null]}"#,
+            "threshold 8 (class O) is null, not a finite number",
+        );
+        refused(
+            r#"{"classes": ["N","D","G","C","A","H","O","M"],
+                "thresholds": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]}"#,
+            r#"its "classes" are ["N","D","G","C","A","H","O","M"], not N, D, G, C, A, H, M, O"#,
+        );
     }
 }
