@@ -92,7 +92,8 @@ pub struct TrainConfig {
     #[arg(long, default_value_t = 224)]
     pub image_size: u32,
 
-    /// Smallest crop area as a fraction of the image (RandomResizedCrop's scale lower bound).
+    /// Smallest crop area as a fraction of the image (RandomResizedCrop's scale lower bound;
+    /// torchvision's default is 0.08, milder here for fundus photos).
     #[arg(long, default_value_t = 0.2)]
     pub min_crop_scale: f64,
 
@@ -270,6 +271,26 @@ impl TrainConfig {
     pub fn settings(&self) -> Settings {
         self.train.settings()
     }
+
+    /// Settings that are valid but probably not meant, one sentence each.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        // torchvision's pretrained weights were trained on Normalize(ImageNet).
+        if let (Some(file), Normalize::None, false) = (
+            &self.settings().checkpoint.init_from,
+            self.normalize,
+            self.model == ModelKind::Convnet,
+        ) {
+            lines.push(format!(
+                "--init-from {} into torchvision's {} with --normalize none: torchvision's \
+                 pretrained weights expect ImageNet's normalisation, so give --normalize \
+                 imagenet unless these weights were trained on unnormalised pixels",
+                file.display(),
+                self.model
+            ));
+        }
+        lines
+    }
 }
 
 #[cfg(test)]
@@ -299,6 +320,39 @@ mod tests {
         }
         for model in ["convnet", "efficientnet_b0"] {
             assert_eq!(validate(&["--model", model, "--dropout", "0.3"]), Ok(()));
+        }
+    }
+
+    #[test]
+    fn pretrained_weights_without_imagenet_normalisation_are_warned_of() {
+        let warnings = |flags: &[&str]| {
+            let args = ["ddp-train", "--data", "d"].iter().chain(flags);
+            TrainConfig::try_parse_from(args).unwrap().warnings()
+        };
+        let init = ["--init-from", "r.pth", "--init-partial"];
+        assert_eq!(
+            warnings(&[&init[..], &["--model", "resnet50"]].concat()),
+            [
+                "--init-from r.pth into torchvision's resnet50 with --normalize none: \
+              torchvision's pretrained weights expect ImageNet's normalisation, so give \
+              --normalize imagenet unless these weights were trained on unnormalised pixels"
+            ]
+        );
+        for quiet in [
+            &[
+                &init[..],
+                &["--model", "resnet50", "--normalize", "imagenet"],
+            ]
+            .concat()[..],
+            &[
+                &init[..],
+                &["--model", "resnet50", "--normalize", "0.5,0.25"],
+            ]
+            .concat(),
+            &init[..],
+            &["--model", "resnet50"],
+        ] {
+            assert_eq!(warnings(quiet), Vec::<String>::new(), "{quiet:?}");
         }
     }
 }

@@ -217,7 +217,9 @@ impl Task for OdirTask {
     }
 
     fn warnings(&self) -> Vec<String> {
-        skipped_lines(&self.skipped)
+        let mut lines = self.options.warnings();
+        lines.extend(skipped_lines(&self.skipped));
+        lines
     }
 }
 
