@@ -415,6 +415,15 @@ impl NcclComm {
         Ok(start)
     }
 
+    /// Makes the communicator's device the calling thread's before a CUDA call that does
+    /// not go through [`Self::enter`] (an event query, a destroy): on a thread that has no
+    /// device yet, CUDA would otherwise create a context on device 0, about half a GiB on
+    /// every rank of a node. A failure shows in the CUDA call that follows.
+    fn select_device(&self) {
+        // SAFETY: plain CUDA runtime call with the communicator's device ordinal.
+        let _ = unsafe { (self.cudart.cudaSetDevice)(self.device) };
+    }
+
     /// The watchdog's look: retires completed collectives; aborts when one pending has
     /// exceeded the timeout or NCCL reports an error (the error is what later waits report).
     pub(crate) fn watch(&mut self) {
@@ -603,6 +612,7 @@ impl NcclComm {
     /// see the result. Fails without touching NCCL once the communicator was aborted.
     pub(crate) fn wait_work(&mut self, work: NcclWork) -> Result<(), CommError> {
         let NcclWork { id, op, start } = work;
+        self.select_device();
         self.wait_until(op, start, |comm| {
             Ok(comm.inflight.status(id, op)? == Status::Done)
         })
@@ -632,6 +642,7 @@ impl NcclComm {
     /// Whether `work` has completed on the device (`true` too once it has failed: its
     /// wait then returns the error).
     pub(crate) fn work_completed(&mut self, work: &NcclWork) -> bool {
+        self.select_device();
         !matches!(self.inflight.status(work.id, work.op), Ok(Status::Pending))
     }
 }

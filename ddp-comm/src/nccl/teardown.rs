@@ -40,6 +40,7 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        self.select_device();
         self.inflight.retire_completed();
         if !self.inflight.is_aborted() {
             self.let_pending_finish();
