@@ -43,8 +43,28 @@ struct Cli {
     node: NodeArgs,
 
     /// A single node whose ranks meet on a free local port (torchrun's --standalone).
-    #[arg(long, conflicts_with_all = ["master_addr", "master_port", "node_rank"])]
+    #[arg(long, conflicts_with_all = ["master_addr", "master_port", "node_rank", "rdzv_endpoint"])]
     standalone: bool,
+
+    /// torchrun's rendezvous backend: only `static`, its default (every node is told where
+    /// rank 0 is); the elastic ones (c10d, etcd) are refused.
+    #[arg(
+        long = "rdzv-backend",
+        visible_alias = "rdzv_backend",
+        value_name = "static",
+        env = "PET_RDZV_BACKEND"
+    )]
+    rdzv_backend: Option<String>,
+
+    /// HOST:PORT of rank 0, as the static backend reads it: in place of --master-addr and
+    /// --master-port.
+    #[arg(
+        long = "rdzv-endpoint",
+        visible_alias = "rdzv_endpoint",
+        value_name = "HOST:PORT",
+        env = "PET_RDZV_ENDPOINT"
+    )]
+    rdzv_endpoint: Option<String>,
 
     /// Folder for each rank's output, rank-<RANK>.out (stdout and stderr, every attempt).
     #[arg(long = "log-dir", visible_alias = "log_dir", env = "PET_LOG_DIR")]
@@ -139,7 +159,6 @@ fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
     // these): a rendezvous other than the static one is refused as its flag would be.
     for (var, flag) in [
         ("PET_RDZV_BACKEND", "--rdzv-backend"),
-        ("PET_RDZV_ENDPOINT", "--rdzv-endpoint"),
         ("PET_RDZV_CONF", "--rdzv-conf"),
     ] {
         let value = std::env::var_os(var).unwrap_or_default();
@@ -151,6 +170,12 @@ fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
                 instead_of(flag)
             ));
         }
+    }
+    if let Some(backend) = cli.rdzv_backend.as_deref().filter(|b| *b != "static") {
+        return Err(format!(
+            "--rdzv-backend {backend}: {}",
+            instead_of("--rdzv-backend")
+        ));
     }
     if cli.standalone && cli.node.nnodes != 1 {
         return Err(format!(
@@ -165,6 +190,17 @@ fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
     };
     let mut config = LaunchConfig::new(program.clone(), nproc).args(args.to_vec());
     cli.node.apply(&mut config);
+    if let Some(endpoint) = &cli.rdzv_endpoint {
+        // torchrun's static backend takes rank 0's address from the endpoint, port included.
+        let (host, port) = static_endpoint(endpoint).ok_or_else(|| {
+            format!(
+                "--rdzv-endpoint {endpoint}: expected HOST:PORT, rank 0's host and a port \
+                 1..=65535 (torchrun's static rendezvous needs the port too)"
+            )
+        })?;
+        config.master_addr = host;
+        config.master_port = Some(port);
+    }
     config.role = cli.role.clone();
     config.run_id = cli.rdzv_id.clone();
     config.log_dir = cli.log_dir.clone();
@@ -172,6 +208,17 @@ fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
     config.monitor_interval = Duration::from_secs_f64(cli.monitor_interval);
     config.validate().map_err(|e| e.to_string())?;
     Ok(config)
+}
+
+/// `HOST:PORT` (or `[IPv6]:PORT`) as host and port; `None` without a port.
+fn static_endpoint(endpoint: &str) -> Option<(String, u16)> {
+    let (host, port) = endpoint.trim().rsplit_once(':')?;
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    let port = port.parse::<u16>().ok().filter(|p| *p > 0)?;
+    (!host.is_empty() && !host.contains(['[', ']'])).then(|| (host.to_string(), port))
 }
 
 /// The message for an option ddp-run does not have, given where PROGRAM goes: what to do
@@ -195,9 +242,10 @@ fn instead_of(flag: &str) -> &'static str {
             "ddp-run starts programs, not Python scripts: give the interpreter, \
              `ddp-run [OPTIONS] python SCRIPT [ARGS]`"
         }
-        "--rdzv-backend" | "--rdzv-endpoint" | "--rdzv-conf" => {
+        "--rdzv-backend" | "--rdzv-conf" => {
             "ddp-run has torchrun's static rendezvous only: rank 0 of node 0 at \
-             --master-addr and --master-port, each node with its own --node-rank"
+             --master-addr and --master-port (or --rdzv-endpoint HOST:PORT), each node \
+             with its own --node-rank"
         }
         "--redirects" | "--tee" | "--local-ranks-filter" | "--log-line-prefix-template" => {
             "ddp-run shows every rank's output, prefixed with its rank, and --log-dir DIR \

@@ -568,7 +568,7 @@ fn a_script_named_as_torchrun_takes_it_gets_what_to_give_instead() {
 
 #[test]
 fn bad_command_lines_say_what_is_wrong() {
-    let cases: [(&[&str], i32, &str); 10] = [
+    let cases: [(&[&str], i32, &str); 12] = [
         (
             &["--nproc-per-node", "0", "true"],
             2,
@@ -613,9 +613,25 @@ fn bad_command_lines_say_what_is_wrong() {
              give the interpreter, `ddp-run [OPTIONS] python -m MODULE [ARGS]`",
         ),
         (
-            &["--rdzv_endpoint=node0:29400", "train"],
+            &[
+                "--rdzv_backend=c10d",
+                "--rdzv-endpoint",
+                "node0:29400",
+                "train",
+            ],
             2,
-            "error: ddp-run has no option '--rdzv_endpoint': ddp-run has torchrun's static \
+            "error: --rdzv-backend c10d: ddp-run has torchrun's static rendezvous only",
+        ),
+        (
+            &["--rdzv-endpoint", "node0", "train"],
+            2,
+            "error: --rdzv-endpoint node0: expected HOST:PORT, rank 0's host and a port \
+             1..=65535 (torchrun's static rendezvous needs the port too)",
+        ),
+        (
+            &["--rdzv-conf", "timeout=60", "train"],
+            2,
+            "error: ddp-run has no option '--rdzv-conf': ddp-run has torchrun's static \
              rendezvous only",
         ),
         (
@@ -657,7 +673,8 @@ fn an_elastic_rendezvous_from_pet_variables_is_refused() {
         stderr(&out).starts_with(
             "error: PET_RDZV_BACKEND=c10d asks for torchrun's --rdzv-backend: ddp-run has \
              torchrun's static rendezvous only: rank 0 of node 0 at --master-addr and \
-             --master-port, each node with its own --node-rank (unset PET_RDZV_BACKEND)"
+             --master-port (or --rdzv-endpoint HOST:PORT), each node with its own \
+             --node-rank (unset PET_RDZV_BACKEND)"
         ),
         "{}",
         stderr(&out)
@@ -670,6 +687,41 @@ fn an_elastic_rendezvous_from_pet_variables_is_refused() {
         LIMIT,
     );
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+/// torchrun's static backend (its default) with an endpoint: rank 0's host and port, from
+/// the flags or from `PET_*` variables.
+#[test]
+fn the_static_backends_endpoint_is_where_rank_0_listens() {
+    let port = ddp_testkit::free_port().to_string();
+    let endpoint = format!("127.0.0.1:{port}");
+    let script = r#"echo "at $MASTER_ADDR:$MASTER_PORT rank $RANK""#;
+    let flags = ["--rdzv-backend", "static", "--rdzv-endpoint", &endpoint];
+    let out = run(&[&flags[..], &["--nproc-per-node", "2", "sh", "-c", script]].concat());
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.lines().any(|l| l == format!("at {endpoint} rank 0")),
+        "{stdout}"
+    );
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l == format!("[rank 1] at {endpoint} rank 1")),
+        "{stdout}"
+    );
+    let out = wait_bounded(
+        ddp_run(&["--nproc-per-node", "1", "sh", "-c", script])
+            .env("PET_RDZV_ENDPOINT", format!("[::1]:{port}"))
+            .spawn()
+            .unwrap(),
+        LIMIT,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("at ::1:{port} rank 0")
+    );
 }
 
 #[test]
