@@ -25,21 +25,38 @@ pub fn visible_gpus() -> usize {
     )
 }
 
-/// `listed` GPUs as seen through `CUDA_VISIBLE_DEVICES` = `visible` (None: unset).
+/// `listed` GPUs as seen through `CUDA_VISIBLE_DEVICES` = `visible` (None: unset). As CUDA
+/// reads it, the list ends at its first entry that is neither an index of a listed GPU nor
+/// a `GPU-`/`MIG-` UUID: `-1` hides every GPU, `0,2,-1,1` shows two.
 fn narrow_by_visible_devices(listed: usize, visible: Option<&str>) -> usize {
+    let valid = |entry: &str| {
+        entry.parse::<usize>().is_ok_and(|i| i < listed)
+            || entry.starts_with("GPU-")
+            || entry.starts_with("MIG-")
+    };
     match visible {
         None => listed,
         Some(v) => v
             .split(',')
-            .filter(|s| !s.trim().is_empty())
+            .map(str::trim)
+            .take_while(|e| valid(e))
             .count()
             .min(listed),
     }
 }
 
-/// Cores this process may run on (its affinity mask), at least 1.
+/// Cores this process may run on: its affinity mask, as torch's `cpu_count` counts them
+/// for torchrun's `--nproc-per-node cpu` (a cgroup's CPU quota does not lower it); at least 1.
 pub fn available_cores() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    // SAFETY: `set` is a plain bit set that sched_getaffinity fills; CPU_COUNT reads it.
+    let from_mask = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        (libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0)
+            .then(|| libc::CPU_COUNT(&set) as usize)
+    };
+    from_mask
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// torchrun's `--nproc-per-node`: a number, or one rank per device of a kind.
@@ -115,6 +132,31 @@ mod tests {
         assert_eq!(narrow_by_visible_devices(4, Some("2,3")), 2);
         assert_eq!(narrow_by_visible_devices(1, Some("0,1,2")), 1);
         assert_eq!(narrow_by_visible_devices(0, Some("0")), 0);
+        // CUDA stops at the first entry that names no device.
+        assert_eq!(narrow_by_visible_devices(4, Some("-1")), 0);
+        assert_eq!(narrow_by_visible_devices(4, Some("0,2,-1,1")), 2);
+        assert_eq!(narrow_by_visible_devices(4, Some("1,,2")), 1);
+        assert_eq!(narrow_by_visible_devices(2, Some("GPU-8e3a, 1, 5, 0")), 2);
+    }
+
+    /// The cores are the affinity mask's, as the kernel lists them in `Cpus_allowed_list`
+    /// (`0-3,8`: 5 cores).
+    #[test]
+    fn the_cores_are_those_of_the_affinity_mask() {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let list = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap()
+            .trim();
+        let count: usize = list
+            .split(',')
+            .map(|range| match range.split_once('-') {
+                Some((a, b)) => b.parse::<usize>().unwrap() - a.parse::<usize>().unwrap() + 1,
+                None => 1,
+            })
+            .sum();
+        assert_eq!(available_cores(), count, "Cpus_allowed_list: {list}");
     }
 
     #[test]
