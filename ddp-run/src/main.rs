@@ -70,15 +70,15 @@ struct Cli {
     #[arg(long = "log-dir", visible_alias = "log_dir", env = "PET_LOG_DIR")]
     log_dir: Option<PathBuf>,
 
-    /// Seconds between SIGTERM to the ranks (or the signal the launcher got) and SIGKILL.
+    /// Seconds between SIGTERM to the ranks (or the signal the launcher got) and SIGKILL
+    /// [default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30].
     #[arg(
         long = "shutdown-timeout",
         visible_alias = "shutdown_timeout",
         value_name = "SECONDS",
-        default_value_t = 30,
         env = "PET_SHUTDOWN_TIMEOUT"
     )]
-    shutdown_timeout: u64,
+    shutdown_timeout: Option<u64>,
 
     /// Seconds between checks of the ranks.
     #[arg(
@@ -120,6 +120,9 @@ struct Cli {
     )]
     command: Vec<OsString>,
 }
+
+/// torchrun's variable for the shutdown timeout when no flag gives it.
+const SHUTDOWN_TIMEOUT_ENV: &str = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT";
 
 fn parse_interval(value: &str) -> Result<f64, String> {
     match value.parse::<f64>() {
@@ -204,7 +207,16 @@ fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
     config.role = cli.role.clone();
     config.run_id = cli.rdzv_id.clone();
     config.log_dir = cli.log_dir.clone();
-    config.shutdown_timeout = Duration::from_secs(cli.shutdown_timeout);
+    // torchrun's launcher falls back on TORCH_ELASTIC_SHUTDOWN_TIMEOUT, then 30 s.
+    let shutdown_timeout = match (cli.shutdown_timeout, std::env::var(SHUTDOWN_TIMEOUT_ENV)) {
+        (Some(secs), _) => secs,
+        (None, Ok(v)) => v
+            .trim()
+            .parse()
+            .map_err(|_| format!("{SHUTDOWN_TIMEOUT_ENV}={v} is not a whole number of seconds"))?,
+        (None, Err(_)) => 30,
+    };
+    config.shutdown_timeout = Duration::from_secs(shutdown_timeout);
     config.monitor_interval = Duration::from_secs_f64(cli.monitor_interval);
     config.validate().map_err(|e| e.to_string())?;
     Ok(config)

@@ -339,7 +339,9 @@ impl Attempt<'_> {
                 }));
             }
             if ranks.iter().all(|r| r.exit.is_some()) {
-                stop(ranks, libc::SIGTERM, Duration::ZERO);
+                // What a finished rank left running (an upload, a writer) is left to finish,
+                // as torchrun leaves it.
+                reap(ranks);
                 if ranks
                     .iter()
                     .any(|r| r.exit == Some(Exit::Code(i32::from(EXIT_STOPPED))))
@@ -641,6 +643,12 @@ fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) {
     for r in ranks.iter() {
         kill_group(r.child.id(), libc::SIGKILL);
     }
+    reap(ranks);
+}
+
+/// Reaps the ranks, which have exited or been killed, and lets their output threads pass on
+/// the last lines.
+fn reap(ranks: &mut [Rank]) {
     for r in ranks.iter_mut() {
         if let Ok(status) = r.child.wait() {
             if r.exit.is_none() {

@@ -311,6 +311,26 @@ fn a_rank_that_ignores_sigterm_is_killed_after_the_shutdown_timeout() {
     assert!(!procs::alive(pid_in(&pid0)));
 }
 
+/// What a rank that succeeded left running is not killed with it: torchrun signals only
+/// workers still running, so a background writer finishes its file.
+#[test]
+fn what_a_finished_rank_left_running_is_left_to_finish() {
+    let dir = temp_dir("ddp-run-leftover");
+    let script = format!(
+        r#"( trap '' TERM; sleep 1; echo done > {dir}/flag$RANK ) >/dev/null 2>&1 &
+           exit 0"#,
+        dir = dir.path().display()
+    );
+    let out = run(&["--nproc-per-node", "2", "sh", "-c", &script]);
+    assert!(out.status.success(), "{}", text(&out));
+    let flags = [dir.path().join("flag0"), dir.path().join("flag1")];
+    wait_for("both background writers finished", LIMIT, || {
+        flags
+            .iter()
+            .all(|f| std::fs::read_to_string(f).is_ok_and(|s| s == "done\n"))
+    });
+}
+
 /// A job of two ranks that write their pids (`pid0`, `pid1`) and wait, reporting SIGINT and
 /// SIGTERM. (Every waiting rank gives up after a few minutes, so that even a broken launcher
 /// leaves no process behind for long.)
@@ -687,6 +707,34 @@ fn an_elastic_rendezvous_from_pet_variables_is_refused() {
         LIMIT,
     );
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+/// Without `--shutdown-timeout`, torchrun's `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` gives it: a
+/// value that is no number is refused naming the variable; the flag wins over it.
+#[test]
+fn the_shutdown_timeout_falls_back_on_torchruns_variable() {
+    let with = |value: &str, args: &[&str]| {
+        wait_bounded(
+            ddp_run(args)
+                .env("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", value)
+                .spawn()
+                .unwrap(),
+            LIMIT,
+        )
+    };
+    let out = with("soon", &["true"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        stderr(&out).starts_with(
+            "error: TORCH_ELASTIC_SHUTDOWN_TIMEOUT=soon is not a whole number of seconds"
+        ),
+        "{}",
+        stderr(&out)
+    );
+    let out = with("soon", &["--shutdown-timeout", "3", "true"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = with(" 7 ", &["true"]);
+    assert!(out.status.success(), "{}", text(&out));
 }
 
 /// torchrun's static backend (its default) with an endpoint: rank 0's host and port, from
