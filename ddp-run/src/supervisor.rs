@@ -19,9 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::env::{DDP_SECRET, DEFAULT_MASTER_PORT};
+use crate::env::DEFAULT_MASTER_PORT;
 use crate::rank_env::RankEnv;
-use crate::secret::JobSecret;
 use crate::signals::{SignalWatch, FORWARDED};
 use crate::{LaunchConfig, LaunchError};
 
@@ -183,7 +182,7 @@ pub fn launch(
         (None, 1) => format!("ddp-run-{}-{}", std::process::id(), unix_millis()),
         (None, _) => "none".to_string(),
     };
-    let secret = job_secret(config)?;
+    let secret = crate::secret::job_secret(config)?;
     let omp = config.omp_num_threads_for_ranks();
     let watch = SignalWatch::start(&FORWARDED)?;
     let mut restarts = 0;
@@ -675,33 +674,6 @@ fn reap(ranks: &mut [Rank]) {
     }
 }
 
-/// The secret of a job: `DDP_SECRET` from the configuration's variables, else from the
-/// launcher's own environment (every node of a job must be given the same), else a fresh
-/// one on a single node; `None` for several nodes without one (their ranks fall back to the
-/// user's key file, see ddp-comm's README).
-fn job_secret(config: &LaunchConfig) -> Result<Option<JobSecret>, LaunchError> {
-    let given = config.given_secret();
-    match given {
-        Some(text) => text
-            .to_str()
-            .and_then(JobSecret::from_hex)
-            .map(Some)
-            .ok_or_else(|| {
-                LaunchError::Invalid(format!(
-                    "{DDP_SECRET} is set but is not 32 to 128 hexadecimal digits ({} \
-                     characters; its value is not shown): unset it, and ddp-run draws a \
-                     fresh secret for a single node; several nodes need the same one, e.g. \
-                     from `openssl rand -hex 16`",
-                    text.len()
-                ))
-            }),
-        None if config.nnodes == 1 => JobSecret::generate()
-            .map(Some)
-            .map_err(|e| LaunchError::Invalid(format!("cannot draw the job's secret: {e}"))),
-        None => Ok(None),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -762,29 +734,5 @@ mod tests {
         // Still unreaped: seen again, then reaped by std.
         assert_eq!(peek_exit(pid).unwrap(), Some(Exit::Code(5)));
         assert_eq!(child.wait().unwrap().code(), Some(5));
-    }
-
-    #[test]
-    fn a_job_gets_the_configured_secret_else_a_fresh_one_on_one_node() {
-        let hex = "00112233445566778899aabbccddeeff";
-        let mut config = LaunchConfig::new("true", 2);
-        config.env.push((DDP_SECRET.into(), hex.into()));
-        assert_eq!(job_secret(&config).unwrap(), JobSecret::from_hex(hex));
-        config.env.push((DDP_SECRET.into(), "short".into()));
-        let err = job_secret(&config).unwrap_err().to_string();
-        assert!(
-            err.contains("5 characters") && !err.contains("short"),
-            "{err}"
-        );
-        if std::env::var_os(DDP_SECRET).is_none() {
-            let single = LaunchConfig::new("true", 2);
-            let (a, b) = (job_secret(&single).unwrap(), job_secret(&single).unwrap());
-            assert!(a.is_some() && a != b);
-            let nodes = LaunchConfig {
-                nnodes: 2,
-                ..LaunchConfig::new("true", 2)
-            };
-            assert_eq!(job_secret(&nodes).unwrap(), None);
-        }
     }
 }
