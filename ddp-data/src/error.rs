@@ -19,7 +19,12 @@ pub enum DataError {
     },
 
     /// No image folder next to the annotation file.
-    #[error("no image folder in '{}': looked for {}", .root.display(), .tried.join(", "))]
+    #[error(
+        "no image folder in '{}': looked for {}; give the folder that holds the images with \
+         --image-dir",
+        .root.display(),
+        .tried.join(", ")
+    )]
     MissingImageDir {
         /// The data folder.
         root: PathBuf,
@@ -93,8 +98,16 @@ pub enum DataError {
         file: PathBuf,
     },
 
-    /// Rows whose image file does not exist; every one is listed, not only the first.
-    #[error("{} image(s) listed in '{}' are missing from '{}': {}", .files.len(), .annotations.display(), .image_dir.display(), .files.join(", "))]
+    /// Rows whose image file does not exist; the message names the first ten, and
+    /// [`DataError::MissingImages::files`] holds every one.
+    #[error(
+        "{} image(s) listed in '{}' are missing from '{}': {}{}",
+        .files.len(),
+        .annotations.display(),
+        .image_dir.display(),
+        .files.iter().take(10).cloned().collect::<Vec<_>>().join(", "),
+        if .files.len() > 10 { format!(" and {} more", .files.len() - 10) } else { String::new() }
+    )]
     MissingImages {
         /// The annotation file that lists them.
         annotations: PathBuf,

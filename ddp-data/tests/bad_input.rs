@@ -153,6 +153,30 @@ fn every_missing_image_is_listed() {
         msg.ends_with("1_right.jpg, 3_left.jpg, 4_right.jpg"),
         "{msg}"
     );
+    // Thousands of missing images (a wrong folder) make a message of ten names and a count;
+    // the error still holds every one.
+    std::fs::remove_dir_all(dir.path().join("preprocessed_images")).unwrap();
+    std::fs::create_dir(dir.path().join("preprocessed_images")).unwrap();
+    let e = open(dir.path()).unwrap_err();
+    let DataError::MissingImages { files, .. } = &e else {
+        panic!("expected MissingImages, got {e}");
+    };
+    assert_eq!(files.len(), 8);
+    let msg = e.to_string();
+    assert!(
+        msg.starts_with("8 image(s) listed in") && msg.ends_with("4_left.jpg, 4_right.jpg"),
+        "{msg}"
+    );
+    let names = valid_csv_layout(dir.path(), 6);
+    std::fs::remove_dir_all(dir.path().join("preprocessed_images")).unwrap();
+    std::fs::create_dir(dir.path().join("preprocessed_images")).unwrap();
+    let e = open(dir.path()).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.starts_with("12 image(s)")
+            && msg.ends_with(&format!("{}, {} and 2 more", names[8], names[9])),
+        "{msg}"
+    );
 }
 
 #[test]

@@ -70,6 +70,29 @@ fn original_images_folder_is_used_when_there_is_no_preprocessed_folder() {
     assert_eq!(ds.image_dir(), originals);
 }
 
+/// Kaggle's download: `full_df.csv` beside `ODIR-5K/ODIR-5K/Training Images/` (without
+/// `preprocessed_images/`); any other folder through `image_dir` (`--image-dir`).
+#[test]
+fn kaggles_nested_folder_and_a_given_folder_are_found() {
+    let dir = tempfile::tempdir().unwrap();
+    common::valid_csv_layout(dir.path(), 1);
+    let nested = dir.path().join("ODIR-5K/ODIR-5K/Training Images");
+    std::fs::create_dir_all(nested.parent().unwrap()).unwrap();
+    std::fs::rename(dir.path().join("preprocessed_images"), &nested).unwrap();
+    let ds = OdirDataset::open(dir.path(), &OdirOptions::default()).unwrap();
+    assert_eq!(ds.image_dir(), nested);
+    let elsewhere = dir.path().join("my images");
+    std::fs::rename(&nested, &elsewhere).unwrap();
+    let e = OdirDataset::open(dir.path(), &OdirOptions::default()).unwrap_err();
+    assert!(e.to_string().ends_with("with --image-dir"), "{e}");
+    let options = OdirOptions {
+        image_dir: Some(elsewhere.clone()),
+        ..OdirOptions::default()
+    };
+    let ds = OdirDataset::open(dir.path(), &options).unwrap();
+    assert_eq!((ds.image_dir(), ds.len()), (elsewhere.as_path(), 2));
+}
+
 #[test]
 fn challenge_workbook_gives_two_samples_per_patient() {
     let dir = tempfile::tempdir().unwrap();

@@ -453,3 +453,34 @@ fn a_model_with_nan_outputs_is_refused_on_every_rank() {
     }
     assert!(!out.join("evaluation.json").exists());
 }
+
+/// `--image-dir` names --data's image folder when it has none of the usual names; without
+/// it the error says to give it.
+#[test]
+fn evaluate_reads_the_images_of_image_dir() {
+    let tmp = common::temp_dir("ddp-train-image-dir");
+    let dir = tmp.path();
+    let (data, model) = setup(dir);
+    let images = dir.join("fundus photos");
+    std::fs::rename(data.join("preprocessed_images"), &images).unwrap();
+    let out = dir.join("run");
+    let outputs = evaluate(1, &data, &model, &out, &[]);
+    let err = String::from_utf8_lossy(&outputs[0].stderr).into_owned();
+    assert!(!outputs[0].status.success(), "{err}");
+    assert!(
+        err.contains("give the folder that holds the images with --image-dir"),
+        "{err}"
+    );
+    let outputs = evaluate(
+        1,
+        &data,
+        &model,
+        &out,
+        &["--image-dir", images.to_str().unwrap()],
+    );
+    assert!(outputs[0].status.success(), "{}", text(&outputs[0]));
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("evaluation.json")).unwrap())
+            .unwrap();
+    assert_eq!(report["images"], 24, "{report}");
+}

@@ -12,10 +12,20 @@ use crate::error::DataError;
 pub const CSV_NAME: &str = "full_df.csv";
 /// The challenge workbook names, in the order they are looked for.
 pub const XLSX_NAMES: [&str; 2] = ["data.xlsx", "ODIR-5K_Training_Annotations(Updated)_V2.xlsx"];
-/// Image folders of the redistribution layout, in the order they are looked for.
-pub const CSV_IMAGE_DIRS: [&str; 2] = ["preprocessed_images", "ODIR-5K/Training Images"];
-/// Image folders of the challenge layout, in the order they are looked for.
-pub const XLSX_IMAGE_DIRS: [&str; 2] = ["Training Images", "ODIR-5K/Training Images"];
+/// Image folders of the redistribution layout, in the order they are looked for: Kaggle's
+/// download holds `full_df.csv` and `preprocessed_images/` beside `ODIR-5K/ODIR-5K/`.
+pub const CSV_IMAGE_DIRS: [&str; 3] = [
+    "preprocessed_images",
+    "ODIR-5K/ODIR-5K/Training Images",
+    "ODIR-5K/Training Images",
+];
+/// Image folders of the challenge layout, in the order they are looked for: the workbook's
+/// own folder (as Kaggle's `ODIR-5K/ODIR-5K/`), and the challenge's training archive.
+pub const XLSX_IMAGE_DIRS: [&str; 3] = [
+    "Training Images",
+    "ODIR-5K_Training_Dataset",
+    "ODIR-5K/Training Images",
+];
 
 /// Which of the two on-disk layouts a folder uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

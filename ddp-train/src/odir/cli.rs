@@ -65,10 +65,17 @@ pub enum Labels {
 #[derive(Debug, Clone, Parser, Serialize, Deserialize)]
 #[command(name = "ddp-train", version, about, long_about = None)]
 pub struct TrainConfig {
-    /// ODIR folder: `full_df.csv` + `preprocessed_images/` (or `ODIR-5K/Training Images/`),
-    /// or the challenge workbook (`data.xlsx`) + `Training Images/`.
+    /// ODIR folder: `full_df.csv` + `preprocessed_images/` (or Kaggle's
+    /// `ODIR-5K/ODIR-5K/Training Images/`), or the challenge workbook (`data.xlsx`) +
+    /// `Training Images/`.
     #[arg(long)]
     pub data: PathBuf,
+
+    /// The folder that holds --data's images, when it is none of the layout's usual ones
+    /// (preprocessed_images/, Training Images/, ODIR-5K/ODIR-5K/Training Images/, ...).
+    #[arg(long, value_name = "DIR")]
+    #[serde(default)]
+    pub image_dir: Option<PathBuf>,
 
     /// A separate ODIR folder for validation (instead of splitting --data).
     #[arg(long, conflicts_with = "val_split")]

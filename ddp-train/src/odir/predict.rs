@@ -94,7 +94,7 @@ pub const PREDICT_FLAGS: &[&str] = &[
 
 /// The training flags `evaluate` reads besides [`PREDICT_FLAGS`]: how the labelled folder is
 /// opened.
-pub const EVALUATE_FLAGS: &[&str] = &["labels", "skip_corrupt"];
+pub const EVALUATE_FLAGS: &[&str] = &["labels", "skip_corrupt", "image_dir"];
 
 /// The model `predict` and `evaluate` run, and where in its file it is.
 #[derive(Debug, Clone, Args)]

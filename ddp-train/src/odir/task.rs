@@ -50,8 +50,12 @@ impl OdirTask {
     /// prepares the train (`RandomResizedCrop` + flip) and validation (`Resize` +
     /// `CenterCrop`) pipelines.
     pub fn new(c: &TrainConfig) -> Result<Self, TrainError> {
-        let options = data_options(c);
         let open = |dir: &Path| {
+            // --image-dir is --data's.
+            let mut options = data_options(c);
+            if dir != c.data {
+                options.image_dir = None;
+            }
             OdirDataset::open(dir, &options)
                 .map_err(|e| match &e {
                     DataError::MissingColumn { column, .. }
@@ -265,6 +269,6 @@ pub(super) fn data_options(c: &TrainConfig) -> OdirOptions {
             Labels::Patient => LabelMode::Patient,
         },
         skip_corrupt: c.skip_corrupt,
-        ..Default::default()
+        image_dir: c.image_dir.clone(),
     }
 }
