@@ -161,6 +161,22 @@ fn truncated_jpeg_is_an_error_naming_the_file() {
     );
 }
 
+/// Bytes after the end-of-image marker (padding, a trailer) are left alone, as PIL does.
+#[test]
+fn a_jpeg_padded_after_its_end_decodes_as_without() {
+    let bytes = common::gradient_jpeg(64, 64);
+    let padded = [&bytes[..], &[0u8; 200], b"camera trailer"].concat();
+    let mut d = Decoder::new();
+    let plain = d
+        .decode_bytes(&bytes, Path::new("a.jpg"))
+        .unwrap()
+        .pixels
+        .to_vec();
+    let img = d.decode_bytes(&padded, Path::new("padded.jpg")).unwrap();
+    assert_eq!((img.width, img.height), (64, 64));
+    assert_eq!(img.pixels, &plain[..]);
+}
+
 #[test]
 fn corrupt_jpeg_and_png_are_errors_naming_the_file() {
     let mut d = Decoder::new();

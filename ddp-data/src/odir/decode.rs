@@ -56,7 +56,7 @@ impl Default for Decoder {
     }
 }
 
-const TRUNCATED: &str = "truncated JPEG: no end-of-image marker (0xFFD9) at the end of the file";
+const TRUNCATED: &str = "truncated JPEG: no end-of-image marker (0xFFD9) after its last scan";
 
 fn jpeg_options() -> DecoderOptions {
     DecoderOptions::default()
@@ -78,12 +78,17 @@ fn is_jpeg(bytes: &[u8]) -> bool {
     bytes.len() >= 3 && bytes[0] == 0xFF && bytes[1] == 0xD8 && bytes[2] == 0xFF
 }
 
-/// A complete JPEG ends with the EOI marker; camera files may pad after it, so the last few
-/// bytes are searched. Entropy-coded data stuffs every 0xFF with 0x00, so 0xFF 0xD9 there can
-/// only be a real marker.
+/// Whether a JPEG is complete: its last scan (SOS, 0xFF 0xDA) is followed by the EOI marker
+/// (0xFF 0xD9), whatever follows that (cameras and editors pad or append trailers; PIL reads
+/// such files). Entropy-coded data stuffs every 0xFF with 0x00, so both pairs can only be
+/// markers there; an EXIF thumbnail's EOI comes before the image's first scan, so a file cut
+/// inside its scan has a scan start after its last EOI.
 fn has_end_marker(bytes: &[u8]) -> bool {
-    let tail = &bytes[bytes.len().saturating_sub(64)..];
-    tail.windows(2).any(|w| w == [0xFF, 0xD9])
+    const SOS: [u8; 2] = [0xFF, 0xDA];
+    let Some(eoi) = bytes.windows(2).rposition(|w| w == [0xFF, 0xD9]) else {
+        return false;
+    };
+    bytes[..eoi].windows(2).any(|w| w == SOS) && !bytes[eoi..].windows(2).any(|w| w == SOS)
 }
 
 impl Decoder {
@@ -296,12 +301,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn end_marker_is_found_only_near_the_end() {
-        let mut bytes = vec![0xFF, 0xD8, 0xFF, 0xD9];
-        bytes.extend(std::iter::repeat_n(0x11, 100));
+    fn the_end_marker_must_follow_the_last_scan() {
+        let scan = |len| {
+            let mut s = vec![0xFF, 0xDA];
+            s.extend(std::iter::repeat_n(0x11, len));
+            s
+        };
+        // A thumbnail's EOI, then the image's scan, cut: truncated.
+        let thumbnail = [0xFF, 0xD8, 0xFF, 0xDA, 0x22, 0xFF, 0xD9];
+        let mut bytes = [&thumbnail[..], &scan(100)].concat();
         assert!(!has_end_marker(&bytes));
-        bytes.extend([0xFF, 0xD9, 0, 0]);
+        // Complete, then padded or followed by a trailer: complete.
+        bytes.extend([0xFF, 0xD9]);
         assert!(has_end_marker(&bytes));
+        bytes.extend(std::iter::repeat_n(0, 200));
+        bytes.extend(b"trailer");
+        assert!(has_end_marker(&bytes));
+        // No scan at all, or no EOI: not a complete image.
+        assert!(!has_end_marker(&[0xFF, 0xD8, 0xFF, 0xD9]));
+        assert!(!has_end_marker(&scan(10)));
     }
 
     #[test]
