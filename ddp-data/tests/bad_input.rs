@@ -57,6 +57,17 @@ fn missing_column_is_named_with_the_columns_found() {
         matches!(&e, DataError::MissingColumn { column, .. } if column == "G"),
         "{e}"
     );
+    // Per-eye labels beside some of N..O: the patient columns are all there or none.
+    std::fs::write(
+        dir.path().join("full_df.csv"),
+        "ID,filename,target,N,D,G,C,H,M,O\n1,a.jpg,\"[1, 0, 0, 0, 0, 0, 0, 0]\",1,0,0,0,0,0,0\n",
+    )
+    .unwrap();
+    let e = open(dir.path()).unwrap_err();
+    assert!(
+        matches!(&e, DataError::MissingColumn { column, .. } if column == "A"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -250,8 +250,10 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
             .map(|l| cols.get(l))
             .collect::<Result<_, _>>()?,
     };
-    // The patient columns, read for the challenge's patient-level scores when present.
-    let patient_cols: Option<Vec<usize>> = if LABELS.iter().all(|l| cols.has(l)) {
+    // The patient columns, read for the challenge's patient-level scores when present: all
+    // of them, or none (some of them is a damaged file, which would silently score patients
+    // by their eyes' labels instead).
+    let patient_cols: Option<Vec<usize>> = if LABELS.iter().any(|l| cols.has(l)) {
         Some(
             LABELS
                 .iter()
