@@ -812,6 +812,28 @@ fn an_epochs_validation_equals_evaluating_its_checkpoint() {
     }
 }
 
+/// A `--val-data` that holds patients of `--data` (here the same folder) is warned of.
+#[test]
+fn validation_data_sharing_patients_with_the_training_data_is_warned_of() {
+    let tmp = temp_dir("val-data-shared");
+    let dir = tmp.path();
+    let data = data(dir, 16);
+    let out = dir.join("run");
+    let data_s = data.to_str().unwrap();
+    let mut args = train_args(data_s, out.to_str().unwrap());
+    args[3] = "1";
+    args.extend(["--max-steps-per-epoch", "1", "--val-data", data_s]);
+    let outputs = run_ranks(1, &args, &[]);
+    assert_all_ok(&outputs);
+    let rank0 = String::from_utf8_lossy(&outputs[0].stderr).into_owned();
+    assert!(
+        rank0.contains(&format!(
+            "warning: --val-data {data_s} shares 8 patient ID(s) with --data (the first: "
+        )),
+        "{rank0}"
+    );
+}
+
 /// `--skip-corrupt` trains on the images that decode and names each one it leaves out:
 /// once, on rank 0's stderr, and in `config.json`.
 #[test]

@@ -36,6 +36,8 @@ pub struct OdirTask {
     pos_weight_tensor: Arc<Mutex<Option<Tensor>>>,
     /// The images `--skip-corrupt` left out of `--data` and `--val-data`.
     skipped: Vec<SkippedImage>,
+    /// Patient IDs both `--data` and `--val-data` hold.
+    shared_patients: Vec<u64>,
     config: Value,
 }
 
@@ -73,9 +75,20 @@ impl OdirTask {
         };
         let train_set = open(&c.data)?;
         let mut skipped = train_set.skipped().to_vec();
+        let mut shared_patients = Vec::new();
         let (val_set, train, val) = match &c.val_data {
             Some(dir) => {
                 let val_set = open(dir)?;
+                let trained: std::collections::BTreeSet<u64> =
+                    train_set.samples().iter().map(|s| s.patient_id).collect();
+                shared_patients = val_set
+                    .samples()
+                    .iter()
+                    .map(|s| s.patient_id)
+                    .filter(|id| trained.contains(id))
+                    .collect::<std::collections::BTreeSet<u64>>()
+                    .into_iter()
+                    .collect();
                 skipped.extend_from_slice(val_set.skipped());
                 let train = ddp_data::odir::all_indices(&train_set)?;
                 let val = ddp_data::odir::all_indices(&val_set)?;
@@ -138,6 +151,7 @@ impl OdirTask {
             eye_combine: c.eye_combine,
             tune_thresholds: c.tune_thresholds,
             pos_weight: weights,
+            shared_patients,
             pos_weight_tensor: Arc::default(),
             skipped,
             config,
@@ -222,6 +236,14 @@ impl Task for OdirTask {
 
     fn warnings(&self) -> Vec<String> {
         let mut lines = self.options.warnings();
+        if let (Some(first), Some(val)) = (self.shared_patients.first(), &self.options.val_data) {
+            lines.push(format!(
+                "--val-data {} shares {} patient ID(s) with --data (the first: {first}): the \
+                 validation scores then count patients the model trains on",
+                val.display(),
+                self.shared_patients.len()
+            ));
+        }
         lines.extend(skipped_lines(&self.skipped));
         lines
     }
