@@ -297,7 +297,9 @@ impl Replica {
         let options = DdpOptions {
             overlap: config.overlap,
             comm_hook: config.hook,
+            // PyTorch's first bucket takes an explicit bucket_cap_mb too.
             bucket_cap_bytes: args.bucket_cap_mb << 20,
+            first_bucket_cap_bytes: args.bucket_cap_mb << 20,
             ..DdpOptions::default()
         };
         let ddp = DistributedDataParallel::new(&vs, pg.clone(), options)?;

@@ -3,8 +3,8 @@
 DDP training steps of an MLP of square Linear layers with ReLU between them, on the CPU,
 one process per rank (torch.multiprocessing), Gloo over loopback TCP
 (GLOO_SOCKET_IFNAME=lo unless set), `torch.set_num_threads(1)` per rank, MSE loss, SGD
-(lr 1e-4), `zero_grad()` setting gradients to none, DDP's defaults (25 MiB buckets unless
---bucket-cap-mb says otherwise, the first 1 MiB; the all-reduce overlaps backward).
+(lr 1e-4), `zero_grad()` setting gradients to none, DDP's defaults otherwise (buckets of
+--bucket-cap-mb, the first one too since the cap is given; the all-reduce overlaps backward).
 Configurations, each with its own model and DDP in the same processes, take one step in
 turn:
 

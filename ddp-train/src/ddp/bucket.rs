@@ -24,10 +24,11 @@ impl Bucket {
     }
 }
 
-/// Groups `named[order[..]]` into flat buckets by dtype and device, in `order`: the first
-/// bucket of each dtype holds at most `first_cap` bytes, the others at most `cap` (a single
-/// larger tensor gets a bucket of its own). PyTorch's `_compute_bucket_assignment_by_size`
-/// with `[first_bucket_bytes, bucket_cap]`: a small first bucket starts communication early.
+/// Groups `named[order[..]]` into flat buckets by dtype and device, in `order`, as PyTorch's
+/// `_compute_bucket_assignment_by_size` with `[first_cap, cap]` does: each tensor joins its
+/// dtype's open bucket, which closes once it holds `first_cap` bytes or more (the first of
+/// its dtype) or `cap` (the others). So a bucket passes its cap by at most its last tensor;
+/// a small first bucket starts communication early.
 pub(crate) fn make_buckets(
     named: &[(String, Tensor)],
     order: &[usize],
@@ -65,13 +66,13 @@ pub(crate) fn make_buckets(
         };
         let o = &mut open[slot];
         let limit = if o.closed_before == 0 { first_cap } else { cap };
-        if !o.members.is_empty() && o.bytes + bytes > limit {
+        o.members.push(k);
+        o.bytes += bytes;
+        if o.bytes >= limit {
             closed.push((kind, device, std::mem::take(&mut o.members)));
             o.bytes = 0;
             o.closed_before += 1;
         }
-        o.members.push(k);
-        o.bytes += bytes;
     }
     closed.extend(
         open.into_iter()
@@ -132,28 +133,29 @@ mod tests {
             .collect()
     }
 
+    /// The layouts torch 2.13's `dist._compute_bucket_assignment_by_size` gives for float
+    /// tensors of 10, 20, 30 and 5 elements taken in the order 3, 2, 1, 0.
     #[test]
-    fn buckets_respect_the_caps_and_the_order() {
+    fn buckets_are_assigned_as_pytorch_assigns_them() {
         let named = named(&[10, 20, 30, 5]);
         let order = [3, 2, 1, 0];
-        // Caps of 40 floats: [p3, p2] = 35 (+20 > 40), then [p1, p0] = 30.
-        let buckets = make_buckets(&named, &order, 40 * 4, 40 * 4);
-        let layout: Vec<Vec<(usize, i64, i64)>> =
-            buckets.iter().map(|b| b.members.clone()).collect();
+        let layout = |first_cap, cap| -> Vec<Vec<usize>> {
+            make_buckets(&named, &order, first_cap, cap)
+                .iter()
+                .map(|b| b.members.iter().map(|m| m.0).collect())
+                .collect()
+        };
+        // [160]: p3 + p2 + p1 = 55 floats, 220 bytes >= 160, closes; p0 alone.
+        let buckets = make_buckets(&named, &order, 160, 160);
         assert_eq!(
-            layout,
-            vec![vec![(3, 0, 5), (2, 5, 30)], vec![(1, 0, 20), (0, 20, 10)]]
+            buckets.iter().map(|b| b.members.clone()).collect::<Vec<_>>(),
+            vec![vec![(3, 0, 5), (2, 5, 30), (1, 35, 20)], vec![(0, 0, 10)]]
         );
-        assert_eq!(buckets[0].flat.numel(), 35);
-        assert_eq!(buckets[1].bytes(), 120);
-        // A tensor larger than the cap gets a bucket of its own.
-        assert_eq!(make_buckets(&named, &order, 8, 8).len(), 4);
-        // A small first bucket: [p3] (5 floats fit in 6, +30 does not), then [p2], [p1, p0].
-        let layout: Vec<Vec<usize>> = make_buckets(&named, &order, 6 * 4, 40 * 4)
-            .iter()
-            .map(|b| b.members.iter().map(|m| m.0).collect())
-            .collect();
-        assert_eq!(layout, vec![vec![3], vec![2], vec![1, 0]]);
+        assert_eq!((buckets[0].flat.numel(), buckets[1].bytes()), (55, 40));
+        // [8]: every tensor passes the cap alone.
+        assert_eq!(layout(8, 8), vec![vec![3], vec![2], vec![1], vec![0]]);
+        // [24, 160]: p3 (20 bytes) stays open, + p2 passes 24; then p1 + p0 reach 160.
+        assert_eq!(layout(24, 160), vec![vec![3, 2], vec![1, 0]]);
     }
 
     #[test]

@@ -77,11 +77,14 @@ fn describe_unused(parameters: &[(String, usize)]) -> String {
 #[cfg_attr(feature = "cli", derive(clap::Args))]
 #[serde(default)]
 pub struct DdpOptions {
-    /// Largest gradient bucket in bytes (PyTorch's `bucket_cap_mb`, default 25 MiB).
+    /// The bytes at which a gradient bucket closes (PyTorch's `bucket_cap_mb`, default 25
+    /// MiB); a bucket passes it by at most its last tensor.
     #[cfg_attr(feature = "cli", arg(skip = DdpOptions::default().bucket_cap_bytes))]
     pub bucket_cap_bytes: usize,
-    /// Largest first bucket in bytes (PyTorch's 1 MiB): the last layers' gradients, ready
-    /// first, start communicating early.
+    /// The same for the first bucket (PyTorch's 1 MiB): the last layers' gradients, ready
+    /// first, start communicating early. PyTorch keeps 1 MiB only while `bucket_cap_mb` is
+    /// left at its default, and otherwise uses the cap for the first bucket too: to do as
+    /// PyTorch does with another cap, set both.
     #[cfg_attr(feature = "cli", arg(skip = DdpOptions::default().first_bucket_cap_bytes))]
     pub first_bucket_cap_bytes: usize,
     /// Broadcast rank 0's buffers before each training forward (PyTorch's default: true).
@@ -581,9 +584,10 @@ mod tests {
     #[test]
     fn a_restored_bucket_order_is_the_rebuilt_one() {
         let pg = alone();
+        // 300 floats are 1200 bytes: each parameter fills a bucket.
         let options = DdpOptions {
-            bucket_cap_bytes: 1500,
-            first_bucket_cap_bytes: 1500,
+            bucket_cap_bytes: 1200,
+            first_bucket_cap_bytes: 1200,
             ..DdpOptions::default()
         };
         let model = || {
