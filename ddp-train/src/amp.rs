@@ -62,6 +62,10 @@ pub struct ScalerState {
     pub scale: f64,
     /// Good steps in a row since the scale last changed.
     pub growth_tracker: u64,
+    /// Steps skipped for inf/NaN gradients since the run began: per-step learning-rate
+    /// schedules count them, as PyTorch's `scheduler.step()` after `scaler.step()` does.
+    #[serde(default)]
+    pub skipped_steps: u64,
 }
 
 /// Dynamic loss scaling for fp16, with PyTorch's `GradScaler` rules and defaults: initial
@@ -96,6 +100,7 @@ impl Default for GradScaler {
             state: ScalerState {
                 scale: 65536.0,
                 growth_tracker: 0,
+                skipped_steps: 0,
             },
             growth_factor: 2.0,
             backoff_factor: 0.5,
@@ -218,6 +223,7 @@ impl GradScaler {
         if found_inf {
             s.scale *= self.backoff_factor;
             s.growth_tracker = 0;
+            s.skipped_steps += 1;
         } else {
             s.growth_tracker += 1;
             if s.growth_tracker == self.growth_interval {
@@ -256,11 +262,13 @@ mod tests {
         s.update(false);
         s.update(true);
         assert_eq!((s.scale(), s.state().growth_tracker), (32768.0, 0));
+        assert_eq!(s.state().skipped_steps, 1);
         // The scale stays within f32's range, as PyTorch's f32 scale does.
         let top = 2f64.powi(127); // the largest power of two in f32
         s.set_state(ScalerState {
             scale: top,
             growth_tracker: 0,
+            skipped_steps: 0,
         });
         for _ in 0..3 {
             s.update(false);
@@ -309,6 +317,7 @@ mod tests {
             s.set_state(ScalerState {
                 scale,
                 growth_tracker: 0,
+                skipped_steps: 0,
             });
             for bad in [
                 None,

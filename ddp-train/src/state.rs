@@ -1058,6 +1058,7 @@ mod tests {
                     grad_scaler: scaler.map(|(scale, growth_tracker)| crate::amp::ScalerState {
                         scale,
                         growth_tracker,
+                        skipped_steps: growth_tracker / 2,
                     }),
                     early_stopping: bad_epochs.map(|bad_epochs| EarlyStopState {
                         best: None,

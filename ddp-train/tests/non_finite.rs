@@ -24,7 +24,8 @@ const PRECISION_ENV: &str = "NON_FINITE_TEST_PRECISION";
 const ACCUMULATE_ENV: &str = "NON_FINITE_TEST_ACCUMULATE";
 /// Set on the rank whose loss becomes infinite: at which call of `train_loss` (from 0).
 const BAD_CALL_ENV: &str = "NON_FINITE_TEST_BAD_CALL";
-/// Set: clip the gradients' norm to this, and checkpoint after every step (keeping them all).
+/// Set: clip the gradients' norm to this, checkpoint after every step (keeping them all), and
+/// decay the learning rate linearly to 0 over the run's 12 steps.
 const CLIP_ENV: &str = "NON_FINITE_TEST_CLIP";
 /// 64 training points: 4 micro-batches of 8 per rank per epoch on 2 ranks.
 const POINTS: i64 = 64;
@@ -65,6 +66,7 @@ fn rank_worker() {
         settings.clip_grad_norm = Some(max.parse().expect("a number"));
         settings.checkpoint.every = Some(1);
         settings.checkpoint.keep = 100;
+        settings.lr_schedule = ddp_train::lr_schedule::LrSchedule::Linear { warmup: 0 };
     }
     let mut task = Regression::new(points(POINTS, 1), points(16, 2));
     // Small, so that fp16's first scale (2^16) overflows no gradient by itself.
@@ -192,6 +194,13 @@ fn an_fp16_loss_overflow_on_one_rank_skips_that_step_on_every_rank() {
         checkpoint::read_tensors(out.join("checkpoints/epoch-0003.state.safetensors")).unwrap();
     let st: Value = serde_json::from_str(&state.metadata["train_state"]).unwrap();
     assert_eq!(st["grad_scaler"]["scale"], 32768.0, "{st}");
+    assert_eq!(st["grad_scaler"]["skipped_steps"], 1, "{st}");
+    // The skipped step counts for the schedule, as PyTorch's scheduler.step() after
+    // scaler.step(): the last step (the 12th, t = 11) runs at 1/12 of the base rate, not
+    // at 2/12 as 10 taken steps before it would give.
+    let base = Settings::default().optimizer.lr();
+    let lr = st["lr"].as_f64().unwrap();
+    assert!((lr - base / 12.0).abs() < 1e-12 * base, "{lr} for {base}");
     for e in &m {
         let norm = e["grad_norm"].as_f64();
         assert!(norm.is_some_and(|n| n.is_finite() && n > 0.0), "{e}");

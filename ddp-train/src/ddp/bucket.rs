@@ -148,7 +148,10 @@ mod tests {
         // [160]: p3 + p2 + p1 = 55 floats, 220 bytes >= 160, closes; p0 alone.
         let buckets = make_buckets(&named, &order, 160, 160);
         assert_eq!(
-            buckets.iter().map(|b| b.members.clone()).collect::<Vec<_>>(),
+            buckets
+                .iter()
+                .map(|b| b.members.clone())
+                .collect::<Vec<_>>(),
             vec![vec![(3, 0, 5), (2, 5, 30), (1, 35, 20)], vec![(0, 0, 10)]]
         );
         assert_eq!((buckets[0].flat.numel(), buckets[1].bytes()), (55, 40));

@@ -52,7 +52,8 @@ pub struct CheckpointSettings {
         arg(skip = CheckpointSettings::default().resume_after_restart)
     )]
     pub resume_after_restart: bool,
-    /// Also checkpoint inside epochs, every this many optimizer steps (counted over the run).
+    /// Also checkpoint inside epochs, every this many optimizer steps (counted over the run,
+    /// steps the fp16 scaler skips included).
     #[cfg_attr(
         feature = "cli",
         arg(

@@ -34,7 +34,7 @@ impl<T: Task> Trainer<T> {
         let periodic = at.step > first
             && s.checkpoint
                 .every
-                .is_some_and(|n| self.optimizer.steps() as u64 % n == 0);
+                .is_some_and(|n| self.attempted_steps() % n == 0);
         // Whether anything may differ between ranks, and so needs their agreement.
         let agree = signals.is_some()
             || s.runtime.time_limit_secs.is_some()
@@ -108,6 +108,13 @@ impl<T: Task> Trainer<T> {
             checkpoint: path,
             run: self.out.clone(),
         })
+    }
+
+    /// Optimizer steps taken and skipped by the scaler since the run began: what per-step
+    /// schedules and `--checkpoint-every` count (a skipped step leaves the optimizer's count
+    /// alone, and PyTorch's loop steps its scheduler after every `scaler.step`).
+    pub(super) fn attempted_steps(&self) -> u64 {
+        self.optimizer.steps() as u64 + self.scaler.as_ref().map_or(0, |s| s.state().skipped_steps)
     }
 
     /// The run's scalar state after its last optimizer step (at an epoch's end).

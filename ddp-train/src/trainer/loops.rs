@@ -262,7 +262,7 @@ impl<T: Task> Trainer<T> {
                 // Over the run's planned total, recorded at its start: a resume on another
                 // allocation does not move the curve.
                 let total = self.plan.optimizer_steps;
-                let t = self.optimizer.steps() as u64;
+                let t = self.attempted_steps();
                 self.optimizer
                     .set_lr(s.optimizer.lr() * schedule.factor(t, total));
             }

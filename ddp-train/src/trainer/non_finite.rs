@@ -39,6 +39,7 @@ pub(super) fn gradients_finite(params: &[(String, Tensor)]) -> Result<bool, Trai
     unit.set_state(ScalerState {
         scale: 1.0,
         growth_tracker: 0,
+        skipped_steps: 0,
     });
     Ok(!unit.unscale(params)?.found()?)
 }
