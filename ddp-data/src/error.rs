@@ -171,12 +171,18 @@ pub enum DataError {
     },
 
     /// A data set with no usable image left (every image was skipped as corrupt).
-    #[error("data set '{}' has no usable images ({skipped} skipped as corrupt)", .root.display())]
+    #[error(
+        "data set '{}' has no usable images ({skipped} skipped as corrupt{})",
+        .root.display(),
+        .first.as_ref().map(|f| format!("; the first, {f}")).unwrap_or_default()
+    )]
     EmptyDataset {
         /// The data folder.
         root: PathBuf,
         /// How many images were skipped.
         skipped: usize,
+        /// The first skipped image and why (`<path>: <reason>`).
+        first: Option<String>,
     },
 
     /// A parameter outside its valid range (fraction, batch size, crop scale ...).

@@ -191,6 +191,24 @@ fn every_missing_image_is_listed() {
 }
 
 #[test]
+fn a_data_folder_that_does_not_exist_is_named_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    let gone = dir.path().join("odir-5k");
+    let e = open(&gone).unwrap_err();
+    assert!(
+        matches!(&e, DataError::ListDir { dir, .. } if *dir == gone),
+        "{e}"
+    );
+    assert!(
+        e.to_string().starts_with(&format!(
+            "cannot list folder '{}': No such file",
+            gone.display()
+        )),
+        "{e}"
+    );
+}
+
+#[test]
 fn missing_image_folder_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
     valid_csv_layout(dir.path(), 1);

@@ -256,6 +256,33 @@ fn skip_corrupt_leaves_out_and_reports_every_bad_image() {
     );
 }
 
+/// Every image skipped as corrupt: the split says that the data set has nothing usable, and
+/// names the first image and why, not that a split came out empty.
+#[test]
+fn a_data_set_whose_every_image_is_corrupt_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 4);
+    for s in ds.samples() {
+        std::fs::write(&s.path, b"not an image at all").unwrap();
+    }
+    let options = OdirOptions {
+        skip_corrupt: true,
+        ..OdirOptions::default()
+    };
+    let ds = OdirDataset::open(dir.path(), &options).unwrap();
+    let first = ds.skipped()[0].path.display().to_string();
+    let e = ddp_data::odir::split_by_patient(&ds, 0.25, 0).unwrap_err();
+    assert!(
+        matches!(e, DataError::EmptyDataset { skipped: 4, .. }),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .contains(&format!("(4 skipped as corrupt; the first, {first}: ")),
+        "{e}"
+    );
+}
+
 /// Workers never run more than `prefetch` batches ahead of the consumer, and dropping the
 /// loader mid-epoch returns (joins every worker) instead of finishing the epoch.
 #[test]

@@ -101,6 +101,13 @@ fn find_first(root: &Path, names: &[&str]) -> Option<PathBuf> {
 impl OdirDataset {
     /// Opens `root`, detecting the layout: `full_df.csv` first, then the challenge workbook.
     pub fn open(root: &Path, options: &OdirOptions) -> Result<Self, DataError> {
+        if let Err(source) = std::fs::read_dir(root) {
+            // A mistyped --data: the folder itself, not a missing annotation file in it.
+            return Err(DataError::ListDir {
+                dir: root.to_path_buf(),
+                source,
+            });
+        }
         let (layout, annotation_file, dirs): (_, _, &[&str]) =
             if let Some(csv) = find_first(root, &[CSV_NAME]) {
                 (Layout::Redistribution, csv, &CSV_IMAGE_DIRS)

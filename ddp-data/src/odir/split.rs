@@ -32,6 +32,11 @@ pub fn split_by_patient(
             value: val_fraction.to_string(),
         });
     }
+    if dataset.is_empty() {
+        // Nothing left to split (every image skipped as corrupt): say so, not that the split
+        // came out empty.
+        all_indices(dataset)?;
+    }
     let mut patients: Vec<u64> = dataset.samples().iter().map(|s| s.patient_id).collect();
     patients.sort_unstable();
     patients.dedup();
@@ -71,6 +76,10 @@ pub fn all_indices(dataset: &OdirDataset) -> Result<Vec<usize>, DataError> {
         return Err(DataError::EmptyDataset {
             root: dataset.root().to_path_buf(),
             skipped: dataset.skipped().len(),
+            first: dataset
+                .skipped()
+                .first()
+                .map(|s| format!("{}: {}", s.path.display(), s.reason)),
         });
     }
     Ok((0..dataset.len()).collect())
