@@ -165,6 +165,22 @@ fn evaluate(args: &ddp_train::odir::EvaluateArgs) -> Result<()> {
     Ok(())
 }
 
+/// `error`, told that `--skip-corrupt` exists when an image that does not decode stopped
+/// the training without it.
+fn with_skip_hint(error: anyhow::Error, config: &TrainConfig) -> anyhow::Error {
+    let undecodable = error
+        .chain()
+        .any(|e| e.to_string().contains("cannot be decoded"));
+    if undecodable && !config.skip_corrupt {
+        error.context(
+            "training stopped at an image that does not decode (--skip-corrupt decodes every \
+             image at the start and leaves out, naming each, those that fail)",
+        )
+    } else {
+        error
+    }
+}
+
 fn run(config: &TrainConfig) -> Result<()> {
     config.validate()?;
     let task = OdirTask::new(config)?;
@@ -179,7 +195,9 @@ fn run(config: &TrainConfig) -> Result<()> {
         }
         return Ok(());
     }
-    let reports = trainer.run()?;
+    let reports = trainer
+        .run()
+        .map_err(|e| with_skip_hint(anyhow::Error::new(e), config))?;
     if let (Some(last), true) = (reports.last(), rank0) {
         println!(
             "done: {} epochs, final validation macro-F1 {:.3}, micro-F1 {:.3}, challenge score \

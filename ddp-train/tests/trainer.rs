@@ -812,6 +812,35 @@ fn an_epochs_validation_equals_evaluating_its_checkpoint() {
     }
 }
 
+/// Without `--skip-corrupt`, an image that does not decode stops training naming it, and
+/// the message says that the flag exists.
+#[test]
+fn an_undecodable_image_stops_training_and_points_to_skip_corrupt() {
+    let tmp = temp_dir("undecodable");
+    let dir = tmp.path();
+    let data = data(dir, 16);
+    let images = data.join("preprocessed_images");
+    let mut names: Vec<_> = std::fs::read_dir(&images)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    names.sort();
+    std::fs::write(&names[5], b"\xff\xd8 not a jpeg").unwrap();
+    let out = dir.join("run");
+    let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    args[3] = "1";
+    let outputs = run_ranks(1, &args, &[]);
+    let err = String::from_utf8_lossy(&outputs[0].stderr).into_owned();
+    assert!(!outputs[0].status.success(), "{err}");
+    assert!(
+        err.contains(
+            "error: training stopped at an image that does not decode (--skip-corrupt decodes \
+             every image at the start and leaves out, naming each, those that fail)"
+        ) && err.contains(&format!("image '{}' cannot be decoded", names[5].display())),
+        "{err}"
+    );
+}
+
 /// A `--val-data` that holds patients of `--data` (here the same folder) is warned of.
 #[test]
 fn validation_data_sharing_patients_with_the_training_data_is_warned_of() {
