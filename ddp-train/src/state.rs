@@ -450,17 +450,35 @@ pub fn resume_key(model_path: &Path, state: Option<&TrainState>) -> String {
 /// Fails, with the same error on every rank, when the ranks' resume keys (gathered in rank
 /// order) differ: naming rank 0's and the first other one.
 pub fn check_resume_agreement(keys: &[Vec<u8>]) -> Result<(), TrainError> {
-    let Some(first) = keys.first() else {
-        return Ok(());
-    };
-    match keys.iter().enumerate().find(|(_, k)| *k != first) {
+    match first_disagreement(keys) {
         None => Ok(()),
-        Some((rank, other)) => Err(TrainError::Invalid(format!(
-            "the ranks would resume from different checkpoints: rank 0 from {}, rank {rank} \
-             from {}; give every rank the same --resume (and --out), on a folder every rank \
-             sees the same",
-            String::from_utf8_lossy(first),
-            String::from_utf8_lossy(other)
+        Some((first, rank, other)) => Err(TrainError::Invalid(format!(
+            "the ranks would resume from different checkpoints: rank 0 from {first}, rank \
+             {rank} from {other}; give every rank the same --resume (and --out), on a folder \
+             every rank sees the same"
+        ))),
+    }
+}
+
+/// Rank 0's key, and the first other rank whose key differs with its key.
+fn first_disagreement(keys: &[Vec<u8>]) -> Option<(String, usize, String)> {
+    let first = keys.first()?;
+    let (rank, other) = keys.iter().enumerate().find(|(_, k)| *k != first)?;
+    Some((
+        String::from_utf8_lossy(first).into_owned(),
+        rank,
+        String::from_utf8_lossy(other).into_owned(),
+    ))
+}
+
+/// Checks that every rank opened data of the same sizes (`keys`: each rank's description
+/// of them, gathered).
+pub fn check_data_agreement(keys: &[Vec<u8>]) -> Result<(), TrainError> {
+    match first_disagreement(keys) {
+        None => Ok(()),
+        Some((first, rank, other)) => Err(TrainError::Invalid(format!(
+            "the ranks opened different data: rank 0 has {first}, rank {rank} {other}; give \
+             every rank the same data, on a folder every rank sees the same"
         ))),
     }
 }

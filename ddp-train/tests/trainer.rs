@@ -841,6 +841,43 @@ fn an_undecodable_image_stops_training_and_points_to_skip_corrupt() {
     );
 }
 
+/// Ranks that open different data (another copy of the folder, say) stop before training,
+/// every one naming both sizes, instead of sharding mismatched lists.
+#[test]
+fn ranks_that_open_different_data_stop_naming_both() {
+    let tmp = temp_dir("different-data");
+    let folders = [
+        data(&tmp.path().join("a"), 16),
+        data(&tmp.path().join("b"), 20),
+    ];
+    let out = tmp.path().join("run");
+    let port = ddp_testkit::free_port();
+    let children = folders
+        .iter()
+        .enumerate()
+        .map(|(rank, folder)| {
+            let mut cmd = ddp_testkit::rank_command(env!("CARGO_BIN_EXE_ddp-train"), rank, 2, port);
+            cmd.args(train_args(folder.to_str().unwrap(), out.to_str().unwrap()))
+                .args(["--threads", "1", "--workers", "1"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    let outputs = ddp_testkit::wait_all(children, Duration::from_secs(120));
+    for (rank, o) in outputs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "rank {rank}: {err}");
+        assert!(
+            err.contains(
+                "the ranks opened different data: rank 0 has 12 training and 4 validation \
+                 samples, rank 1 16 training and 4 validation samples"
+            ),
+            "rank {rank}: {err}"
+        );
+    }
+}
+
 /// A `--val-data` that holds patients of `--data` (here the same folder) is warned of.
 #[test]
 fn validation_data_sharing_patients_with_the_training_data_is_warned_of() {

@@ -285,6 +285,14 @@ impl<T: Task> Trainer<T> {
         // Each rank resolved its checkpoint on its own: all must continue from the same one,
         // or all stop with the same error.
         state::check_resume_agreement(&pg.all_gather_bytes(resume_key.as_bytes())?)?;
+        // Each rank opened the data on its own: a folder that differs between ranks (another
+        // copy, a file one rank could not read) would shard mismatched lists.
+        let sizes = format!(
+            "{} training and {} validation samples",
+            train_set.len(),
+            val_set.as_ref().map_or(0, Dataset::len)
+        );
+        state::check_data_agreement(&pg.all_gather_bytes(sizes.as_bytes())?)?;
 
         // Every rank agrees on the run directory: rank 0's choice.
         let proposed = s.out.clone().unwrap_or_else(default_run_dir);
