@@ -256,6 +256,27 @@ fn skip_corrupt_leaves_out_and_reports_every_bad_image() {
     );
 }
 
+/// A file that cannot be read (an I/O error: here a link to `/proc/self/mem`, whose first
+/// page is unmapped) is not a corrupt image: `--skip-corrupt` stops naming it instead of
+/// leaving it out, which on one rank only would give the ranks different data.
+#[test]
+fn skip_corrupt_does_not_leave_out_a_file_it_cannot_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = synthetic(dir.path(), 4);
+    let unreadable = ds.samples()[2].path.clone();
+    std::fs::remove_file(&unreadable).unwrap();
+    std::os::unix::fs::symlink("/proc/self/mem", &unreadable).unwrap();
+    let options = OdirOptions {
+        skip_corrupt: true,
+        ..OdirOptions::default()
+    };
+    let e = OdirDataset::open(dir.path(), &options).unwrap_err();
+    assert!(
+        matches!(&e, DataError::ReadImage { path, .. } if *path == unreadable),
+        "{e}"
+    );
+}
+
 /// Every image skipped as corrupt: the split says that the data set has nothing usable, and
 /// names the first image and why, not that a split came out empty.
 #[test]

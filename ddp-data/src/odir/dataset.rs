@@ -195,7 +195,7 @@ impl OdirDataset {
             skipped: Vec::new(),
         };
         if options.skip_corrupt {
-            dataset.drop_undecodable();
+            dataset.drop_undecodable()?;
         }
         Ok(dataset)
     }
@@ -228,10 +228,14 @@ impl OdirDataset {
     }
 
     /// Decodes every image (on all cores) and removes those that fail, recording each one.
-    fn drop_undecodable(&mut self) {
+    ///
+    /// A file that cannot be read (an I/O error, not a decoding one) is an error: it says
+    /// nothing about the image, and leaving it out on one rank only would give the ranks
+    /// different data.
+    fn drop_undecodable(&mut self) -> Result<(), DataError> {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let chunk = self.samples.len().div_ceil(threads).max(1);
-        let failures: Vec<Option<String>> = std::thread::scope(|scope| {
+        let failures: Vec<Option<DataError>> = std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .samples
                 .chunks(chunk)
@@ -239,16 +243,25 @@ impl OdirDataset {
                     scope.spawn(move || {
                         let mut decoder = Decoder::new();
                         part.iter()
-                            .map(|s| decoder.decode_file(&s.path).err().map(|e| e.to_string()))
+                            .map(|s| decoder.decode_file(&s.path).err())
                             .collect::<Vec<_>>()
                     })
                 })
                 .collect();
             handles
                 .into_iter()
-                .flat_map(|h| match h.join() {
+                .zip(self.samples.chunks(chunk))
+                .flat_map(|(h, part)| match h.join() {
                     Ok(v) => v,
-                    Err(_) => vec![Some("decoder thread panicked".to_string()); chunk],
+                    Err(_) => part
+                        .iter()
+                        .map(|s| {
+                            Some(DataError::DecodeImage {
+                                path: s.path.clone(),
+                                message: "the decoder panicked".to_string(),
+                            })
+                        })
+                        .collect(),
                 })
                 .collect()
         });
@@ -256,13 +269,15 @@ impl OdirDataset {
         for (sample, failure) in std::mem::take(&mut self.samples).into_iter().zip(failures) {
             match failure {
                 None => kept.push(sample),
-                Some(reason) => self.skipped.push(SkippedImage {
+                Some(e @ DataError::ReadImage { .. }) => return Err(e),
+                Some(e) => self.skipped.push(SkippedImage {
                     path: sample.path,
-                    reason,
+                    reason: e.to_string(),
                 }),
             }
         }
         self.samples = kept;
+        Ok(())
     }
 
     /// Number of samples (images).

@@ -91,7 +91,8 @@ pub struct TrainConfig {
     #[arg(long, value_enum, default_value_t = Labels::Auto)]
     pub labels: Labels,
 
-    /// Skip images that fail to decode (each one is reported) instead of stopping.
+    /// Skip images that fail to decode (each one is reported) instead of stopping; a file
+    /// that cannot be read still stops the run.
     #[arg(long)]
     pub skip_corrupt: bool,
 
