@@ -12,8 +12,9 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Subcommand};
+use ddp_data::DataError;
 use ddp_train::odir::{OdirCommand, OdirTask, TrainConfig};
-use ddp_train::Trainer;
+use ddp_train::{TrainError, Trainer};
 
 fn main() -> ExitCode {
     ddp_train::malloc::keep_freed_memory();
@@ -168,9 +169,13 @@ fn evaluate(args: &ddp_train::odir::EvaluateArgs) -> Result<()> {
 /// `error`, told that `--skip-corrupt` exists when an image that does not decode stopped
 /// the training without it.
 fn with_skip_hint(error: anyhow::Error, config: &TrainConfig) -> anyhow::Error {
-    let undecodable = error
-        .chain()
-        .any(|e| e.to_string().contains("cannot be decoded"));
+    let undecodable = error.chain().any(|e| {
+        let data = match e.downcast_ref::<TrainError>() {
+            Some(TrainError::Data(d)) => Some(d),
+            _ => e.downcast_ref::<DataError>(),
+        };
+        matches!(data, Some(DataError::DecodeImage { .. }))
+    });
     if undecodable && !config.skip_corrupt {
         error.context(
             "training stopped at an image that does not decode (--skip-corrupt decodes every \

@@ -37,16 +37,19 @@ fn assert_one_error(out: &Output, first_line: &str) {
 fn a_missing_data_folder_is_named_without_a_backtrace() {
     let dir = ddp_testkit::temp_dir("ddp-train-errors");
     let missing = dir.path().join("no-such-odir");
-    let out = ddp_train(&[
-        "--data",
-        missing.to_str().unwrap(),
-        "--out",
-        dir.path().join("run").to_str().unwrap(),
-        "--device",
-        "cpu",
-    ]);
+    let run = dir.path().join("run");
+    let train = || {
+        ddp_train(&[
+            "--data",
+            missing.to_str().unwrap(),
+            "--out",
+            run.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ])
+    };
     assert_one_error(
-        &out,
+        &train(),
         &format!(
             "error: loading ODIR data from {m}: cannot list folder '{m}': No such file or \
              directory (os error 2)",
@@ -55,16 +58,8 @@ fn a_missing_data_folder_is_named_without_a_backtrace() {
     );
     // A folder that exists but holds no annotations says what was looked for.
     std::fs::create_dir(&missing).unwrap();
-    let out = ddp_train(&[
-        "--data",
-        missing.to_str().unwrap(),
-        "--out",
-        dir.path().join("run").to_str().unwrap(),
-        "--device",
-        "cpu",
-    ]);
     assert_one_error(
-        &out,
+        &train(),
         &format!(
             "error: loading ODIR data from {m}: no ODIR annotation file in '{m}': looked for \
              full_df.csv, data.xlsx, ODIR-5K_Training_Annotations(Updated)_V2.xlsx",

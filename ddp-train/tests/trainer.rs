@@ -23,6 +23,16 @@ fn temp_dir(name: &str) -> common::TempDir {
     common::temp_dir(&format!("ddp-train-bin-{name}"))
 }
 
+/// The image files of the synthetic sample at `data`, sorted.
+fn images_of(data: &Path) -> Vec<PathBuf> {
+    let mut names: Vec<_> = std::fs::read_dir(data.join("preprocessed_images"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    names.sort();
+    names
+}
+
 /// A small synthetic ODIR folder (an odd number of validation images makes shards unequal).
 fn data(dir: &Path, images: usize) -> PathBuf {
     let root = dir.join("data");
@@ -819,12 +829,7 @@ fn an_undecodable_image_stops_training_and_points_to_skip_corrupt() {
     let tmp = temp_dir("undecodable");
     let dir = tmp.path();
     let data = data(dir, 16);
-    let images = data.join("preprocessed_images");
-    let mut names: Vec<_> = std::fs::read_dir(&images)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    names.sort();
+    let names = images_of(&data);
     std::fs::write(&names[5], b"\xff\xd8 not a jpeg").unwrap();
     let out = dir.join("run");
     let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
@@ -907,12 +912,7 @@ fn skip_corrupt_names_each_image_it_leaves_out_once() {
     let tmp = temp_dir("skip-corrupt");
     let dir = tmp.path();
     let data = data(dir, 40);
-    let images = data.join("preprocessed_images");
-    let mut names: Vec<_> = std::fs::read_dir(&images)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    names.sort();
+    let names = images_of(&data);
     let (truncated, garbage) = (names[3].clone(), names[20].clone());
     let bytes = std::fs::read(&truncated).unwrap();
     std::fs::write(&truncated, &bytes[..bytes.len() / 3]).unwrap();

@@ -1,6 +1,7 @@
 //! [`OdirTask`]: the model of `--model` on ODIR-5K, 8-label BCE-with-logits, and exact per-class, macro
 //! and micro F1.
 
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -79,15 +80,12 @@ impl OdirTask {
         let (val_set, train, val) = match &c.val_data {
             Some(dir) => {
                 let val_set = open(dir)?;
-                let trained: std::collections::BTreeSet<u64> =
-                    train_set.samples().iter().map(|s| s.patient_id).collect();
-                shared_patients = val_set
-                    .samples()
-                    .iter()
-                    .map(|s| s.patient_id)
-                    .filter(|id| trained.contains(id))
-                    .collect::<std::collections::BTreeSet<u64>>()
-                    .into_iter()
+                let ids = |set: &OdirDataset| -> BTreeSet<u64> {
+                    set.samples().iter().map(|s| s.patient_id).collect()
+                };
+                shared_patients = ids(&train_set)
+                    .intersection(&ids(&val_set))
+                    .copied()
                     .collect();
                 skipped.extend_from_slice(val_set.skipped());
                 let train = ddp_data::odir::all_indices(&train_set)?;
