@@ -132,6 +132,11 @@ pub fn continue_epoch(
     now: Allocation,
     steps_now: usize,
 ) -> Result<EpochRest, String> {
+    // Nothing trained yet (a stop taken before the epoch's first step): the epoch starts
+    // afresh on any allocation, with its own length.
+    if saved.step == 0 {
+        return Ok(EpochRest::fresh(steps_now, now));
+    }
     if let (Some(before), Some(consumed), Some(end)) = (saved.allocation, saved.consumed, saved.end)
     {
         // (After an earlier change of allocation inside this epoch, `consumed` is not
@@ -151,9 +156,6 @@ pub fn continue_epoch(
         });
     }
     // Written before checkpoints recorded their allocation.
-    if saved.step == 0 {
-        return Ok(EpochRest::fresh(steps_now, now));
-    }
     let same_batch = saved
         .old_batch
         .is_none_or(|b| b == (now.batch_size, now.accumulate));
@@ -258,6 +260,20 @@ mod tests {
         // 2 -> 3 ranks at batch 16: 6 steps of 32 left are 4 steps of 48.
         let rest = continue_epoch(saved(alloc(2, 16, 1), 2, 256), alloc(3, 16, 1), 5).unwrap();
         assert_eq!(rest.steps_left(alloc(3, 16, 1), None), 4);
+    }
+
+    #[test]
+    fn an_epoch_not_yet_begun_starts_afresh_on_any_allocation() {
+        // A stop during the last evaluation is taken at step 0 of the next epoch: on 1 x 16
+        // that epoch has its own 62 steps (992 positions of 1000), not 4 x 16's 960.
+        for now in [alloc(1, 16, 1), alloc(8, 16, 1), alloc(4, 16, 1)] {
+            let steps_now = now.steps_per_epoch(1000, None);
+            assert_eq!(
+                continue_epoch(saved(alloc(4, 16, 1), 0, 960), now, steps_now).unwrap(),
+                EpochRest::fresh(steps_now, now)
+            );
+        }
+        assert_eq!(alloc(1, 16, 1).steps_per_epoch(1000, None), 62);
     }
 
     #[test]

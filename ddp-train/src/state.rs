@@ -382,6 +382,13 @@ pub fn check_state(state: &TrainState, file: &Path) -> Result<(), TrainError> {
         {
             problems.push(format!("{consumed} samples consumed of an epoch of {end}"));
         }
+        // An epoch ends within one step of its data set's end: `steps x R x batch` is at
+        // most `ceil(N / R) x R`, below `N + R`, and ranks are fewer than 2^20.
+        if let Some(n) = state.train_samples {
+            if end as u64 > n as u64 + (1 << 20) {
+                problems.push(format!("an epoch of {end} samples on a data set of {n}"));
+            }
+        }
     }
     if let Some(a) = &state.allocation {
         let each = [a.world_size, a.batch_size, a.accumulate];
@@ -1000,6 +1007,18 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        let mut huge = st.clone();
+        huge.train_samples = Some(1000);
+        huge.position.as_mut().unwrap().epoch_end = Some(1 << 39);
+        match check_state(&huge, file) {
+            Err(TrainError::Invalid(m)) => assert!(
+                m.contains("an epoch of 549755813888 samples on a data set of 1000"),
+                "{m}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        huge.position.as_mut().unwrap().epoch_end = Some(1000 + (1 << 20));
+        assert!(check_state(&huge, file).is_ok());
         let mut empty = st;
         empty.allocation.as_mut().unwrap().batch_size = 0;
         match check_state(&empty, file) {
