@@ -50,7 +50,8 @@
 //! | [`Partition::Exact`] | `ceil((N - r) / R)`: every index exactly once, lengths differ by at most one | — |
 //!
 //! With `shuffle(false)` the indices equal PyTorch's for every `(N, R, r, drop_last)`.
-//! [`SamplerBuilder::build`] refuses any configuration in which a rank would get no samples.
+//! [`SamplerBuilder::build`] refuses any configuration in which a rank would get no samples,
+//! unless [`SamplerBuilder::allow_empty_shards`] allows it for an exact evaluation.
 //!
 //! # The shuffled order, bit for bit
 //!

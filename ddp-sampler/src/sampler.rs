@@ -41,9 +41,10 @@ pub struct SamplerBuilder {
 }
 
 impl SamplerBuilder {
-    /// Whether a rank may get no samples of a non-empty dataset (default `false`): an
-    /// evaluation over [`Partition::Exact`] shards of fewer samples than replicas, where the
-    /// ranks without samples still take part in combining the results.
+    /// Whether a rank may get no samples of a non-empty dataset under [`Partition::Exact`]
+    /// (default `false`): an evaluation of fewer samples than replicas, where the ranks
+    /// without samples still take part in combining the results. The padded partitions
+    /// refuse empty shards whatever this says.
     pub fn allow_empty_shards(mut self, allow: bool) -> Self {
         self.allow_empty = allow;
         self
@@ -102,13 +103,17 @@ impl SamplerBuilder {
         };
         let layout = Layout::epoch(self.dataset_len, num_replicas, rule);
         // The last rank has the shortest shard under every rule.
-        let allowed = self.allow_empty && self.dataset_len > 0;
+        let allowed = self.allow_empty && self.dataset_len > 0 && rule == Rule::Exact;
         if layout.len_of_rank(num_replicas - 1) == 0 && !allowed {
             return Err(SamplerError::EmptyShard {
                 dataset_len: self.dataset_len,
                 num_replicas,
                 partition: rule.describe(),
-                min_dataset_len: if rule == Rule::Pad { 1 } else { num_replicas },
+                min_dataset_len: if rule == Rule::Pad || (self.allow_empty && rule == Rule::Exact) {
+                    1
+                } else {
+                    num_replicas
+                },
             });
         }
         Ok(DistributedSampler {
@@ -165,7 +170,8 @@ impl DistributedSampler {
         self.layout.len_of_rank(self.rank)
     }
 
-    /// Whether this rank yields no samples; always `false`, because [`SamplerBuilder::build`]
+    /// Whether this rank yields no samples: only possible under
+    /// [`SamplerBuilder::allow_empty_shards`], since [`SamplerBuilder::build`] otherwise
     /// refuses configurations that leave a rank without samples.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -463,13 +469,29 @@ mod tests {
                 Ok(vec![])
             ]
         );
-        // An empty dataset is still refused: there is nothing to evaluate.
-        assert!(matches!(
+        assert!(shard(3).unwrap().is_empty() && !shard(2).unwrap().is_empty());
+        // An empty dataset is still refused, and one sample is enough.
+        assert_eq!(
             DistributedSampler::builder(0, 2, 0)
                 .partition(Partition::Exact)
                 .allow_empty_shards(true)
+                .build()
+                .unwrap_err()
+                .to_string(),
+            "dataset_len 0 leaves some of the 2 replicas without samples under \
+             Partition::Exact, which needs dataset_len >= 1"
+        );
+        // The padded partitions ignore it: drop_last with fewer samples than replicas
+        // still leaves every rank without a sample.
+        assert!(matches!(
+            DistributedSampler::builder(3, 4, 0)
+                .drop_last(true)
+                .allow_empty_shards(true)
                 .build(),
-            Err(SamplerError::EmptyShard { .. })
+            Err(SamplerError::EmptyShard {
+                min_dataset_len: 4,
+                ..
+            })
         ));
     }
 
