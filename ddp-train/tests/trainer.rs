@@ -1127,7 +1127,8 @@ fn a_rank_outside_its_world_fails_every_rank_at_once() {
 }
 
 /// A resume that cannot continue the run as it was is refused before anything is loaded:
-/// another seed, another optimizer, or another number of training samples inside an epoch;
+/// another seed, another optimizer, a momentum without buffers, or another number of training
+/// samples inside an epoch;
 /// what the checkpoint's state overrides (the plateau scheduler's learning rate and
 /// settings) is a warning.
 #[test]
@@ -1176,6 +1177,25 @@ fn a_resume_refuses_what_cannot_continue_the_run_and_warns_of_what_it_keeps() {
         )),
         "{e}"
     );
+    // SGD without momentum left no buffers for a momentum to continue from.
+    let sgd_run = dir.join("sgd-run");
+    let mut plain: Vec<&str> = common.to_vec();
+    plain.extend(["--epochs", "1", "--optimizer", "sgd", "--out"]);
+    plain.push(sgd_run.to_str().unwrap());
+    assert_all_ok(&run_ranks(1, &plain, &[]));
+    let sgd_epoch = sgd_run.join("checkpoints/epoch-0001.safetensors");
+    let e = refusal(&resume(
+        &sgd_epoch,
+        "momentum",
+        &["--optimizer", "sgd", "--momentum", "0.9"],
+    ));
+    assert!(
+        e.contains(&format!(
+            "error: --momentum 0.9 cannot continue {}, which trained without momentum",
+            sgd_epoch.display()
+        )) && e.contains("resume with --momentum 0, or start a new run from its weights"),
+        "{e}"
+    );
     // A checkpoint of another model says so in a bounded list, before its optimizer state.
     let e = refusal(&resume(&epoch, "resnet", &["--model", "resnet18"]));
     assert!(
@@ -1213,7 +1233,7 @@ fn a_resume_refuses_what_cannot_continue_the_run_and_warns_of_what_it_keeps() {
 
 /// Fewer validation samples than ranks (2 on 3 ranks): the rank without any still takes part
 /// in combining the sums, and the epoch's figures equal one process evaluating its
-/// checkpoint.
+/// checkpoint, in the run's own folder, whose record the evaluation leaves as it is.
 #[test]
 fn fewer_validation_samples_than_ranks_still_evaluate_exactly() {
     let tmp = temp_dir("tiny-val");
@@ -1242,17 +1262,19 @@ fn fewer_validation_samples_than_ranks_still_evaluate_exactly() {
     );
     let trained = &metrics_without_timing(&out)[0];
     let checkpoint = out.join("checkpoints/epoch-0001.safetensors");
-    let again = dir.join("again");
+    let record = |f: &str| std::fs::read(out.join(f)).unwrap();
+    let before = (record("metrics.jsonl"), record("config.json"));
     let mut eval: Vec<&str> = common.to_vec();
     eval.extend([
         "--eval-only",
         "--resume",
         checkpoint.to_str().unwrap(),
         "--out",
-        again.to_str().unwrap(),
+        out.to_str().unwrap(),
     ]);
     let outputs = run_ranks(1, &eval, &[]);
     assert_all_ok(&outputs);
+    assert!(before == (record("metrics.jsonl"), record("config.json")));
     let evaluated = report(&outputs[0]);
     for key in ["val_loss", "odir_auc", "val_macro_f1", "val_micro_f1"] {
         let (a, b) = (

@@ -12,6 +12,7 @@ use super::Trainer;
 use crate::amp::GradScaler;
 use crate::error::{SettingError, TrainError};
 use crate::lr_schedule::LrSchedule;
+use crate::optim::OptimizerConfig;
 use crate::settings::Settings;
 use crate::state::{self, Position, TrainState};
 use crate::stop::{SignalWatch, StopReason};
@@ -182,6 +183,24 @@ pub(super) fn refuse_resume(
             )
             .setting("optimizer.kind")
             .text(", or start a new run from its weights with ")
+            .setting("checkpoint.init_from")
+            .into());
+        }
+    }
+    // SGD without momentum saved no momentum buffers for the new momentum to continue.
+    let saved_momentum = st.config["settings"]["optimizer"]["momentum"].as_f64();
+    if let (OptimizerConfig::Sgd(c), Some(0.0)) = (s.optimizer, saved_momentum) {
+        if c.momentum != 0.0 && st.optimizer_steps > 0 {
+            return Err(SettingError::new(
+                "optimizer.momentum",
+                format!(
+                    " {} cannot continue {file}, which trained without momentum and so holds \
+                     no momentum buffers: resume with ",
+                    c.momentum
+                ),
+            )
+            .setting("optimizer.momentum")
+            .text(" 0, or start a new run from its weights with ")
             .setting("checkpoint.init_from")
             .into());
         }

@@ -122,24 +122,46 @@ impl<T: Task> Trainer<T> {
 }
 
 /// The epochs before `start` from an earlier `metrics.jsonl` (a resumed run keeps them and
-/// drops any line of an epoch that will be trained again).
-pub(super) fn read_history(out: &Path, start: u64) -> Result<Vec<EpochReport>, TrainError> {
+/// drops any line of an epoch that will be trained again), and a warning when its last line
+/// was cut short.
+///
+/// An epoch's line is appended before its checkpoint is written, so a write cut short (a full
+/// disk, a lost machine) leaves an unfinished last line of an epoch the resumed run trains
+/// again: it is dropped, with the warning. Any other line that does not read is an error.
+pub(super) fn read_history(
+    out: &Path,
+    start: u64,
+) -> Result<(Vec<EpochReport>, Option<String>), TrainError> {
     let path = out.join("metrics.jsonl");
     let Ok(text) = std::fs::read_to_string(&path) else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     };
     let mut kept_lines = Vec::new();
     let mut reports = Vec::new();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let m: EpochReport = serde_json::from_str(line).map_err(|e| {
-            TrainError::Invalid(format!(
-                "{} holds a line that is not an epoch's metrics ({e}); move it away to start \
-                 a new run there",
-                path.display()
-            ))
-        })?;
+    let mut warning = None;
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    for (i, line) in lines.iter().enumerate() {
+        let m: EpochReport = match serde_json::from_str(line) {
+            Ok(m) => m,
+            Err(_) if i + 1 == lines.len() && !text.ends_with('\n') => {
+                warning = Some(format!(
+                    "{}: its last line was cut short (an epoch's metrics whose checkpoint was \
+                     never written); it is dropped",
+                    path.display()
+                ));
+                continue;
+            }
+            Err(e) => {
+                return Err(TrainError::Invalid(format!(
+                    "{} line {} is not an epoch's metrics ({e}); move the file away to start a \
+                     new run there, or remove that line to continue this one",
+                    path.display(),
+                    i + 1
+                )))
+            }
+        };
         if m.epoch < start {
-            kept_lines.push(line.to_owned());
+            kept_lines.push(line.to_string());
             reports.push(m);
         }
     }
@@ -148,7 +170,7 @@ pub(super) fn read_history(out: &Path, start: u64) -> Result<Vec<EpochReport>, T
         body.push('\n');
     }
     write_file(&path, body.as_bytes())?;
-    Ok(reports)
+    Ok((reports, warning))
 }
 
 pub(super) fn write_file(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
@@ -208,6 +230,47 @@ impl RankLog {
     fn append(&self, line: &str) {
         if let Ok(mut f) = self.file.lock() {
             let _ = writeln!(f, "{line}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(epoch: u64) -> String {
+        format!(
+            "{{\"epoch\":{epoch},\"train_loss\":0.5,\"lr\":0.001,\"images_per_sec\":10.0,\
+             \"epoch_seconds\":1.0,\"steps\":3,\"world_size\":2}}"
+        )
+    }
+
+    #[test]
+    fn a_last_line_cut_short_is_dropped_with_a_warning_and_others_are_errors() {
+        let dir = ddp_testkit::temp_dir("history");
+        let path = dir.path().join("metrics.jsonl");
+        let torn = format!("{}\n{}\n{{\"epoch\":3,\"train_lo", line(1), line(2));
+        std::fs::write(&path, &torn).unwrap();
+        let (kept, warning) = read_history(dir.path(), 3).unwrap();
+        assert_eq!(kept.iter().map(|m| m.epoch).collect::<Vec<_>>(), [1, 2]);
+        assert!(warning.unwrap().contains("its last line was cut short"));
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            format!("{}\n{}\n", line(1), line(2))
+        );
+        // A damaged line inside the file, or a whole last line, is not a cut-short append.
+        for text in [
+            format!("{}\nnot json\n{}\n", line(1), line(2)),
+            format!("{}\nnot json\n", line(1)),
+        ] {
+            std::fs::write(&path, &text).unwrap();
+            match read_history(dir.path(), 3) {
+                Err(TrainError::Invalid(m)) => {
+                    assert!(m.contains("metrics.jsonl line 2 is not"), "{m}")
+                }
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
         }
     }
 }

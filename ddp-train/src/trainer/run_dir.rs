@@ -2,7 +2,7 @@
 //! (a launcher's restart, a stopped run, the same job started again) or would write over it,
 //! and the lock that keeps a second job out.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use ddp_comm::EnvConfig;
 
@@ -143,9 +143,67 @@ pub(super) fn lock_run_dir(out: &Path) -> Result<Option<std::fs::File>, String> 
     Ok(Some(file))
 }
 
+/// Removes what writes cut short by a crash left in the run folder and its checkpoint
+/// folder: the temporaries of `write_atomic` (`.<name>.tmp-<pid>`) of other processes, as
+/// large as a checkpoint each. Only for the holder of the run lock, so that no other job
+/// writes there. Returns the files removed.
+pub(super) fn remove_stale_temporaries(out: &Path) -> Vec<PathBuf> {
+    let own = format!(".tmp-{}", std::process::id());
+    let stale = |name: &str| {
+        name.starts_with('.')
+            && !name.ends_with(&own)
+            && name.rsplit_once(".tmp-").is_some_and(|(stem, pid)| {
+                stem.len() > 1 && !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit())
+            })
+    };
+    let mut removed = Vec::new();
+    for dir in [out.to_path_buf(), state::checkpoint_dir(out)] {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let is_file = entry.file_type().is_ok_and(|t| t.is_file());
+            if is_file
+                && entry.file_name().to_str().is_some_and(stale)
+                && std::fs::remove_file(&path).is_ok()
+            {
+                removed.push(path);
+            }
+        }
+    }
+    removed.sort();
+    removed
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_other_processes_write_temporaries_are_removed() {
+        let dir = ddp_testkit::temp_dir("temporaries");
+        let out = dir.path();
+        let checkpoints = state::checkpoint_dir(out);
+        std::fs::create_dir_all(&checkpoints).unwrap();
+        let own = format!(".latest.tmp-{}", std::process::id());
+        let keep = [
+            out.join("metrics.jsonl"),
+            out.join(".hidden"),
+            out.join(".x.tmp-12ab"),
+            checkpoints.join("epoch-0001.safetensors"),
+            checkpoints.join(&own),
+        ];
+        let gone = [
+            out.join(".metrics.jsonl.tmp-1"),
+            checkpoints.join(".epoch-0004.safetensors.tmp-4242"),
+        ];
+        for f in keep.iter().chain(&gone) {
+            std::fs::write(f, b"x").unwrap();
+        }
+        assert_eq!(remove_stale_temporaries(out), gone.to_vec());
+        assert!(keep.iter().all(|f| f.exists()) && gone.iter().all(|f| !f.exists()));
+    }
 
     /// A run directory whose `latest` names `epoch-0001`, written by job `job`.
     fn run_of_job(job: &str) -> ddp_testkit::TempDir {

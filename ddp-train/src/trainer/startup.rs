@@ -319,6 +319,14 @@ impl<T: Task> Trainer<T> {
         for warning in &fallback_warnings {
             log.warn(warning);
         }
+        if run_lock.is_some() {
+            for file in super::run_dir::remove_stale_temporaries(&out) {
+                log.say(&format!(
+                    "removed {}, left by a write a crash cut short",
+                    file.display()
+                ));
+            }
+        }
         if rank == 0 && !frozen.is_empty() {
             let until = s.freeze.unfreeze_at.map_or_else(
                 || "for the whole run".to_string(),
@@ -355,8 +363,13 @@ impl<T: Task> Trainer<T> {
             }
             reducer
         });
-        let history = if rank == 0 {
-            read_history(&out, start_epoch)?
+        // An evaluation trains no epoch: a run's `metrics.jsonl` in its `--out` stays whole.
+        let history = if rank == 0 && !s.checkpoint.eval_only {
+            let (history, cut) = read_history(&out, start_epoch)?;
+            if let Some(warning) = cut {
+                log.warn(&warning);
+            }
+            history
         } else {
             Vec::new()
         };
