@@ -107,6 +107,20 @@ impl Confusion {
         per.iter().sum::<f64>() / per.len() as f64
     }
 
+    /// The mean of the per-class F1 scores over the classes that occur, as target or as
+    /// prediction (sklearn's single-label `f1_score(average="macro")`, which averages over
+    /// `unique_labels(y_true, y_pred)`); 0 when none does.
+    pub fn macro_f1_of_present(&self) -> f64 {
+        let present: Vec<f64> = (0..self.tp.len())
+            .filter(|&k| self.tp[k] + self.fp[k] + self.fn_[k] > 0)
+            .map(|k| f1(self.tp[k], self.fp[k], self.fn_[k]))
+            .collect();
+        if present.is_empty() {
+            return 0.0;
+        }
+        present.iter().sum::<f64>() / present.len() as f64
+    }
+
     /// F1 of the pooled counts of all classes.
     pub fn micro_f1(&self) -> f64 {
         f1(
@@ -194,7 +208,9 @@ impl Stats for MultiLabelStats {
 /// Single-label multi-class classification: the prediction is the arg-max of `[B, classes]`
 /// logits, the target a class index. Reports `val_accuracy`, `val_macro_f1`, `val_micro_f1`
 /// (equal to the accuracy when every sample has one class) and `val_f1_per_class`, as
-/// sklearn's `f1_score(average=...)` with `zero_division=0`.
+/// sklearn's `f1_score(average=...)` with `zero_division=0`: the macro average leaves out a
+/// class that is neither a target nor a prediction in the split, `val_f1_per_class` lists
+/// every class.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MultiClassStats {
     /// Per-class counts of the arg-max predictions.
@@ -255,7 +271,11 @@ impl Stats for MultiClassStats {
 
     fn report(&self) -> Metrics {
         let m = Metrics::new().number("val_accuracy", self.accuracy());
-        self.confusion.report_into(m)
+        // Single-label: a class absent from the split's targets and predictions is left out
+        // of the macro average, as sklearn leaves it out (multi-label averages every column).
+        self.confusion
+            .report_into(m)
+            .number("val_macro_f1", self.confusion.macro_f1_of_present())
     }
 }
 
@@ -388,6 +408,21 @@ mod tests {
         assert!((r["val_macro_f1"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-12);
         assert!((r["val_micro_f1"].as_f64().unwrap() - 0.6).abs() < 1e-12);
         assert!((r["val_accuracy"].as_f64().unwrap() - 0.6).abs() < 1e-12);
+
+        // Class 2 neither a target nor a prediction: targets [0, 0, 1, 1, 0], predictions
+        // [0, 1, 1, 1, 0]; sklearn's macro F1 is 0.8 (0.5333 with labels=[0, 1, 2]).
+        let logits = Tensor::from_slice(&[
+            1.0f32, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0,
+        ])
+        .view([5, 3]);
+        let mut absent = MultiClassStats::new(3);
+        absent.add(&logits, &Tensor::from_slice(&[0i64, 0, 1, 1, 0]));
+        let r = absent.report().into_map();
+        assert!(
+            (r["val_macro_f1"].as_f64().unwrap() - 0.8).abs() < 1e-12,
+            "{r:?}"
+        );
+        assert_eq!(r["val_f1_per_class"].as_array().unwrap().len(), 3);
     }
 
     #[test]
