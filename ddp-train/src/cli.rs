@@ -557,6 +557,30 @@ mod tests {
         assert_eq!(s, want);
     }
 
+    #[test]
+    fn adamw_takes_torchs_weight_decay_unless_one_is_given() {
+        let adamw = |args: &[&str]| match parse::<GenericDefaults>(args).optimizer {
+            OptimizerConfig::AdamW(c) => c.weight_decay,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(adamw(&["--optimizer", "adamw"]), 0.01);
+        assert_eq!(adamw(&["--optimizer", "adamw", "--weight-decay", "0"]), 0.0);
+        assert_eq!(
+            parse::<GenericDefaults>(&["--optimizer", "adam"])
+                .optimizer
+                .weight_decay(),
+            0.0
+        );
+        // SGD's learning rate is torch's 1e-3 from the flags and from the library alike.
+        assert_eq!(
+            parse::<GenericDefaults>(&["--optimizer", "sgd"])
+                .optimizer
+                .lr(),
+            1e-3
+        );
+        assert_eq!(SgdConfig::default().lr, 1e-3);
+    }
+
     struct Odirish;
 
     impl Defaults for Odirish {

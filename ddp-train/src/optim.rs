@@ -108,10 +108,11 @@ pub struct SgdConfig {
     pub weight_decay: f64,
 }
 
+/// `torch.optim.SGD`'s defaults: learning rate 1e-3, no momentum, no weight decay.
 impl Default for SgdConfig {
     fn default() -> Self {
         Self {
-            lr: 1e-2,
+            lr: 1e-3,
             momentum: 0.0,
             weight_decay: 0.0,
         }
@@ -456,6 +457,17 @@ pub struct AdamConfig {
     pub weight_decay: f64,
 }
 
+impl AdamConfig {
+    /// `torch.optim.AdamW`'s defaults: Adam's, with weight decay 0.01.
+    pub fn adamw() -> Self {
+        Self {
+            weight_decay: 0.01,
+            ..Self::default()
+        }
+    }
+}
+
+/// `torch.optim.Adam`'s defaults (no weight decay).
 impl Default for AdamConfig {
     fn default() -> Self {
         Self {

@@ -10,6 +10,7 @@
 //! scheduler watches) keeps the value it had when the kind is unchanged.
 
 use clap::builder::EnumValueParser;
+use clap::parser::ValueSource;
 use clap::{value_parser, Arg, ArgMatches, Args, Command, FromArgMatches, ValueEnum};
 
 use crate::lr_schedule::{LrSchedule, Plateau, ScheduleKind};
@@ -71,7 +72,11 @@ impl Args for OptimizerConfig {
                 .value_name("WEIGHT_DECAY")
                 .value_parser(value_parser!(f64))
                 .default_value(default.weight_decay().to_string())
-                .help("Weight decay: L2 added to the gradient (adam, sgd), or decoupled (adamw)"),
+                .help(
+                    "Weight decay: L2 added to the gradient (adam, sgd), or decoupled (adamw; \
+                     0.01 when --optimizer adamw is given without it, torch.optim.AdamW's \
+                     default)",
+                ),
         )
         .arg(
             Arg::new("optimizer.momentum")
@@ -115,7 +120,21 @@ impl FromArgMatches for OptimizerConfig {
                 _ => SgdConfig::default(),
             }),
         };
+        let on_command_line = |id: &str| {
+            matches.ids().any(|i| i.as_str() == id)
+                && matches.value_source(id) == Some(ValueSource::CommandLine)
+        };
+        // `--optimizer adamw` without `--weight-decay` is `torch.optim.AdamW(params)`, whose
+        // weight decay is 0.01; a program whose own default is AdamW keeps its own.
+        let adamw_by_flag = kind == OptimizerKind::Adamw
+            && on_command_line("optimizer.kind")
+            && !on_command_line("optimizer.weight_decay")
+            && number("optimizer.weight_decay") == Some(AdamConfig::default().weight_decay);
         match self {
+            OptimizerConfig::AdamW(c) if adamw_by_flag => {
+                c.lr = number("optimizer.lr").unwrap_or(c.lr);
+                c.weight_decay = AdamConfig::adamw().weight_decay;
+            }
             OptimizerConfig::Adam(c) | OptimizerConfig::AdamW(c) => {
                 c.lr = number("optimizer.lr").unwrap_or(c.lr);
                 c.weight_decay = number("optimizer.weight_decay").unwrap_or(c.weight_decay);
