@@ -339,11 +339,12 @@ pub fn save(
     Ok(model_path)
 }
 
-/// For the launcher's fault tests, in debug builds only: `DDP_TRAIN_PAUSE_IN_CHECKPOINT=<epoch>`
+/// For the launcher's fault tests, with the `fault-injection` feature only (users' builds never
+/// read it): `DDP_TRAIN_PAUSE_IN_CHECKPOINT=<epoch>`
 /// makes rank 0 stop for a minute in the middle of writing that epoch's checkpoint (model
 /// file written, state file and `latest` not yet), so a test can kill it there.
 fn pause_if_injected(epoch: u64) {
-    if cfg!(debug_assertions)
+    if cfg!(feature = "fault-injection")
         && std::env::var("DDP_TRAIN_PAUSE_IN_CHECKPOINT").is_ok_and(|e| e == epoch.to_string())
     {
         tracing::warn!(
