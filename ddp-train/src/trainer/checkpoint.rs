@@ -9,6 +9,7 @@ use ddp_comm::ReduceOp;
 use ddp_data::Dataset;
 
 use super::Trainer;
+use crate::allocation::{self, Allocation, EpochRest, Plan, Saved};
 use crate::amp::GradScaler;
 use crate::error::{SettingError, TrainError};
 use crate::lr_schedule::LrSchedule;
@@ -254,4 +255,207 @@ pub(super) fn resume_warnings(st: &TrainState, s: &Settings, train_samples: usiz
         }
     }
     warnings
+}
+
+/// Where the epoch of `st`'s position `p` continues on `now` (whose epochs have `steps_now`
+/// steps); an error sentence when it cannot.
+pub(super) fn continue_at(
+    st: &state::TrainState,
+    p: &state::Position,
+    now: Allocation,
+    steps_now: usize,
+) -> Result<EpochRest, String> {
+    let setting = |name: &str| st.config["settings"][name].as_u64().map(|v| v as usize);
+    let old_batch = setting("batch_size")
+        .map(|b| (b, setting("accumulate").unwrap_or(1)))
+        .filter(|&(b, a)| b > 0 && a > 0);
+    allocation::continue_epoch(
+        Saved {
+            allocation: st.allocation,
+            step: p.step,
+            samples: p.samples,
+            consumed: p.consumed,
+            end: p.epoch_end,
+            old_batch,
+        },
+        now,
+        steps_now,
+    )
+}
+
+/// The warning of a resume on another allocation: what changes and what does not.
+pub(super) fn describe_change(
+    before: Allocation,
+    now: Allocation,
+    (epoch, train_len): (u64, usize),
+    rest: Option<&EpochRest>,
+    (spe_before, spe_now): (usize, usize),
+    (plan, max_steps): (Plan, Option<usize>),
+) -> String {
+    let finish = |mut line: String| {
+        line.push_str(&format!(
+            "; the learning rate is not changed, and per-step schedules keep their planned {} \
+             optimizer steps",
+            plan.optimizer_steps
+        ));
+        line
+    };
+    let mut line = format!("resuming on {now}; the checkpoint was written on {before}: ");
+    if before.global_batch() == now.global_batch() {
+        line.push_str(
+            "the global batch is the same, so the run continues with the same samples in \
+             the same order and the same optimizer steps",
+        );
+        return line;
+    }
+    line.push_str(&format!(
+        "the global batch changes from {} to {}",
+        before.global_batch(),
+        now.global_batch()
+    ));
+    // With --max-steps-per-epoch both can be the cap.
+    if spe_now != spe_before {
+        line.push_str(&format!(
+            ", so epochs take {spe_now} optimizer steps instead of {spe_before}"
+        ));
+    }
+    if let Some(rest) = rest {
+        let left = rest.end.saturating_sub(rest.consumed);
+        let steps = rest.steps_left(now, None);
+        let capped = rest.steps_left(now, max_steps);
+        if capped < steps {
+            // The cap counts optimizer steps, so smaller steps train less of the epoch.
+            let trained = (capped * now.global_batch()).min(left);
+            line.push_str(&format!(
+                "; the rest of epoch {epoch} ({left} samples) would take {steps} step(s), but \
+                 --max-steps-per-epoch {} ends it after {capped} more, so {} of its samples \
+                 are not trained",
+                max_steps.unwrap_or(0),
+                left - trained
+            ));
+            return finish(line);
+        }
+        line.push_str(&format!(
+            "; the rest of epoch {epoch} ({left} samples) takes {steps} step(s)"
+        ));
+        let padding = (steps * now.global_batch()).saturating_sub(left);
+        // Positions past the epoch's end: below the data set's size, samples the epoch
+        // would have left out; from it on, the order again from its start.
+        let unseen = padding.min(train_len.saturating_sub(rest.end));
+        if padding > unseen && unseen > 0 {
+            line.push_str(&format!(
+                ", the last one filled with {padding} sample(s) past the epoch's end ({unseen} \
+                 it would have left out, {} repeated)",
+                padding - unseen
+            ));
+        } else if padding > 0 {
+            let what = if unseen > 0 {
+                "sample(s) the epoch would have left out"
+            } else {
+                "repeated sample(s)"
+            };
+            line.push_str(&format!(", the last one filled with {padding} {what}"));
+        }
+    }
+    finish(line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 1000 samples on 2 ranks x 16 end their epoch at 992; stopped after 960 and continued
+    /// on 4 x 16, the last step is filled with 32 positions: 8 samples the epoch would have
+    /// left out (992..1000), then 24 of the order's start again.
+    #[test]
+    fn the_fill_of_a_changed_epoch_tells_left_out_samples_from_repeats() {
+        let on = |world_size, batch_size| Allocation {
+            world_size,
+            batch_size,
+            accumulate: 1,
+        };
+        let plan = Plan {
+            epochs: 1,
+            optimizer_steps: 31,
+        };
+        let rest = |end| EpochRest {
+            first_step: 30,
+            consumed: 960,
+            end,
+            changed_from: Some(on(2, 16)),
+        };
+        let change = |len, end| {
+            describe_change(
+                on(2, 16),
+                on(4, 16),
+                (1, len),
+                Some(&rest(end)),
+                (31, 15),
+                (plan, None),
+            )
+        };
+        assert!(
+            change(1000, 992).contains(
+                "the rest of epoch 1 (32 samples) takes 1 step(s), the last one filled with 32 \
+                 sample(s) past the epoch's end (8 it would have left out, 24 repeated)"
+            ),
+            "{}",
+            change(1000, 992)
+        );
+        assert!(
+            change(992, 992).contains("the last one filled with 32 repeated sample(s)"),
+            "{}",
+            change(992, 992)
+        );
+        assert!(
+            change(2000, 992)
+                .contains("the last one filled with 32 sample(s) the epoch would have left out"),
+            "{}",
+            change(2000, 992)
+        );
+    }
+
+    /// The reviewer's case: 1024 samples on 4 x 16 capped at 10 steps (640 positions),
+    /// stopped after 5 steps, resumed on 2 x 16: the cap leaves 5 steps of 32 for the 320
+    /// samples left, so 160 of them are not trained, and the warning says so.
+    #[test]
+    fn a_capped_epoch_on_a_smaller_global_batch_says_what_it_leaves_untrained() {
+        let on = |world_size| Allocation {
+            world_size,
+            batch_size: 16,
+            accumulate: 1,
+        };
+        let rest = EpochRest {
+            first_step: 5,
+            consumed: 320,
+            end: 640,
+            changed_from: Some(on(4)),
+        };
+        let plan = Plan {
+            epochs: 1,
+            optimizer_steps: 10,
+        };
+        let line = describe_change(
+            on(4),
+            on(2),
+            (1, 1024),
+            Some(&rest),
+            (10, 10),
+            (plan, Some(10)),
+        );
+        assert!(
+            line.contains(
+                "the rest of epoch 1 (320 samples) would take 10 step(s), but \
+                 --max-steps-per-epoch 10 ends it after 5 more, so 160 of its samples are not \
+                 trained; the learning rate is not changed"
+            ),
+            "{line}"
+        );
+        // Without the cap the rest takes its 10 steps.
+        let line = describe_change(on(4), on(2), (1, 1024), Some(&rest), (32, 64), (plan, None));
+        assert!(
+            line.contains("the rest of epoch 1 (320 samples) takes 10 step(s); the learning"),
+            "{line}"
+        );
+    }
 }
