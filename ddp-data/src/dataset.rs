@@ -35,6 +35,12 @@ pub trait Dataset: Send + Sync + 'static {
 
     /// Writes sample `index` into `out`, taking its random draws from `rng` (seeded from
     /// the loader's seed, the epoch and `index`).
+    ///
+    /// `out`'s input and targets start zeroed, even in a reused batch buffer, so `write` may
+    /// set only some values (one-hot targets, counts summed with `+=`). An error that does
+    /// not say which sample it is about ([`DataError::other`], or a kind mismatch from
+    /// [`Input::f32`](crate::Input::f32) and the like) reaches the consumer as
+    /// [`DataError::Sample`], naming the sample with [`Dataset::describe`].
     fn write(
         &self,
         worker: &mut Self::Worker,

@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 
-/// Everything that can go wrong while opening, splitting, decoding or loading ODIR data.
+/// Everything that can go wrong while opening, splitting, decoding or loading ODIR data, or
+/// loading any [`Dataset`](crate::Dataset).
 ///
 /// Messages are lower case, name the input the user must change, and give the expected and
 /// the actual value where there is one.
@@ -300,10 +301,56 @@ pub enum DataError {
         message: String,
     },
 
+    /// A data set's own failure (a read, a parse, a lookup): any error, made with
+    /// [`DataError::other`]. Returned from [`Dataset::write`](crate::Dataset::write) (or
+    /// [`MapDataset::get`](crate::MapDataset::get)), it reaches the consumer as
+    /// [`DataError::Sample`], naming the sample.
+    #[error(transparent)]
+    Other(Box<dyn std::error::Error + Send + Sync>),
+
+    /// A sample's data set failed with `source` (its own error, [`DataError::Other`], or an
+    /// [`DataError::InvalidParameter`] such as a kind mismatch from
+    /// [`Input::f32`](crate::Input::f32)), and the loader added which sample it was writing.
+    #[error("{sample}: {source}")]
+    Sample {
+        /// The sample, as the data set describes it.
+        sample: String,
+        /// The data set's error.
+        source: Box<DataError>,
+    },
+
     /// Converting a batch to tch tensors failed.
     #[cfg(feature = "tch")]
     #[error("cannot convert batch to tensors: {0}")]
     Tensor(#[from] tch::TchError),
+}
+
+impl DataError {
+    /// A data set's own error, as [`DataError::Other`]: anything that converts into a boxed
+    /// error (an error value, a `String`, a `&str`).
+    ///
+    /// ```
+    /// use ddp_data::DataError;
+    ///
+    /// let e = DataError::other(format!("row {} of the table is empty", 3));
+    /// assert_eq!(e.to_string(), "row 3 of the table is empty");
+    /// ```
+    pub fn other(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self::Other(error.into())
+    }
+
+    /// This error of a data set's `write`, naming `sample` when it does not already:
+    /// [`DataError::Other`] and [`DataError::InvalidParameter`] become [`DataError::Sample`];
+    /// the others name their sample or file themselves and stay as they are.
+    pub(crate) fn of_sample(self, sample: impl FnOnce() -> String) -> Self {
+        match self {
+            e @ (Self::Other(_) | Self::InvalidParameter { .. }) => Self::Sample {
+                sample: sample(),
+                source: Box::new(e),
+            },
+            e => e,
+        }
+    }
 }
 
 /// The message of a caught panic (`"no message"` when its payload is not text).

@@ -211,7 +211,7 @@ impl HostBatch {
                 let mut out = vec![0f32; bytes.len()];
                 if let Some(affine) = &layout.bytes {
                     for (src, dst) in bytes.chunks(n).zip(out.chunks_mut(n)) {
-                        affine.apply(src, dst);
+                        affine.apply(src, layout.step_len(), dst);
                     }
                 }
                 // The padding's byte is a placeholder: the value need not be a byte, and the

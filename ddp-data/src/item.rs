@@ -293,7 +293,7 @@ pub(crate) fn write_input(
         (ValuesRef::I64(v), Input::I64(out)) => out[..n].copy_from_slice(v),
         (ValuesRef::U8(v), Input::U8(out)) => out[..n].copy_from_slice(v),
         (ValuesRef::U8(v), Input::F32(out)) => match &layout.bytes {
-            Some(affine) => affine.apply(v, &mut out[..n]),
+            Some(affine) => affine.apply(v, layout.step_len(), &mut out[..n]),
             None => return Err(kind_error(sample(), "input", "f32", "u8")),
         },
         (v, out) => {

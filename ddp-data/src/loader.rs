@@ -16,6 +16,13 @@ use crate::rng::SampleRng;
 use crate::sample::{Input, SampleLayout, SampleOut, Storage, Targets, ValueKind};
 
 /// How a loader batches and parallelises one epoch.
+///
+/// **Random draws** are keyed by `(seed, epoch, index)`, `index` being the index the loader
+/// asks the data set for: an index that comes twice in one epoch (oversampling by repeating
+/// indices, or the padding `DistributedSampler` adds to even out the ranks) gets the same
+/// augmentation each time. To give each position its own draws, load a
+/// [`Subset`](crate::Subset) of those indices instead: its samples are keyed by their
+/// position in the subset.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoaderConfig {
     /// Samples per batch.
@@ -28,7 +35,10 @@ pub struct LoaderConfig {
     pub epoch: u64,
     /// Worker threads (at least 1).
     pub workers: usize,
-    /// How many batches the workers may run ahead of the consumer (at least 1).
+    /// How many batches the workers may run ahead of the consumer (at least 1). The loader's
+    /// window is `max(prefetch, ceil(workers / batch_size))` batches, so that every worker
+    /// has a sample to write even with small batches (as PyTorch's `prefetch_factor`, which
+    /// counts per worker).
     pub prefetch: usize,
 }
 
@@ -160,12 +170,16 @@ fn work<D: Dataset>(shared: &Shared<D>, worker: usize, current: &Cell<Option<usi
             // position is claimed exactly once and a slot serves one batch at a time; nothing
             // reads the slot until every sample of its batch is marked finished below, under
             // the ring's lock (which orders these writes before the consumer's reads).
-            let (input, targets) = unsafe {
+            let (mut input, mut targets) = unsafe {
                 (
                     input_of(&*memory, request, k),
                     targets_of(&*memory, request, k),
                 )
             };
+            // The slot may hold an earlier batch: `write` gets zeros (its contract), so a
+            // data set that sets only some values (one-hot targets, counts) is right.
+            input.fill_zero();
+            targets.fill_zero();
             let mut len = layout.max_len();
             let out = SampleOut {
                 input,
@@ -173,7 +187,10 @@ fn work<D: Dataset>(shared: &Shared<D>, worker: usize, current: &Cell<Option<usi
                 length: &mut len,
             };
             let mut rng = SampleRng::new(shared.seed, shared.epoch, index as u64);
-            shared.dataset.write(worker_state, index, &mut rng, out)?;
+            shared
+                .dataset
+                .write(worker_state, index, &mut rng, out)
+                .map_err(|e| e.of_sample(|| shared.dataset.describe(index)))?;
             // SAFETY: as above; the borrows handed to `write` have ended.
             let input = unsafe { input_of(&*memory, request, k) };
             finish_sample(layout, input, len, || shared.dataset.describe(index))?;
@@ -351,7 +368,8 @@ fn finish_sample(
 /// buffers; the consumer takes finished batches in index order, as leases on their slot.
 ///
 /// **Window.** Workers claim sample positions in order from a window that reaches at most
-/// `prefetch` batches past the last batch handed out, so work in progress stays bounded.
+/// `max(prefetch, ceil(workers / batch_size))` batches past the last batch handed out, so work
+/// in progress stays bounded and every worker can have a sample.
 ///
 /// **Ring.** The first sample claimed for a batch takes a free slot for the whole batch: the
 /// one given back longest ago (the free list is first in, first out), or a new one when none
@@ -361,7 +379,7 @@ fn finish_sample(
 /// ring, with a reuse hook if [`HostBatch::release_after`] gave one. A hook runs before the
 /// slot is written again, and before its memory is freed, without the ring's lock: one worker
 /// waiting in a hook keeps no other from taking another slot. A consumer that drops each
-/// batch before asking for the one after next keeps the ring at `prefetch + 2` slots and the
+/// batch before asking for the one after next keeps the ring at `window + 2` slots and the
 /// loader allocates nothing after its first batches; one that keeps batches (say, collects
 /// an epoch) makes the ring grow instead of stalling.
 ///
@@ -372,7 +390,8 @@ fn finish_sample(
 pub struct HostLoader<D: Dataset> {
     shared: Arc<Shared<D>>,
     workers: Vec<JoinHandle<()>>,
-    prefetch: usize,
+    /// Batches the workers may run ahead of the consumer.
+    window: usize,
     finished: bool,
 }
 
@@ -430,15 +449,16 @@ impl<D: Dataset> HostLoader<D> {
         } else {
             indices.len()
         };
-        let prefetch = config.prefetch.max(1);
         let workers = config.workers.max(1).min(total.max(1));
+        // Batches past the last one handed out: at least one sample per worker.
+        let window = config.prefetch.max(1).max(workers.div_ceil(b));
         let ring = Arc::new(Ring {
-            state: Mutex::new(State::new(total.min(prefetch.saturating_mul(b)), workers)),
+            state: Mutex::new(State::new(total.min(window.saturating_mul(b)), workers)),
             work: Condvar::new(),
             ready: Condvar::new(),
             indices: indices.into(),
             request,
-            warm_slots: prefetch.saturating_add(2),
+            warm_slots: window.saturating_add(2),
         });
         let shared = Arc::new(Shared {
             ring,
@@ -453,7 +473,7 @@ impl<D: Dataset> HostLoader<D> {
         let mut loader = Self {
             shared,
             workers: Vec::with_capacity(workers),
-            prefetch,
+            window,
             finished: false,
         };
         for w in 0..workers {
@@ -587,7 +607,7 @@ impl<D: Dataset> HostLoader<D> {
         state.handed += 1;
         state.limit = shared
             .total
-            .min(state.handed.saturating_add(self.prefetch).saturating_mul(b));
+            .min(state.handed.saturating_add(self.window).saturating_mul(b));
         let memory = Arc::clone(&state.slots[slot].memory);
         drop(state);
         ring.work.notify_all();

@@ -11,9 +11,9 @@
 //! **Free list.** First in, first out: a worker takes the slot given back longest ago, whose
 //! copy was queued earliest and has most likely completed, not the one just given back
 //! behind the step the GPU is running now. And a slot with a pending hook is reused only once
-//! the ring has `Ring::warm_slots` slots (`prefetch + 2`): a new slot is allocated instead
+//! the ring has `Ring::warm_slots` slots (window + 2): a new slot is allocated instead
 //! until then. A CUDA loader gives every slot back the moment its copy is queued, so without
-//! that floor the ring would stay at `prefetch` slots and the only free one would always be
+//! that floor the ring would stay at the window's size and the only free one would always be
 //! the one whose copy waits behind the running step: each new batch would wait for the GPU.
 //! With it, the oldest free slot's copy was queued before the previous step, which the
 //! consumer has waited for (its loss) before taking the current batch. When such an

@@ -55,10 +55,12 @@ impl Storage {
     }
 }
 
-/// How the bytes of a [`Storage::U8`] sample become its `f32` values: per channel (the first
-/// axis of the sample's shape), `value = byte as f32 * scale[c] + bias[c]`, a multiplication
-/// and then an addition, each rounded to `f32` (no fused multiply-add), so the result is the
-/// same bit for bit wherever it is computed.
+/// How the bytes of a [`Storage::U8`] sample become its `f32` values: per channel (an index
+/// of the first axis of the sample's shape), `value = byte as f32 * scale[c] + bias[c]`, a
+/// multiplication and then an addition, each rounded to `f32` (no fused multiply-add), so the
+/// result is the same bit for bit wherever it is computed. There is one scale for the whole
+/// sample or one per index of the first axis (`shape[0]`, a padded layout's maximum length),
+/// and as many biases ([`SampleLayout::check`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Affine {
     /// Per-channel factor.
@@ -74,16 +76,22 @@ impl Affine {
         self.bias.iter().any(|&b| b != 0.0)
     }
 
-    /// Converts `bytes` (one sample, channel-major) to floats into `out`.
-    pub fn apply(&self, bytes: &[u8], out: &mut [f32]) {
-        let channels = self.scale.len().max(1);
-        let plane = bytes.len() / channels;
-        for (c, (src, dst)) in bytes
+    /// Converts `bytes` (one sample, or the first positions of a padded one; channel-major)
+    /// to floats into `out`, `step` values per channel ([`SampleLayout::step_len`]): value
+    /// `j` takes scale `j / step`, or the one scale there is. Values past the last scale's
+    /// channel are left as they are ([`SampleLayout::check`] refuses such a map).
+    pub fn apply(&self, bytes: &[u8], step: usize, out: &mut [f32]) {
+        let plane = if self.scale.len() == 1 {
+            bytes.len()
+        } else {
+            step
+        };
+        let channels = self.scale.iter().zip(&self.bias);
+        for ((src, dst), (&s, &b)) in bytes
             .chunks(plane.max(1))
             .zip(out.chunks_mut(plane.max(1)))
-            .enumerate()
+            .zip(channels)
         {
-            let (s, b) = (self.scale[c], self.bias[c]);
             for (o, &v) in dst.iter_mut().zip(src) {
                 *o = f32::from(v) * s + b;
             }
@@ -211,6 +219,21 @@ impl SampleLayout {
                 value: format!("{storage:?}"),
             });
         }
+        if let Some(affine) = &self.bytes {
+            let channels = self.max_len();
+            let scales = affine.scale.len();
+            if !(scales == 1 || scales == channels) || affine.bias.len() != scales {
+                return Err(DataError::InvalidParameter {
+                    name: "byte affine map",
+                    expected: format!(
+                        "1 or {channels} scales (one per index of the first axis of {:?}) \
+                         and as many biases",
+                        self.shape
+                    ),
+                    value: format!("{scales} scales and {} biases", affine.bias.len()),
+                });
+            }
+        }
         if self.padding.is_some() && self.shape.is_empty() {
             return Err(DataError::InvalidParameter {
                 name: "sample layout",
@@ -224,6 +247,9 @@ impl SampleLayout {
 
 /// One sample's place in a batch buffer: its input, in the storage the loader chose, its
 /// targets, and (for padded layouts) its length.
+///
+/// The input and the targets start zeroed: the loader clears them before each
+/// [`Dataset::write`](crate::Dataset::write), whatever the buffer held for an earlier batch.
 #[derive(Debug)]
 pub struct SampleOut<'a> {
     /// The input values, `SampleLayout::input_len` of them (at the maximum length).
@@ -273,6 +299,15 @@ impl<'a> Input<'a> {
         }
     }
 
+    /// Sets every value to zero.
+    pub(crate) fn fill_zero(&mut self) {
+        match self {
+            Self::U8(v) => v.fill(0),
+            Self::F32(v) => v.fill(0.0),
+            Self::I64(v) => v.fill(0),
+        }
+    }
+
     fn kind_name(&self) -> &'static str {
         match self {
             Self::U8(_) => "u8",
@@ -298,6 +333,14 @@ impl<'a> Targets<'a> {
             Self::F32(_) => Err(kind_mismatch("targets", "i64", "f32")),
         }
     }
+
+    /// Sets every value to zero.
+    pub(crate) fn fill_zero(&mut self) {
+        match self {
+            Self::F32(v) => v.fill(0.0),
+            Self::I64(v) => v.fill(0),
+        }
+    }
 }
 
 fn kind_mismatch(what: &'static str, wanted: &str, found: &str) -> DataError {
@@ -319,7 +362,7 @@ mod tests {
             bias: vec![0.0, -1.0],
         };
         let mut out = [0f32; 4];
-        a.apply(&[255, 0, 3, 1], &mut out);
+        a.apply(&[255, 0, 3, 1], 2, &mut out);
         assert_eq!(out, [1.0, 0.0, 5.0, 1.0]);
         assert!(a.has_bias());
         let plain = Affine {
@@ -327,5 +370,63 @@ mod tests {
             bias: vec![0.0; 3],
         };
         assert!(!plain.has_bias());
+    }
+
+    /// With one scale per position of a padded layout, the first positions of a sample take
+    /// the first scales, `step` values each; a single scale serves every value.
+    #[test]
+    fn affine_takes_its_plane_from_the_step_not_from_the_sample() {
+        let per_position = Affine {
+            scale: vec![1.0, 10.0, 100.0, 1000.0],
+            bias: vec![0.0; 4],
+        };
+        let mut out = [0f32; 4];
+        per_position.apply(&[1, 2, 3, 4], 2, &mut out);
+        assert_eq!(out, [1.0, 2.0, 30.0, 40.0]);
+        let mut out = [0f32; 6];
+        per_position.apply(&[1; 6], 2, &mut out);
+        assert_eq!(out, [1.0, 1.0, 10.0, 10.0, 100.0, 100.0]);
+        let one = Affine {
+            scale: vec![2.0],
+            bias: vec![1.0],
+        };
+        one.apply(&[1, 2, 3, 4, 5, 6], 2, &mut out);
+        assert_eq!(out, [3.0, 5.0, 7.0, 9.0, 11.0, 13.0]);
+    }
+
+    /// A byte map must have 1 or `shape[0]` scales and as many biases; the error names both
+    /// counts.
+    #[test]
+    fn layouts_refuse_a_byte_map_of_the_wrong_size() {
+        let map = |scales: usize, biases: usize| Affine {
+            scale: vec![1.0; scales],
+            bias: vec![0.0; biases],
+        };
+        let padded = |affine| {
+            SampleLayout::new([4, 2], []).bytes(affine).padded(Padding {
+                value: 0.0,
+                to: PadTo::Longest,
+            })
+        };
+        for storage in [Storage::U8, Storage::F32] {
+            padded(map(4, 4)).check(storage).unwrap();
+            padded(map(1, 1)).check(storage).unwrap();
+            for (scales, biases) in [(3, 3), (4, 1), (0, 0), (8, 8)] {
+                let e = padded(map(scales, biases)).check(storage).unwrap_err();
+                let text = e.to_string();
+                assert!(
+                    text.contains("byte affine map")
+                        && text.contains(&format!("{scales} scales and {biases} biases"))
+                        && text.contains("1 or 4 scales"),
+                    "{text}"
+                );
+            }
+        }
+        let scalar = SampleLayout::new([], []).bytes(map(1, 1));
+        scalar.check(Storage::U8).unwrap();
+        assert!(SampleLayout::new([], [])
+            .bytes(map(2, 2))
+            .check(Storage::U8)
+            .is_err());
     }
 }

@@ -311,6 +311,8 @@ impl<D: Dataset> Loader<D> {
         storage: Storage,
     ) -> Result<Self, DataError> {
         let layout = dataset.layout();
+        // Before the affine map becomes tensors: a map of the wrong size is this error.
+        layout.check(storage)?;
         let (allocator, events): (Arc<dyn SlotAllocator>, _) = match device {
             Device::Cuda(d) => {
                 let events = CopyEvents::new(d as i32)?;

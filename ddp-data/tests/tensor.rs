@@ -10,8 +10,8 @@ use ddp_data::odir::transform::Transform;
 use ddp_data::odir::{OdirDataset, OdirImages, OdirOptions};
 use ddp_data::rng::SampleRng;
 use ddp_data::{
-    Affine, Array, DataError, Dataset, HostLoader, Loader, LoaderConfig, PadTo, Padding,
-    SampleLayout, SampleOut, Storage, TensorDataset,
+    Affine, Array, DataError, Dataset, HostLoader, Item, Loader, LoaderConfig, MapDataset, PadTo,
+    Padding, SampleLayout, SampleOut, Storage, TensorDataset, ValueKind,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -149,8 +149,8 @@ fn byte_batches_converted_by_libtorch_equal_the_f32_batches() {
 }
 
 /// Each CPU batch of `set` over `indices` in slots of `storage`: its input's shape and values.
-fn cpu_inputs(
-    set: &TensorDataset,
+fn cpu_inputs<D: Dataset + Clone>(
+    set: &D,
     indices: &[usize],
     batch_size: usize,
     storage: Storage,
@@ -250,6 +250,63 @@ fn per_position_affine_converts_sequences_padded_to_the_longest_of_the_batch() {
     ];
     assert_eq!(cpu_inputs(&set, &[1, 2, 0], 2, Storage::F32), want);
     assert_eq!(cpu_inputs(&set, &[1, 2, 0], 2, Storage::U8), want);
+}
+
+/// Sample `i` has `i % 2 + 2` positions of two bytes each, `[10 * p + 1, 10 * p + 2]` at
+/// position `p`, under a map with one scale and bias per position of the maximum 4.
+#[derive(Clone)]
+struct PairSequences;
+
+impl MapDataset for PairSequences {
+    fn len(&self) -> usize {
+        4
+    }
+
+    fn layout(&self) -> SampleLayout {
+        SampleLayout::new([4, 2], [])
+            .target_kind(ValueKind::I64)
+            .bytes(Affine {
+                scale: vec![1.0, 10.0, 100.0, 1000.0],
+                bias: vec![0.5, 0.25, -1.0, 2.0],
+            })
+            .padded(Padding {
+                value: -1.0,
+                to: PadTo::Longest,
+            })
+    }
+
+    fn get(&self, i: usize, _: &mut SampleRng) -> Result<Item, DataError> {
+        let bytes: Vec<u8> = (0..i % 2 + 2)
+            .flat_map(|p| [10 * p as u8 + 1, 10 * p as u8 + 2])
+            .collect();
+        Ok(Item::new(bytes, i as i64))
+    }
+}
+
+/// The same with two values per position: the workers' conversion of owned bytes into `f32`
+/// slots gives each position its own scale, as the byte path's conversion by libtorch does,
+/// for samples of 2 and 3 of the 4 positions.
+#[test]
+fn per_position_affine_converts_pairs_padded_to_the_longest_of_the_batch() {
+    let want = vec![
+        (
+            vec![2, 3, 2],
+            vec![
+                1.5, 2.5, 110.25, 120.25, -1.0, -1.0, // sample 0: length 2
+                1.5, 2.5, 110.25, 120.25, 2099.0, 2199.0, // sample 1: length 3
+            ],
+        ),
+        (
+            vec![2, 3, 2],
+            vec![
+                1.5, 2.5, 110.25, 120.25, 2099.0, 2199.0, // sample 3: length 3
+                1.5, 2.5, 110.25, 120.25, -1.0, -1.0, // sample 2: length 2
+            ],
+        ),
+    ];
+    let set = PairSequences;
+    assert_eq!(cpu_inputs(&set, &[0, 1, 3, 2], 2, Storage::U8), want);
+    assert_eq!(cpu_inputs(&set, &[0, 1, 3, 2], 2, Storage::F32), want);
 }
 
 /// On a machine with a GPU: batches arrive on `cuda:0` with the CPU path's values; without
