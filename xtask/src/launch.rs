@@ -234,13 +234,49 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
             let at = std::fs::read_to_string(out.join("checkpoints/latest"))
                 .map(|s| format!("checkpoint {}", s.trim()))
                 .unwrap_or_else(|_| "its checkpoint".into());
-            eprintln!(
-                "xtask: every rank stopped at {at}; the same command continues the run in {}",
-                out.display()
-            );
+            match &args.out {
+                Some(_) => eprintln!(
+                    "xtask: every rank stopped at {at}; the same command continues the run in {}",
+                    out.display()
+                ),
+                // A start without --out makes a new run directory: say the command that
+                // goes back to this one.
+                None => eprintln!(
+                    "xtask: every rank stopped at {at}; this command continues the run in {}:\n  \
+                     {}",
+                    out.display(),
+                    continue_command(&std::env::args().skip(1).collect::<Vec<_>>(), &out)
+                ),
+            }
         }
     }
     Ok(outcome.exit_code())
+}
+
+/// `cargo xtask ARGS` with `--out OUT` after `train`, quoted for a POSIX shell: the command
+/// that continues a run started by `cargo xtask ARGS` without `--out`.
+fn continue_command(args: &[String], out: &Path) -> String {
+    let out = out.to_string_lossy().into_owned();
+    let mut words = vec!["cargo".to_owned(), "xtask".to_owned()];
+    let at = args.iter().position(|a| a == "train").map_or(0, |i| i + 1);
+    words.extend(args[..at].iter().cloned());
+    words.extend(["--out".to_owned(), out]);
+    words.extend(args[at..].iter().cloned());
+    words
+        .iter()
+        .map(|w| shell_word(w))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `word` as a POSIX shell reads it back: as it is when plain, else in single quotes.
+fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        word.to_owned()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
 }
 
 /// How many ranks, on which device.
@@ -414,6 +450,32 @@ mod tests {
             refusal(&["--cpus", "1", "--lr", "0.1", "--out", "/r"]),
             "give the run directory to the launcher as `cargo xtask train --out DIR ...`"
         );
+    }
+
+    #[test]
+    fn a_stopped_run_without_out_is_continued_with_its_run_directory() {
+        let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            continue_command(
+                &args(&[
+                    "train",
+                    "--cpus",
+                    "2",
+                    "--epochs",
+                    "3",
+                    "--data",
+                    "/my data/it's"
+                ]),
+                Path::new("/w/runs/20261206-101500-42"),
+            ),
+            "cargo xtask train --out /w/runs/20261206-101500-42 --cpus 2 --epochs 3 \
+             --data '/my data/it'\\''s'"
+        );
+        assert_eq!(
+            continue_command(&args(&["train"]), Path::new("runs/a b")),
+            "cargo xtask train --out 'runs/a b'"
+        );
+        assert_eq!(shell_word(""), "''");
     }
 
     #[test]

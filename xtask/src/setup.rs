@@ -12,9 +12,11 @@
 //! `.cargo/config.toml` points `LIBTORCH` at `.deps/libtorch`, so torch-sys needs no Python
 //! at build time, and it checks `build-version` against the version tch expects.
 
+use std::ffi::OsStr;
 use std::fs;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 
@@ -95,6 +97,7 @@ pub struct SetupArgs {
 /// install of the right version is left alone and reported in one line.
 pub fn run(project_root: &Path, args: &SetupArgs) -> Result<Deps> {
     let deps = Deps::new(project_root);
+    warn_of_another_libtorch(&deps);
     if args.reinstall && deps.root.exists() {
         fs::remove_dir_all(&deps.root)
             .with_context(|| format!("cannot remove {}", deps.root.display()))?;
@@ -119,26 +122,7 @@ pub fn run(project_root: &Path, args: &SetupArgs) -> Result<Deps> {
     }
 
     let python = find_python()?;
-    if !deps.python().exists() {
-        println!(
-            "setup: creating a Python virtual environment in {}",
-            deps.venv().display()
-        );
-        fs::create_dir_all(&deps.root)
-            .with_context(|| format!("cannot create {}", deps.root.display()))?;
-        let status = Command::new(&python)
-            .args(["-m", "venv"])
-            .arg(deps.venv())
-            .status()
-            .with_context(|| format!("cannot run `{python} -m venv`"))?;
-        if !status.success() {
-            bail!(
-                "`{python} -m venv {}` failed ({status}); install the venv module \
-                 (Debian/Ubuntu: `apt-get install python3-venv`) and run `cargo xtask setup` again",
-                deps.venv().display()
-            );
-        }
-    }
+    prepare_venv(&deps, &python)?;
 
     let site = site_packages(&deps)?;
     if let Some(found) = installed_torch_version(&site)? {
@@ -155,14 +139,8 @@ pub fn run(project_root: &Path, args: &SetupArgs) -> Result<Deps> {
         "setup: installing torch=={TORCH_VERSION} (CUDA build, about 2.6 GB) into {}",
         deps.venv().display()
     );
-    let status = pip_install(&deps)?;
-    if !status.success() {
-        bail!(
-            "pip could not install torch=={TORCH_VERSION} ({status}); check access to the \
-             Python package index and free disk space (about 6 GB), then run \
-             `cargo xtask setup` again"
-        );
-    }
+    let what = format!("torch=={TORCH_VERSION} and {}", EXTRA_PACKAGES.join(", "));
+    pip_install(&deps, &what)?;
 
     let torch = site.join("torch");
     if !torch.join("lib").join("libtorch_cpu.so").exists() {
@@ -190,9 +168,11 @@ fn write_extras_marker(deps: &Deps) -> Result<()> {
         .with_context(|| format!("cannot write {}", deps.extras_file().display()))
 }
 
-/// Installs torch TORCH_VERSION (kept if present) and the extra packages into the venv.
-fn pip_install(deps: &Deps) -> Result<std::process::ExitStatus> {
-    Command::new(deps.python())
+/// Installs torch TORCH_VERSION (kept if present) and the extra packages into the venv; pip's
+/// messages pass through, and the last few name its reason when it fails (`what` names
+/// what was being installed).
+fn pip_install(deps: &Deps, what: &str) -> Result<()> {
+    let mut child = Command::new(deps.python())
         .args([
             "-m",
             "pip",
@@ -202,8 +182,36 @@ fn pip_install(deps: &Deps) -> Result<std::process::ExitStatus> {
         ])
         .arg(format!("torch=={TORCH_VERSION}"))
         .args(EXTRA_PACKAGES)
-        .status()
-        .context("cannot run pip in the virtual environment")
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("cannot run pip in the virtual environment")?;
+    let mut last = std::collections::VecDeque::new();
+    if let Some(stderr) = child.stderr.take() {
+        // Read to the end (whatever the bytes), so that pip never blocks on a full pipe.
+        for line in BufReader::new(stderr).split(b'\n').map_while(Result::ok) {
+            let line = String::from_utf8_lossy(&line).trim_end().to_owned();
+            eprintln!("{line}");
+            if !line.trim().is_empty() {
+                if last.len() == 5 {
+                    last.pop_front();
+                }
+                last.push_back(line);
+            }
+        }
+    }
+    let status = child.wait().context("cannot wait for pip")?;
+    if !status.success() {
+        let said: Vec<String> = last.into_iter().map(|l| format!("    {l}")).collect();
+        bail!(
+            "pip could not install {what} into {} ({status}); its last words:\n{}\nfix what \
+             it names (the torch wheel needs the Python package index and about 6 GB of disk), \
+             then run `cargo xtask setup` again, or `cargo xtask setup --reinstall` to start \
+             from a new virtual environment",
+            deps.venv().display(),
+            said.join("\n")
+        );
+    }
+    Ok(())
 }
 
 /// Adds the extra packages to an install that predates them (torch itself stays).
@@ -213,32 +221,157 @@ fn install_extras(deps: &Deps) -> Result<()> {
         EXTRA_PACKAGES.join(", "),
         deps.venv().display()
     );
-    let status = pip_install(deps)?;
-    if !status.success() {
-        bail!(
-            "pip could not install {} ({status}); check access to the Python package \
-             index, then run `cargo xtask setup` again",
-            EXTRA_PACKAGES.join(", ")
+    pip_install(deps, &EXTRA_PACKAGES.join(", "))?;
+    write_extras_marker(deps)
+}
+
+/// Whether `python` (a venv's interpreter) runs and has a working pip: a venv whose
+/// `ensurepip` step failed or was interrupted, or whose base interpreter is gone, has not.
+fn venv_usable(python: &Path) -> bool {
+    Command::new(python)
+        .args(["-m", "pip", "--version"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Makes `.deps/venv` a virtual environment with a working pip, from `python`: one without
+/// (see [`venv_usable`]) is removed and created again.
+fn prepare_venv(deps: &Deps, python: &str) -> Result<()> {
+    let venv = deps.venv();
+    if venv_usable(&deps.python()) {
+        return Ok(());
+    }
+    if venv.symlink_metadata().is_ok() {
+        println!(
+            "setup: {} has no working pip (an interrupted or failed setup?); creating it again",
+            venv.display()
+        );
+        fs::remove_dir_all(&venv).with_context(|| format!("cannot remove {}", venv.display()))?;
+    } else {
+        println!(
+            "setup: creating a Python virtual environment in {}",
+            venv.display()
         );
     }
-    write_extras_marker(deps)
+    fs::create_dir_all(&deps.root)
+        .with_context(|| format!("cannot create {}", deps.root.display()))?;
+    let status = Command::new(python)
+        .args(["-m", "venv"])
+        .arg(&venv)
+        .status()
+        .with_context(|| format!("cannot run `{python} -m venv`"))?;
+    if !status.success() || !venv_usable(&deps.python()) {
+        bail!(
+            "`{python} -m venv {}` did not make a virtual environment with pip ({status}); \
+             install the venv module (Debian/Ubuntu: `apt-get install python3-venv`), then run \
+             `cargo xtask setup --reinstall`",
+            venv.display()
+        );
+    }
+    Ok(())
+}
+
+/// Warns (on stderr) of each variable of the environment that makes torch-sys build against
+/// another libtorch than the one setup installs (see [`another_libtorch`]).
+pub fn warn_of_another_libtorch(deps: &Deps) {
+    let warnings = another_libtorch(
+        std::env::var_os("LIBTORCH").as_deref(),
+        std::env::var_os("LIBTORCH_USE_PYTORCH").as_deref(),
+        &deps.libtorch(),
+    );
+    for warning in warnings {
+        eprintln!("xtask: warning: {warning}");
+    }
+}
+
+/// What is wrong with the environment's `LIBTORCH` and `LIBTORCH_USE_PYTORCH` (their values
+/// here) for builds meant to use `ours` (`.deps/libtorch`): `.cargo/config.toml` sets
+/// `LIBTORCH` only where the environment has not (a GPU bundle's build exports its own), and
+/// torch-sys takes the active Python's torch whenever `LIBTORCH_USE_PYTORCH` is set.
+fn another_libtorch(
+    libtorch: Option<&OsStr>,
+    use_pytorch: Option<&OsStr>,
+    ours: &Path,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(value) = libtorch {
+        let theirs = Path::new(value);
+        let same = theirs == ours
+            || fs::canonicalize(theirs)
+                .ok()
+                .is_some_and(|t| fs::canonicalize(ours).is_ok_and(|o| o == t));
+        if !same {
+            out.push(format!(
+                "LIBTORCH is set to `{}` in the environment: builds will use that libtorch \
+                 instead of {} (the one setup installs, {TORCH_VERSION}); unset LIBTORCH to \
+                 use it",
+                theirs.display(),
+                ours.display()
+            ));
+        }
+    }
+    if let Some(value) = use_pytorch {
+        out.push(format!(
+            "LIBTORCH_USE_PYTORCH is set to `{}` in the environment: builds will use the torch \
+             of whichever Python is active instead of {} (the one setup installs); unset \
+             LIBTORCH_USE_PYTORCH to use it",
+            value.to_string_lossy(),
+            ours.display()
+        ));
+    }
+    out
 }
 
 /// The Python used to create the virtual environment: `DDP_PYTHON`, else `python3`.
 fn find_python() -> Result<String> {
-    let python = std::env::var("DDP_PYTHON").unwrap_or_else(|_| "python3".to_owned());
-    match Command::new(&python).arg("--version").output() {
-        Ok(out) if out.status.success() => Ok(python),
+    check_python(std::env::var("DDP_PYTHON").unwrap_or_else(|_| "python3".to_owned()))
+}
+
+/// `python` if it runs and is Python 3.10 or newer (torch TORCH_VERSION's `Requires-Python`).
+fn check_python(python: String) -> Result<String> {
+    let out = match Command::new(&python).arg("--version").output() {
+        Ok(out) if out.status.success() => out,
         Ok(out) => bail!(
             "`{python} --version` failed ({}); install Python 3.10 or newer or point \
              DDP_PYTHON at a working interpreter",
             out.status
         ),
         Err(e) => bail!(
-            "cannot run `{python}` ({e}): Python 3 is needed to install libtorch; install it \
-             (Debian/Ubuntu: `apt-get install python3 python3-venv`) or set DDP_PYTHON"
+            "cannot run `{python}` ({e}): Python 3.10 or newer is needed to install libtorch; \
+             install it (Debian/Ubuntu: `apt-get install python3 python3-venv`) or set \
+             DDP_PYTHON"
+        ),
+    };
+    // Python 3.4 and later print `Python X.Y.Z` on stdout, earlier ones on stderr.
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    match python_version(&said) {
+        Some(version) if version >= (3, 10) => Ok(python),
+        _ => bail!(
+            "`{python}` is {}, but torch {TORCH_VERSION} needs Python 3.10 or newer; install \
+             one and point DDP_PYTHON at it",
+            said.trim()
         ),
     }
+}
+
+/// `(major, minor)` of `python --version`'s answer (`Python 3.11.7`).
+fn python_version(said: &str) -> Option<(u32, u32)> {
+    let version = said.trim().strip_prefix("Python ")?;
+    let mut parts = version.split('.');
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts
+        .next()?
+        .trim_end_matches(|c: char| !c.is_ascii_digit())
+        .parse()
+        .ok()?;
+    Some((major, minor))
 }
 
 fn site_packages(deps: &Deps) -> Result<PathBuf> {
@@ -321,6 +454,100 @@ mod tests {
         fs::write(deps.version_file(), "2.13.0\n").unwrap();
         // The version marker alone (no libraries, no venv) is not an install.
         assert_eq!(deps.installed_version(), None);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Writes an executable script from another process, so that no descriptor of it open
+    /// here can reach a child forked meanwhile (running it would then fail with ETXTBSY).
+    fn script(path: &Path, text: &str) {
+        use std::io::Write;
+        let mut sh = Command::new("sh")
+            .args(["-c", "cat > \"$0\" && chmod +x \"$0\""])
+            .arg(path)
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap();
+        sh.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+        assert!(sh.wait().unwrap().success());
+    }
+
+    #[test]
+    fn a_venv_without_pip_is_made_again_or_the_error_says_reinstall() {
+        let dir = tempdir();
+        let deps = Deps { root: dir.clone() };
+        // What Debian's `python3 -m venv` leaves without python3-venv: bin/python, no pip.
+        let made = Command::new("python3")
+            .args(["-m", "venv", "--without-pip"])
+            .arg(deps.venv())
+            .status()
+            .unwrap();
+        assert!(made.success());
+        assert!(deps.python().exists());
+        assert!(!venv_usable(&deps.python()));
+        // pip's own reason comes through, with the way out.
+        let err = format!("{:#}", pip_install(&deps, "x").unwrap_err());
+        assert!(err.contains("No module named pip"), "{err}");
+        assert!(err.contains("cargo xtask setup --reinstall"), "{err}");
+        // A venv whose interpreter has gone: links to nothing.
+        let bin = deps.venv().join("bin");
+        for name in ["python", "python3"] {
+            let _ = fs::remove_file(bin.join(name));
+            std::os::unix::fs::symlink("/nonexistent/python3", bin.join(name)).unwrap();
+        }
+        assert!(!venv_usable(&deps.python()));
+        match prepare_venv(&deps, "python3") {
+            Ok(()) => assert!(venv_usable(&deps.python())),
+            // No ensurepip on this machine: the error names the way out.
+            Err(e) => assert!(format!("{e:#}").contains("--reinstall"), "{e:#}"),
+        }
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn python_before_3_10_is_refused_naming_ddp_python() {
+        let dir = tempdir();
+        let old = dir.join("python3.9");
+        script(&old, "#!/bin/sh\necho 'Python 3.9.18'\n");
+        let err = check_python(old.to_string_lossy().into_owned())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("3.10") && err.contains("DDP_PYTHON"), "{err}");
+        assert!(err.contains("Python 3.9.18"), "{err}");
+        let new = dir.join("python3.10");
+        script(&new, "#!/bin/sh\necho 'Python 3.10.0rc1'\n");
+        assert!(check_python(new.to_string_lossy().into_owned()).is_ok());
+        assert_eq!(python_version("Python 3.13.1\n"), Some((3, 13)));
+        assert_eq!(python_version("Python 2.7.18"), Some((2, 7)));
+        assert_eq!(python_version("python"), None);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn another_libtorch_in_the_environment_is_named() {
+        let dir = tempdir();
+        let ours = dir.join(".deps/libtorch");
+        fs::create_dir_all(&ours).unwrap();
+        let os = |s: &Path| s.as_os_str().to_owned();
+        // Unset, or cargo's own value (the same folder, by another path): nothing to say.
+        assert!(another_libtorch(None, None, &ours).is_empty());
+        assert!(another_libtorch(Some(&os(&ours)), None, &ours).is_empty());
+        let other_path = dir.join(".deps/../.deps/libtorch");
+        assert!(another_libtorch(Some(&os(&other_path)), None, &ours).is_empty());
+        let elsewhere = another_libtorch(Some(OsStr::new("/opt/libtorch")), None, &ours);
+        assert_eq!(elsewhere.len(), 1);
+        assert!(
+            elsewhere[0].starts_with("LIBTORCH is set to `/opt/libtorch`")
+                && elsewhere[0].contains(&ours.display().to_string())
+                && elsewhere[0].contains("unset LIBTORCH"),
+            "{elsewhere:?}"
+        );
+        let python = another_libtorch(Some(&os(&ours)), Some(OsStr::new("1")), &ours);
+        assert_eq!(python.len(), 1);
+        assert!(
+            python[0].starts_with("LIBTORCH_USE_PYTORCH is set to `1`")
+                && python[0].contains("unset LIBTORCH_USE_PYTORCH"),
+            "{python:?}"
+        );
         fs::remove_dir_all(&dir).unwrap();
     }
 

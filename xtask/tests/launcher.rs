@@ -365,6 +365,49 @@ fn sigterm_to_the_launcher_stops_every_rank_at_one_step_with_a_checkpoint() {
 }
 
 #[test]
+fn a_run_stopped_without_out_names_the_command_that_continues_it() {
+    let dir = temp_dir("xtask-stopped");
+    // Ranks that stop at once as resumable (exit code 75), as ddp-train does at a time limit.
+    let rank = dir.path().join("stop.sh");
+    std::fs::write(&rank, "#!/bin/sh\nexit 75\n").unwrap();
+    std::fs::set_permissions(&rank, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let runs = dir.path().join("runs");
+    let output = wait_bounded(
+        Command::new(XTASK)
+            .args(["train", "--cpus", "2", "--grace", "2", "--bin"])
+            .arg(&rank)
+            .arg("--runs-root")
+            .arg(&runs)
+            .arg("--data")
+            .arg(dir.path())
+            .args(["--epochs", "3"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+        Duration::from_secs(120),
+    );
+    let t = text(&output);
+    assert_eq!(output.status.code(), Some(75), "{t}");
+    let run: Vec<PathBuf> = std::fs::read_dir(&runs)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(run.len(), 1, "{run:?}");
+    // The same command would start a new run directory: the message adds this one's.
+    let again = format!(
+        "cargo xtask train --out {} --cpus 2 --grace 2 --bin {} --runs-root {} --data {} \
+         --epochs 3",
+        run[0].display(),
+        rank.display(),
+        runs.display(),
+        dir.path().display()
+    );
+    assert!(t.contains(&again), "{t}");
+    assert!(!t.contains("the same command"), "{t}");
+}
+
+#[test]
 fn a_time_limit_stops_before_it_with_a_checkpoint_and_the_run_continues() {
     let dir = temp_dir("xtask-time-limit");
     let data = sample(dir.path());

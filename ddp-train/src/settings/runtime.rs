@@ -110,7 +110,8 @@ pub struct RuntimeSettings {
         )
     )]
     pub workers: Option<usize>,
-    /// Batches the loader prepares ahead (default: 2 on the CPU, 4 on a GPU).
+    /// Batches the loader prepares ahead (default: 2 on the CPU, 4 on a GPU); the loader
+    /// raises it to `ceil(workers / batch_size)`, so that every worker has a sample.
     #[cfg_attr(
         feature = "cli",
         arg(
@@ -119,7 +120,7 @@ pub struct RuntimeSettings {
             value_name = "PREFETCH",
             help = "Batches the loader threads may prepare ahead of the training step \
                     (default: 2 on the CPU, 4 on a GPU, where a slow image must not stall a \
-                    fast step)"
+                    fast step; at least ceil(workers / batch size), one sample per worker)"
         )
     )]
     pub prefetch: Option<usize>,
@@ -147,7 +148,7 @@ pub struct RuntimeSettings {
             value_name = "DURATION",
             value_parser = super::flags::parse_duration_secs,
             help = "Stop cleanly with a checkpoint before this much time has passed since the \
-                    start (exit code 75); the same command started again continues. Seconds, \
+                    start (exit code 75); a start with the same --out continues. Seconds, \
                     or numbers with units (`90s`, `55m`, `4h`, `3h55m`)"
         )
     )]

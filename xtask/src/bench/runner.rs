@@ -126,11 +126,13 @@ impl Ctx {
     }
 }
 
-/// Makes sure libtorch is installed (the benches link it), quietly when it already is, so
-/// that `--json` output holds nothing but JSON.
+/// Makes sure libtorch is installed (the benches link it), quietly when it already is (but
+/// for a warning on stderr of another libtorch in the environment), so that `--json` output
+/// holds nothing but JSON.
 pub(super) fn ensure_setup(root: &Path) -> Result<setup::Deps> {
     let deps = setup::Deps::new(root);
     if deps.installed_version().as_deref() == Some(setup::TORCH_VERSION) {
+        setup::warn_of_another_libtorch(&deps);
         return Ok(deps);
     }
     setup::run(root, &setup::SetupArgs::default())

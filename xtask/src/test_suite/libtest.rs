@@ -65,6 +65,29 @@ impl RunParser {
         }
     }
 
+    /// The test running when the output stopped, `partial` being its unfinished last line:
+    /// libtest writes `test NAME ... ` when a test starts (the result follows when it ends),
+    /// and another process's output may have finished that line before.
+    pub fn running(&self, partial: &str) -> Option<String> {
+        let started = partial
+            .strip_prefix("test ")
+            .and_then(|rest| rest.split_once(" ..."))
+            .map(|(name, _)| name.to_owned());
+        started.or_else(|| self.current.clone())
+    }
+
+    /// Records the running test (see [`RunParser::running`]) as failed, at `at`: the binary
+    /// ended in it. Returns whether there was one.
+    pub fn fail_running(&mut self, partial: &str, at: Duration) -> bool {
+        match self.running(partial) {
+            Some(name) => {
+                self.push(&name, Outcome::Failed, at);
+                true
+            }
+            None => false,
+        }
+    }
+
     fn push(&mut self, name: &str, outcome: Outcome, at: Duration) {
         self.current = None;
         self.results.push(TestResult {
@@ -95,6 +118,33 @@ mod tests {
         let listing = "a::b: test\nc: test\nbench_x: benchmark\n\n2 tests, 1 benchmark\n";
         assert_eq!(listed_tests(listing), ["a::b", "c"]);
         assert!(listed_tests("0 tests, 0 benchmarks\n").is_empty());
+    }
+
+    #[test]
+    fn the_test_a_binary_died_in_is_failed() {
+        let s = Duration::from_secs;
+        let mut p = RunParser::default();
+        for (line, at) in [
+            ("running 3 tests", 0),
+            ("test a ... ok", 1),
+            ("test b ... ok", 2),
+        ] {
+            p.line(line, s(at));
+        }
+        // The binary died (a signal) after libtest wrote `test c ... `, without a newline.
+        assert_eq!(p.running("test c ... ").as_deref(), Some("c"));
+        assert!(p.fail_running("test c ... ", s(5)));
+        let last = p.results.last().unwrap();
+        assert_eq!((last.name.as_str(), last.outcome), ("c", Outcome::Failed));
+        assert_eq!(last.time, s(3));
+        assert_eq!(p.results.len(), 3);
+        // Nothing was running after the last result.
+        assert!(!p.fail_running("", s(6)));
+        // A test whose line another process's output completed is still the running one.
+        let mut q = RunParser::default();
+        q.line("running 1 test", s(0));
+        q.line("test d ... rank 1: hello", s(1));
+        assert_eq!(q.running("more output").as_deref(), Some("d"));
     }
 
     #[test]

@@ -7,20 +7,22 @@
 //! marks when that test ended and gives its time. Binaries whose tests start several ranks
 //! (see [`RANK_BINARIES`]) run one at a time next to the other binaries, so that two
 //! trainings never compete for the cores. The longest jobs start first, by the times of the
-//! previous run (kept in `target/xtask/test-times.json`).
+//! previous run (kept in `target/xtask/test-times.json`). A job that hangs is killed at its
+//! deadline (see [`job::deadline`]), naming the test it was in.
 
+mod job;
 mod libtest;
 mod schedule;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
-use libtest::{Outcome, RunParser, TestResult};
+use libtest::{Outcome, TestResult};
 use schedule::{Group, Job};
 
 /// Cargo features the test build turns on: the fault injection the reliability tests use
@@ -35,6 +37,8 @@ const RANK_BINARIES: &[(&str, &str)] = &[
     ("ddp-comm", "failures"),
     ("ddp-comm", "flood"),
     ("ddp-comm", "key_file"),
+    ("ddp-comm", "nccl"),
+    ("ddp-comm", "nccl_peers"),
     ("ddp-comm", "torchrun"),
     ("ddp-run", "launcher"),
     ("ddp-train", "cuda_streams"),
@@ -119,22 +123,55 @@ pub fn run(root: &Path) -> Result<()> {
     );
     let logs = target_dir(root).join("xtask/test-logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("cannot create {}", logs.display()))?;
+    // The jobs run in process groups of their own, out of reach of the terminal's Ctrl-C:
+    // these signals are passed on to them instead.
+    let watch = ddp_run::SignalWatch::start(&[libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
+    let interrupted = || watch.received();
     let finished = schedule::run(jobs, slots, |job| {
-        run_job(&binaries[job.binary], &programs, job, &logs)
+        if let Some(signal) = interrupted() {
+            bail!("not started: interrupted by signal {signal}");
+        }
+        let limit = job::deadline(job.estimate);
+        job::run_job(
+            &binaries[job.binary],
+            &programs,
+            job,
+            &logs,
+            limit,
+            &interrupted,
+        )
     });
+    let signal = watch.received();
+    drop(watch);
 
     let mut results: Vec<(String, TestResult)> = Vec::new();
-    let mut failed_jobs = Vec::new();
+    // Each binary that failed, with why and where its output is.
+    let mut failed_jobs: Vec<(String, String)> = Vec::new();
+    let mut broken = 0;
     for (job, outcome) in &finished {
         match outcome {
             Ok(run) => {
                 if !run.success {
-                    failed_jobs.push((job.label.clone(), run.log.clone()));
+                    let why = run.problem.as_deref().unwrap_or("a test failed");
+                    failed_jobs.push((
+                        job.label.clone(),
+                        format!("{why}; its output: {}", run.log.display()),
+                    ));
                 }
+                broken += usize::from(run.problem.is_some());
                 results.extend(run.results.iter().map(|r| (job.label.clone(), r.clone())));
             }
-            Err(e) => failed_jobs.push((job.label.clone(), PathBuf::from(format!("{e:#}")))),
+            Err(e) => {
+                broken += 1;
+                failed_jobs.push((job.label.clone(), format!("{e:#}")));
+            }
         }
+    }
+    if let Some(signal) = signal {
+        for (label, why) in &failed_jobs {
+            println!("xtask: {label} failed ({why})");
+        }
+        bail!("interrupted by signal {signal}");
     }
     let mut history = history;
     for (label, r) in &results {
@@ -146,17 +183,21 @@ pub fn run(root: &Path) -> Result<()> {
 
     let doctests = doctests(root);
     let count = |o| results.iter().filter(|(_, r)| r.outcome == o).count();
-    let (mut passed, mut failed, ignored) = (
+    let (mut passed, failed, ignored) = (
         count(Outcome::Passed),
         count(Outcome::Failed),
         count(Outcome::Ignored),
     );
+    let (mut doc_failed, mut doc_broken) = (0, false);
     match &doctests {
         Ok((p, f)) => {
             passed += p;
-            failed += f;
+            doc_failed = *f;
         }
-        Err(e) => failed_jobs.push(("doctests".into(), PathBuf::from(format!("{e:#}")))),
+        Err(e) => {
+            doc_broken = true;
+            failed_jobs.push(("doctests".into(), format!("{e:#}")));
+        }
     }
 
     let mut slowest: Vec<_> = results.iter().collect();
@@ -165,16 +206,19 @@ pub fn run(root: &Path) -> Result<()> {
     for (label, r) in slowest.iter().take(10) {
         println!("  {:>7.1}s  {label} {}", r.time.as_secs_f64(), r.name);
     }
-    for (label, log) in &failed_jobs {
-        println!("xtask: {label} failed; its output: {}", log.display());
+    for (label, why) in &failed_jobs {
+        println!("xtask: {label} failed ({why})");
     }
     println!(
         "\nxtask: tests took {:.0} s in all",
         started.elapsed().as_secs_f64()
     );
-    println!("{passed} passed, {failed} failed, {ignored} skipped");
-    if failed > 0 || !failed_jobs.is_empty() {
-        bail!("{} test binaries failed", failed_jobs.len());
+    println!(
+        "{passed} passed, {} failed, {ignored} skipped",
+        failed + doc_failed
+    );
+    if let Some(summary) = failure_summary(failed, doc_failed, broken, doc_broken) {
+        bail!("{summary}");
     }
 
     let mut doc = crate::cargo();
@@ -314,65 +358,37 @@ fn list(bin: &Binary, programs: &Programs) -> Result<Vec<String>> {
     Ok(libtest::listed_tests(&String::from_utf8_lossy(&out.stdout)))
 }
 
-/// What one job's run gave.
-#[derive(Debug)]
-struct JobRun {
-    success: bool,
-    results: Vec<TestResult>,
-    log: PathBuf,
-}
-
-/// Runs `job`'s tests of `bin` one after another, its output into a log file and each
-/// result onto the terminal as it comes.
-fn run_job(bin: &Binary, programs: &Programs, job: &Job, logs: &Path) -> Result<JobRun> {
-    let log_path = logs.join(format!("{}.log", job.label.replace("::", "-")));
-    let mut log = std::fs::File::create(&log_path)
-        .with_context(|| format!("cannot create {}", log_path.display()))?;
-    let mut cmd = command(bin, programs);
-    cmd.args(["--test-threads", "1", "--exact"])
-        .args(&job.tests)
-        .stdout(Stdio::piped())
-        .stderr(log.try_clone()?);
-    let start = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("cannot start {}", bin.exe.display()))?;
-    let mut parser = RunParser::default();
-    let stdout = child.stdout.take().context("no stdout")?;
-    for line in BufReader::new(stdout).lines() {
-        let line = line.unwrap_or_default();
-        let _ = writeln!(log, "{line}");
-        let before = parser.results.len();
-        parser.line(&line, start.elapsed());
-        for r in &parser.results[before..] {
-            let tag = match r.outcome {
-                Outcome::Passed => "PASS",
-                Outcome::Failed => "FAIL",
-                Outcome::Ignored => "SKIP",
-            };
-            println!(
-                "  {tag} [{:>6.1}s] {} {}",
-                r.time.as_secs_f64(),
-                job.label,
-                r.name
-            );
-        }
+/// What failed, in words, or `None` when nothing did: `failed` tests of the binaries and
+/// `doc_failed` doctests, `broken` binaries that crashed, timed out or did not start, and
+/// whether `cargo test --doc` failed without a count.
+fn failure_summary(
+    failed: usize,
+    doc_failed: usize,
+    broken: usize,
+    doc_broken: bool,
+) -> Option<String> {
+    let plural =
+        |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
+    let mut parts = Vec::new();
+    if failed > 0 {
+        parts.push(format!("{} failed", plural(failed, "test", "tests")));
     }
-    let status = child.wait()?;
-    let ran = parser.results.len();
-    if status.success() && ran != job.tests.len() {
-        bail!(
-            "{} reported {ran} of its {} tests (see {})",
-            job.label,
-            job.tests.len(),
-            log_path.display()
-        );
+    if doc_failed > 0 {
+        parts.push(format!(
+            "{} failed",
+            plural(doc_failed, "doctest", "doctests")
+        ));
     }
-    Ok(JobRun {
-        success: status.success(),
-        results: parser.results,
-        log: log_path,
-    })
+    if broken > 0 {
+        parts.push(format!(
+            "{} crashed, timed out or did not start",
+            plural(broken, "test binary", "test binaries")
+        ));
+    }
+    if doc_broken {
+        parts.push("`cargo test --doc` failed".to_owned());
+    }
+    (!parts.is_empty()).then(|| parts.join(", "))
 }
 
 /// `cargo test --doc` for the workspace: (passed, failed) from its `test result:` lines.
@@ -423,6 +439,44 @@ mod tests {
         assert!(test_binary(lib).is_none());
         assert!(test_binary(r#"{"reason":"build-finished","success":true}"#).is_none());
         assert!(test_binary("   Compiling x v0.1.0").is_none());
+    }
+
+    #[test]
+    fn the_failure_message_counts_what_failed() {
+        assert_eq!(failure_summary(0, 0, 0, false), None);
+        // Doctests alone: not "0 test binaries failed".
+        assert_eq!(
+            failure_summary(0, 2, 0, false).as_deref(),
+            Some("2 doctests failed")
+        );
+        assert_eq!(
+            failure_summary(1, 0, 1, true).as_deref(),
+            Some(
+                "1 test failed, 1 test binary crashed, timed out or did not start, \
+                 `cargo test --doc` failed"
+            )
+        );
+    }
+
+    #[test]
+    fn ddp_comms_binaries_that_start_ranks_run_one_at_a_time() {
+        let tests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ddp-comm/tests");
+        let mut starting = Vec::new();
+        for entry in std::fs::read_dir(&tests).unwrap() {
+            let path = entry.unwrap().path();
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            if text.contains("run_world") || text.contains("spawn_rank(") {
+                let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
+                starting.push(stem);
+            }
+        }
+        assert!(starting.iter().any(|s| s == "nccl"), "{starting:?}");
+        for stem in &starting {
+            assert!(
+                RANK_BINARIES.contains(&("ddp-comm", stem.as_str())),
+                "ddp-comm/tests/{stem}.rs starts ranks but is not in RANK_BINARIES"
+            );
+        }
     }
 
     #[test]
