@@ -11,7 +11,7 @@ use std::fmt;
 use std::sync::{Arc, PoisonError, RwLock};
 
 use tch::nn::{self, Init};
-use tch::{Kind, Tensor};
+use tch::{Kind, TchError, Tensor};
 
 /// A differentiable sum over the ranks that train one model: the communication a
 /// synchronised [`BatchNorm2d`] needs, without this crate knowing how ranks talk.
@@ -95,6 +95,8 @@ pub struct BatchNorm2d {
     channels: i64,
     config: BatchNormConfig,
     sync: SyncCell,
+    /// The variables' path (`features.1`), for errors.
+    name: String,
 }
 
 impl fmt::Debug for BatchNorm2d {
@@ -130,7 +132,7 @@ impl BatchNorm2d {
         let name = path.components().collect::<Vec<_>>().join(".");
         COLLECTORS.with(|c| {
             if let Some(top) = c.borrow_mut().last_mut() {
-                top.push((name, sync.clone()));
+                top.push((name.clone(), sync.clone()));
             }
         });
         Self {
@@ -142,6 +144,7 @@ impl BatchNorm2d {
             channels,
             config,
             sync,
+            name,
         }
     }
 
@@ -171,9 +174,42 @@ impl BatchNorm2d {
 
     /// Normalises `x` (`[N, C, ...]`): with the batch's statistics (updating the running
     /// ones) when `train` is set, as `model.train()` does, else with the running statistics.
+    ///
+    /// # Panics
+    ///
+    /// Where [`BatchNorm2d::f_forward_t`] fails, as tch's tensor operations do on a shape
+    /// they cannot take: a training batch of one value per channel, a wrong channel count.
     pub fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        self.f_forward_t(x, train).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`BatchNorm2d::forward_t`], failing instead of panicking. Training on one value per
+    /// channel (`[1, C, 1, 1]`) without other ranks fails with PyTorch's "Expected more than
+    /// 1 value per channel when training", and changes nothing: the unbiased variance of one
+    /// value would put NaN into `running_var`.
+    pub fn f_forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor, TchError> {
         if !train {
             return self.plain(x, false, 0.0);
+        }
+        let reducer = self
+            .sync
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .filter(|r| r.world_size() > 1);
+        let size = x.size();
+        let per_channel: i64 = size
+            .iter()
+            .enumerate()
+            .filter(|(d, _)| *d != 1)
+            .map(|(_, n)| n)
+            .product();
+        if reducer.is_none() && size.len() >= 2 && per_channel == 1 {
+            return Err(TchError::Shape(format!(
+                "BatchNorm2d '{}': Expected more than 1 value per channel when training, got \
+                 input size {size:?}",
+                self.name
+            )));
         }
         tch::no_grad(|| {
             let _ = self.num_batches_tracked.shallow_clone().g_add_scalar_(1);
@@ -182,21 +218,16 @@ impl BatchNorm2d {
             Some(m) => m,
             None => 1.0 / self.num_batches_tracked.int64_value(&[]) as f64,
         };
-        let reducer = self
-            .sync
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
         match reducer {
+            Some(r) => Ok(self.synchronised(x, r.as_ref(), factor)),
             // One rank is its own batch: PyTorch's SyncBatchNorm falls back the same way.
-            Some(r) if r.world_size() > 1 => self.synchronised(x, r.as_ref(), factor),
-            _ => self.plain(x, true, factor),
+            None => self.plain(x, true, factor),
         }
     }
 
     /// libtorch's own batch norm (the one `nn::batch_norm2d` calls).
-    fn plain(&self, x: &Tensor, train: bool, factor: f64) -> Tensor {
-        Tensor::batch_norm(
+    fn plain(&self, x: &Tensor, train: bool, factor: f64) -> Result<Tensor, TchError> {
+        Tensor::f_batch_norm(
             x,
             Some(&self.weight),
             Some(&self.bias),
@@ -531,6 +562,49 @@ mod tests {
         }
         // Averages of the batch means 2 and 4: 1/1 then 1/2.
         assert!((vs.variables()["running_mean"].double_value(&[0]) - 3.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn training_on_one_value_per_channel_is_refused_as_in_pytorch() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let bn = BatchNorm2d::new(vs.root() / "layer4" / 1 / "bn2", 3);
+        let one = Tensor::randn([1, 3, 1, 1], (Kind::Float, Device::Cpu));
+        let expected = "BatchNorm2d 'layer4.1.bn2': Expected more than 1 value per channel when \
+                        training, got input size [1, 3, 1, 1]";
+        let panicked =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| bn.forward_t(&one, true)))
+                .expect_err("one value per channel was normalised");
+        let message = panicked
+            .downcast_ref::<String>()
+            .cloned()
+            .unwrap_or_default();
+        assert!(message.ends_with(expected), "{message}");
+        // A world of one rank is its own batch: refused the same way.
+        bn.set_sync(Some(Arc::new(Alone)));
+        let err = bn.f_forward_t(&one, true).unwrap_err();
+        assert!(err.to_string().ends_with(expected), "{err}");
+        // Nothing changed: no NaN in running_var, no batch counted.
+        let vars = vs.variables();
+        assert_eq!(
+            Vec::<f32>::try_from(&vars["layer4.1.bn2.running_var"]).unwrap(),
+            [1.0; 3]
+        );
+        assert_eq!(vars["layer4.1.bn2.num_batches_tracked"].int64_value(&[]), 0);
+        // Evaluation, two samples, or two pixels are fine.
+        bn.set_sync(None);
+        assert!(bn.f_forward_t(&one, false).is_ok());
+        for shape in [[2, 3, 1, 1], [1, 3, 2, 1]] {
+            let y = bn.f_forward_t(&Tensor::randn(shape, (Kind::Float, Device::Cpu)), true);
+            assert_eq!(y.unwrap().size(), shape);
+        }
+        assert_eq!(vars["layer4.1.bn2.num_batches_tracked"].int64_value(&[]), 2);
+        assert_eq!(
+            vars["layer4.1.bn2.running_var"]
+                .isnan()
+                .any()
+                .int64_value(&[]),
+            0
+        );
     }
 
     #[test]

@@ -28,7 +28,13 @@ Writes into DIR:
                    resnet18.safetensors, the same tensors by safetensors
   resnet18-legacy.pth  the same state_dict without its num_batches_tracked counters, as
                    torchvision's ImageNet ResNet files were saved
+  neg-conj.pth     tensors saved with their lazy neg or conj bit: {'neg': True} metadata
+  deep.pth         a torch.save archive whose data.pkl is a tuple nested 1 000 000 deep
+  many-entries.pth {"entry0": 0, ..., "entry19": 19}
+  namespace.pth    {"model": convnet8, "args": argparse.Namespace(lr=0.1)}, as the
+                   torchvision reference scripts save
 """
+import argparse
 import os
 import pickle
 import sys
@@ -125,6 +131,20 @@ def evil(path, marker, python_marker):
         raise AssertionError("torch.load(weights_only=True) accepted the payload")
 
 
+def neg_conj(path):
+    c = torch.tensor([1 + 2j, 3 - 4j])
+    sd = {"neg_view": torch.tensor([2.0, -4.0])._neg_view(),
+          "conj_imag": c.clone().conj().imag, "conj": c.clone().conj()}
+    assert sd["neg_view"].is_neg() and sd["conj_imag"].is_neg() and sd["conj"].is_conj()
+    torch.save(sd, path)
+    with zipfile.ZipFile(path) as z:
+        pkl = z.read("neg-conj/data.pkl")
+    assert pkl.count(b"X\x03\x00\x00\x00neg") == 2 and b"X\x04\x00\x00\x00conj" in pkl, pkl
+    back = torch.load(path, weights_only=True)
+    assert back["neg_view"].tolist() == [-2.0, 4.0] and back["conj_imag"].tolist() == [-2.0, 4.0]
+    assert back["conj"].resolve_conj().tolist() == [1 - 2j, 3 + 4j]
+
+
 def main(out, marker, python_marker):
     torch.save(dtype_state(), os.path.join(out, "dtypes.pth"))
     first = os.path.join(out, "first.pt")
@@ -182,6 +202,19 @@ def main(out, marker, python_marker):
     torch.save(OrderedDict((k, v) for k, v in resnet.items()
                            if not k.endswith("num_batches_tracked")),
                os.path.join(out, "resnet18-legacy.pth"))
+    neg_conj(os.path.join(out, "neg-conj.pth"))
+    deep = os.path.join(out, "deep.pth")
+    torch.save({"t": torch.zeros(1)}, deep)
+    rewrite(deep, {"deep/data.pkl": b"\x80\x02)" + b"\x85" * 1_000_000 + b"."})
+    torch.save({f"entry{i}": i for i in range(20)}, os.path.join(out, "many-entries.pth"))
+    namespace = os.path.join(out, "namespace.pth")
+    torch.save({"model": sd, "args": argparse.Namespace(lr=0.1)}, namespace)
+    try:
+        torch.load(namespace, weights_only=True)
+    except pickle.UnpicklingError as e:
+        assert "Namespace" in str(e), e
+    else:
+        raise AssertionError("torch.load(weights_only=True) accepted argparse.Namespace")
     print("written")
 
 

@@ -588,3 +588,97 @@ fn a_state_dict_without_batch_norm_counters_loads_strictly_keeping_them() {
         ]
     );
 }
+
+#[test]
+fn a_tuple_nested_a_million_deep_is_an_error_naming_the_file() {
+    let err = weights::read_state_dict(file("deep.pth")).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::Pickle { path, source: PickleError::TooDeep { limit, .. } }
+            if path == &file("deep.pth") && *limit == 1000),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("deep.pth': its pickle nests tuples more than 1000 deep"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn the_neg_and_conj_bits_of_saved_views_are_applied() {
+    let sd = weights::read_state_dict(file("neg-conj.pth")).unwrap();
+    // `tensor([2., -4.])._neg_view()` and `tensor([1+2j, 3-4j]).conj().imag`: the records
+    // hold 2, -4 (and 1, 2, 3, -4), the values are negated.
+    assert_eq!(f64s(sd.get("neg_view").unwrap()), [-2.0, 4.0]);
+    assert_eq!(f64s(sd.get("conj_imag").unwrap()), [-2.0, 4.0]);
+    let conj = sd.get("conj").unwrap();
+    assert_eq!(conj.kind(), Kind::ComplexFloat);
+    assert_eq!(f64s(&conj.view_as_real()), [1.0, -2.0, 3.0, 4.0]);
+}
+
+#[test]
+fn a_safetensors_header_of_640_bytes_is_not_taken_for_a_legacy_pickle() {
+    // 640 = 0x280: the file starts `80 02`, as a pickle of protocol 2 does.
+    let mut header = br#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#.to_vec();
+    header.resize(640, b' ');
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    assert_eq!(bytes[..2], [0x80, 0x02]);
+    bytes.extend(header);
+    bytes.extend([1.5f32, -2.0].iter().flat_map(|v| v.to_le_bytes()));
+    let dir = ddp_testkit::temp_dir("ddp-model-st640");
+    let path = dir.path().join("w.safetensors");
+    std::fs::write(&path, &bytes).unwrap();
+    let sd = weights::read_state_dict(&path).unwrap();
+    assert_eq!(f64s(sd.get("w").unwrap()), [1.5, -2.0]);
+    // A header length past the end of the file is no safetensors file.
+    bytes[2] = 0x10;
+    std::fs::write(&path, &bytes).unwrap();
+    let err = weights::read_state_dict(&path).unwrap_err();
+    assert!(matches!(err, WeightsError::LegacyFormat { .. }), "{err:?}");
+}
+
+#[test]
+fn a_key_for_a_plain_state_dict_says_none_is_needed_and_entries_are_capped() {
+    let err = weights::read_state_dict_entry(file("convnet8.pth"), "model").unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::NoEntry { entries, .. } if entries.is_empty()),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().ends_with(
+            "has no entry 'model' (it has none: the file is one state_dict, read without a key)"
+        ),
+        "{err}"
+    );
+    let err = weights::read_state_dict_entry(file("many-entries.pth"), "model").unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::NoEntry { entries, .. } if entries.len() == 20),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().ends_with(
+            "(its entries: 'entry0', 'entry1', 'entry2', 'entry3', 'entry4', 'entry5', \
+             'entry6', 'entry7', and 12 more)"
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_checkpoint_with_its_arguments_is_refused_with_how_to_re_save_it() {
+    let err = weights::read_state_dict_entry(file("namespace.pth"), "model").unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::Pickle { source: PickleError::Forbidden(g), .. }
+            if g == "argparse.Namespace"),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("If you trust the file, re-save its state_dict alone in Python")
+            && msg.contains(
+                "torch.save(torch.load(path, weights_only=False)['state_dict'], new_path)"
+            )
+            && msg.ends_with("or torch.save(model.state_dict(), new_path)"),
+        "{msg}"
+    );
+}

@@ -5,9 +5,9 @@
 //!   the content, not the extension (`.pth`, `.pt`, `.bin` and `.safetensors` all work): a
 //!   zip archive is `torch.save`'s format (any top folder name, any dtype, stride and storage
 //!   offset, views sharing a storage, the storage location such as `cuda:0` ignored as
-//!   `map_location="cpu"` does, a big-endian `byteorder` swapped); a file that starts with a
-//!   JSON header is safetensors; a bare pickle is `torch.save`'s legacy format, refused with
-//!   how to re-save it. A training checkpoint saved by `torch.save` (`{"epoch": 3, "model":
+//!   `map_location="cpu"` does, a big-endian `byteorder` swapped, a view's lazy `neg` or
+//!   `conj` bit applied); a file that starts with a JSON header is safetensors; a bare pickle
+//!   is `torch.save`'s legacy format, refused with how to re-save it. A training checkpoint saved by `torch.save` (`{"epoch": 3, "model":
 //!   model.state_dict(), "optimizer": ...}`) is read from its one entry that is a
 //!   state_dict; [`read_state_dict_entry`] names the entry where there are several.
 //! - [`load_state_dict`]: copies a [`StateDict`] into the model's variables (parameters and
@@ -134,7 +134,10 @@ pub enum WeightsError {
     },
     /// The pickle was refused (a global outside the allow list, or something a state_dict
     /// does not use) or is damaged; nothing of it was run.
-    #[error("weights file '{path}': its pickle {source}; nothing was run or loaded")]
+    #[error(
+        "weights file '{path}': its pickle {source}; nothing was run or loaded{}",
+        resave_advice(source)
+    )]
     Pickle {
         /// The file.
         path: PathBuf,
@@ -159,7 +162,8 @@ pub enum WeightsError {
         path: PathBuf,
         /// The key asked for.
         key: String,
-        /// The keys the file has (none for a safetensors file, which is one state_dict).
+        /// The keys the file has (none for a file that is one state_dict: safetensors, or
+        /// a `torch.save` of a state_dict alone).
         entries: Vec<String>,
     },
     /// No key was given, and more than one entry of the file holds a state_dict.
@@ -224,13 +228,36 @@ pub enum WeightsError {
     },
 }
 
-/// `its entries: 'epoch', 'model'`, for [`WeightsError::NoEntry`].
+/// `its entries: 'epoch', 'model'`, the first [`checkpoint::MISMATCH_SHOWN`] and how many
+/// more, for [`WeightsError::NoEntry`].
 fn listed_entries(entries: &[String]) -> String {
     if entries.is_empty() {
         return "it has none: the file is one state_dict, read without a key".into();
     }
-    let quoted: Vec<String> = entries.iter().map(|k| format!("'{k}'")).collect();
-    format!("its entries: {}", quoted.join(", "))
+    let shown = checkpoint::MISMATCH_SHOWN;
+    let quoted: Vec<String> = entries
+        .iter()
+        .take(shown)
+        .map(|k| format!("'{k}'"))
+        .collect();
+    let more = match entries.len().saturating_sub(shown) {
+        0 => String::new(),
+        n => format!(", and {n} more"),
+    };
+    format!("its entries: {}{more}", quoted.join(", "))
+}
+
+/// How to get past a global outside the allow list (an `argparse.Namespace` of a training
+/// script's arguments), for [`WeightsError::Pickle`].
+fn resave_advice(source: &PickleError) -> &'static str {
+    match source {
+        PickleError::Forbidden(_) => {
+            ". If you trust the file, re-save its state_dict alone in Python: \
+             torch.save(torch.load(path, weights_only=False)['state_dict'], new_path) (or the \
+             entry holding it, such as 'model'), or torch.save(model.state_dict(), new_path)"
+        }
+        _ => "",
+    }
 }
 
 impl WeightsError {
@@ -418,19 +445,18 @@ pub fn read_state_dict_entry(path: impl AsRef<Path>, key: &str) -> Result<StateD
 
 fn read_state_dict_at(path: &Path, key: Option<&str>) -> Result<StateDict, WeightsError> {
     let mut head = [0u8; 9];
-    let n = read_head(path, &mut head)?;
+    let (n, file_len) = read_head(path, &mut head)?;
     let head = &head[..n];
     if head.starts_with(b"PK\x03\x04") || head.starts_with(b"PK\x05\x06") {
         return torch_zip::read(path, key);
     }
-    // A pickle's PROTO opcode: the legacy format starts with a pickled magic number.
-    if head.len() >= 2 && head[0] == 0x80 && (2..=5).contains(&head[1]) {
-        return Err(WeightsError::LegacyFormat {
-            path: path.to_owned(),
-        });
-    }
-    // safetensors: an 8-byte little-endian header length, then the JSON header.
-    if head.len() == 9 && head[8] == b'{' {
+    // safetensors: an 8-byte little-endian header length that fits the file, then the JSON
+    // header. Told before the legacy format: a length of 640 starts with `80 02` as well.
+    let header_fits = |h: &[u8]| {
+        let len = u64::from_le_bytes(h[..8].try_into().unwrap_or_default());
+        len <= file_len.saturating_sub(8)
+    };
+    if head.len() == 9 && head[8] == b'{' && header_fits(head) {
         if let Some(key) = key {
             return Err(WeightsError::NoEntry {
                 path: path.to_owned(),
@@ -439,6 +465,12 @@ fn read_state_dict_at(path: &Path, key: Option<&str>) -> Result<StateDict, Weigh
             });
         }
         return read_safetensors(path);
+    }
+    // A pickle's PROTO opcode: the legacy format starts with a pickled magic number.
+    if head.len() >= 2 && head[0] == 0x80 && (2..=5).contains(&head[1]) {
+        return Err(WeightsError::LegacyFormat {
+            path: path.to_owned(),
+        });
     }
     let reason = if head.is_empty() {
         "it is empty".to_string()
@@ -451,8 +483,13 @@ fn read_state_dict_at(path: &Path, key: Option<&str>) -> Result<StateDict, Weigh
     })
 }
 
-fn read_head(path: &Path, head: &mut [u8]) -> Result<usize, WeightsError> {
+/// Reads the first bytes of the file into `head`: how many, and the file's length.
+fn read_head(path: &Path, head: &mut [u8]) -> Result<(usize, u64), WeightsError> {
     let mut file = File::open(path).map_err(|e| WeightsError::io(path, e))?;
+    let file_len = file
+        .metadata()
+        .map_err(|e| WeightsError::io(path, e))?
+        .len();
     let mut n = 0;
     while n < head.len() {
         match file.read(&mut head[n..]) {
@@ -462,7 +499,7 @@ fn read_head(path: &Path, head: &mut [u8]) -> Result<usize, WeightsError> {
             Err(e) => return Err(WeightsError::io(path, e)),
         }
     }
-    Ok(n)
+    Ok((n, file_len))
 }
 
 fn read_safetensors(path: &Path) -> Result<StateDict, WeightsError> {

@@ -108,13 +108,17 @@ fn choose_entry<'u>(
             .iter()
             .find(|(k, _)| matches!(k, Value::Str(s) if &**s == key));
         let Some((_, value)) = found else {
-            let entries = top
-                .iter()
-                .map(|(k, _)| match k {
-                    Value::Str(s) => s.to_string(),
-                    other => format!("<{}>", other.describe()),
-                })
-                .collect();
+            // A state_dict's names are no entries: it is read without a key.
+            let entries = match state_dict_entries(top) {
+                Some(_) => Vec::new(),
+                None => top
+                    .iter()
+                    .map(|(k, _)| match k {
+                        Value::Str(s) => s.to_string(),
+                        other => format!("<{}>", other.describe()),
+                    })
+                    .collect(),
+            };
             return Err(WeightsError::NoEntry {
                 path: path.to_owned(),
                 key: key.to_string(),
@@ -256,9 +260,18 @@ impl<R: Read + Seek> Storages<'_, R> {
         };
         check_view(t, numel).map_err(bad)?;
         let storage = self.storage(name, &t.storage, kind, numel)?;
-        storage
-            .f_as_strided(&t.size, &t.stride, Some(t.offset))
-            .map_err(|e| bad(e.to_string()))
+        let view = storage.f_as_strided(&t.size, &t.stride, Some(t.offset));
+        // The storage holds the values before the lazy conjugation (a no-op on real numbers)
+        // and negation that the metadata records: applied here, into a copy.
+        let view = match view {
+            Ok(v) if t.conj && super::is_complex(kind) => v.f_conj_physical(),
+            view => view,
+        };
+        let view = match view {
+            Ok(v) if t.neg => v.f_neg(),
+            view => view,
+        };
+        view.map_err(|e| bad(e.to_string()))
     }
 
     fn storage(

@@ -5,7 +5,7 @@ use std::rc::Rc;
 
 use super::globals::resolve_global;
 use super::rebuild::{persistent_load, reduce};
-use super::{Arena, Fault, PickleError, Value};
+use super::{Arena, Fault, PickleError, Tuple, Value, MAX_DEPTH};
 
 /// Runs `bytes` to its `STOP`: the top value, and the arena its lists and dicts live in.
 pub(super) fn run(bytes: &[u8]) -> Result<(Value, Arena)> {
@@ -319,10 +319,10 @@ impl<'a> Machine<'a> {
                     self.stack.push(Value::Bytes(bytes.into()));
                 }
                 // Tuples.
-                b')' => self.stack.push(Value::Tuple(Rc::from(Vec::new()))),
+                b')' => self.push_tuple(Vec::new())?,
                 b't' => {
                     let items = self.pop_mark()?;
-                    self.stack.push(Value::Tuple(items.into()));
+                    self.push_tuple(items)?;
                 }
                 0x85..=0x87 => {
                     let n = usize::from(op - 0x84);
@@ -330,7 +330,7 @@ impl<'a> Machine<'a> {
                         return self.malformed("the stack is empty");
                     }
                     let items = self.stack.split_off(self.stack.len() - n);
-                    self.stack.push(Value::Tuple(items.into()));
+                    self.push_tuple(items)?;
                 }
                 // Lists and sets (a set is read as a list: only its items matter here).
                 b']' | 0x8f => {
@@ -451,7 +451,17 @@ impl<'a> Machine<'a> {
                 reason,
             },
             Fault::Unsupported(what) => PickleError::Unsupported(what),
+            Fault::TooDeep => PickleError::TooDeep {
+                at: self.op_at,
+                limit: MAX_DEPTH,
+            },
         }
+    }
+
+    fn push_tuple(&mut self, items: Vec<Value>) -> Result<()> {
+        let tuple = Tuple::new(items).map_err(|f| self.fault(f))?;
+        self.stack.push(Value::Tuple(tuple));
+        Ok(())
     }
 
     fn extend_list(&mut self, items: Vec<Value>) -> Result<()> {

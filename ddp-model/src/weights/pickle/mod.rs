@@ -10,8 +10,13 @@
 //! builds one of the [`Value`]s below.
 //!
 //! Every length and index in the stream is checked against what is there, so a truncated or
-//! hostile stream ends in [`PickleError::Malformed`], never in a panic.
+//! hostile stream ends in [`PickleError::Malformed`], never in a panic. Tuples, the one value
+//! that nests (lists and dicts are held by index), nest at most [`MAX_DEPTH`] deep, so that
+//! dropping, formatting or hashing one cannot overflow the stack, and a dict finds a repeated
+//! key through a hash map, so that a crafted dict of many keys costs linear time.
 
+use std::collections::hash_map::{Entry, HashMap};
+use std::ops::Deref;
 use std::rc::Rc;
 
 use tch::Kind;
@@ -30,6 +35,15 @@ pub enum PickleError {
     /// dense tensors does not need.
     #[error("uses {0}, which this reader does not support")]
     Unsupported(String),
+    /// Tuples nest deeper than `limit`, which no checkpoint does (a state_dict nests them 2
+    /// deep): a crafted stream, refused before its depth can overflow the stack.
+    #[error("nests tuples more than {limit} deep (at byte {at})")]
+    TooDeep {
+        /// Offset of the opcode that would nest one more.
+        at: usize,
+        /// The deepest nesting read: 1000.
+        limit: usize,
+    },
     /// The stream is not a valid pickle.
     #[error("is not a valid pickle at byte {at}: {reason}")]
     Malformed {
@@ -40,11 +54,17 @@ pub enum PickleError {
     },
 }
 
+/// How deep tuples may nest: far above any checkpoint's 2 or 3, and within a 2 MiB thread's
+/// stack for the recursive drop of a tuple (about 200 KiB at this depth in a debug build)
+/// and its derived `Debug` (about 1 MiB; for tests). A dict key's hash walks 64 values.
+const MAX_DEPTH: usize = 1000;
+
 /// What went wrong in a step of the machine, before the machine adds the stream position.
 #[derive(Debug)]
 enum Fault {
     Malformed(String),
     Unsupported(String),
+    TooDeep,
 }
 
 /// The element type of a storage or a `torch.<dtype>` global: a tch kind, or the name of a
@@ -56,7 +76,8 @@ pub(super) enum Element {
 }
 
 /// A storage named by a persistent id: `('storage', type, key, location, numel)`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
+#[cfg_attr(test, derive(PartialEq))]
 pub(super) struct StorageRef {
     /// `None` for an `UntypedStorage` (bytes; the tensor gives the dtype).
     pub element: Option<Element>,
@@ -67,7 +88,8 @@ pub(super) struct StorageRef {
 }
 
 /// A tensor as `_rebuild_tensor*` describes it: a strided view of a storage.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
+#[cfg_attr(test, derive(PartialEq))]
 pub(super) struct TensorRef {
     pub storage: Rc<StorageRef>,
     /// The dtype of `_rebuild_tensor_v3` (the storage is then untyped).
@@ -75,6 +97,10 @@ pub(super) struct TensorRef {
     pub offset: i64,
     pub size: Vec<i64>,
     pub stride: Vec<i64>,
+    /// The metadata's lazy `neg` and `conj` bits: the storage holds the values before
+    /// negation or conjugation.
+    pub neg: bool,
+    pub conj: bool,
 }
 
 /// The allowed globals.
@@ -96,8 +122,9 @@ pub(super) enum Global {
 
 /// A value on the machine's stack. Lists and dicts live in an [`Arena`] so that the memo and
 /// the stack share them, as Python's objects are shared; everything else is immutable and
-/// cheap to clone.
-#[derive(Debug, Clone, PartialEq)]
+/// cheap to clone. Equality is for the tests: it walks shared tuples as often as they occur.
+#[derive(Debug, Clone)]
+#[cfg_attr(test, derive(PartialEq))]
 pub(super) enum Value {
     None,
     Bool(bool),
@@ -105,7 +132,7 @@ pub(super) enum Value {
     Float(f64),
     Str(Rc<str>),
     Bytes(Rc<[u8]>),
-    Tuple(Rc<[Value]>),
+    Tuple(Tuple),
     List(usize),
     Dict(usize),
     Global(Global),
@@ -133,12 +160,98 @@ impl Value {
     }
 }
 
+/// A tuple's items (it derefs to them), and how deep tuples nest in it: 1 plus the deepest
+/// tuple among its items, at most [`MAX_DEPTH`].
+#[derive(Debug, Clone)]
+#[cfg_attr(test, derive(PartialEq))]
+pub(super) struct Tuple {
+    items: Rc<[Value]>,
+    depth: usize,
+}
+
+impl Tuple {
+    fn new(items: Vec<Value>) -> Result<Self, Fault> {
+        let inner = items.iter().map(|v| match v {
+            Value::Tuple(t) => t.depth,
+            _ => 0,
+        });
+        let depth = inner.max().unwrap_or(0) + 1;
+        if depth > MAX_DEPTH {
+            return Err(Fault::TooDeep);
+        }
+        Ok(Self {
+            items: items.into(),
+            depth,
+        })
+    }
+}
+
+impl Deref for Tuple {
+    type Target = [Value];
+
+    fn deref(&self) -> &[Value] {
+        &self.items
+    }
+}
+
+/// A dict key as Python compares it, for the keys a checkpoint uses: `None`, numbers (`True
+/// == 1 == 1.0`), strings, bytes, and small tuples of these. Other keys are not looked up:
+/// each stays an entry of its own.
+#[derive(Debug, PartialEq, Eq, Hash)]
+enum Key {
+    None,
+    Int(i64),
+    Float(u64),
+    Str(Rc<str>),
+    Bytes(Rc<[u8]>),
+    Tuple(Vec<Key>),
+}
+
+impl Key {
+    /// The key of `v`, if it is one; a tuple key may hold at most 64 values in all.
+    fn of(v: &Value) -> Option<Key> {
+        Self::within(v, &mut 64)
+    }
+
+    fn within(v: &Value, budget: &mut usize) -> Option<Key> {
+        *budget = budget.checked_sub(1)?;
+        Some(match v {
+            Value::None => Key::None,
+            Value::Bool(b) => Key::Int(i64::from(*b)),
+            Value::Int(i) => Key::Int(*i),
+            // An integral float is the int (`-0.0` too); NaN equals nothing.
+            Value::Float(f) if f.fract() == 0.0 && (-I64_END..I64_END).contains(f) => {
+                Key::Int(*f as i64)
+            }
+            Value::Float(f) if !f.is_nan() => Key::Float(f.to_bits()),
+            Value::Str(s) => Key::Str(s.clone()),
+            Value::Bytes(b) => Key::Bytes(b.clone()),
+            Value::Tuple(t) => Key::Tuple(
+                t.iter()
+                    .map(|i| Self::within(i, budget))
+                    .collect::<Option<_>>()?,
+            ),
+            _ => return None,
+        })
+    }
+}
+
+/// 2^63: the floats below it and at or above its negation are i64s.
+const I64_END: f64 = 9_223_372_036_854_775_808.0;
+
+/// A dict's entries in insertion order, and where each key's entry is.
+#[derive(Debug, Default)]
+struct Dict {
+    entries: Vec<(Value, Value)>,
+    index: HashMap<Key, usize>,
+}
+
 /// The lists (sets too) and dicts of one stream, by the index their [`Value`] holds. Dicts
 /// keep insertion order, and a repeated key replaces the value in place, as in Python.
 #[derive(Debug, Default)]
 pub(super) struct Arena {
     lists: Vec<Vec<Value>>,
-    dicts: Vec<Vec<(Value, Value)>>,
+    dicts: Vec<Dict>,
 }
 
 impl Arena {
@@ -148,7 +261,7 @@ impl Arena {
     }
 
     fn new_dict(&mut self) -> Value {
-        self.dicts.push(Vec::new());
+        self.dicts.push(Dict::default());
         Value::Dict(self.dicts.len() - 1)
     }
 
@@ -157,6 +270,13 @@ impl Arena {
             .get(id)
             .map(Vec::as_slice)
             .ok_or_else(|| Fault::Malformed(format!("list {id} does not exist")))
+    }
+
+    fn dict(&self, id: usize) -> Result<&[(Value, Value)], Fault> {
+        self.dicts
+            .get(id)
+            .map(|d| d.entries.as_slice())
+            .ok_or_else(|| Fault::Malformed(format!("dict {id} does not exist")))
     }
 
     fn list_mut(&mut self, id: usize) -> Result<&mut Vec<Value>, Fault> {
@@ -176,9 +296,14 @@ impl Arena {
             .ok_or_else(|| Fault::Malformed(format!("dict {id} does not exist")))?;
         let mut items = items.into_iter();
         while let (Some(k), Some(v)) = (items.next(), items.next()) {
-            match dict.iter_mut().find(|(key, _)| *key == k) {
-                Some(entry) => entry.1 = v,
-                None => dict.push((k, v)),
+            let at = dict.entries.len();
+            match Key::of(&k).map(|key| dict.index.entry(key)) {
+                Some(Entry::Occupied(e)) => dict.entries[*e.get()].1 = v,
+                Some(Entry::Vacant(e)) => {
+                    e.insert(at);
+                    dict.entries.push((k, v));
+                }
+                None => dict.entries.push((k, v)),
             }
         }
         Ok(())
@@ -196,7 +321,7 @@ impl Unpickled {
     /// The entries of a dict value.
     pub fn dict(&self, value: &Value) -> Option<&[(Value, Value)]> {
         match value {
-            Value::Dict(id) => self.arena.dicts.get(*id).map(Vec::as_slice),
+            Value::Dict(id) => self.arena.dict(*id).ok(),
             _ => None,
         }
     }
@@ -275,6 +400,129 @@ mod tests {
                 unpickle(bytes)
             );
         }
+    }
+
+    /// `()` nested `depth` deep by TUPLE1.
+    fn nested_tuple(depth: usize) -> Vec<u8> {
+        let mut p = b"\x80\x02)".to_vec();
+        p.resize(p.len() + depth - 1, 0x85);
+        p.push(b'.');
+        p
+    }
+
+    #[test]
+    fn tuples_nested_past_the_limit_are_refused_not_overflowing_the_stack() {
+        // A million deep: read whole, dropping it would overflow any thread's stack.
+        let err = unpickle(&nested_tuple(1_000_000)).unwrap_err();
+        assert_eq!(
+            err,
+            PickleError::TooDeep {
+                at: 1002,
+                limit: 1000
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "nests tuples more than 1000 deep (at byte 1002)"
+        );
+        // The same by MARK ... TUPLE.
+        let mut p = b"\x80\x02".to_vec();
+        p.extend(std::iter::repeat_n(b'(', 2000));
+        p.extend(std::iter::repeat_n(b't', 2000));
+        p.push(b'.');
+        let err = unpickle(&p).unwrap_err();
+        assert!(
+            matches!(err, PickleError::TooDeep { at: 3002, .. }),
+            "{err:?}"
+        );
+        // At the limit, on a 2 MiB stack: read, formatted, compared and dropped.
+        let at_limit = || {
+            let u = unpickle(&nested_tuple(MAX_DEPTH)).unwrap();
+            let Value::Tuple(t) = &u.value else {
+                panic!("{}", u.value.describe())
+            };
+            assert_eq!(t.depth, MAX_DEPTH);
+            assert!(format!("{u:?}").len() > MAX_DEPTH);
+            assert_eq!(u.value, u.value.clone());
+        };
+        let thread = std::thread::Builder::new().stack_size(2 << 20);
+        thread.spawn(at_limit).unwrap().join().unwrap();
+    }
+
+    #[test]
+    fn dict_keys_are_python_s_last_wins_in_insertion_order() {
+        // `{1: 'a', 'x': 2, True: 'b', 1.0: 'c', (1, 'x'): 3, b'x': 5, (True, 'x'): 4,
+        // nan: 6, nan: 7, 2.5: 8, 2.5: 9}` by one SETITEMS, which Python's pickle reads as
+        // `{1: 'c', 'x': 2, (1, 'x'): 4, b'x': 5, nan: 6, nan: 7, 2.5: 9}`.
+        let s = |t: &str| [b"X\x01\x00\x00\x00", t.as_bytes()].concat();
+        let f = |x: f64| [&b"G"[..], &x.to_be_bytes()].concat();
+        let mut p = b"\x80\x02}(K\x01".to_vec();
+        for part in [
+            s("a"),
+            s("x"),
+            b"K\x02\x88".to_vec(),
+            s("b"),
+            f(1.0),
+            s("c"),
+            b"K\x01".to_vec(),
+            s("x"),
+            b"\x86K\x03C\x01xK\x05\x88".to_vec(),
+            s("x"),
+            b"\x86K\x04".to_vec(),
+            f(f64::NAN),
+            b"K\x06".to_vec(),
+            f(f64::NAN),
+            b"K\x07".to_vec(),
+            f(2.5),
+            b"K\x08".to_vec(),
+            f(2.5),
+            b"K\x09u.".to_vec(),
+        ] {
+            p.extend(part);
+        }
+        let u = unpickle(&p).unwrap();
+        let dict = u.dict(&u.value).unwrap();
+        let values: Vec<String> = dict
+            .iter()
+            .map(|(k, v)| match v {
+                Value::Str(s) => format!("{} {s}", k.describe()),
+                Value::Int(i) => format!("{} {i}", k.describe()),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(dict[0].0, Value::Int(1), "the first key stays");
+        assert_eq!(
+            values,
+            [
+                "an int c",
+                "a str 2",
+                "a tuple 4",
+                "bytes 5",
+                "a float 6",
+                "a float 7",
+                "a float 9"
+            ]
+        );
+        // Many keys, each set twice: one entry each, the last value, the first order.
+        let n = 20_000u32;
+        let mut p = b"\x80\x02}".to_vec();
+        for round in [0u8, 1] {
+            p.push(b'(');
+            for i in 0..n {
+                p.push(b'J');
+                p.extend((i * 7919 % n).to_le_bytes());
+                p.extend([b'K', round]);
+            }
+            p.push(b'u');
+        }
+        p.push(b'.');
+        let u = unpickle(&p).unwrap();
+        let dict = u.dict(&u.value).unwrap();
+        assert_eq!(dict.len(), n as usize);
+        assert!(dict
+            .iter()
+            .enumerate()
+            .all(|(i, kv)| *kv == (Value::Int(i64::from(i as u32 * 7919 % n)), Value::Int(1))));
     }
 
     #[test]

@@ -65,17 +65,23 @@ pub(super) fn reduce(arena: &mut Arena, callable: Value, args: &[Value]) -> Resu
             }
             Ok(dict)
         }
-        (Global::RebuildTensor, [storage, offset, size, stride])
-        | (Global::RebuildTensorV2, [storage, offset, size, stride, _, _])
-        | (Global::RebuildTensorV2, [storage, offset, size, stride, _, _, _]) => {
-            tensor(storage, offset, size, stride, None)
+        (Global::RebuildTensor, [storage, offset, size, stride]) => {
+            tensor(storage, offset, size, stride, None, (false, false))
         }
-        (Global::RebuildTensorV3, [storage, offset, size, stride, _, _, dtype])
-        | (Global::RebuildTensorV3, [storage, offset, size, stride, _, _, dtype, _]) => {
+        (Global::RebuildTensorV2, [storage, offset, size, stride, _, _, metadata @ ..])
+            if metadata.len() <= 1 =>
+        {
+            let bits = neg_conj(arena, metadata.first())?;
+            tensor(storage, offset, size, stride, None, bits)
+        }
+        (Global::RebuildTensorV3, [storage, offset, size, stride, _, _, dtype, metadata @ ..])
+            if metadata.len() <= 1 =>
+        {
             let Value::Global(Global::Dtype(element)) = dtype else {
                 return malformed("_rebuild_tensor_v3 needs a dtype");
             };
-            tensor(storage, offset, size, stride, Some(element.clone()))
+            let bits = neg_conj(arena, metadata.first())?;
+            tensor(storage, offset, size, stride, Some(element.clone()), bits)
         }
         (Global::RebuildParameter, [tensor @ Value::Tensor(_), _, _])
         | (Global::RebuildParameterWithState, [tensor @ Value::Tensor(_), _, _, _]) => {
@@ -109,12 +115,34 @@ pub(super) fn reduce(arena: &mut Arena, callable: Value, args: &[Value]) -> Resu
     }
 }
 
+/// The lazy `neg` and `conj` bits of `_rebuild_tensor_v2`'s (or v3's) metadata argument, a
+/// dict such as `{'neg': True}`: like torch's `setTensorMetadata`, a key sets its bit.
+fn neg_conj(arena: &Arena, metadata: Option<&Value>) -> Result<(bool, bool), Fault> {
+    let entries = match metadata {
+        None | Some(Value::None) => return Ok((false, false)),
+        Some(Value::Dict(id)) => arena.dict(*id)?,
+        Some(other) => {
+            return malformed(format!(
+                "a tensor's metadata is {}, not a dict",
+                other.describe()
+            ))
+        }
+    };
+    let has = |bit: &str| {
+        entries
+            .iter()
+            .any(|(k, _)| matches!(k, Value::Str(s) if &**s == bit))
+    };
+    Ok((has("neg"), has("conj")))
+}
+
 fn tensor(
     storage: &Value,
     offset: &Value,
     size: &Value,
     stride: &Value,
     element: Option<Element>,
+    (neg, conj): (bool, bool),
 ) -> Result<Value, Fault> {
     let Value::Storage(storage) = storage else {
         return malformed(format!(
@@ -143,5 +171,7 @@ fn tensor(
         offset,
         size: ints(size, "size")?,
         stride: ints(stride, "stride")?,
+        neg,
+        conj,
     })))
 }
