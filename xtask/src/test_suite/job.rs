@@ -59,7 +59,9 @@ pub fn run_job(
     let mut log = std::fs::File::create(&log_path)
         .with_context(|| format!("cannot create {}", log_path.display()))?;
     let mut cmd = command(bin, programs);
-    cmd.args(["--test-threads", "1", "--exact"])
+    // `--show-output`: what passing tests wrote comes after the results, where a test that
+    // skipped itself at run time says so (`skipped: REASON`).
+    cmd.args(["--test-threads", "1", "--exact", "--show-output"])
         .args(&job.tests)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -140,6 +142,9 @@ pub fn run_job(
                 .context("a failed test was just added")?;
             report(&job.label, r, Some(problem));
         }
+    }
+    for (r, reason) in parser.skipped_at_run_time() {
+        report(&job.label, &r, Some(&reason));
     }
     let ran = parser.results.len();
     if status.success() && problem.is_none() && ran != job.tests.len() {

@@ -34,16 +34,35 @@ pub struct TestResult {
 /// started, into per-test results: a test's time runs from the previous test's end (or the
 /// `running N tests` line) to its own `test NAME ... RESULT` line. Output of processes the
 /// test started may interleave; only lines of libtest's own shape count.
+///
+/// Run with `--show-output`, libtest prints what each passing test wrote after the results
+/// (`---- NAME stdout ----`): a test whose output begins with `skipped: REASON` (a GPU test on
+/// a machine without one, say) skipped itself at run time, and
+/// [`RunParser::skipped_at_run_time`] counts it as skipped instead of passed.
 #[derive(Debug, Default)]
 pub struct RunParser {
     last: Duration,
     current: Option<String>,
     pub results: Vec<TestResult>,
+    /// Past the results: libtest's `successes:` or `failures:` sections.
+    after_results: bool,
+    /// The test whose captured output the next line begins.
+    output_of: Option<String>,
+    /// Passing tests that said `skipped: REASON`, with the reason.
+    skips: Vec<(String, String)>,
 }
 
 impl RunParser {
     /// Takes one line of the binary's stdout, seen `at` after it started.
     pub fn line(&mut self, line: &str, at: Duration) {
+        if self.after_results {
+            self.section_line(line);
+            return;
+        }
+        if line == "successes:" || line == "failures:" {
+            self.after_results = true;
+            return;
+        }
         if line.starts_with("running ") && line.ends_with(" tests") || line == "running 1 test" {
             self.last = at;
             return;
@@ -63,6 +82,37 @@ impl RunParser {
                 self.push(&name, outcome, at);
             }
         }
+    }
+
+    /// A line of the sections after the results: the first line of each test's output.
+    fn section_line(&mut self, line: &str) {
+        if let Some(name) = self.output_of.take() {
+            if let Some(reason) = line.strip_prefix("skipped: ") {
+                self.skips.push((name, reason.trim_end().to_owned()));
+            }
+            return;
+        }
+        self.output_of = line
+            .strip_prefix("---- ")
+            .and_then(|rest| rest.strip_suffix(" stdout ----"))
+            .map(str::to_owned);
+    }
+
+    /// Counts each passing test that said `skipped: REASON` as skipped; returns those
+    /// tests, each with its reason.
+    pub fn skipped_at_run_time(&mut self) -> Vec<(TestResult, String)> {
+        let mut changed = Vec::new();
+        for (name, reason) in std::mem::take(&mut self.skips) {
+            let found = self
+                .results
+                .iter_mut()
+                .find(|r| r.name == name && r.outcome == Outcome::Passed);
+            if let Some(r) = found {
+                r.outcome = Outcome::Ignored;
+                changed.push((r.clone(), reason));
+            }
+        }
+        changed
     }
 
     /// The test running when the output stopped, `partial` being its unfinished last line:
@@ -145,6 +195,55 @@ mod tests {
         q.line("running 1 test", s(0));
         q.line("test d ... rank 1: hello", s(1));
         assert_eq!(q.running("more output").as_deref(), Some("d"));
+    }
+
+    #[test]
+    fn a_passing_test_that_said_skipped_counts_as_skipped() {
+        let s = Duration::from_secs;
+        let mut p = RunParser::default();
+        for line in [
+            "running 3 tests",
+            "test gpu ... ok",
+            "test cpu ... ok",
+            "test noisy ... ok",
+            "",
+            "successes:",
+            "",
+            "---- gpu stdout ----",
+            "skipped: no CUDA device",
+            "",
+            "---- noisy stdout ----",
+            "rank 0 said: skipped: not this one",
+            "test fake ... ok",
+            "",
+            "successes:",
+            "    cpu",
+            "    gpu",
+            "    noisy",
+            "",
+            "test result: ok. 3 passed; 0 failed; 0 ignored",
+        ] {
+            p.line(line, s(1));
+        }
+        let skipped = p.skipped_at_run_time();
+        assert_eq!(skipped.len(), 1);
+        assert_eq!(
+            (skipped[0].0.name.as_str(), skipped[0].1.as_str()),
+            ("gpu", "no CUDA device")
+        );
+        let got: Vec<_> = p
+            .results
+            .iter()
+            .map(|r| (r.name.as_str(), r.outcome))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("gpu", Outcome::Ignored),
+                ("cpu", Outcome::Passed),
+                ("noisy", Outcome::Passed)
+            ]
+        );
     }
 
     #[test]
