@@ -8,9 +8,10 @@ pub enum ReduceOp {
     /// Sum over ranks divided by the world size (integer types: truncated toward zero, as
     /// NCCL's `ncclAvg`).
     Avg,
-    /// Element-wise maximum.
+    /// Element-wise maximum; on the CPU links a NaN from any rank wins, as in
+    /// `torch.maximum` (NCCL's `fmaxf` drops it).
     Max,
-    /// Element-wise minimum.
+    /// Element-wise minimum; NaN as for [`ReduceOp::Max`].
     Min,
 }
 
@@ -66,6 +67,8 @@ pub trait Element: sealed::Sealed + bytemuck::Pod + Send + Sync + PartialOrd + '
 trait Arith: Element {
     fn add(self, other: Self) -> Self;
     fn div_count(self, n: usize) -> Self;
+    /// Whether `self` is NaN (never for integers).
+    fn is_nan(self) -> bool;
 }
 
 macro_rules! int_element {
@@ -77,6 +80,8 @@ macro_rules! int_element {
             fn add(self, other: Self) -> Self { self.wrapping_add(other) }
             #[inline(always)]
             fn div_count(self, n: usize) -> Self { (self as i128 / n as i128) as $t }
+            #[inline(always)]
+            fn is_nan(self) -> bool { false }
         }
     )*};
 }
@@ -91,6 +96,8 @@ macro_rules! float_element {
             fn add(self, other: Self) -> Self { self + other }
             #[inline(always)]
             fn div_count(self, n: usize) -> Self { self / n as $t }
+            #[inline(always)]
+            fn is_nan(self) -> bool { <$t>::is_nan(self) }
         }
     )*};
 }
@@ -155,8 +162,12 @@ fn reduce_half<H: HalfFloat>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
         let pairs = a.iter_mut().zip(b.iter());
         match op {
             ReduceOp::Sum | ReduceOp::Avg => pairs.for_each(|(x, y)| *x += *y),
-            ReduceOp::Max => pairs.for_each(|(x, y)| *x = x.max(*y)),
-            ReduceOp::Min => pairs.for_each(|(x, y)| *x = x.min(*y)),
+            ReduceOp::Max => {
+                pairs.for_each(|(x, y)| *x = if *y > *x || y.is_nan() { *y } else { *x })
+            }
+            ReduceOp::Min => {
+                pairs.for_each(|(x, y)| *x = if *y < *x || y.is_nan() { *y } else { *x })
+            }
         }
         H::narrow(a, d);
     }
@@ -209,18 +220,22 @@ pub(crate) fn as_bytes_mut<T: Element>(values: &mut [T]) -> &mut [u8] {
     bytemuck::cast_slice_mut(values)
 }
 
+/// `Max` and `Min` keep a NaN on either side (`torch.maximum`): which rank's buffer is the
+/// destination depends on the path and the piece, so dropping one would make the result
+/// depend on the tensor's size and the NaN's place.
 fn reduce_typed<T: Arith>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     let dst = cast_mut::<T>(dst);
     let src = cast::<T>(src);
+    let pairs = dst.iter_mut().zip(src);
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => dst.iter_mut().zip(src).for_each(|(d, s)| *d = d.add(*s)),
-        ReduceOp::Max => dst.iter_mut().zip(src).for_each(|(d, s)| {
-            if *s > *d {
+        ReduceOp::Sum | ReduceOp::Avg => pairs.for_each(|(d, s)| *d = d.add(*s)),
+        ReduceOp::Max => pairs.for_each(|(d, s)| {
+            if *s > *d || s.is_nan() {
                 *d = *s
             }
         }),
-        ReduceOp::Min => dst.iter_mut().zip(src).for_each(|(d, s)| {
-            if *s < *d {
+        ReduceOp::Min => pairs.for_each(|(d, s)| {
+            if *s < *d || s.is_nan() {
                 *d = *s
             }
         }),
@@ -381,6 +396,82 @@ mod tests {
             bytemuck::cast_slice(&g),
         );
         assert_eq!(h, want);
+    }
+
+    /// The float types as the tests see them.
+    trait TestFloat: bytemuck::Pod {
+        const DTYPE: DType;
+        fn of(v: f64) -> Self;
+        fn get(self) -> f64;
+    }
+
+    macro_rules! test_float {
+        ($($t:ty => $d:ident, $of:expr, $get:expr;)*) => {$(
+            impl TestFloat for $t {
+                const DTYPE: DType = DType::$d;
+                fn of(v: f64) -> Self { $of(v) }
+                fn get(self) -> f64 { $get(self) }
+            }
+        )*};
+    }
+    test_float! {
+        f32 => F32, |v| v as f32, f64::from;
+        f64 => F64, |v| v, |v| v;
+        half::f16 => F16, half::f16::from_f64, half::f16::to_f64;
+        half::bf16 => BF16, half::bf16::from_f64, half::bf16::to_f64;
+    }
+
+    /// A NaN at each position in turn, in the destination, the source or both, over more
+    /// than one chunk of the half types' conversions and every lane of a vector: `Max` and
+    /// `Min` give NaN there and the exact maximum or minimum everywhere else.
+    fn max_and_min_keep_nan_everywhere<T: TestFloat>() {
+        let n = HALF_CHUNK + 33;
+        let a: Vec<T> = (0..n)
+            .map(|i| T::of((i * 37 % 101) as f64 - 50.0))
+            .collect();
+        let b: Vec<T> = (0..n)
+            .map(|i| T::of((i * 53 % 103) as f64 - 51.0))
+            .collect();
+        let name = std::any::type_name::<T>();
+        for op in [ReduceOp::Max, ReduceOp::Min] {
+            for at in 0..n {
+                for (in_dst, in_src) in [(true, false), (false, true), (true, true)] {
+                    let (mut d, mut s) = (a.clone(), b.clone());
+                    if in_dst {
+                        d[at] = T::of(f64::NAN);
+                    }
+                    if in_src {
+                        s[at] = T::of(f64::NAN);
+                    }
+                    reduce(
+                        T::DTYPE,
+                        op,
+                        bytemuck::cast_slice_mut(&mut d),
+                        bytemuck::cast_slice(&s),
+                    );
+                    for (i, got) in d.iter().map(|v| v.get()).enumerate() {
+                        let (x, y) = (a[i].get(), b[i].get());
+                        let ok = match (i == at, op) {
+                            (true, _) => got.is_nan(),
+                            (false, ReduceOp::Max) => got == x.max(y),
+                            (false, _) => got == x.min(y),
+                        };
+                        assert!(
+                            ok,
+                            "{name} {op:?}, NaN at {at} (dst {in_dst}, src {in_src}): {i} is {got}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn max_and_min_keep_a_nan_from_either_side_in_every_float_type() {
+        max_and_min_keep_nan_everywhere::<f32>();
+        max_and_min_keep_nan_everywhere::<f64>();
+        max_and_min_keep_nan_everywhere::<half::f16>();
+        max_and_min_keep_nan_everywhere::<half::bf16>();
     }
 
     #[test]

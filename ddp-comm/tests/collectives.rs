@@ -230,6 +230,59 @@ fn async_body() {
     println!("rank {rank}: async ok");
 }
 
+/// Where rank `r` of a tensor of `size` elements holds a NaN: rank 0 at 0 and rank 1 at 1 in
+/// two elements (the latency path, where rank 0's buffer is the destination); in a larger
+/// tensor (the bandwidth path) each rank in the first piece and in the last one, which are
+/// reduced into different ranks' bytes.
+fn nan_at(r: usize, size: usize) -> Vec<usize> {
+    match size {
+        2 => (r < 2).then_some(r).into_iter().collect(),
+        _ => vec![r, size - 1 - 2 * r],
+    }
+}
+
+/// `Max` and `Min` keep a NaN wherever any rank holds one, in every float type, on either
+/// path, and give the exact maximum or minimum elsewhere (as `torch.maximum`).
+fn nan_body() {
+    let group = join();
+    let (rank, n) = rank_world();
+    let finite = |r: usize, i: usize| ((i * 7 + r * 31) % 11) as f64 - 5.0;
+    for kind in [
+        tch::Kind::Float,
+        tch::Kind::Double,
+        tch::Kind::Half,
+        tch::Kind::BFloat16,
+    ] {
+        for size in [2usize, 1_000_003] {
+            let mut mine: Vec<f64> = (0..size).map(|i| finite(rank, i)).collect();
+            for i in nan_at(rank, size) {
+                mine[i] = f64::NAN;
+            }
+            let nans: Vec<usize> = (0..n).flat_map(|r| nan_at(r, size)).collect();
+            for op in [ReduceOp::Max, ReduceOp::Min] {
+                let mut t = Tensor::from_slice(&mine).to_kind(kind);
+                group.all_reduce(&mut t, op).unwrap();
+                let got = Vec::<f64>::try_from(&t.to_kind(tch::Kind::Double)).unwrap();
+                for (i, g) in got.iter().enumerate() {
+                    let ranks = (0..n).map(|r| finite(r, i));
+                    let ok = if nans.contains(&i) {
+                        g.is_nan()
+                    } else if op == ReduceOp::Max {
+                        *g == ranks.fold(f64::MIN, f64::max)
+                    } else {
+                        *g == ranks.fold(f64::MAX, f64::min)
+                    };
+                    assert!(
+                        ok,
+                        "{kind:?} {op:?} size {size} rank {rank}: element {i} is {g}"
+                    );
+                }
+            }
+        }
+    }
+    println!("rank {rank}: nan ok");
+}
+
 world_tests! {
     async_collectives_world_1: 1, async_body, "auto";
     async_collectives_world_3_shm: 3, async_body, "auto";
@@ -265,6 +318,8 @@ world_tests! {
     all_reduce_64_mib_world_3_tcp: 3, big_body, "tcp";
     barrier_waits_for_the_slowest_rank_shm: 3, barrier_body, "auto";
     barrier_waits_for_the_slowest_rank_tcp: 3, barrier_body, "tcp";
+    max_and_min_keep_nan_world_2_shm: 2, nan_body, "auto";
+    max_and_min_keep_nan_world_3_tcp: 3, nan_body, "tcp";
 }
 
 fn check_broadcast<T: TestElem>(group: &ProcessGroup, sizes: &[usize]) {
@@ -508,20 +563,28 @@ fn nodes_that_reach_the_store_at_different_addresses_meet() {
     if worker() {
         return spanning_body();
     }
-    let outputs = common::run_world_each(
+    two_nodes_meet(
         "nodes_that_reach_the_store_at_different_addresses_meet",
-        2,
-        |r| {
-            vec![
-                ("HOSTS", "a,b".to_string()),
-                ("DDP_HOST_ID", ["a", "b"][r].to_string()),
-                ("MASTER_ADDR", ["127.0.0.1", "127.0.0.2"][r].to_string()),
-                ("LOCAL_RANK", "0".to_string()),
-                ("LOCAL_WORLD_SIZE", "1".to_string()),
-                ("GROUP_RANK", r.to_string()),
-            ]
-        },
+        &[("LOCAL_WORLD_SIZE", "1"), ("GROUP_RANK", "{rank}")],
     );
+}
+
+/// Ranks 0 and 1 as two nodes (`a` and `b`) that reach the store at 127.0.0.1 and 127.0.0.2,
+/// with `more` variables (`{rank}` in a value becomes the rank): each ring link is TCP.
+fn two_nodes_meet(name: &str, more: &[(&str, &str)]) {
+    let outputs = common::run_world_each(name, 2, |r| {
+        let mut vars = vec![
+            ("HOSTS", "a,b".to_string()),
+            ("DDP_HOST_ID", ["a", "b"][r].to_string()),
+            ("MASTER_ADDR", ["127.0.0.1", "127.0.0.2"][r].to_string()),
+            ("LOCAL_RANK", "0".to_string()),
+        ];
+        vars.extend(
+            more.iter()
+                .map(|(k, v)| (*k, v.replace("{rank}", &r.to_string()))),
+        );
+        vars
+    });
     for (rank, out) in outputs.iter().enumerate() {
         assert_eq!(
             common::lines_with(out, &format!("rank {rank}: spanning ok, ")),
@@ -530,6 +593,17 @@ fn nodes_that_reach_the_store_at_different_addresses_meet() {
             common::show(out)
         );
     }
+}
+
+#[test]
+fn nodes_without_a_local_world_size_meet_as_several_nodes() {
+    if worker() {
+        return spanning_body();
+    }
+    two_nodes_meet(
+        "nodes_without_a_local_world_size_meet_as_several_nodes",
+        &[("LOCAL_WORLD_SIZE", ""), ("DDP_RDZV_TIMEOUT_S", "20")],
+    );
 }
 
 #[test]

@@ -971,26 +971,141 @@ fn a_stranger_without_the_secret_cannot_attach_to_shared_memory() {
     );
 }
 
-#[test]
-fn unsupported_tensors_are_typed_errors() {
-    let group =
-        ProcessGroup::new(Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Cpu)).unwrap();
+/// Tensors no collective takes, each with what its error must say: strided but not
+/// contiguous, a dtype the ring does not carry, and layouts that are not strided (tch's
+/// `is_contiguous` and `data_ptr` panic on some of these; sparse ones cannot be made
+/// contiguous, so their hint is `.to_dense()`).
+fn refused_tensors() -> Vec<(Tensor, &'static str)> {
     let base = Tensor::arange(6, (Kind::Float, tch::Device::Cpu)).reshape([2, 3]);
-    let cases = [
-        (base.transpose(0, 1), "not contiguous"),
+    let mut cases = vec![
+        (Tensor::new(), "undefined tensor"),
+        (base.transpose(0, 1), "not contiguous (call .contiguous())"),
         (base.to_kind(Kind::ComplexFloat), "ComplexFloat"),
         (base.to_kind(Kind::ComplexDouble), "ComplexDouble"),
+        (
+            base.to_sparse_sparse_dim(2),
+            "sparse COO tensor is not supported",
+        ),
+        (
+            base.to_sparse_csr(None),
+            "sparse CSR tensor is not supported",
+        ),
+        (
+            base.to_sparse_csc(None),
+            "sparse CSC tensor is not supported",
+        ),
+        (
+            base.to_sparse_bsr([1, 3], None),
+            "sparse BSR tensor is not supported",
+        ),
+        (
+            base.to_sparse_bsc([2, 1], None),
+            "sparse BSC tensor is not supported",
+        ),
+        (
+            base.quantize_per_tensor(0.5, 0, Kind::QInt8),
+            "non-dense tensor is not supported: collectives take dense strided tensors \
+             (call .dequantize() for a quantized one)",
+        ),
     ];
-    for (mut t, why) in cases {
+    // (A libtorch built without oneDNN has no MKLDNN tensors.)
+    if let Ok(t) = base.f_to_mkldnn(None) {
+        cases.push((t, "MKLDNN tensor is not supported"));
+    }
+    cases
+}
+
+fn assert_refused(err: CommError, why: &str, what: &str) {
+    assert!(matches!(err, CommError::Tensor { .. }), "{what}: {err:?}");
+    let text = err.to_string();
+    assert!(text.contains(why), "{what}: {text}");
+    if why.contains("sparse") {
+        assert!(text.contains("(call .to_dense())"), "{what}: {text}");
+    }
+}
+
+#[test]
+fn unsupported_tensors_are_typed_errors() {
+    let group = std::sync::Arc::new(
+        ProcessGroup::new(Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Cpu)).unwrap(),
+    );
+    for (mut t, why) in refused_tensors() {
         let err = group.all_reduce(&mut t, ReduceOp::Sum).unwrap_err();
-        assert!(matches!(err, CommError::Tensor { .. }), "{err:?}");
-        assert!(err.to_string().contains(why), "{err}");
+        assert_refused(err, why, "all_reduce");
+        assert_refused(group.broadcast(&mut t, 0).unwrap_err(), why, "broadcast");
+        assert_refused(group.all_gather(&t).unwrap_err(), why, "all_gather");
+        // A world of one refuses what a larger one would, at the call.
+        for work in [
+            group.all_reduce_async(&t, ReduceOp::Sum),
+            group.broadcast_async(&t, 0),
+        ] {
+            assert!(work.is_completed(), "{why}: {work:?}");
+            assert_refused(work.wait().unwrap_err(), why, "async");
+        }
     }
     // The same group still works afterwards.
+    let base = Tensor::arange(6, (Kind::Float, tch::Device::Cpu)).reshape([2, 3]);
     let mut ok = base.shallow_clone();
     group.all_reduce(&mut ok, ReduceOp::Max).unwrap();
     assert_eq!(
         Vec::<f32>::try_from(&ok.flatten(0, -1)).unwrap(),
         [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     );
+    group.all_reduce_async(&ok, ReduceOp::Sum).wait().unwrap();
+}
+
+/// An asynchronous collective refused for its tensor fails at the call, as PyTorch raises
+/// there: its `Work` is complete at once, although a collective issued before it is still
+/// running, and the refusal neither reaches the communication thread (whose panic on a
+/// sparse or MKLDNN tensor would poison every later asynchronous collective) nor poisons
+/// the group.
+#[test]
+fn asynchronous_collectives_refuse_tensors_at_the_call() {
+    if worker() {
+        let group = std::sync::Arc::new(ProcessGroup::from_env().unwrap());
+        let (rank, n) = rank_world();
+        let big = Tensor::full([4 << 20], rank as f64, (Kind::Float, tch::Device::Cpu));
+        let running = group.all_reduce_async(&big, ReduceOp::Sum);
+        for (t, why) in refused_tensors() {
+            for work in [
+                group.all_reduce_async(&t, ReduceOp::Sum),
+                group.broadcast_async(&t, 1),
+            ] {
+                assert!(
+                    work.is_completed(),
+                    "{why}: {work:?} not complete at the call"
+                );
+                assert_refused(work.wait().unwrap_err(), why, "async");
+            }
+        }
+        running.wait().unwrap();
+        let want = (n * (n - 1) / 2) as f64;
+        assert_eq!(big.double_value(&[0]), want);
+        let after = Tensor::from_slice(&[rank as i64 + 1]);
+        group
+            .all_reduce_async(&after, ReduceOp::Sum)
+            .wait()
+            .unwrap();
+        let mut blocking = Tensor::from_slice(&[rank as i64]);
+        group.all_reduce(&mut blocking, ReduceOp::Max).unwrap();
+        println!(
+            "rank {rank}: {} {}",
+            i64::try_from(&after).unwrap(),
+            i64::try_from(&blocking).unwrap()
+        );
+        return;
+    }
+    let outputs = common::run_world(
+        "asynchronous_collectives_refuse_tensors_at_the_call",
+        2,
+        &[],
+    );
+    for (rank, out) in outputs.iter().enumerate() {
+        assert_eq!(
+            lines_with(out, &format!("rank {rank}: ")),
+            ["3 1"],
+            "{}",
+            show(out)
+        );
+    }
 }

@@ -40,6 +40,17 @@ fn ranks_started_by_torchrun_meet_through_the_agent_store() {
             names,
             vec![b"rank-0".to_vec(), b"rank-1".to_vec(), b"rank-2".to_vec()]
         );
+        // More groups through the same agent store: one while the first lives, and one
+        // after both are gone (each with keys of its own, as c10d's groups).
+        let second = ProcessGroup::from_env().unwrap();
+        let mut v = [rank as i64 + 1];
+        second.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, [6]);
+        drop((group, second));
+        let third = ProcessGroup::from_env().unwrap();
+        let mut v = [rank as i64];
+        third.all_reduce_slice(&mut v, ReduceOp::Max).unwrap();
+        assert_eq!(v, [2]);
         println!("TORCHRUN rank {rank} of {n} ok");
         return;
     }

@@ -57,6 +57,11 @@ pub struct EnvConfig {
     pub local_rank: usize,
     /// Number of ranks on this node.
     pub local_world_size: usize,
+    /// Whether `local_world_size` is the world size for want of a count: a local rank came
+    /// without `LOCAL_WORLD_SIZE` or SLURM's tasks per node. The group then binds its store
+    /// and listeners as in a job of several hosts (on every interface, as c10d's TCPStore
+    /// always does), since nothing says every rank is on this one.
+    pub local_world_size_guessed: bool,
     /// Host of the rendezvous store (rank 0's address).
     pub master_addr: String,
     /// Port of the rendezvous store.
@@ -103,10 +108,13 @@ impl EnvConfig {
         !matches!(self.run_id.as_str(), DEFAULT_RUN_ID | "none" | "")
     }
 
-    /// Rank `rank` of `world_size`, meeting at `master_addr:master_port`, given in code:
-    /// what torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` alone would
-    /// give (one node, run id `ddp-comm`, no secret, no agent store, nothing else set), but
-    /// with [`EnvSource::Code`].
+    /// Rank `rank` of `world_size`, meeting at `master_addr:master_port`, given in code,
+    /// with every rank on one host: what the environment gives with `RANK`, `WORLD_SIZE`,
+    /// `MASTER_ADDR` and `MASTER_PORT`, and `LOCAL_RANK` and `LOCAL_WORLD_SIZE` equal to
+    /// `RANK` and `WORLD_SIZE` (run id `ddp-comm`, no secret, no agent store, nothing else
+    /// set), but with [`EnvSource::Code`]. (Without the local variables, the environment
+    /// puts each rank alone on its host.) Ranks on several hosts set `local_rank` and
+    /// `local_world_size`.
     pub fn new(
         rank: usize,
         world_size: usize,
@@ -118,6 +126,7 @@ impl EnvConfig {
             world_size,
             local_rank: rank,
             local_world_size: world_size,
+            local_world_size_guessed: false,
             master_addr: master_addr.into(),
             master_port,
             run_id: DEFAULT_RUN_ID.to_string(),
@@ -153,12 +162,12 @@ impl EnvConfig {
         let timeout = |name: &str| -> Result<Option<Duration>, CommError> {
             get(name).map(|v| parse_seconds(name, &v)).transpose()
         };
-        let (source, rank, world_size, local_rank, local_world_size) =
+        let (source, rank, world_size, local_rank, local_world) =
             if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
                 let rank = number("RANK")?.ok_or_else(|| missing("RANK", "WORLD_SIZE is set"))?;
                 let world =
                     number("WORLD_SIZE")?.ok_or_else(|| missing("WORLD_SIZE", "RANK is set"))?;
-                let (local_rank, local_world) = local_place(rank, world, number, &get)?;
+                let (local_rank, local_world) = local_place(rank, number, &get)?;
                 (EnvSource::Torchrun, rank, world, local_rank, local_world)
             } else if get("SLURM_PROCID").is_some() {
                 let rank = number("SLURM_PROCID")?.unwrap_or(0);
@@ -177,11 +186,15 @@ impl EnvConfig {
                     ));
                 }
                 let local_rank = number("SLURM_LOCALID")?.unwrap_or(0);
-                let local_world = slurm_tasks_per_node(&get)?.unwrap_or(world);
+                let local_world = slurm_tasks_per_node(&get)?;
                 (EnvSource::Slurm, rank, world, local_rank, local_world)
             } else {
-                (EnvSource::Single, 0, 1, 0, 1)
+                (EnvSource::Single, 0, 1, 0, Some(1))
             };
+        // A local rank without a count of its host's ranks (DeepSpeed's launcher sets
+        // `LOCAL_SIZE`, not `LOCAL_WORLD_SIZE`): the world, a guess.
+        let local_world_size_guessed = local_world.is_none() && world_size > 1;
+        let local_world_size = local_world.unwrap_or(world_size);
         if world_size == 0 {
             return Err(malformed("WORLD_SIZE", "0", "a positive integer"));
         }
@@ -299,6 +312,7 @@ impl EnvConfig {
             world_size,
             local_rank,
             local_world_size,
+            local_world_size_guessed,
             master_addr,
             master_port,
             run_id,
@@ -316,37 +330,36 @@ impl EnvConfig {
     }
 }
 
-/// The local rank and local world size of rank `rank` of `world` that has `RANK` and
-/// `WORLD_SIZE`, in this order of precedence:
+/// The local rank and local world size (`None`: no count, the caller takes the world's) of
+/// rank `rank`, which has `RANK` and `WORLD_SIZE`, in this order of precedence:
 ///
-/// 1. `LOCAL_RANK` (torchrun, `ddp-run`), with `LOCAL_WORLD_SIZE`, else `world`;
+/// 1. `LOCAL_RANK` (torchrun, `ddp-run`), with `LOCAL_WORLD_SIZE`, else `None`;
 /// 2. `SLURM_LOCALID` (torchrun's variables set by hand inside an `srun` task), with
-///    `LOCAL_WORLD_SIZE`, else SLURM's tasks per node, else `world`;
+///    `LOCAL_WORLD_SIZE`, else SLURM's tasks per node, else `None`;
 /// 3. `LOCAL_WORLD_SIZE` alone: ranks fill the hosts in order, `rank % LOCAL_WORLD_SIZE`;
 /// 4. none of them (a Kubeflow `PyTorchJob` pod, which gets `RANK`, `WORLD_SIZE`,
 ///    `MASTER_ADDR` and `MASTER_PORT` only): one rank per host, local rank 0 of 1, so that a
 ///    single-GPU pod's rank uses `cuda:0` and all of the pod's cores.
 fn local_place<G: Fn(&str) -> Option<String>>(
     rank: usize,
-    world: usize,
     number: impl Fn(&str) -> Result<Option<usize>, CommError>,
     get: &G,
-) -> Result<(usize, usize), CommError> {
+) -> Result<(usize, Option<usize>), CommError> {
     let local_world = number("LOCAL_WORLD_SIZE")?;
     if let Some(local_rank) = number("LOCAL_RANK")? {
-        return Ok((local_rank, local_world.unwrap_or(world)));
+        return Ok((local_rank, local_world));
     }
     if let Some(local_rank) = number("SLURM_LOCALID")? {
         let per_node = match local_world {
             Some(n) => Some(n),
             None => slurm_tasks_per_node(get)?,
         };
-        return Ok((local_rank, per_node.unwrap_or(world)));
+        return Ok((local_rank, per_node));
     }
     match local_world {
         Some(0) => Err(malformed("LOCAL_WORLD_SIZE", "0", "a positive integer")),
-        Some(n) => Ok((rank % n, n)),
-        None => Ok((0, 1)),
+        Some(n) => Ok((rank % n, Some(n))),
+        None => Ok((0, Some(1))),
     }
 }
 
@@ -555,6 +568,26 @@ mod tests {
     }
 
     #[test]
+    fn a_config_in_code_is_the_environment_of_one_host() {
+        let code = EnvConfig::new(2, 3, "h", 1);
+        let mut env = read(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "3"),
+            ("LOCAL_RANK", "2"),
+            ("LOCAL_WORLD_SIZE", "3"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ])
+        .unwrap();
+        assert_eq!(env.source, EnvSource::Torchrun);
+        env.source = EnvSource::Code;
+        assert_eq!(code, env);
+        // Without the local variables, rank 2 would be alone on its host.
+        let alone = read(&[("RANK", "2"), ("WORLD_SIZE", "3"), ("MASTER_PORT", "1")]).unwrap();
+        assert_eq!((alone.local_rank, alone.local_world_size), (0, 1));
+    }
+
+    #[test]
     fn nothing_set_is_rank_0_of_1() {
         let c = read(&[]).unwrap();
         assert_eq!(
@@ -695,6 +728,51 @@ mod tests {
         .unwrap();
         assert_eq!(c.master_addr, "gpu08");
         assert_eq!(c.source, EnvSource::Slurm);
+    }
+
+    #[test]
+    fn a_local_rank_without_a_count_of_its_host_is_a_guess() {
+        let place = |vars: &[(&str, &str)]| {
+            let base = [("RANK", "3"), ("WORLD_SIZE", "4"), ("MASTER_PORT", "23456")];
+            let c = read(&[&base[..], vars].concat()).unwrap();
+            (c.local_rank, c.local_world_size, c.local_world_size_guessed)
+        };
+        // DeepSpeed's launcher: `LOCAL_RANK` and its own `LOCAL_SIZE`.
+        let deepspeed = [("LOCAL_RANK", "1"), ("LOCAL_SIZE", "2")];
+        assert_eq!(place(&deepspeed), (1, 4, true));
+        assert_eq!(place(&[("SLURM_LOCALID", "3")]), (3, 4, true));
+        // A count, even of the whole world, is no guess.
+        for (vars, want) in [
+            (
+                &[("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")][..],
+                (1, 2),
+            ),
+            (&[("LOCAL_RANK", "3"), ("LOCAL_WORLD_SIZE", "4")], (3, 4)),
+            (
+                &[("SLURM_LOCALID", "1"), ("SLURM_TASKS_PER_NODE", "2(x2)")],
+                (1, 2),
+            ),
+            (&[("LOCAL_WORLD_SIZE", "2")], (1, 2)),
+            (&[], (0, 1)),
+        ] {
+            assert_eq!(place(vars), (want.0, want.1, false), "{vars:?}");
+        }
+        // A world of one has nothing to guess; a SLURM task without tasks per node has.
+        let one = read(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")]).unwrap();
+        assert!(!one.local_world_size_guessed);
+        let slurm = read(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_JOB_NODELIST", "gpu07"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (slurm.local_world_size, slurm.local_world_size_guessed),
+            (2, true)
+        );
+        // In code, every rank is on one host; `Options::local` sets a count.
+        assert!(!EnvConfig::new(1, 2, "h", 1).local_world_size_guessed);
     }
 
     #[test]

@@ -83,8 +83,10 @@ pub struct Options {
 }
 
 impl Options {
-    /// Options for rank `rank` of `world_size`, meeting at `master_addr:master_port`, one
-    /// rank per node, automatic backend, default timeouts (see [`EnvConfig::new`]).
+    /// Options for rank `rank` of `world_size`, meeting at `master_addr:master_port`, every
+    /// rank on this host (local rank `rank` of `world_size`: NCCL on `cuda:rank`, the store
+    /// bound to `master_addr` alone), automatic backend, default timeouts (see
+    /// [`EnvConfig::new`]). Ranks on several hosts give their place with [`Options::local`].
     pub fn new(
         rank: usize,
         world_size: usize,
@@ -174,6 +176,7 @@ impl Options {
     pub fn local(mut self, local_rank: usize, local_world_size: usize) -> Self {
         self.env.local_rank = local_rank;
         self.env.local_world_size = local_world_size;
+        self.env.local_world_size_guessed = false;
         self
     }
 }
@@ -222,7 +225,7 @@ mod tests {
     }
 
     #[test]
-    fn options_in_code_are_what_the_environment_would_give_and_builders_set_them() {
+    fn options_in_code_put_every_rank_on_one_host_and_builders_set_them() {
         let o = Options::new(2, 3, "10.0.0.1", 29500);
         let e = &o.env;
         assert_eq!(

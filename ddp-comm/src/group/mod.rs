@@ -9,6 +9,7 @@ mod rendezvous;
 pub(crate) mod tensor;
 pub(crate) mod work;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,9 +20,9 @@ use crate::element::{as_bytes_mut, Element, ReduceOp};
 use crate::error::CommError;
 use crate::group::rendezvous::Plan;
 use crate::group::tensor::{
-    bool_op, check_layout, cpu_bytes, cuda_buffer, unsupported_device, Collective,
+    bool_op, cpu_bytes, cpu_dtype, cuda_buffer, device_of, unsupported_device, Collective,
 };
-use crate::group::work::{Op, Queue, Work};
+use crate::group::work::{panic_text, Op, Queue, Work};
 use crate::nccl::inflight::Aborted;
 use crate::nccl::{NcclComm, NcclOp};
 use crate::ring::cpu::CpuBackend;
@@ -154,12 +155,12 @@ impl ProcessGroup {
         let plan = Plan {
             rank: env.rank,
             world_size: env.world_size,
-            single_node: env.local_world_size >= env.world_size,
+            single_node: env.local_world_size >= env.world_size && !env.local_world_size_guessed,
             master_addr: env.master_addr.clone(),
             master_port: env.master_port,
             secret,
             agent_store: env.agent_store,
-            key_prefix: format!("/ddp-comm/{}/{}/", env.run_id, env.restart_count),
+            key_prefix: key_prefix(env.agent_store, &env.run_id, env.restart_count),
             timeout: rendezvous_timeout,
             socket_buffer: opts.socket_buffer,
             transport: env.transport.unwrap_or_default(),
@@ -258,16 +259,18 @@ impl ProcessGroup {
     /// tensors by NCCL on a side stream, after the work queued so far on the calling
     /// thread's current stream. `t` (and every tensor sharing its storage) must be left
     /// alone until [`Work::wait`] (or [`Work::wait_stream`]) has returned; dropping `t` is
-    /// safe, the group keeps its storage until the collective has completed.
+    /// safe, the group keeps its storage until the collective has completed. A tensor the
+    /// backend does not take is refused at the call: the `Work` is complete, with the error.
     pub fn all_reduce_async(self: &Arc<Self>, t: &Tensor, op: ReduceOp) -> Work {
         let op = match bool_op(t, op) {
             Ok(op) => op,
             Err(e) => return Work::done(Err(e)),
         };
-        match t.device() {
+        match device_of(t) {
             // NCCL takes worlds of one too, so that one GPU exercises this path.
-            Device::Cuda(_) => self.cuda_async(t, NcclOp::AllReduce(op)),
-            _ if self.world_size == 1 => Work::done(check_layout(t, "any")),
+            Ok(Device::Cuda(_)) => self.cuda_async(t, NcclOp::AllReduce(op)),
+            Err(e) => Work::done(Err(e)),
+            _ if self.world_size == 1 => Work::done(refuse_cpu(t)),
             _ => self.submit(t, Op::AllReduce(op)),
         }
     }
@@ -278,13 +281,18 @@ impl ProcessGroup {
         if let Err(e) = self.check_root(root) {
             return Work::done(Err(e));
         }
-        match t.device() {
-            Device::Cuda(_) => self.cuda_async(t, NcclOp::Broadcast(root)),
+        match device_of(t) {
+            Ok(Device::Cuda(_)) => self.cuda_async(t, NcclOp::Broadcast(root)),
+            Err(e) => Work::done(Err(e)),
             _ => self.submit(t, Op::Broadcast(root)),
         }
     }
 
+    /// Queues a CPU collective, or refuses its tensor now, as PyTorch raises at the call.
     fn submit(self: &Arc<Self>, t: &Tensor, op: Op) -> Work {
+        if let Err(e) = refuse_cpu(t) {
+            return Work::done(Err(e));
+        }
         let mut queue = lock(&self.queue);
         if queue.is_none() {
             // The thread holds the group only while it runs a job, so dropping the group's
@@ -313,12 +321,18 @@ impl ProcessGroup {
         }
     }
 
-    /// Runs one job of the communication thread.
+    /// Runs one job of the communication thread. A panic poisons the CPU ring (the job may
+    /// have stopped half-way through a collective) before the thread reports it.
     fn run_queued(&self, t: &mut Tensor, op: Op) -> Result<(), CommError> {
-        match op {
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match op {
             Op::AllReduce(op) => self.all_reduce_now(t, op),
             Op::Broadcast(root) => self.broadcast_now(t, root),
-        }
+        }));
+        ran.unwrap_or_else(|payload| {
+            let why = panic_text(payload.as_ref());
+            lock(&self.cpu).fail(format!("the communication thread panicked: {why}"));
+            std::panic::resume_unwind(payload)
+        })
     }
 
     fn all_reduce_now(&self, t: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
@@ -342,6 +356,7 @@ impl ProcessGroup {
     /// Gathers every rank's `t` (same shape and dtype everywhere); element `r` of the result
     /// is rank `r`'s tensor. The results are views of one new tensor on `t`'s device.
     pub fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>, CommError> {
+        device_of(t)?;
         let n = self.world_size as i64;
         let mut shape = vec![n];
         shape.extend(t.size());
@@ -357,6 +372,8 @@ impl ProcessGroup {
     pub fn all_gather_into(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
         self.drain();
         self.heartbeat.enter();
+        device_of(input)?;
+        device_of(output)?;
         if output.kind() != input.kind()
             || output.device() != input.device()
             || output.numel() != input.numel() * self.world_size
@@ -380,7 +397,7 @@ impl ProcessGroup {
     /// Runs `c` on the backend of its tensors' device: the device dispatch of every tensor
     /// collective.
     fn run(&self, c: Collective<'_>) -> Result<(), CommError> {
-        match c.device() {
+        match c.device()? {
             Device::Cpu => self.run_cpu(c),
             Device::Cuda(_) => self.run_nccl(c),
             other => Err(unsupported_device(other)),
@@ -512,6 +529,30 @@ impl ProcessGroup {
     #[doc(hidden)]
     pub fn set_shm_spin(&self, spin: Duration) {
         lock(&self.cpu).set_spin(spin);
+    }
+}
+
+/// The prefix of a group's keys in the store. Rank 0's own store is new for each group, but
+/// torchrun's agent store outlives them: there each group of the process gets a number, in
+/// the order formed (every rank forms the same groups in the same order), as c10d names
+/// its groups by a count (`_process_group_name`), so that a second group does not find
+/// the first one's `join/<rank>` and take its rank for a duplicate.
+fn key_prefix(agent_store: bool, run_id: &str, restart_count: u64) -> String {
+    static AGENT_STORE_GROUPS: AtomicU64 = AtomicU64::new(0);
+    if agent_store {
+        let n = AGENT_STORE_GROUPS.fetch_add(1, Ordering::Relaxed);
+        format!("/ddp-comm/{run_id}/{restart_count}/{n}/")
+    } else {
+        format!("/ddp-comm/{run_id}/{restart_count}/")
+    }
+}
+
+/// The refusal of a tensor an asynchronous CPU collective cannot take, if it is one: any
+/// other device than the CPU, a layout or a dtype the ring does not carry.
+fn refuse_cpu(t: &Tensor) -> Result<(), CommError> {
+    match t.device() {
+        Device::Cpu => cpu_dtype(t).map(drop),
+        other => Err(unsupported_device(other)),
     }
 }
 

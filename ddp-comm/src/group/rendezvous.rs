@@ -41,7 +41,8 @@ const ATTEMPT_PREFIX: &str = "attempt/";
 pub(crate) struct Plan {
     pub rank: usize,
     pub world_size: usize,
-    /// Whether every rank runs on this host (`LOCAL_WORLD_SIZE` equals `WORLD_SIZE`).
+    /// Whether every rank runs on this host (`LOCAL_WORLD_SIZE` equals `WORLD_SIZE`, not
+    /// for want of a count).
     pub single_node: bool,
     pub master_addr: String,
     pub master_port: u16,

@@ -25,12 +25,23 @@ pub(crate) enum Collective<'a> {
 
 impl Collective<'_> {
     /// The device of the tensors (an all-gather's two are on one, checked by the caller).
-    pub(crate) fn device(&self) -> Device {
+    pub(crate) fn device(&self) -> Result<Device, CommError> {
         match self {
-            Collective::AllReduce(t, _) | Collective::Broadcast(t, _) => t.device(),
-            Collective::AllGather { input, .. } => input.device(),
+            Collective::AllReduce(t, _) | Collective::Broadcast(t, _) => device_of(t),
+            Collective::AllGather { input, .. } => device_of(input),
         }
     }
+}
+
+/// The device of `t`, refused if `t` is undefined (tch's `device` panics on it).
+pub(crate) fn device_of(t: &Tensor) -> Result<Device, CommError> {
+    if !t.defined() {
+        return Err(CommError::Tensor {
+            backend: "any",
+            detail: "undefined tensor".into(),
+        });
+    }
+    Ok(t.device())
 }
 
 /// The buffer of a CUDA tensor, checked for NCCL: the group's backend is NCCL (else `Tcp`
@@ -115,12 +126,28 @@ pub(crate) fn bool_op(t: &Tensor, op: ReduceOp) -> Result<ReduceOp, CommError> {
     }
 }
 
-/// Fails unless `t` is defined and contiguous (`backend` names the refusing backend).
-pub(crate) fn check_layout(t: &Tensor, backend: &'static str) -> Result<(), CommError> {
+/// Fails unless `t` is defined, dense (strided) and contiguous (`backend` names the refusing
+/// backend). The layout is asked first: tch's `is_contiguous` and `data_ptr` panic on a
+/// sparse CSR or an MKLDNN tensor (libtorch throws), so neither runs on those.
+fn check_layout(t: &Tensor, backend: &'static str) -> Result<(), CommError> {
     if !t.defined() {
         return Err(CommError::Tensor {
             backend,
             detail: "undefined tensor".into(),
+        });
+    }
+    if let Some(layout) = not_dense(t) {
+        // Sparse and MKLDNN tensors cannot be made contiguous, only dense.
+        let hint = match layout {
+            NOT_DENSE => ".dequantize() for a quantized one",
+            _ => ".to_dense()",
+        };
+        return Err(CommError::Tensor {
+            backend,
+            detail: format!(
+                "a {layout} tensor is not supported: collectives take dense strided tensors \
+                 (call {hint})"
+            ),
         });
     }
     if !t.is_contiguous() {
@@ -135,21 +162,65 @@ pub(crate) fn check_layout(t: &Tensor, backend: &'static str) -> Result<(), Comm
     Ok(())
 }
 
-/// The bytes of a contiguous CPU tensor and their element type.
-pub(crate) fn cpu_bytes(t: &mut Tensor) -> Result<(&mut [u8], DType), CommError> {
+/// What [`not_dense`] calls a tensor it cannot name (quantized, nested, ...).
+const NOT_DENSE: &str = "non-dense";
+
+/// The layout of a defined tensor that is not dense, by name; `None` for a dense one. tch has
+/// no layout query: a dense tensor is one whose dispatch keys say dense (c10's
+/// `has_compatible_shallow_copy_type` with a dense tensor, which no other layout passes).
+/// Only the names of refused layouts cost a (caught) libtorch exception.
+fn not_dense(t: &Tensor) -> Option<&'static str> {
+    if t.is_sparse() {
+        return Some("sparse COO");
+    }
+    if t.is_mkldnn() {
+        return Some("MKLDNN");
+    }
+    let dense = Tensor::empty([0], (Kind::Uint8, Device::Cpu));
+    if t.f_internal_has_compatible_shallow_copy_type(&dense)
+        .unwrap_or(false)
+    {
+        return None;
+    }
+    // Compressed layouts: CSR and BSR have row pointers, CSC and BSC column pointers; the
+    // blocked ones' values have two block dimensions.
+    let blocked = || match (t.f_values(), t.f_dense_dim()) {
+        (Ok(values), Ok(dense_dims)) => values.dim() as i64 - dense_dims == 3,
+        _ => false,
+    };
+    Some(
+        match (t.f_crow_indices().is_ok(), t.f_ccol_indices().is_ok()) {
+            (true, _) if blocked() => "sparse BSR",
+            (true, _) => "sparse CSR",
+            (_, true) if blocked() => "sparse BSC",
+            (_, true) => "sparse CSC",
+            _ => NOT_DENSE,
+        },
+    )
+}
+
+/// The element type of a CPU tensor the CPU backend takes: defined, dense, contiguous, of a
+/// supported dtype (the checks of [`cpu_bytes`], which asynchronous collectives run at the
+/// call).
+pub(crate) fn cpu_dtype(t: &Tensor) -> Result<DType, CommError> {
     check_layout(t, "cpu")?;
-    let dtype = dtype_of(t.kind()).ok_or_else(|| CommError::Tensor {
+    dtype_of(t.kind()).ok_or_else(|| CommError::Tensor {
         backend: "cpu",
         detail: format!("dtype {:?} is not supported on CPU", t.kind()),
-    })?;
+    })
+}
+
+/// The bytes of a contiguous CPU tensor and their element type.
+pub(crate) fn cpu_bytes(t: &mut Tensor) -> Result<(&mut [u8], DType), CommError> {
+    let dtype = cpu_dtype(t)?;
     let len = t.numel() * dtype.size();
     if len == 0 {
         return Ok((&mut [], dtype));
     }
     let ptr = t.data_ptr().cast::<u8>();
-    // SAFETY: `t` is a defined, contiguous CPU tensor, so its data is `numel * element size`
-    // initialised bytes at `data_ptr`, aligned for its element type; the mutable borrow of
-    // `t` keeps this handle from being used while the slice lives (other tensors sharing
+    // SAFETY: `t` is a defined, dense, contiguous CPU tensor, so its data is `numel * element
+    // size` initialised bytes at `data_ptr`, aligned for its element type; the mutable borrow
+    // of `t` keeps this handle from being used while the slice lives (other tensors sharing
     // the storage are the caller's responsibility, as in PyTorch).
     Ok((unsafe { std::slice::from_raw_parts_mut(ptr, len) }, dtype))
 }

@@ -27,8 +27,11 @@ use crate::sync::lock;
 /// must not be read or written. Dropping a `Work` without waiting lets the collective
 /// finish in the background: the group keeps the tensor (a handle to its storage) until the
 /// collective has completed, on the device for a CUDA tensor, so a temporary may be dropped
-/// with its `Work`. Its error, if any, then poisons the group, and the next collective
-/// reports it.
+/// with its `Work`. Its error, if any (a peer lost, the timeout, a panic), then poisons the
+/// group, and the next collective reports it. A collective refused at the call, as PyTorch
+/// raises there (a tensor its backend does not take, a root out of range), never starts:
+/// its `Work` is complete at once with the error, and the group stays usable, as after a
+/// refused blocking call.
 #[must_use = "a collective's result is only valid after `wait`"]
 pub struct Work {
     state: State,
@@ -288,7 +291,7 @@ fn serve(run: impl Runner, jobs: Receiver<Job>, pending: &Pending) {
 }
 
 /// A panic's message, where it has one.
-fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
+pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
     payload
         .downcast_ref::<&str>()
         .copied()

@@ -165,12 +165,17 @@ impl CpuBackend {
     }
 
     fn poison(&mut self, err: CommError) -> CommError {
+        self.fail(err.to_string());
+        err
+    }
+
+    /// Makes every later call fail with `why`, and the neighbours' at once (links shut).
+    pub(crate) fn fail(&mut self, why: String) {
         self.heartbeat.mark_failed();
-        self.poisoned = Some(err.to_string());
+        self.poisoned = Some(why);
         if let Some(link) = &self.link {
             link.shutdown();
         }
-        err
     }
 
     fn scratch_bytes(&mut self, bytes: usize) -> &mut [u8] {
