@@ -1057,6 +1057,45 @@ fn a_second_job_on_a_run_directory_in_use_is_refused() {
     assert_eq!(metrics_without_timing(&out).len(), 1);
 }
 
+/// SIGTERM to a rank still waiting for the others at the rendezvous (a preemption while the
+/// job starts) is a stop like one during training: every rank stops at the first step with
+/// a checkpoint and exit code 75, from which the run continues.
+#[test]
+fn a_stop_asked_for_while_the_ranks_start_is_taken_at_the_first_step() {
+    let tmp = temp_dir("stop-at-start");
+    let dir = tmp.path();
+    let data = data(dir, 24);
+    let out = dir.join("run");
+    let args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    let port = free_port();
+    let rank = |r: usize| {
+        let mut cmd = rank_command(EXE, r, 2, port);
+        cmd.args(&args)
+            .env("DDP_RDZV_TIMEOUT_S", "60")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd.spawn().unwrap()
+    };
+    let first = rank(0);
+    // Rank 0 serves the store once it is waiting for rank 1.
+    wait_for("rank 0's store", Duration::from_secs(60), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    // SAFETY: kill(2) on a child this test started and has not waited for.
+    assert_eq!(unsafe { libc::kill(first.id() as i32, libc::SIGTERM) }, 0);
+    let outputs = wait_all(vec![first, rank(1)], Duration::from_secs(120));
+    for o in &outputs {
+        assert_eq!(o.status.code(), Some(75), "{}", text(o));
+    }
+    let latest = std::fs::read_to_string(out.join("checkpoints/latest")).unwrap();
+    assert_eq!(
+        latest.trim(),
+        "epoch-0001-step-000000",
+        "{}",
+        text(&outputs[0])
+    );
+}
+
 /// Without `--collective-timeout`, a rank's collectives time out after ddp-comm's
 /// `DDP_OP_TIMEOUT_S`: here 1 s, while rank 1 takes 4 s for its first step.
 #[test]

@@ -49,10 +49,12 @@ impl<T: Task> Trainer<T> {
     /// the time limit), every rank finishes its step, rank 0 writes a checkpoint, and every
     /// rank returns [`TrainError::Stopped`]; exit with [`TrainError::exit_code`].
     pub fn run(&mut self) -> Result<Vec<EpochReport>, TrainError> {
-        let signals = if self.settings.runtime.stop_on_signals {
-            Some(crate::stop::watch_stop_signals().map_err(TrainError::Invalid)?)
-        } else {
-            None
+        let signals = match self.signals.take() {
+            Some(watch) => Some(watch),
+            None if self.settings.runtime.stop_on_signals => {
+                Some(crate::stop::watch_stop_signals().map_err(TrainError::Invalid)?)
+            }
+            None => None,
         };
         let mut all = Vec::new();
         for epoch in self.start_epoch..=self.settings.epochs {

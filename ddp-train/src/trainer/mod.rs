@@ -100,6 +100,10 @@ pub struct Trainer<T: Task> {
     /// `config.json` and the first epoch's line of `metrics.jsonl`).
     allocation_change: Option<serde_json::Value>,
     budget: Budget,
+    /// The stop signals, watched from the start of a training run (with
+    /// `RuntimeSettings::stop_on_signals`): a stop asked for while the rank starts is taken
+    /// at the first step, as one asked for later. `run` takes it.
+    signals: Option<crate::stop::SignalWatch>,
     last_checkpoint: Instant,
     bests: BTreeMap<String, Best>,
     history: Vec<EpochReport>,

@@ -50,6 +50,14 @@ impl<T: Task> Trainer<T> {
         // A rank started through a wrapper script dies with its launcher all the same.
         ddp_run::die_with_launcher().map_err(|e| TrainError::Invalid(e.to_string()))?;
         settings.validate()?;
+        // From here on SIGTERM or SIGUSR1 (a scheduler's preemption, say) asks for a stop,
+        // taken at the first step with a checkpoint, rather than ending the rank: the data
+        // and the rendezvous can take minutes. An evaluation has no step to stop at.
+        let signals = if settings.runtime.stop_on_signals && !settings.checkpoint.eval_only {
+            Some(crate::stop::watch_stop_signals().map_err(TrainError::Invalid)?)
+        } else {
+            None
+        };
         let continuing = resume_after_restart(&mut settings, env)?;
         // As many intra-op threads as the machine has cores per rank.
         let (device, threads) = settings
@@ -410,6 +418,7 @@ impl<T: Task> Trainer<T> {
             plan,
             allocation_change,
             budget: Budget::new(created, s_time_limit, val_batches, checkpoint_bytes),
+            signals,
             last_checkpoint: Instant::now(),
             bests,
             history,
