@@ -86,6 +86,13 @@ pub unsafe trait BatchMemory: Send + Sync + fmt::Debug {
     fn lengths_ptr(&self) -> *mut i64;
     /// For downcasting to the allocator's own type.
     fn as_any(&self) -> &dyn Any;
+    /// Whether something outside the loader still holds this memory after its batch was
+    /// given back (tensors made from a CPU batch and kept past it, such as the inputs an
+    /// autograd graph saved): the ring then gives the slot new memory rather than write into
+    /// memory still read. `false` by default.
+    fn shared_elsewhere(&self) -> bool {
+        false
+    }
 }
 
 /// Makes the memory of new ring slots; called from the loader's worker threads.

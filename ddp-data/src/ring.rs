@@ -195,13 +195,7 @@ impl Ring {
                 state.preparing += 1;
                 state.allocating += 1;
                 drop(state);
-                let made = catch_unwind(AssertUnwindSafe(|| allocator.allocate(&self.request)))
-                    .unwrap_or_else(|panic| {
-                        Err(DataError::SlotPanicked {
-                            what: "slot allocator",
-                            message: panic_message(&*panic).to_string(),
-                        })
-                    });
+                let made = allocate(allocator, &self.request);
                 state = self.lock();
                 state.preparing -= 1;
                 state.allocating -= 1;
@@ -222,6 +216,26 @@ impl Ring {
                 continue;
             };
             state.free.pop_front();
+            if state.slots[s].before_reuse.is_none() && state.slots[s].memory.shared_elsewhere() {
+                // Tensors made from the slot's last batch outlive it (inputs an autograd
+                // graph saved, say): writing there would change them. The slot gets new
+                // memory; the old stays with those tensors until they go.
+                state.preparing += 1;
+                drop(state);
+                let made = allocate(allocator, &self.request);
+                state = self.lock();
+                state.preparing -= 1;
+                self.work.notify_all();
+                match made {
+                    Ok(memory) => {
+                        state.slots[s].memory = Arc::from(memory);
+                        state.free.push_front(s);
+                    }
+                    // Left out of the free list, the old memory is never written again.
+                    Err(e) => return (state, Err(e)),
+                }
+                continue;
+            }
             let Some(hook) = state.slots[s].before_reuse.take() else {
                 let slot = &mut state.slots[s];
                 slot.batch = batch;
@@ -247,6 +261,19 @@ impl Ring {
             }
         }
     }
+}
+
+/// A new slot's memory from `allocator`; a panic in it is its error.
+fn allocate(
+    allocator: &dyn SlotAllocator,
+    request: &SlotRequest,
+) -> Result<Box<dyn BatchMemory>, DataError> {
+    catch_unwind(AssertUnwindSafe(|| allocator.allocate(request))).unwrap_or_else(|panic| {
+        Err(DataError::SlotPanicked {
+            what: "slot allocator",
+            message: panic_message(&*panic).to_string(),
+        })
+    })
 }
 
 /// Runs a reuse hook; a panic in it is its error (the slot is then never reused nor freed,

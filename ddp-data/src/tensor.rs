@@ -110,6 +110,14 @@ unsafe impl BatchMemory for TensorMemory {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
+
+    /// A batch's views of the slot are gone once it is given back: a count above this
+    /// value's own handle is a tensor made from them that outlives the batch.
+    fn shared_elsewhere(&self) -> bool {
+        [&self.inputs, &self.targets, &self.lengths]
+            .iter()
+            .any(|t| tch_ext::storage_use_count(&lock(t)).map_or(true, |n| n > 1))
+    }
 }
 
 fn lock(t: &Mutex<Tensor>) -> MutexGuard<'_, Tensor> {
@@ -236,8 +244,9 @@ impl DeviceAffine {
 ///
 /// **CPU.** The ring's slots are CPU tensors; workers write final `f32` values into them, and
 /// a [`Batch`]'s inputs and targets are views of its slot. The batch holds the slot until it
-/// is dropped: keep a batch's tensors no longer than the batch (a training step), or take a
-/// `.copy()` of them, because the slot is refilled with a later batch afterwards.
+/// is dropped, and is then refilled with a later batch, unless tensors made from the batch
+/// still hold its memory (views kept, inputs an autograd graph saved): that slot then gets
+/// new memory, and the kept tensors keep their values.
 ///
 /// **CUDA.** The slots are page-locked once, when first allocated, and hold bytes (a quarter
 /// of the `f32` size) when the data set can write bytes. Taking a batch issues its

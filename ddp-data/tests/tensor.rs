@@ -95,6 +95,43 @@ fn cpu_batches_are_views_of_the_ring() {
     assert!(addresses.len() <= 3, "{} distinct buffers", addresses.len());
 }
 
+/// Tensors made from a CPU batch that outlive it (the inputs an autograd graph saved, a
+/// kept view) keep their values: the ring gives that slot new memory rather than refill it,
+/// so a loss summed over several batches and then differentiated once is right, as with
+/// PyTorch's fresh tensors per batch.
+#[test]
+fn tensors_kept_past_their_cpu_batch_keep_their_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dataset(dir.path());
+    let config = LoaderConfig {
+        workers: 1,
+        prefetch: 1,
+        ..LoaderConfig::new(1)
+    };
+    let loader = Loader::new(
+        OdirImages::new(ds, Transform::train(8)),
+        (0..7).collect(),
+        &config,
+    );
+    let w = Tensor::ones([3, 8, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let (mut kept, mut copies, mut losses) = (Vec::new(), Vec::new(), Vec::new());
+    for batch in loader.unwrap() {
+        let batch = batch.unwrap();
+        kept.push(batch.inputs().shallow_clone());
+        copies.push(batch.inputs().copy());
+        losses.push((batch.inputs() * &w).sum(Kind::Float));
+    }
+    for (k, (t, c)) in kept.iter().zip(&copies).enumerate() {
+        assert!(t.equal(c), "batch {k}'s inputs were written over");
+    }
+    let total = losses
+        .iter()
+        .fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, l| a + l);
+    total.backward();
+    let want = Tensor::stack(&copies, 0).sum_dim_intlist([0, 1].as_slice(), false, Kind::Float);
+    assert!(w.grad().allclose(&want, 1e-6, 1e-6, false));
+}
+
 /// The byte path (what a CUDA loader sends) converted by libtorch gives the f32 path's values
 /// bit for bit, normalised or not: training on the GPU sees the same numbers as on the CPU.
 #[test]

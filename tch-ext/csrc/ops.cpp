@@ -3,7 +3,8 @@
 // PyTorch's optimizers are written with them; the fused kernels round once and need no
 // temporary tensor. And GradScaler's fused unscale over a list of gradients, which tch
 // binds for one tensor at a time only, and Adam's and SGD's steps over lists of tensors (the
-// foreach kernels, which tch does not bind).
+// foreach kernels, which tch does not bind). And a storage's reference count, which tch does not
+// expose.
 
 #include <ATen/ATen.h>
 
@@ -102,6 +103,11 @@ char* tch_ext_foreach_sgd_(const at::Tensor* const* params, const at::Tensor* co
     }
     at::_foreach_add_(p, g, -lr);
   });
+}
+
+// How many tensors share `t`'s storage (views included): the storage's reference count.
+char* tch_ext_storage_use_count(const at::Tensor* t, size_t* out) {
+  return tch_ext::guarded([&] { *out = t->defined() ? t->storage().use_count() : 0; });
 }
 
 }  // extern "C"

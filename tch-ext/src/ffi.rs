@@ -91,6 +91,8 @@ extern "C" {
         weight_decay: f64,
     ) -> *mut c_char;
 
+    pub(crate) fn tch_ext_storage_use_count(t: *const c_void, out: *mut usize) -> *mut c_char;
+
     pub(crate) fn tch_ext_autocast_state(
         device: c_int,
         enabled: *mut bool,

@@ -70,5 +70,5 @@ pub use hooks::{
 };
 pub use ops::{
     add_, addcdiv_, addcmul_, amp_foreach_non_finite_check_and_unscale_, foreach_adam_,
-    foreach_sgd_, AdamHyper,
+    foreach_sgd_, storage_use_count, AdamHyper,
 };

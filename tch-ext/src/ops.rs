@@ -236,6 +236,23 @@ pub fn foreach_sgd_(
     ffi::check(message, "foreach_sgd_")
 }
 
+/// How many tensors hold `t`'s storage: `t` itself, each view of it (`narrow`, `view`,
+/// slices), and each tensor autograd saved for a backward pass; `shallow_clone`s share one
+/// count. 0 for an undefined tensor. A buffer whose count is 1 in its owner's hands is
+/// referenced nowhere else.
+///
+/// # Errors
+///
+/// [`TchExtError::Torch`] when libtorch refuses (a tensor without storage, such as a sparse
+/// one).
+pub fn storage_use_count(t: &Tensor) -> Result<usize, TchExtError> {
+    let mut count = 0usize;
+    // SAFETY: `t` is a live tch tensor during the call; the shim writes one `size_t`.
+    let message = unsafe { ffi::tch_ext_storage_use_count(t.as_ptr().cast(), &mut count) };
+    ffi::check(message, "storage_use_count")?;
+    Ok(count)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -448,5 +465,24 @@ mod tests {
             err.to_string(),
             "foreach_sgd_: 1 parameters, but 1 gradients and 0 momentum buffers (expected 1)"
         );
+    }
+
+    #[test]
+    fn the_storage_count_follows_views_clones_and_saved_tensors() {
+        let t = Tensor::zeros([4], (tch::Kind::Float, tch::Device::Cpu));
+        assert_eq!(storage_use_count(&t).unwrap(), 1);
+        let view = t.narrow(0, 1, 2);
+        let same = t.shallow_clone();
+        assert_eq!(storage_use_count(&t).unwrap(), 2);
+        drop(view);
+        drop(same);
+        assert_eq!(storage_use_count(&t).unwrap(), 1);
+        // A product with a parameter saves its input for the backward pass.
+        let w = Tensor::ones([2], (tch::Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        let loss = (t.narrow(0, 0, 2) * &w).sum(tch::Kind::Float);
+        assert_eq!(storage_use_count(&t).unwrap(), 2);
+        drop(loss);
+        assert_eq!(storage_use_count(&t).unwrap(), 1);
+        assert_eq!(storage_use_count(&Tensor::new()).unwrap(), 0);
     }
 }
