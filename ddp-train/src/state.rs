@@ -193,7 +193,7 @@ fn step_of(stem: &str) -> Option<(u64, usize)> {
 
 /// Where a checkpoint's file stem sits in the run: `(epoch, step)`, an epoch's end after
 /// all of its steps; `None` for a name the Trainer does not write.
-fn order_of(stem: &str) -> Option<(u64, usize)> {
+pub(crate) fn order_of(stem: &str) -> Option<(u64, usize)> {
     if let Some(at) = step_of(stem) {
         return Some(at);
     }

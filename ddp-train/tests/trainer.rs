@@ -736,6 +736,19 @@ fn a_damaged_latest_checkpoint_falls_back_to_the_previous_one_with_a_warning() {
         .map(|m| m["epoch"].as_u64().unwrap())
         .collect();
     assert_eq!(epochs, [1, 2, 3], "{epochs:?}");
+    // The damaged checkpoint was set aside, not mixed with the new ones.
+    assert!(
+        t.contains("rewinds the run: its 1 later checkpoint(s) (epoch-0002) are moved to"),
+        "{t}"
+    );
+    let aside: Vec<PathBuf> = std::fs::read_dir(Path::new(out).join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    let set_aside = std::fs::read(aside[0].join("epoch-0002.state.safetensors")).unwrap();
+    assert_eq!(set_aside, bytes[..bytes.len() / 2]);
 
     // With every checkpoint damaged, the error says what is left to do.
     let dir = Path::new(out).join("checkpoints");

@@ -176,9 +176,115 @@ pub(super) fn remove_stale_temporaries(out: &Path) -> Vec<PathBuf> {
     removed
 }
 
+/// A rewind: moves the checkpoints of `run` that come after `resumed` (one of its own, by
+/// epoch, then step) into `checkpoints/abandoned-<time>/`, and points `latest` at `resumed`,
+/// so that pruning and the fallbacks follow the new history, not the one left. Returns the
+/// folder and the stems moved (none when `resumed` is not in the run or is its newest).
+pub(super) fn set_aside_later(
+    run: &Path,
+    resumed: &Path,
+) -> Result<Option<(PathBuf, Vec<String>)>, TrainError> {
+    let dir = state::checkpoint_dir(run);
+    let same = |a: &Path, b: &Path| {
+        a.canonicalize()
+            .ok()
+            .is_some_and(|a| b.canonicalize().ok() == Some(a))
+    };
+    let stem_at = resumed
+        .file_name()
+        .and_then(|n| n.to_str()?.strip_suffix(".safetensors"));
+    let (Some(stem), Some(parent)) = (stem_at, resumed.parent()) else {
+        return Ok(None);
+    };
+    let Some(at) = state::order_of(stem).filter(|_| same(parent, &dir)) else {
+        return Ok(None);
+    };
+    let later: Vec<String> = state::fallbacks(run, resumed)
+        .iter()
+        .filter_map(|p| {
+            let s = p.file_name()?.to_str()?.strip_suffix(".safetensors")?;
+            (state::order_of(s)? > at).then(|| s.to_owned())
+        })
+        .collect();
+    if later.is_empty() {
+        return Ok(None);
+    }
+    let stamp = ddp_run::default_run_dir(Path::new(""));
+    let aside = dir.join(format!("abandoned-{}", stamp.display()));
+    let io = |what: &Path, e| TrainError::io(format!("cannot set aside {}", what.display()), e);
+    std::fs::create_dir_all(&aside).map_err(|e| io(&aside, e))?;
+    for s in &later {
+        for file in [format!("{s}.safetensors"), format!("{s}.state.safetensors")] {
+            match std::fs::rename(dir.join(&file), aside.join(&file)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io(&dir.join(file), e))
+                }
+                _ => {}
+            }
+        }
+    }
+    let latest = dir.join("latest");
+    ddp_model::checkpoint::write_atomic(&latest, format!("{stem}\n").as_bytes())
+        .map_err(|e| io(&latest, e))?;
+    Ok(Some((aside, later)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn touch(dir: &Path, name: &str) {
+        std::fs::write(dir.join(name), b"x").unwrap();
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_rewind_sets_the_later_checkpoints_aside() {
+        let run = ddp_testkit::temp_dir("ddp-train-rewind");
+        let dir = state::checkpoint_dir(run.path());
+        std::fs::create_dir_all(&dir).unwrap();
+        for stem in [
+            "epoch-0001",
+            "epoch-0002-step-000060",
+            "epoch-0002",
+            "epoch-0003-step-000020",
+        ] {
+            touch(&dir, &format!("{stem}.safetensors"));
+            touch(&dir, &format!("{stem}.state.safetensors"));
+        }
+        std::fs::write(dir.join("latest"), "epoch-0003-step-000020\n").unwrap();
+        let resumed = dir.join("epoch-0002-step-000060.safetensors");
+        let (aside, moved) = set_aside_later(run.path(), &resumed).unwrap().unwrap();
+        assert_eq!(moved, ["epoch-0003-step-000020", "epoch-0002"]);
+        assert_eq!(names(&aside).len(), 4);
+        let kept = names(&dir);
+        assert_eq!(kept.len(), 6, "{kept:?}");
+        assert!(
+            kept[0].starts_with("abandoned-") && kept[5] == "latest",
+            "{kept:?}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.join("latest")).unwrap(),
+            "epoch-0002-step-000060\n"
+        );
+        assert_eq!(
+            state::fallbacks(run.path(), &resumed),
+            [dir.join("epoch-0001.safetensors")]
+        );
+        // The newest, or a file outside the run: nothing to set aside.
+        assert!(set_aside_later(run.path(), &resumed).unwrap().is_none());
+        let elsewhere = run.path().join("epoch-0001.safetensors");
+        touch(run.path(), "epoch-0001.safetensors");
+        assert!(set_aside_later(run.path(), &elsewhere).unwrap().is_none());
+    }
 
     #[test]
     fn only_other_processes_write_temporaries_are_removed() {

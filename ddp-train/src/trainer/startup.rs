@@ -207,6 +207,7 @@ impl<T: Task> Trainer<T> {
         }
         vs.set_device(device);
         let mut optimizer = Optimizer::new(trainable(&vs), s.optimizer);
+        let resumed_file = restored.as_ref().map(|(_, path, _)| path.clone());
         if let Some((st, path, cpu_optimizer)) = restored {
             // load_state moves the CPU copies to the parameters' device.
             let tensors = cpu_optimizer.state_tensors().into_iter().collect();
@@ -328,6 +329,19 @@ impl<T: Task> Trainer<T> {
         let log = RankLog::open(&out, rank)?;
         for warning in &fallback_warnings {
             log.warn(warning);
+        }
+        if let (Some(_), Some(file)) = (&run_lock, &resumed_file) {
+            // An older checkpoint of this run resumed into it: the history after it is left.
+            if let Some((aside, stems)) = super::run_dir::set_aside_later(&out, file)? {
+                log.say(&format!(
+                    "resuming from {} rewinds the run: its {} later checkpoint(s) ({}) are \
+                     moved to {}",
+                    file.display(),
+                    stems.len(),
+                    stems.join(", "),
+                    aside.display()
+                ));
+            }
         }
         if run_lock.is_some() {
             for file in super::run_dir::remove_stale_temporaries(&out) {
