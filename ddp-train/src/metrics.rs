@@ -100,25 +100,26 @@ impl Confusion {
 
     /// The mean of the per-class F1 scores.
     pub fn macro_f1(&self) -> f64 {
-        let per = self.f1_per_class();
-        if per.is_empty() {
+        self.mean_f1(|_| true)
+    }
+
+    /// The mean F1 of the classes `k` that `counted(k)`; 0 when none is.
+    fn mean_f1(&self, counted: impl Fn(usize) -> bool) -> f64 {
+        let f1s: Vec<f64> = (0..self.tp.len())
+            .filter(|&k| counted(k))
+            .map(|k| f1(self.tp[k], self.fp[k], self.fn_[k]))
+            .collect();
+        if f1s.is_empty() {
             return 0.0;
         }
-        per.iter().sum::<f64>() / per.len() as f64
+        f1s.iter().sum::<f64>() / f1s.len() as f64
     }
 
     /// The mean of the per-class F1 scores over the classes that occur, as target or as
     /// prediction (sklearn's single-label `f1_score(average="macro")`, which averages over
     /// `unique_labels(y_true, y_pred)`); 0 when none does.
     pub fn macro_f1_of_present(&self) -> f64 {
-        let present: Vec<f64> = (0..self.tp.len())
-            .filter(|&k| self.tp[k] + self.fp[k] + self.fn_[k] > 0)
-            .map(|k| f1(self.tp[k], self.fp[k], self.fn_[k]))
-            .collect();
-        if present.is_empty() {
-            return 0.0;
-        }
-        present.iter().sum::<f64>() / present.len() as f64
+        self.mean_f1(|k| self.tp[k] + self.fp[k] + self.fn_[k] > 0)
     }
 
     /// F1 of the pooled counts of all classes.

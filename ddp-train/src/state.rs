@@ -650,14 +650,14 @@ pub fn load(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn touch(dir: &Path, name: &str) {
+    pub(crate) fn touch(dir: &Path, name: &str) {
         std::fs::write(dir.join(name), b"x").unwrap();
     }
 
-    fn names(dir: &Path) -> Vec<String> {
+    pub(crate) fn names(dir: &Path) -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

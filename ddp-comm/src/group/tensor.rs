@@ -176,10 +176,13 @@ fn not_dense(t: &Tensor) -> Option<&'static str> {
     if t.is_mkldnn() {
         return Some("MKLDNN");
     }
-    let dense = Tensor::empty([0], (Kind::Uint8, Device::Cpu));
-    if t.f_internal_has_compatible_shallow_copy_type(&dense)
-        .unwrap_or(false)
-    {
+    thread_local! {
+        // A dense tensor to compare layouts with, made once per thread: this check runs on
+        // every collective (each DDP bucket of each step).
+        static DENSE: Tensor = Tensor::empty([0], (Kind::Uint8, Device::Cpu));
+    }
+    let dense = DENSE.with(|d| t.f_internal_has_compatible_shallow_copy_type(d));
+    if dense.unwrap_or(false) {
         return None;
     }
     // Compressed layouts: CSR and BSR have row pointers, CSC and BSC column pointers; the
