@@ -650,14 +650,14 @@ pub fn load(
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
-    pub(crate) fn touch(dir: &Path, name: &str) {
+    fn touch(dir: &Path, name: &str) {
         std::fs::write(dir.join(name), b"x").unwrap();
     }
 
-    pub(crate) fn names(dir: &Path) -> Vec<String> {
+    fn names(dir: &Path) -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

@@ -232,7 +232,19 @@ pub(super) fn set_aside_later(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::tests::{names, touch};
+
+    fn touch(dir: &Path, name: &str) {
+        std::fs::write(dir.join(name), b"x").unwrap();
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
 
     #[test]
     fn a_rewind_sets_the_later_checkpoints_aside() {
