@@ -2,7 +2,7 @@
 //!
 //! - [`DistributedDataParallel`] keeps the replicas of a model identical across ranks:
 //!   verifies the ranks hold the same model, broadcasts rank 0's weights, broadcasts
-//!   BatchNorm buffers before each training forward, and averages gradients with bucketed
+//!   BatchNorm buffers before each step's first forward, and averages gradients with bucketed
 //!   all-reduces after backward (PyTorch's `DistributedDataParallel`).
 //! - [`Trainer`] trains any [`Task`] (a tch model, a [`ddp_data::Dataset`], a loss and
 //!   evaluation [`Stats`] that add up across ranks): rank-sharded sampling with the epoch

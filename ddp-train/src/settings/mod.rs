@@ -194,6 +194,8 @@ pub struct Settings {
     )]
     pub epochs: u64,
     /// Samples per rank per micro-batch (the global batch is this times the world size).
+    /// Training drops each rank's last incomplete step of an epoch (`drop_last=True`, as
+    /// both of PyTorch's DDP tutorials set it); evaluation keeps every sample.
     #[cfg_attr(
         feature = "cli",
         arg(
