@@ -12,12 +12,13 @@ use std::path::PathBuf;
 
 include!("../build-support/libtorch.rs");
 
-const SOURCES: [&str; 5] = [
+const SOURCES: [&str; 6] = [
     "csrc/hooks.cpp",
     "csrc/function.cpp",
     "csrc/autocast.cpp",
     "csrc/cuda.cpp",
     "csrc/ops.cpp",
+    "csrc/graph.cpp",
 ];
 
 fn main() {

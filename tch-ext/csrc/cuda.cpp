@@ -1,7 +1,9 @@
 // CUDA streams and events through c10's device-generic interfaces (c10::Stream, c10::Event
 // and the device-guard registry), so this file needs no CUDA headers and nothing from
 // libc10_cuda at link time: the CUDA backend is whatever `libc10_cuda` registered when it was
-// loaded. Without it every function reports that CUDA is missing.
+// loaded. Without it every function reports that CUDA is missing. (ATen's tensor header is for
+// record_stream: a tensor's storage, handed to the same backend.)
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
@@ -123,6 +125,23 @@ char* tch_ext_cuda_event_query(void* event, bool* done) noexcept {
 // Blocks until the work before the event's last record has finished.
 char* tch_ext_cuda_event_synchronize(void* event) noexcept {
   return tch_ext::guarded([&] { static_cast<c10::Event*>(event)->synchronize(); });
+}
+
+// Tells the caching allocator that the CUDA tensor's memory is used on stream `id` of
+// `device` (PyTorch's `Tensor.record_stream`): when the memory is freed, the allocator hands
+// it out again only after the work queued so far on that stream has finished. A tensor
+// without storage, or memory the caching allocator did not allocate, is left alone.
+char* tch_ext_cuda_record_stream(const at::Tensor* t, int64_t id, int device) noexcept {
+  return tch_ext::guarded([&] {
+    TORCH_CHECK(t->defined() && t->is_cuda(), "record_stream takes a CUDA tensor");
+    const auto stream = stream_of(id, device);
+    TORCH_CHECK(
+        t->device() == stream.device(), "a tensor on ", t->device(), " used on a stream of ",
+        stream.device());
+    if (t->has_storage()) {
+      cuda_backend()->recordDataPtrOnStream(t->storage().data_ptr(), stream);
+    }
+  });
 }
 
 }  // extern "C"

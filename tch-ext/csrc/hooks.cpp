@@ -99,8 +99,8 @@ char* tch_ext_has_post_acc_grad_hook(const at::Tensor* param, bool* out) noexcep
   });
 }
 
-// `param.grad = grad` (PyTorch's checks included), or `param.grad = None` when `grad` is null.
-// The gradient aliases `grad`, as in PyTorch.
+// `param.grad = grad` (the checks of PyTorch's `THPVariable_set_grad` included), or
+// `param.grad = None` when `grad` is null. The gradient aliases `grad`, as in PyTorch.
 char* tch_ext_set_grad(const at::Tensor* param, const at::Tensor* grad) noexcept {
   return tch_ext::guarded([&] {
     TORCH_CHECK(param->defined(), "cannot set the gradient of an undefined tensor");
@@ -108,6 +108,10 @@ char* tch_ext_set_grad(const at::Tensor* param, const at::Tensor* grad) noexcept
       param->mutable_grad().reset();
       return;
     }
+    // One `TensorImpl` is one Python tensor object: PyTorch's `self != py_grad`.
+    TORCH_CHECK(
+        grad->unsafeGetTensorImpl() != param->unsafeGetTensorImpl(),
+        "can't assign Variable as its own grad");
     TORCH_CHECK(
         grad->scalar_type() == param->scalar_type(),
         "assigned grad has data of a different type (",
@@ -116,6 +120,12 @@ char* tch_ext_set_grad(const at::Tensor* param, const at::Tensor* grad) noexcept
         grad->device() == param->device(),
         "assigned grad has data located on a different device (",
         grad->device(), " for a tensor on ", param->device(), ")");
+    // Same backend (dense CPU, sparse, MKL-DNN, ...); a sparse gradient of a dense
+    // parameter is allowed, as for embeddings.
+    TORCH_CHECK(
+        grad->layout() == at::kSparse || grad->options().type_equal(param->options()),
+        "assigned grad has data of a different layout or backend (",
+        grad->layout(), " for a ", param->layout(), " tensor)");
     TORCH_CHECK(
         grad->sizes() == param->sizes(),
         "assigned grad has data of a different size (",

@@ -9,6 +9,8 @@ use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
 use std::ptr;
 
+use tch::{Device, Tensor};
+
 use crate::ffi;
 use crate::TchExtError;
 
@@ -185,6 +187,49 @@ impl Drop for StreamGuard {
         let message =
             unsafe { ffi::tch_ext_cuda_exchange_stream(self.previous, index, &mut ignored) };
         let _ = ffi::check(message, "restore current CUDA stream");
+    }
+}
+
+/// Tells libtorch's caching allocator that `tensor`'s memory is used on `stream` (PyTorch's
+/// `Tensor.record_stream`). The allocator keeps each freed block for the stream it was
+/// allocated on and hands it out again to the next allocation there at once, not ordered
+/// after work queued on other streams: a tensor read or written on another stream must be
+/// recorded there before its last handle is dropped, so that its memory is reused only
+/// once the work queued so far on `stream` has finished. Recording the stream it was
+/// allocated on changes nothing.
+///
+/// A CPU (or undefined) tensor is a no-op, where PyTorch's `record_stream` raises: host
+/// memory has no streams, and callers that hold tensors of either device need no branch.
+///
+/// # Errors
+///
+/// [`TchExtError::Torch`] for a tensor of another device than the stream's, or a CUDA
+/// error; [`TchExtError::NoCuda`] or [`TchExtError::NoSuchDevice`] as for streams.
+pub fn record_stream(tensor: &Tensor, stream: &CudaStream) -> Result<(), TchExtError> {
+    if !tensor.defined() || !tensor.device().is_cuda() {
+        return Ok(());
+    }
+    let index = device_index(stream.device)?;
+    // SAFETY: `tensor` is a live, defined tch tensor (a `torch::Tensor*` in the shim); the
+    // stream id came from libtorch for this device.
+    let message =
+        unsafe { ffi::tch_ext_cuda_record_stream(tensor.as_ptr().cast(), stream.id, index) };
+    ffi::check(message, "record stream")
+}
+
+/// [`record_stream`] on the calling thread's current stream of `tensor`'s device: where the
+/// kernels queued from this thread (libtorch's) go. A no-op for a CPU (or undefined) tensor.
+///
+/// # Errors
+///
+/// As [`record_stream`].
+pub fn record_current_stream(tensor: &Tensor) -> Result<(), TchExtError> {
+    if !tensor.defined() {
+        return Ok(());
+    }
+    match tensor.device() {
+        Device::Cuda(index) => record_stream(tensor, &CudaStream::current(index)?),
+        _ => Ok(()),
     }
 }
 

@@ -5,6 +5,7 @@
 //! are tch's `*mut C_tensor`, which torch-sys's wrapper defines as `torch::Tensor*`.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::TchExtError;
 
@@ -103,12 +104,17 @@ extern "C" {
         dtype: c_int,
         prev_enabled: *mut bool,
         prev_dtype: *mut c_int,
+        prev_cache_enabled: *mut bool,
     ) -> *mut c_char;
     pub(crate) fn tch_ext_autocast_exit(
         device: c_int,
         prev_enabled: bool,
         prev_dtype: c_int,
+        prev_cache_enabled: bool,
+        outermost: bool,
     ) -> *mut c_char;
+    pub(crate) fn tch_ext_autocast_cache_enabled(enabled: *mut bool) -> *mut c_char;
+    pub(crate) fn tch_ext_set_autocast_cache_enabled(enabled: bool) -> *mut c_char;
 
     pub(crate) fn tch_ext_cuda_device_count() -> c_int;
     pub(crate) fn tch_ext_cuda_current_stream(
@@ -159,4 +165,38 @@ pub(crate) fn check(message: *mut c_char, op: &str) -> Result<(), TchExtError> {
     // SAFETY: `message` came from the shim and is released exactly once, here.
     unsafe { tch_ext_free_error(message) };
     Err(TchExtError::Torch(format!("{op}: {text}")))
+}
+
+extern "C" {
+    pub(crate) fn tch_ext_reachable_leaves(
+        root: *const c_void,
+        leaves: *const *const c_void,
+        n: usize,
+        reached: *mut bool,
+    ) -> *mut c_char;
+}
+
+/// Runs `f` for a call-back of the shim, stopping any panic: `None` when it panicked. The
+/// panic's payload is dropped here as well, under a second `catch_unwind`, because its
+/// destructor may panic too (`panic_any` of a value whose `Drop` panics), and a panic must not
+/// unwind out of an `extern "C"` function (that aborts the process); the payload of such a
+/// second panic is leaked.
+pub(crate) fn catch_panic<R>(f: impl FnOnce() -> R) -> Option<R> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(value) => Some(value),
+        Err(payload) => {
+            if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+                std::mem::forget(again);
+            }
+            None
+        }
+    }
+}
+
+extern "C" {
+    pub(crate) fn tch_ext_cuda_record_stream(
+        tensor: *const c_void,
+        id: i64,
+        device: c_int,
+    ) -> *mut c_char;
 }

@@ -2,7 +2,6 @@
 //! itself (PyTorch's `torch.autograd.Function`): a collective, say.
 
 use std::ffi::c_void;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tch::Tensor;
 
@@ -79,19 +78,19 @@ where
     // SAFETY: `ctx` is the `Box<F>` leaked in `set_backward`; the shim keeps it alive until
     // this call returns, and `F: Sync` allows calls from any thread.
     let f = unsafe { &*ctx.cast::<F>() };
-    match catch_unwind(AssertUnwindSafe(|| f(&grad))) {
-        Ok(Ok(t)) => {
+    match ffi::catch_panic(|| f(&grad)) {
+        Some(Ok(t)) => {
             // SAFETY: `result` is the shim's `at::Tensor` slot for this call; it copies the
             // handle (a new reference) while `t` is alive.
             unsafe { ffi::tch_ext_slot_set(result, t.as_ptr().cast()) };
             true
         }
-        Ok(Err(message)) => {
+        Some(Err(message)) => {
             // SAFETY: `error` is the shim's `std::string` for this call; it copies the bytes.
             unsafe { ffi::tch_ext_message_set(error, message.as_ptr().cast(), message.len()) };
             false
         }
-        Err(_) => false,
+        None => false,
     }
 }
 
@@ -101,7 +100,7 @@ extern "C" fn drop_backward<F>(ctx: *mut c_void) {
     // SAFETY: `ctx` is the `Box<F>` leaked in `set_backward`, and the shim calls this exactly
     // once, after the last call of the closure.
     let f = unsafe { Box::from_raw(ctx.cast::<F>()) };
-    if catch_unwind(AssertUnwindSafe(move || drop(f))).is_err() {
+    if ffi::catch_panic(move || drop(f)).is_none() {
         std::process::abort();
     }
 }
@@ -120,6 +119,22 @@ mod tests {
         set_backward(&x, &y, |_| Err("the peer is gone".to_string())).unwrap();
         let e = (&y * 2.0).sum(Kind::Float).f_backward().unwrap_err();
         assert!(e.to_string().contains("the peer is gone"), "{e}");
+    }
+
+    /// Were the payload dropped outside `catch_unwind`, its destructor's panic would unwind
+    /// out of the `extern "C"` call-back, which aborts the process: this test binary.
+    #[test]
+    fn a_panic_whose_payload_panics_on_drop_fails_the_backward_pass() {
+        struct PanicsOnDrop;
+        impl Drop for PanicsOnDrop {
+            fn drop(&mut self) {
+                panic!("the panic payload's destructor panics on purpose");
+            }
+        }
+        let x = Tensor::from_slice(&[1.0f32]).set_requires_grad(true);
+        let y = tch::no_grad(|| &x + 1.0);
+        set_backward(&x, &y, |_| std::panic::panic_any(PanicsOnDrop)).unwrap();
+        assert!((&y * 2.0).sum(Kind::Float).f_backward().is_err());
     }
 
     #[test]

@@ -1,7 +1,6 @@
 //! Post-accumulate-grad hooks and `param.grad = ...`, the autograd pieces tch lacks.
 
 use std::ffi::c_void;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 
 use tch::Tensor;
@@ -30,8 +29,8 @@ use crate::TchExtError;
 /// avoids it with the GIL): don't.
 ///
 /// If `f` panics, the panic message is printed by the panic hook as usual, the panic stops at
-/// the C++ boundary, and the backward pass fails with an error (tch's `f_backward` returns it,
-/// `backward` panics with it).
+/// the C++ boundary (so does a panic of the payload's own destructor), and the backward pass
+/// fails with an error (tch's `f_backward` returns it, `backward` panics with it).
 ///
 /// # Errors
 ///
@@ -84,8 +83,10 @@ pub fn has_post_accumulate_grad_hook(param: &Tensor) -> Result<bool, TchExtError
 ///
 /// # Errors
 ///
-/// [`TchExtError::Torch`] when `param` is undefined or `grad` differs from it in dtype,
-/// device or shape (PyTorch's checks).
+/// [`TchExtError::Torch`] when `param` is undefined, `grad` is `param` itself (a handle to
+/// the same tensor, such as its `shallow_clone`; `detach()` gives another tensor and is
+/// accepted), or `grad` differs from it in dtype, device, shape, or layout and backend
+/// (dense, MKL-DNN, ...; a sparse gradient of a dense parameter is allowed): PyTorch's checks.
 pub fn set_grad(param: &Tensor, grad: Option<&Tensor>) -> Result<(), TchExtError> {
     let grad = grad.map_or(ptr::null(), |g| g.as_ptr().cast());
     // SAFETY: `param` and, when non-null, `grad` are live tch tensors during the call; the
@@ -102,7 +103,7 @@ extern "C" fn call_hook<F: Fn(&Tensor)>(ctx: *mut c_void, param: *mut c_void) ->
     // SAFETY: `ctx` is the `Box<F>` leaked in `set_post_accumulate_grad_hook`; the shim keeps
     // it alive until this call returns, and `F: Sync` allows calls from any thread.
     let f = unsafe { &*ctx.cast::<F>() };
-    catch_unwind(AssertUnwindSafe(|| f(&param))).is_ok()
+    ffi::catch_panic(|| f(&param)).is_some()
 }
 
 /// The shim's destructor call-back: drops the closure. A panic in a drop cannot be reported
@@ -111,7 +112,7 @@ extern "C" fn drop_hook<F>(ctx: *mut c_void) {
     // SAFETY: `ctx` is the `Box<F>` leaked in `set_post_accumulate_grad_hook`, and the shim
     // calls this exactly once, after the last call of the closure.
     let f = unsafe { Box::from_raw(ctx.cast::<F>()) };
-    if catch_unwind(AssertUnwindSafe(move || drop(f))).is_err() {
+    if ffi::catch_panic(move || drop(f)).is_none() {
         std::process::abort();
     }
 }

@@ -9,9 +9,11 @@
 //! - [`set_backward`] gives a result computed outside autograd a backward function written
 //!   in Rust (PyTorch's `torch.autograd.Function`), e.g. a differentiable all-reduce.
 //! - [`autocast`] returns an [`AutocastGuard`]: mixed precision in `BFloat16` or `Half` on CPU
-//!   or CUDA until it is dropped (`with torch.autocast(device, dtype)`).
+//!   or CUDA until it is dropped (`with torch.autocast(device, dtype)`); [`with_autocast`]
+//!   runs a closure so.
 //! - [`CudaStream`], [`CudaEvent`] and [`set_current_stream`] order work between streams,
-//!   e.g. to run gradient all-reduces on a side stream.
+//!   e.g. to run gradient all-reduces on a side stream; [`record_stream`] keeps the caching
+//!   allocator from reusing a tensor's memory before another stream is done with it.
 //! - [`add_`], [`addcmul_`], [`addcdiv_`]: in-place operations with a scalar factor, the
 //!   fused kernels PyTorch's optimizers are written with;
 //!   [`amp_foreach_non_finite_check_and_unscale_`], `GradScaler`'s fused unscale of a list
@@ -55,15 +57,21 @@ mod cuda;
 mod error;
 mod ffi;
 mod function;
+mod graph;
 mod hooks;
 mod ops;
 
-pub use autocast::{autocast, autocast_dtype, is_autocast_enabled, AutocastDevice, AutocastGuard};
+pub use autocast::{
+    autocast, autocast_dtype, is_autocast_cache_enabled, is_autocast_enabled,
+    set_autocast_cache_enabled, with_autocast, AutocastDevice, AutocastGuard,
+};
 pub use cuda::{
-    cuda_device_count, cuda_is_available, set_current_stream, CudaEvent, CudaStream, StreamGuard,
+    cuda_device_count, cuda_is_available, record_current_stream, record_stream, set_current_stream,
+    CudaEvent, CudaStream, StreamGuard,
 };
 pub use error::TchExtError;
 pub use function::set_backward;
+pub use graph::reachable_leaves;
 pub use hooks::{
     clear_post_accumulate_grad_hook, has_post_accumulate_grad_hook, set_grad,
     set_post_accumulate_grad_hook,

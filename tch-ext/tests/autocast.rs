@@ -1,7 +1,10 @@
 //! Autocast with a dtype, on CPU.
 
 use tch::{Device, Kind, Tensor};
-use tch_ext::{autocast, autocast_dtype, is_autocast_enabled, AutocastDevice, TchExtError};
+use tch_ext::{
+    autocast, autocast_dtype, is_autocast_cache_enabled, is_autocast_enabled,
+    set_autocast_cache_enabled, with_autocast, AutocastDevice, TchExtError,
+};
 
 const CPU: AutocastDevice = AutocastDevice::Cpu;
 
@@ -109,4 +112,122 @@ fn only_bf16_and_f16_are_accepted() {
         }
     }
     assert!(!is_autocast_enabled(CPU));
+}
+
+/// `x @ w.T` under autocast for a weight `w` (a leaf that requires grad, whose casts autocast
+/// caches), then `w *= 2` in place, as an optimizer step updates it.
+fn weight_and_input() -> (Tensor, Tensor) {
+    let w = sample([3, 8], 8).set_requires_grad(true);
+    (w, sample([4, 8], 9))
+}
+
+fn double_in_place(w: &Tensor) {
+    tch::no_grad(|| {
+        let mut w = w.shallow_clone();
+        w *= 2.0;
+    });
+}
+
+fn assert_doubled(second: &Tensor, first: &Tensor) {
+    let (second, first) = (second.to_kind(Kind::Float), first.to_kind(Kind::Float));
+    assert!(
+        second.allclose(&(&first * 2.0), 1e-6, 1e-6, false),
+        "the second region used a stale cast of the weight: {first} then {second}"
+    );
+}
+
+#[test]
+fn a_forgotten_guard_is_closed_with_the_region_around_it_and_the_cache_cleared() {
+    let (w, x) = weight_and_input();
+    let first = {
+        let _outer = autocast(CPU, Kind::BFloat16).unwrap();
+        std::mem::forget(autocast(CPU, Kind::Half).unwrap());
+        assert_eq!(autocast_dtype(CPU), Kind::Half);
+        x.linear::<&Tensor>(&w, None)
+    };
+    assert!(!is_autocast_enabled(CPU));
+    double_in_place(&w);
+    let second = {
+        let _guard = autocast(CPU, Kind::Half).unwrap();
+        x.linear::<&Tensor>(&w, None)
+    };
+    assert_doubled(&second, &first);
+    assert!(!is_autocast_enabled(CPU));
+}
+
+#[test]
+fn the_cache_is_cleared_between_regions_and_a_disabled_cache_sees_in_place_updates() {
+    let (w, x) = weight_and_input();
+    let run = || with_autocast(CPU, Kind::BFloat16, || x.linear::<&Tensor>(&w, None)).unwrap();
+    let first = run();
+    double_in_place(&w);
+    assert_doubled(&run(), &first);
+
+    // Within one region the cached cast of `w` is reused, unless the cache is off.
+    let _guard = autocast(CPU, Kind::BFloat16).unwrap();
+    let before = x.linear::<&Tensor>(&w, None);
+    double_in_place(&w);
+    assert!(
+        x.linear::<&Tensor>(&w, None).equal(&before),
+        "the cast was not cached"
+    );
+    set_autocast_cache_enabled(false);
+    assert_doubled(&x.linear::<&Tensor>(&w, None), &before);
+}
+
+#[test]
+fn guards_dropped_out_of_order_leave_autocast_disabled() {
+    let default_dtype = autocast_dtype(CPU);
+    let outer = autocast(CPU, Kind::BFloat16).unwrap();
+    let inner = autocast(CPU, Kind::Half).unwrap();
+    let cuda = autocast(AutocastDevice::Cuda, Kind::BFloat16).unwrap();
+    drop(outer);
+    assert!(!is_autocast_enabled(CPU));
+    assert!(!is_autocast_enabled(AutocastDevice::Cuda));
+    drop(inner);
+    drop(cuda);
+    assert!(!is_autocast_enabled(CPU));
+    assert_eq!(autocast_dtype(CPU), default_dtype);
+    assert!(!is_autocast_enabled(AutocastDevice::Cuda));
+    assert_eq!(autocast_dtype(AutocastDevice::Cuda), Kind::Half);
+    // And a new region works as usual.
+    let (a, b) = (sample([2, 2], 10), sample([2, 2], 11));
+    let product = with_autocast(CPU, Kind::BFloat16, || a.matmul(&b)).unwrap();
+    assert_eq!(product.kind(), Kind::BFloat16);
+    assert_eq!(a.matmul(&b).kind(), Kind::Float);
+}
+
+#[test]
+fn a_guard_restores_the_cache_setting_it_found() {
+    assert!(is_autocast_cache_enabled());
+    {
+        let _guard = autocast(CPU, Kind::BFloat16).unwrap();
+        set_autocast_cache_enabled(false);
+        assert!(!is_autocast_cache_enabled());
+    }
+    assert!(is_autocast_cache_enabled());
+    set_autocast_cache_enabled(false);
+    {
+        let _guard = autocast(CPU, Kind::BFloat16).unwrap();
+        set_autocast_cache_enabled(true);
+    }
+    assert!(!is_autocast_cache_enabled());
+    set_autocast_cache_enabled(true);
+}
+
+#[test]
+fn with_autocast_closes_its_region_on_return_and_on_panic() {
+    let (a, b) = (sample([2, 2], 12), sample([2, 2], 13));
+    let kind = with_autocast(CPU, Kind::Half, || a.matmul(&b).kind()).unwrap();
+    assert_eq!(kind, Kind::Half);
+    assert!(!is_autocast_enabled(CPU));
+    let panicked = std::panic::catch_unwind(|| {
+        let _ = with_autocast(CPU, Kind::Half, || panic!("inside the region on purpose"));
+    });
+    assert!(panicked.is_err());
+    assert!(!is_autocast_enabled(CPU));
+    assert!(matches!(
+        with_autocast(CPU, Kind::Float, || unreachable!("not run")),
+        Err(TchExtError::AutocastDtype(Kind::Float))
+    ));
 }

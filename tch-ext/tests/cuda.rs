@@ -5,7 +5,8 @@ use std::time::{Duration, Instant};
 
 use tch::{Device, Kind, Tensor};
 use tch_ext::{
-    cuda_device_count, cuda_is_available, set_current_stream, CudaEvent, CudaStream, TchExtError,
+    cuda_device_count, cuda_is_available, record_current_stream, record_stream, set_current_stream,
+    CudaEvent, CudaStream, TchExtError,
 };
 
 /// rustc's `--as-needed` drops libtorch_cuda from test binaries that call nothing in it: load
@@ -245,4 +246,90 @@ fn hooks_and_custom_backwards_run_on_the_forward_stream() {
     );
     let grad = Vec::<f32>::try_from(w.grad().to_device(Device::Cpu)).unwrap();
     assert_eq!(grad, [6.0, -8.0]);
+}
+
+/// Host memory has no streams: recording a CPU (or undefined) tensor is a no-op that
+/// succeeds, with or without CUDA, so callers holding tensors of either device need no branch.
+#[test]
+fn recording_a_cpu_tensor_is_a_no_op() {
+    load_torch_cuda();
+    let t = Tensor::ones([4], (Kind::Float, Device::Cpu));
+    record_current_stream(&t).unwrap();
+    record_current_stream(&Tensor::new()).unwrap();
+    if cuda_is_available() {
+        record_stream(&t, &CudaStream::current(0).unwrap()).unwrap();
+    }
+    assert_eq!(Vec::<f32>::try_from(&t).unwrap(), [1.0; 4]);
+}
+
+/// Queues about `seconds` of 4096x4096 matmuls on the current stream of cuda:0 (measured
+/// first) and returns at once.
+fn keep_busy(seconds: f64) {
+    let x = Tensor::randn([4096, 4096], (Kind::Float, Device::Cuda(0))) / 64.0;
+    let stream = CudaStream::current(0).unwrap();
+    let _ = x.mm(&x);
+    stream.synchronize().unwrap();
+    let start = Instant::now();
+    for _ in 0..4 {
+        let _ = x.mm(&x);
+    }
+    stream.synchronize().unwrap();
+    let each = start.elapsed().as_secs_f64() / 4.0;
+    for _ in 0..(seconds / each).ceil() as usize {
+        let _ = x.mm(&x);
+    }
+}
+
+/// A tensor allocated on stream A and read on stream B, queued behind half a second of work
+/// there, then dropped: libtorch's caching allocator would hand its block to the next
+/// allocation of that size on A at once (a control run shows it does), and A's kernels would
+/// overwrite it under B's pending read. Recorded on B, the block is held back until B's work
+/// so far has finished: the next allocation gets other memory, and the read sees its data.
+#[test]
+fn a_block_recorded_on_another_stream_is_not_reused_while_that_stream_works() {
+    if !gpu() {
+        return;
+    }
+    let a = CudaStream::from_pool(0, false).unwrap();
+    let b = std::iter::repeat_with(|| CudaStream::from_pool(0, false).unwrap())
+        .find(|s| *s != a)
+        .unwrap();
+    // An odd size, so that no other free block fits it exactly.
+    let len = 1_000_003;
+    let run = |record: bool| {
+        let on_a = set_current_stream(a).unwrap();
+        let t = Tensor::full([len], 3.0, (Kind::Float, Device::Cuda(0)));
+        let at = t.data_ptr() as usize;
+        drop(on_a);
+        let on_b = set_current_stream(b).unwrap();
+        keep_busy(0.5);
+        let read = t.sum(Kind::Float);
+        let b_done = CudaEvent::new(0).unwrap();
+        b_done.record(&b).unwrap();
+        if record {
+            record_stream(&t, &b).unwrap();
+        }
+        drop(on_b);
+        let on_a = set_current_stream(a).unwrap();
+        drop(t);
+        let next = Tensor::full([len], 7.0, (Kind::Float, Device::Cuda(0)));
+        let reused = next.data_ptr() as usize == at;
+        let pending = !b_done.query().unwrap();
+        drop(on_a);
+        b.synchronize().unwrap();
+        a.synchronize().unwrap();
+        assert!(pending, "stream B finished its work too early for the test");
+        (reused, read.double_value(&[]))
+    };
+    let (reused, _) = run(false);
+    assert!(
+        reused,
+        "control: without record_stream the allocator did not hand the block back on A"
+    );
+    let (reused, sum) = run(true);
+    assert!(
+        !reused,
+        "the allocator reused a block recorded on a stream that still works"
+    );
+    assert_eq!(sum, 3.0 * len as f64);
 }

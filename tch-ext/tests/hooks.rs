@@ -174,6 +174,28 @@ fn a_panicking_hook_fails_the_backward_pass() {
     assert_eq!(values(&w.grad()), [8.0, 10.0, -12.0]);
 }
 
+/// A panic payload whose destructor panics as well.
+struct PanicsOnDrop;
+
+impl Drop for PanicsOnDrop {
+    fn drop(&mut self) {
+        panic!("the panic payload's destructor panics on purpose");
+    }
+}
+
+/// Were the payload dropped outside `catch_unwind`, its destructor's panic would unwind out of
+/// the `extern "C"` call-back, which aborts the process: this test binary.
+#[test]
+fn a_panic_whose_payload_panics_on_drop_still_only_fails_the_backward_pass() {
+    let (w, x) = leaf();
+    set_post_accumulate_grad_hook(&w, |_| std::panic::panic_any(PanicsOnDrop)).unwrap();
+    let err = loss(&w, &x).f_backward().unwrap_err().to_string();
+    assert!(err.contains("post-accumulate-grad hook panicked"), "{err}");
+    clear_post_accumulate_grad_hook(&w).unwrap();
+    loss(&w, &x).backward();
+    assert_eq!(values(&w.grad()), [8.0, 10.0, -12.0]);
+}
+
 #[test]
 fn hooks_need_a_leaf_that_requires_grad() {
     let (w, x) = leaf();
@@ -229,4 +251,37 @@ fn set_grad_checks_dtype_and_shape() {
         }
     }
     assert!(!w.grad().defined());
+}
+
+#[test]
+fn set_grad_refuses_the_parameter_as_its_own_gradient() {
+    let (w, _) = leaf();
+    match set_grad(&w, Some(&w.shallow_clone())).unwrap_err() {
+        TchExtError::Torch(msg) => assert!(msg.contains("as its own grad"), "{msg}"),
+        other => panic!("unexpected error {other:?}"),
+    }
+    assert!(!w.grad().defined());
+    // Another tensor on the same data is a gradient, as `w.grad = w.detach()` is.
+    set_grad(&w, Some(&w.detach())).unwrap();
+    assert_eq!(values(&w.grad()), [1.0, -2.0, 0.5]);
+}
+
+#[test]
+fn set_grad_checks_layout_and_backend_but_takes_a_sparse_gradient() {
+    let dense = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
+    let w = dense.copy().set_requires_grad(true);
+    // A sparse gradient of a dense parameter (an embedding's) is allowed.
+    set_grad(&w, Some(&dense.to_sparse_sparse_dim(2))).unwrap();
+    assert!(w.grad().is_sparse());
+    // A dense gradient of a sparse parameter, or an MKL-DNN one of a dense parameter, is not.
+    let sparse = dense.to_sparse_sparse_dim(2).set_requires_grad(true);
+    for (param, grad) in [(&sparse, dense.copy()), (&w, dense.to_mkldnn())] {
+        match set_grad(param, Some(&grad)).unwrap_err() {
+            TchExtError::Torch(msg) => {
+                assert!(msg.contains("different layout or backend"), "{msg}")
+            }
+            other => panic!("unexpected error {other:?}"),
+        }
+    }
+    assert!(!sparse.grad().defined());
 }
