@@ -68,8 +68,9 @@ pub enum CommError {
         timeout: Duration,
         /// The ranks that did not show up.
         missing: Vec<usize>,
-        /// Connections rank 0's store refused in their handshake meanwhile (0 where this
-        /// rank does not serve the store): a rank with another secret is one of them.
+        /// Connections refused in their handshake meanwhile, by rank 0's store or by this
+        /// rank's ring listener (the one `addr` names): a rank with another secret is one of
+        /// them.
         turned_away: usize,
     },
     /// The store (rank 0's, or torchrun's agent store), or a ring neighbour, could not be
@@ -393,7 +394,7 @@ fn turned_away_hint(turned_away: usize) -> String {
         return String::new();
     }
     format!(
-        "; meanwhile the store refused {turned_away} connection(s) that failed the handshake, \
+        "; meanwhile {turned_away} connection(s) were refused because they failed the handshake, \
          as a rank whose job secret differs does: every node must have the same DDP_SECRET \
          (or, without it, the same key file, DDP_SECRET_FILE or ~/.config/ddp/secret)"
     )

@@ -1,13 +1,60 @@
-//! TCP sockets: connecting with retry (both store clients in `store/`, and the ring's TCP
-//! links) and the settings of ring sockets (`TCP_NODELAY`, kernel buffer sizes). The links
-//! themselves are driven by `ring/`.
+//! TCP sockets: listening on every interface of both IP families (rank 0's store, ring
+//! listeners in a job of several hosts), connecting with retry (both store clients in
+//! `store/`, and the ring's TCP links) and the settings of ring sockets (`TCP_NODELAY`,
+//! kernel buffer sizes). The links themselves are driven by `ring/`.
 
 use std::io::{self, BufReader, BufWriter};
-use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
+
+/// Pending connections a listener queues (std's own backlog).
+const BACKLOG: i32 = 128;
+
+/// A listener on `addr`. An unspecified IP (every interface, of either family) listens on
+/// `[::]` with `IPV6_V6ONLY` off, so that clients of both families reach it, as c10d's
+/// TCPStore does; where the host has no IPv6, on `0.0.0.0`.
+pub(crate) fn listen(addr: SocketAddr) -> io::Result<TcpListener> {
+    if !addr.ip().is_unspecified() {
+        return TcpListener::bind(addr);
+    }
+    match listen_dual_stack(addr.port()) {
+        Err(e) if no_ipv6(&e) => TcpListener::bind((Ipv4Addr::UNSPECIFIED, addr.port())),
+        listened => listened,
+    }
+}
+
+fn listen_dual_stack(port: u16) -> io::Result<TcpListener> {
+    use rustix::net::{sockopt, AddressFamily, SocketFlags, SocketType};
+    let socket = rustix::net::socket_with(
+        AddressFamily::INET6,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    sockopt::set_ipv6_v6only(&socket, false)?;
+    // As std's `TcpListener::bind`: a port whose old connections linger is free again.
+    sockopt::set_socket_reuseaddr(&socket, true)?;
+    rustix::net::bind(
+        &socket,
+        &SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), port),
+    )?;
+    rustix::net::listen(&socket, BACKLOG)?;
+    Ok(TcpListener::from(socket))
+}
+
+/// Whether `e` says that this host cannot listen on IPv6 (no IPv6 in the kernel, or
+/// turned off).
+fn no_ipv6(e: &io::Error) -> bool {
+    [
+        libc::EAFNOSUPPORT,
+        libc::EPROTONOSUPPORT,
+        libc::EADDRNOTAVAIL,
+    ]
+    .contains(&e.raw_os_error().unwrap_or(0))
+}
 
 /// Connects to the first reachable address, retrying until `deadline` (the server may not
 /// be up yet).
@@ -16,9 +63,26 @@ pub(crate) fn connect_retry(
     deadline: Instant,
     what: &str,
 ) -> Result<TcpStream, CommError> {
+    connect_until(addrs, deadline, what, || false)
+}
+
+/// [`connect_retry`], which also gives up (an `Interrupted` error) once `stopped` says so,
+/// checked before each attempt.
+pub(crate) fn connect_until(
+    addrs: &[SocketAddr],
+    deadline: Instant,
+    what: &str,
+    stopped: impl Fn() -> bool,
+) -> Result<TcpStream, CommError> {
     let start = Instant::now();
     let mut pause = Duration::from_millis(5);
     loop {
+        if stopped() {
+            return Err(CommError::io(
+                format!("connecting to the {what} at {}", addrs[0]),
+                io::Error::new(io::ErrorKind::Interrupted, "stopped"),
+            ));
+        }
         let mut last = None;
         for addr in addrs {
             let left = deadline

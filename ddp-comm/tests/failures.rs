@@ -163,6 +163,44 @@ fn a_busy_port_is_named() {
     );
 }
 
+/// Timeouts set in code past what a deadline can hold (`Duration::MAX`) are capped at
+/// 10^9 s, as the environment's are, and the group forms and reduces instead of panicking
+/// at its rendezvous or collective deadline.
+#[test]
+fn timeouts_too_long_for_a_deadline_are_capped() {
+    let port = free_port();
+    let secret = ddp_comm::Secret::from_hex(&"cd".repeat(16)).unwrap();
+    let cap = Some(Duration::from_secs(1_000_000_000));
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let mut opts = Options::new(rank, 2, "127.0.0.1", port)
+                .with_secret(secret.clone())
+                .backend(Backend::Cpu)
+                .rendezvous_timeout(Duration::MAX)
+                .op_timeout(Duration::MAX);
+            assert_eq!(
+                (opts.env.rendezvous_timeout, opts.env.op_timeout),
+                (cap, cap)
+            );
+            // The fields are public: rank 1 bypasses the setters, and the group caps them too.
+            if rank == 1 {
+                opts.env.rendezvous_timeout = Some(Duration::MAX);
+                opts.env.op_timeout = Some(Duration::MAX);
+            }
+            std::thread::spawn(move || {
+                let group = ProcessGroup::new(opts)?;
+                let mut v = [rank as i64 + 1, 10];
+                group.all_reduce_slice(&mut v, ReduceOp::Sum)?;
+                Ok::<_, CommError>(v)
+            })
+        })
+        .collect();
+    for (rank, thread) in ranks.into_iter().enumerate() {
+        let got = thread.join().expect("a rank panicked");
+        assert_eq!(got.unwrap(), [3, 20], "rank {rank}");
+    }
+}
+
 #[test]
 fn malformed_environment_values_are_named() {
     if worker() {
@@ -189,14 +227,32 @@ fn malformed_environment_values_are_named() {
             "WORLD_SIZE",
         ),
         (
-            &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "port")],
+            &[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "port"),
+            ],
             "MASTER_PORT",
         ),
-        (&[("RANK", "0"), ("WORLD_SIZE", "2")], "MASTER_PORT"),
         (
             &[
                 ("RANK", "0"),
                 ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+            ],
+            "MASTER_PORT",
+        ),
+        // Without LOCAL_WORLD_SIZE, each rank may be on a host of its own.
+        (
+            &[("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1234")],
+            "MASTER_ADDR",
+        ),
+        (
+            &[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
                 ("MASTER_PORT", "1234"),
                 ("DDP_RDZV_TIMEOUT_S", "soon"),
             ],
@@ -217,6 +273,7 @@ fn malformed_environment_values_are_named() {
                 "MASTER_PORT",
                 "MASTER_ADDR",
                 "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
                 "SLURM_PROCID",
                 "DDP_RDZV_TIMEOUT_S",
             ] {

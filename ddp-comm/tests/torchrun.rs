@@ -1,16 +1,17 @@
 //! Started by the real `torchrun --no-python` from the setup's Python: the agent already
 //! serves a c10d TCPStore on MASTER_PORT (`TORCHELASTIC_USE_AGENT_STORE=True`), and the
 //! ranks must rendezvous through it. Without `DDP_SECRET`, as under a plain torchrun, the
-//! ranks authenticate their ring links with the user's key file.
+//! ranks authenticate their ring links with the user's key file; a rank with another secret
+//! (which the unauthenticated agent store lets join) fails every rank at once.
 
 mod common;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{free_port, lines_with, show, wait_all, worker, WORKER_ENV};
-use ddp_comm::{ProcessGroup, ReduceOp};
+use ddp_comm::{CommError, Options, ProcessGroup, ReduceOp, Secret};
 
 fn torchrun() -> Option<PathBuf> {
     let deps = std::env::var_os("DDP_DEPS_DIR")?;
@@ -58,34 +59,16 @@ fn ranks_started_by_torchrun_meet_through_the_agent_store() {
         println!("skipped: no torchrun under $DDP_DEPS_DIR/venv/bin (run cargo xtask setup)");
         return;
     };
-    let port = free_port();
     let config = ddp_testkit::temp_dir("torchrun-config");
-    let mut cmd = Command::new(torchrun);
-    cmd.args([
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "3",
-        "--master-port",
-        &port.to_string(),
-        "--no-python",
-    ])
-    .arg(std::env::current_exe().unwrap())
-    .args([
-        "--exact",
+    let mut cmd = torchrun_of(
+        &torchrun,
         "ranks_started_by_torchrun_meet_through_the_agent_store",
-        "--nocapture",
-        "--test-threads",
-        "1",
-    ])
-    .env(WORKER_ENV, "1")
-    .env("DDP_RDZV_TIMEOUT_S", "60")
-    .env("XDG_CONFIG_HOME", config.path())
-    .env_remove("DDP_SECRET")
-    .env_remove("DDP_SECRET_FILE")
-    .env_remove("DDP_RUN_ID")
-    .stdout(std::process::Stdio::piped())
-    .stderr(std::process::Stdio::piped());
+    );
+    cmd.env("DDP_RDZV_TIMEOUT_S", "60")
+        .env("XDG_CONFIG_HOME", config.path())
+        .env_remove("DDP_SECRET")
+        .env_remove("DDP_SECRET_FILE")
+        .env_remove("DDP_RUN_ID");
     let out = wait_all(vec![cmd.spawn().unwrap()], Duration::from_secs(120)).remove(0);
     assert!(out.status.success(), "torchrun failed:\n{}", show(&out));
     let mut ranks: Vec<String> = lines_with(&out, "TORCHRUN rank ");
@@ -98,4 +81,90 @@ fn ranks_started_by_torchrun_meet_through_the_agent_store() {
     );
     let key_file = config.path().join("ddp/secret");
     assert!(key_file.is_file(), "no key file was made:\n{}", show(&out));
+}
+
+/// torchrun starting three ranks of `test` of this binary on a free port, with piped
+/// output.
+fn torchrun_of(torchrun: &Path, test: &str) -> Command {
+    let mut cmd = Command::new(torchrun);
+    cmd.args([
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "3",
+        "--master-port",
+        &free_port().to_string(),
+        "--no-python",
+    ])
+    .arg(std::env::current_exe().unwrap())
+    .args(["--exact", test, "--nocapture", "--test-threads", "1"])
+    .env(WORKER_ENV, "1")
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped());
+    cmd
+}
+
+/// The agent store lets a rank with another secret in, but the values it reads there carry
+/// another secret's tags and it writes its own: it fails at rank 0's first value, and
+/// every rank stops within seconds (the rendezvous timeout is 120 s), each naming the value
+/// it could not trust; none blames a rank for not arriving.
+#[test]
+fn a_rank_with_another_secret_stops_every_rank_under_the_agent_store() {
+    const TEST: &str = "a_rank_with_another_secret_stops_every_rank_under_the_agent_store";
+    if worker() {
+        let start = Instant::now();
+        let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+        let mut opts = Options::from_env().unwrap();
+        if rank == 1 {
+            opts = opts.with_secret(Secret::from_hex(&"b".repeat(32)).unwrap());
+        }
+        let err = match ProcessGroup::new(opts) {
+            Ok(_) => panic!("rank {rank} joined a group whose rank 1 has another secret"),
+            Err(e) => e,
+        };
+        let waited = start.elapsed();
+        println!("AGENT rank {rank}: {err}");
+        assert!(
+            !matches!(err, CommError::RendezvousTimeout { .. }),
+            "rank {rank}: {err}"
+        );
+        assert!(waited < Duration::from_secs(30), "rank {rank}: {waited:?}");
+        return;
+    }
+    let Some(torchrun) = torchrun() else {
+        println!("skipped: no torchrun under $DDP_DEPS_DIR/venv/bin (run cargo xtask setup)");
+        return;
+    };
+    let mut cmd = torchrun_of(&torchrun, TEST);
+    cmd.env("DDP_SECRET", "a".repeat(32))
+        .env("DDP_RDZV_TIMEOUT_S", "120")
+        .env("DDP_TRANSPORT", "tcp");
+    let out = wait_all(vec![cmd.spawn().unwrap()], Duration::from_secs(100)).remove(0);
+    assert!(out.status.success(), "torchrun failed:\n{}", show(&out));
+    let mut errors = lines_with(&out, "AGENT rank ");
+    errors.sort();
+    assert_eq!(errors.len(), 3, "{}", show(&out));
+    let forged = |key: &str| {
+        format!(
+            "the value of '{key}' is forged: it does not carry this job's tag, so a process \
+             without this rank's secret wrote it (a stranger that reached the unauthenticated \
+             agent store, or a rank whose secret differs: check that every rank was given the \
+             same "
+        )
+    };
+    // Rank 1 cannot trust rank 0's world size; the others, rank 1's abort or entries.
+    assert!(errors[1].contains(&forged("world/0")), "{}", errors[1]);
+    for rank in [0, 2] {
+        assert!(
+            ["abort", "addr/1", "host/1"]
+                .iter()
+                .any(|key| errors[rank].contains(&forged(key))),
+            "{}",
+            errors[rank]
+        );
+    }
+    assert!(
+        errors.iter().all(|e| !e.contains("never arrived")),
+        "{errors:?}"
+    );
 }

@@ -26,6 +26,10 @@ pub const TRANSPORT_ENV: &str = "DDP_TRANSPORT";
 /// Environment variable replacing this rank's host identity (ranks with equal identities
 /// use shared memory), as `NCCL_HOSTID` does for NCCL.
 pub const HOST_ID_ENV: &str = "DDP_HOST_ID";
+/// The longest timeout: what `DDP_RDZV_TIMEOUT_S` and `DDP_OP_TIMEOUT_S` accept (below 10^9 s,
+/// about 31 years), and where `Options::rendezvous_timeout` and `Options::op_timeout` cap a
+/// longer one, so that a deadline of now plus the timeout always exists.
+pub(crate) const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
 /// Longest run id accepted (bytes).
 pub const MAX_RUN_ID_LEN: usize = 256;
 /// The run id when none is set.
@@ -62,7 +66,12 @@ pub struct EnvConfig {
     /// and listeners as in a job of several hosts (on every interface, as c10d's TCPStore
     /// always does), since nothing says every rank is on this one.
     pub local_world_size_guessed: bool,
-    /// Host of the rendezvous store (rank 0's address).
+    /// Host of the rendezvous store (rank 0's address): `MASTER_ADDR`; under SLURM without
+    /// it, the step's first node. Without `MASTER_ADDR`, a job whose ranks all run on this
+    /// host (`LOCAL_WORLD_SIZE` equal to `WORLD_SIZE`, or a world of one) meets at
+    /// `127.0.0.1`; one that may span hosts (fewer local ranks than the world, or no count
+    /// of them) is refused with [`CommError::MissingEnv`], as torch's `env://` refuses any
+    /// job without it: the other hosts cannot guess where rank 0 runs.
     pub master_addr: String,
     /// Port of the rendezvous store.
     pub master_port: u16,
@@ -202,6 +211,10 @@ impl EnvConfig {
             return Err(malformed("LOCAL_WORLD_SIZE", "0", "a positive integer"));
         }
         check_places(source, rank, world_size, local_rank, local_world_size, &get)?;
+        // Whether the job may have ranks on other hosts: the group's store and listeners
+        // then bind every interface, and rank 0's address must be given.
+        let spans_hosts =
+            world_size > 1 && (local_world_size < world_size || local_world_size_guessed);
         let master_addr = match (get("MASTER_ADDR"), source) {
             (Some(addr), _) => addr,
             (None, EnvSource::Slurm) => {
@@ -224,7 +237,20 @@ impl EnvConfig {
                     }
                 }
             }
-            (None, _) => "127.0.0.1".to_string(),
+            // Every rank on this host, as far as the variables say: rank 0 is here too.
+            (None, _) if !spans_hosts => "127.0.0.1".to_string(),
+            // Ranks on other hosts cannot guess where rank 0 runs (torch's env:// refuses
+            // too).
+            (None, _) => {
+                return Err(missing(
+                    "MASTER_ADDR",
+                    &format!(
+                        "the job's {world_size} ranks do not all run on this host \
+                         (LOCAL_WORLD_SIZE {}), so rank 0's host must be named",
+                        get("LOCAL_WORLD_SIZE").unwrap_or_else(|| "not set".into())
+                    ),
+                ))
+            }
         };
         let master_port = match get("MASTER_PORT") {
             Some(v) => parse_port("MASTER_PORT", &v)?,
@@ -501,7 +527,7 @@ fn parse_seconds(var: &str, value: &str) -> Result<Duration, CommError> {
     value
         .parse::<f64>()
         .ok()
-        .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
+        .filter(|s| s.is_finite() && *s > 0.0 && *s < MAX_TIMEOUT.as_secs_f64())
         .map(Duration::from_secs_f64)
         .ok_or_else(|| malformed(var, value, "a positive number of seconds"))
 }
@@ -583,7 +609,13 @@ mod tests {
         env.source = EnvSource::Code;
         assert_eq!(code, env);
         // Without the local variables, rank 2 would be alone on its host.
-        let alone = read(&[("RANK", "2"), ("WORLD_SIZE", "3"), ("MASTER_PORT", "1")]).unwrap();
+        let alone = read(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "3"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ])
+        .unwrap();
         assert_eq!((alone.local_rank, alone.local_world_size), (0, 1));
     }
 
@@ -733,7 +765,12 @@ mod tests {
     #[test]
     fn a_local_rank_without_a_count_of_its_host_is_a_guess() {
         let place = |vars: &[(&str, &str)]| {
-            let base = [("RANK", "3"), ("WORLD_SIZE", "4"), ("MASTER_PORT", "23456")];
+            let base = [
+                ("RANK", "3"),
+                ("WORLD_SIZE", "4"),
+                ("MASTER_ADDR", "m"),
+                ("MASTER_PORT", "23456"),
+            ];
             let c = read(&[&base[..], vars].concat()).unwrap();
             (c.local_rank, c.local_world_size, c.local_world_size_guessed)
         };
@@ -778,12 +815,17 @@ mod tests {
     #[test]
     fn without_local_variables_a_rank_is_alone_on_its_host() {
         let place = |vars: &[(&str, &str)]| {
-            let base = [("RANK", "3"), ("WORLD_SIZE", "4"), ("MASTER_PORT", "23456")];
+            let base = [
+                ("RANK", "3"),
+                ("WORLD_SIZE", "4"),
+                ("MASTER_ADDR", "job-master-0"),
+                ("MASTER_PORT", "23456"),
+            ];
             let c = read(&[&base[..], vars].concat()).unwrap();
             (c.local_rank, c.local_world_size)
         };
         // A Kubeflow PyTorchJob pod: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT only.
-        assert_eq!(place(&[("MASTER_ADDR", "job-master-0")]), (0, 1));
+        assert_eq!(place(&[]), (0, 1));
         // LOCAL_WORLD_SIZE alone: ranks fill the hosts in order.
         assert_eq!(place(&[("LOCAL_WORLD_SIZE", "2")]), (1, 2));
         // torchrun's own variables win.
@@ -862,7 +904,12 @@ mod tests {
             ),
             (&[("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
             (
-                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")],
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "m"),
+                    ("MASTER_PORT", "70000"),
+                ],
                 "MASTER_PORT",
             ),
             (
@@ -967,9 +1014,46 @@ mod tests {
             Err(CommError::MissingEnv { var, .. }) => assert_eq!(var, "WORLD_SIZE"),
             other => panic!("{other:?}"),
         }
-        match read(&[("RANK", "1"), ("WORLD_SIZE", "2")]) {
+        match read(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_WORLD_SIZE", "2"),
+        ]) {
             Err(CommError::MissingEnv { var, .. }) => assert_eq!(var, "MASTER_PORT"),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// Without `MASTER_ADDR`, only a job whose ranks all run on this host meets at
+    /// 127.0.0.1; ranks on several hosts cannot guess rank 0's, as torch's `env://` refuses.
+    #[test]
+    fn master_addr_is_required_when_the_ranks_may_span_hosts() {
+        let base = [("RANK", "2"), ("WORLD_SIZE", "4"), ("MASTER_PORT", "29500")];
+        let with = |vars: &[(&str, &str)]| read(&[&base[..], vars].concat());
+        let missing_addr = |vars: &[(&str, &str)], local: &str| match with(vars) {
+            Err(CommError::MissingEnv { var, why }) => {
+                assert_eq!(var, "MASTER_ADDR", "{vars:?}");
+                assert_eq!(
+                    why,
+                    format!(
+                        "the job's 4 ranks do not all run on this host (LOCAL_WORLD_SIZE \
+                         {local}), so rank 0's host must be named"
+                    ),
+                    "{vars:?}"
+                );
+            }
+            other => panic!("{vars:?}: expected MissingEnv MASTER_ADDR, got {other:?}"),
+        };
+        // Two hosts of two ranks.
+        missing_addr(&[("LOCAL_WORLD_SIZE", "2")], "2");
+        missing_addr(&[("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")], "2");
+        // No count of this host's ranks (one per host, or a guess).
+        missing_addr(&[], "not set");
+        missing_addr(&[("LOCAL_RANK", "2")], "not set");
+        // Every rank on this host: the default stands.
+        let one_host = with(&[("LOCAL_WORLD_SIZE", "4")]).unwrap();
+        assert_eq!(one_host.master_addr, "127.0.0.1");
+        let named = with(&[("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "node1")]).unwrap();
+        assert_eq!(named.master_addr, "node1");
     }
 }

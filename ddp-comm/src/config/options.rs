@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::config::env::EnvConfig;
+use crate::config::env::{EnvConfig, MAX_TIMEOUT};
 use crate::error::CommError;
 use crate::ring::link::Transport;
 use crate::ring::shm;
@@ -128,9 +128,10 @@ impl Options {
     }
 
     /// Sets the rendezvous timeout (also the least time NCCL communicator init is given:
-    /// see [`Options::op_timeout`]).
+    /// see [`Options::op_timeout`]). A timeout of 10^9 s (about 31 years) or more is taken
+    /// as 10^9 s, the most `DDP_RDZV_TIMEOUT_S` accepts: `Duration::MAX` waits that long.
     pub fn rendezvous_timeout(mut self, timeout: Duration) -> Self {
-        self.env.rendezvous_timeout = Some(timeout);
+        self.env.rendezvous_timeout = Some(timeout.min(MAX_TIMEOUT));
         self
     }
 
@@ -139,9 +140,10 @@ impl Options {
     /// 500 ms in all) finding out which rank is hung, before it returns
     /// [`CommError::Timeout`]. NCCL communicator init, a meeting of every rank like the
     /// rendezvous (and about a second for the first one in a process), may take the longer
-    /// of this and the rendezvous timeout.
+    /// of this and the rendezvous timeout. A timeout of 10^9 s or more is taken as 10^9 s,
+    /// as for [`Options::rendezvous_timeout`].
     pub fn op_timeout(mut self, timeout: Duration) -> Self {
-        self.env.op_timeout = Some(timeout);
+        self.env.op_timeout = Some(timeout.min(MAX_TIMEOUT));
         self
     }
 

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use tch::{Device, Tensor};
 
+use crate::config::env::MAX_TIMEOUT;
 use crate::config::options::{Backend, Options, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT};
 use crate::element::{as_bytes_mut, Element, ReduceOp};
 use crate::error::CommError;
@@ -150,8 +151,16 @@ impl ProcessGroup {
             None if env.world_size == 1 => Secret::unused()?,
             None => Secret::fallback(env.secret_file.as_deref(), &env.run_id)?,
         };
-        let op_timeout = env.op_timeout.unwrap_or(DEFAULT_OP_TIMEOUT);
-        let rendezvous_timeout = env.rendezvous_timeout.unwrap_or(DEFAULT_RENDEZVOUS_TIMEOUT);
+        // Capped here too: `EnvConfig`'s fields are public, so a value can bypass the setters'
+        // cap, and every deadline is `Instant::now() + timeout`.
+        let op_timeout = env
+            .op_timeout
+            .unwrap_or(DEFAULT_OP_TIMEOUT)
+            .min(MAX_TIMEOUT);
+        let rendezvous_timeout = env
+            .rendezvous_timeout
+            .unwrap_or(DEFAULT_RENDEZVOUS_TIMEOUT)
+            .min(MAX_TIMEOUT);
         let plan = Plan {
             rank: env.rank,
             world_size: env.world_size,

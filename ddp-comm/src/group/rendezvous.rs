@@ -1,11 +1,16 @@
 //! Rendezvous: every rank meets at the store, agrees on the world, and connects its ring.
 //!
 //! 1. Rank 0 serves the store on `MASTER_ADDR:MASTER_PORT` (under torchrun's agent store,
-//!    every rank is a client of the agent's c10d store instead); the others connect,
-//!    retrying until the rendezvous deadline.
+//!    every rank is a client of the agent's c10d store instead, whose values carry the
+//!    job's tag: `store/signed.rs`); the others connect, retrying until the rendezvous
+//!    deadline.
 //! 2. Each rank claims `join/<rank>` with `add` (a second claim is a duplicated rank) and
 //!    publishes its world size; a rank whose world size differs from rank 0's fails.
-//!    A failing rank writes `abort`, which every waiting rank notices at its next poll.
+//!    A rank that fails at any later step writes `abort`, naming itself and why, which every
+//!    waiting rank notices at its next poll, including while it connects its ring; where
+//!    another rank's `abort` is there already, that one stands and is this rank's error too
+//!    (its own failure may only echo it: a peer that gave up closes its listeners, and only
+//!    after writing `abort`).
 //! 3. Each rank listens on an ephemeral TCP port of the interface that reaches the store
 //!    and (unless told to use TCP only) on an abstract Unix socket, and publishes both with
 //!    its host identity (`addr/<rank>`, `host/<rank>`); it waits for every rank's entries (a
@@ -16,9 +21,10 @@
 //!    successor and accepts its predecessor; both sides prove the job's secret to each other
 //!    (`security/auth.rs`), as every connection to the store does.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
+use crate::config::env::MAX_TIMEOUT;
 use crate::error::CommError;
 use crate::ring::connect::{self, Listeners, PeerInfo};
 use crate::ring::cpu::RingOrder;
@@ -27,6 +33,7 @@ use crate::ring::schedule::host_order;
 use crate::security::secret::Secret;
 use crate::store::c10d::C10dStore;
 use crate::store::heartbeat::Connector;
+use crate::store::signed::Signed;
 use crate::store::{resolve, Store, StoreClient, StoreServer};
 
 const ABORT_KEY: &str = "abort";
@@ -90,18 +97,11 @@ pub(crate) fn wait_keys(
     rank_of: impl Fn(&str) -> Option<usize>,
 ) -> Result<(), CommError> {
     let mut pause = Duration::from_millis(1);
-    let abort = [ABORT_KEY.to_string()];
     loop {
         if store.check(keys)? {
             return Ok(());
         }
-        if store.check(&abort)? {
-            let why = store.get(ABORT_KEY)?.unwrap_or_default();
-            return Err(CommError::Rendezvous {
-                addr: store.addr().to_string(),
-                detail: format!("another rank aborted: {}", String::from_utf8_lossy(&why)),
-            });
-        }
+        aborted(store)?;
         if Instant::now() >= deadline {
             let mut missing = Vec::new();
             for key in keys {
@@ -124,9 +124,45 @@ pub(crate) fn wait_keys(
     }
 }
 
+/// Another rank's `abort`, as this rank's error, if one is in the store.
+fn aborted(store: &mut dyn Store) -> Result<(), CommError> {
+    if !store.check(&[ABORT_KEY.to_string()])? {
+        return Ok(());
+    }
+    let why = store.get(ABORT_KEY)?.unwrap_or_default();
+    Err(CommError::Rendezvous {
+        addr: store.addr().to_string(),
+        detail: format!("another rank aborted: {}", String::from_utf8_lossy(&why)),
+    })
+}
+
 fn abort(store: &mut dyn Store, err: CommError) -> CommError {
     let _ = store.set(ABORT_KEY, err.to_string().as_bytes());
     err
+}
+
+/// The error of `rank`, which failed with `err`: another rank's `abort`, if the store holds
+/// one, since it came first and this failure may only echo it (a peer that gave up closes
+/// its listeners); otherwise `err`, which is written to `abort` first, naming this rank, as
+/// news for the others, who would wait for it until their deadlines (and then blame it for
+/// not arriving).
+fn tell_the_others(store: &mut dyn Store, rank: usize, err: CommError) -> CommError {
+    match aborted(store) {
+        Ok(()) => {
+            let _ = store.set(ABORT_KEY, format!("rank {rank}: {err}").as_bytes());
+            err
+        }
+        Err(theirs @ CommError::Rendezvous { .. }) => theirs,
+        // The store failed, or holds an `abort` that cannot be trusted: this rank's own.
+        Err(_) => err,
+    }
+}
+
+/// `timeout` from now, or as far as the clock reaches.
+fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + MAX_TIMEOUT.min(timeout))
 }
 
 fn connect_store(
@@ -149,12 +185,13 @@ fn open_store(
     io_timeout: Duration,
 ) -> Result<Box<dyn Store>, CommError> {
     if plan.agent_store {
-        Ok(Box::new(C10dStore::connect(
-            addrs,
+        // Anyone can write there: values carry the job's tag.
+        let store = C10dStore::connect(addrs, plan.key_prefix.clone(), deadline, io_timeout)?;
+        Ok(Box::new(Signed::new(
+            store,
+            plan.secret.clone(),
             plan.key_prefix.clone(),
-            deadline,
-            io_timeout,
-        )?))
+        )))
     } else {
         Ok(Box::new(StoreClient::connect(
             addrs,
@@ -179,21 +216,21 @@ pub(crate) fn connector(
     };
     let plan = plan.clone();
     Ok(Box::new(move || {
-        open_store(&plan, &addrs, Instant::now() + timeout, timeout)
+        open_store(&plan, &addrs, deadline_after(timeout), timeout)
     }))
 }
 
 /// Runs the rendezvous of one rank.
 pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     let (rank, world) = (plan.rank, plan.world_size);
-    let deadline = Instant::now() + plan.timeout;
+    let deadline = deadline_after(plan.timeout);
     if rank >= world {
         // Tell the others, so that they fail now rather than at their deadline.
         let quick = Plan {
             timeout: plan.timeout.min(Duration::from_secs(5)),
             ..plan.clone()
         };
-        if let Ok(mut store) = connect_store(&quick, Instant::now() + quick.timeout, &None) {
+        if let Ok(mut store) = connect_store(&quick, deadline_after(quick.timeout), &None) {
             let _ = abort(
                 store.as_mut(),
                 CommError::RankOutOfRange {
@@ -227,8 +264,22 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     } else {
         None
     };
-    let mut store = store_of_this_attempt(plan, deadline, &server)?;
-    match join(plan, store.as_mut(), deadline) {
+    let store = store_of_this_attempt(plan, deadline, &server)?;
+    meet_at(plan, store, server, deadline)
+}
+
+/// Steps 2 to 4 of the rendezvous over a connected store (and, on rank 0, its server); a
+/// failure is written to `abort` for the others.
+fn meet_at(
+    plan: &Plan,
+    mut store: Box<dyn Store>,
+    server: Option<StoreServer>,
+    deadline: Instant,
+) -> Result<Met, CommError> {
+    // The listeners outlive a failure until it is written: a peer whose handshake with
+    // this rank fails when they close then reads why in the store.
+    let mut listeners = None;
+    match join(plan, store.as_mut(), deadline, &mut listeners) {
         Ok(joined) => Ok(Met {
             store: Some(store),
             server,
@@ -236,12 +287,12 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
             ring: joined.ring,
         }),
         Err(mut err) => {
-            // A timeout is news for the others too, with what rank 0's store turned away;
-            // other failures have already been written (or came from another rank's abort).
+            // A timeout counts what rank 0's store turned away too.
             if let CommError::RendezvousTimeout { turned_away, .. } = &mut err {
-                *turned_away = server.as_ref().map_or(0, StoreServer::turned_away);
-                err = abort(store.as_mut(), err);
+                *turned_away += server.as_ref().map_or(0, StoreServer::turned_away);
             }
+            let err = tell_the_others(store.as_mut(), plan.rank, err);
+            drop(listeners);
             if server.is_some() {
                 // Keep serving briefly, so that waiting ranks read `abort` (they poll at
                 // least every 50 ms) instead of finding the store gone.
@@ -335,14 +386,20 @@ fn earlier_attempt(
     })
 }
 
-/// Steps 2 to 4 of the rendezvous, over a connected store.
-fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Joined, CommError> {
+/// Steps 2 to 4 of the rendezvous, over a connected store; this rank's listeners go into
+/// `listeners`, the caller's to close.
+fn join(
+    plan: &Plan,
+    s: &mut dyn Store,
+    deadline: Instant,
+    listeners: &mut Option<Listeners>,
+) -> Result<Joined, CommError> {
     let (rank, world) = (plan.rank, plan.world_size);
     let addr = s.addr().to_string();
 
     if s.add(&format!("join/{rank}"), 1)? > 1 {
         let detail = format!("rank {rank} was started twice (two processes have RANK={rank})");
-        return Err(abort(s, CommError::Rendezvous { addr, detail }));
+        return Err(CommError::Rendezvous { addr, detail });
     }
     if let Some(attempt) = plan.attempt.filter(|_| !plan.agent_store) {
         s.set(
@@ -359,16 +416,16 @@ fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Joined, Com
             "rank {rank} has WORLD_SIZE={world} but rank 0 has WORLD_SIZE={}",
             String::from_utf8_lossy(&theirs)
         );
-        return Err(abort(s, CommError::Rendezvous { addr, detail }));
+        return Err(CommError::Rendezvous { addr, detail });
     }
 
     // Step 3: listen, publish how to be reached and which host this is, read everyone's.
-    let listeners = Listeners::bind(
+    let listeners = &*listeners.insert(Listeners::bind(
         SocketAddr::new(listen_ip(s.local_ip(), plan.single_node), 0),
         plan.socket_buffer,
         plan.transport == Transport::Auto,
         rank,
-    )?;
+    )?);
     s.set(
         &format!("addr/{rank}"),
         listeners.tcp_addr()?.to_string().as_bytes(),
@@ -398,14 +455,9 @@ fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Joined, Com
         local: listeners.local_name(),
         host,
     };
-    check_own_record(&mine, &peers[rank]).map_err(|detail| {
-        abort(
-            s,
-            CommError::Rendezvous {
-                addr: addr.clone(),
-                detail,
-            },
-        )
+    check_own_record(&mine, &peers[rank]).map_err(|detail| CommError::Rendezvous {
+        addr: addr.clone(),
+        detail,
     })?;
 
     // A rank on the store's host that reaches it through loopback published no IP of its
@@ -442,9 +494,10 @@ fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Joined, Com
             timeout: plan.timeout,
             deadline,
         },
-        &listeners,
+        listeners,
         (&peers[next], kind(me, &peers[next])),
         (&peers[prev], kind(&peers[prev], me)),
+        &mut || aborted(s),
     )?;
     Ok(Joined {
         link,
@@ -453,14 +506,16 @@ fn join(plan: &Plan, s: &mut dyn Store, deadline: Instant) -> Result<Joined, Com
 }
 
 /// Where rank 0's store listens, given `MASTER_ADDR`'s address: there when every rank runs
-/// on this host; otherwise on every interface at its port, as c10d's TCPStore does, since
-/// the name may resolve to loopback here (Debian's `127.0.1.1` for the host's own name) or
-/// to an address this host does not hold (a forwarded IP) while the other nodes reach it.
+/// on this host; otherwise on every interface at its port, of both IP families (`[::]`
+/// taking IPv4 too, or `0.0.0.0` on a host without IPv6: `tcp::listen`), as c10d's
+/// TCPStore does, since the name may resolve to loopback here (Debian's `127.0.1.1` for the
+/// host's own name), to an address this host does not hold (a forwarded IP), or to another
+/// family than the one the other nodes reach it by.
 fn store_bind_addr(master: SocketAddr, single_node: bool) -> SocketAddr {
     if single_node {
         master
     } else {
-        SocketAddr::new(crate::store::unspecified_like(master.ip()), master.port())
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), master.port())
     }
 }
 
@@ -549,6 +604,198 @@ pub(crate) fn host_key(id: Option<&str>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::AuthFailure;
+    use crate::store::StoreClient;
+
+    fn secret(digit: &str) -> Secret {
+        Secret::from_hex(&digit.repeat(32)).unwrap()
+    }
+
+    /// Rank `rank` of three meeting at rank 0's store on `port`, rendezvous timeout 120 s,
+    /// its ring proving `ring_secret`.
+    fn plan(rank: usize, port: u16, ring_secret: Secret, transport: Transport) -> Plan {
+        Plan {
+            rank,
+            world_size: 3,
+            single_node: true,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            secret: ring_secret,
+            agent_store: false,
+            key_prefix: String::new(),
+            timeout: Duration::from_secs(120),
+            socket_buffer: 0,
+            transport,
+            host_id: Some("test".into()),
+            shm_capacity: crate::ring::shm::DEFAULT_CAPACITY,
+            attempt: None,
+        }
+    }
+
+    /// Three ranks join through rank 0's store (all with its secret), rank 1's ring proving
+    /// another secret: the ring fails after every rank has arrived. Each rank's error,
+    /// which must come long before the 120 s rendezvous deadline.
+    fn meet_with_rank_1_of_another_ring_secret(transport: Transport) -> Vec<CommError> {
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), secret("a")).unwrap();
+        let addr = server.local_addr();
+        let mut server = Some(server);
+        let (tx, rx) = std::sync::mpsc::channel();
+        for rank in 0..3 {
+            let ring_secret = secret(if rank == 1 { "b" } else { "a" });
+            let plan = plan(rank, addr.port(), ring_secret, transport);
+            let server = if rank == 0 { server.take() } else { None };
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let deadline = deadline_after(plan.timeout);
+                let store =
+                    StoreClient::connect(&[addr], &secret("a"), deadline, plan.timeout).unwrap();
+                let met = meet_at(&plan, Box::new(store), server, deadline);
+                let _ = tx.send((rank, met.map(drop)));
+            });
+        }
+        let mut errors: Vec<Option<CommError>> = (0..3).map(|_| None).collect();
+        for _ in 0..3 {
+            let (rank, met) = rx
+                .recv_timeout(Duration::from_secs(60))
+                .expect("a rank waited on after the ring failed");
+            errors[rank] = Some(met.expect_err("a rank met a ring that failed"));
+        }
+        errors.into_iter().map(Option::unwrap).collect()
+    }
+
+    /// Rank 0's store in a job of several hosts listens on every interface of both IP
+    /// families, as c10d's TCPStore does, whatever family `MASTER_ADDR` resolves to here.
+    #[test]
+    fn the_store_of_several_hosts_takes_clients_of_both_families() {
+        let master = resolve("127.0.0.1", 0).unwrap()[0];
+        let server = StoreServer::bind(store_bind_addr(master, false), secret("a")).unwrap();
+        let port = server.local_addr().port();
+        assert_eq!(
+            server.local_addr(),
+            SocketAddr::from(([127, 0, 0, 1], port))
+        );
+        let connect = |addr: SocketAddr| {
+            let deadline = deadline_after(Duration::from_secs(3));
+            StoreClient::connect(&[addr], &secret("a"), deadline, Duration::from_secs(3))
+        };
+        let mut v4 = connect(SocketAddr::from(([127, 0, 0, 1], port))).unwrap();
+        v4.set("k", b"v").unwrap();
+        if std::net::TcpListener::bind("[::1]:0").is_err() {
+            println!("skipped the IPv6 client: this host has no IPv6 loopback");
+            return;
+        }
+        let mut v6 = connect(SocketAddr::from((Ipv6Addr::LOCALHOST, port))).unwrap();
+        assert_eq!(v6.get("k").unwrap().as_deref(), Some(&b"v"[..]));
+        // Where every rank runs on this host, the store listens on MASTER_ADDR alone.
+        assert_eq!(store_bind_addr(master, true), master);
+    }
+
+    /// torchrun's agent store takes anyone's writes: an `addr/1` that does not carry the
+    /// job's tag for that very key and group (none, another secret's, another key's, another
+    /// group's) is refused naming the key, and a tagged one is read.
+    #[test]
+    fn a_forged_address_in_the_agent_store_is_refused() {
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), secret("a")).unwrap();
+        let deadline = deadline_after(Duration::from_secs(10));
+        let client = || {
+            StoreClient::connect(
+                &[server.local_addr()],
+                &secret("a"),
+                deadline,
+                Duration::from_secs(5),
+            )
+            .unwrap()
+        };
+        let prefix = "/ddp-comm/job/0/0/";
+        let signed = |secret: Secret, prefix: &str| Signed::new(client(), secret, prefix.into());
+        let mut rank = signed(secret("c"), prefix);
+        // What other ranks, strangers and earlier groups wrote, as the store holds it.
+        let mut raw = client();
+        let mut tagged = |secret: Secret, prefix: &str, key: &str, value: &[u8]| {
+            signed(secret, prefix).set(key, value).unwrap();
+            raw.get(key).unwrap().unwrap()
+        };
+        let good = tagged(secret("c"), prefix, "addr/1", b"127.0.0.1:4000");
+        let other_secret = tagged(secret("d"), prefix, "addr/1", b"127.0.0.1:4000");
+        let other_key = tagged(secret("c"), prefix, "addr/2", b"127.0.0.1:4000");
+        let other_group = tagged(
+            secret("c"),
+            "/ddp-comm/job/0/1/",
+            "addr/1",
+            b"127.0.0.1:4000",
+        );
+        rank.set("host/1", b"\nhost:h").unwrap();
+        for (forged, what) in [
+            (b"127.0.0.1:4000".to_vec(), "no tag"),
+            (b"short".to_vec(), "shorter than a tag"),
+            (other_secret, "another secret's tag"),
+            (other_key, "addr/2's tag"),
+            (other_group, "another group's tag"),
+        ] {
+            raw.set("addr/1", &forged).unwrap();
+            match peer_info(&mut rank, 1) {
+                Err(CommError::Store { addr, detail }) => {
+                    assert_eq!(addr, server.local_addr().to_string(), "{what}");
+                    assert!(
+                        detail.starts_with(
+                            "the value of 'addr/1' is forged: it does not carry this job's tag"
+                        ),
+                        "{what}: {detail}"
+                    );
+                    assert!(detail.contains("Options::with_secret"), "{what}: {detail}");
+                }
+                other => panic!("{what}: expected a forged value, got {other:?}"),
+            }
+        }
+        raw.set("addr/1", &good).unwrap();
+        let peer = peer_info(&mut rank, 1).unwrap();
+        assert_eq!(
+            (peer.addr, peer.local, peer.host.as_str()),
+            ("127.0.0.1:4000".parse().unwrap(), None, "host:h")
+        );
+    }
+
+    /// A failure while the ring connects is written to `abort` naming the failed rank, and
+    /// stops every rank: no one waits for its deadline, nor blames a rank that arrived.
+    #[test]
+    fn a_failed_ring_handshake_stops_every_rank_at_once() {
+        for transport in [Transport::Tcp, Transport::Auto] {
+            let errors = meet_with_rank_1_of_another_ring_secret(transport);
+            // Ranks 0 and 1 each find that their successor does not prove their secret (or,
+            // rank 0, that rank 1 hung up on its proof: it had failed already).
+            for (rank, next) in [(0, 1), (1, 2)] {
+                match &errors[rank] {
+                    CommError::Handshake {
+                        addr,
+                        failure: AuthFailure::Unproven { .. } | AuthFailure::Refused { .. },
+                    } => assert!(addr.starts_with(&format!("rank {next} at ")), "{addr}"),
+                    // Or the other one's abort came first.
+                    CommError::Rendezvous { detail, .. } => assert!(
+                        detail.starts_with("another rank aborted: rank ")
+                            && detail.contains("the secrets differ"),
+                        "{transport:?} rank {rank}: {detail}"
+                    ),
+                    other => panic!("{transport:?} rank {rank}: {other:?}"),
+                }
+            }
+            // Rank 2, whose predecessor (rank 1) hung up, learns why from the abort.
+            match &errors[2] {
+                CommError::Rendezvous { detail, .. } => {
+                    let which = detail
+                        .strip_prefix("another rank aborted: rank ")
+                        .unwrap_or_else(|| panic!("{transport:?}: {detail}"));
+                    let (failed, why) = which.split_once(": ").unwrap();
+                    assert!(["0", "1"].contains(&failed), "{transport:?}: {detail}");
+                    assert!(
+                        why.starts_with("handshake with rank ")
+                            && why.contains("the secrets differ"),
+                        "{transport:?}: {detail}"
+                    );
+                }
+                other => panic!("{transport:?} rank 2: {other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn a_forged_own_record_is_an_error() {

@@ -4,9 +4,13 @@
 //! predecessor, and every connection runs the mutual challenge–response of `security/auth.rs` before
 //! anything else crosses it: the connecting rank trusts only a successor that proves the job's
 //! secret, the accepting rank keeps only a connection that proves it and claims the rank it
-//! expects, and drops (and logs) the others. The accepting side gives each connection
-//! [`auth::HANDSHAKE_TIMEOUT`] from the moment it accepts it; the connecting side waits until
-//! the rendezvous deadline, since its successor may be busy with a stranger first.
+//! expects, and drops (and logs, and counts) the others. The accepting side gives each
+//! connection [`auth::HANDSHAKE_TIMEOUT`] from the moment it accepts it; the connecting side
+//! waits until the rendezvous deadline, since its successor may be busy with a stranger first.
+//!
+//! Neither half outwaits a failure: when one half fails, the other stops (its loops check a
+//! shared flag, and its handshake's socket is shut down), and the accepting side polls the
+//! store's `abort` meanwhile, so that another rank's failure stops this one too.
 //!
 //! - TCP: the successor's published address; the acknowledgement is one byte.
 //! - Shared memory: the successor's abstract Unix socket (`@ddp-comm/<pid>/<rank>/<random>`,
@@ -21,9 +25,12 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
+use crate::ring::connect::cancel::{Cancel, Half};
 use crate::ring::link::{Link, LinkKind, RecvEnd, SendEnd};
 use crate::ring::shm::{self, Bell, Peer, PendingRing, ShmSender};
 use crate::security::auth::{self, Failed, Timeouts};
@@ -31,7 +38,8 @@ use crate::security::secret::Secret;
 use crate::security::throttle::Pending;
 use crate::security::throttle::{more, Throttle};
 use crate::tcp;
-use crate::tcp::connect_retry;
+
+mod cancel;
 
 /// Handshake magic of TCP ring links.
 const PEER_MAGIC: &[u8; 4] = b"DDPR";
@@ -58,14 +66,15 @@ pub(crate) struct Listeners {
 }
 
 impl Listeners {
-    /// A TCP listener on `tcp_addr` (port 0: any) and, with `local`, an abstract Unix one.
+    /// A TCP listener on `tcp_addr` (port 0: any; an unspecified IP: every interface of both
+    /// IP families) and, with `local`, an abstract Unix one.
     pub(crate) fn bind(
         tcp_addr: SocketAddr,
         socket_buffer: usize,
         local: bool,
         rank: usize,
     ) -> Result<Self, CommError> {
-        let tcp = TcpListener::bind(tcp_addr).map_err(|source| CommError::Address {
+        let tcp = tcp::listen(tcp_addr).map_err(|source| CommError::Address {
             addr: tcp_addr.to_string(),
             source,
         })?;
@@ -153,12 +162,19 @@ impl RingPlan<'_> {
     }
 }
 
+/// How often the accepting side looks for an `abort` in the store.
+const ABORT_POLL: Duration = Duration::from_millis(50);
+
 /// Connects both links: to `next` carried by `next_kind`, from `prev` by `prev_kind`.
+/// `poll` says whether the rendezvous goes on (an error: another rank aborted it); it is
+/// called every [`ABORT_POLL`] until both links stand. The first failure, of either half
+/// or `poll`, stops the other half and is the error.
 pub(crate) fn ring(
     plan: &RingPlan<'_>,
     listeners: &Listeners,
     (next, next_kind): (&PeerInfo, LinkKind),
     (prev, prev_kind): (&PeerInfo, LinkKind),
+    poll: &mut dyn FnMut() -> Result<(), CommError>,
 ) -> Result<Link, CommError> {
     let uses_shm = next_kind == LinkKind::SharedMemory || prev_kind == LinkKind::SharedMemory;
     let bell = if uses_shm {
@@ -167,27 +183,36 @@ pub(crate) fn ring(
         None
     };
     let bell_ref = bell.as_ref();
+    let cancel = Cancel::default();
     // Both handshakes wait for the other rank's, so they run at once: every rank's
     // connecting side only needs its successor's accepting side, which needs nothing.
     let (send, recv) = std::thread::scope(|scope| {
+        let cancel = &cancel;
         let connecting = std::thread::Builder::new()
             .name("ddp-ring-connect".into())
-            .spawn_scoped(scope, || match next_kind {
-                LinkKind::Tcp => connect_tcp(plan, next),
-                LinkKind::SharedMemory => connect_local(
-                    plan,
-                    next,
-                    bell_ref.expect("a shared-memory link has a bell"),
-                )
-                .map(SendEnd::Shm),
+            .spawn_scoped(scope, || {
+                let sent = match next_kind {
+                    LinkKind::Tcp => connect_tcp(plan, next, cancel),
+                    LinkKind::SharedMemory => connect_local(
+                        plan,
+                        next,
+                        bell_ref.expect("a shared-memory link has a bell"),
+                        cancel,
+                    )
+                    .map(SendEnd::Shm),
+                };
+                if sent.is_err() {
+                    cancel.stop(Half::Connecting);
+                }
+                sent
             });
-        let recv = match prev_kind {
-            LinkKind::Tcp => accept_tcp(plan, &listeners.tcp, prev),
+        let mut recv = match prev_kind {
+            LinkKind::Tcp => accept_tcp(plan, &listeners.tcp, prev, cancel, poll),
             // The kind comes from this rank's record in the store; without a listener of
             // its own (a forged record), there is nothing to accept on.
             LinkKind::SharedMemory => match (&listeners.local, bell_ref) {
                 (Some((listener, name)), Some(bell)) => {
-                    accept_local(plan, listener, name, prev, bell)
+                    accept_local(plan, listener, name, prev, bell, cancel, poll)
                 }
                 _ => Err(CommError::InvalidArgument(format!(
                     "rank {} was asked for a shared-memory link from rank {} but does not \
@@ -196,42 +221,84 @@ pub(crate) fn ring(
                 ))),
             },
         };
+        if recv.is_err() {
+            cancel.stop(Half::Accepting);
+        }
         let send = match connecting {
-            Ok(thread) => thread.join().unwrap_or_else(|_| {
-                Err(CommError::io(
-                    format!("connecting to rank {}", next.rank),
-                    io::Error::other("the connecting thread panicked"),
-                ))
-            }),
+            Ok(thread) => {
+                // The successor may still be on its way: an abort meanwhile stops this rank.
+                let mut next_poll = Instant::now() + ABORT_POLL;
+                while recv.is_ok() && !thread.is_finished() && !cancel.is_set() {
+                    std::thread::sleep(Duration::from_millis(2));
+                    if Instant::now() < next_poll {
+                        continue;
+                    }
+                    next_poll = Instant::now() + ABORT_POLL;
+                    if let Err(e) = poll() {
+                        cancel.stop(Half::Accepting);
+                        recv = Err(e);
+                    }
+                }
+                thread.join().unwrap_or_else(|_| {
+                    Err(CommError::io(
+                        format!("connecting to rank {}", next.rank),
+                        io::Error::other("the connecting thread panicked"),
+                    ))
+                })
+            }
             Err(e) => Err(CommError::io("spawning the ring's connecting thread", e)),
         };
         (send, recv)
     });
-    Ok(Link {
-        next: next.rank,
-        prev: prev.rank,
-        send: send?,
-        recv: recv?,
-        bell,
-    })
+    match (send, recv) {
+        (Ok(send), Ok(recv)) => Ok(Link {
+            next: next.rank,
+            prev: prev.rank,
+            send,
+            recv,
+            bell,
+        }),
+        (Err(e), Ok(_)) | (Ok(_), Err(e)) => Err(e),
+        // The half that failed first stopped the other: its error is the news.
+        (Err(sent), Err(received)) => Err(match cancel.first() {
+            Some(Half::Connecting) => sent,
+            _ => received,
+        }),
+    }
 }
 
 /// Connects to the successor's TCP listener and proves the secret both ways, connecting
 /// again while the listener turns connections away before its challenge.
-fn connect_tcp(plan: &RingPlan<'_>, next: &PeerInfo) -> Result<SendEnd, CommError> {
-    auth::handshake_retrying(plan.deadline, || connect_tcp_once(plan, next))
+fn connect_tcp(
+    plan: &RingPlan<'_>,
+    next: &PeerInfo,
+    cancel: &Cancel,
+) -> Result<SendEnd, CommError> {
+    auth::handshake_retrying(plan.deadline, || {
+        cancel.check(&format!("connecting to rank {}", next.rank))?;
+        connect_tcp_once(plan, next, cancel)
+    })
 }
 
-fn connect_tcp_once(plan: &RingPlan<'_>, next: &PeerInfo) -> Result<SendEnd, CommError> {
-    let stream = connect_retry(
+fn connect_tcp_once(
+    plan: &RingPlan<'_>,
+    next: &PeerInfo,
+    cancel: &Cancel,
+) -> Result<SendEnd, CommError> {
+    let stream = tcp::connect_until(
         &[next.addr],
         plan.deadline,
         &format!("ring link to rank {}", next.rank),
+        || cancel.is_set(),
     )?;
     tcp::tune_socket(&stream, plan.socket_buffer).map_err(|e| CommError::io("ring socket", e))?;
     let peer = || format!("rank {} at {}", next.rank, next.addr);
     let deadline = plan.connect_deadline();
-    match auth::tcp_client(&stream, plan.secret, PEER_MAGIC, plan.rank as u32, deadline) {
+    let watched = cancel.watch(stream.as_fd())?;
+    let answered = auth::tcp_client(&stream, plan.secret, PEER_MAGIC, plan.rank as u32, deadline);
+    drop(watched);
+    cancel.check(&format!("connecting to {}", peer()))?;
+    match answered {
         Ok(1) => {}
         Ok(ack) => {
             return Err(CommError::Rendezvous {
@@ -256,12 +323,29 @@ fn connect_local(
     plan: &RingPlan<'_>,
     next: &PeerInfo,
     bell: &Bell,
+    cancel: &Cancel,
 ) -> Result<ShmSender, CommError> {
     let name = next.local.as_deref().unwrap_or_default();
     let peer = || format!("rank {} at shared-memory socket @{name}", next.rank);
     let stream = abstract_addr(name)
         .and_then(|addr| UnixStream::connect_addr(&addr))
         .map_err(|e| local_error(&format!("connecting to {}", peer()), e))?;
+    let watched = cancel.watch(stream.as_fd())?;
+    let ring = connect_local_over(plan, next, bell, stream, &peer);
+    drop(watched);
+    cancel.check(&format!("connecting to {}", peer()))?;
+    ring
+}
+
+/// The handshake of [`connect_local`] over its connection `stream` to `peer`.
+fn connect_local_over(
+    plan: &RingPlan<'_>,
+    next: &PeerInfo,
+    bell: &Bell,
+    stream: UnixStream,
+    peer: &dyn Fn() -> String,
+) -> Result<ShmSender, CommError> {
+    let name = next.local.as_deref().unwrap_or_default();
     auth::same_user(&stream).map_err(|failure| CommError::Handshake {
         addr: peer(),
         failure,
@@ -323,14 +407,19 @@ static TURNED_AWAY: Throttle = Throttle::new(Duration::from_secs(10), 20);
 
 /// Accepts connections until one proves the secret and claims `prev`'s rank (`check` runs
 /// the accepting side of the handshake, with the job's secret and the handshake's deadline,
-/// and judges it); drops and logs the others. Each connection is judged on a thread of its
-/// own, so a stranger that stalls its handshake does not hold the predecessor back.
+/// and judges it); drops, logs and counts the others. Each connection is judged on a
+/// thread of its own, so a stranger that stalls its handshake does not hold the
+/// predecessor back. Gives up when `cancel` is set (the connecting half failed), when
+/// `poll` fails (every [`ABORT_POLL`]: another rank aborted), or at the deadline, with a
+/// timeout that counts the connections turned away.
 fn accept_from<S, T, C>(
     plan: &RingPlan<'_>,
     what: &str,
     prev: usize,
     mut accept: impl FnMut() -> io::Result<(S, String)>,
     check: C,
+    cancel: &Cancel,
+    poll: &mut dyn FnMut() -> Result<(), CommError>,
 ) -> Result<(S, T), CommError>
 where
     S: Send + 'static,
@@ -341,21 +430,29 @@ where
         + 'static,
 {
     let (found, judged) = std::sync::mpsc::channel::<(S, T)>();
-    let in_flight = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let turned_away = Arc::new(AtomicUsize::new(0));
     let rank = plan.rank;
+    let mut next_poll = Instant::now() + ABORT_POLL;
     loop {
         if let Ok(winner) = judged.try_recv() {
             return Ok(winner);
         }
+        cancel.check(&format!("accepting rank {prev} on {what}"))?;
+        if Instant::now() >= next_poll {
+            poll()?;
+            next_poll = Instant::now() + ABORT_POLL;
+        }
         match accept() {
             Ok((mut stream, from)) => {
                 let Some(slot) = Pending::take(&in_flight, MAX_JUDGED) else {
+                    turned_away.fetch_add(1, Ordering::Relaxed);
                     if let Some(n) = TURNED_AWAY.admit() {
                         tracing::warn!("ddp-comm: rank {rank} closed a connection from {from}: {MAX_JUDGED} handshakes already in progress{}", more(n));
                     }
                     continue;
                 };
-                let (found, check) = (found.clone(), check.clone());
+                let (found, check, refused) = (found.clone(), check.clone(), turned_away.clone());
                 let (secret, deadline) = (plan.secret.clone(), plan.handshake_deadline());
                 let spawned = std::thread::Builder::new()
                     .name("ddp-ring-accept".into())
@@ -369,8 +466,11 @@ where
                             Ok(Err(why)) => Some(format!("rejected a connection from {from}: {why}")),
                             Err(e) => Some(format!("rejected a connection from {from}: incomplete handshake ({e})")),
                         };
-                        if let (Some(why), Some(n)) = (why, TURNED_AWAY.admit()) {
-                            tracing::warn!("ddp-comm: rank {rank} {why}{}", more(n));
+                        if let Some(why) = why {
+                            refused.fetch_add(1, Ordering::Relaxed);
+                            if let Some(n) = TURNED_AWAY.admit() {
+                                tracing::warn!("ddp-comm: rank {rank} {why}{}", more(n));
+                            }
                         }
                         drop(slot);
                     });
@@ -387,7 +487,7 @@ where
                         addr: what.to_string(),
                         timeout: plan.timeout,
                         missing: vec![prev],
-                        turned_away: 0,
+                        turned_away: turned_away.load(Ordering::Relaxed),
                     });
                 }
                 if let Ok(winner) = judged.recv_timeout(Duration::from_millis(2)) {
@@ -403,6 +503,8 @@ fn accept_tcp(
     plan: &RingPlan<'_>,
     listener: &TcpListener,
     prev: &PeerInfo,
+    cancel: &Cancel,
+    poll: &mut dyn FnMut() -> Result<(), CommError>,
 ) -> Result<RecvEnd, CommError> {
     listener
         .set_nonblocking(true)
@@ -423,6 +525,8 @@ fn accept_tcp(
             stream.set_nonblocking(false)?;
             Ok(auth::tcp_server(stream, secret, PEER_MAGIC, deadline).map(|r| (r, ())))
         },
+        cancel,
+        poll,
     )?;
     let lost = |e: io::Error| CommError::PeerLost {
         op: "rendezvous",
@@ -486,6 +590,8 @@ fn accept_local(
     name: &str,
     prev: &PeerInfo,
     bell: &Bell,
+    cancel: &Cancel,
+    poll: &mut dyn FnMut() -> Result<(), CommError>,
 ) -> Result<RecvEnd, CommError> {
     listener
         .set_nonblocking(true)
@@ -502,6 +608,8 @@ fn accept_local(
             })
         },
         check_local,
+        cancel,
+        poll,
     )?;
     let lost = |e: io::Error| CommError::PeerLost {
         op: "rendezvous",
@@ -525,19 +633,33 @@ fn accept_local(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::{Arc, Condvar, Mutex};
+    use crate::error::AuthFailure;
+    use std::io::Read;
+    use std::sync::{mpsc, Condvar, Mutex};
+
+    fn secret() -> Secret {
+        Secret::from_hex(&"ab".repeat(16)).unwrap()
+    }
+
+    fn plan(secret: &Secret, timeout: Duration) -> RingPlan<'_> {
+        RingPlan {
+            rank: 1,
+            secret,
+            socket_buffer: 0,
+            shm_capacity: 0,
+            timeout,
+            deadline: Instant::now() + timeout,
+        }
+    }
+
+    fn going_on() -> Result<(), CommError> {
+        Ok(())
+    }
 
     #[test]
     fn a_stranger_that_stalls_its_handshake_does_not_hold_the_predecessor_back() {
-        let secret = Secret::from_hex(&"ab".repeat(16)).unwrap();
-        let plan = RingPlan {
-            rank: 1,
-            secret: &secret,
-            socket_buffer: 0,
-            shm_capacity: 0,
-            timeout: Duration::from_secs(30),
-            deadline: Instant::now() + Duration::from_secs(30),
-        };
+        let secret = secret();
+        let plan = plan(&secret, Duration::from_secs(30));
         // Connection 0 is a stranger whose handshake stalls until released (at most 20 s);
         // connection 1 is rank 0, the predecessor.
         let stalled = Arc::new((Mutex::new(false), Condvar::new()));
@@ -566,11 +688,153 @@ mod tests {
                 Ok(Ok((0u32, "rank 0's end")))
             }
         };
-        let (stream, extra) = accept_from(&plan, "test listener", 0, accept, check).unwrap();
+        let cancel = Cancel::default();
+        let (stream, extra) = accept_from(
+            &plan,
+            "test listener",
+            0,
+            accept,
+            check,
+            &cancel,
+            &mut going_on,
+        )
+        .unwrap();
         assert_eq!((stream, extra), (1, "rank 0's end"));
         // The predecessor was taken while the stranger still stalled.
         assert!(!*stranger_done.lock().unwrap());
         *stalled.0.lock().unwrap() = true;
         stalled.1.notify_all();
+    }
+
+    #[test]
+    fn connections_turned_away_are_counted_in_the_timeout() {
+        let secret = secret();
+        let plan = plan(&secret, Duration::from_millis(300));
+        // A stranger, then nobody.
+        let mut strangers = 1;
+        let accept = || {
+            if strangers == 0 {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            strangers -= 1;
+            Ok(((), "a stranger".to_string()))
+        };
+        let check = |_: &mut (), _: &Secret, _: Instant| Ok(Err::<(u32, ()), _>("no".into()));
+        let got = accept_from(
+            &plan,
+            "test listener",
+            0,
+            accept,
+            check,
+            &Cancel::default(),
+            &mut going_on,
+        );
+        match got {
+            Err(CommError::RendezvousTimeout {
+                addr,
+                missing,
+                turned_away,
+                ..
+            }) => assert_eq!(
+                (addr.as_str(), missing, turned_away),
+                ("test listener", vec![0], 1)
+            ),
+            other => panic!("expected a RendezvousTimeout, got {other:?}"),
+        }
+    }
+
+    /// Rank 1's successor (rank 2) at `addr`, and a predecessor (rank 0) that never comes.
+    fn peers(addr: SocketAddr) -> (PeerInfo, PeerInfo) {
+        let peer = |rank, addr| PeerInfo {
+            rank,
+            addr,
+            local: None,
+            host: "host:test".into(),
+        };
+        (peer(2, addr), peer(0, "127.0.0.1:9".parse().unwrap()))
+    }
+
+    /// A successor that answers each hello with `answer` and then holds the connection
+    /// open until the test ends.
+    fn successor(answer: Vec<u8>) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let answer = answer.clone();
+                std::thread::spawn(move || {
+                    let mut hello = [0u8; auth::HELLO_LEN];
+                    if stream.read_exact(&mut hello).is_ok() {
+                        let _ = stream.write_all(&answer);
+                    }
+                    let _ = std::io::copy(&mut stream, &mut std::io::sink());
+                });
+            }
+        });
+        addr
+    }
+
+    /// Runs [`ring`] for rank 1 with a 120 s deadline on a thread; its result, which must
+    /// come long before the deadline.
+    fn ring_of_rank_1(
+        next: SocketAddr,
+        mut poll: impl FnMut() -> Result<(), CommError> + Send + 'static,
+    ) -> Result<Link, CommError> {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let secret = secret();
+            let plan = plan(&secret, Duration::from_secs(120));
+            let listeners =
+                Listeners::bind("127.0.0.1:0".parse().unwrap(), 0, false, plan.rank).unwrap();
+            let (next, prev) = peers(next);
+            let _ = tx.send(ring(
+                &plan,
+                &listeners,
+                (&next, LinkKind::Tcp),
+                (&prev, LinkKind::Tcp),
+                &mut poll,
+            ));
+        });
+        rx.recv_timeout(Duration::from_secs(30))
+            .expect("the ring waited on after a failure")
+    }
+
+    #[test]
+    fn a_failed_connection_to_the_successor_stops_the_wait_for_the_predecessor() {
+        // A successor that cannot prove the secret.
+        let next = successor(vec![0x5a; auth::CHALLENGE_LEN]);
+        match ring_of_rank_1(next, going_on) {
+            Err(CommError::Handshake {
+                addr,
+                failure: AuthFailure::Unproven { .. },
+            }) => assert_eq!(addr, format!("rank 2 at {next}")),
+            other => panic!("expected a Handshake error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_abort_stops_both_halves_even_mid_handshake() {
+        // A successor that takes the hello and never answers: the connecting half waits in
+        // its handshake, the accepting half for a predecessor that never comes.
+        let next = successor(Vec::new());
+        let mut polls = 0;
+        let poll = move || {
+            polls += 1;
+            if polls < 3 {
+                return Ok(());
+            }
+            Err(CommError::Rendezvous {
+                addr: "the store".into(),
+                detail: "another rank aborted: rank 0: gone".into(),
+            })
+        };
+        match ring_of_rank_1(next, poll) {
+            Err(CommError::Rendezvous { addr, detail }) => assert_eq!(
+                (addr.as_str(), detail.as_str()),
+                ("the store", "another rank aborted: rank 0: gone")
+            ),
+            other => panic!("expected the abort, got {other:?}"),
+        }
     }
 }

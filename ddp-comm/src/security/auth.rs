@@ -173,6 +173,12 @@ impl<'s> Server<'s> {
     }
 }
 
+/// HMAC-SHA256 keyed with the job's secret: the handshake's proofs, and the tags of the
+/// values ranks write into torchrun's agent store (`store/signed.rs`).
+pub(crate) fn keyed(secret: &Secret) -> Hmac<Sha256> {
+    Hmac::<Sha256>::new_from_slice(secret.key()).expect("HMAC takes keys of any length")
+}
+
 fn transcript(
     secret: &Secret,
     magic: &[u8; 4],
@@ -181,8 +187,7 @@ fn transcript(
     server_nonce: &[u8; NONCE_LEN],
     role: &[u8],
 ) -> Hmac<Sha256> {
-    let mut mac =
-        Hmac::<Sha256>::new_from_slice(secret.key()).expect("HMAC takes keys of any length");
+    let mut mac = keyed(secret);
     for part in [
         CONTEXT,
         magic,

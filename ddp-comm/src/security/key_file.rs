@@ -13,7 +13,7 @@
 //! reads a half-written one.
 
 use std::ffi::OsString;
-use std::fs::{File, OpenOptions};
+use std::fs::OpenOptions;
 use std::io::{self, Read, Write};
 use std::ops::RangeInclusive;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
@@ -87,7 +87,14 @@ enum ReadError {
 /// Reads and checks an existing key file: a regular file of this user, readable by no one
 /// else, holding hexadecimal digits for a number of bytes in `accept`. Errors never quote the contents.
 fn read(path: &Path, accept: &RangeInclusive<usize>) -> Result<Vec<u8>, ReadError> {
-    let mut file = match File::open(path) {
+    // Without blocking: opening a FIFO for reading waits for a writer, and a terminal could
+    // become the controlling one. A regular file reads the same either way; anything else
+    // is refused below, before a byte is read.
+    let opened = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path);
+    let mut file = match opened {
         Ok(file) => file,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ReadError::Missing),
         Err(e) => return Err(ReadError::Bad(format!("cannot open it ({e}); {INSTEAD}"))),
@@ -315,6 +322,31 @@ mod tests {
             read_or_create(&path, false, ACCEPT).unwrap().0,
             decode_hex("00112233445566778899aabbccddeeff").unwrap()
         );
+    }
+
+    #[test]
+    fn a_fifo_is_refused_without_waiting_for_a_writer() {
+        let tmp = ddp_testkit::temp_dir("key-file-fifo");
+        // A FIFO at the key's path is refused without waiting for a writer (an open for
+        // reading would block until one comes); the read runs on a thread so that a
+        // blocked open fails the test instead of hanging it.
+        let fifo = tmp.path().join("secret");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(read_or_create(&fifo, false, ACCEPT));
+        });
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("reading a FIFO as the key file blocked");
+        assert_eq!(detail(got.unwrap_err()), "is not a regular file");
     }
 
     #[test]

@@ -8,12 +8,14 @@
 //! Clients poll (`check`) to wait, so the server never blocks on behalf of a client and a
 //! waiting rank can notice an abort or its own deadline.
 //!
-//! Beside it: `c10d.rs`, a client of torchrun's own store; `wire.rs`, the framing both
+//! Beside it: `c10d.rs`, a client of torchrun's own store, and `signed.rs`, the tags with
+//! which ranks authenticate the values they keep there; `wire.rs`, the framing both
 //! protocols share; `heartbeat.rs`, the heartbeats every rank keeps in the store and the
 //! diagnosis of a collective that timed out.
 
 pub(crate) mod c10d;
 pub(crate) mod heartbeat;
+pub(crate) mod signed;
 mod wire;
 
 use std::collections::HashMap;
@@ -111,9 +113,10 @@ type Table = Arc<Mutex<HashMap<String, Vec<u8>>>>;
 type Clients = Arc<Mutex<HashMap<u64, TcpStream>>>;
 
 impl StoreServer {
-    /// Listens on `addr`; a busy port is [`CommError::PortInUse`].
+    /// Listens on `addr` (an unspecified IP: every interface of both IP families, see
+    /// [`tcp::listen`](crate::tcp::listen)); a busy port is [`CommError::PortInUse`].
     pub(crate) fn bind(addr: SocketAddr, secret: Secret) -> Result<Self, CommError> {
-        let listener = TcpListener::bind(addr).map_err(|source| match source.kind() {
+        let listener = crate::tcp::listen(addr).map_err(|source| match source.kind() {
             io::ErrorKind::AddrInUse => CommError::PortInUse { addr },
             _ => CommError::Address {
                 addr: addr.to_string(),
@@ -164,15 +167,15 @@ impl StoreServer {
     }
 }
 
-/// `addr`, with loopback of its family in place of an unspecified IP (a socket bound to
-/// every interface): an address this host can connect to.
+/// `addr`, with `127.0.0.1` in place of an unspecified IP (a socket bound to every
+/// interface, by [`tcp::listen`](crate::tcp::listen): of both families, or of IPv4 alone):
+/// an address this host can connect to, with or without IPv6 on its loopback.
 pub(crate) fn reachable(addr: SocketAddr) -> SocketAddr {
-    let ip = match addr.ip() {
-        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
-        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
-        ip => ip,
-    };
-    SocketAddr::new(ip, addr.port())
+    if addr.ip().is_unspecified() {
+        SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), addr.port())
+    } else {
+        addr
+    }
 }
 
 /// The IP that stands for every interface in `ip`'s family.
