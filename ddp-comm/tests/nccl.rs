@@ -511,3 +511,113 @@ fn nccl_the_watchdog_aborts_a_collective_only_a_stream_waits_for() {
         |_| vec![("DDP_OP_TIMEOUT_S", "1".to_string())],
     );
 }
+
+/// `wait_stream` makes the *calling thread's current* stream wait for the collective, on
+/// one GPU too. Pool stream A is current while a second of matmuls and the all-reduce are
+/// queued (the collective waits, on NCCL's side stream, behind that work on A); then pool
+/// stream B is made current and waits. An event recorded on B right after must still be
+/// pending: B is empty apart from that wait, so the event completes at once if
+/// `wait_work_on_stream` waited on another stream (A, the default stream) or not at all.
+/// One rank does no device work for an in-place sum, so the results alone (as in
+/// `nccl_collectives_follow_the_current_stream`) cannot show this.
+#[test]
+fn nccl_wait_stream_makes_the_current_stream_wait() {
+    if worker() {
+        let (group, device) = group_on_gpu();
+        let group = std::sync::Arc::new(group);
+        let (rank, n) = rank_world();
+        let index = group.local_rank();
+        let a = tch_ext::CudaStream::from_pool(index, false).unwrap();
+        // The pool is round-robin over several streams: take the next one that is not A.
+        let b = std::iter::repeat_with(|| tch_ext::CudaStream::from_pool(index, false).unwrap())
+            .find(|s| *s != a)
+            .unwrap();
+        let on_a = tch_ext::set_current_stream(a).unwrap();
+        keep_busy(device, 1.0);
+        let t = Tensor::ones([1 << 20], (Kind::Float, device));
+        let work = group.all_reduce_async(&t, ReduceOp::Sum);
+        drop(on_a);
+        let on_b = tch_ext::set_current_stream(b).unwrap();
+        work.wait_stream().unwrap();
+        let after_wait = tch_ext::CudaEvent::new(index).unwrap();
+        after_wait.record(&b).unwrap();
+        let done_at_once = after_wait.query().unwrap();
+        // B's next kernels see the result.
+        let doubled = &t * 2.0;
+        drop(on_b);
+        assert!(
+            !done_at_once,
+            "stream B did not wait for the collective queued behind A's work"
+        );
+        after_wait.synchronize().unwrap();
+        assert_eq!(doubled.min().double_value(&[]), 2.0 * n as f64);
+        assert_eq!(doubled.max().double_value(&[]), 2.0 * n as f64);
+        tch::Cuda::synchronize(index as i64);
+        println!("rank {rank}: wait_stream made the current stream wait");
+        return;
+    }
+    let n = skip_without_gpu!();
+    run_world("nccl_wait_stream_makes_the_current_stream_wait", n, &[]);
+}
+
+/// `NCCL_COMM_BLOCKING=1` would turn the communicator's init blocking again (NCCL applies
+/// it over the config), with no timeout for a rank that never joins: creating an NCCL group
+/// refuses it, naming the variable, before anything of NCCL runs. Runs everywhere (no GPU
+/// needed); the variable is set only in the spawned rank's environment.
+#[test]
+fn nccl_comm_blocking_is_refused_at_group_creation() {
+    if worker() {
+        let opts = Options::from_env().unwrap().backend(Backend::Nccl);
+        let err = ProcessGroup::new(opts).unwrap_err();
+        assert!(
+            matches!(&err, CommError::MalformedEnv { var, .. } if var == "NCCL_COMM_BLOCKING"),
+            "{err:?}"
+        );
+        println!("ERROR: {err}");
+        return;
+    }
+    let outputs = run_world(
+        "nccl_comm_blocking_is_refused_at_group_creation",
+        1,
+        &[("NCCL_COMM_BLOCKING", "1".to_string())],
+    );
+    let errors = lines_with(&outputs[0], "ERROR: ");
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].contains("without a timeout"), "{errors:?}");
+}
+
+/// A figure, not a check: the host's time to queue a one-element `all_reduce_async` on the
+/// non-blocking communicator (where NCCL may hand the launch to a thread of its own and the
+/// call polls it), median and 90th percentile of 200 calls after 20 warm-up ones.
+#[test]
+fn nccl_enqueue_time_of_a_small_all_reduce_async() {
+    if worker() {
+        let (group, device) = group_on_gpu();
+        let group = std::sync::Arc::new(group);
+        let t = Tensor::ones([1], (Kind::Float, device));
+        let mut times: Vec<f64> = (0..220)
+            .map(|_| {
+                let start = std::time::Instant::now();
+                let work = group.all_reduce_async(&t, ReduceOp::Sum);
+                let took = start.elapsed().as_secs_f64() * 1e6;
+                work.wait_stream().unwrap();
+                took
+            })
+            .skip(20)
+            .collect();
+        group.barrier().unwrap();
+        times.sort_by(f64::total_cmp);
+        println!(
+            "FIGURE all_reduce_async enqueue: median {:.1} us, p90 {:.1} us over {} calls",
+            times[times.len() / 2],
+            times[times.len() * 9 / 10],
+            times.len()
+        );
+        return;
+    }
+    let n = skip_without_gpu!();
+    let outputs = run_world("nccl_enqueue_time_of_a_small_all_reduce_async", n, &[]);
+    for line in lines_with(&outputs[0], "FIGURE ") {
+        println!("{line} (rank 0 of {n})");
+    }
+}

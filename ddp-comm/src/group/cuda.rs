@@ -1,8 +1,11 @@
 //! The process group's NCCL side: the communicator made at the first CUDA collective, its
 //! asynchronous collectives' [`Work`], and the watchdog that checks them. Once the
 //! communicator was aborted, every call and every `Work` answers from its abort flag
-//! without waiting for the communicator's lock (see `nccl::inflight::Aborted`).
+//! without waiting for the communicator's lock (see `nccl::inflight::Aborted`). What
+//! completed collectives kept goes back to the allocator after a call has let go of that
+//! lock ([`CommGuard`]), never on the watchdog's thread.
 
+use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -32,9 +35,9 @@ impl ProcessGroup {
     /// unique id from rank 0 through the store, `cudaSetDevice` of the group's CUDA device, a
     /// non-blocking `ncclCommInitRankConfig` bounded by the init timeout (the longer of the
     /// op and rendezvous timeouts).
-    pub(super) fn nccl(&self, op: &str) -> Result<MutexGuard<'_, Option<NcclComm>>, CommError> {
+    pub(super) fn nccl(&self, op: &str) -> Result<CommGuard<'_>, CommError> {
         self.nccl_usable(op)?;
-        let mut guard = lock(&self.nccl);
+        let mut guard = CommGuard::new(lock(&self.nccl));
         if guard.is_some() {
             return Ok(guard);
         }
@@ -63,8 +66,10 @@ impl ProcessGroup {
     }
 
     /// The communicator's initialisation (with the caller holding the slot it goes in):
-    /// a barrier, rank 0's unique id through the store, `ncclCommInitRankConfig`.
+    /// a barrier, rank 0's unique id through the store, `ncclCommInitRankConfig`. Refused
+    /// first, on this rank alone, when `NCCL_COMM_BLOCKING` would make the init blocking.
     fn init_nccl(&self) -> Result<NcclComm, CommError> {
+        nccl::refuse_blocking_init(|name| std::env::var(name).ok())?;
         // The barrier keeps its place among the CPU collectives queued before it (which
         // the communication thread may still be running), as every blocking one does.
         self.drain();
@@ -150,10 +155,71 @@ impl ProcessGroup {
         f: impl FnOnce(&mut NcclComm) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
         self.nccl_usable(op)?;
-        match lock(&self.nccl).as_mut() {
+        match CommGuard::new(lock(&self.nccl)).as_mut() {
             Some(c) => f(c),
             None => Err(CommError::Poisoned("no NCCL communicator".into())),
         }
+    }
+}
+
+/// What a communicator hands out of the collectives it retired ([`NcclComm::take_released`]),
+/// to be dropped without its lock.
+pub(super) trait Shelf {
+    /// The retired collectives' leftovers (events and tensors).
+    type Released;
+    /// Takes them out.
+    fn take_released(&mut self) -> Self::Released;
+}
+
+impl Shelf for NcclComm {
+    type Released = Vec<(nccl::inflight::Event, Vec<Tensor>)>;
+
+    fn take_released(&mut self) -> Self::Released {
+        NcclComm::take_released(self)
+    }
+}
+
+/// The communicator's slot, locked by a call of the program. Dropping it lets go of the lock
+/// first and then drops what the collectives retired meanwhile kept: freeing a tensor takes
+/// the caching allocator's mutex, which a thread in `cudaFree` holds for as long as a hung
+/// collective's kernel runs, and a call blocked there while holding the communicator would
+/// keep the watchdog from the abort that ends that kernel (`nccl::inflight`). The watchdog
+/// locks the slot without this guard and releases nothing: what it retires waits for the
+/// next call.
+pub(super) struct CommGuard<'a, C: Shelf = NcclComm> {
+    /// The lock. Fields drop in declaration order: this one first.
+    slot: MutexGuard<'a, Option<C>>,
+    /// Filled by `drop`, dropped after `slot`, so without the lock.
+    released: Option<C::Released>,
+}
+
+impl<'a, C: Shelf> CommGuard<'a, C> {
+    pub(super) fn new(slot: MutexGuard<'a, Option<C>>) -> Self {
+        CommGuard {
+            slot,
+            released: None,
+        }
+    }
+}
+
+impl<C: Shelf> Deref for CommGuard<'_, C> {
+    type Target = Option<C>;
+
+    fn deref(&self) -> &Option<C> {
+        &self.slot
+    }
+}
+
+impl<C: Shelf> DerefMut for CommGuard<'_, C> {
+    fn deref_mut(&mut self) -> &mut Option<C> {
+        &mut self.slot
+    }
+}
+
+impl<C: Shelf> Drop for CommGuard<'_, C> {
+    fn drop(&mut self) {
+        // Taken under the lock; dropped with the `released` field, after `slot` unlocks.
+        self.released = self.slot.as_mut().map(Shelf::take_released);
     }
 }
 
@@ -164,7 +230,8 @@ const WATCH_INTERVAL: Duration = Duration::from_millis(100);
 /// unless a call into the group holds the communicator (that call checks it itself), it
 /// retires completed collectives and aborts the communicator when one pending has exceeded
 /// the timeout or NCCL reports an error, so that a collective only a stream waits for
-/// ([`Work::wait_stream`]) cannot hang that stream forever. It ends with the group.
+/// ([`Work::wait_stream`]) cannot hang that stream forever. It frees no tensor (see
+/// [`CommGuard`]): the next call into the group does. It ends with the group.
 fn start_watchdog(comm: std::sync::Weak<Mutex<Option<NcclComm>>>, rank: usize) {
     let watch = move || {
         while let Some(shared) = comm.upgrade() {
@@ -220,11 +287,11 @@ impl DeviceWork for CudaWork {
         }
         // Never blocks: while another thread's call holds the communicator (a blocking
         // collective may hold it up to the timeout), the answer is "not yet".
-        let mut guard = match self.group.nccl.try_lock() {
+        let mut guard = CommGuard::new(match self.group.nccl.try_lock() {
             Ok(guard) => guard,
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return false,
-        };
+        });
         guard.as_mut().is_none_or(|c| c.work_completed(&self.work))
     }
 }
@@ -234,6 +301,63 @@ mod tests {
     use super::*;
     use crate::config::options::Options;
     use crate::nccl::inflight::Aborted;
+
+    /// A communicator whose retired leftovers, when dropped, note whether its lock was free.
+    struct Fake {
+        me: std::sync::Weak<Mutex<Option<Fake>>>,
+        seen: Arc<Mutex<Vec<bool>>>,
+    }
+
+    struct Leftovers {
+        me: std::sync::Weak<Mutex<Option<Fake>>>,
+        seen: Arc<Mutex<Vec<bool>>>,
+    }
+
+    impl Drop for Leftovers {
+        fn drop(&mut self) {
+            let unlocked = self.me.upgrade().is_some_and(|m| m.try_lock().is_ok());
+            self.seen.lock().unwrap().push(unlocked);
+        }
+    }
+
+    impl Shelf for Fake {
+        type Released = Leftovers;
+
+        fn take_released(&mut self) -> Leftovers {
+            Leftovers {
+                me: self.me.clone(),
+                seen: self.seen.clone(),
+            }
+        }
+    }
+
+    /// A call's guard hands back what the collectives retired meanwhile kept only after
+    /// letting go of the communicator's lock: freeing a tensor may wait for the caching
+    /// allocator's mutex, and the watchdog must be able to take the lock meanwhile.
+    #[test]
+    fn a_call_releases_retired_tensors_after_letting_go_of_the_lock() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let slot = Arc::new_cyclic(|me| {
+            Mutex::new(Some(Fake {
+                me: me.clone(),
+                seen: seen.clone(),
+            }))
+        });
+        {
+            let mut guard = CommGuard::new(lock(&slot));
+            assert!(guard.as_mut().is_some());
+            assert!(seen.lock().unwrap().is_empty(), "released during the call");
+        }
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [true],
+            "released under the communicator's lock"
+        );
+        // No communicator (yet): nothing to release.
+        let empty: Mutex<Option<Fake>> = Mutex::new(None);
+        drop(CommGuard::new(lock(&empty)));
+        assert_eq!(seen.lock().unwrap().len(), 1);
+    }
 
     /// The watchdog aborts a communicator and sits in `ncclCommAbort` (blocked until the
     /// queued kernels exit, with more than one rank) holding the communicator's lock: a

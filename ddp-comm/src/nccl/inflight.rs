@@ -9,6 +9,14 @@
 //! All entries are on one stream, so they complete in the order they were queued: seeing one
 //! complete retires it and every entry before it.
 //!
+//! Retiring releases nothing: a retired entry (its marker and what it kept) moves to a shelf
+//! that [`InFlight::take_released`] empties, so that its owner drops them after letting go of
+//! the communicator's lock, on a thread of the program. Freeing a tensor takes the caching
+//! allocator's mutex, which a thread in `cudaFree` (a device-wide synchronisation) holds for
+//! as long as a hung collective's kernel spins; dropping it under the communicator's lock,
+//! or on the watchdog's thread, would then stop the watchdog for good, and with it the abort
+//! that ends that kernel (c10d moved its unstashing off the watchdog for this reason).
+//!
 //! After an abort, no entry is ever reported complete (its marker may well complete: the
 //! aborted kernels exit early, leaving half-reduced tensors), and nothing asks NCCL about
 //! the communicator again. Whether it was aborted is an [`Aborted`] flag that the group
@@ -111,6 +119,8 @@ struct Entry<M, K> {
 pub(crate) struct InFlight<M, K> {
     next: u64,
     entries: VecDeque<Entry<M, K>>,
+    /// The markers and kept values of retired entries, not yet handed out.
+    released: Vec<(M, K)>,
     aborted: Arc<Aborted>,
 }
 
@@ -118,6 +128,7 @@ impl<M, K> std::fmt::Debug for InFlight<M, K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("InFlight")
             .field("pending", &self.entries.len())
+            .field("released", &self.released.len())
             .field("aborted", &self.aborted)
             .finish()
     }
@@ -128,6 +139,7 @@ impl<M: Marker, K> InFlight<M, K> {
         InFlight {
             next: 0,
             entries: VecDeque::new(),
+            released: Vec::new(),
             aborted: Arc::default(),
         }
     }
@@ -186,7 +198,8 @@ impl<M: Marker, K> InFlight<M, K> {
             return Ok(Status::Pending);
         }
         // One stream: everything queued before it has completed too.
-        self.entries.drain(..=pos);
+        let done = self.entries.drain(..=pos).map(|e| (e.marker, e.keep));
+        self.released.extend(done);
         Ok(Status::Done)
     }
 
@@ -199,14 +212,23 @@ impl<M: Marker, K> InFlight<M, K> {
     }
 
     /// Retires the collectives seen complete, oldest first, stopping at the first pending
-    /// one. Safe after an abort: it only asks the markers (CUDA), never NCCL.
+    /// one; what they kept goes to the shelf ([`Self::take_released`]), not back to the
+    /// allocator. Safe after an abort: it only asks the markers (CUDA), never NCCL.
     pub(crate) fn retire_completed(&mut self) {
         while let Some(front) = self.entries.front() {
             if front.marker.reached() != Ok(true) {
                 break;
             }
-            self.entries.pop_front();
+            if let Some(e) = self.entries.pop_front() {
+                self.released.push((e.marker, e.keep));
+            }
         }
+    }
+
+    /// Hands out the markers and kept values of the collectives retired since the last
+    /// call, for the caller to drop once it holds no lock (see the module documentation).
+    pub(crate) fn take_released(&mut self) -> Vec<(M, K)> {
+        std::mem::take(&mut self.released)
     }
 
     /// The oldest pending collective (its op) if it has been pending longer than `timeout`.
@@ -274,9 +296,40 @@ mod tests {
         assert_eq!(table.status(id, "all_reduce").unwrap(), Status::Pending);
         done.set();
         table.retire_completed();
-        assert_eq!(watch.strong_count(), 0, "kept after the device finished");
         assert_eq!(table.status(id, "all_reduce").unwrap(), Status::Done);
         assert_eq!(table.pending(), 0);
+        drop(table.take_released());
+        assert_eq!(watch.strong_count(), 0, "kept after the device finished");
+    }
+
+    /// Retiring, by `retire_completed` (the watchdog's look, every call's entry) or by
+    /// `status` (a wait), drops nothing: freeing a tensor may block on the caching
+    /// allocator's mutex, so what retired collectives kept waits on the shelf until the
+    /// owner takes it, to drop it without the communicator's lock.
+    #[test]
+    fn retiring_releases_nothing_until_the_owner_takes_it() {
+        let mut table = Table::new();
+        let flags: Vec<Flag> = (0..3).map(|_| Flag::default()).collect();
+        let tensors: Vec<Arc<Vec<f32>>> = (0..3).map(|i| Arc::new(vec![i as f32])).collect();
+        for (f, t) in flags.iter().zip(&tensors) {
+            table.push("all_reduce", Instant::now(), f.clone(), t.clone());
+        }
+        let watches: Vec<_> = tensors.iter().map(Arc::downgrade).collect();
+        drop(tensors);
+        let alive = || watches.iter().map(|w| w.strong_count()).collect::<Vec<_>>();
+        flags[0].set();
+        table.retire_completed();
+        assert_eq!(table.pending(), 2);
+        assert_eq!(alive(), [1, 1, 1], "retire_completed released a tensor");
+        flags[1].set();
+        assert_eq!(table.status(1, "all_reduce").unwrap(), Status::Done);
+        assert_eq!(alive(), [1, 1, 1], "status released a tensor");
+        let released = table.take_released();
+        assert_eq!(released.len(), 2);
+        assert_eq!(alive(), [1, 1, 1]);
+        drop(released);
+        assert_eq!(alive(), [0, 0, 1], "the owner's drop released them");
+        assert!(table.take_released().is_empty(), "handed out twice");
     }
 
     #[test]

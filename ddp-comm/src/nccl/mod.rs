@@ -19,7 +19,9 @@
 //! **Ownership.** `inflight.rs` keeps each queued collective's end event and a handle of
 //! each tensor it touches until the event is seen complete, so a tensor whose caller dropped
 //! it (and its [`crate::Work`]) goes back to the caching allocator only once NCCL is done
-//! with it. Completed entries are retired at every call into the communicator.
+//! with it. Completed entries are retired at every call into the communicator, and handed
+//! back to the allocator by the group once that call has let go of the communicator's lock
+//! (never by the watchdog: see `inflight.rs`).
 //!
 //! **Failures.** A peer that died or an operation that exceeds the timeout makes the
 //! communicator abort (`ncclCommAbort`) so that nothing hangs, and the group is unusable
@@ -55,6 +57,8 @@ pub(crate) mod inflight;
 mod init;
 mod poll;
 mod teardown;
+
+pub(crate) use init::refuse_blocking_init;
 
 use std::ffi::{c_int, c_void, CStr};
 use std::time::{Duration, Instant};
@@ -380,6 +384,12 @@ impl NcclComm {
             unsafe { (nccl.ncclCommAbort)(comm) };
         });
         err
+    }
+
+    /// The end events of the collectives retired since the last call and the tensors they
+    /// kept, for the caller to drop once it has let go of the communicator's lock.
+    pub(crate) fn take_released(&mut self) -> Vec<(Event, Vec<Tensor>)> {
+        self.inflight.take_released()
     }
 
     /// The flag that says whether this communicator was aborted, for readers that do not

@@ -59,10 +59,13 @@ impl Drop for NcclComm {
             unsafe { (self.nccl.ncclCommDestroy)(self.comm) };
         }
         // The aborted kernels exit early; tensors of those still running are leaked rather
-        // than handed back to the allocator under them.
+        // than handed back to the allocator under them. The completed ones go back only
+        // now, after the abort: freeing one may wait for the allocator's mutex, which a
+        // thread in `cudaFree` holds until the aborted kernels have exited.
         self.inflight.retire_completed();
         for keep in self.inflight.take_pending() {
             std::mem::forget(keep);
         }
+        drop(self.inflight.take_released());
     }
 }
