@@ -9,6 +9,7 @@ use tch::nn::{self, ModuleT};
 use tch::Tensor;
 
 use crate::vision::{EfficientNet, ResNet, ResNetDepth};
+use crate::weights::LoadReport;
 use crate::{ConvNet, ConvNetConfig};
 
 /// Which model to build: the crate's ConvNet or one of torchvision's backbones. Written and
@@ -188,6 +189,18 @@ impl Model {
                 ResNetDepth::R50 => ModelKind::Resnet50,
             },
             Self::EfficientNet(_) => ModelKind::EfficientNetB0,
+        }
+    }
+
+    /// Gives the tensors that `report`, a partial load of pretrained weights into this
+    /// model's `VarStore`, left out their fine-tuning initialisation, where it differs from
+    /// training from scratch: EfficientNet's classifier that of a new `nn.Linear`
+    /// ([`EfficientNet::init_unloaded`]). The ResNets' `fc` and the ConvNet's classifier are
+    /// initialised as `nn.Linear` already. Returns the names of the tensors drawn anew.
+    pub fn init_unloaded(&self, report: &LoadReport) -> Vec<String> {
+        match self {
+            Self::EfficientNet(m) => m.init_unloaded(report),
+            Self::ConvNet(_) | Self::ResNet(_) => Vec::new(),
         }
     }
 

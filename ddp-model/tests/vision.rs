@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Command;
 
 use ddp_model::norm::BatchNormLayers;
-use ddp_model::{checkpoint, Model, ModelKind};
+use ddp_model::{checkpoint, weights, Model, ModelKind};
 use tch::{nn, Device, Kind, Tensor};
 
 const TOLERANCE: f64 = 1e-4;
@@ -171,4 +171,43 @@ fn initialisation_follows_torchvision() {
         (got / want - 1.0).abs() < 0.05,
         "depthwise std {got} vs {want}"
     );
+}
+
+/// Fine-tuning B0 on 8 classes from a 1000-class state_dict: the partial load leaves out
+/// `classifier.1`, which then gets a new `nn.Linear(1280, 8)`'s initialisation, uniform in
+/// ±1/√1280 with a bias drawn alike (torchvision's recipe replaces the head), not B0's
+/// from-scratch ±1/√8 with a zero bias. What was loaded stays the file's.
+#[test]
+fn a_partially_loaded_efficientnet_gets_a_fine_tuning_head() {
+    tch::manual_seed(5);
+    let pretrained = nn::VarStore::new(Device::Cpu);
+    let b0_1000 = Model::new(&pretrained.root(), ModelKind::EfficientNetB0, 1000, None);
+    let file = weights::StateDict::new("imagenet.pth", checkpoint::named_tensors(&pretrained));
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = Model::new(&vs.root(), ModelKind::EfficientNetB0, 8, None);
+    let report = weights::load_state_dict(&vs, &file, weights::Strictness::Partial).unwrap();
+    assert_eq!(report.mismatched.len(), 2);
+
+    let drawn = model.init_unloaded(&report);
+    assert_eq!(drawn, ["classifier.1.weight", "classifier.1.bias"]);
+    let v = vs.variables();
+    let bound = 1.0 / 1280f64.sqrt();
+    for name in drawn {
+        let max = v[&name].abs().max().double_value(&[]);
+        assert!(
+            max <= bound && max > 0.5 * bound,
+            "{name}: {max} vs {bound}"
+        );
+    }
+    assert_eq!(v["classifier.1.weight"].size(), [8, 1280]);
+    for name in &report.loaded {
+        assert!(v[name].equal(file.get(name).unwrap()), "{name}");
+    }
+
+    // A load that holds the head leaves it as loaded; the other models' heads are nn.Linear's.
+    let strict = weights::load_state_dict(&pretrained, &file, weights::Strictness::Strict);
+    assert!(b0_1000.init_unloaded(&strict.unwrap()).is_empty());
+    let resnet = nn::VarStore::new(Device::Cpu);
+    let r18 = Model::new(&resnet.root(), ModelKind::Resnet18, 8, None);
+    assert!(r18.init_unloaded(&report).is_empty());
 }

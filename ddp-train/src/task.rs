@@ -2,6 +2,7 @@
 //! and the evaluation) and its [`Stats`] (evaluation counts that add up across ranks).
 
 use ddp_data::{Batch, Dataset};
+use ddp_model::weights::LoadReport;
 use serde_json::{Map, Value};
 use tch::{nn, Tensor};
 
@@ -37,7 +38,9 @@ pub trait Stats {
 
     /// A JSON document to save beside each best model the epoch's metrics improve
     /// (`best.safetensors` gets `best.json`): what else a prediction with that model needs,
-    /// such as decision thresholds tuned on the validation split. None by default.
+    /// such as decision thresholds tuned on the validation split. None by default. The
+    /// Trainer adds the model's epoch to an object (`"epoch"`), and a best model saved
+    /// without a document removes the one an earlier model had.
     fn beside_best_model(&self) -> Option<Value> {
         None
     }
@@ -185,6 +188,13 @@ pub trait Task {
 
     /// Builds the model's variables under `root`.
     fn model(&self, root: &nn::Path) -> Self::Model;
+
+    /// Called on every rank once `checkpoint.init_from` is loaded into the model (not on a
+    /// resume), with what the load copied: gives what a partial load left out (a new
+    /// classification head) the initialisation fine-tuning wants where it differs from the
+    /// model's own, as PyTorch code that replaces a pretrained model's head with a new
+    /// `nn.Linear` does. Does nothing by default.
+    fn init_unloaded(&self, _model: &Self::Model, _report: &LoadReport) {}
 
     /// The training samples (the sampler shards `0..len()` across ranks).
     fn train_data(&self) -> Self::Data;

@@ -1,7 +1,7 @@
 //! `--init-from` with real ranks: two CPU ranks start from a PyTorch-saved `.pth`, a file that
-//! does not fit fails on both ranks naming it, `--init-partial` keeps a new head, and a resume
-//! takes precedence over the file; a training checkpoint with two state_dicts needs
-//! `--init-key`.
+//! does not fit fails on both ranks naming it, `--init-partial` keeps a new head (EfficientNet's
+//! with `nn.Linear`'s initialisation), and a resume takes precedence over the file; a training
+//! checkpoint with two state_dicts needs `--init-key`.
 
 mod common;
 
@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use ddp_data::odir::synthetic::{generate, SyntheticConfig};
-use ddp_model::{checkpoint, ConvNet, ConvNetConfig};
+use ddp_model::{checkpoint, ConvNet, ConvNetConfig, Model, ModelKind};
 use serde_json::Value;
 use tch::{nn, Device};
 
@@ -248,6 +248,36 @@ fn a_file_that_does_not_fit_fails_on_every_rank_and_partial_keeps_the_head() {
         config["init_weights"]["mismatched"][1],
         serde_json::json!({"name": "classifier.3.weight", "model": [8, 256], "file": [1000, 256]})
     );
+}
+
+/// EfficientNet-B0 fine-tuned on ODIR's 8 classes from a 1000-class file: the partial load
+/// leaves `classifier.1` out, and the Task gives it a new `nn.Linear(1280, 8)`'s
+/// initialisation (uniform in ±1/√1280, bias too), torchvision's recipe, instead of B0's
+/// from-scratch ±1/√8 with a zero bias.
+#[test]
+fn an_efficientnet_fine_tuned_from_a_1000_class_file_gets_a_new_linear_head() {
+    let tmp = common::temp_dir("ddp-train-init-b0-head");
+    let dir = tmp.path();
+    let data = data(dir);
+    tch::manual_seed(41);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _b0 = Model::new(&vs.root(), ModelKind::EfficientNetB0, 1000, None);
+    let file = dir.join("imagenet.safetensors");
+    checkpoint::save(&vs, &file, &Default::default()).unwrap();
+    let out = dir.join("run");
+    let mut partial = args(data.to_str().unwrap(), out.to_str().unwrap(), "1");
+    partial.extend(["--model", "efficientnet_b0"]);
+    partial.extend(["--init-from", file.to_str().unwrap(), "--init-partial"]);
+    assert_all_ok(&run_ranks(1, &partial));
+    let saved = checkpoint::read_tensors(out.join("checkpoints/epoch-0001.safetensors")).unwrap();
+    let bound = 1.0 / 1280f64.sqrt();
+    for name in ["classifier.1.weight", "classifier.1.bias"] {
+        let max = saved.tensors[name].abs().max().double_value(&[]);
+        assert!(
+            max <= bound && max > 0.5 * bound,
+            "{name}: {max} vs {bound}"
+        );
+    }
 }
 
 /// A partial load that matches no name (another prefix) would train from scratch: refused.

@@ -6,6 +6,7 @@ use tch::Tensor;
 
 use super::conv;
 use crate::norm::BatchNorm2d;
+use crate::weights::LoadReport;
 
 /// One stage of B0 (the EfficientNet paper's Table 1, torchvision's `bneck_conf`):
 /// expansion ratio, kernel, stride of the first block, input and output channels, blocks.
@@ -169,15 +170,25 @@ fn stochastic_depth(x: &Tensor, p: f64, train: bool) -> Tensor {
 ///
 /// In training, block `k` of the 16 keeps its residual branch per sample with probability
 /// `1 - 0.2 k / 16` (stochastic depth) and the classifier drops features with probability
-/// `dropout` (torchvision's default 0.2). Initialisation as torchvision's: convolutions
-/// `kaiming_normal_(fan_out)` with zero biases, BatchNorm weight 1 and bias 0, the linear
-/// weight uniform in ±1/√num_classes with a zero bias.
+/// `dropout` (torchvision's default 0.2). Initialisation as torchvision's for training from
+/// scratch: convolutions `kaiming_normal_(fan_out)` with zero biases, BatchNorm weight 1 and
+/// bias 0, the linear weight uniform in ±1/√num_classes with a zero bias.
+///
+/// Fine-tuning gives the classifier another initialisation: torchvision refuses
+/// `efficientnet_b0(weights=..., num_classes=8)`, so its recipe loads the weights and then
+/// replaces the head, `model.classifier[1] = nn.Linear(1280, 8)`, whose default draws weight
+/// and bias uniformly in ±1/√1280, about 13 times narrower than ±1/√8.
+/// [`EfficientNet::init_unloaded`] does that for a classifier that a partial load left out.
 #[derive(Debug)]
 pub struct EfficientNet {
     stem: ConvBn,
     blocks: Vec<MbConv>,
     head: ConvBn,
     linear: nn::Linear,
+    /// The state-dict names of `linear`'s weight and bias (`classifier.1.weight`, ...).
+    linear_names: [String; 2],
+    /// `linear`'s input features (1280).
+    linear_in: i64,
     dropout: f64,
 }
 
@@ -209,8 +220,10 @@ impl EfficientNet {
             1,
         );
         let bound = 1.0 / (num_classes as f64).sqrt();
+        let classifier = root / "classifier" / 1;
+        let linear_names = [classifier.path("weight"), classifier.path("bias")];
         let linear = nn::linear(
-            root / "classifier" / 1,
+            classifier,
             last_out,
             num_classes,
             nn::LinearConfig {
@@ -227,8 +240,32 @@ impl EfficientNet {
             blocks,
             head,
             linear,
+            linear_names,
+            linear_in: last_out,
             dropout,
         }
+    }
+
+    /// Gives the classifier's weight and bias, each unless `report` (a load into this model's
+    /// `VarStore`) loaded it, their fine-tuning initialisation: `nn.Linear`'s default, uniform
+    /// in ±1/√1280 (`kaiming_uniform_(a=√5)` for the weight), as torchvision's recipe of
+    /// replacing the pretrained head with a new `nn.Linear` gives. Returns the names of the
+    /// tensors drawn anew. Every other tensor keeps its value.
+    pub fn init_unloaded(&self, report: &LoadReport) -> Vec<String> {
+        let bound = 1.0 / (self.linear_in as f64).sqrt();
+        let tensors = [Some(&self.linear.ws), self.linear.bs.as_ref()];
+        let mut drawn = Vec::new();
+        tch::no_grad(|| {
+            for (name, tensor) in self.linear_names.iter().zip(tensors) {
+                let Some(tensor) = tensor else { continue };
+                if report.loaded.contains(name) {
+                    continue;
+                }
+                let _ = tensor.shallow_clone().uniform_(-bound, bound);
+                drawn.push(name.clone());
+            }
+        });
+        drawn
     }
 
     /// The classifier's dropout probability.

@@ -10,6 +10,7 @@ use ddp_data::odir::{
     split_by_patient, LabelMode, OdirDataset, OdirImages, OdirOptions, SkippedImage,
 };
 use ddp_data::{Batch, DataError, Subset};
+use ddp_model::weights::LoadReport;
 use ddp_model::{Model, ODIR_CLASSES};
 use serde_json::Value;
 use tch::{nn, Reduction, Tensor};
@@ -189,6 +190,10 @@ impl Task for OdirTask {
         odir_model(root, &self.options)
     }
 
+    fn init_unloaded(&self, model: &Model, report: &LoadReport) {
+        model.init_unloaded(report);
+    }
+
     fn train_data(&self) -> Self::Data {
         self.train.clone()
     }
@@ -272,12 +277,19 @@ pub(super) fn skipped_json(skipped: &[SkippedImage]) -> Value {
 /// The evaluation transform (`Resize` to `--eval-resize`, by default 8/7 of `--image-size`,
 /// then `CenterCrop`, then `--normalize`), for validation, `predict` and `evaluate` alike.
 pub(super) fn eval_transform(c: &TrainConfig) -> Result<Transform, TrainError> {
-    let resize = c.eval_resize.unwrap_or(c.image_size * 8 / 7);
+    let resize = c
+        .eval_resize
+        .unwrap_or_else(|| default_eval_resize(c.image_size));
     let eval = Transform::eval(resize, c.image_size)?;
     Ok(match c.normalize.mean_std() {
         Some((mean, std)) => eval.with_normalization(mean, std)?,
         None => eval,
     })
+}
+
+/// `--eval-resize`'s default for crops of `image_size`: 8/7 of it (256 for 224).
+pub(super) fn default_eval_resize(image_size: u32) -> u32 {
+    u32::try_from(u64::from(image_size) * 8 / 7).unwrap_or(u32::MAX)
 }
 
 /// How `--data` is opened: the labels and `--skip-corrupt` as given.

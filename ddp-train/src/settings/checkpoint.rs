@@ -115,8 +115,10 @@ pub struct CheckpointSettings {
     )]
     pub init_key: Option<String>,
     /// Load from `init_from` only the tensors whose name and shape match the model (a new
-    /// classification head keeps its initialisation); rank 0 logs the rest. Without it, any
-    /// missing, unexpected or mis-shaped tensor is an error that lists them all.
+    /// classification head keeps its initialisation, or gets the one
+    /// [`Task::init_unloaded`](crate::Task::init_unloaded) gives); rank 0 logs the rest.
+    /// Without it, any missing, unexpected or mis-shaped tensor is an error that lists them
+    /// all.
     #[cfg_attr(
         feature = "cli",
         arg(

@@ -12,7 +12,7 @@ use ddp_comm::{EnvConfig, ProcessGroup};
 use ddp_data::Dataset;
 use ddp_model::checkpoint;
 use ddp_model::norm::BatchNormLayers;
-use ddp_model::weights::{self, Strictness, WeightsError};
+use ddp_model::weights::{self, LoadReport, Strictness, WeightsError};
 use ddp_sampler::{DistributedSampler, Partition};
 use tch::{nn, Device, Tensor};
 
@@ -113,7 +113,9 @@ impl<T: Task> Trainer<T> {
         if s.sync_batchnorm && norms.is_empty() {
             return Err(no_batchnorm_to_synchronise(&vs).into());
         }
-        let (init_note, init_record) = init_weights(&vs, s, resume_from.as_deref())?;
+        let (init_note, init_record) = init_weights(&vs, s, resume_from.as_deref(), |report| {
+            task.init_unloaded(&model, report)
+        })?;
         let parameters = freeze::declared_parameters(&vs);
         let mut frozen = freeze::freezable(&parameters, &s.freeze)?;
         if !s.freeze.frozen_in(1) || s.checkpoint.eval_only {
@@ -506,12 +508,14 @@ impl<T: Task> Trainer<T> {
 
 /// Loads `checkpoint.init_from` into the freshly built model (on the CPU, before the process
 /// group exists: a bad file fails on every rank alike), unless the run resumes from
-/// `resume_from`, which takes precedence. Returns rank 0's log line and `config.json`'s
-/// record of what was loaded.
+/// `resume_from`, which takes precedence, then hands what was loaded to `init_unloaded`
+/// ([`Task::init_unloaded`]). Returns rank 0's log line and `config.json`'s record of what
+/// was loaded.
 fn init_weights(
     vs: &nn::VarStore,
     s: &Settings,
     resume_from: Option<&Path>,
+    init_unloaded: impl FnOnce(&LoadReport),
 ) -> Result<(Option<String>, serde_json::Value), TrainError> {
     let Some(file) = &s.checkpoint.init_from else {
         return Ok((None, serde_json::Value::Null));
@@ -573,6 +577,7 @@ fn init_weights(
         .setting("checkpoint.init_key")
         .into());
     }
+    init_unloaded(&report);
     let note = format!("initial weights from {}: {report}", file.display());
     let mismatched: Vec<_> = report
         .mismatched
