@@ -341,7 +341,11 @@ fn rank_worker() {
         opt.zero_grad();
         for micro in 0..micros {
             ddp.set_require_gradient_sync(micro + 1 == micros);
-            ddp.broadcast_buffers().unwrap();
+            // Once per step, as PyTorch's DDP (and the Trainer) sync them: in the first
+            // forward after a backward that synchronised.
+            if micro == 0 {
+                ddp.broadcast_buffers().unwrap();
+            }
             let key = format!("{rank}.{step}.{micro}");
             let x = &data[&format!("x.{key}")];
             let y = &data[&format!("y.{key}")];
@@ -354,10 +358,14 @@ fn rank_worker() {
                 pred.mse_loss(y, Reduction::Mean)
             };
             let loss = loss / micros as f64;
-            match &scaler {
-                Some(scaler) => scaler.scale_loss(&loss).backward(),
-                None => loss.backward(),
-            }
+            let root = match &scaler {
+                Some(scaler) => scaler.scale_loss(&loss),
+                None => loss,
+            };
+            // As the Trainer does (PyTorch's DDP in forward): with find_unused_parameters,
+            // buckets are then reduced while backward runs.
+            ddp.prepare_for_backward(&root).unwrap();
+            root.backward();
         }
         ddp.sync_gradients().unwrap();
         if mode == "view" {

@@ -2,6 +2,8 @@
 
 mod bucket;
 mod comm_hook;
+#[cfg(test)]
+pub(crate) use comm_hook::gpu_tests;
 mod reducer;
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -29,7 +31,9 @@ pub enum DdpError {
         detail: String,
     },
     /// Parameters got no gradient on some rank in this step, and
-    /// [`DdpOptions::find_unused_parameters`] is off. Every rank reports the same list.
+    /// [`DdpOptions::find_unused_parameters`] is off. Every rank reports the same list. A
+    /// parameter that an undefined gradient reached counts as without gradient here, unlike
+    /// in PyTorch (see that option).
     #[error(
         "rank {rank}: parameters received no gradient on some of the {world_size} ranks in \
          this step: {}; if parts of the model are skipped on purpose (branches, several \
@@ -45,19 +49,53 @@ pub enum DdpError {
         /// Each parameter that some rank did not use, with the number of ranks that used it.
         parameters: Vec<(String, usize)>,
     },
-    /// A parameter's gradient was accumulated twice with gradient sync on.
+    /// A parameter's gradient was accumulated twice with gradient sync on on some rank, or
+    /// once though [`DistributedDataParallel::prepare_for_backward`] had found it unreachable
+    /// from the loss (PyTorch's "Expected to mark a variable ready only once"). Every rank
+    /// reports it, after the same collectives.
+    #[error("{}", describe_twice(*.rank, .parameter.as_deref(), .ranks))]
+    GradientTwice {
+        /// This rank.
+        rank: usize,
+        /// The (first) parameter, when this rank is one of `ranks`.
+        parameter: Option<String>,
+        /// The ranks on which a parameter got a gradient twice.
+        ranks: Vec<usize>,
+    },
+    /// A parameter already has a post-accumulate-grad hook, which DDP would replace.
     #[error(
-        "parameter '{0}' received a gradient twice before sync_gradients: when accumulating \
-         gradients, run every backward but the last micro-batch's with gradient sync off \
-         (DistributedDataParallel::no_sync or set_require_gradient_sync(false))"
+        "parameter '{0}' already has a post-accumulate-grad hook: another \
+         DistributedDataParallel over these parameters is still alive (drop it before building \
+         a new one, or wrap the store again with its rebuild), or the hook is your own (DDP \
+         needs each parameter's only hook)"
     )]
-    GradientTwice(String),
+    AlreadyHooked(String),
     /// The C++ shim failed (setting a hook or a gradient).
     #[error(transparent)]
     Shim(#[from] tch_ext::TchExtError),
     /// libtorch failed.
     #[error(transparent)]
     Tch(#[from] tch::TchError),
+}
+
+fn describe_twice(rank: usize, parameter: Option<&str>, ranks: &[usize]) -> String {
+    let what = match parameter {
+        Some(name) => format!("parameter '{name}' received a gradient twice"),
+        None => {
+            let ranks: Vec<String> = ranks.iter().map(usize::to_string).collect();
+            format!(
+                "a parameter received a gradient twice on rank {} (its error names it)",
+                ranks.join(", ")
+            )
+        }
+    };
+    format!(
+        "rank {rank}: {what} before sync_gradients, or once after prepare_for_backward found it \
+         unreachable from the loss: when accumulating gradients, run every backward but the last \
+         micro-batch's with gradient sync off (DistributedDataParallel::no_sync or \
+         set_require_gradient_sync(false)), and give prepare_for_backward the tensor that \
+         backward runs from"
+    )
 }
 
 fn describe_unused(parameters: &[(String, usize)]) -> String {
@@ -81,10 +119,15 @@ pub struct DdpOptions {
     /// MiB); a bucket passes it by at most its last tensor.
     #[cfg_attr(feature = "cli", arg(skip = DdpOptions::default().bucket_cap_bytes))]
     pub bucket_cap_bytes: usize,
-    /// The same for the first bucket (PyTorch's 1 MiB): the last layers' gradients, ready
-    /// first, start communicating early. PyTorch keeps 1 MiB only while `bucket_cap_mb` is
-    /// left at its default, and otherwise uses the cap for the first bucket too: to do as
-    /// PyTorch does with another cap, set both.
+    /// The same for the first bucket in reduction order (PyTorch's 1 MiB), so that the
+    /// gradients ready first start communicating early: from the first step on (the
+    /// parameters last in name order, see [`DistributedDataParallel`]'s bucket order) and
+    /// after the rebuild (the gradients that were ready first). PyTorch uses it for its
+    /// rebuilt buckets; in its first step it has one bucket of everything, or, with
+    /// `find_unused_parameters` (never rebuilt), a small bucket of the parameters defined
+    /// first, reduced last. PyTorch keeps 1 MiB only while `bucket_cap_mb` is left at its
+    /// default, and otherwise uses the cap for the first bucket too: to do as PyTorch does
+    /// with another cap, set both.
     #[cfg_attr(feature = "cli", arg(skip = DdpOptions::default().first_bucket_cap_bytes))]
     pub first_bucket_cap_bytes: usize,
     /// Broadcast rank 0's buffers before each training forward (PyTorch's default: true).
@@ -103,11 +146,27 @@ pub struct DdpOptions {
     /// Allow parameters that get no gradient on some or all ranks in a step (PyTorch's
     /// `find_unused_parameters`): they count as zeros in the average, and those used by no
     /// rank keep no gradient. Off: such a parameter is an error on every rank.
+    ///
+    /// With it, buckets are reduced while backward runs only in a backward whose loss was
+    /// given to [`DistributedDataParallel::prepare_for_backward`] first (the Trainer does);
+    /// otherwise every bucket waits for `sync_gradients`: the same results without the
+    /// overlap. Otherwise a bucket holding a parameter that this rank skips would wait for
+    /// `sync_gradients`, after the collectives that backward runs itself (SyncBatchNorm's,
+    /// [`all_reduce_sum`](crate::functional::all_reduce_sum)), while a rank that uses the
+    /// parameter launches it before them: the ranks' collectives would cross.
+    ///
+    /// "Used" means that the parameter's post-accumulate-grad hook ran in a backward.
+    /// libtorch does not run it when the gradient reaching the parameter is undefined (a
+    /// backward function returned none for that input), where PyTorch's DDP, hooked into the
+    /// autograd engine, counts the parameter as used all the same: such a parameter is
+    /// unused here.
     #[cfg_attr(
         feature = "cli",
         arg(
             id = "ddp.find_unused_parameters",
             long = "find-unused-parameters",
+            // The notes below are the library's, not the command line's.
+            long_help = None,
             help = "Allow parameters that get no gradient on some ranks in a step (PyTorch \
                     DDP's find_unused_parameters): they count as zeros in the average"
         )
@@ -194,7 +253,8 @@ type Named = Vec<(String, Tensor)>;
 ///   communication hook ([`CommHook`], by default an `Avg` all-reduce), which starts an
 ///   asynchronous collective and returns at once, so communication runs while backward
 ///   computes the remaining gradients. Buckets are launched strictly in bucket order, so
-///   every rank issues the same collectives in the same order.
+///   every rank issues the same collectives in the same order. With
+///   `find_unused_parameters`, only after [`DistributedDataParallel::prepare_for_backward`].
 /// - [`DistributedDataParallel::sync_gradients`], after backward: parameters that got no
 ///   gradient on this rank contribute zeros, the remaining buckets are launched, the ranks
 ///   count who used each parameter (one small all-reduce), everything is waited for, and the
@@ -203,9 +263,18 @@ type Named = Vec<(String, Tensor)>;
 ///   missing on any rank is an error on every rank ([`DdpError::UnusedParameters`]), naming it;
 ///   no rank is left waiting.
 ///
-/// Bucket order: reverse parameter order at first (the order backward usually produces
-/// gradients); after the first step, the order in which gradients became ready on rank 0
-/// (every rank takes rank 0's), unless `find_unused_parameters` is on (as in PyTorch).
+/// Bucket order: at first, reverse parameter order (by name), grouped from the last name
+/// on, so that the first bucket ([`DdpOptions::first_bucket_cap_bytes`]) holds the last
+/// layers, whose gradients backward usually produces first; within a bucket too the
+/// parameters lie in reverse order. After the first step the buckets are rebuilt once in
+/// the order gradients became ready on rank 0 (every rank takes rank 0's), the first one
+/// again small, unless `find_unused_parameters` is on. PyTorch rebuilds alike, but its first
+/// step differs: without `find_unused_parameters` it reduces one bucket of everything; with
+/// it, it groups the parameters in definition order (the small bucket holding the first
+/// ones), keeps each bucket's members in that order and reduces the buckets in reverse, the
+/// small one last. tch's `VarStore` keeps no definition order (names order it here), and a
+/// first step in several buckets overlaps too. The averages are the same; with three ranks
+/// or more the ring's order of summation, so the last bits, follows the layout.
 ///
 /// Gradient accumulation (PyTorch's `no_sync`): run the backward of every micro-batch but the
 /// last with [`DistributedDataParallel::set_require_gradient_sync`] off (or inside
@@ -227,18 +296,58 @@ pub struct DistributedDataParallel {
     buffers: Vec<(String, Tensor)>,
     reducer: Arc<Mutex<Reducer>>,
     buffer_buckets: Vec<Bucket>,
+    /// Whether this value's hooks are set on its parameters (dropping it clears them).
+    hooked: bool,
 }
 
 impl DistributedDataParallel {
     /// Checks that every rank holds the same model, broadcasts rank 0's parameters and
     /// buffers, and hooks every parameter. Every rank must call this at the same point.
+    ///
+    /// A parameter can carry one DDP's hook at a time: while another
+    /// `DistributedDataParallel` over the same parameters is alive, this is
+    /// [`DdpError::AlreadyHooked`] (drop the old one first, or call its
+    /// [`rebuild`](DistributedDataParallel::rebuild)); dropping a DDP clears its hooks.
     pub fn new(
         vs: &VarStore,
         pg: Arc<ProcessGroup>,
         options: DdpOptions,
     ) -> Result<Self, DdpError> {
+        let mut ddp = Self::unhooked(vs, pg, options, &[])?;
+        ddp.hook()?;
+        Ok(ddp)
+    }
+
+    /// What [`DistributedDataParallel::new`] does but for setting the hooks: the collectives
+    /// and checks. Parameters that share a tensor with `ours` may carry a hook already (that
+    /// of the DDP being rebuilt).
+    fn unhooked(
+        vs: &VarStore,
+        pg: Arc<ProcessGroup>,
+        options: DdpOptions,
+        ours: &[(String, Tensor)],
+    ) -> Result<Self, DdpError> {
         let (params, frozen, buffers) = split_named(vs);
-        verify_same_model(&pg, &params, &frozen, &buffers)?;
+        let ours: std::collections::HashSet<usize> = ours
+            .iter()
+            .filter(|(_, t)| t.numel() > 0)
+            .map(|(_, t)| t.data_ptr() as usize)
+            .collect();
+        let mut hooked = None;
+        for (name, p) in &params {
+            if !ours.contains(&(p.data_ptr() as usize))
+                && tch_ext::has_post_accumulate_grad_hook(p)?
+            {
+                hooked = Some(name.clone());
+                break;
+            }
+        }
+        // A hook on some ranks only is a difference between the models: no rank is left
+        // waiting in the broadcast below.
+        verify_same_model(&pg, &params, &frozen, &buffers, hooked.as_deref())?;
+        if let Some(name) = hooked {
+            return Err(DdpError::AlreadyHooked(name));
+        }
 
         // Initial broadcast of everything, one bucket per dtype, no size cap.
         let everything: Vec<(String, Tensor)> = params
@@ -253,25 +362,16 @@ impl DistributedDataParallel {
 
         let buffer_order: Vec<usize> = (0..buffers.len()).collect();
         let buffer_buckets = make_buckets(&buffers, &buffer_order, usize::MAX, usize::MAX);
-        let hooked: Named = params
+        let for_reducer: Named = params
             .iter()
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect();
         let reducer = Arc::new(Mutex::new(Reducer::new(
             pg.clone(),
             Arc::new(options.comm_hook),
-            hooked,
+            for_reducer,
             options,
         )));
-        for (k, (_, p)) in params.iter().enumerate() {
-            // The hook holds the reducer weakly: dropping the DDP ends it.
-            let weak = Arc::downgrade(&reducer);
-            tch_ext::set_post_accumulate_grad_hook(p, move |_| {
-                if let Some(reducer) = weak.upgrade() {
-                    lock(&reducer).mark_ready(k);
-                }
-            })?;
-        }
         Ok(Self {
             pg,
             options,
@@ -279,7 +379,36 @@ impl DistributedDataParallel {
             buffers,
             reducer,
             buffer_buckets,
+            hooked: false,
         })
+    }
+
+    /// Sets every parameter's hook; on failure, clears them again.
+    fn hook(&mut self) -> Result<(), DdpError> {
+        self.hooked = true;
+        for (k, (_, p)) in self.params.iter().enumerate() {
+            // The hook holds the reducer weakly: dropping the DDP ends it.
+            let weak = Arc::downgrade(&self.reducer);
+            let set = tch_ext::set_post_accumulate_grad_hook(p, move |_| {
+                if let Some(reducer) = weak.upgrade() {
+                    lock(&reducer).mark_ready(k);
+                }
+            });
+            if let Err(e) = set {
+                self.unhook();
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Clears the hooks this value set, if it set them.
+    fn unhook(&mut self) {
+        if std::mem::take(&mut self.hooked) {
+            for (_, p) in &self.params {
+                let _ = tch_ext::clear_post_accumulate_grad_hook(p);
+            }
+        }
     }
 
     /// The process group.
@@ -307,17 +436,21 @@ impl DistributedDataParallel {
     }
 
     /// Wraps the store again after parameters were frozen or unfrozen (as a PyTorch user
-    /// wraps the model in a new `DistributedDataParallel`): unhooks the current parameters,
-    /// then does what [`DistributedDataParallel::new`] does with the same options and
-    /// communication hook. Every rank must call this at the same point.
+    /// wraps the model in a new `DistributedDataParallel`): does what
+    /// [`DistributedDataParallel::new`] does with the same options and communication hook,
+    /// then moves the hooks from the current parameters to the new ones. Every rank must
+    /// call this at the same point. On error this DDP stays as it was, hooks included.
     pub fn rebuild(&mut self, vs: &VarStore) -> Result<(), DdpError> {
-        for (_, p) in self.params.drain(..) {
-            let _ = tch_ext::clear_post_accumulate_grad_hook(&p);
+        let mut fresh = Self::unhooked(vs, self.pg.clone(), self.options, &self.params)?;
+        lock(&fresh.reducer).hook = lock(&self.reducer).hook.clone();
+        self.unhook();
+        if let Err(e) = fresh.hook() {
+            // libtorch refuses a hook only on a tensor that is not a leaf requiring grad,
+            // which these parameters were when this DDP hooked them.
+            let _ = self.hook();
+            return Err(e);
         }
-        let hook = lock(&self.reducer).hook.clone();
-        let fresh = Self::new(vs, self.pg.clone(), self.options)?;
-        lock(&fresh.reducer).hook = hook;
-        // The old value's drop finds no parameter to unhook.
+        // The old value, unhooked, clears nothing when dropped.
         *self = fresh;
         Ok(())
     }
@@ -424,6 +557,38 @@ impl DistributedDataParallel {
         tch::no_grad(|| broadcast_tensors(&self.pg, &self.buffers, &self.buffer_buckets))
     }
 
+    /// Finds the parameters that the backward from `loss` cannot reach, before it runs
+    /// (PyTorch's `prepare_for_backward`, which its DDP calls in `forward` on the outputs):
+    /// the first gradient hook of that backward marks them ready, so that buckets are reduced
+    /// while backward runs, in the same order as the collectives of backward itself on every
+    /// rank (as PyTorch orders them). Call it after the forward and loss, on the tensor
+    /// backward runs from (the scaled loss, with a `GradScaler`), when
+    /// [`DdpOptions::find_unused_parameters`] is on; it does nothing otherwise, nor when
+    /// overlap or gradient sync is off. Without it, such a backward reduces nothing until
+    /// [`DistributedDataParallel::sync_gradients`] (see that option). It holds for the next
+    /// synced backward only.
+    ///
+    /// A parameter it finds unreachable that still gets a gradient in that backward (backward
+    /// ran from another tensor) is [`DdpError::GradientTwice`] in `sync_gradients`. One that
+    /// it finds reachable but that gets no gradient (an undefined one reached it) keeps its
+    /// bucket waiting until `sync_gradients`, as without this call.
+    ///
+    /// # Errors
+    ///
+    /// [`DdpError::Shim`] when `loss` is undefined.
+    pub fn prepare_for_backward(&mut self, loss: &Tensor) -> Result<(), DdpError> {
+        let wanted = self.options.find_unused_parameters
+            && self.options.overlap
+            && lock(&self.reducer).require_sync;
+        if !wanted {
+            return Ok(());
+        }
+        let params: Vec<&Tensor> = self.params.iter().map(|(_, t)| t).collect();
+        let reached = tch_ext::reachable_leaves(loss, &params)?;
+        lock(&self.reducer).prepare(&reached);
+        Ok(())
+    }
+
     /// Completes the averaging of every parameter's gradient over all ranks. Call after the
     /// backward that ran with gradient sync on, before the optimizer step.
     pub fn sync_gradients(&mut self) -> Result<(), DdpError> {
@@ -433,9 +598,7 @@ impl DistributedDataParallel {
 
 impl Drop for DistributedDataParallel {
     fn drop(&mut self) {
-        for (_, p) in &self.params {
-            let _ = tch_ext::clear_post_accumulate_grad_hook(p);
-        }
+        self.unhook();
     }
 }
 
@@ -469,15 +632,19 @@ fn describe(kind: &str, named: &[(String, Tensor)]) -> Vec<String> {
         .collect()
 }
 
+/// Compares every rank's model with rank 0's: the tensors' names, shapes and dtypes, and
+/// the first parameter that already has a hook, if any.
 fn verify_same_model(
     pg: &ProcessGroup,
     params: &[(String, Tensor)],
     frozen: &[(String, Tensor)],
     buffers: &[(String, Tensor)],
+    hooked: Option<&str>,
 ) -> Result<(), DdpError> {
     let mut mine = describe("parameter", params);
     mine.extend(describe("frozen parameter", frozen));
     mine.extend(describe("buffer", buffers));
+    mine.extend(hooked.map(|n| format!("parameter '{n}' with a post-accumulate-grad hook")));
     let gathered = pg.all_gather_bytes(mine.join("\n").as_bytes())?;
     let reference: Vec<&str> = std::str::from_utf8(&gathered[0])
         .unwrap_or("")
@@ -644,6 +811,137 @@ mod tests {
             }
             other => panic!("expected UnusedParameters, got {other:?}"),
         }
+    }
+
+    /// A comm hook that logs the buckets it starts, then averages them as the default does.
+    #[derive(Debug)]
+    struct Logged(Arc<Mutex<Vec<String>>>);
+
+    impl CommHook for Logged {
+        fn start(&self, pg: &Arc<ProcessGroup>, bucket: &GradBucket<'_>) -> HookWork {
+            lock(&self.0).push(format!("bucket {}", bucket.parameter_names().join(",")));
+            BuiltinHook::Allreduce.start(pg, bucket)
+        }
+    }
+
+    /// Parameters `a` and `b`, one bucket each (`b`'s first), with `find_unused_parameters`
+    /// and a comm hook logging into the returned list.
+    fn two_buckets(pg: Arc<ProcessGroup>) -> (VarStore, DistributedDataParallel, Logged) {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let _a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+        let _b = vs.root().var("b", &[3], tch::nn::Init::Const(1.0));
+        let options = DdpOptions {
+            find_unused_parameters: true,
+            bucket_cap_bytes: 1,
+            first_bucket_cap_bytes: 1,
+            ..DdpOptions::default()
+        };
+        let mut ddp = DistributedDataParallel::new(&vs, pg, options).unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        ddp.register_comm_hook(Arc::new(Logged(log.clone())));
+        assert_eq!(
+            ddp.bucket_parameters(),
+            [vec!["b".to_string()], vec!["a".to_string()]]
+        );
+        (vs, ddp, Logged(log))
+    }
+
+    /// `2 * a`, through a backward function that logs when it runs: before `a`'s gradient
+    /// is accumulated, so after the backward has started.
+    fn logged_double(a: &Tensor, log: &Arc<Mutex<Vec<String>>>) -> Tensor {
+        let input = a * 2.0;
+        let out = input.detach().copy();
+        let log = log.clone();
+        tch_ext::set_backward(&input, &out, move |g| {
+            lock(&log).push("backward".to_string());
+            Ok(g.shallow_clone())
+        })
+        .unwrap();
+        out
+    }
+
+    /// With `find_unused_parameters`, the parameters `prepare_for_backward` finds unreachable
+    /// are marked ready at the first hook of the backward (PyTorch's `autograd_hook`): their
+    /// bucket starts after what backward ran before its first gradient, not before backward,
+    /// and not only in `sync_gradients`. Without `prepare_for_backward`, no bucket starts
+    /// before `sync_gradients`.
+    #[test]
+    fn unreachable_parameters_are_marked_ready_at_the_first_hook() {
+        let (vs, mut ddp, Logged(log)) = two_buckets(alone());
+        let (a, b) = (&vs.variables()["a"], &vs.variables()["b"]);
+        let loss = logged_double(a, &log).sum(tch::Kind::Float);
+        ddp.prepare_for_backward(&loss).unwrap();
+        assert!(lock(&log).is_empty(), "a bucket started before backward");
+        loss.backward();
+        assert_eq!(*lock(&log), ["backward", "bucket b", "bucket a"]);
+        ddp.sync_gradients().unwrap();
+        assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
+        assert!(!b.grad().defined(), "b, used by no rank, got a gradient");
+
+        // The next step, without prepare_for_backward: everything waits for the sync.
+        tch_ext::set_grad(a, None).unwrap();
+        lock(&log).clear();
+        logged_double(a, &log).sum(tch::Kind::Float).backward();
+        assert_eq!(*lock(&log), ["backward"]);
+        ddp.sync_gradients().unwrap();
+        assert_eq!(*lock(&log), ["backward", "bucket b", "bucket a"]);
+        assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
+    }
+
+    /// A parameter `prepare_for_backward` found unreachable that gets a gradient all the
+    /// same (backward ran from another tensor) is an error naming it, as a second gradient.
+    #[test]
+    fn a_gradient_for_a_parameter_marked_unused_is_an_error() {
+        let (vs, mut ddp, _) = two_buckets(alone());
+        let (a, b) = (&vs.variables()["a"], &vs.variables()["b"]);
+        ddp.prepare_for_backward(&a.sum(tch::Kind::Float)).unwrap();
+        (a.sum(tch::Kind::Float) + b.sum(tch::Kind::Float)).backward();
+        match ddp.sync_gradients() {
+            Err(e @ DdpError::GradientTwice { .. }) => assert!(
+                e.to_string().starts_with(
+                    "rank 0: parameter 'b' received a gradient twice before sync_gradients, \
+                     or once after prepare_for_backward found it unreachable"
+                ),
+                "{e}"
+            ),
+            other => panic!("expected GradientTwice, got {other:?}"),
+        }
+        // The step after it is whole again.
+        tch_ext::set_grad(a, None).unwrap();
+        tch_ext::set_grad(b, None).unwrap();
+        let loss = a.sum(tch::Kind::Float);
+        ddp.prepare_for_backward(&loss).unwrap();
+        loss.backward();
+        ddp.sync_gradients().unwrap();
+        assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [1.0; 2]);
+    }
+
+    /// A rebuild refused (here: a hook of the user's on the unfrozen parameter) leaves the
+    /// DDP as it was, hooks included: its step still averages every gradient.
+    #[test]
+    fn a_failed_rebuild_leaves_the_ddp_as_it_was() {
+        let pg = alone();
+        let vs = VarStore::new(tch::Device::Cpu);
+        let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+        let b = vs.root().var("b", &[3], tch::nn::Init::Const(1.0));
+        let _ = b.set_requires_grad(false);
+        let mut ddp = DistributedDataParallel::new(&vs, pg, DdpOptions::default()).unwrap();
+        let _ = b.set_requires_grad(true);
+        tch_ext::set_post_accumulate_grad_hook(&b, |_| {}).unwrap();
+        match ddp.rebuild(&vs) {
+            Err(e @ DdpError::AlreadyHooked(_)) => assert!(
+                e.to_string()
+                    .starts_with("parameter 'b' already has a post-accumulate-grad hook"),
+                "{e}"
+            ),
+            other => panic!("expected AlreadyHooked, got {other:?}"),
+        }
+        assert_eq!(ddp.bucket_parameters(), [vec!["a".to_string()]]);
+        assert!(tch_ext::has_post_accumulate_grad_hook(&a).unwrap());
+        let _ = b.set_requires_grad(false);
+        (a.sum(tch::Kind::Float) * 2.0).backward();
+        ddp.sync_gradients().unwrap();
+        assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
     }
 
     #[test]

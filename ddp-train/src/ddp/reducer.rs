@@ -8,10 +8,18 @@
 //! the end ([`Reducer::finish`]), parameters that got no gradient in this backward contribute
 //! the gradient they hold (accumulated in backward passes without sync) or zeros, the
 //! remaining buckets are launched, and one more all-reduce counts on how many ranks each
-//! parameter was used, in this backward or one without sync since the last synced one; then
-//! everything is waited for and the averages are copied into the gradients of the parameters
-//! that some rank used. PyTorch's reducer does the same (`local_used_map_`,
-//! `mark_variable_ready_dense`).
+//! parameter was used, in this backward or one without sync since the last synced one (and
+//! which ranks saw a gradient twice); then everything is waited for and the averages are
+//! copied into the gradients of the parameters that some rank used. PyTorch's reducer does
+//! the same (`local_used_map_`, `mark_variable_ready_dense`).
+//!
+//! With `find_unused_parameters`, a bucket holding a parameter this rank does not use would
+//! wait for `finish` while a rank that uses it launches it during backward: a collective of
+//! the backward itself (SyncBatchNorm's) would then come before it on one rank and after it
+//! on the other. So buckets are launched during backward only after
+//! [`Reducer::prepare`] named the parameters the loss cannot reach; the first hook of the
+//! backward marks those ready (PyTorch's `autograd_hook` after `prepare_for_backward`), and
+//! without `prepare` every bucket waits for `finish`.
 
 use std::sync::Arc;
 
@@ -35,7 +43,17 @@ pub(crate) struct Reducer {
     /// Whether the buckets were rebuilt in the order gradients became ready.
     rebuilt: bool,
     // The step in progress.
+    /// Parameters whose bucket slot is filled: used, or marked unused.
     ready: Vec<bool>,
+    /// Parameters that got a gradient in this synced backward.
+    used: Vec<bool>,
+    /// Parameters the loss given to [`Reducer::prepare`] cannot reach, until the first hook
+    /// of the synced backward marks them ready.
+    unreachable: Option<Vec<usize>>,
+    /// Whether this backward's first hook marked the unreachable parameters ready (PyTorch's
+    /// `has_marked_unused_parameters_`): with `find_unused_parameters`, only then may buckets
+    /// be launched during backward.
+    unused_marked: bool,
     /// Parameters that got a gradient in a backward pass without sync since the last synced
     /// one.
     used_without_sync: Vec<bool>,
@@ -65,6 +83,9 @@ impl Reducer {
             require_sync: true,
             rebuilt: false,
             ready: vec![false; params.len()],
+            used: vec![false; params.len()],
+            unreachable: None,
+            unused_marked: false,
             used_without_sync: vec![false; params.len()],
             pending: Vec::new(),
             next: 0,
@@ -95,6 +116,9 @@ impl Reducer {
 
     fn reset(&mut self) {
         self.ready.iter_mut().for_each(|r| *r = false);
+        self.used.iter_mut().for_each(|u| *u = false);
+        self.unreachable = None;
+        self.unused_marked = false;
         self.used_without_sync.iter_mut().for_each(|u| *u = false);
         self.pending.clear();
         self.pending
@@ -105,26 +129,68 @@ impl Reducer {
         self.twice = None;
     }
 
+    /// The parameters that the coming synced backward cannot reach (by index, true where
+    /// reached): its first hook marks them ready. Only with `find_unused_parameters`,
+    /// overlap and gradient sync on (the caller checks).
+    pub(crate) fn prepare(&mut self, reached: &[bool]) {
+        let unreachable = (0..self.params.len()).filter(|&k| !reached[k]).collect();
+        self.unreachable = Some(unreachable);
+    }
+
+    /// Whether buckets are launched as they complete during backward.
+    fn launching(&self) -> bool {
+        self.options.overlap && (!self.options.find_unused_parameters || self.unused_marked)
+    }
+
     /// Parameter `k`'s gradient has been accumulated (called by its hook during backward).
     pub(crate) fn mark_ready(&mut self, k: usize) {
         if !self.require_sync {
             self.used_without_sync[k] = true;
+            // The prepared backward is a synced one: this is not it.
+            self.unreachable = None;
             return;
         }
+        if let Some(unreachable) = self.unreachable.take() {
+            // At the first hook, not before backward: the buckets these complete are launched
+            // after the collectives that backward ran before its first gradient, as on a rank
+            // that uses them (PyTorch's `autograd_hook`).
+            self.unused_marked = true;
+            tch::no_grad(|| {
+                for j in unreachable {
+                    self.mark_unused(j);
+                }
+            });
+        }
         if self.ready[k] {
+            // A second gradient, or one for a parameter marked unused: PyTorch's "Expected to
+            // mark a variable ready only once".
             self.twice.get_or_insert(k);
             return;
         }
         self.ready[k] = true;
+        self.used[k] = true;
         self.order.push(k);
         let (b, _, _) = self.locate[k];
         if self.options.overlap {
             tch::no_grad(|| self.copy_in(k));
         }
         self.pending[b] -= 1;
-        if self.options.overlap {
+        if self.launching() {
             self.launch_ready();
         }
+    }
+
+    /// Fills parameter `k`'s slot for a backward that did not reach it: with the gradient it
+    /// holds (accumulated in backward passes without sync), or zeros.
+    fn mark_unused(&mut self, k: usize) {
+        let (b, offset, numel) = self.locate[k];
+        if self.params[k].1.grad().defined() {
+            self.copy_in(k);
+        } else {
+            let _ = self.buckets[b].slot(offset, numel).zero_();
+        }
+        self.ready[k] = true;
+        self.pending[b] -= 1;
     }
 
     /// Copies parameter `k`'s gradient into its bucket, unless it already is a view of it;
@@ -181,20 +247,18 @@ impl Reducer {
         // (as PyTorch's `local_used_map_`): otherwise the rebuild below would bucket only
         // what the synced backward reached, and such a parameter is an error, as in PyTorch.
         let find_unused = self.options.find_unused_parameters;
-        let used: Vec<i32> = (0..self.params.len())
-            .map(|k| i32::from(self.ready[k] || (find_unused && self.used_without_sync[k])))
+        let n = self.params.len();
+        // One count per parameter, then one flag per rank: whether it saw a gradient twice,
+        // so that every rank fails alike.
+        let mut used: Vec<i32> = (0..n)
+            .map(|k| i32::from(self.used[k] || (find_unused && self.used_without_sync[k])))
             .collect();
+        used.extend((0..world).map(|r| i32::from(r == self.pg.rank() && self.twice.is_some())));
         tch::no_grad(|| {
-            for k in 0..self.params.len() {
-                let (b, offset, numel) = self.locate[k];
+            for k in 0..n {
                 if !self.ready[k] {
-                    if self.params[k].1.grad().defined() {
-                        self.copy_in(k);
-                    } else {
-                        let _ = self.buckets[b].slot(offset, numel).zero_();
-                    }
-                    self.pending[b] -= 1;
-                } else if !self.options.overlap {
+                    self.mark_unused(k);
+                } else if self.used[k] && !self.options.overlap {
                     self.copy_in(k);
                 }
             }
@@ -215,15 +279,19 @@ impl Reducer {
         if let Some(e) = first_error {
             return Err(e.into());
         }
-        if let Some(k) = self.twice {
-            return Err(DdpError::GradientTwice(self.params[k].0.clone()));
-        }
         let counts: Vec<i32> = Vec::<i32>::try_from(&counts).map_err(DdpError::Tch)?;
-        let unused: Vec<usize> = (0..self.params.len())
-            .filter(|&k| counts[k] < world as i32)
-            .collect();
+        let (counts, twice) = counts.split_at(n);
+        let ranks: Vec<usize> = (0..world).filter(|&r| twice[r] > 0).collect();
+        if !ranks.is_empty() {
+            return Err(DdpError::GradientTwice {
+                rank: self.pg.rank(),
+                parameter: self.twice.map(|k| self.params[k].0.clone()),
+                ranks,
+            });
+        }
+        let unused: Vec<usize> = (0..n).filter(|&k| counts[k] < world as i32).collect();
         if !self.options.find_unused_parameters && !unused.is_empty() {
-            return Err(self.unused_error(&unused, &counts));
+            return Err(self.unused_error(&unused, counts));
         }
         tch::no_grad(|| -> Result<(), DdpError> {
             for (k, &count) in counts.iter().enumerate() {

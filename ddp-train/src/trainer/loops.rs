@@ -296,10 +296,14 @@ impl<T: Task> Trainer<T> {
                 };
                 // Times 1, or NaN for a non-finite loss: it reaches every rank's gradients.
                 let scaled = &loss * poison(&loss) / s.accumulate as f64;
-                match &self.scaler {
-                    Some(scaler) => scaler.scale_loss(&scaled).backward(),
-                    None => scaled.backward(),
-                }
+                let root = match &self.scaler {
+                    Some(scaler) => scaler.scale_loss(&scaled),
+                    None => scaled,
+                };
+                // With find_unused_parameters, what backward cannot reach is marked at its
+                // first hook, so that buckets are still reduced while it runs.
+                self.ddp.prepare_for_backward(&root)?;
+                root.backward();
                 if let Some(e) = self.sync_bn.as_ref().and_then(|r| r.take_error()) {
                     return Err(e.into());
                 }

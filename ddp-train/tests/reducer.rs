@@ -1,0 +1,227 @@
+//! What the ranks' reducers agree on, with real ranks (2 processes on loopback, this test
+//! binary re-invoked with `--ignored --exact <worker>`): the order of collectives when a rank
+//! skips parameters and backward runs a collective of its own, an error that one rank finds
+//! returned by every rank, and one DDP at a time over a set of parameters.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{spawn_worker_ranks, text, wait_all};
+use ddp_comm::{ProcessGroup, ReduceOp};
+use ddp_train::functional::all_reduce_sum;
+use ddp_train::{DdpError, DdpOptions, DistributedDataParallel};
+use tch::{nn, Device, Kind, Tensor};
+
+const MODE_ENV: &str = "DDP_TEST_MODE";
+
+/// Runs `worker` as 2 ranks (each collective bounded by 20 s, so that a rank left waiting
+/// fails instead of hanging) and returns each rank's output; asserts that both succeeded.
+fn run_ranks(worker: &str, mode: &str) -> Vec<String> {
+    let children = spawn_worker_ranks(worker, 2, |_, cmd| {
+        cmd.env(MODE_ENV, mode)
+            .env("DDP_OP_TIMEOUT_S", "20")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+    });
+    let outputs = wait_all(children, Duration::from_secs(120));
+    for (rank, out) in outputs.iter().enumerate() {
+        assert!(
+            out.status.success(),
+            "rank {rank} of {worker} ({mode}):\n{}",
+            text(out)
+        );
+    }
+    outputs.iter().map(text).collect()
+}
+
+/// What a worker printed after `rank R reports: `.
+fn reported(output: &str, rank: usize) -> String {
+    let prefix = format!("rank {rank} reports: ");
+    output
+        .lines()
+        .find_map(|l| Some(l.split_once(&prefix)?.1))
+        .unwrap_or_else(|| panic!("rank {rank} reported nothing:\n{output}"))
+        .to_string()
+}
+
+/// A tensor's bytes in hex: equal strings are bit-identical tensors.
+fn hex(t: &Tensor) -> String {
+    let t = t.contiguous();
+    let mut bytes = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
+    t.copy_data_u8(&mut bytes, t.numel());
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn mode() -> String {
+    std::env::var(MODE_ENV).unwrap()
+}
+
+/// A trunk whose activations are summed over the ranks (a collective in forward, and one in
+/// backward, as SyncBatchNorm's), and two heads; rank 1 leaves `head_b` out of its loss on
+/// even steps. `find_unused_parameters`, one bucket per parameter, `head_b`'s first. Mode
+/// `prepared`: overlap, `prepare_for_backward` on each loss; `deferred`: overlap without it;
+/// `no_overlap`. Prints the weights after 3 SGD steps.
+#[test]
+#[ignore = "a rank of a_skipped_head_keeps_the_collective_order_of_backward; run by it"]
+fn worker_skipped_head() {
+    tch::set_num_threads(1);
+    let mode = mode();
+    let pg = Arc::new(ProcessGroup::from_env().unwrap());
+    let rank = pg.rank();
+    tch::manual_seed(5);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let init = nn::Init::Randn {
+        mean: 0.0,
+        stdev: 0.5,
+    };
+    let backbone = (vs.root() / "backbone").var("weight", &[8, 4], init);
+    let head_a = (vs.root() / "head_a").var("weight", &[3, 8], init);
+    let head_b = (vs.root() / "head_b").var("weight", &[5, 8], init);
+    let options = DdpOptions {
+        find_unused_parameters: true,
+        overlap: mode != "no_overlap",
+        bucket_cap_bytes: 1,
+        first_bucket_cap_bytes: 1,
+        ..DdpOptions::default()
+    };
+    let mut ddp = DistributedDataParallel::new(&vs, pg.clone(), options).unwrap();
+    let one_each =
+        ["head_b.weight", "head_a.weight", "backbone.weight"].map(|n| vec![n.to_string()]);
+    assert_eq!(ddp.bucket_parameters(), one_each);
+    for step in 0..3 {
+        for (_, p) in ddp.parameters() {
+            tch_ext::set_grad(p, None).unwrap();
+        }
+        tch::manual_seed(100 * step + rank as i64);
+        let x = Tensor::randn([4, 4], (Kind::Float, Device::Cpu));
+        let h = all_reduce_sum(&pg, &x.matmul(&backbone.tr()).tanh()).unwrap();
+        let loss_a = h.matmul(&head_a.tr()).square().mean(Kind::Float);
+        let loss = if rank == 0 || step % 2 == 1 {
+            loss_a + h.matmul(&head_b.tr()).square().mean(Kind::Float)
+        } else {
+            loss_a
+        };
+        if mode == "prepared" {
+            ddp.prepare_for_backward(&loss).unwrap();
+        }
+        loss.backward();
+        ddp.sync_gradients().unwrap();
+        tch::no_grad(|| {
+            for (_, p) in ddp.parameters() {
+                let _ = p.shallow_clone().g_sub_(&(p.grad() * 0.1));
+            }
+        });
+    }
+    let weights: Vec<String> = ddp.parameters().iter().map(|(_, p)| hex(p)).collect();
+    println!("rank {rank} reports: {}", weights.join(" "));
+}
+
+/// With `find_unused_parameters`, a rank that skips a head marks it ready at the first hook
+/// of its backward (PyTorch's order): its bucket is launched before the all-reduce that
+/// backward runs through the trunk, as on the rank that uses the head. Launched only after
+/// backward, the ranks' collectives would cross (a mismatch on the CPU ring; a hang or
+/// mixed tensors with NCCL). Overlapped, deferred and after-backward reductions end with the
+/// same weights on both ranks.
+#[test]
+fn a_skipped_head_keeps_the_collective_order_of_backward() {
+    let mut weights = Vec::new();
+    for mode in ["prepared", "deferred", "no_overlap"] {
+        let outputs = run_ranks("worker_skipped_head", mode);
+        let ranks = [reported(&outputs[0], 0), reported(&outputs[1], 1)];
+        assert_eq!(ranks[0], ranks[1], "{mode}: the ranks' weights differ");
+        weights.push((mode, ranks[0].clone()));
+    }
+    for (mode, w) in &weights[1..] {
+        assert_eq!(w, &weights[0].1, "{mode} differs from prepared");
+    }
+}
+
+/// Rank 1 runs a second backward through `a` with gradient sync on; both ranks call
+/// `sync_gradients` and print its error, then all-reduce once more.
+#[test]
+#[ignore = "a rank of a_gradient_twice_on_one_rank_fails_every_rank; run by it"]
+fn worker_gradient_twice() {
+    let pg = Arc::new(ProcessGroup::from_env().unwrap());
+    let rank = pg.rank();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let a = vs.root().var("a", &[3], nn::Init::Const(1.0));
+    let b = vs.root().var("b", &[2], nn::Init::Const(1.0));
+    let options = DdpOptions {
+        find_unused_parameters: mode() == "find_unused",
+        ..DdpOptions::default()
+    };
+    let mut ddp = DistributedDataParallel::new(&vs, pg.clone(), options).unwrap();
+    (a.sum(Kind::Float) + b.sum(Kind::Float)).backward();
+    if rank == 1 {
+        a.sum(Kind::Float).backward();
+    }
+    let text = match ddp.sync_gradients() {
+        Err(e @ DdpError::GradientTwice { .. }) => e.to_string(),
+        other => format!("unexpected: {other:?}"),
+    };
+    // No rank was left inside a collective: the group pairs the next one.
+    let mut t = Tensor::from_slice(&[rank as f32]);
+    pg.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    assert_eq!(f32::try_from(&t).unwrap(), 1.0);
+    println!("rank {rank} reports: {text}");
+}
+
+/// A gradient accumulated twice on one rank is an error on every rank, in the first step
+/// (where the buckets would be rebuilt next) as with `find_unused_parameters` (never
+/// rebuilt): the rank that saw it names the parameter, the other names that rank.
+#[test]
+fn a_gradient_twice_on_one_rank_fails_every_rank() {
+    for mode in ["first_step", "find_unused"] {
+        let outputs = run_ranks("worker_gradient_twice", mode);
+        let hint = "before sync_gradients, or once after prepare_for_backward found it \
+                    unreachable from the loss: when accumulating gradients";
+        assert_eq!(
+            reported(&outputs[1], 1).split(hint).next().unwrap(),
+            "rank 1: parameter 'a' received a gradient twice ",
+            "{mode}"
+        );
+        assert_eq!(
+            reported(&outputs[0], 0).split(hint).next().unwrap(),
+            "rank 0: a parameter received a gradient twice on rank 1 (its error names it) ",
+            "{mode}"
+        );
+    }
+}
+
+/// A second DDP over the same store is refused on every rank, naming a parameter, while the
+/// first is alive; once it is dropped, the second averages the gradients.
+#[test]
+#[ignore = "a rank of a_second_ddp_on_the_same_parameters_waits_for_the_first; run by it"]
+fn worker_second_ddp() {
+    let pg = Arc::new(ProcessGroup::from_env().unwrap());
+    let rank = pg.rank();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let a = vs.root().var("a", &[2], nn::Init::Const(1.0));
+    let first = DistributedDataParallel::new(&vs, pg.clone(), DdpOptions::default()).unwrap();
+    let refused = DistributedDataParallel::new(&vs, pg.clone(), DdpOptions::default())
+        .map(|_| ())
+        .unwrap_err();
+    assert!(matches!(refused, DdpError::AlreadyHooked(ref n) if n == "a"));
+    drop(first);
+    let mut second = DistributedDataParallel::new(&vs, pg.clone(), DdpOptions::default()).unwrap();
+    (a.sum(Kind::Float) * (rank as f64 + 1.0)).backward();
+    second.sync_gradients().unwrap();
+    let grad = Vec::<f32>::try_from(&a.grad()).unwrap();
+    println!("rank {rank} reports: {refused} / {grad:?}");
+}
+
+#[test]
+fn a_second_ddp_on_the_same_parameters_waits_for_the_first() {
+    let outputs = run_ranks("worker_second_ddp", "");
+    for (rank, output) in outputs.iter().enumerate() {
+        assert_eq!(
+            reported(output, rank),
+            "parameter 'a' already has a post-accumulate-grad hook: another \
+             DistributedDataParallel over these parameters is still alive (drop it before \
+             building a new one, or wrap the store again with its rebuild), or the hook is \
+             your own (DDP needs each parameter's only hook) / [1.5, 1.5]"
+        );
+    }
+}
