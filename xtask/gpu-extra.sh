@@ -21,6 +21,10 @@
 #   streams    DDP on a pool stream behind queued work against the default stream (one rank
 #              per GPU; with one GPU the path runs, and sync_gradients must return while
 #              that work still runs), and SyncBatchNorm's all-reduces leave the host free
+#   units      ddp-train's unit tests with a CUDA variant (ddp-train.lib, filtered as
+#              DDP_TRAIN_GPU_UNIT_TESTS in gpu_check.rs): the fused fp16 unscale on cuda:0
+#              equals the per-parameter one; neither a compress hook's copy nor a dropped
+#              bucket is reused before the syncing stream has read it
 #   feed       the ConvNet fed by the CUDA loader from 256 synthetic 512-px JPEGs
 #              (ddp_steps --data; data_median_s is the data wait per step)
 #   resnet50-fp16, resnet50-bf16
@@ -211,6 +215,9 @@ run_test() { # run_test NAME BINARY NEED_GPUS
     local wait
     wait=$(grep -m1 -oE 'data wait per step: median [0-9.]+ ms[^)]*\)' "$STEP_OUT" | head -c 160)
     [[ -n $wait ]] && fig+="; $wait"
+    # ddp-comm's figure: the host's time to queue a one-element all_reduce_async.
+    wait=$(grep -m1 -oE 'all_reduce_async enqueue: median [0-9.]+ us, p90 [0-9.]+ us' "$STEP_OUT")
+    [[ -n $wait ]] && fig+="; $wait"
     row "$name" "$(status "$3")" "$RC" "$SECS" "$fig"
 }
 
@@ -237,6 +244,14 @@ run_test shim tch-ext.test.cuda 1
 run_test loader ddp-data.test.tensor 1
 run_test peers ddp-comm.test.nccl_peers 2
 run_test streams ddp-train.test.cuda_streams 1
+if [[ -x $BIN/ddp-train.lib ]]; then
+    check units 180 "$BIN/ddp-train.lib" amp::tests::the_fused_unscale_equals_the_per_parameter_one_in_one_flag_on_cuda \
+        ddp::comm_hook::tests:: ddp::bucket::tests::a_dropped_bucket_keeps_its_memory_until_the_dropping_stream_has_read_it \
+        --nocapture --test-threads=1
+    row units "$(status 1)" "$RC" "$SECS" "$(tests_figure)"
+else
+    row units SKIP - 0.0 "no ddp-train.lib in the bundle (gpu-bundle.list: lib ddp-train; rebuild the bundle)"
+fi
 
 if [[ -x $steps && -x $BIN/ddp-gen-data ]]; then
     check feed-sample 120 "$BIN/ddp-gen-data" --out "$WORK/feed" --images "$images" --size "$feed_px" --seed 0

@@ -295,7 +295,8 @@ mod tests {
     }
 
     fn same_bits(a: &Tensor, b: &Tensor) -> bool {
-        let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+        let host = |t: &Tensor| t.to_device(Device::Cpu).to_kind(Kind::Double);
+        let (a, b) = (host(a), host(b));
         let a = Vec::<f64>::try_from(a.flatten(0, -1)).unwrap();
         let b = Vec::<f64>::try_from(b.flatten(0, -1)).unwrap();
         a.len() == b.len()
@@ -310,10 +311,23 @@ mod tests {
     /// on the device: reading it is the step's one synchronisation.
     #[test]
     fn the_fused_unscale_equals_the_per_parameter_one_in_one_flag() {
+        fused_unscale_equals_per_parameter(Device::Cpu);
+    }
+
+    /// The same on cuda:0, where `_amp_foreach_non_finite_check_and_unscale_` is CUDA's
+    /// multi-tensor kernel (the CPU's is a loop of its own): what fp16 training on a GPU
+    /// runs. `cargo xtask gpu-check` runs it; without a GPU it says `skipped:`.
+    #[test]
+    fn the_fused_unscale_equals_the_per_parameter_one_in_one_flag_on_cuda() {
+        if crate::ddp::gpu_tests::gpu() {
+            fused_unscale_equals_per_parameter(Device::Cuda(0));
+        }
+    }
+
+    fn fused_unscale_equals_per_parameter(device: Device) {
         let mut s = GradScaler::default();
-        let finite = |n: usize, kind: Kind| {
-            Tensor::randn([n as i64], (kind, Device::Cpu)) * 65536.0 * (n as f64)
-        };
+        let finite =
+            |n: usize, kind: Kind| Tensor::randn([n as i64], (kind, device)) * 65536.0 * (n as f64);
         for scale in [65536.0, 3.0, 1.0] {
             s.set_state(ScalerState {
                 scale,
@@ -348,6 +362,7 @@ mod tests {
                     assert_eq!(found.flags().len(), 1, "one flag for one device");
                     assert_eq!(found.flags()[0].size(), [1]);
                     assert_eq!(found.flags()[0].kind(), Kind::Float);
+                    assert_eq!(found.flags()[0].device(), device);
                     for ((_, p), e) in params.iter().zip(&expected) {
                         assert!(same_bits(&p.grad(), e), "scale {scale}, {bad:?} at {at}");
                     }

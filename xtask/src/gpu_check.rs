@@ -5,17 +5,23 @@
 //!    timeout aborted the communicator fails (`nccl_a_wait_after_an_abort_is_an_error`), a
 //!    temporary dropped with its `Work` is not reused while in flight
 //!    (`nccl_a_dropped_work_keeps_its_temporary`), collectives read inputs produced on a
-//!    pool stream made current (`nccl_collectives_follow_the_current_stream`), and a
+//!    pool stream made current (`nccl_collectives_follow_the_current_stream`), a
 //!    blocking collective does not wait for unrelated work on the default stream
-//!    (`nccl_a_blocking_collective_waits_for_its_input_only`), each a few seconds on one
-//!    GPU; with two GPUs, a group dropped while a collective waits for a peer that never
-//!    comes is aborted, not destroyed (`nccl_peers.rs`; it says `skipped:` on one),
+//!    (`nccl_a_blocking_collective_waits_for_its_input_only`), and `wait_stream` makes the
+//!    current stream wait (`nccl_wait_stream_makes_the_current_stream_wait`), each a few
+//!    seconds on one GPU, and a figure, the host's time to queue a one-element
+//!    `all_reduce_async` (`all_reduce_async enqueue: median`); with two GPUs, a group dropped
+//!    while a collective waits for a peer that never comes is aborted, not destroyed
+//!    (`nccl_peers.rs`; it says `skipped:` on one),
 //! 2. the NCCL all-reduce bandwidth sweep (one rank per GPU),
-//! 3. tch-ext's CUDA tests (streams, events, hooks on CUDA parameters), and DDP's gradients
-//!    with forward and backward on a pool stream, behind a second of queued work, against
-//!    the default stream (ddp-train's `cuda_streams`, one rank per GPU: with one GPU the
-//!    whole path runs, but a world of one reduces nothing, so only errors show), where
-//!    SyncBatchNorm's all-reduces must also leave the host free,
+//! 3. tch-ext's CUDA tests (streams, events, `record_stream`, hooks on CUDA parameters),
+//!    and DDP's gradients with forward and backward on a pool stream, behind a second of
+//!    queued work, against the default stream (ddp-train's `cuda_streams`, one rank per GPU:
+//!    with one GPU the whole path runs, but a world of one reduces nothing, so only errors
+//!    show), where SyncBatchNorm's all-reduces must also leave the host free; and the CUDA
+//!    variants of ddp-train's unit tests ([`DDP_TRAIN_GPU_UNIT_TESTS`]: the fused fp16
+//!    unscale on cuda:0 equals the per-parameter one; neither a compress hook's copy nor a
+//!    dropped bucket is reused before the syncing stream has read it),
 //! 4. ddp-data's CUDA tests and its ring tests: batches on `cuda:0` equal the CPU path's, also
 //!    with a pool stream current (`cuda_batches_follow_the_current_stream`), and a consumer
 //!    that holds the GPU for five batches' decoding time per step waits less than a quarter
@@ -65,6 +71,8 @@ pub fn run(root: &Path) -> Result<()> {
     // tch-ext's streams, events and CUDA-side hooks, and DDP on a GPU.
     run_gpu_tests(root, "tch-ext", &["cuda"], gpus)?;
     run_gpu_tests(root, "ddp-train", &["cuda_streams"], gpus)?;
+    let units = gpu_unit_test_command("ddp-train", &DDP_TRAIN_GPU_UNIT_TESTS);
+    run_gpu_command(root, units, gpus)?;
     let mut sweep = crate::cargo();
     sweep.args([
         "bench",
@@ -208,11 +216,34 @@ fn gpu_test_command(package: &str, tests: &[&str]) -> Command {
     cmd
 }
 
-/// Runs `package`'s GPU test targets `tests` (see [`gpu_test_command`]), echoing their
-/// output, and fails when a test said `skipped:` although this machine has what it needs
-/// (CUDA not loadable, say): on a GPU machine a skipped GPU test must not pass for a run one.
+/// The unit tests of ddp-train that have a CUDA variant (libtest filters; each says
+/// `skipped:` without a GPU). gpu-extra.sh runs the same filters.
+const DDP_TRAIN_GPU_UNIT_TESTS: [&str; 3] = [
+    "amp::tests::the_fused_unscale_equals_the_per_parameter_one_in_one_flag_on_cuda",
+    "ddp::comm_hook::tests::",
+    "ddp::bucket::tests::a_dropped_bucket_keeps_its_memory_until_the_dropping_stream_has_read_it",
+];
+
+/// `cargo test --lib` of `package`'s unit tests matching `filters`, as [`gpu_test_command`]
+/// runs test targets (output shown, one test at a time).
+fn gpu_unit_test_command(package: &str, filters: &[&str]) -> Command {
+    let mut cmd = crate::cargo();
+    cmd.args(["test", "-p", package, "--lib", "--"]);
+    cmd.args(filters);
+    cmd.args(["--nocapture", "--test-threads=1"]);
+    cmd
+}
+
+/// Runs `package`'s GPU test targets `tests` (see [`gpu_test_command`]) as
+/// [`run_gpu_command`] does.
 fn run_gpu_tests(root: &Path, package: &str, tests: &[&str], gpus: usize) -> Result<()> {
-    let cmd = gpu_test_command(package, tests);
+    run_gpu_command(root, gpu_test_command(package, tests), gpus)
+}
+
+/// Runs GPU tests with `cmd`, echoing their output, and fails when a test said `skipped:`
+/// although this machine has what it needs (CUDA not loadable, say): on a GPU machine a
+/// skipped GPU test must not pass for a run one.
+fn run_gpu_command(root: &Path, cmd: Command, gpus: usize) -> Result<()> {
     let line = format!("{cmd:?}");
     let output = run_echoed(root, cmd)?;
     let skipped = unexpected_skips(&output, gpus);
@@ -340,5 +371,31 @@ mod tests {
         }
         assert!(script.contains(&format!("MAX_SKIPPED_STEPS={MAX_SKIPPED_STEPS}\n")));
         assert!(script.contains("--test-threads=1"));
+        for filter in DDP_TRAIN_GPU_UNIT_TESTS {
+            assert!(
+                script.contains(&format!(" {filter} ")),
+                "gpu-extra.sh does not run ddp-train's `{filter}`"
+            );
+        }
+    }
+
+    #[test]
+    fn gpu_unit_tests_run_filtered_alone_with_their_output_shown() {
+        let cmd = gpu_unit_test_command("ddp-train", &["a::", "b::c"]);
+        let args: Vec<_> = cmd.get_args().map(|a| a.to_string_lossy()).collect();
+        assert_eq!(
+            args,
+            [
+                "test",
+                "-p",
+                "ddp-train",
+                "--lib",
+                "--",
+                "a::",
+                "b::c",
+                "--nocapture",
+                "--test-threads=1"
+            ]
+        );
     }
 }

@@ -24,6 +24,22 @@ impl Bucket {
     }
 }
 
+impl Drop for Bucket {
+    /// The buffer is used on other streams than the one it was allocated on (the stream
+    /// current when the buckets were made): autograd's, the collectives' side stream, and the
+    /// stream of the thread that syncs the gradients, whose copies out of it may still be
+    /// queued when a rebuild drops it. libtorch's caching allocator would hand its memory to
+    /// the allocating stream's next allocation at once; recorded on the dropping thread's
+    /// current stream, it waits for the work queued there so far, which comes after the other
+    /// uses (that stream waited for the collectives, which waited for the hooks' copies). A
+    /// no-op on the CPU.
+    fn drop(&mut self) {
+        if let Err(e) = tch_ext::record_current_stream(&self.flat) {
+            tracing::warn!("ddp: a bucket's memory was released without its stream: {e}");
+        }
+    }
+}
+
 /// Groups `named[order[..]]` into flat buckets by dtype and device, in `order`, as PyTorch's
 /// `_compute_bucket_assignment_by_size` with `[first_cap, cap]` does: each tensor joins its
 /// dtype's open bucket, which closes once it holds `first_cap` bytes or more (the first of
@@ -182,5 +198,53 @@ mod tests {
         unpack(&named, &buckets);
         assert_eq!(Vec::<f32>::try_from(&named[0].1).unwrap(), [2., 4., 6.]);
         assert_eq!(Vec::<f32>::try_from(&named[1].1).unwrap(), [8., 10.]);
+    }
+
+    /// Buckets made with stream A current (as at DDP's construction), read on stream B behind
+    /// half a second of work (`unpack`'s copies, as the syncing thread's stream reads them),
+    /// then dropped with B current, as a rebuild drops the old ones. A tensor of the bucket's
+    /// size allocated on A next and filled at once (A is idle) must not get its memory:
+    /// without the bucket's record on the dropping thread's stream, libtorch's caching
+    /// allocator hands the block straight back on A and B's copies read the fill.
+    #[test]
+    fn a_dropped_bucket_keeps_its_memory_until_the_dropping_stream_has_read_it() {
+        use super::super::comm_hook::gpu_tests::{gpu, keep_busy, two_streams};
+        use tch_ext::{set_current_stream, CudaEvent};
+        if !gpu() {
+            return;
+        }
+        let device = tch::Device::Cuda(0);
+        let (a, b) = two_streams();
+        // An odd size, so that no other free block fits it exactly.
+        let len = 1_000_003;
+        let named = vec![("p".to_string(), Tensor::zeros([len], (Kind::Float, device)))];
+        let on_a = set_current_stream(a).unwrap();
+        let buckets = make_buckets(&named, &[0], usize::MAX, usize::MAX);
+        let _ = buckets[0].flat.shallow_clone().fill_(3.0);
+        let filled = CudaEvent::new(0).unwrap();
+        filled.record(&a).unwrap();
+        drop(on_a);
+        let on_b = set_current_stream(b).unwrap();
+        b.wait_event(&filled).unwrap();
+        keep_busy(0.5);
+        unpack(&named, &buckets);
+        let b_done = CudaEvent::new(0).unwrap();
+        b_done.record(&b).unwrap();
+        drop(buckets);
+        drop(on_b);
+        let on_a = set_current_stream(a).unwrap();
+        let intruder = Tensor::full([len], 99.0, (Kind::Float, device));
+        drop(on_a);
+        let pending = !b_done.query().unwrap();
+        b.synchronize().unwrap();
+        a.synchronize().unwrap();
+        assert!(pending, "stream B finished its work too early for the test");
+        assert_eq!(intruder.min().double_value(&[]), 99.0);
+        let p = &named[0].1;
+        assert_eq!(
+            (p.min().double_value(&[]), p.max().double_value(&[])),
+            (3.0, 3.0),
+            "the copies out of the bucket read memory that stream A reused"
+        );
     }
 }

@@ -165,6 +165,126 @@ impl CommHook for BuiltinHook {
         let mut target = bucket.buffer().shallow_clone();
         HookWork::new(work).then(move || {
             target.copy_(&compressed);
+            // `compressed` was allocated on the stream current where the hook ran (autograd's,
+            // the forward's) and is read here on this thread's current stream: recorded, the
+            // caching allocator keeps its memory from the allocating stream's next tensors
+            // until this copy has run.
+            if let Err(e) = tch_ext::record_current_stream(&compressed) {
+                tracing::warn!("ddp: a compressed bucket was released without its stream: {e}");
+            }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gpu_tests::{gpu, keep_busy, two_streams};
+    use super::*;
+    use tch::Device;
+    use tch_ext::{set_current_stream, CudaEvent};
+
+    /// A compress hook casts the bucket on the stream where the hook runs (the forward's:
+    /// pool stream A here) and copies the result back on the syncing thread's stream (B,
+    /// behind half a second of work). The compressed copy is freed while that copy is still
+    /// queued on B; a tensor of its size and dtype allocated on A next and filled at once (A
+    /// is idle) must not get its memory. Without `record_stream`, libtorch's caching
+    /// allocator hands the block straight back on A, the fill lands before B's copy reads
+    /// it, and the bucket ends up holding the fill instead of its average.
+    #[test]
+    fn a_compress_hook_keeps_its_copy_until_the_syncing_stream_has_read_it() {
+        if !gpu() {
+            return;
+        }
+        let device = Device::Cuda(0);
+        let opts = ddp_comm::Options::new(0, 1, "127.0.0.1", 0).backend(ddp_comm::Backend::Nccl);
+        let pg = Arc::new(ProcessGroup::new(opts).unwrap());
+        let (a, b) = two_streams();
+        // An odd size, so that no other free block fits it exactly.
+        let len = 1_000_003;
+        let buffer = Tensor::full([len], 3.0, (Kind::Float, device));
+        let on_a = set_current_stream(a).unwrap();
+        let bucket = GradBucket {
+            index: 0,
+            count: 1,
+            buffer: &buffer,
+            names: vec!["w"],
+        };
+        let work = BuiltinHook::Fp16Compress.start(&pg, &bucket);
+        drop(on_a);
+        let on_b = set_current_stream(b).unwrap();
+        keep_busy(0.5);
+        work.wait().unwrap();
+        let b_done = CudaEvent::new(0).unwrap();
+        b_done.record(&b).unwrap();
+        drop(on_b);
+        let on_a = set_current_stream(a).unwrap();
+        // A blocking collective from A (idle): the hook's one has completed by its end, and
+        // the group has let go of the compressed copy.
+        let mut tiny = Tensor::ones([1], (Kind::Float, device));
+        pg.all_reduce(&mut tiny, ReduceOp::Sum).unwrap();
+        let intruder = Tensor::full([len], 99.0, (Kind::Half, device));
+        drop(on_a);
+        let pending = !b_done.query().unwrap();
+        b.synchronize().unwrap();
+        a.synchronize().unwrap();
+        assert!(pending, "stream B finished its work too early for the test");
+        assert_eq!(intruder.min().double_value(&[]), 99.0);
+        assert_eq!(
+            (
+                buffer.min().double_value(&[]),
+                buffer.max().double_value(&[])
+            ),
+            (3.0, 3.0),
+            "the bucket read memory that stream A reused"
+        );
+    }
+}
+
+/// What the GPU unit tests share (here, in `bucket.rs` and `amp.rs`); each skips without a
+/// GPU.
+#[cfg(test)]
+pub(crate) mod gpu_tests {
+    use tch::{Device, Kind, Tensor};
+    use tch_ext::CudaStream;
+
+    /// Whether cuda:0 can run the test (libtorch's CUDA side loaded); says `skipped:` if not.
+    pub(crate) fn gpu() -> bool {
+        let reason =
+            ddp_comm::cuda::no_gpu_reason().or_else(|| match ddp_comm::cuda::load_torch_cuda() {
+                Ok(true) if tch::Cuda::device_count() > 0 => None,
+                Ok(true) => Some("libtorch sees no CUDA device".into()),
+                Ok(false) => Some("libtorch has no libtorch_cuda.so (CPU-only build)".into()),
+                Err(e) => Some(e.to_string()),
+            });
+        if let Some(reason) = &reason {
+            println!("skipped: {reason}");
+        }
+        reason.is_none()
+    }
+
+    /// Queues about `seconds` of matmuls on the current stream of cuda:0, returns at once.
+    pub(in crate::ddp) fn keep_busy(seconds: f64) {
+        let x = Tensor::randn([4096, 4096], (Kind::Float, Device::Cuda(0))) / 64.0;
+        let stream = CudaStream::current(0).unwrap();
+        let _ = x.mm(&x);
+        stream.synchronize().unwrap();
+        let start = std::time::Instant::now();
+        for _ in 0..4 {
+            let _ = x.mm(&x);
+        }
+        stream.synchronize().unwrap();
+        let each = start.elapsed().as_secs_f64() / 4.0;
+        for _ in 0..(seconds / each).ceil() as usize {
+            let _ = x.mm(&x);
+        }
+    }
+
+    /// Two different pool streams of cuda:0 (the pool is round-robin over several).
+    pub(in crate::ddp) fn two_streams() -> (CudaStream, CudaStream) {
+        let a = CudaStream::from_pool(0, false).unwrap();
+        let b = std::iter::repeat_with(|| CudaStream::from_pool(0, false).unwrap())
+            .find(|s| *s != a)
+            .unwrap();
+        (a, b)
     }
 }
