@@ -127,6 +127,45 @@ pub enum DataError {
         duplicates: Vec<String>,
     },
 
+    /// Two rows of one patient give different patient labels (the `N`..`O` columns: the
+    /// patient's diagnosis, which each of the patient's rows repeats).
+    #[error(
+        "annotation file '{}' gives patient {id} different labels on rows {} and {} (column(s) \
+         {}): the N..O columns are the patient's, the same on each of the patient's rows; \
+         correct one of them",
+        .file.display(),
+        .rows.0,
+        .rows.1,
+        .columns.join(", ")
+    )]
+    InconsistentPatient {
+        /// The annotation file.
+        file: PathBuf,
+        /// The patient's `ID`.
+        id: u64,
+        /// The first row of the patient and the first row that differs from it.
+        rows: (usize, usize),
+        /// The columns whose values differ between them.
+        columns: Vec<String>,
+    },
+
+    /// A patient `ID` on several rows of a file with one row per patient (the challenge's
+    /// workbook).
+    #[error(
+        "annotation file '{}' lists patient {id} on rows {}: the workbook has one row per \
+         patient (both eyes' images on it)",
+        .file.display(),
+        .rows.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
+    )]
+    DuplicatePatient {
+        /// The annotation file.
+        file: PathBuf,
+        /// The patient's `ID`.
+        id: u64,
+        /// Every row it is on.
+        rows: Vec<usize>,
+    },
+
     /// A train/validation split left one side without samples.
     #[error("the {side} split is empty: {patients} patient(s) split with validation fraction {fraction}; use a fraction that leaves at least one patient on each side")]
     EmptySplit {

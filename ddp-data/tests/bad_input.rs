@@ -244,6 +244,54 @@ fn duplicate_file_names_are_listed_with_their_rows() {
     }
 }
 
+/// Each row of `full_df.csv` is one image, and its `N`..`O` are the patient's: a patient
+/// whose rows disagree is refused, naming both rows and the columns (the last row used to win
+/// silently in the patient-level score).
+#[test]
+fn a_patient_whose_rows_give_different_patient_labels_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = "[0, 1, 0, 0, 0, 0, 0, 0]";
+    let rows = [
+        csv_row(1, "1_left.jpg", t, [0, 1, 0, 0, 0, 0, 0, 0]),
+        csv_row(1, "1_right.jpg", t, [0, 1, 0, 0, 0, 0, 0, 0]),
+        csv_row(2, "2_left.jpg", t, [0, 1, 0, 0, 0, 0, 0, 1]),
+        csv_row(2, "2_right.jpg", t, [0, 0, 0, 0, 0, 0, 0, 1]),
+    ];
+    let images = ["1_left.jpg", "1_right.jpg", "2_left.jpg", "2_right.jpg"];
+    write_csv_layout(dir.path(), &rows, &images);
+    let file = dir.path().join("full_df.csv");
+    // Whichever labels train (per eye or the patient's), the patient's are read and checked.
+    for labels in [LabelMode::Auto, LabelMode::Patient] {
+        let options = OdirOptions {
+            labels,
+            ..OdirOptions::default()
+        };
+        let e = OdirDataset::open(dir.path(), &options).unwrap_err();
+        match &e {
+            DataError::InconsistentPatient {
+                id, rows, columns, ..
+            } => assert_eq!(
+                (*id, *rows, &columns[..]),
+                (2, (4, 5), &["D".to_string()][..])
+            ),
+            other => panic!("expected InconsistentPatient, got {other}"),
+        }
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "annotation file '{}' gives patient 2 different labels on rows 4 and 5 \
+                 (column(s) D): the N..O columns are the patient's, the same on each of the \
+                 patient's rows; correct one of them",
+                file.display()
+            )
+        );
+    }
+    // Agreeing rows open.
+    let agreeing = [rows[0].clone(), rows[1].clone(), rows[2].clone()];
+    write_csv_layout(dir.path(), &agreeing, &images);
+    assert_eq!(open(dir.path()).unwrap().len(), 3);
+}
+
 #[test]
 fn header_without_rows_has_no_samples() {
     let dir = tempfile::tempdir().unwrap();

@@ -194,6 +194,38 @@ fn challenge_workbook_rejects_a_label_that_is_not_binary() {
     }
 }
 
+/// One row per patient: an ID on two rows (which used to leave the patient the labels of
+/// the last) is refused, naming the rows.
+#[test]
+fn challenge_workbook_refuses_a_patient_on_two_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    common::write_xlsx(
+        &dir.path().join("data.xlsx"),
+        &[
+            (0, "0_left.jpg", "0_right.jpg", [1, 0, 0, 0, 0, 0, 0, 0]),
+            (1, "1_left.jpg", "1_right.jpg", [0, 1, 0, 0, 0, 0, 0, 0]),
+            (2, "2_left.jpg", "2_right.jpg", [1, 0, 0, 0, 0, 0, 0, 0]),
+            (1, "1b_left.jpg", "1b_right.jpg", [0, 0, 1, 0, 0, 0, 0, 0]),
+        ],
+    );
+    write_xlsx_images(&dir.path().join("Training Images"), &["0_left.jpg"]);
+    let e = OdirDataset::open(dir.path(), &OdirOptions::default()).unwrap_err();
+    match &e {
+        DataError::DuplicatePatient { id, rows, .. } => {
+            assert_eq!((*id, &rows[..]), (1, &[3, 5][..]))
+        }
+        other => panic!("expected DuplicatePatient, got {other}"),
+    }
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "annotation file '{}' lists patient 1 on rows 3, 5: the workbook has one row per \
+             patient (both eyes' images on it)",
+            dir.path().join("data.xlsx").display()
+        )
+    );
+}
+
 #[test]
 fn split_keeps_both_eyes_of_a_patient_together_and_is_deterministic() {
     let dir = tempfile::tempdir().unwrap();

@@ -215,6 +215,33 @@ fn evaluate_with_skip_corrupt_names_each_image_it_leaves_out() {
     assert!(!skipped[0]["reason"].as_str().unwrap().is_empty());
 }
 
+/// Every image left out: nothing to score. Refused (as training refuses it), naming the
+/// folder, instead of a report of zero images and NaN scores.
+#[test]
+fn evaluate_with_every_image_skipped_as_corrupt_is_refused() {
+    let tmp = common::temp_dir("ddp-train-evaluate-all-corrupt");
+    let dir = tmp.path();
+    let (data, model) = setup(dir);
+    let test = data.join("test");
+    let images = test.join("preprocessed_images");
+    for entry in std::fs::read_dir(&images).unwrap() {
+        std::fs::write(entry.unwrap().path(), b"\xff\xd8 not a jpeg").unwrap();
+    }
+    let out = dir.join("eval");
+    let outputs = evaluate(2, &test, &model, &out, &["--skip-corrupt"]);
+    let message = format!(
+        "data set '{}' has no usable images (11 skipped as corrupt; the first, {}",
+        test.display(),
+        images.join("12_left.jpg").display()
+    );
+    for (r, o) in outputs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "rank {r} succeeded:\n{}", text(o));
+        assert!(err.contains(&message), "rank {r}:\n{err}");
+    }
+    assert!(!out.join("evaluation.json").exists());
+}
+
 #[test]
 fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
     let tmp = common::temp_dir("ddp-train-evaluate");
@@ -407,6 +434,116 @@ fn scoring_with_another_transform_or_eye_combination_than_the_training_warns_on_
     );
     assert_eq!(rank0.matches(&warning).count(), 1, "{rank0}");
     assert!(!text(&outputs[1]).contains("were tuned with"));
+}
+
+/// The thresholds `--tune-thresholds` saves beside each best model are that model's: they
+/// record its epoch, a best model saved later without them removes them (a run resumed
+/// without the flag left epoch 1's beside a later model, and `predict` used them), and
+/// `predict` refuses thresholds of another epoch than the model's.
+#[test]
+fn thresholds_beside_a_best_model_are_that_models() {
+    let tmp = common::temp_dir("ddp-train-predict-tuned");
+    let dir = tmp.path();
+    let (data, _) = setup(dir);
+    let run = dir.join("run");
+    let train = |epochs: &str, more: &[&str]| {
+        let mut args = vec![
+            "--data",
+            data.to_str().unwrap(),
+            "--image-size",
+            "32",
+            "--batch-size",
+            "4",
+            "--seed",
+            "1",
+            "--epochs",
+            epochs,
+            "--out",
+            run.to_str().unwrap(),
+        ];
+        args.extend(more);
+        let outputs = run_ranks(1, &args);
+        assert!(outputs[0].status.success(), "{}", text(&outputs[0]));
+    };
+    let epoch_of = |model: &Path| -> u64 {
+        checkpoint::read_tensors(model).unwrap().metadata["epoch"]
+            .parse()
+            .unwrap()
+    };
+    let read_json = |path: &Path| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    };
+    let bests = ["best-macro", "best-micro", "best-score"];
+    train("1", &["--tune-thresholds"]);
+    for best in bests {
+        let tuned = read_json(&run.join(format!("{best}.json")));
+        assert_eq!(tuned["epoch"], 1, "{best}: {tuned}");
+        assert_eq!(tuned["thresholds"].as_array().unwrap().len(), 8);
+    }
+    train("3", &["--resume", "latest"]);
+    let mut replaced = 0;
+    for best in bests {
+        let model = run.join(format!("{best}.safetensors"));
+        let beside = model.with_extension("json");
+        match epoch_of(&model) {
+            1 => assert_eq!(read_json(&beside)["epoch"], 1, "{best}"),
+            later => {
+                replaced += 1;
+                assert!(
+                    !beside.exists(),
+                    "{best}.json of epoch 1 is left beside the model of epoch {later}"
+                );
+            }
+        }
+    }
+    assert!(
+        replaced > 0,
+        "no best model after epoch 1: the test proves nothing"
+    );
+
+    // A model beside thresholds of another epoch (an older run's, or copied): refused, naming
+    // both epochs and what to do.
+    let model = run.join("best-score.safetensors");
+    let epoch = epoch_of(&model);
+    let beside = model.with_extension("json");
+    let stale = format!(
+        r#"{{"thresholds": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], "epoch": {}}}"#,
+        epoch + 1
+    );
+    std::fs::write(&beside, stale).unwrap();
+    let images = data.join("test/preprocessed_images");
+    let out = dir.join("predicted");
+    let outputs = predict(2, &images, &model, &out);
+    let refusal = format!(
+        "the thresholds beside the model, {}, were tuned for the model of epoch {}, and {} is \
+         the model of epoch {epoch}",
+        beside.display(),
+        epoch + 1,
+        model.display()
+    );
+    for (r, o) in outputs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "rank {r} succeeded:\n{}", text(o));
+        assert!(
+            err.contains(&refusal) && err.contains("give --thresholds FILE"),
+            "rank {r}:\n{err}"
+        );
+    }
+    assert!(!out.join("decisions.csv").exists());
+    // Of its epoch, they decide.
+    let tuned =
+        format!(r#"{{"thresholds": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], "epoch": {epoch}}}"#);
+    std::fs::write(&beside, tuned).unwrap();
+    let outputs = predict(1, &images, &model, &out);
+    assert!(outputs[0].status.success(), "{}", text(&outputs[0]));
+    assert!(
+        text(&outputs[0]).contains(&format!(
+            "decisions at the thresholds of {}",
+            beside.display()
+        )),
+        "{}",
+        text(&outputs[0])
+    );
 }
 
 /// A model with NaN weights: `predict` and `evaluate` (with either eye combination, whose

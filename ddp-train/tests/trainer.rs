@@ -98,6 +98,7 @@ fn distributed_evaluation_equals_one_process_on_the_whole_split() {
             "--batch-size",
             "4",
             "--eval-only",
+            "--tune-thresholds",
             "--resume",
             model.to_str().unwrap(),
             "--out",
@@ -118,10 +119,45 @@ fn distributed_evaluation_equals_one_process_on_the_whole_split() {
         "val_f1_per_class",
         "val_macro_f1",
         "val_micro_f1",
-        // The gathered scores: every patient once, whatever the number of ranks.
-        "odir_patients",
     ] {
         assert_eq!(one[key], three[key], "{key} differs between 1 and 3 ranks");
+    }
+    // The challenge's figures, from every image's probabilities gathered by its place in the
+    // validation subset and combined per patient: every patient once, with its own images,
+    // whatever the number of ranks.
+    let challenge: Vec<&String> = one
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| k.starts_with("odir_"))
+        .collect();
+    let mut expected = [
+        "odir_auc",
+        "odir_auc_per_class",
+        "odir_f1",
+        "odir_kappa",
+        "odir_patients",
+        "odir_score",
+        "odir_thresholds",
+    ];
+    expected.sort();
+    assert_eq!(challenge, expected, "{one}");
+    for key in challenge {
+        let values = |v: &Value| -> Vec<Option<f64>> {
+            match &v[key] {
+                Value::Array(list) => list.iter().map(Value::as_f64).collect(),
+                single => vec![single.as_f64()],
+            }
+        };
+        let (a, b) = (values(one), values(three));
+        assert_eq!(a.len(), b.len(), "{key}");
+        for (x, y) in a.iter().zip(&b) {
+            let same = match (x, y) {
+                (Some(x), Some(y)) => (x - y).abs() <= 1e-9,
+                _ => x == y,
+            };
+            assert!(same, "{key} differs between 1 and 3 ranks: {a:?} and {b:?}");
+        }
     }
     let total: i64 = ["tp", "fn"]
         .iter()

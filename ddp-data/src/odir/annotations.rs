@@ -303,7 +303,36 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
             row,
         });
     }
+    check_patients_agree(file, &records)?;
     finish(file, records, source)
+}
+
+/// An error for the first patient whose rows give different patient labels: one row per image,
+/// each repeating its patient's `N`..`O` (the Kaggle redistribution's 6392 rows of 3358
+/// patients all agree), so rows that differ are a damaged or hand-edited file, which would
+/// otherwise score the patient by whichever row came last.
+fn check_patients_agree(file: &Path, records: &[Record]) -> Result<(), DataError> {
+    let mut first: HashMap<u64, (usize, [f32; 8])> = HashMap::new();
+    for r in records {
+        let Some(labels) = r.patient_labels else {
+            continue;
+        };
+        let (row, seen) = *first.entry(r.patient_id).or_insert((r.row, labels));
+        if seen != labels {
+            return Err(DataError::InconsistentPatient {
+                file: file.to_path_buf(),
+                id: r.patient_id,
+                rows: (row, r.row),
+                columns: LABELS
+                    .iter()
+                    .zip(seen.iter().zip(&labels))
+                    .filter(|(_, (a, b))| a != b)
+                    .map(|(l, _)| l.to_string())
+                    .collect(),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn cell_text(d: &Data) -> String {
@@ -359,6 +388,7 @@ pub fn read_xlsx(file: &Path, mode: LabelMode) -> Result<Annotations, DataError>
         .map(|l| cols.get(l))
         .collect::<Result<_, _>>()?;
     let mut records = Vec::new();
+    let mut rows_of: HashMap<u64, Vec<usize>> = HashMap::new();
     // `range` may start below row 1 when the sheet has leading blank rows.
     let first_row = range.start().map(|(r, _)| r as usize + 1).unwrap_or(1);
     for (i, r) in rows.enumerate() {
@@ -368,6 +398,7 @@ pub fn read_xlsx(file: &Path, mode: LabelMode) -> Result<Annotations, DataError>
             continue;
         }
         let patient_id = parse_id(file, row, "ID", &cell(id_col))?;
+        rows_of.entry(patient_id).or_default().push(row);
         let mut labels = [0f32; 8];
         for (k, &c) in label_cols.iter().enumerate() {
             labels[k] = parse_binary(file, row, LABELS[k], &cell(c))?;
@@ -381,6 +412,18 @@ pub fn read_xlsx(file: &Path, mode: LabelMode) -> Result<Annotations, DataError>
                 row,
             });
         }
+    }
+    // One row per patient: a repeated ID is the first that repeats, with all its rows.
+    let repeated = records
+        .iter()
+        .map(|r| r.patient_id)
+        .find(|id| rows_of.get(id).is_some_and(|rows| rows.len() > 1));
+    if let Some(id) = repeated {
+        return Err(DataError::DuplicatePatient {
+            file: file.to_path_buf(),
+            id,
+            rows: rows_of.remove(&id).unwrap_or_default(),
+        });
     }
     finish(file, records, source)
 }

@@ -162,8 +162,11 @@ pub fn roc_auc(truth: &[bool], scores: &[f64]) -> f64 {
 }
 
 /// The threshold that maximises the F1 of `scores > threshold` against `truth`, chosen
-/// halfway between neighbouring distinct scores (ties: the higher threshold). [`THRESHOLD`]
-/// when `truth` has no positive; NaN when a score is NaN.
+/// halfway between neighbouring distinct scores (ties: the higher threshold), and always
+/// strictly above the highest score it leaves out and at most the lowest it keeps, even where
+/// the halfway point rounds onto one of them (adjacent floats). When every score is kept:
+/// half the lowest score if that is positive, else the float just below it (a lowest score
+/// of 0 is kept too). [`THRESHOLD`] when `truth` has no positive; NaN when a score is NaN.
 pub fn best_f1_threshold(truth: &[bool], scores: &[f64]) -> f64 {
     let positives = truth.iter().filter(|&&t| t).count() as f64;
     let Some(order) = descending(truth.len().min(scores.len()), scores) else {
@@ -187,12 +190,41 @@ pub fn best_f1_threshold(truth: &[bool], scores: &[f64]) -> f64 {
         if f1 > best_f1 {
             best_f1 = f1;
             best = match order.get(i) {
-                Some(&next) => (s + scores[next]) / 2.0,
-                None => s / 2.0,
+                Some(&next) => between(scores[next], s),
+                None => below(s),
             };
         }
     }
     best
+}
+
+/// A threshold `t` with `low <= t < high` (`low < high`): halfway where that lies strictly
+/// below `high`, else `low` (the halfway point of adjacent floats rounds onto one of them).
+fn between(low: f64, high: f64) -> f64 {
+    let mid = (low + high) / 2.0;
+    if low <= mid && mid < high {
+        mid
+    } else {
+        low
+    }
+}
+
+/// A threshold strictly below `s` (but for `-inf`): half of it when positive, else the next
+/// float down (`f64::next_down`, stable only from Rust 1.86).
+fn below(s: f64) -> f64 {
+    if s == f64::INFINITY {
+        f64::MAX
+    } else if s > 0.0 {
+        s / 2.0
+    } else if s == 0.0 {
+        // The negative float nearest zero.
+        -f64::from_bits(1)
+    } else if s.is_finite() {
+        // A negative float: one step further from zero.
+        f64::from_bits(s.to_bits() + 1)
+    } else {
+        s
+    }
 }
 
 /// The first `n` indices of `scores`, highest score first; `None` when one of them is NaN
@@ -274,5 +306,54 @@ mod tests {
         assert_eq!(best_f1_threshold(&[false, false], &[0.9, 0.1]), THRESHOLD);
         // Every score positive: below the lowest.
         assert_eq!(best_f1_threshold(&[true, true], &[0.8, 0.6]), 0.3);
+    }
+
+    /// The F1 of `scores > threshold` against `truth`.
+    fn f1_at(truth: &[bool], scores: &[f64], threshold: f64) -> f64 {
+        let (mut tp, mut fp, mut fn_) = (0.0, 0.0, 0.0);
+        for (&t, &s) in truth.iter().zip(scores) {
+            match (t, s > threshold) {
+                (true, true) => tp += 1.0,
+                (false, true) => fp += 1.0,
+                (true, false) => fn_ += 1.0,
+                (false, false) => {}
+            }
+        }
+        2.0 * tp / (2.0 * tp + fp + fn_)
+    }
+
+    /// The best F1 any threshold gives: keeping every score, or those above each score.
+    fn brute_force_f1(truth: &[bool], scores: &[f64]) -> f64 {
+        let keep_all = f1_at(truth, scores, f64::NEG_INFINITY);
+        scores
+            .iter()
+            .map(|&s| f1_at(truth, scores, s))
+            .fold(keep_all, f64::max)
+    }
+
+    /// A lowest score of 0 that the best F1 keeps (a threshold of 0 left it out), and
+    /// neighbouring scores that are adjacent floats (their halfway point rounds onto one).
+    #[test]
+    fn the_tuned_threshold_keeps_what_the_best_f1_keeps() {
+        let half_down = f64::from_bits(0.5f64.to_bits() - 1);
+        let one_down = f64::from_bits(1.0f64.to_bits() - 1);
+        let cases: [(&[bool], &[f64]); 6] = [
+            (&[true, true, false], &[0.9, 0.0, 0.0]),
+            (&[true, true], &[0.0, 0.0]),
+            (&[true, false], &[0.5, half_down]),
+            (&[true, false], &[1.0, one_down]),
+            (&[true, true, false], &[0.5, half_down, 0.1]),
+            (&[true, true], &[-2.0, 0.5]),
+        ];
+        for (truth, scores) in cases {
+            let t = best_f1_threshold(truth, scores);
+            let (got, best) = (f1_at(truth, scores, t), brute_force_f1(truth, scores));
+            assert_eq!(got, best, "{truth:?} {scores:?}: threshold {t}");
+        }
+        assert_eq!(below(0.0), -f64::from_bits(1));
+        assert_eq!(below(-2.0), f64::from_bits((-2.0f64).to_bits() + 1));
+        assert!(below(-2.0) < -2.0);
+        assert_eq!(below(f64::INFINITY), f64::MAX);
+        assert_eq!(between(half_down, 0.5), half_down);
     }
 }

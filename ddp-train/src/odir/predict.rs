@@ -46,7 +46,8 @@ pub struct PredictArgs {
 
     /// Per-class thresholds for decisions.csv: a JSON file with `"thresholds": [8 numbers]`
     /// as `--tune-thresholds` writes beside each best model. Default: `<checkpoint>.json`
-    /// where it exists, else 0.5 for every class.
+    /// where it exists (refused when it records another epoch than the checkpoint), else 0.5
+    /// for every class.
     #[arg(long, value_name = "FILE")]
     pub thresholds: Option<PathBuf>,
 
@@ -140,9 +141,15 @@ pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
     c.validate()?;
     let set = Arc::new(OdirDataset::open_unlabelled(&c.data)?);
     // Read before meeting the other ranks: a bad file fails on every rank alike.
-    let (thresholds, tuned_with) =
-        read_thresholds(args.thresholds.as_deref(), &args.model.checkpoint)?;
+    let ThresholdFile {
+        thresholds,
+        tuned_with,
+        unchecked,
+    } = read_thresholds(args.thresholds.as_deref(), &args.model.checkpoint)?;
     let scored = score(c, &args.model, set)?;
+    if let (Some(why), 0) = (&unchecked, scored.rank) {
+        tracing::warn!("warning: {why}");
+    }
     let combine = c.eye_combine.as_str();
     if let (Some(tuned), Some(file), 0) = (&tuned_with, &thresholds.1, scored.rank) {
         if tuned != combine {
@@ -210,8 +217,11 @@ pub struct Evaluation {
 pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
     let c = &args.config;
     c.validate()?;
-    let set = Arc::new(OdirDataset::open(&c.data, &data_options(c))?);
-    let scored = score(c, &args.model, set)?;
+    let set = OdirDataset::open(&c.data, &data_options(c))?;
+    // A folder whose every image --skip-corrupt left out has nothing to score (its metrics
+    // would be NaN): refused as training refuses it, naming the folder and the first image.
+    ddp_data::odir::all_indices(&set)?;
+    let scored = score(c, &args.model, Arc::new(set))?;
     let mut report = scored.stats.report();
     report.extend(scored.stats.details());
     let mut report = report.into_map();
@@ -248,17 +258,36 @@ pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
 /// Per-class thresholds and the file they came from (`None`: 0.5).
 type Thresholds = ([f64; 8], Option<PathBuf>);
 
+/// What [`read_thresholds`] found.
+#[derive(Debug, PartialEq)]
+struct ThresholdFile {
+    thresholds: Thresholds,
+    /// The `--eye-combine` the file says they were tuned with.
+    tuned_with: Option<String>,
+    /// Why thresholds found beside the model could not be checked to be its (a warning).
+    unchecked: Option<String>,
+}
+
 /// The thresholds of `given`, else of `<checkpoint>.json` where it exists, else 0.5; and the
 /// `--eye-combine` the file says they were tuned with.
-fn read_thresholds(
-    given: Option<&Path>,
-    checkpoint: &Path,
-) -> Result<(Thresholds, Option<String>), TrainError> {
+///
+/// Thresholds found beside the model must be its: the training records the epoch in both
+/// files, and a file of another epoch than the model's is refused (another model of the run
+/// had it). Where either file records no epoch (thresholds written by hand, a model from
+/// elsewhere) they are used with a warning. `given` files are the user's choice, and not
+/// checked.
+fn read_thresholds(given: Option<&Path>, checkpoint: &Path) -> Result<ThresholdFile, TrainError> {
     let beside = checkpoint.with_extension("json");
     let path = match given {
         Some(p) => p.to_path_buf(),
         None if checkpoint.is_file() && beside.is_file() => beside,
-        None => return Ok((([THRESHOLD; 8], None), None)),
+        None => {
+            return Ok(ThresholdFile {
+                thresholds: ([THRESHOLD; 8], None),
+                tuned_with: None,
+                unchecked: None,
+            })
+        }
     };
     let bad = |why: String| {
         TrainError::Invalid(format!(
@@ -302,7 +331,84 @@ fn read_thresholds(
         .get("eye_combine")
         .and_then(Value::as_str)
         .map(str::to_string);
-    Ok(((thresholds, Some(path)), tuned_with))
+    let unchecked = match given {
+        Some(_) => None,
+        None => belongs_to_model(&path, doc.get("epoch"), checkpoint)?,
+    };
+    Ok(ThresholdFile {
+        thresholds: (thresholds, Some(path)),
+        tuned_with,
+        unchecked,
+    })
+}
+
+/// Whether the thresholds of `file`, tuned at `epoch` (its `"epoch"`), belong to the model
+/// `checkpoint` beside it: an error when the model is of another epoch; a warning when either
+/// records none.
+fn belongs_to_model(
+    file: &Path,
+    epoch: Option<&Value>,
+    checkpoint: &Path,
+) -> Result<Option<String>, TrainError> {
+    let tuned_at = match epoch {
+        None => None,
+        Some(v) => Some(v.as_u64().ok_or_else(|| {
+            TrainError::Invalid(format!(
+                "{}: its \"epoch\" is {v}, not the number of the epoch the thresholds were \
+                 tuned at",
+                file.display()
+            ))
+        })?),
+    };
+    let model_epoch = safetensors_epoch(checkpoint);
+    let which = match (tuned_at, model_epoch) {
+        (Some(a), Some(b)) if a == b => return Ok(None),
+        (Some(a), Some(b)) => {
+            return Err(TrainError::Invalid(format!(
+                "the thresholds beside the model, {}, were tuned for the model of epoch {a}, \
+                 and {} is the model of epoch {b}: give --thresholds FILE to decide at \
+                 thresholds of your choice, or remove {} to decide at 0.5",
+                file.display(),
+                checkpoint.display(),
+                file.display()
+            )))
+        }
+        (None, Some(_)) => "the thresholds record no epoch",
+        (Some(_), None) => "the model records no epoch",
+        (None, None) => "neither records an epoch",
+    };
+    Ok(Some(format!(
+        "the thresholds of {} are used for {} unchecked: {which}, so nothing shows they were \
+         tuned for this model; give --thresholds {} to use them without this warning, or remove \
+         it to decide at 0.5",
+        file.display(),
+        checkpoint.display(),
+        file.display()
+    )))
+}
+
+/// The epoch a safetensors model file records in its metadata (`"epoch"`, as the training
+/// writes it); `None` for any other file, or one without.
+fn safetensors_epoch(path: &Path) -> Option<u64> {
+    use std::io::Read as _;
+    // safetensors' own bound on a header.
+    const MAX_HEADER: u64 = 100_000_000;
+    let mut file = std::fs::File::open(path).ok()?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).ok()?;
+    let len = u64::from_le_bytes(len);
+    if len > MAX_HEADER {
+        return None;
+    }
+    let mut header = Vec::new();
+    file.take(len).read_to_end(&mut header).ok()?;
+    let header: Value = serde_json::from_slice(&header).ok()?;
+    header
+        .get("__metadata__")?
+        .get("epoch")?
+        .as_str()?
+        .parse()
+        .ok()
 }
 
 fn file_name(path: &Path) -> String {
@@ -367,7 +473,9 @@ fn predictions_csv(scored: &Scored) -> String {
 mod tests {
     use clap::CommandFactory;
 
-    use super::{read_thresholds, TrainConfig, TrainError, EVALUATE_FLAGS, PREDICT_FLAGS};
+    use super::{
+        read_thresholds, ThresholdFile, TrainConfig, TrainError, EVALUATE_FLAGS, PREDICT_FLAGS,
+    };
 
     #[test]
     fn the_flags_predict_and_evaluate_read_are_training_flags() {
@@ -390,7 +498,13 @@ mod tests {
         let model = tmp.path().join("model.safetensors");
         let read = |text: &str| {
             std::fs::write(&file, text).unwrap();
-            read_thresholds(Some(&file), &model).map(|((t, _), combine)| (t, combine))
+            read_thresholds(Some(&file), &model).map(
+                |ThresholdFile {
+                     thresholds,
+                     tuned_with,
+                     ..
+                 }| (thresholds.0, tuned_with),
+            )
         };
         let ok = read(
             r#"{"classes": ["N","D","G","C","A","H","M","O"],
@@ -425,5 +539,73 @@ mod tests {
                 "thresholds": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]}"#,
             r#"its "classes" are ["N","D","G","C","A","H","O","M"], not N, D, G, C, A, H, M, O"#,
         );
+    }
+
+    /// Thresholds beside a model must be its: of another epoch they are refused; where
+    /// either file records no epoch they are used with a warning; a file given with
+    /// --thresholds is the user's choice.
+    #[test]
+    fn thresholds_beside_a_model_of_another_epoch_are_refused() {
+        let tmp = ddp_testkit::temp_dir("ddp-train-thresholds-epoch");
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let _ = vs.root().zeros("w", &[2]);
+        let model = tmp.path().join("best-score.safetensors");
+        let meta = std::collections::HashMap::from([("epoch".to_string(), "5".to_string())]);
+        ddp_model::checkpoint::save(&vs, &model, &meta).unwrap();
+        let beside = tmp.path().join("best-score.json");
+        let write = |epoch: &str| {
+            let text =
+                format!(r#"{{"thresholds": [0.5, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.3]{epoch}}}"#);
+            std::fs::write(&beside, text).unwrap();
+        };
+        write(r#", "epoch": 5"#);
+        let read = read_thresholds(None, &model).unwrap();
+        assert_eq!(read.thresholds.1.as_deref(), Some(beside.as_path()));
+        assert_eq!(read.thresholds.0[7], 0.3);
+        assert_eq!(read.unchecked, None);
+
+        write(r#", "epoch": 1"#);
+        match read_thresholds(None, &model) {
+            Err(TrainError::Invalid(e)) => assert_eq!(
+                e,
+                format!(
+                    "the thresholds beside the model, {b}, were tuned for the model of epoch 1, \
+                     and {m} is the model of epoch 5: give --thresholds FILE to decide at \
+                     thresholds of your choice, or remove {b} to decide at 0.5",
+                    b = beside.display(),
+                    m = model.display()
+                )
+            ),
+            other => panic!("{other:?}"),
+        }
+        // Given by name, they are used as they are.
+        let given = read_thresholds(Some(&beside), &model).unwrap();
+        assert_eq!((given.thresholds.0[7], given.unchecked), (0.3, None));
+
+        write("");
+        let unchecked = read_thresholds(None, &model).unwrap().unchecked.unwrap();
+        assert!(
+            unchecked.contains("are used for")
+                && unchecked.contains("unchecked: the thresholds record no epoch"),
+            "{unchecked}"
+        );
+        // A model file without metadata (safetensors of PyTorch's, say).
+        let plain = tmp.path().join("plain.safetensors");
+        ddp_model::checkpoint::save(&vs, &plain, &Default::default()).unwrap();
+        std::fs::write(
+            plain.with_extension("json"),
+            r#"{"thresholds": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], "epoch": 2}"#,
+        )
+        .unwrap();
+        let unchecked = read_thresholds(None, &plain).unwrap().unchecked.unwrap();
+        assert!(
+            unchecked.contains("unchecked: the model records no epoch"),
+            "{unchecked}"
+        );
+        write(r#", "epoch": "five""#);
+        match read_thresholds(None, &model) {
+            Err(TrainError::Invalid(e)) => assert!(e.contains(r#"its "epoch" is "five""#), "{e}"),
+            other => panic!("{other:?}"),
+        }
     }
 }

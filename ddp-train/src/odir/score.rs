@@ -17,7 +17,7 @@ use super::cli::TrainConfig;
 use super::options::Normalize;
 use super::predict::ModelFile;
 use super::stats::{OdirStats, Patients};
-use super::task::{eval_transform, odir_model};
+use super::task::{default_eval_resize, eval_transform, odir_model};
 use crate::error::{Context, TrainError};
 use crate::task::Stats;
 
@@ -97,26 +97,22 @@ fn transform_differences(c: &TrainConfig, checkpoint: &Path) -> Vec<String> {
     if let Some(Ok(norm)) = trained("normalize").map(serde_json::from_value::<Normalize>) {
         differs("--normalize", norm.to_string(), c.normalize.to_string());
     }
+    // The resizes compare as applied: a flag's value, or the default (8/7 of the image size)
+    // of each side's image size. A run trained with the default at another image size than
+    // the one scored is named above, by its image size.
     let trained_size = trained("image_size").and_then(|v| serde_json::from_value::<u32>(v).ok());
-    match trained("eval_resize").map(serde_json::from_value::<Option<u32>>) {
-        Some(Ok(Some(resize))) => {
-            let now = c
-                .eval_resize
-                .map_or("its default".to_string(), |r| r.to_string());
-            differs("--eval-resize", resize.to_string(), now);
-        }
-        // Trained with the default (8/7 of the image size), scored with another resize of
-        // the same image size (another image size is named above).
-        Some(Ok(None)) if trained_size == Some(c.image_size) => {
-            if let Some(now) = c.eval_resize {
-                differs(
-                    "--eval-resize",
-                    (c.image_size * 8 / 7).to_string(),
-                    now.to_string(),
-                );
-            }
-        }
-        _ => {}
+    let trained_resize = match trained("eval_resize").map(serde_json::from_value::<Option<u32>>) {
+        Some(Ok(Some(resize))) => Some(resize),
+        Some(Ok(None)) => trained_size
+            .filter(|&size| size == c.image_size)
+            .map(default_eval_resize),
+        _ => None,
+    };
+    if let Some(then) = trained_resize {
+        let now = c
+            .eval_resize
+            .unwrap_or_else(|| default_eval_resize(c.image_size));
+        differs("--eval-resize", then.to_string(), now.to_string());
     }
     lines
 }
@@ -334,4 +330,57 @@ fn chain(e: &TrainError) -> String {
         cause = c.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::{transform_differences, TrainConfig};
+
+    /// The resizes compare as applied: an explicit `--eval-resize` equal to the default of the
+    /// image size scored is no difference (the warning said "its default" before).
+    #[test]
+    fn eval_resizes_compare_as_applied() {
+        let tmp = ddp_testkit::temp_dir("ddp-train-transform-differences");
+        let model = tmp.path().join("best-score.safetensors");
+        let warnings = |trained: &str, flags: &[&str]| {
+            std::fs::write(
+                tmp.path().join("config.json"),
+                format!(r#"{{"task": {{"image_size": 32, "normalize": "none", {trained}}}}}"#),
+            )
+            .unwrap();
+            let args = ["ddp-train", "--data", "d", "--image-size", "32"];
+            let c = TrainConfig::try_parse_from(args.iter().chain(flags)).unwrap();
+            transform_differences(&c, &model)
+        };
+        // 36 is 8/7 of 32: the same resize, given or not.
+        for (trained, flags) in [
+            (r#""eval_resize": 36"#, &[][..]),
+            (r#""eval_resize": null"#, &["--eval-resize", "36"][..]),
+            (r#""eval_resize": null"#, &[][..]),
+            (r#""eval_resize": 40"#, &["--eval-resize", "40"][..]),
+        ] {
+            assert_eq!(warnings(trained, flags), Vec::<String>::new(), "{trained}");
+        }
+        for (trained, flags, then, now) in [
+            (r#""eval_resize": 40"#, &[][..], 40, 36),
+            (r#""eval_resize": 36"#, &["--eval-resize", "40"][..], 36, 40),
+            (
+                r#""eval_resize": null"#,
+                &["--eval-resize", "40"][..],
+                36,
+                40,
+            ),
+        ] {
+            let lines = warnings(trained, flags);
+            assert_eq!(lines.len(), 1, "{lines:?}");
+            assert!(
+                lines[0].starts_with(&format!(
+                    "the model was trained with --eval-resize {then} ("
+                )) && lines[0].contains(&format!(") and is scored with {now}: give")),
+                "{lines:?}"
+            );
+        }
+    }
 }

@@ -63,13 +63,7 @@ impl<T: Task> Trainer<T> {
                         epoch: m.epoch,
                     },
                 );
-                checkpoint::save(&self.vs, self.out.join(&monitor.file), &meta)?;
-                if let Some(doc) = beside_best {
-                    let path = self.out.join(&monitor.file).with_extension("json");
-                    let text = serde_json::to_string_pretty(doc)
-                        .context(|| format!("encoding {}", path.display()))?;
-                    write_file(&path, text.as_bytes())?;
-                }
+                self.save_best(&monitor.file, m.epoch, &meta, beside_best)?;
             }
             if let Some(b) = self.bests.get(&monitor.file) {
                 best_notes.push(format!(
@@ -95,6 +89,43 @@ impl<T: Task> Trainer<T> {
             ));
         }
         self.log.say(&note);
+        Ok(())
+    }
+
+    /// Replaces the best model `file` with this epoch's, and the document beside it
+    /// (`<file>.json`) with `beside` and the epoch, or with none: an earlier document
+    /// (thresholds tuned for the model replaced) is removed first, and the new one written
+    /// last, so that a crash between the steps leaves no document beside a model it was not
+    /// made for, and a run resumed without documents (ODIR's without `--tune-thresholds`)
+    /// leaves none of the run's earlier models beside its own.
+    fn save_best(
+        &self,
+        file: &str,
+        epoch: u64,
+        meta: &std::collections::HashMap<String, String>,
+        beside: Option<&serde_json::Value>,
+    ) -> Result<(), TrainError> {
+        let model = self.out.join(file);
+        let doc_path = model.with_extension("json");
+        match std::fs::remove_file(&doc_path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(TrainError::io(
+                    format!("cannot remove {}", doc_path.display()),
+                    e,
+                ))
+            }
+            _ => {}
+        }
+        checkpoint::save(&self.vs, &model, meta)?;
+        if let Some(doc) = beside {
+            let mut doc = doc.clone();
+            if let Some(fields) = doc.as_object_mut() {
+                fields.insert("epoch".into(), epoch.into());
+            }
+            let text = serde_json::to_string_pretty(&doc)
+                .context(|| format!("encoding {}", doc_path.display()))?;
+            write_file(&doc_path, text.as_bytes())?;
+        }
         Ok(())
     }
 
