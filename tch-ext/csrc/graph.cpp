@@ -24,7 +24,9 @@ char* tch_ext_reachable_leaves(
       TORCH_CHECK(leaves[i]->defined(), "leaf ", i, " of the graph walk is an undefined tensor");
       reached[i] = false;
     }
-    const c10::intrusive_ptr<torch::autograd::Node>& start = root->grad_fn();
+    // `auto`: the node pointer is a `std::shared_ptr` up to torch 2.11, an `intrusive_ptr`
+    // since; both test as booleans and give `.get()`.
+    const auto& start = root->grad_fn();
     if (!start) {
       if (root->requires_grad()) {
         // A leaf root: backward reaches its own accumulator only.
@@ -48,8 +50,7 @@ char* tch_ext_reachable_leaves(
     }
     for (size_t i = 0; i < n; ++i) {
       // A leaf no graph uses has no live accumulator: then nothing reaches it.
-      c10::intrusive_ptr<torch::autograd::Node> accumulator =
-          torch::autograd::impl::try_get_grad_accumulator(*leaves[i]);
+      const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(*leaves[i]);
       reached[i] = accumulator && seen.count(accumulator.get()) != 0;
     }
   });
