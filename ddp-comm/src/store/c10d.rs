@@ -10,12 +10,13 @@
 //! an earlier restart. The store has no authentication: rendezvous wraps this client in
 //! `signed.rs`, which tags every value with the job's secret.
 
+use std::cell::Cell;
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
-use crate::security::auth::{self, Timeouts};
+use crate::security::auth::Timeouts;
 use crate::store::wire;
 use crate::store::Store;
 use crate::tcp::Connection;
@@ -40,11 +41,23 @@ pub(crate) struct C10dStore {
     local_ip: IpAddr,
     peer_ip: IpAddr,
     prefix: String,
+    /// Set by the first failed request: the connection's answers are then out of step (a
+    /// late answer would be read as the next request's), so it is not used again.
+    broken: Cell<bool>,
+}
+
+/// How long the store may take to echo the ping: longer than a handshake, since thousands
+/// of ranks may connect to torchrun's agent store at once.
+const PING_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The ping's bound for requests bounded by `io_timeout`.
+fn ping_timeout(io_timeout: Duration) -> Duration {
+    io_timeout.min(PING_TIMEOUT)
 }
 
 impl C10dStore {
     /// Connects (retrying until `deadline`), validates and pings: the ping's echo must come
-    /// within [`auth::HANDSHAKE_TIMEOUT`] (or `io_timeout`, if shorter), as the answer of a
+    /// within [`PING_TIMEOUT`] (or `io_timeout`, if shorter), as the answer of a
     /// store and not of whatever else listens there; each later request may take
     /// `io_timeout`.
     pub(crate) fn connect(
@@ -61,6 +74,7 @@ impl C10dStore {
             local_ip: c.local_ip,
             peer_ip: c.peer_ip,
             prefix,
+            broken: Cell::new(false),
         };
         let mut msg = vec![VALIDATE];
         msg.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
@@ -68,7 +82,7 @@ impl C10dStore {
         msg.push(PING);
         msg.extend_from_slice(&nonce.to_le_bytes());
         store.send(&msg)?;
-        let ping_timeout = io_timeout.min(auth::HANDSHAKE_TIMEOUT);
+        let ping_timeout = ping_timeout(io_timeout);
         let echoed = store
             .reader
             .get_ref()
@@ -90,6 +104,7 @@ impl C10dStore {
     }
 
     fn fail(&self, what: &str, e: std::io::Error) -> CommError {
+        self.broken.set(true);
         CommError::Store {
             addr: self.addr.clone(),
             detail: format!("{what}: {e}"),
@@ -97,6 +112,12 @@ impl C10dStore {
     }
 
     fn send(&mut self, msg: &[u8]) -> Result<(), CommError> {
+        if self.broken.get() {
+            return Err(CommError::Store {
+                addr: self.addr.clone(),
+                detail: "an earlier request on this connection failed; it is not used again".into(),
+            });
+        }
         let result = self
             .writer
             .write_all(msg)
@@ -154,12 +175,16 @@ impl Store for C10dStore {
         match wire::read_u8(&mut self.reader).map_err(|e| self.fail("check", e))? {
             CHECK_READY => Ok(true),
             CHECK_NOT_READY => Ok(false),
-            other => Err(CommError::Store {
-                addr: self.addr.clone(),
-                detail: format!(
-                    "check answered {other}, expected {CHECK_READY} (ready) or \
-                     {CHECK_NOT_READY} (not ready): not a c10d TCPStore"
-                ),
+            other => Err({
+                // Not a store's answer: nothing later on this connection can be trusted.
+                self.broken.set(true);
+                CommError::Store {
+                    addr: self.addr.clone(),
+                    detail: format!(
+                        "check answered {other}, expected {CHECK_READY} (ready) or \
+                         {CHECK_NOT_READY} (not ready): not a c10d TCPStore"
+                    ),
+                }
             }),
         }
     }
@@ -233,7 +258,8 @@ mod tests {
     }
 
     /// What `get("k")`, `add` and `check` must return, in this order, when the store's
-    /// answers are `answer` and then the end of the stream: `None` for an error.
+    /// answers are `answer` and then the end of the stream: `None` for an error, and for
+    /// every request after one that failed (the connection is not used again).
     #[allow(clippy::type_complexity)]
     fn expected(answer: &[u8]) -> (Option<Option<Vec<u8>>>, Option<i64>, Option<bool>) {
         let mut rest = answer;
@@ -261,8 +287,11 @@ mod tests {
                 .map(Some),
             _ => None,
         };
-        let add = take(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()));
-        let check = match take(1).map(|b| b[0]) {
+        let add = get
+            .is_some()
+            .then(|| take(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())))
+            .flatten();
+        let check = match add.is_some().then(|| take(1).map(|b| b[0])).flatten() {
             Some(CHECK_READY) => Some(true),
             Some(CHECK_NOT_READY) => Some(false),
             _ => None,
@@ -332,10 +361,11 @@ mod tests {
         }
     }
 
-    /// A store that takes requests but never answers: each request fails once the I/O
-    /// timeout has passed, as a timeout, not a hang.
+    /// A store that takes requests but never answers: a request fails once the I/O timeout
+    /// has passed, as a timeout, not a hang; the connection is then out of step (a late
+    /// answer would be taken for the next request's), so the next request fails at once.
     #[test]
-    fn a_silent_store_times_out_each_request() {
+    fn a_silent_store_times_out_a_request_and_is_not_used_again() {
         let (addr, thread) = fake_store(|mut stream| {
             validate(&mut stream);
             drain(stream);
@@ -354,27 +384,37 @@ mod tests {
             (io_timeout..Duration::from_secs(20)).contains(&waited),
             "{waited:?}"
         );
-        assert!(store_detail(store.add("n", 1)).starts_with("add: "));
+        let start = Instant::now();
+        assert_eq!(
+            store_detail(store.add("n", 1)),
+            "an earlier request on this connection failed; it is not used again"
+        );
+        assert!(start.elapsed() < io_timeout, "{:?}", start.elapsed());
         drop(store);
         thread.join().unwrap();
     }
 
-    /// Whatever listens at the store's address must echo the ping within the handshake's
-    /// time, not within the rendezvous timeout that later requests get.
+    /// Whatever listens at the store's address must echo the ping within
+    /// `ping_timeout(io_timeout)`: a minute at most, not the rendezvous timeout that later
+    /// requests get.
     #[test]
-    fn the_ping_is_answered_within_the_handshake_timeout() {
+    fn the_ping_is_answered_within_its_own_timeout() {
+        assert_eq!(ping_timeout(Duration::from_secs(300)), PING_TIMEOUT);
+        assert_eq!(PING_TIMEOUT, Duration::from_secs(60));
+        let io_timeout = Duration::from_secs(2);
+        assert_eq!(ping_timeout(io_timeout), io_timeout);
         let (addr, thread) = fake_store(drain);
         let (tx, rx) = mpsc::channel();
         let start = Instant::now();
         std::thread::spawn(move || {
-            let _ = tx.send(connect(addr, Duration::from_secs(300)).map(drop));
+            let _ = tx.send(connect(addr, io_timeout).map(drop));
         });
         let got = rx
-            .recv_timeout(auth::HANDSHAKE_TIMEOUT * 3)
-            .expect("the ping waited past the handshake timeout");
+            .recv_timeout(io_timeout * 5)
+            .expect("the ping waited past its timeout");
         let waited = start.elapsed();
         assert!(store_detail(got).starts_with("ping: "));
-        assert!(waited >= auth::HANDSHAKE_TIMEOUT, "{waited:?}");
+        assert!(waited >= io_timeout, "{waited:?}");
         thread.join().unwrap();
     }
 }

@@ -411,6 +411,9 @@ pub(crate) struct StoreClient {
     local_ip: IpAddr,
     peer_ip: IpAddr,
     request: Vec<u8>,
+    /// Set by the first failed request: the connection's answers are then out of step (a
+    /// late answer would be read as the next request's), so it is not used again.
+    broken: std::cell::Cell<bool>,
 }
 
 impl StoreClient {
@@ -459,10 +462,12 @@ impl StoreClient {
             local_ip: c.local_ip,
             peer_ip: c.peer_ip,
             request: Vec::new(),
+            broken: std::cell::Cell::new(false),
         })
     }
 
     fn fail(&self, e: io::Error) -> CommError {
+        self.broken.set(true);
         let addr = self.addr.clone();
         match e.kind() {
             io::ErrorKind::UnexpectedEof
@@ -476,6 +481,12 @@ impl StoreClient {
     }
 
     fn call(&mut self) -> Result<u8, CommError> {
+        if self.broken.get() {
+            return Err(CommError::Store {
+                addr: self.addr.clone(),
+                detail: "an earlier request on this connection failed; it is not used again".into(),
+            });
+        }
         let request = std::mem::take(&mut self.request);
         let sent = wire::send_all(&mut self.writer, &request);
         self.request = request;
@@ -628,6 +639,31 @@ mod tests {
         assert!(b.check(&["k".into(), "n".into()]).unwrap());
         assert!(!b.check(&["k".into(), "x".into()]).unwrap());
         assert!(matches!(a.add("k", 1), Err(CommError::Store { .. })));
+    }
+
+    /// After a failed request the connection may hold a late answer, which the next request
+    /// would read as its own: it is not used again.
+    #[test]
+    fn a_client_is_not_used_after_a_failed_request() {
+        let server = server();
+        let mut a = client(&server, &secret("a")).unwrap();
+        a.set("k", b"v").unwrap();
+        drop(server);
+        let first = a.get("k");
+        assert!(
+            matches!(
+                first,
+                Err(CommError::StoreClosed { .. } | CommError::Store { .. })
+            ),
+            "{first:?}"
+        );
+        match a.set("k", b"w") {
+            Err(CommError::Store { detail, .. }) => assert_eq!(
+                detail,
+                "an earlier request on this connection failed; it is not used again"
+            ),
+            other => panic!("expected the broken connection's error, got {other:?}"),
+        }
     }
 
     #[test]
