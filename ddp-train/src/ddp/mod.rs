@@ -328,16 +328,18 @@ impl DistributedDataParallel {
         ours: &[(String, Tensor)],
     ) -> Result<Self, DdpError> {
         let (params, frozen, buffers) = split_named(vs);
-        let ours: std::collections::HashSet<usize> = ours
+        // By name and storage: a parameter without elements has no storage of its own.
+        let ours: std::collections::HashMap<&str, usize> = ours
             .iter()
-            .filter(|(_, t)| t.numel() > 0)
-            .map(|(_, t)| t.data_ptr() as usize)
+            .map(|(n, t)| (n.as_str(), t.data_ptr() as usize))
             .collect();
+        let is_ours = |name: &str, p: &Tensor| {
+            ours.get(name)
+                .is_some_and(|&ptr| p.numel() == 0 || ptr == p.data_ptr() as usize)
+        };
         let mut hooked = None;
         for (name, p) in &params {
-            if !ours.contains(&(p.data_ptr() as usize))
-                && tch_ext::has_post_accumulate_grad_hook(p)?
-            {
+            if !is_ours(name, p) && tch_ext::has_post_accumulate_grad_hook(p)? {
                 hooked = Some(name.clone());
                 break;
             }
@@ -940,6 +942,23 @@ mod tests {
         assert!(tch_ext::has_post_accumulate_grad_hook(&a).unwrap());
         let _ = b.set_requires_grad(false);
         (a.sum(tch::Kind::Float) * 2.0).backward();
+        ddp.sync_gradients().unwrap();
+        assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
+    }
+
+    /// A parameter without elements has no storage of its own (its data pointer is shared
+    /// with every other empty tensor): a rebuild still knows its hook as this DDP's.
+    #[test]
+    fn a_rebuild_keeps_a_parameter_without_elements() {
+        let pg = alone();
+        let vs = VarStore::new(tch::Device::Cpu);
+        let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+        let empty = vs.root().var("empty", &[0], tch::nn::Init::Const(1.0));
+        let mut ddp = DistributedDataParallel::new(&vs, pg, DdpOptions::default()).unwrap();
+        assert!(tch_ext::has_post_accumulate_grad_hook(&empty).unwrap());
+        ddp.rebuild(&vs).unwrap();
+        assert!(tch_ext::has_post_accumulate_grad_hook(&empty).unwrap());
+        (a.sum(tch::Kind::Float) * 2.0 + empty.sum(tch::Kind::Float)).backward();
         ddp.sync_gradients().unwrap();
         assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
     }
