@@ -466,7 +466,7 @@ impl ProcessGroup {
         self.drain();
         self.heartbeat.enter();
         self.nccl_usable("barrier")?;
-        if let Some(comm) = lock(&self.nccl).as_mut() {
+        if let Some(comm) = cuda::CommGuard::new(lock(&self.nccl)).as_mut() {
             comm.synchronize()?;
         }
         lock(&self.cpu).barrier()

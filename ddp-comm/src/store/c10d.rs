@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use crate::error::CommError;
 use crate::security::auth::Timeouts;
 use crate::store::wire;
-use crate::store::Store;
+use crate::store::{out_of_step, Store};
 use crate::tcp::Connection;
 
 const VALIDATE: u8 = 0;
@@ -113,10 +113,7 @@ impl C10dStore {
 
     fn send(&mut self, msg: &[u8]) -> Result<(), CommError> {
         if self.broken.get() {
-            return Err(CommError::Store {
-                addr: self.addr.clone(),
-                detail: "an earlier request on this connection failed; it is not used again".into(),
-            });
+            return Err(out_of_step(&self.addr));
         }
         let result = self
             .writer

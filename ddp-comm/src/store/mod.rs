@@ -416,6 +416,15 @@ pub(crate) struct StoreClient {
     broken: std::cell::Cell<bool>,
 }
 
+/// The error of a request on a store connection that an earlier request's failure left out
+/// of step (a late answer would be read as this request's): the connection is not used again.
+pub(crate) fn out_of_step(addr: &str) -> CommError {
+    CommError::Store {
+        addr: addr.to_string(),
+        detail: "an earlier request on this connection failed; it is not used again".into(),
+    }
+}
+
 impl StoreClient {
     /// Connects (retrying until `deadline`) and runs the handshake with `secret` (within
     /// `io_timeout`, at most [`auth::HANDSHAKE_TIMEOUT`]), connecting again while the store
@@ -482,10 +491,7 @@ impl StoreClient {
 
     fn call(&mut self) -> Result<u8, CommError> {
         if self.broken.get() {
-            return Err(CommError::Store {
-                addr: self.addr.clone(),
-                detail: "an earlier request on this connection failed; it is not used again".into(),
-            });
+            return Err(out_of_step(&self.addr));
         }
         let request = std::mem::take(&mut self.request);
         let sent = wire::send_all(&mut self.writer, &request);
