@@ -67,7 +67,7 @@ pub use ddp::{
 };
 pub use error::{SettingError, TrainError};
 pub use gather::{gather_rows, Rows};
-pub use metrics::{Confusion, Goal, MultiClassStats, MultiLabelStats, RegressionStats};
+pub use metrics::{Confusion, Goal, MultiClassStats, MultiLabelStats, RegressionStats, StatsError};
 pub use report::{EpochReport, EvalReport};
 pub use settings::{
     CheckpointSettings, DeviceChoice, EarlyStopping, FreezeSettings, Monitor, RuntimeSettings,

@@ -1,5 +1,10 @@
 //! Classification counts and F1 scores ([`Confusion`]), the built-in [`Stats`], and which
 //! direction of a metric is better ([`Goal`]).
+//!
+//! Each `add` takes a batch whose shapes it checks, and panics on shapes it cannot count (a
+//! caller's bug, as a shape mismatch in a tch operation is), naming both shapes: counting a
+//! `[B]` output as `[B, classes]`, or broadcasting `[B, 1]` predictions against `[B]` targets,
+//! would give plausible wrong metrics. Each `try_add` returns the [`StatsError`] instead.
 
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
@@ -24,6 +29,17 @@ impl Goal {
             Self::Min => new < old,
         }
     }
+}
+
+/// A batch that a statistic cannot count.
+#[derive(Debug, thiserror::Error)]
+pub enum StatsError {
+    /// The outputs or targets do not have the shapes, classes or values the statistic counts.
+    #[error("{0}")]
+    Shape(String),
+    /// Reading the counts back from the tensors failed.
+    #[error(transparent)]
+    Tch(#[from] tch::TchError),
 }
 
 /// True positives, false positives and false negatives per class.
@@ -59,21 +75,42 @@ impl Confusion {
     }
 
     /// Adds a batch: `logits` and 0/1 `labels`, both `[B, classes]`.
+    ///
+    /// # Panics
+    /// On shapes [`Confusion::try_add`] refuses, naming them.
     pub fn add(&mut self, logits: &Tensor, labels: &Tensor) {
+        self.try_add(logits, labels)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Adds a batch as [`Confusion::add`] does, or says why it cannot: `logits` not
+    /// `[B, classes]`, or `labels` of another shape.
+    pub fn try_add(&mut self, logits: &Tensor, labels: &Tensor) -> Result<(), StatsError> {
+        let classes = self.tp.len() as i64;
+        let (shape, label_shape) = (logits.size(), labels.size());
+        if shape.len() != 2 || shape[1] != classes || label_shape != shape {
+            return Err(StatsError::Shape(format!(
+                "counting {classes} classes needs logits and labels of shape [batch, {classes}], \
+                 got logits {shape:?} and labels {label_shape:?}"
+            )));
+        }
         let pred = logits.gt(0.0).to_kind(Kind::Int64);
         let truth = labels.gt(0.5).to_kind(Kind::Int64);
         let not_pred = pred.neg() + 1;
         let not_truth = truth.neg() + 1;
-        let per_class = |t: Tensor| t.sum_dim_intlist(0, false, Kind::Int64);
-        let tp = per_class(&pred * &truth);
-        let fp = per_class(&pred * &not_truth);
-        let fn_ = per_class(&not_pred * &truth);
-        for (acc, t) in [(&mut self.tp, tp), (&mut self.fp, fp), (&mut self.fn_, fn_)] {
-            let v = Vec::<i64>::try_from(t.to_device(tch::Device::Cpu)).unwrap_or_default();
+        let per_class = |t: Tensor| -> Result<Vec<i64>, StatsError> {
+            let sums = t.sum_dim_intlist(0, false, Kind::Int64);
+            Ok(Vec::<i64>::try_from(sums.to_device(tch::Device::Cpu))?)
+        };
+        let tp = per_class(&pred * &truth)?;
+        let fp = per_class(&pred * &not_truth)?;
+        let fn_ = per_class(&not_pred * &truth)?;
+        for (acc, v) in [(&mut self.tp, tp), (&mut self.fp, fp), (&mut self.fn_, fn_)] {
             for (a, x) in acc.iter_mut().zip(v) {
                 *a += x;
             }
         }
+        Ok(())
     }
 
     /// The counts as one vector `[tp.., fp.., fn..]`, for an all-reduce.
@@ -170,8 +207,16 @@ impl MultiLabelStats {
     }
 
     /// Adds a batch: `logits` and 0/1 `labels`, both `[B, classes]`.
+    ///
+    /// # Panics
+    /// On shapes [`Confusion::try_add`] refuses, naming them.
     pub fn add(&mut self, logits: &Tensor, labels: &Tensor) {
         self.confusion.add(logits, labels);
+    }
+
+    /// Adds a batch as [`MultiLabelStats::add`] does, or says why it cannot.
+    pub fn try_add(&mut self, logits: &Tensor, labels: &Tensor) -> Result<(), StatsError> {
+        self.confusion.try_add(logits, labels)
     }
 }
 
@@ -234,16 +279,48 @@ impl MultiClassStats {
 
     /// Adds a batch: `[B, classes]` logits and `B` class indices (any integer or float kind,
     /// shape `[B]` or `[B, 1]`).
+    ///
+    /// # Panics
+    /// On inputs [`MultiClassStats::try_add`] refuses, naming them.
     pub fn add(&mut self, logits: &Tensor, targets: &Tensor) {
+        self.try_add(logits, targets)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Adds a batch as [`MultiClassStats::add`] does, or says why it cannot: logits not
+    /// `[B, classes]`, targets not `[B]` or `[B, 1]`, or a target outside `0..classes`.
+    pub fn try_add(&mut self, logits: &Tensor, targets: &Tensor) -> Result<(), StatsError> {
         let classes = self.confusion.tp.len() as i64;
+        let (shape, target_shape) = (logits.size(), targets.size());
+        let batch = shape.first().copied().unwrap_or(-1);
+        if shape.len() != 2
+            || shape[1] != classes
+            || !(target_shape == [batch] || target_shape == [batch, 1])
+        {
+            return Err(StatsError::Shape(format!(
+                "counting {classes} classes needs logits of shape [batch, {classes}] and targets \
+                 of shape [batch] or [batch, 1], got logits {shape:?} and targets \
+                 {target_shape:?}"
+            )));
+        }
         let pred = logits.argmax(-1, false).to_kind(Kind::Int64);
         let truth = targets.reshape([-1]).to_kind(Kind::Int64);
+        if batch > 0 {
+            let (low, high) = (truth.min().int64_value(&[]), truth.max().int64_value(&[]));
+            if let Some(bad) = [low, high].into_iter().find(|t| !(0..classes).contains(t)) {
+                return Err(StatsError::Shape(format!(
+                    "target {bad} is not a class index in 0..{classes}"
+                )));
+            }
+        }
         let pred_hot = pred.one_hot(classes).to_kind(Kind::Float);
         let truth_hot = truth.one_hot(classes).to_kind(Kind::Float);
         // One-hot predictions as logits above/below 0, so the multi-label counts apply.
-        self.confusion.add(&(pred_hot * 2.0 - 1.0), &truth_hot);
+        self.confusion
+            .try_add(&(pred_hot * 2.0 - 1.0), &truth_hot)?;
         self.correct += pred.eq_tensor(&truth).sum(Kind::Int64).int64_value(&[]);
-        self.total += truth.size()[0];
+        self.total += batch;
+        Ok(())
     }
 
     /// Correct predictions over samples (0 before any).
@@ -294,11 +371,30 @@ pub struct RegressionStats {
 
 impl RegressionStats {
     /// Adds a batch of predictions and targets of the same shape.
+    ///
+    /// # Panics
+    /// When the shapes differ (see [`RegressionStats::try_add`]), naming them.
     pub fn add(&mut self, predictions: &Tensor, targets: &Tensor) {
+        self.try_add(predictions, targets)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Adds a batch as [`RegressionStats::add`] does, or says why it cannot: predictions and
+    /// targets of different shapes, which broadcasting would compare pairwise (`[B, 1]`
+    /// against `[B]` gives `B * B` errors).
+    pub fn try_add(&mut self, predictions: &Tensor, targets: &Tensor) -> Result<(), StatsError> {
+        let (shape, target_shape) = (predictions.size(), targets.size());
+        if shape != target_shape {
+            return Err(StatsError::Shape(format!(
+                "predictions {shape:?} and targets {target_shape:?} differ in shape; \
+                 reshape one to the other (broadcasting would compare every pair)"
+            )));
+        }
         let diff = (predictions.to_kind(Kind::Double) - targets.to_kind(Kind::Double)).detach();
         self.squared += diff.square().sum(Kind::Double).double_value(&[]);
         self.absolute += diff.abs().sum(Kind::Double).double_value(&[]);
         self.count += diff.numel() as f64;
+        Ok(())
     }
 }
 
@@ -333,6 +429,8 @@ fn f1(tp: i64, fp: i64, fn_: i64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const FLOAT: (Kind, tch::Device) = (Kind::Float, tch::Device::Cpu);
 
     #[test]
     fn goals_compare_in_their_direction() {
@@ -460,5 +558,56 @@ mod tests {
         assert_eq!(c.f1_per_class(), [1.0, 0.0]);
         assert_eq!(c.macro_f1(), 0.5);
         assert_eq!(c.micro_f1(), 1.0);
+    }
+
+    #[test]
+    fn batches_of_shapes_that_cannot_be_counted_are_refused_and_leave_the_counts() {
+        let shape_error = |r: Result<(), StatsError>| match r {
+            Err(StatsError::Shape(m)) => m,
+            other => panic!("expected a shape error, got {other:?}"),
+        };
+        // A [B] output counted as [B, 1] summed to a scalar before, and gave zero counts.
+        let mut c = Confusion::new(1);
+        let m = shape_error(c.try_add(
+            &Tensor::from_slice(&[1.0f32, -1.0]),
+            &Tensor::from_slice(&[1.0f32, 0.0]),
+        ));
+        assert!(m.contains("[batch, 1]") && m.contains("logits [2]"), "{m}");
+        // Eight logit columns for five classes were counted for the first five only.
+        let mut c = Confusion::new(5);
+        let m =
+            shape_error(c.try_add(&Tensor::zeros([2, 8], FLOAT), &Tensor::zeros([2, 8], FLOAT)));
+        assert!(m.contains("logits [2, 8]"), "{m}");
+        assert_eq!(c, Confusion::new(5));
+
+        let mut a = MultiClassStats::new(3);
+        let logits = Tensor::zeros([2, 3], FLOAT);
+        let m = shape_error(a.try_add(&logits, &Tensor::from_slice(&[0i64, 3])));
+        assert_eq!(m, "target 3 is not a class index in 0..3");
+        let m = shape_error(a.try_add(&logits, &Tensor::from_slice(&[-1i64, 0])));
+        assert_eq!(m, "target -1 is not a class index in 0..3");
+        shape_error(a.try_add(&logits, &Tensor::from_slice(&[0i64, 1, 2])));
+        assert_eq!((a.correct, a.total), (0, 0));
+        a.try_add(&logits, &Tensor::from_slice(&[0i64, 2]).view([2, 1]))
+            .expect("[B, 1] targets");
+        assert_eq!((a.correct, a.total), (1, 2));
+        a.try_add(&Tensor::zeros([0, 3], FLOAT), &Tensor::zeros([0], FLOAT))
+            .expect("an empty batch");
+        assert_eq!(a.total, 2);
+
+        // [B, 1] predictions against [B] targets broadcast to B * B differences before.
+        let mut r = RegressionStats::default();
+        let m = shape_error(r.try_add(
+            &Tensor::from_slice(&[1.0f32, 2.0]).view([2, 1]),
+            &Tensor::from_slice(&[1.0f32, 2.0]),
+        ));
+        assert!(m.contains("[2, 1]") && m.contains("[2]"), "{m}");
+        assert_eq!(r, RegressionStats::default());
+    }
+
+    #[test]
+    #[should_panic(expected = "counting 3 classes needs logits and labels of shape [batch, 3]")]
+    fn add_panics_with_the_shapes_it_cannot_count() {
+        MultiLabelStats::new(3).add(&Tensor::zeros([2, 4], FLOAT), &Tensor::zeros([2, 4], FLOAT));
     }
 }

@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::challenge::{best_f1_threshold, ChallengeScores, EyeCombine};
 use crate::gather::Rows;
-use crate::metrics::MultiLabelStats;
+use crate::metrics::{MultiLabelStats, StatsError};
 use crate::task::{Metrics, Stats};
 
 /// Who each sample of an evaluated split is, and each patient's labels.
@@ -132,19 +132,37 @@ impl OdirStats {
     }
 
     /// Adds a batch: `[B, 8]` logits of the batch's samples.
+    ///
+    /// # Panics
+    /// When the logits are not `[B, 8]` for the batch's `B` samples, naming the shapes.
     pub fn add(&mut self, logits: &Tensor, batch: &Batch) {
-        self.eyes.add(logits, batch.targets());
+        self.try_add(logits, batch)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Adds a batch as [`OdirStats::add`] does, or says why it cannot.
+    pub fn try_add(&mut self, logits: &Tensor, batch: &Batch) -> Result<(), StatsError> {
+        let samples = batch.indices().len();
+        if logits.size() != [samples as i64, LABELS.len() as i64] {
+            return Err(StatsError::Shape(format!(
+                "ODIR needs logits of shape [{samples}, {}] for a batch of {samples} images, \
+                 got {:?}",
+                LABELS.len(),
+                logits.size()
+            )));
+        }
+        self.eyes.try_add(logits, batch.targets())?;
         let probs = logits
             .detach()
             .to_kind(Kind::Double)
             .sigmoid()
             .to_device(Device::Cpu)
             .reshape([-1]);
-        let probs = Vec::<f64>::try_from(probs).unwrap_or_default();
-        for (i, &index) in batch.indices().iter().enumerate() {
-            let row = probs.get(i * 8..(i + 1) * 8).unwrap_or(&[]);
+        let probs = Vec::<f64>::try_from(probs)?;
+        for (&index, row) in batch.indices().iter().zip(probs.chunks_exact(LABELS.len())) {
             self.rows.push(index as u64, row);
         }
+        Ok(())
     }
 
     /// Every image's probabilities, keyed by its index in the split (after
