@@ -351,7 +351,9 @@ pub fn read_tensors(path: impl AsRef<Path>) -> Result<TensorFile, CheckpointErro
 /// renamed over `path`; the folder is then synced too, because the rename itself is durable only
 /// once the folder's entry is on disk. When this returns `Ok` the new content survives a crash.
 /// On error the temporary file is removed and `path` is untouched or already fully replaced
-/// (if only the final folder sync failed). The folder must exist.
+/// (if only the final folder sync failed). The folder must exist. A file system whose folders
+/// cannot be synced (VirtualBox shared folders, older CIFS, some FUSE file systems) is no
+/// error: the file is in place, as durable as that file system makes anything.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
@@ -369,12 +371,28 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         drop(f);
         fs::rename(&tmp, path)?;
         // The rename is durable only once the folder's entry is on disk.
-        File::open(&dir)?.sync_all()
+        folder_synced(File::open(&dir)?.sync_all())
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// The result of syncing a folder, with the answers of file systems whose folders cannot be
+/// synced (`EINVAL`, `ENOTSUP`, `EOPNOTSUPP`) taken as success; a failed write-back (`EIO`,
+/// `ENOSPC`, ...) stays an error.
+fn folder_synced(result: std::io::Result<()>) -> std::io::Result<()> {
+    match result {
+        Err(e)
+            if e.raw_os_error().is_some_and(|code| {
+                [libc::EINVAL, libc::ENOTSUP, libc::EOPNOTSUPP].contains(&code)
+            }) =>
+        {
+            Ok(())
+        }
+        other => other,
+    }
 }
 
 fn io_error(path: &Path, source: std::io::Error) -> CheckpointError {
@@ -507,6 +525,24 @@ mod tests {
         // Replaced whole, not overwritten in place (which would leave the old tail).
         assert_eq!(fs::read(&path).unwrap(), b"second");
         assert_eq!(entries(dir), ["state.json"]);
+    }
+
+    /// A folder that cannot be synced is no failure (the file is in place); a failed
+    /// write-back is.
+    #[test]
+    fn folders_that_cannot_be_synced_are_synced_enough() {
+        use std::io::Error;
+        for code in [libc::EINVAL, libc::ENOTSUP, libc::EOPNOTSUPP] {
+            assert!(
+                folder_synced(Err(Error::from_raw_os_error(code))).is_ok(),
+                "{code}"
+            );
+        }
+        for code in [libc::EIO, libc::ENOSPC] {
+            let e = folder_synced(Err(Error::from_raw_os_error(code))).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(code));
+        }
+        assert!(folder_synced(Ok(())).is_ok());
     }
 
     #[test]
