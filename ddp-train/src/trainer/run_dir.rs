@@ -209,12 +209,31 @@ pub(super) fn set_aside_later(
     if later.is_empty() {
         return Ok(None);
     }
+    let aside = aside_dir(&dir);
+    move_aside(&dir, stem, &later, &aside)?;
+    Ok(Some((aside, later)))
+}
+
+/// A new folder `checkpoints/abandoned-<time>/` for what a resumed run leaves behind.
+fn aside_dir(checkpoints: &Path) -> PathBuf {
     let stamp = ddp_run::default_run_dir(Path::new(""));
-    let aside = dir.join(format!("abandoned-{}", stamp.display()));
+    checkpoints.join(format!("abandoned-{}", stamp.display()))
+}
+
+/// Points `dir/latest` at `stem`, then moves the checkpoints `later` of `dir` into `aside`.
+/// `latest` goes first, so that it names a checkpoint that is there at every instant: a
+/// crash between the moves leaves it naming the resumed one, and the next start, resuming
+/// it again, moves the rest (a checkpoint's state goes before its model, which is what the
+/// next start looks for).
+fn move_aside(dir: &Path, stem: &str, later: &[String], aside: &Path) -> Result<(), TrainError> {
     let io = |what: &Path, e| TrainError::io(format!("cannot set aside {}", what.display()), e);
-    std::fs::create_dir_all(&aside).map_err(|e| io(&aside, e))?;
-    for s in &later {
-        for file in [format!("{s}.safetensors"), format!("{s}.state.safetensors")] {
+    let latest = dir.join("latest");
+    ddp_model::checkpoint::write_atomic(&latest, format!("{stem}\n").as_bytes())
+        .map_err(|e| io(&latest, e))?;
+    std::fs::create_dir_all(aside).map_err(|e| io(aside, e))?;
+    for s in later {
+        // The state first: a model file left alone is still found (and moved) next time.
+        for file in [format!("{s}.state.safetensors"), format!("{s}.safetensors")] {
             match std::fs::rename(dir.join(&file), aside.join(&file)) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                     return Err(io(&dir.join(file), e))
@@ -223,10 +242,7 @@ pub(super) fn set_aside_later(
             }
         }
     }
-    let latest = dir.join("latest");
-    ddp_model::checkpoint::write_atomic(&latest, format!("{stem}\n").as_bytes())
-        .map_err(|e| io(&latest, e))?;
-    Ok(Some((aside, later)))
+    Ok(())
 }
 
 #[cfg(test)]
@@ -284,6 +300,50 @@ mod tests {
         let elsewhere = run.path().join("epoch-0001.safetensors");
         touch(run.path(), "epoch-0001.safetensors");
         assert!(set_aside_later(run.path(), &elsewhere).unwrap().is_none());
+    }
+
+    /// A rewind cut short (here a move that fails) leaves `latest` naming the resumed
+    /// checkpoint, which is there, not one already moved; the next start moves the rest.
+    #[test]
+    fn a_rewind_cut_short_leaves_latest_naming_a_checkpoint_that_is_there() {
+        let run = ddp_testkit::temp_dir("ddp-train-rewind-cut-short");
+        let dir = state::checkpoint_dir(run.path());
+        std::fs::create_dir_all(&dir).unwrap();
+        for stem in ["epoch-0001", "epoch-0002", "epoch-0003"] {
+            touch(&dir, &format!("{stem}.safetensors"));
+            touch(&dir, &format!("{stem}.state.safetensors"));
+        }
+        std::fs::write(dir.join("latest"), "epoch-0003\n").unwrap();
+        let later = ["epoch-0003".to_string(), "epoch-0002".to_string()];
+        // The second move finds a folder that is not empty where it goes.
+        let aside = dir.join("abandoned-x");
+        let blocked = aside.join("epoch-0003.safetensors");
+        std::fs::create_dir_all(&blocked).unwrap();
+        touch(&blocked, "inside");
+        let e = move_aside(&dir, "epoch-0001", &later, &aside).unwrap_err();
+        assert!(
+            matches!(&e, TrainError::Io { what, .. } if what.ends_with("epoch-0003.safetensors")),
+            "{e:?}"
+        );
+        let latest = std::fs::read_to_string(dir.join("latest")).unwrap();
+        assert_eq!(latest, "epoch-0001\n");
+        assert!(dir.join("epoch-0001.safetensors").is_file());
+        assert!(!dir.join("epoch-0003.state.safetensors").exists());
+        std::fs::remove_dir_all(&blocked).unwrap();
+        let resumed = dir.join("epoch-0001.safetensors");
+        let (_, moved) = set_aside_later(run.path(), &resumed).unwrap().unwrap();
+        assert_eq!(moved, ["epoch-0003", "epoch-0002"]);
+        assert_eq!(
+            names(&dir)
+                .iter()
+                .filter(|n| !n.starts_with("abandoned-"))
+                .collect::<Vec<_>>(),
+            [
+                "epoch-0001.safetensors",
+                "epoch-0001.state.safetensors",
+                "latest"
+            ]
+        );
     }
 
     #[test]
