@@ -153,6 +153,20 @@ fn refuse_unused_flags(matches: &ArgMatches, s: &Settings) -> Result<(), clap::E
     };
     let flags = defaults::flag_names();
     let flag = |id: &str| flags.get(id).cloned().unwrap_or_else(|| id.to_string());
+    let conflict = |text: String| {
+        Err(clap::Error::raw(
+            clap::error::ErrorKind::ArgumentConflict,
+            text,
+        ))
+    };
+    if s.checkpoint.eval_only {
+        if let Some(id) = TRAINING_ONLY.iter().find(|id| given(id)) {
+            return conflict(format!(
+                "{} is a training flag, which --eval-only does not read",
+                flag(id)
+            ));
+        }
+    }
     let kind = s.lr_schedule.kind();
     let schedule = clap::ValueEnum::to_possible_value(&kind)
         .map_or_else(String::new, |v| v.get_name().to_string());
@@ -210,13 +224,46 @@ fn refuse_unused_flags(matches: &ArgMatches, s: &Settings) -> Result<(), clap::E
         .into_iter()
         .find_map(|(id, why)| why.filter(|_| given(id)).map(|why| (id, why)))
     {
-        Some((id, why)) => Err(clap::Error::raw(
-            clap::error::ErrorKind::ArgumentConflict,
-            format!("{} {why}", flag(id)),
-        )),
+        Some((id, why)) => conflict(format!("{} {why}", flag(id))),
         None => Ok(()),
     }
 }
+
+/// The flags (by id) of settings that only training reads: `--eval-only` refuses them.
+const TRAINING_ONLY: [&str; 32] = [
+    "epochs",
+    "accumulate",
+    "max_steps_per_epoch",
+    "optimizer.kind",
+    "optimizer.lr",
+    "optimizer.weight_decay",
+    "optimizer.momentum",
+    "clip_grad_norm",
+    "lr_schedule.kind",
+    "lr_schedule.warmup",
+    "lr_schedule.every",
+    "lr_schedule.gamma",
+    "lr_schedule.config.factor",
+    "lr_schedule.config.patience",
+    "lr_schedule.config.min_lr",
+    "early_stopping.patience",
+    "early_stopping.min_delta",
+    "checkpoint.every",
+    "checkpoint.minutes",
+    "checkpoint.keep",
+    "checkpoint.init_from",
+    "checkpoint.init_key",
+    "checkpoint.init_partial",
+    "freeze.prefixes",
+    "freeze.unfreeze_at",
+    "sync_batchnorm",
+    "ddp.find_unused_parameters",
+    "ddp.overlap",
+    "ddp.comm_hook",
+    "ddp.gradient_as_bucket_view",
+    "runtime.time_limit_secs",
+    "runtime.log_every",
+];
 
 /// The ids of `cmd`'s arguments.
 fn ids(cmd: &Command) -> BTreeSet<String> {
@@ -340,7 +387,13 @@ pub fn describe_error(error: &anyhow::Error) -> String {
 /// already a launcher's rank).
 pub fn run<D>(args: &TrainArgs<D>, body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     let result = match args.nproc_per_node {
-        Some(nproc) => launch::start_ranks(args.settings.out.as_deref(), nproc),
+        // Settings every rank would refuse are refused here, before any rank starts (and
+        // before the run directory the ranks would be given exists).
+        Some(nproc) => args
+            .settings
+            .validate()
+            .map_err(anyhow::Error::from)
+            .and_then(|()| launch::start_ranks(args.settings.out.as_deref(), nproc)),
         None => args
             .validate()
             .map_err(anyhow::Error::from)
@@ -499,8 +552,16 @@ mod tests {
         assert!(help.contains("[default: bf16_compress]"), "{help}");
         // Switches whose program default is already on their side take a value.
         assert!(help.contains("--find-unused-parameters[=<BOOL>]"), "{help}");
-        let off = parse::<Everything>(&["--find-unused-parameters=false", "--no-overlap=false"]);
+        // (Training flags need the program's --eval-only off.)
+        let off = parse::<Everything>(&[
+            "--resume",
+            "latest",
+            "--eval-only=false",
+            "--find-unused-parameters=false",
+            "--no-overlap=false",
+        ]);
         assert!(!off.ddp.find_unused_parameters && off.ddp.overlap);
+        assert!(!off.checkpoint.eval_only);
         // A given flag overrides the program's default; the others stay.
         let given = parse::<Everything>(&["--batch-size", "8", "--threads", "1"]);
         assert_eq!(
@@ -692,6 +753,9 @@ mod tests {
                 "flag {id} names no setting"
             );
         }
+        for id in TRAINING_ONLY {
+            assert!(ids.contains(id), "TRAINING_ONLY's {id} is no flag");
+        }
     }
 
     #[test]
@@ -709,6 +773,20 @@ mod tests {
             describe_error(&anyhow::Error::from(latest)),
             "--resume latest needs --out to know which run"
         );
+        for (settings, flagged) in [
+            (
+                Settings::default().max_steps_per_epoch(Some(0)),
+                "--max-steps-per-epoch must be at least 1",
+            ),
+            (
+                Settings::default()
+                    .runtime(RuntimeSettings::default().collective_timeout_secs(Some(0))),
+                "--collective-timeout must be at least 1",
+            ),
+        ] {
+            let e = anyhow::Error::from(settings.validate().unwrap_err());
+            assert_eq!(describe_error(&e), flagged);
+        }
         // A setting without a flag keeps its path.
         let cycle = SettingError::new("lr_schedule.pct_start", " 2 must be in (0, 1)");
         assert_eq!(
@@ -794,6 +872,43 @@ mod tests {
         for (args, first_line) in cases {
             assert_eq!(refusal(args), format!("error: {first_line}"), "{args:?}");
         }
+        // An evaluation reads none of training's own flags.
+        for flag in [
+            &["--epochs", "5"][..],
+            &["--lr", "0.1"],
+            &["--optimizer", "sgd"],
+            &["--checkpoint-every", "3"],
+            &["--time-limit", "10"],
+            &["--freeze", "layer1"],
+            &["--comm-hook", "fp16_compress"],
+            &["--log-every", "1"],
+        ] {
+            let mut args = vec!["--resume", "f", "--eval-only"];
+            args.extend(flag);
+            assert_eq!(
+                refusal(&args),
+                format!(
+                    "error: {} is a training flag, which --eval-only does not read",
+                    flag[0]
+                )
+            );
+        }
+        // What evaluation reads, it takes.
+        let eval = parse::<GenericDefaults>(&[
+            "--resume",
+            "f",
+            "--eval-only",
+            "--batch-size",
+            "8",
+            "--precision",
+            "bf16",
+            "--threads",
+            "2",
+            "--collective-timeout",
+            "60",
+            "--no-broadcast-buffers",
+        ]);
+        assert_eq!((eval.batch_size, eval.runtime.threads), (8, Some(2)));
         let used = parse::<GenericDefaults>(&[
             "--optimizer",
             "sgd",

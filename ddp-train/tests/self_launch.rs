@@ -227,6 +227,36 @@ fn a_rank_that_a_launcher_started_refuses_to_start_ranks() {
     );
 }
 
+/// Settings every rank would refuse are refused before any starts: `--resume latest`
+/// without `--out` names what it needs, and leaves no run directory behind.
+#[test]
+fn settings_the_ranks_would_refuse_start_none() {
+    let tmp = temp_dir("ddp-train-self-launch-invalid");
+    let out = wait_bounded(
+        ddp_train(
+            tmp.path(),
+            &[
+                "--data",
+                "unused",
+                "--nproc-per-node",
+                "2",
+                "--resume",
+                "latest",
+            ],
+        )
+        .spawn()
+        .unwrap(),
+        LIMIT,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(
+        err.lines().collect::<Vec<_>>(),
+        ["error: --resume latest needs --out (the run directory) to know which run"]
+    );
+    assert!(!tmp.path().join("runs").exists(), "{err}");
+}
+
 /// A rank that fails ends the job as with ddp-run: its error and last lines, exit code 1.
 #[test]
 fn a_failing_rank_ends_the_job_with_ddp_runs_report() {

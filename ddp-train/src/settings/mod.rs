@@ -48,6 +48,16 @@ pub(crate) use freeze::prefix_matches;
 pub use freeze::FreezeSettings;
 pub use runtime::{DeviceChoice, RuntimeSettings};
 
+/// The names the Trainer writes in the run directory (`.lock` and temporaries begin with a
+/// dot), which no best-model file, nor the document beside it, may take.
+const RUN_DIR_NAMES: [&str; 5] = [
+    "config.json",
+    "metrics.jsonl",
+    "curves.png",
+    "checkpoints",
+    "logs",
+];
+
 /// A metric whose best epoch's model rank 0 keeps in the run directory (PyTorch Lightning's
 /// `ModelCheckpoint(monitor=...)`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -360,6 +370,14 @@ impl Settings {
             ("accumulate", self.accumulate as u64),
             ("epochs", self.epochs),
             (
+                "max_steps_per_epoch",
+                self.max_steps_per_epoch.map_or(1, |m| m as u64),
+            ),
+            (
+                "runtime.collective_timeout_secs",
+                self.runtime.collective_timeout_secs.unwrap_or(1),
+            ),
+            (
                 "runtime.prefetch",
                 self.runtime.prefetch.map_or(1, |p| p as u64),
             ),
@@ -418,13 +436,59 @@ impl Settings {
                 " must be more than 0 seconds",
             ));
         }
-        let mut files: Vec<&str> = self.monitors.iter().map(|m| m.file.as_str()).collect();
-        files.sort_unstable();
-        if let Some(w) = files.windows(2).find(|w| w[0] == w[1]) {
-            return Err(SettingError::new(
-                "monitors",
-                format!(": two write the same file {}", w[0]),
-            ));
+        self.check_monitors()
+    }
+
+    /// Each best-model file, and the document `<file>.json` written beside it, is a plain
+    /// file name in the run directory that is none of the run's own and no other monitor's.
+    fn check_monitors(&self) -> Result<(), SettingError> {
+        let mut written: Vec<(String, &str)> = Vec::new();
+        for m in &self.monitors {
+            let file = m.file.as_str();
+            let plain = std::path::Path::new(file).file_name() == Some(file.as_ref());
+            if !plain || file.starts_with('.') {
+                return Err(SettingError::new(
+                    "monitors",
+                    format!(
+                        ": {file:?} is not a plain file name (best models are written in the \
+                         run directory itself; hidden names are the run's own)"
+                    ),
+                ));
+            }
+            let doc = std::path::Path::new(file).with_extension("json");
+            let doc = doc.to_string_lossy().into_owned();
+            if doc == file {
+                return Err(SettingError::new(
+                    "monitors",
+                    format!(
+                        ": {file} would be its own document {doc} (give the model file \
+                             another extension, e.g. .safetensors)"
+                    ),
+                ));
+            }
+            if let Some(own) = [file, doc.as_str()]
+                .into_iter()
+                .find(|name| RUN_DIR_NAMES.contains(name))
+            {
+                return Err(SettingError::new(
+                    "monitors",
+                    format!(
+                        ": {file} would write {own}, a name the run directory keeps for \
+                             its own"
+                    ),
+                ));
+            }
+            for name in [file.to_string(), doc] {
+                if let Some((_, other)) = written.iter().find(|(n, _)| *n == name) {
+                    let text = if *other == file {
+                        format!(": two write the same file {name}")
+                    } else {
+                        format!(": {other} and {file} both write {name}")
+                    };
+                    return Err(SettingError::new("monitors", text));
+                }
+                written.push((name, file));
+            }
         }
         Ok(())
     }
@@ -526,6 +590,15 @@ mod tests {
             "runtime.prefetch must be at least 1"
         );
         assert_eq!(
+            error(Settings::default().max_steps_per_epoch(Some(0))),
+            "max_steps_per_epoch must be at least 1"
+        );
+        let no_time = RuntimeSettings::default().collective_timeout_secs(Some(0));
+        assert_eq!(
+            error(Settings::default().runtime(no_time)),
+            "runtime.collective_timeout_secs must be at least 1"
+        );
+        assert_eq!(
             error(Settings::default().clip_grad_norm(Some(0.0))),
             "clip_grad_norm 0 must be a positive number"
         );
@@ -572,6 +645,35 @@ mod tests {
             error(twice),
             "monitors: two write the same file best.safetensors"
         );
+        let best = |file: &str| Settings::default().monitor(Monitor::max("a", file));
+        assert_eq!(
+            error(best("models/best.safetensors")),
+            "monitors: \"models/best.safetensors\" is not a plain file name (best models are \
+             written in the run directory itself; hidden names are the run's own)"
+        );
+        assert_eq!(
+            error(best("config.safetensors")),
+            "monitors: config.safetensors would write config.json, a name the run directory \
+             keeps for its own"
+        );
+        assert_eq!(
+            error(best("best.json")),
+            "monitors: best.json would be its own document best.json (give the model file \
+             another extension, e.g. .safetensors)"
+        );
+        for file in ["", ".lock", "..", "/tmp/best.safetensors"] {
+            let e = best(file).validate().unwrap_err();
+            assert_eq!(e.field(), "monitors", "{file:?}");
+        }
+        let docs = best("best.safetensors").monitor(Monitor::min("b", "best.pt"));
+        assert_eq!(
+            error(docs),
+            "monitors: best.safetensors and best.pt both write best.json"
+        );
+        assert!(best("best-f1.safetensors")
+            .monitor(Monitor::min("val_loss", "best-loss.safetensors"))
+            .validate()
+            .is_ok());
         let partial =
             Settings::default().checkpoint(CheckpointSettings::default().init_partial(true));
         assert_eq!(
