@@ -160,12 +160,9 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
         Some(out) => out.clone(),
         None => ddp_run::default_run_dir(&runs_root),
     };
-    let threads = (ddp_run::available_cores() / nproc).max(1);
     rest.extend(["--out".into(), out.to_string_lossy().into_owned()]);
     rest.extend(["--device".into(), device.into()]);
-    if !has_flag(&rest, "--threads") {
-        rest.extend(["--threads".into(), threads.to_string()]);
-    }
+    let threads = rank_threads(&mut rest, (ddp_run::available_cores() / nproc).max(1));
     config.program = bin.into_os_string();
     config.args = rest.into_iter().map(Into::into).collect();
     config.log_dir = Some(out.join("logs"));
@@ -295,6 +292,20 @@ fn ranks_and_device(args: &TrainArgs) -> Result<(usize, &'static str)> {
     }
 }
 
+/// The intra-op threads each rank runs with, for the banner and `OMP_NUM_THREADS`: the
+/// trainer's `--threads` where given, else `per_rank`, added to `args` as `--threads`.
+fn rank_threads(args: &mut Vec<String>, per_rank: usize) -> usize {
+    match flag_value(args, "--threads").map(str::parse) {
+        Some(Ok(given)) => given,
+        // The ranks refuse it, naming it.
+        Some(Err(_)) => per_rank,
+        None => {
+            args.extend(["--threads".into(), per_rank.to_string()]);
+            per_rank
+        }
+    }
+}
+
 fn has_flag(args: &[String], flag: &str) -> bool {
     args.iter()
         .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
@@ -405,6 +416,19 @@ fn synthetic_sample(root: &Path, cache: &Path, bin: Option<&Path>) -> Result<Pat
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ranks_threads_are_the_users_else_the_cores_per_rank() {
+        let words = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let mut given = words(&["--epochs", "2", "--threads", "4"]);
+        assert_eq!(rank_threads(&mut given, 1), 4);
+        assert_eq!(given, words(&["--epochs", "2", "--threads", "4"]));
+        let mut joined = words(&["--threads=3"]);
+        assert_eq!(rank_threads(&mut joined, 1), 3);
+        let mut none = words(&["--epochs", "2"]);
+        assert_eq!(rank_threads(&mut none, 6), 6);
+        assert_eq!(none, words(&["--epochs", "2", "--threads", "6"]));
+    }
 
     #[test]
     fn flags_are_found_with_or_without_equals() {

@@ -86,15 +86,16 @@ pub struct RuntimeSettings {
         )
     )]
     pub device: DeviceChoice,
-    /// Intra-op threads per rank on the CPU (default: the cores divided among the ranks).
+    /// Intra-op threads per rank on the CPU (default: `OMP_NUM_THREADS` where set, as PyTorch
+    /// takes it, else the cores divided among the ranks).
     #[cfg_attr(
         feature = "cli",
         arg(
             id = "runtime.threads",
             long = "threads",
             value_name = "THREADS",
-            help = "Intra-op threads per rank on CPU (default: the machine's cores shared \
-                    among its ranks)"
+            help = "Intra-op threads per rank on CPU (default: OMP_NUM_THREADS where set, as \
+                    PyTorch takes it, else the machine's cores shared among its ranks)"
         )
     )]
     pub threads: Option<usize>,
@@ -182,7 +183,8 @@ pub struct RuntimeSettings {
 }
 
 impl RuntimeSettings {
-    /// This rank's device and intra-op thread count (`--threads`, else the cores per rank),
+    /// This rank's device and intra-op thread count (`--threads`, else `OMP_NUM_THREADS`,
+    /// else the cores per rank),
     /// with libtorch's CPU thread pool set to that count when the device is the CPU.
     pub(crate) fn place(
         &self,
@@ -190,13 +192,40 @@ impl RuntimeSettings {
         local_world_size: usize,
     ) -> Result<(tch::Device, usize), crate::TrainError> {
         let device = self.device.resolve(local_rank)?;
-        let threads = self
-            .threads
-            .unwrap_or_else(|| ddp_data::default_workers(local_world_size));
+        let threads = thread_count(self.threads, local_world_size, |name| {
+            std::env::var_os(name)
+        })?;
         if device == tch::Device::Cpu {
             tch::set_num_threads(threads as i32);
         }
         Ok((device, threads))
+    }
+}
+
+/// A rank's intra-op threads: `threads` (`--threads`); else `OMP_NUM_THREADS`, read with
+/// `env`, as PyTorch takes it (launchers set it: torchrun and `ddp-run` to 1 when a node runs
+/// several ranks); else the machine's cores divided among the `local_world_size` ranks. An
+/// `OMP_NUM_THREADS` that is not a number of threads is an error naming it.
+fn thread_count(
+    threads: Option<usize>,
+    local_world_size: usize,
+    env: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> Result<usize, SettingError> {
+    if let Some(threads) = threads {
+        return Ok(threads);
+    }
+    let name = ddp_run::env::OMP_NUM_THREADS;
+    match env(name) {
+        None => Ok(ddp_data::default_workers(local_world_size)),
+        Some(value) => match value.to_str().map(|v| v.trim().parse::<usize>()) {
+            Some(Ok(n)) if n > 0 => Ok(n),
+            _ => Err(SettingError::starting(format!(
+                "{name}={} is not a number of threads (at least 1): set it to one, unset it \
+                 (the cores are then divided among the ranks), or give ",
+                value.to_string_lossy()
+            ))
+            .setting("runtime.threads")),
+        },
     }
 }
 
@@ -232,7 +261,34 @@ builder!(RuntimeSettings {
 
 #[cfg(test)]
 mod tests {
-    use super::cuda_index;
+    use super::{cuda_index, thread_count};
+
+    #[test]
+    fn threads_are_the_flags_else_omp_num_threads_else_the_cores_per_rank() {
+        let omp = |value: &'static str| {
+            move |name: &str| (name == "OMP_NUM_THREADS").then(|| value.into())
+        };
+        assert_eq!(thread_count(None, 2, omp("1")), Ok(1));
+        assert_eq!(thread_count(None, 2, omp(" 3 ")), Ok(3));
+        assert_eq!(thread_count(Some(4), 2, omp("1")), Ok(4));
+        assert_eq!(
+            thread_count(None, 1, |_| None),
+            Ok(ddp_data::default_workers(1))
+        );
+        for bad in ["abc", "0", ""] {
+            let e = thread_count(None, 2, omp(bad)).unwrap_err();
+            assert_eq!(
+                e.render(|f| format!("--{}", f.trim_start_matches("runtime."))),
+                format!(
+                    "OMP_NUM_THREADS={bad} is not a number of threads (at least 1): set it to \
+                     one, unset it (the cores are then divided among the ranks), or give \
+                     --threads"
+                )
+            );
+        }
+        // A bad value is not read when --threads is given.
+        assert_eq!(thread_count(Some(2), 2, omp("abc")), Ok(2));
+    }
 
     #[test]
     fn a_rank_uses_its_local_device_or_the_one_bound_to_it() {
