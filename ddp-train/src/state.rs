@@ -172,7 +172,8 @@ pub fn run_of(folder: &Path) -> &Path {
     }
 }
 
-fn stem(epoch: u64) -> String {
+/// The file stem of epoch `epoch`'s checkpoint (`epoch-0009`).
+pub(crate) fn stem(epoch: u64) -> String {
     format!("epoch-{epoch:04}")
 }
 

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use ddp_comm::EnvConfig;
 
 use crate::error::TrainError;
-use crate::settings::Settings;
-use crate::state;
+use crate::settings::{Monitor, Settings};
+use crate::state::{self, Best};
 
 /// The key of `config.json` that records the job's run id ([`EnvConfig::run_id`]).
 pub(super) const RUN_ID_KEY: &str = "run_id";
@@ -245,6 +245,82 @@ fn move_aside(dir: &Path, stem: &str, later: &[String], aside: &Path) -> Result<
     Ok(())
 }
 
+/// Makes each monitor's best-model file (`<run>/<file>`) the model of the best that the
+/// resumed state records for it. A rewind, or a crash between a best model's save and its
+/// epoch's checkpoint, leaves a file of an epoch the run no longer has (the file records its
+/// epoch in its metadata, as the epoch's checkpoint does): it is restored from the checkpoint
+/// of the recorded best's epoch (epoch-end checkpoints are never pruned), or moved into
+/// `checkpoints/abandoned-<time>/` where there is none. The document beside it
+/// (`<file>.json`, thresholds tuned for the model replaced) goes first. Only for the
+/// holder of the run lock. Returns a line for the log per file changed.
+pub(super) fn align_best_models(
+    run: &Path,
+    monitors: &[Monitor],
+    bests: &std::collections::BTreeMap<String, Best>,
+) -> Result<Vec<String>, TrainError> {
+    let dir = state::checkpoint_dir(run);
+    let io = |what: &Path, e| TrainError::io(format!("cannot replace {}", what.display()), e);
+    let mut aside = None;
+    let mut notes = Vec::new();
+    for file in monitors.iter().map(|m| &m.file) {
+        let model = run.join(file);
+        if !model.is_file() {
+            continue;
+        }
+        let recorded = ddp_model::checkpoint::read_tensors(&model)
+            .ok()
+            .and_then(|f| f.metadata.get("epoch")?.parse::<u64>().ok());
+        let best = bests.get(file).map(|b| b.epoch);
+        if recorded.is_some() && recorded == best {
+            continue;
+        }
+        let was = recorded.map_or_else(
+            || format!("{} records no epoch", model.display()),
+            |e| format!("{} is the model of epoch {e}", model.display()),
+        );
+        let doc = model.with_extension("json");
+        let source = best
+            .map(|epoch| dir.join(format!("{}.safetensors", state::stem(epoch))))
+            .filter(|p| p.is_file());
+        if let (Some(epoch), Some(source)) = (best, source) {
+            match std::fs::remove_file(&doc) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&doc, e)),
+                _ => {}
+            }
+            let bytes = std::fs::read(&source).map_err(|e| io(&source, e))?;
+            ddp_model::checkpoint::write_atomic(&model, &bytes).map_err(|e| io(&model, e))?;
+            notes.push(format!(
+                "{was}, and the run's best for it is epoch {epoch}'s: restored from {} (without \
+                 thresholds)",
+                source.display()
+            ));
+        } else {
+            let aside: &PathBuf = aside.get_or_insert_with(|| aside_dir(&dir));
+            std::fs::create_dir_all(aside).map_err(|e| io(aside, e))?;
+            for f in [&doc, &model] {
+                match f
+                    .file_name()
+                    .map(|name| std::fs::rename(f, aside.join(name)))
+                {
+                    Some(Err(e)) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(io(f, e))
+                    }
+                    _ => {}
+                }
+            }
+            let recorded_best = best.map_or_else(
+                || "records no best for it".to_string(),
+                |epoch| format!("records epoch {epoch}, whose checkpoint is gone"),
+            );
+            notes.push(format!(
+                "{was}, and the run's state {recorded_best}: moved to {}",
+                aside.display()
+            ));
+        }
+    }
+    Ok(notes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -344,6 +420,90 @@ mod tests {
                 "latest"
             ]
         );
+    }
+
+    /// After a rewind each best-model file is the model of the best that the resumed state
+    /// records: restored from that epoch's checkpoint, its thresholds dropped, or set aside
+    /// where there is no such checkpoint; a file that is the recorded best's is kept.
+    #[test]
+    fn best_models_are_those_of_the_resumed_states_bests() {
+        let run = ddp_testkit::temp_dir("ddp-train-best-models");
+        let out = run.path();
+        let dir = state::checkpoint_dir(out);
+        std::fs::create_dir_all(&dir).unwrap();
+        let save = |path: &Path, epoch: u64| {
+            let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+            let _ = vs.root().var("w", &[1], tch::nn::Init::Const(epoch as f64));
+            let meta = std::collections::HashMap::from([("epoch".into(), epoch.to_string())]);
+            ddp_model::checkpoint::save(&vs, path, &meta).unwrap();
+        };
+        let epoch_of = |path: &Path| {
+            let file = ddp_model::checkpoint::read_tensors(path).unwrap();
+            let w = f64::try_from(&file.tensors["w"]).unwrap();
+            (file.metadata["epoch"].clone(), w)
+        };
+        save(&dir.join("epoch-0008.safetensors"), 8);
+        // The abandoned epoch 10 improved the score and the loss; epoch 8 had the best
+        // macro-F1 in both histories.
+        for (file, epoch) in [("best-score", 10), ("best-loss", 10), ("best-macro", 8)] {
+            save(&out.join(format!("{file}.safetensors")), epoch);
+            touch(out, &format!("{file}.json"));
+        }
+        let monitors = [
+            Monitor::max("score", "best-score.safetensors"),
+            Monitor::min("loss", "best-loss.safetensors"),
+            Monitor::max("macro", "best-macro.safetensors"),
+        ];
+        let best = |epoch| Best { value: 0.8, epoch };
+        let bests = std::collections::BTreeMap::from([
+            ("best-score.safetensors".to_string(), best(8)),
+            ("best-loss.safetensors".to_string(), best(9)),
+            ("best-macro.safetensors".to_string(), best(8)),
+        ]);
+        let notes = align_best_models(out, &monitors, &bests).unwrap();
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(notes[0].ends_with(&format!(
+            "best-score.safetensors is the model of epoch 10, and the run's best for it is \
+             epoch 8's: restored from {} (without thresholds)",
+            dir.join("epoch-0008.safetensors").display()
+        )));
+        assert_eq!(
+            epoch_of(&out.join("best-score.safetensors")),
+            ("8".into(), 8.0)
+        );
+        assert!(!out.join("best-score.json").exists());
+        // No epoch-9 checkpoint: set aside with its document.
+        assert!(
+            notes[1].contains("records epoch 9, whose checkpoint is gone: moved to"),
+            "{}",
+            notes[1]
+        );
+        let aside: Vec<String> = names(&dir)
+            .into_iter()
+            .filter(|n| n.starts_with("abandoned-"))
+            .collect();
+        assert_eq!(aside.len(), 1);
+        assert_eq!(
+            names(&dir.join(&aside[0])),
+            ["best-loss.json", "best-loss.safetensors"]
+        );
+        assert_eq!(
+            names(out),
+            [
+                "best-macro.json",
+                "best-macro.safetensors",
+                "best-score.safetensors",
+                "checkpoints"
+            ]
+        );
+        assert_eq!(
+            epoch_of(&out.join("best-macro.safetensors")),
+            ("8".into(), 8.0)
+        );
+        // Consistent now: nothing more to do.
+        assert!(align_best_models(out, &monitors, &bests)
+            .unwrap()
+            .is_empty());
     }
 
     #[test]

@@ -344,6 +344,9 @@ impl<T: Task> Trainer<T> {
                     aside.display()
                 ));
             }
+            for note in super::run_dir::align_best_models(&out, &s.monitors, &bests)? {
+                log.warn(&note);
+            }
         }
         if run_lock.is_some() {
             for file in super::run_dir::remove_stale_temporaries(&out) {
