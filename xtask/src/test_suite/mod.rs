@@ -41,6 +41,7 @@ const RANK_BINARIES: &[(&str, &str)] = &[
     ("ddp-comm", "nccl_peers"),
     ("ddp-comm", "torchrun"),
     ("ddp-run", "launcher"),
+    ("ddp-train", "challenge"),
     ("ddp-train", "cuda_streams"),
     ("ddp-train", "elastic"),
     ("ddp-train", "equivalence"),
@@ -49,8 +50,11 @@ const RANK_BINARIES: &[(&str, &str)] = &[
     ("ddp-train", "freeze"),
     ("ddp-train", "init_weights"),
     ("ddp-train", "non_finite"),
+    ("ddp-train", "predict"),
     ("ddp-train", "pytorch"),
+    ("ddp-train", "reducer"),
     ("ddp-train", "self_launch"),
+    ("ddp-train", "sync_batchnorm"),
     ("ddp-train", "trainer"),
     ("xtask", "chaos"),
     ("xtask", "fine_tune"),
@@ -459,24 +463,53 @@ mod tests {
     }
 
     #[test]
-    fn ddp_comms_binaries_that_start_ranks_run_one_at_a_time() {
-        let tests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ddp-comm/tests");
+    fn binaries_that_start_ranks_run_one_at_a_time() {
+        // The test helpers that start ranks (ddp-comm's worker harness, ddp-train's
+        // ddp_testkit calls); a test file that calls one must be in RANK_BINARIES.
+        const MARKERS: [&str; 5] = [
+            "run_world",
+            "spawn_rank(",
+            "spawn_worker_ranks(",
+            "run_ddp_train(",
+            "rank_command(",
+        ];
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         let mut starting = Vec::new();
-        for entry in std::fs::read_dir(&tests).unwrap() {
-            let path = entry.unwrap().path();
-            let text = std::fs::read_to_string(&path).unwrap_or_default();
-            if text.contains("run_world") || text.contains("spawn_rank(") {
-                let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
-                starting.push(stem);
+        for package in std::fs::read_dir(&root).unwrap() {
+            let tests = package.unwrap().path().join("tests");
+            let Ok(files) = std::fs::read_dir(&tests) else {
+                continue;
+            };
+            for file in files {
+                let path = file.unwrap().path();
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                if MARKERS.iter().any(|m| text.contains(m)) {
+                    let package = tests.parent().unwrap().file_name().unwrap();
+                    let stem = path.file_stem().unwrap();
+                    starting.push((
+                        package.to_string_lossy().into_owned(),
+                        stem.to_string_lossy().into_owned(),
+                    ));
+                }
             }
         }
-        assert!(starting.iter().any(|s| s == "nccl"), "{starting:?}");
-        for stem in &starting {
+        for expected in [("ddp-comm", "nccl"), ("ddp-train", "trainer")] {
             assert!(
-                RANK_BINARIES.contains(&("ddp-comm", stem.as_str())),
-                "ddp-comm/tests/{stem}.rs starts ranks but is not in RANK_BINARIES"
+                starting
+                    .iter()
+                    .any(|(p, s)| (p.as_str(), s.as_str()) == expected),
+                "{starting:?}"
             );
         }
+        let missing: Vec<String> = starting
+            .iter()
+            .filter(|(p, s)| !RANK_BINARIES.contains(&(p.as_str(), s.as_str())))
+            .map(|(p, s)| format!("{p}/tests/{s}.rs"))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "these start ranks but are not in RANK_BINARIES: {missing:?}"
+        );
     }
 
     #[test]
