@@ -108,6 +108,10 @@ unsafe impl BatchMemory for PinnedMemory {
         self.heap.lengths.as_ptr().cast()
     }
 
+    fn capacities(&self) -> [usize; 3] {
+        self.heap.capacities()
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
     }

@@ -66,17 +66,58 @@ impl SlotRequest {
     pub fn targets_bytes(&self) -> usize {
         self.targets_len() * self.layout.target_kind.bytes()
     }
+
+    /// Bytes of the input, target and length regions, as [`BatchMemory::capacities`]
+    /// counts them.
+    pub fn region_bytes(&self) -> [usize; 3] {
+        [
+            self.input_bytes(),
+            self.targets_bytes(),
+            self.batch_size * 8,
+        ]
+    }
+
+    /// Refuses `memory` (from a [`SlotAllocator`]) if a region is smaller than this
+    /// request's: workers write a whole batch into it.
+    pub(crate) fn check_memory(&self, memory: &dyn BatchMemory) -> Result<(), DataError> {
+        let (need, have) = (self.region_bytes(), memory.capacities());
+        if need.iter().zip(&have).all(|(n, h)| h >= n) {
+            return Ok(());
+        }
+        Err(DataError::InvalidParameter {
+            name: "slot memory",
+            expected: format!(
+                "at least {} bytes of input, {} of targets and {} of lengths ({} samples of \
+                 input shape {:?} and target shape {:?}): allocate for the request the \
+                 allocator is given",
+                need[0],
+                need[1],
+                need[2],
+                self.batch_size,
+                self.layout.shape,
+                self.layout.target_shape
+            ),
+            value: format!(
+                "{} bytes of input, {} of targets and {} of lengths from the slot allocator",
+                have[0], have[1], have[2]
+            ),
+        })
+    }
 }
 
 /// The memory of one ring slot: an input region of [`SlotRequest::input_bytes`] bytes, a
 /// target region of [`SlotRequest::targets_bytes`] bytes and a length region of
-/// `batch_size` `i64` values (each sample's length along its first axis).
+/// `batch_size` `i64` values (each sample's length along its first axis). The loader checks
+/// [`BatchMemory::capacities`] against its request before a worker writes there, so memory
+/// made for another request (a [`HeapMemory`] of a smaller batch, say) is an error, not an
+/// overflow.
 ///
 /// # Safety
 ///
-/// An implementation guarantees that the three pointers are valid for reads and writes of
-/// their whole region, aligned for `i64`, stable (never moved or freed) for the life of the
-/// value, and that nothing else reads or writes that memory while the loader owns the value.
+/// An implementation guarantees that the three pointers are non-null and valid for reads
+/// and writes of the bytes [`BatchMemory::capacities`] reports, aligned for `i64`, stable
+/// (never moved or freed) for the life of the value, and that nothing else reads or writes
+/// that memory while the loader owns the value.
 pub unsafe trait BatchMemory: Send + Sync + fmt::Debug {
     /// Start of the input region.
     fn input_ptr(&self) -> *mut u8;
@@ -84,6 +125,8 @@ pub unsafe trait BatchMemory: Send + Sync + fmt::Debug {
     fn targets_ptr(&self) -> *mut u8;
     /// Start of the length region.
     fn lengths_ptr(&self) -> *mut i64;
+    /// Bytes of the input, target and length regions, in that order.
+    fn capacities(&self) -> [usize; 3];
     /// For downcasting to the allocator's own type.
     fn as_any(&self) -> &dyn Any;
     /// Whether something outside the loader still holds this memory after its batch was
@@ -213,7 +256,7 @@ impl HeapMemory {
     }
 }
 
-// SAFETY: both regions are owned page-aligned allocations of at least the requested sizes,
+// SAFETY: the three regions are owned page-aligned allocations of the capacities reported,
 // freed only when this value drops.
 unsafe impl BatchMemory for HeapMemory {
     fn input_ptr(&self) -> *mut u8 {
@@ -226,6 +269,10 @@ unsafe impl BatchMemory for HeapMemory {
 
     fn lengths_ptr(&self) -> *mut i64 {
         self.lengths.as_ptr().cast()
+    }
+
+    fn capacities(&self) -> [usize; 3] {
+        [&self.input, &self.targets, &self.lengths].map(PageAligned::capacity)
     }
 
     fn as_any(&self) -> &dyn Any {

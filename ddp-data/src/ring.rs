@@ -263,17 +263,21 @@ impl Ring {
     }
 }
 
-/// A new slot's memory from `allocator`; a panic in it is its error.
+/// A new slot's memory from `allocator`, refused if a region is smaller than `request`'s
+/// (the workers write a whole batch into it); a panic in it is its error.
 fn allocate(
     allocator: &dyn SlotAllocator,
     request: &SlotRequest,
 ) -> Result<Box<dyn BatchMemory>, DataError> {
-    catch_unwind(AssertUnwindSafe(|| allocator.allocate(request))).unwrap_or_else(|panic| {
-        Err(DataError::SlotPanicked {
-            what: "slot allocator",
-            message: panic_message(&*panic).to_string(),
-        })
-    })
+    let memory =
+        catch_unwind(AssertUnwindSafe(|| allocator.allocate(request))).unwrap_or_else(|panic| {
+            Err(DataError::SlotPanicked {
+                what: "slot allocator",
+                message: panic_message(&*panic).to_string(),
+            })
+        })?;
+    request.check_memory(&*memory)?;
+    Ok(memory)
 }
 
 /// Runs a reuse hook; a panic in it is its error (the slot is then never reused nor freed,

@@ -83,6 +83,7 @@ struct TensorMemory {
     input_ptr: *mut u8,
     targets_ptr: *mut u8,
     lengths_ptr: *mut i64,
+    capacities: [usize; 3],
 }
 
 // SAFETY: the tensors are behind mutexes; the raw pointers address their storage, which is
@@ -91,9 +92,11 @@ unsafe impl Send for TensorMemory {}
 // SAFETY: as above.
 unsafe impl Sync for TensorMemory {}
 
-// SAFETY: the pointers address the contiguous storages of the three tensors, sized `[B,
-// ...shape]` of the storage's kind, `[B, ...target_shape]` of the target kind and `[B]`
-// i64, alive as long as this value (libtorch aligns every storage to at least 64 bytes).
+// SAFETY: the pointers address the contiguous storages of the three tensors, of the bytes
+// `capacities` reports (`[B, ...shape]` of the storage's kind, `[B, ...target_shape]` of the
+// target kind and `[B]` i64), alive as long as this value (libtorch aligns every storage
+// to at least 64 bytes); a tensor without elements has no storage, and a dangling aligned
+// pointer for its zero bytes instead (`region`).
 unsafe impl BatchMemory for TensorMemory {
     fn input_ptr(&self) -> *mut u8 {
         self.input_ptr
@@ -105,6 +108,10 @@ unsafe impl BatchMemory for TensorMemory {
 
     fn lengths_ptr(&self) -> *mut i64 {
         self.lengths_ptr
+    }
+
+    fn capacities(&self) -> [usize; 3] {
+        self.capacities
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -169,6 +176,19 @@ fn fill_padding(inputs: &mut Tensor, lengths: &Tensor, value: f64) -> Result<(),
     Ok(())
 }
 
+/// The start and bytes of a new contiguous tensor's data. A tensor without elements has a
+/// null data pointer (no storage), which no slice may start at: a dangling pointer aligned
+/// for `i64` takes its place, valid for its zero bytes.
+fn region(t: &Tensor) -> (*mut u8, usize) {
+    let bytes = t.numel() * t.kind().elt_size_in_bytes();
+    let ptr = t.data_ptr().cast::<u8>();
+    if bytes == 0 || ptr.is_null() {
+        (std::ptr::NonNull::<i64>::dangling().as_ptr().cast(), 0)
+    } else {
+        (ptr, bytes)
+    }
+}
+
 /// Allocates slots as CPU tensors.
 #[derive(Debug, Clone, Copy, Default)]
 struct TensorAllocator;
@@ -185,10 +205,14 @@ impl SlotAllocator for TensorAllocator {
             (target_kind(request.layout.target_kind), Device::Cpu),
         )?;
         let lengths = Tensor::f_zeros([b as i64], (Kind::Int64, Device::Cpu))?;
+        let (input_ptr, input_bytes) = region(&inputs);
+        let (targets_ptr, targets_bytes) = region(&targets);
+        let (lengths_ptr, lengths_bytes) = region(&lengths);
         Ok(Box::new(TensorMemory {
-            input_ptr: inputs.data_ptr().cast(),
-            targets_ptr: targets.data_ptr().cast(),
-            lengths_ptr: lengths.data_ptr().cast(),
+            input_ptr,
+            targets_ptr,
+            lengths_ptr: lengths_ptr.cast(),
+            capacities: [input_bytes, targets_bytes, lengths_bytes],
             inputs: Mutex::new(inputs),
             targets: Mutex::new(targets),
             lengths: Mutex::new(lengths),

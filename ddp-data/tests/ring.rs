@@ -244,6 +244,10 @@ unsafe impl BatchMemory for LoggedMemory {
         self.heap.lengths.as_ptr().cast()
     }
 
+    fn capacities(&self) -> [usize; 3] {
+        self.heap.capacities()
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
     }
@@ -666,4 +670,62 @@ fn a_panicking_data_set_is_reported_with_its_message_and_its_sample() {
         "loader worker thread 0 panicked while loading sample 5 (sample 5 is broken); \
          its worker state, made again, panicked too (no state for call 1)"
     );
+}
+
+/// Heap slots made for one sample, whatever the batch: `HeapMemory::new` is safe to call for
+/// any request, so only the loader's own check keeps its workers inside the memory.
+#[derive(Debug)]
+struct OneSampleAllocator;
+
+impl SlotAllocator for OneSampleAllocator {
+    fn allocate(&self, request: &SlotRequest) -> Result<Box<dyn BatchMemory>, DataError> {
+        let one = SlotRequest {
+            batch_size: 1,
+            ..request.clone()
+        };
+        Ok(Box::new(HeapMemory::new(&one)?))
+    }
+}
+
+/// Memory smaller than the loader's request is refused before a worker writes into it (a
+/// batch of 64 `[3, 64, 64]` images would run 63 images past the end), naming both sizes.
+#[test]
+fn slot_memory_smaller_than_the_request_is_refused() {
+    let len = 4;
+    let inputs = ddp_data::Array::new(vec![1f32; len * 3 * 64 * 64], [len, 3, 64, 64]).unwrap();
+    let targets = ddp_data::Array::new(vec![0f32; len], [len, 1]).unwrap();
+    let data = ddp_data::TensorDataset::new(inputs, targets).unwrap();
+    let config = LoaderConfig {
+        workers: 2,
+        ..LoaderConfig::new(64)
+    };
+    let mut loader = HostLoader::with_storage(
+        data,
+        (0..len).collect(),
+        &config,
+        Storage::F32,
+        Arc::new(OneSampleAllocator),
+    )
+    .unwrap();
+    let page = ddp_data::memory::page_size();
+    let one_image = (3 * 64 * 64 * 4usize).next_multiple_of(page);
+    match loader.next() {
+        Some(Err(
+            e @ DataError::InvalidParameter {
+                name: "slot memory",
+                ..
+            },
+        )) => assert_eq!(
+            e.to_string(),
+            format!(
+                "invalid slot memory: expected at least 3145728 bytes of input, 256 of \
+                 targets and 512 of lengths (64 samples of input shape [3, 64, 64] and target \
+                 shape [1]): allocate for the request the allocator is given, found \
+                 {one_image} bytes of input, {page} of targets and {page} of lengths from \
+                 the slot allocator"
+            )
+        ),
+        other => panic!("expected the short slot to be refused, got {other:?}"),
+    }
+    assert!(loader.next().is_none());
 }

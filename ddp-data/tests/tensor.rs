@@ -600,3 +600,25 @@ fn no_gpu_reason() -> String {
         }
     }
 }
+
+/// A layout whose targets have no values (`[0]`): libtorch gives a tensor without elements
+/// no storage (a null data pointer), which the ring's slot must not hand on as the start of
+/// a slice. Every batch loads, with `[B, 0]` targets and its inputs.
+#[test]
+fn samples_without_target_values_load() {
+    let inputs = Array::new((0..8).map(|v| v as f32).collect::<Vec<_>>(), [4, 2]).unwrap();
+    let targets = Array::new(Vec::<f32>::new(), [4, 0]).unwrap();
+    let data = TensorDataset::new(inputs, targets).unwrap();
+    assert_eq!(data.layout().target_shape, [0]);
+    let config = LoaderConfig {
+        workers: 2,
+        ..LoaderConfig::new(2)
+    };
+    let mut seen = Vec::new();
+    for batch in Loader::new(data, (0..4).collect(), &config).unwrap() {
+        let batch = batch.unwrap();
+        assert_eq!(batch.targets().size(), [2, 0]);
+        seen.push(Vec::<f32>::try_from(batch.inputs().flatten(0, -1)).unwrap());
+    }
+    assert_eq!(seen, [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]);
+}
