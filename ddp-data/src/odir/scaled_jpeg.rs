@@ -20,13 +20,21 @@ use crate::crop::SourceRegion;
 /// A libjpeg error or warning, carried out of the C code by unwinding.
 struct Failure(String);
 
+/// libjpeg's `format_message` as C declares it: it writes into `buffer` (mozjpeg-sys
+/// declares the buffer `&[u8; 80]`, a shared reference that must not be written through).
+type FormatMessage = unsafe extern "C-unwind" fn(cinfo: &mut jpeg_common_struct, buffer: *mut u8);
+
 fn message(cinfo: &mut jpeg_common_struct) -> String {
     let mut buffer = [0u8; 80];
     // SAFETY: `err` was set to a live `jpeg_error_mgr` before any libjpeg call, and
     // `format_message` writes a NUL-terminated string of at most 80 bytes into `buffer`.
+    // The transmute changes only the buffer's parameter type, from `&[u8; 80]` to
+    // `*mut u8`: both are one non-null pointer in the C ABI, and libjpeg's C function
+    // takes `char *buffer`.
     unsafe {
         if let Some(format) = (*cinfo.err).format_message {
-            format(cinfo, &buffer);
+            let format: FormatMessage = std::mem::transmute(format);
+            format(cinfo, buffer.as_mut_ptr());
             buffer[79] = 0;
         }
     }
