@@ -17,9 +17,26 @@ const STRANGERS: usize = 2000;
 /// How long the ranks train under the flood.
 const TRAINING: Duration = Duration::from_secs(25);
 
-/// Descriptors open in process `pid`.
-fn descriptors(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+/// Descriptors open in process `pid`, or `None` once it has exited. A process that is
+/// running but whose descriptors cannot be listed fails the test: counting 0 would pass the
+/// bound whatever rank 0 holds.
+fn descriptors(pid: u32) -> Option<usize> {
+    match std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        Ok(dir) => Some(dir.count()),
+        Err(_) if exited(pid) => None,
+        Err(e) => panic!("cannot list /proc/{pid}/fd of rank 0: {e}"),
+    }
+}
+
+/// Whether process `pid` has exited (reaped, or a zombie).
+fn exited(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+        stat.rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z')
+    })
 }
 
 #[test]
@@ -62,7 +79,8 @@ fn a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job() {
     ddp_testkit::wait_for("both ranks joined", Duration::from_secs(60), || {
         (0..2).all(|r| flood_ready.join(r.to_string()).exists())
     });
-    let baseline = descriptors(pid0);
+    let baseline = descriptors(pid0).expect("rank 0 runs while the flood starts");
+    assert!(baseline >= 3, "rank 0 lists only {baseline} descriptors");
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let flood = std::thread::spawn(move || {
         let mut strangers: Vec<Option<TcpStream>> = (0..STRANGERS).map(|_| None).collect();
@@ -85,7 +103,7 @@ fn a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job() {
                     }
                 }
             }
-            most = most.max(descriptors(pid0));
+            most = most.max(descriptors(pid0).unwrap_or(0));
             std::thread::sleep(Duration::from_millis(500));
         }
         (opened, most)
@@ -93,7 +111,7 @@ fn a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job() {
     // Rank 0's descriptors, sampled while the flood lasts.
     let mut most = baseline;
     while !flood.is_finished() {
-        most = most.max(descriptors(pid0));
+        most = most.max(descriptors(pid0).unwrap_or(0));
         std::thread::sleep(Duration::from_millis(50));
     }
     let (opened, flood_most) = flood.join().unwrap();

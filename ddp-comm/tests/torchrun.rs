@@ -13,10 +13,18 @@ use std::time::{Duration, Instant};
 use common::{free_port, lines_with, show, wait_all, worker, WORKER_ENV};
 use ddp_comm::{CommError, Options, ProcessGroup, ReduceOp, Secret};
 
-fn torchrun() -> Option<PathBuf> {
-    let deps = std::env::var_os("DDP_DEPS_DIR")?;
+/// The setup's torchrun: `cargo xtask setup` installs it, so its absence fails the test
+/// rather than skipping the only tests of the agent store.
+fn torchrun() -> PathBuf {
+    let deps =
+        std::env::var_os("DDP_DEPS_DIR").expect("cargo sets DDP_DEPS_DIR (.cargo/config.toml)");
     let path = PathBuf::from(deps).join("venv/bin/torchrun");
-    path.exists().then_some(path)
+    assert!(
+        path.exists(),
+        "{} not found: run cargo xtask setup",
+        path.display()
+    );
+    path
 }
 
 #[test]
@@ -55,10 +63,7 @@ fn ranks_started_by_torchrun_meet_through_the_agent_store() {
         println!("TORCHRUN rank {rank} of {n} ok");
         return;
     }
-    let Some(torchrun) = torchrun() else {
-        println!("skipped: no torchrun under $DDP_DEPS_DIR/venv/bin (run cargo xtask setup)");
-        return;
-    };
+    let torchrun = torchrun();
     let config = ddp_testkit::temp_dir("torchrun-config");
     let mut cmd = torchrun_of(
         &torchrun,
@@ -131,10 +136,7 @@ fn a_rank_with_another_secret_stops_every_rank_under_the_agent_store() {
         assert!(waited < Duration::from_secs(30), "rank {rank}: {waited:?}");
         return;
     }
-    let Some(torchrun) = torchrun() else {
-        println!("skipped: no torchrun under $DDP_DEPS_DIR/venv/bin (run cargo xtask setup)");
-        return;
-    };
+    let torchrun = torchrun();
     let mut cmd = torchrun_of(&torchrun, TEST);
     cmd.env("DDP_SECRET", "a".repeat(32))
         .env("DDP_RDZV_TIMEOUT_S", "120")
