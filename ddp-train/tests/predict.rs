@@ -164,6 +164,66 @@ fn predict_writes_the_same_submission_on_1_and_2_ranks_in_the_challenges_format(
     }
 }
 
+/// Every rank scores rank 0's model, whatever file it read: here `--checkpoint` is a relative
+/// path from each rank's own working folder, as a run directory still training resolves to
+/// another checkpoint on each rank. The files are those of 1 rank with rank 0's model.
+#[test]
+fn every_rank_scores_rank_0s_model_whatever_file_it_read() {
+    let tmp = common::temp_dir("ddp-train-predict-rank-0s-model");
+    let dir = tmp.path();
+    let (data, model) = setup(dir);
+    let images = data.join("test/preprocessed_images");
+    let folders = [dir.join("rank-0"), dir.join("rank-1")];
+    for folder in &folders {
+        std::fs::create_dir(folder).unwrap();
+    }
+    std::fs::copy(&model, folders[0].join("model.safetensors")).unwrap();
+    tch::manual_seed(6);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _net = ConvNet::new(&vs.root(), ConvNetConfig::default());
+    checkpoint::save(
+        &vs,
+        folders[1].join("model.safetensors"),
+        &Default::default(),
+    )
+    .unwrap();
+
+    let alone = dir.join("alone");
+    common::assert_all_ok(&predict(1, &images, &model, &alone));
+    let both = dir.join("both");
+    let port = common::free_port();
+    let children = folders
+        .iter()
+        .enumerate()
+        .map(|(rank, folder)| {
+            let mut cmd = common::rank_command(env!("CARGO_BIN_EXE_ddp-train"), rank, 2, port);
+            cmd.current_dir(folder)
+                .args(["predict", "--checkpoint", "model.safetensors", "--data"])
+                .arg(&images)
+                .args(["--image-size", "32", "--batch-size", "4", "--out"])
+                .arg(&both)
+                .args([
+                    "--threads",
+                    "1",
+                    "--workers",
+                    "1",
+                    "--collective-timeout",
+                    "30",
+                ])
+                .env("DDP_RDZV_TIMEOUT_S", "30")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            cmd.spawn().expect("a ddp-train rank starts")
+        })
+        .collect();
+    common::assert_all_ok(&common::wait_all(children, Limits::SHORT.run));
+    for file in ["submission.csv", "predictions.csv", "decisions.csv"] {
+        let one = std::fs::read(alone.join(file)).unwrap();
+        let two = std::fs::read(both.join(file)).unwrap();
+        assert!(one == two, "{file} is not that of rank 0's model");
+    }
+}
+
 #[test]
 fn an_undecodable_image_stops_every_rank_naming_it() {
     let tmp = common::temp_dir("ddp-train-predict-corrupt");

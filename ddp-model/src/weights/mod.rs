@@ -62,7 +62,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::fs::File;
 use std::io::Read;
@@ -275,6 +275,7 @@ pub struct StateDict {
     path: PathBuf,
     entry: Option<String>,
     tensors: Vec<(String, Tensor)>,
+    metadata: HashMap<String, String>,
 }
 
 impl StateDict {
@@ -284,7 +285,21 @@ impl StateDict {
             path: path.into(),
             entry: None,
             tensors,
+            metadata: HashMap::new(),
         }
+    }
+
+    /// The same tensors, with the file's metadata (a safetensors header's `__metadata__`).
+    #[must_use]
+    pub fn with_metadata(mut self, metadata: HashMap<String, String>) -> Self {
+        self.metadata = metadata;
+        self
+    }
+
+    /// The metadata read with the tensors, from the same read of the file: a safetensors
+    /// header's `__metadata__` (the training's `"epoch"`, say); empty for a `torch.save` file.
+    pub fn metadata(&self) -> &HashMap<String, String> {
+        &self.metadata
     }
 
     /// The same tensors, recorded as read from the file's entry `entry` (`None`: the
@@ -504,10 +519,12 @@ fn read_head(path: &Path, head: &mut [u8]) -> Result<(usize, u64), WeightsError>
 
 fn read_safetensors(path: &Path) -> Result<StateDict, WeightsError> {
     let bytes = std::fs::read(path).map_err(|e| WeightsError::io(path, e))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| WeightsError::UnknownFormat {
+    let invalid = |e: safetensors::SafeTensorError| WeightsError::UnknownFormat {
         path: path.to_owned(),
         reason: format!("its safetensors header is invalid: {e}"),
-    })?;
+    };
+    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(invalid)?;
+    let st = SafeTensors::deserialize(&bytes).map_err(invalid)?;
     let mut views = st.tensors();
     // File order is data order.
     views.sort_by_key(|(_, v)| v.data().as_ptr() as usize);
@@ -529,7 +546,8 @@ fn read_safetensors(path: &Path) -> Result<StateDict, WeightsError> {
         })?;
         tensors.push((name, t));
     }
-    Ok(StateDict::new(path, tensors))
+    let metadata = header.metadata().clone().unwrap_or_default();
+    Ok(StateDict::new(path, tensors).with_metadata(metadata))
 }
 
 /// Copies `state` into the model's variables, by name, as PyTorch's `load_state_dict` does:

@@ -20,6 +20,6 @@ pub use predict::{
     evaluate, predict, submission_csv, EvaluateArgs, Evaluation, ModelFile, OdirCommand,
     PredictArgs, Prediction, EVALUATE_FLAGS, PREDICT_FLAGS,
 };
-pub use score::{load_checkpoint, score, Scored};
+pub use score::{load_checkpoint, score, LoadedCheckpoint, LoadedModel, Scored};
 pub use stats::{combine_patients, OdirStats, PatientPredictions, Patients};
 pub use task::{odir_model, OdirTask};

@@ -18,7 +18,7 @@ use serde_json::{json, Map, Value};
 
 use super::challenge::THRESHOLD;
 use super::cli::TrainConfig;
-use super::score::{score, Scored};
+use super::score::{score, LoadedModel, Scored};
 use super::task::{data_options, skipped_json, skipped_lines};
 use crate::error::TrainError;
 use crate::task::Stats;
@@ -140,13 +140,19 @@ pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
     let c = &args.config;
     c.validate()?;
     let set = Arc::new(OdirDataset::open_unlabelled(&c.data)?);
-    // Read before meeting the other ranks: a bad file fails on every rank alike.
+    // Read before meeting the other ranks: a bad file fails on every rank alike. The
+    // thresholds are checked against the model read, not the file as it is now.
+    let model = LoadedModel::load(c, &args.model)?;
     let ThresholdFile {
         thresholds,
         tuned_with,
         unchecked,
-    } = read_thresholds(args.thresholds.as_deref(), &args.model.checkpoint)?;
-    let scored = score(c, &args.model, set)?;
+    } = read_thresholds(
+        args.thresholds.as_deref(),
+        &args.model.checkpoint,
+        model.checkpoint.epoch,
+    )?;
+    let scored = score(c, &args.model, model, set)?;
     if let (Some(why), 0) = (&unchecked, scored.rank) {
         tracing::warn!("warning: {why}");
     }
@@ -221,7 +227,8 @@ pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
     // A folder whose every image --skip-corrupt left out has nothing to score (its metrics
     // would be NaN): refused as training refuses it, naming the folder and the first image.
     ddp_data::odir::all_indices(&set)?;
-    let scored = score(c, &args.model, Arc::new(set))?;
+    let model = LoadedModel::load(c, &args.model)?;
+    let scored = score(c, &args.model, model, Arc::new(set))?;
     let mut report = scored.stats.report();
     report.extend(scored.stats.details());
     let mut report = report.into_map();
@@ -272,11 +279,15 @@ struct ThresholdFile {
 /// `--eye-combine` the file says they were tuned with.
 ///
 /// Thresholds found beside the model must be its: the training records the epoch in both
-/// files, and a file of another epoch than the model's is refused (another model of the run
-/// had it). Where either file records no epoch (thresholds written by hand, a model from
+/// files, and a file of another epoch than `model_epoch` (that of the model read from
+/// `checkpoint`) is refused (another model of the run had it). Where either file records no epoch (thresholds written by hand, a model from
 /// elsewhere) they are used with a warning. `given` files are the user's choice, and not
 /// checked.
-fn read_thresholds(given: Option<&Path>, checkpoint: &Path) -> Result<ThresholdFile, TrainError> {
+fn read_thresholds(
+    given: Option<&Path>,
+    checkpoint: &Path,
+    model_epoch: Option<u64>,
+) -> Result<ThresholdFile, TrainError> {
     let beside = checkpoint.with_extension("json");
     let path = match given {
         Some(p) => p.to_path_buf(),
@@ -333,7 +344,7 @@ fn read_thresholds(given: Option<&Path>, checkpoint: &Path) -> Result<ThresholdF
         .map(str::to_string);
     let unchecked = match given {
         Some(_) => None,
-        None => belongs_to_model(&path, doc.get("epoch"), checkpoint)?,
+        None => belongs_to_model(&path, doc.get("epoch"), checkpoint, model_epoch)?,
     };
     Ok(ThresholdFile {
         thresholds: (thresholds, Some(path)),
@@ -343,12 +354,13 @@ fn read_thresholds(given: Option<&Path>, checkpoint: &Path) -> Result<ThresholdF
 }
 
 /// Whether the thresholds of `file`, tuned at `epoch` (its `"epoch"`), belong to the model
-/// `checkpoint` beside it: an error when the model is of another epoch; a warning when either
-/// records none.
+/// read from `checkpoint` beside it, of `model_epoch`: an error when the model is of another
+/// epoch; a warning when either records none.
 fn belongs_to_model(
     file: &Path,
     epoch: Option<&Value>,
     checkpoint: &Path,
+    model_epoch: Option<u64>,
 ) -> Result<Option<String>, TrainError> {
     let tuned_at = match epoch {
         None => None,
@@ -360,7 +372,6 @@ fn belongs_to_model(
             ))
         })?),
     };
-    let model_epoch = safetensors_epoch(checkpoint);
     let which = match (tuned_at, model_epoch) {
         (Some(a), Some(b)) if a == b => return Ok(None),
         (Some(a), Some(b)) => {
@@ -385,30 +396,6 @@ fn belongs_to_model(
         checkpoint.display(),
         file.display()
     )))
-}
-
-/// The epoch a safetensors model file records in its metadata (`"epoch"`, as the training
-/// writes it); `None` for any other file, or one without.
-fn safetensors_epoch(path: &Path) -> Option<u64> {
-    use std::io::Read as _;
-    // safetensors' own bound on a header.
-    const MAX_HEADER: u64 = 100_000_000;
-    let mut file = std::fs::File::open(path).ok()?;
-    let mut len = [0u8; 8];
-    file.read_exact(&mut len).ok()?;
-    let len = u64::from_le_bytes(len);
-    if len > MAX_HEADER {
-        return None;
-    }
-    let mut header = Vec::new();
-    file.take(len).read_to_end(&mut header).ok()?;
-    let header: Value = serde_json::from_slice(&header).ok()?;
-    header
-        .get("__metadata__")?
-        .get("epoch")?
-        .as_str()?
-        .parse()
-        .ok()
 }
 
 fn file_name(path: &Path) -> String {
@@ -473,8 +460,12 @@ fn predictions_csv(scored: &Scored) -> String {
 mod tests {
     use clap::CommandFactory;
 
+    use std::path::Path;
+
+    use super::super::score::load_checkpoint;
     use super::{
-        read_thresholds, ThresholdFile, TrainConfig, TrainError, EVALUATE_FLAGS, PREDICT_FLAGS,
+        read_thresholds, ModelFile, ThresholdFile, TrainConfig, TrainError, EVALUATE_FLAGS,
+        PREDICT_FLAGS,
     };
 
     #[test]
@@ -498,7 +489,7 @@ mod tests {
         let model = tmp.path().join("model.safetensors");
         let read = |text: &str| {
             std::fs::write(&file, text).unwrap();
-            read_thresholds(Some(&file), &model).map(
+            read_thresholds(Some(&file), &model, None).map(
                 |ThresholdFile {
                      thresholds,
                      tuned_with,
@@ -552,6 +543,13 @@ mod tests {
         let model = tmp.path().join("best-score.safetensors");
         let meta = std::collections::HashMap::from([("epoch".to_string(), "5".to_string())]);
         ddp_model::checkpoint::save(&vs, &model, &meta).unwrap();
+        let epoch = |model: &Path| {
+            let file = ModelFile {
+                checkpoint: model.to_path_buf(),
+                key: None,
+            };
+            load_checkpoint(&vs, &file).unwrap().epoch
+        };
         let beside = tmp.path().join("best-score.json");
         let write = |epoch: &str| {
             let text =
@@ -559,13 +557,13 @@ mod tests {
             std::fs::write(&beside, text).unwrap();
         };
         write(r#", "epoch": 5"#);
-        let read = read_thresholds(None, &model).unwrap();
+        let read = read_thresholds(None, &model, epoch(&model)).unwrap();
         assert_eq!(read.thresholds.1.as_deref(), Some(beside.as_path()));
         assert_eq!(read.thresholds.0[7], 0.3);
         assert_eq!(read.unchecked, None);
 
         write(r#", "epoch": 1"#);
-        match read_thresholds(None, &model) {
+        match read_thresholds(None, &model, epoch(&model)) {
             Err(TrainError::Invalid(e)) => assert_eq!(
                 e,
                 format!(
@@ -579,11 +577,14 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // Given by name, they are used as they are.
-        let given = read_thresholds(Some(&beside), &model).unwrap();
+        let given = read_thresholds(Some(&beside), &model, epoch(&model)).unwrap();
         assert_eq!((given.thresholds.0[7], given.unchecked), (0.3, None));
 
         write("");
-        let unchecked = read_thresholds(None, &model).unwrap().unchecked.unwrap();
+        let unchecked = read_thresholds(None, &model, epoch(&model))
+            .unwrap()
+            .unchecked
+            .unwrap();
         assert!(
             unchecked.contains("are used for")
                 && unchecked.contains("unchecked: the thresholds record no epoch"),
@@ -597,14 +598,70 @@ mod tests {
             r#"{"thresholds": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], "epoch": 2}"#,
         )
         .unwrap();
-        let unchecked = read_thresholds(None, &plain).unwrap().unchecked.unwrap();
+        let unchecked = read_thresholds(None, &plain, epoch(&plain))
+            .unwrap()
+            .unchecked
+            .unwrap();
         assert!(
             unchecked.contains("unchecked: the model records no epoch"),
             "{unchecked}"
         );
         write(r#", "epoch": "five""#);
-        match read_thresholds(None, &model) {
+        match read_thresholds(None, &model, epoch(&model)) {
             Err(TrainError::Invalid(e)) => assert!(e.contains(r#"its "epoch" is "five""#), "{e}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The thresholds are checked against the model read, not the file as it is after: a
+    /// best model replaced (by a run still training) between the two reads paired the new
+    /// model's epoch with the thresholds of the one scored.
+    #[test]
+    fn thresholds_are_checked_against_the_model_read() {
+        let tmp = ddp_testkit::temp_dir("ddp-train-thresholds-model-read");
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let w = vs.root().zeros("w", &[1]);
+        let model = tmp.path().join("best-score.safetensors");
+        // The training's model, `w` = its epoch.
+        let save = |epoch: u64| {
+            let training = tch::nn::VarStore::new(tch::Device::Cpu);
+            let _ = training
+                .root()
+                .var("w", &[1], tch::nn::Init::Const(epoch as f64));
+            let meta = std::collections::HashMap::from([("epoch".into(), epoch.to_string())]);
+            ddp_model::checkpoint::save(&training, &model, &meta).unwrap();
+        };
+        save(4);
+        std::fs::write(
+            model.with_extension("json"),
+            r#"{"thresholds": [0.5, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.3], "epoch": 4}"#,
+        )
+        .unwrap();
+        let file = ModelFile {
+            checkpoint: model.clone(),
+            key: None,
+        };
+        let read = load_checkpoint(&vs, &file).unwrap();
+        // The training saves its next best model (the thresholds' file not yet replaced).
+        save(5);
+        assert_eq!(
+            (read.epoch, read.file.as_path()),
+            (Some(4), model.as_path())
+        );
+        assert_eq!(f64::try_from(&w).unwrap(), 4.0);
+        let thresholds = read_thresholds(None, &model, read.epoch).unwrap();
+        assert_eq!(
+            (thresholds.thresholds.0[7], thresholds.unchecked),
+            (0.3, None)
+        );
+        // Read after the save, the model is epoch 5's, and the thresholds are not its.
+        let again = load_checkpoint(&vs, &file).unwrap();
+        assert_eq!(f64::try_from(&w).unwrap(), 5.0);
+        match read_thresholds(None, &model, again.epoch) {
+            Err(TrainError::Invalid(e)) => assert!(
+                e.contains("were tuned for the model of epoch 4") && e.contains("of epoch 5"),
+                "{e}"
+            ),
             other => panic!("{other:?}"),
         }
     }

@@ -21,14 +21,29 @@ use super::task::{default_eval_resize, eval_transform, odir_model};
 use crate::error::{Context, TrainError};
 use crate::task::Stats;
 
+/// What [`load_checkpoint`] read.
+#[derive(Debug)]
+pub struct LoadedCheckpoint {
+    /// What was loaded, and from which entry of the file.
+    pub report: LoadReport,
+    /// The file read: `--checkpoint`, or the latest checkpoint of the run directory it names.
+    pub file: PathBuf,
+    /// The epoch the file records (`"epoch"` in a safetensors header, as the training writes
+    /// it), from the read that gave the weights; `None` for a file without one.
+    pub epoch: Option<u64>,
+}
+
 /// Reads the model's weights from `model.checkpoint` into `vs` (on the CPU): a model file of
 /// ours (`best-*.safetensors`, a `checkpoints/epoch-*.safetensors` of a run), PyTorch's
 /// `torch.save(model.state_dict())`, a training checkpoint holding it (its entry
 /// `model.key`, or its one state_dict) or `safetensors.torch.save_file` of the same model (a
 /// DDP `module.` prefix is stripped), or a run directory, whose latest checkpoint is read.
 /// Every name and shape is checked before anything is loaded (strictly, as
-/// `--init-from`). Returns what was loaded, and from which entry of the file.
-pub fn load_checkpoint(vs: &nn::VarStore, model: &ModelFile) -> Result<LoadReport, TrainError> {
+/// `--init-from`). The weights and the epoch come from one read of the file.
+pub fn load_checkpoint(
+    vs: &nn::VarStore,
+    model: &ModelFile,
+) -> Result<LoadedCheckpoint, TrainError> {
     let path = &model.checkpoint;
     let file = if path.is_dir() {
         crate::state::resolve("latest", Some(path))?
@@ -40,8 +55,23 @@ pub fn load_checkpoint(vs: &nn::VarStore, model: &ModelFile) -> Result<LoadRepor
             path.display()
         )));
     };
-    match weights::load(vs, &file, model.key.as_deref(), Strictness::Strict) {
-        Ok(report) => Ok(report),
+    let read = match model.key.as_deref() {
+        Some(key) => weights::read_state_dict_entry(&file, key),
+        None => weights::read_state_dict(&file),
+    };
+    let loaded = read.and_then(|state| {
+        let report = weights::load_state_dict(vs, &state, Strictness::Strict)?;
+        Ok((
+            report,
+            state.metadata().get("epoch").and_then(|e| e.parse().ok()),
+        ))
+    });
+    match loaded {
+        Ok((report, epoch)) => Ok(LoadedCheckpoint {
+            report,
+            file,
+            epoch,
+        }),
         Err(e @ WeightsError::SeveralStateDicts { .. }) => {
             Err(TrainError::Invalid(format!("{e} (--checkpoint-key)")))
         }
@@ -58,6 +88,32 @@ pub fn load_checkpoint(vs: &nn::VarStore, model: &ModelFile) -> Result<LoadRepor
             kind.name()
         ))),
         Err(e) => Err(e.into()),
+    }
+}
+
+/// The model `predict` and `evaluate` score, built as the training built it and loaded from
+/// `--checkpoint` ([`load_checkpoint`]) on the CPU, before the ranks meet: a bad file fails on
+/// every rank alike. [`score`] then scores rank 0's.
+#[derive(Debug)]
+pub struct LoadedModel {
+    vs: nn::VarStore,
+    model: ddp_model::Model,
+    /// What was read.
+    pub checkpoint: LoadedCheckpoint,
+}
+
+impl LoadedModel {
+    /// Builds the model of `c` and loads `model_file` into it.
+    pub fn load(c: &TrainConfig, model_file: &ModelFile) -> Result<Self, TrainError> {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = odir_model(&vs.root(), c);
+        let checkpoint = load_checkpoint(&vs, model_file)
+            .context(|| format!("loading the model from {}", model_file.checkpoint.display()))?;
+        Ok(Self {
+            vs,
+            model,
+            checkpoint,
+        })
     }
 }
 
@@ -138,8 +194,12 @@ pub struct Scored {
     pub world_size: usize,
 }
 
-/// Runs the model of `checkpoint` (built as the training built it, from `c`) on every image
-/// of `set` through the evaluation transform, as this rank of the job in the environment.
+/// Runs `loaded`, the model of `model_file`, on every image of `set` through the evaluation
+/// transform of `c`, as this rank of the job in the environment.
+///
+/// Every rank scores rank 0's model: its weights are sent to all first, as DDP starts from
+/// rank 0's, so ranks that read the file at other moments (a run directory whose `latest`
+/// moved on, a best model replaced meanwhile) score what rank 0 read.
 ///
 /// Each rank takes whole batches of the folder in turn (batch `b` goes to rank
 /// `b % world_size`), so every image is scored once, in a batch of the same images whatever
@@ -148,6 +208,7 @@ pub struct Scored {
 pub fn score(
     c: &TrainConfig,
     model_file: &ModelFile,
+    loaded: LoadedModel,
     set: Arc<OdirDataset>,
 ) -> Result<Scored, TrainError> {
     let checkpoint = &model_file.checkpoint;
@@ -158,11 +219,11 @@ pub fn score(
     let (device, _) = settings
         .runtime
         .place(env.local_rank, env.local_world_size)?;
-    // The model before meeting the others: a bad checkpoint fails on every rank alike.
-    let mut vs = nn::VarStore::new(Device::Cpu);
-    let model = odir_model(&vs.root(), c);
-    let loaded = load_checkpoint(&vs, model_file)
-        .context(|| format!("loading the model from {}", checkpoint.display()))?;
+    let LoadedModel {
+        mut vs,
+        model,
+        checkpoint: loaded,
+    } = loaded;
     vs.set_device(device);
     let images = OdirImages::new(set.clone(), eval_transform(c)?);
     let all: Vec<usize> = (0..images.len()).collect();
@@ -195,6 +256,12 @@ pub fn score(
             theirs = String::from_utf8_lossy(theirs),
         )));
     }
+    // Rank 0's model on every rank, in the order of the names.
+    tch::no_grad(|| {
+        ddp_model::checkpoint::named_tensors(&vs)
+            .into_iter()
+            .try_for_each(|(_, mut t)| pg.broadcast(&mut t, 0))
+    })?;
     let proposed = settings
         .out
         .clone()
@@ -271,7 +338,7 @@ pub fn score(
     Ok(Scored {
         stats,
         set,
-        checkpoint_entry: loaded.entry,
+        checkpoint_entry: loaded.report.entry,
         out,
         rank,
         world_size: world,
