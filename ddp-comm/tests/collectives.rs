@@ -407,6 +407,35 @@ fn all_gather_body() {
         matches!(err, ddp_comm::CommError::InvalidArgument(_)),
         "{err:?}"
     );
+    // In place, as PyTorch's `all_gather_into_tensor(out, out.narrow(0, rank * n, n))`.
+    let f32_cpu = (tch::Kind::Float, tch::Device::Cpu);
+    let mut out = Tensor::full([n as i64 * 3], -1.0, f32_cpu);
+    let mut chunk = out.narrow(0, rank as i64 * 3, 3);
+    chunk.copy_(&Tensor::from_slice(&[rank as f32, 7.0, 8.0]));
+    group.all_gather_into(&chunk, &mut out).unwrap();
+    let got: Vec<f32> = Vec::try_from(&out).unwrap();
+    let want: Vec<f32> = (0..n).flat_map(|r| [r as f32, 7.0, 8.0]).collect();
+    assert_eq!(got, want, "rank {rank}: all_gather_into in place");
+    // An input that overlaps the output elsewhere is refused on every rank before they meet.
+    let base = Tensor::zeros([n as i64 * 3 + 1], f32_cpu);
+    let mut out = base.narrow(0, 0, n as i64 * 3);
+    let err = group
+        .all_gather_into(&base.narrow(0, 1, 3), &mut out)
+        .unwrap_err();
+    match err {
+        ddp_comm::CommError::InvalidArgument(message) => assert_eq!(
+            message,
+            format!(
+                "all_gather_into: the input overlaps the output at byte offset 4 of the \
+                 output, but rank {rank}'s place there is at byte {}: gather into a tensor \
+                 that does not share the input's memory, or make the input this rank's chunk \
+                 of the output (output.narrow(0, {rank} * n, n) for a one-dimensional output \
+                 of n per rank)",
+                rank * 12
+            )
+        ),
+        other => panic!("rank {rank}: expected InvalidArgument, got {other:?}"),
+    }
     // Byte strings of different lengths, including empty and large ones.
     for scale in [1usize, 40_000] {
         let mine = vec![rank as u8 + 1; rank * 3 * scale];

@@ -21,7 +21,8 @@ use crate::element::{as_bytes_mut, Element, ReduceOp};
 use crate::error::CommError;
 use crate::group::rendezvous::Plan;
 use crate::group::tensor::{
-    bool_op, cpu_bytes, cpu_dtype, cuda_buffer, device_of, unsupported_device, Collective,
+    bool_op, cpu_bytes, cpu_dtype, cuda_buffer, device_of, gather_in_place, unsupported_device,
+    Collective,
 };
 use crate::group::work::{panic_text, Op, Queue, Work};
 use crate::nccl::inflight::Aborted;
@@ -377,7 +378,9 @@ impl ProcessGroup {
     /// Gathers every rank's `input` into `output`, a contiguous tensor of the same dtype and
     /// device holding `world_size` times as many elements (any shape): rank `r`'s elements
     /// land at `r * input.numel()` in order. The counterpart of PyTorch's
-    /// `all_gather_into_tensor`; reusing `output` saves an allocation per call.
+    /// `all_gather_into_tensor`; reusing `output` saves an allocation per call. As there,
+    /// `input` may be this rank's chunk of `output` (in place); any other overlap of the two
+    /// is refused ([`CommError::InvalidArgument`]).
     pub fn all_gather_into(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
         self.drain();
         self.heartbeat.enter();
@@ -400,7 +403,12 @@ impl ProcessGroup {
                 input.numel()
             )));
         }
-        self.run(Collective::AllGather { input, output })
+        let in_place = gather_in_place(input, output, self.rank)?;
+        self.run(Collective::AllGather {
+            input,
+            output,
+            in_place,
+        })
     }
 
     /// Runs `c` on the backend of its tensors' device: the device dispatch of every tensor
@@ -424,7 +432,16 @@ impl ProcessGroup {
                 let (bytes, _) = cpu_bytes(t)?;
                 lock(&self.cpu).broadcast(bytes, root)
             }
-            Collective::AllGather { input, output } => {
+            Collective::AllGather {
+                output,
+                in_place: true,
+                ..
+            } => {
+                // The input is this rank's chunk of the output: one slice of its bytes.
+                let (dst, _) = cpu_bytes(output)?;
+                lock(&self.cpu).all_gather_in_place(dst)
+            }
+            Collective::AllGather { input, output, .. } => {
                 let mut source = input.shallow_clone();
                 let (src, _) = cpu_bytes(&mut source)?;
                 let (dst, _) = cpu_bytes(output)?;
@@ -443,7 +460,9 @@ impl ProcessGroup {
             Collective::Broadcast(t, root) => {
                 (buffer(t)?, NcclOp::Broadcast(root), vec![t.shallow_clone()])
             }
-            Collective::AllGather { input, output } => {
+            // In place (the input this rank's chunk of the output) is NCCL's own in-place
+            // all-gather: the same two pointers.
+            Collective::AllGather { input, output, .. } => {
                 let buf = buffer(input)?;
                 let recv = buffer(output)?.ptr;
                 let keep = vec![input.shallow_clone(), output.shallow_clone()];

@@ -16,10 +16,12 @@ pub(crate) enum Collective<'a> {
     AllReduce(&'a mut Tensor, ReduceOp),
     /// In place, from rank `root`.
     Broadcast(&'a mut Tensor, usize),
-    /// Into `output`: same dtype and device, `world_size` times the input's elements.
+    /// Into `output`: same dtype and device, `world_size` times the input's elements;
+    /// `in_place` when `input` is this rank's chunk of `output` ([`gather_in_place`]).
     AllGather {
         input: &'a Tensor,
         output: &'a mut Tensor,
+        in_place: bool,
     },
 }
 
@@ -124,6 +126,39 @@ pub(crate) fn bool_op(t: &Tensor, op: ReduceOp) -> Result<ReduceOp, CommError> {
                 .into(),
         )),
     }
+}
+
+/// Where an all-gather's `input` lies in its `output` (of one dtype and device, `output`
+/// holding `world_size` times the input's elements): `true` when it is exactly rank
+/// `rank`'s chunk (PyTorch's in-place all-gather, `input = output.narrow(0, rank * n, n)`),
+/// `false` when they share no byte. Any other overlap is refused: the output would be
+/// written while the input is read. Tensors that are not dense and contiguous are left to
+/// the backends' checks.
+pub(crate) fn gather_in_place(
+    input: &Tensor,
+    output: &Tensor,
+    rank: usize,
+) -> Result<bool, CommError> {
+    if check_layout(input, "any").is_err() || check_layout(output, "any").is_err() {
+        return Ok(false);
+    }
+    let element = output.kind().elt_size_in_bytes();
+    let (len, out_len) = (input.numel() * element, output.numel() * element);
+    let (start, out) = (input.data_ptr() as usize, output.data_ptr() as usize);
+    if len == 0 || start >= out + out_len || out >= start + len {
+        return Ok(false);
+    }
+    if start == out + rank * len {
+        return Ok(true);
+    }
+    Err(CommError::InvalidArgument(format!(
+        "all_gather_into: the input overlaps the output at byte offset {} of the output, \
+         but rank {rank}'s place there is at byte {}: gather into a tensor that does not \
+         share the input's memory, or make the input this rank's chunk of the output \
+         (output.narrow(0, {rank} * n, n) for a one-dimensional output of n per rank)",
+        start as i128 - out as i128,
+        rank * len
+    )))
 }
 
 /// Fails unless `t` is defined, dense (strided) and contiguous (`backend` names the refusing

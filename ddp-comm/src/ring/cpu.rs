@@ -319,6 +319,15 @@ impl CpuBackend {
         let len = input.len();
         assert_eq!(out.len(), len * self.world, "all_gather output size");
         out[self.rank * len..][..len].copy_from_slice(input);
+        self.all_gather_in_place(out)
+    }
+
+    /// All-gather whose contribution is already in place: this rank's `out.len() / world`
+    /// bytes at `rank * out.len() / world` of `out`.
+    pub(crate) fn all_gather_in_place(&mut self, out: &mut [u8]) -> Result<(), CommError> {
+        self.check()?;
+        let len = out.len() / self.world;
+        assert_eq!(out.len(), len * self.world, "all_gather output size");
         if self.world == 1 {
             return Ok(());
         }
