@@ -157,11 +157,15 @@ impl EnvConfig {
         Self::from_lookup(|name| std::env::var(name).ok())
     }
 
-    /// Reads the variables through `get` (a map in tests, the process environment in
+    /// Reads the variables through `lookup` (a map in tests, the process environment in
     /// [`EnvConfig::from_env`]).
-    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, CommError> {
+    ///
+    /// A variable set to an empty or blank value counts as unset, except `DDP_SECRET`: an
+    /// empty one (a failed `export DDP_SECRET=$(...)`) is an error naming it, as `ddp-run`
+    /// refuses it, rather than a silent fall-back to the key file.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, CommError> {
         let get = |name: &str| {
-            get(name)
+            lookup(name)
                 .map(|v| v.trim().to_string())
                 .filter(|v| !v.is_empty())
         };
@@ -297,6 +301,15 @@ impl EnvConfig {
             .unwrap_or_else(|| DEFAULT_RUN_ID.to_string());
         if run_id.len() > MAX_RUN_ID_LEN {
             return Err(malformed(RUN_ID_ENV, &run_id, "at most 256 bytes"));
+        }
+        if let Some(text) = lookup(SECRET_ENV).filter(|v| v.trim().is_empty()) {
+            return Err(malformed(
+                SECRET_ENV,
+                &text,
+                "32 to 128 hexadecimal digits, not an empty value (did the command that \
+                 made it fail?): give the job's secret, e.g. from `openssl rand -hex 16`, or \
+                 unset DDP_SECRET to use the key file",
+            ));
         }
         let secret = get(SECRET_ENV)
             .map(|text| {
@@ -1006,6 +1019,28 @@ mod tests {
             let message = read(&[("DDP_SECRET", bad)]).unwrap_err().to_string();
             assert!(!message.contains(&bad[..16]), "{message}");
         }
+    }
+
+    /// An empty `DDP_SECRET` is not unset (the ranks would fall back to the key file while
+    /// `ddp-run` refuses it): the error names the variable; other empty variables are unset.
+    #[test]
+    fn an_empty_secret_is_an_error_naming_it() {
+        for empty in ["", "  "] {
+            match read(&[("DDP_SECRET", empty)]) {
+                Err(e @ CommError::MalformedEnv { .. }) => assert_eq!(
+                    e.to_string(),
+                    format!(
+                        "environment variable DDP_SECRET={empty:?} is not valid: expected 32 \
+                         to 128 hexadecimal digits, not an empty value (did the command that \
+                         made it fail?): give the job's secret, e.g. from `openssl rand -hex \
+                         16`, or unset DDP_SECRET to use the key file"
+                    )
+                ),
+                other => panic!("expected MalformedEnv, got {other:?}"),
+            }
+        }
+        let c = read(&[("DDP_SECRET_FILE", ""), ("DDP_RUN_ID", " ")]).unwrap();
+        assert_eq!((c.secret_file, c.run_id.as_str()), (None, "ddp-comm"));
     }
 
     #[test]
