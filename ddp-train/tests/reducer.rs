@@ -70,15 +70,7 @@ fn worker_skipped_head() {
     let mode = mode();
     let pg = Arc::new(ProcessGroup::from_env().unwrap());
     let rank = pg.rank();
-    tch::manual_seed(5);
-    let vs = nn::VarStore::new(Device::Cpu);
-    let init = nn::Init::Randn {
-        mean: 0.0,
-        stdev: 0.5,
-    };
-    let backbone = (vs.root() / "backbone").var("weight", &[8, 4], init);
-    let head_a = (vs.root() / "head_a").var("weight", &[3, 8], init);
-    let head_b = (vs.root() / "head_b").var("weight", &[5, 8], init);
+    let (vs, [backbone, head_a, head_b]) = skipped_head_model();
     let options = DdpOptions {
         find_unused_parameters: true,
         overlap: mode != "no_overlap",
@@ -114,8 +106,94 @@ fn worker_skipped_head() {
             }
         });
     }
-    let weights: Vec<String> = ddp.parameters().iter().map(|(_, p)| hex(p)).collect();
+    let weights: Vec<String> = ddp
+        .parameters()
+        .iter()
+        .map(|(name, p)| format!("{name}={}", hex(p)))
+        .collect();
     println!("rank {rank} reports: {}", weights.join(" "));
+}
+
+/// `worker_skipped_head`'s model, drawn from seed 5: the store and its backbone and two
+/// heads.
+fn skipped_head_model() -> (nn::VarStore, [Tensor; 3]) {
+    tch::manual_seed(5);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let init = nn::Init::Randn {
+        mean: 0.0,
+        stdev: 0.5,
+    };
+    let backbone = (vs.root() / "backbone").var("weight", &[8, 4], init);
+    let head_a = (vs.root() / "head_a").var("weight", &[3, 8], init);
+    let head_b = (vs.root() / "head_b").var("weight", &[5, 8], init);
+    (vs, [backbone, head_a, head_b])
+}
+
+/// A parameter's name and values.
+type Named = (String, Vec<f32>);
+
+/// `name=hex` pairs of a report, as names and `f32` values.
+fn parse_weights(report: &str) -> Vec<Named> {
+    report
+        .split(' ')
+        .map(|pair| {
+            let (name, hex) = pair.split_once('=').unwrap();
+            let bytes: Vec<u8> = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+                .collect();
+            let values = bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name.to_string(), values)
+        })
+        .collect()
+}
+
+/// `worker_skipped_head`'s 3 steps in one process, and its initial weights: both ranks'
+/// losses over the shared `h` summed (the all-reduce in backward sums what the ranks send
+/// back through it), gradients halved (DDP's average over 2 ranks).
+fn skipped_head_reference() -> (Vec<Named>, Vec<Named>) {
+    let (vs, [backbone, head_a, head_b]) = skipped_head_model();
+    let values = |vs: &nn::VarStore| -> Vec<Named> {
+        let mut named: Vec<Named> = vs
+            .variables()
+            .into_iter()
+            .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named
+    };
+    let initial = values(&vs);
+    for step in 0..3 {
+        for p in [&backbone, &head_a, &head_b] {
+            tch_ext::set_grad(p, None).unwrap();
+        }
+        let h = (0..2i64)
+            .map(|rank| {
+                tch::manual_seed(100 * step + rank);
+                let x = Tensor::randn([4, 4], (Kind::Float, Device::Cpu));
+                x.matmul(&backbone.tr()).tanh()
+            })
+            .reduce(|a, b| a + b)
+            .unwrap();
+        let loss_a = || h.matmul(&head_a.tr()).square().mean(Kind::Float);
+        let loss_b = || h.matmul(&head_b.tr()).square().mean(Kind::Float);
+        // Rank 0 always uses head_b, rank 1 on odd steps only.
+        let rank_1 = if step % 2 == 1 {
+            loss_a() + loss_b()
+        } else {
+            loss_a()
+        };
+        (loss_a() + loss_b() + rank_1).backward();
+        tch::no_grad(|| {
+            for p in [&backbone, &head_a, &head_b] {
+                let _ = p.shallow_clone().g_sub_(&(p.grad() * 0.05));
+            }
+        });
+    }
+    (initial, values(&vs))
 }
 
 /// With `find_unused_parameters`, a rank that skips a head marks it ready at the first hook
@@ -135,6 +213,27 @@ fn a_skipped_head_keeps_the_collective_order_of_backward() {
     }
     for (mode, w) in &weights[1..] {
         assert_eq!(w, &weights[0].1, "{mode} differs from prepared");
+    }
+    // The averaged gradients are the right ones: one process's over both ranks' data, and
+    // every weight moved (zero gradients would leave the ranks equal too).
+    let (initial, expected) = skipped_head_reference();
+    let mut got = parse_weights(&weights[0].1);
+    got.sort_by(|a, b| a.0.cmp(&b.0));
+    let names = |w: &[Named]| w.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&got), names(&expected));
+    for (((name, got), (_, want)), (_, start)) in got.iter().zip(&expected).zip(&initial) {
+        let moved = want
+            .iter()
+            .zip(start)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(moved > 1e-3, "{name} moved only {moved} in the reference");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-5,
+                "{name}[{i}]: {g} from the ranks, {w} in one process"
+            );
+        }
     }
 }
 
