@@ -4,13 +4,89 @@
 //! with the binary's messages and exit status.
 //!
 //! Each flag takes torchrun's spellings (`--node-rank` and `--node_rank`) and, as torchrun,
-//! its `PET_*` environment variable (`PET_NODE_RANK`) when the flag is absent.
+//! its `PET_*` environment variable (`PET_NODE_RANK`) when the flag is absent;
+//! [`try_parse_from`] names that variable when its value is refused.
 
 mod report;
 
 pub use report::{error_message, join_causes, launch_and_report};
 
+use std::ffi::OsString;
+
+use clap::error::ErrorKind;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Command, Parser};
+
 use crate::LaunchConfig;
+
+/// Parses `argv` (the program's name first) as `T::try_parse_from` does, and returns the
+/// matches too, so that a caller can tell a value typed on the command line from one a
+/// `PET_*` variable gave ([`ArgMatches::value_source`]). A variable's value that its flag
+/// refuses is named by the variable (`PET_NNODES=abc`), not by a flag never typed.
+pub fn try_parse_from<T: Parser>(
+    argv: impl IntoIterator<Item = impl Into<OsString>>,
+) -> Result<(T, ArgMatches), clap::Error> {
+    let argv: Vec<OsString> = argv.into_iter().map(Into::into).collect();
+    let mut cmd = T::command();
+    let matches = match cmd.try_get_matches_from_mut(&argv) {
+        Ok(matches) => matches,
+        Err(e)
+            if matches!(
+                e.kind(),
+                ErrorKind::InvalidValue | ErrorKind::ValueValidation
+            ) =>
+        {
+            return Err(variable_error(&mut cmd, &argv).unwrap_or(e));
+        }
+        Err(e) => return Err(e),
+    };
+    let parsed = T::from_arg_matches(&matches).map_err(|e| e.format(&mut cmd))?;
+    Ok((parsed, matches))
+}
+
+/// Where the command line alone is valid, the error of the first flag whose variable holds
+/// a value the flag refuses, naming the variable; `None` otherwise (the error is the
+/// command line's own).
+fn variable_error(cmd: &mut Command, argv: &[OsString]) -> Option<clap::Error> {
+    let typed_only = cmd.clone().mut_args(|a| a.env(None));
+    let typed = typed_only.clone().try_get_matches_from(argv).ok()?;
+    let bound: Vec<(OsString, String)> = cmd
+        .get_arguments()
+        .filter(|a| a.get_action().takes_values())
+        .filter(|a| typed.value_source(a.get_id().as_str()) != Some(ValueSource::CommandLine))
+        .filter_map(|a| Some((a.get_env()?.to_owned(), a.get_long()?.to_string())))
+        .collect();
+    for (var, long) in bound {
+        let Some(value) = std::env::var_os(&var) else {
+            continue;
+        };
+        // The variable's value as if typed, in front of the (valid) command line.
+        let mut flag = OsString::from(format!("--{long}="));
+        flag.push(&value);
+        let mut with_flag = argv.to_vec();
+        with_flag.insert(argv.len().min(1), flag);
+        let Err(e) = typed_only.clone().try_get_matches_from(with_flag) else {
+            continue;
+        };
+        if !matches!(
+            e.kind(),
+            ErrorKind::InvalidValue | ErrorKind::ValueValidation
+        ) {
+            continue;
+        }
+        let why = std::error::Error::source(&e)
+            .map_or_else(|| format!("not a value --{long} takes"), |s| s.to_string());
+        let (var, value) = (var.to_string_lossy(), value.to_string_lossy());
+        return Some(cmd.error(
+            e.kind(),
+            format!(
+                "invalid value '{value}' of the environment variable {var} (read as --{long}): \
+                 {why}; unset {var} or give --{long}"
+            ),
+        ));
+    }
+    None
+}
 
 /// Where this node's ranks stand among the nodes, and how often the group may restart.
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]

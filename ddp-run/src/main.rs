@@ -12,7 +12,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Result;
-use clap::{CommandFactory, Parser};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, Parser};
 use ddp_run::cli::{launch_and_report, NodeArgs};
 use ddp_run::{LaunchConfig, NprocPerNode};
 
@@ -42,8 +43,9 @@ struct Cli {
     #[command(flatten)]
     node: NodeArgs,
 
-    /// A single node whose ranks meet on a free local port (torchrun's --standalone).
-    #[arg(long, conflicts_with_all = ["master_addr", "master_port", "node_rank", "rdzv_endpoint"])]
+    /// A single node whose ranks meet on a free local port (torchrun's --standalone): the
+    /// rendezvous flags' `PET_*` variables are ignored.
+    #[arg(long)]
     standalone: bool,
 
     /// torchrun's rendezvous backend: only `static`, its default (every node is told where
@@ -132,8 +134,10 @@ fn parse_interval(value: &str) -> Result<f64, String> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let config = launch_config(&cli).unwrap_or_else(|message| {
+    let (mut cli, matches) =
+        ddp_run::cli::try_parse_from::<Cli>(std::env::args_os()).unwrap_or_else(|e| e.exit());
+    let config = standalone(&mut cli, &matches).and_then(|()| launch_config(&cli));
+    let config = config.unwrap_or_else(|message| {
         // Exit status 2 and the usage line, as for the command lines clap refuses.
         Cli::command()
             .error(clap::error::ErrorKind::ArgumentConflict, message)
@@ -147,6 +151,62 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The rendezvous flags that `--standalone` replaces, by clap id.
+const RENDEZVOUS: [(&str, &str); 4] = [
+    ("master_addr", "--master-addr"),
+    ("master_port", "--master-port"),
+    ("node_rank", "--node-rank"),
+    ("rdzv_endpoint", "--rdzv-endpoint"),
+];
+
+/// torchrun's `--standalone`: this node alone, its ranks meeting on a free local port. A
+/// rendezvous flag typed with it is a conflict; the same values from `PET_*` variables
+/// (Kubeflow sets them in every pod) are dropped, and so are `PET_RDZV_BACKEND` and
+/// `PET_RDZV_ID`, as torchrun replaces them all.
+fn standalone(cli: &mut Cli, matches: &ArgMatches) -> Result<(), String> {
+    if !cli.standalone {
+        return Ok(());
+    }
+    let source = |id: &str| matches.value_source(id);
+    if let Some((_, flag)) = RENDEZVOUS
+        .iter()
+        .find(|(id, _)| source(id) == Some(ValueSource::CommandLine))
+    {
+        return Err(format!(
+            "--standalone cannot be used with {flag}: a standalone node meets on a free \
+             local port of its own"
+        ));
+    }
+    if cli.node.nnodes != 1 {
+        let given = match source("nnodes") {
+            Some(ValueSource::EnvVariable) => format!(
+                "PET_NNODES={}",
+                std::env::var_os("PET_NNODES")
+                    .unwrap_or_default()
+                    .to_string_lossy()
+            ),
+            _ => format!("--nnodes {}", cli.node.nnodes),
+        };
+        return Err(format!(
+            "--standalone runs a single node; it cannot be combined with {given}"
+        ));
+    }
+    let single = NodeArgs::default();
+    cli.node.master_addr = single.master_addr;
+    cli.node.master_port = single.master_port;
+    cli.node.node_rank = single.node_rank;
+    cli.rdzv_endpoint = None;
+    for (id, value) in [
+        ("rdzv_backend", &mut cli.rdzv_backend),
+        ("rdzv_id", &mut cli.rdzv_id),
+    ] {
+        if source(id) == Some(ValueSource::EnvVariable) {
+            *value = None;
+        }
+    }
+    Ok(())
 }
 
 /// The launch the command line asks for, its ranks per node still to count where they are
@@ -166,7 +226,9 @@ fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
     ] {
         let value = std::env::var_os(var).unwrap_or_default();
         let static_backend = flag == "--rdzv-backend" && value == "static";
-        if !value.is_empty() && !static_backend {
+        // torchrun's --standalone replaces the backend, whatever the variable says.
+        let replaced = cli.standalone && flag == "--rdzv-backend";
+        if !value.is_empty() && !static_backend && !replaced {
             return Err(format!(
                 "{var}={} asks for torchrun's {flag}: {} (unset {var})",
                 value.to_string_lossy(),
@@ -178,12 +240,6 @@ fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
         return Err(format!(
             "--rdzv-backend {backend}: {}",
             instead_of("--rdzv-backend")
-        ));
-    }
-    if cli.standalone && cli.node.nnodes != 1 {
-        return Err(format!(
-            "--standalone runs a single node; it cannot be combined with --nnodes {}",
-            cli.node.nnodes
         ));
     }
     // A stand-in for the ranks per node until `run` counts the devices.

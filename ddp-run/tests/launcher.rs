@@ -772,6 +772,52 @@ fn the_static_backends_endpoint_is_where_rank_0_listens() {
     );
 }
 
+/// torchrun's `--standalone` replaces the rendezvous that `PET_*` variables give (Kubeflow
+/// sets them in every pod), where the same flags typed with it are a conflict; and a
+/// variable's value that its flag refuses is named by the variable, not by the flag.
+#[test]
+fn standalone_replaces_the_rendezvous_of_pet_variables() {
+    let script = r#"echo "at $MASTER_ADDR rank $RANK of node $GROUP_RANK""#;
+    let standalone = || ddp_run(&["--standalone", "sh", "-c", script]);
+    let mut kubeflow = standalone();
+    kubeflow
+        .env("PET_MASTER_PORT", "1")
+        .env("PET_NODE_RANK", "3")
+        .env("PET_RDZV_ENDPOINT", "node0:29400")
+        .env("PET_RDZV_BACKEND", "c10d");
+    for mut cmd in [standalone(), kubeflow] {
+        let out = wait_bounded(cmd.env("PET_MASTER_ADDR", "x").spawn().unwrap(), LIMIT);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            "at 127.0.0.1 rank 0 of node 0"
+        );
+    }
+    let refused = |cmd: &mut Command, message: &str| {
+        let out = wait_bounded(cmd.spawn().unwrap(), LIMIT);
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(stderr(&out).starts_with(message), "{}", stderr(&out));
+    };
+    refused(
+        &mut ddp_run(&["--standalone", "--master-addr", "x", "true"]),
+        "error: --standalone cannot be used with --master-addr: a standalone node meets on a \
+         free local port of its own\n",
+    );
+    refused(
+        ddp_run(&["--standalone", "true"]).env("PET_NNODES", "2"),
+        "error: --standalone runs a single node; it cannot be combined with PET_NNODES=2\n",
+    );
+    refused(
+        ddp_run(&["true"]).env("PET_NNODES", "abc"),
+        "error: invalid value 'abc' of the environment variable PET_NNODES (read as \
+         --nnodes): 'abc' is not a number of nodes; unset PET_NNODES or give --nnodes\n",
+    );
+    refused(
+        ddp_run(&["--nnodes", "abc", "true"]).env("PET_NNODES", "2"),
+        "error: invalid value 'abc' for '--nnodes <NNODES>': 'abc' is not a number of nodes",
+    );
+}
+
 #[test]
 fn torchruns_single_node_flags_are_accepted() {
     let out = run(&[
