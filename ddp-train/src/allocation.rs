@@ -140,8 +140,9 @@ pub fn continue_epoch(
     if let (Some(before), Some(consumed), Some(end)) = (saved.allocation, saved.consumed, saved.end)
     {
         // (After an earlier change of allocation inside this epoch, `consumed` is not
-        // `step` times one global batch.)
-        if consumed >= end {
+        // `step` times one global batch.) At `end`, a stop in the epoch's evaluation: no step
+        // is left, the epoch is evaluated.
+        if consumed > end {
             return Err(format!(
                 "its position is inconsistent ({consumed} samples consumed of an epoch of \
                  {end}, after {} steps on {before})",
@@ -284,6 +285,17 @@ mod tests {
         // A lower cap on the resume counts too, and a step past it leaves nothing.
         assert_eq!(rest.steps_left(alloc(2, 8, 2), Some(5)), 2);
         assert_eq!(rest.steps_left(alloc(2, 8, 2), Some(2)), 0);
+    }
+
+    /// A stop in an epoch's evaluation saves the epoch's end: it continues with no step left,
+    /// on its own allocation or another.
+    #[test]
+    fn a_position_at_the_epochs_end_continues_with_no_step_left() {
+        for now in [alloc(2, 16, 1), alloc(3, 16, 1)] {
+            let rest = continue_epoch(saved(alloc(2, 16, 1), 32, 1024), now, 32).unwrap();
+            assert_eq!((rest.first_step, rest.consumed, rest.end), (32, 1024, 1024));
+            assert_eq!(rest.steps_left(now, None), 0);
+        }
     }
 
     #[test]

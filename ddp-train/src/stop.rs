@@ -16,10 +16,11 @@ pub const STOP_SIGNALS: [i32; 2] = [libc::SIGTERM, libc::SIGUSR1];
 /// Stopping a run cleanly before it is killed: SIGTERM and SIGUSR1 (what SLURM's `--signal`,
 /// Kubernetes and `ddp-run` send first), and the run's own time limit.
 ///
-/// A signal only sets a flag here; the Trainer reads it between optimizer steps, the ranks
-/// agree on it with one small all-reduce per step (so that all stop after the same step and
-/// none waits on a peer that has left), rank 0 writes a checkpoint, and every rank ends with
-/// [`crate::TrainError::Stopped`], whose exit code is [`EXIT_STOPPED`].
+/// A signal only sets a flag here; the Trainer reads it between optimizer steps (and between
+/// an epoch's evaluation batches), the ranks agree on it with one small all-reduce each (so
+/// that all stop at the same place and none waits on a peer that has left), rank 0 writes a
+/// checkpoint, and every rank ends with [`crate::TrainError::Stopped`], whose exit code is
+/// [`EXIT_STOPPED`].
 ///
 /// The handlers are ddp-run's ([`ddp_run::SignalWatch`]): installed once per process and
 /// acting only while a Trainer runs; otherwise a signal whose disposition was the default

@@ -1,10 +1,10 @@
 //! A run stopped inside an epoch continues on another number of ranks with exactly the
 //! samples it had left: with the same global batch it ends as the uninterrupted run does,
 //! and with another one every sample of the interrupted epoch is trained once; a per-step
-//! schedule stays on its curve. Ranks are real processes on loopback: this test binary
-//! re-invoked with `--ignored --exact rank_worker`, a small MLP (no BatchNorm, no dropout,
-//! so that 2 ranks x 16 and 1 rank x 32 compute the same steps), started with torchrun's
-//! variables or SLURM's.
+//! schedule stays on its curve. A stop signal during an epoch's evaluation stops there too.
+//! Ranks are real processes on loopback: this test binary re-invoked with `--ignored --exact
+//! rank_worker`, a small MLP (no BatchNorm, no dropout, so that 2 ranks x 16 and 1 rank x
+//! 32 compute the same steps), started with torchrun's variables or SLURM's.
 
 mod common;
 
@@ -114,8 +114,9 @@ fn assert_codes(outputs: &[Output], code: i32) {
 }
 
 /// Rank 1 asks to stop (SIGTERM) during epoch `epoch` step `step`: the ranks agree before the
-/// next step, so the checkpoint is at step `step + 1`.
-fn stop_at(epoch: u64, step: usize) -> [(&'static str, String); 3] {
+/// next step, so the checkpoint is at step `step + 1`. `step` may also be `eval` (during the
+/// epoch's evaluation) or `end` (after it), as `DDP_TRAIN_FAIL_AT` takes them.
+fn stop_at(epoch: u64, step: impl std::fmt::Display) -> [(&'static str, String); 3] {
     [
         ("DDP_TRAIN_FAIL_RANK", "1".to_string()),
         ("DDP_TRAIN_FAIL_AT", format!("{epoch}:{step}")),
@@ -234,6 +235,58 @@ fn two_ranks_of_16_stopped_inside_an_epoch_continue_on_one_rank_of_32_exactly() 
 )]
 fn one_rank_of_32_stopped_inside_an_epoch_continues_on_two_ranks_of_16_exactly() {
     check_same_global_batch("1x32-2x16", (1, 32), (2, 16), Launcher::Torchrun);
+}
+
+/// `metrics.jsonl` without its timing fields.
+fn metrics_without_timing(run: &Path) -> Vec<Value> {
+    let mut lines = metrics(run);
+    for line in &mut lines {
+        let o = line.as_object_mut().unwrap();
+        o.remove("images_per_sec");
+        o.remove("epoch_seconds");
+    }
+    lines
+}
+
+/// SIGTERM to rank 1 during epoch 1's evaluation (after the first of its two batches) stops
+/// every rank there, before the epoch's end is saved: rank 0 checkpoints the epoch's last
+/// step, from which the continued run evaluates epoch 1 and ends as the uninterrupted one,
+/// metrics and weights alike.
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn a_stop_during_an_epochs_evaluation_checkpoints_its_end_and_continues_exactly() {
+    let tmp = common::temp_dir("ddp-train-elastic-eval-stop");
+    let (full, cut) = (tmp.path().join("full"), tmp.path().join("cut"));
+    assert_codes(&start(Launcher::Torchrun, 2, 16, &full, &[]), 0);
+
+    let outputs = start(Launcher::Torchrun, 2, 16, &cut, &pairs(&stop_at(1, "eval")));
+    assert_codes(&outputs, 75);
+    for o in &outputs {
+        assert!(
+            text(o).contains("stopping at epoch 1 step 8 (SIGTERM)"),
+            "{}",
+            text(o)
+        );
+    }
+    let latest = std::fs::read_to_string(cut.join("checkpoints/latest")).unwrap();
+    assert_eq!(latest, "epoch-0001-step-000008\n");
+    let reported = cut.join("metrics.jsonl");
+    assert!(
+        !reported.exists() || metrics(&cut).is_empty(),
+        "epoch 1 was reported"
+    );
+
+    let outputs = start(Launcher::Torchrun, 2, 16, &cut, &[]);
+    assert_codes(&outputs, 0);
+    let log = text(&outputs[0]);
+    assert!(log.contains("(epoch 1 at step 8)"), "{log}");
+    assert_eq!(weight_difference(&full, &cut), 0.0);
+    let (a, b) = (metrics_without_timing(&full), metrics_without_timing(&cut));
+    assert_eq!(column(&a, "steps"), [8.0, 8.0, 8.0]);
+    assert_eq!(a, b);
 }
 
 /// What one process trained: `(epoch, step) -> indices`.

@@ -227,7 +227,7 @@ fn a_run_resumed_before_its_unfreeze_epoch_ends_as_the_uninterrupted_one() {
     check_resume("before", &[], &env, "epoch-0001");
 }
 
-/// Stopped (SIGTERM to one rank in epoch 1's last step) at the first step of epoch 2,
+/// Stopped (SIGTERM to one rank after epoch 1's evaluation) at the first step of epoch 2,
 /// after the unfreeze and before any step of the unfrozen parameters; with SGD, whose
 /// momentum buffers those parameters do not have yet.
 #[test]
@@ -238,7 +238,7 @@ fn a_run_resumed_before_its_unfreeze_epoch_ends_as_the_uninterrupted_one() {
 fn a_run_resumed_at_its_unfreeze_epoch_ends_as_the_uninterrupted_one() {
     let env = [
         ("DDP_TRAIN_FAIL_RANK", "1"),
-        ("DDP_TRAIN_FAIL_AT", "1:3"),
+        ("DDP_TRAIN_FAIL_AT", "1:end"),
         ("DDP_TRAIN_FAIL_SIGNAL", "TERM"),
     ];
     let sgd = ["--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.01"];

@@ -1,6 +1,7 @@
 //! Checkpoints inside an epoch and requested stops: before each step the ranks agree whether
-//! to stop or checkpoint, rank 0 writes the checkpoint, and on a stop every rank returns
-//! [`TrainError::Stopped`]; and the run's state that every checkpoint holds.
+//! to stop or checkpoint (and between the rounds of an epoch's evaluation whether to stop),
+//! rank 0 writes the checkpoint, and on a stop every rank returns [`TrainError::Stopped`];
+//! and the run's state that every checkpoint holds.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -62,6 +63,33 @@ impl<T: Task> Trainer<T> {
         if stop.is_none() && !checkpoint {
             return Ok(());
         }
+        self.write_position(at, stop)
+    }
+
+    /// In an epoch's evaluation (`at`: the epoch's end), before each round of batches: the
+    /// ranks agree whether to stop (a stop signal reached some rank) and whether any rank has
+    /// a batch left (`more`: this one), with one all-reduce of two numbers, so that every
+    /// rank takes as many rounds; on a stop rank 0 writes the checkpoint of `at`, from which
+    /// a resumed run evaluates the epoch, and every rank returns [`TrainError::Stopped`].
+    /// Else returns whether some rank has a batch left.
+    pub(super) fn stop_in_evaluation(
+        &mut self,
+        at: Position,
+        signals: &SignalWatch,
+        more: bool,
+    ) -> Result<bool, TrainError> {
+        let wish = signals.received().map(StopReason::Signal);
+        let mut flags = [StopReason::code(wish), i64::from(more)];
+        self.pg.all_reduce_slice(&mut flags, ReduceOp::Max)?;
+        if let Some(reason) = StopReason::from_code(flags[0]) {
+            self.write_position(at, Some(reason))?;
+        }
+        Ok(flags[1] == 1)
+    }
+
+    /// Rank 0 writes the checkpoint of `at` (every rank adds its sums); on a `stop` every
+    /// rank waits for it and returns [`TrainError::Stopped`].
+    fn write_position(&mut self, at: Position, stop: Option<StopReason>) -> Result<(), TrainError> {
         // The sums of every rank so far, for the epoch's report after a resume.
         let mut sums = [at.loss_sum, at.samples as f64];
         self.pg.all_reduce_slice(&mut sums, ReduceOp::Sum)?;

@@ -1,19 +1,23 @@
 //! Evaluation: [`Trainer::evaluate`], and each epoch's exact distributed evaluation (every
 //! rank evaluates its exact shard, one all-reduce combines the task's sums, and one
-//! all-gather the per-sample rows of tasks that have them).
+//! all-gather the per-sample rows of tasks that have them), which a stop signal ends at the
+//! next batch on every rank.
 
 use ddp_comm::ReduceOp;
 use tch::{Kind, Tensor};
 
+use super::faults::{fail_if_injected, Point};
 use super::{EvalReport, Trainer};
 use crate::error::TrainError;
+use crate::state::Position;
+use crate::stop::SignalWatch;
 use crate::task::{Stats, Task};
 
 impl<T: Task> Trainer<T> {
     /// Evaluates the model on the validation split; every rank returns the metrics of the
     /// whole split.
     pub fn evaluate(&mut self) -> Result<EvalReport, TrainError> {
-        let (val_loss, stats) = self.evaluate_epoch(0)?.ok_or_else(|| {
+        let (val_loss, stats) = self.evaluate_epoch(0, None)?.ok_or_else(|| {
             TrainError::Invalid("nothing to evaluate: the task has no validation data".into())
         })?;
         let mut metrics = stats.report();
@@ -29,9 +33,15 @@ impl<T: Task> Trainer<T> {
     /// Evaluates on this rank's exact shard of the validation split and combines the
     /// statistics of all ranks: the result equals one process evaluating the whole split.
     /// `None` without validation data.
+    ///
+    /// With `stop` (the epoch's end, and the signals of a training run), the ranks agree
+    /// before each round of batches whether to stop, and take as many rounds, whatever their
+    /// shards: a stop signal ends the evaluation with rank 0's checkpoint of the epoch's end
+    /// and [`TrainError::Stopped`] (`checkpoint.rs`).
     pub(super) fn evaluate_epoch(
         &mut self,
         epoch: u64,
+        stop: Option<(Position, &SignalWatch)>,
     ) -> Result<Option<(f64, T::Stats)>, TrainError> {
         let (Some(set), Some(sampler)) = (&self.val_set, &self.val_sampler) else {
             return Ok(None);
@@ -46,7 +56,23 @@ impl<T: Task> Trainer<T> {
         let (mut loss_sum, mut samples) = (0.0f64, 0usize);
         tch::no_grad(|| -> Result<(), TrainError> {
             let mut upcoming = loader.next();
-            while let Some(batch) = upcoming {
+            for round in 0.. {
+                if round == 1 {
+                    fail_if_injected(self.pg.rank(), Point::Eval(epoch), self.restarted);
+                }
+                if let Some((end, signals)) = stop {
+                    if !self.stop_in_evaluation(end, signals, upcoming.is_some())? {
+                        break;
+                    }
+                }
+                // Without `stop` a rank's batches end its evaluation; with it, a rank whose
+                // shard is done still takes the rounds that others have batches for.
+                let Some(batch) = upcoming.take() else {
+                    match stop {
+                        Some(_) => continue,
+                        None => break,
+                    }
+                };
                 let batch = batch?;
                 // The next batch's copy is queued before this batch's statistics or loss
                 // make the host wait for the device (on a GPU).

@@ -7,10 +7,33 @@ use std::time::Duration;
 
 use crate::error::TrainError;
 
-/// For the fault tests, with the `fault-injection` feature only, before a step:
+/// Where a fault can be injected: `epoch:step` names a step, `epoch:eval` an epoch's
+/// evaluation (after its first round of batches), `epoch:end` the end of the epoch (after
+/// its evaluation, before rank 0 saves it).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Point {
+    /// Before this step of this epoch.
+    Step(u64, usize),
+    /// In this epoch's evaluation.
+    Eval(u64),
+    /// After this epoch's evaluation.
+    End(u64),
+}
+
+impl std::fmt::Display for Point {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Step(epoch, step) => write!(f, "{epoch}:{step}"),
+            Self::Eval(epoch) => write!(f, "{epoch}:eval"),
+            Self::End(epoch) => write!(f, "{epoch}:end"),
+        }
+    }
+}
+
+/// For the fault tests, with the `fault-injection` feature only, at a [`Point`]:
 ///
-/// - `DDP_TRAIN_FAIL_RANK=r` (or `all`) and `DDP_TRAIN_FAIL_AT=epoch:step` make rank r (or
-///   every rank) fail at that step, in the first attempt only (a restarted attempt has
+/// - `DDP_TRAIN_FAIL_RANK=r` (or `all`) and `DDP_TRAIN_FAIL_AT=<point>` make rank r (or
+///   every rank) fail there, in the first attempt only (a restarted attempt has
 ///   `TORCHELASTIC_RESTART_COUNT` > 0): exit with status 17, or with
 ///   `DDP_TRAIN_FAIL_SIGNAL=KILL` kill itself, with `STOP` stop itself (a hung rank), with
 ///   `TERM` send itself SIGTERM (a stop request to one rank), with `KILL_LAUNCHER` kill
@@ -19,24 +42,27 @@ use crate::error::TrainError;
 ///   (a node lost with its agent);
 /// - `DDP_TRAIN_STEP_SLEEP_MS=n` makes every step n ms longer (so that a test can act in
 ///   the middle of an epoch).
-pub(super) fn fail_if_injected(rank: usize, epoch: u64, step: usize, restarted: bool) {
+pub(super) fn fail_if_injected(rank: usize, point: Point, restarted: bool) {
     // Only with the feature (what the tests build): a user's program never reads these.
     if !cfg!(feature = "fault-injection") {
         return;
     }
     let var = |k: &str| std::env::var(k).ok();
-    if let Some(ms) = var("DDP_TRAIN_STEP_SLEEP_MS").and_then(|v| v.parse().ok()) {
+    if let (Point::Step(..), Some(ms)) = (
+        point,
+        var("DDP_TRAIN_STEP_SLEEP_MS").and_then(|v| v.parse().ok()),
+    ) {
         std::thread::sleep(Duration::from_millis(ms));
     }
     let (Some(r), Some(at)) = (var("DDP_TRAIN_FAIL_RANK"), var("DDP_TRAIN_FAIL_AT")) else {
         return;
     };
-    if restarted || (r != "all" && r.parse() != Ok(rank)) || at != format!("{epoch}:{step}") {
+    if restarted || (r != "all" && r.parse() != Ok(rank)) || at != point.to_string() {
         return;
     }
     let how = var("DDP_TRAIN_FAIL_SIGNAL").unwrap_or_default();
     tracing::warn!(
-        "rank {rank}: injected failure ({}) at epoch {epoch} step {step} (DDP_TRAIN_FAIL_AT)",
+        "rank {rank}: injected failure ({}) at DDP_TRAIN_FAIL_AT={point}",
         if how.is_empty() { "exit 17" } else { &how }
     );
     let signal = match how.as_str() {

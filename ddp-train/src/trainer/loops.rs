@@ -9,7 +9,7 @@ use ddp_data::{Batch, Loader, LoaderConfig};
 use serde_json::Map;
 use tch::Tensor;
 
-use super::faults::fail_if_injected;
+use super::faults::{fail_if_injected, Point};
 use super::non_finite::{gradients_finite, poison};
 use super::progress::Progress;
 use super::{EpochReport, Trainer};
@@ -40,14 +40,18 @@ struct EpochTraining {
     grad_norm_steps: u64,
     /// Steps the fp16 scaler skipped.
     skipped_steps: u64,
+    /// The epoch's end: where a stop during its evaluation checkpoints (this rank's sums).
+    end: Position,
 }
 
 impl<T: Task> Trainer<T> {
     /// Trains from the start (or resumed) epoch to the last, evaluating after each.
     ///
     /// When a stop is requested (SIGTERM or SIGUSR1 with [`RuntimeSettings::stop_on_signals`], or
-    /// the time limit), every rank finishes its step, rank 0 writes a checkpoint, and every
-    /// rank returns [`TrainError::Stopped`]; exit with [`TrainError::exit_code`].
+    /// the time limit), every rank finishes its step (or its batch of an epoch's evaluation,
+    /// for a signal), rank 0 writes a checkpoint, and every rank returns
+    /// [`TrainError::Stopped`]; exit with [`TrainError::exit_code`]. A stop in an epoch's
+    /// evaluation checkpoints the epoch's end, from which a resumed run evaluates it.
     pub fn run(&mut self) -> Result<Vec<EpochReport>, TrainError> {
         let signals = match self.signals.take() {
             Some(watch) => Some(watch),
@@ -68,8 +72,10 @@ impl<T: Task> Trainer<T> {
                 lr_at_start
             };
             let evaluating = Instant::now();
-            let evaluated = self.evaluate_epoch(epoch)?;
+            let evaluated =
+                self.evaluate_epoch(epoch, signals.as_ref().map(|s| (trained.end, s)))?;
             self.budget.eval_took(evaluating.elapsed());
+            fail_if_injected(self.pg.rank(), Point::End(epoch), self.restarted);
             let (val_loss, summary, metrics) = match &evaluated {
                 Some((loss, stats)) => (Some(*loss), stats.summary(), stats.report().into_map()),
                 None => (None, String::new(), Map::new()),
@@ -239,22 +245,35 @@ impl<T: Task> Trainer<T> {
         // Micro-batches whose loss was not finite, and their samples, on this rank.
         let (mut left_out, mut left_out_samples) = (0usize, 0usize);
         let started = Instant::now();
+        // Where the epoch stands before `step` (its end: `steps`) with this rank's sums so
+        // far. The last step of an epoch continued on another allocation is filled past the
+        // epoch's end: its end consumes the order up to the epoch's end.
+        let position_at =
+            |step: usize,
+             (loss_sum, samples): (f64, usize),
+             (grad_norm_sum, grad_norm_steps, skipped_steps): (f64, u64, u64)| {
+                Position {
+                    epoch,
+                    step,
+                    loss_sum,
+                    samples,
+                    train_seconds: earlier_seconds + started.elapsed().as_secs_f64(),
+                    grad_norm_sum,
+                    grad_norm_steps: Some(grad_norm_steps),
+                    skipped_steps,
+                    consumed: Some((rest.consumed + (step - first) * global).min(rest.end)),
+                    epoch_end: Some(rest.end),
+                }
+            };
         let mut upcoming = loader.next();
         for step in first..steps {
-            let position = Position {
-                epoch,
+            let position = position_at(
                 step,
-                loss_sum,
-                samples,
-                train_seconds: earlier_seconds + started.elapsed().as_secs_f64(),
-                grad_norm_sum,
-                grad_norm_steps: Some(grad_norm_steps),
-                skipped_steps,
-                consumed: Some(rest.consumed + (step - first) * global),
-                epoch_end: Some(rest.end),
-            };
+                (loss_sum, samples),
+                (grad_norm_sum, grad_norm_steps, skipped_steps),
+            );
             self.checkpoint_or_stop(position, first, steps, signals)?;
-            fail_if_injected(rank, epoch, step, self.restarted);
+            fail_if_injected(rank, Point::Step(epoch, step), self.restarted);
             let step_started = Instant::now();
             // Dropout masks derive from (seed, epoch, step, rank): a resumed run draws the
             // same ones as an uninterrupted run.
@@ -400,6 +419,11 @@ impl<T: Task> Trainer<T> {
             progress.step(step + 1, loss_sum / samples.max(1) as f64, rate, &self.log);
         }
         progress.finish(&self.log);
+        let end = position_at(
+            steps,
+            (loss_sum, samples),
+            (grad_norm_sum, grad_norm_steps, skipped_steps),
+        );
         let mut totals = Tensor::from_slice(&[
             loss_sum,
             samples as f64,
@@ -425,6 +449,7 @@ impl<T: Task> Trainer<T> {
             grad_norm_sum,
             grad_norm_steps,
             skipped_steps,
+            end,
         })
     }
 }
