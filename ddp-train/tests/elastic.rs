@@ -1,10 +1,11 @@
 //! A run stopped inside an epoch continues on another number of ranks with exactly the
 //! samples it had left: with the same global batch it ends as the uninterrupted run does,
 //! and with another one every sample of the interrupted epoch is trained once; a per-step
-//! schedule stays on its curve. A stop signal during an epoch's evaluation stops there too.
-//! Ranks are real processes on loopback: this test binary re-invoked with `--ignored --exact
-//! rank_worker`, a small MLP (no BatchNorm, no dropout, so that 2 ranks x 16 and 1 rank x
-//! 32 compute the same steps), started with torchrun's variables or SLURM's.
+//! schedule stays on its curve. A stop signal during an epoch's evaluation stops there too,
+//! and one sent to a Trainer that only evaluates ends it. Ranks are real processes on
+//! loopback: this test binary re-invoked with `--ignored --exact rank_worker`, a small MLP
+//! (no BatchNorm, no dropout, so that 2 ranks x 16 and 1 rank x 32 compute the same steps),
+//! started with torchrun's variables or SLURM's.
 
 mod common;
 
@@ -26,6 +27,7 @@ const WORKER: &str = "rank_worker";
 const OUT_ENV: &str = "ELASTIC_TEST_OUT";
 const BATCH_ENV: &str = "ELASTIC_TEST_BATCH";
 const EVERY_ENV: &str = "ELASTIC_TEST_CHECKPOINT_EVERY";
+const EVALUATE_ENV: &str = "ELASTIC_TEST_EVALUATE";
 /// 256 training points: 8 steps of 32 samples per epoch.
 const POINTS: i64 = 256;
 const EPOCHS: u64 = 3;
@@ -34,7 +36,8 @@ const WARMUP: u64 = 3;
 /// One rank: 3 epochs of Adam with a cosine schedule after 3 warmup steps, a batch of
 /// `ELASTIC_TEST_BATCH` per rank, into `ELASTIC_TEST_OUT`, a checkpoint every
 /// `ELASTIC_TEST_CHECKPOINT_EVERY` steps if set; exits with the Trainer's code (75 after a
-/// requested stop).
+/// requested stop). With `ELASTIC_TEST_EVALUATE` it only evaluates the 60 validation points
+/// (watching the stop signals all the same, as for training), each batch taking 200 ms.
 #[test]
 #[ignore = "a rank of the tests in this file, started by them"]
 fn rank_worker() {
@@ -57,8 +60,15 @@ fn rank_worker() {
     settings.checkpoint.every = std::env::var(EVERY_ENV)
         .ok()
         .map(|n| n.parse().expect("a number"));
-    let task = Regression::new(points(POINTS, 1), points(60, 2));
-    let code = match Trainer::new(task, settings).and_then(|mut t| t.run()) {
+    let mut task = Regression::new(points(POINTS, 1), points(60, 2));
+    let evaluate = std::env::var_os(EVALUATE_ENV).is_some();
+    if evaluate {
+        task.eval_pause = Duration::from_millis(200);
+    }
+    let code = match Trainer::new(task, settings).and_then(|mut t| match evaluate {
+        true => t.evaluate().map(drop),
+        false => t.run().map(drop),
+    }) {
         Ok(_) => 0,
         Err(e) => {
             eprintln!("error: {e}");
@@ -287,6 +297,41 @@ fn a_stop_during_an_epochs_evaluation_checkpoints_its_end_and_continues_exactly(
     let (a, b) = (metrics_without_timing(&full), metrics_without_timing(&cut));
     assert_eq!(column(&a, "steps"), [8.0, 8.0, 8.0]);
     assert_eq!(a, b);
+}
+
+/// A Trainer that is only asked to evaluate does not keep the stop signals it watches for a
+/// training run: SIGTERM ends the process, as it would without a Trainer, instead of waiting
+/// unheard until the evaluation is done.
+#[test]
+fn sigterm_ends_a_trainer_that_only_evaluates() {
+    use std::os::unix::process::ExitStatusExt;
+
+    let tmp = common::temp_dir("ddp-train-elastic-eval-only-signal");
+    let run = tmp.path().join("run");
+    let children = spawn_worker_ranks(WORKER, 1, |_, cmd| {
+        cmd.env(OUT_ENV, &run)
+            .env(BATCH_ENV, "4")
+            .env(EVALUATE_ENV, "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+    });
+    // config.json is the last thing Trainer::new writes.
+    ddp_testkit::wait_for("the Trainer", Duration::from_secs(120), || {
+        run.join("config.json").is_file()
+    });
+    // SAFETY: kill(2) on a child this test started and has not waited for.
+    assert_eq!(
+        unsafe { libc::kill(children[0].id() as i32, libc::SIGTERM) },
+        0
+    );
+    let output = wait_all(children, Duration::from_secs(120)).remove(0);
+    assert_eq!(
+        output.status.signal(),
+        Some(libc::SIGTERM),
+        "{:?}: {}",
+        output.status,
+        text(&output)
+    );
 }
 
 /// What one process trained: `(epoch, step) -> indices`.

@@ -16,7 +16,16 @@ use crate::task::{Stats, Task};
 impl<T: Task> Trainer<T> {
     /// Evaluates the model on the validation split; every rank returns the metrics of the
     /// whole split.
+    ///
+    /// An evaluation has no step to stop at: the stop signals that [`Trainer::new`] watches
+    /// for a training run take their earlier action again (by default, ending the process),
+    /// and one that came while the rank started takes it now.
     pub fn evaluate(&mut self) -> Result<EvalReport, TrainError> {
+        if let Some(signal) = self.signals.take().and_then(|watch| watch.received()) {
+            // The watch is gone: the signal meets the disposition it had before.
+            // SAFETY: raise(3) on this process; no memory is involved.
+            unsafe { libc::raise(signal) };
+        }
         let (val_loss, stats) = self.evaluate_epoch(0, None)?.ok_or_else(|| {
             TrainError::Invalid("nothing to evaluate: the task has no validation data".into())
         })?;

@@ -2,6 +2,7 @@
 //! output, mean squared error, on synthetic points.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use ddp_data::{Batch, TensorDataset};
 use ddp_train::{RegressionStats, Task};
@@ -17,23 +18,26 @@ pub fn points(count: i64, seed: i64) -> TensorDataset {
 }
 
 /// The MLP (4 -> 16 -> relu -> 1) on `train`, evaluated on `val`. Its training loss is the
-/// mean squared error times `loss_scale`, plus infinity at the `inf_at`-th call (from 0).
+/// mean squared error times `loss_scale`, plus infinity at the `inf_at`-th call (from 0);
+/// each evaluated batch takes `eval_pause` longer.
 pub struct Regression {
     pub train: TensorDataset,
     pub val: TensorDataset,
     pub loss_scale: f64,
     pub inf_at: Option<usize>,
+    pub eval_pause: Duration,
     calls: AtomicUsize,
 }
 
 impl Regression {
-    /// The plain task: loss scale 1, never infinite.
+    /// The plain task: loss scale 1, never infinite, no pause.
     pub fn new(train: TensorDataset, val: TensorDataset) -> Self {
         Regression {
             train,
             val,
             loss_scale: 1.0,
             inf_at: None,
+            eval_pause: Duration::ZERO,
             calls: AtomicUsize::new(0),
         }
     }
@@ -77,6 +81,7 @@ impl Task for Regression {
     }
 
     fn eval_batch(&self, model: &Self::Model, batch: &Batch, stats: &mut Self::Stats) -> Tensor {
+        std::thread::sleep(self.eval_pause);
         let predictions = model.forward(batch.inputs());
         stats.add(&predictions, batch.targets());
         predictions.mse_loss(batch.targets(), Reduction::Sum)
