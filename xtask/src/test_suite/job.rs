@@ -7,7 +7,7 @@
 use std::io::{Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
@@ -163,6 +163,57 @@ pub fn run_job(
     })
 }
 
+/// Runs `cmd` in a process group of its own and returns its output, or kills the group once
+/// `limit` has passed and says so, naming the command: for the runner's own steps (listing a
+/// binary's tests, the doctests), so that one of them that hangs cannot hang the whole run.
+/// Its stderr goes where `cmd` says.
+pub fn output_within(cmd: &mut Command, limit: Duration) -> Result<Output> {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .process_group(0);
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot start {cmd:?}"))?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || forward(stdout, &tx));
+    let kill_at = Instant::now() + limit;
+    let (mut out, mut status, mut read_until) = (Vec::new(), None::<ExitStatus>, None);
+    loop {
+        match rx.recv_timeout(POLL) {
+            Ok(chunk) => out.extend_from_slice(&chunk),
+            Err(RecvTimeoutError::Disconnected) if status.is_some() => break,
+            Err(RecvTimeoutError::Disconnected) => std::thread::sleep(POLL),
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        let now = Instant::now();
+        if status.is_none() {
+            if now >= kill_at {
+                signal_group(&child, libc::SIGKILL);
+                let _ = child.wait();
+                bail!(
+                    "{cmd:?} did not end within {:.0} s; it was killed with every process it \
+                     started",
+                    limit.as_secs_f64()
+                );
+            }
+            status = child.try_wait()?;
+            if status.is_some() {
+                // A process it left behind may hold the pipe.
+                read_until = Some(now + GRACE);
+            }
+        } else if read_until.is_some_and(|t| now >= t) {
+            break;
+        }
+    }
+    let status = status.context("the loop ends after the command")?;
+    Ok(Output {
+        status,
+        stdout: out,
+        stderr: Vec::new(),
+    })
+}
+
 /// Prints `r` of the job `label`: `PASS [  1.2s] label test`, with `problem` for a test
 /// the job's end cut short (`TIMEOUT` when it was the deadline).
 fn report(label: &str, r: &TestResult, problem: Option<&str>) {
@@ -220,6 +271,44 @@ fn forward(mut out: impl Read, tx: &mpsc::Sender<Vec<u8>>) {
 mod tests {
     use super::*;
     use crate::test_suite::schedule::Group;
+
+    #[test]
+    fn a_step_that_hangs_is_killed_with_its_processes_naming_it() {
+        let dir = tempdir("hang");
+        let pid_file = dir.join("sleeper");
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "sleep 300 & echo $! > \"$0\"; wait"])
+            .arg(&pid_file);
+        let start = Instant::now();
+        let err = output_within(&mut cmd, Duration::from_secs(1)).unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            start.elapsed()
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("did not end within 1 s") && text.contains("sleep 300"),
+            "{text}"
+        );
+        let pid = std::fs::read_to_string(&pid_file).unwrap();
+        let stat = format!("/proc/{}/stat", pid.trim());
+        // The sleeper it started is gone too (or a zombie until init reaps it).
+        let gone = || std::fs::read_to_string(&stat).map_or(true, |s| s.contains(") Z"));
+        let until = Instant::now() + Duration::from_secs(5);
+        while !gone() && Instant::now() < until {
+            std::thread::sleep(POLL);
+        }
+        assert!(gone(), "the sleeper {} outlived its step", pid.trim());
+
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo listed; exit 3"]);
+        let out = output_within(&mut cmd, Duration::from_secs(30)).unwrap();
+        assert_eq!(
+            (out.stdout.as_slice(), out.status.code()),
+            (&b"listed\n"[..], Some(3))
+        );
+    }
 
     /// A temporary folder of this test's own.
     fn tempdir(name: &str) -> PathBuf {

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
@@ -60,6 +60,11 @@ const RANK_BINARIES: &[(&str, &str)] = &[
     ("xtask", "fine_tune"),
     ("xtask", "launcher"),
 ];
+
+/// How long listing a binary's tests may take, and building and running every doctest: far
+/// above what they take (under a second; a few minutes on 2 cores), to catch hangs.
+const LIST_LIMIT: Duration = Duration::from_secs(120);
+const DOCTEST_LIMIT: Duration = Duration::from_secs(30 * 60);
 
 /// A test executable cargo built.
 #[derive(Debug, Clone)]
@@ -351,11 +356,10 @@ fn command(bin: &Binary, programs: &Programs) -> Command {
 }
 
 fn list(bin: &Binary, programs: &Programs) -> Result<Vec<String>> {
-    let out = command(bin, programs)
-        .args(["--list", "--format", "terse"])
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("cannot start {}", bin.exe.display()))?;
+    let mut cmd = command(bin, programs);
+    cmd.args(["--list", "--format", "terse"])
+        .stderr(Stdio::inherit());
+    let out = job::output_within(&mut cmd, LIST_LIMIT)?;
     if !out.status.success() {
         bail!("{} --list failed ({})", bin.exe.display(), out.status);
     }
@@ -402,7 +406,7 @@ fn doctests(root: &Path) -> Result<(usize, usize)> {
         .args(["test", "--workspace", "--doc", "--features", TEST_FEATURES])
         .stderr(Stdio::inherit());
     println!("xtask: {cmd:?}");
-    let out = cmd.output().context("cannot start cargo test --doc")?;
+    let out = job::output_within(&mut cmd, DOCTEST_LIMIT)?;
     let text = String::from_utf8_lossy(&out.stdout);
     print!("{text}");
     let _ = std::io::stdout().flush();
