@@ -757,6 +757,18 @@ mod tests {
                 })
             };
             let result = op(&mut backend);
+            // A failure on the peer's bytes leaves the stream out of step: the backend must
+            // refuse any further collective. Only `TooLarge` (refused before anything was
+            // read) leaves it usable.
+            if let Err(e) = &result {
+                if !matches!(e, CommError::TooLarge { .. }) {
+                    let again = backend.barrier();
+                    assert!(
+                        matches!(again, Err(CommError::Poisoned(_))),
+                        "after {e:?} the backend is not poisoned: {again:?}"
+                    );
+                }
+            }
             drop(backend);
             feed.join().unwrap();
             drain.join().unwrap();
@@ -785,7 +797,8 @@ mod tests {
             #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
             /// Any bytes at all: every collective fails with a protocol error or the
-            /// hang-up, and the backend refuses further use (it is poisoned).
+            /// hang-up, and the backend refuses further use (it is poisoned;
+            /// `with_peer_sending` checks it).
             #[test]
             fn any_bytes_end_every_collective_with_an_error(
                 bytes in proptest::collection::vec(any::<u8>(), 0..256),
