@@ -100,8 +100,37 @@ fn parse() -> Invocation {
     } else {
         TrainConfig::from_arg_matches(&matches).map(|c| Invocation::Train(Box::new(c)))
     };
-    parsed.unwrap_or_else(|e| e.format(&mut cmd).exit())
+    let parsed = parsed.unwrap_or_else(|e| e.format(&mut cmd).exit());
+    // With --eval-only, ODIR's training transforms are refused as the generic training flags
+    // are (the evaluation transform reads none of them).
+    if let Invocation::Train(config) = &parsed {
+        let given =
+            |id: &&&str| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+        if config.train.settings().checkpoint.eval_only {
+            if let Some(id) = ODIR_TRAINING_ONLY.iter().find(given) {
+                let text = format!(
+                    "--{} is a training flag, which --eval-only does not read",
+                    id.replace('_', "-")
+                );
+                cmd.error(clap::error::ErrorKind::ArgumentConflict, text)
+                    .exit();
+            }
+        }
+    }
+    parsed
 }
+
+/// ODIR's flags that only training reads: its augmentations and the reduced JPEG decode.
+const ODIR_TRAINING_ONLY: [&str; 8] = [
+    "min_crop_scale",
+    "hflip",
+    "vflip",
+    "rotation",
+    "brightness",
+    "contrast",
+    "saturation",
+    "dct_upsampling",
+];
 
 /// The training flags that `command` (`predict` or `evaluate`) does not read.
 fn unread_flags(command: &str) -> Vec<clap::Arg> {

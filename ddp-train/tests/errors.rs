@@ -114,6 +114,31 @@ fn a_local_rank_flag_that_disagrees_with_the_launcher_is_named() {
 /// `predict` and `evaluate` read the training flags of the model, the transform and the
 /// runtime; the others are not in their help and are refused, not silently dropped.
 #[test]
+fn an_odir_augmentation_with_eval_only_is_refused() {
+    let dir = ddp_testkit::temp_dir("ddp-train-errors");
+    let folder = dir.path().to_str().unwrap();
+    for (flag, value) in [
+        ("--hflip", None),
+        ("--rotation", Some("10")),
+        ("--dct-upsampling", Some("2")),
+    ] {
+        let mut args = vec!["--data", folder, "--resume", folder, "--eval-only", flag];
+        args.extend(value);
+        let out = ddp_train(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert_eq!(
+            err.lines().next(),
+            Some(
+                format!("error: {flag} is a training flag, which --eval-only does not read")
+                    .as_str()
+            ),
+            "{err}"
+        );
+    }
+}
+
+#[test]
 fn a_training_flag_that_predict_does_not_read_is_refused() {
     let dir = ddp_testkit::temp_dir("ddp-train-errors");
     let folder = dir.path().to_str().unwrap();
