@@ -84,8 +84,8 @@ fn reduced_path_reports_truncated_and_corrupt_files() {
         // libjpeg's own words, through the buffer its `format_message` writes.
         assert!(
             e.to_string().contains(
-                "bad.jpg' cannot be decoded: corrupt JPEG data: Corrupt \
-                 JPEG data: premature end of data segment"
+                "bad.jpg' cannot be decoded: corrupt JPEG data: premature end of data \
+                 segment"
             ),
             "{e}"
         );

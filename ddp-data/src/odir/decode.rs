@@ -178,8 +178,12 @@ impl Decoder {
         if !has_end_marker(&self.file) {
             return Err(decode_error(path, TRUNCATED));
         }
-        let part = scaled_jpeg::decode_part(&self.file, denom, region, &mut self.pixels)
-            .map_err(|m| decode_error(path, format!("corrupt JPEG data: {m}")))?;
+        let part =
+            scaled_jpeg::decode_part(&self.file, denom, region, &mut self.pixels).map_err(|m| {
+                // Several of libjpeg's own messages already begin so.
+                let m = m.strip_prefix("Corrupt JPEG data: ").unwrap_or(&m);
+                decode_error(path, format!("corrupt JPEG data: {m}"))
+            })?;
         self.width = part.width;
         self.height = part.height;
         Ok((self.view(), part.region))
