@@ -6,22 +6,31 @@ mod common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::process::Child;
 use std::time::Duration;
 
-use common::{free_port, lines_with, show, spawn_rank, wait_all, worker};
+use common::{free_port, lines_with, show, wait_all, worker, worker_command};
 use ddp_comm::{AuthFailure, CommError, Options, ProcessGroup, ReduceOp};
 use ddp_testkit::temp_dir;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
-/// The variables of a rank without `DDP_SECRET` (an empty value counts as unset) whose
-/// configuration folder is `config`.
-fn without_secret(config: &Path) -> Vec<(&'static str, String)> {
-    vec![
-        ("DDP_SECRET", String::new()),
-        ("XDG_CONFIG_HOME", config.display().to_string()),
-        ("DDP_RDZV_TIMEOUT_S", "8".into()),
-    ]
+/// Rank `rank` of 2 started without `DDP_SECRET` (removed from the environment that
+/// `spawn_rank` gives it), whose configuration folder is `config`.
+fn spawn_without_secret(test: &str, rank: usize, port: u16, config: &Path) -> Child {
+    let mut cmd = worker_command(test);
+    ddp_testkit::RankEnv {
+        secret: None,
+        ..ddp_testkit::RankEnv::single_node(rank, 2, port)
+    }
+    .apply(&mut cmd);
+    cmd.env_remove("DDP_SECRET")
+        .env_remove("DDP_SECRET_FILE")
+        .env("DDP_RUN_ID", format!("test-{port}"))
+        .env("XDG_CONFIG_HOME", config)
+        .env("DDP_RDZV_TIMEOUT_S", "8")
+        .env("DDP_OP_TIMEOUT_S", "60");
+    cmd.spawn().unwrap()
 }
 
 fn mode(path: &Path) -> u32 {
@@ -43,7 +52,7 @@ fn ranks_without_ddp_secret_meet_through_the_users_key_file() {
     let config = tmp.path().join("config");
     let port = free_port();
     let ranks = (0..2)
-        .map(|r| spawn_rank(test, r, 2, port, &without_secret(&config)))
+        .map(|r| spawn_without_secret(test, r, port, &config))
         .collect();
     let outs = wait_all(ranks, LIMIT);
     for (rank, out) in outs.iter().enumerate() {
@@ -102,7 +111,7 @@ fn ranks_that_do_not_share_the_key_file_fail_naming_it() {
     let port = free_port();
     let config = |r: usize| tmp.path().join(format!("host{r}"));
     let ranks = (0..2)
-        .map(|r| spawn_rank(test, r, 2, port, &without_secret(&config(r))))
+        .map(|r| spawn_without_secret(test, r, port, &config(r)))
         .collect();
     let outs = wait_all(ranks, LIMIT);
     for (rank, out) in outs.iter().enumerate() {
