@@ -70,10 +70,9 @@ pub fn run_job(
         // (the ranks a launcher starts in sessions of their own die with their launcher).
         .process_group(0);
     let start = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("cannot start {}", bin.exe.display()))?;
-    let stdout = child.stdout.take().context("no stdout")?;
+    let mut group =
+        Group::spawn(&mut cmd).with_context(|| format!("cannot start {}", bin.exe.display()))?;
+    let stdout = group.child.stdout.take().context("no stdout")?;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || forward(stdout, &tx));
 
@@ -108,17 +107,17 @@ pub fn run_job(
         if status.is_none() {
             if killed.is_none() {
                 if let Some(signal) = interrupted() {
-                    signal_group(&child, signal);
+                    signal_group(&group.child, signal);
                     killed = Some(format!("interrupted by signal {signal}"));
                     kill_at = kill_at.min(now + GRACE);
                 }
             }
             if now >= kill_at {
-                signal_group(&child, libc::SIGKILL);
+                signal_group(&group.child, libc::SIGKILL);
                 let timeout = format!("TIMEOUT after {:.0} s", limit.as_secs_f64());
                 killed.get_or_insert(timeout);
             }
-            status = child.try_wait()?;
+            status = group.try_wait()?;
             if status.is_some() {
                 read_until = Some(now + GRACE);
             }
@@ -168,13 +167,9 @@ pub fn run_job(
 /// binary's tests, the doctests), so that one of them that hangs cannot hang the whole run.
 /// Its stderr goes where `cmd` says.
 pub fn output_within(cmd: &mut Command, limit: Duration) -> Result<Output> {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .process_group(0);
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("cannot start {cmd:?}"))?;
-    let stdout = child.stdout.take().context("no stdout")?;
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped());
+    let mut group = Group::spawn(cmd).with_context(|| format!("cannot start {cmd:?}"))?;
+    let stdout = group.child.stdout.take().context("no stdout")?;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || forward(stdout, &tx));
     let kill_at = Instant::now() + limit;
@@ -189,17 +184,16 @@ pub fn output_within(cmd: &mut Command, limit: Duration) -> Result<Output> {
         let now = Instant::now();
         if status.is_none() {
             if now >= kill_at {
-                signal_group(&child, libc::SIGKILL);
-                let _ = child.wait();
+                // Dropping the group kills it.
                 bail!(
                     "{cmd:?} did not end within {:.0} s; it was killed with every process it \
                      started",
                     limit.as_secs_f64()
                 );
             }
-            status = child.try_wait()?;
+            status = group.try_wait()?;
             if status.is_some() {
-                // A process it left behind may hold the pipe.
+                // A process that left the group may hold the pipe.
                 read_until = Some(now + GRACE);
             }
         } else if read_until.is_some_and(|t| now >= t) {
@@ -238,6 +232,61 @@ pub fn exit_status(status: ExitStatus) -> String {
         (None, Some(signal)) => format!("signal {signal}"),
         (None, None) => status.to_string(),
     }
+}
+
+/// A command's process group, which its `child` leads: what the command leaves running is
+/// killed once the leader has exited, and all of it when this is dropped before (a panic or
+/// an error return while the command runs), so that nothing outlives the step that ran it.
+struct Group {
+    child: Child,
+    status: Option<ExitStatus>,
+}
+
+impl Group {
+    /// Starts `cmd` in a process group of its own.
+    fn spawn(cmd: &mut Command) -> std::io::Result<Self> {
+        let child = cmd.process_group(0).spawn()?;
+        Ok(Self {
+            child,
+            status: None,
+        })
+    }
+
+    /// The leader's exit status once it has exited. The rest of the group is killed before
+    /// the leader is reaped, while the group's id is still the leader's and cannot be reused.
+    fn try_wait(&mut self) -> std::io::Result<Option<ExitStatus>> {
+        if self.status.is_none() && leader_exited(&self.child)? {
+            signal_group(&self.child, libc::SIGKILL);
+            self.status = Some(self.child.wait()?);
+        }
+        Ok(self.status)
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        if self.status.is_none() {
+            signal_group(&self.child, libc::SIGKILL);
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Whether `child` has exited, without reaping it (`waitid` with `WNOWAIT`).
+fn leader_exited(child: &Child) -> std::io::Result<bool> {
+    // SAFETY: siginfo_t is plain data, all zeroes is a valid value of it.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    let options = libc::WEXITED | libc::WNOHANG | libc::WNOWAIT;
+    // SAFETY: `info` is a valid out-pointer; the child is ours and not yet reaped.
+    if unsafe { libc::waitid(libc::P_PID, child.id(), &mut info, options) } == -1 {
+        let e = std::io::Error::last_os_error();
+        return match e.kind() {
+            std::io::ErrorKind::Interrupted => Ok(false),
+            _ => Err(e),
+        };
+    }
+    // SAFETY: waitid filled `info` (with WNOHANG and no exit, si_pid stays 0).
+    Ok(unsafe { info.si_pid() } != 0)
 }
 
 /// Sends `signal` to `child`'s process group, which it leads (see [`run_job`]).
@@ -353,6 +402,39 @@ mod tests {
             .iter()
             .map(|r| (r.name.as_str(), r.outcome))
             .collect()
+    }
+
+    #[test]
+    fn what_a_binary_leaves_running_is_killed_when_it_exits() {
+        let dir = tempdir("leftover");
+        // libtest's output of one passing test, and a process left behind on the pipe.
+        let bin = binary(
+            &dir,
+            "#!/bin/sh\nsleep 300 &\necho $! > \"$0.pid\"\n\
+             printf 'running 1 test\\ntest t ... ok\\n\\ntest result: ok. 1 passed\\n'\n",
+        );
+        let started = Instant::now();
+        let run = run_job(
+            &bin,
+            &vec![],
+            &job(&["t"]),
+            &dir,
+            Duration::from_secs(60),
+            &|| None,
+        )
+        .unwrap();
+        assert!(run.success, "{:?}", run.problem);
+        // Not held up by the sleep on the pipe for the grace period.
+        assert!(started.elapsed() < GRACE, "{:?}", started.elapsed());
+        let pid = std::fs::read_to_string(dir.join("bin.sh.pid")).unwrap();
+        let stat = Path::new("/proc").join(pid.trim()).join("stat");
+        let state = std::fs::read_to_string(&stat).unwrap_or_default();
+        assert!(
+            state.is_empty() || state.contains(") Z "),
+            "the sleep {} outlived its binary: {state}",
+            pid.trim()
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
