@@ -205,7 +205,8 @@ impl RuntimeSettings {
 /// A rank's intra-op threads: `threads` (`--threads`); else `OMP_NUM_THREADS`, read with
 /// `env`, as PyTorch takes it (launchers set it: torchrun and `ddp-run` to 1 when a node runs
 /// several ranks); else the machine's cores divided among the `local_world_size` ranks. An
-/// `OMP_NUM_THREADS` that is not a number of threads is an error naming it.
+/// empty `OMP_NUM_THREADS` counts as unset; another that is not a number of threads is an
+/// error naming it.
 fn thread_count(
     threads: Option<usize>,
     local_world_size: usize,
@@ -215,7 +216,8 @@ fn thread_count(
         return Ok(threads);
     }
     let name = ddp_run::env::OMP_NUM_THREADS;
-    match env(name) {
+    // An empty value counts as unset, as for every variable ddp-comm reads.
+    match env(name).filter(|v| !v.to_string_lossy().trim().is_empty()) {
         None => Ok(ddp_data::default_workers(local_world_size)),
         Some(value) => match value.to_str().map(|v| v.trim().parse::<usize>()) {
             Some(Ok(n)) if n > 0 => Ok(n),
@@ -275,7 +277,13 @@ mod tests {
             thread_count(None, 1, |_| None),
             Ok(ddp_data::default_workers(1))
         );
-        for bad in ["abc", "0", ""] {
+        for unset in ["", "  "] {
+            assert_eq!(
+                thread_count(None, 2, omp(unset)),
+                Ok(ddp_data::default_workers(2))
+            );
+        }
+        for bad in ["abc", "0"] {
             let e = thread_count(None, 2, omp(bad)).unwrap_err();
             assert_eq!(
                 e.render(|f| format!("--{}", f.trim_start_matches("runtime."))),
