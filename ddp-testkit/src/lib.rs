@@ -24,9 +24,11 @@
 
 #![warn(missing_docs)]
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
+use std::process::{Child, Command, ExitStatus, Output};
 use std::sync::{mpsc, OnceLock};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use ddp_run::{JobSecret, RankEnv};
@@ -84,31 +86,91 @@ pub fn rank_command(program: impl AsRef<Path>, rank: usize, world: usize, port: 
 }
 
 /// Waits for every child and returns their outputs in order; if `limit` passes first, kills
-/// all of them and panics.
+/// those still running and panics.
 pub fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
+    wait_or_kill(children, limit).unwrap_or_else(|late| {
+        panic!(
+            "processes {:?} did not finish within {limit:?}: killed {:?}",
+            late.pids, late.killed
+        )
+    })
+}
+
+/// The children [`wait_or_kill`] found running at the limit.
+#[derive(Debug)]
+struct Late {
+    /// Every child's pid.
+    pids: Vec<u32>,
+    /// The pids it killed, with how they ended.
+    killed: Vec<(u32, ExitStatus)>,
+}
+
+/// [`wait_all`]'s work: the outputs, or the children killed at the limit. Only this thread
+/// reaps the children (the waiters only watch with `WNOWAIT`), so a pid it kills is still
+/// its child's, never a stranger's that reused the number of one already reaped.
+fn wait_or_kill(mut children: Vec<Child>, limit: Duration) -> Result<Vec<Output>, Late> {
     let pids: Vec<u32> = children.iter().map(Child::id).collect();
     let (tx, rx) = mpsc::channel();
-    for (i, child) in children.into_iter().enumerate() {
-        let tx = tx.clone();
+    let mut readers = Vec::with_capacity(children.len());
+    for (i, child) in children.iter_mut().enumerate() {
+        drop(child.stdin.take());
+        readers.push((read_all(child.stdout.take()), read_all(child.stderr.take())));
+        let (tx, pid) = (tx.clone(), child.id());
         std::thread::spawn(move || {
-            let _ = tx.send((i, child.wait_with_output()));
+            wait_exited(pid);
+            let _ = tx.send(i);
         });
     }
     drop(tx);
     let deadline = Instant::now() + limit;
-    let mut outputs: Vec<Option<Output>> = (0..pids.len()).map(|_| None).collect();
-    for _ in 0..pids.len() {
+    let mut exited = vec![false; children.len()];
+    for _ in 0..children.len() {
         match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok((i, out)) => outputs[i] = Some(out.expect("waiting for a child")),
+            Ok(i) => exited[i] = true,
             Err(_) => {
-                for &pid in &pids {
-                    kill(pid, libc::SIGKILL);
+                let mut killed = Vec::new();
+                for (child, _) in children.iter_mut().zip(&exited).filter(|(_, &e)| !e) {
+                    let _ = child.kill();
+                    killed.push((child.id(), child.wait().expect("reaping a killed child")));
                 }
-                panic!("processes {pids:?} did not finish within {limit:?}");
+                return Err(Late { pids, killed });
             }
         }
     }
-    outputs.into_iter().map(Option::unwrap).collect()
+    let outputs = children.into_iter().zip(readers);
+    Ok(outputs
+        .map(|(mut child, (stdout, stderr))| Output {
+            status: child.wait().expect("waiting for a child"),
+            stdout: stdout.join().expect("reading a child's stdout"),
+            stderr: stderr.join().expect("reading a child's stderr"),
+        })
+        .collect())
+}
+
+/// A thread reading `pipe` (if any) to its end.
+fn read_all(pipe: Option<impl Read + Send + 'static>) -> JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_end(&mut bytes);
+        }
+        bytes
+    })
+}
+
+/// Blocks until child `pid` has exited, leaving it to be reaped (`WNOWAIT`).
+fn wait_exited(pid: u32) {
+    loop {
+        // SAFETY: a zeroed siginfo_t is a valid out-parameter; WNOWAIT changes no state.
+        let rc = unsafe {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            let flags = libc::WEXITED | libc::WNOWAIT;
+            libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, flags)
+        };
+        if rc == 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return;
+        }
+    }
 }
 
 /// Waits for `child`; if `limit` passes first, kills it and panics.
@@ -248,6 +310,44 @@ mod tests {
     fn a_child_past_the_limit_is_killed_and_fails_the_test() {
         let child = Command::new("sleep").arg("30").spawn().unwrap();
         wait_bounded(child, Duration::from_millis(200));
+    }
+
+    #[test]
+    fn only_the_children_still_running_at_the_limit_are_killed() {
+        use std::os::unix::process::ExitStatusExt;
+        let done = Command::new("true").spawn().unwrap();
+        let sleeper = Command::new("sleep").arg("30").spawn().unwrap();
+        let (done_pid, sleeper_pid) = (done.id(), sleeper.id());
+        wait_for("`true` to exit", Duration::from_secs(60), || {
+            !procs::alive(done_pid)
+        });
+        let late = wait_or_kill(vec![done, sleeper], Duration::from_secs(1)).unwrap_err();
+        assert_eq!(late.pids, [done_pid, sleeper_pid]);
+        let killed: Vec<_> = late
+            .killed
+            .iter()
+            .map(|(pid, s)| (*pid, s.signal()))
+            .collect();
+        assert_eq!(killed, [(sleeper_pid, Some(libc::SIGKILL))]);
+    }
+
+    #[test]
+    fn outputs_come_back_in_order_with_their_status() {
+        let sh = |script: &str| {
+            Command::new("sh")
+                .args(["-c", script])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        let children = vec![sh("sleep 0.2; echo a; exit 3"), sh("echo b >&2")];
+        let outs = wait_all(children, Duration::from_secs(60));
+        let seen: Vec<_> = outs.iter().map(|o| (o.status.code(), text(o))).collect();
+        assert_eq!(
+            seen,
+            [(Some(3), "a\n".into()), (Some(0), "b\n".to_string())]
+        );
     }
 
     #[test]
