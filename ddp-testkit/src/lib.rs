@@ -6,6 +6,7 @@
 //!   [`job_secret`], the `DDP_SECRET` it gives every rank this process starts.
 //! - [`wait_all`], [`wait_bounded`], [`wait_for`]: waits that cannot hang a test; processes
 //!   still running at the limit are killed and the test fails.
+//! - [`script`]: an executable shell script, safe to run at once.
 //! - [`procs`]: what `/proc` says of processes (children, liveness, environment).
 //! - [`setup_python`]: the Python of `cargo xtask setup` (with torch), for tests that run
 //!   PyTorch next to our code.
@@ -193,6 +194,27 @@ pub fn wait_for_text(path: &Path, needle: &str, limit: Duration) {
         &format!("{} contains {needle:?}", path.display()),
         limit,
         || std::fs::read_to_string(path).is_ok_and(|t| t.contains(needle)),
+    );
+}
+
+/// Writes the executable script `text` at `path` from another process, so that no descriptor
+/// of it open here can reach a child forked meanwhile (running it would then fail with
+/// ETXTBSY).
+pub fn script(path: &Path, text: &str) {
+    use std::io::Write;
+    let mut sh = Command::new("sh")
+        .args(["-c", "cat > \"$0\" && chmod +x \"$0\""])
+        .arg(path)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("cannot start sh");
+    let mut stdin = sh.stdin.take().expect("sh's stdin");
+    stdin.write_all(text.as_bytes()).expect("writing to sh");
+    drop(stdin);
+    assert!(
+        sh.wait().expect("waiting for sh").success(),
+        "cannot write {}",
+        path.display()
     );
 }
 

@@ -88,6 +88,8 @@ pub fn run(root: &Path) -> Result<()> {
     run_gpu_tests(root, "ddp-data", &["tensor", "ring"], gpus)?;
     feed_and_fp16(root)?;
     let runs = if gpus > 1 { vec![1, gpus] } else { vec![1] };
+    // The runs' folder is removed after they all pass; a failed run's logs stay there.
+    let runs_root = std::env::temp_dir().join(format!("gpu-check-{}", std::process::id()));
     let precisions = runs
         .iter()
         .map(|&n| (n, "fp32"))
@@ -101,7 +103,7 @@ pub fn run(root: &Path) -> Result<()> {
             out: None,
             grace: 10,
             cache: None,
-            runs_root: Some(std::env::temp_dir().join(format!("gpu-check-{}", std::process::id()))),
+            runs_root: Some(runs_root.clone()),
             bin: None,
             gen_data_bin: None,
             rest: [
@@ -118,9 +120,14 @@ pub fn run(root: &Path) -> Result<()> {
         };
         let code = launch::run(root, args)?;
         if code != 0 {
-            bail!("the {precision} training on {n} GPU(s) failed (exit code {code})");
+            bail!(
+                "the {precision} training on {n} GPU(s) failed (exit code {code}); its run \
+                 directory, with the ranks' logs, is kept in {}",
+                runs_root.display()
+            );
         }
     }
+    let _ = std::fs::remove_dir_all(&runs_root);
     println!("gpu-check: all GPU tests, the NCCL sweep and the GPU trainings passed");
     Ok(())
 }
@@ -130,7 +137,8 @@ pub fn run(root: &Path) -> Result<()> {
 /// and bf16 (each a few seconds on one GPU), judged by [`precision_verdict`].
 fn feed_and_fp16(root: &Path) -> Result<()> {
     let sample = std::env::temp_dir().join(format!("gpu-check-feed-{}", std::process::id()));
-    launch::generate_sample(root, None, &sample, 256, 512, 0)?;
+    let sample = launch::RemoveOnDrop(sample);
+    launch::generate_sample(root, None, &sample.0, 256, 512, 0)?;
     let steps = [
         "--device",
         "cuda",
@@ -148,10 +156,9 @@ fn feed_and_fp16(root: &Path) -> Result<()> {
     feed.args(["bench", "-p", "ddp-train", "--bench", "ddp_steps", "--"])
         .args(steps)
         .arg("--data")
-        .arg(&sample);
-    let fed = crate::run(root, feed);
-    let _ = std::fs::remove_dir_all(&sample);
-    fed?;
+        .arg(&sample.0);
+    crate::run(root, feed)?;
+    drop(sample);
     for precision in ["fp16", "bf16"] {
         println!("gpu-check: ResNet-50 steps/s in {precision}, random tensors, 224 px");
         let mut bench = crate::cargo();

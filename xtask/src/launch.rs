@@ -384,38 +384,141 @@ pub fn generate_sample(
 }
 
 /// The built-in synthetic sample, generated once into `.cache/` and reused. Generation goes to
-/// a private temporary folder renamed into place, so concurrent jobs never see half a sample.
+/// a private temporary folder renamed into place, so concurrent jobs never see half a sample;
+/// a failed generation removes it, and one cut short (Ctrl-C, a kill) is swept by the next.
 fn synthetic_sample(root: &Path, cache: &Path, bin: Option<&Path>) -> Result<PathBuf> {
     let dir = cache.join(format!(
         "synthetic-odir-{SAMPLE_IMAGES}x{SAMPLE_SIZE}-seed{SAMPLE_SEED}"
     ));
+    remove_stale_temporaries(cache);
     if dir.join("full_df.csv").exists() {
         return Ok(dir);
     }
     std::fs::create_dir_all(cache).with_context(|| format!("cannot create {}", cache.display()))?;
-    let tmp = cache.join(format!(
-        ".tmp-{}-{}",
+    let tmp = RemoveOnDrop(cache.join(format!(
+        ".tmp-{}-{}-{}",
         std::process::id(),
-        time::OffsetDateTime::now_utc().unix_timestamp_nanos()
-    ));
+        time::OffsetDateTime::now_utc().unix_timestamp_nanos(),
+        hostname()
+    )));
     println!(
         "xtask: generating the synthetic ODIR sample (once) into {}",
         dir.display()
     );
-    generate_sample(root, bin, &tmp, SAMPLE_IMAGES, SAMPLE_SIZE, SAMPLE_SEED)?;
-    if std::fs::rename(&tmp, &dir).is_err() {
-        // Another job won the race: its sample is identical (same seed); use it.
-        let _ = std::fs::remove_dir_all(&tmp);
-        if !dir.join("full_df.csv").exists() {
-            bail!("cannot move the synthetic sample into {}", dir.display());
+    generate_sample(root, bin, &tmp.0, SAMPLE_IMAGES, SAMPLE_SIZE, SAMPLE_SEED)?;
+    // On success `tmp` is gone and its guard finds nothing to remove.
+    if std::fs::rename(&tmp.0, &dir).is_err() && !dir.join("full_df.csv").exists() {
+        bail!("cannot move the synthetic sample into {}", dir.display());
+    }
+    // Else another job won the race: its sample is identical (same seed); use it.
+    Ok(dir)
+}
+
+/// A folder removed, with what it holds, when the guard drops.
+pub struct RemoveOnDrop(pub PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// This machine's name, which the cache's temporaries carry: on a folder shared between
+/// hosts, only this host can tell whether a temporary's process is gone.
+fn hostname() -> String {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    name.trim().to_owned()
+}
+
+/// Removes the temporaries of [`synthetic_sample`] (`.tmp-<pid>-<nanoseconds>-<host>`) in
+/// `cache` that a generation cut short left: this host's, whose process is gone. Returns
+/// them.
+fn remove_stale_temporaries(cache: &Path) -> Vec<PathBuf> {
+    let host = hostname();
+    let stale = |name: &str| {
+        let mut parts = name
+            .strip_prefix(".tmp-")
+            .unwrap_or_default()
+            .splitn(3, '-');
+        let (Some(pid), Some(_), Some(its_host)) = (parts.next(), parts.next(), parts.next())
+        else {
+            return false;
+        };
+        its_host == host
+            && pid
+                .parse::<u32>()
+                .is_ok_and(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+    };
+    let mut removed = Vec::new();
+    for entry in std::fs::read_dir(cache).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if entry.file_name().to_str().is_some_and(stale) && std::fs::remove_dir_all(&path).is_ok() {
+            removed.push(path);
         }
     }
-    Ok(dir)
+    removed.sort();
+    removed
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The names in `dir`, sorted.
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_failed_generation_leaves_no_temporary_in_the_cache() {
+        let dir = ddp_testkit::temp_dir("xtask-failed-sample");
+        // A generator that writes part of a sample into its --out ($2), then fails.
+        let generator = dir.path().join("gen.sh");
+        ddp_testkit::script(
+            &generator,
+            "#!/bin/sh\nmkdir -p \"$2\" && echo x > \"$2/half\"\nexit 1\n",
+        );
+        let cache = dir.path().join("cache");
+        let err = synthetic_sample(dir.path(), &cache, Some(&generator)).unwrap_err();
+        let err = format!("{err:#}");
+        assert!(
+            err.contains("could not write the synthetic sample"),
+            "{err}"
+        );
+        assert!(err.contains("exit status: 1"), "{err}");
+        assert_eq!(names(&cache), Vec::<String>::new());
+    }
+
+    #[test]
+    fn temporaries_of_gone_processes_of_this_host_are_swept() {
+        let dir = ddp_testkit::temp_dir("xtask-sweep");
+        let mut gone = std::process::Command::new("true").spawn().unwrap();
+        gone.wait().unwrap();
+        let host = hostname();
+        let (own, dead) = (std::process::id(), gone.id());
+        let kept = [
+            format!(".tmp-{own}-1-{host}"),
+            format!(".tmp-{dead}-1-elsewhere"),
+            format!(".tmp-{dead}-1"),
+            format!("synthetic-{dead}-1-{host}"),
+        ];
+        let swept = format!(".tmp-{dead}-1-{host}");
+        for name in kept.iter().chain([&swept]) {
+            std::fs::create_dir_all(dir.path().join(name).join("images")).unwrap();
+        }
+        assert_eq!(
+            remove_stale_temporaries(dir.path()),
+            [dir.path().join(&swept)]
+        );
+        let mut kept = kept.to_vec();
+        kept.sort();
+        assert_eq!(names(dir.path()), kept);
+    }
 
     #[test]
     fn the_ranks_threads_are_the_users_else_the_cores_per_rank() {

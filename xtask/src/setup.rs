@@ -457,20 +457,6 @@ mod tests {
         fs::remove_dir_all(&dir).unwrap();
     }
 
-    /// Writes an executable script from another process, so that no descriptor of it open
-    /// here can reach a child forked meanwhile (running it would then fail with ETXTBSY).
-    fn script(path: &Path, text: &str) {
-        use std::io::Write;
-        let mut sh = Command::new("sh")
-            .args(["-c", "cat > \"$0\" && chmod +x \"$0\""])
-            .arg(path)
-            .stdin(Stdio::piped())
-            .spawn()
-            .unwrap();
-        sh.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-        assert!(sh.wait().unwrap().success());
-    }
-
     #[test]
     fn a_venv_without_pip_is_made_again_or_the_error_says_reinstall() {
         let dir = tempdir();
@@ -507,14 +493,14 @@ mod tests {
     fn python_before_3_10_is_refused_naming_ddp_python() {
         let dir = tempdir();
         let old = dir.join("python3.9");
-        script(&old, "#!/bin/sh\necho 'Python 3.9.18'\n");
+        ddp_testkit::script(&old, "#!/bin/sh\necho 'Python 3.9.18'\n");
         let err = check_python(old.to_string_lossy().into_owned())
             .unwrap_err()
             .to_string();
         assert!(err.contains("3.10") && err.contains("DDP_PYTHON"), "{err}");
         assert!(err.contains("Python 3.9.18"), "{err}");
         let new = dir.join("python3.10");
-        script(&new, "#!/bin/sh\necho 'Python 3.10.0rc1'\n");
+        ddp_testkit::script(&new, "#!/bin/sh\necho 'Python 3.10.0rc1'\n");
         assert!(check_python(new.to_string_lossy().into_owned()).is_ok());
         assert_eq!(python_version("Python 3.13.1\n"), Some((3, 13)));
         assert_eq!(python_version("Python 2.7.18"), Some((2, 7)));
