@@ -371,14 +371,7 @@ mod tests {
     /// no descriptor of it open here can reach a child forked meanwhile (ETXTBSY).
     fn binary(dir: &Path, text: &str) -> Binary {
         let exe = dir.join("bin.sh");
-        let mut sh = std::process::Command::new("sh")
-            .args(["-c", "cat > \"$0\" && chmod +x \"$0\""])
-            .arg(&exe)
-            .stdin(Stdio::piped())
-            .spawn()
-            .unwrap();
-        sh.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-        assert!(sh.wait().unwrap().success());
+        ddp_testkit::script(&exe, text);
         Binary {
             package: "p".into(),
             target: "t".into(),
