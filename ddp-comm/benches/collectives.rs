@@ -8,8 +8,11 @@
 //! cargo bench -p ddp-comm --bench collectives -- --transport tcp --ranks 4 --no-gloo
 //! cargo bench -p ddp-comm --bench collectives -- --backend nccl    # one rank per GPU
 //! cargo bench -p ddp-comm --bench collectives -- --quick           # a tenth of the calls
+//! cargo bench -p ddp-comm --bench collectives -- --filter "25 MiB"  # rows whose label has it
 //! ```
 //!
+//! All-reduce sums (`ReduceOp::Sum`), and from 4 MiB up also averages (`ReduceOp::Avg`, DDP's
+//! default, rows labelled `Avg`; Gloo has no average, so those rows have no reference).
 //! All-reduce: `busbw = algbw * 2(n-1)/n` with `algbw = bytes / median time`; all-gather of
 //! `bytes` per rank: `busbw = n * bytes / time * (n-1)/n` (nccl-tests' definitions).
 //!
@@ -33,6 +36,8 @@ const SIZES: [(&str, usize, usize); 5] = [
     ("25 MiB", 25 << 20, 60),
     ("64 MiB", 64 << 20, 30),
 ];
+/// The smallest all-reduce that is also timed with `ReduceOp::Avg`.
+const AVG_FROM: usize = 4 << 20;
 /// The ConvNet's 14 trainable tensors (ddp-model): 4 conv weights, 4 BatchNorm weight and
 /// bias pairs, the classifier's weight and bias: 390,952 f32 = 1.56 MB.
 const CONVNET: [&[i64]; 14] = [
@@ -62,6 +67,8 @@ struct Args {
     transport: Option<Transport>,
     gloo: bool,
     scale: f64,
+    /// Only the rows whose label contains this.
+    filter: String,
 }
 
 fn parse_args() -> Args {
@@ -71,6 +78,7 @@ fn parse_args() -> Args {
         transport: None,
         gloo: true,
         scale: 1.0,
+        filter: String::new(),
     };
     let mut ranks_given = false;
     let mut it = std::env::args().skip(1);
@@ -90,6 +98,7 @@ fn parse_args() -> Args {
             }
             "--no-gloo" => args.gloo = false,
             "--quick" => args.scale = 0.1,
+            "--filter" => args.filter = it.next().expect("--filter TEXT"),
             _ => {} // cargo bench passes --bench
         }
     }
@@ -168,57 +177,70 @@ fn worker(args: &Args) {
     };
     let n = group.world_size() as f64;
     let calls = |c: usize| ((c as f64 * args.scale) as usize).max(5);
-    for (label, bytes, count) in SIZES {
+    let wanted = |label: &str| label.contains(&args.filter);
+    for (size, bytes, count) in SIZES {
         let mut t = Tensor::zeros([(bytes / 4) as i64], (Kind::Float, device));
-        group.barrier().unwrap();
-        let secs = time_calls(calls(count), || {
-            group.all_reduce(&mut t, ReduceOp::Sum).unwrap();
-            sync();
-        });
-        let busbw = bytes as f64 / secs * 2.0 * (n - 1.0) / n / 1e9;
-        if group.rank() == 0 {
-            println!("RESULT all_reduce {label}|{secs}|{busbw}");
+        for (op, suffix) in [(ReduceOp::Sum, ""), (ReduceOp::Avg, " Avg")] {
+            let label = format!("all_reduce {size}{suffix}");
+            if (op == ReduceOp::Avg && bytes < AVG_FROM) || !wanted(&label) {
+                continue;
+            }
+            group.barrier().unwrap();
+            let secs = time_calls(calls(count), || {
+                group.all_reduce(&mut t, op).unwrap();
+                sync();
+            });
+            let busbw = bytes as f64 / secs * 2.0 * (n - 1.0) / n / 1e9;
+            if group.rank() == 0 {
+                println!("RESULT {label}|{secs}|{busbw}");
+            }
         }
     }
     let (label, bytes, count) = GATHER;
-    let t = Tensor::zeros([(bytes / 4) as i64], (Kind::Float, device));
-    // A reused output, as Gloo's reference gathers into a preallocated list.
-    let mut out = Tensor::zeros(
-        [group.world_size() as i64, t.numel() as i64],
-        (Kind::Float, device),
-    );
-    group.barrier().unwrap();
-    let secs = time_calls(calls(count), || {
-        group.all_gather_into(&t, &mut out).unwrap();
-        sync();
-    });
-    if group.rank() == 0 {
-        let busbw = n * bytes as f64 / secs * (n - 1.0) / n / 1e9;
-        println!("RESULT all_gather {label}|{secs}|{busbw}");
+    if wanted(&format!("all_gather {label}")) {
+        let t = Tensor::zeros([(bytes / 4) as i64], (Kind::Float, device));
+        // A reused output, as Gloo's reference gathers into a preallocated list.
+        let mut out = Tensor::zeros(
+            [group.world_size() as i64, t.numel() as i64],
+            (Kind::Float, device),
+        );
+        group.barrier().unwrap();
+        let secs = time_calls(calls(count), || {
+            group.all_gather_into(&t, &mut out).unwrap();
+            sync();
+        });
+        if group.rank() == 0 {
+            let busbw = n * bytes as f64 / secs * (n - 1.0) / n / 1e9;
+            println!("RESULT all_gather {label}|{secs}|{busbw}");
+        }
     }
     let mut params: Vec<Tensor> = CONVNET
         .iter()
         .map(|s| Tensor::zeros(*s, (Kind::Float, device)))
         .collect();
     let total: i64 = params.iter().map(|p| p.numel() as i64).sum();
-    group.barrier().unwrap();
-    let secs = time_calls(calls(BROADCAST_CALLS), || {
-        for p in params.iter_mut() {
-            group.broadcast(p, 0).unwrap();
+    if wanted("broadcast 14 tensors") {
+        group.barrier().unwrap();
+        let secs = time_calls(calls(BROADCAST_CALLS), || {
+            for p in params.iter_mut() {
+                group.broadcast(p, 0).unwrap();
+            }
+            sync();
+        });
+        if group.rank() == 0 {
+            println!("RESULT broadcast 14 tensors|{secs}|{}", total * 4);
         }
-        sync();
-    });
-    if group.rank() == 0 {
-        println!("RESULT broadcast 14 tensors|{secs}|{}", total * 4);
     }
-    let mut flat = Tensor::zeros([total], (Kind::Float, device));
-    group.barrier().unwrap();
-    let secs = time_calls(calls(BROADCAST_CALLS), || {
-        group.broadcast(&mut flat, 0).unwrap();
-        sync();
-    });
-    if group.rank() == 0 {
-        println!("RESULT broadcast flat|{secs}|{}", total * 4);
+    if wanted("broadcast flat") {
+        let mut flat = Tensor::zeros([total], (Kind::Float, device));
+        group.barrier().unwrap();
+        let secs = time_calls(calls(BROADCAST_CALLS), || {
+            group.broadcast(&mut flat, 0).unwrap();
+            sync();
+        });
+        if group.rank() == 0 {
+            println!("RESULT broadcast flat|{secs}|{}", total * 4);
+        }
     }
 }
 

@@ -320,6 +320,12 @@ world_tests! {
     barrier_waits_for_the_slowest_rank_tcp: 3, barrier_body, "tcp";
     max_and_min_keep_nan_world_2_shm: 2, nan_body, "auto";
     max_and_min_keep_nan_world_3_tcp: 3, nan_body, "tcp";
+    avg_is_sum_divided_world_2_shm: 2, avg_body, "auto";
+    avg_is_sum_divided_world_3_shm: 3, avg_body, "auto";
+    avg_is_sum_divided_world_5_shm: 5, avg_body, "auto";
+    avg_is_sum_divided_world_2_tcp: 2, avg_body, "tcp";
+    avg_is_sum_divided_world_3_tcp: 3, avg_body, "tcp";
+    avg_is_sum_divided_world_5_tcp: 5, avg_body, "tcp";
 }
 
 fn check_broadcast<T: TestElem>(group: &ProcessGroup, sizes: &[usize]) {
@@ -466,6 +472,107 @@ fn big_body() {
         assert_eq!(*g, want, "rank {rank} element {i}");
     }
     println!("rank {rank}: 64 MiB ok");
+}
+
+/// Rank `r`'s value at index `i` for [`avg_body`]: 64 scrambled bits.
+fn scrambled(r: usize, i: usize) -> u64 {
+    let x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (r as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    x ^ (x >> 29)
+}
+
+/// `Avg` gives, bit for bit, what `Sum` gives divided by the world size element by element:
+/// floats divided in their type, bf16 and f16 through `f32` rounded to nearest even, integers
+/// (wrapped sums) truncated toward zero. Lengths are odd and take both paths: the latency
+/// path (1, 7, 1001 elements), the ring (300,007: over `SMALL_BYTES` in every dtype and
+/// world) and, in f32, a buffer over the 16 MiB from which the ring receives with streaming
+/// stores (4,194,311 elements).
+fn avg_body() {
+    use tch::Kind;
+    let group = join();
+    let (rank, n) = rank_world();
+    let small = [1usize, 7, 1001, 300_007];
+    let all = [1usize, 7, 1001, 300_007, 4_194_311];
+    for (kind, sizes) in [
+        (Kind::Float, &all[..]),
+        (Kind::Double, &small[..]),
+        (Kind::BFloat16, &small[..]),
+        (Kind::Half, &small[..]),
+        (Kind::Int64, &small[..]),
+    ] {
+        for &size in sizes {
+            let mine = if kind == Kind::Int64 {
+                let v: Vec<i64> = (0..size).map(|i| scrambled(rank, i) as i64).collect();
+                Tensor::from_slice(&v)
+            } else {
+                // Fractions in [-1000, 1000): sums and quotients round in every type.
+                let v: Vec<f64> = (0..size)
+                    .map(|i| (scrambled(rank, i) % 2_000_003) as f64 / 1000.0017 - 1000.0)
+                    .collect();
+                Tensor::from_slice(&v).to_kind(kind)
+            };
+            let mut sum = mine.copy();
+            group.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+            let mut avg = mine;
+            group.all_reduce(&mut avg, ReduceOp::Avg).unwrap();
+            let floats = |t: &Tensor| Vec::<f32>::try_from(&t.to_kind(Kind::Float)).unwrap();
+            let divided = |s: f32| s / n as f32;
+            let (want, got): (Vec<u64>, Vec<u64>) = match kind {
+                Kind::Float => (
+                    floats(&sum)
+                        .into_iter()
+                        .map(|s| u64::from(divided(s).to_bits()))
+                        .collect(),
+                    floats(&avg)
+                        .into_iter()
+                        .map(|a| u64::from(a.to_bits()))
+                        .collect(),
+                ),
+                Kind::Double => {
+                    let f = |t: &Tensor| Vec::<f64>::try_from(t).unwrap();
+                    (
+                        f(&sum)
+                            .into_iter()
+                            .map(|s| (s / n as f64).to_bits())
+                            .collect(),
+                        f(&avg).into_iter().map(f64::to_bits).collect(),
+                    )
+                }
+                Kind::BFloat16 | Kind::Half => {
+                    // Rounded to the type, nearest even: the f32 values are exact in it.
+                    let bits = |v: f32| match kind {
+                        Kind::Half => half::f16::from_f32(v).to_bits(),
+                        _ => half::bf16::from_f32(v).to_bits(),
+                    };
+                    (
+                        floats(&sum)
+                            .into_iter()
+                            .map(|s| u64::from(bits(divided(s))))
+                            .collect(),
+                        floats(&avg)
+                            .into_iter()
+                            .map(|a| u64::from(bits(a)))
+                            .collect(),
+                    )
+                }
+                _ => {
+                    let i = |t: &Tensor| Vec::<i64>::try_from(t).unwrap();
+                    (
+                        i(&sum).into_iter().map(|s| (s / n as i64) as u64).collect(),
+                        i(&avg).into_iter().map(|a| a as u64).collect(),
+                    )
+                }
+            };
+            assert_eq!(got.len(), size);
+            if let Some(at) = (0..size).find(|&i| got[i] != want[i]) {
+                panic!(
+                    "{kind:?} size {size} world {n} rank {rank}: Avg element {at} has bits {:#x}, Sum / {n} {:#x}",
+                    got[at], want[at]
+                );
+            }
+        }
+    }
+    println!("rank {rank}: avg ok");
 }
 
 fn barrier_body() {

@@ -9,7 +9,10 @@
 //! Small all-reduces take a latency path: an all-gather of the whole buffers along the ring
 //! (`n - 1` hops instead of `2(n - 1)`), then a local reduction in rank order 0, 1, ..., n-1,
 //! the same on every rank. Large ones take the bandwidth-optimal ring (reduce-scatter +
-//! all-gather). Either way every rank ends with identical bytes.
+//! all-gather). Either way every rank ends with identical bytes. `Avg` divides the sum by
+//! the world size: the latency path after its reduction, the ring at each piece's owner
+//! after the piece's last reduce-scatter hop (while it is in cache), so that the all-gather
+//! carries the quotients.
 //!
 //! Every collective starts with a 16-byte header (kind, dtype, argument, length) that each
 //! rank checks against its predecessor's, so ranks that call different collectives or sizes
@@ -22,7 +25,7 @@ use std::time::{Duration, Instant};
 use crate::element::{self, as_bytes_mut, DType, ReduceOp};
 use crate::error::CommError;
 use crate::ring::link::{EndError, Link, LinkKind, RecvEnd};
-use crate::ring::schedule::{split_even, Schedule, Span};
+use crate::ring::schedule::{split_even, Recv, Schedule, Span};
 use crate::store::heartbeat::Heartbeat;
 
 /// Bytes per pipelined segment.
@@ -218,6 +221,7 @@ impl CpuBackend {
             link,
             Job {
                 rank: self.rank,
+                world: self.world,
                 op,
                 head,
                 schedule: &self.schedule,
@@ -272,6 +276,9 @@ impl CpuBackend {
             for r in 1..n {
                 element::reduce(dtype, op, buf, &all[r * len..][..len]);
             }
+            if op == ReduceOp::Avg {
+                element::finish_avg(dtype, buf, n);
+            }
         } else {
             // Any assignment of pieces to positions works: each piece is reduced along
             // one path and then copied, so every rank ends with the same bytes.
@@ -280,10 +287,8 @@ impl CpuBackend {
             self.schedule
                 .all_reduce(&pieces, self.ring.pos, self.segment);
             self.pieces = pieces;
+            // `drive` divides an average as each piece's reduction completes.
             self.run("all_reduce", head, buf, Some((dtype, op)), false)?;
-        }
-        if op == ReduceOp::Avg {
-            element::finish_avg(dtype, buf, n);
         }
         Ok(())
     }
@@ -475,6 +480,8 @@ fn equal_pieces(out: &mut Vec<Span>, n: usize, len: usize) {
 /// What one call of [`drive`] does.
 struct Job<'a> {
     rank: usize,
+    /// What an average divides by.
+    world: usize,
     op: &'static str,
     head: [u8; HEADER],
     schedule: &'a Schedule,
@@ -485,10 +492,12 @@ struct Job<'a> {
 
 /// Executes one schedule. Sends go to `link.send`, receives come from `link.recv`; segments
 /// that reduce are combined into `work` straight from a shared-memory ring, or received into
-/// `tmp` first from TCP.
+/// `tmp` first from TCP. An average's [`Recv::ReduceLast`] segments are divided as soon as
+/// they are complete, before they are forwarded.
 fn drive(link: &mut Link, job: Job<'_>, work: &mut [u8], tmp: &mut [u8]) -> Result<(), CommError> {
     let Job {
         rank,
+        world,
         op,
         head,
         schedule,
@@ -571,7 +580,8 @@ fn drive(link: &mut Link, job: Job<'_>, work: &mut [u8], tmp: &mut [u8]) -> Resu
             }
         } else if recv_i < recvs.len() {
             let s = recvs[recv_i].span;
-            let reducing = reduce.filter(|_| recvs[recv_i].reduce);
+            let how = recvs[recv_i].recv;
+            let reducing = reduce.filter(|_| how != Recv::Copy);
             if recv_pos < s.len {
                 let k = match (&mut link.recv, reducing) {
                     (RecvEnd::Shm(ring), Some((dtype, rop))) => ring
@@ -590,8 +600,14 @@ fn drive(link: &mut Link, job: Job<'_>, work: &mut [u8], tmp: &mut [u8]) -> Resu
                 }
             }
             if recv_pos == s.len {
-                if let (Some((dtype, rop)), RecvEnd::Tcp { .. }) = (reducing, &link.recv) {
-                    element::reduce(dtype, rop, &mut work[s.off..s.off + s.len], &tmp[..s.len]);
+                if let Some((dtype, rop)) = reducing {
+                    let done = &mut work[s.off..s.off + s.len];
+                    if let RecvEnd::Tcp { .. } = &link.recv {
+                        element::reduce(dtype, rop, done, &tmp[..s.len]);
+                    }
+                    if rop == ReduceOp::Avg && how == Recv::ReduceLast {
+                        element::finish_avg(dtype, done, world);
+                    }
                 }
                 recv_i += 1;
                 recv_pos = 0;

@@ -38,11 +38,23 @@ pub(crate) struct SendSeg {
     pub after: usize,
 }
 
-/// A segment to receive; `reduce` combines it into the buffer instead of overwriting.
+/// What a received segment does to the buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Recv {
+    /// Overwrites it.
+    Copy,
+    /// Combines into it.
+    Reduce,
+    /// Combines into it, and completes the reduction of these bytes: the last
+    /// reduce-scatter hop, at the piece's owner, where an average divides them.
+    ReduceLast,
+}
+
+/// A segment to receive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct RecvSeg {
     pub span: Span,
-    pub reduce: bool,
+    pub recv: Recv,
 }
 
 /// One rank's part of a ring collective.
@@ -78,19 +90,19 @@ fn segments(span: Span, segment: usize) -> impl Iterator<Item = Span> {
 }
 
 impl Schedule {
-    /// A ring pass: in step `t` send piece `steps[t].0`, receive piece `steps[t].1` (reduced
-    /// when `steps[t].2`). The piece sent in step `t > 0` must be the one received in step
+    /// A ring pass: in step `t` send piece `steps[t].0`, receive piece `steps[t].1` as
+    /// `steps[t].2` says. The piece sent in step `t > 0` must be the one received in step
     /// `t - 1`; its segment `j` waits for that received segment `j`.
     pub(crate) fn ring(
         &mut self,
         pieces: &[Span],
-        steps: impl Iterator<Item = (usize, usize, bool)>,
+        steps: impl Iterator<Item = (usize, usize, Recv)>,
         segment: usize,
     ) {
         self.sends.clear();
         self.recvs.clear();
         let mut prev: Option<(usize, usize)> = None; // (piece, index of its first recv segment)
-        for (send, recv, reduce) in steps {
+        for (send, recv, how) in steps {
             match prev {
                 None => self
                     .sends
@@ -113,18 +125,26 @@ impl Schedule {
             }
             prev = Some((recv, self.recvs.len()));
             self.recvs
-                .extend(segments(pieces[recv], segment).map(|span| RecvSeg { span, reduce }));
+                .extend(segments(pieces[recv], segment).map(|span| RecvSeg { span, recv: how }));
         }
     }
 
     /// Ring all-reduce on `n` pieces: `n - 1` reduce-scatter steps, then `n - 1` all-gather
     /// steps. Afterwards every rank holds every piece fully reduced; piece `c` was reduced
-    /// in the same order on the way to its owner, so all ranks hold identical bytes.
+    /// in the same order on the way to its owner, so all ranks hold identical bytes. The
+    /// owner receives it last as [`Recv::ReduceLast`], before it forwards it.
     pub(crate) fn all_reduce(&mut self, pieces: &[Span], rank: usize, segment: usize) {
         let n = pieces.len();
         let at = |k: isize| (rank as isize + k).rem_euclid(n as isize) as usize;
-        let reduce_scatter = (0..n - 1).map(|t| (at(-(t as isize)), at(-(t as isize) - 1), true));
-        let all_gather = (0..n - 1).map(|s| (at(1 - s as isize), at(-(s as isize)), false));
+        let reduce_scatter = (0..n - 1).map(|t| {
+            let how = if t == n - 2 {
+                Recv::ReduceLast
+            } else {
+                Recv::Reduce
+            };
+            (at(-(t as isize)), at(-(t as isize) - 1), how)
+        });
+        let all_gather = (0..n - 1).map(|s| (at(1 - s as isize), at(-(s as isize)), Recv::Copy));
         self.ring(pieces, reduce_scatter.chain(all_gather), segment);
     }
 
@@ -134,7 +154,7 @@ impl Schedule {
         let at = |k: isize| (rank as isize + k).rem_euclid(n as isize) as usize;
         self.ring(
             pieces,
-            (0..n - 1).map(|t| (at(-(t as isize)), at(-(t as isize) - 1), false)),
+            (0..n - 1).map(|t| (at(-(t as isize)), at(-(t as isize) - 1), Recv::Copy)),
             segment,
         );
     }
@@ -161,7 +181,7 @@ impl Schedule {
         self.recvs
             .extend(segments(whole, segment).map(|span| RecvSeg {
                 span,
-                reduce: false,
+                recv: Recv::Copy,
             }));
         if position + 1 < n {
             self.sends.extend(
@@ -177,8 +197,12 @@ impl Schedule {
 mod tests {
     use super::*;
 
-    /// Runs schedules of all ranks in lock step on in-memory buffers (sum over u32) and
-    /// returns every rank's buffer.
+    /// Marks a value whose reduction a [`Recv::ReduceLast`] completed.
+    const DONE: u32 = 1 << 31;
+
+    /// Runs schedules of all ranks in lock step on in-memory buffers (sum over u32, with
+    /// [`DONE`] set by the last reduction, which must meet unmarked values, as every
+    /// reduction must) and returns every rank's buffer.
     fn simulate(
         n: usize,
         mut bufs: Vec<Vec<u32>>,
@@ -211,7 +235,18 @@ mod tests {
                         .iter_mut()
                         .zip(data)
                     {
-                        *d = if recv.reduce { *d + v } else { v };
+                        *d = match recv.recv {
+                            Recv::Copy => v,
+                            Recv::Reduce | Recv::ReduceLast => {
+                                assert_eq!((*d | v) & DONE, 0, "rank {r} reduces a finished value");
+                                let sum = *d + v;
+                                if recv.recv == Recv::ReduceLast {
+                                    sum | DONE
+                                } else {
+                                    sum
+                                }
+                            }
+                        };
                     }
                     sent[prev] += 1;
                     received[r] += 1;
@@ -237,6 +272,8 @@ mod tests {
         bufs
     }
 
+    /// Every element's sum is completed once, on one rank, before it is forwarded: every
+    /// rank ends with every sum marked [`DONE`].
     #[test]
     fn all_reduce_schedule_sums_for_every_world_and_size() {
         for n in 2..=5 {
@@ -245,7 +282,7 @@ mod tests {
                     .map(|r| (0..elems).map(|i| (r * 1000 + i) as u32).collect())
                     .collect();
                 let want: Vec<u32> = (0..elems)
-                    .map(|i| (0..n).map(|r| (r * 1000 + i) as u32).sum())
+                    .map(|i| (0..n).map(|r| (r * 1000 + i) as u32).sum::<u32>() | DONE)
                     .collect();
                 let mut pieces = Vec::new();
                 split_even(elems * 4, 4, n, &mut pieces);

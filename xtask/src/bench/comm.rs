@@ -69,7 +69,11 @@ fn comm_rows(
             )
         };
         if let Some(size) = label.strip_prefix("all_reduce ") {
-            let big = targets::ALLREDUCE_BANDWIDTH_SIZES.contains(&size);
+            // `ReduceOp::Avg` rows ("<size> Avg") have no Gloo line and no target.
+            let (size, op) = size
+                .strip_suffix(" Avg")
+                .map_or((size, ""), |s| (s, " Avg"));
+            let big = op.is_empty() && targets::ALLREDUCE_BANDWIDTH_SIZES.contains(&size);
             if size == "4 KiB" {
                 let mut row = Row::new(
                     Group::Comm,
@@ -85,7 +89,7 @@ fn comm_rows(
             } else {
                 let mut row = Row::new(
                     Group::Comm,
-                    format!("all-reduce {size} f32, 2 ranks, {what}: bus bandwidth"),
+                    format!("all-reduce {size} f32{op}, 2 ranks, {what}: bus bandwidth"),
                     Unit::GigabytesPerSec,
                 )
                 .pair(Some(*value), theirs.map(|t| t.2))
@@ -129,6 +133,7 @@ mod tests {
         let ours = vec![
             ("all_reduce 4 KiB".to_string(), 10e-6, 0.5),
             ("all_reduce 64 MiB".to_string(), 0.02, 3.3),
+            ("all_reduce 64 MiB Avg".to_string(), 0.021, 3.2),
             ("all_gather 4 MiB".to_string(), 0.003, 1.4),
             ("broadcast flat".to_string(), 0.0004, 1.56e6),
         ];
@@ -137,7 +142,7 @@ mod tests {
             ("all_reduce 64 MiB".to_string(), 0.05, 1.1),
         ];
         let shm = comm_rows("shared memory", &ours, &gloo, true);
-        assert_eq!(shm.len(), 4);
+        assert_eq!(shm.len(), 5);
         assert_eq!(
             shm[1].name,
             "all-reduce 64 MiB f32, 2 ranks, shared memory: bus bandwidth"
@@ -145,9 +150,14 @@ mod tests {
         assert!((shm[1].ratio.unwrap() - 3.0).abs() < 1e-9);
         assert_eq!(shm[1].meets_target(), Some(true));
         assert!((shm[0].ratio.unwrap() - 60.0).abs() < 1e-9);
-        assert_eq!(shm[2].ratio, None, "no Gloo all-gather line, no ratio");
+        assert_eq!(
+            shm[2].name,
+            "all-reduce 64 MiB f32 Avg, 2 ranks, shared memory: bus bandwidth"
+        );
+        assert_eq!((shm[2].ratio, shm[2].target.is_none()), (None, true));
+        assert_eq!(shm[3].ratio, None, "no Gloo all-gather line, no ratio");
         let tcp = comm_rows("TCP", &ours, &gloo, false);
         assert!(tcp.iter().all(|r| r.target.is_none()));
-        assert!(tcp[3].name.ends_with("2 ranks, TCP"));
+        assert!(tcp[4].name.ends_with("2 ranks, TCP"));
     }
 }
