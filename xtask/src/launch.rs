@@ -115,6 +115,28 @@ const SAMPLE_DEFAULTS: &[(&str, &str)] = &[
     ("--dropout", "0.2"),
 ];
 
+/// Adds to the ranks' flags `rest` the sample's [`SAMPLE_DEFAULTS`] they do not give, but
+/// none that ddp-train would refuse: `--dropout` with torchvision's ResNets (which have
+/// none), and the training flags (`--epochs`, `--lr`, `--min-crop-scale`) with `--eval-only`.
+fn sample_flags(rest: &mut Vec<String>) {
+    let resnet = flag_value(rest, "--model").is_some_and(|m| m.starts_with("resnet"));
+    let evaluating = rest
+        .iter()
+        .rev()
+        .find_map(|a| match a.as_str() {
+            "--eval-only" => Some(true),
+            _ => a.strip_prefix("--eval-only=").map(|v| v != "false"),
+        })
+        .unwrap_or(false);
+    for (flag, value) in SAMPLE_DEFAULTS {
+        let unused = (resnet && *flag == "--dropout")
+            || (evaluating && ["--epochs", "--lr", "--min-crop-scale"].contains(flag));
+        if !has_flag(rest, flag) && !unused {
+            rest.extend([flag.to_string(), value.to_string()]);
+        }
+    }
+}
+
 /// Runs the job; returns the process exit code for `main`.
 pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     let (nproc, device) = ranks_and_device(&args)?;
@@ -146,14 +168,7 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
             data.display()
         );
         rest.extend(["--data".into(), data.to_string_lossy().into_owned()]);
-        // torchvision's ResNets have no dropout, and ddp-train refuses --dropout with them.
-        let resnet = flag_value(&rest, "--model").is_some_and(|m| m.starts_with("resnet"));
-        for (flag, value) in SAMPLE_DEFAULTS {
-            let unused = resnet && *flag == "--dropout";
-            if !has_flag(&rest, flag) && !unused {
-                rest.extend([flag.to_string(), value.to_string()]);
-            }
-        }
+        sample_flags(&mut rest);
     }
     let runs_root = args.runs_root.clone().unwrap_or_else(|| root.join("runs"));
     let out = match &args.out {
@@ -463,6 +478,64 @@ fn remove_stale_temporaries(cache: &Path) -> Vec<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_samples_flags_are_those_ddp_train_reads() {
+        let with = |args: &[&str]| {
+            let mut rest: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+            sample_flags(&mut rest);
+            rest
+        };
+        let flags = |rest: &[String]| {
+            let mut f: Vec<String> = rest
+                .iter()
+                .filter(|a| a.starts_with("--"))
+                .cloned()
+                .collect();
+            f.sort();
+            f
+        };
+        let all = [
+            "--batch-size",
+            "--dropout",
+            "--epochs",
+            "--image-size",
+            "--lr",
+            "--min-crop-scale",
+        ];
+        assert_eq!(flags(&with(&[])), all);
+        assert_eq!(
+            flags(&with(&["--eval-only", "--resume", "f"])),
+            [
+                "--batch-size",
+                "--dropout",
+                "--eval-only",
+                "--image-size",
+                "--resume"
+            ]
+        );
+        assert_eq!(
+            flags(&with(&["--model", "resnet18", "--eval-only=true"])),
+            [
+                "--batch-size",
+                "--eval-only=true",
+                "--image-size",
+                "--model"
+            ]
+        );
+        let mut trained = all.to_vec();
+        trained.push("--eval-only=false");
+        trained.sort();
+        assert_eq!(flags(&with(&["--eval-only=false"])), trained);
+        // A flag given is not given twice.
+        assert_eq!(
+            with(&["--epochs", "2"])
+                .iter()
+                .filter(|a| *a == "--epochs")
+                .count(),
+            1
+        );
+    }
 
     /// The names in `dir`, sorted.
     fn names(dir: &Path) -> Vec<String> {
