@@ -29,7 +29,6 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output};
 use std::sync::{mpsc, OnceLock};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use ddp_run::{JobSecret, RankEnv};
@@ -91,8 +90,9 @@ pub fn rank_command(program: impl AsRef<Path>, rank: usize, world: usize, port: 
 pub fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
     wait_or_kill(children, limit).unwrap_or_else(|late| {
         panic!(
-            "processes {:?} did not finish within {limit:?}: killed {:?}",
-            late.pids, late.killed
+            "processes {:?} did not finish within {limit:?}: killed {:?}; output still open \
+             (held by a process one of them started) {:?}",
+            late.pids, late.killed, late.open
         )
     })
 }
@@ -104,6 +104,8 @@ struct Late {
     pids: Vec<u32>,
     /// The pids it killed, with how they ended.
     killed: Vec<(u32, ExitStatus)>,
+    /// The pids that had exited but whose stdout or stderr was still open at the limit.
+    open: Vec<u32>,
 }
 
 /// [`wait_all`]'s work: the outputs, or the children killed at the limit. Only this thread
@@ -112,10 +114,11 @@ struct Late {
 fn wait_or_kill(mut children: Vec<Child>, limit: Duration) -> Result<Vec<Output>, Late> {
     let pids: Vec<u32> = children.iter().map(Child::id).collect();
     let (tx, rx) = mpsc::channel();
-    let mut readers = Vec::with_capacity(children.len());
+    let (pipe_tx, pipes) = mpsc::channel();
     for (i, child) in children.iter_mut().enumerate() {
         drop(child.stdin.take());
-        readers.push((read_all(child.stdout.take()), read_all(child.stderr.take())));
+        read_all((i, 0), child.stdout.take(), pipe_tx.clone());
+        read_all((i, 1), child.stderr.take(), pipe_tx.clone());
         let (tx, pid) = (tx.clone(), child.id());
         std::thread::spawn(move || {
             wait_exited(pid);
@@ -134,29 +137,62 @@ fn wait_or_kill(mut children: Vec<Child>, limit: Duration) -> Result<Vec<Output>
                     let _ = child.kill();
                     killed.push((child.id(), child.wait().expect("reaping a killed child")));
                 }
-                return Err(Late { pids, killed });
+                let open = Vec::new();
+                return Err(Late { pids, killed, open });
             }
         }
     }
-    let outputs = children.into_iter().zip(readers);
-    Ok(outputs
-        .map(|(mut child, (stdout, stderr))| Output {
-            status: child.wait().expect("waiting for a child"),
-            stdout: stdout.join().expect("reading a child's stdout"),
-            stderr: stderr.join().expect("reading a child's stderr"),
+    drop(pipe_tx);
+    // A process a child started may hold its pipes after the child has exited: the same
+    // limit bounds the wait for their ends.
+    let mut texts = vec![[None::<Vec<u8>>, None]; children.len()];
+    for _ in 0..2 * children.len() {
+        match pipes.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(((i, which), bytes)) => texts[i][which] = Some(bytes),
+            Err(_) => break,
+        }
+    }
+    let open: Vec<u32> = texts
+        .iter()
+        .zip(&pids)
+        .filter(|(t, _)| t.iter().any(Option::is_none))
+        .map(|(_, &pid)| pid)
+        .collect();
+    let statuses = children
+        .into_iter()
+        .map(|mut c| c.wait().expect("reaping a child"));
+    let statuses: Vec<ExitStatus> = statuses.collect();
+    if !open.is_empty() {
+        return Err(Late {
+            pids,
+            killed: Vec::new(),
+            open,
+        });
+    }
+    Ok(statuses
+        .into_iter()
+        .zip(texts)
+        .map(|(status, [stdout, stderr])| Output {
+            status,
+            stdout: stdout.unwrap_or_default(),
+            stderr: stderr.unwrap_or_default(),
         })
         .collect())
 }
 
-/// A thread reading `pipe` (if any) to its end.
-fn read_all(pipe: Option<impl Read + Send + 'static>) -> JoinHandle<Vec<u8>> {
+/// A thread reading `pipe` (if any) to its end, then sending what it read with `key`.
+fn read_all(
+    key: (usize, usize),
+    pipe: Option<impl Read + Send + 'static>,
+    done: mpsc::Sender<((usize, usize), Vec<u8>)>,
+) {
     std::thread::spawn(move || {
         let mut bytes = Vec::new();
         if let Some(mut pipe) = pipe {
             let _ = pipe.read_to_end(&mut bytes);
         }
-        bytes
-    })
+        let _ = done.send((key, bytes));
+    });
 }
 
 /// Blocks until child `pid` has exited, leaving it to be reaped (`WNOWAIT`).
@@ -351,6 +387,24 @@ mod tests {
             .map(|(pid, s)| (*pid, s.signal()))
             .collect();
         assert_eq!(killed, [(sleeper_pid, Some(libc::SIGKILL))]);
+    }
+
+    #[test]
+    fn an_output_held_open_past_the_limit_fails_naming_its_child() {
+        let child = Command::new("sh")
+            .args(["-c", "sleep 30 & echo x"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let started = Instant::now();
+        let late = wait_or_kill(vec![child], Duration::from_secs(1)).unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!((late.killed.len(), late.open), (0, vec![pid]));
     }
 
     #[test]
