@@ -60,7 +60,7 @@ impl<T: Task> Trainer<T> {
             None
         };
         let continuing = resume_after_restart(&mut settings, env)?;
-        // As many intra-op threads as the machine has cores per rank.
+        // The intra-op threads: --threads, else OMP_NUM_THREADS, else the cores per rank.
         let (device, threads) = settings
             .runtime
             .place(env.local_rank, env.local_world_size)?;
