@@ -185,18 +185,13 @@ pub(super) fn set_aside_later(
     resumed: &Path,
 ) -> Result<Option<(PathBuf, Vec<String>)>, TrainError> {
     let dir = state::checkpoint_dir(run);
-    let same = |a: &Path, b: &Path| {
-        a.canonicalize()
-            .ok()
-            .is_some_and(|a| b.canonicalize().ok() == Some(a))
-    };
     let stem_at = resumed
         .file_name()
         .and_then(|n| n.to_str()?.strip_suffix(".safetensors"));
-    let (Some(stem), Some(parent)) = (stem_at, resumed.parent()) else {
+    let Some(stem) = stem_at else {
         return Ok(None);
     };
-    let Some(at) = state::order_of(stem).filter(|_| same(parent, &dir)) else {
+    let Some(at) = state::order_of(stem).filter(|_| of_the_run(run, resumed)) else {
         return Ok(None);
     };
     let later: Vec<String> = state::fallbacks(run, resumed)
@@ -212,6 +207,16 @@ pub(super) fn set_aside_later(
     let aside = aside_dir(&dir);
     move_aside(&dir, stem, &later, &aside)?;
     Ok(Some((aside, later)))
+}
+
+/// Whether `resumed` is in `run`'s checkpoint folder (a checkpoint of the run itself, not of
+/// another run resumed into it).
+fn of_the_run(run: &Path, resumed: &Path) -> bool {
+    let dir = state::checkpoint_dir(run).canonicalize().ok();
+    resumed
+        .parent()
+        .and_then(|parent| parent.canonicalize().ok())
+        .is_some_and(|parent| Some(parent) == dir)
 }
 
 /// A new folder `checkpoints/abandoned-<time>/` for what a resumed run leaves behind.
@@ -246,7 +251,8 @@ fn move_aside(dir: &Path, stem: &str, later: &[String], aside: &Path) -> Result<
 }
 
 /// Makes each monitor's best-model file (`<run>/<file>`) the model of the best that the
-/// resumed state records for it. A rewind, or a crash between a best model's save and its
+/// resumed state records for it, where the run resumed one of its own checkpoints
+/// (`resumed`): another run's checkpoint records that run's bests, and leaves the files be. A rewind, or a crash between a best model's save and its
 /// epoch's checkpoint, leaves a file of an epoch the run no longer has (the file records its
 /// epoch in its metadata, as the epoch's checkpoint does): it is restored from the checkpoint
 /// of the recorded best's epoch (epoch-end checkpoints are never pruned), or moved into
@@ -255,9 +261,13 @@ fn move_aside(dir: &Path, stem: &str, later: &[String], aside: &Path) -> Result<
 /// holder of the run lock. Returns a line for the log per file changed.
 pub(super) fn align_best_models(
     run: &Path,
+    resumed: &Path,
     monitors: &[Monitor],
     bests: &std::collections::BTreeMap<String, Best>,
 ) -> Result<Vec<String>, TrainError> {
+    if !of_the_run(run, resumed) {
+        return Ok(Vec::new());
+    }
     let dir = state::checkpoint_dir(run);
     let io = |what: &Path, e| TrainError::io(format!("cannot replace {}", what.display()), e);
     let mut aside = None;
@@ -327,6 +337,21 @@ mod tests {
 
     fn touch(dir: &Path, name: &str) {
         std::fs::write(dir.join(name), b"x").unwrap();
+    }
+
+    /// A model file of one variable `w` = `epoch`, recording `epoch` in its metadata.
+    fn save(path: &Path, epoch: u64) {
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let _ = vs.root().var("w", &[1], tch::nn::Init::Const(epoch as f64));
+        let meta = std::collections::HashMap::from([("epoch".into(), epoch.to_string())]);
+        ddp_model::checkpoint::save(&vs, path, &meta).unwrap();
+    }
+
+    /// The epoch a model file of [`save`] records, and its `w`.
+    fn epoch_of(path: &Path) -> (String, f64) {
+        let file = ddp_model::checkpoint::read_tensors(path).unwrap();
+        let w = f64::try_from(&file.tensors["w"]).unwrap();
+        (file.metadata["epoch"].clone(), w)
     }
 
     fn names(dir: &Path) -> Vec<String> {
@@ -431,18 +456,8 @@ mod tests {
         let out = run.path();
         let dir = state::checkpoint_dir(out);
         std::fs::create_dir_all(&dir).unwrap();
-        let save = |path: &Path, epoch: u64| {
-            let vs = tch::nn::VarStore::new(tch::Device::Cpu);
-            let _ = vs.root().var("w", &[1], tch::nn::Init::Const(epoch as f64));
-            let meta = std::collections::HashMap::from([("epoch".into(), epoch.to_string())]);
-            ddp_model::checkpoint::save(&vs, path, &meta).unwrap();
-        };
-        let epoch_of = |path: &Path| {
-            let file = ddp_model::checkpoint::read_tensors(path).unwrap();
-            let w = f64::try_from(&file.tensors["w"]).unwrap();
-            (file.metadata["epoch"].clone(), w)
-        };
-        save(&dir.join("epoch-0008.safetensors"), 8);
+        let resumed = dir.join("epoch-0008.safetensors");
+        save(&resumed, 8);
         // The abandoned epoch 10 improved the score and the loss; epoch 8 had the best
         // macro-F1 in both histories.
         for (file, epoch) in [("best-score", 10), ("best-loss", 10), ("best-macro", 8)] {
@@ -460,7 +475,7 @@ mod tests {
             ("best-loss.safetensors".to_string(), best(9)),
             ("best-macro.safetensors".to_string(), best(8)),
         ]);
-        let notes = align_best_models(out, &monitors, &bests).unwrap();
+        let notes = align_best_models(out, &resumed, &monitors, &bests).unwrap();
         assert_eq!(notes.len(), 2, "{notes:?}");
         assert!(notes[0].ends_with(&format!(
             "best-score.safetensors is the model of epoch 10, and the run's best for it is \
@@ -501,9 +516,53 @@ mod tests {
             ("8".into(), 8.0)
         );
         // Consistent now: nothing more to do.
-        assert!(align_best_models(out, &monitors, &bests)
+        assert!(align_best_models(out, &resumed, &monitors, &bests)
             .unwrap()
             .is_empty());
+    }
+
+    /// Another run's checkpoint resumed into a run directory records the other run's bests:
+    /// the directory's best-model file and its thresholds stay as they are, though its own
+    /// checkpoint of the epoch those bests name is there.
+    #[test]
+    fn another_runs_checkpoint_leaves_the_best_models_be() {
+        let (a, b) = (
+            ddp_testkit::temp_dir("ddp-train-best-a"),
+            ddp_testkit::temp_dir("ddp-train-best-b"),
+        );
+        let (a_dir, b_dir) = (
+            state::checkpoint_dir(a.path()),
+            state::checkpoint_dir(b.path()),
+        );
+        std::fs::create_dir_all(&a_dir).unwrap();
+        std::fs::create_dir_all(&b_dir).unwrap();
+        let resumed = a_dir.join("epoch-0005.safetensors");
+        save(&resumed, 5);
+        save(&b_dir.join("epoch-0007.safetensors"), 7);
+        let best = b.path().join("best-score.safetensors");
+        save(&best, 10);
+        std::fs::write(b.path().join("best-score.json"), b"{\"thresholds\": [0.3]}").unwrap();
+        let monitors = [Monitor::max("score", "best-score.safetensors")];
+        // Run A's state: its best score was its epoch 7.
+        let bests = std::collections::BTreeMap::from([(
+            "best-score.safetensors".to_string(),
+            Best {
+                value: 0.8,
+                epoch: 7,
+            },
+        )]);
+        let notes = align_best_models(b.path(), &resumed, &monitors, &bests).unwrap();
+        assert!(notes.is_empty(), "{notes:?}");
+        assert_eq!(epoch_of(&best), ("10".into(), 10.0));
+        assert_eq!(
+            std::fs::read_to_string(b.path().join("best-score.json")).unwrap(),
+            "{\"thresholds\": [0.3]}"
+        );
+        assert_eq!(
+            names(&b_dir),
+            ["epoch-0007.safetensors"],
+            "nothing set aside"
+        );
     }
 
     #[test]

@@ -345,7 +345,7 @@ impl<T: Task> Trainer<T> {
                     aside.display()
                 ));
             }
-            for note in super::run_dir::align_best_models(&out, &s.monitors, &bests)? {
+            for note in super::run_dir::align_best_models(&out, file, &s.monitors, &bests)? {
                 log.warn(&note);
             }
         }
