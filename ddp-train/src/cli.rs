@@ -405,7 +405,7 @@ pub fn run<D>(args: &TrainArgs<D>, body: impl FnOnce() -> anyhow::Result<()>) ->
         Err(err)
             if err
                 .downcast_ref::<TrainError>()
-                .is_some_and(|e| matches!(e, TrainError::Stopped { .. })) =>
+                .is_some_and(|e| e.exit_code() == crate::EXIT_STOPPED) =>
         {
             eprintln!("{err}");
             ExitCode::from(crate::EXIT_STOPPED)

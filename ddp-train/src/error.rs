@@ -54,6 +54,18 @@ pub enum TrainError {
         /// The run directory.
         run: std::path::PathBuf,
     },
+    /// [`Trainer::evaluate`](crate::Trainer::evaluate) stopped on request (a stop signal
+    /// reached some rank) before the evaluation's end, on every rank: there is no training
+    /// position to save, so nothing was; the process should exit with
+    /// [`EXIT_STOPPED`](crate::EXIT_STOPPED) ([`TrainError::exit_code`]), as after a training
+    /// run's stop, and evaluate again when started again.
+    #[error(
+        "evaluation stopped by {reason} before its end; nothing was saved: start again to evaluate"
+    )]
+    EvaluationStopped {
+        /// Why.
+        reason: crate::stop::StopReason,
+    },
     /// The loader delivered fewer batches than the epoch's steps need.
     #[error("the loader ended before the epoch's last step")]
     LoaderEnded,
@@ -112,7 +124,7 @@ impl TrainError {
     /// requested stop (the launcher then neither restarts nor reports a failure), else 1.
     pub fn exit_code(&self) -> u8 {
         match self {
-            Self::Stopped { .. } => crate::stop::EXIT_STOPPED,
+            Self::Stopped { .. } | Self::EvaluationStopped { .. } => crate::stop::EXIT_STOPPED,
             _ => 1,
         }
     }

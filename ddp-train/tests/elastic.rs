@@ -2,7 +2,7 @@
 //! samples it had left: with the same global batch it ends as the uninterrupted run does,
 //! and with another one every sample of the interrupted epoch is trained once; a per-step
 //! schedule stays on its curve. A stop signal during an epoch's evaluation stops there too,
-//! and one sent to a Trainer that only evaluates ends it. Ranks are real processes on
+//! and one during `Trainer::evaluate` stops it, before a run trains. Ranks are real processes on
 //! loopback: this test binary re-invoked with `--ignored --exact rank_worker`, a small MLP
 //! (no BatchNorm, no dropout, so that 2 ranks x 16 and 1 rank x 32 compute the same steps),
 //! started with torchrun's variables or SLURM's.
@@ -36,8 +36,9 @@ const WARMUP: u64 = 3;
 /// One rank: 3 epochs of Adam with a cosine schedule after 3 warmup steps, a batch of
 /// `ELASTIC_TEST_BATCH` per rank, into `ELASTIC_TEST_OUT`, a checkpoint every
 /// `ELASTIC_TEST_CHECKPOINT_EVERY` steps if set; exits with the Trainer's code (75 after a
-/// requested stop). With `ELASTIC_TEST_EVALUATE` it only evaluates the 60 validation points
-/// (watching the stop signals all the same, as for training), each batch taking 200 ms.
+/// requested stop). With `ELASTIC_TEST_EVALUATE=only` it evaluates the 60 validation points
+/// instead, each batch taking 200 ms; with `ELASTIC_TEST_EVALUATE=first` it evaluates them
+/// so, then trains (`evaluate()?` then `run()?`).
 #[test]
 #[ignore = "a rank of the tests in this file, started by them"]
 fn rank_worker() {
@@ -61,13 +62,15 @@ fn rank_worker() {
         .ok()
         .map(|n| n.parse().expect("a number"));
     let mut task = Regression::new(points(POINTS, 1), points(60, 2));
-    let evaluate = std::env::var_os(EVALUATE_ENV).is_some();
-    if evaluate {
+    let evaluate = std::env::var(EVALUATE_ENV).ok();
+    if evaluate.is_some() {
         task.eval_pause = Duration::from_millis(200);
     }
-    let code = match Trainer::new(task, settings).and_then(|mut t| match evaluate {
-        true => t.evaluate().map(drop),
-        false => t.run().map(drop),
+    let code = match Trainer::new(task, settings).and_then(|mut t| match evaluate.as_deref() {
+        Some("only") => t.evaluate().map(drop),
+        Some("first") => t.evaluate().and_then(|_| t.run()).map(drop),
+        None => t.run().map(drop),
+        Some(other) => panic!("{EVALUATE_ENV}={other}: only or first"),
     }) {
         Ok(_) => 0,
         Err(e) => {
@@ -299,19 +302,19 @@ fn a_stop_during_an_epochs_evaluation_checkpoints_its_end_and_continues_exactly(
     assert_eq!(a, b);
 }
 
-/// A Trainer that is only asked to evaluate does not keep the stop signals it watches for a
-/// training run: SIGTERM ends the process, as it would without a Trainer, instead of waiting
-/// unheard until the evaluation is done.
-#[test]
-fn sigterm_ends_a_trainer_that_only_evaluates() {
-    use std::os::unix::process::ExitStatusExt;
-
-    let tmp = common::temp_dir("ddp-train-elastic-eval-only-signal");
+/// `world` ranks in `ELASTIC_TEST_EVALUATE` mode `mode` (a batch of 2: 30 or 15 rounds of
+/// 200 ms), the last sent SIGTERM once the Trainer started: their outputs.
+fn sigterm_during_evaluate(
+    name: &str,
+    mode: &str,
+    world: usize,
+) -> (Vec<Output>, ddp_testkit::TempDir) {
+    let tmp = common::temp_dir(name);
     let run = tmp.path().join("run");
-    let children = spawn_worker_ranks(WORKER, 1, |_, cmd| {
+    let children = spawn_worker_ranks(WORKER, world, |_, cmd| {
         cmd.env(OUT_ENV, &run)
-            .env(BATCH_ENV, "4")
-            .env(EVALUATE_ENV, "1")
+            .env(BATCH_ENV, "2")
+            .env(EVALUATE_ENV, mode)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
     });
@@ -319,19 +322,39 @@ fn sigterm_ends_a_trainer_that_only_evaluates() {
     ddp_testkit::wait_for("the Trainer", Duration::from_secs(120), || {
         run.join("config.json").is_file()
     });
+    let last = children.last().expect("a rank").id() as i32;
     // SAFETY: kill(2) on a child this test started and has not waited for.
-    assert_eq!(
-        unsafe { libc::kill(children[0].id() as i32, libc::SIGTERM) },
-        0
+    assert_eq!(unsafe { libc::kill(last, libc::SIGTERM) }, 0);
+    (wait_all(children, Duration::from_secs(120)), tmp)
+}
+
+/// SIGTERM to a Trainer that only evaluates stops it at its next batch instead of going
+/// unheard until the evaluation is done: exit 75 (a stop, with nothing to continue from).
+#[test]
+fn sigterm_stops_a_trainer_that_only_evaluates() {
+    let (outputs, _tmp) = sigterm_during_evaluate("ddp-train-elastic-eval-only-signal", "only", 1);
+    assert_codes(&outputs, 75);
+    assert!(
+        text(&outputs[0]).contains("evaluation stopped by SIGTERM before its end"),
+        "{}",
+        text(&outputs[0])
     );
-    let output = wait_all(children, Duration::from_secs(120)).remove(0);
-    assert_eq!(
-        output.status.signal(),
-        Some(libc::SIGTERM),
-        "{:?}: {}",
-        output.status,
-        text(&output)
-    );
+}
+
+/// A program that evaluates before it trains (a baseline): SIGTERM to one rank during the
+/// evaluation stops every rank there with exit 75, and none trains or saves a checkpoint.
+#[test]
+fn sigterm_during_an_evaluation_before_training_stops_every_rank() {
+    let (outputs, tmp) = sigterm_during_evaluate("ddp-train-elastic-eval-first-signal", "first", 2);
+    assert_codes(&outputs, 75);
+    for o in &outputs {
+        let log = text(o);
+        assert!(log.contains("stopping the evaluation (SIGTERM)"), "{log}");
+        assert!(!log.contains("epoch 1"), "{log}");
+    }
+    let run = tmp.path().join("run");
+    assert!(!run.join("checkpoints").exists());
+    assert!(!run.join("metrics.jsonl").exists() || metrics(&run).is_empty());
 }
 
 /// What one process trained: `(epoch, step) -> indices`.

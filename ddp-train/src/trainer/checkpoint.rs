@@ -66,23 +66,31 @@ impl<T: Task> Trainer<T> {
         self.write_position(at, stop)
     }
 
-    /// In an epoch's evaluation (`at`: the epoch's end), before each round of batches: the
-    /// ranks agree whether to stop (a stop signal reached some rank) and whether any rank has
-    /// a batch left (`more`: this one), with one all-reduce of two numbers, so that every
-    /// rank takes as many rounds; on a stop rank 0 writes the checkpoint of `at`, from which
-    /// a resumed run evaluates the epoch, and every rank returns [`TrainError::Stopped`].
-    /// Else returns whether some rank has a batch left.
+    /// In an evaluation, before each round of batches: the ranks agree whether to stop (a
+    /// stop signal reached some rank) and whether any rank has a batch left (`more`: this
+    /// one), with one all-reduce of two numbers, so that every rank takes as many rounds. On
+    /// a stop in an epoch's evaluation (`at`: the epoch's end) rank 0 writes the checkpoint
+    /// of `at`, from which a resumed run evaluates the epoch, and every rank returns
+    /// [`TrainError::Stopped`]; in [`Trainer::evaluate`]'s (no `at`) every rank returns
+    /// [`TrainError::EvaluationStopped`]. Else returns whether some rank has a batch left.
     pub(super) fn stop_in_evaluation(
         &mut self,
-        at: Position,
+        at: Option<Position>,
         signals: &SignalWatch,
         more: bool,
     ) -> Result<bool, TrainError> {
         let wish = signals.received().map(StopReason::Signal);
         let mut flags = [StopReason::code(wish), i64::from(more)];
         self.pg.all_reduce_slice(&mut flags, ReduceOp::Max)?;
-        if let Some(reason) = StopReason::from_code(flags[0]) {
-            self.write_position(at, Some(reason))?;
+        match (StopReason::from_code(flags[0]), at) {
+            (Some(reason), Some(at)) => self.write_position(at, Some(reason))?,
+            (Some(reason), None) => {
+                let rank = self.pg.rank();
+                self.log
+                    .say(&format!("rank {rank}: stopping the evaluation ({reason})"));
+                return Err(TrainError::EvaluationStopped { reason });
+            }
+            (None, _) => {}
         }
         Ok(flags[1] == 1)
     }

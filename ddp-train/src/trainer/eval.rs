@@ -1,7 +1,7 @@
 //! Evaluation: [`Trainer::evaluate`], and each epoch's exact distributed evaluation (every
 //! rank evaluates its exact shard, one all-reduce combines the task's sums, and one
-//! all-gather the per-sample rows of tasks that have them), which a stop signal ends at the
-//! next batch on every rank.
+//! all-gather the per-sample rows of tasks that have them); a stop signal ends either one at
+//! the next batch, on every rank.
 
 use ddp_comm::ReduceOp;
 use tch::{Kind, Tensor};
@@ -9,6 +9,8 @@ use tch::{Kind, Tensor};
 use super::faults::{fail_if_injected, Point};
 use super::{EvalReport, Trainer};
 use crate::error::TrainError;
+#[cfg(doc)]
+use crate::settings::{CheckpointSettings, RuntimeSettings};
 use crate::state::Position;
 use crate::stop::SignalWatch;
 use crate::task::{Stats, Task};
@@ -17,16 +19,18 @@ impl<T: Task> Trainer<T> {
     /// Evaluates the model on the validation split; every rank returns the metrics of the
     /// whole split.
     ///
-    /// An evaluation has no step to stop at: the stop signals that [`Trainer::new`] watches
-    /// for a training run take their earlier action again (by default, ending the process),
-    /// and one that came while the rank started takes it now.
+    /// The stop signals that [`Trainer::new`] watches for a training run (SIGTERM and SIGUSR1,
+    /// with [`RuntimeSettings::stop_on_signals`], unless
+    /// [`CheckpointSettings::eval_only`]) stop an evaluation too: the ranks agree before each
+    /// round of batches, and on a signal (one that came while the ranks started, too) every
+    /// rank returns [`TrainError::EvaluationStopped`], with nothing saved; exit with
+    /// [`TrainError::exit_code`]. A later [`Trainer::run`] still watches them, and takes
+    /// such a signal at its first step.
     pub fn evaluate(&mut self) -> Result<EvalReport, TrainError> {
-        if let Some(signal) = self.signals.take().and_then(|watch| watch.received()) {
-            // The watch is gone: the signal meets the disposition it had before.
-            // SAFETY: raise(3) on this process; no memory is involved.
-            unsafe { libc::raise(signal) };
-        }
-        let (val_loss, stats) = self.evaluate_epoch(0, None)?.ok_or_else(|| {
+        let signals = self.signals.take();
+        let evaluated = self.evaluate_epoch(0, signals.as_ref().map(|s| (None, s)));
+        self.signals = signals;
+        let (val_loss, stats) = evaluated?.ok_or_else(|| {
             TrainError::Invalid("nothing to evaluate: the task has no validation data".into())
         })?;
         let mut metrics = stats.report();
@@ -43,14 +47,15 @@ impl<T: Task> Trainer<T> {
     /// statistics of all ranks: the result equals one process evaluating the whole split.
     /// `None` without validation data.
     ///
-    /// With `stop` (the epoch's end, and the signals of a training run), the ranks agree
+    /// With `stop` (a training run's epoch end, if any, and the signals), the ranks agree
     /// before each round of batches whether to stop, and take as many rounds, whatever their
     /// shards: a stop signal ends the evaluation with rank 0's checkpoint of the epoch's end
-    /// and [`TrainError::Stopped`] (`checkpoint.rs`).
+    /// and [`TrainError::Stopped`], or without an epoch's end with
+    /// [`TrainError::EvaluationStopped`] (`checkpoint.rs`).
     pub(super) fn evaluate_epoch(
         &mut self,
         epoch: u64,
-        stop: Option<(Position, &SignalWatch)>,
+        stop: Option<(Option<Position>, &SignalWatch)>,
     ) -> Result<Option<(f64, T::Stats)>, TrainError> {
         let (Some(set), Some(sampler)) = (&self.val_set, &self.val_sampler) else {
             return Ok(None);

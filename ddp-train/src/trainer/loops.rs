@@ -73,7 +73,7 @@ impl<T: Task> Trainer<T> {
             };
             let evaluating = Instant::now();
             let evaluated =
-                self.evaluate_epoch(epoch, signals.as_ref().map(|s| (trained.end, s)))?;
+                self.evaluate_epoch(epoch, signals.as_ref().map(|s| (Some(trained.end), s)))?;
             self.budget.eval_took(evaluating.elapsed());
             fail_if_injected(self.pg.rank(), Point::End(epoch), self.restarted);
             let (val_loss, summary, metrics) = match &evaluated {

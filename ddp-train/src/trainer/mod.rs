@@ -102,7 +102,8 @@ pub struct Trainer<T: Task> {
     budget: Budget,
     /// The stop signals, watched from the start of a training run (with
     /// `RuntimeSettings::stop_on_signals`): a stop asked for while the rank starts is taken
-    /// at the first step, as one asked for later. `run` takes it; `evaluate` drops it.
+    /// at the first step, as one asked for later. `run` takes it; `evaluate` uses it, and
+    /// leaves it to a later `run`.
     signals: Option<crate::stop::SignalWatch>,
     last_checkpoint: Instant,
     bests: BTreeMap<String, Best>,

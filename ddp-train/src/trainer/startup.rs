@@ -52,8 +52,8 @@ impl<T: Task> Trainer<T> {
         settings.validate()?;
         // From here on SIGTERM or SIGUSR1 (a scheduler's preemption, say) asks for a stop,
         // taken at the first step with a checkpoint, rather than ending the rank: the data
-        // and the rendezvous can take minutes. An evaluation has no step to stop at (and
-        // `evaluate` ends the watch).
+        // and the rendezvous can take minutes (`evaluate` takes it before a round of batches).
+        // `eval_only` has nothing to continue from: the signals end it as before.
         let signals = if settings.runtime.stop_on_signals && !settings.checkpoint.eval_only {
             Some(crate::stop::watch_stop_signals().map_err(TrainError::Invalid)?)
         } else {
