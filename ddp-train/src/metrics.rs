@@ -98,14 +98,16 @@ impl Confusion {
         let truth = labels.gt(0.5).to_kind(Kind::Int64);
         let not_pred = pred.neg() + 1;
         let not_truth = truth.neg() + 1;
-        let per_class = |t: Tensor| -> Result<Vec<i64>, StatsError> {
-            let sums = t.sum_dim_intlist(0, false, Kind::Int64);
-            Ok(Vec::<i64>::try_from(sums.to_device(tch::Device::Cpu))?)
-        };
-        let tp = per_class(&pred * &truth)?;
-        let fp = per_class(&pred * &not_truth)?;
-        let fn_ = per_class(&not_pred * &truth)?;
-        for (acc, v) in [(&mut self.tp, tp), (&mut self.fp, fp), (&mut self.fn_, fn_)] {
+        // tp, fp and fn per class, read in one transfer.
+        let counts = Tensor::stack(&[&pred * &truth, &pred * &not_truth, &not_pred * &truth], 0)
+            .sum_dim_intlist(1, false, Kind::Int64)
+            .reshape([-1]);
+        let counts = Vec::<i64>::try_from(counts.to_device(tch::Device::Cpu))?;
+        let per_class = counts.chunks_exact(self.tp.len().max(1));
+        for (acc, v) in [&mut self.tp, &mut self.fp, &mut self.fn_]
+            .into_iter()
+            .zip(per_class)
+        {
             for (a, x) in acc.iter_mut().zip(v) {
                 *a += x;
             }
@@ -305,20 +307,29 @@ impl MultiClassStats {
         }
         let pred = logits.argmax(-1, false).to_kind(Kind::Int64);
         let truth = targets.reshape([-1]).to_kind(Kind::Int64);
-        if batch > 0 {
-            let (low, high) = (truth.min().int64_value(&[]), truth.max().int64_value(&[]));
-            if let Some(bad) = [low, high].into_iter().find(|t| !(0..classes).contains(t)) {
-                return Err(StatsError::Shape(format!(
-                    "target {bad} is not a class index in 0..{classes}"
-                )));
-            }
+        // Targets outside the classes and correct predictions, in one read (before one_hot,
+        // which needs valid classes); the bad target is looked up only when there is one.
+        let outside = truth.lt(0).logical_or(&truth.ge(classes)).sum(Kind::Int64);
+        let correct = pred.eq_tensor(&truth).sum(Kind::Int64);
+        let read = Tensor::stack(&[outside, correct], 0).to_device(tch::Device::Cpu);
+        let (outside, correct) = (read.int64_value(&[0]), read.int64_value(&[1]));
+        if outside > 0 {
+            let low = truth.min().int64_value(&[]);
+            let bad = if low < 0 {
+                low
+            } else {
+                truth.max().int64_value(&[])
+            };
+            return Err(StatsError::Shape(format!(
+                "target {bad} is not a class index in 0..{classes}"
+            )));
         }
         let pred_hot = pred.one_hot(classes).to_kind(Kind::Float);
         let truth_hot = truth.one_hot(classes).to_kind(Kind::Float);
         // One-hot predictions as logits above/below 0, so the multi-label counts apply.
         self.confusion
             .try_add(&(pred_hot * 2.0 - 1.0), &truth_hot)?;
-        self.correct += pred.eq_tensor(&truth).sum(Kind::Int64).int64_value(&[]);
+        self.correct += correct;
         self.total += batch;
         Ok(())
     }
