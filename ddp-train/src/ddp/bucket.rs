@@ -208,7 +208,7 @@ mod tests {
     /// allocator hands the block straight back on A and B's copies read the fill.
     #[test]
     fn a_dropped_bucket_keeps_its_memory_until_the_dropping_stream_has_read_it() {
-        use super::super::comm_hook::gpu_tests::{gpu, keep_busy, two_streams};
+        use super::super::comm_hook::gpu_tests::{gpu, keep_busy, settle, two_streams};
         use tch_ext::{set_current_stream, CudaEvent};
         if !gpu() {
             return;
@@ -235,11 +235,7 @@ mod tests {
         let on_a = set_current_stream(a).unwrap();
         let intruder = Tensor::full([len], 99.0, (Kind::Float, device));
         drop(on_a);
-        let pending = !b_done.query().unwrap();
-        b.synchronize().unwrap();
-        a.synchronize().unwrap();
-        assert!(pending, "stream B finished its work too early for the test");
-        assert_eq!(intruder.min().double_value(&[]), 99.0);
+        settle(&b_done, &a, &b, &intruder);
         let p = &named[0].1;
         assert_eq!(
             (p.min().double_value(&[]), p.max().double_value(&[])),

@@ -178,7 +178,7 @@ impl CommHook for BuiltinHook {
 
 #[cfg(test)]
 mod tests {
-    use super::gpu_tests::{gpu, keep_busy, two_streams};
+    use super::gpu_tests::{gpu, keep_busy, settle, two_streams};
     use super::*;
     use tch::Device;
     use tch_ext::{set_current_stream, CudaEvent};
@@ -224,11 +224,7 @@ mod tests {
         pg.all_reduce(&mut tiny, ReduceOp::Sum).unwrap();
         let intruder = Tensor::full([len], 99.0, (Kind::Half, device));
         drop(on_a);
-        let pending = !b_done.query().unwrap();
-        b.synchronize().unwrap();
-        a.synchronize().unwrap();
-        assert!(pending, "stream B finished its work too early for the test");
-        assert_eq!(intruder.min().double_value(&[]), 99.0);
+        settle(&b_done, &a, &b, &intruder);
         assert_eq!(
             (
                 buffer.min().double_value(&[]),
@@ -277,6 +273,23 @@ pub(crate) mod gpu_tests {
         for _ in 0..(seconds / each).ceil() as usize {
             let _ = x.mm(&x);
         }
+    }
+
+    /// Waits for streams `a` and `b` after a test queued work on `b` (ending with `b_done`)
+    /// and allocated `intruder` (filled with 99) on `a`: asserts that `b` was still busy then,
+    /// so the test saw what a reuse of `b`'s memory by `a` would do, and that `intruder` kept
+    /// its values.
+    pub(in crate::ddp) fn settle(
+        b_done: &tch_ext::CudaEvent,
+        a: &CudaStream,
+        b: &CudaStream,
+        intruder: &Tensor,
+    ) {
+        let pending = !b_done.query().unwrap();
+        b.synchronize().unwrap();
+        a.synchronize().unwrap();
+        assert!(pending, "stream B finished its work too early for the test");
+        assert_eq!(intruder.min().double_value(&[]), 99.0);
     }
 
     /// Two different pool streams of cuda:0 (the pool is round-robin over several).
