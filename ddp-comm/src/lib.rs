@@ -63,8 +63,8 @@ pub use config::env::{
     OP_TIMEOUT_ENV, RDZV_TIMEOUT_ENV, RUN_ID_ENV, TRANSPORT_ENV,
 };
 pub use config::options::{
-    Backend, Options, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_SHM_RING_BYTES,
-    DEFAULT_SOCKET_BUFFER,
+    Backend, Options, DEFAULT_NCCL_OP_TIMEOUT, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT,
+    DEFAULT_SHM_RING_BYTES, DEFAULT_SOCKET_BUFFER,
 };
 pub use element::{DType, Element, ReduceOp};
 pub use error::{AuthFailure, CommError, Diagnosis};

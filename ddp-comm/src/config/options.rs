@@ -11,10 +11,14 @@ use crate::ring::link::Transport;
 use crate::ring::shm;
 use crate::security::secret::Secret;
 
-/// Default rendezvous timeout.
-pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
-/// Default timeout of one collective.
-pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default rendezvous timeout: 600 s, as torchrun's rendezvous.
+pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(600);
+/// Default timeout of one collective with the CPU backend: 30 minutes, PyTorch's default for
+/// Gloo (`default_pg_timeout`).
+pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(1800);
+/// Default timeout of one collective with the NCCL backend (CPU collectives of that group
+/// included): 10 minutes, PyTorch's default for NCCL (`default_pg_nccl_timeout`).
+pub const DEFAULT_NCCL_OP_TIMEOUT: Duration = Duration::from_secs(600);
 /// Default kernel send/receive buffer of ring sockets: 0, Linux's autotuning, which grows
 /// each socket's buffers up to `net.ipv4.tcp_rmem`/`tcp_wmem` (32 MiB / 4 MiB here).
 /// Setting `SO_RCVBUF` explicitly turns autotuning off and caps the buffer at
@@ -43,6 +47,17 @@ impl std::fmt::Display for Backend {
     }
 }
 
+impl Backend {
+    /// How long one collective may take when nothing sets it: PyTorch's default for the
+    /// matching backend ([`DEFAULT_NCCL_OP_TIMEOUT`], [`DEFAULT_OP_TIMEOUT`]).
+    pub fn default_op_timeout(self) -> Duration {
+        match self {
+            Backend::Nccl => DEFAULT_NCCL_OP_TIMEOUT,
+            Backend::Cpu => DEFAULT_OP_TIMEOUT,
+        }
+    }
+}
+
 impl std::str::FromStr for Backend {
     type Err = String;
 
@@ -63,7 +78,7 @@ pub struct Options {
     /// This rank's place in the job, how to reach the others, and the settings the
     /// environment can give (`DDP_*`, see [`EnvConfig`]); the builder methods set them in
     /// code. What is unset takes its default: the timeouts [`DEFAULT_RENDEZVOUS_TIMEOUT`]
-    /// and [`DEFAULT_OP_TIMEOUT`], the transport [`Transport::Auto`], and the secret is
+    /// and [`Backend::default_op_timeout`], the transport [`Transport::Auto`], and the secret is
     /// derived from the user's key file and the run id ([`Secret::from_key_file`]; the
     /// file is `DDP_SECRET_FILE`, else `~/.config/ddp/secret`, created if missing), which
     /// every rank must be able to read (see the crate's README, "Security").

@@ -16,7 +16,7 @@ use std::time::Duration;
 use tch::{Device, Tensor};
 
 use crate::config::env::MAX_TIMEOUT;
-use crate::config::options::{Backend, Options, DEFAULT_OP_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT};
+use crate::config::options::{Backend, Options, DEFAULT_RENDEZVOUS_TIMEOUT};
 use crate::element::{as_bytes_mut, Element, ReduceOp};
 use crate::error::CommError;
 use crate::group::rendezvous::Plan;
@@ -156,7 +156,7 @@ impl ProcessGroup {
         // cap, and every deadline is `Instant::now() + timeout`.
         let op_timeout = env
             .op_timeout
-            .unwrap_or(DEFAULT_OP_TIMEOUT)
+            .unwrap_or_else(|| backend.default_op_timeout())
             .min(MAX_TIMEOUT);
         let rendezvous_timeout = env
             .rendezvous_timeout
@@ -236,6 +236,12 @@ impl ProcessGroup {
     /// The backend that carries CUDA tensors ([`Backend::Cpu`]: none, CPU only).
     pub fn backend(&self) -> Backend {
         self.backend
+    }
+
+    /// How long one collective may take before it fails with [`CommError::Timeout`]: the
+    /// options' or `DDP_OP_TIMEOUT_S`'s value, else [`Backend::default_op_timeout`].
+    pub fn op_timeout(&self) -> Duration {
+        self.op_timeout
     }
 
     /// How this rank is wired into the ring that carries CPU collectives.
@@ -614,6 +620,19 @@ mod tests {
     fn a_group_can_be_shared_between_threads() {
         fn assert_send_sync<T: Send + Sync>() {}
         assert_send_sync::<ProcessGroup>();
+    }
+
+    #[test]
+    fn an_unset_op_timeout_is_pytorchs_default_for_the_backend() {
+        let cpu = |opts: Options| ProcessGroup::new(opts.backend(Backend::Cpu)).unwrap();
+        let unset = cpu(Options::new(0, 1, "127.0.0.1", 0));
+        assert_eq!(unset.op_timeout(), Duration::from_secs(30 * 60));
+        let set = cpu(Options::new(0, 1, "127.0.0.1", 0).op_timeout(Duration::from_secs(7)));
+        assert_eq!(set.op_timeout(), Duration::from_secs(7));
+        assert_eq!(
+            Backend::Nccl.default_op_timeout(),
+            Duration::from_secs(10 * 60)
+        );
     }
 
     #[test]
