@@ -75,10 +75,13 @@ impl SignalWatch {
         for &signal in signals {
             install(signal).map_err(|kind| watch_failed(signal, kind.into()))?;
             let slot = signal as usize;
+            // The count before the watch counts: a signal arriving between the two is
+            // reported (it would otherwise be neither reported nor acted on).
+            let before = RECEIVED[slot].load(Ordering::SeqCst);
+            #[cfg(test)]
+            tests::between_count_and_watch(signal);
             ACTIVE[slot].fetch_add(1, Ordering::SeqCst);
-            watch
-                .seen
-                .push((signal, RECEIVED[slot].load(Ordering::SeqCst)));
+            watch.seen.push((signal, before));
         }
         Ok(watch)
     }
@@ -172,6 +175,32 @@ mod tests {
     /// The watches alive for `signal`.
     fn active(signal: i32) -> usize {
         ACTIVE[signal as usize].load(Ordering::SeqCst)
+    }
+
+    /// The signal that [`between_count_and_watch`] raises once, if any.
+    static RAISE_WHILE_STARTING: AtomicI32 = AtomicI32::new(0);
+
+    /// Called by [`SignalWatch::start`] for each `signal` between reading its count and
+    /// watching it: raises `signal` if a test asked for it.
+    pub(super) fn between_count_and_watch(signal: i32) {
+        let asked =
+            RAISE_WHILE_STARTING.compare_exchange(signal, 0, Ordering::SeqCst, Ordering::SeqCst);
+        if asked.is_ok() {
+            // SAFETY: raise(3) on this process; the test watches the signal already.
+            unsafe { libc::raise(signal) };
+        }
+    }
+
+    #[test]
+    fn a_signal_arriving_while_a_watch_starts_is_reported() {
+        // SIGURG is watched by no other test of this binary. A watch already running records
+        // the signal, wherever it lands in the second watch's start.
+        let running = SignalWatch::start(&[libc::SIGURG]).unwrap();
+        RAISE_WHILE_STARTING.store(libc::SIGURG, Ordering::SeqCst);
+        let starting = SignalWatch::start(&[libc::SIGURG]).unwrap();
+        assert_eq!(RAISE_WHILE_STARTING.load(Ordering::SeqCst), 0, "not raised");
+        assert_eq!(running.received(), Some(libc::SIGURG));
+        assert_eq!(starting.received(), Some(libc::SIGURG));
     }
 
     #[test]
