@@ -240,9 +240,20 @@ fn accept_loop(listener: TcpListener, server: Served, stop: Arc<AtomicBool>, cli
             }
             continue;
         };
+        #[cfg(test)]
+        tests::pause_before_listing(&listener);
         // Two descriptors per connection in its handshake: its own and the server's list's.
-        if let (Ok(clone), Ok(mut map)) = (stream.try_clone(), clients.lock()) {
-            map.insert(id, clone);
+        if let Ok(mut map) = clients.lock() {
+            // The drop sets `stop` before it shuts the listed connections under this lock: a
+            // connection accepted meanwhile is closed here, not listed after that sweep and
+            // served on by a thread of its own once the server is gone.
+            if stop.load(Ordering::SeqCst) {
+                let _ = stream.shutdown(Shutdown::Both);
+                return;
+            }
+            if let Ok(clone) = stream.try_clone() {
+                map.insert(id, clone);
+            }
         }
         let (server, clients_of_thread) = (server.clone(), clients.clone());
         let spawned = std::thread::Builder::new()
@@ -598,9 +609,72 @@ mod tests {
     use super::*;
     use crate::error::AuthFailure;
     use std::io::Write;
+    use std::sync::mpsc;
 
     fn secret(digit: &str) -> Secret {
         Secret::from_hex(&digit.repeat(32)).unwrap()
+    }
+
+    /// A pause of one accept: the port of the server's listener, then where the loop says
+    /// that it paused and where it waits to go on.
+    type Pause = (u16, mpsc::Sender<()>, mpsc::Receiver<()>);
+
+    /// The accept loops to pause, by port, before they list their next connection.
+    static PAUSES: Mutex<Vec<Pause>> = Mutex::new(Vec::new());
+
+    /// Called by the accept loop between its stop check and listing a connection.
+    pub(super) fn pause_before_listing(listener: &TcpListener) {
+        let Ok(port) = listener.local_addr().map(|a| a.port()) else {
+            return;
+        };
+        let pause = {
+            let mut pauses = PAUSES.lock().unwrap();
+            let at = pauses.iter().position(|p| p.0 == port);
+            at.map(|i| pauses.swap_remove(i))
+        };
+        if let Some((_, paused, resume)) = pause {
+            let _ = paused.send(());
+            let _ = resume.recv();
+        }
+    }
+
+    /// A connection accepted while the server is dropped, after the drop's sweep of the
+    /// listed connections, is closed: no thread serves it after the drop.
+    #[test]
+    fn a_connection_accepted_while_the_server_drops_is_not_served() {
+        let server = server();
+        let (addr, key) = (server.local_addr(), secret("a"));
+        // A client already served, waiting for the store to speak (which it never does).
+        let mut served = TcpStream::connect(addr).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let status = auth::tcp_client(&served, &key, STORE_MAGIC, 0, deadline);
+        assert_eq!(status.ok(), Some(STATUS_OK));
+        let (paused_tx, paused) = mpsc::channel();
+        let (resume, resume_rx) = mpsc::channel();
+        PAUSES
+            .lock()
+            .unwrap()
+            .push((addr.port(), paused_tx, resume_rx));
+        let late = TcpStream::connect(addr).unwrap();
+        paused.recv_timeout(Duration::from_secs(20)).unwrap();
+        let dropper = std::thread::spawn(move || drop(server));
+        // The drop's sweep, under the list's lock, shuts the served connection down.
+        served
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        assert_eq!(served.read(&mut [0u8; 1]).unwrap(), 0, "no hang-up");
+        resume.send(()).unwrap();
+        dropper.join().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        match auth::tcp_client(&late, &key, STORE_MAGIC, 0, deadline)
+            .map_err(|f| f.into_error("the store".into()))
+        {
+            Err(CommError::Handshake {
+                failure: AuthFailure::TurnedAway { times: 1 },
+                ..
+            }) => {}
+            other => panic!("the late connection was served after the drop: {other:?}"),
+        }
     }
 
     fn server() -> StoreServer {
