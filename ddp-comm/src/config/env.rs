@@ -66,8 +66,9 @@ pub struct EnvConfig {
     /// and listeners as in a job of several hosts (on every interface, as c10d's TCPStore
     /// always does), since nothing says every rank is on this one.
     pub local_world_size_guessed: bool,
-    /// Host of the rendezvous store (rank 0's address): `MASTER_ADDR`; under SLURM without
-    /// it, the step's first node. Without `MASTER_ADDR`, a job whose ranks all run on this
+    /// Host of the rendezvous store (rank 0's address): `MASTER_ADDR` (an IPv6 address
+    /// may come in brackets, `[::1]`, as torchrun writes it); under SLURM without it, the
+    /// step's first node. Without `MASTER_ADDR`, a job whose ranks all run on this
     /// host (`LOCAL_WORLD_SIZE` equal to `WORLD_SIZE`, or a world of one) meets at
     /// `127.0.0.1`; one that may span hosts (fewer local ranks than the world, or no count
     /// of them) is refused with [`CommError::MissingEnv`], as torch's `env://` refuses any
@@ -220,7 +221,7 @@ impl EnvConfig {
         let spans_hosts =
             world_size > 1 && (local_world_size < world_size || local_world_size_guessed);
         let master_addr = match (get("MASTER_ADDR"), source) {
-            (Some(addr), _) => addr,
+            (Some(addr), _) => unbracketed(&addr)?,
             (None, EnvSource::Slurm) => {
                 // The step's nodes: a step may run on some of the job's.
                 let list = [
@@ -505,6 +506,17 @@ fn slurm_tasks_per_node<G: Fn(&str) -> Option<String>>(
     ))
 }
 
+/// `MASTER_ADDR` without the one pair of brackets around an IPv6 address (`[::1]`, as
+/// torchrun's endpoints write it): the host to resolve, as torchrun's
+/// `parse_rendezvous_endpoint` takes it.
+fn unbracketed(addr: &str) -> Result<String, CommError> {
+    match addr.strip_prefix('[').and_then(|a| a.strip_suffix(']')) {
+        Some("") => Err(malformed("MASTER_ADDR", addr, "a host name or IP address")),
+        Some(inner) => Ok(inner.to_string()),
+        None => Ok(addr.to_string()),
+    }
+}
+
 fn missing(var: &str, why: &str) -> CommError {
     CommError::MissingEnv {
         var: var.to_string(),
@@ -674,6 +686,39 @@ mod tests {
         assert_eq!(c.transport, Some(Transport::Tcp));
         assert_eq!(c.host_id.as_deref(), Some("rack4-node2"));
         assert_eq!(c.source, EnvSource::Torchrun);
+    }
+
+    /// torchrun writes an IPv6 endpoint in brackets; the host is what they enclose.
+    #[test]
+    fn an_ipv6_master_addr_in_brackets_is_the_address_inside() {
+        let with = |addr: &str| {
+            read(&[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", addr),
+                ("MASTER_PORT", "29500"),
+            ])
+        };
+        for (given, host) in [
+            ("[::1]", "::1"),
+            (" [fe80::1%eth0] ", "fe80::1%eth0"),
+            ("::1", "::1"),
+            ("[node1]", "node1"),
+            ("node1", "node1"),
+        ] {
+            assert_eq!(with(given).unwrap().master_addr, host, "{given}");
+        }
+        match with("[]") {
+            Err(CommError::MalformedEnv {
+                var,
+                value,
+                expected,
+            }) => assert_eq!(
+                (var.as_str(), value.as_str(), expected.as_str()),
+                ("MASTER_ADDR", "[]", "a host name or IP address")
+            ),
+            other => panic!("expected MalformedEnv MASTER_ADDR, got {other:?}"),
+        }
     }
 
     #[test]
