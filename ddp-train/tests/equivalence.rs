@@ -298,6 +298,51 @@ fn train_mode_keeps_parameters_and_broadcast_buffers_bit_identical() {
     );
 }
 
+/// One rank of a model of a parameter and a buffer, each filled with the rank's number:
+/// writes the buffer's value after `new`, the parameter's, and the buffer's after a
+/// `rebuild`, before which each rank fills it with 10 plus its rank.
+#[test]
+#[ignore = "a rank of the buffer test; run by it"]
+fn worker_own_buffers() {
+    let out = PathBuf::from(std::env::var(OUT_ENV).unwrap());
+    let broadcast_buffers = std::env::var("BROADCAST_BUFFERS").unwrap() == "1";
+    let pg = Arc::new(ProcessGroup::from_env().unwrap());
+    let rank = pg.rank() as f64;
+    let vs = nn::VarStore::new(Device::Cpu);
+    let w = vs.root().var("w", &[2], nn::Init::Const(rank));
+    let mut buffer = vs.root().zeros_no_train("running", &[3]);
+    let _ = buffer.fill_(rank);
+    let options = DdpOptions {
+        broadcast_buffers,
+        ..Default::default()
+    };
+    let mut ddp = DistributedDataParallel::new(&vs, pg.clone(), options).unwrap();
+    let (after_new, param) = (buffer.double_value(&[2]), w.double_value(&[1]));
+    let _ = buffer.fill_(10.0 + rank);
+    ddp.rebuild(&vs).unwrap();
+    let after_rebuild = buffer.double_value(&[2]);
+    let text = format!("{after_new} {param} {after_rebuild}");
+    std::fs::write(out.join(format!("rank{}.txt", pg.rank())), text).unwrap();
+}
+
+/// PyTorch's `broadcast_buffers=False` leaves the buffers out of the construction's
+/// broadcast: each rank keeps its own through `new` and `rebuild`, parameters are rank 0's.
+#[test]
+fn without_broadcast_buffers_new_and_rebuild_keep_each_ranks_buffers() {
+    for (flag, rank1) in [("1", "0 0 10"), ("0", "1 0 11")] {
+        let tmp = temp_dir(&format!("own-buffers-{flag}"));
+        let out = tmp.path();
+        let env = [("BROADCAST_BUFFERS", flag.to_string())];
+        assert_eq!(
+            run_ranks("worker_own_buffers", 2, out, &env),
+            vec![true, true]
+        );
+        let read = |r: usize| std::fs::read_to_string(out.join(format!("rank{r}.txt"))).unwrap();
+        assert_eq!(read(0), "0 0 10", "broadcast_buffers {flag}");
+        assert_eq!(read(1), rank1, "broadcast_buffers {flag}");
+    }
+}
+
 #[test]
 #[ignore = "a rank of the mismatch test; run by it"]
 fn worker_mismatched_model() {

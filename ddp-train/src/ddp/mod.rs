@@ -131,6 +131,8 @@ pub struct DdpOptions {
     #[cfg_attr(feature = "cli", arg(skip = DdpOptions::default().first_bucket_cap_bytes))]
     pub first_bucket_cap_bytes: usize,
     /// Broadcast rank 0's buffers before each training forward (PyTorch's default: true).
+    /// Off (PyTorch's `broadcast_buffers=False`): each rank keeps its own buffers, not even
+    /// broadcast by `new` or `rebuild` (their shapes are still checked against rank 0's).
     #[cfg_attr(
         feature = "cli",
         arg(
@@ -138,8 +140,8 @@ pub struct DdpOptions {
             long = "no-broadcast-buffers",
             action = clap::ArgAction::SetFalse,
             help = "Keep each rank's own buffers (BatchNorm statistics) instead of \
-                    broadcasting rank 0's before each training forward (PyTorch DDP's \
-                    broadcast_buffers=False)"
+                    broadcasting rank 0's at the start and before each training forward \
+                    (PyTorch DDP's broadcast_buffers=False)"
         )
     )]
     pub broadcast_buffers: bool,
@@ -241,9 +243,10 @@ type Named = Vec<(String, Tensor)>;
 /// - [`DistributedDataParallel::new`]: every rank sends a description of its model (each
 ///   tensor's name, shape and dtype, in name order); a rank whose model differs from rank 0's
 ///   gets an error naming the first differing tensor. Then rank 0's parameters and buffers
-///   are broadcast, one message per dtype (coalesced), so all replicas start equal whatever
-///   each rank initialised. Finally a post-accumulate-grad hook (through `tch-ext`, a small
-///   C++ shim: tch has no autograd hooks) is set on every parameter.
+///   (buffers only with [`DdpOptions::broadcast_buffers`]) are broadcast, one message per
+///   dtype (coalesced), so all replicas start equal whatever each rank initialised. Finally a
+///   post-accumulate-grad hook (through `tch-ext`, a small C++ shim: tch has no autograd
+///   hooks) is set on every parameter.
 /// - [`DistributedDataParallel::broadcast_buffers`]: before each training step and before
 ///   evaluating, rank 0's buffers (BatchNorm running statistics) overwrite the others', as
 ///   PyTorch's default `broadcast_buffers=True` does.
@@ -302,7 +305,8 @@ pub struct DistributedDataParallel {
 
 impl DistributedDataParallel {
     /// Checks that every rank holds the same model, broadcasts rank 0's parameters and
-    /// buffers, and hooks every parameter. Every rank must call this at the same point.
+    /// buffers (buffers only with [`DdpOptions::broadcast_buffers`]), and hooks every
+    /// parameter. Every rank must call this at the same point.
     ///
     /// A parameter can carry one DDP's hook at a time: while another
     /// `DistributedDataParallel` over the same parameters is alive, this is
@@ -351,11 +355,12 @@ impl DistributedDataParallel {
             return Err(DdpError::AlreadyHooked(name));
         }
 
-        // Initial broadcast of everything, one bucket per dtype, no size cap.
+        // Initial broadcast of everything, one bucket per dtype, no size cap; the buffers
+        // only with `broadcast_buffers` (PyTorch's `False` leaves them out here too).
         let everything: Vec<(String, Tensor)> = params
             .iter()
             .chain(frozen.iter())
-            .chain(buffers.iter())
+            .chain(buffers.iter().filter(|_| options.broadcast_buffers))
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect();
         let order: Vec<usize> = (0..everything.len()).collect();
