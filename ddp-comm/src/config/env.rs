@@ -97,8 +97,8 @@ pub struct EnvConfig {
     /// How long rendezvous may take: `DDP_RDZV_TIMEOUT_S`, if set (`None`:
     /// [`DEFAULT_RENDEZVOUS_TIMEOUT`](crate::DEFAULT_RENDEZVOUS_TIMEOUT)).
     pub rendezvous_timeout: Option<Duration>,
-    /// How long one collective may take: `DDP_OP_TIMEOUT_S`, if set (`None`:
-    /// [`DEFAULT_OP_TIMEOUT`](crate::DEFAULT_OP_TIMEOUT)).
+    /// How long one collective may take: `DDP_OP_TIMEOUT_S`, if set (`None`: the
+    /// backend's default, [`Backend::default_op_timeout`](crate::Backend::default_op_timeout)).
     pub op_timeout: Option<Duration>,
     /// `DDP_TRANSPORT`, if set (`None`: [`Transport::Auto`]). Links use shared memory only
     /// where both ranks allow it.
