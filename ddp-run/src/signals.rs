@@ -13,6 +13,7 @@
 
 use std::sync::atomic::{AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use crate::LaunchError;
 
@@ -28,6 +29,9 @@ pub const FORWARDED: [i32; 5] = [
 /// One more than the largest signal number a watch may name (Linux's real-time signals end
 /// at 64).
 const SIGNALS: usize = 65;
+
+/// The longest a [`SignalWatch::sleep`] goes without looking for a signal.
+const SLICE: Duration = Duration::from_millis(100);
 
 /// Per signal: the watches alive for it, and how often it arrived while one was.
 static ACTIVE: [AtomicUsize; SIGNALS] = [const { AtomicUsize::new(0) }; SIGNALS];
@@ -84,6 +88,19 @@ impl SignalWatch {
             watch.seen.push((signal, before));
         }
         Ok(watch)
+    }
+
+    /// Sleeps for `duration`, or less when a watched signal arrives (or has arrived): it is
+    /// noticed within [`SLICE`].
+    pub(crate) fn sleep(&self, duration: Duration) {
+        let end = Instant::now().checked_add(duration);
+        while self.received().is_none() {
+            let left = end.map_or(SLICE, |end| end.saturating_duration_since(Instant::now()));
+            if left.is_zero() {
+                return;
+            }
+            std::thread::sleep(left.min(SLICE));
+        }
     }
 
     /// The watched signal received since the watch started, if any: the last one to arrive

@@ -349,7 +349,7 @@ impl Attempt<'_> {
                 }
                 return Ok(End::Succeeded);
             }
-            std::thread::sleep(self.config.monitor_interval);
+            watch.sleep(self.config.monitor_interval);
         }
     }
 

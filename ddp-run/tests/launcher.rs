@@ -354,6 +354,16 @@ fn wait_for_pids(dir: &Path) -> Vec<u32> {
     files.iter().map(|f| pid_in(f)).collect()
 }
 
+/// Asserts that every rank (whose pids are `ranks`) logged `rank R got SIGNAL` in `logs`
+/// and is gone.
+fn assert_each_rank_got(logs: &Path, ranks: &[u32], signal: &str) {
+    for (r, &pid) in ranks.iter().enumerate() {
+        let log = std::fs::read_to_string(logs.join(format!("rank-{r}.out"))).unwrap();
+        assert!(log.contains(&format!("rank {r} got {signal}")), "{log}");
+        assert!(!procs::alive(pid));
+    }
+}
+
 #[test]
 fn sigterm_and_sigint_are_forwarded_to_every_rank() {
     for (signal, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
@@ -373,12 +383,30 @@ fn sigterm_and_sigint_are_forwarded_to_every_rank() {
             "{}",
             text(&out)
         );
-        for (r, &pid) in ranks.iter().enumerate() {
-            let log = std::fs::read_to_string(logs.join(format!("rank-{r}.out"))).unwrap();
-            assert!(log.contains(&format!("rank {r} got {name}")), "{log}");
-            assert!(!procs::alive(pid));
-        }
+        assert_each_rank_got(&logs, &ranks, name);
     }
+}
+
+/// The launcher acts on a signal at once, not at its next check of the ranks: with checks
+/// ten minutes apart, a Ctrl-C still stops the job (within the 60 s that bound this test).
+#[test]
+fn a_signal_is_acted_on_between_the_checks_of_the_ranks() {
+    let dir = temp_dir("ddp-run-prompt");
+    let logs = dir.path().join("logs");
+    let script = waiting_job(dir.path());
+    let args = ["--monitor-interval", "600", "sh", "-c", &script];
+    let child = two_ranks_command(&logs, &args).spawn().unwrap();
+    let launcher = child.id();
+    let ranks = wait_for_pids(dir.path());
+    ddp_testkit::kill(launcher, libc::SIGINT);
+    let out = wait_bounded(child, Duration::from_secs(60));
+    assert_eq!(
+        out.status.code(),
+        Some(128 + libc::SIGINT),
+        "{}",
+        text(&out)
+    );
+    assert_each_rank_got(&logs, &ranks, "SIGINT");
 }
 
 #[test]
@@ -403,11 +431,7 @@ fn sigusr1_reaches_every_rank_even_a_stopped_one_and_exit_75_ends_the_job_as_sto
     ddp_testkit::kill(launcher, libc::SIGUSR1);
     let out = wait_bounded(child, LIMIT);
     assert_stopped_after(&out, libc::SIGUSR1);
-    for (r, &pid) in ranks.iter().enumerate() {
-        let log = std::fs::read_to_string(logs.join(format!("rank-{r}.out"))).unwrap();
-        assert!(log.contains(&format!("rank {r} got SIGUSR1")), "{log}");
-        assert!(!procs::alive(pid));
-    }
+    assert_each_rank_got(&logs, &ranks, "SIGUSR1");
 }
 
 /// A forwarded SIGTERM that rank 0 answers with a checkpoint (75) while rank 1, with
