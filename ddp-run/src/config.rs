@@ -26,7 +26,8 @@ pub struct LaunchConfig {
     pub nnodes: usize,
     /// This node's index, `0..nnodes` (`--node-rank`).
     pub node_rank: usize,
-    /// Host of rank 0 (`--master-addr`).
+    /// Host of rank 0 (`--master-addr`); an IPv6 address as is (`::1`) or in torchrun's
+    /// brackets (`[::1]`), which the ranks get without ([`LaunchConfig::master_host`]).
     pub master_addr: String,
     /// Port where the ranks meet (`--master-port`). `None`: on one node, a free port
     /// chosen for each attempt; on several, torchrun's 29500.
@@ -93,7 +94,7 @@ impl LaunchConfig {
     }
 
     /// Checks the settings that need no process: at least one rank and one node, the node
-    /// rank among the nodes, a program.
+    /// rank among the nodes, a program, a master host.
     pub fn validate(&self) -> Result<(), LaunchError> {
         if self.program.is_empty() {
             return Err(LaunchError::NoProgram);
@@ -110,10 +111,18 @@ impl LaunchConfig {
                 nnodes: self.nnodes,
             });
         }
-        if self.master_addr.trim().is_empty() {
+        let host = self.master_host();
+        if host.trim().is_empty() {
             return Err(LaunchError::Invalid(
                 "--master-addr is empty: give the host of node 0".to_string(),
             ));
+        }
+        if host.contains(['[', ']']) {
+            return Err(LaunchError::Invalid(format!(
+                "--master-addr {}: brackets go around a whole IPv6 address, as [::1] (or \
+                 give it without, as ::1)",
+                self.master_addr
+            )));
         }
         if self.master_port == Some(0) {
             return Err(LaunchError::Invalid(
@@ -123,6 +132,15 @@ impl LaunchConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The host the ranks get as `MASTER_ADDR`: [`master_addr`](Self::master_addr) without
+    /// the brackets of torchrun's IPv6 form (`[::1]` is `::1`), which no resolver takes.
+    pub fn master_host(&self) -> &str {
+        let addr = self.master_addr.trim();
+        addr.strip_prefix('[')
+            .and_then(|a| a.strip_suffix(']'))
+            .unwrap_or(addr)
     }
 
     /// The `DDP_SECRET` given for the job: the last one in [`env`](Self::env), else the
@@ -212,7 +230,7 @@ mod tests {
     fn bad_settings_are_named() {
         let ok = LaunchConfig::new("prog", 2);
         assert!(ok.validate().is_ok());
-        let cases: Vec<(LaunchConfig, &str)> = vec![
+        let mut cases: Vec<(LaunchConfig, &str)> = vec![
             (
                 LaunchConfig::new("prog", 0),
                 "the number of ranks per node (--nproc-per-node) must be at least 1",
@@ -246,9 +264,41 @@ mod tests {
                  65535, or none on a single node",
             ),
         ];
+        cases.extend([
+            (
+                LaunchConfig {
+                    master_addr: "[]".to_string(),
+                    ..ok.clone()
+                },
+                "--master-addr is empty: give the host of node 0",
+            ),
+            (
+                LaunchConfig {
+                    master_addr: "[::1".to_string(),
+                    ..ok.clone()
+                },
+                "--master-addr [::1: brackets go around a whole IPv6 address, as [::1] (or \
+                 give it without, as ::1)",
+            ),
+        ]);
         for (config, message) in cases {
             assert_eq!(config.validate().unwrap_err().to_string(), message);
         }
+    }
+
+    #[test]
+    fn the_ranks_get_an_ipv6_master_without_torchruns_brackets() {
+        let host = |addr: &str| {
+            let config = LaunchConfig {
+                master_addr: addr.to_string(),
+                ..LaunchConfig::new("prog", 1)
+            };
+            config.master_host().to_string()
+        };
+        assert_eq!(host("[::1]"), "::1");
+        assert_eq!(host("[fe80::1%eth0]"), "fe80::1%eth0");
+        assert_eq!(host("::1"), "::1");
+        assert_eq!(host(" node0 "), "node0");
     }
 
     #[test]

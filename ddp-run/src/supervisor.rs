@@ -363,7 +363,7 @@ impl Attempt<'_> {
             group_rank: config.node_rank,
             group_world_size: config.nnodes,
             role: config.role.clone(),
-            master_addr: config.master_addr.clone(),
+            master_addr: config.master_host().to_string(),
             master_port: self.master_port,
             restart_count: self.restart_count,
             max_restarts: config.max_restarts,

@@ -761,6 +761,24 @@ fn the_shutdown_timeout_falls_back_on_torchruns_variable() {
     assert!(out.status.success(), "{}", text(&out));
 }
 
+/// torchrun's IPv6 form of `--master-addr`, `[::1]`, reaches the ranks without its
+/// brackets, as torchrun passes it: no resolver takes the bracketed form.
+#[test]
+fn an_ipv6_master_addr_in_brackets_reaches_the_ranks_without_them() {
+    for (args, var) in [
+        (&["--master-addr", "[::1]"][..], None),
+        (&[][..], Some("[::1]")),
+    ] {
+        let script = r#"test "$MASTER_ADDR" = ::1 || { echo "MASTER_ADDR=$MASTER_ADDR"; exit 1; }"#;
+        let mut cmd = ddp_run(&[args, &["--nproc-per-node", "2", "sh", "-c", script]].concat());
+        if let Some(value) = var {
+            cmd.env("PET_MASTER_ADDR", value);
+        }
+        let out = wait_bounded(cmd.spawn().unwrap(), LIMIT);
+        assert!(out.status.success(), "{args:?} {var:?}: {}", text(&out));
+    }
+}
+
 /// torchrun's static backend (its default) with an endpoint: rank 0's host and port, from
 /// the flags or from `PET_*` variables.
 #[test]
