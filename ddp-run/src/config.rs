@@ -7,6 +7,11 @@ use std::time::Duration;
 use crate::env::{DDP_SECRET, OMP_NUM_THREADS, TORCH_NCCL_ASYNC_ERROR_HANDLING};
 use crate::LaunchError;
 
+/// The longest [`LaunchConfig::shutdown_timeout`] and [`LaunchConfig::monitor_interval`]
+/// (10^9 s, some 31 years, the bound of ddp-comm's timeouts): past it a deadline would not
+/// fit in an [`Instant`](std::time::Instant).
+pub const MAX_WAIT: Duration = Duration::from_secs(1_000_000_000);
+
 /// A job on this node: `nproc_per_node` ranks of `program` with `args`.
 ///
 /// [`LaunchConfig::new`] fills in torchrun's defaults; change the public fields to taste.
@@ -94,7 +99,7 @@ impl LaunchConfig {
     }
 
     /// Checks the settings that need no process: at least one rank and one node, the node
-    /// rank among the nodes, a program, a master host.
+    /// rank among the nodes, a program, a master host, waits up to [`MAX_WAIT`].
     pub fn validate(&self) -> Result<(), LaunchError> {
         if self.program.is_empty() {
             return Err(LaunchError::NoProgram);
@@ -123,6 +128,18 @@ impl LaunchConfig {
                  give it without, as ::1)",
                 self.master_addr
             )));
+        }
+        for (wait, flag) in [
+            (self.shutdown_timeout, "--shutdown-timeout"),
+            (self.monitor_interval, "--monitor-interval"),
+        ] {
+            if wait > MAX_WAIT {
+                return Err(LaunchError::Invalid(format!(
+                    "{flag} {} s is too long: give at most {} seconds",
+                    wait.as_secs_f64(),
+                    MAX_WAIT.as_secs()
+                )));
+            }
         }
         if self.master_port == Some(0) {
             return Err(LaunchError::Invalid(
@@ -264,7 +281,22 @@ mod tests {
                  65535, or none on a single node",
             ),
         ];
+        let too_long = MAX_WAIT + Duration::from_millis(500);
         cases.extend([
+            (
+                LaunchConfig {
+                    shutdown_timeout: too_long,
+                    ..ok.clone()
+                },
+                "--shutdown-timeout 1000000000.5 s is too long: give at most 1000000000 seconds",
+            ),
+            (
+                LaunchConfig {
+                    monitor_interval: too_long,
+                    ..ok.clone()
+                },
+                "--monitor-interval 1000000000.5 s is too long: give at most 1000000000 seconds",
+            ),
             (
                 LaunchConfig {
                     master_addr: "[]".to_string(),
@@ -284,6 +316,12 @@ mod tests {
         for (config, message) in cases {
             assert_eq!(config.validate().unwrap_err().to_string(), message);
         }
+        let longest = LaunchConfig {
+            shutdown_timeout: MAX_WAIT,
+            monitor_interval: MAX_WAIT,
+            ..ok
+        };
+        assert!(longest.validate().is_ok());
     }
 
     #[test]

@@ -62,7 +62,7 @@ mod secret;
 mod signals;
 mod supervisor;
 
-pub use config::LaunchConfig;
+pub use config::{LaunchConfig, MAX_WAIT};
 pub use devices::{available_cores, visible_gpus, NprocPerNode};
 pub use error::LaunchError;
 pub use lifeline::die_with_launcher;

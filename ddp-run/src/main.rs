@@ -15,7 +15,7 @@ use anyhow::Result;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, Parser};
 use ddp_run::cli::{launch_and_report, NodeArgs};
-use ddp_run::{LaunchConfig, NprocPerNode};
+use ddp_run::{LaunchConfig, NprocPerNode, MAX_WAIT};
 
 /// Start N ranks of PROGRAM on this node with torchrun's environment (RANK, WORLD_SIZE,
 /// LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...) and supervise them: the first rank to fail ends
@@ -78,6 +78,7 @@ struct Cli {
         long = "shutdown-timeout",
         visible_alias = "shutdown_timeout",
         value_name = "SECONDS",
+        value_parser = parse_timeout,
         env = "PET_SHUTDOWN_TIMEOUT"
     )]
     shutdown_timeout: Option<u64>,
@@ -126,11 +127,28 @@ struct Cli {
 /// torchrun's variable for the shutdown timeout when no flag gives it.
 const SHUTDOWN_TIMEOUT_ENV: &str = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT";
 
+/// `--shutdown-timeout` (and its variables): whole seconds, at most [`MAX_WAIT`]; or what
+/// the value is instead, to follow "VALUE is".
+fn parse_timeout(value: &str) -> Result<u64, String> {
+    let secs = value.trim().parse::<u64>();
+    let secs = secs.map_err(|_| "not a whole number of seconds".to_string())?;
+    within_max_wait(secs as f64).map(|()| secs)
+}
+
+/// `--monitor-interval`: positive seconds, at most [`MAX_WAIT`].
 fn parse_interval(value: &str) -> Result<f64, String> {
     match value.parse::<f64>() {
-        Ok(s) if s > 0.0 && s.is_finite() => Ok(s),
+        Ok(s) if s > 0.0 && s.is_finite() => within_max_wait(s).map(|()| s),
         _ => Err(format!("'{value}' is not a positive number of seconds")),
     }
+}
+
+fn within_max_wait(secs: f64) -> Result<(), String> {
+    let max = MAX_WAIT.as_secs();
+    if secs > max as f64 {
+        return Err(format!("over the limit of {max} seconds (about 31 years)"));
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -266,10 +284,9 @@ fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
     // torchrun's launcher falls back on TORCH_ELASTIC_SHUTDOWN_TIMEOUT, then 30 s.
     let shutdown_timeout = match (cli.shutdown_timeout, std::env::var(SHUTDOWN_TIMEOUT_ENV)) {
         (Some(secs), _) => secs,
-        (None, Ok(v)) => v
-            .trim()
-            .parse()
-            .map_err(|_| format!("{SHUTDOWN_TIMEOUT_ENV}={v} is not a whole number of seconds"))?,
+        (None, Ok(v)) => {
+            parse_timeout(&v).map_err(|why| format!("{SHUTDOWN_TIMEOUT_ENV}={v} is {why}"))?
+        }
         (None, Err(_)) => 30,
     };
     config.shutdown_timeout = Duration::from_secs(shutdown_timeout);

@@ -627,13 +627,15 @@ fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) {
         kill_group(r.child.id(), signal);
         kill_group(r.child.id(), libc::SIGCONT);
     }
-    let deadline = Instant::now() + timeout;
+    // (No deadline where it would not fit in an `Instant`: `validate` bounds the timeout.)
+    let deadline = Instant::now().checked_add(timeout);
     loop {
         for r in ranks.iter_mut().filter(|r| r.exit.is_none()) {
             r.exit = peek_exit(r.child.id()).ok().flatten();
         }
         let escalated = crate::signals::received_total() != signals_before;
-        if ranks.iter().all(|r| r.exit.is_some()) || Instant::now() >= deadline || escalated {
+        let late = deadline.is_some_and(|d| Instant::now() >= d);
+        if ranks.iter().all(|r| r.exit.is_some()) || late || escalated {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));

@@ -612,7 +612,7 @@ fn a_script_named_as_torchrun_takes_it_gets_what_to_give_instead() {
 
 #[test]
 fn bad_command_lines_say_what_is_wrong() {
-    let cases: [(&[&str], i32, &str); 12] = [
+    let cases: [(&[&str], i32, &str); 14] = [
         (
             &["--nproc-per-node", "0", "true"],
             2,
@@ -642,6 +642,19 @@ fn bad_command_lines_say_what_is_wrong() {
             &["--nproc-per-node", "2"],
             2,
             "required arguments were not provided",
+        ),
+        // Waits past 10^9 s would not fit in a deadline.
+        (
+            &["--shutdown-timeout", "1000000001", "true"],
+            2,
+            "error: invalid value '1000000001' for '--shutdown-timeout <SECONDS>': over the \
+             limit of 1000000000 seconds (about 31 years)",
+        ),
+        (
+            &["--monitor-interval", "1e20", "true"],
+            2,
+            "error: invalid value '1e20' for '--monitor-interval <SECONDS>': over the limit of \
+             1000000000 seconds (about 31 years)",
         ),
         (
             &["--master-port", "0", "true"],
@@ -734,7 +747,8 @@ fn an_elastic_rendezvous_from_pet_variables_is_refused() {
 }
 
 /// Without `--shutdown-timeout`, torchrun's `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` gives it: a
-/// value that is no number is refused naming the variable; the flag wins over it.
+/// value that is no number, or too large, is refused naming the variable; the flag wins
+/// over it.
 #[test]
 fn the_shutdown_timeout_falls_back_on_torchruns_variable() {
     let with = |value: &str, args: &[&str]| {
@@ -751,6 +765,16 @@ fn the_shutdown_timeout_falls_back_on_torchruns_variable() {
     assert!(
         stderr(&out).starts_with(
             "error: TORCH_ELASTIC_SHUTDOWN_TIMEOUT=soon is not a whole number of seconds"
+        ),
+        "{}",
+        stderr(&out)
+    );
+    let out = with("18446744073709551615", &["true"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        stderr(&out).starts_with(
+            "error: TORCH_ELASTIC_SHUTDOWN_TIMEOUT=18446744073709551615 is over the limit of \
+             1000000000 seconds (about 31 years)"
         ),
         "{}",
         stderr(&out)

@@ -32,7 +32,11 @@ pub struct TrainArgs {
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Seconds between asking failed jobs' ranks to terminate and killing them.
-    #[arg(long, default_value_t = 10)]
+    #[arg(
+        long,
+        default_value_t = 10,
+        value_parser = clap::value_parser!(u64).range(..=ddp_run::MAX_WAIT.as_secs())
+    )]
     pub grace: u64,
     /// Folder of the generated synthetic sample (default: .cache/ in the project).
     #[arg(long, hide = true)]
@@ -649,6 +653,27 @@ mod tests {
         assert_eq!(
             refusal(&["--cpus", "1", "--lr", "0.1", "--out", "/r"]),
             "give the run directory to the launcher as `cargo xtask train --out DIR ...`"
+        );
+    }
+
+    #[test]
+    fn a_grace_beyond_the_launchers_limit_is_refused_by_the_flag() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        let grace = |secs: &str| Cli::try_parse_from(["train", "--grace", secs]);
+        assert_eq!(grace("1000000000").unwrap().train.grace, 1_000_000_000);
+        let err = grace("1000000001").err().unwrap();
+        assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation);
+        assert!(
+            err.to_string().starts_with(
+                "error: invalid value '1000000001' for '--grace <GRACE>': 1000000001 is not in \
+                 0..=1000000000"
+            ),
+            "{err}"
         );
     }
 
