@@ -131,6 +131,11 @@ pub struct TrainState {
     /// The fp16 gradient scaler's state, when the run has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_scaler: Option<crate::amp::ScalerState>,
+    /// Optimizer steps fp16's scaler skipped since the run began, in whatever precision it
+    /// continued: per-step schedules count them. `None` in checkpoints written before it was
+    /// recorded: then the scaler's count ([`TrainState::skipped_steps`] reads either).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped_steps: Option<u64>,
     /// The run's seed (every random draw derives from it and the epoch and step).
     pub seed: u64,
     /// The training samples the epochs were dealt from (a mid-epoch position counts
@@ -156,6 +161,14 @@ pub struct TrainState {
     pub bucket_order: Option<Vec<String>>,
     /// The settings the run was started with, as JSON.
     pub config: serde_json::Value,
+}
+
+impl TrainState {
+    /// Optimizer steps the scaler skipped since the run began.
+    pub fn skipped_steps(&self) -> u64 {
+        let scaler = self.grad_scaler.map_or(0, |s| s.skipped_steps);
+        self.skipped_steps.unwrap_or(scaler)
+    }
 }
 
 /// The folder of a run's checkpoints.
@@ -775,6 +788,7 @@ mod tests {
             bests: BTreeMap::new(),
             early_stopping: None,
             grad_scaler: None,
+            skipped_steps: None,
             seed: 0,
             train_samples: None,
             allocation: None,
@@ -815,6 +829,7 @@ mod tests {
             bests: BTreeMap::new(),
             early_stopping: None,
             grad_scaler: None,
+            skipped_steps: None,
             seed: 0,
             train_samples: None,
             allocation: None,
@@ -946,6 +961,26 @@ mod tests {
         let mut negative = state(3, 0.1);
         negative.optimizer_steps = -5;
         assert!(check_state(&negative, file).is_err());
+    }
+
+    /// The run's skipped steps: recorded apart from the scaler, or in older checkpoints
+    /// only in its state.
+    #[test]
+    fn skipped_steps_are_read_apart_from_the_scaler_or_from_it() {
+        let old = r#"{"epoch":3,"optimizer_steps":30,"lr":0.001,"scheduler":null,"seed":1,
+            "config":{},"grad_scaler":{"scale":1024.0,"growth_tracker":5,"skipped_steps":4}}"#;
+        let st: TrainState = serde_json::from_str(old).unwrap();
+        assert_eq!((st.skipped_steps, st.skipped_steps()), (None, 4));
+        let fp32 = TrainState {
+            grad_scaler: None,
+            skipped_steps: Some(6),
+            ..st.clone()
+        };
+        let text = serde_json::to_string(&fp32).unwrap();
+        assert!(text.contains(r#""skipped_steps":6"#), "{text}");
+        let read: TrainState = serde_json::from_str(&text).unwrap();
+        assert_eq!(read.skipped_steps(), 6);
+        assert_eq!(state(1, 0.1).skipped_steps(), 0);
     }
 
     #[test]

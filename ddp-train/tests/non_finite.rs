@@ -8,7 +8,7 @@
 mod common;
 
 use common::regression::{points, Regression};
-use common::{spawn_worker_ranks, text, wait_all};
+use common::{assert_all_ok, spawn_worker_ranks, text, wait_all};
 
 use std::path::Path;
 use std::process::{Output, Stdio};
@@ -25,9 +25,11 @@ const ACCUMULATE_ENV: &str = "NON_FINITE_TEST_ACCUMULATE";
 /// Set on the rank whose loss becomes infinite: at which call of `train_loss` (from 0).
 const BAD_CALL_ENV: &str = "NON_FINITE_TEST_BAD_CALL";
 /// Set: clip the gradients' norm to this, checkpoint after every step (keeping them all), and
-/// decay the learning rate linearly to 0 over the run's 12 steps.
+/// decay the learning rate linearly to 0 over the run's steps (12 on 2 ranks).
 const CLIP_ENV: &str = "NON_FINITE_TEST_CLIP";
-/// 64 training points: 4 micro-batches of 8 per rank per epoch on 2 ranks.
+/// Set: the checkpoint file to resume from.
+const RESUME_ENV: &str = "NON_FINITE_TEST_RESUME";
+/// 64 training points: 4 micro-batches of 8 per rank per epoch on 2 ranks, 8 on 1.
 const POINTS: i64 = 64;
 const BATCH: usize = 8;
 const EPOCHS: u64 = 3;
@@ -38,8 +40,9 @@ fn var(name: &str) -> Option<String> {
 
 /// One rank: 3 epochs of Adam in `NON_FINITE_TEST_PRECISION`, `NON_FINITE_TEST_ACCUMULATE`
 /// micro-batches per step, logging every step, into `NON_FINITE_TEST_OUT` (with
-/// `NON_FINITE_TEST_CLIP`: clipping, and a checkpoint every step); prints the Trainer's error
-/// and exits with its code.
+/// `NON_FINITE_TEST_CLIP`: clipping, and a checkpoint every step; with
+/// `NON_FINITE_TEST_RESUME`: resuming that checkpoint); prints the Trainer's error and exits
+/// with its code.
 #[test]
 #[ignore = "a rank of the tests in this file, started by them"]
 fn rank_worker() {
@@ -68,6 +71,7 @@ fn rank_worker() {
         settings.checkpoint.keep = 100;
         settings.lr_schedule = ddp_train::lr_schedule::LrSchedule::Linear { warmup: 0 };
     }
+    settings.checkpoint.resume = var(RESUME_ENV);
     let mut task = Regression::new(points(POINTS, 1), points(16, 2));
     // Small, so that fp16's first scale (2^16) overflows no gradient by itself.
     task.loss_scale = 1e-3;
@@ -91,9 +95,27 @@ fn train(
     bad_call: usize,
     clip: Option<f64>,
 ) -> Vec<Output> {
-    let children = spawn_worker_ranks(WORKER, 2, |rank, cmd| {
+    let bad = Some(bad_call);
+    train_ranks(2, out, (precision, accumulate), bad, clip, None)
+}
+
+/// `world` ranks in `precision` with `accumulate` (and `clip`, see [`CLIP_ENV`]), the last
+/// rank's loss infinite at its `bad_call`-th micro-batch (when given), resuming `resume`
+/// (when given); their outputs.
+fn train_ranks(
+    world: usize,
+    out: &Path,
+    (precision, accumulate): (&str, usize),
+    bad_call: Option<usize>,
+    clip: Option<f64>,
+    resume: Option<&Path>,
+) -> Vec<Output> {
+    let children = spawn_worker_ranks(WORKER, world, |rank, cmd| {
         if let Some(max) = clip {
             cmd.env(CLIP_ENV, max.to_string());
+        }
+        if let Some(path) = resume {
+            cmd.env(RESUME_ENV, path);
         }
         cmd.env(OUT_ENV, out)
             .env(PRECISION_ENV, precision)
@@ -101,11 +123,18 @@ fn train(
             .env("DDP_RDZV_TIMEOUT_S", "30")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        if rank == 1 {
-            cmd.env(BAD_CALL_ENV, bad_call.to_string());
+        if let (Some(call), true) = (bad_call, rank + 1 == world) {
+            cmd.env(BAD_CALL_ENV, call.to_string());
         }
     });
     wait_all(children, Duration::from_secs(180))
+}
+
+/// The training state of checkpoint `stem` of `run`, as JSON.
+fn train_state(run: &Path, stem: &str) -> Value {
+    let file = run.join(format!("checkpoints/{stem}.state.safetensors"));
+    let state = checkpoint::read_tensors(file).unwrap();
+    serde_json::from_str(&state.metadata["train_state"]).unwrap()
 }
 
 /// Each step's log line of `rank`, from epoch 1 step 1 on.
@@ -190,9 +219,7 @@ fn an_fp16_loss_overflow_on_one_rank_skips_that_step_on_every_rank() {
         ),
         "{log}"
     );
-    let state =
-        checkpoint::read_tensors(out.join("checkpoints/epoch-0003.state.safetensors")).unwrap();
-    let st: Value = serde_json::from_str(&state.metadata["train_state"]).unwrap();
+    let st = train_state(&out, "epoch-0003");
     assert_eq!(st["grad_scaler"]["scale"], 32768.0, "{st}");
     assert_eq!(st["grad_scaler"]["skipped_steps"], 1, "{st}");
     // The skipped step counts for the schedule, as PyTorch's scheduler.step() after
@@ -206,10 +233,7 @@ fn an_fp16_loss_overflow_on_one_rank_skips_that_step_on_every_rank() {
         assert!(norm.is_some_and(|n| n.is_finite() && n > 0.0), "{e}");
     }
     // Taken before epoch 2's step 3: step 1 measured, step 2 skipped, step 3 measured.
-    let state =
-        checkpoint::read_tensors(out.join("checkpoints/epoch-0002-step-000003.state.safetensors"))
-            .unwrap();
-    let st: Value = serde_json::from_str(&state.metadata["train_state"]).unwrap();
+    let st = train_state(&out, "epoch-0002-step-000003");
     let position = &st["position"];
     assert!(
         position["grad_norm_sum"]
@@ -219,6 +243,59 @@ fn an_fp16_loss_overflow_on_one_rank_skips_that_step_on_every_rank() {
     );
     assert_eq!(position["grad_norm_steps"], 2, "{position}");
     assert_eq!(position["skipped_steps"], 1, "{position}");
+}
+
+/// fp16 on one rank, its loss infinite at epoch 1 step 2: the scaler skips that step, and the
+/// linear schedule counts it. Resumed from epoch 1's checkpoint in fp32 (no scaler), every
+/// later step runs at the uninterrupted fp16 run's rate, the skipped step still counted (as a
+/// PyTorch scheduler's `last_epoch` is, whatever the precision), and the resumed run's
+/// checkpoints carry the count on.
+#[test]
+fn a_resume_in_another_precision_keeps_the_skipped_steps_in_the_schedule() {
+    let tmp = common::temp_dir("ddp-train-non-finite-precision");
+    let (fp16, fp32) = (tmp.path().join("fp16"), tmp.path().join("fp32"));
+    assert_all_ok(&train_ranks(
+        1,
+        &fp16,
+        ("fp16", 1),
+        Some(2),
+        Some(1e9),
+        None,
+    ));
+    let epoch_1 = fp16.join("checkpoints/epoch-0001.safetensors");
+    assert_all_ok(&train_ranks(
+        1,
+        &fp32,
+        ("fp32", 1),
+        None,
+        Some(1e9),
+        Some(&epoch_1),
+    ));
+    let st = train_state(&fp16, "epoch-0001");
+    assert_eq!(
+        (&st["optimizer_steps"], &st["skipped_steps"]),
+        (&7.into(), &1.into())
+    );
+    // 3 epochs of 8 steps: step t (from 0) runs at base x (24 - t) / 24. A checkpoint holds
+    // the rate of the step before it.
+    let base = Settings::default().optimizer.lr();
+    let at = |t: u64| base * (24 - t) as f64 / 24.0;
+    let mut stems: Vec<(String, u64)> = (1..8)
+        .map(|step| (format!("epoch-0002-step-{step:06}"), 7 + step))
+        .collect();
+    stems.push(("epoch-0003".into(), 23));
+    for (stem, t) in stems {
+        for run in [&fp16, &fp32] {
+            let st = train_state(run, &stem);
+            let lr = st["lr"].as_f64().unwrap();
+            assert!((lr - at(t)).abs() < 1e-12 * base, "{stem} of {run:?}: {st}");
+            // t + 1 steps attempted, one of them skipped.
+            assert_eq!(st["optimizer_steps"], t, "{stem} of {run:?}: {st}");
+            assert_eq!(st["skipped_steps"], 1, "{stem} of {run:?}: {st}");
+        }
+        let resumed = train_state(&fp32, &stem);
+        assert!(resumed.get("grad_scaler").is_none(), "{resumed}");
+    }
 }
 
 /// fp32, two micro-batches per step: rank 1's loss is infinite in the first (not yet

@@ -148,11 +148,12 @@ impl<T: Task> Trainer<T> {
         })
     }
 
-    /// Optimizer steps taken and skipped by the scaler since the run began: what per-step
-    /// schedules and `--checkpoint-every` count (a skipped step leaves the optimizer's count
-    /// alone, and PyTorch's loop steps its scheduler after every `scaler.step`).
+    /// Optimizer steps taken and skipped by the scaler since the run began (in whatever
+    /// precision each part of it trained): what per-step schedules and `--checkpoint-every`
+    /// count (a skipped step leaves the optimizer's count alone, and PyTorch's loop steps its
+    /// scheduler after every `scaler.step`).
     pub(super) fn attempted_steps(&self) -> u64 {
-        self.optimizer.steps() as u64 + self.scaler.as_ref().map_or(0, |s| s.state().skipped_steps)
+        self.optimizer.steps() as u64 + self.skipped_steps
     }
 
     /// The run's scalar state after its last optimizer step (at an epoch's end).
@@ -166,6 +167,7 @@ impl<T: Task> Trainer<T> {
             bests: self.bests.clone(),
             early_stopping: self.early,
             grad_scaler: self.scaler.as_ref().map(GradScaler::state),
+            skipped_steps: Some(self.skipped_steps),
             seed: self.settings.seed,
             train_samples: Some(self.train_set.len()),
             allocation: Some(self.allocation),

@@ -380,6 +380,7 @@ impl<T: Task> Trainer<T> {
             }
             if found_inf {
                 skipped_steps += 1;
+                self.skipped_steps += 1;
             } else {
                 self.optimizer.step();
             }

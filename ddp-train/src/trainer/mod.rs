@@ -86,6 +86,9 @@ pub struct Trainer<T: Task> {
     restarted: bool,
     /// fp16's loss scaler (`None` in other precisions).
     scaler: Option<GradScaler>,
+    /// Optimizer steps the scaler skipped since the run began, kept apart from it: a run
+    /// resumed in another precision keeps counting them.
+    skipped_steps: u64,
     /// Early stopping's count (`None` without early stopping).
     early: Option<EarlyStopState>,
     scheduler: Option<ReduceLrOnPlateau>,

@@ -141,6 +141,7 @@ impl<T: Task> Trainer<T> {
         let (mut start_epoch, mut bests) = (1, BTreeMap::new());
         let mut start_position = None;
         let mut scaler = (s.precision == Precision::Fp16).then(GradScaler::default);
+        let mut skipped_steps = 0;
         let mut early = s.early_stopping.patience.map(|_| EarlyStopState::default());
         let mut restored = None;
         let mut bucket_order = None;
@@ -227,6 +228,7 @@ impl<T: Task> Trainer<T> {
             if let (Some(scaler), Some(saved)) = (scaler.as_mut(), st.grad_scaler) {
                 scaler.set_state(saved);
             }
+            skipped_steps = st.skipped_steps();
             if let (Some(early), Some(saved)) = (early.as_mut(), st.early_stopping) {
                 *early = saved;
             }
@@ -430,6 +432,7 @@ impl<T: Task> Trainer<T> {
             frozen,
             restarted: env.restart_count > 0,
             scaler,
+            skipped_steps,
             early,
             scheduler,
             start_epoch,
