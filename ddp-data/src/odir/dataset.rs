@@ -2,11 +2,12 @@
 //! no duplicate names, optionally every image decodes).
 
 use std::collections::HashMap;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
 use super::annotations::{read_csv, read_xlsx, LabelMode, LabelSource};
 use super::decode::Decoder;
-use crate::error::DataError;
+use crate::error::{panic_message, DataError};
 
 /// The redistribution's annotation file name.
 pub const CSV_NAME: &str = "full_df.csv";
@@ -234,37 +235,15 @@ impl OdirDataset {
     /// different data.
     fn drop_undecodable(&mut self) -> Result<(), DataError> {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let chunk = self.samples.len().div_ceil(threads).max(1);
-        let failures: Vec<Option<DataError>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = self
-                .samples
-                .chunks(chunk)
-                .map(|part| {
-                    scope.spawn(move || {
-                        let mut decoder = Decoder::new();
-                        part.iter()
-                            .map(|s| decoder.decode_file(&s.path).err())
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .zip(self.samples.chunks(chunk))
-                .flat_map(|(h, part)| match h.join() {
-                    Ok(v) => v,
-                    Err(_) => part
-                        .iter()
-                        .map(|s| {
-                            Some(DataError::DecodeImage {
-                                path: s.path.clone(),
-                                message: "the decoder panicked".to_string(),
-                            })
-                        })
-                        .collect(),
-                })
-                .collect()
-        });
+        self.drop_failing(threads, |decoder, path| decoder.decode_file(path).map(drop))
+    }
+
+    /// [`Self::drop_undecodable`] with `decode` in the decoder's place.
+    fn drop_failing<F>(&mut self, threads: usize, decode: F) -> Result<(), DataError>
+    where
+        F: Fn(&mut Decoder, &Path) -> Result<(), DataError> + Sync,
+    {
+        let failures = decode_failures(&self.samples, threads, decode);
         let mut kept = Vec::with_capacity(self.samples.len());
         for (sample, failure) in std::mem::take(&mut self.samples).into_iter().zip(failures) {
             match failure {
@@ -355,5 +334,99 @@ impl OdirDataset {
     /// Images left out because they did not decode ([`OdirOptions::skip_corrupt`]).
     pub fn skipped(&self) -> &[SkippedImage] {
         &self.skipped
+    }
+}
+
+/// `decode`'s error for each of `samples`' images, in their order, decoded on `threads`
+/// threads. A panic in `decode` (a decoder bug on a crafted file) is that image's error
+/// alone: its thread goes on with a new decoder, as the old one's state is unknown.
+fn decode_failures<F>(samples: &[Sample], threads: usize, decode: F) -> Vec<Option<DataError>>
+where
+    F: Fn(&mut Decoder, &Path) -> Result<(), DataError> + Sync,
+{
+    let chunk = samples.len().div_ceil(threads.max(1)).max(1);
+    let decode = &decode;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = samples
+            .chunks(chunk)
+            .map(|part| {
+                scope.spawn(move || {
+                    let mut decoder = Decoder::new();
+                    let mut failures = Vec::with_capacity(part.len());
+                    for s in part {
+                        let outcome =
+                            catch_unwind(AssertUnwindSafe(|| decode(&mut decoder, &s.path)));
+                        failures.push(match outcome {
+                            Ok(result) => result.err(),
+                            Err(panic) => {
+                                decoder = Decoder::new();
+                                Some(DataError::DecodeImage {
+                                    path: s.path.clone(),
+                                    message: format!(
+                                        "the decoder panicked ({})",
+                                        panic_message(&*panic)
+                                    ),
+                                })
+                            }
+                        });
+                    }
+                    failures
+                })
+            })
+            .collect();
+        // Every decode's panic is caught above: one here is the thread's own, and is the
+        // caller's as `thread::scope` would make it.
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|panic| resume_unwind(panic)))
+            .collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_decoder_panic_skips_only_its_own_image() {
+        let dir = PathBuf::from("images");
+        let samples: Vec<Sample> = (0..8)
+            .map(|i| Sample {
+                path: dir.join(format!("{i}_left.jpg")),
+                patient_id: i,
+                labels: [0.0; 8],
+                patient_labels: None,
+            })
+            .collect();
+        let mut dataset = OdirDataset {
+            root: dir.clone(),
+            annotation_file: dir.join(CSV_NAME),
+            image_dir: dir.clone(),
+            layout: Layout::Redistribution,
+            label_source: LabelSource::PerEye,
+            samples: samples.clone(),
+            skipped: Vec::new(),
+        };
+        let crafted = dir.join("5_left.jpg");
+        dataset
+            .drop_failing(2, |_, path| {
+                if path == crafted {
+                    panic!("crafted file");
+                }
+                Ok(())
+            })
+            .unwrap();
+        let mut kept = samples;
+        kept.remove(5);
+        assert_eq!(dataset.samples(), kept);
+        assert_eq!(
+            dataset.skipped(),
+            [SkippedImage {
+                path: crafted,
+                reason: "image 'images/5_left.jpg' cannot be decoded: the decoder panicked \
+                         (crafted file)"
+                    .to_string(),
+            }]
+        );
     }
 }
