@@ -57,6 +57,16 @@ pub enum OptimStateError {
         /// The parameter's shape.
         expected: Vec<i64>,
     },
+    /// A parameter's step count is negative or above the optimizer's.
+    #[error("'{name}' is {found}, outside 0..={steps} (the optimizer's steps)")]
+    StepCount {
+        /// The step count's name (`step.<param>`).
+        name: String,
+        /// Its value in the checkpoint.
+        found: i64,
+        /// The optimizer's step count.
+        steps: i64,
+    },
 }
 
 /// Which optimizer the Trainer uses, and its hyper-parameters.
@@ -249,7 +259,8 @@ impl Sgd {
 }
 
 /// Each parameter's step count saved as `step.<param>`; `step` (the optimizer's) for
-/// checkpoints written without them.
+/// checkpoints written without them. A parameter takes at most the optimizer's steps: a
+/// count outside `0..=step` is an error (Adam's bias correction divides by `1 - beta^t`).
 fn saved_param_steps(
     params: &[(String, Tensor)],
     tensors: &BTreeMap<String, Tensor>,
@@ -258,11 +269,20 @@ fn saved_param_steps(
     params
         .iter()
         .map(|(name, _)| {
-            tensors.get(&format!("step.{name}")).map_or(Ok(step), |t| {
-                i64::try_from(t).map_err(|_| {
-                    OptimStateError::Missing(format!("step.{name} (not an integer scalar)"))
-                })
-            })
+            let key = format!("step.{name}");
+            let Some(t) = tensors.get(&key) else {
+                return Ok(step);
+            };
+            let found = i64::try_from(t)
+                .map_err(|_| OptimStateError::Missing(format!("{key} (not an integer scalar)")))?;
+            if !(0..=step).contains(&found) {
+                return Err(OptimStateError::StepCount {
+                    name: key,
+                    found,
+                    steps: step,
+                });
+            }
+            Ok(found)
         })
         .collect()
 }
@@ -864,12 +884,29 @@ mod tests {
             opt.step();
         }
         assert!(wa.equal(&wb));
-        let mut missing = saved;
+        let copy = |s: &BTreeMap<String, Tensor>| -> BTreeMap<String, Tensor> {
+            s.iter().map(|(n, t)| (n.clone(), t.copy())).collect()
+        };
+        let mut missing = copy(&saved);
         missing.remove("exp_avg_sq.w");
         assert_eq!(
             b.load_state(&missing, 1).unwrap_err(),
             OptimStateError::Missing("exp_avg_sq.w".into())
         );
+        // A step count below 0 or above the optimizer's is refused, and nothing changes.
+        for found in [-1, 4, i64::MAX] {
+            let mut bad = copy(&saved);
+            bad.insert("step.w".into(), Tensor::from(found));
+            assert_eq!(
+                b.load_state(&bad, 3).unwrap_err(),
+                OptimStateError::StepCount {
+                    name: "step.w".into(),
+                    found,
+                    steps: 3
+                }
+            );
+            assert_eq!((b.steps(), b.param_steps.as_slice()), (4, &[4][..]));
+        }
     }
 
     /// Our SGD and libtorch's `torch::optim::SGD` take the same steps, with momentum and

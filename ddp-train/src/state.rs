@@ -380,8 +380,9 @@ fn checkpoint_stem(name: &str) -> Option<&str> {
 }
 
 /// Checks that a checkpoint's state can be continued from: counts that later arithmetic
-/// (`epoch + 1`, the step inside an epoch, the scaler's and early stopping's counts) cannot
-/// overflow, a finite non-negative learning rate and a finite positive gradient scale.
+/// (`epoch + 1`, the step inside an epoch, skipped steps, the scaler's, the plateau
+/// scheduler's and early stopping's counts) cannot overflow, a finite non-negative learning
+/// rate and a finite positive gradient scale.
 pub fn check_state(state: &TrainState, file: &Path) -> Result<(), TrainError> {
     const MAX: u64 = 1 << 40;
     let mut problems = Vec::new();
@@ -391,6 +392,13 @@ pub fn check_state(state: &TrainState, file: &Path) -> Result<(), TrainError> {
     if let Some(p) = &state.position {
         if p.epoch == 0 || p.epoch >= MAX || p.step as u64 >= MAX || p.samples as u64 >= MAX {
             problems.push(format!("position epoch {} step {}", p.epoch, p.step));
+        }
+        let norms = p.grad_norm_steps.unwrap_or(0);
+        if p.skipped_steps >= MAX || norms >= MAX {
+            problems.push(format!(
+                "{} skipped and {norms} measured steps in the epoch",
+                p.skipped_steps
+            ));
         }
         let (consumed, end) = (p.consumed.unwrap_or(0), p.epoch_end.unwrap_or(0));
         if consumed as u64 >= MAX || end as u64 >= MAX || (p.epoch_end.is_some() && consumed > end)
@@ -418,10 +426,24 @@ pub fn check_state(state: &TrainState, file: &Path) -> Result<(), TrainError> {
         problems.push(format!("learning rate {}", state.lr));
     }
     if let Some(s) = &state.grad_scaler {
-        if !(s.scale.is_finite() && s.scale > 0.0) || s.growth_tracker >= MAX {
+        if !(s.scale.is_finite() && s.scale > 0.0)
+            || s.growth_tracker >= MAX
+            || s.skipped_steps >= MAX
+        {
             problems.push(format!(
-                "gradient scale {} after {} good steps",
-                s.scale, s.growth_tracker
+                "gradient scale {} after {} good steps, {} skipped",
+                s.scale, s.growth_tracker, s.skipped_steps
+            ));
+        }
+    }
+    if state.skipped_steps.is_some_and(|n| n >= MAX) {
+        problems.push(format!("{} skipped steps", state.skipped_steps()));
+    }
+    if let Some(r) = &state.scheduler {
+        if r.num_bad_epochs >= 1 << 30 || r.cooldown_counter >= 1 << 30 {
+            problems.push(format!(
+                "plateau scheduler at {} bad epochs, {} of cooldown",
+                r.num_bad_epochs, r.cooldown_counter
             ));
         }
     }
@@ -961,6 +983,25 @@ mod tests {
         let mut negative = state(3, 0.1);
         negative.optimizer_steps = -5;
         assert!(check_state(&negative, file).is_err());
+        let mut skipped = state(3, 0.1);
+        skipped.skipped_steps = Some(u64::MAX);
+        let mut plateau = state(3, 0.1);
+        plateau.scheduler = Some(ReduceLrOnPlateau {
+            cooldown_counter: u32::MAX,
+            ..ReduceLrOnPlateau::new(crate::scheduler::PlateauConfig::default())
+        });
+        for (bad, what) in [
+            (skipped, "(18446744073709551615 skipped steps)"),
+            (
+                plateau,
+                "(plateau scheduler at 0 bad epochs, 4294967295 of cooldown)",
+            ),
+        ] {
+            match check_state(&bad, file) {
+                Err(TrainError::Invalid(m)) => assert!(m.contains(what), "{m}"),
+                other => panic!("{what}: {other:?}"),
+            }
+        }
     }
 
     /// The run's skipped steps: recorded apart from the scaler, or in older checkpoints
@@ -1092,20 +1133,32 @@ mod tests {
         }
 
         fn any_position() -> impl Strategy<Value = Option<Position>> {
-            proptest::option::of((edgy(), edgy(), edgy()).prop_map(|(epoch, step, samples)| {
-                Position {
+            let counts = (edgy(), edgy(), edgy(), proptest::option::of(edgy()), edgy());
+            proptest::option::of(counts.prop_map(
+                |(epoch, step, samples, grad_norm_steps, skipped_steps)| Position {
                     epoch,
                     step: step as usize,
                     loss_sum: 0.0,
                     samples: samples as usize,
                     train_seconds: 0.0,
                     grad_norm_sum: 0.0,
-                    grad_norm_steps: None,
-                    skipped_steps: 0,
+                    grad_norm_steps,
+                    skipped_steps,
                     consumed: None,
                     epoch_end: None,
-                }
-            }))
+                },
+            ))
+        }
+
+        /// A plateau scheduler with any counts.
+        fn any_scheduler() -> impl Strategy<Value = Option<ReduceLrOnPlateau>> {
+            proptest::option::of(
+                (edgy(), edgy()).prop_map(|(bad, cooldown)| ReduceLrOnPlateau {
+                    num_bad_epochs: bad as u32,
+                    cooldown_counter: cooldown as u32,
+                    ..ReduceLrOnPlateau::new(crate::scheduler::PlateauConfig::default())
+                }),
+            )
         }
 
         proptest! {
@@ -1119,7 +1172,9 @@ mod tests {
                 position in any_position(),
                 optimizer_steps in edgy(),
                 lr in real(),
-                scaler in proptest::option::of((real(), edgy())),
+                scaler in proptest::option::of((real(), edgy(), edgy())),
+                skipped_steps in proptest::option::of(edgy()),
+                scheduler in any_scheduler(),
                 bad_epochs in proptest::option::of(edgy()),
             ) {
                 // What a continued run may still add to each count.
@@ -1129,11 +1184,15 @@ mod tests {
                 let st = TrainState {
                     position,
                     optimizer_steps,
-                    grad_scaler: scaler.map(|(scale, growth_tracker)| crate::amp::ScalerState {
-                        scale,
-                        growth_tracker,
-                        skipped_steps: growth_tracker / 2,
+                    grad_scaler: scaler.map(|(scale, growth_tracker, skipped_steps)| {
+                        crate::amp::ScalerState {
+                            scale,
+                            growth_tracker,
+                            skipped_steps,
+                        }
                     }),
+                    skipped_steps,
+                    scheduler,
                     early_stopping: bad_epochs.map(|bad_epochs| EarlyStopState {
                         best: None,
                         bad_epochs,
@@ -1146,6 +1205,9 @@ mod tests {
                         prop_assert!(p.epoch >= 1 && p.epoch.checked_add(MORE).is_some());
                         prop_assert!(p.step.checked_add(MORE as usize).is_some());
                         prop_assert!(p.samples.checked_add(MORE as usize).is_some());
+                        prop_assert!(p.skipped_steps.checked_add(MORE).is_some());
+                        let norms = p.grad_norm_steps.unwrap_or(0);
+                        prop_assert!(norms.checked_add(MORE).is_some());
                     }
                     prop_assert!(st.optimizer_steps >= 0);
                     prop_assert!(st.optimizer_steps.checked_add(MORE as i64).is_some());
@@ -1153,6 +1215,16 @@ mod tests {
                     if let Some(s) = st.grad_scaler {
                         prop_assert!(s.scale.is_finite() && s.scale > 0.0);
                         prop_assert!(s.growth_tracker.checked_add(MORE).is_some());
+                        prop_assert!(s.skipped_steps.checked_add(MORE).is_some());
+                    }
+                    // The schedules' clock: optimizer steps taken and skipped, and more.
+                    let attempted = (st.optimizer_steps as u64)
+                        .checked_add(st.skipped_steps())
+                        .and_then(|t| t.checked_add(2 * MORE));
+                    prop_assert!(attempted.is_some());
+                    if let Some(r) = st.scheduler {
+                        prop_assert!(r.num_bad_epochs.checked_add(MORE as u32).is_some());
+                        prop_assert!(r.cooldown_counter.checked_add(MORE as u32).is_some());
                     }
                     if let Some(e) = st.early_stopping {
                         prop_assert!(e.bad_epochs.checked_add(MORE as u32).is_some());
