@@ -30,16 +30,24 @@ pub struct Allocation {
 }
 
 impl Allocation {
-    /// Samples of one optimizer step, all ranks together.
+    /// Samples of one optimizer step, all ranks together (`usize::MAX` when more).
     pub fn global_batch(&self) -> usize {
-        self.world_size * self.batch_size * self.accumulate
+        self.world_size
+            .saturating_mul(self.batch_size)
+            .saturating_mul(self.accumulate)
     }
 
     /// Optimizer steps of an epoch of `dataset_len` samples on this allocation (every rank
     /// gets `ceil(dataset_len / world_size)` samples and trains whole steps of them), at
-    /// most `max_steps`.
+    /// most `max_steps`; none when a rank's step is empty or more than `usize::MAX`
+    /// samples.
     pub fn steps_per_epoch(&self, dataset_len: usize, max_steps: Option<usize>) -> usize {
-        let whole = dataset_len.div_ceil(self.world_size) / (self.batch_size * self.accumulate);
+        let shard = dataset_len.div_ceil(self.world_size.max(1));
+        let whole = self
+            .batch_size
+            .checked_mul(self.accumulate)
+            .and_then(|step| shard.checked_div(step))
+            .unwrap_or(0);
         max_steps.map_or(whole, |m| m.min(whole))
     }
 }
@@ -160,7 +168,7 @@ pub fn continue_epoch(
     let same_batch = saved
         .old_batch
         .is_none_or(|b| b == (now.batch_size, now.accumulate));
-    if same_batch && saved.samples == saved.step * now.global_batch() {
+    if same_batch && saved.step.checked_mul(now.global_batch()) == Some(saved.samples) {
         return Ok(EpochRest {
             first_step: saved.step,
             consumed: saved.samples,
@@ -309,16 +317,21 @@ mod tests {
         );
     }
 
-    #[test]
-    fn old_checkpoints_continue_only_on_their_own_allocation() {
-        let old = Saved {
+    /// A checkpoint written before they recorded their allocation: 13 steps of 32 samples.
+    fn old_checkpoint(old_batch: Option<(usize, usize)>) -> Saved {
+        Saved {
             allocation: None,
             step: 13,
             samples: 416,
             consumed: None,
             end: None,
-            old_batch: Some((16, 1)),
-        };
+            old_batch,
+        }
+    }
+
+    #[test]
+    fn old_checkpoints_continue_only_on_their_own_allocation() {
+        let old = old_checkpoint(Some((16, 1)));
         let rest = continue_epoch(old, alloc(2, 16, 1), 32).unwrap();
         assert_eq!(
             rest,
@@ -346,6 +359,22 @@ mod tests {
         assert_eq!(
             continue_epoch(at_start, alloc(4, 16, 1), 16).unwrap(),
             EpochRest::fresh(16, alloc(4, 16, 1))
+        );
+    }
+
+    /// A step of more than `usize::MAX` samples never fits: no steps, not an overflow (which
+    /// wrapped to a step of 0 samples in release builds and divided by it).
+    #[test]
+    fn a_step_too_large_to_count_takes_no_steps() {
+        let huge = alloc(2, 1 << 32, 1 << 32);
+        assert_eq!(huge.steps_per_epoch(1000, None), 0);
+        assert_eq!(huge.global_batch(), usize::MAX);
+        assert_eq!(alloc(2, 0, 1).steps_per_epoch(1000, None), 0);
+        let old = old_checkpoint(None);
+        let err = continue_epoch(old, huge, 0).unwrap_err();
+        assert!(
+            err.contains("on global batch 32, and continues only"),
+            "{err}"
         );
     }
 

@@ -107,7 +107,8 @@ impl Budget {
     ) -> Self {
         Self {
             started,
-            deadline: limit.map(|l| started + l),
+            // A limit past the clock's range (Settings allows 10^9 s) is no deadline.
+            deadline: limit.and_then(|l| started.checked_add(l)),
             eval_batches,
             steps: 0,
             longest_step: Duration::ZERO,
@@ -199,5 +200,14 @@ mod tests {
         let mut b = Budget::new(now, Some(Duration::from_secs(7)), 0, 500_000_000);
         b.step_took(Duration::from_secs(1));
         assert!(b.must_stop(false));
+    }
+
+    /// A limit past the clock's range is no deadline, not a panic.
+    #[test]
+    fn a_limit_past_the_clocks_range_never_stops() {
+        let mut b = Budget::new(Instant::now(), Some(Duration::from_secs(u64::MAX)), 6, 0);
+        assert_eq!(b.deadline, None);
+        b.step_took(Duration::from_secs(1));
+        assert!(!b.must_stop(true));
     }
 }

@@ -284,7 +284,8 @@ impl FromArgMatches for LrSchedule {
 }
 
 /// Whole seconds of a duration (`--time-limit`): a number of seconds, or humantime's
-/// notation, units after numbers (`90s`, `55m`, `4h`, `3h55m`, `1h 30m`).
+/// notation, units after numbers (`90s`, `55m`, `4h`, `3h55m`, `1h 30m`); from 1 second to
+/// 10^9 (about 31 years).
 pub fn parse_duration_secs(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let secs = match text.parse::<u64>() {
@@ -297,6 +298,12 @@ pub fn parse_duration_secs(text: &str) -> Result<u64, String> {
     };
     if secs == 0 {
         return Err(format!("'{text}' must be at least 1 second"));
+    }
+    if secs > super::MAX_SECONDS {
+        return Err(format!(
+            "'{text}' must be at most {} seconds (about 31 years)",
+            super::MAX_SECONDS
+        ));
     }
     Ok(secs)
 }
@@ -326,5 +333,15 @@ mod tests {
         );
         // Under a second rounds down to nothing.
         assert!(parse_duration_secs("500ms").is_err());
+        // At most ddp-comm's longest timeout, 10^9 s: a deadline always exists.
+        assert_eq!(parse_duration_secs("1000000000"), Ok(1_000_000_000));
+        for text in ["18446744073709551615", "1000000001", "100000000h"] {
+            assert_eq!(
+                parse_duration_secs(text),
+                Err(format!(
+                    "'{text}' must be at most 1000000000 seconds (about 31 years)"
+                ))
+            );
+        }
     }
 }

@@ -48,6 +48,16 @@ pub(crate) use freeze::prefix_matches;
 pub use freeze::FreezeSettings;
 pub use runtime::{DeviceChoice, RuntimeSettings};
 
+/// The most epochs, and samples of one rank's step (`batch_size × accumulate`), a run takes:
+/// the bound `state::check_state` puts on a checkpoint's counts, so that the run's own
+/// checkpoints resume and the counts derived from them stay far from overflow.
+pub(crate) const MAX_COUNT: u64 = 1 << 40;
+
+/// The longest duration a setting takes, in seconds (`runtime.time_limit_secs`,
+/// `checkpoint.minutes`): ddp-comm's longest timeout, 10^9 s (about 31 years), so that a
+/// deadline of now plus it always exists.
+pub(crate) const MAX_SECONDS: u64 = 1_000_000_000;
+
 /// The names the Trainer writes in the run directory (`.lock` and temporaries begin with a
 /// dot), which no best-model file, nor the document beside it, may take.
 const RUN_DIR_NAMES: [&str; 5] = [
@@ -400,6 +410,20 @@ impl Settings {
         if let Some(&(field, _)) = at_least_one.iter().find(|(_, v)| *v == 0) {
             return Err(SettingError::new(field, " must be at least 1"));
         }
+        if self.epochs >= MAX_COUNT {
+            return Err(SettingError::new(
+                "epochs",
+                format!(" {} must be below 2^40 ({MAX_COUNT})", self.epochs),
+            ));
+        }
+        let (b, a) = (self.batch_size, self.accumulate);
+        if b.checked_mul(a).is_none_or(|n| n as u64 >= MAX_COUNT) {
+            return Err(SettingError::new("batch_size", format!(" {b} times "))
+                .setting("accumulate")
+                .text(format!(
+                    " {a} must be below 2^40 (samples of one rank's step)"
+                )));
+        }
         if let Some(c) = self.clip_grad_norm.filter(|&c| !positive(c)) {
             return Err(SettingError::new(
                 "clip_grad_norm",
@@ -430,11 +454,20 @@ impl Settings {
         }
         self.check_checkpoints()?;
         self.freeze.validate()?;
-        if self.runtime.time_limit_secs == Some(0) {
-            return Err(SettingError::new(
-                "runtime.time_limit_secs",
-                " must be more than 0 seconds",
-            ));
+        match self.runtime.time_limit_secs {
+            Some(0) => {
+                return Err(SettingError::new(
+                    "runtime.time_limit_secs",
+                    " must be more than 0 seconds",
+                ))
+            }
+            Some(t) if t > MAX_SECONDS => {
+                return Err(SettingError::new(
+                    "runtime.time_limit_secs",
+                    format!(" {t} must be at most {MAX_SECONDS} seconds (about 31 years)"),
+                ))
+            }
+            _ => {}
         }
         self.check_monitors()
     }
@@ -534,10 +567,14 @@ impl Settings {
                 " must be at least 1 (optimizer steps)",
             ));
         }
-        if let Some(m) = c.minutes.filter(|&m| !(m > 0.0 && m.is_finite())) {
+        let minutes = |m: f64| m > 0.0 && m * 60.0 <= MAX_SECONDS as f64;
+        if let Some(m) = c.minutes.filter(|&m| !minutes(m)) {
             return Err(SettingError::new(
                 "checkpoint.minutes",
-                format!(" {m} must be a positive number"),
+                format!(
+                    " {m} must be a positive number of minutes, at most {} (10^9 seconds)",
+                    MAX_SECONDS / 60
+                ),
             ));
         }
         if c.keep == 0 {
@@ -687,6 +724,72 @@ mod tests {
             "checkpoint.init_key needs checkpoint.init_from (the weights file to load from)"
         );
         assert!(Settings::default().validate().is_ok());
+    }
+
+    /// Counts and durations that would overflow the Trainer's arithmetic (`epochs × steps`,
+    /// `batch_size × accumulate`, the time limit's deadline, the checkpoint interval) are
+    /// refused, each naming its setting.
+    #[test]
+    fn counts_and_durations_are_bounded() {
+        let refused = |s: Settings| {
+            let e = s.validate().unwrap_err();
+            (e.fields().collect::<Vec<_>>(), e.to_string())
+        };
+        assert_eq!(
+            refused(Settings::default().epochs(1 << 40)),
+            (
+                vec!["epochs"],
+                "epochs 1099511627776 must be below 2^40 (1099511627776)".into()
+            )
+        );
+        assert!(Settings::default().epochs((1 << 40) - 1).validate().is_ok());
+        for (batch, accumulate) in [(1 << 32, 1 << 32), (usize::MAX, 2), (1 << 20, 1 << 20)] {
+            assert_eq!(
+                refused(Settings::default().batch_size(batch).accumulate(accumulate)),
+                (
+                    vec!["batch_size", "accumulate"],
+                    format!(
+                        "batch_size {batch} times accumulate {accumulate} must be below 2^40 \
+                         (samples of one rank's step)"
+                    )
+                )
+            );
+        }
+        let step = Settings::default()
+            .batch_size(1 << 20)
+            .accumulate((1 << 20) - 1);
+        assert!(step.validate().is_ok());
+        let limit = |secs| {
+            Settings::default().runtime(RuntimeSettings::default().time_limit_secs(Some(secs)))
+        };
+        for secs in [u64::MAX, MAX_SECONDS + 1] {
+            assert_eq!(
+                refused(limit(secs)),
+                (
+                    vec!["runtime.time_limit_secs"],
+                    format!(
+                        "runtime.time_limit_secs {secs} must be at most 1000000000 seconds \
+                         (about 31 years)"
+                    )
+                )
+            );
+        }
+        assert!(limit(MAX_SECONDS).validate().is_ok());
+        let minutes =
+            |m| Settings::default().checkpoint(CheckpointSettings::default().minutes(Some(m)));
+        for m in [1e300, 3e17, f64::INFINITY, f64::NAN, 0.0, -1.0] {
+            assert_eq!(
+                refused(minutes(m)),
+                (
+                    vec!["checkpoint.minutes"],
+                    format!(
+                        "checkpoint.minutes {m} must be a positive number of minutes, at most \
+                         16666666 (10^9 seconds)"
+                    )
+                )
+            );
+        }
+        assert!(minutes(MAX_SECONDS as f64 / 60.0).validate().is_ok());
     }
 
     #[test]
