@@ -126,7 +126,8 @@ pub struct RuntimeSettings {
     )]
     pub prefetch: Option<usize>,
     /// Seconds a collective may take before the job fails (default: `DDP_OP_TIMEOUT_S`
-    /// where set, else [`ddp_comm::DEFAULT_OP_TIMEOUT`], 300 s).
+    /// where set, else PyTorch's default for the backend,
+    /// [`ddp_comm::Backend::default_op_timeout`]: 1800 s on CPUs, 600 s with NCCL).
     #[cfg_attr(
         feature = "cli",
         arg(
@@ -135,7 +136,7 @@ pub struct RuntimeSettings {
             value_name = "COLLECTIVE_TIMEOUT",
             help = "Seconds a collective may take before the job fails (a dead peer ends the \
                     job after at most this long) [default: DDP_OP_TIMEOUT_S where set, else \
-                    300]"
+                    PyTorch's: 1800 on CPUs, 600 with NCCL]"
         )
     )]
     pub collective_timeout_secs: Option<u64>,
