@@ -37,9 +37,11 @@ pub struct ReduceLrOnPlateau {
     /// The settings.
     pub config: PlateauConfig,
     /// Best metric so far, signed so that larger is better (a metric to minimise is stored
-    /// negated); `-inf` before the first epoch, written as `null` in JSON, which has no
-    /// infinities: a checkpoint inside the first epoch has no best yet.
-    #[serde(with = "no_best_is_null")]
+    /// negated); `-inf` before the first epoch, and `+inf` after an infinite metric in the
+    /// right direction, which nothing improves on (as in PyTorch). JSON has no infinities:
+    /// `-inf` is written as `null` (a checkpoint inside the first epoch has no best yet),
+    /// `+inf` as `"inf"`.
+    #[serde(with = "infinite_best")]
     pub best: f64,
     /// Consecutive epochs without improvement.
     pub num_bad_epochs: u32,
@@ -47,16 +49,36 @@ pub struct ReduceLrOnPlateau {
     pub cooldown_counter: u32,
 }
 
-/// `-inf` (no best yet) as JSON's `null`, and back.
-mod no_best_is_null {
+/// `-inf` (no best yet) as JSON's `null`, `+inf` as `"inf"`, and back.
+mod infinite_best {
+    use serde::de::Error;
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+    /// A best as JSON holds it.
+    #[derive(Serialize, Deserialize)]
+    #[serde(untagged)]
+    enum Saved {
+        Number(Option<f64>),
+        Word(String),
+    }
+
     pub(super) fn serialize<S: Serializer>(best: &f64, s: S) -> Result<S::Ok, S::Error> {
-        best.is_finite().then_some(*best).serialize(s)
+        let saved = if *best == f64::INFINITY {
+            Saved::Word("inf".into())
+        } else {
+            Saved::Number(best.is_finite().then_some(*best))
+        };
+        saved.serialize(s)
     }
 
     pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NEG_INFINITY))
+        match Saved::deserialize(d)? {
+            Saved::Number(best) => Ok(best.unwrap_or(f64::NEG_INFINITY)),
+            Saved::Word(word) if word == "inf" => Ok(f64::INFINITY),
+            Saved::Word(word) => Err(D::Error::custom(format!(
+                "the plateau scheduler's best is {word:?}: expected a number, null or \"inf\""
+            ))),
+        }
     }
 }
 
@@ -83,10 +105,10 @@ impl ReduceLrOnPlateau {
             Goal::Max => (metric, self.config.threshold),
             Goal::Min => (-metric, -self.config.threshold),
         };
-        // A NaN metric is no improvement, also the first (PyTorch's best starts at ±inf).
-        if !signed.is_nan()
-            && (signed > self.best * (1.0 + threshold) || self.best == f64::NEG_INFINITY)
-        {
+        // As in PyTorch, whose best starts at the worst infinity: a NaN metric is no
+        // improvement, also the first, nor is one infinite in the wrong direction; one infinite
+        // in the right direction is the best for good.
+        if signed > self.best * (1.0 + threshold) {
             self.best = signed;
             self.num_bad_epochs = 0;
         } else {
@@ -241,5 +263,50 @@ mod tests {
         let back: ReduceLrOnPlateau =
             serde_json::from_str(&serde_json::to_string(&stepped).unwrap()).unwrap();
         assert_eq!(back.best, 0.25);
+    }
+
+    /// torch 2.13: `ReduceLROnPlateau(opt, mode="max", patience=1)` stepped with inf, 1.0,
+    /// 2.0 keeps best inf with 0, 1, 0 bad epochs (lr 1, 1, 0.1); in mode "min", -inf is the
+    /// best for good too, and a first inf is a bad epoch with no best.
+    #[test]
+    fn an_infinite_metric_is_as_in_pytorch_and_its_best_round_trips() {
+        let run = |goal, metrics: &[f64]| {
+            let mut s = ReduceLrOnPlateau::new(PlateauConfig {
+                patience: 1,
+                ..Default::default()
+            });
+            let mut lr = 1.0;
+            let seen: Vec<_> = metrics
+                .iter()
+                .map(|&m| {
+                    lr = s.step(m, goal, lr);
+                    (lr, s.best, s.num_bad_epochs)
+                })
+                .collect();
+            (seen, s)
+        };
+        let inf = f64::INFINITY;
+        let (seen, max) = run(Goal::Max, &[inf, 1.0, 2.0]);
+        assert_eq!(seen, [(1.0, inf, 0), (1.0, inf, 1), (0.1, inf, 0)]);
+        let (seen, min) = run(Goal::Min, &[-inf, 1.0]);
+        assert_eq!(seen, [(1.0, inf, 0), (1.0, inf, 1)]);
+        let (seen, none) = run(Goal::Min, &[inf, 1.0]);
+        assert_eq!(seen, [(1.0, -inf, 1), (1.0, -1.0, 0)]);
+        let (_, worst) = run(Goal::Max, &[-inf]);
+        assert_eq!((worst.best, worst.num_bad_epochs), (-inf, 1));
+        for s in [max, min, none, worst] {
+            let json = serde_json::to_string(&s).unwrap();
+            let back: ReduceLrOnPlateau = serde_json::from_str(&json).unwrap();
+            assert_eq!(back, s, "{json}");
+        }
+        let json = serde_json::to_string(&run(Goal::Max, &[inf]).1).unwrap();
+        assert!(json.contains(r#""best":"inf""#), "{json}");
+        let err = serde_json::from_str::<ReduceLrOnPlateau>(&json.replace(r#""inf""#, r#""big""#))
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with(r#"the plateau scheduler's best is "big": expected a number"#),
+            "{err}"
+        );
     }
 }

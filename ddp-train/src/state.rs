@@ -31,46 +31,11 @@ use crate::error::TrainError;
 use crate::optim::Optimizer;
 use crate::scheduler::ReduceLrOnPlateau;
 
+mod best;
+pub use best::{Best, EarlyStopState};
+
 /// The metadata key that holds [`TrainState`]'s JSON.
 const STATE_KEY: &str = "train_state";
-
-/// A best score and the epoch it was reached in.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Best {
-    /// The score.
-    pub value: f64,
-    /// The epoch.
-    pub epoch: u64,
-}
-
-/// Where early stopping stands: the best value so far and the epochs since it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct EarlyStopState {
-    /// The best value and its epoch (none before the first evaluation).
-    pub best: Option<Best>,
-    /// Epochs since the best one.
-    pub bad_epochs: u32,
-}
-
-impl EarlyStopState {
-    /// Counts epoch `epoch`'s `value`; true when training should stop. A NaN value (a
-    /// diverged model's) is an epoch without improvement, and never the best.
-    pub fn observe(&mut self, rule: &crate::EarlyStopping, epoch: u64, value: f64) -> bool {
-        let improved = !value.is_nan()
-            && self.best.is_none_or(|b| match rule.goal {
-                crate::Goal::Max => value > b.value + rule.min_delta,
-                crate::Goal::Min => value < b.value - rule.min_delta,
-            });
-        if improved {
-            self.best = Some(Best { value, epoch });
-            self.bad_epochs = 0;
-        } else {
-            self.bad_epochs = self.bad_epochs.saturating_add(1);
-        }
-        rule.patience
-            .is_some_and(|patience| self.bad_epochs >= patience)
-    }
-}
 
 /// Where inside an epoch a checkpoint was taken, and that epoch's training sums so far.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -123,7 +88,7 @@ pub struct TrainState {
     /// The scheduler's history, when the run has one.
     pub scheduler: Option<ReduceLrOnPlateau>,
     /// The best value of each monitor so far, by the monitor's file name.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "best::finite_bests")]
     pub bests: BTreeMap<String, Best>,
     /// Early stopping's count, when the run has it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -761,45 +726,6 @@ mod tests {
     }
 
     #[test]
-    fn early_stopping_counts_epochs_without_a_large_enough_improvement() {
-        let rule = crate::EarlyStopping {
-            metric: "val_loss".into(),
-            goal: crate::Goal::Min,
-            patience: Some(2),
-            min_delta: 0.01,
-        };
-        let mut st = EarlyStopState::default();
-        let stops: Vec<bool> = [1.0, 0.9, 0.895, 0.89, 0.85, 0.86, 0.86]
-            .iter()
-            .enumerate()
-            .map(|(e, &v)| st.observe(&rule, e as u64 + 1, v))
-            .collect();
-        assert_eq!(stops, [false, false, false, true, false, false, true]);
-        assert_eq!(
-            st.best,
-            Some(Best {
-                value: 0.85,
-                epoch: 5
-            })
-        );
-        // NaN epochs count as bad, the first included, and never become the best.
-        let mut st = EarlyStopState::default();
-        let stops: Vec<bool> = [f64::NAN, 1.0, f64::NAN, f64::NAN]
-            .iter()
-            .enumerate()
-            .map(|(e, &v)| st.observe(&rule, e as u64 + 1, v))
-            .collect();
-        assert_eq!(stops, [false, false, false, true]);
-        assert_eq!(
-            st.best,
-            Some(Best {
-                value: 1.0,
-                epoch: 2
-            })
-        );
-    }
-
-    #[test]
     fn step_checkpoints_are_named_by_epoch_and_step() {
         let mut st = TrainState {
             epoch: 1,
@@ -921,6 +847,46 @@ mod tests {
                 other => panic!("{bad:?} was accepted: {other:?}"),
             }
         }
+    }
+
+    /// A best that is not finite (as checkpoints written before only finite ones could be
+    /// the best may hold, as `null`) reads as no best, and the checkpoint as the rest.
+    #[test]
+    fn a_checkpoint_with_an_infinite_best_is_read_without_it() {
+        let run = ddp_testkit::temp_dir("ddp-train-infinite-best");
+        let (vs, optimizer) = trained(1);
+        let (inf, finite) = (
+            f64::INFINITY,
+            Best {
+                value: 0.5,
+                epoch: 2,
+            },
+        );
+        let mut st = state(2, 0.01);
+        st.bests = BTreeMap::from([
+            (
+                "best-loss.safetensors".into(),
+                Best {
+                    value: inf,
+                    epoch: 1,
+                },
+            ),
+            ("best-macro.safetensors".into(), finite),
+        ]);
+        let early = |best| {
+            Some(EarlyStopState {
+                best,
+                bad_epochs: 1,
+            })
+        };
+        st.early_stopping = early(Some(Best {
+            value: -inf,
+            epoch: 1,
+        }));
+        let back = read(&save(run.path(), &vs, &optimizer, &st).unwrap()).unwrap();
+        let expected = BTreeMap::from([("best-macro.safetensors".to_owned(), finite)]);
+        assert_eq!(back.state.bests, expected);
+        assert_eq!(back.state.early_stopping, early(None));
     }
 
     #[test]

@@ -54,8 +54,7 @@ impl<T: Task> Trainer<T> {
         for monitor in &self.settings.monitors {
             let value = watched(m, &monitor.metric, "a best-model monitor")?;
             let previous = self.bests.get(&monitor.file);
-            // A NaN (a diverged model's) is never the best.
-            if !value.is_nan() && previous.is_none_or(|b| monitor.goal.improves(value, b.value)) {
+            if Best::replaced(previous, value, |new, old| monitor.goal.improves(new, old)) {
                 self.bests.insert(
                     monitor.file.clone(),
                     Best {
