@@ -499,13 +499,23 @@ pub fn resolve(resume: &str, run: Option<&Path>) -> Result<PathBuf, TrainError> 
             TrainError::Invalid("--resume latest needs --out <run directory>".into())
         })?;
         let pointer = checkpoint_dir(run).join("latest");
-        let name = std::fs::read_to_string(&pointer).map_err(|_| {
-            TrainError::Invalid(format!(
-                "nothing to resume: {} does not exist (no checkpoint of this run has been written yet); \
-                 start without --resume",
-                pointer.display()
-            ))
-        })?;
+        let name = match std::fs::read(&pointer) {
+            // Not UTF-8: a name the check below refuses, with its advice.
+            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(TrainError::Invalid(format!(
+                    "nothing to resume: {} does not exist (no checkpoint of this run has been \
+                     written yet); start without --resume",
+                    pointer.display()
+                )))
+            }
+            Err(e) => {
+                return Err(TrainError::io(
+                    format!("cannot read {}", pointer.display()),
+                    e,
+                ))
+            }
+        };
         let stem = checkpoint_stem(name.trim()).ok_or_else(|| {
             TrainError::Invalid(format!(
                 "{} names '{}', not a checkpoint of this folder (a plain name of letters, \
@@ -846,6 +856,33 @@ mod tests {
                 Err(TrainError::Invalid(m)) => assert!(m.contains("not a checkpoint"), "{m}"),
                 other => panic!("{bad:?} was accepted: {other:?}"),
             }
+        }
+    }
+
+    /// A `latest` that is there but unreadable, or not text, is named as such: "does not
+    /// exist" would contradict a restart, which refuses to start over beside it.
+    #[test]
+    fn an_unreadable_latest_is_not_called_missing() {
+        let run = ddp_testkit::temp_dir("ddp-train-latest-unreadable");
+        let latest = checkpoint_dir(run.path()).join("latest");
+        std::fs::create_dir_all(checkpoint_dir(run.path())).unwrap();
+        std::fs::write(&latest, b"epoch-0001\xff\n").unwrap();
+        match resolve("latest", Some(run.path())) {
+            Err(TrainError::Invalid(m)) => assert!(
+                m.contains("names 'epoch-0001\u{fffd}', not a checkpoint of this folder")
+                    && m.contains("write the name of one of the folder's checkpoints into it"),
+                "{m}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        std::fs::remove_file(&latest).unwrap();
+        std::fs::create_dir(&latest).unwrap();
+        match resolve("latest", Some(run.path())) {
+            Err(TrainError::Io { what, source }) => {
+                assert_eq!(what, format!("cannot read {}", latest.display()));
+                assert_eq!(source.kind(), std::io::ErrorKind::IsADirectory);
+            }
+            other => panic!("{other:?}"),
         }
     }
 
