@@ -1,6 +1,8 @@
 //! Errors for people: a user's mistake prints `error: <what and why>` and nothing else, even
 //! with `RUST_BACKTRACE=1` (a backtrace belongs to bugs, which panic).
 
+use std::ffi::OsStr;
+use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -8,6 +10,12 @@ const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
 
 /// `ddp-train ARGS` as a single process, with backtraces requested.
 fn ddp_train(args: &[&str]) -> Output {
+    let args: Vec<&OsStr> = args.iter().map(OsStr::new).collect();
+    ddp_train_os(&args)
+}
+
+/// [`ddp_train`] with arguments that need not be UTF-8.
+fn ddp_train_os(args: &[&OsStr]) -> Output {
     let mut cmd = Command::new(EXE);
     cmd.args(args)
         .env("RUST_BACKTRACE", "1")
@@ -23,6 +31,19 @@ fn ddp_train(args: &[&str]) -> Output {
         cmd.env_remove(name);
     }
     ddp_testkit::wait_bounded(cmd.spawn().unwrap(), Duration::from_secs(120))
+}
+
+/// The synthetic sample of `images` images of 48 pixels in `data`.
+fn sample(data: &Path, images: usize) {
+    ddp_data::odir::synthetic::generate(
+        data,
+        &ddp_data::odir::synthetic::SyntheticConfig {
+            images,
+            size: 48,
+            ..Default::default()
+        },
+    )
+    .unwrap();
 }
 
 fn assert_one_error(out: &Output, first_line: &str) {
@@ -209,15 +230,7 @@ fn a_training_flag_that_predict_does_not_read_is_refused() {
 fn per_eye_labels_asked_of_annotations_without_them_name_the_other_choice() {
     let dir = ddp_testkit::temp_dir("ddp-train-errors");
     let data = dir.path().join("odir");
-    ddp_data::odir::synthetic::generate(
-        &data,
-        &ddp_data::odir::synthetic::SyntheticConfig {
-            images: 8,
-            size: 48,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    sample(&data, 8);
     // The same annotations without their per-eye column.
     let csv = data.join("full_df.csv");
     let text = std::fs::read_to_string(&csv).unwrap();
@@ -236,5 +249,124 @@ fn per_eye_labels_asked_of_annotations_without_them_name_the_other_choice() {
                  patient columns N..O"
             ),
         "{err}"
+    );
+}
+
+/// A path that is not UTF-8 is refused by its flag before anything is read or created
+/// (files and folders of such names that exist included): the run records its paths as
+/// text, and a lossy copy (`run_\u{FFFD}`) would name, and overwrite, another run's
+/// directory.
+#[test]
+fn a_path_that_is_not_utf8_is_refused_by_its_flag() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = ddp_testkit::temp_dir("ddp-train-errors");
+    let bad = |name: &[u8]| dir.path().join(OsStr::from_bytes(name));
+    let data = dir.path().join("odir");
+    sample(&data, 8);
+    // A model file and a data folder of those names exist: only the names are refused.
+    let weights = bad(b"w\xff.safetensors");
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let _net = ddp_model::ConvNet::new(&vs.root(), ddp_model::ConvNetConfig::default());
+    ddp_model::checkpoint::save(&vs, &weights, &Default::default()).unwrap();
+    let model = dir.path().join("model.safetensors");
+    std::fs::copy(&weights, &model).unwrap();
+    let folder = bad(b"s\xff");
+    sample(&folder, 8);
+    let (out, run) = (bad(b"run_\xff"), dir.path().join("run"));
+    let [data, folder, weights, model, out, run] =
+        [&data, &folder, &weights, &model, &out, &run].map(|p| p.as_os_str());
+    let [cpu, one] = ["cpu", "1"].map(OsStr::new);
+    let flag = |f: &'static str| OsStr::new(f);
+    let train = [
+        flag("--device"),
+        cpu,
+        flag("--epochs"),
+        one,
+        flag("--batch-size"),
+        one,
+    ];
+    let refused: [(&str, &str, Vec<&OsStr>); 6] = [
+        (
+            "--out",
+            "run_\u{FFFD}",
+            vec![flag("--data"), data, flag("--out"), out],
+        ),
+        (
+            "--init-from",
+            "w\u{FFFD}.safetensors",
+            vec![
+                flag("--data"),
+                data,
+                flag("--out"),
+                run,
+                flag("--init-from"),
+                weights,
+            ],
+        ),
+        (
+            "--data",
+            "s\u{FFFD}",
+            vec![flag("--data"), folder, flag("--out"), run],
+        ),
+        (
+            "--checkpoint",
+            "w\u{FFFD}.safetensors",
+            vec![
+                flag("evaluate"),
+                flag("--checkpoint"),
+                weights,
+                flag("--data"),
+                data,
+            ],
+        ),
+        (
+            "--checkpoint",
+            "w\u{FFFD}.safetensors",
+            vec![
+                flag("predict"),
+                flag("--checkpoint"),
+                weights,
+                flag("--data"),
+                data,
+            ],
+        ),
+        (
+            "--thresholds",
+            "w\u{FFFD}.safetensors",
+            vec![
+                flag("predict"),
+                flag("--checkpoint"),
+                model,
+                flag("--thresholds"),
+                weights,
+                flag("--data"),
+                data,
+            ],
+        ),
+    ];
+    let why = "is not valid UTF-8 (U+FFFD marks the bytes that are not): paths are recorded as \
+               text, so rename it or give another path";
+    for (name, shown, mut args) in refused {
+        // Training is given a run it would train; the commands a run directory.
+        match args[0].to_str() {
+            Some("evaluate" | "predict") => args.extend([flag("--out"), run]),
+            _ => args.extend(train),
+        }
+        let shown = format!("{:?}", dir.path().join(shown).to_str().unwrap());
+        assert_one_error(
+            &ddp_train_os(&args),
+            &format!("error: {name} {shown} {why}"),
+        );
+    }
+    std::fs::remove_file(model).unwrap();
+    let mut left: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        ["odir", "s\u{FFFD}", "w\u{FFFD}.safetensors"],
+        "no run directory was created"
     );
 }

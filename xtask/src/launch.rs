@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use clap::builder::TypedValueParser;
 use clap::CommandFactory;
 use ddp_run::cli::NodeArgs;
 use ddp_run::{Event, LaunchConfig, Outcome};
@@ -29,7 +30,7 @@ pub struct TrainArgs {
     #[command(flatten)]
     pub node: NodeArgs,
     /// Run directory (default: runs/YYYYMMDD-HHMMSS-PID, UTC).
-    #[arg(long)]
+    #[arg(long, value_parser = utf8_path())]
     pub out: Option<PathBuf>,
     /// Seconds between asking failed jobs' ranks to terminate and killing them.
     #[arg(
@@ -53,6 +54,26 @@ pub struct TrainArgs {
     /// Arguments for ddp-train.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     pub rest: Vec<String>,
+}
+
+/// Why a path the ranks are given cannot be: ddp-train takes its paths as text (it records
+/// them in `config.json`), and a lossy copy would name another file.
+const NOT_UTF8: &str = "is not valid UTF-8, and ddp-train takes its paths as text: rename it \
+                        or give another path";
+
+/// A path flag's parser that refuses a path that is not valid UTF-8 ([`NOT_UTF8`]).
+fn utf8_path() -> impl TypedValueParser<Value = PathBuf> {
+    clap::builder::OsStringValueParser::new().try_map(|s: std::ffi::OsString| {
+        s.into_string()
+            .map(PathBuf::from)
+            .map_err(|_| format!("the path {NOT_UTF8}"))
+    })
+}
+
+/// `path` as the text a rank's flag takes, or an error naming `what` it is.
+fn utf8<'a>(what: &str, path: &'a Path) -> Result<&'a str> {
+    path.to_str()
+        .with_context(|| format!("{what} {} {NOT_UTF8}", path.display()))
 }
 
 /// Moves the launcher's options (after `train`) in front of ddp-train's, so that
@@ -158,12 +179,22 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     args.node.apply(&mut config);
     // Bad node settings fail here, before anything is built.
     config.validate()?;
+    // The paths the ranks are given, as text, before anything is built.
+    let runs_root = args.runs_root.clone().unwrap_or_else(|| root.join("runs"));
+    let out = match &args.out {
+        Some(out) => out.clone(),
+        None => ddp_run::default_run_dir(&runs_root),
+    };
+    let out_arg = utf8("the run directory", &out)?.to_owned();
+    let cache = args.cache.clone().unwrap_or_else(|| root.join(".cache"));
+    if !has_flag(&rest, "--data") {
+        utf8("the synthetic sample's folder", &cache)?;
+    }
     let bin = match &args.bin {
         Some(b) => b.clone(),
         None => build_release(root, "ddp-train", &["-p", "ddp-train"])?,
     };
     if !has_flag(&rest, "--data") {
-        let cache = args.cache.clone().unwrap_or_else(|| root.join(".cache"));
         let data = synthetic_sample(root, &cache, args.gen_data_bin.as_deref())?;
         println!(
             "xtask: no --data given: training on the built-in synthetic ODIR sample ({} images) \
@@ -171,15 +202,11 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
             SAMPLE_IMAGES,
             data.display()
         );
-        rest.extend(["--data".into(), data.to_string_lossy().into_owned()]);
+        let data = utf8("the synthetic sample's folder", &data)?.to_owned();
+        rest.extend(["--data".into(), data]);
         sample_flags(&mut rest);
     }
-    let runs_root = args.runs_root.clone().unwrap_or_else(|| root.join("runs"));
-    let out = match &args.out {
-        Some(out) => out.clone(),
-        None => ddp_run::default_run_dir(&runs_root),
-    };
-    rest.extend(["--out".into(), out.to_string_lossy().into_owned()]);
+    rest.extend(["--out".into(), out_arg]);
     rest.extend(["--device".into(), device.into()]);
     let threads = rank_threads(&mut rest, (ddp_run::available_cores() / nproc).max(1));
     config.program = bin.into_os_string();
@@ -653,6 +680,45 @@ mod tests {
         assert_eq!(
             refusal(&["--cpus", "1", "--lr", "0.1", "--out", "/r"]),
             "give the run directory to the launcher as `cargo xtask train --out DIR ...`"
+        );
+    }
+
+    /// ddp-train takes its paths as text: a run directory that is not UTF-8 is refused by
+    /// the flag, and one derived from the project's folder before anything is built, rather
+    /// than given to the ranks as a lossy copy that names another folder.
+    #[test]
+    fn a_run_directory_that_is_not_utf8_is_refused() {
+        use clap::Parser;
+        use std::ffi::{OsStr, OsString};
+        use std::os::unix::ffi::OsStrExt;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        let bad = OsStr::from_bytes(b"/tmp/run_\xff");
+        let argv = [OsStr::new("train"), OsStr::new("--out"), bad].map(OsString::from);
+        let err = Cli::try_parse_from(argv).err().unwrap();
+        assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation);
+        assert!(
+            err.to_string().starts_with(
+                "error: invalid value '/tmp/run_\u{FFFD}' for '--out <OUT>': the path is not \
+                 valid UTF-8, and ddp-train takes its paths as text: rename it or give another \
+                 path"
+            ),
+            "{err}"
+        );
+        let cli = Cli::try_parse_from(["train", "--cpus", "1", "--data", "/d"]).unwrap();
+        let root = Path::new(OsStr::from_bytes(b"/nonexistent/project_\xff"));
+        let err = run(root, cli.train).unwrap_err().to_string();
+        assert!(
+            err.starts_with(
+                "the run directory /nonexistent/project_\u{FFFD}/runs/"
+            ) && err.ends_with(
+                " is not valid UTF-8, and ddp-train takes its paths as text: rename it or give \
+                 another path"
+            ),
+            "{err}"
         );
     }
 

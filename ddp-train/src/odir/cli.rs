@@ -3,7 +3,7 @@
 //! generic Trainer's flags with ODIR's defaults ([`OdirDefaults`]), which become its
 //! [`Settings`].
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
@@ -16,7 +16,7 @@ use crate::cli::{Defaults, TrainArgs};
 use crate::error::TrainError;
 use crate::lr_schedule::{LrSchedule, Plateau};
 use crate::scheduler::PlateauConfig;
-use crate::settings::{EarlyStopping, Monitor, Settings};
+use crate::settings::{non_utf8, EarlyStopping, Monitor, Settings};
 
 /// ODIR's defaults for the generic flags: batches of 16, `ReduceLROnPlateau` on validation
 /// macro-F1 (halving after 2 epochs without improvement, down to 1e-6), early stopping on it
@@ -203,6 +203,11 @@ impl TrainConfig {
     /// Checks the settings that can be checked without data or peers.
     pub fn validate(&self) -> Result<(), TrainError> {
         let invalid = |m: String| Err(TrainError::Invalid(m));
+        utf8_paths([
+            ("--data", Some(self.data.as_path())),
+            ("--image-dir", self.image_dir.as_deref()),
+            ("--val-data", self.val_data.as_deref()),
+        ])?;
         let min = self.model.min_image_size() as u32;
         if self.image_size < min {
             let why = match self.model {
@@ -301,6 +306,18 @@ impl TrainConfig {
     }
 }
 
+/// Refuses the first given path that is not valid UTF-8, naming its flag (`--data`).
+pub(super) fn utf8_paths<'a>(
+    flags: impl IntoIterator<Item = (&'static str, Option<&'a Path>)>,
+) -> Result<(), TrainError> {
+    for (flag, path) in flags {
+        if let Some(why) = path.and_then(non_utf8) {
+            return Err(TrainError::Invalid(format!("{flag}{why}")));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -311,6 +328,29 @@ mod tests {
             .unwrap()
             .validate()
             .map_err(|e| e.to_string())
+    }
+
+    /// The folders' paths are recorded as text (`config.json`'s task, which `predict` reads
+    /// back): one that is not UTF-8 is refused naming its flag, not recorded as `null`.
+    #[test]
+    fn a_folder_that_is_not_utf8_is_refused_by_its_flag() {
+        use std::ffi::{OsStr, OsString};
+        use std::os::unix::ffi::OsStrExt;
+        let bad = OsStr::from_bytes(b"odir_\xff");
+        let why = "\"odir_\u{FFFD}\" is not valid UTF-8 (U+FFFD marks the bytes that are not): \
+                   paths are recorded as text, so rename it or give another path";
+        for flag in ["--data", "--image-dir", "--val-data"] {
+            let data: &[&OsStr] = match flag {
+                "--data" => &[],
+                _ => &[OsStr::new("--data"), OsStr::new("d")],
+            };
+            let args = [&[OsStr::new("ddp-train"), OsStr::new(flag), bad], data].concat();
+            let c = TrainConfig::try_parse_from(args.into_iter().map(OsString::from)).unwrap();
+            let e = c.validate().unwrap_err();
+            assert!(matches!(e, TrainError::Invalid(_)), "{e:?}");
+            assert_eq!(e.to_string(), format!("{flag} {why}"));
+        }
+        assert_eq!(validate(&["--image-dir", "odir_\u{FFFD}"]), Ok(()));
     }
 
     #[test]

@@ -17,7 +17,7 @@ use ddp_data::odir::{parse_image_name, OdirDataset, LABELS};
 use serde_json::{json, Map, Value};
 
 use super::challenge::THRESHOLD;
-use super::cli::TrainConfig;
+use super::cli::{utf8_paths, TrainConfig};
 use super::score::{score, LoadedModel, Scored};
 use super::task::{data_options, skipped_json, skipped_lines};
 use crate::error::TrainError;
@@ -139,6 +139,10 @@ pub struct Prediction {
 pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
     let c = &args.config;
     c.validate()?;
+    utf8_paths([
+        ("--checkpoint", Some(args.model.checkpoint.as_path())),
+        ("--thresholds", args.thresholds.as_deref()),
+    ])?;
     let set = Arc::new(OdirDataset::open_unlabelled(&c.data)?);
     // Read before meeting the other ranks: a bad file fails on every rank alike. The
     // thresholds are checked against the model read, not the file as it is now.
@@ -223,6 +227,7 @@ pub struct Evaluation {
 pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
     let c = &args.config;
     c.validate()?;
+    utf8_paths([("--checkpoint", Some(args.model.checkpoint.as_path()))])?;
     let set = OdirDataset::open(&c.data, &data_options(c))?;
     // A folder whose every image --skip-corrupt left out has nothing to score (its metrics
     // would be NaN): refused as training refuses it, naming the folder and the first image.
@@ -232,11 +237,14 @@ pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
     let mut report = scored.stats.report();
     report.extend(scored.stats.details());
     let mut report = report.into_map();
-    report.insert("checkpoint".into(), json!(args.model.checkpoint));
+    report.insert(
+        "checkpoint".into(),
+        json!(args.model.checkpoint.to_string_lossy()),
+    );
     if let Some(entry) = &scored.checkpoint_entry {
         report.insert("checkpoint_entry".into(), json!(entry));
     }
-    report.insert("data".into(), json!(c.data));
+    report.insert("data".into(), json!(c.data.to_string_lossy()));
     report.insert("images".into(), json!(scored.set.len()));
     if c.skip_corrupt {
         report.insert("skipped_images".into(), skipped_json(scored.set.skipped()));

@@ -132,7 +132,9 @@ impl OdirTask {
                 .map_err(TrainError::Invalid)?,
             ),
         };
-        let mut config = serde_json::to_value(c).unwrap_or(Value::Null);
+        // Fails only on a path that is not UTF-8, which `TrainConfig::validate` refuses.
+        let mut config = serde_json::to_value(c)
+            .map_err(|e| TrainError::Invalid(format!("recording the ODIR settings: {e}")))?;
         if let Some(o) = config.as_object_mut() {
             if let Some(w) = &weights {
                 o.insert("pos_weight_values".into(), serde_json::json!(w));
@@ -270,7 +272,7 @@ pub(super) fn skipped_lines(skipped: &[SkippedImage]) -> Vec<String> {
 pub(super) fn skipped_json(skipped: &[SkippedImage]) -> Value {
     skipped
         .iter()
-        .map(|s| serde_json::json!({ "path": s.path, "reason": s.reason }))
+        .map(|s| serde_json::json!({ "path": s.path.to_string_lossy(), "reason": s.reason }))
         .collect()
 }
 

@@ -8,7 +8,7 @@
 //! setting's default, and `cli::TrainArgs` parses into a `Settings`. The enum-valued settings
 //! (the optimizer, the schedule) have their flags in `flags.rs`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -57,6 +57,20 @@ pub(crate) const MAX_COUNT: u64 = 1 << 40;
 /// `checkpoint.minutes`): ddp-comm's longest timeout, 10^9 s (about 31 years), so that a
 /// deadline of now plus it always exists.
 pub(crate) const MAX_SECONDS: u64 = 1_000_000_000;
+
+/// Why `path` cannot be taken, as the words after the setting or flag that gave it, when it
+/// is not valid UTF-8: the run records its paths as text (`config.json`, the run directory
+/// the ranks agree on), which would change them. `None` for a path that is.
+pub(crate) fn non_utf8(path: &Path) -> Option<String> {
+    match path.to_str() {
+        Some(_) => None,
+        None => Some(format!(
+            " {:?} is not valid UTF-8 (U+FFFD marks the bytes that are not): paths are \
+             recorded as text, so rename it or give another path",
+            path.to_string_lossy()
+        )),
+    }
+}
 
 /// The names the Trainer writes in the run directory (`.lock` and temporaries begin with a
 /// dot), which no best-model file, nor the document beside it, may take.
@@ -409,6 +423,14 @@ impl Settings {
         }
         if let Some(&(field, _)) = at_least_one.iter().find(|(_, v)| *v == 0) {
             return Err(SettingError::new(field, " must be at least 1"));
+        }
+        for (field, path) in [
+            ("out", &self.out),
+            ("checkpoint.init_from", &self.checkpoint.init_from),
+        ] {
+            if let Some(why) = path.as_deref().and_then(non_utf8) {
+                return Err(SettingError::new(field, why));
+            }
         }
         if self.epochs >= MAX_COUNT {
             return Err(SettingError::new(
@@ -790,6 +812,27 @@ mod tests {
             );
         }
         assert!(minutes(MAX_SECONDS as f64 / 60.0).validate().is_ok());
+    }
+
+    /// The run records its paths as text (`config.json`, the run directory the ranks agree
+    /// on): one that is not UTF-8 is refused naming its setting, not changed or a panic.
+    #[test]
+    fn paths_that_are_not_utf8_are_refused_by_their_setting() {
+        use std::os::unix::ffi::OsStrExt;
+        let bad = PathBuf::from(std::ffi::OsStr::from_bytes(b"runs/w_\xff"));
+        let why = " \"runs/w_\u{FFFD}\" is not valid UTF-8 (U+FFFD marks the bytes that are \
+                   not): paths are recorded as text, so rename it or give another path";
+        let e = Settings::default().out(Some(bad.clone())).validate();
+        assert_eq!(e, Err(SettingError::new("out", why)));
+        let init = CheckpointSettings::default().init_from(Some(bad));
+        let e = Settings::default().checkpoint(init).validate();
+        assert_eq!(e, Err(SettingError::new("checkpoint.init_from", why)));
+        let fine = CheckpointSettings::default().init_from(Some("w_\u{FFFD}.pt".into()));
+        assert!(Settings::default()
+            .out(Some("runs/\u{FFFD}".into()))
+            .checkpoint(fine)
+            .validate()
+            .is_ok());
     }
 
     #[test]

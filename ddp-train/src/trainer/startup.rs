@@ -482,8 +482,10 @@ impl<T: Task> Trainer<T> {
             self.pg.world_size(),
             self.out.display()
         ));
+        // Settings::validate refused the paths that are not UTF-8, the one way this fails.
+        let settings = serde_json::to_value(s).context(|| "encoding config.json".into())?;
         let mut json = serde_json::json!({
-            "settings": s,
+            "settings": settings,
             "task": self.task.describe(),
             "world_size": self.pg.world_size(),
             "backend": format!("{:?}", self.pg.backend()),
@@ -495,7 +497,7 @@ impl<T: Task> Trainer<T> {
             "allocation_change": self.allocation_change,
             "val_samples": val_len,
             "init_weights": init_weights,
-            "run_dir": self.out,
+            "run_dir": self.out.to_string_lossy(),
         });
         let file = self.out.join("config.json");
         if s.checkpoint.eval_only && file.exists() {
@@ -533,7 +535,11 @@ fn init_weights(
             file.display(),
             from.display()
         );
-        let record = serde_json::json!({ "file": file, "loaded": false, "resumed_from": from });
+        let record = serde_json::json!({
+            "file": file.to_string_lossy(),
+            "loaded": false,
+            "resumed_from": from.to_string_lossy(),
+        });
         return Ok((Some(note), record));
     }
     let strictness = if s.checkpoint.init_partial {
@@ -592,7 +598,7 @@ fn init_weights(
         .map(|m| serde_json::json!({ "name": m.name, "model": m.expected, "file": m.found }))
         .collect();
     let record = serde_json::json!({
-        "file": file,
+        "file": file.to_string_lossy(),
         "loaded": true,
         "partial": s.checkpoint.init_partial,
         "entry": report.entry,
