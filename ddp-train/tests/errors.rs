@@ -370,3 +370,37 @@ fn a_path_that_is_not_utf8_is_refused_by_its_flag() {
         "no run directory was created"
     );
 }
+
+/// A plan of 2^40 optimizer steps or more is refused naming --epochs: the run's checkpoints
+/// could not be resumed from (they count fewer), and the product could overflow.
+#[test]
+fn a_plan_of_too_many_optimizer_steps_names_epochs() {
+    let dir = ddp_testkit::temp_dir("ddp-train-errors");
+    let data = dir.path().join("odir");
+    sample(&data, 8);
+    let run = dir.path().join("run");
+    // 8 images, half for validation, batches of 1: 4 steps per epoch.
+    let epochs = (1u64 << 38).to_string();
+    let out = ddp_train(&[
+        "--data",
+        data.to_str().unwrap(),
+        "--val-split",
+        "0.5",
+        "--batch-size",
+        "1",
+        "--epochs",
+        &epochs,
+        "--out",
+        run.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--time-limit",
+        "1",
+    ]);
+    assert_one_error(
+        &out,
+        "error: --epochs 274877906944 times 4 optimizer steps per epoch must be below 2^40 \
+         (1099511627776) optimizer steps, the most a checkpoint counts: give fewer, or set \
+         --max-steps-per-epoch",
+    );
+}

@@ -48,9 +48,10 @@ pub(crate) use freeze::prefix_matches;
 pub use freeze::FreezeSettings;
 pub use runtime::{DeviceChoice, RuntimeSettings};
 
-/// The most epochs, and samples of one rank's step (`batch_size × accumulate`), a run takes:
-/// the bound `state::check_state` puts on a checkpoint's counts, so that the run's own
-/// checkpoints resume and the counts derived from them stay far from overflow.
+/// The most epochs, samples of one rank's step (`batch_size × accumulate`) and planned
+/// optimizer steps (`epochs × steps per epoch`, checked at start) a run takes: the bound
+/// `state::check_state` puts on a checkpoint's counts, so that the run's own checkpoints
+/// resume and the counts derived from them stay far from overflow.
 pub(crate) const MAX_COUNT: u64 = 1 << 40;
 
 /// The longest duration a setting takes, in seconds (`runtime.time_limit_secs`,

@@ -28,7 +28,7 @@ use crate::functional::GroupReducer;
 use crate::lr_schedule::LrSchedule;
 use crate::optim::Optimizer;
 use crate::scheduler::ReduceLrOnPlateau;
-use crate::settings::Settings;
+use crate::settings::{Settings, MAX_COUNT};
 use crate::state::{self, EarlyStopState};
 use crate::stop::Budget;
 use crate::task::Task;
@@ -135,7 +135,7 @@ impl<T: Task> Trainer<T> {
         let steps_now = now.steps_per_epoch(train_set.len(), s.max_steps_per_epoch);
         let mut plan = Plan {
             epochs: s.epochs,
-            optimizer_steps: s.epochs * steps_now as u64,
+            optimizer_steps: planned_steps(s, steps_now)?,
         };
         let mut allocation_change = None;
         let (mut start_epoch, mut bests) = (1, BTreeMap::new());
@@ -609,6 +609,26 @@ fn init_weights(
         "mismatched": mismatched,
     });
     Ok((Some(note), record))
+}
+
+/// The optimizer steps of `s.epochs` epochs of `steps_per_epoch`: fewer than 2^40, the most
+/// a checkpoint counts (so that the run resumes from its own checkpoints), else an error
+/// naming `epochs`. An evaluation takes no step: its plan is only saturated.
+fn planned_steps(s: &Settings, steps_per_epoch: usize) -> Result<u64, SettingError> {
+    let steps = steps_per_epoch as u64;
+    let total = s.epochs.saturating_mul(steps);
+    if total < MAX_COUNT || s.checkpoint.eval_only {
+        return Ok(total);
+    }
+    Err(SettingError::new(
+        "epochs",
+        format!(
+            " {} times {steps} optimizer steps per epoch must be below 2^40 ({MAX_COUNT}) \
+             optimizer steps, the most a checkpoint counts: give fewer, or set ",
+            s.epochs
+        ),
+    )
+    .setting("max_steps_per_epoch"))
 }
 
 /// `sync_batchnorm` with a model that has no [`ddp_model::norm::BatchNorm2d`]: names the
