@@ -49,23 +49,34 @@ fn number<T: std::str::FromStr>(flag: &str, value: Option<String>) -> Result<T, 
         .map_err(|_| format!("{flag} expects a non-negative integer, got '{value}'"))
 }
 
-fn parse(mut argv: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
+fn parse(argv: impl Iterator<Item = std::ffi::OsString>) -> Result<Option<Args>, String> {
+    // Every argument is text: the sample's folder is recorded in text (annotations, the
+    // trainer's config.json), so a name that is not UTF-8 is refused, not mangled.
+    let mut argv = argv.map(|arg| {
+        arg.into_string().map_err(|arg| {
+            format!(
+                "argument '{}' is not valid UTF-8 (U+FFFD marks the bytes that are not): \
+                 give another path",
+                arg.to_string_lossy()
+            )
+        })
+    });
     let mut out = None;
     let mut config = SyntheticConfig::default();
-    while let Some(arg) = argv.next() {
+    while let Some(arg) = argv.next().transpose()? {
         // `--flag=value` as well as `--flag value`.
         let (flag, mut inline) = match arg.split_once('=') {
             Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
             _ => (arg.clone(), None),
         };
-        let mut value = || inline.take().or_else(|| argv.next());
+        let mut value = || inline.take().map(Ok).or_else(|| argv.next()).transpose();
         match flag.as_str() {
-            "--out" => out = Some(PathBuf::from(value().ok_or("--out needs a value")?)),
-            "--images" => config.images = number(&flag, value())?,
-            "--size" => config.size = number(&flag, value())?,
-            "--seed" => config.seed = number(&flag, value())?,
-            "--quality" => config.quality = number(&flag, value())?,
-            "--test-images" => config.test_images = number(&flag, value())?,
+            "--out" => out = Some(PathBuf::from(value()?.ok_or("--out needs a value")?)),
+            "--images" => config.images = number(&flag, value()?)?,
+            "--size" => config.size = number(&flag, value()?)?,
+            "--seed" => config.seed = number(&flag, value()?)?,
+            "--quality" => config.quality = number(&flag, value()?)?,
+            "--test-images" => config.test_images = number(&flag, value()?)?,
             "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown argument '{other}'")),
         }
@@ -86,7 +97,7 @@ fn chain(err: &dyn Error) -> String {
 }
 
 fn main() -> ExitCode {
-    let args = match parse(std::env::args().skip(1)) {
+    let args = match parse(std::env::args_os().skip(1)) {
         Ok(Some(args)) => args,
         Ok(None) => {
             println!("{USAGE}\n\n{HELP}");
@@ -152,5 +163,23 @@ mod tests {
             let line = line.unwrap_or_else(|| panic!("no line for {option}"));
             assert!(line.contains(&format!("(default {default}")), "{line}");
         }
+    }
+
+    #[test]
+    fn an_argument_that_is_not_utf8_is_refused_naming_it() {
+        use std::ffi::OsString;
+        use std::os::unix::ffi::OsStringExt;
+        let bad = || OsString::from_vec(b"/tmp/s\xff".to_vec());
+        let expected = "argument '/tmp/s\u{fffd}' is not valid UTF-8 (U+FFFD marks the bytes \
+                        that are not): give another path";
+        for argv in [
+            vec![OsString::from("--out"), bad()],
+            vec![OsString::from("--images"), OsString::from("4"), bad()],
+        ] {
+            assert_eq!(parse(argv.into_iter()).err().as_deref(), Some(expected));
+        }
+        let good = ["--out", "/tmp/s", "--images=4"].map(OsString::from);
+        let args = parse(good.into_iter()).unwrap().unwrap();
+        assert_eq!((args.out, args.config.images), (PathBuf::from("/tmp/s"), 4));
     }
 }
