@@ -62,8 +62,23 @@ pub(super) fn resume_after_restart(
         return Ok(String::new());
     };
     let latest = state::checkpoint_dir(out).join("latest");
-    if !latest.is_file() {
-        return Ok(String::new());
+    match std::fs::metadata(&latest) {
+        Ok(meta) if meta.is_file() => {}
+        // Not a file: starting over would fail at the first checkpoint, an epoch later.
+        Ok(_) => {
+            return Err(TrainError::Invalid(format!(
+                "{} is not a file: it should hold the name of the run's latest checkpoint; \
+                 remove it, or give another --out",
+                latest.display()
+            )))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(String::new()),
+        Err(e) => {
+            return Err(TrainError::io(
+                format!("cannot read {}", latest.display()),
+                e,
+            ))
+        }
     }
     if settings.checkpoint.eval_only && settings.checkpoint.resume.is_some() {
         // Evaluates the file it names, whatever the run directory holds.
@@ -696,6 +711,23 @@ mod tests {
         assert_eq!(
             s.checkpoint.resume.as_deref(),
             Some("/elsewhere/best.safetensors")
+        );
+    }
+
+    #[test]
+    fn a_latest_that_is_not_a_file_is_refused_not_started_over() {
+        let dir = ddp_testkit::temp_dir("run-dir");
+        let latest = state::checkpoint_dir(dir.path()).join("latest");
+        std::fs::create_dir_all(&latest).unwrap();
+        let mut s = settings(dir.path(), None);
+        let e = resume_after_restart(&mut s, &env("job-7", 0)).unwrap_err();
+        assert!(
+            matches!(&e, TrainError::Invalid(why) if why == &format!(
+                "{} is not a file: it should hold the name of the run's latest checkpoint; \
+                 remove it, or give another --out",
+                latest.display()
+            )),
+            "{e:?}"
         );
     }
 
