@@ -134,6 +134,14 @@ char* tch_ext_set_grad(const at::Tensor* param, const at::Tensor* grad) noexcept
   });
 }
 
+// The address of `t`'s `TensorImpl`, the tensor object that every handle of it shares (one
+// Python tensor object: `id(t)`), or 0 when `t` is undefined.
+char* tch_ext_tensor_id(const at::Tensor* t, size_t* out) noexcept {
+  return tch_ext::guarded([&] {
+    *out = t->defined() ? reinterpret_cast<size_t>(t->unsafeGetTensorImpl()) : 0;
+  });
+}
+
 // Releases an error message returned by any entry point.
 void tch_ext_free_error(char* message) noexcept {
   if (message != tch_ext::kOutOfMemory) {

@@ -47,6 +47,7 @@ extern "C" {
         out: *mut bool,
     ) -> *mut c_char;
     pub(crate) fn tch_ext_set_grad(param: *const c_void, grad: *const c_void) -> *mut c_char;
+    pub(crate) fn tch_ext_tensor_id(t: *const c_void, out: *mut usize) -> *mut c_char;
 
     pub(crate) fn tch_ext_add_(this: *mut c_void, other: *const c_void, alpha: f64) -> *mut c_char;
     pub(crate) fn tch_ext_addcmul_(

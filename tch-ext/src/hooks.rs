@@ -95,6 +95,20 @@ pub fn set_grad(param: &Tensor, grad: Option<&Tensor>) -> Result<(), TchExtError
     ffi::check(message, "set_grad")
 }
 
+/// One number per tensor object (libtorch's `TensorImpl`, a Python tensor object): equal for
+/// every tch handle of one tensor (its `shallow_clone`s, which `VarStore` hands out, so a
+/// tied weight registered under two names), different for views, copies and `detach()`;
+/// 0 for an undefined tensor. PyTorch's `id(t)`, by which `module.parameters()` yields a
+/// tied parameter once. Meaningful while a handle of the tensor lives: a later tensor may
+/// reuse the number of a freed one.
+pub fn tensor_id(t: &Tensor) -> usize {
+    let mut out = 0usize;
+    // SAFETY: `t` is a live tch tensor and `out` a valid out-pointer during the call.
+    let message = unsafe { ffi::tch_ext_tensor_id(t.as_ptr().cast(), &mut out) };
+    // Reading a pointer out of a handle cannot fail.
+    ffi::check(message, "tensor_id").map_or(0, |()| out)
+}
+
 /// The shim's call-back: runs the closure on the parameter, stopping any panic here.
 extern "C" fn call_hook<F: Fn(&Tensor)>(ctx: *mut c_void, param: *mut c_void) -> bool {
     // SAFETY: the shim passes a heap `at::Tensor*` made for this call and gives up ownership;

@@ -5,7 +5,7 @@
 //! - [`set_post_accumulate_grad_hook`] runs a closure each time autograd has accumulated a
 //!   gradient into a parameter (PyTorch's `register_post_accumulate_grad_hook`), so gradient
 //!   communication can start while backward is still running; [`set_grad`] is
-//!   `param.grad = None`.
+//!   `param.grad = None`; [`tensor_id`] tells tensor objects apart (a tied weight is one).
 //! - [`set_backward`] gives a result computed outside autograd a backward function written
 //!   in Rust (PyTorch's `torch.autograd.Function`), e.g. a differentiable all-reduce.
 //! - [`autocast`] returns an [`AutocastGuard`]: mixed precision in `BFloat16` or `Half` on CPU
@@ -74,7 +74,7 @@ pub use function::set_backward;
 pub use graph::reachable_leaves;
 pub use hooks::{
     clear_post_accumulate_grad_hook, has_post_accumulate_grad_hook, set_grad,
-    set_post_accumulate_grad_hook,
+    set_post_accumulate_grad_hook, tensor_id,
 };
 pub use ops::{
     add_, addcdiv_, addcmul_, amp_foreach_non_finite_check_and_unscale_, foreach_adam_,

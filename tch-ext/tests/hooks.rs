@@ -6,7 +6,7 @@ use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tch_ext::{
     clear_post_accumulate_grad_hook, has_post_accumulate_grad_hook, set_grad,
-    set_post_accumulate_grad_hook, TchExtError,
+    set_post_accumulate_grad_hook, tensor_id, TchExtError,
 };
 
 fn values(t: &Tensor) -> Vec<f32> {
@@ -284,4 +284,25 @@ fn set_grad_checks_layout_and_backend_but_takes_a_sparse_gradient() {
         }
     }
     assert!(!sparse.grad().defined());
+}
+
+/// One tensor object, one id: shared by its handles (`shallow_clone`, a `VarStore`'s), not by
+/// views, detached tensors or tensors without elements, whose data pointers agree.
+#[test]
+fn tensor_ids_tell_tensor_objects_apart() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let w = vs.root().var("w", &[2, 3], nn::Init::Const(1.0));
+    let _tied = vs.root().sub("head").add("w", w.shallow_clone(), true);
+    let variables = vs.variables();
+    assert_eq!(tensor_id(&variables["w"]), tensor_id(&w));
+    assert_eq!(tensor_id(&variables["head.w"]), tensor_id(&w));
+    assert_ne!(tensor_id(&w.view([6])), tensor_id(&w));
+    assert_ne!(tensor_id(&w.detach()), tensor_id(&w));
+    let (a, b) = (
+        Tensor::zeros([0], (Kind::Float, Device::Cpu)),
+        Tensor::ones([0], (Kind::Float, Device::Cpu)),
+    );
+    assert_ne!(tensor_id(&a), tensor_id(&b));
+    assert_eq!(tensor_id(&Tensor::new()), 0);
+    assert_ne!(tensor_id(&a), 0);
 }

@@ -4,16 +4,17 @@ mod bucket;
 mod comm_hook;
 #[cfg(test)]
 pub(crate) use comm_hook::gpu_tests;
+mod params;
 mod reducer;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ddp_comm::{CommError, ProcessGroup};
-use ddp_model::checkpoint::natural_cmp;
 use tch::{nn::VarStore, Tensor};
 
 use bucket::{make_buckets, pack, unpack, Bucket};
 pub use comm_hook::{BuiltinHook, CommHook, GradBucket, HookWork};
+use params::{split_named, verify_same_model, Split};
 use reducer::Reducer;
 
 /// Why a DDP operation failed.
@@ -70,6 +71,17 @@ pub enum DdpError {
          needs each parameter's only hook)"
     )]
     AlreadyHooked(String),
+    /// No parameter of the model requires a gradient (PyTorch's "DistributedDataParallel is
+    /// not needed when a module doesn't have any parameter that requires a gradient").
+    #[error(
+        "the model has no parameter that requires a gradient ({frozen} frozen): \
+         DistributedDataParallel has no gradient to average; unfreeze some parameters, or \
+         run the model without it"
+    )]
+    NothingToTrain {
+        /// The frozen parameters (created trainable, `requires_grad` off).
+        frozen: usize,
+    },
     /// The C++ shim failed (setting a hook or a gradient).
     #[error(transparent)]
     Shim(#[from] tch_ext::TchExtError),
@@ -246,7 +258,9 @@ type Named = Vec<(String, Tensor)>;
 ///   (buffers only with [`DdpOptions::broadcast_buffers`]) are broadcast, one message per
 ///   dtype (coalesced), so all replicas start equal whatever each rank initialised. Finally a
 ///   post-accumulate-grad hook (through `tch-ext`, a small C++ shim: tch has no autograd
-///   hooks) is set on every parameter.
+///   hooks) is set on every parameter. Each tensor object is one parameter: a weight tied
+///   under several names, under the first (PyTorch takes each parameter object once). A
+///   model without a parameter that trains is [`DdpError::NothingToTrain`].
 /// - [`DistributedDataParallel::broadcast_buffers`]: before each training step and before
 ///   evaluating, rank 0's buffers (BatchNorm running statistics) overwrite the others', as
 ///   PyTorch's default `broadcast_buffers=True` does.
@@ -262,7 +276,8 @@ type Named = Vec<(String, Tensor)>;
 ///   gradient on this rank contribute zeros, the remaining buckets are launched, the ranks
 ///   count who used each parameter (one small all-reduce), everything is waited for, and the
 ///   averages are written into the gradients. Parameters used by no rank keep no gradient
-///   (optimizers skip them). With [`DdpOptions::find_unused_parameters`] off, a parameter
+///   (optimizers skip them). A sparse gradient becomes dense first (ddp-comm has no sparse
+///   collectives; the averages are PyTorch's). With [`DdpOptions::find_unused_parameters`] off, a parameter
 ///   missing on any rank is an error on every rank ([`DdpError::UnusedParameters`]), naming it;
 ///   no rank is left waiting.
 ///
@@ -331,7 +346,7 @@ impl DistributedDataParallel {
         options: DdpOptions,
         ours: &[(String, Tensor)],
     ) -> Result<Self, DdpError> {
-        let (params, frozen, buffers) = split_named(vs);
+        let split = split_named(vs);
         // By name and storage: a parameter without elements has no storage of its own.
         let ours: std::collections::HashMap<&str, usize> = ours
             .iter()
@@ -342,7 +357,7 @@ impl DistributedDataParallel {
                 .is_some_and(|&ptr| p.numel() == 0 || ptr == p.data_ptr() as usize)
         };
         let mut hooked = None;
-        for (name, p) in &params {
+        for (name, p) in &split.params {
             if !is_ours(name, p) && tch_ext::has_post_accumulate_grad_hook(p)? {
                 hooked = Some(name.clone());
                 break;
@@ -350,9 +365,21 @@ impl DistributedDataParallel {
         }
         // A hook on some ranks only is a difference between the models: no rank is left
         // waiting in the broadcast below.
-        verify_same_model(&pg, &params, &frozen, &buffers, hooked.as_deref())?;
+        verify_same_model(&pg, &split, hooked.as_deref())?;
         if let Some(name) = hooked {
             return Err(DdpError::AlreadyHooked(name));
+        }
+        let Split {
+            params,
+            frozen,
+            buffers,
+            ..
+        } = split;
+        if params.is_empty() {
+            // After the comparison: every rank holds this model, and fails alike.
+            return Err(DdpError::NothingToTrain {
+                frozen: frozen.len(),
+            });
         }
 
         // Initial broadcast of everything, one bucket per dtype, no size cap; the buffers
@@ -613,67 +640,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Splits the store into (parameters that train, frozen parameters, buffers), each in DDP
-/// order. A frozen parameter is a variable the store holds as trainable (created with
-/// `var`) whose `requires_grad` is off.
-fn split_named(vs: &VarStore) -> (Named, Named, Named) {
-    let mut all: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    all.sort_by(|a, b| natural_cmp(&a.0, &b.0));
-    let declared: std::collections::HashSet<usize> = vs
-        .trainable_variables()
-        .iter()
-        .filter(|t| t.numel() > 0)
-        .map(|t| t.data_ptr() as usize)
-        .collect();
-    let (params, rest): (Named, Named) = all.into_iter().partition(|(_, t)| t.requires_grad());
-    let (frozen, buffers) = rest
-        .into_iter()
-        .partition(|(_, t)| t.numel() > 0 && declared.contains(&(t.data_ptr() as usize)));
-    (params, frozen, buffers)
-}
-
-fn describe(kind: &str, named: &[(String, Tensor)]) -> Vec<String> {
-    named
-        .iter()
-        .map(|(n, t)| format!("{kind} '{n}' shape {:?} dtype {:?}", t.size(), t.kind()))
-        .collect()
-}
-
-/// Compares every rank's model with rank 0's: the tensors' names, shapes and dtypes, and
-/// the first parameter that already has a hook, if any.
-fn verify_same_model(
-    pg: &ProcessGroup,
-    params: &[(String, Tensor)],
-    frozen: &[(String, Tensor)],
-    buffers: &[(String, Tensor)],
-    hooked: Option<&str>,
-) -> Result<(), DdpError> {
-    let mut mine = describe("parameter", params);
-    mine.extend(describe("frozen parameter", frozen));
-    mine.extend(describe("buffer", buffers));
-    mine.extend(hooked.map(|n| format!("parameter '{n}' with a post-accumulate-grad hook")));
-    let gathered = pg.all_gather_bytes(mine.join("\n").as_bytes())?;
-    let reference: Vec<&str> = std::str::from_utf8(&gathered[0])
-        .unwrap_or("")
-        .lines()
-        .collect();
-    for (rank, bytes) in gathered.iter().enumerate().skip(1) {
-        let theirs: Vec<&str> = std::str::from_utf8(bytes).unwrap_or("").lines().collect();
-        if theirs == reference {
-            continue;
-        }
-        let detail = match reference.iter().zip(&theirs).find(|(a, b)| a != b) {
-            Some((a, b)) => format!("{b} (rank 0 has {a})"),
-            None if theirs.len() > reference.len() => {
-                format!("{} (absent on rank 0)", theirs[reference.len()])
-            }
-            None => format!("{} (absent on rank {rank})", reference[theirs.len()]),
-        };
-        return Err(DdpError::ModelMismatch { rank, detail });
-    }
-    Ok(())
-}
-
 fn broadcast_tensors(
     pg: &Arc<ProcessGroup>,
     named: &[(String, Tensor)],
@@ -700,6 +666,7 @@ fn broadcast_tensors(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ddp_model::checkpoint::natural_cmp;
 
     /// A group of one rank.
     fn alone() -> Arc<ProcessGroup> {
@@ -717,7 +684,12 @@ mod tests {
         let _ = b.set_requires_grad(false);
         let _c = root.zeros_no_train("c", &[4]);
         let names = |v: &Named| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
-        let (params, frozen, buffers) = split_named(&vs);
+        let Split {
+            params,
+            frozen,
+            buffers,
+            ..
+        } = split_named(&vs);
         assert_eq!(
             (names(&params), names(&frozen), names(&buffers)),
             (vec!["a".into()], vec!["b".into()], vec!["c".to_string()])
@@ -966,6 +938,69 @@ mod tests {
         (a.sum(tch::Kind::Float) * 2.0 + empty.sum(tch::Kind::Float)).backward();
         ddp.sync_gradients().unwrap();
         assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
+    }
+
+    /// A weight tied under two names (an LM head tied to its embedding) is one parameter:
+    /// hooked, bucketed and averaged once, under the name first in DDP order.
+    #[test]
+    fn a_tied_weight_is_one_parameter() {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let w = vs.root().var("embed", &[2], tch::nn::Init::Const(5.0));
+        let _tied = vs.root().sub("head").add("weight", w.shallow_clone(), true);
+        let mut ddp = DistributedDataParallel::new(&vs, alone(), DdpOptions::default()).unwrap();
+        let names: Vec<&str> = ddp.parameters().iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["embed"]);
+        (w.sum(tch::Kind::Float) * 2.0).backward();
+        ddp.sync_gradients().unwrap();
+        assert_eq!(Vec::<f32>::try_from(&w.grad()).unwrap(), [2.0; 2]);
+    }
+
+    /// A model without a parameter that trains is refused (PyTorch's "DistributedDataParallel
+    /// is not needed ..."), not a backward that fails later.
+    #[test]
+    fn a_model_without_trainable_parameters_is_refused() {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+        let _ = a.set_requires_grad(false);
+        let _b = vs.root().zeros_no_train("b", &[3]);
+        match DistributedDataParallel::new(&vs, alone(), DdpOptions::default()) {
+            Err(e @ DdpError::NothingToTrain { frozen: 1 }) => assert!(
+                e.to_string()
+                    .starts_with("the model has no parameter that requires a gradient (1 frozen)"),
+                "{e}"
+            ),
+            other => panic!("expected NothingToTrain, got {other:?}"),
+        }
+    }
+
+    /// A sparse gradient (an embedding's with `sparse: true`) is averaged as a dense one,
+    /// with and without overlap: the dense embedding's gradient.
+    #[test]
+    fn a_sparse_gradient_is_averaged_as_a_dense_one() {
+        for overlap in [true, false] {
+            let vs = VarStore::new(tch::Device::Cpu);
+            let config = tch::nn::EmbeddingConfig {
+                sparse: true,
+                ..Default::default()
+            };
+            let embedding = tch::nn::embedding(vs.root() / "emb", 10, 3, config);
+            let options = DdpOptions {
+                overlap,
+                ..DdpOptions::default()
+            };
+            let mut ddp = DistributedDataParallel::new(&vs, alone(), options).unwrap();
+            let input = Tensor::from_slice(&[1i64, 2, 1]);
+            let out = tch::nn::Module::forward(&embedding, &input);
+            out.sum(tch::Kind::Float).f_backward().unwrap();
+            ddp.sync_gradients().unwrap();
+            let grad = embedding.ws.grad();
+            assert!(!grad.is_sparse(), "overlap {overlap}");
+            let mut expected = vec![0.0f32; 30];
+            expected[3..6].fill(2.0);
+            expected[6..9].fill(1.0);
+            let grad = Vec::<f32>::try_from(grad.flatten(0, -1)).unwrap();
+            assert_eq!(grad, expected, "overlap {overlap}");
+        }
     }
 
     #[test]

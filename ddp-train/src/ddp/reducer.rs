@@ -194,12 +194,21 @@ impl Reducer {
     }
 
     /// Copies parameter `k`'s gradient into its bucket, unless it already is a view of it;
-    /// with `gradient_as_bucket_view` the gradient then becomes that view.
+    /// with `gradient_as_bucket_view` the gradient then becomes that view. A sparse gradient
+    /// (an embedding's with `sparse: true`) becomes dense first: ddp-comm has no sparse
+    /// collectives, and the dense average holds the values of PyTorch's sparse one.
     fn copy_in(&self, k: usize) {
         let (b, offset, numel) = self.locate[k];
         let p = &self.params[k].1;
         let mut slot = self.buckets[b].slot(offset, numel);
-        let grad = p.grad();
+        let mut grad = p.grad();
+        if grad.is_sparse() {
+            if let Ok(dense) = grad.f_to_dense(None, false) {
+                // The parameter's dtype, device and shape: set_grad cannot refuse it.
+                let _ = tch_ext::set_grad(p, Some(&dense));
+                grad = dense;
+            }
+        }
         if is_view_of(&grad, &slot) {
             return;
         }
