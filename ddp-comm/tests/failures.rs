@@ -171,22 +171,33 @@ fn timeouts_too_long_for_a_deadline_are_capped() {
     let port = free_port();
     let secret = ddp_comm::Secret::from_hex(&"cd".repeat(16)).unwrap();
     let cap = Some(Duration::from_secs(1_000_000_000));
-    let ranks: Vec<_> = (0..2)
-        .map(|rank| {
-            let mut opts = Options::new(rank, 2, "127.0.0.1", port)
-                .with_secret(secret.clone())
-                .backend(Backend::Cpu)
-                .rendezvous_timeout(Duration::MAX)
-                .op_timeout(Duration::MAX);
-            assert_eq!(
-                (opts.env.rendezvous_timeout, opts.env.op_timeout),
-                (cap, cap)
-            );
-            // The fields are public: rank 1 bypasses the setters, and the group caps them too.
-            if rank == 1 {
-                opts.env.rendezvous_timeout = Some(Duration::MAX);
-                opts.env.op_timeout = Some(Duration::MAX);
-            }
+    let ranks = (0..2).map(|rank| {
+        let mut opts = Options::new(rank, 2, "127.0.0.1", port)
+            .with_secret(secret.clone())
+            .backend(Backend::Cpu)
+            .rendezvous_timeout(Duration::MAX)
+            .op_timeout(Duration::MAX);
+        assert_eq!(
+            (opts.env.rendezvous_timeout, opts.env.op_timeout),
+            (cap, cap)
+        );
+        // The fields are public: rank 1 bypasses the setters, and the group caps them too.
+        if rank == 1 {
+            opts.env.rendezvous_timeout = Some(Duration::MAX);
+            opts.env.op_timeout = Some(Duration::MAX);
+        }
+        opts
+    });
+    two_ranks_reduce(ranks);
+}
+
+/// Forms a group of two ranks in threads, with `ranks`' options (rank 0's first), and
+/// asserts that they sum `[rank + 1, 10]` to `[3, 20]`.
+fn two_ranks_reduce(ranks: impl IntoIterator<Item = Options>) {
+    let threads: Vec<_> = ranks
+        .into_iter()
+        .enumerate()
+        .map(|(rank, opts)| {
             std::thread::spawn(move || {
                 let group = ProcessGroup::new(opts)?;
                 let mut v = [rank as i64 + 1, 10];
@@ -195,10 +206,59 @@ fn timeouts_too_long_for_a_deadline_are_capped() {
             })
         })
         .collect();
-    for (rank, thread) in ranks.into_iter().enumerate() {
+    assert_eq!(threads.len(), 2);
+    for (rank, thread) in threads.into_iter().enumerate() {
         let got = thread.join().expect("a rank panicked");
         assert_eq!(got.unwrap(), [3, 20], "rank {rank}");
     }
+}
+
+/// Rank 0 of a job across hosts listens on every interface without looking `MASTER_ADDR`
+/// up, as c10d's TCPStore does: a name that does not resolve on its host (a Kubeflow
+/// master's Service before its pod is ready; here `.invalid`, which never does) still forms
+/// the group with a rank that reaches it by IP.
+#[test]
+fn rank_0_across_hosts_serves_a_master_addr_that_does_not_resolve() {
+    let port = free_port();
+    let secret = ddp_comm::Secret::from_hex(&"e1".repeat(16)).unwrap();
+    // One rank on each of two hosts.
+    let ranks = [("ddp-test.invalid", "a"), ("127.0.0.1", "b")]
+        .into_iter()
+        .enumerate()
+        .map(|(rank, (master, host))| {
+            Options::new(rank, 2, master, port)
+                .local(0, 1)
+                .host_id(host)
+                .with_secret(secret.clone())
+                .backend(Backend::Cpu)
+                .rendezvous_timeout(Duration::from_secs(2))
+        });
+    two_ranks_reduce(ranks);
+}
+
+/// A rank looks a `MASTER_ADDR` that does not resolve (yet) up again until its rendezvous
+/// deadline, as c10d does, rather than failing at once; then the error names it.
+#[test]
+fn a_master_addr_that_never_resolves_is_retried_until_the_deadline() {
+    let secret = ddp_comm::Secret::from_hex(&"e2".repeat(16)).unwrap();
+    let timeout = Duration::from_secs(1);
+    let opts = Options::new(1, 2, "late.invalid", free_port())
+        .with_secret(secret)
+        .backend(Backend::Cpu)
+        .rendezvous_timeout(timeout);
+    let start = Instant::now();
+    let err = ProcessGroup::new(opts).unwrap_err();
+    let waited = start.elapsed();
+    assert!(
+        matches!(&err, CommError::Address { addr, .. } if addr.starts_with("late.invalid:")),
+        "{err:?}"
+    );
+    assert!(waited >= timeout, "gave up after {waited:?}: {err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("(MASTER_ADDR:MASTER_PORT") && text.contains("still not resolved after "),
+        "{text}"
+    );
 }
 
 #[test]

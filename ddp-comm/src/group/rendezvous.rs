@@ -2,8 +2,8 @@
 //!
 //! 1. Rank 0 serves the store on `MASTER_ADDR:MASTER_PORT` (under torchrun's agent store,
 //!    every rank is a client of the agent's c10d store instead, whose values carry the
-//!    job's tag: `store/signed.rs`); the others connect, retrying until the rendezvous
-//!    deadline.
+//!    job's tag: `store/signed.rs`); the others look the name up and connect, retrying
+//!    both until the rendezvous deadline.
 //! 2. Each rank claims `join/<rank>` with `add` (a second claim is a duplicated rank) and
 //!    publishes its world size; a rank whose world size differs from rank 0's fails.
 //!    A rank that fails at any later step writes `abort`, naming itself and why, which every
@@ -34,7 +34,7 @@ use crate::security::secret::Secret;
 use crate::store::c10d::C10dStore;
 use crate::store::heartbeat::Connector;
 use crate::store::signed::Signed;
-use crate::store::{resolve, Store, StoreClient, StoreServer};
+use crate::store::{resolve, resolve_until, Store, StoreClient, StoreServer};
 
 const ABORT_KEY: &str = "abort";
 /// How long rank 0 keeps its store up after a failed rendezvous.
@@ -172,7 +172,7 @@ fn connect_store(
 ) -> Result<Box<dyn Store>, CommError> {
     let addrs = match server {
         Some(server) => vec![server.local_addr()],
-        None => resolve(&plan.master_addr, plan.master_port)?,
+        None => resolve_until(&plan.master_addr, plan.master_port, deadline)?,
     };
     let io_timeout = plan.timeout.max(Duration::from_secs(1));
     open_store(plan, &addrs, deadline, io_timeout)
@@ -212,7 +212,7 @@ pub(crate) fn connector(
 ) -> Result<Connector, CommError> {
     let addrs = match server {
         Some(server) => vec![server.local_addr()],
-        None => resolve(&plan.master_addr, plan.master_port)?,
+        None => resolve_until(&plan.master_addr, plan.master_port, deadline_after(timeout))?,
     };
     let plan = plan.clone();
     Ok(Box::new(move || {
@@ -256,9 +256,8 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
         });
     }
     let server = if rank == 0 && !plan.agent_store {
-        let addr = resolve(&plan.master_addr, plan.master_port)?[0];
         Some(StoreServer::bind(
-            store_bind_addr(addr, plan.single_node),
+            store_bind_addr(plan)?,
             plan.secret.clone(),
         )?)
     } else {
@@ -505,17 +504,19 @@ fn join(
     })
 }
 
-/// Where rank 0's store listens, given `MASTER_ADDR`'s address: there when every rank runs
-/// on this host; otherwise on every interface at its port, of both IP families (`[::]`
-/// taking IPv4 too, or `0.0.0.0` on a host without IPv6: `tcp::listen`), as c10d's
-/// TCPStore does, since the name may resolve to loopback here (Debian's `127.0.1.1` for the
-/// host's own name), to an address this host does not hold (a forwarded IP), or to another
-/// family than the one the other nodes reach it by.
-fn store_bind_addr(master: SocketAddr, single_node: bool) -> SocketAddr {
-    if single_node {
-        master
+/// Where rank 0's store listens: `MASTER_ADDR`'s address when every rank runs on this host;
+/// otherwise every interface at `MASTER_PORT`, of both IP families (`[::]` taking IPv4 too,
+/// or `0.0.0.0` on a host without IPv6: `tcp::listen`), without looking the name up, as
+/// c10d's TCPStore does: the name may not resolve yet (a Kubeflow master pod's Service has a
+/// DNS record once the pod is ready), may resolve to loopback here (Debian's `127.0.1.1` for
+/// the host's own name), to an address this host does not hold (a forwarded IP), or to
+/// another family than the one the other nodes reach it by.
+fn store_bind_addr(plan: &Plan) -> Result<SocketAddr, CommError> {
+    if plan.single_node {
+        Ok(resolve(&plan.master_addr, plan.master_port)?[0])
     } else {
-        SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), master.port())
+        let any = IpAddr::V6(Ipv6Addr::UNSPECIFIED);
+        Ok(SocketAddr::new(any, plan.master_port))
     }
 }
 
@@ -664,11 +665,16 @@ mod tests {
     }
 
     /// Rank 0's store in a job of several hosts listens on every interface of both IP
-    /// families, as c10d's TCPStore does, whatever family `MASTER_ADDR` resolves to here.
+    /// families, as c10d's TCPStore does, without looking `MASTER_ADDR` up (it may not
+    /// resolve yet, or resolve to another family here).
     #[test]
     fn the_store_of_several_hosts_takes_clients_of_both_families() {
-        let master = resolve("127.0.0.1", 0).unwrap()[0];
-        let server = StoreServer::bind(store_bind_addr(master, false), secret("a")).unwrap();
+        let several = Plan {
+            single_node: false,
+            master_addr: "ddp-test.invalid".into(),
+            ..plan(0, 0, secret("a"), Transport::Tcp)
+        };
+        let server = StoreServer::bind(store_bind_addr(&several).unwrap(), secret("a")).unwrap();
         let port = server.local_addr().port();
         assert_eq!(
             server.local_addr(),
@@ -686,8 +692,22 @@ mod tests {
         }
         let mut v6 = connect(SocketAddr::from((Ipv6Addr::LOCALHOST, port))).unwrap();
         assert_eq!(v6.get("k").unwrap().as_deref(), Some(&b"v"[..]));
-        // Where every rank runs on this host, the store listens on MASTER_ADDR alone.
-        assert_eq!(store_bind_addr(master, true), master);
+        // Where every rank runs on this host, the store listens on MASTER_ADDR alone, which
+        // must resolve.
+        let one_host = plan(0, 0, secret("a"), Transport::Tcp);
+        let master = SocketAddr::from(([127, 0, 0, 1], 0));
+        assert_eq!(store_bind_addr(&one_host).unwrap(), master);
+        let unknown = Plan {
+            master_addr: "ddp-test.invalid".into(),
+            ..one_host
+        };
+        match store_bind_addr(&unknown) {
+            Err(CommError::Address { addr, .. }) => assert!(
+                addr.starts_with("ddp-test.invalid:0 (MASTER_ADDR:MASTER_PORT"),
+                "{addr}"
+            ),
+            other => panic!("expected an address error, got {other:?}"),
+        }
     }
 
     /// torchrun's agent store takes anyone's writes: an `addr/1` that does not carry the

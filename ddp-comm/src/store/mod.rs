@@ -75,25 +75,79 @@ pub(crate) trait Store: Send {
     fn peer_ip(&self) -> IpAddr;
 }
 
-/// Resolves `host:port` to socket addresses (IPv4 first).
-pub(crate) fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, CommError> {
-    // Named as the user gives it: torchrun's variables, a launcher's flags.
-    let text = format!("{host}:{port} (MASTER_ADDR:MASTER_PORT, --master-addr/--master-port)");
-    let mut addrs: Vec<SocketAddr> = (host, port)
-        .to_socket_addrs()
-        .map_err(|source| CommError::Address {
-            addr: text.clone(),
-            source,
-        })?
-        .collect();
+/// `host:port` as the user gives it, in errors: torchrun's variables, a launcher's flags.
+fn master_text(host: &str, port: u16) -> String {
+    format!("{host}:{port} (MASTER_ADDR:MASTER_PORT, --master-addr/--master-port)")
+}
+
+/// One lookup of `host:port` by `lookup`: its addresses, IPv4 first, or why there are none.
+fn lookup_once(
+    host: &str,
+    port: u16,
+    lookup: &mut impl FnMut(&str, u16) -> io::Result<Vec<SocketAddr>>,
+) -> io::Result<Vec<SocketAddr>> {
+    let mut addrs = lookup(host, port)?;
     addrs.sort_by_key(|a| a.is_ipv6());
     if addrs.is_empty() {
-        return Err(CommError::Address {
-            addr: text,
-            source: io::Error::new(io::ErrorKind::NotFound, "no address"),
-        });
+        return Err(io::Error::new(io::ErrorKind::NotFound, "no address"));
     }
     Ok(addrs)
+}
+
+/// The system's resolver: `getaddrinfo`.
+fn system_lookup(host: &str, port: u16) -> io::Result<Vec<SocketAddr>> {
+    Ok((host, port).to_socket_addrs()?.collect())
+}
+
+/// Resolves `host:port` to socket addresses (IPv4 first), once.
+pub(crate) fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, CommError> {
+    lookup_once(host, port, &mut system_lookup).map_err(|source| CommError::Address {
+        addr: master_text(host, port),
+        source,
+    })
+}
+
+/// Resolves `host:port` as [`resolve`] does, retrying a failed lookup (pausing 1 ms, then
+/// twice as long each time, up to 50 ms) until `deadline`, as c10d's clients do: a name
+/// may resolve only once its host is up (a Kubeflow master pod's headless Service has a
+/// DNS record once the pod is ready). Past `deadline`, the last failure, naming
+/// `MASTER_ADDR`, as [`CommError::Address`].
+pub(crate) fn resolve_until(
+    host: &str,
+    port: u16,
+    deadline: Instant,
+) -> Result<Vec<SocketAddr>, CommError> {
+    resolve_with(host, port, deadline, system_lookup)
+}
+
+/// [`resolve_until`] with the lookup given.
+fn resolve_with(
+    host: &str,
+    port: u16,
+    deadline: Instant,
+    mut lookup: impl FnMut(&str, u16) -> io::Result<Vec<SocketAddr>>,
+) -> Result<Vec<SocketAddr>, CommError> {
+    let start = Instant::now();
+    let mut pause = Duration::from_millis(1);
+    loop {
+        let source = match lookup_once(host, port, &mut lookup) {
+            Ok(addrs) => return Ok(addrs),
+            Err(source) => source,
+        };
+        let now = Instant::now();
+        if now >= deadline {
+            let tried = now.duration_since(start);
+            return Err(CommError::Address {
+                addr: master_text(host, port),
+                source: io::Error::new(
+                    source.kind(),
+                    format!("still not resolved after {tried:.1?} of retries (is its host up?): {source}"),
+                ),
+            });
+        }
+        std::thread::sleep(pause.min(deadline - now));
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
 }
 
 /// Rank 0's store server; stops (and disconnects every client) when dropped.
@@ -1043,5 +1097,53 @@ mod tests {
             })
             .unwrap();
         assert_serves(&server);
+    }
+
+    /// A name that does not resolve yet is looked up again until it does (a Kubeflow
+    /// master's Service before its pod is ready), and past the deadline is an error naming
+    /// `MASTER_ADDR` and the last failure.
+    #[test]
+    fn a_name_is_looked_up_until_it_resolves_or_the_deadline() {
+        let not_yet = || io::Error::other("no such host yet");
+        let mut calls = 0;
+        let late = |host: &str, port: u16| {
+            assert_eq!((host, port), ("master-0", 29500));
+            calls += 1;
+            match calls {
+                1 | 2 => Err(not_yet()),
+                _ => Ok(vec![SocketAddr::from(([127, 0, 0, 1], port))]),
+            }
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let addrs = resolve_with("master-0", 29500, deadline, late).unwrap();
+        assert_eq!(addrs, [SocketAddr::from(([127, 0, 0, 1], 29500))]);
+        assert_eq!(calls, 3);
+
+        let mut calls = 0;
+        let never = |_: &str, _: u16| {
+            calls += 1;
+            Err(not_yet())
+        };
+        let start = Instant::now();
+        let deadline = start + Duration::from_millis(200);
+        match resolve_with("master-0", 29500, deadline, never) {
+            Err(CommError::Address { addr, source }) => {
+                assert_eq!(
+                    addr,
+                    "master-0:29500 (MASTER_ADDR:MASTER_PORT, --master-addr/--master-port)"
+                );
+                assert_eq!(source.kind(), io::ErrorKind::Other);
+                let why = source.to_string();
+                assert!(
+                    why.starts_with("still not resolved after ")
+                        && why.ends_with(" of retries (is its host up?): no such host yet"),
+                    "{why}"
+                );
+            }
+            other => panic!("expected an address error, got {other:?}"),
+        }
+        assert!(start.elapsed() >= Duration::from_millis(200));
+        // Pauses of 1, 2, 4 ... 50 ms: several lookups, not one a millisecond.
+        assert!((3..=20).contains(&calls), "{calls} lookups");
     }
 }
