@@ -101,10 +101,18 @@ pub(super) fn resume_after_restart(
             } else {
                 " (resuming by itself after a restart is off)"
             };
+            // A launcher that restarts ranks without telling them (a Kubeflow pod restarted
+            // after a crash) leaves them no way to know their run but the job's id.
+            let no_id = if env.names_a_job() {
+                ""
+            } else {
+                "; ranks restarted without TORCHELASTIC_RESTART_COUNT (a Kubeflow pod) \
+                 continue it when every start has the same DDP_RUN_ID"
+            };
             return Err(TrainError::Invalid(format!(
                 "--out {} already holds a run{off} (its {} names {}): continue it with \
                  --resume latest, or give another --out (or remove that folder) to start a new \
-                 run",
+                 run{no_id}",
                 out.display(),
                 latest.display(),
                 names.trim().escape_debug()
@@ -658,6 +666,49 @@ mod tests {
         let mut s = settings(out, None);
         let note = resume_after_restart(&mut s, &env("none", 1)).unwrap();
         assert_eq!(note, ", after the launcher's restart");
+    }
+
+    /// A Kubeflow pod restarted after a crash gets torchrun's four variables only: no
+    /// restart count, and no run id unless its template sets `DDP_RUN_ID`, which continues
+    /// the run; without it, the refusal names `DDP_RUN_ID`.
+    #[test]
+    fn a_restarted_pod_continues_its_run_by_its_ddp_run_id() {
+        let run = run_of_job("job");
+        let pod = |run_id: Option<&str>| {
+            EnvConfig::from_lookup(|k| {
+                let v = match k {
+                    "RANK" => "1",
+                    "WORLD_SIZE" => "2",
+                    "MASTER_ADDR" => "job-master-0",
+                    "MASTER_PORT" => "23456",
+                    "DDP_RUN_ID" => run_id?,
+                    _ => return None,
+                };
+                Some(v.to_string())
+            })
+            .unwrap()
+        };
+        let mut s = settings(run.path(), None);
+        let note = resume_after_restart(&mut s, &pod(Some("job"))).unwrap();
+        assert_eq!(note, ", continuing job job");
+        assert_eq!(s.checkpoint.resume.as_deref(), Some("latest"));
+        let mut s = settings(run.path(), None);
+        let e = resume_after_restart(&mut s, &pod(None)).unwrap_err();
+        let out = run.path().display();
+        assert!(
+            matches!(&e, TrainError::Invalid(why) if why == &format!(
+                "--out {out} already holds a run (its {out}/checkpoints/latest names \
+                 epoch-0001): continue it with --resume latest, or give another --out (or \
+                 remove that folder) to start a new run; ranks restarted without \
+                 TORCHELASTIC_RESTART_COUNT (a Kubeflow pod) continue it when every start has \
+                 the same DDP_RUN_ID"
+            )),
+            "{e:?}"
+        );
+        assert_eq!(s.checkpoint.resume, None);
+        // A job that names itself, but another one: no such hint.
+        let e = resume_after_restart(&mut s, &pod(Some("other"))).unwrap_err();
+        assert!(!e.to_string().contains("DDP_RUN_ID"), "{e}");
     }
 
     #[test]
