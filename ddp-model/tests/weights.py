@@ -33,13 +33,21 @@ Writes into DIR:
   many-entries.pth {"entry0": 0, ..., "entry19": 19}
   namespace.pth    {"model": convnet8, "args": argparse.Namespace(lr=0.1)}, as the
                    torchvision reference scripts save
+  no-crc.pth       convnet8 saved with set_crc32_options(False): every record's CRC is 0
+  bad-crc.pth      a copy of convnet8.pth with one byte of a record changed, its CRC kept
+  xla.pth          convnet8 as an XLA device saves it: each tensor a CPU copy rebuilt by
+                   _rebuild_device_tensor_from_cpu_tensor(cpu, dtype, "xla:0", False)
+  xla-f64.pth      {"w": float32 [1.5, -2.25]} saved so, but with the dtype float64
+  extras.pth       {"model": convnet8} and values weights_only allows: a torch.device, a
+                   Counter, a complex, a bytearray, ints wider than 64 bits
 """
 import argparse
 import os
 import pickle
+import shutil
 import sys
 import zipfile
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import torch
 from safetensors.torch import save_file
@@ -145,6 +153,76 @@ def neg_conj(path):
     assert back["conj"].resolve_conj().tolist() == [1 - 2j, 3 + 4j]
 
 
+def assert_loads_as(path, sd, **kwargs):
+    back = torch.load(path, weights_only=True, **kwargs)
+    back = back.get("model", back)
+    assert list(back) == list(sd) and all(torch.equal(back[k], v) for k, v in sd.items())
+
+
+def no_crc(sd, path):
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(sd, path)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    with zipfile.ZipFile(path) as z:
+        assert all(i.CRC == 0 for i in z.infolist()), "torch wrote CRCs"
+    assert_loads_as(path, sd)
+
+
+def bad_crc(src, path):
+    shutil.copy(src, path)
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo("convnet8/data/0")
+        assert info.CRC != 0 and info.compress_type == zipfile.ZIP_STORED
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        lengths = f.read(4)
+        at = info.header_offset + 30 + int.from_bytes(lengths[:2], "little") \
+            + int.from_bytes(lengths[2:], "little")
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x40]))
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() == "convnet8/data/0", "the change does not break the CRC"
+
+
+def xla(sd, path, dtype=None):
+    # An XLA tensor pickles as its CPU copy and the device's name (Tensor._reduce_ex_internal
+    # for "xla", "maia" and "mtia"); a CPU-only machine can write the same file.
+    ids = {id(t) for t in sd.values()}
+    original = torch.Tensor._reduce_ex_internal
+
+    def reduce_ex(self, proto):
+        if id(self) not in ids:
+            return original(self, proto)
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                (self.detach().clone(), dtype or self.dtype, "xla:0", self.requires_grad))
+
+    torch.Tensor._reduce_ex_internal = reduce_ex
+    try:
+        torch.save(sd, path)
+    finally:
+        torch.Tensor._reduce_ex_internal = original
+    prefix = os.path.splitext(os.path.basename(path))[0]
+    with zipfile.ZipFile(path) as z:
+        pkl = z.read(f"{prefix}/data.pkl")
+    assert pkl.count(b"_rebuild_device_tensor_from_cpu_tensor") == 1 and b"xla:0" in pkl, pkl
+    assert_loads_as(path, {k: v.to(dtype or v.dtype) for k, v in sd.items()}, map_location="cpu")
+
+
+def extras(sd, path):
+    torch.save({"model": sd, "device": torch.device("cuda", 0), "cpu": torch.device("cpu"),
+                "counts": Counter(a=2), "z": 1 + 2j, "buf": bytearray(b"x"),
+                "big": [2**70, -(2**70), 2**63]}, path)
+    back = torch.load(path, weights_only=True)
+    assert back["device"] == torch.device("cuda", 0) and back["counts"] == Counter(a=2)
+    assert back["z"] == 1 + 2j and back["buf"] == bytearray(b"x")
+    assert back["big"] == [2**70, -(2**70), 2**63]
+    assert_loads_as(path, sd)
+
+
 def main(out, marker, python_marker):
     torch.save(dtype_state(), os.path.join(out, "dtypes.pth"))
     first = os.path.join(out, "first.pt")
@@ -215,6 +293,11 @@ def main(out, marker, python_marker):
         assert "Namespace" in str(e), e
     else:
         raise AssertionError("torch.load(weights_only=True) accepted argparse.Namespace")
+    no_crc(sd, os.path.join(out, "no-crc.pth"))
+    bad_crc(os.path.join(out, "convnet8.pth"), os.path.join(out, "bad-crc.pth"))
+    xla(sd, os.path.join(out, "xla.pth"))
+    xla({"w": torch.tensor([1.5, -2.25])}, os.path.join(out, "xla-f64.pth"), torch.float64)
+    extras(sd, os.path.join(out, "extras.pth"))
     print("written")
 
 

@@ -682,3 +682,65 @@ fn a_checkpoint_with_its_arguments_is_refused_with_how_to_re_save_it() {
         "{msg}"
     );
 }
+
+/// Asserts that `sd` holds convnet8.pth's names, in its order, and its tensors exactly.
+fn assert_convnet8(sd: &StateDict) {
+    let reference = weights::read_state_dict(file("convnet8.pth")).unwrap();
+    assert_eq!(
+        sd.names().collect::<Vec<_>>(),
+        reference.names().collect::<Vec<_>>()
+    );
+    for (n, t) in reference.tensors() {
+        let got = sd.get(n).unwrap();
+        assert_eq!(got.kind(), t.kind(), "{n}");
+        assert!(got.equal(t), "{n} differs from convnet8.pth");
+    }
+}
+
+#[test]
+fn records_without_a_crc_read_and_a_record_that_fails_its_crc_is_refused() {
+    // `torch.serialization.set_crc32_options(False)`: every record's CRC is 0.
+    assert_convnet8(&weights::read_state_dict(file("no-crc.pth")).unwrap());
+    let err = weights::read_state_dict(file("bad-crc.pth")).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::Archive { reason, .. }
+            if reason == "record 'convnet8/data/0': Invalid checksum"),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_state_dict_saved_from_an_xla_device_reads_as_its_cpu_copy() {
+    let sd = weights::read_state_dict(file("xla.pth")).unwrap();
+    assert_convnet8(&sd);
+    assert!(sd.tensors().iter().all(|(_, t)| t.device() == Device::Cpu));
+    // Saved as float32 values with the dtype float64: converted, as torch does.
+    let sd = weights::read_state_dict(file("xla-f64.pth")).unwrap();
+    let w = sd.get("w").unwrap();
+    assert_eq!((w.kind(), f64s(w)), (Kind::Double, vec![1.5, -2.25]));
+}
+
+#[test]
+fn a_checkpoint_whose_other_entries_hold_devices_counters_and_wide_ints_is_read() {
+    // {"model": convnet8, "device": torch.device("cuda", 0), "counts": Counter(a=2),
+    // "z": 1+2j, "buf": bytearray(b"x"), "big": [2**70, -2**70, 2**63], ...}.
+    let sd = weights::read_state_dict(file("extras.pth")).unwrap();
+    assert_eq!(sd.entry(), Some("model"));
+    assert_convnet8(&sd);
+    for (key, what) in [
+        ("device", "a torch.device"),
+        ("z", "a complex"),
+        ("buf", "bytes"),
+        (
+            "counts",
+            "a dict, but not of names to tensors: entry 'a' is an int, not a tensor",
+        ),
+    ] {
+        let err = weights::read_state_dict_entry(file("extras.pth"), key).unwrap_err();
+        assert!(
+            matches!(&err, WeightsError::NotAStateDict { reason, .. }
+                if *reason == format!("entry '{key}' is {what}")),
+            "{key}: {err:?}"
+        );
+    }
+}

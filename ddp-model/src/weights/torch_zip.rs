@@ -8,7 +8,7 @@ use std::path::Path;
 use std::rc::Rc;
 
 use tch::{Kind, Tensor};
-use zip::ZipArchive;
+use zip::{CompressionMethod, ZipArchive};
 
 use super::pickle::{self, Element, StorageRef, TensorRef, Value};
 use super::{StateDict, WeightsError};
@@ -188,33 +188,37 @@ fn archive_prefix<R: Read + Seek>(archive: &ZipArchive<R>) -> Option<String> {
         .map(str::to_string)
 }
 
+/// The bytes of record `name`. torch writes every record stored, and with
+/// `torch.serialization.set_crc32_options(False)` with a CRC of 0, which its reader does
+/// not check: such a record is read as it is, any other checked against its CRC.
 fn record<R: Read + Seek>(
     archive: &mut ZipArchive<R>,
     path: &Path,
     name: &str,
 ) -> Result<Vec<u8>, WeightsError> {
-    let mut entry = match archive.by_name(name) {
-        Ok(e) => e,
-        Err(zip::result::ZipError::FileNotFound) => {
-            return Err(WeightsError::MissingRecord {
-                path: path.to_owned(),
-                record: name.to_string(),
-            })
-        }
-        Err(e) => {
-            return Err(WeightsError::Archive {
-                path: path.to_owned(),
-                reason: format!("record '{name}': {e}"),
-            })
-        }
+    let archive_error = |e: &dyn std::fmt::Display| WeightsError::Archive {
+        path: path.to_owned(),
+        reason: format!("record '{name}': {e}"),
+    };
+    let Some(index) = archive.index_for_name(name) else {
+        return Err(WeightsError::MissingRecord {
+            path: path.to_owned(),
+            record: name.to_string(),
+        });
+    };
+    let raw = archive.by_index_raw(index).map_err(|e| archive_error(&e))?;
+    let unchecked =
+        raw.crc32() == 0 && raw.compression() == CompressionMethod::Stored && !raw.encrypted();
+    let mut entry = if unchecked {
+        raw
+    } else {
+        drop(raw);
+        archive.by_index(index).map_err(|e| archive_error(&e))?
     };
     let mut bytes = Vec::with_capacity(usize::try_from(entry.size()).unwrap_or(0).min(1 << 30));
     entry
         .read_to_end(&mut bytes)
-        .map_err(|e| WeightsError::Archive {
-            path: path.to_owned(),
-            reason: format!("record '{name}': {e}"),
-        })?;
+        .map_err(|e| archive_error(&e))?;
     Ok(bytes)
 }
 
@@ -234,16 +238,15 @@ impl<R: Read + Seek> Storages<'_, R> {
             name: name.to_string(),
             reason,
         };
+        let unsupported = |dtype: &String| WeightsError::UnsupportedDtype {
+            path: self.path.to_owned(),
+            name: name.to_string(),
+            dtype: dtype.clone(),
+        };
         let element = t.element.as_ref().or(t.storage.element.as_ref());
         let kind = match element {
             Some(Element::Kind(k)) => *k,
-            Some(Element::Other(dtype)) => {
-                return Err(WeightsError::UnsupportedDtype {
-                    path: self.path.to_owned(),
-                    name: name.to_string(),
-                    dtype: dtype.clone(),
-                })
-            }
+            Some(Element::Other(dtype)) => return Err(unsupported(dtype)),
             None => return Err(bad("its storage is untyped and no dtype is given".into())),
         };
         let elt = kind.elt_size_in_bytes() as i64;
@@ -270,6 +273,11 @@ impl<R: Read + Seek> Storages<'_, R> {
         let view = match view {
             Ok(v) if t.neg => v.f_neg(),
             view => view,
+        };
+        let view = match (view, &t.cast) {
+            (Ok(v), Some(Element::Kind(to))) => v.f_to_kind(*to),
+            (_, Some(Element::Other(dtype))) => return Err(unsupported(dtype)),
+            (view, _) => view,
         };
         view.map_err(|e| bad(e.to_string()))
     }

@@ -1,4 +1,5 @@
-//! The allow list: the globals a `torch.save` of a state_dict names, by their full names.
+//! The allow list: the globals a `torch.save` of a state_dict names, and those of the plain
+//! values `weights_only` allows beside it in a checkpoint, by their full names.
 
 use tch::Kind;
 
@@ -52,22 +53,17 @@ const DTYPE_ALIASES: [(&str, &str); 9] = [
 
 /// Globals that `torch.load(weights_only=True)` allows but a state_dict of dense tensors
 /// never names; refused as unsupported rather than forbidden.
-const TORCH_ALLOWED_UNSUPPORTED: [&str; 15] = [
+const TORCH_ALLOWED_UNSUPPORTED: [&str; 10] = [
     "torch._utils._rebuild_qtensor",
     "torch._utils._rebuild_sparse_tensor",
     "torch._utils._rebuild_meta_tensor_no_storage",
     "torch._utils._rebuild_nested_tensor",
     "torch._utils._rebuild_wrapper_subclass",
-    "torch._utils._rebuild_device_tensor_from_cpu_tensor",
     "torch._utils._rebuild_device_tensor_from_numpy",
     "torch._tensor._rebuild_from_type_v2",
     "torch.nn.parameter.Parameter",
     "torch.Tensor",
-    "torch.device",
     "torch.serialization._get_layout",
-    "collections.Counter",
-    "builtins.bytearray",
-    "builtins.complex",
 ];
 
 fn element(name: &str, storage: bool) -> Option<Element> {
@@ -102,6 +98,11 @@ pub(super) fn resolve_global(module: &str, name: &str) -> Result<Global, PickleE
         "torch.Size" => Global::Size,
         "_codecs.encode" => Global::Encode,
         "builtins.set" | "__builtin__.set" => Global::Set,
+        "torch._utils._rebuild_device_tensor_from_cpu_tensor" => Global::DeviceTensorFromCpu,
+        "torch.device" => Global::Device,
+        "collections.Counter" => Global::Counter,
+        "builtins.bytearray" | "__builtin__.bytearray" => Global::ByteArray,
+        "builtins.complex" | "__builtin__.complex" => Global::Complex,
         _ if TORCH_ALLOWED_UNSUPPORTED.contains(&full.as_str()) => {
             return Err(PickleError::Unsupported(format!(
                 "the global '{full}' (a state_dict of dense tensors does not need it)"
@@ -135,5 +136,10 @@ pub(super) fn global_name(g: &Global) -> String {
         Global::Size => "torch.Size".into(),
         Global::Encode => "_codecs.encode".into(),
         Global::Set => "builtins.set".into(),
+        Global::DeviceTensorFromCpu => "torch._utils._rebuild_device_tensor_from_cpu_tensor".into(),
+        Global::Device => "torch.device".into(),
+        Global::Counter => "collections.Counter".into(),
+        Global::ByteArray => "builtins.bytearray".into(),
+        Global::Complex => "builtins.complex".into(),
     }
 }

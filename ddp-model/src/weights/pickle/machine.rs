@@ -146,25 +146,20 @@ impl<'a> Machine<'a> {
             .or_else(|_| self.malformed(format!("'{line}' is not a number")))
     }
 
-    fn int_from_le(&self, bytes: &[u8]) -> Result<Value> {
-        // Two's complement, little-endian, at most 8 bytes for an i64.
-        if bytes.len() > 8 {
-            let sign = if bytes.last().is_some_and(|b| b & 0x80 != 0) {
-                0xff
-            } else {
-                0
-            };
-            if bytes[8..].iter().any(|&b| b != sign) {
-                return self.malformed("an integer does not fit in 64 bits");
-            }
-        }
-        let mut a = [0u8; 8];
+    /// A `LONG1` or `LONG4` integer: two's complement, little-endian. One wider than an
+    /// i64 is valid Python, kept as an opaque value: no size, stride or offset is one.
+    fn int_from_le(bytes: &[u8]) -> Value {
+        let negative = bytes.last().is_some_and(|b| b & 0x80 != 0);
+        let sign = if negative { 0xff } else { 0 };
+        let mut a = [sign; 8];
         let n = bytes.len().min(8);
         a[..n].copy_from_slice(&bytes[..n]);
-        if n < 8 && bytes.last().is_some_and(|b| b & 0x80 != 0) {
-            a[n..].fill(0xff);
+        let v = i64::from_le_bytes(a);
+        // Wider when a byte past the eighth is more than sign, or the sign flips there.
+        if bytes[n..].iter().any(|&b| b != sign) || (v < 0) != negative {
+            return Value::Opaque("an int wider than 64 bits");
         }
-        Ok(Value::Int(i64::from_le_bytes(a)))
+        Value::Int(v)
     }
 
     fn run(&mut self) -> Result<Value> {
@@ -260,8 +255,8 @@ impl<'a> Machine<'a> {
                 }
                 0x8a => {
                     let n = self.u8()?.into();
-                    let bytes = self.take(n)?.to_vec();
-                    let v = self.int_from_le(&bytes)?;
+                    let bytes = self.take(n)?;
+                    let v = Self::int_from_le(bytes);
                     self.stack.push(v);
                 }
                 0x8b => {
@@ -269,8 +264,8 @@ impl<'a> Machine<'a> {
                     let Ok(n) = usize::try_from(n) else {
                         return self.malformed("LONG4 has a negative length");
                     };
-                    let bytes = self.take(n)?.to_vec();
-                    let v = self.int_from_le(&bytes)?;
+                    let bytes = self.take(n)?;
+                    let v = Self::int_from_le(bytes);
                     self.stack.push(v);
                 }
                 b'F' => {

@@ -7,7 +7,9 @@
 //! `OrderedDict`'s `_metadata`, which is dropped) and `BINPERSID` of a storage. A name outside
 //! the allow list is refused when its `GLOBAL` is read, before anything else happens; nothing
 //! is ever called, because the machine has nothing to call: a `REDUCE` of an allowed global
-//! builds one of the [`Value`]s below.
+//! builds one of the [`Value`]s below. The plain values `weights_only` allows beside a
+//! state_dict (`torch.device`, `Counter`, `complex`, `bytearray`, ints wider than 64 bits)
+//! are read as inert values, so that a checkpoint's other entries do not stop its model.
 //!
 //! Every length and index in the stream is checked against what is there, so a truncated or
 //! hostile stream ends in [`PickleError::Malformed`], never in a panic. Tuples, the one value
@@ -101,6 +103,9 @@ pub(super) struct TensorRef {
     /// negation or conjugation.
     pub neg: bool,
     pub conj: bool,
+    /// The dtype `_rebuild_device_tensor_from_cpu_tensor` converts the values to, where it
+    /// is not the stored one.
+    pub cast: Option<Element>,
 }
 
 /// The allowed globals.
@@ -118,6 +123,13 @@ pub(super) enum Global {
     Size,
     Encode,
     Set,
+    /// `torch._utils._rebuild_device_tensor_from_cpu_tensor`: a tensor of an XLA, MTIA or
+    /// MAIA device, saved as a CPU tensor and the device's name.
+    DeviceTensorFromCpu,
+    Device,
+    Counter,
+    ByteArray,
+    Complex,
 }
 
 /// A value on the machine's stack. Lists and dicts live in an [`Arena`] so that the memo and
@@ -138,6 +150,9 @@ pub(super) enum Value {
     Global(Global),
     Storage(Rc<StorageRef>),
     Tensor(Rc<TensorRef>),
+    /// A value that a state_dict never holds but a checkpoint's other entries may (a
+    /// `torch.device`, a complex number, an int wider than 64 bits), kept only as what it is.
+    Opaque(&'static str),
 }
 
 impl Value {
@@ -156,6 +171,7 @@ impl Value {
             Value::Global(_) => "a class or function",
             Value::Storage(_) => "a storage",
             Value::Tensor(_) => "a tensor",
+            Value::Opaque(what) => what,
         }
     }
 }
@@ -389,7 +405,6 @@ mod tests {
             b"\x80\x02e.",
             b"\x80\x02K\x01K\x02s.",
             b"\x80\x02\x8b\xff\xff\xff\xff.",
-            b"\x80\x02\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x00\x01.",
             b"\x80\x02)R.",
             // A tensor rebuilt from an int instead of a storage.
             b"\x80\x02ctorch._utils\n_rebuild_tensor\n(K\x00K\x00))tR.",
@@ -533,5 +548,71 @@ mod tests {
         assert_eq!(u.value, Value::Int(-1));
         let u = unpickle(b"\x80\x02\x8a\x09\xff\xff\xff\xff\xff\xff\xff\xff\xff.").unwrap();
         assert_eq!(u.value, Value::Int(-1));
+        let u = unpickle(b"\x80\x02\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x80.").unwrap();
+        assert_eq!(u.value, Value::Int(i64::MIN));
+    }
+
+    /// `_rebuild_tensor(<4 float storage>, 0, (SIZE,), (1,))`.
+    fn tensor_of_size(size: &[u8]) -> Vec<u8> {
+        let mut p = b"\x80\x02ctorch._utils\n_rebuild_tensor\n((X\x07\x00\x00\x00storage".to_vec();
+        p.extend(b"ctorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x04tQK\x00");
+        p.extend(size);
+        p.extend(b"\x85K\x01\x85tR.");
+        p
+    }
+
+    #[test]
+    fn ints_wider_than_64_bits_are_values_but_no_size() {
+        // 2**70, -2**70 (LONG1) and 2**63 (nine bytes, LONG4): valid, and no i64.
+        for bytes in [
+            &b"\x80\x02\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x00\x40."[..],
+            b"\x80\x02\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x00\xc0.",
+            b"\x80\x02\x8b\x09\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x80\x00.",
+        ] {
+            let u = unpickle(bytes).unwrap();
+            assert_eq!(
+                u.value,
+                Value::Opaque("an int wider than 64 bits"),
+                "{bytes:?}"
+            );
+        }
+        let u = unpickle(&tensor_of_size(b"K\x04")).unwrap();
+        assert!(
+            matches!(&u.value, Value::Tensor(t) if t.size == [4]),
+            "{u:?}"
+        );
+        let err = unpickle(&tensor_of_size(
+            b"\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x00\x40",
+        ))
+        .unwrap_err();
+        assert_eq!(
+            err,
+            PickleError::Malformed {
+                at: 102,
+                reason: "a tensor's size holds an int wider than 64 bits".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_device_tensor_from_a_cpu_tensor_is_the_cpu_tensor_cast_to_its_dtype() {
+        // _rebuild_device_tensor_from_cpu_tensor(<float tensor>, DTYPE, 'xla:0', False).
+        let rebuild = |dtype: &str| {
+            let mut p =
+                b"\x80\x02ctorch._utils\n_rebuild_device_tensor_from_cpu_tensor\n(".to_vec();
+            let tensor = tensor_of_size(b"K\x04");
+            p.extend(&tensor[2..tensor.len() - 1]);
+            p.extend(format!("ctorch\n{dtype}\nX\x05\x00\x00\x00xla:0").as_bytes());
+            p.extend(b"\x89tR.");
+            unpickle(&p).unwrap()
+        };
+        let Value::Tensor(t) = rebuild("float32").value else {
+            panic!()
+        };
+        assert_eq!((t.size.as_slice(), &t.cast), (&[4][..], &None));
+        let Value::Tensor(t) = rebuild("float64").value else {
+            panic!()
+        };
+        assert_eq!(t.cast, Some(Element::Kind(Kind::Double)));
     }
 }

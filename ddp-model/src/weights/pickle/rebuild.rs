@@ -59,11 +59,7 @@ pub(super) fn reduce(arena: &mut Arena, callable: Value, args: &[Value]) -> Resu
                     _ => return malformed("OrderedDict needs (key, value) pairs"),
                 }
             }
-            let dict = arena.new_dict();
-            if let Value::Dict(id) = dict {
-                arena.insert(id, items)?;
-            }
-            Ok(dict)
+            dict_of(arena, items)
         }
         (Global::RebuildTensor, [storage, offset, size, stride]) => {
             tensor(storage, offset, size, stride, None, (false, false))
@@ -88,7 +84,7 @@ pub(super) fn reduce(arena: &mut Arena, callable: Value, args: &[Value]) -> Resu
             Ok(tensor.clone())
         }
         (Global::Size, [Value::Tuple(dims)]) => Ok(Value::Tuple(dims.clone())),
-        (Global::Encode, [Value::Str(s), Value::Str(encoding)])
+        (Global::Encode | Global::ByteArray, [Value::Str(s), Value::Str(encoding)])
             if &**encoding == "latin1" || &**encoding == "latin-1" =>
         {
             let bytes: Option<Vec<u8>> =
@@ -103,6 +99,45 @@ pub(super) fn reduce(arena: &mut Arena, callable: Value, args: &[Value]) -> Resu
             let items = arena.list(*id)?.to_vec();
             Ok(arena.new_list(items))
         }
+        // A tensor of an XLA, MTIA or MAIA device: its CPU copy, read onto the CPU as
+        // `map_location="cpu"` does, in the dtype it had.
+        (
+            Global::DeviceTensorFromCpu,
+            [Value::Tensor(t), Value::Global(Global::Dtype(dtype)), Value::Str(_device), _],
+        ) => {
+            let stored = t.element.as_ref().or(t.storage.element.as_ref());
+            if stored == Some(dtype) {
+                return Ok(Value::Tensor(t.clone()));
+            }
+            Ok(Value::Tensor(Rc::new(TensorRef {
+                cast: Some(dtype.clone()),
+                ..(**t).clone()
+            })))
+        }
+        // The other values `weights_only` allows, which a checkpoint's other entries may
+        // hold: kept as what they are, nothing is built from them.
+        (Global::Device, [Value::Str(_)] | [Value::Str(_), Value::Int(_)]) => {
+            Ok(Value::Opaque("a torch.device"))
+        }
+        (Global::Counter, []) => Ok(arena.new_dict()),
+        (Global::Counter, [Value::Dict(id)]) => {
+            let items = arena
+                .dict(*id)?
+                .iter()
+                .flat_map(|(k, v)| [k.clone(), v.clone()]);
+            let items = items.collect();
+            dict_of(arena, items)
+        }
+        (Global::ByteArray, []) => Ok(Value::Bytes(Rc::from([]))),
+        (Global::ByteArray, [bytes @ Value::Bytes(_)]) => Ok(bytes.clone()),
+        (Global::Complex, parts)
+            if parts.len() <= 2
+                && parts
+                    .iter()
+                    .all(|p| matches!(p, Value::Int(_) | Value::Float(_) | Value::Bool(_))) =>
+        {
+            Ok(Value::Opaque("a complex"))
+        }
         (g, args) => malformed(format!(
             "{} cannot be called with {} argument(s) of these types: {}",
             global_name(&g),
@@ -113,6 +148,15 @@ pub(super) fn reduce(arena: &mut Arena, callable: Value, args: &[Value]) -> Resu
                 .join(", ")
         )),
     }
+}
+
+/// A new dict of `items` (key, value, key, value, ...).
+fn dict_of(arena: &mut Arena, items: Vec<Value>) -> Result<Value, Fault> {
+    let dict = arena.new_dict();
+    if let Value::Dict(id) = dict {
+        arena.insert(id, items)?;
+    }
+    Ok(dict)
 }
 
 /// The lazy `neg` and `conj` bits of `_rebuild_tensor_v2`'s (or v3's) metadata argument, a
@@ -151,7 +195,10 @@ fn tensor(
         ));
     };
     let Value::Int(offset) = *offset else {
-        return malformed("a tensor's storage offset is not an int");
+        return malformed(format!(
+            "a tensor's storage offset is {}, not a 64-bit int",
+            offset.describe()
+        ));
     };
     let ints = |v: &Value, what: &str| -> Result<Vec<i64>, Fault> {
         match v {
@@ -159,6 +206,7 @@ fn tensor(
                 .iter()
                 .map(|i| match i {
                     Value::Int(n) => Ok(*n),
+                    Value::Opaque(wide) => malformed(format!("a tensor's {what} holds {wide}")),
                     _ => malformed(format!("a tensor's {what} holds a non-integer")),
                 })
                 .collect(),
@@ -173,5 +221,6 @@ fn tensor(
         stride: ints(stride, "stride")?,
         neg,
         conj,
+        cast: None,
     })))
 }
