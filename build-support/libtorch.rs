@@ -10,13 +10,26 @@
 
 /// libtorch's library folder, with torch-sys's precedence: `$LIBTORCH_LIB/lib`, else
 /// `$LIBTORCH/lib`, symlinks resolved; `None` when neither variable is set.
+///
+/// The variables keep their value when setup re-creates the venv (another Python, another
+/// `site-packages`), so the script also reruns when the resolved folder or `build-version`
+/// (which setup writes last) changes: else binaries keep an rpath to a folder that is gone.
 #[allow(dead_code)] // Not every build script needs the folder itself.
 fn libtorch_lib() -> Option<std::path::PathBuf> {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-env-changed=LIBTORCH_LIB");
-    let root = std::env::var_os("LIBTORCH_LIB").or_else(|| std::env::var_os("LIBTORCH"))?;
-    let lib = std::path::Path::new(&root).join("lib");
-    Some(std::fs::canonicalize(&lib).unwrap_or(lib))
+    let libtorch = std::env::var_os("LIBTORCH").map(std::path::PathBuf::from);
+    let root = std::env::var_os("LIBTORCH_LIB").map(std::path::PathBuf::from);
+    let lib = root.or_else(|| libtorch.clone())?.join("lib");
+    let lib = std::fs::canonicalize(&lib).unwrap_or(lib);
+    let version = libtorch.map(|l| l.join("build-version"));
+    // A missing path would rerun the script on every build; once it exists, it is watched.
+    for watched in std::iter::once(lib.clone()).chain(version) {
+        if watched.exists() {
+            println!("cargo:rerun-if-changed={}", watched.display());
+        }
+    }
+    Some(lib)
 }
 
 /// Adds the run-time path to libtorch's library folder to everything this crate links.

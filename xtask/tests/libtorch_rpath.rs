@@ -1,0 +1,85 @@
+//! `build-support/libtorch.rs`, the rpath every crate that links libtorch bakes in, follows
+//! setup when it re-creates the venv: `LIBTORCH` keeps its value, the folder it leads to
+//! does not.
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+
+/// Builds the crate in `dir` with `LIBTORCH` = `libtorch` and returns the run paths of its
+/// binary, as `readelf -d` lists them.
+fn build_and_read_run_paths(dir: &Path, libtorch: &Path) -> String {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let out = Command::new(cargo)
+        .current_dir(dir)
+        .args(["build", "--offline", "--quiet"])
+        .env("CARGO_TARGET_DIR", dir.join("target"))
+        .env("LIBTORCH", libtorch)
+        .env_remove("LIBTORCH_LIB")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "cargo build failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let elf = dir.join("target/debug/scratch");
+    let out = Command::new("readelf")
+        .arg("-d")
+        .arg(&elf)
+        .output()
+        .expect("readelf (binutils) runs");
+    assert!(out.status.success(), "readelf -d {} failed", elf.display());
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("(RUNPATH)") || l.contains("(RPATH)"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn a_venv_made_again_elsewhere_is_the_binaries_new_run_path() {
+    let tmp = ddp_testkit::temp_dir("libtorch-rpath");
+    let tmp = fs::canonicalize(tmp.path()).unwrap();
+    let support = Path::new(env!("CARGO_MANIFEST_DIR")).join("../build-support/libtorch.rs");
+    let krate = tmp.join("scratch");
+    fs::create_dir_all(krate.join("src")).unwrap();
+    fs::write(
+        krate.join("Cargo.toml"),
+        "[package]\nname = \"scratch\"\nversion = \"0.0.0\"\nedition = \"2021\"\n\n[workspace]\n",
+    )
+    .unwrap();
+    fs::write(krate.join("src/main.rs"), "fn main() {}\n").unwrap();
+    fs::write(
+        krate.join("build.rs"),
+        format!(
+            "include!({:?});\nfn main() {{\n    libtorch_rpath();\n}}\n",
+            fs::canonicalize(support).unwrap()
+        ),
+    )
+    .unwrap();
+
+    // What setup makes: `.deps/libtorch/lib` links into the venv, `build-version` last.
+    let libtorch = tmp.join("deps/libtorch");
+    fs::create_dir_all(&libtorch).unwrap();
+    let install = |venv: &str| {
+        let lib = tmp.join(venv).join("lib");
+        fs::create_dir_all(&lib).unwrap();
+        let link = libtorch.join("lib");
+        let _ = fs::remove_file(&link);
+        std::os::unix::fs::symlink(&lib, &link).unwrap();
+        fs::write(libtorch.join("build-version"), "2.13.0\n").unwrap();
+        lib
+    };
+    let a = install("a");
+    let first = build_and_read_run_paths(&krate, &libtorch);
+    assert!(first.contains(&format!("[{}]", a.display())), "{first}");
+
+    // The venv made again with another Python: the old folder is gone.
+    fs::remove_dir_all(tmp.join("a")).unwrap();
+    let b = install("b");
+    let second = build_and_read_run_paths(&krate, &libtorch);
+    assert!(second.contains(&format!("[{}]", b.display())), "{second}");
+    assert!(!second.contains(&a.display().to_string()), "{second}");
+}
