@@ -76,11 +76,16 @@ impl Deps {
         fs::read_to_string(self.extras_file()).is_ok_and(|s| s == extras_marker())
     }
 
-    /// The installed libtorch version, if a complete install is present.
+    /// The installed libtorch version, if a complete install is present: `libtorch/lib` is
+    /// the torch of the venv's own `site-packages` (not one a former Python left behind, as
+    /// when the base interpreter of a Debian venv moves to another minor version).
     pub fn installed_version(&self) -> Option<String> {
         let version = fs::read_to_string(self.version_file()).ok()?;
-        let complete =
-            self.libtorch().join("lib").join("libtorch_cpu.so").exists() && self.python().exists();
+        let lib = fs::canonicalize(self.libtorch().join("lib")).ok()?;
+        let venv_lib = site_packages(self)
+            .ok()
+            .and_then(|site| fs::canonicalize(site.join("torch").join("lib")).ok());
+        let complete = lib.join("libtorch_cpu.so").exists() && venv_lib.as_ref() == Some(&lib);
         complete.then(|| version.trim().to_owned())
     }
 }
@@ -454,6 +459,31 @@ mod tests {
         fs::write(deps.version_file(), "2.13.0\n").unwrap();
         // The version marker alone (no libraries, no venv) is not an install.
         assert_eq!(deps.installed_version(), None);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_torch_the_venvs_python_does_not_see_is_not_an_install() {
+        let dir = tempdir();
+        let deps = Deps { root: dir.clone() };
+        let made = Command::new("python3")
+            .args(["-m", "venv", "--without-pip"])
+            .arg(deps.venv())
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let install = |site: &Path| {
+            let lib = site.join("torch").join("lib");
+            fs::create_dir_all(&lib).unwrap();
+            fs::write(lib.join("libtorch_cpu.so"), b"").unwrap();
+            link_libtorch(&deps, &site.join("torch")).unwrap();
+        };
+        // The torch of a former Python (the venv's base moved from 3.0 to today's python3).
+        install(&deps.venv().join("lib/python3.0/site-packages"));
+        assert_eq!(deps.installed_version(), None);
+        // The same files in the site-packages the venv's Python reads: installed.
+        install(&site_packages(&deps).unwrap());
+        assert_eq!(deps.installed_version().as_deref(), Some(TORCH_VERSION));
         fs::remove_dir_all(&dir).unwrap();
     }
 
