@@ -88,6 +88,11 @@ impl Deps {
         let complete = lib.join("libtorch_cpu.so").exists() && venv_lib.as_ref() == Some(&lib);
         complete.then(|| version.trim().to_owned())
     }
+
+    /// Whether [`run`] has work to do: libtorch TORCH_VERSION or the extra packages missing.
+    pub fn needs_setup(&self) -> bool {
+        self.installed_version().as_deref() != Some(TORCH_VERSION) || !self.extras_installed()
+    }
 }
 
 /// Options of `cargo xtask setup`.
@@ -462,28 +467,51 @@ mod tests {
         fs::remove_dir_all(&dir).unwrap();
     }
 
-    #[test]
-    fn a_torch_the_venvs_python_does_not_see_is_not_an_install() {
-        let dir = tempdir();
-        let deps = Deps { root: dir.clone() };
+    /// A venv (without pip) in `deps`.
+    fn make_venv(deps: &Deps) {
         let made = Command::new("python3")
             .args(["-m", "venv", "--without-pip"])
             .arg(deps.venv())
             .status()
             .unwrap();
         assert!(made.success());
-        let install = |site: &Path| {
-            let lib = site.join("torch").join("lib");
-            fs::create_dir_all(&lib).unwrap();
-            fs::write(lib.join("libtorch_cpu.so"), b"").unwrap();
-            link_libtorch(&deps, &site.join("torch")).unwrap();
-        };
+    }
+
+    /// A stand-in torch (its `lib/libtorch_cpu.so`, empty) in `site`, linked as setup links.
+    fn fake_torch(deps: &Deps, site: &Path) {
+        let lib = site.join("torch").join("lib");
+        fs::create_dir_all(&lib).unwrap();
+        fs::write(lib.join("libtorch_cpu.so"), b"").unwrap();
+        link_libtorch(deps, &site.join("torch")).unwrap();
+    }
+
+    #[test]
+    fn a_torch_the_venvs_python_does_not_see_is_not_an_install() {
+        let dir = tempdir();
+        let deps = Deps { root: dir.clone() };
+        make_venv(&deps);
         // The torch of a former Python (the venv's base moved from 3.0 to today's python3).
-        install(&deps.venv().join("lib/python3.0/site-packages"));
+        fake_torch(&deps, &deps.venv().join("lib/python3.0/site-packages"));
         assert_eq!(deps.installed_version(), None);
         // The same files in the site-packages the venv's Python reads: installed.
-        install(&site_packages(&deps).unwrap());
+        fake_torch(&deps, &site_packages(&deps).unwrap());
         assert_eq!(deps.installed_version().as_deref(), Some(TORCH_VERSION));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn setup_is_needed_until_torch_and_the_extras_are_installed() {
+        let dir = tempdir();
+        let deps = Deps { root: dir.clone() };
+        assert!(deps.needs_setup());
+        make_venv(&deps);
+        fake_torch(&deps, &site_packages(&deps).unwrap());
+        // torch alone: the benches' torchvision and scikit-learn are missing.
+        assert!(deps.needs_setup());
+        write_extras_marker(&deps).unwrap();
+        assert!(!deps.needs_setup());
+        fs::write(deps.version_file(), "2.12.0\n").unwrap();
+        assert!(deps.needs_setup());
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -126,12 +126,12 @@ impl Ctx {
     }
 }
 
-/// Makes sure libtorch is installed (the benches link it), quietly when it already is (but
-/// for a warning on stderr of another libtorch in the environment), so that `--json` output
-/// holds nothing but JSON.
+/// Makes sure libtorch (the benches link it) and the Python references' packages are
+/// installed, quietly when they already are (but for a warning on stderr of another libtorch
+/// in the environment), so that `--json` output holds nothing but JSON.
 pub(super) fn ensure_setup(root: &Path) -> Result<setup::Deps> {
     let deps = setup::Deps::new(root);
-    if deps.installed_version().as_deref() == Some(setup::TORCH_VERSION) {
+    if !deps.needs_setup() {
         setup::warn_of_another_libtorch(&deps);
         return Ok(deps);
     }
