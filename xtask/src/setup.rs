@@ -12,7 +12,7 @@
 //! `.cargo/config.toml` points `LIBTORCH` at `.deps/libtorch`, so torch-sys needs no Python
 //! at build time, and it checks `build-version` against the version tch expects.
 
-use std::ffi::OsStr;
+use std::ffi::OsString;
 use std::fs;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -287,43 +287,41 @@ fn prepare_venv(deps: &Deps, python: &str) -> Result<()> {
 /// Warns (on stderr) of each variable of the environment that makes torch-sys build against
 /// another libtorch than the one setup installs (see [`another_libtorch`]).
 pub fn warn_of_another_libtorch(deps: &Deps) {
-    let warnings = another_libtorch(
-        std::env::var_os("LIBTORCH").as_deref(),
-        std::env::var_os("LIBTORCH_USE_PYTORCH").as_deref(),
-        &deps.libtorch(),
-    );
-    for warning in warnings {
+    for warning in another_libtorch(|name| std::env::var_os(name), &deps.libtorch()) {
         eprintln!("xtask: warning: {warning}");
     }
 }
 
-/// What is wrong with the environment's `LIBTORCH` and `LIBTORCH_USE_PYTORCH` (their values
-/// here) for builds meant to use `ours` (`.deps/libtorch`): `.cargo/config.toml` sets
-/// `LIBTORCH` only where the environment has not (a GPU bundle's build exports its own), and
-/// torch-sys takes the active Python's torch whenever `LIBTORCH_USE_PYTORCH` is set.
-fn another_libtorch(
-    libtorch: Option<&OsStr>,
-    use_pytorch: Option<&OsStr>,
-    ours: &Path,
-) -> Vec<String> {
-    let mut out = Vec::new();
-    if let Some(value) = libtorch {
-        let theirs = Path::new(value);
-        let same = theirs == ours
+/// What is wrong with the environment's torch-sys variables (`var` reads one) for builds
+/// meant to use `ours` (`.deps/libtorch`): `.cargo/config.toml` sets `LIBTORCH` only where
+/// the environment has not (a GPU bundle's build exports its own), torch-sys takes the
+/// headers from `LIBTORCH_INCLUDE` and the libraries from `LIBTORCH_LIB` over `LIBTORCH`'s,
+/// and the active Python's torch whenever `LIBTORCH_USE_PYTORCH` is set.
+fn another_libtorch(var: impl Fn(&str) -> Option<OsString>, ours: &Path) -> Vec<String> {
+    let is_ours = |theirs: &Path| {
+        theirs == ours
             || fs::canonicalize(theirs)
                 .ok()
-                .is_some_and(|t| fs::canonicalize(ours).is_ok_and(|o| o == t));
-        if !same {
+                .is_some_and(|t| fs::canonicalize(ours).is_ok_and(|o| o == t))
+    };
+    let mut out = Vec::new();
+    for (name, what) in [
+        ("LIBTORCH", "that libtorch"),
+        ("LIBTORCH_INCLUDE", "that libtorch's headers"),
+        ("LIBTORCH_LIB", "that libtorch's libraries"),
+    ] {
+        let Some(value) = var(name) else { continue };
+        let theirs = Path::new(&value);
+        if !is_ours(theirs) {
             out.push(format!(
-                "LIBTORCH is set to `{}` in the environment: builds will use that libtorch \
-                 instead of {} (the one setup installs, {TORCH_VERSION}); unset LIBTORCH to \
-                 use it",
+                "{name} is set to `{}` in the environment: builds will use {what} instead of \
+                 {} (the one setup installs, {TORCH_VERSION}); unset {name} to use it",
                 theirs.display(),
                 ours.display()
             ));
         }
     }
-    if let Some(value) = use_pytorch {
+    if let Some(value) = var("LIBTORCH_USE_PYTORCH") {
         out.push(format!(
             "LIBTORCH_USE_PYTORCH is set to `{}` in the environment: builds will use the torch \
              of whichever Python is active instead of {} (the one setup installs); unset \
@@ -571,21 +569,48 @@ mod tests {
         let dir = tempdir();
         let ours = dir.join(".deps/libtorch");
         fs::create_dir_all(&ours).unwrap();
-        let os = |s: &Path| s.as_os_str().to_owned();
+        let warn = |vars: &[(&str, &Path)]| {
+            let vars: Vec<(String, OsString)> = vars
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.as_os_str().to_owned()))
+                .collect();
+            another_libtorch(
+                |name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()),
+                &ours,
+            )
+        };
         // Unset, or cargo's own value (the same folder, by another path): nothing to say.
-        assert!(another_libtorch(None, None, &ours).is_empty());
-        assert!(another_libtorch(Some(&os(&ours)), None, &ours).is_empty());
+        assert!(warn(&[]).is_empty());
         let other_path = dir.join(".deps/../.deps/libtorch");
-        assert!(another_libtorch(Some(&os(&other_path)), None, &ours).is_empty());
-        let elsewhere = another_libtorch(Some(OsStr::new("/opt/libtorch")), None, &ours);
-        assert_eq!(elsewhere.len(), 1);
-        assert!(
-            elsewhere[0].starts_with("LIBTORCH is set to `/opt/libtorch`")
-                && elsewhere[0].contains(&ours.display().to_string())
-                && elsewhere[0].contains("unset LIBTORCH"),
-            "{elsewhere:?}"
+        for name in ["LIBTORCH", "LIBTORCH_INCLUDE", "LIBTORCH_LIB"] {
+            assert!(warn(&[(name, &ours)]).is_empty(), "{name}");
+            assert!(warn(&[(name, &other_path)]).is_empty(), "{name}");
+        }
+        let opt = Path::new("/opt/libtorch");
+        let ours_text = ours.display().to_string();
+        for (name, what) in [
+            ("LIBTORCH", "use that libtorch instead"),
+            ("LIBTORCH_INCLUDE", "use that libtorch's headers instead"),
+            ("LIBTORCH_LIB", "use that libtorch's libraries instead"),
+        ] {
+            let elsewhere = warn(&[(name, opt)]);
+            assert_eq!(elsewhere.len(), 1, "{elsewhere:?}");
+            assert!(
+                elsewhere[0].starts_with(&format!("{name} is set to `/opt/libtorch`"))
+                    && elsewhere[0].contains(what)
+                    && elsewhere[0].contains(&ours_text)
+                    && elsewhere[0].ends_with(&format!("unset {name} to use it")),
+                "{elsewhere:?}"
+            );
+        }
+        assert_eq!(
+            warn(&[("LIBTORCH_INCLUDE", opt), ("LIBTORCH_LIB", opt)]).len(),
+            2
         );
-        let python = another_libtorch(Some(&os(&ours)), Some(OsStr::new("1")), &ours);
+        let python = warn(&[
+            ("LIBTORCH", &ours),
+            ("LIBTORCH_USE_PYTORCH", Path::new("1")),
+        ]);
         assert_eq!(python.len(), 1);
         assert!(
             python[0].starts_with("LIBTORCH_USE_PYTORCH is set to `1`")
