@@ -7,6 +7,7 @@
 //! .deps/libtorch/include  ->  .deps/venv/.../site-packages/torch/include
 //! .deps/libtorch/lib      ->  .deps/venv/.../site-packages/torch/lib
 //! .deps/libtorch/build-version   "2.13.0", written last: the install's completion marker
+//! .deps/tmp/                  pip's TMPDIR while it installs (unless TMPDIR is set)
 //! ```
 //!
 //! `.cargo/config.toml` points `LIBTORCH` at `.deps/libtorch`, so torch-sys needs no Python
@@ -182,17 +183,62 @@ fn write_extras_marker(deps: &Deps) -> Result<()> {
 /// messages pass through, and the last few name its reason when it fails (`what` names
 /// what was being installed).
 fn pip_install(deps: &Deps, what: &str) -> Result<()> {
-    let mut child = Command::new(deps.python())
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            "--quiet",
-        ])
-        .arg(format!("torch=={TORCH_VERSION}"))
-        .args(EXTRA_PACKAGES)
-        .stderr(Stdio::piped())
+    pip_install_with_tmpdir(deps, what, std::env::var_os("TMPDIR"))
+}
+
+/// [`pip_install`] where the environment's `TMPDIR` is `tmpdir`. pip unpacks the wheels
+/// (3 to 4 GB) in `TMPDIR`, by default a `/tmp` that is often a small tmpfs: unless the user
+/// chose one, it gets `.deps/tmp`, next to the venv, removed afterwards.
+fn pip_install_with_tmpdir(deps: &Deps, what: &str, tmpdir: Option<OsString>) -> Result<()> {
+    let (tmp, own) = match tmpdir {
+        Some(theirs) if !theirs.is_empty() => (PathBuf::from(theirs), false),
+        _ => (deps.root.join("tmp"), true),
+    };
+    let mut pip = Command::new(deps.python());
+    pip.args([
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--quiet",
+    ])
+    .arg(format!("torch=={TORCH_VERSION}"))
+    .args(EXTRA_PACKAGES)
+    .env("TMPDIR", &tmp)
+    .stderr(Stdio::piped());
+    if own {
+        fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    }
+    let ran = run_pip(pip);
+    if own {
+        // Whatever pip left there (it is killed by a full disk, too).
+        let _ = fs::remove_dir_all(&tmp);
+    }
+    let (status, last) = ran?;
+    if !status.success() {
+        let said: Vec<String> = last.into_iter().map(|l| format!("    {l}")).collect();
+        let tmp = if own {
+            tmp.display().to_string()
+        } else {
+            format!("$TMPDIR ({})", tmp.display())
+        };
+        bail!(
+            "pip could not install {what} into {} ({status}); its last words:\n{}\nfix what \
+             it names (the torch wheel needs the Python package index and about 6 GB of disk, \
+             half of it for pip's downloads in {tmp}: set TMPDIR to a folder with room), \
+             then run `cargo xtask setup` again, or `cargo xtask setup --reinstall` to start \
+             from a new virtual environment",
+            deps.venv().display(),
+            said.join("\n")
+        );
+    }
+    Ok(())
+}
+
+/// Runs `pip`, its stderr piped, passing its messages through; returns its status and its
+/// last five non-empty lines.
+fn run_pip(mut pip: Command) -> Result<(std::process::ExitStatus, Vec<String>)> {
+    let mut child = pip
         .spawn()
         .context("cannot run pip in the virtual environment")?;
     let mut last = std::collections::VecDeque::new();
@@ -210,18 +256,7 @@ fn pip_install(deps: &Deps, what: &str) -> Result<()> {
         }
     }
     let status = child.wait().context("cannot wait for pip")?;
-    if !status.success() {
-        let said: Vec<String> = last.into_iter().map(|l| format!("    {l}")).collect();
-        bail!(
-            "pip could not install {what} into {} ({status}); its last words:\n{}\nfix what \
-             it names (the torch wheel needs the Python package index and about 6 GB of disk), \
-             then run `cargo xtask setup` again, or `cargo xtask setup --reinstall` to start \
-             from a new virtual environment",
-            deps.venv().display(),
-            said.join("\n")
-        );
-    }
-    Ok(())
+    Ok((status, last.into()))
 }
 
 /// Adds the extra packages to an install that predates them (torch itself stays).
@@ -542,6 +577,58 @@ mod tests {
             // No ensurepip on this machine: the error names the way out.
             Err(e) => assert!(format!("{e:#}").contains("--reinstall"), "{e:#}"),
         }
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn pip_unpacks_in_deps_tmp_unless_tmpdir_is_set() {
+        let dir = tempdir();
+        let deps = Deps { root: dir.clone() };
+        let record = dir.join("tmpdir");
+        // A pip that records its TMPDIR (and whether it exists), then fails as on a full disk.
+        let script = format!(
+            "#!/bin/sh\nprintf '%s %s' \"$TMPDIR\" \"$(test -d \"$TMPDIR\" && echo made)\" \
+             > '{}'\necho 'ERROR: [Errno 28] No space left on device' >&2\nexit 1\n",
+            record.display()
+        );
+        fs::create_dir_all(deps.venv().join("bin")).unwrap();
+        ddp_testkit::script(&deps.python(), &script);
+        let own = dir.join("tmp");
+        for unset in [None, Some(OsString::new())] {
+            let err = format!(
+                "{:#}",
+                pip_install_with_tmpdir(&deps, "x", unset).unwrap_err()
+            );
+            assert_eq!(
+                fs::read_to_string(&record).unwrap(),
+                format!("{} made", own.display())
+            );
+            assert!(!own.exists(), "{} is left behind", own.display());
+            assert!(err.contains("No space left on device"), "{err}");
+            assert!(
+                err.contains(&format!("pip's downloads in {}: set TMPDIR", own.display())),
+                "{err}"
+            );
+        }
+        // The user's TMPDIR is theirs.
+        let theirs = dir.join("theirs");
+        fs::create_dir_all(&theirs).unwrap();
+        let err = format!(
+            "{:#}",
+            pip_install_with_tmpdir(&deps, "x", Some(theirs.clone().into())).unwrap_err()
+        );
+        assert_eq!(
+            fs::read_to_string(&record).unwrap(),
+            format!("{} made", theirs.display())
+        );
+        assert!(theirs.exists() && !own.exists());
+        assert!(
+            err.contains(&format!(
+                "pip's downloads in $TMPDIR ({})",
+                theirs.display()
+            )),
+            "{err}"
+        );
         fs::remove_dir_all(&dir).unwrap();
     }
 
