@@ -63,6 +63,7 @@ pub fn run(root: &Path) -> Result<()> {
              CUDA_VISIBLE_DEVICES hides them); run it on a GPU machine"
         );
     }
+    crate::setup::run(root, &crate::setup::SetupArgs::default())?;
     println!("gpu-check: {gpus} GPU(s) visible");
     let mut test = crate::cargo();
     test.args(["test", "-p", "nccl-sys"]);

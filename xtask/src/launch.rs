@@ -164,7 +164,7 @@ fn sample_flags(rest: &mut Vec<String>) {
 
 /// Runs the job; returns the process exit code for `main`.
 pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
-    let (nproc, device) = ranks_and_device(&args)?;
+    let (nproc, device) = ranks_and_device(&args, ddp_run::visible_gpus())?;
     let mut rest = args.rest.clone();
     if has_flag(&rest, "--out") {
         bail!("give the run directory to the launcher as `cargo xtask train --out DIR ...`");
@@ -190,6 +190,8 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     if !has_flag(&rest, "--data") {
         utf8("the synthetic sample's folder", &cache)?;
     }
+    // Every flag is checked: now libtorch (2.6 GB on a first run), the build and the ranks.
+    crate::setup::run(root, &crate::setup::SetupArgs::default())?;
     let bin = match &args.bin {
         Some(b) => b.clone(),
         None => build_release(root, "ddp-train", &["-p", "ddp-train"])?,
@@ -322,11 +324,14 @@ fn shell_word(word: &str) -> String {
     }
 }
 
-/// How many ranks, on which device.
-fn ranks_and_device(args: &TrainArgs) -> Result<(usize, &'static str)> {
-    let visible = ddp_run::visible_gpus();
+/// How many ranks, on which device, where `visible` GPUs are.
+fn ranks_and_device(args: &TrainArgs, visible: usize) -> Result<(usize, &'static str)> {
     match (args.gpus, args.cpus) {
         (Some(0), _) | (_, Some(0)) => bail!("the number of ranks must be at least 1"),
+        (Some(n), _) if visible == 0 => bail!(
+            "--gpus {n}: no GPU is visible here (nvidia-smi and CUDA_VISIBLE_DEVICES); \
+             use --cpus N"
+        ),
         (Some(n), _) if n > visible => bail!(
             "--gpus {n} asks for more GPUs than the {visible} visible here \
              (nvidia-smi and CUDA_VISIBLE_DEVICES); use --gpus {visible} or --cpus N"
@@ -681,6 +686,34 @@ mod tests {
             refusal(&["--cpus", "1", "--lr", "0.1", "--out", "/r"]),
             "give the run directory to the launcher as `cargo xtask train --out DIR ...`"
         );
+    }
+
+    #[test]
+    fn gpus_are_refused_naming_how_many_are_visible() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        let ranks = |args: &[&str], visible| {
+            let cli = Cli::try_parse_from(["train"].iter().chain(args)).unwrap();
+            ranks_and_device(&cli.train, visible).map_err(|e| e.to_string())
+        };
+        // None visible: --gpus 0 is no way out.
+        assert_eq!(
+            ranks(&["--gpus", "2"], 0).unwrap_err(),
+            "--gpus 2: no GPU is visible here (nvidia-smi and CUDA_VISIBLE_DEVICES); use --cpus N"
+        );
+        assert_eq!(
+            ranks(&["--gpus", "3"], 2).unwrap_err(),
+            "--gpus 3 asks for more GPUs than the 2 visible here (nvidia-smi and \
+             CUDA_VISIBLE_DEVICES); use --gpus 2 or --cpus N"
+        );
+        assert_eq!(ranks(&["--gpus", "2"], 2), Ok((2, "cuda")));
+        assert_eq!(ranks(&["--cpus", "3"], 0), Ok((3, "cpu")));
+        assert_eq!(ranks(&[], 0), Ok((2, "cpu")));
+        assert_eq!(ranks(&[], 4), Ok((4, "cuda")));
     }
 
     /// ddp-train takes its paths as text: a run directory that is not UTF-8 is refused by

@@ -97,9 +97,7 @@ fn main() -> ExitCode {
         ),
         Cmd::Bench(args) => bench::run(&root, args),
         Cmd::Chaos(args) => chaos(&root, &args),
-        Cmd::GpuCheck => {
-            setup::run(&root, &setup::SetupArgs::default()).and_then(|_| gpu_check::run(&root))
-        }
+        Cmd::GpuCheck => gpu_check::run(&root),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -157,7 +155,6 @@ fn chaos(root: &Path, args: &ChaosArgs) -> Result<()> {
 }
 
 fn train(root: &Path, args: launch::TrainArgs) -> Result<()> {
-    setup::run(root, &setup::SetupArgs::default())?;
     let code = launch::run(root, args)?;
     if code != 0 {
         std::process::exit(code);

@@ -621,3 +621,31 @@ fn a_node_that_dies_takes_the_other_node_down() {
         "node 0 took {took:?} to end"
     );
 }
+
+/// Without a visible GPU, `train --gpus N` and `gpu-check` are refused before setup, which
+/// would install 2.6 GB on a first run.
+#[test]
+fn gpu_commands_without_a_gpu_are_refused_before_setup() {
+    for args in [&["train", "--gpus", "2"][..], &["gpu-check"]] {
+        let output = wait_bounded(
+            Command::new(XTASK)
+                .args(args)
+                .env("CUDA_VISIBLE_DEVICES", "")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+            Duration::from_secs(60),
+        );
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stdout}{stderr}");
+        // setup says a line whenever it runs, "already installed" at least.
+        assert!(!stdout.contains("setup:"), "{args:?}: {stdout}");
+        assert!(
+            stderr.contains("no GPU is visible") || stderr.contains("none is visible here"),
+            "{args:?}: {stderr}"
+        );
+        assert!(!stderr.contains("--gpus 0"), "{args:?}: {stderr}");
+    }
+}
