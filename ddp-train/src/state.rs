@@ -405,10 +405,11 @@ pub fn check_state(state: &TrainState, file: &Path) -> Result<(), TrainError> {
         problems.push(format!("{} skipped steps", state.skipped_steps()));
     }
     if let Some(r) = &state.scheduler {
-        if r.num_bad_epochs >= 1 << 30 || r.cooldown_counter >= 1 << 30 {
+        // The cooldown only counts down from the configured one, which may be any u32.
+        if r.num_bad_epochs >= 1 << 30 || r.cooldown_counter > r.config.cooldown {
             problems.push(format!(
-                "plateau scheduler at {} bad epochs, {} of cooldown",
-                r.num_bad_epochs, r.cooldown_counter
+                "plateau scheduler at {} bad epochs, {} of its {} epochs of cooldown",
+                r.num_bad_epochs, r.cooldown_counter, r.config.cooldown
             ));
         }
     }
@@ -997,7 +998,7 @@ mod tests {
             (skipped, "(18446744073709551615 skipped steps)"),
             (
                 plateau,
-                "(plateau scheduler at 0 bad epochs, 4294967295 of cooldown)",
+                "(plateau scheduler at 0 bad epochs, 4294967295 of its 0 epochs of cooldown)",
             ),
         ] {
             match check_state(&bad, file) {
@@ -1005,6 +1006,19 @@ mod tests {
                 other => panic!("{what}: {other:?}"),
             }
         }
+        // A cooldown as long as a u32 holds ("reduce once, then never") is a run's own.
+        let config = crate::scheduler::PlateauConfig {
+            cooldown: u32::MAX,
+            patience: 0,
+            ..Default::default()
+        };
+        let mut plateau = ReduceLrOnPlateau::new(config);
+        plateau.step(1.0, crate::Goal::Max, 0.1);
+        plateau.step(0.5, crate::Goal::Max, 0.1);
+        assert_eq!(plateau.cooldown_counter, u32::MAX);
+        let mut long = state(3, 0.1);
+        long.scheduler = Some(plateau);
+        check_state(&long, file).unwrap();
     }
 
     /// The run's skipped steps: recorded apart from the scaler, or in older checkpoints
@@ -1227,7 +1241,8 @@ mod tests {
                     prop_assert!(attempted.is_some());
                     if let Some(r) = st.scheduler {
                         prop_assert!(r.num_bad_epochs.checked_add(MORE as u32).is_some());
-                        prop_assert!(r.cooldown_counter.checked_add(MORE as u32).is_some());
+                        // Only counts down.
+                        prop_assert!(r.cooldown_counter <= r.config.cooldown);
                     }
                     if let Some(e) = st.early_stopping {
                         prop_assert!(e.bad_epochs.checked_add(MORE as u32).is_some());
