@@ -61,6 +61,10 @@ pub(super) fn resume_after_restart(
     let Some(out) = &settings.out else {
         return Ok(String::new());
     };
+    if settings.checkpoint.eval_only && settings.checkpoint.resume.is_some() {
+        // Evaluates the file it names, whatever the run directory holds.
+        return Ok(String::new());
+    }
     let latest = state::checkpoint_dir(out).join("latest");
     match std::fs::metadata(&latest) {
         Ok(meta) if meta.is_file() => {}
@@ -79,10 +83,6 @@ pub(super) fn resume_after_restart(
                 e,
             ))
         }
-    }
-    if settings.checkpoint.eval_only && settings.checkpoint.resume.is_some() {
-        // Evaluates the file it names, whatever the run directory holds.
-        return Ok(String::new());
     }
     let auto = settings.checkpoint.resume_after_restart;
     let continuing = auto.then(|| continuation(out, env)).flatten();
@@ -770,6 +770,14 @@ mod tests {
         let dir = ddp_testkit::temp_dir("run-dir");
         let latest = state::checkpoint_dir(dir.path()).join("latest");
         std::fs::create_dir_all(&latest).unwrap();
+        // Evaluating a named file writes no checkpoint: whatever `latest` is, it goes on.
+        let mut s = settings(dir.path(), Some("/elsewhere/best.safetensors"));
+        s.checkpoint.eval_only = true;
+        assert_eq!(resume_after_restart(&mut s, &env("job-7", 0)).unwrap(), "");
+        assert_eq!(
+            s.checkpoint.resume.as_deref(),
+            Some("/elsewhere/best.safetensors")
+        );
         let mut s = settings(dir.path(), None);
         let e = resume_after_restart(&mut s, &env("job-7", 0)).unwrap_err();
         assert!(
