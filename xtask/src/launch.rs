@@ -7,6 +7,7 @@
 //! A restarted `ddp-train` resumes from the latest checkpoint by itself, as torchrun expects
 //! of its programs.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -79,7 +80,7 @@ fn utf8<'a>(what: &str, path: &'a Path) -> Result<&'a str> {
 /// Moves the launcher's options (after `train`) in front of ddp-train's, so that
 /// `cargo xtask train --epochs 3 --max-restarts 1` means what it says. The launcher's options
 /// are read from its clap definition, with their aliases.
-pub fn launcher_flags_first(args: Vec<String>) -> Vec<String> {
+pub fn launcher_flags_first(args: Vec<OsString>) -> Vec<OsString> {
     let Some(pos) = args.iter().position(|a| a == "train") else {
         return args;
     };
@@ -107,10 +108,12 @@ pub fn launcher_flags_first(args: Vec<String>) -> Vec<String> {
     let (mut launcher, mut trainer) = (Vec::new(), Vec::new());
     let mut it = tail.iter().cloned();
     while let Some(a) = it.next() {
-        let name = a.split('=').next().unwrap_or(&a).to_owned();
+        // A word that is not UTF-8 is no flag name of ours (clap then names it).
+        let text = a.to_string_lossy();
+        let name = text.split('=').next().unwrap_or(&text).to_owned();
         match ours.iter().find(|(n, _)| *n == name) {
             Some(&(_, takes_value)) => {
-                let inline = a.contains('=');
+                let inline = text.contains('=');
                 launcher.push(a);
                 if takes_value && !inline {
                     launcher.extend(it.next());
@@ -290,7 +293,13 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
                     "xtask: every rank stopped at {at}; this command continues the run in {}:\n  \
                      {}",
                     out.display(),
-                    continue_command(&std::env::args().skip(1).collect::<Vec<_>>(), &out)
+                    continue_command(
+                        &std::env::args_os()
+                            .skip(1)
+                            .map(|a| a.to_string_lossy().into_owned())
+                            .collect::<Vec<_>>(),
+                        &out
+                    )
                 ),
             }
         }
@@ -722,7 +731,7 @@ mod tests {
     #[test]
     fn a_run_directory_that_is_not_utf8_is_refused() {
         use clap::Parser;
-        use std::ffi::{OsStr, OsString};
+        use std::ffi::OsStr;
         use std::os::unix::ffi::OsStrExt;
         #[derive(Parser)]
         struct Cli {
@@ -804,7 +813,7 @@ mod tests {
 
     #[test]
     fn launcher_flags_move_before_the_trainers() {
-        let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let args = |v: &[&str]| v.iter().map(OsString::from).collect::<Vec<_>>();
         let got = launcher_flags_first(args(&[
             "xtask",
             "train",

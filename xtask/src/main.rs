@@ -81,7 +81,8 @@ struct ChaosArgs {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse_from(launch::launcher_flags_first(std::env::args().collect()));
+    // `args_os`: `std::env::args` panics on a word that is not UTF-8; clap names it instead.
+    let cli = Cli::parse_from(launch::launcher_flags_first(std::env::args_os().collect()));
     let root = project_root();
     let result = match cli.command {
         Cmd::Setup(args) => setup::run(&root, &args).map(drop),

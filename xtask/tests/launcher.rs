@@ -624,6 +624,39 @@ fn a_node_that_dies_takes_the_other_node_down() {
 
 /// Without a visible GPU, `train --gpus N` and `gpu-check` are refused before setup, which
 /// would install 2.6 GB on a first run.
+/// A word that is not UTF-8 is named by clap, before setup, not a panic of `env::args`.
+#[test]
+fn a_word_that_is_not_utf8_is_refused_not_a_panic() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let bad = OsStr::from_bytes(b"/tmp/run_\xff");
+    for (args, code, says) in [
+        (&[OsStr::new("--out"), bad][..], 2, "is not valid UTF-8"),
+        (&[OsStr::new("--"), bad][..], 2, "invalid UTF-8"),
+    ] {
+        let output = wait_bounded(
+            Command::new(XTASK)
+                .args(["train", "--cpus", "1"])
+                .args(args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+            Duration::from_secs(60),
+        );
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(
+            output.status.code(),
+            Some(code),
+            "{args:?}: {stdout}{stderr}"
+        );
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(!stdout.contains("setup:"), "{args:?}: {stdout}");
+    }
+}
+
 #[test]
 fn gpu_commands_without_a_gpu_are_refused_before_setup() {
     for args in [&["train", "--gpus", "2"][..], &["gpu-check"]] {
