@@ -12,8 +12,10 @@
 /// `$LIBTORCH/lib`, symlinks resolved; `None` when neither variable is set.
 ///
 /// The variables keep their value when setup re-creates the venv (another Python, another
-/// `site-packages`), so the script also reruns when the resolved folder or `build-version`
-/// (which setup writes last) changes: else binaries keep an rpath to a folder that is gone.
+/// `site-packages`), so the script also reruns when the resolved folder's `libtorch_cpu.so`
+/// or `build-version` (which setup writes last) changes: else binaries keep an rpath to a
+/// folder that is gone. A file, not the folder: cargo would scan a folder such as `/usr/lib`
+/// (`LIBTORCH_LIB=/usr`) on every build and rerun on any change in it.
 #[allow(dead_code)] // Not every build script needs the folder itself.
 fn libtorch_lib() -> Option<std::path::PathBuf> {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
@@ -24,7 +26,7 @@ fn libtorch_lib() -> Option<std::path::PathBuf> {
     let lib = std::fs::canonicalize(&lib).unwrap_or(lib);
     let version = libtorch.map(|l| l.join("build-version"));
     // A missing path would rerun the script on every build; once it exists, it is watched.
-    for watched in std::iter::once(lib.clone()).chain(version) {
+    for watched in std::iter::once(lib.join("libtorch_cpu.so")).chain(version) {
         if watched.exists() {
             println!("cargo:rerun-if-changed={}", watched.display());
         }

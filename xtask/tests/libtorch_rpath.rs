@@ -7,12 +7,12 @@ use std::path::Path;
 use std::process::Command;
 
 /// Builds the crate in `dir` with `LIBTORCH` = `libtorch` and returns the run paths of its
-/// binary, as `readelf -d` lists them.
-fn build_and_read_run_paths(dir: &Path, libtorch: &Path) -> String {
+/// binary, as `readelf -d` lists them, and whether its build script ran.
+fn build_and_read_run_paths(dir: &Path, libtorch: &Path) -> (String, bool) {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let out = Command::new(cargo)
         .current_dir(dir)
-        .args(["build", "--offline", "--quiet"])
+        .args(["build", "--offline", "-v"])
         .env("CARGO_TARGET_DIR", dir.join("target"))
         .env("LIBTORCH", libtorch)
         .env_remove("LIBTORCH_LIB")
@@ -23,6 +23,9 @@ fn build_and_read_run_paths(dir: &Path, libtorch: &Path) -> String {
         "cargo build failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let script_ran = String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .any(|l| l.contains("Running") && l.contains("build-script-build"));
     let elf = dir.join("target/debug/scratch");
     let out = Command::new("readelf")
         .arg("-d")
@@ -30,12 +33,13 @@ fn build_and_read_run_paths(dir: &Path, libtorch: &Path) -> String {
         .output()
         .expect("readelf (binutils) runs");
     assert!(out.status.success(), "readelf -d {} failed", elf.display());
-    String::from_utf8(out.stdout)
+    let paths = String::from_utf8(out.stdout)
         .unwrap()
         .lines()
         .filter(|l| l.contains("(RUNPATH)") || l.contains("(RPATH)"))
         .collect::<Vec<_>>()
-        .join("\n")
+        .join("\n");
+    (paths, script_ran)
 }
 
 #[test]
@@ -66,6 +70,7 @@ fn a_venv_made_again_elsewhere_is_the_binaries_new_run_path() {
     let install = |venv: &str| {
         let lib = tmp.join(venv).join("lib");
         fs::create_dir_all(&lib).unwrap();
+        fs::write(lib.join("libtorch_cpu.so"), "").unwrap();
         let link = libtorch.join("lib");
         let _ = fs::remove_file(&link);
         std::os::unix::fs::symlink(&lib, &link).unwrap();
@@ -73,13 +78,21 @@ fn a_venv_made_again_elsewhere_is_the_binaries_new_run_path() {
         lib
     };
     let a = install("a");
-    let first = build_and_read_run_paths(&krate, &libtorch);
+    let (first, ran) = build_and_read_run_paths(&krate, &libtorch);
+    assert!(ran);
     assert!(first.contains(&format!("[{}]", a.display())), "{first}");
+
+    // Another file in the folder (a package manager's, in `/usr/lib`) reruns nothing.
+    fs::write(a.join("libunrelated.so"), "").unwrap();
+    let (same, ran) = build_and_read_run_paths(&krate, &libtorch);
+    assert!(!ran, "the build script ran again");
+    assert_eq!(same, first);
 
     // The venv made again with another Python: the old folder is gone.
     fs::remove_dir_all(tmp.join("a")).unwrap();
     let b = install("b");
-    let second = build_and_read_run_paths(&krate, &libtorch);
+    let (second, ran) = build_and_read_run_paths(&krate, &libtorch);
+    assert!(ran);
     assert!(second.contains(&format!("[{}]", b.display())), "{second}");
     assert!(!second.contains(&a.display().to_string()), "{second}");
 }
