@@ -155,6 +155,30 @@ fn a_prefix_that_names_no_parameter_fails_naming_it() {
     }
 }
 
+/// Prefixes that freeze every parameter leave nothing to train: refused on every rank, naming
+/// the flag, before DDP would refuse the model.
+#[test]
+fn a_freeze_of_every_parameter_is_refused() {
+    let tmp = common::temp_dir("ddp-train-freeze-all");
+    let dir = tmp.path();
+    let data = data(dir);
+    let mut a = args(&data, &dir.join("run"), "1", &[]);
+    a.extend(["layer2", "layer3", "layer4", "fc"].map(String::from));
+    let outputs = run_ranks(&a, &[]);
+    for o in &outputs {
+        assert!(!o.status.success());
+        assert!(
+            text(o).contains(
+                "--freeze (conv1, bn1, layer1, layer2, layer3, layer4, fc) freeze all 62 \
+                 parameters of the model, which leaves nothing to train: leave some parameters \
+                 out"
+            ),
+            "{}",
+            text(o)
+        );
+    }
+}
+
 /// Trains with `--unfreeze-at 2` once through and once interrupted by `env` and resumed,
 /// and checks that the final weights, optimizer state and scalar state are the same bytes.
 fn check_resume(name: &str, extra: &[&str], env: &[(&str, &str)], resumes_from: &str) {

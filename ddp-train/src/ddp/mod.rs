@@ -5,6 +5,7 @@ mod comm_hook;
 #[cfg(test)]
 pub(crate) use comm_hook::gpu_tests;
 mod params;
+pub(crate) use params::trainable_parameters;
 mod reducer;
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -941,7 +942,8 @@ mod tests {
     }
 
     /// A weight tied under two names (an LM head tied to its embedding) is one parameter:
-    /// hooked, bucketed and averaged once, under the name first in DDP order.
+    /// hooked, bucketed and averaged once, and given to the optimizer once, under the name
+    /// first in DDP order.
     #[test]
     fn a_tied_weight_is_one_parameter() {
         let vs = VarStore::new(tch::Device::Cpu);
@@ -953,6 +955,17 @@ mod tests {
         (w.sum(tch::Kind::Float) * 2.0).backward();
         ddp.sync_gradients().unwrap();
         assert_eq!(Vec::<f32>::try_from(&w.grad()).unwrap(), [2.0; 2]);
+
+        let params = trainable_parameters(&vs);
+        assert_eq!(params.len(), 1);
+        let sgd = crate::optim::SgdConfig {
+            lr: 1.0,
+            ..Default::default()
+        };
+        let mut optimizer =
+            crate::optim::Optimizer::new(params, crate::optim::OptimizerConfig::Sgd(sgd));
+        optimizer.step();
+        assert_eq!(Vec::<f32>::try_from(&w).unwrap(), [3.0; 2]);
     }
 
     /// A model without a parameter that trains is refused (PyTorch's "DistributedDataParallel

@@ -47,6 +47,14 @@ fn distinct_variables(vs: &VarStore) -> (Named, Vec<(String, String)>) {
     (named, aliases)
 }
 
+/// The parameters that train (require a gradient) in DDP order, a tied weight once under its
+/// first name: what an optimizer takes (PyTorch's `model.parameters()`), and
+/// [`DistributedDataParallel::parameters`](super::DistributedDataParallel::parameters).
+pub(crate) fn trainable_parameters(vs: &VarStore) -> Named {
+    let (all, _) = distinct_variables(vs);
+    all.into_iter().filter(|(_, t)| t.requires_grad()).collect()
+}
+
 /// Splits the store into parameters that train, frozen parameters and buffers.
 pub(super) fn split_named(vs: &VarStore) -> Split {
     let (all, aliases) = distinct_variables(vs);

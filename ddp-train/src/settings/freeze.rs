@@ -66,6 +66,24 @@ impl FreezeSettings {
         self.prefixes.iter().any(|p| prefix_matches(p, name))
     }
 
+    /// Refuses prefixes that freeze every one of the model's `parameters` (a training run
+    /// would train nothing, and DDP refuses a model without a parameter that trains, as
+    /// PyTorch's does).
+    pub(crate) fn leaves_some_to_train(&self, parameters: &[String]) -> Result<(), SettingError> {
+        if self.prefixes.is_empty() || !parameters.iter().all(|n| self.matches(n)) {
+            return Ok(());
+        }
+        Err(SettingError::new(
+            "freeze.prefixes",
+            format!(
+                " ({}) freeze all {} parameters of the model, which leaves nothing to train: \
+                 leave some parameters out",
+                self.prefixes.join(", "),
+                parameters.len()
+            ),
+        ))
+    }
+
     pub(super) fn validate(&self) -> Result<(), SettingError> {
         if self.prefixes.iter().any(|p| p.is_empty()) {
             return Err(SettingError::new(
@@ -109,6 +127,24 @@ mod tests {
         let f = f.unfreeze_at(Some(3));
         assert!(f.frozen_in(2) && !f.frozen_in(3));
         assert!(!FreezeSettings::default().frozen_in(1));
+    }
+
+    #[test]
+    fn prefixes_that_freeze_everything_are_refused() {
+        let parameters: Vec<String> = ["conv1.weight", "fc.weight", "fc.bias"]
+            .map(String::from)
+            .to_vec();
+        let some = FreezeSettings::default().prefixes(vec!["conv1".into()]);
+        assert_eq!(some.leaves_some_to_train(&parameters), Ok(()));
+        assert_eq!(FreezeSettings::default().leaves_some_to_train(&[]), Ok(()));
+        let all = FreezeSettings::default().prefixes(vec!["conv1".into(), "fc".into()]);
+        let e = all.leaves_some_to_train(&parameters).unwrap_err();
+        assert_eq!(e.field(), "freeze.prefixes");
+        assert_eq!(
+            e.to_string(),
+            "freeze.prefixes (conv1, fc) freeze all 3 parameters of the model, which leaves \
+             nothing to train: leave some parameters out"
+        );
     }
 
     #[test]

@@ -119,6 +119,9 @@ impl<T: Task> Trainer<T> {
         })?;
         let parameters = freeze::declared_parameters(&vs);
         let mut frozen = freeze::freezable(&parameters, &s.freeze)?;
+        if !s.checkpoint.eval_only {
+            s.freeze.leaves_some_to_train(&parameters)?;
+        }
         if !s.freeze.frozen_in(1) || s.checkpoint.eval_only {
             frozen.clear();
         }
@@ -652,15 +655,10 @@ fn no_batchnorm_to_synchronise(vs: &nn::VarStore) -> SettingError {
     SettingError::new("sync_batchnorm", format!(" is set, but {found}"))
 }
 
-/// The tensors that train (require a gradient), in the order every rank agrees on.
+/// The tensors that train (require a gradient), in the order every rank agrees on, a tied
+/// weight once (as DDP takes it): the optimizer steps it once.
 pub(super) fn trainable(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
-    let mut v: Vec<(String, Tensor)> = vs
-        .variables()
-        .into_iter()
-        .filter(|(_, t)| t.requires_grad())
-        .collect();
-    v.sort_by(|a, b| checkpoint::natural_cmp(&a.0, &b.0));
-    v
+    crate::ddp::trainable_parameters(vs)
 }
 
 /// The default run directory: `runs/YYYYMMDD-HHMMSS-PID` (UTC), as every tool names it.
