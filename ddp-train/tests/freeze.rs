@@ -153,10 +153,14 @@ fn a_prefix_that_names_no_parameter_fails_naming_it() {
             text(o)
         );
     }
+    let mut a = args(&data, &dir.join("unfrozen"), "1", &[]);
+    a.extend(["layer2", "layer3", "layer4", "fc", "--unfreeze-at", "1"].map(String::from));
+    assert_all_ok(&run_ranks(&a, &[]));
 }
 
 /// Prefixes that freeze every parameter leave nothing to train: refused on every rank, naming
-/// the flag, before DDP would refuse the model.
+/// the flag, before DDP would refuse the model; unless nothing is frozen in the first epoch
+/// (`--unfreeze-at 1`).
 #[test]
 fn a_freeze_of_every_parameter_is_refused() {
     let tmp = common::temp_dir("ddp-train-freeze-all");

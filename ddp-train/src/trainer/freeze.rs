@@ -14,9 +14,17 @@ use crate::settings::{prefix_matches, FreezeSettings};
 use crate::task::Task;
 
 /// The names of the model's parameters (its variables that require a gradient when built),
-/// in DDP order.
+/// in DDP order, every name of a tied weight: a prefix may name it by any of them, as
+/// PyTorch's `requires_grad_(False)` on either module freezes it.
 pub(super) fn declared_parameters(vs: &nn::VarStore) -> Vec<String> {
-    trainable(vs).into_iter().map(|(n, _)| n).collect()
+    let mut names: Vec<String> = vs
+        .variables()
+        .into_iter()
+        .filter(|(_, t)| t.requires_grad())
+        .map(|(n, _)| n)
+        .collect();
+    names.sort_by(|a, b| ddp_model::checkpoint::natural_cmp(a, b));
+    names
 }
 
 /// The parameters `freeze`'s prefixes name, in `parameters`' order; an error names the first
@@ -74,13 +82,18 @@ pub(super) fn recorded(
         .collect())
 }
 
-/// Turns `requires_grad` off for the `frozen` ones among `parameters`, on for the others.
+/// Turns `requires_grad` off for the `frozen` ones among `parameters`, on for the others. A
+/// tied weight is one tensor: frozen when any of its names is.
 pub(super) fn set_frozen(vs: &nn::VarStore, parameters: &[String], frozen: &[String]) {
-    let frozen: BTreeSet<&str> = frozen.iter().map(String::as_str).collect();
     let variables = vs.variables();
+    let frozen: BTreeSet<usize> = frozen
+        .iter()
+        .filter_map(|n| variables.get(n))
+        .map(tch_ext::tensor_id)
+        .collect();
     for name in parameters {
         if let Some(t) = variables.get(name) {
-            let _ = t.set_requires_grad(!frozen.contains(name.as_str()));
+            let _ = t.set_requires_grad(!frozen.contains(&tch_ext::tensor_id(t)));
         }
     }
 }
@@ -119,6 +132,32 @@ impl<T: Task> Trainer<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tied weight is frozen by either of its names, and a checkpoint that recorded the
+    /// second name resumes.
+    #[test]
+    fn a_tied_weight_is_frozen_by_any_of_its_names() {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let w = vs.root().var("embed", &[2], nn::Init::Const(5.0));
+        let _tied = vs.root().sub("head").add("weight", w.shallow_clone(), true);
+        let other = vs.root().var("out", &[1], nn::Init::Const(1.0));
+        let parameters = declared_parameters(&vs);
+        assert_eq!(parameters, ["embed", "head.weight", "out"]);
+        let freeze = FreezeSettings::default().prefixes(vec!["head".into()]);
+        let frozen = freezable(&parameters, &freeze).unwrap();
+        assert_eq!(frozen, ["head.weight"]);
+        set_frozen(&vs, &parameters, &frozen);
+        assert!(!w.requires_grad());
+        assert!(other.requires_grad());
+        assert_eq!(trainable(&vs).len(), 1);
+        let file = Path::new("epoch-0001.safetensors");
+        assert_eq!(
+            recorded(&parameters, &["head.weight".into()], file).unwrap(),
+            ["head.weight"]
+        );
+        set_frozen(&vs, &parameters, &[]);
+        assert!(w.requires_grad());
+    }
 
     #[test]
     fn a_prefix_that_names_nothing_is_an_error_naming_it() {

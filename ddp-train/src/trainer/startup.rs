@@ -119,13 +119,14 @@ impl<T: Task> Trainer<T> {
         })?;
         let parameters = freeze::declared_parameters(&vs);
         let mut frozen = freeze::freezable(&parameters, &s.freeze)?;
-        if !s.checkpoint.eval_only {
-            s.freeze.leaves_some_to_train(&parameters)?;
-        }
         if !s.freeze.frozen_in(1) || s.checkpoint.eval_only {
             frozen.clear();
         }
         freeze::set_frozen(&vs, &parameters, &frozen);
+        // Frozen from the first epoch, every tensor (a tied weight once, by any name).
+        if !frozen.is_empty() && trainable(&vs).is_empty() {
+            return Err(s.freeze.nothing_to_train(parameters.len()).into());
+        }
         let mut scheduler = match &s.lr_schedule {
             LrSchedule::Plateau(p) => Some(ReduceLrOnPlateau::new(p.config)),
             _ => None,
