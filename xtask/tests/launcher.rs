@@ -622,8 +622,6 @@ fn a_node_that_dies_takes_the_other_node_down() {
     );
 }
 
-/// Without a visible GPU, `train --gpus N` and `gpu-check` are refused before setup, which
-/// would install 2.6 GB on a first run.
 /// A word that is not UTF-8 is named by clap, before setup, not a panic of `env::args`.
 #[test]
 fn a_word_that_is_not_utf8_is_refused_not_a_panic() {
@@ -657,6 +655,8 @@ fn a_word_that_is_not_utf8_is_refused_not_a_panic() {
     }
 }
 
+/// Without a visible GPU, `train --gpus N` and `gpu-check` are refused before setup, which
+/// would install 2.6 GB on a first run.
 #[test]
 fn gpu_commands_without_a_gpu_are_refused_before_setup() {
     for args in [&["train", "--gpus", "2"][..], &["gpu-check"]] {
