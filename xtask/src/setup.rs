@@ -553,12 +553,7 @@ mod tests {
         let dir = tempdir();
         let deps = Deps { root: dir.clone() };
         // What Debian's `python3 -m venv` leaves without python3-venv: bin/python, no pip.
-        let made = Command::new("python3")
-            .args(["-m", "venv", "--without-pip"])
-            .arg(deps.venv())
-            .status()
-            .unwrap();
-        assert!(made.success());
+        make_venv(&deps);
         assert!(deps.python().exists());
         assert!(!venv_usable(&deps.python()));
         // pip's own reason comes through, with the way out.

@@ -622,6 +622,22 @@ fn a_node_that_dies_takes_the_other_node_down() {
     );
 }
 
+/// Runs `xtask`, which is expected to refuse at once: its exit code, stdout and stderr.
+fn xtask_refusal(command: &mut Command) -> (Option<i32>, String, String) {
+    let child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let output = wait_bounded(child, Duration::from_secs(60));
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (
+        output.status.code(),
+        text(&output.stdout),
+        text(&output.stderr),
+    )
+}
+
 /// A word that is not UTF-8 is named by clap, before setup, not a panic of `env::args`.
 #[test]
 fn a_word_that_is_not_utf8_is_refused_not_a_panic() {
@@ -632,23 +648,12 @@ fn a_word_that_is_not_utf8_is_refused_not_a_panic() {
         (&[OsStr::new("--out"), bad][..], 2, "is not valid UTF-8"),
         (&[OsStr::new("--"), bad][..], 2, "invalid UTF-8"),
     ] {
-        let output = wait_bounded(
+        let (status, stdout, stderr) = xtask_refusal(
             Command::new(XTASK)
                 .args(["train", "--cpus", "1"])
-                .args(args)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap(),
-            Duration::from_secs(60),
+                .args(args),
         );
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(
-            output.status.code(),
-            Some(code),
-            "{args:?}: {stdout}{stderr}"
-        );
+        assert_eq!(status, Some(code), "{args:?}: {stdout}{stderr}");
         assert!(stderr.contains(says), "{args:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
         assert!(!stdout.contains("setup:"), "{args:?}: {stdout}");
@@ -660,19 +665,12 @@ fn a_word_that_is_not_utf8_is_refused_not_a_panic() {
 #[test]
 fn gpu_commands_without_a_gpu_are_refused_before_setup() {
     for args in [&["train", "--gpus", "2"][..], &["gpu-check"]] {
-        let output = wait_bounded(
+        let (status, stdout, stderr) = xtask_refusal(
             Command::new(XTASK)
                 .args(args)
-                .env("CUDA_VISIBLE_DEVICES", "")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap(),
-            Duration::from_secs(60),
+                .env("CUDA_VISIBLE_DEVICES", ""),
         );
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(1), "{args:?}: {stdout}{stderr}");
+        assert_eq!(status, Some(1), "{args:?}: {stdout}{stderr}");
         // setup says a line whenever it runs, "already installed" at least.
         assert!(!stdout.contains("setup:"), "{args:?}: {stdout}");
         assert!(
