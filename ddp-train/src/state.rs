@@ -349,7 +349,7 @@ fn checkpoint_stem(name: &str) -> Option<&str> {
 /// scheduler's and early stopping's counts) cannot overflow, a finite non-negative learning
 /// rate and a finite positive gradient scale.
 pub fn check_state(state: &TrainState, file: &Path) -> Result<(), TrainError> {
-    const MAX: u64 = 1 << 40;
+    const MAX: u64 = crate::settings::MAX_COUNT;
     let mut problems = Vec::new();
     if state.epoch >= MAX {
         problems.push(format!("epoch {}", state.epoch));

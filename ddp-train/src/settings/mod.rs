@@ -55,9 +55,9 @@ pub use runtime::{DeviceChoice, RuntimeSettings};
 pub(crate) const MAX_COUNT: u64 = 1 << 40;
 
 /// The longest duration a setting takes, in seconds (`runtime.time_limit_secs`,
-/// `checkpoint.minutes`): ddp-comm's longest timeout, 10^9 s (about 31 years), so that a
-/// deadline of now plus it always exists.
-pub(crate) const MAX_SECONDS: u64 = 1_000_000_000;
+/// `checkpoint.minutes`): the launcher's and ddp-comm's longest wait, 10^9 s (about 31
+/// years), so that a deadline of now plus it always exists.
+pub(crate) const MAX_SECONDS: u64 = ddp_run::MAX_WAIT.as_secs();
 
 /// Why `path` cannot be taken, as the words after the setting or flag that gave it, when it
 /// is not valid UTF-8: the run records its paths as text (`config.json`, the run directory
