@@ -8,6 +8,7 @@
 //! .deps/libtorch/lib      ->  .deps/venv/.../site-packages/torch/lib
 //! .deps/libtorch/build-version   "2.13.0", written last: the install's completion marker
 //! .deps/tmp/                  pip's TMPDIR while it installs (unless TMPDIR is set)
+//! .deps.lock                  locked while a setup runs, so that two at once take turns
 //! ```
 //!
 //! `.cargo/config.toml` points `LIBTORCH` at `.deps/libtorch`, so torch-sys needs no Python
@@ -63,6 +64,14 @@ impl Deps {
         self.root.join("libtorch")
     }
 
+    /// `.deps.lock`, beside `.deps/` (which `--reinstall` removes) so that one file stays
+    /// the lock across a reinstall.
+    fn lock_file(&self) -> PathBuf {
+        let mut name = self.root.file_name().unwrap_or_default().to_owned();
+        name.push(".lock");
+        self.root.with_file_name(name)
+    }
+
     fn version_file(&self) -> PathBuf {
         self.libtorch().join("build-version")
     }
@@ -109,6 +118,9 @@ pub struct SetupArgs {
 pub fn run(project_root: &Path, args: &SetupArgs) -> Result<Deps> {
     let deps = Deps::new(project_root);
     warn_of_another_libtorch(&deps);
+    // Two commands of a fresh clone started together (`cargo xtask test` in one terminal,
+    // `cargo xtask train` in another) would both create the venv and run pip into it.
+    let _lock = lock_setup(&deps)?;
     if args.reinstall && deps.root.exists() {
         fs::remove_dir_all(&deps.root)
             .with_context(|| format!("cannot remove {}", deps.root.display()))?;
@@ -168,6 +180,48 @@ pub fn run(project_root: &Path, args: &SetupArgs) -> Result<Deps> {
         deps.libtorch().display()
     );
     Ok(deps)
+}
+
+/// Takes the exclusive `flock` of [`Deps::lock_file`], waiting while another setup holds it.
+fn lock_setup(deps: &Deps) -> Result<Option<fs::File>> {
+    let waiting = format!(
+        "setup: another `cargo xtask` is setting up {}; waiting for it to finish",
+        deps.root.display()
+    );
+    wait_for_lock(&deps.lock_file(), &waiting)
+}
+
+/// Takes an exclusive `flock` on `path` (created if missing), printing `waiting` first if
+/// another process holds it, and waiting for it as cargo waits for its build folder. The
+/// kernel lets it go when the returned file is dropped or the process ends, however it ends.
+/// A file system without locks (some NFS mounts) gets no lock: `None`.
+pub fn wait_for_lock(path: &Path, waiting: &str) -> Result<Option<fs::File>> {
+    use std::os::fd::AsRawFd;
+    let file = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .with_context(|| format!("cannot open the lock file {}", path.display()))?;
+    let flock = |how| {
+        // SAFETY: flock on a descriptor `file` owns; no memory is involved.
+        match unsafe { libc::flock(file.as_raw_fd(), how) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    };
+    match flock(libc::LOCK_EX | libc::LOCK_NB) {
+        Ok(()) => return Ok(Some(file)),
+        Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => println!("{waiting}"),
+        Err(_) => return Ok(None),
+    }
+    loop {
+        match flock(libc::LOCK_EX) {
+            Ok(()) => return Ok(Some(file)),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e).with_context(|| format!("cannot lock {}", path.display())),
+        }
+    }
 }
 
 fn extras_marker() -> String {
@@ -529,6 +583,32 @@ mod tests {
         // The same files in the site-packages the venv's Python reads: installed.
         fake_torch(&deps, &site_packages(&deps).unwrap());
         assert_eq!(deps.installed_version().as_deref(), Some(TORCH_VERSION));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_second_setup_waits_for_the_first_to_let_go() {
+        let dir = tempdir();
+        let deps = Deps {
+            root: dir.join(".deps"),
+        };
+        assert_eq!(deps.lock_file(), dir.join(".deps.lock"));
+        let first = lock_setup(&deps).unwrap().expect("tmp has locks");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let second = {
+            let deps = deps.clone();
+            std::thread::spawn(move || {
+                let lock = lock_setup(&deps).unwrap();
+                tx.send(()).unwrap();
+                lock
+            })
+        };
+        let waited = rx.recv_timeout(std::time::Duration::from_millis(300));
+        assert_eq!(waited, Err(std::sync::mpsc::RecvTimeoutError::Timeout));
+        drop(first);
+        rx.recv_timeout(std::time::Duration::from_secs(60))
+            .expect("the second setup takes the lock once the first lets go");
+        assert!(second.join().unwrap().is_some());
         fs::remove_dir_all(&dir).unwrap();
     }
 

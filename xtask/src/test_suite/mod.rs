@@ -83,6 +83,14 @@ impl Binary {
 
 pub fn run(root: &Path) -> Result<()> {
     let started = Instant::now();
+    // A second run in the same checkout would overwrite this one's logs, timing history and
+    // the tests' shared fixture folders under target/ while they are read.
+    let own = target_dir(root).join("xtask");
+    std::fs::create_dir_all(&own).with_context(|| format!("cannot create {}", own.display()))?;
+    let _lock = crate::setup::wait_for_lock(
+        &own.join("test.lock"),
+        "xtask: another `cargo xtask test` runs in this checkout; waiting for it to finish",
+    )?;
     crate::setup::run(root, &crate::setup::SetupArgs::default())?;
     let mut fmt = crate::cargo();
     fmt.args(["fmt", "--all", "--check"]);
