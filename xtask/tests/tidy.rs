@@ -1045,3 +1045,42 @@ fn the_front_page_is_short_and_the_documentation_undated() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// The flags `cargo xtask train` adds for its built-in sample (`SAMPLE_DEFAULTS` in
+/// `xtask/src/launch.rs`), as `--flag value` pairs.
+fn sample_defaults(launch: &str) -> Vec<String> {
+    let start = launch
+        .find("const SAMPLE_DEFAULTS")
+        .expect("xtask/src/launch.rs defines SAMPLE_DEFAULTS");
+    let body = &launch[start..];
+    let body = &body[..body.find("];").expect("SAMPLE_DEFAULTS ends with `];`")];
+    body.lines()
+        .filter_map(|line| {
+            let pair = line.trim().strip_prefix("(\"")?.strip_suffix("\"),")?;
+            let (flag, value) = pair.split_once("\", \"")?;
+            Some(format!("{flag} {value}"))
+        })
+        .collect()
+}
+
+/// A user comparing the quick run with seed 1 or `ddp-train --help` sees every setting the
+/// sample changes named in its guide.
+#[test]
+fn the_samples_settings_are_all_in_its_guide() {
+    let root = root();
+    let launch = std::fs::read_to_string(root.join("xtask/src/launch.rs")).unwrap();
+    let flags = sample_defaults(&launch);
+    assert!(flags.len() >= 6, "{flags:?}");
+    assert!(flags.contains(&"--lr 0.002".to_owned()), "{flags:?}");
+    let guide = std::fs::read_to_string(root.join("docs/odir.md")).unwrap();
+    // The guide wraps lines: compare with its words joined by single spaces.
+    let guide = guide.split_whitespace().collect::<Vec<_>>().join(" ");
+    let missing: Vec<&String> = flags
+        .iter()
+        .filter(|f| !guide.contains(f.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/odir.md does not name the built-in sample's {missing:?}"
+    );
+}
