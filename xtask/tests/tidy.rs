@@ -1084,3 +1084,58 @@ fn the_samples_settings_are_all_in_its_guide() {
         "docs/odir.md does not name the built-in sample's {missing:?}"
     );
 }
+
+/// `major.minor` of a `rust-version` value (`1.88`, `1.88.0`).
+fn minor_version(text: &str) -> (u32, u32) {
+    let mut parts = text.trim().split('.').map(|p| p.parse::<u32>().unwrap());
+    (parts.next().unwrap(), parts.next().unwrap_or(0))
+}
+
+/// The Rust the README asks for builds the committed lock: every package in it declares a
+/// `rust-version` at most the workspace's, which is the one the README names. (cargo refuses
+/// to build a dependency that needs a newer compiler, so a newcomer on an older one would fail
+/// at the first command.)
+#[test]
+fn the_readmes_rust_builds_every_locked_package() {
+    let root = root();
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let ours = manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("rust-version = "))
+        .expect("the workspace declares rust-version")
+        .trim_matches('"');
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let named = readme
+        .split("Rust >= ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("README.md names the Rust it needs as `Rust >= X.Y`");
+    assert_eq!(named, ours, "README.md and Cargo.toml name different Rusts");
+    let out = std::process::Command::new(env!("CARGO"))
+        .args(["metadata", "--format-version", "1", "--locked"])
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let newer: Vec<String> = metadata["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| {
+            let needs = p["rust_version"].as_str()?;
+            let (name, version) = (p["name"].as_str()?, p["version"].as_str()?);
+            (minor_version(needs) > minor_version(ours))
+                .then(|| format!("{name} {version} needs {needs}"))
+        })
+        .collect();
+    assert!(
+        newer.is_empty(),
+        "Cargo.lock holds packages newer than rust-version {ours}: {newer:?}; raise it \
+         (Cargo.toml and README.md) or `cargo update -p` them to older versions"
+    );
+}
