@@ -9,7 +9,10 @@
 
 mod report;
 
-pub use report::{error_message, join_causes, launch_and_report};
+pub use report::{
+    error_message, failure_lines, interruption_lines, join_causes, launch_and_report,
+    launch_and_report_with, Wording,
+};
 
 use std::ffi::OsString;
 

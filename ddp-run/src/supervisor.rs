@@ -8,10 +8,8 @@
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
-use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
-use std::ops::Range;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -24,131 +22,9 @@ use crate::rank_env::RankEnv;
 use crate::signals::{SignalWatch, FORWARDED};
 use crate::{LaunchConfig, LaunchError};
 
-/// How a rank's process ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Exit {
-    /// It exited with this status.
-    Code(i32),
-    /// A signal killed it.
-    Signal(i32),
-}
+mod outcome;
 
-impl Exit {
-    /// Whether it exited with status 0.
-    pub fn success(self) -> bool {
-        self == Exit::Code(0)
-    }
-}
-
-impl fmt::Display for Exit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Exit::Code(c) => write!(f, "exited with code {c}"),
-            Exit::Signal(s) => write!(f, "was killed by signal {s}"),
-        }
-    }
-}
-
-/// The rank whose failure ended an attempt.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RankFailure {
-    /// Its global rank.
-    pub rank: usize,
-    /// How it ended.
-    pub exit: Exit,
-    /// The last lines it printed in this attempt (stdout and stderr, in order of arrival).
-    pub tail: Vec<String>,
-    /// Its log file, when the job has a log folder.
-    pub log: Option<PathBuf>,
-}
-
-impl fmt::Display for RankFailure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "rank {} {}", self.rank, self.exit)
-    }
-}
-
-/// The exit code of a rank that stopped on request at a checkpoint it can continue from
-/// (75, `EX_TEMPFAIL`: "try again later"), as `ddp-train` does on SIGTERM, SIGUSR1 or its
-/// time limit. The launcher does not count it as a failure (no restart, no stopping of the
-/// other ranks, which are stopping too); when every rank ends so, the job is
-/// [`Outcome::Stopped`] and the launcher exits with this code as well.
-/// Defined once here: `ddp-train` re-exports it for the ranks' side.
-pub const EXIT_STOPPED: u8 = 75;
-
-/// How a job ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
-    /// Every rank exited with status 0, after `restarts` restarts.
-    Succeeded {
-        /// Restarts it took.
-        restarts: u32,
-    },
-    /// A rank failed and no restart was left.
-    Failed {
-        /// The rank that failed last.
-        failure: RankFailure,
-        /// Restarts made before giving up.
-        restarts: u32,
-    },
-    /// The launcher received this signal; the ranks got it too and were stopped.
-    Interrupted {
-        /// The signal number.
-        signal: i32,
-    },
-    /// The ranks stopped on request with [`EXIT_STOPPED`]: every one after the launcher
-    /// forwarded `signal` to them, or, by themselves (at a time limit, say), at least one
-    /// while the others succeeded. The job can continue from its checkpoint when started
-    /// again.
-    Stopped {
-        /// The signal the launcher received and forwarded, if any.
-        signal: Option<i32>,
-        /// Restarts made before.
-        restarts: u32,
-    },
-}
-
-impl Outcome {
-    /// The exit status for the launcher's process: 0, 1 after a failure, 128 + the signal
-    /// after an interruption (the shell's convention), [`EXIT_STOPPED`] after a stop.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            Outcome::Succeeded { .. } => 0,
-            Outcome::Failed { .. } => 1,
-            Outcome::Interrupted { signal } => 128 + signal,
-            Outcome::Stopped { .. } => i32::from(EXIT_STOPPED),
-        }
-    }
-}
-
-/// What the launcher is doing, for the caller to show.
-#[derive(Debug)]
-pub enum Event<'a> {
-    /// An attempt is about to start its ranks.
-    Starting {
-        /// 0 for the first attempt, then the number of restarts so far.
-        attempt: u32,
-        /// The global ranks started on this node.
-        ranks: Range<usize>,
-        /// Ranks in the job.
-        world_size: usize,
-        /// Where the ranks meet.
-        master_addr: &'a str,
-        /// The port where they meet in this attempt.
-        master_port: u16,
-        /// `OMP_NUM_THREADS` of each rank, if the launcher sets it.
-        omp_num_threads: Option<&'a str>,
-    },
-    /// A rank failed; the others of its attempt have been stopped.
-    RankFailed(&'a RankFailure),
-    /// The whole group is restarting.
-    Restarting {
-        /// This restart's number, from 1.
-        restart: u32,
-        /// The most restarts.
-        max_restarts: u32,
-    },
-}
+pub use outcome::{Event, Exit, Outcome, RankFailure, EXIT_STOPPED};
 
 /// Runs the job: starts the ranks of this node with torchrun's environment, copies their
 /// output to their log files (and the terminal), and ends the job as soon as one rank fails
@@ -210,7 +86,7 @@ pub fn launch(
         };
         match attempt.run(&watch)? {
             End::Succeeded => return Ok(Outcome::Succeeded { restarts }),
-            End::Interrupted(signal) => return Ok(Outcome::Interrupted { signal }),
+            End::Interrupted(outcome) => return Ok(outcome),
             End::Stopped(signal) => return Ok(Outcome::Stopped { signal, restarts }),
             End::Failed(failure) => {
                 on_event(&Event::RankFailed(&failure));
@@ -220,7 +96,12 @@ pub fn launch(
                 // A signal that arrived while the failed attempt was being stopped ends the
                 // job: no new generation of ranks starts after the user asked to stop.
                 if let Some(signal) = watch.received() {
-                    return Ok(Outcome::Interrupted { signal });
+                    return Ok(Outcome::Interrupted {
+                        signal,
+                        killed: Vec::new(),
+                        second_signal: false,
+                        failed: Vec::new(),
+                    });
                 }
                 restarts += 1;
                 on_event(&Event::Restarting {
@@ -241,7 +122,8 @@ fn unix_millis() -> u128 {
 /// How one attempt ended.
 enum End {
     Succeeded,
-    Interrupted(i32),
+    /// An [`Outcome::Interrupted`].
+    Interrupted(Outcome),
     Stopped(Option<i32>),
     Failed(RankFailure),
 }
@@ -267,6 +149,23 @@ struct Rank {
     log: Option<PathBuf>,
 }
 
+impl Rank {
+    /// How this rank, which has ended, failed: its exit and last lines.
+    fn failure(&self) -> RankFailure {
+        let tail = self
+            .tail
+            .lock()
+            .map(|t| t.iter().cloned().collect())
+            .unwrap_or_default();
+        RankFailure {
+            rank: self.rank,
+            exit: self.exit.unwrap_or(Exit::Code(1)),
+            tail,
+            log: self.log.clone(),
+        }
+    }
+}
+
 impl Attempt<'_> {
     fn run(&self, watch: &SignalWatch) -> Result<End, LaunchError> {
         let mut ranks: Vec<Rank> = Vec::with_capacity(self.config.nproc_per_node);
@@ -289,7 +188,7 @@ impl Attempt<'_> {
     fn watch(&self, ranks: &mut [Rank], watch: &SignalWatch) -> Result<End, LaunchError> {
         loop {
             if let Some(signal) = watch.received() {
-                stop(ranks, signal, self.config.shutdown_timeout);
+                let (killed, second_signal) = stop(ranks, signal, self.config.shutdown_timeout);
                 // Stopped at a checkpoint: some ranks stopped so and the others succeeded
                 // (ranks that had nothing left to do), as without a signal.
                 let stopped = |r: &Rank| r.exit == Some(Exit::Code(i32::from(EXIT_STOPPED)));
@@ -300,7 +199,25 @@ impl Attempt<'_> {
                 {
                     return Ok(End::Stopped(Some(signal)));
                 }
-                return Ok(End::Interrupted(signal));
+                // Killed by the signal, or exited as a shell does then (128 + it): as asked.
+                let as_asked = [
+                    Exit::Code(0),
+                    Exit::Code(i32::from(EXIT_STOPPED)),
+                    Exit::Signal(signal),
+                    Exit::Code(128 + signal),
+                ];
+                let failed = ranks
+                    .iter()
+                    .filter(|r| !killed.contains(&r.rank))
+                    .filter(|r| r.exit.is_some_and(|e| !as_asked.contains(&e)))
+                    .map(Rank::failure)
+                    .collect();
+                return Ok(End::Interrupted(Outcome::Interrupted {
+                    signal,
+                    killed,
+                    second_signal,
+                    failed,
+                }));
             }
             let mut failed = Vec::new();
             for (k, r) in ranks.iter_mut().enumerate() {
@@ -324,18 +241,7 @@ impl Attempt<'_> {
             failed.sort_by_key(|&k| (!matches!(ranks[k].exit, Some(Exit::Signal(_))), k));
             if let Some(&k) = failed.first() {
                 stop(ranks, libc::SIGTERM, self.config.shutdown_timeout);
-                let r = &ranks[k];
-                let tail = r
-                    .tail
-                    .lock()
-                    .map(|t| t.iter().cloned().collect())
-                    .unwrap_or_default();
-                return Ok(End::Failed(RankFailure {
-                    rank: r.rank,
-                    exit: r.exit.unwrap_or(Exit::Code(1)),
-                    tail,
-                    log: r.log.clone(),
-                }));
+                return Ok(End::Failed(ranks[k].failure()));
             }
             if ranks.iter().all(|r| r.exit.is_some()) {
                 // What a finished rank left running (an upload, a writer) is left to finish,
@@ -618,8 +524,9 @@ fn kill_group(pid: u32, signal: i32) {
 /// SIGSTOP or a debugger's, acts on the signal only once continued, as a shell's `kill`
 /// does for stopped jobs), SIGKILL to what is left after `timeout` (or at once when every
 /// rank has exited, or when another signal arrives meanwhile: a second Ctrl-C escalates),
-/// then reaps the ranks and lets their output threads finish.
-fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) {
+/// then reaps the ranks and lets their output threads finish. Returns the ranks it killed
+/// (still running then), and whether a second signal, not the timeout, ended the wait.
+fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) -> (Vec<usize>, bool) {
     // A signal that arrives while the ranks are given time to end (a second Ctrl-C) ends the
     // wait: they are killed at once.
     let signals_before = crate::signals::received_total();
@@ -629,22 +536,28 @@ fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) {
     }
     // (No deadline where it would not fit in an `Instant`: `validate` bounds the timeout.)
     let deadline = Instant::now().checked_add(timeout);
-    loop {
+    let escalated = loop {
         for r in ranks.iter_mut().filter(|r| r.exit.is_none()) {
             r.exit = peek_exit(r.child.id()).ok().flatten();
         }
-        let escalated = crate::signals::received_total() != signals_before;
+        let again = crate::signals::received_total() != signals_before;
         let late = deadline.is_some_and(|d| Instant::now() >= d);
-        if ranks.iter().all(|r| r.exit.is_some()) || late || escalated {
-            break;
+        if ranks.iter().all(|r| r.exit.is_some()) || late || again {
+            break again && !late;
         }
         std::thread::sleep(Duration::from_millis(20));
-    }
+    };
+    let killed = ranks
+        .iter()
+        .filter(|r| r.exit.is_none())
+        .map(|r| r.rank)
+        .collect();
     // Rank processes still running, and whatever the ranks started in their groups.
     for r in ranks.iter() {
         kill_group(r.child.id(), libc::SIGKILL);
     }
     reap(ranks);
+    (killed, escalated)
 }
 
 /// Reaps the ranks, which have exited or been killed, and lets their output threads pass on
@@ -679,46 +592,6 @@ fn reap(ranks: &mut [Rank]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn exits_read_as_torchrun_reports_them() {
-        assert_eq!(Exit::Code(17).to_string(), "exited with code 17");
-        assert_eq!(Exit::Signal(9).to_string(), "was killed by signal 9");
-        assert!(Exit::Code(0).success());
-        assert!(!Exit::Signal(15).success());
-        let failure = RankFailure {
-            rank: 3,
-            exit: Exit::Code(2),
-            tail: vec![],
-            log: None,
-        };
-        assert_eq!(failure.to_string(), "rank 3 exited with code 2");
-    }
-
-    #[test]
-    fn exit_codes_follow_the_shell() {
-        assert_eq!(Outcome::Succeeded { restarts: 2 }.exit_code(), 0);
-        assert_eq!(Outcome::Interrupted { signal: 15 }.exit_code(), 143);
-        let stopped = Outcome::Stopped {
-            signal: Some(15),
-            restarts: 0,
-        };
-        assert_eq!(stopped.exit_code(), 75);
-        let failure = RankFailure {
-            rank: 0,
-            exit: Exit::Signal(9),
-            tail: vec![],
-            log: None,
-        };
-        assert_eq!(
-            Outcome::Failed {
-                failure,
-                restarts: 0
-            }
-            .exit_code(),
-            1
-        );
-    }
 
     #[test]
     fn an_exit_is_seen_without_reaping() {

@@ -50,7 +50,10 @@ fn a_signal_to_the_launching_process_interrupts_the_job() {
     assert_eq!(
         outcome,
         Outcome::Interrupted {
-            signal: libc::SIGTERM
+            signal: libc::SIGTERM,
+            killed: vec![],
+            second_signal: false,
+            failed: vec![],
         }
     );
     assert_eq!(outcome.exit_code(), 143);

@@ -46,7 +46,10 @@ fn a_signal_during_a_failures_shutdown_prevents_the_restart() {
     assert_eq!(
         outcome,
         Outcome::Interrupted {
-            signal: libc::SIGTERM
+            signal: libc::SIGTERM,
+            killed: vec![],
+            second_signal: false,
+            failed: vec![],
         }
     );
     assert_eq!(starts, 1, "a new generation started after the signal");

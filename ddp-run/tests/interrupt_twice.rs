@@ -67,7 +67,10 @@ fn a_second_signal_during_the_shutdown_kills_the_ranks_at_once() {
     assert_eq!(
         outcome,
         Outcome::Interrupted {
-            signal: libc::SIGTERM
+            signal: libc::SIGTERM,
+            killed: vec![0, 1],
+            second_signal: true,
+            failed: vec![],
         }
     );
     // Killed right after the second signal, not at the end of the 60 s shutdown timeout.

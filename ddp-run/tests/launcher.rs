@@ -449,23 +449,48 @@ fn assert_stopped_after(out: &Output, signal: i32) {
     );
 }
 
+/// Two ranks that run `traps`, write their pids and wait, under `ddp-run --nproc-per-node 2
+/// LAUNCHER_ARGS`, which gets SIGTERM once both are up; its output.
+fn after_sigterm(dir: &Path, traps: &str, launcher_args: &[&str]) -> Output {
+    let script = format!(
+        r#"{traps}
+           echo $$ > {dir}/pid$RANK
+           i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
+        dir = dir.display()
+    );
+    let mut args = launcher_args.to_vec();
+    args.extend(["sh", "-c", &script]);
+    let child = two_ranks_command(&dir.join("logs"), &args).spawn().unwrap();
+    let launcher = child.id();
+    wait_for_pids(dir);
+    ddp_testkit::kill(launcher, libc::SIGTERM);
+    wait_bounded(child, LIMIT)
+}
+
+/// Ranks that take longer than the shutdown timeout to stop at their checkpoint are killed,
+/// and the launcher says so, with what to raise, instead of a plain interruption.
+#[test]
+fn ranks_killed_in_the_middle_of_their_stop_are_named_with_the_timeout() {
+    let dir = temp_dir("ddp-run-term-slow");
+    let traps = "trap 'sleep 3; exit 75' TERM";
+    let out = after_sigterm(dir.path(), traps, &["--shutdown-timeout", "1"]);
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out));
+    assert!(
+        stderr(&out).contains(
+            "ddp-run: interrupted by signal 15; ranks 0-1 had not stopped 1 s after it (the \
+             shutdown timeout) and were killed; a stop at a checkpoint needs more time: raise \
+             --shutdown-timeout\n"
+        ),
+        "{}",
+        text(&out)
+    );
+}
+
 #[test]
 fn a_signal_that_some_ranks_answer_with_75_and_the_others_with_0_ends_as_stopped() {
     let dir = temp_dir("ddp-run-term-mixed");
-    let logs = dir.path().join("logs");
-    let script = format!(
-        r#"if [ "$RANK" = 0 ]; then trap 'exit 75' TERM; else trap 'exit 0' TERM; fi
-           echo $$ > {dir}/pid$RANK
-           i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
-        dir = dir.path().display()
-    );
-    let child = two_ranks_command(&logs, &["sh", "-c", &script])
-        .spawn()
-        .unwrap();
-    let launcher = child.id();
-    wait_for_pids(dir.path());
-    ddp_testkit::kill(launcher, libc::SIGTERM);
-    let out = wait_bounded(child, LIMIT);
+    let traps = r#"if [ "$RANK" = 0 ]; then trap 'exit 75' TERM; else trap 'exit 0' TERM; fi"#;
+    let out = after_sigterm(dir.path(), traps, &[]);
     assert_stopped_after(&out, libc::SIGTERM);
 }
 

@@ -33,7 +33,8 @@ pub struct TrainArgs {
     /// Run directory (default: runs/YYYYMMDD-HHMMSS-PID, UTC).
     #[arg(long, value_parser = utf8_path())]
     pub out: Option<PathBuf>,
-    /// Seconds between asking failed jobs' ranks to terminate and killing them.
+    /// Seconds the ranks get to end, after a rank's failure or a signal (SIGTERM, SIGUSR1:
+    /// a stop at a checkpoint must fit in them), before they are killed.
     #[arg(
         long,
         default_value_t = 10,
@@ -275,8 +276,11 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
             eprintln!("xtask: giving up after {restarts} restart(s)");
         }
         Outcome::Failed { .. } => {}
-        Outcome::Interrupted { signal } => {
-            eprintln!("xtask: interrupted by signal {signal}; all ranks stopped");
+        Outcome::Interrupted { .. } => {
+            let timeout = config.shutdown_timeout;
+            for line in ddp_run::cli::interruption_lines("xtask", &outcome, timeout, "--grace") {
+                eprintln!("{line}");
+            }
         }
         Outcome::Stopped { .. } => {
             let at = std::fs::read_to_string(out.join("checkpoints/latest"))

@@ -4,8 +4,26 @@
 //! stderr, and the exit status.
 
 use std::process::ExitCode;
+use std::time::Duration;
 
-use crate::{launch, Event, LaunchConfig, LaunchError, Outcome};
+use crate::{launch, Event, LaunchConfig, LaunchError, Outcome, RankFailure};
+
+/// How a launcher built on [`launch_and_report_with`] names what its user can change.
+#[derive(Debug, Clone)]
+pub struct Wording {
+    /// What gives the ranks more time to stop (`ddp-run`'s `--shutdown-timeout`), in the
+    /// advice after ranks were killed at the end of the shutdown timeout.
+    pub longer_shutdown: String,
+}
+
+impl Default for Wording {
+    /// `ddp-run`'s words.
+    fn default() -> Self {
+        Self {
+            longer_shutdown: "--shutdown-timeout".into(),
+        }
+    }
+}
 
 /// Runs the job as the `ddp-run` binary does and tells the user on stderr, in lines that
 /// begin with `name: `, what happens: the `OMP_NUM_THREADS` the ranks get when the launcher
@@ -19,6 +37,15 @@ use crate::{launch, Event, LaunchConfig, LaunchError, Outcome};
 /// checkpoint on request, 128+N after signal N. An `Err` is the launcher's own failure (bad
 /// settings, a program that cannot be started), for the caller to print.
 pub fn launch_and_report(config: &LaunchConfig, name: &str) -> Result<ExitCode, LaunchError> {
+    launch_and_report_with(config, name, &Wording::default())
+}
+
+/// [`launch_and_report`], with advice in the launcher's own `wording`.
+pub fn launch_and_report_with(
+    config: &LaunchConfig,
+    name: &str,
+    wording: &Wording,
+) -> Result<ExitCode, LaunchError> {
     config.validate()?;
     let omp_chosen = config.omp_num_threads.is_none()
         && std::env::var_os(crate::env::OMP_NUM_THREADS).is_none()
@@ -38,8 +65,20 @@ pub fn launch_and_report(config: &LaunchConfig, name: &str) -> Result<ExitCode, 
             say(&line);
         }
     })?;
-    if let Some(line) = outcome_line(&outcome, config.nproc_per_node) {
-        say(&format!("{name}: {line}"));
+    let lines = match &outcome {
+        Outcome::Interrupted { .. } => interruption_lines(
+            name,
+            &outcome,
+            config.shutdown_timeout,
+            &wording.longer_shutdown,
+        ),
+        _ => outcome_line(&outcome, config.nproc_per_node)
+            .map(|line| format!("{name}: {line}"))
+            .into_iter()
+            .collect(),
+    };
+    for line in lines {
+        say(&line);
     }
     Ok(ExitCode::from(exit_status(&outcome)))
 }
@@ -69,25 +108,84 @@ fn event_lines(name: &str, event: &Event<'_>) -> Vec<String> {
                  {master_addr}:{master_port}{threads}"
             )]
         }
-        Event::RankFailed(failure) => {
-            let mut lines = vec![format!("{name}: {failure}")];
-            if failure.tail.is_empty() {
-                lines.push(format!("{name}: rank {} printed nothing", failure.rank));
-                return lines;
-            }
-            lines.push(match &failure.log {
-                Some(log) => format!("{name}: last lines of {}:", log.display()),
-                None => format!("{name}: last lines of rank {}:", failure.rank),
-            });
-            lines.extend(failure.tail.iter().map(|line| format!("    {line}")));
-            lines
-        }
+        Event::RankFailed(failure) => failure_lines(name, failure),
         Event::Restarting {
             restart,
             max_restarts,
         } => vec![format!(
             "{name}: restart {restart}/{max_restarts} of the whole group"
         )],
+    }
+}
+
+/// The lines that tell of a failed rank, each prefixed with `name: `: how it ended, then the
+/// last lines it printed in its attempt, indented so that they read as the rank's own.
+pub fn failure_lines(name: &str, failure: &RankFailure) -> Vec<String> {
+    let mut lines = vec![format!("{name}: {failure}")];
+    if failure.tail.is_empty() {
+        lines.push(format!("{name}: rank {} printed nothing", failure.rank));
+        return lines;
+    }
+    lines.push(match &failure.log {
+        Some(log) => format!("{name}: last lines of {}:", log.display()),
+        None => format!("{name}: last lines of rank {}:", failure.rank),
+    });
+    lines.extend(failure.tail.iter().map(|line| format!("    {line}")));
+    lines
+}
+
+/// The lines that tell how an [`Outcome::Interrupted`] ended (none for another outcome),
+/// each prefixed with `name: `: the ranks killed after `timeout`, with the advice to raise
+/// `longer_shutdown`, and the ranks that failed on their own, the first with its last lines.
+pub fn interruption_lines(
+    name: &str,
+    outcome: &Outcome,
+    timeout: Duration,
+    longer_shutdown: &str,
+) -> Vec<String> {
+    let Outcome::Interrupted {
+        signal,
+        killed,
+        second_signal,
+        failed,
+    } = outcome
+    else {
+        return Vec::new();
+    };
+    let mut first = format!("{name}: interrupted by signal {signal}");
+    let were = if killed.len() == 1 { "was" } else { "were" };
+    if killed.is_empty() && failed.is_empty() {
+        first.push_str("; all ranks stopped");
+    } else if *second_signal {
+        first.push_str(&format!(
+            "; {} {were} killed at a second signal",
+            rank_list(killed)
+        ));
+    } else if !killed.is_empty() {
+        first.push_str(&format!(
+            "; {} had not stopped {} s after it (the shutdown timeout) and {were} killed; a \
+             stop at a checkpoint needs more time: raise {longer_shutdown}",
+            rank_list(killed),
+            timeout.as_secs_f64()
+        ));
+    }
+    let mut lines = vec![first];
+    if let Some((failure, others)) = failed.split_first() {
+        lines.extend(failure_lines(name, failure));
+        lines.extend(others.iter().map(|f| format!("{name}: {f}")));
+    }
+    lines
+}
+
+/// `rank 3`, `ranks 0-3` or `ranks 0, 2, 5`, for ranks in ascending order.
+fn rank_list(ranks: &[usize]) -> String {
+    match ranks {
+        [one] => format!("rank {one}"),
+        [first, .., last] if last - first + 1 == ranks.len() => format!("ranks {first}-{last}"),
+        _ => {
+            let all: Vec<String> = ranks.iter().map(ToString::to_string).collect();
+            format!("ranks {}", all.join(", "))
+        }
     }
 }
 
@@ -106,9 +204,8 @@ fn outcome_line(outcome: &Outcome, nproc: usize) -> Option<String> {
             Some(format!("giving up after {restarts} restart(s)"))
         }
         Outcome::Failed { .. } => None,
-        Outcome::Interrupted { signal } => {
-            Some(format!("interrupted by signal {signal}; all ranks stopped"))
-        }
+        // Told by `interruption_lines`.
+        Outcome::Interrupted { .. } => None,
         Outcome::Stopped { signal, .. } => {
             // Some ranks may have finished while others stopped.
             let who = signal.map_or("the job stopped".to_string(), |s| {
@@ -246,6 +343,58 @@ mod tests {
     }
 
     #[test]
+    fn an_interruption_names_the_ranks_killed_and_those_that_failed() {
+        let interrupted = |killed: Vec<usize>, second_signal, failed| Outcome::Interrupted {
+            signal: 15,
+            killed,
+            second_signal,
+            failed,
+        };
+        let lines = |outcome: &Outcome| {
+            interruption_lines("x", outcome, Duration::from_secs(10), "--grace")
+        };
+        assert_eq!(
+            lines(&interrupted(vec![], false, vec![])),
+            ["x: interrupted by signal 15; all ranks stopped"]
+        );
+        assert_eq!(
+            lines(&interrupted(vec![0, 1, 2], false, vec![])),
+            [
+                "x: interrupted by signal 15; ranks 0-2 had not stopped 10 s after it (the \
+                 shutdown timeout) and were killed; a stop at a checkpoint needs more time: \
+                 raise --grace"
+            ]
+        );
+        assert_eq!(
+            lines(&interrupted(vec![0, 2], true, vec![])),
+            ["x: interrupted by signal 15; ranks 0, 2 were killed at a second signal"]
+        );
+        let failure = |rank, tail: &[&str]| RankFailure {
+            rank,
+            exit: Exit::Code(1),
+            tail: tail.iter().map(|l| l.to_string()).collect(),
+            log: None,
+        };
+        let failed = vec![
+            failure(0, &["cannot write the checkpoint"]),
+            failure(3, &[]),
+        ];
+        assert_eq!(
+            lines(&interrupted(vec![1], false, failed)),
+            [
+                "x: interrupted by signal 15; rank 1 had not stopped 10 s after it (the \
+                 shutdown timeout) and was killed; a stop at a checkpoint needs more time: \
+                 raise --grace",
+                "x: rank 0 exited with code 1",
+                "x: last lines of rank 0:",
+                "    cannot write the checkpoint",
+                "x: rank 3 exited with code 1",
+            ]
+        );
+        assert!(lines(&Outcome::Succeeded { restarts: 0 }).is_empty());
+    }
+
+    #[test]
     fn every_end_has_its_line_and_exit_status() {
         let failure = RankFailure {
             rank: 0,
@@ -281,8 +430,13 @@ mod tests {
                 1,
             ),
             (
-                Outcome::Interrupted { signal: 2 },
-                Some("interrupted by signal 2; all ranks stopped"),
+                Outcome::Interrupted {
+                    signal: 2,
+                    killed: vec![],
+                    second_signal: false,
+                    failed: vec![],
+                },
+                None,
                 130,
             ),
             (

@@ -32,7 +32,16 @@ pub(super) fn start_ranks(out: Option<&Path>, nproc: NprocPerNode) -> anyhow::Re
     let name = exe
         .file_name()
         .map_or_else(|| "launcher".into(), |n| n.to_string_lossy());
-    Ok(ddp_run::cli::launch_and_report(&config, &name)?)
+    let wording = ddp_run::cli::Wording {
+        longer_shutdown: format!(
+            "the launcher's shutdown timeout ({} s with --nproc-per-node): start the ranks \
+             with `ddp-run --shutdown-timeout SECONDS`",
+            config.shutdown_timeout.as_secs()
+        ),
+    };
+    Ok(ddp_run::cli::launch_and_report_with(
+        &config, &name, &wording,
+    )?)
 }
 
 /// Fails when this process already is one of a launcher's ranks (torchrun's `RANK` and

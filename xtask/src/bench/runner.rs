@@ -188,7 +188,7 @@ pub(super) fn run_ranks(
             exe.display(),
             logs.join(format!("rank-{}.out", failure.rank)).display()
         ),
-        ddp_run::Outcome::Interrupted { signal } => {
+        ddp_run::Outcome::Interrupted { signal, .. } => {
             bail!(
                 "interrupted by signal {signal} while running {}",
                 exe.display()
