@@ -95,7 +95,10 @@ impl Deps {
         let venv_lib = site_packages(self)
             .ok()
             .and_then(|site| fs::canonicalize(site.join("torch").join("lib")).ok());
-        let complete = lib.join("libtorch_cpu.so").exists() && venv_lib.as_ref() == Some(&lib);
+        // An empty marker is one a power loss cut short after its rename.
+        let complete = lib.join("libtorch_cpu.so").exists()
+            && venv_lib.as_ref() == Some(&lib)
+            && !version.trim().is_empty();
         complete.then(|| version.trim().to_owned())
     }
 
@@ -122,8 +125,7 @@ pub fn run(project_root: &Path, args: &SetupArgs) -> Result<Deps> {
     // `cargo xtask train` in another) would both create the venv and run pip into it.
     let _lock = lock_setup(&deps)?;
     if args.reinstall && deps.root.exists() {
-        fs::remove_dir_all(&deps.root)
-            .with_context(|| format!("cannot remove {}", deps.root.display()))?;
+        remove_install(&deps, &deps.root, |tree| fs::remove_dir_all(tree))?;
     }
     match deps.installed_version() {
         Some(v) if v == TORCH_VERSION => {
@@ -348,7 +350,7 @@ fn prepare_venv(deps: &Deps, python: &str) -> Result<()> {
             "setup: {} has no working pip (an interrupted or failed setup?); creating it again",
             venv.display()
         );
-        fs::remove_dir_all(&venv).with_context(|| format!("cannot remove {}", venv.display()))?;
+        remove_install(deps, &venv, |tree| fs::remove_dir_all(tree))?;
     } else {
         println!(
             "setup: creating a Python virtual environment in {}",
@@ -509,6 +511,32 @@ fn installed_torch_version(site: &Path) -> Result<Option<String>> {
 }
 
 /// Builds `.deps/libtorch` from symlinks into the wheel; `build-version` is written last.
+/// Removes `tree` (`.deps/` or its venv) with `remove`, the completion marker first: an
+/// interrupted removal (Ctrl-C, a full disk, a kill) leaves no marker claiming that what
+/// remains of torch is an install.
+fn remove_install(
+    deps: &Deps,
+    tree: &Path,
+    remove: impl FnOnce(&Path) -> std::io::Result<()>,
+) -> Result<()> {
+    let marker = deps.version_file();
+    match fs::remove_file(&marker) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(e).with_context(|| format!("cannot remove {}", marker.display()));
+        }
+        _ => {}
+    }
+    remove(tree).with_context(|| format!("cannot remove {}", tree.display()))
+}
+
+/// Flushes every file system write of this machine to disk (`sync(2)`): pip's files before
+/// the marker that says they are complete, so that a power loss cannot leave the marker
+/// over empty libraries.
+fn sync_disks() {
+    // SAFETY: sync takes no arguments and cannot fail.
+    unsafe { libc::sync() }
+}
+
 fn link_libtorch(deps: &Deps, torch: &Path) -> Result<()> {
     let dir = deps.libtorch();
     if dir.exists() {
@@ -519,10 +547,15 @@ fn link_libtorch(deps: &Deps, torch: &Path) -> Result<()> {
         std::os::unix::fs::symlink(torch.join(sub), dir.join(sub))
             .with_context(|| format!("cannot link {}", dir.join(sub).display()))?;
     }
+    sync_disks();
     let tmp = dir.join("build-version.tmp");
-    fs::write(&tmp, format!("{TORCH_VERSION}\n"))
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    let written = fs::File::create(&tmp).and_then(|mut file| {
+        std::io::Write::write_all(&mut file, format!("{TORCH_VERSION}\n").as_bytes())?;
+        file.sync_all()
+    });
+    written.with_context(|| format!("cannot write {}", tmp.display()))?;
     fs::rename(&tmp, deps.version_file())
+        .and_then(|()| fs::File::open(&dir)?.sync_all())
         .with_context(|| format!("cannot write {}", deps.version_file().display()))?;
     Ok(())
 }
@@ -570,6 +603,29 @@ mod tests {
         fs::create_dir_all(&lib).unwrap();
         fs::write(lib.join("libtorch_cpu.so"), b"").unwrap();
         link_libtorch(deps, &site.join("torch")).unwrap();
+    }
+
+    #[test]
+    fn an_interrupted_removal_or_an_empty_marker_is_not_an_install() {
+        let dir = tempdir();
+        let deps = Deps { root: dir.clone() };
+        make_venv(&deps);
+        fake_torch(&deps, &site_packages(&deps).unwrap());
+        assert_eq!(deps.installed_version().as_deref(), Some(TORCH_VERSION));
+        // A removal of the venv stopped before it deleted anything of torch.
+        let err = remove_install(&deps, &deps.venv(), |_| {
+            Err(std::io::Error::other("interrupted"))
+        })
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("interrupted"), "{err:#}");
+        assert!(site_packages(&deps).unwrap().join("torch/lib").exists());
+        assert_eq!(deps.installed_version(), None);
+        assert!(deps.needs_setup());
+        // A marker a power loss emptied after its rename.
+        fake_torch(&deps, &site_packages(&deps).unwrap());
+        fs::write(deps.version_file(), "").unwrap();
+        assert_eq!(deps.installed_version(), None);
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
