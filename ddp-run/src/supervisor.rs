@@ -3,7 +3,7 @@
 //! Each rank is a child process in a session (and process group) of its own, as torchrun's
 //! are, with `PR_SET_PDEATHSIG` so that the kernel kills it when the launcher dies, however the
 //! launcher dies. Ranks are watched with `waitid(WNOWAIT)`, which sees an exit without reaping
-//! it: until the launcher reaps a rank, its pid (and so its process group id) cannot be reused,
+//! it, each by a thread of its own that notes when (the first rank to fail is named): until the launcher reaps a rank, its pid (and so its process group id) cannot be reused,
 //! so signalling the group can only reach that rank and what it started.
 
 use std::collections::VecDeque;
@@ -139,11 +139,18 @@ struct Attempt<'a> {
     omp: Option<&'a str>,
 }
 
+/// When a rank exited and how, as its waiter thread saw it.
+type Noted = (Instant, std::io::Result<Exit>);
+
 /// A running rank and the threads copying its output.
 struct Rank {
     rank: usize,
     child: Child,
     exit: Option<Exit>,
+    /// When and how the rank exited, as its waiter thread saw it, until `watch` takes it.
+    exited: Arc<Mutex<Option<Noted>>>,
+    /// The thread blocked in `waitid` until the rank exits; joined before the rank is reaped.
+    waiter: Option<JoinHandle<()>>,
     tail: Arc<Mutex<VecDeque<String>>>,
     pumps: Vec<JoinHandle<()>>,
     log: Option<PathBuf>,
@@ -221,25 +228,25 @@ impl Attempt<'_> {
             }
             let mut failed = Vec::new();
             for (k, r) in ranks.iter_mut().enumerate() {
-                if r.exit.is_some() {
+                let noted = r.exited.lock().ok().and_then(|mut e| e.take());
+                let Some((at, exit)) = noted else {
                     continue;
-                }
+                };
                 let pid = r.child.id();
-                r.exit = peek_exit(pid).map_err(|source| LaunchError::Wait {
+                let exit = exit.map_err(|source| LaunchError::Wait {
                     rank: r.rank,
                     pid,
                     source,
                 })?;
-                if r.exit
-                    .is_some_and(|e| !e.success() && e != Exit::Code(i32::from(EXIT_STOPPED)))
-                {
-                    failed.push(k);
+                r.exit = Some(exit);
+                if !exit.success() && exit != Exit::Code(i32::from(EXIT_STOPPED)) {
+                    failed.push((at, !matches!(exit, Exit::Signal(_)), k));
                 }
             }
-            // Among ranks seen failing together, one killed by a signal is the likelier cause
-            // (its peers then fail for want of it); then the lowest rank.
-            failed.sort_by_key(|&k| (!matches!(ranks[k].exit, Some(Exit::Signal(_))), k));
-            if let Some(&k) = failed.first() {
+            // The first rank to exit is the cause (its peers then fail for want of it), however
+            // many exits one check finds; in a tie, one killed by a signal, then the lowest.
+            failed.sort();
+            if let Some(&(_, _, k)) = failed.first() {
                 stop(ranks, libc::SIGTERM, self.config.shutdown_timeout);
                 return Ok(End::Failed(ranks[k].failure()));
             }
@@ -360,10 +367,22 @@ impl Attempt<'_> {
         if let Some(err) = child.stderr.take() {
             pumps.push(sink(Stream::Stderr).start(err));
         }
+        let exited = Arc::new(Mutex::new(None));
+        let waiter = {
+            let (exited, pid) = (Arc::clone(&exited), child.id());
+            std::thread::spawn(move || {
+                let exit = wait_exit(pid, 0).map(|e| e.unwrap_or(Exit::Code(1)));
+                if let Ok(mut e) = exited.lock() {
+                    *e = Some((Instant::now(), exit));
+                }
+            })
+        };
         Ok(Rank {
             rank,
             child,
             exit: None,
+            exited,
+            waiter: Some(waiter),
             tail,
             pumps,
             log: log_path,
@@ -480,6 +499,12 @@ impl Pump {
 
 /// The exit of `pid`, if it has exited, without reaping it.
 fn peek_exit(pid: u32) -> std::io::Result<Option<Exit>> {
+    wait_exit(pid, libc::WNOHANG)
+}
+
+/// The exit of `pid`, without reaping it: waiting for it, or with `flags` `WNOHANG`, `None`
+/// while it runs.
+fn wait_exit(pid: u32, flags: libc::c_int) -> std::io::Result<Option<Exit>> {
     loop {
         // SAFETY: a zeroed siginfo_t is a valid out-parameter for waitid; WNOWAIT leaves
         // the child waitable, so std's `Child` still owns reaping it.
@@ -489,7 +514,7 @@ fn peek_exit(pid: u32) -> std::io::Result<Option<Exit>> {
                 libc::P_PID,
                 pid as libc::id_t,
                 &mut info,
-                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+                libc::WEXITED | libc::WNOWAIT | flags,
             );
             (r, info)
         };
@@ -564,6 +589,11 @@ fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) -> (Vec<usize>, bool
 /// the last lines.
 fn reap(ranks: &mut [Rank]) {
     for r in ranks.iter_mut() {
+        // Its waitid has returned, or will now that the rank has exited: reaping before it
+        // returned could let it wait on a new process given the same pid.
+        if let Some(waiter) = r.waiter.take() {
+            let _ = waiter.join();
+        }
         if let Ok(status) = r.child.wait() {
             if r.exit.is_none() {
                 use std::os::unix::process::ExitStatusExt;

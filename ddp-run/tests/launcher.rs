@@ -264,6 +264,31 @@ fn the_first_failure_ends_the_job_naming_the_rank() {
     assert!(!procs::alive(pid_in(&dir.path().join("pid0"))));
 }
 
+/// Ranks that fail within one check of the launcher are told apart by when they exited: the
+/// first is named, not the lowest.
+#[test]
+fn of_failures_one_check_finds_the_first_is_named() {
+    let dir = temp_dir("ddp-run-first");
+    let done2 = dir.path().join("done2");
+    let script = format!(
+        r#"case $RANK in
+             2) touch {done2}; exit 17 ;;
+             1) while [ ! -e {done2} ]; do sleep 0.05; done; sleep 0.02; exit 1 ;;
+             *) i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done ;;
+           esac"#,
+        done2 = done2.display()
+    );
+    let args = ["--nproc-per-node", "3", "--monitor-interval", "1"];
+    let out = run(&[&args[..], &["sh", "-c", &script]].concat());
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("ddp-run: rank 2 exited with code 17\n"),
+        "{err}"
+    );
+    assert!(!err.contains("rank 1 exited"), "{err}");
+}
+
 #[test]
 fn a_rank_killed_by_a_signal_is_named() {
     let dir = temp_dir("ddp-run-killed");
