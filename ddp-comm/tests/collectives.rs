@@ -575,23 +575,57 @@ fn avg_body() {
     println!("rank {rank}: avg ok");
 }
 
+/// CLOCK_MONOTONIC in nanoseconds: one clock for every process on the host, so that times
+/// taken by different ranks compare.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_MONOTONIC)");
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 fn barrier_body() {
     let group = join();
     let (rank, n) = rank_world();
     group.barrier().unwrap();
-    let start = std::time::Instant::now();
     std::thread::sleep(std::time::Duration::from_millis(300 * rank as u64));
+    // Every rank reads the host's monotonic clock just before it enters the barrier and just
+    // after it leaves: a rank can only leave once every rank has entered, so every rank's
+    // leaving time is at least every rank's arrival time, the last one's (rank n-1's, 600 ms
+    // after rank 0's) included. No tolerance: the clock is one for all processes, and each
+    // reading is ordered with the barrier's messages. A barrier that did not wait would let
+    // rank 0 leave some 600 ms before rank n-1 arrives.
+    let arrive = monotonic_ns();
     group.barrier().unwrap();
-    let waited = start.elapsed();
-    // Nobody leaves the barrier before the slowest rank (rank n-1) has arrived. Each rank's
-    // clock starts when it leaves the first barrier, and ranks leave it a few milliseconds
-    // apart (rank n-1 may leave first), so the bound allows 50 ms of that skew; a barrier
-    // that did not wait would let rank 0 go after about 0 ms.
-    assert!(
-        waited.as_millis() + 50 >= 300 * (n as u128 - 1),
-        "rank {rank} left after {waited:?}"
+    let leave = monotonic_ns();
+    let mut mine = arrive.to_le_bytes().to_vec();
+    mine.extend(leave.to_le_bytes());
+    let times: Vec<(u64, u64)> = group
+        .all_gather_bytes(&mine)
+        .unwrap()
+        .iter()
+        .map(|b| {
+            let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+            (word(0), word(8))
+        })
+        .collect();
+    assert_eq!(times.len(), n);
+    let (last, last_arrival) = (0..n).map(|q| (q, times[q].0)).max_by_key(|t| t.1).unwrap();
+    for (r, &(_, left)) in times.iter().enumerate() {
+        assert!(
+            left >= last_arrival,
+            "rank {r} left the barrier {} ns before rank {last} arrived (seen by rank {rank})",
+            last_arrival - left
+        );
+    }
+    println!(
+        "rank {rank}: barrier ok, left {} ms after rank {last} arrived",
+        (leave - last_arrival) / 1_000_000
     );
-    println!("rank {rank}: barrier ok after {waited:?}");
 }
 
 /// The ring order the crate promises: hosts in the order of their lowest rank, each host's
