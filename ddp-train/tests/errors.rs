@@ -1,10 +1,17 @@
 //! Errors for people: a user's mistake prints `error: <what and why>` and nothing else, even
 //! with `RUST_BACKTRACE=1` (a backtrace belongs to bugs, which panic).
 
+mod common;
+
 use std::ffi::OsStr;
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
+
+use common::regression::{points, Regression};
+use ddp_data::{Batch, TensorDataset};
+use ddp_train::{RegressionStats, Settings, Task, TrainError, Trainer};
+use tch::{nn, nn::Module, Reduction, Tensor};
 
 const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
 
@@ -402,5 +409,107 @@ fn a_plan_of_too_many_optimizer_steps_names_epochs() {
         "error: --epochs 274877906944 times 4 optimizer steps per epoch must be below 2^40 \
          (1099511627776) optimizer steps, the most a checkpoint counts: give fewer, or set \
          --max-steps-per-epoch",
+    );
+}
+
+/// What [`Faulty`] gets wrong.
+#[derive(Clone, Copy)]
+enum Fault {
+    /// `train_loss` returns one loss per sample.
+    PerSampleTrain,
+    /// `train_loss` returns a detached loss.
+    Detached,
+    /// `eval_batch` returns one loss per sample.
+    PerSampleEval,
+}
+
+/// The regression task with one [`Fault`].
+struct Faulty(Regression, Fault);
+
+impl Task for Faulty {
+    type Model = nn::Sequential;
+    type Data = TensorDataset;
+    type Stats = RegressionStats;
+
+    fn model(&self, root: &nn::Path) -> nn::Sequential {
+        self.0.model(root)
+    }
+
+    fn train_data(&self) -> TensorDataset {
+        self.0.train_data()
+    }
+
+    fn val_data(&self) -> Option<TensorDataset> {
+        self.0.val_data()
+    }
+
+    fn train_loss(&self, model: &nn::Sequential, batch: &Batch) -> Tensor {
+        match self.1 {
+            Fault::PerSampleTrain => model
+                .forward(batch.inputs())
+                .mse_loss(batch.targets(), Reduction::None),
+            Fault::Detached => self.0.train_loss(model, batch).detach(),
+            Fault::PerSampleEval => self.0.train_loss(model, batch),
+        }
+    }
+
+    fn new_stats(&self) -> RegressionStats {
+        self.0.new_stats()
+    }
+
+    fn eval_batch(&self, model: &Self::Model, batch: &Batch, stats: &mut Self::Stats) -> Tensor {
+        let predictions = model.forward(batch.inputs());
+        stats.add(&predictions, batch.targets());
+        let reduction = match self.1 {
+            Fault::PerSampleEval => Reduction::None,
+            _ => Reduction::Sum,
+        };
+        predictions.mse_loss(batch.targets(), reduction)
+    }
+}
+
+/// A Task's loss that backward or the loss's value cannot take is the Trainer's error naming
+/// the method and what to return, not a panic inside libtorch's bindings (exit 101 on every
+/// rank, with a backtrace). One rank, in this process: 64 training points and 8 validation
+/// points, batches of 16.
+#[test]
+fn a_task_loss_that_is_no_scalar_is_an_error_naming_the_method() {
+    let tmp = common::temp_dir("ddp-train-errors");
+    let trainer = |fault: Fault, name: &str| {
+        let mut s = Settings::default()
+            .epochs(1)
+            .batch_size(16)
+            .seed(3)
+            .out(Some(tmp.path().join(name)));
+        s.runtime.threads = Some(1);
+        s.runtime.workers = Some(1);
+        s.runtime.progress = false;
+        s.runtime.plot = false;
+        s.runtime.stop_on_signals = false;
+        let task = Faulty(Regression::new(points(64, 1), points(8, 2)), fault);
+        let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", common::free_port());
+        Trainer::with_env(task, s, &env).unwrap()
+    };
+    let invalid = |result: Result<_, TrainError>| match result {
+        Err(TrainError::Invalid(message)) => message,
+        Err(e) => panic!("another error: {e:?}"),
+        Ok(_) => panic!("no error"),
+    };
+    let run = |fault, name| invalid(trainer(fault, name).run().map(|_| ()));
+    assert_eq!(
+        run(Fault::PerSampleTrain, "per-sample"),
+        "Task::train_loss returned a loss of shape [16, 1]: return the batch's mean \
+         (Reduction::Mean), a scalar"
+    );
+    assert_eq!(
+        run(Fault::Detached, "detached"),
+        "Task::train_loss returned a loss that needs no gradient (computed under no_grad, \
+         detached, or from frozen parameters only): return one computed from the model's \
+         trainable parameters"
+    );
+    assert_eq!(
+        invalid(trainer(Fault::PerSampleEval, "eval").evaluate().map(|_| ())),
+        "Task::eval_batch returned a loss of shape [8, 1]: return the sum of the per-sample \
+         losses (Reduction::Sum), a scalar"
     );
 }

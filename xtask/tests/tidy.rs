@@ -512,8 +512,9 @@ fn libraries_do_not_print() {
 // or the environment.
 
 /// `(file, code on the line, why it holds)` of every `expect`/`unwrap`/`panic!`/
-/// `unreachable!` left in library code before its tests.
-const PANICS: [(&str, &str, &str); 11] = [
+/// `unreachable!`, and tch's panicking `backward`/`double_value`, left in library code
+/// before its tests.
+const PANICS: [(&str, &str, &str); 13] = [
     (
         "ddp-comm/src/security/auth.rs",
         "number.try_into().expect(\"4 bytes\")",
@@ -573,6 +574,16 @@ const PANICS: [(&str, &str, &str); 11] = [
         "panic!(\"optimizer step: {e}\")",
         "fused in-place updates of a parameter with tensors of its own shape, dtype and device",
     ),
+    (
+        "ddp-train/src/optim.rs",
+        "total.double_value(&[])",
+        "the norm of the stacked norms of a non-empty list of gradients: a 0-d tensor",
+    ),
+    (
+        "ddp-train/src/metrics.rs",
+        ".sum(Kind::Double).double_value(&[])",
+        "the sum of a whole tensor of doubles: a 0-d tensor",
+    ),
 ];
 
 /// `(line, code)` of each line of `text` (before its tests) that can panic.
@@ -589,6 +600,9 @@ fn panics(text: &str) -> Vec<(usize, String)> {
                 "unreachable!(",
                 "todo!(",
                 "unimplemented!(",
+                // tch's `f_backward().unwrap()` and `f_double_value(..).unwrap()`.
+                ".backward()",
+                ".double_value(",
             ]
             .iter()
             .any(|p| c.contains(p))
@@ -599,9 +613,9 @@ fn panics(text: &str) -> Vec<(usize, String)> {
 
 #[test]
 fn panics_are_found_in_code_only() {
-    let text = "/// x.unwrap();\nfn f() { x.expect(\"y\"); }\nfn g() { h().unwrap() } // z.unwrap()\n#[cfg(test)]\nmod tests {\n    fn t() { panic!(); }\n}\n";
+    let text = "/// x.unwrap();\nfn f() { x.expect(\"y\"); }\nfn g() { h().unwrap() } // z.unwrap()\nfn l() { l.backward(); l.f_backward()?; }\nfn v() { l.f_double_value(&[])?; }\nfn w() { l.double_value(&[]) }\n#[cfg(test)]\nmod tests {\n    fn t() { panic!(); }\n}\n";
     let found: Vec<usize> = panics(text).into_iter().map(|(l, _)| l).collect();
-    assert_eq!(found, [2, 3]);
+    assert_eq!(found, [2, 3, 4, 6]);
 }
 
 #[test]

@@ -7,6 +7,7 @@ use ddp_comm::ReduceOp;
 use tch::{Kind, Tensor};
 
 use super::faults::{fail_if_injected, Point};
+use super::loops::check_loss;
 use super::{EvalReport, Trainer};
 use crate::error::TrainError;
 #[cfg(doc)]
@@ -94,7 +95,12 @@ impl<T: Task> Trainer<T> {
                 // Evaluation runs in the training precision.
                 let _autocast = self.settings.precision.autocast(self.device)?;
                 let loss = self.task.eval_batch(&self.model, &batch, &mut stats);
-                loss_sum += loss.double_value(&[]);
+                check_loss(
+                    &loss,
+                    "Task::eval_batch",
+                    "the sum of the per-sample losses (Reduction::Sum)",
+                )?;
+                loss_sum += loss.f_double_value(&[])?;
                 samples += batch.len();
             }
             Ok(())

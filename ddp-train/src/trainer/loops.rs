@@ -313,6 +313,19 @@ impl<T: Task> Trainer<T> {
                     let _autocast = s.precision.autocast(self.device)?;
                     self.task.train_loss(&self.model, &batch)
                 };
+                check_loss(
+                    &loss,
+                    "Task::train_loss",
+                    "the batch's mean (Reduction::Mean)",
+                )?;
+                if !loss.requires_grad() {
+                    return Err(TrainError::Invalid(
+                        "Task::train_loss returned a loss that needs no gradient (computed \
+                         under no_grad, detached, or from frozen parameters only): return one \
+                         computed from the model's trainable parameters"
+                            .into(),
+                    ));
+                }
                 // Times 1, or NaN for a non-finite loss: it reaches every rank's gradients.
                 let scaled = &loss * poison(&loss) / s.accumulate as f64;
                 let root = match &self.scaler {
@@ -322,10 +335,13 @@ impl<T: Task> Trainer<T> {
                 // With find_unused_parameters, what backward cannot reach is marked at its
                 // first hook, so that buckets are still reduced while it runs.
                 self.ddp.prepare_for_backward(&root)?;
-                root.backward();
+                // A backward function can fail (a user's differentiable all-reduce whose
+                // peer died); SyncBatchNorm's failure, kept aside, is the better message.
+                let backward = root.f_backward();
                 if let Some(e) = self.sync_bn.as_ref().and_then(|r| r.take_error()) {
                     return Err(e.into());
                 }
+                backward.context(|| format!("the backward pass of epoch {epoch} step {step}"))?;
                 upcoming = loader.next();
                 micro_losses.push((loss.detach(), batch.len()));
                 fresh_samples += batch.len();
@@ -455,11 +471,23 @@ impl<T: Task> Trainer<T> {
     }
 }
 
+/// Refuses a loss of more than one element, which `what` (a [`Task`] method) returned:
+/// backward and the reads of its value need a scalar, `wanted`.
+pub(super) fn check_loss(loss: &Tensor, what: &str, wanted: &str) -> Result<(), TrainError> {
+    if loss.numel() == 1 {
+        return Ok(());
+    }
+    Err(TrainError::Invalid(format!(
+        "{what} returned a loss of shape {:?}: return {wanted}, a scalar",
+        loss.size()
+    )))
+}
+
 /// The values of a step's micro-batch losses (one-element tensors, as backward needs), in
 /// one copy to the host.
 fn read_losses(losses: &[(Tensor, usize)]) -> Result<Vec<f64>, TrainError> {
     Ok(match losses {
-        [(loss, _)] => vec![loss.double_value(&[])],
+        [(loss, _)] => vec![loss.f_double_value(&[])?],
         _ => {
             let all: Vec<Tensor> = losses
                 .iter()
