@@ -11,7 +11,7 @@ mod report;
 
 pub use report::{
     error_message, failure_lines, interruption_lines, join_causes, launch_and_report,
-    launch_and_report_with, Wording,
+    launch_and_report_with, shell_command, Wording,
 };
 
 use std::ffi::OsString;

@@ -303,20 +303,18 @@ fn a_failing_rank_ends_the_job_with_ddp_runs_report() {
 }
 
 /// SIGTERM to the one command reaches both ranks, which stop at a checkpoint; the command
-/// exits 75 as ddp-run does ("stopped, to be continued") and no rank outlives it.
+/// exits 75 as ddp-run does ("stopped, to be continued"), no rank outlives it, and, started
+/// without `--out`, it ends with the command that continues the run in the directory it chose.
 #[test]
 fn sigterm_stops_every_rank_at_a_checkpoint_with_exit_code_75() {
     let tmp = temp_dir("ddp-train-self-launch-stop");
     let data = data(tmp.path());
-    let run = tmp.path().join("run");
     let child = ddp_train(
         tmp.path(),
         &[
             "--nproc_per_node=2",
             "--data",
             data.to_str().unwrap(),
-            "--out",
-            run.to_str().unwrap(),
             "--epochs",
             "3",
             "--batch-size",
@@ -333,13 +331,34 @@ fn sigterm_stops_every_rank_at_a_checkpoint_with_exit_code_75() {
         ranks = procs::children_of(child.id());
         ranks.len() == 2
     });
+    let runs = tmp.path().join("runs");
+    let mut chosen = Vec::new();
+    wait_for("the command chose its run directory", LIMIT, || {
+        chosen = std::fs::read_dir(&runs).map_or(vec![], |d| d.flatten().collect());
+        chosen.len() == 1
+    });
+    let name = chosen[0].file_name().into_string().unwrap();
+    let run = runs.join(&name);
     wait_for_text(&run.join("logs/rank-0.out"), "epoch 1 step 2/", LIMIT);
     kill(child.id(), libc::SIGTERM);
     let out = wait_bounded(child, LIMIT);
     let t = text(&out);
     assert_eq!(out.status.code(), Some(75), "{t}");
-    assert!(
-        t.contains("ddp-train: the job stopped after signal 15 at a checkpoint (exit code 75)"),
+    let err = String::from_utf8_lossy(&out.stderr);
+    let last: Vec<&str> = err.lines().rev().take(2).collect();
+    assert_eq!(
+        last,
+        [
+            format!(
+                "  {EXE} --image-size 32 --threads 1 --workers 1 --out runs/{name} \
+                 --nproc_per_node=2 --data {} --epochs 3 --batch-size 2 --log-every 1",
+                data.display()
+            ),
+            format!(
+                "ddp-train: the job stopped after signal 15 at a checkpoint (exit code 75); \
+                 this command continues it in runs/{name}:"
+            ),
+        ],
         "{t}"
     );
     for pid in ranks {

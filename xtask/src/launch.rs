@@ -320,21 +320,7 @@ fn continue_command(args: &[String], out: &Path) -> String {
     words.extend(args[..at].iter().cloned());
     words.extend(["--out".to_owned(), out]);
     words.extend(args[at..].iter().cloned());
-    words
-        .iter()
-        .map(|w| shell_word(w))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-/// `word` as a POSIX shell reads it back: as it is when plain, else in single quotes.
-fn shell_word(word: &str) -> String {
-    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c);
-    if !word.is_empty() && word.chars().all(plain) {
-        word.to_owned()
-    } else {
-        format!("'{}'", word.replace('\'', r"'\''"))
-    }
+    ddp_run::cli::shell_command(&words)
 }
 
 /// How many ranks, on which device, where `visible` GPUs are.
@@ -812,7 +798,6 @@ mod tests {
             continue_command(&args(&["train"]), Path::new("runs/a b")),
             "cargo xtask train --out 'runs/a b'"
         );
-        assert_eq!(shell_word(""), "''");
     }
 
     #[test]

@@ -14,6 +14,9 @@ pub struct Wording {
     /// What gives the ranks more time to stop (`ddp-run`'s `--shutdown-timeout`), in the
     /// advice after ranks were killed at the end of the shutdown timeout.
     pub longer_shutdown: String,
+    /// How the user continues a job whose ranks stopped at a checkpoint: the same run
+    /// directory again, or the command that gives it (see [`shell_command`]).
+    pub to_continue: String,
 }
 
 impl Default for Wording {
@@ -21,6 +24,9 @@ impl Default for Wording {
     fn default() -> Self {
         Self {
             longer_shutdown: "--shutdown-timeout".into(),
+            to_continue: "the program continues it when started again with the same run \
+                          directory"
+                .into(),
         }
     }
 }
@@ -72,7 +78,7 @@ pub fn launch_and_report_with(
             config.shutdown_timeout,
             &wording.longer_shutdown,
         ),
-        _ => outcome_line(&outcome, config.nproc_per_node)
+        _ => outcome_line(&outcome, config.nproc_per_node, &wording.to_continue)
             .map(|line| format!("{name}: {line}"))
             .into_iter()
             .collect(),
@@ -190,8 +196,8 @@ fn rank_list(ranks: &[usize]) -> String {
 }
 
 /// The line that tells how the job of `nproc` ranks ended, if any (a failure without
-/// restarts was told by its event already).
-fn outcome_line(outcome: &Outcome, nproc: usize) -> Option<String> {
+/// restarts was told by its event already), with `to_continue` after a stop.
+fn outcome_line(outcome: &Outcome, nproc: usize, to_continue: &str) -> Option<String> {
     match outcome {
         Outcome::Succeeded { restarts } => {
             let after = match restarts {
@@ -212,11 +218,26 @@ fn outcome_line(outcome: &Outcome, nproc: usize) -> Option<String> {
                 format!("the job stopped after signal {s}")
             });
             Some(format!(
-                "{who} at a checkpoint (exit code {}); starting the job again continues it",
+                "{who} at a checkpoint (exit code {}); {to_continue}",
                 crate::EXIT_STOPPED
             ))
         }
     }
+}
+
+/// `words` as one command line a POSIX shell reads back word for word: a plain word as it
+/// is, any other in single quotes.
+pub fn shell_command<S: AsRef<str>>(words: &[S]) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c);
+    let quoted = words.iter().map(|w| {
+        let word = w.as_ref();
+        if !word.is_empty() && word.chars().all(plain) {
+            word.to_owned()
+        } else {
+            format!("'{}'", word.replace('\'', r"'\''"))
+        }
+    });
+    quoted.collect::<Vec<_>>().join(" ")
 }
 
 /// [`Outcome::exit_code`] as a process's exit status (1 for anything out of range).
@@ -395,6 +416,14 @@ mod tests {
     }
 
     #[test]
+    fn a_command_reads_back_word_for_word() {
+        assert_eq!(
+            shell_command(&["prog", "--out", "runs/a b", "", "it's", "--lr=0.1"]),
+            r"prog --out 'runs/a b' '' 'it'\''s' --lr=0.1"
+        );
+    }
+
+    #[test]
     fn every_end_has_its_line_and_exit_status() {
         let failure = RankFailure {
             rank: 0,
@@ -445,14 +474,19 @@ mod tests {
                     restarts: 0,
                 },
                 Some(
-                    "the job stopped after signal 15 at a checkpoint (exit code 75); \
-                     starting the job again continues it",
+                    "the job stopped after signal 15 at a checkpoint (exit code 75); the \
+                     program continues it when started again with the same run directory",
                 ),
                 75,
             ),
         ];
         for (outcome, line, status) in cases {
-            assert_eq!(outcome_line(&outcome, 2).as_deref(), line, "{outcome:?}");
+            let to_continue = Wording::default().to_continue;
+            assert_eq!(
+                outcome_line(&outcome, 2, &to_continue).as_deref(),
+                line,
+                "{outcome:?}"
+            );
             assert_eq!(exit_status(&outcome), status, "{outcome:?}");
         }
     }

@@ -1,7 +1,7 @@
 //! `--nproc-per-node`: a training program that starts its own ranks by running its own
 //! executable again, through `ddp-run`'s library, with `ddp-run`'s supervision and messages.
 
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -24,10 +24,11 @@ pub(super) fn start_ranks(out: Option<&Path>, nproc: NprocPerNode) -> anyhow::Re
         .context("cannot find this program's executable to start its ranks from")?;
     let run_dir = out.map_or_else(crate::trainer::default_run_dir, Path::to_path_buf);
     let chosen = out.is_none().then_some(run_dir.as_path());
-    let given: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let given = argv.get(1..).unwrap_or_default();
     let config = LaunchConfig {
         log_dir: Some(run_dir.join("logs")),
-        ..LaunchConfig::new(&exe, ranks).args(rank_args(&given, chosen))
+        ..LaunchConfig::new(&exe, ranks).args(rank_args(given, chosen))
     };
     let name = exe
         .file_name()
@@ -38,6 +39,16 @@ pub(super) fn start_ranks(out: Option<&Path>, nproc: NprocPerNode) -> anyhow::Re
              with `ddp-run --shutdown-timeout SECONDS`",
             config.shutdown_timeout.as_secs()
         ),
+        // A start without --out makes a new run directory: the command that returns to this
+        // one.
+        to_continue: match chosen {
+            Some(dir) => format!(
+                "this command continues it in {}:\n  {}",
+                dir.display(),
+                continue_command(&argv, dir)
+            ),
+            None => "the same command continues it".into(),
+        },
     };
     Ok(ddp_run::cli::launch_and_report_with(
         &config, &name, &wording,
@@ -81,6 +92,36 @@ fn refuse_inside_a_launcher(nproc: NprocPerNode) -> Result<(), TrainError> {
     }
 }
 
+/// `argv` (the program first) with `--out OUT` in front of `--nproc-per-node`, quoted for a
+/// POSIX shell: the command that continues a run started by `argv`, without `--out`, in the
+/// run directory `out` that it chose.
+fn continue_command(argv: &[OsString], out: &Path) -> String {
+    let at = argv
+        .iter()
+        .take_while(|a| *a != "--")
+        .position(|a| nproc_flag(a).is_some())
+        .unwrap_or(argv.len().min(1));
+    let mut words: Vec<String> = argv.iter().map(|a| a.to_string_lossy().into()).collect();
+    let out = out.to_string_lossy().into_owned();
+    words.splice(at..at, ["--out".to_owned(), out]);
+    ddp_run::cli::shell_command(&words)
+}
+
+/// Whether `arg` is `--nproc-per-node` (either spelling): `Some(true)` alone, its value next,
+/// `Some(false)` as `--nproc-per-node=N`.
+fn nproc_flag(arg: &OsStr) -> Option<bool> {
+    let bytes = arg.as_encoded_bytes();
+    let spelled = |s: &str| bytes == s.as_bytes();
+    let joined = |s: &str| bytes.starts_with(s.as_bytes()) && bytes.get(s.len()) == Some(&b'=');
+    if SPELLINGS.iter().any(|s| spelled(s)) {
+        Some(true)
+    } else if SPELLINGS.iter().any(|s| joined(s)) {
+        Some(false)
+    } else {
+        None
+    }
+}
+
 /// The arguments each rank gets: `given` without `--nproc-per-node N` (`--nproc-per-node=N`,
 /// either spelling), with `--out DIR` in the flag's place when `out` is given (the place is
 /// one where the program's parser takes `TrainArgs`' flags). What follows `--` is the
@@ -95,14 +136,15 @@ fn rank_args(given: &[OsString], out: Option<&Path>) -> Vec<OsString> {
             kept.extend(rest.by_ref().cloned());
             break;
         }
-        let bytes = arg.as_encoded_bytes();
-        let spelled = |s: &str| bytes == s.as_bytes();
-        let joined = |s: &str| bytes.starts_with(s.as_bytes()) && bytes.get(s.len()) == Some(&b'=');
-        if SPELLINGS.iter().any(|s| spelled(s)) {
-            rest.next(); // its value
-        } else if !SPELLINGS.iter().any(|s| joined(s)) {
-            kept.push(arg.clone());
-            continue;
+        match nproc_flag(arg) {
+            Some(true) => {
+                rest.next(); // its value
+            }
+            Some(false) => {}
+            None => {
+                kept.push(arg.clone());
+                continue;
+            }
         }
         if let Some(dir) = out.take() {
             kept.extend(["--out".into(), dir.into_os_string()]);
@@ -166,6 +208,24 @@ mod tests {
         ];
         assert_eq!(strip(&untouched, None), untouched);
         assert_eq!(strip(&[], None), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_stop_without_out_is_continued_by_a_command_with_the_chosen_directory() {
+        let argv = |v: &[&str]| v.iter().map(OsString::from).collect::<Vec<_>>();
+        let dir = Path::new("runs/20261206-101500-42");
+        assert_eq!(
+            continue_command(
+                &argv(&["./ddp-train", "--data", "my data", "--nproc_per_node=2"]),
+                dir
+            ),
+            "./ddp-train --data 'my data' --out runs/20261206-101500-42 --nproc_per_node=2"
+        );
+        // Never after `--`, where the program's own arguments are.
+        assert_eq!(
+            continue_command(&argv(&["t", "--", "--nproc-per-node", "2"]), dir),
+            "t --out runs/20261206-101500-42 -- --nproc-per-node 2"
+        );
     }
 
     #[test]
