@@ -52,8 +52,9 @@ fn recorded_run_id(out: &Path) -> Option<String> {
 /// does not continue by itself).
 ///
 /// A start that does not continue the run in `out` (another job, or resuming by itself is
-/// off), without an explicit `resume`, is refused when `out` holds checkpoints: starting over
-/// would overwrite the run's metrics, best models and checkpoints.
+/// off) is refused when `out` holds checkpoints, unless it resumes one of them (`latest`, or
+/// a rewind): starting over, or from another run's checkpoint, would write over the run's
+/// metrics, best models and checkpoints.
 pub(super) fn resume_after_restart(
     settings: &mut Settings,
     env: &EnvConfig,
@@ -90,37 +91,61 @@ pub(super) fn resume_after_restart(
         (Some(given), Some(_)) if given != "latest" => {
             format!(", continuing the run from its latest checkpoint (it began from {given})")
         }
+        (Some(given), None) if !resumes_the_run(out, given) => {
+            return Err(held_run(out, &latest, auto, env, Some(given)))
+        }
         (Some(_), _) => return Ok(String::new()),
         (None, Some(Continuation::Stopped)) => ", continuing the stopped run".to_string(),
         (None, Some(Continuation::Restarted)) => ", after the launcher's restart".to_string(),
         (None, Some(Continuation::SameJob)) => format!(", continuing job {}", env.run_id),
-        (None, None) => {
-            let names = std::fs::read_to_string(&latest).unwrap_or_default();
-            let off = if auto {
-                ""
-            } else {
-                " (resuming by itself after a restart is off)"
-            };
-            // A launcher that restarts ranks without telling them (a Kubeflow pod restarted
-            // after a crash) leaves them no way to know their run but the job's id.
-            let no_id = if env.names_a_job() {
-                ""
-            } else {
-                "; ranks restarted without TORCHELASTIC_RESTART_COUNT (a Kubeflow pod) \
-                 continue it when every start has the same DDP_RUN_ID"
-            };
-            return Err(TrainError::Invalid(format!(
-                "--out {} already holds a run{off} (its {} names {}): continue it with \
-                 --resume latest, or give another --out (or remove that folder) to start a new \
-                 run{no_id}",
-                out.display(),
-                latest.display(),
-                names.trim().escape_debug()
-            )));
-        }
+        (None, None) => return Err(held_run(out, &latest, auto, env, None)),
     };
     settings.checkpoint.resume = Some("latest".to_string());
     Ok(note)
+}
+
+/// Whether `given` (a `--resume`) names one of the checkpoints of the run in `out`: `latest`,
+/// the run directory, or a file of its `checkpoints/`. One that does not resolve is left to
+/// the start's own resolving, which names what is wrong with it.
+fn resumes_the_run(out: &Path, given: &str) -> bool {
+    given == "latest" || state::resolve(given, Some(out)).map_or(true, |f| of_the_run(out, &f))
+}
+
+/// The refusal of a start that would write over the run in `out` (whose `latest` file is
+/// `latest`): one that does not continue it, starting over or from `resumed`, a file of no
+/// checkpoint of the run.
+fn held_run(
+    out: &Path,
+    latest: &Path,
+    auto: bool,
+    env: &EnvConfig,
+    resumed: Option<&str>,
+) -> TrainError {
+    let names = std::fs::read_to_string(latest).unwrap_or_default();
+    let off = if auto {
+        ""
+    } else {
+        " (resuming by itself after a restart is off)"
+    };
+    let other = resumed.map_or_else(String::new, |f| {
+        format!(", and --resume {f} is not one of its checkpoints")
+    });
+    // A launcher that restarts ranks without telling them (a Kubeflow pod restarted
+    // after a crash) leaves them no way to know their run but the job's id.
+    let no_id = if env.names_a_job() {
+        ""
+    } else {
+        "; ranks restarted without TORCHELASTIC_RESTART_COUNT (a Kubeflow pod) \
+         continue it when every start has the same DDP_RUN_ID"
+    };
+    TrainError::Invalid(format!(
+        "--out {} already holds a run{off} (its {} names {}){other}: continue it with \
+         --resume latest, or give another --out (or remove that folder) to start a new \
+         run{no_id}",
+        out.display(),
+        latest.display(),
+        names.trim().escape_debug()
+    ))
 }
 
 /// The file whose lock marks a run directory in use.
@@ -729,14 +754,44 @@ mod tests {
         assert!(resume_after_restart(&mut s, &env("job-8", 0))
             .unwrap()
             .starts_with(", continuing the run from its latest checkpoint"));
-        // A new job's explicit resume is its own choice.
+    }
+
+    /// A new job resuming another run's checkpoint into a run directory would write over the
+    /// run's metrics, checkpoints and best models: refused, as starting over is. Resuming one
+    /// of the run's own checkpoints (a rewind, which sets the later ones aside) is not.
+    #[test]
+    fn a_new_job_resuming_another_runs_checkpoint_into_a_run_is_refused() {
         let run = run_of_job("job-7");
-        let mut s = settings(run.path(), Some("/elsewhere/epoch-0003.safetensors"));
-        assert_eq!(resume_after_restart(&mut s, &env("job-8", 0)).unwrap(), "");
-        assert_eq!(
-            s.checkpoint.resume.as_deref(),
-            Some("/elsewhere/epoch-0003.safetensors")
+        let out = run.path();
+        let dir = state::checkpoint_dir(out);
+        let other = ddp_testkit::temp_dir("run-dir-other");
+        let elsewhere = other.path().join("epoch-0002.safetensors");
+        for f in [&elsewhere, &dir.join("epoch-0001.safetensors")] {
+            std::fs::write(f, b"x").unwrap();
+        }
+        let mut s = settings(out, Some(elsewhere.to_str().unwrap()));
+        let e = resume_after_restart(&mut s, &env("job-8", 0)).unwrap_err();
+        assert!(
+            matches!(&e, TrainError::Invalid(why) if why == &format!(
+                "--out {0} already holds a run (its {0}/checkpoints/latest names epoch-0001), \
+                 and --resume {1} is not one of its checkpoints: continue it with --resume \
+                 latest, or give another --out (or remove that folder) to start a new run",
+                out.display(),
+                elsewhere.display()
+            )),
+            "{e:?}"
         );
+        assert_eq!(s.checkpoint.resume.as_deref(), elsewhere.to_str());
+        // The run's own checkpoint, its folder, or the run directory: the run goes on.
+        let own = dir.join("epoch-0001.safetensors");
+        for given in [own.to_str().unwrap(), out.to_str().unwrap(), "latest"] {
+            let mut s = settings(out, Some(given));
+            assert_eq!(resume_after_restart(&mut s, &env("job-8", 0)).unwrap(), "");
+            assert_eq!(s.checkpoint.resume.as_deref(), Some(given));
+        }
+        // One that does not resolve is left to the start, which names what is wrong.
+        let mut s = settings(out, Some("/no/such/file.safetensors"));
+        assert_eq!(resume_after_restart(&mut s, &env("job-8", 0)).unwrap(), "");
     }
 
     #[test]
