@@ -346,7 +346,8 @@ pub fn read_tensors(path: impl AsRef<Path>) -> Result<TensorFile, CheckpointErro
 /// Replaces the file at `path` with `bytes` so that a crash or power loss leaves either the old
 /// content or the new one, never a mix or a truncated file.
 ///
-/// The bytes go to a hidden temporary file in the same folder (`.<name>.tmp-<pid>`, so the
+/// The bytes go to a hidden temporary file in the same folder (`.<name>.tmp-<tag>`, the
+/// [`temporary_tag`] of the process writing it, in the same folder so that the
 /// rename never crosses file systems), which is flushed to disk with `fsync` before it is
 /// renamed over `path`; the folder is then synced too, because the rename itself is durable only
 /// once the folder's entry is on disk. When this returns `Ok` the new content survives a crash.
@@ -363,7 +364,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
+    let tmp = dir.join(format!(".{file_name}.tmp-{}", temporary_tag()));
     let result = (|| {
         let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;
@@ -377,6 +378,20 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// The tag of this process's temporaries of [`write_atomic`]: `<pid>-<start>`, the process id
+/// and, in hexadecimal nanoseconds, when the process first wrote one. A process that has an
+/// earlier one's id (a container's PID 1 at every start) so tells that one's temporaries,
+/// which a crash left, from its own.
+pub fn temporary_tag() -> String {
+    static START: std::sync::OnceLock<u128> = std::sync::OnceLock::new();
+    let start = START.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    });
+    format!("{}-{start:x}", std::process::id())
 }
 
 /// The result of syncing a folder, with the answers of file systems whose folders cannot be

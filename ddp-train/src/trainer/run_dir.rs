@@ -192,16 +192,22 @@ pub(super) fn lock_run_dir(out: &Path) -> Result<Option<std::fs::File>, String> 
 }
 
 /// Removes what writes cut short by a crash left in the run folder and its checkpoint
-/// folder: the temporaries of `write_atomic` (`.<name>.tmp-<pid>`) of other processes, as
-/// large as a checkpoint each. Only for the holder of the run lock, so that no other job
-/// writes there. Returns the files removed.
+/// folder: the temporaries of `write_atomic` (`.<name>.tmp-<pid>-<start>`, or `-<pid>` as
+/// older versions named them) of other processes, as large as a checkpoint each; a process
+/// with this one's id is another when it started at another time. Only for the holder of the
+/// run lock, so that no other job writes there. Returns the files removed.
 pub(super) fn remove_stale_temporaries(out: &Path) -> Vec<PathBuf> {
-    let own = format!(".tmp-{}", std::process::id());
+    let own = ddp_model::checkpoint::temporary_tag();
+    let digits = |s: &str, hex: bool| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (hex && b.is_ascii_hexdigit()))
+    };
     let stale = |name: &str| {
         name.starts_with('.')
-            && !name.ends_with(&own)
-            && name.rsplit_once(".tmp-").is_some_and(|(stem, pid)| {
-                stem.len() > 1 && !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit())
+            && name.rsplit_once(".tmp-").is_some_and(|(stem, tag)| {
+                let (pid, start) = tag.split_once('-').unwrap_or((tag, "0"));
+                stem.len() > 1 && tag != own && digits(pid, false) && digits(start, true)
             })
     };
     let mut removed = Vec::new();
@@ -613,23 +619,30 @@ mod tests {
         );
     }
 
+    /// Another process's temporaries go, though it had this one's id (a container's PID 1 at
+    /// every start): in the older form (`.tmp-<pid>`), or of another start; this process's
+    /// own stay.
     #[test]
     fn only_other_processes_write_temporaries_are_removed() {
         let dir = ddp_testkit::temp_dir("temporaries");
         let out = dir.path();
         let checkpoints = state::checkpoint_dir(out);
         std::fs::create_dir_all(&checkpoints).unwrap();
-        let own = format!(".latest.tmp-{}", std::process::id());
+        let tag = ddp_model::checkpoint::temporary_tag();
+        let pid = std::process::id();
         let keep = [
             out.join("metrics.jsonl"),
             out.join(".hidden"),
             out.join(".x.tmp-12ab"),
+            out.join(".x.tmp-12-xyz"),
             checkpoints.join("epoch-0001.safetensors"),
-            checkpoints.join(&own),
+            checkpoints.join(format!(".latest.tmp-{tag}")),
         ];
         let gone = [
             out.join(".metrics.jsonl.tmp-1"),
+            checkpoints.join(format!(".epoch-0004-step-000007.safetensors.tmp-{pid}")),
             checkpoints.join(".epoch-0004.safetensors.tmp-4242"),
+            checkpoints.join(format!(".latest.tmp-{pid}-1")),
         ];
         for f in keep.iter().chain(&gone) {
             std::fs::write(f, b"x").unwrap();
