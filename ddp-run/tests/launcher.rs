@@ -297,7 +297,10 @@ fn a_rank_killed_by_a_signal_is_named() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let err = stderr(&out);
     assert!(
-        err.contains("ddp-run: rank 1 was killed by signal 9\n"),
+        err.contains(
+            "ddp-run: rank 1 was killed by signal 9 (SIGKILL): the kernel's OOM killer or a \
+             kill -9 (see dmesg)\n"
+        ),
         "{err}"
     );
     // Without a log folder the tail still comes from memory.

@@ -24,9 +24,35 @@ impl fmt::Display for Exit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Exit::Code(c) => write!(f, "exited with code {c}"),
-            Exit::Signal(s) => write!(f, "was killed by signal {s}"),
+            Exit::Signal(s) => match signal_name(*s) {
+                Some(name) => write!(f, "was killed by signal {s} ({name})"),
+                None => write!(f, "was killed by signal {s}"),
+            },
         }
     }
+}
+
+/// The name of a common signal, as torchrun shows it (`SIGKILL`).
+fn signal_name(signal: i32) -> Option<&'static str> {
+    Some(match signal {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        _ => return None,
+    })
 }
 
 /// The rank whose failure ended an attempt.
@@ -44,7 +70,12 @@ pub struct RankFailure {
 
 impl fmt::Display for RankFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "rank {} {}", self.rank, self.exit)
+        write!(f, "rank {} {}", self.rank, self.exit)?;
+        // A failure is seen before the launcher kills anything: this SIGKILL is another's.
+        if self.exit == Exit::Signal(libc::SIGKILL) {
+            write!(f, ": the kernel's OOM killer or a kill -9 (see dmesg)")?;
+        }
+        Ok(())
     }
 }
 
@@ -145,7 +176,22 @@ mod tests {
     #[test]
     fn exits_read_as_torchrun_reports_them() {
         assert_eq!(Exit::Code(17).to_string(), "exited with code 17");
-        assert_eq!(Exit::Signal(9).to_string(), "was killed by signal 9");
+        assert_eq!(
+            Exit::Signal(15).to_string(),
+            "was killed by signal 15 (SIGTERM)"
+        );
+        assert_eq!(Exit::Signal(64).to_string(), "was killed by signal 64");
+        let killed = RankFailure {
+            rank: 5,
+            exit: Exit::Signal(9),
+            tail: vec![],
+            log: None,
+        };
+        assert_eq!(
+            killed.to_string(),
+            "rank 5 was killed by signal 9 (SIGKILL): the kernel's OOM killer or a kill -9 \
+             (see dmesg)"
+        );
         assert!(Exit::Code(0).success());
         assert!(!Exit::Signal(15).success());
         let failure = RankFailure {
