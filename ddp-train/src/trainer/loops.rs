@@ -52,7 +52,15 @@ impl<T: Task> Trainer<T> {
     /// for a signal), rank 0 writes a checkpoint, and every rank returns
     /// [`TrainError::Stopped`]; exit with [`TrainError::exit_code`]. A stop in an epoch's
     /// evaluation checkpoints the epoch's end, from which a resumed run evaluates it.
+    ///
+    /// A run resumed after the epoch at which early stopping ended it (a launcher's restart,
+    /// a requeued job) trains no further and returns no reports, unless its patience is now
+    /// larger than the epochs without improvement.
     pub fn run(&mut self) -> Result<Vec<EpochReport>, TrainError> {
+        if let Some(note) = self.ended_by_early_stopping() {
+            self.log.say(&note);
+            return Ok(Vec::new());
+        }
         let signals = match self.signals.take() {
             Some(watch) => Some(watch),
             None if self.settings.runtime.stop_on_signals => {
@@ -136,6 +144,26 @@ impl<T: Task> Trainer<T> {
             }
         }
         Ok(all)
+    }
+
+    /// Why the run is over when the resumed checkpoint is the end of an epoch at which early
+    /// stopping, with this run's patience, stops (the same on every rank).
+    fn ended_by_early_stopping(&self) -> Option<String> {
+        let rule = &self.settings.early_stopping;
+        let (early, patience) = (self.early.as_ref()?, rule.patience?);
+        if self.start_position.is_some() || self.start_epoch < 2 || early.bad_epochs < patience {
+            return None;
+        }
+        let best = early.best.map_or(String::new(), |b| {
+            format!(" (best {:.4} at epoch {})", b.value, b.epoch)
+        });
+        Some(format!(
+            "the run ended by early stopping at epoch {}: {} has not improved for {} epochs{best}; \
+             nothing left to train (a larger early-stopping patience continues it)",
+            self.start_epoch - 1,
+            rule.metric,
+            early.bad_epochs
+        ))
     }
 
     /// Optimizer steps in each epoch (the same every epoch: the sampler gives every rank the

@@ -1,0 +1,84 @@
+//! A run that early stopping ended stays ended when it is started again on its checkpoint
+//! (a launcher's restart, a requeued job, `--resume latest`): nothing is trained, appended
+//! or moved; a larger patience continues it. One rank, in this process.
+
+mod common;
+
+use std::path::Path;
+
+use common::free_port;
+use common::regression::{points, Regression};
+use ddp_train::{
+    CheckpointSettings, EarlyStopping, EpochReport, RuntimeSettings, Settings, Trainer,
+};
+
+/// 6 epochs of 4 steps into `out`, stopping early on the training loss after `patience`
+/// epochs without an improvement of 1000 (none ever is), resuming `latest` when `resume`.
+fn run(out: &Path, patience: u32, resume: bool) -> Vec<EpochReport> {
+    let mut early = EarlyStopping::min("train_loss").after(patience);
+    early.min_delta = 1000.0;
+    let quiet = RuntimeSettings::default()
+        .threads(Some(1))
+        .workers(Some(1))
+        .progress(false)
+        .plot(false)
+        .stop_on_signals(false);
+    let resume = resume.then(|| "latest".to_string());
+    let s = Settings::default()
+        .epochs(6)
+        .batch_size(16)
+        .seed(3)
+        .early_stopping(early)
+        .checkpoint(CheckpointSettings::default().resume(resume))
+        .runtime(quiet)
+        .out(Some(out.to_path_buf()));
+    let task = Regression::new(points(64, 1), points(8, 2));
+    let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", free_port());
+    Trainer::with_env(task, s, &env).unwrap().run().unwrap()
+}
+
+fn epochs(reports: &[EpochReport]) -> Vec<u64> {
+    reports.iter().map(|r| r.epoch).collect()
+}
+
+/// The epochs of `out/metrics.jsonl`, and the checkpoint `latest` names.
+fn recorded(out: &Path) -> (Vec<u64>, String) {
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let epochs = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["epoch"].as_u64())
+        .map(Option::unwrap)
+        .collect();
+    let latest = std::fs::read_to_string(out.join("checkpoints/latest")).unwrap();
+    (epochs, latest.trim().to_string())
+}
+
+#[test]
+fn a_run_ended_by_early_stopping_trains_no_further_when_resumed() {
+    let tmp = common::temp_dir("ddp-train-early-stopping");
+    let out = tmp.path().join("run");
+    // Epoch 1 sets the best, epoch 2 is the one without improvement.
+    assert_eq!(epochs(&run(&out, 1, false)), [1, 2]);
+    assert_eq!(recorded(&out), (vec![1, 2], "epoch-0002".to_string()));
+    let epoch_two = std::fs::read(out.join("checkpoints/epoch-0002.safetensors")).unwrap();
+
+    assert_eq!(epochs(&run(&out, 1, true)), Vec::<u64>::new());
+    assert_eq!(recorded(&out), (vec![1, 2], "epoch-0002".to_string()));
+    assert!(!out.join("checkpoints/epoch-0003.safetensors").exists());
+    assert_eq!(
+        std::fs::read(out.join("checkpoints/epoch-0002.safetensors")).unwrap(),
+        epoch_two
+    );
+    let log = std::fs::read_to_string(out.join("logs/rank-0.log")).unwrap();
+    assert!(
+        log.contains(
+            "the run ended by early stopping at epoch 2: train_loss has not improved for 1 \
+             epochs"
+        ),
+        "{log}"
+    );
+
+    // Patience 3 counts on from epoch 2's one bad epoch: epochs 3 and 4 make it 3.
+    assert_eq!(epochs(&run(&out, 3, true)), [3, 4]);
+    assert_eq!(recorded(&out), (vec![1, 2, 3, 4], "epoch-0004".to_string()));
+}
