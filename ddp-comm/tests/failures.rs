@@ -38,19 +38,19 @@ fn rendezvous_timeout_names_the_missing_rank_and_address() {
     if worker() {
         // The rank whose deadline passes first reports the timeout; the other may learn it
         // from that rank's abort instead. Both name rank 2 and the address.
+        let start = Instant::now();
         let err = expect_join_error();
-        assert!(
-            matches!(
-                err,
-                CommError::RendezvousTimeout { .. } | CommError::Rendezvous { .. }
-            ),
-            "{err:?}"
-        );
+        let timed_out = match err {
+            CommError::RendezvousTimeout { .. } => true,
+            CommError::Rendezvous { .. } => false,
+            _ => panic!("{err:?}"),
+        };
+        println!("WAITED: {} {timed_out}", start.elapsed().as_millis());
         return;
     }
     let port = free_port();
-    let extra = env(&[("DDP_RDZV_TIMEOUT_S", "6")]);
-    let start = Instant::now();
+    let timeout = Duration::from_secs(6);
+    let extra = env(&[("DDP_RDZV_TIMEOUT_S", &timeout.as_secs().to_string())]);
     let children = (0..2)
         .map(|r| {
             spawn_rank(
@@ -75,7 +75,29 @@ fn rendezvous_timeout_names_the_missing_rank_and_address() {
             "rank {rank}: {err}"
         );
     }
-    assert!(start.elapsed() < LIMIT);
+    // Each rank timed its own join (the deadline starts inside it, after the process has
+    // started): the one that reports the timeout waited it out, and neither waited much longer.
+    let waited: Vec<(Duration, bool)> = outs
+        .iter()
+        .map(|out| {
+            let line = lines_with(out, "WAITED: ").join("");
+            let (ms, timed_out) = line.split_once(' ').expect("WAITED: <ms> <timed out>");
+            (
+                Duration::from_millis(ms.parse().unwrap()),
+                timed_out == "true",
+            )
+        })
+        .collect();
+    assert!(
+        waited.iter().any(|&(w, t)| t && w >= timeout),
+        "no rank waited out its {timeout:?} deadline: {waited:?}"
+    );
+    assert!(
+        waited
+            .iter()
+            .all(|&(w, _)| w < timeout + Duration::from_secs(20)),
+        "a rank waited far past its {timeout:?} deadline: {waited:?}"
+    );
 }
 
 #[test]
@@ -619,7 +641,9 @@ fn stray_connections_without_the_secret_are_rejected() {
 fn groups_with_different_secrets_cannot_rendezvous() {
     if worker() {
         let (rank, _) = rank_world();
+        let start = Instant::now();
         let err = expect_join_error();
+        println!("WAITED: {}", start.elapsed().as_millis());
         match (rank, &err) {
             (
                 1,
@@ -636,20 +660,27 @@ fn groups_with_different_secrets_cannot_rendezvous() {
     let test = "groups_with_different_secrets_cannot_rendezvous";
     let port = free_port();
     let secret = |digit: &str| digit.repeat(32);
-    let start = Instant::now();
+    let timeout = Duration::from_secs(8);
+    let timeout_s = timeout.as_secs().to_string();
     let rank0 = spawn_rank(
         test,
         0,
         2,
         port,
-        &env(&[("DDP_SECRET", &secret("a")), ("DDP_RDZV_TIMEOUT_S", "8")]),
+        &env(&[
+            ("DDP_SECRET", &secret("a")),
+            ("DDP_RDZV_TIMEOUT_S", &timeout_s),
+        ]),
     );
     let rank1 = spawn_rank(
         test,
         1,
         2,
         port,
-        &env(&[("DDP_SECRET", &secret("b")), ("DDP_RDZV_TIMEOUT_S", "8")]),
+        &env(&[
+            ("DDP_SECRET", &secret("b")),
+            ("DDP_RDZV_TIMEOUT_S", &timeout_s),
+        ]),
     );
     let outs = wait_all(vec![rank0, rank1], LIMIT);
     for (rank, out) in outs.iter().enumerate() {
@@ -667,7 +698,22 @@ fn groups_with_different_secrets_cannot_rendezvous() {
         let all = format!("{}{}", show(out), err);
         assert!(!all.contains(&secret("a")) && !all.contains(&secret("b")));
     }
-    assert!(start.elapsed() < LIMIT);
+    // Each rank timed its own join: rank 0 waited out its 8 s deadline for rank 1, and rank
+    // 1, refused at the handshake, failed at once instead of trying again until its own.
+    let waited: Vec<Duration> = outs
+        .iter()
+        .map(|out| Duration::from_millis(lines_with(out, "WAITED: ").join("").parse().unwrap()))
+        .collect();
+    assert!(
+        waited[0] >= timeout && waited[0] < timeout + Duration::from_secs(20),
+        "rank 0 waited {:?} for a {timeout:?} deadline",
+        waited[0]
+    );
+    assert!(
+        waited[1] < timeout,
+        "rank 1 waited {:?}, as long as its {timeout:?} deadline, after a refused handshake",
+        waited[1]
+    );
 }
 
 #[test]
