@@ -624,6 +624,60 @@ impl Settings {
         }
         Ok(())
     }
+
+    /// For a task without validation data: what the plateau scheduler, early stopping (with
+    /// a patience) and each best-model monitor watch must be a number of an epoch's report
+    /// without evaluation (`EpochReport::metric`: `train_loss`, `lr`, and `grad_norm` when
+    /// clipping), or the first epoch would train and then fail without its checkpoint.
+    pub(crate) fn check_watched_without_validation(&self) -> Result<(), SettingError> {
+        let mut known = vec!["train_loss", "lr"];
+        if self.clip_grad_norm.is_some() {
+            known.push("grad_norm");
+        }
+        let missing = || {
+            format!(
+                ", is no number of an epoch's report: the task has no validation data \
+                 (Task::val_data is None), so the report holds only {}; watch one of them, \
+                 or give the task validation data",
+                known.join(", ")
+            )
+        };
+        if let LrSchedule::Plateau(p) = &self.lr_schedule {
+            if !known.contains(&p.metric.as_str()) {
+                return Err(SettingError::new(
+                    "lr_schedule.metric",
+                    format!(" '{}', which ", p.metric),
+                )
+                .setting("lr_schedule.kind")
+                .text(format!(" plateau watches{}", missing())));
+            }
+        }
+        let e = &self.early_stopping;
+        if let (Some(patience), false) = (e.patience, known.contains(&e.metric.as_str())) {
+            return Err(SettingError::new(
+                "early_stopping.metric",
+                format!(" '{}', which early stopping (", e.metric),
+            )
+            .setting("early_stopping.patience")
+            .text(format!(" {patience}) watches{}", missing())));
+        }
+        match self
+            .monitors
+            .iter()
+            .find(|m| !known.contains(&m.metric.as_str()))
+        {
+            Some(m) => Err(SettingError::new(
+                "monitors",
+                format!(
+                    ": '{}', which the best-model file {} watches{}",
+                    m.metric,
+                    m.file,
+                    missing()
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
 #[cfg(test)]

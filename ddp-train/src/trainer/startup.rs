@@ -66,6 +66,9 @@ impl<T: Task> Trainer<T> {
             .place(env.local_rank, env.local_world_size)?;
         let train_set = task.train_data();
         let val_set = task.val_data();
+        if val_set.is_none() && !settings.checkpoint.eval_only {
+            settings.check_watched_without_validation()?;
+        }
         let resume_from = match &settings.checkpoint.resume {
             Some(r) => Some(state::resolve(r, settings.out.as_deref())?),
             None => None,

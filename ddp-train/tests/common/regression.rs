@@ -17,12 +17,12 @@ pub fn points(count: i64, seed: i64) -> TensorDataset {
     TensorDataset::from_tensors(&x, &y.unsqueeze(1)).expect("a valid data set")
 }
 
-/// The MLP (4 -> 16 -> relu -> 1) on `train`, evaluated on `val`. Its training loss is the
-/// mean squared error times `loss_scale`, plus infinity at the `inf_at`-th call (from 0);
-/// each evaluated batch takes `eval_pause` longer.
+/// The MLP (4 -> 16 -> relu -> 1) on `train`, evaluated on `val` (`None`: not evaluated).
+/// Its training loss is the mean squared error times `loss_scale`, plus infinity at the
+/// `inf_at`-th call (from 0); each evaluated batch takes `eval_pause` longer.
 pub struct Regression {
     pub train: TensorDataset,
-    pub val: TensorDataset,
+    pub val: Option<TensorDataset>,
     pub loss_scale: f64,
     pub inf_at: Option<usize>,
     pub eval_pause: Duration,
@@ -34,7 +34,7 @@ impl Regression {
     pub fn new(train: TensorDataset, val: TensorDataset) -> Self {
         Regression {
             train,
-            val,
+            val: Some(val),
             loss_scale: 1.0,
             inf_at: None,
             eval_pause: Duration::ZERO,
@@ -60,7 +60,7 @@ impl Task for Regression {
     }
 
     fn val_data(&self) -> Option<TensorDataset> {
-        Some(self.val.clone())
+        self.val.clone()
     }
 
     fn train_loss(&self, model: &nn::Sequential, batch: &Batch) -> Tensor {
