@@ -239,12 +239,8 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
             out.display()
         ),
         Event::RankFailed(failure) => {
-            eprintln!("xtask: {failure}");
-            if let Some(log) = &failure.log {
-                eprintln!("xtask: last lines of {}:", log.display());
-            }
-            for line in &failure.tail {
-                eprintln!("    {line}");
+            for line in ddp_run::cli::failure_lines("xtask", failure) {
+                eprintln!("{line}");
             }
         }
         Event::Restarting {

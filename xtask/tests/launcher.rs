@@ -48,6 +48,40 @@ fn killing_a_rank_ends_the_job_naming_it_and_leaves_no_process() {
     );
 }
 
+/// An executable `rank.sh` in `dir` that runs `body` with `sh`, for `--bin`.
+fn rank_script(dir: &Path, body: &str) -> PathBuf {
+    let script = dir.join("rank.sh");
+    std::fs::write(&script, format!("#!/bin/sh\n{body}\n")).unwrap();
+    let mode = std::os::unix::fs::PermissionsExt::from_mode(0o755);
+    std::fs::set_permissions(&script, mode).unwrap();
+    script
+}
+
+/// A failed rank that printed nothing in its attempt is said to have, as ddp-run says it:
+/// its log, which keeps every attempt's output, has no last lines of this one to show.
+#[test]
+fn a_rank_that_fails_silently_is_said_to_have_printed_nothing() {
+    let dir = temp_dir("xtask-silent");
+    let out = dir.path().join("run");
+    let rank = rank_script(
+        dir.path(),
+        r#"if [ "$RANK" = 1 ]; then exit 3; fi
+i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
+    );
+    let launch = ["--cpus", "2", "--grace", "2"];
+    let child = launcher_of(&rank, &launch, dir.path(), &out, &[], &[])
+        .spawn()
+        .unwrap();
+    let output = wait_bounded(child, Duration::from_secs(60));
+    let t = text(&output);
+    assert_eq!(output.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains("xtask: rank 1 exited with code 3\nxtask: rank 1 printed nothing\n"),
+        "{t}"
+    );
+    assert!(!t.contains("last lines of"), "{t}");
+}
+
 #[test]
 fn a_launcher_killed_by_sigkill_takes_ranks_behind_a_wrapper_script_with_it() {
     let dir = temp_dir("xtask-wrapper");
@@ -56,19 +90,15 @@ fn a_launcher_killed_by_sigkill_takes_ranks_behind_a_wrapper_script_with_it() {
     // Each rank is `sh -c 'ddp-train ... >> log; true'`: ddp-train is the launcher's
     // grandchild, out of reach of the PR_SET_PDEATHSIG the launcher sets on its own children,
     // and writes to a file of its own, so a closed pipe does not end it either.
-    let wrapper = dir.path().join("rank.sh");
     let logs = dir.path().join("wrapped");
-    let script = format!(
-        "#!/bin/sh\n'{}' \"$@\" >>'{}'-\"$RANK\".log 2>&1\ntrue\n",
-        ddp_train().display(),
-        logs.display()
+    let wrapper = rank_script(
+        dir.path(),
+        &format!(
+            "'{}' \"$@\" >>'{}'-\"$RANK\".log 2>&1\ntrue",
+            ddp_train().display(),
+            logs.display()
+        ),
     );
-    std::fs::write(&wrapper, script).unwrap();
-    std::fs::set_permissions(
-        &wrapper,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
     let launch = ["--cpus", "2", "--grace", "2"];
     let mut child = launcher_of(&wrapper, &launch, &data, &out, &["--epochs", "50"], &[])
         .spawn()
