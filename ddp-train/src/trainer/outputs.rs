@@ -152,8 +152,9 @@ impl<T: Task> Trainer<T> {
 }
 
 /// The epochs before `start` from an earlier `metrics.jsonl` (a resumed run keeps them and
-/// drops any line of an epoch that will be trained again), and a warning when its last line
-/// was cut short.
+/// sets any line of an epoch that will be trained again aside, appended to the start's
+/// `checkpoints/abandoned-<time>/metrics.jsonl`), and a warning when its last line was cut
+/// short.
 ///
 /// An epoch's line is appended before its checkpoint is written, so a write cut short (a full
 /// disk, a lost machine) leaves an unfinished last line of an epoch the resumed run trains
@@ -167,6 +168,7 @@ pub(super) fn read_history(
         return Ok((Vec::new(), None));
     };
     let mut kept_lines = Vec::new();
+    let mut dropped = String::new();
     let mut reports = Vec::new();
     let mut warning = None;
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
@@ -193,7 +195,19 @@ pub(super) fn read_history(
         if m.epoch < start {
             kept_lines.push(line.to_string());
             reports.push(m);
+        } else {
+            dropped.push_str(line);
+            dropped.push('\n');
         }
+    }
+    if !dropped.is_empty() {
+        let aside = super::run_dir::aside_dir(&state::checkpoint_dir(out));
+        std::fs::create_dir_all(&aside)
+            .map_err(|e| TrainError::io(format!("cannot create {}", aside.display()), e))?;
+        let set_aside = aside.join("metrics.jsonl");
+        // After what an earlier start of this process set aside there, if any.
+        let before = std::fs::read_to_string(&set_aside).unwrap_or_default();
+        write_file(&set_aside, (before + &dropped).as_bytes())?;
     }
     let mut body = kept_lines.join("\n");
     if !body.is_empty() {
@@ -288,6 +302,10 @@ mod tests {
             std::fs::read_to_string(&path).unwrap(),
             format!("{}\n{}\n", line(1), line(2))
         );
+        assert!(
+            !state::checkpoint_dir(dir.path()).exists(),
+            "nothing set aside"
+        );
         // A damaged line inside the file, or a whole last line, is not a cut-short append.
         for text in [
             format!("{}\nnot json\n{}\n", line(1), line(2)),
@@ -302,5 +320,33 @@ mod tests {
             }
             assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
         }
+    }
+
+    /// A rewind keeps the lines of the epochs before it and sets the others aside, with the
+    /// checkpoints it sets aside, where they stay as they were (ODIR's tuned thresholds).
+    #[test]
+    fn the_lines_a_rewind_drops_are_set_aside() {
+        let dir = ddp_testkit::temp_dir("history-rewind");
+        let path = dir.path().join("metrics.jsonl");
+        let lines: Vec<String> = (1..=5).map(line).collect();
+        std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+        let (kept, warning) = read_history(dir.path(), 3).unwrap();
+        assert_eq!(kept.iter().map(|m| m.epoch).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(warning, None);
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            format!("{}\n{}\n", lines[0], lines[1])
+        );
+        let aside = super::super::run_dir::aside_dir(&state::checkpoint_dir(dir.path()));
+        let set_aside = aside.join("metrics.jsonl");
+        let expected = format!("{}\n{}\n{}\n", lines[2], lines[3], lines[4]);
+        assert_eq!(std::fs::read_to_string(&set_aside).unwrap(), expected);
+        // A second rewind of the same process appends.
+        let (kept, _) = read_history(dir.path(), 2).unwrap();
+        assert_eq!(kept.len(), 1);
+        assert_eq!(
+            std::fs::read_to_string(&set_aside).unwrap(),
+            expected + &lines[1] + "\n"
+        );
     }
 }

@@ -273,9 +273,11 @@ fn of_the_run(run: &Path, resumed: &Path) -> bool {
         .is_some_and(|parent| Some(parent) == dir)
 }
 
-/// A new folder `checkpoints/abandoned-<time>/` for what a resumed run leaves behind.
-fn aside_dir(checkpoints: &Path) -> PathBuf {
-    let stamp = ddp_run::default_run_dir(Path::new(""));
+/// The folder `checkpoints/abandoned-<time>/` for what a resumed run leaves behind: one per
+/// process, so that a start's checkpoints, best models and metrics set aside go together.
+pub(super) fn aside_dir(checkpoints: &Path) -> PathBuf {
+    static STAMP: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    let stamp = STAMP.get_or_init(|| ddp_run::default_run_dir(Path::new("")));
     checkpoints.join(format!("abandoned-{}", stamp.display()))
 }
 
@@ -310,9 +312,10 @@ fn move_aside(dir: &Path, stem: &str, later: &[String], aside: &Path) -> Result<
 /// epoch's checkpoint, leaves a file of an epoch the run no longer has (the file records its
 /// epoch in its metadata, as the epoch's checkpoint does): it is restored from the checkpoint
 /// of the recorded best's epoch (epoch-end checkpoints are never pruned), or moved into
-/// `checkpoints/abandoned-<time>/` where there is none. The document beside it
-/// (`<file>.json`, thresholds tuned for the model replaced) goes first. Only for the
-/// holder of the run lock. Returns a line for the log per file changed.
+/// `checkpoints/abandoned-<time>/` where there is none. Either way the file and the document
+/// beside it (`<file>.json`, thresholds tuned for it; first) go into that folder before
+/// anything replaces them. Only for the holder of the run lock. Returns a line for the log
+/// per file changed.
 pub(super) fn align_best_models(
     run: &Path,
     resumed: &Path,
@@ -346,32 +349,29 @@ pub(super) fn align_best_models(
         let source = best
             .map(|epoch| dir.join(format!("{}.safetensors", state::stem(epoch))))
             .filter(|p| p.is_file());
-        if let (Some(epoch), Some(source)) = (best, source) {
-            match std::fs::remove_file(&doc) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&doc, e)),
+        // The file and its document (thresholds tuned for it) go aside first, whatever
+        // replaces them.
+        let aside: &PathBuf = aside.get_or_insert_with(|| aside_dir(&dir));
+        std::fs::create_dir_all(aside).map_err(|e| io(aside, e))?;
+        for f in [&doc, &model] {
+            match f
+                .file_name()
+                .map(|name| std::fs::rename(f, aside.join(name)))
+            {
+                Some(Err(e)) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(f, e)),
                 _ => {}
             }
+        }
+        if let (Some(epoch), Some(source)) = (best, source) {
             let bytes = std::fs::read(&source).map_err(|e| io(&source, e))?;
             ddp_model::checkpoint::write_atomic(&model, &bytes).map_err(|e| io(&model, e))?;
             notes.push(format!(
                 "{was}, and the run's best for it is epoch {epoch}'s: restored from {} (without \
-                 thresholds)",
-                source.display()
+                 thresholds); the file and its thresholds are moved to {}",
+                source.display(),
+                aside.display()
             ));
         } else {
-            let aside: &PathBuf = aside.get_or_insert_with(|| aside_dir(&dir));
-            std::fs::create_dir_all(aside).map_err(|e| io(aside, e))?;
-            for f in [&doc, &model] {
-                match f
-                    .file_name()
-                    .map(|name| std::fs::rename(f, aside.join(name)))
-                {
-                    Some(Err(e)) if e.kind() != std::io::ErrorKind::NotFound => {
-                        return Err(io(f, e))
-                    }
-                    _ => {}
-                }
-            }
             let recorded_best = best.map_or_else(
                 || "records no best for it".to_string(),
                 |epoch| format!("records epoch {epoch}, whose checkpoint is gone"),
@@ -516,7 +516,8 @@ mod tests {
         // macro-F1 in both histories.
         for (file, epoch) in [("best-score", 10), ("best-loss", 10), ("best-macro", 8)] {
             save(&out.join(format!("{file}.safetensors")), epoch);
-            touch(out, &format!("{file}.json"));
+            let doc = format!("{{\"thresholds\": [0.3], \"epoch\": {epoch}}}");
+            std::fs::write(out.join(format!("{file}.json")), doc).unwrap();
         }
         let monitors = [
             Monitor::max("score", "best-score.safetensors"),
@@ -531,11 +532,23 @@ mod tests {
         ]);
         let notes = align_best_models(out, &resumed, &monitors, &bests).unwrap();
         assert_eq!(notes.len(), 2, "{notes:?}");
-        assert!(notes[0].ends_with(&format!(
-            "best-score.safetensors is the model of epoch 10, and the run's best for it is \
-             epoch 8's: restored from {} (without thresholds)",
-            dir.join("epoch-0008.safetensors").display()
-        )));
+        let aside: Vec<String> = names(&dir)
+            .into_iter()
+            .filter(|n| n.starts_with("abandoned-"))
+            .collect();
+        assert_eq!(aside.len(), 1);
+        let aside = dir.join(&aside[0]);
+        assert!(
+            notes[0].ends_with(&format!(
+                "best-score.safetensors is the model of epoch 10, and the run's best for it is \
+                 epoch 8's: restored from {} (without thresholds); the file and its thresholds \
+                 are moved to {}",
+                dir.join("epoch-0008.safetensors").display(),
+                aside.display()
+            )),
+            "{}",
+            notes[0]
+        );
         assert_eq!(
             epoch_of(&out.join("best-score.safetensors")),
             ("8".into(), 8.0)
@@ -547,15 +560,24 @@ mod tests {
             "{}",
             notes[1]
         );
-        let aside: Vec<String> = names(&dir)
-            .into_iter()
-            .filter(|n| n.starts_with("abandoned-"))
-            .collect();
-        assert_eq!(aside.len(), 1);
+        // Epoch 10's models and the thresholds tuned for them, as they were.
         assert_eq!(
-            names(&dir.join(&aside[0])),
-            ["best-loss.json", "best-loss.safetensors"]
+            names(&aside),
+            [
+                "best-loss.json",
+                "best-loss.safetensors",
+                "best-score.json",
+                "best-score.safetensors"
+            ]
         );
+        for file in ["best-score", "best-loss"] {
+            assert_eq!(
+                std::fs::read_to_string(aside.join(format!("{file}.json"))).unwrap(),
+                "{\"thresholds\": [0.3], \"epoch\": 10}"
+            );
+            let model = aside.join(format!("{file}.safetensors"));
+            assert_eq!(epoch_of(&model), ("10".into(), 10.0));
+        }
         assert_eq!(
             names(out),
             [
