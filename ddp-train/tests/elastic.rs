@@ -28,6 +28,7 @@ const OUT_ENV: &str = "ELASTIC_TEST_OUT";
 const BATCH_ENV: &str = "ELASTIC_TEST_BATCH";
 const EVERY_ENV: &str = "ELASTIC_TEST_CHECKPOINT_EVERY";
 const EVALUATE_ENV: &str = "ELASTIC_TEST_EVALUATE";
+const TERM_ENV: &str = "ELASTIC_TEST_TERM_BEFORE_RUN";
 /// 256 training points: 8 steps of 32 samples per epoch.
 const POINTS: i64 = 256;
 const EPOCHS: u64 = 3;
@@ -38,7 +39,8 @@ const WARMUP: u64 = 3;
 /// `ELASTIC_TEST_CHECKPOINT_EVERY` steps if set; exits with the Trainer's code (75 after a
 /// requested stop). With `ELASTIC_TEST_EVALUATE=only` it evaluates the 60 validation points
 /// instead, each batch taking 200 ms; with `ELASTIC_TEST_EVALUATE=first` it evaluates them
-/// so, then trains (`evaluate()?` then `run()?`).
+/// so, then trains (`evaluate()?` then `run()?`). With `ELASTIC_TEST_TERM_BEFORE_RUN` set it
+/// sends itself SIGTERM once the ranks have met, before `run()` (a stop while they start).
 #[test]
 #[ignore = "a rank of the tests in this file, started by them"]
 fn rank_worker() {
@@ -66,7 +68,14 @@ fn rank_worker() {
     if evaluate.is_some() {
         task.eval_pause = Duration::from_millis(200);
     }
-    let code = match Trainer::new(task, settings).and_then(|mut t| match evaluate.as_deref() {
+    let term = std::env::var_os(TERM_ENV).is_some();
+    let trainer = Trainer::new(task, settings).inspect(|_| {
+        if term {
+            // SAFETY: raise(3) takes a signal number; the Trainer watches SIGTERM.
+            assert_eq!(unsafe { libc::raise(libc::SIGTERM) }, 0);
+        }
+    });
+    let code = match trainer.and_then(|mut t| match evaluate.as_deref() {
         Some("only") => t.evaluate().map(drop),
         Some("first") => t.evaluate().and_then(|_| t.run()).map(drop),
         None => t.run().map(drop),
@@ -248,6 +257,30 @@ fn two_ranks_of_16_stopped_inside_an_epoch_continue_on_one_rank_of_32_exactly() 
 )]
 fn one_rank_of_32_stopped_inside_an_epoch_continues_on_two_ranks_of_16_exactly() {
     check_same_global_batch("1x32-2x16", (1, 32), (2, 16), Launcher::Torchrun);
+}
+
+/// A run stopped before its first step (a preemption while the ranks start) has no learning
+/// rate curve yet: continued on 1 rank instead of 2, its per-step schedule runs over the new
+/// allocation's 48 steps, as a run killed then and started again would, not the first start's
+/// 24 (which would leave the last half of the run at a learning rate of 0).
+#[test]
+fn a_run_stopped_before_its_first_step_plans_its_schedule_on_the_next_allocation() {
+    let tmp = common::temp_dir("ddp-train-elastic-stop-before-first-step");
+    let cut = tmp.path().join("cut");
+    let outputs = start(Launcher::Torchrun, 2, 16, &cut, &[(TERM_ENV, "1")]);
+    assert_codes(&outputs, 75);
+    let latest = std::fs::read_to_string(cut.join("checkpoints/latest")).unwrap();
+    assert_eq!(latest, "epoch-0001-step-000000\n");
+    let outputs = start(Launcher::Torchrun, 1, 16, &cut, &[]);
+    assert_codes(&outputs, 0);
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(cut.join("config.json")).unwrap()).unwrap();
+    // 3 epochs of 256 points in batches of 16 on one rank.
+    assert_eq!(config["planned_optimizer_steps"], 48);
+    let lines = metrics(&cut);
+    assert_eq!(column(&lines, "steps"), [16.0, 16.0, 16.0]);
+    let lr = column(&lines, "lr");
+    assert!(lr.iter().all(|&lr| lr > 0.0), "learning rates {lr:?}");
 }
 
 /// `metrics.jsonl` without its timing fields.

@@ -239,8 +239,12 @@ impl<T: Task> Trainer<T> {
             if let (Some(early), Some(saved)) = (early.as_mut(), st.early_stopping) {
                 *early = saved;
             }
+            // A checkpoint before the first optimizer step (a stop while the ranks started)
+            // has no curve to keep: the schedule is this allocation's, as after a kill then.
+            let stepped = st.optimizer_steps > 0 || st.skipped_steps() > 0;
             match st.plan {
-                Some(saved) if saved.epochs == s.epochs => plan = saved,
+                Some(saved) if saved.epochs == s.epochs && stepped => plan = saved,
+                Some(saved) if saved.epochs == s.epochs => {}
                 Some(saved) => fallback_warnings.push(format!(
                     "the run was planned for {} epochs and continues for {}: per-step \
                      schedules now run over {} optimizer steps instead of {}",
