@@ -1,7 +1,7 @@
 //! What the ranks' reducers agree on, with real ranks (2 processes on loopback, this test
 //! binary re-invoked with `--ignored --exact <worker>`): the order of collectives when a rank
 //! skips parameters and backward runs a collective of its own, an error that one rank finds
-//! returned by every rank, and one DDP at a time over a set of parameters.
+//! returned by every rank, one DDP at a time over a set of parameters, and a user's own loop.
 
 mod common;
 
@@ -52,6 +52,13 @@ fn hex(t: &Tensor) -> String {
     let mut bytes = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
     t.copy_data_u8(&mut bytes, t.numel());
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// No rank of 2 was left inside a collective: the group pairs the next one.
+fn assert_no_rank_left_waiting(pg: &ProcessGroup) {
+    let mut t = Tensor::from_slice(&[pg.rank() as f32]);
+    pg.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    assert_eq!(f32::try_from(&t).unwrap(), 1.0);
 }
 
 fn mode() -> String {
@@ -260,10 +267,7 @@ fn worker_gradient_twice() {
         Err(e @ DdpError::GradientTwice { .. }) => e.to_string(),
         other => format!("unexpected: {other:?}"),
     };
-    // No rank was left inside a collective: the group pairs the next one.
-    let mut t = Tensor::from_slice(&[rank as f32]);
-    pg.all_reduce(&mut t, ReduceOp::Sum).unwrap();
-    assert_eq!(f32::try_from(&t).unwrap(), 1.0);
+    assert_no_rank_left_waiting(&pg);
     println!("rank {rank} reports: {text}");
 }
 
@@ -321,6 +325,75 @@ fn a_second_ddp_on_the_same_parameters_waits_for_the_first() {
              DistributedDataParallel over these parameters is still alive (drop it before \
              building a new one, or wrap the store again with its rebuild), or the hook is \
              your own (DDP needs each parameter's only hook) / [1.5, 1.5]"
+        );
+    }
+}
+
+/// A user's own loop over tch's SGD, each rank's loss `(rank + 1) * w.sum()`. Mode
+/// `backward_step`: tch's `Optimizer::backward_step`, which never calls `sync_gradients`;
+/// `ddp_backward`: `zero_grad`, `DistributedDataParallel::backward`, `step`. Each step starts
+/// with `broadcast_buffers`, as the docs ask; prints the first error, the last gradient and
+/// the weights.
+#[test]
+#[ignore = "a rank of a_loop_of_ones_own_averages_only_through_ddp_backward; run by it"]
+fn worker_own_loop() {
+    let pg = Arc::new(ProcessGroup::from_env().unwrap());
+    let rank = pg.rank();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let w = vs.root().var("w", &[3], nn::Init::Const(1.0));
+    let mut ddp = DistributedDataParallel::new(&vs, pg.clone(), DdpOptions::default()).unwrap();
+    let mut opt = nn::OptimizerConfig::build(nn::Sgd::default(), &vs, 0.1).unwrap();
+    let mut error = String::from("none");
+    for _ in 0..2 {
+        if let Err(e) = ddp.broadcast_buffers() {
+            assert!(matches!(e, DdpError::SyncMissed { .. }), "{e:?}");
+            error = e.to_string();
+            break;
+        }
+        let loss = w.sum(Kind::Float) * (rank as f64 + 1.0);
+        if mode() == "backward_step" {
+            opt.backward_step(&loss);
+        } else {
+            opt.zero_grad();
+            ddp.backward(&loss).unwrap();
+            opt.step();
+        }
+    }
+    assert_no_rank_left_waiting(&pg);
+    let grad = Vec::<f32>::try_from(&w.grad()).unwrap();
+    let w = Vec::<f32>::try_from(&w).unwrap();
+    println!("rank {rank} reports: {error} / {grad:?} / {w:.4?}");
+}
+
+/// tch's `backward_step` leaves each rank its own gradient: the next step's first DDP call
+/// fails on every rank instead of training the replicas apart; `DistributedDataParallel::
+/// backward` averages, and the replicas stay equal.
+#[test]
+fn a_loop_of_ones_own_averages_only_through_ddp_backward() {
+    let outputs = run_ranks("worker_own_loop", "backward_step");
+    for (rank, output) in outputs.iter().enumerate() {
+        let own = 1.0 - 0.1 * (rank as f32 + 1.0);
+        assert_eq!(
+            reported(output, rank),
+            format!(
+                "rank {rank}: a backward pass with gradient sync on reached parameter 'w' and \
+                 no sync_gradients followed it: each rank trains a replica of its own; call \
+                 sync_gradients after every backward with gradient sync on, before the \
+                 optimizer step, or DistributedDataParallel::backward(&loss), which runs both \
+                 (tch's Optimizer::backward_step cannot be used with DDP: zero_grad, \
+                 DistributedDataParallel::backward, then step); accumulate micro-batches with \
+                 gradient sync off (DistributedDataParallel::no_sync) / {:?} / {:.4?}",
+                [rank as f32 + 1.0; 3],
+                [own; 3]
+            )
+        );
+    }
+    let outputs = run_ranks("worker_own_loop", "ddp_backward");
+    for (rank, output) in outputs.iter().enumerate() {
+        // Two steps of 0.1 times the average, 1.5: equal on both ranks.
+        assert_eq!(
+            reported(output, rank),
+            format!("none / {:?} / {:.4?}", [1.5f32; 3], [0.7f32; 3])
         );
     }
 }

@@ -64,6 +64,21 @@ pub enum DdpError {
         /// The ranks on which a parameter got a gradient twice.
         ranks: Vec<usize>,
     },
+    /// A backward pass with gradient sync on ran, and the DDP call that followed was not
+    /// [`DistributedDataParallel::sync_gradients`]: its gradients were never averaged (tch's
+    /// `Optimizer::backward_step`). Returned by the next `broadcast_buffers`,
+    /// `prepare_for_backward`, `backward` or `rebuild`, which then starts the step afresh.
+    #[error(
+        "rank {rank}: a backward pass with gradient sync on reached parameter \
+         '{parameter}' and no sync_gradients followed it: {}",
+        reducer::SYNC_MISSED_HINT
+    )]
+    SyncMissed {
+        /// This rank.
+        rank: usize,
+        /// A parameter that backward reached.
+        parameter: String,
+    },
     /// A parameter already has a post-accumulate-grad hook, which DDP would replace.
     #[error(
         "parameter '{0}' already has a post-accumulate-grad hook: another \
@@ -280,7 +295,9 @@ type Named = Vec<(String, Tensor)>;
 ///   (optimizers skip them). A sparse gradient becomes dense first (ddp-comm has no sparse
 ///   collectives; the averages are PyTorch's). With [`DdpOptions::find_unused_parameters`] off, a parameter
 ///   missing on any rank is an error on every rank ([`DdpError::UnusedParameters`]), naming it;
-///   no rank is left waiting.
+///   no rank is left waiting. Another step's call of DDP's after a synced backward is
+///   [`DdpError::SyncMissed`]: tch's `backward_step` cannot be used, but
+///   [`DistributedDataParallel::backward`] can (backward, then `sync_gradients`).
 ///
 /// Bucket order: at first, reverse parameter order (by name), grouped from the last name
 /// on, so that the first bucket ([`DdpOptions::first_bucket_cap_bytes`]) holds the last
@@ -476,6 +493,7 @@ impl DistributedDataParallel {
     /// then moves the hooks from the current parameters to the new ones. Every rank must
     /// call this at the same point. On error this DDP stays as it was, hooks included.
     pub fn rebuild(&mut self, vs: &VarStore) -> Result<(), DdpError> {
+        lock(&self.reducer).check_finished()?;
         let mut fresh = Self::unhooked(vs, self.pg.clone(), self.options, &self.params)?;
         lock(&fresh.reducer).hook = lock(&self.reducer).hook.clone();
         self.unhook();
@@ -586,6 +604,7 @@ impl DistributedDataParallel {
     /// micro-batches of an accumulated step) and before evaluating: where PyTorch's DDP
     /// syncs them, in the first forward after a forward whose backward synchronised.
     pub fn broadcast_buffers(&mut self) -> Result<(), DdpError> {
+        lock(&self.reducer).check_finished()?;
         if !self.options.broadcast_buffers {
             return Ok(());
         }
@@ -612,6 +631,7 @@ impl DistributedDataParallel {
     ///
     /// [`DdpError::Shim`] when `loss` is undefined.
     pub fn prepare_for_backward(&mut self, loss: &Tensor) -> Result<(), DdpError> {
+        lock(&self.reducer).check_finished()?;
         let wanted = self.options.find_unused_parameters
             && self.options.overlap
             && lock(&self.reducer).require_sync;
@@ -628,6 +648,19 @@ impl DistributedDataParallel {
     /// backward that ran with gradient sync on, before the optimizer step.
     pub fn sync_gradients(&mut self) -> Result<(), DdpError> {
         lock(&self.reducer).finish()
+    }
+
+    /// The backward pass of a step, for a loop of your own: `prepare_for_backward(loss)`,
+    /// `loss.backward()`, then, with gradient sync on, `sync_gradients` (what PyTorch's DDP
+    /// does by itself at the end of backward). Use it where tch's `backward_step` would be:
+    /// `opt.zero_grad(); ddp.backward(&loss)?; opt.step();`.
+    pub fn backward(&mut self, loss: &Tensor) -> Result<(), DdpError> {
+        self.prepare_for_backward(loss)?;
+        loss.f_backward()?;
+        if lock(&self.reducer).require_sync {
+            self.sync_gradients()?;
+        }
+        Ok(())
     }
 }
 
@@ -791,6 +824,85 @@ mod tests {
             }
             other => panic!("expected UnusedParameters, got {other:?}"),
         }
+    }
+
+    /// tch's `backward_step` (zero_grad, backward, step) never averages: the DDP call after
+    /// it is `SyncMissed`, naming a parameter, whichever call that is, and the step after
+    /// the error is whole again; `DistributedDataParallel::backward` is the step's backward.
+    #[test]
+    fn a_synced_backward_without_sync_gradients_fails_the_next_call() {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+        let mut ddp = DistributedDataParallel::new(&vs, alone(), DdpOptions::default()).unwrap();
+        let mut opt = tch::nn::OptimizerConfig::build(tch::nn::Sgd::default(), &vs, 0.5).unwrap();
+        let loss = || a.sum(tch::Kind::Float) * 2.0;
+        type Call = fn(&mut DistributedDataParallel, &VarStore, &Tensor) -> Result<(), DdpError>;
+        let calls: [(&str, Call); 4] = [
+            ("broadcast_buffers", |d, _, _| d.broadcast_buffers()),
+            ("prepare_for_backward", |d, _, l| d.prepare_for_backward(l)),
+            ("rebuild", |d, vs, _| d.rebuild(vs)),
+            ("backward", |d, _, l| d.backward(l)),
+        ];
+        for (steps, (name, call)) in [2, 1, 1, 1].into_iter().zip(calls) {
+            for _ in 0..steps {
+                opt.backward_step(&loss());
+            }
+            match call(&mut ddp, &vs, &loss()) {
+                Err(e @ DdpError::SyncMissed { .. }) => assert!(
+                    e.to_string().starts_with(
+                        "rank 0: a backward pass with gradient sync on reached parameter 'a' \
+                         and no sync_gradients followed it: each rank trains a replica of its \
+                         own;"
+                    ),
+                    "{name}: {e}"
+                ),
+                other => panic!("{name}: expected SyncMissed, got {other:?}"),
+            }
+            opt.zero_grad();
+            ddp.backward(&loss()).unwrap();
+            assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2], "{name}");
+        }
+    }
+
+    /// Captured log lines.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            lock(&self.0).extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A loop of `backward_step`s that calls nothing of DDP's gets no error to return: the
+    /// second synced backward is logged as an error, once.
+    #[test]
+    fn a_second_synced_backward_is_logged_once() {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+        let _ddp = DistributedDataParallel::new(&vs, alone(), DdpOptions::default()).unwrap();
+        let mut opt = tch::nn::OptimizerConfig::build(tch::nn::Sgd::default(), &vs, 0.5).unwrap();
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            for _ in 0..3 {
+                opt.backward_step(&a.sum(tch::Kind::Float));
+            }
+        });
+        let log = String::from_utf8(lock(&captured.0).clone()).unwrap();
+        let line = "rank 0: parameter 'a' got a gradient in a second backward pass with gradient \
+                    sync on before sync_gradients averaged the first one's: each rank trains a \
+                    replica of its own;";
+        assert_eq!(log.matches(line).count(), 1, "{log}");
+        assert!(log.contains("ERROR"), "{log}");
     }
 
     /// A comm hook that logs the buckets it starts, then averages them as the default does.

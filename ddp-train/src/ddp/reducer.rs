@@ -13,6 +13,11 @@
 //! copied into the gradients of the parameters that some rank used. PyTorch's reducer does
 //! the same (`local_used_map_`, `mark_variable_ready_dense`).
 //!
+//! PyTorch's reducer finishes by itself at the end of backward; here `finish` waits for
+//! `sync_gradients`, so a step that skips it (tch's `backward_step`) would leave each rank its
+//! own gradient: the next step's call of DDP's fails ([`Reducer::check_finished`]), and a
+//! second synced backward without `finish` between is logged as an error once.
+//!
 //! With `find_unused_parameters`, a bucket holding a parameter this rank does not use would
 //! wait for `finish` while a rank that uses it launches it during backward: a collective of
 //! the backward itself (SyncBatchNorm's) would then come before it on one rank and after it
@@ -62,6 +67,8 @@ pub(crate) struct Reducer {
     works: Vec<HookWork>,
     order: Vec<usize>,
     twice: Option<usize>,
+    /// Whether a second synced backward without `finish` between has been logged.
+    logged_missed: bool,
 }
 
 impl Reducer {
@@ -92,6 +99,7 @@ impl Reducer {
             works: Vec::new(),
             order: Vec::with_capacity(params.len()),
             twice: None,
+            logged_missed: false,
             params,
         };
         r.set_buckets(&reverse);
@@ -165,6 +173,17 @@ impl Reducer {
             // A second gradient, or one for a parameter marked unused: PyTorch's "Expected to
             // mark a variable ready only once".
             self.twice.get_or_insert(k);
+            if self.used[k] && !std::mem::replace(&mut self.logged_missed, true) {
+                // A second synced backward without `finish` (tch's `backward_step`): a loop
+                // that calls nothing of DDP's gets no error, so it is told here, once.
+                let name = &self.params[k].0;
+                tracing::error!(
+                    "rank {}: parameter '{name}' got a gradient in a second backward pass with \
+                     gradient sync on before sync_gradients averaged the first one's: {}",
+                    self.pg.rank(),
+                    SYNC_MISSED_HINT
+                );
+            }
             return;
         }
         self.ready[k] = true;
@@ -238,6 +257,26 @@ impl Reducer {
             self.works.push(work);
             self.next += 1;
         }
+    }
+
+    /// [`DdpError::SyncMissed`] when a backward with gradient sync on has run since the last
+    /// [`Reducer::finish`] (naming a parameter it reached): for the calls of DDP's that begin
+    /// a step or change the model. Waits for the buckets it launched and starts afresh.
+    pub(crate) fn check_finished(&mut self) -> Result<(), DdpError> {
+        let reached = self.order.first().copied();
+        let Some(k) = reached.or_else(|| self.ready.iter().position(|&r| r)) else {
+            return Ok(());
+        };
+        let error = DdpError::SyncMissed {
+            rank: self.pg.rank(),
+            parameter: self.params[k].0.clone(),
+        };
+        for work in self.works.drain(..) {
+            // The error above is the cause; a failed collective of the lost step adds nothing.
+            let _ = work.wait();
+        }
+        self.reset();
+        Err(error)
     }
 
     /// Ends the step: see the module docs. Every rank must call it once per synced backward.
@@ -385,6 +424,14 @@ impl Reducer {
         }
     }
 }
+
+/// What to do instead of a backward pass with gradient sync on that no `sync_gradients`
+/// follows (the end of [`DdpError::SyncMissed`]'s message and of the hook's log).
+pub(crate) const SYNC_MISSED_HINT: &str = "each rank trains a replica of its own; call \
+    sync_gradients after every backward with gradient sync on, before the optimizer step, or \
+    DistributedDataParallel::backward(&loss), which runs both (tch's Optimizer::backward_step \
+    cannot be used with DDP: zero_grad, DistributedDataParallel::backward, then step); \
+    accumulate micro-batches with gradient sync off (DistributedDataParallel::no_sync)";
 
 /// Whether `grad` is `slot` itself (a view of the same bucket elements).
 fn is_view_of(grad: &Tensor, slot: &Tensor) -> bool {
