@@ -5,7 +5,8 @@
 //! - [`rank_command`]: a command with torchrun's environment for one rank on loopback, and
 //!   [`job_secret`], the `DDP_SECRET` it gives every rank this process starts.
 //! - [`wait_all`], [`wait_bounded`], [`wait_for`]: waits that cannot hang a test; processes
-//!   still running at the limit are killed and the test fails.
+//!   still running at the limit are killed, with whatever holds their outputs, and the test
+//!   fails.
 //! - [`script`]: an executable shell script, safe to run at once.
 //! - [`procs`]: what `/proc` says of processes (children, liveness, environment).
 //! - [`setup_python`]: the Python of `cargo xtask setup` (with torch), for tests that run
@@ -26,6 +27,7 @@
 #![warn(missing_docs)]
 
 use std::io::Read;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output};
 use std::sync::{mpsc, OnceLock};
@@ -86,13 +88,15 @@ pub fn rank_command(program: impl AsRef<Path>, rank: usize, world: usize, port: 
 }
 
 /// Waits for every child and returns their outputs in order; if `limit` passes first, kills
-/// those still running and panics.
+/// those still running, and any other process that holds their piped outputs (one a child
+/// started), and panics.
 pub fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
     wait_or_kill(children, limit).unwrap_or_else(|late| {
         panic!(
             "processes {:?} did not finish within {limit:?}: killed {:?}; output still open \
-             (held by a process one of them started) {:?}",
-            late.pids, late.killed, late.open
+             (held by a process one of them started) {:?}; killed the processes holding \
+             their outputs {:?}",
+            late.pids, late.killed, late.open, late.holders
         )
     })
 }
@@ -106,6 +110,9 @@ struct Late {
     killed: Vec<(u32, ExitStatus)>,
     /// The pids that had exited but whose stdout or stderr was still open at the limit.
     open: Vec<u32>,
+    /// The other processes that held a child's piped stdout or stderr at the limit (started
+    /// by a child, and outliving it), killed with SIGKILL.
+    holders: Vec<u32>,
 }
 
 /// [`wait_all`]'s work: the outputs, or the children killed at the limit. Only this thread
@@ -115,8 +122,14 @@ fn wait_or_kill(mut children: Vec<Child>, limit: Duration) -> Result<Vec<Output>
     let pids: Vec<u32> = children.iter().map(Child::id).collect();
     let (tx, rx) = mpsc::channel();
     let (pipe_tx, pipes) = mpsc::channel();
+    let mut outputs = Vec::new();
     for (i, child) in children.iter_mut().enumerate() {
         drop(child.stdin.take());
+        let fds = [
+            child.stdout.as_ref().map(AsRawFd::as_raw_fd),
+            child.stderr.as_ref().map(AsRawFd::as_raw_fd),
+        ];
+        outputs.extend(fds.into_iter().flatten().filter_map(pipe_name));
         read_all((i, 0), child.stdout.take(), pipe_tx.clone());
         read_all((i, 1), child.stderr.take(), pipe_tx.clone());
         let (tx, pid) = (tx.clone(), child.id());
@@ -137,8 +150,13 @@ fn wait_or_kill(mut children: Vec<Child>, limit: Duration) -> Result<Vec<Output>
                     let _ = child.kill();
                     killed.push((child.id(), child.wait().expect("reaping a killed child")));
                 }
-                let open = Vec::new();
-                return Err(Late { pids, killed, open });
+                let (open, holders) = (Vec::new(), kill_holders(&outputs));
+                return Err(Late {
+                    pids,
+                    killed,
+                    open,
+                    holders,
+                });
             }
         }
     }
@@ -167,6 +185,7 @@ fn wait_or_kill(mut children: Vec<Child>, limit: Duration) -> Result<Vec<Output>
             pids,
             killed: Vec::new(),
             open,
+            holders: kill_holders(&outputs),
         });
     }
     Ok(statuses
@@ -178,6 +197,36 @@ fn wait_or_kill(mut children: Vec<Child>, limit: Duration) -> Result<Vec<Output>
             stderr: stderr.unwrap_or_default(),
         })
         .collect())
+}
+
+/// What `/proc` names this process's descriptor `fd` (`pipe:[<inode>]` for a pipe), the name
+/// it has in every process that holds it.
+fn pipe_name(fd: i32) -> Option<PathBuf> {
+    std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()
+}
+
+/// Kills with SIGKILL every process other than this one that holds one of `pipes` (named
+/// as [`pipe_name`] names them), and returns their pids in order. The children are reaped
+/// by then: what still holds their outputs is a process one of them started (this process
+/// holds only the reading ends). Processes whose descriptors this user cannot read are left
+/// alone.
+fn kill_holders(pipes: &[PathBuf]) -> Vec<u32> {
+    if pipes.is_empty() {
+        return Vec::new();
+    }
+    let me = std::process::id();
+    let holds = |pid: u32| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| pipes.contains(&l)))
+    };
+    let holders: Vec<u32> = procs::pids().filter(|&p| p != me && holds(p)).collect();
+    for &pid in &holders {
+        kill(pid, libc::SIGKILL);
+    }
+    holders
 }
 
 /// A thread reading `pipe` (if any) to its end, then sending what it read with `key`.
@@ -290,20 +339,26 @@ pub mod procs {
         stat_fields(pid).is_some_and(|f| f.first().is_some_and(|s| s == "T"))
     }
 
-    /// The living (not zombie) processes whose parent is `pid`, in pid order.
-    pub fn children_of(pid: u32) -> Vec<u32> {
-        let mut kids: Vec<u32> = std::fs::read_dir("/proc")
+    /// Every process's pid, in order.
+    pub(crate) fn pids() -> impl Iterator<Item = u32> {
+        let mut pids: Vec<u32> = std::fs::read_dir("/proc")
             .into_iter()
             .flatten()
             .flatten()
             .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .collect();
+        pids.sort_unstable();
+        pids.into_iter()
+    }
+
+    /// The living (not zombie) processes whose parent is `pid`, in pid order.
+    pub fn children_of(pid: u32) -> Vec<u32> {
+        pids()
             .filter(|&p| {
                 stat_fields(p)
                     .is_some_and(|f| f.len() > 1 && f[0] != "Z" && f[1] == pid.to_string())
             })
-            .collect();
-        kids.sort_unstable();
-        kids
+            .collect()
     }
 
     /// The value of `name` in the environment process `pid` started with.
@@ -389,22 +444,46 @@ mod tests {
         assert_eq!(killed, [(sleeper_pid, Some(libc::SIGKILL))]);
     }
 
-    #[test]
-    fn an_output_held_open_past_the_limit_fails_naming_its_child() {
+    /// Runs `sh -c script` with its stdout piped, after a `sleep 30` it starts in the
+    /// background (holding that stdout), under a 1 s limit: sh's pid, what `wait_or_kill`
+    /// reports, and the sleep's pid, once the sleep has died.
+    fn late_with_a_sleeper(script: &str) -> (u32, Late, u32) {
+        let dir = temp_dir("testkit-holder");
+        let pid_file = dir.path().join("pid");
         let child = Command::new("sh")
-            .args(["-c", "sleep 30 & echo x"])
+            .args(["-c", &format!("sleep 30 & echo $! > \"$0\"; {script}")])
+            .arg(&pid_file)
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         let pid = child.id();
-        let started = Instant::now();
         let late = wait_or_kill(vec![child], Duration::from_secs(1)).unwrap_err();
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "{:?}",
-            started.elapsed()
+        let text = std::fs::read_to_string(&pid_file).unwrap();
+        let sleeper: u32 = text.trim().parse().unwrap();
+        wait_for(
+            "the sleep holding the output to die",
+            Duration::from_secs(10),
+            || !procs::alive(sleeper),
         );
-        assert_eq!((late.killed.len(), late.open), (0, vec![pid]));
+        (pid, late, sleeper)
+    }
+
+    #[test]
+    fn an_output_held_open_past_the_limit_fails_naming_its_child_and_kills_its_holder() {
+        let (pid, late, sleeper) = late_with_a_sleeper("echo x");
+        assert_eq!(
+            (late.killed.len(), late.open, late.holders),
+            (0, vec![pid], vec![sleeper])
+        );
+    }
+
+    #[test]
+    fn a_child_killed_at_the_limit_takes_the_holder_of_its_output_with_it() {
+        use std::os::unix::process::ExitStatusExt;
+        let (pid, late, sleeper) = late_with_a_sleeper("exec sleep 30");
+        let killed: Vec<_> = late.killed.iter().map(|(p, s)| (*p, s.signal())).collect();
+        assert_eq!(killed, [(pid, Some(libc::SIGKILL))]);
+        assert_eq!(late.holders, [sleeper]);
     }
 
     #[test]
