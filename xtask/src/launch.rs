@@ -30,7 +30,8 @@ pub struct TrainArgs {
     pub cpus: Option<usize>,
     #[command(flatten)]
     pub node: NodeArgs,
-    /// Run directory (default: runs/YYYYMMDD-HHMMSS-PID, UTC).
+    /// Run directory (default: runs/YYYYMMDD-HHMMSS-PID, UTC; with --nnodes above 1, needed:
+    /// the same path on storage every node shares).
     #[arg(long, value_parser = utf8_path())]
     pub out: Option<PathBuf>,
     /// Seconds the ranks get to end, after a rank's failure or a signal (SIGTERM, SIGUSR1:
@@ -177,6 +178,14 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
         bail!(
             "the launcher gives each rank its device: choose with `cargo xtask train --gpus N` \
              or `--cpus N` instead of --device"
+        );
+    }
+    if args.node.nnodes > 1 && args.out.is_none() {
+        bail!(
+            "--nnodes {} needs --out DIR, the same path on storage every node shares \
+             (e.g. --out /shared/runs/odir): without it each node names its own run \
+             directory, and a restart or a stopped run cannot continue",
+            args.node.nnodes
         );
     }
     let mut config = LaunchConfig::new("ddp-train", nproc);

@@ -710,3 +710,33 @@ fn gpu_commands_without_a_gpu_are_refused_before_setup() {
         assert!(!stderr.contains("--gpus 0"), "{args:?}: {stderr}");
     }
 }
+
+/// Each node's launcher would name its own run directory: the ranks write into rank 0's,
+/// while a restart resumes from each rank's own and a stop names another node's. Several
+/// nodes without `--out` are refused before setup, the build or a rank.
+#[test]
+fn several_nodes_without_out_are_refused_before_anything_starts() {
+    let dir = temp_dir("xtask-nodes-no-out");
+    let runs = dir.path().join("runs");
+    let (status, stdout, stderr) = xtask_refusal(
+        Command::new(XTASK)
+            .args(["train", "--cpus", "1", "--nnodes", "2", "--node-rank", "1"])
+            .args(["--master-addr", "127.0.0.1", "--master-port", "29500"])
+            .arg("--bin")
+            .arg(dir.path().join("no-such-ddp-train"))
+            .arg("--runs-root")
+            .arg(&runs)
+            .arg("--data")
+            .arg(dir.path()),
+    );
+    assert_eq!(status, Some(1), "{stdout}{stderr}");
+    assert_eq!(
+        stderr,
+        "error: --nnodes 2 needs --out DIR, the same path on storage every node shares \
+         (e.g. --out /shared/runs/odir): without it each node names its own run directory, \
+         and a restart or a stopped run cannot continue\n"
+    );
+    // setup says a line whenever it runs; no run directory was made.
+    assert_eq!(stdout, "");
+    assert!(!runs.exists());
+}
