@@ -54,7 +54,8 @@ fn recorded_run_id(out: &Path) -> Option<String> {
 /// A start that does not continue the run in `out` (another job, or resuming by itself is
 /// off) is refused when `out` holds checkpoints, unless it resumes one of them (`latest`, or
 /// a rewind): starting over, or from another run's checkpoint, would write over the run's
-/// metrics, best models and checkpoints.
+/// metrics, best models and checkpoints. So is one in an `out` that holds a run's metrics or
+/// best models without its checkpoints.
 pub(super) fn resume_after_restart(
     settings: &mut Settings,
     env: &EnvConfig,
@@ -77,7 +78,9 @@ pub(super) fn resume_after_restart(
                 latest.display()
             )))
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(String::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return without_checkpoints(settings, out, &latest, env)
+        }
         Err(e) => {
             return Err(TrainError::io(
                 format!("cannot read {}", latest.display()),
@@ -92,13 +95,13 @@ pub(super) fn resume_after_restart(
             format!(", continuing the run from its latest checkpoint (it began from {given})")
         }
         (Some(given), None) if !resumes_the_run(out, given) => {
-            return Err(held_run(out, &latest, auto, env, Some(given)))
+            return Err(held_checkpoints(out, &latest, auto, env, Some(given)))
         }
         (Some(_), _) => return Ok(String::new()),
         (None, Some(Continuation::Stopped)) => ", continuing the stopped run".to_string(),
         (None, Some(Continuation::Restarted)) => ", after the launcher's restart".to_string(),
         (None, Some(Continuation::SameJob)) => format!(", continuing job {}", env.run_id),
-        (None, None) => return Err(held_run(out, &latest, auto, env, None)),
+        (None, None) => return Err(held_checkpoints(out, &latest, auto, env, None)),
     };
     settings.checkpoint.resume = Some("latest".to_string());
     Ok(note)
@@ -111,10 +114,50 @@ fn resumes_the_run(out: &Path, given: &str) -> bool {
     given == "latest" || state::resolve(given, Some(out)).map_or(true, |f| of_the_run(out, &f))
 }
 
+/// A start in `out` while `latest` is not there (before the run's first checkpoint, or its
+/// checkpoints were deleted to save space): starts over, unless `out` holds a run's results
+/// (its metrics, a best model) and the start neither continues that run nor resumes one of
+/// its checkpoints, which would write over them.
+fn without_checkpoints(
+    settings: &Settings,
+    out: &Path,
+    latest: &Path,
+    env: &EnvConfig,
+) -> Result<String, TrainError> {
+    let auto = settings.checkpoint.resume_after_restart;
+    let resumed = settings.checkpoint.resume.as_deref();
+    if settings.checkpoint.eval_only
+        || resumed.is_some_and(|r| resumes_the_run(out, r))
+        || (auto && continuation(out, env).is_some())
+    {
+        return Ok(String::new());
+    }
+    // A start's history is empty until its first epoch ends.
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .is_ok_and(|text| !text.trim().is_empty());
+    let models = settings.monitors.iter().map(|m| m.file.as_str());
+    let results: Vec<&str> = (metrics.then_some("metrics.jsonl").into_iter())
+        .chain(models.filter(|f| out.join(f).is_file()))
+        .collect();
+    if results.is_empty() {
+        return Ok(String::new());
+    }
+    let holds = format!("its {}, without {}", results.join(", "), latest.display());
+    Err(held_run(
+        out,
+        &holds,
+        "",
+        auto,
+        env,
+        resumed,
+        "move those files away",
+    ))
+}
+
 /// The refusal of a start that would write over the run in `out` (whose `latest` file is
 /// `latest`): one that does not continue it, starting over or from `resumed`, a file of no
 /// checkpoint of the run.
-fn held_run(
+fn held_checkpoints(
     out: &Path,
     latest: &Path,
     auto: bool,
@@ -122,6 +165,34 @@ fn held_run(
     resumed: Option<&str>,
 ) -> TrainError {
     let names = std::fs::read_to_string(latest).unwrap_or_default();
+    let holds = format!(
+        "its {} names {}",
+        latest.display(),
+        names.trim().escape_debug()
+    );
+    let continue_it = "continue it with --resume latest, or ";
+    held_run(
+        out,
+        &holds,
+        continue_it,
+        auto,
+        env,
+        resumed,
+        "remove that folder",
+    )
+}
+
+/// The refusal of a start that does not continue the run in `out`, which `holds` what it
+/// names, starting over or from `resumed`, a file of no checkpoint of the run.
+fn held_run(
+    out: &Path,
+    holds: &str,
+    continue_it: &str,
+    auto: bool,
+    env: &EnvConfig,
+    resumed: Option<&str>,
+    remove: &str,
+) -> TrainError {
     let off = if auto {
         ""
     } else {
@@ -139,12 +210,9 @@ fn held_run(
          continue it when every start has the same DDP_RUN_ID"
     };
     TrainError::Invalid(format!(
-        "--out {} already holds a run{off} (its {} names {}){other}: continue it with \
-         --resume latest, or give another --out (or remove that folder) to start a new \
-         run{no_id}",
+        "--out {} already holds a run{off} ({holds}){other}: {continue_it}give another --out \
+         (or {remove}) to start a new run{no_id}",
         out.display(),
-        latest.display(),
-        names.trim().escape_debug()
     ))
 }
 
@@ -886,5 +954,60 @@ mod tests {
         let mut s = settings(dir.path(), None);
         assert_eq!(resume_after_restart(&mut s, &env("job-7", 3)).unwrap(), "");
         assert_eq!(s.checkpoint.resume, None);
+        // The empty history of a start that ended before its first epoch did.
+        std::fs::write(dir.path().join("metrics.jsonl"), "").unwrap();
+        assert_eq!(resume_after_restart(&mut s, &env("job-8", 0)).unwrap(), "");
+    }
+
+    /// A run whose checkpoints were deleted to save space keeps its metrics and best models:
+    /// a new start there would write over them, and is refused; the run's own restart
+    /// (before its first checkpoint) starts over.
+    #[test]
+    fn a_new_start_in_a_run_without_checkpoints_keeping_results_is_refused() {
+        let run = ddp_testkit::temp_dir("run-dir-results");
+        let out = run.path();
+        let metrics = format!("{}\n{}\n", r#"{"epoch":1}"#, r#"{"epoch":2}"#);
+        std::fs::write(out.join("metrics.jsonl"), &metrics).unwrap();
+        std::fs::write(out.join("best-score.safetensors"), b"model").unwrap();
+        std::fs::write(out.join("best-score.json"), b"{}").unwrap();
+        let mut s = settings(out, None);
+        s.monitors = vec![
+            Monitor::max("score", "best-score.safetensors"),
+            Monitor::min("val_loss", "best-loss.safetensors"),
+        ];
+        let e = resume_after_restart(&mut s, &env("job-8", 0)).unwrap_err();
+        assert!(
+            matches!(&e, TrainError::Invalid(why) if why == &format!(
+                "--out {0} already holds a run (its metrics.jsonl, best-score.safetensors, \
+                 without {0}/checkpoints/latest): give another --out (or move those files \
+                 away) to start a new run",
+                out.display()
+            )),
+            "{e:?}"
+        );
+        // Only the best model: refused too, and from another run's checkpoint.
+        std::fs::remove_file(out.join("metrics.jsonl")).unwrap();
+        let other = out.join("other.safetensors");
+        std::fs::write(&other, b"x").unwrap();
+        s.checkpoint.resume = Some(other.to_str().unwrap().to_string());
+        let e = resume_after_restart(&mut s, &env("job-8", 0)).unwrap_err();
+        assert!(
+            e.to_string().contains(&format!(
+                "(its best-score.safetensors, without {}/checkpoints/latest), and --resume {} \
+                 is not one of its checkpoints: give another --out",
+                out.display(),
+                other.display()
+            )),
+            "{e}"
+        );
+        // The run's own restart, or an evaluation, goes on.
+        s.checkpoint.resume = None;
+        assert_eq!(resume_after_restart(&mut s, &env("job-8", 1)).unwrap(), "");
+        s.checkpoint.eval_only = true;
+        assert_eq!(resume_after_restart(&mut s, &env("job-8", 0)).unwrap(), "");
+        assert_eq!(
+            std::fs::read(out.join("best-score.safetensors")).unwrap(),
+            b"model"
+        );
     }
 }
