@@ -386,6 +386,17 @@ pub fn describe_error(error: &anyhow::Error) -> String {
 /// or `error: ...` and 1 when they cannot be started (among others in a process that is
 /// already a launcher's rank).
 pub fn run<D>(args: &TrainArgs<D>, body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
+    run_checked(args, || Ok(()), body)
+}
+
+/// [`run`], where `check` tests the program's own settings (those beyond [`TrainArgs`]) that
+/// every rank would refuse: when starting the ranks it runs first, so that they are refused
+/// before any rank starts, as the generic settings are. (As one rank, `body` checks them.)
+pub fn run_checked<D>(
+    args: &TrainArgs<D>,
+    check: impl FnOnce() -> anyhow::Result<()>,
+    body: impl FnOnce() -> anyhow::Result<()>,
+) -> ExitCode {
     let result = match args.nproc_per_node {
         // Settings every rank would refuse are refused here, before any rank starts (and
         // before the run directory the ranks would be given exists).
@@ -393,6 +404,7 @@ pub fn run<D>(args: &TrainArgs<D>, body: impl FnOnce() -> anyhow::Result<()>) ->
             .settings
             .validate()
             .map_err(anyhow::Error::from)
+            .and_then(|()| check())
             .and_then(|()| launch::start_ranks(args.settings.out.as_deref(), nproc)),
         None => args
             .validate()

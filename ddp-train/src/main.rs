@@ -20,16 +20,28 @@ fn main() -> ExitCode {
     ddp_train::malloc::keep_freed_memory();
     ddp_train::logging::init();
     match parse() {
-        Invocation::Train(config) => ddp_train::cli::run(&config.train, || run(&config)),
+        // ODIR's own flags are checked before `--nproc-per-node` starts ranks that would
+        // each refuse them.
+        Invocation::Train(config) => {
+            ddp_train::cli::run_checked(&config.train, || valid(&config), || run(&config))
+        }
         Invocation::Command(command) => match *command {
-            OdirCommand::Predict(args) => {
-                ddp_train::cli::run(&args.config.train, || predict(&args))
-            }
-            OdirCommand::Evaluate(args) => {
-                ddp_train::cli::run(&args.config.train, || evaluate(&args))
-            }
+            OdirCommand::Predict(args) => ddp_train::cli::run_checked(
+                &args.config.train,
+                || valid(&args.config),
+                || predict(&args),
+            ),
+            OdirCommand::Evaluate(args) => ddp_train::cli::run_checked(
+                &args.config.train,
+                || valid(&args.config),
+                || evaluate(&args),
+            ),
         },
     }
+}
+
+fn valid(config: &TrainConfig) -> Result<()> {
+    Ok(config.validate()?)
 }
 
 /// What the command line asks for.

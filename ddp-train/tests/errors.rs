@@ -114,6 +114,44 @@ fn a_validation_fraction_out_of_range_names_its_flag() {
     );
 }
 
+/// ODIR's own flags are refused by the command that would start the ranks, before it starts
+/// any or makes their run directory, as the generic ones are; for each command.
+#[test]
+fn an_odir_flag_every_rank_would_refuse_is_refused_before_the_ranks_start() {
+    let dir = ddp_testkit::temp_dir("ddp-train-errors");
+    let data = dir.path().to_str().unwrap();
+    let out = dir.path().join("run");
+    let out = out.to_str().unwrap();
+    let model = dir.path().join("model.safetensors");
+    let model = model.to_str().unwrap();
+    let launch = ["--nproc-per-node", "2", "--out", out];
+    let small = ["--data", data, "--checkpoint", model, "--image-size", "8"];
+    let refusals = [
+        (
+            vec!["--data", data, "--val-split", "1.5"],
+            "--val-split 1.5",
+        ),
+        ([&["predict"][..], &small].concat(), "--image-size 8"),
+        ([&["evaluate"][..], &small].concat(), "--image-size 8"),
+    ];
+    for (args, named) in refusals {
+        let given: Vec<&str> = args.iter().copied().chain(launch).collect();
+        let result = ddp_train(&given);
+        let err = String::from_utf8_lossy(&result.stderr);
+        assert_eq!(result.status.code(), Some(1), "{given:?}: {err}");
+        let first = err.lines().next().unwrap_or_default();
+        assert!(
+            first.starts_with(&format!("error: {named}")),
+            "{given:?}: {err}"
+        );
+        assert!(
+            !err.contains("ddp-run"),
+            "{given:?}: no rank started: {err}"
+        );
+        assert!(!Path::new(out).exists(), "{given:?}: {out} was made");
+    }
+}
+
 /// `python -m torch.distributed.launch` passes `--local_rank`; one that disagrees with the
 /// launcher's `LOCAL_RANK` names both before anything starts.
 #[test]
