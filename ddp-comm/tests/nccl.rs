@@ -560,6 +560,50 @@ fn nccl_wait_stream_makes_the_current_stream_wait() {
     run_world("nccl_wait_stream_makes_the_current_stream_wait", n, &[]);
 }
 
+/// Polling a collective still queued behind ~1 s of matmuls gets "not ready" from CUDA,
+/// which CUDA also leaves in the thread's last-error slot; libtorch reads that slot after
+/// every kernel launch, so it must be cleared: afterwards the slot reads `cudaSuccess` and a
+/// kernel launched on the same thread runs. Once through `wait` (which polls), once through
+/// a second collective's enqueue and `wait_stream` (which query the first one's event).
+#[test]
+fn nccl_polling_a_busy_collective_leaves_no_cuda_error_behind() {
+    if worker() {
+        let (group, device) = group_on_gpu();
+        let group = std::sync::Arc::new(group);
+        let cudart = nccl_sys::Cudart::load().unwrap();
+        for how in ["wait", "wait_stream"] {
+            keep_busy(device, 1.0);
+            let t = Tensor::ones([1 << 20], (Kind::Float, device));
+            let first = group.all_reduce_async(&t, ReduceOp::Sum);
+            if how == "wait" {
+                first.wait().unwrap();
+            } else {
+                let u = Tensor::ones([1 << 10], (Kind::Float, device));
+                let second = group.all_reduce_async(&u, ReduceOp::Sum);
+                assert!(
+                    !first.is_completed(),
+                    "the matmuls did not outlast the polls"
+                );
+                second.wait_stream().unwrap();
+                first.wait_stream().unwrap();
+            }
+            // SAFETY: plain CUDA runtime call on this thread's error slot.
+            let last = unsafe { (cudart.cudaPeekAtLastError)() };
+            assert_eq!(last, nccl_sys::cudaError_t::cudaSuccess, "after {how}");
+            let doubled = t.f_mul_scalar(2.0).unwrap();
+            assert_eq!(doubled.min().double_value(&[]), 2.0, "after {how}");
+        }
+        println!("polls of a busy collective left no CUDA error behind");
+        return;
+    }
+    skip_without_gpu!();
+    run_world(
+        "nccl_polling_a_busy_collective_leaves_no_cuda_error_behind",
+        1,
+        &[],
+    );
+}
+
 /// `NCCL_COMM_BLOCKING=1` would turn the communicator's init blocking again (NCCL applies
 /// it over the config), with no timeout for a rank that never joins: creating an NCCL group
 /// refuses it, naming the variable, before anything of NCCL runs. Runs everywhere (no GPU

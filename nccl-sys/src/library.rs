@@ -182,6 +182,11 @@ function_table! {
         /// `cudaStreamQuery(cudaStream_t stream)`: `cudaSuccess` when idle,
         /// `cudaErrorNotReady` while work is queued.
         fn cudaStreamQuery(stream: cudaStream_t) -> cudaError_t;
+        /// `cudaGetLastError()`: the calling thread's last error, reset to `cudaSuccess`.
+        /// libtorch, which shares this runtime, reads it after every kernel launch.
+        fn cudaGetLastError() -> cudaError_t;
+        /// `cudaPeekAtLastError()`: the calling thread's last error, left as it is.
+        fn cudaPeekAtLastError() -> cudaError_t;
         /// `cudaGetErrorString(cudaError_t error)`: a static string.
         fn cudaGetErrorString(error: cudaError_t) -> *const c_char;
         /// `cudaRuntimeGetVersion(int* version)`.

@@ -49,12 +49,33 @@ unsafe impl Send for Event {}
 
 impl Marker for Event {
     fn reached(&self) -> Result<bool, String> {
-        // SAFETY: `raw` is a live event owned by this value.
-        match unsafe { (self.cudart.cudaEventQuery)(self.raw) } {
-            cudaError_t::cudaSuccess => Ok(true),
-            cudaError_t::cudaErrorNotReady => Ok(false),
-            rc => Err(crate::nccl::cuda::cuda_error_string(rc)),
+        query_cuda(
+            // SAFETY: `raw` is a live event owned by this value.
+            || unsafe { (self.cudart.cudaEventQuery)(self.raw) },
+            // SAFETY: plain CUDA runtime call on the calling thread's own error slot.
+            || unsafe { (self.cudart.cudaGetLastError)() },
+        )
+        .map_err(crate::nccl::cuda::cuda_error_string)
+    }
+}
+
+/// Runs a CUDA query (`cudaEventQuery`, `cudaStreamQuery`): `Ok(true)` when the work is
+/// done, `Ok(false)` while it runs, else the error. A "not ready" answer is also left in the
+/// calling thread's last-error slot, which libtorch shares (the same libcudart) and checks
+/// after every kernel launch (`C10_CUDA_KERNEL_LAUNCH_CHECK`): left there, the next kernel
+/// this thread launches, e.g. autograd's after a DDP hook, fails with "device not ready".
+/// So `clear` (`cudaGetLastError`) resets it then, as PyTorch's `queryEvent` does.
+pub(crate) fn query_cuda(
+    query: impl FnOnce() -> cudaError_t,
+    clear: impl FnOnce() -> cudaError_t,
+) -> Result<bool, cudaError_t> {
+    match query() {
+        cudaError_t::cudaSuccess => Ok(true),
+        cudaError_t::cudaErrorNotReady => {
+            let _ = clear();
+            Ok(false)
         }
+        rc => Err(rc),
     }
 }
 
@@ -420,6 +441,40 @@ mod tests {
             why.contains("wait: the NCCL communicator was aborted (all_reduce timed out"),
             "{why}"
         );
+    }
+
+    /// A "not ready" answer is cleared from CUDA's last-error slot at once (libtorch's next
+    /// kernel launch would fail on it); a done or failed query leaves the slot alone.
+    #[test]
+    fn a_not_ready_query_clears_cudas_last_error_and_nothing_else_does() {
+        let answers = [
+            (cudaError_t::cudaSuccess, Ok(true), vec!["query"]),
+            (
+                cudaError_t::cudaErrorNotReady,
+                Ok(false),
+                vec!["query", "clear"],
+            ),
+            (
+                cudaError_t::cudaErrorInvalidDevice,
+                Err(cudaError_t::cudaErrorInvalidDevice),
+                vec!["query"],
+            ),
+        ];
+        for (rc, want, calls) in answers {
+            let log = std::cell::RefCell::new(Vec::new());
+            let got = query_cuda(
+                || {
+                    log.borrow_mut().push("query");
+                    rc
+                },
+                || {
+                    log.borrow_mut().push("clear");
+                    cudaError_t::cudaErrorNotReady
+                },
+            );
+            assert_eq!(got, want, "{rc:?}");
+            assert_eq!(log.into_inner(), calls, "{rc:?}");
+        }
     }
 
     #[test]
