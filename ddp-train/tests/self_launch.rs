@@ -305,7 +305,12 @@ fn a_failing_rank_ends_the_job_with_ddp_runs_report() {
 /// SIGTERM to the one command reaches both ranks, which stop at a checkpoint; the command
 /// exits 75 as ddp-run does ("stopped, to be continued"), no rank outlives it, and, started
 /// without `--out`, it ends with the command that continues the run in the directory it chose.
+/// Its steps are slowed (`DDP_TRAIN_STEP_SLEEP_MS`) so that the signal comes mid-run.
 #[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
 fn sigterm_stops_every_rank_at_a_checkpoint_with_exit_code_75() {
     let tmp = temp_dir("ddp-train-self-launch-stop");
     let data = data(tmp.path());
