@@ -290,8 +290,8 @@ type Named = Vec<(String, Tensor)>;
 ///   `find_unused_parameters`, only after [`DistributedDataParallel::prepare_for_backward`].
 /// - [`DistributedDataParallel::sync_gradients`], after backward: parameters that got no
 ///   gradient on this rank contribute zeros, the remaining buckets are launched, the ranks
-///   count who used each parameter (one small all-reduce), everything is waited for, and the
-///   averages are written into the gradients. Parameters used by no rank keep no gradient
+///   count who used each parameter (one small all-reduce), and each bucket's averages are
+///   written into the gradients once it is waited for. Parameters used by no rank keep none
 ///   (optimizers skip them). A sparse gradient becomes dense first (ddp-comm has no sparse
 ///   collectives; the averages are PyTorch's). With [`DdpOptions::find_unused_parameters`] off, a parameter
 ///   missing on any rank is an error on every rank ([`DdpError::UnusedParameters`]), naming it;
@@ -917,13 +917,16 @@ mod tests {
     }
 
     /// Parameters `a` and `b`, one bucket each (`b`'s first), with `find_unused_parameters`
-    /// and a comm hook logging into the returned list.
-    fn two_buckets(pg: Arc<ProcessGroup>) -> (VarStore, DistributedDataParallel, Logged) {
+    /// as given and a comm hook logging into the returned list.
+    fn two_buckets(
+        pg: Arc<ProcessGroup>,
+        find_unused_parameters: bool,
+    ) -> (VarStore, DistributedDataParallel, Logged) {
         let vs = VarStore::new(tch::Device::Cpu);
         let _a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
         let _b = vs.root().var("b", &[3], tch::nn::Init::Const(1.0));
         let options = DdpOptions {
-            find_unused_parameters: true,
+            find_unused_parameters,
             bucket_cap_bytes: 1,
             first_bucket_cap_bytes: 1,
             ..DdpOptions::default()
@@ -936,6 +939,141 @@ mod tests {
             [vec!["b".to_string()], vec!["a".to_string()]]
         );
         (vs, ddp, Logged(log))
+    }
+
+    /// A backward inside `no_sync` launches no bucket and leaves the flag as it found it;
+    /// the synced backward after it launches both buckets, which average the gradients of
+    /// both backward passes.
+    #[test]
+    fn no_sync_accumulates_without_communicating() {
+        let (vs, mut ddp, Logged(log)) = two_buckets(alone(), false);
+        let (a, b) = (&vs.variables()["a"], &vs.variables()["b"]);
+        ddp.no_sync(|| (a.sum(tch::Kind::Float) * 2.0 + b.sum(tch::Kind::Float) * 3.0).backward());
+        assert!(lock(&log).is_empty(), "no_sync launched {:?}", lock(&log));
+        assert!(lock(&ddp.reducer).require_sync);
+        (a.sum(tch::Kind::Float) + b.sum(tch::Kind::Float)).backward();
+        ddp.sync_gradients().unwrap();
+        assert_eq!(*lock(&log), ["bucket b", "bucket a"]);
+        assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [3.0; 2]);
+        assert_eq!(Vec::<f32>::try_from(&b.grad()).unwrap(), [4.0; 3]);
+        ddp.set_require_gradient_sync(false);
+        ddp.no_sync(|| ());
+        assert!(!lock(&ddp.reducer).require_sync);
+    }
+
+    /// What a [`Probe`] does when a bucket starts: returns the follow-up of its `Avg`
+    /// all-reduce.
+    type Start = dyn Fn(&GradBucket<'_>) -> Box<dyn FnOnce() + Send> + Send + Sync;
+
+    /// A comm hook that averages as the default does, with a test's follow-up.
+    struct Probe(Box<Start>);
+
+    impl std::fmt::Debug for Probe {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Probe")
+        }
+    }
+
+    impl CommHook for Probe {
+        fn start(&self, pg: &Arc<ProcessGroup>, bucket: &GradBucket<'_>) -> HookWork {
+            let then = (self.0)(bucket);
+            BuiltinHook::Allreduce.start(pg, bucket).then(then)
+        }
+    }
+
+    /// Parameters `a` ([2]) and `b` ([3]) of ones, one bucket each (`b`'s first), averaged
+    /// by the [`Probe`] that `probe` makes of them, after the backward of `sum(2a) + sum(b)`.
+    /// Returns `a` and `b`.
+    fn probed_step(
+        options: DdpOptions,
+        probe: impl FnOnce(&Tensor, &Tensor) -> Box<Start>,
+    ) -> (Tensor, Tensor) {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+        let b = vs.root().var("b", &[3], tch::nn::Init::Const(1.0));
+        let options = DdpOptions {
+            bucket_cap_bytes: 1,
+            first_bucket_cap_bytes: 1,
+            ..options
+        };
+        let mut ddp = DistributedDataParallel::new(&vs, alone(), options).unwrap();
+        assert_eq!(
+            ddp.bucket_parameters(),
+            [vec!["b".to_string()], vec!["a".to_string()]]
+        );
+        ddp.register_comm_hook(Arc::new(Probe(probe(&a, &b))));
+        ((&a * 2.0).sum(tch::Kind::Float) + b.sum(tch::Kind::Float)).backward();
+        ddp.sync_gradients().unwrap();
+        (a, b)
+    }
+
+    /// Each bucket's averages reach the gradients as soon as its collective is waited for,
+    /// before the next bucket's (PyTorch's `finalize_backward`), with and without overlap:
+    /// when bucket 1 completes, bucket 0's parameter already holds its average, which the
+    /// hook doubled.
+    #[test]
+    fn each_bucket_is_copied_back_once_it_is_waited_for() {
+        for overlap in [true, false] {
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let record = seen.clone();
+            let options = DdpOptions {
+                overlap,
+                ..DdpOptions::default()
+            };
+            let (a, b) = probed_step(options, |_, b| {
+                let first = Arc::new(Mutex::new(b.shallow_clone()));
+                Box::new(move |bucket| {
+                    if bucket.index() == 0 {
+                        let mut buffer = bucket.buffer().shallow_clone();
+                        return Box::new(move || {
+                            let _ = buffer.g_mul_scalar_(2.0);
+                        });
+                    }
+                    let first = lock(&first).shallow_clone();
+                    let record = record.clone();
+                    Box::new(move || *lock(&record) = Vec::<f32>::try_from(&first.grad()).unwrap())
+                })
+            });
+            assert_eq!(*lock(&seen), [2.0; 3], "overlap {overlap}");
+            assert_eq!(Vec::<f32>::try_from(&b.grad()).unwrap(), [2.0; 3]);
+            assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
+        }
+    }
+
+    /// Without overlap, each bucket is launched before the next is filled: with
+    /// `gradient_as_bucket_view`, bucket 1's parameter `a` becomes a view of its bucket only
+    /// after bucket 0 has started, and is one when bucket 1 starts.
+    #[test]
+    fn without_overlap_each_bucket_starts_before_the_next_is_filled() {
+        let starts = Arc::new(Mutex::new(Vec::new()));
+        let record = starts.clone();
+        let options = DdpOptions {
+            overlap: false,
+            gradient_as_bucket_view: true,
+            ..DdpOptions::default()
+        };
+        let (a, b) = probed_step(options, |a, _| {
+            let other = Arc::new(Mutex::new(a.shallow_clone()));
+            Box::new(move |bucket| {
+                let grad = lock(&other).grad().data_ptr() as usize;
+                lock(&record).push((grad, bucket.buffer().data_ptr() as usize));
+                Box::new(|| ())
+            })
+        });
+        let starts = lock(&starts).clone();
+        let [(grad_at_0, _), (grad_at_1, bucket_1)] = starts[..] else {
+            panic!("expected 2 bucket starts, got {starts:?}");
+        };
+        assert_eq!(
+            grad_at_1, bucket_1,
+            "a's gradient is not its bucket's view at its start"
+        );
+        assert_ne!(
+            grad_at_0, bucket_1,
+            "a's bucket was filled before bucket 0 started"
+        );
+        assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
+        assert_eq!(Vec::<f32>::try_from(&b.grad()).unwrap(), [1.0; 3]);
     }
 
     /// `2 * a`, through a backward function that logs when it runs: before `a`'s gradient
@@ -959,7 +1097,7 @@ mod tests {
     /// before `sync_gradients`.
     #[test]
     fn unreachable_parameters_are_marked_ready_at_the_first_hook() {
-        let (vs, mut ddp, Logged(log)) = two_buckets(alone());
+        let (vs, mut ddp, Logged(log)) = two_buckets(alone(), true);
         let (a, b) = (&vs.variables()["a"], &vs.variables()["b"]);
         let loss = logged_double(a, &log).sum(tch::Kind::Float);
         ddp.prepare_for_backward(&loss).unwrap();
@@ -984,7 +1122,7 @@ mod tests {
     /// same (backward ran from another tensor) is an error naming it, as a second gradient.
     #[test]
     fn a_gradient_for_a_parameter_marked_unused_is_an_error() {
-        let (vs, mut ddp, _) = two_buckets(alone());
+        let (vs, mut ddp, _) = two_buckets(alone(), true);
         let (a, b) = (&vs.variables()["a"], &vs.variables()["b"]);
         ddp.prepare_for_backward(&a.sum(tch::Kind::Float)).unwrap();
         (a.sum(tch::Kind::Float) + b.sum(tch::Kind::Float)).backward();

@@ -9,9 +9,10 @@
 //! the gradient they hold (accumulated in backward passes without sync) or zeros, the
 //! remaining buckets are launched, and one more all-reduce counts on how many ranks each
 //! parameter was used, in this backward or one without sync since the last synced one (and
-//! which ranks saw a gradient twice); then everything is waited for and the averages are
-//! copied into the gradients of the parameters that some rank used. PyTorch's reducer does
-//! the same (`local_used_map_`, `mark_variable_ready_dense`).
+//! which ranks saw a gradient twice). Each bucket is waited for in bucket order and its
+//! averages copied at once into the gradients this rank used; once the counts arrive, into
+//! those of the parameters only other ranks used. PyTorch's reducer does the same
+//! (`local_used_map_`, `mark_variable_ready_dense`, `finalize_backward`).
 //!
 //! PyTorch's reducer finishes by itself at the end of backward; here `finish` waits for
 //! `sync_gradients`, so a step that skips it (tch's `backward_step`) would leave each rank its
@@ -195,7 +196,7 @@ impl Reducer {
         }
         self.pending[b] -= 1;
         if self.launching() {
-            self.launch_ready();
+            self.launch_ready(self.buckets.len());
         }
     }
 
@@ -238,9 +239,9 @@ impl Reducer {
         }
     }
 
-    /// Launches the complete buckets at the head of the order.
-    fn launch_ready(&mut self) {
-        while self.next < self.buckets.len() && self.pending[self.next] == 0 {
+    /// Launches the complete buckets at the head of the order, up to bucket `end` (excluded).
+    fn launch_ready(&mut self, end: usize) {
+        while self.next < end && self.pending[self.next] == 0 {
             let b = self.next;
             let bucket = &self.buckets[b];
             let grad_bucket = GradBucket {
@@ -302,30 +303,41 @@ impl Reducer {
             .map(|k| i32::from(self.used[k] || (find_unused && self.used_without_sync[k])))
             .collect();
         used.extend((0..world).map(|r| i32::from(r == self.pg.rank() && self.twice.is_some())));
+        // Bucket by bucket: each is filled (the slots backward left, and without overlap
+        // every gradient) and launched before the next is filled.
         tch::no_grad(|| {
-            for k in 0..n {
-                if !self.ready[k] {
-                    self.mark_unused(k);
-                } else if self.used[k] && !self.options.overlap {
-                    self.copy_in(k);
+            for b in 0..self.buckets.len() {
+                for i in 0..self.buckets[b].members.len() {
+                    let k = self.buckets[b].members[i].0;
+                    if !self.ready[k] {
+                        self.mark_unused(k);
+                    } else if self.used[k] && !self.options.overlap {
+                        self.copy_in(k);
+                    }
                 }
+                self.launch_ready(b + 1);
             }
         });
-        self.launch_ready();
         let counts = Tensor::from_slice(&used);
         let counting = self.pg.all_reduce_async(&counts, ReduceOp::Sum);
-        // Wait for everything, keeping the first error.
-        let mut first_error = None;
-        for work in self.works.drain(..) {
+        // `works[b]` is bucket `b`'s (launched in bucket order). Its averages go into the
+        // gradients this rank used (each counted on this rank, so by some rank) as soon as it
+        // is waited for, while later buckets still communicate (PyTorch's
+        // `finalize_backward`). So after a `GradientTwice` or `UnusedParameters` error below
+        // those gradients may hold averages already: the step is abandoned anyway.
+        let mut first_error: Option<DdpError> = None;
+        for (b, work) in std::mem::take(&mut self.works).into_iter().enumerate() {
             if let Err(e) = work.wait() {
-                first_error.get_or_insert(e);
+                first_error.get_or_insert(e.into());
+            } else if first_error.is_none() {
+                first_error = tch::no_grad(|| self.copy_back_used(b)).err();
             }
         }
         if let Err(e) = counting.wait() {
-            first_error.get_or_insert(e);
+            first_error.get_or_insert(e.into());
         }
         if let Some(e) = first_error {
-            return Err(e.into());
+            return Err(e);
         }
         let counts: Vec<i32> = Vec::<i32>::try_from(&counts).map_err(DdpError::Tch)?;
         let (counts, twice) = counts.split_at(n);
@@ -343,33 +355,50 @@ impl Reducer {
         }
         tch::no_grad(|| -> Result<(), DdpError> {
             for (k, &count) in counts.iter().enumerate() {
-                if count == 0 {
-                    // Used by no rank: the gradient stays as it was (none, after a zero_grad),
-                    // so that optimizers skip the parameter, as PyTorch's DDP leaves it.
-                    continue;
+                // Used by no rank: the gradient stays as it was (none, after a zero_grad), so
+                // that optimizers skip the parameter, as PyTorch's DDP leaves it.
+                if !self.used[k] && count > 0 {
+                    self.copy_back(k)?;
                 }
-                let (b, offset, numel) = self.locate[k];
-                let p = &self.params[k].1;
-                let slot = self.buckets[b].slot(offset, numel);
-                let mut grad = p.grad();
-                if is_view_of(&grad, &slot) {
-                    continue;
-                }
-                if self.options.gradient_as_bucket_view {
-                    tch_ext::set_grad(p, Some(&slot.view_as(p)))?;
-                    continue;
-                }
-                if !grad.defined() {
-                    grad = p.zeros_like();
-                    tch_ext::set_grad(p, Some(&grad))?;
-                }
-                grad.copy_(&slot.view_as(&grad));
             }
             Ok(())
         })?;
         if !self.rebuilt && !self.options.find_unused_parameters {
             self.rebuild()?;
         }
+        Ok(())
+    }
+
+    /// Copies bucket `b`'s averages into the gradients of its members that this rank used.
+    fn copy_back_used(&self, b: usize) -> Result<(), DdpError> {
+        for &(k, _, _) in &self.buckets[b].members {
+            if self.used[k] {
+                self.copy_back(k)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes parameter `k`'s gradient its average in the bucket: as it is when it views its
+    /// slot, by becoming that view with `gradient_as_bucket_view`, otherwise by a copy (into
+    /// zeros where it had none).
+    fn copy_back(&self, k: usize) -> Result<(), DdpError> {
+        let (b, offset, numel) = self.locate[k];
+        let p = &self.params[k].1;
+        let slot = self.buckets[b].slot(offset, numel);
+        let mut grad = p.grad();
+        if is_view_of(&grad, &slot) {
+            return Ok(());
+        }
+        if self.options.gradient_as_bucket_view {
+            tch_ext::set_grad(p, Some(&slot.view_as(p)))?;
+            return Ok(());
+        }
+        if !grad.defined() {
+            grad = p.zeros_like();
+            tch_ext::set_grad(p, Some(&grad))?;
+        }
+        grad.copy_(&slot.view_as(&grad));
         Ok(())
     }
 
