@@ -22,17 +22,7 @@ fn without_validation() -> Regression {
 
 /// 2 epochs of 4 steps into `out`, one thread, nothing drawn.
 fn settings(out: &Path) -> Settings {
-    let mut s = Settings::default()
-        .epochs(2)
-        .batch_size(16)
-        .seed(3)
-        .out(Some(out.to_path_buf()));
-    s.runtime.threads = Some(1);
-    s.runtime.workers = Some(1);
-    s.runtime.progress = false;
-    s.runtime.plot = false;
-    s.runtime.stop_on_signals = false;
-    s
+    common::regression::quiet_settings(out)
 }
 
 fn start(settings: Settings) -> Result<Trainer<Regression>, TrainError> {

@@ -257,10 +257,16 @@ pub(super) fn refuse_resume(
     Ok(())
 }
 
-/// What a resume from `st` takes from the checkpoint rather than from `s`, and another
-/// number of training samples at an epoch's end: warnings for the log.
-pub(super) fn resume_warnings(st: &TrainState, s: &Settings, train_samples: usize) -> Vec<String> {
-    let mut warnings = Vec::new();
+/// What a resume from `st` takes from the checkpoint rather than from `s`, another number of
+/// training samples at an epoch's end, and each setting of `s` or of the task (described now
+/// as `task`) that differs from the run's: warnings for the log.
+pub(super) fn resume_warnings(
+    st: &TrainState,
+    s: &Settings,
+    task: &serde_json::Value,
+    train_samples: usize,
+) -> Vec<String> {
+    let mut warnings = changed_settings(st, s, task);
     if let (None, Some(was)) = (st.position, st.train_samples) {
         if was != train_samples {
             warnings.push(format!(
@@ -293,6 +299,85 @@ pub(super) fn resume_warnings(st: &TrainState, s: &Settings, train_samples: usiz
         }
     }
     warnings
+}
+
+/// The settings a resume warns of elsewhere or may change freely: where the checkpoints go
+/// and how the ranks run (`checkpoint.*`, `runtime.*`, `out`), the seed (refused), the
+/// allocation (its own warning), the number of epochs (the plan's warning), and with a
+/// plateau scheduler its learning rate and settings (which the checkpoint's state keeps).
+fn warned_elsewhere(path: &str, plateau: bool) -> bool {
+    let under = |prefix: &str| {
+        path == prefix
+            || path
+                .strip_prefix(prefix)
+                .is_some_and(|rest| rest.starts_with('.'))
+    };
+    [
+        "checkpoint",
+        "runtime",
+        "out",
+        "seed",
+        "batch_size",
+        "accumulate",
+        "epochs",
+    ]
+    .iter()
+    .any(|p| under(p))
+        || (plateau && (under("optimizer.lr") || under("lr_schedule.config")))
+}
+
+/// One warning per setting (a dotted path of [`Settings`], or `task.` and a key of
+/// [`Task::describe`]) whose value now differs from the run's in `st`: the run changes there
+/// at the resume point, and does not continue as it began.
+fn changed_settings(st: &TrainState, s: &Settings, task: &serde_json::Value) -> Vec<String> {
+    let plateau = |v: &serde_json::Value| v["lr_schedule"]["kind"] == "plateau";
+    let now = serde_json::to_value(s).unwrap_or_default();
+    let both_plateau = plateau(&now) && plateau(&st.config["settings"]);
+    let mut changes = Vec::new();
+    // A checkpoint without the record (none the Trainer writes) has nothing to compare.
+    if !st.config["settings"].is_null() {
+        differences(&st.config["settings"], &now, "", &mut changes);
+        changes.retain(|(path, _, _)| !warned_elsewhere(path, both_plateau));
+    }
+    if !st.config["task"].is_null() {
+        differences(&st.config["task"], task, "task", &mut changes);
+    }
+    changes
+        .into_iter()
+        .map(|(path, was, now)| {
+            format!(
+                "{path} was {was} in the run and is {now} from here on: the run does not \
+                 continue as it began (resume with {was} to continue it exactly)"
+            )
+        })
+        .collect()
+}
+
+/// The leaves where `now` differs from `was` (objects field by field, anything else
+/// whole), by dotted path under `path`, with both values (`null` where one lacks it).
+pub(super) fn differences(
+    was: &serde_json::Value,
+    now: &serde_json::Value,
+    path: &str,
+    out: &mut Vec<(String, serde_json::Value, serde_json::Value)>,
+) {
+    use serde_json::Value;
+    match (was, now) {
+        (Value::Object(a), Value::Object(b)) => {
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            for key in keys {
+                let inner = match path {
+                    "" => key.clone(),
+                    _ => format!("{path}.{key}"),
+                };
+                let get = |o: &serde_json::Map<String, Value>| o.get(key).cloned();
+                let (x, y) = (get(a).unwrap_or_default(), get(b).unwrap_or_default());
+                differences(&x, &y, &inner, out);
+            }
+        }
+        (a, b) if a != b => out.push((path.to_string(), a.clone(), b.clone())),
+        _ => {}
+    }
 }
 
 /// Where the epoch of `st`'s position `p` continues on `now` (whose epochs have `steps_now`

@@ -226,7 +226,12 @@ impl<T: Task> Trainer<T> {
                 .load_state(&tensors, st.optimizer_steps)
                 .map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))?;
             optimizer.set_lr(st.lr);
-            fallback_warnings.extend(super::checkpoint::resume_warnings(&st, s, train_set.len()));
+            fallback_warnings.extend(super::checkpoint::resume_warnings(
+                &st,
+                s,
+                &task.describe(),
+                train_set.len(),
+            ));
             bucket_order = st.bucket_order.clone();
             if st.scheduler.is_some() {
                 scheduler = st.scheduler.clone();

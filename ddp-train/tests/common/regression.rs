@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use ddp_data::{Batch, TensorDataset};
-use ddp_train::{RegressionStats, Task};
+use ddp_train::{RegressionStats, Settings, Task};
 use tch::{nn, nn::Module, Device, Kind, Reduction, Tensor};
 
 /// y = 2 x0 - x1 + 0.5 x2 + 0.1 sin(7 x3) on `count` points of [-1, 1)^4.
@@ -17,15 +17,33 @@ pub fn points(count: i64, seed: i64) -> TensorDataset {
     TensorDataset::from_tensors(&x, &y.unsqueeze(1)).expect("a valid data set")
 }
 
+/// 2 epochs of 16-sample batches with seed 3 into `out`, one thread and one loader worker,
+/// nothing drawn, signals left alone: a run in the test's own process.
+pub fn quiet_settings(out: &std::path::Path) -> Settings {
+    let mut s = Settings::default()
+        .epochs(2)
+        .batch_size(16)
+        .seed(3)
+        .out(Some(out.to_path_buf()));
+    s.runtime.threads = Some(1);
+    s.runtime.workers = Some(1);
+    s.runtime.progress = false;
+    s.runtime.plot = false;
+    s.runtime.stop_on_signals = false;
+    s
+}
+
 /// The MLP (4 -> 16 -> relu -> 1) on `train`, evaluated on `val` (`None`: not evaluated).
 /// Its training loss is the mean squared error times `loss_scale`, plus infinity at the
-/// `inf_at`-th call (from 0); each evaluated batch takes `eval_pause` longer.
+/// `inf_at`-th call (from 0); each evaluated batch takes `eval_pause` longer. `description`
+/// is what `config.json` records of it (`Task::describe`).
 pub struct Regression {
     pub train: TensorDataset,
     pub val: Option<TensorDataset>,
     pub loss_scale: f64,
     pub inf_at: Option<usize>,
     pub eval_pause: Duration,
+    pub description: serde_json::Value,
     calls: AtomicUsize,
 }
 
@@ -38,6 +56,7 @@ impl Regression {
             loss_scale: 1.0,
             inf_at: None,
             eval_pause: Duration::ZERO,
+            description: serde_json::Value::Null,
             calls: AtomicUsize::new(0),
         }
     }
@@ -74,6 +93,10 @@ impl Task for Regression {
         } else {
             loss
         }
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        self.description.clone()
     }
 
     fn new_stats(&self) -> RegressionStats {

@@ -1,0 +1,82 @@
+//! What a resumed or evaluated model's run recorded, against the settings given now: a resume
+//! warns of each setting and task key that changes at the resume point. One rank, in this
+//! process, on the regression task.
+
+mod common;
+
+use std::path::Path;
+
+use common::free_port;
+use common::regression::{points, quiet_settings, Regression};
+use ddp_train::{Settings, TrainError, Trainer};
+use serde_json::{json, Value};
+
+/// The regression task on 64 points, described to `config.json` as `description`.
+fn task(description: Value) -> Regression {
+    let mut task = Regression::new(points(64, 1), points(8, 2));
+    task.description = description;
+    task
+}
+
+/// `epochs` of 4 steps into `out` with seed 3, one thread, nothing drawn.
+fn settings(out: &Path, epochs: u64) -> Settings {
+    quiet_settings(out).epochs(epochs)
+}
+
+fn start(task: Regression, settings: Settings) -> Result<Trainer<Regression>, TrainError> {
+    let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", free_port());
+    Trainer::with_env(task, settings, &env)
+}
+
+/// `settings` resumed from `latest` for `epochs`.
+fn resumed(mut s: Settings, epochs: u64) -> Settings {
+    s.epochs = epochs;
+    s.checkpoint.resume = Some("latest".into());
+    s
+}
+
+fn log_of(run: &Path) -> String {
+    std::fs::read_to_string(run.join("logs/rank-0.log")).unwrap()
+}
+
+/// The lines of `log` that warn of a changed setting.
+fn changes(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| l.starts_with("warning: ") && l.contains(" from here on"))
+        .collect()
+}
+
+/// A run trained with `{"image_size": 32}` and the first layer frozen until epoch 3, resumed
+/// with `{"image_size": 64}` and no freeze, warns of the three changes, each with the run's
+/// value and the new one, and of nothing the resume handles elsewhere (the epochs).
+#[test]
+fn a_resume_warns_of_each_setting_and_task_key_it_changes() {
+    let tmp = common::temp_dir("ddp-train-resume-settings");
+    let run = tmp.path().join("run");
+    let mut first = settings(&run, 1);
+    first.freeze.prefixes = vec!["0".into()];
+    first.freeze.unfreeze_at = Some(3);
+    start(task(json!({ "image_size": 32 })), first)
+        .unwrap()
+        .run()
+        .unwrap();
+
+    let again = resumed(settings(&run, 2), 2);
+    start(task(json!({ "image_size": 64 })), again)
+        .unwrap()
+        .run()
+        .unwrap();
+    let log = log_of(&run);
+    assert_eq!(
+        changes(&log),
+        [
+            "warning: freeze.prefixes was [\"0\"] in the run and is [] from here on: the run \
+             does not continue as it began (resume with [\"0\"] to continue it exactly)",
+            "warning: freeze.unfreeze_at was 3 in the run and is null from here on: the run \
+             does not continue as it began (resume with 3 to continue it exactly)",
+            "warning: task.image_size was 32 in the run and is 64 from here on: the run does \
+             not continue as it began (resume with 32 to continue it exactly)",
+        ],
+        "{log}"
+    );
+}
