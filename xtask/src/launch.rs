@@ -439,34 +439,85 @@ pub fn generate_sample(
 }
 
 /// The built-in synthetic sample, generated once into `.cache/` and reused. Generation goes to
-/// a private temporary folder renamed into place, so concurrent jobs never see half a sample;
-/// a failed generation removes it, and one cut short (Ctrl-C, a kill) is swept by the next.
+/// a private temporary folder, flushed to the disk with its [`mark_complete`] marker and
+/// renamed into place, so concurrent jobs never see half a sample, nor a later one the empty
+/// files a power loss can leave; a folder without the marker is generated again. A failed
+/// generation removes its temporary, and one cut short (Ctrl-C, a kill) is swept by the next.
 fn synthetic_sample(root: &Path, cache: &Path, bin: Option<&Path>) -> Result<PathBuf> {
     let dir = cache.join(format!(
         "synthetic-odir-{SAMPLE_IMAGES}x{SAMPLE_SIZE}-seed{SAMPLE_SEED}"
     ));
     remove_stale_temporaries(cache);
-    if dir.join("full_df.csv").exists() {
+    if is_complete(&dir) {
         return Ok(dir);
     }
     std::fs::create_dir_all(cache).with_context(|| format!("cannot create {}", cache.display()))?;
-    let tmp = RemoveOnDrop(cache.join(format!(
-        ".tmp-{}-{}-{}",
-        std::process::id(),
-        time::OffsetDateTime::now_utc().unix_timestamp_nanos(),
-        hostname()
-    )));
+    let tmp = RemoveOnDrop(temporary(cache));
     println!(
         "xtask: generating the synthetic ODIR sample (once) into {}",
         dir.display()
     );
     generate_sample(root, bin, &tmp.0, SAMPLE_IMAGES, SAMPLE_SIZE, SAMPLE_SEED)?;
+    mark_complete(&tmp.0)?;
+    if dir.exists() && !is_complete(&dir) {
+        // An incomplete sample is set aside (if another job has not already) and removed.
+        let old = RemoveOnDrop(temporary(cache));
+        let _ = std::fs::rename(&dir, &old.0);
+    }
     // On success `tmp` is gone and its guard finds nothing to remove.
-    if std::fs::rename(&tmp.0, &dir).is_err() && !dir.join("full_df.csv").exists() {
+    if std::fs::rename(&tmp.0, &dir).is_err() && !is_complete(&dir) {
         bail!("cannot move the synthetic sample into {}", dir.display());
     }
     // Else another job won the race: its sample is identical (same seed); use it.
+    sync_dir(cache)?;
     Ok(dir)
+}
+
+/// A new temporary folder's path in `cache`: `.tmp-<pid>-<nanoseconds>-<host>`.
+fn temporary(cache: &Path) -> PathBuf {
+    cache.join(format!(
+        ".tmp-{}-{}-{}",
+        std::process::id(),
+        time::OffsetDateTime::now_utc().unix_timestamp_nanos(),
+        hostname()
+    ))
+}
+
+/// The marker of a whole generated sample: it names `full_df.csv`'s length.
+const COMPLETE: &str = ".complete";
+
+/// Marks the sample in `dir`, whose files `ddp-gen-data` flushed to the disk, as whole: writes
+/// [`COMPLETE`] and flushes it and the folder.
+pub fn mark_complete(dir: &Path) -> Result<()> {
+    use std::io::Write as _;
+    let csv = dir.join("full_df.csv");
+    let len = std::fs::metadata(&csv)
+        .with_context(|| format!("cannot read {}", csv.display()))?
+        .len();
+    let marker = dir.join(COMPLETE);
+    let mut file = std::fs::File::create(&marker)
+        .with_context(|| format!("cannot create {}", marker.display()))?;
+    file.write_all(format!("full_df.csv {len}\n").as_bytes())
+        .and_then(|()| file.sync_all())
+        .with_context(|| format!("cannot write {}", marker.display()))?;
+    sync_dir(dir)
+}
+
+/// Whether `dir` holds a sample [`mark_complete`] marked whose `full_df.csv` still has the
+/// length it had then (not, say, emptied by a power loss before it reached the disk).
+pub fn is_complete(dir: &Path) -> bool {
+    let Ok(marker) = std::fs::read_to_string(dir.join(COMPLETE)) else {
+        return false;
+    };
+    let len = std::fs::metadata(dir.join("full_df.csv")).map(|m| m.len());
+    matches!(len, Ok(len) if len > 0 && marker == format!("full_df.csv {len}\n"))
+}
+
+/// Flushes folder `dir`'s entries to the disk.
+fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("cannot flush {} to the disk", dir.display()))
 }
 
 /// A folder removed, with what it holds, when the guard drops.
@@ -605,6 +656,54 @@ mod tests {
         );
         assert!(err.contains("exit status: 1"), "{err}");
         assert_eq!(names(&cache), Vec::<String>::new());
+    }
+
+    /// A sample whose marker or `full_df.csv` a power loss emptied, or that has no marker (a
+    /// cache from before it), is generated again; a whole one is reused.
+    #[test]
+    fn a_sample_emptied_by_a_power_loss_is_generated_again() {
+        let dir = ddp_testkit::temp_dir("xtask-emptied-sample");
+        // A generator that counts its runs and writes a CSV of two rows into its --out ($2).
+        let generator = dir.path().join("gen.sh");
+        let runs = dir.path().join("runs");
+        ddp_testkit::script(
+            &generator,
+            &format!(
+                "#!/bin/sh\necho run >> '{}'\nmkdir -p \"$2/preprocessed_images\" && \
+                 printf 'ID\\n0\\n1\\n' > \"$2/full_df.csv\"\n",
+                runs.display()
+            ),
+        );
+        let cache = dir.path().join("cache");
+        let sample = || synthetic_sample(dir.path(), &cache, Some(&generator)).unwrap();
+        let generated = || std::fs::read_to_string(&runs).unwrap().lines().count();
+        let first = sample();
+        let csv = first.join("full_df.csv");
+        assert_eq!(std::fs::read_to_string(&csv).unwrap(), "ID\n0\n1\n");
+        assert_eq!(
+            std::fs::read_to_string(first.join(COMPLETE)).unwrap(),
+            "full_df.csv 7\n"
+        );
+        assert_eq!((sample(), generated()), (first.clone(), 1));
+        let mut expected = 1;
+        for emptied in [COMPLETE, "full_df.csv"] {
+            std::fs::write(first.join(emptied), "").unwrap();
+            expected += 1;
+            assert_eq!(
+                (sample(), generated()),
+                (first.clone(), expected),
+                "{emptied}"
+            );
+            assert_eq!(std::fs::read_to_string(&csv).unwrap(), "ID\n0\n1\n");
+        }
+        std::fs::remove_file(first.join(COMPLETE)).unwrap();
+        assert_eq!((sample(), generated()), (first.clone(), expected + 1));
+        assert!(is_complete(&first));
+        // Nothing is left beside the sample: no temporary, no sample set aside.
+        assert_eq!(
+            names(&cache),
+            [first.file_name().unwrap().to_str().unwrap()]
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@
 mod fundus;
 
 use std::fmt::Write as _;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use image::codecs::jpeg::JpegEncoder;
@@ -137,6 +138,7 @@ struct Patient {
 /// larger one would leave the other's images beside the new annotations.
 ///
 /// Deterministic: the files depend only on `config`, not on the number of threads used.
+/// Durable: every file and folder written is flushed to the disk before it returns.
 pub fn generate(out_dir: &Path, config: &SyntheticConfig) -> Result<SyntheticSummary, DataError> {
     if let Ok(mut entries) = std::fs::read_dir(out_dir) {
         if entries.next().is_some() {
@@ -150,6 +152,8 @@ pub fn generate(out_dir: &Path, config: &SyntheticConfig) -> Result<SyntheticSum
         let first = config.images.div_ceil(2);
         let test = write_folder(&out_dir.join("test"), config, first, config.test_images)?;
         summary.test = Some(Box::new(test));
+        // `test/`'s own entry.
+        sync_dir(out_dir)?;
     }
     Ok(summary)
 }
@@ -227,7 +231,7 @@ fn write_folder(
                             .encode(&px, config.size, config.size, ExtendedColorType::Rgb8)
                             .map_err(|e| write_error(image_dir, e))?;
                         let path = image_dir.join(file_name(id, left));
-                        std::fs::write(&path, &encoded).map_err(|e| write_error(&path, e))?;
+                        write_synced(&path, &encoded)?;
                     }
                     Ok(())
                 })
@@ -281,7 +285,9 @@ fn write_folder(
             );
         }
     }
-    std::fs::write(&csv_path, csv).map_err(|e| write_error(&csv_path, e))?;
+    write_synced(&csv_path, csv.as_bytes())?;
+    sync_dir(&image_dir)?;
+    sync_dir(out_dir)?;
     Ok(SyntheticSummary {
         root: out_dir.to_path_buf(),
         csv: csv_path,
@@ -290,6 +296,21 @@ fn write_folder(
         label_counts,
         test: None,
     })
+}
+
+/// Writes `bytes` to a new file at `path` and flushes it to the disk: a folder renamed into
+/// place after [`generate`] holds whole files, even after a power loss.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
+    let mut file = std::fs::File::create(path).map_err(|e| write_error(path, e))?;
+    file.write_all(bytes).map_err(|e| write_error(path, e))?;
+    file.sync_all().map_err(|e| write_error(path, e))
+}
+
+/// Flushes folder `dir`'s entries to the disk.
+fn sync_dir(dir: &Path) -> Result<(), DataError> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| write_error(dir, e))
 }
 
 fn file_name(id: usize, left: bool) -> String {

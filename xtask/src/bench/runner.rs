@@ -138,11 +138,11 @@ pub(super) fn ensure_setup(root: &Path) -> Result<setup::Deps> {
     setup::run(root, &setup::SetupArgs::default())
 }
 
-/// The synthetic ODIR folder of `count` images of `size` px, generated once.
+/// The synthetic ODIR folder of `count` images of `size` px, generated once (and again where
+/// a power loss left it without a whole marker: [`crate::launch::is_complete`]).
 pub(super) fn train_data(ctx: &Ctx, size: u32, count: usize) -> Result<PathBuf> {
     let dir = ctx.dir.join(format!("odir-{size}px-{count}"));
-    let done = dir.join(".complete");
-    if done.exists() {
+    if crate::launch::is_complete(&dir) {
         return Ok(dir);
     }
     if dir.exists() {
@@ -154,7 +154,7 @@ pub(super) fn train_data(ctx: &Ctx, size: u32, count: usize) -> Result<PathBuf> 
         if size > 1024 { "; about a minute" } else { "" }
     ));
     crate::launch::generate_sample(&ctx.root, None, &dir, count, size, 0)?;
-    fs::write(&done, b"").with_context(|| format!("cannot write {}", done.display()))?;
+    crate::launch::mark_complete(&dir)?;
     Ok(dir)
 }
 
