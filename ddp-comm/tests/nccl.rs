@@ -611,23 +611,55 @@ fn nccl_polling_a_busy_collective_leaves_no_cuda_error_behind() {
 #[test]
 fn nccl_comm_blocking_is_refused_at_group_creation() {
     if worker() {
-        let opts = Options::from_env().unwrap().backend(Backend::Nccl);
-        let err = ProcessGroup::new(opts).unwrap_err();
+        let err = refusal(Options::from_env().unwrap().backend(Backend::Nccl));
         assert!(
             matches!(&err, CommError::MalformedEnv { var, .. } if var == "NCCL_COMM_BLOCKING"),
             "{err:?}"
         );
-        println!("ERROR: {err}");
         return;
     }
-    let outputs = run_world(
+    let error = alone_error(
         "nccl_comm_blocking_is_refused_at_group_creation",
-        1,
-        &[("NCCL_COMM_BLOCKING", "1".to_string())],
+        ("NCCL_COMM_BLOCKING", "1"),
     );
+    assert!(error.contains("without a timeout"), "{error}");
+}
+
+/// In a rank: the error creating a group with `opts` fails with, printed for the test.
+fn refusal(opts: Options) -> CommError {
+    let err = ProcessGroup::new(opts).unwrap_err();
+    println!("ERROR: {err}");
+    err
+}
+
+/// The one error the rank of `test` printed, run alone with the variable `var` set.
+fn alone_error(test: &str, (var, value): (&str, &str)) -> String {
+    let outputs = run_world(test, 1, &[(var, value.to_string())]);
     let errors = lines_with(&outputs[0], "ERROR: ");
     assert_eq!(errors.len(), 1, "{errors:?}");
-    assert!(errors[0].contains("without a timeout"), "{errors:?}");
+    errors[0].clone()
+}
+
+/// A group that trains on a CUDA device and names no backend, where NCCL cannot be loaded
+/// (here `DDP_NCCL_LIBRARY` names no file), fails at creation with the load error, which
+/// names the file tried and the variable, instead of taking the CPU backend and failing at
+/// the first CUDA collective. Runs everywhere (the device is named, not used).
+#[test]
+fn a_cuda_group_without_nccl_fails_at_creation_naming_the_library() {
+    if worker() {
+        let err = refusal(Options::from_env().unwrap().device(Device::Cuda(0)));
+        assert!(matches!(&err, CommError::Load(_)), "{err:?}");
+        return;
+    }
+    let error = alone_error(
+        "a_cuda_group_without_nccl_fails_at_creation_naming_the_library",
+        ("DDP_NCCL_LIBRARY", "/nowhere/libnccl.so.2"),
+    );
+    assert_eq!(
+        error,
+        "could not load libnccl.so.2; looked at: '/nowhere/libnccl.so.2' (no such file); \
+         set DDP_NCCL_LIBRARY to the library file"
+    );
 }
 
 /// A figure, not a check: the host's time to queue a one-element `all_reduce_async` on the

@@ -83,8 +83,10 @@ pub struct Options {
     /// file is `DDP_SECRET_FILE`, else `~/.config/ddp/secret`, created if missing), which
     /// every rank must be able to read (see the crate's README, "Security").
     pub env: EnvConfig,
-    /// `None`: NCCL when a CUDA device is visible (initialised at the first CUDA
-    /// collective), else the CPU links only. `Some(Nccl)`: NCCL, initialised now.
+    /// `None`: NCCL (initialised at the first CUDA collective) when [`Options::device`] set
+    /// a CUDA device (creating the group fails with [`CommError::Load`] if NCCL cannot be
+    /// loaded) or one is visible and NCCL loads, else the CPU links only. `Some(Nccl)`:
+    /// NCCL, initialised now.
     pub backend: Option<Backend>,
     /// Kernel socket buffer size for ring sockets in bytes; 0 (the default) leaves Linux's
     /// autotuning, which grows buffers as large as the sysctl limits allow.

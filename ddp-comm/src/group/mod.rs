@@ -139,13 +139,12 @@ impl ProcessGroup {
                 shm::MAX_CAPACITY
             )));
         }
-        let backend = opts.backend.unwrap_or_else(|| {
-            if crate::nccl::cuda::device_count() > 0 && nccl_sys::Nccl::load().is_ok() {
-                Backend::Nccl
-            } else {
-                Backend::Cpu
-            }
-        });
+        let backend = choose_backend(
+            opts.backend,
+            opts.cuda_device,
+            crate::nccl::cuda::device_count,
+            || nccl_sys::Nccl::load().map(drop),
+        )?;
         let secret = match &env.secret {
             Some(secret) => secret.clone(),
             // A group of one makes no connection: nothing to prove, no key file to touch.
@@ -566,6 +565,27 @@ impl ProcessGroup {
     }
 }
 
+/// The backend of a group: the one `requested`; else NCCL for a group that trains on a CUDA
+/// device (`cuda_device` set), failing with NCCL's load error (every path tried, the
+/// variable to set) rather than falling back to the CPU backend, which refuses CUDA tensors
+/// only at the first collective; else NCCL when a GPU is visible and NCCL loads, else CPU.
+fn choose_backend(
+    requested: Option<Backend>,
+    cuda_device: Option<usize>,
+    device_count: impl FnOnce() -> usize,
+    nccl_load: impl FnOnce() -> Result<(), nccl_sys::LoadError>,
+) -> Result<Backend, CommError> {
+    if let Some(backend) = requested {
+        return Ok(backend);
+    }
+    if cuda_device.is_some() {
+        nccl_load()?;
+        return Ok(Backend::Nccl);
+    }
+    let nccl = device_count() > 0 && nccl_load().is_ok();
+    Ok(if nccl { Backend::Nccl } else { Backend::Cpu })
+}
+
 /// The prefix of a group's keys in the store. Rank 0's own store is new for each group, but
 /// torchrun's agent store outlives them: there each group of the process gets a number, in
 /// the order formed (every rank forms the same groups in the same order), as c10d names
@@ -633,6 +653,48 @@ mod tests {
             Backend::Nccl.default_op_timeout(),
             Duration::from_secs(10 * 60)
         );
+    }
+
+    /// A group that trains on a CUDA device and names no backend gets NCCL or NCCL's load
+    /// error (every path tried, the variable to set), never the CPU backend.
+    #[test]
+    fn the_automatic_backend_of_a_cuda_device_is_nccl_or_its_load_error() {
+        let missing = || {
+            Err(nccl_sys::LoadError {
+                library: nccl_sys::search::NCCL_NAME,
+                attempts: vec![("/opt/typo/libnccl.so.2".into(), "no such file".into())],
+                missing_symbol: None,
+            })
+        };
+        let choose = |requested, cuda_device, devices, loads: bool| {
+            let load = || if loads { Ok(()) } else { missing() };
+            choose_backend(requested, cuda_device, || devices, load)
+        };
+        match choose(None, Some(0), 1, false) {
+            Err(CommError::Load(e)) => {
+                let text = e.to_string();
+                assert!(text.contains("'/opt/typo/libnccl.so.2'"), "{text}");
+                assert!(text.contains("set DDP_NCCL_LIBRARY"), "{text}");
+            }
+            other => panic!("expected CommError::Load, got {other:?}"),
+        }
+        // A named device needs NCCL whatever the GPU count says.
+        assert!(matches!(
+            choose(None, Some(1), 0, false),
+            Err(CommError::Load(_))
+        ));
+        let chosen = [
+            (None, Some(0), 1, true, Backend::Nccl),
+            (None, None, 0, true, Backend::Cpu),
+            (None, None, 1, false, Backend::Cpu),
+            (None, None, 2, true, Backend::Nccl),
+            (Some(Backend::Cpu), Some(0), 1, false, Backend::Cpu),
+            (Some(Backend::Nccl), None, 0, false, Backend::Nccl),
+        ];
+        for (requested, cuda_device, devices, loads, want) in chosen {
+            let got = choose(requested, cuda_device, devices, loads).unwrap();
+            assert_eq!(got, want, "{requested:?} {cuda_device:?} {devices} {loads}");
+        }
     }
 
     #[test]
