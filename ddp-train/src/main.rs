@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Subcommand};
 use ddp_data::DataError;
-use ddp_train::odir::{OdirCommand, OdirTask, TrainConfig};
+use ddp_train::odir::{OdirCommand, OdirTask, TrainConfig, ODIR_TRAINING_ONLY};
 use ddp_train::{TrainError, Trainer};
 
 fn main() -> ExitCode {
@@ -131,18 +131,6 @@ fn parse() -> Invocation {
     }
     parsed
 }
-
-/// ODIR's flags that only training reads: its augmentations and the reduced JPEG decode.
-const ODIR_TRAINING_ONLY: [&str; 8] = [
-    "min_crop_scale",
-    "hflip",
-    "vflip",
-    "rotation",
-    "brightness",
-    "contrast",
-    "saturation",
-    "dct_upsampling",
-];
 
 /// The training flags that `command` (`predict` or `evaluate`) does not read.
 fn unread_flags(command: &str) -> Vec<clap::Arg> {

@@ -80,3 +80,53 @@ fn a_resume_warns_of_each_setting_and_task_key_it_changes() {
         "{log}"
     );
 }
+
+/// An evaluation of a model trained with seed 3 is refused with another seed (the task's
+/// validation split derives from it), from a checkpoint (its state file's record) or a model
+/// file in the run's folder (its `config.json`'s); with seed 3 it evaluates, warning of a task
+/// key that differs from the run's.
+#[test]
+fn an_evaluation_refuses_another_seed_than_the_models_run() {
+    let tmp = common::temp_dir("ddp-train-eval-settings");
+    let run = tmp.path().join("run");
+    start(task(json!({ "image_size": 32 })), settings(&run, 1))
+        .unwrap()
+        .run()
+        .unwrap();
+    let epoch = run.join("checkpoints/epoch-0001.safetensors");
+    let weights = run.join("model.safetensors");
+    std::fs::copy(&epoch, &weights).unwrap();
+    let evaluation = |model: &Path, seed: u64, out: &str| {
+        let mut s = settings(&tmp.path().join(out), 1).seed(seed);
+        s.checkpoint.eval_only = true;
+        s.checkpoint.resume = Some(model.to_str().unwrap().into());
+        start(task(json!({ "image_size": 64 })), s)
+    };
+    for (model, record) in [(&epoch, epoch.clone()), (&weights, run.join("config.json"))] {
+        let Err(TrainError::Setting(e)) = evaluation(model, 0, "other-seed") else {
+            panic!(
+                "an evaluation with seed 0 of {} was not refused",
+                model.display()
+            );
+        };
+        assert_eq!(e.field(), "seed");
+        assert!(
+            e.to_string().starts_with(&format!(
+                "seed 0 differs from the seed 3 of {}: a task's validation split",
+                record.display()
+            )),
+            "{e}"
+        );
+    }
+    let mut same = evaluation(&weights, 3, "same-seed").unwrap();
+    same.evaluate().unwrap();
+    let log = log_of(&tmp.path().join("same-seed"));
+    assert!(
+        log.contains(&format!(
+            "warning: task.image_size was 32 in the run that trained the model ({}) and is 64 \
+             in this evaluation",
+            run.join("config.json").display()
+        )),
+        "{log}"
+    );
+}

@@ -18,7 +18,7 @@ pub use cli::{Labels, OdirDefaults, TrainConfig};
 pub use options::{auto_pos_weight, Normalize, PosWeight};
 pub use predict::{
     evaluate, predict, submission_csv, EvaluateArgs, Evaluation, ModelFile, OdirCommand,
-    PredictArgs, Prediction, EVALUATE_FLAGS, PREDICT_FLAGS,
+    PredictArgs, Prediction, EVALUATE_FLAGS, ODIR_TRAINING_ONLY, PREDICT_FLAGS,
 };
 pub use score::{load_checkpoint, score, LoadedCheckpoint, LoadedModel, Scored};
 pub use stats::{combine_patients, OdirStats, PatientPredictions, Patients};

@@ -93,6 +93,20 @@ pub const PREDICT_FLAGS: &[&str] = &[
     "nproc_per_node",
 ];
 
+/// ODIR's flags that only training reads: its augmentations and the reduced JPEG decode.
+/// `--eval-only` refuses them, and leaves them out of the task's description, which it
+/// compares with the model's run.
+pub const ODIR_TRAINING_ONLY: [&str; 8] = [
+    "min_crop_scale",
+    "hflip",
+    "vflip",
+    "rotation",
+    "brightness",
+    "contrast",
+    "saturation",
+    "dct_upsampling",
+];
+
 /// The training flags `evaluate` reads besides [`PREDICT_FLAGS`]: how the labelled folder is
 /// opened.
 pub const EVALUATE_FLAGS: &[&str] = &["labels", "skip_corrupt", "image_dir"];

@@ -142,6 +142,11 @@ impl OdirTask {
             if c.skip_corrupt {
                 o.insert("skipped_images".into(), skipped_json(&skipped));
             }
+            if c.settings().checkpoint.eval_only {
+                for key in super::ODIR_TRAINING_ONLY {
+                    o.remove(key);
+                }
+            }
         }
         let patients = Patients::new(val.iter().filter_map(|&i| val_set.get(i)));
         Ok(Self {

@@ -194,19 +194,12 @@ pub(super) fn refuse_resume(
 ) -> Result<(), TrainError> {
     let file = path.display();
     if st.seed != s.seed {
-        return Err(SettingError::new(
-            "seed",
-            format!(
-                " {} differs from the seed {} of {file}: every epoch's order (and a task's \
-                 validation split) derives from it, so the run cannot continue with another; \
-                 resume with the same ",
-                s.seed, st.seed
-            ),
-        )
-        .setting("seed")
-        .text(", or start a new run from its weights with ")
-        .setting("checkpoint.init_from")
-        .into());
+        let why = "every epoch's order (and a task's validation split) derives from it, so the \
+                   run cannot continue with another; resume with";
+        return Err(other_seed(s.seed, st.seed, &file.to_string(), why)
+            .text(", or start a new run from its weights with ")
+            .setting("checkpoint.init_from")
+            .into());
     }
     let kind = |config: &serde_json::Value| config["kind"].as_str().map(str::to_string);
     let was = kind(&st.config["settings"]["optimizer"]);
@@ -255,6 +248,81 @@ pub(super) fn refuse_resume(
         }
     }
     Ok(())
+}
+
+/// `seed` `given`, which differs from the `recorded` seed of `file`: `why` it must not, ending
+/// in what to do with the same seed.
+fn other_seed(given: u64, recorded: u64, file: &str, why: &str) -> SettingError {
+    SettingError::new(
+        "seed",
+        format!(" {given} differs from the seed {recorded} of {file}: {why} the same "),
+    )
+    .setting("seed")
+}
+
+/// Loads the model file `path` into `vs` for an evaluation, and returns what the run that
+/// trained it recorded (`{"settings": ..., "task": ...}`) and where: a checkpoint's state
+/// file, else the `config.json` of the run directory it lies in (a best-model file). `None`
+/// for a file of no run (another program's): nothing can be checked against it.
+pub(super) fn load_evaluated(
+    vs: &tch::nn::VarStore,
+    path: &Path,
+) -> Result<Option<(serde_json::Value, String)>, TrainError> {
+    if state::state_path(path).is_file() {
+        if let Ok(saved) = state::read(path) {
+            ddp_model::checkpoint::load_tensors(vs, &saved.model)?;
+            return Ok(Some((saved.state.config, path.display().to_string())));
+        }
+    }
+    ddp_model::checkpoint::load(vs, path)?;
+    let config = path
+        .parent()
+        .map(|dir| state::run_of(dir).join("config.json"));
+    let Some(config) = config else {
+        return Ok(None);
+    };
+    let recorded = std::fs::read_to_string(&config)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+    Ok(recorded.map(|v| (v, config.display().to_string())))
+}
+
+/// An evaluation of a model whose run recorded `recorded` (in `file`) with the settings `s`
+/// and the task described as `task`: refuses another seed (a task's validation split derives
+/// from it), and warns of each task key given now whose value differs from the run's.
+pub(super) fn check_evaluated(
+    (recorded, file): (&serde_json::Value, &str),
+    s: &Settings,
+    task: &serde_json::Value,
+) -> Result<Vec<String>, TrainError> {
+    if let Some(seed) = recorded["settings"]["seed"].as_u64() {
+        if seed != s.seed {
+            let why = "a task's validation split derives from it, so another seed evaluates \
+                       other samples, some of which the model may have trained on; evaluate \
+                       with";
+            return Err(other_seed(s.seed, seed, file, why).into());
+        }
+    }
+    let mut changes = Vec::new();
+    if !recorded["task"].is_null() {
+        differences(&recorded["task"], task, "task", &mut changes);
+    }
+    // A key the task leaves out now (a training-only one) is not read by the evaluation.
+    let given = |path: &str| {
+        let key = path.strip_prefix("task.").unwrap_or(path);
+        let key = key.split('.').next().unwrap_or(key);
+        task.get(key).is_some()
+    };
+    Ok(changes
+        .into_iter()
+        .filter(|(path, _, _)| given(path))
+        .map(|(path, was, now)| {
+            format!(
+                "{path} was {was} in the run that trained the model ({file}) and is {now} in \
+                 this evaluation: give {was} to evaluate it as it was trained"
+            )
+        })
+        .collect())
 }
 
 /// What a resume from `st` takes from the checkpoint rather than from `s`, another number of

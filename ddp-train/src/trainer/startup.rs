@@ -156,7 +156,11 @@ impl<T: Task> Trainer<T> {
         let mut resume_key = String::from("none");
         let mut fallback_warnings = Vec::new();
         if let (Some(path), true) = (&resume_from, s.checkpoint.eval_only) {
-            checkpoint::load(&vs, path)?;
+            let recorded = super::checkpoint::load_evaluated(&vs, path)?;
+            if let Some((run, file)) = &recorded {
+                let checked = super::checkpoint::check_evaluated((run, file), s, &task.describe());
+                fallback_warnings.extend(checked?);
+            }
             resume_key = state::resume_key(path, None);
             resumed_note = Some(format!("evaluating {}", path.display()));
         } else if let Some(newest) = &resume_from {
