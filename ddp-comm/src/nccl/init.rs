@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use nccl_sys::{ncclComm_t, ncclConfig_t, ncclResult_t, ncclUniqueId, Cudart, Nccl};
 
 use super::inflight::InFlight;
-use super::{check_cuda, last_error, nccl_text, settle, NcclComm, Unsettled};
+use super::{check_cuda, last_error, nccl_text, settle, with_last_error, NcclComm, Unsettled};
 use crate::error::{CommError, Diagnosis};
 use crate::store::heartbeat::Heartbeat;
 
@@ -105,13 +105,12 @@ impl NcclComm {
             (nccl.ncclCommInitRankConfig)(&mut comm, world as c_int, id, rank as c_int, &mut config)
         };
         let nccl_failed = |prefix: &str, rc: ncclResult_t| {
-            let what = format!(
-                "failed: {prefix}{} {}",
-                nccl_text(nccl, rc),
-                last_error(nccl, comm)
-            );
+            let detail = with_last_error(&nccl_text(nccl, rc), &last_error(nccl, comm));
             abort(comm);
-            Err(failed(what.trim_end().to_string(), Diagnosis::default()))
+            Err(failed(
+                format!("failed: {prefix}{detail}"),
+                Diagnosis::default(),
+            ))
         };
         if rc != ncclResult_t::ncclSuccess && rc != ncclResult_t::ncclInProgress {
             return nccl_failed("ncclCommInitRankConfig: ", rc);

@@ -232,6 +232,20 @@ fn last_error(nccl: &Nccl, comm: ncclComm_t) -> String {
         .into_owned()
 }
 
+/// NCCL's `text` for a failed call, then the detail it keeps about the last error (`last`,
+/// may be empty: it names the peer or connection lost), as c10d's `getNcclErrorDetailStr`.
+fn with_last_error(text: &str, last: &str) -> String {
+    format!("{text} {last}").trim_end().to_string()
+}
+
+/// The error of an asynchronous NCCL failure (`text`, `last`: see [`with_last_error`])
+/// seen while `op` ran.
+fn async_error(op: &str, text: &str, last: &str) -> CommError {
+    let detail = format!("{op}: {}", with_last_error(text, last));
+    let call = "ncclCommGetAsyncError";
+    CommError::Nccl { call, detail }
+}
+
 /// Why a pending call on a non-blocking communicator did not settle.
 enum Unsettled {
     /// `call` returned `rc` (`ncclCommGetAsyncError` itself, or the pending call's result).
@@ -279,12 +293,8 @@ impl NcclComm {
             return Ok(());
         }
         let last = last_error(self.nccl, self.comm);
-        Err(self.abort(CommError::Nccl {
-            call,
-            detail: format!("{} {last}", nccl_text(self.nccl, rc))
-                .trim()
-                .to_string(),
-        }))
+        let detail = with_last_error(&nccl_text(self.nccl, rc), &last);
+        Err(self.abort(CommError::Nccl { call, detail }))
     }
 
     /// Checks what enqueuing a collective returned: with a non-blocking communicator,
@@ -364,11 +374,9 @@ impl NcclComm {
         if bad == ncclResult_t::ncclSuccess || bad == ncclResult_t::ncclInProgress {
             return Ok(());
         }
-        let detail = format!("{op}: {}", nccl_text(self.nccl, bad));
-        Err(self.abort(CommError::Nccl {
-            call: "ncclCommGetAsyncError",
-            detail,
-        }))
+        // Read before the abort frees the communicator.
+        let last = last_error(self.nccl, self.comm);
+        Err(self.abort(async_error(op, &nccl_text(self.nccl, bad), &last)))
     }
 
     /// Aborts the communicator (once) because of `err`, and returns `err`. The abort flag is
@@ -679,5 +687,27 @@ impl NcclWork {
             op,
             start: Instant::now(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer lost mid-collective: the error keeps NCCL's detail of what failed, after its
+    /// generic text; without a detail there is nothing after the text.
+    #[test]
+    fn an_asynchronous_error_carries_nccls_last_error() {
+        let text = "remote process exited or there was a network error";
+        let last = "NET/Socket : peer 10.0.0.2<43512> closed the connection";
+        match async_error("all_reduce", text, last) {
+            CommError::Nccl { call, detail } => {
+                assert_eq!(call, "ncclCommGetAsyncError");
+                assert_eq!(detail, format!("all_reduce: {text} {last}"));
+            }
+            other => panic!("expected CommError::Nccl, got {other:?}"),
+        }
+        let bare = async_error("broadcast", text, "").to_string();
+        assert!(bare.ends_with(&format!("broadcast: {text}")), "{bare}");
     }
 }
