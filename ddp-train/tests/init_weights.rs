@@ -190,7 +190,11 @@ fn two_ranks_start_from_a_pytorch_pth_and_a_resume_takes_precedence() {
     assert!(!text(&outputs[1]).contains("initial weights"));
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
-    assert_eq!(config["init_weights"]["loaded"], false, "{config}");
+    // The record of the weights the run started from stays, and says where it resumed.
+    assert_eq!(config["init_weights"]["loaded"], true, "{config}");
+    assert_eq!(config["init_weights"]["file"], pth.to_str().unwrap());
+    let from = out.join("checkpoints/epoch-0001.safetensors");
+    assert_eq!(config["resumed_from"], from.to_str().unwrap());
 }
 
 #[test]

@@ -8,6 +8,7 @@ use std::path::Path;
 
 use common::free_port;
 use common::regression::{points, quiet_settings, Regression};
+use ddp_train::lr_schedule::{LrSchedule, Plateau};
 use ddp_train::{Settings, TrainError, Trainer};
 use serde_json::{json, Value};
 
@@ -129,4 +130,43 @@ fn an_evaluation_refuses_another_seed_than_the_models_run() {
         )),
         "{log}"
     );
+}
+
+/// A run started from initial weights and resumed without them keeps its start's record of
+/// them in `config.json` (a resume loads none), and adds where it resumed from; with a
+/// plateau scheduler its learning rate is the one in effect, not the one given.
+#[test]
+fn a_resumed_runs_config_keeps_its_initial_weights_and_the_lr_in_effect() {
+    let tmp = common::temp_dir("ddp-train-resume-record");
+    let run = tmp.path().join("run");
+    let init = tmp.path().join("init.safetensors");
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let _model = ddp_train::Task::model(&task(Value::Null), &vs.root());
+    ddp_model::checkpoint::save(&vs, &init, &Default::default()).unwrap();
+    let plateau = |s: Settings| s.lr_schedule(LrSchedule::Plateau(Plateau::default()));
+    let mut first = plateau(settings(&run, 1));
+    first.checkpoint.init_from = Some(init.clone());
+    start(task(Value::Null), first).unwrap().run().unwrap();
+
+    let mut again = plateau(resumed(settings(&run, 2), 2));
+    let ddp_train::optim::OptimizerConfig::Adam(adam) = &mut again.optimizer else {
+        panic!("the default optimizer is Adam");
+    };
+    adam.lr = 0.5;
+    start(task(Value::Null), again).unwrap().run().unwrap();
+    let text = std::fs::read_to_string(run.join("config.json")).unwrap();
+    let config: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(config["init_weights"]["loaded"], true, "{text}");
+    assert_eq!(config["init_weights"]["file"], init.to_str().unwrap());
+    assert_eq!(
+        config["settings"]["checkpoint"]["init_from"],
+        init.to_str().unwrap()
+    );
+    assert_eq!(
+        config["resumed_from"],
+        run.join("checkpoints/epoch-0001.safetensors")
+            .to_str()
+            .unwrap()
+    );
+    assert_eq!(config["settings"]["optimizer"]["lr"], 1e-3);
 }

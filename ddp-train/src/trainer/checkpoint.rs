@@ -325,6 +325,35 @@ pub(super) fn check_evaluated(
         .collect())
 }
 
+/// `config.json`'s record `json` of a run resumed from `from`, which replaces `previous`:
+/// keeps what the run's start recorded of its initial weights (`init_weights` and
+/// `settings.checkpoint.init_*`; a resume loads none, so needs none given), adds `resumed_from`,
+/// and with a plateau scheduler records the learning rate in effect, `lr` (the checkpoint's,
+/// which wins over the one given).
+pub(super) fn keep_start_record(
+    json: &mut serde_json::Value,
+    previous: &Path,
+    from: &Path,
+    lr: f64,
+) {
+    let before = std::fs::read_to_string(previous)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+    if let Some(mut before) = before {
+        if !before["init_weights"].is_null() {
+            json["init_weights"] = before["init_weights"].take();
+            for key in ["init_from", "init_partial", "init_key"] {
+                let kept = before["settings"]["checkpoint"][key].take();
+                json["settings"]["checkpoint"][key] = kept;
+            }
+        }
+    }
+    json["resumed_from"] = from.to_string_lossy().into();
+    if json["settings"]["lr_schedule"]["kind"] == "plateau" {
+        json["settings"]["optimizer"]["lr"] = lr.into();
+    }
+}
+
 /// What a resume from `st` takes from the checkpoint rather than from `s`, another number of
 /// training samples at an epoch's end, and each setting of `s` or of the task (described now
 /// as `task`) that differs from the run's: warnings for the log.

@@ -471,11 +471,16 @@ impl<T: Task> Trainer<T> {
             train_sampler,
             val_sampler,
         };
-        trainer.describe(init_record, &env.run_id)?;
+        trainer.describe(init_record, &env.run_id, resumed_file.as_deref())?;
         Ok(trainer)
     }
 
-    fn describe(&self, init_weights: serde_json::Value, run_id: &str) -> Result<(), TrainError> {
+    fn describe(
+        &self,
+        init_weights: serde_json::Value,
+        run_id: &str,
+        resumed: Option<&Path>,
+    ) -> Result<(), TrainError> {
         let s = &self.settings;
         self.log.say(&format!(
             "rank {} of {} on {:?} ({} intra-op threads, backend {:?})",
@@ -528,6 +533,9 @@ impl<T: Task> Trainer<T> {
                 file.display()
             ));
             return Ok(());
+        }
+        if let Some(from) = resumed {
+            super::checkpoint::keep_start_record(&mut json, &file, from, self.optimizer.lr());
         }
         json[RUN_ID_KEY] = run_id.into();
         let text = serde_json::to_string_pretty(&json).context(|| "encoding config.json".into())?;
