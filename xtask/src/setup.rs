@@ -510,7 +510,6 @@ fn installed_torch_version(site: &Path) -> Result<Option<String>> {
     Ok(None)
 }
 
-/// Builds `.deps/libtorch` from symlinks into the wheel; `build-version` is written last.
 /// Removes `tree` (`.deps/` or its venv) with `remove`, the completion marker first: an
 /// interrupted removal (Ctrl-C, a full disk, a kill) leaves no marker claiming that what
 /// remains of torch is an install.
@@ -537,6 +536,7 @@ fn sync_disks() {
     unsafe { libc::sync() }
 }
 
+/// Builds `.deps/libtorch` from symlinks into the wheel; `build-version` is written last.
 fn link_libtorch(deps: &Deps, torch: &Path) -> Result<()> {
     let dir = deps.libtorch();
     if dir.exists() {
