@@ -567,8 +567,10 @@ fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) -> (Vec<usize>, bool
         }
         let again = crate::signals::received_total() != signals_before;
         let late = deadline.is_some_and(|d| Instant::now() >= d);
-        if ranks.iter().all(|r| r.exit.is_some()) || late || again {
-            break again && !late;
+        let all_ended = ranks.iter().all(|r| r.exit.is_some());
+        if all_ended || late || again {
+            // A second signal in the poll in which the last rank ended killed nothing.
+            break again && !late && !all_ended;
         }
         std::thread::sleep(Duration::from_millis(20));
     };

@@ -162,7 +162,7 @@ pub fn interruption_lines(
     let were = if killed.len() == 1 { "was" } else { "were" };
     if killed.is_empty() && failed.is_empty() {
         first.push_str("; all ranks stopped");
-    } else if *second_signal {
+    } else if *second_signal && !killed.is_empty() {
         first.push_str(&format!(
             "; {} {were} killed at a second signal",
             rank_list(killed)
@@ -410,6 +410,15 @@ mod tests {
                 "x: last lines of rank 0:",
                 "    cannot write the checkpoint",
                 "x: rank 3 exited with code 1",
+            ]
+        );
+        // A second signal that came when every rank had ended killed nothing.
+        assert_eq!(
+            lines(&interrupted(vec![], true, vec![failure(2, &[])])),
+            [
+                "x: interrupted by signal 15",
+                "x: rank 2 exited with code 1",
+                "x: rank 2 printed nothing"
             ]
         );
         assert!(lines(&Outcome::Succeeded { restarts: 0 }).is_empty());
