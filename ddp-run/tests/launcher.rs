@@ -273,12 +273,12 @@ fn of_failures_one_check_finds_the_first_is_named() {
     let script = format!(
         r#"case $RANK in
              2) touch {done2}; exit 17 ;;
-             1) while [ ! -e {done2} ]; do sleep 0.05; done; sleep 0.02; exit 1 ;;
+             1) while [ ! -e {done2} ]; do sleep 0.05; done; sleep 0.5; exit 1 ;;
              *) i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done ;;
            esac"#,
         done2 = done2.display()
     );
-    let args = ["--nproc-per-node", "3", "--monitor-interval", "1"];
+    let args = ["--nproc-per-node", "3", "--monitor-interval", "3"];
     let out = run(&[&args[..], &["sh", "-c", &script]].concat());
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let err = stderr(&out);
