@@ -460,7 +460,14 @@ fn synthetic_sample(root: &Path, cache: &Path, bin: Option<&Path>) -> Result<Pat
     generate_sample(root, bin, &tmp.0, SAMPLE_IMAGES, SAMPLE_SIZE, SAMPLE_SEED)?;
     mark_complete(&tmp.0)?;
     if dir.exists() && !is_complete(&dir) {
-        // An incomplete sample is set aside (if another job has not already) and removed.
+        // An incomplete sample (or one from before the marker) trades places with the new
+        // one in one step, so that a job reading the folder never finds it missing; the
+        // guard of `tmp` then removes the old one. Where the file system cannot exchange, it
+        // is set aside (if another job has not already) and removed.
+        if exchange(&tmp.0, &dir).is_ok() {
+            sync_dir(cache)?;
+            return Ok(dir);
+        }
         let old = RemoveOnDrop(temporary(cache));
         let _ = std::fs::rename(&dir, &old.0);
     }
@@ -471,6 +478,30 @@ fn synthetic_sample(root: &Path, cache: &Path, bin: Option<&Path>) -> Result<Pat
     // Else another job won the race: its sample is identical (same seed); use it.
     sync_dir(cache)?;
     Ok(dir)
+}
+
+/// Swaps the folders `a` and `b` in one step (`renameat2` with `RENAME_EXCHANGE`).
+fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
+    };
+    let (a, b) = (c(a)?, c(b)?);
+    // SAFETY: two NUL-terminated paths that outlive the call; no other memory is involved.
+    let done = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    match done {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
 }
 
 /// A new temporary folder's path in `cache`: `.tmp-<pid>-<nanoseconds>-<host>`.
@@ -700,6 +731,52 @@ mod tests {
         assert_eq!((sample(), generated()), (first.clone(), expected + 1));
         assert!(is_complete(&first));
         // Nothing is left beside the sample: no temporary, no sample set aside.
+        assert_eq!(
+            names(&cache),
+            [first.file_name().unwrap().to_str().unwrap()]
+        );
+    }
+
+    /// A job reading the sample while another replaces an incomplete one never finds the
+    /// folder missing: the new sample trades places with the old in one step.
+    #[test]
+    fn a_sample_replaced_under_a_reader_is_never_missing() {
+        let dir = ddp_testkit::temp_dir("xtask-replaced-sample");
+        let generator = dir.path().join("gen.sh");
+        ddp_testkit::script(
+            &generator,
+            "#!/bin/sh\nmkdir -p \"$2/preprocessed_images\" && printf 'ID\\n0\\n' > \"$2/full_df.csv\"\n",
+        );
+        let cache = dir.path().join("cache");
+        let first = synthetic_sample(dir.path(), &cache, Some(&generator)).unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let missing = std::thread::scope(|s| {
+            let reader = s.spawn(|| {
+                let mut missing = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if !first.join("full_df.csv").exists() {
+                        missing += 1;
+                    }
+                }
+                missing
+            });
+            for _ in 0..5 {
+                // A sample from before the marker, of many images (a removal that takes
+                // a while), replaced while the reader looks.
+                std::fs::remove_file(first.join(COMPLETE)).unwrap();
+                for i in 0..2000 {
+                    std::fs::write(first.join(format!("preprocessed_images/{i}.jpg")), "").unwrap();
+                }
+                assert_eq!(
+                    synthetic_sample(dir.path(), &cache, Some(&generator)).unwrap(),
+                    first
+                );
+                assert!(is_complete(&first));
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            reader.join().unwrap()
+        });
+        assert_eq!(missing, 0, "the sample was missing {missing} times");
         assert_eq!(
             names(&cache),
             [first.file_name().unwrap().to_str().unwrap()]
