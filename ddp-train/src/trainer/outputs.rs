@@ -152,9 +152,8 @@ impl<T: Task> Trainer<T> {
 }
 
 /// The epochs before `start` from an earlier `metrics.jsonl` (a resumed run keeps them and
-/// sets any line of an epoch that will be trained again aside, appended to the start's
-/// `checkpoints/abandoned-<time>/metrics.jsonl`), and a warning when its last line was cut
-/// short.
+/// sets any line of an epoch that will be trained again aside, in `metrics.jsonl` of the
+/// start's folder `aside`), and a warning when its last line was cut short.
 ///
 /// An epoch's line is appended before its checkpoint is written, so a write cut short (a full
 /// disk, a lost machine) leaves an unfinished last line of an epoch the resumed run trains
@@ -162,6 +161,7 @@ impl<T: Task> Trainer<T> {
 pub(super) fn read_history(
     out: &Path,
     start: u64,
+    aside: &super::run_dir::AsideDir,
 ) -> Result<(Vec<EpochReport>, Option<String>), TrainError> {
     let path = out.join("metrics.jsonl");
     let Ok(text) = std::fs::read_to_string(&path) else {
@@ -201,13 +201,7 @@ pub(super) fn read_history(
         }
     }
     if !dropped.is_empty() {
-        let aside = super::run_dir::aside_dir(&state::checkpoint_dir(out));
-        std::fs::create_dir_all(&aside)
-            .map_err(|e| TrainError::io(format!("cannot create {}", aside.display()), e))?;
-        let set_aside = aside.join("metrics.jsonl");
-        // After what an earlier start of this process set aside there, if any.
-        let before = std::fs::read_to_string(&set_aside).unwrap_or_default();
-        write_file(&set_aside, (before + &dropped).as_bytes())?;
+        write_file(&aside.get()?.join("metrics.jsonl"), dropped.as_bytes())?;
     }
     let mut body = kept_lines.join("\n");
     if !body.is_empty() {
@@ -280,6 +274,7 @@ impl RankLog {
 
 #[cfg(test)]
 mod tests {
+    use super::super::run_dir::AsideDir;
     use super::*;
 
     fn line(epoch: u64) -> String {
@@ -295,7 +290,8 @@ mod tests {
         let path = dir.path().join("metrics.jsonl");
         let torn = format!("{}\n{}\n{{\"epoch\":3,\"train_lo", line(1), line(2));
         std::fs::write(&path, &torn).unwrap();
-        let (kept, warning) = read_history(dir.path(), 3).unwrap();
+        let aside = AsideDir::new(dir.path());
+        let (kept, warning) = read_history(dir.path(), 3, &aside).unwrap();
         assert_eq!(kept.iter().map(|m| m.epoch).collect::<Vec<_>>(), [1, 2]);
         assert!(warning.unwrap().contains("its last line was cut short"));
         assert_eq!(
@@ -312,7 +308,7 @@ mod tests {
             format!("{}\nnot json\n", line(1)),
         ] {
             std::fs::write(&path, &text).unwrap();
-            match read_history(dir.path(), 3) {
+            match read_history(dir.path(), 3, &aside) {
                 Err(TrainError::Invalid(m)) => {
                     assert!(m.contains("metrics.jsonl line 2 is not"), "{m}")
                 }
@@ -323,30 +319,34 @@ mod tests {
     }
 
     /// A rewind keeps the lines of the epochs before it and sets the others aside, with the
-    /// checkpoints it sets aside, where they stay as they were (ODIR's tuned thresholds).
+    /// checkpoints it sets aside, where they stay as they were (ODIR's tuned thresholds); a
+    /// second start's rewind (a second `Trainer::new` of one process) sets its own aside.
     #[test]
     fn the_lines_a_rewind_drops_are_set_aside() {
         let dir = ddp_testkit::temp_dir("history-rewind");
         let path = dir.path().join("metrics.jsonl");
         let lines: Vec<String> = (1..=5).map(line).collect();
         std::fs::write(&path, lines.join("\n") + "\n").unwrap();
-        let (kept, warning) = read_history(dir.path(), 3).unwrap();
+        let first = AsideDir::new(dir.path());
+        let (kept, warning) = read_history(dir.path(), 3, &first).unwrap();
         assert_eq!(kept.iter().map(|m| m.epoch).collect::<Vec<_>>(), [1, 2]);
         assert_eq!(warning, None);
         assert_eq!(
             std::fs::read_to_string(&path).unwrap(),
             format!("{}\n{}\n", lines[0], lines[1])
         );
-        let aside = super::super::run_dir::aside_dir(&state::checkpoint_dir(dir.path()));
-        let set_aside = aside.join("metrics.jsonl");
+        let first = first.get().unwrap().join("metrics.jsonl");
         let expected = format!("{}\n{}\n{}\n", lines[2], lines[3], lines[4]);
-        assert_eq!(std::fs::read_to_string(&set_aside).unwrap(), expected);
-        // A second rewind of the same process appends.
-        let (kept, _) = read_history(dir.path(), 2).unwrap();
+        assert_eq!(std::fs::read_to_string(&first).unwrap(), expected);
+        let second = AsideDir::new(dir.path());
+        let (kept, _) = read_history(dir.path(), 2, &second).unwrap();
         assert_eq!(kept.len(), 1);
+        let second = second.get().unwrap().join("metrics.jsonl");
+        assert_ne!(first, second);
+        assert_eq!(std::fs::read_to_string(&first).unwrap(), expected);
         assert_eq!(
-            std::fs::read_to_string(&set_aside).unwrap(),
-            expected + &lines[1] + "\n"
+            std::fs::read_to_string(&second).unwrap(),
+            lines[1].clone() + "\n"
         );
     }
 }

@@ -299,12 +299,13 @@ pub(super) fn remove_stale_temporaries(out: &Path) -> Vec<PathBuf> {
 }
 
 /// A rewind: moves the checkpoints of `run` that come after `resumed` (one of its own, by
-/// epoch, then step) into `checkpoints/abandoned-<time>/`, and points `latest` at `resumed`,
+/// epoch, then step) into the start's folder `aside`, and points `latest` at `resumed`,
 /// so that pruning and the fallbacks follow the new history, not the one left. Returns the
 /// folder and the stems moved (none when `resumed` is not in the run or is its newest).
 pub(super) fn set_aside_later(
     run: &Path,
     resumed: &Path,
+    aside: &AsideDir,
 ) -> Result<Option<(PathBuf, Vec<String>)>, TrainError> {
     let dir = state::checkpoint_dir(run);
     let stem_at = resumed
@@ -326,9 +327,9 @@ pub(super) fn set_aside_later(
     if later.is_empty() {
         return Ok(None);
     }
-    let aside = aside_dir(&dir);
-    move_aside(&dir, stem, &later, &aside)?;
-    Ok(Some((aside, later)))
+    let aside = aside.get()?;
+    move_aside(&dir, stem, &later, aside)?;
+    Ok(Some((aside.to_path_buf(), later)))
 }
 
 /// Whether `resumed` is in `run`'s checkpoint folder (a checkpoint of the run itself, not of
@@ -341,25 +342,60 @@ fn of_the_run(run: &Path, resumed: &Path) -> bool {
         .is_some_and(|parent| Some(parent) == dir)
 }
 
-/// The folder `checkpoints/abandoned-<time>/` for what a resumed run leaves behind: one per
-/// process, so that a start's checkpoints, best models and metrics set aside go together.
-pub(super) fn aside_dir(checkpoints: &Path) -> PathBuf {
-    static STAMP: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    let stamp = STAMP.get_or_init(|| ddp_run::default_run_dir(Path::new("")));
-    checkpoints.join(format!("abandoned-{}", stamp.display()))
+/// The folder where one start sets aside what a rewind leaves (the later checkpoints, the
+/// best models replaced, the metrics of epochs trained again), so that they go together:
+/// `checkpoints/abandoned-<time>-<pid>/`, made on first use under a name no earlier start
+/// took (`-2`, `-3`, ... added where one did), so that a second rewind in one process (a
+/// library user's second `Trainer::new`) replaces nothing the first set aside.
+#[derive(Debug)]
+pub(super) struct AsideDir {
+    checkpoints: PathBuf,
+    /// `abandoned-<time>-<pid>`, before any suffix.
+    name: String,
+    made: std::cell::OnceCell<PathBuf>,
 }
 
-/// Points `dir/latest` at `stem`, then moves the checkpoints `later` of `dir` into `aside`.
-/// `latest` goes first, so that it names a checkpoint that is there at every instant: a
-/// crash between the moves leaves it naming the resumed one, and the next start, resuming
-/// it again, moves the rest (a checkpoint's state goes before its model, which is what the
+impl AsideDir {
+    /// The folder of a start now in `run`, not made until something goes into it.
+    pub(super) fn new(run: &Path) -> Self {
+        let stamp = ddp_run::default_run_dir(Path::new(""));
+        Self {
+            checkpoints: state::checkpoint_dir(run),
+            name: format!("abandoned-{}", stamp.display()),
+            made: std::cell::OnceCell::new(),
+        }
+    }
+
+    /// The folder, made by the first call.
+    pub(super) fn get(&self) -> Result<&Path, TrainError> {
+        if let Some(made) = self.made.get() {
+            return Ok(made);
+        }
+        let io = |what: &Path, e| TrainError::io(format!("cannot create {}", what.display()), e);
+        std::fs::create_dir_all(&self.checkpoints).map_err(|e| io(&self.checkpoints, e))?;
+        let mut path = self.checkpoints.join(&self.name);
+        for n in 2u64.. {
+            match std::fs::create_dir(&path) {
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(io(&path, e)),
+                Ok(()) => break,
+            }
+            path = self.checkpoints.join(format!("{}-{n}", self.name));
+        }
+        Ok(self.made.get_or_init(|| path))
+    }
+}
+
+/// Points `dir/latest` at `stem`, then moves the checkpoints `later` of `dir` into the
+/// folder `aside`, which is there. `latest` goes first, so that it names a checkpoint that
+/// is there at every instant: a crash between the moves leaves it naming the resumed one,
+/// and the next start, resuming it again, moves the rest (a checkpoint's state goes before its model, which is what the
 /// next start looks for).
 fn move_aside(dir: &Path, stem: &str, later: &[String], aside: &Path) -> Result<(), TrainError> {
     let io = |what: &Path, e| TrainError::io(format!("cannot set aside {}", what.display()), e);
     let latest = dir.join("latest");
     ddp_model::checkpoint::write_atomic(&latest, format!("{stem}\n").as_bytes())
         .map_err(|e| io(&latest, e))?;
-    std::fs::create_dir_all(aside).map_err(|e| io(aside, e))?;
     for s in later {
         // The state first: a model file left alone is still found (and moved) next time.
         for file in [format!("{s}.state.safetensors"), format!("{s}.safetensors")] {
@@ -379,23 +415,23 @@ fn move_aside(dir: &Path, stem: &str, later: &[String], aside: &Path) -> Result<
 /// (`resumed`): another run's checkpoint records that run's bests, and leaves the files be. A rewind, or a crash between a best model's save and its
 /// epoch's checkpoint, leaves a file of an epoch the run no longer has (the file records its
 /// epoch in its metadata, as the epoch's checkpoint does): it is restored from the checkpoint
-/// of the recorded best's epoch (epoch-end checkpoints are never pruned), or moved into
-/// `checkpoints/abandoned-<time>/` where there is none. Either way the file and the document
-/// beside it (`<file>.json`, thresholds tuned for it; first) go into that folder before
-/// anything replaces them. Only for the holder of the run lock. Returns a line for the log
+/// of the recorded best's epoch (epoch-end checkpoints are never pruned), or moved into the
+/// start's folder `aside` where there is none. Either way the file and the document beside
+/// it (`<file>.json`, thresholds tuned for it; first) go into that folder before anything
+/// replaces them. Only for the holder of the run lock. Returns a line for the log
 /// per file changed.
 pub(super) fn align_best_models(
     run: &Path,
     resumed: &Path,
     monitors: &[Monitor],
     bests: &std::collections::BTreeMap<String, Best>,
+    aside: &AsideDir,
 ) -> Result<Vec<String>, TrainError> {
     if !of_the_run(run, resumed) {
         return Ok(Vec::new());
     }
     let dir = state::checkpoint_dir(run);
     let io = |what: &Path, e| TrainError::io(format!("cannot replace {}", what.display()), e);
-    let mut aside = None;
     let mut notes = Vec::new();
     for file in monitors.iter().map(|m| &m.file) {
         let model = run.join(file);
@@ -419,8 +455,7 @@ pub(super) fn align_best_models(
             .filter(|p| p.is_file());
         // The file and its document (thresholds tuned for it) go aside first, whatever
         // replaces them.
-        let aside: &PathBuf = aside.get_or_insert_with(|| aside_dir(&dir));
-        std::fs::create_dir_all(aside).map_err(|e| io(aside, e))?;
+        let aside = aside.get()?;
         for f in [&doc, &model] {
             match f
                 .file_name()
@@ -501,7 +536,10 @@ mod tests {
         }
         std::fs::write(dir.join("latest"), "epoch-0003-step-000020\n").unwrap();
         let resumed = dir.join("epoch-0002-step-000060.safetensors");
-        let (aside, moved) = set_aside_later(run.path(), &resumed).unwrap().unwrap();
+        let start = AsideDir::new(run.path());
+        let (aside, moved) = set_aside_later(run.path(), &resumed, &start)
+            .unwrap()
+            .unwrap();
         assert_eq!(moved, ["epoch-0003-step-000020", "epoch-0002"]);
         assert_eq!(names(&aside).len(), 4);
         let kept = names(&dir);
@@ -519,10 +557,74 @@ mod tests {
             [dir.join("epoch-0001.safetensors")]
         );
         // The newest, or a file outside the run: nothing to set aside.
-        assert!(set_aside_later(run.path(), &resumed).unwrap().is_none());
+        assert!(set_aside_later(run.path(), &resumed, &start)
+            .unwrap()
+            .is_none());
         let elsewhere = run.path().join("epoch-0001.safetensors");
         touch(run.path(), "epoch-0001.safetensors");
-        assert!(set_aside_later(run.path(), &elsewhere).unwrap().is_none());
+        assert!(set_aside_later(run.path(), &elsewhere, &start)
+            .unwrap()
+            .is_none());
+    }
+
+    /// Two starts of one process that rewind the same run (a library user's second
+    /// `Trainer::new`) set their histories aside in two folders: the second replaces none of
+    /// the first's files.
+    #[test]
+    fn a_second_rewind_in_one_process_keeps_the_first_ones_set_aside() {
+        let run = ddp_testkit::temp_dir("ddp-train-rewind-twice");
+        let dir = state::checkpoint_dir(run.path());
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |epoch: u64, history: &str| {
+            let stem = state::stem(epoch);
+            for file in [
+                format!("{stem}.safetensors"),
+                format!("{stem}.state.safetensors"),
+            ] {
+                std::fs::write(dir.join(file), format!("{history} {epoch}")).unwrap();
+            }
+            std::fs::write(dir.join("latest"), format!("{stem}\n")).unwrap();
+        };
+        // A start that resumes epoch `at`: a folder of its own, and the stems it moves.
+        let rewind = |at: u64| {
+            let resumed = dir.join(format!("{}.safetensors", state::stem(at)));
+            let start = AsideDir::new(run.path());
+            set_aside_later(run.path(), &resumed, &start)
+                .unwrap()
+                .unwrap()
+        };
+        for epoch in 1..=6 {
+            write(epoch, "first");
+        }
+        let (first, moved) = rewind(3);
+        assert_eq!(moved, ["epoch-0006", "epoch-0005", "epoch-0004"]);
+        // The second history trains epochs 4 and 5 again, then a second start rewinds it.
+        for epoch in 4..=5 {
+            write(epoch, "second");
+        }
+        let (second, moved) = rewind(2);
+        assert_eq!(moved, ["epoch-0005", "epoch-0004", "epoch-0003"]);
+        assert_ne!(first, second);
+        let asides: Vec<String> = names(&dir)
+            .into_iter()
+            .filter(|n| n.starts_with("abandoned-"))
+            .collect();
+        assert_eq!(asides.len(), 2, "{asides:?}");
+        for (folder, epochs, history) in [(&first, 4..=6, "first"), (&second, 4..=5, "second")] {
+            for epoch in epochs {
+                let file = folder.join(format!("{}.safetensors", state::stem(epoch)));
+                assert_eq!(
+                    std::fs::read_to_string(&file).unwrap(),
+                    format!("{history} {epoch}"),
+                    "{}",
+                    file.display()
+                );
+            }
+        }
+        assert_eq!(
+            std::fs::read_to_string(second.join("epoch-0003.safetensors")).unwrap(),
+            "first 3"
+        );
     }
 
     /// A rewind cut short (here a move that fails) leaves `latest` naming the resumed
@@ -554,7 +656,9 @@ mod tests {
         assert!(!dir.join("epoch-0003.state.safetensors").exists());
         std::fs::remove_dir_all(&blocked).unwrap();
         let resumed = dir.join("epoch-0001.safetensors");
-        let (_, moved) = set_aside_later(run.path(), &resumed).unwrap().unwrap();
+        let (_, moved) = set_aside_later(run.path(), &resumed, &AsideDir::new(run.path()))
+            .unwrap()
+            .unwrap();
         assert_eq!(moved, ["epoch-0003", "epoch-0002"]);
         assert_eq!(
             names(&dir)
@@ -598,7 +702,8 @@ mod tests {
             ("best-loss.safetensors".to_string(), best(9)),
             ("best-macro.safetensors".to_string(), best(8)),
         ]);
-        let notes = align_best_models(out, &resumed, &monitors, &bests).unwrap();
+        let notes =
+            align_best_models(out, &resumed, &monitors, &bests, &AsideDir::new(out)).unwrap();
         assert_eq!(notes.len(), 2, "{notes:?}");
         let aside: Vec<String> = names(&dir)
             .into_iter()
@@ -660,9 +765,11 @@ mod tests {
             ("8".into(), 8.0)
         );
         // Consistent now: nothing more to do.
-        assert!(align_best_models(out, &resumed, &monitors, &bests)
-            .unwrap()
-            .is_empty());
+        assert!(
+            align_best_models(out, &resumed, &monitors, &bests, &AsideDir::new(out))
+                .unwrap()
+                .is_empty()
+        );
     }
 
     /// Another run's checkpoint resumed into a run directory records the other run's bests:
@@ -695,7 +802,14 @@ mod tests {
                 epoch: 7,
             },
         )]);
-        let notes = align_best_models(b.path(), &resumed, &monitors, &bests).unwrap();
+        let notes = align_best_models(
+            b.path(),
+            &resumed,
+            &monitors,
+            &bests,
+            &AsideDir::new(b.path()),
+        )
+        .unwrap();
         assert!(notes.is_empty(), "{notes:?}");
         assert_eq!(epoch_of(&best), ("10".into(), 10.0));
         assert_eq!(

@@ -18,7 +18,7 @@ use tch::{nn, Device, Tensor};
 
 use super::freeze;
 use super::outputs::{read_history, write_file, RankLog};
-use super::run_dir::{lock_run_dir, resume_after_restart, RUN_ID_KEY};
+use super::run_dir::{self, lock_run_dir, resume_after_restart, RUN_ID_KEY};
 use super::Trainer;
 use crate::allocation::{self, Allocation, Plan};
 use crate::amp::{GradScaler, Precision};
@@ -351,28 +351,28 @@ impl<T: Task> Trainer<T> {
                 String::from_utf8_lossy(&verdicts[0]).into_owned(),
             ));
         }
-        let log = RankLog::open(&out, rank)?;
+        let (log, aside) = (RankLog::open(&out, rank)?, run_dir::AsideDir::new(&out));
         for warning in &fallback_warnings {
             log.warn(warning);
         }
         if let (Some(_), Some(file)) = (&run_lock, &resumed_file) {
             // An older checkpoint of this run resumed into it: the history after it is left.
-            if let Some((aside, stems)) = super::run_dir::set_aside_later(&out, file)? {
+            if let Some((to, stems)) = run_dir::set_aside_later(&out, file, &aside)? {
                 log.say(&format!(
                     "resuming from {} rewinds the run: its {} later checkpoint(s) ({}) are \
                      moved to {}",
                     file.display(),
                     stems.len(),
                     stems.join(", "),
-                    aside.display()
+                    to.display()
                 ));
             }
-            for note in super::run_dir::align_best_models(&out, file, &s.monitors, &bests)? {
+            for note in run_dir::align_best_models(&out, file, &s.monitors, &bests, &aside)? {
                 log.warn(&note);
             }
         }
         if run_lock.is_some() {
-            for file in super::run_dir::remove_stale_temporaries(&out) {
+            for file in run_dir::remove_stale_temporaries(&out) {
                 log.say(&format!(
                     "removed {}, left by a write a crash cut short",
                     file.display()
@@ -417,7 +417,7 @@ impl<T: Task> Trainer<T> {
         });
         // An evaluation trains no epoch: a run's `metrics.jsonl` in its `--out` stays whole.
         let history = if rank == 0 && !s.checkpoint.eval_only {
-            let (history, cut) = read_history(&out, start_epoch)?;
+            let (history, cut) = read_history(&out, start_epoch, &aside)?;
             if let Some(warning) = cut {
                 log.warn(&warning);
             }
