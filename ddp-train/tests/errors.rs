@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::regression::{points, Regression};
 use ddp_data::{Batch, TensorDataset};
 use ddp_train::{RegressionStats, Settings, Task, TrainError, Trainer};
-use tch::{nn, nn::Module, Reduction, Tensor};
+use tch::{nn, nn::Module, Device, Kind, Reduction, Tensor};
 
 const EXE: &str = env!("CARGO_BIN_EXE_ddp-train");
 
@@ -459,6 +459,8 @@ enum Fault {
     Detached,
     /// `eval_batch` returns one loss per sample.
     PerSampleEval,
+    /// `train_loss` returns a loss whose backward fails after the model's gradients.
+    FailingBackward,
 }
 
 /// The regression task with one [`Fault`].
@@ -488,6 +490,14 @@ impl Task for Faulty {
                 .mse_loss(batch.targets(), Reduction::None),
             Fault::Detached => self.0.train_loss(model, batch).detach(),
             Fault::PerSampleEval => self.0.train_loss(model, batch),
+            Fault::FailingBackward => {
+                // Made first, so that autograd runs the model's gradients and DDP's hooks
+                // before this fails.
+                let x = Tensor::zeros([1], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+                let failing = tch::no_grad(|| &x * 1.0);
+                tch_ext::set_backward(&x, &failing, |_| Err("a peer died".into())).unwrap();
+                failing.sum(Kind::Float) + self.0.train_loss(model, batch)
+            }
         }
     }
 
@@ -550,4 +560,32 @@ fn a_task_loss_that_is_no_scalar_is_an_error_naming_the_method() {
         "Task::eval_batch returned a loss of shape [8, 1]: return the sum of the per-sample \
          losses (Reduction::Sum), a scalar"
     );
+}
+
+/// A step whose backward fails after DDP's hooks ran ends there: `run` returns the backward's
+/// error, and evaluating after it works (it used to fail as a missed `sync_gradients`). One
+/// rank, in this process.
+#[test]
+fn evaluating_after_a_failed_backward_works() {
+    let tmp = common::temp_dir("ddp-train-errors");
+    let mut s = common::regression::quiet_settings(&tmp.path().join("run"))
+        .epochs(1)
+        .batch_size(16);
+    s.runtime.workers = Some(1);
+    let task = Faulty(
+        Regression::new(points(64, 1), points(8, 2)),
+        Fault::FailingBackward,
+    );
+    let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", common::free_port());
+    let mut trainer = Trainer::with_env(task, s, &env).unwrap();
+    match trainer.run() {
+        Err(TrainError::Context { context, source }) => {
+            assert_eq!(context, "the backward pass of epoch 1 step 0");
+            assert!(source.to_string().contains("a peer died"), "{source}");
+        }
+        other => panic!("expected the backward's error, got {other:?}"),
+    }
+    let report = trainer.evaluate().unwrap();
+    assert_eq!(report.world_size, 1);
+    assert!(report.val_loss.is_finite(), "{}", report.val_loss);
 }

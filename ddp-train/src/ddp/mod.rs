@@ -41,7 +41,7 @@ pub enum DdpError {
          this step: {}; if parts of the model are skipped on purpose (branches, several \
          heads), turn on find_unused_parameters (DdpOptions::find_unused_parameters, \
          --find-unused-parameters), otherwise freeze those parameters or use them in the loss",
-        describe_unused(.parameters)
+        reducer::describe_unused(.parameters)
     )]
     UnusedParameters {
         /// This rank.
@@ -55,7 +55,7 @@ pub enum DdpError {
     /// once though [`DistributedDataParallel::prepare_for_backward`] had found it unreachable
     /// from the loss (PyTorch's "Expected to mark a variable ready only once"). Every rank
     /// reports it, after the same collectives.
-    #[error("{}", describe_twice(*.rank, .parameter.as_deref(), .ranks))]
+    #[error("{}", reducer::describe_twice(*.rank, .parameter.as_deref(), .ranks))]
     GradientTwice {
         /// This rank.
         rank: usize,
@@ -68,6 +68,7 @@ pub enum DdpError {
     /// [`DistributedDataParallel::sync_gradients`]: its gradients were never averaged (tch's
     /// `Optimizer::backward_step`). Returned by the next `broadcast_buffers`,
     /// `prepare_for_backward`, `backward` or `rebuild`, which then starts the step afresh.
+    /// After a failed backward, [`DistributedDataParallel::abandon_step`] prevents it.
     #[error(
         "rank {rank}: a backward pass with gradient sync on reached parameter \
          '{parameter}' and no sync_gradients followed it: {}",
@@ -104,37 +105,6 @@ pub enum DdpError {
     /// libtorch failed.
     #[error(transparent)]
     Tch(#[from] tch::TchError),
-}
-
-fn describe_twice(rank: usize, parameter: Option<&str>, ranks: &[usize]) -> String {
-    let what = match parameter {
-        Some(name) => format!("parameter '{name}' received a gradient twice"),
-        None => {
-            let ranks: Vec<String> = ranks.iter().map(usize::to_string).collect();
-            format!(
-                "a parameter received a gradient twice on rank {} (its error names it)",
-                ranks.join(", ")
-            )
-        }
-    };
-    format!(
-        "rank {rank}: {what} before sync_gradients, or once after prepare_for_backward found it \
-         unreachable from the loss: when accumulating gradients, run every backward but the last \
-         micro-batch's with gradient sync off (DistributedDataParallel::no_sync or \
-         set_require_gradient_sync(false)), and give prepare_for_backward the tensor that \
-         backward runs from"
-    )
-}
-
-fn describe_unused(parameters: &[(String, usize)]) -> String {
-    parameters
-        .iter()
-        .map(|(name, used)| match used {
-            0 => format!("{name} (used by no rank)"),
-            n => format!("{name} (used by {n})"),
-        })
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// Settings of [`DistributedDataParallel`], and the Trainer's DDP settings
@@ -656,11 +626,24 @@ impl DistributedDataParallel {
     /// `opt.zero_grad(); ddp.backward(&loss)?; opt.step();`.
     pub fn backward(&mut self, loss: &Tensor) -> Result<(), DdpError> {
         self.prepare_for_backward(loss)?;
-        loss.f_backward()?;
+        if let Err(e) = loss.f_backward() {
+            self.abandon_step();
+            return Err(e.into());
+        }
         if lock(&self.reducer).require_sync {
             self.sync_gradients()?;
         }
         Ok(())
+    }
+
+    /// Ends a step whose backward pass failed after some gradients' hooks ran (an error of
+    /// `loss.f_backward()` in a loop of your own): forgets the step and waits for the buckets
+    /// it launched, ignoring their errors, so that the next call is not
+    /// [`DdpError::SyncMissed`]. Start the next step with `zero_grad`.
+    /// [`DistributedDataParallel::backward`] and the Trainer call it themselves. A peer that
+    /// launched fewer buckets leaves the wait to the collective timeout.
+    pub fn abandon_step(&mut self) {
+        lock(&self.reducer).abandon();
     }
 }
 
@@ -959,6 +942,32 @@ mod tests {
         ddp.set_require_gradient_sync(false);
         ddp.no_sync(|| ());
         assert!(!lock(&ddp.reducer).require_sync);
+    }
+
+    /// A backward that fails after a hook launched a bucket (a backward function's error)
+    /// ends its step: `backward` returns that error, the next call is not `SyncMissed`, and
+    /// the step after it averages as usual.
+    #[test]
+    fn a_failed_backward_ends_its_step() {
+        let (vs, mut ddp, Logged(log)) = two_buckets(alone(), false);
+        let (a, b) = (&vs.variables()["a"], &vs.variables()["b"]);
+        // Made first, so that autograd runs `b`'s gradient and hook before this fails.
+        let failing = tch::no_grad(|| a * 1.0);
+        tch_ext::set_backward(a, &failing, |_| Err("a peer died".into())).unwrap();
+        let loss = failing.sum(tch::Kind::Float) + b.sum(tch::Kind::Float);
+        match ddp.backward(&loss) {
+            Err(DdpError::Tch(e)) => assert!(e.to_string().contains("a peer died"), "{e}"),
+            other => panic!("expected the backward's error, got {other:?}"),
+        }
+        assert_eq!(*lock(&log), ["bucket b"]);
+        assert!(!a.grad().defined());
+        ddp.broadcast_buffers().unwrap();
+        let _ = tch::no_grad(|| b.grad().zero_());
+        ddp.backward(&(a.sum(tch::Kind::Float) * 2.0 + b.sum(tch::Kind::Float)))
+            .unwrap();
+        assert_eq!(*lock(&log), ["bucket b", "bucket b", "bucket a"]);
+        assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
+        assert_eq!(Vec::<f32>::try_from(&b.grad()).unwrap(), [1.0; 3]);
     }
 
     /// What a [`Probe`] does when a bucket starts: returns the follow-up of its `Avg`

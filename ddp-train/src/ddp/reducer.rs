@@ -17,7 +17,8 @@
 //! PyTorch's reducer finishes by itself at the end of backward; here `finish` waits for
 //! `sync_gradients`, so a step that skips it (tch's `backward_step`) would leave each rank its
 //! own gradient: the next step's call of DDP's fails ([`Reducer::check_finished`]), and a
-//! second synced backward without `finish` between is logged as an error once.
+//! second synced backward without `finish` between is logged as an error once. A backward
+//! that failed is no such step: [`Reducer::abandon`] ends it.
 //!
 //! With `find_unused_parameters`, a bucket holding a parameter this rank does not use would
 //! wait for `finish` while a rank that uses it launches it during backward: a collective of
@@ -272,12 +273,19 @@ impl Reducer {
             rank: self.pg.rank(),
             parameter: self.params[k].0.clone(),
         };
+        self.abandon();
+        Err(error)
+    }
+
+    /// Ends a step without averaging (its backward failed, or no `finish` followed it):
+    /// waits for the buckets its hooks launched, ignoring their errors (the caller's is the
+    /// cause), and starts afresh. PyTorch's reducer only resets its buckets at the next
+    /// backward; here their collectives still use them, so they are waited for first.
+    pub(crate) fn abandon(&mut self) {
         for work in self.works.drain(..) {
-            // The error above is the cause; a failed collective of the lost step adds nothing.
             let _ = work.wait();
         }
         self.reset();
-        Err(error)
     }
 
     /// Ends the step: see the module docs. Every rank must call it once per synced backward.
@@ -461,6 +469,39 @@ pub(crate) const SYNC_MISSED_HINT: &str = "each rank trains a replica of its own
     DistributedDataParallel::backward(&loss), which runs both (tch's Optimizer::backward_step \
     cannot be used with DDP: zero_grad, DistributedDataParallel::backward, then step); \
     accumulate micro-batches with gradient sync off (DistributedDataParallel::no_sync)";
+
+/// [`DdpError::GradientTwice`]'s message.
+pub(super) fn describe_twice(rank: usize, parameter: Option<&str>, ranks: &[usize]) -> String {
+    let what = match parameter {
+        Some(name) => format!("parameter '{name}' received a gradient twice"),
+        None => {
+            let ranks: Vec<String> = ranks.iter().map(usize::to_string).collect();
+            format!(
+                "a parameter received a gradient twice on rank {} (its error names it)",
+                ranks.join(", ")
+            )
+        }
+    };
+    format!(
+        "rank {rank}: {what} before sync_gradients, or once after prepare_for_backward found it \
+         unreachable from the loss: when accumulating gradients, run every backward but the last \
+         micro-batch's with gradient sync off (DistributedDataParallel::no_sync or \
+         set_require_gradient_sync(false)), and give prepare_for_backward the tensor that \
+         backward runs from"
+    )
+}
+
+/// The parameters of [`DdpError::UnusedParameters`]' message.
+pub(super) fn describe_unused(parameters: &[(String, usize)]) -> String {
+    parameters
+        .iter()
+        .map(|(name, used)| match used {
+            0 => format!("{name} (used by no rank)"),
+            n => format!("{name} (used by {n})"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// Whether `grad` is `slot` itself (a view of the same bucket elements).
 fn is_view_of(grad: &Tensor, slot: &Tensor) -> bool {

@@ -366,7 +366,12 @@ impl<T: Task> Trainer<T> {
                 // A backward function can fail (a user's differentiable all-reduce whose
                 // peer died); SyncBatchNorm's failure, kept aside, is the better message.
                 let backward = root.f_backward();
-                if let Some(e) = self.sync_bn.as_ref().and_then(|r| r.take_error()) {
+                let sync_bn_error = self.sync_bn.as_ref().and_then(|r| r.take_error());
+                if sync_bn_error.is_some() || backward.is_err() {
+                    // Hooks may have run: the step ends here, not at the next DDP call.
+                    self.ddp.abandon_step();
+                }
+                if let Some(e) = sync_bn_error {
                     return Err(e.into());
                 }
                 backward.context(|| format!("the backward pass of epoch {epoch} step {step}"))?;
