@@ -267,7 +267,7 @@ pub(crate) fn input_length(
         return Ok(layout.max_len());
     }
     let step = layout.step_len();
-    if step == 0 || len % step != 0 || len / step > layout.max_len() {
+    if step == 0 || !len.is_multiple_of(step) || len / step > layout.max_len() {
         return Err(mismatch(format!(
             "a multiple of {step} values, at most {} positions of {:?}",
             layout.max_len(),

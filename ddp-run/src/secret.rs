@@ -46,7 +46,7 @@ impl JobSecret {
     pub fn from_hex(text: &str) -> Option<Self> {
         let text = text.trim();
         let ok = (32..=128).contains(&text.len())
-            && text.len() % 2 == 0
+            && text.len().is_multiple_of(2)
             && text.bytes().all(|b| b.is_ascii_hexdigit());
         ok.then(|| JobSecret(text.to_ascii_lowercase()))
     }

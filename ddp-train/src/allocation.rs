@@ -179,7 +179,7 @@ pub fn continue_epoch(
     let before = match (saved.samples % saved.step, saved.old_batch) {
         (0, Some((b, a)))
             if b.checked_mul(a)
-                .is_some_and(|g| g > 0 && (saved.samples / saved.step) % g == 0) =>
+                .is_some_and(|g| g > 0 && (saved.samples / saved.step).is_multiple_of(g)) =>
         {
             let ranks = saved.samples / saved.step / (b * a);
             format!("{ranks} rank(s) x batch {b} x accumulate {a}")

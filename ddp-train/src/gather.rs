@@ -81,7 +81,7 @@ impl Rows {
         let width = usize::try_from(u64::from_le_bytes(word(0)?)).ok()?;
         let stride = width.checked_add(1)?;
         let words = bytes.len() / 8;
-        if bytes.len() % 8 != 0 || (words - 1) % stride != 0 {
+        if !bytes.len().is_multiple_of(8) || !(words - 1).is_multiple_of(stride) {
             return None;
         }
         let mut rows = Rows::new(width);

@@ -177,7 +177,7 @@ fn create(path: &Path, folder: &Path) -> io::Result<bool> {
 /// The bytes of hexadecimal text (either case); `None` unless it is all pairs of digits.
 pub(crate) fn decode_hex(text: &str) -> Option<Vec<u8>> {
     let digits = text.as_bytes();
-    if digits.len() % 2 != 0 {
+    if !digits.len().is_multiple_of(2) {
         return None;
     }
     let value = |d: u8| (d as char).to_digit(16).map(|v| v as u8);

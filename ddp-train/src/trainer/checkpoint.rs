@@ -37,7 +37,7 @@ impl<T: Task> Trainer<T> {
         let periodic = at.step > first
             && s.checkpoint
                 .every
-                .is_some_and(|n| self.attempted_steps() % n == 0);
+                .is_some_and(|n| self.attempted_steps().is_multiple_of(n));
         // Whether anything may differ between ranks, and so needs their agreement.
         let agree = signals.is_some()
             || s.runtime.time_limit_secs.is_some()

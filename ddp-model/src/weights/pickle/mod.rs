@@ -303,7 +303,7 @@ impl Arena {
 
     /// Sets `items` (key, value, key, value, ...) in dict `id`.
     fn insert(&mut self, id: usize, items: Vec<Value>) -> Result<(), Fault> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return Err(Fault::Malformed("a dict needs key-value pairs".into()));
         }
         let dict = self
