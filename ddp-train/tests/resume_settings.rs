@@ -82,6 +82,26 @@ fn a_resume_warns_of_each_setting_and_task_key_it_changes() {
     );
 }
 
+/// A task key whose value is a float that JSON's shortest text reads back exactly only with a
+/// correctly rounded parser (283 / 3, as `--pos-weight auto` computes such ratios) is the same
+/// on a resume with the same description: nothing warns that it changed.
+#[test]
+fn a_resume_with_the_same_float_keys_warns_of_no_change() {
+    let tmp = common::temp_dir("ddp-train-resume-floats");
+    let run = tmp.path().join("run");
+    let description = || json!({ "w": 283.0 / 3.0, "weights": [283.0 / 3.0, 0.1 + 0.2] });
+    start(task(description()), settings(&run, 1))
+        .unwrap()
+        .run()
+        .unwrap();
+    start(task(description()), resumed(settings(&run, 2), 2))
+        .unwrap()
+        .run()
+        .unwrap();
+    let log = log_of(&run);
+    assert_eq!(changes(&log), Vec::<&str>::new(), "{log}");
+}
+
 /// An evaluation of a model trained with seed 3 is refused with another seed (the task's
 /// validation split derives from it), from a checkpoint (its state file's record) or a model
 /// file in the run's folder (its `config.json`'s); with seed 3 it evaluates, warning of a task
