@@ -9,7 +9,7 @@ use std::path::Path;
 use common::free_port;
 use common::regression::{points, quiet_settings, Regression};
 use ddp_train::lr_schedule::{LrSchedule, Plateau};
-use ddp_train::{Settings, TrainError, Trainer};
+use ddp_train::{Settings, Task, TrainError, Trainer};
 use serde_json::{json, Value};
 
 /// The regression task on 64 points, described to `config.json` as `description`.
@@ -24,9 +24,14 @@ fn settings(out: &Path, epochs: u64) -> Settings {
     quiet_settings(out).epochs(epochs)
 }
 
-fn start(task: Regression, settings: Settings) -> Result<Trainer<Regression>, TrainError> {
+fn start<T: Task>(task: T, settings: Settings) -> Result<Trainer<T>, TrainError> {
     let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", free_port());
     Trainer::with_env(task, settings, &env)
+}
+
+/// Trains `task` with `settings` to their end.
+fn train<T: Task>(task: T, settings: Settings) {
+    start(task, settings).unwrap().run().unwrap();
 }
 
 /// `settings` resumed from `latest` for `epochs`.
@@ -57,16 +62,10 @@ fn a_resume_warns_of_each_setting_and_task_key_it_changes() {
     let mut first = settings(&run, 1);
     first.freeze.prefixes = vec!["0".into()];
     first.freeze.unfreeze_at = Some(3);
-    start(task(json!({ "image_size": 32 })), first)
-        .unwrap()
-        .run()
-        .unwrap();
+    train(task(json!({ "image_size": 32 })), first);
 
     let again = resumed(settings(&run, 2), 2);
-    start(task(json!({ "image_size": 64 })), again)
-        .unwrap()
-        .run()
-        .unwrap();
+    train(task(json!({ "image_size": 64 })), again);
     let log = log_of(&run);
     assert_eq!(
         changes(&log),
@@ -90,16 +89,41 @@ fn a_resume_with_the_same_float_keys_warns_of_no_change() {
     let tmp = common::temp_dir("ddp-train-resume-floats");
     let run = tmp.path().join("run");
     let description = || json!({ "w": 283.0 / 3.0, "weights": [283.0 / 3.0, 0.1 + 0.2] });
-    start(task(description()), settings(&run, 1))
-        .unwrap()
-        .run()
-        .unwrap();
-    start(task(description()), resumed(settings(&run, 2), 2))
-        .unwrap()
-        .run()
-        .unwrap();
+    train(task(description()), settings(&run, 1));
+    train(task(description()), resumed(settings(&run, 2), 2));
     let log = log_of(&run);
     assert_eq!(changes(&log), Vec::<&str>::new(), "{log}");
+}
+
+/// A checkpoint written before a setting or task key existed (its record lacks
+/// `freeze.prefixes` and `task.vflip`) resumes without warning of them, and still of a key it
+/// records (`task.image_size`).
+#[test]
+fn a_resume_warns_of_no_key_the_runs_record_lacks() {
+    let tmp = common::temp_dir("ddp-train-resume-older");
+    let run = tmp.path().join("run");
+    let description = |size| json!({ "image_size": size, "vflip": true });
+    train(task(description(32)), settings(&run, 1));
+    let state = run.join("checkpoints/epoch-0001.state.safetensors");
+    let mut file = ddp_model::checkpoint::read_tensors(&state).unwrap();
+    let mut st: Value = serde_json::from_str(&file.metadata["train_state"]).unwrap();
+    let config = &mut st["config"];
+    config["task"].as_object_mut().unwrap().remove("vflip");
+    let freeze = config["settings"]["freeze"].as_object_mut().unwrap();
+    assert!(freeze.remove("prefixes").is_some(), "{st}");
+    file.metadata.insert("train_state".into(), st.to_string());
+    ddp_model::checkpoint::write_tensors(file.tensors, &file.metadata, &state).unwrap();
+
+    train(task(description(64)), resumed(settings(&run, 2), 2));
+    let log = log_of(&run);
+    assert_eq!(
+        changes(&log),
+        [
+            "warning: task.image_size was 32 in the run and is 64 from here on: the run does not \
+          continue as it began (resume with 32 to continue it exactly)"
+        ],
+        "{log}"
+    );
 }
 
 /// An evaluation of a model trained with seed 3 is refused with another seed (the task's
@@ -110,10 +134,7 @@ fn a_resume_with_the_same_float_keys_warns_of_no_change() {
 fn an_evaluation_refuses_another_seed_than_the_models_run() {
     let tmp = common::temp_dir("ddp-train-eval-settings");
     let run = tmp.path().join("run");
-    start(task(json!({ "image_size": 32 })), settings(&run, 1))
-        .unwrap()
-        .run()
-        .unwrap();
+    train(task(json!({ "image_size": 32 })), settings(&run, 1));
     let epoch = run.join("checkpoints/epoch-0001.safetensors");
     let weights = run.join("model.safetensors");
     std::fs::copy(&epoch, &weights).unwrap();
@@ -166,14 +187,14 @@ fn a_resumed_runs_config_keeps_its_initial_weights_and_the_lr_in_effect() {
     let plateau = |s: Settings| s.lr_schedule(LrSchedule::Plateau(Plateau::default()));
     let mut first = plateau(settings(&run, 1));
     first.checkpoint.init_from = Some(init.clone());
-    start(task(Value::Null), first).unwrap().run().unwrap();
+    train(task(Value::Null), first);
 
     let mut again = plateau(resumed(settings(&run, 2), 2));
     let ddp_train::optim::OptimizerConfig::Adam(adam) = &mut again.optimizer else {
         panic!("the default optimizer is Adam");
     };
     adam.lr = 0.5;
-    start(task(Value::Null), again).unwrap().run().unwrap();
+    train(task(Value::Null), again);
     let text = std::fs::read_to_string(run.join("config.json")).unwrap();
     let config: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(config["init_weights"]["loaded"], true, "{text}");

@@ -450,26 +450,27 @@ fn changed_settings(st: &TrainState, s: &Settings, task: &serde_json::Value) -> 
         .collect()
 }
 
+/// A leaf that differs: its dotted path, the run's value and the one given now.
+type Change = (String, serde_json::Value, serde_json::Value);
+
 /// The leaves where `now` differs from `was` (objects field by field, anything else
-/// whole), by dotted path under `path`, with both values (`null` where one lacks it).
-pub(super) fn differences(
+/// whole), by dotted path under `path`, with both values (`null` where `now` lacks it). A key
+/// `was` lacks is left out: a record written before it existed says nothing of its value.
+fn differences(
     was: &serde_json::Value,
     now: &serde_json::Value,
     path: &str,
-    out: &mut Vec<(String, serde_json::Value, serde_json::Value)>,
+    out: &mut Vec<Change>,
 ) {
     use serde_json::Value;
     match (was, now) {
         (Value::Object(a), Value::Object(b)) => {
-            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
-            for key in keys {
+            for (key, x) in a {
                 let inner = match path {
                     "" => key.clone(),
                     _ => format!("{path}.{key}"),
                 };
-                let get = |o: &serde_json::Map<String, Value>| o.get(key).cloned();
-                let (x, y) = (get(a).unwrap_or_default(), get(b).unwrap_or_default());
-                differences(&x, &y, &inner, out);
+                differences(x, b.get(key).unwrap_or(&Value::Null), &inner, out);
             }
         }
         (a, b) if a != b => out.push((path.to_string(), a.clone(), b.clone())),
