@@ -226,6 +226,14 @@ pub trait Task {
         Value::Null
     }
 
+    /// Whether the validation samples depend on the seed, as a split of the training data
+    /// drawn from it does (the default). An evaluation of a model
+    /// (`checkpoint.eval_only`) refuses another seed than its run's only then: return `false`
+    /// when the validation samples are the same whatever the seed (a set of their own).
+    fn validation_depends_on_seed(&self) -> bool {
+        true
+    }
+
     /// What the user should know before training starts (data left out, say): rank 0
     /// shows each line as a warning and writes it to its log. None by default.
     fn warnings(&self) -> Vec<String> {

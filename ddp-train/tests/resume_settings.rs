@@ -8,9 +8,11 @@ use std::path::Path;
 
 use common::free_port;
 use common::regression::{points, quiet_settings, Regression};
+use ddp_data::Batch;
 use ddp_train::lr_schedule::{LrSchedule, Plateau};
-use ddp_train::{Settings, Task, TrainError, Trainer};
+use ddp_train::{RegressionStats, Settings, Task, TrainError, Trainer};
 use serde_json::{json, Value};
+use tch::{nn, Tensor};
 
 /// The regression task on 64 points, described to `config.json` as `description`.
 fn task(description: Value) -> Regression {
@@ -22,6 +24,43 @@ fn task(description: Value) -> Regression {
 /// `epochs` of 4 steps into `out` with seed 3, one thread, nothing drawn.
 fn settings(out: &Path, epochs: u64) -> Settings {
     quiet_settings(out).epochs(epochs)
+}
+
+/// The regression task with its validation samples fixed whatever the seed (`seeded` false).
+struct Placed {
+    inner: Regression,
+    seeded: bool,
+}
+
+impl Task for Placed {
+    type Model = nn::Sequential;
+    type Data = <Regression as Task>::Data;
+    type Stats = RegressionStats;
+
+    fn model(&self, root: &nn::Path) -> nn::Sequential {
+        self.inner.model(root)
+    }
+    fn train_data(&self) -> Self::Data {
+        self.inner.train_data()
+    }
+    fn val_data(&self) -> Option<Self::Data> {
+        self.inner.val_data()
+    }
+    fn train_loss(&self, model: &nn::Sequential, batch: &Batch) -> Tensor {
+        self.inner.train_loss(model, batch)
+    }
+    fn new_stats(&self) -> RegressionStats {
+        self.inner.new_stats()
+    }
+    fn eval_batch(&self, model: &nn::Sequential, batch: &Batch, s: &mut RegressionStats) -> Tensor {
+        self.inner.eval_batch(model, batch, s)
+    }
+    fn describe(&self) -> Value {
+        self.inner.describe()
+    }
+    fn validation_depends_on_seed(&self) -> bool {
+        self.seeded
+    }
 }
 
 fn start<T: Task>(task: T, settings: Settings) -> Result<Trainer<T>, TrainError> {
@@ -124,6 +163,68 @@ fn a_resume_warns_of_no_key_the_runs_record_lacks() {
         ],
         "{log}"
     );
+}
+
+/// A task whose validation samples do not depend on the seed evaluates a model trained with
+/// seed 3 with seed 0; one whose samples do (the default) is refused.
+#[test]
+fn an_evaluation_takes_another_seed_when_the_validation_set_is_fixed() {
+    let tmp = common::temp_dir("ddp-train-eval-fixed");
+    let run = tmp.path().join("run");
+    let placed = |seeded| Placed {
+        inner: task(json!({ "val_data": "/data/offsite" })),
+        seeded,
+    };
+    train(placed(false), settings(&run, 1));
+    let evaluation = |seeded, out: &str| {
+        let mut s = settings(&tmp.path().join(out), 1).seed(0);
+        s.checkpoint.eval_only = true;
+        s.checkpoint.resume = Some(
+            run.join("checkpoints/epoch-0001.safetensors")
+                .to_str()
+                .unwrap()
+                .into(),
+        );
+        start(placed(seeded), s)
+    };
+    let report = evaluation(false, "fixed").unwrap().evaluate().unwrap();
+    assert!(
+        report.val_loss.is_finite() && report.val_loss > 0.0,
+        "{report:?}"
+    );
+    let Err(TrainError::Setting(e)) = evaluation(true, "seeded") else {
+        panic!("an evaluation of a seeded validation split with seed 0 was not refused");
+    };
+    assert_eq!(e.field(), "seed");
+}
+
+/// ODIR's validation set depends on the seed only when split from `--data`.
+#[cfg(feature = "odir")]
+#[test]
+fn odir_validation_depends_on_the_seed_only_when_split() {
+    use clap::Parser;
+    use ddp_data::odir::synthetic::{generate, SyntheticConfig};
+    use ddp_train::odir::{OdirTask, TrainConfig};
+
+    let tmp = common::temp_dir("ddp-train-odir-locations");
+    let data = tmp.path().join("data");
+    let sample = SyntheticConfig {
+        images: 40,
+        size: 32,
+        ..Default::default()
+    };
+    generate(&data, &sample).unwrap();
+    let odir = |args: &[&Path]| {
+        let mut line = vec!["ddp-train".to_string(), "--data".into()];
+        line.push(args[0].to_str().unwrap().into());
+        if let Some(val) = args.get(1) {
+            line.extend(["--val-data".into(), val.to_str().unwrap().into()]);
+        }
+        OdirTask::new(&TrainConfig::try_parse_from(line).unwrap()).unwrap()
+    };
+    let (split, fixed) = (odir(&[&data]), odir(&[&data, &data]));
+    assert!(split.validation_depends_on_seed());
+    assert!(!fixed.validation_depends_on_seed());
 }
 
 /// An evaluation of a model trained with seed 3 is refused with another seed (the task's

@@ -244,6 +244,11 @@ impl Task for OdirTask {
         self.config.clone()
     }
 
+    /// `--val-data` is evaluated whole, whatever the seed.
+    fn validation_depends_on_seed(&self) -> bool {
+        self.options.val_data.is_none()
+    }
+
     fn warnings(&self) -> Vec<String> {
         let mut lines = self.options.warnings();
         if let (Some(first), Some(val)) = (self.shared_patients.first(), &self.options.val_data) {

@@ -288,14 +288,15 @@ pub(super) fn load_evaluated(
 }
 
 /// An evaluation of a model whose run recorded `recorded` (in `file`) with the settings `s`
-/// and the task described as `task`: refuses another seed (a task's validation split derives
-/// from it), and warns of each task key given now whose value differs from the run's.
-pub(super) fn check_evaluated(
+/// and the task `task`: refuses another seed where the task's validation samples depend on
+/// it, and warns of each task key given now whose value differs from the run's.
+pub(super) fn check_evaluated<T: Task>(
     (recorded, file): (&serde_json::Value, &str),
     s: &Settings,
-    task: &serde_json::Value,
+    task: &T,
 ) -> Result<Vec<String>, TrainError> {
-    if let Some(seed) = recorded["settings"]["seed"].as_u64() {
+    let seed = recorded["settings"]["seed"].as_u64();
+    if let (Some(seed), true) = (seed, task.validation_depends_on_seed()) {
         if seed != s.seed {
             let why = "a task's validation split derives from it, so another seed evaluates \
                        other samples, some of which the model may have trained on; evaluate \
@@ -303,9 +304,10 @@ pub(super) fn check_evaluated(
             return Err(other_seed(s.seed, seed, file, why).into());
         }
     }
+    let task = task.describe();
     let mut changes = Vec::new();
     if !recorded["task"].is_null() {
-        differences(&recorded["task"], task, "task", &mut changes);
+        differences(&recorded["task"], &task, "task", &mut changes);
     }
     // A key the task leaves out now (a training-only one) is not read by the evaluation.
     let given = |path: &str| {

@@ -158,7 +158,7 @@ impl<T: Task> Trainer<T> {
         if let (Some(path), true) = (&resume_from, s.checkpoint.eval_only) {
             let recorded = super::checkpoint::load_evaluated(&vs, path)?;
             if let Some((run, file)) = &recorded {
-                let checked = super::checkpoint::check_evaluated((run, file), s, &task.describe());
+                let checked = super::checkpoint::check_evaluated((run, file), s, &task);
                 fallback_warnings.extend(checked?);
             }
             resume_key = state::resume_key(path, None);
