@@ -234,6 +234,14 @@ pub trait Task {
         true
     }
 
+    /// The keys of [`Task::describe`] that say where the data lies (folders, files) rather
+    /// than what it is: a resume or an evaluation does not compare them with the run's, as
+    /// the same data may lie elsewhere (a relative path, a link, a job's staging copy). None
+    /// by default.
+    fn location_keys(&self) -> &[&str] {
+        &[]
+    }
+
     /// What the user should know before training starts (data left out, say): rank 0
     /// shows each line as a warning and writes it to its log. None by default.
     fn warnings(&self) -> Vec<String> {

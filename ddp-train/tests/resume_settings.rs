@@ -26,10 +26,12 @@ fn settings(out: &Path, epochs: u64) -> Settings {
     quiet_settings(out).epochs(epochs)
 }
 
-/// The regression task with its validation samples fixed whatever the seed (`seeded` false).
+/// The regression task with its validation samples fixed whatever the seed (`seeded` false),
+/// and the keys of its description that name where the data lies.
 struct Placed {
     inner: Regression,
     seeded: bool,
+    locations: &'static [&'static str],
 }
 
 impl Task for Placed {
@@ -60,6 +62,9 @@ impl Task for Placed {
     }
     fn validation_depends_on_seed(&self) -> bool {
         self.seeded
+    }
+    fn location_keys(&self) -> &[&str] {
+        self.locations
     }
 }
 
@@ -165,6 +170,31 @@ fn a_resume_warns_of_no_key_the_runs_record_lacks() {
     );
 }
 
+/// A resume with the data given at another place (a link, a job's staging copy) warns of
+/// none of the keys the task lists as locations, and still of the others.
+#[test]
+fn a_resume_compares_no_location_of_the_data() {
+    let tmp = common::temp_dir("ddp-train-resume-locations");
+    let run = tmp.path().join("run");
+    let placed = |data: &str, size: u32| Placed {
+        inner: task(json!({ "data": data, "image_size": size, "tmp": data })),
+        seeded: true,
+        locations: &["data"],
+    };
+    train(placed("/data/odir", 32), settings(&run, 1));
+    train(placed("/tmp/job-7/odir", 32), resumed(settings(&run, 2), 2));
+    let log = log_of(&run);
+    assert_eq!(
+        changes(&log),
+        [
+            "warning: task.tmp was \"/data/odir\" in the run and is \"/tmp/job-7/odir\" from \
+          here on: the run does not continue as it began (resume with \"/data/odir\" to \
+          continue it exactly)"
+        ],
+        "{log}"
+    );
+}
+
 /// A task whose validation samples do not depend on the seed evaluates a model trained with
 /// seed 3 with seed 0; one whose samples do (the default) is refused.
 #[test]
@@ -174,6 +204,7 @@ fn an_evaluation_takes_another_seed_when_the_validation_set_is_fixed() {
     let placed = |seeded| Placed {
         inner: task(json!({ "val_data": "/data/offsite" })),
         seeded,
+        locations: &[],
     };
     train(placed(false), settings(&run, 1));
     let evaluation = |seeded, out: &str| {
@@ -198,10 +229,11 @@ fn an_evaluation_takes_another_seed_when_the_validation_set_is_fixed() {
     assert_eq!(e.field(), "seed");
 }
 
-/// ODIR's validation set depends on the seed only when split from `--data`.
+/// ODIR's validation set depends on the seed only when split from `--data`, and its
+/// description differs only in its location keys when `--data` is given as a link.
 #[cfg(feature = "odir")]
 #[test]
-fn odir_validation_depends_on_the_seed_only_when_split() {
+fn odir_lists_its_locations_and_a_fixed_validation_set() {
     use clap::Parser;
     use ddp_data::odir::synthetic::{generate, SyntheticConfig};
     use ddp_train::odir::{OdirTask, TrainConfig};
@@ -214,6 +246,8 @@ fn odir_validation_depends_on_the_seed_only_when_split() {
         ..Default::default()
     };
     generate(&data, &sample).unwrap();
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&data, &link).unwrap();
     let odir = |args: &[&Path]| {
         let mut line = vec!["ddp-train".to_string(), "--data".into()];
         line.push(args[0].to_str().unwrap().into());
@@ -225,6 +259,19 @@ fn odir_validation_depends_on_the_seed_only_when_split() {
     let (split, fixed) = (odir(&[&data]), odir(&[&data, &data]));
     assert!(split.validation_depends_on_seed());
     assert!(!fixed.validation_depends_on_seed());
+    let linked = odir(&[&link, &link]);
+    let (was, now) = (fixed.describe(), linked.describe());
+    let differ: Vec<&String> = was
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(key, value)| now[key.as_str()] != **value)
+        .map(|(key, _)| key)
+        .collect();
+    assert_eq!(differ, ["data", "val_data"]);
+    assert!(differ
+        .iter()
+        .all(|k| linked.location_keys().contains(&k.as_str())));
 }
 
 /// An evaluation of a model trained with seed 3 is refused with another seed (the task's

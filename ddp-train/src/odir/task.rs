@@ -249,6 +249,12 @@ impl Task for OdirTask {
         self.options.val_data.is_none()
     }
 
+    /// The folders, and the images `--skip-corrupt` left out by path (their number is
+    /// checked as the samples' are).
+    fn location_keys(&self) -> &[&str] {
+        &["data", "val_data", "image_dir", "skipped_images"]
+    }
+
     fn warnings(&self) -> Vec<String> {
         let mut lines = self.options.warnings();
         if let (Some(first), Some(val)) = (self.shared_patients.first(), &self.options.val_data) {

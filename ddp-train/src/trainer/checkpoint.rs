@@ -304,11 +304,7 @@ pub(super) fn check_evaluated<T: Task>(
             return Err(other_seed(s.seed, seed, file, why).into());
         }
     }
-    let task = task.describe();
-    let mut changes = Vec::new();
-    if !recorded["task"].is_null() {
-        differences(&recorded["task"], &task, "task", &mut changes);
-    }
+    let (changes, task) = task_changes(&recorded["task"], task);
     // A key the task leaves out now (a training-only one) is not read by the evaluation.
     let given = |path: &str| {
         let key = path.strip_prefix("task.").unwrap_or(path);
@@ -357,12 +353,12 @@ pub(super) fn keep_start_record(
 }
 
 /// What a resume from `st` takes from the checkpoint rather than from `s`, another number of
-/// training samples at an epoch's end, and each setting of `s` or of the task (described now
-/// as `task`) that differs from the run's: warnings for the log.
-pub(super) fn resume_warnings(
+/// training samples at an epoch's end, and each setting of `s` or of `task` that differs from
+/// the run's: warnings for the log.
+pub(super) fn resume_warnings<T: Task>(
     st: &TrainState,
     s: &Settings,
-    task: &serde_json::Value,
+    task: &T,
     train_samples: usize,
 ) -> Vec<String> {
     let mut warnings = changed_settings(st, s, task);
@@ -405,12 +401,7 @@ pub(super) fn resume_warnings(
 /// allocation (its own warning), the number of epochs (the plan's warning), and with a
 /// plateau scheduler its learning rate and settings (which the checkpoint's state keeps).
 fn warned_elsewhere(path: &str, plateau: bool) -> bool {
-    let under = |prefix: &str| {
-        path == prefix
-            || path
-                .strip_prefix(prefix)
-                .is_some_and(|rest| rest.starts_with('.'))
-    };
+    let under = |prefix: &str| under(path, prefix);
     [
         "checkpoint",
         "runtime",
@@ -425,10 +416,36 @@ fn warned_elsewhere(path: &str, plateau: bool) -> bool {
         || (plateau && (under("optimizer.lr") || under("lr_schedule.config")))
 }
 
+/// Whether the dotted `path` is `prefix` or lies under it.
+fn under(path: &str, prefix: &str) -> bool {
+    path.strip_prefix(prefix)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+}
+
+/// The leaves of `task`'s description that differ from the run's record `recorded` (none
+/// without one), by `task.` paths, leaving out its location keys; and the description.
+fn task_changes<T: Task>(
+    recorded: &serde_json::Value,
+    task: &T,
+) -> (Vec<Change>, serde_json::Value) {
+    let now = task.describe();
+    let mut changes = Vec::new();
+    if !recorded.is_null() {
+        differences(recorded, &now, "task", &mut changes);
+    }
+    let locations = task.location_keys();
+    changes.retain(|(path, _, _)| {
+        let key = path.strip_prefix("task.").unwrap_or(path);
+        !locations.iter().any(|l| under(key, l))
+    });
+    (changes, now)
+}
+
 /// One warning per setting (a dotted path of [`Settings`], or `task.` and a key of
-/// [`Task::describe`]) whose value now differs from the run's in `st`: the run changes there
-/// at the resume point, and does not continue as it began.
-fn changed_settings(st: &TrainState, s: &Settings, task: &serde_json::Value) -> Vec<String> {
+/// [`Task::describe`] other than its [`Task::location_keys`]) whose value now differs from
+/// the run's in `st`: the run changes there at the resume point, and does not continue as it
+/// began.
+fn changed_settings<T: Task>(st: &TrainState, s: &Settings, task: &T) -> Vec<String> {
     let plateau = |v: &serde_json::Value| v["lr_schedule"]["kind"] == "plateau";
     let now = serde_json::to_value(s).unwrap_or_default();
     let both_plateau = plateau(&now) && plateau(&st.config["settings"]);
@@ -438,9 +455,7 @@ fn changed_settings(st: &TrainState, s: &Settings, task: &serde_json::Value) -> 
         differences(&st.config["settings"], &now, "", &mut changes);
         changes.retain(|(path, _, _)| !warned_elsewhere(path, both_plateau));
     }
-    if !st.config["task"].is_null() {
-        differences(&st.config["task"], task, "task", &mut changes);
-    }
+    changes.extend(task_changes(&st.config["task"], task).0);
     changes
         .into_iter()
         .map(|(path, was, now)| {

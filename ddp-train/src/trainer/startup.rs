@@ -233,7 +233,7 @@ impl<T: Task> Trainer<T> {
             fallback_warnings.extend(super::checkpoint::resume_warnings(
                 &st,
                 s,
-                &task.describe(),
+                &task,
                 train_set.len(),
             ));
             bucket_order = st.bucket_order.clone();
