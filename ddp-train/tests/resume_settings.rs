@@ -195,6 +195,31 @@ fn a_resume_compares_no_location_of_the_data() {
     );
 }
 
+/// Validation data given at the start and dropped at the resume is a change, though its
+/// folder is a location: without it the task validates on another set.
+#[test]
+fn a_resume_warns_of_a_location_given_or_dropped() {
+    let tmp = common::temp_dir("ddp-train-resume-dropped");
+    let run = tmp.path().join("run");
+    let placed = |val_data: Value| Placed {
+        inner: task(json!({ "val_data": val_data })),
+        seeded: true,
+        locations: &["val_data"],
+    };
+    train(placed(json!("/data/offsite")), settings(&run, 1));
+    train(placed(Value::Null), resumed(settings(&run, 2), 2));
+    let log = log_of(&run);
+    assert_eq!(
+        changes(&log),
+        [
+            "warning: task.val_data was \"/data/offsite\" in the run and is null from here on: \
+             the run does not continue as it began (resume with \"/data/offsite\" to continue \
+             it exactly)"
+        ],
+        "{log}"
+    );
+}
+
 /// A task whose validation samples do not depend on the seed evaluates a model trained with
 /// seed 3 with seed 0; one whose samples do (the default) is refused.
 #[test]

@@ -423,7 +423,8 @@ fn under(path: &str, prefix: &str) -> bool {
 }
 
 /// The leaves of `task`'s description that differ from the run's record `recorded` (none
-/// without one), by `task.` paths, leaving out its location keys; and the description.
+/// without one), by `task.` paths, leaving out its location keys but where one was given or
+/// dropped; and the description.
 fn task_changes<T: Task>(
     recorded: &serde_json::Value,
     task: &T,
@@ -434,9 +435,12 @@ fn task_changes<T: Task>(
         differences(recorded, &now, "task", &mut changes);
     }
     let locations = task.location_keys();
-    changes.retain(|(path, _, _)| {
+    changes.retain(|(path, was, is)| {
         let key = path.strip_prefix("task.").unwrap_or(path);
-        !locations.iter().any(|l| under(key, l))
+        // Data given at another place is no change; data given where there was none, or
+        // no longer given (ODIR's `--val-data`: then validation is split from `--data`), is.
+        let given_or_dropped = locations.contains(&key) && was.is_null() != is.is_null();
+        given_or_dropped || !locations.iter().any(|l| under(key, l))
     });
     (changes, now)
 }
