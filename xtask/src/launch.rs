@@ -660,6 +660,12 @@ mod tests {
     }
 
     /// The names in `dir`, sorted.
+    /// Nothing is left beside the sample in `cache`: no temporary, no sample set aside.
+    fn alone_in_cache(cache: &Path, sample: &Path) {
+        let name = sample.file_name().unwrap().to_str().unwrap();
+        assert_eq!(names(cache), [name]);
+    }
+
     fn names(dir: &Path) -> Vec<String> {
         let mut names: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
@@ -730,11 +736,7 @@ mod tests {
         std::fs::remove_file(first.join(COMPLETE)).unwrap();
         assert_eq!((sample(), generated()), (first.clone(), expected + 1));
         assert!(is_complete(&first));
-        // Nothing is left beside the sample: no temporary, no sample set aside.
-        assert_eq!(
-            names(&cache),
-            [first.file_name().unwrap().to_str().unwrap()]
-        );
+        alone_in_cache(&cache, &first);
     }
 
     /// A job reading the sample while another replaces an incomplete one never finds the
@@ -777,10 +779,7 @@ mod tests {
             reader.join().unwrap()
         });
         assert_eq!(missing, 0, "the sample was missing {missing} times");
-        assert_eq!(
-            names(&cache),
-            [first.file_name().unwrap().to_str().unwrap()]
-        );
+        alone_in_cache(&cache, &first);
     }
 
     #[test]
