@@ -744,3 +744,27 @@ fn a_checkpoint_whose_other_entries_hold_devices_counters_and_wide_ints_is_read(
         );
     }
 }
+
+#[test]
+fn a_zip_whose_timestamp_field_is_damaged_is_an_archive_error_not_a_panic() {
+    // Python's `zipfile` writing the record `archive/data.pkl` (b"x") with the extra field
+    // b"UT\0\0\0": an extended timestamp ("UT") of length 0 followed by one byte, which
+    // zip 4.6.1 reads by subtracting 1 from 0 (a panic where overflow is checked).
+    const ZIP: &str = "504b0304140000000000000021008316dc8c010000000100000010000500617263686976\
+                       652f646174612e706b6c555400000078504b01021403140000000000000021008316dc\
+                       8c0100000001000000100005000000000000000000800100000000617263686976652f\
+                       646174612e706b6c5554000000504b0506000000000100010043000000340000000000";
+    let bytes: Vec<u8> = (0..ZIP.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&ZIP[i..i + 2], 16).unwrap())
+        .collect();
+    let dir = ddp_testkit::temp_dir("ddp-model-ut");
+    let path = dir.path().join("ut.pth");
+    std::fs::write(&path, &bytes).unwrap();
+    let err = weights::read_state_dict(&path).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::Archive { path: p, reason }
+            if p == &path && reason.starts_with("the zip reader failed on it (")),
+        "{err:?}"
+    );
+}

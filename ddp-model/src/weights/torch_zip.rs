@@ -21,7 +21,19 @@ pub(super) fn read(path: &Path, key: Option<&str>) -> Result<StateDict, WeightsE
         path: path.to_owned(),
         reason: e.to_string(),
     };
-    let mut archive = ZipArchive::new(BufReader::new(file)).map_err(zip_error)?;
+    // zip 4.6.1 subtracts before it checks while parsing some extra fields (an extended
+    // timestamp of length 0 underflows: zip-rs/zip2#696); a damaged file is an error, not a
+    // crash. Records are read without parsing extra fields again.
+    let opened = std::panic::catch_unwind(|| ZipArchive::new(BufReader::new(file)));
+    let mut archive = match opened {
+        Ok(archive) => archive.map_err(zip_error)?,
+        Err(panic) => {
+            return Err(WeightsError::Archive {
+                path: path.to_owned(),
+                reason: format!("the zip reader failed on it ({})", panic_message(&*panic)),
+            })
+        }
+    };
     let prefix = archive_prefix(&archive).ok_or_else(|| WeightsError::Archive {
         path: path.to_owned(),
         reason: "it has no '<name>/data.pkl' record, so it is not a torch.save file".into(),
@@ -177,6 +189,15 @@ fn first_non_tensor(entries: &[(Value, Value)]) -> String {
             (k, _) => Some(format!("a key is {}, not a str", k.describe())),
         })
         .unwrap_or_default()
+}
+
+/// The message of a caught panic (`"no message"` when its payload is not text).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or("no message")
 }
 
 /// `"<name>/"` of the one `<name>/data.pkl` record.
