@@ -183,11 +183,21 @@ impl BatchNorm2d {
         self.f_forward_t(x, train).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// [`BatchNorm2d::forward_t`], failing instead of panicking. Training on one value per
-    /// channel (`[1, C, 1, 1]`) without other ranks fails with PyTorch's "Expected more than
-    /// 1 value per channel when training", and changes nothing: the unbiased variance of one
-    /// value would put NaN into `running_var`.
+    /// [`BatchNorm2d::forward_t`], failing instead of panicking. An input that is not
+    /// `[N, C, ...]` with the layer's `C` fails, and so does training on one value per
+    /// channel (`[1, C, 1, 1]`) without other ranks, with PyTorch's "Expected more than 1
+    /// value per channel when training" (the unbiased variance of one value would put NaN
+    /// into `running_var`). A call that fails changes nothing, `num_batches_tracked`
+    /// included.
     pub fn f_forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor, TchError> {
+        let size = x.size();
+        if size.get(1) != Some(&self.channels) {
+            return Err(TchError::Shape(format!(
+                "BatchNorm2d '{}': expected an input [N, {}, ...] ({} channels), got input \
+                 size {size:?}",
+                self.name, self.channels, self.channels
+            )));
+        }
         if !train {
             return self.plain(x, false, 0.0);
         }
@@ -197,32 +207,33 @@ impl BatchNorm2d {
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
             .filter(|r| r.world_size() > 1);
-        let size = x.size();
         let per_channel: i64 = size
             .iter()
             .enumerate()
             .filter(|(d, _)| *d != 1)
             .map(|(_, n)| n)
             .product();
-        if reducer.is_none() && size.len() >= 2 && per_channel == 1 {
+        if reducer.is_none() && per_channel == 1 {
             return Err(TchError::Shape(format!(
                 "BatchNorm2d '{}': Expected more than 1 value per channel when training, got \
                  input size {size:?}",
                 self.name
             )));
         }
+        // This batch counted: the cumulative average's weight is 1 / (batches so far + 1).
+        let factor = match self.config.momentum {
+            Some(m) => m,
+            None => 1.0 / (self.num_batches_tracked.int64_value(&[]) + 1) as f64,
+        };
+        let y = match reducer {
+            Some(r) => self.synchronised(x, r.as_ref(), factor),
+            // One rank is its own batch: PyTorch's SyncBatchNorm falls back the same way.
+            None => self.plain(x, true, factor),
+        }?;
         tch::no_grad(|| {
             let _ = self.num_batches_tracked.shallow_clone().g_add_scalar_(1);
         });
-        let factor = match self.config.momentum {
-            Some(m) => m,
-            None => 1.0 / self.num_batches_tracked.int64_value(&[]) as f64,
-        };
-        match reducer {
-            Some(r) => Ok(self.synchronised(x, r.as_ref(), factor)),
-            // One rank is its own batch: PyTorch's SyncBatchNorm falls back the same way.
-            None => self.plain(x, true, factor),
-        }
+        Ok(y)
     }
 
     /// libtorch's own batch norm (the one `nn::batch_norm2d` calls).
@@ -243,7 +254,14 @@ impl BatchNorm2d {
     /// Training statistics over every rank of `r`: per rank (count, mean, sum of squared
     /// deviations) in that rank's row of a `[world, 2C + 1]` table, summed over the ranks
     /// (which gathers the rows), then combined as Chan et al. combine partial variances.
-    fn synchronised(&self, x: &Tensor, r: &dyn StatsReducer, factor: f64) -> Tensor {
+    /// `x` is `[N, C, ...]` with the layer's `C` (checked by the caller); a reducer whose
+    /// rank, world or sum does not fit the table is an error.
+    fn synchronised(
+        &self,
+        x: &Tensor,
+        r: &dyn StatsReducer,
+        factor: f64,
+    ) -> Result<Tensor, TchError> {
         let c = self.channels;
         let xf = x.to_kind(Kind::Float);
         let dims: Vec<i64> = (0..xf.dim() as i64).filter(|&d| d != 1).collect();
@@ -267,21 +285,21 @@ impl BatchNorm2d {
         };
         let width = 2 * c + 1;
         let (rank, world) = (r.rank() as i64, r.world_size() as i64);
-        let row = Tensor::cat(
+        let row = Tensor::f_cat(
             &[
-                Tensor::zeros([rank * width], opts),
+                Tensor::f_zeros([rank * width], opts)?,
                 mean,
                 m2,
                 Tensor::full([1], count, opts),
-                Tensor::zeros([(world - rank - 1) * width], opts),
+                Tensor::f_zeros([(world - rank - 1) * width], opts)?,
             ],
             0,
-        )
-        .view([world, width]);
+        )?
+        .f_view([world, width])?;
         let table = r.all_reduce_sum(&row);
-        let means = table.narrow(1, 0, c);
-        let m2s = table.narrow(1, c, c);
-        let counts = table.narrow(1, 2 * c, 1);
+        let means = table.f_narrow(1, 0, c)?;
+        let m2s = table.f_narrow(1, c, c)?;
+        let counts = table.f_narrow(1, 2 * c, 1)?;
         let total = counts.sum(Kind::Float);
         // Every rank empty: no statistics (0, not 0/0), and the running ones stay as they are.
         let samples = total.clamp_min(1.0);
@@ -304,7 +322,7 @@ impl BatchNorm2d {
         let scale = (var + self.config.eps).rsqrt() * &self.weight;
         let y = (&xf - mean.view(shape.as_slice())) * scale.view(shape.as_slice())
             + self.bias.view(shape.as_slice());
-        y.to_kind(x.kind())
+        Ok(y.to_kind(x.kind()))
     }
 }
 
@@ -447,7 +465,7 @@ mod tests {
         (&ya * &w).sum(Kind::Float).backward();
         let gxa = x.grad().copy();
         let _ = x.grad().zero_();
-        let yb = b.synchronised(&x, &Alone, 0.1);
+        let yb = b.synchronised(&x, &Alone, 0.1).unwrap();
         let _ = b.num_batches_tracked.shallow_clone().g_add_scalar_(1);
         (&yb * &w).sum(Kind::Float).backward();
         assert_close(&ya, &yb, 1e-5, "output");
@@ -605,6 +623,84 @@ mod tests {
                 .int64_value(&[]),
             0
         );
+    }
+
+    /// A batch that is not `[N, C, ...]` with the layer's `C` is an error, synchronised or
+    /// not, in training or evaluation, and leaves the layer as it was.
+    #[test]
+    fn an_input_of_the_wrong_shape_is_an_error_that_changes_nothing() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let bn = BatchNorm2d::new(vs.root() / "features" / 1, 4);
+        let vars = vs.variables();
+        let tracked = || vars["features.1.num_batches_tracked"].int64_value(&[]);
+        let running_mean = || Vec::<f32>::try_from(&vars["features.1.running_mean"]).unwrap();
+        let randn = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, Device::Cpu));
+        // Rank 0 of two, its peer sending zeros: the sum is this rank's row.
+        let pair = || -> Arc<dyn StatsReducer> {
+            Arc::new(Pair {
+                rank: 0,
+                peer: vec![0.0; 18],
+                sent: Default::default(),
+            })
+        };
+        bn.set_sync(Some(pair()));
+        for sync in [true, false] {
+            if !sync {
+                bn.set_sync(None);
+            }
+            for (shape, got) in [
+                (&[2, 3, 4, 4][..], "[2, 3, 4, 4]"),
+                (&[8][..], "[8]"),
+                (&[][..], "[]"),
+            ] {
+                let expected = format!(
+                    "BatchNorm2d 'features.1': expected an input [N, 4, ...] (4 channels), got \
+                     input size {got}"
+                );
+                for train in [true, false] {
+                    let err = bn.f_forward_t(&randn(shape), train).unwrap_err();
+                    assert!(
+                        matches!(&err, TchError::Shape(m) if *m == expected),
+                        "sync {sync}, train {train}: {err:?}"
+                    );
+                }
+            }
+            assert_eq!(tracked(), 0, "sync {sync}");
+            assert_eq!(running_mean(), [0.0; 4], "sync {sync}");
+        }
+        // The right shape is counted, synchronised or not.
+        let x = randn(&[2, 4, 3, 3]) + 1.0;
+        assert_eq!(bn.f_forward_t(&x, true).unwrap().size(), [2, 4, 3, 3]);
+        bn.set_sync(Some(pair()));
+        assert_eq!(bn.f_forward_t(&x, true).unwrap().size(), [2, 4, 3, 3]);
+        assert_eq!(tracked(), 2);
+        assert!(running_mean().iter().all(|&m| m != 0.0));
+    }
+
+    /// A reducer whose sum is not the table it was given is an error, not a panic, and
+    /// counts no batch.
+    #[test]
+    fn a_reducer_returning_the_wrong_shape_is_an_error() {
+        #[derive(Debug)]
+        struct Flat;
+        impl StatsReducer for Flat {
+            fn rank(&self) -> usize {
+                0
+            }
+            fn world_size(&self) -> usize {
+                2
+            }
+            fn all_reduce_sum(&self, t: &Tensor) -> Tensor {
+                t.flatten(0, -1)
+            }
+        }
+        let vs = nn::VarStore::new(Device::Cpu);
+        let bn = BatchNorm2d::new(vs.root(), 4);
+        bn.set_sync(Some(Arc::new(Flat)));
+        let x = Tensor::randn([2, 4, 3, 3], (Kind::Float, Device::Cpu));
+        let err = bn.f_forward_t(&x, true).unwrap_err();
+        assert!(matches!(err, TchError::Torch(_)), "{err:?}");
+        assert_eq!(vs.variables()["num_batches_tracked"].int64_value(&[]), 0);
     }
 
     #[test]

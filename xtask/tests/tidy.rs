@@ -554,8 +554,9 @@ const PANICS: [(&str, &str, &str); 13] = [
         "ddp-model/src/norm.rs",
         "unwrap_or_else(|e| panic!(\"{e}\"))",
         "nn::ModuleT's forward cannot return an error (tch's own layers panic on a bad shape \
-         alike): a training batch of one value per channel, PyTorch's ValueError, named with \
-         the layer; f_forward_t returns it",
+         alike): an input that is not [N, C, ...] with the layer's C, or a training batch of \
+         one value per channel (PyTorch's ValueError), named with the layer; f_forward_t \
+         returns it",
     ),
     (
         "ddp-train/src/metrics.rs",
