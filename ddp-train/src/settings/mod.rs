@@ -425,6 +425,9 @@ impl Settings {
         if let Some(&(field, _)) = at_least_one.iter().find(|(_, v)| *v == 0) {
             return Err(SettingError::new(field, " must be at least 1"));
         }
+        if let Some(threads) = self.runtime.threads {
+            runtime::torch_threads(threads)?;
+        }
         for (field, path) in [
             ("out", &self.out),
             ("checkpoint.init_from", &self.checkpoint.init_from),
@@ -939,6 +942,16 @@ mod tests {
                 format!("{field} must be at least 1")
             );
         }
+        // libtorch takes an int: 2^31 threads would be negative, 2^32 none.
+        for threads in [1 << 31, 1 << 32] {
+            let runtime = RuntimeSettings::default().threads(Some(threads));
+            assert_eq!(
+                error(Settings::default().runtime(runtime)),
+                format!("runtime.threads {threads} must be at most 2147483647 (libtorch's limit)")
+            );
+        }
+        let most = RuntimeSettings::default().threads(Some(i32::MAX as usize));
+        assert!(Settings::default().runtime(most).validate().is_ok());
     }
 
     #[test]

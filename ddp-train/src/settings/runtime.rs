@@ -196,18 +196,30 @@ impl RuntimeSettings {
         let threads = thread_count(self.threads, local_world_size, |name| {
             std::env::var_os(name)
         })?;
+        let torch_count = torch_threads(threads)?;
         if device == tch::Device::Cpu {
-            tch::set_num_threads(threads as i32);
+            tch::set_num_threads(torch_count);
         }
         Ok((device, threads))
     }
 }
 
+/// `threads` as libtorch's intra-op thread count, a C `int` (PyTorch bounds it by nothing
+/// else); a larger count is an error naming `runtime.threads`.
+pub(super) fn torch_threads(threads: usize) -> Result<i32, SettingError> {
+    i32::try_from(threads).map_err(|_| {
+        SettingError::new(
+            "runtime.threads",
+            format!(" {threads} must be at most {} (libtorch's limit)", i32::MAX),
+        )
+    })
+}
+
 /// A rank's intra-op threads: `threads` (`--threads`); else `OMP_NUM_THREADS`, read with
 /// `env`, as PyTorch takes it (launchers set it: torchrun and `ddp-run` to 1 when a node runs
 /// several ranks); else the machine's cores divided among the `local_world_size` ranks. An
-/// empty `OMP_NUM_THREADS` counts as unset; another that is not a number of threads is an
-/// error naming it.
+/// empty `OMP_NUM_THREADS` counts as unset; another that is not a number of threads
+/// libtorch takes (1 to `i32::MAX`) is an error naming it.
 fn thread_count(
     threads: Option<usize>,
     local_world_size: usize,
@@ -221,11 +233,12 @@ fn thread_count(
     match env(name).filter(|v| !v.to_string_lossy().trim().is_empty()) {
         None => Ok(ddp_data::default_workers(local_world_size)),
         Some(value) => match value.to_str().map(|v| v.trim().parse::<usize>()) {
-            Some(Ok(n)) if n > 0 => Ok(n),
+            Some(Ok(n)) if n > 0 && torch_threads(n).is_ok() => Ok(n),
             _ => Err(SettingError::starting(format!(
-                "{name}={} is not a number of threads (at least 1): set it to one, unset it \
+                "{name}={} is not a number of threads (1 to {}): set it to one, unset it \
                  (the cores are then divided among the ranks), or give ",
-                value.to_string_lossy()
+                value.to_string_lossy(),
+                i32::MAX
             ))
             .setting("runtime.threads")),
         },
@@ -264,7 +277,8 @@ builder!(RuntimeSettings {
 
 #[cfg(test)]
 mod tests {
-    use super::{cuda_index, thread_count};
+    use super::{cuda_index, thread_count, DeviceChoice, RuntimeSettings};
+    use crate::{SettingError, TrainError};
 
     #[test]
     fn threads_are_the_flags_else_omp_num_threads_else_the_cores_per_rank() {
@@ -284,19 +298,41 @@ mod tests {
                 Ok(ddp_data::default_workers(2))
             );
         }
-        for bad in ["abc", "0"] {
+        assert_eq!(
+            thread_count(None, 2, omp("2147483647")),
+            Ok(i32::MAX as usize)
+        );
+        // libtorch takes an int: 2^31 would be negative, 2^32 none, 2^32 + 1 one thread.
+        for bad in ["abc", "0", "2147483648", "4294967296", "4294967297"] {
             let e = thread_count(None, 2, omp(bad)).unwrap_err();
             assert_eq!(
                 e.render(|f| format!("--{}", f.trim_start_matches("runtime."))),
                 format!(
-                    "OMP_NUM_THREADS={bad} is not a number of threads (at least 1): set it to \
-                     one, unset it (the cores are then divided among the ranks), or give \
+                    "OMP_NUM_THREADS={bad} is not a number of threads (1 to 2147483647): set it \
+                     to one, unset it (the cores are then divided among the ranks), or give \
                      --threads"
                 )
             );
         }
         // A bad value is not read when --threads is given.
         assert_eq!(thread_count(Some(2), 2, omp("abc")), Ok(2));
+    }
+
+    #[test]
+    fn more_threads_than_libtorch_takes_are_an_error_not_a_panic() {
+        for threads in [1 << 31, 1 << 32, (1 << 32) + 1] {
+            let runtime = RuntimeSettings::default()
+                .device(DeviceChoice::Cpu)
+                .threads(Some(threads));
+            let e = SettingError::new(
+                "runtime.threads",
+                format!(" {threads} must be at most 2147483647 (libtorch's limit)"),
+            );
+            match runtime.place(0, 1) {
+                Err(TrainError::Setting(got)) => assert_eq!(got, e),
+                other => panic!("{threads} threads gave {other:?}"),
+            }
+        }
     }
 
     #[test]
