@@ -456,17 +456,20 @@ fn scoring_with_another_transform_or_eye_combination_than_the_training_warns_on_
     }
     assert!(!rank0.contains("--eval-resize"), "{rank0}");
 
-    // Trained with the default resize (8/7 of 32: 36), scored with another.
+    // Trained with the default resize (8/7 of 32: 36), scored with another; trained with
+    // the eyes' mean, which its thresholds were tuned with: one warning names it.
     let run36 = dir.join("trained-36");
     std::fs::create_dir_all(&run36).unwrap();
     let config36 = run36.join("config.json");
     std::fs::write(
         &config36,
-        r#"{"task": {"image_size": 32, "normalize": "none", "eval_resize": null}}"#,
+        r#"{"task": {"image_size": 32, "normalize": "none", "eval_resize": null,
+            "eye_combine": "mean"}}"#,
     )
     .unwrap();
     let best36 = run36.join("best-score.safetensors");
     std::fs::copy(&model, &best36).unwrap();
+    std::fs::write(run36.join("best-score.json"), thresholds).unwrap();
     let images = data.join("test/preprocessed_images");
     let resized = scoring(
         "predict",
@@ -483,6 +486,22 @@ fn scoring_with_another_transform_or_eye_combination_than_the_training_warns_on_
     );
     assert!(
         text(&resized[0]).contains(&warning),
+        "{}",
+        text(&resized[0])
+    );
+    let warning = format!(
+        "warning: the model was trained with --eye-combine mean ({}) and is scored with max: \
+         give --eye-combine mean",
+        config36.display()
+    );
+    assert_eq!(
+        text(&resized[0]).matches(&warning).count(),
+        1,
+        "{}",
+        text(&resized[0])
+    );
+    assert!(
+        !text(&resized[0]).contains("were tuned with"),
         "{}",
         text(&resized[0])
     );

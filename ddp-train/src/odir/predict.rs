@@ -16,7 +16,7 @@ use clap::{Args, Subcommand};
 use ddp_data::odir::{parse_image_name, OdirDataset, LABELS};
 use serde_json::{json, Map, Value};
 
-use super::challenge::THRESHOLD;
+use super::challenge::{EyeCombine, THRESHOLD};
 use super::cli::{utf8_paths, TrainConfig};
 use super::score::{score, LoadedModel, Scored};
 use super::task::{data_options, skipped_json, skipped_lines};
@@ -175,8 +175,11 @@ pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
         tracing::warn!("warning: {why}");
     }
     let combine = c.eye_combine.as_str();
+    // Thresholds tuned with the combination the model's run recorded (those beside its best
+    // model) are named by score's warning already, which gives the same flag.
+    let trained = scored.trained_eye_combine.map(EyeCombine::as_str);
     if let (Some(tuned), Some(file), 0) = (&tuned_with, &thresholds.1, scored.rank) {
-        if tuned != combine {
+        if tuned != combine && trained != Some(tuned.as_str()) {
             tracing::warn!(
                 "warning: the thresholds of {} were tuned with --eye-combine {tuned}, and the \
                  eyes are combined with {combine}: give --eye-combine {tuned}",

@@ -13,11 +13,13 @@ use ddp_data::{Dataset, Loader, LoaderConfig};
 use ddp_model::weights::{self, LoadReport, Strictness, WeightsError};
 use tch::{nn, Device, Kind, Tensor};
 
+use super::challenge::EyeCombine;
 use super::cli::TrainConfig;
 use super::options::Normalize;
 use super::predict::ModelFile;
 use super::stats::{OdirStats, Patients};
 use super::task::{default_eval_resize, eval_transform, odir_model};
+use crate::amp::Precision;
 use crate::error::{Context, TrainError};
 use crate::task::Stats;
 
@@ -117,32 +119,44 @@ impl LoadedModel {
     }
 }
 
-/// The transform settings that differ from those the model was trained with, as warnings,
-/// when the model file lies in a run directory whose `config.json` records them (a run's
-/// `best-*.safetensors`, its `checkpoints/epoch-*.safetensors`, or the run directory).
-fn transform_differences(c: &TrainConfig, checkpoint: &Path) -> Vec<String> {
+/// What the run that trained the model recorded, when the model file lies in a run directory
+/// whose `config.json` records it (a run's `best-*.safetensors`, its
+/// `checkpoints/epoch-*.safetensors`, or the run directory): that file, and its record.
+fn run_record(checkpoint: &Path) -> Option<(PathBuf, serde_json::Value)> {
     let run = if checkpoint.is_dir() {
-        Some(crate::state::run_of(checkpoint))
+        crate::state::run_of(checkpoint)
     } else {
-        checkpoint.parent().map(crate::state::run_of)
+        crate::state::run_of(checkpoint.parent()?)
     };
-    let Some(config) = run.map(|r| r.join("config.json")) else {
-        return Vec::new();
-    };
-    let Some(task) = std::fs::read_to_string(&config)
+    let config = run.join("config.json");
+    let record = std::fs::read_to_string(&config)
         .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .and_then(|mut v| v.get_mut("task").map(serde_json::Value::take))
-    else {
-        return Vec::new();
-    };
-    let trained = |key: &str| task.get(key).cloned();
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())?;
+    Some((config, record))
+}
+
+/// The `--eye-combine` a run's `record` holds (`None` for a run that recorded none).
+fn recorded_eye_combine(record: &serde_json::Value) -> Option<EyeCombine> {
+    let combine = record.get("task")?.get("eye_combine")?;
+    serde_json::from_value(combine.clone()).ok()
+}
+
+/// The settings of `c` that differ from those the run that trained the model recorded in
+/// `record` (read from `config`), as warnings: the transform, the eyes' combination and the
+/// precision. A setting the record lacks (an older run's) is not compared.
+fn training_differences(c: &TrainConfig, config: &Path, record: &serde_json::Value) -> Vec<String> {
+    let trained = |key: &str| record.get("task").and_then(|t| t.get(key)).cloned();
     let mut lines = Vec::new();
     let mut differs = |flag: &str, then: String, now: String| {
+        let why = match flag {
+            "--eye-combine" => "to combine the eyes as its run's patient scores did",
+            "--precision" => "to score it as its run evaluated it",
+            _ => "to score it on what it learnt from",
+        };
         if then != now {
             lines.push(format!(
                 "the model was trained with {flag} {then} ({}) and is scored with {now}: give \
-                 {flag} {then} to score it on what it learnt from",
+                 {flag} {then} {why}",
                 config.display()
             ));
         }
@@ -170,6 +184,20 @@ fn transform_differences(c: &TrainConfig, checkpoint: &Path) -> Vec<String> {
             .unwrap_or_else(|| default_eval_resize(c.image_size));
         differs("--eval-resize", then.to_string(), now.to_string());
     }
+    // The eyes' combination gives the patients' scores the run reported, and evaluation ran
+    // in the training's precision.
+    if let Some(combine) = recorded_eye_combine(record) {
+        let now = c.eye_combine.as_str().into();
+        differs("--eye-combine", combine.as_str().into(), now);
+    }
+    let precision = record.get("settings").and_then(|s| s.get("precision"));
+    if let Some(Ok(then)) = precision.map(|p| serde_json::from_value::<Precision>(p.clone())) {
+        differs(
+            "--precision",
+            then.to_string(),
+            c.settings().precision.to_string(),
+        );
+    }
     lines
 }
 
@@ -192,6 +220,9 @@ pub struct Scored {
     pub rank: usize,
     /// The number of ranks.
     pub world_size: usize,
+    /// The `--eye-combine` the model's run recorded, of which [`score`] warned rank 0 when
+    /// the one given differs (`None`: no run, or one that recorded none).
+    pub(super) trained_eye_combine: Option<EyeCombine>,
 }
 
 /// Runs `loaded`, the model of `model_file`, on every image of `set` through the evaluation
@@ -235,8 +266,9 @@ pub fn score(
     }
     let pg = ProcessGroup::new(opts).context(|| "joining the process group".into())?;
     let (rank, world) = (pg.rank(), pg.world_size());
-    if rank == 0 {
-        for line in transform_differences(c, checkpoint) {
+    let record = run_record(checkpoint);
+    if let (Some((config, recorded)), 0) = (&record, rank) {
+        for line in training_differences(c, config, recorded) {
             tracing::warn!("warning: {line}");
         }
     }
@@ -342,6 +374,7 @@ pub fn score(
         out,
         rank,
         world_size: world,
+        trained_eye_combine: record.as_ref().and_then(|(_, r)| recorded_eye_combine(r)),
     })
 }
 
@@ -403,23 +436,28 @@ fn chain(e: &TrainError) -> String {
 mod tests {
     use clap::Parser;
 
-    use super::{transform_differences, TrainConfig};
+    use super::{run_record, training_differences, TrainConfig};
+
+    /// The warnings for a model file in a run directory whose `config.json` is `config`,
+    /// scored with `flags`.
+    fn differences(config: &str, flags: &[&str]) -> Vec<String> {
+        let tmp = ddp_testkit::temp_dir("ddp-train-training-differences");
+        std::fs::write(tmp.path().join("config.json"), config).unwrap();
+        let model = tmp.path().join("best-score.safetensors");
+        let args = ["ddp-train", "--data", "d", "--image-size", "32"];
+        let c = TrainConfig::try_parse_from(args.iter().chain(flags)).unwrap();
+        let (file, record) = run_record(&model).unwrap();
+        assert_eq!(file, tmp.path().join("config.json"));
+        training_differences(&c, &file, &record)
+    }
 
     /// The resizes compare as applied: an explicit `--eval-resize` equal to the default of the
     /// image size scored is no difference (the warning said "its default" before).
     #[test]
     fn eval_resizes_compare_as_applied() {
-        let tmp = ddp_testkit::temp_dir("ddp-train-transform-differences");
-        let model = tmp.path().join("best-score.safetensors");
         let warnings = |trained: &str, flags: &[&str]| {
-            std::fs::write(
-                tmp.path().join("config.json"),
-                format!(r#"{{"task": {{"image_size": 32, "normalize": "none", {trained}}}}}"#),
-            )
-            .unwrap();
-            let args = ["ddp-train", "--data", "d", "--image-size", "32"];
-            let c = TrainConfig::try_parse_from(args.iter().chain(flags)).unwrap();
-            transform_differences(&c, &model)
+            let task = r#""image_size": 32, "normalize": "none""#;
+            differences(&format!(r#"{{"task": {{{task}, {trained}}}}}"#), flags)
         };
         // 36 is 8/7 of 32: the same resize, given or not.
         for (trained, flags) in [
@@ -447,6 +485,53 @@ mod tests {
                     "the model was trained with --eval-resize {then} ("
                 )) && lines[0].contains(&format!(") and is scored with {now}: give")),
                 "{lines:?}"
+            );
+        }
+    }
+
+    /// The eyes' combination and the precision the run recorded are compared as the
+    /// transform is: a run trained with `--eye-combine mean` and `--precision bf16`, scored
+    /// with the defaults (max, fp32), warns of each once; given them, or for an older run
+    /// that recorded neither, nothing.
+    #[test]
+    fn eye_combine_and_precision_compare_with_the_runs() {
+        let task = r#""image_size": 32, "normalize": "none", "eval_resize": null"#;
+        let config = format!(
+            r#"{{"settings": {{"precision": "bf16"}}, "task": {{{task}, "eye_combine": "mean"}}}}"#
+        );
+        let lines = differences(&config, &[]);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        for (flag, then, now, why) in [
+            (
+                "--eye-combine",
+                "mean",
+                "max",
+                "to combine the eyes as its run's patient scores did",
+            ),
+            (
+                "--precision",
+                "bf16",
+                "fp32",
+                "to score it as its run evaluated it",
+            ),
+        ] {
+            let start = format!("the model was trained with {flag} {then} (");
+            let end = format!(") and is scored with {now}: give {flag} {then} {why}");
+            let matching: Vec<_> = lines
+                .iter()
+                .filter(|l| l.starts_with(&start) && l.ends_with(&end))
+                .collect();
+            assert_eq!(matching.len(), 1, "{flag}: {lines:?}");
+        }
+        let given = ["--eye-combine", "mean", "--precision", "bf16"];
+        assert_eq!(differences(&config, &given), Vec::<String>::new());
+        // An older run's record, without either: nothing to compare.
+        let older = format!(r#"{{"settings": {{"seed": 1}}, "task": {{{task}}}}}"#);
+        for flags in [&[][..], &given[..]] {
+            assert_eq!(
+                differences(&older, flags),
+                Vec::<String>::new(),
+                "{flags:?}"
             );
         }
     }
