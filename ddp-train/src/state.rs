@@ -32,6 +32,7 @@ use crate::optim::Optimizer;
 use crate::scheduler::ReduceLrOnPlateau;
 
 mod best;
+mod legacy;
 pub use best::{Best, EarlyStopState};
 
 /// The metadata key that holds [`TrainState`]'s JSON.
@@ -51,7 +52,7 @@ pub struct Position {
     /// Seconds spent training in this epoch so far.
     pub train_seconds: f64,
     /// Sum of the finite gradient norms clipping measured in this epoch so far (the same on
-    /// every rank).
+    /// every rank). Some earlier checkpoints hold `null`, read as no norm so far.
     #[serde(default)]
     pub grad_norm_sum: f64,
     /// How many norms `grad_norm_sum` adds up: the steps clipping measured a finite norm in.
@@ -566,6 +567,8 @@ pub struct SavedCheckpoint {
     pub optimizer: checkpoint::TensorFile,
     /// The training state the state file holds.
     pub state: TrainState,
+    /// What an earlier version's state file did not record usably, for the log.
+    pub notes: Vec<String>,
 }
 
 /// Reads the checkpoint whose model file is `model_path`: its state file, whose training
@@ -588,7 +591,7 @@ pub fn read(model_path: &Path) -> Result<SavedCheckpoint, TrainError> {
             state_file.display()
         ))
     })?;
-    let state: TrainState = serde_json::from_str(json).map_err(|e| {
+    let (state, notes) = legacy::parse(json).map_err(|e| {
         TrainError::Invalid(format!(
             "{}: unreadable training state: {e}",
             state_file.display()
@@ -596,10 +599,15 @@ pub fn read(model_path: &Path) -> Result<SavedCheckpoint, TrainError> {
     })?;
     check_state(&state, &state_file)?;
     let model = checkpoint::read_tensors(model_path)?;
+    let notes = notes
+        .into_iter()
+        .map(|note| format!("{}: {note}", state_file.display()))
+        .collect();
     Ok(SavedCheckpoint {
         model,
         optimizer,
         state,
+        notes,
     })
 }
 

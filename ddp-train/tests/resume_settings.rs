@@ -1,6 +1,6 @@
 //! What a resumed or evaluated model's run recorded, against the settings given now: a resume
-//! warns of each setting and task key that changes at the resume point. One rank, in this
-//! process, on the regression task.
+//! warns of each setting and task key that changes at the resume point; checkpoints as earlier
+//! versions wrote them. One rank, in this process, on the regression task.
 
 mod common;
 
@@ -85,6 +85,15 @@ fn resumed(mut s: Settings, epochs: u64) -> Settings {
     s
 }
 
+/// Rewrites the training state in the checkpoint state file `state` with `edit`.
+fn edit_state(state: &Path, edit: impl FnOnce(&mut Value)) {
+    let mut file = ddp_model::checkpoint::read_tensors(state).unwrap();
+    let mut st: Value = serde_json::from_str(&file.metadata["train_state"]).unwrap();
+    edit(&mut st);
+    file.metadata.insert("train_state".into(), st.to_string());
+    ddp_model::checkpoint::write_tensors(file.tensors, &file.metadata, state).unwrap();
+}
+
 fn log_of(run: &Path) -> String {
     std::fs::read_to_string(run.join("logs/rank-0.log")).unwrap()
 }
@@ -148,15 +157,15 @@ fn a_resume_warns_of_no_key_the_runs_record_lacks() {
     let run = tmp.path().join("run");
     let description = |size| json!({ "image_size": size, "vflip": true });
     train(task(description(32)), settings(&run, 1));
-    let state = run.join("checkpoints/epoch-0001.state.safetensors");
-    let mut file = ddp_model::checkpoint::read_tensors(&state).unwrap();
-    let mut st: Value = serde_json::from_str(&file.metadata["train_state"]).unwrap();
-    let config = &mut st["config"];
-    config["task"].as_object_mut().unwrap().remove("vflip");
-    let freeze = config["settings"]["freeze"].as_object_mut().unwrap();
-    assert!(freeze.remove("prefixes").is_some(), "{st}");
-    file.metadata.insert("train_state".into(), st.to_string());
-    ddp_model::checkpoint::write_tensors(file.tensors, &file.metadata, &state).unwrap();
+    edit_state(
+        &run.join("checkpoints/epoch-0001.state.safetensors"),
+        |st| {
+            let config = &mut st["config"];
+            config["task"].as_object_mut().unwrap().remove("vflip");
+            let freeze = config["settings"]["freeze"].as_object_mut().unwrap();
+            assert!(freeze.remove("prefixes").is_some(), "{st}");
+        },
+    );
 
     train(task(description(64)), resumed(settings(&run, 2), 2));
     let log = log_of(&run);
@@ -299,6 +308,31 @@ fn odir_lists_its_locations_and_a_fixed_validation_set() {
         .all(|k| linked.location_keys().contains(&k.as_str())));
 }
 
+/// Checks that an evaluation with seed 0 of each model file, whose run was trained with seed 3,
+/// is refused naming the file that records the run's seed.
+fn refused_another_seed(models: &[(&Path, &Path)]) {
+    let tmp = common::temp_dir("ddp-train-eval-other-seed");
+    for (model, record) in models {
+        let mut s = settings(tmp.path(), 1).seed(0);
+        s.checkpoint.eval_only = true;
+        s.checkpoint.resume = Some(model.to_str().unwrap().into());
+        let Err(TrainError::Setting(e)) = start(task(json!({})), s) else {
+            panic!(
+                "an evaluation with seed 0 of {} was not refused",
+                model.display()
+            );
+        };
+        assert_eq!(e.field(), "seed");
+        assert!(
+            e.to_string().starts_with(&format!(
+                "seed 0 differs from the seed 3 of {}: a task's validation split",
+                record.display()
+            )),
+            "{e}"
+        );
+    }
+}
+
 /// An evaluation of a model trained with seed 3 is refused with another seed (the task's
 /// validation split derives from it), from a checkpoint (its state file's record) or a model
 /// file in the run's folder (its `config.json`'s); with seed 3 it evaluates, warning of a task
@@ -317,22 +351,7 @@ fn an_evaluation_refuses_another_seed_than_the_models_run() {
         s.checkpoint.resume = Some(model.to_str().unwrap().into());
         start(task(json!({ "image_size": 64 })), s)
     };
-    for (model, record) in [(&epoch, epoch.clone()), (&weights, run.join("config.json"))] {
-        let Err(TrainError::Setting(e)) = evaluation(model, 0, "other-seed") else {
-            panic!(
-                "an evaluation with seed 0 of {} was not refused",
-                model.display()
-            );
-        };
-        assert_eq!(e.field(), "seed");
-        assert!(
-            e.to_string().starts_with(&format!(
-                "seed 0 differs from the seed 3 of {}: a task's validation split",
-                record.display()
-            )),
-            "{e}"
-        );
-    }
+    refused_another_seed(&[(&epoch, &epoch), (&weights, &run.join("config.json"))]);
     let mut same = evaluation(&weights, 3, "same-seed").unwrap();
     same.evaluate().unwrap();
     let log = log_of(&tmp.path().join("same-seed"));
@@ -343,6 +362,91 @@ fn an_evaluation_refuses_another_seed_than_the_models_run() {
             run.join("config.json").display()
         )),
         "{log}"
+    );
+}
+
+/// An evaluation is refused another seed than the model's run's in earlier versions' records
+/// too: a checkpoint whose record has no settings (the first version's, whose command line
+/// held the seed; the state holds it in every version), and a `config.json` holding the
+/// command line under `config` (the first version's).
+#[test]
+fn an_evaluation_refuses_another_seed_than_an_earlier_versions_run() {
+    let tmp = common::temp_dir("ddp-train-eval-older");
+    let run = tmp.path().join("run");
+    train(task(json!({})), settings(&run, 1));
+    let epoch = run.join("checkpoints/epoch-0001.safetensors");
+    edit_state(
+        &run.join("checkpoints/epoch-0001.state.safetensors"),
+        |st| {
+            st["config"] = json!({ "data": "data", "epochs": 1 });
+        },
+    );
+    let weights = run.join("model.safetensors");
+    std::fs::copy(&epoch, &weights).unwrap();
+    let config = run.join("config.json");
+    std::fs::write(&config, r#"{"config": {"data": "data", "seed": 3}}"#).unwrap();
+    refused_another_seed(&[(&epoch, &epoch), (&weights, &config)]);
+}
+
+/// A step checkpoint as the versions from 919690e to e6ca916 wrote it after an fp16 step
+/// skipped with clipping (`"grad_norm_sum": null`, the sum having counted the step's infinite
+/// norm) resumes at its step, not from an earlier checkpoint: with a warning, the epoch's
+/// gradient norms count from the resume.
+#[test]
+fn a_step_checkpoint_without_its_norm_sum_resumes_at_its_step() {
+    let tmp = common::temp_dir("ddp-train-resume-norms");
+    let run = tmp.path().join("run");
+    let mut s = settings(&run, 2);
+    s.clip_grad_norm = Some(1.0);
+    s.checkpoint.every = Some(2);
+    train(task(json!({})), s.clone());
+    // The run as a stop at epoch 2's step 2 left it.
+    let dir = run.join("checkpoints");
+    for file in ["epoch-0002.safetensors", "epoch-0002.state.safetensors"] {
+        std::fs::remove_file(dir.join(file)).unwrap();
+    }
+    std::fs::write(dir.join("latest"), "epoch-0002-step-000002\n").unwrap();
+    let state = dir.join("epoch-0002-step-000002.state.safetensors");
+    edit_state(&state, |st| {
+        let position = st["position"].as_object_mut().unwrap();
+        position.insert("grad_norm_sum".into(), Value::Null);
+        position.remove("grad_norm_steps");
+    });
+
+    s.checkpoint.every = Some(1);
+    train(task(json!({})), resumed(s, 2));
+    let log = log_of(&run);
+    let step = dir.join("epoch-0002-step-000002.safetensors");
+    assert!(
+        log.contains(&format!(
+            "resumed from {} (epoch 2 at step 2)",
+            step.display()
+        )),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!(
+            "warning: {}: the gradient norms of the 2 step(s) of epoch 2 before the checkpoint \
+             are unknown",
+            state.display()
+        )),
+        "{log}"
+    );
+    // The next step's checkpoint counts that step's norm alone.
+    let next = dir.join("epoch-0002-step-000003.state.safetensors");
+    let next = ddp_model::checkpoint::read_tensors(next).unwrap();
+    let next: Value = serde_json::from_str(&next.metadata["train_state"]).unwrap();
+    let position = &next["position"];
+    assert_eq!(position["grad_norm_steps"], 1, "{next}");
+    let first = position["grad_norm_sum"].as_f64().unwrap();
+    // The epoch's mean is over its 2 steps after the resume: that one, and the last.
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let last: Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    let mean = last["grad_norm"].as_f64().unwrap();
+    assert_eq!(last["epoch"], 2, "{metrics}");
+    assert!(
+        first > 0.0 && mean.is_finite() && 2.0 * mean > first,
+        "{metrics}"
     );
 }
 

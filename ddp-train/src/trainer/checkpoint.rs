@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use ddp_comm::ReduceOp;
 use ddp_data::Dataset;
 
-use super::Trainer;
+use super::{changes, Trainer};
 use crate::allocation::{self, Allocation, EpochRest, Plan, Saved};
 use crate::amp::GradScaler;
 use crate::error::{SettingError, TrainError};
@@ -260,18 +260,32 @@ fn other_seed(given: u64, recorded: u64, file: &str, why: &str) -> SettingError 
     .setting("seed")
 }
 
+/// What the run that trained an evaluated model recorded, and where.
+pub(super) struct Recorded {
+    /// Its settings and task (`{"settings": ..., "task": ...}`).
+    record: serde_json::Value,
+    /// The file that holds them.
+    file: String,
+    /// Its seed, where known: a checkpoint's state holds it in every version.
+    seed: Option<u64>,
+}
+
 /// Loads the model file `path` into `vs` for an evaluation, and returns what the run that
-/// trained it recorded (`{"settings": ..., "task": ...}`) and where: a checkpoint's state
-/// file, else the `config.json` of the run directory it lies in (a best-model file). `None`
-/// for a file of no run (another program's): nothing can be checked against it.
+/// trained it recorded: a checkpoint's state file, else the `config.json` of the run
+/// directory it lies in (a best-model file). `None` for a file of no run (another
+/// program's): nothing can be checked against it.
 pub(super) fn load_evaluated(
     vs: &tch::nn::VarStore,
     path: &Path,
-) -> Result<Option<(serde_json::Value, String)>, TrainError> {
+) -> Result<Option<Recorded>, TrainError> {
     if state::state_path(path).is_file() {
         if let Ok(saved) = state::read(path) {
             ddp_model::checkpoint::load_tensors(vs, &saved.model)?;
-            return Ok(Some((saved.state.config, path.display().to_string())));
+            return Ok(Some(Recorded {
+                record: saved.state.config,
+                file: path.display().to_string(),
+                seed: Some(saved.state.seed),
+            }));
         }
     }
     ddp_model::checkpoint::load(vs, path)?;
@@ -284,19 +298,29 @@ pub(super) fn load_evaluated(
     let recorded = std::fs::read_to_string(&config)
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
-    Ok(recorded.map(|v| (v, config.display().to_string())))
+    Ok(recorded.map(|record| {
+        // The first version recorded its command line under `config`.
+        let seed = [&record["settings"], &record["config"]]
+            .iter()
+            .find_map(|r| r["seed"].as_u64());
+        Recorded {
+            record,
+            file: config.display().to_string(),
+            seed,
+        }
+    }))
 }
 
-/// An evaluation of a model whose run recorded `recorded` (in `file`) with the settings `s`
-/// and the task `task`: refuses another seed where the task's validation samples depend on
-/// it, and warns of each task key given now whose value differs from the run's.
+/// An evaluation of a model whose run recorded `recorded` with the settings `s` and the task
+/// `task`: refuses another seed where the task's validation samples depend on it, and warns
+/// of each task key given now whose value differs from the run's.
 pub(super) fn check_evaluated<T: Task>(
-    (recorded, file): (&serde_json::Value, &str),
+    recorded: &Recorded,
     s: &Settings,
     task: &T,
 ) -> Result<Vec<String>, TrainError> {
-    let seed = recorded["settings"]["seed"].as_u64();
-    if let (Some(seed), true) = (seed, task.validation_depends_on_seed()) {
+    let file = &recorded.file;
+    if let (Some(seed), true) = (recorded.seed, task.validation_depends_on_seed()) {
         if seed != s.seed {
             let why = "a task's validation split derives from it, so another seed evaluates \
                        other samples, some of which the model may have trained on; evaluate \
@@ -304,12 +328,13 @@ pub(super) fn check_evaluated<T: Task>(
             return Err(other_seed(s.seed, seed, file, why).into());
         }
     }
-    let (changes, task) = task_changes(&recorded["task"], task);
+    let now = task.describe();
+    let changes = changes::task_changes(&recorded.record, &now, task.location_keys());
     // A key the task leaves out now (a training-only one) is not read by the evaluation.
     let given = |path: &str| {
         let key = path.strip_prefix("task.").unwrap_or(path);
         let key = key.split('.').next().unwrap_or(key);
-        task.get(key).is_some()
+        now.get(key).is_some()
     };
     Ok(changes
         .into_iter()
@@ -361,7 +386,8 @@ pub(super) fn resume_warnings<T: Task>(
     task: &T,
     train_samples: usize,
 ) -> Vec<String> {
-    let mut warnings = changed_settings(st, s, task);
+    let task = (&task.describe(), task.location_keys());
+    let mut warnings = changes::changed_settings(st, s, task);
     if let (None, Some(was)) = (st.position, st.train_samples) {
         if was != train_samples {
             warnings.push(format!(
@@ -394,109 +420,6 @@ pub(super) fn resume_warnings<T: Task>(
         }
     }
     warnings
-}
-
-/// The settings a resume warns of elsewhere or may change freely: where the checkpoints go
-/// and how the ranks run (`checkpoint.*`, `runtime.*`, `out`), the seed (refused), the
-/// allocation (its own warning), the number of epochs (the plan's warning), and with a
-/// plateau scheduler its learning rate and settings (which the checkpoint's state keeps).
-fn warned_elsewhere(path: &str, plateau: bool) -> bool {
-    let under = |prefix: &str| under(path, prefix);
-    [
-        "checkpoint",
-        "runtime",
-        "out",
-        "seed",
-        "batch_size",
-        "accumulate",
-        "epochs",
-    ]
-    .iter()
-    .any(|p| under(p))
-        || (plateau && (under("optimizer.lr") || under("lr_schedule.config")))
-}
-
-/// Whether the dotted `path` is `prefix` or lies under it.
-fn under(path: &str, prefix: &str) -> bool {
-    path.strip_prefix(prefix)
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
-}
-
-/// The leaves of `task`'s description that differ from the run's record `recorded` (none
-/// without one), by `task.` paths, leaving out its location keys but where one was given or
-/// dropped; and the description.
-fn task_changes<T: Task>(
-    recorded: &serde_json::Value,
-    task: &T,
-) -> (Vec<Change>, serde_json::Value) {
-    let now = task.describe();
-    let mut changes = Vec::new();
-    if !recorded.is_null() {
-        differences(recorded, &now, "task", &mut changes);
-    }
-    let locations = task.location_keys();
-    changes.retain(|(path, was, is)| {
-        let key = path.strip_prefix("task.").unwrap_or(path);
-        // Data given at another place is no change; data given where there was none, or
-        // no longer given (ODIR's `--val-data`: then validation is split from `--data`), is.
-        let given_or_dropped = locations.contains(&key) && was.is_null() != is.is_null();
-        given_or_dropped || !locations.iter().any(|l| under(key, l))
-    });
-    (changes, now)
-}
-
-/// One warning per setting (a dotted path of [`Settings`], or `task.` and a key of
-/// [`Task::describe`] other than its [`Task::location_keys`]) whose value now differs from
-/// the run's in `st`: the run changes there at the resume point, and does not continue as it
-/// began.
-fn changed_settings<T: Task>(st: &TrainState, s: &Settings, task: &T) -> Vec<String> {
-    let plateau = |v: &serde_json::Value| v["lr_schedule"]["kind"] == "plateau";
-    let now = serde_json::to_value(s).unwrap_or_default();
-    let both_plateau = plateau(&now) && plateau(&st.config["settings"]);
-    let mut changes = Vec::new();
-    // A checkpoint without the record (none the Trainer writes) has nothing to compare.
-    if !st.config["settings"].is_null() {
-        differences(&st.config["settings"], &now, "", &mut changes);
-        changes.retain(|(path, _, _)| !warned_elsewhere(path, both_plateau));
-    }
-    changes.extend(task_changes(&st.config["task"], task).0);
-    changes
-        .into_iter()
-        .map(|(path, was, now)| {
-            format!(
-                "{path} was {was} in the run and is {now} from here on: the run does not \
-                 continue as it began (resume with {was} to continue it exactly)"
-            )
-        })
-        .collect()
-}
-
-/// A leaf that differs: its dotted path, the run's value and the one given now.
-type Change = (String, serde_json::Value, serde_json::Value);
-
-/// The leaves where `now` differs from `was` (objects field by field, anything else
-/// whole), by dotted path under `path`, with both values (`null` where `now` lacks it). A key
-/// `was` lacks is left out: a record written before it existed says nothing of its value.
-fn differences(
-    was: &serde_json::Value,
-    now: &serde_json::Value,
-    path: &str,
-    out: &mut Vec<Change>,
-) {
-    use serde_json::Value;
-    match (was, now) {
-        (Value::Object(a), Value::Object(b)) => {
-            for (key, x) in a {
-                let inner = match path {
-                    "" => key.clone(),
-                    _ => format!("{path}.{key}"),
-                };
-                differences(x, b.get(key).unwrap_or(&Value::Null), &inner, out);
-            }
-        }
-        (a, b) if a != b => out.push((path.to_string(), a.clone(), b.clone())),
-        _ => {}
-    }
 }
 
 /// Where the epoch of `st`'s position `p` continues on `now` (whose epochs have `steps_now`

@@ -27,13 +27,14 @@ use crate::task::Task;
 // - `loops.rs`: `Trainer::run`, the epoch loop, one epoch's training steps, the loaders;
 // - `non_finite.rs`: a NaN or infinite loss on some rank, decided alike on every rank;
 // - `checkpoint.rs`: the ranks' agreement before each step to stop or checkpoint, and the
-//   run's state that a checkpoint holds;
+//   run's state that a checkpoint holds; `changes.rs`: what a resume or evaluation changes;
 // - `freeze.rs`: frozen parameters and the epoch they unfreeze at;
 // - `eval.rs`: `Trainer::evaluate` and each epoch's exact distributed evaluation;
 // - `outputs.rs`: what goes into the run directory: rank 0's end of an epoch
 //   (`metrics.jsonl`, `curves.png`, best-model files, checkpoint) and every rank's log;
 // - `progress.rs`: rank 0's progress bar or progress lines;
 // - `faults.rs`: the fault tests' injected failures (feature `fault-injection` only).
+mod changes;
 mod checkpoint;
 mod eval;
 mod faults;

@@ -157,8 +157,8 @@ impl<T: Task> Trainer<T> {
         let mut fallback_warnings = Vec::new();
         if let (Some(path), true) = (&resume_from, s.checkpoint.eval_only) {
             let recorded = super::checkpoint::load_evaluated(&vs, path)?;
-            if let Some((run, file)) = &recorded {
-                let checked = super::checkpoint::check_evaluated((run, file), s, &task);
+            if let Some(recorded) = &recorded {
+                let checked = super::checkpoint::check_evaluated(recorded, s, &task);
                 fallback_warnings.extend(checked?);
             }
             resume_key = state::resume_key(path, None);
@@ -181,15 +181,17 @@ impl<T: Task> Trainer<T> {
                     // Not a damaged file: an older checkpoint of the run would not do either.
                     super::checkpoint::refuse_resume(&saved.state, s, train_set.len(), &path)?;
                 }
-                let attempt = saved.and_then(|saved| {
+                let attempt = saved.and_then(|mut saved| {
                     let was_frozen = freeze::recorded(&parameters, &saved.state.frozen, &path)?;
                     freeze::set_frozen(&vs, &parameters, &was_frozen);
                     let mut cpu_optimizer = Optimizer::new(trainable(&vs), s.optimizer);
+                    let notes = std::mem::take(&mut saved.notes);
                     let st = saved.restore(&vs, &mut cpu_optimizer)?;
-                    Ok((st, cpu_optimizer, was_frozen))
+                    Ok((st, cpu_optimizer, was_frozen, notes))
                 });
                 match attempt {
-                    Ok((st, cpu_optimizer, was_frozen)) => {
+                    Ok((st, cpu_optimizer, was_frozen, notes)) => {
+                        fallback_warnings.extend(notes);
                         resume_key = state::resume_key(&path, Some(&st));
                         restored = Some((st, path, cpu_optimizer));
                         frozen = was_frozen;
