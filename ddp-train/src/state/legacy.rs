@@ -22,15 +22,26 @@ const FIRST_BESTS: [(&str, &str); 2] = [
 /// sentence for each value the earlier version did not record usably.
 pub(super) fn parse(json: &str) -> Result<(TrainState, Vec<String>), serde_json::Error> {
     let mut value: Value = serde_json::from_str(json)?;
-    let notes = upgrade(&mut value);
-    Ok((TrainState::deserialize(value)?, notes))
+    let norms_unknown = upgrade(&mut value);
+    // Built from the typed state, so that a damaged position stays serde's error.
+    let state = TrainState::deserialize(value)?;
+    let notes = match (&state.position, norms_unknown) {
+        (Some(p), true) => vec![format!(
+            "the gradient norms of the {} step(s) of epoch {} before the checkpoint are \
+             unknown (the sum an earlier version wrote counted a skipped step's infinite \
+             norm): the epoch's mean gradient norm covers only the steps after the resume",
+            p.step, p.epoch
+        )],
+        _ => Vec::new(),
+    };
+    Ok((state, notes))
 }
 
-/// Rewrites an earlier version's fields of `state` into today's; the notes of what is lost.
-fn upgrade(state: &mut Value) -> Vec<String> {
-    let mut notes = Vec::new();
+/// Rewrites an earlier version's fields of `state` into today's; whether the epoch's
+/// gradient norms so far are lost.
+fn upgrade(state: &mut Value) -> bool {
     let Some(fields) = state.as_object_mut() else {
-        return notes;
+        return false;
     };
     if !fields.contains_key("bests") {
         let bests: serde_json::Map<String, Value> = FIRST_BESTS
@@ -46,15 +57,10 @@ fn upgrade(state: &mut Value) -> Vec<String> {
         if p.get("grad_norm_sum").is_some_and(Value::is_null) {
             p.insert("grad_norm_sum".to_owned(), 0.0.into());
             p.insert("grad_norm_steps".to_owned(), 0.into());
-            notes.push(format!(
-                "the gradient norms of the {} step(s) of epoch {} before the checkpoint are \
-                 unknown (the sum an earlier version wrote counted a skipped step's infinite \
-                 norm): the epoch's mean gradient norm covers only the steps after the resume",
-                p["step"], p["epoch"]
-            ));
+            return true;
         }
     }
-    notes
+    false
 }
 
 #[cfg(test)]
@@ -87,6 +93,10 @@ mod tests {
             "{}",
             notes[0]
         );
+        // A damaged position stays an error, not a panic.
+        let damaged = INFINITE_NORM.replace(r#""step":6,"#, "");
+        let e = parse(&damaged).unwrap_err().to_string();
+        assert!(e.contains("missing field `step`"), "{e}");
         // A recorded sum is kept, without a note.
         let finite = INFINITE_NORM.replace(r#""grad_norm_sum":null"#, r#""grad_norm_sum":2.5"#);
         let (st, notes) = parse(&finite).unwrap();
