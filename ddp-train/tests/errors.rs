@@ -522,6 +522,7 @@ impl Task for Faulty {
 /// points, batches of 16.
 #[test]
 fn a_task_loss_that_is_no_scalar_is_an_error_naming_the_method() {
+    let _generator = common::regression::hold_generator();
     let tmp = common::temp_dir("ddp-train-errors");
     let trainer = |fault: Fault, name: &str| {
         let mut s = Settings::default()
@@ -567,6 +568,7 @@ fn a_task_loss_that_is_no_scalar_is_an_error_naming_the_method() {
 /// rank, in this process.
 #[test]
 fn evaluating_after_a_failed_backward_works() {
+    let _generator = common::regression::hold_generator();
     let tmp = common::temp_dir("ddp-train-errors");
     let mut s = common::regression::quiet_settings(&tmp.path().join("run"))
         .epochs(1)

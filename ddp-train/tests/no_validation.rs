@@ -38,6 +38,7 @@ const NO_VALIDATION: &str = "is no number of an epoch's report: the task has no 
 
 #[test]
 fn watching_what_only_validation_reports_is_refused_before_the_run_starts() {
+    let _generator = common::regression::hold_generator();
     let tmp = common::temp_dir("ddp-train-no-validation");
     let base = settings(tmp.path());
     let cases = [
@@ -94,6 +95,7 @@ fn watching_what_only_validation_reports_is_refused_before_the_run_starts() {
 
 #[test]
 fn watching_what_training_reports_trains_every_epoch_without_validation() {
+    let _generator = common::regression::hold_generator();
     let tmp = common::temp_dir("ddp-train-no-validation-ok");
     let out = tmp.path().join("run");
     let s = settings(&out)

@@ -1,13 +1,14 @@
 //! What a resumed or evaluated model's run recorded, against the settings given now: a resume
 //! warns of each setting and task key that changes at the resume point; checkpoints as earlier
-//! versions wrote them. One rank, in this process, on the regression task.
+//! versions wrote them; a resume inside an epoch continues the run exactly. One rank, in this
+//! process, on the regression task: each test holds libtorch's generator.
 
 mod common;
 
 use std::path::Path;
 
 use common::free_port;
-use common::regression::{points, quiet_settings, Regression};
+use common::regression::{hold_generator, points, quiet_settings, Regression};
 use ddp_data::Batch;
 use ddp_train::lr_schedule::{LrSchedule, Plateau};
 use ddp_train::{RegressionStats, Settings, Task, TrainError, Trainer};
@@ -110,6 +111,7 @@ fn changes(log: &str) -> Vec<&str> {
 /// value and the new one, and of nothing the resume handles elsewhere (the epochs).
 #[test]
 fn a_resume_warns_of_each_setting_and_task_key_it_changes() {
+    let _generator = hold_generator();
     let tmp = common::temp_dir("ddp-train-resume-settings");
     let run = tmp.path().join("run");
     let mut first = settings(&run, 1);
@@ -139,6 +141,7 @@ fn a_resume_warns_of_each_setting_and_task_key_it_changes() {
 /// on a resume with the same description: nothing warns that it changed.
 #[test]
 fn a_resume_with_the_same_float_keys_warns_of_no_change() {
+    let _generator = hold_generator();
     let tmp = common::temp_dir("ddp-train-resume-floats");
     let run = tmp.path().join("run");
     let description = || json!({ "w": 283.0 / 3.0, "weights": [283.0 / 3.0, 0.1 + 0.2] });
@@ -153,6 +156,7 @@ fn a_resume_with_the_same_float_keys_warns_of_no_change() {
 /// records (`task.image_size`).
 #[test]
 fn a_resume_warns_of_no_key_the_runs_record_lacks() {
+    let _generator = hold_generator();
     let tmp = common::temp_dir("ddp-train-resume-older");
     let run = tmp.path().join("run");
     let description = |size| json!({ "image_size": size, "vflip": true });
@@ -183,6 +187,7 @@ fn a_resume_warns_of_no_key_the_runs_record_lacks() {
 /// none of the keys the task lists as locations, and still of the others.
 #[test]
 fn a_resume_compares_no_location_of_the_data() {
+    let _generator = hold_generator();
     let tmp = common::temp_dir("ddp-train-resume-locations");
     let run = tmp.path().join("run");
     let placed = |data: &str, size: u32| Placed {
@@ -208,6 +213,7 @@ fn a_resume_compares_no_location_of_the_data() {
 /// folder is a location: without it the task validates on another set.
 #[test]
 fn a_resume_warns_of_a_location_given_or_dropped() {
+    let _generator = hold_generator();
     let tmp = common::temp_dir("ddp-train-resume-dropped");
     let run = tmp.path().join("run");
     let placed = |val_data: Value| Placed {
@@ -233,6 +239,7 @@ fn a_resume_warns_of_a_location_given_or_dropped() {
 /// seed 3 with seed 0; one whose samples do (the default) is refused.
 #[test]
 fn an_evaluation_takes_another_seed_when_the_validation_set_is_fixed() {
+    let _generator = hold_generator();
     let tmp = common::temp_dir("ddp-train-eval-fixed");
     let run = tmp.path().join("run");
     let placed = |seeded| Placed {
@@ -339,6 +346,7 @@ fn refused_another_seed(models: &[(&Path, &Path)]) {
 /// key that differs from the run's.
 #[test]
 fn an_evaluation_refuses_another_seed_than_the_models_run() {
+    let _generator = hold_generator();
     let tmp = common::temp_dir("ddp-train-eval-settings");
     let run = tmp.path().join("run");
     train(task(json!({ "image_size": 32 })), settings(&run, 1));
@@ -371,6 +379,7 @@ fn an_evaluation_refuses_another_seed_than_the_models_run() {
 /// command line under `config` (the first version's).
 #[test]
 fn an_evaluation_refuses_another_seed_than_an_earlier_versions_run() {
+    let _generator = hold_generator();
     let tmp = common::temp_dir("ddp-train-eval-older");
     let run = tmp.path().join("run");
     train(task(json!({})), settings(&run, 1));
@@ -388,24 +397,75 @@ fn an_evaluation_refuses_another_seed_than_an_earlier_versions_run() {
     refused_another_seed(&[(&epoch, &epoch), (&weights, &config)]);
 }
 
+/// Makes the checkpoints of `run`, trained to the end of epoch 2 with a checkpoint every 2
+/// steps, what a stop at epoch 2's step 2 left; returns their folder.
+fn stop_at_epoch_2_step_2(run: &Path) -> std::path::PathBuf {
+    let dir = run.join("checkpoints");
+    for file in ["epoch-0002.safetensors", "epoch-0002.state.safetensors"] {
+        std::fs::remove_file(dir.join(file)).unwrap();
+    }
+    std::fs::write(dir.join("latest"), "epoch-0002-step-000002\n").unwrap();
+    dir
+}
+
+/// The last line of `run`'s `metrics.jsonl`.
+fn last_metrics(run: &Path) -> Value {
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    serde_json::from_str(metrics.lines().last().unwrap()).unwrap()
+}
+
+/// A run resumed at a step checkpoint inside epoch 2 ends as the uninterrupted run did: the
+/// same weights to the bit, the same losses (with the other tests of this file training in
+/// parallel threads, each on the same generator).
+#[test]
+fn a_run_resumed_inside_an_epoch_ends_as_the_uninterrupted_one() {
+    let _generator = hold_generator();
+    let tmp = common::temp_dir("ddp-train-resume-exact");
+    let run = tmp.path().join("run");
+    let mut s = settings(&run, 2);
+    s.checkpoint.every = Some(2);
+    train(task(json!({})), s.clone());
+    let end = run.join("checkpoints/epoch-0002.safetensors");
+    let whole = ddp_model::checkpoint::read_tensors(&end).unwrap().tensors;
+    let whole_metrics = last_metrics(&run);
+    let dir = stop_at_epoch_2_step_2(&run);
+
+    train(task(json!({})), resumed(s, 2));
+    let log = log_of(&run);
+    let step = dir.join("epoch-0002-step-000002.safetensors");
+    let from = format!("resumed from {} (epoch 2 at step 2)", step.display());
+    assert!(log.contains(&from), "{log}");
+    let again = ddp_model::checkpoint::read_tensors(&end).unwrap().tensors;
+    assert_eq!(
+        again.keys().collect::<Vec<_>>(),
+        whole.keys().collect::<Vec<_>>()
+    );
+    for (name, tensor) in &whole {
+        assert!(again[name].equal(tensor), "{name} differs after the resume");
+    }
+    let metrics = last_metrics(&run);
+    for key in ["epoch", "train_loss", "val_loss"] {
+        assert_eq!(
+            metrics[key], whole_metrics[key],
+            "{key}: {metrics} vs {whole_metrics}"
+        );
+    }
+}
+
 /// A step checkpoint as the versions from 919690e to e6ca916 wrote it after an fp16 step
 /// skipped with clipping (`"grad_norm_sum": null`, the sum having counted the step's infinite
 /// norm) resumes at its step, not from an earlier checkpoint: with a warning, the epoch's
 /// gradient norms count from the resume.
 #[test]
 fn a_step_checkpoint_without_its_norm_sum_resumes_at_its_step() {
+    let _generator = hold_generator();
     let tmp = common::temp_dir("ddp-train-resume-norms");
     let run = tmp.path().join("run");
     let mut s = settings(&run, 2);
     s.clip_grad_norm = Some(1.0);
     s.checkpoint.every = Some(2);
     train(task(json!({})), s.clone());
-    // The run as a stop at epoch 2's step 2 left it.
-    let dir = run.join("checkpoints");
-    for file in ["epoch-0002.safetensors", "epoch-0002.state.safetensors"] {
-        std::fs::remove_file(dir.join(file)).unwrap();
-    }
-    std::fs::write(dir.join("latest"), "epoch-0002-step-000002\n").unwrap();
+    let dir = stop_at_epoch_2_step_2(&run);
     let state = dir.join("epoch-0002-step-000002.state.safetensors");
     edit_state(&state, |st| {
         let position = st["position"].as_object_mut().unwrap();
@@ -417,13 +477,8 @@ fn a_step_checkpoint_without_its_norm_sum_resumes_at_its_step() {
     train(task(json!({})), resumed(s, 2));
     let log = log_of(&run);
     let step = dir.join("epoch-0002-step-000002.safetensors");
-    assert!(
-        log.contains(&format!(
-            "resumed from {} (epoch 2 at step 2)",
-            step.display()
-        )),
-        "{log}"
-    );
+    let from = format!("resumed from {} (epoch 2 at step 2)", step.display());
+    assert!(log.contains(&from), "{log}");
     assert!(
         log.contains(&format!(
             "warning: {}: the gradient norms of the 2 step(s) of epoch 2 before the checkpoint \
@@ -440,13 +495,12 @@ fn a_step_checkpoint_without_its_norm_sum_resumes_at_its_step() {
     assert_eq!(position["grad_norm_steps"], 1, "{next}");
     let first = position["grad_norm_sum"].as_f64().unwrap();
     // The epoch's mean is over its 2 steps after the resume: that one, and the last.
-    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let last: Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    let last = last_metrics(&run);
     let mean = last["grad_norm"].as_f64().unwrap();
-    assert_eq!(last["epoch"], 2, "{metrics}");
+    assert_eq!(last["epoch"], 2, "{last}");
     assert!(
         first > 0.0 && mean.is_finite() && 2.0 * mean > first,
-        "{metrics}"
+        "{last}"
     );
 }
 
@@ -455,6 +509,7 @@ fn a_step_checkpoint_without_its_norm_sum_resumes_at_its_step() {
 /// plateau scheduler its learning rate is the one in effect, not the one given.
 #[test]
 fn a_resumed_runs_config_keeps_its_initial_weights_and_the_lr_in_effect() {
+    let _generator = hold_generator();
     let tmp = common::temp_dir("ddp-train-resume-record");
     let run = tmp.path().join("run");
     let init = tmp.path().join("init.safetensors");

@@ -63,6 +63,12 @@ pub(crate) use startup::default_run_dir;
 /// and sample counts; then one all-reduce of the validation statistics (and one all-gather
 /// of their per-sample rows, for statistics that have them: [`crate::Stats::rows`]). Rank 0
 /// alone writes files and prints progress, between epochs.
+///
+/// A process runs one Trainer at a time (a rank is a process). Its randomness comes from
+/// libtorch's generator, one per process, which it seeds ([`tch::manual_seed`]) before the
+/// model's initial weights and before each step's dropout, and it sets libtorch's CPU thread
+/// count: Trainers in parallel threads of one process would draw from each other's seeds, and
+/// neither run would be reproducible or resume exactly. Trainers one after another are.
 pub struct Trainer<T: Task> {
     task: T,
     settings: Settings,

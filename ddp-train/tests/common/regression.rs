@@ -1,15 +1,51 @@
 //! A small regression `Task` for the tests that train real ranks: an MLP from 4 inputs to 1
 //! output, mean squared error, on synthetic points.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use ddp_data::{Batch, TensorDataset};
 use ddp_train::{RegressionStats, Settings, Task};
 use tch::{nn, nn::Module, Device, Kind, Reduction, Tensor};
 
-/// y = 2 x0 - x1 + 0.5 x2 + 0.1 sin(7 x3) on `count` points of [-1, 1)^4.
+/// libtorch's random generator, one per process: [`points`] seeds it and draws from it, and
+/// a Trainer seeds it at its start (the model's initial weights) and before each step. The
+/// tests of one binary run in parallel threads: two doing this at once draw each other's
+/// numbers (other points, another model, a resume that does not continue its run). A test
+/// that runs a Trainer in this process, next to others that do, holds it to its end.
+static GENERATOR: Mutex<()> = Mutex::new(());
+
+thread_local! {
+    /// Whether this thread holds [`GENERATOR`].
+    static HOLDS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// libtorch's generator, this thread's until dropped ([`hold_generator`]).
+pub struct Generator {
+    _lock: MutexGuard<'static, ()>,
+}
+
+impl Drop for Generator {
+    fn drop(&mut self) {
+        HOLDS.with(|h| h.set(false));
+    }
+}
+
+/// Waits until no other test of this process holds libtorch's generator, and keeps them
+/// waiting while the result lives.
+pub fn hold_generator() -> Generator {
+    // A test that failed holding it left nothing half-done: the generator is reseeded.
+    let lock = GENERATOR.lock().unwrap_or_else(PoisonError::into_inner);
+    HOLDS.with(|h| h.set(true));
+    Generator { _lock: lock }
+}
+
+/// y = 2 x0 - x1 + 0.5 x2 + 0.1 sin(7 x3) on `count` points of [-1, 1)^4, drawn from
+/// libtorch's generator seeded with `seed` (held for the draw if this thread does not hold it).
 pub fn points(count: i64, seed: i64) -> TensorDataset {
+    let _held = (!HOLDS.with(Cell::get)).then(hold_generator);
     tch::manual_seed(seed);
     let x = Tensor::rand([count, 4], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
     let w = Tensor::from_slice(&[2f32, -1.0, 0.5, 0.0]);
