@@ -6,7 +6,7 @@
 //!   [`job_secret`], the `DDP_SECRET` it gives every rank this process starts.
 //! - [`wait_all`], [`wait_bounded`], [`wait_for`]: waits that cannot hang a test; processes
 //!   still running at the limit are killed, with whatever holds their outputs, and the test
-//!   fails.
+//!   fails, showing what each wrote.
 //! - [`script`]: an executable shell script, safe to run at once.
 //! - [`procs`]: what `/proc` says of processes (children, liveness, environment).
 //! - [`setup_python`]: the Python of `cargo xtask setup` (with torch), for tests that run
@@ -89,17 +89,25 @@ pub fn rank_command(program: impl AsRef<Path>, rank: usize, world: usize, port: 
 
 /// Waits for every child and returns their outputs in order; if `limit` passes first, kills
 /// those still running, and any other process that holds their piped outputs (one a child
-/// started), and panics.
+/// started), and panics with the tail of what each child wrote until then.
 pub fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
     wait_or_kill(children, limit).unwrap_or_else(|late| {
         panic!(
             "processes {:?} did not finish within {limit:?}: killed {:?}; output still open \
              (held by a process one of them started) {:?}; killed the processes holding \
-             their outputs {:?}",
-            late.pids, late.killed, late.open, late.holders
+             their outputs {:?}; what they wrote until then:{}",
+            late.pids,
+            late.killed,
+            late.open,
+            late.holders,
+            late.written()
         )
     })
 }
+
+/// The most bytes of a late child's stdout, and as many of its stderr, that [`wait_all`]'s
+/// panic message shows: the last ones, where a hang shows.
+const LATE_TAIL_BYTES: usize = 8192;
 
 /// The children [`wait_or_kill`] found running at the limit.
 #[derive(Debug)]
@@ -113,7 +121,39 @@ struct Late {
     /// The other processes that held a child's piped stdout or stderr at the limit (started
     /// by a child, and outliving it), killed with SIGKILL.
     holders: Vec<u32>,
+    /// What was read of each child's stdout and stderr until the kills, in the children's
+    /// order: the messages of a rank that hung.
+    read: Vec<[Vec<u8>; 2]>,
 }
+
+impl Late {
+    /// Each child's pid and the tail of what it wrote, for the panic message.
+    fn written(&self) -> String {
+        let tail = |bytes: &[u8]| {
+            let cut = bytes.len().saturating_sub(LATE_TAIL_BYTES);
+            let skipped = if cut > 0 {
+                format!("[{cut} bytes before]\n")
+            } else {
+                String::new()
+            };
+            format!("{skipped}{}", String::from_utf8_lossy(&bytes[cut..]))
+        };
+        self.pids
+            .iter()
+            .zip(&self.read)
+            .map(|(pid, [out, err])| {
+                format!(
+                    "\n--- pid {pid} stdout\n{}\n--- pid {pid} stderr\n{}",
+                    tail(out),
+                    tail(err)
+                )
+            })
+            .collect()
+    }
+}
+
+/// What a reader thread has read of one pipe so far.
+type Shared = std::sync::Arc<std::sync::Mutex<Vec<u8>>>;
 
 /// [`wait_all`]'s work: the outputs, or the children killed at the limit. Only this thread
 /// reaps the children (the waiters only watch with `WNOWAIT`), so a pid it kills is still
@@ -123,6 +163,7 @@ fn wait_or_kill(mut children: Vec<Child>, limit: Duration) -> Result<Vec<Output>
     let (tx, rx) = mpsc::channel();
     let (pipe_tx, pipes) = mpsc::channel();
     let mut outputs = Vec::new();
+    let mut read = Vec::new();
     for (i, child) in children.iter_mut().enumerate() {
         drop(child.stdin.take());
         let fds = [
@@ -130,15 +171,32 @@ fn wait_or_kill(mut children: Vec<Child>, limit: Duration) -> Result<Vec<Output>
             child.stderr.as_ref().map(AsRawFd::as_raw_fd),
         ];
         outputs.extend(fds.into_iter().flatten().filter_map(pipe_name));
-        read_all((i, 0), child.stdout.take(), pipe_tx.clone());
-        read_all((i, 1), child.stderr.take(), pipe_tx.clone());
+        read.push([
+            read_all(i, child.stdout.take(), pipe_tx.clone()),
+            read_all(i, child.stderr.take(), pipe_tx.clone()),
+        ]);
         let (tx, pid) = (tx.clone(), child.id());
         std::thread::spawn(move || {
             wait_exited(pid);
             let _ = tx.send(i);
         });
     }
-    drop(tx);
+    drop((tx, pipe_tx));
+    // What the readers hold, once the pipes have ended or `grace` has passed.
+    let taken = |grace: Duration, ends: &mpsc::Receiver<usize>| {
+        let until = Instant::now() + grace;
+        for _ in 0..2 * read.len() {
+            if ends
+                .recv_timeout(until.saturating_duration_since(Instant::now()))
+                .is_err()
+            {
+                break;
+            }
+        }
+        read.iter()
+            .map(|pair| pair.each_ref().map(|r| std::mem::take(&mut *lock(r))))
+            .collect::<Vec<_>>()
+    };
     let deadline = Instant::now() + limit;
     let mut exited = vec![false; children.len()];
     for _ in 0..children.len() {
@@ -151,29 +209,31 @@ fn wait_or_kill(mut children: Vec<Child>, limit: Duration) -> Result<Vec<Output>
                     killed.push((child.id(), child.wait().expect("reaping a killed child")));
                 }
                 let (open, holders) = (Vec::new(), kill_holders(&outputs));
+                // The kills closed the pipes: what is still in them arrives at once.
+                let read = taken(Duration::from_secs(1), &pipes);
                 return Err(Late {
                     pids,
                     killed,
                     open,
                     holders,
+                    read,
                 });
             }
         }
     }
-    drop(pipe_tx);
     // A process a child started may hold its pipes after the child has exited: the same
     // limit bounds the wait for their ends.
-    let mut texts = vec![[None::<Vec<u8>>, None]; children.len()];
+    let mut ended = vec![0; children.len()];
     for _ in 0..2 * children.len() {
         match pipes.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(((i, which), bytes)) => texts[i][which] = Some(bytes),
+            Ok(i) => ended[i] += 1,
             Err(_) => break,
         }
     }
-    let open: Vec<u32> = texts
+    let open: Vec<u32> = ended
         .iter()
         .zip(&pids)
-        .filter(|(t, _)| t.iter().any(Option::is_none))
+        .filter(|(&n, _)| n < 2)
         .map(|(_, &pid)| pid)
         .collect();
     let statuses = children
@@ -181,22 +241,29 @@ fn wait_or_kill(mut children: Vec<Child>, limit: Duration) -> Result<Vec<Output>
         .map(|mut c| c.wait().expect("reaping a child"));
     let statuses: Vec<ExitStatus> = statuses.collect();
     if !open.is_empty() {
+        let holders = kill_holders(&outputs);
         return Err(Late {
             pids,
             killed: Vec::new(),
             open,
-            holders: kill_holders(&outputs),
+            holders,
+            read: taken(Duration::from_secs(1), &pipes),
         });
     }
     Ok(statuses
         .into_iter()
-        .zip(texts)
+        .zip(taken(Duration::ZERO, &pipes))
         .map(|(status, [stdout, stderr])| Output {
             status,
-            stdout: stdout.unwrap_or_default(),
-            stderr: stderr.unwrap_or_default(),
+            stdout,
+            stderr,
         })
         .collect())
+}
+
+/// `m`'s bytes, also after a reader panicked holding the lock.
+fn lock(m: &Shared) -> std::sync::MutexGuard<'_, Vec<u8>> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// What `/proc` names this process's descriptor `fd` (`pipe:[<inode>]` for a pipe), the name
@@ -229,19 +296,30 @@ fn kill_holders(pipes: &[PathBuf]) -> Vec<u32> {
     holders
 }
 
-/// A thread reading `pipe` (if any) to its end, then sending what it read with `key`.
+/// A thread reading `pipe` (if any) to its end into the buffer it returns, as it comes (a
+/// child killed at the limit leaves what it wrote until then), then sending `key`.
 fn read_all(
-    key: (usize, usize),
+    key: usize,
     pipe: Option<impl Read + Send + 'static>,
-    done: mpsc::Sender<((usize, usize), Vec<u8>)>,
-) {
+    done: mpsc::Sender<usize>,
+) -> Shared {
+    let bytes = Shared::default();
+    let sink = bytes.clone();
     std::thread::spawn(move || {
-        let mut bytes = Vec::new();
+        let mut chunk = [0u8; 8192];
         if let Some(mut pipe) = pipe {
-            let _ = pipe.read_to_end(&mut bytes);
+            loop {
+                match pipe.read(&mut chunk) {
+                    Ok(0) => break,
+                    Ok(n) => lock(&sink).extend_from_slice(&chunk[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
         }
-        let _ = done.send((key, bytes));
+        let _ = done.send(key);
     });
+    bytes
 }
 
 /// Blocks until child `pid` has exited, leaving it to be reaped (`WNOWAIT`).
@@ -423,6 +501,34 @@ mod tests {
     fn a_child_past_the_limit_is_killed_and_fails_the_test() {
         let child = Command::new("sleep").arg("30").spawn().unwrap();
         wait_bounded(child, Duration::from_millis(200));
+    }
+
+    #[test]
+    fn a_child_past_the_limit_fails_showing_what_it_wrote() {
+        let child = Command::new("sh")
+            .args([
+                "-c",
+                "echo rank-said-this; echo rank-warned-that >&2; exec sleep 30",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        // Let the lines reach the pipes before the limit can pass.
+        std::thread::sleep(Duration::from_millis(300));
+        let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            wait_all(vec![child], Duration::from_secs(1))
+        }))
+        .unwrap_err();
+        let message = panic.downcast_ref::<String>().expect("a formatted panic");
+        let wrote = message.split_once("what they wrote until then:").unwrap().1;
+        assert_eq!(
+            wrote,
+            format!(
+                "\n--- pid {pid} stdout\nrank-said-this\n\n--- pid {pid} stderr\nrank-warned-that\n"
+            )
+        );
     }
 
     #[test]
