@@ -1,38 +1,49 @@
 #!/usr/bin/env bash
 # xtask/gpu-extra.sh: the steps of `cargo xtask gpu-check` that the GPU bundle's run.sh does
 # not run itself (or not as gpu-check does), from the bundle's prebuilt binaries, for a GPU
-# machine without cargo. It runs as run.sh's COMMAND, after the steps that make the
+# machine without cargo. It runs as run.sh's COMMAND, after the step that makes the
 # synthetic sample:
 #
-#   GPU_BUNDLE_BUDGET_S=480 bash .gpu-bundle/run.sh probe nccl-sys sweep train random -- 'bash xtask/gpu-extra.sh'
+#   GPU_BUNDLE_BUDGET_S=480 bash .gpu-bundle/run.sh probe nccl-sys sample -- 'bash xtask/gpu-extra.sh'
 #
-# (from the checkout's root; give the call a limit of about 540 s). Leave out run.sh's `comm`
-# step: it runs ddp-comm's NCCL tests all at once, each test's ranks sharing the GPU with the
-# others', which spoils the tests that time queued work against a collective; `comm` below
-# runs them one at a time. `all` would add that step back (and run.sh's JPEG pipeline
-# comparison, 1-1.5 minutes more). The bundle must hold the binaries gpu-bundle.list names.
-# Checks, each under its own time limit, one test at a time (--test-threads=1):
-#   comm       ddp-comm's NCCL tests (tests/nccl.rs)
-#   shim       tch-ext's CUDA tests (streams, events, hooks on CUDA parameters)
-#   loader     ddp-data's CUDA tests: batches on cuda:0 equal the CPU path's, also on a pool
-#              stream; a GPU busy for five batches' decoding per step stalls no worker (the
-#              median data wait is printed)
+# (from the checkout's root; give the call a limit of about 540 s). run.sh's other steps are
+# left out, so that the budget goes to these checks: `comm` runs ddp-comm's NCCL tests all at
+# once, each test's ranks sharing the GPU with the others', which spoils the tests that time
+# queued work against a collective (`comm-29` and `comm` below run them one at a time);
+# `train` would repeat `train-*` below; `sweep` and `random` measure nothing
+# issue 29 needs. The bundle must hold the binaries gpu-bundle.list names.
+# Checks, in this order (issue 29's first, then the figure it asks for), each under its own
+# time limit, one test at a time (--test-threads=1):
+#   comm-29    ddp-comm's NCCL tests of issue 29, by exact name (COMM_29 below): waits after
+#              an abort, a dropped Work's temporary, the current stream, blocking collectives
+#              and stream-side waits, the watchdog, CUDA's error slot after polling
 #   peers      a group dropped with a collective pending is aborted (two GPUs; SKIP on one)
-#   streams    DDP on a pool stream behind queued work against the default stream (one rank
-#              per GPU; with one GPU the path runs, and sync_gradients must return while
-#              that work still runs), and SyncBatchNorm's all-reduces leave the host free
 #   units      ddp-train's unit tests with a CUDA variant (ddp-train.lib, filtered as
 #              DDP_TRAIN_GPU_UNIT_TESTS in gpu_check.rs): the fused fp16 unscale on cuda:0
 #              equals the per-parameter one; neither a compress hook's copy nor a dropped
 #              bucket is reused before the syncing stream has read it
+#   streams    DDP on a pool stream behind queued work against the default stream (one rank
+#              per GPU; with one GPU the path runs, and sync_gradients must return while
+#              that work still runs), and SyncBatchNorm's all-reduces leave the host free
+#   loader     ddp-data's CUDA tests: batches on cuda:0 equal the CPU path's, also on a pool
+#              stream; a GPU busy for five batches' decoding per step stalls no worker (the
+#              median data wait is printed)
+#   resnet50-fp16
+#              ResNet-50 on random tensors, batch 64, 224 px, GradScaler with the fused
+#              unscale; FAIL when rank 0's loss is not finite or more than MAX_SKIPPED_STEPS
+#              steps were skipped for overflowing gradients
+#   shim       tch-ext's CUDA tests (streams, events, hooks on CUDA parameters)
+#   comm       the rest of ddp-comm's NCCL tests (tests/nccl.rs)
+#   resnet50-bf16
+#              as resnet50-fp16, in bf16 (no scaler)
 #   feed       the ConvNet fed by the CUDA loader from 256 synthetic 512-px JPEGs
 #              (ddp_steps --data; data_median_s is the data wait per step)
-#   resnet50-fp16, resnet50-bf16
-#              ResNet-50 on random tensors, batch 64, 224 px, ours then PyTorch's DDP in the
-#              same run (fp16: GradScaler with the fused unscale); FAIL when rank 0's loss is
-#              not finite or more than MAX_SKIPPED_STEPS steps were skipped
-#   train-bf16, train-fp16
+#   train-bf16, train-fp16, train-fp32
 #              ddp-train on cuda:0 on the synthetic sample, 1 epoch of 30 steps
+#   torch-resnet50-fp16, torch-resnet50-bf16
+#              PyTorch's DDP doing the resnet50 checks' work (reference_ddp.py), and
+#              ours/PyTorch: a figure beside ours, last, so that it neither judges nor
+#              delays them
 #
 # Writes $OUT/extra.txt (a line per check: name, status, rc, seconds, figure) and
 # $OUT/extra-log.txt (every command and its whole output); prints extra.txt last. Statuses:
@@ -52,7 +63,7 @@
 
 set -u
 
-BIN=${GPU_BUNDLE_BIN:?"run this through the bundle: bash .gpu-bundle/run.sh train -- 'bash xtask/gpu-extra.sh'"}
+BIN=${GPU_BUNDLE_BIN:?"run this through the bundle: GPU_BUNDLE_BUDGET_S=480 bash .gpu-bundle/run.sh probe nccl-sys sample -- 'bash xtask/gpu-extra.sh'"}
 OUT=${OUT:?"OUT (the output folder) is not set: run this through .gpu-bundle/run.sh"}
 PY=${GPU_BUNDLE_PYTHON:-python3}
 WORK=${GPU_BUNDLE_WORK:-$(mktemp -d)}
@@ -83,7 +94,7 @@ elif [[ -n ${GPU_BUNDLE_BUDGET_S:-} ]]; then
 fi
 
 row() { # row NAME STATUS RC SECONDS FIGURE
-    printf '%-16s %-8s %4s %6s  %s\n' "$1" "$2" "$3" "$4" "$5" | tee -a "$SUMMARY"
+    printf '%-20s %-8s %4s %6s  %s\n' "$1" "$2" "$3" "$4" "$5" | tee -a "$SUMMARY"
     case $2 in FAIL | TIMEOUT | NO-GPU) BAD=$((BAD + 1)) ;; esac
 }
 
@@ -203,13 +214,14 @@ tests_figure() { # "N passed, M failed" from libtest's result line, and the firs
     echo "${r:-no test result; $(grep -v '^\s*$' "$STEP_OUT" | tail -1 | head -c 160)}"
 }
 
-run_test() { # run_test NAME BINARY NEED_GPUS
-    local name=$1 bin=$BIN/$2
+run_test() { # run_test NAME BINARY NEED_GPUS [ARG...]: ARGs go before libtest's own
+    local name=$1 bin=$BIN/$2 need=$3
+    shift 3
     if [[ ! -x $bin ]]; then
-        row "$name" SKIP - 0.0 "no $2 in the bundle (gpu-bundle.list names it; rebuild the bundle)"
+        row "$name" SKIP - 0.0 "no ${bin##*/} in the bundle (gpu-bundle.list names it; rebuild the bundle)"
         return
     fi
-    check "$name" 180 "$bin" --nocapture --test-threads=1
+    check "$name" 180 "$bin" "$@" --nocapture --test-threads=1
     local fig
     fig=$(tests_figure)
     local wait
@@ -218,14 +230,12 @@ run_test() { # run_test NAME BINARY NEED_GPUS
     # ddp-comm's figure: the host's time to queue a one-element all_reduce_async.
     wait=$(grep -m1 -oE 'all_reduce_async enqueue: median [0-9.]+ us, p90 [0-9.]+ us' "$STEP_OUT")
     [[ -n $wait ]] && fig+="; $wait"
-    row "$name" "$(status "$3")" "$RC" "$SECS" "$fig"
+    row "$name" "$(status "$need")" "$RC" "$SECS" "$(why_not "$fig")"
 }
 
-result_figure() { # rank 0's rate and phases, then each comparison with PyTorch
+result_figure() { # rank 0's rate and phases
     grep -m1 -E '^RESULT ddp_steps .* rank=0 ' "$STEP_OUT" |
         grep -oE ' (images_per_sec|step_median_s|data_median_s|loss|loss_scale|skipped_steps)=[^ ]+' | tr -d '\n'
-    grep -E '^ddp_steps vs PyTorch' "$STEP_OUT" |
-        sed -E 's/^ddp_steps vs PyTorch \(([^)]*)\).*, PyTorch ([0-9.]+) img\/s, ratio ([0-9.]+).*/; PyTorch (\1) \2 img\/s, ours\/PyTorch \3/' | tr -d '\n'
 }
 
 DEV=cuda images=256 feed_px=512 px=224 train_steps=30 batch=64
@@ -238,41 +248,67 @@ fi
 steps_args+=(--device "$DEV")
 steps=$BIN/ddp-train.bench.ddp_steps
 
-echo "gpu-extra: $GPUS GPU(s); bundle binaries in $BIN; writing $SUMMARY; ${DEADLINE:+$((DEADLINE - $(date +%s)))s left}" | tee -a "$LOG"
-run_test comm ddp-comm.test.nccl 1
-run_test shim tch-ext.test.cuda 1
-run_test loader ddp-data.test.tensor 1
-run_test peers ddp-comm.test.nccl_peers 2
-run_test streams ddp-train.test.cuda_streams 1
-if [[ -x $BIN/ddp-train.lib ]]; then
+# ddp-comm's NCCL tests (tests/nccl.rs) of issue 29, run first and by exact name, so that a
+# hang in another test cannot leave them unrun (tests/gpu_extra.rs checks each name exists).
+COMM_29=(
+    nccl_a_wait_after_an_abort_is_an_error
+    nccl_a_dropped_work_keeps_its_temporary
+    nccl_collectives_follow_the_current_stream
+    nccl_a_blocking_collective_waits_for_its_input_only
+    nccl_wait_stream_makes_the_current_stream_wait
+    nccl_the_watchdog_aborts_a_collective_only_a_stream_waits_for
+    nccl_polling_a_busy_collective_leaves_no_cuda_error_behind
+)
+skip_29=()
+for t in "${COMM_29[@]}"; do skip_29+=(--skip "$t"); done
+
+unit_tests() {
+    if [[ ! -x $BIN/ddp-train.lib ]]; then
+        row units SKIP - 0.0 "no ddp-train.lib in the bundle (gpu-bundle.list: lib ddp-train; rebuild the bundle)"
+        return
+    fi
     check units 180 "$BIN/ddp-train.lib" amp::tests::the_fused_unscale_equals_the_per_parameter_one_in_one_flag_on_cuda \
         ddp::comm_hook::tests:: ddp::bucket::tests::a_dropped_bucket_keeps_its_memory_until_the_dropping_stream_has_read_it \
         --nocapture --test-threads=1
-    row units "$(status 1)" "$RC" "$SECS" "$(tests_figure)"
-else
-    row units SKIP - 0.0 "no ddp-train.lib in the bundle (gpu-bundle.list: lib ddp-train; rebuild the bundle)"
-fi
+    row units "$(status 1)" "$RC" "$SECS" "$(why_not "$(tests_figure)")"
+}
 
-if [[ -x $steps && -x $BIN/ddp-gen-data ]]; then
-    check feed-sample 120 "$BIN/ddp-gen-data" --out "$WORK/feed" --images "$images" --size "$feed_px" --seed 0
-    if ((RC == 0)); then
-        check feed 180 "$steps" "${steps_args[@]}" --data "$WORK/feed"
-        row feed "$(status)" "$RC" "$SECS" "$(why_not "$(result_figure)")"
-    else
-        row feed "$(status)" "$RC" "$SECS" "generating the sample failed: $(tail -1 "$STEP_OUT" | head -c 160)"
+# resnet50 PRECISION: ours alone, judged by precision_verdict; its rate is kept for the
+# comparison with PyTorch at the end.
+declare -A OURS_RATE=()
+resnet50() {
+    local p=$1
+    if [[ ! -x $steps ]]; then
+        row "resnet50-$p" SKIP - 0.0 "no ddp-train.bench.ddp_steps in the bundle"
+        return
     fi
-    for p in fp16 bf16; do
-        check "resnet50-$p" 180 "$steps" "${steps_args[@]}" --image-size "$px" --precision "$p" \
-            --model resnet50 --reference "$PY" --reference-script ddp-train/benches/reference_ddp.py
-        precision_verdict
-        row "resnet50-$p" "$VERDICT" "$RC" "$SECS" "$(why_not "$VERDICT_NOTE$(result_figure)")"
-    done
-else
-    row feed SKIP - 0.0 "no ddp_steps bench or ddp-gen-data in the bundle"
-fi
+    check "resnet50-$p" 180 "$steps" "${steps_args[@]}" --image-size "$px" --precision "$p" --model resnet50
+    precision_verdict
+    OURS_RATE[$p]=$(grep -m1 -E '^RESULT ddp_steps .* rank=0 ' "$STEP_OUT" | grep -oE ' images_per_sec=[0-9.]+' | cut -d= -f2)
+    row "resnet50-$p" "$VERDICT" "$RC" "$SECS" "$(why_not "$VERDICT_NOTE$(result_figure)")"
+}
 
-if [[ -n ${GPU_BUNDLE_SAMPLE:-} && -x $BIN/ddp-train ]]; then
-    for p in bf16 fp16; do
+feed() {
+    if [[ ! -x $steps || ! -x $BIN/ddp-gen-data ]]; then
+        row feed SKIP - 0.0 "no ddp_steps bench or ddp-gen-data in the bundle"
+        return
+    fi
+    check feed-sample 120 "$BIN/ddp-gen-data" --out "$WORK/feed" --images "$images" --size "$feed_px" --seed 0
+    if ((RC != 0)); then
+        row feed "$(status)" "$RC" "$SECS" "$(why_not "generating the sample failed: $(tail -1 "$STEP_OUT" | head -c 160)")"
+        return
+    fi
+    check feed 180 "$steps" "${steps_args[@]}" --data "$WORK/feed"
+    row feed "$(status)" "$RC" "$SECS" "$(why_not "$(result_figure)")"
+}
+
+trainings() {
+    if [[ -z ${GPU_BUNDLE_SAMPLE:-} || ! -x $BIN/ddp-train ]]; then
+        row train SKIP - 0.0 "no synthetic sample (name run.sh's sample step before --) or no ddp-train"
+        return
+    fi
+    local p port
+    for p in bf16 fp16 fp32; do
         port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
         check "train-$p" 120 env WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
             MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" "$BIN/ddp-train" --device "$DEV" \
@@ -280,9 +316,36 @@ if [[ -n ${GPU_BUNDLE_SAMPLE:-} && -x $BIN/ddp-train ]]; then
             --image-size 128 --batch-size "$batch" --precision "$p" --out "$WORK/run-$p"
         row "train-$p" "$(status)" "$RC" "$SECS" "$(why_not "$(grep -m1 -E '^epoch 1/[0-9]+: ' "$STEP_OUT" | head -c 200)")"
     done
-else
-    row train SKIP - 0.0 "no synthetic sample: name run.sh's train (or sample) step before -- "
-fi
+}
+
+# torch_resnet50 PRECISION: PyTorch's DDP on resnet50 PRECISION's work, and ours/PyTorch.
+torch_resnet50() {
+    local p=$1 line theirs ours=${OURS_RATE[$1]:-} fig
+    check "torch-resnet50-$p" 120 "$PY" ddp-train/benches/reference_ddp.py "${steps_args[@]}" \
+        --image-size "$px" --precision "$p" --model resnet50
+    line=$(grep -m1 -E '^RESULT reference_ddp .* rank=0 ' "$STEP_OUT")
+    theirs=$(grep -oE ' images_per_sec=[0-9.]+' <<<"$line" | cut -d= -f2)
+    fig="PyTorch ${theirs:-?} img/s$(grep -oE ' (loss|skipped_steps)=[^ ]+' <<<"$line" | tr -d '\n')"
+    if [[ -n $theirs && -n $ours ]]; then
+        fig+="; ours $ours img/s, ours/PyTorch $(awk -v a="$ours" -v b="$theirs" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "?" }')"
+    fi
+    ((RC != 0)) && fig+="; $(grep -v '^\s*$' "$STEP_OUT" | tail -1 | head -c 160)"
+    row "torch-resnet50-$p" "$(status)" "$RC" "$SECS" "$(why_not "$fig")"
+}
+
+echo "gpu-extra: $GPUS GPU(s); bundle binaries in $BIN; writing $SUMMARY; ${DEADLINE:+$((DEADLINE - $(date +%s)))s left}" | tee -a "$LOG"
+run_test comm-29 ddp-comm.test.nccl 1 --exact "${COMM_29[@]}"
+run_test peers ddp-comm.test.nccl_peers 2
+unit_tests
+run_test streams ddp-train.test.cuda_streams 1
+run_test loader ddp-data.test.tensor 1
+resnet50 fp16
+run_test shim tch-ext.test.cuda 1
+run_test comm ddp-comm.test.nccl 1 --exact "${skip_29[@]}"
+resnet50 bf16
+feed
+trainings
+for p in fp16 bf16; do torch_resnet50 "$p"; done
 
 summary
 exit "$BAD"

@@ -109,3 +109,185 @@ fn gpu_extra_is_valid_bash() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The steps a documented plan names before `-- 'bash xtask/gpu-extra.sh'`, for each line
+/// of `text` that runs the bundle's run.sh with gpu-extra.sh as its command.
+fn planned_steps(text: &str) -> Vec<Vec<String>> {
+    text.lines()
+        .filter(|l| l.contains("'bash xtask/gpu-extra.sh'"))
+        .filter_map(|l| l.split_once(".gpu-bundle/run.sh"))
+        .map(|(_, rest)| {
+            rest.split_whitespace()
+                .take_while(|w| *w != "--")
+                .map(str::to_owned)
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn the_documented_plans_spend_the_budget_on_gpu_extra() {
+    // run.sh's steps before the command only delay gpu-extra.sh's checks within one budget:
+    // the plan names the probe, nccl-sys's quick tests and the synthetic sample that
+    // gpu-extra.sh's trainings read ($GPU_BUNDLE_SAMPLE), nothing else.
+    for file in ["xtask/gpu-extra.sh", "xtask/README.md"] {
+        let text = std::fs::read_to_string(root().join(file)).unwrap();
+        let plans = planned_steps(&text);
+        assert!(!plans.is_empty(), "{file} states no plan");
+        for steps in plans {
+            assert_eq!(steps, ["probe", "nccl-sys", "sample"], "{file}");
+        }
+    }
+}
+
+/// The names in gpu-extra.sh's `COMM_29=( ... )`.
+fn comm_29(script: &str) -> Vec<String> {
+    let list = script.split_once("\nCOMM_29=(").unwrap().1;
+    let list = list.split_once("\n)").unwrap().0;
+    list.split_whitespace().map(str::to_owned).collect()
+}
+
+#[test]
+fn the_issue_29_nccl_tests_gpu_extra_names_exist() {
+    let script = std::fs::read_to_string(root().join("xtask/gpu-extra.sh")).unwrap();
+    let tests = std::fs::read_to_string(root().join("ddp-comm/tests/nccl.rs")).unwrap();
+    let names = comm_29(&script);
+    assert_eq!(names.len(), 7, "{names:?}");
+    for name in names {
+        assert!(
+            tests.contains(&format!("\nfn {name}() {{")),
+            "gpu-extra.sh's COMM_29 names `{name}`, which ddp-comm/tests/nccl.rs lacks"
+        );
+    }
+}
+
+/// A stub of every binary gpu-extra.sh runs, in `bin`: each appends its command line to
+/// `$CALLS`. The test binaries pass; ddp_steps prints rank 0's result line and, given
+/// `--reference PY`, fails when PY does (as the bench does); `python` answers the port
+/// query and fails as PyTorch's reference.
+fn stub_bundle(bin: &Path) {
+    let log = "echo \"${0##*/} $*\" >> \"$CALLS\"\n";
+    let test = format!("#!/bin/sh\n{log}echo 'test result: ok. 1 passed; 0 failed; 0 ignored'\n");
+    for name in [
+        "ddp-comm.test.nccl",
+        "ddp-comm.test.nccl_peers",
+        "ddp-data.test.tensor",
+        "ddp-train.test.cuda_streams",
+        "tch-ext.test.cuda",
+        "ddp-train.lib",
+    ] {
+        ddp_testkit::script(&bin.join(name), &test);
+    }
+    let steps = format!(
+        "#!/bin/sh\n{log}prev=\nfor a in \"$@\"; do\n\
+         \x20   if [ \"$prev\" = --reference ]; then \"$a\" reference_ddp.py || exit 1; fi\n\
+         \x20   prev=$a\ndone\n\
+         echo 'RESULT ddp_steps world=1 rank=0 images_per_sec=123.4 step_median_s=0.5 \
+         loss=0.6931 loss_scale=65536 skipped_steps=0'\n"
+    );
+    ddp_testkit::script(&bin.join("ddp-train.bench.ddp_steps"), &steps);
+    ddp_testkit::script(&bin.join("ddp-gen-data"), &format!("#!/bin/sh\n{log}"));
+    let train = format!("#!/bin/sh\n{log}echo 'epoch 1/1: loss 0.5'\n");
+    ddp_testkit::script(&bin.join("ddp-train"), &train);
+    let python = format!(
+        "#!/bin/sh\nif [ \"$1\" = -c ]; then echo 29500; exit 0; fi\n{log}\
+         echo 'RuntimeError: the reference failed' >&2\nexit 1\n"
+    );
+    ddp_testkit::script(&bin.join("python"), &python);
+    ddp_testkit::script(
+        &bin.join("nvidia-smi"),
+        "#!/bin/sh\necho 'GPU 0: Stub GPU (UUID: GPU-0)'\n",
+    );
+}
+
+#[test]
+fn gpu_extra_runs_issue_29_first_and_judges_ours_without_pytorch() {
+    let dir = ddp_testkit::temp_dir("xtask-gpu-extra-run");
+    let [bin, out, work, sample] = ["bin", "out", "work", "sample"].map(|d| dir.path().join(d));
+    for d in [&bin, &out, &work, &sample] {
+        std::fs::create_dir(d).unwrap();
+    }
+    stub_bundle(&bin);
+    let calls = dir.path().join("calls.txt");
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let child = Command::new("bash")
+        .arg("xtask/gpu-extra.sh")
+        .current_dir(root())
+        .env("PATH", path)
+        .env("GPU_BUNDLE_BIN", &bin)
+        .env("OUT", &out)
+        .env("GPU_BUNDLE_WORK", &work)
+        .env("GPU_BUNDLE_SAMPLE", &sample)
+        .env("GPU_BUNDLE_PYTHON", bin.join("python"))
+        .env("GPU_EXTRA_BUDGET_S", "600")
+        .env("CALLS", &calls)
+        .env_remove("GPU_BUNDLE_SIMULATE_CPU")
+        .env_remove("GPU_BUNDLE_BUDGET_S")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let run = ddp_testkit::wait_bounded(child, std::time::Duration::from_secs(120));
+    let summary = std::fs::read_to_string(out.join("extra.txt")).unwrap();
+    let rows: Vec<(&str, &str)> = summary
+        .lines()
+        .map(|l| {
+            let mut w = l.split_whitespace();
+            (w.next().unwrap(), w.next().unwrap())
+        })
+        .collect();
+    // Issue 29's checks first, resnet50-fp16 before feed; our ResNet-50 passes although
+    // PyTorch's reference, in rows of its own at the end, failed.
+    assert_eq!(
+        rows,
+        [
+            ("comm-29", "ok"),
+            ("peers", "ok"),
+            ("units", "ok"),
+            ("streams", "ok"),
+            ("loader", "ok"),
+            ("resnet50-fp16", "ok"),
+            ("shim", "ok"),
+            ("comm", "ok"),
+            ("resnet50-bf16", "ok"),
+            ("feed", "ok"),
+            ("train-bf16", "ok"),
+            ("train-fp16", "ok"),
+            ("train-fp32", "ok"),
+            ("torch-resnet50-fp16", "FAIL"),
+            ("torch-resnet50-bf16", "FAIL"),
+        ],
+        "{}",
+        ddp_testkit::text(&run)
+    );
+    assert_eq!(run.status.code(), Some(2), "one per FAIL row");
+    assert!(
+        summary.contains("PyTorch ? img/s; RuntimeError: the reference failed"),
+        "{summary}"
+    );
+    let calls = std::fs::read_to_string(&calls).unwrap();
+    let script = std::fs::read_to_string(root().join("xtask/gpu-extra.sh")).unwrap();
+    let names = comm_29(&script);
+    let tail = "--nocapture --test-threads=1";
+    let nccl: Vec<&str> = calls
+        .lines()
+        .filter_map(|l| l.strip_prefix("ddp-comm.test.nccl "))
+        .collect();
+    let skips: Vec<String> = names.iter().map(|n| format!("--skip {n}")).collect();
+    assert_eq!(
+        nccl,
+        [
+            format!("--exact {} {tail}", names.join(" ")),
+            format!("--exact {} {tail}", skips.join(" ")),
+        ]
+    );
+    let steps: Vec<&str> = calls
+        .lines()
+        .filter(|l| l.starts_with("ddp-train.bench.ddp_steps "))
+        .collect();
+    assert_eq!(steps.len(), 3, "{calls}");
+    assert!(
+        steps.iter().all(|l| !l.contains("--reference")),
+        "{steps:?}"
+    );
+}
