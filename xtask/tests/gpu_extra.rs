@@ -261,12 +261,24 @@ fn gpu_extra_runs_issue_29_first_and_judges_ours_without_pytorch() {
         ddp_testkit::text(&run)
     );
     assert_eq!(run.status.code(), Some(2), "one per FAIL row");
+    // The script's header lists its checks in the order they run.
+    let script = std::fs::read_to_string(root().join("xtask/gpu-extra.sh")).unwrap();
+    let listed: Vec<&str> = script
+        .lines()
+        .skip_while(|l| !l.starts_with("# Checks, in this order"))
+        .take_while(|l| !l.starts_with("# Writes"))
+        .filter_map(|l| l.strip_prefix("#   "))
+        .filter(|l| !l.starts_with(' '))
+        // The names, before the two spaces that start their description.
+        .flat_map(|l| l.split("  ").next().unwrap_or("").split(", "))
+        .collect();
+    let ran: Vec<&str> = rows.iter().map(|(name, _)| *name).collect();
+    assert_eq!(listed, ran, "the header of xtask/gpu-extra.sh");
     assert!(
         summary.contains("PyTorch ? img/s; RuntimeError: the reference failed"),
         "{summary}"
     );
     let calls = std::fs::read_to_string(&calls).unwrap();
-    let script = std::fs::read_to_string(root().join("xtask/gpu-extra.sh")).unwrap();
     let names = comm_29(&script);
     let tail = "--nocapture --test-threads=1";
     let nccl: Vec<&str> = calls
