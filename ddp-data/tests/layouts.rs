@@ -150,6 +150,70 @@ fn challenge_workbook_gives_two_samples_per_patient() {
     assert_eq!(ds2.len(), 2);
 }
 
+/// OIA-ODIR, the dataset's current home: each set's folder holds `Annotation/<set>
+/// annotation (English).xlsx` beside `Images/`, and the labelled test sets open as the
+/// training set does (as `--val-data` or `evaluate --data`, without `--image-dir`).
+#[test]
+fn oia_odir_sets_open_with_their_annotation_folder_and_images() {
+    let dir = tempfile::tempdir().unwrap();
+    for (set, workbook) in [
+        ("Training Set", "training annotation (English).xlsx"),
+        (
+            "Off-site Test Set",
+            "off-site test annotation (English).xlsx",
+        ),
+        ("On-site Test Set", "on-site test annotation (English).xlsx"),
+    ] {
+        let root = dir.path().join(set);
+        std::fs::create_dir_all(root.join("Annotation")).unwrap();
+        common::write_xlsx(
+            &root.join("Annotation").join(workbook),
+            &[
+                (2, "2_left.jpg", "2_right.jpg", [0, 0, 1, 0, 0, 0, 0, 0]),
+                (7, "7_left.jpg", "7_right.jpg", [1, 0, 0, 0, 0, 0, 0, 0]),
+            ],
+        );
+        write_xlsx_images(
+            &root.join("Images"),
+            &["2_left.jpg", "2_right.jpg", "7_left.jpg", "7_right.jpg"],
+        );
+        let ds = OdirDataset::open(&root, &OdirOptions::default()).unwrap();
+        assert_eq!(ds.layout(), Layout::Challenge, "{set}");
+        assert_eq!((ds.len(), ds.patient_count()), (4, 2), "{set}");
+        assert_eq!(ds.image_dir(), root.join("Images"));
+        let paths: Vec<_> = ds.samples().iter().map(|s| s.path.clone()).collect();
+        let expected: Vec<_> = ["2_left.jpg", "2_right.jpg", "7_left.jpg", "7_right.jpg"]
+            .iter()
+            .map(|f| root.join("Images").join(f))
+            .collect();
+        assert_eq!(paths, expected, "{set}");
+        assert_eq!(
+            ds.sample(1).unwrap().labels,
+            [0., 0., 1., 0., 0., 0., 0., 0.]
+        );
+    }
+}
+
+/// The challenge's training archive extracted by a tool that adds the archive's name:
+/// `ODIR-5K_Training_Images/ODIR-5K_Training_Dataset/` beside the V2 workbook.
+#[test]
+fn challenge_archive_extracted_into_its_own_folder_is_found() {
+    let dir = tempfile::tempdir().unwrap();
+    common::write_xlsx(
+        &dir.path()
+            .join("ODIR-5K_Training_Annotations(Updated)_V2.xlsx"),
+        &[(3, "3_left.jpg", "3_right.jpg", [0, 1, 0, 0, 0, 0, 0, 0])],
+    );
+    let images = dir
+        .path()
+        .join("ODIR-5K_Training_Images/ODIR-5K_Training_Dataset");
+    write_xlsx_images(&images, &["3_left.jpg", "3_right.jpg"]);
+    let ds = OdirDataset::open(dir.path(), &OdirOptions::default()).unwrap();
+    assert_eq!((ds.layout(), ds.len()), (Layout::Challenge, 2));
+    assert_eq!(ds.image_dir(), images);
+    assert_eq!(ds.sample(1).unwrap().path, images.join("3_right.jpg"));
+}
+
 #[test]
 fn challenge_workbook_has_no_per_eye_labels() {
     let dir = tempfile::tempdir().unwrap();

@@ -90,7 +90,9 @@ fn a_missing_data_folder_is_named_without_a_backtrace() {
         &train(),
         &format!(
             "error: loading ODIR data from {m}: no ODIR annotation file in '{m}': looked for \
-             full_df.csv, data.xlsx, ODIR-5K_Training_Annotations(Updated)_V2.xlsx",
+             full_df.csv, data.xlsx, ODIR-5K_Training_Annotations(Updated)_V2.xlsx, \
+             Annotation/training annotation (English).xlsx, Annotation/off-site test \
+             annotation (English).xlsx, Annotation/on-site test annotation (English).xlsx",
             m = missing.display()
         ),
     );
@@ -267,7 +269,12 @@ fn a_training_flag_that_predict_does_not_read_is_refused() {
     ]);
     assert_one_error(
         &out,
-        &format!("error: no ODIR annotation file in '{folder}': looked for full_df.csv, data.xlsx, ODIR-5K_Training_Annotations(Updated)_V2.xlsx"),
+        &format!(
+            "error: no ODIR annotation file in '{folder}': looked for full_df.csv, data.xlsx, \
+             ODIR-5K_Training_Annotations(Updated)_V2.xlsx, Annotation/training annotation \
+             (English).xlsx, Annotation/off-site test annotation (English).xlsx, \
+             Annotation/on-site test annotation (English).xlsx"
+        ),
     );
 }
 

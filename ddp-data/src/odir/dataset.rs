@@ -11,8 +11,17 @@ use crate::error::{panic_message, DataError};
 
 /// The redistribution's annotation file name.
 pub const CSV_NAME: &str = "full_df.csv";
-/// The challenge workbook names, in the order they are looked for.
-pub const XLSX_NAMES: [&str; 2] = ["data.xlsx", "ODIR-5K_Training_Annotations(Updated)_V2.xlsx"];
+/// The challenge workbook names, in the order they are looked for: Kaggle's (in its
+/// `ODIR-5K/ODIR-5K/`) and the challenge's, then OIA-ODIR's (the dataset's current home):
+/// its `Training Set/`, `Off-site Test Set/` and `On-site Test Set/` each hold `Annotation/`
+/// beside `Images/`.
+pub const XLSX_NAMES: [&str; 5] = [
+    "data.xlsx",
+    "ODIR-5K_Training_Annotations(Updated)_V2.xlsx",
+    "Annotation/training annotation (English).xlsx",
+    "Annotation/off-site test annotation (English).xlsx",
+    "Annotation/on-site test annotation (English).xlsx",
+];
 /// Image folders of the redistribution layout, in the order they are looked for: Kaggle's
 /// download holds `full_df.csv` and `preprocessed_images/` beside `ODIR-5K/ODIR-5K/`.
 pub const CSV_IMAGE_DIRS: [&str; 3] = [
@@ -21,11 +30,14 @@ pub const CSV_IMAGE_DIRS: [&str; 3] = [
     "ODIR-5K/Training Images",
 ];
 /// Image folders of the challenge layout, in the order they are looked for: the workbook's
-/// own folder (as Kaggle's `ODIR-5K/ODIR-5K/`), and the challenge's training archive.
-pub const XLSX_IMAGE_DIRS: [&str; 3] = [
+/// own folder (as Kaggle's `ODIR-5K/ODIR-5K/`), the challenge's training archive (as
+/// extracted by `unzip`, then by tools that add the archive's name), and OIA-ODIR's.
+pub const XLSX_IMAGE_DIRS: [&str; 5] = [
     "Training Images",
     "ODIR-5K_Training_Dataset",
     "ODIR-5K/Training Images",
+    "ODIR-5K_Training_Images/ODIR-5K_Training_Dataset",
+    "Images",
 ];
 
 /// Which of the two on-disk layouts a folder uses.

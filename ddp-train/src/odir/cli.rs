@@ -66,8 +66,8 @@ pub enum Labels {
 #[command(name = "ddp-train", version, about, long_about = None)]
 pub struct TrainConfig {
     /// ODIR folder: `full_df.csv` + `preprocessed_images/` (or Kaggle's
-    /// `ODIR-5K/ODIR-5K/Training Images/`), or the challenge workbook (`data.xlsx`) +
-    /// `Training Images/`.
+    /// `ODIR-5K/ODIR-5K/Training Images/`), the challenge workbook (`data.xlsx`) +
+    /// `Training Images/`, or an OIA-ODIR set (`Training Set/`: `Annotation/` + `Images/`).
     #[arg(long)]
     pub data: PathBuf,
 
