@@ -126,6 +126,57 @@ fn unparsable_target_names_the_row_and_value() {
     );
 }
 
+/// Rows are the lines a record starts on (header = 1) whatever ends the lines: the Kaggle
+/// `full_df.csv` ends them with CRLF, whose `\n` the csv crate counts one record late.
+#[test]
+fn rows_are_the_lines_records_start_on_with_any_line_ending() {
+    let t = "[1, 0, 0, 0, 0, 0, 0, 0]";
+    let p = [1, 0, 0, 0, 0, 0, 0, 0];
+    let bad_target = [
+        csv_row(1, "1_left.jpg", t, p),
+        csv_row(1, "1_right.jpg", "[1, 0, 0]", p),
+    ];
+    let disagreeing = [
+        csv_row(7, "7_left.jpg", t, p),
+        csv_row(7, "7_right.jpg", t, [0, 1, 0, 0, 0, 0, 0, 0]),
+    ];
+    // A quoted cell over lines 2 and 3, then a blank line: the bad record starts on line 5.
+    let spread = [
+        csv_row(1, "1_left.jpg", t, p).replacen("\"kw\"", "\"kw\nsecond line\"", 1),
+        String::new(),
+        csv_row(1, "1_right.jpg", "[1, 0, 0]", p),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("full_df.csv");
+    let images = ["1_left.jpg", "1_right.jpg", "7_left.jpg", "7_right.jpg"];
+    for ending in ["\n", "\r\n", "\r"] {
+        let write = |rows: &[String]| {
+            write_csv_layout(dir.path(), rows, &images);
+            let text = std::fs::read_to_string(&csv).unwrap();
+            std::fs::write(&csv, text.replace('\n', ending)).unwrap();
+        };
+        write(&bad_target);
+        let e = open(dir.path()).unwrap_err();
+        assert!(
+            matches!(&e, DataError::InvalidTarget { row: 3, .. }),
+            "{ending:?}: {e}"
+        );
+        write(&disagreeing);
+        match open(dir.path()).unwrap_err() {
+            DataError::InconsistentPatient { id, rows, .. } => {
+                assert_eq!((id, rows), (7, (2, 3)), "{ending:?}")
+            }
+            other => panic!("{ending:?}: expected InconsistentPatient, got {other}"),
+        }
+        write(&spread);
+        let e = open(dir.path()).unwrap_err();
+        assert!(
+            matches!(&e, DataError::InvalidTarget { row: 5, .. }),
+            "{ending:?}: {e}"
+        );
+    }
+}
+
 #[test]
 fn unparsable_patient_id_is_an_invalid_cell() {
     let dir = tempfile::tempdir().unwrap();

@@ -229,10 +229,12 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
         file: file.to_path_buf(),
         message: e.to_string(),
     };
+    // Read whole (the redistribution's is a few megabytes) to number the rows from the bytes.
+    let text = std::fs::read(file).map_err(|e| open_error(&e))?;
+    let mut lines = LineCounter::new(&text);
     let mut reader = csv::ReaderBuilder::new()
         .flexible(false)
-        .from_path(file)
-        .map_err(|e| open_error(&e))?;
+        .from_reader(text.as_slice());
     let headers: Vec<String> = reader
         .headers()
         .map_err(|e| open_error(&e))?
@@ -266,12 +268,7 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
     let mut records = Vec::new();
     for (i, result) in reader.records().enumerate() {
         let record = result.map_err(|e| open_error(&e))?;
-        // Row numbers as a spreadsheet shows them; quoted fields may span lines, so prefer
-        // the reader's own line count.
-        let row = record
-            .position()
-            .map(|p| p.line() as usize)
-            .unwrap_or(i + 2);
+        let row = record.position().map_or(i + 2, |p| lines.line_at(p.byte()));
         let cell = |c: usize| record.get(c).unwrap_or("");
         let patient_id = parse_id(file, row, "ID", cell(id_col))?;
         let name = non_empty(file, row, "filename", cell(file_col))?;
@@ -305,6 +302,50 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
     }
     check_patients_agree(file, &records)?;
     finish(file, records, source)
+}
+
+/// Row numbers as a spreadsheet shows them: the line each record of a CSV file starts on
+/// (header = line 1), quoted cells over several lines counted. The csv crate's own
+/// `Position::line` counts a CRLF's `\n` only when the next record starts, one line short
+/// in every CRLF file such as the Kaggle `full_df.csv` (BurntSushi/rust-csv#395); this
+/// counts from the record's byte offset instead.
+#[derive(Debug)]
+struct LineCounter<'a> {
+    text: &'a [u8],
+    /// Bytes before this offset are counted.
+    counted: usize,
+    /// Line breaks before `counted`.
+    breaks: usize,
+}
+
+impl<'a> LineCounter<'a> {
+    fn new(text: &'a [u8]) -> Self {
+        Self {
+            text,
+            counted: 0,
+            breaks: 0,
+        }
+    }
+
+    /// The line of the record that the reader positions at byte `at`: past the line
+    /// breaks and blank lines it skips there (the rest of a CRLF among them). CRLF, LF and a
+    /// lone CR each end a line, as the reader takes them. Offsets must not decrease (each
+    /// byte is counted once).
+    fn line_at(&mut self, at: u64) -> usize {
+        let text = self.text;
+        let at = usize::try_from(at).map_or(text.len(), |a| a.min(text.len()));
+        let start = text
+            .get(at..)
+            .and_then(|rest| rest.iter().position(|b| !matches!(b, b'\r' | b'\n')))
+            .map_or(text.len(), |k| at + k);
+        let from = self.counted;
+        for (k, b) in text.get(from..start).unwrap_or_default().iter().enumerate() {
+            let lone_cr = *b == b'\r' && text.get(from + k + 1) != Some(&b'\n');
+            self.breaks += usize::from(*b == b'\n' || lone_cr);
+        }
+        self.counted = self.counted.max(start);
+        1 + self.breaks
+    }
 }
 
 /// An error for the first patient whose rows give different patient labels: one row per image,
