@@ -174,6 +174,15 @@ fn rows_are_the_lines_records_start_on_with_any_line_ending() {
             matches!(&e, DataError::InvalidTarget { row: 5, .. }),
             "{ending:?}: {e}"
         );
+        // A row cut short after its ID: the reader's own error, with the same numbering.
+        write(&[csv_row(1, "1_left.jpg", t, p), "1".into()]);
+        match open(dir.path()).unwrap_err() {
+            DataError::Annotations { message, .. } => assert!(
+                message.starts_with("row 3 has 1 field(s) where the header has "),
+                "{ending:?}: {message}"
+            ),
+            other => panic!("{ending:?}: expected Annotations, got {other}"),
+        }
     }
 }
 

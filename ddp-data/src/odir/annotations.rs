@@ -267,7 +267,7 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
     };
     let mut records = Vec::new();
     for (i, result) in reader.records().enumerate() {
-        let record = result.map_err(|e| open_error(&e))?;
+        let record = result.map_err(|e| open_error(&record_error(&e, &mut lines)))?;
         let row = record.position().map_or(i + 2, |p| lines.line_at(p.byte()));
         let cell = |c: usize| record.get(c).unwrap_or("");
         let patient_id = parse_id(file, row, "ID", cell(id_col))?;
@@ -302,6 +302,28 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
     }
     check_patients_agree(file, &records)?;
     finish(file, records, source)
+}
+
+/// The csv reader's error `e` about a record, with the record's row as [`LineCounter`]
+/// numbers it (the reader's own line is one short in CRLF files).
+fn record_error(e: &csv::Error, lines: &mut LineCounter<'_>) -> String {
+    let mut row = |p: &csv::Position| lines.line_at(p.byte());
+    match e.kind() {
+        csv::ErrorKind::UnequalLengths {
+            pos: Some(p),
+            expected_len,
+            len,
+        } => format!(
+            "row {} has {len} field(s) where the header has {expected_len}",
+            row(p)
+        ),
+        csv::ErrorKind::Utf8 { pos: Some(p), err } => format!(
+            "row {}: field {} is not UTF-8 ({err})",
+            row(p),
+            err.field() + 1
+        ),
+        _ => e.to_string(),
+    }
 }
 
 /// Row numbers as a spreadsheet shows them: the line each record of a CSV file starts on
