@@ -371,6 +371,27 @@ fn an_evaluation_refuses_another_seed_than_the_models_run() {
         )),
         "{log}"
     );
+    assert!(!log.contains("precision was"), "{log}");
+    // Evaluated in another precision than the run evaluated in (autocast).
+    let mut s = settings(&tmp.path().join("bf16"), 1);
+    s.checkpoint.eval_only = true;
+    s.checkpoint.resume = Some(weights.to_str().unwrap().into());
+    s.precision = ddp_train::Precision::Bf16;
+    start(task(json!({ "image_size": 32 })), s)
+        .unwrap()
+        .evaluate()
+        .unwrap();
+    let log = log_of(&tmp.path().join("bf16"));
+    let warnings: Vec<&str> = log.lines().filter(|l| l.contains(" was ")).collect();
+    assert_eq!(
+        warnings,
+        [format!(
+            "warning: precision was \"fp32\" in the run that trained the model ({}) and is \
+             \"bf16\" in this evaluation: give \"fp32\" to evaluate it as it was trained",
+            run.join("config.json").display()
+        )],
+        "{log}"
+    );
 }
 
 /// An evaluation is refused another seed than the model's run's in earlier versions' records

@@ -329,16 +329,20 @@ pub(super) fn check_evaluated<T: Task>(
         }
     }
     let now = task.describe();
-    let changes = changes::task_changes(&recorded.record, &now, task.location_keys());
+    let mut changes = changes::task_changes(&recorded.record, &now, task.location_keys());
     // A key the task leaves out now (a training-only one) is not read by the evaluation.
-    let given = |path: &str| {
+    changes.retain(|(path, _, _)| {
         let key = path.strip_prefix("task.").unwrap_or(path);
-        let key = key.split('.').next().unwrap_or(key);
-        now.get(key).is_some()
-    };
+        now.get(key.split('.').next().unwrap_or(key)).is_some()
+    });
+    // Of the settings, the evaluation reads the precision (autocast), as training evaluated.
+    let precision = serde_json::to_value(s.precision).unwrap_or_default();
+    let was = &recorded.record["settings"]["precision"];
+    if !was.is_null() && *was != precision {
+        changes.insert(0, ("precision".into(), was.clone(), precision));
+    }
     Ok(changes
         .into_iter()
-        .filter(|(path, _, _)| given(path))
         .map(|(path, was, now)| {
             format!(
                 "{path} was {was} in the run that trained the model ({file}) and is {now} in \
