@@ -183,6 +183,25 @@ fn rows_are_the_lines_records_start_on_with_any_line_ending() {
             ),
             other => panic!("{ending:?}: expected Annotations, got {other}"),
         }
+        // A Latin-1 byte (0xe9) in the row's first keyword cell: the row, the column by name.
+        write(&[
+            csv_row(1, "1_left.jpg", t, p),
+            csv_row(1, "1_right.jpg", t, p),
+        ]);
+        let mut text = std::fs::read(&csv).unwrap();
+        let kw = text.windows(4).rposition(|w| w == b"\"kw\"").unwrap();
+        let kw = text[..kw].windows(4).rposition(|w| w == b"\"kw\"").unwrap();
+        text[kw + 2] = 0xe9;
+        std::fs::write(&csv, text).unwrap();
+        match open(dir.path()).unwrap_err() {
+            DataError::Annotations { message, .. } => assert_eq!(
+                message,
+                "row 3: column 'Left-Diagnostic Keywords' is not UTF-8 (an invalid byte after \
+                 1 valid bytes of the cell): save the file as UTF-8",
+                "{ending:?}"
+            ),
+            other => panic!("{ending:?}: expected Annotations, got {other}"),
+        }
     }
 }
 

@@ -241,7 +241,7 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
         .iter()
         .map(str::to_string)
         .collect();
-    let cols = Columns::new(file, headers);
+    let cols = Columns::new(file, headers.clone());
     let id_col = cols.get("ID")?;
     let file_col = cols.get("filename")?;
     let source = resolve_source(mode, cols.has("target"), &cols)?;
@@ -267,7 +267,7 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
     };
     let mut records = Vec::new();
     for (i, result) in reader.records().enumerate() {
-        let record = result.map_err(|e| open_error(&record_error(&e, &mut lines)))?;
+        let record = result.map_err(|e| open_error(&record_error(&e, &headers, &mut lines)))?;
         let row = record.position().map_or(i + 2, |p| lines.line_at(p.byte()));
         let cell = |c: usize| record.get(c).unwrap_or("");
         let patient_id = parse_id(file, row, "ID", cell(id_col))?;
@@ -305,8 +305,9 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
 }
 
 /// The csv reader's error `e` about a record, with the record's row as [`LineCounter`]
-/// numbers it (the reader's own line is one short in CRLF files).
-fn record_error(e: &csv::Error, lines: &mut LineCounter<'_>) -> String {
+/// numbers it (the reader's own line is one short in CRLF files) and the column by its
+/// name in `headers`.
+fn record_error(e: &csv::Error, headers: &[String], lines: &mut LineCounter<'_>) -> String {
     let mut row = |p: &csv::Position| lines.line_at(p.byte());
     match e.kind() {
         csv::ErrorKind::UnequalLengths {
@@ -317,11 +318,15 @@ fn record_error(e: &csv::Error, lines: &mut LineCounter<'_>) -> String {
             "row {} has {len} field(s) where the header has {expected_len}",
             row(p)
         ),
-        csv::ErrorKind::Utf8 { pos: Some(p), err } => format!(
-            "row {}: field {} is not UTF-8 ({err})",
-            row(p),
-            err.field() + 1
-        ),
+        csv::ErrorKind::Utf8 { pos: Some(p), err } => {
+            let column = headers.get(err.field()).map_or("?", String::as_str);
+            format!(
+                "row {}: column '{column}' is not UTF-8 (an invalid byte after {} valid \
+                 bytes of the cell): save the file as UTF-8",
+                row(p),
+                err.valid_up_to()
+            )
+        }
         _ => e.to_string(),
     }
 }
