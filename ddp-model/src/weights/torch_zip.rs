@@ -22,8 +22,10 @@ pub(super) fn read(path: &Path, key: Option<&str>) -> Result<StateDict, WeightsE
         reason: e.to_string(),
     };
     // zip 4.6.1 subtracts before it checks while parsing some extra fields (an extended
-    // timestamp of length 0 underflows: zip-rs/zip2#696); a damaged file is an error, not a
-    // crash. Records are read without parsing extra fields again.
+    // timestamp of length 0 underflows: zip-rs/zip2#696). This workspace builds zip without
+    // overflow checks, so it refuses such a file; a build with them (another workspace's
+    // debug profile) panics there, and a damaged file is still an error, not a crash.
+    // Records are read without parsing extra fields again.
     let opened = std::panic::catch_unwind(|| ZipArchive::new(BufReader::new(file)));
     let mut archive = match opened {
         Ok(archive) => archive.map_err(zip_error)?,
