@@ -659,13 +659,13 @@ mod tests {
         );
     }
 
-    /// The names in `dir`, sorted.
     /// Nothing is left beside the sample in `cache`: no temporary, no sample set aside.
     fn alone_in_cache(cache: &Path, sample: &Path) {
         let name = sample.file_name().unwrap().to_str().unwrap();
         assert_eq!(names(cache), [name]);
     }
 
+    /// The names in `dir`, sorted.
     fn names(dir: &Path) -> Vec<String> {
         let mut names: Vec<String> = std::fs::read_dir(dir)
             .unwrap()

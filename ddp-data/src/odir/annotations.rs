@@ -241,7 +241,7 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
         .iter()
         .map(str::to_string)
         .collect();
-    let cols = Columns::new(file, headers.clone());
+    let cols = Columns::new(file, headers);
     let id_col = cols.get("ID")?;
     let file_col = cols.get("filename")?;
     let source = resolve_source(mode, cols.has("target"), &cols)?;
@@ -267,7 +267,8 @@ pub fn read_csv(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> 
     };
     let mut records = Vec::new();
     for (i, result) in reader.records().enumerate() {
-        let record = result.map_err(|e| open_error(&record_error(&e, &headers, &mut lines)))?;
+        let record =
+            result.map_err(|e| open_error(&record_error(&e, &cols.headers, &mut lines)))?;
         let row = record.position().map_or(i + 2, |p| lines.line_at(p.byte()));
         let cell = |c: usize| record.get(c).unwrap_or("");
         let patient_id = parse_id(file, row, "ID", cell(id_col))?;
