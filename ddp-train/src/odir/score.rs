@@ -220,8 +220,8 @@ pub struct Scored {
     pub rank: usize,
     /// The number of ranks.
     pub world_size: usize,
-    /// The `--eye-combine` the model's run recorded, of which [`score`] warned rank 0 when
-    /// the one given differs (`None`: no run, or one that recorded none).
+    /// On rank 0, the `--eye-combine` the model's run recorded, of which [`score`] warned
+    /// when the one given differs (`None`: another rank, no run, or one that recorded none).
     pub(super) trained_eye_combine: Option<EyeCombine>,
 }
 
@@ -266,8 +266,13 @@ pub fn score(
     }
     let pg = ProcessGroup::new(opts).context(|| "joining the process group".into())?;
     let (rank, world) = (pg.rank(), pg.world_size());
-    let record = run_record(checkpoint);
-    if let (Some((config, recorded)), 0) = (&record, rank) {
+    // Rank 0 alone warns, and alone reads what its run recorded.
+    let record = if rank == 0 {
+        run_record(checkpoint)
+    } else {
+        None
+    };
+    if let Some((config, recorded)) = &record {
         for line in training_differences(c, config, recorded) {
             tracing::warn!("warning: {line}");
         }

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use crate::settings::Settings;
+use crate::settings::{prefix_matches, Settings};
 use crate::state::TrainState;
 
 /// A leaf that differs: its dotted path, the run's value and the one given now.
@@ -15,7 +15,7 @@ pub(super) type Change = (String, Value, Value);
 /// allocation (its own warning), the number of epochs (the plan's warning), and with a
 /// plateau scheduler its learning rate and settings (which the checkpoint's state keeps).
 fn warned_elsewhere(path: &str, plateau: bool) -> bool {
-    let under = |prefix: &str| under(path, prefix);
+    let under = |prefix: &str| prefix_matches(prefix, path);
     [
         "checkpoint",
         "runtime",
@@ -28,12 +28,6 @@ fn warned_elsewhere(path: &str, plateau: bool) -> bool {
     .iter()
     .any(|p| under(p))
         || (plateau && (under("optimizer.lr") || under("lr_schedule.config")))
-}
-
-/// Whether the dotted `path` is `prefix` or lies under it.
-fn under(path: &str, prefix: &str) -> bool {
-    path.strip_prefix(prefix)
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
 }
 
 /// Whether `settings` were recorded before they were grouped by job (0aa1f89): flat
@@ -80,7 +74,7 @@ pub(super) fn task_changes(record: &Value, now: &Value, locations: &[&str]) -> V
         // Data given at another place is no change; data given where there was none, or
         // no longer given (ODIR's `--val-data`: then validation is split from `--data`), is.
         let given_or_dropped = locations.contains(&key) && was.is_null() != is.is_null();
-        given_or_dropped || !locations.iter().any(|l| under(key, l))
+        given_or_dropped || !locations.iter().any(|l| prefix_matches(l, key))
     });
     changes
 }
