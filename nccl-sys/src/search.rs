@@ -74,12 +74,34 @@ pub fn torch_lib_dirs() -> Vec<PathBuf> {
 /// The folder of a shared library already mapped into this process whose file name is
 /// `file_name`, read from `/proc/self/maps`.
 pub fn mapped_library_dir(file_name: &str) -> Option<PathBuf> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    maps.lines()
-        .filter_map(|line| line.split_whitespace().nth(5))
-        .map(Path::new)
+    mapped_files()
+        .into_iter()
         .find(|path| path.file_name().is_some_and(|n| n == file_name))
         .and_then(|path| path.parent().map(Path::to_path_buf))
+}
+
+/// The files mapped into this process, in `/proc/self/maps`'s order; empty when it cannot be
+/// read.
+fn mapped_files() -> Vec<PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    maps.lines()
+        .filter_map(maps_line_path)
+        .map(PathBuf::from)
+        .collect()
+}
+
+/// The path a line of `/proc/self/maps` names, if any: everything after the first five
+/// fields (address, permissions, offset, device, inode) and the padding, as the kernel
+/// prints it, spaces included, less a trailing ` (deleted)`.
+fn maps_line_path(line: &str) -> Option<&str> {
+    let mut rest = line;
+    for _ in 0..5 {
+        rest = rest.trim_start_matches(' ');
+        rest = &rest[rest.find(' ')?..];
+    }
+    let path = rest.trim_start_matches(' ');
+    let path = path.strip_suffix(" (deleted)").unwrap_or(path);
+    (!path.is_empty()).then_some(path)
 }
 
 /// Candidate files for a library, best first: the override alone when `env_var` is set,
@@ -167,17 +189,12 @@ pub fn cuda_major_order(needed: &[u32]) -> Vec<u32> {
 
 /// A `libcudart.so.N` already mapped into this process, from `/proc/self/maps`.
 pub fn mapped_cudart() -> Option<PathBuf> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    maps.lines()
-        .filter_map(|line| line.split_whitespace().nth(5))
-        .map(Path::new)
-        .find(|path| {
-            path.file_name()
-                .and_then(|n| n.to_str())
-                .and_then(cudart_major)
-                .is_some()
-        })
-        .map(Path::to_path_buf)
+    mapped_files().into_iter().find(|path| {
+        path.file_name()
+            .and_then(|n| n.to_str())
+            .and_then(cudart_major)
+            .is_some()
+    })
 }
 
 /// `N` for a file named `libcudart.so.N` (`N` a number; `libcudart.so.13.0.96` is not a
@@ -357,6 +374,33 @@ mod tests {
             &site(&cu12).join("nvidia/cuda_runtime/lib/libcudart.so.12")
         );
         std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn a_maps_line_names_its_whole_path() {
+        let cases: [(&str, Option<&str>); 6] = [
+            (
+                "7f00-7f10 r-xp 00000000 fe:00 42      /x/a b/torch/lib/libtorch_cpu.so",
+                Some("/x/a b/torch/lib/libtorch_cpu.so"),
+            ),
+            (
+                "7f00-7f10 r--p 00001000 fe:00 42      /x/lib/libcudart.so.13 (deleted)",
+                Some("/x/lib/libcudart.so.13"),
+            ),
+            (
+                "7f00-7f10 r--p 00000000 00:00 0          [heap]",
+                Some("[heap]"),
+            ),
+            ("7f00-7f10 rw-p 00000000 00:00 0 ", None),
+            ("7f00-7f10 rw-p 00000000 00:00 0", None),
+            ("", None),
+        ];
+        for (line, want) in cases {
+            assert_eq!(maps_line_path(line), want, "{line:?}");
+        }
+        // This test binary's own maps name its executable, whole.
+        let exe = std::env::current_exe().unwrap();
+        assert!(mapped_files().contains(&exe), "{}", exe.display());
     }
 
     #[test]
