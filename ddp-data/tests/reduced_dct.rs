@@ -4,10 +4,13 @@
 
 mod common;
 
+use ddp_data::odir::decode::MAX_PIXELS;
 use ddp_data::odir::synthetic::paint_fundus;
 use ddp_data::odir::transform::{Pipeline, Transform};
 use ddp_data::rng::SampleRng;
 use ddp_data::DataError;
+use image::codecs::jpeg::JpegEncoder;
+use image::ExtendedColorType;
 
 fn write(dir: &std::path::Path, name: &str, bytes: &[u8]) -> std::path::PathBuf {
     let p = dir.join(name);
@@ -89,5 +92,39 @@ fn reduced_path_reports_truncated_and_corrupt_files() {
             ),
             "{e}"
         );
+    }
+}
+
+/// An image over the pixel budget is refused on the reduced path as in a full decode: libjpeg
+/// holds a progressive file's coefficients for the whole image whatever the scale, and a
+/// file that trains must not be refused by evaluation's full decode an epoch later.
+#[test]
+fn reduced_path_refuses_images_over_the_pixel_budget() {
+    // 13378 x 13378 = 178,970,884 pixels, just over 178,956,970; flat grey, a 2 MB file.
+    let side = 13_378;
+    let mut jpeg = Vec::new();
+    JpegEncoder::new_with_quality(&mut jpeg, 50)
+        .encode(
+            &vec![128u8; side as usize * side as usize],
+            side,
+            side,
+            ExtendedColorType::L8,
+        )
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "bomb.jpg", &jpeg);
+    let t = Transform::train(64).with_dct_upsampling(1.0).unwrap();
+    let mut out = vec![0f32; t.sample_len()];
+    let e = Pipeline::new()
+        .run(&t, &path, &mut SampleRng::new(0, 0, 0), &mut out)
+        .unwrap_err();
+    match e {
+        DataError::ImageTooLarge {
+            path: named,
+            width: 13_378,
+            height: 13_378,
+            limit: MAX_PIXELS,
+        } => assert_eq!(named, path),
+        other => panic!("expected ImageTooLarge, got {other}"),
     }
 }

@@ -29,8 +29,9 @@ pub struct RgbView<'a> {
 
 /// The most pixels (width x height) a full-size decode accepts by default: PIL's limit for
 /// `DecompressionBombError` (twice its `MAX_IMAGE_PIXELS` warning threshold), 537 MB of RGB.
-/// Reduced-size JPEG decoding ([`Transform`](super::transform::Transform)'s DCT scaling)
-/// never allocates the full size and is not bounded by it.
+/// Reduced-size JPEG decoding ([`Transform`](super::transform::Transform)'s DCT scaling) is
+/// bounded by it too: libjpeg holds a progressive file's coefficients for the whole image
+/// (2 bytes a pixel and component) whatever the scale.
 pub const MAX_PIXELS: u64 = 178_956_970;
 
 /// A reusable decoder: one per worker thread, so the file and pixel buffers are allocated once
@@ -142,8 +143,17 @@ impl Decoder {
     }
 
     /// Size of the loaded file if it is a JPEG that the reduced-size decoder can take
-    /// (upright, YCbCr/RGB/grey), else `None`.
-    pub(crate) fn scalable_jpeg_size(&self) -> Option<(u32, u32)> {
+    /// (upright, YCbCr/RGB/grey), else `None`; [`DataError::ImageTooLarge`] for one over the
+    /// pixel budget, as a full decode would refuse it.
+    pub(crate) fn scalable_jpeg_size(&self, path: &Path) -> Result<Option<(u32, u32)>, DataError> {
+        let Some(size) = self.scalable_jpeg_header() else {
+            return Ok(None);
+        };
+        self.check_budget(path, size.0, size.1)?;
+        Ok(Some(size))
+    }
+
+    fn scalable_jpeg_header(&self) -> Option<(u32, u32)> {
         if !is_jpeg(&self.file) {
             return None;
         }

@@ -385,9 +385,13 @@ impl Pipeline {
     ) -> Result<(bool, bool), DataError> {
         let size = transform.output_size();
         self.decoder.load(path)?;
-        let scalable = transform
-            .dct_upsampling
-            .and_then(|factor| Some((self.decoder.scalable_jpeg_size()?, factor)));
+        let scalable = match transform.dct_upsampling {
+            Some(factor) => self
+                .decoder
+                .scalable_jpeg_size(path)?
+                .map(|size| (size, factor)),
+            None => None,
+        };
         let (image, placement, region) = match scalable {
             Some(((width, height), factor)) => {
                 // Choose the crop in full-resolution coordinates first (the same draws as a
