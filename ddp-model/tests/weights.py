@@ -40,11 +40,17 @@ Writes into DIR:
   xla-f64.pth      {"w": float32 [1.5, -2.25]} saved so, but with the dtype float64
   extras.pth       {"model": convnet8} and values weights_only allows: a torch.device, a
                    Counter, a complex, a bytearray, ints wider than 64 bits
+  deflated.pth     a tensor of 4 floats whose storage record is deflated: 64 KiB of
+                   the file that inflate to 64 MiB
+  long-record.pth  a tensor of 4 floats whose storage record holds 20 bytes, its headers
+                   declaring 16
+  declared-short.pth  the same whose record holds 16 bytes, its headers declaring 8
 """
 import argparse
 import os
 import pickle
 import shutil
+import struct
 import sys
 import zipfile
 from collections import Counter, OrderedDict
@@ -79,13 +85,50 @@ def dtype_state():
     return sd
 
 
-def rewrite(path, records):
-    """Rewrites a zip archive, replacing the named records' bytes (stored, like torch)."""
+def rewrite(path, records, deflated=()):
+    """Rewrites a zip archive, replacing the named records' bytes (stored, like torch, but
+    for the records named in `deflated`)."""
     with zipfile.ZipFile(path) as z:
         entries = [(n, z.read(n)) for n in z.namelist()]
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
         for name, data in entries:
-            z.writestr(name, records.get(name, data))
+            method = zipfile.ZIP_DEFLATED if name in deflated else zipfile.ZIP_STORED
+            z.writestr(name, records.get(name, data), compress_type=method)
+
+
+def declare(path, name, size):
+    """Changes the uncompressed size that record `name`'s local and central headers declare."""
+    with zipfile.ZipFile(path) as z:
+        local = z.getinfo(name).header_offset
+        central = z.start_dir
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        struct.pack_into("<I", data, local + 22, size)
+        at = central
+        while data[at + 46:at + 46 + len(name)] != name.encode():
+            at = data.index(b"PK\x01\x02", at + 1)
+        struct.pack_into("<I", data, at + 24, size)
+        f.seek(0)
+        f.write(data)
+
+
+def lying_records(out):
+    """Tensors of 4 floats (16 bytes) whose storage record is deflated, or longer or shorter
+    than its headers declare."""
+    for name, record, size in [("deflated", bytes(64 << 20), None),
+                               ("long-record", bytes(20), 16),
+                               ("declared-short", bytes(16), 8)]:
+        path = os.path.join(out, f"{name}.pth")
+        torch.save({"t": torch.zeros(4)}, path)
+        key = f"{name}/data/0"
+        rewrite(path, {key: record}, deflated=[key] if size is None else [])
+        if size is not None:
+            declare(path, key, size)
+        with zipfile.ZipFile(path) as z:
+            info = z.getinfo(key)
+            assert (info.compress_type, info.file_size) == (
+                (zipfile.ZIP_DEFLATED, 64 << 20) if size is None else (zipfile.ZIP_STORED, size)
+            ), info
 
 
 def big_endian(path):
@@ -298,6 +341,7 @@ def main(out, marker, python_marker):
     xla(sd, os.path.join(out, "xla.pth"))
     xla({"w": torch.tensor([1.5, -2.25])}, os.path.join(out, "xla-f64.pth"), torch.float64)
     extras(sd, os.path.join(out, "extras.pth"))
+    lying_records(out)
     print("written")
 
 

@@ -770,3 +770,32 @@ fn a_zip_whose_timestamp_field_is_damaged_is_an_archive_error_not_a_panic() {
         "{err:?}"
     );
 }
+
+#[test]
+fn a_compressed_record_is_refused_unread_and_sizes_are_those_declared() {
+    // torch.save never compresses: a deflated record is refused before it inflates (here
+    // 64 KiB to 64 MiB; a crafted file, 40 MB to 40 GB).
+    let err = weights::read_state_dict(file("deflated.pth")).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::Archive { reason, .. }
+            if reason == "record 'deflated/data/0' is compressed, but torch.save writes \
+                          every record stored: save the file again with torch.save"),
+        "{err:?}"
+    );
+    // A record is read no further than one byte past the size its headers declare.
+    let err = weights::read_state_dict(file("long-record.pth")).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::Archive { reason, .. }
+            if reason == "record 'long-record/data/0' holds more bytes than the 16 its header \
+                          declares"),
+        "{err:?}"
+    );
+    // The declared size is checked against the storage before the record is read.
+    let err = weights::read_state_dict(file("declared-short.pth")).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::BadTensor { name, reason, .. }
+            if name == "t" && reason == "record 'declared-short/data/0' has 8 bytes, but its \
+                                         storage of 4 Float elements needs 16"),
+        "{err:?}"
+    );
+}

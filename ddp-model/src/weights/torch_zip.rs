@@ -211,38 +211,97 @@ fn archive_prefix<R: Read + Seek>(archive: &ZipArchive<R>) -> Option<String> {
         .map(str::to_string)
 }
 
-/// The bytes of record `name`. torch writes every record stored, and with
-/// `torch.serialization.set_crc32_options(False)` with a CRC of 0, which its reader does
-/// not check: such a record is read as it is, any other checked against its CRC.
+/// The bytes of record `name`.
 fn record<R: Read + Seek>(
     archive: &mut ZipArchive<R>,
     path: &Path,
     name: &str,
 ) -> Result<Vec<u8>, WeightsError> {
-    let archive_error = |e: &dyn std::fmt::Display| WeightsError::Archive {
-        path: path.to_owned(),
-        reason: format!("record '{name}': {e}"),
-    };
+    let (index, size) = find_record(archive, path, name)?;
+    read_record(archive, path, name, index, size)
+}
+
+/// The index of record `name` and the size its header declares. torch writes every record
+/// stored: a compressed one is refused before any of it is read, since it could inflate
+/// far past the file's own size.
+fn find_record<R: Read + Seek>(
+    archive: &mut ZipArchive<R>,
+    path: &Path,
+    name: &str,
+) -> Result<(usize, u64), WeightsError> {
     let Some(index) = archive.index_for_name(name) else {
         return Err(WeightsError::MissingRecord {
             path: path.to_owned(),
             record: name.to_string(),
         });
     };
-    let raw = archive.by_index_raw(index).map_err(|e| archive_error(&e))?;
-    let unchecked =
-        raw.crc32() == 0 && raw.compression() == CompressionMethod::Stored && !raw.encrypted();
-    let mut entry = if unchecked {
+    let raw = archive
+        .by_index_raw(index)
+        .map_err(|e| record_error(path, name, &e))?;
+    if raw.compression() != CompressionMethod::Stored {
+        return Err(WeightsError::Archive {
+            path: path.to_owned(),
+            reason: format!(
+                "record '{name}' is compressed, but torch.save writes every record stored: \
+                 save the file again with torch.save"
+            ),
+        });
+    }
+    Ok((index, raw.size()))
+}
+
+/// The `size` bytes of stored record `name`, at `index`. torch writes, with
+/// `torch.serialization.set_crc32_options(False)`, a CRC of 0, which its reader does not
+/// check: such a record is read as it is, any other checked against its CRC. A record that
+/// holds more or fewer bytes than its header declares is refused, read no further than one
+/// byte past the declared size.
+fn read_record<R: Read + Seek>(
+    archive: &mut ZipArchive<R>,
+    path: &Path,
+    name: &str,
+    index: usize,
+    size: u64,
+) -> Result<Vec<u8>, WeightsError> {
+    // A record lies before the central directory: a lying header reserves no more.
+    let capacity = size.min(archive.central_directory_start());
+    let raw = archive
+        .by_index_raw(index)
+        .map_err(|e| record_error(path, name, &e))?;
+    let entry = if raw.crc32() == 0 && !raw.encrypted() {
         raw
     } else {
         drop(raw);
-        archive.by_index(index).map_err(|e| archive_error(&e))?
+        archive
+            .by_index(index)
+            .map_err(|e| record_error(path, name, &e))?
     };
-    let mut bytes = Vec::with_capacity(usize::try_from(entry.size()).unwrap_or(0).min(1 << 30));
+    let mut bytes = Vec::with_capacity(usize::try_from(capacity).unwrap_or(0));
     entry
+        .take(size.saturating_add(1))
         .read_to_end(&mut bytes)
-        .map_err(|e| archive_error(&e))?;
+        .map_err(|e| record_error(path, name, &e))?;
+    if bytes.len() as u64 != size {
+        let more = if bytes.len() as u64 > size {
+            "more"
+        } else {
+            "fewer"
+        };
+        return Err(WeightsError::Archive {
+            path: path.to_owned(),
+            reason: format!(
+                "record '{name}' holds {more} bytes than the {size} its header declares"
+            ),
+        });
+    }
     Ok(bytes)
+}
+
+/// The archive error of record `name`: `record 'archive/data/0': <what>`.
+fn record_error(path: &Path, name: &str, what: &dyn std::fmt::Display) -> WeightsError {
+    WeightsError::Archive {
+        path: path.to_owned(),
+        reason: format!("record '{name}': {what}"),
+    }
 }
 
 /// The storages read so far, each once, as 1-D tensors by (key, kind).
@@ -317,20 +376,21 @@ impl<R: Read + Seek> Storages<'_, R> {
             return Ok(t.shallow_clone());
         }
         let record_name = format!("{}data/{}", self.prefix, s.key);
-        let mut bytes = record(&mut self.archive, self.path, &record_name)?;
+        let (index, size) = find_record(&mut self.archive, self.path, &record_name)?;
         let elt = kind.elt_size_in_bytes();
+        // Checked before the record is read: the header's size decides what is read.
         let expected = numel as u128 * elt as u128;
-        if bytes.len() as u128 != expected {
+        if u128::from(size) != expected {
             return Err(WeightsError::BadTensor {
                 path: self.path.to_owned(),
                 name: name.to_string(),
                 reason: format!(
-                    "record '{record_name}' has {} bytes, but its storage of {numel} {kind:?} \
-                     elements needs {expected}",
-                    bytes.len()
+                    "record '{record_name}' has {size} bytes, but its storage of {numel} \
+                     {kind:?} elements needs {expected}"
                 ),
             });
         }
+        let mut bytes = read_record(&mut self.archive, self.path, &record_name, index, size)?;
         if self.big_endian {
             // Complex numbers are two floats, each swapped on its own.
             let unit = match kind {
