@@ -405,28 +405,52 @@ pub fn run_checked<D>(
             .validate()
             .map_err(anyhow::Error::from)
             .and_then(|()| check())
-            .and_then(|()| launch::start_ranks(args.settings.out.as_deref(), nproc)),
+            .and_then(|()| {
+                let (out, device) = (args.settings.out.as_deref(), args.settings.runtime.device);
+                launch::start_ranks(out, device, nproc)
+            }),
         None => args
             .validate()
             .map_err(anyhow::Error::from)
             .and_then(|()| body())
             .map(|()| ExitCode::SUCCESS),
     };
+    finish(result)
+}
+
+/// Runs `body`, the whole of a rank's program that has no [`TrainArgs`] (the README's
+/// example), and gives the process's exit status as [`run`] does: success, 75
+/// ([`crate::EXIT_STOPPED`]) after a requested stop and its checkpoint, which launchers and
+/// schedulers requeue, and otherwise `error: ` and the error's chain on stderr, without a
+/// backtrace, and 1. (`fn main() -> Result<..>` would print the error's `Debug` form and
+/// exit 1 after a stop too.)
+pub fn exit_with(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
+    finish(body().map(|()| ExitCode::SUCCESS))
+}
+
+/// The exit status of a rank's failed program: 75 when the Trainer stopped on request
+/// (however the error was wrapped), else 1.
+fn failure_status(err: &anyhow::Error) -> u8 {
+    match err.downcast_ref::<TrainError>() {
+        Some(e) => e.exit_code(),
+        None => 1,
+    }
+}
+
+/// Prints a failure as a rank's program does and turns it into the exit status.
+fn finish(result: anyhow::Result<ExitCode>) -> ExitCode {
     match result {
         Ok(code) => code,
-        Err(err)
-            if err
-                .downcast_ref::<TrainError>()
-                .is_some_and(|e| e.exit_code() == crate::EXIT_STOPPED) =>
-        {
-            eprintln!("{err}");
-            ExitCode::from(crate::EXIT_STOPPED)
-        }
         Err(err) => {
-            // A missing folder or a bad setting is the user's to fix, not a bug: the message
-            // and its causes, without a backtrace (bugs panic, and keep theirs).
-            eprintln!("error: {}", describe_error(&err));
-            ExitCode::FAILURE
+            let status = failure_status(&err);
+            if status == crate::EXIT_STOPPED {
+                eprintln!("{err}");
+            } else {
+                // A missing folder or a bad setting is the user's to fix, not a bug: the
+                // message and its causes, without a backtrace (bugs panic, and keep theirs).
+                eprintln!("error: {}", describe_error(&err));
+            }
+            ExitCode::from(status)
         }
     }
 }
@@ -445,6 +469,30 @@ mod tests {
     use clap::{CommandFactory, Parser};
     use serde_json::Value;
     use std::collections::BTreeMap;
+
+    /// A stop on request gives 75 however the program wrapped the error (a requeue),
+    /// anything else 1.
+    #[test]
+    fn a_stop_on_request_exits_75_through_context() {
+        use crate::stop::StopReason;
+        let stopped = || TrainError::EvaluationStopped {
+            reason: StopReason::Signal(15),
+        };
+        assert_eq!(failure_status(&anyhow::Error::from(stopped())), 75);
+        let wrapped = anyhow::Error::from(stopped()).context("training the points");
+        assert_eq!(failure_status(&wrapped), 75);
+        let other = anyhow::Error::from(TrainError::Invalid("bad".into()));
+        assert_eq!(failure_status(&other), 1);
+        assert_eq!(failure_status(&anyhow::anyhow!("no TrainError")), 1);
+        assert_eq!(
+            format!("{:?}", exit_with(|| Err(stopped().into()))),
+            format!("{:?}", ExitCode::from(75))
+        );
+        assert_eq!(
+            format!("{:?}", exit_with(|| Ok(()))),
+            format!("{:?}", ExitCode::SUCCESS)
+        );
+    }
 
     #[derive(Parser)]
     struct Cli<D: Defaults = GenericDefaults> {
