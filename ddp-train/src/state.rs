@@ -3,7 +3,8 @@
 //! An epoch's checkpoint is two files in `<run>/checkpoints/`, each written atomically:
 //!
 //! - `epoch-NNNN.safetensors`: the model alone, with PyTorch's state-dict names, loadable by
-//!   `ddp_model::checkpoint::load` and by PyTorch's `load_state_dict(strict=True)`;
+//!   `ddp_model::checkpoint::load` and by PyTorch's `load_state_dict(strict=True)`; its
+//!   metadata holds its epoch and the settings it was trained under (as best models' does);
 //! - `epoch-NNNN.state.safetensors`: the optimizer's tensors (Adam's `exp_avg.<param>` and
 //!   `exp_avg_sq.<param>`, SGD's `momentum_buffer.<param>`) and, in the header's metadata
 //!   under `train_state`, the JSON of [`TrainState`].
@@ -33,7 +34,9 @@ use crate::scheduler::ReduceLrOnPlateau;
 
 mod best;
 mod legacy;
+mod record;
 pub use best::{Best, EarlyStopState};
+pub(crate) use record::{model_record, recorded};
 
 /// The metadata key that holds [`TrainState`]'s JSON.
 const STATE_KEY: &str = "train_state";
@@ -304,6 +307,7 @@ pub fn save(
         meta.insert("epoch_in_progress".to_owned(), p.epoch.to_string());
         meta.insert("step".to_owned(), p.step.to_string());
     }
+    meta.extend([model_record(&state.config)]);
     checkpoint::save(vs, &model_path, &meta)?;
     if state.position.is_none() {
         pause_if_injected(state.epoch);

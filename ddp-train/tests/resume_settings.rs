@@ -95,6 +95,14 @@ fn edit_state(state: &Path, edit: impl FnOnce(&mut Value)) {
     ddp_model::checkpoint::write_tensors(file.tensors, &file.metadata, state).unwrap();
 }
 
+/// Writes the model of the checkpoint `from` to `to` as an earlier version wrote a best model:
+/// recording its epoch alone, not the settings it was trained under.
+fn as_an_earlier_version(from: &Path, to: &Path) {
+    let mut file = ddp_model::checkpoint::read_tensors(from).unwrap();
+    file.metadata.retain(|key, _| key == "epoch");
+    ddp_model::checkpoint::write_tensors(file.tensors, &file.metadata, to).unwrap();
+}
+
 fn log_of(run: &Path) -> String {
     std::fs::read_to_string(run.join("logs/rank-0.log")).unwrap()
 }
@@ -342,8 +350,8 @@ fn refused_another_seed(models: &[(&Path, &Path)]) {
 
 /// An evaluation of a model trained with seed 3 is refused with another seed (the task's
 /// validation split derives from it), from a checkpoint (its state file's record) or a model
-/// file in the run's folder (its `config.json`'s); with seed 3 it evaluates, warning of a task
-/// key that differs from the run's.
+/// file of an earlier version in the run's folder (its `config.json`'s); with seed 3 it
+/// evaluates, warning of a task key that differs from the run's.
 #[test]
 fn an_evaluation_refuses_another_seed_than_the_models_run() {
     let _generator = hold_generator();
@@ -352,7 +360,7 @@ fn an_evaluation_refuses_another_seed_than_the_models_run() {
     train(task(json!({ "image_size": 32 })), settings(&run, 1));
     let epoch = run.join("checkpoints/epoch-0001.safetensors");
     let weights = run.join("model.safetensors");
-    std::fs::copy(&epoch, &weights).unwrap();
+    as_an_earlier_version(&epoch, &weights);
     let evaluation = |model: &Path, seed: u64, out: &str| {
         let mut s = settings(&tmp.path().join(out), 1).seed(seed);
         s.checkpoint.eval_only = true;
@@ -373,24 +381,72 @@ fn an_evaluation_refuses_another_seed_than_the_models_run() {
     );
     assert!(!log.contains("precision was"), "{log}");
     // Evaluated in another precision than the run evaluated in (autocast).
-    let mut s = settings(&tmp.path().join("bf16"), 1);
+    assert_eq!(
+        bf16_evaluation_warnings(&weights, &tmp.path().join("bf16")),
+        [format!(
+            "warning: precision was \"fp32\" in the run that trained the model ({}) and is \
+             \"bf16\" in this evaluation: give \"fp32\" to evaluate it as it was trained",
+            run.join("config.json").display()
+        )]
+    );
+}
+
+/// The warnings of a changed setting of an evaluation of `model` in bf16 into `out`, on the
+/// task described as `{"image_size": 32}`.
+fn bf16_evaluation_warnings(model: &Path, out: &Path) -> Vec<String> {
+    let mut s = settings(out, 1);
     s.checkpoint.eval_only = true;
-    s.checkpoint.resume = Some(weights.to_str().unwrap().into());
+    s.checkpoint.resume = Some(model.to_str().unwrap().into());
     s.precision = ddp_train::Precision::Bf16;
     start(task(json!({ "image_size": 32 })), s)
         .unwrap()
         .evaluate()
         .unwrap();
-    let log = log_of(&tmp.path().join("bf16"));
-    let warnings: Vec<&str> = log.lines().filter(|l| l.contains(" was ")).collect();
+    let log = log_of(out);
+    log.lines()
+        .filter(|l| l.contains(" was "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// A best model records the settings it was made under: of a run trained in fp32 and resumed
+/// in bf16, whose best model stays epoch 1's (its `lr` never falls), the best model records
+/// fp32 and the resumed epoch's checkpoint bf16, and an evaluation of the best model in bf16
+/// warns of fp32, naming the model's record, though `config.json` now holds bf16.
+#[test]
+fn a_best_model_records_the_precision_it_was_trained_in_across_a_resume() {
+    let _generator = hold_generator();
+    let tmp = common::temp_dir("ddp-train-best-record");
+    let run = tmp.path().join("run");
+    let s = settings(&run, 1).monitor(ddp_train::Monitor::min("lr", "best-lr.safetensors"));
+    train(task(json!({ "image_size": 32 })), s.clone());
+    let mut bf16 = resumed(s, 2);
+    bf16.precision = ddp_train::Precision::Bf16;
+    train(task(json!({ "image_size": 32 })), bf16);
+    let best = run.join("best-lr.safetensors");
+    let metadata = |file: &Path| ddp_model::checkpoint::read_tensors(file).unwrap().metadata;
+    let precision = |file: &Path| -> Value {
+        let record: Value = serde_json::from_str(&metadata(file)["trained_under"]).unwrap();
+        record["settings"]["precision"].clone()
+    };
+    assert_eq!(metadata(&best)["epoch"], "1");
+    assert_eq!(precision(&best), "fp32");
     assert_eq!(
-        warnings,
+        precision(&run.join("checkpoints/epoch-0002.safetensors")),
+        "bf16"
+    );
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["settings"]["precision"], "bf16");
+
+    assert_eq!(
+        bf16_evaluation_warnings(&best, &tmp.path().join("evaluated")),
         [format!(
-            "warning: precision was \"fp32\" in the run that trained the model ({}) and is \
-             \"bf16\" in this evaluation: give \"fp32\" to evaluate it as it was trained",
-            run.join("config.json").display()
-        )],
-        "{log}"
+            "warning: precision was \"fp32\" in the run that trained the model ({}, its own \
+             record) and is \"bf16\" in this evaluation: give \"fp32\" to evaluate it as it \
+             was trained",
+            best.display()
+        )]
     );
 }
 
@@ -412,7 +468,7 @@ fn an_evaluation_refuses_another_seed_than_an_earlier_versions_run() {
         },
     );
     let weights = run.join("model.safetensors");
-    std::fs::copy(&epoch, &weights).unwrap();
+    as_an_earlier_version(&epoch, &weights);
     let config = run.join("config.json");
     std::fs::write(&config, r#"{"config": {"data": "data", "seed": 3}}"#).unwrap();
     refused_another_seed(&[(&epoch, &epoch), (&weights, &config)]);

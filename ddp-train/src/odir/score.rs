@@ -33,6 +33,10 @@ pub struct LoadedCheckpoint {
     /// The epoch the file records (`"epoch"` in a safetensors header, as the training writes
     /// it), from the read that gave the weights; `None` for a file without one.
     pub epoch: Option<u64>,
+    /// The settings and task the file records it was trained under (a best model or
+    /// checkpoint the training wrote), from the same read; `None` for a file without them
+    /// (an earlier version's, another program's).
+    pub trained_under: Option<serde_json::Value>,
 }
 
 /// Reads the model's weights from `model.checkpoint` into `vs` (on the CPU): a model file of
@@ -63,16 +67,16 @@ pub fn load_checkpoint(
     };
     let loaded = read.and_then(|state| {
         let report = weights::load_state_dict(vs, &state, Strictness::Strict)?;
-        Ok((
-            report,
-            state.metadata().get("epoch").and_then(|e| e.parse().ok()),
-        ))
+        let metadata = state.metadata();
+        let epoch = metadata.get("epoch").and_then(|e| e.parse().ok());
+        Ok((report, epoch, crate::state::recorded(metadata)))
     });
     match loaded {
-        Ok((report, epoch)) => Ok(LoadedCheckpoint {
+        Ok((report, epoch, trained_under)) => Ok(LoadedCheckpoint {
             report,
             file,
             epoch,
+            trained_under,
         }),
         Err(e @ WeightsError::SeveralStateDicts { .. }) => {
             Err(TrainError::Invalid(format!("{e} (--checkpoint-key)")))
@@ -119,10 +123,15 @@ impl LoadedModel {
     }
 }
 
-/// What the run that trained the model recorded, when the model file lies in a run directory
-/// whose `config.json` records it (a run's `best-*.safetensors`, its
-/// `checkpoints/epoch-*.safetensors`, or the run directory): that file, and its record.
-fn run_record(checkpoint: &Path) -> Option<(PathBuf, serde_json::Value)> {
+/// What the run that trained the model recorded, and where (for the warnings): the settings
+/// the file read, `loaded`, records it was trained under (a best model or checkpoint of the
+/// training's), else the `config.json` of the run directory `checkpoint` lies in or is (an
+/// earlier version's file; `config.json` holds the settings of the run's last start).
+fn run_record(checkpoint: &Path, loaded: &LoadedCheckpoint) -> Option<(String, serde_json::Value)> {
+    if let Some(own) = &loaded.trained_under {
+        let file = format!("{}, its own record", loaded.file.display());
+        return Some((file, own.clone()));
+    }
     let run = if checkpoint.is_dir() {
         crate::state::run_of(checkpoint)
     } else {
@@ -132,7 +141,7 @@ fn run_record(checkpoint: &Path) -> Option<(PathBuf, serde_json::Value)> {
     let record = std::fs::read_to_string(&config)
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())?;
-    Some((config, record))
+    Some((config.display().to_string(), record))
 }
 
 /// The `--eye-combine` a run's `record` holds (`None` for a run that recorded none).
@@ -142,9 +151,9 @@ fn recorded_eye_combine(record: &serde_json::Value) -> Option<EyeCombine> {
 }
 
 /// The settings of `c` that differ from those the run that trained the model recorded in
-/// `record` (read from `config`), as warnings: the transform, the eyes' combination and the
+/// `record` (read from `source`), as warnings: the transform, the eyes' combination and the
 /// precision. A setting the record lacks (an older run's) is not compared.
-fn training_differences(c: &TrainConfig, config: &Path, record: &serde_json::Value) -> Vec<String> {
+fn training_differences(c: &TrainConfig, source: &str, record: &serde_json::Value) -> Vec<String> {
     let trained = |key: &str| record.get("task").and_then(|t| t.get(key)).cloned();
     let mut lines = Vec::new();
     let mut differs = |flag: &str, then: String, now: String| {
@@ -155,9 +164,8 @@ fn training_differences(c: &TrainConfig, config: &Path, record: &serde_json::Val
         };
         if then != now {
             lines.push(format!(
-                "the model was trained with {flag} {then} ({}) and is scored with {now}: give \
-                 {flag} {then} {why}",
-                config.display()
+                "the model was trained with {flag} {then} ({source}) and is scored with {now}: \
+                 give {flag} {then} {why}"
             ));
         }
     };
@@ -268,12 +276,12 @@ pub fn score(
     let (rank, world) = (pg.rank(), pg.world_size());
     // Rank 0 alone warns, and alone reads what its run recorded.
     let record = if rank == 0 {
-        run_record(checkpoint)
+        run_record(checkpoint, &loaded)
     } else {
         None
     };
-    if let Some((config, recorded)) = &record {
-        for line in training_differences(c, config, recorded) {
+    if let Some((source, recorded)) = &record {
+        for line in training_differences(c, source, recorded) {
             tracing::warn!("warning: {line}");
         }
     }
@@ -439,21 +447,73 @@ fn chain(e: &TrainError) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+
     use clap::Parser;
 
-    use super::{run_record, training_differences, TrainConfig};
+    use super::{load_checkpoint, run_record, training_differences, ModelFile, TrainConfig};
 
-    /// The warnings for a model file in a run directory whose `config.json` is `config`,
-    /// scored with `flags`.
-    fn differences(config: &str, flags: &[&str]) -> Vec<String> {
+    /// The warnings for `best-score.safetensors` in a run directory whose `config.json` is
+    /// `config`, recording the run's record `own` (`None`: a file of an earlier version, which
+    /// records none), scored with `flags`; and that file.
+    fn scored_against(config: &str, own: Option<&str>, flags: &[&str]) -> (Vec<String>, PathBuf) {
         let tmp = ddp_testkit::temp_dir("ddp-train-training-differences");
         std::fs::write(tmp.path().join("config.json"), config).unwrap();
         let model = tmp.path().join("best-score.safetensors");
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let _ = vs.root().zeros("w", &[1]);
+        let mut meta = std::collections::HashMap::from([("epoch".into(), "3".into())]);
+        if let Some(own) = own {
+            meta.extend([crate::state::model_record(
+                &serde_json::from_str(own).unwrap(),
+            )]);
+        }
+        ddp_model::checkpoint::save(&vs, &model, &meta).unwrap();
+        let file = ModelFile {
+            checkpoint: model.clone(),
+            key: None,
+        };
+        let loaded = load_checkpoint(&vs, &file).unwrap();
         let args = ["ddp-train", "--data", "d", "--image-size", "32"];
         let c = TrainConfig::try_parse_from(args.iter().chain(flags)).unwrap();
-        let (file, record) = run_record(&model).unwrap();
-        assert_eq!(file, tmp.path().join("config.json"));
-        training_differences(&c, &file, &record)
+        let (source, record) = run_record(&model, &loaded).unwrap();
+        (training_differences(&c, &source, &record), model)
+    }
+
+    /// The warnings for a model file of an earlier version in a run directory whose
+    /// `config.json` is `config`, scored with `flags`.
+    fn differences(config: &str, flags: &[&str]) -> Vec<String> {
+        scored_against(config, None, flags).0
+    }
+
+    /// A best model is compared with the settings it records it was made under: of a run
+    /// trained in fp32 and resumed in bf16 (which `config.json` now holds), the best model of
+    /// an fp32 epoch scored in bf16 is advised fp32, and scored in fp32 warns of nothing. A
+    /// model of an earlier version, which records none, is compared with `config.json`.
+    #[test]
+    fn a_model_is_compared_with_its_own_record_before_config_json() {
+        let task = r#""image_size": 32, "normalize": "none", "eval_resize": null"#;
+        let record = |precision: &str| {
+            format!(r#"{{"settings": {{"precision": "{precision}"}}, "task": {{{task}}}}}"#)
+        };
+        let (config, own) = (record("bf16"), record("fp32"));
+        let warning = |then: &str, now: &str, source: &str| {
+            format!(
+                "the model was trained with --precision {then} ({source}) and is scored with \
+                 {now}: give --precision {then} to score it as its run evaluated it"
+            )
+        };
+        let (lines, model) = scored_against(&config, Some(&own), &["--precision", "bf16"]);
+        let source = format!("{}, its own record", model.display());
+        assert_eq!(lines, [warning("fp32", "bf16", &source)]);
+        let given = ["--precision", "fp32"];
+        let (lines, _) = scored_against(&config, Some(&own), &given);
+        assert_eq!(lines, Vec::<String>::new());
+        // An earlier version's best model: config.json's precision.
+        let (lines, model) = scored_against(&config, None, &given);
+        let config_json = model.with_file_name("config.json");
+        let source = config_json.display().to_string();
+        assert_eq!(lines, [warning("bf16", "fp32", &source)]);
     }
 
     /// The resizes compare as applied: an explicit `--eval-resize` equal to the default of the

@@ -174,11 +174,16 @@ impl<T: Task> Trainer<T> {
             plan: Some(self.plan),
             frozen: self.frozen.clone(),
             bucket_order: self.ddp.bucket_order(),
-            config: serde_json::json!({
-                "settings": self.settings,
-                "task": self.task.describe(),
-            }),
+            config: self.run_config(),
         }
+    }
+
+    /// The run's settings and task, as its checkpoints and `config.json` record them.
+    pub(super) fn run_config(&self) -> serde_json::Value {
+        serde_json::json!({
+            "settings": self.settings,
+            "task": self.task.describe(),
+        })
     }
 }
 
@@ -271,9 +276,10 @@ pub(super) struct Recorded {
 }
 
 /// Loads the model file `path` into `vs` for an evaluation, and returns what the run that
-/// trained it recorded: a checkpoint's state file, else the `config.json` of the run
-/// directory it lies in (a best-model file). `None` for a file of no run (another
-/// program's): nothing can be checked against it.
+/// trained it recorded: a checkpoint's state file, else the file's own record of the
+/// settings it was written under (a best model's), else the `config.json` of the run
+/// directory it lies in (an earlier version's best model; the run's last start's settings).
+/// `None` for a file of no run (another program's): nothing can be checked against it.
 pub(super) fn load_evaluated(
     vs: &tch::nn::VarStore,
     path: &Path,
@@ -288,26 +294,24 @@ pub(super) fn load_evaluated(
             }));
         }
     }
-    ddp_model::checkpoint::load(vs, path)?;
-    let config = path
-        .parent()
-        .map(|dir| state::run_of(dir).join("config.json"));
-    let Some(config) = config else {
-        return Ok(None);
+    let metadata = ddp_model::checkpoint::load(vs, path)?;
+    let recorded = match state::recorded(&metadata) {
+        Some(own) => Some((own, format!("{}, its own record", path.display()))),
+        None => path
+            .parent()
+            .map(|dir| state::run_of(dir).join("config.json"))
+            .and_then(|config| {
+                let text = std::fs::read_to_string(&config).ok()?;
+                let record = serde_json::from_str::<serde_json::Value>(&text).ok()?;
+                Some((record, config.display().to_string()))
+            }),
     };
-    let recorded = std::fs::read_to_string(&config)
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
-    Ok(recorded.map(|record| {
+    Ok(recorded.map(|(record, file)| {
         // The first version recorded its command line under `config`.
         let seed = [&record["settings"], &record["config"]]
             .iter()
             .find_map(|r| r["seed"].as_u64());
-        Recorded {
-            record,
-            file: config.display().to_string(),
-            seed,
-        }
+        Recorded { record, file, seed }
     }))
 }
 

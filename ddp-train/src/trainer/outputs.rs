@@ -49,7 +49,12 @@ impl<T: Task> Trainer<T> {
             .map_err(|e| TrainError::io(format!("cannot write {}", metrics_path.display()), e))?;
         self.history.push(m.clone());
         self.draw_curves();
-        let meta = std::collections::HashMap::from([("epoch".to_owned(), m.epoch.to_string())]);
+        // A best model records the settings it was made under: a resume with others rewrites
+        // config.json, not the best models of the epochs before it.
+        let meta = std::collections::HashMap::from([
+            ("epoch".to_owned(), m.epoch.to_string()),
+            state::model_record(&self.run_config()),
+        ]);
         let mut best_notes = Vec::new();
         for monitor in &self.settings.monitors {
             let value = watched(m, &monitor.metric, "a best-model monitor")?;
