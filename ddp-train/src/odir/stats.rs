@@ -220,20 +220,29 @@ impl Stats for OdirStats {
         self.rows = rows;
     }
 
+    /// Before any patient, the challenge's numbers are NaN (the same names either way).
     fn report(&self) -> Metrics {
-        let mut m = self.eyes.report();
-        if let Some(c) = self.challenge() {
-            m = m
-                .number("odir_kappa", c.kappa)
-                .number("odir_f1", c.f1)
-                .number("odir_auc", c.auc)
-                .number("odir_score", c.score)
-                .list("odir_auc_per_class", c.auc_per_class);
-            if self.tune_thresholds {
-                m = m.list("odir_thresholds", self.tuned_thresholds());
-            }
+        let challenge = self.challenge();
+        let c = challenge.unwrap_or(ChallengeScores {
+            kappa: f64::NAN,
+            f1: f64::NAN,
+            auc: f64::NAN,
+            score: f64::NAN,
+            auc_per_class: [f64::NAN; 8],
+        });
+        let m = self
+            .eyes
+            .report()
+            .number("odir_kappa", c.kappa)
+            .number("odir_f1", c.f1)
+            .number("odir_auc", c.auc)
+            .number("odir_score", c.score)
+            .list("odir_auc_per_class", c.auc_per_class);
+        match (self.tune_thresholds, challenge) {
+            (true, Some(_)) => m.list("odir_thresholds", self.tuned_thresholds()),
+            (true, None) => m.list("odir_thresholds", [f64::NAN; 8]),
+            (false, _) => m,
         }
-        m
     }
 
     fn details(&self) -> Metrics {
@@ -263,5 +272,48 @@ impl Stats for OdirStats {
                 "tuned_on_patients": self.patient_predictions().rows.len(),
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+
+    /// Two patients of one eye each, a normal one and a diabetic one.
+    fn patients() -> Arc<Patients> {
+        let sample = |id: u64, disease: usize| {
+            let mut labels = [0.0; 8];
+            labels[disease] = 1.0;
+            Sample {
+                path: PathBuf::from(format!("{id}_left.jpg")),
+                patient_id: id,
+                labels,
+                patient_labels: Some(labels),
+            }
+        };
+        Arc::new(Patients::new(&[sample(1, 0), sample(2, 1)]))
+    }
+
+    /// A fresh report names every metric a scored one does (NaN before any patient),
+    /// `odir_score` included: its names do not depend on the samples.
+    #[test]
+    fn a_fresh_report_names_what_a_scored_one_does() {
+        for tune in [false, true] {
+            let fresh = OdirStats::new(patients(), EyeCombine::Max, tune).report();
+            let mut scored = OdirStats::new(patients(), EyeCombine::Max, tune);
+            let mut rows = Rows::new(LABELS.len());
+            rows.push(0, &[0.9, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+            rows.push(1, &[0.2, 0.8, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+            scored.set_rows(rows);
+            let scored = scored.report().into_map();
+            assert_eq!(scored["odir_score"], 1.0, "{scored:?}");
+            let fresh = fresh.into_map();
+            let keys = |m: &serde_json::Map<String, Value>| m.keys().cloned().collect::<Vec<_>>();
+            assert_eq!(keys(&fresh), keys(&scored));
+            assert_eq!(fresh["odir_score"], Value::Null);
+            assert_eq!(fresh.contains_key("odir_thresholds"), tune);
+        }
     }
 }
