@@ -22,6 +22,10 @@ pub trait Stats {
 
     /// The metrics of an epoch's report (`metrics.jsonl`), by name: numbers or lists.
     /// Names that [`crate::Monitor`] or [`crate::lr_schedule::Plateau`] watch must be numbers.
+    /// The names must be the same whether or not any sample was added (a metric of no
+    /// sample is NaN, not left out): the Trainer checks at start what the plateau scheduler,
+    /// early stopping and best-model monitors watch against the report of a fresh
+    /// [`Task::new_stats`], rather than fail after the first epoch.
     fn report(&self) -> Metrics;
 
     /// Per-sample rows that cannot be summed (the scores an AUC ranks), keyed by each

@@ -280,6 +280,8 @@ mod tests {
     use std::path::PathBuf;
 
     use super::*;
+    use crate::cli::Defaults;
+    use crate::odir::OdirDefaults;
 
     /// Two patients of one eye each, a normal one and a diabetic one.
     fn patients() -> Arc<Patients> {
@@ -296,8 +298,8 @@ mod tests {
         Arc::new(Patients::new(&[sample(1, 0), sample(2, 1)]))
     }
 
-    /// A fresh report names every metric a scored one does (NaN before any patient),
-    /// `odir_score` included: its names do not depend on the samples.
+    /// The Trainer checks what ODIR's defaults watch against a fresh report at start: it
+    /// names every metric a scored one does (NaN before any patient), `odir_score` included.
     #[test]
     fn a_fresh_report_names_what_a_scored_one_does() {
         for tune in [false, true] {
@@ -314,6 +316,7 @@ mod tests {
             assert_eq!(keys(&fresh), keys(&scored));
             assert_eq!(fresh["odir_score"], Value::Null);
             assert_eq!(fresh.contains_key("odir_thresholds"), tune);
+            assert_eq!(OdirDefaults::settings().check_watched(Some(&fresh)), Ok(()));
         }
     }
 }

@@ -11,6 +11,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 
 use crate::amp::Precision;
 use crate::ddp::DdpOptions;
@@ -628,20 +629,27 @@ impl Settings {
         Ok(())
     }
 
-    /// For a task without validation data: what the plateau scheduler, early stopping (with
-    /// a patience) and each best-model monitor watch must be a number of an epoch's report
-    /// without evaluation (`EpochReport::metric`: `train_loss`, `lr`, and `grad_norm` when
-    /// clipping), or the first epoch would train and then fail without its checkpoint.
-    pub(crate) fn check_watched_without_validation(&self) -> Result<(), SettingError> {
-        let mut known = vec!["train_loss", "lr"];
-        if self.clip_grad_norm.is_some() {
-            known.push("grad_norm");
-        }
+    /// What the plateau scheduler, early stopping (with a patience) and each best-model
+    /// monitor watch must be a number of an epoch's report ([`crate::report::numbers`]), or
+    /// the first epoch would train and then fail without its checkpoint. `stats` is a fresh
+    /// `Stats::report` of a task with validation data (its keys are those of every epoch's),
+    /// `None` for a task without.
+    pub(crate) fn check_watched(
+        &self,
+        stats: Option<&Map<String, Value>>,
+    ) -> Result<(), SettingError> {
+        let known = crate::report::numbers(self.clip_grad_norm.is_some(), stats);
+        let (why, otherwise) = match stats {
+            Some(_) => (", which", ""),
+            None => (
+                ": the task has no validation data (Task::val_data is None), so the report",
+                ", or give the task validation data",
+            ),
+        };
         let missing = || {
             format!(
-                ", is no number of an epoch's report: the task has no validation data \
-                 (Task::val_data is None), so the report holds only {}; watch one of them, \
-                 or give the task validation data",
+                ", is no number of an epoch's report{why} holds only {}; watch one of \
+                 them{otherwise}",
                 known.join(", ")
             )
         };
@@ -687,9 +695,73 @@ impl Settings {
 mod tests {
     use super::*;
     use crate::lr_schedule::Plateau;
+    use crate::task::Stats;
 
     fn error(s: Settings) -> String {
         s.validate().unwrap_err().to_string()
+    }
+
+    /// With validation data, what is watched must be a number of a fresh `Stats::report`
+    /// (here `MultiClassStats`', before any sample): its numbers pass, as do the epoch's own;
+    /// a misspelling, a list or `grad_norm` without clipping is refused by each watcher,
+    /// naming the numbers.
+    #[test]
+    fn watched_metrics_are_numbers_of_a_fresh_report() {
+        let stats = crate::MultiClassStats::new(3).report().into_map();
+        let watching = |metric: &str, clip: Option<f64>| {
+            let plateau = LrSchedule::Plateau(Plateau::max(metric));
+            let early = EarlyStopping::max(metric).after(2);
+            let monitor = Settings::default().monitor(Monitor::max(metric, "best.safetensors"));
+            [
+                Settings::default().lr_schedule(plateau),
+                Settings::default().early_stopping(early),
+                monitor,
+            ]
+            .map(|s| s.clip_grad_norm(clip).check_watched(Some(&stats)))
+        };
+        for metric in [
+            "val_accuracy",
+            "val_macro_f1",
+            "val_loss",
+            "train_loss",
+            "lr",
+        ] {
+            assert_eq!(watching(metric, None), [Ok(()), Ok(()), Ok(())], "{metric}");
+        }
+        assert_eq!(watching("grad_norm", Some(1.0)), [Ok(()), Ok(()), Ok(())]);
+        let numbers = "train_loss, lr, val_loss, val_accuracy, val_macro_f1, val_micro_f1";
+        for (metric, clip, known) in [
+            ("val_macro_f", None, numbers.to_string()),
+            ("val_f1_per_class", None, numbers.to_string()),
+            ("grad_norm", None, numbers.to_string()),
+            (
+                "val_acc",
+                Some(1.0),
+                numbers.replace("lr,", "lr, grad_norm,"),
+            ),
+        ] {
+            let tail = format!(
+                " watches, is no number of an epoch's report, which holds only {known}; watch \
+                 one of them"
+            );
+            let (m, patience) = (format!("'{metric}', which"), "(early_stopping.patience 2)");
+            let expected = [
+                (
+                    "lr_schedule.metric",
+                    format!("lr_schedule.metric {m} lr_schedule.kind plateau{tail}"),
+                ),
+                (
+                    "early_stopping.metric",
+                    format!("early_stopping.metric {m} early stopping {patience}{tail}"),
+                ),
+                (
+                    "monitors",
+                    format!("monitors: {m} the best-model file best.safetensors{tail}"),
+                ),
+            ];
+            let errors = watching(metric, clip).map(|r| r.unwrap_err());
+            assert_eq!(errors.map(|e| (e.field(), e.to_string())), expected);
+        }
     }
 
     #[test]

@@ -31,7 +31,7 @@ use crate::scheduler::ReduceLrOnPlateau;
 use crate::settings::{Settings, MAX_COUNT};
 use crate::state::{self, EarlyStopState};
 use crate::stop::Budget;
-use crate::task::Task;
+use crate::task::{Stats, Task};
 
 impl<T: Task> Trainer<T> {
     /// Prepares this process as one rank, from torchrun's environment (`RANK`,
@@ -66,8 +66,11 @@ impl<T: Task> Trainer<T> {
             .place(env.local_rank, env.local_world_size)?;
         let train_set = task.train_data();
         let val_set = task.val_data();
-        if val_set.is_none() && !settings.checkpoint.eval_only {
-            settings.check_watched_without_validation()?;
+        if !settings.checkpoint.eval_only {
+            let stats = val_set
+                .as_ref()
+                .map(|_| task.new_stats().report().into_map());
+            settings.check_watched(stats.as_ref())?;
         }
         let resume_from = match &settings.checkpoint.resume {
             Some(r) => Some(state::resolve(r, settings.out.as_deref())?),
