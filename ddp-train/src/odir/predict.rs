@@ -44,8 +44,8 @@ pub struct PredictArgs {
     #[command(flatten)]
     pub model: ModelFile,
 
-    /// Per-class thresholds for decisions.csv: a JSON file with `"thresholds": [8 numbers]`
-    /// as `--tune-thresholds` writes beside each best model. Default: `<checkpoint>.json`
+    /// Per-class thresholds for decisions.csv: a JSON file with `"thresholds": [8 numbers in
+    /// 0..=1]` as `--tune-thresholds` writes beside each best model. Default: `<checkpoint>.json`
     /// where it exists (refused when it records another epoch than the checkpoint), else 0.5
     /// for every class.
     #[arg(long, value_name = "FILE")]
@@ -343,13 +343,22 @@ fn read_thresholds(
     }
     let mut thresholds = [0.0; 8];
     for (k, (t, v)) in thresholds.iter_mut().zip(list).enumerate() {
-        *t = v.as_f64().filter(|t| t.is_finite()).ok_or_else(|| {
+        let refused = |what: &str| {
             bad(format!(
-                "threshold {} (class {}) is {v}, not a finite number",
+                "threshold {} (class {}) is {v}, not {what}",
                 k + 1,
                 LABELS[k]
             ))
-        })?;
+        };
+        *t = v
+            .as_f64()
+            .filter(|t| t.is_finite())
+            .ok_or_else(|| refused("a finite number"))?;
+        // They are compared with probabilities: 50 (a percentage) would decide 0 for every
+        // patient, a negative threshold 1.
+        if !(0.0..=1.0).contains(t) {
+            return Err(refused("a probability in 0..=1"));
+        }
     }
     if let Some(classes) = doc.get("classes") {
         let names: Option<Vec<&str>> = classes
@@ -535,7 +544,14 @@ mod tests {
             )
         );
         let refused = |text: &str, why: &str| match read(text) {
-            Err(TrainError::Invalid(e)) => assert!(e.contains(why), "{e}"),
+            Err(TrainError::Invalid(e)) => assert_eq!(
+                e,
+                format!(
+                    "--thresholds {}: {why}; expected a JSON object with \"thresholds\": [8 \
+                     numbers in N, D, G, C, A, H, M, O order], as --tune-thresholds writes",
+                    file.display()
+                )
+            ),
             other => panic!("{text}: {other:?}"),
         };
         refused(
@@ -550,6 +566,18 @@ mod tests {
             r#"{"thresholds": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, null]}"#,
             "threshold 8 (class O) is null, not a finite number",
         );
+        // They are compared with probabilities: percentages typed by hand decided 0 for
+        // every patient, a negative threshold 1.
+        refused(
+            r#"{"thresholds": [50, 40, 50, 50, 50, 50, 50, 30]}"#,
+            "threshold 1 (class N) is 50, not a probability in 0..=1",
+        );
+        refused(
+            r#"{"thresholds": [0.5, 0.5, 0.5, 0.5, 0.5, -0.1, 0.5, 0.5]}"#,
+            "threshold 6 (class H) is -0.1, not a probability in 0..=1",
+        );
+        let bounds = read(r#"{"thresholds": [0, 1, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5]}"#).unwrap();
+        assert_eq!(bounds.0, [0.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5]);
         refused(
             r#"{"classes": ["N","D","G","C","A","H","O","M"],
                 "thresholds": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]}"#,
