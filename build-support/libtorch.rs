@@ -34,9 +34,33 @@ fn libtorch_lib() -> Option<std::path::PathBuf> {
     Some(lib)
 }
 
-/// Adds the run-time path to libtorch's library folder to everything this crate links.
+/// Adds the run-time path to libtorch's library folder to everything this crate links; fails
+/// the build when the folder cannot be one (see [`rpath_lines`]).
+#[allow(dead_code)] // xtask's test of `rpath_lines` includes this file too.
 fn libtorch_rpath() {
     if let Some(lib) = libtorch_lib() {
-        println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+        match rpath_lines(&lib) {
+            Ok(lines) => lines.iter().for_each(|line| println!("{line}")),
+            Err(message) => panic!("{message}"),
+        }
     }
+}
+
+/// The build-script lines that give the linker the run path `lib`: each word its own
+/// argument, through `-Xlinker`, since the compiler driver splits `-Wl,` at commas (a clone
+/// under `/home/u/exp,v2`). An error when `lib` holds a `:`, which the dynamic loader reads as
+/// a separator between run paths.
+fn rpath_lines(lib: &std::path::Path) -> Result<Vec<String>, String> {
+    let lib = lib.display().to_string();
+    if lib.contains(':') {
+        return Err(format!(
+            "libtorch's library folder '{lib}' contains ':', which the dynamic loader reads as \
+             a separator between run paths: move it (or the checkout, for `.deps`) to a path \
+             without ':' and point LIBTORCH there"
+        ));
+    }
+    Ok(["-Xlinker", "-rpath", "-Xlinker", &lib]
+        .iter()
+        .map(|arg| format!("cargo:rustc-link-arg={arg}"))
+        .collect())
 }

@@ -6,6 +6,9 @@ use std::fs;
 use std::path::Path;
 use std::process::Command;
 
+// The build scripts' code, to call its parts directly.
+include!("../../build-support/libtorch.rs");
+
 /// Builds the crate in `dir` with `LIBTORCH` = `libtorch` and returns the run paths of its
 /// binary, as `readelf -d` lists them, and whether its build script ran.
 fn build_and_read_run_paths(dir: &Path, libtorch: &Path) -> (String, bool) {
@@ -77,7 +80,8 @@ fn a_venv_made_again_elsewhere_is_the_binaries_new_run_path() {
         fs::write(libtorch.join("build-version"), "2.13.0\n").unwrap();
         lib
     };
-    let a = install("a");
+    // A comma in the folder: `-Wl,-rpath,<folder>` would split it into two arguments.
+    let a = install("a,v2");
     let (first, ran) = build_and_read_run_paths(&krate, &libtorch);
     assert!(ran);
     assert!(first.contains(&format!("[{}]", a.display())), "{first}");
@@ -89,10 +93,29 @@ fn a_venv_made_again_elsewhere_is_the_binaries_new_run_path() {
     assert_eq!(same, first);
 
     // The venv made again with another Python: the old folder is gone.
-    fs::remove_dir_all(tmp.join("a")).unwrap();
+    fs::remove_dir_all(tmp.join("a,v2")).unwrap();
     let b = install("b");
     let (second, ran) = build_and_read_run_paths(&krate, &libtorch);
     assert!(ran);
     assert!(second.contains(&format!("[{}]", b.display())), "{second}");
     assert!(!second.contains(&a.display().to_string()), "{second}");
+}
+
+#[test]
+fn the_run_path_is_passed_whole_and_a_colon_is_refused() {
+    let lines = rpath_lines(Path::new("/home/u/exp,v2/my venv/torch/lib")).unwrap();
+    assert_eq!(
+        lines,
+        [
+            "cargo:rustc-link-arg=-Xlinker",
+            "cargo:rustc-link-arg=-rpath",
+            "cargo:rustc-link-arg=-Xlinker",
+            "cargo:rustc-link-arg=/home/u/exp,v2/my venv/torch/lib",
+        ]
+    );
+    let error = rpath_lines(Path::new("/data/run:2/torch/lib")).unwrap_err();
+    assert!(
+        error.starts_with("libtorch's library folder '/data/run:2/torch/lib' contains ':'"),
+        "{error}"
+    );
 }
