@@ -189,17 +189,19 @@ pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
     }
     let patients = scored.stats.patient_predictions();
     // Every rank has the same list; rank 0 names them.
-    for id in patients.one_eye.iter().filter(|_| scored.rank == 0) {
-        let eye = scored
-            .set
-            .samples()
-            .iter()
-            .find(|s| s.patient_id == *id)
-            .map(|s| file_name(&s.path))
-            .unwrap_or_default();
-        tracing::warn!(
-            "patient {id} has one image only ({eye}): its prediction is that eye's alone"
-        );
+    if scored.rank == 0 {
+        let eye = |id: u64| {
+            scored
+                .set
+                .samples()
+                .iter()
+                .find(|s| s.patient_id == id)
+                .map(|s| file_name(&s.path))
+                .unwrap_or_default()
+        };
+        if let Some(warning) = one_eye_warning(&patients.one_eye, eye) {
+            tracing::warn!("{warning}");
+        }
     }
     let mut files = Vec::new();
     if scored.rank == 0 {
@@ -432,6 +434,38 @@ fn belongs_to_model(
     )))
 }
 
+/// The warning for the patients predicted from one image (`eye` names it), one line
+/// however many: the first [`ONE_EYE_SHOWN`] and how many more, as a folder of left eyes
+/// only has thousands.
+fn one_eye_warning(one_eye: &[u64], eye: impl Fn(u64) -> String) -> Option<String> {
+    match one_eye {
+        [] => None,
+        [id] => Some(format!(
+            "patient {id} has one image only ({}): its prediction is that eye's alone",
+            eye(*id)
+        )),
+        _ => {
+            let shown: Vec<String> = one_eye
+                .iter()
+                .take(ONE_EYE_SHOWN)
+                .map(|&id| format!("{id} ({})", eye(id)))
+                .collect();
+            let more = match one_eye.len().saturating_sub(ONE_EYE_SHOWN) {
+                0 => String::new(),
+                n => format!(" and {n} more"),
+            };
+            Some(format!(
+                "{} patients have one image only, each predicted from that eye alone: {}{more}",
+                one_eye.len(),
+                shown.join(", ")
+            ))
+        }
+    }
+}
+
+/// The one-eyed patients [`one_eye_warning`] names.
+const ONE_EYE_SHOWN: usize = 10;
+
 fn file_name(path: &Path) -> String {
     path.file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -498,8 +532,8 @@ mod tests {
 
     use super::super::score::load_checkpoint;
     use super::{
-        read_thresholds, ModelFile, ThresholdFile, TrainConfig, TrainError, EVALUATE_FLAGS,
-        PREDICT_FLAGS,
+        one_eye_warning, read_thresholds, ModelFile, ThresholdFile, TrainConfig, TrainError,
+        EVALUATE_FLAGS, PREDICT_FLAGS,
     };
 
     #[test]
@@ -583,6 +617,37 @@ mod tests {
                 "thresholds": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]}"#,
             r#"its "classes" are ["N","D","G","C","A","H","O","M"], not N, D, G, C, A, H, M, O"#,
         );
+    }
+
+    /// One warning names the patients predicted from one image, however many: a folder of
+    /// left eyes only logged a line per patient.
+    #[test]
+    fn one_warning_names_the_first_ten_one_eyed_patients_and_counts_the_rest() {
+        let eye = |id: u64| format!("{id}_left.jpg");
+        let twelve: Vec<u64> = (1..=12).collect();
+        assert_eq!(
+            one_eye_warning(&twelve, eye).as_deref(),
+            Some(
+                "12 patients have one image only, each predicted from that eye alone: \
+                 1 (1_left.jpg), 2 (2_left.jpg), 3 (3_left.jpg), 4 (4_left.jpg), \
+                 5 (5_left.jpg), 6 (6_left.jpg), 7 (7_left.jpg), 8 (8_left.jpg), \
+                 9 (9_left.jpg), 10 (10_left.jpg) and 2 more"
+            )
+        );
+        assert_eq!(
+            one_eye_warning(&twelve[..10], eye).as_deref(),
+            Some(
+                "10 patients have one image only, each predicted from that eye alone: \
+                 1 (1_left.jpg), 2 (2_left.jpg), 3 (3_left.jpg), 4 (4_left.jpg), \
+                 5 (5_left.jpg), 6 (6_left.jpg), 7 (7_left.jpg), 8 (8_left.jpg), \
+                 9 (9_left.jpg), 10 (10_left.jpg)"
+            )
+        );
+        assert_eq!(
+            one_eye_warning(&[17], eye).as_deref(),
+            Some("patient 17 has one image only (17_left.jpg): its prediction is that eye's alone")
+        );
+        assert_eq!(one_eye_warning(&[], eye), None);
     }
 
     /// Thresholds beside a model must be its: of another epoch they are refused; where
