@@ -45,6 +45,25 @@ fn narrow_by_visible_devices(listed: usize, visible: Option<&str>) -> usize {
     }
 }
 
+/// Refuses `ranks` ranks of one GPU each where fewer GPUs than that, but some, are
+/// `visible` (a rank past the last would fail, after the start, for want of its device):
+/// `asked` is the flag that asked for them, with its value (`--gpus 3`), `instead` what the
+/// user may give instead.
+pub fn refuse_more_ranks_than_gpus(
+    asked: &str,
+    ranks: usize,
+    visible: usize,
+    instead: &str,
+) -> Result<(), crate::LaunchError> {
+    if visible == 0 || ranks <= visible {
+        return Ok(());
+    }
+    Err(crate::LaunchError::Invalid(format!(
+        "{asked} asks for more GPUs than the {visible} visible here (nvidia-smi and \
+         CUDA_VISIBLE_DEVICES); use {instead}"
+    )))
+}
+
 /// Cores this process may run on: its affinity mask, as torch's `cpu_count` counts them
 /// for torchrun's `--nproc-per-node cpu` (a cgroup's CPU quota does not lower it); at least 1.
 pub fn available_cores() -> usize {
@@ -137,6 +156,27 @@ mod tests {
         assert_eq!(narrow_by_visible_devices(4, Some("0,2,-1,1")), 2);
         assert_eq!(narrow_by_visible_devices(4, Some("1,,2")), 1);
         assert_eq!(narrow_by_visible_devices(2, Some("GPU-8e3a, 1, 5, 0")), 2);
+    }
+
+    #[test]
+    fn more_ranks_than_visible_gpus_are_refused_when_some_are_visible() {
+        let refuse = |ranks, visible| {
+            refuse_more_ranks_than_gpus("--gpus 3", ranks, visible, "--gpus 2")
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            refuse(3, 2),
+            Err(
+                "--gpus 3 asks for more GPUs than the 2 visible here (nvidia-smi and \
+                 CUDA_VISIBLE_DEVICES); use --gpus 2"
+                    .to_string()
+            )
+        );
+        assert_eq!(refuse(2, 2), Ok(()));
+        assert_eq!(refuse(1, 2), Ok(()));
+        // None visible: what the ranks meet then (a CPU, an error naming CUDA) is the
+        // launcher's to say.
+        assert_eq!(refuse(3, 0), Ok(()));
     }
 
     /// The cores are the affinity mask's, as the kernel lists them in `Cpus_allowed_list`

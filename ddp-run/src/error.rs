@@ -2,6 +2,13 @@
 
 use std::path::PathBuf;
 
+/// `ddp-run`'s flag for the port where the ranks meet, which [`LaunchError::NoFreePort`]
+/// names when [`crate::launch`] returns it.
+pub(crate) const MASTER_PORT_FLAG: &str = "--master-port";
+/// `ddp-run`'s flag for the folder of the rank logs, which the log errors name when
+/// [`crate::launch`] returns them.
+pub(crate) const LOG_DIR_FLAG: &str = "--log-dir";
+
 /// An error of the launcher: bad settings, or a rank it could not start or watch.
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
@@ -28,23 +35,46 @@ pub enum LaunchError {
     )]
     NoProgram,
     /// No free port could be found for a single-node rendezvous.
-    #[error("cannot find a free port on 127.0.0.1 for the ranks to meet on (give --master-port)")]
-    NoFreePort(#[source] std::io::Error),
+    #[error("cannot find a free port on 127.0.0.1 for the ranks to meet on (give {port_flag})")]
+    NoFreePort {
+        /// What chooses the port, in the launcher's words: `ddp-run`'s `--master-port` from
+        /// [`crate::launch`], another launcher's through `cli::Wording::reword`.
+        port_flag: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The log folder is a file.
+    #[error(
+        "the folder of the rank logs {} is a file: remove it, or give another {log_dir_flag}",
+        path.display()
+    )]
+    LogDirIsFile {
+        /// The file.
+        path: PathBuf,
+        /// What chooses the folder, in the launcher's words: `ddp-run`'s `--log-dir` from
+        /// [`crate::launch`], another launcher's through `cli::Wording::reword`.
+        log_dir_flag: String,
+    },
     /// The log folder cannot be created, or a rank's log file opened.
     #[error(
         "cannot write the rank log {}{}",
         path.display(),
         if source.raw_os_error() == Some(libc::ELOOP) {
             // What O_NOFOLLOW answers for a symbolic link.
-            ": it is a symbolic link, which a rank's log may not be (so that a shared folder \
-             cannot send it elsewhere); remove it, or give another --log-dir"
+            format!(
+                ": it is a symbolic link, which a rank's log may not be (so that a shared \
+                 folder cannot send it elsewhere); remove it, or give another {log_dir_flag}"
+            )
         } else {
-            ""
+            String::new()
         }
     )]
     Log {
         /// The folder or file.
         path: PathBuf,
+        /// What chooses the folder, as in [`LaunchError::LogDirIsFile`].
+        log_dir_flag: String,
         /// Why.
         #[source]
         source: std::io::Error,

@@ -18,6 +18,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::env::DEFAULT_MASTER_PORT;
+use crate::error::{LOG_DIR_FLAG, MASTER_PORT_FLAG};
 use crate::rank_env::RankEnv;
 use crate::signals::{SignalWatch, FORWARDED};
 use crate::{LaunchConfig, LaunchError};
@@ -43,13 +44,14 @@ pub fn launch(
     config.validate()?;
     if let Some(dir) = &config.log_dir {
         if dir.exists() && !dir.is_dir() {
-            return Err(LaunchError::Invalid(format!(
-                "--log-dir {} is a file, not a folder: give a folder (created if missing)",
-                dir.display()
-            )));
+            return Err(LaunchError::LogDirIsFile {
+                path: dir.clone(),
+                log_dir_flag: LOG_DIR_FLAG.into(),
+            });
         }
         std::fs::create_dir_all(dir).map_err(|source| LaunchError::Log {
             path: dir.clone(),
+            log_dir_flag: LOG_DIR_FLAG.into(),
             source,
         })?;
     }
@@ -65,7 +67,10 @@ pub fn launch(
     loop {
         let master_port = match (config.master_port, config.nnodes) {
             (Some(port), _) => port,
-            (None, 1) => crate::free_port().map_err(LaunchError::NoFreePort)?,
+            (None, 1) => crate::free_port().map_err(|source| LaunchError::NoFreePort {
+                port_flag: MASTER_PORT_FLAG.into(),
+                source,
+            })?,
             (None, _) => DEFAULT_MASTER_PORT,
         };
         on_event(&Event::Starting {
@@ -344,6 +349,7 @@ impl Attempt<'_> {
                     let _ = child.wait();
                     return Err(LaunchError::Log {
                         path: path.clone(),
+                        log_dir_flag: LOG_DIR_FLAG.into(),
                         source,
                     });
                 }

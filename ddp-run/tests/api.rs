@@ -208,7 +208,7 @@ fn a_symlink_in_place_of_a_rank_log_is_refused_and_its_target_untouched() {
     };
     match launch(&config, |_| {}) {
         Err(err @ LaunchError::Log { .. }) => {
-            let LaunchError::Log { path, source } = &err else {
+            let LaunchError::Log { path, source, .. } = &err else {
                 unreachable!()
             };
             assert_eq!(path, &logs.join("rank-0.out"));
@@ -260,14 +260,31 @@ fn a_log_dir_that_is_a_file_is_refused_naming_it() {
         ..quiet("true", 1, &[])
     };
     match launch(&config, |_| {}) {
-        Err(LaunchError::Invalid(m)) => assert_eq!(
-            m,
+        Err(err @ LaunchError::LogDirIsFile { .. }) => assert_eq!(
+            err.to_string(),
             format!(
-                "--log-dir {} is a file, not a folder: give a folder (created if missing)",
+                "the folder of the rank logs {} is a file: remove it, or give another --log-dir",
                 file.display()
             )
         ),
         other => panic!("expected a refusal, got {other:?}"),
+    }
+    // A launcher that names the folder otherwise says so in its own words.
+    #[cfg(feature = "cli")]
+    {
+        let wording = ddp_run::cli::Wording {
+            log_dir: "--out (its logs/ folder)".into(),
+            ..Default::default()
+        };
+        let err = ddp_run::cli::launch_and_report_with(&config, "x", &wording).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "the folder of the rank logs {} is a file: remove it, or give another --out \
+                 (its logs/ folder)",
+                file.display()
+            )
+        );
     }
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a folder\n");
 }

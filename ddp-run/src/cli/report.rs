@@ -6,6 +6,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
+use crate::error::{LOG_DIR_FLAG, MASTER_PORT_FLAG};
 use crate::{launch, Event, LaunchConfig, LaunchError, Outcome, RankFailure};
 
 /// How a launcher built on [`launch_and_report_with`] names what its user can change.
@@ -17,6 +18,12 @@ pub struct Wording {
     /// How the user continues a job whose ranks stopped at a checkpoint: the same run
     /// directory again, or the command that gives it (see [`shell_command`]).
     pub to_continue: String,
+    /// What chooses the port where the ranks meet (`ddp-run`'s `--master-port`), after
+    /// "give" when no free port is found.
+    pub master_port: String,
+    /// What chooses the folder of the rank logs (`ddp-run`'s `--log-dir`), after "give
+    /// another" when it cannot be written.
+    pub log_dir: String,
 }
 
 impl Default for Wording {
@@ -27,6 +34,31 @@ impl Default for Wording {
             to_continue: "the program continues it when started again with the same run \
                           directory"
                 .into(),
+            master_port: MASTER_PORT_FLAG.into(),
+            log_dir: LOG_DIR_FLAG.into(),
+        }
+    }
+}
+
+impl Wording {
+    /// `error`, an error of [`launch`], whose advice names `ddp-run`'s flags, with that
+    /// advice in these words.
+    pub fn reword(&self, error: LaunchError) -> LaunchError {
+        match error {
+            LaunchError::NoFreePort { source, .. } => LaunchError::NoFreePort {
+                port_flag: self.master_port.clone(),
+                source,
+            },
+            LaunchError::LogDirIsFile { path, .. } => LaunchError::LogDirIsFile {
+                path,
+                log_dir_flag: self.log_dir.clone(),
+            },
+            LaunchError::Log { path, source, .. } => LaunchError::Log {
+                path,
+                log_dir_flag: self.log_dir.clone(),
+                source,
+            },
+            other => other,
         }
     }
 }
@@ -70,7 +102,8 @@ pub fn launch_and_report_with(
         for line in event_lines(name, event) {
             say(&line);
         }
-    })?;
+    })
+    .map_err(|e| wording.reword(e))?;
     let lines = match &outcome {
         Outcome::Interrupted { .. } => interruption_lines(
             name,
@@ -422,6 +455,65 @@ mod tests {
             ]
         );
         assert!(lines(&Outcome::Succeeded { restarts: 0 }).is_empty());
+    }
+
+    /// The launcher's errors advise in `ddp-run`'s flags, and in another launcher's words
+    /// once reworded.
+    #[test]
+    fn launch_errors_name_the_flags_of_the_launcher() {
+        let said = |wording: &Wording| {
+            let looped = || std::io::Error::from_raw_os_error(libc::ELOOP);
+            [
+                LaunchError::NoFreePort {
+                    port_flag: MASTER_PORT_FLAG.into(),
+                    source: looped(),
+                },
+                LaunchError::LogDirIsFile {
+                    path: "run/logs".into(),
+                    log_dir_flag: LOG_DIR_FLAG.into(),
+                },
+                LaunchError::Log {
+                    path: "run/logs/rank-0.out".into(),
+                    log_dir_flag: LOG_DIR_FLAG.into(),
+                    source: looped(),
+                },
+                LaunchError::NoRanks,
+            ]
+            .map(|e| wording.reword(e).to_string())
+        };
+        let symlink = "cannot write the rank log run/logs/rank-0.out: it is a symbolic link, \
+                       which a rank's log may not be (so that a shared folder cannot send it \
+                       elsewhere); remove it, or give another";
+        let no_ranks = "the number of ranks per node (--nproc-per-node) must be at least 1";
+        assert_eq!(
+            said(&Wording::default()),
+            [
+                "cannot find a free port on 127.0.0.1 for the ranks to meet on (give \
+                 --master-port)"
+                    .to_string(),
+                "the folder of the rank logs run/logs is a file: remove it, or give another \
+                 --log-dir"
+                    .to_string(),
+                format!("{symlink} --log-dir"),
+                no_ranks.to_string(),
+            ]
+        );
+        let other = Wording {
+            master_port: "PORT".into(),
+            log_dir: "DIR".into(),
+            ..Wording::default()
+        };
+        assert_eq!(
+            said(&other),
+            [
+                "cannot find a free port on 127.0.0.1 for the ranks to meet on (give PORT)"
+                    .to_string(),
+                "the folder of the rank logs run/logs is a file: remove it, or give another DIR"
+                    .to_string(),
+                format!("{symlink} DIR"),
+                no_ranks.to_string(),
+            ]
+        );
     }
 
     #[test]
