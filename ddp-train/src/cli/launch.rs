@@ -7,18 +7,25 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use ddp_comm::EnvSource;
+use ddp_run::cli::Wording;
 use ddp_run::{LaunchConfig, NprocPerNode};
 
 use crate::error::TrainError;
+use crate::DeviceChoice;
 
 /// The flag's spellings, as `ddp-run` (and torchrun) take them.
 const SPELLINGS: [&str; 2] = ["--nproc-per-node", "--nproc_per_node"];
 
-/// Starts `nproc` ranks of this program with this process's arguments minus
+/// Starts `nproc` ranks of this program on `device` with this process's arguments minus
 /// `--nproc-per-node`, in the run directory `out` (or a new one, passed to the ranks as
 /// `--out`), and supervises them until the job ends; returns the job's exit status.
-pub(super) fn start_ranks(out: Option<&Path>, nproc: NprocPerNode) -> anyhow::Result<ExitCode> {
+pub(super) fn start_ranks(
+    out: Option<&Path>,
+    device: DeviceChoice,
+    nproc: NprocPerNode,
+) -> anyhow::Result<ExitCode> {
     refuse_inside_a_launcher(nproc)?;
+    refuse_more_ranks_than_gpus(nproc, device, ddp_run::visible_gpus)?;
     let ranks = nproc.resolve()?;
     let exe = std::env::current_exe()
         .context("cannot find this program's executable to start its ranks from")?;
@@ -33,7 +40,16 @@ pub(super) fn start_ranks(out: Option<&Path>, nproc: NprocPerNode) -> anyhow::Re
     let name = exe
         .file_name()
         .map_or_else(|| "launcher".into(), |n| n.to_string_lossy());
-    let wording = ddp_run::cli::Wording {
+    let wording = wording(&config, &argv, chosen);
+    Ok(ddp_run::cli::launch_and_report_with(
+        &config, &name, &wording,
+    )?)
+}
+
+/// The advice of `ddp-run`'s messages in this program's words, for the job of `config`
+/// started by `argv`, in the run directory `chosen` when it chose one.
+fn wording(config: &LaunchConfig, argv: &[OsString], chosen: Option<&Path>) -> Wording {
+    Wording {
         longer_shutdown: format!(
             "the launcher's shutdown timeout ({} s with --nproc-per-node): start the ranks \
              with `ddp-run --shutdown-timeout SECONDS`",
@@ -45,14 +61,34 @@ pub(super) fn start_ranks(out: Option<&Path>, nproc: NprocPerNode) -> anyhow::Re
             Some(dir) => format!(
                 "this command continues it in {}:\n  {}",
                 dir.display(),
-                continue_command(&argv, dir)
+                continue_command(argv, dir)
             ),
             None => "the same command continues it".into(),
         },
-    };
-    Ok(ddp_run::cli::launch_and_report_with(
-        &config, &name, &wording,
-    )?)
+        master_port: "one: start the ranks with `ddp-run --master-port PORT`".into(),
+        log_dir: "--out (the rank logs go to its logs/ folder)".into(),
+    }
+}
+
+/// Refuses a number of ranks above the GPUs that `visible` counts, where some are and the
+/// ranks may take one each (`--device` auto or cuda): the ranks past the last GPU would
+/// fail once started.
+fn refuse_more_ranks_than_gpus(
+    nproc: NprocPerNode,
+    device: DeviceChoice,
+    visible: impl FnOnce() -> usize,
+) -> Result<(), ddp_run::LaunchError> {
+    match (nproc, device) {
+        (NprocPerNode::Count(n), DeviceChoice::Auto | DeviceChoice::Cuda) => {
+            ddp_run::refuse_more_ranks_than_gpus(
+                &format!("--nproc-per-node {n}"),
+                n,
+                visible(),
+                "--nproc-per-node gpu (a rank per GPU) or --device cpu",
+            )
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Fails when this process already is one of a launcher's ranks (torchrun's `RANK` and
@@ -225,6 +261,60 @@ mod tests {
         assert_eq!(
             continue_command(&argv(&["t", "--", "--nproc-per-node", "2"]), dir),
             "t --out runs/20261206-101500-42 -- --nproc-per-node 2"
+        );
+    }
+
+    /// More ranks than the GPUs, where some are visible, are refused before any starts,
+    /// unless they train on the CPU; the visible GPUs are counted only then.
+    #[test]
+    fn more_ranks_than_the_visible_gpus_are_refused_up_front() {
+        let refusal = |nproc: &str, device, visible: usize| {
+            let counted = std::cell::Cell::new(false);
+            let result = refuse_more_ranks_than_gpus(nproc.parse().unwrap(), device, || {
+                counted.set(true);
+                visible
+            });
+            (result.map_err(|e| e.to_string()), counted.get())
+        };
+        let too_many = "--nproc-per-node 4 asks for more GPUs than the 2 visible here \
+                        (nvidia-smi and CUDA_VISIBLE_DEVICES); use --nproc-per-node gpu (a rank \
+                        per GPU) or --device cpu"
+            .to_string();
+        for device in [DeviceChoice::Auto, DeviceChoice::Cuda] {
+            assert_eq!(refusal("4", device, 2), (Err(too_many.clone()), true));
+            assert_eq!(refusal("2", device, 2), (Ok(()), true));
+            // Without a GPU, `auto` trains on the CPU and `cuda` fails on every rank alike,
+            // naming --device.
+            assert_eq!(refusal("4", device, 0), (Ok(()), true));
+            for word in ["gpu", "cpu", "auto"] {
+                assert_eq!(refusal(word, device, 2), (Ok(()), false));
+            }
+        }
+        assert_eq!(refusal("4", DeviceChoice::Cpu, 2), (Ok(()), false));
+    }
+
+    /// `ddp-run`'s advice names this program's flags: its run directory holds the logs.
+    #[test]
+    fn the_launchers_advice_names_this_programs_flags() {
+        let config = LaunchConfig::new("t", 2);
+        let wording = wording(&config, &[], None);
+        let port = ddp_run::LaunchError::NoFreePort {
+            port_flag: "--master-port".into(),
+            source: std::io::ErrorKind::AddrInUse.into(),
+        };
+        assert_eq!(
+            wording.reword(port).to_string(),
+            "cannot find a free port on 127.0.0.1 for the ranks to meet on (give one: start the \
+             ranks with `ddp-run --master-port PORT`)"
+        );
+        let file = ddp_run::LaunchError::LogDirIsFile {
+            path: "run/logs".into(),
+            log_dir_flag: "--log-dir".into(),
+        };
+        assert_eq!(
+            wording.reword(file).to_string(),
+            "the folder of the rank logs run/logs is a file: remove it, or give another --out \
+             (the rank logs go to its logs/ folder)"
         );
     }
 
