@@ -167,17 +167,34 @@ fn sample_flags(rest: &mut Vec<String>) {
     }
 }
 
-/// Runs the job; returns the process exit code for `main`.
-pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
-    let (nproc, device) = ranks_and_device(&args, ddp_run::visible_gpus())?;
-    let mut rest = args.rest.clone();
-    if has_flag(&rest, "--out") {
+/// Refuses, before anything is built, the ranks' flags that the launcher sets (the run
+/// directory, the device, the number of ranks) and what needs the run directory the user
+/// did not give.
+fn refuse_what_the_launcher_sets(args: &TrainArgs) -> Result<()> {
+    let rest = &args.rest;
+    if has_flag(rest, "--out") {
         bail!("give the run directory to the launcher as `cargo xtask train --out DIR ...`");
     }
-    if has_flag(&rest, "--device") {
+    if has_flag(rest, "--device") {
         bail!(
             "the launcher gives each rank its device: choose with `cargo xtask train --gpus N` \
              or `--cpus N` instead of --device"
+        );
+    }
+    // torchrun's spellings, which ddp-train takes only to start ranks of its own.
+    if let Some(flag) = ["--nproc-per-node", "--nproc_per_node"]
+        .into_iter()
+        .find(|flag| has_flag(rest, flag))
+    {
+        bail!(
+            "the launcher starts the ranks: choose how many with `cargo xtask train --gpus N` \
+             or `--cpus N` instead of {flag}"
+        );
+    }
+    if args.out.is_none() && flag_value(rest, "--resume") == Some("latest") {
+        bail!(
+            "--resume latest needs the run, and without --out the launcher makes a new one: \
+             cargo xtask train --out runs/<run> --resume latest"
         );
     }
     if args.node.nnodes > 1 && args.out.is_none() {
@@ -188,6 +205,14 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
             args.node.nnodes
         );
     }
+    Ok(())
+}
+
+/// Runs the job; returns the process exit code for `main`.
+pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
+    let (nproc, device) = ranks_and_device(&args, ddp_run::visible_gpus())?;
+    refuse_what_the_launcher_sets(&args)?;
+    let mut rest = args.rest.clone();
     let mut config = LaunchConfig::new("ddp-train", nproc);
     args.node.apply(&mut config);
     // Bad node settings fail here, before anything is built.
@@ -849,11 +874,12 @@ mod tests {
             #[command(flatten)]
             train: TrainArgs,
         }
+        // A project folder that is not UTF-8: were a flag not refused, `run` would stop at
+        // the run directory's name, before setup.
+        let root = <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(b"/none_\xff");
         let refusal = |args: &[&str]| {
             let cli = Cli::try_parse_from(["train"].iter().chain(args)).unwrap();
-            run(Path::new("/nonexistent"), cli.train)
-                .unwrap_err()
-                .to_string()
+            run(Path::new(root), cli.train).unwrap_err().to_string()
         };
         assert_eq!(
             refusal(&["--cpus", "1", "--epochs", "1", "--device", "cpu"]),
@@ -864,6 +890,35 @@ mod tests {
         assert_eq!(
             refusal(&["--cpus", "1", "--lr", "0.1", "--out", "/r"]),
             "give the run directory to the launcher as `cargo xtask train --out DIR ...`"
+        );
+        // torchrun's habit: ddp-train would take it, after setup, the build and the sample,
+        // to start ranks of its own on each rank.
+        for (args, flag) in [
+            (&["--nproc-per-node", "2"][..], "--nproc-per-node"),
+            (&["--epochs", "1", "--nproc_per_node=2"], "--nproc_per_node"),
+        ] {
+            assert_eq!(
+                refusal(args),
+                format!(
+                    "the launcher starts the ranks: choose how many with `cargo xtask train \
+                     --gpus N` or `--cpus N` instead of {flag}"
+                ),
+                "{args:?}"
+            );
+        }
+        // Without --out the run directory is a new one, with nothing to resume.
+        let resume = "--resume latest needs the run, and without --out the launcher makes a \
+                      new one: cargo xtask train --out runs/<run> --resume latest";
+        assert_eq!(refusal(&["--cpus", "1", "--resume", "latest"]), resume);
+        assert_eq!(refusal(&["--resume=latest", "--epochs", "2"]), resume);
+        let given = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["train"].iter().chain(args)).unwrap();
+            refuse_what_the_launcher_sets(&cli.train).map_err(|e| e.to_string())
+        };
+        assert_eq!(given(&["--out", "/r", "--resume", "latest"]), Ok(()));
+        assert_eq!(
+            given(&["--resume", "/r/checkpoints/epoch-0002.safetensors"]),
+            Ok(())
         );
     }
 
