@@ -4,7 +4,7 @@
 mod common;
 
 use common::{csv_row, valid_csv_layout, write_csv_layout};
-use ddp_data::odir::{LabelMode, OdirDataset, OdirOptions};
+use ddp_data::odir::{read_xlsx, LabelMode, OdirDataset, OdirOptions};
 use ddp_data::DataError;
 
 fn open(root: &std::path::Path) -> Result<OdirDataset, DataError> {
@@ -390,4 +390,41 @@ fn ragged_csv_is_an_annotation_error_naming_the_file() {
     let e = open(dir.path()).unwrap_err();
     assert!(matches!(e, DataError::Annotations { .. }), "{e}");
     assert!(e.to_string().contains("full_df.csv"), "{e}");
+}
+
+/// A value at a sheet's last cell (XFD1048576) costs nothing: a dense range to it would be
+/// 17 G cells (550 GB, an allocation failure that aborts the process); the sheet is read
+/// cell by cell. Its row has no patient ID, which is named; beside a patient it is ignored.
+#[test]
+fn a_value_at_the_sheets_last_cell_is_read_cell_by_cell() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("data.xlsx");
+    let with_value_at = |row: u32, col: u16| {
+        let mut wb =
+            common::xlsx_workbook(&[(7, "7_left.jpg", "7_right.jpg", [0, 1, 0, 0, 0, 0, 0, 0])]);
+        let sheet = wb.worksheet_from_index(0).unwrap();
+        sheet.write_string(row, col, "stray").unwrap();
+        std::fs::write(&file, wb.save_to_buffer().unwrap()).unwrap();
+        read_xlsx(&file, LabelMode::Auto)
+    };
+    let e = with_value_at(1_048_575, 16_383).unwrap_err();
+    match &e {
+        DataError::InvalidCell {
+            file: named,
+            row: 1_048_576,
+            column,
+            value,
+            ..
+        } => assert_eq!((named, column.as_str(), value.as_str()), (&file, "ID", "")),
+        other => panic!("expected InvalidCell, got {other}"),
+    }
+    assert!(e.to_string().contains("data.xlsx"), "{e}");
+    let read = with_value_at(1, 16_383).unwrap();
+    let records: Vec<(&str, u64, usize)> = read
+        .records
+        .iter()
+        .map(|r| (r.file.as_str(), r.patient_id, r.row))
+        .collect();
+    assert_eq!(records, [("7_left.jpg", 7, 2), ("7_right.jpg", 7, 2)]);
+    assert_eq!(read.records[1].labels, [0., 1., 0., 0., 0., 0., 0., 0.]);
 }

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use calamine::{open_workbook_auto, Data, Reader};
+use calamine::{open_workbook_auto, Cell, Data, DataRef, Reader, Sheets};
 
 use crate::error::DataError;
 
@@ -416,36 +416,89 @@ fn cell_text(d: &Data) -> String {
     }
 }
 
+/// A sheet's non-empty cells: `((row, column), value)`, 0-based.
+type SheetCells = Vec<((u32, u32), Data)>;
+
+/// The first sheet's non-empty cells. xlsx and xlsb sheets are read cell by cell: calamine's
+/// `worksheet_range` makes a dense rows x columns range, and one value at XFD1048576 would
+/// ask it for 17 G cells (550 GB), an allocation failure that aborts the process. (An xls or
+/// ods sheet is dense already once calamine has opened the workbook.)
+fn first_sheet_cells(file: &Path) -> Result<SheetCells, String> {
+    fn drain<'a, E: std::fmt::Display>(
+        mut next: impl FnMut() -> Result<Option<Cell<DataRef<'a>>>, E>,
+    ) -> Result<SheetCells, String> {
+        let mut cells = Vec::new();
+        while let Some(cell) = next().map_err(|e| e.to_string())? {
+            if !matches!(cell.get_value(), DataRef::Empty) {
+                cells.push((cell.get_position(), cell.get_value().clone().into()));
+            }
+        }
+        Ok(cells)
+    }
+    let mut workbook = open_workbook_auto(file).map_err(|e| e.to_string())?;
+    let sheet = workbook
+        .sheet_names()
+        .first()
+        .cloned()
+        .ok_or("the workbook has no sheets")?;
+    match &mut workbook {
+        Sheets::Xlsx(book) => {
+            let mut reader = book
+                .worksheet_cells_reader(&sheet)
+                .map_err(|e| e.to_string())?;
+            drain(|| reader.next_cell())
+        }
+        Sheets::Xlsb(book) => {
+            let mut reader = book
+                .worksheet_cells_reader(&sheet)
+                .map_err(|e| e.to_string())?;
+            drain(|| reader.next_cell())
+        }
+        Sheets::Xls(_) | Sheets::Ods(_) => {
+            let range = workbook
+                .worksheet_range(&sheet)
+                .map_err(|e| e.to_string())?;
+            let (top, left) = range.start().unwrap_or_default();
+            let at = |r: usize, c: usize| (top + r as u32, left + c as u32);
+            Ok(range
+                .used_cells()
+                .map(|(r, c, d)| (at(r, c), d.clone()))
+                .collect())
+        }
+    }
+}
+
 /// Reads the challenge workbook (first sheet): one row per patient with `ID`, `Left-Fundus`,
 /// `Right-Fundus` and `N`..`O`; each row gives two samples with the patient's labels (the
 /// workbook has no per-eye labels, so [`LabelMode::PerEye`] is an error here).
 pub fn read_xlsx(file: &Path, mode: LabelMode) -> Result<Annotations, DataError> {
-    let open_error = |e: &dyn std::fmt::Display| DataError::Annotations {
-        file: file.to_path_buf(),
-        message: e.to_string(),
-    };
     // calamine indexes some tables of a damaged workbook without checking (0.30: a shared
     // string index past the table panics); a damaged file is an error, not a crash.
-    let read = std::panic::catch_unwind(|| -> Result<_, DataError> {
-        let mut workbook = open_workbook_auto(file).map_err(|e| open_error(&e))?;
-        let sheet = workbook
-            .sheet_names()
-            .first()
-            .cloned()
-            .ok_or_else(|| open_error(&"the workbook has no sheets"))?;
-        workbook.worksheet_range(&sheet).map_err(|e| open_error(&e))
-    });
-    let range = read.unwrap_or_else(|panic| {
-        let why = crate::error::panic_message(&*panic);
-        Err(open_error(&format!(
-            "the workbook is damaged: the spreadsheet reader failed on it ({why})"
-        )))
-    })?;
-    let mut rows = range.rows();
-    let headers: Vec<String> = rows
-        .next()
-        .map(|r| r.iter().map(cell_text).collect())
-        .unwrap_or_default();
+    let read = std::panic::catch_unwind(|| first_sheet_cells(file));
+    let mut cells = read
+        .unwrap_or_else(|panic| {
+            let why = crate::error::panic_message(&*panic);
+            Err(format!(
+                "the workbook is damaged: the spreadsheet reader failed on it ({why})"
+            ))
+        })
+        .map_err(|message| DataError::Annotations {
+            file: file.to_path_buf(),
+            message,
+        })?;
+    // Rows of cells, top to bottom (a sheet need not list its cells in order); the first is
+    // the header, and columns count from its first cell.
+    cells.sort_by_key(|(at, _)| *at);
+    let mut rows = cells.chunk_by(|a, b| a.0 .0 == b.0 .0);
+    let header = rows.next().unwrap_or_default();
+    let first_col = header.first().map_or(0, |((_, c), _)| *c);
+    let mut headers = Vec::new();
+    for ((_, c), d) in header {
+        // A damaged sheet may repeat a cell: the last one counts, as in calamine's ranges.
+        let i = (c - first_col) as usize;
+        headers.resize(headers.len().max(i + 1), String::new());
+        headers[i] = cell_text(d);
+    }
     let cols = Columns::new(file, headers);
     let source = resolve_source(mode, false, &cols)?;
     debug_assert_eq!(source, LabelSource::Patient);
@@ -458,14 +511,14 @@ pub fn read_xlsx(file: &Path, mode: LabelMode) -> Result<Annotations, DataError>
         .collect::<Result<_, _>>()?;
     let mut records = Vec::new();
     let mut rows_of: HashMap<u64, Vec<usize>> = HashMap::new();
-    // `range` may start below row 1 when the sheet has leading blank rows.
-    let first_row = range.start().map(|(r, _)| r as usize + 1).unwrap_or(1);
-    for (i, r) in rows.enumerate() {
-        let row = first_row + 1 + i;
-        let cell = |c: usize| r.get(c).map(cell_text).unwrap_or_default();
-        if r.iter().all(|d| matches!(d, Data::Empty)) {
-            continue;
-        }
+    for r in rows {
+        let row = r.first().map_or(0, |((row, _), _)| *row as usize + 1);
+        let cell = |c: usize| {
+            r.iter()
+                .rfind(|((_, col), _)| *col as usize == first_col as usize + c)
+                .map(|(_, d)| cell_text(d))
+                .unwrap_or_default()
+        };
         let patient_id = parse_id(file, row, "ID", &cell(id_col))?;
         rows_of.entry(patient_id).or_default().push(row);
         let mut labels = [0f32; 8];

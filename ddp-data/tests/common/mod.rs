@@ -92,8 +92,12 @@ pub fn valid_csv_layout(root: &Path, patients: u64) -> Vec<String> {
 
 /// A challenge workbook with one row per patient: (id, left, right, labels N..O).
 pub fn xlsx_bytes(rows: &[(u64, &str, &str, [u8; 8])]) -> Vec<u8> {
-    use rust_xlsxwriter::Workbook;
-    let mut wb = Workbook::new();
+    xlsx_workbook(rows).save_to_buffer().unwrap()
+}
+
+/// The workbook of [`xlsx_bytes`], to add to before saving.
+pub fn xlsx_workbook(rows: &[(u64, &str, &str, [u8; 8])]) -> rust_xlsxwriter::Workbook {
+    let mut wb = rust_xlsxwriter::Workbook::new();
     let ws = wb.add_worksheet();
     let headers = [
         "ID",
@@ -128,7 +132,7 @@ pub fn xlsx_bytes(rows: &[(u64, &str, &str, [u8; 8])]) -> Vec<u8> {
             ws.write_number(r, 7 + k as u16, l).unwrap();
         }
     }
-    wb.save_to_buffer().unwrap()
+    wb
 }
 
 /// Writes [`xlsx_bytes`] of `rows` to `path`.
