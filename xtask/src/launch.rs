@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::builder::TypedValueParser;
 use clap::CommandFactory;
-use ddp_run::cli::NodeArgs;
+use ddp_run::cli::{NodeArgs, Wording};
 use ddp_run::{Event, LaunchConfig, Outcome};
 
 /// Options of `cargo xtask train`; every argument after them goes to `ddp-train`.
@@ -208,6 +208,16 @@ fn refuse_what_the_launcher_sets(args: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// The advice of `ddp-run`'s messages in the launcher's words: `--grace` for the shutdown
+/// timeout, the run directory for the rank logs' folder (its `logs/`).
+fn wording() -> Wording {
+    Wording {
+        longer_shutdown: "--grace".into(),
+        log_dir: "--out (the rank logs go to its logs/ folder)".into(),
+        ..Wording::default()
+    }
+}
+
 /// Runs the job; returns the process exit code for `main`.
 pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     let (nproc, device) = ranks_and_device(&args, ddp_run::visible_gpus())?;
@@ -258,6 +268,7 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     if let Some(warning) = config.secret_warning() {
         eprintln!("xtask: {warning}");
     }
+    let wording = wording();
     let outcome = ddp_run::launch(&config, |event| match event {
         Event::Starting {
             world_size,
@@ -286,7 +297,8 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
                 .unwrap_or_else(|_| "the start (no checkpoint yet)".into());
             eprintln!("xtask: restart {restart}/{max_restarts} of the whole group from {from}");
         }
-    })?;
+    })
+    .map_err(|e| wording.reword(e))?;
     match &outcome {
         Outcome::Succeeded { .. } => {
             println!(
@@ -308,7 +320,8 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
         Outcome::Failed { .. } => {}
         Outcome::Interrupted { .. } => {
             let timeout = config.shutdown_timeout;
-            for line in ddp_run::cli::interruption_lines("xtask", &outcome, timeout, "--grace") {
+            let longer = &wording.longer_shutdown;
+            for line in ddp_run::cli::interruption_lines("xtask", &outcome, timeout, longer) {
                 eprintln!("{line}");
             }
         }
@@ -361,11 +374,11 @@ fn ranks_and_device(args: &TrainArgs, visible: usize) -> Result<(usize, &'static
             "--gpus {n}: no GPU is visible here (nvidia-smi and CUDA_VISIBLE_DEVICES); \
              use --cpus N"
         ),
-        (Some(n), _) if n > visible => bail!(
-            "--gpus {n} asks for more GPUs than the {visible} visible here \
-             (nvidia-smi and CUDA_VISIBLE_DEVICES); use --gpus {visible} or --cpus N"
-        ),
-        (Some(n), _) => Ok((n, "cuda")),
+        (Some(n), _) => {
+            let instead = format!("--gpus {visible} or --cpus N");
+            ddp_run::refuse_more_ranks_than_gpus(&format!("--gpus {n}"), n, visible, &instead)?;
+            Ok((n, "cuda"))
+        }
         (None, Some(n)) => Ok((n, "cpu")),
         (None, None) if visible > 0 => Ok((visible, "cuda")),
         (None, None) => Ok((2, "cpu")),
@@ -571,8 +584,7 @@ pub fn is_complete(dir: &Path) -> bool {
 
 /// Flushes folder `dir`'s entries to the disk.
 fn sync_dir(dir: &Path) -> Result<()> {
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
+    crate::folder_sync::sync_folder(dir)
         .with_context(|| format!("cannot flush {} to the disk", dir.display()))
 }
 
@@ -920,6 +932,30 @@ mod tests {
             given(&["--resume", "/r/checkpoints/epoch-0002.safetensors"]),
             Ok(())
         );
+    }
+
+    /// `ddp-run`'s advice names the launcher's flags: the rank logs are in the run
+    /// directory, which --out gives.
+    #[test]
+    fn the_launchers_errors_name_its_own_flags() {
+        let file = ddp_run::LaunchError::LogDirIsFile {
+            path: "runs/a/logs".into(),
+            log_dir_flag: "--log-dir".into(),
+        };
+        assert_eq!(
+            wording().reword(file).to_string(),
+            "the folder of the rank logs runs/a/logs is a file: remove it, or give another --out \
+             (the rank logs go to its logs/ folder)"
+        );
+        let port = ddp_run::LaunchError::NoFreePort {
+            port_flag: "--master-port".into(),
+            source: std::io::ErrorKind::AddrInUse.into(),
+        };
+        assert_eq!(
+            wording().reword(port).to_string(),
+            "cannot find a free port on 127.0.0.1 for the ranks to meet on (give --master-port)"
+        );
+        assert_eq!(wording().longer_shutdown, "--grace");
     }
 
     #[test]

@@ -57,6 +57,15 @@ fn rank_script(dir: &Path, body: &str) -> PathBuf {
     script
 }
 
+/// Runs the launcher `command`, whose job is expected to fail (exit status 1) within a
+/// minute: its output.
+fn failed_job(command: &mut Command) -> String {
+    let output = wait_bounded(command.spawn().unwrap(), Duration::from_secs(60));
+    let t = text(&output);
+    assert_eq!(output.status.code(), Some(1), "{t}");
+    t
+}
+
 /// A failed rank that printed nothing in its attempt is said to have, as ddp-run says it:
 /// its log, which keeps every attempt's output, has no last lines of this one to show.
 #[test]
@@ -69,17 +78,39 @@ fn a_rank_that_fails_silently_is_said_to_have_printed_nothing() {
 i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
     );
     let launch = ["--cpus", "2", "--grace", "2"];
-    let child = launcher_of(&rank, &launch, dir.path(), &out, &[], &[])
-        .spawn()
-        .unwrap();
-    let output = wait_bounded(child, Duration::from_secs(60));
-    let t = text(&output);
-    assert_eq!(output.status.code(), Some(1), "{t}");
+    let t = failed_job(&mut launcher_of(&rank, &launch, dir.path(), &out, &[], &[]));
     assert!(
         t.contains("xtask: rank 1 exited with code 3\nxtask: rank 1 printed nothing\n"),
         "{t}"
     );
     assert!(!t.contains("last lines of"), "{t}");
+}
+
+/// The rank logs' folder is the run directory's `logs/`: when it cannot be, the launcher
+/// names --out, its flag that chooses it (ddp-run's own is --log-dir).
+#[test]
+fn a_run_directory_whose_logs_is_a_file_is_refused_naming_out() {
+    let dir = temp_dir("xtask-logs-file");
+    let out = dir.path().join("run");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("logs"), "").unwrap();
+    let rank = rank_script(dir.path(), "exit 0");
+    let t = failed_job(&mut launcher_of(
+        &rank,
+        &["--cpus", "1"],
+        dir.path(),
+        &out,
+        &[],
+        &[],
+    ));
+    assert!(
+        t.contains(&format!(
+            "error: the folder of the rank logs {} is a file: remove it, or give another --out \
+             (the rank logs go to its logs/ folder)\n",
+            out.join("logs").display()
+        )),
+        "{t}"
+    );
 }
 
 #[test]
