@@ -372,7 +372,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         drop(f);
         fs::rename(&tmp, path)?;
         // The rename is durable only once the folder's entry is on disk.
-        folder_synced(File::open(&dir)?.sync_all())
+        sync_folder(&dir)
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
@@ -394,21 +394,8 @@ pub fn temporary_tag() -> String {
     format!("{}-{start:x}", std::process::id())
 }
 
-/// The result of syncing a folder, with the answers of file systems whose folders cannot be
-/// synced (`EINVAL`, `ENOTSUP`, `EOPNOTSUPP`) taken as success; a failed write-back (`EIO`,
-/// `ENOSPC`, ...) stays an error.
-fn folder_synced(result: std::io::Result<()>) -> std::io::Result<()> {
-    match result {
-        Err(e)
-            if e.raw_os_error().is_some_and(|code| {
-                [libc::EINVAL, libc::ENOTSUP, libc::EOPNOTSUPP].contains(&code)
-            }) =>
-        {
-            Ok(())
-        }
-        other => other,
-    }
-}
+// `sync_folder`, shared with ddp-data and xtask.
+include!("../../shared-src/folder_sync.rs");
 
 fn io_error(path: &Path, source: std::io::Error) -> CheckpointError {
     CheckpointError::Io {
@@ -540,24 +527,6 @@ mod tests {
         // Replaced whole, not overwritten in place (which would leave the old tail).
         assert_eq!(fs::read(&path).unwrap(), b"second");
         assert_eq!(entries(dir), ["state.json"]);
-    }
-
-    /// A folder that cannot be synced is no failure (the file is in place); a failed
-    /// write-back is.
-    #[test]
-    fn folders_that_cannot_be_synced_are_synced_enough() {
-        use std::io::Error;
-        for code in [libc::EINVAL, libc::ENOTSUP, libc::EOPNOTSUPP] {
-            assert!(
-                folder_synced(Err(Error::from_raw_os_error(code))).is_ok(),
-                "{code}"
-            );
-        }
-        for code in [libc::EIO, libc::ENOSPC] {
-            let e = folder_synced(Err(Error::from_raw_os_error(code))).unwrap_err();
-            assert_eq!(e.raw_os_error(), Some(code));
-        }
-        assert!(folder_synced(Ok(())).is_ok());
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 mod artifact;
 mod bench;
+mod folder_sync;
 mod gpu_check;
 mod launch;
 mod setup;

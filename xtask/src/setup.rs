@@ -555,7 +555,7 @@ fn link_libtorch(deps: &Deps, torch: &Path) -> Result<()> {
     });
     written.with_context(|| format!("cannot write {}", tmp.display()))?;
     fs::rename(&tmp, deps.version_file())
-        .and_then(|()| fs::File::open(&dir)?.sync_all())
+        .and_then(|()| crate::folder_sync::sync_folder(&dir))
         .with_context(|| format!("cannot write {}", deps.version_file().display()))?;
     Ok(())
 }

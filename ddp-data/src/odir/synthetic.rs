@@ -306,12 +306,13 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
     file.sync_all().map_err(|e| write_error(path, e))
 }
 
-/// Flushes folder `dir`'s entries to the disk.
+/// Flushes folder `dir`'s entries to the disk (see [`sync_folder`]).
 fn sync_dir(dir: &Path) -> Result<(), DataError> {
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| write_error(dir, e))
+    sync_folder(dir).map_err(|e| write_error(dir, e))
 }
+
+// `sync_folder`, shared with ddp-model and xtask.
+include!("../../../shared-src/folder_sync.rs");
 
 fn file_name(id: usize, left: bool) -> String {
     format!("{id}_{}.jpg", if left { "left" } else { "right" })
