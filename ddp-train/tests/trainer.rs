@@ -431,7 +431,12 @@ fn timed_step_checkpoints_are_written_inside_epochs_and_pruned_to_the_newest() {
 
 /// Runs two ranks expected to fail before training; returns rank 0's and rank 1's output.
 fn both_fail(args: &[&str]) -> (String, String) {
-    let outputs = run_ranks(2, args, &[]);
+    both_fail_with(args, &[])
+}
+
+/// [`both_fail`] with `env` in the ranks' environment.
+fn both_fail_with(args: &[&str], env: &[(&str, &str)]) -> (String, String) {
+    let outputs = run_ranks(2, args, env);
     for (r, o) in outputs.iter().enumerate() {
         assert!(
             !o.status.success(),
@@ -1043,7 +1048,8 @@ fn skip_corrupt_names_each_image_it_leaves_out_once() {
 }
 
 /// A new start in the run directory of a finished run is refused on every rank, naming
-/// what to do, and leaves the run's files as they were; `--resume latest` continues it.
+/// what to do, and leaves the run's files as they were; so is the launcher's restart of that
+/// start (another job's). The run's own job, restarted, continues it; `--resume latest` too.
 #[test]
 fn a_new_start_over_a_finished_run_is_refused_and_writes_nothing() {
     let tmp = temp_dir("over-finished");
@@ -1053,41 +1059,55 @@ fn a_new_start_over_a_finished_run_is_refused_and_writes_nothing() {
     let out_s = out.to_str().unwrap();
     let mut args = train_args(data.to_str().unwrap(), out_s);
     args[3] = "1";
-    assert_all_ok(&run_ranks(2, &args, &[]));
+    let job = |id| {
+        [
+            ("TORCHELASTIC_RUN_ID", id),
+            ("TORCHELASTIC_RESTART_COUNT", "1"),
+        ]
+    };
+    assert_all_ok(&run_ranks(2, &args, &job("job-a")[..1]));
     let metrics = std::fs::read(out.join("metrics.jsonl")).unwrap();
     let model = std::fs::read(out.join("checkpoints/epoch-0001.safetensors")).unwrap();
 
-    let (a, b) = both_fail(&args);
     let refusal = format!(
         "--out {out_s} already holds a run (its {out_s}/checkpoints/latest names epoch-0001): \
          continue it with --resume latest, or give another --out"
     );
-    for t in [&a, &b] {
-        assert!(t.contains(&refusal), "{t}");
+    for env in [&[][..], &job("job-b")] {
+        let (a, b) = both_fail_with(&args, env);
+        for t in [&a, &b] {
+            assert!(t.contains(&refusal), "{env:?}: {t}");
+        }
     }
     assert_eq!(std::fs::read(out.join("metrics.jsonl")).unwrap(), metrics);
     assert_eq!(
         std::fs::read(out.join("checkpoints/epoch-0001.safetensors")).unwrap(),
         model
     );
+    assert_eq!(
+        std::fs::read_to_string(out.join("checkpoints/latest")).unwrap(),
+        "epoch-0001\n"
+    );
 
-    // Two epochs in all: the second continues the first.
+    // Two epochs in all: the run's own restart continues it.
     let mut more = args.clone();
     more[3] = "2";
+    let outputs = run_ranks(2, &more, &job("job-a"));
+    assert_all_ok(&outputs);
+    let t = text(&outputs[0]);
+    assert!(
+        t.contains("after the launcher's restart") && !t.contains("epoch 1/2"),
+        "{t}"
+    );
+    assert_eq!(metrics_without_timing(&out).len(), 2);
+    // Three: a new job continues it with --resume latest.
+    more[3] = "3";
     more.extend(["--resume", "latest"]);
     let outputs = run_ranks(2, &more, &[]);
     assert_all_ok(&outputs);
-    assert!(
-        text(&outputs[0]).contains("epoch 2/2"),
-        "{}",
-        text(&outputs[0])
-    );
-    assert!(
-        !text(&outputs[0]).contains("epoch 1/2"),
-        "{}",
-        text(&outputs[0])
-    );
-    assert_eq!(metrics_without_timing(&out).len(), 2);
+    let t = text(&outputs[0]);
+    assert!(t.contains("epoch 3/3") && !t.contains("epoch 2/3"), "{t}");
+    assert_eq!(metrics_without_timing(&out).len(), 3);
 }
 
 /// A second job on the `--out` of a job that is still running is refused on all its ranks,

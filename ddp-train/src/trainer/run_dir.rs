@@ -17,7 +17,9 @@ pub(super) const RUN_ID_KEY: &str = "run_id";
 enum Continuation {
     /// The run was stopped (by a signal or its time limit), and so goes on when started again.
     Stopped,
-    /// A launcher restarted the rank (`TORCHELASTIC_RESTART_COUNT` above 0).
+    /// A launcher restarted the rank (`TORCHELASTIC_RESTART_COUNT` above 0) of the job whose
+    /// run it is: its run id is the one `config.json` records, or it has none (torchrun's
+    /// `none`) to tell.
     Restarted,
     /// The same job started it: its run id, which a restart, a requeue and torchrun's
     /// membership changes keep, is the one `config.json` records (torchrun counts no restart
@@ -26,12 +28,16 @@ enum Continuation {
 }
 
 /// Whether, and why, this start continues the run in `out`.
+/// A restart of a job that names itself continues only that job's run: a launcher restarts
+/// the ranks a refusal ended too, and another job's run, continued or started over under
+/// this job's settings, would be written over.
 fn continuation(out: &Path, env: &EnvConfig) -> Option<Continuation> {
+    let same_job = || recorded_run_id(out).as_deref() == Some(env.run_id.as_str());
     if state::was_stopped(out) {
         Some(Continuation::Stopped)
-    } else if env.restart_count > 0 {
+    } else if env.restart_count > 0 && (!env.names_a_job() || same_job()) {
         Some(Continuation::Restarted)
-    } else if env.names_a_job() && recorded_run_id(out).as_deref() == Some(env.run_id.as_str()) {
+    } else if env.names_a_job() && same_job() {
         Some(Continuation::SameJob)
     } else {
         None
@@ -904,10 +910,25 @@ mod tests {
             );
             assert_eq!(s.checkpoint.resume, None);
         }
-        // A launcher's restart continues whatever the id.
+        // A launcher's restart continues the run of its own job, or of any without an id.
+        for own in ["slurm-42", "none"] {
+            let mut s = settings(out, None);
+            let note = resume_after_restart(&mut s, &env(own, 1)).unwrap();
+            assert_eq!(note, ", after the launcher's restart", "{own}");
+        }
+        // Another job's restart (of ranks a refusal ended) is refused as its first start was.
         let mut s = settings(out, None);
-        let note = resume_after_restart(&mut s, &env("none", 1)).unwrap();
-        assert_eq!(note, ", after the launcher's restart");
+        let e = resume_after_restart(&mut s, &env("slurm-43", 1)).unwrap_err();
+        assert!(
+            matches!(&e, TrainError::Invalid(why) if why == &format!(
+                "--out {0} already holds a run (its {0}/checkpoints/latest names epoch-0001): \
+                 continue it with --resume latest, or give another --out (or remove that \
+                 folder) to start a new run",
+                out.display()
+            )),
+            "{e:?}"
+        );
+        assert_eq!(s.checkpoint.resume, None);
     }
 
     /// A Kubeflow pod restarted after a crash gets torchrun's four variables only: no
@@ -1114,8 +1135,17 @@ mod tests {
             )),
             "{e}"
         );
-        // The run's own restart, or an evaluation, goes on.
+        // Another job's restart would start over on them: refused.
         s.checkpoint.resume = None;
+        let config = serde_json::json!({ RUN_ID_KEY: "job-8" });
+        std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+        let e = resume_after_restart(&mut s, &env("job-9", 1)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("(its best-score.safetensors, without "),
+            "{e}"
+        );
+        // The run's own restart, or an evaluation, goes on.
         assert_eq!(resume_after_restart(&mut s, &env("job-8", 1)).unwrap(), "");
         s.checkpoint.eval_only = true;
         assert_eq!(resume_after_restart(&mut s, &env("job-8", 0)).unwrap(), "");
