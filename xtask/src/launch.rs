@@ -15,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use clap::builder::TypedValueParser;
 use clap::CommandFactory;
 use ddp_run::cli::{NodeArgs, Wording};
-use ddp_run::{Event, LaunchConfig, Outcome};
+use ddp_run::{Event, LaunchConfig, Outcome, RankFailure};
 
 /// Options of `cargo xtask train`; every argument after them goes to `ddp-train`.
 #[derive(Debug, Clone, clap::Args)]
@@ -218,6 +218,21 @@ fn wording() -> Wording {
     }
 }
 
+/// What a rank given `--device cuda` says when CUDA cannot be used there (ddp-train's
+/// `DeviceChoice::resolve`): a driver older than libtorch's CUDA, under GPUs that nvidia-smi
+/// lists.
+const NO_CUDA: &str = "CUDA is not available here";
+
+/// The launcher's advice after a rank's `failure` on `device` when the rank found CUDA
+/// unusable: the rank's own advice names `--device`, which the launcher sets.
+fn cuda_advice(device: &str, failure: &RankFailure) -> Option<&'static str> {
+    let no_cuda = device == "cuda" && failure.tail.iter().any(|line| line.contains(NO_CUDA));
+    no_cuda.then_some(
+        "the ranks cannot use CUDA here, though nvidia-smi lists GPUs: use `cargo xtask train \
+         --cpus N` to train on CPU ranks (the launcher sets each rank's --device)",
+    )
+}
+
 /// Runs the job; returns the process exit code for `main`.
 pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     let (nproc, device) = ranks_and_device(&args, ddp_run::visible_gpus())?;
@@ -286,6 +301,9 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
         Event::RankFailed(failure) => {
             for line in ddp_run::cli::failure_lines("xtask", failure) {
                 eprintln!("{line}");
+            }
+            if let Some(advice) = cuda_advice(device, failure) {
+                eprintln!("xtask: {advice}");
             }
         }
         Event::Restarting {
@@ -584,7 +602,8 @@ pub fn is_complete(dir: &Path) -> bool {
 
 /// Flushes folder `dir`'s entries to the disk.
 fn sync_dir(dir: &Path) -> Result<()> {
-    crate::folder_sync::sync_folder(dir)
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
         .with_context(|| format!("cannot flush {} to the disk", dir.display()))
 }
 
@@ -956,6 +975,31 @@ mod tests {
             "cannot find a free port on 127.0.0.1 for the ranks to meet on (give --master-port)"
         );
         assert_eq!(wording().longer_shutdown, "--grace");
+    }
+
+    /// A rank that found CUDA unusable names ddp-train's --device, which the launcher
+    /// refuses: the launcher says its own way to CPU ranks.
+    #[test]
+    fn ranks_without_cuda_are_told_the_launchers_way_to_cpu_ranks() {
+        let failure = |tail: &[&str]| RankFailure {
+            rank: 0,
+            exit: ddp_run::Exit::Code(1),
+            tail: tail.iter().map(|l| l.to_string()).collect(),
+            log: None,
+        };
+        let no_cuda = failure(&[
+            "error: --device cuda: CUDA is not available here (cudaGetDeviceCount failed: \
+             CUDA driver version is insufficient for CUDA runtime version); set --device to cpu",
+        ]);
+        assert_eq!(
+            cuda_advice("cuda", &no_cuda),
+            Some(
+                "the ranks cannot use CUDA here, though nvidia-smi lists GPUs: use `cargo xtask \
+                 train --cpus N` to train on CPU ranks (the launcher sets each rank's --device)"
+            )
+        );
+        assert_eq!(cuda_advice("cpu", &no_cuda), None);
+        assert_eq!(cuda_advice("cuda", &failure(&["error: loss is NaN"])), None);
     }
 
     #[test]

@@ -86,6 +86,45 @@ i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
     assert!(!t.contains("last lines of"), "{t}");
 }
 
+/// Where nvidia-smi lists GPUs that CUDA cannot use (a driver older than libtorch's CUDA),
+/// the launcher chose cuda ranks by itself, and each rank's advice names ddp-train's
+/// `--device`, which the launcher refuses: it says its own way to CPU ranks.
+#[test]
+fn ranks_that_find_cuda_unusable_are_told_the_launchers_way_to_cpu_ranks() {
+    let dir = temp_dir("xtask-no-cuda");
+    let tools = dir.path().join("tools");
+    std::fs::create_dir_all(&tools).unwrap();
+    ddp_testkit::script(
+        &tools.join("nvidia-smi"),
+        "#!/bin/sh\necho 'GPU 0: Fake GPU (UUID: GPU-0)'\n",
+    );
+    let path = format!(
+        "{}:{}",
+        tools.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    // ddp-train's words (`DeviceChoice::resolve`).
+    let rank = rank_script(
+        dir.path(),
+        "echo 'error: --device cuda: CUDA is not available here (no CUDA device); set --device \
+         to cpu' >&2; exit 1",
+    );
+    let out = dir.path().join("run");
+    let t = failed_job(
+        launcher_of(&rank, &[], dir.path(), &out, &[], &[("PATH", &path)])
+            .env_remove("CUDA_VISIBLE_DEVICES"),
+    );
+    assert!(t.contains("xtask: starting 1 cuda rank(s)"), "{t}");
+    assert!(
+        t.contains(
+            "set --device to cpu\nxtask: the ranks cannot use CUDA here, though nvidia-smi lists \
+             GPUs: use `cargo xtask train --cpus N` to train on CPU ranks (the launcher sets \
+             each rank's --device)\n"
+        ),
+        "{t}"
+    );
+}
+
 /// The rank logs' folder is the run directory's `logs/`: when it cannot be, the launcher
 /// names --out, its flag that chooses it (ddp-run's own is --log-dir).
 #[test]

@@ -31,15 +31,9 @@ impl DeviceChoice {
         let loaded = ddp_comm::cuda::load_torch_cuda().unwrap_or(false);
         let available = loaded && tch::Cuda::is_available();
         match (self, available) {
-            (Self::Cuda, false) => Err(SettingError::new(
-                "runtime.device",
-                format!(
-                    " cuda: CUDA is not available here ({}); set ",
-                    ddp_comm::cuda::no_gpu_reason().unwrap_or_else(|| "no device".into())
-                ),
+            (Self::Cuda, false) => Err(cuda_unavailable(
+                &ddp_comm::cuda::no_gpu_reason().unwrap_or_else(|| "no device".into()),
             )
-            .setting("runtime.device")
-            .text(" to cpu")
             .into()),
             (_, true) => {
                 let count = tch::Cuda::device_count() as usize;
@@ -51,6 +45,18 @@ impl DeviceChoice {
             (_, false) => Ok(tch::Device::Cpu),
         }
     }
+}
+
+/// The error of the device `cuda` where CUDA cannot be used, for the reason `why`.
+/// `cargo xtask train`, which sets each rank's device, reads "CUDA is not available here"
+/// in a failed rank's last lines to name its own flag for CPU ranks (xtask's `NO_CUDA`).
+fn cuda_unavailable(why: &str) -> SettingError {
+    SettingError::new(
+        "runtime.device",
+        format!(" cuda: CUDA is not available here ({why}); set "),
+    )
+    .setting("runtime.device")
+    .text(" to cpu")
 }
 
 /// The CUDA device of local rank `local_rank` among `count` visible ones: `cuda:local_rank`,
@@ -333,6 +339,16 @@ mod tests {
                 other => panic!("{threads} threads gave {other:?}"),
             }
         }
+    }
+
+    /// Its words are read by `cargo xtask train` (xtask's `NO_CUDA`).
+    #[test]
+    fn cuda_that_cannot_be_used_is_named_with_the_setting_to_change() {
+        assert_eq!(
+            super::cuda_unavailable("no CUDA device")
+                .render(|f| format!("--{}", f.trim_start_matches("runtime."))),
+            "--device cuda: CUDA is not available here (no CUDA device); set --device to cpu"
+        );
     }
 
     #[test]
