@@ -3,6 +3,12 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+/// What follows NCCL's words when it answers `ncclSystemError`: in a container, often its
+/// shared-memory transport's segments (GPUs without peer-to-peer access) did not fit in
+/// `/dev/shm`.
+pub(crate) const NCCL_SYSTEM_ERROR_HINT: &str = "in a container, NCCL's shared memory may not \
+     fit in /dev/shm (docker's default is 64 MiB): run it with --ipc=host or --shm-size=1g";
+
 /// What went wrong in rendezvous, in the store, or in a collective.
 ///
 /// Messages name what the user must look at: the rank, the address, the variable, the

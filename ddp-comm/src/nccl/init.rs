@@ -105,7 +105,7 @@ impl NcclComm {
             (nccl.ncclCommInitRankConfig)(&mut comm, world as c_int, id, rank as c_int, &mut config)
         };
         let nccl_failed = |prefix: &str, rc: ncclResult_t| {
-            let detail = with_last_error(&nccl_text(nccl, rc), &last_error(nccl, comm));
+            let detail = with_last_error(rc, &nccl_text(nccl, rc), &last_error(nccl, comm));
             abort(comm);
             Err(failed(
                 format!("failed: {prefix}{detail}"),

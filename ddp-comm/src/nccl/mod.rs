@@ -75,7 +75,7 @@ use tch::Tensor;
 use tch_ext::CudaStream;
 
 use crate::element::{DType, ReduceOp};
-use crate::error::CommError;
+use crate::error::{CommError, NCCL_SYSTEM_ERROR_HINT};
 use crate::nccl::inflight::{Event, InFlight, Marker, Status};
 use crate::store::heartbeat::Heartbeat;
 
@@ -197,7 +197,7 @@ pub(crate) fn unique_id() -> Result<ncclUniqueId, CommError> {
     if rc != ncclResult_t::ncclSuccess {
         return Err(CommError::Nccl {
             call: "ncclGetUniqueId",
-            detail: nccl_text(nccl, rc),
+            detail: with_last_error(rc, &nccl_text(nccl, rc), ""),
         });
     }
     Ok(id)
@@ -212,7 +212,7 @@ pub fn version() -> Result<String, CommError> {
     if rc != ncclResult_t::ncclSuccess {
         return Err(CommError::Nccl {
             call: "ncclGetVersion",
-            detail: nccl_text(nccl, rc),
+            detail: with_last_error(rc, &nccl_text(nccl, rc), ""),
         });
     }
     Ok(nccl_sys::version_string(code))
@@ -232,16 +232,21 @@ fn last_error(nccl: &Nccl, comm: ncclComm_t) -> String {
         .into_owned()
 }
 
-/// NCCL's `text` for a failed call, then the detail it keeps about the last error (`last`,
-/// may be empty: it names the peer or connection lost), as c10d's `getNcclErrorDetailStr`.
-fn with_last_error(text: &str, last: &str) -> String {
-    format!("{text} {last}").trim_end().to_string()
+/// NCCL's `text` for a failed call that returned `rc`, then the detail it keeps about the last
+/// error (`last`, may be empty: it names the peer or connection lost), as c10d's
+/// `getNcclErrorDetailStr`; for a system error, then [`NCCL_SYSTEM_ERROR_HINT`].
+fn with_last_error(rc: ncclResult_t, text: &str, last: &str) -> String {
+    let detail = format!("{text} {last}").trim_end().to_string();
+    if rc != ncclResult_t::ncclSystemError {
+        return detail;
+    }
+    format!("{detail}; {NCCL_SYSTEM_ERROR_HINT}")
 }
 
-/// The error of an asynchronous NCCL failure (`text`, `last`: see [`with_last_error`])
+/// The error of an asynchronous NCCL failure (`rc`, `text`, `last`: see [`with_last_error`])
 /// seen while `op` ran.
-fn async_error(op: &str, text: &str, last: &str) -> CommError {
-    let detail = format!("{op}: {}", with_last_error(text, last));
+fn async_error(op: &str, rc: ncclResult_t, text: &str, last: &str) -> CommError {
+    let detail = format!("{op}: {}", with_last_error(rc, text, last));
     let call = "ncclCommGetAsyncError";
     CommError::Nccl { call, detail }
 }
@@ -293,7 +298,7 @@ impl NcclComm {
             return Ok(());
         }
         let last = last_error(self.nccl, self.comm);
-        let detail = with_last_error(&nccl_text(self.nccl, rc), &last);
+        let detail = with_last_error(rc, &nccl_text(self.nccl, rc), &last);
         Err(self.abort(CommError::Nccl { call, detail }))
     }
 
@@ -376,7 +381,7 @@ impl NcclComm {
         }
         // Read before the abort frees the communicator.
         let last = last_error(self.nccl, self.comm);
-        Err(self.abort(async_error(op, &nccl_text(self.nccl, bad), &last)))
+        Err(self.abort(async_error(op, bad, &nccl_text(self.nccl, bad), &last)))
     }
 
     /// Aborts the communicator (once) because of `err`, and returns `err`. The abort flag is
@@ -700,14 +705,40 @@ mod tests {
     fn an_asynchronous_error_carries_nccls_last_error() {
         let text = "remote process exited or there was a network error";
         let last = "NET/Socket : peer 10.0.0.2<43512> closed the connection";
-        match async_error("all_reduce", text, last) {
+        let remote = ncclResult_t::ncclRemoteError;
+        match async_error("all_reduce", remote, text, last) {
             CommError::Nccl { call, detail } => {
                 assert_eq!(call, "ncclCommGetAsyncError");
                 assert_eq!(detail, format!("all_reduce: {text} {last}"));
             }
             other => panic!("expected CommError::Nccl, got {other:?}"),
         }
-        let bare = async_error("broadcast", text, "").to_string();
+        let bare = async_error("broadcast", remote, text, "").to_string();
         assert!(bare.ends_with(&format!("broadcast: {text}")), "{bare}");
+    }
+
+    /// A system error, often NCCL's shared memory not fitting in a container's `/dev/shm`,
+    /// says so after NCCL's own words; other errors do not.
+    #[test]
+    fn a_system_error_points_at_dev_shm() {
+        let text = "unhandled system error (run with NCCL_DEBUG=INFO for details)";
+        let last = "Error while creating shared memory segment /dev/shm/nccl-x (size 9637888)";
+        let detail = with_last_error(ncclResult_t::ncclSystemError, text, last);
+        assert_eq!(
+            detail,
+            format!(
+                "{text} {last}; in a container, NCCL's shared memory may not fit in /dev/shm \
+                 (docker's default is 64 MiB): run it with --ipc=host or --shm-size=1g"
+            )
+        );
+        let error = async_error("all_reduce", ncclResult_t::ncclSystemError, text, "");
+        assert!(
+            error
+                .to_string()
+                .ends_with(&format!("{text}; {NCCL_SYSTEM_ERROR_HINT}")),
+            "{error}"
+        );
+        let internal = with_last_error(ncclResult_t::ncclInternalError, text, last);
+        assert_eq!(internal, format!("{text} {last}"));
     }
 }
