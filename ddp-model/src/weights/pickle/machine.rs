@@ -5,7 +5,7 @@ use std::rc::Rc;
 
 use super::globals::resolve_global;
 use super::rebuild::{persistent_load, reduce};
-use super::{Arena, Fault, PickleError, Tuple, Value, MAX_DEPTH};
+use super::{Arena, Fault, PickleError, Tuple, Value, Work, MAX_DEPTH};
 
 /// Runs `bytes` to its `STOP`: the top value, and the arena its lists and dicts live in.
 pub(super) fn run(bytes: &[u8]) -> Result<(Value, Arena)> {
@@ -17,6 +17,7 @@ pub(super) fn run(bytes: &[u8]) -> Result<(Value, Arena)> {
         marks: Vec::new(),
         memo: HashMap::new(),
         arena: Arena::default(),
+        work: Work::for_stream(bytes.len()),
     };
     let value = m.run()?;
     Ok((value, m.arena))
@@ -31,6 +32,7 @@ struct Machine<'a> {
     marks: Vec<usize>,
     memo: HashMap<u32, Value>,
     arena: Arena,
+    work: Work,
 }
 
 type Result<T> = std::result::Result<T, PickleError>;
@@ -387,7 +389,8 @@ impl<'a> Machine<'a> {
                     let Value::Tuple(args) = args else {
                         return self.malformed("REDUCE needs an argument tuple");
                     };
-                    let v = reduce(&mut self.arena, callable, &args).map_err(|f| self.fault(f))?;
+                    let v = reduce(&mut self.arena, &mut self.work, callable, &args)
+                        .map_err(|f| self.fault(f))?;
                     self.stack.push(v);
                 }
                 b'b' => {
@@ -406,7 +409,8 @@ impl<'a> Machine<'a> {
                 }
                 b'Q' => {
                     let pid = self.pop()?;
-                    let storage = persistent_load(&pid).map_err(|f| self.fault(f))?;
+                    let storage = persistent_load(&self.arena, &mut self.work, &pid)
+                        .map_err(|f| self.fault(f))?;
                     self.stack.push(Value::Storage(Rc::new(storage)));
                 }
                 b'P' => {
@@ -450,6 +454,10 @@ impl<'a> Machine<'a> {
                 at: self.op_at,
                 limit: MAX_DEPTH,
             },
+            Fault::TooMuchWork => PickleError::TooMuchWork {
+                at: self.op_at,
+                limit: self.work.limit,
+            },
         }
     }
 
@@ -476,6 +484,8 @@ impl<'a> Machine<'a> {
         let Value::Dict(id) = *self.top()? else {
             return self.malformed("SETITEM or SETITEMS to something that is not a dict");
         };
-        self.arena.insert(id, items).map_err(|f| self.fault(f))
+        self.arena
+            .insert(id, items, &mut self.work)
+            .map_err(|f| self.fault(f))
     }
 }

@@ -15,7 +15,10 @@
 //! hostile stream ends in [`PickleError::Malformed`], never in a panic. Tuples, the one value
 //! that nests (lists and dicts are held by index), nest at most [`MAX_DEPTH`] deep, so that
 //! dropping, formatting or hashing one cannot overflow the stack, and a dict finds a repeated
-//! key through a hash map, so that a crafted dict of many keys costs linear time.
+//! key through a hash map. What a stream makes the machine do beyond reading it (copy the
+//! items of a list or dict it names again by the memo, hash a dict key) is counted against
+//! a [`Work`] budget proportional to its length, so that reading any stream costs time and
+//! memory linear in its length: a crafted one ends in [`PickleError::TooMuchWork`].
 
 use std::collections::hash_map::{Entry, HashMap};
 use std::ops::Deref;
@@ -46,6 +49,20 @@ pub enum PickleError {
         /// The deepest nesting read: 1000.
         limit: usize,
     },
+    /// The stream makes the machine copy or hash more than `limit` values and bytes, which
+    /// no checkpoint does (torch's, a ResNet-50's among them, spend less than 1 per byte): a
+    /// crafted stream that names a long list or key again and again by the memo, refused
+    /// before its cost grows past linear in its length.
+    #[error(
+        "copies or hashes more than {limit} values and bytes (at byte {at}), {WORK_PER_BYTE} \
+         per byte of the stream and {WORK_FLOOR} more"
+    )]
+    TooMuchWork {
+        /// Offset of the opcode that would spend past the limit.
+        at: usize,
+        /// What the stream may spend.
+        limit: u64,
+    },
     /// The stream is not a valid pickle.
     #[error("is not a valid pickle at byte {at}: {reason}")]
     Malformed {
@@ -61,12 +78,44 @@ pub enum PickleError {
 /// and its derived `Debug` (about 1 MiB; for tests). A dict key's hash walks 64 values.
 const MAX_DEPTH: usize = 1000;
 
+/// Values a stream may copy and bytes it may hash, per byte of its own.
+const WORK_PER_BYTE: u64 = 4;
+
+/// Values and bytes any stream may copy and hash, beyond [`WORK_PER_BYTE`].
+const WORK_FLOOR: u64 = 1 << 20;
+
 /// What went wrong in a step of the machine, before the machine adds the stream position.
 #[derive(Debug)]
 enum Fault {
     Malformed(String),
     Unsupported(String),
     TooDeep,
+    TooMuchWork,
+}
+
+/// The work left to a stream: values copied out of the lists, dicts, tuples and strings
+/// that a call reads (each may be one the memo names again and again), and bytes of dict
+/// keys hashed.
+#[derive(Debug)]
+struct Work {
+    left: u64,
+    limit: u64,
+}
+
+impl Work {
+    /// The budget of a stream of `len` bytes.
+    fn for_stream(len: usize) -> Self {
+        let limit = (len as u64)
+            .saturating_mul(WORK_PER_BYTE)
+            .saturating_add(WORK_FLOOR);
+        Self { left: limit, limit }
+    }
+
+    /// Spends `n`, before the work is done.
+    fn spend(&mut self, n: usize) -> Result<(), Fault> {
+        self.left = self.left.checked_sub(n as u64).ok_or(Fault::TooMuchWork)?;
+        Ok(())
+    }
 }
 
 /// The element type of a storage or a `torch.<dtype>` global: a tch kind, or the name of a
@@ -229,6 +278,16 @@ impl Key {
         Self::within(v, &mut 64)
     }
 
+    /// What hashing or comparing the key walks: its values and the bytes of its strings.
+    fn weight(&self) -> usize {
+        1 + match self {
+            Key::Str(s) => s.len(),
+            Key::Bytes(b) => b.len(),
+            Key::Tuple(keys) => keys.iter().map(Key::weight).sum(),
+            Key::None | Key::Int(_) | Key::Float(_) => 0,
+        }
+    }
+
     fn within(v: &Value, budget: &mut usize) -> Option<Key> {
         *budget = budget.checked_sub(1)?;
         Some(match v {
@@ -301,8 +360,23 @@ impl Arena {
             .ok_or_else(|| Fault::Malformed(format!("list {id} does not exist")))
     }
 
-    /// Sets `items` (key, value, key, value, ...) in dict `id`.
-    fn insert(&mut self, id: usize, items: Vec<Value>) -> Result<(), Fault> {
+    /// What a call that reads `v` whole may copy or walk: 1, and the items of a list, dict or
+    /// tuple, the bytes of a str or bytes, the dimensions of a tensor, the key of a storage.
+    fn weight(&self, v: &Value) -> usize {
+        1 + match v {
+            Value::List(id) => self.lists.get(*id).map_or(0, Vec::len),
+            Value::Dict(id) => self.dicts.get(*id).map_or(0, |d| d.entries.len()),
+            Value::Tuple(t) => t.len(),
+            Value::Str(s) => s.len(),
+            Value::Bytes(b) => b.len(),
+            Value::Tensor(t) => t.size.len() + t.stride.len(),
+            Value::Storage(s) => s.key.len(),
+            _ => 0,
+        }
+    }
+
+    /// Sets `items` (key, value, key, value, ...) in dict `id`, spending each key's weight.
+    fn insert(&mut self, id: usize, items: Vec<Value>, work: &mut Work) -> Result<(), Fault> {
         if !items.len().is_multiple_of(2) {
             return Err(Fault::Malformed("a dict needs key-value pairs".into()));
         }
@@ -313,7 +387,11 @@ impl Arena {
         let mut items = items.into_iter();
         while let (Some(k), Some(v)) = (items.next(), items.next()) {
             let at = dict.entries.len();
-            match Key::of(&k).map(|key| dict.index.entry(key)) {
+            let key = Key::of(&k);
+            if let Some(key) = &key {
+                work.spend(key.weight())?;
+            }
+            match key.map(|key| dict.index.entry(key)) {
                 Some(Entry::Occupied(e)) => dict.entries[*e.get()].1 = v,
                 Some(Entry::Vacant(e)) => {
                     e.insert(at);
@@ -538,6 +616,100 @@ mod tests {
             .iter()
             .enumerate()
             .all(|(i, kv)| *kv == (Value::Int(i64::from(i as u32 * 7919 % n)), Value::Int(1))));
+    }
+
+    /// What a stream of `len` bytes may spend.
+    fn limit_of(len: usize) -> u64 {
+        WORK_PER_BYTE * len as u64 + WORK_FLOOR
+    }
+
+    /// `p` (which memoises a global as 0 and its argument as 1), then 1000 calls of the global
+    /// on the argument by 7-byte memo references, each result popped; and where they start.
+    fn called_1000_times(mut p: Vec<u8>) -> (Vec<u8>, usize) {
+        let calls = p.len();
+        for _ in 0..1000 {
+            p.extend(b"h\x00h\x01\x85R0");
+        }
+        p.extend(b"N.");
+        (p, calls)
+    }
+
+    #[test]
+    fn calls_that_copy_a_memoised_list_or_dict_again_and_again_are_refused() {
+        // `set(L)`, L a list of 500 000 zeros made of 500 kB: each call copies L (500 001
+        // values spent), unchecked 5e8 values in all.
+        let n = 500_000;
+        let mut p = b"\x80\x02cbuiltins\nset\nq\x00]q\x01(K\x00".to_vec();
+        p.resize(p.len() + n - 1, b'2');
+        p.extend(b"e0");
+        let (p, calls) = called_1000_times(p);
+        let limit = limit_of(p.len());
+        assert_eq!(limit, 3_076_684);
+        // Six copies fit in the limit; the seventh call's REDUCE is refused.
+        let err = unpickle(&p).map(drop).unwrap_err();
+        assert_eq!(
+            err,
+            PickleError::TooMuchWork {
+                at: calls + 6 * 7 + 5,
+                limit
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "copies or hashes more than 3076684 values and bytes (at byte {}), 4 per byte \
+                 of the stream and 1048576 more",
+                calls + 47
+            )
+        );
+        // `Counter(D)` and `OrderedDict(P)`, D a dict of 100 000 int keys and P a list of
+        // 100 000 pairs: each call copies them and hashes every key again (200 001 spent).
+        let mut dict = b"\x80\x02ccollections\nCounter\nq\x00}q\x01(".to_vec();
+        for i in 0..100_000u32 {
+            dict.push(b'J');
+            dict.extend(i.to_le_bytes());
+            dict.extend(b"K\x00");
+        }
+        dict.extend(b"u0");
+        let mut pairs = b"\x80\x02ccollections\nOrderedDict\nq\x00]q\x01(K\x00K\x00\x86".to_vec();
+        pairs.resize(pairs.len() + 100_000 - 1, b'2');
+        pairs.extend(b"e0");
+        // 18 calls fit in the first stream's 3 876 708 (its dict spent 100 000), 7 in the
+        // second's 1 476 740.
+        for (p, fit) in [(dict, 18), (pairs, 7)] {
+            let (p, calls) = called_1000_times(p);
+            assert_eq!(
+                unpickle(&p).map(drop).unwrap_err(),
+                PickleError::TooMuchWork {
+                    at: calls + fit * 7 + 5,
+                    limit: limit_of(p.len())
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn a_memoised_long_key_set_again_and_again_is_refused() {
+        // `d[K] = 1` 1 000 000 times by 5-byte memo references, K a string of 1 MiB: each
+        // SETITEM hashes K (1 MiB + 1 spent), unchecked 1 TB hashed.
+        let mut p = b"\x80\x02}X\x00\x00\x10\x00".to_vec();
+        p.resize(p.len() + (1 << 20), b'k');
+        p.extend(b"q\x00K\x01s");
+        let first = p.len() - 1;
+        for _ in 0..1_000_000 {
+            p.extend(b"h\x00K\x01s");
+        }
+        p.push(b'.');
+        let limit = limit_of(p.len());
+        assert_eq!(limit, 25_242_936);
+        // 24 SETITEMs fit in the limit (the first and 23 by the memo); the 25th is refused.
+        assert_eq!(
+            unpickle(&p).map(drop).unwrap_err(),
+            PickleError::TooMuchWork {
+                at: first + 24 * 5,
+                limit
+            }
+        );
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use std::rc::Rc;
 
 use super::globals::global_name;
-use super::{Arena, Element, Fault, Global, StorageRef, TensorRef, Value};
+use super::{Arena, Element, Fault, Global, StorageRef, TensorRef, Value, Work};
 
 fn malformed<T>(reason: impl Into<String>) -> Result<T, Fault> {
     Err(Fault::Malformed(reason.into()))
@@ -12,13 +12,18 @@ fn malformed<T>(reason: impl Into<String>) -> Result<T, Fault> {
 
 /// `('storage', storage_type, key, location, numel)`; the location (`cpu`, `cuda:0`) is not
 /// used: every storage is read onto the CPU (`map_location="cpu"`).
-pub(super) fn persistent_load(pid: &Value) -> Result<StorageRef, Fault> {
+pub(super) fn persistent_load(
+    arena: &Arena,
+    work: &mut Work,
+    pid: &Value,
+) -> Result<StorageRef, Fault> {
     let Value::Tuple(items) = pid else {
         return malformed(format!(
             "a persistent id is {}, not a tuple",
             pid.describe()
         ));
     };
+    spend_on(arena, work, items)?;
     match &items[..] {
         [Value::Str(tag), Value::Global(g), Value::Str(key), Value::Str(_location), Value::Int(numel)]
             if &**tag == "storage" =>
@@ -44,11 +49,24 @@ pub(super) fn persistent_load(pid: &Value) -> Result<StorageRef, Fault> {
     }
 }
 
-/// The value of `callable(*args)` for an allowed global.
-pub(super) fn reduce(arena: &mut Arena, callable: Value, args: &[Value]) -> Result<Value, Fault> {
+/// Spends what reading `args` whole may copy or walk: the memo may name the same long list,
+/// dict, tuple or string in every call.
+fn spend_on(arena: &Arena, work: &mut Work, args: &[Value]) -> Result<(), Fault> {
+    work.spend(args.iter().map(|a| arena.weight(a)).sum())
+}
+
+/// The value of `callable(*args)` for an allowed global; the keys of a dict it builds are
+/// hashed out of `work` too.
+pub(super) fn reduce(
+    arena: &mut Arena,
+    work: &mut Work,
+    callable: Value,
+    args: &[Value],
+) -> Result<Value, Fault> {
     let Value::Global(g) = callable else {
         return malformed(format!("REDUCE calls {}", callable.describe()));
     };
+    spend_on(arena, work, args)?;
     match (g, args) {
         (Global::OrderedDict, []) => Ok(arena.new_dict()),
         (Global::OrderedDict, [Value::List(id)]) => {
@@ -59,7 +77,7 @@ pub(super) fn reduce(arena: &mut Arena, callable: Value, args: &[Value]) -> Resu
                     _ => return malformed("OrderedDict needs (key, value) pairs"),
                 }
             }
-            dict_of(arena, items)
+            dict_of(arena, work, items)
         }
         (Global::RebuildTensor, [storage, offset, size, stride]) => {
             tensor(storage, offset, size, stride, None, (false, false))
@@ -126,7 +144,7 @@ pub(super) fn reduce(arena: &mut Arena, callable: Value, args: &[Value]) -> Resu
                 .iter()
                 .flat_map(|(k, v)| [k.clone(), v.clone()]);
             let items = items.collect();
-            dict_of(arena, items)
+            dict_of(arena, work, items)
         }
         (Global::ByteArray, []) => Ok(Value::Bytes(Rc::from([]))),
         (Global::ByteArray, [bytes @ Value::Bytes(_)]) => Ok(bytes.clone()),
@@ -151,10 +169,10 @@ pub(super) fn reduce(arena: &mut Arena, callable: Value, args: &[Value]) -> Resu
 }
 
 /// A new dict of `items` (key, value, key, value, ...).
-fn dict_of(arena: &mut Arena, items: Vec<Value>) -> Result<Value, Fault> {
+fn dict_of(arena: &mut Arena, work: &mut Work, items: Vec<Value>) -> Result<Value, Fault> {
     let dict = arena.new_dict();
     if let Value::Dict(id) = dict {
-        arena.insert(id, items)?;
+        arena.insert(id, items, work)?;
     }
     Ok(dict)
 }
