@@ -1,6 +1,6 @@
 //! The crate's one error type: every variant names the file, row, column or value at fault.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Everything that can go wrong while opening, splitting, decoding or loading ODIR data, or
 /// loading any [`Dataset`](crate::Dataset).
@@ -11,12 +11,15 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum DataError {
     /// The data folder holds neither `full_df.csv` nor a challenge annotation workbook.
-    #[error("no ODIR annotation file in '{}': looked for {}", .root.display(), .tried.join(", "))]
+    #[error("no ODIR annotation file in '{}': {}", .root.display(), missing_annotations_advice(.tried, .suggestion.as_deref()))]
     MissingAnnotations {
         /// The folder that was searched.
         root: PathBuf,
         /// The file names that were looked for, in order.
         tried: Vec<String>,
+        /// The folder's parent or one of its subfolders, where one holds annotations: the
+        /// data folder that was probably meant.
+        suggestion: Option<PathBuf>,
     },
 
     /// No image folder next to the annotation file.
@@ -389,6 +392,20 @@ impl DataError {
             },
             e => e,
         }
+    }
+}
+
+/// What [`DataError::MissingAnnotations`] advises: the folder beside that has annotations, or
+/// what was looked for and where the layouts are described.
+fn missing_annotations_advice(tried: &[String], suggestion: Option<&Path>) -> String {
+    match suggestion {
+        Some(folder) => format!("did you mean --data '{}'?", folder.display()),
+        None => format!(
+            "looked for {}; --data takes Kaggle's download, the challenge's folder or an \
+             OIA-ODIR set (docs/odir.md, \"The data\"), and a folder of images alone is for \
+             `ddp-train predict`",
+            tried.join(", ")
+        ),
     }
 }
 

@@ -11,18 +11,36 @@ fn open(root: &std::path::Path) -> Result<OdirDataset, DataError> {
     OdirDataset::open(root, &OdirOptions::default())
 }
 
+/// Without an ODIR folder beside it (see `layouts.rs` for one), the message says what was
+/// looked for, where the layouts are described, and what takes a folder of images alone.
 #[test]
 fn missing_annotation_file_lists_what_was_looked_for() {
     let dir = tempfile::tempdir().unwrap();
-    let e = open(dir.path()).unwrap_err();
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(empty.join("images")).unwrap();
+    let e = open(&empty).unwrap_err();
     match &e {
-        DataError::MissingAnnotations { tried, .. } => {
+        DataError::MissingAnnotations {
+            tried, suggestion, ..
+        } => {
             assert_eq!(tried[0], "full_df.csv");
             assert!(tried.iter().any(|t| t == "data.xlsx"));
+            assert_eq!(suggestion, &None);
         }
         other => panic!("expected MissingAnnotations, got {other}"),
     }
-    assert!(e.to_string().starts_with("no ODIR annotation file in"));
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "no ODIR annotation file in '{}': looked for full_df.csv, data.xlsx, \
+             ODIR-5K_Training_Annotations(Updated)_V2.xlsx, Annotation/training annotation \
+             (English).xlsx, Annotation/off-site test annotation (English).xlsx, \
+             Annotation/on-site test annotation (English).xlsx; --data takes Kaggle's \
+             download, the challenge's folder or an OIA-ODIR set (docs/odir.md, \"The data\"), \
+             and a folder of images alone is for `ddp-train predict`",
+            empty.display()
+        )
+    );
 }
 
 #[test]

@@ -194,6 +194,68 @@ fn oia_odir_sets_open_with_their_annotation_folder_and_images() {
     }
 }
 
+/// `--data` one level off: an images folder names its data folder, an OIA-ODIR root its
+/// `Training Set` (its annotations come first of the three sets'), and a Kaggle download's
+/// `ODIR-5K/` the download (its `full_df.csv` before the workbook in `ODIR-5K/ODIR-5K/`).
+#[test]
+fn a_data_folder_one_level_off_names_the_one_meant() {
+    let message = |root: &Path| {
+        let e = OdirDataset::open(root, &OdirOptions::default()).unwrap_err();
+        assert!(matches!(e, DataError::MissingAnnotations { .. }), "{e}");
+        e.to_string()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let kaggle = dir.path().join("kaggle");
+    common::valid_csv_layout(&kaggle, 1);
+    let images = kaggle.join("preprocessed_images");
+    assert_eq!(
+        message(&images),
+        format!(
+            "no ODIR annotation file in '{}': did you mean --data '{}'?",
+            images.display(),
+            kaggle.display()
+        )
+    );
+    let nested = kaggle.join("ODIR-5K");
+    std::fs::create_dir_all(nested.join("ODIR-5K")).unwrap();
+    common::write_xlsx(
+        &nested.join("ODIR-5K/data.xlsx"),
+        &[(1, "1_left.jpg", "1_right.jpg", [1, 0, 0, 0, 0, 0, 0, 0])],
+    );
+    assert_eq!(
+        message(&nested),
+        format!(
+            "no ODIR annotation file in '{}': did you mean --data '{}'?",
+            nested.display(),
+            kaggle.display()
+        )
+    );
+
+    let oia = dir.path().join("OIA-ODIR");
+    for (set, workbook) in [
+        ("Training Set", "training annotation (English).xlsx"),
+        (
+            "Off-site Test Set",
+            "off-site test annotation (English).xlsx",
+        ),
+        ("On-site Test Set", "on-site test annotation (English).xlsx"),
+    ] {
+        std::fs::create_dir_all(oia.join(set).join("Annotation")).unwrap();
+        common::write_xlsx(
+            &oia.join(set).join("Annotation").join(workbook),
+            &[(2, "2_left.jpg", "2_right.jpg", [0, 0, 1, 0, 0, 0, 0, 0])],
+        );
+    }
+    assert_eq!(
+        message(&oia),
+        format!(
+            "no ODIR annotation file in '{}': did you mean --data '{}'?",
+            oia.display(),
+            oia.join("Training Set").display()
+        )
+    );
+}
+
 /// The challenge's training archive extracted by a tool that adds the archive's name:
 /// `ODIR-5K_Training_Images/ODIR-5K_Training_Dataset/` beside the V2 workbook.
 #[test]

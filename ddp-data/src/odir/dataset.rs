@@ -111,8 +111,59 @@ fn find_first(root: &Path, names: &[&str]) -> Option<PathBuf> {
     names.iter().map(|n| root.join(n)).find(|p| p.exists())
 }
 
+/// The annotation file names, in the order they are looked for: [`CSV_NAME`], then
+/// [`XLSX_NAMES`].
+fn annotation_names() -> impl Iterator<Item = &'static str> {
+    std::iter::once(CSV_NAME).chain(XLSX_NAMES)
+}
+
+/// The layout detection: the first annotation file in `root` and its place among
+/// [`annotation_names`] (0 is `full_df.csv`, the redistribution layout).
+fn find_annotations(root: &Path) -> Option<(usize, PathBuf)> {
+    annotation_names()
+        .map(|n| root.join(n))
+        .enumerate()
+        .find(|(_, p)| p.exists())
+}
+
+/// A folder next to `root` that [`find_annotations`] accepts, for a `root` it does not: the
+/// parent (an images folder given for its data folder), else the subfolder whose annotation
+/// file comes first in the search order, then by name (OIA-ODIR's `Training Set` in its root).
+fn nearby_data_folder(root: &Path) -> Option<PathBuf> {
+    let parent = match root.components().next_back() {
+        Some(std::path::Component::Normal(_)) => root
+            .parent()
+            .map(|p| {
+                if p.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    p
+                }
+            })
+            .map(Path::to_path_buf),
+        // `.`, `..` or `/`: the parent only the file system knows.
+        _ => root.canonicalize().ok()?.parent().map(Path::to_path_buf),
+    };
+    let mut children: Vec<PathBuf> = std::fs::read_dir(root)
+        .ok()?
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .filter(|path| path.is_dir())
+        .collect();
+    children.sort();
+    // Of equals, `min_by_key` takes the first: the parent, then the first by name.
+    parent
+        .into_iter()
+        .chain(children)
+        .filter_map(|folder| Some((find_annotations(&folder)?.0, folder)))
+        .min_by_key(|(place, _)| *place)
+        .map(|(_, folder)| folder)
+}
+
 impl OdirDataset {
     /// Opens `root`, detecting the layout: `full_df.csv` first, then the challenge workbook.
+    /// Without either, [`DataError::MissingAnnotations`] names the parent or a subfolder that
+    /// has one, if any.
     pub fn open(root: &Path, options: &OdirOptions) -> Result<Self, DataError> {
         if let Err(source) = std::fs::read_dir(root) {
             // A mistyped --data: the folder itself, not a missing annotation file in it.
@@ -121,21 +172,17 @@ impl OdirDataset {
                 source,
             });
         }
-        let (layout, annotation_file, dirs): (_, _, &[&str]) =
-            if let Some(csv) = find_first(root, &[CSV_NAME]) {
-                (Layout::Redistribution, csv, &CSV_IMAGE_DIRS)
-            } else if let Some(xlsx) = find_first(root, &XLSX_NAMES) {
-                (Layout::Challenge, xlsx, &XLSX_IMAGE_DIRS)
-            } else {
-                let tried = std::iter::once(CSV_NAME)
-                    .chain(XLSX_NAMES)
-                    .map(str::to_string)
-                    .collect();
+        let (layout, annotation_file, dirs): (_, _, &[&str]) = match find_annotations(root) {
+            Some((0, csv)) => (Layout::Redistribution, csv, &CSV_IMAGE_DIRS),
+            Some((_, xlsx)) => (Layout::Challenge, xlsx, &XLSX_IMAGE_DIRS),
+            None => {
                 return Err(DataError::MissingAnnotations {
                     root: root.to_path_buf(),
-                    tried,
-                });
-            };
+                    tried: annotation_names().map(str::to_string).collect(),
+                    suggestion: nearby_data_folder(root),
+                })
+            }
+        };
         let annotations = if layout == Layout::Redistribution {
             read_csv(&annotation_file, options.labels)?
         } else {
