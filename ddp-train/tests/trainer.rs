@@ -1110,6 +1110,62 @@ fn a_new_start_over_a_finished_run_is_refused_and_writes_nothing() {
     assert_eq!(metrics_without_timing(&out).len(), 3);
 }
 
+/// On a file system without `flock` (Lustre mounted `noflock` answers `ENOSYS`, injected
+/// here), rank 0 warns once that nothing keeps a second job out, and still rewinds a run
+/// that resumes an older checkpoint of its own: `latest` names it, the later checkpoints are
+/// set aside, `metrics.jsonl` is cut back (the resumed start fails at its first step).
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn a_rewind_on_a_file_system_without_locks_sets_the_later_history_aside() {
+    let tmp = temp_dir("no-flock");
+    let data = data(tmp.path(), 24);
+    let out = tmp.path().join("run");
+    let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    args[3] = "4";
+    assert_all_ok(&run_ranks(1, &args, &[]));
+    let checkpoints = out.join("checkpoints");
+    let epoch = |e: u64| std::fs::read(checkpoints.join(format!("epoch-000{e}.safetensors")));
+    let (third, fourth) = (epoch(3).unwrap(), epoch(4).unwrap());
+
+    let resumed = checkpoints.join("epoch-0002.safetensors");
+    args.extend(["--resume", resumed.to_str().unwrap()]);
+    let enosys = libc::ENOSYS.to_string();
+    let env = [
+        ("DDP_TRAIN_FLOCK_ERRNO", enosys.as_str()),
+        ("DDP_TRAIN_FAIL_RANK", "0"),
+        ("DDP_TRAIN_FAIL_AT", "3:0"),
+    ];
+    let outputs = run_ranks(1, &args, &env);
+    assert_eq!(outputs[0].status.code(), Some(17), "{}", text(&outputs[0]));
+    let log = std::fs::read_to_string(out.join("logs/rank-0.log")).unwrap();
+    let warning = format!(
+        "warning: the run directory {0} cannot be locked on this file system ({0}/.lock: \
+         Function not implemented (os error 38)): nothing refuses a second job on the same \
+         --out, so start only one",
+        out.display()
+    );
+    assert_eq!(log.matches(&warning).count(), 1, "{log}");
+    assert_eq!(
+        std::fs::read_to_string(checkpoints.join("latest")).unwrap(),
+        "epoch-0002\n"
+    );
+    assert!(epoch(3).is_err() && epoch(4).is_err());
+    let aside: Vec<PathBuf> = std::fs::read_dir(&checkpoints)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    for (e, model) in [(3, third), (4, fourth)] {
+        let set_aside = aside[0].join(format!("epoch-000{e}.safetensors"));
+        assert_eq!(std::fs::read(set_aside).unwrap(), model, "epoch {e}");
+    }
+    assert_eq!(metrics_without_timing(&out).len(), 2);
+}
+
 /// A second job on the `--out` of a job that is still running is refused on all its ranks,
 /// naming the holder, before it writes anything; the first job ends as it would have.
 #[test]

@@ -91,6 +91,18 @@ pub(super) fn fail_if_injected(rank: usize, point: Point, restarted: bool) {
     }
 }
 
+/// For the tests of run directories on file systems without locks, with the
+/// `fault-injection` feature only: `DDP_TRAIN_FLOCK_ERRNO=<n>` makes rank 0's `flock` of the
+/// run directory fail with error number n (38, `ENOSYS`, is Lustre's answer when mounted
+/// `noflock`).
+pub(super) fn flock_error() -> Option<std::io::Error> {
+    if !cfg!(feature = "fault-injection") {
+        return None;
+    }
+    let errno = std::env::var("DDP_TRAIN_FLOCK_ERRNO").ok()?.parse().ok()?;
+    Some(std::io::Error::from_raw_os_error(errno))
+}
+
 /// For the tests of resumes on other allocations, with the `fault-injection` feature only:
 /// `DDP_TRAIN_LOG_INDICES=<folder>` makes every rank append, after each optimizer step, a
 /// line `epoch step index,index,...` of the samples that step trained to

@@ -4,8 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
-use ddp_comm::EnvConfig;
+use ddp_comm::{EnvConfig, ProcessGroup};
 
+use super::outputs::RankLog;
 use crate::error::TrainError;
 use crate::settings::{Monitor, Settings};
 use crate::state::{self, Best};
@@ -225,52 +226,142 @@ fn held_run(
 /// The file whose lock marks a run directory in use.
 const RUN_LOCK: &str = ".lock";
 
-/// Takes the run directory's lock (an exclusive `flock` on `out/.lock`, which the kernel
-/// lets go when the process ends, however it ends) and writes who holds it. A lock another
-/// process holds is a refusal naming it; a file system without locks gets no lock.
-pub(super) fn lock_run_dir(out: &Path) -> Result<Option<std::fs::File>, String> {
+/// The run directory's lock, as rank 0 found it.
+#[derive(Debug)]
+pub(super) enum RunLock {
+    /// This process holds it: the file, whose lock the kernel lets go when the process
+    /// ends, however it ends.
+    Held(std::fs::File),
+    /// Another process holds it: the refusal, naming that process.
+    Locked(String),
+    /// The file system takes no locks (Lustre mounted `noflock`: `ENOSYS`; NFSv3 without
+    /// `statd`: `ENOLCK`), or the lock file cannot be opened: nothing keeps a second job out.
+    Unsupported(std::io::Error),
+}
+
+/// Takes the run directory's lock (an exclusive `flock` on `out/.lock`) and writes who
+/// holds it.
+fn lock_run_dir(out: &Path) -> RunLock {
     use std::io::{Read, Seek, Write};
     use std::os::fd::AsRawFd;
     let path = out.join(RUN_LOCK);
-    let Ok(mut file) = std::fs::OpenOptions::new()
+    let mut file = match std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
         .open(&path)
-    else {
-        return Ok(None);
+    {
+        Ok(file) => file,
+        Err(e) => return RunLock::Unsupported(e),
     };
-    // SAFETY: flock on a descriptor this function owns; no memory is involved.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            return Ok(None);
+    let locked = match super::faults::flock_error() {
+        Some(injected) => Err(injected),
+        // SAFETY: flock on a descriptor this function owns; no memory is involved.
+        None => match unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        },
+    };
+    match locked {
+        Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            RunLock::Locked(format!(
+                "--out {} is in use by another job ({}, which holds {}): give another --out, \
+                 or wait for that job to end",
+                out.display(),
+                holder.trim(),
+                path.display()
+            ))
         }
-        let mut holder = String::new();
-        let _ = file.read_to_string(&mut holder);
-        return Err(format!(
-            "--out {} is in use by another job ({}, which holds {}): give another --out, or \
-             wait for that job to end",
-            out.display(),
-            holder.trim(),
-            path.display()
+        Err(e) => RunLock::Unsupported(e),
+        Ok(()) => {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            let holder = format!("pid {} on {}", std::process::id(), host.trim());
+            let _ = file.set_len(0);
+            let _ = file.rewind();
+            let _ = file.write_all(holder.as_bytes());
+            RunLock::Held(file)
+        }
+    }
+}
+
+/// One job per run directory: rank 0 locks `out`, and every rank learns the verdict (the
+/// refusal, on every rank alike, where another job holds it). Returns rank 0's lock, if it
+/// holds one, and on rank 0 a warning for the log where the file system takes no lock.
+pub(super) fn claim_run_dir(
+    pg: &ProcessGroup,
+    out: &Path,
+) -> Result<(Option<std::fs::File>, Option<String>), TrainError> {
+    let lock = (pg.rank() == 0).then(|| lock_run_dir(out));
+    let (lock, warning, refusal) = match lock {
+        Some(RunLock::Held(file)) => (Some(file), None, String::new()),
+        Some(RunLock::Locked(refusal)) => (None, None, refusal),
+        Some(RunLock::Unsupported(e)) => {
+            let warning = format!(
+                "the run directory {} cannot be locked on this file system ({}: {e}): \
+                 nothing refuses a second job on the same --out, so start only one",
+                out.display(),
+                out.join(RUN_LOCK).display()
+            );
+            (None, Some(warning), String::new())
+        }
+        None => (None, None, String::new()),
+    };
+    let verdicts = pg.all_gather_bytes(refusal.as_bytes())?;
+    if !verdicts[0].is_empty() {
+        return Err(TrainError::Invalid(
+            String::from_utf8_lossy(&verdicts[0]).into_owned(),
         ));
     }
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let holder = format!("pid {} on {}", std::process::id(), host.trim());
-    let _ = file.set_len(0);
-    let _ = file.rewind();
-    let _ = file.write_all(holder.as_bytes());
-    Ok(Some(file))
+    Ok((lock, warning))
+}
+
+/// Rank 0's care of the run directory at a start, with the directory claimed (locked, or on
+/// a file system without locks): where the run resumed one of its own older checkpoints
+/// (`resumed`), the rewind ([`set_aside_later`]) and the best models of the history it
+/// continues ([`align_best_models`]), setting aside into the start's `aside`; then the
+/// temporaries of writes a crash cut short.
+pub(super) fn prepare_run_dir(
+    out: &Path,
+    resumed: Option<&Path>,
+    monitors: &[Monitor],
+    bests: &std::collections::BTreeMap<String, Best>,
+    aside: &AsideDir,
+    log: &RankLog,
+) -> Result<(), TrainError> {
+    if let Some(file) = resumed {
+        // An older checkpoint of this run resumed into it: the history after it is left.
+        if let Some((to, stems)) = set_aside_later(out, file, aside)? {
+            log.say(&format!(
+                "resuming from {} rewinds the run: its {} later checkpoint(s) ({}) are moved \
+                 to {}",
+                file.display(),
+                stems.len(),
+                stems.join(", "),
+                to.display()
+            ));
+        }
+        for note in align_best_models(out, file, monitors, bests, aside)? {
+            log.warn(&note);
+        }
+    }
+    for file in remove_stale_temporaries(out) {
+        log.say(&format!(
+            "removed {}, left by a write a crash cut short",
+            file.display()
+        ));
+    }
+    Ok(())
 }
 
 /// Removes what writes cut short by a crash left in the run folder and its checkpoint
 /// folder: the temporaries of `write_atomic` (`.<name>.tmp-<pid>-<start>`, or `-<pid>` as
 /// older versions named them) of other processes, as large as a checkpoint each; a process
-/// with this one's id is another when it started at another time. Only for the holder of the
-/// run lock, so that no other job writes there. Returns the files removed.
-pub(super) fn remove_stale_temporaries(out: &Path) -> Vec<PathBuf> {
+/// with this one's id is another when it started at another time. Only for rank 0, which
+/// claimed the run directory ([`claim_run_dir`]). Returns the files removed.
+fn remove_stale_temporaries(out: &Path) -> Vec<PathBuf> {
     let own = ddp_model::checkpoint::temporary_tag();
     let digits = |s: &str, hex: bool| {
         !s.is_empty()
@@ -308,7 +399,7 @@ pub(super) fn remove_stale_temporaries(out: &Path) -> Vec<PathBuf> {
 /// epoch, then step) into the start's folder `aside`, and points `latest` at `resumed`,
 /// so that pruning and the fallbacks follow the new history, not the one left. Returns the
 /// folder and the stems moved (none when `resumed` is not in the run or is its newest).
-pub(super) fn set_aside_later(
+fn set_aside_later(
     run: &Path,
     resumed: &Path,
     aside: &AsideDir,
@@ -424,9 +515,9 @@ fn move_aside(dir: &Path, stem: &str, later: &[String], aside: &Path) -> Result<
 /// of the recorded best's epoch (epoch-end checkpoints are never pruned), or moved into the
 /// start's folder `aside` where there is none. Either way the file and the document beside
 /// it (`<file>.json`, thresholds tuned for it; first) go into that folder before anything
-/// replaces them. Only for the holder of the run lock. Returns a line for the log
+/// replaces them. Only for rank 0, which claimed the run directory. Returns a line for the log
 /// per file changed.
-pub(super) fn align_best_models(
+fn align_best_models(
     run: &Path,
     resumed: &Path,
     monitors: &[Monitor],

@@ -18,7 +18,7 @@ use tch::{nn, Device, Tensor};
 
 use super::freeze;
 use super::outputs::{read_history, write_file, RankLog};
-use super::run_dir::{self, lock_run_dir, resume_after_restart, RUN_ID_KEY};
+use super::run_dir::{self, resume_after_restart, RUN_ID_KEY};
 use super::Trainer;
 use crate::allocation::{self, Allocation, Plan};
 use crate::amp::{GradScaler, Precision};
@@ -342,47 +342,14 @@ impl<T: Task> Trainer<T> {
         std::fs::create_dir_all(out.join("logs")).map_err(|e| {
             TrainError::io(format!("cannot create run directory {}", out.display()), e)
         })?;
-        // One job per run directory: rank 0 locks it, and every rank learns the verdict.
-        let (run_lock, refusal) = match rank {
-            0 => match lock_run_dir(&out) {
-                Ok(lock) => (lock, String::new()),
-                Err(refusal) => (None, refusal),
-            },
-            _ => (None, String::new()),
-        };
-        let verdicts = pg.all_gather_bytes(refusal.as_bytes())?;
-        if !verdicts[0].is_empty() {
-            return Err(TrainError::Invalid(
-                String::from_utf8_lossy(&verdicts[0]).into_owned(),
-            ));
-        }
+        let (run_lock, unlocked) = run_dir::claim_run_dir(&pg, &out)?;
         let (log, aside) = (RankLog::open(&out, rank)?, run_dir::AsideDir::new(&out));
-        for warning in &fallback_warnings {
+        for warning in fallback_warnings.iter().chain(&unlocked) {
             log.warn(warning);
         }
-        if let (Some(_), Some(file)) = (&run_lock, &resumed_file) {
-            // An older checkpoint of this run resumed into it: the history after it is left.
-            if let Some((to, stems)) = run_dir::set_aside_later(&out, file, &aside)? {
-                log.say(&format!(
-                    "resuming from {} rewinds the run: its {} later checkpoint(s) ({}) are \
-                     moved to {}",
-                    file.display(),
-                    stems.len(),
-                    stems.join(", "),
-                    to.display()
-                ));
-            }
-            for note in run_dir::align_best_models(&out, file, &s.monitors, &bests, &aside)? {
-                log.warn(&note);
-            }
-        }
-        if run_lock.is_some() {
-            for file in run_dir::remove_stale_temporaries(&out) {
-                log.say(&format!(
-                    "removed {}, left by a write a crash cut short",
-                    file.display()
-                ));
-            }
+        if rank == 0 {
+            let resumed = resumed_file.as_deref();
+            run_dir::prepare_run_dir(&out, resumed, &s.monitors, &bests, &aside, &log)?;
         }
         if rank == 0 && !frozen.is_empty() {
             let until = s.freeze.unfreeze_at.map_or_else(
