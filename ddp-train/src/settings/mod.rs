@@ -40,6 +40,7 @@ mod checkpoint;
 #[cfg(feature = "cli")]
 mod flags;
 mod freeze;
+mod monitor;
 mod runtime;
 
 pub use checkpoint::CheckpointSettings;
@@ -47,6 +48,7 @@ pub use checkpoint::CheckpointSettings;
 pub use flags::parse_duration_secs;
 pub(crate) use freeze::prefix_matches;
 pub use freeze::FreezeSettings;
+pub use monitor::Monitor;
 pub use runtime::{DeviceChoice, RuntimeSettings};
 
 /// The most epochs, samples of one rank's step (`batch_size × accumulate`) and planned
@@ -71,48 +73,6 @@ pub(crate) fn non_utf8(path: &Path) -> Option<String> {
              recorded as text, so rename it or give another path",
             path.to_string_lossy()
         )),
-    }
-}
-
-/// The names the Trainer writes in the run directory (`.lock` and temporaries begin with a
-/// dot), which no best-model file, nor the document beside it, may take.
-const RUN_DIR_NAMES: [&str; 5] = [
-    "config.json",
-    "metrics.jsonl",
-    "curves.png",
-    "checkpoints",
-    "logs",
-];
-
-/// A metric whose best epoch's model rank 0 keeps in the run directory (PyTorch Lightning's
-/// `ModelCheckpoint(monitor=...)`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Monitor {
-    /// The metric's name in an epoch's report (`val_loss`, `train_loss` or one the task's
-    /// evaluation reports).
-    pub metric: String,
-    /// Which direction is better.
-    pub goal: Goal,
-    /// The model file's name in the run directory.
-    pub file: String,
-}
-
-impl Monitor {
-    /// Keeps the model of the epoch with the largest `metric` in `file`.
-    pub fn max(metric: impl Into<String>, file: impl Into<String>) -> Self {
-        Self {
-            metric: metric.into(),
-            goal: Goal::Max,
-            file: file.into(),
-        }
-    }
-
-    /// Keeps the model of the epoch with the smallest `metric` in `file`.
-    pub fn min(metric: impl Into<String>, file: impl Into<String>) -> Self {
-        Self {
-            goal: Goal::Min,
-            ..Self::max(metric, file)
-        }
     }
 }
 
@@ -496,61 +456,7 @@ impl Settings {
             }
             _ => {}
         }
-        self.check_monitors()
-    }
-
-    /// Each best-model file, and the document `<file>.json` written beside it, is a plain
-    /// file name in the run directory that is none of the run's own and no other monitor's.
-    fn check_monitors(&self) -> Result<(), SettingError> {
-        let mut written: Vec<(String, &str)> = Vec::new();
-        for m in &self.monitors {
-            let file = m.file.as_str();
-            let plain = std::path::Path::new(file).file_name() == Some(file.as_ref());
-            if !plain || file.starts_with('.') {
-                return Err(SettingError::new(
-                    "monitors",
-                    format!(
-                        ": {file:?} is not a plain file name (best models are written in the \
-                         run directory itself; hidden names are the run's own)"
-                    ),
-                ));
-            }
-            let doc = std::path::Path::new(file).with_extension("json");
-            let doc = doc.to_string_lossy().into_owned();
-            if doc == file {
-                return Err(SettingError::new(
-                    "monitors",
-                    format!(
-                        ": {file} would be its own document {doc} (give the model file \
-                             another extension, e.g. .safetensors)"
-                    ),
-                ));
-            }
-            if let Some(own) = [file, doc.as_str()]
-                .into_iter()
-                .find(|name| RUN_DIR_NAMES.contains(name))
-            {
-                return Err(SettingError::new(
-                    "monitors",
-                    format!(
-                        ": {file} would write {own}, a name the run directory keeps for \
-                             its own"
-                    ),
-                ));
-            }
-            for name in [file.to_string(), doc] {
-                if let Some((_, other)) = written.iter().find(|(n, _)| *n == name) {
-                    let text = if *other == file {
-                        format!(": two write the same file {name}")
-                    } else {
-                        format!(": {other} and {file} both write {name}")
-                    };
-                    return Err(SettingError::new("monitors", text));
-                }
-                written.push((name, file));
-            }
-        }
-        Ok(())
+        monitor::check_monitors(&self.monitors)
     }
 
     /// The optimizer's hyper-parameters, in the ranges `torch.optim` accepts.
