@@ -166,10 +166,11 @@ pub enum WeightsError {
         /// a `torch.save` of a state_dict alone).
         entries: Vec<String>,
     },
-    /// No key was given, and more than one entry of the file holds a state_dict.
+    /// No key was given, and more than one entry of the file holds a state_dict. The
+    /// message names the first [`checkpoint::MISMATCH_SHOWN`] and counts the rest.
     #[error(
         "weights file '{path}' holds several state_dicts, under {}: choose one by its key",
-        entries.iter().map(|(k, n)| format!("'{k}' ({n} tensors)")).collect::<Vec<_>>().join(", ")
+        first_shown(entries, |(k, n)| format!("'{k}' ({n} tensors)"))
     )]
     SeveralStateDicts {
         /// The file.
@@ -228,23 +229,24 @@ pub enum WeightsError {
     },
 }
 
-/// `its entries: 'epoch', 'model'`, the first [`checkpoint::MISMATCH_SHOWN`] and how many
-/// more, for [`WeightsError::NoEntry`].
+/// `its entries: 'epoch', 'model'`, for [`WeightsError::NoEntry`].
 fn listed_entries(entries: &[String]) -> String {
     if entries.is_empty() {
         return "it has none: the file is one state_dict, read without a key".into();
     }
+    let quoted = first_shown(entries, |k| format!("'{k}'"));
+    format!("its entries: {quoted}")
+}
+
+/// `'a', 'b', and 12 more`: the first [`checkpoint::MISMATCH_SHOWN`] items, and how many more.
+fn first_shown<T>(items: &[T], show: impl Fn(&T) -> String) -> String {
     let shown = checkpoint::MISMATCH_SHOWN;
-    let quoted: Vec<String> = entries
-        .iter()
-        .take(shown)
-        .map(|k| format!("'{k}'"))
-        .collect();
-    let more = match entries.len().saturating_sub(shown) {
+    let listed: Vec<String> = items.iter().take(shown).map(show).collect();
+    let more = match items.len().saturating_sub(shown) {
         0 => String::new(),
         n => format!(", and {n} more"),
     };
-    format!("its entries: {}{more}", quoted.join(", "))
+    format!("{}{more}", listed.join(", "))
 }
 
 /// How to get past a global outside the allow list (an `argparse.Namespace` of a training

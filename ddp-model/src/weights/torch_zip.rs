@@ -91,15 +91,17 @@ pub(super) fn read(path: &Path, key: Option<&str>) -> Result<StateDict, WeightsE
 /// A state_dict's names and tensors, as the pickle describes them.
 type Entries<'u> = Vec<(&'u str, &'u Rc<TensorRef>)>;
 
+/// The name and tensor of a dict entry whose key is a str and whose value is a tensor.
+fn named_tensor((k, v): &(Value, Value)) -> Option<(&str, &Rc<TensorRef>)> {
+    match (k, v) {
+        (Value::Str(name), Value::Tensor(t)) => Some((&**name, t)),
+        _ => None,
+    }
+}
+
 /// A dict's entries when every key is a str and every value a tensor: a state_dict.
 fn state_dict_entries(entries: &[(Value, Value)]) -> Option<Entries<'_>> {
-    entries
-        .iter()
-        .map(|(k, v)| match (k, v) {
-            (Value::Str(name), Value::Tensor(t)) => Some((&**name, t)),
-            _ => None,
-        })
-        .collect()
+    entries.iter().map(named_tensor).collect()
 }
 
 /// Where the state_dict of a file whose pickle holds the dict `top` is: `top` itself when
@@ -153,26 +155,40 @@ fn choose_entry<'u>(
     if let Some(tensors) = state_dict_entries(top) {
         return Ok((None, tensors));
     }
-    let candidates: Vec<(&str, Entries<'u>)> = top
-        .iter()
-        .filter_map(|(k, v)| {
-            let Value::Str(name) = k else { return None };
-            let inner = unpickled.dict(v)?;
-            let tensors = state_dict_entries(inner).filter(|t| !t.is_empty())?;
-            Some((&**name, tensors))
-        })
-        .collect();
-    match <[_; 1]>::try_from(candidates) {
-        Ok([(name, tensors)]) => Ok((Some(name.to_string()), tensors)),
-        Err(candidates) if candidates.is_empty() => Err(not_a_state_dict(format!(
+    // Each dict is checked once, by its arena id, however many entries name it (through the
+    // memo, every entry of a crafted pickle can name one dict of many tensors), and only the
+    // chosen one's entries are built: the time and memory stay linear in the pickle.
+    let mut checked: HashMap<usize, bool> = HashMap::new();
+    let mut candidates: Vec<(&str, &'u [(Value, Value)])> = Vec::new();
+    for (k, v) in top {
+        let (Value::Str(name), Value::Dict(id)) = (k, v) else {
+            continue;
+        };
+        let Some(inner) = unpickled.dict(v) else {
+            continue;
+        };
+        let is_state_dict = *checked.entry(*id).or_insert_with(|| {
+            !inner.is_empty() && inner.iter().all(|e| named_tensor(e).is_some())
+        });
+        if is_state_dict {
+            candidates.push((&**name, inner));
+        }
+    }
+    match candidates.as_slice() {
+        [] => Err(not_a_state_dict(format!(
             "{}: save the model's state_dict alone (torch.save(model.state_dict(), path))",
             first_non_tensor(top)
         ))),
-        Err(candidates) => Err(WeightsError::SeveralStateDicts {
+        // Every entry of `inner` was found a named tensor above.
+        [(name, inner)] => Ok((
+            Some(name.to_string()),
+            state_dict_entries(inner).unwrap_or_default(),
+        )),
+        several => Err(WeightsError::SeveralStateDicts {
             path: path.to_owned(),
-            entries: candidates
-                .into_iter()
-                .map(|(name, tensors)| (name.to_string(), tensors.len()))
+            entries: several
+                .iter()
+                .map(|(name, inner)| (name.to_string(), inner.len()))
                 .collect(),
         }),
     }
@@ -447,4 +463,64 @@ fn check_view(t: &TensorRef, numel: i64) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `X`: a str of 4-byte length.
+    fn str_op(p: &mut Vec<u8>, s: &str) {
+        p.push(b'X');
+        p.extend((s.len() as u32).to_le_bytes());
+        p.extend(s.as_bytes());
+    }
+
+    #[test]
+    fn entries_naming_one_memoised_state_dict_are_checked_once() {
+        // {"0": D, "1": D, ..., "99999": D}, D one dict of 100 000 names of one tensor, named
+        // again by the memo (h\x00): 2.5 MB whose 100 000 entry lists would take 240 GB.
+        let n = 100_000;
+        let mut p = b"\x80\x02}(X\x01\x00\x00\x000}q\x00(".to_vec();
+        for i in 0..n {
+            str_op(&mut p, &format!("t{i}"));
+            if i == 0 {
+                p.extend(b"ctorch._utils\n_rebuild_tensor\n((X\x07\x00\x00\x00storage");
+                p.extend(b"ctorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x01t");
+                p.extend(b"QK\x00K\x01\x85K\x01\x85tRq\x01");
+            } else {
+                p.extend(b"h\x01");
+            }
+        }
+        p.push(b'u');
+        for i in 1..n {
+            str_op(&mut p, &i.to_string());
+            p.extend(b"h\x00");
+        }
+        p.extend(b"u.");
+        let u = pickle::unpickle(&p).unwrap();
+        let top = u.dict(&u.value).unwrap();
+        assert_eq!(top.len(), n);
+        let path = Path::new("memo.pth");
+        let err = choose_entry(path, &u, top, None).map(drop).unwrap_err();
+        let WeightsError::SeveralStateDicts { entries, .. } = &err else {
+            panic!("expected SeveralStateDicts, got {err:?}");
+        };
+        let expected: Vec<(String, usize)> = (0..n).map(|i| (i.to_string(), n)).collect();
+        assert_eq!(entries, &expected);
+        assert_eq!(
+            err.to_string(),
+            "weights file 'memo.pth' holds several state_dicts, under '0' (100000 tensors), \
+             '1' (100000 tensors), '2' (100000 tensors), '3' (100000 tensors), '4' (100000 \
+             tensors), '5' (100000 tensors), '6' (100000 tensors), '7' (100000 tensors), and \
+             99992 more: choose one by its key"
+        );
+        // Named by one entry, D is chosen and its entries built.
+        let one = &top[..1];
+        let (entry, tensors) = choose_entry(path, &u, one, None).unwrap();
+        assert_eq!(entry.as_deref(), Some("0"));
+        assert_eq!(tensors.len(), n);
+        assert_eq!((tensors[0].0, tensors[n - 1].0), ("t0", "t99999"));
+        assert!(tensors.iter().all(|(_, t)| t.size == [1]));
+    }
 }
