@@ -119,3 +119,19 @@ pub enum LaunchError {
         source: std::io::Error,
     },
 }
+
+/// Joins messages, outermost first, with `: `, leaving out each one that is empty or that
+/// the text before it already contains.
+pub fn join_causes(messages: impl IntoIterator<Item = String>) -> String {
+    let mut text = String::new();
+    for message in messages {
+        if message.is_empty() || text.contains(&message) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&message);
+    }
+    text
+}

@@ -64,7 +64,7 @@ mod supervisor;
 
 pub use config::{LaunchConfig, MAX_WAIT};
 pub use devices::{available_cores, refuse_more_ranks_than_gpus, visible_gpus, NprocPerNode};
-pub use error::LaunchError;
+pub use error::{join_causes, LaunchError};
 pub use lifeline::die_with_launcher;
 pub use port::free_port;
 pub use rank_env::RankEnv;

@@ -418,16 +418,6 @@ pub fn run_checked<D>(
     finish(result)
 }
 
-/// Runs `body`, the whole of a rank's program that has no [`TrainArgs`] (the README's
-/// example), and gives the process's exit status as [`run`] does: success, 75
-/// ([`crate::EXIT_STOPPED`]) after a requested stop and its checkpoint, which launchers and
-/// schedulers requeue, and otherwise `error: ` and the error's chain on stderr, without a
-/// backtrace, and 1. (`fn main() -> Result<..>` would print the error's `Debug` form and
-/// exit 1 after a stop too.)
-pub fn exit_with(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
-    finish(body().map(|()| ExitCode::SUCCESS))
-}
-
 /// The exit status of a rank's failed program: 75 when the Trainer stopped on request
 /// (however the error was wrapped), else 1.
 fn failure_status(err: &anyhow::Error) -> u8 {
@@ -484,14 +474,6 @@ mod tests {
         let other = anyhow::Error::from(TrainError::Invalid("bad".into()));
         assert_eq!(failure_status(&other), 1);
         assert_eq!(failure_status(&anyhow::anyhow!("no TrainError")), 1);
-        assert_eq!(
-            format!("{:?}", exit_with(|| Err(stopped().into()))),
-            format!("{:?}", ExitCode::from(75))
-        );
-        assert_eq!(
-            format!("{:?}", exit_with(|| Ok(()))),
-            format!("{:?}", ExitCode::SUCCESS)
-        );
     }
 
     #[derive(Parser)]

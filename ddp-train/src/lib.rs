@@ -42,6 +42,7 @@ mod amp;
 pub mod cli;
 mod ddp;
 mod error;
+mod exit;
 pub mod functional;
 mod gather;
 pub mod logging;
@@ -66,6 +67,7 @@ pub use ddp::{
     BuiltinHook, CommHook, DdpError, DdpOptions, DistributedDataParallel, GradBucket, HookWork,
 };
 pub use error::{SettingError, TrainError};
+pub use exit::exit_with;
 pub use gather::{gather_rows, Rows};
 pub use metrics::{Confusion, Goal, MultiClassStats, MultiLabelStats, RegressionStats, StatsError};
 pub use report::{EpochReport, EvalReport};

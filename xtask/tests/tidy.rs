@@ -448,11 +448,16 @@ fn torchrun_variables_live_in_their_two_homes() {
 // Rule: libraries return values and errors; binaries decide what users see.
 
 /// Library files whose job is a program's command-line front end, allowed to print.
-const FRONT_ENDS: [(&str, &str); 2] = [
+const FRONT_ENDS: [(&str, &str); 3] = [
     (
         "ddp-train/src/cli.rs",
         "`cli::run` is the runner a user's `main` ends with: it prints the error without a \
          backtrace and maps it to the exit code",
+    ),
+    (
+        "ddp-train/src/exit.rs",
+        "`exit_with` is `cli::run` for a `main` without the `cli` feature's flags: it prints \
+         the error without a backtrace and maps it to the exit code",
     ),
     (
         "ddp-run/src/cli/report.rs",

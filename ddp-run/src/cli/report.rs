@@ -9,6 +9,8 @@ use std::time::Duration;
 use crate::error::{LOG_DIR_FLAG, MASTER_PORT_FLAG};
 use crate::{launch, Event, LaunchConfig, LaunchError, Outcome, RankFailure};
 
+pub use crate::error::join_causes;
+
 /// How a launcher built on [`launch_and_report_with`] names what its user can change.
 #[derive(Debug, Clone)]
 pub struct Wording {
@@ -291,22 +293,6 @@ fn say(line: &str) {
 /// its cause, and it would otherwise be said twice.
 pub fn error_message(error: &anyhow::Error) -> String {
     join_causes(error.chain().map(ToString::to_string))
-}
-
-/// Joins messages, outermost first, with `: `, leaving out each one that is empty or that
-/// the text before it already contains.
-pub fn join_causes(messages: impl IntoIterator<Item = String>) -> String {
-    let mut text = String::new();
-    for message in messages {
-        if message.is_empty() || text.contains(&message) {
-            continue;
-        }
-        if !text.is_empty() {
-            text.push_str(": ");
-        }
-        text.push_str(&message);
-    }
-    text
 }
 
 #[cfg(test)]

@@ -1,0 +1,96 @@
+//! A rank's program's exit status, for programs without the `cli` feature's flags.
+
+use std::error::Error;
+use std::process::ExitCode;
+
+use crate::TrainError;
+
+/// Runs `body`, the whole of one rank's program (the README's example), and gives the
+/// process's exit status as launchers and schedulers read it: success; 75
+/// ([`crate::EXIT_STOPPED`]) after a stop on request (SIGTERM, SIGUSR1, the time limit) and
+/// its checkpoint, which `ddp-run` and SLURM scripts requeue; otherwise `error: ` and the
+/// error's causes on stderr (each said once, no backtrace) and 1. A `fn main() -> Result<..>`
+/// would print the error's `Debug` form and exit 1 after a stop too. (`cli::run` does the
+/// same for programs with [`TrainArgs`](crate::cli::TrainArgs), naming settings by their
+/// flags.)
+pub fn exit_with(body: impl FnOnce() -> Result<(), Box<dyn Error>>) -> ExitCode {
+    match body() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            let (status, message) = failure(&*err);
+            eprintln!("{message}");
+            ExitCode::from(status)
+        }
+    }
+}
+
+/// The exit status of a failed program and the line it prints: 75 and the stop's own
+/// message when the Trainer stopped on request (wrapped or not), else 1 and `error: ` with
+/// the causes.
+fn failure(err: &(dyn Error + 'static)) -> (u8, String) {
+    let chain = std::iter::successors(Some(err), |&e| e.source());
+    let stopped = chain
+        .clone()
+        .filter_map(|e| e.downcast_ref::<TrainError>())
+        .map(TrainError::exit_code)
+        .find(|&code| code == crate::EXIT_STOPPED);
+    let causes = ddp_run::join_causes(chain.map(ToString::to_string));
+    match stopped {
+        Some(code) => (code, causes),
+        None => (1, format!("error: {causes}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stop::StopReason;
+
+    /// An error that wraps another, as a program's own error types do.
+    #[derive(Debug)]
+    struct Wrapped(TrainError);
+
+    impl std::fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("training the points")
+        }
+    }
+
+    impl Error for Wrapped {
+        fn source(&self) -> Option<&(dyn Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    fn stopped() -> TrainError {
+        TrainError::EvaluationStopped {
+            reason: StopReason::TimeLimit,
+        }
+    }
+
+    /// A stop on request exits 75 (a requeue) with its own message, wrapped or not; any
+    /// other failure 1 with `error: ` and each cause once.
+    #[test]
+    fn a_stop_exits_75_and_a_failure_1_with_its_causes() {
+        let said = stopped().to_string();
+        assert_eq!(failure(&stopped()), (75, said.clone()));
+        let wrapped = Wrapped(stopped());
+        assert_eq!(
+            failure(&wrapped),
+            (75, format!("training the points: {said}"))
+        );
+        let bad = Wrapped(TrainError::Invalid("bad input".into()));
+        assert_eq!(
+            failure(&bad),
+            (1, "error: training the points: bad input".to_string())
+        );
+        let io = std::io::Error::other("disk full");
+        assert_eq!(failure(&io), (1, "error: disk full".to_string()));
+        let code = |r: Result<(), Box<dyn Error>>| format!("{:?}", exit_with(|| r));
+        assert_eq!(
+            code(Err(stopped().into())),
+            format!("{:?}", ExitCode::from(75))
+        );
+        assert_eq!(code(Ok(())), format!("{:?}", ExitCode::SUCCESS));
+    }
+}
