@@ -211,7 +211,7 @@ fn between(low: f64, high: f64) -> f64 {
 
 /// A threshold strictly below `s` (but for `-inf`): half of it when positive, else the next
 /// float down (`f64::next_down`, stable only from Rust 1.86).
-fn below(s: f64) -> f64 {
+pub(super) fn below(s: f64) -> f64 {
     if s == f64::INFINITY {
         f64::MAX
     } else if s > 0.0 {

@@ -16,7 +16,7 @@ use clap::{Args, Subcommand};
 use ddp_data::odir::{parse_image_name, OdirDataset, LABELS};
 use serde_json::{json, Map, Value};
 
-use super::challenge::{EyeCombine, THRESHOLD};
+use super::challenge::{below, EyeCombine, THRESHOLD};
 use super::cli::{utf8_paths, TrainConfig};
 use super::score::{score, LoadedModel, Scored};
 use super::task::{data_options, skipped_json, skipped_lines};
@@ -357,8 +357,9 @@ fn read_thresholds(
             .filter(|t| t.is_finite())
             .ok_or_else(|| refused("a finite number"))?;
         // They are compared with probabilities: 50 (a percentage) would decide 0 for every
-        // patient, a negative threshold 1.
-        if !(0.0..=1.0).contains(t) {
+        // patient, a negative threshold 1. But the tuner writes the negative float nearest
+        // zero where its best decision takes every patient, those at probability 0 too.
+        if !(below(0.0)..=1.0).contains(t) {
             return Err(refused("a probability in 0..=1"));
         }
     }
@@ -612,6 +613,11 @@ mod tests {
         );
         let bounds = read(r#"{"thresholds": [0, 1, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5]}"#).unwrap();
         assert_eq!(bounds.0, [0.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5]);
+        // What --tune-thresholds writes when its best decision takes every patient, those
+        // at probability 0 too (serde_json writes it as -5e-324).
+        let all = [super::below(0.0), 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5];
+        let all = serde_json::json!({ "thresholds": all }).to_string();
+        assert_eq!(read(&all).unwrap().0[0], -f64::from_bits(1));
         refused(
             r#"{"classes": ["N","D","G","C","A","H","O","M"],
                 "thresholds": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]}"#,
