@@ -602,8 +602,7 @@ pub fn is_complete(dir: &Path) -> bool {
 
 /// Flushes folder `dir`'s entries to the disk.
 fn sync_dir(dir: &Path) -> Result<()> {
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
+    crate::folder_sync::sync_folder(dir)
         .with_context(|| format!("cannot flush {} to the disk", dir.display()))
 }
 
