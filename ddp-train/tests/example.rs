@@ -92,7 +92,8 @@ fn final_weights(run: &Path) -> std::collections::BTreeMap<String, tch::Tensor> 
 fn the_example_given_nproc_per_node_starts_its_ranks_as_ddp_run_would() {
     let tmp = ddp_testkit::temp_dir("ddp-train-example-self-launch");
     let (itself, launched) = (tmp.path().join("itself"), tmp.path().join("launched"));
-    let args = [&SGD[..], &["--lr", "0.05"]].concat();
+    // CPU ranks whatever GPUs the machine has (more ranks than GPUs are refused), both ways.
+    let args = [&SGD[..], &["--lr", "0.05", "--device", "cpu"]].concat();
     let mut cmd = std::process::Command::new(example("mlp"));
     cmd.args(["--batch-size", "8", "--nproc-per-node", "2"])
         .args(&args)

@@ -37,7 +37,9 @@ fn data(dir: &Path) -> PathBuf {
 fn ddp_train(cwd: &Path, args: &[&str]) -> Command {
     let mut cmd = Command::new(EXE);
     cmd.current_dir(cwd)
+        // CPU ranks whatever GPUs the machine has: more ranks than GPUs are refused.
         .args(["--image-size", "32", "--threads", "1", "--workers", "1"])
+        .args(["--device", "cpu"])
         .args(args)
         .env("DDP_RDZV_TIMEOUT_S", "30")
         .env("RUST_BACKTRACE", "1")

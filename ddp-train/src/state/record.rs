@@ -19,10 +19,13 @@ const RECORD_KEY: &str = "trained_under";
 /// validation split derives from) and the task, in the same shape.
 pub(crate) fn model_record(config: &Value) -> (String, String) {
     let settings = &config["settings"];
+    // An empty `runtime` group marks the settings as grouped by job: the comparison reads
+    // settings without one as a record of before they were (`trainer/changes.rs`).
     let record = json!({
         "settings": {
             "precision": settings["precision"],
             "seed": settings["seed"],
+            "runtime": {},
         },
         "task": config["task"],
     });
@@ -49,7 +52,7 @@ mod tests {
         });
         let metadata = HashMap::from([model_record(&config)]);
         let expected = json!({
-            "settings": {"precision": "bf16", "seed": 3},
+            "settings": {"precision": "bf16", "seed": 3, "runtime": {}},
             "task": {"image_size": 32, "eye_combine": "mean"},
         });
         assert_eq!(recorded(&metadata), Some(expected));
