@@ -92,7 +92,10 @@ fn a_missing_data_folder_is_named_without_a_backtrace() {
             "error: loading ODIR data from {m}: no ODIR annotation file in '{m}': looked for \
              full_df.csv, data.xlsx, ODIR-5K_Training_Annotations(Updated)_V2.xlsx, \
              Annotation/training annotation (English).xlsx, Annotation/off-site test \
-             annotation (English).xlsx, Annotation/on-site test annotation (English).xlsx",
+             annotation (English).xlsx, Annotation/on-site test annotation (English).xlsx; \
+             --data takes Kaggle's download, the challenge's folder or an OIA-ODIR set \
+             (docs/odir.md, \"The data\"), and a folder of images alone is for `ddp-train \
+             predict`",
             m = missing.display()
         ),
     );
@@ -273,7 +276,9 @@ fn a_training_flag_that_predict_does_not_read_is_refused() {
             "error: no ODIR annotation file in '{folder}': looked for full_df.csv, data.xlsx, \
              ODIR-5K_Training_Annotations(Updated)_V2.xlsx, Annotation/training annotation \
              (English).xlsx, Annotation/off-site test annotation (English).xlsx, \
-             Annotation/on-site test annotation (English).xlsx"
+             Annotation/on-site test annotation (English).xlsx; --data takes Kaggle's \
+             download, the challenge's folder or an OIA-ODIR set (docs/odir.md, \"The \
+             data\"), and a folder of images alone is for `ddp-train predict`"
         ),
     );
 }
