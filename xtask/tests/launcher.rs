@@ -226,6 +226,29 @@ fn a_restart_after_an_injected_failure_ends_with_the_same_weights() {
         t.contains("restart 1/1 of the whole group from checkpoint epoch-0001"),
         "{t}"
     );
+    // A second job on that --out is refused, and so is the launcher's restart of it: the
+    // run stays as it was, and the job fails.
+    let before = latest(&restarted);
+    let output = wait_bounded(
+        launcher(
+            &data,
+            &restarted,
+            &["--epochs", "4", "--max-restarts", "1"],
+            &[],
+        )
+        .spawn()
+        .unwrap(),
+        Duration::from_secs(180),
+    );
+    let again = text(&output);
+    assert!(!output.status.success(), "{again}");
+    let refused = "[rank 1] error: --out ";
+    assert!(
+        again.contains("giving up after 1 restart(s)") && again.matches(refused).count() == 2,
+        "{again}"
+    );
+    assert!(again.contains("already holds a run (its "), "{again}");
+    assert_eq!(latest(&restarted), before);
     let weights =
         |run: &Path| std::fs::read(run.join("checkpoints/epoch-0003.safetensors")).unwrap();
     assert!(
