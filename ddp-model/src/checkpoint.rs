@@ -302,11 +302,41 @@ where
         })
         .collect::<Result<Vec<_>, CheckpointError>>()?;
     let meta = (!metadata.is_empty()).then(|| metadata.clone());
-    let bytes = safetensors::serialize(views, &meta).map_err(|e| CheckpointError::Format {
+    let format = |reason: String| CheckpointError::Format {
         path: path.to_owned(),
-        reason: e.to_string(),
-    })?;
+        reason,
+    };
+    let mut bytes = safetensors::serialize(views, &meta).map_err(|e| format(e.to_string()))?;
+    if metadata.len() > 1 {
+        bytes = sorted_header(bytes).map_err(format)?;
+    }
     write_atomic(path, &bytes).map_err(|source| io_error(path, source))
+}
+
+/// A safetensors file's `bytes` with its header's keys in sorted order (and padded to 8
+/// bytes again). safetensors writes the metadata in its map's hash order, which differs from
+/// one process to the next once there is more than one key: the same tensors and metadata
+/// then gave other bytes in another process (a resumed run's checkpoint, byte-compared).
+fn sorted_header(bytes: Vec<u8>) -> Result<Vec<u8>, String> {
+    let length: [u8; 8] = bytes
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .ok_or("no header length")?;
+    let end = usize::try_from(u64::from_le_bytes(length))
+        .ok()
+        .and_then(|n| n.checked_add(8))
+        .filter(|&end| end <= bytes.len())
+        .ok_or("a header past the file's end")?;
+    // serde_json's maps are ordered by key.
+    let header: serde_json::Value =
+        serde_json::from_slice(&bytes[8..end]).map_err(|e| e.to_string())?;
+    let mut text = serde_json::to_vec(&header).map_err(|e| e.to_string())?;
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let mut sorted = Vec::with_capacity(8 + text.len() + bytes.len() - end);
+    sorted.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    sorted.extend_from_slice(&text);
+    sorted.extend_from_slice(&bytes[end..]);
+    Ok(sorted)
 }
 
 /// Reads every tensor of a safetensors file onto the CPU.
@@ -439,6 +469,32 @@ pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Metadata of several keys is written in key order, so that the same tensors and
+    /// metadata give the same bytes in every process; the file reads back whole.
+    #[test]
+    fn metadata_is_written_in_key_order() {
+        let tmp = ddp_testkit::temp_dir("ddp-model-metadata-order");
+        let file = tmp.path().join("m.safetensors");
+        let keys = ["h", "c", "f", "a", "g", "b", "e", "d"];
+        let metadata: HashMap<String, String> = keys
+            .iter()
+            .map(|k| (k.to_string(), format!("value of {k}")))
+            .collect();
+        let tensors = [("w", Tensor::from_slice(&[1.0f32, 2.0, 3.0]))];
+        write_tensors(tensors, &metadata, &file).unwrap();
+        let bytes = fs::read(&file).unwrap();
+        let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        assert_eq!(header_len % 8, 0);
+        let header = std::str::from_utf8(&bytes[8..8 + header_len]).unwrap();
+        let at = |k: &str| header.find(&format!("\"value of {k}\"")).unwrap();
+        let mut sorted = keys;
+        sorted.sort();
+        assert!(sorted.windows(2).all(|p| at(p[0]) < at(p[1])), "{header}");
+        let read = read_tensors(&file).unwrap();
+        assert_eq!(read.metadata, metadata);
+        assert_eq!(read.tensors["w"], Tensor::from_slice(&[1.0f32, 2.0, 3.0]));
+    }
 
     fn sorted(names: &[&str]) -> Vec<String> {
         let mut v: Vec<String> = names.iter().map(|s| s.to_string()).collect();
