@@ -548,13 +548,21 @@ fn parse_port(var: &str, value: &str) -> Result<u16, CommError> {
         .ok_or_else(|| malformed(var, value, "a port number 1..=65535"))
 }
 
+/// Positive seconds below [`MAX_TIMEOUT`], and at least 1 ns once rounded: a zero timeout
+/// would fail every collective, and the rendezvous, at once.
 fn parse_seconds(var: &str, value: &str) -> Result<Duration, CommError> {
-    value
-        .parse::<f64>()
-        .ok()
-        .filter(|s| s.is_finite() && *s > 0.0 && *s < MAX_TIMEOUT.as_secs_f64())
-        .map(Duration::from_secs_f64)
-        .ok_or_else(|| malformed(var, value, "a positive number of seconds"))
+    let expected = "a positive number of seconds";
+    let secs = value.parse::<f64>().ok();
+    let secs = secs.filter(|s| s.is_finite() && *s > 0.0 && *s < MAX_TIMEOUT.as_secs_f64());
+    match secs.map(Duration::from_secs_f64) {
+        None => Err(malformed(var, value, expected)),
+        Some(timeout) if timeout.is_zero() => Err(malformed(
+            var,
+            value,
+            &format!("{expected} once rounded to nanoseconds"),
+        )),
+        Some(timeout) => Ok(timeout),
+    }
 }
 
 /// `"4(x2),2"` -> 4: the count of tasks on the first node.
@@ -1037,6 +1045,31 @@ mod tests {
                 other => panic!("{vars:?}: expected MalformedEnv for {var}, got {other:?}"),
             }
         }
+    }
+
+    /// A positive timeout under 1 ns would round to none: every collective, and the
+    /// rendezvous, would time out at once.
+    #[test]
+    fn a_timeout_that_rounds_to_zero_is_refused() {
+        for var in [OP_TIMEOUT_ENV, RDZV_TIMEOUT_ENV] {
+            assert_eq!(
+                read(&[(var, "1e-10")]).unwrap_err().to_string(),
+                format!(
+                    "environment variable {var}=\"1e-10\" is not valid: expected a positive \
+                     number of seconds once rounded to nanoseconds"
+                )
+            );
+            assert_eq!(
+                read(&[(var, "0")]).unwrap_err().to_string(),
+                format!(
+                    "environment variable {var}=\"0\" is not valid: expected a positive number \
+                     of seconds"
+                )
+            );
+        }
+        let shortest = read(&[(OP_TIMEOUT_ENV, "1e-9"), (RDZV_TIMEOUT_ENV, "1e-9")]).unwrap();
+        assert_eq!(shortest.op_timeout, Some(Duration::from_nanos(1)));
+        assert_eq!(shortest.rendezvous_timeout, Some(Duration::from_nanos(1)));
     }
 
     #[test]
