@@ -51,7 +51,7 @@ pub struct LaunchConfig {
     /// How long ranks get to end after SIGTERM (or the forwarded signal) before SIGKILL
     /// (`--shutdown-timeout`).
     pub shutdown_timeout: Duration,
-    /// How often the ranks are checked (`--monitor-interval`).
+    /// How often the ranks are checked (`--monitor-interval`); not zero.
     pub monitor_interval: Duration,
     /// `OMP_NUM_THREADS` for every rank. `None`: torchrun's rule, see
     /// [`LaunchConfig::omp_num_threads_for_ranks`].
@@ -99,7 +99,8 @@ impl LaunchConfig {
     }
 
     /// Checks the settings that need no process: at least one rank and one node, the node
-    /// rank among the nodes, a program, a master host, waits up to [`MAX_WAIT`].
+    /// rank among the nodes, a program, a master host, waits up to [`MAX_WAIT`], a
+    /// positive monitor interval.
     pub fn validate(&self) -> Result<(), LaunchError> {
         if self.program.is_empty() {
             return Err(LaunchError::NoProgram);
@@ -140,6 +141,13 @@ impl LaunchConfig {
                     MAX_WAIT.as_secs()
                 )));
             }
+        }
+        if self.monitor_interval.is_zero() {
+            return Err(LaunchError::Invalid(
+                "--monitor-interval 0 s would check the ranks without pause: give a positive \
+                 interval, as 0.1 seconds"
+                    .to_string(),
+            ));
         }
         if self.master_port == Some(0) {
             return Err(LaunchError::Invalid(
@@ -296,6 +304,14 @@ mod tests {
                     ..ok.clone()
                 },
                 "--monitor-interval 1000000000.5 s is too long: give at most 1000000000 seconds",
+            ),
+            (
+                LaunchConfig {
+                    monitor_interval: Duration::ZERO,
+                    ..ok.clone()
+                },
+                "--monitor-interval 0 s would check the ranks without pause: give a positive \
+                 interval, as 0.1 seconds",
             ),
             (
                 LaunchConfig {

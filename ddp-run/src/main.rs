@@ -88,11 +88,11 @@ struct Cli {
         long = "monitor-interval",
         visible_alias = "monitor_interval",
         value_name = "SECONDS",
-        default_value_t = 0.1,
+        default_value = "0.1",
         value_parser = parse_interval,
         env = "PET_MONITOR_INTERVAL"
     )]
-    monitor_interval: f64,
+    monitor_interval: Duration,
 
     /// The workers' role, written to ROLE_NAME.
     #[arg(long, default_value = "default", env = "PET_ROLE")]
@@ -135,12 +135,21 @@ fn parse_timeout(value: &str) -> Result<u64, String> {
     within_max_wait(secs as f64).map(|()| secs)
 }
 
-/// `--monitor-interval`: positive seconds, at most [`MAX_WAIT`].
-fn parse_interval(value: &str) -> Result<f64, String> {
-    match value.parse::<f64>() {
-        Ok(s) if s > 0.0 && s.is_finite() => within_max_wait(s).map(|()| s),
-        _ => Err(format!("'{value}' is not a positive number of seconds")),
+/// `--monitor-interval`: positive seconds, at most [`MAX_WAIT`], and at least 1 ns once
+/// rounded (a zero interval would check the ranks without pause, a core spinning).
+fn parse_interval(value: &str) -> Result<Duration, String> {
+    let not_positive = format!("'{value}' is not a positive number of seconds");
+    let secs = value
+        .parse::<f64>()
+        .ok()
+        .filter(|s| *s > 0.0 && s.is_finite());
+    let secs = secs.ok_or_else(|| not_positive.clone())?;
+    within_max_wait(secs)?;
+    let interval = Duration::from_secs_f64(secs);
+    if interval.is_zero() {
+        return Err(format!("{not_positive} once rounded to nanoseconds"));
     }
+    Ok(interval)
 }
 
 fn within_max_wait(secs: f64) -> Result<(), String> {
@@ -290,7 +299,7 @@ fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
         (None, Err(_)) => 30,
     };
     config.shutdown_timeout = Duration::from_secs(shutdown_timeout);
-    config.monitor_interval = Duration::from_secs_f64(cli.monitor_interval);
+    config.monitor_interval = cli.monitor_interval;
     config.validate().map_err(|e| e.to_string())?;
     Ok(config)
 }

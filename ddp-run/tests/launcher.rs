@@ -665,7 +665,7 @@ fn a_script_named_as_torchrun_takes_it_gets_what_to_give_instead() {
 
 #[test]
 fn bad_command_lines_say_what_is_wrong() {
-    let cases: [(&[&str], i32, &str); 14] = [
+    let cases: [(&[&str], i32, &str); 15] = [
         (
             &["--nproc-per-node", "0", "true"],
             2,
@@ -708,6 +708,13 @@ fn bad_command_lines_say_what_is_wrong() {
             2,
             "error: invalid value '1e20' for '--monitor-interval <SECONDS>': over the limit of \
              1000000000 seconds (about 31 years)",
+        ),
+        // Under 1 ns rounds to no wait: the launcher would spin a core checking the ranks.
+        (
+            &["--monitor-interval", "1e-10", "true"],
+            2,
+            "error: invalid value '1e-10' for '--monitor-interval <SECONDS>': '1e-10' is not a \
+             positive number of seconds once rounded to nanoseconds",
         ),
         (
             &["--master-port", "0", "true"],
