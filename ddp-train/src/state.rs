@@ -476,7 +476,7 @@ pub fn check_resume_agreement(keys: &[Vec<u8>]) -> Result<(), TrainError> {
 }
 
 /// Rank 0's key, and the first other rank whose key differs with its key.
-fn first_disagreement(keys: &[Vec<u8>]) -> Option<(String, usize, String)> {
+pub(crate) fn first_disagreement(keys: &[Vec<u8>]) -> Option<(String, usize, String)> {
     let first = keys.first()?;
     let (rank, other) = keys.iter().enumerate().find(|(_, k)| *k != first)?;
     Some((

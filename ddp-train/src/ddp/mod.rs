@@ -5,7 +5,7 @@ mod comm_hook;
 #[cfg(test)]
 pub(crate) use comm_hook::gpu_tests;
 mod params;
-pub(crate) use params::trainable_parameters;
+pub(crate) use params::{device_type, trainable_parameters};
 mod reducer;
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -31,6 +31,21 @@ pub enum DdpError {
         rank: usize,
         /// The first differing tensor and both descriptions.
         detail: String,
+    },
+    /// Rank `rank`'s tensors are on another type of device than rank 0's (the CPU where
+    /// rank 0 has CUDA, say): every collective would then meet a different one.
+    #[error(
+        "rank {rank}'s model is on {theirs}, rank 0's on {reference}: every rank must train on \
+         the same type of device; give every rank the same --device (--device cuda fails \
+         where CUDA is missing instead of training on the CPU)"
+    )]
+    DeviceMismatch {
+        /// The rank whose devices differ.
+        rank: usize,
+        /// Its device types (`cpu`, `cuda`, ...).
+        theirs: String,
+        /// Rank 0's.
+        reference: String,
     },
     /// Parameters got no gradient on some rank in this step, and
     /// [`DdpOptions::find_unused_parameters`] is off. Every rank reports the same list. A
@@ -238,9 +253,10 @@ type Named = Vec<(String, Tensor)>;
 ///
 /// What it does, and when:
 ///
-/// - [`DistributedDataParallel::new`]: every rank sends a description of its model (each
-///   tensor's name, shape and dtype, in name order); a rank whose model differs from rank 0's
-///   gets an error naming the first differing tensor. Then rank 0's parameters and buffers
+/// - [`DistributedDataParallel::new`]: every rank sends a description of its model (its
+///   devices' type, each tensor's name, shape and dtype, in name order); a rank whose model
+///   differs from rank 0's gets an error naming its devices or the first differing tensor.
+///   Then rank 0's parameters and buffers
 ///   (buffers only with [`DdpOptions::broadcast_buffers`]) are broadcast, one message per
 ///   dtype (coalesced), so all replicas start equal whatever each rank initialised. Finally a
 ///   post-accumulate-grad hook (through `tch-ext`, a small C++ shim: tch has no autograd

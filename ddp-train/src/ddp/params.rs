@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use ddp_comm::ProcessGroup;
 use ddp_model::checkpoint::natural_cmp;
 use tch::nn::VarStore;
-use tch::Tensor;
+use tch::{Device, Tensor};
 use tch_ext::tensor_id;
 
 use super::{DdpError, Named};
@@ -78,14 +78,30 @@ fn describe(kind: &str, named: &[(String, Tensor)]) -> Vec<String> {
         .collect()
 }
 
-/// Compares every rank's model with rank 0's: the tensors' names, shapes and dtypes, the
-/// names that share a tensor, and the first parameter that already has a hook, if any.
-pub(super) fn verify_same_model(
-    pg: &ProcessGroup,
-    split: &Split,
-    hooked: Option<&str>,
-) -> Result<(), DdpError> {
-    let mut mine = describe("parameter", &split.params);
+/// The type of `device` without its index (which differs from rank to rank by design): what
+/// the ranks' devices must agree on, as NCCL carries CUDA tensors and the CPU ring the others.
+pub(crate) fn device_type(device: Device) -> &'static str {
+    match device {
+        Device::Cpu => "cpu",
+        Device::Cuda(_) => "cuda",
+        Device::Mps => "mps",
+        Device::Vulkan => "vulkan",
+    }
+}
+
+/// What [`verify_same_model`] compares: a first line with the types of the devices the
+/// tensors are on (empty for no tensor), then each tensor, tie and hook.
+fn describe_model(split: &Split, hooked: Option<&str>) -> Vec<String> {
+    let all = split
+        .params
+        .iter()
+        .chain(&split.frozen)
+        .chain(&split.buffers);
+    let mut types: Vec<&str> = all.map(|(_, t)| device_type(t.device())).collect();
+    types.sort_unstable();
+    types.dedup();
+    let mut mine = vec![types.join(" and ")];
+    mine.extend(describe("parameter", &split.params));
     mine.extend(describe("frozen parameter", &split.frozen));
     mine.extend(describe("buffer", &split.buffers));
     mine.extend(
@@ -95,22 +111,54 @@ pub(super) fn verify_same_model(
             .map(|(alias, kept)| format!("'{alias}', the same tensor as '{kept}'")),
     );
     mine.extend(hooked.map(|n| format!("parameter '{n}' with a post-accumulate-grad hook")));
-    let gathered = pg.all_gather_bytes(mine.join("\n").as_bytes())?;
-    let reference: Vec<&str> = std::str::from_utf8(&gathered[0])
-        .unwrap_or("")
-        .lines()
-        .collect();
+    mine
+}
+
+/// Compares every rank's model with rank 0's: the types of the devices its tensors are on,
+/// the tensors' names, shapes and dtypes, the names that share a tensor, and the first
+/// parameter that already has a hook, if any. The descriptions travel over the CPU links,
+/// which every group has, whatever its devices (a CUDA rank would start NCCL's
+/// initialisation at its first CUDA collective, and a CPU rank never).
+pub(super) fn verify_same_model(
+    pg: &ProcessGroup,
+    split: &Split,
+    hooked: Option<&str>,
+) -> Result<(), DdpError> {
+    let mine = describe_model(split, hooked);
+    compare_models(&pg.all_gather_bytes(mine.join("\n").as_bytes())?)
+}
+
+/// The same error on every rank, naming the first rank whose description (gathered in rank
+/// order, from [`describe_model`]) differs from rank 0's: its devices before its tensors.
+fn compare_models(gathered: &[Vec<u8>]) -> Result<(), DdpError> {
+    // (devices, tensors); not `lines`, which drops the empty first line of no tensors.
+    let split = |b: &[u8]| -> (String, Vec<String>) {
+        let text = String::from_utf8_lossy(b);
+        let mut lines = text.split('\n').map(str::to_string);
+        (lines.next().unwrap_or_default(), lines.collect())
+    };
+    let (reference_devices, reference) =
+        gathered.first().map_or_else(Default::default, |b| split(b));
     for (rank, bytes) in gathered.iter().enumerate().skip(1) {
-        let theirs: Vec<&str> = std::str::from_utf8(bytes).unwrap_or("").lines().collect();
-        if theirs == reference {
+        let (devices, tensors) = split(bytes);
+        if (&devices, &tensors) == (&reference_devices, &reference) {
             continue;
         }
-        let detail = match reference.iter().zip(&theirs).find(|(a, b)| a != b) {
+        // A model without tensors differs in its tensors, not its device.
+        let both_placed = !devices.is_empty() && !reference_devices.is_empty();
+        if devices != reference_devices && (both_placed || tensors == reference) {
+            return Err(DdpError::DeviceMismatch {
+                rank,
+                theirs: devices,
+                reference: reference_devices,
+            });
+        }
+        let detail = match reference.iter().zip(&tensors).find(|(a, b)| a != b) {
             Some((a, b)) => format!("{b} (rank 0 has {a})"),
-            None if theirs.len() > reference.len() => {
-                format!("{} (absent on rank 0)", theirs[reference.len()])
+            None if tensors.len() > reference.len() => {
+                format!("{} (absent on rank 0)", tensors[reference.len()])
             }
-            None => format!("{} (absent on rank {rank})", reference[theirs.len()]),
+            None => format!("{} (absent on rank {rank})", reference[tensors.len()]),
         };
         return Err(DdpError::ModelMismatch { rank, detail });
     }
@@ -150,5 +198,54 @@ mod tests {
         for rank in ranks {
             assert_eq!(rank.join().unwrap(), Err(want.to_string()));
         }
+    }
+
+    /// A rank on CUDA and one on the CPU (`--device auto` where one host has no usable GPU)
+    /// hold the same tensors; their descriptions differ in the device type alone, and the
+    /// error names the rank, both devices and the setting to change: not the mismatched
+    /// collectives (NCCL's initialisation against a CPU broadcast) that would follow.
+    #[test]
+    fn ranks_on_different_device_types_are_named_with_the_devices() {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let _ = vs.root().var("w", &[2], Init::Const(1.0));
+        let cpu = describe_model(&split_named(&vs), None);
+        assert_eq!(cpu, ["cpu", "parameter 'w' shape [2] dtype Float"]);
+        // A CUDA rank's description, built without a GPU: its tensors on `cuda:1`.
+        let mut cuda = cpu.clone();
+        cuda[0] = device_type(tch::Device::Cuda(1)).to_string();
+        let bytes = |d: &[String]| d.join("\n").into_bytes();
+        let e = |d: &[&[String]]| {
+            let gathered: Vec<_> = d.iter().map(|d| bytes(d)).collect();
+            compare_models(&gathered).map_err(|e| e.to_string())
+        };
+        assert_eq!(e(&[&cpu, &cpu, &cpu]), Ok(()));
+        // Another index of the same type is no difference: each rank has its own GPU.
+        let mut cuda0 = cuda.clone();
+        cuda0[0] = device_type(tch::Device::Cuda(0)).to_string();
+        assert_eq!(e(&[&cuda0, &cuda]), Ok(()));
+        let hint = "every rank must train on the same type of device; give every rank the \
+                    same --device (--device cuda fails where CUDA is missing instead of \
+                    training on the CPU)";
+        assert_eq!(
+            e(&[&cpu, &cpu, &cuda]),
+            Err(format!(
+                "rank 2's model is on cuda, rank 0's on cpu: {hint}"
+            ))
+        );
+        assert_eq!(
+            e(&[&cuda, &cpu]),
+            Err(format!(
+                "rank 1's model is on cpu, rank 0's on cuda: {hint}"
+            ))
+        );
+        // A model without tensors differs in its tensors.
+        assert_eq!(
+            e(&[&cpu, &[String::new()]]),
+            Err(
+                "rank 1's model differs from rank 0's at tensor parameter 'w' shape [2] dtype \
+                 Float (absent on rank 1)"
+                    .to_string()
+            )
+        );
     }
 }

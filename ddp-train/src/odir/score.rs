@@ -285,22 +285,10 @@ pub fn score(
             tracing::warn!("warning: {line}");
         }
     }
-    // Every rank must score the same folder with the same model.
-    let key = format!(
-        "{} images of {} with {}",
-        images.len(),
-        set.root().display(),
-        checkpoint.display()
-    );
-    let keys = pg.all_gather_bytes(key.as_bytes())?;
-    if let Some((r, theirs)) = keys.iter().enumerate().find(|(_, k)| k[..] != keys[0][..]) {
-        return Err(TrainError::Invalid(format!(
-            "the ranks disagree on what to score: rank 0 has {key0}, rank {r} {theirs}: give \
-             every rank the same --data and --checkpoint",
-            key0 = String::from_utf8_lossy(&keys[0]),
-            theirs = String::from_utf8_lossy(theirs),
-        )));
-    }
+    // Every rank must score the same folder with the same model, on the same type of device
+    // (NCCL and the CPU ring would meet as mismatched collectives), agreed over the CPU links.
+    let key = score_key(images.len(), set.root(), checkpoint, device);
+    check_score_agreement(&pg.all_gather_bytes(key.as_bytes())?)?;
     // Rank 0's model on every rank, in the order of the names.
     tch::no_grad(|| {
         ddp_model::checkpoint::named_tensors(&vs)
@@ -445,13 +433,41 @@ fn chain(e: &TrainError) -> String {
     text
 }
 
+/// What every rank must agree on to score: the folder's images, the model file, and the type
+/// of the device (not its index, which differs from rank to rank).
+fn score_key(images: usize, root: &Path, checkpoint: &Path, device: Device) -> String {
+    format!(
+        "{images} images of {} with {} on {}",
+        root.display(),
+        checkpoint.display(),
+        crate::ddp::device_type(device)
+    )
+}
+
+/// Fails, with the same error on every rank, when the ranks' [`score_key`]s (gathered in rank
+/// order) differ: naming rank 0's and the first other one.
+fn check_score_agreement(keys: &[Vec<u8>]) -> Result<(), TrainError> {
+    match crate::state::first_disagreement(keys) {
+        None => Ok(()),
+        Some((first, rank, other)) => Err(TrainError::Invalid(format!(
+            "the ranks disagree on what to score: rank 0 has {first}, rank {rank} {other}: give \
+             every rank the same --data, --checkpoint and --device (--device cuda fails where \
+             CUDA is missing instead of scoring on the CPU)"
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use std::path::PathBuf;
+    use std::path::{Path, PathBuf};
 
     use clap::Parser;
+    use tch::Device;
 
-    use super::{load_checkpoint, run_record, training_differences, ModelFile, TrainConfig};
+    use super::{
+        check_score_agreement, load_checkpoint, run_record, score_key, training_differences,
+        ModelFile, TrainConfig,
+    };
 
     /// The warnings for `best-score.safetensors` in a run directory whose `config.json` is
     /// `config`, recording the run's record `own` (`None`: a file of an earlier version, which
@@ -599,5 +615,30 @@ mod tests {
                 "{flags:?}"
             );
         }
+    }
+
+    /// A rank that would score on the CPU while rank 0 uses CUDA (`--device auto` where one
+    /// host has no usable GPU) disagrees with rank 0 before the first CUDA collective, naming
+    /// both devices and the setting to change; another GPU index is no disagreement.
+    #[test]
+    fn ranks_scoring_on_different_device_types_disagree() {
+        let (root, model) = (
+            Path::new("/data/odir"),
+            Path::new("/runs/r/best.safetensors"),
+        );
+        let key = |device| score_key(12, root, model, device).into_bytes();
+        let (cpu, cuda0, cuda1) = (key(Device::Cpu), key(Device::Cuda(0)), key(Device::Cuda(1)));
+        assert!(check_score_agreement(&[cuda0.clone(), cuda1]).is_ok());
+        let e = check_score_agreement(&[cuda0, cpu])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "the ranks disagree on what to score: rank 0 has 12 images of /data/odir with \
+             /runs/r/best.safetensors on cuda, rank 1 12 images of /data/odir with \
+             /runs/r/best.safetensors on cpu: give every rank the same --data, --checkpoint \
+             and --device (--device cuda fails where CUDA is missing instead of scoring on the \
+             CPU)"
+        );
     }
 }
