@@ -82,7 +82,8 @@ pub(crate) fn watch_stop_signals() -> Result<SignalWatch, String> {
     })
 }
 
-/// The time budget of a run: whether one more step (and what may follow it) still fits.
+/// The time budget of a run: whether one more step or evaluation round (and what may follow
+/// it) still fits.
 #[derive(Debug)]
 pub(crate) struct Budget {
     started: Instant,
@@ -93,6 +94,7 @@ pub(crate) struct Budget {
     longest_save: Option<Duration>,
     save_guess: Duration,
     longest_eval: Option<Duration>,
+    longest_eval_round: Duration,
 }
 
 impl Budget {
@@ -116,6 +118,7 @@ impl Budget {
             save_guess: Duration::from_millis(200)
                 + Duration::from_secs_f64(checkpoint_bytes as f64 / 100e6),
             longest_eval: None,
+            longest_eval_round: Duration::ZERO,
         }
     }
 
@@ -137,26 +140,74 @@ impl Budget {
         self.longest_eval = Some(self.longest_eval.unwrap_or_default().max(d));
     }
 
+    /// One round of an epoch's evaluation (the ranks' agreement and a batch) took `d`.
+    pub(crate) fn eval_round_took(&mut self, d: Duration) {
+        self.longest_eval_round = self.longest_eval_round.max(d);
+    }
+
     /// Whether the run must stop now, before a step, to save within the limit: it stops when
     /// the longest step so far, then (before the epoch's end) evaluation and its checkpoint,
     /// then a stop checkpoint, would not fit twice in the time left (a loaded machine's steps
     /// vary; the limit is a hard one). It never stops before this process has taken a step: a start that stopped
     /// without progress would be started again forever.
     pub(crate) fn must_stop(&self, last_step_of_epoch: bool) -> bool {
-        let Some(deadline) = self.deadline else {
-            return false;
-        };
-        if self.steps == 0 {
-            return false;
-        }
-        let save = self.longest_save.unwrap_or(self.save_guess);
+        let save = self.save();
         let mut needed = self.longest_step + save;
         if last_step_of_epoch {
             let eval_guess = self.longest_step * self.eval_batches as u32;
             needed += self.longest_eval.unwrap_or(eval_guess) + save;
         }
-        Instant::now() + needed * 2 >= deadline
+        self.short_of(needed)
     }
+
+    /// Whether an epoch's evaluation must stop now, before a round of batches, to save the
+    /// epoch's end within the limit: when the longest round so far and a stop checkpoint
+    /// would not fit twice in the time left. As [`Budget::must_stop`], never before this
+    /// process has taken a step (a resumed run evaluating the epoch it stopped in).
+    pub(crate) fn must_stop_evaluating(&self) -> bool {
+        self.short_of(self.longest_eval_round + self.save())
+    }
+
+    /// The longest save so far, or the guess from the checkpoint's size.
+    fn save(&self) -> Duration {
+        self.longest_save.unwrap_or(self.save_guess)
+    }
+
+    /// Whether twice `needed` from now passes the deadline, once this process took a step.
+    fn short_of(&self, needed: Duration) -> bool {
+        let Some(deadline) = self.deadline else {
+            return false;
+        };
+        self.steps > 0 && Instant::now() + needed * 2 >= deadline
+    }
+}
+
+/// When this process started, by the monotonic clock: now less the process's age, which
+/// Linux gives as the time since boot (`/proc/uptime`) less the process's start after boot
+/// (`starttime`, the 22nd field of `/proc/self/stat`, in clock ticks). `None` where either
+/// file cannot be read.
+pub(crate) fn process_started() -> Option<Instant> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let uptime = std::fs::read_to_string("/proc/uptime").ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let ticks_per_sec = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    Instant::now().checked_sub(process_age(&stat, &uptime, ticks_per_sec)?)
+}
+
+/// A process's age from its `/proc/<pid>/stat` line and `/proc/uptime`, with
+/// `ticks_per_sec` clock ticks a second.
+fn process_age(stat: &str, uptime: &str, ticks_per_sec: libc::c_long) -> Option<Duration> {
+    // The command name, in parentheses, may hold spaces and ')': the fields that follow
+    // are those after the last ')', from the 3rd (the state) on.
+    let (_, fields) = stat.rsplit_once(')')?;
+    let start_ticks: u64 = fields.split_whitespace().nth(22 - 3)?.parse().ok()?;
+    let up: f64 = uptime.split_whitespace().next()?.parse().ok()?;
+    if ticks_per_sec <= 0 {
+        return None;
+    }
+    let age = up - start_ticks as f64 / ticks_per_sec as f64;
+    // Both count whole ticks: a process younger than one tick may come out below zero.
+    Duration::try_from_secs_f64(age.max(0.0)).ok()
 }
 
 #[cfg(test)]
@@ -200,6 +251,87 @@ mod tests {
         let mut b = Budget::new(now, Some(Duration::from_secs(7)), 0, 500_000_000);
         b.step_took(Duration::from_secs(1));
         assert!(b.must_stop(false));
+    }
+
+    #[test]
+    fn an_evaluation_keeps_room_for_its_longest_round_and_a_save() {
+        let now = Instant::now();
+        let mut b = Budget::new(now, Some(Duration::from_secs(10)), 6, 0);
+        b.eval_round_took(Duration::from_secs(4));
+        // Not before this process has taken a step: a resumed run evaluates first.
+        assert!(!b.must_stop_evaluating());
+        b.step_took(Duration::from_millis(1));
+        // 2 * (4 s + 0.2 s, the guessed save) fits in 10 s; 2 * (4 + 1.5) s does not.
+        assert!(!b.must_stop_evaluating());
+        b.save_took(Duration::from_millis(1500));
+        assert!(b.must_stop_evaluating());
+        // The longest round counts, not the last.
+        let mut b = Budget::new(now, Some(Duration::from_secs(10)), 6, 0);
+        b.step_took(Duration::from_millis(1));
+        b.eval_round_took(Duration::from_secs(5));
+        b.eval_round_took(Duration::from_secs(1));
+        assert!(b.must_stop_evaluating());
+        let mut b = Budget::new(now, None, 6, 0);
+        b.step_took(Duration::from_secs(1));
+        b.eval_round_took(Duration::from_secs(999));
+        assert!(!b.must_stop_evaluating());
+    }
+
+    #[test]
+    fn a_process_age_counts_its_stat_fields_after_the_last_parenthesis() {
+        // starttime (field 22) is 1500 ticks, 15 s at 100 a second, after boot.
+        let rest = "S 1 1234 1234 0 -1 4194560 1 0 0 0 2 3 0 0 20 0 1 0 1500 4096 200";
+        let uptime = "40.25 70.00\n";
+        for comm in ["sleep", "a b) c", "x) 7 8 (y", ")", "()"] {
+            let stat = format!("1234 ({comm}) {rest} 18446744073709551615 1 1 0 0 0\n");
+            assert_eq!(
+                process_age(&stat, uptime, 100),
+                Some(Duration::from_secs_f64(25.25)),
+                "{stat}"
+            );
+        }
+        // 250 ticks a second: 1500 ticks are 6 s.
+        let stat = format!("9 (sh) {rest}\n");
+        assert_eq!(
+            process_age(&stat, uptime, 250),
+            Some(Duration::from_secs_f64(34.25))
+        );
+        // Rounded to ticks, a process may look started after now: age 0.
+        assert_eq!(process_age(&stat, "14.99 1.0", 100), Some(Duration::ZERO));
+        for (stat, uptime, ticks) in [
+            ("9 sh S 1", uptime, 100),
+            ("9 (sh) S 1 2", uptime, 100),
+            (
+                "9 (sh) S 1 1234 1234 0 -1 4194560 1 0 0 0 2 3 0 0 20 0 1 0 -5 1",
+                uptime,
+                100,
+            ),
+            (stat.as_str(), "", 100),
+            (stat.as_str(), "up", 100),
+            (stat.as_str(), uptime, 0),
+        ] {
+            assert_eq!(
+                process_age(stat, uptime, ticks),
+                None,
+                "{stat} / {uptime} / {ticks}"
+            );
+        }
+    }
+
+    /// The budget's start is this process's: before anything this test saw, by at least the
+    /// time this test has been running.
+    #[test]
+    fn this_process_started_before_this_test() {
+        let test_started = Instant::now();
+        std::thread::sleep(Duration::from_millis(300));
+        let started = process_started().expect("Linux has /proc/self/stat and /proc/uptime");
+        // /proc counts in ticks of 10 ms: give 20 ms for their rounding.
+        assert!(
+            started <= test_started + Duration::from_millis(20),
+            "started {:?} before the test",
+            test_started.saturating_duration_since(started)
+        );
+        assert!(started.elapsed() >= Duration::from_millis(280));
     }
 
     /// A limit past the clock's range is no deadline, not a panic.

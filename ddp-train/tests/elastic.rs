@@ -2,7 +2,8 @@
 //! samples it had left: with the same global batch it ends as the uninterrupted run does,
 //! and with another one every sample of the interrupted epoch is trained once; a per-step
 //! schedule stays on its curve. A stop signal during an epoch's evaluation stops there too,
-//! and one during `Trainer::evaluate` stops it, before a run trains. Ranks are real processes on
+//! and one during `Trainer::evaluate` stops it, before a run trains; so does the time limit,
+//! counted from the process's start. Ranks are real processes on
 //! loopback: this test binary re-invoked with `--ignored --exact rank_worker`, a small MLP
 //! (no BatchNorm, no dropout, so that 2 ranks x 16 and 1 rank x 32 compute the same steps),
 //! started with torchrun's variables or SLURM's.
@@ -15,7 +16,7 @@ use common::{spawn_worker_ranks, text, wait_all};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ddp_model::checkpoint;
 use ddp_train::lr_schedule::LrSchedule;
@@ -29,6 +30,12 @@ const BATCH_ENV: &str = "ELASTIC_TEST_BATCH";
 const EVERY_ENV: &str = "ELASTIC_TEST_CHECKPOINT_EVERY";
 const EVALUATE_ENV: &str = "ELASTIC_TEST_EVALUATE";
 const TERM_ENV: &str = "ELASTIC_TEST_TERM_BEFORE_RUN";
+const TIME_LIMIT_ENV: &str = "ELASTIC_TEST_TIME_LIMIT";
+const SLEEP_ENV: &str = "ELASTIC_TEST_SLEEP_BEFORE_TRAINER_MS";
+const TRAIN_PAUSE_ENV: &str = "ELASTIC_TEST_TRAIN_PAUSE_MS";
+const EVAL_PAUSE_ENV: &str = "ELASTIC_TEST_EVAL_PAUSE_MS";
+const MAX_STEPS_ENV: &str = "ELASTIC_TEST_MAX_STEPS";
+const NO_SIGNALS_ENV: &str = "ELASTIC_TEST_NO_SIGNALS";
 /// 256 training points: 8 steps of 32 samples per epoch.
 const POINTS: i64 = 256;
 const EPOCHS: u64 = 3;
@@ -41,10 +48,22 @@ const WARMUP: u64 = 3;
 /// instead, each batch taking 200 ms; with `ELASTIC_TEST_EVALUATE=first` it evaluates them
 /// so, then trains (`evaluate()?` then `run()?`). With `ELASTIC_TEST_TERM_BEFORE_RUN` set it
 /// sends itself SIGTERM once the ranks have met, before `run()` (a stop while they start).
+/// `ELASTIC_TEST_TIME_LIMIT` is its time limit in seconds, `ELASTIC_TEST_MAX_STEPS` its steps
+/// per epoch, `ELASTIC_TEST_TRAIN_PAUSE_MS` and `ELASTIC_TEST_EVAL_PAUSE_MS` how much longer
+/// each trained and each evaluated batch takes, and
+/// `ELASTIC_TEST_SLEEP_BEFORE_TRAINER_MS` how long it takes before `Trainer::new` (a task
+/// opening its data); with `ELASTIC_TEST_NO_SIGNALS` set it leaves the stop signals alone. On
+/// an error it says how long after it started it ended.
 #[test]
 #[ignore = "a rank of the tests in this file, started by them"]
 fn rank_worker() {
+    let started = Instant::now();
     ddp_train::logging::init();
+    let number = |var: &str| {
+        std::env::var(var)
+            .ok()
+            .map(|n| n.parse::<u64>().expect("a number"))
+    };
     let out = std::env::var(OUT_ENV).expect("the test sets the run directory");
     let batch: usize = std::env::var(BATCH_ENV)
         .expect("the test sets the batch")
@@ -60,14 +79,20 @@ fn rank_worker() {
     settings.runtime.workers = Some(1);
     settings.runtime.progress = false;
     settings.runtime.collective_timeout_secs = Some(30);
-    settings.checkpoint.every = std::env::var(EVERY_ENV)
-        .ok()
-        .map(|n| n.parse().expect("a number"));
+    settings.checkpoint.every = number(EVERY_ENV);
+    settings.runtime.time_limit_secs = number(TIME_LIMIT_ENV);
+    settings.max_steps_per_epoch = number(MAX_STEPS_ENV).map(|n| n as usize);
+    settings.runtime.stop_on_signals = std::env::var_os(NO_SIGNALS_ENV).is_none();
     let mut task = Regression::new(points(POINTS, 1), points(60, 2));
     let evaluate = std::env::var(EVALUATE_ENV).ok();
     if evaluate.is_some() {
         task.eval_pause = Duration::from_millis(200);
     }
+    task.train_pause = Duration::from_millis(number(TRAIN_PAUSE_ENV).unwrap_or(0));
+    if let Some(ms) = number(EVAL_PAUSE_ENV) {
+        task.eval_pause = Duration::from_millis(ms);
+    }
+    std::thread::sleep(Duration::from_millis(number(SLEEP_ENV).unwrap_or(0)));
     let term = std::env::var_os(TERM_ENV).is_some();
     let trainer = Trainer::new(task, settings).inspect(|_| {
         if term {
@@ -84,6 +109,10 @@ fn rank_worker() {
         Ok(_) => 0,
         Err(e) => {
             eprintln!("error: {e}");
+            eprintln!(
+                "worker ended {:.3} s after its start",
+                started.elapsed().as_secs_f64()
+            );
             e.exit_code()
         }
     };
@@ -333,6 +362,84 @@ fn a_stop_during_an_epochs_evaluation_checkpoints_its_end_and_continues_exactly(
     let (a, b) = (metrics_without_timing(&full), metrics_without_timing(&cut));
     assert_eq!(column(&a, "steps"), [8.0, 8.0, 8.0]);
     assert_eq!(a, b);
+}
+
+/// The seconds after `marker` in `log`'s first line that has it.
+fn seconds_after(log: &str, marker: &str) -> f64 {
+    let line = log
+        .lines()
+        .find_map(|l| l.split_once(marker).map(|(_, rest)| rest));
+    let number = line.and_then(|rest| rest.split(' ').next());
+    number
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no '{marker}<seconds>' in:\n{log}"))
+}
+
+/// The time limit counts from the process's start (what a scheduler's limit counts from),
+/// not from the Trainer's: a rank that takes 2 s before `Trainer::new` (a task decoding its
+/// data) with a limit of 5 s, and 48 steps of over 100 ms, stops with a checkpoint before
+/// 5 s have passed since it started, by its own clock and by the Trainer's. From the
+/// Trainer's creation it would have stopped after them, or not at all.
+#[test]
+fn the_time_limit_counts_from_the_processs_start() {
+    let tmp = common::temp_dir("ddp-train-elastic-time-limit-start");
+    let run = tmp.path().join("run");
+    let env = [
+        (TIME_LIMIT_ENV, "5"),
+        (SLEEP_ENV, "2000"),
+        (TRAIN_PAUSE_ENV, "100"),
+    ];
+    let outputs = start(Launcher::Torchrun, 1, 16, &run, &env);
+    assert_codes(&outputs, 75);
+    let log = text(&outputs[0]);
+    let ended = seconds_after(&log, "worker ended ");
+    let stopped = seconds_after(&log, "(time limit) after ");
+    assert!(ended < 5.0 && stopped < 5.0, "{log}");
+    // The Trainer's clock counts the 2 s before it.
+    assert!(stopped > 2.0, "{log}");
+    let latest = std::fs::read_to_string(run.join("checkpoints/latest")).unwrap();
+    assert!(latest.contains("-step-"), "{latest}");
+}
+
+/// The time limit stops an epoch's evaluation too: 2 ranks with 2 fast steps per epoch and
+/// 10 validation batches each of over 400 ms (4 s of evaluation) stop together during epoch
+/// 1's evaluation, once the longest round and a save no longer fit twice before the limit of
+/// 4 s on some rank, and before it: rank 0 checkpoints the epoch's last step, from which the
+/// continued run (without the pauses) evaluates epoch 1 and trains on. The ranks watch no
+/// signals: the time limit alone has them agree before each round.
+#[test]
+fn the_time_limit_stops_an_epochs_evaluation_at_its_end() {
+    let tmp = common::temp_dir("ddp-train-elastic-time-limit-eval");
+    let run = tmp.path().join("run");
+    // Batches of 3: 10 of each rank's 30 validation points.
+    let env = [
+        (TIME_LIMIT_ENV, "4"),
+        (EVAL_PAUSE_ENV, "400"),
+        (MAX_STEPS_ENV, "2"),
+        (NO_SIGNALS_ENV, "1"),
+    ];
+    let outputs = start(Launcher::Torchrun, 2, 3, &run, &env);
+    assert_codes(&outputs, 75);
+    for o in &outputs {
+        let log = text(o);
+        assert!(
+            log.contains("stopping at epoch 1 step 2 (time limit)"),
+            "{log}"
+        );
+        assert!(seconds_after(&log, "worker ended ") < 4.0, "{log}");
+    }
+    let latest = std::fs::read_to_string(run.join("checkpoints/latest")).unwrap();
+    assert_eq!(latest, "epoch-0001-step-000002\n");
+    assert!(
+        !run.join("metrics.jsonl").exists() || metrics(&run).is_empty(),
+        "epoch 1 was reported"
+    );
+
+    let outputs = start(Launcher::Torchrun, 2, 3, &run, &env[2..]);
+    assert_codes(&outputs, 0);
+    let log = text(&outputs[0]);
+    assert!(log.contains("(epoch 1 at step 2)"), "{log}");
+    assert_eq!(column(&metrics(&run), "steps"), [2.0, 2.0, 2.0]);
 }
 
 /// `world` ranks in `ELASTIC_TEST_EVALUATE` mode `mode` (a batch of 2: 30 or 15 rounds of

@@ -147,7 +147,8 @@ pub struct RuntimeSettings {
     )]
     pub collective_timeout_secs: Option<u64>,
     /// Stop cleanly, with a checkpoint, before this many seconds have passed since the
-    /// Trainer was created (for a scheduler's time limit); the next start continues.
+    /// process started (for a scheduler's time limit; where `/proc` cannot be read, since the
+    /// Trainer was created); the next start continues.
     #[cfg_attr(
         feature = "cli",
         arg(
@@ -156,8 +157,8 @@ pub struct RuntimeSettings {
             value_name = "DURATION",
             value_parser = super::flags::parse_duration_secs,
             help = "Stop cleanly with a checkpoint before this much time has passed since the \
-                    start (exit code 75); a start with the same --out continues. Seconds, \
-                    or numbers with units (`90s`, `55m`, `4h`, `3h55m`)"
+                    process started (exit code 75); a start with the same --out continues. \
+                    Seconds, or numbers with units (`90s`, `55m`, `4h`, `3h55m`)"
         )
     )]
     pub time_limit_secs: Option<u64>,

@@ -67,19 +67,27 @@ impl<T: Task> Trainer<T> {
     }
 
     /// In an evaluation, before each round of batches: the ranks agree whether to stop (a
-    /// stop signal reached some rank) and whether any rank has a batch left (`more`: this
-    /// one), with one all-reduce of two numbers, so that every rank takes as many rounds. On
-    /// a stop in an epoch's evaluation (`at`: the epoch's end) rank 0 writes the checkpoint
-    /// of `at`, from which a resumed run evaluates the epoch, and every rank returns
-    /// [`TrainError::Stopped`]; in [`Trainer::evaluate`]'s (no `at`) every rank returns
-    /// [`TrainError::EvaluationStopped`]. Else returns whether some rank has a batch left.
+    /// stop signal reached some rank, or, in an epoch's evaluation, some rank's time budget
+    /// has no room for another round and a save) and whether any rank has a batch left
+    /// (`more`: this one), with one all-reduce of two numbers, so that every rank takes as
+    /// many rounds. On a stop in an epoch's evaluation (`at`: the epoch's end) rank 0 writes
+    /// the checkpoint of `at`, from which a resumed run evaluates the epoch, and every rank
+    /// returns [`TrainError::Stopped`]; in [`Trainer::evaluate`]'s (no `at`) every rank
+    /// returns [`TrainError::EvaluationStopped`]. Else returns whether some rank has a batch
+    /// left.
     pub(super) fn stop_in_evaluation(
         &mut self,
         at: Option<Position>,
-        signals: &SignalWatch,
+        signals: Option<&SignalWatch>,
         more: bool,
     ) -> Result<bool, TrainError> {
-        let wish = signals.received().map(StopReason::Signal);
+        let wish = signals
+            .and_then(SignalWatch::received)
+            .map(StopReason::Signal)
+            .or_else(|| {
+                (at.is_some() && self.budget.must_stop_evaluating())
+                    .then_some(StopReason::TimeLimit)
+            });
         let mut flags = [StopReason::code(wish), i64::from(more)];
         self.pg.all_reduce_slice(&mut flags, ReduceOp::Max)?;
         match (StopReason::from_code(flags[0]), at) {

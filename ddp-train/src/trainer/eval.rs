@@ -1,7 +1,9 @@
 //! Evaluation: [`Trainer::evaluate`], and each epoch's exact distributed evaluation (every
 //! rank evaluates its exact shard, one all-reduce combines the task's sums, and one
 //! all-gather the per-sample rows of tasks that have them); a stop signal ends either one at
-//! the next batch, on every rank.
+//! the next batch, on every rank, and the time limit ends an epoch's evaluation alike.
+
+use std::time::Instant;
 
 use ddp_comm::ReduceOp;
 use tch::{Kind, Tensor};
@@ -29,7 +31,7 @@ impl<T: Task> Trainer<T> {
     /// such a signal at its first step.
     pub fn evaluate(&mut self) -> Result<EvalReport, TrainError> {
         let signals = self.signals.take();
-        let evaluated = self.evaluate_epoch(0, signals.as_ref().map(|s| (None, s)));
+        let evaluated = self.evaluate_epoch(0, None, signals.as_ref());
         self.signals = signals;
         let (val_loss, stats) = evaluated?.ok_or_else(|| {
             TrainError::Invalid("nothing to evaluate: the task has no validation data".into())
@@ -48,16 +50,20 @@ impl<T: Task> Trainer<T> {
     /// statistics of all ranks: the result equals one process evaluating the whole split.
     /// `None` without validation data.
     ///
-    /// With `stop` (a training run's epoch end, if any, and the signals), the ranks agree
-    /// before each round of batches whether to stop, and take as many rounds, whatever their
-    /// shards: a stop signal ends the evaluation with rank 0's checkpoint of the epoch's end
-    /// and [`TrainError::Stopped`], or without an epoch's end with
-    /// [`TrainError::EvaluationStopped`] (`checkpoint.rs`).
+    /// With `signals`, or with `end` (a training run's epoch end) and a time limit, the ranks
+    /// agree before each round of batches whether to stop, and take as many rounds, whatever
+    /// their shards: a stop signal, or the time limit, ends the evaluation with rank 0's
+    /// checkpoint of the epoch's end and [`TrainError::Stopped`], or a stop signal without an
+    /// epoch's end with [`TrainError::EvaluationStopped`] (`checkpoint.rs`).
     pub(super) fn evaluate_epoch(
         &mut self,
         epoch: u64,
-        stop: Option<(Option<Position>, &SignalWatch)>,
+        end: Option<Position>,
+        signals: Option<&SignalWatch>,
     ) -> Result<Option<(f64, T::Stats)>, TrainError> {
+        // The same on every rank: whether they agree before each round.
+        let agree =
+            signals.is_some() || (end.is_some() && self.settings.runtime.time_limit_secs.is_some());
         let (Some(set), Some(sampler)) = (&self.val_set, &self.val_sampler) else {
             return Ok(None);
         };
@@ -71,22 +77,28 @@ impl<T: Task> Trainer<T> {
         let (mut loss_sum, mut samples) = (0.0f64, 0usize);
         tch::no_grad(|| -> Result<(), TrainError> {
             let mut upcoming = loader.next();
+            let mut round_started: Option<Instant> = None;
             for round in 0.. {
                 if round == 1 {
                     fail_if_injected(self.pg.rank(), Point::Eval(epoch), self.restarted);
                 }
-                if let Some((end, signals)) = stop {
+                if agree {
+                    // A round: from one agreement to the next (what a stop must leave room for).
+                    let now = Instant::now();
+                    if let Some(started) = round_started.replace(now) {
+                        self.budget.eval_round_took(now - started);
+                    }
                     if !self.stop_in_evaluation(end, signals, upcoming.is_some())? {
                         break;
                     }
                 }
-                // Without `stop` a rank's batches end its evaluation; with it, a rank whose
+                // Without agreeing a rank's batches end its evaluation; agreeing, a rank whose
                 // shard is done still takes the rounds that others have batches for.
                 let Some(batch) = upcoming.take() else {
-                    match stop {
-                        Some(_) => continue,
-                        None => break,
+                    if agree {
+                        continue;
                     }
+                    break;
                 };
                 let batch = batch?;
                 // The next batch's copy is queued before this batch's statistics or loss

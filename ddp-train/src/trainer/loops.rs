@@ -48,8 +48,8 @@ impl<T: Task> Trainer<T> {
     /// Trains from the start (or resumed) epoch to the last, evaluating after each.
     ///
     /// When a stop is requested (SIGTERM or SIGUSR1 with [`RuntimeSettings::stop_on_signals`], or
-    /// the time limit), every rank finishes its step (or its batch of an epoch's evaluation,
-    /// for a signal), rank 0 writes a checkpoint, and every rank returns
+    /// the time limit), every rank finishes its step (or its batch of an epoch's evaluation),
+    /// rank 0 writes a checkpoint, and every rank returns
     /// [`TrainError::Stopped`]; exit with [`TrainError::exit_code`]. A stop in an epoch's
     /// evaluation checkpoints the epoch's end, from which a resumed run evaluates it.
     ///
@@ -80,8 +80,7 @@ impl<T: Task> Trainer<T> {
                 lr_at_start
             };
             let evaluating = Instant::now();
-            let evaluated =
-                self.evaluate_epoch(epoch, signals.as_ref().map(|s| (Some(trained.end), s)))?;
+            let evaluated = self.evaluate_epoch(epoch, Some(trained.end), signals.as_ref())?;
             self.budget.eval_took(evaluating.elapsed());
             fail_if_injected(self.pg.rank(), Point::End(epoch), self.restarted);
             let (val_loss, summary, metrics) = match &evaluated {

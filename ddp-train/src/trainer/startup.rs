@@ -46,7 +46,9 @@ impl<T: Task> Trainer<T> {
 
     /// As [`Trainer::new`], with the rank's place given instead of read.
     pub fn with_env(task: T, mut settings: Settings, env: &EnvConfig) -> Result<Self, TrainError> {
-        let created = Instant::now();
+        // The time limit counts from the process's start (what a scheduler's limit counts
+        // from, and the task's data took time too), else from here.
+        let started = crate::stop::process_started().unwrap_or_else(Instant::now);
         // A rank started through a wrapper script dies with its launcher all the same.
         ddp_run::die_with_launcher().map_err(|e| TrainError::Invalid(e.to_string()))?;
         settings.validate()?;
@@ -432,7 +434,7 @@ impl<T: Task> Trainer<T> {
             allocation: now,
             plan,
             allocation_change,
-            budget: Budget::new(created, s_time_limit, val_batches, checkpoint_bytes),
+            budget: Budget::new(started, s_time_limit, val_batches, checkpoint_bytes),
             signals,
             last_checkpoint: Instant::now(),
             bests,

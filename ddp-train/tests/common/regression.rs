@@ -71,26 +71,29 @@ pub fn quiet_settings(out: &std::path::Path) -> Settings {
 
 /// The MLP (4 -> 16 -> relu -> 1) on `train`, evaluated on `val` (`None`: not evaluated).
 /// Its training loss is the mean squared error times `loss_scale`, plus infinity at the
-/// `inf_at`-th call (from 0); each evaluated batch takes `eval_pause` longer. `description`
+/// `inf_at`-th call (from 0); each trained batch takes `train_pause` longer, and each
+/// evaluated batch `eval_pause`. `description`
 /// is what `config.json` records of it (`Task::describe`).
 pub struct Regression {
     pub train: TensorDataset,
     pub val: Option<TensorDataset>,
     pub loss_scale: f64,
     pub inf_at: Option<usize>,
+    pub train_pause: Duration,
     pub eval_pause: Duration,
     pub description: serde_json::Value,
     calls: AtomicUsize,
 }
 
 impl Regression {
-    /// The plain task: loss scale 1, never infinite, no pause.
+    /// The plain task: loss scale 1, never infinite, no pauses.
     pub fn new(train: TensorDataset, val: TensorDataset) -> Self {
         Regression {
             train,
             val: Some(val),
             loss_scale: 1.0,
             inf_at: None,
+            train_pause: Duration::ZERO,
             eval_pause: Duration::ZERO,
             description: serde_json::Value::Null,
             calls: AtomicUsize::new(0),
@@ -119,6 +122,7 @@ impl Task for Regression {
     }
 
     fn train_loss(&self, model: &nn::Sequential, batch: &Batch) -> Tensor {
+        std::thread::sleep(self.train_pause);
         let loss = model
             .forward(batch.inputs())
             .mse_loss(batch.targets(), Reduction::Mean)
