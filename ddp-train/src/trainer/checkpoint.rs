@@ -438,6 +438,28 @@ pub(super) fn resume_warnings<T: Task>(
     warnings
 }
 
+/// A warning when a run recorded on CPU ranks continues on CPU ranks with another number of
+/// intra-op threads each (on as many ranks): libtorch's CPU kernels sum in another order with
+/// another thread count, so the weights leave an uninterrupted run's in the last bits.
+pub(super) fn threads_warning(
+    config: &serde_json::Value,
+    device: tch::Device,
+    threads: usize,
+    world_size: usize,
+) -> Option<String> {
+    let was = config["intra_op_threads"].as_u64()?;
+    let same_ranks = config["world_size"].as_u64() == Some(world_size as u64);
+    let on_cpu = config["device"] == "Cpu" && device == tch::Device::Cpu;
+    (on_cpu && same_ranks && was != threads as u64).then(|| {
+        format!(
+            "the run trained with {was} intra-op thread(s) per rank and continues with \
+             {threads}: libtorch's CPU results differ in the last bits with the thread count, \
+             so the weights will not equal an uninterrupted run's to the byte (give --threads \
+             {was} for that)"
+        )
+    })
+}
+
 /// Where the epoch of `st`'s position `p` continues on `now` (whose epochs have `steps_now`
 /// steps); an error sentence when it cannot.
 pub(super) fn continue_at(
@@ -544,6 +566,27 @@ pub(super) fn describe_change(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A resume on CPU ranks with another thread count is warned of; on as many threads,
+    /// another number of ranks (no byte-equal promise) or a GPU, it is not.
+    #[test]
+    fn another_thread_count_on_cpu_is_warned_of() {
+        let config = serde_json::json!({"intra_op_threads": 1, "world_size": 2, "device": "Cpu"});
+        let cpu = tch::Device::Cpu;
+        assert_eq!(
+            threads_warning(&config, cpu, 2, 2).as_deref(),
+            Some(
+                "the run trained with 1 intra-op thread(s) per rank and continues with 2: \
+                 libtorch's CPU results differ in the last bits with the thread count, so the \
+                 weights will not equal an uninterrupted run's to the byte (give --threads 1 \
+                 for that)"
+            )
+        );
+        assert_eq!(threads_warning(&config, cpu, 1, 2), None);
+        assert_eq!(threads_warning(&config, cpu, 2, 3), None);
+        assert_eq!(threads_warning(&config, tch::Device::Cuda(0), 2, 2), None);
+        assert_eq!(threads_warning(&serde_json::json!({}), cpu, 2, 2), None);
+    }
 
     /// 1000 samples on 2 ranks x 16 end their epoch at 992; stopped after 960 and continued
     /// on 4 x 16, the last step is filled with 32 positions: 8 samples the epoch would have

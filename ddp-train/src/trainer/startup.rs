@@ -243,6 +243,12 @@ impl<T: Task> Trainer<T> {
                 &task,
                 train_set.len(),
             ));
+            fallback_warnings.extend(super::checkpoint::threads_warning(
+                &st.config,
+                device,
+                threads,
+                env.world_size,
+            ));
             bucket_order = st.bucket_order.clone();
             if st.scheduler.is_some() {
                 scheduler = st.scheduler.clone();
