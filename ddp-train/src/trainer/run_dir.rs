@@ -232,10 +232,11 @@ pub(super) enum RunLock {
     /// This process holds it: the file, whose lock the kernel lets go when the process
     /// ends, however it ends.
     Held(std::fs::File),
-    /// Another process holds it: the refusal, naming that process.
+    /// Another process holds it, or the lock file cannot be opened: the refusal, naming
+    /// that process or the error.
     Locked(String),
     /// The file system takes no locks (Lustre mounted `noflock`: `ENOSYS`; NFSv3 without
-    /// `statd`: `ENOLCK`), or the lock file cannot be opened: nothing keeps a second job out.
+    /// `statd`: `ENOLCK`): nothing keeps a second job out.
     Unsupported(std::io::Error),
 }
 
@@ -245,15 +246,25 @@ fn lock_run_dir(out: &Path) -> RunLock {
     use std::io::{Read, Seek, Write};
     use std::os::fd::AsRawFd;
     let path = out.join(RUN_LOCK);
-    let mut file = match std::fs::OpenOptions::new()
+    let opened = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
         .open(&path)
-    {
+        // flock takes a descriptor opened for reading too (a .lock another user made).
+        .or_else(|_| std::fs::File::open(&path));
+    let mut file = match opened {
         Ok(file) => file,
-        Err(e) => return RunLock::Unsupported(e),
+        // Unlocked, the start would tidy a folder another job may be writing: refused.
+        Err(e) => {
+            return RunLock::Locked(format!(
+                "cannot open {} to lock the run directory --out {} ({e}): check the folder's \
+                 permissions, or give another --out",
+                path.display(),
+                out.display()
+            ))
+        }
     };
     let locked = match super::faults::flock_error() {
         Some(injected) => Err(injected),
@@ -591,6 +602,36 @@ mod tests {
 
     fn touch(dir: &Path, name: &str) {
         std::fs::write(dir.join(name), b"x").unwrap();
+    }
+
+    /// A lock file that cannot be opened refuses the start (unlocked, it would tidy a folder
+    /// another job may be writing); a folder that can be locked is held, and locked again
+    /// by another open, refused naming its holder.
+    #[test]
+    fn a_lock_file_that_cannot_be_opened_refuses_the_start() {
+        let tmp = ddp_testkit::temp_dir("ddp-train-lock-open");
+        let out = tmp.path();
+        std::os::unix::fs::symlink(out.join("gone/.lock"), out.join(RUN_LOCK)).unwrap();
+        match lock_run_dir(out) {
+            RunLock::Locked(refusal) => assert!(
+                refusal.starts_with(&format!(
+                    "cannot open {} to lock the run directory --out {} (",
+                    out.join(RUN_LOCK).display(),
+                    out.display()
+                )) && refusal.ends_with("): check the folder's permissions, or give another --out"),
+                "{refusal}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        std::fs::remove_file(out.join(RUN_LOCK)).unwrap();
+        let held = lock_run_dir(out);
+        assert!(matches!(held, RunLock::Held(_)), "{held:?}");
+        match lock_run_dir(out) {
+            RunLock::Locked(refusal) => {
+                assert!(refusal.contains("in use by another job (pid "), "{refusal}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     /// A model file of one variable `w` = `epoch`, recording `epoch` in its metadata.
