@@ -34,14 +34,19 @@ fn libtorch_lib() -> Option<std::path::PathBuf> {
     Some(lib)
 }
 
-/// Adds the run-time path to libtorch's library folder to everything this crate links; fails
-/// the build when the folder cannot be one (see [`rpath_lines`]).
+/// Adds the run-time path to libtorch's library folder to everything this crate links; warns
+/// and adds none when the folder cannot be one (see [`rpath_lines`]).
 #[allow(dead_code)] // xtask's test of `rpath_lines` includes this file too.
 fn libtorch_rpath() {
     if let Some(lib) = libtorch_lib() {
         match rpath_lines(&lib) {
             Ok(lines) => lines.iter().for_each(|line| println!("{line}")),
-            Err(message) => panic!("{message}"),
+            // Built without the run path, the binaries still find libtorch through
+            // LD_LIBRARY_PATH or a system-wide install.
+            Err(message) => println!(
+                "cargo:warning={message}; building without a run path: set LD_LIBRARY_PATH to \
+                 the folder to run what is built"
+            ),
         }
     }
 }
