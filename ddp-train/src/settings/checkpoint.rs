@@ -44,9 +44,10 @@ pub struct CheckpointSettings {
     pub eval_only: bool,
     /// When a start continues the run in `out` (a launcher's restart,
     /// `TORCHELASTIC_RESTART_COUNT` > 0, of the job that wrote the run, or of a job without a
-    /// run id; a new start of a run that was stopped; the same job, by its run id), resume from the run's latest checkpoint, also over a `resume` that
-    /// names where the run began (never with `eval_only`). Off, such a start into a run with
-    /// checkpoints is refused rather than started over.
+    /// run id; a new start of a run that was stopped; the same job, by its run id), resume
+    /// from the run's latest checkpoint, also over a `resume` that names where the run began
+    /// (never with `eval_only`). Off, such a start into a run with checkpoints is refused
+    /// rather than started over.
     #[cfg_attr(
         feature = "cli",
         arg(skip = CheckpointSettings::default().resume_after_restart)
