@@ -366,7 +366,7 @@ pub fn describe_error(error: &anyhow::Error) -> String {
             _ => e.downcast_ref::<SettingError>().cloned(),
         }
     };
-    ddp_run::cli::join_causes(
+    ddp_run::join_causes(
         error
             .chain()
             .map(|e| setting(e).map_or_else(|| e.to_string(), |s| s.render(name))),
@@ -418,28 +418,21 @@ pub fn run_checked<D>(
     finish(result)
 }
 
-/// The exit status of a rank's failed program: 75 when the Trainer stopped on request
-/// (however the error was wrapped), else 1.
-fn failure_status(err: &anyhow::Error) -> u8 {
-    match err.downcast_ref::<TrainError>() {
-        Some(e) => e.exit_code(),
-        None => 1,
-    }
-}
-
-/// Prints a failure as a rank's program does and turns it into the exit status.
+/// Prints a failure as a rank's program does and turns it into the exit status: after a
+/// stop on request its message and 75 ([`crate::exit_with`]'s rule), else `error: `.
 fn finish(result: anyhow::Result<ExitCode>) -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            let status = failure_status(&err);
-            if status == crate::EXIT_STOPPED {
-                eprintln!("{err}");
+            let status = crate::exit::exit_status(err.as_ref());
+            // A missing folder or a bad setting is the user's to fix, not a bug: the message
+            // and its causes, without a backtrace (bugs panic, and keep theirs).
+            let error = if status == crate::EXIT_STOPPED {
+                ""
             } else {
-                // A missing folder or a bad setting is the user's to fix, not a bug: the
-                // message and its causes, without a backtrace (bugs panic, and keep theirs).
-                eprintln!("error: {}", describe_error(&err));
-            }
+                "error: "
+            };
+            eprintln!("{error}{}", describe_error(&err));
             ExitCode::from(status)
         }
     }
@@ -460,20 +453,22 @@ mod tests {
     use serde_json::Value;
     use std::collections::BTreeMap;
 
-    /// A stop on request gives 75 however the program wrapped the error (a requeue),
-    /// anything else 1.
+    /// A stop on request gives 75 in anyhow's context too (a requeue), anything else 1.
     #[test]
     fn a_stop_on_request_exits_75_through_context() {
+        use crate::exit::exit_status;
         use crate::stop::StopReason;
         let stopped = || TrainError::EvaluationStopped {
             reason: StopReason::Signal(15),
         };
-        assert_eq!(failure_status(&anyhow::Error::from(stopped())), 75);
-        let wrapped = anyhow::Error::from(stopped()).context("training the points");
-        assert_eq!(failure_status(&wrapped), 75);
-        let other = anyhow::Error::from(TrainError::Invalid("bad".into()));
-        assert_eq!(failure_status(&other), 1);
-        assert_eq!(failure_status(&anyhow::anyhow!("no TrainError")), 1);
+        let status = |e: anyhow::Error| exit_status(e.as_ref());
+        assert_eq!(status(anyhow::Error::from(stopped())), 75);
+        assert_eq!(
+            status(anyhow::Error::from(stopped()).context("training")),
+            75
+        );
+        assert_eq!(status(TrainError::Invalid("bad".into()).into()), 1);
+        assert_eq!(status(anyhow::anyhow!("no TrainError")), 1);
     }
 
     #[derive(Parser)]

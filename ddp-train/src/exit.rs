@@ -29,16 +29,21 @@ pub fn exit_with(body: impl FnOnce() -> Result<(), Box<dyn Error>>) -> ExitCode 
 /// the causes.
 fn failure(err: &(dyn Error + 'static)) -> (u8, String) {
     let chain = std::iter::successors(Some(err), |&e| e.source());
-    let stopped = chain
-        .clone()
+    let causes = ddp_run::join_causes(chain.map(ToString::to_string));
+    match exit_status(err) {
+        1 => (1, format!("error: {causes}")),
+        code => (code, causes),
+    }
+}
+
+/// The exit status of a failed program: 75 ([`crate::EXIT_STOPPED`]) when the Trainer
+/// stopped on request, wherever in the error's causes that stop is, else 1.
+pub(crate) fn exit_status(err: &(dyn Error + 'static)) -> u8 {
+    std::iter::successors(Some(err), |&e| e.source())
         .filter_map(|e| e.downcast_ref::<TrainError>())
         .map(TrainError::exit_code)
-        .find(|&code| code == crate::EXIT_STOPPED);
-    let causes = ddp_run::join_causes(chain.map(ToString::to_string));
-    match stopped {
-        Some(code) => (code, causes),
-        None => (1, format!("error: {causes}")),
-    }
+        .find(|&code| code == crate::EXIT_STOPPED)
+        .unwrap_or(1)
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use std::time::Duration;
 use crate::error::{LOG_DIR_FLAG, MASTER_PORT_FLAG};
 use crate::{launch, Event, LaunchConfig, LaunchError, Outcome, RankFailure};
 
-pub use crate::error::join_causes;
+use crate::error::join_causes;
 
 /// How a launcher built on [`launch_and_report_with`] names what its user can change.
 #[derive(Debug, Clone)]
