@@ -317,7 +317,7 @@ where
 /// bytes again). safetensors writes the metadata in its map's hash order, which differs from
 /// one process to the next once there is more than one key: the same tensors and metadata
 /// then gave other bytes in another process (a resumed run's checkpoint, byte-compared).
-fn sorted_header(bytes: Vec<u8>) -> Result<Vec<u8>, String> {
+fn sorted_header(mut bytes: Vec<u8>) -> Result<Vec<u8>, String> {
     let length: [u8; 8] = bytes
         .get(..8)
         .and_then(|b| b.try_into().ok())
@@ -332,6 +332,12 @@ fn sorted_header(bytes: Vec<u8>) -> Result<Vec<u8>, String> {
         serde_json::from_slice(&bytes[8..end]).map_err(|e| e.to_string())?;
     let mut text = serde_json::to_vec(&header).map_err(|e| e.to_string())?;
     text.resize(text.len().next_multiple_of(8), b' ');
+    if text.len() == end - 8 {
+        // The same keys in another order: as long, so sorted in place, without a copy of
+        // the tensors' bytes.
+        bytes[8..end].copy_from_slice(&text);
+        return Ok(bytes);
+    }
     let mut sorted = Vec::with_capacity(8 + text.len() + bytes.len() - end);
     sorted.extend_from_slice(&(text.len() as u64).to_le_bytes());
     sorted.extend_from_slice(&text);

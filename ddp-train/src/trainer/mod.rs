@@ -22,8 +22,9 @@ use crate::task::Task;
 // One file per job. This one: the `Trainer` and its accessors (the public reports are the
 // crate's `report.rs`, below both the Trainer and the plots).
 // - `startup.rs`: `Trainer::new`: settings, data and samplers, the model, a restored
-//   checkpoint (also by itself after a launcher's restart), the process group, the run
-//   directory and its `config.json`;
+//   checkpoint (also by itself after a launcher's restart), the process group, `config.json`;
+// - `run_dir.rs`: the run directory: whether a start continues its run, rank 0's lock, the
+//   rewind, the best models and stale temporaries;
 // - `loops.rs`: `Trainer::run`, the epoch loop, one epoch's training steps, the loaders;
 // - `non_finite.rs`: a NaN or infinite loss on some rank, decided alike on every rank;
 // - `checkpoint.rs`: the ranks' agreement before each step to stop or checkpoint, and the
