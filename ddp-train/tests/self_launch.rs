@@ -357,7 +357,7 @@ fn sigterm_stops_every_rank_at_a_checkpoint_with_exit_code_75() {
         last,
         [
             format!(
-                "  {EXE} --image-size 32 --threads 1 --workers 1 --out runs/{name} \
+                "  {EXE} --image-size 32 --threads 1 --workers 1 --device cpu --out runs/{name} \
                  --nproc_per_node=2 --data {} --epochs 3 --batch-size 2 --log-every 1",
                 data.display()
             ),

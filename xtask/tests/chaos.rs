@@ -116,7 +116,7 @@ fn var(name: &str, default: u64) -> u64 {
 }
 
 /// The clean round that finishes `run`, and the comparison with the uninterrupted run.
-fn finish(data: &Path, run: &Path, reference: &[u8], seed: u64) {
+fn finish(data: &Path, run: &Path, reference: &Weights, seed: u64) {
     let output = wait_bounded(
         job(data, run, &[]).spawn().unwrap(),
         Duration::from_secs(300),
@@ -124,7 +124,7 @@ fn finish(data: &Path, run: &Path, reference: &[u8], seed: u64) {
     assert!(output.status.success(), "{}", text(&output));
     assert!(processes_of(run).is_empty());
     assert!(
-        final_weights(run) == reference,
+        final_weights(run) == *reference,
         "{} (seed {seed}) ended with other weights than an uninterrupted run",
         run.display()
     );

@@ -420,7 +420,7 @@ fn killing_every_rank_mid_epoch_loses_only_the_steps_since_the_step_checkpoint()
         "{t}"
     );
     assert!(
-        final_weights(&out) == reference,
+        final_weights(&out) == *reference,
         "the resumed run ended with other weights than the uninterrupted one"
     );
     // The resumed epoch's report counts the steps before the checkpoint too.
@@ -482,7 +482,7 @@ fn sigterm_to_the_launcher_stops_every_rank_at_one_step_with_a_checkpoint() {
     assert!(output.status.success(), "{t}");
     assert!(t.contains("continuing the stopped run"), "{t}");
     assert!(
-        final_weights(&out) == reference,
+        final_weights(&out) == *reference,
         "the resumed run ended with other weights than the uninterrupted one"
     );
 }
@@ -573,7 +573,7 @@ fn a_time_limit_stops_before_it_with_a_checkpoint_and_the_run_continues() {
     }
     assert!(stops >= 1, "the limit never stopped the run");
     assert!(
-        final_weights(&out) == reference,
+        final_weights(&out) == *reference,
         "the run stopped {stops} time(s) ended with other weights than the uninterrupted one"
     );
 }

@@ -177,13 +177,23 @@ pub const LONG_EPOCHS: [&str; 10] = [
 /// Makes every step at least this long, so that a test can act inside an epoch.
 pub const SLOW_STEPS: (&str, &str) = ("DDP_TRAIN_STEP_SLEEP_MS", "300");
 
-pub fn final_weights(run: &Path) -> Vec<u8> {
-    std::fs::read(run.join("checkpoints/epoch-0002.safetensors")).unwrap()
+/// A safetensors file's tensors: its header's entries (names, dtypes, shapes, offsets) and
+/// its data, byte for byte; its metadata aside (the model's record names the run's data
+/// folder, another one per test).
+pub type Weights = (serde_json::Value, Vec<u8>);
+
+/// The last checkpoint's tensors (`epoch-0002`).
+pub fn final_weights(run: &Path) -> Weights {
+    let bytes = std::fs::read(run.join("checkpoints/epoch-0002.safetensors")).unwrap();
+    let end = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..end]).unwrap();
+    header.as_object_mut().unwrap().remove("__metadata__");
+    (header, bytes[end..].to_vec())
 }
 
 /// The final weights of an uninterrupted run of `LONG_EPOCHS` (computed once per process).
-pub fn uninterrupted_weights(data: &Path) -> &'static [u8] {
-    static WEIGHTS: OnceLock<Vec<u8>> = OnceLock::new();
+pub fn uninterrupted_weights(data: &Path) -> &'static Weights {
+    static WEIGHTS: OnceLock<Weights> = OnceLock::new();
     WEIGHTS.get_or_init(|| {
         let dir = temp_dir("xtask-reference");
         let out = dir.path().join("run");
