@@ -36,7 +36,7 @@ mod best;
 mod legacy;
 mod record;
 pub use best::{Best, EarlyStopState};
-pub(crate) use record::{model_record, recorded};
+pub(crate) use record::{model_record, recorded, training_record};
 
 /// The metadata key that holds [`TrainState`]'s JSON.
 const STATE_KEY: &str = "train_state";

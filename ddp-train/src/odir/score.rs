@@ -128,20 +128,14 @@ impl LoadedModel {
 /// training's), else the `config.json` of the run directory `checkpoint` lies in or is (an
 /// earlier version's file; `config.json` holds the settings of the run's last start).
 fn run_record(checkpoint: &Path, loaded: &LoadedCheckpoint) -> Option<(String, serde_json::Value)> {
-    if let Some(own) = &loaded.trained_under {
-        let file = format!("{}, its own record", loaded.file.display());
-        return Some((file, own.clone()));
-    }
-    let run = if checkpoint.is_dir() {
-        crate::state::run_of(checkpoint)
+    let dir = if checkpoint.is_dir() {
+        checkpoint
     } else {
-        crate::state::run_of(checkpoint.parent()?)
+        checkpoint.parent()?
     };
-    let config = run.join("config.json");
-    let record = std::fs::read_to_string(&config)
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())?;
-    Some((config.display().to_string(), record))
+    let own = loaded.trained_under.clone();
+    let (record, file) = crate::state::training_record(&loaded.file, dir, own)?;
+    Some((file, record))
 }
 
 /// The `--eye-combine` a run's `record` holds (`None` for a run that recorded none).

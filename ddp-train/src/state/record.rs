@@ -7,6 +7,7 @@
 //! versions have none, and are compared with `config.json`.
 
 use std::collections::HashMap;
+use std::path::Path;
 
 use serde_json::{json, Value};
 
@@ -36,6 +37,23 @@ pub(crate) fn model_record(config: &Value) -> (String, String) {
 pub(crate) fn recorded(metadata: &HashMap<String, String>) -> Option<Value> {
     let record: Value = serde_json::from_str(metadata.get(RECORD_KEY)?).ok()?;
     record.is_object().then_some(record)
+}
+
+/// The record to compare a model `file` with, and where it is (for the warnings): its
+/// `own` record where it has one, else the `config.json` of the run directory that `dir`
+/// (the model's folder, or the run's) belongs to (an earlier version's file).
+pub(crate) fn training_record(
+    file: &Path,
+    dir: &Path,
+    own: Option<Value>,
+) -> Option<(Value, String)> {
+    if let Some(own) = own {
+        return Some((own, format!("{}, its own record", file.display())));
+    }
+    let config = super::run_of(dir).join("config.json");
+    let text = std::fs::read_to_string(&config).ok()?;
+    let record = serde_json::from_str::<Value>(&text).ok()?;
+    Some((record, config.display().to_string()))
 }
 
 #[cfg(test)]

@@ -303,17 +303,9 @@ pub(super) fn load_evaluated(
         }
     }
     let metadata = ddp_model::checkpoint::load(vs, path)?;
-    let recorded = match state::recorded(&metadata) {
-        Some(own) => Some((own, format!("{}, its own record", path.display()))),
-        None => path
-            .parent()
-            .map(|dir| state::run_of(dir).join("config.json"))
-            .and_then(|config| {
-                let text = std::fs::read_to_string(&config).ok()?;
-                let record = serde_json::from_str::<serde_json::Value>(&text).ok()?;
-                Some((record, config.display().to_string()))
-            }),
-    };
+    let recorded = path
+        .parent()
+        .and_then(|dir| state::training_record(path, dir, state::recorded(&metadata)));
     Ok(recorded.map(|(record, file)| {
         // The first version recorded its command line under `config`.
         let seed = [&record["settings"], &record["config"]]
