@@ -45,6 +45,9 @@
 
 #![warn(missing_docs)]
 
+#[cfg(not(target_os = "linux"))]
+compile_error!("ddp-comm runs on Linux only: it uses memfd rings, /proc, Linux sockets");
+
 mod config;
 mod element;
 mod error;

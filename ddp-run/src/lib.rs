@@ -47,6 +47,9 @@
 
 #![warn(missing_docs)]
 
+#[cfg(not(target_os = "linux"))]
+compile_error!("ddp-run runs on Linux only: it uses PR_SET_PDEATHSIG, waitid, /proc");
+
 #[cfg(feature = "cli")]
 pub mod cli;
 mod config;
