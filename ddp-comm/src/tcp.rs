@@ -1,9 +1,10 @@
 //! TCP sockets: listening on every interface of both IP families (rank 0's store, ring
 //! listeners in a job of several hosts), connecting with retry (both store clients in
 //! `store/`, and the ring's TCP links) and the settings of ring sockets (`TCP_NODELAY`,
-//! kernel buffer sizes). The links themselves are driven by `ring/`.
+//! kernel buffer sizes), and the limit of open descriptors a store's connections count
+//! against. The links themselves are driven by `ring/`.
 
-use std::io::{self, BufReader, BufWriter};
+use std::io::{self, BufReader};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
@@ -108,8 +109,9 @@ pub(crate) fn connect_until(
 /// A client connection to a store: connected (retrying until a deadline), `TCP_NODELAY`,
 /// every read and write limited to an I/O timeout.
 pub(crate) struct Connection {
+    /// The socket, its reads buffered; requests are written whole through `get_ref()`
+    /// (`&TcpStream` writes): one descriptor per connection, no clone.
     pub reader: BufReader<TcpStream>,
-    pub writer: BufWriter<TcpStream>,
     /// The store's address, for messages.
     pub addr: String,
     /// The local interface that reaches the store.
@@ -135,10 +137,8 @@ impl Connection {
         let _ = stream.set_nodelay(true);
         stream.set_read_timeout(Some(io_timeout)).map_err(io)?;
         stream.set_write_timeout(Some(io_timeout)).map_err(io)?;
-        let reader = BufReader::new(stream.try_clone().map_err(io)?);
         Ok(Connection {
-            reader,
-            writer: BufWriter::new(stream),
+            reader: BufReader::new(stream),
             addr,
             local_ip,
             peer_ip: peer.ip(),
@@ -174,4 +174,31 @@ pub(crate) fn set_buffer(fd: std::os::fd::RawFd, bytes: usize) -> io::Result<()>
         }
     }
     Ok(())
+}
+
+/// This process's soft limit of open descriptors (`RLIMIT_NOFILE`), `None` for none.
+pub(crate) fn open_file_limit() -> Option<u64> {
+    rustix::process::getrlimit(rustix::process::Resource::Nofile).current
+}
+
+/// Raises this process's soft limit of open descriptors (`RLIMIT_NOFILE`) to its hard limit,
+/// as Go's runtime and many servers do, and returns the soft limit in force. Rank 0's store
+/// holds a descriptor for each of two connections per rank (rendezvous and heartbeat),
+/// and the common soft limit of 1024 would refuse ranks past a few hundred. The limit is
+/// the process's (and its children's): code that passes descriptors above 1023 to
+/// `select` would fail, as it would under a user's own `ulimit -n`.
+pub(crate) fn raise_open_file_limit() -> io::Result<Option<u64>> {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if limit.current == limit.maximum {
+        return Ok(limit.current);
+    }
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: limit.maximum,
+            maximum: limit.maximum,
+        },
+    )?;
+    Ok(limit.maximum)
 }

@@ -11,7 +11,7 @@
 //! `signed.rs`, which tags every value with the job's secret.
 
 use std::cell::Cell;
-use std::io::{BufReader, BufWriter, Write};
+use std::io::BufReader;
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
@@ -35,8 +35,8 @@ const CHECK_NOT_READY: u8 = 1;
 /// A connection to a c10d TCPStore.
 #[derive(Debug)]
 pub(crate) struct C10dStore {
+    /// Requests are written whole through `reader.get_ref()`.
     reader: BufReader<TcpStream>,
-    writer: BufWriter<TcpStream>,
     addr: String,
     local_ip: IpAddr,
     peer_ip: IpAddr,
@@ -69,7 +69,6 @@ impl C10dStore {
         let c = Connection::open(addrs, deadline, io_timeout, "torchrun agent store")?;
         let mut store = C10dStore {
             reader: c.reader,
-            writer: c.writer,
             addr: c.addr,
             local_ip: c.local_ip,
             peer_ip: c.peer_ip,
@@ -115,10 +114,7 @@ impl C10dStore {
         if self.broken.get() {
             return Err(out_of_step(&self.addr));
         }
-        let result = self
-            .writer
-            .write_all(msg)
-            .and_then(|()| self.writer.flush());
+        let result = wire::send_all(&mut self.reader.get_ref(), msg);
         result.map_err(|e| self.fail("send", e))
     }
 
@@ -203,7 +199,7 @@ impl Store for C10dStore {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use std::io::Read;
+    use std::io::{Read, Write};
     use std::net::{Shutdown, TcpListener};
     use std::sync::mpsc;
 

@@ -19,7 +19,7 @@ pub(crate) mod signed;
 mod wire;
 
 use std::collections::HashMap;
-use std::io::{self, BufReader, BufWriter, Read};
+use std::io::{self, BufReader, Read};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -50,11 +50,16 @@ const STATUS_ERROR: u8 = 2;
 
 /// Connections that may be in their handshake at once; more are closed at accept, so that
 /// strangers cannot pile up threads and descriptors before proving anything (each has
-/// [`auth::HANDSHAKE_TIMEOUT`] to prove the secret). A job's own ranks connect once each.
+/// [`auth::HANDSHAKE_TIMEOUT`] to prove the secret). A job's own ranks connect twice each
+/// (rendezvous, then heartbeat), a client that is turned away connects again.
 pub(crate) const MAX_PENDING_HANDSHAKES: usize = 64;
 
 /// A pause after a failed accept (out of descriptors, say), so that the loop does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Warnings about failed accepts and connections left without a thread: they last as long
+/// as their cause (the limit of open files), and so would their warnings.
+static NO_ROOM: Throttle = Throttle::new(Duration::from_secs(10), 5);
 
 /// The operations rendezvous needs from a store (ours, or torchrun's agent store).
 pub(crate) trait Store: Send {
@@ -163,13 +168,18 @@ pub(crate) struct StoreServer {
 
 type Table = Arc<Mutex<HashMap<String, Vec<u8>>>>;
 
-/// Open client connections by id, so that the server can disconnect them all when dropped.
-type Clients = Arc<Mutex<HashMap<u64, TcpStream>>>;
+/// Open client connections by id, so that the server can disconnect them all when dropped;
+/// the list and the connection's thread share its one descriptor.
+type Clients = Arc<Mutex<HashMap<u64, Arc<TcpStream>>>>;
 
 impl StoreServer {
     /// Listens on `addr` (an unspecified IP: every interface of both IP families, see
     /// [`tcp::listen`](crate::tcp::listen)); a busy port is [`CommError::PortInUse`].
+    /// First raises the soft limit of open files, for two connections per rank
+    /// ([`tcp::raise_open_file_limit`](crate::tcp::raise_open_file_limit)).
     pub(crate) fn bind(addr: SocketAddr, secret: Secret) -> Result<Self, CommError> {
+        // Where it cannot be raised, a failed accept names the limit.
+        let _ = crate::tcp::raise_open_file_limit();
         let listener = crate::tcp::listen(addr).map_err(|source| match source.kind() {
             io::ErrorKind::AddrInUse => CommError::PortInUse { addr },
             _ => CommError::Address {
@@ -271,12 +281,15 @@ fn accept_loop(listener: TcpListener, server: Served, stop: Arc<AtomicBool>, cli
             return;
         }
         let stream = match stream {
-            Ok(stream) => stream,
+            Ok(stream) => Arc::new(stream),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 // EMFILE, ENFILE, ENOMEM: the condition lasts; retrying at once would spin.
-                if e.kind() != io::ErrorKind::Interrupted {
-                    std::thread::sleep(ACCEPT_BACKOFF);
+                // The client waits in the backlog meanwhile, or its handshake times out.
+                if let Some(dropped) = NO_ROOM.admit() {
+                    tracing::warn!("{}{}", accept_failure(&e), more(dropped));
                 }
+                std::thread::sleep(ACCEPT_BACKOFF);
                 continue;
             }
         };
@@ -296,7 +309,7 @@ fn accept_loop(listener: TcpListener, server: Served, stop: Arc<AtomicBool>, cli
         };
         #[cfg(test)]
         tests::pause_before_listing(&listener);
-        // Two descriptors per connection in its handshake: its own and the server's list's.
+        // One descriptor per connection, shared by the server's list and its thread.
         if let Ok(mut map) = clients.lock() {
             // The drop sets `stop` before it shuts the listed connections under this lock: a
             // connection accepted meanwhile is closed here, not listed after that sweep and
@@ -305,65 +318,87 @@ fn accept_loop(listener: TcpListener, server: Served, stop: Arc<AtomicBool>, cli
                 let _ = stream.shutdown(Shutdown::Both);
                 return;
             }
-            if let Ok(clone) = stream.try_clone() {
-                map.insert(id, clone);
-            }
+            map.insert(id, stream.clone());
         }
-        let (server, clients_of_thread) = (server.clone(), clients.clone());
+        let peer = stream
+            .peer_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let (server, clients_of_thread, from) = (server.clone(), clients.clone(), peer.clone());
         let spawned = std::thread::Builder::new()
             .name("ddp-store-conn".into())
             .spawn(move || {
-                let peer = stream
-                    .peer_addr()
-                    .map(|a| a.to_string())
-                    .unwrap_or_default();
                 // The handshake's slot: given back at once by a proven client, otherwise
-                // only once both of the connection's descriptors are closed, so that
-                // strangers whose handshakes end together cannot hold more than the cap.
+                // only once the connection's descriptor is closed, so that strangers whose
+                // handshakes end together cannot hold more than the cap.
                 let mut guard = Some(guard);
-                if let Err(why) = serve(stream, &server, &mut guard) {
+                if let Err(why) = serve(&stream, &server, &mut guard) {
                     if let Some(dropped) = DROPPED.admit() {
                         tracing::warn!(
-                            "ddp-comm: store dropped connection from {peer}: {why}{}",
+                            "ddp-comm: store dropped connection from {from}: {why}{}",
                             more(dropped)
                         );
                     }
                 }
-                // `serve` has closed its handles; the server's list must not keep the
-                // connection open.
-                if let Ok(mut map) = clients_of_thread.lock() {
-                    if let Some(clone) = map.remove(&id) {
-                        let _ = clone.shutdown(Shutdown::Both);
-                    }
-                }
+                unlist(&clients_of_thread, id);
+                drop(stream);
                 drop(guard);
             });
-        if spawned.is_err() {
-            // No thread: the connection is dropped here (and its guard with the closure);
-            // its clone must not stay in the list.
-            if let Ok(mut map) = clients.lock() {
-                if let Some(clone) = map.remove(&id) {
-                    let _ = clone.shutdown(Shutdown::Both);
-                }
+        if let Err(e) = spawned {
+            // No thread: the connection is dropped here (and its guard with the closure),
+            // and the client hears nothing until its handshake times out.
+            unlist(&clients, id);
+            if let Some(dropped) = NO_ROOM.admit() {
+                tracing::warn!(
+                    "ddp-comm: store dropped connection from {peer}: no thread to serve it: \
+                     {e}{}",
+                    more(dropped)
+                );
             }
         }
     }
 }
 
+/// Shuts connection `id` down and takes it off the server's list, which must not keep it
+/// open once its thread is done with it (or never started).
+fn unlist(clients: &Clients, id: u64) {
+    if let Ok(mut map) = clients.lock() {
+        if let Some(stream) = map.remove(&id) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// The warning of a failed accept; out of descriptors, it names the limit.
+fn accept_failure(e: &io::Error) -> String {
+    let limit = match e.raw_os_error() {
+        Some(libc::EMFILE) => match crate::tcp::open_file_limit() {
+            Some(n) => format!(
+                " (EMFILE: this process has its soft limit of {n} open files, RLIMIT_NOFILE; \
+                 each rank holds two connections: raise `ulimit -n`)"
+            ),
+            None => " (EMFILE)".to_string(),
+        },
+        _ => String::new(),
+    };
+    format!("ddp-comm: store could not accept a connection: {e}{limit}")
+}
+
 /// Serves one client until it disconnects; its handshake's slot in `pending` is given back
 /// once the client has proven the secret, and a failed handshake is counted in
 /// `server.turned_away`. Errors are reasons to drop the connection.
-fn serve(stream: TcpStream, server: &Served, pending: &mut Option<Pending>) -> Result<(), String> {
+fn serve(stream: &TcpStream, server: &Served, pending: &mut Option<Pending>) -> Result<(), String> {
     let _ = stream.set_nodelay(true);
     let deadline = Instant::now() + auth::HANDSHAKE_TIMEOUT;
-    auth::tcp_server(&stream, &server.secret, STORE_MAGIC, deadline).map_err(|why| {
+    auth::tcp_server(stream, &server.secret, STORE_MAGIC, deadline).map_err(|why| {
         server.turned_away.fetch_add(1, Ordering::Relaxed);
         format!("rejected: {why}")
     })?;
     *pending = None;
     stream.set_timeouts(None).map_err(|e| e.to_string())?;
-    let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
-    let mut writer = BufWriter::new(stream);
+    // One descriptor: reads are buffered, replies written whole.
+    let mut reader = BufReader::new(stream);
+    let mut writer = stream;
     // From here on the client is one of the job's: its leaving, whenever it happens (a rank
     // that exits, or is killed, with a request unanswered), is no news for the store's log.
     let mut served = || -> io::Result<()> {
@@ -470,8 +505,8 @@ fn handle(op: u8, r: &mut impl Read, table: &Table, reply: &mut Vec<u8>) -> io::
 /// A client of [`StoreServer`].
 #[derive(Debug)]
 pub(crate) struct StoreClient {
+    /// Requests are written whole through `reader.get_ref()`.
     reader: BufReader<TcpStream>,
-    writer: BufWriter<TcpStream>,
     addr: String,
     local_ip: IpAddr,
     peer_ip: IpAddr,
@@ -513,7 +548,7 @@ impl StoreClient {
         io_timeout: Duration,
     ) -> Result<Self, CommError> {
         let c = Connection::open(addrs, deadline, io_timeout, "rendezvous store")?;
-        let stream = c.writer.get_ref();
+        let stream = c.reader.get_ref();
         let handshake = Instant::now() + io_timeout.min(auth::HANDSHAKE_TIMEOUT);
         let peer = || format!("the rendezvous store at {}", c.addr);
         match auth::tcp_client(stream, secret, STORE_MAGIC, 0, handshake) {
@@ -531,7 +566,6 @@ impl StoreClient {
             .map_err(|e| CommError::io(format!("connection to {}", peer()), e))?;
         Ok(StoreClient {
             reader: c.reader,
-            writer: c.writer,
             addr: c.addr,
             local_ip: c.local_ip,
             peer_ip: c.peer_ip,
@@ -559,7 +593,7 @@ impl StoreClient {
             return Err(out_of_step(&self.addr));
         }
         let request = std::mem::take(&mut self.request);
-        let sent = wire::send_all(&mut self.writer, &request);
+        let sent = wire::send_all(&mut self.reader.get_ref(), &request);
         self.request = request;
         sent.map_err(|e| self.fail(e))?;
         wire::read_u8(&mut self.reader).map_err(|e| self.fail(e))
@@ -923,6 +957,76 @@ mod tests {
         assert_serves(&server);
     }
 
+    /// This process's descriptors of the TCP sockets with `port` at either end: the
+    /// listener and both ends of each connection to a server on `port` (other tests' sockets
+    /// are not counted).
+    fn descriptors_of_port(port: u16) -> usize {
+        let port = format!(":{port:04X}");
+        let inodes: Vec<String> = ["/proc/net/tcp", "/proc/net/tcp6"]
+            .iter()
+            .filter_map(|table| std::fs::read_to_string(table).ok())
+            .flat_map(|table| {
+                let rows: Vec<Vec<String>> = table
+                    .lines()
+                    .skip(1)
+                    .map(|row| row.split_whitespace().map(String::from).collect())
+                    .collect();
+                rows
+            })
+            .filter(|row| row.len() > 9 && (row[1].ends_with(&port) || row[2].ends_with(&port)))
+            .map(|row| format!("socket:[{}]", row[9]))
+            .collect();
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+            .filter(|target| inodes.iter().any(|i| target.as_os_str() == i.as_str()))
+            .count()
+    }
+
+    /// Each connection to the store holds one descriptor at each end (a rank keeps two, and
+    /// rank 0's soft limit of descriptors is often 1024): no clones of the socket.
+    #[test]
+    fn a_connection_holds_one_descriptor_at_each_end() {
+        let server = server();
+        let port = server.local_addr().port();
+        assert_eq!(descriptors_of_port(port), 1, "the listener");
+        const CLIENTS: usize = 20;
+        let mut clients: Vec<StoreClient> = (0..CLIENTS)
+            .map(|_| client(&server, &secret("a")).unwrap())
+            .collect();
+        for (i, c) in clients.iter_mut().enumerate() {
+            c.set(&format!("k/{i}"), b"v").unwrap();
+        }
+        assert_eq!(descriptors_of_port(port), 1 + 2 * CLIENTS);
+    }
+
+    /// Binding the store raises the soft limit of open files to the hard limit, and an accept
+    /// that fails for want of descriptors is a warning naming that limit.
+    #[test]
+    fn the_store_raises_the_open_file_limit_and_names_it_when_reached() {
+        use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+        let Some(hard) = getrlimit(Resource::Nofile).maximum else {
+            println!("skipped: this process has no hard limit of open files");
+            return;
+        };
+        let lowered = Rlimit {
+            current: Some(hard - 1),
+            maximum: Some(hard),
+        };
+        setrlimit(Resource::Nofile, lowered).unwrap();
+        let _server = server();
+        assert_eq!(getrlimit(Resource::Nofile).current, Some(hard));
+        let emfile = io::Error::from_raw_os_error(libc::EMFILE);
+        assert_eq!(
+            accept_failure(&emfile),
+            format!(
+                "ddp-comm: store could not accept a connection: {emfile} (EMFILE: this process \
+                 has its soft limit of {hard} open files, RLIMIT_NOFILE; each rank holds two \
+                 connections: raise `ulimit -n`)"
+            )
+        );
+    }
+
     #[test]
     fn busy_port_names_the_address() {
         let server = server();
@@ -1049,7 +1153,7 @@ mod tests {
                 table: Table::default(),
                 turned_away: Arc::default(),
             };
-            let served = serve(stream, &server, &mut None);
+            let served = serve(&stream, &server, &mut None);
             peer.join().unwrap();
             served
         };
