@@ -13,6 +13,27 @@ pub(crate) struct Bucket {
 }
 
 impl Bucket {
+    /// A zeroed buffer of `kind` on `device` for `named[members[..]]` (all of that dtype and
+    /// device), laid end to end in `members`' order.
+    pub(crate) fn new(
+        named: &[(String, Tensor)],
+        kind: Kind,
+        device: tch::Device,
+        members: Vec<usize>,
+    ) -> Bucket {
+        let mut offset = 0i64;
+        let mut placed = Vec::with_capacity(members.len());
+        for k in members {
+            let numel = named[k].1.numel() as i64;
+            placed.push((k, offset, numel));
+            offset += numel;
+        }
+        Bucket {
+            flat: Tensor::zeros([offset], (kind, device)),
+            members: placed,
+        }
+    }
+
     /// The part of the buffer that holds member `offset..offset + numel`.
     pub(crate) fn slot(&self, offset: i64, numel: i64) -> Tensor {
         self.flat.narrow(0, offset, numel)
@@ -97,19 +118,7 @@ pub(crate) fn make_buckets(
     );
     closed
         .into_iter()
-        .map(|(kind, device, members)| {
-            let mut offset = 0i64;
-            let mut placed = Vec::with_capacity(members.len());
-            for k in members {
-                let numel = named[k].1.numel() as i64;
-                placed.push((k, offset, numel));
-                offset += numel;
-            }
-            Bucket {
-                flat: Tensor::zeros([offset], (kind, device)),
-                members: placed,
-            }
-        })
+        .map(|(kind, device, members)| Bucket::new(named, kind, device, members))
         .collect()
 }
 

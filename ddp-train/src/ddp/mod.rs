@@ -1,5 +1,6 @@
 //! [`DistributedDataParallel`]: keeps the replicas of one model identical across ranks.
 
+mod broadcast;
 mod bucket;
 mod comm_hook;
 #[cfg(test)]
@@ -13,7 +14,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use ddp_comm::{CommError, ProcessGroup};
 use tch::{nn::VarStore, Tensor};
 
-use bucket::{make_buckets, pack, unpack, Bucket};
+use broadcast::{broadcast_tensors, sync_module_states, Wait, BROADCAST_BUCKET_BYTES};
+use bucket::{make_buckets, Bucket};
 pub use comm_hook::{BuiltinHook, CommHook, GradBucket, HookWork};
 use params::{split_named, verify_same_model, Split};
 use reducer::Reducer;
@@ -257,8 +259,9 @@ type Named = Vec<(String, Tensor)>;
 ///   devices' type, each tensor's name, shape and dtype, in name order); a rank whose model
 ///   differs from rank 0's gets an error naming its devices or the first differing tensor.
 ///   Then rank 0's parameters and buffers
-///   (buffers only with [`DdpOptions::broadcast_buffers`]) are broadcast, one message per
-///   dtype (coalesced), so all replicas start equal whatever each rank initialised. Finally a
+///   (buffers only with [`DdpOptions::broadcast_buffers`]) are broadcast, coalesced by dtype
+///   into messages of at most 250 MiB (PyTorch's `broadcast_bucket_size`; a larger tensor
+///   alone), so all replicas start equal whatever each rank initialised. Finally a
 ///   post-accumulate-grad hook (through `tch-ext`, a small C++ shim: tch has no autograd
 ///   hooks) is set on every parameter. Each tensor object is one parameter: a weight tied
 ///   under several names, under the first (PyTorch takes each parameter object once). A
@@ -336,19 +339,20 @@ impl DistributedDataParallel {
         pg: Arc<ProcessGroup>,
         options: DdpOptions,
     ) -> Result<Self, DdpError> {
-        let mut ddp = Self::unhooked(vs, pg, options, &[])?;
+        let mut ddp = Self::unhooked(vs, pg, options, &[], BROADCAST_BUCKET_BYTES)?;
         ddp.hook()?;
         Ok(ddp)
     }
 
     /// What [`DistributedDataParallel::new`] does but for setting the hooks: the collectives
     /// and checks. Parameters that share a tensor with `ours` may carry a hook already (that
-    /// of the DDP being rebuilt).
+    /// of the DDP being rebuilt). The first broadcast goes in buckets of `cap` bytes.
     fn unhooked(
         vs: &VarStore,
         pg: Arc<ProcessGroup>,
         options: DdpOptions,
         ours: &[(String, Tensor)],
+        cap: usize,
     ) -> Result<Self, DdpError> {
         let split = split_named(vs);
         // By name and storage: a parameter without elements has no storage of its own.
@@ -386,7 +390,7 @@ impl DistributedDataParallel {
             });
         }
 
-        // Initial broadcast of everything, one bucket per dtype, no size cap; the buffers
+        // Initial broadcast of everything, in buckets of at most `cap` bytes; the buffers
         // only with `broadcast_buffers` (PyTorch's `False` leaves them out here too).
         let everything: Vec<(String, Tensor)> = params
             .iter()
@@ -394,9 +398,7 @@ impl DistributedDataParallel {
             .chain(buffers.iter().filter(|_| options.broadcast_buffers))
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect();
-        let order: Vec<usize> = (0..everything.len()).collect();
-        let all_buckets = make_buckets(&everything, &order, usize::MAX, usize::MAX);
-        tch::no_grad(|| broadcast_tensors(&pg, &everything, &all_buckets))?;
+        tch::no_grad(|| sync_module_states(&pg, &everything, cap))?;
 
         let buffer_order: Vec<usize> = (0..buffers.len()).collect();
         let buffer_buckets = make_buckets(&buffers, &buffer_order, usize::MAX, usize::MAX);
@@ -480,7 +482,13 @@ impl DistributedDataParallel {
     /// call this at the same point. On error this DDP stays as it was, hooks included.
     pub fn rebuild(&mut self, vs: &VarStore) -> Result<(), DdpError> {
         lock(&self.reducer).check_finished()?;
-        let mut fresh = Self::unhooked(vs, self.pg.clone(), self.options, &self.params)?;
+        let mut fresh = Self::unhooked(
+            vs,
+            self.pg.clone(),
+            self.options,
+            &self.params,
+            BROADCAST_BUCKET_BYTES,
+        )?;
         lock(&fresh.reducer).hook = lock(&self.reducer).hook.clone();
         self.unhook();
         if let Err(e) = fresh.hook() {
@@ -594,7 +602,9 @@ impl DistributedDataParallel {
         if !self.options.broadcast_buffers {
             return Ok(());
         }
-        tch::no_grad(|| broadcast_tensors(&self.pg, &self.buffers, &self.buffer_buckets))
+        tch::no_grad(|| {
+            broadcast_tensors(&self.pg, &self.buffers, &self.buffer_buckets, Wait::Stream)
+        })
     }
 
     /// Finds the parameters that the backward from `loss` cannot reach, before it runs
@@ -673,29 +683,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn broadcast_tensors(
-    pg: &Arc<ProcessGroup>,
-    named: &[(String, Tensor)],
-    buckets: &[Bucket],
-) -> Result<(), DdpError> {
-    if pg.rank() == 0 {
-        pack(named, buckets);
-    }
-    for bucket in buckets {
-        if bucket.flat.device().is_cuda() {
-            // The current stream waits for the broadcast, not the host: the forward that
-            // follows is queued at once (as PyTorch's DDP does).
-            pg.broadcast_async(&bucket.flat, 0).wait_stream()?;
-        } else {
-            pg.broadcast(&mut bucket.flat.shallow_clone(), 0)?;
-        }
-    }
-    if pg.rank() != 0 {
-        unpack(named, buckets);
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -705,6 +692,27 @@ mod tests {
     fn alone() -> Arc<ProcessGroup> {
         let port = ddp_testkit::free_port();
         Arc::new(ProcessGroup::new(ddp_comm::Options::new(0, 1, "127.0.0.1", port)).unwrap())
+    }
+
+    /// `f(rank, group)` on each of `world` ranks, threads of this process meeting on
+    /// loopback with a secret of their own; the results in rank order.
+    pub(super) fn on_ranks<T: Send + 'static>(
+        world: usize,
+        f: impl Fn(usize, Arc<ProcessGroup>) -> T + Send + Clone + 'static,
+    ) -> Vec<T> {
+        let port = ddp_testkit::free_port();
+        let secret = ddp_comm::Secret::from_hex(&"5e".repeat(16)).unwrap();
+        let ranks: Vec<_> = (0..world)
+            .map(|rank| {
+                let (f, secret) = (f.clone(), secret.clone());
+                std::thread::spawn(move || {
+                    let options =
+                        ddp_comm::Options::new(rank, world, "127.0.0.1", port).with_secret(secret);
+                    f(rank, Arc::new(ProcessGroup::new(options).unwrap()))
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap()).collect()
     }
 
     /// A frozen parameter is neither bucketed nor broadcast with the buffers.
