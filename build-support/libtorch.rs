@@ -2,14 +2,20 @@
 // the `build.rs` of ddp-comm, ddp-data, ddp-model, ddp-train and tch-ext.
 //
 // `cargo xtask setup` installs libtorch under `.deps/` and `.cargo/config.toml` points
-// `LIBTORCH` there. rustc links with `--as-needed` and cargo overwrites `LD_LIBRARY_PATH`,
-// so the only robust way for binaries, tests, examples and doctests to find
-// `libtorch_cpu.so` at run time is an rpath to the real (symlink-resolved) library folder:
-// the libraries' own `$ORIGIN`-relative run paths (CUDA, NCCL) then resolve inside the
-// Python wheel they came from.
+// `LIBTORCH` there. rustc links with `--as-needed`, and cargo runs binaries, tests, examples
+// and doctests with the caller's `LD_LIBRARY_PATH` (it only prepends its own folders), which
+// may name another libtorch (tch's README has users export one). So everything linked gets
+// a run path to the real (symlink-resolved) library folder, written as `DT_RPATH`
+// (`--disable-new-dtags`): the dynamic loader searches it before `LD_LIBRARY_PATH`, where
+// it would search a `DT_RUNPATH` after. The libraries' own `$ORIGIN`-relative run paths
+// (CUDA, NCCL) then resolve inside the Python wheel they came from.
+
+include!("../shared-src/torch_version.rs");
 
 /// libtorch's library folder, with torch-sys's precedence: `$LIBTORCH_LIB/lib`, else
-/// `$LIBTORCH/lib`, symlinks resolved; `None` when neither variable is set.
+/// `$LIBTORCH/lib`, symlinks resolved; `None` when neither variable is set. Ends the build
+/// script (see [`libtorch_missing`]) when the folder holds no `libtorch_cpu.so`: else
+/// torch-sys's C++ compile fails first, on a missing header, without a word of the setup.
 ///
 /// The variables keep their value when setup re-creates the venv (another Python, another
 /// `site-packages`), so the script also reruns when the resolved folder's `libtorch_cpu.so`
@@ -24,6 +30,9 @@ fn libtorch_lib() -> Option<std::path::PathBuf> {
     let root = std::env::var_os("LIBTORCH_LIB").map(std::path::PathBuf::from);
     let lib = root.or_else(|| libtorch.clone())?.join("lib");
     let lib = std::fs::canonicalize(&lib).unwrap_or(lib);
+    if !lib.join("libtorch_cpu.so").is_file() {
+        libtorch_missing(&format!("'{}' holds no libtorch_cpu.so", lib.display()));
+    }
     let version = libtorch.map(|l| l.join("build-version"));
     // A missing path would rerun the script on every build; once it exists, it is watched.
     for watched in std::iter::once(lib.join("libtorch_cpu.so")).chain(version) {
@@ -32,6 +41,22 @@ fn libtorch_lib() -> Option<std::path::PathBuf> {
         }
     }
     Some(lib)
+}
+
+/// Ends the build script: `error: libtorch not found: <what>`, and what to set, in this
+/// workspace and in a user's own project.
+#[allow(dead_code)] // xtask's test of `rpath_lines` includes this file too.
+fn libtorch_missing(what: &str) -> ! {
+    eprintln!(
+        "error: libtorch not found: {what}\n\
+         - in this workspace: run `cargo xtask setup` (it installs torch {TORCH_VERSION} into \
+         .deps/, where .cargo/config.toml points LIBTORCH)\n\
+         - in your own project: point LIBTORCH at a libtorch {TORCH_VERSION} folder (holding \
+         include/ and lib/), such as a torch wheel's: export LIBTORCH=$(python3 -c 'import \
+         torch, os; print(os.path.dirname(torch.__file__))'); LIBTORCH_USE_PYTORCH or a \
+         libtorch in /usr serves tch alone, not tch-ext's C++, which needs LIBTORCH"
+    );
+    std::process::exit(1)
 }
 
 /// Adds the run-time path to libtorch's library folder to everything this crate links; warns
@@ -51,9 +76,10 @@ fn libtorch_rpath() {
     }
 }
 
-/// The build-script lines that give the linker the run path `lib`: each word its own
-/// argument, through `-Xlinker`, since the compiler driver splits `-Wl,` at commas (a clone
-/// under `/home/u/exp,v2`). An error when `lib` holds a `:`, which the dynamic loader reads as
+/// The build-script lines that give the linker the run path `lib`, as `DT_RPATH`
+/// (`--disable-new-dtags`, see the top of this file): each word its own argument, through
+/// `-Xlinker`, since the compiler driver splits `-Wl,` at commas (a clone under
+/// `/home/u/exp,v2`). An error when `lib` holds a `:`, which the dynamic loader reads as
 /// a separator between run paths.
 fn rpath_lines(lib: &std::path::Path) -> Result<Vec<String>, String> {
     let lib = lib.display().to_string();
@@ -64,7 +90,14 @@ fn rpath_lines(lib: &std::path::Path) -> Result<Vec<String>, String> {
              without ':' and point LIBTORCH there"
         ));
     }
-    Ok(["-Xlinker", "-rpath", "-Xlinker", &lib]
+    Ok([
+        "-Xlinker",
+        "--disable-new-dtags",
+        "-Xlinker",
+        "-rpath",
+        "-Xlinker",
+        &lib,
+    ]
         .iter()
         .map(|arg| format!("cargo:rustc-link-arg={arg}"))
         .collect())

@@ -30,13 +30,17 @@ fn main() {
         println!("cargo:rerun-if-changed={source}");
     }
 
-    // The same variables, with the same precedence, as torch-sys's build script.
+    // The same variables, with the same precedence, as torch-sys's build script; but the
+    // headers are not among what torch-sys passes on, so LIBTORCH must name them.
     let Some(libtorch) = std::env::var_os("LIBTORCH").map(PathBuf::from) else {
-        panic!("LIBTORCH is not set: run `cargo xtask setup` (.cargo/config.toml points it at .deps/libtorch)");
+        libtorch_missing("LIBTORCH is not set");
     };
     let include =
         std::env::var_os("LIBTORCH_INCLUDE").map_or_else(|| libtorch.clone(), PathBuf::from);
     let lib = libtorch_lib().unwrap_or_else(|| libtorch.join("lib"));
+    if !include.join("include/torch").is_dir() {
+        libtorch_missing(&format!("'{}' holds no include/torch", include.display()));
+    }
     let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
 
     cc::Build::new()

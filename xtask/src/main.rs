@@ -163,3 +163,14 @@ fn train(root: &Path, args: launch::TrainArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    // The build scripts' copy, which they name when libtorch is missing.
+    include!("../../shared-src/torch_version.rs");
+
+    #[test]
+    fn the_build_scripts_name_the_torch_setup_installs() {
+        assert_eq!(TORCH_VERSION, crate::setup::TORCH_VERSION);
+    }
+}

@@ -3,24 +3,57 @@
 //! does not.
 
 use std::fs;
-use std::path::Path;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use ddp_testkit::TempDir;
 
 // The build scripts' code, to call its parts directly.
 include!("../../build-support/libtorch.rs");
 
-/// Builds the crate in `dir` with `LIBTORCH` = `libtorch` and returns the run paths of its
-/// binary, as `readelf -d` lists them, and whether its build script ran.
-fn build_and_read_run_paths(dir: &Path, libtorch: &Path) -> (String, bool) {
+/// A temporary folder `label` (symlinks resolved), kept while the first value lives, and in
+/// it a crate `scratch` whose build script includes `build-support/libtorch.rs` and runs
+/// `build_main`, and whose `src/main.rs` is `main_rs`.
+fn scratch_crate(label: &str, build_main: &str, main_rs: &str) -> (TempDir, PathBuf, PathBuf) {
+    let guard = ddp_testkit::temp_dir(label);
+    let dir = fs::canonicalize(guard.path()).unwrap();
+    let support = Path::new(env!("CARGO_MANIFEST_DIR")).join("../build-support/libtorch.rs");
+    let krate = dir.join("scratch");
+    fs::create_dir_all(krate.join("src")).unwrap();
+    fs::write(
+        krate.join("Cargo.toml"),
+        "[package]\nname = \"scratch\"\nversion = \"0.0.0\"\nedition = \"2021\"\n\n[workspace]\n",
+    )
+    .unwrap();
+    fs::write(krate.join("src/main.rs"), main_rs).unwrap();
+    fs::write(
+        krate.join("build.rs"),
+        format!(
+            "include!({:?});\nfn main() {{\n{build_main}\n}}\n",
+            fs::canonicalize(support).unwrap()
+        ),
+    )
+    .unwrap();
+    (guard, dir, krate)
+}
+
+/// `cargo build -v` of the crate in `dir` with `LIBTORCH` = `libtorch`.
+fn build(dir: &Path, libtorch: &Path) -> Output {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let out = Command::new(cargo)
+    Command::new(cargo)
         .current_dir(dir)
         .args(["build", "--offline", "-v"])
         .env("CARGO_TARGET_DIR", dir.join("target"))
         .env("LIBTORCH", libtorch)
         .env_remove("LIBTORCH_LIB")
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+/// Builds the crate in `dir` with `LIBTORCH` = `libtorch` and returns the run paths of its
+/// binary, as `readelf -d` lists them, and whether its build script ran.
+fn build_and_read_run_paths(dir: &Path, libtorch: &Path) -> (String, bool) {
+    let out = build(dir, libtorch);
     assert!(
         out.status.success(),
         "cargo build failed: {}",
@@ -45,27 +78,23 @@ fn build_and_read_run_paths(dir: &Path, libtorch: &Path) -> (String, bool) {
     (paths, script_ran)
 }
 
+/// Compiles C `source` into the shared library `so` with the system's C compiler.
+fn shared_library(so: &Path, source: &str) {
+    let c = so.with_extension("c");
+    fs::write(&c, source).unwrap();
+    let status = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(so)
+        .arg(&c)
+        .status()
+        .expect("cc (a C compiler) runs");
+    assert!(status.success(), "cc failed on {}", c.display());
+}
+
 #[test]
 fn a_venv_made_again_elsewhere_is_the_binaries_new_run_path() {
-    let tmp = ddp_testkit::temp_dir("libtorch-rpath");
-    let tmp = fs::canonicalize(tmp.path()).unwrap();
-    let support = Path::new(env!("CARGO_MANIFEST_DIR")).join("../build-support/libtorch.rs");
-    let krate = tmp.join("scratch");
-    fs::create_dir_all(krate.join("src")).unwrap();
-    fs::write(
-        krate.join("Cargo.toml"),
-        "[package]\nname = \"scratch\"\nversion = \"0.0.0\"\nedition = \"2021\"\n\n[workspace]\n",
-    )
-    .unwrap();
-    fs::write(krate.join("src/main.rs"), "fn main() {}\n").unwrap();
-    fs::write(
-        krate.join("build.rs"),
-        format!(
-            "include!({:?});\nfn main() {{\n    libtorch_rpath();\n}}\n",
-            fs::canonicalize(support).unwrap()
-        ),
-    )
-    .unwrap();
+    let (_guard, tmp, krate) =
+        scratch_crate("libtorch-rpath", "    libtorch_rpath();", "fn main() {}\n");
 
     // What setup makes: `.deps/libtorch/lib` links into the venv, `build-version` last.
     let libtorch = tmp.join("deps/libtorch");
@@ -85,6 +114,9 @@ fn a_venv_made_again_elsewhere_is_the_binaries_new_run_path() {
     let (first, ran) = build_and_read_run_paths(&krate, &libtorch);
     assert!(ran);
     assert!(first.contains(&format!("[{}]", a.display())), "{first}");
+    // DT_RPATH, which the loader searches before LD_LIBRARY_PATH; DT_RUNPATH comes after.
+    assert!(first.contains("(RPATH)"), "{first}");
+    assert!(!first.contains("(RUNPATH)"), "{first}");
 
     // Another file in the folder (a package manager's, in `/usr/lib`) reruns nothing.
     fs::write(a.join("libunrelated.so"), "").unwrap();
@@ -108,6 +140,8 @@ fn the_run_path_is_passed_whole_and_a_colon_is_refused() {
         lines,
         [
             "cargo:rustc-link-arg=-Xlinker",
+            "cargo:rustc-link-arg=--disable-new-dtags",
+            "cargo:rustc-link-arg=-Xlinker",
             "cargo:rustc-link-arg=-rpath",
             "cargo:rustc-link-arg=-Xlinker",
             "cargo:rustc-link-arg=/home/u/exp,v2/my venv/torch/lib",
@@ -118,4 +152,62 @@ fn the_run_path_is_passed_whole_and_a_colon_is_refused() {
         error.starts_with("libtorch's library folder '/data/run:2/torch/lib' contains ':'"),
         "{error}"
     );
+}
+
+#[test]
+fn another_libtorch_on_ld_library_path_is_not_the_one_loaded() {
+    let (_guard, tmp, krate) = scratch_crate(
+        "libtorch-rpath-ld",
+        "    libtorch_rpath();\n    \
+         println!(\"cargo:rustc-link-search=native={}\", libtorch_lib().unwrap().display());\n    \
+         println!(\"cargo:rustc-link-lib=torch_cpu\");",
+        "extern \"C\" {\n    fn scratch_which_torch() -> i32;\n}\n\n\
+         fn main() {\n    \
+         // SAFETY: a C function without arguments, defined by both libraries.\n    \
+         println!(\"{}\", unsafe { scratch_which_torch() });\n}\n",
+    );
+    // Ours, and another (a user's `export LD_LIBRARY_PATH=/path/to/libtorch/lib`), each
+    // saying which it is.
+    let libtorch = tmp.join("libtorch");
+    fs::create_dir_all(libtorch.join("lib")).unwrap();
+    let which = |n: u8| format!("int scratch_which_torch(void) {{ return {n}; }}\n");
+    shared_library(&libtorch.join("lib/libtorch_cpu.so"), &which(1));
+    let other = tmp.join("other");
+    fs::create_dir_all(&other).unwrap();
+    shared_library(&other.join("libtorch_cpu.so"), &which(2));
+
+    let (paths, _) = build_and_read_run_paths(&krate, &libtorch);
+    assert!(paths.contains("(RPATH)"), "{paths}");
+    let out = Command::new(krate.join("target/debug/scratch"))
+        .env("LD_LIBRARY_PATH", &other)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "1\n");
+}
+
+#[test]
+fn a_missing_libtorch_stops_the_build_naming_the_setup() {
+    let (_guard, tmp, krate) = scratch_crate(
+        "libtorch-rpath-missing",
+        "    libtorch_rpath();",
+        "fn main() {}\n",
+    );
+    // A fresh clone: `.cargo/config.toml`'s LIBTORCH names a folder setup has not made.
+    let empty = tmp.join("libtorch");
+    fs::create_dir_all(&empty).unwrap();
+    let out = build(&krate, &empty);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lib = empty.join("lib");
+    for expected in [
+        format!(
+            "error: libtorch not found: '{}' holds no libtorch_cpu.so",
+            lib.display()
+        ),
+        format!("run `cargo xtask setup` (it installs torch {TORCH_VERSION} into .deps/"),
+        format!("point LIBTORCH at a libtorch {TORCH_VERSION} folder"),
+    ] {
+        assert!(stderr.contains(&expected), "{expected:?} not in {stderr}");
+    }
 }
