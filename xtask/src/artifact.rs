@@ -31,18 +31,7 @@ pub fn build(root: &Path, args: &[&str], kind: &str, name: &str) -> Result<PathB
         .with_context(|| format!("{line} reported no executable for {kind} {name}"))
 }
 
-/// The executable of target `name` of kind `kind` if `line` is cargo's `compiler-artifact`
-/// message for it; `None` for any other line, JSON or not.
-fn executable(line: &str, kind: &str, name: &str) -> Option<PathBuf> {
-    let msg: serde_json::Value = serde_json::from_str(line).ok()?;
-    let target = &msg["target"];
-    let of_kind = target["kind"]
-        .as_array()
-        .is_some_and(|kinds| kinds.iter().any(|k| k == kind));
-    (msg["reason"] == "compiler-artifact" && of_kind && target["name"] == name)
-        .then(|| msg["executable"].as_str().map(PathBuf::from))
-        .flatten()
-}
+include!("../../shared-src/cargo_artifact.rs");
 
 #[cfg(test)]
 mod tests {

@@ -833,3 +833,17 @@ fn several_nodes_without_out_are_refused_before_anything_starts() {
     assert_eq!(stdout, "");
     assert!(!runs.exists());
 }
+
+#[test]
+fn a_binary_is_found_under_a_relative_target_dir() {
+    // Relative to the workspace, where cargo runs, not to this test's folder (xtask/).
+    let mut cargo = cargo();
+    cargo.env("CARGO_TARGET_DIR", "target/relative-target-dir");
+    let name = "ddp-sampler-indices";
+    let exe = build_bin(cargo, name, &["-p", "ddp-sampler", "--bin", name]);
+    assert_eq!(
+        exe,
+        root().join("target/relative-target-dir/debug/ddp-sampler-indices")
+    );
+    assert!(exe.is_file(), "{}", exe.display());
+}

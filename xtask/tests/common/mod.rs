@@ -21,26 +21,46 @@ pub fn root() -> PathBuf {
 }
 
 /// The debug binary `name`: the one `cargo xtask test` built (it passes each binary's path
-/// as `DDP_TEST_BIN_<NAME>`), else `cargo build --quiet ARGS`, once per test process.
+/// as `DDP_TEST_BIN_<NAME>`), else [`build_bin`]'s, once per test process.
 pub fn debug_binary(cell: &'static OnceLock<PathBuf>, name: &str, args: &[&str]) -> &'static Path {
     cell.get_or_init(|| {
         let var = format!("DDP_TEST_BIN_{}", name.replace('-', "_").to_uppercase());
-        if let Some(path) = std::env::var_os(&var) {
-            return PathBuf::from(path);
+        match std::env::var_os(&var) {
+            Some(path) => PathBuf::from(path),
+            None => build_bin(cargo(), name, args),
         }
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .current_dir(root())
-            .args(["build", "--quiet"])
-            .args(args)
-            .status()
-            .unwrap();
-        assert!(status.success(), "building {name} failed");
-        let target = std::env::var_os("CARGO_TARGET_DIR")
-            .map_or_else(|| root().join("target"), PathBuf::from);
-        target.join("debug").join(name)
     })
 }
+
+/// The cargo that runs the tests.
+pub fn cargo() -> Command {
+    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+/// Runs `cargo build --quiet ARGS` in the workspace and returns the executable of its binary
+/// `name`, as cargo's messages name it: a guess at `target/debug/<name>` would miss a
+/// relative `CARGO_TARGET_DIR` (relative to the workspace, not to a test's folder), a
+/// `[build] target-dir` or a `[build] target`.
+pub fn build_bin(mut cargo: Command, name: &str, args: &[&str]) -> PathBuf {
+    let out = cargo
+        .current_dir(root())
+        .args([
+            "build",
+            "--quiet",
+            "--message-format=json-render-diagnostics",
+        ])
+        .args(args)
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "building {name} failed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|line| executable(line, "bin", name))
+        .unwrap_or_else(|| panic!("cargo reported no executable for {name}"))
+}
+
+include!("../../../shared-src/cargo_artifact.rs");
 
 /// The debug ddp-train binary, with the injected faults the reliability tests use.
 pub fn ddp_train() -> &'static Path {
