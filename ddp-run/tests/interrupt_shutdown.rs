@@ -9,28 +9,34 @@ use ddp_run::{launch, Event, LaunchConfig, Outcome};
 #[test]
 fn a_signal_during_a_failures_shutdown_prevents_the_restart() {
     let dir = ddp_testkit::temp_dir("ddp-run-interrupt-shutdown");
-    let failing = dir.path().join("failing");
-    // Rank 0 fails at once; rank 1 ignores SIGTERM, so the shutdown of the failed attempt
-    // lasts the whole shutdown timeout (then SIGKILL).
+    let ready = dir.path().join("ready");
+    let termed = dir.path().join("termed");
+    // Rank 1 handles SIGTERM (it notes it, and goes on), so the shutdown of the failed attempt
+    // lasts the whole shutdown timeout (then SIGKILL); rank 0 fails once rank 1 handles it.
+    // The signal is raised once rank 1 got the shutdown's SIGTERM, far inside the timeout:
+    // however late each step runs, it arrives during the shutdown.
+    let shutdown_timeout = Duration::from_secs(60);
     let config = LaunchConfig {
         echo: false,
         max_restarts: 2,
-        shutdown_timeout: Duration::from_secs(4),
+        shutdown_timeout,
         ..LaunchConfig::new("sh", 2).args([
             "-c".to_string(),
             format!(
-                r#"if [ "$RANK" = 0 ]; then sleep 0.5; touch {}; exit 1; fi
-                   trap '' TERM
-                   i=0
-                   while [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done"#,
-                failing.display()
+                r#"if [ "$RANK" = 0 ]; then
+                     while [ ! -e {ready} ]; do sleep 0.05; done
+                     exit 1
+                   fi
+                   trap 'touch {termed}' TERM
+                   touch {ready}
+                   while :; do sleep 0.05; done"#,
+                ready = ready.display(),
+                termed = termed.display()
             ),
         ])
     };
     let sender = std::thread::spawn(move || {
-        ddp_testkit::wait_for("rank 0 fails", Duration::from_secs(60), || failing.exists());
-        // Well inside the 4 s shutdown of the failed attempt.
-        std::thread::sleep(Duration::from_millis(1500));
+        ddp_testkit::wait_for("rank 1's SIGTERM", shutdown_timeout, || termed.exists());
         // SAFETY: raise(3) delivers SIGTERM to this process, whose handler (installed before
         // the ranks started) only records it while a job runs.
         unsafe { libc::raise(libc::SIGTERM) };
