@@ -374,14 +374,26 @@ impl Attempt<'_> {
             pumps.push(sink(Stream::Stderr).start(err));
         }
         let exited = Arc::new(Mutex::new(None));
+        let pid = child.id();
+        // Named (`top -H`, a debugger), one per rank: it ends once it noted the exit.
         let waiter = {
-            let (exited, pid) = (Arc::clone(&exited), child.id());
-            std::thread::spawn(move || {
-                let exit = wait_exit(pid, 0).map(|e| e.unwrap_or(Exit::Code(1)));
-                if let Ok(mut e) = exited.lock() {
-                    *e = Some((Instant::now(), exit));
-                }
-            })
+            let exited = Arc::clone(&exited);
+            std::thread::Builder::new()
+                .name(format!("ddp-run rank {rank}"))
+                .spawn(move || {
+                    let exit = wait_exit(pid, 0).map(|e| e.unwrap_or(Exit::Code(1)));
+                    if let Ok(mut e) = exited.lock() {
+                        *e = Some((Instant::now(), exit));
+                    }
+                })
+        };
+        let waiter = match waiter {
+            Ok(w) => w,
+            Err(source) => {
+                kill_group(pid, libc::SIGKILL);
+                let _ = child.wait();
+                return Err(LaunchError::Wait { rank, pid, source });
+            }
         };
         Ok(Rank {
             rank,

@@ -265,21 +265,43 @@ fn the_first_failure_ends_the_job_naming_the_rank() {
 }
 
 /// Ranks that fail within one check of the launcher are told apart by when they exited: the
-/// first is named, not the lowest.
+/// first is named, not the lowest. Each exits when the test says: rank 2 first, then rank 1
+/// once the launcher's thread that waits for rank 2 has noted its exit and ended, so that
+/// no delay can reorder the two.
 #[test]
 fn of_failures_one_check_finds_the_first_is_named() {
     let dir = temp_dir("ddp-run-first");
-    let done2 = dir.path().join("done2");
+    let go = |rank: usize| dir.path().join(format!("go{rank}"));
     let script = format!(
         r#"case $RANK in
-             2) touch {done2}; exit 17 ;;
-             1) while [ ! -e {done2} ]; do sleep 0.05; done; sleep 0.5; exit 1 ;;
+             2) while [ ! -e {go2} ]; do sleep 0.05; done; exit 17 ;;
+             1) while [ ! -e {go1} ]; do sleep 0.05; done; exit 1 ;;
              *) i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done ;;
            esac"#,
-        done2 = done2.display()
+        go2 = go(2).display(),
+        go1 = go(1).display()
     );
     let args = ["--nproc-per-node", "3", "--monitor-interval", "3"];
-    let out = run(&[&args[..], &["sh", "-c", &script]].concat());
+    let child = ddp_run(&[&args[..], &["sh", "-c", &script]].concat())
+        .spawn()
+        .unwrap();
+    let waiting_for_rank_2 = |launcher: u32| {
+        let tasks = std::fs::read_dir(format!("/proc/{launcher}/task")).unwrap();
+        tasks.flatten().any(|task| {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            comm == "ddp-run rank 2\n"
+        })
+    };
+    let launcher = child.id();
+    wait_for("the launcher waits for rank 2", LIMIT, || {
+        waiting_for_rank_2(launcher)
+    });
+    std::fs::write(go(2), "").unwrap();
+    wait_for("the launcher noted rank 2's exit", LIMIT, || {
+        !waiting_for_rank_2(launcher)
+    });
+    std::fs::write(go(1), "").unwrap();
+    let out = wait_bounded(child, LIMIT);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let err = stderr(&out);
     assert!(
