@@ -255,10 +255,10 @@ type Named = Vec<(String, Tensor)>;
 ///
 /// What it does, and when:
 ///
-/// - [`DistributedDataParallel::new`]: every rank sends a description of its model (its
-///   devices' type, each tensor's name, shape and dtype, in name order); a rank whose model
-///   differs from rank 0's gets an error naming its devices or the first differing tensor.
-///   Then rank 0's parameters and buffers
+/// - [`DistributedDataParallel::new`]: every rank sends a digest of a description of its
+///   model (its devices' type, each tensor's name, shape and dtype, in name order); where one
+///   differs from rank 0's, every rank gets an error naming that rank's devices or first
+///   differing tensor. Then rank 0's parameters and buffers
 ///   (buffers only with [`DdpOptions::broadcast_buffers`]) are broadcast, coalesced by dtype
 ///   into messages of at most 250 MiB (PyTorch's `broadcast_bucket_size`; a larger tensor
 ///   alone), so all replicas start equal whatever each rank initialised. Finally a

@@ -9,6 +9,7 @@ use std::collections::HashSet;
 
 use ddp_comm::ProcessGroup;
 use ddp_model::checkpoint::natural_cmp;
+use sha2::{Digest, Sha256};
 use tch::nn::VarStore;
 use tch::{Device, Tensor};
 use tch_ext::tensor_id;
@@ -116,88 +117,123 @@ fn describe_model(split: &Split, hooked: Option<&str>) -> Vec<String> {
 
 /// Compares every rank's model with rank 0's: the types of the devices its tensors are on,
 /// the tensors' names, shapes and dtypes, the names that share a tensor, and the first
-/// parameter that already has a hook, if any. The descriptions travel over the CPU links,
-/// which every group has, whatever its devices (a CUDA rank would start NCCL's
-/// initialisation at its first CUDA collective, and a CPU rank never).
+/// parameter that already has a hook, if any. The ranks gather the SHA-256 digests of their
+/// descriptions, 32 bytes each whatever the model; where one differs from rank 0's, rank 0
+/// and the first such rank send their descriptions too, which name the difference. These
+/// travel over the CPU links, which every group has, whatever its devices (a CUDA rank would
+/// start NCCL's initialisation at its first CUDA collective, and a CPU rank never).
 pub(super) fn verify_same_model(
     pg: &ProcessGroup,
     split: &Split,
     hooked: Option<&str>,
 ) -> Result<(), DdpError> {
-    let mine = describe_model(split, hooked);
-    compare_models(&pg.all_gather_bytes(mine.join("\n").as_bytes())?)
+    let mine = describe_model(split, hooked).join("\n").into_bytes();
+    let digests = pg.all_gather_bytes(&Sha256::digest(&mine))?;
+    // The same on every rank: every rank holds the same digests.
+    let Some(rank) = digests.iter().position(|d| Some(d) != digests.first()) else {
+        return Ok(());
+    };
+    let sent: &[u8] = if pg.rank() == 0 || pg.rank() == rank {
+        &mine
+    } else {
+        &[]
+    };
+    let gathered = pg.all_gather_bytes(sent)?;
+    compare_model(&gathered[0], rank, &gathered[rank])
 }
 
-/// The same error on every rank, naming the first rank whose description (gathered in rank
-/// order, from [`describe_model`]) differs from rank 0's: its devices before its tensors.
-fn compare_models(gathered: &[Vec<u8>]) -> Result<(), DdpError> {
+/// The same error on every rank, naming `rank`, whose description (from [`describe_model`])
+/// differs from rank 0's: its devices before its tensors.
+fn compare_model(reference: &[u8], rank: usize, theirs: &[u8]) -> Result<(), DdpError> {
     // (devices, tensors); not `lines`, which drops the empty first line of no tensors.
     let split = |b: &[u8]| -> (String, Vec<String>) {
         let text = String::from_utf8_lossy(b);
         let mut lines = text.split('\n').map(str::to_string);
         (lines.next().unwrap_or_default(), lines.collect())
     };
-    let (reference_devices, reference) =
-        gathered.first().map_or_else(Default::default, |b| split(b));
-    for (rank, bytes) in gathered.iter().enumerate().skip(1) {
-        let (devices, tensors) = split(bytes);
-        if (&devices, &tensors) == (&reference_devices, &reference) {
-            continue;
-        }
-        // A model without tensors differs in its tensors, not its device.
-        let both_placed = !devices.is_empty() && !reference_devices.is_empty();
-        if devices != reference_devices && (both_placed || tensors == reference) {
-            return Err(DdpError::DeviceMismatch {
-                rank,
-                theirs: devices,
-                reference: reference_devices,
-            });
-        }
-        let detail = match reference.iter().zip(&tensors).find(|(a, b)| a != b) {
-            Some((a, b)) => format!("{b} (rank 0 has {a})"),
-            None if tensors.len() > reference.len() => {
-                format!("{} (absent on rank 0)", tensors[reference.len()])
-            }
-            None => format!("{} (absent on rank {rank})", reference[tensors.len()]),
-        };
-        return Err(DdpError::ModelMismatch { rank, detail });
+    let (reference_devices, reference) = split(reference);
+    let (devices, tensors) = split(theirs);
+    if (&devices, &tensors) == (&reference_devices, &reference) {
+        return Ok(());
     }
-    Ok(())
+    // A model without tensors differs in its tensors, not its device.
+    let both_placed = !devices.is_empty() && !reference_devices.is_empty();
+    if devices != reference_devices && (both_placed || tensors == reference) {
+        return Err(DdpError::DeviceMismatch {
+            rank,
+            theirs: devices,
+            reference: reference_devices,
+        });
+    }
+    let detail = match reference.iter().zip(&tensors).find(|(a, b)| a != b) {
+        Some((a, b)) => format!("{b} (rank 0 has {a})"),
+        None if tensors.len() > reference.len() => {
+            format!("{} (absent on rank 0)", tensors[reference.len()])
+        }
+        None => format!("{} (absent on rank {rank})", reference[tensors.len()]),
+    };
+    Err(DdpError::ModelMismatch { rank, detail })
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::on_ranks;
     use super::*;
-    use std::sync::Arc;
     use tch::nn::Init;
 
     /// A tie on one rank only (the others hold two tensors) is a difference between the
     /// models, named on every rank: not two ranks bucketing different parameters.
     #[test]
     fn a_tie_on_one_rank_only_is_a_model_difference() {
-        let port = ddp_testkit::free_port();
-        let ranks: Vec<_> = (0..2)
-            .map(|rank| {
-                std::thread::spawn(move || {
-                    let options = ddp_comm::Options::new(rank, 2, "127.0.0.1", port);
-                    let pg = Arc::new(ProcessGroup::new(options).unwrap());
-                    let vs = VarStore::new(tch::Device::Cpu);
-                    let w = vs.root().var("embed", &[2], Init::Const(1.0));
-                    let head = vs.root().sub("head");
-                    let _ = match rank {
-                        0 => head.add("weight", w.shallow_clone(), true),
-                        _ => head.var("weight", &[2], Init::Const(1.0)),
-                    };
-                    let split = split_named(&vs);
-                    verify_same_model(&pg, &split, None).map_err(|e| e.to_string())
-                })
-            })
-            .collect();
+        let results = on_ranks(2, |rank, pg| {
+            let vs = VarStore::new(tch::Device::Cpu);
+            let w = vs.root().var("embed", &[2], Init::Const(1.0));
+            let head = vs.root().sub("head");
+            let _ = match rank {
+                0 => head.add("weight", w.shallow_clone(), true),
+                _ => head.var("weight", &[2], Init::Const(1.0)),
+            };
+            let split = split_named(&vs);
+            verify_same_model(&pg, &split, None).map_err(|e| e.to_string())
+        });
         let want = "rank 1's model differs from rank 0's at tensor parameter 'head.weight' shape \
                     [2] dtype Float (rank 0 has 'head.weight', the same tensor as 'embed')";
-        for rank in ranks {
-            assert_eq!(rank.join().unwrap(), Err(want.to_string()));
-        }
+        assert_eq!(results, [Err(want.to_string()), Err(want.to_string())]);
+    }
+
+    /// Where ranks 0 and 1 agree and rank 2 differs, every rank names rank 2 and its tensor:
+    /// rank 1 sends no description.
+    #[test]
+    fn the_first_rank_that_differs_is_named_on_every_rank() {
+        let results = on_ranks(3, |rank, pg| {
+            let vs = VarStore::new(tch::Device::Cpu);
+            let _ = vs
+                .root()
+                .var("w", &[if rank == 2 { 3 } else { 2 }], Init::Const(1.0));
+            verify_same_model(&pg, &split_named(&vs), None).map_err(|e| e.to_string())
+        });
+        let want = "rank 2's model differs from rank 0's at tensor parameter 'w' shape [3] \
+                    dtype Float (rank 0 has parameter 'w' shape [2] dtype Float)";
+        assert_eq!(results, vec![Err(want.to_string()); 3]);
+    }
+
+    /// Models whose descriptions pass the gather limit (1024 bytes here, for 2 ranks of a
+    /// model of 60 tensors) are compared all the same: only their digests are gathered.
+    #[test]
+    fn a_description_longer_than_the_gather_limit_is_compared() {
+        let results = on_ranks(2, |_, pg| {
+            pg.set_max_gather_bytes(1024);
+            let vs = VarStore::new(tch::Device::Cpu);
+            for layer in 0..60 {
+                let path = vs.root().sub(format!("layer{layer}"));
+                let _ = path.var("weight", &[4], Init::Const(1.0));
+            }
+            let split = split_named(&vs);
+            let length = describe_model(&split, None).join("\n").len();
+            let verdict = verify_same_model(&pg, &split, None).map_err(|e| e.to_string());
+            (length > 1024, verdict)
+        });
+        assert_eq!(results, [(true, Ok(())), (true, Ok(()))]);
     }
 
     /// A rank on CUDA and one on the CPU (`--device auto` where one host has no usable GPU)
@@ -214,9 +250,13 @@ mod tests {
         let mut cuda = cpu.clone();
         cuda[0] = device_type(tch::Device::Cuda(1)).to_string();
         let bytes = |d: &[String]| d.join("\n").into_bytes();
+        // As `verify_same_model` compares them: the first rank that differs from rank 0.
         let e = |d: &[&[String]]| {
             let gathered: Vec<_> = d.iter().map(|d| bytes(d)).collect();
-            compare_models(&gathered).map_err(|e| e.to_string())
+            let mut ranks = gathered.iter().enumerate().skip(1);
+            ranks
+                .try_for_each(|(rank, theirs)| compare_model(&gathered[0], rank, theirs))
+                .map_err(|e| e.to_string())
         };
         assert_eq!(e(&[&cpu, &cpu, &cpu]), Ok(()));
         // Another index of the same type is no difference: each rank has its own GPU.
