@@ -21,7 +21,7 @@
 //! `DDP_BENCH_SPIN_US`.
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use ddp_comm::{Backend, ProcessGroup, ReduceOp, Transport};
@@ -293,7 +293,7 @@ fn run_gloo(args: &Args) -> Result<Results, String> {
         .ok_or("DDP_DEPS_DIR is not set")?;
     let python = deps.join("venv/bin/python");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/reference_gloo.py");
-    let out = Command::new(&python)
+    let out = ddp_testkit::venv_python(&python)
         .arg(&script)
         .args([
             "--ranks",

@@ -9,7 +9,6 @@
 
 use std::fmt::Write as _;
 use std::path::Path;
-use std::process::Command;
 
 use ddp_data::crop::CropBox;
 use ddp_data::odir::transform::{
@@ -243,7 +242,7 @@ fn compare_with_torchvision(image: &Path, cases: &[Case], dir: &Path, resize_lev
         .collect();
     std::fs::write(&list, lines).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/torchvision_reference.py");
-    let out = Command::new(ddp_testkit::setup_python())
+    let out = ddp_testkit::setup_python()
         .arg(script)
         .arg(image)
         .arg(&list)

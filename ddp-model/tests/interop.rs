@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::Command;
 
 use ddp_model::{checkpoint, ConvNet, ConvNetConfig};
 use tch::{nn, Device, Kind, Tensor};
@@ -12,7 +11,7 @@ const TOLERANCE: f64 = 1e-4;
 
 fn run_python(mode: &str, ckpt: &Path, io: &Path) -> String {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/interop.py");
-    let out = Command::new(ddp_testkit::setup_python())
+    let out = ddp_testkit::setup_python()
         .arg(script)
         .args([mode, ckpt.to_str().unwrap(), io.to_str().unwrap()])
         .env("OMP_NUM_THREADS", "1")

@@ -4,7 +4,6 @@
 //! (`tests/vision_reference.py`) once for all four.
 
 use std::path::Path;
-use std::process::Command;
 
 use ddp_model::norm::BatchNormLayers;
 use ddp_model::{checkpoint, weights, Model, ModelKind};
@@ -21,7 +20,7 @@ const KINDS: [ModelKind; 4] = [
 
 fn torchvision_reference(dir: &Path) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vision_reference.py");
-    let out = Command::new(ddp_testkit::setup_python())
+    let out = ddp_testkit::setup_python()
         .arg(script)
         .arg(dir)
         .args(KINDS.map(|k| k.name()))

@@ -4,7 +4,6 @@
 //! training checkpoints and their entries, a malicious pickle, damaged and legacy files.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use ddp_model::checkpoint::TensorProblem;
@@ -24,7 +23,7 @@ fn files() -> &'static (PathBuf, PathBuf) {
         std::fs::create_dir_all(&dir).expect("cannot create the folder");
         let marker = dir.join("ran-os-system");
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/weights.py");
-        let out = Command::new(ddp_testkit::setup_python())
+        let out = ddp_testkit::setup_python()
             .arg(script)
             .arg(&dir)
             .arg(&marker)

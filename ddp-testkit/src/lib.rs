@@ -8,9 +8,11 @@
 //!   still running at the limit are killed, with whatever holds their outputs, and the test
 //!   fails, showing what each wrote.
 //! - [`script`]: an executable shell script, safe to run at once.
+//! - [`ignored_test`], [`assert_passed`]: one ignored test of this binary, in a process of its
+//!   own.
 //! - [`procs`]: what `/proc` says of processes (children, liveness, environment).
 //! - [`setup_python`]: the Python of `cargo xtask setup` (with torch), for tests that run
-//!   PyTorch next to our code.
+//!   PyTorch next to our code; [`venv_python`], any Python that sees its own packages only.
 //!
 //! ```
 //! let dir = ddp_testkit::temp_dir("doc");
@@ -36,9 +38,13 @@ use std::time::{Duration, Instant};
 pub use ddp_run::{JobSecret, RankEnv};
 pub use tempfile::TempDir;
 
-/// The Python of `cargo xtask setup` (`.deps/venv/bin/python`, found through `DDP_DEPS_DIR`,
-/// which `.cargo/config.toml` sets); panics with what to run when it is missing.
-pub fn setup_python() -> PathBuf {
+include!("../../shared-src/venv_python.rs");
+
+/// A command running the Python of `cargo xtask setup` (`.deps/venv/bin/python`, found
+/// through `DDP_DEPS_DIR`, which `.cargo/config.toml` sets) as [`venv_python`] does, so that
+/// it imports the venv's torch, not one on the caller's `PYTHONPATH`; panics with what to run
+/// when it is missing.
+pub fn setup_python() -> Command {
     let deps = std::env::var_os("DDP_DEPS_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.deps"));
@@ -48,7 +54,7 @@ pub fn setup_python() -> PathBuf {
         "{} not found: run `cargo xtask setup` first",
         python.display()
     );
-    python
+    venv_python(&python)
 }
 
 /// A port on 127.0.0.1 that was free a moment ago, below the ephemeral range, so that the
@@ -357,6 +363,30 @@ pub fn wait_for_text(path: &Path, needle: &str, limit: Duration) {
         &format!("{} contains {needle:?}", path.display()),
         limit,
         || std::fs::read_to_string(path).is_ok_and(|t| t.contains(needle)),
+    );
+}
+
+/// This test binary, to run only its ignored test `name` (`module::tests::name`) in a process
+/// of its own (with another environment, say); [`assert_passed`] reads what it says.
+pub fn ignored_test(name: &str) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().expect("the test binary's path"));
+    cmd.args([
+        "--exact",
+        name,
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
+    cmd
+}
+
+/// Panics, showing what it wrote, unless `out` is that of an [`ignored_test`] that passed.
+pub fn assert_passed(out: &Output) {
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }
 

@@ -60,20 +60,13 @@ mod tests {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     #[test]
     fn freed_memory_stays_with_the_process() {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "malloc::tests::worker_keeps_freed_memory"])
-            .args(["--ignored", "--nocapture", "--test-threads=1"])
+        let out = ddp_testkit::ignored_test("malloc::tests::worker_keeps_freed_memory")
             .env("MALLOC_ARENA_MAX", "1")
             .env_remove("MALLOC_MMAP_MAX_")
             .env_remove("MALLOC_TRIM_THRESHOLD_")
             .output()
             .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && text.contains("1 passed"),
-            "{text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        ddp_testkit::assert_passed(&out);
     }
 
     #[test]

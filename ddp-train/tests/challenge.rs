@@ -150,7 +150,7 @@ print(json.dumps({"odir_kappa": kappa, "odir_f1": f1, "odir_auc": auc,
                   "odir_score": (kappa + f1 + auc) / 3, "odir_auc_per_class": per,
                   "patients": len(ids), "ties": int(len(p) - len(np.unique(p)))}))
 "#;
-    let out = std::process::Command::new(ddp_testkit::setup_python())
+    let out = ddp_testkit::setup_python()
         .args(["-c", script])
         .arg(&file)
         .output()

@@ -8,7 +8,7 @@ mod common;
 use common::{assert_all_ok, run_ddp_train, text, Limits};
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use ddp_data::odir::synthetic::{generate, SyntheticConfig};
 use ddp_model::{checkpoint, ConvNet, ConvNetConfig, Model, ModelKind};
@@ -43,7 +43,7 @@ fn pytorch_file(
          sd = load_file(sys.argv[1])\n\
          torch.save(OrderedDict(('{prefix}' + k, v) for k, v in sd.items()), sys.argv[2])\n"
     );
-    let out = Command::new(ddp_testkit::setup_python())
+    let out = ddp_testkit::setup_python()
         .args(["-c", &script])
         .arg(&st)
         .arg(&pth)
@@ -325,7 +325,7 @@ fn a_training_checkpoint_with_two_models_needs_init_key() {
     let script = "import sys, torch\n\
                   torch.save({'epoch': 3, 'model': torch.load(sys.argv[1]), \
                   'ema': torch.load(sys.argv[2])}, sys.argv[3])\n";
-    let out = Command::new(ddp_testkit::setup_python())
+    let out = ddp_testkit::setup_python()
         .args(["-c", script])
         .args([&model, &ema, &pth])
         .output()

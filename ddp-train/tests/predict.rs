@@ -346,7 +346,7 @@ fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
                   ema = {k: v * 2 if v.is_floating_point() else v for k, v in sd.items()}\n\
                   torch.save({'model': sd, 'ema': ema, 'epoch': 3}, sys.argv[2])\n\
                   torch.save({'epoch': 3, 'model': sd}, sys.argv[3])\n";
-    let made = std::process::Command::new(ddp_testkit::setup_python())
+    let made = ddp_testkit::setup_python()
         .args(["-c", script])
         .args([&model, &two, &one])
         .output()

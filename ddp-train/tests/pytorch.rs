@@ -23,7 +23,7 @@ use common::{wait_all, wait_bounded};
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -471,7 +471,7 @@ fn pytorch_results() -> &'static Path {
 /// Runs PyTorch's DDP on every scenario, each into `dir/<scenario>`.
 fn run_pytorch(dir: &Path) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference_ddp.py");
-    let child = Command::new(ddp_testkit::setup_python())
+    let child = ddp_testkit::setup_python()
         .arg(script)
         .arg("--out")
         .arg(dir)

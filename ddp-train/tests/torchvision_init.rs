@@ -6,7 +6,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use common::free_port;
 use ddp_model::{Model, ModelKind};
@@ -42,7 +41,7 @@ with torch.no_grad():
     logits = m(x)
 save_file({"x": x, "logits": logits.contiguous()}, out + "/reference.safetensors")
 "#;
-    let out = Command::new(ddp_testkit::setup_python())
+    let out = ddp_testkit::setup_python()
         .args(["-c", script])
         .arg(dir)
         .output()

@@ -6,7 +6,6 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use common::{final_weights, latest, launcher_with, rank_pids, sample, LONG_EPOCHS, SLOW_STEPS};
@@ -21,7 +20,7 @@ fn torchvision_resnet18(path: &Path) {
                   m = torchvision.models.resnet18(num_classes=8)\n\
                   sd = OrderedDict(('module.' + k, v) for k, v in m.state_dict().items())\n\
                   torch.save(sd, sys.argv[1])\n";
-    let out = Command::new(ddp_testkit::setup_python())
+    let out = ddp_testkit::setup_python()
         .args(["-c", script])
         .arg(path)
         .output()
