@@ -22,6 +22,8 @@ use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 
+include!("../../shared-src/venv_python.rs");
+
 /// The libtorch version tch 0.26 binds.
 pub const TORCH_VERSION: &str = "2.13.0";
 
@@ -125,7 +127,7 @@ pub fn run(project_root: &Path, args: &SetupArgs) -> Result<Deps> {
     // `cargo xtask train` in another) would both create the venv and run pip into it.
     let _lock = lock_setup(&deps)?;
     if args.reinstall && deps.root.exists() {
-        remove_install(&deps, &deps.root, |tree| fs::remove_dir_all(tree))?;
+        remove_install(&deps, &deps.root, clear_tree)?;
     }
     match deps.installed_version() {
         Some(v) if v == TORCH_VERSION => {
@@ -150,32 +152,41 @@ pub fn run(project_root: &Path, args: &SetupArgs) -> Result<Deps> {
     prepare_venv(&deps, &python)?;
 
     let site = site_packages(&deps)?;
-    if let Some(found) = installed_torch_version(&site)? {
-        if found != TORCH_VERSION {
-            bail!(
-                "{} holds torch {found}, but tch needs {TORCH_VERSION}; \
-                 run `cargo xtask setup --reinstall` to replace it",
+    let torch = site.join("torch");
+    let libtorch_cpu = torch.join("lib").join("libtorch_cpu.so");
+    match installed_torch_version(&site)? {
+        Some(found) if found != TORCH_VERSION => bail!(
+            "{} holds torch {found}, but tch needs {TORCH_VERSION}; \
+             run `cargo xtask setup --reinstall` to replace it",
+            deps.venv().display()
+        ),
+        // Only `.deps/libtorch` is missing (a moved checkout's former links, say).
+        Some(_) if libtorch_cpu.exists() => {
+            if !deps.extras_installed() {
+                install_extras(&deps)?;
+            }
+            println!(
+                "setup: linking the torch=={TORCH_VERSION} of {}",
                 deps.venv().display()
             );
         }
+        _ => {
+            println!(
+                "setup: installing torch=={TORCH_VERSION} (CUDA build, about 2.6 GB) into {}",
+                deps.venv().display()
+            );
+            let what = format!("torch=={TORCH_VERSION} and {}", EXTRA_PACKAGES.join(", "));
+            pip_install(&deps, &what)?;
+            if !libtorch_cpu.exists() {
+                bail!(
+                    "pip reported success but {} has no libtorch_cpu.so; \
+                     run `cargo xtask setup --reinstall`",
+                    torch.join("lib").display()
+                );
+            }
+            write_extras_marker(&deps)?;
+        }
     }
-
-    println!(
-        "setup: installing torch=={TORCH_VERSION} (CUDA build, about 2.6 GB) into {}",
-        deps.venv().display()
-    );
-    let what = format!("torch=={TORCH_VERSION} and {}", EXTRA_PACKAGES.join(", "));
-    pip_install(&deps, &what)?;
-
-    let torch = site.join("torch");
-    if !torch.join("lib").join("libtorch_cpu.so").exists() {
-        bail!(
-            "pip reported success but {} has no libtorch_cpu.so; \
-             run `cargo xtask setup --reinstall`",
-            torch.join("lib").display()
-        );
-    }
-    write_extras_marker(&deps)?;
     link_libtorch(&deps, &torch)?;
     println!(
         "setup: libtorch {TORCH_VERSION} ready in {}",
@@ -250,7 +261,7 @@ fn pip_install_with_tmpdir(deps: &Deps, what: &str, tmpdir: Option<OsString>) ->
         Some(theirs) if !theirs.is_empty() => (PathBuf::from(theirs), false),
         _ => (deps.root.join("tmp"), true),
     };
-    let mut pip = Command::new(deps.python());
+    let mut pip = venv_python(&deps.python());
     pip.args([
         "-m",
         "pip",
@@ -329,7 +340,7 @@ fn install_extras(deps: &Deps) -> Result<()> {
 /// Whether `python` (a venv's interpreter) runs and has a working pip: a venv whose
 /// `ensurepip` step failed or was interrupted, or whose base interpreter is gone, has not.
 fn venv_usable(python: &Path) -> bool {
-    Command::new(python)
+    venv_python(python)
         .args(["-m", "pip", "--version"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -350,7 +361,7 @@ fn prepare_venv(deps: &Deps, python: &str) -> Result<()> {
             "setup: {} has no working pip (an interrupted or failed setup?); creating it again",
             venv.display()
         );
-        remove_install(deps, &venv, |tree| fs::remove_dir_all(tree))?;
+        remove_install(deps, &venv, clear_tree)?;
     } else {
         println!(
             "setup: creating a Python virtual environment in {}",
@@ -359,7 +370,7 @@ fn prepare_venv(deps: &Deps, python: &str) -> Result<()> {
     }
     fs::create_dir_all(&deps.root)
         .with_context(|| format!("cannot create {}", deps.root.display()))?;
-    let status = Command::new(python)
+    let status = venv_python(Path::new(python))
         .args(["-m", "venv"])
         .arg(&venv)
         .status()
@@ -387,14 +398,18 @@ pub fn warn_of_another_libtorch(deps: &Deps) {
 /// meant to use `ours` (`.deps/libtorch`): `.cargo/config.toml` sets `LIBTORCH` only where
 /// the environment has not (a GPU bundle's build exports its own), torch-sys takes the
 /// headers from `LIBTORCH_INCLUDE` and the libraries from `LIBTORCH_LIB` over `LIBTORCH`'s,
-/// and the active Python's torch whenever `LIBTORCH_USE_PYTORCH` is set.
+/// and the active Python's torch whenever `LIBTORCH_USE_PYTORCH` is set. An exported
+/// `LIBTORCH_CXX11_ABI` other than `1` builds for the C++ ABI the wheel was not built with,
+/// and a libtorch on `LD_LIBRARY_PATH` is loaded before ours where the linker wrote our rpath
+/// as a RUNPATH (most do).
 fn another_libtorch(var: impl Fn(&str) -> Option<OsString>, ours: &Path) -> Vec<String> {
-    let is_ours = |theirs: &Path| {
+    let same = |theirs: &Path, ours: &Path| {
         theirs == ours
             || fs::canonicalize(theirs)
                 .ok()
                 .is_some_and(|t| fs::canonicalize(ours).is_ok_and(|o| o == t))
     };
+    let is_ours = |theirs: &Path| same(theirs, ours);
     let mut out = Vec::new();
     for (name, what) in [
         ("LIBTORCH", "that libtorch"),
@@ -420,6 +435,30 @@ fn another_libtorch(var: impl Fn(&str) -> Option<OsString>, ours: &Path) -> Vec<
             value.to_string_lossy(),
             ours.display()
         ));
+    }
+    // `.cargo/config.toml`'s `1` does not override an exported value.
+    if let Some(value) = var("LIBTORCH_CXX11_ABI").filter(|v| v != "1") {
+        out.push(format!(
+            "LIBTORCH_CXX11_ABI is set to `{}` in the environment: builds will use the old C++ \
+             ABI, and linking with {} (built with the new one) fails with undefined \
+             references; unset LIBTORCH_CXX11_ABI or set it to 1",
+            value.to_string_lossy(),
+            ours.display()
+        ));
+    }
+    let our_lib = ours.join("lib");
+    for dir in var("LD_LIBRARY_PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+    {
+        if dir.join("libtorch_cpu.so").exists() && !same(&dir, &our_lib) {
+            out.push(format!(
+                "LD_LIBRARY_PATH holds `{}`, another libtorch's libraries: programs built here \
+                 may load them instead of {}'s; remove it from LD_LIBRARY_PATH",
+                dir.display(),
+                ours.display()
+            ));
+        }
     }
     out
 }
@@ -474,7 +513,7 @@ fn python_version(said: &str) -> Option<(u32, u32)> {
 }
 
 fn site_packages(deps: &Deps) -> Result<PathBuf> {
-    let out = Command::new(deps.python())
+    let out = venv_python(&deps.python())
         .args([
             "-c",
             "import sysconfig; print(sysconfig.get_paths()['purelib'])",
@@ -528,6 +567,23 @@ fn remove_install(
     remove(tree).with_context(|| format!("cannot remove {}", tree.display()))
 }
 
+/// Removes the folder `tree`; where `tree` is a symlink (`.deps` on a bigger disk), empties the
+/// folder it points to instead, keeping the link, so that the next install goes there too.
+fn clear_tree(tree: &Path) -> std::io::Result<()> {
+    if !tree.symlink_metadata()?.file_type().is_symlink() {
+        return fs::remove_dir_all(tree);
+    }
+    for entry in fs::read_dir(tree)? {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            fs::remove_dir_all(entry.path())?;
+        } else {
+            fs::remove_file(entry.path())?;
+        }
+    }
+    Ok(())
+}
+
 /// Flushes every file system write of this machine to disk (`sync(2)`): pip's files before
 /// the marker that says they are complete, so that a power loss cannot leave the marker
 /// over empty libraries.
@@ -537,12 +593,20 @@ fn sync_disks() {
 }
 
 /// Builds `.deps/libtorch` from symlinks into the wheel; `build-version` is written last.
+/// The links are relative (`../venv/lib/pythonX.Y/site-packages/torch/lib`), so that a
+/// checkout moved or copied elsewhere links its own venv.
 fn link_libtorch(deps: &Deps, torch: &Path) -> Result<()> {
     let dir = deps.libtorch();
     if dir.exists() {
         fs::remove_dir_all(&dir).with_context(|| format!("cannot remove {}", dir.display()))?;
     }
     fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    // Relative to where the links physically are (`.deps` may be a link to another disk).
+    let real = |path: &Path| fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let torch = match real(torch).strip_prefix(real(&deps.root)) {
+        Ok(inside) => Path::new("..").join(inside),
+        Err(_) => torch.to_path_buf(),
+    };
     for sub in ["include", "lib"] {
         std::os::unix::fs::symlink(torch.join(sub), dir.join(sub))
             .with_context(|| format!("cannot link {}", dir.join(sub).display()))?;
@@ -589,7 +653,7 @@ mod tests {
 
     /// A venv (without pip) in `deps`.
     fn make_venv(deps: &Deps) {
-        let made = Command::new("python3")
+        let made = venv_python(Path::new("python3"))
             .args(["-m", "venv", "--without-pip"])
             .arg(deps.venv())
             .status()
@@ -603,6 +667,130 @@ mod tests {
         fs::create_dir_all(&lib).unwrap();
         fs::write(lib.join("libtorch_cpu.so"), b"").unwrap();
         link_libtorch(deps, &site.join("torch")).unwrap();
+    }
+
+    /// A dist-info folder of torch TORCH_VERSION in `site`, as pip and `importlib.metadata`
+    /// read it.
+    fn fake_dist_info(site: &Path) {
+        let info = site.join(format!("torch-{TORCH_VERSION}.dist-info"));
+        fs::create_dir_all(&info).unwrap();
+        let metadata = format!("Metadata-Version: 2.1\nName: torch\nVersion: {TORCH_VERSION}\n");
+        fs::write(info.join("METADATA"), metadata).unwrap();
+    }
+
+    /// A pip in `site` that succeeds, writing to `record` a line per run: its first argument,
+    /// the version of the torch its Python finds, and the variables it sees that would send
+    /// an install elsewhere.
+    fn fake_pip(site: &Path, record: &Path) {
+        fs::create_dir_all(site.join("pip")).unwrap();
+        fs::write(site.join("pip/__init__.py"), "").unwrap();
+        let main = format!(
+            "import importlib.metadata, os, sys\n\
+             try:\n    found = importlib.metadata.version('torch')\n\
+             except importlib.metadata.PackageNotFoundError:\n    found = None\n\
+             elsewhere = [v for v in ('PIP_TARGET', 'PIP_PREFIX', 'PIP_USER') if v in os.environ]\n\
+             open({record:?}, 'a').write(f'{{sys.argv[1]}} {{found}} {{elsewhere}}\\n')\n"
+        );
+        fs::write(site.join("pip/__main__.py"), main).unwrap();
+    }
+
+    /// Runs [`foreign_python_variables_child`] with another torch on `PYTHONPATH`, another
+    /// Python's `PYTHONHOME`, and pip told to install elsewhere.
+    #[test]
+    fn python_and_pip_variables_of_the_environment_do_not_reach_the_venv() {
+        let dir = tempdir();
+        let stub = dir.join("stub-site");
+        fake_dist_info(&stub);
+        let out = ddp_testkit::ignored_test("setup::tests::foreign_python_variables_child")
+            .env("PYTHONPATH", &stub)
+            .env("PYTHONHOME", dir.join("another-python"))
+            .env("PIP_TARGET", dir.join("target"))
+            .env("PIP_PREFIX", dir.join("prefix"))
+            .env("PIP_USER", "1")
+            .output()
+            .unwrap();
+        ddp_testkit::assert_passed(&out);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    #[ignore = "started by python_and_pip_variables_of_the_environment_do_not_reach_the_venv"]
+    fn foreign_python_variables_child() {
+        assert!(
+            std::env::var_os("PYTHONPATH").is_some(),
+            "run by its parent test"
+        );
+        let dir = tempdir();
+        let deps = Deps { root: dir.clone() };
+        make_venv(&deps);
+        // The venv's Python starts, and names its own site-packages.
+        let site = site_packages(&deps).unwrap();
+        assert!(site.starts_with(deps.venv()), "{}", site.display());
+        let record = dir.join("record");
+        fake_pip(&site, &record);
+        assert!(venv_usable(&deps.python()));
+        pip_install(&deps, "torch").unwrap();
+        // pip does not find the torch on PYTHONPATH (which would make it install nothing).
+        assert_eq!(
+            fs::read_to_string(&record).unwrap(),
+            "--version None []\ninstall None []\n"
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_moved_checkout_keeps_its_install_and_a_relink_runs_no_pip() {
+        let dir = tempdir();
+        let deps = Deps::new(&dir.join("a"));
+        make_venv(&deps);
+        let site = site_packages(&deps).unwrap();
+        fake_torch(&deps, &site);
+        let inside = site.strip_prefix(&deps.root).unwrap();
+        assert_eq!(
+            fs::read_link(deps.libtorch().join("lib")).unwrap(),
+            Path::new("..").join(inside).join("torch/lib")
+        );
+        fs::rename(dir.join("a"), dir.join("b")).unwrap();
+        let deps = Deps::new(&dir.join("b"));
+        assert_eq!(deps.installed_version().as_deref(), Some(TORCH_VERSION));
+        // Links gone (an older setup's, dangling after the move): setup links the torch
+        // the venv has, asking pip only whether it works.
+        fs::remove_dir_all(deps.libtorch()).unwrap();
+        assert_eq!(deps.installed_version(), None);
+        let site = deps.root.join(inside);
+        fake_dist_info(&site);
+        let record = dir.join("record");
+        fake_pip(&site, &record);
+        write_extras_marker(&deps).unwrap();
+        run(&dir.join("b"), &SetupArgs::default()).unwrap();
+        assert_eq!(deps.installed_version().as_deref(), Some(TORCH_VERSION));
+        assert_eq!(
+            fs::read_to_string(&record).unwrap(),
+            format!("--version {TORCH_VERSION} []\n")
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_reinstall_empties_the_folder_a_deps_link_points_to() {
+        let dir = tempdir();
+        // `.deps` a link to a folder on a bigger disk, holding an install.
+        let big = dir.join("big");
+        fs::create_dir_all(big.join("venv/bin")).unwrap();
+        fs::write(big.join("venv/bin/python"), b"").unwrap();
+        std::os::unix::fs::symlink(big.join("venv"), big.join("venv-link")).unwrap();
+        let deps = Deps::new(&dir);
+        std::os::unix::fs::symlink(&big, &deps.root).unwrap();
+        fs::create_dir_all(deps.libtorch()).unwrap();
+        fs::write(deps.version_file(), "2.13.0\n").unwrap();
+        remove_install(&deps, &deps.root, clear_tree).unwrap();
+        assert!(deps.root.symlink_metadata().unwrap().is_symlink());
+        assert_eq!(fs::read_dir(&big).unwrap().count(), 0);
+        // A folder goes, whole.
+        fs::create_dir_all(deps.venv().join("bin")).unwrap();
+        remove_install(&deps, &deps.venv(), clear_tree).unwrap();
+        assert!(!deps.venv().exists() && big.exists());
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -834,6 +1022,42 @@ mod tests {
             python[0].starts_with("LIBTORCH_USE_PYTORCH is set to `1`")
                 && python[0].contains("unset LIBTORCH_USE_PYTORCH"),
             "{python:?}"
+        );
+        // An exported C++ ABI other than the wheel's (cargo's `[env]` does not override it).
+        assert!(warn(&[("LIBTORCH_CXX11_ABI", Path::new("1"))]).is_empty());
+        let abi = warn(&[("LIBTORCH_CXX11_ABI", Path::new("0"))]);
+        assert_eq!(abi.len(), 1, "{abi:?}");
+        assert!(
+            abi[0].starts_with("LIBTORCH_CXX11_ABI is set to `0`")
+                && abi[0].contains("undefined references")
+                && abi[0].ends_with("unset LIBTORCH_CXX11_ABI or set it to 1"),
+            "{abi:?}"
+        );
+        // Another libtorch's libraries on LD_LIBRARY_PATH; ours, or folders without, are fine.
+        let theirs = dir.join("opt/libtorch/lib");
+        for lib in [&theirs, &ours.join("lib")] {
+            fs::create_dir_all(lib).unwrap();
+            fs::write(lib.join("libtorch_cpu.so"), b"").unwrap();
+        }
+        let path = |dirs: &[PathBuf]| std::env::join_paths(dirs).unwrap();
+        let fine = path(&[
+            dir.clone(),
+            ours.join("lib"),
+            dir.join(".deps/../.deps/libtorch/lib"),
+        ]);
+        assert!(warn(&[("LD_LIBRARY_PATH", Path::new(&fine))]).is_empty());
+        let loaded = warn(&[(
+            "LD_LIBRARY_PATH",
+            Path::new(&path(&[ours.join("lib"), theirs.clone()])),
+        )]);
+        assert_eq!(
+            loaded,
+            [format!(
+                "LD_LIBRARY_PATH holds `{}`, another libtorch's libraries: programs built here \
+                 may load them instead of {}'s; remove it from LD_LIBRARY_PATH",
+                theirs.display(),
+                ours.display()
+            )]
         );
         fs::remove_dir_all(&dir).unwrap();
     }

@@ -74,7 +74,7 @@ impl Ctx {
 
     /// The setup's Python, one OpenMP thread.
     pub(super) fn python(&self) -> Command {
-        let mut cmd = Command::new(&self.python);
+        let mut cmd = crate::setup::venv_python(&self.python);
         cmd.env("OMP_NUM_THREADS", "1");
         cmd
     }
