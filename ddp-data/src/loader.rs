@@ -61,7 +61,12 @@ impl LoaderConfig {
 /// `ranks_on_machine` processes that each run a loader, at least 1.
 pub fn default_workers(ranks_on_machine: usize) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cores / ranks_on_machine.max(1)).max(1)
+    cores_per_process(cores, ranks_on_machine)
+}
+
+/// `cores` shared among `processes`: at least 1 each ([`default_workers`]' arithmetic).
+fn cores_per_process(cores: usize, processes: usize) -> usize {
+    (cores / processes.max(1)).max(1)
 }
 
 struct Shared<D> {
@@ -636,5 +641,20 @@ impl<D: Dataset> Drop for HostLoader<D> {
         for handle in self.workers.drain(..) {
             let _ = handle.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cores_per_process;
+
+    #[test]
+    fn the_cores_are_shared_among_the_processes_at_least_one_each() {
+        assert_eq!(cores_per_process(16, 8), 2);
+        assert_eq!(cores_per_process(64, 8), 8);
+        assert_eq!(cores_per_process(15, 8), 1);
+        assert_eq!(cores_per_process(4, 8), 1);
+        assert_eq!(cores_per_process(16, 1), 16);
+        assert_eq!(cores_per_process(16, 0), 16);
     }
 }

@@ -63,6 +63,19 @@ pub struct OdirOptions {
     pub skip_corrupt: bool,
     /// Use this image folder instead of looking for the layout's usual ones.
     pub image_dir: Option<PathBuf>,
+    /// Threads [`Self::skip_corrupt`]'s scan decodes on (at least 1); `None`: one per core.
+    /// Processes that scan at once on one machine (a job's ranks) share its cores:
+    /// [`default_workers`](crate::default_workers)`(processes)` each.
+    pub scan_threads: Option<usize>,
+}
+
+impl OdirOptions {
+    /// The threads [`Self::skip_corrupt`]'s scan runs on.
+    fn threads_for_scan(&self) -> usize {
+        self.scan_threads
+            .unwrap_or_else(|| crate::default_workers(1))
+            .max(1)
+    }
 }
 
 /// One image with its labels.
@@ -255,7 +268,7 @@ impl OdirDataset {
             skipped: Vec::new(),
         };
         if options.skip_corrupt {
-            dataset.drop_undecodable()?;
+            dataset.drop_undecodable(options.threads_for_scan())?;
         }
         Ok(dataset)
     }
@@ -287,13 +300,13 @@ impl OdirDataset {
         })
     }
 
-    /// Decodes every image (on all cores) and removes those that fail, recording each one.
+    /// Decodes every image (on `threads` threads) and removes those that fail, recording
+    /// each one.
     ///
     /// A file that cannot be read (an I/O error, not a decoding one) is an error: it says
     /// nothing about the image, and leaving it out on one rank only would give the ranks
     /// different data.
-    fn drop_undecodable(&mut self) -> Result<(), DataError> {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    fn drop_undecodable(&mut self, threads: usize) -> Result<(), DataError> {
         self.drop_failing(threads, |decoder, path| decoder.decode_file(path).map(drop))
     }
 
@@ -446,26 +459,54 @@ where
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_decoder_panic_skips_only_its_own_image() {
+    /// Eight samples of `images/` (`<i>_left.jpg`), in a redistribution folder.
+    fn eight_images() -> OdirDataset {
         let dir = PathBuf::from("images");
-        let samples: Vec<Sample> = (0..8)
-            .map(|i| Sample {
-                path: dir.join(format!("{i}_left.jpg")),
-                patient_id: i,
-                labels: [0.0; 8],
-                patient_labels: None,
-            })
-            .collect();
-        let mut dataset = OdirDataset {
+        OdirDataset {
             root: dir.clone(),
             annotation_file: dir.join(CSV_NAME),
             image_dir: dir.clone(),
             layout: Layout::Redistribution,
             label_source: LabelSource::PerEye,
-            samples: samples.clone(),
+            samples: (0..8)
+                .map(|i| Sample {
+                    path: dir.join(format!("{i}_left.jpg")),
+                    patient_id: i,
+                    labels: [0.0; 8],
+                    patient_labels: None,
+                })
+                .collect(),
             skipped: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_scan_decodes_on_the_threads_it_is_given() {
+        let options = |scan_threads| OdirOptions {
+            skip_corrupt: true,
+            scan_threads,
+            ..OdirOptions::default()
         };
+        assert_eq!(options(Some(2)).threads_for_scan(), 2);
+        assert_eq!(options(Some(0)).threads_for_scan(), 1);
+        assert_eq!(options(None).threads_for_scan(), crate::default_workers(1));
+        let mut dataset = eight_images();
+        let threads = std::sync::Mutex::new(std::collections::HashSet::new());
+        dataset
+            .drop_failing(options(Some(2)).threads_for_scan(), |_, _| {
+                threads.lock().unwrap().insert(std::thread::current().id());
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(threads.into_inner().unwrap().len(), 2);
+        assert_eq!(dataset.len(), 8);
+    }
+
+    #[test]
+    fn a_decoder_panic_skips_only_its_own_image() {
+        let dir = PathBuf::from("images");
+        let mut dataset = eight_images();
+        let samples = dataset.samples().to_vec();
         let crafted = dir.join("5_left.jpg");
         dataset
             .drop_failing(2, |_, path| {

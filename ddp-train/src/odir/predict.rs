@@ -19,7 +19,7 @@ use serde_json::{json, Map, Value};
 use super::challenge::{below, EyeCombine, THRESHOLD};
 use super::cli::{utf8_paths, TrainConfig};
 use super::score::{score, LoadedModel, Scored};
-use super::task::{data_options, skipped_json, skipped_lines};
+use super::task::{rank_data_options, skipped_json, skipped_lines};
 use crate::error::TrainError;
 use crate::task::Stats;
 
@@ -247,7 +247,7 @@ pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
     let c = &args.config;
     c.validate()?;
     utf8_paths([("--checkpoint", Some(args.model.checkpoint.as_path()))])?;
-    let set = OdirDataset::open(&c.data, &data_options(c))?;
+    let set = OdirDataset::open(&c.data, &rank_data_options(c)?)?;
     // A folder whose every image --skip-corrupt left out has nothing to score (its metrics
     // would be NaN): refused as training refuses it, naming the folder and the first image.
     ddp_data::odir::all_indices(&set)?;

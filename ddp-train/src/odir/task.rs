@@ -52,11 +52,13 @@ pub fn odir_model(root: &nn::Path, c: &TrainConfig) -> Model {
 impl OdirTask {
     /// Opens `--data` (and `--val-data`), checks every image exists, splits by patient and
     /// prepares the train (`RandomResizedCrop` + flip) and validation (`Resize` +
-    /// `CenterCrop`) pipelines.
+    /// `CenterCrop`) pipelines. `--skip-corrupt`'s scan, on every rank at once, takes this
+    /// rank's share of its machine's cores (`LOCAL_WORLD_SIZE` ranks share them).
     pub fn new(c: &TrainConfig) -> Result<Self, TrainError> {
+        let options = rank_data_options(c)?;
         let open = |dir: &Path| {
             // --image-dir is --data's.
-            let mut options = data_options(c);
+            let mut options = options.clone();
             if dir != c.data {
                 options.image_dir = None;
             }
@@ -310,8 +312,10 @@ pub(super) fn default_eval_resize(image_size: u32) -> u32 {
     u32::try_from(u64::from(image_size) * 8 / 7).unwrap_or(u32::MAX)
 }
 
-/// How `--data` is opened: the labels and `--skip-corrupt` as given.
-pub(super) fn data_options(c: &TrainConfig) -> OdirOptions {
+/// How `--data` is opened: the labels and `--skip-corrupt` as given, its scan on the
+/// machine's cores shared among the `ranks_on_machine` ranks that scan at once (as the
+/// loader's workers share them).
+fn data_options(c: &TrainConfig, ranks_on_machine: usize) -> OdirOptions {
     OdirOptions {
         labels: match c.labels {
             Labels::Auto => LabelMode::Auto,
@@ -320,5 +324,37 @@ pub(super) fn data_options(c: &TrainConfig) -> OdirOptions {
         },
         skip_corrupt: c.skip_corrupt,
         image_dir: c.image_dir.clone(),
+        scan_threads: Some(ddp_data::default_workers(ranks_on_machine)),
+    }
+}
+
+/// [`data_options`] for this rank: the ranks on its machine are the environment's
+/// (`LOCAL_WORLD_SIZE`), read only for `--skip-corrupt`, the one option that needs them.
+pub(super) fn rank_data_options(c: &TrainConfig) -> Result<OdirOptions, TrainError> {
+    let ranks_on_machine = if c.skip_corrupt {
+        ddp_comm::EnvConfig::from_env()
+            .context(|| "reading the rank's environment".into())?
+            .local_world_size
+    } else {
+        1
+    };
+    Ok(data_options(c, ranks_on_machine))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[test]
+    fn the_corrupt_image_scan_takes_this_ranks_share_of_the_cores() {
+        let args = ["ddp-train", "--data", "d", "--skip-corrupt"];
+        let c = TrainConfig::try_parse_from(args).unwrap();
+        for ranks in [1, 2, 8] {
+            let options = data_options(&c, ranks);
+            assert!(options.skip_corrupt);
+            assert_eq!(options.scan_threads, Some(ddp_data::default_workers(ranks)));
+        }
     }
 }
