@@ -66,6 +66,25 @@ pub enum TrainError {
         /// Why.
         reason: crate::stop::StopReason,
     },
+    /// The validation split's per-sample rows ([`Stats::rows`](crate::Stats::rows)) would
+    /// gather to more bytes than the process group accepts: refused at the start of a run
+    /// or an evaluation, on every rank alike, rather than after the first epoch.
+    #[error(
+        "evaluation would gather {samples} rows of {width} numbers, {bytes} bytes on every \
+         rank, over the process group's limit of {limit} bytes: raise it on every rank with \
+         Trainer::process_group().set_max_gather_bytes, or send fewer numbers per sample \
+         (Stats::rows)"
+    )]
+    RowsTooLarge {
+        /// The validation split's samples, a row each.
+        samples: usize,
+        /// Numbers per row.
+        width: usize,
+        /// What the rows would gather to ([`gather_rows`](crate::gather_rows)).
+        bytes: u64,
+        /// The limit ([`ddp_comm::ProcessGroup::max_gather_bytes`]).
+        limit: u64,
+    },
     /// The loader delivered fewer batches than the epoch's steps need.
     #[error("the loader ended before the epoch's last step")]
     LoaderEnded,

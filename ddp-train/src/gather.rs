@@ -108,6 +108,16 @@ impl Rows {
     }
 }
 
+/// The bytes [`gather_rows`] gathers onto every rank when `ranks` ranks send `rows` rows of
+/// `width` numbers together: each rank's width, then each row's key and numbers, 8 bytes
+/// each (saturating).
+pub(crate) fn gathered_bytes(ranks: usize, rows: usize, width: usize) -> u64 {
+    let row = (width as u64).saturating_add(1).saturating_mul(8);
+    (ranks as u64)
+        .saturating_mul(8)
+        .saturating_add((rows as u64).saturating_mul(row))
+}
+
 /// Gathers every rank's `rows` onto every rank (one all-gather of variable length), ordered
 /// by key: the same rows, bit for bit, whatever the number of ranks and however the samples
 /// were dealt. A key that two ranks (or one rank twice) report, or rows of another width, is
@@ -164,5 +174,22 @@ mod tests {
         bytes.truncate(bytes.len() - 8);
         assert!(Rows::decode(&bytes).is_none());
         assert_eq!(Rows::decode(&Rows::new(4).encode()).unwrap().len(), 0);
+    }
+
+    #[test]
+    fn gathered_bytes_are_what_the_ranks_encode() {
+        // 5 rows of 3 numbers dealt to 3 ranks as 2, 0 and 3.
+        let ranks: Vec<Rows> = [0..2, 2..2, 2..5]
+            .into_iter()
+            .map(|keys| {
+                let mut r = Rows::new(3);
+                keys.for_each(|k| r.push(k, &[1.0, 2.0, 3.0]));
+                r
+            })
+            .collect();
+        let encoded: usize = ranks.iter().map(|r| r.encode().len()).sum();
+        assert_eq!(gathered_bytes(3, 5, 3), encoded as u64);
+        assert_eq!(gathered_bytes(3, 5, 3), 3 * 8 + 5 * 4 * 8);
+        assert_eq!(gathered_bytes(2, usize::MAX, usize::MAX), u64::MAX);
     }
 }

@@ -3,16 +3,26 @@
 //! of the task's `Stats::report` (as a fresh `Task::new_stats` reports them); without, only
 //! what the report holds without evaluation. Anything else is refused by `Trainer::new`,
 //! before the run directory exists, rather than after the first epoch has trained (every
-//! rank alike: the check reads only the settings and the task). One rank, in this process.
+//! rank alike: the check reads only the settings and the task). Likewise a validation split
+//! whose per-sample rows (`Stats::rows`) would gather past the process group's limit is
+//! refused when a run or an evaluation starts, not after the first epoch. One rank, in this
+//! process.
 
 mod common;
 
 use std::path::Path;
 
 use common::free_port;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use common::regression::{points, Regression};
+use ddp_data::{Batch, TensorDataset};
 use ddp_train::lr_schedule::{LrSchedule, Plateau};
-use ddp_train::{EarlyStopping, Monitor, Settings, TrainError, Trainer};
+use ddp_train::{
+    EarlyStopping, Metrics, Monitor, RegressionStats, Rows, Settings, Stats, Task, TrainError,
+    Trainer,
+};
+use tch::{nn, Tensor};
 
 /// The regression task on 64 points, validated on 8 (`val_mse`, `val_mae`) or not.
 fn regression(validated: bool) -> Regression {
@@ -28,7 +38,7 @@ fn settings(out: &Path) -> Settings {
     common::regression::quiet_settings(out)
 }
 
-fn start(task: Regression, settings: Settings) -> Result<Trainer<Regression>, TrainError> {
+fn start<T: Task>(task: T, settings: Settings) -> Result<Trainer<T>, TrainError> {
     let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", free_port());
     Trainer::with_env(task, settings, &env)
 }
@@ -157,4 +167,134 @@ fn watching_what_training_reports_trains_every_epoch_without_validation() {
     for file in ["best.safetensors", "calm.safetensors", "checkpoints/latest"] {
         assert!(out.join(file).exists(), "no {file}");
     }
+}
+
+/// Numbers per sample of [`Wide`]'s rows.
+const WIDTH: usize = 64;
+
+/// The regression task on 64 points, validated on 8, whose statistics also keep a row of
+/// [`WIDTH`] numbers per sample; it counts its training steps.
+struct Wide {
+    inner: Regression,
+    steps: AtomicUsize,
+}
+
+struct WideStats {
+    inner: RegressionStats,
+    rows: Rows,
+}
+
+impl Stats for WideStats {
+    fn to_sums(&self) -> Vec<f64> {
+        self.inner.to_sums()
+    }
+
+    fn set_sums(&mut self, sums: &[f64]) {
+        self.inner.set_sums(sums);
+    }
+
+    fn report(&self) -> Metrics {
+        self.inner.report()
+    }
+
+    fn rows(&self) -> Option<Rows> {
+        Some(self.rows.clone())
+    }
+
+    fn set_rows(&mut self, rows: Rows) {
+        self.rows = rows;
+    }
+}
+
+impl Task for Wide {
+    type Model = nn::Sequential;
+    type Data = TensorDataset;
+    type Stats = WideStats;
+
+    fn model(&self, root: &nn::Path) -> nn::Sequential {
+        self.inner.model(root)
+    }
+
+    fn train_data(&self) -> TensorDataset {
+        self.inner.train_data()
+    }
+
+    fn val_data(&self) -> Option<TensorDataset> {
+        self.inner.val_data()
+    }
+
+    fn train_loss(&self, model: &nn::Sequential, batch: &Batch) -> Tensor {
+        self.steps.fetch_add(1, Ordering::Relaxed);
+        self.inner.train_loss(model, batch)
+    }
+
+    fn new_stats(&self) -> WideStats {
+        WideStats {
+            inner: self.inner.new_stats(),
+            rows: Rows::new(WIDTH),
+        }
+    }
+
+    fn eval_batch(&self, model: &nn::Sequential, batch: &Batch, stats: &mut WideStats) -> Tensor {
+        for &i in batch.indices() {
+            stats.rows.push(i as u64, &[i as f64; WIDTH]);
+        }
+        self.inner.eval_batch(model, batch, &mut stats.inner)
+    }
+}
+
+/// What the 8 validation rows of one rank gather to: the width, then per row a key and
+/// [`WIDTH`] numbers, 8 bytes each.
+const WIDE_ROWS_BYTES: u64 = 8 + 8 * 8 * (1 + WIDTH as u64);
+
+/// [`Wide`] started with the process group's gather limit at `limit`.
+fn wide(out: &Path, limit: u64) -> Trainer<Wide> {
+    let task = Wide {
+        inner: regression(true),
+        steps: AtomicUsize::new(0),
+    };
+    let trainer = start(task, settings(out)).unwrap();
+    trainer.process_group().set_max_gather_bytes(limit);
+    trainer
+}
+
+#[test]
+fn rows_that_would_gather_past_the_limit_are_refused_before_the_first_epoch() {
+    let _generator = common::regression::hold_generator();
+    let tmp = common::temp_dir("ddp-train-wide-rows");
+    let out = tmp.path().join("run");
+    let mut trainer = wide(&out, WIDE_ROWS_BYTES - 1);
+    let refused = |e: TrainError| {
+        let TrainError::RowsTooLarge {
+            samples,
+            width,
+            bytes,
+            limit,
+        } = e
+        else {
+            panic!("not RowsTooLarge: {e}");
+        };
+        assert_eq!(
+            (samples, width, bytes, limit),
+            (8, WIDTH, WIDE_ROWS_BYTES, WIDE_ROWS_BYTES - 1)
+        );
+    };
+    let e = trainer.run().unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "evaluation would gather 8 rows of 64 numbers, 4168 bytes on every rank, over the \
+         process group's limit of 4167 bytes: raise it on every rank with \
+         Trainer::process_group().set_max_gather_bytes, or send fewer numbers per sample \
+         (Stats::rows)"
+    );
+    refused(e);
+    refused(trainer.evaluate().unwrap_err());
+    // Nothing trained: no step, no line of metrics.jsonl.
+    assert_eq!(trainer.task().steps.load(Ordering::Relaxed), 0);
+    assert!(!out.join("metrics.jsonl").exists());
+    drop(trainer);
+    // At the limit, the rows are gathered every epoch.
+    let out = tmp.path().join("at-limit");
+    let reports = wide(&out, WIDE_ROWS_BYTES).run().unwrap();
+    assert_eq!(reports.iter().map(|r| r.epoch).collect::<Vec<_>>(), [1, 2]);
 }

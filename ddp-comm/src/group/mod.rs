@@ -535,6 +535,12 @@ impl ProcessGroup {
         lock(&self.cpu).set_max_gather(bytes);
     }
 
+    /// The limit [`ProcessGroup::set_max_gather_bytes`] sets: what a caller checks a gather
+    /// it knows the size of against before the ranks meet.
+    pub fn max_gather_bytes(&self) -> u64 {
+        lock(&self.cpu).max_gather()
+    }
+
     fn check_root(&self, root: usize) -> Result<(), CommError> {
         if root >= self.world_size {
             return Err(CommError::RankOutOfRange {

@@ -406,6 +406,11 @@ impl CpuBackend {
         self.max_gather = bytes;
     }
 
+    /// [`CpuBackend::set_max_gather`]'s limit.
+    pub(crate) fn max_gather(&self) -> u64 {
+        self.max_gather
+    }
+
     /// Overrides the latency-path threshold (benchmarks).
     pub(crate) fn set_small(&mut self, bytes: usize) {
         self.small = bytes;

@@ -6,6 +6,7 @@
 use std::time::Instant;
 
 use ddp_comm::ReduceOp;
+use ddp_data::Dataset;
 use tch::{Kind, Tensor};
 
 use super::faults::{fail_if_injected, Point};
@@ -30,6 +31,7 @@ impl<T: Task> Trainer<T> {
     /// [`TrainError::exit_code`]. A later [`Trainer::run`] still watches them, and takes
     /// such a signal at its first step.
     pub fn evaluate(&mut self) -> Result<EvalReport, TrainError> {
+        self.check_rows_fit()?;
         let signals = self.signals.take();
         let evaluated = self.evaluate_epoch(0, None, signals.as_ref());
         self.signals = signals;
@@ -43,6 +45,28 @@ impl<T: Task> Trainer<T> {
             val_loss,
             metrics,
             world_size: self.pg.world_size(),
+        })
+    }
+
+    /// Refuses ([`TrainError::RowsTooLarge`]) a validation split whose rows, one per sample
+    /// as a fresh [`Task::new_stats`] makes them, would gather to more bytes than the process
+    /// group's limit: that gather comes only after an epoch. The same on every rank (the
+    /// split, the width and the world are, and the limit must be).
+    pub(super) fn check_rows_fit(&self) -> Result<(), TrainError> {
+        let (Some(set), Some(rows)) = (&self.val_set, self.task.new_stats().rows()) else {
+            return Ok(());
+        };
+        let (samples, width) = (set.len(), rows.width());
+        let bytes = crate::gather::gathered_bytes(self.pg.world_size(), samples, width);
+        let limit = self.pg.max_gather_bytes();
+        if bytes <= limit {
+            return Ok(());
+        }
+        Err(TrainError::RowsTooLarge {
+            samples,
+            width,
+            bytes,
+            limit,
         })
     }
 

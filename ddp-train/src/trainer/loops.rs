@@ -56,11 +56,15 @@ impl<T: Task> Trainer<T> {
     /// A run resumed after the epoch at which early stopping ended it (a launcher's restart,
     /// a requeued job) trains no further and returns no reports, unless its patience is now
     /// larger than the epochs without improvement.
+    ///
+    /// A validation split whose per-sample rows would gather past the process group's limit
+    /// is refused before the first epoch ([`TrainError::RowsTooLarge`]).
     pub fn run(&mut self) -> Result<Vec<EpochReport>, TrainError> {
         if let Some(note) = self.ended_by_early_stopping() {
             self.log.say(&note);
             return Ok(Vec::new());
         }
+        self.check_rows_fit()?;
         let signals = match self.signals.take() {
             Some(watch) => Some(watch),
             None if self.settings.runtime.stop_on_signals => {
