@@ -975,15 +975,22 @@ fn stalled_rank_worker() {
     }
 }
 
-/// Three ranks, op timeout 2 s, rank 1 stalls: ranks 0 and 2 fail within the timeout plus
-/// the diagnosis, naming rank 1 (rank 0 waits on rank 2, rank 2 on rank 1).
+/// Three ranks, rank 1 stalls: ranks 0 and 2 fail within the op timeout plus the diagnosis,
+/// naming rank 1 (rank 0 waits on rank 2, rank 2 on rank 1). The op timeout is 2 s for a
+/// stopped rank; for one stuck outside, 10 s, whose heartbeat interval (500 ms) and window
+/// (1.5 s) leave a busy machine a second to run rank 1's heartbeat before the diagnosis
+/// takes it for not responding (with 2 s: 400 ms).
 fn a_stalled_rank_is_named(test: &str, transport: &str, stall: Stall) {
     let port = free_port();
-    let mut extra = env(&[("DDP_OP_TIMEOUT_S", "2"), ("DDP_TRANSPORT", transport)]);
-    let stall_name = match stall {
-        Stall::Stopped => "stopped",
-        Stall::Outside => "outside",
+    let (stall_name, op_timeout) = match stall {
+        Stall::Stopped => ("stopped", 2),
+        Stall::Outside => ("outside", 10),
     };
+    let op_timeout_s = op_timeout.to_string();
+    let mut extra = env(&[
+        ("DDP_OP_TIMEOUT_S", &op_timeout_s),
+        ("DDP_TRANSPORT", transport),
+    ]);
     extra.push(("STALL", stall_name.to_string()));
     let mut children: Vec<_> = (0..3)
         .map(|r| spawn_rank(test, r, 3, port, &extra))
@@ -1005,7 +1012,8 @@ fn a_stalled_rank_is_named(test: &str, transport: &str, stall: Stall) {
         assert_eq!(
             lines_with(out, "ERROR: "),
             [format!(
-                "all_reduce timed out after 2s waiting for peer ranks [{waits_on}]; {finding}"
+                "all_reduce timed out after {op_timeout}s waiting for peer ranks [{waits_on}]; \
+                 {finding}"
             )],
             "{what}"
         );
@@ -1014,7 +1022,11 @@ fn a_stalled_rank_is_named(test: &str, transport: &str, stall: Stall) {
         eprintln!("{what}: failed after {after:.3} s");
         // The timeout, then a diagnosis of at most a few heartbeat intervals; the upper
         // bound is generous (a loaded machine), not a speed claim.
-        assert!((2.0..20.0).contains(&after), "{what}: after {after} s");
+        let bound = f64::from(op_timeout);
+        assert!(
+            (bound..bound + 18.0).contains(&after),
+            "{what}: after {after} s"
+        );
     }
 }
 
