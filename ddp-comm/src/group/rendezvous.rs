@@ -88,6 +88,43 @@ impl std::fmt::Debug for Met {
     }
 }
 
+/// Most keys of one poll's request (two per rank are waited for).
+const MAX_BATCH: usize = 1024;
+
+/// How far a wait has got through its keys. Keys are never deleted, so the leading keys
+/// found set are not asked for again: each poll asks from the first key not yet found set,
+/// in batches that double while they are wholly set and fall back to that one key once one
+/// is not. A rank waiting for a late peer asks for one key a poll and catches up on many
+/// arrivals in a few requests, instead of every waiting rank asking for every key (two per
+/// rank: O(world²) into rank 0's store) every 50 ms.
+#[derive(Debug)]
+struct Progress {
+    /// Leading keys found set.
+    known: usize,
+    /// Keys of the next request.
+    batch: usize,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Progress { known: 0, batch: 1 }
+    }
+
+    /// Whether every key of `keys` (the same on every call) is set.
+    fn poll(&mut self, store: &mut dyn Store, keys: &[String]) -> Result<bool, CommError> {
+        while self.known < keys.len() {
+            let end = keys.len().min(self.known + self.batch);
+            if !store.check(&keys[self.known..end])? {
+                self.batch = 1;
+                return Ok(false);
+            }
+            self.known = end;
+            self.batch = (self.batch * 2).min(MAX_BATCH);
+        }
+        Ok(true)
+    }
+}
+
 /// Polls until every key is set, an `abort` appears, or `deadline` passes.
 pub(crate) fn wait_keys(
     store: &mut dyn Store,
@@ -97,14 +134,15 @@ pub(crate) fn wait_keys(
     rank_of: impl Fn(&str) -> Option<usize>,
 ) -> Result<(), CommError> {
     let mut pause = Duration::from_millis(1);
+    let mut progress = Progress::new();
     loop {
-        if store.check(keys)? {
+        if progress.poll(store, keys)? {
             return Ok(());
         }
         aborted(store)?;
         if Instant::now() >= deadline {
             let mut missing = Vec::new();
-            for key in keys {
+            for key in &keys[progress.known..] {
                 if !store.check(std::slice::from_ref(key))? {
                     missing.extend(rank_of(key));
                 }
@@ -850,6 +888,75 @@ mod tests {
         ] {
             assert!(check_own_record(&mine, &forged).is_err(), "{forged:?}");
         }
+    }
+
+    /// A store of keys `k/0`, `k/1`, ... of which the first `set` are set, one more after
+    /// each check (ranks arriving in order while others wait), counting what is asked.
+    struct Arriving {
+        set: usize,
+        requests: usize,
+        keys_checked: usize,
+    }
+
+    impl Store for Arriving {
+        fn set(&mut self, _: &str, _: &[u8]) -> Result<(), CommError> {
+            unreachable!("a wait only checks")
+        }
+        fn get(&mut self, _: &str) -> Result<Option<Vec<u8>>, CommError> {
+            unreachable!("a wait only checks")
+        }
+        fn add(&mut self, _: &str, _: i64) -> Result<i64, CommError> {
+            unreachable!("a wait only checks")
+        }
+        fn check(&mut self, keys: &[String]) -> Result<bool, CommError> {
+            self.requests += 1;
+            self.keys_checked += keys.len();
+            let index = |k: &String| k.strip_prefix("k/").unwrap().parse::<usize>().unwrap();
+            let all = keys.iter().all(|k| index(k) < self.set);
+            self.set += 1;
+            Ok(all)
+        }
+        fn addr(&self) -> &str {
+            "arriving"
+        }
+        fn local_ip(&self) -> IpAddr {
+            IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)
+        }
+        fn peer_ip(&self) -> IpAddr {
+            self.local_ip()
+        }
+    }
+
+    /// Polls until every key is set: the store's requests and keys asked for.
+    fn wait_on(store: &mut Arriving, keys: &[String]) -> (usize, usize) {
+        let mut progress = Progress::new();
+        while !progress.poll(store, keys).unwrap() {}
+        (store.requests, store.keys_checked)
+    }
+
+    /// A waiting rank asks for each key a bounded number of times, not for every key on
+    /// every poll (two keys per rank, from every rank: O(world²) into rank 0's store).
+    #[test]
+    fn a_wait_asks_for_keys_in_linear_total() {
+        const KEYS: usize = 1000;
+        let keys: Vec<String> = (0..KEYS).map(|i| format!("k/{i}")).collect();
+        let mut arriving = Arriving {
+            set: 0,
+            requests: 0,
+            keys_checked: 0,
+        };
+        let (requests, checked) = wait_on(&mut arriving, &keys);
+        assert!(
+            checked < 3 * KEYS,
+            "{checked} keys asked for in {requests} requests"
+        );
+        // Every key set already: doubling batches of 1, 2, 4 ... 256, then the 489 left.
+        let mut all_set = Arriving {
+            set: KEYS,
+            requests: 0,
+            keys_checked: 0,
+        };
+        assert_eq!(wait_on(&mut all_set, &keys), (10, KEYS));
     }
 
     #[test]
