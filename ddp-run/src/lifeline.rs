@@ -2,95 +2,167 @@
 //!
 //! The launcher sets `PR_SET_PDEATHSIG` on every process it starts, so a rank it started
 //! directly dies with it, however it dies. A rank started through a wrapper (`sh -c 'prog
-//! ...; true'`, a job script) is the wrapper's child: the kernel kills the wrapper, and the
-//! rank lives on as an orphan holding its port, its GPU and its shared memory. The launcher
-//! therefore gives every rank its own process id in [`DDP_LAUNCHER_PID`], and a rank that
-//! calls [`die_with_launcher`] watches that process (a pidfd, readable once it has exited)
-//! and kills itself when it goes. `ddp-train`'s Trainer calls it; any other rank program may.
+//! ...; true'`, a job script, `unshare --pid`) is the wrapper's child: the kernel kills the
+//! wrapper, and the rank lives on as an orphan holding its port, its GPU and its shared
+//! memory. The launcher therefore holds the write end of a pipe, its lifeline, for as long as
+//! it lives, and every rank inherits the read end, named in [`DDP_LAUNCHER_LIFELINE`]. A rank
+//! that calls [`die_with_launcher`] waits for the end of that pipe, which comes when the
+//! launcher's process has gone, and kills itself then. Nothing depends on process ids, which
+//! a rank in another pid namespace (a container, `unshare --pid`) cannot resolve, and which a
+//! launcher that is its container's first process has as `1`. `ddp-train`'s Trainer calls
+//! it; any other rank program may.
 
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::OnceLock;
 
 use crate::LaunchError;
 
-/// The launcher's process id, set by the launcher for every rank it starts.
+/// The launcher's process id as the launcher sees it, set for every rank it starts (for
+/// information: [`die_with_launcher`] does not use it, as a rank in another pid namespace
+/// sees other numbers).
 pub const DDP_LAUNCHER_PID: &str = "DDP_LAUNCHER_PID";
 
+/// The launcher's lifeline, set by the launcher for every rank it starts: `FD:INODE`, the
+/// descriptor number of the read end of a pipe that the rank inherits, and the pipe's inode
+/// (so that a descriptor number reused for another file is not mistaken for it).
+pub const DDP_LAUNCHER_LIFELINE: &str = "DDP_LAUNCHER_LIFELINE";
+
+/// The launcher's side of the lifeline: both ends of the pipe, close-on-exec, open until the
+/// process exits.
+pub(crate) struct Lifeline {
+    read: OwnedFd,
+    _write: OwnedFd,
+    inode: u64,
+}
+
+impl Lifeline {
+    /// This process's lifeline, created the first time.
+    pub(crate) fn get() -> std::io::Result<&'static Lifeline> {
+        static LIFELINE: OnceLock<Result<Lifeline, i32>> = OnceLock::new();
+        LIFELINE
+            .get_or_init(|| Lifeline::open().map_err(|e| e.raw_os_error().unwrap_or(0)))
+            .as_ref()
+            .map_err(|&errno| std::io::Error::from_raw_os_error(errno))
+    }
+
+    fn open() -> std::io::Result<Lifeline> {
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 writes two descriptors into the array it is given.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: pipe2 succeeded: both descriptors are new and owned by nothing else.
+        let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let inode = fifo_inode(read.as_raw_fd()).ok_or_else(std::io::Error::last_os_error)?;
+        Ok(Lifeline {
+            read,
+            _write: write,
+            inode,
+        })
+    }
+
+    /// The read end, which a rank must inherit (its close-on-exec flag cleared in the child).
+    pub(crate) fn read_end(&self) -> RawFd {
+        self.read.as_raw_fd()
+    }
+
+    /// The value of [`DDP_LAUNCHER_LIFELINE`].
+    pub(crate) fn value(&self) -> String {
+        format!("{}:{}", self.read.as_raw_fd(), self.inode)
+    }
+}
+
 /// Kills this process (SIGKILL, as `PR_SET_PDEATHSIG` does for a directly started rank) as
-/// soon as the launcher named in [`DDP_LAUNCHER_PID`] exits, from a thread that waits on a
-/// pidfd. Returns whether a watch is in place: `false` without the variable (not started by
-/// this launcher) or on a kernel without `pidfd_open` (before Linux 5.3). Calling it again
-/// returns the first call's answer. If the launcher has already exited, the process is killed
-/// at once.
+/// soon as the launcher that started it, directly or through wrappers, has exited, from a
+/// thread that waits for the end of the launcher's pipe named in [`DDP_LAUNCHER_LIFELINE`].
+/// Returns whether a watch is in place: `false` without the variable (not started by this
+/// launcher), or when the descriptor it names did not reach this process (a wrapper that
+/// closes inherited descriptors, as `sudo` does). Calling it again returns the first call's
+/// answer. If the launcher has already exited, the process is killed at once.
 ///
-/// Fails with [`LaunchError::Invalid`] when the variable is not a process id.
+/// Fails with [`LaunchError::Invalid`] when the variable is not `FD:INODE`.
 pub fn die_with_launcher() -> Result<bool, LaunchError> {
     static WATCH: OnceLock<Result<bool, String>> = OnceLock::new();
     WATCH
-        .get_or_init(|| match std::env::var(DDP_LAUNCHER_PID) {
+        .get_or_init(|| match std::env::var(DDP_LAUNCHER_LIFELINE) {
             Err(std::env::VarError::NotPresent) => Ok(false),
             Err(std::env::VarError::NotUnicode(v)) => Err(bad(&v.to_string_lossy())),
-            Ok(v) => match v.parse::<i32>() {
-                Ok(pid) if pid > 1 => watch(pid),
-                _ => Err(bad(&v)),
+            Ok(v) => match parse(&v) {
+                Some((fd, inode)) if fifo_inode(fd) == Some(inode) => watch(fd),
+                Some(_) => Ok(false),
+                None => Err(bad(&v)),
             },
         })
         .clone()
         .map_err(LaunchError::Invalid)
 }
 
+fn parse(value: &str) -> Option<(RawFd, u64)> {
+    let (fd, inode) = value.split_once(':')?;
+    Some((fd.parse().ok().filter(|&fd| fd >= 0)?, inode.parse().ok()?))
+}
+
 fn bad(value: &str) -> String {
     format!(
-        "{DDP_LAUNCHER_PID} is `{value}`, not a launcher's process id: it is set by ddp-run \
-         for the ranks it starts; unset it when starting a rank by hand"
+        "{DDP_LAUNCHER_LIFELINE} is `{value}`, not a launcher's lifeline (FD:INODE): it is set \
+         by ddp-run for the ranks it starts; unset it when starting a rank by hand"
     )
 }
 
-/// Opens a pidfd on `pid` and, on a thread, kills this process once it is readable.
-fn watch(pid: i32) -> Result<bool, String> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1; no memory
-    // is passed.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        let e = std::io::Error::last_os_error();
-        return match e.raw_os_error() {
-            // The launcher has already gone: as the kernel would have done.
-            Some(libc::ESRCH) => {
-                kill_self();
-                Ok(true)
-            }
-            Some(libc::ENOSYS) => Ok(false),
-            _ => Err(format!(
-                "cannot watch the launcher (pid {pid} in {DDP_LAUNCHER_PID}): {e}"
-            )),
-        };
+/// The inode of `fd` when it is an open pipe.
+fn fifo_inode(fd: RawFd) -> Option<u64> {
+    // SAFETY: fstat fills the zeroed stat it is given; a closed descriptor is EBADF.
+    let stat = unsafe {
+        let mut stat: libc::stat = std::mem::zeroed();
+        (libc::fstat(fd, &mut stat) == 0).then_some(stat)
+    }?;
+    (stat.st_mode & libc::S_IFMT == libc::S_IFIFO).then_some(stat.st_ino)
+}
+
+/// Kills this process once the pipe `fd` has no writer left (or, should one ever write, has
+/// data): at once if so already, else from a thread.
+fn watch(fd: RawFd) -> Result<bool, String> {
+    if launcher_gone(fd, 0) == Some(true) {
+        kill_self();
     }
-    let fd = fd as libc::c_int;
     std::thread::Builder::new()
         .name("ddp-launcher-watch".into())
-        .spawn(move || loop {
-            let mut poll = libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd, for a descriptor this thread owns and never closes.
-            let ready = unsafe { libc::poll(&mut poll, 1, -1) };
-            if ready > 0 {
+        .spawn(move || {
+            // poll cannot fail on one valid descriptor but for EINTR; should it, the rank
+            // stays alive rather than spin.
+            if launcher_gone(fd, -1) == Some(true) {
                 kill_self();
-            }
-            if ready < 0
-                && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted
-            {
-                // poll cannot fail on one valid descriptor but for EINTR; should it, keep the
-                // rank alive rather than spin.
-                return;
             }
         })
         .map(|_| true)
         .map_err(|e| format!("cannot start the thread that watches the launcher: {e}"))
 }
 
+/// Whether the pipe `fd` is readable within `timeout_ms` (-1: no limit); `None` if poll fails.
+fn launcher_gone(fd: RawFd, timeout_ms: libc::c_int) -> Option<bool> {
+    loop {
+        let mut poll = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, for a descriptor this process never closes.
+        let ready = unsafe { libc::poll(&mut poll, 1, timeout_ms) };
+        if ready >= 0 {
+            return Some(ready > 0);
+        }
+        if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return None;
+        }
+    }
+}
+
 fn kill_self() {
-    // SAFETY: kill(2) on this process; no memory is involved.
-    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    // SAFETY: kill(2) on this process, then _exit(2): no memory is involved.
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+        // The first process of a pid namespace (a rank under `unshare --pid --fork`) ignores
+        // its own SIGKILL: it ends as a shell reports a process killed so.
+        libc::_exit(128 + libc::SIGKILL);
+    }
 }

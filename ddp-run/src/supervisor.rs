@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::env::DEFAULT_MASTER_PORT;
 use crate::error::{LOG_DIR_FLAG, MASTER_PORT_FLAG};
+use crate::lifeline::Lifeline;
 use crate::rank_env::RankEnv;
 use crate::signals::{SignalWatch, FORWARDED};
 use crate::{LaunchConfig, LaunchError};
@@ -304,6 +305,15 @@ impl Attempt<'_> {
         }
         let launcher = std::process::id();
         cmd.env(crate::env::DDP_LAUNCHER_PID, launcher.to_string());
+        let spawn_failed = |source| LaunchError::Spawn {
+            rank,
+            program: program_name(&config.program),
+            hint: spawn_hint(&config.program, &source),
+            source,
+        };
+        let lifeline = Lifeline::get().map_err(spawn_failed)?;
+        cmd.env(crate::env::DDP_LAUNCHER_LIFELINE, lifeline.value());
+        let lifeline = lifeline.read_end();
         // Each node's launcher restarts its ranks on its own: a restarted rank must meet
         // rank 0 of its own attempt, not the previous one still running on another node.
         cmd.env(
@@ -311,7 +321,7 @@ impl Attempt<'_> {
             env.restart_count.to_string(),
         );
         // SAFETY: between fork and exec the closure calls only async-signal-safe functions
-        // (setsid, prctl, getppid, _exit) and allocates nothing.
+        // (setsid, prctl, getppid, _exit, fcntl) and allocates nothing.
         unsafe {
             cmd.pre_exec(move || {
                 // A session of its own, as torchrun's workers: the launcher signals the rank
@@ -328,15 +338,14 @@ impl Attempt<'_> {
                 if libc::getppid() as u32 != launcher {
                     libc::_exit(1);
                 }
+                // The rank, and what it starts, inherit the lifeline's read end.
+                if libc::fcntl(lifeline, libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
-            rank,
-            program: program_name(&config.program),
-            hint: spawn_hint(&config.program, &source),
-            source,
-        })?;
+        let mut child = cmd.spawn().map_err(spawn_failed)?;
         let log_path = config
             .log_dir
             .as_ref()

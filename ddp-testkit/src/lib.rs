@@ -10,7 +10,8 @@
 //! - [`script`]: an executable shell script, safe to run at once.
 //! - [`ignored_test`], [`assert_passed`]: one ignored test of this binary, in a process of its
 //!   own.
-//! - [`procs`]: what `/proc` says of processes (children, liveness, environment).
+//! - [`procs`]: what `/proc` says of processes (children, liveness, environment);
+//!   [`in_new_pid_namespace`], a program as the first process of a pid namespace.
 //! - [`setup_python`]: the Python of `cargo xtask setup` (with torch), for tests that run
 //!   PyTorch next to our code; [`venv_python`], any Python that sees its own packages only.
 //!
@@ -425,6 +426,24 @@ pub fn kill(pid: u32, signal: i32) {
     // SAFETY: kill(2) has no memory effects; at worst the pid names no process.
     unsafe {
         libc::kill(pid as libc::pid_t, signal);
+    }
+}
+
+/// `unshare --user --map-root-user --pid --fork`, the start of a command line that runs the
+/// program after it as the first process of a new pid namespace (`/proc` stays this one's);
+/// or why this machine does not allow it, for the test to print as it skips.
+pub fn in_new_pid_namespace() -> Result<[&'static str; 5], String> {
+    let prefix = ["unshare", "--user", "--map-root-user", "--pid", "--fork"];
+    let allowed = Command::new(prefix[0])
+        .args(&prefix[1..])
+        .arg("true")
+        .output();
+    match allowed {
+        Ok(o) if o.status.success() => Ok(prefix),
+        other => Err(format!(
+            "`{}` is not allowed here: {other:?}",
+            prefix.join(" ")
+        )),
     }
 }
 
