@@ -4,7 +4,8 @@
 //! are, with `PR_SET_PDEATHSIG` so that the kernel kills it when the launcher dies, however the
 //! launcher dies. Ranks are watched with `waitid(WNOWAIT)`, which sees an exit without reaping
 //! it, each by a thread of its own that notes when (the first rank to fail is named): until the launcher reaps a rank, its pid (and so its process group id) cannot be reused,
-//! so signalling the group can only reach that rank and what it started.
+//! nor, once reaped, while a process is left in its group, so signalling the group can only
+//! reach that rank and what it started.
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
@@ -163,6 +164,50 @@ struct Rank {
 }
 
 impl Rank {
+    /// Reaps the rank's process, which has exited or been killed.
+    fn reap(&mut self) {
+        // Its waitid has returned, or will now that the rank has exited: reaping before it
+        // returned could let it wait on a new process given the same pid.
+        if let Some(waiter) = self.waiter.take() {
+            let _ = waiter.join();
+        }
+        if let Ok(status) = self.child.wait() {
+            if self.exit.is_none() {
+                use std::os::unix::process::ExitStatusExt;
+                self.exit = status
+                    .code()
+                    .map(Exit::Code)
+                    .or(status.signal().map(Exit::Signal));
+            }
+        }
+    }
+
+    /// Whether nothing of the rank is left: its process has exited and its process group is
+    /// empty (a wrapper's program may still be writing its checkpoint). Reaps the process
+    /// once it has exited (the group keeps its number from reuse while anything is left in
+    /// it), and the group's processes that became the launcher's children as orphans (when it
+    /// is its pid namespace's first process), which would stay in the group as zombies.
+    fn gone(&mut self) -> bool {
+        if self.exit.is_none() {
+            self.exit = peek_exit(self.child.id()).ok().flatten();
+        }
+        if self.exit.is_none() {
+            return false;
+        }
+        self.reap();
+        let group = self.child.id() as libc::id_t;
+        // SAFETY: waitid with WNOHANG on this process's own children of the group (the rank's
+        // process is reaped already), into a zeroed siginfo_t.
+        while unsafe {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            let flags = libc::WEXITED | libc::WNOHANG;
+            libc::waitid(libc::P_PGID, group, &mut info, flags) == 0 && info.si_pid() != 0
+        } {}
+        // SAFETY: kill(2) with signal 0 only checks for the group's processes.
+        let empty = unsafe { libc::kill(-(group as libc::pid_t), 0) } != 0;
+        empty && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    }
+
     /// How this rank, which has ended, failed: its exit and last lines.
     fn failure(&self) -> RankFailure {
         let tail = self
@@ -575,9 +620,10 @@ fn kill_group(pid: u32, signal: i32) {
 /// Ends an attempt: `signal` to every rank's process group, then SIGCONT (a stopped rank,
 /// SIGSTOP or a debugger's, acts on the signal only once continued, as a shell's `kill`
 /// does for stopped jobs), SIGKILL to what is left after `timeout` (or at once when every
-/// rank has exited, or when another signal arrives meanwhile: a second Ctrl-C escalates),
-/// then reaps the ranks and lets their output threads finish. Returns the ranks it killed
-/// (still running then), and whether a second signal, not the timeout, ended the wait.
+/// rank is [gone](Rank::gone), wrappers' programs included, or when another signal arrives
+/// meanwhile: a second Ctrl-C escalates), then reaps the ranks and lets their output threads
+/// finish. Returns the ranks it killed (something of them still running then), and whether a
+/// second signal, not the timeout, ended the wait.
 fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) -> (Vec<usize>, bool) {
     // A signal that arrives while the ranks are given time to end (a second Ctrl-C) ends the
     // wait: they are killed at once.
@@ -588,26 +634,25 @@ fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) -> (Vec<usize>, bool
     }
     // (No deadline where it would not fit in an `Instant`: `validate` bounds the timeout.)
     let deadline = Instant::now().checked_add(timeout);
+    let mut gone = vec![false; ranks.len()];
     let escalated = loop {
-        for r in ranks.iter_mut().filter(|r| r.exit.is_none()) {
-            r.exit = peek_exit(r.child.id()).ok().flatten();
+        for (r, gone) in ranks.iter_mut().zip(gone.iter_mut()).filter(|(_, g)| !**g) {
+            *gone = r.gone();
         }
         let again = crate::signals::received_total() != signals_before;
         let late = deadline.is_some_and(|d| Instant::now() >= d);
-        let all_ended = ranks.iter().all(|r| r.exit.is_some());
+        let all_ended = gone.iter().all(|&g| g);
         if all_ended || late || again {
             // A second signal in the poll in which the last rank ended killed nothing.
             break again && !late && !all_ended;
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    let killed = ranks
-        .iter()
-        .filter(|r| r.exit.is_none())
-        .map(|r| r.rank)
-        .collect();
-    // Rank processes still running, and whatever the ranks started in their groups.
-    for r in ranks.iter() {
+    let left = || ranks.iter().zip(&gone).filter(|(_, &g)| !g).map(|(r, _)| r);
+    let killed = left().map(|r| r.rank).collect();
+    // Rank processes still running, and whatever the ranks started in their groups (a group
+    // once empty is not signalled: its number may be another's now).
+    for r in left() {
         kill_group(r.child.id(), libc::SIGKILL);
     }
     reap(ranks);
@@ -618,20 +663,7 @@ fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) -> (Vec<usize>, bool
 /// the last lines.
 fn reap(ranks: &mut [Rank]) {
     for r in ranks.iter_mut() {
-        // Its waitid has returned, or will now that the rank has exited: reaping before it
-        // returned could let it wait on a new process given the same pid.
-        if let Some(waiter) = r.waiter.take() {
-            let _ = waiter.join();
-        }
-        if let Ok(status) = r.child.wait() {
-            if r.exit.is_none() {
-                use std::os::unix::process::ExitStatusExt;
-                r.exit = status
-                    .code()
-                    .map(Exit::Code)
-                    .or(status.signal().map(Exit::Signal));
-            }
-        }
+        r.reap();
     }
     // The pipes close once every process holding them is gone; a process that left the
     // rank's group could keep one open, so the wait for the last lines is bounded.

@@ -536,6 +536,70 @@ fn ranks_killed_in_the_middle_of_their_stop_are_named_with_the_timeout() {
     );
 }
 
+/// A rank behind a wrapper (`sh -c 'prog; true'`): the wrapper dies of the forwarded SIGTERM
+/// at once, and its program still gets the time to stop (torchrun kills only the processes
+/// it started that are still running).
+#[test]
+fn a_wrappers_program_gets_the_time_to_stop_after_the_wrapper_died() {
+    let dir = temp_dir("ddp-run-term-wrapped");
+    let d = dir.path().display();
+    let program = format!(
+        r#"trap "sleep 1; touch {d}/done$RANK; exit 75" TERM
+           echo $$ > {d}/pid$RANK
+           while :; do sleep 0.1; done"#
+    );
+    let script = format!("sh -c '{program}'; true");
+    let child = two_ranks_command(&dir.path().join("logs"), &["sh", "-c", &script])
+        .spawn()
+        .unwrap();
+    let launcher = child.id();
+    let programs = wait_for_pids(dir.path());
+    ddp_testkit::kill(launcher, libc::SIGTERM);
+    let out = wait_bounded(child, LIMIT);
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out));
+    assert!(!stderr(&out).contains("killed"), "{}", text(&out));
+    for (rank, pid) in programs.into_iter().enumerate() {
+        assert!(
+            dir.path().join(format!("done{rank}")).exists(),
+            "{}",
+            text(&out)
+        );
+        assert!(!procs::alive(pid));
+    }
+}
+
+/// The same with the launcher as its pid namespace's first process (`docker run image
+/// ddp-run ...`), to which the wrapper's program is orphaned: it reaps it, instead of
+/// waiting out the shutdown timeout for a zombie to leave the rank's group.
+#[test]
+fn a_launcher_with_pid_1_reaps_a_wrappers_orphaned_program() {
+    let unshare = match ddp_testkit::in_new_pid_namespace() {
+        Ok(unshare) => unshare,
+        Err(why) => return eprintln!("skipped: {why}"),
+    };
+    let dir = temp_dir("ddp-run-term-pid1");
+    let d = dir.path().display();
+    let program = format!(r#"trap "exit 75" TERM; touch {d}/up; while :; do sleep 0.1; done"#);
+    let script = format!("sh -c '{program}'; true");
+    let child = Command::new(unshare[0])
+        .args(&unshare[1..])
+        .args([DDP_RUN, "--nproc-per-node", "1", "--shutdown-timeout", "60"])
+        .args(["sh", "-c", &script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("the program is up", LIMIT, || {
+        dir.path().join("up").exists()
+    });
+    let launcher = procs::children_of(child.id());
+    assert_eq!(launcher.len(), 1);
+    ddp_testkit::kill(launcher[0], libc::SIGTERM);
+    let out = wait_bounded(child, LIMIT);
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out));
+    assert!(!stderr(&out).contains("killed"), "{}", text(&out));
+}
+
 #[test]
 fn a_signal_that_some_ranks_answer_with_75_and_the_others_with_0_ends_as_stopped() {
     let dir = temp_dir("ddp-run-term-mixed");
