@@ -385,6 +385,11 @@ pub fn describe_error(error: &anyhow::Error) -> String {
 /// backtrace, and exit code 1. When starting the ranks: `ddp-run`'s exit status for the job,
 /// or `error: ...` and 1 when they cannot be started (among others in a process that is
 /// already a launcher's rank).
+///
+/// As one rank, the stop signals are watched from before `body` runs (unless the settings
+/// say `eval_only` or not `stop_on_signals`), so that one that comes while the body opens
+/// its data is taken at the first step of the body's Trainer, which adopts the watch. One
+/// that no Trainer took ends the process, as unwatched, when `body` returns.
 pub fn run<D>(args: &TrainArgs<D>, body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     run_checked(args, || Ok(()), body)
 }
@@ -396,6 +401,29 @@ pub fn run_checked<D>(
     args: &TrainArgs<D>,
     check: impl FnOnce() -> anyhow::Result<()>,
     body: impl FnOnce() -> anyhow::Result<()>,
+) -> ExitCode {
+    let runtime = &args.settings.runtime;
+    let watch = runtime.stop_on_signals && !args.settings.checkpoint.eval_only;
+    run_with(args, check, body, watch)
+}
+
+/// [`run_checked`] for a program that runs a trained model without training it (ODIR's
+/// `predict` and `evaluate`): it has no checkpoint to stop at, so the stop signals keep
+/// their action (by default, ending the process) while `body` runs.
+pub fn run_inference<D>(
+    args: &TrainArgs<D>,
+    check: impl FnOnce() -> anyhow::Result<()>,
+    body: impl FnOnce() -> anyhow::Result<()>,
+) -> ExitCode {
+    run_with(args, check, body, false)
+}
+
+/// [`run_checked`], with the stop signals watched before `body` when `watch`.
+fn run_with<D>(
+    args: &TrainArgs<D>,
+    check: impl FnOnce() -> anyhow::Result<()>,
+    body: impl FnOnce() -> anyhow::Result<()>,
+    watch: bool,
 ) -> ExitCode {
     let result = match args.nproc_per_node {
         // Settings every rank would refuse are refused here, before any rank starts (and
@@ -412,7 +440,15 @@ pub fn run_checked<D>(
         None => args
             .validate()
             .map_err(anyhow::Error::from)
-            .and_then(|()| body())
+            .and_then(|()| {
+                // Dropped after the body: ends the watch if no Trainer adopted it.
+                let _until_trainer = if watch {
+                    Some(crate::stop::watch_until_trainer().map_err(anyhow::Error::msg)?)
+                } else {
+                    None
+                };
+                body()
+            })
             .map(|()| ExitCode::SUCCESS),
     };
     finish(result)

@@ -26,12 +26,12 @@ fn main() -> ExitCode {
             ddp_train::cli::run_checked(&config.train, || valid(&config), || run(&config))
         }
         Invocation::Command(command) => match *command {
-            OdirCommand::Predict(args) => ddp_train::cli::run_checked(
+            OdirCommand::Predict(args) => ddp_train::cli::run_inference(
                 &args.config.train,
                 || valid(&args.config),
                 || predict(&args),
             ),
-            OdirCommand::Evaluate(args) => ddp_train::cli::run_checked(
+            OdirCommand::Evaluate(args) => ddp_train::cli::run_inference(
                 &args.config.train,
                 || valid(&args.config),
                 || evaluate(&args),
@@ -215,8 +215,30 @@ fn with_skip_hint(error: anyhow::Error, config: &TrainConfig) -> anyhow::Error {
     }
 }
 
+/// For the fault tests, with the `fault-injection` feature only: `DDP_TRAIN_OPEN_DATA_AFTER=
+/// <file>` holds the rank before it opens its data until `<file>` exists (a minute at most),
+/// after saying so on stderr, so that a test can signal a rank that is opening its data.
+fn hold_before_opening_data() {
+    if !cfg!(feature = "fault-injection") {
+        return;
+    }
+    let Some(file) = std::env::var_os("DDP_TRAIN_OPEN_DATA_AFTER") else {
+        return;
+    };
+    let file = std::path::PathBuf::from(file);
+    tracing::warn!(
+        "injected hold: waiting for {} before opening the data",
+        file.display()
+    );
+    let start = std::time::Instant::now();
+    while !file.exists() && start.elapsed() < std::time::Duration::from_secs(60) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 fn run(config: &TrainConfig) -> Result<()> {
     config.validate()?;
+    hold_before_opening_data();
     let task = OdirTask::new(config)?;
     let settings = config.settings();
     let eval_only = settings.checkpoint.eval_only;

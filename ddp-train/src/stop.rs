@@ -82,6 +82,68 @@ pub(crate) fn watch_stop_signals() -> Result<SignalWatch, String> {
     })
 }
 
+/// The stop-signal watch that [`crate::cli::run`] starts before a training program's body
+/// runs (its task may take minutes to open the data), until a Trainer adopts it.
+static BEFORE_TRAINER: std::sync::Mutex<Option<SignalWatch>> = std::sync::Mutex::new(None);
+
+fn before_trainer() -> std::sync::MutexGuard<'static, Option<SignalWatch>> {
+    BEFORE_TRAINER.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Watches [`STOP_SIGNALS`] from now until the process's next Trainer adopts the watch
+/// ([`trainer_watch`]), so that a stop asked for meanwhile is taken at that Trainer's first
+/// step. The guard ends the watch if no Trainer adopted it.
+#[cfg(feature = "cli")]
+pub(crate) fn watch_until_trainer() -> Result<UntilTrainer, String> {
+    let watch = watch_stop_signals()?;
+    if let Some(earlier) = before_trainer().replace(watch) {
+        end_unadopted(earlier);
+    }
+    Ok(UntilTrainer(()))
+}
+
+/// Ends the watch of [`watch_until_trainer`] when dropped, unless a Trainer adopted it.
+#[cfg(feature = "cli")]
+pub(crate) struct UntilTrainer(());
+
+#[cfg(feature = "cli")]
+impl Drop for UntilTrainer {
+    fn drop(&mut self) {
+        let unadopted = before_trainer().take();
+        if let Some(watch) = unadopted {
+            end_unadopted(watch);
+        }
+    }
+}
+
+/// The stop-signal watch of a Trainer that watches the signals (`wanted`): the one
+/// [`watch_until_trainer`] started, with what it noticed, else a new one. A Trainer that
+/// does not watch them ends that watch.
+pub(crate) fn trainer_watch(wanted: bool) -> Result<Option<SignalWatch>, String> {
+    let earlier = before_trainer().take();
+    match (wanted, earlier) {
+        (true, Some(watch)) => Ok(Some(watch)),
+        (true, None) => watch_stop_signals().map(Some),
+        (false, earlier) => {
+            if let Some(watch) = earlier {
+                end_unadopted(watch);
+            }
+            Ok(None)
+        }
+    }
+}
+
+/// Ends `watch`, which no Trainer took: a stop signal it noticed takes, now, the action it
+/// would have taken unwatched (by default, ending the process).
+fn end_unadopted(watch: SignalWatch) {
+    let received = watch.received();
+    drop(watch);
+    if let Some(signal) = received {
+        // SAFETY: raise(3) takes a signal number and touches no memory of ours.
+        unsafe { libc::raise(signal) };
+    }
+}
+
 /// The time budget of a run: whether one more step or evaluation round (and what may follow
 /// it) still fits.
 #[derive(Debug)]

@@ -1243,14 +1243,74 @@ fn a_stop_asked_for_while_the_ranks_start_is_taken_at_the_first_step() {
     // SAFETY: kill(2) on a child this test started and has not waited for.
     assert_eq!(unsafe { libc::kill(first.id() as i32, libc::SIGTERM) }, 0);
     let outputs = wait_all(vec![first, rank(1)], Duration::from_secs(120));
-    for o in &outputs {
-        assert_eq!(o.status.code(), Some(75), "{}", text(o));
+    assert_stopped_at_the_first_step(&outputs, &out, "");
+}
+
+/// So is SIGTERM to a rank still opening its data, before its Trainer exists (a task's data
+/// can take minutes: `--skip-corrupt` decodes every image): `cli::run` watches the signals
+/// from before the program's body runs, for the Trainer to take at its first step. Rank 0 is
+/// held before it opens the data (the `fault-injection` build's `DDP_TRAIN_OPEN_DATA_AFTER`)
+/// until the signal has been sent.
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn a_stop_asked_for_while_a_rank_opens_its_data_is_taken_at_the_first_step() {
+    let tmp = temp_dir("stop-while-opening");
+    let dir = tmp.path();
+    let data = data(dir, 24);
+    let out = dir.join("run");
+    let (go, log) = (dir.join("go"), dir.join("rank-0.err"));
+    let args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    let port = free_port();
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            let mut cmd = rank_command(EXE, r, 2, port);
+            cmd.args(&args)
+                .env("DDP_RDZV_TIMEOUT_S", "60")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            if r == 0 {
+                cmd.env("DDP_TRAIN_OPEN_DATA_AFTER", &go)
+                    .stderr(std::fs::File::create(&log).unwrap());
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    let held = |t: &str| t.contains("before opening the data");
+    wait_for(
+        "rank 0 held before its data",
+        Duration::from_secs(60),
+        || std::fs::read_to_string(&log).is_ok_and(|t| held(&t)),
+    );
+    // SAFETY: kill(2) on a child this test started and has not waited for.
+    assert_eq!(
+        unsafe { libc::kill(ranks[0].id() as i32, libc::SIGTERM) },
+        0
+    );
+    std::fs::write(&go, "").unwrap();
+    let outputs = wait_all(ranks, Duration::from_secs(120));
+    let rank0_err = std::fs::read_to_string(&log).unwrap();
+    let rank0 = text(&outputs[0]);
+    assert!(
+        rank0.contains("stopping at epoch 1 step 0 (SIGTERM)"),
+        "{rank0}{rank0_err}"
+    );
+    assert_stopped_at_the_first_step(&outputs, &out, &rank0_err);
+}
+
+/// Every rank of `outputs` exited 75, and the run `out` has a checkpoint of its first step
+/// only. `more` is what rank 0 wrote elsewhere.
+fn assert_stopped_at_the_first_step(outputs: &[Output], out: &Path, more: &str) {
+    for o in outputs {
+        assert_eq!(o.status.code(), Some(75), "{}{more}", text(o));
     }
     let latest = std::fs::read_to_string(out.join("checkpoints/latest")).unwrap();
     assert_eq!(
         latest.trim(),
         "epoch-0001-step-000000",
-        "{}",
+        "{}{more}",
         text(&outputs[0])
     );
 }

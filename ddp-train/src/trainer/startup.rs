@@ -55,12 +55,10 @@ impl<T: Task> Trainer<T> {
         // From here on SIGTERM or SIGUSR1 (a scheduler's preemption, say) asks for a stop,
         // taken at the first step with a checkpoint, rather than ending the rank: the data
         // and the rendezvous can take minutes (`evaluate` takes it before a round of batches).
+        // Under `cli::run` the watch began before the program opened its data, and is adopted.
         // `eval_only` has nothing to continue from: the signals end it as before.
-        let signals = if settings.runtime.stop_on_signals && !settings.checkpoint.eval_only {
-            Some(crate::stop::watch_stop_signals().map_err(TrainError::Invalid)?)
-        } else {
-            None
-        };
+        let wanted = settings.runtime.stop_on_signals && !settings.checkpoint.eval_only;
+        let signals = crate::stop::trainer_watch(wanted).map_err(TrainError::Invalid)?;
         let continuing = resume_after_restart(&mut settings, env)?;
         // The intra-op threads: --threads, else OMP_NUM_THREADS, else the cores per rank.
         let (device, threads) = settings
