@@ -16,6 +16,8 @@ use ddp_data::DataError;
 use ddp_train::odir::{OdirCommand, OdirTask, TrainConfig, ODIR_TRAINING_ONLY};
 use ddp_train::{TrainError, Trainer};
 
+include!("../../shared-src/print_line.rs");
+
 fn main() -> ExitCode {
     ddp_train::malloc::keep_freed_memory();
     ddp_train::logging::init();
@@ -160,7 +162,7 @@ fn predict(args: &ddp_train::odir::PredictArgs) -> Result<()> {
             Some(entry) => format!(" with the model of the checkpoint's entry '{entry}'"),
             None => String::new(),
         };
-        println!(
+        print_line(format_args!(
             "predict: {} images of {} patients ({} from one eye) on {} rank(s){model}; \
              decisions at {thresholds}; wrote {}",
             p.images,
@@ -168,7 +170,7 @@ fn predict(args: &ddp_train::odir::PredictArgs) -> Result<()> {
             p.one_eye.len(),
             p.world_size,
             files.join(", ")
-        );
+        ));
     }
     Ok(())
 }
@@ -177,7 +179,7 @@ fn evaluate(args: &ddp_train::odir::EvaluateArgs) -> Result<()> {
     let e = ddp_train::odir::evaluate(args)?;
     if e.rank0 {
         let num = |k: &str| e.report.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
-        println!(
+        print_line(format_args!(
             "evaluate: {} images of {} patients: challenge score {:.4} (kappa {:.4}, F1 {:.4}, \
              AUC {:.4}); per image macro-F1 {:.4}, micro-F1 {:.4}; wrote {}",
             num("images"),
@@ -189,8 +191,8 @@ fn evaluate(args: &ddp_train::odir::EvaluateArgs) -> Result<()> {
             num("val_macro_f1"),
             num("val_micro_f1"),
             e.file.display()
-        );
-        println!("{}", serde_json::to_string(&e.report)?);
+        ));
+        print_line(serde_json::to_string(&e.report)?);
     }
     Ok(())
 }
@@ -247,7 +249,7 @@ fn run(config: &TrainConfig) -> Result<()> {
     if eval_only {
         let report = trainer.evaluate()?;
         if rank0 {
-            println!("{}", serde_json::to_string(&report)?);
+            print_line(serde_json::to_string(&report)?);
         }
         return Ok(());
     }
@@ -255,7 +257,7 @@ fn run(config: &TrainConfig) -> Result<()> {
         .run()
         .map_err(|e| with_skip_hint(anyhow::Error::new(e), config))?;
     if let (Some(last), true) = (reports.last(), rank0) {
-        println!(
+        print_line(format_args!(
             "done: {} epochs, final validation macro-F1 {:.3}, micro-F1 {:.3}, challenge score \
              {:.3}; run directory {}",
             last.epoch,
@@ -263,7 +265,7 @@ fn run(config: &TrainConfig) -> Result<()> {
             last.metric("val_micro_f1").unwrap_or(f64::NAN),
             last.metric("odir_score").unwrap_or(f64::NAN),
             trainer.out_dir().display()
-        );
+        ));
     }
     Ok(())
 }

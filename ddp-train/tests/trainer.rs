@@ -1315,6 +1315,33 @@ fn assert_stopped_at_the_first_step(outputs: &[Output], out: &Path, more: &str) 
     );
 }
 
+/// A reader that has gone (`ddp-train ... | head -1`) costs the lines it would have read, not
+/// the run: the last line on the closed stdout (`done: ...`) is dropped, where `println!`
+/// would panic with exit code 101.
+#[test]
+fn a_run_whose_stdout_is_closed_ends_as_it_would_without_panicking() {
+    let tmp = temp_dir("closed-stdout");
+    let dir = tmp.path();
+    let data = data(dir, 24);
+    let out = dir.join("run");
+    let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    args[3] = "1";
+    let (reader, closed) = std::io::pipe().unwrap();
+    drop(reader);
+    let child = Command::new(EXE)
+        .args(&args)
+        .args(["--threads", "1", "--workers", "1"])
+        .stdout(closed)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let output = wait_bounded(child, Duration::from_secs(120));
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(metrics_without_timing(&out).len(), 1, "{err}");
+}
+
 /// Without `--collective-timeout`, a rank's collectives time out after ddp-comm's
 /// `DDP_OP_TIMEOUT_S`: here 1 s, while rank 1 takes 4 s for its first step.
 #[test]

@@ -17,6 +17,8 @@ use clap::CommandFactory;
 use ddp_run::cli::{NodeArgs, Wording};
 use ddp_run::{Event, LaunchConfig, Outcome, RankFailure};
 
+include!("../../shared-src/print_line.rs");
+
 /// Options of `cargo xtask train`; every argument after them goes to `ddp-train`.
 #[derive(Debug, Clone, clap::Args)]
 #[command(after_help = "Every other argument is passed to each ddp-train rank \
@@ -261,12 +263,12 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     };
     if !has_flag(&rest, "--data") {
         let data = synthetic_sample(root, &cache, args.gen_data_bin.as_deref())?;
-        println!(
+        print_line(format_args!(
             "xtask: no --data given: training on the built-in synthetic ODIR sample ({} images) \
              in {}",
             SAMPLE_IMAGES,
             data.display()
-        );
+        ));
         let data = utf8("the synthetic sample's folder", &data)?.to_owned();
         rest.extend(["--data".into(), data]);
         sample_flags(&mut rest);
@@ -281,7 +283,7 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     config.omp_num_threads = Some(threads);
 
     if let Some(warning) = config.secret_warning() {
-        eprintln!("xtask: {warning}");
+        eprint_line(format_args!("xtask: {warning}"));
     }
     let wording = wording();
     let outcome = ddp_run::launch(&config, |event| match event {
@@ -290,20 +292,20 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
             master_addr,
             master_port,
             ..
-        } => println!(
+        } => print_line(format_args!(
             "xtask: starting {nproc} {device} rank(s) on node {}/{} (world size {world_size}), \
              rendezvous at {master_addr}:{master_port}, {threads} thread(s) each, run \
              directory {}",
             config.node_rank,
             config.nnodes,
             out.display()
-        ),
+        )),
         Event::RankFailed(failure) => {
             for line in ddp_run::cli::failure_lines("xtask", failure) {
-                eprintln!("{line}");
+                eprint_line(line);
             }
             if let Some(advice) = cuda_advice(device, failure) {
-                eprintln!("xtask: {advice}");
+                eprint_line(format_args!("xtask: {advice}"));
             }
         }
         Event::Restarting {
@@ -313,34 +315,36 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
             let from = std::fs::read_to_string(out.join("checkpoints/latest"))
                 .map(|s| format!("checkpoint {}", s.trim()))
                 .unwrap_or_else(|_| "the start (no checkpoint yet)".into());
-            eprintln!("xtask: restart {restart}/{max_restarts} of the whole group from {from}");
+            eprint_line(format_args!(
+                "xtask: restart {restart}/{max_restarts} of the whole group from {from}"
+            ));
         }
     })
     .map_err(|e| wording.reword(e))?;
     match &outcome {
         Outcome::Succeeded { .. } => {
-            println!(
+            print_line(format_args!(
                 "xtask: all {nproc} rank(s) finished; run directory {}",
                 out.display()
-            );
+            ));
             let curves = out.join("curves.png");
             if curves.exists() {
-                println!(
+                print_line(format_args!(
                     "xtask: curves in {}, metrics in {}",
                     curves.display(),
                     out.join("metrics.jsonl").display()
-                );
+                ));
             }
         }
         Outcome::Failed { restarts, .. } if *restarts > 0 => {
-            eprintln!("xtask: giving up after {restarts} restart(s)");
+            eprint_line(format_args!("xtask: giving up after {restarts} restart(s)"));
         }
         Outcome::Failed { .. } => {}
         Outcome::Interrupted { .. } => {
             let timeout = config.shutdown_timeout;
             let longer = &wording.longer_shutdown;
             for line in ddp_run::cli::interruption_lines("xtask", &outcome, timeout, longer) {
-                eprintln!("{line}");
+                eprint_line(line);
             }
         }
         Outcome::Stopped { .. } => {
@@ -348,13 +352,13 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
                 .map(|s| format!("checkpoint {}", s.trim()))
                 .unwrap_or_else(|_| "its checkpoint".into());
             match &args.out {
-                Some(_) => eprintln!(
+                Some(_) => eprint_line(format_args!(
                     "xtask: every rank stopped at {at}; the same command continues the run in {}",
                     out.display()
-                ),
+                )),
                 // A start without --out makes a new run directory: say the command that
                 // goes back to this one.
-                None => eprintln!(
+                None => eprint_line(format_args!(
                     "xtask: every rank stopped at {at}; this command continues the run in {}:\n  \
                      {}",
                     out.display(),
@@ -365,7 +369,7 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
                             .collect::<Vec<_>>(),
                         &out
                     )
-                ),
+                )),
             }
         }
     }
@@ -439,7 +443,7 @@ fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
 /// Builds binary `name` with `cargo build --release --quiet ARGS` and returns its path, as
 /// cargo reports it.
 pub fn build_release(root: &Path, name: &str, args: &[&str]) -> Result<PathBuf> {
-    println!("xtask: building {name} (release)");
+    print_line(format_args!("xtask: building {name} (release)"));
     let mut all = vec!["build", "--release", "--quiet"];
     all.extend(args);
     crate::artifact::build(root, &all, "bin", name)
@@ -509,10 +513,10 @@ fn synthetic_sample(root: &Path, cache: &Path, bin: Option<&Path>) -> Result<Pat
     }
     std::fs::create_dir_all(cache).with_context(|| format!("cannot create {}", cache.display()))?;
     let tmp = RemoveOnDrop(temporary(cache));
-    println!(
+    print_line(format_args!(
         "xtask: generating the synthetic ODIR sample (once) into {}",
         dir.display()
-    );
+    ));
     generate_sample(root, bin, &tmp.0, SAMPLE_IMAGES, SAMPLE_SIZE, SAMPLE_SEED)?;
     mark_complete(&tmp.0)?;
     if dir.exists() && !is_complete(&dir) {
