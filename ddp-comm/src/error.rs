@@ -55,7 +55,7 @@ pub enum CommError {
         addr: SocketAddr,
     },
     /// An address could not be resolved or bound.
-    #[error("address {addr}: {source}")]
+    #[error("address {addr}")]
     Address {
         /// The address as given.
         addr: String,
@@ -81,7 +81,7 @@ pub enum CommError {
     },
     /// The store (rank 0's, or torchrun's agent store), or a ring neighbour, could not be
     /// reached.
-    #[error("cannot reach {addr} within {timeout:?}: {source}")]
+    #[error("cannot reach {addr} within {timeout:?}")]
     StoreUnreachable {
         /// What was not reached and its address (`the rendezvous store at HOST:PORT`).
         addr: String,
@@ -238,7 +238,7 @@ pub enum CommError {
     #[error(transparent)]
     Load(#[from] nccl_sys::LoadError),
     /// Any other I/O error.
-    #[error("{context}: {source}")]
+    #[error("{context}")]
     Io {
         /// What was being done.
         context: String,
@@ -394,6 +394,17 @@ impl CommError {
     }
 }
 
+/// `err` and its causes, `message: cause: cause`, for where an error is kept as text (a
+/// poisoned group's reason, another rank's abort, a log line): a message says its own level
+/// only, and its cause is its `source()`.
+pub(crate) fn with_causes(err: &(dyn std::error::Error + 'static)) -> String {
+    let chain = std::iter::successors(Some(err), |&e| e.source());
+    chain
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
 /// What a rendezvous timeout adds when rank 0's store refused connections meanwhile.
 fn turned_away_hint(turned_away: usize) -> String {
     if turned_away == 0 {
@@ -404,4 +415,43 @@ fn turned_away_hint(turned_away: usize) -> String {
          as a rank whose job secret differs does: every node must have the same DDP_SECRET \
          (or, without it, the same key file, DDP_SECRET_FILE or ~/.config/ddp/secret)"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error;
+    use std::io;
+
+    /// Each error with an OS cause says its own level only and hands out the cause as its
+    /// source, so that a chain of causes (`with_causes`, anyhow's `{:#}`) says it once.
+    #[test]
+    fn a_message_leaves_its_cause_to_source() {
+        let cause = || io::Error::other("connection refused by the test");
+        let errors = [
+            CommError::Address {
+                addr: "master-0:29500".into(),
+                source: cause(),
+            },
+            CommError::StoreUnreachable {
+                addr: "the rendezvous store at 10.0.0.1:29500".into(),
+                timeout: Duration::from_secs(3),
+                source: cause(),
+            },
+            CommError::io("ring socket", cause()),
+        ];
+        let expected = [
+            "address master-0:29500",
+            "cannot reach the rendezvous store at 10.0.0.1:29500 within 3s",
+            "ring socket",
+        ];
+        for (err, expected) in errors.iter().zip(expected) {
+            let source = err.source().expect("a source").to_string();
+            assert_eq!(source, "connection refused by the test");
+            assert_eq!(err.to_string(), expected);
+            let text = with_causes(err);
+            assert_eq!(text, format!("{expected}: {source}"));
+            assert_eq!(text.matches(&source).count(), 1, "{text}");
+        }
+    }
 }

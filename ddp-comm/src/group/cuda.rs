@@ -59,7 +59,7 @@ impl ProcessGroup {
                 Ok(guard)
             }
             Err(e) => {
-                let _ = self.nccl_failed.set(e.to_string());
+                let _ = self.nccl_failed.set(crate::error::with_causes(&e));
                 Err(e)
             }
         }

@@ -632,6 +632,7 @@ fn start_heartbeat(plan: &Plan, op_timeout: Duration, met: &rendezvous::Met) -> 
     match rendezvous::connector(plan, met.server.as_ref(), timeout) {
         Ok(connect) => Heartbeat::start(rank, world, op_timeout, info, connect),
         Err(e) => {
+            let e = crate::error::with_causes(&e);
             tracing::warn!("ddp-comm: rank {rank} runs without a heartbeat: {e}");
             Heartbeat::without_thread(rank, world, format!("the store is unreachable: {e}"))
         }

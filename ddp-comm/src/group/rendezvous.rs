@@ -175,7 +175,7 @@ fn aborted(store: &mut dyn Store) -> Result<(), CommError> {
 }
 
 fn abort(store: &mut dyn Store, err: CommError) -> CommError {
-    let _ = store.set(ABORT_KEY, err.to_string().as_bytes());
+    let _ = store.set(ABORT_KEY, crate::error::with_causes(&err).as_bytes());
     err
 }
 
@@ -187,7 +187,8 @@ fn abort(store: &mut dyn Store, err: CommError) -> CommError {
 fn tell_the_others(store: &mut dyn Store, rank: usize, err: CommError) -> CommError {
     match aborted(store) {
         Ok(()) => {
-            let _ = store.set(ABORT_KEY, format!("rank {rank}: {err}").as_bytes());
+            let why = format!("rank {rank}: {}", crate::error::with_causes(&err));
+            let _ = store.set(ABORT_KEY, why.as_bytes());
             err
         }
         Err(theirs @ CommError::Rendezvous { .. }) => theirs,
@@ -748,14 +749,10 @@ mod tests {
         }
     }
 
-    /// torchrun's agent store takes anyone's writes: an `addr/1` that does not carry the
-    /// job's tag for that very key and group (none, another secret's, another key's, another
-    /// group's) is refused naming the key, and a tagged one is read.
-    #[test]
-    fn a_forged_address_in_the_agent_store_is_refused() {
-        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), secret("a")).unwrap();
+    /// Connections to `server`, with secret `a`, for 10 s.
+    fn client_of(server: &StoreServer) -> impl Fn() -> StoreClient + '_ {
         let deadline = deadline_after(Duration::from_secs(10));
-        let client = || {
+        move || {
             StoreClient::connect(
                 &[server.local_addr()],
                 &secret("a"),
@@ -763,7 +760,16 @@ mod tests {
                 Duration::from_secs(5),
             )
             .unwrap()
-        };
+        }
+    }
+
+    /// torchrun's agent store takes anyone's writes: an `addr/1` that does not carry the
+    /// job's tag for that very key and group (none, another secret's, another key's, another
+    /// group's) is refused naming the key, and a tagged one is read.
+    #[test]
+    fn a_forged_address_in_the_agent_store_is_refused() {
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), secret("a")).unwrap();
+        let client = client_of(&server);
         let prefix = "/ddp-comm/job/0/0/";
         let signed = |secret: Secret, prefix: &str| Signed::new(client(), secret, prefix.into());
         let mut rank = signed(secret("c"), prefix);
@@ -965,5 +971,26 @@ mod tests {
         assert!(key.starts_with("host:") && key.contains("net:["), "{key}");
         assert_eq!(key, host_key(None));
         assert_eq!(host_key(Some("node-7")), "id:node-7");
+    }
+
+    /// A rank's failure reaches the others through the store with its cause, which its
+    /// message leaves to `source()`.
+    #[test]
+    fn the_others_read_a_failure_with_its_cause() {
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), secret("a")).unwrap();
+        let client = client_of(&server);
+        let cause = std::io::Error::other("too many open files");
+        let failed = CommError::io("ring listener", cause);
+        assert!(matches!(
+            tell_the_others(&mut client(), 1, failed),
+            CommError::Io { .. }
+        ));
+        match aborted(&mut client()) {
+            Err(CommError::Rendezvous { detail, .. }) => assert_eq!(
+                detail,
+                "another rank aborted: rank 1: ring listener: too many open files"
+            ),
+            other => panic!("expected the abort of rank 1, got {other:?}"),
+        }
     }
 }

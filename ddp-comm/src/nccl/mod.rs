@@ -391,7 +391,8 @@ impl NcclComm {
     fn abort(&mut self, err: CommError) -> CommError {
         self.heartbeat.mark_failed();
         let (nccl, comm) = (self.nccl, self.comm);
-        self.inflight.aborted().abort_with(err.to_string(), || {
+        let why = crate::error::with_causes(&err);
+        self.inflight.aborted().abort_with(why, || {
             // SAFETY: `comm` is live; after abort it is never used again (every path to
             // NCCL checks `inflight.is_aborted()` first, and the flag is set now).
             unsafe { (nccl.ncclCommAbort)(comm) };

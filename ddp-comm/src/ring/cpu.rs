@@ -168,7 +168,7 @@ impl CpuBackend {
     }
 
     fn poison(&mut self, err: CommError) -> CommError {
-        self.fail(err.to_string());
+        self.fail(crate::error::with_causes(&err));
         err
     }
 

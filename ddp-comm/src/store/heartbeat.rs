@@ -267,8 +267,9 @@ impl Heartbeat {
                 found.not_responding.push(0);
             }
             found.store_silent = Some(format!(
-                "the rendezvous store at {}{rank0} did not answer: {e}",
-                store.addr
+                "the rendezvous store at {}{rank0} did not answer: {}",
+                store.addr,
+                crate::error::with_causes(&e)
             ));
         };
         if probe.is_none() {
@@ -412,6 +413,7 @@ fn beat_loop(rank: usize, interval: Duration, shared: &Shared, connector: &Conne
         if let Err(e) = written {
             conn = None;
             if !warned && !stopping {
+                let e = crate::error::with_causes(&e);
                 tracing::warn!("ddp-comm: rank {rank}'s heartbeat could not be written: {e}");
                 warned = true;
             }
