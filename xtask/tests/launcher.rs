@@ -86,6 +86,50 @@ i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
     assert!(!t.contains("last lines of"), "{t}");
 }
 
+/// A reader that has gone (`cargo xtask train ... | head -1`) is no reason to stop
+/// supervising: once its stdout is closed, the launcher still restarts the group after a
+/// failure (where it says so on stdout again), and ends as the job did, without a panic.
+#[test]
+fn a_launcher_whose_stdout_closed_still_restarts_and_succeeds() {
+    let dir = temp_dir("xtask-closed-stdout");
+    let out = dir.path().join("run");
+    let go = dir.path().join("go");
+    // Every rank fails in the first attempt, once `go` exists, and succeeds in the second.
+    let rank = rank_script(
+        dir.path(),
+        &format!(
+            r#"if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then
+  i=0; while [ ! -e '{}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; exit 3
+fi"#,
+            go.display()
+        ),
+    );
+    let launch = ["--cpus", "2", "--grace", "2", "--max-restarts", "1"];
+    let mut child = launcher_of(&rank, &launch, dir.path(), &out, &[], &[])
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.starts_with("xtask: starting") {
+        line.clear();
+        let read = std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+        assert_ne!(
+            read, 0,
+            "the launcher's stdout ended before it started the ranks"
+        );
+    }
+    drop(stdout);
+    std::fs::write(&go, "").unwrap();
+    let output = wait_bounded(child, Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("xtask: restart 1/1 of the whole group from the start"),
+        "{err}"
+    );
+}
+
 /// Where nvidia-smi lists GPUs that CUDA cannot use (a driver older than libtorch's CUDA),
 /// the launcher chose cuda ranks by itself, and each rank's advice names ddp-train's
 /// `--device`, which the launcher refuses: it says its own way to CPU ranks.
