@@ -8,8 +8,6 @@
 //! backend is found at run time through the device-guard registry that `libc10_cuda` fills
 //! when it is loaded.
 
-use std::path::PathBuf;
-
 include!("../build-support/libtorch.rs");
 
 const SOURCES: [&str; 6] = [
@@ -22,35 +20,36 @@ const SOURCES: [&str; 6] = [
 ];
 
 fn main() {
-    println!("cargo:rerun-if-env-changed=LIBTORCH");
-    println!("cargo:rerun-if-env-changed=LIBTORCH_INCLUDE");
-    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     println!("cargo:rerun-if-changed=csrc/tch_ext.h");
     for source in SOURCES {
         println!("cargo:rerun-if-changed={source}");
     }
 
-    // The same variables, with the same precedence, as torch-sys's build script; but the
-    // headers are not among what torch-sys passes on, so LIBTORCH must name them.
-    let Some(libtorch) = std::env::var_os("LIBTORCH").map(PathBuf::from) else {
-        libtorch_missing("LIBTORCH is not set");
+    // The libtorch torch-sys took, found as torch-sys finds it (torch-sys does not pass its
+    // headers on), save its last resort: a libtorch in /usr, with nothing set.
+    let Some(libtorch) = libtorch() else {
+        libtorch_missing("neither LIBTORCH nor LIBTORCH_USE_PYTORCH is set");
     };
-    let include =
-        std::env::var_os("LIBTORCH_INCLUDE").map_or_else(|| libtorch.clone(), PathBuf::from);
-    let lib = libtorch_lib().unwrap_or_else(|| libtorch.join("lib"));
-    if !include.join("include/torch").is_dir() {
-        libtorch_missing(&format!("'{}' holds no include/torch", include.display()));
+    if !libtorch
+        .includes
+        .iter()
+        .any(|dir| dir.join("torch").is_dir())
+    {
+        let dirs: Vec<_> = libtorch
+            .includes
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect();
+        libtorch_missing(&format!("no torch/ headers in '{}'", dirs.join("', '")));
     }
-    let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
 
     cc::Build::new()
         .cpp(true)
         .pic(true)
         .std("c++17")
-        .include(include.join("include"))
-        .include(include.join("include/torch/csrc/api/include"))
+        .includes(&libtorch.includes)
         .include("csrc")
-        .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
+        .define("_GLIBCXX_USE_CXX11_ABI", libtorch.cxx11_abi.as_str())
         .define("GLOG_USE_GLOG_EXPORT", None)
         // libtorch's headers are not warning-clean under -Wall (torch-sys turns warnings off
         // too); the shim's own files are (g++ -Wall -Wextra -fsyntax-only).
@@ -58,8 +57,8 @@ fn main() {
         .files(SOURCES)
         .compile("tch_ext");
 
-    println!("cargo:rustc-link-search=native={}", lib.display());
+    println!("cargo:rustc-link-search=native={}", libtorch.lib.display());
     println!("cargo:rustc-link-lib=torch_cpu");
     println!("cargo:rustc-link-lib=c10");
-    libtorch_rpath();
+    libtorch_rpath_to(&libtorch.lib);
 }

@@ -39,21 +39,35 @@ fn scratch_crate(label: &str, build_main: &str, main_rs: &str) -> (TempDir, Path
 
 /// `cargo build -v` of the crate in `dir` with `LIBTORCH` = `libtorch`.
 fn build(dir: &Path, libtorch: &Path) -> Output {
+    build_with(dir, |cmd| {
+        cmd.env("LIBTORCH", libtorch);
+    })
+}
+
+/// `cargo build -v` of the crate in `dir` without torch-sys's other variables, in the
+/// environment `env` makes.
+fn build_with(dir: &Path, env: impl FnOnce(&mut Command)) -> Output {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    Command::new(cargo)
-        .current_dir(dir)
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(dir)
         .args(["build", "--offline", "-v"])
-        .env("CARGO_TARGET_DIR", dir.join("target"))
-        .env("LIBTORCH", libtorch)
-        .env_remove("LIBTORCH_LIB")
-        .output()
-        .unwrap()
+        .env("CARGO_TARGET_DIR", dir.join("target"));
+    for name in ["LIBTORCH_LIB", "LIBTORCH_INCLUDE", "LIBTORCH_USE_PYTORCH"] {
+        cmd.env_remove(name);
+    }
+    env(&mut cmd);
+    cmd.output().unwrap()
 }
 
 /// Builds the crate in `dir` with `LIBTORCH` = `libtorch` and returns the run paths of its
 /// binary, as `readelf -d` lists them, and whether its build script ran.
 fn build_and_read_run_paths(dir: &Path, libtorch: &Path) -> (String, bool) {
-    let out = build(dir, libtorch);
+    read_run_paths(dir, &build(dir, libtorch))
+}
+
+/// The run paths of the binary that `out`, a build of the crate in `dir`, made, as
+/// `readelf -d` lists them, and whether its build script ran.
+fn read_run_paths(dir: &Path, out: &Output) -> (String, bool) {
     assert!(
         out.status.success(),
         "cargo build failed: {}",
@@ -134,6 +148,67 @@ fn a_venv_made_again_elsewhere_is_the_binaries_new_run_path() {
 }
 
 #[test]
+fn libtorch_use_pytorch_takes_the_active_pythons_torch_as_torch_sys_does() {
+    let (_guard, tmp, krate) = scratch_crate(
+        "libtorch-rpath-python",
+        "    let found = libtorch().unwrap();\n    \
+         println!(\"cargo:warning=abi {} includes {:?}\", found.cxx11_abi, found.includes);\n    \
+         libtorch_rpath_to(&found.lib);",
+        "fn main() {}\n",
+    );
+    // setup's venv, active as its `bin/activate` makes it: VIRTUAL_ENV, and `bin` first on
+    // PATH, where torch-sys finds `python`.
+    let venv = Path::new(ddp_testkit::setup_python().get_program())
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .to_owned();
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let path =
+        std::env::join_paths(std::iter::once(venv.join("bin")).chain(std::env::split_paths(&path)))
+            .unwrap();
+    let torch = ddp_testkit::setup_python()
+        .args([
+            "-c",
+            "import os, torch; print(os.path.dirname(os.path.abspath(torch.__file__)))",
+        ])
+        .output()
+        .unwrap();
+    assert!(torch.status.success(), "{torch:?}");
+    let torch = PathBuf::from(String::from_utf8(torch.stdout).unwrap().trim_end());
+    let lib = fs::canonicalize(torch.join("lib")).unwrap();
+    let includes = format!(
+        "abi 1 includes [{:?}, {:?}]",
+        torch.join("include"),
+        torch.join("include/torch/csrc/api/include")
+    );
+    // Another libtorch, with the other ABI, named as well: torch-sys ignores both then.
+    let other = tmp.join("libtorch");
+    fs::create_dir_all(other.join("lib")).unwrap();
+    fs::write(other.join("lib/libtorch_cpu.so"), "").unwrap();
+
+    for libtorch in [None, Some(&other)] {
+        let out = build_with(&krate, |cmd| {
+            cmd.env("LIBTORCH_USE_PYTORCH", "1")
+                .env("VIRTUAL_ENV", &venv)
+                .env("PATH", &path)
+                .env_remove("PYTHONPATH")
+                .env_remove("PYTHONHOME");
+            match libtorch {
+                Some(other) => cmd.env("LIBTORCH", other).env("LIBTORCH_CXX11_ABI", "0"),
+                None => cmd.env_remove("LIBTORCH"),
+            };
+        });
+        let (paths, ran) = read_run_paths(&krate, &out);
+        assert!(ran);
+        assert!(paths.contains("(RPATH)"), "{paths}");
+        assert!(paths.contains(&format!("[{}]", lib.display())), "{paths}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(&includes), "{includes:?} not in {stderr}");
+    }
+}
+
+#[test]
 fn the_run_path_is_passed_whole_and_a_colon_is_refused() {
     let lines = rpath_lines(Path::new("/home/u/exp,v2/my venv/torch/lib")).unwrap();
     assert_eq!(
@@ -159,7 +234,7 @@ fn another_libtorch_on_ld_library_path_is_not_the_one_loaded() {
     let (_guard, tmp, krate) = scratch_crate(
         "libtorch-rpath-ld",
         "    libtorch_rpath();\n    \
-         println!(\"cargo:rustc-link-search=native={}\", libtorch_lib().unwrap().display());\n    \
+         println!(\"cargo:rustc-link-search=native={}\", libtorch().unwrap().lib.display());\n    \
          println!(\"cargo:rustc-link-lib=torch_cpu\");",
         "extern \"C\" {\n    fn scratch_which_torch() -> i32;\n}\n\n\
          fn main() {\n    \
