@@ -205,7 +205,7 @@ pub enum DataError {
     },
 
     /// A folder could not be listed.
-    #[error("cannot list folder '{}': {source}", .dir.display())]
+    #[error("cannot list folder '{}'", .dir.display())]
     ListDir {
         /// The folder.
         dir: PathBuf,
@@ -290,7 +290,7 @@ pub enum DataError {
     },
 
     /// An image file could not be read from disk.
-    #[error("cannot read image '{}': {source}", .path.display())]
+    #[error("cannot read image '{}'", .path.display())]
     ReadImage {
         /// The image file.
         path: PathBuf,
@@ -353,7 +353,7 @@ pub enum DataError {
     /// A sample's data set failed with `source` (its own error, [`DataError::Other`], or an
     /// [`DataError::InvalidParameter`] such as a kind mismatch from
     /// [`Input::f32`](crate::Input::f32)), and the loader added which sample it was writing.
-    #[error("{sample}: {source}")]
+    #[error("{sample}")]
     Sample {
         /// The sample, as the data set describes it.
         sample: String,
@@ -363,7 +363,7 @@ pub enum DataError {
 
     /// Converting a batch to tch tensors failed.
     #[cfg(feature = "tch")]
-    #[error("cannot convert batch to tensors: {0}")]
+    #[error("cannot convert batch to tensors")]
     Tensor(#[from] tch::TchError),
 }
 
@@ -416,4 +416,59 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
         .map(String::as_str)
         .or_else(|| payload.downcast_ref::<&str>().copied())
         .unwrap_or("no message")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error;
+
+    /// `err` and its causes, as a program prints them (`ddp-gen-data`, anyhow's `{:#}`).
+    fn chain(err: &(dyn Error + 'static)) -> String {
+        let chain = std::iter::successors(Some(err), |&e| e.source());
+        chain
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(": ")
+    }
+
+    /// Each error with a cause says its own level only and hands out the cause as its
+    /// source, so that a chain of causes says it once.
+    #[test]
+    fn a_message_leaves_its_cause_to_source() {
+        let io = || std::io::Error::from(std::io::ErrorKind::NotFound);
+        let mut errors = vec![
+            (
+                DataError::ListDir {
+                    dir: "data/odir".into(),
+                    source: io(),
+                },
+                "cannot list folder 'data/odir'",
+            ),
+            (
+                DataError::ReadImage {
+                    path: "data/1_left.jpg".into(),
+                    source: io(),
+                },
+                "cannot read image 'data/1_left.jpg'",
+            ),
+            (
+                DataError::other("checksum mismatch").of_sample(|| "record #5".into()),
+                "record #5",
+            ),
+        ];
+        #[cfg(feature = "tch")]
+        errors.push((
+            DataError::from(tch::TchError::Torch("out of memory".into())),
+            "cannot convert batch to tensors",
+        ));
+        for (err, expected) in &errors {
+            let cause = err.source().expect("a source").to_string();
+            assert!(!cause.is_empty());
+            assert_eq!(err.to_string(), *expected);
+            let text = chain(err);
+            assert_eq!(text, format!("{expected}: {cause}"));
+            assert_eq!(text.matches(&cause).count(), 1, "{text}");
+        }
+    }
 }
