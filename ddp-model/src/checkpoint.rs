@@ -18,7 +18,7 @@ use tch::{nn::VarStore, Device, Kind, Tensor};
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     /// Reading, writing, syncing or renaming the file failed.
-    #[error("checkpoint '{path}': {source}")]
+    #[error("checkpoint '{path}'")]
     Io {
         /// The file involved.
         path: PathBuf,
@@ -606,5 +606,40 @@ mod tests {
         // A missing folder is reported, not created.
         let err = write_atomic(&dir.join("no-such-dir").join("f"), b"x").unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
+    }
+
+    /// A file that cannot be opened is named by the error, whose cause is its source and
+    /// not repeated in its message, so that a chain of causes says it once.
+    #[test]
+    fn a_missing_file_leaves_its_cause_to_source() {
+        use std::error::Error;
+        let tmp = ddp_testkit::temp_dir("ddp-model-missing-file");
+        let missing = tmp.path().join("absent.safetensors");
+        let checkpoint = read_tensors(&missing).unwrap_err();
+        assert!(
+            matches!(checkpoint, CheckpointError::Io { .. }),
+            "{checkpoint:?}"
+        );
+        let weights = crate::weights::read_state_dict(&missing).unwrap_err();
+        assert!(
+            matches!(weights, crate::weights::WeightsError::Io { .. }),
+            "{weights:?}"
+        );
+        let errors: [(&(dyn Error + 'static), _); 2] = [
+            (&checkpoint, format!("checkpoint '{}'", missing.display())),
+            (&weights, format!("weights file '{}'", missing.display())),
+        ];
+        for (err, expected) in errors {
+            let cause = err.source().expect("the OS error").to_string();
+            assert!(cause.starts_with("No such file"), "{cause}");
+            assert_eq!(err.to_string(), expected);
+            let chain = std::iter::successors(Some(err), |&e| e.source());
+            let text = chain
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(": ");
+            assert_eq!(text, format!("{expected}: {cause}"));
+            assert_eq!(text.matches(&cause).count(), 1, "{text}");
+        }
     }
 }

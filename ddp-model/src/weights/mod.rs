@@ -87,7 +87,7 @@ pub const DDP_PREFIX: &str = "module.";
 #[non_exhaustive]
 pub enum WeightsError {
     /// Opening or reading the file failed.
-    #[error("weights file '{path}': {source}")]
+    #[error("weights file '{path}'")]
     Io {
         /// The file.
         path: PathBuf,
