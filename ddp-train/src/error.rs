@@ -157,6 +157,14 @@ impl TrainError {
     }
 }
 
+/// `err` and its causes, `message: cause: cause`, each said once ([`ddp_run::join_causes`]):
+/// for where an error is kept as text (a warning, another error's message), since a message
+/// says its own level only and leaves its cause to `source()`.
+pub(crate) fn with_causes(err: &(dyn StdError + 'static)) -> String {
+    let chain = std::iter::successors(Some(err), |&e| e.source());
+    ddp_run::join_causes(chain.map(ToString::to_string))
+}
+
 /// `inf on rank 1`, `NaN on ranks 0, 2 and inf on rank 1`: the ranks of each value, in the
 /// order of their first rank; with more than 8, the first 8 and the count.
 fn on_ranks(ranks: &[(usize, f64)]) -> String {
@@ -265,6 +273,23 @@ impl<T, E: Into<Box<dyn StdError + Send + Sync + 'static>>> Context<T> for Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file error of a lower layer, kept as text, says its cause once: its message names
+    /// the file, its source the OS error.
+    #[test]
+    fn an_error_kept_as_text_says_its_cause_once() {
+        let missing = std::env::temp_dir().join("ddp-train-no-such-dir/absent.safetensors");
+        let err = TrainError::from(ddp_model::checkpoint::read_tensors(&missing).unwrap_err());
+        let cause = StdError::source(&err).expect("the OS error").to_string();
+        assert!(cause.starts_with("No such file"), "{cause}");
+        assert_eq!(
+            err.to_string(),
+            format!("checkpoint '{}'", missing.display())
+        );
+        let text = with_causes(&err);
+        assert_eq!(text, format!("checkpoint '{}': {cause}", missing.display()));
+        assert_eq!(text.matches(&cause).count(), 1, "{text}");
+    }
 
     #[test]
     fn a_non_finite_loss_names_the_ranks_of_each_value() {

@@ -28,8 +28,7 @@ pub fn exit_with(body: impl FnOnce() -> Result<(), Box<dyn Error>>) -> ExitCode 
 /// message when the Trainer stopped on request (wrapped or not), else 1 and `error: ` with
 /// the causes.
 fn failure(err: &(dyn Error + 'static)) -> (u8, String) {
-    let chain = std::iter::successors(Some(err), |&e| e.source());
-    let causes = ddp_run::join_causes(chain.map(ToString::to_string));
+    let causes = crate::error::with_causes(err);
     match exit_status(err) {
         1 => (1, format!("error: {causes}")),
         code => (code, causes),

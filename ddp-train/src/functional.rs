@@ -26,8 +26,10 @@ pub fn all_reduce_sum(pg: &Arc<ProcessGroup>, t: &Tensor) -> Result<Tensor, DdpE
     let group = pg.clone();
     tch_ext::set_backward(t, &out, move |grad| {
         let mut grad = grad.contiguous().copy();
-        sum_in_place(&group, &mut grad)
-            .map_err(|e| format!("all-reduce of a gradient failed: {e}"))?;
+        sum_in_place(&group, &mut grad).map_err(|e| {
+            let e = crate::error::with_causes(&e);
+            format!("all-reduce of a gradient failed: {e}")
+        })?;
         Ok(grad)
     })?;
     Ok(out)

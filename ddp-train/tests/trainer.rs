@@ -825,7 +825,8 @@ fn a_damaged_latest_checkpoint_falls_back_to_the_previous_one_with_a_warning() {
     let set_aside = std::fs::read(aside[0].join("epoch-0002.state.safetensors")).unwrap();
     assert_eq!(set_aside, bytes[..bytes.len() / 2]);
 
-    // With every checkpoint damaged, the error says what is left to do.
+    // With every checkpoint damaged, the error says what is left to do, and why the latest
+    // (a folder in its state file's place) cannot be read: the OS error, once.
     let dir = Path::new(out).join("checkpoints");
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
@@ -833,8 +834,12 @@ fn a_damaged_latest_checkpoint_falls_back_to_the_previous_one_with_a_warning() {
             std::fs::write(&path, b"damaged").unwrap();
         }
     }
+    let latest = dir.join("epoch-0003.state.safetensors");
+    std::fs::remove_file(&latest).unwrap();
+    std::fs::create_dir(&latest).unwrap();
     let (a, b) = both_fail(&again);
     for t in [&a, &b] {
+        assert_eq!(t.matches("Is a directory").count(), 1, "{t}");
         assert!(
             t.contains(
                 "; none of the 2 older checkpoint(s) of the run could be read either: to \

@@ -123,7 +123,8 @@ fn refuse_inside_a_launcher(nproc: NprocPerNode) -> Result<(), TrainError> {
         Err(ddp_comm::CommError::MissingEnv { var, .. }) if var == "SLURM_STEP_ID" => Ok(()),
         Err(err) => Err(TrainError::Invalid(format!(
             "--nproc-per-node {nproc}: cannot tell whether a launcher started this process: \
-             {err}"
+             {}",
+            crate::error::with_causes(&err)
         ))),
     }
 }

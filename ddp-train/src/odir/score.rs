@@ -308,7 +308,7 @@ pub fn score(
     // Every rank learns whether any failed, before the collectives that would wait for it.
     let failure = match &outcome {
         Ok(()) => String::new(),
-        Err(e) => chain(e),
+        Err(e) => crate::error::with_causes(e),
     };
     let failures = pg.all_gather_bytes(failure.as_bytes())?;
     if let Some((r, why)) = failures.iter().enumerate().find(|(_, f)| !f.is_empty()) {
@@ -413,18 +413,6 @@ fn run_batches(
         }
         Ok(())
     })
-}
-
-/// `e` and its causes, joined by ": ".
-fn chain(e: &TrainError) -> String {
-    let mut text = e.to_string();
-    let mut cause = std::error::Error::source(e);
-    while let Some(c) = cause {
-        text.push_str(": ");
-        text.push_str(&c.to_string());
-        cause = c.source();
-    }
-    text
 }
 
 /// What every rank must agree on to score: the folder's images, the model file, and the type

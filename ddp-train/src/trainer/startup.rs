@@ -202,8 +202,9 @@ impl<T: Task> Trainer<T> {
                     }
                     Err(e) => {
                         fallback_warnings.push(format!(
-                            "cannot resume from {}: {e}; trying the previous checkpoint",
-                            path.display()
+                            "cannot resume from {}: {}; trying the previous checkpoint",
+                            path.display(),
+                            crate::error::with_causes(&e)
                         ));
                         first_error.get_or_insert(e);
                     }
@@ -216,8 +217,9 @@ impl<T: Task> Trainer<T> {
                 // Nothing of the run could be read: say what is left to do.
                 let older = candidates_tried - 1;
                 return Err(TrainError::Invalid(format!(
-                    "{e}; {} could be read either: to continue, give --resume with a \
+                    "{}; {} could be read either: to continue, give --resume with a \
                      checkpoint file that reads; to start a new run, another --out",
+                    crate::error::with_causes(&e),
                     match older {
                         0 => "no older checkpoint of the run".to_string(),
                         n => format!("none of the {n} older checkpoint(s) of the run"),
