@@ -22,9 +22,17 @@
 //!
 //! The library prints nothing of its own (only the ranks' output, when
 //! [`LaunchConfig::echo`] is set) and needs neither tch nor clap; the `cli` feature (on by
-//! default) adds the `ddp-run` binary and [`cli`]: its reusable flag groups, and
-//! [`cli::launch_and_report`], a job run with the binary's messages and exit status for
-//! programs that start ranks themselves.
+//! default) adds the `ddp-run` binary and
+#![cfg_attr(
+    feature = "cli",
+    doc = "[`cli`]: its reusable flag groups, and [`cli::launch_and_report`],"
+)]
+#![cfg_attr(
+    not(feature = "cli"),
+    doc = "`cli`: its reusable flag groups, and `cli::launch_and_report`,"
+)]
+//! a job run with the binary's messages and exit status for programs that start ranks
+//! themselves.
 //!
 //! ```
 //! use ddp_run::{launch, Event, LaunchConfig, Outcome};

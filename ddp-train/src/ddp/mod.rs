@@ -6,7 +6,10 @@ mod comm_hook;
 #[cfg(test)]
 pub(crate) use comm_hook::gpu_tests;
 mod params;
-pub(crate) use params::{device_type, trainable_parameters};
+// For the ODIR application's scoring, which every rank must run on the same type of device.
+#[cfg(feature = "odir")]
+pub(crate) use params::device_type;
+pub(crate) use params::trainable_parameters;
 mod reducer;
 
 use std::sync::{Arc, Mutex, MutexGuard};

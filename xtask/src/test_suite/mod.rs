@@ -61,6 +61,19 @@ const RANK_BINARIES: &[(&str, &str)] = &[
     ("xtask", "launcher"),
 ];
 
+/// The crates' builds without their default features, each as `cargo` options: what a
+/// program that depends on one crate alone builds (ddp-train's core for its own model,
+/// ddp-data's generic loader, ddp-run's library). The workspace's lints and docs see every
+/// crate with the union of its features, so code that is unused, or a link that is broken,
+/// only here would pass them. Libraries and binaries only: the tests need the defaults.
+const LEAN_BUILDS: [&str; 5] = [
+    "-p ddp-train --no-default-features",
+    "-p ddp-data --no-default-features",
+    "-p ddp-data --no-default-features --features tch",
+    "-p ddp-data --no-default-features --features odir",
+    "-p ddp-run --no-default-features",
+];
+
 /// How long listing a binary's tests may take, and building and running every doctest: far
 /// above what they take (under a second; a few minutes on 2 cores), to catch hangs.
 const LIST_LIMIT: Duration = Duration::from_secs(120);
@@ -105,6 +118,13 @@ pub fn run(root: &Path) -> Result<()> {
     ]);
     clippy.args(["--", "-D", "warnings"]);
     crate::run(root, clippy)?;
+    for options in LEAN_BUILDS {
+        let mut lean = crate::cargo();
+        lean.arg("clippy")
+            .args(options.split(' '))
+            .args(["--", "-D", "warnings"]);
+        crate::run(root, lean)?;
+    }
 
     let (binaries, programs) = build(root)?;
     let history_file = target_dir(root).join("xtask/test-times.json");
@@ -238,10 +258,15 @@ pub fn run(root: &Path) -> Result<()> {
         bail!("{summary}");
     }
 
-    let mut doc = crate::cargo();
-    doc.args(["doc", "--workspace", "--no-deps"])
-        .env("RUSTDOCFLAGS", "-D warnings");
-    crate::run(root, doc)?;
+    // ddp-run, the published crate, is also documented without its `cli` feature, which its
+    // overview links into; the workspace's docs come last, to be the ones left in target/doc.
+    for options in ["-p ddp-run --no-default-features", "--workspace"] {
+        let mut doc = crate::cargo();
+        doc.args(["doc", "--no-deps"])
+            .args(options.split(' '))
+            .env("RUSTDOCFLAGS", "-D warnings");
+        crate::run(root, doc)?;
+    }
     println!("xtask: all tests, formatting, lints and docs passed");
     Ok(())
 }
@@ -522,6 +547,28 @@ mod tests {
             missing.is_empty(),
             "these start ranks but are not in RANK_BINARIES: {missing:?}"
         );
+    }
+
+    #[test]
+    fn every_crate_with_default_features_is_linted_without_them() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut with_defaults = Vec::new();
+        for entry in std::fs::read_dir(&root).unwrap() {
+            let dir = entry.unwrap().path();
+            let manifest = std::fs::read_to_string(dir.join("Cargo.toml")).unwrap_or_default();
+            if manifest.lines().any(|l| l.starts_with("default = [")) {
+                with_defaults.push(dir.file_name().unwrap().to_string_lossy().into_owned());
+            }
+        }
+        with_defaults.sort();
+        assert_eq!(with_defaults, ["ddp-data", "ddp-run", "ddp-train"]);
+        for package in &with_defaults {
+            let lean = format!("-p {package} --no-default-features");
+            assert!(
+                LEAN_BUILDS.contains(&lean.as_str()),
+                "{package} without its default features is not in LEAN_BUILDS"
+            );
+        }
     }
 
     #[test]
