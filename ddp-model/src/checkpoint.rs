@@ -16,6 +16,7 @@ use tch::{nn::VarStore, Device, Kind, Tensor};
 
 /// Why a checkpoint could not be written or loaded.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CheckpointError {
     /// Reading, writing, syncing or renaming the file failed.
     #[error("checkpoint '{path}'")]

@@ -11,6 +11,7 @@ pub(crate) const LOG_DIR_FLAG: &str = "--log-dir";
 
 /// An error of the launcher: bad settings, or a rank it could not start or watch.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum LaunchError {
     /// `nproc_per_node` is 0.
     #[error("the number of ranks per node (--nproc-per-node) must be at least 1")]

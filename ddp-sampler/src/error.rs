@@ -6,6 +6,7 @@ use thiserror::Error;
 ///
 /// Every message names the values at fault, so that the caller can tell which argument to change.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum SamplerError {
     /// `num_replicas` was 0: there must be at least one rank.
     #[error("num_replicas must be at least 1, got 0")]

@@ -33,6 +33,7 @@ impl Goal {
 
 /// A batch that a statistic cannot count.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StatsError {
     /// The outputs or targets do not have the shapes, classes or values the statistic counts.
     #[error("{0}")]

@@ -4,6 +4,7 @@ use tch::Kind;
 
 /// What went wrong in a call into the shim.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TchExtError {
     /// libtorch raised an error (a `c10::Error` or another C++ exception), caught at the
     /// shim's boundary; the message says which operation failed and why.

@@ -512,6 +512,70 @@ fn libraries_do_not_print() {
 }
 
 // ---------------------------------------------------------------------------------------
+// Rule: a library's public error enums are `#[non_exhaustive]`, so that a new way to fail
+// does not break the crates that match on them.
+
+/// Lines of `text` (before its tests) that open a `pub enum ...Error` without
+/// `#[non_exhaustive]` among the attributes and doc lines above it.
+fn exhaustive_errors(text: &str) -> Vec<usize> {
+    let lines: Vec<&str> = before_tests(text).lines().collect();
+    let mut out = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let Some(rest) = code(line).trim_start().strip_prefix("pub enum ") else {
+            continue;
+        };
+        let name = rest
+            .split(|c: char| !c.is_alphanumeric() && c != '_')
+            .next();
+        if !name.is_some_and(|n| n.ends_with("Error")) {
+            continue;
+        }
+        // What is above the enum up to the item before it or a blank line.
+        let marked = lines[..i]
+            .iter()
+            .rev()
+            .map(|l| l.trim())
+            .take_while(|l| {
+                let above = code(l).trim_end();
+                !l.is_empty() && !above.ends_with('}') && !above.ends_with(';')
+            })
+            .any(|l| l == "#[non_exhaustive]");
+        if !marked {
+            out.push(i + 1);
+        }
+    }
+    out
+}
+
+#[test]
+fn exhaustive_errors_are_found() {
+    let text = "/// A.\n#[derive(Debug)]\n#[non_exhaustive]\npub enum AError {}\n\n\
+                #[non_exhaustive]\nstruct S;\n/// B.\npub enum BError { X }\n\
+                #[non_exhaustive]\npub struct CError;\npub enum Kind { X }\n\
+                #[cfg(test)]\nmod tests {\n    pub enum TError {}\n}\n";
+    assert_eq!(exhaustive_errors(text), [9]);
+}
+
+#[test]
+fn public_error_enums_are_non_exhaustive() {
+    let found: Vec<String> = sources()
+        .iter()
+        .filter(|(path, _)| is_library(path))
+        .flat_map(|(path, text)| {
+            exhaustive_errors(text)
+                .into_iter()
+                .map(move |l| format!("{path}:{l}"))
+        })
+        .collect();
+    assert!(
+        found.is_empty(),
+        "public error enums without #[non_exhaustive] (a new variant would break the crates \
+         that match on them):\n{}",
+        found.join("\n")
+    );
+}
+
+// ---------------------------------------------------------------------------------------
 // Rule: library code panics only where a bug would, never on outside data; each place that
 // can is listed here with the reason it cannot be reached from files, the wire, the store
 // or the environment.

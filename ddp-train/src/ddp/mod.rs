@@ -25,6 +25,7 @@ use reducer::Reducer;
 
 /// Why a DDP operation failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DdpError {
     /// A collective failed (a peer died, a timeout, ...).
     #[error(transparent)]

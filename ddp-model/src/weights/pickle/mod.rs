@@ -32,6 +32,7 @@ mod rebuild;
 
 /// Why a pickle stream was not read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum PickleError {
     /// The stream names a global that a state_dict never needs.
     #[error("names the global '{0}', which is not allowed")]
