@@ -3,34 +3,39 @@
 use std::path::Path;
 use std::process::Command;
 
-/// The names of every package in `package`'s normal and build dependency tree, with the
-/// package's features chosen by `features` (e.g. `["--no-default-features"]`; empty for the
-/// defaults).
-fn dependency_names(package: &str, features: &[&str]) -> Vec<String> {
+/// The standard output of `cargo` with `args`, run in the workspace root, which must succeed.
+fn cargo_stdout(args: &[&str]) -> String {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let out = Command::new(cargo)
         .current_dir(root)
-        .args([
-            "tree",
-            "--offline",
-            "-p",
-            package,
-            "-e",
-            "normal,build",
-            "--prefix",
-            "none",
-        ])
-        .args(features)
+        .args(args)
         .output()
-        .expect("cargo tree runs");
+        .expect("cargo runs");
     assert!(
         out.status.success(),
-        "cargo tree failed: {}",
+        "cargo {args:?} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8(out.stdout)
-        .unwrap()
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The names of every package in `package`'s normal and build dependency tree, with the
+/// package's features chosen by `features` (e.g. `["--no-default-features"]`; empty for the
+/// defaults).
+fn dependency_names(package: &str, features: &[&str]) -> Vec<String> {
+    let mut args = vec![
+        "tree",
+        "--offline",
+        "-p",
+        package,
+        "-e",
+        "normal,build",
+        "--prefix",
+        "none",
+    ];
+    args.extend(features);
+    cargo_stdout(&args)
         .lines()
         .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
         .collect()
@@ -156,4 +161,48 @@ fn the_training_core_builds_no_odir_stack() {
         &heavy,
         "a project that trains its own model depends on the core without default features",
     );
+}
+
+/// A link in a published crate's page on crates.io leads somewhere: ddp-run, the one crate
+/// published, names no address on a reserved placeholder domain (RFC 2606) in its metadata,
+/// and every other crate is kept from publication.
+#[test]
+fn the_published_crate_names_no_placeholder_address() {
+    let text = cargo_stdout(&[
+        "metadata",
+        "--offline",
+        "--no-deps",
+        "--format-version",
+        "1",
+    ]);
+    let metadata: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut published = Vec::new();
+    for package in metadata["packages"].as_array().unwrap() {
+        let name = package["name"].as_str().unwrap();
+        // `publish`: null for any registry, [] for none.
+        if package["publish"].as_array().is_some_and(Vec::is_empty) {
+            continue;
+        }
+        published.push(name);
+        for field in ["repository", "homepage", "documentation"] {
+            let Some(url) = package[field].as_str() else {
+                continue;
+            };
+            let host = url
+                .split("://")
+                .nth(1)
+                .unwrap_or(url)
+                .split('/')
+                .next()
+                .unwrap();
+            let placeholder = [".invalid", ".example", ".test", ".localhost"]
+                .iter()
+                .any(|tld| host.ends_with(tld))
+                || ["example.com", "example.org", "example.net"]
+                    .iter()
+                    .any(|d| host == *d || host.ends_with(&format!(".{d}")));
+            assert!(!placeholder, "{name}'s {field} is a placeholder: {url}");
+        }
+    }
+    assert_eq!(published, ["ddp-run"]);
 }
