@@ -801,6 +801,30 @@ fn every_crate_has_a_readme_and_a_place_in_the_architecture() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+#[test]
+fn every_cpp_source_of_the_shim_is_compiled_and_described() {
+    let tch_ext = root().join("tch-ext");
+    let build = std::fs::read_to_string(tch_ext.join("build.rs")).unwrap();
+    let readme = std::fs::read_to_string(tch_ext.join("README.md")).unwrap();
+    let mut sources: Vec<String> = std::fs::read_dir(tch_ext.join("csrc"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.ends_with(".cpp"))
+        .collect();
+    sources.sort();
+    assert!(sources.contains(&"hooks.cpp".to_string()), "{sources:?}");
+    let mut problems = Vec::new();
+    for name in &sources {
+        if !build.contains(&format!("\"csrc/{name}\"")) {
+            problems.push(format!("tch-ext/build.rs does not compile csrc/{name}"));
+        }
+        if !readme.contains(&format!("`{name}`")) {
+            problems.push(format!("tch-ext/README.md does not name `{name}`"));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
 // ---------------------------------------------------------------------------------------
 // Rule: the documentation's links lead somewhere: every relative link in README.md,
 // ARCHITECTURE.md, docs/*.md and the crates' READMEs names a file or folder that exists, and
