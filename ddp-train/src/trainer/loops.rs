@@ -304,8 +304,9 @@ impl<T: Task> Trainer<T> {
                 (grad_norm_sum, grad_norm_steps, skipped_steps),
             );
             self.checkpoint_or_stop(position, first, steps, signals)?;
-            fail_if_injected(rank, Point::Step(epoch, step), self.restarted);
+            // An injected step sleep is part of the step, for the time limit's budget too.
             let step_started = Instant::now();
+            fail_if_injected(rank, Point::Step(epoch, step), self.restarted);
             // Dropout masks derive from (seed, epoch, step, rank): a resumed run draws the
             // same ones as an uninterrupted run.
             tch::manual_seed(mix(s.seed, epoch, step as u64, rank as u64));
