@@ -9,7 +9,8 @@
 //!   advanced by the trainer, gradient accumulation, Adam or SGD with checkpointable state,
 //!   exact distributed evaluation, `ReduceLROnPlateau`, best-model files, atomic checkpoints
 //!   and exact resume (also after a launcher's restart), and a run directory with
-//!   `metrics.jsonl`, `curves.png` and per-rank logs. [`Settings`] has defaults and a builder.
+//!   `metrics.jsonl`, `curves.png` (`plot` feature; a build without it says at start-up that
+//!   it draws none) and per-rank logs. [`Settings`] has defaults and a builder.
 //! - With the `odir` feature (default), [`odir::OdirTask`] is `--model` on ODIR-5K, and the
 //!   `ddp-train` binary (one rank) is its command line. Without default features the crate
 //!   compiles neither the image stack, nor clap, nor plotting (`plot` feature).

@@ -185,7 +185,8 @@ pub struct RuntimeSettings {
     /// program's subscriber decides where else.)
     #[cfg_attr(feature = "cli", arg(skip = RuntimeSettings::default().progress))]
     pub progress: bool,
-    /// Draw `curves.png` after every epoch (needs the `plot` feature).
+    /// Draw `curves.png` after every epoch. Only a build with the `plot` feature draws it: in
+    /// one without, rank 0 says at start-up that it draws none.
     #[cfg_attr(feature = "cli", arg(skip = RuntimeSettings::default().plot))]
     pub plot: bool,
 }

@@ -137,6 +137,14 @@ impl<T: Task> Trainer<T> {
         cfg!(feature = "plot") && self.settings.runtime.plot
     }
 
+    /// Says, once, that `curves.png` is not drawn when the settings ask for it (the
+    /// default) in a program built without the `plot` feature.
+    pub(super) fn note_missing_curves(&self) {
+        if let Some(note) = missing_curves(self.settings.runtime.plot, cfg!(feature = "plot")) {
+            self.log.say(note);
+        }
+    }
+
     /// Redraws `curves.png` (a failure is a warning: the run goes on).
     fn draw_curves(&self) {
         #[cfg(feature = "plot")]
@@ -216,6 +224,15 @@ pub(super) fn read_history(
     Ok((reports, warning))
 }
 
+/// Why `curves.png` is not drawn though the settings ask for it (`plot`): the program was
+/// built without the `plot` feature.
+fn missing_curves(plot: bool, built_with_plot: bool) -> Option<&'static str> {
+    (plot && !built_with_plot).then_some(
+        "no curves.png: this program was built without ddp-train's `plot` feature, which \
+         draws it",
+    )
+}
+
 pub(super) fn write_file(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
     checkpoint::write_atomic(path, bytes)
         .map_err(|e| TrainError::io(format!("cannot write {}", path.display()), e))
@@ -287,6 +304,19 @@ mod tests {
             "{{\"epoch\":{epoch},\"train_loss\":0.5,\"lr\":0.001,\"images_per_sec\":10.0,\
              \"epoch_seconds\":1.0,\"steps\":3,\"world_size\":2}}"
         )
+    }
+
+    #[test]
+    fn curves_asked_for_in_a_build_without_plot_are_said_to_be_missing() {
+        assert_eq!(
+            missing_curves(true, false),
+            Some(
+                "no curves.png: this program was built without ddp-train's `plot` feature, \
+                 which draws it"
+            )
+        );
+        assert_eq!(missing_curves(true, true), None);
+        assert_eq!(missing_curves(false, false), None);
     }
 
     #[test]

@@ -476,6 +476,7 @@ impl<T: Task> Trainer<T> {
         for line in self.task.warnings() {
             self.log.warn(&line);
         }
+        self.note_missing_curves();
         let val_len = self.val_set.as_ref().map_or(0, |v| v.len());
         self.log.say(&format!(
             "data: {} training samples ({} per rank per epoch), {} validation samples; \
