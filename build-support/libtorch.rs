@@ -71,7 +71,11 @@ fn libtorch() -> Option<Libtorch> {
         (found, libtorch.map(|l| l.join("build-version")))
     };
     let lib = std::fs::canonicalize(&found.lib).unwrap_or(found.lib);
-    if !lib.join("libtorch_cpu.so").is_file() {
+    // A static libtorch (torch-sys's LIBTORCH_STATIC) has the archive instead.
+    if !["libtorch_cpu.so", "libtorch_cpu.a"]
+        .iter()
+        .any(|name| lib.join(name).is_file())
+    {
         libtorch_missing(&format!("'{}' holds no libtorch_cpu.so", lib.display()));
     }
     // A missing path would rerun the script on every build; once it exists, it is watched.

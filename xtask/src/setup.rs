@@ -399,9 +399,9 @@ pub fn warn_of_another_libtorch(deps: &Deps) {
 /// the environment has not (a GPU bundle's build exports its own), torch-sys takes the
 /// headers from `LIBTORCH_INCLUDE` and the libraries from `LIBTORCH_LIB` over `LIBTORCH`'s,
 /// and the active Python's torch whenever `LIBTORCH_USE_PYTORCH` is set. An exported
-/// `LIBTORCH_CXX11_ABI` other than `1` builds for the C++ ABI the wheel was not built with,
-/// and a libtorch on `LD_LIBRARY_PATH` is loaded before ours where the linker wrote our rpath
-/// as a RUNPATH (most do).
+/// `LIBTORCH_CXX11_ABI` other than `1` builds for the C++ ABI the wheel was not built with.
+/// Another libtorch on `LD_LIBRARY_PATH` is no matter: the rpath is a `DT_RPATH`, searched
+/// first (`build-support/libtorch.rs`).
 fn another_libtorch(var: impl Fn(&str) -> Option<OsString>, ours: &Path) -> Vec<String> {
     let same = |theirs: &Path, ours: &Path| {
         theirs == ours
@@ -445,20 +445,6 @@ fn another_libtorch(var: impl Fn(&str) -> Option<OsString>, ours: &Path) -> Vec<
             value.to_string_lossy(),
             ours.display()
         ));
-    }
-    let our_lib = ours.join("lib");
-    for dir in var("LD_LIBRARY_PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-    {
-        if dir.join("libtorch_cpu.so").exists() && !same(&dir, &our_lib) {
-            out.push(format!(
-                "LD_LIBRARY_PATH holds `{}`, another libtorch's libraries: programs built here \
-                 may load them instead of {}'s; remove it from LD_LIBRARY_PATH",
-                dir.display(),
-                ours.display()
-            ));
-        }
     }
     out
 }
@@ -1032,32 +1018,6 @@ mod tests {
                 && abi[0].contains("undefined references")
                 && abi[0].ends_with("unset LIBTORCH_CXX11_ABI or set it to 1"),
             "{abi:?}"
-        );
-        // Another libtorch's libraries on LD_LIBRARY_PATH; ours, or folders without, are fine.
-        let theirs = dir.join("opt/libtorch/lib");
-        for lib in [&theirs, &ours.join("lib")] {
-            fs::create_dir_all(lib).unwrap();
-            fs::write(lib.join("libtorch_cpu.so"), b"").unwrap();
-        }
-        let path = |dirs: &[PathBuf]| std::env::join_paths(dirs).unwrap();
-        let fine = path(&[
-            dir.clone(),
-            ours.join("lib"),
-            dir.join(".deps/../.deps/libtorch/lib"),
-        ]);
-        assert!(warn(&[("LD_LIBRARY_PATH", Path::new(&fine))]).is_empty());
-        let loaded = warn(&[(
-            "LD_LIBRARY_PATH",
-            Path::new(&path(&[ours.join("lib"), theirs.clone()])),
-        )]);
-        assert_eq!(
-            loaded,
-            [format!(
-                "LD_LIBRARY_PATH holds `{}`, another libtorch's libraries: programs built here \
-                 may load them instead of {}'s; remove it from LD_LIBRARY_PATH",
-                theirs.display(),
-                ours.display()
-            )]
         );
         fs::remove_dir_all(&dir).unwrap();
     }
