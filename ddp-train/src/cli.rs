@@ -425,6 +425,9 @@ fn run_with<D>(
     body: impl FnOnce() -> anyhow::Result<()>,
     watch: bool,
 ) -> ExitCode {
+    // Ends the watch if no Trainer adopted it, after `finish` has printed the body's error: a
+    // signal it caught then takes its action (by default, ending the process).
+    let mut until_trainer = None;
     let result = match args.nproc_per_node {
         // Settings every rank would refuse are refused here, before any rank starts (and
         // before the run directory the ranks would be given exists).
@@ -441,17 +444,17 @@ fn run_with<D>(
             .validate()
             .map_err(anyhow::Error::from)
             .and_then(|()| {
-                // Dropped after the body: ends the watch if no Trainer adopted it.
-                let _until_trainer = if watch {
-                    Some(crate::stop::watch_until_trainer().map_err(anyhow::Error::msg)?)
-                } else {
-                    None
-                };
+                if watch {
+                    until_trainer =
+                        Some(crate::stop::watch_until_trainer().map_err(anyhow::Error::msg)?);
+                }
                 body()
             })
             .map(|()| ExitCode::SUCCESS),
     };
-    finish(result)
+    let status = finish(result);
+    drop(until_trainer);
+    status
 }
 
 /// Prints a failure as a rank's program does and turns it into the exit status: after a

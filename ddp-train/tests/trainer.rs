@@ -1305,6 +1305,41 @@ fn a_stop_asked_for_while_a_rank_opens_its_data_is_taken_at_the_first_step() {
     assert_stopped_at_the_first_step(&outputs, &out, &rank0_err);
 }
 
+/// A stop asked for while the data opens, with no Trainer ever made (the data is gone), keeps
+/// its action, and the error is printed first: the user learns why the rank ended.
+#[test]
+fn a_stop_before_a_failed_start_ends_the_rank_after_its_error_is_printed() {
+    use std::os::unix::process::ExitStatusExt;
+    let tmp = temp_dir("stop-then-fail");
+    let dir = tmp.path();
+    let data = data(dir, 24);
+    let (go, log, out) = (dir.join("go"), dir.join("rank.err"), dir.join("run"));
+    let args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    let child = Command::new(EXE)
+        .args(&args)
+        .env("DDP_TRAIN_OPEN_DATA_AFTER", &go)
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    wait_for(
+        "the rank held before its data",
+        Duration::from_secs(60),
+        || std::fs::read_to_string(&log).is_ok_and(|t| t.contains("before opening the data")),
+    );
+    // SAFETY: kill(2) on a child this test started and has not waited for.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    std::fs::remove_dir_all(&data).unwrap();
+    std::fs::write(&go, "").unwrap();
+    let output = wait_all(vec![child], Duration::from_secs(60)).remove(0);
+    let err = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(output.status.signal(), Some(libc::SIGTERM), "{err}");
+    assert!(
+        err.contains("error: ") && err.contains(data.to_str().unwrap()),
+        "{err}"
+    );
+}
+
 /// Every rank of `outputs` exited 75, and the run `out` has a checkpoint of its first step
 /// only. `more` is what rank 0 wrote elsewhere.
 fn assert_stopped_at_the_first_step(outputs: &[Output], out: &Path, more: &str) {

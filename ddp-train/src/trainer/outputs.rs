@@ -158,7 +158,7 @@ impl<T: Task> Trainer<T> {
                 .collect();
             let path = self.out.join("curves.png");
             if let Err(e) = crate::plot::draw_curves(&self.history, &metrics, &path) {
-                self.log.warn(&e.to_string());
+                self.log.warn(&crate::error::with_causes(&e));
             }
         }
     }
