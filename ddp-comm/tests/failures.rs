@@ -276,10 +276,12 @@ fn a_master_addr_that_never_resolves_is_retried_until_the_deadline() {
         "{err:?}"
     );
     assert!(waited >= timeout, "gave up after {waited:?}: {err}");
-    let text = err.to_string();
+    // The message names the address; its cause, why.
+    let (text, why) = (err.to_string(), std::error::Error::source(&err).unwrap());
     assert!(
-        text.contains("(MASTER_ADDR:MASTER_PORT") && text.contains("still not resolved after "),
-        "{text}"
+        text.contains("(MASTER_ADDR:MASTER_PORT")
+            && why.to_string().starts_with("still not resolved after "),
+        "{text}: {why}"
     );
 }
 
