@@ -433,7 +433,7 @@ impl Attempt<'_> {
         let waiter = {
             let exited = Arc::clone(&exited);
             std::thread::Builder::new()
-                .name(format!("ddp-run rank {rank}"))
+                .name(waiter_name(rank))
                 .spawn(move || {
                     let exit = wait_exit(pid, 0).map(|e| e.unwrap_or(Exit::Code(1)));
                     if let Ok(mut e) = exited.lock() {
@@ -460,6 +460,11 @@ impl Attempt<'_> {
             log: log_path,
         })
     }
+}
+
+/// The name of rank `rank`'s waiter thread, unique within the 15 bytes the kernel keeps.
+fn waiter_name(rank: usize) -> String {
+    format!("ddp-run r{rank}")
 }
 
 fn program_name(program: &std::ffi::OsStr) -> String {
@@ -683,6 +688,14 @@ fn reap(ranks: &mut [Rank]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn waiter_threads_have_names_the_kernel_keeps_whole() {
+        let ranks = [0, 1, 10, 100, 999_999];
+        let names: Vec<String> = ranks.into_iter().map(waiter_name).collect();
+        assert!(names.iter().all(|n| n.len() <= 15), "{names:?}");
+        assert_eq!(names[3], "ddp-run r100");
+    }
 
     #[test]
     fn an_exit_is_seen_without_reaping() {

@@ -289,7 +289,7 @@ fn of_failures_one_check_finds_the_first_is_named() {
         let tasks = std::fs::read_dir(format!("/proc/{launcher}/task")).unwrap();
         tasks.flatten().any(|task| {
             let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-            comm == "ddp-run rank 2\n"
+            comm == "ddp-run r2\n"
         })
     };
     let launcher = child.id();
