@@ -25,7 +25,10 @@ use crate::rank_env::RankEnv;
 use crate::signals::{SignalWatch, FORWARDED};
 use crate::{LaunchConfig, LaunchError};
 
+mod group;
 mod outcome;
+
+use group::kill_group;
 
 pub use outcome::{Event, Exit, Outcome, RankFailure, EXIT_STOPPED};
 
@@ -106,6 +109,7 @@ pub fn launch(
                     return Ok(Outcome::Interrupted {
                         signal,
                         killed: Vec::new(),
+                        leftovers: Vec::new(),
                         second_signal: false,
                         failed: Vec::new(),
                     });
@@ -182,30 +186,16 @@ impl Rank {
         }
     }
 
-    /// Whether nothing of the rank is left: its process has exited and its process group is
-    /// empty (a wrapper's program may still be writing its checkpoint). Reaps the process
-    /// once it has exited (the group keeps its number from reuse while anything is left in
-    /// it), and the group's processes that became the launcher's children as orphans (when it
-    /// is its pid namespace's first process), which would stay in the group as zombies.
-    fn gone(&mut self) -> bool {
+    /// Whether the rank's own process has exited; reaps it then (its group keeps its
+    /// number from reuse while anything is left in the group).
+    fn exited(&mut self) -> bool {
         if self.exit.is_none() {
             self.exit = peek_exit(self.child.id()).ok().flatten();
         }
-        if self.exit.is_none() {
-            return false;
+        if self.exit.is_some() {
+            self.reap();
         }
-        self.reap();
-        let group = self.child.id() as libc::id_t;
-        // SAFETY: waitid with WNOHANG on this process's own children of the group (the rank's
-        // process is reaped already), into a zeroed siginfo_t.
-        while unsafe {
-            let mut info: libc::siginfo_t = std::mem::zeroed();
-            let flags = libc::WEXITED | libc::WNOHANG;
-            libc::waitid(libc::P_PGID, group, &mut info, flags) == 0 && info.si_pid() != 0
-        } {}
-        // SAFETY: kill(2) with signal 0 only checks for the group's processes.
-        let empty = unsafe { libc::kill(-(group as libc::pid_t), 0) } != 0;
-        empty && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+        self.exit.is_some()
     }
 
     /// How this rank, which has ended, failed: its exit and last lines.
@@ -246,7 +236,11 @@ impl Attempt<'_> {
     fn watch(&self, ranks: &mut [Rank], watch: &SignalWatch) -> Result<End, LaunchError> {
         loop {
             if let Some(signal) = watch.received() {
-                let (killed, second_signal) = stop(ranks, signal, self.config.shutdown_timeout);
+                let Stopped {
+                    killed,
+                    leftovers,
+                    second_signal,
+                } = stop(ranks, signal, self.config.shutdown_timeout);
                 // Stopped at a checkpoint: some ranks stopped so and the others succeeded
                 // (ranks that had nothing left to do), as without a signal.
                 let stopped = |r: &Rank| r.exit == Some(Exit::Code(i32::from(EXIT_STOPPED)));
@@ -273,6 +267,7 @@ impl Attempt<'_> {
                 return Ok(End::Interrupted(Outcome::Interrupted {
                     signal,
                     killed,
+                    leftovers,
                     second_signal,
                     failed,
                 }));
@@ -614,22 +609,24 @@ fn wait_exit(pid: u32, flags: libc::c_int) -> std::io::Result<Option<Exit>> {
     }
 }
 
-/// Sends `signal` to the process group of the rank whose pid is `pid`.
-fn kill_group(pid: u32, signal: i32) {
-    // SAFETY: kill(2) on the group of our own unreaped child; ESRCH (nothing left) is fine.
-    unsafe {
-        libc::kill(-(pid as libc::pid_t), signal);
-    }
+/// What [`stop`] killed: ranks whose own process still ran, and ranks whose process had
+/// exited with processes left running in its group; whether a second signal, not the
+/// timeout, had them killed.
+struct Stopped {
+    killed: Vec<usize>,
+    leftovers: Vec<usize>,
+    second_signal: bool,
 }
 
 /// Ends an attempt: `signal` to every rank's process group, then SIGCONT (a stopped rank,
 /// SIGSTOP or a debugger's, acts on the signal only once continued, as a shell's `kill`
 /// does for stopped jobs), SIGKILL to what is left after `timeout` (or at once when every
-/// rank is [gone](Rank::gone), wrappers' programs included, or when another signal arrives
-/// meanwhile: a second Ctrl-C escalates), then reaps the ranks and lets their output threads
-/// finish. Returns the ranks it killed (something of them still running then), and whether a
-/// second signal, not the timeout, ended the wait.
-fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) -> (Vec<usize>, bool) {
+/// rank's process has exited and nothing but zombies is left in its group, a wrapper's
+/// program included, or when another signal arrives meanwhile: a second Ctrl-C escalates),
+/// then reaps the ranks and lets their output threads finish. A group whose rank exited on
+/// a signal that background jobs ignore gets SIGTERM, as torchrun's stop sends, for the
+/// helpers left in it.
+fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) -> Stopped {
     // A signal that arrives while the ranks are given time to end (a second Ctrl-C) ends the
     // wait: they are killed at once.
     let signals_before = crate::signals::received_total();
@@ -639,29 +636,44 @@ fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) -> (Vec<usize>, bool
     }
     // (No deadline where it would not fit in an `Instant`: `validate` bounds the timeout.)
     let deadline = Instant::now().checked_add(timeout);
-    let mut gone = vec![false; ranks.len()];
+    // Each rank's processes left running in its group, once its own process has exited.
+    let mut left: Vec<Option<usize>> = vec![None; ranks.len()];
     let escalated = loop {
-        for (r, gone) in ranks.iter_mut().zip(gone.iter_mut()).filter(|(_, g)| !**g) {
-            *gone = r.gone();
+        for (r, left) in ranks.iter_mut().zip(left.iter_mut()) {
+            if *left == Some(0) || !r.exited() {
+                continue;
+            }
+            let running = group::running(r.child.id());
+            if running > 0 && left.is_none() && group::IGNORED_IN_BACKGROUND.contains(&signal) {
+                kill_group(r.child.id(), libc::SIGTERM);
+            }
+            *left = Some(running);
         }
         let again = crate::signals::received_total() != signals_before;
         let late = deadline.is_some_and(|d| Instant::now() >= d);
-        let all_ended = gone.iter().all(|&g| g);
+        let all_ended = left.iter().all(|&l| l == Some(0));
         if all_ended || late || again {
             // A second signal in the poll in which the last rank ended killed nothing.
             break again && !late && !all_ended;
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    let left = || ranks.iter().zip(&gone).filter(|(_, &g)| !g).map(|(r, _)| r);
-    let killed = left().map(|r| r.rank).collect();
+    let with = |f: fn(Option<usize>) -> bool| {
+        let ranks = ranks.iter().zip(&left).filter(move |(_, &l)| f(l));
+        ranks.map(|(r, _)| r.rank).collect::<Vec<_>>()
+    };
+    let stopped = Stopped {
+        killed: with(|l| l.is_none()),
+        leftovers: with(|l| l.is_some_and(|n| n > 0)),
+        second_signal: escalated,
+    };
     // Rank processes still running, and whatever the ranks started in their groups (a group
     // once empty is not signalled: its number may be another's now).
-    for r in left() {
+    for (r, _) in ranks.iter().zip(&left).filter(|(_, &l)| l != Some(0)) {
         kill_group(r.child.id(), libc::SIGKILL);
     }
     reap(ranks);
-    (killed, escalated)
+    stopped
 }
 
 /// Reaps the ranks, which have exited or been killed, and lets their output threads pass on

@@ -52,6 +52,7 @@ fn a_signal_to_the_launching_process_interrupts_the_job() {
         Outcome::Interrupted {
             signal: libc::SIGTERM,
             killed: vec![],
+            leftovers: vec![],
             second_signal: false,
             failed: vec![],
         }

@@ -54,6 +54,7 @@ fn a_signal_during_a_failures_shutdown_prevents_the_restart() {
         Outcome::Interrupted {
             signal: libc::SIGTERM,
             killed: vec![],
+            leftovers: vec![],
             second_signal: false,
             failed: vec![],
         }

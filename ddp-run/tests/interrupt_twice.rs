@@ -69,6 +69,7 @@ fn a_second_signal_during_the_shutdown_kills_the_ranks_at_once() {
         Outcome::Interrupted {
             signal: libc::SIGTERM,
             killed: vec![0, 1],
+            leftovers: vec![],
             second_signal: true,
             failed: vec![],
         }

@@ -517,22 +517,47 @@ fn after_sigterm(dir: &Path, traps: &str, launcher_args: &[&str]) -> Output {
     wait_bounded(child, LIMIT)
 }
 
+/// What the launcher says after a SIGTERM to two ranks that run `traps`, given a second to
+/// stop, which ends it with 143.
+fn said_after_a_short_stop(traps: &str) -> String {
+    let dir = temp_dir("ddp-run-term-short");
+    let out = after_sigterm(dir.path(), traps, &["--shutdown-timeout", "1"]);
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out));
+    text(&out)
+}
+
 /// Ranks that take longer than the shutdown timeout to stop at their checkpoint are killed,
 /// and the launcher says so, with what to raise, instead of a plain interruption.
 #[test]
 fn ranks_killed_in_the_middle_of_their_stop_are_named_with_the_timeout() {
-    let dir = temp_dir("ddp-run-term-slow");
-    let traps = "trap 'sleep 3; exit 75' TERM";
-    let out = after_sigterm(dir.path(), traps, &["--shutdown-timeout", "1"]);
-    assert_eq!(out.status.code(), Some(143), "{}", text(&out));
+    let said = said_after_a_short_stop("trap 'sleep 3; exit 75' TERM");
     assert!(
-        stderr(&out).contains(
+        said.contains(
             "ddp-run: interrupted by signal 15; ranks 0-1 had not stopped 1 s after it (the \
              shutdown timeout) and were killed; a stop at a checkpoint needs more time: raise \
              --shutdown-timeout\n"
         ),
-        "{}",
-        text(&out)
+        "{said}"
+    );
+}
+
+/// Ranks that fail the stop (exit 3) and leave a helper that ignores SIGTERM: the helpers
+/// are killed at the timeout, and the ranks' own exits are reported, not hidden by it.
+#[test]
+fn ranks_that_failed_are_named_apart_from_what_they_left_running() {
+    let said = said_after_a_short_stop("trap 'exit 3' TERM; (trap '' TERM; exec sleep 1000) &");
+    assert!(
+        said.contains(
+            "ddp-run: interrupted by signal 15; ranks 0-1 have ended, but what each started in \
+             its process group had not stopped 1 s after it (the shutdown timeout) and was \
+             killed; a stop at a checkpoint needs more time: raise --shutdown-timeout\n\
+             ddp-run: rank 0 exited with code 3\n"
+        ),
+        "{said}"
+    );
+    assert!(
+        said.contains("\nddp-run: rank 1 exited with code 3\n"),
+        "{said}"
     );
 }
 
@@ -598,6 +623,97 @@ fn a_launcher_with_pid_1_reaps_a_wrappers_orphaned_program() {
     let out = wait_bounded(child, LIMIT);
     assert_eq!(out.status.code(), Some(143), "{}", text(&out));
     assert!(!stderr(&out).contains("killed"), "{}", text(&out));
+}
+
+/// A Ctrl-C reaches a helper that a rank's shell started in the background (`helper &`)
+/// only as SIGINT, which a non-interactive shell's background jobs ignore: once the rank's
+/// own process has ended, the helper gets SIGTERM, and the launcher does not wait out the
+/// shutdown timeout for it.
+#[test]
+fn a_ctrl_c_ends_a_ranks_background_helper_too() {
+    let dir = temp_dir("ddp-run-int-helper");
+    let d = dir.path().display();
+    let script = format!("sleep 1000 & echo $! > {d}/helper; echo $$ > {d}/pid; exec sleep 1000");
+    let args = ["--nproc-per-node", "1", "--shutdown-timeout", "60"];
+    let child = ddp_run(&[&args[..], &["sh", "-c", &script]].concat())
+        .spawn()
+        .unwrap();
+    let launcher = child.id();
+    let [rank, helper] = ["pid", "helper"].map(|f| pid_written_to(&dir.path().join(f)));
+    assert_eq!(procs::group(rank).len(), 2);
+    ddp_testkit::kill(launcher, libc::SIGINT);
+    assert_all_stopped_after(&wait_bounded(child, LIMIT), libc::SIGINT);
+    assert!(!procs::alive(helper));
+}
+
+/// The pid written to `file`, once written whole.
+fn pid_written_to(file: &Path) -> u32 {
+    wait_for("the rank wrote a pid", LIMIT, || {
+        std::fs::read_to_string(file).is_ok_and(|s| s.ends_with('\n'))
+    });
+    pid_in(file)
+}
+
+/// Asserts that the launcher got `signal`, and every rank and what it started then stopped.
+fn assert_all_stopped_after(out: &Output, signal: i32) {
+    assert_eq!(out.status.code(), Some(128 + signal), "{}", text(out));
+    let said = format!("ddp-run: interrupted by signal {signal}; all ranks stopped\n");
+    assert!(stderr(out).contains(&said), "{}", text(out));
+}
+
+/// Set in a child of this test binary: run `ddp-run` with these arguments (one a line) as a
+/// subreaper that never reaps the orphans it adopts, as a container's entrypoint that is
+/// no init.
+const AS_SUBREAPER: &str = "DDP_RUN_TEST_SUBREAPER";
+
+#[test]
+#[ignore = "run by a_zombie_in_a_ranks_group_does_not_delay_the_stop as a child process"]
+fn subreaper_body() {
+    let Ok(args) = std::env::var(AS_SUBREAPER) else {
+        return;
+    };
+    // SAFETY: prctl(2) with an integer argument; no memory is involved.
+    assert_eq!(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) }, 0);
+    let args: Vec<&str> = args.lines().collect();
+    let mut launcher = ddp_run(&args);
+    launcher.stdout(Stdio::inherit()).stderr(Stdio::inherit());
+    // `wait` waits for this one child only.
+    let status = launcher.status().unwrap();
+    std::process::exit(status.code().unwrap_or(1));
+}
+
+/// A rank whose program never waits for a child that has exited leaves a zombie in its
+/// group, which its new parent may never reap: the stop does not wait for it.
+#[test]
+fn a_zombie_in_a_ranks_group_does_not_delay_the_stop() {
+    let dir = temp_dir("ddp-run-term-zombie");
+    let pid = dir.path().join("pid");
+    let script = format!("(exit 0) & echo $$ > {}; exec sleep 1000", pid.display());
+    let args = ["--nproc-per-node", "1", "--shutdown-timeout", "60"];
+    let subreaper = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "subreaper_body",
+            "--include-ignored",
+            "--nocapture",
+        ])
+        .env(
+            AS_SUBREAPER,
+            [&args[..], &["sh", "-c", &script]].concat().join("\n"),
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let rank = pid_written_to(&pid);
+    wait_for("the rank's child is a zombie", LIMIT, || {
+        procs::group(rank).iter().any(|(_, state)| state == "Z")
+    });
+    let launcher = procs::children_of(subreaper.id());
+    assert_eq!(launcher.len(), 1);
+    ddp_testkit::kill(launcher[0], libc::SIGTERM);
+    assert_all_stopped_after(&wait_bounded(subreaper, LIMIT), libc::SIGTERM);
+    assert!(!procs::alive(rank));
 }
 
 #[test]

@@ -488,6 +488,15 @@ pub mod procs {
             .collect()
     }
 
+    /// The processes of process group `pgid`, each with its state (`S`, `Z` for a zombie).
+    pub fn group(pgid: u32) -> Vec<(u32, String)> {
+        let stats = pids().filter_map(|p| Some((p, stat_fields(p)?)));
+        stats
+            .filter(|(_, f)| f.get(2).is_some_and(|g| *g == pgid.to_string()))
+            .map(|(p, f)| (p, f[0].clone()))
+            .collect()
+    }
+
     /// The value of `name` in the environment process `pid` started with.
     pub fn env_var(pid: u32, name: &str) -> Option<String> {
         let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;

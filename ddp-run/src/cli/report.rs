@@ -176,7 +176,8 @@ pub fn failure_lines(name: &str, failure: &RankFailure) -> Vec<String> {
 }
 
 /// The lines that tell how an [`Outcome::Interrupted`] ended (none for another outcome),
-/// each prefixed with `name: `: the ranks killed after `timeout`, with the advice to raise
+/// each prefixed with `name: `: the ranks killed after `timeout`, and those that had ended
+/// but not what they started in their process group, with the advice to raise
 /// `longer_shutdown`, and the ranks that failed on their own, the first with its last lines.
 pub fn interruption_lines(
     name: &str,
@@ -187,6 +188,7 @@ pub fn interruption_lines(
     let Outcome::Interrupted {
         signal,
         killed,
+        leftovers,
         second_signal,
         failed,
     } = outcome
@@ -195,19 +197,37 @@ pub fn interruption_lines(
     };
     let mut first = format!("{name}: interrupted by signal {signal}");
     let were = if killed.len() == 1 { "was" } else { "were" };
-    if killed.is_empty() && failed.is_empty() {
+    let when = match second_signal {
+        true => "at a second signal".to_string(),
+        false => format!(
+            "{} s after it (the shutdown timeout)",
+            timeout.as_secs_f64()
+        ),
+    };
+    if killed.is_empty() && leftovers.is_empty() && failed.is_empty() {
         first.push_str("; all ranks stopped");
     } else if *second_signal && !killed.is_empty() {
-        first.push_str(&format!(
-            "; {} {were} killed at a second signal",
-            rank_list(killed)
-        ));
+        let ranks = rank_list(killed);
+        first.push_str(&format!("; {ranks} {were} killed {when}"));
     } else if !killed.is_empty() {
+        let ranks = rank_list(killed);
         first.push_str(&format!(
-            "; {} had not stopped {} s after it (the shutdown timeout) and {were} killed; a \
-             stop at a checkpoint needs more time: raise {longer_shutdown}",
-            rank_list(killed),
-            timeout.as_secs_f64()
+            "; {ranks} had not stopped {when} and {were} killed"
+        ));
+    }
+    if !leftovers.is_empty() {
+        let ranks = rank_list(leftovers);
+        first.push_str(&format!(
+            "; {ranks} {} ended, but what {} started in its process group had not stopped \
+             {when} and was killed",
+            if leftovers.len() == 1 { "has" } else { "have" },
+            if leftovers.len() == 1 { "it" } else { "each" },
+        ));
+    }
+    let cut_short = !killed.is_empty() || !leftovers.is_empty();
+    if cut_short && !*second_signal {
+        first.push_str(&format!(
+            "; a stop at a checkpoint needs more time: raise {longer_shutdown}"
         ));
     }
     let mut lines = vec![first];
@@ -387,6 +407,7 @@ mod tests {
         let interrupted = |killed: Vec<usize>, second_signal, failed| Outcome::Interrupted {
             signal: 15,
             killed,
+            leftovers: vec![],
             second_signal,
             failed,
         };
@@ -430,6 +451,31 @@ mod tests {
                 "    cannot write the checkpoint",
                 "x: rank 3 exited with code 1",
             ]
+        );
+        // Rank 2's process exited as asked, but not what it started (a wrapper's program).
+        let left = |leftovers, second_signal| Outcome::Interrupted {
+            signal: 15,
+            killed: vec![0],
+            leftovers,
+            second_signal,
+            failed: vec![failure(2, &[])],
+        };
+        assert_eq!(
+            lines(&left(vec![2], false)),
+            [
+                "x: interrupted by signal 15; rank 0 had not stopped 10 s after it (the \
+                 shutdown timeout) and was killed; rank 2 has ended, but what it started in its \
+                 process group had not stopped 10 s after it (the shutdown timeout) and was \
+                 killed; a stop at a checkpoint needs more time: raise --grace",
+                "x: rank 2 exited with code 1",
+                "x: rank 2 printed nothing"
+            ]
+        );
+        assert_eq!(
+            lines(&left(vec![1, 2], true))[0],
+            "x: interrupted by signal 15; rank 0 was killed at a second signal; ranks 1-2 have \
+             ended, but what each started in its process group had not stopped at a second \
+             signal and was killed"
         );
         // A second signal that came when every rank had ended killed nothing.
         assert_eq!(
@@ -549,6 +595,7 @@ mod tests {
                 Outcome::Interrupted {
                     signal: 2,
                     killed: vec![],
+                    leftovers: vec![],
                     second_signal: false,
                     failed: vec![],
                 },

@@ -109,6 +109,10 @@ pub enum Outcome {
         /// Ranks still running when the launcher killed them, the shutdown timeout after the
         /// signal (or at once on a second signal): a stop at a checkpoint cut short.
         killed: Vec<usize>,
+        /// Ranks whose own process had ended, as asked or not, while processes it started
+        /// in its process group (a wrapper's program, a helper) were still running then, and
+        /// were killed.
+        leftovers: Vec<usize>,
         /// Whether a second signal, not the shutdown timeout, had them killed.
         second_signal: bool,
         /// Ranks that failed on their own meanwhile: an exit other than 0,
@@ -209,6 +213,7 @@ mod tests {
         let interrupted = Outcome::Interrupted {
             signal: 15,
             killed: vec![0, 1],
+            leftovers: vec![],
             second_signal: false,
             failed: vec![],
         };

@@ -1,0 +1,124 @@
+//! What is left of a rank's process group once the rank's own process has exited: a
+//! wrapper's program still writing its checkpoint, a helper it started, or only zombies.
+
+/// The signals that a non-interactive shell's background jobs ignore (POSIX: an
+/// asynchronous list's SIGINT and SIGQUIT): what such a helper left in a rank's group did
+/// not get, so that it needs SIGTERM to stop.
+pub(super) const IGNORED_IN_BACKGROUND: [i32; 2] = [libc::SIGINT, libc::SIGQUIT];
+
+/// Sends `signal` to the process group of the rank whose pid is `pid`.
+pub(super) fn kill_group(pid: u32, signal: i32) {
+    // SAFETY: kill(2) on a rank's group, which keeps its number while the rank is unreaped
+    // or anything is left in it; ESRCH (nothing left) is fine.
+    unsafe {
+        libc::kill(-(pid as libc::pid_t), signal);
+    }
+}
+
+/// How many processes of group `group`, whose leader has exited and been reaped, are left
+/// running: zombies (dead, waiting for a parent that may never reap them, as a container's
+/// entrypoint that is no init) do not count. Reaps first the group's processes that are
+/// this process's own children (orphans adopted by a launcher that is its pid namespace's
+/// first process). Where `/proc` is another pid namespace's and cannot tell zombies apart,
+/// any process that `kill` finds in the group counts, as 1.
+pub(super) fn running(group: u32) -> usize {
+    // SAFETY: waitid with WNOHANG on this process's own children of the group (its leader is
+    // reaped already), into a zeroed siginfo_t.
+    while unsafe {
+        let mut info: libc::siginfo_t = std::mem::zeroed();
+        let flags = libc::WEXITED | libc::WNOHANG;
+        libc::waitid(libc::P_PGID, group as libc::id_t, &mut info, flags) == 0 && info.si_pid() != 0
+    } {}
+    // SAFETY: kill(2) with signal 0 only checks for the group's processes.
+    if unsafe { libc::kill(-(group as libc::pid_t), 0) } != 0
+        && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    {
+        return 0;
+    }
+    if !proc_is_this_namespaces() {
+        return 1;
+    }
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 1;
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| state_and_group(pid).is_some_and(|(s, g)| g == group && s != 'Z'))
+        .count()
+}
+
+/// Whether `/proc` numbers processes as this process does (it may be mounted for an outer
+/// pid namespace, as under `unshare --pid` without `--mount-proc`).
+fn proc_is_this_namespaces() -> bool {
+    let own = std::fs::read_link("/proc/self").ok();
+    own.is_some_and(|p| p.to_str() == Some(std::process::id().to_string().as_str()))
+}
+
+/// The state (`R`, `S`, `Z`, ...) and process group of process `pid`, from its
+/// `/proc/<pid>/stat`: `pid (comm) state ppid pgrp ...`, where `comm` may hold anything.
+fn state_and_group(pid: u32) -> Option<(char, u32)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(") ")?;
+    let mut fields = rest.split(' ');
+    let state = fields.next()?.chars().next()?;
+    Some((state, fields.nth(1)?.parse().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ddp_testkit::procs::group as members;
+    use std::os::unix::process::CommandExt;
+    use std::process::Command;
+    use std::time::{Duration, Instant};
+
+    /// A group of a running leader and a zombie, its child, which it never waits for; then,
+    /// once the leader is killed, nothing running, whether its new parent reaps the zombie
+    /// or not.
+    #[test]
+    fn zombies_in_a_group_are_not_running() {
+        let mut leader = Command::new("sh")
+            .args(["-c", "(exit 0) & exec sleep 60"])
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let group = leader.id();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !members(group).iter().any(|(_, s)| s == "Z") {
+            assert!(
+                Instant::now() < deadline,
+                "no zombie in {:?}",
+                members(group)
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(members(group).len(), 2);
+        assert_eq!(running(group), 1);
+        leader.kill().unwrap();
+        leader.wait().unwrap();
+        while running(group) != 0 {
+            assert!(Instant::now() < deadline, "{:?}", members(group));
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    #[test]
+    fn a_process_state_and_group_are_read_from_proc() {
+        let mut sleep = Command::new("sleep")
+            .arg("60")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pid = sleep.id();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while state_and_group(pid) != Some(('S', pid)) {
+            assert!(Instant::now() < deadline, "{:?}", state_and_group(pid));
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        sleep.kill().unwrap();
+        sleep.wait().unwrap();
+        assert_eq!(state_and_group(pid), None);
+        assert!(proc_is_this_namespaces());
+    }
+}
