@@ -7,20 +7,25 @@
 //! memory. The launcher therefore holds the write end of a pipe, its lifeline, for as long as
 //! it lives, and every rank inherits the read end, named in [`DDP_LAUNCHER_LIFELINE`]. A rank
 //! that calls [`die_with_launcher`] waits for the end of that pipe, which comes when the
-//! launcher's process has gone, and kills itself then. Nothing depends on process ids, which
-//! a rank in another pid namespace (a container, `unshare --pid`) cannot resolve, and which a
-//! launcher that is its container's first process has as `1`. `ddp-train`'s Trainer calls
-//! it; any other rank program may.
+//! launcher's process has gone, and kills itself then. The pipe does not depend on process
+//! ids, which a rank in another pid namespace (a container, `unshare --pid`) cannot resolve.
+//! Where a wrapper closed the descriptor (`sudo`, Python's `subprocess`), a rank in the
+//! launcher's pid namespace watches [`DDP_LAUNCHER_PID`] with a pidfd instead.
+//! `ddp-train`'s Trainer calls it; any other rank program may.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::OnceLock;
 
 use crate::LaunchError;
 
-/// The launcher's process id as the launcher sees it, set for every rank it starts (for
-/// information: [`die_with_launcher`] does not use it, as a rank in another pid namespace
-/// sees other numbers).
+/// The launcher's process id as the launcher sees it, set for every rank it starts
+/// ([`die_with_launcher`] watches it where the lifeline did not arrive, if the rank is in
+/// the launcher's pid namespace, [`DDP_LAUNCHER_PID_NS`]).
 pub const DDP_LAUNCHER_PID: &str = "DDP_LAUNCHER_PID";
+
+/// The launcher's pid namespace, the inode of its `/proc/self/ns/pid`, set for every rank it
+/// starts: a rank whose own is the same can resolve [`DDP_LAUNCHER_PID`].
+pub const DDP_LAUNCHER_PID_NS: &str = "DDP_LAUNCHER_PID_NS";
 
 /// The launcher's lifeline, set by the launcher for every rank it starts: `FD:INODE`, the
 /// descriptor number of the read end of a pipe that the rank inherits, and the pipe's inode
@@ -66,18 +71,33 @@ impl Lifeline {
         self.read.as_raw_fd()
     }
 
-    /// The value of [`DDP_LAUNCHER_LIFELINE`].
-    pub(crate) fn value(&self) -> String {
-        format!("{}:{}", self.read.as_raw_fd(), self.inode)
+    /// Gives `rank` [`DDP_LAUNCHER_LIFELINE`], [`DDP_LAUNCHER_PID`] and, where `/proc` tells
+    /// it, [`DDP_LAUNCHER_PID_NS`].
+    pub(crate) fn name_in(&self, rank: &mut std::process::Command) {
+        let lifeline = format!("{}:{}", self.read.as_raw_fd(), self.inode);
+        rank.env(DDP_LAUNCHER_LIFELINE, lifeline)
+            .env(DDP_LAUNCHER_PID, std::process::id().to_string());
+        if let Some(ns) = pid_namespace() {
+            rank.env(DDP_LAUNCHER_PID_NS, ns.to_string());
+        }
     }
+}
+
+/// This process's pid namespace: the inode of `/proc/self/ns/pid`.
+fn pid_namespace() -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").ok().map(|m| m.ino())
 }
 
 /// Kills this process (SIGKILL, as `PR_SET_PDEATHSIG` does for a directly started rank) as
 /// soon as the launcher that started it, directly or through wrappers, has exited, from a
 /// thread that waits for the end of the launcher's pipe named in [`DDP_LAUNCHER_LIFELINE`].
-/// Returns whether a watch is in place: `false` without the variable (not started by this
-/// launcher), or when the descriptor it names did not reach this process (a wrapper that
-/// closes inherited descriptors, as `sudo` does). Calling it again returns the first call's
+/// Where the descriptor it names did not reach this process (a wrapper that closes inherited
+/// descriptors, as `sudo` does), it watches [`DDP_LAUNCHER_PID`] with a pidfd instead, when
+/// this process is in the launcher's pid namespace. The watch keeps a descriptor of its own:
+/// the program may close the inherited one. Returns whether a watch is in place: `false`
+/// without the variable (not started by this launcher), or when neither way is open (another
+/// pid namespace, a kernel without `pidfd_open`). Calling it again returns the first call's
 /// answer. If the launcher has already exited, the process is killed at once.
 ///
 /// Fails with [`LaunchError::Invalid`] when the variable is not `FD:INODE`.
@@ -88,8 +108,8 @@ pub fn die_with_launcher() -> Result<bool, LaunchError> {
             Err(std::env::VarError::NotPresent) => Ok(false),
             Err(std::env::VarError::NotUnicode(v)) => Err(bad(&v.to_string_lossy())),
             Ok(v) => match parse(&v) {
-                Some((fd, inode)) if fifo_inode(fd) == Some(inode) => watch(fd),
-                Some(_) => Ok(false),
+                Some((fd, inode)) if fifo_inode(fd) == Some(inode) => watch_pipe(fd),
+                Some(_) => watch_launcher_pid(),
                 None => Err(bad(&v)),
             },
         })
@@ -119,10 +139,55 @@ fn fifo_inode(fd: RawFd) -> Option<u64> {
     (stat.st_mode & libc::S_IFMT == libc::S_IFIFO).then_some(stat.st_ino)
 }
 
-/// Kills this process once the pipe `fd` has no writer left (or, should one ever write, has
-/// data): at once if so already, else from a thread.
-fn watch(fd: RawFd) -> Result<bool, String> {
-    if launcher_gone(fd, 0) == Some(true) {
+/// Watches the pipe `fd` through a descriptor of its own.
+fn watch_pipe(fd: RawFd) -> Result<bool, String> {
+    // SAFETY: fcntl(F_DUPFD_CLOEXEC) on an open descriptor returns a new one or -1.
+    let own = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if own < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(format!(
+            "cannot watch the launcher's lifeline (descriptor {fd}): {e}"
+        ));
+    }
+    // SAFETY: fcntl just returned this descriptor, owned by nothing else.
+    watch(unsafe { OwnedFd::from_raw_fd(own) })
+}
+
+/// Watches [`DDP_LAUNCHER_PID`] with a pidfd, where this process is in the launcher's pid
+/// namespace ([`DDP_LAUNCHER_PID_NS`]) and the kernel has `pidfd_open` (Linux 5.3).
+fn watch_launcher_pid() -> Result<bool, String> {
+    let var = |name| std::env::var(name).unwrap_or_default();
+    let pid = var(DDP_LAUNCHER_PID).parse::<libc::pid_t>().ok();
+    let ns = var(DDP_LAUNCHER_PID_NS).parse::<u64>().ok();
+    let pid = match pid {
+        Some(pid) if pid > 0 && ns.is_some() && ns == pid_namespace() => pid,
+        _ => return Ok(false),
+    };
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1; no memory
+    // is passed.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return match e.raw_os_error() {
+            // The launcher has already gone: as the kernel would have done.
+            Some(libc::ESRCH) => {
+                kill_self();
+                Ok(true)
+            }
+            Some(libc::ENOSYS) => Ok(false),
+            _ => Err(format!(
+                "cannot watch the launcher (pid {pid} in {DDP_LAUNCHER_PID}): {e}"
+            )),
+        };
+    }
+    // SAFETY: pidfd_open just returned this descriptor (close-on-exec), owned by nothing else.
+    watch(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Kills this process once `fd`, a pipe with no writer left or a pidfd of an exited
+/// process, is ready: at once if so already, else from a thread that owns `fd`.
+fn watch(fd: OwnedFd) -> Result<bool, String> {
+    if launcher_gone(fd.as_raw_fd(), 0) == Some(true) {
         kill_self();
     }
     std::thread::Builder::new()
@@ -130,7 +195,7 @@ fn watch(fd: RawFd) -> Result<bool, String> {
         .spawn(move || {
             // poll cannot fail on one valid descriptor but for EINTR; should it, the rank
             // stays alive rather than spin.
-            if launcher_gone(fd, -1) == Some(true) {
+            if launcher_gone(fd.as_raw_fd(), -1) == Some(true) {
                 kill_self();
             }
         })
@@ -138,7 +203,8 @@ fn watch(fd: RawFd) -> Result<bool, String> {
         .map_err(|e| format!("cannot start the thread that watches the launcher: {e}"))
 }
 
-/// Whether the pipe `fd` is readable within `timeout_ms` (-1: no limit); `None` if poll fails.
+/// Whether `fd` is ready within `timeout_ms` (-1: no limit); `None` if poll fails or the
+/// descriptor is no longer open (`POLLNVAL`: no watch, rather than a launcher gone).
 fn launcher_gone(fd: RawFd, timeout_ms: libc::c_int) -> Option<bool> {
     loop {
         let mut poll = libc::pollfd {
@@ -146,10 +212,10 @@ fn launcher_gone(fd: RawFd, timeout_ms: libc::c_int) -> Option<bool> {
             events: libc::POLLIN,
             revents: 0,
         };
-        // SAFETY: one valid pollfd, for a descriptor this process never closes.
+        // SAFETY: one pollfd, for a descriptor the caller owns.
         let ready = unsafe { libc::poll(&mut poll, 1, timeout_ms) };
         if ready >= 0 {
-            return Some(ready > 0);
+            return (poll.revents & libc::POLLNVAL == 0).then_some(ready > 0);
         }
         if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
             return None;

@@ -344,7 +344,6 @@ impl Attempt<'_> {
             cmd.env(crate::env::OMP_NUM_THREADS, omp);
         }
         let launcher = std::process::id();
-        cmd.env(crate::env::DDP_LAUNCHER_PID, launcher.to_string());
         let spawn_failed = |source| LaunchError::Spawn {
             rank,
             program: program_name(&config.program),
@@ -352,7 +351,7 @@ impl Attempt<'_> {
             source,
         };
         let lifeline = Lifeline::get().map_err(spawn_failed)?;
-        cmd.env(crate::env::DDP_LAUNCHER_LIFELINE, lifeline.value());
+        lifeline.name_in(&mut cmd);
         let lifeline = lifeline.read_end();
         // Each node's launcher restarts its ranks on its own: a restarted rank must meet
         // rank 0 of its own attempt, not the previous one still running on another node.

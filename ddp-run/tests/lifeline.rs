@@ -2,19 +2,21 @@
 //! under a real `ddp-run`, behind a wrapper (`sh -c '...; true'`) and in pid namespaces.
 
 use std::io::{BufRead, BufReader};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use ddp_run::env::DDP_LAUNCHER_LIFELINE;
+use ddp_run::env::{DDP_LAUNCHER_LIFELINE, DDP_LAUNCHER_PID};
 use ddp_testkit::{in_new_pid_namespace, procs, text, wait_bounded, wait_for};
 
 const DDP_RUN: &str = env!("CARGO_BIN_EXE_ddp-run");
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// Set in the child: run as the rank instead of as a test; `wait` (a minute) or `report`
-/// (exit at once) after saying whether it watches.
+/// (exit at once) after saying whether it watches; `close-first` closes the lifeline's
+/// descriptor before (as a wrapper that closes what it inherits), `close-after` after, then
+/// says `closed` and waits.
 const AS_RANK: &str = "DDP_RUN_LIFELINE_TEST_RANK";
 
 /// The arguments that run this test binary as the rank.
@@ -43,13 +45,30 @@ fn rank_body() {
         return;
     };
     let pid = std::fs::read_link("/proc/self").unwrap();
+    if mode == "close-first" {
+        close_lifeline();
+    }
     match ddp_run::die_with_launcher() {
         Ok(watching) => println!("watching={watching} pid={}", pid.display()),
         Err(e) => return println!("error={e}"),
     }
-    if mode == "wait" {
+    if mode == "close-after" {
+        close_lifeline();
+        // Time for a watch that took the closed descriptor for the launcher's end to act.
+        std::thread::sleep(Duration::from_millis(200));
+        println!("closed");
+    }
+    if mode != "report" {
         std::thread::sleep(LIMIT);
     }
+}
+
+/// Closes the descriptor that `DDP_LAUNCHER_LIFELINE` names.
+fn close_lifeline() {
+    let value = std::env::var(DDP_LAUNCHER_LIFELINE).unwrap();
+    let fd: RawFd = value.split(':').next().unwrap().parse().unwrap();
+    // SAFETY: close(2) on the inherited descriptor, which nothing in this process owns.
+    assert_eq!(unsafe { libc::close(fd) }, 0);
 }
 
 /// `ddp-run` running one rank: `wrapper`, then the rank.
@@ -76,13 +95,13 @@ fn watching_rank(child: &mut Child) -> u32 {
     pid.unwrap_or_else(|| panic!("{line}")).parse().unwrap()
 }
 
-/// Kills the launcher running a rank behind `sh -c '... ; true'` (under `prefix`), and waits
-/// for the rank to die with it.
-fn a_wrapped_rank_dies_with_its_launcher(prefix: &[&str]) {
+/// Kills the launcher running a rank (in `mode`) behind `sh -c '... ; true'` (under `prefix`),
+/// and waits for the rank to die with it.
+fn a_wrapped_rank_dies_with_its_launcher(prefix: &[&str], mode: &str) {
     let script = format!("'{}'; true", rank_args().join("' '"));
     let mut wrapper = prefix.to_vec();
     wrapper.extend(["sh", "-c", &script]);
-    let mut launcher = ddp_run(&wrapper, "wait").spawn().unwrap();
+    let mut launcher = ddp_run(&wrapper, mode).spawn().unwrap();
     let rank = watching_rank(&mut launcher);
     ddp_testkit::kill(launcher.id(), libc::SIGKILL);
     assert_eq!(launcher.wait().unwrap().signal(), Some(libc::SIGKILL));
@@ -93,7 +112,14 @@ fn a_wrapped_rank_dies_with_its_launcher(prefix: &[&str]) {
 
 #[test]
 fn a_rank_behind_a_wrapper_dies_with_its_launcher() {
-    a_wrapped_rank_dies_with_its_launcher(&[]);
+    a_wrapped_rank_dies_with_its_launcher(&[], "wait");
+}
+
+/// A wrapper that closes the descriptors it inherits (`sudo`, Python's `subprocess`): the
+/// rank, in the launcher's pid namespace, watches its pid instead.
+#[test]
+fn a_rank_whose_wrapper_closed_the_lifeline_dies_with_its_launcher() {
+    a_wrapped_rank_dies_with_its_launcher(&[], "close-first");
 }
 
 /// A rank in a pid namespace of its own (`apptainer exec --pid`), where the launcher's pid
@@ -101,7 +127,7 @@ fn a_rank_behind_a_wrapper_dies_with_its_launcher() {
 #[test]
 fn a_rank_in_another_pid_namespace_dies_with_its_launcher() {
     match in_new_pid_namespace() {
-        Ok(unshare) => a_wrapped_rank_dies_with_its_launcher(&unshare),
+        Ok(unshare) => a_wrapped_rank_dies_with_its_launcher(&unshare, "wait"),
         Err(why) => eprintln!("skipped: {why}"),
     }
 }
@@ -136,6 +162,7 @@ fn rank(value: &str, fd: Option<&OwnedFd>) -> Command {
     cmd.args(&args[1..])
         .env(AS_RANK, "wait")
         .env(DDP_LAUNCHER_LIFELINE, value)
+        .env_remove(DDP_LAUNCHER_PID)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     if let Some(fd) = fd.map(AsRawFd::as_raw_fd) {
@@ -150,25 +177,47 @@ fn rank(value: &str, fd: Option<&OwnedFd>) -> Command {
     cmd
 }
 
-#[test]
-fn a_rank_whose_launcher_has_already_exited_dies_at_once() {
-    let (read, write) = std::io::pipe().unwrap();
-    let read = OwnedFd::from(read);
-    // The "launcher" is gone: no writer is left.
-    drop(write);
+/// The value of `DDP_LAUNCHER_LIFELINE` for the pipe whose read end is `read`.
+fn lifeline(read: &OwnedFd) -> String {
     let mut stat = std::mem::MaybeUninit::<libc::stat>::zeroed();
     // SAFETY: fstat fills the stat it is given, for a descriptor this test owns.
     let inode = unsafe {
         assert_eq!(libc::fstat(read.as_raw_fd(), stat.as_mut_ptr()), 0);
         stat.assume_init().st_ino
     };
-    let value = format!("{}:{inode}", read.as_raw_fd());
-    let output = wait_bounded(rank(&value, Some(&read)).spawn().unwrap(), LIMIT);
+    format!("{}:{inode}", read.as_raw_fd())
+}
+
+#[test]
+fn a_rank_whose_launcher_has_already_exited_dies_at_once() {
+    let (read, write) = std::io::pipe().unwrap();
+    let read = OwnedFd::from(read);
+    // The "launcher" is gone: no writer is left.
+    drop(write);
+    let rank = rank(&lifeline(&read), Some(&read)).spawn().unwrap();
+    let output = wait_bounded(rank, LIMIT);
     assert_eq!(output.status.signal(), Some(libc::SIGKILL), "{output:?}");
     assert!(!String::from_utf8_lossy(&output.stdout).contains("watching="));
 }
 
-/// A wrapper closed the descriptor (as `sudo` does): nothing to watch, and no error.
+/// The program closes the inherited descriptor once watched: it lives on, and still dies
+/// when the launcher's end closes.
+#[test]
+fn a_rank_that_closes_its_lifeline_lives_until_the_launcher_ends() {
+    let (read, write) = std::io::pipe().unwrap();
+    let read = OwnedFd::from(read);
+    let mut cmd = rank(&lifeline(&read), Some(&read));
+    let mut child = cmd.env(AS_RANK, "close-after").spawn().unwrap();
+    let out = BufReader::new(child.stdout.take().unwrap());
+    let mut lines = out.lines().map_while(Result::ok);
+    assert!(lines.any(|l| l == "closed"), "the rank died of closing it");
+    drop(write);
+    let output = wait_bounded(child, LIMIT);
+    assert_eq!(output.status.signal(), Some(libc::SIGKILL), "{output:?}");
+}
+
+/// A wrapper closed the descriptor (as `sudo` does) and the launcher's pid is not given:
+/// nothing to watch, and no error.
 #[test]
 fn a_lifeline_that_did_not_reach_the_rank_is_not_watched() {
     let mut child = rank("1000:1", None).spawn().unwrap();
