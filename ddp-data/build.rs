@@ -6,6 +6,9 @@
 include!("../build-support/libtorch.rs");
 
 fn main() {
+    // Without it (and without the tch feature's lines) cargo reruns this on any change in
+    // the package.
+    println!("cargo:rerun-if-changed=build.rs");
     if std::env::var_os("CARGO_FEATURE_TCH").is_some() {
         libtorch_rpath();
     }

@@ -56,10 +56,15 @@ fn proc_is_this_namespaces() -> bool {
 }
 
 /// The state (`R`, `S`, `Z`, ...) and process group of process `pid`, from its
-/// `/proc/<pid>/stat`: `pid (comm) state ppid pgrp ...`, where `comm` may hold anything.
+/// `/proc/<pid>/stat`: `pid (comm) state ppid pgrp ...`, where `comm` may hold anything,
+/// bytes that are not UTF-8 included (a name cut at 15 bytes inside a character).
 fn state_and_group(pid: u32) -> Option<(char, u32)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let (_, rest) = stat.rsplit_once(") ")?;
+    stat_state_and_group(&std::fs::read(format!("/proc/{pid}/stat")).ok()?)
+}
+
+fn stat_state_and_group(stat: &[u8]) -> Option<(char, u32)> {
+    let end = stat.windows(2).rposition(|w| w == b") ")?;
+    let rest = std::str::from_utf8(&stat[end + 2..]).ok()?;
     let mut fields = rest.split(' ');
     let state = fields.next()?.chars().next()?;
     Some((state, fields.nth(1)?.parse().ok()?))
@@ -76,6 +81,17 @@ mod tests {
     /// A group of a running leader and a zombie, its child, which it never waits for; then,
     /// once the leader is killed, nothing running, whether its new parent reaps the zombie
     /// or not.
+    /// A name that is not UTF-8 (cut inside a character) or holds `) ` is still read.
+    #[test]
+    fn a_stat_line_whose_name_is_not_utf8_is_read() {
+        let mut stat = b"4242 (\xd0\xbe\xd0) x) S 1 4200 4200 0 -1".to_vec();
+        assert!(std::str::from_utf8(&stat).is_err());
+        assert_eq!(stat_state_and_group(&stat), Some(('S', 4200)));
+        stat = b"7 (sh) Z 1 7 7".to_vec();
+        assert_eq!(stat_state_and_group(&stat), Some(('Z', 7)));
+        assert_eq!(stat_state_and_group(b"7 (sh"), None);
+    }
+
     #[test]
     fn zombies_in_a_group_are_not_running() {
         let mut leader = Command::new("sh")
