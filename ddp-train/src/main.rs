@@ -13,10 +13,9 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Subcommand};
 use ddp_data::DataError;
+use ddp_run::cli::print_line;
 use ddp_train::odir::{OdirCommand, OdirTask, TrainConfig, ODIR_TRAINING_ONLY};
 use ddp_train::{TrainError, Trainer};
-
-include!("../../shared-src/print_line.rs");
 
 fn main() -> ExitCode {
     ddp_train::malloc::keep_freed_memory();

@@ -14,10 +14,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::builder::TypedValueParser;
 use clap::CommandFactory;
-use ddp_run::cli::{NodeArgs, Wording};
+use ddp_run::cli::{eprint_line, print_line, NodeArgs, Wording};
 use ddp_run::{Event, LaunchConfig, Outcome, RankFailure};
-
-include!("../../shared-src/print_line.rs");
 
 /// Options of `cargo xtask train`; every argument after them goes to `ddp-train`.
 #[derive(Debug, Clone, clap::Args)]

@@ -91,18 +91,18 @@ pub fn launch_and_report_with(
         && std::env::var_os(crate::env::OMP_NUM_THREADS).is_none()
         && config.nproc_per_node > 1;
     if omp_chosen {
-        say(&format!(
+        eprint_line(format!(
             "{name}: OMP_NUM_THREADS=1 for each rank, so that {} ranks do not overload the \
              cores; set OMP_NUM_THREADS to choose another number",
             config.nproc_per_node
         ));
     }
     if let Some(warning) = config.secret_warning() {
-        say(&format!("{name}: {warning}"));
+        eprint_line(format!("{name}: {warning}"));
     }
     let outcome = launch(config, |event| {
         for line in event_lines(name, event) {
-            say(&line);
+            eprint_line(line);
         }
     })
     .map_err(|e| wording.reword(e))?;
@@ -119,7 +119,7 @@ pub fn launch_and_report_with(
             .collect(),
     };
     for line in lines {
-        say(&line);
+        eprint_line(line);
     }
     Ok(ExitCode::from(exit_status(&outcome)))
 }
@@ -300,9 +300,18 @@ fn exit_status(outcome: &Outcome) -> u8 {
     u8::try_from(outcome.exit_code()).unwrap_or(1)
 }
 
-/// Writes `line` to stderr; a closed stderr (`ddp-run ... 2>&1 | head`) is no reason to
-/// stop supervising the ranks, as `eprintln!`'s panic would.
-fn say(line: &str) {
+/// `println!` for a program's messages (ddp-run's, xtask's, the `ddp-train` binary's): a
+/// reader that has gone (`ddp-train ... | head -1`) is no reason to fail, nor to stop what
+/// the program was doing, as `println!`'s panic on the closed stdout would; the line is
+/// dropped.
+pub fn print_line(line: impl std::fmt::Display) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout().lock(), "{line}");
+}
+
+/// [`print_line`] for stderr, `eprintln!` without its panic: a closed stderr (`ddp-run ...
+/// 2>&1 | head`) is no reason to stop supervising the ranks.
+pub fn eprint_line(line: impl std::fmt::Display) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr().lock(), "{line}");
 }
