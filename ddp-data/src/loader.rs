@@ -443,17 +443,20 @@ impl<D: Dataset> HostLoader<D> {
         let layout = dataset.layout();
         layout.check(storage)?;
         let b = config.batch_size;
-        let request = SlotRequest {
-            batch_size: b,
-            layout,
-            storage,
-        };
-        request.check_sizes()?;
         let total = if config.drop_last {
             indices.len() / b * b
         } else {
             indices.len()
         };
+        // A slot holds the largest batch this loader makes: an epoch of fewer samples than
+        // `batch_size` (an evaluation shard, a large batch for prediction) does not reserve
+        // (or pin) memory for samples that never come.
+        let request = SlotRequest {
+            batch_size: b.min(total.max(1)),
+            layout,
+            storage,
+        };
+        request.check_sizes()?;
         let workers = config.workers.max(1).min(total.max(1));
         // Batches past the last one handed out: at least one sample per worker.
         let window = config.prefetch.max(1).max(workers.div_ceil(b));

@@ -691,7 +691,7 @@ impl SlotAllocator for OneSampleAllocator {
 /// batch of 64 `[3, 64, 64]` images would run 63 images past the end), naming both sizes.
 #[test]
 fn slot_memory_smaller_than_the_request_is_refused() {
-    let len = 4;
+    let len = 64;
     let inputs = ddp_data::Array::new(vec![1f32; len * 3 * 64 * 64], [len, 3, 64, 64]).unwrap();
     let targets = ddp_data::Array::new(vec![0f32; len], [len, 1]).unwrap();
     let data = ddp_data::TensorDataset::new(inputs, targets).unwrap();
@@ -728,4 +728,56 @@ fn slot_memory_smaller_than_the_request_is_refused() {
         other => panic!("expected the short slot to be refused, got {other:?}"),
     }
     assert!(loader.next().is_none());
+}
+
+/// Heap slots, each request's batch size recorded.
+#[derive(Debug, Default)]
+struct SizeLoggingAllocator {
+    batch_sizes: Mutex<Vec<usize>>,
+}
+
+impl SlotAllocator for SizeLoggingAllocator {
+    fn allocate(&self, request: &SlotRequest) -> Result<Box<dyn BatchMemory>, DataError> {
+        self.batch_sizes.lock().unwrap().push(request.batch_size);
+        Ok(Box::new(HeapMemory::new(request)?))
+    }
+}
+
+/// An epoch of fewer samples than `batch_size` (an evaluation shard under a large training
+/// batch) gets slots for the samples it has, not for a batch that never fills: 3 samples of
+/// `[3, 64, 64]` bytes under a batch of 65536 ask for 3 samples' memory (36 KiB, not 768 MiB).
+#[test]
+fn slots_hold_the_largest_batch_the_epoch_makes() {
+    let run = |indices: Vec<usize>, batch: usize, drop_last: bool| {
+        let len = 8;
+        let inputs = ddp_data::Array::new(vec![7u8; len * 3 * 64 * 64], [len, 3, 64, 64]).unwrap();
+        let targets = ddp_data::Array::new(vec![0f32; len], [len, 1]).unwrap();
+        let data = ddp_data::TensorDataset::new(inputs, targets).unwrap();
+        let allocator = Arc::new(SizeLoggingAllocator::default());
+        let config = LoaderConfig {
+            workers: 2,
+            drop_last,
+            ..LoaderConfig::new(batch)
+        };
+        let loader =
+            HostLoader::with_storage(data, indices, &config, Storage::U8, allocator.clone())
+                .unwrap();
+        let sizes: Vec<usize> = loader.map(|b| b.unwrap().len()).collect();
+        let requested = allocator.batch_sizes.lock().unwrap().clone();
+        (sizes, requested)
+    };
+    let (sizes, requested) = run(vec![0, 5, 7], 1 << 16, false);
+    assert_eq!(sizes, [3]);
+    assert!(
+        !requested.is_empty() && requested.iter().all(|&b| b == 3),
+        "{requested:?}"
+    );
+    // Batches of 2 from 5 samples: full slots, the last batch short inside one.
+    let (sizes, requested) = run(vec![0, 1, 2, 3, 4], 2, false);
+    assert_eq!(sizes, [2, 2, 1]);
+    assert!(requested.iter().all(|&b| b == 2), "{requested:?}");
+    // Nothing to load: a slot of one sample is all a request may ask (none is made).
+    let (sizes, requested) = run(vec![0], 2, true);
+    assert!(sizes.is_empty());
+    assert!(requested.iter().all(|&b| b == 1), "{requested:?}");
 }
