@@ -113,23 +113,18 @@ fn parse_args() -> Args {
     args
 }
 
-fn median(times: &mut [f64]) -> f64 {
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
-}
-
 fn time_calls(calls: usize, mut f: impl FnMut()) -> f64 {
     for _ in 0..calls.div_ceil(20).max(2) {
         f();
     }
-    let mut times: Vec<f64> = (0..calls)
+    let times: Vec<f64> = (0..calls)
         .map(|_| {
             let start = Instant::now();
             f();
             start.elapsed().as_secs_f64()
         })
         .collect();
-    median(&mut times)
+    ddp_testkit::median(&times)
 }
 
 /// One rank: runs the sweep and, on rank 0, prints `RESULT` lines.

@@ -8,6 +8,7 @@ Each rank is one process with one intra-op thread, on loopback.
 import argparse
 import os
 import socket
+import statistics
 import time
 
 import torch
@@ -30,8 +31,7 @@ def time_calls(calls, f):
         start = time.perf_counter()
         f()
         times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+    return statistics.median(times)  # ddp_testkit::median, the Rust side's
 
 
 def worker(rank, world, port, scale):

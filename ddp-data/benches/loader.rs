@@ -49,11 +49,6 @@ fn dataset() -> Arc<OdirDataset> {
     Arc::new(OdirDataset::open(&dir, &OdirOptions::default()).expect("open the bench sample"))
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
 fn indices(ds: &OdirDataset, batches: usize) -> Vec<usize> {
     (0..batches * BATCH).map(|i| (i * 37) % ds.len()).collect()
 }
@@ -94,7 +89,7 @@ fn handoff(ds: &Arc<OdirDataset>, storage: Storage, batches: usize) -> f64 {
         times.push(t.elapsed().as_secs_f64());
         assert_eq!(batch.inputs().size(), [BATCH as i64, 3, 224, 224]);
     }
-    median(&mut times)
+    ddp_testkit::median(&times)
 }
 
 /// The previous loader's hand-off of a finished batch: a fresh `Vec` for the batch, a copy of
@@ -118,7 +113,7 @@ fn copying_handoff(ds: &Arc<OdirDataset>, batches: usize) -> f64 {
         times.push(t.elapsed().as_secs_f64());
         drop((x, y));
     }
-    median(&mut times)
+    ddp_testkit::median(&times)
 }
 
 /// Images per second of `workers` threads feeding a consumer that drops each batch.
@@ -141,7 +136,7 @@ fn throughput(ds: &Arc<OdirDataset>, workers: usize, storage: Storage, batches: 
         }
         rates.push(n as f64 / t.elapsed().as_secs_f64());
     }
-    median(&mut rates)
+    ddp_testkit::median(&rates)
 }
 
 fn main() {

@@ -14,6 +14,8 @@
 //!   [`in_new_pid_namespace`], a program as the first process of a pid namespace.
 //! - [`setup_python`]: the Python of `cargo xtask setup` (with torch), for tests that run
 //!   PyTorch next to our code; [`venv_python`], any Python that sees its own packages only.
+//! - [`median`]: the benches' one median, Python's `statistics.median` (the mean of the
+//!   middle pair for an even count), so that ours and the references' figures agree.
 //!
 //! ```
 //! let dir = ddp_testkit::temp_dir("doc");
@@ -62,6 +64,20 @@ pub fn setup_python() -> Command {
 /// outgoing connections of tests running meanwhile cannot take it.
 pub fn free_port() -> u16 {
     ddp_run::free_port().expect("no free port on 127.0.0.1")
+}
+
+/// The median of `values` as Python's `statistics.median` takes it, which the benches'
+/// PyTorch references use: the middle value, or the mean of the middle two for an even
+/// count; NaN when `values` is empty.
+pub fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => v[n / 2],
+        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// A fresh, empty folder named after `name` under the system's temporary folder; it is
@@ -539,6 +555,15 @@ pub mod procs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_median_is_pythons() {
+        // statistics.median([1, 2, 3, 4]) == 2.5; the input's order does not matter.
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[7.0]), 7.0);
+        assert!(median(&[]).is_nan());
+    }
 
     #[test]
     fn a_rank_command_carries_torchruns_environment() {

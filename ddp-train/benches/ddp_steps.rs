@@ -498,14 +498,6 @@ impl Source {
     }
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Per-step times of each phase, in seconds.
 #[derive(Default)]
 struct Phases {
@@ -640,7 +632,7 @@ fn worker(args: &Args) -> Result<()> {
     // rank that arrived last waited least, so the minimum over ranks is the collective's cost.
     let bcast_cost = min_over_ranks(&pg, &phases.bcast)?;
     let sync_cost = min_over_ranks(&pg, &phases.sync)?;
-    let mut overhead: Vec<f64> = bcast_cost
+    let overhead: Vec<f64> = bcast_cost
         .iter()
         .zip(&sync_cost)
         .map(|(b, s)| b + s)
@@ -662,7 +654,7 @@ fn worker(args: &Args) -> Result<()> {
     }
     pg.barrier()?;
 
-    let (workers, mut handoff) = match &source {
+    let (workers, handoff) = match &source {
         Source::Random { .. } => (0, Vec::new()),
         Source::Jpeg {
             workers, handoff, ..
@@ -688,18 +680,18 @@ fn worker(args: &Args) -> Result<()> {
         args.warmup,
         args.steps,
         images / elapsed,
-        median(&mut phases.step),
-        median(&mut phases.data),
-        median(&mut phases.bcast),
-        median(&mut phases.compute),
-        median(&mut phases.sync.clone()),
+        ddp_testkit::median(&phases.step),
+        ddp_testkit::median(&phases.data),
+        ddp_testkit::median(&phases.bcast),
+        ddp_testkit::median(&phases.compute),
+        ddp_testkit::median(&phases.sync),
         phases.sync.iter().copied().fold(f64::INFINITY, f64::min),
-        median(&mut phases.optim),
-        median(&mut allreduce),
-        median(&mut bcast_cost.clone()),
-        median(&mut sync_cost.clone()),
-        median(&mut overhead),
-        median(&mut handoff),
+        ddp_testkit::median(&phases.optim),
+        ddp_testkit::median(&allreduce),
+        ddp_testkit::median(&bcast_cost),
+        ddp_testkit::median(&sync_cost),
+        ddp_testkit::median(&overhead),
+        ddp_testkit::median(&handoff),
         args.precision,
         args.model,
         scaler.as_ref().map_or(1.0, GradScaler::scale),

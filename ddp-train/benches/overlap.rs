@@ -245,15 +245,6 @@ impl Mlp {
     }
 }
 
-fn median(v: &[f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Per step, the smallest of all ranks' values (every rank gets the same list).
 fn min_over_ranks(pg: &ProcessGroup, mine: &[f64]) -> Result<Vec<f64>> {
     let bytes: Vec<u8> = mine.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -407,7 +398,7 @@ fn worker(args: &Args) -> Result<()> {
             }
         }
         pg.barrier()?;
-        let step = median(&phases.step);
+        let step = ddp_testkit::median(&phases.step);
         println!(
             "RESULT overlap config={} transport={transport} world={world} rank={rank} \
              layers={} width={} batch={} parameters={parameters} grad_bytes={grad_bytes} \
@@ -423,11 +414,11 @@ fn worker(args: &Args) -> Result<()> {
             args.warmup,
             args.steps,
             1.0 / step,
-            median(&phases.compute),
-            median(&phases.sync),
-            median(&sync_cost),
-            median(&phases.optim),
-            median(&allreduce),
+            ddp_testkit::median(&phases.compute),
+            ddp_testkit::median(&phases.sync),
+            ddp_testkit::median(&sync_cost),
+            ddp_testkit::median(&phases.optim),
+            ddp_testkit::median(&allreduce),
         );
     }
     Ok(())
