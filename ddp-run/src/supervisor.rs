@@ -10,7 +10,6 @@
 use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -27,8 +26,10 @@ use crate::{LaunchConfig, LaunchError};
 
 mod group;
 mod outcome;
+mod pump;
 
 use group::kill_group;
+use pump::{Pump, Stream};
 
 pub use outcome::{Event, Exit, Outcome, RankFailure, EXIT_STOPPED};
 
@@ -508,64 +509,6 @@ fn open_log(path: &Path) -> std::io::Result<File> {
         .append(true)
         .custom_flags(libc::O_NOFOLLOW)
         .open(path)
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Stream {
-    Stdout,
-    Stderr,
-}
-
-/// Copies one output stream of a rank, line by line, to its log, its tail, and the
-/// launcher's own stream of the same kind.
-struct Pump {
-    rank: usize,
-    stream: Stream,
-    echo: bool,
-    log: Arc<Mutex<Option<File>>>,
-    tail: Arc<Mutex<VecDeque<String>>>,
-    tail_lines: usize,
-}
-
-impl Pump {
-    fn start(self, from: impl Read + Send + 'static) -> JoinHandle<()> {
-        std::thread::spawn(move || {
-            crate::lines::for_each_line(from, crate::lines::MAX_LINE, |line| {
-                self.line(&String::from_utf8_lossy(line));
-            });
-        })
-    }
-
-    fn line(&self, line: &str) {
-        if let Ok(mut log) = self.log.lock() {
-            if let Some(f) = log.as_mut() {
-                let _ = writeln!(f, "{line}");
-            }
-        }
-        if self.echo {
-            // Rank 0 goes as it is, and so does a line that names its rank already.
-            let mut prefix = String::new();
-            if self.rank != 0 {
-                prefix = format!("[rank {}] ", self.rank);
-                if line.starts_with(&prefix) {
-                    prefix.clear();
-                }
-            }
-            // Errors (a closed terminal) must not stop the copying to the log.
-            let _ = match self.stream {
-                Stream::Stdout => writeln!(std::io::stdout().lock(), "{prefix}{line}"),
-                Stream::Stderr => writeln!(std::io::stderr().lock(), "{prefix}{line}"),
-            };
-        }
-        if let Ok(mut tail) = self.tail.lock() {
-            if tail.len() == self.tail_lines {
-                tail.pop_front();
-            }
-            if self.tail_lines > 0 {
-                tail.push_back(line.to_string());
-            }
-        }
-    }
 }
 
 /// The exit of `pid`, if it has exited, without reaping it.
