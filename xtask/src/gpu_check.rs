@@ -90,7 +90,8 @@ pub fn run(root: &Path) -> Result<()> {
     feed_and_fp16(root)?;
     let runs = if gpus > 1 { vec![1, gpus] } else { vec![1] };
     // The runs' folder is removed after they all pass; a failed run's logs stay there.
-    let runs_root = std::env::temp_dir().join(format!("gpu-check-{}", std::process::id()));
+    let runs_dir = private_temp_dir("gpu-check-")?;
+    let runs_root = runs_dir.path().to_path_buf();
     let precisions = runs
         .iter()
         .map(|&n| (n, "fp32"))
@@ -124,11 +125,11 @@ pub fn run(root: &Path) -> Result<()> {
             bail!(
                 "the {precision} training on {n} GPU(s) failed (exit code {code}); its run \
                  directory, with the ranks' logs, is kept in {}",
-                runs_root.display()
+                runs_dir.keep().display()
             );
         }
     }
-    let _ = std::fs::remove_dir_all(&runs_root);
+    drop(runs_dir);
     println!("gpu-check: all GPU tests, the NCCL sweep and the GPU trainings passed");
     Ok(())
 }
@@ -137,9 +138,8 @@ pub fn run(root: &Path) -> Result<()> {
 /// per step is `data_median_s` in the `RESULT` line), then ResNet-50 on random tensors in fp16
 /// and bf16 (each a few seconds on one GPU), judged by [`precision_verdict`].
 fn feed_and_fp16(root: &Path) -> Result<()> {
-    let sample = std::env::temp_dir().join(format!("gpu-check-feed-{}", std::process::id()));
-    let sample = launch::RemoveOnDrop(sample);
-    launch::generate_sample(root, None, &sample.0, 256, 512, 0)?;
+    let sample = private_temp_dir("gpu-check-feed-")?;
+    launch::generate_sample(root, None, sample.path(), 256, 512, 0)?;
     let steps = [
         "--device",
         "cuda",
@@ -157,7 +157,7 @@ fn feed_and_fp16(root: &Path) -> Result<()> {
     feed.args(["bench", "-p", "ddp-train", "--bench", "ddp_steps", "--"])
         .args(steps)
         .arg("--data")
-        .arg(&sample.0);
+        .arg(sample.path());
     crate::run(root, feed)?;
     drop(sample);
     for precision in ["fp16", "bf16"] {
@@ -174,6 +174,24 @@ fn feed_and_fp16(root: &Path) -> Result<()> {
         println!("gpu-check: ResNet-50 in {precision}: {verdict}");
     }
     Ok(())
+}
+
+/// A new folder under the system's temporary directory, named `<prefix>` and random letters,
+/// created exclusively with mode 0700: another user can neither guess it beforehand nor plant
+/// links in it for the check's writes to follow. Dropping it removes it and what it holds.
+fn private_temp_dir(prefix: &str) -> Result<tempfile::TempDir> {
+    use std::os::unix::fs::PermissionsExt;
+    // tempfile's folders default to 0777 less the umask: readable by all.
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .permissions(std::fs::Permissions::from_mode(0o700))
+        .tempdir()
+        .with_context(|| {
+            format!(
+                "cannot create a private folder in {}",
+                std::env::temp_dir().display()
+            )
+        })
 }
 
 /// The most steps (of 45) a mixed-precision ResNet-50 run may skip for overflowing
@@ -311,6 +329,28 @@ fn unexpected_skips(output: &str, gpus: usize) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scratch_folders_are_new_private_and_removed_after() {
+        use std::os::unix::fs::MetadataExt;
+        let first = private_temp_dir("gpu-check-").unwrap();
+        let second = private_temp_dir("gpu-check-").unwrap();
+        assert_ne!(first.path(), second.path());
+        for dir in [&first, &second] {
+            let meta = std::fs::symlink_metadata(dir.path()).unwrap();
+            assert!(meta.is_dir(), "{} is a link", dir.path().display());
+            assert_eq!(meta.mode() & 0o777, 0o700, "{}", dir.path().display());
+            // SAFETY: getuid(2) has no preconditions and cannot fail.
+            assert_eq!(meta.uid(), unsafe { libc::getuid() });
+            let name = dir.path().file_name().unwrap().to_str().unwrap();
+            let suffix = name.strip_prefix("gpu-check-").unwrap();
+            assert!(suffix.len() >= 6 && !suffix.contains(&std::process::id().to_string()));
+        }
+        let path = first.path().to_path_buf();
+        std::fs::write(path.join("0_left.jpg"), b"x").unwrap();
+        drop(first);
+        assert!(!path.exists());
+    }
 
     #[test]
     fn only_a_missing_second_gpu_excuses_a_skip() {

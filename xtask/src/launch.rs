@@ -609,7 +609,7 @@ fn sync_dir(dir: &Path) -> Result<()> {
 }
 
 /// A folder removed, with what it holds, when the guard drops.
-pub struct RemoveOnDrop(pub PathBuf);
+struct RemoveOnDrop(PathBuf);
 
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
