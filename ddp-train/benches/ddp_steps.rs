@@ -31,10 +31,13 @@
 //! `draft`) and prints ours next to it.
 //!
 //! Each step does what the `Trainer` does: next batch, buffer broadcast, forward,
-//! BCE-with-logits, backward, gradient sync, Adam. Every phase is timed on every rank, so
-//! the DDP overhead (buffer broadcast + bucket copy + all-reduce) shows separately from
-//! compute and from time spent waiting for data. After the steps, one flat all-reduce of
-//! the gradients' size is timed alone, to split the sync into communication and copying.
+//! BCE-with-logits, backward, gradient sync, Adam, with `DdpOptions::default()` (each
+//! bucket's all-reduce starts during backward). Every phase is timed on every rank, so
+//! what DDP adds outside backward (buffer broadcast + `sync_gradients`: the wait for the
+//! all-reduces backward started, and the copy back) shows separately from compute (which
+//! holds the all-reduce's cost during backward) and from time spent waiting for data. After
+//! the steps, one flat all-reduce of the gradients' size is timed alone: the communication
+//! a step holds, overlapped or not.
 //!
 //! `--precision bf16|fp16` runs forward and loss under autocast (`Precision::autocast`), as
 //! the Trainer does; fp16 adds its `GradScaler`: scaled loss, backward, sync, unscale (timed
@@ -44,8 +47,8 @@
 //! same BCE-with-logits loss, on random tensors only (`--data` feeds the ConvNet only).
 //!
 //! With `--data`, one loader runs over this rank's shards of as many epochs as the steps
-//! need (one continuous stream, as in a long epoch), with the trainer's default number of
-//! worker threads. `benches/reference_ddp.py` does the same work with PyTorch's DDP (Gloo).
+//! need (one continuous stream, as in a long epoch), with `--workers` threads (default: the
+//! trainer's, cores / ranks; `cargo xtask bench` gives both sides 1). `benches/reference_ddp.py` does the same work with PyTorch's DDP (Gloo).
 //!
 //! Output: per world size, one `RESULT ddp_steps key=value ...` line per rank (what
 //! `cargo xtask bench` reads; it ends with `precision=`, `model=`, `loss_scale=` and

@@ -5,7 +5,8 @@
 //! at 32 MB), so every step maps, faults in and zeroes hundreds of megabytes afresh: measured
 //! at 7.3 s of system time in 19 s of CPU for a one-rank run. Keeping freed memory in the
 //! heap instead (no mmap for large blocks, no trimming) made the same steps 1.4x-1.7x faster
-//! (`cargo xtask bench`, rows "MALLOC_MMAP_MAX_=0"). A training process reaches its peak
+//! (`cargo xtask bench` runs both sides with these settings; its random-tensor training rows
+//! also show PyTorch with glibc's defaults). A training process reaches its peak
 //! memory in the first step and stays there, so keeping it costs nothing.
 
 /// Tells glibc to keep freed memory for reuse (`M_MMAP_MAX = 0`, and `M_TRIM_THRESHOLD = -1`,

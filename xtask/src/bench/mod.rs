@@ -7,7 +7,7 @@
 //! | `data`    | `ddp-data/benches/pipeline.rs` (criterion)   | `ddp-data/benches/reference_pipeline.py` (torchvision) |
 //! | `data`    | `ddp-data/benches/loader.rs` (hand-off, threads) | (the previous, copying hand-off) |
 //! | `comm`    | `ddp-comm/benches/collectives.rs` (2 ranks, shm and TCP) | `ddp-comm/benches/reference_gloo.py` |
-//! | `ddp`     | `ddp-train/benches/ddp_steps.rs` (2 ranks)   | (PyTorch overlaps it with backward)       |
+//! | `ddp`     | `ddp-train/benches/ddp_steps.rs` (2 ranks): DDP's time outside backward | (PyTorch waits for it inside backward) |
 //! | `train`   | `ddp-train/benches/ddp_steps.rs`             | `ddp-train/benches/reference_ddp.py`      |
 //! | `resnet`  | `ddp_steps.rs --model resnet50` (batch 8, 224 px) | `reference_ddp.py --model resnet50` (torchvision) |
 //! | `overlap` | `ddp-train/benches/overlap.rs` (2 ranks, shm, TCP, TCP capped by `tc`) | `ddp-train/benches/reference_overlap.py` |
@@ -20,9 +20,13 @@
 //! under `target/xtask-bench/logs/`. torchvision comes with the setup. Ratios are "higher is better for us": speed-ups for times, ours/theirs
 //! for rates and bandwidths.
 //!
-//! The `train` group also runs random tensors with glibc told never to return freed memory
-//! to the OS (`MALLOC_MMAP_MAX_=0`), on both sides: not the default of either, it shows what
-//! the allocator costs a CPU step (the kernel re-zeroing 100 MB activations every step).
+//! Like with like in `train` and `resnet`: both sides' processes run with glibc told to keep
+//! freed memory (`MALLOC_MMAP_MAX_=0`, no trimming: `runner::MALLOC_KEEP`), the setting the
+//! ddp-train binary applies to itself (`ddp_train::malloc`); PyTorch's random tensors also
+//! run with glibc's defaults, shown in those rows' notes: what the allocator costs a CPU step
+//! (the kernel re-zeroing 100 MB activations every step). With JPEGs both sides decode in
+//! one background loader per rank (a thread for ours, a `DataLoader` worker process for
+//! PyTorch). Medians are Python's on both sides (`ddp_testkit::median`).
 //!
 //! The `overlap` group caps loopback's bandwidth with `tc` (root only) for its last rows and
 //! removes the cap afterwards, also on an error, a panic or Ctrl-C ([`netcap::LoopbackCap`]).

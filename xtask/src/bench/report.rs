@@ -14,7 +14,8 @@ pub enum Group {
     /// All-reduce and all-gather bus bandwidth and parameter broadcast, 2 ranks, over shared
     /// memory and over TCP, vs Gloo.
     Comm,
-    /// DDP overhead per training step (buffer broadcast, bucket copy, all-reduce), 2 ranks.
+    /// What DDP adds to a training step outside backward (buffer broadcast, the wait in
+    /// `sync_gradients` for the overlapped all-reduce), 2 ranks.
     Ddp,
     /// End-to-end training images/s, 1 and 2 ranks, random tensors and JPEGs, vs PyTorch DDP.
     Train,

@@ -1,15 +1,17 @@
 //! The `resnet` group: training steps/s of torchvision's ResNet-50 (ddp-model's, the
 //! `--model resnet50` of `ddp-train`) on the CPU, batch 8 of 224 px per rank, 1 and 2 ranks,
 //! ours (`ddp-train/benches/ddp_steps.rs --model resnet50`) vs PyTorch DDP
-//! (`reference_ddp.py --model resnet50`, `torchvision.models.resnet50`), random tensors.
+//! (`reference_ddp.py --model resnet50`, `torchvision.models.resnet50`), random tensors;
+//! both sides keep freed memory ([`MALLOC_KEEP`], the ddp-train binary's setting).
 
+use std::path::Path;
 use std::process::Command;
 
 use anyhow::Result;
 
 use super::parse::{run_of, runs_by_world, Run};
 use super::report::{Group, Row, Unit};
-use super::runner::{say, Ctx};
+use super::runner::{say, Ctx, MALLOC_KEEP};
 use super::targets;
 
 /// Samples per rank per step.
@@ -34,6 +36,20 @@ fn args(ctx: &Ctx) -> Vec<String> {
     .to_vec()
 }
 
+/// Our and PyTorch's commands: the same arguments and allocator settings.
+fn commands(ctx: &Ctx, exe: &Path, reference: &Path) -> [Command; 2] {
+    let mut ours = Command::new(exe);
+    ours.arg("--bench")
+        .args(args(ctx))
+        .envs(MALLOC_KEEP.iter().copied());
+    let mut theirs = ctx.python();
+    theirs
+        .arg(reference)
+        .args(args(ctx))
+        .envs(MALLOC_KEEP.iter().copied());
+    [ours, theirs]
+}
+
 /// Optimizer steps per second of a run on `world` ranks (every rank steps together).
 fn steps_per_sec(run: &Run, world: usize) -> Option<f64> {
     Some(run.rank0("images_per_sec")? / (BATCH * world) as f64)
@@ -47,13 +63,10 @@ pub(super) fn resnet(ctx: &Ctx) -> Result<Vec<Row>> {
         "resnet: ours, ResNet-50, 1 and 2 ranks, {} + {} steps each",
         ctx.warmup, ctx.steps
     ));
-    let mut cmd = Command::new(&exe);
-    cmd.arg("--bench").args(args(ctx));
-    let ours = runs_by_world(&ctx.capture("resnet-ours", cmd)?, "ddp_steps");
+    let [ours_cmd, theirs_cmd] = commands(ctx, &exe, &reference);
+    let ours = runs_by_world(&ctx.capture("resnet-ours", ours_cmd)?, "ddp_steps");
     say("resnet: PyTorch DDP (Gloo), torchvision's ResNet-50, 1 and 2 ranks");
-    let mut cmd = ctx.python();
-    cmd.arg(&reference).args(args(ctx));
-    let theirs = runs_by_world(&ctx.capture("resnet-pytorch", cmd)?, "reference_ddp");
+    let theirs = runs_by_world(&ctx.capture("resnet-pytorch", theirs_cmd)?, "reference_ddp");
     let rows = [1usize, 2]
         .into_iter()
         .map(|world| {
@@ -77,7 +90,7 @@ pub(super) fn resnet(ctx: &Ctx) -> Result<Vec<Row>> {
             )
             .target(targets::TRAIN_RESNET50)
             .note(format!(
-                "median step: ours {}, PyTorch {}",
+                "both keep freed memory (MALLOC_MMAP_MAX_=0); median step: ours {}, PyTorch {}",
                 step(o),
                 step(t)
             ))
@@ -88,7 +101,16 @@ pub(super) fn resnet(ctx: &Ctx) -> Result<Vec<Row>> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::runner::tests::{args as args_of, ctx, kept, malloc_env};
     use super::*;
+
+    #[test]
+    fn both_sides_run_with_the_same_arguments_and_allocator() {
+        let [ours, theirs] = commands(&ctx(), Path::new("/b/ddp_steps"), Path::new("/r/ref.py"));
+        assert_eq!(args_of(&ours)[1..], args_of(&theirs)[1..]);
+        assert_eq!(malloc_env(&ours), kept());
+        assert_eq!(malloc_env(&theirs), kept());
+    }
 
     #[test]
     fn steps_per_second_divide_the_images_by_every_ranks_batch() {

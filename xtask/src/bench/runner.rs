@@ -215,8 +215,53 @@ fn tail(text: &str, n: usize) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+
+    /// A run's settings for tests that build commands (nothing is run).
+    pub(in super::super) fn ctx() -> Ctx {
+        Ctx {
+            root: PathBuf::from("/repo"),
+            python: PathBuf::from("/repo/.deps/venv/bin/python"),
+            dir: PathBuf::from("/repo/target/xtask-bench"),
+            quick: false,
+            warmup: 3,
+            steps: 12,
+        }
+    }
+
+    /// The arguments of `cmd`.
+    pub(in super::super) fn args(cmd: &Command) -> Vec<String> {
+        cmd.get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    /// What `cmd` sets or removes of glibc's `MALLOC_*` variables, by name.
+    pub(in super::super) fn malloc_env(cmd: &Command) -> Vec<(String, Option<String>)> {
+        let mut env: Vec<(String, Option<String>)> = cmd
+            .get_envs()
+            .filter(|(k, _)| k.to_string_lossy().starts_with("MALLOC_"))
+            .map(|(k, v)| {
+                (
+                    k.to_string_lossy().into_owned(),
+                    v.map(|v| v.to_string_lossy().into_owned()),
+                )
+            })
+            .collect();
+        env.sort();
+        env
+    }
+
+    /// [`MALLOC_KEEP`] as [`malloc_env`] shows it.
+    pub(in super::super) fn kept() -> Vec<(String, Option<String>)> {
+        let mut env: Vec<(String, Option<String>)> = MALLOC_KEEP
+            .iter()
+            .map(|(k, v)| (k.to_string(), Some(v.to_string())))
+            .collect();
+        env.sort();
+        env
+    }
 
     #[test]
     fn keeps_the_last_lines() {

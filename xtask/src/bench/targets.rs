@@ -56,11 +56,11 @@ targets! {
         "the trainer's goal: the same kernels as PyTorch, no slower around them";
     TRAIN_2048_JPEGS = Target::Ratio(1.15),
         "ConvNet training on 2048-px JPEGs, loading included, 1 and 2 ranks: images/s at \
-         least 1.15x PyTorch DDP's with its DataLoader.",
+         least 1.15x PyTorch DDP's with its DataLoader, one background loader per rank each.",
         "the trainer's goal: loading that never stalls the step";
     TRAIN_SCALING = Target::Ours(0.95),
-        "Our training's scaling efficiency, 2 ranks / (2 x 1 rank), for every source with \
-         the default allocator settings: at least 0.95.",
+        "Our training's scaling efficiency, 2 ranks / (2 x 1 rank), for every source: at \
+         least 0.95.",
         "the trainer's goal: a second rank nearly doubles the images per second";
     TRAIN_RESNET50 = Target::Ratio(1.0),
         "torchvision's ResNet-50 (ddp-model's, the same function), batch 8 of 224 px per rank \

@@ -1,6 +1,11 @@
 //! The `train` and `ddp` groups: the ConvNet's training steps with 1 and 2 ranks on random
 //! tensors and synthetic JPEGs, ours (`ddp-train/benches/ddp_steps.rs`) vs PyTorch DDP
-//! (`reference_ddp.py`), and DDP's own cost per step, phase by phase, from our 2-rank run.
+//! (`reference_ddp.py`), and what DDP adds to our step outside backward, from our 2-rank run.
+//!
+//! Like with like: both sides' processes keep freed memory ([`MALLOC_KEEP`], the ddp-train
+//! binary's setting; PyTorch with glibc's defaults is shown in the random tensors' notes),
+//! and with JPEGs both decode in [`LOADERS`] background loader per rank (a thread for ours,
+//! a `DataLoader` worker process for PyTorch's).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -16,8 +21,14 @@ use super::targets;
 /// batch 16 on each of 2 ranks.
 const TRAIN_IMAGES: [(u32, usize); 2] = [(512, 64), (2048, 32)];
 
+/// Background loaders per rank on both sides with JPEGs (`--workers`): our loader's threads,
+/// PyTorch's `DataLoader` worker processes. Not our default (cores / ranks): PyTorch's
+/// would be 0, decoding in series with the step, so the same number on both is the fair one.
+const LOADERS: usize = 1;
+
 /// The arguments of `ddp_steps` and `reference_ddp.py`: `ranks` (e.g. `1,2`), this run's
-/// steps, batch 16 of 224 px, and the JPEG folder `data` (else random tensors).
+/// steps, batch 16 of 224 px, and the JPEG folder `data` with [`LOADERS`] background loaders
+/// per rank (else random tensors).
 fn steps_args(ctx: &Ctx, ranks: &str, data: Option<&Path>) -> Vec<String> {
     let mut args = vec![
         "--ranks".to_string(),
@@ -34,11 +45,16 @@ fn steps_args(ctx: &Ctx, ranks: &str, data: Option<&Path>) -> Vec<String> {
     if let Some(d) = data {
         args.push("--data".to_string());
         args.push(d.display().to_string());
+        args.push("--workers".to_string());
+        args.push(LOADERS.to_string());
     }
     args
 }
 
-/// The `ddp` group's rows from our 2-rank run: the overhead per step and its phases.
+/// The `ddp` group's rows from our 2-rank run, which overlaps the all-reduce with backward
+/// (`DdpOptions::default()`, as the Trainer runs): what DDP adds to the step outside
+/// backward, per phase. The all-reduce's cost during backward, and the copies of gradients
+/// into the buckets made there, are in the compute time, not in these rows.
 fn ddp_rows(run: &Run) -> Vec<Row> {
     let Some((total, bcast, sync)) = run.ddp_overhead() else {
         return vec![Row::new(Group::Ddp, "(no per-phase times)", Unit::Seconds)];
@@ -50,13 +66,14 @@ fn ddp_rows(run: &Run) -> Vec<Row> {
     let mut rows = vec![
         Row::new(
             Group::Ddp,
-            "DDP overhead per step (buffer broadcast + gradient sync), 2 ranks",
+            "DDP time outside backward per step (buffer broadcast + sync_gradients), 2 ranks, \
+             all-reduce overlapped with backward",
             Unit::Seconds,
         )
         .pair(Some(total), None)
         .note(format!(
-            "{:.2}% of a {} step; PyTorch overlaps its all-reduce with backward, so it has no \
-             separate figure",
+            "{:.2}% of a {} step; PyTorch's DDP waits for its all-reduce inside backward, so \
+             it has no separate figure",
             100.0 * total / step,
             Unit::Seconds.show(step)
         )),
@@ -68,23 +85,24 @@ fn ddp_rows(run: &Run) -> Vec<Row> {
         .pair(Some(bcast), None),
         Row::new(
             Group::Ddp,
-            format!("  gradient sync: bucket copy + all-reduce {mb:.2} MB + copy back"),
+            format!(
+                "  sync_gradients after backward: wait for the {mb:.2} MB all-reduce left + \
+                 copy back"
+            ),
             Unit::Seconds,
         )
-        .pair(Some(sync), None),
+        .pair(Some(sync), None)
+        .note("what overlapping with backward did not hide"),
     ];
     if let Some(a) = allreduce {
         rows.push(
             Row::new(
                 Group::Ddp,
-                format!("  all-reduce of {mb:.2} MB alone (flat tensor)"),
+                format!("  all-reduce of {mb:.2} MB alone (flat tensor, after the steps)"),
                 Unit::Seconds,
             )
             .pair(Some(a), None)
-            .note(format!(
-                "so bucket copies take about {}",
-                Unit::Seconds.show((sync - a).max(0.0))
-            )),
+            .note("the communication a step's gradient sync holds, overlapped or not"),
         );
     }
     rows
@@ -97,23 +115,49 @@ pub(super) fn ddp_only(ctx: &Ctx) -> Result<Vec<Row>> {
         "ddp: ours, 2 ranks, random tensors, {} + {} steps",
         ctx.warmup, ctx.steps
     ));
-    let mut cmd = Command::new(&exe);
-    cmd.arg("--bench").args(steps_args(ctx, "2", None));
+    let [cmd, _] = commands(ctx, &exe, Path::new("-"), "2", None);
     let out = ctx.capture("ddp-ours", cmd)?;
     let runs = runs_by_world(&out, "ddp_steps");
     let run = run_of(&runs, 2).context("ddp_steps printed no 2-rank result")?;
     Ok(ddp_rows(run))
 }
 
-/// What one pair of training runs (ours, PyTorch's) feeds the ConvNet, and how.
+/// What one pair of training runs (ours, PyTorch's) feeds the ConvNet.
 struct TrainSource {
     label: String,
     /// Names the log files.
     tag: String,
     data: Option<PathBuf>,
-    /// Extra environment of both sides' processes.
-    env: &'static [(&'static str, &'static str)],
     target: Option<Target>,
+}
+
+/// Our and PyTorch's commands for `data` (random tensors when `None`) on `ranks` (e.g.
+/// `1,2`): the same arguments and the same allocator settings ([`MALLOC_KEEP`]).
+fn commands(
+    ctx: &Ctx,
+    exe: &Path,
+    reference: &Path,
+    ranks: &str,
+    data: Option<&Path>,
+) -> [Command; 2] {
+    let mut ours = Command::new(exe);
+    ours.arg("--bench")
+        .args(steps_args(ctx, ranks, data))
+        .envs(MALLOC_KEEP.iter().copied());
+    let mut theirs = ctx.python();
+    theirs
+        .arg(reference)
+        .args(steps_args(ctx, ranks, data))
+        .envs(MALLOC_KEEP.iter().copied());
+    [ours, theirs]
+}
+
+/// `cmd` with glibc's default allocator settings, whatever the caller's environment holds.
+fn with_glibc_defaults(mut cmd: Command) -> Command {
+    for (name, _) in MALLOC_KEEP {
+        cmd.env_remove(name);
+    }
+    cmd
 }
 
 /// Runs the `train` group, and the `ddp` group's rows too when `with_ddp`.
@@ -124,48 +168,48 @@ pub(super) fn train(ctx: &Ctx, with_ddp: bool) -> Result<Vec<Row>> {
         label: "random tensors".to_string(),
         tag: "random".to_string(),
         data: None,
-        env: &[],
         target: Some(targets::TRAIN_RANDOM_TENSORS),
     }];
     for (size, count) in TRAIN_IMAGES {
         sources.push(TrainSource {
-            label: format!("{size}-px JPEGs"),
+            label: format!(
+                "{size}-px JPEGs, {LOADERS} loader/rank (ours a thread, PyTorch a DataLoader \
+                 worker)"
+            ),
             tag: format!("jpeg{size}"),
             data: Some(train_data(ctx, size, count)?),
-            env: &[],
             target: (size == 2048).then_some(targets::TRAIN_2048_JPEGS),
         });
     }
-    // Not the product's default: shows what the allocator costs both sides.
-    sources.push(TrainSource {
-        label: "random tensors, MALLOC_MMAP_MAX_=0".to_string(),
-        tag: "random-malloc-kept".to_string(),
-        data: None,
-        env: MALLOC_KEEP,
-        target: None,
-    });
     let mut rows = Vec::new();
     for source in &sources {
         let (label, data) = (&source.label, source.data.as_deref());
+        let [ours_cmd, theirs_cmd] = commands(ctx, &exe, &reference, "1,2", data);
         say(&format!(
             "train: ours, {label}, 1 and 2 ranks, {} + {} steps each",
             ctx.warmup, ctx.steps
         ));
-        let mut cmd = Command::new(&exe);
-        cmd.arg("--bench")
-            .args(steps_args(ctx, "1,2", data))
-            .envs(source.env.iter().copied());
-        let ours_out = ctx.capture(&format!("train-ours-{}", source.tag), cmd)?;
+        let ours_out = ctx.capture(&format!("train-ours-{}", source.tag), ours_cmd)?;
         say(&format!(
             "train: PyTorch DDP (Gloo), {label}, 1 and 2 ranks"
         ));
-        let mut cmd = ctx.python();
-        cmd.arg(&reference)
-            .args(steps_args(ctx, "1,2", data))
-            .envs(source.env.iter().copied());
-        let theirs_out = ctx.capture(&format!("train-pytorch-{}", source.tag), cmd)?;
+        let theirs_out = ctx.capture(&format!("train-pytorch-{}", source.tag), theirs_cmd)?;
         let ours = runs_by_world(&ours_out, "ddp_steps");
         let theirs = runs_by_world(&theirs_out, "reference_ddp");
+        // What the allocator setting is worth to PyTorch: its random tensors with glibc's
+        // defaults, shown in the notes.
+        let glibc = match data {
+            Some(_) => Vec::new(),
+            None => {
+                say("train: PyTorch DDP (Gloo), random tensors, glibc's default malloc");
+                let [_, cmd] = commands(ctx, &exe, &reference, "1,2", None);
+                let out = ctx.capture(
+                    "train-pytorch-random-glibc-defaults",
+                    with_glibc_defaults(cmd),
+                )?;
+                runs_by_world(&out, "reference_ddp")
+            }
+        };
         for world in [1usize, 2] {
             let (o, t) = (run_of(&ours, world), run_of(&theirs, world));
             let phases = |r: Option<&Run>| {
@@ -178,6 +222,17 @@ pub(super) fn train(ctx: &Ctx, with_ddp: bool) -> Result<Vec<Row>> {
                     )
                 })
             };
+            let mut note = format!(
+                "both keep freed memory (MALLOC_MMAP_MAX_=0); ours: {}; PyTorch: {}",
+                phases(o),
+                phases(t)
+            );
+            if let Some(rate) = run_of(&glibc, world).and_then(|r| r.rank0("images_per_sec")) {
+                note += &format!(
+                    "; PyTorch with glibc's default malloc {}",
+                    Unit::ImagesPerSec.show(rate)
+                );
+            }
             let mut row = Row::new(
                 Group::Train,
                 format!(
@@ -190,7 +245,7 @@ pub(super) fn train(ctx: &Ctx, with_ddp: bool) -> Result<Vec<Row>> {
                 o.and_then(|r| r.rank0("images_per_sec")),
                 t.and_then(|r| r.rank0("images_per_sec")),
             )
-            .note(format!("ours: {}; PyTorch: {}", phases(o), phases(t)));
+            .note(note);
             if let Some(target) = source.target {
                 row = row.target(target);
             }
@@ -201,17 +256,16 @@ pub(super) fn train(ctx: &Ctx, with_ddp: bool) -> Result<Vec<Row>> {
             let two = run_of(runs, 2)?.rank0("images_per_sec")?;
             Some(two / (2.0 * one))
         };
-        let mut row = Row::new(
-            Group::Train,
-            format!("scaling efficiency 2 ranks / (2 x 1 rank), {label}"),
-            Unit::Fraction,
-        )
-        .pair(efficiency(&ours), efficiency(&theirs));
-        if source.env.is_empty() {
-            row = row.target(targets::TRAIN_SCALING);
-        }
-        rows.push(row);
-        if data.is_none() && source.env.is_empty() && with_ddp {
+        rows.push(
+            Row::new(
+                Group::Train,
+                format!("scaling efficiency 2 ranks / (2 x 1 rank), {label}"),
+                Unit::Fraction,
+            )
+            .pair(efficiency(&ours), efficiency(&theirs))
+            .target(targets::TRAIN_SCALING),
+        );
+        if data.is_none() && with_ddp {
             if let Some(run) = run_of(&ours, 2) {
                 rows.extend(ddp_rows(run));
             }
@@ -223,10 +277,39 @@ pub(super) fn train(ctx: &Ctx, with_ddp: bool) -> Result<Vec<Row>> {
 #[cfg(test)]
 mod tests {
     use super::super::parse::runs_by_world;
+    use super::super::runner::tests::{args, ctx, kept, malloc_env};
     use super::*;
 
     #[test]
-    fn ddp_rows_show_the_overhead_and_its_phases() {
+    fn both_sides_train_alike_on_every_source() {
+        let (exe, script) = (Path::new("/b/ddp_steps"), Path::new("/r/reference_ddp.py"));
+        let jpegs = Path::new("/t/odir-2048px-32");
+        for data in [None, Some(jpegs)] {
+            let [ours, theirs] = commands(&ctx(), exe, script, "1,2", data);
+            // The same arguments after the program's own (`--bench`; the script's path).
+            assert_eq!(args(&ours)[1..], args(&theirs)[1..]);
+            // The same allocator settings: the ddp-train binary's, on both sides.
+            assert_eq!(malloc_env(&ours), kept());
+            assert_eq!(malloc_env(&theirs), kept());
+            let workers = args(&ours)
+                .windows(2)
+                .find(|w| w[0] == "--workers")
+                .map(|w| w[1].clone());
+            assert_eq!(workers, data.map(|_| "1".to_string()));
+        }
+        let [_, theirs] = commands(&ctx(), exe, script, "1,2", None);
+        let glibc = malloc_env(&with_glibc_defaults(theirs));
+        assert_eq!(
+            glibc,
+            [
+                ("MALLOC_MMAP_MAX_".to_string(), None),
+                ("MALLOC_TRIM_THRESHOLD_".to_string(), None)
+            ]
+        );
+    }
+
+    #[test]
+    fn ddp_rows_show_what_ddp_adds_outside_backward() {
         let text = "RESULT ddp_steps source=random world=2 rank=0 step_median_s=2.0 \
             ddp_overhead_median_s=0.006 bcast_cost_median_s=0.004 sync_cost_median_s=0.002 \
             allreduce_median_s=0.0015 grad_bytes=1560000\n";
@@ -234,9 +317,21 @@ mod tests {
         let rows = ddp_rows(run_of(&runs, 2).unwrap());
         assert_eq!(rows.len(), 4);
         assert_eq!(rows[0].ours, Some(0.006));
+        assert!(rows[0]
+            .name
+            .ends_with("all-reduce overlapped with backward"));
         assert!(rows[0].note.starts_with("0.30% of a 2.000 s step"));
-        assert_eq!(rows[3].name, "  all-reduce of 1.56 MB alone (flat tensor)");
-        assert_eq!(rows[3].note, "so bucket copies take about 500.0 us");
+        assert_eq!(
+            rows[2].name,
+            "  sync_gradients after backward: wait for the 1.56 MB all-reduce left + copy back"
+        );
+        assert_eq!(rows[2].ours, Some(0.002));
+        assert_eq!(
+            rows[3].name,
+            "  all-reduce of 1.56 MB alone (flat tensor, after the steps)"
+        );
+        // The all-reduce overlaps backward: the sync's wait is no bucket-copy figure.
+        assert!(rows.iter().all(|r| !r.note.contains("bucket cop")));
         let bare = runs_by_world(
             "RESULT ddp_steps world=2 rank=0 step_median_s=2\n",
             "ddp_steps",
