@@ -3,6 +3,7 @@
 mod broadcast;
 mod bucket;
 mod comm_hook;
+mod error;
 #[cfg(test)]
 pub(crate) use comm_hook::gpu_tests;
 mod params;
@@ -14,119 +15,15 @@ mod reducer;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use ddp_comm::{CommError, ProcessGroup};
+use ddp_comm::ProcessGroup;
 use tch::{nn::VarStore, Tensor};
 
 use broadcast::{broadcast_tensors, sync_module_states, Wait, BROADCAST_BUCKET_BYTES};
 use bucket::{make_buckets, Bucket};
 pub use comm_hook::{BuiltinHook, CommHook, GradBucket, HookWork};
+pub use error::DdpError;
 use params::{split_named, verify_same_model, Split};
 use reducer::Reducer;
-
-/// Why a DDP operation failed.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum DdpError {
-    /// A collective failed (a peer died, a timeout, ...).
-    #[error(transparent)]
-    Comm(#[from] CommError),
-    /// Rank `rank`'s model differs from rank 0's.
-    #[error("rank {rank}'s model differs from rank 0's at tensor {detail}")]
-    ModelMismatch {
-        /// The rank whose model differs.
-        rank: usize,
-        /// The first differing tensor and both descriptions.
-        detail: String,
-    },
-    /// Rank `rank`'s tensors are on another type of device than rank 0's (the CPU where
-    /// rank 0 has CUDA, say): every collective would then meet a different one.
-    #[error(
-        "rank {rank}'s model is on {theirs}, rank 0's on {reference}: every rank must train on \
-         the same type of device; give every rank the same --device (--device cuda fails \
-         where CUDA is missing instead of training on the CPU)"
-    )]
-    DeviceMismatch {
-        /// The rank whose devices differ.
-        rank: usize,
-        /// Its device types (`cpu`, `cuda`, ...).
-        theirs: String,
-        /// Rank 0's.
-        reference: String,
-    },
-    /// Parameters got no gradient on some rank in this step, and
-    /// [`DdpOptions::find_unused_parameters`] is off. Every rank reports the same list. A
-    /// parameter that an undefined gradient reached counts as without gradient here, unlike
-    /// in PyTorch (see that option).
-    #[error(
-        "rank {rank}: parameters received no gradient on some of the {world_size} ranks in \
-         this step: {}; if parts of the model are skipped on purpose (branches, several \
-         heads), turn on find_unused_parameters (DdpOptions::find_unused_parameters, \
-         --find-unused-parameters), otherwise freeze those parameters or use them in the loss",
-        reducer::describe_unused(.parameters)
-    )]
-    UnusedParameters {
-        /// This rank.
-        rank: usize,
-        /// The number of ranks.
-        world_size: usize,
-        /// Each parameter that some rank did not use, with the number of ranks that used it.
-        parameters: Vec<(String, usize)>,
-    },
-    /// A parameter's gradient was accumulated twice with gradient sync on on some rank, or
-    /// once though [`DistributedDataParallel::prepare_for_backward`] had found it unreachable
-    /// from the loss (PyTorch's "Expected to mark a variable ready only once"). Every rank
-    /// reports it, after the same collectives.
-    #[error("{}", reducer::describe_twice(*.rank, .parameter.as_deref(), .ranks))]
-    GradientTwice {
-        /// This rank.
-        rank: usize,
-        /// The (first) parameter, when this rank is one of `ranks`.
-        parameter: Option<String>,
-        /// The ranks on which a parameter got a gradient twice.
-        ranks: Vec<usize>,
-    },
-    /// A backward pass with gradient sync on ran, and the DDP call that followed was not
-    /// [`DistributedDataParallel::sync_gradients`]: its gradients were never averaged (tch's
-    /// `Optimizer::backward_step`). Returned by the next `broadcast_buffers`,
-    /// `prepare_for_backward`, `backward` or `rebuild`, which then starts the step afresh.
-    /// After a failed backward, [`DistributedDataParallel::abandon_step`] prevents it.
-    #[error(
-        "rank {rank}: a backward pass with gradient sync on reached parameter \
-         '{parameter}' and no sync_gradients followed it: {}",
-        reducer::SYNC_MISSED_HINT
-    )]
-    SyncMissed {
-        /// This rank.
-        rank: usize,
-        /// A parameter that backward reached.
-        parameter: String,
-    },
-    /// A parameter already has a post-accumulate-grad hook, which DDP would replace.
-    #[error(
-        "parameter '{0}' already has a post-accumulate-grad hook: another \
-         DistributedDataParallel over these parameters is still alive (drop it before building \
-         a new one, or wrap the store again with its rebuild), or the hook is your own (DDP \
-         needs each parameter's only hook)"
-    )]
-    AlreadyHooked(String),
-    /// No parameter of the model requires a gradient (PyTorch's "DistributedDataParallel is
-    /// not needed when a module doesn't have any parameter that requires a gradient").
-    #[error(
-        "the model has no parameter that requires a gradient ({frozen} frozen): \
-         DistributedDataParallel has no gradient to average; unfreeze some parameters, or \
-         run the model without it"
-    )]
-    NothingToTrain {
-        /// The frozen parameters (created trainable, `requires_grad` off).
-        frozen: usize,
-    },
-    /// The C++ shim failed (setting a hook or a gradient).
-    #[error(transparent)]
-    Shim(#[from] tch_ext::TchExtError),
-    /// libtorch failed.
-    #[error(transparent)]
-    Tch(#[from] tch::TchError),
-}
 
 /// Settings of [`DistributedDataParallel`], and the Trainer's DDP settings
 /// ([`Settings::ddp`](crate::Settings::ddp); with feature `cli`, their flags).

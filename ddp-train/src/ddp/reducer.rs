@@ -35,6 +35,7 @@ use tch::Tensor;
 
 use super::bucket::{make_buckets, Bucket};
 use super::comm_hook::{CommHook, GradBucket, HookWork};
+use super::error::SYNC_MISSED_HINT;
 use super::{DdpError, DdpOptions};
 
 #[derive(Debug)]
@@ -460,47 +461,6 @@ impl Reducer {
                 .collect(),
         }
     }
-}
-
-/// What to do instead of a backward pass with gradient sync on that no `sync_gradients`
-/// follows (the end of [`DdpError::SyncMissed`]'s message and of the hook's log).
-pub(crate) const SYNC_MISSED_HINT: &str = "each rank trains a replica of its own; call \
-    sync_gradients after every backward with gradient sync on, before the optimizer step, or \
-    DistributedDataParallel::backward(&loss), which runs both (tch's Optimizer::backward_step \
-    cannot be used with DDP: zero_grad, DistributedDataParallel::backward, then step); \
-    accumulate micro-batches with gradient sync off (DistributedDataParallel::no_sync)";
-
-/// [`DdpError::GradientTwice`]'s message.
-pub(super) fn describe_twice(rank: usize, parameter: Option<&str>, ranks: &[usize]) -> String {
-    let what = match parameter {
-        Some(name) => format!("parameter '{name}' received a gradient twice"),
-        None => {
-            let ranks: Vec<String> = ranks.iter().map(usize::to_string).collect();
-            format!(
-                "a parameter received a gradient twice on rank {} (its error names it)",
-                ranks.join(", ")
-            )
-        }
-    };
-    format!(
-        "rank {rank}: {what} before sync_gradients, or once after prepare_for_backward found it \
-         unreachable from the loss: when accumulating gradients, run every backward but the last \
-         micro-batch's with gradient sync off (DistributedDataParallel::no_sync or \
-         set_require_gradient_sync(false)), and give prepare_for_backward the tensor that \
-         backward runs from"
-    )
-}
-
-/// The parameters of [`DdpError::UnusedParameters`]' message.
-pub(super) fn describe_unused(parameters: &[(String, usize)]) -> String {
-    parameters
-        .iter()
-        .map(|(name, used)| match used {
-            0 => format!("{name} (used by no rank)"),
-            n => format!("{name} (used by {n})"),
-        })
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// Whether `grad` is `slot` itself (a view of the same bucket elements).
