@@ -5,14 +5,16 @@
 
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <utility>
 
 #include "tch_ext.h"
 
 extern "C" {
 // Calls the Rust closure `ctx` with a new `at::Tensor` handle to the parameter, which the
-// callee owns (tch frees it). Returns false when the closure panicked.
-typedef bool (*tch_ext_hook_call_fn)(void* ctx, at::Tensor* param);
+// callee owns (tch frees it). Returns false when the closure failed, after storing its
+// message with `tch_ext_message_set(error, ...)`, or when it panicked (no message).
+typedef bool (*tch_ext_hook_call_fn)(void* ctx, at::Tensor* param, void* error);
 // Drops the Rust closure `ctx`; called exactly once.
 typedef void (*tch_ext_hook_drop_fn)(void* ctx);
 }
@@ -42,9 +44,12 @@ class RustPostAccumulateGradHook final : public torch::autograd::PostAccumulateG
     // A local reference keeps the closure alive even if it replaces or clears its own hook
     // (which destroys `this`); nothing below touches `this`.
     std::shared_ptr<RustCallback> callback = callback_;
-    if (!callback->call(callback->ctx, new at::Tensor(param))) {
+    std::string error;
+    if (!callback->call(callback->ctx, new at::Tensor(param), &error)) {
       throw std::runtime_error(
-          "a Rust post-accumulate-grad hook panicked (its message was printed above)");
+          error.empty()
+              ? "a Rust post-accumulate-grad hook panicked (its message was printed above)"
+              : error);
     }
   }
 

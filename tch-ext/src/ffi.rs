@@ -9,8 +9,10 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::TchExtError;
 
-/// Calls the closure behind `ctx` with a new tensor handle it owns; false when it panicked.
-pub(crate) type HookCallFn = extern "C" fn(ctx: *mut c_void, param: *mut c_void) -> bool;
+/// Calls the closure behind `ctx` with a new tensor handle it owns; false when it failed
+/// (its message stored into `error`) or panicked. See `csrc/hooks.cpp`.
+pub(crate) type HookCallFn =
+    extern "C" fn(ctx: *mut c_void, param: *mut c_void, error: *mut c_void) -> bool;
 /// Drops the closure behind `ctx`.
 pub(crate) type HookDropFn = extern "C" fn(ctx: *mut c_void);
 

@@ -30,7 +30,8 @@ use crate::TchExtError;
 ///
 /// If `f` panics, the panic message is printed by the panic hook as usual, the panic stops at
 /// the C++ boundary (so does a panic of the payload's own destructor), and the backward pass
-/// fails with an error (tch's `f_backward` returns it, `backward` panics with it).
+/// fails with an error (tch's `f_backward` returns it, `backward` panics with it). A hook
+/// that is meant to fail returns its error instead: [`set_fallible_post_accumulate_grad_hook`].
 ///
 /// # Errors
 ///
@@ -38,6 +39,24 @@ use crate::TchExtError;
 pub fn set_post_accumulate_grad_hook<F>(param: &Tensor, f: F) -> Result<(), TchExtError>
 where
     F: Fn(&Tensor) + Send + Sync + 'static,
+{
+    set_fallible_post_accumulate_grad_hook(param, move |p| {
+        f(p);
+        Ok(())
+    })
+}
+
+/// [`set_post_accumulate_grad_hook`] with a hook that can fail the backward pass, as a
+/// PyTorch hook that raises does: when `f` returns an error, the backward pass stops with
+/// that message (tch's `f_backward` returns it, `backward` panics with it). The gradient of
+/// `param` has been accumulated before; autograd stays usable.
+///
+/// # Errors
+///
+/// [`TchExtError::Torch`] when `param` is undefined, not a leaf, or does not require grad.
+pub fn set_fallible_post_accumulate_grad_hook<F>(param: &Tensor, f: F) -> Result<(), TchExtError>
+where
+    F: Fn(&Tensor) -> Result<(), String> + Send + Sync + 'static,
 {
     let ctx = Box::into_raw(Box::new(f)).cast::<c_void>();
     // SAFETY: `param` is a live tch tensor (a `torch::Tensor*`) for the duration of the call.
@@ -110,21 +129,32 @@ pub fn tensor_id(t: &Tensor) -> usize {
 }
 
 /// The shim's call-back: runs the closure on the parameter, stopping any panic here.
-extern "C" fn call_hook<F: Fn(&Tensor)>(ctx: *mut c_void, param: *mut c_void) -> bool {
+extern "C" fn call_hook<F>(ctx: *mut c_void, param: *mut c_void, error: *mut c_void) -> bool
+where
+    F: Fn(&Tensor) -> Result<(), String>,
+{
     // SAFETY: the shim passes a heap `at::Tensor*` made for this call and gives up ownership;
     // the tch `Tensor` frees it when dropped below.
     let param = unsafe { Tensor::from_ptr(param.cast()) };
-    // SAFETY: `ctx` is the `Box<F>` leaked in `set_post_accumulate_grad_hook`; the shim keeps
-    // it alive until this call returns, and `F: Sync` allows calls from any thread.
+    // SAFETY: `ctx` is the `Box<F>` leaked in `set_fallible_post_accumulate_grad_hook`; the
+    // shim keeps it alive until this call returns, and `F: Sync` allows calls from any thread.
     let f = unsafe { &*ctx.cast::<F>() };
-    ffi::catch_panic(|| f(&param)).is_some()
+    match ffi::catch_panic(|| f(&param)) {
+        Some(Ok(())) => true,
+        Some(Err(message)) => {
+            // SAFETY: `error` is the shim's `std::string` for this call; it copies the bytes.
+            unsafe { ffi::tch_ext_message_set(error, message.as_ptr().cast(), message.len()) };
+            false
+        }
+        None => false,
+    }
 }
 
 /// The shim's destructor call-back: drops the closure. A panic in a drop cannot be reported
 /// through a C++ destructor, so it aborts the process.
 extern "C" fn drop_hook<F>(ctx: *mut c_void) {
-    // SAFETY: `ctx` is the `Box<F>` leaked in `set_post_accumulate_grad_hook`, and the shim
-    // calls this exactly once, after the last call of the closure.
+    // SAFETY: `ctx` is the `Box<F>` leaked in `set_fallible_post_accumulate_grad_hook`, and
+    // the shim calls this exactly once, after the last call of the closure.
     let f = unsafe { Box::from_raw(ctx.cast::<F>()) };
     if ffi::catch_panic(move || drop(f)).is_none() {
         std::process::abort();

@@ -73,8 +73,8 @@ pub use error::TchExtError;
 pub use function::set_backward;
 pub use graph::reachable_leaves;
 pub use hooks::{
-    clear_post_accumulate_grad_hook, has_post_accumulate_grad_hook, set_grad,
-    set_post_accumulate_grad_hook, tensor_id,
+    clear_post_accumulate_grad_hook, has_post_accumulate_grad_hook,
+    set_fallible_post_accumulate_grad_hook, set_grad, set_post_accumulate_grad_hook, tensor_id,
 };
 pub use ops::{
     add_, addcdiv_, addcmul_, amp_foreach_non_finite_check_and_unscale_, foreach_adam_,

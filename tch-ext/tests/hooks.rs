@@ -5,8 +5,9 @@ use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tch_ext::{
-    clear_post_accumulate_grad_hook, has_post_accumulate_grad_hook, set_grad,
-    set_post_accumulate_grad_hook, tensor_id, TchExtError,
+    clear_post_accumulate_grad_hook, has_post_accumulate_grad_hook,
+    set_fallible_post_accumulate_grad_hook, set_grad, set_post_accumulate_grad_hook, tensor_id,
+    TchExtError,
 };
 
 fn values(t: &Tensor) -> Vec<f32> {
@@ -168,6 +169,20 @@ fn a_panicking_hook_fails_the_backward_pass() {
     let err = loss(&w, &x).f_backward().unwrap_err().to_string();
     assert!(err.contains("post-accumulate-grad hook panicked"), "{err}");
     // The gradient was accumulated before the hook ran, and autograd still works.
+    clear_post_accumulate_grad_hook(&w).unwrap();
+    assert_eq!(values(&w.grad()), [4.0, 5.0, -6.0]);
+    loss(&w, &x).backward();
+    assert_eq!(values(&w.grad()), [8.0, 10.0, -12.0]);
+}
+
+#[test]
+fn a_hook_that_returns_an_error_fails_the_backward_pass_with_its_message() {
+    let (w, x) = leaf();
+    set_fallible_post_accumulate_grad_hook(&w, |_| Err("refused on purpose".into())).unwrap();
+    let err = loss(&w, &x).f_backward().unwrap_err().to_string();
+    assert!(err.contains("refused on purpose"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    // As after a panic: the gradient was accumulated, and autograd still works.
     clear_post_accumulate_grad_hook(&w).unwrap();
     assert_eq!(values(&w.grad()), [4.0, 5.0, -6.0]);
     loss(&w, &x).backward();
