@@ -83,24 +83,32 @@ pub fn mapped_library_dir(file_name: &str) -> Option<PathBuf> {
 /// The files mapped into this process, in `/proc/self/maps`'s order; empty when it cannot be
 /// read.
 fn mapped_files() -> Vec<PathBuf> {
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-    maps.lines()
+    maps_paths(&std::fs::read("/proc/self/maps").unwrap_or_default())
+}
+
+/// The paths the lines of a `/proc/self/maps` text name, as bytes: a path that is not UTF-8
+/// (a Latin-1 folder, a mapped data file) is one path like the others, never a reason to
+/// lose the rest.
+fn maps_paths(maps: &[u8]) -> Vec<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    maps.split(|&b| b == b'\n')
         .filter_map(maps_line_path)
-        .map(PathBuf::from)
+        .map(|path| PathBuf::from(std::ffi::OsStr::from_bytes(path)))
         .collect()
 }
 
 /// The path a line of `/proc/self/maps` names, if any: everything after the first five
 /// fields (address, permissions, offset, device, inode) and the padding, as the kernel
 /// prints it, spaces included, less a trailing ` (deleted)`.
-fn maps_line_path(line: &str) -> Option<&str> {
+fn maps_line_path(line: &[u8]) -> Option<&[u8]> {
+    let skip_spaces = |s: &[u8]| -> usize { s.iter().take_while(|&&b| b == b' ').count() };
     let mut rest = line;
     for _ in 0..5 {
-        rest = rest.trim_start_matches(' ');
-        rest = &rest[rest.find(' ')?..];
+        rest = &rest[skip_spaces(rest)..];
+        rest = &rest[rest.iter().position(|&b| b == b' ')?..];
     }
-    let path = rest.trim_start_matches(' ');
-    let path = path.strip_suffix(" (deleted)").unwrap_or(path);
+    let path = &rest[skip_spaces(rest)..];
+    let path = path.strip_suffix(b" (deleted)").unwrap_or(path);
     (!path.is_empty()).then_some(path)
 }
 
@@ -396,8 +404,23 @@ mod tests {
             ("", None),
         ];
         for (line, want) in cases {
-            assert_eq!(maps_line_path(line), want, "{line:?}");
+            assert_eq!(
+                maps_line_path(line.as_bytes()),
+                want.map(str::as_bytes),
+                "{line:?}"
+            );
         }
+        // A path that is not UTF-8 is read like the others, and the lines around it too.
+        let maps = b"7f00-7f10 r--p 00000000 fe:00 7      /tmp/\xff/x.so\n\
+                     7f10-7f20 r-xp 00000000 fe:00 8      /opt/cuda/libcudart.so.12\n";
+        use std::os::unix::ffi::OsStrExt;
+        assert_eq!(
+            maps_paths(maps),
+            [
+                PathBuf::from(std::ffi::OsStr::from_bytes(b"/tmp/\xff/x.so")),
+                PathBuf::from("/opt/cuda/libcudart.so.12"),
+            ]
+        );
         // This test binary's own maps name its executable, whole.
         let exe = std::env::current_exe().unwrap();
         assert!(mapped_files().contains(&exe), "{}", exe.display());
