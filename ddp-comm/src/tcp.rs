@@ -181,24 +181,37 @@ pub(crate) fn open_file_limit() -> Option<u64> {
     rustix::process::getrlimit(rustix::process::Resource::Nofile).current
 }
 
-/// Raises this process's soft limit of open descriptors (`RLIMIT_NOFILE`) to its hard limit,
-/// as Go's runtime and many servers do, and returns the soft limit in force. Rank 0's store
-/// holds a descriptor for each of two connections per rank (rendezvous and heartbeat),
-/// and the common soft limit of 1024 would refuse ranks past a few hundred. The limit is
-/// the process's (and its children's): code that passes descriptors above 1023 to
-/// `select` would fail, as it would under a user's own `ulimit -n`.
-pub(crate) fn raise_open_file_limit() -> io::Result<Option<u64>> {
+/// Descriptors a store serving `world` ranks needs beyond its connections: the process's
+/// own files, libraries and sockets.
+const DESCRIPTORS_BESIDE_THE_STORE: u64 = 512;
+
+/// Raises this process's soft limit of open descriptors (`RLIMIT_NOFILE`) where it is too
+/// low for a store serving `world` ranks: rank 0's store holds a descriptor for each of two
+/// connections per rank (rendezvous and heartbeat), and the common soft limit of 1024
+/// would refuse ranks past a few hundred. The soft limit becomes
+/// `2 x world + 512`, at most the hard limit, and is left alone where it is already that
+/// high, so that the children a rank starts do not inherit a limit in the millions (code
+/// that closes every descriptor up to the limit would crawl). Returns the soft limit in
+/// force.
+pub(crate) fn raise_open_file_limit(world: usize) -> io::Result<Option<u64>> {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     let limit = getrlimit(Resource::Nofile);
-    if limit.current == limit.maximum {
+    let needed = (world as u64)
+        .saturating_mul(2)
+        .saturating_add(DESCRIPTORS_BESIDE_THE_STORE);
+    let wanted = match limit.maximum {
+        Some(hard) => needed.min(hard),
+        None => needed,
+    };
+    if limit.current.is_none_or(|soft| soft >= wanted) {
         return Ok(limit.current);
     }
     setrlimit(
         Resource::Nofile,
         Rlimit {
-            current: limit.maximum,
+            current: Some(wanted),
             maximum: limit.maximum,
         },
     )?;
-    Ok(limit.maximum)
+    Ok(Some(wanted))
 }

@@ -295,6 +295,8 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
         });
     }
     let server = if rank == 0 && !plan.agent_store {
+        // Where it cannot be raised, a failed accept names the limit.
+        let _ = crate::tcp::raise_open_file_limit(world);
         Some(StoreServer::bind(
             store_bind_addr(plan)?,
             plan.secret.clone(),

@@ -175,11 +175,9 @@ type Clients = Arc<Mutex<HashMap<u64, Arc<TcpStream>>>>;
 impl StoreServer {
     /// Listens on `addr` (an unspecified IP: every interface of both IP families, see
     /// [`tcp::listen`](crate::tcp::listen)); a busy port is [`CommError::PortInUse`].
-    /// First raises the soft limit of open files, for two connections per rank
+    /// The caller raises the soft limit of open files for the ranks it expects
     /// ([`tcp::raise_open_file_limit`](crate::tcp::raise_open_file_limit)).
     pub(crate) fn bind(addr: SocketAddr, secret: Secret) -> Result<Self, CommError> {
-        // Where it cannot be raised, a failed accept names the limit.
-        let _ = crate::tcp::raise_open_file_limit();
         let listener = crate::tcp::listen(addr).map_err(|source| match source.kind() {
             io::ErrorKind::AddrInUse => CommError::PortInUse { addr },
             _ => CommError::Address {
@@ -1000,21 +998,36 @@ mod tests {
         assert_eq!(descriptors_of_port(port), 1 + 2 * CLIENTS);
     }
 
-    /// Binding the store raises the soft limit of open files to the hard limit, and an accept
-    /// that fails for want of descriptors is a warning naming that limit.
+    /// The store's soft limit of open files is raised to what its ranks need, no further,
+    /// and an accept that fails for want of descriptors is a warning naming that limit.
     #[test]
-    fn the_store_raises_the_open_file_limit_and_names_it_when_reached() {
+    fn the_open_file_limit_is_raised_as_far_as_the_ranks_need_and_named_when_reached() {
+        use crate::tcp::raise_open_file_limit;
         use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
         let Some(hard) = getrlimit(Resource::Nofile).maximum else {
             println!("skipped: this process has no hard limit of open files");
             return;
         };
-        let lowered = Rlimit {
-            current: Some(hard - 1),
-            maximum: Some(hard),
+        if hard < 4096 {
+            println!("skipped: the hard limit of open files is {hard}, below 4096");
+            return;
+        }
+        let set_soft = |soft: u64| {
+            let limit = Rlimit {
+                current: Some(soft),
+                maximum: Some(hard),
+            };
+            setrlimit(Resource::Nofile, limit).unwrap();
         };
-        setrlimit(Resource::Nofile, lowered).unwrap();
-        let _server = server();
+        set_soft(1024);
+        // Two ranks fit in 1024 descriptors: the limit stays.
+        assert_eq!(raise_open_file_limit(2).unwrap(), Some(1024));
+        assert_eq!(getrlimit(Resource::Nofile).current, Some(1024));
+        // 1000 ranks need 2 x 1000 + 512.
+        assert_eq!(raise_open_file_limit(1000).unwrap(), Some(2512));
+        assert_eq!(getrlimit(Resource::Nofile).current, Some(2512));
+        // Never past the hard limit.
+        assert_eq!(raise_open_file_limit(usize::MAX).unwrap(), Some(hard));
         assert_eq!(getrlimit(Resource::Nofile).current, Some(hard));
         let emfile = io::Error::from_raw_os_error(libc::EMFILE);
         assert_eq!(
