@@ -3,7 +3,7 @@
 //! epoch's checkpoint), the history an
 //! earlier `metrics.jsonl` leaves, atomic file writes, and every rank's log.
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::Path;
 
@@ -238,6 +238,35 @@ pub(super) fn write_file(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
         .map_err(|e| TrainError::io(format!("cannot write {}", path.display()), e))
 }
 
+/// Opens `path` with `options` where it must be a regular file (a rank's log, the run
+/// directory's lock): a symbolic link in its place is refused (`O_NOFOLLOW`), and so is a
+/// FIFO or a device (`O_NONBLOCK` keeps the open from waiting on a FIFO), so a run folder
+/// that others can write to cannot redirect the trainer's writes into another file. The
+/// refusal names what is there and says to remove it.
+pub(super) fn open_regular(path: &Path, options: &mut OpenOptions) -> std::io::Result<File> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let refuse = |what: &str| {
+        let e = format!("it is {what}, not a regular file: remove it");
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, e)
+    };
+    let flags = libc::O_NOFOLLOW | libc::O_NONBLOCK;
+    let file = match options.custom_flags(flags).open(path) {
+        // O_NOFOLLOW's answer where the path's last component is a link.
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(refuse("a symbolic link")),
+        opened => opened?,
+    };
+    let kind = file.metadata()?.file_type();
+    if kind.is_file() {
+        Ok(file)
+    } else if kind.is_dir() {
+        Err(refuse("a folder"))
+    } else if kind.is_fifo() {
+        Err(refuse("a FIFO"))
+    } else {
+        Err(refuse("a device or a socket"))
+    }
+}
+
 /// A rank's log: appended to `<run>/logs/rank-<r>.log` and emitted as `tracing` events
 /// (target `ddp_train`; the program's subscriber decides what is shown where).
 /// While rank 0's progress bar is drawn, lines are printed with the bar suspended (cleared,
@@ -251,10 +280,7 @@ pub(super) struct RankLog {
 impl RankLog {
     pub(super) fn open(out: &Path, rank: usize) -> Result<Self, TrainError> {
         let path = out.join("logs").join(format!("rank-{rank}.log"));
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
+        let file = open_regular(&path, OpenOptions::new().create(true).append(true))
             .map_err(|e| TrainError::io(format!("cannot open {}", path.display()), e))?;
         Ok(Self {
             file: std::sync::Mutex::new(file),
@@ -304,6 +330,32 @@ mod tests {
             "{{\"epoch\":{epoch},\"train_loss\":0.5,\"lr\":0.001,\"images_per_sec\":10.0,\
              \"epoch_seconds\":1.0,\"steps\":3,\"world_size\":2}}"
         )
+    }
+
+    /// A link planted at a rank's log is refused, naming the log, and its target is kept.
+    #[test]
+    fn a_rank_log_that_is_a_link_is_refused_and_its_target_kept() {
+        let dir = ddp_testkit::temp_dir("rank-log-link");
+        let (log, victim) = (
+            dir.path().join("logs/rank-1.log"),
+            dir.path().join("victim"),
+        );
+        std::fs::create_dir(dir.path().join("logs")).unwrap();
+        std::fs::write(&victim, "keep").unwrap();
+        std::os::unix::fs::symlink(&victim, &log).unwrap();
+        let err = RankLog::open(dir.path(), 1).unwrap_err();
+        assert_eq!(
+            crate::error::with_causes(&err),
+            format!(
+                "cannot open {}: it is a symbolic link, not a regular file: remove it",
+                log.display()
+            )
+        );
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        std::fs::remove_file(&log).unwrap();
+        let opened = RankLog::open(dir.path(), 1).unwrap();
+        opened.file.lock().unwrap().write_all(b"line\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&log).unwrap(), "line\n");
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use ddp_comm::{EnvConfig, ProcessGroup};
 
-use super::outputs::RankLog;
+use super::outputs::{open_regular, RankLog};
 use crate::error::TrainError;
 use crate::settings::{Monitor, Settings};
 use crate::state::{self, Best};
@@ -243,17 +243,20 @@ pub(super) enum RunLock {
 /// Takes the run directory's lock (an exclusive `flock` on `out/.lock`) and writes who
 /// holds it.
 fn lock_run_dir(out: &Path) -> RunLock {
+    use std::fs::OpenOptions;
     use std::io::{Read, Seek, Write};
     use std::os::fd::AsRawFd;
     let path = out.join(RUN_LOCK);
-    let opened = std::fs::OpenOptions::new()
+    // A regular file, never a link's target: the holder's line below empties it first.
+    let mut read_write = OpenOptions::new();
+    read_write
         .read(true)
         .write(true)
         .create(true)
-        .truncate(false)
-        .open(&path)
+        .truncate(false);
+    let opened = open_regular(&path, &mut read_write)
         // flock takes a descriptor opened for reading too (a .lock another user made).
-        .or_else(|_| std::fs::File::open(&path));
+        .or_else(|_| open_regular(&path, OpenOptions::new().read(true)));
     let mut file = match opened {
         Ok(file) => file,
         // Unlocked, the start would tidy a folder another job may be writing: refused.
@@ -611,19 +614,18 @@ mod tests {
     fn a_lock_file_that_cannot_be_opened_refuses_the_start() {
         let tmp = ddp_testkit::temp_dir("ddp-train-lock-open");
         let out = tmp.path();
-        std::os::unix::fs::symlink(out.join("gone/.lock"), out.join(RUN_LOCK)).unwrap();
-        match lock_run_dir(out) {
+        let missing = out.join("gone");
+        match lock_run_dir(&missing) {
             RunLock::Locked(refusal) => assert!(
                 refusal.starts_with(&format!(
                     "cannot open {} to lock the run directory --out {} (",
-                    out.join(RUN_LOCK).display(),
-                    out.display()
+                    missing.join(RUN_LOCK).display(),
+                    missing.display()
                 )) && refusal.ends_with("): check the folder's permissions, or give another --out"),
                 "{refusal}"
             ),
             other => panic!("{other:?}"),
         }
-        std::fs::remove_file(out.join(RUN_LOCK)).unwrap();
         let held = lock_run_dir(out);
         assert!(matches!(held, RunLock::Held(_)), "{held:?}");
         match lock_run_dir(out) {
@@ -632,6 +634,41 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A `.lock` that is a link (to a file, or to nothing) or a FIFO is refused, naming it:
+    /// the holder's line would otherwise empty the link's target.
+    #[test]
+    fn a_lock_file_that_is_not_a_regular_file_is_refused_and_its_target_kept() {
+        let tmp = ddp_testkit::temp_dir("ddp-train-lock-link");
+        let out = tmp.path();
+        let lock = out.join(RUN_LOCK);
+        let refused = |what: &str| match lock_run_dir(out) {
+            RunLock::Locked(refusal) => assert_eq!(
+                refusal,
+                format!(
+                    "cannot open {} to lock the run directory --out {} (it is {what}, not a \
+                     regular file: remove it): check the folder's permissions, or give another \
+                     --out",
+                    lock.display(),
+                    out.display()
+                )
+            ),
+            other => panic!("{other:?}"),
+        };
+        let victim = out.join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        std::os::unix::fs::symlink(&victim, &lock).unwrap();
+        refused("a symbolic link");
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        std::fs::remove_file(&lock).unwrap();
+        std::os::unix::fs::symlink(out.join("gone/.lock"), &lock).unwrap();
+        refused("a symbolic link");
+        std::fs::remove_file(&lock).unwrap();
+        let fifo = std::ffi::CString::new(lock.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo(3) reads a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        refused("a FIFO");
     }
 
     /// A model file of one variable `w` = `epoch`, recording `epoch` in its metadata.
