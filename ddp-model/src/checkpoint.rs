@@ -403,7 +403,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .unwrap_or_default();
     let tmp = dir.join(format!(".{file_name}.tmp-{}", temporary_tag()));
     let result = (|| {
-        let mut f = File::create(&tmp)?;
+        let mut f = create_temporary(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
         drop(f);
@@ -415,6 +415,35 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// Creates [`write_atomic`]'s temporary `tmp`, which must be new: never a file or a link
+/// that was there before (its name is known for the process's life, so another user could
+/// plant a link there for the write to follow). An entry in the way is removed (a link, not
+/// its target) and the creation tried once more.
+fn create_temporary(tmp: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let create = || {
+        fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(tmp)
+    };
+    match create() {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            fs::remove_file(tmp)?;
+            create().map_err(|e| {
+                let again = format!(
+                    "{} was in the way, and is there again after its removal ({e}): another \
+                     process writes there; remove it and stop that process",
+                    tmp.display()
+                );
+                std::io::Error::new(e.kind(), again)
+            })
+        }
+        created => created,
+    }
 }
 
 /// The tag of this process's temporaries of [`write_atomic`]: `<pid>-<start>`, the process id
@@ -607,6 +636,22 @@ mod tests {
         // A missing folder is reported, not created.
         let err = write_atomic(&dir.join("no-such-dir").join("f"), b"x").unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
+    }
+
+    /// A link planted at the temporary's name is removed, not followed: its target keeps its
+    /// content, and the write goes through.
+    #[test]
+    fn write_atomic_never_writes_through_a_link_at_its_temporary_name() {
+        let tmp = ddp_testkit::temp_dir("ddp-model-atomic-link");
+        let dir = tmp.path();
+        let (path, victim) = (dir.join("state.json"), dir.join("victim"));
+        fs::write(&victim, b"keep").unwrap();
+        let planted = dir.join(format!(".state.json.tmp-{}", temporary_tag()));
+        std::os::unix::fs::symlink(&victim, &planted).unwrap();
+        write_atomic(&path, b"new").unwrap();
+        assert_eq!(fs::read(&victim).unwrap(), b"keep");
+        assert_eq!(fs::read(&path).unwrap(), b"new");
+        assert_eq!(entries(dir), ["state.json", "victim"]);
     }
 
     /// A file that cannot be opened is named by the error, whose cause is its source and
