@@ -66,13 +66,33 @@ impl std::fmt::Display for Allocation {
 }
 
 /// The run's planned length, recorded when it starts: per-step schedules run over
-/// `optimizer_steps`, so a resume on another allocation does not move them.
+/// `optimizer_steps`, so a resume on another allocation does not move them. A resume for
+/// another number of epochs plans again ([`Plan::steps_from`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Plan {
-    /// The epochs the run was started for.
+    /// The epochs the run was started (or last resumed) for.
     pub epochs: u64,
-    /// `epochs` × the starting allocation's steps per epoch.
+    /// `epochs` × the starting allocation's steps per epoch; after a resume for other
+    /// epochs, the steps taken then plus the rest on the resumed allocation.
     pub optimizer_steps: u64,
+}
+
+impl Plan {
+    /// The optimizer steps of a run of `epochs` epochs from where it stands: `taken` steps
+    /// attempted (on whatever allocations) in its first `begun` epochs, the last of which has
+    /// `left` steps still to take, then `steps_per_epoch` in each later epoch. A fresh run
+    /// stands at `(0, 0, 0)`. Saturates.
+    pub fn steps_from(
+        epochs: u64,
+        steps_per_epoch: usize,
+        (taken, begun, left): (u64, u64, usize),
+    ) -> u64 {
+        let later = epochs.saturating_sub(begun);
+        later
+            .saturating_mul(steps_per_epoch as u64)
+            .saturating_add(taken)
+            .saturating_add(left as u64)
+    }
 }
 
 /// Where an epoch continues: what its steps so far consumed, where it ends, and on which
@@ -376,6 +396,22 @@ mod tests {
             err.contains("on global batch 32, and continues only"),
             "{err}"
         );
+    }
+
+    /// 100 epochs planned at 200 steps each, resumed after epoch 50 (10 000 steps) on an
+    /// allocation of 100 steps per epoch for 150 epochs: 100 more epochs of 100 steps.
+    #[test]
+    fn a_plan_counts_the_steps_taken_on_earlier_allocations() {
+        assert_eq!(Plan::steps_from(100, 200, (0, 0, 0)), 20_000);
+        assert_eq!(Plan::steps_from(150, 100, (10_000, 50, 0)), 20_000);
+        // Inside epoch 51 after 40 of its 200 steps: its 160 left take 80 of 100 samples x 2.
+        assert_eq!(
+            Plan::steps_from(150, 100, (10_040, 51, 80)),
+            10_040 + 80 + 99 * 100
+        );
+        // Fewer epochs than begun: the steps taken and the rest of the epoch in progress.
+        assert_eq!(Plan::steps_from(40, 100, (10_040, 51, 80)), 10_120);
+        assert_eq!(Plan::steps_from(u64::MAX, 100, (1, 0, 0)), u64::MAX);
     }
 
     #[test]

@@ -620,3 +620,32 @@ fn a_resumed_runs_config_keeps_its_initial_weights_and_the_lr_in_effect() {
     );
     assert_eq!(config["settings"]["optimizer"]["lr"], 1e-3);
 }
+
+/// A resume for more epochs plans per-step schedules from where the run stands: 2 epochs of
+/// 4 steps (8 planned) resumed with 2 steps per epoch for 4 epochs takes 8 + 2 x 2 steps,
+/// not 4 x 2.
+#[test]
+fn a_resume_for_more_epochs_plans_from_the_steps_taken() {
+    let _generator = hold_generator();
+    let tmp = common::temp_dir("ddp-train-resume-plan");
+    let run = tmp.path().join("run");
+    train(task(Value::Null), settings(&run, 2));
+
+    let mut more = resumed(settings(&run, 4), 4);
+    more.max_steps_per_epoch = Some(2);
+    train(task(Value::Null), more);
+    let log = log_of(&run);
+    assert!(
+        log.contains(
+            "the run was planned for 2 epochs and continues for 4: per-step schedules now run \
+             over 12 optimizer steps instead of 8"
+        ),
+        "{log}"
+    );
+    let state =
+        ddp_model::checkpoint::read_tensors(run.join("checkpoints/epoch-0004.state.safetensors"))
+            .unwrap();
+    let st: Value = serde_json::from_str(&state.metadata["train_state"]).unwrap();
+    assert_eq!(st["optimizer_steps"], 12);
+    assert_eq!(st["plan"], json!({ "epochs": 4, "optimizer_steps": 12 }));
+}

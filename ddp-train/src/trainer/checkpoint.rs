@@ -15,7 +15,7 @@ use crate::amp::GradScaler;
 use crate::error::{SettingError, TrainError};
 use crate::lr_schedule::LrSchedule;
 use crate::optim::OptimizerConfig;
-use crate::settings::Settings;
+use crate::settings::{Settings, MAX_COUNT};
 use crate::state::{self, Position, TrainState};
 use crate::stop::{SignalWatch, StopReason};
 use crate::task::Task;
@@ -476,6 +476,76 @@ pub(super) fn continue_at(
         now,
         steps_now,
     )
+}
+
+/// The plan a run resumed from `st` continues with on `now` (whose epochs have `steps_now`
+/// steps), the epoch in progress continuing as `rest`, and the warning when it changes.
+///
+/// With the epochs it was started for, the run keeps its plan (but for one recorded before
+/// its first step: that has no curve to keep, and the plan is this allocation's, as after a
+/// kill then). With other epochs, or without a recorded plan, it plans from where it stands:
+/// the steps it took (on whatever allocations), the rest of the epoch in progress, then
+/// whole epochs on `now`. Past its last epoch it continues with nothing, so it warns of no
+/// change (`run` says nothing is left).
+pub(super) fn resumed_plan(
+    st: &TrainState,
+    rest: Option<&EpochRest>,
+    s: &Settings,
+    now: Allocation,
+    steps_now: usize,
+) -> Result<(Plan, Option<String>), SettingError> {
+    let stepped = st.optimizer_steps > 0 || st.skipped_steps() > 0;
+    if let Some(saved) = st.plan.filter(|p| p.epochs == s.epochs && stepped) {
+        return Ok((saved, None));
+    }
+    let taken = u64::try_from(st.optimizer_steps).unwrap_or(0);
+    let left = rest.map(|r| r.steps_left(now, s.max_steps_per_epoch));
+    // The epoch the run continues with, and the epochs begun before (that one if inside it).
+    let next = st.position.map_or(st.epoch + 1, |p| p.epoch);
+    let begun = next - u64::from(left.is_none());
+    let so_far = (
+        taken.saturating_add(st.skipped_steps()),
+        begun,
+        left.unwrap_or(0),
+    );
+    let plan = Plan {
+        epochs: s.epochs,
+        optimizer_steps: planned_steps(s, steps_now, so_far)?,
+    };
+    let changed = st.plan.filter(|p| p.epochs != s.epochs && next <= s.epochs);
+    let warning = changed.map(|saved| {
+        format!(
+            "the run was planned for {} epochs and continues for {}: per-step schedules now \
+             run over {} optimizer steps instead of {}",
+            saved.epochs, s.epochs, plan.optimizer_steps, saved.optimizer_steps
+        )
+    });
+    Ok((plan, warning))
+}
+
+/// The optimizer steps of `s.epochs` epochs of `steps_per_epoch` from where the run stands,
+/// `so_far` ([`Plan::steps_from`]): fewer than 2^40, the most a checkpoint counts (so that
+/// the run resumes from its own checkpoints), else an error naming `epochs`. An evaluation
+/// takes no step: its plan is only saturated.
+pub(super) fn planned_steps(
+    s: &Settings,
+    steps_per_epoch: usize,
+    so_far: (u64, u64, usize),
+) -> Result<u64, SettingError> {
+    let steps = steps_per_epoch as u64;
+    let total = Plan::steps_from(s.epochs, steps_per_epoch, so_far);
+    if total < MAX_COUNT || s.checkpoint.eval_only {
+        return Ok(total);
+    }
+    Err(SettingError::new(
+        "epochs",
+        format!(
+            " {} times {steps} optimizer steps per epoch must be below 2^40 ({MAX_COUNT}) \
+             optimizer steps, the most a checkpoint counts: give fewer, or set ",
+            s.epochs
+        ),
+    )
+    .setting("max_steps_per_epoch"))
 }
 
 /// The warning of a resume on another allocation: what changes and what does not.

@@ -28,7 +28,7 @@ use crate::functional::GroupReducer;
 use crate::lr_schedule::LrSchedule;
 use crate::optim::Optimizer;
 use crate::scheduler::ReduceLrOnPlateau;
-use crate::settings::{Settings, MAX_COUNT};
+use crate::settings::Settings;
 use crate::state::{self, EarlyStopState};
 use crate::stop::Budget;
 use crate::task::{Stats, Task};
@@ -145,7 +145,7 @@ impl<T: Task> Trainer<T> {
         let steps_now = now.steps_per_epoch(train_set.len(), s.max_steps_per_epoch);
         let mut plan = Plan {
             epochs: s.epochs,
-            optimizer_steps: planned_steps(s, steps_now)?,
+            optimizer_steps: super::checkpoint::planned_steps(s, steps_now, (0, 0, 0))?,
         };
         let mut allocation_change = None;
         let (mut start_epoch, mut bests) = (1, BTreeMap::new());
@@ -261,19 +261,6 @@ impl<T: Task> Trainer<T> {
             if let (Some(early), Some(saved)) = (early.as_mut(), st.early_stopping) {
                 *early = saved;
             }
-            // A checkpoint before the first optimizer step (a stop while the ranks started)
-            // has no curve to keep: the schedule is this allocation's, as after a kill then.
-            let stepped = st.optimizer_steps > 0 || st.skipped_steps() > 0;
-            match st.plan {
-                Some(saved) if saved.epochs == s.epochs && stepped => plan = saved,
-                Some(saved) if saved.epochs == s.epochs => {}
-                Some(saved) => fallback_warnings.push(format!(
-                    "the run was planned for {} epochs and continues for {}: per-step \
-                     schedules now run over {} optimizer steps instead of {}",
-                    saved.epochs, s.epochs, plan.optimizer_steps, saved.optimizer_steps
-                )),
-                None => {}
-            }
             let rest = match st.position {
                 Some(p) => Some(
                     super::checkpoint::continue_at(&st, &p, now, steps_now).map_err(|e| {
@@ -286,6 +273,10 @@ impl<T: Task> Trainer<T> {
                 ),
                 None => None,
             };
+            let (resumed, warning) =
+                super::checkpoint::resumed_plan(&st, rest.as_ref(), s, now, steps_now)?;
+            plan = resumed;
+            fallback_warnings.extend(warning);
             if let Some(before) = st.allocation.filter(|b| *b != now) {
                 let epoch = st.position.map_or(st.epoch + 1, |p| p.epoch);
                 let spe = (
@@ -618,26 +609,6 @@ fn init_weights(
         "mismatched": mismatched,
     });
     Ok((Some(note), record))
-}
-
-/// The optimizer steps of `s.epochs` epochs of `steps_per_epoch`: fewer than 2^40, the most
-/// a checkpoint counts (so that the run resumes from its own checkpoints), else an error
-/// naming `epochs`. An evaluation takes no step: its plan is only saturated.
-fn planned_steps(s: &Settings, steps_per_epoch: usize) -> Result<u64, SettingError> {
-    let steps = steps_per_epoch as u64;
-    let total = s.epochs.saturating_mul(steps);
-    if total < MAX_COUNT || s.checkpoint.eval_only {
-        return Ok(total);
-    }
-    Err(SettingError::new(
-        "epochs",
-        format!(
-            " {} times {steps} optimizer steps per epoch must be below 2^40 ({MAX_COUNT}) \
-             optimizer steps, the most a checkpoint counts: give fewer, or set ",
-            s.epochs
-        ),
-    )
-    .setting("max_steps_per_epoch"))
 }
 
 /// `sync_batchnorm` with a model that has no [`ddp_model::norm::BatchNorm2d`]: names the
