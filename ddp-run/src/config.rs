@@ -182,15 +182,25 @@ impl LaunchConfig {
     /// What a launcher should tell its user before a job of several nodes without a given
     /// `DDP_SECRET` (the launcher of one node cannot draw a secret that the others share):
     /// the ranks then use the user's key file, which only works where all nodes read the
-    /// same one. `None` when there is nothing to say.
+    /// same one, and whose key differs between jobs only by their run id, so a job without
+    /// one shares its key with every other such job. `None` when there is nothing to say.
     pub fn secret_warning(&self) -> Option<String> {
         (self.nnodes > 1 && self.given_secret().is_none()).then(|| {
+            let shared = match self.run_id {
+                Some(_) => "",
+                None => {
+                    "; and without a run id (--rdzv-id) the ranks use torchrun's default \
+                     `none`, as every job without one does, so all these jobs share one key \
+                     and each accepts what another signs in its store: give this job its own \
+                     --rdzv-id, or a DDP_SECRET"
+                }
+            };
             format!(
                 "DDP_SECRET is not set, so the ranks of these {} nodes authenticate each other \
                  with your key file (DDP_SECRET_FILE, else ~/.config/ddp/secret), which works \
                  only if every node reads the same file (a shared home folder); otherwise give \
                  every node the same DDP_SECRET (e.g. `export DDP_SECRET=$(openssl rand -hex \
-                 16)` where the job is submitted)",
+                 16)` where the job is submitted){shared}",
                 self.nnodes
             )
         })
@@ -245,6 +255,20 @@ mod tests {
                 ),
                 "{warning}"
             );
+            // Without a run id, every such job derives the same key from the key file.
+            let (plain, shared) = warning.split_once("; and without a run id").unwrap();
+            assert!(plain.ends_with("where the job is submitted)"), "{warning}");
+            assert_eq!(
+                shared,
+                " (--rdzv-id) the ranks use torchrun's default `none`, as every job without \
+                 one does, so all these jobs share one key and each accepts what another signs \
+                 in its store: give this job its own --rdzv-id, or a DDP_SECRET"
+            );
+            let named = LaunchConfig {
+                run_id: Some("job7".into()),
+                ..two.clone()
+            };
+            assert_eq!(Some(plain.to_string()), named.secret_warning());
         }
         two.env
             .push((DDP_SECRET.into(), "00112233445566778899aabbccddeeff".into()));
