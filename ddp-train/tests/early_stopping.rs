@@ -1,6 +1,7 @@
-//! A run that early stopping ended stays ended when it is started again on its checkpoint
-//! (a launcher's restart, a requeued job, `--resume latest`): nothing is trained, appended
-//! or moved; a larger patience continues it. One rank, in this process.
+//! A run that is over stays over when started again on its checkpoint (a launcher's
+//! restart, a requeued job, `--resume latest`) or run again: ended by early stopping (a
+//! larger patience continues it), or past its last epoch. Nothing is trained, appended or
+//! moved. One rank, in this process.
 
 mod common;
 
@@ -17,6 +18,12 @@ use ddp_train::{
 fn run(out: &Path, patience: u32, resume: bool) -> Vec<EpochReport> {
     let mut early = EarlyStopping::min("train_loss").after(patience);
     early.min_delta = 1000.0;
+    start(out, 6, early, resume).run().unwrap()
+}
+
+/// A Trainer of `epochs` epochs of 4 steps into `out` with `early` stopping, resuming
+/// `latest` when `resume`.
+fn start(out: &Path, epochs: u64, early: EarlyStopping, resume: bool) -> Trainer<Regression> {
     let quiet = RuntimeSettings::default()
         .threads(Some(1))
         .workers(Some(1))
@@ -25,7 +32,7 @@ fn run(out: &Path, patience: u32, resume: bool) -> Vec<EpochReport> {
         .stop_on_signals(false);
     let resume = resume.then(|| "latest".to_string());
     let s = Settings::default()
-        .epochs(6)
+        .epochs(epochs)
         .batch_size(16)
         .seed(3)
         .early_stopping(early)
@@ -34,7 +41,7 @@ fn run(out: &Path, patience: u32, resume: bool) -> Vec<EpochReport> {
         .out(Some(out.to_path_buf()));
     let task = Regression::new(points(64, 1), points(8, 2));
     let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", free_port());
-    Trainer::with_env(task, s, &env).unwrap().run().unwrap()
+    Trainer::with_env(task, s, &env).unwrap()
 }
 
 fn epochs(reports: &[EpochReport]) -> Vec<u64> {
@@ -53,6 +60,10 @@ fn recorded(out: &Path) -> (Vec<u64>, String) {
     (epochs, latest.trim().to_string())
 }
 
+fn log_of(out: &Path) -> String {
+    std::fs::read_to_string(out.join("logs/rank-0.log")).unwrap()
+}
+
 #[test]
 fn a_run_ended_by_early_stopping_trains_no_further_when_resumed() {
     let tmp = common::temp_dir("ddp-train-early-stopping");
@@ -69,7 +80,7 @@ fn a_run_ended_by_early_stopping_trains_no_further_when_resumed() {
         std::fs::read(out.join("checkpoints/epoch-0002.safetensors")).unwrap(),
         epoch_two
     );
-    let log = std::fs::read_to_string(out.join("logs/rank-0.log")).unwrap();
+    let log = log_of(&out);
     assert!(
         log.contains(
             "the run ended by early stopping at epoch 2: train_loss has not improved for 1 \
@@ -81,4 +92,56 @@ fn a_run_ended_by_early_stopping_trains_no_further_when_resumed() {
     // Patience 3 counts on from epoch 2's one bad epoch: epochs 3 and 4 make it 3.
     assert_eq!(epochs(&run(&out, 3, true)), [3, 4]);
     assert_eq!(recorded(&out), (vec![1, 2, 3, 4], "epoch-0004".to_string()));
+}
+
+/// `run` a second time on one Trainer continues where the first call ended: past the last
+/// epoch, it trains nothing (no epoch is recorded twice, `latest` stays) and says so.
+#[test]
+fn a_trainer_run_again_after_its_last_epoch_trains_nothing() {
+    let tmp = common::temp_dir("ddp-train-run-again");
+    let out = tmp.path().join("run");
+    let mut trainer = start(&out, 2, EarlyStopping::default(), false);
+    assert_eq!(epochs(&trainer.run().unwrap()), [1, 2]);
+    let epoch_two = std::fs::read(out.join("checkpoints/epoch-0002.safetensors")).unwrap();
+
+    assert_eq!(epochs(&trainer.run().unwrap()), Vec::<u64>::new());
+    assert_eq!(recorded(&out), (vec![1, 2], "epoch-0002".to_string()));
+    assert_eq!(
+        std::fs::read(out.join("checkpoints/epoch-0002.safetensors")).unwrap(),
+        epoch_two
+    );
+    let log = log_of(&out);
+    assert!(
+        log.contains("the run already trained epoch 2, and is given 2 epoch(s)"),
+        "{log}"
+    );
+}
+
+/// A run resumed with no more epochs than it finished trains nothing and says why, with no
+/// warning that it "continues" for fewer epochs than planned.
+#[test]
+fn a_run_resumed_for_no_more_epochs_than_it_finished_says_nothing_is_left() {
+    let tmp = common::temp_dir("ddp-train-no-epochs-left");
+    let out = tmp.path().join("run");
+    assert_eq!(
+        epochs(
+            &start(&out, 2, EarlyStopping::default(), false)
+                .run()
+                .unwrap()
+        ),
+        [1, 2]
+    );
+
+    let mut resumed = start(&out, 1, EarlyStopping::default(), true);
+    assert_eq!(epochs(&resumed.run().unwrap()), Vec::<u64>::new());
+    assert_eq!(recorded(&out), (vec![1, 2], "epoch-0002".to_string()));
+    let log = log_of(&out);
+    assert!(
+        log.contains(
+            "the run already trained epoch 2, and is given 1 epoch(s): nothing left to train \
+             (more than 2 epochs continue it)"
+        ),
+        "{log}"
+    );
+    assert!(!log.contains("continues for 1"), "{log}");
 }

@@ -53,6 +53,10 @@ impl<T: Task> Trainer<T> {
     /// [`TrainError::Stopped`]; exit with [`TrainError::exit_code`]. A stop in an epoch's
     /// evaluation checkpoints the epoch's end, from which a resumed run evaluates it.
     ///
+    /// A second call continues after the epochs the first one finished: after the last, or
+    /// after early stopping, it trains nothing and returns no reports. So does a run resumed
+    /// for no more epochs than it finished.
+    ///
     /// A run resumed after the epoch at which early stopping ended it (a launcher's restart,
     /// a requeued job) trains no further and returns no reports, unless its patience is now
     /// larger than the epochs without improvement.
@@ -60,7 +64,10 @@ impl<T: Task> Trainer<T> {
     /// A validation split whose per-sample rows would gather past the process group's limit
     /// is refused before the first epoch ([`TrainError::RowsTooLarge`]).
     pub fn run(&mut self) -> Result<Vec<EpochReport>, TrainError> {
-        if let Some(note) = self.ended_by_early_stopping() {
+        if let Some(note) = self
+            .ended_by_early_stopping()
+            .or_else(|| self.past_the_last_epoch())
+        {
             self.log.say(&note);
             return Ok(Vec::new());
         }
@@ -107,11 +114,8 @@ impl<T: Task> Trainer<T> {
                 epoch_seconds: trained.seconds + evaluating.elapsed().as_secs_f64(),
                 steps: trained.steps,
                 world_size: self.pg.world_size(),
-                allocation_change: if epoch == self.start_epoch {
-                    self.allocation_change.clone()
-                } else {
-                    None
-                },
+                // The first epoch this run trains records it.
+                allocation_change: self.allocation_change.take(),
             };
             if let (LrSchedule::Plateau(p), Some(sched)) =
                 (&self.settings.lr_schedule, &mut self.scheduler)
@@ -140,6 +144,8 @@ impl<T: Task> Trainer<T> {
                 self.budget.save_took(saving.elapsed());
             }
             self.last_checkpoint = Instant::now();
+            // A later call continues after this epoch.
+            self.start_epoch = epoch + 1;
             all.push(report);
             if let Some(note) = stop {
                 self.log.say(&note);
@@ -167,6 +173,18 @@ impl<T: Task> Trainer<T> {
             rule.metric,
             early.bad_epochs
         ))
+    }
+
+    /// Why the run is over when it continues past its last epoch: resumed for no more epochs
+    /// than it finished, or run again.
+    fn past_the_last_epoch(&self) -> Option<String> {
+        let (done, epochs) = (self.start_epoch - 1, self.settings.epochs);
+        (done >= epochs).then(|| {
+            format!(
+                "the run already trained epoch {done}, and is given {epochs} epoch(s): nothing \
+                 left to train (more than {done} epochs continue it)"
+            )
+        })
     }
 
     /// Optimizer steps in each epoch (the same every epoch: the sampler gives every rank the
