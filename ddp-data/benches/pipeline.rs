@@ -8,7 +8,9 @@
 //! `benches/reference_pipeline.py` with the project's Python (`.deps/venv/bin/python`, or
 //! `DDP_BENCH_PYTHON`) when torchvision is installed there, and prints img/s and ratios.
 //! The comparison counts images per CPU-second of the working thread on both sides, so other
-//! processes on a shared machine disturb it less than wall-clock rates.
+//! processes on a shared machine disturb it less than wall-clock rates; ours are printed as
+//! `RESULT pipeline size=512 decode=full img_per_cpu_s=...` lines (`decode=reduced` too),
+//! which `cargo xtask bench` reads (criterion's figures are wall-clock, for baselines).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -162,6 +164,10 @@ fn compare() {
     println!("ddp-data (full decode; reduced-scale decoding):");
     for (s, r, q) in &ours {
         println!("  {s}x{s}: {r:.0} img/s; reduced {q:.0} img/s");
+    }
+    for (s, r, q) in &ours {
+        println!("RESULT pipeline size={s} decode=full img_per_cpu_s={r:.2}");
+        println!("RESULT pipeline size={s} decode=reduced img_per_cpu_s={q:.2}");
     }
     let Some(python) = python() else {
         println!(

@@ -1,6 +1,8 @@
-//! The `data` group: decode + crop + resize + to-tensor on one thread, ours (criterion) vs
-//! torchvision with and without PIL's `draft`, each with glibc's default and raised malloc
-//! thresholds; then the loader's rows (`loader.rs`).
+//! The `data` group: decode + crop + resize + to-tensor on one thread, ours vs torchvision
+//! with and without PIL's `draft`, each with glibc's default and raised malloc thresholds, in
+//! images per CPU-second of the working thread on both sides (the pipeline bench's `RESULT
+//! pipeline` lines, `reference_pipeline.py`'s `time.thread_time`); then the loader's rows
+//! (`loader.rs`).
 
 use std::fs;
 use std::path::PathBuf;
@@ -8,7 +10,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use super::loader::loader;
-use super::parse::pipeline_rate;
+use super::parse::{pipeline_ours, pipeline_rate};
 use super::report::{Group, Row, Unit};
 use super::runner::{say, Ctx};
 use super::targets;
@@ -16,10 +18,10 @@ use super::targets;
 /// Runs the group.
 pub(super) fn data(ctx: &Ctx) -> Result<Vec<Row>> {
     let exe = ctx.build_bench("ddp-data", "pipeline")?;
-    say("data: ours (criterion, 1 thread)");
+    say("data: ours (1 thread)");
     // The bench would also run torchvision when it finds a Python; here xtask runs it, once
     // per malloc setting, so the bench is pointed at none.
-    ctx.criterion(
+    let ours_out = ctx.criterion(
         "data",
         &exe,
         &[(
@@ -57,12 +59,15 @@ pub(super) fn data(ctx: &Ctx) -> Result<Vec<Row>> {
     }
     let mut rows = Vec::new();
     for size in [512u32, 2048] {
-        let ours =
-            1.0 / ctx.criterion_median(&format!("decode_crop_resize_to_tensor/{size}x{size}"))?;
-        let reduced = 1.0
-            / ctx.criterion_median(&format!(
-                "decode_crop_resize_to_tensor/{size}x{size}-reduced"
-            ))?;
+        let ours_rate = |decode: &str| {
+            pipeline_ours(&ours_out, decode, size).with_context(|| {
+                format!(
+                    "the pipeline bench printed no `RESULT pipeline` line for {size} px, \
+                     {decode} decode"
+                )
+            })
+        };
+        let (ours, reduced) = (Some(ours_rate("full")?), Some(ours_rate("reduced")?));
         let (d0, d1) = (
             pipeline_rate(&runs[0], "default", size),
             pipeline_rate(&runs[1], "default", size),
@@ -79,13 +84,17 @@ pub(super) fn data(ctx: &Ctx) -> Result<Vec<Row>> {
         rows.push(
             Row::new(
                 Group::Data,
-                format!("decode+crop+resize+to-tensor {size}px, 1 thread, vs torchvision"),
+                format!(
+                    "decode+crop+resize+to-tensor {size}px, 1 thread, per CPU-second, vs \
+                     torchvision"
+                ),
                 Unit::ImagesPerSec,
             )
-            .pair(Some(ours), best(d0, d1))
+            .pair(ours, best(d0, d1))
             .target(targets::DECODE_VS_TORCHVISION)
             .note(format!(
-                "torchvision default {} img/s, with raised malloc thresholds {}",
+                "images per CPU-second of the working thread on both sides; torchvision \
+                 default {} img/s, with raised malloc thresholds {}",
                 show(d0),
                 show(d1)
             )),
@@ -94,12 +103,12 @@ pub(super) fn data(ctx: &Ctx) -> Result<Vec<Row>> {
             Row::new(
                 Group::Data,
                 format!(
-                    "decode+crop+resize+to-tensor {size}px, 1 thread, --dct-upsampling 2 vs \
-                     PIL draft"
+                    "decode+crop+resize+to-tensor {size}px, 1 thread, per CPU-second, \
+                     --dct-upsampling 2 vs PIL draft"
                 ),
                 Unit::ImagesPerSec,
             )
-            .pair(Some(reduced), best(f0, f1))
+            .pair(reduced, best(f0, f1))
             .target(targets::DECODE_VS_PIL_DRAFT)
             .note(format!(
                 "ours decoding at reduced JPEG scale; torchvision + PIL draft {} img/s, with \

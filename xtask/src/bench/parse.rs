@@ -114,6 +114,17 @@ pub(super) fn pipeline_rate(text: &str, mode: &str, size: u32) -> Option<f64> {
     })
 }
 
+/// Our images per CPU-second of the working thread, as the pipeline bench prints them
+/// (`RESULT pipeline size=<size> decode=full|reduced img_per_cpu_s=<rate>`).
+pub(super) fn pipeline_ours(text: &str, decode: &str, size: u32) -> Option<f64> {
+    let size = size.to_string();
+    value_where(
+        tagged(text, "pipeline"),
+        &[("size", &size), ("decode", decode)],
+        "img_per_cpu_s",
+    )
+}
+
 /// The median's point estimate in criterion's `estimates.json` (nanoseconds).
 pub(super) fn median_point_estimate(estimates: &str) -> Option<f64> {
     let v: serde_json::Value = serde_json::from_str(estimates).ok()?;
@@ -219,5 +230,18 @@ mod tests {
         assert_eq!(pipeline_rate(text, "default", 512), Some(247.5));
         assert_eq!(pipeline_rate(text, "draft", 512), Some(304.0));
         assert_eq!(pipeline_rate(text, "draft", 2048), None);
+    }
+
+    #[test]
+    fn reads_our_pipeline_rates_per_cpu_second() {
+        // As the pipeline bench prints them after criterion's report.
+        let text = "decode_crop_resize_to_tensor/512x512 time: [2.1 ms 2.2 ms 2.3 ms]\n\
+            RESULT pipeline size=512 decode=full img_per_cpu_s=812.50\n\
+            RESULT pipeline size=512 decode=reduced img_per_cpu_s=1130.00\n\
+            RESULT pipeline size=2048 decode=full img_per_cpu_s=61.25\n";
+        assert_eq!(pipeline_ours(text, "full", 512), Some(812.5));
+        assert_eq!(pipeline_ours(text, "reduced", 512), Some(1130.0));
+        assert_eq!(pipeline_ours(text, "full", 2048), Some(61.25));
+        assert_eq!(pipeline_ours(text, "reduced", 2048), None);
     }
 }
