@@ -32,9 +32,10 @@
 //! removes the cap afterwards, also on an error, a panic or Ctrl-C ([`netcap::LoopbackCap`]).
 //!
 //! Every run saves its results as JSON lines in `target/xtask-bench/results.jsonl`. A
-//! complete run (every group, without `--quick`, none failed) also writes `BENCHMARKS.md` at
-//! the workspace root: the machine, the date and the load once at the top, then every row;
-//! `--render FILE` writes that page from a saved run instead of running anything.
+//! complete run (every group, without `--quick`, none failed, no row skipped) also writes
+//! `BENCHMARKS.md` at the workspace root: the machine, the commit, the toolchains, the date
+//! and the load once at the top, then every row; `--render FILE` writes that page from a
+//! saved run instead of running anything.
 //!
 //! One file per job: this one runs the groups and prints; `report.rs` is the row model and
 //! its table and JSON; `results.rs` is a whole run (machine, settings, loads, rows) as JSON
@@ -68,7 +69,7 @@ use anyhow::{bail, Context, Result};
 use page::PAGE;
 pub use report::Group;
 use report::{print_table, Row, Unit};
-use results::{end_json, Machine, Results, Start};
+use results::{end_json, Machine, Results, Start, Versions};
 use runner::{ensure_setup, say, Ctx};
 
 /// Options of `cargo xtask bench`.
@@ -122,10 +123,13 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
     } else {
         args.only.iter().copied().collect()
     };
+    let versions = Versions::of(root, ctx.python());
     let start = Start {
         machine: Machine::this(),
         date: results::now_utc(),
-        torch: crate::setup::TORCH_VERSION.to_string(),
+        torch: versions.torch,
+        commit: versions.commit,
+        rustc: versions.rustc,
         load_average: load_average(),
         quick: ctx.quick,
         warmup_steps: ctx.warmup,

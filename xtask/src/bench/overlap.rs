@@ -47,14 +47,12 @@ pub(super) fn overlap(ctx: &Ctx) -> Result<Vec<Row>> {
     rows.extend(overlap_rows("TCP", &ours_tcp, &theirs, false));
     let capped = "TCP capped at 1 Gbit/s";
     match LoopbackCap::install() {
-        Err(why) => rows.push(
-            Row::new(
-                Group::Overlap,
-                format!("{capped} (tc tbf on lo): skipped"),
-                Unit::StepsPerSec,
-            )
-            .note(why),
-        ),
+        Err(why) => rows.push(Row::skipped(
+            Group::Overlap,
+            &format!("{capped} (tc tbf on lo)"),
+            Unit::StepsPerSec,
+            why,
+        )),
         Ok(cap) => {
             say(&format!(
                 "overlap: ours and PyTorch DDP, {capped} (`tc qdisc show dev lo` while it runs)"

@@ -1,6 +1,7 @@
 //! `BENCHMARKS.md`, rendered from one run's [`Results`]: the machine, the date and the load
 //! stated once at the top, then every row with ours, the reference, the ratio and the target.
-//! Only a complete run (every group, without `--quick`, none failed) becomes the page.
+//! Only a complete run (every group, without `--quick`, none failed, no row skipped) becomes
+//! the page.
 
 use std::fs;
 use std::path::Path;
@@ -40,6 +41,16 @@ pub(super) fn incomplete(results: &Results) -> Option<String> {
         .collect();
     if !failed.is_empty() {
         return Some(format!("{} failed", failed.join(", ")));
+    }
+    // A skipped row leaves its targets off the page, which would then look complete.
+    let skipped: Vec<String> = results
+        .rows
+        .iter()
+        .filter(|r| r.is_skipped())
+        .map(|r| format!("{} {} ({})", r.group.name(), r.name, r.note))
+        .collect();
+    if !skipped.is_empty() {
+        return Some(format!("it skipped {}", skipped.join("; ")));
     }
     None
 }
@@ -85,7 +96,7 @@ pub(super) fn render(results: &Results) -> String {
         "{GENERATED}\n\n# Benchmarks\n\n\
          One run of `cargo xtask bench`{quick}: {cores} cores of {cpu}{memory}, started {date}, \
          {seconds:.0} s in all, {warmup} warm-up and {timed} timed steps per training run. Load \
-         average (1, 5, 15 min): {loads}.\n\n\
+         average (1, 5, 15 min): {loads}. Commit {commit}, built by {rustc}.\n\n\
          Ours is this workspace; the reference is PyTorch {torch} doing the same work in the \
          same run (`DistributedSampler`, torchvision, Gloo, `DistributedDataParallel`; each \
          row's note names it). The ratio is higher when ours is better: the speed-up for \
@@ -106,6 +117,8 @@ pub(super) fn render(results: &Results) -> String {
         warmup = start.warmup_steps,
         timed = start.timed_steps,
         torch = start.torch,
+        commit = start.commit,
+        rustc = start.rustc,
     );
     let mut rows: Vec<&Row> = results.rows.iter().collect();
     rows.sort_by_key(|r| r.group);
@@ -154,9 +167,12 @@ mod tests {
             "One run of `cargo xtask bench`: 2 cores of Intel(R) Xeon(R) Processor and 23.5 GiB \
              of memory, started 2026-12-02 09:14 UTC, 123 s in all, 3 warm-up and 12 timed \
              steps per training run. Load average (1, 5, 15 min): 0.52 0.61 0.70 at the start; \
-             1.00 0.80 0.71 after sampler; 1.90 1.10 0.80 after ddp."
+             1.00 0.80 0.71 after sampler; 1.90 1.10 0.80 after ddp. Commit b531284d1e0f-dirty, \
+             built by rustc 1.88.0 (6b00bc388 2025-06-23)."
         );
-        assert!(lines[6].starts_with("Ours is this workspace; the reference is PyTorch 2.13.0"));
+        assert!(
+            lines[6].starts_with("Ours is this workspace; the reference is PyTorch 2.13.0+cpu ")
+        );
         let table: Vec<&str> = lines
             .iter()
             .copied()
@@ -204,6 +220,23 @@ mod tests {
             .rows
             .push(Row::new(Group::Comm, Row::DID_NOT_RUN, Unit::Fraction).note("no python"));
         assert_eq!(incomplete(&results).as_deref(), Some("comm failed"));
+        results.rows.pop();
+        // The capped overlap rows that a machine without `tc` rights skips.
+        results.rows.push(Row::skipped(
+            Group::Overlap,
+            "TCP capped at 1 Gbit/s (tc tbf on lo)",
+            Unit::StepsPerSec,
+            "tc needs root",
+        ));
+        assert_eq!(
+            incomplete(&results).as_deref(),
+            Some(
+                "it skipped overlap TCP capped at 1 Gbit/s (tc tbf on lo): skipped (tc needs root)"
+            )
+        );
+        // Also once saved and read back.
+        let back = Results::from_json_lines(&results.json_lines().unwrap()).unwrap();
+        assert!(incomplete(&back).unwrap().starts_with("it skipped overlap"));
         results.rows.pop();
         results.start.quick = true;
         assert!(incomplete(&results).unwrap().contains("--quick"));

@@ -137,6 +137,19 @@ impl Row {
     /// The name of the one row a group that failed leaves (its note says why).
     pub(super) const DID_NOT_RUN: &'static str = "(did not run)";
 
+    /// How the name of a row that a group could not measure ends (its note says why).
+    const SKIPPED: &'static str = ": skipped";
+
+    /// The row of `what`, which this run could not measure, and `why`.
+    pub(super) fn skipped(group: Group, what: &str, unit: Unit, why: impl Into<String>) -> Self {
+        Self::new(group, format!("{what}{}", Self::SKIPPED), unit).note(why)
+    }
+
+    /// Whether this is a [`Row::skipped`] row (also read back from a saved run).
+    pub(super) fn is_skipped(&self) -> bool {
+        self.name.ends_with(Self::SKIPPED)
+    }
+
     pub(super) fn new(group: Group, name: impl Into<String>, unit: Unit) -> Self {
         Self {
             group,

@@ -4,6 +4,8 @@
 //! (`page.rs`).
 
 use std::fmt;
+use std::path::Path;
+use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 use serde::de::{MapAccess, Visitor};
@@ -52,6 +54,55 @@ fn memory_gib(meminfo: &str) -> Option<f64> {
     Some(kib / (1024.0 * 1024.0))
 }
 
+/// The first line `program args` prints in `dir`, when it runs and succeeds.
+fn first_line(dir: &Path, program: &mut Command) -> Option<String> {
+    let out = program
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().next()?.trim();
+    (out.status.success() && !line.is_empty()).then(|| line.to_string())
+}
+
+/// What a run measured, besides the machine: the checkout's commit, the Rust compiler that
+/// built our side, and the torch the references imported.
+pub(super) struct Versions {
+    pub(super) commit: String,
+    pub(super) rustc: String,
+    pub(super) torch: String,
+}
+
+impl Versions {
+    /// Those of the checkout at `root`, with `python` (the references' Python, which
+    /// `import torch` is asked).
+    pub(super) fn of(root: &Path, mut python: Command) -> Self {
+        let unknown = || UNKNOWN.to_string();
+        Self {
+            commit: first_line(
+                root,
+                Command::new("git").args(["describe", "--always", "--dirty", "--abbrev=12"]),
+            )
+            .unwrap_or_else(unknown),
+            rustc: first_line(root, Command::new("rustc").arg("--version")).unwrap_or_else(unknown),
+            torch: first_line(
+                root,
+                python.args(["-c", "import torch; print(torch.__version__)"]),
+            )
+            .unwrap_or_else(unknown),
+        }
+    }
+}
+
+/// What a version that could not be read, or that a saved run lacks, shows.
+const UNKNOWN: &str = "unknown";
+
+fn unknown() -> String {
+    UNKNOWN.to_string()
+}
+
 /// The current time as `YYYY-MM-DD HH:MM UTC`.
 pub(super) fn now_utc() -> String {
     let at = time::OffsetDateTime::now_utc();
@@ -71,8 +122,13 @@ pub(super) struct Start {
     pub(super) machine: Machine,
     /// When the run started, `YYYY-MM-DD HH:MM UTC`.
     pub(super) date: String,
-    /// The version of PyTorch the references ran with.
+    /// The version of PyTorch the references ran with, as `torch.__version__` gives it.
     pub(super) torch: String,
+    /// The checkout, as `git describe --always --dirty` gives it (`-dirty`: with changes
+    /// not committed).
+    pub(super) commit: String,
+    /// The Rust compiler, as `rustc --version` gives it in the checkout.
+    pub(super) rustc: String,
     /// The 1, 5 and 15 minute load averages at the start.
     pub(super) load_average: String,
     pub(super) quick: bool,
@@ -102,6 +158,11 @@ struct StartLine {
     memory_gib: Option<f64>,
     date: String,
     torch: String,
+    /// Absent in the runs of an older bench.
+    #[serde(default = "unknown")]
+    commit: String,
+    #[serde(default = "unknown")]
+    rustc: String,
     load_average: String,
     quick: bool,
     warmup_steps: usize,
@@ -121,6 +182,8 @@ impl Start {
             memory_gib: self.machine.memory_gib.map(|g| (g * 100.0).round() / 100.0),
             date: self.date.clone(),
             torch: self.torch.clone(),
+            commit: self.commit.clone(),
+            rustc: self.rustc.clone(),
             load_average: self.load_average.clone(),
             quick: self.quick,
             warmup_steps: self.warmup_steps,
@@ -281,6 +344,8 @@ impl Results {
                 },
                 date: start.date,
                 torch: start.torch,
+                commit: start.commit,
+                rustc: start.rustc,
                 load_average: start.load_average,
                 quick: start.quick,
                 warmup_steps: start.warmup_steps,
@@ -308,7 +373,9 @@ pub(super) mod tests {
                     memory_gib: Some(23.54),
                 },
                 date: "2026-12-02 09:14 UTC".into(),
-                torch: "2.13.0".into(),
+                torch: "2.13.0+cpu".into(),
+                commit: "b531284d1e0f-dirty".into(),
+                rustc: "rustc 1.88.0 (6b00bc388 2025-06-23)".into(),
                 load_average: "0.52 0.61 0.70".into(),
                 quick: false,
                 warmup_steps: 3,
@@ -356,7 +423,7 @@ pub(super) mod tests {
     fn the_start_line_holds_the_machine_and_the_settings() {
         assert_eq!(
             sample().start.json().unwrap(),
-            r#"{"group":"meta","name":"start","cpu":"Intel(R) Xeon(R) Processor","cores":2,"memory_gib":23.54,"date":"2026-12-02 09:14 UTC","torch":"2.13.0","load_average":"0.52 0.61 0.70","quick":false,"warmup_steps":3,"timed_steps":12,"groups":["sampler","ddp"]}"#
+            r#"{"group":"meta","name":"start","cpu":"Intel(R) Xeon(R) Processor","cores":2,"memory_gib":23.54,"date":"2026-12-02 09:14 UTC","torch":"2.13.0+cpu","commit":"b531284d1e0f-dirty","rustc":"rustc 1.88.0 (6b00bc388 2025-06-23)","load_average":"0.52 0.61 0.70","quick":false,"warmup_steps":3,"timed_steps":12,"groups":["sampler","ddp"]}"#
         );
         let loads = &sample().loads[..2];
         assert_eq!(
@@ -387,6 +454,31 @@ pub(super) mod tests {
         }
         assert_eq!(back.rows[0].meets_target(), Some(true));
         assert_eq!(back.rows[2].meets_target(), Some(false));
+    }
+
+    #[test]
+    fn the_versions_are_read_in_the_checkout() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let v = Versions::of(&root, Command::new("false"));
+        let head = first_line(&root, Command::new("git").args(["rev-parse", "HEAD"])).unwrap();
+        assert_eq!(v.commit[..12], head[..12]);
+        assert!(v.rustc.starts_with("rustc 1."), "{}", v.rustc);
+        // A Python that cannot say its torch's version.
+        assert_eq!(v.torch, "unknown");
+    }
+
+    #[test]
+    fn an_older_runs_start_line_lacks_the_commit_and_the_compiler() {
+        let text = sample().json_lines().unwrap();
+        let old = text
+            .replace(r#""commit":"b531284d1e0f-dirty","#, "")
+            .replace(r#""rustc":"rustc 1.88.0 (6b00bc388 2025-06-23)","#, "");
+        assert!(!old.contains("commit"));
+        let back = Results::from_json_lines(&old).unwrap();
+        assert_eq!(
+            (back.start.commit.as_str(), back.start.rustc.as_str()),
+            ("unknown", "unknown")
+        );
     }
 
     #[test]
