@@ -1,8 +1,9 @@
 //! torchrun's worker environment: the variable names, and the values one rank gets.
 //!
 //! torchrun's elastic agent (`LocalElasticAgent._start_workers` in PyTorch) gives every worker
-//! the variables named here; ddp-run adds [`DDP_SECRET`], [`DDP_LAUNCHER_PID`],
-//! [`DDP_LAUNCHER_PID_NS`], [`DDP_LAUNCHER_LIFELINE`] and [`DDP_LAUNCHER_ATTEMPT`].
+//! the variables named here; ddp-run adds [`DDP_SECRET`], [`DDP_JOB_STARTED`],
+//! [`DDP_LAUNCHER_PID`], [`DDP_LAUNCHER_PID_NS`], [`DDP_LAUNCHER_LIFELINE`] and
+//! [`DDP_LAUNCHER_ATTEMPT`].
 //! [`crate::RankEnv`] is the one place in this workspace that writes them;
 //! `ddp_comm::EnvConfig` is the one place that reads them.
 
@@ -41,6 +42,7 @@ pub const TORCHELASTIC_USE_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
 pub const TORCH_NCCL_ASYNC_ERROR_HANDLING: &str = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
 /// Threads of OpenMP (and of libtorch's intra-op pool) in each rank.
 pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+pub use crate::job_start::DDP_JOB_STARTED;
 pub use crate::lifeline::{DDP_LAUNCHER_LIFELINE, DDP_LAUNCHER_PID, DDP_LAUNCHER_PID_NS};
 /// The launcher's attempt (its restarts so far), which `ddp_comm`'s rendezvous matches with
 /// rank 0's, since each node's launcher restarts its ranks on its own.

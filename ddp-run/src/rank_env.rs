@@ -2,6 +2,7 @@
 //! place in this workspace that writes them.
 
 use std::process::Command;
+use std::time::SystemTime;
 
 use crate::env::*;
 use crate::secret::JobSecret;
@@ -48,6 +49,9 @@ pub struct RankEnv {
     /// The job's secret ([`DDP_SECRET`]), the same for every rank of the job. `None`: not
     /// set (ddp-comm then takes one from the user's key file and the run id).
     pub secret: Option<JobSecret>,
+    /// When the job started ([`DDP_JOB_STARTED`]), the same for every attempt: a restarted
+    /// rank counts its time limit from it. `None`: not set.
+    pub job_started: Option<SystemTime>,
 }
 
 impl RankEnv {
@@ -71,6 +75,7 @@ impl RankEnv {
             omp_num_threads: None,
             nccl_async_error_handling: "1".to_string(),
             secret: None,
+            job_started: None,
         }
     }
 
@@ -100,6 +105,9 @@ impl RankEnv {
         ];
         if let Some(n) = self.omp_num_threads {
             vars.push((OMP_NUM_THREADS, n.to_string()));
+        }
+        if let Some(at) = self.job_started {
+            vars.push((DDP_JOB_STARTED, crate::job_start::format(at)));
         }
         vars
     }
@@ -136,6 +144,7 @@ mod tests {
             max_restarts: 3,
             run_id: "job7".into(),
             omp_num_threads: Some(4),
+            job_started: Some(std::time::UNIX_EPOCH + std::time::Duration::new(1_700_000_000, 5)),
             ..RankEnv::single_node(0, 1, 29400)
         };
         let got: Vec<(&str, String)> = env.vars();
@@ -157,6 +166,7 @@ mod tests {
             ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             ("LOCAL_RANK", "1"),
             ("OMP_NUM_THREADS", "4"),
+            ("DDP_JOB_STARTED", "1700000000.000000005"),
         ];
         let got: Vec<(&str, &str)> = got.iter().map(|(k, v)| (*k, v.as_str())).collect();
         assert_eq!(got, want);

@@ -48,6 +48,8 @@ pub fn launch(
     mut on_event: impl FnMut(&Event<'_>),
 ) -> Result<Outcome, LaunchError> {
     config.validate()?;
+    // Every attempt's ranks count their time limit from here, as the scheduler's counts.
+    let job_started = std::time::SystemTime::now();
     if let Some(dir) = &config.log_dir {
         if dir.exists() && !dir.is_dir() {
             return Err(LaunchError::LogDirIsFile {
@@ -94,6 +96,7 @@ pub fn launch(
             run_id: &run_id,
             secret: secret.as_ref(),
             omp: omp.as_deref(),
+            job_started,
         };
         match attempt.run(&watch)? {
             End::Succeeded => return Ok(Outcome::Succeeded { restarts }),
@@ -149,6 +152,8 @@ struct Attempt<'a> {
     /// The job's secret, the same for every attempt.
     secret: Option<&'a crate::JobSecret>,
     omp: Option<&'a str>,
+    /// When [`launch`] was called, before the first attempt.
+    job_started: std::time::SystemTime,
 }
 
 /// When a rank exited and how, as its waiter thread saw it.
@@ -331,6 +336,7 @@ impl Attempt<'_> {
             omp_num_threads: None,
             nccl_async_error_handling: config.nccl_async_error_handling(),
             secret: self.secret.cloned(),
+            job_started: Some(self.job_started),
         };
         let mut cmd = Command::new(&config.program);
         // Standard input passes through, as torchrun's (a debugger in a rank reads the

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use ddp_testkit::{procs, temp_dir, text, wait_bounded, wait_for};
 
@@ -752,11 +752,14 @@ fn restarts_rerun_the_whole_group_with_a_raised_restart_count() {
     let logs = dir.path().join("logs");
     // Attempts 0 and 1 fail on rank 1 (rank 0 waits to be stopped); attempt 2 succeeds.
     let script = r#"echo attempt $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS
+        echo job started $DDP_JOB_STARTED
         if [ "$TORCHELASTIC_RESTART_COUNT" != 2 ]; then
           if [ "$RANK" = 1 ]; then exit 3; fi
           sleep 30
         fi"#;
+    let before = unix_seconds(SystemTime::now());
     let out = two_ranks(&logs, &["--max-restarts", "2", "sh", "-c", script]);
+    let after = unix_seconds(SystemTime::now());
     assert!(out.status.success(), "{}", text(&out));
     let err = stderr(&out);
     let events: Vec<&str> = err
@@ -782,9 +785,25 @@ fn restarts_rerun_the_whole_group_with_a_raised_restart_count() {
     // Each rank's log holds every attempt, in order.
     let log0 = std::fs::read_to_string(logs.join("rank-0.out")).unwrap();
     assert_eq!(
-        log0.lines().collect::<Vec<_>>(),
+        log0.lines().step_by(2).collect::<Vec<_>>(),
         ["attempt 0 of 2", "attempt 1 of 2", "attempt 2 of 2"]
     );
+    // Every rank of every attempt counts its time limit from the launcher's start.
+    let log1 = std::fs::read_to_string(logs.join("rank-1.out")).unwrap();
+    let started: Vec<&str> = [&log0, &log1]
+        .into_iter()
+        .flat_map(|log| log.lines().filter_map(|l| l.strip_prefix("job started ")))
+        .collect();
+    assert_eq!(started.len(), 6, "{started:?}");
+    assert!(started.iter().all(|s| *s == started[0]), "{started:?}");
+    let job: f64 = started[0].parse().unwrap();
+    assert!(before <= job && job <= after, "{before} {job} {after}");
+}
+
+fn unix_seconds(at: SystemTime) -> f64 {
+    at.duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
 }
 
 #[test]
