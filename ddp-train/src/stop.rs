@@ -1,6 +1,6 @@
 //! Stopping a run cleanly before it is killed: signals and the time limit ([`StopReason`]).
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 /// The exit code of a rank that stopped at a checkpoint on request (a signal or the time
 /// limit) and can continue from it: 75, `EX_TEMPFAIL` of `sysexits.h` ("try again later").
@@ -244,6 +244,39 @@ impl Budget {
     }
 }
 
+/// When the time limit counts from, by the monotonic clock: the earlier of this process's
+/// start ([`process_started`], else now) and the job's, which ddp-run gives the ranks of
+/// every attempt ([`ddp_run::job_started`]), so that a rank the launcher restarted counts
+/// from the job's start, as the scheduler's limit does. An unreadable job start, or one
+/// in the future, is an error naming `DDP_JOB_STARTED`.
+pub(crate) fn limit_started() -> Result<Instant, String> {
+    let own = process_started().unwrap_or_else(Instant::now);
+    let job = ddp_run::job_started().map_err(|e| e.to_string())?;
+    earlier_start(own, job, Instant::now(), SystemTime::now())
+}
+
+/// The earlier of `own` and `job` (by the wall clock, which processes share) on the
+/// monotonic clock that times the limit, whose `now` is the wall clock's `wall_now`.
+fn earlier_start(
+    own: Instant,
+    job: Option<SystemTime>,
+    now: Instant,
+    wall_now: SystemTime,
+) -> Result<Instant, String> {
+    let Some(job) = job else {
+        return Ok(own);
+    };
+    let age = wall_now.duration_since(job).unwrap_or_default();
+    let at = now.checked_sub(age).ok_or_else(|| {
+        format!(
+            "{} is {} s ago, before this machine's clock can count",
+            ddp_run::env::DDP_JOB_STARTED,
+            age.as_secs()
+        )
+    })?;
+    Ok(at.min(own))
+}
+
 /// When this process started, by the monotonic clock: now less the process's age, which
 /// Linux gives as the time since boot (`/proc/uptime`) less the process's start after boot
 /// (`starttime`, the 22nd field of `/proc/self/stat`, in clock ticks). `None` where either
@@ -288,6 +321,25 @@ mod tests {
         }
         assert_eq!(StopReason::Signal(libc::SIGTERM).to_string(), "SIGTERM");
         assert_eq!(StopReason::TimeLimit.to_string(), "time limit");
+    }
+
+    /// A rank the launcher restarted 2 h into the job, with a limit of 1 h: counted from the
+    /// job's start, the limit is past before it starts, so it stops at its first step.
+    #[test]
+    fn the_limit_counts_from_the_earlier_of_the_jobs_start_and_the_processs() {
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        let own = now - Duration::from_secs(5);
+        assert_eq!(earlier_start(own, None, now, wall), Ok(own));
+        let job = wall - Duration::from_secs(7200);
+        let from_job = earlier_start(own, Some(job), now, wall).unwrap();
+        assert_eq!(now - from_job, Duration::from_secs(7200));
+        // A job started after the process (a launcher that a rank's wrapper started).
+        let later = wall - Duration::from_secs(1);
+        assert_eq!(earlier_start(own, Some(later), now, wall), Ok(own));
+        let mut budget = Budget::new(from_job, Some(Duration::from_secs(3600)), 0, 0);
+        assert!(!budget.must_stop(false));
+        budget.step_took(Duration::from_millis(1));
+        assert!(budget.must_stop(false));
     }
 
     #[test]

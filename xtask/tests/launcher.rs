@@ -638,6 +638,50 @@ fn a_time_limit_stops_before_it_with_a_checkpoint_and_the_run_continues() {
     );
 }
 
+/// The time limit counts from the job's start across the launcher's restarts, as the
+/// scheduler's does: attempt 0 fails after 15 s (its ranks never reach the Trainer), so the
+/// limit of 15 s is past when attempt 1's ranks start, and they stop at their first step with
+/// a checkpoint, over 15 s after the job's start by their own account. Counted from their own
+/// start they would have trained on.
+#[test]
+fn a_restarted_job_counts_its_time_limit_from_the_launchers_start() {
+    let dir = temp_dir("xtask-time-limit-restart");
+    let data = sample(dir.path());
+    let out = dir.path().join("run");
+    let rank = rank_script(
+        dir.path(),
+        &format!(
+            r#"if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then sleep 15; exit 3; fi
+exec '{}' "$@""#,
+            ddp_train().display()
+        ),
+    );
+    let launch = ["--cpus", "2", "--grace", "2", "--max-restarts", "1"];
+    let args = ["--epochs", "3", "--time-limit", "15s"];
+    let output = wait_bounded(
+        launcher_of(&rank, &launch, &data, &out, &args, &[])
+            .spawn()
+            .unwrap(),
+        Duration::from_secs(300),
+    );
+    let t = text(&output);
+    assert_eq!(output.status.code(), Some(75), "{t}");
+    assert!(t.contains(" exited with code 3"), "{t}");
+    let stops: Vec<&str> = t
+        .lines()
+        .filter_map(|l| l.split_once("stopping at ").map(|(_, rest)| rest))
+        .collect();
+    assert!(!stops.is_empty(), "{t}");
+    for stop in stops {
+        let after = stop
+            .strip_prefix("epoch 1 step 1 (time limit) after ")
+            .unwrap_or_else(|| panic!("not at the first step: {stop}"));
+        let seconds: f64 = after.trim_end_matches(" s").parse().unwrap();
+        assert!(seconds >= 15.0, "{stop}: {t}");
+    }
+    assert_eq!(reached(&out), Some((1, 1)), "{t}");
+}
+
 #[test]
 fn a_stopped_rank_fails_the_job_within_the_collective_timeout_naming_it() {
     let dir = temp_dir("xtask-sigstop");

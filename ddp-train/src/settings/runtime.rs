@@ -146,9 +146,11 @@ pub struct RuntimeSettings {
         )
     )]
     pub collective_timeout_secs: Option<u64>,
-    /// Stop cleanly, with a checkpoint, before this many seconds have passed since the
-    /// process started (for a scheduler's time limit; where `/proc` cannot be read, since the
-    /// Trainer was created); the next start continues.
+    /// Stop cleanly, with a checkpoint, before this many seconds have passed since the job
+    /// started (for a scheduler's time limit): since the launcher's start, which `ddp-run`
+    /// and `cargo xtask train` give every attempt's ranks in `DDP_JOB_STARTED`, or the
+    /// process's, whichever is earlier (where `/proc` cannot be read, the Trainer's creation
+    /// stands for the process's start); the next start continues.
     #[cfg_attr(
         feature = "cli",
         arg(
@@ -157,8 +159,9 @@ pub struct RuntimeSettings {
             value_name = "DURATION",
             value_parser = super::flags::parse_duration_secs,
             help = "Stop cleanly with a checkpoint before this much time has passed since the \
-                    process started (exit code 75); a start with the same --out continues. \
-                    Seconds, or numbers with units (`90s`, `55m`, `4h`, `3h55m`)"
+                    job started (the launcher's start across its restarts, else the process's; \
+                    exit code 75); a start with the same --out continues. Seconds, or numbers \
+                    with units (`90s`, `55m`, `4h`, `3h55m`)"
         )
     )]
     pub time_limit_secs: Option<u64>,
