@@ -2,7 +2,8 @@
 //! `--model resnet50` of `ddp-train`) on the CPU, batch 8 of 224 px per rank, 1 and 2 ranks,
 //! ours (`ddp-train/benches/ddp_steps.rs --model resnet50`) vs PyTorch DDP
 //! (`reference_ddp.py --model resnet50`, `torchvision.models.resnet50`), random tensors;
-//! both sides keep freed memory ([`MALLOC_KEEP`], the ddp-train binary's setting).
+//! both sides keep freed memory ([`MALLOC_KEEP`](super::runner::MALLOC_KEEP), the ddp-train
+//! binary's setting).
 
 use std::path::Path;
 use std::process::Command;
@@ -11,7 +12,7 @@ use anyhow::Result;
 
 use super::parse::{run_of, runs_by_world, Run};
 use super::report::{Group, Row, Unit};
-use super::runner::{say, Ctx, MALLOC_KEEP};
+use super::runner::{say, Ctx};
 use super::targets;
 
 /// Samples per rank per step.
@@ -38,16 +39,7 @@ fn args(ctx: &Ctx) -> Vec<String> {
 
 /// Our and PyTorch's commands: the same arguments and allocator settings.
 fn commands(ctx: &Ctx, exe: &Path, reference: &Path) -> [Command; 2] {
-    let mut ours = Command::new(exe);
-    ours.arg("--bench")
-        .args(args(ctx))
-        .envs(MALLOC_KEEP.iter().copied());
-    let mut theirs = ctx.python();
-    theirs
-        .arg(reference)
-        .args(args(ctx))
-        .envs(MALLOC_KEEP.iter().copied());
-    [ours, theirs]
+    ctx.ours_and_reference(exe, reference, &args(ctx))
 }
 
 /// Optimizer steps per second of a run on `world` ranks (every rank steps together).

@@ -79,6 +79,24 @@ impl Ctx {
         cmd
     }
 
+    /// Our bench `exe` (`--bench` first) and the Python `reference`, each with `args` and
+    /// both with [`MALLOC_KEEP`]: the same work in the same allocator.
+    pub(super) fn ours_and_reference(
+        &self,
+        exe: &Path,
+        reference: &Path,
+        args: &[String],
+    ) -> [Command; 2] {
+        let mut ours = Command::new(exe);
+        ours.arg("--bench").args(args);
+        let mut theirs = self.python();
+        theirs.arg(reference).args(args);
+        [ours, theirs].map(|mut cmd| {
+            cmd.envs(MALLOC_KEEP.iter().copied());
+            cmd
+        })
+    }
+
     /// The Python reference `<crate_dir>/benches/<name>`, which must exist.
     pub(super) fn script(&self, crate_dir: &str, name: &str) -> Result<PathBuf> {
         let path = self.root.join(crate_dir).join("benches").join(name);

@@ -140,16 +140,7 @@ fn commands(
     ranks: &str,
     data: Option<&Path>,
 ) -> [Command; 2] {
-    let mut ours = Command::new(exe);
-    ours.arg("--bench")
-        .args(steps_args(ctx, ranks, data))
-        .envs(MALLOC_KEEP.iter().copied());
-    let mut theirs = ctx.python();
-    theirs
-        .arg(reference)
-        .args(steps_args(ctx, ranks, data))
-        .envs(MALLOC_KEEP.iter().copied());
-    [ours, theirs]
+    ctx.ours_and_reference(exe, reference, &steps_args(ctx, ranks, data))
 }
 
 /// `cmd` with glibc's default allocator settings, whatever the caller's environment holds.
