@@ -282,7 +282,8 @@ fn earlier_start(
 /// (`starttime`, the 22nd field of `/proc/self/stat`, in clock ticks). `None` where either
 /// file cannot be read.
 pub(crate) fn process_started() -> Option<Instant> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Bytes: the kernel cuts the command name at 15 bytes, maybe inside a UTF-8 character.
+    let stat = std::fs::read("/proc/self/stat").ok()?;
     let uptime = std::fs::read_to_string("/proc/uptime").ok()?;
     // SAFETY: sysconf has no preconditions.
     let ticks_per_sec = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
@@ -291,10 +292,11 @@ pub(crate) fn process_started() -> Option<Instant> {
 
 /// A process's age from its `/proc/<pid>/stat` line and `/proc/uptime`, with
 /// `ticks_per_sec` clock ticks a second.
-fn process_age(stat: &str, uptime: &str, ticks_per_sec: libc::c_long) -> Option<Duration> {
-    // The command name, in parentheses, may hold spaces and ')': the fields that follow
-    // are those after the last ')', from the 3rd (the state) on.
-    let (_, fields) = stat.rsplit_once(')')?;
+fn process_age(stat: &[u8], uptime: &str, ticks_per_sec: libc::c_long) -> Option<Duration> {
+    // The command name, in parentheses, may hold spaces, ')' and bytes that are not UTF-8:
+    // the fields that follow are those after the last ')', from the 3rd (the state) on.
+    let close = stat.iter().rposition(|&b| b == b')')?;
+    let fields = std::str::from_utf8(&stat[close + 1..]).ok()?;
     let start_ticks: u64 = fields.split_whitespace().nth(22 - 3)?.parse().ok()?;
     let up: f64 = uptime.split_whitespace().next()?.parse().ok()?;
     if ticks_per_sec <= 0 {
@@ -399,7 +401,7 @@ mod tests {
         for comm in ["sleep", "a b) c", "x) 7 8 (y", ")", "()"] {
             let stat = format!("1234 ({comm}) {rest} 18446744073709551615 1 1 0 0 0\n");
             assert_eq!(
-                process_age(&stat, uptime, 100),
+                process_age(stat.as_bytes(), uptime, 100),
                 Some(Duration::from_secs_f64(25.25)),
                 "{stat}"
             );
@@ -407,11 +409,21 @@ mod tests {
         // 250 ticks a second: 1500 ticks are 6 s.
         let stat = format!("9 (sh) {rest}\n");
         assert_eq!(
-            process_age(&stat, uptime, 250),
+            process_age(stat.as_bytes(), uptime, 250),
             Some(Duration::from_secs_f64(34.25))
         );
+        // A name the kernel cut at 15 bytes inside a UTF-8 character ("ddp-train-训练").
+        let mut cut = b"77 (ddp-train-\xe8\xae\xad\xe7\xbb) ".to_vec();
+        cut.extend_from_slice(rest.as_bytes());
+        assert_eq!(
+            process_age(&cut, uptime, 100),
+            Some(Duration::from_secs_f64(25.25))
+        );
         // Rounded to ticks, a process may look started after now: age 0.
-        assert_eq!(process_age(&stat, "14.99 1.0", 100), Some(Duration::ZERO));
+        assert_eq!(
+            process_age(stat.as_bytes(), "14.99 1.0", 100),
+            Some(Duration::ZERO)
+        );
         for (stat, uptime, ticks) in [
             ("9 sh S 1", uptime, 100),
             ("9 (sh) S 1 2", uptime, 100),
@@ -425,7 +437,7 @@ mod tests {
             (stat.as_str(), uptime, 0),
         ] {
             assert_eq!(
-                process_age(stat, uptime, ticks),
+                process_age(stat.as_bytes(), uptime, ticks),
                 None,
                 "{stat} / {uptime} / {ticks}"
             );
