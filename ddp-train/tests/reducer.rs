@@ -244,10 +244,10 @@ fn a_skipped_head_keeps_the_collective_order_of_backward() {
     }
 }
 
-/// Rank 1 runs a second backward through `a` with gradient sync on; both ranks call
-/// `sync_gradients` and print its error, then all-reduce once more.
+/// Rank 1 runs a second backward through `a` with gradient sync on, which fails; both ranks
+/// call `sync_gradients` and print its error, then all-reduce once more.
 #[test]
-#[ignore = "a rank of a_gradient_twice_on_one_rank_fails_every_rank; run by it"]
+#[ignore = "a rank of a_second_synced_backward_on_one_rank_fails_every_rank; run by it"]
 fn worker_gradient_twice() {
     let pg = Arc::new(ProcessGroup::from_env().unwrap());
     let rank = pg.rank();
@@ -261,28 +261,33 @@ fn worker_gradient_twice() {
     let mut ddp = DistributedDataParallel::new(&vs, pg.clone(), options).unwrap();
     (a.sum(Kind::Float) + b.sum(Kind::Float)).backward();
     if rank == 1 {
-        a.sum(Kind::Float).backward();
+        let e = a.sum(Kind::Float).f_backward().unwrap_err().to_string();
+        assert!(e.contains("no sync_gradients followed it"), "{e}");
     }
     let text = match ddp.sync_gradients() {
-        Err(e @ DdpError::GradientTwice { .. }) => e.to_string(),
+        Err(e @ (DdpError::GradientTwice { .. } | DdpError::SyncMissed { .. })) => e.to_string(),
         other => format!("unexpected: {other:?}"),
     };
     assert_no_rank_left_waiting(&pg);
     println!("rank {rank} reports: {text}");
 }
 
-/// A gradient accumulated twice on one rank is an error on every rank, in the first step
+/// A second synced backward on one rank is an error on every rank, in the first step
 /// (where the buckets would be rebuilt next) as with `find_unused_parameters` (never
-/// rebuilt): the rank that saw it names the parameter, the other names that rank.
+/// rebuilt): the rank that ran it names the parameter, the other names that rank.
 #[test]
-fn a_gradient_twice_on_one_rank_fails_every_rank() {
+fn a_second_synced_backward_on_one_rank_fails_every_rank() {
     for mode in ["first_step", "find_unused"] {
         let outputs = run_ranks("worker_gradient_twice", mode);
         let hint = "before sync_gradients, or once after prepare_for_backward found it \
                     unreachable from the loss: when accumulating gradients";
         assert_eq!(
-            reported(&outputs[1], 1).split(hint).next().unwrap(),
-            "rank 1: parameter 'a' received a gradient twice ",
+            reported(&outputs[1], 1)
+                .split(": each rank trains")
+                .next()
+                .unwrap(),
+            "rank 1: a backward pass with gradient sync on reached parameter 'a' and no \
+             sync_gradients followed it",
             "{mode}"
         );
         assert_eq!(

@@ -54,10 +54,11 @@ pub enum DdpError {
         /// Each parameter that some rank did not use, with the number of ranks that used it.
         parameters: Vec<(String, usize)>,
     },
-    /// A parameter's gradient was accumulated twice with gradient sync on on some rank, or
-    /// once though [`DistributedDataParallel::prepare_for_backward`] had found it unreachable
-    /// from the loss (PyTorch's "Expected to mark a variable ready only once"). Every rank
-    /// reports it, after the same collectives.
+    /// A parameter's gradient was accumulated on some rank though
+    /// [`DistributedDataParallel::prepare_for_backward`] had found it unreachable from the
+    /// loss (PyTorch's "Expected to mark a variable ready only once"), or twice with gradient
+    /// sync on (that rank reports [`DdpError::SyncMissed`]). Every rank reports it, after the
+    /// same collectives.
     #[error("{}", describe_twice(*.rank, .parameter.as_deref(), .ranks))]
     GradientTwice {
         /// This rank.
@@ -71,6 +72,8 @@ pub enum DdpError {
     /// [`DistributedDataParallel::sync_gradients`]: its gradients were never averaged (tch's
     /// `Optimizer::backward_step`). Returned by the next `broadcast_buffers`,
     /// `prepare_for_backward`, `backward` or `rebuild`, which then starts the step afresh.
+    /// A second synced backward fails with its message (`f_backward` returns it, tch's
+    /// `backward_step` panics with it), and the `sync_gradients` after that returns it.
     /// After a failed backward, [`DistributedDataParallel::abandon_step`] prevents it.
     #[error(
         "rank {rank}: a backward pass with gradient sync on reached parameter \
@@ -111,7 +114,7 @@ pub enum DdpError {
 }
 
 /// What to do instead of a backward pass with gradient sync on that no `sync_gradients`
-/// follows (the end of [`DdpError::SyncMissed`]'s message and of the hook's log).
+/// follows (the end of [`DdpError::SyncMissed`]'s message).
 pub(super) const SYNC_MISSED_HINT: &str = "each rank trains a replica of its own; call \
     sync_gradients after every backward with gradient sync on, before the optimizer step, or \
     DistributedDataParallel::backward(&loss), which runs both (tch's Optimizer::backward_step \

@@ -16,9 +16,11 @@
 //!
 //! PyTorch's reducer finishes by itself at the end of backward; here `finish` waits for
 //! `sync_gradients`, so a step that skips it (tch's `backward_step`) would leave each rank its
-//! own gradient: the next step's call of DDP's fails ([`Reducer::check_finished`]), and a
-//! second synced backward without `finish` between is logged as an error once. A backward
-//! that failed is no such step: [`Reducer::abandon`] ends it.
+//! own gradient: the next step's call of DDP's fails ([`Reducer::check_finished`]), and so
+//! does a second synced backward without `finish` between, at its first hook (PyTorch's
+//! "Expected to have finished reduction in the prior iteration"); a `finish` after it
+//! reports it on every rank. A backward that failed is no such step: [`Reducer::abandon`]
+//! ends it.
 //!
 //! With `find_unused_parameters`, a bucket holding a parameter this rank does not use would
 //! wait for `finish` while a rank that uses it launches it during backward: a collective of
@@ -35,7 +37,6 @@ use tch::Tensor;
 
 use super::bucket::{make_buckets, Bucket};
 use super::comm_hook::{CommHook, GradBucket, HookWork};
-use super::error::SYNC_MISSED_HINT;
 use super::{DdpError, DdpOptions};
 
 #[derive(Debug)]
@@ -70,8 +71,8 @@ pub(crate) struct Reducer {
     works: Vec<HookWork>,
     order: Vec<usize>,
     twice: Option<usize>,
-    /// Whether a second synced backward without `finish` between has been logged.
-    logged_missed: bool,
+    /// A parameter that got a gradient in a second synced backward without `finish` between.
+    missed: Option<usize>,
 }
 
 impl Reducer {
@@ -102,7 +103,7 @@ impl Reducer {
             works: Vec::new(),
             order: Vec::with_capacity(params.len()),
             twice: None,
-            logged_missed: false,
+            missed: None,
             params,
         };
         r.set_buckets(&reverse);
@@ -138,6 +139,7 @@ impl Reducer {
         self.works.clear();
         self.order.clear();
         self.twice = None;
+        self.missed = None;
     }
 
     /// The parameters that the coming synced backward cannot reach (by index, true where
@@ -154,12 +156,14 @@ impl Reducer {
     }
 
     /// Parameter `k`'s gradient has been accumulated (called by its hook during backward).
-    pub(crate) fn mark_ready(&mut self, k: usize) {
+    /// [`DdpError::SyncMissed`] in a second synced backward without `finish` between: the
+    /// hook fails that backward with it.
+    pub(crate) fn mark_ready(&mut self, k: usize) -> Result<(), DdpError> {
         if !self.require_sync {
             self.used_without_sync[k] = true;
             // The prepared backward is a synced one: this is not it.
             self.unreachable = None;
-            return;
+            return Ok(());
         }
         if let Some(unreachable) = self.unreachable.take() {
             // At the first hook, not before backward: the buckets these complete are launched
@@ -173,21 +177,16 @@ impl Reducer {
             });
         }
         if self.ready[k] {
-            // A second gradient, or one for a parameter marked unused: PyTorch's "Expected to
-            // mark a variable ready only once".
-            self.twice.get_or_insert(k);
-            if self.used[k] && !std::mem::replace(&mut self.logged_missed, true) {
+            if self.used[k] {
                 // A second synced backward without `finish` (tch's `backward_step`): a loop
-                // that calls nothing of DDP's gets no error, so it is told here, once.
-                let name = &self.params[k].0;
-                tracing::error!(
-                    "rank {}: parameter '{name}' got a gradient in a second backward pass with \
-                     gradient sync on before sync_gradients averaged the first one's: {}",
-                    self.pg.rank(),
-                    SYNC_MISSED_HINT
-                );
+                // that calls nothing of DDP's learns it only from this backward's error.
+                self.missed.get_or_insert(k);
+                return Err(self.sync_missed(k));
             }
-            return;
+            // A gradient for a parameter marked unused: PyTorch's "Expected to mark a
+            // variable ready only once".
+            self.twice.get_or_insert(k);
+            return Ok(());
         }
         self.ready[k] = true;
         self.used[k] = true;
@@ -200,6 +199,7 @@ impl Reducer {
         if self.launching() {
             self.launch_ready(self.buckets.len());
         }
+        Ok(())
     }
 
     /// Fills parameter `k`'s slot for a backward that did not reach it: with the gradient it
@@ -270,12 +270,16 @@ impl Reducer {
         let Some(k) = reached.or_else(|| self.ready.iter().position(|&r| r)) else {
             return Ok(());
         };
-        let error = DdpError::SyncMissed {
-            rank: self.pg.rank(),
-            parameter: self.params[k].0.clone(),
-        };
+        let error = self.sync_missed(k);
         self.abandon();
         Err(error)
+    }
+
+    fn sync_missed(&self, k: usize) -> DdpError {
+        DdpError::SyncMissed {
+            rank: self.pg.rank(),
+            parameter: self.params[k].0.clone(),
+        }
     }
 
     /// Ends a step without averaging (its backward failed, or no `finish` followed it):
@@ -306,12 +310,13 @@ impl Reducer {
         // what the synced backward reached, and such a parameter is an error, as in PyTorch.
         let find_unused = self.options.find_unused_parameters;
         let n = self.params.len();
-        // One count per parameter, then one flag per rank: whether it saw a gradient twice,
-        // so that every rank fails alike.
+        // One count per parameter, then one flag per rank: whether it saw a gradient twice
+        // (or a second synced backward), so that every rank fails alike.
         let mut used: Vec<i32> = (0..n)
             .map(|k| i32::from(self.used[k] || (find_unused && self.used_without_sync[k])))
             .collect();
-        used.extend((0..world).map(|r| i32::from(r == self.pg.rank() && self.twice.is_some())));
+        let twice = self.twice.is_some() || self.missed.is_some();
+        used.extend((0..world).map(|r| i32::from(r == self.pg.rank() && twice)));
         // Bucket by bucket: each is filled (the slots backward left, and without overlap
         // every gradient) and launched before the next is filled.
         tch::no_grad(|| {
@@ -351,6 +356,9 @@ impl Reducer {
         let counts: Vec<i32> = Vec::<i32>::try_from(&counts).map_err(DdpError::Tch)?;
         let (counts, twice) = counts.split_at(n);
         let ranks: Vec<usize> = (0..world).filter(|&r| twice[r] > 0).collect();
+        if let Some(k) = self.missed {
+            return Err(self.sync_missed(k));
+        }
         if !ranks.is_empty() {
             return Err(DdpError::GradientTwice {
                 rank: self.pg.rank(),
