@@ -74,9 +74,6 @@ class OdirFolder(torch.utils.data.Dataset):
     """The redistribution layout: full_df.csv rows, images in preprocessed_images/."""
 
     def __init__(self, root, transform, draft=None):
-        from PIL import Image
-
-        self.image = Image
         self.draft = draft
         self.root = Path(root)
         with open(self.root / "full_df.csv", newline="") as f:
@@ -88,8 +85,12 @@ class OdirFolder(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, i):
+        # Imported here, not kept on self: a DataLoader worker gets the dataset pickled, and
+        # a module cannot be.
+        from PIL import Image
+
         name, target = self.items[i]
-        img = self.image.open(self.root / "preprocessed_images" / name)
+        img = Image.open(self.root / "preprocessed_images" / name)
         if self.draft:
             img.draft("RGB", (self.draft, self.draft))
         return self.transform(img), torch.tensor(target, dtype=torch.float32)
