@@ -35,6 +35,9 @@ pub const TORCHELASTIC_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
 pub const TORCHELASTIC_MAX_RESTARTS: &str = "TORCHELASTIC_MAX_RESTARTS";
 /// The job's id, the same on every rank and node (torchrun's `--rdzv-id`).
 pub const TORCHELASTIC_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
+/// A file of this rank's own where it writes its error when it fails, in torchrun's JSON shape
+/// ([`crate::record_error`]): the launcher names the rank whose error came first.
+pub const TORCHELASTIC_ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
 /// `True` when the launcher itself serves the rendezvous store on `MASTER_PORT`. ddp-run
 /// serves none, so it always writes `False`: rank 0 serves the store.
 pub const TORCHELASTIC_USE_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";

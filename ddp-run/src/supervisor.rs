@@ -15,10 +15,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::env::DEFAULT_MASTER_PORT;
 use crate::error::{LOG_DIR_FLAG, MASTER_PORT_FLAG};
+use crate::error_file::{ErrorFolder, RecordedError};
 use crate::lifeline::Lifeline;
 use crate::rank_env::RankEnv;
 use crate::signals::{SignalWatch, FORWARDED};
@@ -27,9 +28,11 @@ use crate::{LaunchConfig, LaunchError};
 mod group;
 mod outcome;
 mod pump;
+mod wait;
 
 use group::kill_group;
 use pump::{Pump, Stream};
+use wait::{peek_exit, wait_exit};
 
 pub use outcome::{Event, Exit, Outcome, RankFailure, EXIT_STOPPED};
 
@@ -102,7 +105,7 @@ pub fn launch(
             End::Succeeded => return Ok(Outcome::Succeeded { restarts }),
             End::Interrupted(outcome) => return Ok(outcome),
             End::Stopped(signal) => return Ok(Outcome::Stopped { signal, restarts }),
-            End::Failed(failure) => {
+            End::Failed(failure, stopped) => {
                 on_event(&Event::RankFailed(&failure));
                 if restarts >= config.max_restarts {
                     return Ok(Outcome::Failed { failure, restarts });
@@ -112,10 +115,11 @@ pub fn launch(
                 if let Some(signal) = watch.received() {
                     return Ok(Outcome::Interrupted {
                         signal,
-                        killed: Vec::new(),
-                        leftovers: Vec::new(),
-                        second_signal: false,
+                        killed: stopped.killed,
+                        leftovers: stopped.leftovers,
+                        second_signal: stopped.second_signal,
                         failed: Vec::new(),
+                        after_failure: Some(failure),
                     });
                 }
                 restarts += 1;
@@ -140,7 +144,8 @@ enum End {
     /// An [`Outcome::Interrupted`].
     Interrupted(Outcome),
     Stopped(Option<i32>),
-    Failed(RankFailure),
+    /// The rank whose failure came first, and how the others were stopped.
+    Failed(RankFailure, Stopped),
 }
 
 /// One attempt: every rank of this node, started together.
@@ -166,6 +171,10 @@ struct Rank {
     exit: Option<Exit>,
     /// When and how the rank exited, as its waiter thread saw it, until `watch` takes it.
     exited: Arc<Mutex<Option<Noted>>>,
+    /// When the rank exited, once `watch` took it from `exited`.
+    exited_at: Option<Instant>,
+    /// Where the rank records its error ([`crate::record_error`]), if the launcher has one.
+    error_file: Option<PathBuf>,
     /// The thread blocked in `waitid` until the rank exits; joined before the rank is reaped.
     waiter: Option<JoinHandle<()>>,
     tail: Arc<Mutex<VecDeque<String>>>,
@@ -216,15 +225,32 @@ impl Rank {
             exit: self.exit.unwrap_or(Exit::Code(1)),
             tail,
             log: self.log.clone(),
+            error: self.recorded().map(|r| r.message),
         }
+    }
+
+    /// The error the rank recorded in its error file, if any.
+    fn recorded(&self) -> Option<RecordedError> {
+        crate::error_file::read(self.error_file.as_deref()?)
+    }
+
+    /// When the rank, which has ended, exited, as wall-clock time.
+    fn exit_time(&mut self) -> SystemTime {
+        let noted = self.exited.lock().ok().and_then(|mut e| e.take());
+        let at = self.exited_at.or(noted.map(|(at, _)| at));
+        let ago = at.map_or(Duration::ZERO, |at| at.elapsed());
+        SystemTime::now().checked_sub(ago).unwrap_or(UNIX_EPOCH)
     }
 }
 
 impl Attempt<'_> {
     fn run(&self, watch: &SignalWatch) -> Result<End, LaunchError> {
+        // Without a folder for the error files, the first rank to exit is named.
+        let errors = ErrorFolder::create().ok();
         let mut ranks: Vec<Rank> = Vec::with_capacity(self.config.nproc_per_node);
         for (local_rank, rank) in self.config.ranks().enumerate() {
-            match self.spawn(rank, local_rank) {
+            let error_file = errors.as_ref().map(|e| e.path(rank));
+            match self.spawn(rank, local_rank, error_file) {
                 Ok(r) => ranks.push(r),
                 Err(e) => {
                     stop(&mut ranks, libc::SIGTERM, self.config.shutdown_timeout);
@@ -276,6 +302,7 @@ impl Attempt<'_> {
                     leftovers,
                     second_signal,
                     failed,
+                    after_failure: None,
                 }));
             }
             let mut failed = Vec::new();
@@ -290,17 +317,18 @@ impl Attempt<'_> {
                     pid,
                     source,
                 })?;
-                r.exit = Some(exit);
+                (r.exit, r.exited_at) = (Some(exit), Some(at));
                 if !exit.success() && exit != Exit::Code(i32::from(EXIT_STOPPED)) {
                     failed.push((at, !matches!(exit, Exit::Signal(_)), k));
                 }
             }
-            // The first rank to exit is the cause (its peers then fail for want of it), however
-            // many exits one check finds; in a tie, one killed by a signal, then the lowest.
+            // The first rank to exit ends the attempt, however many exits one check finds; in
+            // a tie, one killed by a signal, then the lowest. The cause is the earliest error.
             failed.sort();
             if let Some(&(_, _, k)) = failed.first() {
-                stop(ranks, libc::SIGTERM, self.config.shutdown_timeout);
-                return Ok(End::Failed(ranks[k].failure()));
+                let stopped = stop(ranks, libc::SIGTERM, self.config.shutdown_timeout);
+                let k = first_failed(ranks, k);
+                return Ok(End::Failed(ranks[k].failure(), stopped));
             }
             if ranks.iter().all(|r| r.exit.is_some()) {
                 // What a finished rank left running (an upload, a writer) is left to finish,
@@ -318,7 +346,12 @@ impl Attempt<'_> {
         }
     }
 
-    fn spawn(&self, rank: usize, local_rank: usize) -> Result<Rank, LaunchError> {
+    fn spawn(
+        &self,
+        rank: usize,
+        local_rank: usize,
+        error_file: Option<PathBuf>,
+    ) -> Result<Rank, LaunchError> {
         let config = self.config;
         let env = RankEnv {
             rank,
@@ -366,6 +399,9 @@ impl Attempt<'_> {
             crate::env::DDP_LAUNCHER_ATTEMPT,
             env.restart_count.to_string(),
         );
+        if let Some(path) = &error_file {
+            cmd.env(crate::env::TORCHELASTIC_ERROR_FILE, path);
+        }
         // SAFETY: between fork and exec the closure calls only async-signal-safe functions
         // (setsid, prctl, getppid, _exit, fcntl) and allocates nothing.
         unsafe {
@@ -455,6 +491,8 @@ impl Attempt<'_> {
             child,
             exit: None,
             exited,
+            exited_at: None,
+            error_file,
             waiter: Some(waiter),
             tail,
             pumps,
@@ -517,44 +555,22 @@ fn open_log(path: &Path) -> std::io::Result<File> {
         .open(path)
 }
 
-/// The exit of `pid`, if it has exited, without reaping it.
-fn peek_exit(pid: u32) -> std::io::Result<Option<Exit>> {
-    wait_exit(pid, libc::WNOHANG)
-}
-
-/// The exit of `pid`, without reaping it: waiting for it, or with `flags` `WNOHANG`, `None`
-/// while it runs.
-fn wait_exit(pid: u32, flags: libc::c_int) -> std::io::Result<Option<Exit>> {
-    loop {
-        // SAFETY: a zeroed siginfo_t is a valid out-parameter for waitid; WNOWAIT leaves
-        // the child waitable, so std's `Child` still owns reaping it.
-        let (result, info) = unsafe {
-            let mut info: libc::siginfo_t = std::mem::zeroed();
-            let r = libc::waitid(
-                libc::P_PID,
-                pid as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOWAIT | flags,
-            );
-            (r, info)
-        };
-        if result != 0 {
-            let err = std::io::Error::last_os_error();
-            if err.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(err);
-        }
-        // SAFETY: waitid filled `info` for a child state change (or left si_pid 0).
-        let (child, status) = unsafe { (info.si_pid(), info.si_status()) };
-        if child == 0 {
-            return Ok(None);
-        }
-        return Ok(Some(match info.si_code {
-            libc::CLD_EXITED => Exit::Code(status),
-            _ => Exit::Signal(status),
-        }));
-    }
+/// Of the ranks of an attempt now stopped, the one whose failure came first: the earliest
+/// error recorded, or exit where none was ([`crate::error_file`]); `detected`, the first
+/// seen to exit, in a tie.
+fn first_failed(ranks: &mut [Rank], detected: usize) -> usize {
+    let failed = |r: &Rank| {
+        r.exit
+            .is_some_and(|e| !e.success() && e != Exit::Code(i32::from(EXIT_STOPPED)))
+    };
+    let mut order: Vec<usize> = (0..ranks.len()).filter(|&k| failed(&ranks[k])).collect();
+    order.sort_by_key(|&k| k != detected);
+    let times: Vec<_> = order.iter().map(|&k| ranks[k].exit_time()).collect();
+    let recorded: Vec<_> = order.iter().map(|&k| ranks[k].recorded()).collect();
+    let first = crate::error_file::first_failure(
+        times.into_iter().zip(recorded.iter().map(Option::as_ref)),
+    );
+    first.map_or(detected, |i| order[i])
 }
 
 /// What [`stop`] killed: ranks whose own process still ran, and ranks whose process had
@@ -655,23 +671,5 @@ mod tests {
         let names: Vec<String> = ranks.into_iter().map(waiter_name).collect();
         assert!(names.iter().all(|n| n.len() <= 15), "{names:?}");
         assert_eq!(names[3], "ddp-run r100");
-    }
-
-    #[test]
-    fn an_exit_is_seen_without_reaping() {
-        let mut child = Command::new("sh").args(["-c", "exit 5"]).spawn().unwrap();
-        let pid = child.id();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let exit = loop {
-            if let Some(e) = peek_exit(pid).unwrap() {
-                break e;
-            }
-            assert!(Instant::now() < deadline, "sh did not exit");
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        assert_eq!(exit, Exit::Code(5));
-        // Still unreaped: seen again, then reaped by std.
-        assert_eq!(peek_exit(pid).unwrap(), Some(Exit::Code(5)));
-        assert_eq!(child.wait().unwrap().code(), Some(5));
     }
 }

@@ -75,6 +75,7 @@ fn a_failure_then_a_restart_are_reported_in_order() {
                 exit: Exit::Code(9),
                 tail: vec!["attempt 0".to_string()],
                 log: None,
+                error: None,
             }),
             Seen::Restarting {
                 restart: 1,
@@ -109,6 +110,7 @@ fn the_last_failure_is_the_outcome_when_no_restart_is_left() {
                 exit: Exit::Signal(libc::SIGTERM),
                 tail: vec!["two".to_string(), "three".to_string()],
                 log: Some(dir.path().join("logs/rank-0.out")),
+                error: None,
             },
             restarts: 0,
         }
@@ -287,4 +289,52 @@ fn a_log_dir_that_is_a_file_is_refused_naming_it() {
         );
     }
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a folder\n");
+}
+
+/// The rank whose error came first is the outcome, though another exits before it: rank 0
+/// records its error (as `ddp_run::record_error` writes it) and takes its time to end (the
+/// launcher's SIGTERM ends it before it prints), while rank 1, failing for want of it, exits
+/// at once. The error files are removed afterwards.
+#[test]
+fn the_earliest_recorded_error_names_the_rank() {
+    let dir = ddp_testkit::temp_dir("ddp-run-api-first");
+    let (recorded, files) = (dir.path().join("recorded"), dir.path().join("files"));
+    let script = format!(
+        r#"echo "$TORCHELASTIC_ERROR_FILE" >> {files}
+           if [ "$RANK" = 0 ]; then
+             printf '{{"message": {{"message": "disk full", "extraInfo": {{"timestamp": "%s", "timestamp_ns": "%s"}}}}}}' \
+               "$(date +%s)" "$(date +%s%N)" > "$TORCHELASTIC_ERROR_FILE"
+             touch {recorded}
+             sleep 30
+             exit 2
+           fi
+           while [ ! -e {recorded} ]; do sleep 0.02; done
+           echo "error: peer rank 0 closed the connection"
+           exit 1"#,
+        files = files.display(),
+        recorded = recorded.display(),
+    );
+    let config = quiet("sh", 2, &["-c", &script]);
+    let outcome = launch(&config, |_| {}).unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Failed {
+            failure: RankFailure {
+                rank: 0,
+                exit: Exit::Signal(libc::SIGTERM),
+                tail: vec![],
+                log: None,
+                error: Some("disk full".to_string()),
+            },
+            restarts: 0,
+        }
+    );
+    let files = std::fs::read_to_string(files).unwrap();
+    let files: Vec<&std::path::Path> = files.lines().map(std::path::Path::new).collect();
+    assert_eq!(files.len(), 2, "{files:?}");
+    for file in files {
+        let folder = file.parent().unwrap();
+        assert!(file.ends_with("rank-0.error.json") || file.ends_with("rank-1.error.json"));
+        assert!(!folder.exists(), "{} is left behind", folder.display());
+    }
 }

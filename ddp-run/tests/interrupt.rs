@@ -55,6 +55,7 @@ fn a_signal_to_the_launching_process_interrupts_the_job() {
             leftovers: vec![],
             second_signal: false,
             failed: vec![],
+            after_failure: None,
         }
     );
     assert_eq!(outcome.exit_code(), 143);

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use ddp_run::{launch, Event, LaunchConfig, Outcome};
+use ddp_run::{launch, Event, Exit, LaunchConfig, Outcome, RankFailure};
 
 #[test]
 fn a_signal_during_a_failures_shutdown_prevents_the_restart() {
@@ -49,15 +49,28 @@ fn a_signal_during_a_failures_shutdown_prevents_the_restart() {
     })
     .unwrap();
     sender.join().unwrap();
+    // Rank 1, which had not ended when the signal came, was killed at once, and the outcome
+    // says for which failure the ranks were being stopped.
     assert_eq!(
         outcome,
         Outcome::Interrupted {
             signal: libc::SIGTERM,
-            killed: vec![],
+            killed: vec![1],
             leftovers: vec![],
-            second_signal: false,
+            second_signal: true,
             failed: vec![],
+            after_failure: Some(RankFailure {
+                rank: 0,
+                exit: Exit::Code(1),
+                tail: vec![],
+                log: None,
+                error: None,
+            }),
         }
     );
     assert_eq!(starts, 1, "a new generation started after the signal");
+    assert_eq!(
+        ddp_run::cli::interruption_lines("ddp-run", &outcome, shutdown_timeout, "--grace"),
+        ["ddp-run: interrupted by signal 15 after rank 0 failed; rank 1 was killed at the signal"]
+    );
 }

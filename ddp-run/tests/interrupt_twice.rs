@@ -72,6 +72,7 @@ fn a_second_signal_during_the_shutdown_kills_the_ranks_at_once() {
             leftovers: vec![],
             second_signal: true,
             failed: vec![],
+            after_failure: None,
         }
     );
     // Killed right after the second signal, not at the end of the 60 s shutdown timeout.

@@ -987,6 +987,7 @@ mod tests {
             exit: ddp_run::Exit::Code(1),
             tail: tail.iter().map(|l| l.to_string()).collect(),
             log: None,
+            error: None,
         };
         let no_cuda = failure(&[
             "error: --device cuda: CUDA is not available here (cudaGetDeviceCount failed: \

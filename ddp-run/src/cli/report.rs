@@ -160,18 +160,29 @@ fn event_lines(name: &str, event: &Event<'_>) -> Vec<String> {
 }
 
 /// The lines that tell of a failed rank, each prefixed with `name: `: how it ended, then the
-/// last lines it printed in its attempt, indented so that they read as the rank's own.
+/// last lines it printed in its attempt, indented so that they read as the rank's own, then
+/// the error it recorded in its error file where those lines do not hold it (it was killed
+/// before it printed it, or printed more since).
 pub fn failure_lines(name: &str, failure: &RankFailure) -> Vec<String> {
     let mut lines = vec![format!("{name}: {failure}")];
     if failure.tail.is_empty() {
         lines.push(format!("{name}: rank {} printed nothing", failure.rank));
-        return lines;
+    } else {
+        lines.push(match &failure.log {
+            Some(log) => format!("{name}: last lines of {}:", log.display()),
+            None => format!("{name}: last lines of rank {}:", failure.rank),
+        });
+        lines.extend(failure.tail.iter().map(|line| format!("    {line}")));
     }
-    lines.push(match &failure.log {
-        Some(log) => format!("{name}: last lines of {}:", log.display()),
-        None => format!("{name}: last lines of rank {}:", failure.rank),
-    });
-    lines.extend(failure.tail.iter().map(|line| format!("    {line}")));
+    if let Some(error) = &failure.error {
+        if !failure
+            .tail
+            .iter()
+            .any(|line| line.contains(error.as_str()))
+        {
+            lines.push(format!("{name}: rank {}'s error: {error}", failure.rank));
+        }
+    }
     lines
 }
 
@@ -191,13 +202,19 @@ pub fn interruption_lines(
         leftovers,
         second_signal,
         failed,
+        after_failure,
     } = outcome
     else {
         return Vec::new();
     };
     let mut first = format!("{name}: interrupted by signal {signal}");
+    // The ranks were being stopped for a failure (told already), and the signal cut it short.
+    if let Some(failure) = after_failure {
+        first.push_str(&format!(" after rank {} failed", failure.rank));
+    }
     let were = if killed.len() == 1 { "was" } else { "were" };
     let when = match second_signal {
+        true if after_failure.is_some() => "at the signal".to_string(),
         true => "at a second signal".to_string(),
         false => format!(
             "{} s after it (the shutdown timeout)",
@@ -380,6 +397,7 @@ mod tests {
             exit: Exit::Code(17),
             tail: vec!["loss nan".into(), "giving up".into()],
             log: Some("logs/rank-1.out".into()),
+            error: Some("giving up".into()),
         };
         assert_eq!(
             event_lines("ddp-run", &Event::RankFailed(&failure)),
@@ -398,8 +416,18 @@ mod tests {
             event_lines("ddp-run", &Event::RankFailed(&silent)),
             [
                 "ddp-run: rank 1 exited with code 17",
-                "ddp-run: rank 1 printed nothing"
+                "ddp-run: rank 1 printed nothing",
+                "ddp-run: rank 1's error: giving up"
             ]
+        );
+        // The error it recorded, where its last lines do not hold it.
+        let recorded = RankFailure {
+            error: Some("checkpoint 'c': Is a directory (os error 21)".into()),
+            ..failure.clone()
+        };
+        assert_eq!(
+            event_lines("ddp-run", &Event::RankFailed(&recorded))[4],
+            "ddp-run: rank 1's error: checkpoint 'c': Is a directory (os error 21)"
         );
         let restarting = Event::Restarting {
             restart: 1,
@@ -419,6 +447,7 @@ mod tests {
             leftovers: vec![],
             second_signal,
             failed,
+            after_failure: None,
         };
         let lines = |outcome: &Outcome| {
             interruption_lines("x", outcome, Duration::from_secs(10), "--grace")
@@ -444,6 +473,7 @@ mod tests {
             exit: Exit::Code(1),
             tail: tail.iter().map(|l| l.to_string()).collect(),
             log: None,
+            error: None,
         };
         let failed = vec![
             failure(0, &["cannot write the checkpoint"]),
@@ -468,6 +498,7 @@ mod tests {
             leftovers,
             second_signal,
             failed: vec![failure(2, &[])],
+            after_failure: None,
         };
         assert_eq!(
             lines(&left(vec![2], false)),
@@ -494,6 +525,24 @@ mod tests {
                 "x: rank 2 exited with code 1",
                 "x: rank 2 printed nothing"
             ]
+        );
+        // The signal came while the ranks were being stopped for rank 1's failure (told by its
+        // event): it cut that stop short.
+        let during_stop = |killed, second_signal| Outcome::Interrupted {
+            signal: 15,
+            killed,
+            leftovers: vec![],
+            second_signal,
+            failed: vec![],
+            after_failure: Some(failure(1, &["crashing"])),
+        };
+        assert_eq!(
+            lines(&during_stop(vec![0], true)),
+            ["x: interrupted by signal 15 after rank 1 failed; rank 0 was killed at the signal"]
+        );
+        assert_eq!(
+            lines(&during_stop(vec![], false)),
+            ["x: interrupted by signal 15 after rank 1 failed; all ranks stopped"]
         );
         assert!(lines(&Outcome::Succeeded { restarts: 0 }).is_empty());
     }
@@ -572,6 +621,7 @@ mod tests {
             exit: Exit::Signal(9),
             tail: vec![],
             log: None,
+            error: None,
         };
         let cases = [
             (
@@ -607,6 +657,7 @@ mod tests {
                     leftovers: vec![],
                     second_signal: false,
                     failed: vec![],
+                    after_failure: None,
                 },
                 None,
                 130,

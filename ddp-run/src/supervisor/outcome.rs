@@ -66,6 +66,8 @@ pub struct RankFailure {
     pub tail: Vec<String>,
     /// Its log file, when the job has a log folder.
     pub log: Option<PathBuf>,
+    /// The error it recorded in its error file (`TORCHELASTIC_ERROR_FILE`), if any.
+    pub error: Option<String>,
 }
 
 impl fmt::Display for RankFailure {
@@ -118,6 +120,10 @@ pub enum Outcome {
         /// Ranks that failed on their own meanwhile: an exit other than 0,
         /// [`EXIT_STOPPED`], or the signal's (killed by it, or exited 128 + it).
         failed: Vec<RankFailure>,
+        /// The failure (told as [`Event::RankFailed`]) for which the launcher was stopping the
+        /// ranks when the signal came, so that no restart followed; `killed`, `leftovers` and
+        /// `second_signal` then tell that stop, which the signal cut short.
+        after_failure: Option<RankFailure>,
     },
     /// The ranks stopped on request with [`EXIT_STOPPED`]: every one after the launcher
     /// forwarded `signal` to them, or, by themselves (at a time limit, say), at least one
@@ -190,6 +196,7 @@ mod tests {
             exit: Exit::Signal(9),
             tail: vec![],
             log: None,
+            error: None,
         };
         assert_eq!(
             killed.to_string(),
@@ -203,6 +210,7 @@ mod tests {
             exit: Exit::Code(2),
             tail: vec![],
             log: None,
+            error: None,
         };
         assert_eq!(failure.to_string(), "rank 3 exited with code 2");
     }
@@ -216,6 +224,7 @@ mod tests {
             leftovers: vec![],
             second_signal: false,
             failed: vec![],
+            after_failure: None,
         };
         assert_eq!(interrupted.exit_code(), 143);
         let stopped = Outcome::Stopped {
@@ -228,6 +237,7 @@ mod tests {
             exit: Exit::Signal(9),
             tail: vec![],
             log: None,
+            error: None,
         };
         assert_eq!(
             Outcome::Failed {
