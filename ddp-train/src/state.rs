@@ -128,6 +128,11 @@ pub struct TrainState {
     /// `None` before the rebuild and in checkpoints written before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bucket_order: Option<Vec<String>>,
+    /// For a checkpoint inside an epoch that a start on another allocation continued: the
+    /// `allocation_change` that epoch's line of `metrics.jsonl` records, for the start that
+    /// ends the epoch. `None` otherwise, and in checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocation_change: Option<serde_json::Value>,
     /// The settings the run was started with, as JSON.
     pub config: serde_json::Value,
 }
@@ -766,6 +771,7 @@ mod tests {
             plan: None,
             frozen: Vec::new(),
             bucket_order: None,
+            allocation_change: None,
             config: serde_json::Value::Null,
         };
         assert_eq!(stem_of(&st), "epoch-0001");
@@ -807,6 +813,7 @@ mod tests {
             plan: None,
             frozen: Vec::new(),
             bucket_order: None,
+            allocation_change: None,
             config: serde_json::Value::Null,
         }
     }

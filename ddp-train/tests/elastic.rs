@@ -288,6 +288,39 @@ fn one_rank_of_32_stopped_inside_an_epoch_continues_on_two_ranks_of_16_exactly()
     check_same_global_batch("1x32-2x16", (1, 32), (2, 16), Launcher::Torchrun);
 }
 
+/// A start that changed the allocation inside an epoch and was stopped again before its end
+/// leaves the change to the start that ends it: 2 x 16 stopped at epoch 2's step 4, then
+/// 1 x 32 stopped at its step 6, then 1 x 32 again (no change of its own) to the end: epoch
+/// 2's line of `metrics.jsonl` records 2 -> 1 ranks from step 4.
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn a_change_of_allocation_stopped_again_in_its_epoch_is_recorded_at_the_epochs_end() {
+    let tmp = common::temp_dir("ddp-train-elastic-change-stopped-again");
+    let cut = tmp.path().join("cut");
+    let latest = || std::fs::read_to_string(cut.join("checkpoints/latest")).unwrap();
+    let outputs = start(Launcher::Torchrun, 2, 16, &cut, &pairs(&stop_at(2, 3)));
+    assert_codes(&outputs, 75);
+    assert_eq!(latest(), "epoch-0002-step-000004\n");
+    // One rank: rank 0 asks to stop.
+    let mut stop = stop_at(2, 5);
+    stop[0].1 = "0".to_string();
+    assert_codes(&start(Launcher::Torchrun, 1, 32, &cut, &pairs(&stop)), 75);
+    assert_eq!(latest(), "epoch-0002-step-000006\n");
+    assert_codes(&start(Launcher::Torchrun, 1, 32, &cut, &[]), 0);
+
+    let m = metrics(&cut);
+    assert_eq!(column(&m, "epoch"), [1.0, 2.0, 3.0]);
+    let change = &m[1]["allocation_change"];
+    assert_eq!(change["epoch"], 2, "{m:?}");
+    assert_eq!(change["from"]["world_size"], 2);
+    assert_eq!(change["to"]["world_size"], 1);
+    assert_eq!(change["step"], 4);
+    assert!(m[0].get("allocation_change").is_none() && m[2].get("allocation_change").is_none());
+}
+
 /// A run stopped before its first step (a preemption while the ranks start) has no learning
 /// rate curve yet: continued on 1 rank instead of 2, its per-step schedule runs over the new
 /// allocation's 48 steps, as a run killed then and started again would, not the first start's

@@ -116,6 +116,8 @@ impl<T: Task> Trainer<T> {
                 samples: sums[1] as usize,
                 ..at
             }),
+            // Not yet in `metrics.jsonl`: the start that ends the epoch records it.
+            allocation_change: self.allocation_change.clone(),
             ..self.train_state()
         };
         let name = state::stem_of(&st);
@@ -182,6 +184,7 @@ impl<T: Task> Trainer<T> {
             plan: Some(self.plan),
             frozen: self.frozen.clone(),
             bucket_order: self.ddp.bucket_order(),
+            allocation_change: None,
             config: self.run_config(),
         }
     }

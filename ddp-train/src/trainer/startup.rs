@@ -277,6 +277,8 @@ impl<T: Task> Trainer<T> {
                 super::checkpoint::resumed_plan(&st, rest.as_ref(), s, now, steps_now)?;
             plan = resumed;
             fallback_warnings.extend(warning);
+            // An earlier start's change inside this epoch, unless this start changes again.
+            allocation_change = st.allocation_change.clone();
             if let Some(before) = st.allocation.filter(|b| *b != now) {
                 let epoch = st.position.map_or(st.epoch + 1, |p| p.epoch);
                 let spe = (
