@@ -457,8 +457,9 @@ fn run_with<D>(
     status
 }
 
-/// Prints a failure as a rank's program does and turns it into the exit status: after a
-/// stop on request its message and 75 ([`crate::exit_with`]'s rule), else `error: `.
+/// Prints a failure as a rank's program does, records it for the launcher
+/// ([`ddp_run::record_error`]), and turns it into the exit status: after a stop on request its
+/// message and 75 ([`crate::exit_with`]'s rule), else `error: `.
 fn finish(result: anyhow::Result<ExitCode>) -> ExitCode {
     match result {
         Ok(code) => code,
@@ -471,7 +472,9 @@ fn finish(result: anyhow::Result<ExitCode>) -> ExitCode {
             } else {
                 "error: "
             };
-            eprintln!("{error}{}", describe_error(&err));
+            let message = describe_error(&err);
+            crate::exit::record_error(&message);
+            eprintln!("{error}{message}");
             ExitCode::from(status)
         }
     }

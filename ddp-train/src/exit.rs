@@ -9,7 +9,8 @@ use crate::TrainError;
 /// process's exit status as launchers and schedulers read it: success; 75
 /// ([`crate::EXIT_STOPPED`]) after a stop on request (SIGTERM, SIGUSR1, the time limit) and
 /// its checkpoint, which `ddp-run` and SLURM scripts requeue; otherwise `error: ` and the
-/// error's causes on stderr (each said once, no backtrace) and 1. A `fn main() -> Result<..>`
+/// error's causes on stderr (each said once, no backtrace) and 1; the error is recorded for
+/// the launcher too ([`ddp_run::record_error`]). A `fn main() -> Result<..>`
 /// would print the error's `Debug` form and exit 1 after a stop too. (`cli::run` does the
 /// same for programs with [`TrainArgs`](crate::cli::TrainArgs), naming settings by their
 /// flags.)
@@ -18,10 +19,18 @@ pub fn exit_with(body: impl FnOnce() -> Result<(), Box<dyn Error>>) -> ExitCode 
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             let (status, message) = failure(&*err);
+            record_error(&crate::error::with_causes(&*err));
             eprintln!("{message}");
             ExitCode::from(status)
         }
     }
+}
+
+/// Records `message`, the program's error, as arisen now in the file that the launcher gave
+/// this rank (`TORCHELASTIC_ERROR_FILE`), if any. Where it cannot be written, the launcher
+/// counts the failure from the rank's exit.
+pub(crate) fn record_error(message: &str) {
+    let _ = ddp_run::record_error(message, std::time::SystemTime::now());
 }
 
 /// The exit status of a failed program and the line it prints: 75 and the stop's own

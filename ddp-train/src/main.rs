@@ -20,12 +20,18 @@ use ddp_train::{TrainError, Trainer};
 fn main() -> ExitCode {
     ddp_train::malloc::keep_freed_memory();
     ddp_train::logging::init();
-    match parse() {
+    // A failed rank's Trainer, and so its links to the other ranks, outlives the report of
+    // its error: the others fail for want of it only once it has recorded its error (the
+    // launcher names the rank whose error came first).
+    let mut trainer = None;
+    let status = match parse() {
         // ODIR's own flags are checked before `--nproc-per-node` starts ranks that would
         // each refuse them.
-        Invocation::Train(config) => {
-            ddp_train::cli::run_checked(&config.train, || valid(&config), || run(&config))
-        }
+        Invocation::Train(config) => ddp_train::cli::run_checked(
+            &config.train,
+            || valid(&config),
+            || run(&config, &mut trainer),
+        ),
         Invocation::Command(command) => match *command {
             OdirCommand::Predict(args) => ddp_train::cli::run_inference(
                 &args.config.train,
@@ -38,7 +44,9 @@ fn main() -> ExitCode {
                 || evaluate(&args),
             ),
         },
-    }
+    };
+    drop(trainer);
+    status
 }
 
 fn valid(config: &TrainConfig) -> Result<()> {
@@ -237,13 +245,14 @@ fn hold_before_opening_data() {
     }
 }
 
-fn run(config: &TrainConfig) -> Result<()> {
+/// Trains, in `trainer`'s place, which keeps the Trainer after an error.
+fn run(config: &TrainConfig, trainer: &mut Option<Trainer<OdirTask>>) -> Result<()> {
     config.validate()?;
     hold_before_opening_data();
     let task = OdirTask::new(config)?;
     let settings = config.settings();
     let eval_only = settings.checkpoint.eval_only;
-    let mut trainer = Trainer::new(task, settings)?;
+    let trainer = trainer.insert(Trainer::new(task, settings)?);
     let rank0 = trainer.process_group().rank() == 0;
     if eval_only {
         let report = trainer.evaluate()?;
