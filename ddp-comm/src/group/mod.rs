@@ -53,8 +53,10 @@ pub struct RingLayout {
 
 /// A group of ranks that run collectives together.
 ///
-/// Every rank must call the same collectives in the same order with the same sizes;
-/// mismatches are detected and reported as [`CommError::Mismatch`]. Methods take `&self`
+/// Every rank must call the same collectives in the same order with the same sizes. The CPU
+/// ring checks it, and reports a mismatch as [`CommError::Mismatch`]; NCCL collectives are
+/// not checked: a mismatch there corrupts the results or hangs until the collective's
+/// timeout. Methods take `&self`
 /// and serialise internally; the group is `Send + Sync`. After any failed collective the
 /// group is unusable ([`CommError::Poisoned`]) and the neighbours see the failure too.
 pub struct ProcessGroup {

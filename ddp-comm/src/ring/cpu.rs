@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use crate::element::{self, as_bytes_mut, DType, ReduceOp};
 use crate::error::CommError;
+use crate::ring::header::{describe, dtype_code, header, op_code, Kind, HEADER};
 use crate::ring::link::{EndError, Link, LinkKind, RecvEnd};
 use crate::ring::schedule::{split_even, Recv, Schedule, Span};
 use crate::store::heartbeat::Heartbeat;
@@ -34,7 +35,6 @@ pub(crate) const SEGMENT: usize = 256 * 1024;
 pub(crate) const SMALL_BYTES: usize = 256 * 1024;
 /// How long a rank with a shared-memory link polls its rings before it goes to sleep.
 pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(50);
-const HEADER: usize = 16;
 /// The most bytes [`ProcessGroup::all_gather_bytes`](crate::ProcessGroup::all_gather_bytes)
 /// allocates for all ranks' contributions together, unless
 /// [`ProcessGroup::set_max_gather_bytes`](crate::ProcessGroup::set_max_gather_bytes) says
@@ -44,45 +44,6 @@ pub const DEFAULT_MAX_GATHER_BYTES: u64 = 1 << 30;
 /// Collectives on at least this many bytes write what they receive with stores that bypass
 /// the cache: the result would not stay cached anyway.
 const STREAMING_BYTES: usize = 16 << 20;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-enum Kind {
-    AllReduce = 1,
-    Broadcast = 2,
-    AllGather = 3,
-    Barrier = 4,
-}
-
-fn header(kind: Kind, dtype: u8, arg: u32, len: usize) -> [u8; HEADER] {
-    let mut h = [0u8; HEADER];
-    h[0] = kind as u8;
-    h[1] = dtype;
-    h[4..8].copy_from_slice(&arg.to_le_bytes());
-    h[8..16].copy_from_slice(&(len as u64).to_le_bytes());
-    h
-}
-
-fn describe(h: &[u8]) -> String {
-    let kind = match h[0] {
-        1 => "all_reduce",
-        2 => "broadcast",
-        3 => "all_gather",
-        4 => "barrier",
-        _ => "an unknown collective",
-    };
-    let arg = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
-    let len = u64::from_le_bytes(h[8..16].try_into().unwrap_or([0; 8]));
-    format!("{kind} (dtype {}, argument {arg}) of {len} bytes", h[1])
-}
-
-fn dtype_code(d: DType) -> u8 {
-    d as u8 + 1
-}
-
-fn op_code(op: ReduceOp) -> u32 {
-    op as u32
-}
 
 /// The ranks in ring order and this rank's place in it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -882,8 +843,35 @@ mod tests {
                     b.all_reduce(&mut [0u8; 64], DType::F32, ReduceOp::Sum)
                 })
                 .expect_err("a changed header passed");
-                prop_assert!(matches!(err, CommError::Mismatch { peer: 0, .. }), "{err:?}");
+                match err {
+                    CommError::Mismatch { peer: 0, ours, theirs, .. } => {
+                        prop_assert_eq!(ours.as_str(), "all_reduce Sum of 16 x f32");
+                        prop_assert_ne!(theirs, ours);
+                    }
+                    other => prop_assert!(false, "{other:?}"),
+                }
             }
+        }
+
+        /// A mismatch says both collectives in words: an i64 maximum against an f64 sum.
+        #[test]
+        fn a_mismatch_names_the_collectives_in_words() {
+            let bytes = header(
+                Kind::AllReduce,
+                dtype_code(DType::I64),
+                op_code(ReduceOp::Max),
+                16,
+            );
+            let err = with_peer_sending(&bytes, |b| {
+                b.all_reduce(&mut [0u8; 8], DType::F64, ReduceOp::Sum)
+            })
+            .expect_err("another collective passed");
+            assert_eq!(
+                err.to_string(),
+                "all_reduce: rank 0 called all_reduce Max of 2 x i64, this rank (rank 1) called \
+                 all_reduce Sum of 1 x f64; every rank must call the same collectives with the \
+                 same sizes"
+            );
         }
     }
 }
