@@ -86,6 +86,26 @@ pub enum DdpError {
         /// A parameter that backward reached.
         parameter: String,
     },
+    /// The store changed after [`DistributedDataParallel::new`] or the last
+    /// [`DistributedDataParallel::rebuild`] wrapped it: a variable was added (a new head), or
+    /// a parameter frozen or unfrozen. DDP neither broadcasts nor averages what it did not
+    /// wrap, while tch's optimizer steps it all the same. Returned by `sync_gradients` and
+    /// `broadcast_buffers`; a new buffer only by `broadcast_buffers`, with
+    /// [`DdpOptions::broadcast_buffers`].
+    #[error(
+        "rank {rank}: variable '{variable}' was {change} after DistributedDataParallel wrapped \
+         the store: DDP hooks, buckets and broadcasts only what it wrapped, so the ranks' \
+         replicas would drift apart; call DistributedDataParallel::rebuild(&vs) on every rank \
+         after adding, freezing or unfreezing parameters"
+    )]
+    ModelChanged {
+        /// This rank.
+        rank: usize,
+        /// The variable, by its name in the store.
+        variable: String,
+        /// `added to the store`, `frozen` or `unfrozen`.
+        change: &'static str,
+    },
     /// A parameter already has a post-accumulate-grad hook, which DDP would replace.
     #[error(
         "parameter '{0}' already has a post-accumulate-grad hook: another \

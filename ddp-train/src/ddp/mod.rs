@@ -12,6 +12,7 @@ mod params;
 pub(crate) use params::device_type;
 pub(crate) use params::trainable_parameters;
 mod reducer;
+mod watch;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -24,6 +25,7 @@ pub use comm_hook::{BuiltinHook, CommHook, GradBucket, HookWork};
 pub use error::DdpError;
 use params::{split_named, verify_same_model, Split};
 use reducer::Reducer;
+use watch::StoreWatch;
 
 /// Settings of [`DistributedDataParallel`], and the Trainer's DDP settings
 /// ([`Settings::ddp`](crate::Settings::ddp); with feature `cli`, their flags).
@@ -222,6 +224,7 @@ pub struct DistributedDataParallel {
     buffers: Vec<(String, Tensor)>,
     reducer: Arc<Mutex<Reducer>>,
     buffer_buckets: Vec<Bucket>,
+    store: StoreWatch,
     /// Whether this value's hooks are set on its parameters (dropping it clears them).
     hooked: bool,
 }
@@ -320,6 +323,7 @@ impl DistributedDataParallel {
             buffers,
             reducer,
             buffer_buckets,
+            store: StoreWatch::new(vs, frozen),
             hooked: false,
         })
     }
@@ -378,7 +382,7 @@ impl DistributedDataParallel {
         &self.buffers
     }
 
-    /// Wraps the store again after parameters were frozen or unfrozen (as a PyTorch user
+    /// Wraps the store again after parameters were added, frozen or unfrozen (as a PyTorch user
     /// wraps the model in a new `DistributedDataParallel`): does what
     /// [`DistributedDataParallel::new`] does with the same options and communication hook,
     /// then moves the hooks from the current parameters to the new ones. Every rank must
@@ -502,6 +506,7 @@ impl DistributedDataParallel {
     /// syncs them, in the first forward after a forward whose backward synchronised.
     pub fn broadcast_buffers(&mut self) -> Result<(), DdpError> {
         lock(&self.reducer).check_finished()?;
+        self.check_store(self.options.broadcast_buffers)?;
         if !self.options.broadcast_buffers {
             return Ok(());
         }
@@ -545,8 +550,25 @@ impl DistributedDataParallel {
 
     /// Completes the averaging of every parameter's gradient over all ranks. Call after the
     /// backward that ran with gradient sync on, before the optimizer step.
+    ///
+    /// # Errors
+    ///
+    /// [`DdpError::ModelChanged`] (the step abandoned) when the store changed since this DDP
+    /// wrapped it; see [`DdpError`] for the others.
     pub fn sync_gradients(&mut self) -> Result<(), DdpError> {
+        if let Err(e) = self.check_store(false) {
+            lock(&self.reducer).abandon();
+            return Err(e);
+        }
         lock(&self.reducer).finish()
+    }
+
+    /// [`DdpError::ModelChanged`] when the store's parameters changed since this DDP wrapped
+    /// it, or with `with_buffers` its buffers.
+    fn check_store(&self, with_buffers: bool) -> Result<(), DdpError> {
+        let rank = self.pg.rank();
+        self.store
+            .check(rank, &self.params, &self.buffers, with_buffers)
     }
 
     /// The backward pass of a step, for a loop of your own: `prepare_for_backward(loss)`,
@@ -770,6 +792,82 @@ mod tests {
             ddp.backward(&loss()).unwrap();
             assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2], "{name}");
         }
+    }
+
+    /// A parameter added after `new` (a new head) has no hook and no bucket: `sync_gradients`
+    /// fails naming it, and after `rebuild` averages it.
+    #[test]
+    fn a_parameter_added_after_new_needs_rebuild() {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+        let mut ddp = DistributedDataParallel::new(&vs, alone(), DdpOptions::default()).unwrap();
+        let b = vs
+            .root()
+            .sub("head")
+            .var("b", &[3], tch::nn::Init::Const(1.0));
+        let _buffer = vs.root().zeros_no_train("running", &[1]);
+        let loss = || a.sum(tch::Kind::Float) + b.sum(tch::Kind::Float) * 2.0;
+        loss().backward();
+        match ddp.sync_gradients() {
+            Err(e @ DdpError::ModelChanged { .. }) => assert!(
+                e.to_string().starts_with(
+                    "rank 0: variable 'head.b' was added to the store after \
+                     DistributedDataParallel wrapped the store:"
+                ),
+                "{e}"
+            ),
+            other => panic!("expected ModelChanged, got {other:?}"),
+        }
+        // The step was abandoned: the next call is not SyncMissed.
+        match ddp.broadcast_buffers() {
+            Err(DdpError::ModelChanged { variable, .. }) => assert_eq!(variable, "head.b"),
+            other => panic!("expected ModelChanged, got {other:?}"),
+        }
+        ddp.rebuild(&vs).unwrap();
+        for (_, p) in ddp.parameters() {
+            tch_ext::set_grad(p, None).unwrap();
+        }
+        ddp.backward(&loss()).unwrap();
+        let names: Vec<&str> = ddp.parameters().iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["a", "head.b"]);
+        assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [1.0; 2]);
+        assert_eq!(Vec::<f32>::try_from(&b.grad()).unwrap(), [2.0; 3]);
+    }
+
+    /// A buffer added after `new` is one that `broadcast_buffers` would never broadcast, and
+    /// a parameter frozen or unfrozen without `rebuild` a change `sync_gradients` names.
+    #[test]
+    fn a_new_buffer_or_a_frozen_parameter_needs_rebuild() {
+        let vs = VarStore::new(tch::Device::Cpu);
+        let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+        let b = vs.root().var("b", &[2], tch::nn::Init::Const(1.0));
+        let _ = b.set_requires_grad(false);
+        let mut ddp = DistributedDataParallel::new(&vs, alone(), DdpOptions::default()).unwrap();
+        let changed = |r: Result<(), DdpError>| match r {
+            Err(DdpError::ModelChanged {
+                variable, change, ..
+            }) => (variable, change),
+            other => panic!("expected ModelChanged, got {other:?}"),
+        };
+        let _ = b.set_requires_grad(true);
+        assert_eq!(changed(ddp.sync_gradients()), ("b".into(), "unfrozen"));
+        let _ = b.set_requires_grad(false);
+        let _ = a.set_requires_grad(false);
+        assert_eq!(changed(ddp.sync_gradients()), ("a".into(), "frozen"));
+        let _ = a.set_requires_grad(true);
+        let _ = vs.root().zeros_no_train("running", &[1]);
+        a.sum(tch::Kind::Float).backward();
+        ddp.sync_gradients().unwrap();
+        let change = changed(ddp.broadcast_buffers());
+        assert_eq!(change, ("running".into(), "added to the store"));
+        drop(ddp);
+        let options = DdpOptions {
+            broadcast_buffers: false,
+            ..DdpOptions::default()
+        };
+        let mut ddp = DistributedDataParallel::new(&vs, alone(), options).unwrap();
+        let _ = vs.root().zeros_no_train("running_2", &[1]);
+        ddp.broadcast_buffers().unwrap();
     }
 
     /// A loop of `backward_step`s that calls nothing of DDP's: its second synced backward
