@@ -54,6 +54,23 @@ pub enum DdpError {
         /// Each parameter that some rank did not use, with the number of ranks that used it.
         parameters: Vec<(String, usize)>,
     },
+    /// [`DistributedDataParallel::sync_gradients`] followed backward passes with gradient sync
+    /// off only (in [`DistributedDataParallel::no_sync`]), and some rank used a parameter in
+    /// none with it on, without [`DdpOptions::find_unused_parameters`]. Returned on such a
+    /// rank instead of [`DdpError::UnusedParameters`], which a rank that ran a synced backward
+    /// reports.
+    #[error(
+        "rank {rank}: sync_gradients followed backward passes with gradient sync off only \
+         (parameter '{parameter}' got a gradient in one, none with sync on): run the last \
+         micro-batch's backward with gradient sync on (outside no_sync, or after \
+         set_require_gradient_sync(true)), then call sync_gradients once, after it"
+    )]
+    NoSyncedBackward {
+        /// This rank.
+        rank: usize,
+        /// A parameter that got a gradient with gradient sync off.
+        parameter: String,
+    },
     /// A parameter's gradient was accumulated on some rank though
     /// [`DistributedDataParallel::prepare_for_backward`] had found it unreachable from the
     /// loss (PyTorch's "Expected to mark a variable ready only once"), or twice with gradient

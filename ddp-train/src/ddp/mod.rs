@@ -758,6 +758,30 @@ mod tests {
         }
     }
 
+    /// `sync_gradients` after backward passes without sync only is the mistake it names, not
+    /// parameters to allow with `find_unused_parameters`.
+    #[test]
+    fn sync_gradients_after_backward_without_sync_only_says_so() {
+        let pg = alone();
+        let vs = VarStore::new(tch::Device::Cpu);
+        let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+        let b = vs.root().var("b", &[3], tch::nn::Init::Const(1.0));
+        let mut ddp = DistributedDataParallel::new(&vs, pg, DdpOptions::default()).unwrap();
+        ddp.no_sync(|| b.sum(tch::Kind::Float).backward());
+        ddp.no_sync(|| a.sum(tch::Kind::Float).backward());
+        match ddp.sync_gradients() {
+            Err(e @ DdpError::NoSyncedBackward { .. }) => assert!(
+                e.to_string().starts_with(
+                    "rank 0: sync_gradients followed backward passes with gradient sync off \
+                     only (parameter 'a' got a gradient in one, none with sync on): run the \
+                     last micro-batch's backward with gradient sync on"
+                ),
+                "{e}"
+            ),
+            other => panic!("expected NoSyncedBackward, got {other:?}"),
+        }
+    }
+
     /// tch's `backward_step` (zero_grad, backward, step) never averages: the DDP call after
     /// it is `SyncMissed`, naming a parameter, whichever call that is, and the step after
     /// the error is whole again; `DistributedDataParallel::backward` is the step's backward.

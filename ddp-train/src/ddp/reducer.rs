@@ -459,6 +459,15 @@ impl Reducer {
     }
 
     fn unused_error(&self, unused: &[usize], counts: &[i32]) -> DdpError {
+        // Not a parameter this rank skips: the backward that should have synced ran without.
+        let synced = self.used.iter().any(|&u| u);
+        let unsynced = self.used_without_sync.iter().position(|&u| u);
+        if let (false, Some(k)) = (synced, unsynced) {
+            return DdpError::NoSyncedBackward {
+                rank: self.pg.rank(),
+                parameter: self.params[k].0.clone(),
+            };
+        }
         let world = self.pg.world_size();
         DdpError::UnusedParameters {
             rank: self.pg.rank(),
