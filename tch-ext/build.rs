@@ -10,13 +10,14 @@
 
 include!("../build-support/libtorch.rs");
 
-const SOURCES: [&str; 6] = [
+const SOURCES: [&str; 7] = [
     "csrc/hooks.cpp",
     "csrc/function.cpp",
     "csrc/autocast.cpp",
     "csrc/cuda.cpp",
     "csrc/ops.cpp",
     "csrc/graph.cpp",
+    "csrc/version.cpp",
 ];
 
 fn main() {

@@ -26,6 +26,7 @@ pub(crate) type BackwardCallFn = extern "C" fn(
 
 extern "C" {
     pub(crate) fn tch_ext_free_error(message: *mut c_char);
+    pub(crate) fn tch_ext_torch_version() -> *const c_char;
 
     pub(crate) fn tch_ext_set_backward(
         input: *const c_void,

@@ -19,6 +19,7 @@
 //!   [`amp_foreach_non_finite_check_and_unscale_`], `GradScaler`'s fused unscale of a list
 //!   of gradients; [`foreach_adam_`] and [`foreach_sgd_`], optimizer steps over lists of
 //!   tensors.
+//! - [`torch_version`]: the libtorch version it is compiled against, for processes to compare.
 //!
 //! The C++ side (`csrc/`) is a narrow `extern "C"` surface: every entry point catches all
 //! exceptions and returns an error string, which becomes [`TchExtError`]; no C++ exception or
@@ -80,3 +81,23 @@ pub use ops::{
     add_, addcdiv_, addcmul_, amp_foreach_non_finite_check_and_unscale_, foreach_adam_,
     foreach_sgd_, storage_use_count, AdamHyper,
 };
+
+/// The version of the libtorch this crate was compiled against, as its headers name it
+/// (`TORCH_VERSION`, `"2.13.0"`): processes built against another libtorch say another.
+pub fn torch_version() -> &'static str {
+    // SAFETY: the shim returns a pointer to a NUL-terminated string literal, which lives as
+    // long as the process.
+    let version = unsafe { std::ffi::CStr::from_ptr(ffi::tch_ext_torch_version()) };
+    version.to_str().unwrap_or("(not UTF-8)")
+}
+
+#[cfg(test)]
+mod tests {
+    include!("../../shared-src/torch_version.rs");
+
+    /// The headers' version is the one the workspace installs.
+    #[test]
+    fn the_torch_version_is_the_headers() {
+        assert_eq!(super::torch_version(), TORCH_VERSION);
+    }
+}
