@@ -31,7 +31,8 @@ pub struct LoaderConfig {
     pub drop_last: bool,
     /// The run's seed; with `epoch` and the sample index it fixes every random draw.
     pub seed: u64,
-    /// The epoch number.
+    /// The epoch number. A loader built for each epoch must be given it (as the sampler's
+    /// `set_epoch`), or every epoch repeats epoch 0's augmentation.
     pub epoch: u64,
     /// Worker threads (at least 1).
     pub workers: usize,
@@ -44,7 +45,7 @@ pub struct LoaderConfig {
 
 impl LoaderConfig {
     /// `batch_size` with no drop_last, seed 0, epoch 0, [`default_workers`]`(1)` and a
-    /// prefetch of 2 batches.
+    /// prefetch of 2 batches. Set [`LoaderConfig::epoch`] for each epoch's loader.
     pub fn new(batch_size: usize) -> Self {
         Self {
             batch_size,

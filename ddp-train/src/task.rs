@@ -185,7 +185,9 @@ impl IntoIterator for Metrics {
 pub trait Task {
     /// The model (any type; the Trainer reaches its weights through the `VarStore`).
     type Model;
-    /// The data set: ODIR's images, generated samples, anything the loader can read.
+    /// The data set: ODIR's images, generated samples, anything the loader can read. The
+    /// Trainer clones it for each epoch's loader and each evaluation: keep the clone cheap
+    /// (the samples behind an `Arc`), not a copy of the data.
     type Data: Dataset + Clone;
     /// The evaluation statistics.
     type Stats: Stats;
@@ -244,6 +246,15 @@ pub trait Task {
     /// by default.
     fn location_keys(&self) -> &[&str] {
         &[]
+    }
+
+    /// What the data is beyond its sizes, for the ranks to compare at start: named parts
+    /// (`labels`, say), each a SHA-256 of what it covers, the same on every rank that opened
+    /// the same data. The Trainer refuses to train when a part differs between ranks, naming
+    /// it (a copy of the data with other labels would otherwise train on mixed labels). None
+    /// by default: only the numbers of samples are compared.
+    fn data_fingerprint(&self) -> Option<Vec<(String, [u8; 32])>> {
+        None
     }
 
     /// What the user should know before training starts (data left out, say): rank 0

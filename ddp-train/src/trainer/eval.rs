@@ -95,6 +95,9 @@ impl<T: Task> Trainer<T> {
         // Every rank evaluates rank 0's model, the one the checkpoints hold: its buffers
         // (BatchNorm's running statistics, which each rank's last batch moved) go to all
         // ranks first, as PyTorch's DDP does in the first forward after a training step.
+        // With broadcast_buffers off, each rank evaluates with its own buffers instead: the
+        // metrics mix the ranks' models, and after a resume (rank 0's buffers everywhere)
+        // differ from an uninterrupted run's.
         self.ddp.broadcast_buffers()?;
         let mut loader = self.loader(set, false, epoch, indices)?;
         let mut stats = self.task.new_stats();
