@@ -827,8 +827,10 @@ fn a_torchrun_elastic_job_that_loses_a_node_continues_with_the_samples_left() {
 /// checkpoint, exit code 75) and meets the new node in the next round; both ranks then
 /// continue the stopped run from its checkpoint at 2 x 16 with exactly the samples the
 /// interrupted epoch had left, its last step filled from the order's start when they do not
-/// fill 2 x 16 (the step the second node arrives at depends on timing). Every later epoch
-/// trains every sample once.
+/// fill 2 x 16. The first node's rank holds before epoch 1's step 3 until that stop
+/// (`DDP_TRAIN_HOLD_AT`), and the second agent starts only once it holds, so the stop comes
+/// there however long an epoch or a Python start takes: 48 samples trained, 208 left, 6.5
+/// steps of 2 x 16. Every later epoch trains every sample once.
 ///
 /// torchrun shares its rendezvous store with the workers by default and publishes that
 /// store's address only in a node's first round, so a node that joins later never learns it
@@ -845,22 +847,18 @@ fn a_torchrun_elastic_job_that_gains_a_node_continues_on_both_with_the_samples_l
     let indices = dir.join("indices");
     std::fs::create_dir_all(&indices).unwrap();
     let port = common::free_port();
+    let held = dir.join("held");
     let env = [
-        ("DDP_TRAIN_STEP_SLEEP_MS", "300"),
         ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
+        ("DDP_TRAIN_HOLD_AT", "1:3"),
+        ("DDP_TRAIN_HOLD_FILE", held.to_str().unwrap()),
     ];
     // The first round closes a second after the first node joined: the job starts alone.
     let first = agent(port, true, 1, dir, &env);
     ddp_testkit::wait_for(
-        "the first node's rank trained two steps",
+        "the first node's rank to hold before epoch 1's step 3",
         Duration::from_secs(120),
-        || {
-            std::fs::read_dir(&indices).is_ok_and(|mut d| {
-                d.next().is_some_and(|e| {
-                    std::fs::read_to_string(e.unwrap().path()).is_ok_and(|t| t.lines().count() >= 2)
-                })
-            })
-        },
+        || held.exists(),
     );
     let second = agent(port, false, 1, dir, &env);
     let outputs = wait_all(vec![first, second], Duration::from_secs(300));
@@ -876,20 +874,13 @@ fn a_torchrun_elastic_job_that_gains_a_node_continues_on_both_with_the_samples_l
     assert!(t.contains("continuing the stopped run"), "{t}");
 
     let m = metrics(&dir.join("run"));
-    let worlds = column(&m, "world_size");
-    assert_eq!(worlds.len(), EPOCHS as usize);
-    assert_eq!(worlds.last(), Some(&2.0), "{worlds:?}");
-    let changed: Vec<&Value> = m
-        .iter()
-        .filter(|l| !l["allocation_change"].is_null())
-        .collect();
-    assert_eq!(changed.len(), 1, "{m:?}");
-    assert_eq!(changed[0]["allocation_change"]["from"]["world_size"], 1);
-    let consumed = changed[0]["allocation_change"]["consumed"]
-        .as_u64()
-        .unwrap() as usize;
-    assert_eq!(changed[0]["epoch"], 1);
-    println!("the second node arrived after {consumed} samples of epoch 1");
+    assert_eq!(column(&m, "world_size"), [2.0, 2.0, 2.0]);
+    // Epoch 1: 3 steps of 16, then 7 of 2 x 16.
+    assert_eq!(column(&m, "steps"), [10.0, 8.0, 8.0]);
+    let change = &m[0]["allocation_change"];
+    assert_eq!(change["from"]["world_size"], 1, "{m:?}");
+    assert_eq!(change["consumed"], 48);
+    assert!(m[1..].iter().all(|l| l.get("allocation_change").is_none()));
 
     // Three processes (the first start, then both ranks of the second round). Epoch 1: the
     // steps the first rank took (16 samples each, the first positions of the epoch's order)
@@ -909,26 +900,18 @@ fn a_torchrun_elastic_job_that_gains_a_node_continues_on_both_with_the_samples_l
         v.sort_unstable();
         v
     };
-    let first_steps = consumed / 16;
     // One rank: its steps read the order's positions 0, 1, 2, ...
-    let order = in_order(1, 0..first_steps);
-    assert_eq!(order.len(), consumed);
-    let left = POINTS as usize - consumed;
-    let padding = left.div_ceil(32) * 32 - left;
-    if padding > 0 {
-        assert!(
-            text(&outputs[0]).contains(&format!("filled with {padding} repeated sample(s)")),
-            "{}",
-            text(&outputs[0])
-        );
-    }
+    let order = in_order(1, 0..3);
+    assert_eq!(order.len(), 48);
+    // The 208 samples left fill 6.5 steps of 2 x 16: the last takes the order's first 16.
+    assert!(t.contains("filled with 16 repeated sample(s)"), "{t}");
     let trained_before = sorted(order.clone());
     let mut expected: Vec<usize> = (0..POINTS as usize)
         .filter(|i| trained_before.binary_search(i).is_err())
         .collect();
-    expected.extend(&order[..padding]);
+    expected.extend(&order[..16]);
     assert_eq!(
-        sorted(in_order(1, first_steps..usize::MAX)),
+        sorted(in_order(1, 3..usize::MAX)),
         sorted(expected),
         "the rest of epoch 1"
     );

@@ -1,11 +1,12 @@
-//! The fault tests' injected failures and slow steps, read from the environment only in
-//! builds with the `fault-injection` feature (which `cargo xtask test` turns on).
+//! The fault tests' injected failures, holds and slow steps, read from the environment only
+//! in builds with the `fault-injection` feature (which `cargo xtask test` turns on).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::TrainError;
+use crate::stop::SignalWatch;
 
 /// Where a fault can be injected: `epoch:step` names a step, `epoch:eval` an epoch's
 /// evaluation (after its first round of batches), `epoch:end` the end of the epoch (after
@@ -88,6 +89,34 @@ pub(super) fn fail_if_injected(rank: usize, point: Point, restarted: bool) {
     // for SIGTERM once the stop watch has noted it.
     unsafe {
         libc::raise(signal);
+    }
+}
+
+/// For the tests that act while a rank trains, with the `fault-injection` feature only:
+/// `DDP_TRAIN_HOLD_AT=<point>` (a step, `epoch:step`) and `DDP_TRAIN_HOLD_FILE=<file>` make
+/// the first process to reach that step create `<file>` and hold there, before the ranks
+/// agree whether to stop, until a stop signal arrives (a minute at most): a test waits for
+/// `<file>`, acts (a torchrun agent sees a node waiting and stops its rank), and the rank
+/// stops at exactly that step. A process that finds `<file>` there goes on: one hold per
+/// file, so a continued run passes the step.
+pub(super) fn hold_if_injected(point: Point, signals: Option<&SignalWatch>) {
+    if !cfg!(feature = "fault-injection") {
+        return;
+    }
+    let var = |k: &str| std::env::var_os(k);
+    let (Some(at), Some(file)) = (var("DDP_TRAIN_HOLD_AT"), var("DDP_TRAIN_HOLD_FILE")) else {
+        return;
+    };
+    let here = at.to_str() == Some(point.to_string().as_str());
+    if !here || std::fs::File::create_new(&file).is_err() {
+        return;
+    }
+    tracing::warn!("injected hold at DDP_TRAIN_HOLD_AT={point} until a stop signal");
+    let start = Instant::now();
+    while signals.and_then(SignalWatch::received).is_none()
+        && start.elapsed() < Duration::from_secs(60)
+    {
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -9,7 +9,7 @@ use ddp_data::{Batch, Loader, LoaderConfig};
 use serde_json::Map;
 use tch::Tensor;
 
-use super::faults::{fail_if_injected, Point};
+use super::faults::{fail_if_injected, hold_if_injected, Point};
 use super::non_finite::{gradients_finite, poison};
 use super::progress::Progress;
 use super::{EpochReport, Trainer};
@@ -321,6 +321,7 @@ impl<T: Task> Trainer<T> {
                 (loss_sum, samples),
                 (grad_norm_sum, grad_norm_steps, skipped_steps),
             );
+            hold_if_injected(Point::Step(epoch, step), signals);
             self.checkpoint_or_stop(position, first, steps, signals)?;
             // An injected step sleep is part of the step, for the time limit's budget too.
             let step_started = Instant::now();
