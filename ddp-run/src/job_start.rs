@@ -9,11 +9,9 @@ use crate::LaunchError;
 /// When the launcher started the job (before its first attempt), set for every rank it
 /// starts, the same in every attempt: Unix time in seconds with nine decimals (nanoseconds),
 /// as `date +%s.%N` prints it, by the wall clock (the one clock that processes compare).
+/// A launcher that inherits a valid one (an outer launcher's, or a job script's `export
+/// DDP_JOB_STARTED=$(date +%s.%N)`) passes on the earlier of it and its own start.
 pub const DDP_JOB_STARTED: &str = "DDP_JOB_STARTED";
-
-/// How far ahead of this process's clock [`job_started`] takes a start as now rather than
-/// refusing it.
-const FUTURE_SLACK: Duration = Duration::from_secs(60);
 
 /// `at` as [`DDP_JOB_STARTED`] writes it: `SECONDS.NANOSECONDS`, nine decimals.
 pub(crate) fn format(at: SystemTime) -> String {
@@ -39,36 +37,43 @@ fn parse(value: &str) -> Option<SystemTime> {
 }
 
 /// When the job started, from [`DDP_JOB_STARTED`] (`None` when it is not set: a rank not
-/// started by ddp-run). A start up to a minute ahead of this process's clock (a clock stepped
-/// back since the launcher read it) is now.
+/// started by ddp-run), as it reads: a start after this process's clock (a clock stepped
+/// back since the launcher read it) is the caller's to take as now.
 ///
-/// Fails with [`LaunchError::Invalid`], naming the variable, when it is not Unix seconds or
-/// lies further in the future: a time limit counted from a wrong start would be wrong.
+/// Fails with [`LaunchError::Invalid`], naming the variable, when it is not Unix seconds: a
+/// time limit counted from a wrong start would be wrong.
 pub fn job_started() -> Result<Option<SystemTime>, LaunchError> {
     let value = std::env::var_os(DDP_JOB_STARTED).map(|v| v.to_string_lossy().into_owned());
-    job_started_from(value.as_deref(), SystemTime::now()).map_err(LaunchError::Invalid)
+    job_started_from(value.as_deref()).map_err(LaunchError::Invalid)
 }
 
-/// [`job_started`] from the variable's `value`, at `now`.
-fn job_started_from(value: Option<&str>, now: SystemTime) -> Result<Option<SystemTime>, String> {
+/// [`job_started`] from the variable's `value`.
+fn job_started_from(value: Option<&str>) -> Result<Option<SystemTime>, String> {
     let Some(value) = value else {
         return Ok(None);
     };
-    let at = parse(value.trim()).ok_or_else(|| {
+    parse(value.trim()).map(Some).ok_or_else(|| {
         format!(
             "{DDP_JOB_STARTED} is `{value}`, not the job's start in Unix seconds (as \
              `date +%s.%N` prints it): it is set by ddp-run for the ranks it starts; unset it \
              or correct it"
         )
-    })?;
-    match at.duration_since(now) {
-        Ok(ahead) if ahead > FUTURE_SLACK => Err(format!(
-            "{DDP_JOB_STARTED} is `{value}`, {} s after this machine's clock: the job cannot \
-             have started in the future; unset it or correct it",
-            ahead.as_secs()
-        )),
-        Ok(_) => Ok(Some(now)),
-        Err(_) => Ok(Some(at)),
+    })
+}
+
+/// The job's start for a launcher that starts at `now`: the earlier of `now` and the start
+/// it inherited in [`DDP_JOB_STARTED`], so that a launcher inside another (or run twice by a
+/// job script that set the variable) does not count the job again from its own start.
+pub(crate) fn launcher_start(now: SystemTime) -> SystemTime {
+    let inherited = std::env::var_os(DDP_JOB_STARTED).map(|v| v.to_string_lossy().into_owned());
+    earlier_than_inherited(inherited.as_deref(), now)
+}
+
+/// `now`, or the `inherited` start where that is valid and earlier.
+fn earlier_than_inherited(inherited: Option<&str>, now: SystemTime) -> SystemTime {
+    match inherited.and_then(|v| parse(v.trim())) {
+        Some(at) => at.min(now),
+        None => now,
     }
 }
 
@@ -109,22 +114,34 @@ mod tests {
     }
 
     #[test]
-    fn the_start_is_refused_only_when_unreadable_or_in_the_future() {
-        let now = at(1_700_000_000, 0);
-        assert_eq!(job_started_from(None, now), Ok(None));
-        let past = job_started_from(Some(" 1699990000.25\n"), now);
+    fn the_start_is_refused_only_when_unreadable() {
+        assert_eq!(job_started_from(None), Ok(None));
+        let past = job_started_from(Some(" 1699990000.25\n"));
         assert_eq!(past, Ok(Some(at(1_699_990_000, 250_000_000))));
-        // A clock stepped back a little since the launcher read it: now.
-        assert_eq!(job_started_from(Some("1700000030"), now), Ok(Some(now)));
-        let ahead = job_started_from(Some("1700000100"), now).unwrap_err();
-        assert!(
-            ahead.starts_with("DDP_JOB_STARTED is `1700000100`, 100 s after this machine's clock"),
-            "{ahead}"
+        // A start after the clock (stepped back since the launcher read it) is the caller's.
+        assert_eq!(
+            job_started_from(Some("4102444800")),
+            Ok(Some(at(4_102_444_800, 0)))
         );
-        let garbage = job_started_from(Some("yesterday"), now).unwrap_err();
+        let garbage = job_started_from(Some("yesterday")).unwrap_err();
         assert!(
             garbage.starts_with("DDP_JOB_STARTED is `yesterday`, not the job's start in Unix"),
             "{garbage}"
         );
+    }
+
+    /// A launcher inside another, or run a second time by a job script, keeps the earlier
+    /// start it inherited; an unreadable or later one is its own start's.
+    #[test]
+    fn a_launcher_keeps_an_earlier_start_it_inherited() {
+        let now = at(1_700_000_000, 0);
+        assert_eq!(earlier_than_inherited(None, now), now);
+        assert_eq!(
+            earlier_than_inherited(Some("1699992800.5\n"), now),
+            at(1_699_992_800, 500_000_000)
+        );
+        assert_eq!(earlier_than_inherited(Some("1700000100"), now), now);
+        assert_eq!(earlier_than_inherited(Some("yesterday"), now), now);
+        assert_eq!(earlier_than_inherited(Some(""), now), now);
     }
 }

@@ -51,8 +51,9 @@ pub fn launch(
     mut on_event: impl FnMut(&Event<'_>),
 ) -> Result<Outcome, LaunchError> {
     config.validate()?;
-    // Every attempt's ranks count their time limit from here, as the scheduler's counts.
-    let job_started = std::time::SystemTime::now();
+    // Every attempt's ranks count their time limit from here, as the scheduler's counts (or
+    // from an earlier start this launcher inherited).
+    let job_started = crate::job_start::launcher_start(std::time::SystemTime::now());
     if let Some(dir) = &config.log_dir {
         if dir.exists() && !dir.is_dir() {
             return Err(LaunchError::LogDirIsFile {

@@ -244,19 +244,62 @@ impl Budget {
     }
 }
 
-/// When the time limit counts from, by the monotonic clock: the earlier of this process's
-/// start ([`process_started`], else now) and the job's, which ddp-run gives the ranks of
-/// every attempt ([`ddp_run::job_started`]), so that a rank the launcher restarted counts
-/// from the job's start, as the scheduler's limit does. An unreadable job start, or one
-/// in the future, is an error naming `DDP_JOB_STARTED`.
-pub(crate) fn limit_started() -> Result<Instant, String> {
+/// How far after the rank's clock a job's start may lie (a clock stepped back a little since
+/// the launcher read it) before [`limit_started`] warns that it counts it as now.
+const FUTURE_SLACK: Duration = Duration::from_secs(60);
+
+/// Whether [`limit_started`] warned of a job's start in the future: once a process.
+static WARNED_AHEAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// When a time limit (`limited`) counts from, by the monotonic clock: the earlier of this
+/// process's start ([`process_started`], else now) and the job's, which ddp-run gives the
+/// ranks of every attempt ([`ddp_run::job_started`]), so that a rank the launcher restarted
+/// counts from the job's start, as the scheduler's limit does. Without a limit the job's
+/// start is not read: the process's is only the start that a stop's message counts from.
+///
+/// An unreadable job start is an error naming `DDP_JOB_STARTED`; one in the future (the
+/// wall clock stepped back since the launcher's start) counts as now, with a warning (once
+/// a process) where it lies over a minute ahead.
+pub(crate) fn limit_started(limited: bool) -> Result<Instant, String> {
     let own = process_started().unwrap_or_else(Instant::now);
-    let job = ddp_run::job_started().map_err(|e| e.to_string())?;
-    earlier_start(own, job, Instant::now(), SystemTime::now())
+    let job = || ddp_run::job_started().map_err(|e| format!("{e} (the time limit counts from it)"));
+    let (at, ahead) = limit_start(limited, own, job, Instant::now(), SystemTime::now())?;
+    if let Some(ahead) = ahead {
+        if !WARNED_AHEAD.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                "{} lies {} s after this machine's clock (the clock was set back since the \
+                 launcher started?): the time limit counts from this rank's start instead",
+                ddp_run::env::DDP_JOB_STARTED,
+                ahead.as_secs()
+            );
+        }
+    }
+    Ok(at)
+}
+
+/// [`limit_started`] with the job's start read by `job` (only when `limited`), at `now` on
+/// the monotonic clock and `wall_now` on the wall clock; with how far over
+/// [`FUTURE_SLACK`] a job's start after `wall_now` lay.
+fn limit_start(
+    limited: bool,
+    own: Instant,
+    job: impl FnOnce() -> Result<Option<SystemTime>, String>,
+    now: Instant,
+    wall_now: SystemTime,
+) -> Result<(Instant, Option<Duration>), String> {
+    if !limited {
+        return Ok((own, None));
+    }
+    let job = job()?;
+    let ahead = job
+        .and_then(|job| job.duration_since(wall_now).ok())
+        .filter(|&ahead| ahead > FUTURE_SLACK);
+    Ok((earlier_start(own, job, now, wall_now)?, ahead))
 }
 
 /// The earlier of `own` and `job` (by the wall clock, which processes share) on the
-/// monotonic clock that times the limit, whose `now` is the wall clock's `wall_now`.
+/// monotonic clock that times the limit, whose `now` is the wall clock's `wall_now`; a `job`
+/// after `wall_now` is `now`.
 fn earlier_start(
     own: Instant,
     job: Option<SystemTime>,
@@ -342,6 +385,39 @@ mod tests {
         assert!(!budget.must_stop(false));
         budget.step_took(Duration::from_millis(1));
         assert!(budget.must_stop(false));
+    }
+
+    /// Without a time limit the job's start is not read, so an unreadable one fails only a
+    /// run with a limit; one in the future (a clock set back since the launcher's start)
+    /// counts as now, said when over a minute ahead.
+    #[test]
+    fn the_jobs_start_is_read_only_for_a_limit_and_a_future_one_is_now() {
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        let own = now - Duration::from_secs(5);
+        let unreadable = || Err("DDP_JOB_STARTED is `yesterday`".to_string());
+        assert_eq!(
+            limit_start(false, own, unreadable, now, wall),
+            Ok((own, None))
+        );
+        assert_eq!(
+            limit_start(true, own, unreadable, now, wall),
+            Err("DDP_JOB_STARTED is `yesterday`".to_string())
+        );
+        let hours_ahead = || Ok(Some(wall + Duration::from_secs(3 * 3600)));
+        assert_eq!(
+            limit_start(true, own, hours_ahead, now, wall),
+            Ok((own, Some(Duration::from_secs(3 * 3600))))
+        );
+        let a_little_ahead = || Ok(Some(wall + Duration::from_secs(30)));
+        assert_eq!(
+            limit_start(true, own, a_little_ahead, now, wall),
+            Ok((own, None))
+        );
+        let before = || Ok(Some(wall - Duration::from_secs(600)));
+        assert_eq!(
+            limit_start(true, own, before, now, wall),
+            Ok((now - Duration::from_secs(600), None))
+        );
     }
 
     #[test]

@@ -47,8 +47,10 @@ impl<T: Task> Trainer<T> {
     /// As [`Trainer::new`], with the rank's place given instead of read.
     pub fn with_env(task: T, mut settings: Settings, env: &EnvConfig) -> Result<Self, TrainError> {
         // The time limit counts from the job's start, as a scheduler's limit does: the
-        // launcher's (a restarted rank's job began before it) or the process's.
-        let started = crate::stop::limit_started().map_err(TrainError::Invalid)?;
+        // launcher's (a restarted rank's job began before it) or the process's. Without a
+        // limit, the launcher's start is not read.
+        let limited = settings.runtime.time_limit_secs.is_some();
+        let started = crate::stop::limit_started(limited).map_err(TrainError::Invalid)?;
         // A rank started through a wrapper script dies with its launcher all the same.
         ddp_run::die_with_launcher().map_err(|e| TrainError::Invalid(e.to_string()))?;
         settings.validate()?;
