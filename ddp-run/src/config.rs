@@ -4,7 +4,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::env::{DDP_SECRET, OMP_NUM_THREADS, TORCH_NCCL_ASYNC_ERROR_HANDLING};
+use crate::env::{DDP_RUN_ID, DDP_SECRET, OMP_NUM_THREADS, TORCH_NCCL_ASYNC_ERROR_HANDLING};
 use crate::LaunchError;
 
 /// The longest [`LaunchConfig::shutdown_timeout`] and [`LaunchConfig::monitor_interval`]
@@ -171,23 +171,38 @@ impl LaunchConfig {
     /// The `DDP_SECRET` given for the job: the last one in [`env`](Self::env), else the
     /// launcher's own.
     pub(crate) fn given_secret(&self) -> Option<OsString> {
+        self.given(DDP_SECRET)
+    }
+
+    /// The variable `name` the ranks get: the last one in [`env`](Self::env), else the
+    /// launcher's own.
+    fn given(&self, name: &str) -> Option<OsString> {
         self.env
             .iter()
             .rev()
-            .find(|(name, _)| name == DDP_SECRET)
+            .find(|(n, _)| n == name)
             .map(|(_, value)| value.clone())
-            .or_else(|| std::env::var_os(DDP_SECRET))
+            .or_else(|| std::env::var_os(name))
+    }
+
+    /// Whether the ranks take a run id of their own, `DDP_RUN_ID`, before the launcher's
+    /// (a blank one counts as none, as the ranks count it).
+    fn ranks_have_run_id(&self) -> bool {
+        self.given(DDP_RUN_ID)
+            .is_some_and(|v| !v.to_string_lossy().trim().is_empty())
     }
 
     /// What a launcher should tell its user before a job of several nodes without a given
     /// `DDP_SECRET` (the launcher of one node cannot draw a secret that the others share):
     /// the ranks then use the user's key file, which only works where all nodes read the
     /// same one, and whose key differs between jobs only by their run id, so a job without
-    /// one shares its key with every other such job. `None` when there is nothing to say.
+    /// one (no `--rdzv-id`, and no `DDP_RUN_ID` for the ranks) shares its key with every
+    /// other such job. `None` when there is nothing to say.
     pub fn secret_warning(&self) -> Option<String> {
         (self.nnodes > 1 && self.given_secret().is_none()).then(|| {
             let shared = match self.run_id {
                 Some(_) => "",
+                None if self.ranks_have_run_id() => "",
                 None => {
                     "; and without a run id (--rdzv-id) the ranks use torchrun's default \
                      `none`, as every job without one does, so all these jobs share one key \
@@ -246,7 +261,7 @@ mod tests {
         let one = LaunchConfig::new("prog", 2);
         assert_eq!(one.secret_warning(), None);
         let mut two = LaunchConfig { nnodes: 2, ..one };
-        if std::env::var_os(DDP_SECRET).is_none() {
+        if std::env::var_os(DDP_SECRET).is_none() && std::env::var_os(DDP_RUN_ID).is_none() {
             let warning = two.secret_warning().unwrap();
             assert!(
                 warning.starts_with(
@@ -269,6 +284,12 @@ mod tests {
                 ..two.clone()
             };
             assert_eq!(Some(plain.to_string()), named.secret_warning());
+            // The ranks take DDP_RUN_ID before the launcher's run id; a blank one is none.
+            let mut own_id = two.clone();
+            own_id.env.push((DDP_RUN_ID.into(), "job8".into()));
+            assert_eq!(Some(plain.to_string()), own_id.secret_warning());
+            own_id.env.push((DDP_RUN_ID.into(), " ".into()));
+            assert_eq!(Some(warning), own_id.secret_warning());
         }
         two.env
             .push((DDP_SECRET.into(), "00112233445566778899aabbccddeeff".into()));

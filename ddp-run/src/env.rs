@@ -51,6 +51,10 @@ pub use crate::lifeline::{DDP_LAUNCHER_LIFELINE, DDP_LAUNCHER_PID, DDP_LAUNCHER_
 /// rank 0's, since each node's launcher restarts its ranks on its own.
 pub const DDP_LAUNCHER_ATTEMPT: &str = "DDP_LAUNCHER_ATTEMPT";
 pub use crate::secret::DDP_SECRET;
+/// The ranks' own run id (ddp-comm's), which they take before [`TORCHELASTIC_RUN_ID`]:
+/// ddp-run writes none, but passes on one that is set, and reads it to know which the ranks
+/// will use.
+pub const DDP_RUN_ID: &str = "DDP_RUN_ID";
 
 /// The port torchrun uses when several nodes meet and none is given.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
