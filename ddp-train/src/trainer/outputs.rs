@@ -5,7 +5,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use ddp_model::checkpoint;
 
@@ -238,32 +238,122 @@ pub(super) fn write_file(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
         .map_err(|e| TrainError::io(format!("cannot write {}", path.display()), e))
 }
 
-/// Opens `path` with `options` where it must be a regular file (a rank's log, the run
-/// directory's lock): a symbolic link in its place is refused (`O_NOFOLLOW`), and so is a
-/// FIFO or a device (`O_NONBLOCK` keeps the open from waiting on a FIFO), so a run folder
+/// Opens `path` with `options` where it must be a regular file (the run directory's lock,
+/// emptied for its holder's line): a symbolic link in its place is refused (`O_NOFOLLOW`),
+/// and so is a FIFO or a device (`O_NONBLOCK` keeps the open from waiting on a FIFO; it is
+/// cleared once the file is known, so that reads and writes wait as usual), so a run folder
 /// that others can write to cannot redirect the trainer's writes into another file. The
 /// refusal names what is there and says to remove it.
 pub(super) fn open_regular(path: &Path, options: &mut OpenOptions) -> std::io::Result<File> {
-    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    open_checked(path, options, false)
+}
+
+/// Opens a rank's log at `path` to append to it. As [`open_regular`], except that a symbolic
+/// link, FIFO or device that this process's user owns is the user's choice, and taken: a link
+/// is followed as it reads, to whatever it leads to but a folder (`rank-0.log -> /dev/null`
+/// to keep no log, or a file elsewhere); a FIFO is a collector's, which must be reading
+/// already (opening one without a reader fails). Another user's link, FIFO or device is
+/// refused as at the lock: the log is only appended to, but a link planted in a folder that
+/// others can write to would still append the trainer's lines where the planter chose.
+pub(super) fn open_log(path: &Path) -> std::io::Result<File> {
+    open_checked(path, OpenOptions::new().create(true).append(true), true)
+}
+
+/// [`open_regular`]; with `users_own`, [`open_log`]'s exceptions.
+fn open_checked(path: &Path, options: &mut OpenOptions, users_own: bool) -> std::io::Result<File> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
     let refuse = |what: &str| {
         let e = format!("it is {what}, not a regular file: remove it");
         std::io::Error::new(std::io::ErrorKind::InvalidInput, e)
     };
-    let flags = libc::O_NOFOLLOW | libc::O_NONBLOCK;
-    let file = match options.custom_flags(flags).open(path) {
+    let (file, followed) = match options
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
         // O_NOFOLLOW's answer where the path's last component is a link.
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(refuse("a symbolic link")),
-        opened => opened?,
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            if !users_own {
+                return Err(refuse("a symbolic link"));
+            }
+            let target = own_link_target(path)?.map_err(|owner| {
+                refuse(&format!("a symbolic link of another user (uid {owner})"))
+            })?;
+            (options.custom_flags(libc::O_NONBLOCK).open(target)?, true)
+        }
+        opened => (opened?, false),
     };
-    let kind = file.metadata()?.file_type();
-    if kind.is_file() {
-        Ok(file)
-    } else if kind.is_dir() {
-        Err(refuse("a folder"))
-    } else if kind.is_fifo() {
-        Err(refuse("a FIFO"))
+    let meta = file.metadata()?;
+    let kind = meta.file_type();
+    let taken = kind.is_file() || (users_own && (followed || meta.uid() == effective_uid()));
+    if kind.is_dir() {
+        return Err(refuse("a folder"));
+    } else if !taken && kind.is_fifo() {
+        return Err(refuse("a FIFO"));
+    } else if !taken {
+        return Err(refuse("a device or a socket"));
+    }
+    clear_nonblocking(&file)?;
+    Ok(file)
+}
+
+/// Where the symbolic link at `path` leads (relative to its folder), read from the link
+/// itself as opened (`O_PATH`), so that no other link can take its place between the check
+/// of its owner and the read; `Err` with the owner's uid when that is not this process's
+/// user.
+fn own_link_target(path: &Path) -> std::io::Result<Result<PathBuf, u32>> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStringExt;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let link = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW)
+        .open(path)?;
+    let meta = link.metadata()?;
+    if !meta.file_type().is_symlink() {
+        return Err(std::io::Error::other(
+            "it was replaced while being opened: try again",
+        ));
+    }
+    if meta.uid() != effective_uid() {
+        return Ok(Err(meta.uid()));
+    }
+    let mut target = vec![0u8; libc::PATH_MAX as usize];
+    // SAFETY: readlinkat(2) writes at most `target.len()` bytes into `target`, which lives
+    // across the call; the empty path names the link opened as `link` (Linux 2.6.39 on).
+    let n = unsafe {
+        libc::readlinkat(
+            link.as_raw_fd(),
+            c"".as_ptr(),
+            target.as_mut_ptr().cast(),
+            target.len(),
+        )
+    };
+    let n = usize::try_from(n).map_err(|_| std::io::Error::last_os_error())?;
+    target.truncate(n);
+    let folder = path.parent().unwrap_or(Path::new("."));
+    Ok(Ok(folder.join(std::ffi::OsString::from_vec(target))))
+}
+
+/// This process's effective user id, the owner of what it creates.
+fn effective_uid() -> u32 {
+    // SAFETY: geteuid(2) has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Clears `O_NONBLOCK`, which [`open_checked`] opens with, from `file`'s status flags.
+fn clear_nonblocking(file: &File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl(2) with F_GETFL and F_SETFL on a descriptor `file` owns for the call;
+    // no memory is involved.
+    let set = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
+    };
+    if set {
+        Ok(())
     } else {
-        Err(refuse("a device or a socket"))
+        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -280,7 +370,7 @@ pub(super) struct RankLog {
 impl RankLog {
     pub(super) fn open(out: &Path, rank: usize) -> Result<Self, TrainError> {
         let path = out.join("logs").join(format!("rank-{rank}.log"));
-        let file = open_regular(&path, OpenOptions::new().create(true).append(true))
+        let file = open_log(&path)
             .map_err(|e| TrainError::io(format!("cannot open {}", path.display()), e))?;
         Ok(Self {
             file: std::sync::Mutex::new(file),
@@ -332,9 +422,19 @@ mod tests {
         )
     }
 
-    /// A link planted at a rank's log is refused, naming the log, and its target is kept.
+    /// Whether `file`'s descriptor is non-blocking.
+    fn nonblocking(file: &File) -> bool {
+        use std::os::fd::AsRawFd;
+        // SAFETY: fcntl(2) F_GETFL on a descriptor `file` owns; no memory is involved.
+        let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+        assert!(flags >= 0);
+        flags & libc::O_NONBLOCK != 0
+    }
+
+    /// A link planted at a rank's log by another user is refused, naming the log, and its
+    /// target is kept; the user's own link is followed (to a file, or `/dev/null`).
     #[test]
-    fn a_rank_log_that_is_a_link_is_refused_and_its_target_kept() {
+    fn a_rank_log_that_is_another_users_link_is_refused_and_its_target_kept() {
         let dir = ddp_testkit::temp_dir("rank-log-link");
         let (log, victim) = (
             dir.path().join("logs/rank-1.log"),
@@ -342,20 +442,89 @@ mod tests {
         );
         std::fs::create_dir(dir.path().join("logs")).unwrap();
         std::fs::write(&victim, "keep").unwrap();
-        std::os::unix::fs::symlink(&victim, &log).unwrap();
-        let err = RankLog::open(dir.path(), 1).unwrap_err();
-        assert_eq!(
-            crate::error::with_causes(&err),
-            format!(
-                "cannot open {}: it is a symbolic link, not a regular file: remove it",
-                log.display()
-            )
-        );
-        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        std::os::unix::fs::symlink("../victim", &log).unwrap();
+        // Only root can give a link away; elsewhere this half is not checkable.
+        if effective_uid() == 0 {
+            std::os::unix::fs::lchown(&log, Some(65534), None).unwrap();
+            let err = RankLog::open(dir.path(), 1).unwrap_err();
+            assert_eq!(
+                crate::error::with_causes(&err),
+                format!(
+                    "cannot open {}: it is a symbolic link of another user (uid 65534), not a \
+                     regular file: remove it",
+                    log.display()
+                )
+            );
+            assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+            std::os::unix::fs::lchown(&log, Some(0), None).unwrap();
+        } else {
+            eprintln!("not root: another user's link at a rank log is not checked");
+        }
+        // The user's own link, relative to the log's folder, leads to where the lines go.
+        let opened = RankLog::open(dir.path(), 1).unwrap();
+        assert!(!nonblocking(&opened.file.lock().unwrap()));
+        opened.append("line");
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keepline\n");
+        std::fs::remove_file(&log).unwrap();
+        std::os::unix::fs::symlink("/dev/null", &log).unwrap();
+        RankLog::open(dir.path(), 1).unwrap().append("gone");
         std::fs::remove_file(&log).unwrap();
         let opened = RankLog::open(dir.path(), 1).unwrap();
-        opened.file.lock().unwrap().write_all(b"line\n").unwrap();
+        opened.append("line");
         assert_eq!(std::fs::read_to_string(&log).unwrap(), "line\n");
+    }
+
+    /// A rank log may be the user's FIFO, whose reader gets the lines, never another user's;
+    /// the lock is a regular file only; either is left blocking once opened.
+    #[test]
+    fn a_rank_log_may_be_the_users_own_fifo() {
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = ddp_testkit::temp_dir("rank-log-fifo");
+        std::fs::create_dir(dir.path().join("logs")).unwrap();
+        let log = dir.path().join("logs/rank-0.log");
+        let fifo = std::ffi::CString::new(log.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo(3) reads a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        // The lock's rule takes no FIFO, the user's own neither.
+        let refused = open_regular(&log, OpenOptions::new().read(true).write(true));
+        assert_eq!(
+            refused.unwrap_err().to_string(),
+            "it is a FIFO, not a regular file: remove it"
+        );
+        // With no reader, the open fails rather than waits.
+        let err = RankLog::open(dir.path(), 0).unwrap_err();
+        assert!(
+            crate::error::with_causes(&err).contains("No such device or address"),
+            "{err}"
+        );
+        let reader = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&log)
+            .unwrap();
+        let opened = RankLog::open(dir.path(), 0).unwrap();
+        assert!(!nonblocking(&opened.file.lock().unwrap()));
+        opened.append("to the collector");
+        drop(opened);
+        let mut got = String::new();
+        std::io::Read::read_to_string(&mut &reader, &mut got).unwrap();
+        assert_eq!(got, "to the collector\n");
+        if effective_uid() == 0 {
+            std::os::unix::fs::chown(&log, Some(65534), None).unwrap();
+            let err = RankLog::open(dir.path(), 0).unwrap_err();
+            assert_eq!(
+                crate::error::with_causes(&err),
+                format!(
+                    "cannot open {}: it is a FIFO, not a regular file: remove it",
+                    log.display()
+                )
+            );
+        } else {
+            eprintln!("not root: another user's FIFO at a rank log is not checked");
+        }
+        let lock = dir.path().join(".lock");
+        let file = open_regular(&lock, OpenOptions::new().write(true).create(true));
+        assert!(!nonblocking(&file.unwrap()));
     }
 
     #[test]
