@@ -48,7 +48,8 @@
 //!
 //! With `--data`, one loader runs over this rank's shards of as many epochs as the steps
 //! need (one continuous stream, as in a long epoch), with `--workers` threads (default: the
-//! trainer's, cores / ranks; `cargo xtask bench` gives both sides 1). `benches/reference_ddp.py` does the same work with PyTorch's DDP (Gloo).
+//! trainer's, cores / ranks; `cargo xtask bench` gives both sides 1). `reference_ddp.py` does
+//! the same with PyTorch's DDP (Gloo): one `DataLoader` iterator over that chain of epochs.
 //!
 //! Output: per world size, one `RESULT ddp_steps key=value ...` line per rank (what
 //! `cargo xtask bench` reads; it ends with `precision=`, `model=`, `loss_scale=` and

@@ -6,9 +6,11 @@ resnet50, torchvision's ResNet-50 with 8 outputs, random tensors only) on the CP
 (torch.multiprocessing), `torch.set_num_threads(1)` per rank, Adam, BCEWithLogitsLoss,
 warm-up steps excluded. Random tensors (one fixed batch per rank), or with --data an ODIR
 folder (full_df.csv + preprocessed_images/) read through DistributedSampler + DataLoader with
-RandomResizedCrop(224, scale=(0.2, 1.0)) + ToTensor, epochs chained with set_epoch until the
-steps are done. --workers 0 (the default) is the seeds' loader (decoding in series with
-compute); --workers N is PyTorch's fast setting: N worker processes, pin_memory,
+RandomResizedCrop(224, scale=(0.2, 1.0)) + ToTensor. As ddp_steps.rs does, one DataLoader
+iterator runs over the epochs' orders (set_epoch 0, 1, ...) back to back, cut to the indices
+the steps take, so a batch can span an epoch boundary and the workers decode ahead across
+it (a DataLoader prefetches only within one iterator). --workers 0 (the default) is the
+seeds' loader (decoding in series with compute); --workers N is PyTorch's fast setting: N worker processes, pin_memory,
 persistent_workers, prefetch_factor=4, batches copied with non_blocking. --draft SIZE opens
 each JPEG with PIL's `draft("RGB", (SIZE, SIZE))` (reduced-scale DCT decoding).
 --precision bf16|fp16 runs forward and loss under `torch.autocast(device_type, dtype)`;
@@ -18,7 +20,10 @@ as the optimizer phase), as ddp_steps.rs does with ddp-train's Precision and Gra
 Prints per world size one line per rank:
 
     RESULT reference_ddp source=random world=2 rank=0 ... images_per_sec=14.1 ...
-        ... torch=2.13.0 precision=bf16 model=convnet loss_scale=1 skipped_steps=0
+        ... torch=2.13.0 precision=bf16 model=convnet loss_scale=1 skipped_steps=0 \
+        loader_iterators=0
+
+(loader_iterators: how many DataLoader iterators the run made; 1 with --data.)
 
 Usage: python reference_ddp.py [--ranks 1,2] [--data DIR] [--warmup 3] [--steps 12]
        [--device cpu|cuda] [--workers N] [--draft SIZE] [--precision fp32|bf16|fp16]
@@ -96,8 +101,42 @@ class OdirFolder(torch.utils.data.Dataset):
         return self.transform(img), torch.tensor(target, dtype=torch.float32)
 
 
-def batches(args, rank, world, device):
-    """Endless (images, labels) batches for this rank, on `device`."""
+class CountedLoader(torch.utils.data.DataLoader):
+    """A DataLoader that counts the iterators made over it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.iterators = 0
+
+    def __iter__(self):
+        self.iterators += 1
+        return super().__iter__()
+
+
+class ChainedEpochs(torch.utils.data.Sampler):
+    """`sampler`'s orders of epochs 0, 1, ... back to back, cut to `count` indices: the
+    stream ddp_steps.rs gives its one loader."""
+
+    def __init__(self, sampler, count):
+        self.sampler = sampler
+        self.count = count
+
+    def __len__(self):
+        return self.count
+
+    def __iter__(self):
+        left, epoch = self.count, 0
+        while left > 0:
+            self.sampler.set_epoch(epoch)
+            order = list(self.sampler)[:left]
+            yield from order
+            left -= len(order)
+            epoch += 1
+
+
+def batches(args, rank, world, device, loaders):
+    """(images, labels) batches for this rank, on `device`: endless for random tensors,
+    warm-up + timed steps' worth with --data. Appends the loader it makes to `loaders`."""
     if args.data is None:
         x = torch.rand(args.batch_size, 3, args.image_size, args.image_size, device=device)
         y = (torch.rand(args.batch_size, 8, device=device) < 0.5).float()
@@ -109,18 +148,18 @@ def batches(args, rank, world, device):
     dataset = OdirFolder(args.data, transform, args.draft)
     sampler = torch.utils.data.distributed.DistributedSampler(
         dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    if len(sampler) == 0:
+        raise ValueError(f"{args.data} holds no image for rank {rank}")
+    chained = ChainedEpochs(sampler, (args.warmup + args.steps) * args.batch_size)
     fast = {}
     if args.workers > 0:
         fast = dict(num_workers=args.workers, pin_memory=device.type == "cuda",
                     persistent_workers=True, prefetch_factor=4)
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True, **fast)
-    epoch = 0
-    while True:
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        epoch += 1
+    loader = CountedLoader(
+        dataset, batch_size=args.batch_size, sampler=chained, drop_last=True, **fast)
+    loaders.append(loader)
+    for x, y in loader:
+        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
 def worker(rank, world, port, args):
@@ -146,7 +185,8 @@ def worker(rank, world, port, args):
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=dtype)
 
-    data = batches(args, rank, world, device)
+    loaders = []
+    data = batches(args, rank, world, device, loaders)
     phases = {"data": [], "compute": [], "optim": [], "step": []}
     started = time.perf_counter()
     loss = float("nan")
@@ -200,7 +240,8 @@ def worker(rank, world, port, args):
         f"step_median_s={med['step']:.5f} data_median_s={med['data']:.5f} "
         f"compute_median_s={med['compute']:.5f} optim_median_s={med['optim']:.6f} "
         f"loss={loss:.5f} torch={torch.__version__} precision={args.precision} "
-        f"model={args.model} loss_scale={scale:g} skipped_steps={skipped}\n"
+        f"model={args.model} loss_scale={scale:g} skipped_steps={skipped} "
+        f"loader_iterators={sum(l.iterators for l in loaders)}\n"
     )
     # One write per line: ranks share stdout, and print() writes the text and the newline
     # separately, so two ranks' lines could interleave.

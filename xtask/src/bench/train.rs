@@ -5,7 +5,8 @@
 //! Like with like: both sides' processes keep freed memory ([`MALLOC_KEEP`], the ddp-train
 //! binary's setting; PyTorch with glibc's defaults is shown in the random tensors' notes),
 //! and with JPEGs both decode in [`LOADERS`] background loader per rank (a thread for ours,
-//! a `DataLoader` worker process for PyTorch's).
+//! a `DataLoader` worker process for PyTorch's), each over one stream of the epochs' orders
+//! back to back, so both decode ahead across an epoch's end.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,7 +19,8 @@ use super::runner::{say, train_data, Ctx, MALLOC_KEEP};
 use super::targets;
 
 /// Images of each synthetic ODIR folder the training benchmark reads: 32 is one step of
-/// batch 16 on each of 2 ranks.
+/// batch 16 on each of 2 ranks. Both sides chain the epochs into one loader stream, so a
+/// folder smaller than the run's steps still keeps the loaders decoding ahead.
 const TRAIN_IMAGES: [(u32, usize); 2] = [(512, 64), (2048, 32)];
 
 /// Background loaders per rank on both sides with JPEGs (`--workers`): our loader's threads,
