@@ -456,15 +456,76 @@ pub(super) mod tests {
         assert_eq!(back.rows[2].meets_target(), Some(false));
     }
 
+    /// The full hash of the commit checked out at `root`.
+    fn head(root: &Path) -> String {
+        first_line(root, Command::new("git").args(["rev-parse", "HEAD"])).unwrap()
+    }
+
+    /// Whether `described`, what `git describe --always --dirty` said in `root` (a hash, a
+    /// tag, or `tag-N-g<hash>`, maybe with `-dirty`), names the commit `head`: git resolves
+    /// each of these back to its commit.
+    fn names(root: &Path, described: &str, head: &str) -> bool {
+        let name = described.strip_suffix("-dirty").unwrap_or(described);
+        let commit = first_line(
+            root,
+            Command::new("git")
+                .args(["rev-parse", "--verify", "--quiet"])
+                .arg(format!("{name}^{{commit}}")),
+        );
+        commit.as_deref() == Some(head)
+    }
+
     #[test]
     fn the_versions_are_read_in_the_checkout() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        if !root.join(".git").exists() {
+            eprintln!(
+                "skipped: {} is not a git checkout, so it has no commit to read",
+                root.display()
+            );
+            return;
+        }
         let v = Versions::of(&root, Command::new("false"));
-        let head = first_line(&root, Command::new("git").args(["rev-parse", "HEAD"])).unwrap();
-        assert_eq!(v.commit[..12], head[..12]);
+        assert!(names(&root, &v.commit, &head(&root)), "{}", v.commit);
         assert!(v.rustc.starts_with("rustc 1."), "{}", v.rustc);
         // A Python that cannot say its torch's version.
         assert_eq!(v.torch, "unknown");
+    }
+
+    #[test]
+    fn the_commit_of_a_tagged_checkout_is_the_tag_or_a_name_past_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let git = |args: &[&str]| {
+            let status = Command::new("git")
+                .current_dir(root)
+                .args([
+                    "-c",
+                    "user.name=bench",
+                    "-c",
+                    "user.email=bench@example.invalid",
+                ])
+                .args(["-c", "commit.gpgsign=false", "-c", "tag.gpgsign=false"])
+                .args(args)
+                .stdout(Stdio::null())
+                .status()
+                .unwrap();
+            assert!(status.success(), "git {args:?}");
+        };
+        git(&["init", "-q"]);
+        git(&["commit", "-q", "--allow-empty", "-m", "one"]);
+        git(&["tag", "-a", "v1", "-m", "v1"]);
+        let tagged = Versions::of(root, Command::new("false")).commit;
+        assert_eq!(tagged, "v1");
+        assert!(names(root, &tagged, &head(root)));
+        git(&["commit", "-q", "--allow-empty", "-m", "two"]);
+        let past = Versions::of(root, Command::new("false")).commit;
+        let hash = head(root);
+        assert_eq!(past, format!("v1-1-g{}", &hash[..12]));
+        assert!(names(root, &past, &hash));
+        assert!(names(root, &format!("{past}-dirty"), &hash));
+        // The tag names the commit before.
+        assert!(!names(root, &tagged, &hash));
     }
 
     #[test]
