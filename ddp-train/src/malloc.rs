@@ -5,9 +5,10 @@
 //! at 32 MB), so every step maps, faults in and zeroes hundreds of megabytes afresh: measured
 //! at 7.3 s of system time in 19 s of CPU for a one-rank run. Keeping freed memory in the
 //! heap instead (no mmap for large blocks, no trimming) made the same steps 1.4x-1.7x faster
-//! (`cargo xtask bench` runs both sides with these settings; its random-tensor training rows
-//! also show PyTorch with glibc's defaults). A training process reaches its peak
-//! memory in the first step and stays there, so keeping it costs nothing.
+//! (`cargo xtask bench` runs ours and PyTorch with these settings in its training
+//! comparisons, and also times PyTorch's random-tensor training with glibc's defaults). A
+//! training process reaches its peak memory in the first step and stays there, so keeping
+//! it costs nothing.
 
 /// Tells glibc to keep freed memory for reuse (`M_MMAP_MAX = 0`, and `M_TRIM_THRESHOLD = -1`,
 /// which mallopt(3) defines as "no trimming at all"), unless the user chose otherwise through `MALLOC_MMAP_MAX_` or
