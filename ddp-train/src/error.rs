@@ -54,6 +54,28 @@ pub enum TrainError {
         /// The run directory.
         run: std::path::PathBuf,
     },
+    /// [`Trainer::run`](crate::Trainer::run) called again on a Trainer whose run returned
+    /// [`TrainError::Stopped`]: it trains no further, and refuses on every rank before it
+    /// trains or writes anything, so that the stop's checkpoint stays the run's `latest`; a
+    /// new Trainer on the run directory continues from it.
+    #[error(
+        "this Trainer's run stopped by {reason} at epoch {epoch} step {step} and trains no \
+         further; start again with --out {} (a new Trainer) to continue from checkpoint {}",
+        run.display(),
+        checkpoint.display()
+    )]
+    RunAfterStop {
+        /// Why the run stopped.
+        reason: crate::stop::StopReason,
+        /// The epoch it stopped in.
+        epoch: u64,
+        /// That epoch's optimizer steps done.
+        step: usize,
+        /// The stop's checkpoint (its model file).
+        checkpoint: std::path::PathBuf,
+        /// The run directory.
+        run: std::path::PathBuf,
+    },
     /// [`Trainer::evaluate`](crate::Trainer::evaluate) stopped on request (a stop signal
     /// reached some rank) before the evaluation's end, on every rank: there is no training
     /// position to save, so nothing was; the process should exit with

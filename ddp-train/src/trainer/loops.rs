@@ -55,7 +55,10 @@ impl<T: Task> Trainer<T> {
     ///
     /// A second call continues after the epochs the first one finished: after the last, or
     /// after early stopping, it trains nothing and returns no reports. So does a run resumed
-    /// for no more epochs than it finished.
+    /// for no more epochs than it finished. After [`TrainError::Stopped`] the Trainer trains
+    /// no further: a second call returns [`TrainError::RunAfterStop`] on every rank, having
+    /// trained and written nothing (the stop's checkpoint stays the run's `latest`); a new
+    /// Trainer on the same run directory continues from the stop.
     ///
     /// A run resumed after the epoch at which early stopping ended it (a launcher's restart,
     /// a requeued job) trains no further and returns no reports, unless its patience is now
@@ -64,6 +67,31 @@ impl<T: Task> Trainer<T> {
     /// A validation split whose per-sample rows would gather past the process group's limit
     /// is refused before the first epoch ([`TrainError::RowsTooLarge`]).
     pub fn run(&mut self) -> Result<Vec<EpochReport>, TrainError> {
+        if let Some((reason, epoch, step, checkpoint)) = &self.stopped {
+            return Err(TrainError::RunAfterStop {
+                reason: *reason,
+                epoch: *epoch,
+                step: *step,
+                checkpoint: checkpoint.clone(),
+                run: self.out.clone(),
+            });
+        }
+        let ran = self.run_remaining_epochs();
+        if let Err(TrainError::Stopped {
+            reason,
+            epoch,
+            step,
+            checkpoint,
+            ..
+        }) = &ran
+        {
+            self.stopped = Some((*reason, *epoch, *step, checkpoint.clone()));
+        }
+        ran
+    }
+
+    /// [`Trainer::run`]'s epochs, from where the Trainer stands.
+    fn run_remaining_epochs(&mut self) -> Result<Vec<EpochReport>, TrainError> {
         if let Some(note) = self
             .ended_by_early_stopping()
             .or_else(|| self.past_the_last_epoch())

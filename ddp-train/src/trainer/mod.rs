@@ -117,6 +117,9 @@ pub struct Trainer<T: Task> {
     /// leaves it to a later `run`.
     signals: Option<crate::stop::SignalWatch>,
     last_checkpoint: Instant,
+    /// Why, where (epoch and its steps done) and with which checkpoint the run stopped, once
+    /// `run` returned `TrainError::Stopped`: a later `run` refuses.
+    stopped: Option<(crate::stop::StopReason, u64, usize, PathBuf)>,
     bests: BTreeMap<String, Best>,
     history: Vec<EpochReport>,
     log: RankLog,

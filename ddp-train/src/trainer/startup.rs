@@ -438,6 +438,7 @@ impl<T: Task> Trainer<T> {
             budget: Budget::new(started, s_time_limit, val_batches, checkpoint_bytes),
             signals,
             last_checkpoint: Instant::now(),
+            stopped: None,
             bests,
             history,
             log,

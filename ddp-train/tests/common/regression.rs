@@ -71,14 +71,16 @@ pub fn quiet_settings(out: &std::path::Path) -> Settings {
 
 /// The MLP (4 -> 16 -> relu -> 1) on `train`, evaluated on `val` (`None`: not evaluated).
 /// Its training loss is the mean squared error times `loss_scale`, plus infinity at the
-/// `inf_at`-th call (from 0); each trained batch takes `train_pause` longer, and each
-/// evaluated batch `eval_pause`. `description`
-/// is what `config.json` records of it (`Task::describe`).
+/// `inf_at`-th call (from 0); its `signal_at`-th call sends this process SIGUSR1 (a stop
+/// asked for while it trains); each trained batch takes `train_pause` longer, and each
+/// evaluated batch `eval_pause`. `description` is what `config.json` records of it
+/// (`Task::describe`).
 pub struct Regression {
     pub train: TensorDataset,
     pub val: Option<TensorDataset>,
     pub loss_scale: f64,
     pub inf_at: Option<usize>,
+    pub signal_at: Option<usize>,
     pub train_pause: Duration,
     pub eval_pause: Duration,
     pub description: serde_json::Value,
@@ -86,13 +88,14 @@ pub struct Regression {
 }
 
 impl Regression {
-    /// The plain task: loss scale 1, never infinite, no pauses.
+    /// The plain task: loss scale 1, never infinite, no signal, no pauses.
     pub fn new(train: TensorDataset, val: TensorDataset) -> Self {
         Regression {
             train,
             val: Some(val),
             loss_scale: 1.0,
             inf_at: None,
+            signal_at: None,
             train_pause: Duration::ZERO,
             eval_pause: Duration::ZERO,
             description: serde_json::Value::Null,
@@ -128,6 +131,10 @@ impl Task for Regression {
             .mse_loss(batch.targets(), Reduction::Mean)
             * self.loss_scale;
         let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        if self.signal_at == Some(call) {
+            // SAFETY: raise(3) takes a signal number and touches no memory of ours.
+            assert_eq!(unsafe { libc::raise(libc::SIGUSR1) }, 0);
+        }
         if self.inf_at == Some(call) {
             loss + f64::INFINITY
         } else {
