@@ -726,11 +726,12 @@ fn a_stopped_rank_fails_the_job_within_the_collective_timeout_naming_it() {
     );
 }
 
-/// The launcher flags of node `node` of two on this machine, meeting at `port`.
-fn node_flags(node: usize, port: u16) -> Vec<String> {
+/// The launcher flags of node `node` of two on this machine, with `cpus` ranks, meeting at
+/// `port`.
+fn node_flags(node: usize, port: u16, cpus: usize) -> Vec<String> {
     [
         "--cpus",
-        "2",
+        &cpus.to_string(),
         "--grace",
         "2",
         "--nnodes",
@@ -746,20 +747,34 @@ fn node_flags(node: usize, port: u16) -> Vec<String> {
     .to_vec()
 }
 
-/// Starts node `node` of two; its ranks see another host id than the other node's, so the
-/// two nodes talk TCP as on two machines. Without `DDP_SECRET` (the launchers of several
-/// nodes draw none), the ranks take the secret from the key file in the configuration folder
-/// beside `out`, which both nodes share, as machines with a shared home do.
+/// Starts node `node` of two, with 2 ranks; its ranks see another host id than the other
+/// node's, so the two nodes talk TCP as on two machines. Without `DDP_SECRET` (the launchers
+/// of several nodes draw none), the ranks take the secret from the key file in the
+/// configuration folder beside `out`, which both nodes share, as machines with a shared home
+/// do.
 fn start_node(node: usize, port: u16, data: &Path, out: &Path, extra: &[&str]) -> Child {
-    let flags = node_flags(node, port);
+    start_node_with(node, port, 2, (data, out), extra, &[])
+}
+
+/// As [`start_node`], with `cpus` ranks, and the variables `env` besides.
+fn start_node_with(
+    node: usize,
+    port: u16,
+    cpus: usize,
+    (data, out): (&Path, &Path),
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Child {
+    let flags = node_flags(node, port, cpus);
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let host = format!("test-node-{node}");
     let config = shared_config(out);
-    let env = [
+    let mut vars = vec![
         ("DDP_HOST_ID", host.as_str()),
         ("XDG_CONFIG_HOME", config.to_str().unwrap()),
     ];
-    launcher_with(&flags, data, out, extra, &env)
+    vars.extend_from_slice(env);
+    launcher_with(&flags, data, out, extra, &vars)
         .spawn()
         .unwrap()
 }
@@ -847,6 +862,77 @@ fn a_node_that_dies_takes_the_other_node_down() {
         took < Duration::from_secs(60),
         "node 0 took {took:?} to end"
     );
+}
+
+/// Two nodes of one rank each. Rank 1 dies while rank 0 writes epoch 2's checkpoint; node
+/// 1 restarts it, and it reads `latest` (epoch 1) and waits for the others. Rank 0 then
+/// points `latest` at epoch 2, fails (its peer is gone), and node 0 restarts it: it reads
+/// epoch 2. Once met, the ranks find they differ; neither named a file, and the writer is
+/// gone, so both read `latest` again and the job goes on from epoch 2.
+#[test]
+fn a_rank_restarted_while_rank_0_writes_a_checkpoint_continues_from_it() {
+    let dir = temp_dir("xtask-nodes-restart-in-checkpoint");
+    let data = sample(dir.path());
+    let out = dir.path().join("run");
+    let port = ddp_testkit::free_port();
+    let args = ["--epochs", "3", "--threads", "1", "--max-restarts", "1"];
+    // Restarted rank 1 waits out rank 0's pause (a minute) at the rendezvous.
+    let env = [
+        ("DDP_TRAIN_PAUSE_IN_CHECKPOINT", "2"),
+        ("DDP_RDZV_TIMEOUT_S", "300"),
+    ];
+    let node0 = start_node_with(0, port, 1, (&data, &out), &args, &env);
+    let node1 = start_node_with(1, port, 1, (&data, &out), &args, &env);
+    let mut rank1 = Vec::new();
+    wait_for("node 1 started its rank", Duration::from_secs(60), || {
+        rank1 = procs::children_of(node1.id());
+        rank1.len() == 1
+    });
+    wait_for_text(
+        &out.join("logs/rank-0.out"),
+        "pausing inside the checkpoint of epoch 2",
+        Duration::from_secs(180),
+    );
+    kill(rank1[0], libc::SIGKILL);
+    let (out0, out1) = (
+        wait_bounded(node0, Duration::from_secs(400)),
+        wait_bounded(node1, Duration::from_secs(400)),
+    );
+    assert!(out0.status.success(), "{}", text(&out0));
+    assert!(out1.status.success(), "{}", text(&out1));
+    assert!(
+        text(&out0).contains("restart 1/1") && text(&out1).contains("restart 1/1"),
+        "{}\n{}",
+        text(&out0),
+        text(&out1)
+    );
+    let log1 = std::fs::read_to_string(out.join("logs/rank-1.out")).unwrap();
+    assert!(
+        log1.contains("rank 0 found epoch-0002.safetensors (epoch 2,")
+            && log1.contains(", rank 1 epoch-0001.safetensors (epoch 1,")
+            && log1.contains("every rank read `latest` again once all had"),
+        "{log1}"
+    );
+    assert!(
+        log1.contains("epoch-0002.safetensors (epoch 2 done), after the launcher's restart"),
+        "{log1}"
+    );
+    let ckpt = out.join("checkpoints");
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("latest")).unwrap(),
+        "epoch-0003\n"
+    );
+    // Each epoch trained once: epoch 3 after the two of the first attempt.
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let epochs: Vec<u64> = metrics
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["epoch"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(epochs, [1, 2, 3], "{metrics}");
 }
 
 /// Runs `xtask`, which is expected to refuse at once: its exit code, stdout and stderr.

@@ -21,8 +21,9 @@ use crate::task::Task;
 
 // One file per job. This one: the `Trainer` and its accessors (the public reports are the
 // crate's `report.rs`, below both the Trainer and the plots).
-// - `startup.rs`: `Trainer::new`: settings, data and samplers, the model, a restored
-//   checkpoint (also by itself after a launcher's restart), the process group, `config.json`;
+// - `startup.rs`: `Trainer::new`: settings, data and samplers, the process group,
+//   `config.json`; `restore.rs`: the model, its initial weights or a restored checkpoint
+//   (also by itself after a launcher's restart), the ranks' agreement on it;
 // - `run_dir.rs`: the run directory: whether a start continues its run, rank 0's lock, the
 //   rewind, the best models and stale temporaries;
 // - `loops.rs`: `Trainer::run`, the epoch loop, one epoch's training steps, the loaders;
@@ -44,6 +45,7 @@ mod loops;
 mod non_finite;
 mod outputs;
 mod progress;
+mod restore;
 mod run_dir;
 mod startup;
 
