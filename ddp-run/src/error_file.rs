@@ -6,7 +6,8 @@
 //! [`TORCHELASTIC_ERROR_FILE`](crate::env::TORCHELASTIC_ERROR_FILE), a rank writes its error
 //! there with the time the error arose ([`record_error`], what PyTorch's `@record` does), and
 //! once the failed attempt has stopped the launcher names the failed rank whose error came
-//! first; a rank without a file counts from its exit (torchrun's `ProcessFailure`).
+//! first ([`first_failure`]); a rank without a file counts from its exit (torchrun's
+//! `ProcessFailure`).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -66,9 +67,12 @@ fn parse(text: &str) -> Option<RecordedError> {
         _ => return None,
     };
     let number = |key: &str| time[key].as_str()?.trim().parse::<u128>().ok();
+    // Whole seconds (PyTorch's `@record`) read as the end of their second: the error may
+    // have come at any time in it, so it wins against an exit or a record within that
+    // second only when no other rank's failure could have come earlier.
     let since = match (number("timestamp_ns"), number("timestamp")) {
         (Some(ns), _) => Duration::from_nanos(u64::try_from(ns).ok()?),
-        (None, Some(s)) => Duration::from_secs(u64::try_from(s).ok()?),
+        (None, Some(s)) => Duration::new(u64::try_from(s).ok()?, 999_999_999),
         (None, None) => return None,
     };
     Some(RecordedError {
@@ -82,21 +86,39 @@ pub(crate) fn read(path: &Path) -> Option<RecordedError> {
     parse(&std::fs::read_to_string(path).ok()?)
 }
 
-/// Of failed ranks, each with when it exited and the error it recorded, the one whose
-/// failure came first: the earliest recorded error, or exit where it recorded none; in a tie,
-/// the first given. Returns its index among them.
-pub(crate) fn first_failure<'a>(
-    failed: impl IntoIterator<Item = (SystemTime, Option<&'a RecordedError>)>,
-) -> Option<usize> {
-    let at = |(exited, recorded): (SystemTime, Option<&RecordedError>)| {
-        recorded.map_or(exited, |r| r.at)
+/// A failed rank, as the launcher saw it end.
+pub(crate) struct Failed {
+    /// When it exited.
+    pub(crate) exited: SystemTime,
+    /// The error it recorded, if any.
+    pub(crate) recorded: Option<RecordedError>,
+    /// Whether a signal that the launcher did not send killed it: the OOM killer, a
+    /// segfault, an abort.
+    pub(crate) crashed: bool,
+}
+
+/// Of failed ranks, the one whose failure came first; its index among them. A rank that
+/// recorded no error tears down its links only as it exits, so its peers record theirs
+/// (a closed connection) before it is seen to fail: the first rank that crashed without a
+/// record is the cause; else the first to exit, where it recorded nothing; else the earliest
+/// recorded error (its peers may have failed for want of it before it exited), a rank without
+/// one counting from its exit. In a tie, the first to exit, then the first given.
+pub(crate) fn first_failure(failed: &[Failed]) -> Option<usize> {
+    let first = |key: &dyn Fn(&Failed) -> Option<SystemTime>| {
+        let keyed = failed.iter().enumerate();
+        let keyed = keyed.filter_map(|(i, f)| Some((key(f)?, f.exited, i)));
+        keyed.min().map(|(_, _, i)| i)
     };
-    let (index, _) = failed
-        .into_iter()
-        .map(at)
-        .enumerate()
-        .min_by_key(|&(_, time)| time)?;
-    Some(index)
+    let unrecorded = |f: &Failed| f.recorded.is_none();
+    if let Some(crash) = first(&|f| (f.crashed && unrecorded(f)).then_some(f.exited)) {
+        return Some(crash);
+    }
+    let exited = first(&|f| Some(f.exited))?;
+    if unrecorded(&failed[exited]) {
+        return Some(exited);
+    }
+    // An error arose before its rank exited (a whole second's end may lie after it).
+    first(&|f| Some(f.recorded.as_ref().map_or(f.exited, |r| r.at.min(f.exited))))
 }
 
 /// One attempt's error files: a folder only this user can enter (mode 0700) in the temporary
@@ -115,6 +137,15 @@ impl ErrorFolder {
         let dir = std::env::temp_dir().join(format!("ddp-run-{}-{hex}", std::process::id()));
         std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
         Ok(ErrorFolder { dir })
+    }
+
+    /// The warning that there is no folder for the error files, `error` said why.
+    pub(crate) fn unavailable(error: &std::io::Error) -> String {
+        format!(
+            "cannot create a folder for the ranks' error files in {} ({error}): the ranks get \
+             no TORCHELASTIC_ERROR_FILE, and a failure names the first rank to exit",
+            std::env::temp_dir().display()
+        )
     }
 
     /// Rank `rank`'s error file.
@@ -157,7 +188,8 @@ mod tests {
         let python = r#"{"message": {"message": "ValueError: bad", "extraInfo":
             {"py_callstack": "Traceback ...", "timestamp": "1700000001"}}}"#;
         let newer = r#"{"message": "RuntimeError: nccl", "timestamp": "1700000002"}"#;
-        let secs = |s| UNIX_EPOCH + Duration::from_secs(s);
+        // Read as the end of their second.
+        let secs = |s| UNIX_EPOCH + Duration::new(s, 999_999_999);
         assert_eq!(
             parse(python),
             Some(RecordedError {
@@ -176,35 +208,122 @@ mod tests {
         }
     }
 
-    /// The earliest error names the cause, though its rank exited last; a rank that recorded
-    /// nothing counts from its exit; in a tie, the first given.
-    #[test]
-    fn the_earliest_error_is_the_first_failure() {
-        let t = |ms: u64| UNIX_EPOCH + Duration::from_millis(1_700_000_000_000 + ms);
-        let error = |ms| RecordedError {
+    /// A failed rank that exited at `exited` ms, recorded `recorded` and crashed or not.
+    fn failed(exited: u64, recorded: Option<&RecordedError>, crashed: bool) -> Failed {
+        let recorded = recorded.cloned();
+        Failed {
+            exited: t(exited),
+            recorded,
+            crashed,
+        }
+    }
+
+    fn t(ms: u64) -> SystemTime {
+        UNIX_EPOCH + Duration::from_millis(1_700_000_000_000 + ms)
+    }
+
+    fn error(ms: u64) -> RecordedError {
+        RecordedError {
             message: String::new(),
             at: t(ms),
-        };
+        }
+    }
+
+    /// The earliest error names the cause, though its rank exited last, when the first rank
+    /// to exit recorded one; a rank that recorded nothing counts from its exit; in a tie, the
+    /// first to exit, then the first given.
+    #[test]
+    fn the_earliest_error_is_the_first_failure() {
         let (cause, victim) = (error(100), error(130));
         // Rank 1 (the victim) exited first, at 140; rank 0 (the cause) at 190.
-        let failed = [(t(140), Some(&victim)), (t(190), Some(&cause))];
-        assert_eq!(first_failure(failed), Some(1));
-        // A rank that recorded nothing counts from its exit: 120 is after the cause's 100, 90
-        // before it.
-        let failed = [
-            (t(140), Some(&victim)),
-            (t(120), None),
-            (t(190), Some(&cause)),
+        let failed_ = [
+            failed(140, Some(&victim), false),
+            failed(190, Some(&cause), false),
         ];
-        assert_eq!(first_failure(failed), Some(2));
-        let failed = [
-            (t(140), Some(&victim)),
-            (t(90), None),
-            (t(190), Some(&cause)),
+        assert_eq!(first_failure(&failed_), Some(1));
+        // Another that recorded nothing and exited after the first counts from its exit: 150
+        // is after the cause's 100.
+        let later = [
+            failed(140, Some(&victim), false),
+            failed(150, None, false),
+            failed(190, Some(&cause), false),
         ];
-        assert_eq!(first_failure(failed), Some(1));
-        assert_eq!(first_failure([(t(5), None), (t(5), None)]), Some(0));
-        assert_eq!(first_failure([]), None);
+        assert_eq!(first_failure(&later), Some(2));
+        // An error recorded after its rank's exit (a whole second's end) counts from the exit.
+        let (end_of_second, early) = (error(900), error(160));
+        let capped = [
+            failed(150, Some(&early), false),
+            failed(120, Some(&end_of_second), false),
+        ];
+        assert_eq!(first_failure(&capped), Some(1));
+        // Equal times: the first to exit, then the first given.
+        let same = error(100);
+        let tied = [
+            failed(150, Some(&same), false),
+            failed(140, Some(&same), false),
+        ];
+        assert_eq!(first_failure(&tied), Some(1));
+        assert_eq!(
+            first_failure(&[failed(5, None, false), failed(5, None, false)]),
+            Some(0)
+        );
+        assert_eq!(first_failure(&[]), None);
+    }
+
+    /// A rank that fails without recording (a panic without a hook, exit 101) is seen only
+    /// at its exit, after its peers recorded the closed connection: the first rank to exit
+    /// is the cause when it recorded nothing. A crash (a signal the launcher did not send)
+    /// without a record is the cause even when a rank that recorded exited before it.
+    #[test]
+    fn a_rank_that_failed_without_a_record_is_the_cause() {
+        let closed = error(110);
+        // Rank 0 panicked and exited at 300; rank 1 recorded at 110 and exited at 400.
+        let panicked = [failed(300, None, false), failed(400, Some(&closed), false)];
+        assert_eq!(first_failure(&panicked), Some(0));
+        // Rank 0 was killed by the OOM killer, seen at 300; rank 1 recorded at 110 and
+        // exited at 200, before it.
+        let killed = [failed(300, None, true), failed(200, Some(&closed), false)];
+        assert_eq!(first_failure(&killed), Some(0));
+        // A crash that recorded its error is timed by its record, as any.
+        let crash_record = error(150);
+        let recorded = [
+            failed(300, Some(&crash_record), true),
+            failed(200, Some(&closed), false),
+        ];
+        assert_eq!(first_failure(&recorded), Some(1));
+        // Of two crashes, the first to exit.
+        let crashes = [
+            failed(250, None, true),
+            failed(200, Some(&closed), false),
+            failed(240, None, true),
+        ];
+        assert_eq!(first_failure(&crashes), Some(2));
+    }
+
+    /// PyTorch's `@record` writes whole seconds: read as the end of the second, such a
+    /// record loses to an exit earlier in that second; two tie, and the first to exit wins.
+    #[test]
+    fn a_whole_second_record_is_read_as_the_end_of_its_second() {
+        let python = |s: u64| {
+            let text = format!(
+                r#"{{"message": {{"message": "RuntimeError: x", "extraInfo":
+                    {{"py_callstack": "", "timestamp": "{s}"}}}}}}"#
+            );
+            parse(&text).unwrap()
+        };
+        let (a, b) = (python(1_700_000_000), python(1_700_000_000));
+        assert_eq!(a.at, t(999) + Duration::from_nanos(999_999));
+        // A Rust rank's error at .500 (nanoseconds) beats a Python one's of the same second,
+        // though that one may have come at .900; both ranks exited later.
+        let rust = error(500);
+        let mixed = [
+            failed(1950, Some(&a), false),
+            failed(1990, Some(&rust), false),
+        ];
+        assert_eq!(first_failure(&mixed), Some(1));
+        // Two whole-second records of one second tie: the first to exit.
+        let both = [failed(1990, Some(&a), false), failed(1950, Some(&b), false)];
+        assert_eq!(first_failure(&both), Some(1));
     }
 
     #[test]

@@ -15,7 +15,7 @@
 //! - [`LaunchConfig`] is what torchrun's command line says: program, ranks per node, nodes,
 //!   master address and port, restarts, log folder.
 //! - [`launch`] runs the job and returns its [`Outcome`]; the [`Event`]s it reports
-//!   (attempt starting, rank failed, restarting) are for the caller to show.
+//!   (attempt starting, rank failed, restarting, a warning) are for the caller to show.
 //! - [`RankEnv`] and the names in [`mod@env`] are the torchrun environment, for anything else
 //!   that starts ranks by hand (tests, benchmarks); [`JobSecret`] is the job's secret, drawn
 //!   by [`launch`] once per job and given to the ranks only in `DDP_SECRET`.

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::env::DEFAULT_MASTER_PORT;
 use crate::error::{LOG_DIR_FLAG, MASTER_PORT_FLAG};
-use crate::error_file::{ErrorFolder, RecordedError};
+use crate::error_file::{ErrorFolder, Failed, RecordedError};
 use crate::lifeline::Lifeline;
 use crate::rank_env::RankEnv;
 use crate::signals::{SignalWatch, FORWARDED};
@@ -85,6 +85,10 @@ pub fn launch(
             })?,
             (None, _) => DEFAULT_MASTER_PORT,
         };
+        // Without a folder for the error files, the first rank to exit is named.
+        let errors = ErrorFolder::create()
+            .inspect_err(|e| on_event(&Event::Warning(&ErrorFolder::unavailable(e))))
+            .ok();
         on_event(&Event::Starting {
             attempt: restarts,
             ranks: config.ranks(),
@@ -101,6 +105,7 @@ pub fn launch(
             secret: secret.as_ref(),
             omp: omp.as_deref(),
             job_started,
+            errors: errors.as_ref(),
         };
         match attempt.run(&watch)? {
             End::Succeeded => return Ok(Outcome::Succeeded { restarts }),
@@ -160,6 +165,8 @@ struct Attempt<'a> {
     omp: Option<&'a str>,
     /// When [`launch`] was called, before the first attempt.
     job_started: std::time::SystemTime,
+    /// The ranks' error files, if there is a folder for them.
+    errors: Option<&'a ErrorFolder>,
 }
 
 /// When a rank exited and how, as its waiter thread saw it.
@@ -235,22 +242,41 @@ impl Rank {
         crate::error_file::read(self.error_file.as_deref()?)
     }
 
-    /// When the rank, which has ended, exited, as wall-clock time.
-    fn exit_time(&mut self) -> SystemTime {
-        let noted = self.exited.lock().ok().and_then(|mut e| e.take());
-        let at = self.exited_at.or(noted.map(|(at, _)| at));
+    /// When the rank, which has ended, exited, as its waiter thread saw it.
+    fn exit_instant(&mut self) -> Option<Instant> {
+        if self.exited_at.is_none() {
+            let noted = self.exited.lock().ok().and_then(|mut e| e.take());
+            self.exited_at = noted.map(|(at, _)| at);
+        }
+        self.exited_at
+    }
+
+    /// How the rank, which has ended after the launcher signalled the ranks at `signalled`
+    /// (SIGKILL to `killed`), failed: when it exited, as wall-clock time, what it recorded,
+    /// and whether a signal the launcher did not send killed it.
+    fn failed(&mut self, signalled: Instant, killed: &[usize]) -> Failed {
+        let at = self.exit_instant();
         let ago = at.map_or(Duration::ZERO, |at| at.elapsed());
-        SystemTime::now().checked_sub(ago).unwrap_or(UNIX_EPOCH)
+        let crashed = match self.exit {
+            Some(Exit::Signal(signal)) => {
+                at.is_some_and(|at| at < signalled)
+                    || (signal == libc::SIGKILL && !killed.contains(&self.rank))
+            }
+            _ => false,
+        };
+        Failed {
+            exited: SystemTime::now().checked_sub(ago).unwrap_or(UNIX_EPOCH),
+            recorded: self.recorded(),
+            crashed,
+        }
     }
 }
 
 impl Attempt<'_> {
     fn run(&self, watch: &SignalWatch) -> Result<End, LaunchError> {
-        // Without a folder for the error files, the first rank to exit is named.
-        let errors = ErrorFolder::create().ok();
         let mut ranks: Vec<Rank> = Vec::with_capacity(self.config.nproc_per_node);
         for (local_rank, rank) in self.config.ranks().enumerate() {
-            let error_file = errors.as_ref().map(|e| e.path(rank));
+            let error_file = self.errors.map(|e| e.path(rank));
             match self.spawn(rank, local_rank, error_file) {
                 Ok(r) => ranks.push(r),
                 Err(e) => {
@@ -324,11 +350,12 @@ impl Attempt<'_> {
                 }
             }
             // The first rank to exit ends the attempt, however many exits one check finds; in
-            // a tie, one killed by a signal, then the lowest. The cause is the earliest error.
+            // a tie, one killed by a signal, then the lowest. The cause is `first_failed`'s.
             failed.sort();
             if let Some(&(_, _, k)) = failed.first() {
+                let signalled = Instant::now();
                 let stopped = stop(ranks, libc::SIGTERM, self.config.shutdown_timeout);
-                let k = first_failed(ranks, k);
+                let k = first_failed(ranks, k, signalled, &stopped.killed);
                 return Ok(End::Failed(ranks[k].failure(), stopped));
             }
             if ranks.iter().all(|r| r.exit.is_some()) {
@@ -400,9 +427,11 @@ impl Attempt<'_> {
             crate::env::DDP_LAUNCHER_ATTEMPT,
             env.restart_count.to_string(),
         );
-        if let Some(path) = &error_file {
-            cmd.env(crate::env::TORCHELASTIC_ERROR_FILE, path);
-        }
+        // Without a file of its own, a rank must not write to the launcher's.
+        match &error_file {
+            Some(path) => cmd.env(crate::env::TORCHELASTIC_ERROR_FILE, path),
+            None => cmd.env_remove(crate::env::TORCHELASTIC_ERROR_FILE),
+        };
         // SAFETY: between fork and exec the closure calls only async-signal-safe functions
         // (setsid, prctl, getppid, _exit, fcntl) and allocates nothing.
         unsafe {
@@ -556,22 +585,18 @@ fn open_log(path: &Path) -> std::io::Result<File> {
         .open(path)
 }
 
-/// Of the ranks of an attempt now stopped, the one whose failure came first: the earliest
-/// error recorded, or exit where none was ([`crate::error_file`]); `detected`, the first
-/// seen to exit, in a tie.
-fn first_failed(ranks: &mut [Rank], detected: usize) -> usize {
+/// Of the ranks of an attempt now stopped, which the launcher signalled at `at` (SIGKILL to
+/// `killed`), the one whose failure came first
+/// ([`crate::error_file::first_failure`]); `detected`, the first seen to exit, in a tie.
+fn first_failed(ranks: &mut [Rank], detected: usize, at: Instant, killed: &[usize]) -> usize {
     let failed = |r: &Rank| {
         r.exit
             .is_some_and(|e| !e.success() && e != Exit::Code(i32::from(EXIT_STOPPED)))
     };
     let mut order: Vec<usize> = (0..ranks.len()).filter(|&k| failed(&ranks[k])).collect();
     order.sort_by_key(|&k| k != detected);
-    let times: Vec<_> = order.iter().map(|&k| ranks[k].exit_time()).collect();
-    let recorded: Vec<_> = order.iter().map(|&k| ranks[k].recorded()).collect();
-    let first = crate::error_file::first_failure(
-        times.into_iter().zip(recorded.iter().map(Option::as_ref)),
-    );
-    first.map_or(detected, |i| order[i])
+    let failed: Vec<_> = order.iter().map(|&k| ranks[k].failed(at, killed)).collect();
+    crate::error_file::first_failure(&failed).map_or(detected, |i| order[i])
 }
 
 /// What [`stop`] killed: ranks whose own process still ran, and ranks whose process had

@@ -10,6 +10,7 @@ enum Seen {
     Starting { attempt: u32, world_size: usize },
     Failed(RankFailure),
     Restarting { restart: u32, max_restarts: u32 },
+    Warning(String),
 }
 
 fn record(seen: &mut Vec<Seen>) -> impl FnMut(&Event<'_>) + '_ {
@@ -31,6 +32,7 @@ fn record(seen: &mut Vec<Seen>) -> impl FnMut(&Event<'_>) + '_ {
                 restart: *restart,
                 max_restarts: *max_restarts,
             },
+            Event::Warning(warning) => Seen::Warning(warning.to_string()),
         })
     }
 }
@@ -291,24 +293,32 @@ fn a_log_dir_that_is_a_file_is_refused_naming_it() {
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a folder\n");
 }
 
+/// A shell function that records `$1` in the rank's error file as `ddp_run::record_error`
+/// writes it (torchrun's shape, with nanoseconds).
+const RECORD: &str = r#"record() {
+      printf '{"message": {"message": "%s", "extraInfo": {"timestamp": "%s", "timestamp_ns": "%s"}}}' \
+        "$1" "$(date +%s)" "$(date +%s%N)" > "$TORCHELASTIC_ERROR_FILE"
+    }"#;
+
 /// The rank whose error came first is the outcome, though another exits before it: rank 0
-/// records its error (as `ddp_run::record_error` writes it) and takes its time to end (the
-/// launcher's SIGTERM ends it before it prints), while rank 1, failing for want of it, exits
-/// at once. The error files are removed afterwards.
+/// records its error and takes its time to end (the launcher's SIGTERM ends it before it
+/// prints), while rank 1, failing for want of it, records its own and exits at once. The error
+/// files are removed afterwards.
 #[test]
 fn the_earliest_recorded_error_names_the_rank() {
     let dir = ddp_testkit::temp_dir("ddp-run-api-first");
     let (recorded, files) = (dir.path().join("recorded"), dir.path().join("files"));
     let script = format!(
-        r#"echo "$TORCHELASTIC_ERROR_FILE" >> {files}
+        r#"{RECORD}
+           echo "$TORCHELASTIC_ERROR_FILE" >> {files}
            if [ "$RANK" = 0 ]; then
-             printf '{{"message": {{"message": "disk full", "extraInfo": {{"timestamp": "%s", "timestamp_ns": "%s"}}}}}}' \
-               "$(date +%s)" "$(date +%s%N)" > "$TORCHELASTIC_ERROR_FILE"
+             record "disk full"
              touch {recorded}
              sleep 30
              exit 2
            fi
            while [ ! -e {recorded} ]; do sleep 0.02; done
+           record "peer rank 0 closed the connection"
            echo "error: peer rank 0 closed the connection"
            exit 1"#,
         files = files.display(),
@@ -337,4 +347,76 @@ fn the_earliest_recorded_error_names_the_rank() {
         assert!(file.ends_with("rank-0.error.json") || file.ends_with("rank-1.error.json"));
         assert!(!folder.exists(), "{} is left behind", folder.display());
     }
+}
+
+/// The failure named when rank 0 runs `rank0` and rank 1 `rank1` (`sh` scripts with
+/// [`RECORD`]'s `record`, and `$MARK`, a file of the test's own), with the attempt's
+/// monitor interval and shutdown timeout.
+fn failure_of(rank0: &str, rank1: &str) -> RankFailure {
+    let dir = ddp_testkit::temp_dir("ddp-run-api-crash");
+    let script = format!(
+        r#"{RECORD}
+           MARK={mark}
+           if [ "$RANK" = 0 ]; then {rank0}; fi
+           {rank1}"#,
+        mark = dir.path().join("mark").display(),
+    );
+    let config = quiet("sh", 2, &["-c", &script]);
+    match launch(&config, |_| {}).unwrap() {
+        Outcome::Failed { failure, .. } => failure,
+        other => panic!("the job did not fail: {other:?}"),
+    }
+}
+
+/// A rank that fails without recording its error (a panic without a hook, exit 101) closes
+/// its links as it exits: rank 1 records the closed connection before rank 0 is seen to
+/// exit, yet rank 0, the first to exit, is named (the launcher's SIGTERM ends rank 1).
+#[test]
+fn the_first_rank_to_exit_without_a_record_is_named() {
+    let failure = failure_of(
+        r#"while [ ! -e $MARK ]; do sleep 0.01; done
+           echo "thread 'main' panicked at src/main.rs:9:5: CUDA out of memory"
+           exit 101"#,
+        r#"record "peer rank 0 closed the connection"
+           touch $MARK
+           exec sleep 30"#,
+    );
+    assert_eq!(
+        failure,
+        RankFailure {
+            rank: 0,
+            exit: Exit::Code(101),
+            tail: vec!["thread 'main' panicked at src/main.rs:9:5: CUDA out of memory".into()],
+            log: None,
+            error: None,
+        }
+    );
+}
+
+/// A rank killed by a signal the launcher did not send (the OOM killer's SIGKILL) recorded
+/// nothing and its teardown may take longer than its peer's: rank 1 records the closed
+/// connection and exits first, rank 0 (which ignores the launcher's SIGTERM, as a rank
+/// busy freeing its memory would not act on it) is killed after it; rank 0 is named.
+#[test]
+fn a_rank_killed_by_a_signal_not_the_launchers_is_named() {
+    let failure = failure_of(
+        r#"trap '' TERM
+           echo "allocating"
+           while [ ! -e $MARK ]; do sleep 0.01; done
+           sleep 0.2
+           kill -KILL $$"#,
+        r#"record "peer rank 0 closed the connection"
+           touch $MARK
+           exit 1"#,
+    );
+    assert_eq!(
+        failure,
+        RankFailure {
+            rank: 0,
+            exit: Exit::Signal(libc::SIGKILL),
+            tail: vec!["allocating".into()],
+            log: None,
+            error: None,
+        }
+    );
 }

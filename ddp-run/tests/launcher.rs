@@ -2,6 +2,7 @@
 //! in seconds and needs no libtorch.
 
 use std::collections::BTreeMap;
+use std::ffi::OsStr;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -48,7 +49,14 @@ fn two_ranks_command(logs: &Path, args: &[&str]) -> Command {
 
 /// `ddp-run --nproc-per-node 2 --log-dir LOGS ARGS`, run to its end.
 fn two_ranks(logs: &Path, args: &[&str]) -> Output {
-    wait_bounded(two_ranks_command(logs, args).spawn().unwrap(), LIMIT)
+    two_ranks_with(logs, &[], args)
+}
+
+/// [`two_ranks`], with the variables `env` set for the launcher.
+fn two_ranks_with(logs: &Path, env: &[(&str, &OsStr)], args: &[&str]) -> Output {
+    let mut cmd = two_ranks_command(logs, args);
+    cmd.envs(env.iter().copied());
+    wait_bounded(cmd.spawn().unwrap(), LIMIT)
 }
 
 fn stderr(o: &Output) -> String {
@@ -116,24 +124,43 @@ fn every_rank_gets_torchruns_environment() {
 fn a_set_omp_num_threads_is_passed_on() {
     let dir = temp_dir("ddp-run-omp");
     let logs = dir.path().join("logs");
-    let out = wait_bounded(
-        ddp_run(&[
-            "--nproc-per-node",
-            "2",
-            "--log-dir",
-            logs.to_str().unwrap(),
-            "env",
-        ])
-        .env("OMP_NUM_THREADS", "3")
-        .spawn()
-        .unwrap(),
-        LIMIT,
-    );
+    let out = two_ranks_with(&logs, &[("OMP_NUM_THREADS", OsStr::new("3"))], &["env"]);
     assert!(out.status.success(), "{}", text(&out));
     for r in 0..2 {
         let env = env_in_log(&logs.join(format!("rank-{r}.out")));
         assert_eq!(env["OMP_NUM_THREADS"], "3");
     }
+}
+
+/// Without a folder for the error files (the temporary folder does not exist), the launcher
+/// says so and gives the ranks no `TORCHELASTIC_ERROR_FILE`, not its own, in which they would
+/// overwrite one another's errors (and its own launcher's).
+#[test]
+fn without_a_folder_for_error_files_the_ranks_get_none() {
+    let dir = temp_dir("ddp-run-no-error-folder");
+    let (logs, outer) = (dir.path().join("logs"), dir.path().join("outer.json"));
+    let script = r#"echo "file=${TORCHELASTIC_ERROR_FILE-none}"
+                    if [ -n "$TORCHELASTIC_ERROR_FILE" ]; then echo "$RANK" > "$TORCHELASTIC_ERROR_FILE"; fi"#;
+    let env = [
+        ("TMPDIR", OsStr::new("/nonexistent")),
+        ("TORCHELASTIC_ERROR_FILE", outer.as_os_str()),
+    ];
+    let out = two_ranks_with(&logs, &env, &["sh", "-c", script]);
+    assert!(out.status.success(), "{}", text(&out));
+    for r in 0..2 {
+        let env = env_in_log(&logs.join(format!("rank-{r}.out")));
+        assert_eq!(env["file"], "none", "rank {r}");
+    }
+    assert!(!outer.exists(), "a rank wrote the launcher's error file");
+    let err = stderr(&out);
+    assert!(
+        err.contains(
+            "ddp-run: cannot create a folder for the ranks' error files in /nonexistent (No \
+             such file or directory (os error 2)): the ranks get no TORCHELASTIC_ERROR_FILE, \
+             and a failure names the first rank to exit\n"
+        ),
+        "{err}"
+    );
 }
 
 #[test]

@@ -317,6 +317,7 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
                 "xtask: restart {restart}/{max_restarts} of the whole group from {from}"
             ));
         }
+        Event::Warning(warning) => eprint_line(format_args!("xtask: {warning}")),
     })
     .map_err(|e| wording.reword(e))?;
     match &outcome {

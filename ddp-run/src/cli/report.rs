@@ -156,6 +156,7 @@ fn event_lines(name: &str, event: &Event<'_>) -> Vec<String> {
         } => vec![format!(
             "{name}: restart {restart}/{max_restarts} of the whole group"
         )],
+        Event::Warning(warning) => vec![format!("{name}: {warning}")],
     }
 }
 

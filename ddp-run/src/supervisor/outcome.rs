@@ -177,6 +177,8 @@ pub enum Event<'a> {
         /// The most restarts.
         max_restarts: u32,
     },
+    /// Something the launcher could not do, and what it does instead.
+    Warning(&'a str),
 }
 
 #[cfg(test)]
