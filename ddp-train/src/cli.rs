@@ -382,7 +382,9 @@ pub fn describe_error(error: &anyhow::Error) -> String {
 /// Trainer, or a single process without them): success, 75 ([`crate::EXIT_STOPPED`]) after a
 /// requested stop (SIGTERM, SIGUSR1, `--time-limit`) and its checkpoint, which launchers and
 /// schedulers requeue, and otherwise `error: ` and the error's chain on stderr, without a
-/// backtrace, and exit code 1. When starting the ranks: `ddp-run`'s exit status for the job,
+/// backtrace, and exit code 1. The error, or a panic, is recorded for the launcher as
+/// [`exit_with`](crate::exit_with) records it: timed before the Trainer that failed is
+/// dropped. When starting the ranks: `ddp-run`'s exit status for the job,
 /// or `error: ...` and 1 when they cannot be started (among others in a process that is
 /// already a launcher's rank).
 ///
@@ -425,6 +427,7 @@ fn run_with<D>(
     body: impl FnOnce() -> anyhow::Result<()>,
     watch: bool,
 ) -> ExitCode {
+    crate::exit::record_panics();
     // Ends the watch if no Trainer adopted it, after `finish` has printed the body's error: a
     // signal it caught then takes its action (by default, ending the process).
     let mut until_trainer = None;
@@ -458,8 +461,9 @@ fn run_with<D>(
 }
 
 /// Prints a failure as a rank's program does, records it for the launcher
-/// ([`ddp_run::record_error`]), and turns it into the exit status: after a stop on request its
-/// message and 75 ([`crate::exit_with`]'s rule), else `error: `.
+/// ([`ddp_run::record_error`], as arisen when a Trainer first failed), and turns it into the
+/// exit status: after a stop on request its message and 75 ([`crate::exit_with`]'s rule),
+/// else `error: `.
 fn finish(result: anyhow::Result<ExitCode>) -> ExitCode {
     match result {
         Ok(code) => code,

@@ -1,7 +1,10 @@
-//! A rank's program's exit status, for programs without the `cli` feature's flags.
+//! A rank's program's exit status, for programs without the `cli` feature's flags, and the
+//! record of its failure for the launcher.
 
 use std::error::Error;
 use std::process::ExitCode;
+use std::sync::{Once, OnceLock};
+use std::time::SystemTime;
 
 use crate::TrainError;
 
@@ -10,11 +13,15 @@ use crate::TrainError;
 /// ([`crate::EXIT_STOPPED`]) after a stop on request (SIGTERM, SIGUSR1, the time limit) and
 /// its checkpoint, which `ddp-run` and SLURM scripts requeue; otherwise `error: ` and the
 /// error's causes on stderr (each said once, no backtrace) and 1; the error is recorded for
-/// the launcher too ([`ddp_run::record_error`]). A `fn main() -> Result<..>`
+/// the launcher too ([`ddp_run::record_error`]), as arisen when a Trainer's `run` or
+/// `evaluate` first returned an error, before the Trainer, and its links to the other ranks,
+/// were dropped (else when `body` returned). A panic is recorded as it happens, before it
+/// unwinds, and printed as ever. A `fn main() -> Result<..>`
 /// would print the error's `Debug` form and exit 1 after a stop too. (`cli::run` does the
 /// same for programs with [`TrainArgs`](crate::cli::TrainArgs), naming settings by their
 /// flags.)
 pub fn exit_with(body: impl FnOnce() -> Result<(), Box<dyn Error>>) -> ExitCode {
+    record_panics();
     match body() {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
@@ -26,11 +33,50 @@ pub fn exit_with(body: impl FnOnce() -> Result<(), Box<dyn Error>>) -> ExitCode 
     }
 }
 
-/// Records `message`, the program's error, as arisen now in the file that the launcher gave
-/// this rank (`TORCHELASTIC_ERROR_FILE`), if any. Where it cannot be written, the launcher
-/// counts the failure from the rank's exit.
+/// When this process first failed: a Trainer's `run` or `evaluate` returned an error (not a
+/// stop on request), or a thread panicked. The launcher names the rank whose failure came
+/// first, and a program reports its error after its Trainer is dropped, and with it the
+/// links whose closing makes the other ranks fail.
+static FAILED_AT: OnceLock<SystemTime> = OnceLock::new();
+
+/// Notes when `result`, a Trainer's, failed, unless it is a stop on request or the process
+/// failed before.
+pub(crate) fn note_failure<T>(result: &Result<T, TrainError>) {
+    if let Err(e) = result {
+        if e.exit_code() != crate::EXIT_STOPPED {
+            FAILED_AT.get_or_init(SystemTime::now);
+        }
+    }
+}
+
+/// Records `message`, the program's error, in the file that the launcher gave this rank
+/// (`TORCHELASTIC_ERROR_FILE`), if any, as arisen when the process first failed, else now.
+/// Where it cannot be written, the launcher counts the failure from the rank's exit.
 pub(crate) fn record_error(message: &str) {
-    let _ = ddp_run::record_error(message, std::time::SystemTime::now());
+    let _ = ddp_run::record_error(message, *FAILED_AT.get_or_init(SystemTime::now));
+}
+
+/// Installs (once) a panic hook that records the panic ([`record_error`]) before it unwinds
+/// and closes the rank's links (a tch call that panics on CUDA's out of memory), then
+/// prints it as the hook before did.
+pub(crate) fn record_panics() {
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let payload = info.payload();
+            let message = payload
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("Box<dyn Any>");
+            match info.location() {
+                Some(at) => record_error(&format!("panicked at {at}: {message}")),
+                None => record_error(&format!("panicked: {message}")),
+            }
+            previous(info);
+        }));
+    });
 }
 
 /// The exit status of a failed program and the line it prints: 75 and the stop's own

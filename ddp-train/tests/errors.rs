@@ -478,6 +478,16 @@ enum Fault {
 /// The regression task with one [`Fault`].
 struct Faulty(Regression, Fault);
 
+/// In a child process of [`in_child`], where [`DROPPED`] names a file, the task (and so its
+/// Trainer) writes there when it is dropped, in Unix nanoseconds.
+impl Drop for Faulty {
+    fn drop(&mut self) {
+        if let Some(file) = std::env::var_os(DROPPED) {
+            std::fs::write(file, unix_nanos(std::time::SystemTime::now()).to_string()).unwrap();
+        }
+    }
+}
+
 impl Task for Faulty {
     type Model = nn::Sequential;
     type Data = TensorDataset;
@@ -602,4 +612,96 @@ fn evaluating_after_a_failed_backward_works() {
     let report = trainer.evaluate().unwrap();
     assert_eq!(report.world_size, 1);
     assert!(report.val_loss.is_finite(), "{}", report.val_loss);
+}
+
+/// Set in a child process of [`in_child`]: the test runs its program instead of its checks.
+const CHILD: &str = "DDP_TRAIN_TEST_CHILD";
+/// Where a child process's [`Faulty`] task notes when it was dropped.
+const DROPPED: &str = "DDP_TRAIN_TEST_DROPPED";
+
+fn unix_nanos(at: std::time::SystemTime) -> u128 {
+    at.duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
+}
+
+/// Runs this binary's test `name` alone in a child process, as a rank whose launcher gave it
+/// the error file `dir/error.json` (and its task [`DROPPED`], `dir/dropped`); returns its
+/// output and the error it recorded, as torchrun's JSON.
+fn in_child(name: &str, dir: &Path) -> (Output, serde_json::Value) {
+    let file = dir.join("error.json");
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .env("TORCHELASTIC_ERROR_FILE", &file)
+        .env(DROPPED, dir.join("dropped"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let out = ddp_testkit::wait_bounded(cmd.spawn().unwrap(), Duration::from_secs(120));
+    let text = std::fs::read_to_string(&file)
+        .unwrap_or_else(|e| panic!("no error file ({e}): {}", ddp_testkit::text(&out)));
+    (out, serde_json::from_str(&text).unwrap())
+}
+
+/// A panic (tch's on CUDA's out of memory) is recorded for the launcher as it happens, before
+/// it unwinds and closes the rank's links, and printed as ever.
+#[test]
+fn a_panic_is_recorded_for_the_launcher() {
+    if std::env::var_os(CHILD).is_some() {
+        let _ = ddp_train::exit_with(|| panic!("CUDA out of memory"));
+        return;
+    }
+    let dir = common::temp_dir("ddp-train-errors");
+    let (out, recorded) = in_child("a_panic_is_recorded_for_the_launcher", dir.path());
+    assert!(!out.status.success(), "{}", ddp_testkit::text(&out));
+    let message = recorded["message"]["message"].as_str().unwrap();
+    let at = format!("panicked at {}:", file!());
+    assert!(message.starts_with(&at), "{message}");
+    assert!(message.ends_with(": CUDA out of memory"), "{message}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&at) && err.contains("CUDA out of memory"),
+        "{err}"
+    );
+}
+
+/// A Trainer's error is recorded as arisen when `run` returned it, before the Trainer, and
+/// its links to the other ranks, is dropped: `Trainer::new(..)?.run()?`, as the examples
+/// write it, drops the Trainer before `exit_with` (or `cli::run`) records the error.
+#[test]
+fn a_trainers_error_is_recorded_as_arisen_before_the_trainer_is_dropped() {
+    if std::env::var_os(CHILD).is_some() {
+        let _ = ddp_train::exit_with(|| {
+            let tmp = common::temp_dir("ddp-train-errors");
+            let s = common::regression::quiet_settings(&tmp.path().join("run")).epochs(1);
+            let task = Faulty(
+                Regression::new(points(64, 1), points(8, 2)),
+                Fault::PerSampleTrain,
+            );
+            let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", common::free_port());
+            Trainer::with_env(task, s, &env)?.run()?;
+            Ok(())
+        });
+        return;
+    }
+    let dir = common::temp_dir("ddp-train-errors");
+    let (out, recorded) = in_child(
+        "a_trainers_error_is_recorded_as_arisen_before_the_trainer_is_dropped",
+        dir.path(),
+    );
+    let message = recorded["message"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("Task::train_loss returned"),
+        "{message}"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("error: {message}")), "{err}");
+    let at: u128 = recorded["message"]["extraInfo"]["timestamp_ns"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let dropped: u128 = std::fs::read_to_string(dir.path().join("dropped"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(at < dropped, "recorded at {at}, dropped at {dropped}");
 }

@@ -29,8 +29,16 @@ impl<T: Task> Trainer<T> {
     /// round of batches, and on a signal (one that came while the ranks started, too) every
     /// rank returns [`TrainError::EvaluationStopped`], with nothing saved; exit with
     /// [`TrainError::exit_code`]. A later [`Trainer::run`] still watches them, and takes
-    /// such a signal at its first step.
+    /// such a signal at its first step. An error is noted for the launcher as
+    /// [`Trainer::run`]'s is.
     pub fn evaluate(&mut self) -> Result<EvalReport, TrainError> {
+        let report = self.evaluate_split();
+        crate::exit::note_failure(&report);
+        report
+    }
+
+    /// [`Trainer::evaluate`]'s evaluation.
+    fn evaluate_split(&mut self) -> Result<EvalReport, TrainError> {
         self.check_rows_fit()?;
         let signals = self.signals.take();
         let evaluated = self.evaluate_epoch(0, None, signals.as_ref());

@@ -66,7 +66,17 @@ impl<T: Task> Trainer<T> {
     ///
     /// A validation split whose per-sample rows would gather past the process group's limit
     /// is refused before the first epoch ([`TrainError::RowsTooLarge`]).
+    ///
+    /// An error is noted as this process's failure for the launcher (see
+    /// [`exit_with`](crate::exit_with)) before it is returned.
     pub fn run(&mut self) -> Result<Vec<EpochReport>, TrainError> {
+        let run = self.run_epochs();
+        crate::exit::note_failure(&run);
+        run
+    }
+
+    /// [`Trainer::run`]'s epochs.
+    fn run_epochs(&mut self) -> Result<Vec<EpochReport>, TrainError> {
         if let Some((reason, epoch, step, checkpoint)) = &self.stopped {
             return Err(TrainError::RunAfterStop {
                 reason: *reason,
