@@ -5,7 +5,9 @@
 //! [`DDP_LAUNCHER_PID`], [`DDP_LAUNCHER_PID_NS`], [`DDP_LAUNCHER_LIFELINE`] and
 //! [`DDP_LAUNCHER_ATTEMPT`].
 //! [`crate::RankEnv`] is the one place in this workspace that writes them;
-//! `ddp_comm::EnvConfig` is the one place that reads them.
+//! `ddp_comm::EnvConfig` is the one place that reads them. [`TORCHELASTIC_ERROR_FILE`] is the
+//! exception: the launcher sets it for each rank of each attempt (a file of its own, or none),
+//! and [`crate::record_error`] is the one place that reads it.
 
 /// Global rank of the process, `0..WORLD_SIZE`.
 pub const RANK: &str = "RANK";

@@ -389,9 +389,10 @@ fn no_source_file_is_over_700_lines_but_the_named_exceptions() {
 
 // ---------------------------------------------------------------------------------------
 // Rule: torchrun's variables are read only by ddp-comm's `EnvConfig` and written only by
-// ddp-run's `RankEnv`.
+// ddp-run's `RankEnv`. `TORCHELASTIC_ERROR_FILE` is the exception, through its constant: the
+// launcher's supervisor sets it per attempt and `ddp_run::record_error` reads it.
 
-const TORCHRUN_VARIABLES: [&str; 8] = [
+const TORCHRUN_VARIABLES: [&str; 9] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -400,6 +401,7 @@ const TORCHRUN_VARIABLES: [&str; 8] = [
     "MASTER_PORT",
     "GROUP_RANK",
     "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_ERROR_FILE",
 ];
 
 const TORCHRUN_HOMES: [&str; 2] = ["ddp-comm/src/config/env.rs", "ddp-run/src/env.rs"];
