@@ -349,28 +349,26 @@ impl<D> TrainArgs<D> {
 }
 
 /// `error` and its causes as [`ddp_run::cli::error_message`] writes them (`outer: cause:
-/// cause`, each said once), with each setting
-/// an invalid-setting error names written as its flag (`--batch-size`), or as its path when
-/// it has none.
+/// cause`, each said once), with each setting an invalid-setting error or the ranks'
+/// disagreement names written as its flag (`--batch-size`), or as its path when it has none.
 pub fn describe_error(error: &anyhow::Error) -> String {
     let flags = defaults::flag_names();
-    let name = |field: &'static str| {
+    let name = |field: &str| {
         flags
             .get(field)
             .cloned()
             .unwrap_or_else(|| field.to_string())
     };
-    let setting = |e: &(dyn std::error::Error + 'static)| -> Option<SettingError> {
-        match e.downcast_ref::<TrainError>() {
-            Some(TrainError::Setting(s)) => Some(s.clone()),
-            _ => e.downcast_ref::<SettingError>().cloned(),
+    let render = |e: &(dyn std::error::Error + 'static)| match e.downcast_ref::<TrainError>() {
+        Some(TrainError::Setting(s)) => s.render(name),
+        Some(TrainError::RanksDisagree { settings }) => {
+            crate::error::render_disagreements(settings, &name)
         }
+        _ => e
+            .downcast_ref::<SettingError>()
+            .map_or_else(|| e.to_string(), |s| s.render(name)),
     };
-    ddp_run::join_causes(
-        error
-            .chain()
-            .map(|e| setting(e).map_or_else(|| e.to_string(), |s| s.render(name))),
-    )
+    ddp_run::join_causes(error.chain().map(render))
 }
 
 /// Runs a training program: its `body` as one rank, or, when `args` has `--nproc-per-node`,
@@ -875,6 +873,24 @@ mod tests {
         assert_eq!(
             describe_error(&anyhow::Error::from(cycle)),
             "lr_schedule.pct_start 2 must be in (0, 1)"
+        );
+        // The ranks' disagreement names flags too, and keeps the paths of the rest.
+        let lr = crate::Disagreement::new("optimizer.lr".into(), 0.001.into(), 1, 0.1.into());
+        let hook = crate::Disagreement::new(
+            "ddp.comm_hook".into(),
+            "fp16_compress".into(),
+            2,
+            "bf16_compress".into(),
+        );
+        let size = crate::Disagreement::new("task.image_size".into(), 32.into(), 1, 48.into());
+        let error = TrainError::RanksDisagree {
+            settings: vec![lr, hook, size],
+        };
+        assert_eq!(
+            describe_error(&anyhow::Error::from(error)),
+            "the ranks were started with different settings: rank 1 has --lr 0.1, rank 0 \
+             0.001; rank 2 has --comm-hook bf16_compress, rank 0 fp16_compress; rank 1 has \
+             task.image_size 48, rank 0 32: give every rank the same command"
         );
     }
 

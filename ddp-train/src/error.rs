@@ -2,6 +2,8 @@
 
 use std::error::Error as StdError;
 
+use serde_json::Value;
+
 /// Everything the Trainer can fail with.
 ///
 /// Errors that say what a person must change (a setting, a path, a checkpoint of another
@@ -18,6 +20,15 @@ pub enum TrainError {
     /// field; a command line names it by its flag ([`SettingError::render`]).
     #[error(transparent)]
     Setting(#[from] SettingError),
+    /// The ranks were started with different settings, task options or builds: refused at
+    /// start, on every rank alike, naming each setting that differs from rank 0's with both
+    /// values and the ranks (what each rank may set its own way is left out, such as
+    /// [`RuntimeSettings`](crate::RuntimeSettings)).
+    #[error("{}", render_disagreements(settings, &|setting| setting.to_string()))]
+    RanksDisagree {
+        /// Each setting that differs, in the order of the settings' description.
+        settings: Vec<Disagreement>,
+    },
     /// A step's loss became NaN or infinite on some ranks (without fp16's scaler, which
     /// skips such a step instead): every rank returns this error at that step, naming them.
     #[error(
@@ -188,7 +199,7 @@ pub(crate) fn with_causes(err: &(dyn StdError + 'static)) -> String {
 }
 
 /// `inf on rank 1`, `NaN on ranks 0, 2 and inf on rank 1`: the ranks of each value, in the
-/// order of their first rank; with more than 8, the first 8 and the count.
+/// order of their first rank.
 fn on_ranks(ranks: &[(usize, f64)]) -> String {
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
     for (rank, value) in ranks {
@@ -200,16 +211,104 @@ fn on_ranks(ranks: &[(usize, f64)]) -> String {
     }
     groups
         .iter()
-        .map(|(value, rs)| {
-            let list: Vec<String> = rs.iter().take(8).map(usize::to_string).collect();
-            match rs.len() {
-                1 => format!("{value} on rank {}", list[0]),
-                2..=8 => format!("{value} on ranks {}", list.join(", ")),
-                n => format!("{value} on {n} ranks ({}, ...)", list.join(", ")),
-            }
-        })
+        .map(|(value, rs)| format!("{value} on {}", rank_list(rs)))
         .collect::<Vec<_>>()
         .join(" and ")
+}
+
+/// `rank 1`, `ranks 0, 2`; with more than 8, the first 8 and the count: `12 ranks (0, 1,
+/// 2, 3, 4, 5, 6, 7, ...)`.
+fn rank_list(ranks: &[usize]) -> String {
+    let list: Vec<String> = ranks.iter().take(8).map(usize::to_string).collect();
+    match ranks.len() {
+        1 => format!("rank {}", list[0]),
+        2..=8 => format!("ranks {}", list.join(", ")),
+        n => format!("{n} ranks ({}, ...)", list.join(", ")),
+    }
+}
+
+/// A setting the ranks were started with different values of
+/// ([`TrainError::RanksDisagree`]).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Disagreement {
+    /// The setting: a [`Settings`](crate::Settings) path (`optimizer.lr`), `task.` and a
+    /// key of [`Task::describe`](crate::Task::describe) (`task.image_size`), or `build.`
+    /// and a part of the program's build (`build.libtorch`).
+    pub setting: String,
+    /// Rank 0's value (`null` where it has none).
+    pub rank0: Value,
+    /// Every other value, with the ranks that have it, in the order of their first rank.
+    pub others: Vec<(Value, Vec<usize>)>,
+}
+
+impl Disagreement {
+    /// Rank 0 has `rank0` for `setting`, `rank` has `value`.
+    pub(crate) fn new(setting: String, rank0: Value, rank: usize, value: Value) -> Self {
+        Self {
+            setting,
+            rank0,
+            others: vec![(value, vec![rank])],
+        }
+    }
+
+    /// `rank` has `value` too.
+    pub(crate) fn add(&mut self, rank: usize, value: Value) {
+        match self.others.iter_mut().find(|(v, _)| *v == value) {
+            Some((_, ranks)) => ranks.push(rank),
+            None => self.others.push((value, vec![rank])),
+        }
+    }
+}
+
+/// The message of [`TrainError::RanksDisagree`], with each setting named by `name` (its
+/// path in `Display`, its flag on a command line): `the ranks were started with different
+/// settings: rank 1 has --lr 0.1, rank 0 0.001: give every rank the same command`.
+pub(crate) fn render_disagreements(
+    found: &[Disagreement],
+    name: &dyn Fn(&str) -> String,
+) -> String {
+    const SHOWN: usize = 8;
+    let value = |v: &Value| match v {
+        Value::Null => "none".to_string(),
+        Value::String(s) => s.clone(),
+        v => v.to_string(),
+    };
+    let mut parts: Vec<String> = found
+        .iter()
+        .take(SHOWN)
+        .map(|d| {
+            let mut others = d.others.iter().map(|(v, ranks)| (value(v), ranks));
+            let mut part = match others.next() {
+                Some((v, ranks)) => {
+                    let has = if ranks.len() == 1 { "has" } else { "have" };
+                    format!("{} {has} {} {v}", rank_list(ranks), name(&d.setting))
+                }
+                None => name(&d.setting),
+            };
+            for (v, ranks) in others {
+                part.push_str(&format!(", {} {v}", rank_list(ranks)));
+            }
+            format!("{part}, rank 0 {}", value(&d.rank0))
+        })
+        .collect();
+    if found.len() > SHOWN {
+        parts.push(format!("and {} more settings", found.len() - SHOWN));
+    }
+    let build = found.iter().any(|d| d.setting.starts_with("build."));
+    format!(
+        "the ranks were started with different settings: {}: give every rank the same \
+         command{}",
+        match parts.is_empty() {
+            true => "their descriptions differ in form only".to_string(),
+            false => parts.join("; "),
+        },
+        if build {
+            " and the same build of the program"
+        } else {
+            ""
+        }
+    )
 }
 
 /// A setting that cannot work: a message that names one or more settings by their path in

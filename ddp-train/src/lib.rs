@@ -67,7 +67,7 @@ pub use amp::{FoundInf, GradScaler, Precision, ScalerState};
 pub use ddp::{
     BuiltinHook, CommHook, DdpError, DdpOptions, DistributedDataParallel, GradBucket, HookWork,
 };
-pub use error::{SettingError, TrainError};
+pub use error::{Disagreement, SettingError, TrainError};
 pub use exit::exit_with;
 pub use gather::{gather_rows, Rows};
 pub use metrics::{Confusion, Goal, MultiClassStats, MultiLabelStats, RegressionStats, StatsError};

@@ -939,41 +939,129 @@ fn an_undecodable_image_stops_training_and_points_to_skip_corrupt() {
     );
 }
 
-/// Ranks that open different data (another copy of the folder, say) stop before training,
-/// every one naming both sizes, instead of sharding mismatched lists.
-#[test]
-fn ranks_that_open_different_data_stop_naming_both() {
-    let tmp = temp_dir("different-data");
-    let folders = [
-        data(&tmp.path().join("a"), 16),
-        data(&tmp.path().join("b"), 20),
-    ];
-    let out = tmp.path().join("run");
+/// Runs two ranks of `ddp-train`, rank `r` with `args[r]` (and one intra-op thread and one
+/// loader worker), and returns each rank's output in rank order.
+fn run_each(args: [Vec<String>; 2]) -> Vec<Output> {
     let port = ddp_testkit::free_port();
-    let children = folders
+    let children = args
         .iter()
         .enumerate()
-        .map(|(rank, folder)| {
-            let mut cmd = ddp_testkit::rank_command(env!("CARGO_BIN_EXE_ddp-train"), rank, 2, port);
-            cmd.args(train_args(folder.to_str().unwrap(), out.to_str().unwrap()))
+        .map(|(rank, args)| {
+            let mut cmd = ddp_testkit::rank_command(EXE, rank, 2, port);
+            cmd.args(args)
                 .args(["--threads", "1", "--workers", "1"])
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             cmd.spawn().unwrap()
         })
         .collect();
-    let outputs = ddp_testkit::wait_all(children, Duration::from_secs(120));
+    ddp_testkit::wait_all(children, Duration::from_secs(120))
+}
+
+/// Asserts that every rank of `outputs` failed, before training, with an error containing
+/// each of `expected`.
+fn all_fail_saying(outputs: &[Output], expected: &[&str]) {
     for (rank, o) in outputs.iter().enumerate() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success(), "rank {rank}: {err}");
-        assert!(
-            err.contains(
-                "the ranks opened different data: rank 0 has 12 training and 4 validation \
-                 samples, rank 1 16 training and 4 validation samples"
-            ),
-            "rank {rank}: {err}"
-        );
+        assert!(!text(o).contains("epoch 1/"), "rank {rank} trained: {err}");
+        for e in expected {
+            assert!(err.contains(e), "rank {rank} does not say {e:?}: {err}");
+        }
     }
+}
+
+/// `train_args` on `data` into `out`, and `extra`, as owned strings.
+fn args_with(data: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    args.extend(extra);
+    args.into_iter().map(String::from).collect()
+}
+
+/// Runs two ranks on two synthetic folders of `images[r]` images (the same sample where the
+/// numbers are equal), rank 1's changed by `edit` first, and returns their outputs.
+fn on_two_folders(name: &str, images: [usize; 2], edit: impl FnOnce(&Path)) -> Vec<Output> {
+    let tmp = temp_dir(name);
+    let out = tmp.path().join("run");
+    let [a, b] = [("a", images[0]), ("b", images[1])].map(|(d, n)| data(&tmp.path().join(d), n));
+    edit(&b);
+    run_each([args_with(&a, &out, &[]), args_with(&b, &out, &[])])
+}
+
+/// Ranks that open different data (another copy of the folder, say) stop before training,
+/// every one naming both sizes, instead of sharding mismatched lists.
+#[test]
+fn ranks_that_open_different_data_stop_naming_both() {
+    let outputs = on_two_folders("different-data", [16, 20], |_| {});
+    all_fail_saying(
+        &outputs,
+        &[
+            "the ranks opened different data: rank 0 has 12 training and 4 validation samples, \
+           rank 1 16 training and 4 validation samples",
+        ],
+    );
+}
+
+/// A copy of the data with the same images and other labels on one rank stops every rank
+/// before training, naming the labels, instead of training on mixed labels.
+#[test]
+fn ranks_that_open_data_with_other_labels_stop_naming_them() {
+    // Every image of the copy relabelled "N" (its per-eye target), as a hand-edited copy.
+    let outputs = on_two_folders("relabelled-data", [16, 16], |copy| {
+        let csv = copy.join("full_df.csv");
+        let table = std::fs::read_to_string(&csv).unwrap();
+        let target = |line: &str| {
+            line.rfind("\"[")
+                .map(|i| (i, line[i..].find("]\"").unwrap() + i + 2))
+        };
+        let relabelled: Vec<String> = table
+            .lines()
+            .map(|line| match target(line) {
+                Some((from, to)) => {
+                    format!(
+                        "{}\"[1, 0, 0, 0, 0, 0, 0, 0]\"{}",
+                        &line[..from],
+                        &line[to..]
+                    )
+                }
+                None => line.to_string(),
+            })
+            .collect();
+        assert_ne!(
+            relabelled.join("\n"),
+            table.trim_end(),
+            "no target was relabelled"
+        );
+        std::fs::write(&csv, relabelled.join("\n") + "\n").unwrap();
+    });
+    all_fail_saying(
+        &outputs,
+        &[
+            "the ranks opened different data: rank 0 and rank 1 have 12 training and 4 \
+           validation samples each, but different labels",
+        ],
+    );
+}
+
+/// Ranks started with different settings stop before training, every one naming each
+/// setting with both values and the ranks; what a rank sets its own way (how often it logs
+/// its loss, here) may differ.
+#[test]
+fn ranks_started_with_different_settings_stop_naming_them() {
+    let tmp = temp_dir("different-settings");
+    let (data, out) = (data(tmp.path(), 16), tmp.path().join("run"));
+    let rank0 = args_with(&data, &out, &["--lr", "1e-3"]);
+    let hook = ["--comm-hook", "bf16_compress", "--log-every", "1"];
+    let rank1 = args_with(&data, &out, &[&["--lr", "1e-1"], &hook[..]].concat());
+    let outputs = run_each([rank0, rank1]);
+    all_fail_saying(
+        &outputs,
+        &[
+            "the ranks were started with different settings: rank 1 has --comm-hook \
+           bf16_compress, rank 0 allreduce; rank 1 has --lr 0.1, rank 0 0.001: give every rank \
+           the same command",
+        ],
+    );
 }
 
 /// A `--val-data` that holds patients of `--data` (here the same folder) is warned of.

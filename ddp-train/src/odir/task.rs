@@ -7,12 +7,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use ddp_data::odir::transform::{Augment, Transform};
 use ddp_data::odir::{
-    split_by_patient, LabelMode, OdirDataset, OdirImages, OdirOptions, SkippedImage,
+    split_by_patient, LabelMode, OdirDataset, OdirImages, OdirOptions, Sample, SkippedImage,
 };
 use ddp_data::{Batch, DataError, Subset};
 use ddp_model::weights::LoadReport;
 use ddp_model::{Model, ODIR_CLASSES};
 use serde_json::Value;
+use sha2::{Digest, Sha256};
 use tch::{nn, Reduction, Tensor};
 
 use super::challenge::EyeCombine;
@@ -257,6 +258,18 @@ impl Task for OdirTask {
         &["data", "val_data", "image_dir", "skipped_images"]
     }
 
+    /// `files`: the images (patient and file name, in order of both, wherever the folder
+    /// lies), `split`: which of them train and which validate, `labels`: each image's labels
+    /// and its patient's.
+    fn data_fingerprint(&self) -> Option<Vec<(String, [u8; 32])>> {
+        let lists = [&self.train, &self.val].map(|subset| {
+            let set = subset.dataset().set();
+            let samples = subset.indices().iter().filter_map(|&i| set.get(i));
+            samples.collect::<Vec<_>>()
+        });
+        Some(data_fingerprint(&lists))
+    }
+
     fn warnings(&self) -> Vec<String> {
         let mut lines = self.options.warnings();
         if let (Some(first), Some(val)) = (self.shared_patients.first(), &self.options.val_data) {
@@ -284,6 +297,34 @@ pub(super) fn skipped_lines(skipped: &[SkippedImage]) -> Vec<String> {
             )
         })
         .collect()
+}
+
+/// [`OdirTask::data_fingerprint`] of the training and validation lists, in order.
+fn data_fingerprint(lists: &[Vec<&Sample>; 2]) -> Vec<(String, [u8; 32])> {
+    let image = |s: &Sample| {
+        let name = s.path.file_name().unwrap_or_default().as_encoded_bytes();
+        let mut bytes = s.patient_id.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&(name.len() as u64).to_le_bytes());
+        bytes.extend_from_slice(name);
+        bytes
+    };
+    let mut sorted: Vec<&Sample> = lists.iter().flatten().copied().collect();
+    sorted.sort_by_key(|s| image(s));
+    let (mut files, mut split, mut labels) = (Sha256::new(), Sha256::new(), Sha256::new());
+    for s in &sorted {
+        files.update(image(s));
+        let patient = s.patient_labels.map_or([f32::NAN; 8], |l| l);
+        for value in s.labels.iter().chain(&patient) {
+            labels.update(value.to_bits().to_le_bytes());
+        }
+    }
+    for list in lists {
+        split.update((list.len() as u64).to_le_bytes());
+        list.iter().for_each(|s| split.update(image(s)));
+    }
+    [("files", files), ("split", split), ("labels", labels)]
+        .map(|(name, digest)| (name.to_string(), digest.finalize().into()))
+        .to_vec()
 }
 
 /// The images `--skip-corrupt` left out, as `config.json` and `evaluation.json` list them.
@@ -343,9 +384,55 @@ pub(super) fn rank_data_options(c: &TrainConfig) -> Result<OdirOptions, TrainErr
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+
     use clap::Parser;
 
     use super::*;
+
+    /// Each part of the fingerprint changes with what it covers alone: another copy of the
+    /// folder keeps all three.
+    #[test]
+    fn the_data_fingerprint_names_files_split_and_labels_apart() {
+        let sample = |id: u64, file: &str, first: f32| Sample {
+            path: format!("/copy-a/preprocessed_images/{file}").into(),
+            patient_id: id,
+            labels: [first, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+            patient_labels: None,
+        };
+        let images = [
+            sample(1, "1_left.jpg", 1.0),
+            sample(1, "1_right.jpg", 0.0),
+            sample(2, "2_left.jpg", 1.0),
+        ];
+        let parts = |lists: [Vec<&Sample>; 2]| data_fingerprint(&lists);
+        let base = parts([vec![&images[0], &images[1]], vec![&images[2]]]);
+        let names: Vec<&str> = base.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["files", "split", "labels"]);
+        let differing = |other: &[(String, [u8; 32])]| -> Vec<String> {
+            base.iter()
+                .zip(other)
+                .filter(|(a, b)| a.1 != b.1)
+                .map(|(a, _)| a.0.clone())
+                .collect()
+        };
+        let mut copy = images.clone();
+        for s in &mut copy {
+            s.path = PathBuf::from("/copy-b/preprocessed_images").join(s.path.file_name().unwrap());
+        }
+        let elsewhere = parts([vec![&copy[0], &copy[1]], vec![&copy[2]]]);
+        assert!(differing(&elsewhere).is_empty());
+        let mut relabelled = images.clone();
+        relabelled[1].labels[0] = 1.0;
+        let other_labels = parts([vec![&relabelled[0], &relabelled[1]], vec![&relabelled[2]]]);
+        assert_eq!(differing(&other_labels), ["labels"]);
+        let other_split = parts([vec![&images[2]], vec![&images[0], &images[1]]]);
+        assert_eq!(differing(&other_split), ["split"]);
+        let mut renamed = images.clone();
+        renamed[2].path.set_file_name("2_right.jpg");
+        let other_files = parts([vec![&renamed[0], &renamed[1]], vec![&renamed[2]]]);
+        assert_eq!(differing(&other_files), ["files", "split"]);
+    }
 
     #[test]
     fn the_corrupt_image_scan_takes_this_ranks_share_of_the_cores() {

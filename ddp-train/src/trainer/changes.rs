@@ -119,7 +119,13 @@ pub(super) fn changed_settings(
 /// whole), by dotted path under `path`, with both values (`null` where `now` lacks it, or
 /// left out with `gone_skipped`). A key `was` lacks is left out: a record written before it
 /// existed says nothing of its value.
-fn differences(was: &Value, now: &Value, path: &str, gone_skipped: bool, out: &mut Vec<Change>) {
+pub(super) fn differences(
+    was: &Value,
+    now: &Value,
+    path: &str,
+    gone_skipped: bool,
+    out: &mut Vec<Change>,
+) {
     match (was, now) {
         (Value::Object(a), Value::Object(b)) => {
             for (key, x) in a {

@@ -36,6 +36,7 @@ use crate::task::Task;
 //   (`metrics.jsonl`, `curves.png`, best-model files, checkpoint) and every rank's log;
 // - `progress.rs`: rank 0's progress bar or progress lines;
 // - `faults.rs`: the fault tests' injected failures (feature `fault-injection` only).
+mod agreement;
 mod changes;
 mod checkpoint;
 mod eval;

@@ -20,7 +20,6 @@ use crate::ddp::DistributedDataParallel;
 use crate::error::{Context, SettingError, TrainError};
 use crate::functional::GroupReducer;
 use crate::settings::Settings;
-use crate::state;
 use crate::stop::Budget;
 use crate::task::{Stats, Task};
 
@@ -122,14 +121,13 @@ impl<T: Task> Trainer<T> {
         // Each rank resolved its checkpoint on its own: all must continue from the same one,
         // or all stop with the same error.
         let m = start.agree(&pg, s, built)?;
+        // Each rank was started on its own: with other settings (but those a rank sets its
+        // own way), task options or build, the replicas would drift apart or fail later.
+        super::agreement::check_settings(&pg, s, &task)?;
         // Each rank opened the data on its own: a folder that differs between ranks (another
-        // copy, a file one rank could not read) would shard mismatched lists.
-        let sizes = format!(
-            "{} training and {} validation samples",
-            train_set.len(),
-            val_set.as_ref().map_or(0, Dataset::len)
-        );
-        state::check_data_agreement(&pg.all_gather_bytes(sizes.as_bytes())?)?;
+        // copy, a file one rank could not read, other labels) would shard mismatched lists.
+        let sizes = (train_set.len(), val_set.as_ref().map_or(0, Dataset::len));
+        super::agreement::check_data(&pg, &task, sizes)?;
 
         // Every rank agrees on the run directory: rank 0's choice.
         let proposed = s.out.clone().unwrap_or_else(default_run_dir);
