@@ -425,7 +425,16 @@ fn run_with<D>(
     body: impl FnOnce() -> anyhow::Result<()>,
     watch: bool,
 ) -> ExitCode {
-    crate::exit::record_panics();
+    crate::exit::caught(|| run_body(args, check, body, watch))
+}
+
+/// [`run_with`]'s work, inside its record of a panic.
+fn run_body<D>(
+    args: &TrainArgs<D>,
+    check: impl FnOnce() -> anyhow::Result<()>,
+    body: impl FnOnce() -> anyhow::Result<()>,
+    watch: bool,
+) -> ExitCode {
     // Ends the watch if no Trainer adopted it, after `finish` has printed the body's error: a
     // signal it caught then takes its action (by default, ending the process).
     let mut until_trainer = None;
@@ -459,7 +468,8 @@ fn run_with<D>(
 }
 
 /// Prints a failure as a rank's program does, records it for the launcher
-/// ([`ddp_run::record_error`], as arisen when a Trainer first failed), and turns it into the
+/// ([`ddp_run::record_error`], as arisen when a Trainer's failure was noted where it is that
+/// Trainer's error, else now), and turns it into the
 /// exit status: after a stop on request its message and 75 ([`crate::exit_with`]'s rule),
 /// else `error: `.
 fn finish(result: anyhow::Result<ExitCode>) -> ExitCode {
@@ -475,7 +485,7 @@ fn finish(result: anyhow::Result<ExitCode>) -> ExitCode {
                 "error: "
             };
             let message = describe_error(&err);
-            crate::exit::record_error(&message);
+            crate::exit::record_error(err.as_ref(), &message);
             eprintln!("{error}{message}");
             ExitCode::from(status)
         }

@@ -4,8 +4,8 @@
 mod common;
 
 use std::ffi::OsStr;
-use std::path::Path;
-use std::process::{Command, Output};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Output};
 use std::time::Duration;
 
 use common::regression::{points, Regression};
@@ -479,11 +479,18 @@ enum Fault {
 struct Faulty(Regression, Fault);
 
 /// In a child process of [`in_child`], where [`DROPPED`] names a file, the task (and so its
-/// Trainer) writes there when it is dropped, in Unix nanoseconds.
+/// Trainer) writes there when it is dropped, in Unix nanoseconds, and copies the error file
+/// as it then is next to it (`<file>.error`).
 impl Drop for Faulty {
     fn drop(&mut self) {
         if let Some(file) = std::env::var_os(DROPPED) {
-            std::fs::write(file, unix_nanos(std::time::SystemTime::now()).to_string()).unwrap();
+            let file = PathBuf::from(file);
+            std::fs::write(&file, unix_nanos(std::time::SystemTime::now()).to_string()).unwrap();
+            if let Some(error) = std::env::var_os("TORCHELASTIC_ERROR_FILE") {
+                if let Ok(text) = std::fs::read_to_string(error) {
+                    std::fs::write(file.with_extension("error"), text).unwrap();
+                }
+            }
         }
     }
 }
@@ -627,6 +634,14 @@ fn unix_nanos(at: std::time::SystemTime) -> u128 {
 /// the error file `dir/error.json` (and its task [`DROPPED`], `dir/dropped`); returns its
 /// output and the error it recorded, as torchrun's JSON.
 fn in_child(name: &str, dir: &Path) -> (Output, serde_json::Value) {
+    let out = child(name, dir);
+    let text = std::fs::read_to_string(dir.join("error.json"))
+        .unwrap_or_else(|e| panic!("no error file ({e}): {}", ddp_testkit::text(&out)));
+    (out, serde_json::from_str(&text).unwrap())
+}
+
+/// [`in_child`]'s child process, and its output.
+fn child(name: &str, dir: &Path) -> Output {
     let file = dir.join("error.json");
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([name, "--exact", "--nocapture", "--test-threads=1"])
@@ -635,10 +650,16 @@ fn in_child(name: &str, dir: &Path) -> (Output, serde_json::Value) {
         .env(DROPPED, dir.join("dropped"))
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
-    let out = ddp_testkit::wait_bounded(cmd.spawn().unwrap(), Duration::from_secs(120));
-    let text = std::fs::read_to_string(&file)
-        .unwrap_or_else(|e| panic!("no error file ({e}): {}", ddp_testkit::text(&out)));
-    (out, serde_json::from_str(&text).unwrap())
+    ddp_testkit::wait_bounded(cmd.spawn().unwrap(), Duration::from_secs(120))
+}
+
+/// The time an error file's record gives, in Unix nanoseconds.
+fn recorded_at(recorded: &serde_json::Value) -> u128 {
+    recorded["message"]["extraInfo"]["timestamp_ns"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 /// A panic (tch's on CUDA's out of memory) is recorded for the launcher as it happens, before
@@ -694,14 +715,89 @@ fn a_trainers_error_is_recorded_as_arisen_before_the_trainer_is_dropped() {
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("error: {message}")), "{err}");
-    let at: u128 = recorded["message"]["extraInfo"]["timestamp_ns"]
-        .as_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let at = recorded_at(&recorded);
+    // Recorded already when `run` returned: a SIGTERM during the drop leaves the record.
+    let before: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("dropped.error")).unwrap())
+            .unwrap();
+    assert_eq!(before["message"]["message"], message);
+    assert_eq!(recorded_at(&before), at);
     let dropped: u128 = std::fs::read_to_string(dir.path().join("dropped"))
         .unwrap()
         .parse()
         .unwrap();
     assert!(at < dropped, "recorded at {at}, dropped at {dropped}");
+}
+
+/// A panic caught inside the program (a data set's guard around a decoder) is no failure of
+/// the program: a normal exit after it leaves no record for the launcher.
+#[test]
+fn a_caught_panic_followed_by_a_normal_exit_leaves_no_record() {
+    if std::env::var_os(CHILD).is_some() {
+        let code = ddp_train::exit_with(|| {
+            let caught = std::panic::catch_unwind(|| panic!("a decoder's panic"));
+            assert!(caught.is_err());
+            Ok(())
+        });
+        assert_eq!(format!("{code:?}"), format!("{:?}", ExitCode::SUCCESS));
+        return;
+    }
+    let dir = common::temp_dir("ddp-train-errors");
+    let out = child(
+        "a_caught_panic_followed_by_a_normal_exit_leaves_no_record",
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", ddp_testkit::text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("a decoder's panic"),
+        "{}",
+        ddp_testkit::text(&out)
+    );
+    assert!(!dir.path().join("error.json").exists());
+}
+
+/// A Trainer's error that the program handled, followed by a success (`evaluate` after a
+/// failed `run`), takes its record back; a later failure is recorded at its own time.
+#[test]
+fn a_handled_trainer_error_leaves_no_stale_record() {
+    if std::env::var_os(CHILD).is_some() {
+        let dir = PathBuf::from(std::env::var_os(DROPPED).unwrap());
+        let dir = dir.parent().unwrap().to_path_buf();
+        let error_file = PathBuf::from(std::env::var_os("TORCHELASTIC_ERROR_FILE").unwrap());
+        let _ = ddp_train::exit_with(|| {
+            let tmp = common::temp_dir("ddp-train-errors");
+            let mut s = common::regression::quiet_settings(&tmp.path().join("run"))
+                .epochs(1)
+                .batch_size(16);
+            s.runtime.workers = Some(1);
+            let task = Faulty(
+                Regression::new(points(64, 1), points(8, 2)),
+                Fault::FailingBackward,
+            );
+            let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", common::free_port());
+            let mut trainer = Trainer::with_env(task, s, &env)?;
+            assert!(trainer.run().is_err());
+            assert!(error_file.exists(), "no record of the run's error");
+            trainer.evaluate()?;
+            assert!(!error_file.exists(), "the handled error's record stayed");
+            let cleared = unix_nanos(std::time::SystemTime::now());
+            std::fs::write(dir.join("cleared"), cleared.to_string()).unwrap();
+            std::thread::sleep(Duration::from_millis(50));
+            trainer.run()?;
+            Ok(())
+        });
+        return;
+    }
+    let dir = common::temp_dir("ddp-train-errors");
+    let (out, recorded) = in_child("a_handled_trainer_error_leaves_no_stale_record", dir.path());
+    let message = recorded["message"]["message"].as_str().unwrap();
+    assert!(message.contains("a peer died"), "{message}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("error: {message}")), "{err}");
+    let cleared: u128 = std::fs::read_to_string(dir.path().join("cleared"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let at = recorded_at(&recorded);
+    assert!(at > cleared, "recorded at {at}, before {cleared}");
 }

@@ -36,6 +36,8 @@ impl<T: Task> Trainer<T> {
 
     /// As [`Trainer::new`], with the rank's place given instead of read.
     pub fn with_env(task: T, mut settings: Settings, env: &EnvConfig) -> Result<Self, TrainError> {
+        // A failure of an earlier Trainer is not this one's (nor the program's, if handled).
+        crate::exit::clear_failure();
         // The time limit counts from the job's start, as a scheduler's limit does: the
         // launcher's (a restarted rank's job began before it) or the process's. Without a
         // limit, the launcher's start is not read.
