@@ -33,6 +33,7 @@ fn record(seen: &mut Vec<Seen>) -> impl FnMut(&Event<'_>) + '_ {
                 max_restarts: *max_restarts,
             },
             Event::Warning(warning) => Seen::Warning(warning.to_string()),
+            other => panic!("an event this test does not know: {other:?}"),
         })
     }
 }

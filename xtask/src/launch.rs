@@ -318,6 +318,7 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
             ));
         }
         Event::Warning(warning) => eprint_line(format_args!("xtask: {warning}")),
+        _ => {}
     })
     .map_err(|e| wording.reword(e))?;
     match &outcome {
@@ -371,6 +372,7 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
                 )),
             }
         }
+        _ => {}
     }
     Ok(outcome.exit_code())
 }

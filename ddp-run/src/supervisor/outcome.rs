@@ -89,8 +89,9 @@ impl fmt::Display for RankFailure {
 /// Defined once here: `ddp-train` re-exports it for the ranks' side.
 pub const EXIT_STOPPED: u8 = 75;
 
-/// How a job ended.
+/// How a job ended (more kinds may come: match with a wildcard arm).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Outcome {
     /// Every rank exited with status 0, after `restarts` restarts.
     Succeeded {
@@ -150,8 +151,10 @@ impl Outcome {
     }
 }
 
-/// What the launcher is doing, for the caller to show.
+/// What the launcher is doing, for the caller to show (more kinds may come: match with a
+/// wildcard arm).
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Event<'a> {
     /// An attempt is about to start its ranks.
     Starting {

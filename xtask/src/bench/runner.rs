@@ -213,6 +213,7 @@ pub(super) fn run_ranks(
             )
         }
         ddp_run::Outcome::Stopped { .. } => bail!("{} stopped before the end", exe.display()),
+        other => bail!("{} ended as {other:?}", exe.display()),
     }
     (0..world)
         .map(|rank| {
