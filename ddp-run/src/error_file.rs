@@ -97,19 +97,32 @@ pub(crate) struct Failed {
     pub(crate) crashed: bool,
 }
 
+/// How long after the earliest recorded error a rank that failed without a record may exit
+/// and still be its cause: its peers record the closed connection as it exits, within
+/// milliseconds; one seen minutes later failed for want of the recorded rank (an NCCL
+/// watchdog's abort while that rank hangs in its exit).
+pub(crate) const UNRECORDED_WINDOW: Duration = Duration::from_secs(5);
+
 /// Of failed ranks, the one whose failure came first; its index among them. A rank that
 /// recorded no error tears down its links only as it exits, so its peers record theirs
 /// (a closed connection) before it is seen to fail: the first rank that crashed without a
 /// record is the cause; else the first to exit, where it recorded nothing; else the earliest
 /// recorded error (its peers may have failed for want of it before it exited), a rank without
-/// one counting from its exit. In a tie, the first to exit, then the first given.
+/// one counting from its exit. A rank without a record is named over one that recorded only
+/// when it exited within [`UNRECORDED_WINDOW`] after the earliest record. In a tie, the first
+/// to exit, then the first given.
 pub(crate) fn first_failure(failed: &[Failed]) -> Option<usize> {
     let first = |key: &dyn Fn(&Failed) -> Option<SystemTime>| {
         let keyed = failed.iter().enumerate();
         let keyed = keyed.filter_map(|(i, f)| Some((key(f)?, f.exited, i)));
         keyed.min().map(|(_, _, i)| i)
     };
-    let unrecorded = |f: &Failed| f.recorded.is_none();
+    // An error arose before its rank exited (a whole second's end may lie after it).
+    let arose = |f: &Failed| f.recorded.as_ref().map(|r| r.at.min(f.exited));
+    let earliest_record = failed.iter().filter_map(arose).min();
+    let unrecorded = |f: &Failed| {
+        f.recorded.is_none() && earliest_record.is_none_or(|at| f.exited <= at + UNRECORDED_WINDOW)
+    };
     if let Some(crash) = first(&|f| (f.crashed && unrecorded(f)).then_some(f.exited)) {
         return Some(crash);
     }
@@ -117,8 +130,7 @@ pub(crate) fn first_failure(failed: &[Failed]) -> Option<usize> {
     if unrecorded(&failed[exited]) {
         return Some(exited);
     }
-    // An error arose before its rank exited (a whole second's end may lie after it).
-    first(&|f| Some(f.recorded.as_ref().map_or(f.exited, |r| r.at.min(f.exited))))
+    first(&|f| Some(arose(f).unwrap_or(f.exited)))
 }
 
 /// One attempt's error files: a folder only this user can enter (mode 0700) in the temporary
@@ -143,7 +155,8 @@ impl ErrorFolder {
     pub(crate) fn unavailable(error: &std::io::Error) -> String {
         format!(
             "cannot create a folder for the ranks' error files in {} ({error}): the ranks get \
-             no TORCHELASTIC_ERROR_FILE, and a failure names the first rank to exit",
+             no TORCHELASTIC_ERROR_FILE, and a failure names the first rank killed by a signal \
+             the launcher did not send, else the first rank to exit",
             std::env::temp_dir().display()
         )
     }
@@ -298,6 +311,31 @@ mod tests {
             failed(240, None, true),
         ];
         assert_eq!(first_failure(&crashes), Some(2));
+    }
+
+    /// A rank without a record is named over a recorded error only when it exited within
+    /// the window after it: a Python rank recorded at 100 and hangs in its exit; its peers'
+    /// NCCL watchdogs abort them (SIGABRT, no record) minutes later.
+    #[test]
+    fn an_unrecorded_failure_long_after_a_record_is_not_the_cause() {
+        let window = UNRECORDED_WINDOW.as_millis() as u64;
+        let cause = error(100);
+        let within = [
+            failed(100 + window, None, true),
+            failed(100 + window + 50, Some(&cause), false),
+        ];
+        assert_eq!(first_failure(&within), Some(0));
+        let aborted = [
+            failed(100 + window + 1, None, true),
+            failed(100 + window + 50, Some(&cause), false),
+        ];
+        assert_eq!(first_failure(&aborted), Some(1));
+        // The same for a first rank to exit that recorded nothing without a crash.
+        let exited = [
+            failed(180_000, None, false),
+            failed(180_050, Some(&cause), false),
+        ];
+        assert_eq!(first_failure(&exited), Some(1));
     }
 
     /// PyTorch's `@record` writes whole seconds: read as the end of the second, such a

@@ -157,7 +157,8 @@ fn without_a_folder_for_error_files_the_ranks_get_none() {
         err.contains(
             "ddp-run: cannot create a folder for the ranks' error files in /nonexistent (No \
              such file or directory (os error 2)): the ranks get no TORCHELASTIC_ERROR_FILE, \
-             and a failure names the first rank to exit\n"
+             and a failure names the first rank killed by a signal the launcher did not send, \
+             else the first rank to exit\n"
         ),
         "{err}"
     );
