@@ -63,10 +63,31 @@ fn job_started_from(value: Option<&str>) -> Result<Option<SystemTime>, String> {
 
 /// The job's start for a launcher that starts at `now`: the earlier of `now` and the start
 /// it inherited in [`DDP_JOB_STARTED`], so that a launcher inside another (or run twice by a
-/// job script that set the variable) does not count the job again from its own start.
-pub(crate) fn launcher_start(now: SystemTime) -> SystemTime {
+/// job script that set the variable) does not count the job again from its own start; and
+/// the warning to give where that start is more than a minute old ([`stale_warning`]).
+pub(crate) fn launcher_start(now: SystemTime) -> (SystemTime, Option<String>) {
     let inherited = std::env::var_os(DDP_JOB_STARTED).map(|v| v.to_string_lossy().into_owned());
-    earlier_than_inherited(inherited.as_deref(), now)
+    let start = earlier_than_inherited(inherited.as_deref(), now);
+    (start, stale_warning(start, now))
+}
+
+/// The warning that the job's start, `start`, inherited by a launcher started at `now`, is
+/// more than a minute older than it: a stale `export` in a job script reaches every job
+/// (`sbatch --export=ALL`), and each rank with a time limit would stop at its first step.
+fn stale_warning(start: SystemTime, now: SystemTime) -> Option<String> {
+    let age = now.duration_since(start).ok()?.as_secs();
+    if age <= 60 {
+        return None;
+    }
+    let (hours, minutes, seconds) = (age / 3600, age / 60 % 60, age % 60);
+    let age = match hours {
+        0 => format!("{minutes}m{seconds}s"),
+        _ => format!("{hours}h{minutes}m"),
+    };
+    Some(format!(
+        "counting --time-limit from an inherited {DDP_JOB_STARTED} {age} ago: unset it if \
+         that is not this job's start"
+    ))
 }
 
 /// `now`, or the `inherited` start where that is valid and earlier.
@@ -143,5 +164,22 @@ mod tests {
         assert_eq!(earlier_than_inherited(Some("1700000100"), now), now);
         assert_eq!(earlier_than_inherited(Some("yesterday"), now), now);
         assert_eq!(earlier_than_inherited(Some(""), now), now);
+    }
+
+    /// An inherited start more than a minute before the launcher's is said, with its age.
+    #[test]
+    fn an_old_inherited_start_is_warned_of() {
+        let now = at(1_700_000_000, 0);
+        let ago = |secs: u64| stale_warning(at(1_700_000_000 - secs, 0), now);
+        assert_eq!(
+            ago(3 * 3600 + 12 * 60 + 5).as_deref(),
+            Some(
+                "counting --time-limit from an inherited DDP_JOB_STARTED 3h12m ago: unset it \
+                 if that is not this job's start"
+            )
+        );
+        assert!(ago(61).unwrap().contains(" 1m1s ago: "));
+        assert_eq!(ago(60), None);
+        assert_eq!(ago(0), None);
     }
 }

@@ -53,7 +53,10 @@ pub fn launch(
     config.validate()?;
     // Every attempt's ranks count their time limit from here, as the scheduler's counts (or
     // from an earlier start this launcher inherited).
-    let job_started = crate::job_start::launcher_start(std::time::SystemTime::now());
+    let (job_started, stale) = crate::job_start::launcher_start(std::time::SystemTime::now());
+    if let Some(warning) = stale {
+        on_event(&Event::Warning(&warning));
+    }
     if let Some(dir) = &config.log_dir {
         if dir.exists() && !dir.is_dir() {
             return Err(LaunchError::LogDirIsFile {
@@ -85,7 +88,7 @@ pub fn launch(
             })?,
             (None, _) => DEFAULT_MASTER_PORT,
         };
-        // Without a folder for the error files, the first rank to exit is named.
+        // Without a folder for the error files, a crash, else the first rank to exit, is named.
         let errors = ErrorFolder::create()
             .inspect_err(|e| on_event(&Event::Warning(&ErrorFolder::unavailable(e))))
             .ok();
