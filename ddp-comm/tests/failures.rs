@@ -746,10 +746,10 @@ fn mismatched_collectives_are_reported_not_corrupted() {
             })
             .collect();
         assert!(
-            errors.iter().any(
-                |e| e.contains("all_reduce (dtype 6, argument 0) of 40 bytes")
-                    && e.contains("of 44 bytes")
-            ),
+            errors
+                .iter()
+                .any(|e| e.contains("all_reduce Sum of 10 x f32")
+                    && e.contains("all_reduce Sum of 11 x f32")),
             "{transport}: {errors:?}"
         );
     }
