@@ -103,25 +103,22 @@ pub enum DdpError {
         /// A parameter that backward reached.
         parameter: String,
     },
-    /// The store changed after [`DistributedDataParallel::new`] or the last
+    /// The store changed on some rank after [`DistributedDataParallel::new`] or the last
     /// [`DistributedDataParallel::rebuild`] wrapped it: a variable was added (a new head), or
-    /// a parameter frozen or unfrozen. DDP neither broadcasts nor averages what it did not
-    /// wrap, while tch's optimizer steps it all the same. Returned by `sync_gradients` and
-    /// `broadcast_buffers`; a new buffer only by `broadcast_buffers`, with
-    /// [`DdpOptions::broadcast_buffers`].
-    #[error(
-        "rank {rank}: variable '{variable}' was {change} after DistributedDataParallel wrapped \
-         the store: DDP hooks, buckets and broadcasts only what it wrapped, so the ranks' \
-         replicas would drift apart; call DistributedDataParallel::rebuild(&vs) on every rank \
-         after adding, freezing or unfreezing parameters"
-    )]
+    /// a parameter wrapped frozen was unfrozen. DDP neither broadcasts nor averages what it
+    /// did not wrap, while tch's optimizer steps it all the same. (A wrapped parameter frozen
+    /// since is only unused, as in PyTorch: see [`DdpOptions::find_unused_parameters`].)
+    /// Returned by `sync_gradients` on every rank, after the same collectives; a new buffer
+    /// counts with [`DdpOptions::broadcast_buffers`] only.
+    #[error("{}", describe_changed(*.rank, .change.as_ref(), .ranks))]
     ModelChanged {
         /// This rank.
         rank: usize,
-        /// The variable, by its name in the store.
-        variable: String,
-        /// `added to the store`, `frozen` or `unfrozen`.
-        change: &'static str,
+        /// This rank's change, when it is one of `ranks`: the variable, by its name in the
+        /// store, and `added to the store` or `unfrozen`.
+        change: Option<(String, &'static str)>,
+        /// The ranks whose store changed.
+        ranks: Vec<usize>,
     },
     /// A parameter already has a post-accumulate-grad hook, which DDP would replace.
     #[error(
@@ -176,6 +173,26 @@ fn describe_twice(rank: usize, parameter: Option<&str>, ranks: &[usize]) -> Stri
          micro-batch's with gradient sync off (DistributedDataParallel::no_sync or \
          set_require_gradient_sync(false)), and give prepare_for_backward the tensor that \
          backward runs from"
+    )
+}
+
+/// [`DdpError::ModelChanged`]'s message.
+fn describe_changed(rank: usize, change: Option<&(String, &str)>, ranks: &[usize]) -> String {
+    let what = match change {
+        Some((variable, change)) => format!("variable '{variable}' was {change}"),
+        None => {
+            let ranks: Vec<String> = ranks.iter().map(usize::to_string).collect();
+            format!(
+                "the store changed on rank {} (its error names the variable)",
+                ranks.join(", ")
+            )
+        }
+    };
+    format!(
+        "rank {rank}: {what} after DistributedDataParallel wrapped the store: DDP hooks, buckets \
+         and broadcasts only what it wrapped, so the ranks' replicas would drift apart; call \
+         DistributedDataParallel::rebuild(&vs) on every rank after adding or unfreezing \
+         parameters"
     )
 }
 

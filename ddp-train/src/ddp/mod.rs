@@ -186,7 +186,8 @@ type Named = Vec<(String, Tensor)>;
 ///   written into the gradients once it is waited for. Parameters used by no rank keep none
 ///   (optimizers skip them). A sparse gradient becomes dense first (ddp-comm has no sparse
 ///   collectives; the averages are PyTorch's). With [`DdpOptions::find_unused_parameters`] off, a parameter
-///   missing on any rank is an error on every rank ([`DdpError::UnusedParameters`]), naming it;
+///   missing on any rank is an error on every rank ([`DdpError::UnusedParameters`], naming it,
+///   or [`DdpError::NoSyncedBackward`] on a rank whose backward passes all ran without sync);
 ///   no rank is left waiting. Another step's call of DDP's after a synced backward is
 ///   [`DdpError::SyncMissed`]: tch's `backward_step` cannot be used, but
 ///   [`DistributedDataParallel::backward`] can (backward, then `sync_gradients`).
@@ -506,7 +507,6 @@ impl DistributedDataParallel {
     /// syncs them, in the first forward after a forward whose backward synchronised.
     pub fn broadcast_buffers(&mut self) -> Result<(), DdpError> {
         lock(&self.reducer).check_finished()?;
-        self.check_store(self.options.broadcast_buffers)?;
         if !self.options.broadcast_buffers {
             return Ok(());
         }
@@ -553,22 +553,13 @@ impl DistributedDataParallel {
     ///
     /// # Errors
     ///
-    /// [`DdpError::ModelChanged`] (the step abandoned) when the store changed since this DDP
-    /// wrapped it; see [`DdpError`] for the others.
+    /// [`DdpError::ModelChanged`] on every rank when the store changed on one since this DDP
+    /// wrapped it (a buffer added counts with [`DdpOptions::broadcast_buffers`]); see
+    /// [`DdpError`] for the others.
     pub fn sync_gradients(&mut self) -> Result<(), DdpError> {
-        if let Err(e) = self.check_store(false) {
-            lock(&self.reducer).abandon();
-            return Err(e);
-        }
-        lock(&self.reducer).finish()
-    }
-
-    /// [`DdpError::ModelChanged`] when the store's parameters changed since this DDP wrapped
-    /// it, or with `with_buffers` its buffers.
-    fn check_store(&self, with_buffers: bool) -> Result<(), DdpError> {
-        let rank = self.pg.rank();
-        self.store
-            .check(rank, &self.params, &self.buffers, with_buffers)
+        let with_buffers = self.options.broadcast_buffers;
+        let change = self.store.check(&self.params, &self.buffers, with_buffers);
+        lock(&self.reducer).finish(change)
     }
 
     /// The backward pass of a step, for a loop of your own: `prepare_for_backward(loss)`,
@@ -818,6 +809,15 @@ mod tests {
         }
     }
 
+    /// This rank's change in a `ModelChanged`, and the ranks it names.
+    type Changed = (Option<(String, &'static str)>, Vec<usize>);
+    fn changed(r: Result<(), DdpError>) -> Changed {
+        match r {
+            Err(DdpError::ModelChanged { change, ranks, .. }) => (change, ranks),
+            other => panic!("expected ModelChanged, got {other:?}"),
+        }
+    }
+
     /// A parameter added after `new` (a new head) has no hook and no bucket: `sync_gradients`
     /// fails naming it, and after `rebuild` averages it.
     #[test]
@@ -842,11 +842,8 @@ mod tests {
             ),
             other => panic!("expected ModelChanged, got {other:?}"),
         }
-        // The step was abandoned: the next call is not SyncMissed.
-        match ddp.broadcast_buffers() {
-            Err(DdpError::ModelChanged { variable, .. }) => assert_eq!(variable, "head.b"),
-            other => panic!("expected ModelChanged, got {other:?}"),
-        }
+        // The step ended: the next call is not SyncMissed.
+        ddp.broadcast_buffers().unwrap();
         ddp.rebuild(&vs).unwrap();
         for (_, p) in ddp.parameters() {
             tch_ext::set_grad(p, None).unwrap();
@@ -859,31 +856,26 @@ mod tests {
     }
 
     /// A buffer added after `new` is one that `broadcast_buffers` would never broadcast, and
-    /// a parameter frozen or unfrozen without `rebuild` a change `sync_gradients` names.
+    /// a parameter unfrozen without `rebuild` one DDP never averages: `sync_gradients` names
+    /// them. A new buffer without broadcasting, or a tie, is no change.
     #[test]
-    fn a_new_buffer_or_a_frozen_parameter_needs_rebuild() {
+    fn a_new_buffer_or_an_unfrozen_parameter_needs_rebuild() {
         let vs = VarStore::new(tch::Device::Cpu);
         let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
         let b = vs.root().var("b", &[2], tch::nn::Init::Const(1.0));
         let _ = b.set_requires_grad(false);
         let mut ddp = DistributedDataParallel::new(&vs, alone(), DdpOptions::default()).unwrap();
-        let changed = |r: Result<(), DdpError>| match r {
-            Err(DdpError::ModelChanged {
-                variable, change, ..
-            }) => (variable, change),
-            other => panic!("expected ModelChanged, got {other:?}"),
+        let step = |ddp: &mut DistributedDataParallel| {
+            a.sum(tch::Kind::Float).backward();
+            ddp.sync_gradients()
         };
         let _ = b.set_requires_grad(true);
-        assert_eq!(changed(ddp.sync_gradients()), ("b".into(), "unfrozen"));
+        let unfrozen = (Some(("b".to_string(), "unfrozen")), vec![0]);
+        assert_eq!(changed(step(&mut ddp)), unfrozen);
         let _ = b.set_requires_grad(false);
-        let _ = a.set_requires_grad(false);
-        assert_eq!(changed(ddp.sync_gradients()), ("a".into(), "frozen"));
-        let _ = a.set_requires_grad(true);
         let _ = vs.root().zeros_no_train("running", &[1]);
-        a.sum(tch::Kind::Float).backward();
-        ddp.sync_gradients().unwrap();
-        let change = changed(ddp.broadcast_buffers());
-        assert_eq!(change, ("running".into(), "added to the store"));
+        let added = (Some(("running".to_string(), "added to the store")), vec![0]);
+        assert_eq!(changed(step(&mut ddp)), added);
         drop(ddp);
         let options = DdpOptions {
             broadcast_buffers: false,
@@ -892,6 +884,74 @@ mod tests {
         let mut ddp = DistributedDataParallel::new(&vs, alone(), options).unwrap();
         let _ = vs.root().zeros_no_train("running_2", &[1]);
         ddp.broadcast_buffers().unwrap();
+        step(&mut ddp).unwrap();
+        // A second name of a wrapped parameter adds nothing DDP misses.
+        let _ = vs.root().add("a_tied", a.shallow_clone(), true);
+        step(&mut ddp).unwrap();
+        assert_eq!(ddp.store.trainable, 3);
+    }
+
+    /// A wrapped parameter frozen between steps (a GAN's discriminator during the
+    /// generator's step) gets no gradient: with `find_unused_parameters` the step goes on and
+    /// it keeps none, as in PyTorch; unfrozen again it is averaged again. Without that
+    /// option it is an unused parameter.
+    #[test]
+    fn a_wrapped_parameter_frozen_between_steps_is_unused() {
+        let grads = on_ranks(2, |rank, pg| {
+            let vs = VarStore::new(tch::Device::Cpu);
+            let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+            let d = vs.root().var("d", &[2], tch::nn::Init::Const(1.0));
+            let options = DdpOptions {
+                find_unused_parameters: true,
+                ..DdpOptions::default()
+            };
+            let mut ddp = DistributedDataParallel::new(&vs, pg.clone(), options).unwrap();
+            let scale = (rank + 1) as f64;
+            let step = |ddp: &mut DistributedDataParallel| {
+                for (_, p) in ddp.parameters() {
+                    tch_ext::set_grad(p, None).unwrap();
+                }
+                let loss = (a.sum(tch::Kind::Float) + d.sum(tch::Kind::Float) * 2.0) * scale;
+                ddp.backward(&loss).map(|()| (a.grad(), d.grad()))
+            };
+            let _ = d.set_requires_grad(false);
+            let (ga, gd) = step(&mut ddp).unwrap();
+            let frozen = (Vec::<f32>::try_from(&ga).unwrap(), gd.defined());
+            let _ = d.set_requires_grad(true);
+            let (_, gd) = step(&mut ddp).unwrap();
+            let unfrozen = Vec::<f32>::try_from(&gd).unwrap();
+            drop(ddp);
+            let mut ddp = DistributedDataParallel::new(&vs, pg, DdpOptions::default()).unwrap();
+            let _ = d.set_requires_grad(false);
+            let unused = match step(&mut ddp) {
+                Err(DdpError::UnusedParameters { parameters, .. }) => parameters,
+                other => panic!("expected UnusedParameters, got {other:?}"),
+            };
+            (frozen, unfrozen, unused)
+        });
+        for (frozen, unfrozen, unused) in grads {
+            assert_eq!(frozen, (vec![1.5; 2], false));
+            assert_eq!(unfrozen, [3.0; 2]);
+            assert_eq!(unused, [("d".to_string(), 0)]);
+        }
+    }
+
+    /// A store changed on one rank only fails every rank's `sync_gradients`, after the same
+    /// collectives: none waits for the other.
+    #[test]
+    fn a_store_changed_on_one_rank_fails_every_rank() {
+        let results = on_ranks(2, |rank, pg| {
+            let vs = VarStore::new(tch::Device::Cpu);
+            let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+            let mut ddp = DistributedDataParallel::new(&vs, pg, DdpOptions::default()).unwrap();
+            if rank == 1 {
+                let _ = vs.root().var("head", &[1], tch::nn::Init::Const(1.0));
+            }
+            a.sum(tch::Kind::Float).backward();
+            changed(ddp.sync_gradients())
+        });
+        let head = Some(("head".to_string(), "added to the store"));
+        assert_eq!(results, [(None, vec![1]), (head, vec![1])]);
     }
 
     /// A loop of `backward_step`s that calls nothing of DDP's: its second synced backward

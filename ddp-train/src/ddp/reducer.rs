@@ -39,6 +39,11 @@ use super::bucket::{make_buckets, Bucket};
 use super::comm_hook::{CommHook, GradBucket, HookWork};
 use super::{DdpError, DdpOptions};
 
+/// A rank's flag in [`Reducer::finish`]'s count: it saw a gradient twice.
+const TWICE: i32 = 1;
+/// Its store changed since DDP wrapped it.
+const CHANGED: i32 = 2;
+
 #[derive(Debug)]
 pub(crate) struct Reducer {
     pg: Arc<ProcessGroup>,
@@ -293,14 +298,19 @@ impl Reducer {
         self.reset();
     }
 
-    /// Ends the step: see the module docs. Every rank must call it once per synced backward.
-    pub(crate) fn finish(&mut self) -> Result<(), DdpError> {
-        let result = self.finish_step();
+    /// Ends the step: see the module docs. Every rank must call it once per synced backward,
+    /// with the change of its store since DDP wrapped it, if any
+    /// ([`DdpError::ModelChanged`] on every rank then).
+    pub(crate) fn finish(
+        &mut self,
+        change: Option<(String, &'static str)>,
+    ) -> Result<(), DdpError> {
+        let result = self.finish_step(change);
         self.reset();
         result
     }
 
-    fn finish_step(&mut self) -> Result<(), DdpError> {
+    fn finish_step(&mut self, change: Option<(String, &'static str)>) -> Result<(), DdpError> {
         // A world of one takes the same path, as in PyTorch's DDP: the comm hook sees every
         // bucket (a compressing hook rounds the gradients), gradients become bucket views
         // when asked, and one GPU runs the whole CUDA path.
@@ -310,13 +320,15 @@ impl Reducer {
         // what the synced backward reached, and such a parameter is an error, as in PyTorch.
         let find_unused = self.options.find_unused_parameters;
         let n = self.params.len();
-        // One count per parameter, then one flag per rank: whether it saw a gradient twice
-        // (or a second synced backward), so that every rank fails alike.
+        // One count per parameter, then one slot per rank, of flags: TWICE where it saw a
+        // gradient twice (or a second synced backward), CHANGED where its store changed, so
+        // that every rank fails alike.
         let mut used: Vec<i32> = (0..n)
             .map(|k| i32::from(self.used[k] || (find_unused && self.used_without_sync[k])))
             .collect();
         let twice = self.twice.is_some() || self.missed.is_some();
-        used.extend((0..world).map(|r| i32::from(r == self.pg.rank() && twice)));
+        let flags = i32::from(twice) * TWICE + i32::from(change.is_some()) * CHANGED;
+        used.extend((0..world).map(|r| if r == self.pg.rank() { flags } else { 0 }));
         // Bucket by bucket: each is filled (the slots backward left, and without overlap
         // every gradient) and launched before the next is filled.
         tch::no_grad(|| {
@@ -337,7 +349,7 @@ impl Reducer {
         // `works[b]` is bucket `b`'s (launched in bucket order). Its averages go into the
         // gradients this rank used (each counted on this rank, so by some rank) as soon as it
         // is waited for, while later buckets still communicate (PyTorch's
-        // `finalize_backward`). So after a `GradientTwice` or `UnusedParameters` error below
+        // `finalize_backward`). So after a `ModelChanged`, `GradientTwice` or `UnusedParameters` error below
         // those gradients may hold averages already: the step is abandoned anyway.
         let mut first_error: Option<DdpError> = None;
         for (b, work) in std::mem::take(&mut self.works).into_iter().enumerate() {
@@ -354,8 +366,18 @@ impl Reducer {
             return Err(e);
         }
         let counts: Vec<i32> = Vec::<i32>::try_from(&counts).map_err(DdpError::Tch)?;
-        let (counts, twice) = counts.split_at(n);
-        let ranks: Vec<usize> = (0..world).filter(|&r| twice[r] > 0).collect();
+        let (counts, flags) = counts.split_at(n);
+        let with =
+            |flag: i32| -> Vec<usize> { (0..world).filter(|&r| flags[r] & flag != 0).collect() };
+        let changed = with(CHANGED);
+        if !changed.is_empty() {
+            return Err(DdpError::ModelChanged {
+                rank: self.pg.rank(),
+                change,
+                ranks: changed,
+            });
+        }
+        let ranks = with(TWICE);
         if let Some(k) = self.missed {
             return Err(self.sync_missed(k));
         }

@@ -11,14 +11,14 @@ use tch::nn::{VarStore, Variables};
 use tch::Tensor;
 use tch_ext::tensor_id;
 
-use super::{lock, DdpError, Named};
+use super::{lock, Named};
 
 /// What DDP wrapped of a store: its variables' counts, and the frozen parameters.
 #[derive(Debug)]
 pub(super) struct StoreWatch {
     variables: Arc<Mutex<Variables>>,
     /// The store's trainable variables (a tied weight once per name) when wrapped.
-    trainable: usize,
+    pub(super) trainable: usize,
     /// All its variables, buffers included.
     named: usize,
     /// The parameters wrapped frozen, which must stay frozen.
@@ -39,32 +39,29 @@ impl StoreWatch {
         }
     }
 
-    /// [`DdpError::ModelChanged`] when one of `params` was frozen or a frozen one unfrozen,
-    /// or the store holds a trainable variable it did not hold when wrapped; with
-    /// `with_buffers`, a buffer too. No allocation unless something changed.
+    /// The change that makes [`ModelChanged`](super::DdpError::ModelChanged) (the variable and what happened to
+    /// it), if any: a parameter wrapped frozen is trainable now, or the store holds a
+    /// trainable variable it did not hold when wrapped; with `with_buffers`, a buffer too. A
+    /// wrapped parameter frozen since is no change: it gets no gradient, so DDP counts it
+    /// unused, as PyTorch's does. No allocation unless the store holds more variables than
+    /// last time; new names of wrapped tensors (a tie) are then taken as the new counts.
     pub(super) fn check(
-        &self,
-        rank: usize,
+        &mut self,
         params: &[(String, Tensor)],
         buffers: &[(String, Tensor)],
         with_buffers: bool,
-    ) -> Result<(), DdpError> {
-        let changed = |variable: &str, change| DdpError::ModelChanged {
-            rank,
-            variable: variable.to_string(),
-            change,
-        };
-        if let Some((name, _)) = params.iter().find(|(_, p)| !p.requires_grad()) {
-            return Err(changed(name, "frozen"));
-        }
+    ) -> Option<(String, &'static str)> {
         if let Some((name, _)) = self.frozen.iter().find(|(_, p)| p.requires_grad()) {
-            return Err(changed(name, "unfrozen"));
+            return Some((name.clone(), "unfrozen"));
         }
         let variables = lock(&self.variables);
-        let grew = variables.trainable_variables.len() != self.trainable
-            || (with_buffers && variables.named_variables.len() != self.named);
+        let (trainable, named) = (
+            variables.trainable_variables.len(),
+            variables.named_variables.len(),
+        );
+        let grew = trainable != self.trainable || (with_buffers && named != self.named);
         if !grew {
-            return Ok(());
+            return None;
         }
         let known: HashSet<usize> = params
             .iter()
@@ -76,16 +73,22 @@ impl StoreWatch {
         let added = variables
             .named_variables
             .iter()
+            .filter(|(_, t)| with_buffers || t.requires_grad())
             .filter(|(_, t)| !known.contains(&tensor_id(t)))
             .min_by(|a, b| {
                 (!a.1.requires_grad())
                     .cmp(&!b.1.requires_grad())
                     .then_with(|| natural_cmp(a.0, b.0))
             });
-        match added {
-            Some((name, _)) => Err(changed(name, "added to the store")),
-            // New names of wrapped tensors (a tie), or fewer variables: nothing DDP misses.
-            None => Ok(()),
+        if let Some((name, _)) = added {
+            return Some((name.clone(), "added to the store"));
         }
+        // New names of wrapped tensors (a tie), or fewer variables: nothing DDP misses.
+        drop(variables);
+        self.trainable = trainable;
+        if with_buffers {
+            self.named = named;
+        }
+        None
     }
 }
