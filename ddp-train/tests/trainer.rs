@@ -1064,6 +1064,30 @@ fn ranks_started_with_different_settings_stop_naming_them() {
     );
 }
 
+/// A resume on ranks given different batch sizes names `--batch-size`: the settings are
+/// compared before the resume points, which include the batch layout.
+#[test]
+fn ranks_resumed_with_different_batch_sizes_stop_naming_the_setting() {
+    let tmp = temp_dir("different-batch-resume");
+    let (data, out) = (data(tmp.path(), 40), tmp.path().join("run"));
+    let first = args_with(&data, &out, &["--max-steps-per-epoch", "1"]);
+    let outputs = run_each([first.clone(), first]);
+    assert_all_ok(&outputs);
+    let resumed = args_with(
+        &data,
+        &out,
+        &["--max-steps-per-epoch", "1", "--resume", "latest"],
+    );
+    let mut larger = resumed.clone();
+    let at = larger.iter().position(|a| a == "--batch-size").unwrap() + 1;
+    larger[at] = "8".to_string();
+    let outputs = run_each([resumed, larger]);
+    all_fail_saying(
+        &outputs,
+        &["the ranks were started with different settings: rank 1 has --batch-size 8, rank 0 4"],
+    );
+}
+
 /// A `--val-data` that holds patients of `--data` (here the same folder) is warned of.
 #[test]
 fn validation_data_sharing_patients_with_the_training_data_is_warned_of() {

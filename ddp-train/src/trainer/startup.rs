@@ -1,7 +1,7 @@
 //! A rank's start-up: [`Trainer::new`] checks the settings and the data, shards the data,
-//! builds the model, loads its initial weights or restores a checkpoint (by itself after a
-//! launcher's restart or a stopped run), joins the process group, agrees on the run directory and describes the run in its
-//! log and `config.json`.
+//! has the model built and its weights loaded or restored (`restore.rs`), joins the
+//! process group, agrees with the other ranks on the settings, the checkpoint, the data and
+//! the run directory, and describes the run in its log and `config.json`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -120,12 +120,14 @@ impl<T: Task> Trainer<T> {
         }
         let pg = Arc::new(ProcessGroup::new(opts).context(|| "joining the process group".into())?);
         let rank = pg.rank();
+        // Each rank was started on its own: with other settings (but those a rank sets its
+        // own way), task options or build, the replicas would drift apart or fail later.
+        // First, since a resume point includes settings (the batch layout): a rank given
+        // another --batch-size is named as such, not as one resuming from elsewhere.
+        super::agreement::check_settings(&pg, s, &task)?;
         // Each rank resolved its checkpoint on its own: all must continue from the same one,
         // or all stop with the same error.
         let m = start.agree(&pg, s, built)?;
-        // Each rank was started on its own: with other settings (but those a rank sets its
-        // own way), task options or build, the replicas would drift apart or fail later.
-        super::agreement::check_settings(&pg, s, &task)?;
         // Each rank opened the data on its own: a folder that differs between ranks (another
         // copy, a file one rank could not read, other labels) would shard mismatched lists.
         let sizes = (train_set.len(), val_set.as_ref().map_or(0, Dataset::len));
