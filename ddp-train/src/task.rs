@@ -227,7 +227,10 @@ pub trait Task {
     /// Trainer sets no mode.
     fn eval_batch(&self, model: &Self::Model, batch: &Batch, stats: &mut Self::Stats) -> Tensor;
 
-    /// What `config.json` records about the task (its own settings, the data's size).
+    /// What `config.json` records about the task (its own settings, the data's size). At
+    /// start every rank's description, less [`Task::location_keys`], is compared, and ranks
+    /// that differ refuse to train: nothing here may depend on the rank (a host name, a
+    /// device index); per-rank values belong under the location keys.
     fn describe(&self) -> Value {
         Value::Null
     }
@@ -241,9 +244,9 @@ pub trait Task {
     }
 
     /// The keys of [`Task::describe`] that say where the data lies (folders, files) rather
-    /// than what it is: a resume or an evaluation does not compare them with the run's, as
-    /// the same data may lie elsewhere (a relative path, a link, a job's staging copy). None
-    /// by default.
+    /// than what it is: neither the ranks at start nor a resume or an evaluation compare
+    /// them, as the same data may lie elsewhere (a relative path, a link, a job's staging
+    /// copy). None by default.
     fn location_keys(&self) -> &[&str] {
         &[]
     }

@@ -83,7 +83,8 @@ pub use ops::{
 };
 
 /// The version of the libtorch this crate was compiled against, as its headers name it
-/// (`TORCH_VERSION`, `"2.13.0"`): processes built against another libtorch say another.
+/// (`TORCH_VERSION`, `"2.13.0"`): processes built against another libtorch version say
+/// another; a CPU and a CUDA build of one version say the same.
 pub fn torch_version() -> &'static str {
     // SAFETY: the shim returns a pointer to a NUL-terminated string literal, which lives as
     // long as the process.

@@ -25,8 +25,8 @@ const PER_RANK: [&str; 5] = [
     // A path each rank resolves on its own, to another copy of the run perhaps: what it
     // resolves to is compared (the resume agreement).
     "checkpoint.resume",
-    // A file each rank reads from its own disk: the weights it loads are compared (DDP's
-    // model check, a digest of every tensor).
+    // A file each rank reads from its own disk: the names, shapes and types of what it loads
+    // are compared (DDP's model check), and rank 0's values are broadcast to every rank.
     "checkpoint.init_from",
     // Only rank 0 prunes step checkpoints.
     "checkpoint.keep",

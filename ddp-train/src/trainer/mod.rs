@@ -24,6 +24,7 @@ use crate::task::Task;
 // - `startup.rs`: `Trainer::new`: settings, data and samplers, the process group,
 //   `config.json`; `restore.rs`: the model, its initial weights or a restored checkpoint
 //   (also by itself after a launcher's restart), the ranks' agreement on it;
+//   `agreement.rs`: the ranks' agreement on their settings, build and data;
 // - `run_dir.rs`: the run directory: whether a start continues its run, rank 0's lock, the
 //   rewind, the best models and stale temporaries;
 // - `loops.rs`: `Trainer::run`, the epoch loop, one epoch's training steps, the loaders;
