@@ -256,7 +256,18 @@ pub(super) fn open_regular(path: &Path, options: &mut OpenOptions) -> std::io::R
 /// refused as at the lock: the log is only appended to, but a link planted in a folder that
 /// others can write to would still append the trainer's lines where the planter chose.
 pub(super) fn open_log(path: &Path) -> std::io::Result<File> {
-    open_checked(path, OpenOptions::new().create(true).append(true), true)
+    open_checked(path, OpenOptions::new().create(true).append(true), true).map_err(|e| {
+        let what = match e.raw_os_error() {
+            // A FIFO opened to write without waiting, while nothing reads it.
+            Some(libc::ENXIO) => {
+                "it is a FIFO with no reader: start its reader first, or remove it"
+            }
+            // The user's own link, to a folder.
+            Some(libc::EISDIR) => "it is a folder, not a regular file: remove it",
+            _ => return e,
+        };
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, what)
+    })
 }
 
 /// [`open_regular`]; with `users_own`, [`open_log`]'s exceptions.
@@ -474,6 +485,23 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&log).unwrap(), "line\n");
     }
 
+    /// The user's own link to a folder is refused as the folder it leads to.
+    #[test]
+    fn a_rank_log_linked_to_a_folder_says_so() {
+        let dir = ddp_testkit::temp_dir("rank-log-folder");
+        std::fs::create_dir(dir.path().join("logs")).unwrap();
+        let log = dir.path().join("logs/rank-0.log");
+        std::os::unix::fs::symlink(dir.path(), &log).unwrap();
+        let err = RankLog::open(dir.path(), 0).unwrap_err();
+        assert_eq!(
+            crate::error::with_causes(&err),
+            format!(
+                "cannot open {}: it is a folder, not a regular file: remove it",
+                log.display()
+            )
+        );
+    }
+
     /// A rank log may be the user's FIFO, whose reader gets the lines, never another user's;
     /// the lock is a regular file only; either is left blocking once opened.
     #[test]
@@ -493,9 +521,13 @@ mod tests {
         );
         // With no reader, the open fails rather than waits.
         let err = RankLog::open(dir.path(), 0).unwrap_err();
-        assert!(
-            crate::error::with_causes(&err).contains("No such device or address"),
-            "{err}"
+        assert_eq!(
+            crate::error::with_causes(&err),
+            format!(
+                "cannot open {}: it is a FIFO with no reader: start its reader first, or \
+                 remove it",
+                log.display()
+            )
         );
         let reader = OpenOptions::new()
             .read(true)
