@@ -258,16 +258,24 @@ pub(super) fn open_regular(path: &Path, options: &mut OpenOptions) -> std::io::R
 pub(super) fn open_log(path: &Path) -> std::io::Result<File> {
     open_checked(path, OpenOptions::new().create(true).append(true), true).map_err(|e| {
         let what = match e.raw_os_error() {
-            // A FIFO opened to write without waiting, while nothing reads it.
-            Some(libc::ENXIO) => {
+            // A FIFO opened to write without waiting, while nothing reads it (a Unix socket
+            // answers the same).
+            Some(libc::ENXIO) if is_fifo(path) => {
                 "it is a FIFO with no reader: start its reader first, or remove it"
             }
+            Some(libc::ENXIO) => "it is a device or a socket, not a regular file: remove it",
             // The user's own link, to a folder.
             Some(libc::EISDIR) => "it is a folder, not a regular file: remove it",
             _ => return e,
         };
         std::io::Error::new(std::io::ErrorKind::InvalidInput, what)
     })
+}
+
+/// Whether `path` leads to a FIFO.
+fn is_fifo(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(path).is_ok_and(|m| m.file_type().is_fifo())
 }
 
 /// [`open_regular`]; with `users_own`, [`open_log`]'s exceptions.
@@ -483,6 +491,23 @@ mod tests {
         let opened = RankLog::open(dir.path(), 1).unwrap();
         opened.append("line");
         assert_eq!(std::fs::read_to_string(&log).unwrap(), "line\n");
+    }
+
+    /// A Unix socket in a rank log's place is not called a FIFO.
+    #[test]
+    fn a_rank_log_that_is_a_socket_says_so() {
+        let dir = ddp_testkit::temp_dir("rank-log-socket");
+        std::fs::create_dir(dir.path().join("logs")).unwrap();
+        let log = dir.path().join("logs/rank-0.log");
+        drop(std::os::unix::net::UnixListener::bind(&log).unwrap());
+        let err = RankLog::open(dir.path(), 0).unwrap_err();
+        assert_eq!(
+            crate::error::with_causes(&err),
+            format!(
+                "cannot open {}: it is a device or a socket, not a regular file: remove it",
+                log.display()
+            )
+        );
     }
 
     /// The user's own link to a folder is refused as the folder it leads to.
