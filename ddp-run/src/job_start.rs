@@ -85,8 +85,8 @@ fn stale_warning(start: SystemTime, now: SystemTime) -> Option<String> {
         _ => format!("{hours}h{minutes}m"),
     };
     Some(format!(
-        "counting --time-limit from an inherited {DDP_JOB_STARTED} {age} ago: unset it if \
-         that is not this job's start"
+        "ranks with a --time-limit count it from an inherited {DDP_JOB_STARTED} {age} ago: \
+         unset it if that is not this job's start"
     ))
 }
 
@@ -174,8 +174,8 @@ mod tests {
         assert_eq!(
             ago(3 * 3600 + 12 * 60 + 5).as_deref(),
             Some(
-                "counting --time-limit from an inherited DDP_JOB_STARTED 3h12m ago: unset it \
-                 if that is not this job's start"
+                "ranks with a --time-limit count it from an inherited DDP_JOB_STARTED 3h12m \
+                 ago: unset it if that is not this job's start"
             )
         );
         assert!(ago(61).unwrap().contains(" 1m1s ago: "));
