@@ -716,7 +716,13 @@ fn subreaper_body() {
 fn a_zombie_in_a_ranks_group_does_not_delay_the_stop() {
     let dir = temp_dir("ddp-run-term-zombie");
     let pid = dir.path().join("pid");
-    let script = format!("(exit 0) & echo $$ > {}; exec sleep 1000", pid.display());
+    // The child exits only once its parent is `sleep`, which never reaps it: a child that
+    // exited at once could be reaped by `sh` before its `exec`, leaving no zombie.
+    let script = format!(
+        "(while [ \"$(cat /proc/$$/comm)\" != sleep ]; do sleep 0.01; done) & \
+         echo $$ > {}; exec sleep 1000",
+        pid.display()
+    );
     let args = ["--nproc-per-node", "1", "--shutdown-timeout", "60"];
     let subreaper = Command::new(std::env::current_exe().unwrap())
         .args([

@@ -78,9 +78,6 @@ mod tests {
     use std::process::Command;
     use std::time::{Duration, Instant};
 
-    /// A group of a running leader and a zombie, its child, which it never waits for; then,
-    /// once the leader is killed, nothing running, whether its new parent reaps the zombie
-    /// or not.
     /// A name that is not UTF-8 (cut inside a character) or holds `) ` is still read.
     #[test]
     fn a_stat_line_whose_name_is_not_utf8_is_read() {
@@ -92,10 +89,16 @@ mod tests {
         assert_eq!(stat_state_and_group(b"7 (sh"), None);
     }
 
+    /// A group of a running leader and a zombie, its child, which it never waits for; then,
+    /// once the leader is killed, nothing running, whether its new parent reaps the zombie
+    /// or not.
     #[test]
     fn zombies_in_a_group_are_not_running() {
+        // The child exits once its parent is `sleep`: one that exited at once could be
+        // reaped by `sh` before its `exec`.
+        let child = r#"(while [ "$(cat /proc/$$/comm)" != sleep ]; do sleep 0.01; done) &"#;
         let mut leader = Command::new("sh")
-            .args(["-c", "(exit 0) & exec sleep 60"])
+            .args(["-c", &format!("{child} exec sleep 60")])
             .process_group(0)
             .spawn()
             .unwrap();
