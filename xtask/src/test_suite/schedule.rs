@@ -1,7 +1,7 @@
 //! Running test jobs on a fixed number of slots: at most one job of the ranks group at a
-//! time (its tests start several processes of their own), the other slots for the rest;
-//! the longest startable job first, ranks jobs before others since they form the longest
-//! chain.
+//! time (its tests start several processes of their own that compute), at most one of the
+//! waits group (several processes that mostly wait), the other slots for the rest; the
+//! longest startable job first, ranks jobs before others since they form the longest chain.
 
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::mpsc;
@@ -9,8 +9,14 @@ use std::sync::mpsc;
 /// Which jobs may run beside each other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Group {
-    /// Tests that start several ranks: one such job at a time.
+    /// Tests that start several ranks that compute (trainings, collectives): one such job at
+    /// a time, so that two never compete for the cores.
     Ranks,
+    /// Tests that start several processes that mostly wait (for timeouts, signals, a peer
+    /// that never comes): one such job at a time, beside a ranks job or others. Their
+    /// processes use a fraction of a core, less than the single-process jobs that run
+    /// beside a ranks job anyway.
+    Waits,
     /// Everything else.
     Free,
 }
@@ -38,14 +44,17 @@ pub fn run<T: Send>(
     let mut done = Vec::new();
     let (tx, rx) = mpsc::channel();
     std::thread::scope(|scope| {
-        let (mut running, mut ranks_running) = (0usize, false);
+        // Running jobs: how many in all, and of the groups that run one at a time.
+        let (mut running, mut alone) = (0usize, Vec::<Group>::new());
         loop {
             while running < slots.max(1) {
-                let Some(i) = next(&waiting, ranks_running) else {
+                let Some(i) = next(&waiting, &alone) else {
                     break;
                 };
                 let job = waiting.remove(i);
-                ranks_running |= job.group == Group::Ranks;
+                if job.group != Group::Free {
+                    alone.push(job.group);
+                }
                 running += 1;
                 let (tx, work) = (tx.clone(), &work);
                 scope.spawn(move || {
@@ -60,29 +69,26 @@ pub fn run<T: Send>(
             let (job, result) = rx.recv().expect("every job thread reports");
             let result = result.unwrap_or_else(|p| panic::resume_unwind(p));
             running -= 1;
-            if job.group == Group::Ranks {
-                ranks_running = false;
-            }
+            alone.retain(|&g| g != job.group);
             done.push((job, result));
         }
     });
     done
 }
 
-/// The job to start next: the longest ranks job when none runs, else the longest other one.
-fn next(waiting: &[Job], ranks_running: bool) -> Option<usize> {
-    let longest = |group| {
+/// The job to start next: the longest ranks job when none runs, else the longest other one
+/// whose group does not run already (`alone` holds the one-at-a-time groups running).
+fn next(waiting: &[Job], alone: &[Group]) -> Option<usize> {
+    let startable = |group: Group| group == Group::Free || !alone.contains(&group);
+    let longest = |ranks: bool| {
         waiting
             .iter()
             .enumerate()
-            .filter(|(_, j)| j.group == group)
+            .filter(|(_, j)| (j.group == Group::Ranks) == ranks && startable(j.group))
             .max_by(|a, b| a.1.estimate.total_cmp(&b.1.estimate))
             .map(|(i, _)| i)
     };
-    (!ranks_running)
-        .then(|| longest(Group::Ranks))
-        .flatten()
-        .or_else(|| longest(Group::Free))
+    longest(true).or_else(|| longest(false))
 }
 
 #[cfg(test)]
@@ -109,18 +115,21 @@ mod tests {
             job("free-long", Group::Free, 9.0),
             job("ranks-long", Group::Ranks, 5.0),
             job("ranks-mid", Group::Ranks, 3.0),
+            job("waits-short", Group::Waits, 1.5),
+            job("waits-long", Group::Waits, 4.0),
         ];
         let active = Mutex::new(Vec::<String>::new());
         let started = Mutex::new(Vec::<String>::new());
         let done = run(jobs, 2, |j| {
             {
                 let mut a = active.lock().unwrap();
-                let ranks = a.iter().filter(|l| l.starts_with("ranks")).count();
-                assert!(
-                    !(j.group == Group::Ranks && ranks > 0),
-                    "{} started beside {a:?}",
-                    j.label
-                );
+                for group in ["ranks", "waits"] {
+                    assert!(
+                        !(j.label.starts_with(group) && a.iter().any(|l| l.starts_with(group))),
+                        "{} started beside {a:?}",
+                        j.label
+                    );
+                }
                 assert!(a.len() < 2, "{} started beside {a:?}", j.label);
                 a.push(j.label.clone());
                 started.lock().unwrap().push(j.label.clone());
@@ -129,7 +138,7 @@ mod tests {
             active.lock().unwrap().retain(|l| l != &j.label);
             j.label.len()
         });
-        assert_eq!(done.len(), 5);
+        assert_eq!(done.len(), 7);
         assert!(done.iter().all(|(j, n)| j.label.len() == *n));
         let started = started.into_inner().unwrap();
         // The first two: the longest ranks job and the longest other job.
@@ -138,5 +147,22 @@ mod tests {
         assert_eq!(first, ["free-long", "ranks-long"]);
         let ranks: Vec<_> = started.iter().filter(|l| l.starts_with("ranks")).collect();
         assert_eq!(ranks, ["ranks-long", "ranks-mid", "ranks-short"]);
+    }
+
+    #[test]
+    fn a_waits_job_runs_beside_a_ranks_job_but_not_beside_another_waits_job() {
+        let jobs = [
+            job("ranks", Group::Ranks, 5.0),
+            job("waits-long", Group::Waits, 4.0),
+            job("waits-short", Group::Waits, 3.0),
+            job("free", Group::Free, 1.0),
+        ];
+        let label = |i: Option<usize>| i.map(|i| jobs[i].label.as_str());
+        assert_eq!(label(next(&jobs, &[])), Some("ranks"));
+        assert_eq!(label(next(&jobs, &[Group::Ranks])), Some("waits-long"));
+        assert_eq!(label(next(&jobs, &[Group::Waits])), Some("ranks"));
+        let both = [Group::Ranks, Group::Waits];
+        assert_eq!(label(next(&jobs, &both)), Some("free"));
+        assert_eq!(next(&jobs[..3], &both), None);
     }
 }
