@@ -1167,6 +1167,8 @@ mod tests {
                 turned_away: Arc::default(),
             };
             let served = serve(&stream, &server, &mut None);
+            // Hung up, as the store does once `serve` returns: the peer reads to its end.
+            drop(stream);
             peer.join().unwrap();
             served
         };
