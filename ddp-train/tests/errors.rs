@@ -599,16 +599,7 @@ fn a_task_loss_that_is_no_scalar_is_an_error_naming_the_method() {
 fn evaluating_after_a_failed_backward_works() {
     let _generator = common::regression::hold_generator();
     let tmp = common::temp_dir("ddp-train-errors");
-    let mut s = common::regression::quiet_settings(&tmp.path().join("run"))
-        .epochs(1)
-        .batch_size(16);
-    s.runtime.workers = Some(1);
-    let task = Faulty(
-        Regression::new(points(64, 1), points(8, 2)),
-        Fault::FailingBackward,
-    );
-    let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", common::free_port());
-    let mut trainer = Trainer::with_env(task, s, &env).unwrap();
+    let mut trainer = one_epoch(&tmp.path().join("run"), Fault::FailingBackward).unwrap();
     match trainer.run() {
         Err(TrainError::Context { context, source }) => {
             assert_eq!(context, "the backward pass of epoch 1 step 0");
@@ -619,6 +610,18 @@ fn evaluating_after_a_failed_backward_works() {
     let report = trainer.evaluate().unwrap();
     assert_eq!(report.world_size, 1);
     assert!(report.val_loss.is_finite(), "{}", report.val_loss);
+}
+
+/// A one-rank Trainer in this process for one epoch of [`Faulty`] regression (64 training
+/// points, 8 for validation) with `fault`, batches of 16 from one loader, writing to `run`.
+fn one_epoch(run: &Path, fault: Fault) -> Result<Trainer<Faulty>, TrainError> {
+    let mut s = common::regression::quiet_settings(run)
+        .epochs(1)
+        .batch_size(16);
+    s.runtime.workers = Some(1);
+    let task = Faulty(Regression::new(points(64, 1), points(8, 2)), fault);
+    let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", common::free_port());
+    Trainer::with_env(task, s, &env)
 }
 
 /// Set in a child process of [`in_child`]: the test runs its program instead of its checks.
@@ -692,13 +695,7 @@ fn a_trainers_error_is_recorded_as_arisen_before_the_trainer_is_dropped() {
     if std::env::var_os(CHILD).is_some() {
         let _ = ddp_train::exit_with(|| {
             let tmp = common::temp_dir("ddp-train-errors");
-            let s = common::regression::quiet_settings(&tmp.path().join("run")).epochs(1);
-            let task = Faulty(
-                Regression::new(points(64, 1), points(8, 2)),
-                Fault::PerSampleTrain,
-            );
-            let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", common::free_port());
-            Trainer::with_env(task, s, &env)?.run()?;
+            one_epoch(&tmp.path().join("run"), Fault::PerSampleTrain)?.run()?;
             Ok(())
         });
         return;
@@ -766,16 +763,7 @@ fn a_handled_trainer_error_leaves_no_stale_record() {
         let error_file = PathBuf::from(std::env::var_os("TORCHELASTIC_ERROR_FILE").unwrap());
         let _ = ddp_train::exit_with(|| {
             let tmp = common::temp_dir("ddp-train-errors");
-            let mut s = common::regression::quiet_settings(&tmp.path().join("run"))
-                .epochs(1)
-                .batch_size(16);
-            s.runtime.workers = Some(1);
-            let task = Faulty(
-                Regression::new(points(64, 1), points(8, 2)),
-                Fault::FailingBackward,
-            );
-            let env = ddp_comm::EnvConfig::new(0, 1, "127.0.0.1", common::free_port());
-            let mut trainer = Trainer::with_env(task, s, &env)?;
+            let mut trainer = one_epoch(&tmp.path().join("run"), Fault::FailingBackward)?;
             assert!(trainer.run().is_err());
             assert!(error_file.exists(), "no record of the run's error");
             trainer.evaluate()?;
