@@ -9,9 +9,14 @@
 //! first ([`first_failure`]); a rank without a file counts from its exit (torchrun's
 //! `ProcessFailure`).
 
+use std::ffi::CStr;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use rustix::fs::{self, AtFlags, Dir, FileType, FlockOperation, Mode, OFlags};
+use rustix::io::Errno;
+use rustix::process::{self, Pid};
 use serde_json::{json, Value};
 
 use crate::env::TORCHELASTIC_ERROR_FILE;
@@ -133,22 +138,44 @@ pub(crate) fn first_failure(failed: &[Failed]) -> Option<usize> {
     first(&|f| Some(arose(f).unwrap_or(f.exited)))
 }
 
+/// The start of an error folder's name: `ddp-run-<pid>-<16 hex digits>`.
+const FOLDER_PREFIX: &str = "ddp-run-";
+
+/// A rank's error file's name: `rank-<N>.error.json`.
+const RECORD_NAME: (&str, &str) = ("rank-", ".error.json");
+
 /// One attempt's error files: a folder only this user can enter (mode 0700) in the temporary
-/// folder, with one file per rank, removed with what is in it when dropped.
+/// folder, with one file per rank, removed with what is in it when dropped. The launcher
+/// holds a shared `flock` on it while it lives, which the kernel drops however it dies.
 pub(crate) struct ErrorFolder {
     dir: PathBuf,
+    /// The folder, open and locked.
+    _lock: Option<std::fs::File>,
 }
 
 impl ErrorFolder {
-    /// A new, empty folder.
+    /// A new, empty folder in the temporary folder, made after removing the folders that
+    /// launchers which died without unwinding left there ([`remove_stale`]).
     pub(crate) fn create() -> std::io::Result<Self> {
+        Self::create_in(&std::env::temp_dir())
+    }
+
+    /// A new, empty folder in `parent`, after removing the stale ones there.
+    fn create_in(parent: &Path) -> std::io::Result<Self> {
         use std::os::unix::fs::DirBuilderExt;
+        remove_stale(parent);
         let mut bytes = [0u8; 8];
         getrandom::fill(&mut bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
         let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        let dir = std::env::temp_dir().join(format!("ddp-run-{}-{hex}", std::process::id()));
+        let dir = parent.join(format!("{FOLDER_PREFIX}{}-{hex}", std::process::id()));
         std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
-        Ok(ErrorFolder { dir })
+        let lock = std::fs::File::open(&dir).ok();
+        // Where it cannot, or the file system has no locks, the launcher's pid alone tells
+        // that it lives.
+        if let Some(lock) = &lock {
+            let _ = fs::flock(lock, FlockOperation::NonBlockingLockShared);
+        }
+        Ok(ErrorFolder { dir, _lock: lock })
     }
 
     /// The warning that there is no folder for the error files, `error` said why.
@@ -163,7 +190,8 @@ impl ErrorFolder {
 
     /// Rank `rank`'s error file.
     pub(crate) fn path(&self, rank: usize) -> PathBuf {
-        self.dir.join(format!("rank-{rank}.error.json"))
+        let (start, end) = RECORD_NAME;
+        self.dir.join(format!("{start}{rank}{end}"))
     }
 }
 
@@ -173,9 +201,97 @@ impl Drop for ErrorFolder {
     }
 }
 
+/// Removes from `parent` the error folders that launchers left there when they died without
+/// unwinding (SIGKILL, the OOM killer): this user's folders (never a link, which is not
+/// followed) named as an [`ErrorFolder`] is, whose pid no process has, that no one holds
+/// locked, and that hold only rank error files. Anything else in a folder keeps it.
+/// Failures keep what they meet: a launch never fails for this. Of two launchers that start
+/// at once, one locks a stale folder and removes it; the other's calls fail (the lock, or
+/// ENOENT where the file system has no locks), which it ignores.
+fn remove_stale(parent: &Path) {
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+    let Ok(parent) = fs::open(parent, flags, Mode::empty()) else {
+        return;
+    };
+    let Ok(entries) = Dir::read_from(&parent) else {
+        return;
+    };
+    let uid = process::geteuid().as_raw();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if launcher_pid(name.to_bytes()).is_some_and(gone) {
+            let _ = remove_records(&parent, name, uid);
+        }
+    }
+}
+
+/// Removes the folder `name` in `parent` where it is one of `uid`'s, unlocked, that holds
+/// only regular files named as rank error files.
+fn remove_records(parent: &OwnedFd, name: &CStr, uid: u32) -> rustix::io::Result<()> {
+    // O_NOFOLLOW: a link that anyone planted under such a name is left as it is.
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let dir = fs::openat(parent, name, flags, Mode::empty())?;
+    // A live launcher holds its folder locked, one in another pid namespace too (a container
+    // sharing this temporary folder), where its pid says nothing.
+    if fs::fstat(&dir)?.st_uid != uid
+        || fs::flock(&dir, FlockOperation::NonBlockingLockExclusive).is_err()
+    {
+        return Ok(());
+    }
+    let mut records = Vec::new();
+    for entry in Dir::read_from(&dir)? {
+        let file = entry?.file_name().to_owned();
+        if matches!(file.to_bytes(), b"." | b"..") {
+            continue;
+        }
+        let kind =
+            FileType::from_raw_mode(fs::statat(&dir, &file, AtFlags::SYMLINK_NOFOLLOW)?.st_mode);
+        if kind != FileType::RegularFile || !is_record(file.to_bytes()) {
+            return Ok(());
+        }
+        records.push(file);
+    }
+    for file in records {
+        fs::unlinkat(&dir, &file, AtFlags::empty())?;
+    }
+    fs::unlinkat(parent, name, AtFlags::REMOVEDIR)
+}
+
+/// The launcher's pid in an error folder's name, where `name` is one.
+fn launcher_pid(name: &[u8]) -> Option<Pid> {
+    let rest = name.strip_prefix(FOLDER_PREFIX.as_bytes())?;
+    let dash = rest.iter().position(|&b| b == b'-')?;
+    let (pid, hex) = (&rest[..dash], &rest[dash + 1..]);
+    let hex_digits = hex.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    let pid = i32::try_from(decimal(pid)?).ok()?;
+    (hex.len() == 16 && hex_digits).then(|| Pid::from_raw(pid))?
+}
+
+/// Whether `name` is a rank's error file's, as [`ErrorFolder::path`] names them.
+fn is_record(name: &[u8]) -> bool {
+    let (start, end) = RECORD_NAME;
+    let rank = name
+        .strip_prefix(start.as_bytes())
+        .and_then(|r| r.strip_suffix(end.as_bytes()));
+    rank.and_then(decimal).is_some()
+}
+
+/// The number that `digits` spell, only decimal digits (no sign), at least one.
+fn decimal(digits: &[u8]) -> Option<u64> {
+    let all = !digits.is_empty() && digits.iter().all(u8::is_ascii_digit);
+    all.then(|| std::str::from_utf8(digits).ok()?.parse().ok())?
+}
+
+/// Whether no process runs as `pid`. A live process keeps the folder, even one that reused a
+/// dead launcher's pid (kill cannot tell them apart): that folder waits for a later launch.
+fn gone(pid: Pid) -> bool {
+    process::test_kill_process(pid) == Err(Errno::SRCH)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
 
     /// What a rank writes reads as torchrun's agent reads it (`ProcessFailure`: the
     /// message's `message`, and `int(extraInfo.timestamp)`), and back here to the nanosecond.
@@ -367,7 +483,8 @@ mod tests {
     #[test]
     fn the_folder_is_private_and_removed() {
         use std::os::unix::fs::PermissionsExt;
-        let folder = ErrorFolder::create().unwrap();
+        let tmp = ddp_testkit::temp_dir("error-folder");
+        let folder = ErrorFolder::create_in(tmp.path()).unwrap();
         let dir = folder.dir.clone();
         let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o700);
@@ -375,5 +492,131 @@ mod tests {
         assert!(dir.join("rank-3.error.json").is_file());
         drop(folder);
         assert!(!dir.exists());
+    }
+
+    /// A pid that no process has: above any `pid_max` (at most 2^22).
+    const DEAD: i32 = i32::MAX;
+
+    /// Makes the folder `name` in `parent` holding `files` (empty) and `folders`.
+    fn folder(parent: &Path, name: &str, files: &[&str], folders: &[&str]) -> PathBuf {
+        let dir = parent.join(name);
+        std::fs::create_dir(&dir).unwrap();
+        for file in files {
+            std::fs::write(dir.join(file), "{}").unwrap();
+        }
+        for sub in folders {
+            std::fs::create_dir(dir.join(sub)).unwrap();
+        }
+        dir
+    }
+
+    /// The names in `dir`.
+    fn names(dir: &Path) -> BTreeSet<String> {
+        let entries = std::fs::read_dir(dir).unwrap();
+        entries
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect()
+    }
+
+    /// A launcher's new folder replaces those of dead launchers that hold only rank records
+    /// (or nothing); a folder's records are named as [`ErrorFolder::path`] names them.
+    #[test]
+    fn a_dead_launchers_folder_is_removed() {
+        let tmp = ddp_testkit::temp_dir("stale-error-folders");
+        let records = ["rank-0.error.json", "rank-12.error.json"];
+        folder(
+            tmp.path(),
+            &format!("ddp-run-{DEAD}-0123456789abcdef"),
+            &records,
+            &[],
+        );
+        folder(tmp.path(), "ddp-run-4194305-fedcba9876543210", &[], &[]);
+        let new = ErrorFolder::create_in(tmp.path()).unwrap();
+        let own = new.dir.file_name().unwrap().to_str().unwrap().to_owned();
+        assert_eq!(names(tmp.path()), [own.clone()].into());
+        assert!(launcher_pid(own.as_bytes()).is_some(), "{own}");
+        let record = new.path(7);
+        assert!(is_record(record.file_name().unwrap().as_encoded_bytes()));
+        // Two launchers starting at once: each folder is removed once, the other's calls
+        // fail quietly.
+        for i in 0..20 {
+            folder(
+                tmp.path(),
+                &format!("ddp-run-{DEAD}-{i:016x}"),
+                &records,
+                &[],
+            );
+        }
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| remove_stale(tmp.path()));
+            }
+        });
+        assert_eq!(names(tmp.path()), [own].into());
+    }
+
+    /// A folder whose pid runs (this process, or any that reused a dead launcher's pid)
+    /// stays, as one that a live launcher holds locked (in another pid namespace, where its
+    /// pid says nothing), and one of another user's.
+    #[test]
+    fn a_live_launchers_folder_stays() {
+        let tmp = ddp_testkit::temp_dir("live-error-folders");
+        let record = ["rank-0.error.json"];
+        let live = format!("ddp-run-{}-0123456789abcdef", std::process::id());
+        folder(tmp.path(), &live, &record, &[]);
+        let locked = format!("ddp-run-{DEAD}-0123456789abcdef");
+        // A launcher's folder, under a dead pid's name.
+        let launcher = ErrorFolder::create_in(tmp.path()).unwrap();
+        std::fs::write(launcher.path(0), "{}").unwrap();
+        std::fs::rename(&launcher.dir, tmp.path().join(&locked)).unwrap();
+        remove_stale(tmp.path());
+        assert_eq!(names(tmp.path()), [locked.clone(), live.clone()].into());
+        let parent = fs::open(tmp.path(), OFlags::RDONLY, Mode::empty()).unwrap();
+        let name = std::ffi::CString::new(locked.clone()).unwrap();
+        drop(launcher);
+        let stranger = process::geteuid().as_raw() + 1;
+        remove_records(&parent, &name, stranger).unwrap();
+        assert_eq!(names(tmp.path()), [locked, live.clone()].into());
+        remove_stale(tmp.path());
+        assert_eq!(names(tmp.path()), [live].into());
+    }
+
+    /// A folder is removed only where it is named as an error folder is and holds nothing
+    /// but regular files named as rank records: a link is never followed, even inside one.
+    #[test]
+    fn anything_else_stays() {
+        let tmp = ddp_testkit::temp_dir("other-error-folders");
+        let record = ["rank-0.error.json"];
+        let dead = |hex: &str| format!("ddp-run-{DEAD}-{hex}");
+        let target = folder(tmp.path(), "target", &record, &[]);
+        let link = dead("00000000000000aa");
+        std::os::unix::fs::symlink(&target, tmp.path().join(&link)).unwrap();
+        let link_inside = dead("00000000000000bb");
+        let linked = folder(tmp.path(), &link_inside, &[], &[]).join("rank-1.error.json");
+        std::os::unix::fs::symlink(target.join(record[0]), linked).unwrap();
+        let mut kept = BTreeSet::from([link, link_inside.clone(), "target".to_owned()]);
+        for (name, files, folders) in [
+            (
+                dead("00000000000000cc"),
+                &["rank-0.error.json", "notes"][..],
+                &[][..],
+            ),
+            (dead("00000000000000dd"), &record, &["rank-1.error.json"]),
+            (dead("00000000000000ee"), &["rank-x.error.json"], &[]),
+            (dead("00000000000000ff"), &["rank-0.error.json.tmp"], &[]),
+            (dead("0123456789ABCDEF"), &record, &[]),
+            (dead("0123456789abcde"), &record, &[]),
+            ("ddp-run--0123456789abcdef".into(), &record, &[]),
+            (format!("ddp-run-+{DEAD}-0123456789abcdef"), &record, &[]),
+            ("ddp-run-0-0123456789abcdef".into(), &record, &[]),
+        ] {
+            folder(tmp.path(), &name, files, folders);
+            kept.insert(name);
+        }
+        remove_stale(tmp.path());
+        assert_eq!(names(tmp.path()), kept);
+        assert_eq!(names(&target), record.map(String::from).into());
+        let inside = names(&tmp.path().join(link_inside));
+        assert_eq!(inside, ["rank-1.error.json".into()].into());
     }
 }

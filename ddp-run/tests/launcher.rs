@@ -758,11 +758,23 @@ fn a_signal_that_some_ranks_answer_with_75_and_the_others_with_0_ends_as_stopped
     assert_stopped_after(&out, libc::SIGTERM);
 }
 
+/// The folders of error files in `tmp`.
+fn error_folders(tmp: &Path) -> Vec<String> {
+    let names = std::fs::read_dir(tmp)
+        .unwrap()
+        .map(|e| e.unwrap().file_name());
+    let names = names.map(|n| n.into_string().unwrap());
+    names.filter(|n| n.starts_with("ddp-run-")).collect()
+}
+
+/// The launcher's error folder, which it cannot remove, goes with the next launch (in the
+/// test's temporary folder, so that the suite leaves none behind).
 #[test]
 fn killing_the_launcher_with_sigkill_takes_the_ranks_with_it() {
     let dir = temp_dir("ddp-run-orphans");
     let script = waiting_job(dir.path());
     let mut child = ddp_run(&["--nproc-per-node", "2", "sh", "-c", &script])
+        .env("TMPDIR", dir.path())
         .spawn()
         .unwrap();
     let ranks = wait_for_pids(dir.path());
@@ -778,6 +790,15 @@ fn killing_the_launcher_with_sigkill_takes_the_ranks_with_it() {
         Duration::from_secs(30),
         || ranks.iter().all(|&p| !procs::alive(p)),
     );
+    let left = error_folders(dir.path());
+    assert!(
+        left.len() == 1 && left[0].starts_with(&format!("ddp-run-{}-", child.id())),
+        "{left:?}"
+    );
+    let mut next = ddp_run(&["--nproc-per-node", "1", "true"]);
+    let next = next.env("TMPDIR", dir.path()).spawn().unwrap();
+    assert!(wait_bounded(next, LIMIT).status.success());
+    assert_eq!(error_folders(dir.path()), Vec::<String>::new());
 }
 
 #[test]

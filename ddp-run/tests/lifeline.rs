@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use ddp_run::env::{DDP_LAUNCHER_LIFELINE, DDP_LAUNCHER_PID};
-use ddp_testkit::{in_new_pid_namespace, procs, text, wait_bounded, wait_for};
+use ddp_testkit::{in_new_pid_namespace, procs, temp_dir, text, wait_bounded, wait_for};
 
 const DDP_RUN: &str = env!("CARGO_BIN_EXE_ddp-run");
 const LIMIT: Duration = Duration::from_secs(60);
@@ -96,12 +96,15 @@ fn watching_rank(child: &mut Child) -> u32 {
 }
 
 /// Kills the launcher running a rank (in `mode`) behind `sh -c '... ; true'` (under `prefix`),
-/// and waits for the rank to die with it.
+/// and waits for the rank to die with it. The launcher's temporary folder is the test's, so
+/// that the error folder it cannot remove goes with it.
 fn a_wrapped_rank_dies_with_its_launcher(prefix: &[&str], mode: &str) {
     let script = format!("'{}'; true", rank_args().join("' '"));
     let mut wrapper = prefix.to_vec();
     wrapper.extend(["sh", "-c", &script]);
-    let mut launcher = ddp_run(&wrapper, mode).spawn().unwrap();
+    let tmp = temp_dir("ddp-run-killed");
+    let mut cmd = ddp_run(&wrapper, mode);
+    let mut launcher = cmd.env("TMPDIR", tmp.path()).spawn().unwrap();
     let rank = watching_rank(&mut launcher);
     ddp_testkit::kill(launcher.id(), libc::SIGKILL);
     assert_eq!(launcher.wait().unwrap().signal(), Some(libc::SIGKILL));
