@@ -174,6 +174,8 @@ fn faults_at_random_steps_end_with_the_weights_of_an_uninterrupted_run() {
             ("DDP_TRAIN_FAIL_RANK", rank_str.as_str()),
             ("DDP_TRAIN_FAIL_AT", at.as_str()),
             ("DDP_TRAIN_FAIL_SIGNAL", fault.injected()),
+            // The error folder of a launcher killed by its rank goes with the test's folder.
+            ("TMPDIR", dir.path().to_str().unwrap()),
         ];
         let output = wait_bounded(
             job(&data, &run, &env).spawn().unwrap(),

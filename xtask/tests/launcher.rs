@@ -214,7 +214,9 @@ fn a_launcher_killed_by_sigkill_takes_ranks_behind_a_wrapper_script_with_it() {
         ),
     );
     let launch = ["--cpus", "2", "--grace", "2"];
-    let mut child = launcher_of(&wrapper, &launch, &data, &out, &["--epochs", "50"], &[])
+    // The error folder that the killed launcher leaves goes with the test's folder.
+    let tmp = [("TMPDIR", dir.path().to_str().unwrap())];
+    let mut child = launcher_of(&wrapper, &launch, &data, &out, &["--epochs", "50"], &tmp)
         .spawn()
         .unwrap();
     let shells = rank_pids(child.id());
@@ -837,7 +839,9 @@ fn a_node_that_dies_takes_the_other_node_down() {
     let port = ddp_testkit::free_port();
     let args = ["--epochs", "50", "--log-every", "1"];
     let node0 = start_node(0, port, &data, &out, &args);
-    let mut node1 = start_node(1, port, &data, &out, &args);
+    // The error folder that the killed launcher leaves goes with the test's folder.
+    let tmp = [("TMPDIR", dir.path().to_str().unwrap())];
+    let mut node1 = start_node_with(1, port, 2, (&data, &out), &args, &tmp);
     let node0_ranks = rank_pids(node0.id());
     wait_for_text(
         &out.join("logs/rank-2.out"),
