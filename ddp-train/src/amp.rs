@@ -16,6 +16,10 @@ pub enum Precision {
     /// Autocast to bfloat16; no gradient scaling.
     Bf16,
     /// Autocast to IEEE half, with a [`GradScaler`].
+    #[cfg_attr(
+        feature = "cli",
+        value(help = "Autocast to IEEE half, with a dynamic gradient scaler")
+    )]
     Fp16,
 }
 

@@ -507,6 +507,19 @@ mod tests {
     use serde_json::Value;
     use std::collections::BTreeMap;
 
+    /// `--help` shows no rustdoc markup: clap takes value enums' doc comments as their help,
+    /// where a link (`[`GradScaler`]`) would print as it is written.
+    #[test]
+    fn the_long_help_has_no_rustdoc_links() {
+        let help = Cli::<GenericDefaults>::command()
+            .render_long_help()
+            .to_string();
+        assert!(help.contains("fp16: Autocast to IEEE half"), "{help}");
+        for markup in ["[`", "`]", "]("] {
+            assert!(!help.contains(markup), "{markup} in:\n{help}");
+        }
+    }
+
     /// A stop on request gives 75 in anyhow's context too (a requeue), anything else 1.
     #[test]
     fn a_stop_on_request_exits_75_through_context() {

@@ -236,7 +236,7 @@ fn gpu_extra_runs_issue_29_first_and_judges_ours_without_pytorch() {
             (w.next().unwrap(), w.next().unwrap())
         })
         .collect();
-    // Issue 29's checks first, resnet50-fp16 before feed; our ResNet-50 passes although
+    // The GPU path's defect checks first, resnet50-fp16 before feed; our ResNet-50 passes although
     // PyTorch's reference, in rows of its own at the end, failed.
     assert_eq!(
         rows,

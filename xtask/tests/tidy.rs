@@ -1075,8 +1075,9 @@ fn every_link_of_the_documentation_leads_somewhere() {
 const README_LINES: usize = 150;
 const ARCHITECTURE_BYTES: usize = 15 * 1024;
 
-/// `(line, what)` of each dated note in `text`: a date (`2026-12-01`), or words about the
-/// session a text was written in or what it could not measure there.
+/// `(line, what)` of each dated note in `text`: a date (`2026-12-01`), words about the
+/// session a text was written in or what it could not measure there, or the project's own
+/// history that a user cannot see (`issue 29`, `seed 1's`, `the second seed`).
 fn dated_notes(text: &str) -> Vec<(usize, String)> {
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
@@ -1106,6 +1107,20 @@ fn dated_notes(text: &str) -> Vec<(usize, String)> {
                 out.push((i + 1, format!("\"{phrase}\"")));
             }
         }
+        for (word, after) in [("issue ", ""), ("seed ", "'s"), ("seeds", "'")] {
+            let numbered = lower.match_indices(word).any(|(k, _)| {
+                let rest = &lower[k + word.len()..];
+                let digits =
+                    rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+                (digits > 0 || word == "seeds") && rest[digits..].starts_with(after)
+            });
+            if numbered || (word == "seed " && lower.contains("second seed")) {
+                out.push((
+                    i + 1,
+                    format!("the project's history (\"{}\")", word.trim()),
+                ));
+            }
+        }
     }
     out
 }
@@ -1114,13 +1129,19 @@ fn dated_notes(text: &str) -> Vec<(usize, String)> {
 fn dated_notes_are_found() {
     let text = "Measured 2026-12-01 on this machine.\nThe rank runs in a session of its own.\n\
                 No GPU was lent to this session.\nport 20261201-000000 is a run directory\n\
-                Unmeasured on a GPU so far; the best model so far.\n";
+                Unmeasured on a GPU so far; the best model so far.\n\
+                As issue 29 asks, seed 1's defaults.\nThe second seed's classifier.\n\
+                --seed 1 or seed 12 for issues; the seeds' transform.\n";
     assert_eq!(
         dated_notes(text),
         [
             (1, "a date, 2026-12-01".to_string()),
             (3, "\"this session\"".to_string()),
             (5, "\"unmeasured\"".to_string()),
+            (6, "the project's history (\"issue\")".to_string()),
+            (6, "the project's history (\"seed\")".to_string()),
+            (7, "the project's history (\"seed\")".to_string()),
+            (8, "the project's history (\"seeds\")".to_string()),
         ]
     );
 }

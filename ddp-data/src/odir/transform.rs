@@ -91,8 +91,8 @@ impl Transform {
         }
     }
 
-    /// `RandomResizedCrop(size, scale=(0.2, 1.0), ratio=(3/4, 4/3))` + `ToTensor`, the seeds'
-    /// training transform; no flip unless [`with_hflip`](Self::with_hflip) turns it on.
+    /// `RandomResizedCrop(size, scale=(0.2, 1.0), ratio=(3/4, 4/3))` + `ToTensor`, the PyTorch
+    /// ODIR scripts' training transform; no flip unless [`with_hflip`](Self::with_hflip) turns it on.
     pub fn train(size: u32) -> Self {
         Self::with_geometry(Geometry::RandomResizedCrop {
             size: size.max(1),

@@ -19,8 +19,9 @@ use crate::scheduler::PlateauConfig;
 use crate::settings::{non_utf8, EarlyStopping, Monitor, Settings};
 
 /// ODIR's defaults for the generic flags: batches of 16, `ReduceLROnPlateau` on validation
-/// macro-F1 (halving after 2 epochs without improvement, down to 1e-6), early stopping on it
-/// once given a patience, and the best macro-F1, micro-F1 and challenge-score models kept.
+/// macro-F1 (halving at the third epoch without improvement, patience 2, down to 1e-6),
+/// early stopping on it once given a patience, and the best macro-F1, micro-F1 and
+/// challenge-score models kept.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct OdirDefaults;
 

@@ -219,7 +219,10 @@ impl Args for LrSchedule {
                 .value_name("PLATEAU_PATIENCE")
                 .value_parser(value_parser!(u32))
                 .default_value(plateau.patience.to_string())
-                .help("ReduceLROnPlateau: epochs without improvement before reducing"),
+                .help(
+                    "ReduceLROnPlateau: epochs without improvement tolerated; the next one \
+                     reduces the rate (PyTorch's patience)",
+                ),
         )
         .arg(
             number(

@@ -65,7 +65,7 @@ targets! {
     TRAIN_RESNET50 = Target::Ratio(1.0),
         "torchvision's ResNet-50 (ddp-model's, the same function), batch 8 of 224 px per rank \
          on the CPU, 1 and 2 ranks: optimizer steps/s at least PyTorch DDP's.",
-        "issue 26: fine-tuning a pretrained backbone must cost no more than in PyTorch";
+        "fine-tuning a pretrained backbone must cost no more than in PyTorch";
     OVERLAP_VS_DDP = Target::Ratio(1.3),
         "The communication-heavy MLP's step, overlapped, 2 ranks over shared memory and \
          over TCP: steps/s at least 1.3x PyTorch DDP's.",
