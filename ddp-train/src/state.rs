@@ -329,9 +329,10 @@ pub fn save(
 }
 
 /// For the launcher's fault tests, with the `fault-injection` feature only (users' builds never
-/// read it): `DDP_TRAIN_PAUSE_IN_CHECKPOINT=<epoch>`
-/// makes rank 0 stop for a minute in the middle of writing that epoch's checkpoint (model
-/// file written, state file and `latest` not yet), so a test can kill it there.
+/// read it): `DDP_TRAIN_PAUSE_IN_CHECKPOINT=<epoch>` makes rank 0 pause in the middle of
+/// writing that epoch's checkpoint (model file written, state file and `latest` not yet), so
+/// a test can kill it there, or act and end the pause by creating `DDP_TRAIN_PAUSE_FILE`; a
+/// minute at most.
 fn pause_if_injected(epoch: u64) {
     if cfg!(feature = "fault-injection")
         && std::env::var("DDP_TRAIN_PAUSE_IN_CHECKPOINT").is_ok_and(|e| e == epoch.to_string())
@@ -339,7 +340,13 @@ fn pause_if_injected(epoch: u64) {
         tracing::warn!(
             "pausing inside the checkpoint of epoch {epoch} (DDP_TRAIN_PAUSE_IN_CHECKPOINT)"
         );
-        std::thread::sleep(std::time::Duration::from_secs(60));
+        let file = std::env::var_os("DDP_TRAIN_PAUSE_FILE").map(PathBuf::from);
+        let start = std::time::Instant::now();
+        while !file.as_deref().is_some_and(Path::exists)
+            && start.elapsed() < std::time::Duration::from_secs(60)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 }
 

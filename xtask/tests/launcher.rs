@@ -869,10 +869,10 @@ fn a_node_that_dies_takes_the_other_node_down() {
 }
 
 /// Two nodes of one rank each. Rank 1 dies while rank 0 writes epoch 2's checkpoint; node
-/// 1 restarts it, and it reads `latest` (epoch 1) and waits for the others. Rank 0 then
-/// points `latest` at epoch 2, fails (its peer is gone), and node 0 restarts it: it reads
-/// epoch 2. Once met, the ranks find they differ; neither named a file, and the writer is
-/// gone, so both read `latest` again and the job goes on from epoch 2.
+/// 1 restarts it, and it reads `latest` (epoch 1) and waits for the others. Only then does
+/// rank 0 point `latest` at epoch 2; it fails (its peer is gone), and node 0 restarts it: it
+/// reads epoch 2. Once met, the ranks find they differ; neither named a file, and the writer
+/// is gone, so both read `latest` again and the job goes on from epoch 2.
 #[test]
 fn a_rank_restarted_while_rank_0_writes_a_checkpoint_continues_from_it() {
     let dir = temp_dir("xtask-nodes-restart-in-checkpoint");
@@ -880,9 +880,12 @@ fn a_rank_restarted_while_rank_0_writes_a_checkpoint_continues_from_it() {
     let out = dir.path().join("run");
     let port = ddp_testkit::free_port();
     let args = ["--epochs", "3", "--threads", "1", "--max-restarts", "1"];
-    // Restarted rank 1 waits out rank 0's pause (a minute) at the rendezvous.
+    // Rank 0's pause lasts until `resume` exists; restarted rank 1 waits at the rendezvous
+    // for rank 0's failure and restart, which a loaded machine can make slow.
+    let resume = dir.path().join("resume");
     let env = [
         ("DDP_TRAIN_PAUSE_IN_CHECKPOINT", "2"),
+        ("DDP_TRAIN_PAUSE_FILE", resume.to_str().unwrap()),
         ("DDP_RDZV_TIMEOUT_S", "300"),
     ];
     let node0 = start_node_with(0, port, 1, (&data, &out), &args, &env);
@@ -898,6 +901,18 @@ fn a_rank_restarted_while_rank_0_writes_a_checkpoint_continues_from_it() {
         Duration::from_secs(180),
     );
     kill(rank1[0], libc::SIGKILL);
+    // The restarted rank 1 (its log's second such line) read `latest`: rank 0 goes on.
+    let mut log1 = String::new();
+    wait_for("rank 1 restarted", Duration::from_secs(120), || {
+        log1 = std::fs::read_to_string(out.join("logs/rank-1.out")).unwrap_or_default();
+        log1.matches("rank 1 resumes ").count() == 2
+    });
+    let restarted = &log1[log1.rfind("rank 1 resumes ").unwrap()..];
+    assert!(
+        restarted.contains("epoch-0001.safetensors; meeting the other ranks"),
+        "{log1}"
+    );
+    std::fs::write(&resume, "").unwrap();
     let (out0, out1) = (
         wait_bounded(node0, Duration::from_secs(400)),
         wait_bounded(node1, Duration::from_secs(400)),

@@ -120,6 +120,19 @@ pub(super) fn hold_if_injected(point: Point, signals: Option<&SignalWatch>) {
     }
 }
 
+/// For the tests of a restart while rank 0 writes a checkpoint, with the `fault-injection`
+/// feature only: with `DDP_TRAIN_PAUSE_FILE` set (`state::save`'s pause), every rank says which
+/// checkpoint it resolved just before it meets the others, so that a test ends rank 0's pause
+/// once a restarted rank has read `latest`, not before.
+pub(super) fn note_resumed(rank: usize, resumed: Option<&Path>) {
+    if cfg!(feature = "fault-injection") && std::env::var_os("DDP_TRAIN_PAUSE_FILE").is_some() {
+        let file = resumed.map_or("no checkpoint".into(), |f| f.display().to_string());
+        tracing::warn!(
+            "rank {rank} resumes {file}; meeting the other ranks (DDP_TRAIN_PAUSE_FILE)"
+        );
+    }
+}
+
 /// For the tests of run directories on file systems without locks, with the
 /// `fault-injection` feature only: `DDP_TRAIN_FLOCK_ERRNO=<n>` makes rank 0's `flock` of the
 /// run directory fail with error number n (38, `ENOSYS`, is Lustre's answer when mounted

@@ -114,6 +114,7 @@ impl<T: Task> Trainer<T> {
             given,
         };
         let built = start.build(s, &continuing)?;
+        super::faults::note_resumed(env.rank, built.resumed_file.as_deref());
         let mut opts = ddp_comm::Options::from_config(env).device(device);
         if let Some(secs) = s.runtime.collective_timeout_secs {
             opts = opts.op_timeout(Duration::from_secs(secs));
