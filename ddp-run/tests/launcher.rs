@@ -531,7 +531,8 @@ fn assert_stopped_after(out: &Output, signal: i32) {
 /// LAUNCHER_ARGS`, which gets SIGTERM once both are up; its output.
 fn after_sigterm(dir: &Path, traps: &str, launcher_args: &[&str]) -> Output {
     let script = format!(
-        r#"{traps}
+        r#"D={dir}
+           {traps}
            echo $$ > {dir}/pid$RANK
            i=0; while [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done"#,
         dir = dir.display()
@@ -545,11 +546,11 @@ fn after_sigterm(dir: &Path, traps: &str, launcher_args: &[&str]) -> Output {
     wait_bounded(child, LIMIT)
 }
 
-/// What the launcher says after a SIGTERM to two ranks that run `traps`, given a second to
+/// What the launcher says after a SIGTERM to two ranks that run `traps`, given `seconds` to
 /// stop, which ends it with 143.
-fn said_after_a_short_stop(traps: &str) -> String {
+fn said_after_a_short_stop(traps: &str, seconds: &str) -> String {
     let dir = temp_dir("ddp-run-term-short");
-    let out = after_sigterm(dir.path(), traps, &["--shutdown-timeout", "1"]);
+    let out = after_sigterm(dir.path(), traps, &["--shutdown-timeout", seconds]);
     assert_eq!(out.status.code(), Some(143), "{}", text(&out));
     text(&out)
 }
@@ -558,7 +559,7 @@ fn said_after_a_short_stop(traps: &str) -> String {
 /// and the launcher says so, with what to raise, instead of a plain interruption.
 #[test]
 fn ranks_killed_in_the_middle_of_their_stop_are_named_with_the_timeout() {
-    let said = said_after_a_short_stop("trap 'sleep 3; exit 75' TERM");
+    let said = said_after_a_short_stop("trap 'sleep 3; exit 75' TERM", "1");
     assert!(
         said.contains(
             "ddp-run: interrupted by signal 15; ranks 0-1 had not stopped 1 s after it (the \
@@ -573,11 +574,15 @@ fn ranks_killed_in_the_middle_of_their_stop_are_named_with_the_timeout() {
 /// are killed at the timeout, and the ranks' own exits are reported, not hidden by it.
 #[test]
 fn ranks_that_failed_are_named_apart_from_what_they_left_running() {
-    let said = said_after_a_short_stop("trap 'exit 3' TERM; (trap '' TERM; exec sleep 1000) &");
+    // The helper says when it ignores SIGTERM, and the rank goes on only then; the ranks
+    // have 3 s to take their trap (the helpers are always waited out).
+    let traps = "trap 'exit 3' TERM; (trap '' TERM; : > $D/helper$RANK; exec sleep 1000) &
+        while [ ! -e $D/helper$RANK ]; do sleep 0.01; done";
+    let said = said_after_a_short_stop(traps, "3");
     assert!(
         said.contains(
             "ddp-run: interrupted by signal 15; ranks 0-1 have ended, but what each started in \
-             its process group had not stopped 1 s after it (the shutdown timeout) and was \
+             its process group had not stopped 3 s after it (the shutdown timeout) and was \
              killed; a stop at a checkpoint needs more time: raise --shutdown-timeout\n\
              ddp-run: rank 0 exited with code 3\n"
         ),
@@ -716,11 +721,12 @@ fn subreaper_body() {
 fn a_zombie_in_a_ranks_group_does_not_delay_the_stop() {
     let dir = temp_dir("ddp-run-term-zombie");
     let pid = dir.path().join("pid");
-    // The child exits only once its parent is `sleep`, which never reaps it: a child that
-    // exited at once could be reaped by `sh` before its `exec`, leaving no zombie.
+    // The child exits only once its parent is `sleep`, which never reaps it (or once the
+    // parent is gone): a child that exited at once could be reaped by `sh` before its
+    // `exec`, leaving no zombie.
     let script = format!(
-        "(while [ \"$(cat /proc/$$/comm)\" != sleep ]; do sleep 0.01; done) & \
-         echo $$ > {}; exec sleep 1000",
+        "(while c=$(cat /proc/$$/comm 2>/dev/null) && [ \"$c\" != sleep ]; \
+         do sleep 0.01; done) & echo $$ > {}; exec sleep 1000",
         pid.display()
     );
     let args = ["--nproc-per-node", "1", "--shutdown-timeout", "60"];
@@ -740,8 +746,11 @@ fn a_zombie_in_a_ranks_group_does_not_delay_the_stop() {
         .spawn()
         .unwrap();
     let rank = pid_written_to(&pid);
+    // The rank and its child, a zombie: the child's own children (its `cat`, its `sleep`)
+    // are zombies for a moment too, while it still runs.
     wait_for("the rank's child is a zombie", LIMIT, || {
-        procs::group(rank).iter().any(|(_, state)| state == "Z")
+        let group = procs::group(rank);
+        group.len() == 2 && group.iter().any(|(_, state)| state == "Z")
     });
     let launcher = procs::children_of(subreaper.id());
     assert_eq!(launcher.len(), 1);
