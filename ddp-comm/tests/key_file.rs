@@ -16,8 +16,15 @@ use ddp_testkit::temp_dir;
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// Rank `rank` of 2 started without `DDP_SECRET` (removed from the environment that
-/// `spawn_rank` gives it), whose configuration folder is `config`.
-fn spawn_without_secret(test: &str, rank: usize, port: u16, config: &Path) -> Child {
+/// `spawn_rank` gives it), whose configuration folder is `config`, with a rendezvous timeout
+/// of `rdzv_timeout_s`.
+fn spawn_without_secret(
+    test: &str,
+    rank: usize,
+    port: u16,
+    config: &Path,
+    rdzv_timeout_s: &str,
+) -> Child {
     let mut cmd = worker_command(test);
     ddp_testkit::RankEnv {
         secret: None,
@@ -28,7 +35,7 @@ fn spawn_without_secret(test: &str, rank: usize, port: u16, config: &Path) -> Ch
         .env_remove("DDP_SECRET_FILE")
         .env("DDP_RUN_ID", format!("test-{port}"))
         .env("XDG_CONFIG_HOME", config)
-        .env("DDP_RDZV_TIMEOUT_S", "8")
+        .env("DDP_RDZV_TIMEOUT_S", rdzv_timeout_s)
         .env("DDP_OP_TIMEOUT_S", "60");
     cmd.spawn().unwrap()
 }
@@ -51,8 +58,9 @@ fn ranks_without_ddp_secret_meet_through_the_users_key_file() {
     let tmp = temp_dir("key-file-shared");
     let config = tmp.path().join("config");
     let port = free_port();
+    // The ranks meet whenever both have started, however loaded the machine.
     let ranks = (0..2)
-        .map(|r| spawn_without_secret(test, r, port, &config))
+        .map(|r| spawn_without_secret(test, r, port, &config, "50"))
         .collect();
     let outs = wait_all(ranks, LIMIT);
     for (rank, out) in outs.iter().enumerate() {
@@ -110,8 +118,9 @@ fn ranks_that_do_not_share_the_key_file_fail_naming_it() {
     let tmp = temp_dir("key-file-apart");
     let port = free_port();
     let config = |r: usize| tmp.path().join(format!("host{r}"));
+    // Rank 0 waits out its rendezvous for the rank it turned away.
     let ranks = (0..2)
-        .map(|r| spawn_without_secret(test, r, port, &config(r)))
+        .map(|r| spawn_without_secret(test, r, port, &config(r), "8"))
         .collect();
     let outs = wait_all(ranks, LIMIT);
     for (rank, out) in outs.iter().enumerate() {
