@@ -149,7 +149,14 @@ pub fn run(root: &Path) -> Result<()> {
         crate::run(root, lean)?;
     }
 
+    // Where the time goes, phase by phase, shown with the total.
+    let mut phases = vec![("setup and lints", started.elapsed())];
+    let mark = |name, phases: &mut Vec<(&str, Duration)>| {
+        let before: Duration = phases.iter().map(|(_, d)| *d).sum();
+        phases.push((name, started.elapsed().saturating_sub(before)));
+    };
     let (binaries, programs) = build(root)?;
+    mark("build", &mut phases);
     let history_file = target_dir(root).join("xtask/test-times.json");
     let history = load_history(&history_file);
     let mut jobs = Vec::new();
@@ -206,6 +213,7 @@ pub fn run(root: &Path) -> Result<()> {
     });
     let signal = watch.received();
     drop(watch);
+    mark("test binaries", &mut phases);
 
     let mut results: Vec<(String, TestResult)> = Vec::new();
     // Each binary that failed, with why and where its output is.
@@ -245,6 +253,7 @@ pub fn run(root: &Path) -> Result<()> {
     save_history(&history_file, &history);
 
     let doctests = doctests(root);
+    mark("doctests", &mut phases);
     let count = |o| results.iter().filter(|(_, r)| r.outcome == o).count();
     let (mut passed, failed, ignored) = (
         count(Outcome::Passed),
@@ -272,9 +281,14 @@ pub fn run(root: &Path) -> Result<()> {
     for (label, why) in &failed_jobs {
         println!("xtask: {label} failed ({why})");
     }
+    let parts: Vec<String> = phases
+        .iter()
+        .map(|(name, d)| format!("{name} {:.0} s", d.as_secs_f64()))
+        .collect();
     println!(
-        "\nxtask: tests took {:.0} s in all",
-        started.elapsed().as_secs_f64()
+        "\nxtask: tests took {:.0} s in all ({})",
+        started.elapsed().as_secs_f64(),
+        parts.join(", ")
     );
     println!(
         "{passed} passed, {} failed, {ignored} skipped",
