@@ -14,8 +14,18 @@ use common::{rank_world, show, spawn_rank, wait_all, worker};
 use ddp_comm::{ProcessGroup, ReduceOp};
 
 const STRANGERS: usize = 2000;
-/// How long the ranks train under the flood.
-const TRAINING: Duration = Duration::from_secs(25);
+/// Rank 0's deadline for a stranger's handshake, in seconds: the store's own, or a shorter
+/// one where the `fault-injection` feature lets the test set it.
+const DEADLINE_S: u64 = if cfg!(feature = "fault-injection") {
+    2
+} else {
+    10
+};
+/// How long the strangers drip: past two deadlines, so that rank 0 cuts them off, and they
+/// connect again, more than once.
+const FLOOD: Duration = Duration::from_secs(2 * DEADLINE_S + 2);
+/// How long the ranks train: the flood, and after it.
+const TRAINING: Duration = Duration::from_secs(2 * DEADLINE_S + 5);
 
 /// Descriptors open in process `pid`, or `None` once it has exited. A process that is
 /// running but whose descriptors cannot be listed fails the test: counting 0 would pass the
@@ -69,7 +79,13 @@ fn a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job() {
     let test = "a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job";
     let dir = ddp_testkit::temp_dir("ddp-comm-flood");
     let port = common::free_port();
-    let env = [("FLOOD_READY", dir.path().display().to_string())];
+    let env = [
+        ("FLOOD_READY", dir.path().display().to_string()),
+        (
+            "DDP_COMM_TEST_STORE_HANDSHAKE_MS",
+            (DEADLINE_S * 1000).to_string(),
+        ),
+    ];
     let rank0 = spawn_rank(test, 0, 2, port, &env);
     let rank1 = spawn_rank(test, 1, 2, port, &env);
     let pid0 = rank0.id();
@@ -83,22 +99,26 @@ fn a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job() {
     assert!(baseline >= 3, "rank 0 lists only {baseline} descriptors");
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let flood = std::thread::spawn(move || {
-        let mut strangers: Vec<Option<TcpStream>> = (0..STRANGERS).map(|_| None).collect();
+        // Each with the count of bytes it sent.
+        let mut strangers: Vec<Option<(TcpStream, usize)>> = (0..STRANGERS).map(|_| None).collect();
         let (mut opened, mut most) = (0usize, 0usize);
         let start = Instant::now();
-        let until = TRAINING - Duration::from_secs(3);
-        while start.elapsed() < until {
+        while start.elapsed() < FLOOD {
             for s in &mut strangers {
-                if start.elapsed() >= until {
+                if start.elapsed() >= FLOOD {
                     break;
                 }
                 if s.is_none() {
-                    *s = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok();
+                    let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1));
+                    *s = stream.ok().map(|stream| (stream, 0));
                     opened += usize::from(s.is_some());
                 }
-                // One byte of a hello that never completes.
-                if let Some(stream) = s {
-                    if stream.write_all(b"D").is_err() {
+                // One byte of a hello that never completes: the store's magic and version,
+                // then zeros, so that only the handshake's deadline cuts it off.
+                if let Some((stream, sent)) = s {
+                    let byte = b"DDPS\x02".get(*sent).copied().unwrap_or(0);
+                    *sent += 1;
+                    if stream.write_all(&[byte]).is_err() {
                         *s = None;
                     }
                 }
@@ -119,6 +139,14 @@ fn a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job() {
     for (rank, out) in outs.iter().enumerate() {
         assert!(out.status.success(), "rank {rank}:\n{}", show(out));
     }
+    // Rank 0 cut strangers off at their deadline while the flood lasted, and others took
+    // their slots: the bound below held across that turnover.
+    let cut = "rejected: incomplete handshake (handshake deadline passed)";
+    assert!(
+        String::from_utf8_lossy(&outs[0].stderr).contains(cut),
+        "{}",
+        show(&outs[0])
+    );
     let most = most.max(flood_most);
     assert!(opened >= STRANGERS, "only {opened} connections were opened");
     assert!(

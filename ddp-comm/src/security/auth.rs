@@ -47,6 +47,20 @@ pub(crate) const CHALLENGE_LEN: usize = NONCE_LEN + PROOF_LEN;
 /// The longest a handshake may take, from its first byte to its last.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The store's deadline for a connection's handshake: [`HANDSHAKE_TIMEOUT`], but for the
+/// flood test (`ddp-comm/tests/flood.rs`), which sees its strangers cut off many times over in
+/// a few seconds: with the `fault-injection` feature only, `DDP_COMM_TEST_STORE_HANDSHAKE_MS`.
+pub(crate) fn store_handshake_timeout() -> Duration {
+    static SET: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    let set = cfg!(feature = "fault-injection").then(|| {
+        *SET.get_or_init(|| {
+            let ms = std::env::var("DDP_COMM_TEST_STORE_HANDSHAKE_MS").ok()?;
+            ms.parse().ok().map(Duration::from_millis)
+        })
+    });
+    set.flatten().unwrap_or(HANDSHAKE_TIMEOUT)
+}
+
 const CONTEXT: &[u8] = b"ddp-comm handshake";
 
 /// The connecting side of one handshake.

@@ -387,7 +387,7 @@ fn accept_failure(e: &io::Error) -> String {
 /// `server.turned_away`. Errors are reasons to drop the connection.
 fn serve(stream: &TcpStream, server: &Served, pending: &mut Option<Pending>) -> Result<(), String> {
     let _ = stream.set_nodelay(true);
-    let deadline = Instant::now() + auth::HANDSHAKE_TIMEOUT;
+    let deadline = Instant::now() + auth::store_handshake_timeout();
     auth::tcp_server(stream, &server.secret, STORE_MAGIC, deadline).map_err(|why| {
         server.turned_away.fetch_add(1, Ordering::Relaxed);
         format!("rejected: {why}")
