@@ -1004,13 +1004,16 @@ fn stalled_rank_worker() {
 /// Three ranks, rank 1 stalls: ranks 0 and 2 fail within the op timeout plus the diagnosis,
 /// naming rank 1 (rank 0 waits on rank 2, rank 2 on rank 1). The op timeout is 5 s for a
 /// stopped rank, whose window (750 ms) is what rank 2 has to beat or mark itself failed in
-/// rank 0's diagnosis; for one stuck outside, 10 s, whose heartbeat interval (500 ms) and
-/// window (1.5 s) leave a busy machine a second to run rank 1's heartbeat before the
-/// diagnosis takes it for not responding (with 2 s: 400 ms).
+/// rank 0's diagnosis. For one stuck outside, a heartbeat interval of 500 ms and a window of
+/// 1.5 s leave a busy machine a second to run rank 1's heartbeat before the diagnosis takes
+/// it for not responding (with 100 ms: 400 ms): a 10 s op timeout's, or with the
+/// `fault-injection` feature that interval set (`DDP_COMM_TEST_HEARTBEAT_MS`) and a 2 s one.
 fn a_stalled_rank_is_named(test: &str, transport: &str, stall: Stall) {
     let port = free_port();
+    let injected = cfg!(feature = "fault-injection");
     let (stall_name, op_timeout) = match stall {
         Stall::Stopped => ("stopped", 5),
+        Stall::Outside if injected => ("outside", 2),
         Stall::Outside => ("outside", 10),
     };
     let op_timeout_s = op_timeout.to_string();
@@ -1019,6 +1022,9 @@ fn a_stalled_rank_is_named(test: &str, transport: &str, stall: Stall) {
         ("DDP_TRANSPORT", transport),
     ]);
     extra.push(("STALL", stall_name.to_string()));
+    if stall_name == "outside" {
+        extra.push(("DDP_COMM_TEST_HEARTBEAT_MS", "500".to_string()));
+    }
     let mut children: Vec<_> = (0..3)
         .map(|r| spawn_rank(test, r, 3, port, &extra))
         .collect();

@@ -49,16 +49,16 @@ pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The store's deadline for a connection's handshake: [`HANDSHAKE_TIMEOUT`], but for the
 /// flood test (`ddp-comm/tests/flood.rs`), which sees its strangers cut off many times over in
-/// a few seconds: with the `fault-injection` feature only, `DDP_COMM_TEST_STORE_HANDSHAKE_MS`.
+/// a few seconds: `DDP_COMM_TEST_STORE_HANDSHAKE_MS` (see [`injected`]).
 pub(crate) fn store_handshake_timeout() -> Duration {
-    static SET: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
-    let set = cfg!(feature = "fault-injection").then(|| {
-        *SET.get_or_init(|| {
-            let ms = std::env::var("DDP_COMM_TEST_STORE_HANDSHAKE_MS").ok()?;
-            ms.parse().ok().map(Duration::from_millis)
-        })
-    });
-    set.flatten().unwrap_or(HANDSHAKE_TIMEOUT)
+    injected("DDP_COMM_TEST_STORE_HANDSHAKE_MS").unwrap_or(HANDSHAKE_TIMEOUT)
+}
+
+/// The milliseconds in `var`, which a test sets to shorten a wait: with the
+/// `fault-injection` feature only (users' builds never read it).
+pub(crate) fn injected(var: &str) -> Option<Duration> {
+    let ms = cfg!(feature = "fault-injection").then(|| std::env::var(var).ok()?.parse().ok());
+    ms.flatten().map(Duration::from_millis)
 }
 
 const CONTEXT: &[u8] = b"ddp-comm handshake";

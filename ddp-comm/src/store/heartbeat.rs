@@ -24,6 +24,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{CommError, Diagnosis};
+use crate::security::auth;
 use crate::store::Store;
 use crate::sync::lock;
 
@@ -46,9 +47,13 @@ const MIN_WINDOW: Duration = Duration::from_millis(500);
 /// The longest time dropping a group waits for its heartbeat thread's last write.
 const DROP_WAIT: Duration = Duration::from_millis(200);
 
-/// The heartbeat interval for a collective timeout: a twentieth of it, from 100 ms to 1 s.
+/// The heartbeat interval for a collective timeout: a twentieth of it, from 100 ms to 1 s;
+/// but for the tests of a rank stuck outside the collectives (`ddp-comm/tests/failures.rs`),
+/// which keep a busy machine's margin with a short timeout: `DDP_COMM_TEST_HEARTBEAT_MS`
+/// (see [`auth::injected`]).
 pub(crate) fn interval_for(op_timeout: Duration) -> Duration {
-    (op_timeout / 20).clamp(MIN_INTERVAL, MAX_INTERVAL)
+    auth::injected("DDP_COMM_TEST_HEARTBEAT_MS")
+        .unwrap_or_else(|| (op_timeout / 20).clamp(MIN_INTERVAL, MAX_INTERVAL))
 }
 
 /// How long one store request of the heartbeat or the diagnosis may take.
