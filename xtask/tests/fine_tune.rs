@@ -62,41 +62,27 @@ fn a_fine_tuned_resnet18_stopped_by_sigterm_continues_to_the_uninterrupted_weigh
     let flags = fine_tune(&weights);
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
 
+    // The uninterrupted run trains beside the interrupted one, whose steps mostly sleep.
     let reference = dir.path().join("reference");
-    let output = wait_bounded(
-        launcher_with(
-            &["--cpus", "2", "--grace", "2"],
-            &data,
-            &reference,
-            &flags,
-            &[],
-        )
-        .spawn()
-        .unwrap(),
-        Duration::from_secs(600),
-    );
-    let t = text(&output);
-    assert!(output.status.success(), "{t}");
-    assert!(t.contains("initial weights from"), "{t}");
-    assert!(
-        t.contains("epoch 2: 62 parameters train, 0 frozen (were 15)"),
-        "epoch 2 unfroze not the 15 frozen parameters: {t}"
-    );
-    let expected = final_weights(&reference);
+    let uninterrupted = launcher_with(
+        &["--cpus", "2", "--grace", "2"],
+        &data,
+        &reference,
+        &flags,
+        &[],
+    )
+    .spawn()
+    .unwrap();
+    let uninterrupted =
+        std::thread::spawn(move || wait_bounded(uninterrupted, Duration::from_secs(600)));
 
     let out = dir.path().join("run");
-    let start = || {
-        launcher_with(
-            &["--cpus", "2", "--grace", "60"],
-            &data,
-            &out,
-            &flags,
-            &[SLOW_STEPS],
-        )
-        .spawn()
-        .unwrap()
+    let start = |env: &[(&str, &str)]| {
+        launcher_with(&["--cpus", "2", "--grace", "60"], &data, &out, &flags, env)
+            .spawn()
+            .unwrap()
     };
-    let child = start();
+    let child = start(&[SLOW_STEPS]);
     let ranks = rank_pids(child.id());
     wait_for_text(
         &out.join("logs/rank-0.out"),
@@ -116,8 +102,18 @@ fn a_fine_tuned_resnet18_stopped_by_sigterm_continues_to_the_uninterrupted_weigh
         "stopped at {stopped}, not inside the frozen epoch"
     );
 
+    let output = uninterrupted.join().unwrap();
+    let t = text(&output);
+    assert!(output.status.success(), "{t}");
+    assert!(t.contains("initial weights from"), "{t}");
+    assert!(
+        t.contains("epoch 2: 62 parameters train, 0 frozen (were 15)"),
+        "epoch 2 unfroze not the 15 frozen parameters: {t}"
+    );
+    let expected = final_weights(&reference);
+
     // The same command continues from the stop, while the file is not read again.
-    let output = wait_bounded(start(), Duration::from_secs(600));
+    let output = wait_bounded(start(&[]), Duration::from_secs(600));
     let t = text(&output);
     assert!(output.status.success(), "{t}");
     assert!(t.contains("continuing the stopped run"), "{t}");
