@@ -138,8 +138,12 @@ pub(crate) fn first_failure(failed: &[Failed]) -> Option<usize> {
     first(&|f| Some(arose(f).unwrap_or(f.exited)))
 }
 
-/// The start of an error folder's name: `ddp-run-<pid>-<16 hex digits>`.
+/// The start of an error folder's name: `ddp-run-<host>-<pid>-<16 hex digits>`, the host
+/// as [`this_host`] gives it (older launchers wrote `ddp-run-<pid>-<16 hex digits>`).
 const FOLDER_PREFIX: &str = "ddp-run-";
+
+/// The most bytes of the host's name that a folder's name carries.
+const HOST_MAX: usize = 32;
 
 /// A rank's error file's name: `rank-<N>.error.json`.
 const RECORD_NAME: (&str, &str) = ("rank-", ".error.json");
@@ -167,7 +171,8 @@ impl ErrorFolder {
         let mut bytes = [0u8; 8];
         getrandom::fill(&mut bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
         let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        let dir = parent.join(format!("{FOLDER_PREFIX}{}-{hex}", std::process::id()));
+        let (host, pid) = (this_host(), std::process::id());
+        let dir = parent.join(format!("{FOLDER_PREFIX}{host}-{pid}-{hex}"));
         std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
         let lock = std::fs::File::open(&dir).ok();
         // Where it cannot, or the file system has no locks, the launcher's pid alone tells
@@ -203,11 +208,14 @@ impl Drop for ErrorFolder {
 
 /// Removes from `parent` the error folders that launchers left there when they died without
 /// unwinding (SIGKILL, the OOM killer): this user's folders (never a link, which is not
-/// followed) named as an [`ErrorFolder`] is, whose pid no process has, that no one holds
-/// locked, and that hold only rank error files. Anything else in a folder keeps it.
-/// Failures keep what they meet: a launch never fails for this. Of two launchers that start
-/// at once, one locks a stale folder and removes it; the other's calls fail (the lock, or
-/// ENOENT where the file system has no locks), which it ignores.
+/// followed) named as an [`ErrorFolder`] is, this host's (or of no host, as older launchers
+/// named them), whose pid no process has, that no one holds locked, and that hold only rank
+/// error files. Anything else in a folder keeps it. Another host's folder stays: on a
+/// temporary folder that hosts share (NFS), its pid is another machine's, and a lock on a
+/// folder there is only this host's. Failures keep what they meet: a launch never fails for
+/// this. Of two launchers that start at once, one locks a stale folder and removes it; the
+/// other's calls fail (the lock, or ENOENT where the file system has no locks), which it
+/// ignores.
 fn remove_stale(parent: &Path) {
     let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
     let Ok(parent) = fs::open(parent, flags, Mode::empty()) else {
@@ -216,10 +224,14 @@ fn remove_stale(parent: &Path) {
     let Ok(entries) = Dir::read_from(&parent) else {
         return;
     };
-    let uid = process::geteuid().as_raw();
+    let (uid, host) = (process::geteuid().as_raw(), this_host());
     for entry in entries.flatten() {
         let name = entry.file_name();
-        if launcher_pid(name.to_bytes()).is_some_and(gone) {
+        let ours = |(its, _): &(Option<&[u8]>, Pid)| its.is_none_or(|its| its == host.as_bytes());
+        if launcher(name.to_bytes())
+            .filter(ours)
+            .is_some_and(|(_, pid)| gone(pid))
+        {
             let _ = remove_records(&parent, name, uid);
         }
     }
@@ -257,14 +269,35 @@ fn remove_records(parent: &OwnedFd, name: &CStr, uid: u32) -> rustix::io::Result
     fs::unlinkat(parent, name, AtFlags::REMOVEDIR)
 }
 
-/// The launcher's pid in an error folder's name, where `name` is one.
-fn launcher_pid(name: &[u8]) -> Option<Pid> {
+/// The launcher's host (`None` in an older launcher's name, which has none) and pid in an
+/// error folder's name, where `name` is one.
+fn launcher(name: &[u8]) -> Option<(Option<&[u8]>, Pid)> {
     let rest = name.strip_prefix(FOLDER_PREFIX.as_bytes())?;
-    let dash = rest.iter().position(|&b| b == b'-')?;
-    let (pid, hex) = (&rest[..dash], &rest[dash + 1..]);
+    let dash = rest.iter().rposition(|&b| b == b'-')?;
+    let (head, hex) = (&rest[..dash], &rest[dash + 1..]);
     let hex_digits = hex.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
-    let pid = i32::try_from(decimal(pid)?).ok()?;
-    (hex.len() == 16 && hex_digits).then(|| Pid::from_raw(pid))?
+    // The host's name may hold dashes; the pid holds none.
+    let (host, pid) = match head.iter().rposition(|&b| b == b'-') {
+        Some(dash) => (Some(&head[..dash]), &head[dash + 1..]),
+        None => (None, head),
+    };
+    let pid = Pid::from_raw(i32::try_from(decimal(pid)?).ok()?)?;
+    (hex.len() == 16 && hex_digits).then_some((host, pid))
+}
+
+/// This host's name as error folders carry it: only `[A-Za-z0-9.-]`, at most [`HOST_MAX`]
+/// bytes; `localhost` where none is left.
+fn this_host() -> String {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let kept = name
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-'));
+    let host: String = kept.take(HOST_MAX).collect();
+    if host.is_empty() {
+        "localhost".into()
+    } else {
+        host
+    }
 }
 
 /// Whether `name` is a rank's error file's, as [`ErrorFolder::path`] names them.
@@ -534,7 +567,10 @@ mod tests {
         let new = ErrorFolder::create_in(tmp.path()).unwrap();
         let own = new.dir.file_name().unwrap().to_str().unwrap().to_owned();
         assert_eq!(names(tmp.path()), [own.clone()].into());
-        assert!(launcher_pid(own.as_bytes()).is_some(), "{own}");
+        let host = this_host();
+        let pid = Pid::from_raw(std::process::id() as i32);
+        let parsed = launcher(own.as_bytes());
+        assert_eq!(parsed, Some((Some(host.as_bytes()), pid.unwrap())), "{own}");
         let record = new.path(7);
         assert!(is_record(record.file_name().unwrap().as_encoded_bytes()));
         // Two launchers starting at once: each folder is removed once, the other's calls
@@ -553,6 +589,35 @@ mod tests {
             }
         });
         assert_eq!(names(tmp.path()), [own].into());
+    }
+
+    /// On a temporary folder that hosts share (NFS), another host's folder stays though no
+    /// process here has its pid: its launcher may live there. This host's goes, as does one
+    /// of an older launcher, whose name has no host; a host's name may hold dashes.
+    #[test]
+    fn another_hosts_folder_stays() {
+        let tmp = ddp_testkit::temp_dir("hosts-error-folders");
+        let record = ["rank-0.error.json"];
+        let host = this_host();
+        let elsewhere = format!("ddp-run-{host}x-{DEAD}-0123456789abcdef");
+        let other = format!("ddp-run-gpu-node-7.cluster-{DEAD}-0123456789abcdef");
+        for name in [
+            &elsewhere,
+            &other,
+            &format!("ddp-run-{host}-{DEAD}-0123456789abcdef"),
+            &format!("ddp-run-{DEAD}-0123456789abcdef"),
+        ] {
+            folder(tmp.path(), name, &record, &[]);
+        }
+        remove_stale(tmp.path());
+        assert_eq!(names(tmp.path()), [elsewhere, other].into());
+        let dashed = launcher(b"ddp-run-gpu-node-7-42-0123456789abcdef");
+        let pid = Pid::from_raw(42).unwrap();
+        assert_eq!(dashed, Some((Some(&b"gpu-node-7"[..]), pid)));
+        assert_eq!(launcher(b"ddp-run-42-0123456789abcdef"), Some((None, pid)));
+        assert!(!host.is_empty() && host.len() <= HOST_MAX, "{host}");
+        let allowed = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-');
+        assert!(host.bytes().all(allowed), "{host}");
     }
 
     /// A folder whose pid runs (this process, or any that reused a dead launcher's pid)
