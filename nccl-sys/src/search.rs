@@ -18,7 +18,9 @@
 //! 1. `DDP_CUDART_LIBRARY`, alone, as for NCCL.
 //! 2. A `libcudart.so.N` already mapped into this process (libtorch's CUDA libraries loaded
 //!    it), alone: a second runtime beside it would be another CUDA context's worth of state.
-//! 3. For each major version, best first: the versions that libtorch's `libc10_cuda.so`
+//! 3. The runtime libtorch's folder holds under the name `libc10_cuda.so` needs (a libtorch
+//!    archive bundles `libcudart-<hash>.so.N`).
+//! 4. For each major version, best first: the versions that libtorch's `libc10_cuda.so`
 //!    names in its `DT_NEEDED` entries (read from the ELF file of the first libtorch folder
 //!    that has one), then 13, then 12 ([`CUDA_MAJORS`]). For each version: the wheel's
 //!    folder for it under each libtorch folder (`nvidia/cu13/lib` for CUDA 13,
@@ -153,13 +155,37 @@ pub fn cudart_candidates() -> Vec<PathBuf> {
         return vec![path];
     }
     let dirs = torch_lib_dirs();
-    let needed = dirs
+    let c10_cuda = dirs
         .iter()
         .map(|d| d.join("libc10_cuda.so"))
-        .find(|p| p.is_file())
-        .map(|p| needed_cuda_majors(&p))
-        .unwrap_or_default();
-    cudart_candidates_in(&dirs, &needed)
+        .find(|p| p.is_file());
+    let Some(c10_cuda) = c10_cuda else {
+        return cudart_candidates_in(&dirs, &[]);
+    };
+    let needed = needed_libraries(&c10_cuda).unwrap_or_default();
+    let majors: Vec<u32> = needed.iter().filter_map(|n| cudart_major(n)).collect();
+    let mut out = match c10_cuda.parent() {
+        Some(dir) => bundled_cudart(dir, &needed),
+        None => Vec::new(),
+    };
+    for path in cudart_candidates_in(&dirs, &majors) {
+        if !out.contains(&path) {
+            out.push(path);
+        }
+    }
+    out
+}
+
+/// The CUDA runtimes that libtorch's folder `dir` holds itself under the names its libraries
+/// `needed`, the files its own run path (`$ORIGIN`) loads: a libtorch archive bundles
+/// `libcudart-<hash>.so.N`, which no search by the plain name finds.
+pub fn bundled_cudart(dir: &Path, needed: &[String]) -> Vec<PathBuf> {
+    needed
+        .iter()
+        .filter(|name| cudart_major(name).is_some())
+        .map(|name| dir.join(name))
+        .filter(|path| path.is_file())
+        .collect()
 }
 
 /// The CUDA runtime candidates for the libtorch folders `torch_dirs` when libtorch needs the
@@ -205,10 +231,22 @@ pub fn mapped_cudart() -> Option<PathBuf> {
     })
 }
 
-/// `N` for a file named `libcudart.so.N` (`N` a number; `libcudart.so.13.0.96` is not a
+/// `N` for a file named `libcudart.so.N`, or `libcudart-<hash>.so.N` as libtorch's archives
+/// (and auditwheel) name the copy they bundle (`N` a number; `libcudart.so.13.0.96` is not a
 /// soname and does not count).
 pub fn cudart_major(file_name: &str) -> Option<u32> {
-    file_name.strip_prefix("libcudart.so.")?.parse().ok()
+    let rest = file_name.strip_prefix("libcudart")?;
+    let version = match rest.strip_prefix('-') {
+        Some(hashed) => {
+            let (hash, tail) = hashed.split_once('.')?;
+            if hash.is_empty() || !hash.bytes().all(|b| b.is_ascii_alphanumeric()) {
+                return None;
+            }
+            tail.strip_prefix("so.")?
+        }
+        None => rest.strip_prefix(".so.")?,
+    };
+    version.parse().ok()
 }
 
 /// The CUDA runtime major versions an ELF shared library names in its `DT_NEEDED` entries
@@ -435,6 +473,25 @@ mod tests {
         assert_eq!(cudart_major("libcudart.so.12"), Some(12));
         assert_eq!(cudart_major("libcudart.so.13.0.96"), None);
         assert_eq!(cudart_major("libcudart.so"), None);
+        assert_eq!(cudart_major("libcudart-9335f6a2.so.12"), Some(12));
+        assert_eq!(cudart_major("libcudart-.so.12"), None);
+        assert_eq!(cudart_major("libcudart-9335f6a2.so"), None);
+        assert_eq!(cudart_major("libcudart_static.a"), None);
+    }
+
+    /// A libtorch archive's folder that bundles its runtime under a hashed name: that file
+    /// comes first; names it does not hold, and other libraries, are no candidates.
+    #[test]
+    fn a_runtime_bundled_under_a_hashed_name_is_found() {
+        let dir = std::env::temp_dir().join(format!("nccl-sys-bundled-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("libcudart-abcd1234.so.12"), b"").unwrap();
+        let needed = ["libc10.so", "libcudart-abcd1234.so.12", "libcudart.so.13"].map(String::from);
+        assert_eq!(
+            bundled_cudart(&dir, &needed),
+            vec![dir.join("libcudart-abcd1234.so.12")]
+        );
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
