@@ -255,8 +255,9 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     }
     // Every flag is checked: now libtorch (2.6 GB on a first run), the build and the ranks.
     crate::setup::run(root, &crate::setup::SetupArgs::default())?;
-    let bin = match &args.bin {
-        Some(b) => b.clone(),
+    // The build's link, kept until the ranks (and their restarts) are done.
+    let (_link, bin) = match &args.bin {
+        Some(b) => (None, b.clone()),
         None => build_release(root, "ddp-train", &["-p", "ddp-train"])?,
     };
     if !has_flag(&rest, "--data") {
@@ -441,19 +442,40 @@ fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
         .next_back()
 }
 
-/// Builds binary `name` with `cargo build --release --quiet ARGS` and returns its path, as
-/// cargo reports it.
-pub fn build_release(root: &Path, name: &str, args: &[&str]) -> Result<PathBuf> {
+/// Builds binary `name` with `cargo build --release --quiet ARGS` and returns a hard link (a
+/// copy where there can be none) of this process's own to it, in a folder of the target
+/// folder's `xtask/bin/` that the guard removes. Nodes that share a checkout build in one
+/// target folder, which cargo does not lock on NFS: xtask's own lock takes their builds in
+/// turn, and the link keeps this build for its runs when another replaces cargo's.
+pub fn build_release(root: &Path, name: &str, args: &[&str]) -> Result<Built> {
+    let _lock = crate::target_lock(
+        root,
+        "build.lock",
+        "xtask: another build in this target folder (another node's?) runs; waiting for it",
+    )?;
     print_line(format_args!("xtask: building {name} (release)"));
     let mut all = vec!["build", "--release", "--quiet"];
     all.extend(args);
-    crate::artifact::build(root, &all, "bin", name)
+    let built = crate::artifact::build(root, &all, "bin", name)?;
+    let links = crate::target_dir(root).join("xtask/bin");
+    remove_stale_temporaries(&links);
+    let dir = RemoveOnDrop(temporary(&links));
+    std::fs::create_dir_all(&dir.0)
+        .with_context(|| format!("cannot create {}", dir.0.display()))?;
+    let bin = dir.0.join(name);
+    std::fs::hard_link(&built, &bin)
+        .or_else(|_| std::fs::copy(&built, &bin).map(drop))
+        .with_context(|| format!("cannot link {} to {}", built.display(), bin.display()))?;
+    Ok((Some(dir), bin))
 }
 
+/// A binary to run, and the guard of the folder that holds it where it was built.
+pub type Built = (Option<RemoveOnDrop>, PathBuf);
+
 /// The `ddp-gen-data` binary: `given`, or ddp-data's built in release mode without libtorch.
-pub fn gen_data_bin(root: &Path, given: Option<&Path>) -> Result<PathBuf> {
+pub fn gen_data_bin(root: &Path, given: Option<&Path>) -> Result<Built> {
     match given {
-        Some(bin) => Ok(bin.to_path_buf()),
+        Some(bin) => Ok((None, bin.to_path_buf())),
         None => build_release(
             root,
             "ddp-gen-data",
@@ -480,7 +502,7 @@ pub fn generate_sample(
     size: u32,
     seed: u64,
 ) -> Result<()> {
-    let bin = gen_data_bin(root, bin)?;
+    let (_link, bin) = gen_data_bin(root, bin)?;
     let status = std::process::Command::new(&bin)
         .arg("--out")
         .arg(out)
@@ -565,9 +587,9 @@ fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
     }
 }
 
-/// A new temporary folder's path in `cache`: `.tmp-<pid>-<nanoseconds>-<host>`.
-fn temporary(cache: &Path) -> PathBuf {
-    cache.join(format!(
+/// A new temporary folder's path in `dir`: `.tmp-<pid>-<nanoseconds>-<host>`.
+fn temporary(dir: &Path) -> PathBuf {
+    dir.join(format!(
         ".tmp-{}-{}-{}",
         std::process::id(),
         time::OffsetDateTime::now_utc().unix_timestamp_nanos(),
@@ -612,7 +634,7 @@ fn sync_dir(dir: &Path) -> Result<()> {
 }
 
 /// A folder removed, with what it holds, when the guard drops.
-struct RemoveOnDrop(PathBuf);
+pub struct RemoveOnDrop(PathBuf);
 
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
@@ -620,16 +642,16 @@ impl Drop for RemoveOnDrop {
     }
 }
 
-/// This machine's name, which the cache's temporaries carry: on a folder shared between
+/// This machine's name, which [`temporary`] folders carry: on a folder shared between
 /// hosts, only this host can tell whether a temporary's process is gone.
 fn hostname() -> String {
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     name.trim().to_owned()
 }
 
-/// Removes the temporaries of [`synthetic_sample`] (`.tmp-<pid>-<nanoseconds>-<host>`) in
-/// `cache` that a generation cut short left: this host's, whose process is gone. Returns
-/// them.
+/// Removes the [`temporary`] folders (`.tmp-<pid>-<nanoseconds>-<host>`) in `cache` that a
+/// process cut short left (a generation of [`synthetic_sample`], a [`build_release`] link):
+/// this host's, whose process is gone. Returns them.
 fn remove_stale_temporaries(cache: &Path) -> Vec<PathBuf> {
     let host = hostname();
     let stale = |name: &str| {

@@ -112,6 +112,20 @@ fn main() -> ExitCode {
     }
 }
 
+/// Cargo's target folder: `CARGO_TARGET_DIR` (relative to the workspace, where cargo runs),
+/// else `target/` in the workspace.
+fn target_dir(root: &Path) -> PathBuf {
+    root.join(std::env::var_os("CARGO_TARGET_DIR").unwrap_or_else(|| "target".into()))
+}
+
+/// Takes xtask's lock `name` in the target folder's `xtask/` (made if missing), printing
+/// `waiting` first if another process holds it ([`setup::wait_for_lock`]).
+fn target_lock(root: &Path, name: &str, waiting: &str) -> Result<Option<std::fs::File>> {
+    let own = target_dir(root).join("xtask");
+    std::fs::create_dir_all(&own).with_context(|| format!("cannot create {}", own.display()))?;
+    setup::wait_for_lock(&own.join(name), waiting)
+}
+
 /// The workspace root: xtask lives one folder below it.
 fn project_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -1056,3 +1056,78 @@ fn a_binary_is_found_under_a_relative_target_dir() {
     );
     assert!(exe.is_file(), "{}", exe.display());
 }
+
+/// Nodes that share a checkout build in one target folder, which cargo does not lock on NFS:
+/// two launches' builds (here `gen-data`'s, by a stub cargo that notes its start and end) run
+/// in turn, the second saying that it waits. Each runs a hard link of its own to the build,
+/// which another build cannot replace, removed once it is done.
+#[test]
+fn builds_in_one_target_folder_run_in_turn() {
+    const LIMIT: Duration = Duration::from_secs(60);
+    let dir = temp_dir("xtask-build-lock");
+    let (log, ran) = (dir.path().join("cargo.log"), dir.path().join("ran.log"));
+    let built = dir.path().join("ddp-gen-data");
+    ddp_testkit::script(
+        &built,
+        &format!(
+            "#!/bin/sh\necho \"$0 $(stat -c %i \"$0\")\" >> '{}'\n",
+            ran.display()
+        ),
+    );
+    let cargo = dir.path().join("cargo");
+    let artifact = format!(
+        r#"{{"reason":"compiler-artifact","target":{{"kind":["bin"],"name":"ddp-gen-data"}},"executable":"{}"}}"#,
+        built.display()
+    );
+    ddp_testkit::script(
+        &cargo,
+        &format!(
+            "#!/bin/sh\necho start $PPID >> '{0}'\nsleep 1\necho end $PPID >> '{0}'\necho '{artifact}'\n",
+            log.display()
+        ),
+    );
+    let target = dir.path().join("target");
+    let gen_data = |out: &str| {
+        Command::new(XTASK)
+            .args(["gen-data", "--images", "2", "--out"])
+            .arg(dir.path().join(out))
+            .env("CARGO", &cargo)
+            .env("CARGO_TARGET_DIR", &target)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let first = gen_data("a");
+    wait_for_text(&log, "start", LIMIT);
+    let second = gen_data("b");
+    let (first_id, second_id) = (first.id(), second.id());
+    let (first, second) = (wait_bounded(first, LIMIT), wait_bounded(second, LIMIT));
+    assert!(first.status.success(), "{}", text(&first));
+    assert!(second.status.success(), "{}", text(&second));
+    assert_eq!(
+        std::fs::read_to_string(&log).unwrap(),
+        format!("start {first_id}\nend {first_id}\nstart {second_id}\nend {second_id}\n")
+    );
+    assert!(
+        text(&second).contains(
+            "xtask: another build in this target folder (another node's?) runs; waiting for it"
+        ),
+        "{}",
+        text(&second)
+    );
+    // Each ran its own link to the build (its inode), in target/xtask/bin/, now empty.
+    let links = target.join("xtask/bin");
+    let inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&built).unwrap());
+    let ran = std::fs::read_to_string(&ran).unwrap();
+    let ran: Vec<_> = ran.lines().collect();
+    assert_eq!(ran.len(), 2, "{ran:?}");
+    for line in &ran {
+        let (path, its_inode) = line.rsplit_once(' ').unwrap();
+        assert!(path.starts_with(links.to_str().unwrap()), "{line}");
+        assert!(path.ends_with("/ddp-gen-data"), "{line}");
+        assert_eq!(its_inode, inode.to_string(), "{line}");
+    }
+    assert_ne!(ran[0], ran[1]);
+    assert_eq!(std::fs::read_dir(&links).unwrap().count(), 0);
+}

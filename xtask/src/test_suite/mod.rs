@@ -113,10 +113,9 @@ pub fn run(root: &Path) -> Result<()> {
     let started = Instant::now();
     // A second run in the same checkout would overwrite this one's logs, timing history and
     // the tests' shared fixture folders under target/ while they are read.
-    let own = target_dir(root).join("xtask");
-    std::fs::create_dir_all(&own).with_context(|| format!("cannot create {}", own.display()))?;
-    let _lock = crate::setup::wait_for_lock(
-        &own.join("test.lock"),
+    let _lock = crate::target_lock(
+        root,
+        "test.lock",
         "xtask: another `cargo xtask test` runs in this checkout; waiting for it to finish",
     )?;
     crate::setup::run(root, &crate::setup::SetupArgs::default())?;
@@ -133,7 +132,7 @@ pub fn run(root: &Path) -> Result<()> {
     ]);
     clippy.args(["--", "-D", "warnings"]);
     crate::run(root, clippy)?;
-    let no_libtorch = target_dir(root).join("xtask/no-libtorch");
+    let no_libtorch = crate::target_dir(root).join("xtask/no-libtorch");
     std::fs::create_dir_all(&no_libtorch)
         .with_context(|| format!("cannot create '{}'", no_libtorch.display()))?;
     for (options, links_libtorch) in LEAN_BUILDS {
@@ -157,7 +156,7 @@ pub fn run(root: &Path) -> Result<()> {
     };
     let (binaries, programs) = build(root)?;
     mark("build", &mut phases);
-    let history_file = target_dir(root).join("xtask/test-times.json");
+    let history_file = crate::target_dir(root).join("xtask/test-times.json");
     let history = load_history(&history_file);
     let mut jobs = Vec::new();
     for (index, bin) in binaries.iter().enumerate() {
@@ -191,7 +190,7 @@ pub fn run(root: &Path) -> Result<()> {
         jobs.iter().map(|j| j.tests.len()).sum::<usize>(),
         jobs.len()
     );
-    let logs = target_dir(root).join("xtask/test-logs");
+    let logs = crate::target_dir(root).join("xtask/test-logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("cannot create {}", logs.display()))?;
     // The jobs run in process groups of their own, out of reach of the terminal's Ctrl-C:
     // these signals are passed on to them instead.
@@ -309,10 +308,6 @@ pub fn run(root: &Path) -> Result<()> {
     }
     println!("xtask: all tests, formatting, lints and docs passed");
     Ok(())
-}
-
-fn target_dir(root: &Path) -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
 }
 
 /// A test's name in the history: its binary's label, a space, the test.
