@@ -1283,6 +1283,33 @@ fn a_rewind_on_a_file_system_without_locks_sets_the_later_history_aside() {
     assert_eq!(metrics_without_timing(&out).len(), 2);
 }
 
+/// On a `hard` NFS mount whose lock manager does not answer, `flock` blocks in the kernel
+/// (injected here): rank 0 gives up on the lock after 10 s, warns, and trains, and rank 1,
+/// waiting for its verdict, does not reach its 30 s collective timeout.
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn a_lock_manager_that_never_answers_is_warned_of_and_the_run_trains() {
+    let tmp = temp_dir("flock-hang");
+    let data = data(tmp.path(), 24);
+    let out = tmp.path().join("run");
+    let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    args[3] = "1";
+    let outputs = run_ranks(2, &args, &[("DDP_TRAIN_FLOCK_HANG", "1")]);
+    assert_all_ok(&outputs);
+    let log = std::fs::read_to_string(out.join("logs/rank-0.log")).unwrap();
+    let warning = format!(
+        "warning: no answer from the file system's lock manager within 10 s for {0}/.lock; \
+         the run directory {0} is not locked against a second job, so start only one on this \
+         --out",
+        out.display()
+    );
+    assert_eq!(log.matches(&warning).count(), 1, "{log}");
+    assert_eq!(metrics_without_timing(&out).len(), 1);
+}
+
 /// A second job on the `--out` of a job that is still running is refused on all its ranks,
 /// naming the holder, before it writes anything; the first job ends as it would have.
 #[test]

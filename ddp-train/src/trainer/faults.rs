@@ -145,6 +145,18 @@ pub(super) fn flock_error() -> Option<std::io::Error> {
     Some(std::io::Error::from_raw_os_error(errno))
 }
 
+/// For the tests of run directories on file systems whose lock manager does not answer, with
+/// the `fault-injection` feature only: `DDP_TRAIN_FLOCK_HANG=1` makes rank 0's `flock` of the
+/// run directory block for good (as on a `hard` NFS mount whose lock manager is down).
+pub(super) fn hang_if_flock_hangs() {
+    if cfg!(feature = "fault-injection") && std::env::var_os("DDP_TRAIN_FLOCK_HANG").is_some() {
+        tracing::warn!("rank 0's flock of the run directory hangs (DDP_TRAIN_FLOCK_HANG)");
+        loop {
+            std::thread::park();
+        }
+    }
+}
+
 /// For the tests of resumes on other allocations, with the `fault-injection` feature only:
 /// `DDP_TRAIN_LOG_INDICES=<folder>` makes every rank append, after each optimizer step, a
 /// line `epoch step index,index,...` of the samples that step trained to

@@ -236,8 +236,49 @@ pub(super) enum RunLock {
     /// that process or the error.
     Locked(String),
     /// The file system takes no locks (Lustre mounted `noflock`: `ENOSYS`; NFSv3 without
-    /// `statd`: `ENOLCK`): nothing keeps a second job out.
-    Unsupported(std::io::Error),
+    /// `statd`: `ENOLCK`), or gave no answer within [`LOCK_ANSWER`]: nothing keeps a second
+    /// job out. The warning for the log.
+    Unsupported(String),
+}
+
+/// How long rank 0 waits for the file system's answer to its `flock` of the run directory:
+/// on a `hard` NFS mount whose lock manager (NLM) does not answer, `flock` blocks in the
+/// kernel, `LOCK_NB` or not (cargo#2615), while the other ranks wait for rank 0's verdict
+/// until their collective timeout, and would then blame it.
+const LOCK_ANSWER: std::time::Duration = std::time::Duration::from_secs(10);
+
+include!("../../../shared-src/answer_within.rs");
+
+/// An exclusive `flock` of `file`, without waiting for a holder.
+fn flock_exclusive(file: &std::fs::File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    if let Some(injected) = super::faults::flock_error() {
+        return Err(injected);
+    }
+    super::faults::hang_if_flock_hangs();
+    // SAFETY: flock on a descriptor `file` owns; no memory is involved.
+    match unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
+/// [`flock_exclusive`] of `file`, asked on a thread of its own: `None` when the file system
+/// gave no answer within [`LOCK_ANSWER`]. That thread is left behind, blocked in the kernel,
+/// holding only a second descriptor of the lock file: closed, with any lock it gets, when
+/// the call returns or the process ends.
+fn flock_answered(file: &std::fs::File) -> Option<std::io::Result<()>> {
+    let asked = file
+        .try_clone()
+        .and_then(|clone| answer_within(LOCK_ANSWER, move || flock_exclusive(&clone)));
+    // No thread or descriptor to spare: asked here, without a deadline.
+    asked.unwrap_or_else(|_| Some(flock_exclusive(file)))
+}
+
+/// The name of this host, as the lock file records its holder's.
+fn this_host() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    host.trim().to_string()
 }
 
 /// Takes the run directory's lock (an exclusive `flock` on `out/.lock`) and writes who
@@ -245,7 +286,6 @@ pub(super) enum RunLock {
 fn lock_run_dir(out: &Path) -> RunLock {
     use std::fs::OpenOptions;
     use std::io::{Read, Seek, Write};
-    use std::os::fd::AsRawFd;
     let path = out.join(RUN_LOCK);
     // A regular file, never a link's target: the holder's line below empties it first.
     let mut read_write = OpenOptions::new();
@@ -269,13 +309,14 @@ fn lock_run_dir(out: &Path) -> RunLock {
             ))
         }
     };
-    let locked = match super::faults::flock_error() {
-        Some(injected) => Err(injected),
-        // SAFETY: flock on a descriptor this function owns; no memory is involved.
-        None => match unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } {
-            0 => Ok(()),
-            _ => Err(std::io::Error::last_os_error()),
-        },
+    let Some(locked) = flock_answered(&file) else {
+        return RunLock::Unsupported(format!(
+            "no answer from the file system's lock manager within {} s for {}; the run \
+             directory {} is not locked against a second job, so start only one on this --out",
+            LOCK_ANSWER.as_secs(),
+            path.display(),
+            out.display()
+        ));
     };
     match locked {
         Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => {
@@ -289,10 +330,14 @@ fn lock_run_dir(out: &Path) -> RunLock {
                 path.display()
             ))
         }
-        Err(e) => RunLock::Unsupported(e),
+        Err(e) => RunLock::Unsupported(format!(
+            "the run directory {} cannot be locked on this file system ({}: {e}): nothing \
+             refuses a second job on the same --out, so start only one",
+            out.display(),
+            path.display()
+        )),
         Ok(()) => {
-            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-            let holder = format!("pid {} on {}", std::process::id(), host.trim());
+            let holder = format!("pid {} on {}", std::process::id(), this_host());
             let _ = file.set_len(0);
             let _ = file.rewind();
             let _ = file.write_all(holder.as_bytes());
@@ -303,7 +348,8 @@ fn lock_run_dir(out: &Path) -> RunLock {
 
 /// One job per run directory: rank 0 locks `out`, and every rank learns the verdict (the
 /// refusal, on every rank alike, where another job holds it). Returns rank 0's lock, if it
-/// holds one, and on rank 0 a warning for the log where the file system takes no lock.
+/// holds one, and on rank 0 a warning for the log where the file system takes no lock, or
+/// gives no answer.
 pub(super) fn claim_run_dir(
     pg: &ProcessGroup,
     out: &Path,
@@ -312,15 +358,7 @@ pub(super) fn claim_run_dir(
     let (lock, warning, refusal) = match lock {
         Some(RunLock::Held(file)) => (Some(file), None, String::new()),
         Some(RunLock::Locked(refusal)) => (None, None, refusal),
-        Some(RunLock::Unsupported(e)) => {
-            let warning = format!(
-                "the run directory {} cannot be locked on this file system ({}: {e}): \
-                 nothing refuses a second job on the same --out, so start only one",
-                out.display(),
-                out.join(RUN_LOCK).display()
-            );
-            (None, Some(warning), String::new())
-        }
+        Some(RunLock::Unsupported(warning)) => (None, Some(warning), String::new()),
         None => (None, None, String::new()),
     };
     let verdicts = pg.all_gather_bytes(refusal.as_bytes())?;
