@@ -44,6 +44,7 @@ mod eval;
 mod faults;
 mod freeze;
 mod loops;
+mod mounts;
 mod non_finite;
 mod outputs;
 mod progress;

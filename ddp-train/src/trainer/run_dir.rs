@@ -348,15 +348,25 @@ fn lock_run_dir(out: &Path) -> RunLock {
 
 /// One job per run directory: rank 0 locks `out`, and every rank learns the verdict (the
 /// refusal, on every rank alike, where another job holds it). Returns rank 0's lock, if it
-/// holds one, and on rank 0 a warning for the log where the file system takes no lock, or
-/// gives no answer.
+/// holds one, and on rank 0 a warning for the log where the file system takes no lock, gives
+/// no answer, or takes locks that only this node sees.
 pub(super) fn claim_run_dir(
     pg: &ProcessGroup,
     out: &Path,
 ) -> Result<(Option<std::fs::File>, Option<String>), TrainError> {
     let lock = (pg.rank() == 0).then(|| lock_run_dir(out));
     let (lock, warning, refusal) = match lock {
-        Some(RunLock::Held(file)) => (Some(file), None, String::new()),
+        Some(RunLock::Held(file)) => {
+            let local = super::mounts::node_local_locks(out).map(|mount| {
+                format!(
+                    "the run directory {} is on {mount}, whose locks only this node sees: a \
+                     second job on the same --out whose rank 0 runs on another node is not \
+                     refused, so start only one",
+                    out.display()
+                )
+            });
+            (Some(file), local, String::new())
+        }
         Some(RunLock::Locked(refusal)) => (None, None, refusal),
         Some(RunLock::Unsupported(warning)) => (None, Some(warning), String::new()),
         None => (None, None, String::new()),
