@@ -322,13 +322,7 @@ fn lock_run_dir(out: &Path) -> RunLock {
         Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => {
             let mut holder = String::new();
             let _ = file.read_to_string(&mut holder);
-            RunLock::Locked(format!(
-                "--out {} is in use by another job ({}, which holds {}): give another --out, \
-                 or wait for that job to end",
-                out.display(),
-                holder.trim(),
-                path.display()
-            ))
+            RunLock::Locked(in_use(out, &path, holder.trim()))
         }
         Err(e) => RunLock::Unsupported(format!(
             "the run directory {} cannot be locked on this file system ({}: {e}): nothing \
@@ -344,6 +338,28 @@ fn lock_run_dir(out: &Path) -> RunLock {
             RunLock::Held(file)
         }
     }
+}
+
+/// The refusal of a start whose run directory `out` another job holds (its lock file `lock`
+/// records `holder`, `pid <n> on <host>`). A holder on another host may be gone: a crashed
+/// node's lock on a network file system can outlive it (NFSv3's until that node restarts,
+/// NFSv4's for its lease).
+fn in_use(out: &Path, lock: &Path, holder: &str) -> String {
+    let host = holder.split_once(" on ").map(|(_, host)| host.trim());
+    let elsewhere = match host {
+        Some(host) if !host.is_empty() && host != this_host() => format!(
+            "; if that host is down, its lock can outlive it on a network file system: \
+             remove {}",
+            lock.display()
+        ),
+        _ => String::new(),
+    };
+    format!(
+        "--out {} is in use by another job ({holder}, which holds {}): give another --out, \
+         or wait for that job to end{elsewhere}",
+        out.display(),
+        lock.display()
+    )
 }
 
 /// One job per run directory: rank 0 locks `out`, and every rank learns the verdict (the
@@ -682,6 +698,45 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A holder on another host may have crashed with its lock still held by the file
+    /// server: the refusal says how to let it go; a holder on this host gets no such hint.
+    #[test]
+    fn a_refusal_naming_a_holder_on_another_host_says_how_to_let_its_lock_go() {
+        let tmp = ddp_testkit::temp_dir("ddp-train-lock-host");
+        let out = tmp.path();
+        let lock = out.join(RUN_LOCK);
+        let _held = match lock_run_dir(out) {
+            RunLock::Held(file) => file,
+            other => panic!("{other:?}"),
+        };
+        let refusal = || match lock_run_dir(out) {
+            RunLock::Locked(refusal) => refusal,
+            other => panic!("{other:?}"),
+        };
+        let here = format!("pid {} on {}", std::process::id(), this_host());
+        assert_eq!(
+            refusal(),
+            format!(
+                "--out {} is in use by another job ({here}, which holds {}): give another \
+                 --out, or wait for that job to end",
+                out.display(),
+                lock.display()
+            )
+        );
+        // The holder's line, as a job on node-b wrote it (the lock stays this test's).
+        std::fs::write(&lock, "pid 4242 on node-b").unwrap();
+        assert_eq!(
+            refusal(),
+            format!(
+                "--out {0} is in use by another job (pid 4242 on node-b, which holds {1}): give \
+                 another --out, or wait for that job to end; if that host is down, its lock \
+                 can outlive it on a network file system: remove {1}",
+                out.display(),
+                lock.display()
+            )
+        );
     }
 
     /// A `.lock` that is a link (to a file, or to nothing) or a FIFO is refused, naming it:
