@@ -207,29 +207,66 @@ fn lock_setup(deps: &Deps) -> Result<Option<fs::File>> {
 /// Takes an exclusive `flock` on `path` (created if missing), printing `waiting` first if
 /// another process holds it, and waiting for it as cargo waits for its build folder. The
 /// kernel lets it go when the returned file is dropped or the process ends, however it ends.
-/// A file system without locks (some NFS mounts) gets no lock: `None`.
+/// A file system without locks (some NFS mounts), or whose lock manager gives no answer
+/// within [`LOCK_ANSWER`], gets no lock: `None`.
 pub fn wait_for_lock(path: &Path, waiting: &str) -> Result<Option<fs::File>> {
+    lock_answered_within(path, waiting, LOCK_ANSWER, flock)
+}
+
+/// How long [`wait_for_lock`] waits for the file system's first answer: on a `hard` NFS
+/// mount whose lock manager (NLM) does not answer, `flock` blocks in the kernel, `LOCK_NB` or
+/// not (cargo#2615). "Another process holds it" is an answer: waiting for that holder has no
+/// deadline.
+const LOCK_ANSWER: std::time::Duration = std::time::Duration::from_secs(10);
+
+include!("../../shared-src/answer_within.rs");
+
+/// `flock(file, how)`.
+fn flock(file: &fs::File, how: libc::c_int) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor `file` owns; no memory is involved.
+    match unsafe { libc::flock(file.as_raw_fd(), how) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
+/// [`wait_for_lock`] with `flock` for the system's, whose first answer is waited for at most
+/// `deadline`: its thread is then left behind, holding only a second descriptor of the lock
+/// file.
+fn lock_answered_within(
+    path: &Path,
+    waiting: &str,
+    deadline: std::time::Duration,
+    flock: fn(&fs::File, libc::c_int) -> std::io::Result<()>,
+) -> Result<Option<fs::File>> {
     let file = fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(false)
         .open(path)
         .with_context(|| format!("cannot open the lock file {}", path.display()))?;
-    let flock = |how| {
-        // SAFETY: flock on a descriptor `file` owns; no memory is involved.
-        match unsafe { libc::flock(file.as_raw_fd(), how) } {
-            0 => Ok(()),
-            _ => Err(std::io::Error::last_os_error()),
+    let try_lock = move |f: &fs::File| flock(f, libc::LOCK_EX | libc::LOCK_NB);
+    let asked = file
+        .try_clone()
+        .and_then(|clone| answer_within(deadline, move || try_lock(&clone)));
+    // No thread or descriptor to spare: asked here, without a deadline.
+    match asked.unwrap_or_else(|_| Some(try_lock(&file))) {
+        Some(Ok(())) => return Ok(Some(file)),
+        Some(Err(e)) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => println!("{waiting}"),
+        Some(Err(_)) => return Ok(None),
+        None => {
+            println!(
+                "xtask: no answer from the file system's lock manager within {} s for {}; \
+                 going on without the lock",
+                deadline.as_secs_f64(),
+                path.display()
+            );
+            return Ok(None);
         }
-    };
-    match flock(libc::LOCK_EX | libc::LOCK_NB) {
-        Ok(()) => return Ok(Some(file)),
-        Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => println!("{waiting}"),
-        Err(_) => return Ok(None),
     }
     loop {
-        match flock(libc::LOCK_EX) {
+        match flock(&file, libc::LOCK_EX) {
             Ok(()) => return Ok(Some(file)),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e).with_context(|| format!("cannot lock {}", path.display())),
@@ -623,6 +660,38 @@ mod tests {
             installed_torch_version(&dir).unwrap().as_deref(),
             Some("2.12.1")
         );
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A file system that never answers a lock (a `hard` NFS mount whose lock manager is
+    /// down) gets no lock after the deadline, rather than a wait for good; one that answers
+    /// "held" is waited for, and the lock taken once its holder lets it go.
+    #[test]
+    fn a_lock_without_an_answer_is_given_up_and_a_held_one_waited_for() {
+        let dir = tempdir();
+        let path = dir.join("test.lock");
+        let hangs = |_: &fs::File, _| loop {
+            std::thread::park();
+        };
+        let deadline = std::time::Duration::from_millis(200);
+        assert!(lock_answered_within(&path, "waiting", deadline, hangs)
+            .unwrap()
+            .is_none());
+        let holder = wait_for_lock(&path, "waiting").unwrap().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (path2, tx2) = (path.clone(), tx.clone());
+        let waiter = std::thread::spawn(move || {
+            let got = lock_answered_within(&path2, "waiting", deadline, flock).unwrap();
+            tx2.send(got.is_some()).unwrap();
+        });
+        // Still held after several deadlines: the waiter waits.
+        assert!(rx.recv_timeout(deadline * 5).is_err());
+        drop((holder, tx));
+        assert_eq!(
+            rx.recv_timeout(std::time::Duration::from_secs(30)),
+            Ok(true)
+        );
+        waiter.join().unwrap();
         fs::remove_dir_all(&dir).unwrap();
     }
 
