@@ -361,6 +361,17 @@ pub enum DataError {
         source: Box<DataError>,
     },
 
+    /// The memory of a CPU loader's batch slot (an anonymous, sealed `memfd`) could not be
+    /// made: out of memory, or no `memfd` on this system.
+    #[cfg(feature = "tch")]
+    #[error("cannot allocate {bytes} bytes of memory for a batch slot")]
+    SlotMemory {
+        /// The bytes asked for.
+        bytes: usize,
+        /// The system's error.
+        source: std::io::Error,
+    },
+
     /// Converting a batch to tch tensors failed.
     #[cfg(feature = "tch")]
     #[error("cannot convert batch to tensors")]

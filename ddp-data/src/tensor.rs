@@ -1,7 +1,9 @@
 //! The tch edge: [`Loader`] and its [`Batch`]es of tensors on the training device.
 
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use rustix::fs::{fallocate, fcntl_add_seals, memfd_create, FallocateFlags, MemfdFlags, SealFlags};
 use tch::{Device, Kind, Tensor};
 
 use crate::cuda::{CopyEvents, PinnedAllocator};
@@ -87,16 +89,17 @@ struct TensorMemory {
 }
 
 // SAFETY: the tensors are behind mutexes; the raw pointers address their storage, which is
-// owned by the tensors and never reallocated (nothing resizes them).
+// owned by the tensors and never reallocated: libtorch refuses to resize it
+// (`unresizable_zeros`).
 unsafe impl Send for TensorMemory {}
 // SAFETY: as above.
 unsafe impl Sync for TensorMemory {}
 
 // SAFETY: the pointers address the contiguous storages of the three tensors, of the bytes
 // `capacities` reports (`[B, ...shape]` of the storage's kind, `[B, ...target_shape]` of the
-// target kind and `[B]` i64), alive as long as this value (libtorch aligns every storage
-// to at least 64 bytes); a tensor without elements has no storage, and a dangling aligned
-// pointer for its zero bytes instead (`region`).
+// target kind and `[B]` i64), alive and unmoved as long as this value (mappings libtorch
+// cannot resize, page-aligned); a tensor without elements has a null data pointer, and a
+// dangling aligned pointer for its zero bytes instead (`region`).
 unsafe impl BatchMemory for TensorMemory {
     fn input_ptr(&self) -> *mut u8 {
         self.input_ptr
@@ -177,8 +180,8 @@ fn fill_padding(inputs: &mut Tensor, lengths: &Tensor, value: f64) -> Result<(),
 }
 
 /// The start and bytes of a new contiguous tensor's data. A tensor without elements has a
-/// null data pointer (no storage), which no slice may start at: a dangling pointer aligned
-/// for `i64` takes its place, valid for its zero bytes.
+/// null data pointer, which no slice may start at: a dangling pointer aligned for `i64`
+/// takes its place, valid for its zero bytes.
 fn region(t: &Tensor) -> (*mut u8, usize) {
     let bytes = t.numel() * t.kind().elt_size_in_bytes();
     let ptr = t.data_ptr().cast::<u8>();
@@ -189,22 +192,54 @@ fn region(t: &Tensor) -> (*mut u8, usize) {
     }
 }
 
-/// Allocates slots as CPU tensors.
+/// A zeroed CPU tensor of `dims` whose storage libtorch cannot resize, so that the memory
+/// the workers write through never moves: a `resize_` (or an `out=` operation) of any view
+/// of it past its bytes fails with "Trying to resize storage that is not resizable", where a
+/// resizable storage would get a new buffer and free the old one under the workers.
+///
+/// The memory is an anonymous `memfd` sized and allocated here (so that running out of
+/// memory is this error, not a `SIGBUS` at a worker's first write), sealed against resizing,
+/// and mapped shared by `Tensor::from_file` through `/proc/self/fd`: libtorch's storage owns
+/// the mapping (unmapped when its last tensor goes, so tensors kept past their batch stay
+/// valid) and marks it not resizable. At least one element is mapped, as no empty file can be.
+fn unresizable_zeros(dims: &[i64], kind: Kind) -> Result<Tensor, DataError> {
+    let numel: i64 = dims.iter().product();
+    let elements = numel.max(1);
+    let bytes = elements as usize * kind.elt_size_in_bytes();
+    let slot_memory = |source: rustix::io::Errno| DataError::SlotMemory {
+        bytes,
+        source: source.into(),
+    };
+    let fd = memfd_create(
+        "ddp-data-slot",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )
+    .map_err(slot_memory)?;
+    fallocate(&fd, FallocateFlags::empty(), 0, bytes as u64).map_err(slot_memory)?;
+    fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+        .map_err(slot_memory)?;
+    // libtorch opens the file again and maps it; `fd` is closed when it drops.
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    let mut mapped = Tensor::f_from_file(&path, true, elements, (kind, Device::Cpu))?;
+    // Shaped in place, not as a view: a view keeps its base, a second user of the storage
+    // that `shared_elsewhere` would count against every slot.
+    let _ = mapped.f_resize_(dims)?;
+    Ok(mapped)
+}
+
+/// Allocates slots as CPU tensors that cannot be resized ([`unresizable_zeros`]).
 #[derive(Debug, Clone, Copy, Default)]
 struct TensorAllocator;
 
 impl SlotAllocator for TensorAllocator {
     fn allocate(&self, request: &SlotRequest) -> Result<Box<dyn BatchMemory>, DataError> {
         let b = request.batch_size;
-        let inputs = Tensor::f_zeros(
-            dims(b, &request.layout.shape),
-            (kind_of(request.storage), Device::Cpu),
+        let inputs = unresizable_zeros(&dims(b, &request.layout.shape), kind_of(request.storage))?;
+        let targets = unresizable_zeros(
+            &dims(b, &request.layout.target_shape),
+            target_kind(request.layout.target_kind),
         )?;
-        let targets = Tensor::f_zeros(
-            dims(b, &request.layout.target_shape),
-            (target_kind(request.layout.target_kind), Device::Cpu),
-        )?;
-        let lengths = Tensor::f_zeros([b as i64], (Kind::Int64, Device::Cpu))?;
+        let lengths = unresizable_zeros(&[b as i64], Kind::Int64)?;
         let (input_ptr, input_bytes) = region(&inputs);
         let (targets_ptr, targets_bytes) = region(&targets);
         let (lengths_ptr, lengths_bytes) = region(&lengths);
@@ -270,7 +305,8 @@ impl DeviceAffine {
 /// a [`Batch`]'s inputs and targets are views of its slot. The batch holds the slot until it
 /// is dropped, and is then refilled with a later batch, unless tensors made from the batch
 /// still hold its memory (views kept, inputs an autograd graph saved): that slot then gets
-/// new memory, and the kept tensors keep their values.
+/// new memory, and the kept tensors keep their values. The slots' storage cannot be resized:
+/// growing a batch's tensor in place (`resize_`, an `out=` operation) fails; copy it first.
 ///
 /// **CUDA.** The slots are page-locked once, when first allocated, and hold bytes (a quarter
 /// of the `f32` size) when the data set can write bytes. Taking a batch issues its

@@ -622,3 +622,62 @@ fn samples_without_target_values_load() {
     }
     assert_eq!(seen, [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]);
 }
+
+/// A CPU batch's tensors cannot be resized in place past their ring slot: libtorch refuses
+/// to move the slot's memory, which the loader's workers keep writing through, so the
+/// batches after it hold their own values. (Were the slot's storage resizable, the resize
+/// would free that memory and the slot's next batch would be written into freed memory,
+/// its tensors showing the old batch.)
+#[test]
+fn a_cpu_batch_cannot_be_resized_past_its_slot() {
+    const SAMPLES: usize = 12;
+    let inputs = (0..SAMPLES * 4).map(|v| v as f32).collect::<Vec<_>>();
+    let targets = (0..SAMPLES).map(|v| v as f32).collect::<Vec<_>>();
+    let data = TensorDataset::new(
+        Array::new(inputs.clone(), [SAMPLES, 4]).unwrap(),
+        Array::new(targets.clone(), [SAMPLES, 1]).unwrap(),
+    )
+    .unwrap();
+    let config = LoaderConfig {
+        workers: 1,
+        prefetch: 1,
+        ..LoaderConfig::new(2)
+    };
+    let mut loader = Loader::new(data, (0..SAMPLES).collect(), &config).unwrap();
+    let first = loader.next().unwrap().unwrap();
+    // 4 MiB of f32, far past the slot's 32 bytes of inputs and 8 of targets.
+    let resized = [first.inputs(), first.targets()].map(|t| {
+        let mut alias = t.shallow_clone();
+        alias.f_resize_([1 << 20]).map(drop)
+    });
+    drop(first);
+    let rest: Vec<(Vec<f32>, Vec<f32>)> = loader
+        .by_ref()
+        .map(|b| {
+            let b = b.unwrap();
+            let values = |t: &Tensor| Vec::<f32>::try_from(t.flatten(0, -1)).unwrap();
+            (values(b.inputs()), values(b.targets()))
+        })
+        .collect();
+    let want: Vec<(Vec<f32>, Vec<f32>)> = (1..SAMPLES / 2)
+        .map(|k| {
+            (
+                inputs[8 * k..8 * k + 8].to_vec(),
+                targets[2 * k..2 * k + 2].to_vec(),
+            )
+        })
+        .collect();
+    assert_eq!(rest, want, "a batch after the resize holds other values");
+    assert!(
+        loader.host().slots_allocated() <= 3,
+        "slots were not reused"
+    );
+    for r in resized {
+        let e = r.expect_err("a batch's tensor was resized past its slot");
+        assert!(
+            e.to_string()
+                .contains("Trying to resize storage that is not resizable"),
+            "{e}"
+        );
+    }
+}
