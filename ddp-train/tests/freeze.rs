@@ -244,14 +244,20 @@ fn check_resume(name: &str, extra: &[&str], env: &[(&str, &str)], resumes_from: 
     );
 }
 
-/// Killed in epoch 2: resumed from the end of epoch 1, before the unfreeze.
+/// Killed in epoch 2: resumed from the end of epoch 1, before the unfreeze. Rank 0, which
+/// fails with it, keeps its store up for one diagnosis window (three heartbeat intervals):
+/// with 100 ms heartbeats, 0.5 s rather than a 60 s timeout's 3 s.
 #[test]
 #[cfg_attr(
     not(feature = "fault-injection"),
     ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
 )]
 fn a_run_resumed_before_its_unfreeze_epoch_ends_as_the_uninterrupted_one() {
-    let env = [("DDP_TRAIN_FAIL_RANK", "1"), ("DDP_TRAIN_FAIL_AT", "2:1")];
+    let env = [
+        ("DDP_TRAIN_FAIL_RANK", "1"),
+        ("DDP_TRAIN_FAIL_AT", "2:1"),
+        ("DDP_COMM_TEST_HEARTBEAT_MS", "100"),
+    ];
     check_resume("before", &[], &env, "epoch-0001");
 }
 

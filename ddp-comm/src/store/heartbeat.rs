@@ -48,9 +48,9 @@ const MIN_WINDOW: Duration = Duration::from_millis(500);
 const DROP_WAIT: Duration = Duration::from_millis(200);
 
 /// The heartbeat interval for a collective timeout: a twentieth of it, from 100 ms to 1 s;
-/// but for the tests of a rank stuck outside the collectives (`ddp-comm/tests/failures.rs`),
-/// which keep a busy machine's margin with a short timeout: `DDP_COMM_TEST_HEARTBEAT_MS`
-/// (see [`auth::injected`]).
+/// but for tests that set it apart from their timeout, `DDP_COMM_TEST_HEARTBEAT_MS` (see
+/// [`auth::injected`]): a short timeout with a busy machine's margin (a rank stuck outside the
+/// collectives), or a short linger after a failure (`ddp-train/tests/freeze.rs`).
 pub(crate) fn interval_for(op_timeout: Duration) -> Duration {
     auth::injected("DDP_COMM_TEST_HEARTBEAT_MS")
         .unwrap_or_else(|| (op_timeout / 20).clamp(MIN_INTERVAL, MAX_INTERVAL))
