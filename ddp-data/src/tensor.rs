@@ -306,7 +306,8 @@ impl DeviceAffine {
 /// is dropped, and is then refilled with a later batch, unless tensors made from the batch
 /// still hold its memory (views kept, inputs an autograd graph saved): that slot then gets
 /// new memory, and the kept tensors keep their values. The slots' storage cannot be resized:
-/// growing a batch's tensor in place (`resize_`, an `out=` operation) fails; copy it first.
+/// growing a batch's tensor in place (`resize_`, an `out=` operation) fails, after libtorch
+/// has changed that tensor's shape: drop it, never use it again. Copy it before resizing.
 ///
 /// **CUDA.** The slots are page-locked once, when first allocated, and hold bytes (a quarter
 /// of the `f32` size) when the data set can write bytes. Taking a batch issues its
