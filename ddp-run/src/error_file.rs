@@ -142,8 +142,10 @@ pub(crate) fn first_failure(failed: &[Failed]) -> Option<usize> {
 /// as [`this_host`] gives it (older launchers wrote `ddp-run-<pid>-<16 hex digits>`).
 const FOLDER_PREFIX: &str = "ddp-run-";
 
-/// The most bytes of the host's name that a folder's name carries.
-const HOST_MAX: usize = 32;
+/// The most bytes of the host's name that a folder's name carries: a whole Linux host name
+/// (at most 64), since cut ones can be alike (a node pool's names share a long prefix) and
+/// the sweep would take another host's folder for this host's.
+const HOST_MAX: usize = 64;
 
 /// A rank's error file's name: `rank-<N>.error.json`.
 const RECORD_NAME: (&str, &str) = ("rank-", ".error.json");
