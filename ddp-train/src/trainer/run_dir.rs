@@ -241,11 +241,19 @@ pub(super) enum RunLock {
     Unsupported(String),
 }
 
-/// How long rank 0 waits for the file system's answer to its `flock` of the run directory:
-/// on a `hard` NFS mount whose lock manager (NLM) does not answer, `flock` blocks in the
-/// kernel, `LOCK_NB` or not (cargo#2615), while the other ranks wait for rank 0's verdict
-/// until their collective timeout, and would then blame it.
+/// How long rank 0 waits for the file system's answer to its `flock` of the run directory,
+/// at most (half the collective timeout when that is shorter, see [`lock_answer`]): on a
+/// `hard` NFS mount whose lock manager (NLM) does not answer, `flock` blocks in the kernel,
+/// `LOCK_NB` or not (cargo#2615), while the other ranks wait for rank 0's verdict until
+/// their collective timeout, and would then blame it.
 const LOCK_ANSWER: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The wait for the lock manager's answer under a collective timeout of `op_timeout`:
+/// [`LOCK_ANSWER`], or half the timeout when that is shorter, so that the other ranks get
+/// rank 0's verdict before they give up on it.
+fn lock_answer(op_timeout: std::time::Duration) -> std::time::Duration {
+    LOCK_ANSWER.min(op_timeout / 2)
+}
 
 include!("../../../shared-src/answer_within.rs");
 
@@ -264,13 +272,13 @@ fn flock_exclusive(file: &std::fs::File) -> std::io::Result<()> {
 }
 
 /// [`flock_exclusive`] of `file`, asked on a thread of its own: `None` when the file system
-/// gave no answer within [`LOCK_ANSWER`]. That thread is left behind, blocked in the kernel,
+/// gave no answer within `wait`. That thread is left behind, blocked in the kernel,
 /// holding only a second descriptor of the lock file: closed, with any lock it gets, when
 /// the call returns or the process ends.
-fn flock_answered(file: &std::fs::File) -> Option<std::io::Result<()>> {
+fn flock_answered(file: &std::fs::File, wait: std::time::Duration) -> Option<std::io::Result<()>> {
     let asked = file
         .try_clone()
-        .and_then(|clone| answer_within(LOCK_ANSWER, move || flock_exclusive(&clone)));
+        .and_then(|clone| answer_within(wait, move || flock_exclusive(&clone)));
     // No thread or descriptor to spare: asked here, without a deadline.
     asked.unwrap_or_else(|_| Some(flock_exclusive(file)))
 }
@@ -281,9 +289,9 @@ fn this_host() -> String {
     host.trim().to_string()
 }
 
-/// Takes the run directory's lock (an exclusive `flock` on `out/.lock`) and writes who
-/// holds it.
-fn lock_run_dir(out: &Path) -> RunLock {
+/// Takes the run directory's lock (an exclusive `flock` on `out/.lock`), waiting at most
+/// `wait` for the file system's answer, and writes who holds it.
+fn lock_run_dir(out: &Path, wait: std::time::Duration) -> RunLock {
     use std::fs::OpenOptions;
     use std::io::{Read, Seek, Write};
     let path = out.join(RUN_LOCK);
@@ -309,11 +317,11 @@ fn lock_run_dir(out: &Path) -> RunLock {
             ))
         }
     };
-    let Some(locked) = flock_answered(&file) else {
+    let Some(locked) = flock_answered(&file, wait) else {
         return RunLock::Unsupported(format!(
             "no answer from the file system's lock manager within {} s for {}; the run \
              directory {} is not locked against a second job, so start only one on this --out",
-            LOCK_ANSWER.as_secs(),
+            wait.as_secs_f64(),
             path.display(),
             out.display()
         ));
@@ -370,7 +378,7 @@ pub(super) fn claim_run_dir(
     pg: &ProcessGroup,
     out: &Path,
 ) -> Result<(Option<std::fs::File>, Option<String>), TrainError> {
-    let lock = (pg.rank() == 0).then(|| lock_run_dir(out));
+    let lock = (pg.rank() == 0).then(|| lock_run_dir(out, lock_answer(pg.op_timeout())));
     let (lock, warning, refusal) = match lock {
         Some(RunLock::Held(file)) => {
             let local = super::mounts::node_local_locks(out).map(|mount| {
@@ -671,6 +679,24 @@ mod tests {
         std::fs::write(dir.join(name), b"x").unwrap();
     }
 
+    /// Rank 0 gives up on the lock manager in time for the others' collective timeout.
+    #[test]
+    fn the_wait_for_the_lock_manager_is_within_half_the_collective_timeout() {
+        use std::time::Duration;
+        assert_eq!(lock_answer(Duration::from_secs(1800)), LOCK_ANSWER);
+        assert_eq!(lock_answer(Duration::from_secs(20)), LOCK_ANSWER);
+        assert_eq!(lock_answer(Duration::from_secs(4)), Duration::from_secs(2));
+        assert_eq!(
+            lock_answer(Duration::from_secs(1)),
+            Duration::from_millis(500)
+        );
+        assert_eq!(
+            format!("{}", lock_answer(Duration::from_secs(1)).as_secs_f64()),
+            "0.5"
+        );
+        assert_eq!(format!("{}", LOCK_ANSWER.as_secs_f64()), "10");
+    }
+
     /// A lock file that cannot be opened refuses the start (unlocked, it would tidy a folder
     /// another job may be writing); a folder that can be locked is held, and locked again
     /// by another open, refused naming its holder.
@@ -679,7 +705,7 @@ mod tests {
         let tmp = ddp_testkit::temp_dir("ddp-train-lock-open");
         let out = tmp.path();
         let missing = out.join("gone");
-        match lock_run_dir(&missing) {
+        match lock_run_dir(&missing, LOCK_ANSWER) {
             RunLock::Locked(refusal) => assert!(
                 refusal.starts_with(&format!(
                     "cannot open {} to lock the run directory --out {} (",
@@ -690,9 +716,9 @@ mod tests {
             ),
             other => panic!("{other:?}"),
         }
-        let held = lock_run_dir(out);
+        let held = lock_run_dir(out, LOCK_ANSWER);
         assert!(matches!(held, RunLock::Held(_)), "{held:?}");
-        match lock_run_dir(out) {
+        match lock_run_dir(out, LOCK_ANSWER) {
             RunLock::Locked(refusal) => {
                 assert!(refusal.contains("in use by another job (pid "), "{refusal}")
             }
@@ -707,11 +733,11 @@ mod tests {
         let tmp = ddp_testkit::temp_dir("ddp-train-lock-host");
         let out = tmp.path();
         let lock = out.join(RUN_LOCK);
-        let _held = match lock_run_dir(out) {
+        let _held = match lock_run_dir(out, LOCK_ANSWER) {
             RunLock::Held(file) => file,
             other => panic!("{other:?}"),
         };
-        let refusal = || match lock_run_dir(out) {
+        let refusal = || match lock_run_dir(out, LOCK_ANSWER) {
             RunLock::Locked(refusal) => refusal,
             other => panic!("{other:?}"),
         };
@@ -746,7 +772,7 @@ mod tests {
         let tmp = ddp_testkit::temp_dir("ddp-train-lock-link");
         let out = tmp.path();
         let lock = out.join(RUN_LOCK);
-        let refused = |what: &str| match lock_run_dir(out) {
+        let refused = |what: &str| match lock_run_dir(out, LOCK_ANSWER) {
             RunLock::Locked(refusal) => assert_eq!(
                 refusal,
                 format!(
