@@ -1075,6 +1075,8 @@ fn builds_in_one_target_folder_run_in_turn() {
         ),
     );
     let cargo = dir.path().join("cargo");
+    // The first build holds the lock until the second launch says it waits for it.
+    let release = dir.path().join("release");
     let artifact = format!(
         r#"{{"reason":"compiler-artifact","target":{{"kind":["bin"],"name":"ddp-gen-data"}},"executable":"{}"}}"#,
         built.display()
@@ -1082,39 +1084,42 @@ fn builds_in_one_target_folder_run_in_turn() {
     ddp_testkit::script(
         &cargo,
         &format!(
-            "#!/bin/sh\necho start $PPID >> '{0}'\nsleep 1\necho end $PPID >> '{0}'\necho '{artifact}'\n",
-            log.display()
+            "#!/bin/sh\necho start $PPID >> '{0}'\n\
+             while [ ! -e '{1}' ]; do sleep 0.02; done\n\
+             echo end $PPID >> '{0}'\necho '{artifact}'\n",
+            log.display(),
+            release.display()
         ),
     );
     let target = dir.path().join("target");
+    // Each launch's output goes to `<out>.log`, read while it runs.
     let gen_data = |out: &str| {
+        let output = std::fs::File::create(dir.path().join(format!("{out}.log"))).unwrap();
         Command::new(XTASK)
             .args(["gen-data", "--images", "2", "--out"])
             .arg(dir.path().join(out))
             .env("CARGO", &cargo)
             .env("CARGO_TARGET_DIR", &target)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            .stdout(output.try_clone().unwrap())
+            .stderr(output)
             .spawn()
             .unwrap()
     };
+    let said = |out: &str| std::fs::read_to_string(dir.path().join(format!("{out}.log"))).unwrap();
     let first = gen_data("a");
     wait_for_text(&log, "start", LIMIT);
     let second = gen_data("b");
+    let waiting =
+        "xtask: another build in this target folder (another node's?) runs; waiting for it";
+    wait_for_text(&dir.path().join("b.log"), waiting, LIMIT);
+    std::fs::write(&release, "").unwrap();
     let (first_id, second_id) = (first.id(), second.id());
     let (first, second) = (wait_bounded(first, LIMIT), wait_bounded(second, LIMIT));
-    assert!(first.status.success(), "{}", text(&first));
-    assert!(second.status.success(), "{}", text(&second));
+    assert!(first.status.success(), "{}", said("a"));
+    assert!(second.status.success(), "{}", said("b"));
     assert_eq!(
         std::fs::read_to_string(&log).unwrap(),
         format!("start {first_id}\nend {first_id}\nstart {second_id}\nend {second_id}\n")
-    );
-    assert!(
-        text(&second).contains(
-            "xtask: another build in this target folder (another node's?) runs; waiting for it"
-        ),
-        "{}",
-        text(&second)
     );
     // Each ran its own link to the build (its inode), in target/xtask/bin/, now empty.
     let links = target.join("xtask/bin");
