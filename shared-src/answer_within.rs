@@ -3,20 +3,29 @@
 // given a deadline, `include!`d by ddp-train (`trainer/run_dir.rs`) and xtask (`setup.rs`),
 // which share no crate that could hold it (xtask builds before libtorch).
 
-/// Runs `call` on a thread of its own and waits at most `deadline` for its answer: `Ok(None)`
-/// when none came. That thread is then left behind, blocked, with whatever `call` owns (give
-/// it only what may stay held until the call returns or the process ends). An error when no
-/// thread can be started: `call` was not run.
-pub(crate) fn answer_within<T: Send + 'static>(
+/// `call` on a second descriptor of `file`, on a thread of its own, waited for at most
+/// `deadline`: `None` when no answer came. That thread is then left behind, blocked, holding
+/// only that descriptor (closed, with any lock it got, when the call returns or the process
+/// ends). Where no thread or descriptor can be had, `call(file)` is asked here, without a
+/// deadline.
+pub(crate) fn answer_within<T, F>(
+    file: &std::fs::File,
     deadline: std::time::Duration,
-    call: impl FnOnce() -> T + Send + 'static,
-) -> std::io::Result<Option<T>> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::Builder::new()
-        .name("answer-within".into())
-        .spawn(move || {
-            // The receiver is gone when the answer came too late: nothing to do with it.
-            let _ = tx.send(call());
-        })?;
-    Ok(rx.recv_timeout(deadline).ok())
+    call: F,
+) -> Option<T>
+where
+    T: Send + 'static,
+    F: Fn(&std::fs::File) -> T + Copy + Send + 'static,
+{
+    let asked = file.try_clone().and_then(|clone| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("answer-within".into())
+            .spawn(move || {
+                // The receiver is gone when the answer came too late: nothing to do with it.
+                let _ = tx.send(call(&clone));
+            })?;
+        Ok(rx.recv_timeout(deadline).ok())
+    });
+    asked.unwrap_or_else(|_| Some(call(file)))
 }

@@ -247,11 +247,7 @@ fn lock_answered_within(
         .open(path)
         .with_context(|| format!("cannot open the lock file {}", path.display()))?;
     let try_lock = move |f: &fs::File| flock(f, libc::LOCK_EX | libc::LOCK_NB);
-    let asked = file
-        .try_clone()
-        .and_then(|clone| answer_within(deadline, move || try_lock(&clone)));
-    // No thread or descriptor to spare: asked here, without a deadline.
-    match asked.unwrap_or_else(|_| Some(try_lock(&file))) {
+    match answer_within(&file, deadline, try_lock) {
         Some(Ok(())) => return Ok(Some(file)),
         Some(Err(e)) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => println!("{waiting}"),
         Some(Err(_)) => return Ok(None),

@@ -271,18 +271,6 @@ fn flock_exclusive(file: &std::fs::File) -> std::io::Result<()> {
     }
 }
 
-/// [`flock_exclusive`] of `file`, asked on a thread of its own: `None` when the file system
-/// gave no answer within `wait`. That thread is left behind, blocked in the kernel,
-/// holding only a second descriptor of the lock file: closed, with any lock it gets, when
-/// the call returns or the process ends.
-fn flock_answered(file: &std::fs::File, wait: std::time::Duration) -> Option<std::io::Result<()>> {
-    let asked = file
-        .try_clone()
-        .and_then(|clone| answer_within(wait, move || flock_exclusive(&clone)));
-    // No thread or descriptor to spare: asked here, without a deadline.
-    asked.unwrap_or_else(|_| Some(flock_exclusive(file)))
-}
-
 /// The name of this host, as the lock file records its holder's.
 fn this_host() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
@@ -317,7 +305,7 @@ fn lock_run_dir(out: &Path, wait: std::time::Duration) -> RunLock {
             ))
         }
     };
-    let Some(locked) = flock_answered(&file, wait) else {
+    let Some(locked) = answer_within(&file, wait, flock_exclusive) else {
         return RunLock::Unsupported(format!(
             "no answer from the file system's lock manager within {} s for {}; the run \
              directory {} is not locked against a second job, so start only one on this --out",
