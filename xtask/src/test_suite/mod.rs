@@ -7,9 +7,9 @@
 //! marks when that test ended and gives its time. Binaries whose tests start several ranks
 //! (see [`RANK_BINARIES`]) run one at a time next to the other binaries, so that two
 //! trainings never compete for the cores; those whose ranks mostly wait
-//! ([`WAITING_BINARIES`]) run one at a time beside them. The longest jobs start first, by the times of the
-//! previous run (kept in `target/xtask/test-times.json`). A job that hangs is killed at its
-//! deadline (see [`job::deadline`]), naming the test it was in.
+//! ([`WAITING_BINARIES`]) run one at a time beside them. The longest jobs start first, by
+//! the times of the previous run (kept in `target/xtask/test-times.json`). A job that hangs
+//! is killed at its deadline (see [`job::deadline`]), naming the test it was in.
 
 mod job;
 mod libtest;
