@@ -220,11 +220,23 @@ fn unresizable_zeros(dims: &[i64], kind: Kind) -> Result<Tensor, DataError> {
         .map_err(slot_memory)?;
     // libtorch opens the file again and maps it; `fd` is closed when it drops.
     let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
-    let mut mapped = Tensor::f_from_file(&path, true, elements, (kind, Device::Cpu))?;
+    let mut mapped = map_shared(&path, elements, kind)?;
     // Shaped in place, not as a view: a view keeps its base, a second user of the storage
     // that `shared_elsewhere` would count against every slot.
     let _ = mapped.f_resize_(dims)?;
     Ok(mapped)
+}
+
+/// Maps `elements` of `kind` from the file at `path`, shared, as a CPU tensor. A failure is
+/// the slot's memory that could not be had (no `/proc`, the process's map count at
+/// `vm.max_map_count`, an address space limit), with libtorch's reason as its source.
+fn map_shared(path: &str, elements: i64, kind: Kind) -> Result<Tensor, DataError> {
+    Tensor::f_from_file(path, true, elements, (kind, Device::Cpu)).map_err(|e| {
+        DataError::SlotMemory {
+            bytes: elements as usize * kind.elt_size_in_bytes(),
+            source: std::io::Error::other(e),
+        }
+    })
 }
 
 /// Allocates slots as CPU tensors that cannot be resized ([`unresizable_zeros`]).
@@ -635,6 +647,21 @@ mod tests {
             &config,
         )
         .unwrap()
+    }
+
+    #[test]
+    fn a_slot_that_cannot_be_mapped_is_a_slot_memory_error() {
+        let err = map_shared("/proc/self/fd/not-a-descriptor", 16, Kind::Float).unwrap_err();
+        match err {
+            DataError::SlotMemory { bytes, source } => {
+                assert_eq!(bytes, 64);
+                assert!(
+                    source.to_string().contains("not-a-descriptor"),
+                    "libtorch's reason names the file: {source}"
+                );
+            }
+            other => panic!("expected SlotMemory, got {other:?}"),
+        }
     }
 
     fn failure(name: &'static str) -> DataError {
