@@ -587,14 +587,24 @@ fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
     }
 }
 
-/// A new temporary folder's path in `dir`: `.tmp-<pid>-<nanoseconds>-<host>`.
+/// A new temporary folder's path in `dir`: `.tmp-<pid>-<nanoseconds>-<pid namespace>-<host>`.
 fn temporary(dir: &Path) -> PathBuf {
     dir.join(format!(
-        ".tmp-{}-{}-{}",
+        ".tmp-{}-{}-{}-{}",
         std::process::id(),
         time::OffsetDateTime::now_utc().unix_timestamp_nanos(),
+        pid_namespace().unwrap_or_default(),
         hostname()
     ))
+}
+
+/// The number of this process's pid namespace (`/proc/self/ns/pid` is `pid:[<number>]`), in
+/// which the pids of [`temporary`] folders are read: containers that share a host name and a
+/// folder but not their pids must not judge each other's.
+fn pid_namespace() -> Option<String> {
+    let link = std::fs::read_link("/proc/self/ns/pid").ok()?;
+    let number = link.to_str()?.strip_prefix("pid:[")?.strip_suffix(']')?;
+    (!number.is_empty() && number.bytes().all(|b| b.is_ascii_digit())).then(|| number.to_owned())
 }
 
 /// The marker of a whole generated sample: it names `full_df.csv`'s length.
@@ -649,21 +659,25 @@ fn hostname() -> String {
     name.trim().to_owned()
 }
 
-/// Removes the [`temporary`] folders (`.tmp-<pid>-<nanoseconds>-<host>`) in `cache` that a
-/// process cut short left (a generation of [`synthetic_sample`], a [`build_release`] link):
-/// this host's, whose process is gone. Returns them.
+/// Removes the [`temporary`] folders in `cache` that a process cut short left (a generation
+/// of [`synthetic_sample`], a [`build_release`] link): this host's and pid namespace's, whose
+/// process is gone. Returns them. Where the namespace cannot be read, none.
 fn remove_stale_temporaries(cache: &Path) -> Vec<PathBuf> {
-    let host = hostname();
+    let (host, Some(namespace)) = (hostname(), pid_namespace()) else {
+        return Vec::new();
+    };
     let stale = |name: &str| {
         let mut parts = name
             .strip_prefix(".tmp-")
             .unwrap_or_default()
-            .splitn(3, '-');
-        let (Some(pid), Some(_), Some(its_host)) = (parts.next(), parts.next(), parts.next())
+            .splitn(4, '-');
+        let (Some(pid), Some(_), Some(its_namespace), Some(its_host)) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
         else {
             return false;
         };
         its_host == host
+            && its_namespace == namespace
             && pid
                 .parse::<u32>()
                 .is_ok_and(|pid| !Path::new(&format!("/proc/{pid}")).exists())
@@ -865,19 +879,21 @@ mod tests {
     }
 
     #[test]
-    fn temporaries_of_gone_processes_of_this_host_are_swept() {
+    fn temporaries_of_gone_processes_of_this_host_and_pid_namespace_are_swept() {
         let dir = ddp_testkit::temp_dir("xtask-sweep");
         let mut gone = std::process::Command::new("true").spawn().unwrap();
         gone.wait().unwrap();
-        let host = hostname();
+        let (host, ns) = (hostname(), pid_namespace().unwrap());
         let (own, dead) = (std::process::id(), gone.id());
         let kept = [
-            format!(".tmp-{own}-1-{host}"),
-            format!(".tmp-{dead}-1-elsewhere"),
-            format!(".tmp-{dead}-1"),
-            format!("synthetic-{dead}-1-{host}"),
+            format!(".tmp-{own}-1-{ns}-{host}"),
+            format!(".tmp-{dead}-1-{ns}-elsewhere"),
+            format!(".tmp-{dead}-1-{ns}"),
+            format!(".tmp-{dead}-1-{host}"),
+            format!(".tmp-{dead}-1-1{ns}-{host}"),
+            format!("synthetic-{dead}-1-{ns}-{host}"),
         ];
-        let swept = format!(".tmp-{dead}-1-{host}");
+        let swept = format!(".tmp-{dead}-1-{ns}-{host}");
         for name in kept.iter().chain([&swept]) {
             std::fs::create_dir_all(dir.path().join(name).join("images")).unwrap();
         }
