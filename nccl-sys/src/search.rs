@@ -3,7 +3,8 @@
 //! In order, for NCCL (`libnccl.so.2`):
 //!
 //! 1. `DDP_NCCL_LIBRARY`: a path to the library file. When set, it is the only candidate, so
-//!    a wrong value is an error rather than a silent fallback.
+//!    a wrong value is an error rather than a silent fallback (an empty or blank value counts
+//!    as unset).
 //! 2. The PyTorch wheel that provides libtorch: for each libtorch `lib` folder (the folder of
 //!    the `libtorch_cpu.so` already mapped into this process, then `$LIBTORCH/lib`, then
 //!    `$DDP_DEPS_DIR/libtorch/lib`, then `.deps/libtorch/lib` in any ancestor folder of the
@@ -114,12 +115,25 @@ fn maps_line_path(line: &[u8]) -> Option<&[u8]> {
     (!path.is_empty()).then_some(path)
 }
 
-/// Candidate files for a library, best first: the override alone when `env_var` is set,
-/// else `<torch lib>/../../nvidia/<subdir>/<name>` for each [`torch_lib_dirs`] entry, then
-/// the bare `name`.
+/// The file an override variable's `value` names; an empty or blank value counts as unset,
+/// as for every variable ddp-comm reads (a blank path would load the program itself).
+fn override_file(value: Option<std::ffi::OsString>) -> Option<PathBuf> {
+    value
+        .filter(|v| !v.to_string_lossy().trim().is_empty())
+        .map(PathBuf::from)
+}
+
+/// Candidate files for a library, best first: the override alone when `env_var` is set
+/// (not blank), else `<torch lib>/../../nvidia/<subdir>/<name>` for each [`torch_lib_dirs`]
+/// entry, then the bare `name`.
 pub fn candidates(env_var: &str, subdir: &str, name: &str) -> Vec<PathBuf> {
-    if let Some(path) = std::env::var_os(env_var) {
-        return vec![PathBuf::from(path)];
+    candidates_for(std::env::var_os(env_var), subdir, name)
+}
+
+/// [`candidates`] with the override variable's `value`.
+fn candidates_for(value: Option<std::ffi::OsString>, subdir: &str, name: &str) -> Vec<PathBuf> {
+    if let Some(path) = override_file(value) {
+        return vec![path];
     }
     let mut out: Vec<PathBuf> = torch_lib_dirs()
         .iter()
@@ -148,8 +162,13 @@ pub fn cudart_wheel_dir(major: u32) -> String {
 
 /// Candidate files for the CUDA runtime (see the module documentation).
 pub fn cudart_candidates() -> Vec<PathBuf> {
-    if let Some(path) = std::env::var_os(CUDART_ENV) {
-        return vec![PathBuf::from(path)];
+    cudart_candidates_for(std::env::var_os(CUDART_ENV))
+}
+
+/// [`cudart_candidates`] with `DDP_CUDART_LIBRARY`'s `value`.
+fn cudart_candidates_for(value: Option<std::ffi::OsString>) -> Vec<PathBuf> {
+    if let Some(path) = override_file(value) {
+        return vec![path];
     }
     if let Some(path) = mapped_cudart() {
         return vec![path];
@@ -362,6 +381,29 @@ mod tests {
                 "{}",
                 path.display()
             );
+        }
+    }
+
+    /// A blank override is no override (`dlopen("")` would return the program itself): the
+    /// search goes on as without it; a path is the only candidate.
+    #[test]
+    fn a_blank_override_counts_as_unset() {
+        let file = "/opt/nccl/lib/libnccl.so.2";
+        for (value, unset) in [("", true), (" \t", true), (file, false)] {
+            let nccl = candidates_for(Some(value.into()), "nccl/lib", NCCL_NAME);
+            let cudart = cudart_candidates_for(Some(value.into()));
+            if unset {
+                assert_eq!(
+                    nccl,
+                    candidates_for(None, "nccl/lib", NCCL_NAME),
+                    "{value:?}"
+                );
+                assert_eq!(cudart, cudart_candidates_for(None), "{value:?}");
+                assert_eq!(nccl.last().unwrap(), Path::new(NCCL_NAME));
+            } else {
+                assert_eq!(nccl, [PathBuf::from(file)]);
+                assert_eq!(cudart, [PathBuf::from(file)]);
+            }
         }
     }
 
