@@ -58,17 +58,14 @@ impl LoaderConfig {
     }
 }
 
-/// A sensible number of loader threads per rank: the machine's cores shared among the
-/// `ranks_on_machine` processes that each run a loader, at least 1.
+/// A sensible number of loader threads per rank: the cores this process may run on
+/// (`std::thread::available_parallelism`: its affinity mask and a cgroup's CPU quota) shared
+/// among the `ranks_on_machine` processes that each run a loader, at least 1.
 pub fn default_workers(ranks_on_machine: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    cores_per_process(cores, ranks_on_machine)
+    cores_per_process(ranks_on_machine)
 }
 
-/// `cores` shared among `processes`: at least 1 each ([`default_workers`]' arithmetic).
-fn cores_per_process(cores: usize, processes: usize) -> usize {
-    (cores / processes.max(1)).max(1)
-}
+include!("../../shared-src/cores_per_process.rs");
 
 struct Shared<D> {
     ring: Arc<Ring>,
@@ -650,15 +647,15 @@ impl<D: Dataset> Drop for HostLoader<D> {
 
 #[cfg(test)]
 mod tests {
-    use super::cores_per_process;
+    use super::share_cores;
 
     #[test]
     fn the_cores_are_shared_among_the_processes_at_least_one_each() {
-        assert_eq!(cores_per_process(16, 8), 2);
-        assert_eq!(cores_per_process(64, 8), 8);
-        assert_eq!(cores_per_process(15, 8), 1);
-        assert_eq!(cores_per_process(4, 8), 1);
-        assert_eq!(cores_per_process(16, 1), 16);
-        assert_eq!(cores_per_process(16, 0), 16);
+        assert_eq!(share_cores(16, 8), 2);
+        assert_eq!(share_cores(64, 8), 8);
+        assert_eq!(share_cores(15, 8), 1);
+        assert_eq!(share_cores(4, 8), 1);
+        assert_eq!(share_cores(16, 1), 16);
+        assert_eq!(share_cores(16, 0), 16);
     }
 }

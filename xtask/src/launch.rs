@@ -274,7 +274,7 @@ pub fn run(root: &Path, args: TrainArgs) -> Result<i32> {
     }
     rest.extend(["--out".into(), out_arg]);
     rest.extend(["--device".into(), device.into()]);
-    let threads = rank_threads(&mut rest, (ddp_run::available_cores() / nproc).max(1));
+    let threads = rank_threads(&mut rest, cores_per_process(nproc));
     config.program = bin.into_os_string();
     config.args = rest.into_iter().map(Into::into).collect();
     config.log_dir = Some(out.join("logs"));
@@ -408,6 +408,8 @@ fn ranks_and_device(args: &TrainArgs, visible: usize) -> Result<(usize, &'static
         (None, None) => Ok((2, "cpu")),
     }
 }
+
+include!("../../shared-src/cores_per_process.rs");
 
 /// The intra-op threads each rank runs with, for the banner and `OMP_NUM_THREADS`: the
 /// trainer's `--threads` where given, else `per_rank`, added to `args` as `--threads`.

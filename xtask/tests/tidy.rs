@@ -84,6 +84,24 @@ fn code(line: &str) -> &str {
     line.find("//").map_or(line, |i| &line[..i])
 }
 
+/// The lines of `text`'s code (before its tests) that hold one of `calls`.
+fn lines_calling(text: &str, calls: &[&str]) -> Vec<usize> {
+    before_tests(text)
+        .lines()
+        .enumerate()
+        .filter(|(_, line)| calls.iter().any(|call| code(line).contains(call)))
+        .map(|(i, _)| i + 1)
+        .collect()
+}
+
+/// `path:line` of each line that `lines` finds in a source whose path `keep` keeps.
+fn places(keep: impl Fn(&str) -> bool, lines: impl Fn(&str) -> Vec<usize>) -> Vec<String> {
+    let sources = sources();
+    let kept = sources.iter().filter(|(path, _)| keep(path));
+    kept.flat_map(|(path, text)| lines(text).into_iter().map(move |l| format!("{path}:{l}")))
+        .collect()
+}
+
 // ---------------------------------------------------------------------------------------
 // Rule: no import cycle between the top-level modules of a crate.
 
@@ -447,6 +465,37 @@ fn torchrun_variables_live_in_their_two_homes() {
 }
 
 // ---------------------------------------------------------------------------------------
+// Rule: the cores a machine's ranks share are counted as the ranks count them, by
+// `shared-src/cores_per_process.rs` (`available_parallelism`: a cgroup's CPU quota too).
+// `ddp_run::available_cores`, the affinity mask alone, is torchrun's `--nproc-per-node cpu`:
+// ddp-run's own.
+
+/// The lines of `text`'s code that call `available_cores`.
+fn affinity_core_counts(text: &str) -> Vec<usize> {
+    lines_calling(text, &["available_cores("])
+}
+
+#[test]
+fn affinity_core_counts_are_found_in_code_only() {
+    let text = "/// Not `available_cores()`.\nlet n = ddp_run::available_cores() / 2;\n";
+    assert_eq!(affinity_core_counts(text), [2]);
+}
+
+#[test]
+fn only_the_launcher_counts_the_cores_of_the_affinity_mask() {
+    let found = places(
+        |path| !path.starts_with("ddp-run/src/"),
+        affinity_core_counts,
+    );
+    assert!(
+        found.is_empty(),
+        "ddp_run::available_cores outside ddp-run: the ranks share the cores as \
+         available_parallelism counts them (cores_per_process in shared-src/):\n{}",
+        found.join("\n")
+    );
+}
+
+// ---------------------------------------------------------------------------------------
 // Rule: libraries return values and errors; binaries decide what users see.
 
 /// Library files whose job is a program's command-line front end, allowed to print.
@@ -479,15 +528,7 @@ fn is_library(path: &str) -> bool {
 
 /// Lines of `text` (before its tests) that print with `println!`/`eprintln!`.
 fn prints(text: &str) -> Vec<usize> {
-    before_tests(text)
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| {
-            let c = code(l);
-            c.contains("println!(") || c.contains("eprintln!(")
-        })
-        .map(|(i, _)| i + 1)
-        .collect()
+    lines_calling(text, &["println!(", "eprintln!("])
 }
 
 #[test]
@@ -501,11 +542,7 @@ fn prints_are_found_in_code_only() {
 
 #[test]
 fn libraries_do_not_print() {
-    let found: Vec<String> = sources()
-        .iter()
-        .filter(|(path, _)| is_library(path))
-        .flat_map(|(path, text)| prints(text).into_iter().map(move |l| format!("{path}:{l}")))
-        .collect();
+    let found = places(is_library, prints);
     assert!(
         found.is_empty(),
         "println!/eprintln! in library code (return the text, or let the binary print it):\n{}",
