@@ -153,6 +153,36 @@ impl EnvConfig {
         }
     }
 
+    /// The run id that the variables `lookup` reads give a rank whose place comes from
+    /// `source` (see [`run_id`](Self::run_id); SLURM's only for [`EnvSource::Slurm`]), blank
+    /// ones unset, as [`EnvConfig::from_lookup`] reads it: `None` when none is set (the run id
+    /// is then `ddp-comm`). An id over [`MAX_RUN_ID_LEN`] bytes is an error naming the
+    /// variable it came from. A program that starts its own ranks gives them this one, the id
+    /// it would have as the one rank of its job.
+    pub fn run_id_from_lookup(
+        source: EnvSource,
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<String>, CommError> {
+        let get = |name: &'static str| non_blank(lookup(name)).map(|id| (name, id));
+        let found = get(RUN_ID_ENV)
+            .or_else(|| get("TORCHELASTIC_RUN_ID"))
+            .or_else(|| {
+                // SLURM's name of the step (`sacct`'s `4242.0`): steps of one job running at
+                // once keep their keys and secrets apart; a requeue numbers its steps again.
+                let (var, job) = get("SLURM_JOB_ID").filter(|_| source == EnvSource::Slurm)?;
+                Some(match get("SLURM_STEP_ID") {
+                    Some((_, step)) => (var, format!("{job}.{step}")),
+                    None => (var, job),
+                })
+            });
+        match found {
+            Some((var, id)) if id.len() > MAX_RUN_ID_LEN => {
+                Err(malformed(var, &id, "at most 256 bytes"))
+            }
+            found => Ok(found.map(|(_, id)| id)),
+        }
+    }
+
     /// Reads the process environment.
     pub fn from_env() -> Result<Self, CommError> {
         Self::from_lookup(|name| std::env::var(name).ok())
@@ -165,11 +195,7 @@ impl EnvConfig {
     /// empty one (a failed `export DDP_SECRET=$(...)`) is an error naming it, as `ddp-run`
     /// refuses it, rather than a silent fall-back to the key file.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, CommError> {
-        let get = |name: &str| {
-            lookup(name)
-                .map(|v| v.trim().to_string())
-                .filter(|v| !v.is_empty())
-        };
+        let get = |name: &str| non_blank(lookup(name));
         let number = |name: &str| -> Result<Option<usize>, CommError> {
             get(name).map(|v| parse_usize(name, &v)).transpose()
         };
@@ -288,21 +314,8 @@ impl EnvConfig {
                 }
             },
         };
-        let run_id = get(RUN_ID_ENV)
-            .or_else(|| get("TORCHELASTIC_RUN_ID"))
-            .or_else(|| {
-                // SLURM's name of the step (`sacct`'s `4242.0`): steps of one job running at
-                // once keep their keys and secrets apart; a requeue numbers its steps again.
-                let job = get("SLURM_JOB_ID").filter(|_| source == EnvSource::Slurm)?;
-                Some(match get("SLURM_STEP_ID") {
-                    Some(step) => format!("{job}.{step}"),
-                    None => job,
-                })
-            })
+        let run_id = Self::run_id_from_lookup(source, &lookup)?
             .unwrap_or_else(|| DEFAULT_RUN_ID.to_string());
-        if run_id.len() > MAX_RUN_ID_LEN {
-            return Err(malformed(RUN_ID_ENV, &run_id, "at most 256 bytes"));
-        }
         if let Some(text) = lookup(SECRET_ENV).filter(|v| v.trim().is_empty()) {
             return Err(malformed(
                 SECRET_ENV,
@@ -522,6 +535,13 @@ fn missing(var: &str, why: &str) -> CommError {
         var: var.to_string(),
         why: why.to_string(),
     }
+}
+
+/// `value` without its surrounding white space; `None` for a blank one, which counts as unset.
+fn non_blank(value: Option<String>) -> Option<String> {
+    value
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
 }
 
 fn malformed(var: &str, value: &str, expected: &str) -> CommError {
@@ -1119,6 +1139,46 @@ mod tests {
         }
         let c = read(&[("DDP_SECRET_FILE", ""), ("DDP_RUN_ID", " ")]).unwrap();
         assert_eq!((c.secret_file, c.run_id.as_str()), (None, "ddp-comm"));
+    }
+
+    /// An id over the bound is refused naming the variable it came from, though a blank one
+    /// (unset) stands before it; one at the bound is the run id.
+    #[test]
+    fn an_over_long_run_id_names_the_variable_it_came_from() {
+        // One SLURM task alone in its step (SLURM's ids count only for SLURM's tasks).
+        let task = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_JOB_NODELIST", "n1"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let long = "j".repeat(MAX_RUN_ID_LEN + 1);
+        for (var, blank) in [
+            (RUN_ID_ENV, None),
+            ("TORCHELASTIC_RUN_ID", Some(RUN_ID_ENV)),
+            ("SLURM_JOB_ID", Some("TORCHELASTIC_RUN_ID")),
+        ] {
+            let with = |id: &str| {
+                let mut vars = task.to_vec();
+                vars.extend(blank.map(|blank| (blank, " ")));
+                vars.push((var, id));
+                read(&vars)
+            };
+            assert_eq!(
+                with(&long).unwrap_err().to_string(),
+                format!(
+                    "environment variable {var}={long:?} is not valid: expected at most 256 bytes"
+                )
+            );
+            assert_eq!(with(&long[1..]).unwrap().run_id, long[1..]);
+        }
+        let job = |source| {
+            EnvConfig::run_id_from_lookup(source, |var| {
+                (var == "SLURM_JOB_ID").then(|| "42".into())
+            })
+        };
+        assert_eq!(job(EnvSource::Slurm).unwrap().as_deref(), Some("42"));
+        assert_eq!(job(EnvSource::Single).unwrap(), None);
     }
 
     #[test]
