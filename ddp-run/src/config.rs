@@ -11,6 +11,9 @@ use crate::LaunchError;
 /// (10^9 s, some 31 years, the bound of ddp-comm's timeouts): past it a deadline would not
 /// fit in an [`Instant`](std::time::Instant).
 pub const MAX_WAIT: Duration = Duration::from_secs(1_000_000_000);
+/// The longest [`LaunchConfig::run_id`] (bytes, without the white space around it): the
+/// longest that the ranks accept (ddp-comm's bound).
+pub const MAX_RUN_ID_LEN: usize = 256;
 
 /// A job on this node: `nproc_per_node` ranks of `program` with `args`.
 ///
@@ -43,7 +46,8 @@ pub struct LaunchConfig {
     pub role: String,
     /// The job's id, written to `TORCHELASTIC_RUN_ID` (`--rdzv-id`). `None`: on one node a
     /// fresh id per launch; on several nodes `none`, torchrun's default, which every node
-    /// computes alike.
+    /// computes alike. Not blank (the ranks would take it for none), and at most
+    /// [`MAX_RUN_ID_LEN`] bytes.
     pub run_id: Option<String>,
     /// Folder of the per-rank logs `rank-<rank>.out` (`--log-dir`): everything each rank
     /// printed, stdout and stderr, appended over the attempts. `None`: no log files.
@@ -100,7 +104,7 @@ impl LaunchConfig {
 
     /// Checks the settings that need no process: at least one rank and one node, the node
     /// rank among the nodes, a program, a master host, waits up to [`MAX_WAIT`], a
-    /// positive monitor interval.
+    /// positive monitor interval, a run id the ranks accept.
     pub fn validate(&self) -> Result<(), LaunchError> {
         if self.program.is_empty() {
             return Err(LaunchError::NoProgram);
@@ -149,6 +153,21 @@ impl LaunchConfig {
                     .to_string(),
             ));
         }
+        if let Some(id) = &self.run_id {
+            if blank(id) {
+                return Err(LaunchError::Invalid(format!(
+                    "--rdzv-id {id:?} is blank (an unset variable?), which the ranks would \
+                     take for no run id: give the job's id, the same on every node, or leave \
+                     the flag out"
+                )));
+            }
+            if id.trim().len() > MAX_RUN_ID_LEN {
+                return Err(LaunchError::Invalid(format!(
+                    "--rdzv-id is {} bytes long: give at most {MAX_RUN_ID_LEN}",
+                    id.trim().len()
+                )));
+            }
+        }
         if self.master_port == Some(0) {
             return Err(LaunchError::Invalid(
                 "--master-port 0 is not a port the other ranks can reach; give a port from \
@@ -189,7 +208,7 @@ impl LaunchConfig {
     /// (a blank one counts as none, as the ranks count it).
     fn ranks_have_run_id(&self) -> bool {
         self.given(DDP_RUN_ID)
-            .is_some_and(|v| !v.to_string_lossy().trim().is_empty())
+            .is_some_and(|v| !blank(&v.to_string_lossy()))
     }
 
     /// What a launcher should tell its user before a job of several nodes without a given
@@ -200,10 +219,10 @@ impl LaunchConfig {
     /// other such job. `None` when there is nothing to say.
     pub fn secret_warning(&self) -> Option<String> {
         (self.nnodes > 1 && self.given_secret().is_none()).then(|| {
-            let shared = match self.run_id {
-                Some(_) => "",
-                None if self.ranks_have_run_id() => "",
-                None => {
+            let shared = match self.run_id.as_deref() {
+                Some(id) if !blank(id) => "",
+                _ if self.ranks_have_run_id() => "",
+                _ => {
                     "; and without a run id (--rdzv-id) the ranks use torchrun's default \
                      `none`, as every job without one does, so all these jobs share one key \
                      and each accepts what another signs in its store: give this job its own \
@@ -252,6 +271,11 @@ impl LaunchConfig {
     }
 }
 
+/// Whether a run id is blank, which the ranks count as none.
+fn blank(id: &str) -> bool {
+    id.trim().is_empty()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -284,6 +308,12 @@ mod tests {
                 ..two.clone()
             };
             assert_eq!(Some(plain.to_string()), named.secret_warning());
+            // A blank run id is none to the ranks (`--rdzv-id "$SLURM_JOB_ID"` outside a job).
+            let blank = LaunchConfig {
+                run_id: Some(" ".into()),
+                ..two.clone()
+            };
+            assert_eq!(Some(warning.clone()), blank.secret_warning());
             // The ranks take DDP_RUN_ID before the launcher's run id; a blank one is none.
             let mut own_id = two.clone();
             own_id.env.push((DDP_RUN_ID.into(), "job8".into()));
@@ -380,9 +410,34 @@ mod tests {
         let longest = LaunchConfig {
             shutdown_timeout: MAX_WAIT,
             monitor_interval: MAX_WAIT,
-            ..ok
+            ..ok.clone()
         };
         assert!(longest.validate().is_ok());
+        // A run id the ranks would take for none, or refuse (white space around it aside).
+        let run_id = |id: String| {
+            LaunchConfig {
+                run_id: Some(id),
+                ..ok.clone()
+            }
+            .validate()
+            .map_err(|e| e.to_string())
+        };
+        for blank in ["", " \t"] {
+            assert_eq!(
+                run_id(blank.into()),
+                Err(format!(
+                    "--rdzv-id {blank:?} is blank (an unset variable?), which the ranks would \
+                     take for no run id: give the job's id, the same on every node, or leave \
+                     the flag out"
+                ))
+            );
+        }
+        let id = "j".repeat(MAX_RUN_ID_LEN);
+        assert_eq!(run_id(format!(" {id} ")), Ok(()));
+        assert_eq!(
+            run_id(format!("{id}j")),
+            Err("--rdzv-id is 257 bytes long: give at most 256".into())
+        );
     }
 
     #[test]
