@@ -84,37 +84,41 @@ fn the_help_lists_the_flag() {
 /// Without `--out` the launching process names the run directory (`runs/<date>` under its
 /// working directory) and hands it to both ranks, whose output lands next to their logs. It
 /// runs as in SLURM's batch script (`SLURM_PROCID` 0 of the job's 2 tasks, no step), which
-/// is no launcher's rank.
+/// is no launcher's rank, and its ranks take the job's id: requeued, the job continues its
+/// run.
 #[test]
 fn one_command_starts_two_ranks_that_train_together() {
     let tmp = temp_dir("ddp-train-self-launch");
     let data = data(tmp.path());
-    let out = wait_bounded(
-        ddp_train(
-            tmp.path(),
-            &[
-                "--data",
-                data.to_str().unwrap(),
-                "--epochs",
-                "1",
-                "--nproc-per-node",
-                "2",
-                "--batch-size",
-                "4",
-            ],
-        )
-        .envs([
-            ("SLURM_PROCID", "0"),
-            ("SLURM_NTASKS", "2"),
-            ("SLURM_JOB_ID", "77"),
-            ("SLURM_JOB_NODELIST", "localhost"),
-        ])
-        .spawn()
-        .unwrap(),
-        LIMIT,
-    );
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(0), "{t}");
+    let batch_script = [
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_JOB_ID", "77"),
+        ("SLURM_JOB_NODELIST", "localhost"),
+    ];
+    let args = [
+        "--data",
+        data.to_str().unwrap(),
+        "--nproc-per-node",
+        "2",
+        "--batch-size",
+        "4",
+    ];
+    // The job's start with `more` arguments, which succeeds: its output, and all of it.
+    let start = |more: &[&str]| {
+        let out = wait_bounded(
+            ddp_train(tmp.path(), &args)
+                .args(more)
+                .envs(batch_script)
+                .spawn()
+                .unwrap(),
+            LIMIT,
+        );
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(0), "{t}");
+        (out, t)
+    };
+    let (out, t) = start(&["--epochs", "1"]);
     let runs: Vec<PathBuf> = std::fs::read_dir(tmp.path().join("runs"))
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -162,6 +166,21 @@ fn one_command_starts_two_ranks_that_train_together() {
         "{err}"
     );
     assert!(t.contains("[rank 1] "), "{t}");
+    assert_eq!(config["run_id"], "77", "{config}");
+
+    // The job, requeued, starts again on the run it chose: its ranks continue it.
+    let (_, t) = start(&["--epochs", "2", "--out", run.to_str().unwrap()]);
+    assert!(t.contains(", continuing job 77"), "{t}");
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let epochs: Vec<u64> = metrics
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["epoch"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(epochs, [1, 2], "{metrics}");
 }
 
 /// `ddp-run --nproc-per-node 2 ddp-train --nproc-per-node 2` would be 4 ranks in two jobs

@@ -24,7 +24,7 @@ pub(super) fn start_ranks(
     device: DeviceChoice,
     nproc: NprocPerNode,
 ) -> anyhow::Result<ExitCode> {
-    refuse_inside_a_launcher(nproc)?;
+    let run_id = run_id_for_ranks(nproc, |name| std::env::var(name).ok())?;
     refuse_more_ranks_than_gpus(nproc, device, ddp_run::visible_gpus)?;
     let ranks = nproc.resolve()?;
     let exe = std::env::current_exe()
@@ -35,6 +35,7 @@ pub(super) fn start_ranks(
     let given = argv.get(1..).unwrap_or_default();
     let config = LaunchConfig {
         log_dir: Some(run_dir.join("logs")),
+        run_id,
         ..LaunchConfig::new(&exe, ranks).args(rank_args(given, chosen))
     };
     let name = exe
@@ -91,10 +92,28 @@ fn refuse_more_ranks_than_gpus(
     }
 }
 
+/// The run id to give the ranks, from the environment that `lookup` reads: the one this
+/// process would have as the one rank of its job (`DDP_RUN_ID`, else SLURM's, in its batch
+/// script or a step of one task), which the ranks would lose to the launcher's fresh
+/// `TORCHELASTIC_RUN_ID`: with it a requeued job names the same job and continues its run.
+/// `None` (a fresh id) when none is set. Fails as [`refuse_inside_a_launcher`].
+fn run_id_for_ranks(
+    nproc: NprocPerNode,
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<Option<String>, TrainError> {
+    let source = refuse_inside_a_launcher(nproc, &lookup)?;
+    Ok(ddp_comm::EnvConfig::run_id_from_lookup(source, lookup)?)
+}
+
 /// Fails when this process already is one of a launcher's ranks (torchrun's `RANK` and
 /// `WORLD_SIZE`, as `ddp-run` sets them, or an `srun` step of several tasks): starting
-/// ranks from each of them would run N times as many processes as asked for.
-fn refuse_inside_a_launcher(nproc: NprocPerNode) -> Result<(), TrainError> {
+/// ranks from each of them would run N times as many processes as asked for. Else where its
+/// place in a job comes from: nowhere (`Single`), or SLURM (its batch script, or a step of
+/// one task).
+fn refuse_inside_a_launcher(
+    nproc: NprocPerNode,
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<EnvSource, TrainError> {
     let conflict = |what: String| {
         Err(TrainError::Invalid(format!(
             "--nproc-per-node {nproc} starts this program's ranks, but {what}: drop \
@@ -102,11 +121,11 @@ fn refuse_inside_a_launcher(nproc: NprocPerNode) -> Result<(), TrainError> {
              run the program without the launcher"
         )))
     };
-    match ddp_comm::EnvConfig::from_env() {
+    match ddp_comm::EnvConfig::from_lookup(lookup) {
         Ok(env) => match env.source {
             // `Code` is never read from the environment.
-            EnvSource::Single | EnvSource::Code => Ok(()),
-            EnvSource::Slurm if env.world_size == 1 => Ok(()),
+            source @ (EnvSource::Single | EnvSource::Code) => Ok(source),
+            EnvSource::Slurm if env.world_size == 1 => Ok(EnvSource::Slurm),
             EnvSource::Torchrun => conflict(format!(
                 "this process already is rank {} of {} started by a launcher (RANK and \
                  WORLD_SIZE are set)",
@@ -120,7 +139,9 @@ fn refuse_inside_a_launcher(nproc: NprocPerNode) -> Result<(), TrainError> {
         },
         // SLURM's batch script (SLURM_PROCID without SLURM_STEP_ID) is no launcher's rank:
         // the ranks it starts are the job's.
-        Err(ddp_comm::CommError::MissingEnv { var, .. }) if var == "SLURM_STEP_ID" => Ok(()),
+        Err(ddp_comm::CommError::MissingEnv { var, .. }) if var == "SLURM_STEP_ID" => {
+            Ok(EnvSource::Slurm)
+        }
         Err(err) => Err(TrainError::Invalid(format!(
             "--nproc-per-node {nproc}: cannot tell whether a launcher started this process: \
              {}",
@@ -317,6 +338,54 @@ mod tests {
             "the folder of the rank logs run/logs is a file: remove it, or give another --out \
              (the rank logs go to its logs/ folder)"
         );
+    }
+
+    /// The ranks keep the run id that one process would have had in the same place, so that
+    /// a requeued SLURM job continues its run: SLURM's only in its batch script or a step of
+    /// one task, `DDP_RUN_ID` before it, blank values unset.
+    #[test]
+    fn the_ranks_keep_the_run_id_of_the_job_they_start_in() {
+        let run_id = |vars: &[(&str, &str)]| {
+            let nproc = "2".parse().unwrap();
+            run_id_for_ranks(nproc, |name| {
+                vars.iter()
+                    .find(|(var, _)| *var == name)
+                    .map(|(_, value)| value.to_string())
+            })
+            .map_err(|e| e.to_string())
+        };
+        let batch = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_JOB_ID", "4242"),
+            ("SLURM_JOB_NODELIST", "n1"),
+        ];
+        let one_task = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_JOB_ID", "4242"),
+            ("SLURM_JOB_NODELIST", "n1"),
+        ];
+        let ddp = |id| [&batch[..], &[("DDP_RUN_ID", id)]].concat();
+        assert_eq!(run_id(&batch), Ok(Some("4242".into())));
+        assert_eq!(run_id(&one_task), Ok(Some("4242.0".into())));
+        assert_eq!(run_id(&ddp("job8")), Ok(Some("job8".into())));
+        assert_eq!(run_id(&ddp(" ")), Ok(Some("4242".into())));
+        // No task of SLURM's (an `salloc` shell), or nothing at all: a fresh id.
+        assert_eq!(run_id(&[("SLURM_JOB_ID", "4242")]), Ok(None));
+        assert_eq!(run_id(&[("SLURM_JOB_ID", " ")]), Ok(None));
+        assert_eq!(run_id(&[]), Ok(None));
+        let long = "j".repeat(ddp_comm::MAX_RUN_ID_LEN + 1);
+        assert_eq!(
+            run_id(&ddp(&long)),
+            Err(format!(
+                "environment variable DDP_RUN_ID={long:?} is not valid: expected at most 256 \
+                 bytes"
+            ))
+        );
+        // ddp-run refuses what the ranks would: the two bounds are one.
+        assert_eq!(ddp_run::MAX_RUN_ID_LEN, ddp_comm::MAX_RUN_ID_LEN);
     }
 
     #[test]
