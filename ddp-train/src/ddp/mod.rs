@@ -493,12 +493,18 @@ impl DistributedDataParallel {
     }
 
     /// Runs `f` (micro-batches' backward passes) with gradient sync off, as PyTorch's
-    /// `with ddp.no_sync():`.
+    /// `with ddp.no_sync():`, then turns it back to what it was, also when `f` panics.
     pub fn no_sync<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        /// Puts the flag back when dropped.
+        struct Restore<'a>(&'a Mutex<Reducer>, bool);
+        impl Drop for Restore<'_> {
+            fn drop(&mut self) {
+                lock(self.0).require_sync = self.1;
+            }
+        }
         let before = std::mem::replace(&mut lock(&self.reducer).require_sync, false);
-        let out = f();
-        lock(&self.reducer).require_sync = before;
-        out
+        let _restore = Restore(&self.reducer, before);
+        f()
     }
 
     /// Broadcasts rank 0's buffers to every rank (a no-op when disabled in the options).
@@ -1033,6 +1039,17 @@ mod tests {
         ddp.set_require_gradient_sync(false);
         ddp.no_sync(|| ());
         assert!(!lock(&ddp.reducer).require_sync);
+    }
+
+    /// A panic in `no_sync`'s closure leaves gradient sync on, as it found it.
+    #[test]
+    fn no_sync_turns_sync_back_on_when_its_closure_panics() {
+        let (_vs, mut ddp, _) = two_buckets(alone(), false);
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            ddp.no_sync(|| panic!("a micro-batch's panic"))
+        }));
+        assert!(unwound.is_err());
+        assert!(lock(&ddp.reducer).require_sync);
     }
 
     /// A backward that fails after a hook launched a bucket (a backward function's error)
