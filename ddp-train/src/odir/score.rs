@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ddp_comm::{EnvConfig, ProcessGroup, ReduceOp};
 use ddp_data::odir::{OdirDataset, OdirImages};
-use ddp_data::{Dataset, Loader, LoaderConfig};
+use ddp_data::{Dataset, Loader};
 use ddp_model::weights::{self, LoadReport, Strictness, WeightsError};
 use tch::{nn, Device, Kind, Tensor};
 
@@ -386,19 +386,7 @@ fn run_batches(
     if indices.is_empty() {
         return Ok(());
     }
-    let config = LoaderConfig {
-        drop_last: false,
-        seed: settings.seed,
-        workers: settings
-            .runtime
-            .workers
-            .unwrap_or_else(|| ddp_data::default_workers(env.local_world_size)),
-        prefetch: settings
-            .runtime
-            .prefetch
-            .unwrap_or(if device.is_cuda() { 4 } else { 2 }),
-        ..LoaderConfig::new(settings.batch_size)
-    };
+    let config = settings.loader_config(device, env.local_world_size);
     let mut loader = Loader::on_device(images.clone(), indices, &config, device)?;
     tch::no_grad(|| -> Result<(), TrainError> {
         let mut upcoming = loader.next();

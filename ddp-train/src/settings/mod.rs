@@ -595,6 +595,24 @@ impl Settings {
             None => Ok(()),
         }
     }
+
+    /// The loader of a rank on `device` among the `local_world_size` ranks of its machine:
+    /// the batch size and seed; `runtime.workers`, else the machine's cores shared among the
+    /// ranks; `runtime.prefetch`, else 2 on the CPU and 4 on a GPU; epoch 0, no drop_last.
+    pub(crate) fn loader_config(
+        &self,
+        device: tch::Device,
+        local_world_size: usize,
+    ) -> ddp_data::LoaderConfig {
+        let default_workers = || ddp_data::default_workers(local_world_size);
+        let default_prefetch = if device.is_cuda() { 4 } else { 2 };
+        ddp_data::LoaderConfig {
+            seed: self.seed,
+            workers: self.runtime.workers.unwrap_or_else(default_workers),
+            prefetch: self.runtime.prefetch.unwrap_or(default_prefetch),
+            ..ddp_data::LoaderConfig::new(self.batch_size)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -667,6 +685,32 @@ mod tests {
             ];
             let errors = watching(metric, clip).map(|r| r.unwrap_err());
             assert_eq!(errors.map(|e| (e.field(), e.to_string())), expected);
+        }
+    }
+
+    /// The loader's defaults, one definition for training, evaluation and `predict`: 2
+    /// batches ahead on the CPU, 4 on a GPU; the machine's cores shared among its ranks;
+    /// the settings' values where given.
+    #[test]
+    fn the_loader_prefetches_more_on_a_gpu_and_shares_the_cores_among_ranks() {
+        let cores = std::thread::available_parallelism().unwrap().get();
+        let s = Settings::default().batch_size(5).seed(9);
+        let cpu = s.loader_config(tch::Device::Cpu, 1);
+        let got = (cpu.batch_size, cpu.seed, cpu.epoch, cpu.drop_last);
+        assert_eq!(got, (5, 9, 0, false));
+        assert_eq!((cpu.workers, cpu.prefetch), (cores, 2));
+        let gpu = s.loader_config(tch::Device::Cuda(1), 2);
+        assert_eq!((gpu.workers, gpu.prefetch), ((cores / 2).max(1), 4));
+        // More ranks than cores: one worker each.
+        let crowded = s.loader_config(tch::Device::Cpu, cores + 1);
+        assert_eq!(crowded.workers, 1);
+        let given = RuntimeSettings::default()
+            .workers(Some(3))
+            .prefetch(Some(7));
+        let s = s.runtime(given);
+        for device in [tch::Device::Cpu, tch::Device::Cuda(0)] {
+            let c = s.loader_config(device, 4);
+            assert_eq!((c.workers, c.prefetch), (3, 7), "{device:?}");
         }
     }
 

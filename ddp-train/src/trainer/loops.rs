@@ -243,18 +243,11 @@ impl<T: Task> Trainer<T> {
         epoch: u64,
         indices: Vec<usize>,
     ) -> Result<Loader<T::Data>, TrainError> {
-        let s = &self.settings;
-        let default_prefetch = if self.device.is_cuda() { 4 } else { 2 };
+        let ranks_here = self.pg.local_world_size();
         let config = LoaderConfig {
             drop_last: train,
-            seed: s.seed,
             epoch,
-            workers: s
-                .runtime
-                .workers
-                .unwrap_or_else(|| ddp_data::default_workers(self.pg.local_world_size())),
-            prefetch: s.runtime.prefetch.unwrap_or(default_prefetch),
-            ..LoaderConfig::new(s.batch_size)
+            ..self.settings.loader_config(self.device, ranks_here)
         };
         Ok(Loader::on_device(
             set.clone(),
