@@ -71,11 +71,27 @@ pub enum DdpError {
         /// A parameter that got a gradient with gradient sync off.
         parameter: String,
     },
+    /// [`DistributedDataParallel::sync_gradients`] on a rank where no backward pass reached a
+    /// parameter since the last call (or since [`DistributedDataParallel::new`]): a second
+    /// call for one backward ([`DistributedDataParallel::backward`] makes the first), without
+    /// [`DdpOptions::find_unused_parameters`]. Returned on such a rank instead of
+    /// [`DdpError::UnusedParameters`], which the ranks that ran a backward report, after the
+    /// same collectives.
+    #[error(
+        "rank {rank}: sync_gradients found no backward pass since the last sync_gradients: call \
+         it once after each backward with gradient sync on (DistributedDataParallel::backward \
+         calls it itself); a rank with no batch to train on calls it without a backward only \
+         with find_unused_parameters"
+    )]
+    SyncWithoutBackward {
+        /// This rank.
+        rank: usize,
+    },
     /// A parameter's gradient was accumulated on some rank though
     /// [`DistributedDataParallel::prepare_for_backward`] had found it unreachable from the
-    /// loss (PyTorch's "Expected to mark a variable ready only once"), or twice with gradient
-    /// sync on (that rank reports [`DdpError::SyncMissed`]). Every rank reports it, after the
-    /// same collectives.
+    /// loss (PyTorch's "Expected to mark a variable ready only once"), or twice before
+    /// `sync_gradients`, the first time with gradient sync on (that rank reports
+    /// [`DdpError::SyncMissed`]). Every rank reports it, after the same collectives.
     #[error("{}", describe_twice(*.rank, .parameter.as_deref(), .ranks))]
     GradientTwice {
         /// This rank.
@@ -89,8 +105,9 @@ pub enum DdpError {
     /// [`DistributedDataParallel::sync_gradients`]: its gradients were never averaged (tch's
     /// `Optimizer::backward_step`). Returned by the next `broadcast_buffers`,
     /// `prepare_for_backward`, `backward` or `rebuild`, which then starts the step afresh.
-    /// A second synced backward fails with its message (`f_backward` returns it, tch's
-    /// `backward_step` panics with it), and the `sync_gradients` after that returns it.
+    /// A second backward, with gradient sync on or off, fails with its message (`f_backward`
+    /// returns it, tch's `backward_step` panics with it), and the `sync_gradients` after that
+    /// returns it.
     /// After a failed backward, [`DistributedDataParallel::abandon_step`] prevents it.
     #[error(
         "rank {rank}: a backward pass with gradient sync on reached parameter \

@@ -187,9 +187,10 @@ type Named = Vec<(String, Tensor)>;
 ///   (optimizers skip them). A sparse gradient becomes dense first (ddp-comm has no sparse
 ///   collectives; the averages are PyTorch's). With [`DdpOptions::find_unused_parameters`] off, a parameter
 ///   missing on any rank is an error on every rank ([`DdpError::UnusedParameters`], naming it,
-///   or [`DdpError::NoSyncedBackward`] on a rank whose backward passes all ran without sync);
-///   no rank is left waiting. Another step's call of DDP's after a synced backward is
-///   [`DdpError::SyncMissed`]: tch's `backward_step` cannot be used, but
+///   or [`DdpError::NoSyncedBackward`] on a rank whose backward passes all ran without sync,
+///   [`DdpError::SyncWithoutBackward`] on one that ran none since the last call); no rank is
+///   left waiting. Another step's call of DDP's, or a backward without sync, after a synced
+///   backward is [`DdpError::SyncMissed`]: tch's `backward_step` cannot be used, but
 ///   [`DistributedDataParallel::backward`] can (backward, then `sync_gradients`).
 ///
 /// Bucket order: at first, reverse parameter order (by name), grouped from the last name
@@ -960,29 +961,98 @@ mod tests {
         assert_eq!(results, [(None, vec![1]), (head, vec![1])]);
     }
 
-    /// A loop of `backward_step`s that calls nothing of DDP's: its second synced backward
-    /// fails, saying what to do (PyTorch's "Expected to have finished reduction in the prior
-    /// iteration"); `sync_gradients` then reports it too, and the next step is whole again.
+    /// A loop of `backward_step`s that calls nothing of DDP's: its second backward fails,
+    /// saying what to do (PyTorch's "Expected to have finished reduction in the prior
+    /// iteration"), with gradient sync on, or off (in `no_sync`, whose gradient the buckets
+    /// in flight would overwrite, or without overlap add to the averages);
+    /// `sync_gradients` then reports it too, and the next step is whole again.
     #[test]
-    fn a_second_synced_backward_fails() {
+    fn a_second_backward_before_sync_gradients_fails() {
+        for (synced, overlap) in [(true, true), (false, true), (false, false)] {
+            let vs = VarStore::new(tch::Device::Cpu);
+            let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+            let options = DdpOptions {
+                overlap,
+                ..DdpOptions::default()
+            };
+            let mut ddp = DistributedDataParallel::new(&vs, alone(), options).unwrap();
+            let mut opt =
+                tch::nn::OptimizerConfig::build(tch::nn::Sgd::default(), &vs, 0.5).unwrap();
+            let loss = || a.sum(tch::Kind::Float) * 2.0;
+            let said = "rank 0: a backward pass with gradient sync on reached parameter 'a' and \
+                        no sync_gradients followed it: each rank trains a replica of its own; \
+                        call sync_gradients after every backward";
+            let case = format!("sync {synced}, overlap {overlap}");
+            opt.backward_step(&loss());
+            let second = match synced {
+                true => loss().f_backward(),
+                false => ddp.no_sync(|| loss().f_backward()),
+            };
+            let e = second.unwrap_err().to_string();
+            assert!(e.contains(said), "{case}: {e}");
+            match ddp.sync_gradients() {
+                Err(DdpError::SyncMissed { parameter, .. }) => assert_eq!(parameter, "a"),
+                other => panic!("{case}: expected SyncMissed, got {other:?}"),
+            }
+            opt.zero_grad();
+            ddp.backward(&loss()).unwrap();
+            assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2], "{case}");
+        }
+    }
+
+    /// `sync_gradients` with no backward since the last one (after `backward`, which called
+    /// it) is that mistake, not every parameter unused; the averages stay. On two ranks,
+    /// where only one ran a backward, each rank says what it saw, and neither is left
+    /// waiting. With `find_unused_parameters` (a rank without a batch) it goes on.
+    #[test]
+    fn sync_gradients_without_a_backward_says_so() {
         let vs = VarStore::new(tch::Device::Cpu);
         let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
-        let mut ddp = DistributedDataParallel::new(&vs, alone(), DdpOptions::default()).unwrap();
-        let mut opt = tch::nn::OptimizerConfig::build(tch::nn::Sgd::default(), &vs, 0.5).unwrap();
-        let loss = || a.sum(tch::Kind::Float) * 2.0;
-        let said = "rank 0: a backward pass with gradient sync on reached parameter 'a' and no \
-                    sync_gradients followed it: each rank trains a replica of its own; call \
-                    sync_gradients after every backward";
-        opt.backward_step(&loss());
-        let e = loss().f_backward().unwrap_err().to_string();
-        assert!(e.contains(said), "{e}");
-        match ddp.sync_gradients() {
-            Err(DdpError::SyncMissed { parameter, .. }) => assert_eq!(parameter, "a"),
-            other => panic!("expected SyncMissed, got {other:?}"),
+        for find_unused_parameters in [false, true] {
+            let options = DdpOptions {
+                find_unused_parameters,
+                ..DdpOptions::default()
+            };
+            let mut ddp = DistributedDataParallel::new(&vs, alone(), options).unwrap();
+            tch_ext::set_grad(&a, None).unwrap();
+            ddp.backward(&(a.sum(tch::Kind::Float) * 2.0)).unwrap();
+            match (ddp.sync_gradients(), find_unused_parameters) {
+                (Err(e @ DdpError::SyncWithoutBackward { .. }), false) => assert_eq!(
+                    e.to_string(),
+                    "rank 0: sync_gradients found no backward pass since the last \
+                     sync_gradients: call it once after each backward with gradient sync on \
+                     (DistributedDataParallel::backward calls it itself); a rank with no batch \
+                     to train on calls it without a backward only with find_unused_parameters"
+                ),
+                (Ok(()), true) => {}
+                (other, _) => panic!("find_unused {find_unused_parameters}: got {other:?}"),
+            }
+            assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
         }
-        opt.zero_grad();
-        ddp.backward(&loss()).unwrap();
-        assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), [2.0; 2]);
+        let reports = on_ranks(2, |rank, pg| {
+            let vs = VarStore::new(tch::Device::Cpu);
+            let a = vs.root().var("a", &[2], tch::nn::Init::Const(1.0));
+            let mut ddp =
+                DistributedDataParallel::new(&vs, pg.clone(), DdpOptions::default()).unwrap();
+            if rank == 0 {
+                a.sum(tch::Kind::Float).backward();
+            }
+            let report = match ddp.sync_gradients() {
+                Err(DdpError::UnusedParameters { parameters, .. }) => format!("{parameters:?}"),
+                Err(DdpError::SyncWithoutBackward { rank }) => format!("none on {rank}"),
+                other => format!("unexpected: {other:?}"),
+            };
+            let mut t = Tensor::from_slice(&[1f32]);
+            pg.all_reduce(&mut t, ddp_comm::ReduceOp::Sum).unwrap();
+            (report, f32::try_from(&t).unwrap())
+        });
+        assert_eq!(
+            reports,
+            [
+                (r#"[("a", 1)]"#.to_string(), 2.0),
+                ("none on 1".to_string(), 2.0)
+            ]
+        );
     }
 
     /// A comm hook that logs the buckets it starts, then averages them as the default does.

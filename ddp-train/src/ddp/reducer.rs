@@ -18,7 +18,8 @@
 //! `sync_gradients`, so a step that skips it (tch's `backward_step`) would leave each rank its
 //! own gradient: the next step's call of DDP's fails ([`Reducer::check_finished`]), and so
 //! does a second synced backward without `finish` between, at its first hook (PyTorch's
-//! "Expected to have finished reduction in the prior iteration"); a `finish` after it
+//! "Expected to have finished reduction in the prior iteration"), as does a backward with
+//! gradient sync off (whose gradient its buckets in flight would lose); a `finish` after it
 //! reports it on every rank. A backward that failed is no such step: [`Reducer::abandon`]
 //! ends it.
 //!
@@ -161,10 +162,18 @@ impl Reducer {
     }
 
     /// Parameter `k`'s gradient has been accumulated (called by its hook during backward).
-    /// [`DdpError::SyncMissed`] in a second synced backward without `finish` between: the
-    /// hook fails that backward with it.
+    /// [`DdpError::SyncMissed`] in a backward, with gradient sync on or off, after a synced
+    /// one without `finish` between: the hook fails that backward with it.
     pub(crate) fn mark_ready(&mut self, k: usize) -> Result<(), DdpError> {
         if !self.require_sync {
+            if let Some(reached) = self.reached() {
+                // The synced backward's buckets may be communicating: this gradient would be
+                // overwritten by their averages, or added to them, or race into them (bucket
+                // views). PyTorch's reducer finishes at the end of backward, so it never meets
+                // a backward without sync before `finish`.
+                self.missed.get_or_insert(reached);
+                return Err(self.sync_missed(reached));
+            }
             self.used_without_sync[k] = true;
             // The prepared backward is a synced one: this is not it.
             self.unreachable = None;
@@ -271,13 +280,19 @@ impl Reducer {
     /// [`Reducer::finish`] (naming a parameter it reached): for the calls of DDP's that begin
     /// a step or change the model. Waits for the buckets it launched and starts afresh.
     pub(crate) fn check_finished(&mut self) -> Result<(), DdpError> {
-        let reached = self.order.first().copied();
-        let Some(k) = reached.or_else(|| self.ready.iter().position(|&r| r)) else {
+        let Some(k) = self.reached() else {
             return Ok(());
         };
         let error = self.sync_missed(k);
         self.abandon();
         Err(error)
+    }
+
+    /// A parameter that a synced backward since the last `finish` reached (or, for want of
+    /// one, marked ready): `None` when none ran.
+    fn reached(&self) -> Option<usize> {
+        let first = self.order.first().copied();
+        first.or_else(|| self.ready.iter().position(|&r| r))
     }
 
     fn sync_missed(&self, k: usize) -> DdpError {
@@ -480,14 +495,22 @@ impl Reducer {
         Ok(())
     }
 
+    /// The error for parameters some rank did not use. Every rank returns one (the counts are
+    /// the same everywhere); which one depends on this rank's own backward passes only.
     fn unused_error(&self, unused: &[usize], counts: &[i32]) -> DdpError {
-        // Not a parameter this rank skips: the backward that should have synced ran without.
         let synced = self.used.iter().any(|&u| u);
         let unsynced = self.used_without_sync.iter().position(|&u| u);
-        if let (false, Some(k)) = (synced, unsynced) {
-            return DdpError::NoSyncedBackward {
-                rank: self.pg.rank(),
-                parameter: self.params[k].0.clone(),
+        if !synced {
+            let rank = self.pg.rank();
+            return match unsynced {
+                // Not a parameter this rank skips: the backward that should have synced ran
+                // without.
+                Some(k) => DdpError::NoSyncedBackward {
+                    rank,
+                    parameter: self.params[k].0.clone(),
+                },
+                // No backward at all: a second call for one (`backward` calls it already).
+                None => DdpError::SyncWithoutBackward { rank },
             };
         }
         let world = self.pg.world_size();
