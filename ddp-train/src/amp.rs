@@ -96,6 +96,8 @@ pub struct GradScaler {
     growth_factor: f64,
     backoff_factor: f64,
     growth_interval: u64,
+    /// Whether [`GradScaler::unscale`] ran since the last [`GradScaler::update`].
+    unscaled: bool,
 }
 
 impl Default for GradScaler {
@@ -109,6 +111,7 @@ impl Default for GradScaler {
             growth_factor: 2.0,
             backoff_factor: 0.5,
             growth_interval: 2000,
+            unscaled: false,
         }
     }
 }
@@ -162,9 +165,10 @@ impl GradScaler {
         self.state
     }
 
-    /// Continues from a checkpoint's state.
+    /// Continues from a checkpoint's state, at the start of a step (not unscaled).
     pub fn set_state(&mut self, state: ScalerState) {
         self.state = state;
+        self.unscaled = false;
     }
 
     /// `loss * scale`, to call backward on.
@@ -177,15 +181,20 @@ impl GradScaler {
     /// inf or NaN, in which case the optimizer step must be skipped. Like PyTorch's
     /// `unscale_`, it runs one fused `_amp_foreach_non_finite_check_and_unscale_` per device
     /// and dtype of the gradients, all writing one found-inf flag per device, and reads
-    /// nothing back: [`FoundInf::found`] is the one host-device synchronisation.
+    /// nothing back: [`FoundInf::found`] is the one host-device synchronisation. Once per
+    /// step: the next call must follow [`GradScaler::update`].
     ///
     /// # Errors
     ///
-    /// [`TrainError::Invalid`] when libtorch refuses the gradients (a sparse or non-floating
-    /// one).
-    pub fn unscale(&self, params: &[(String, Tensor)]) -> Result<FoundInf, TrainError> {
+    /// [`TrainError::AlreadyUnscaled`] when it ran since the last `update` (PyTorch's
+    /// `unscale_` refuses alike), leaving the gradients as they are; [`TrainError::Invalid`]
+    /// when libtorch refuses the gradients (a sparse or non-floating one).
+    pub fn unscale(&mut self, params: &[(String, Tensor)]) -> Result<FoundInf, TrainError> {
+        if self.unscaled {
+            return Err(TrainError::AlreadyUnscaled);
+        }
         let inv = f64::from((1.0 / self.state.scale) as f32);
-        tch::no_grad(|| {
+        let found = tch::no_grad(|| -> Result<FoundInf, TrainError> {
             let mut groups: Vec<((Device, Kind), Vec<Tensor>)> = Vec::new();
             for (_, p) in params {
                 let g = p.grad();
@@ -217,12 +226,17 @@ impl GradScaler {
             Ok(FoundInf {
                 flags: flags.into_iter().map(|(_, found, _)| found).collect(),
             })
-        })
+        })?;
+        // Only once it succeeded, as PyTorch marks the optimizer unscaled.
+        self.unscaled = true;
+        Ok(found)
     }
 
     /// After a step (taken or skipped): backs off on inf/NaN, else counts the good step and
-    /// grows the scale after `growth_interval` of them (PyTorch's `_amp_update_scale_`).
+    /// grows the scale after `growth_interval` of them (PyTorch's `_amp_update_scale_`). The
+    /// next step may unscale again.
     pub fn update(&mut self, found_inf: bool) {
+        self.unscaled = false;
         let s = &mut self.state;
         if found_inf {
             s.scale *= self.backoff_factor;
@@ -333,11 +347,6 @@ mod tests {
         let finite =
             |n: usize, kind: Kind| Tensor::randn([n as i64], (kind, device)) * 65536.0 * (n as f64);
         for scale in [65536.0, 3.0, 1.0] {
-            s.set_state(ScalerState {
-                scale,
-                growth_tracker: 0,
-                skipped_steps: 0,
-            });
             for bad in [
                 None,
                 Some(f32::INFINITY),
@@ -362,6 +371,12 @@ mod tests {
                             ("p".to_string(), p)
                         })
                         .collect();
+                    // Each case a step of its own, at `scale`.
+                    s.set_state(ScalerState {
+                        scale,
+                        growth_tracker: 0,
+                        skipped_steps: 0,
+                    });
                     let found = s.unscale(&params).unwrap();
                     assert_eq!(found.flags().len(), 1, "one flag for one device");
                     assert_eq!(found.flags()[0].size(), [1]);
@@ -379,14 +394,17 @@ mod tests {
 
     #[test]
     fn unscaling_divides_the_gradients_and_finds_non_finite_values() {
-        let s = GradScaler::default();
+        let mut s = GradScaler::default();
         let ok = [param(&[1.0, 2.0], &[65536.0, -131072.0])];
         assert!(!s.unscale(&ok).unwrap().found().unwrap());
         assert_eq!(Vec::<f32>::try_from(&ok[0].1.grad()).unwrap(), [1.0, -2.0]);
+        s.update(false);
         let bad = [param(&[1.0], &[f32::INFINITY]), param(&[1.0], &[2.0])];
         assert!(s.unscale(&bad).unwrap().found().unwrap());
+        s.update(true);
         let nan = [param(&[1.0], &[f32::NAN])];
         assert!(s.unscale(&nan).unwrap().found().unwrap());
+        s.update(true);
         // A parameter without a gradient is skipped; with none, there is no flag to read.
         let none = [(
             "n".to_string(),
@@ -395,6 +413,40 @@ mod tests {
         let found = s.unscale(&none).unwrap();
         assert!(found.flags().is_empty());
         assert!(!found.found().unwrap());
+    }
+
+    /// A second unscale before `update` is refused and divides nothing (PyTorch's "unscale_()
+    /// has already been called on this optimizer since the last update()"); `update` and
+    /// `set_state` start a step that may unscale again.
+    #[test]
+    fn unscale_runs_once_per_step() {
+        let mut s = GradScaler::default();
+        let at_two = ScalerState {
+            scale: 2.0,
+            growth_tracker: 0,
+            skipped_steps: 0,
+        };
+        s.set_state(at_two);
+        let p = [param(&[1.0], &[4.0])];
+        let grad = || Vec::<f32>::try_from(&p[0].1.grad()).unwrap();
+        assert!(!s.unscale(&p).unwrap().found().unwrap());
+        assert_eq!(grad(), [2.0]);
+        match s.unscale(&p) {
+            Err(e @ TrainError::AlreadyUnscaled) => assert_eq!(
+                e.to_string(),
+                "unscale has already been called on this GradScaler since the last update: \
+                 call it once per optimizer step, after sync_gradients, and update after the \
+                 step"
+            ),
+            other => panic!("expected AlreadyUnscaled, got {other:?}"),
+        }
+        assert_eq!(grad(), [2.0]);
+        s.update(false);
+        assert!(!s.unscale(&p).unwrap().found().unwrap());
+        assert_eq!(grad(), [1.0]);
+        s.set_state(at_two);
+        assert!(!s.unscale(&p).unwrap().found().unwrap());
+        assert_eq!(grad(), [0.5]);
     }
 
     #[test]

@@ -121,6 +121,15 @@ pub enum TrainError {
     /// The loader delivered fewer batches than the epoch's steps need.
     #[error("the loader ended before the epoch's last step")]
     LoaderEnded,
+    /// [`GradScaler::unscale`](crate::GradScaler::unscale) called again before
+    /// [`GradScaler::update`](crate::GradScaler::update): it would divide the gradients by the
+    /// scale twice (PyTorch's "unscale_() has already been called on this optimizer since the
+    /// last update()"). The gradients stay as the first call left them.
+    #[error(
+        "unscale has already been called on this GradScaler since the last update: call it \
+         once per optimizer step, after sync_gradients, and update after the step"
+    )]
+    AlreadyUnscaled,
     /// What the Trainer was doing, and why it failed.
     #[error("{context}")]
     Context {

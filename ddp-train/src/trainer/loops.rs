@@ -437,7 +437,7 @@ impl<T: Task> Trainer<T> {
             // The averaged gradients are the same bytes on every rank, so every rank finds
             // the same inf/NaN, the same norm, and skips the same steps (or stops at the
             // same step).
-            let found_inf = match &self.scaler {
+            let found_inf = match &mut self.scaler {
                 Some(scaler) => scaler.unscale(self.ddp.parameters())?.found()?,
                 None => false,
             };
