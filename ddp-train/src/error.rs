@@ -87,6 +87,22 @@ pub enum TrainError {
         /// The run directory.
         run: std::path::PathBuf,
     },
+    /// [`Trainer::run`](crate::Trainer::run) called again on a Trainer whose run failed once
+    /// an epoch began: its model, optimizer and data position may hold part of that epoch,
+    /// so it trains no further and refuses before it trains or writes anything; a new
+    /// Trainer on the run directory continues from the run's latest checkpoint.
+    #[error(
+        "this Trainer's run failed in epoch {epoch} and trains no further (its model and \
+         optimizer may hold part of that epoch); start again with --out {} (a new Trainer) to \
+         continue from the run's latest checkpoint",
+        run.display()
+    )]
+    RunAfterFailure {
+        /// The epoch the run failed in.
+        epoch: u64,
+        /// The run directory.
+        run: std::path::PathBuf,
+    },
     /// [`Trainer::evaluate`](crate::Trainer::evaluate) stopped on request (a stop signal
     /// reached some rank) before the evaluation's end, on every rank: there is no training
     /// position to save, so nothing was; the process should exit with

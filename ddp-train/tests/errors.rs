@@ -593,8 +593,9 @@ fn a_task_loss_that_is_no_scalar_is_an_error_naming_the_method() {
 }
 
 /// A step whose backward fails after DDP's hooks ran ends there: `run` returns the backward's
-/// error, and evaluating after it works (it used to fail as a missed `sync_gradients`). One
-/// rank, in this process.
+/// error, evaluating after it works (it used to fail as a missed `sync_gradients`), and a
+/// second `run` refuses, since the Trainer may hold part of the epoch. One rank, in this
+/// process.
 #[test]
 fn evaluating_after_a_failed_backward_works() {
     let _generator = common::regression::hold_generator();
@@ -610,6 +611,20 @@ fn evaluating_after_a_failed_backward_works() {
     let report = trainer.evaluate().unwrap();
     assert_eq!(report.world_size, 1);
     assert!(report.val_loss.is_finite(), "{}", report.val_loss);
+    let again = trainer.run().unwrap_err();
+    assert!(
+        matches!(again, TrainError::RunAfterFailure { epoch: 1, ref run } if run == &tmp.path().join("run")),
+        "{again:?}"
+    );
+    assert_eq!(
+        again.to_string(),
+        format!(
+            "this Trainer's run failed in epoch 1 and trains no further (its model and \
+             optimizer may hold part of that epoch); start again with --out {} (a new \
+             Trainer) to continue from the run's latest checkpoint",
+            tmp.path().join("run").display()
+        )
+    );
 }
 
 /// A one-rank Trainer in this process for one epoch of [`Faulty`] regression (64 training

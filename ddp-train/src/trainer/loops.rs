@@ -58,7 +58,10 @@ impl<T: Task> Trainer<T> {
     /// for no more epochs than it finished. After [`TrainError::Stopped`] the Trainer trains
     /// no further: a second call returns [`TrainError::RunAfterStop`] on every rank, having
     /// trained and written nothing (the stop's checkpoint stays the run's `latest`); a new
-    /// Trainer on the same run directory continues from the stop.
+    /// Trainer on the same run directory continues from the stop. Likewise after any other
+    /// error once an epoch began (its model, optimizer and data position may hold part of
+    /// it): a second call returns [`TrainError::RunAfterFailure`], and a new Trainer
+    /// continues from the run's latest checkpoint. [`Trainer::evaluate`] still works.
     ///
     /// A run resumed after the epoch at which early stopping ended it (a launcher's restart,
     /// a requeued job) trains no further and returns no reports, unless its patience is now
@@ -86,7 +89,16 @@ impl<T: Task> Trainer<T> {
                 run: self.out.clone(),
             });
         }
+        if let Some(epoch) = self.failed_in {
+            return Err(TrainError::RunAfterFailure {
+                epoch,
+                run: self.out.clone(),
+            });
+        }
         let ran = self.run_remaining_epochs();
+        if ran.is_ok() {
+            self.failed_in = None;
+        }
         if let Err(TrainError::Stopped {
             reason,
             epoch,
@@ -119,6 +131,7 @@ impl<T: Task> Trainer<T> {
         };
         let mut all = Vec::new();
         for epoch in self.start_epoch..=self.settings.epochs {
+            self.failed_in = Some(epoch);
             self.freeze_for_epoch(epoch)?;
             let lr_at_start = self.optimizer.lr();
             let resumed = self.start_position.take().filter(|(p, _)| p.epoch == epoch);

@@ -125,6 +125,10 @@ pub struct Trainer<T: Task> {
     /// Why, where (epoch and its steps done) and with which checkpoint the run stopped, once
     /// `run` returned `TrainError::Stopped`: a later `run` refuses.
     stopped: Option<(crate::stop::StopReason, u64, usize, PathBuf)>,
+    /// The epoch `run` is in, from its start until the call returns `Ok`: set when a call
+    /// failed in an epoch, whose model, optimizer and position may hold part of it; a later
+    /// `run` refuses.
+    failed_in: Option<u64>,
     bests: BTreeMap<String, Best>,
     history: Vec<EpochReport>,
     log: RankLog,

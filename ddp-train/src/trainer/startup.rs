@@ -236,6 +236,7 @@ impl<T: Task> Trainer<T> {
             signals,
             last_checkpoint: Instant::now(),
             stopped: None,
+            failed_in: None,
             bests: m.bests,
             history,
             log,
