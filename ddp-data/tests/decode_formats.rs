@@ -66,6 +66,21 @@ fn sixteen_bit_png_is_scaled_to_eight_bits() {
     assert_eq!(img.pixels, &[255, 255, 255, 128, 0, 1]);
 }
 
+/// Scaled as the `image` crate does, where PIL's `convert("RGB")` of its mode `I;16` clips
+/// every value above 255 to white (docs/odir.md says so).
+#[test]
+fn sixteen_bit_grey_png_is_scaled_not_clipped() {
+    let values: [u16; 4] = [0xFFFF, 0x8080, 0x0101, 0x00FF];
+    let px: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+    let bytes = png(&px, 4, 1, ExtendedColorType::L16);
+    let mut d = Decoder::new();
+    let img = d.decode_bytes(&bytes, Path::new("deep.png")).unwrap();
+    assert_eq!(
+        img.pixels,
+        &[255, 255, 255, 128, 128, 128, 1, 1, 1, 1, 1, 1]
+    );
+}
+
 #[test]
 fn rgba_png_drops_alpha() {
     let bytes = png(
@@ -103,16 +118,20 @@ fn cmyk_jpeg_converts_to_rgb() {
     );
 }
 
-/// Inserts an EXIF APP1 segment with the given orientation right after the SOI marker.
-fn with_exif_orientation(jpeg: &[u8], orientation: u8) -> Vec<u8> {
-    let tiff: Vec<u8> = [
+/// An EXIF block (TIFF, little-endian) holding only the given orientation.
+fn exif_orientation(orientation: u8) -> Vec<u8> {
+    [
         &b"II\x2a\x00\x08\x00\x00\x00"[..],
         &[1, 0],                                               // one IFD entry
         &[0x12, 0x01, 3, 0, 1, 0, 0, 0, orientation, 0, 0, 0], // Orientation, SHORT, 1
         &[0, 0, 0, 0],                                         // no next IFD
     ]
-    .concat();
-    let payload = [&b"Exif\0\0"[..], &tiff].concat();
+    .concat()
+}
+
+/// Inserts an EXIF APP1 segment with the given orientation right after the SOI marker.
+fn with_exif_orientation(jpeg: &[u8], orientation: u8) -> Vec<u8> {
+    let payload = [&b"Exif\0\0"[..], &exif_orientation(orientation)].concat();
     let len = (payload.len() + 2) as u16;
     [
         &jpeg[..2],
@@ -124,16 +143,18 @@ fn with_exif_orientation(jpeg: &[u8], orientation: u8) -> Vec<u8> {
     .concat()
 }
 
+/// 32 x 16: left half red, right half blue.
+fn red_and_blue_halves(red: [u8; 3], blue: [u8; 3]) -> Vec<u8> {
+    (0..16 * 32)
+        .flat_map(|i| if i % 32 < 16 { red } else { blue })
+        .collect()
+}
+
 #[test]
 fn exif_rotated_jpeg_is_turned_upright() {
-    // 32 x 16: left half red, right half blue. Orientation 6 = rotate 90 degrees clockwise to
-    // display, so the upright image is 16 x 32 with red on top and blue below.
-    let mut px = Vec::new();
-    for _y in 0..16 {
-        for x in 0..32 {
-            px.extend(if x < 16 { [230, 20, 20] } else { [20, 20, 230] });
-        }
-    }
+    // Orientation 6 = rotate 90 degrees clockwise to display, so the upright image is 16 x 32
+    // with red on top and blue below.
+    let px = red_and_blue_halves([230, 20, 20], [20, 20, 230]);
     let bytes = with_exif_orientation(&common::encode_jpeg(&px, 32, 16), 6);
     let mut d = Decoder::new();
     let img = d.decode_bytes(&bytes, Path::new("rot.jpg")).unwrap();
@@ -145,6 +166,30 @@ fn exif_rotated_jpeg_is_turned_upright() {
     let img = d.decode_bytes(&bytes, Path::new("rot.jpg")).unwrap();
     assert_eq!((img.width, img.height), (32, 16));
     assert!(close(pixel(img.pixels, 32, 4, 8), [20, 20, 230], 20));
+}
+
+/// A PNG's `eXIf` chunk turns it upright too (PIL's `Image.open` turns neither).
+#[test]
+fn exif_rotated_png_is_turned_upright() {
+    let (red, blue) = ([230, 20, 20], [20, 20, 230]);
+    let mut bytes = Vec::new();
+    let mut encoder = PngEncoder::new(&mut bytes);
+    encoder.set_exif_metadata(exif_orientation(6)).unwrap();
+    encoder
+        .write_image(
+            &red_and_blue_halves(red, blue),
+            32,
+            16,
+            ExtendedColorType::Rgb8,
+        )
+        .unwrap();
+    let mut d = Decoder::new();
+    let img = d.decode_bytes(&bytes, Path::new("rot.png")).unwrap();
+    assert_eq!((img.width, img.height), (16, 32));
+    let upright: Vec<u8> = (0..16 * 32)
+        .flat_map(|i| if i < 16 * 16 { red } else { blue })
+        .collect();
+    assert_eq!(img.pixels, &upright[..]);
 }
 
 #[test]
