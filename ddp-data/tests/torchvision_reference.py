@@ -5,6 +5,7 @@ with given parameters to an image and writes each result as raw CHW bytes.
 
 CASES has one case per line: `name op args... | op args... | ...`, with the ops
   raw FILE SIZE                         start from FILE's SIZE x SIZE CHW bytes instead
+  decoded                               the image as PIL decodes it, untransformed
   resize_centre_crop RESIZE CROP        Resize(RESIZE) + CenterCrop(CROP)
   resized_crop TOP LEFT H W SIZE        F.resized_crop (bilinear, antialias)
   hflip | vflip                         F.hflip, F.vflip
@@ -25,6 +26,8 @@ def apply(img, op, args):
         size = int(args[1])
         chw = np.fromfile(args[0], dtype=np.uint8).reshape(3, size, size)
         return Image.fromarray(np.ascontiguousarray(chw.transpose(1, 2, 0)), "RGB")
+    if op == "decoded":
+        return img
     if op == "resize_centre_crop":
         resize, crop = int(args[0]), int(args[1])
         return T.Compose([T.Resize(resize), T.CenterCrop(crop)])(img)
