@@ -1,5 +1,5 @@
 //! Broadcasts of rank 0's tensors: the first one of a model's states, in buckets of bounded
-//! size, and those of the buffers before each forward.
+//! size, and those of the buffers before each training step.
 
 use std::sync::Arc;
 

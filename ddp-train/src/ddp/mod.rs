@@ -48,7 +48,8 @@ pub struct DdpOptions {
     /// with another cap, set both.
     #[cfg_attr(feature = "cli", arg(skip = DdpOptions::default().first_bucket_cap_bytes))]
     pub first_bucket_cap_bytes: usize,
-    /// Broadcast rank 0's buffers before each training forward (PyTorch's default: true).
+    /// Broadcast rank 0's buffers before each training step's first forward (PyTorch's
+    /// default: true).
     /// Off (PyTorch's `broadcast_buffers=False`): each rank keeps its own buffers, not even
     /// broadcast by `new` or `rebuild` (their shapes are still checked against rank 0's).
     #[cfg_attr(
@@ -58,7 +59,7 @@ pub struct DdpOptions {
             long = "no-broadcast-buffers",
             action = clap::ArgAction::SetFalse,
             help = "Keep each rank's own buffers (BatchNorm statistics) instead of \
-                    broadcasting rank 0's at the start and before each training forward \
+                    broadcasting rank 0's at the start and before each training step \
                     (PyTorch DDP's broadcast_buffers=False)"
         )
     )]

@@ -62,13 +62,19 @@ pub(crate) use startup::default_run_dir;
 /// The Trainer: epochs of distributed training and exact distributed evaluation of any
 /// [`Task`].
 ///
-/// Per epoch, on every rank, the collectives come in this fixed order: for each step,
-/// a buffer broadcast before each forward and one gradient all-reduce per optimizer step
-/// (without fp16's scaler, a step whose averaged gradients are not finite adds one
-/// all-reduce of which ranks saw a non-finite loss); then one all-reduce of the epoch's loss
-/// and sample counts; then one all-reduce of the validation statistics (and one all-gather
-/// of their per-sample rows, for statistics that have them: [`crate::Stats::rows`]). Rank 0
-/// alone writes files and prints progress, between epochs.
+/// Per epoch, on every rank, the collectives come in this fixed order. For each optimizer
+/// step: one all-reduce of two flags that agree on a stop or a checkpoint (when stop
+/// signals, a time limit or timed checkpoints are on, as by default); rank 0's buffer
+/// broadcast before the step's first micro-batch (with `broadcast_buffers`); during and
+/// after the last micro-batch's backward, one all-reduce per gradient bucket, then one of
+/// the parameters' use counts (at the end of the first step, also one broadcast of the
+/// rebuilt bucket order); without fp16's scaler, a step whose averaged gradients are not
+/// finite adds one all-reduce of which ranks saw a non-finite loss. Then one all-reduce of the epoch's
+/// loss and sample counts; then the evaluation's (an agreement per round of batches), one
+/// all-reduce of the validation statistics and one all-gather of their per-sample rows, for
+/// statistics that have them ([`crate::Stats::rows`]). Rank 0 alone writes the run's files
+/// (checkpoints, within an epoch too, and metrics) and prints progress; each rank writes
+/// its own log.
 ///
 /// A process runs one Trainer at a time (a rank is a process). Its randomness comes from
 /// libtorch's generator, one per process, which it seeds ([`tch::manual_seed`]) before the
