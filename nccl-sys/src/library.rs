@@ -15,7 +15,8 @@ use crate::types::*;
 pub struct LoadError {
     /// The library's file name.
     pub library: &'static str,
-    /// Every path tried, each with the loader's message.
+    /// Every path tried, in order, each with the loader's message; where a symbol is missing,
+    /// the last is the library that opened, with the message about the symbol.
     pub attempts: Vec<(PathBuf, String)>,
     /// The symbol that was missing, if the library opened but lacks one.
     pub missing_symbol: Option<&'static str>,
@@ -50,7 +51,14 @@ impl fmt::Display for LoadError {
 
 impl std::error::Error for LoadError {}
 
-fn open(library: &'static str, candidates: Vec<PathBuf>) -> Result<(Library, PathBuf), LoadError> {
+/// A library that opened, and the paths tried before it, each with the loader's message.
+struct Opened {
+    library: Library,
+    path: PathBuf,
+    failed: Vec<(PathBuf, String)>,
+}
+
+fn open(library: &'static str, candidates: Vec<PathBuf>) -> Result<Opened, LoadError> {
     let mut attempts = Vec::new();
     for path in candidates {
         // A path with a folder that does not exist is reported without asking dlopen.
@@ -61,7 +69,13 @@ fn open(library: &'static str, candidates: Vec<PathBuf>) -> Result<(Library, Pat
         // SAFETY: opening NCCL or the CUDA runtime runs their ELF initialisers, which have no
         // preconditions on the caller.
         match unsafe { Library::new(&path) } {
-            Ok(lib) => return Ok((lib, path)),
+            Ok(library) => {
+                return Ok(Opened {
+                    library,
+                    path,
+                    failed: attempts,
+                })
+            }
             Err(e) => attempts.push((path, e.to_string())),
         }
     }
@@ -94,15 +108,24 @@ macro_rules! function_table {
             /// Opens the library (once per process; later calls return the same table) and
             /// resolves every symbol. See [`crate::search`] for where it looks.
             pub fn load() -> Result<&'static $table, LoadError> {
-                $cell.get_or_init(|| Self::open_new()).as_ref().map_err(Clone::clone)
+                $cell
+                    .get_or_init(|| Self::open_first($candidates()))
+                    .as_ref()
+                    .map_err(Clone::clone)
             }
 
-            fn open_new() -> Result<$table, LoadError> {
-                let (library, path) = open($name, $candidates())?;
-                let missing = |symbol: &'static str| LoadError {
-                    library: $name,
-                    attempts: vec![(path.clone(), "opened".to_string())],
-                    missing_symbol: Some(symbol),
+            /// The table of the first of `candidates` that opens.
+            fn open_first(candidates: Vec<PathBuf>) -> Result<$table, LoadError> {
+                let Opened { library, path, failed } = open($name, candidates)?;
+                // The paths that failed, then the one that opened and its loader's message.
+                let missing = |symbol: &'static str, e: libloading::Error| {
+                    let mut attempts = failed.clone();
+                    attempts.push((path.clone(), e.to_string()));
+                    LoadError {
+                        library: $name,
+                        attempts,
+                        missing_symbol: Some(symbol),
+                    }
                 };
                 $(
                     // SAFETY: the symbol's C signature in the NCCL / CUDA headers is the
@@ -112,7 +135,7 @@ macro_rules! function_table {
                             .get::<unsafe extern "C" fn($($ty),*) -> $ret>(
                                 concat!(stringify!($fname), "\0").as_bytes(),
                             )
-                            .map_err(|_| missing(stringify!($fname)))?
+                            .map_err(|e| missing(stringify!($fname), e))?
                     };
                 )*
                 Ok($table { path, $($fname,)* _library: library })
@@ -214,5 +237,32 @@ function_table! {
         /// `cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags)`:
         /// work queued on `stream` later waits for the event.
         fn cudaStreamWaitEvent(stream: cudaStream_t, event: cudaEvent_t, flags: c_uint) -> cudaError_t;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The paths that failed before the one that opened stay in the error when a symbol is
+    /// missing from it (libc opens, but has no NCCL).
+    #[test]
+    fn a_missing_symbol_keeps_the_paths_tried_before() {
+        let absent = PathBuf::from("/nonexistent/ddp-nccl-sys/libnccl.so.2");
+        let libc = PathBuf::from("libc.so.6");
+        let err = Nccl::open_first(vec![absent.clone(), libc.clone()]).unwrap_err();
+        assert_eq!(err.missing_symbol, Some("ncclGetVersion"));
+        let paths: Vec<&PathBuf> = err.attempts.iter().map(|(p, _)| p).collect();
+        assert_eq!(paths, [&absent, &libc]);
+        assert_eq!(err.attempts[0].1, "no such file");
+        assert!(
+            err.attempts[1].1.contains("ncclGetVersion"),
+            "{:?}",
+            err.attempts[1]
+        );
+        assert_eq!(
+            err.to_string(),
+            "libnccl.so.2 at 'libc.so.6' has no symbol 'ncclGetVersion'"
+        );
     }
 }
