@@ -73,9 +73,10 @@ impl Wording {
 /// for binaries.
 ///
 /// Returns the launcher's exit status: 0 when every rank succeeded, 1 when a rank failed
-/// (after the restarts), 75 ([`crate::EXIT_STOPPED`]) when every rank stopped at a
-/// checkpoint on request, 128+N after signal N. An `Err` is the launcher's own failure (bad
-/// settings, a program that cannot be started), for the caller to print.
+/// (after the restarts), 75 ([`crate::EXIT_STOPPED`]) when the ranks stopped at a checkpoint
+/// on request ([`crate::Outcome::Stopped`]), 128+N after signal N. An `Err` is the
+/// launcher's own failure (bad settings, a program that cannot be started), for the caller to
+/// print.
 pub fn launch_and_report(config: &LaunchConfig, name: &str) -> Result<ExitCode, LaunchError> {
     launch_and_report_with(config, name, &Wording::default())
 }

@@ -84,8 +84,8 @@ impl fmt::Display for RankFailure {
 /// The exit code of a rank that stopped on request at a checkpoint it can continue from
 /// (75, `EX_TEMPFAIL`: "try again later"), as `ddp-train` does on SIGTERM, SIGUSR1 or its
 /// time limit. The launcher does not count it as a failure (no restart, no stopping of the
-/// other ranks, which are stopping too); when every rank ends so, the job is
-/// [`Outcome::Stopped`] and the launcher exits with this code as well.
+/// other ranks, which are stopping too); when at least one rank ends so and every other with
+/// status 0, the job is [`Outcome::Stopped`] and the launcher exits with this code as well.
 /// Defined once here: `ddp-train` re-exports it for the ranks' side.
 pub const EXIT_STOPPED: u8 = 75;
 
@@ -100,7 +100,8 @@ pub enum Outcome {
     },
     /// A rank failed and no restart was left.
     Failed {
-        /// The rank that failed last.
+        /// The rank whose failure came first in the last attempt: the first to exit, unless
+        /// the ranks' error files or a crash show that another failed before it.
         failure: RankFailure,
         /// Restarts made before giving up.
         restarts: u32,
@@ -126,10 +127,10 @@ pub enum Outcome {
         /// `second_signal` then tell that stop, which the signal cut short.
         after_failure: Option<RankFailure>,
     },
-    /// The ranks stopped on request with [`EXIT_STOPPED`]: every one after the launcher
-    /// forwarded `signal` to them, or, by themselves (at a time limit, say), at least one
-    /// while the others succeeded. The job can continue from its checkpoint when started
-    /// again.
+    /// The ranks stopped on request: at least one exited with [`EXIT_STOPPED`] and every
+    /// other with status 0 (a rank with nothing left to do), after the launcher forwarded
+    /// `signal` to them or by themselves (at a time limit, say). The job can continue from
+    /// its checkpoint when started again.
     Stopped {
         /// The signal the launcher received and forwarded, if any.
         signal: Option<i32>,
