@@ -50,7 +50,8 @@ pub struct LaunchConfig {
     /// [`MAX_RUN_ID_LEN`] bytes.
     pub run_id: Option<String>,
     /// Folder of the per-rank logs `rank-<rank>.out` (`--log-dir`): everything each rank
-    /// printed, stdout and stderr, appended over the attempts. `None`: no log files.
+    /// printed, stdout and stderr, byte for byte (the two streams' lines interleaved as they
+    /// arrive), appended over the attempts. `None`: no log files.
     pub log_dir: Option<PathBuf>,
     /// How long ranks get to end after SIGTERM (or the forwarded signal) before SIGKILL
     /// (`--shutdown-timeout`).

@@ -225,34 +225,42 @@ fn a_symlink_in_place_of_a_rank_log_is_refused_and_its_target_untouched() {
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me\n");
 }
 
+/// A rank's log holds its bytes as printed: bytes that are not UTF-8, a line of 300 KiB whole
+/// (the terminal and the tail get it in 64 KiB pieces), a last line without a newline.
 #[test]
-fn a_rank_printing_one_endless_line_is_logged_in_bounded_pieces() {
-    let dir = ddp_testkit::temp_dir("ddp-run-long-line");
+fn a_ranks_log_holds_exactly_the_bytes_it_printed() {
+    let dir = ddp_testkit::temp_dir("ddp-run-log-bytes");
     let logs = dir.path().join("logs");
-    // 300 KiB without a newline, then a short line.
     let config = LaunchConfig {
         log_dir: Some(logs.clone()),
+        tail_lines: 8,
         ..quiet(
             "sh",
             1,
             &[
                 "-c",
-                "head -c 307200 /dev/zero | tr '\\0' x; echo; echo done",
+                "printf '\\377\\376\\n'; head -c 307200 /dev/zero | tr '\\0' x; echo; \
+                 printf last; exit 3",
             ],
         )
     };
-    assert_eq!(
-        launch(&config, |_| {}).unwrap(),
-        Outcome::Succeeded { restarts: 0 }
+    let Outcome::Failed { failure, .. } = launch(&config, |_| {}).unwrap() else {
+        panic!("the rank's exit 3 is a failure");
+    };
+    let mut printed = b"\xff\xfe\n".to_vec();
+    printed.extend(std::iter::repeat_n(b'x', 307200));
+    printed.extend(b"\nlast");
+    let log = std::fs::read(logs.join("rank-0.out")).unwrap();
+    let first_difference = log.iter().zip(&printed).position(|(a, b)| a != b);
+    assert!(
+        log == printed,
+        "{} bytes logged, {} printed, first difference at {first_difference:?}",
+        log.len(),
+        printed.len()
     );
-    let log = std::fs::read_to_string(logs.join("rank-0.out")).unwrap();
-    let lengths: Vec<usize> = log.lines().map(str::len).collect();
-    assert_eq!(
-        lengths,
-        [65536, 65536, 65536, 65536, 45056, 4],
-        "{:?}",
-        &lengths
-    );
+    let lengths: Vec<usize> = failure.tail.iter().map(String::len).collect();
+    assert_eq!(lengths, [6, 65536, 65536, 65536, 65536, 45056, 4]);
+    assert_eq!(failure.tail[0], "\u{fffd}\u{fffd}");
 }
 
 #[test]

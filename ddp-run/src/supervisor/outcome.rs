@@ -62,7 +62,8 @@ pub struct RankFailure {
     pub rank: usize,
     /// How it ended.
     pub exit: Exit,
-    /// The last lines it printed in this attempt (stdout and stderr, in order of arrival).
+    /// The last lines it printed in this attempt (stdout and stderr, in order of arrival), as
+    /// text: bytes that are not UTF-8 replaced by U+FFFD, lines over 64 KiB in pieces.
     pub tail: Vec<String>,
     /// Its log file, when the job has a log folder.
     pub log: Option<PathBuf>,

@@ -1,4 +1,5 @@
-//! Copying a rank's output, line by line, to its log, its last lines and the terminal.
+//! Copying a rank's output, line by line, to its log (byte for byte), its last lines and the
+//! terminal.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -12,7 +13,8 @@ pub(super) enum Stream {
     Stderr,
 }
 
-/// Copies one output stream of a rank, line by line, to its log, its tail, and the
+/// Copies one output stream of a rank, line by line, to its log as it is, and, as text (bytes
+/// that are not UTF-8 replaced, lines over [`crate::lines::MAX_LINE`] cut), to its tail and the
 /// launcher's own stream of the same kind.
 pub(super) struct Pump {
     pub(super) rank: usize,
@@ -26,18 +28,27 @@ pub(super) struct Pump {
 impl Pump {
     pub(super) fn start(self, from: impl Read + Send + 'static) -> JoinHandle<()> {
         std::thread::spawn(move || {
-            crate::lines::for_each_line(from, crate::lines::MAX_LINE, |line| {
-                self.line(&String::from_utf8_lossy(line));
+            crate::lines::for_each_line(from, crate::lines::MAX_LINE, |line, newline| {
+                self.log(line, newline);
+                self.show(&String::from_utf8_lossy(line));
             });
         })
     }
 
-    fn line(&self, line: &str) {
+    /// Writes `line` to the log as the rank printed it: its bytes, its `\n` if it had one.
+    fn log(&self, line: &[u8], newline: bool) {
         if let Ok(mut log) = self.log.lock() {
             if let Some(f) = log.as_mut() {
-                let _ = writeln!(f, "{line}");
+                let _ = f.write_all(line);
+                if newline {
+                    let _ = f.write_all(b"\n");
+                }
             }
         }
+    }
+
+    /// Shows `line` on the terminal and keeps it in the tail.
+    fn show(&self, line: &str) {
         if self.echo {
             // Rank 0 goes as it is, and so does a line that names its rank already.
             let mut prefix = String::new();
