@@ -17,6 +17,8 @@ use clap::CommandFactory;
 use ddp_run::cli::{eprint_line, print_line, NodeArgs, Wording};
 use ddp_run::{Event, LaunchConfig, Outcome, RankFailure};
 
+use crate::temporaries::{temporary, RemoveOnDrop};
+
 /// Options of `cargo xtask train`; every argument after them goes to `ddp-train`.
 #[derive(Debug, Clone, clap::Args)]
 #[command(after_help = "Every other argument is passed to each ddp-train rank \
@@ -460,7 +462,7 @@ pub fn build_release(root: &Path, name: &str, args: &[&str]) -> Result<Built> {
     all.extend(args);
     let built = crate::artifact::build(root, &all, "bin", name)?;
     let links = crate::target_dir(root).join("xtask/bin");
-    remove_stale_temporaries(&links);
+    crate::temporaries::remove_stale(&links);
     let dir = RemoveOnDrop(temporary(&links));
     std::fs::create_dir_all(&dir.0)
         .with_context(|| format!("cannot create {}", dir.0.display()))?;
@@ -532,7 +534,7 @@ fn synthetic_sample(root: &Path, cache: &Path, bin: Option<&Path>) -> Result<Pat
     let dir = cache.join(format!(
         "synthetic-odir-{SAMPLE_IMAGES}x{SAMPLE_SIZE}-seed{SAMPLE_SEED}"
     ));
-    remove_stale_temporaries(cache);
+    crate::temporaries::remove_stale(cache);
     if is_complete(&dir) {
         return Ok(dir);
     }
@@ -589,26 +591,6 @@ fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
     }
 }
 
-/// A new temporary folder's path in `dir`: `.tmp-<pid>-<nanoseconds>-<pid namespace>-<host>`.
-fn temporary(dir: &Path) -> PathBuf {
-    dir.join(format!(
-        ".tmp-{}-{}-{}-{}",
-        std::process::id(),
-        time::OffsetDateTime::now_utc().unix_timestamp_nanos(),
-        pid_namespace().unwrap_or_default(),
-        hostname()
-    ))
-}
-
-/// The number of this process's pid namespace (`/proc/self/ns/pid` is `pid:[<number>]`), in
-/// which the pids of [`temporary`] folders are read: containers that share a host name and a
-/// folder but not their pids must not judge each other's.
-fn pid_namespace() -> Option<String> {
-    let link = std::fs::read_link("/proc/self/ns/pid").ok()?;
-    let number = link.to_str()?.strip_prefix("pid:[")?.strip_suffix(']')?;
-    (!number.is_empty() && number.bytes().all(|b| b.is_ascii_digit())).then(|| number.to_owned())
-}
-
 /// The marker of a whole generated sample: it names `full_df.csv`'s length.
 const COMPLETE: &str = ".complete";
 
@@ -643,56 +625,6 @@ pub fn is_complete(dir: &Path) -> bool {
 fn sync_dir(dir: &Path) -> Result<()> {
     crate::folder_sync::sync_folder(dir)
         .with_context(|| format!("cannot flush {} to the disk", dir.display()))
-}
-
-/// A folder removed, with what it holds, when the guard drops.
-pub struct RemoveOnDrop(PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// This machine's name, which [`temporary`] folders carry: on a folder shared between
-/// hosts, only this host can tell whether a temporary's process is gone.
-fn hostname() -> String {
-    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    name.trim().to_owned()
-}
-
-/// Removes the [`temporary`] folders in `cache` that a process cut short left (a generation
-/// of [`synthetic_sample`], a [`build_release`] link): this host's and pid namespace's, whose
-/// process is gone. Returns them. Where the namespace cannot be read, none.
-fn remove_stale_temporaries(cache: &Path) -> Vec<PathBuf> {
-    let (host, Some(namespace)) = (hostname(), pid_namespace()) else {
-        return Vec::new();
-    };
-    let stale = |name: &str| {
-        let mut parts = name
-            .strip_prefix(".tmp-")
-            .unwrap_or_default()
-            .splitn(4, '-');
-        let (Some(pid), Some(_), Some(its_namespace), Some(its_host)) =
-            (parts.next(), parts.next(), parts.next(), parts.next())
-        else {
-            return false;
-        };
-        its_host == host
-            && its_namespace == namespace
-            && pid
-                .parse::<u32>()
-                .is_ok_and(|pid| !Path::new(&format!("/proc/{pid}")).exists())
-    };
-    let mut removed = Vec::new();
-    for entry in std::fs::read_dir(cache).into_iter().flatten().flatten() {
-        let path = entry.path();
-        if entry.file_name().to_str().is_some_and(stale) && std::fs::remove_dir_all(&path).is_ok() {
-            removed.push(path);
-        }
-    }
-    removed.sort();
-    removed
 }
 
 #[cfg(test)]
@@ -878,34 +810,6 @@ mod tests {
         });
         assert_eq!(missing, 0, "the sample was missing {missing} times");
         alone_in_cache(&cache, &first);
-    }
-
-    #[test]
-    fn temporaries_of_gone_processes_of_this_host_and_pid_namespace_are_swept() {
-        let dir = ddp_testkit::temp_dir("xtask-sweep");
-        let mut gone = std::process::Command::new("true").spawn().unwrap();
-        gone.wait().unwrap();
-        let (host, ns) = (hostname(), pid_namespace().unwrap());
-        let (own, dead) = (std::process::id(), gone.id());
-        let kept = [
-            format!(".tmp-{own}-1-{ns}-{host}"),
-            format!(".tmp-{dead}-1-{ns}-elsewhere"),
-            format!(".tmp-{dead}-1-{ns}"),
-            format!(".tmp-{dead}-1-{host}"),
-            format!(".tmp-{dead}-1-1{ns}-{host}"),
-            format!("synthetic-{dead}-1-{ns}-{host}"),
-        ];
-        let swept = format!(".tmp-{dead}-1-{ns}-{host}");
-        for name in kept.iter().chain([&swept]) {
-            std::fs::create_dir_all(dir.path().join(name).join("images")).unwrap();
-        }
-        assert_eq!(
-            remove_stale_temporaries(dir.path()),
-            [dir.path().join(&swept)]
-        );
-        let mut kept = kept.to_vec();
-        kept.sort();
-        assert_eq!(names(dir.path()), kept);
     }
 
     #[test]

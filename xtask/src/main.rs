@@ -11,6 +11,7 @@ mod folder_sync;
 mod gpu_check;
 mod launch;
 mod setup;
+mod temporaries;
 mod test_suite;
 
 use std::path::{Path, PathBuf};
