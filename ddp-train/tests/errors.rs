@@ -794,7 +794,11 @@ fn a_handled_trainer_error_leaves_no_stale_record() {
     let dir = common::temp_dir("ddp-train-errors");
     let (out, recorded) = in_child("a_handled_trainer_error_leaves_no_stale_record", dir.path());
     let message = recorded["message"]["message"].as_str().unwrap();
-    assert!(message.contains("a peer died"), "{message}");
+    // The second `run` refuses: the failed one may have left part of its epoch behind.
+    assert!(
+        message.starts_with("this Trainer's run failed in epoch 1 and trains no further"),
+        "{message}"
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("error: {message}")), "{err}");
     let cleared: u128 = std::fs::read_to_string(dir.path().join("cleared"))
