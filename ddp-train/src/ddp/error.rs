@@ -73,14 +73,16 @@ pub enum DdpError {
     },
     /// [`DistributedDataParallel::sync_gradients`] on a rank where no backward pass reached a
     /// parameter since the last call (or since [`DistributedDataParallel::new`]): a second
-    /// call for one backward ([`DistributedDataParallel::backward`] makes the first), without
+    /// call for one backward ([`DistributedDataParallel::backward`] makes the first), or a
+    /// backward of a loss that depends on none of the model's parameters, without
     /// [`DdpOptions::find_unused_parameters`]. Returned on such a rank instead of
     /// [`DdpError::UnusedParameters`], which the ranks that ran a backward report, after the
     /// same collectives.
     #[error(
-        "rank {rank}: sync_gradients found no backward pass since the last sync_gradients: call \
-         it once after each backward with gradient sync on (DistributedDataParallel::backward \
-         calls it itself); a rank with no batch to train on calls it without a backward only \
+        "rank {rank}: sync_gradients found no gradient of a backward pass since the last \
+         sync_gradients: call it once after each backward with gradient sync on \
+         (DistributedDataParallel::backward calls it itself), of a loss computed from the \
+         model's parameters; a rank with no batch to train on calls it without a backward only \
          with find_unused_parameters"
     )]
     SyncWithoutBackward {

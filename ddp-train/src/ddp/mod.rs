@@ -189,10 +189,11 @@ type Named = Vec<(String, Tensor)>;
 ///   collectives; the averages are PyTorch's). With [`DdpOptions::find_unused_parameters`] off, a parameter
 ///   missing on any rank is an error on every rank ([`DdpError::UnusedParameters`], naming it,
 ///   or [`DdpError::NoSyncedBackward`] on a rank whose backward passes all ran without sync,
-///   [`DdpError::SyncWithoutBackward`] on one that ran none since the last call); no rank is
-///   left waiting. Another step's call of DDP's, or a backward without sync, after a synced
-///   backward is [`DdpError::SyncMissed`]: tch's `backward_step` cannot be used, but
-///   [`DistributedDataParallel::backward`] can (backward, then `sync_gradients`).
+///   [`DdpError::SyncWithoutBackward`] on one where none reached a parameter since the last
+///   call); no rank is left waiting. Another step's call of DDP's, or a backward without
+///   sync, after a synced backward is [`DdpError::SyncMissed`]: tch's `backward_step` cannot
+///   be used, but [`DistributedDataParallel::backward`] can (backward, then
+///   `sync_gradients`).
 ///
 /// Bucket order: at first, reverse parameter order (by name), grouped from the last name
 /// on, so that the first bucket ([`DdpOptions::first_bucket_cap_bytes`]) holds the last
@@ -1020,10 +1021,11 @@ mod tests {
             match (ddp.sync_gradients(), find_unused_parameters) {
                 (Err(e @ DdpError::SyncWithoutBackward { .. }), false) => assert_eq!(
                     e.to_string(),
-                    "rank 0: sync_gradients found no backward pass since the last \
+                    "rank 0: sync_gradients found no gradient of a backward pass since the last \
                      sync_gradients: call it once after each backward with gradient sync on \
-                     (DistributedDataParallel::backward calls it itself); a rank with no batch \
-                     to train on calls it without a backward only with find_unused_parameters"
+                     (DistributedDataParallel::backward calls it itself), of a loss computed \
+                     from the model's parameters; a rank with no batch to train on calls it \
+                     without a backward only with find_unused_parameters"
                 ),
                 (Ok(()), true) => {}
                 (other, _) => panic!("find_unused {find_unused_parameters}: got {other:?}"),
