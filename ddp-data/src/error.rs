@@ -362,9 +362,10 @@ pub enum DataError {
     },
 
     /// The memory of a CPU loader's batch slot (an anonymous, sealed `memfd`) could not be
-    /// made: out of memory, or no `memfd` on this system.
+    /// made or mapped: out of memory, no `memfd` on this system, no `/proc` to map it
+    /// through, or the process at `vm.max_map_count`.
     #[cfg(feature = "tch")]
-    #[error("cannot allocate {bytes} bytes of memory for a batch slot")]
+    #[error("cannot allocate or map {bytes} bytes of memory for a batch slot")]
     SlotMemory {
         /// The bytes asked for.
         bytes: usize,
