@@ -163,7 +163,7 @@ fn within_max_wait(secs: f64) -> Result<(), String> {
 fn main() -> ExitCode {
     let (mut cli, matches) =
         ddp_run::cli::try_parse_from::<Cli>(std::env::args_os()).unwrap_or_else(|e| e.exit());
-    let config = standalone(&mut cli, &matches).and_then(|()| launch_config(&cli));
+    let config = standalone(&mut cli, &matches).and_then(|()| launch_config(&cli, &matches));
     let config = config.unwrap_or_else(|message| {
         // Exit status 2 and the usage line, as for the command lines clap refuses.
         Cli::command()
@@ -240,7 +240,7 @@ fn standalone(cli: &mut Cli, matches: &ArgMatches) -> Result<(), String> {
 /// `gpu`, `cpu` or `auto`; or what is wrong with it beyond what clap checks: a torchrun
 /// option ddp-run does not have (taken for the program, since the program may begin with
 /// `-`), and settings the launcher refuses.
-fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
+fn launch_config(cli: &Cli, matches: &ArgMatches) -> Result<LaunchConfig, String> {
     let (program, args) = cli.command.split_first().ok_or("no program to start")?;
     if let Some(flag) = program.to_str().filter(|p| p.starts_with('-')) {
         return Err(unknown_option(flag));
@@ -300,7 +300,16 @@ fn launch_config(cli: &Cli) -> Result<LaunchConfig, String> {
     };
     config.shutdown_timeout = Duration::from_secs(shutdown_timeout);
     config.monitor_interval = cli.monitor_interval;
-    config.validate().map_err(|e| e.to_string())?;
+    config.validate().map_err(|e| {
+        // A refused run id names where it came from, as clap's refusals of `PET_*` values do.
+        let message = e.to_string();
+        match matches.value_source("rdzv_id") {
+            Some(ValueSource::EnvVariable) if message.starts_with("--rdzv-id ") => {
+                message.replacen("--rdzv-id ", "PET_RDZV_ID ", 1)
+            }
+            _ => message,
+        }
+    })?;
     Ok(config)
 }
 

@@ -1090,6 +1090,37 @@ fn an_elastic_rendezvous_from_pet_variables_is_refused() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
 
+/// A run id refused names `PET_RDZV_ID` where it came from that variable, `--rdzv-id` where
+/// it came from the flag.
+#[test]
+fn a_refused_run_id_names_where_it_came_from() {
+    let long = "j".repeat(300);
+    let refused = |args: &[&str], pet: Option<&str>| {
+        let mut command = ddp_run(args);
+        command.env_remove("PET_RDZV_ID");
+        if let Some(value) = pet {
+            command.env("PET_RDZV_ID", value);
+        }
+        let out = wait_bounded(command.spawn().unwrap(), LIMIT);
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        stderr(&out).lines().next().unwrap_or_default().to_string()
+    };
+    assert_eq!(
+        refused(&["--nproc-per-node", "1", "true"], Some(&long)),
+        "error: PET_RDZV_ID is 300 bytes long: give at most 256"
+    );
+    assert!(
+        refused(&["--nproc-per-node", "1", "true"], Some(" ")).starts_with(
+            "error: PET_RDZV_ID \" \" is blank (an unset variable?), which the ranks would take \
+             for no run id"
+        ),
+    );
+    assert_eq!(
+        refused(&["--nproc-per-node", "1", "--rdzv-id", &long, "true"], None),
+        "error: --rdzv-id is 300 bytes long: give at most 256"
+    );
+}
+
 /// Without `--shutdown-timeout`, torchrun's `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` gives it: a
 /// value that is no number, or too large, is refused naming the variable; the flag wins
 /// over it.
