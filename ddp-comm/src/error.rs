@@ -214,7 +214,8 @@ pub enum CommError {
         detail: String,
     },
     /// An NCCL communicator could not be created: NCCL failed, or not every rank joined
-    /// within the collective timeout (the communicator is aborted, nothing is left waiting).
+    /// within the longer of the collective and rendezvous timeouts (the communicator is
+    /// aborted, nothing is left waiting).
     #[error("NCCL communicator init of rank {rank} on cuda:{device} {what}{diagnosis}")]
     NcclInit {
         /// This rank.
