@@ -94,8 +94,11 @@ pub struct Options {
     /// Data bytes of each shared-memory ring this rank creates: a power of two from 4 KiB
     /// to 1 GiB.
     pub shm_ring_bytes: usize,
-    /// The CUDA device of this rank's NCCL collectives; `None`: `cuda:LOCAL_RANK`. A rank
-    /// bound to one GPU (`CUDA_VISIBLE_DEVICES` showing only it) uses `cuda:0`.
+    /// The CUDA device of this rank's NCCL collectives; `None`: with the NCCL backend,
+    /// [`cuda::rank_device`](crate::cuda::rank_device) of `LOCAL_RANK` among the devices the
+    /// CUDA runtime sees: `cuda:LOCAL_RANK`, or `cuda:0` for a rank bound to one GPU
+    /// (`CUDA_VISIBLE_DEVICES` showing only it); where that rule finds none (or no device
+    /// can be counted), `cuda:LOCAL_RANK`.
     pub cuda_device: Option<usize>,
 }
 
@@ -130,7 +133,7 @@ impl Options {
     }
 
     /// Sets the device this rank trains on: a CUDA device becomes that of its NCCL
-    /// collectives (default `cuda:LOCAL_RANK`); the CPU changes nothing.
+    /// collectives (default: see [`Options::cuda_device`]); the CPU changes nothing.
     pub fn device(mut self, device: tch::Device) -> Self {
         if let tch::Device::Cuda(index) = device {
             self.cuda_device = Some(index);

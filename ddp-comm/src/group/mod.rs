@@ -64,7 +64,8 @@ pub struct ProcessGroup {
     world_size: usize,
     local_rank: usize,
     local_world_size: usize,
-    /// The CUDA device of NCCL collectives (`Options::cuda_device`, else the local rank).
+    /// The CUDA device of NCCL collectives (`Options::cuda_device`, else
+    /// [`default_cuda_device`]).
     cuda_device: usize,
     backend: Backend,
     op_timeout: Duration,
@@ -194,7 +195,11 @@ impl ProcessGroup {
             world_size: env.world_size,
             local_rank: env.local_rank,
             local_world_size: env.local_world_size,
-            cuda_device: opts.cuda_device.unwrap_or(env.local_rank),
+            cuda_device: opts.cuda_device.unwrap_or_else(|| {
+                let visible_set = std::env::var_os("CUDA_VISIBLE_DEVICES").is_some();
+                let count = crate::nccl::cuda::device_count;
+                default_cuda_device(backend, env.local_rank, count, visible_set)
+            }),
             backend,
             op_timeout,
             nccl_init_timeout: op_timeout.max(rendezvous_timeout),
@@ -224,7 +229,10 @@ impl ProcessGroup {
         self.world_size
     }
 
-    /// Rank on this node: the CUDA device this rank uses.
+    /// Rank on this node. NCCL collectives run on `cuda:local_rank`, or on `cuda:0` when
+    /// `CUDA_VISIBLE_DEVICES` shows this rank one device
+    /// ([`cuda::rank_device`](crate::cuda::rank_device)), unless [`Options::cuda_device`]
+    /// names another.
     pub fn local_rank(&self) -> usize {
         self.local_rank
     }
@@ -594,6 +602,27 @@ fn choose_backend(
     Ok(if nccl { Backend::Nccl } else { Backend::Cpu })
 }
 
+/// The CUDA device of a group's NCCL collectives when the options name none: the one
+/// [`cuda::rank_device`](crate::cuda::rank_device) gives the local rank among the `count`
+/// devices the CUDA runtime sees, else (no NCCL backend, no device counted, or none that
+/// rule allows) `cuda:local_rank`, which a CUDA collective's refusal then names.
+fn default_cuda_device(
+    backend: Backend,
+    local_rank: usize,
+    count: impl FnOnce() -> usize,
+    visible_set: bool,
+) -> usize {
+    if backend != Backend::Nccl {
+        return local_rank;
+    }
+    match count() {
+        0 => local_rank,
+        count => {
+            crate::nccl::cuda::rank_device(local_rank, count, visible_set).unwrap_or(local_rank)
+        }
+    }
+}
+
 /// The prefix of a group's keys in the store. Rank 0's own store is new for each group, but
 /// torchrun's agent store outlives them: there each group of the process gets a number, in
 /// the order formed (every rank forms the same groups in the same order), as c10d names
@@ -704,6 +733,24 @@ mod tests {
             let got = choose(requested, cuda_device, devices, loads).unwrap();
             assert_eq!(got, want, "{requested:?} {cuda_device:?} {devices} {loads}");
         }
+    }
+
+    /// `srun --ntasks-per-node 4 --gpus-per-task 1`: local rank 2 sees its one GPU as
+    /// `cuda:0`, and its NCCL collectives run there.
+    #[test]
+    fn the_default_cuda_device_of_a_rank_bound_to_one_gpu_is_cuda_0() {
+        assert_eq!(default_cuda_device(Backend::Nccl, 2, || 1, true), 0);
+        assert_eq!(default_cuda_device(Backend::Nccl, 2, || 4, true), 2);
+        // No device counted, one shared GPU that nothing binds, or no NCCL: the local rank.
+        assert_eq!(default_cuda_device(Backend::Nccl, 2, || 0, true), 2);
+        assert_eq!(default_cuda_device(Backend::Nccl, 2, || 1, false), 2);
+        let counted = std::cell::Cell::new(false);
+        let count = || {
+            counted.set(true);
+            1
+        };
+        assert_eq!(default_cuda_device(Backend::Cpu, 2, count, true), 2);
+        assert!(!counted.get(), "a CPU group asked the CUDA runtime");
     }
 
     #[test]

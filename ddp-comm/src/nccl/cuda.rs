@@ -1,4 +1,5 @@
-//! Making CUDA visible to a tch program, and asking how many GPUs there are.
+//! Making CUDA visible to a tch program, asking how many GPUs there are, and which one a
+//! rank uses ([`rank_device`]).
 //!
 //! rustc links with `--as-needed`, so a tch binary that calls nothing from
 //! `libtorch_cuda.so` does not load it, and `tch::Cuda::is_available()` is then false even on
@@ -75,6 +76,24 @@ pub fn device_count() -> usize {
     }
 }
 
+/// The CUDA device of the rank with `local_rank` on its machine, among the `count` devices
+/// this process sees: `cuda:local_rank`, or `cuda:0` for any local rank when
+/// `CUDA_VISIBLE_DEVICES` is set (`visible_set`) and shows one device only (`srun
+/// --gpus-per-task=1`, or a launcher that binds one GPU to each rank). Any other local rank
+/// past the visible devices is [`CommError::InvalidArgument`], naming the fix: ranks must
+/// not share a GPU silently. The default device of a group's NCCL collectives, and of
+/// ddp-train's ranks.
+pub fn rank_device(local_rank: usize, count: usize, visible_set: bool) -> Result<usize, CommError> {
+    match (local_rank < count, count, visible_set) {
+        (true, _, _) => Ok(local_rank),
+        (false, 1, true) => Ok(0),
+        (false, _, _) => Err(CommError::InvalidArgument(format!(
+            "LOCAL_RANK {local_rank} needs cuda:{local_rank}, but only {count} CUDA devices are \
+             visible (with one per rank, set CUDA_VISIBLE_DEVICES to each rank's own)"
+        ))),
+    }
+}
+
 /// Why there is no usable GPU, or `None` when there is one: the text GPU tests print when
 /// they skip.
 pub fn no_gpu_reason() -> Option<String> {
@@ -107,6 +126,25 @@ pub(crate) fn cuda_error_string(rc: nccl_sys::cudaError_t) -> String {
 
 #[cfg(test)]
 mod tests {
+    use crate::error::CommError;
+
+    #[test]
+    fn a_rank_uses_its_local_device_or_the_one_bound_to_it() {
+        assert_eq!(super::rank_device(1, 4, false).unwrap(), 1);
+        assert_eq!(super::rank_device(1, 4, true).unwrap(), 1);
+        // srun --gpus-per-task=1: each task sees its own GPU as cuda:0.
+        assert_eq!(super::rank_device(3, 1, true).unwrap(), 0);
+        // One GPU for all, nothing bound: two ranks must not share it silently.
+        match super::rank_device(1, 1, false) {
+            Err(CommError::InvalidArgument(why)) => assert!(
+                why.starts_with("LOCAL_RANK 1 needs cuda:1, but only 1 CUDA devices"),
+                "{why}"
+            ),
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+        assert!(super::rank_device(2, 2, true).is_err());
+    }
+
     #[test]
     fn torch_cuda_loads_from_the_setup_install() {
         // The setup installs the CUDA build of libtorch, which loads without a GPU.

@@ -1,5 +1,6 @@
 //! The NCCL backend: one communicator per process group, on the group's CUDA device
-//! (`Options::cuda_device`, by default `cuda:LOCAL_RANK`).
+//! (`Options::cuda_device`, by default `cuda:LOCAL_RANK`, or `cuda:0` for a rank bound to
+//! one GPU).
 //!
 //! **Streams.** Every collective runs on the communicator's side stream, a high-priority
 //! stream from libtorch's pool (non-blocking: it does not serialise with the legacy default

@@ -20,8 +20,9 @@ pub enum DeviceChoice {
 }
 
 impl DeviceChoice {
-    /// The device of the rank with `local_rank` on its machine: `cuda:local_rank` (CUDA is
-    /// made visible first, see `ddp_comm::cuda::load_torch_cuda`) or the CPU. An error names
+    /// The device of the rank with `local_rank` on its machine: `ddp_comm::cuda::rank_device`'s
+    /// (`cuda:local_rank`, or `cuda:0` for a rank bound to one GPU; CUDA is made visible
+    /// first, see `ddp_comm::cuda::load_torch_cuda`) or the CPU. An error names
     /// what is missing when `Cuda` is asked for without CUDA, or for a rank without a GPU.
     pub fn resolve(self, local_rank: usize) -> Result<tch::Device, crate::TrainError> {
         if self == Self::Cpu {
@@ -38,9 +39,13 @@ impl DeviceChoice {
             (_, true) => {
                 let count = tch::Cuda::device_count() as usize;
                 let bound = std::env::var_os("CUDA_VISIBLE_DEVICES").is_some();
-                cuda_index(local_rank, count, bound)
-                    .map(tch::Device::Cuda)
-                    .map_err(crate::TrainError::Invalid)
+                match ddp_comm::cuda::rank_device(local_rank, count, bound) {
+                    Ok(index) => Ok(tch::Device::Cuda(index)),
+                    Err(ddp_comm::CommError::InvalidArgument(why)) => {
+                        Err(crate::TrainError::Invalid(why))
+                    }
+                    Err(e) => Err(e.into()),
+                }
             }
             (_, false) => Ok(tch::Device::Cpu),
         }
@@ -57,20 +62,6 @@ fn cuda_unavailable(why: &str) -> SettingError {
     )
     .setting("runtime.device")
     .text(" to cpu")
-}
-
-/// The CUDA device of local rank `local_rank` among `count` visible ones: `cuda:local_rank`,
-/// or `cuda:0` for any local rank when `CUDA_VISIBLE_DEVICES` shows one device only (`srun
-/// --gpus-per-task=1`, or a launcher that binds one GPU to each rank).
-fn cuda_index(local_rank: usize, count: usize, visible_set: bool) -> Result<usize, String> {
-    match (local_rank < count, count, visible_set) {
-        (true, _, _) => Ok(local_rank),
-        (false, 1, true) => Ok(0),
-        (false, _, _) => Err(format!(
-            "LOCAL_RANK {local_rank} needs cuda:{local_rank}, but only {count} CUDA devices are \
-             visible (with one per rank, set CUDA_VISIBLE_DEVICES to each rank's own)"
-        )),
-    }
 }
 
 /// Where and how a rank runs: its device, threads, loader, time limits, logging.
@@ -288,7 +279,7 @@ builder!(RuntimeSettings {
 
 #[cfg(test)]
 mod tests {
-    use super::{cuda_index, thread_count, DeviceChoice, RuntimeSettings};
+    use super::{thread_count, DeviceChoice, RuntimeSettings};
     use crate::{SettingError, TrainError};
 
     #[test]
@@ -354,20 +345,5 @@ mod tests {
                 .render(|f| format!("--{}", f.trim_start_matches("runtime."))),
             "--device cuda: CUDA is not available here (no CUDA device); set --device to cpu"
         );
-    }
-
-    #[test]
-    fn a_rank_uses_its_local_device_or_the_one_bound_to_it() {
-        assert_eq!(cuda_index(1, 4, false), Ok(1));
-        assert_eq!(cuda_index(1, 4, true), Ok(1));
-        // srun --gpus-per-task=1: each task sees its own GPU as cuda:0.
-        assert_eq!(cuda_index(3, 1, true), Ok(0));
-        // One GPU for all, nothing bound: two ranks must not share it silently.
-        let e = cuda_index(1, 1, false).unwrap_err();
-        assert!(
-            e.starts_with("LOCAL_RANK 1 needs cuda:1, but only 1 CUDA devices"),
-            "{e}"
-        );
-        assert!(cuda_index(2, 2, true).is_err());
     }
 }
