@@ -31,12 +31,26 @@ impl ProcessGroup {
         }
     }
 
+    /// Fails once the group failed on either backend (one failure domain): the
+    /// communicator's abort error, or the CPU ring's failure. Never takes a lock. New CUDA
+    /// collectives and `barrier` check it; a wait on a collective already queued checks the
+    /// abort only, as NCCL still completes or aborts that collective.
+    pub(super) fn usable(&self, op: &str) -> Result<(), CommError> {
+        self.nccl_usable(op)?;
+        match self.ring_failed.get() {
+            Some(why) => Err(CommError::Poisoned(format!(
+                "{op}: the process group failed ({why}); create a new process group"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// The communicator for `op`, created at first use: a CPU barrier (all ranks alive),
     /// unique id from rank 0 through the store, `cudaSetDevice` of the group's CUDA device, a
     /// non-blocking `ncclCommInitRankConfig` bounded by the init timeout (the longer of the
-    /// op and rendezvous timeouts).
+    /// op and rendezvous timeouts). Refused once the group failed ([`ProcessGroup::usable`]).
     pub(super) fn nccl(&self, op: &str) -> Result<CommGuard<'_>, CommError> {
-        self.nccl_usable(op)?;
+        self.usable(op)?;
         let mut guard = CommGuard::new(lock(&self.nccl));
         if guard.is_some() {
             return Ok(guard);
@@ -300,6 +314,7 @@ impl DeviceWork for CudaWork {
 mod tests {
     use super::*;
     use crate::config::options::Options;
+    use crate::element::ReduceOp;
     use crate::nccl::inflight::Aborted;
 
     /// A communicator whose retired leftovers, when dropped, note whether its lock was free.
@@ -398,5 +413,57 @@ mod tests {
             group.barrier(),
             Err(CommError::Poisoned(why)) if why.starts_with("barrier: ")
         ));
+        // One failure domain: the CPU ring refuses too, with the abort's reason, and stays
+        // failed with it.
+        let mut cpu_tensor = Tensor::from_slice(&[1f32]);
+        let calls = [
+            (
+                "all_reduce_slice",
+                group.all_reduce_slice(&mut [1f32], ReduceOp::Sum),
+            ),
+            ("broadcast_slice", group.broadcast_slice(&mut [1f32], 0)),
+            ("all_gather_bytes", group.all_gather_bytes(b"x").map(drop)),
+            (
+                "all_reduce",
+                group.all_reduce(&mut cpu_tensor, ReduceOp::Sum),
+            ),
+        ];
+        for (op, result) in calls {
+            assert_poisoned(result, &format!("{op}: "), "all_reduce timed out after 1s");
+        }
+        let ring = group.ring_failed.get().map(String::as_str);
+        assert!(
+            ring.is_some_and(|why| why.contains("all_reduce timed out after 1s")),
+            "{ring:?}"
+        );
+    }
+
+    /// The other way round: once the CPU ring failed, CUDA collectives (here NCCL's
+    /// initialisation at the first one) and `barrier` refuse with the ring's reason.
+    #[test]
+    fn a_failed_cpu_ring_refuses_cuda_collectives() {
+        let opts = Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Cpu);
+        let mut group = ProcessGroup::new(opts).unwrap();
+        group.backend = Backend::Nccl;
+        lock(&group.cpu).fail("all_reduce: rank 1 hung up".into());
+        for op in ["all_reduce", "barrier"] {
+            let result = match op {
+                "barrier" => group.barrier(),
+                _ => group.nccl(op).map(drop),
+            };
+            let start = format!("{op}: the process group failed");
+            assert_poisoned(result, &start, "rank 1 hung up");
+        }
+        assert!(group.nccl_failed.get().is_none(), "NCCL's init was tried");
+    }
+
+    /// `result` is `Poisoned`, its text starting with `start` and naming `reason`.
+    fn assert_poisoned(result: Result<(), CommError>, start: &str, reason: &str) {
+        match result {
+            Err(CommError::Poisoned(why)) => {
+                assert!(why.starts_with(start) && why.contains(reason), "{why}")
+            }
+            other => panic!("expected Poisoned({start}...), got {other:?}"),
+        }
     }
 }

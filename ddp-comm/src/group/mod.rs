@@ -10,7 +10,7 @@ pub(crate) mod tensor;
 pub(crate) mod work;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use tch::{Device, Tensor};
@@ -57,8 +57,16 @@ pub struct RingLayout {
 /// ring checks it, and reports a mismatch as [`CommError::Mismatch`]; NCCL collectives are
 /// not checked: a mismatch there corrupts the results or hangs until the collective's
 /// timeout. Methods take `&self`
-/// and serialise internally; the group is `Send + Sync`. After any failed collective the
-/// group is unusable ([`CommError::Poisoned`]) and the neighbours see the failure too.
+/// and serialise internally; the group is `Send + Sync`.
+///
+/// The group is one failure domain, as PyTorch's: after a collective failed on either
+/// backend (a peer lost, a timeout, a mismatch, an aborted NCCL communicator), every later
+/// collective fails with [`CommError::Poisoned`] naming the failure, CPU and CUDA alike,
+/// and the neighbours' collectives fail too (the CPU ring's links are shut). Refusals before any communication (a tensor, root or output the call cannot
+/// take; [`ProcessGroup::all_gather_bytes`]' [`CommError::TooLarge`]) leave the group
+/// usable, and so does NCCL's initialisation failing (every later CUDA collective fails
+/// with it, the CPU ring carries on). A wait on a CUDA collective queued before a CPU
+/// failure still gets NCCL's answer.
 pub struct ProcessGroup {
     rank: usize,
     world_size: usize,
@@ -72,15 +80,18 @@ pub struct ProcessGroup {
     /// The bound of NCCL communicator init: the longer of the op and rendezvous timeouts.
     nccl_init_timeout: Duration,
     cpu: Mutex<CpuBackend>,
+    /// Why the CPU ring failed, once it has (`cpu`'s flag): read by CUDA collectives without
+    /// `cpu`'s lock, which a CPU collective may hold for up to the op timeout.
+    ring_failed: Arc<OnceLock<String>>,
     /// Shared with the watchdog thread (started at the first asynchronous CUDA collective),
     /// which holds it weakly.
     nccl: Arc<Mutex<Option<NcclComm>>>,
     /// The communicator's abort flag, once it exists: read without `nccl`'s lock, which the
     /// thread that aborts holds while `ncclCommAbort` waits for the queued kernels.
-    nccl_aborted: std::sync::OnceLock<Arc<Aborted>>,
+    nccl_aborted: OnceLock<Arc<Aborted>>,
     /// Why the communicator's initialisation failed, once it has: it is not tried again
     /// (the peers may be past it, and rank 0's unique id in the store is spent).
-    nccl_failed: std::sync::OnceLock<String>,
+    nccl_failed: OnceLock<String>,
     watchdog: std::sync::Once,
     store: Mutex<Option<Box<dyn Store>>>,
     /// The communication thread of asynchronous CPU collectives, started at the first one.
@@ -203,10 +214,11 @@ impl ProcessGroup {
             backend,
             op_timeout,
             nccl_init_timeout: op_timeout.max(rendezvous_timeout),
+            ring_failed: cpu.poisoned(),
             cpu: Mutex::new(cpu),
             nccl: Arc::new(Mutex::new(None)),
-            nccl_aborted: std::sync::OnceLock::new(),
-            nccl_failed: std::sync::OnceLock::new(),
+            nccl_aborted: OnceLock::new(),
+            nccl_failed: OnceLock::new(),
             watchdog: std::sync::Once::new(),
             store: Mutex::new(met.store),
             queue: Mutex::new(None),
@@ -441,11 +453,11 @@ impl ProcessGroup {
         match c {
             Collective::AllReduce(t, op) => {
                 let (bytes, dtype) = cpu_bytes(t)?;
-                lock(&self.cpu).all_reduce(bytes, dtype, op)
+                self.ring("all_reduce")?.all_reduce(bytes, dtype, op)
             }
             Collective::Broadcast(t, root) => {
                 let (bytes, _) = cpu_bytes(t)?;
-                lock(&self.cpu).broadcast(bytes, root)
+                self.ring("broadcast")?.broadcast(bytes, root)
             }
             Collective::AllGather {
                 output,
@@ -454,13 +466,13 @@ impl ProcessGroup {
             } => {
                 // The input is this rank's chunk of the output: one slice of its bytes.
                 let (dst, _) = cpu_bytes(output)?;
-                lock(&self.cpu).all_gather_in_place(dst)
+                self.ring("all_gather")?.all_gather_in_place(dst)
             }
             Collective::AllGather { input, output, .. } => {
                 let mut source = input.shallow_clone();
                 let (src, _) = cpu_bytes(&mut source)?;
                 let (dst, _) = cpu_bytes(output)?;
-                lock(&self.cpu).all_gather(src, dst)
+                self.ring("all_gather")?.all_gather(src, dst)
             }
         }
     }
@@ -499,11 +511,11 @@ impl ProcessGroup {
     pub fn barrier(&self) -> Result<(), CommError> {
         self.drain();
         self.heartbeat.enter();
-        self.nccl_usable("barrier")?;
+        self.usable("barrier")?;
         if let Some(comm) = cuda::CommGuard::new(lock(&self.nccl)).as_mut() {
             comm.synchronize()?;
         }
-        lock(&self.cpu).barrier()
+        self.ring("barrier")?.barrier()
     }
 
     /// In-place all-reduce of a slice over the CPU links (no tensors involved).
@@ -514,7 +526,8 @@ impl ProcessGroup {
     ) -> Result<(), CommError> {
         self.drain();
         self.heartbeat.enter();
-        lock(&self.cpu).all_reduce(as_bytes_mut(data), T::DTYPE, op)
+        self.ring("all_reduce_slice")?
+            .all_reduce(as_bytes_mut(data), T::DTYPE, op)
     }
 
     /// Broadcast of a slice from `root` over the CPU links.
@@ -526,14 +539,26 @@ impl ProcessGroup {
         self.drain();
         self.heartbeat.enter();
         self.check_root(root)?;
-        lock(&self.cpu).broadcast(as_bytes_mut(data), root)
+        self.ring("broadcast_slice")?
+            .broadcast(as_bytes_mut(data), root)
     }
 
     /// Gathers every rank's byte string (lengths may differ); element `r` is rank `r`'s.
     pub fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
         self.drain();
         self.heartbeat.enter();
-        lock(&self.cpu).all_gather_bytes(data)
+        self.ring("all_gather_bytes")?.all_gather_bytes(data)
+    }
+
+    /// The CPU ring, for `op`; once the NCCL communicator was aborted, the abort's error,
+    /// having failed the ring with it (its links shut, so that the neighbours fail too).
+    fn ring(&self, op: &str) -> Result<MutexGuard<'_, CpuBackend>, CommError> {
+        let mut cpu = lock(&self.cpu);
+        if let Err(e) = self.nccl_usable(op) {
+            cpu.fail(crate::error::with_causes(&e));
+            return Err(e);
+        }
+        Ok(cpu)
     }
 
     /// Sets the most bytes [`ProcessGroup::all_gather_bytes`] allocates for all ranks'

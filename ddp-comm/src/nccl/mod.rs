@@ -28,7 +28,8 @@
 //! communicator abort (`ncclCommAbort`) so that nothing hangs, and the group is unusable
 //! afterwards: every later wait, of any collective, fails with [`CommError::Poisoned`]
 //! without touching NCCL (the communicator is freed by the abort, and an aborted kernel's
-//! end event completes on a half-reduced tensor). Before aborting on a timeout, the rank
+//! end event completes on a half-reduced tensor), and so does every later CPU collective
+//! of the group (see `ProcessGroup`). Before aborting on a timeout, the rank
 //! reads every rank's heartbeat (`store/heartbeat.rs`) so that the error names the hung
 //! rank. At each call, and every 100 ms from the group's watchdog thread, collectives still
 //! pending past the timeout abort the communicator too, which catches the ones that only a

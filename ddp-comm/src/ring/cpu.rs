@@ -19,7 +19,7 @@
 //! get [`CommError::Mismatch`] instead of corrupted data. A failure poisons the backend and
 //! closes both links, so neighbours fail promptly too.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::element::{self, as_bytes_mut, DType, ReduceOp};
@@ -70,7 +70,9 @@ pub(crate) struct CpuBackend {
     by_position: Vec<Span>,
     scratch: Vec<i64>,
     gather: Vec<i64>,
-    poisoned: Option<String>,
+    /// Why the backend failed, once it has (the first reason): shared with the process
+    /// group, whose CUDA collectives read it without this backend's lock.
+    poisoned: Arc<OnceLock<String>>,
     heartbeat: Arc<Heartbeat>,
     max_gather: u64,
 }
@@ -104,7 +106,7 @@ impl CpuBackend {
             by_position: Vec::new(),
             scratch: Vec::new(),
             gather: Vec::new(),
-            poisoned: None,
+            poisoned: Arc::default(),
             heartbeat,
             max_gather: DEFAULT_MAX_GATHER_BYTES,
         })
@@ -121,8 +123,13 @@ impl CpuBackend {
         self.link.as_ref().map(|l| (l.send.kind(), l.recv.kind()))
     }
 
+    /// Why the backend failed, once it has: the flag its owner reads without the lock.
+    pub(crate) fn poisoned(&self) -> Arc<OnceLock<String>> {
+        self.poisoned.clone()
+    }
+
     fn check(&self) -> Result<(), CommError> {
-        match &self.poisoned {
+        match self.poisoned.get() {
             Some(why) => Err(CommError::Poisoned(why.clone())),
             None => Ok(()),
         }
@@ -133,10 +140,11 @@ impl CpuBackend {
         err
     }
 
-    /// Makes every later call fail with `why`, and the neighbours' at once (links shut).
+    /// Makes every later call fail with `why` (unless it failed already: the first reason
+    /// stays), and the neighbours' at once (links shut).
     pub(crate) fn fail(&mut self, why: String) {
         self.heartbeat.mark_failed();
-        self.poisoned = Some(why);
+        let _ = self.poisoned.set(why);
         if let Some(link) = &self.link {
             link.shutdown();
         }
