@@ -176,9 +176,11 @@ impl EnvConfig {
                 })
             });
         match found {
-            Some((var, id)) if id.len() > MAX_RUN_ID_LEN => {
-                Err(malformed(var, &id, "at most 256 bytes"))
-            }
+            Some((var, id)) if id.len() > MAX_RUN_ID_LEN => Err(malformed(
+                var,
+                &id,
+                &format!("at most {MAX_RUN_ID_LEN} bytes"),
+            )),
             found => Ok(found.map(|(_, id)| id)),
         }
     }
@@ -358,7 +360,8 @@ impl EnvConfig {
             .transpose()?;
         let host_id = get(HOST_ID_ENV);
         if let Some(id) = host_id.as_deref().filter(|id| id.len() > MAX_RUN_ID_LEN) {
-            return Err(malformed(HOST_ID_ENV, id, "at most 256 bytes"));
+            let expected = format!("at most {MAX_RUN_ID_LEN} bytes");
+            return Err(malformed(HOST_ID_ENV, id, &expected));
         }
         Ok(EnvConfig {
             rank,
