@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use ddp_model::checkpoint::TensorProblem;
-use ddp_model::weights::{self, PickleError, ShapeMismatch, StateDict, Strictness, WeightsError};
+use ddp_model::weights::{
+    self, KindMismatch, PickleError, ShapeMismatch, StateDict, Strictness, WeightsError,
+};
 use ddp_model::{ConvNet, ConvNetConfig};
 use tch::{nn, Device, Kind, Tensor};
 
@@ -301,6 +303,50 @@ fn strict_loading_another_models_file_names_it_and_counts_what_it_does_not_list(
         "{msg}"
     );
     assert_eq!(msg.matches("' is ").count(), shown, "{msg}");
+}
+
+#[test]
+fn a_complex_file_tensor_for_a_real_one_is_a_dtype_problem_in_both_modes() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let w = vs.root().zeros("w", &[2]);
+    let _b = vs.root().zeros("b", &[2]);
+    let z = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0])
+        .view([2, 2])
+        .view_as_complex();
+    let state = StateDict::new(
+        "z.pth",
+        vec![
+            ("w".into(), z),
+            ("b".into(), Tensor::from_slice(&[5.0f64, 6.0])),
+        ],
+    );
+    let err = weights::load_state_dict(&vs, &state, Strictness::Strict).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::Mismatch { problems, .. }
+        if problems == &[TensorProblem::Dtype {
+            name: "w".into(),
+            expected: Kind::Float,
+            found: Kind::ComplexFloat,
+        }]),
+        "{err:?}"
+    );
+    let report = weights::load_state_dict(&vs, &state, Strictness::Partial).unwrap();
+    assert_eq!(
+        report.kind_mismatched,
+        [KindMismatch {
+            name: "w".into(),
+            expected: Kind::Float,
+            found: Kind::ComplexFloat,
+        }]
+    );
+    assert!(report.mismatched.is_empty() && !report.is_complete());
+    assert_eq!(report.loaded, ["b"]);
+    assert_eq!(
+        report.to_string(),
+        "loaded 1 tensors; kept the model's own values of 1 (complex in the file: w \
+         ComplexFloat for Float)"
+    );
+    assert!(w.equal(&Tensor::zeros([2], (Kind::Float, Device::Cpu))));
 }
 
 #[test]

@@ -63,7 +63,6 @@
 //! ```
 
 use std::collections::{HashMap, HashSet};
-use std::fmt;
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -75,9 +74,11 @@ use tch::{Kind, Tensor};
 use crate::checkpoint::{self, natural_cmp, TensorProblem};
 
 mod pickle;
+mod report;
 mod torch_zip;
 
 pub use pickle::PickleError;
+pub use report::{KindMismatch, LoadReport, ShapeMismatch};
 
 /// The prefix `DistributedDataParallel` puts in front of every name of the model it wraps.
 pub const DDP_PREFIX: &str = "module.";
@@ -362,84 +363,9 @@ pub enum Strictness {
     /// (PyTorch's `load_state_dict(strict=True)`).
     #[default]
     Strict,
-    /// Copy the tensors whose name and shape match; the [`LoadReport`] lists the rest (a new
-    /// classification head, a backbone without its head).
+    /// Copy the tensors whose name and shape match (but a complex one into a real one); the
+    /// [`LoadReport`] lists the rest (a new classification head, a backbone without its head).
     Partial,
-}
-
-/// A model tensor and a file tensor of the same name with different shapes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShapeMismatch {
-    /// The name (after stripping the `module.` prefix).
-    pub name: String,
-    /// The model's shape.
-    pub expected: Vec<i64>,
-    /// The file's shape.
-    pub found: Vec<i64>,
-}
-
-/// What [`load_state_dict`] copied and what it left.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct LoadReport {
-    /// Model tensors copied from the file, in the model's order ([`natural_cmp`]).
-    pub loaded: Vec<String>,
-    /// Model tensors the file lacks (they keep their values), in the model's order.
-    pub missing: Vec<String>,
-    /// File tensors the model lacks, in file order.
-    pub unexpected: Vec<String>,
-    /// Names in both whose shapes differ (the model keeps its values), in the model's order.
-    pub mismatched: Vec<ShapeMismatch>,
-    /// Whether the file's names all began with `module.`, which was stripped.
-    pub stripped_module_prefix: bool,
-    /// The entry of the file that held the state_dict ([`StateDict::entry`]).
-    pub entry: Option<String>,
-}
-
-impl LoadReport {
-    /// Whether every model tensor was loaded and every file tensor used.
-    pub fn is_complete(&self) -> bool {
-        self.missing.is_empty() && self.unexpected.is_empty() && self.mismatched.is_empty()
-    }
-}
-
-impl fmt::Display for LoadReport {
-    /// `loaded 24 tensors; kept the model's 2 (not in the file: ...; other shape in the file:
-    /// 'fc.weight' [1000, 512] for [8, 512]); ignored 1 of the file's (...)`.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "loaded {} tensors", self.loaded.len())?;
-        if let Some(entry) = &self.entry {
-            write!(f, " of its entry '{entry}'")?;
-        }
-        if self.stripped_module_prefix {
-            write!(f, " (names without their '{DDP_PREFIX}' prefix)")?;
-        }
-        let kept = self.missing.len() + self.mismatched.len();
-        if kept > 0 {
-            write!(f, "; kept the model's own values of {kept} (")?;
-            let mut parts = Vec::new();
-            if !self.missing.is_empty() {
-                parts.push(format!("not in the file: {}", self.missing.join(", ")));
-            }
-            if !self.mismatched.is_empty() {
-                let shapes: Vec<String> = self
-                    .mismatched
-                    .iter()
-                    .map(|m| format!("{} {:?} for {:?}", m.name, m.found, m.expected))
-                    .collect();
-                parts.push(format!("another shape in the file: {}", shapes.join(", ")));
-            }
-            write!(f, "{})", parts.join("; "))?;
-        }
-        if !self.unexpected.is_empty() {
-            write!(
-                f,
-                "; ignored {} of the file's, not in the model: {}",
-                self.unexpected.len(),
-                self.unexpected.join(", ")
-            )?;
-        }
-        Ok(())
-    }
 }
 
 /// Reads a state_dict from a `torch.save` file or a safetensors file, told apart by content.
@@ -617,10 +543,10 @@ pub fn load_state_dict(
                     expected: var.kind(),
                     found: t.kind(),
                 });
-                report.mismatched.push(ShapeMismatch {
+                report.kind_mismatched.push(KindMismatch {
                     name: name.clone(),
-                    expected: var.size(),
-                    found: t.size(),
+                    expected: var.kind(),
+                    found: t.kind(),
                 });
             }
             Some(t) => copies.push((name, var, t)),

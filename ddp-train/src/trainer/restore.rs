@@ -430,12 +430,16 @@ fn init_weights(
             (Some(theirs), Some(ours)) => {
                 format!("the file has e.g. '{theirs}', the model e.g. '{ours}'")
             }
-            _ => match report.mismatched.first() {
-                Some(m) => format!(
+            _ => match (report.mismatched.first(), report.kind_mismatched.first()) {
+                (Some(m), _) => format!(
                     "e.g. '{}' is {:?} in the file and {:?} in the model",
                     m.name, m.found, m.expected
                 ),
-                None => "the file holds no tensor".to_string(),
+                (None, Some(m)) => format!(
+                    "e.g. '{}' is {:?} in the file and {:?} in the model",
+                    m.name, m.found, m.expected
+                ),
+                (None, None) => "the file holds no tensor".to_string(),
             },
         };
         return Err(SettingError::new(
@@ -456,6 +460,14 @@ fn init_weights(
         .iter()
         .map(|m| serde_json::json!({ "name": m.name, "model": m.expected, "file": m.found }))
         .collect();
+    let kind_mismatched: Vec<_> = report
+        .kind_mismatched
+        .iter()
+        .map(|m| {
+            let (model, file) = (format!("{:?}", m.expected), format!("{:?}", m.found));
+            serde_json::json!({ "name": m.name, "model": model, "file": file })
+        })
+        .collect();
     let record = serde_json::json!({
         "file": file.to_string_lossy(),
         "loaded": true,
@@ -466,6 +478,7 @@ fn init_weights(
         "missing": report.missing,
         "unexpected": report.unexpected,
         "mismatched": mismatched,
+        "kind_mismatched": kind_mismatched,
     });
     Ok((Some(note), record))
 }
