@@ -6,7 +6,7 @@ use crate::dataset::Dataset;
 use crate::error::DataError;
 use crate::item::{write_input, write_targets, Values, ValuesRef};
 use crate::rng::SampleRng;
-use crate::sample::{Affine, Padding, SampleLayout, SampleOut, ValueKind};
+use crate::sample::{Affine, Padding, SampleLayout, SampleOut, Storage, ValueKind};
 
 /// Values with a shape: `shape[0]` samples of `shape[1..]` values each, row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -278,19 +278,20 @@ impl TensorDataset {
         Ok(Self::from_parts(inner.inputs, inner.targets, layout))
     }
 
-    /// The same samples with bytes turned into `f32` by `affine` (per channel, the first axis
-    /// of a sample's shape); fails when the inputs are not bytes or the channels differ.
+    /// The same samples with bytes turned into `f32` by `affine`, whose scales are one for
+    /// every channel (the first axis of a sample's shape) or one for all, with as many biases
+    /// ([`SampleLayout::check`]); fails when the inputs are not bytes or the counts differ.
     pub fn with_affine(self, affine: Affine) -> Result<Self, DataError> {
-        let channels = self.inner.layout.shape.first().copied().unwrap_or(1);
-        if self.inner.layout.bytes.is_none() || affine.scale.len() != channels {
+        if self.inner.layout.bytes.is_none() {
             return Err(DataError::InvalidParameter {
                 name: "byte affine map",
-                expected: format!("byte inputs and {channels} per-channel scales"),
-                value: format!("{} scales", affine.scale.len()),
+                expected: "byte inputs".to_string(),
+                value: format!("{:?} inputs", self.inner.layout.input_kind),
             });
         }
         let mut inner = Arc::unwrap_or_clone(self.inner);
         inner.layout.bytes = Some(affine);
+        inner.layout.check(Storage::U8)?;
         Ok(Self {
             inner: Arc::new(inner),
         })
@@ -535,5 +536,54 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(batch.input_f32().unwrap(), [0.0, 511.0, 5.0, 41.0]);
+    }
+
+    #[test]
+    fn one_scale_serves_every_channel_and_other_counts_are_refused() {
+        let bytes = || {
+            TensorDataset::new(
+                Array::new(vec![0u8, 255, 10, 20], [2, 2]).unwrap(),
+                Array::from(vec![0i64, 1]),
+            )
+            .unwrap()
+        };
+        let set = bytes()
+            .with_affine(Affine {
+                scale: vec![2.0],
+                bias: vec![1.0],
+            })
+            .unwrap();
+        let batch = HostLoader::new(set, vec![1], &LoaderConfig::new(1))
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap();
+        assert_eq!(batch.input_f32().unwrap(), [21.0, 41.0]);
+        for (scale, bias, value) in [
+            (vec![1.0; 3], vec![0.0; 3], "3 scales and 3 biases"),
+            (vec![1.0, 1.0], vec![0.0], "2 scales and 1 biases"),
+        ] {
+            let err = bytes().with_affine(Affine { scale, bias }).unwrap_err();
+            assert!(
+                matches!(&err, DataError::InvalidParameter { name: "byte affine map", value: v, .. }
+                    if v == value),
+                "{err:?}"
+            );
+        }
+        let floats = TensorDataset::new(
+            Array::new(vec![0.5f32, 1.5], [2, 1]).unwrap(),
+            Array::from(vec![0i64, 1]),
+        )
+        .unwrap();
+        let err = floats
+            .with_affine(Affine {
+                scale: vec![1.0],
+                bias: vec![0.0],
+            })
+            .unwrap_err();
+        assert!(
+            matches!(&err, DataError::InvalidParameter { value, .. } if value == "F32 inputs"),
+            "{err:?}"
+        );
     }
 }
