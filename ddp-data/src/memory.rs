@@ -4,7 +4,10 @@
 //! The loader asks a [`SlotAllocator`] for each new slot. [`HeapAllocator`] gives plain,
 //! page-aligned heap memory; the `tch` feature adds allocators whose slots are tensors (so a
 //! CPU batch is handed out without a copy) or page-locked memory (so a copy to a GPU runs
-//! asynchronously). This file and `loader.rs` hold the crate's unsafe code for batch memory.
+//! asynchronously). The crate's unsafe code for batch memory is here (the [`BatchMemory`]
+//! contract and the heap allocator), in `loader.rs` (samples written into a slot),
+//! `host_batch.rs` (a batch read from it), and in `tensor.rs` and `cuda.rs` (the `tch`
+//! allocators).
 
 use std::alloc::Layout;
 use std::any::Any;

@@ -2,7 +2,7 @@
 //! the IDCT runs at 1/2, 1/4 or 1/8 scale, only the columns of the crop are reconstructed,
 //! the rows above it are skipped and decoding stops after its last row. This is where a
 //! 2-3k pixel ODIR original becomes a 224-pixel crop several times faster than a full
-//! decode. This file holds the crate's only unsafe code.
+//! decode. This file holds the crate's unsafe code for decoding (libjpeg's C interface).
 
 use std::ffi::{c_int, CStr};
 use std::mem::MaybeUninit;
