@@ -82,6 +82,9 @@ fn parse(argv: impl Iterator<Item = std::ffi::OsString>) -> Result<Option<Args>,
         }
     }
     let out = out.ok_or("--out is required")?;
+    // A range the generator refuses is a bad command line too (status 2), found before any
+    // file is written.
+    config.validate().map_err(|e| e.to_string())?;
     Ok(Some(Args { out, config }))
 }
 
@@ -162,6 +165,31 @@ mod tests {
             let line = HELP.lines().find(|l| l.trim_start().starts_with(option));
             let line = line.unwrap_or_else(|| panic!("no line for {option}"));
             assert!(line.contains(&format!("(default {default}")), "{line}");
+        }
+    }
+
+    #[test]
+    fn values_outside_the_generators_ranges_are_refused_at_parse() {
+        use std::ffi::OsString;
+        for (flag, value, message) in [
+            (
+                "--size",
+                "16",
+                "invalid synthetic image size: expected 32 to 4096 pixels, found 16",
+            ),
+            (
+                "--quality",
+                "0",
+                "invalid JPEG quality: expected 1 to 100, found 0",
+            ),
+            (
+                "--images",
+                "0",
+                "invalid synthetic image count: expected at least 1, found 0",
+            ),
+        ] {
+            let argv = ["--out", "/tmp/s", flag, value].map(OsString::from);
+            assert_eq!(parse(argv.into_iter()).err().as_deref(), Some(message));
         }
     }
 

@@ -54,6 +54,35 @@ impl Default for SyntheticConfig {
     }
 }
 
+impl SyntheticConfig {
+    /// Checks the ranges [`generate`] needs: at least 1 image, a side of 32 to 4096 pixels
+    /// and a quality of 1 to 100 ([`DataError::InvalidParameter`] names the one outside).
+    pub fn validate(&self) -> Result<(), DataError> {
+        if self.images == 0 {
+            return Err(DataError::InvalidParameter {
+                name: "synthetic image count",
+                expected: "at least 1".to_string(),
+                value: "0".to_string(),
+            });
+        }
+        if !(32..=4096).contains(&self.size) {
+            return Err(DataError::InvalidParameter {
+                name: "synthetic image size",
+                expected: "32 to 4096 pixels".to_string(),
+                value: self.size.to_string(),
+            });
+        }
+        if !(1..=100).contains(&self.quality) {
+            return Err(DataError::InvalidParameter {
+                name: "JPEG quality",
+                expected: "1 to 100".to_string(),
+                value: self.quality.to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// What was written.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SyntheticSummary {
@@ -135,11 +164,13 @@ struct Patient {
 /// `preprocessed_images/<id>_left.jpg` / `<id>_right.jpg`, and with
 /// [`SyntheticConfig::test_images`] its test split in `out_dir/test/`. A folder that holds
 /// anything already is refused ([`DataError::NotEmpty`]): a smaller sample written over a
-/// larger one would leave the other's images beside the new annotations.
+/// larger one would leave the other's images beside the new annotations, and so is a
+/// configuration [`SyntheticConfig::validate`] refuses, before anything is written.
 ///
 /// Deterministic: the files depend only on `config`, not on the number of threads used.
 /// Durable: every file and folder written is flushed to the disk before it returns.
 pub fn generate(out_dir: &Path, config: &SyntheticConfig) -> Result<SyntheticSummary, DataError> {
+    config.validate()?;
     if let Ok(mut entries) = std::fs::read_dir(out_dir) {
         if entries.next().is_some() {
             return Err(DataError::NotEmpty {
@@ -165,27 +196,6 @@ fn write_folder(
     first_id: usize,
     images: usize,
 ) -> Result<SyntheticSummary, DataError> {
-    if config.images == 0 {
-        return Err(DataError::InvalidParameter {
-            name: "synthetic image count",
-            expected: "at least 1".to_string(),
-            value: "0".to_string(),
-        });
-    }
-    if !(32..=4096).contains(&config.size) {
-        return Err(DataError::InvalidParameter {
-            name: "synthetic image size",
-            expected: "32 to 4096 pixels".to_string(),
-            value: config.size.to_string(),
-        });
-    }
-    if !(1..=100).contains(&config.quality) {
-        return Err(DataError::InvalidParameter {
-            name: "JPEG quality",
-            expected: "1 to 100".to_string(),
-            value: config.quality.to_string(),
-        });
-    }
     let image_dir = out_dir.join("preprocessed_images");
     std::fs::create_dir_all(&image_dir).map_err(|e| write_error(&image_dir, e))?;
 
