@@ -162,11 +162,11 @@ pub fn roc_auc(truth: &[bool], scores: &[f64]) -> f64 {
 }
 
 /// The threshold that maximises the F1 of `scores > threshold` against `truth`, chosen
-/// halfway between neighbouring distinct scores (ties: the higher threshold), and always
-/// strictly above the highest score it leaves out and at most the lowest it keeps, even where
-/// the halfway point rounds onto one of them (adjacent floats). When every score is kept:
-/// half the lowest score if that is positive, else the float just below it (a lowest score
-/// of 0 is kept too). [`THRESHOLD`] when `truth` has no positive; NaN when a score is NaN.
+/// halfway between neighbouring distinct scores (ties: the higher threshold), and always at
+/// least the highest score it leaves out and strictly below the lowest it keeps, even where
+/// the halfway point rounds onto one of them (adjacent floats: then the score left out).
+/// When every score is kept: half the lowest score if that is positive, else the float just
+/// below it (a lowest score of 0 is kept too). [`THRESHOLD`] when `truth` has no positive; NaN when a score is NaN.
 pub fn best_f1_threshold(truth: &[bool], scores: &[f64]) -> f64 {
     let positives = truth.iter().filter(|&&t| t).count() as f64;
     let Some(order) = descending(truth.len().min(scores.len()), scores) else {
@@ -209,21 +209,15 @@ fn between(low: f64, high: f64) -> f64 {
     }
 }
 
-/// A threshold strictly below `s` (but for `-inf`): half of it when positive, else the next
-/// float down (`f64::next_down`, stable only from Rust 1.86).
+/// A threshold strictly below `s` (but for `-inf` and NaN): half of it when positive and
+/// finite, else the next float down.
 pub(super) fn below(s: f64) -> f64 {
-    if s == f64::INFINITY {
-        f64::MAX
-    } else if s > 0.0 {
+    if s > 0.0 && s.is_finite() {
         s / 2.0
-    } else if s == 0.0 {
-        // The negative float nearest zero.
-        -f64::from_bits(1)
-    } else if s.is_finite() {
-        // A negative float: one step further from zero.
-        f64::from_bits(s.to_bits() + 1)
-    } else {
+    } else if s == f64::NEG_INFINITY {
         s
+    } else {
+        s.next_down()
     }
 }
 
