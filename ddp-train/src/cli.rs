@@ -91,7 +91,8 @@ pub use defaults::{Defaults, GenericDefaults};
 pub struct TrainArgs<D = GenericDefaults> {
     settings: Settings,
     /// The node-local rank, as `python -m torch.distributed.launch` passes it (`--local-rank`
-    /// or `--local_rank`); it must agree with `LOCAL_RANK` when both are given.
+    /// or `--local_rank`): it must agree with `LOCAL_RANK` where that is set, and is the
+    /// rank's local rank where it is not.
     pub local_rank: Option<usize>,
     /// `--nproc-per-node`: start this many ranks of the program here (see [`run`]).
     pub nproc_per_node: Option<NprocPerNode>,
@@ -102,7 +103,8 @@ pub struct TrainArgs<D = GenericDefaults> {
 #[derive(clap::Args)]
 struct LaunchArgs {
     /// The node-local rank, as `python -m torch.distributed.launch` passes it (`--local-rank`
-    /// or `--local_rank`); it must agree with `LOCAL_RANK` when both are given.
+    /// or `--local_rank`): it must agree with `LOCAL_RANK` where that is set, and is the
+    /// rank's local rank where it is not.
     #[arg(long, alias = "local_rank", value_name = "N")]
     local_rank: Option<usize>,
 
@@ -330,21 +332,33 @@ impl<D> TrainArgs<D> {
         self.settings.clone()
     }
 
-    /// Checks what only the command line can get wrong: `--local-rank` against
-    /// `LOCAL_RANK`. (The settings' own checks are [`Settings::validate`].)
+    /// Checks what only the command line can get wrong: `--local-rank` against the
+    /// launcher's local rank (`LOCAL_RANK` or `SLURM_LOCALID`) where it gave one. (The
+    /// settings' own checks are [`Settings::validate`].) Where a launcher of torchrun's
+    /// variables gave none (`python -m torch.distributed.launch` before PyTorch 1.9, or
+    /// without `--use-env`, passes only the flag), [`run`] makes the flag the rank's
+    /// `LOCAL_RANK` before its body starts.
     pub fn validate(&self) -> Result<(), TrainError> {
+        self.local_rank_to_set().map(|_| ())
+    }
+
+    /// `--local-rank`, where the launcher set torchrun's variables without a local rank; an
+    /// error where it gave another local rank.
+    fn local_rank_to_set(&self) -> Result<Option<usize>, TrainError> {
         let Some(flag) = self.local_rank else {
-            return Ok(());
+            return Ok(None);
         };
         let env = ddp_comm::EnvConfig::from_env()?;
-        if env.source == ddp_comm::EnvSource::Single || env.local_rank == flag {
-            return Ok(());
+        match env.source {
+            ddp_comm::EnvSource::Single => Ok(None),
+            ddp_comm::EnvSource::Torchrun if !env.local_rank_given => Ok(Some(flag)),
+            _ if env.local_rank == flag => Ok(None),
+            _ => Err(TrainError::Invalid(format!(
+                "--local-rank {flag} disagrees with the launcher's local rank {} (LOCAL_RANK \
+                 or SLURM_LOCALID): both must name the same device",
+                env.local_rank
+            ))),
         }
-        Err(TrainError::Invalid(format!(
-            "--local-rank {flag} disagrees with the launcher's local rank {} (LOCAL_RANK or \
-             SLURM_LOCALID): both must name the same device",
-            env.local_rank
-        )))
     }
 }
 
@@ -451,9 +465,14 @@ fn run_body<D>(
                 launch::start_ranks(out, device, nproc)
             }),
         None => args
-            .validate()
+            .local_rank_to_set()
             .map_err(anyhow::Error::from)
-            .and_then(|()| {
+            .and_then(|local_rank| {
+                if let Some(n) = local_rank {
+                    // Read by the Trainer's `EnvConfig::from_env`; set before the body
+                    // starts a thread that could read the environment at the same time.
+                    std::env::set_var(ddp_run::env::LOCAL_RANK, n.to_string());
+                }
                 if watch {
                     until_trainer =
                         Some(crate::stop::watch_until_trainer().map_err(anyhow::Error::msg)?);

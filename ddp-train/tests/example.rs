@@ -251,3 +251,35 @@ fn a_local_rank_flag_that_disagrees_with_the_launcher_is_refused() {
     );
     assert!(!out.exists(), "nothing was started");
 }
+
+/// `python -m torch.distributed.launch` before PyTorch 1.9 (or without `--use-env`) sets
+/// `RANK` and `WORLD_SIZE` but no `LOCAL_RANK`, and passes each rank's as `--local-rank`:
+/// that flag is the rank's local rank then, so both ranks train.
+#[test]
+fn a_local_rank_flag_is_the_local_rank_where_the_launcher_sets_none() {
+    let tmp = ddp_testkit::temp_dir("local-rank-flag");
+    let out = tmp.path().join("run");
+    let port = ddp_testkit::free_port();
+    let children = (0..2)
+        .map(|rank| {
+            let mut cmd = ddp_testkit::rank_command(example("mlp"), rank, 2, port);
+            cmd.env_remove("LOCAL_RANK")
+                .env_remove("LOCAL_WORLD_SIZE")
+                .args(["--local-rank", &rank.to_string()])
+                .args(["--epochs", "1", "--device", "cpu", "--out"])
+                .arg(&out)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    let outputs = ddp_testkit::wait_all(children, std::time::Duration::from_secs(240));
+    for (rank, output) in outputs.iter().enumerate() {
+        let text = ddp_testkit::text(output);
+        assert_eq!(output.status.code(), Some(0), "rank {rank}: {text}");
+        assert!(text.contains(&format!("rank {rank} of 2")), "{text}");
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["world_size"], 2, "{config}");
+}

@@ -66,6 +66,10 @@ pub struct EnvConfig {
     /// and listeners as in a job of several hosts (on every interface, as c10d's TCPStore
     /// always does), since nothing says every rank is on this one.
     pub local_world_size_guessed: bool,
+    /// Whether the launcher gave `local_rank` (`LOCAL_RANK`, or SLURM's `SLURM_LOCALID`), or
+    /// it was worked out (from `LOCAL_WORLD_SIZE`, or 0 without one) or is a lone process's
+    /// 0. Given in code ([`EnvConfig::new`], `Options::local`), it is given.
+    pub local_rank_given: bool,
     /// Host of the rendezvous store (rank 0's address): `MASTER_ADDR` (an IPv6 address
     /// may come in brackets, `[::1]`, as torchrun writes it); under SLURM without it, the
     /// step's first node. Without `MASTER_ADDR`, a job whose ranks all run on this
@@ -137,6 +141,7 @@ impl EnvConfig {
             local_rank: rank,
             local_world_size: world_size,
             local_world_size_guessed: false,
+            local_rank_given: true,
             master_addr: master_addr.into(),
             master_port,
             run_id: DEFAULT_RUN_ID.to_string(),
@@ -233,6 +238,11 @@ impl EnvConfig {
             } else {
                 (EnvSource::Single, 0, 1, 0, Some(1))
             };
+        let local_rank_given = match source {
+            EnvSource::Torchrun => get("LOCAL_RANK").is_some() || get("SLURM_LOCALID").is_some(),
+            EnvSource::Slurm => get("SLURM_LOCALID").is_some(),
+            EnvSource::Single | EnvSource::Code => false,
+        };
         // A local rank without a count of its host's ranks (DeepSpeed's launcher sets
         // `LOCAL_SIZE`, not `LOCAL_WORLD_SIZE`): the world, a guess.
         let local_world_size_guessed = local_world.is_none() && world_size > 1;
@@ -369,6 +379,7 @@ impl EnvConfig {
             local_rank,
             local_world_size,
             local_world_size_guessed,
+            local_rank_given,
             master_addr,
             master_port,
             run_id,
@@ -899,6 +910,34 @@ mod tests {
         );
         // In code, every rank is on one host; `Options::local` sets a count.
         assert!(!EnvConfig::new(1, 2, "h", 1).local_world_size_guessed);
+    }
+
+    #[test]
+    fn a_local_rank_is_given_only_by_the_launchers_variables() {
+        let base = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "m"),
+            ("MASTER_PORT", "23456"),
+        ];
+        let given = |vars: &[(&str, &str)]| {
+            let c = read(&[&base[..], vars].concat()).unwrap();
+            (c.local_rank, c.local_rank_given)
+        };
+        assert_eq!(given(&[("LOCAL_RANK", "1")]), (1, true));
+        assert_eq!(given(&[("SLURM_LOCALID", "1")]), (1, true));
+        assert_eq!(given(&[("LOCAL_WORLD_SIZE", "2")]), (1, false));
+        assert_eq!(given(&[("LOCAL_RANK", " ")]), (0, false));
+        assert_eq!(given(&[]), (0, false));
+        let slurm = read(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_JOB_NODELIST", "gpu07"),
+        ])
+        .unwrap();
+        assert!(!slurm.local_rank_given);
+        assert!(!read(&[]).unwrap().local_rank_given);
+        assert!(EnvConfig::new(1, 2, "h", 1).local_rank_given);
     }
 
     #[test]

@@ -199,6 +199,7 @@ impl Options {
         self.env.local_rank = local_rank;
         self.env.local_world_size = local_world_size;
         self.env.local_world_size_guessed = false;
+        self.env.local_rank_given = true;
         self
     }
 }
