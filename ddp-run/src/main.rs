@@ -23,10 +23,11 @@ use ddp_run::{LaunchConfig, NprocPerNode, MAX_WAIT};
 #[derive(Debug, Parser)]
 #[command(name = "ddp-run", version, about, long_about = None)]
 #[command(
-    after_help = "Exit status: 0 when every rank succeeded, 1 when a rank failed (after \
-    the restarts), 75 when every rank stopped at a checkpoint on request (exit code 75: a \
-    forwarded SIGTERM/SIGUSR1, a time limit; start the job again to continue), 128+N after \
-    signal N, 2 for a bad command line."
+    after_help = "Exit status: 0 when every rank succeeded; 1 when a rank failed after \
+    the restarts, or the ranks could not be started; 75 when the ranks stopped at a \
+    checkpoint on request (one or more exited 75, after a forwarded SIGTERM/SIGUSR1 or at a \
+    time limit, the others 0: start the job again to continue); 128+N when signal N stopped \
+    the launcher and its ranks without that; 2 for a bad command line."
 )]
 struct Cli {
     /// Ranks on this node: a number, `gpu` (one per visible GPU), `cpu` (one per core) or
@@ -191,7 +192,8 @@ const RENDEZVOUS: [(&str, &str); 4] = [
 /// torchrun's `--standalone`: this node alone, its ranks meeting on a free local port. A
 /// rendezvous flag typed with it is a conflict; the same values from `PET_*` variables
 /// (Kubeflow sets them in every pod) are dropped, and so are `PET_RDZV_BACKEND` and
-/// `PET_RDZV_ID`, as torchrun replaces them all.
+/// `PET_RDZV_ID`, as torchrun replaces them all, and `PET_RDZV_CONF` (settings of torchrun's
+/// c10d rendezvous, which a standalone node of ddp-run does not use).
 fn standalone(cli: &mut Cli, matches: &ArgMatches) -> Result<(), String> {
     if !cli.standalone {
         return Ok(());
@@ -253,8 +255,9 @@ fn launch_config(cli: &Cli, matches: &ArgMatches) -> Result<LaunchConfig, String
     ] {
         let value = std::env::var_os(var).unwrap_or_default();
         let static_backend = flag == "--rdzv-backend" && value == "static";
-        // torchrun's --standalone replaces the backend, whatever the variable says.
-        let replaced = cli.standalone && flag == "--rdzv-backend";
+        // torchrun's --standalone replaces the backend, whatever the variable says; the
+        // backend's settings are then for a rendezvous this node does not use.
+        let replaced = cli.standalone;
         if !value.is_empty() && !static_backend && !replaced {
             return Err(format!(
                 "{var}={} asks for torchrun's {flag}: {} (unset {var})",

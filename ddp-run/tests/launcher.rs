@@ -1214,7 +1214,8 @@ fn the_static_backends_endpoint_is_where_rank_0_listens() {
 }
 
 /// torchrun's `--standalone` replaces the rendezvous that `PET_*` variables give (Kubeflow
-/// sets them in every pod), where the same flags typed with it are a conflict; and a
+/// sets them in every pod), `PET_RDZV_CONF`'s settings of another rendezvous included,
+/// where the same flags typed with it are a conflict; and a
 /// variable's value that its flag refuses is named by the variable, not by the flag.
 #[test]
 fn standalone_replaces_the_rendezvous_of_pet_variables() {
@@ -1225,7 +1226,8 @@ fn standalone_replaces_the_rendezvous_of_pet_variables() {
         .env("PET_MASTER_PORT", "1")
         .env("PET_NODE_RANK", "3")
         .env("PET_RDZV_ENDPOINT", "node0:29400")
-        .env("PET_RDZV_BACKEND", "c10d");
+        .env("PET_RDZV_BACKEND", "c10d")
+        .env("PET_RDZV_CONF", "join_timeout=900");
     for mut cmd in [standalone(), kubeflow] {
         let out = wait_bounded(cmd.env("PET_MASTER_ADDR", "x").spawn().unwrap(), LIMIT);
         assert_eq!(out.status.code(), Some(0), "{}", text(&out));
@@ -1243,6 +1245,11 @@ fn standalone_replaces_the_rendezvous_of_pet_variables() {
         &mut ddp_run(&["--standalone", "--master-addr", "x", "true"]),
         "error: --standalone cannot be used with --master-addr: a standalone node meets on a \
          free local port of its own\n",
+    );
+    refused(
+        ddp_run(&["true"]).env("PET_RDZV_CONF", "join_timeout=900"),
+        "error: PET_RDZV_CONF=join_timeout=900 asks for torchrun's --rdzv-conf: ddp-run has \
+         torchrun's static rendezvous only",
     );
     refused(
         ddp_run(&["--standalone", "true"]).env("PET_NNODES", "2"),
