@@ -101,3 +101,49 @@ fn invalid_arguments_exit_with_status_2_and_the_reason() {
     assert!(String::from_utf8_lossy(&output.stderr)
         .starts_with("ddp-sampler-indices: --len expects a non-negative integer, got 'ten'\n"));
 }
+
+#[test]
+fn help_names_every_option_and_exits_0() {
+    let output = run("--help");
+    assert_eq!(output.status.code(), Some(0));
+    let help = String::from_utf8(output.stdout).unwrap();
+    assert!(
+        help.starts_with("usage: ddp-sampler-indices --len N"),
+        "{help}"
+    );
+    for option in [
+        "--len N",
+        "--replicas R",
+        "--rank r",
+        "--seed S",
+        "--epoch E",
+        "--no-shuffle",
+        "--drop-last",
+        "--exact",
+        "--from K",
+    ] {
+        assert!(
+            help.lines().any(|l| l.trim_start().starts_with(option)),
+            "{option} is not explained: {help}"
+        );
+    }
+}
+
+#[test]
+fn an_argument_that_is_not_utf8_is_refused_naming_it() {
+    use std::os::unix::ffi::OsStrExt;
+    let output = Command::new(env!("CARGO_BIN_EXE_ddp-sampler-indices"))
+        .arg("--len")
+        .arg(std::ffi::OsStr::from_bytes(b"1\xff"))
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.starts_with(
+            "ddp-sampler-indices: argument '1\u{fffd}' is not valid UTF-8 (U+FFFD marks the \
+             bytes that are not)\n"
+        ),
+        "{stderr}"
+    );
+}

@@ -7,7 +7,8 @@
 //!                     [--no-shuffle] [--drop-last] [--exact] [--from K]
 //! ```
 //!
-//! Exits with status 2 and a message on stderr when the arguments are invalid.
+//! `--help` prints what each option means. Exits with status 2 and a message on stderr when
+//! the arguments are invalid.
 
 use std::fmt::Write as _;
 use std::process::ExitCode;
@@ -16,6 +17,20 @@ use ddp_sampler::{DistributedSampler, Partition};
 
 const USAGE: &str = "usage: ddp-sampler-indices --len N --replicas R --rank r [--seed S] \
                      [--epoch E] [--no-shuffle] [--drop-last] [--exact] [--from K]";
+
+/// `--help`'s words on each option, with the defaults.
+const HELP: &str = concat!(
+    "  --len N        samples in the data set\n",
+    "  --replicas R   ranks sharing it\n",
+    "  --rank r       the rank whose indices are printed, 0 to R-1\n",
+    "  --seed S       the shuffle's seed, the same on every rank (default 0)\n",
+    "  --epoch E      the epoch, as set_epoch(E) (default 0)\n",
+    "  --no-shuffle   the data set's order (shuffle=False)\n",
+    "  --drop-last    floor(N/R) indices per rank, the order's tail dropped, instead of\n",
+    "                 ceil(N/R) with the order repeated from its start (drop_last=True)\n",
+    "  --exact        every index exactly once, ranks' lengths differing by at most one\n",
+    "  --from K       this rank's indices from its K-th on, as a run resumed after K (default 0)",
+);
 
 /// The parsed command line.
 #[derive(Debug, Default)]
@@ -38,23 +53,34 @@ fn number<T: std::str::FromStr>(flag: &str, value: Option<String>) -> Result<T, 
         .map_err(|_| format!("{flag} expects a non-negative integer, got '{value}'"))
 }
 
-fn parse(mut argv: impl Iterator<Item = String>) -> Result<Args, String> {
+/// The command line, or `None` for `--help`.
+fn parse(argv: impl Iterator<Item = std::ffi::OsString>) -> Result<Option<Args>, String> {
+    let mut argv = argv.map(|arg| {
+        arg.into_string().map_err(|arg| {
+            format!(
+                "argument '{}' is not valid UTF-8 (U+FFFD marks the bytes that are not)",
+                arg.to_string_lossy()
+            )
+        })
+    });
     let mut args = Args::default();
-    while let Some(flag) = argv.next() {
+    while let Some(flag) = argv.next().transpose()? {
+        let mut value = || argv.next().transpose();
         match flag.as_str() {
-            "--len" => args.len = Some(number(&flag, argv.next())?),
-            "--replicas" => args.replicas = Some(number(&flag, argv.next())?),
-            "--rank" => args.rank = Some(number(&flag, argv.next())?),
-            "--seed" => args.seed = number(&flag, argv.next())?,
-            "--epoch" => args.epoch = number(&flag, argv.next())?,
-            "--from" => args.from = number(&flag, argv.next())?,
+            "--len" => args.len = Some(number(&flag, value()?)?),
+            "--replicas" => args.replicas = Some(number(&flag, value()?)?),
+            "--rank" => args.rank = Some(number(&flag, value()?)?),
+            "--seed" => args.seed = number(&flag, value()?)?,
+            "--epoch" => args.epoch = number(&flag, value()?)?,
+            "--from" => args.from = number(&flag, value()?)?,
             "--no-shuffle" => args.no_shuffle = true,
             "--drop-last" => args.drop_last = true,
             "--exact" => args.exact = true,
+            "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown argument '{other}'")),
         }
     }
-    Ok(args)
+    Ok(Some(args))
 }
 
 fn run(args: Args) -> Result<String, String> {
@@ -89,9 +115,14 @@ fn run(args: Args) -> Result<String, String> {
 }
 
 fn main() -> ExitCode {
-    match parse(std::env::args().skip(1)).and_then(run) {
-        Ok(line) => {
+    let line = parse(std::env::args_os().skip(1)).and_then(|args| args.map(run).transpose());
+    match line {
+        Ok(Some(line)) => {
             println!("{line}");
+            ExitCode::SUCCESS
+        }
+        Ok(None) => {
+            println!("{USAGE}\n\n{HELP}");
             ExitCode::SUCCESS
         }
         Err(message) => {
