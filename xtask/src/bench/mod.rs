@@ -60,7 +60,9 @@ mod targets;
 mod train;
 
 use std::collections::BTreeSet;
-use std::fs;
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -75,7 +77,8 @@ use runner::{ensure_setup, say, Ctx};
 /// Options of `cargo xtask bench`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
-    /// Print one JSON object per line (one per result) on stdout instead of the table.
+    /// Print one JSON object per line (one per result) on stdout instead of the table; all
+    /// else (progress, setup, builds) goes to stderr.
     #[arg(long)]
     pub json: bool,
     /// Fewer samples and training steps: checks that every benchmark runs, in a few minutes;
@@ -103,6 +106,11 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
         return render_saved(root, saved);
     }
     let started = Instant::now();
+    let mut json = if args.json {
+        Some(json_stdout()?)
+    } else {
+        None
+    };
     let deps = ensure_setup(root)?;
     let dir = root.join("target").join("xtask-bench");
     fs::create_dir_all(dir.join("logs"))
@@ -137,8 +145,8 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
         groups: groups.iter().copied().collect(),
     };
     let mut loads = vec![("start".to_string(), start.load_average.clone())];
-    if args.json {
-        println!("{}", start.json()?);
+    if let Some(out) = &mut json {
+        json_line(out, &start.json()?)?;
     }
     let mut rows: Vec<Row> = Vec::new();
     let mut failures = Vec::new();
@@ -171,17 +179,17 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
                 vec![Row::new(group, Row::DID_NOT_RUN, Unit::Fraction).note(first)]
             }
         };
-        if args.json {
+        if let Some(out) = &mut json {
             for r in &new_rows {
-                println!("{}", r.json()?);
+                json_line(out, &r.json()?)?;
             }
         }
         rows.extend(new_rows);
         loads.push((format!("after {}", group.name()), load_average()));
     }
     let seconds = started.elapsed().as_secs_f64();
-    if args.json {
-        println!("{}", end_json(seconds, &loads)?);
+    if let Some(out) = &mut json {
+        json_line(out, &end_json(seconds, &loads)?)?;
     } else {
         rows.sort_by_key(|r| r.group);
         print_table(&rows);
@@ -237,6 +245,35 @@ pub fn run(root: &Path, args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// Standard output kept for `--json`'s lines alone: from here on, what else this process and
+/// the commands it starts print there (setup's and cargo's progress, the sample generator's
+/// lines) goes to standard error, so that every line of stdout is one JSON object.
+fn json_stdout() -> Result<File> {
+    io::stdout()
+        .flush()
+        .context("cannot flush standard output")?;
+    // SAFETY: fcntl duplicates descriptor 1 (close-on-exec, so commands started later do not
+    // inherit it) and touches no memory.
+    let saved = unsafe { libc::fcntl(1, libc::F_DUPFD_CLOEXEC, 3) };
+    if saved < 0 {
+        return Err(io::Error::last_os_error()).context("cannot duplicate standard output");
+    }
+    // SAFETY: `saved` was just opened by this process, and nothing else owns it.
+    let saved = unsafe { OwnedFd::from_raw_fd(saved) };
+    // SAFETY: dup2 makes descriptor 1 a copy of descriptor 2 and touches no memory; Rust's
+    // stdout writes to descriptor 1 by number, so its later lines follow.
+    if unsafe { libc::dup2(2, 1) } < 0 {
+        return Err(io::Error::last_os_error()).context("cannot send stdout to stderr");
+    }
+    Ok(File::from(saved))
+}
+
+/// One line of `--json`'s output, written at once.
+fn json_line(out: &mut File, line: &str) -> Result<()> {
+    out.write_all(format!("{line}\n").as_bytes())
+        .context("cannot write a JSON line to standard output")
+}
+
 /// `--render FILE`: the page from a saved run.
 fn render_saved(root: &Path, saved: &Path) -> Result<()> {
     let text =
@@ -262,4 +299,54 @@ fn load_average() -> String {
     fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "unknown".to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::{Command, Stdio};
+
+    use super::*;
+
+    const CHILD: &str = "XTASK_JSON_STDOUT_CHILD";
+
+    /// Run again as a child of itself: there, [`json_stdout`] is taken, then this process and
+    /// a command it starts print to stdout, and one JSON line goes to the kept stdout.
+    #[test]
+    fn only_json_lines_reach_stdout() {
+        if std::env::var_os(CHILD).is_some() {
+            let mut out = json_stdout().unwrap();
+            println!("progress of this process");
+            let status = Command::new("sh")
+                .args(["-c", "echo progress of a command"])
+                .status()
+                .unwrap();
+            assert!(status.success());
+            json_line(&mut out, r#"{"row":1}"#).unwrap();
+            return;
+        }
+        let output = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "bench::tests::only_json_lines_reach_stdout",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr),
+        );
+        assert!(output.status.success(), "{stdout}\n{stderr}");
+        // libtest's own "running 1 test" and "test <name> ... " come before the switch, its
+        // verdict after it (on stderr): stdout ends with the JSON line and holds nothing else
+        // of the test's.
+        assert!(stdout.ends_with("... {\"row\":1}\n"), "stdout: {stdout}");
+        assert!(!stdout.contains("progress"), "stdout: {stdout}");
+        for line in ["progress of this process", "progress of a command"] {
+            assert!(stderr.contains(line), "{line} not in stderr: {stderr}");
+        }
+    }
 }
