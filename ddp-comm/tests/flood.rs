@@ -21,11 +21,17 @@ const DEADLINE_S: u64 = if cfg!(feature = "fault-injection") {
 } else {
     10
 };
-/// How long the strangers drip: past two deadlines, so that rank 0 cuts them off, and they
-/// connect again, more than once.
+/// How long the strangers drip at least: past two deadlines, so that rank 0 cuts them off,
+/// and they connect again, more than once. On a loaded machine it goes on until all of them
+/// have connected once, for at most [`FLOOD_LIMIT`].
 const FLOOD: Duration = Duration::from_secs(2 * DEADLINE_S + 2);
-/// How long the ranks train: the flood, and after it.
-const TRAINING: Duration = Duration::from_secs(2 * DEADLINE_S + 5);
+/// The longest the flood waits for its strangers to connect.
+const FLOOD_LIMIT: Duration = Duration::from_secs(120);
+/// How long the ranks go on training after the flood.
+const AFTER_FLOOD: Duration = Duration::from_secs(3);
+/// The longest rank 0 trains without being told that the flood is over (a test that failed
+/// before telling it leaves no ranks behind).
+const TRAINING_LIMIT: Duration = Duration::from_secs(200);
 
 /// Descriptors open in process `pid`, or `None` once it has exited. A process that is
 /// running but whose descriptors cannot be listed fails the test: counting 0 would pass the
@@ -53,6 +59,7 @@ fn exited(pid: u32) -> bool {
 fn a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job() {
     let ready =
         |rank: usize| PathBuf::from(std::env::var("FLOOD_READY").unwrap()).join(rank.to_string());
+    let over = || PathBuf::from(std::env::var("FLOOD_READY").unwrap()).join("over");
     if worker() {
         let (rank, _) = rank_world();
         let group = ProcessGroup::from_env().unwrap();
@@ -60,10 +67,11 @@ fn a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job() {
         let start = Instant::now();
         let mut rounds = 0u64;
         loop {
-            // The last element says whether rank 0's clock has run out: both ranks stop
-            // after the same round (each rank's own clock would let them disagree).
+            // The last element says whether rank 0 was told that the flood is over: both
+            // ranks stop after the same round.
             let mut v = vec![rank as f64 + 1.0; 1025];
-            v[1024] = f64::from(rank == 0 && start.elapsed() >= TRAINING);
+            let stop = over().exists() || start.elapsed() >= TRAINING_LIMIT;
+            v[1024] = f64::from(rank == 0 && stop);
             group.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap();
             assert_eq!(v[1023], 3.0);
             rounds += 1;
@@ -90,7 +98,7 @@ fn a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job() {
     let rank1 = spawn_rank(test, 1, 2, port, &env);
     let pid0 = rank0.id();
     // Their output is read all along: a rank blocked on a full pipe would prove nothing.
-    let ranks = std::thread::spawn(move || wait_all(vec![rank0, rank1], Duration::from_secs(180)));
+    let ranks = std::thread::spawn(move || wait_all(vec![rank0, rank1], Duration::from_secs(300)));
     let flood_ready = dir.path().to_path_buf();
     ddp_testkit::wait_for("both ranks joined", Duration::from_secs(60), || {
         (0..2).all(|r| flood_ready.join(r.to_string()).exists())
@@ -103,9 +111,12 @@ fn a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job() {
         let mut strangers: Vec<Option<(TcpStream, usize)>> = (0..STRANGERS).map(|_| None).collect();
         let (mut opened, mut most) = (0usize, 0usize);
         let start = Instant::now();
-        while start.elapsed() < FLOOD {
+        let flooding = |opened: usize| {
+            start.elapsed() < FLOOD || (opened < STRANGERS && start.elapsed() < FLOOD_LIMIT)
+        };
+        while flooding(opened) {
             for s in &mut strangers {
-                if start.elapsed() >= FLOOD {
+                if !flooding(opened) {
                     break;
                 }
                 if s.is_none() {
@@ -135,6 +146,8 @@ fn a_slow_drip_flood_on_the_store_neither_exhausts_rank_0_nor_stops_the_job() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let (opened, flood_most) = flood.join().unwrap();
+    std::thread::sleep(AFTER_FLOOD);
+    std::fs::write(dir.path().join("over"), b"").unwrap();
     let outs = ranks.join().unwrap();
     for (rank, out) in outs.iter().enumerate() {
         assert!(out.status.success(), "rank {rank}:\n{}", show(out));
