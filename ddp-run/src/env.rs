@@ -5,7 +5,9 @@
 //! [`DDP_LAUNCHER_PID`], [`DDP_LAUNCHER_PID_NS`], [`DDP_LAUNCHER_LIFELINE`] and
 //! [`DDP_LAUNCHER_ATTEMPT`].
 //! [`crate::RankEnv`] is the one place in this workspace that writes them;
-//! `ddp_comm::EnvConfig` is the one place that reads them. [`TORCHELASTIC_ERROR_FILE`] is the
+//! `ddp_comm::EnvConfig` is the one place that reads the rendezvous's (the ranks, the local
+//! ranks, the master's address, the restart count and run id); the others are set for
+//! programs that read them, as torchrun sets them. [`TORCHELASTIC_ERROR_FILE`] is the
 //! exception: the launcher sets it for each rank of each attempt (a file of its own, or none),
 //! and [`crate::record_error`] is the one place that reads it.
 
