@@ -211,6 +211,20 @@ pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
                 .map_err(|e| TrainError::io(format!("cannot write {}", path.display()), e))?;
             Ok(path)
         };
+        // The three belong together: an earlier prediction's go first, so that a crash
+        // between the writes leaves none of another model's beside the new ones.
+        for name in ["submission.csv", "predictions.csv", "decisions.csv"] {
+            let path = scored.out.join(name);
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(TrainError::io(
+                        format!("cannot replace {}", path.display()),
+                        e,
+                    ))
+                }
+                _ => {}
+            }
+        }
         files.push(write("submission.csv", submission_csv(&patients.rows))?);
         files.push(write("predictions.csv", predictions_csv(&scored))?);
         files.push(write(
@@ -298,12 +312,13 @@ struct ThresholdFile {
     thresholds: Thresholds,
     /// The `--eye-combine` the file says they were tuned with.
     tuned_with: Option<String>,
-    /// Why thresholds found beside the model could not be checked to be its (a warning).
+    /// Why thresholds found beside the model could not be checked to be its, or why a file
+    /// found there was not used (a warning).
     unchecked: Option<String>,
 }
 
-/// The thresholds of `given`, else of `<checkpoint>.json` where it exists, else 0.5; and the
-/// `--eye-combine` the file says they were tuned with.
+/// The thresholds of `given`, else of `<checkpoint>.json` where it exists and holds
+/// thresholds, else 0.5; and the `--eye-combine` the file says they were tuned with.
 ///
 /// Thresholds found beside the model must be its: the training records the epoch in both
 /// files, and a file of another epoch than `model_epoch` (that of the model read from
@@ -335,7 +350,23 @@ fn read_thresholds(
         ))
     };
     let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
-    let doc: Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let doc = serde_json::from_str::<Value>(&text);
+    // A JSON file of the model's name that holds no thresholds (a PyTorch model's config
+    // beside its `.pth`, say) was not written for this program: 0.5, with a warning. One
+    // that does not read (thresholds cut short, say) is refused below.
+    if given.is_none() && matches!(&doc, Ok(d) if d.get("thresholds").is_none()) {
+        return Ok(ThresholdFile {
+            thresholds: ([THRESHOLD; 8], None),
+            tuned_with: None,
+            unchecked: Some(format!(
+                "{} beside the model holds no \"thresholds\" (it is no file of \
+                 --tune-thresholds), so the patients are decided at 0.5; give --thresholds \
+                 FILE to decide at others",
+                path.display()
+            )),
+        });
+    }
+    let doc = doc.map_err(|e| bad(e.to_string()))?;
     let list = doc
         .get("thresholds")
         .and_then(Value::as_array)
@@ -714,6 +745,25 @@ mod tests {
                 && unchecked.contains("unchecked: the thresholds record no epoch"),
             "{unchecked}"
         );
+        // A JSON file of the model's name that is no thresholds file is not used, with a
+        // warning; given by name, it is refused, and so is one that is no JSON (damaged).
+        std::fs::write(&beside, r#"{"thresholds": [0.5, 0.4"#).unwrap();
+        assert!(read_thresholds(None, &model, epoch(&model)).is_err());
+        for text in [r#"{"hidden_size": 512}"#, "[1, 2]"] {
+            std::fs::write(&beside, text).unwrap();
+            let read = read_thresholds(None, &model, epoch(&model)).unwrap();
+            assert_eq!(read.thresholds, ([super::THRESHOLD; 8], None));
+            assert_eq!(
+                read.unchecked.unwrap(),
+                format!(
+                    "{} beside the model holds no \"thresholds\" (it is no file of \
+                     --tune-thresholds), so the patients are decided at 0.5; give \
+                     --thresholds FILE to decide at others",
+                    beside.display()
+                )
+            );
+            assert!(read_thresholds(Some(&beside), &model, epoch(&model)).is_err());
+        }
         // A model file without metadata (safetensors of PyTorch's, say).
         let plain = tmp.path().join("plain.safetensors");
         ddp_model::checkpoint::save(&vs, &plain, &Default::default()).unwrap();
