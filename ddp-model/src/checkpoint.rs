@@ -417,6 +417,13 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     result
 }
 
+/// Flushes folder `dir`'s entries to the disk: a file or folder made, renamed or removed in
+/// it survives a crash once this returns `Ok` ([`write_atomic`] does it after its rename). A
+/// file system whose folders cannot be synced is no error, as there.
+pub fn sync_entries(dir: &Path) -> std::io::Result<()> {
+    sync_folder(dir)
+}
+
 /// Creates [`write_atomic`]'s temporary `tmp`, which must be new: never a file or a link
 /// that was there before (its name is known for the process's life, so another user could
 /// plant a link there for the write to follow). An entry in the way is removed (a link, not

@@ -283,7 +283,7 @@ pub fn state_path(model_path: &Path) -> PathBuf {
     model_path.with_file_name(format!("{base}.state.safetensors"))
 }
 
-fn remove_if_present(path: &Path) -> Result<(), TrainError> {
+pub(crate) fn remove_if_present(path: &Path) -> Result<(), TrainError> {
     match std::fs::remove_file(path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(TrainError::io(
             format!("cannot remove {}", path.display()),
@@ -291,6 +291,17 @@ fn remove_if_present(path: &Path) -> Result<(), TrainError> {
         )),
         _ => Ok(()),
     }
+}
+
+/// `run`'s checkpoint folder, made (and its entry synced to the disk) where it is missing.
+pub(crate) fn create_checkpoint_dir(run: &Path) -> Result<PathBuf, TrainError> {
+    let dir = checkpoint_dir(run);
+    if !dir.is_dir() {
+        std::fs::create_dir_all(&dir)
+            .and_then(|()| checkpoint::sync_entries(run))
+            .map_err(|e| TrainError::io(format!("cannot create {}", dir.display()), e))?;
+    }
+    Ok(dir)
 }
 
 /// Writes the checkpoint of `state` (its epoch's end, or its position inside an epoch) and
@@ -302,9 +313,7 @@ pub fn save(
     optimizer: &Optimizer,
     state: &TrainState,
 ) -> Result<PathBuf, TrainError> {
-    let dir = checkpoint_dir(run);
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| TrainError::io(format!("cannot create {}", dir.display()), e))?;
+    let dir = create_checkpoint_dir(run)?;
     let name = stem_of(state);
     let model_path = dir.join(format!("{name}.safetensors"));
     let mut meta = HashMap::from([("epoch".to_owned(), state.epoch.to_string())]);

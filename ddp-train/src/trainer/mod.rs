@@ -38,6 +38,7 @@ use crate::task::Task;
 // - `progress.rs`: rank 0's progress bar or progress lines;
 // - `faults.rs`: the fault tests' injected failures (feature `fault-injection` only).
 mod agreement;
+mod best_files;
 mod changes;
 mod checkpoint;
 mod eval;

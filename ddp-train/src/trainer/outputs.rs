@@ -46,6 +46,8 @@ impl<T: Task> Trainer<T> {
                 writeln!(f, "{line}")?;
                 f.sync_all()
             })
+            // The file's entry, where this line made it.
+            .and_then(|()| checkpoint::sync_entries(&self.out))
             .map_err(|e| TrainError::io(format!("cannot write {}", metrics_path.display()), e))?;
         self.history.push(m.clone());
         self.draw_curves();
@@ -101,7 +103,10 @@ impl<T: Task> Trainer<T> {
     /// (thresholds tuned for the model replaced) is removed first, and the new one written
     /// last, so that a crash between the steps leaves no document beside a model it was not
     /// made for, and a run resumed without documents (ODIR's without `--tune-thresholds`)
-    /// leaves none of the run's earlier models beside its own.
+    /// leaves none of the run's earlier models beside its own. The document goes first into
+    /// the checkpoints, as this epoch's copy ([`super::best_files::document_copy`]), so that a crash
+    /// before this epoch's checkpoint loses no document: the resumed run restores the
+    /// earlier best's model and its document from the checkpoints.
     fn save_best(
         &self,
         file: &str,
@@ -111,6 +116,25 @@ impl<T: Task> Trainer<T> {
     ) -> Result<(), TrainError> {
         let model = self.out.join(file);
         let doc_path = model.with_extension("json");
+        let copy = super::best_files::document_copy(&self.out, epoch, file);
+        let doc = beside
+            .map(|doc| {
+                let mut doc = doc.clone();
+                if let Some(fields) = doc.as_object_mut() {
+                    fields.insert("epoch".into(), epoch.into());
+                }
+                serde_json::to_string_pretty(&doc)
+                    .context(|| format!("encoding {}", doc_path.display()))
+            })
+            .transpose()?;
+        match &doc {
+            Some(text) => {
+                state::create_checkpoint_dir(&self.out)?;
+                write_file(&copy, text.as_bytes())?;
+            }
+            // An abandoned history's copy of this epoch is not this one's.
+            None => state::remove_if_present(&copy)?,
+        }
         match std::fs::remove_file(&doc_path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 return Err(TrainError::io(
@@ -121,13 +145,7 @@ impl<T: Task> Trainer<T> {
             _ => {}
         }
         checkpoint::save(&self.vs, &model, meta)?;
-        if let Some(doc) = beside {
-            let mut doc = doc.clone();
-            if let Some(fields) = doc.as_object_mut() {
-                fields.insert("epoch".into(), epoch.into());
-            }
-            let text = serde_json::to_string_pretty(&doc)
-                .context(|| format!("encoding {}", doc_path.display()))?;
+        if let Some(text) = doc {
             write_file(&doc_path, text.as_bytes())?;
         }
         Ok(())
@@ -177,8 +195,21 @@ pub(super) fn read_history(
     aside: &super::run_dir::AsideDir,
 ) -> Result<(Vec<EpochReport>, Option<String>), TrainError> {
     let path = out.join("metrics.jsonl");
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        return Ok((Vec::new(), None));
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), None)),
+        // Damaged (not UTF-8) or unreadable: taken as empty, the retrained epochs' lines
+        // would follow those they replace, and the curves lose the earlier epochs.
+        Err(e) => {
+            return Err(TrainError::io(
+                format!(
+                    "cannot read {} to continue it (move it away to start the history \
+                     afresh)",
+                    path.display()
+                ),
+                e,
+            ))
+        }
     };
     let mut kept_lines = Vec::new();
     let mut dropped = String::new();
@@ -629,6 +660,29 @@ mod tests {
             }
             assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
         }
+    }
+
+    /// A history that cannot be read is refused, and left as it is; none is an empty one.
+    #[test]
+    fn an_unreadable_history_is_refused_and_a_missing_one_is_empty() {
+        let dir = ddp_testkit::temp_dir("history-unreadable");
+        let aside = AsideDir::new(dir.path());
+        assert_eq!(
+            read_history(dir.path(), 3, &aside).unwrap(),
+            (Vec::new(), None)
+        );
+        let path = dir.path().join("metrics.jsonl");
+        let mut bytes = format!("{}\n", line(1)).into_bytes();
+        bytes.extend_from_slice(b"\xff\n");
+        std::fs::write(&path, &bytes).unwrap();
+        match read_history(dir.path(), 3, &aside) {
+            Err(TrainError::Io { what, source }) => {
+                assert!(what.starts_with("cannot read "), "{what}");
+                assert_eq!(source.kind(), std::io::ErrorKind::InvalidData);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(std::fs::read(&path).unwrap(), bytes);
     }
 
     /// A rewind keeps the lines of the epochs before it and sets the others aside, with the

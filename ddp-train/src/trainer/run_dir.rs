@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use ddp_comm::{EnvConfig, ProcessGroup};
 
+use super::best_files;
 use super::outputs::{open_regular, RankLog};
 use crate::error::TrainError;
 use crate::settings::{Monitor, Settings};
@@ -553,6 +554,7 @@ impl AsideDir {
             }
             path = self.checkpoints.join(format!("{}-{n}", self.name));
         }
+        ddp_model::checkpoint::sync_entries(&self.checkpoints).map_err(|e| io(&path, e))?;
         Ok(self.made.get_or_init(|| path))
     }
 }
@@ -578,7 +580,10 @@ fn move_aside(dir: &Path, stem: &str, later: &[String], aside: &Path) -> Result<
             }
         }
     }
-    Ok(())
+    // The moves are durable once both folders' entries are.
+    ddp_model::checkpoint::sync_entries(dir)
+        .and_then(|()| ddp_model::checkpoint::sync_entries(aside))
+        .map_err(|e| io(aside, e))
 }
 
 /// Makes each monitor's best-model file (`<run>/<file>`) the model of the best that the
@@ -606,13 +611,27 @@ fn align_best_models(
     let mut notes = Vec::new();
     for file in monitors.iter().map(|m| &m.file) {
         let model = run.join(file);
+        let best = bests.get(file).map(|b| b.epoch);
+        let source = best
+            .map(|epoch| dir.join(format!("{}.safetensors", state::stem(epoch))))
+            .filter(|p| p.is_file());
+        let doc = model.with_extension("json");
         if !model.is_file() {
+            // A start cut short between setting the file aside and restoring it.
+            if let (Some(epoch), Some(source)) = (best, &source) {
+                let with = best_files::restore(run, file, epoch, source, &doc)?;
+                notes.push(format!(
+                    "{} is missing, and the run's best for it is epoch {epoch}'s: restored \
+                     from {} ({with})",
+                    model.display(),
+                    source.display()
+                ));
+            }
             continue;
         }
         let recorded = ddp_model::checkpoint::read_tensors(&model)
             .ok()
             .and_then(|f| f.metadata.get("epoch")?.parse::<u64>().ok());
-        let best = bests.get(file).map(|b| b.epoch);
         if recorded.is_some() && recorded == best {
             continue;
         }
@@ -620,10 +639,6 @@ fn align_best_models(
             || format!("{} records no epoch", model.display()),
             |e| format!("{} is the model of epoch {e}", model.display()),
         );
-        let doc = model.with_extension("json");
-        let source = best
-            .map(|epoch| dir.join(format!("{}.safetensors", state::stem(epoch))))
-            .filter(|p| p.is_file());
         // The file and its document (thresholds tuned for it) go aside first, whatever
         // replaces them.
         let aside = aside.get()?;
@@ -636,12 +651,14 @@ fn align_best_models(
                 _ => {}
             }
         }
+        ddp_model::checkpoint::sync_entries(run)
+            .and_then(|()| ddp_model::checkpoint::sync_entries(aside))
+            .map_err(|e| io(aside, e))?;
         if let (Some(epoch), Some(source)) = (best, source) {
-            let bytes = std::fs::read(&source).map_err(|e| io(&source, e))?;
-            ddp_model::checkpoint::write_atomic(&model, &bytes).map_err(|e| io(&model, e))?;
+            let with = best_files::restore(run, file, epoch, &source, &doc)?;
             notes.push(format!(
-                "{was}, and the run's best for it is epoch {epoch}'s: restored from {} (without \
-                 thresholds); the file and its thresholds are moved to {}",
+                "{was}, and the run's best for it is epoch {epoch}'s: restored from {} \
+                 ({with}); the file and its thresholds are moved to {}",
                 source.display(),
                 aside.display()
             ));
@@ -1057,6 +1074,55 @@ mod tests {
             ("8".into(), 8.0)
         );
         // Consistent now: nothing more to do.
+        assert!(
+            align_best_models(out, &resumed, &monitors, &bests, &AsideDir::new(out))
+                .unwrap()
+                .is_empty()
+        );
+    }
+
+    /// A start cut short between setting a best model aside and restoring it leaves none: the
+    /// next start restores it, and the thresholds epoch 8 tuned for it from that epoch's copy.
+    #[test]
+    fn a_missing_best_model_is_restored_with_the_thresholds_of_its_epoch() {
+        let run = ddp_testkit::temp_dir("ddp-train-best-missing");
+        let out = run.path();
+        let dir = state::checkpoint_dir(out);
+        std::fs::create_dir_all(&dir).unwrap();
+        let resumed = dir.join("epoch-0009.safetensors");
+        save(&resumed, 9);
+        save(&dir.join("epoch-0008.safetensors"), 8);
+        let tuned = "{\"thresholds\": [0.3], \"epoch\": 8}";
+        let copy = best_files::document_copy(out, 8, "best-score.safetensors");
+        assert_eq!(copy, dir.join("epoch-0008.best-score.json"));
+        std::fs::write(&copy, tuned).unwrap();
+        let monitors = [Monitor::max("score", "best-score.safetensors")];
+        let bests = std::collections::BTreeMap::from([(
+            "best-score.safetensors".to_string(),
+            Best {
+                value: 0.8,
+                epoch: 8,
+            },
+        )]);
+        let notes =
+            align_best_models(out, &resumed, &monitors, &bests, &AsideDir::new(out)).unwrap();
+        assert_eq!(
+            notes,
+            [format!(
+                "{} is missing, and the run's best for it is epoch 8's: restored from {} (with \
+                 its thresholds)",
+                out.join("best-score.safetensors").display(),
+                dir.join("epoch-0008.safetensors").display()
+            )]
+        );
+        assert_eq!(
+            epoch_of(&out.join("best-score.safetensors")),
+            ("8".into(), 8.0)
+        );
+        assert_eq!(
+            std::fs::read_to_string(out.join("best-score.json")).unwrap(),
+            tuned
+        );
         assert!(
             align_best_models(out, &resumed, &monitors, &bests, &AsideDir::new(out))
                 .unwrap()
