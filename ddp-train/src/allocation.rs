@@ -9,7 +9,8 @@
 //! `consumed..end` over its own ranks ([`ddp_sampler::DistributedSampler::remaining_until`]).
 //!
 //! - Same global batch (`R × batch × accumulate`): the rest takes the same steps, each of the
-//!   same positions, so the run continues as if uninterrupted.
+//!   same positions, so the epoch continues as if uninterrupted (later epochs have the new
+//!   allocation's steps per epoch, which may differ: ranks' shares are padded per rank).
 //! - Another global batch: the rest takes `ceil((end - consumed) / G')` steps of the new
 //!   global batch `G'`; the last one is filled from the positions after `end` (the padded
 //!   order repeats from its start, as `DistributedSampler` pads). The learning rate is not

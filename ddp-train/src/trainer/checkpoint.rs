@@ -570,11 +570,28 @@ pub(super) fn describe_change(
     };
     let mut line = format!("resuming on {now}; the checkpoint was written on {before}: ");
     if before.global_batch() == now.global_batch() {
-        line.push_str(
-            "the global batch is the same, so the run continues with the same samples in \
-             the same order and the same optimizer steps",
-        );
-        return line;
+        if spe_now == spe_before {
+            line.push_str(
+                "the global batch is the same, so the run continues with the same samples in \
+                 the same order and the same optimizer steps",
+            );
+            return line;
+        }
+        // Each rank's share is padded to ceil(N / R) and trains whole steps only: with
+        // another R the epoch's length can change though the global batch does not.
+        line.push_str("the global batch is the same");
+        if rest.is_some() {
+            line.push_str(&format!(
+                ", so the rest of epoch {epoch} takes the same samples in the same order and \
+                 the same optimizer steps"
+            ));
+        }
+        line.push_str(&format!(
+            ", but epochs take {spe_now} optimizer steps instead of {spe_before} (each \
+             rank's share of the {train_len} samples is padded to another length and trains \
+             whole steps only)"
+        ));
+        return finish(line);
     }
     line.push_str(&format!(
         "the global batch changes from {} to {}",
@@ -739,6 +756,29 @@ mod tests {
                  trained; the learning rate is not changed"
             ),
             "{line}"
+        );
+        // The same global batch on ranks whose shares are padded to other lengths: 10
+        // samples on 3 ranks x 2 take 2 steps, on 2 ranks x 3 one.
+        let alloc = |world_size, batch_size| Allocation {
+            world_size,
+            batch_size,
+            accumulate: 1,
+        };
+        let (three, two) = (alloc(3, 2), alloc(2, 3));
+        let spe = (
+            three.steps_per_epoch(10, None),
+            two.steps_per_epoch(10, None),
+        );
+        assert_eq!(spe, (2, 1));
+        assert_eq!(
+            describe_change(three, two, (2, 10), None, spe, (plan, None)),
+            format!(
+                "resuming on {two}; the checkpoint was written on {three}: the global batch is \
+                 the same, but epochs take 1 optimizer steps instead of 2 (each rank's share of \
+                 the 10 samples is padded to another length and trains whole steps only); the \
+                 learning rate is not changed, and per-step schedules keep their planned 10 \
+                 optimizer steps"
+            )
         );
         // Without the cap the rest takes its 10 steps.
         let line = describe_change(on(4), on(2), (1, 1024), Some(&rest), (32, 64), (plan, None));
