@@ -281,7 +281,13 @@ pub fn score(
     }
     // Every rank must score the same folder with the same model, on the same type of device
     // (NCCL and the CPU ring would meet as mismatched collectives), agreed over the CPU links.
-    let key = score_key(images.len(), set.root(), checkpoint, device);
+    let key = score_key(
+        images.len(),
+        &names_digest(&set),
+        set.root(),
+        checkpoint,
+        device,
+    );
     check_score_agreement(&pg.all_gather_bytes(key.as_bytes())?)?;
     // Rank 0's model on every rank, in the order of the names.
     tch::no_grad(|| {
@@ -403,15 +409,38 @@ fn run_batches(
     })
 }
 
-/// What every rank must agree on to score: the folder's images, the model file, and the type
-/// of the device (not its index, which differs from rank to rank).
-fn score_key(images: usize, root: &Path, checkpoint: &Path, device: Device) -> String {
+/// What every rank must agree on to score: the folder's images (their count and `names`,
+/// [`names_digest`]: batches are dealt by position, so ranks that read other copies of a
+/// folder, each with other images `--skip-corrupt` left out, would score some images twice
+/// and others never), the model file, and the type of the device (not its index, which
+/// differs from rank to rank).
+fn score_key(images: usize, names: &str, root: &Path, checkpoint: &Path, device: Device) -> String {
     format!(
-        "{images} images of {} with {} on {}",
+        "{images} images (names {names}) of {} with {} on {}",
         root.display(),
         checkpoint.display(),
         crate::ddp::device_type(device)
     )
+}
+
+/// The first 8 bytes, in hexadecimal, of the SHA-256 of the file names of `set`'s images in
+/// its order (each after its length).
+fn names_digest(set: &OdirDataset) -> String {
+    use sha2::{Digest, Sha256};
+    let mut digest = Sha256::new();
+    for sample in set.samples() {
+        let name = sample
+            .path
+            .file_name()
+            .unwrap_or_default()
+            .as_encoded_bytes();
+        digest.update((name.len() as u64).to_le_bytes());
+        digest.update(name);
+    }
+    digest.finalize()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Fails, with the same error on every rank, when the ranks' [`score_key`]s (gathered in rank
@@ -421,7 +450,8 @@ fn check_score_agreement(keys: &[Vec<u8>]) -> Result<(), TrainError> {
         None => Ok(()),
         Some((first, rank, other)) => Err(TrainError::Invalid(format!(
             "the ranks disagree on what to score: rank 0 has {first}, rank {rank} {other}: give \
-             every rank the same --data, --checkpoint and --device (--device cuda fails where \
+             every rank the same --data (the same images: --skip-corrupt leaves out what each \
+             rank's copy cannot decode), --checkpoint and --device (--device cuda fails where \
              CUDA is missing instead of scoring on the CPU)"
         ))),
     }
@@ -596,19 +626,23 @@ mod tests {
             Path::new("/data/odir"),
             Path::new("/runs/r/best.safetensors"),
         );
-        let key = |device| score_key(12, root, model, device).into_bytes();
+        let key = |device| score_key(12, "0123", root, model, device).into_bytes();
         let (cpu, cuda0, cuda1) = (key(Device::Cpu), key(Device::Cuda(0)), key(Device::Cuda(1)));
         assert!(check_score_agreement(&[cuda0.clone(), cuda1]).is_ok());
+        // Other images, as many: a disagreement.
+        let other = score_key(12, "4567", root, model, Device::Cuda(0)).into_bytes();
+        assert!(check_score_agreement(&[cuda0.clone(), other]).is_err());
         let e = check_score_agreement(&[cuda0, cpu])
             .unwrap_err()
             .to_string();
         assert_eq!(
             e,
-            "the ranks disagree on what to score: rank 0 has 12 images of /data/odir with \
-             /runs/r/best.safetensors on cuda, rank 1 12 images of /data/odir with \
-             /runs/r/best.safetensors on cpu: give every rank the same --data, --checkpoint \
-             and --device (--device cuda fails where CUDA is missing instead of scoring on the \
-             CPU)"
+            "the ranks disagree on what to score: rank 0 has 12 images (names 0123) of \
+             /data/odir with /runs/r/best.safetensors on cuda, rank 1 12 images (names 0123) \
+             of /data/odir with /runs/r/best.safetensors on cpu: give every rank the same \
+             --data (the same images: --skip-corrupt leaves out what each rank's copy cannot \
+             decode), --checkpoint and --device (--device cuda fails where CUDA is missing \
+             instead of scoring on the CPU)"
         );
     }
 }
