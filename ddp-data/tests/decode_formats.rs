@@ -254,42 +254,11 @@ fn unreadable_file_is_a_read_error() {
     assert!(e.to_string().contains("/nonexistent/x.jpg"));
 }
 
-/// A PNG that is a signature, a header claiming `w` x `h` 8-bit RGB pixels and an empty data
-/// chunk: what a decompression bomb shows the decoder before any pixel data.
-fn png_header_only(w: u32, h: u32) -> Vec<u8> {
-    fn crc32(bytes: &[u8]) -> u32 {
-        let mut crc = !0u32;
-        for &b in bytes {
-            crc ^= u32::from(b);
-            for _ in 0..8 {
-                crc = if crc & 1 == 1 {
-                    (crc >> 1) ^ 0xEDB8_8320
-                } else {
-                    crc >> 1
-                };
-            }
-        }
-        !crc
-    }
-    let mut chunk = b"IHDR".to_vec();
-    chunk.extend(w.to_be_bytes());
-    chunk.extend(h.to_be_bytes());
-    chunk.extend([8, 2, 0, 0, 0]); // 8 bits, RGB, deflate, no filter, no interlace
-    let mut out = vec![0x89, b'P', b'N', b'G', 0x0D, 0x0A, 0x1A, 0x0A];
-    out.extend(13u32.to_be_bytes());
-    out.extend(&chunk);
-    out.extend(crc32(&chunk).to_be_bytes());
-    out.extend(0u32.to_be_bytes());
-    out.extend(b"IDAT");
-    out.extend(crc32(b"IDAT").to_be_bytes());
-    out
-}
-
 #[test]
 fn images_over_the_pixel_budget_are_refused_from_their_header() {
     // 20000 x 20000 = 400 M pixels, over PIL's 178,956,970: refused before 1.2 GB is
     // allocated for it, naming the file and both sizes.
-    let bomb = png_header_only(20_000, 20_000);
+    let bomb = ddp_testkit::png_header_only(20_000, 20_000);
     let err = Decoder::new()
         .decode_bytes(&bomb, Path::new("bomb.png"))
         .unwrap_err();

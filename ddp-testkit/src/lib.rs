@@ -463,6 +463,37 @@ pub fn in_new_pid_namespace() -> Result<[&'static str; 5], String> {
     }
 }
 
+/// A PNG that is a signature, a header claiming `w` x `h` 8-bit RGB pixels and an empty data
+/// chunk: what a decompression bomb shows the decoder before any pixel data.
+pub fn png_header_only(w: u32, h: u32) -> Vec<u8> {
+    fn crc32(bytes: &[u8]) -> u32 {
+        let mut crc = !0u32;
+        for &b in bytes {
+            crc ^= u32::from(b);
+            for _ in 0..8 {
+                crc = if crc & 1 == 1 {
+                    (crc >> 1) ^ 0xEDB8_8320
+                } else {
+                    crc >> 1
+                };
+            }
+        }
+        !crc
+    }
+    let mut chunk = b"IHDR".to_vec();
+    chunk.extend(w.to_be_bytes());
+    chunk.extend(h.to_be_bytes());
+    chunk.extend([8, 2, 0, 0, 0]); // 8 bits, RGB, deflate, no filter, no interlace
+    let mut out = vec![0x89, b'P', b'N', b'G', 0x0D, 0x0A, 0x1A, 0x0A];
+    out.extend(13u32.to_be_bytes());
+    out.extend(&chunk);
+    out.extend(crc32(&chunk).to_be_bytes());
+    out.extend(0u32.to_be_bytes());
+    out.extend(b"IDAT");
+    out.extend(crc32(b"IDAT").to_be_bytes());
+    out
+}
+
 /// What `/proc` says of processes.
 pub mod procs {
     /// The fields of `/proc/<pid>/stat` after the parenthesised command name: state, ppid, ...

@@ -204,15 +204,23 @@ fn evaluate(args: &ddp_train::odir::EvaluateArgs) -> Result<()> {
     Ok(())
 }
 
-/// `error`, told that `--skip-corrupt` exists when an image that does not decode stopped
-/// the training without it.
+/// `error`, told that `--skip-corrupt` exists when an image it would have left out (one that
+/// does not decode, is over the decoder's pixel limit, or made the decoder panic) stopped the
+/// training without it.
 fn with_skip_hint(error: anyhow::Error, config: &TrainConfig) -> anyhow::Error {
     let undecodable = error.chain().any(|e| {
         let data = match e.downcast_ref::<TrainError>() {
             Some(TrainError::Data(d)) => Some(d),
             _ => e.downcast_ref::<DataError>(),
         };
-        matches!(data, Some(DataError::DecodeImage { .. }))
+        matches!(
+            data,
+            Some(
+                DataError::DecodeImage { .. }
+                    | DataError::ImageTooLarge { .. }
+                    | DataError::WorkerPanicked { .. }
+            )
+        )
     });
     if undecodable && !config.skip_corrupt {
         error.context(

@@ -915,28 +915,34 @@ fn an_epochs_validation_equals_evaluating_its_checkpoint() {
     }
 }
 
-/// Without `--skip-corrupt`, an image that does not decode stops training naming it, and
-/// the message says that the flag exists.
+/// Without `--skip-corrupt`, an image that does not decode, or one over the decoder's pixel
+/// limit, stops training naming it, and the message says that the flag exists.
 #[test]
 fn an_undecodable_image_stops_training_and_points_to_skip_corrupt() {
-    let tmp = temp_dir("undecodable");
-    let dir = tmp.path();
-    let data = data(dir, 16);
-    let names = images_of(&data);
-    std::fs::write(&names[5], b"\xff\xd8 not a jpeg").unwrap();
-    let out = dir.join("run");
-    let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
-    args[3] = "1";
-    let outputs = run_ranks(1, &args, &[]);
-    let err = String::from_utf8_lossy(&outputs[0].stderr).into_owned();
-    assert!(!outputs[0].status.success(), "{err}");
-    assert!(
-        err.contains(
-            "error: training stopped at an image that does not decode (--skip-corrupt decodes \
-             every image at the start and leaves out, naming each, those that fail)"
-        ) && err.contains(&format!("image '{}' cannot be decoded", names[5].display())),
-        "{err}"
-    );
+    let bomb = ddp_testkit::png_header_only(20_000, 20_000);
+    for (bytes, why) in [
+        (&b"\xff\xd8 not a jpeg"[..], "cannot be decoded"),
+        (&bomb[..], "is 20000 x 20000 pixels, over the limit"),
+    ] {
+        let tmp = temp_dir("undecodable");
+        let dir = tmp.path();
+        let data = data(dir, 16);
+        let names = images_of(&data);
+        std::fs::write(&names[5], bytes).unwrap();
+        let out = dir.join("run");
+        let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+        args[3] = "1";
+        let outputs = run_ranks(1, &args, &[]);
+        let err = String::from_utf8_lossy(&outputs[0].stderr).into_owned();
+        assert!(!outputs[0].status.success(), "{err}");
+        assert!(
+            err.contains(
+                "error: training stopped at an image that does not decode (--skip-corrupt \
+                 decodes every image at the start and leaves out, naming each, those that fail)"
+            ) && err.contains(&format!("image '{}' {why}", names[5].display())),
+            "{err}"
+        );
+    }
 }
 
 /// Runs two ranks of `ddp-train`, rank `r` with `args[r]` (and one intra-op thread and one
