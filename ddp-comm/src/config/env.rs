@@ -13,8 +13,9 @@ use crate::security::secret::{Secret, SECRET_ENV};
 /// and which goes into the fallback secret with the key file when `DDP_SECRET` is not set).
 pub const RUN_ID_ENV: &str = "DDP_RUN_ID";
 /// Environment variable with the attempt of a launcher whose nodes restart their ranks each
-/// on their own (`ddp-run` sets it; torchrun's agents restart together and need none): ranks
-/// then meet only rank 0 of their own attempt.
+/// on their own (`ddp-run` sets it; torchrun's agents meet in a rendezvous round first, and
+/// a job across hosts sets `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` so that rank 0 hosts a new
+/// store each round): ranks then meet only rank 0 of their own attempt.
 pub const LAUNCHER_ATTEMPT_ENV: &str = "DDP_LAUNCHER_ATTEMPT";
 /// Environment variable overriding the rendezvous timeout, in seconds.
 pub const RDZV_TIMEOUT_ENV: &str = "DDP_RDZV_TIMEOUT_S";
@@ -220,9 +221,14 @@ impl EnvConfig {
                 let rank = number("SLURM_PROCID")?.unwrap_or(0);
                 // The step's tasks: `srun --preserve-env` leaves SLURM_NTASKS the job's.
                 let world_var = slurm_world_var(&get);
-                let world = number(world_var)?
-                    .ok_or_else(|| missing("SLURM_NTASKS", "SLURM_PROCID is set"))?;
-                if world > 1 && get("SLURM_STEP_ID").is_none() {
+                // The batch script: no step, and no task count unless `--ntasks` was given.
+                let batch_script = get("SLURM_STEP_ID").is_none();
+                let world = match number(world_var)? {
+                    Some(world) => world,
+                    None if batch_script => 1,
+                    None => return Err(missing("SLURM_NTASKS", "SLURM_PROCID is set")),
+                };
+                if world > 1 && batch_script {
                     return Err(missing(
                         "SLURM_STEP_ID",
                         &format!(
@@ -233,7 +239,13 @@ impl EnvConfig {
                     ));
                 }
                 let local_rank = number("SLURM_LOCALID")?.unwrap_or(0);
-                let local_world = slurm_tasks_per_node(&get)?;
+                // In the batch script SLURM's tasks per node count CPUs (of
+                // `--cpus-per-task`), not processes: the script is one process of one.
+                let local_world = if batch_script {
+                    Some(1)
+                } else {
+                    slurm_tasks_per_node(&get)?
+                };
                 (EnvSource::Slurm, rank, world, local_rank, local_world)
             } else {
                 (EnvSource::Single, 0, 1, 0, Some(1))
@@ -811,6 +823,20 @@ mod tests {
         };
         let c = batch("1").unwrap();
         assert_eq!((c.world_size, c.run_id.as_str()), (1, "123456"));
+        // `sbatch` without `--ntasks` exports no task count, and tasks per node that count
+        // CPUs: still one process of one.
+        let c = read(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_JOB_NODELIST", "gpu07"),
+            ("SLURM_JOB_ID", "123456"),
+            ("SLURM_TASKS_PER_NODE", "32"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (0, 1, 0, 1)
+        );
+        assert_eq!((c.source, c.run_id.as_str()), (EnvSource::Slurm, "123456"));
         match batch("4") {
             Err(CommError::MissingEnv { var, why }) => {
                 assert_eq!(var, "SLURM_STEP_ID");
