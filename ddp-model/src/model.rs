@@ -56,10 +56,13 @@ impl ModelKind {
     ];
 
     /// The kind whose state_dict has exactly these tensor names (as a model's own, without
-    /// DDP's `module.` prefix), if one has: tells which model a file holds. Builds each
+    /// DDP's `module.` prefix; BatchNorm's `num_batches_tracked` counters aside), if one has:
+    /// tells which model a file holds. Builds each
     /// model once on the CPU to list its names, so it is meant for error paths.
     pub fn holding<'a>(names: impl IntoIterator<Item = &'a str>) -> Option<ModelKind> {
-        let mut names: Vec<&str> = names.into_iter().collect();
+        // torchvision's ImageNet files predate BatchNorm's counters: they are no difference.
+        let counter = |name: &str| name.ends_with("num_batches_tracked");
+        let mut names: Vec<&str> = names.into_iter().filter(|n| !counter(n)).collect();
         names.sort_unstable();
         names.dedup();
         Self::ALL.into_iter().find(|&kind| {
@@ -68,6 +71,7 @@ impl ModelKind {
             let mut own: Vec<String> = crate::checkpoint::named_tensors(&vs)
                 .into_iter()
                 .map(|(n, _)| n)
+                .filter(|n| !counter(n))
                 .collect();
             own.sort_unstable();
             own.len() == names.len() && own.iter().zip(&names).all(|(a, b)| a == b)

@@ -210,3 +210,22 @@ fn a_partially_loaded_efficientnet_gets_a_fine_tuning_head() {
     let r18 = Model::new(&resnet.root(), ModelKind::Resnet18, 8, None);
     assert!(r18.init_unloaded(&report).is_empty());
 }
+
+/// torchvision's ImageNet files have no BatchNorm counters: which model they hold is named
+/// all the same.
+#[test]
+fn a_file_without_batch_norm_counters_is_named_by_its_model() {
+    for kind in [ModelKind::Resnet18, ModelKind::Resnet50] {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _model = Model::new(&vs.root(), kind, 8, None);
+        let names: Vec<String> = checkpoint::named_tensors(&vs)
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| !n.ends_with("num_batches_tracked"))
+            .collect();
+        assert_eq!(
+            ModelKind::holding(names.iter().map(String::as_str)),
+            Some(kind)
+        );
+    }
+}
