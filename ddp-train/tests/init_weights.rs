@@ -197,6 +197,33 @@ fn two_ranks_start_from_a_pytorch_pth_and_a_resume_takes_precedence() {
     assert_eq!(config["resumed_from"], from.to_str().unwrap());
 }
 
+/// A file of another model (a ResNet-18's weights for the ConvNet) names that model and the
+/// flag that builds it, not a partial load of the few tensors that would fit.
+#[test]
+fn a_file_of_another_model_names_the_model_to_build() {
+    let tmp = common::temp_dir("ddp-train-init-other-model");
+    let dir = tmp.path();
+    let data = data(dir);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _net = Model::new(&vs.root(), ModelKind::Resnet18, 8, None);
+    let file = dir.join("resnet18.safetensors");
+    checkpoint::save(&vs, &file, &Default::default()).unwrap();
+    let out = dir.join("run");
+    let mut a = args(data.to_str().unwrap(), out.to_str().unwrap(), "1");
+    a.extend(["--init-from", file.to_str().unwrap()]);
+    let outputs = run_ranks(1, &a);
+    let t = text(&outputs[0]);
+    assert!(!outputs[0].status.success(), "{t}");
+    assert!(
+        t.contains("; the file holds a resnet18 model: ")
+            && t.contains(
+                ": build that model to start from its weights (ddp-train's --model resnet18)"
+            )
+            && !t.contains("--init-partial"),
+        "{t}"
+    );
+}
+
 #[test]
 fn a_file_that_does_not_fit_fails_on_every_rank_and_partial_keeps_the_head() {
     let tmp = common::temp_dir("ddp-train-init-partial");

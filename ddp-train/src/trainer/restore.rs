@@ -417,6 +417,14 @@ fn init_weights(
         WeightsError::NoEntry { .. } => {
             TrainError::from(SettingError::new("checkpoint.init_key", format!(": {e}")))
         }
+        // Another model's file: the model to build, not a partial load of a few tensors.
+        WeightsError::Mismatch {
+            file_holds: Some(kind),
+            ..
+        } => TrainError::Invalid(format!(
+            "{e}: build that model to start from its weights (ddp-train's --model {})",
+            kind.name()
+        )),
         // Say how to load what fits.
         WeightsError::Mismatch { .. } => TrainError::from(
             SettingError::starting(format!("{e}; to load what fits, set "))
