@@ -343,10 +343,16 @@ fn read_thresholds(
         }
     };
     let bad = |why: String| {
+        let (what, or) = match given {
+            Some(_) => (format!("--thresholds {}", path.display()), ""),
+            None => (
+                format!("the thresholds beside the model ({})", path.display()),
+                " (or give --thresholds FILE, or remove it to decide at 0.5)",
+            ),
+        };
         TrainError::Invalid(format!(
-            "--thresholds {}: {why}; expected a JSON object with \"thresholds\": [8 numbers \
-             in N, D, G, C, A, H, M, O order], as --tune-thresholds writes",
-            path.display()
+            "{what}: {why}; expected a JSON object with \"thresholds\": [8 numbers in N, D, \
+             G, C, A, H, M, O order], as --tune-thresholds writes{or}"
         ))
     };
     let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;

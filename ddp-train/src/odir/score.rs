@@ -51,8 +51,27 @@ pub fn load_checkpoint(
     model: &ModelFile,
 ) -> Result<LoadedCheckpoint, TrainError> {
     let path = &model.checkpoint;
+    // A checkpoint's state file (its optimizer's) names the model file beside it.
+    let model_of_state = path
+        .to_str()
+        .and_then(|p| p.strip_suffix(".state.safetensors"))
+        .map(|base| PathBuf::from(format!("{base}.safetensors")))
+        .filter(|p| p.is_file());
     let file = if path.is_dir() {
-        crate::state::resolve("latest", Some(path))?
+        // A run directory, or its `checkpoints/`: its latest checkpoint.
+        let run = crate::state::run_of(path);
+        let latest = crate::state::checkpoint_dir(run).join("latest");
+        if !latest.is_file() {
+            return Err(TrainError::Invalid(format!(
+                "--checkpoint {}: a folder without checkpoints (no {}); give a model file \
+                 (best-*.safetensors, a .pth) or a run directory",
+                path.display(),
+                latest.display()
+            )));
+        }
+        crate::state::resolve("latest", Some(run))?
+    } else if let Some(model) = model_of_state {
+        model
     } else if path.is_file() {
         path.to_path_buf()
     } else {
@@ -92,6 +111,11 @@ pub fn load_checkpoint(
         ) => Err(TrainError::Invalid(format!(
             "{e} (give --model {} to score it)",
             kind.name()
+        ))),
+        // Another head (ImageNet's 1000 classes, say): scoring needs ODIR's 8.
+        Err(e @ WeightsError::Mismatch { .. }) => Err(TrainError::Invalid(format!(
+            "{e} (predict and evaluate score a model trained on ODIR's 8 classes: fine-tune \
+             this one first, with --init-from FILE --init-partial)"
         ))),
         Err(e) => Err(e.into()),
     }
@@ -494,6 +518,49 @@ mod tests {
         let c = TrainConfig::try_parse_from(args.iter().chain(flags)).unwrap();
         let (source, record) = run_record(&model, &loaded).unwrap();
         (training_differences(&c, &source, &record), model)
+    }
+
+    /// `--checkpoint` reads a run's latest model from the run directory or its
+    /// `checkpoints/`, and a checkpoint's model from its state file's name; a folder without
+    /// checkpoints is refused naming the flag.
+    #[test]
+    fn a_checkpoint_folder_or_state_file_names_the_model_file() {
+        let tmp = ddp_testkit::temp_dir("ddp-train-checkpoint-folder");
+        let run = tmp.path();
+        let dir = crate::state::checkpoint_dir(run);
+        std::fs::create_dir_all(&dir).unwrap();
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let _ = vs.root().zeros("w", &[1]);
+        let meta = std::collections::HashMap::from([("epoch".into(), "2".into())]);
+        let model = dir.join("epoch-0002.safetensors");
+        ddp_model::checkpoint::save(&vs, &model, &meta).unwrap();
+        let state = dir.join("epoch-0002.state.safetensors");
+        std::fs::write(&state, b"the optimizer's").unwrap();
+        std::fs::write(dir.join("latest"), "epoch-0002\n").unwrap();
+        let read = |checkpoint: &Path| {
+            let file = ModelFile {
+                checkpoint: checkpoint.to_path_buf(),
+                key: None,
+            };
+            load_checkpoint(&vs, &file).map(|l| (l.file, l.epoch))
+        };
+        for given in [run, dir.as_path(), state.as_path(), model.as_path()] {
+            assert_eq!(read(given).unwrap(), (model.clone(), Some(2)), "{given:?}");
+        }
+        let empty = run.join("logs");
+        std::fs::create_dir_all(&empty).unwrap();
+        match read(&empty) {
+            Err(crate::TrainError::Invalid(m)) => assert_eq!(
+                m,
+                format!(
+                    "--checkpoint {}: a folder without checkpoints (no {}); give a model file \
+                     (best-*.safetensors, a .pth) or a run directory",
+                    empty.display(),
+                    empty.join("checkpoints/latest").display()
+                )
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 
     /// The warnings for a model file of an earlier version in a run directory whose
