@@ -35,8 +35,10 @@ use crate::scheduler::ReduceLrOnPlateau;
 mod best;
 mod legacy;
 mod record;
+mod resolve;
 pub use best::{Best, EarlyStopState};
 pub(crate) use record::{model_record, recorded, training_record};
+pub use resolve::{model_file_of, resolve};
 
 /// The metadata key that holds [`TrainState`]'s JSON.
 const STATE_KEY: &str = "train_state";
@@ -517,69 +519,6 @@ pub fn check_data_agreement(keys: &[Vec<u8>]) -> Result<(), TrainError> {
              every rank the same data, on a folder every rank sees the same"
         ))),
     }
-}
-
-/// Finds the model file that `--resume` names: `latest` (in `run`) or a path.
-pub fn resolve(resume: &str, run: Option<&Path>) -> Result<PathBuf, TrainError> {
-    if resume == "latest" {
-        let run = run.ok_or_else(|| {
-            TrainError::Invalid("--resume latest needs --out <run directory>".into())
-        })?;
-        let pointer = checkpoint_dir(run).join("latest");
-        let name = match std::fs::read(&pointer) {
-            // Not UTF-8: a name the check below refuses, with its advice.
-            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(TrainError::Invalid(format!(
-                    "nothing to resume: {} does not exist (no checkpoint of this run has been \
-                     written yet); start without --resume",
-                    pointer.display()
-                )))
-            }
-            Err(e) => {
-                return Err(TrainError::io(
-                    format!("cannot read {}", pointer.display()),
-                    e,
-                ))
-            }
-        };
-        let stem = checkpoint_stem(name.trim()).ok_or_else(|| {
-            TrainError::Invalid(format!(
-                "{} names '{}', not a checkpoint of this folder (a plain name of letters, \
-                 digits, '-' and '_'): the file was not written by the Trainer; write the name of \
-                 one of the folder's checkpoints into it (e.g. epoch-0003), or start without \
-                 --resume",
-                pointer.display(),
-                name.trim().escape_debug()
-            ))
-        })?;
-        return Ok(checkpoint_dir(run).join(format!("{stem}.safetensors")));
-    }
-    let path = PathBuf::from(resume);
-    if path.is_dir() {
-        // A run directory, or its `checkpoints/`: its latest checkpoint, as `predict` reads
-        // a run directory.
-        let run = run_of(&path);
-        if !checkpoint_dir(run).join("latest").is_file() {
-            return Err(TrainError::Invalid(format!(
-                "--resume {resume}: a folder without checkpoints (no {}); give a checkpoint \
-                 file (a run's checkpoints/epoch-NNNN.safetensors) or a run directory",
-                checkpoint_dir(run).join("latest").display()
-            )));
-        }
-        return resolve("latest", Some(run));
-    }
-    // The state file names the same checkpoint as its model file.
-    let path = match resume.strip_suffix(".state.safetensors") {
-        Some(base) if path.is_file() => PathBuf::from(format!("{base}.safetensors")),
-        _ => path,
-    };
-    if !path.is_file() {
-        return Err(TrainError::Invalid(format!(
-            "--resume {resume}: no such checkpoint file"
-        )));
-    }
-    Ok(path)
 }
 
 /// A checkpoint as read from its two files, each read once: the model's tensors, the

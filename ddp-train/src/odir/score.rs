@@ -50,36 +50,12 @@ pub fn load_checkpoint(
     vs: &nn::VarStore,
     model: &ModelFile,
 ) -> Result<LoadedCheckpoint, TrainError> {
-    let path = &model.checkpoint;
-    // A checkpoint's state file (its optimizer's) names the model file beside it.
-    let model_of_state = path
-        .to_str()
-        .and_then(|p| p.strip_suffix(".state.safetensors"))
-        .map(|base| PathBuf::from(format!("{base}.safetensors")))
-        .filter(|p| p.is_file());
-    let file = if path.is_dir() {
-        // A run directory, or its `checkpoints/`: its latest checkpoint.
-        let run = crate::state::run_of(path);
-        let latest = crate::state::checkpoint_dir(run).join("latest");
-        if !latest.is_file() {
-            return Err(TrainError::Invalid(format!(
-                "--checkpoint {}: a folder without checkpoints (no {}); give a model file \
-                 (best-*.safetensors, a .pth) or a run directory",
-                path.display(),
-                latest.display()
-            )));
-        }
-        crate::state::resolve("latest", Some(run))?
-    } else if let Some(model) = model_of_state {
-        model
-    } else if path.is_file() {
-        path.to_path_buf()
-    } else {
-        return Err(TrainError::Invalid(format!(
-            "--checkpoint {}: no such file or run directory",
-            path.display()
-        )));
-    };
+    let file = crate::state::model_file_of(
+        "--checkpoint",
+        &model.checkpoint,
+        "a model file (best-*.safetensors, a .pth) or a run directory",
+        "no such file or run directory",
+    )?;
     let read = match model.key.as_deref() {
         Some(key) => weights::read_state_dict_entry(&file, key),
         None => weights::read_state_dict(&file),
