@@ -81,21 +81,14 @@ impl fmt::Display for LoadReport {
             if !self.missing.is_empty() {
                 parts.push(format!("not in the file: {}", self.missing.join(", ")));
             }
-            if !self.mismatched.is_empty() {
-                let shapes: Vec<String> = self
-                    .mismatched
-                    .iter()
-                    .map(|m| format!("{} {:?} for {:?}", m.name, m.found, m.expected))
-                    .collect();
-                parts.push(format!("another shape in the file: {}", shapes.join(", ")));
-            }
-            if !self.kind_mismatched.is_empty() {
-                let kinds: Vec<String> = self
-                    .kind_mismatched
-                    .iter()
-                    .map(|m| format!("{} {:?} for {:?}", m.name, m.found, m.expected))
-                    .collect();
-                parts.push(format!("complex in the file: {}", kinds.join(", ")));
+            let shapes = self.mismatched.iter();
+            let shapes = differences(shapes.map(|m| (&m.name, &m.found, &m.expected)));
+            let kinds = self.kind_mismatched.iter();
+            let kinds = differences(kinds.map(|m| (&m.name, &m.found, &m.expected)));
+            for (what, listed) in [("another shape", shapes), ("complex", kinds)] {
+                if let Some(listed) = listed {
+                    parts.push(format!("{what} in the file: {listed}"));
+                }
             }
             write!(f, "{})", parts.join("; "))?;
         }
@@ -109,4 +102,14 @@ impl fmt::Display for LoadReport {
         }
         Ok(())
     }
+}
+
+/// `name found for expected, ...` of each difference; `None` for none.
+fn differences<'a, T: fmt::Debug + 'a>(
+    items: impl Iterator<Item = (&'a String, T, T)>,
+) -> Option<String> {
+    let listed: Vec<String> = items
+        .map(|(name, found, expected)| format!("{name} {found:?} for {expected:?}"))
+        .collect();
+    (!listed.is_empty()).then(|| listed.join(", "))
 }
