@@ -248,29 +248,34 @@ fn launch_config(cli: &Cli, matches: &ArgMatches) -> Result<LaunchConfig, String
         return Err(unknown_option(flag));
     }
     // torchrun reads each of its options from `PET_<OPTION>` too (Kubeflow's elastic jobs set
-    // these): a rendezvous other than the static one is refused as its flag would be.
-    for (var, flag) in [
-        ("PET_RDZV_BACKEND", "--rdzv-backend"),
-        ("PET_RDZV_CONF", "--rdzv-conf"),
-    ] {
-        let value = std::env::var_os(var).unwrap_or_default();
-        let static_backend = flag == "--rdzv-backend" && value == "static";
-        // torchrun's --standalone replaces the backend, whatever the variable says; the
-        // backend's settings are then for a rendezvous this node does not use.
-        let replaced = cli.standalone;
-        if !value.is_empty() && !static_backend && !replaced {
+    // these), each only where its flag is not typed: a rendezvous other than the static one
+    // is refused as its flag would be. (`--standalone` dropped the backend's variable.)
+    if let Some(backend) = cli.rdzv_backend.as_deref().filter(|b| *b != "static") {
+        return Err(match matches.value_source("rdzv_backend") {
+            Some(ValueSource::EnvVariable) => format!(
+                "PET_RDZV_BACKEND={backend} asks for torchrun's --rdzv-backend: {} (unset \
+                 PET_RDZV_BACKEND)",
+                instead_of("--rdzv-backend")
+            ),
+            _ => format!("--rdzv-backend {backend}: {}", instead_of("--rdzv-backend")),
+        });
+    }
+    // The settings of torchrun's elastic rendezvous; a standalone node, or a typed static
+    // backend, replaces that rendezvous.
+    let conf = std::env::var_os("PET_RDZV_CONF").unwrap_or_default();
+    let typed_backend = matches.value_source("rdzv_backend") == Some(ValueSource::CommandLine);
+    if !conf.is_empty() && !cli.standalone {
+        let conf = conf.to_string_lossy();
+        if !typed_backend {
             return Err(format!(
-                "{var}={} asks for torchrun's {flag}: {} (unset {var})",
-                value.to_string_lossy(),
-                instead_of(flag)
+                "PET_RDZV_CONF={conf} asks for torchrun's --rdzv-conf: {} (unset PET_RDZV_CONF)",
+                instead_of("--rdzv-conf")
             ));
         }
-    }
-    if let Some(backend) = cli.rdzv_backend.as_deref().filter(|b| *b != "static") {
-        return Err(format!(
-            "--rdzv-backend {backend}: {}",
-            instead_of("--rdzv-backend")
-        ));
+        eprintln!(
+            "ddp-run: warning: PET_RDZV_CONF={conf} ignored: --rdzv-backend static takes no \
+             settings"
+        );
     }
     // A stand-in for the ranks per node until `run` counts the devices.
     let nproc = match cli.nproc_per_node {
@@ -369,5 +374,12 @@ fn instead_of(flag: &str) -> &'static str {
 
 fn run(nproc: NprocPerNode, mut config: LaunchConfig) -> Result<ExitCode> {
     config.nproc_per_node = nproc.resolve()?;
+    if config.nnodes > 1 && !matches!(nproc, NprocPerNode::Count(_)) {
+        // Ranks are numbered as if every node started as many as this one.
+        eprintln!(
+            "ddp-run: {} rank(s) on this node; every one of the {} nodes must start as many",
+            config.nproc_per_node, config.nnodes
+        );
+    }
     Ok(launch_and_report(&config, "ddp-run")?)
 }

@@ -1059,7 +1059,8 @@ fn bad_command_lines_say_what_is_wrong() {
 }
 
 /// torchrun's options come from `PET_*` variables too (as Kubeflow's elastic jobs set them):
-/// an elastic rendezvous is refused there as on the command line; `static` is ddp-run's own.
+/// an elastic rendezvous is refused there as on the command line, unless the command line
+/// gives the backend; `static` is ddp-run's own.
 #[test]
 fn an_elastic_rendezvous_from_pet_variables_is_refused() {
     let out = wait_bounded(
@@ -1088,6 +1089,25 @@ fn an_elastic_rendezvous_from_pet_variables_is_refused() {
         LIMIT,
     );
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    // A typed backend wins over the variable, as a typed flag does in torchrun; the elastic
+    // rendezvous's settings are then ignored, and said to be.
+    let out = wait_bounded(
+        ddp_run(&["--rdzv-backend", "static", "true"])
+            .env("PET_RDZV_BACKEND", "c10d")
+            .env("PET_RDZV_CONF", "join_timeout=900")
+            .spawn()
+            .unwrap(),
+        LIMIT,
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        stderr(&out).starts_with(
+            "ddp-run: warning: PET_RDZV_CONF=join_timeout=900 ignored: --rdzv-backend static \
+             takes no settings\n"
+        ),
+        "{}",
+        stderr(&out)
+    );
 }
 
 /// A run id refused names `PET_RDZV_ID` where it came from that variable, `--rdzv-id` where
