@@ -31,7 +31,7 @@ mod pump;
 mod wait;
 
 use group::kill_group;
-use pump::{Pump, Stream};
+use pump::{Pump, Pumping, Stream};
 use wait::{peek_exit, wait_exit};
 
 pub use outcome::{Event, Exit, Outcome, RankFailure, EXIT_STOPPED};
@@ -189,7 +189,7 @@ struct Rank {
     /// The thread blocked in `waitid` until the rank exits; joined before the rank is reaped.
     waiter: Option<JoinHandle<()>>,
     tail: Arc<Mutex<VecDeque<String>>>,
-    pumps: Vec<JoinHandle<()>>,
+    pumps: Vec<Pumping>,
     log: Option<PathBuf>,
 }
 
@@ -224,7 +224,8 @@ impl Rank {
         self.exit.is_some()
     }
 
-    /// How this rank, which has ended, failed: its exit and last lines.
+    /// How this rank, which has ended, failed: its exit and last lines (whether the signal
+    /// that ended it was the launcher's is for the caller to say: [`Rank::signal_was_ours`]).
     fn failure(&self) -> RankFailure {
         let tail = self
             .tail
@@ -237,6 +238,21 @@ impl Rank {
             tail,
             log: self.log.clone(),
             error: self.recorded().map(|r| r.message),
+            stopped_by_launcher: false,
+        }
+    }
+
+    /// Whether a signal ended the rank and it was the launcher's: one that came after the
+    /// launcher began to stop the attempt at `signalled`, a SIGKILL only where the launcher
+    /// killed the rank (`killed`).
+    fn signal_was_ours(&mut self, signalled: Instant, killed: &[usize]) -> bool {
+        let at = self.exit_instant();
+        match self.exit {
+            Some(Exit::Signal(signal)) => {
+                at.is_none_or(|at| at >= signalled)
+                    && (signal != libc::SIGKILL || killed.contains(&self.rank))
+            }
+            _ => false,
         }
     }
 
@@ -260,13 +276,8 @@ impl Rank {
     fn failed(&mut self, signalled: Instant, killed: &[usize]) -> Failed {
         let at = self.exit_instant();
         let ago = at.map_or(Duration::ZERO, |at| at.elapsed());
-        let crashed = match self.exit {
-            Some(Exit::Signal(signal)) => {
-                at.is_some_and(|at| at < signalled)
-                    || (signal == libc::SIGKILL && !killed.contains(&self.rank))
-            }
-            _ => false,
-        };
+        let crashed =
+            matches!(self.exit, Some(Exit::Signal(_))) && !self.signal_was_ours(signalled, killed);
         Failed {
             exited: SystemTime::now().checked_sub(ago).unwrap_or(UNIX_EPOCH),
             recorded: self.recorded(),
@@ -359,11 +370,14 @@ impl Attempt<'_> {
                 let signalled = Instant::now();
                 let stopped = stop(ranks, libc::SIGTERM, self.config.shutdown_timeout);
                 let k = first_failed(ranks, k, signalled, &stopped.killed);
-                return Ok(End::Failed(ranks[k].failure(), stopped));
+                let mut failure = ranks[k].failure();
+                failure.stopped_by_launcher = ranks[k].signal_was_ours(signalled, &stopped.killed);
+                return Ok(End::Failed(failure, stopped));
             }
             if ranks.iter().all(|r| r.exit.is_some()) {
                 // What a finished rank left running (an upload, a writer) is left to finish,
-                // as torchrun leaves it.
+                // as torchrun leaves it; its output reaches the terminal until it is quiet
+                // for 2 s, when the launcher ends (its later writes find the pipe closed).
                 reap(ranks);
                 if ranks
                     .iter()
@@ -670,24 +684,12 @@ fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) -> Stopped {
 }
 
 /// Reaps the ranks, which have exited or been killed, and lets their output threads pass on
-/// the last lines.
+/// the last lines ([`pump::drain`]).
 fn reap(ranks: &mut [Rank]) {
     for r in ranks.iter_mut() {
         r.reap();
     }
-    // The pipes close once every process holding them is gone; a process that left the
-    // rank's group could keep one open, so the wait for the last lines is bounded.
-    let deadline = Instant::now() + Duration::from_secs(2);
-    for r in ranks.iter_mut() {
-        for pump in r.pumps.drain(..) {
-            while !pump.is_finished() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            if pump.is_finished() {
-                let _ = pump.join();
-            }
-        }
-    }
+    pump::drain(ranks.iter_mut().flat_map(|r| r.pumps.drain(..)).collect());
 }
 
 #[cfg(test)]

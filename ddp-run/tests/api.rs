@@ -79,6 +79,7 @@ fn a_failure_then_a_restart_are_reported_in_order() {
                 tail: vec!["attempt 0".to_string()],
                 log: None,
                 error: None,
+                stopped_by_launcher: false,
             }),
             Seen::Restarting {
                 restart: 1,
@@ -114,6 +115,7 @@ fn the_last_failure_is_the_outcome_when_no_restart_is_left() {
                 tail: vec!["two".to_string(), "three".to_string()],
                 log: Some(dir.path().join("logs/rank-0.out")),
                 error: None,
+                stopped_by_launcher: false,
             },
             restarts: 0,
         }
@@ -311,8 +313,9 @@ const RECORD: &str = r#"record() {
 
 /// The rank whose error came first is the outcome, though another exits before it: rank 0
 /// records its error and takes its time to end (the launcher's SIGTERM ends it before it
-/// prints), while rank 1, failing for want of it, records its own and exits at once. The error
-/// files are removed afterwards.
+/// prints), while rank 1, failing for want of it, records its own and exits at once. The
+/// SIGTERM that ended rank 0 is told as the launcher's; the error files are removed
+/// afterwards.
 #[test]
 fn the_earliest_recorded_error_names_the_rank() {
     let dir = ddp_testkit::temp_dir("ddp-run-api-first");
@@ -344,6 +347,7 @@ fn the_earliest_recorded_error_names_the_rank() {
                 tail: vec![],
                 log: None,
                 error: Some("disk full".to_string()),
+                stopped_by_launcher: true,
             },
             restarts: 0,
         }
@@ -398,6 +402,7 @@ fn the_first_rank_to_exit_without_a_record_is_named() {
             tail: vec!["thread 'main' panicked at src/main.rs:9:5: CUDA out of memory".into()],
             log: None,
             error: None,
+            stopped_by_launcher: false,
         }
     );
 }
@@ -426,6 +431,7 @@ fn a_rank_killed_by_a_signal_not_the_launchers_is_named() {
             tail: vec!["allocating".into()],
             log: None,
             error: None,
+            stopped_by_launcher: false,
         }
     );
 }

@@ -65,6 +65,7 @@ fn a_signal_during_a_failures_shutdown_prevents_the_restart() {
                 tail: vec![],
                 log: None,
                 error: None,
+                stopped_by_launcher: false,
             }),
         }
     );

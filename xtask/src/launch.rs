@@ -935,6 +935,7 @@ mod tests {
             tail: tail.iter().map(|l| l.to_string()).collect(),
             log: None,
             error: None,
+            stopped_by_launcher: false,
         };
         let no_cuda = failure(&[
             "error: --device cuda: CUDA is not available here (cudaGetDeviceCount failed: \

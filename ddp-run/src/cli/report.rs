@@ -400,6 +400,7 @@ mod tests {
             tail: vec!["loss nan".into(), "giving up".into()],
             log: Some("logs/rank-1.out".into()),
             error: Some("giving up".into()),
+            stopped_by_launcher: false,
         };
         assert_eq!(
             event_lines("ddp-run", &Event::RankFailed(&failure)),
@@ -476,6 +477,7 @@ mod tests {
             tail: tail.iter().map(|l| l.to_string()).collect(),
             log: None,
             error: None,
+            stopped_by_launcher: false,
         };
         let failed = vec![
             failure(0, &["cannot write the checkpoint"]),
@@ -624,6 +626,7 @@ mod tests {
             tail: vec![],
             log: None,
             error: None,
+            stopped_by_launcher: false,
         };
         let cases = [
             (

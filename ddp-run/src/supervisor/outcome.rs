@@ -69,16 +69,29 @@ pub struct RankFailure {
     pub log: Option<PathBuf>,
     /// The error it recorded in its error file (`TORCHELASTIC_ERROR_FILE`), if any.
     pub error: Option<String>,
+    /// Whether the signal that ended it was the launcher's, sent to stop the attempt (SIGKILL
+    /// once the shutdown timeout had passed): it recorded its error before, and an error file
+    /// named it the first to fail.
+    pub stopped_by_launcher: bool,
 }
 
 impl fmt::Display for RankFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "rank {} {}", self.rank, self.exit)?;
-        // A failure is seen before the launcher kills anything: this SIGKILL is another's.
-        if self.exit == Exit::Signal(libc::SIGKILL) {
-            write!(f, ": the kernel's OOM killer or a kill -9 (see dmesg)")?;
+        match self.exit {
+            Exit::Signal(libc::SIGKILL) if self.stopped_by_launcher => write!(
+                f,
+                ": the launcher's, sent when the rank had not ended within the shutdown \
+                 timeout of the attempt's stop"
+            ),
+            Exit::Signal(_) if self.stopped_by_launcher => {
+                write!(f, ": the launcher's, sent to stop the attempt")
+            }
+            Exit::Signal(libc::SIGKILL) => {
+                write!(f, ": the kernel's OOM killer or a kill -9 (see dmesg)")
+            }
+            _ => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -204,11 +217,29 @@ mod tests {
             tail: vec![],
             log: None,
             error: None,
+            stopped_by_launcher: false,
         };
         assert_eq!(
             killed.to_string(),
             "rank 5 was killed by signal 9 (SIGKILL): the kernel's OOM killer or a kill -9 \
              (see dmesg)"
+        );
+        let late = RankFailure {
+            stopped_by_launcher: true,
+            ..killed.clone()
+        };
+        assert_eq!(
+            late.to_string(),
+            "rank 5 was killed by signal 9 (SIGKILL): the launcher's, sent when the rank had \
+             not ended within the shutdown timeout of the attempt's stop"
+        );
+        let stopped = RankFailure {
+            exit: Exit::Signal(15),
+            ..late
+        };
+        assert_eq!(
+            stopped.to_string(),
+            "rank 5 was killed by signal 15 (SIGTERM): the launcher's, sent to stop the attempt"
         );
         assert!(Exit::Code(0).success());
         assert!(!Exit::Signal(15).success());
@@ -218,6 +249,7 @@ mod tests {
             tail: vec![],
             log: None,
             error: None,
+            stopped_by_launcher: false,
         };
         assert_eq!(failure.to_string(), "rank 3 exited with code 2");
     }
@@ -245,6 +277,7 @@ mod tests {
             tail: vec![],
             log: None,
             error: None,
+            stopped_by_launcher: false,
         };
         assert_eq!(
             Outcome::Failed {
