@@ -47,10 +47,11 @@
 #
 # Writes $OUT/extra.txt (a line per check: name, status, rc, seconds, figure) and
 # $OUT/extra-log.txt (every command and its whole output); prints extra.txt last. Statuses:
-# ok, FAIL, TIMEOUT (also: not run, the time left was too short), NO-GPU (a test said
+# ok, FAIL, TIMEOUT, NOT-RUN (the time left was too short to start it), NO-GPU (a test said
 # `skipped:` where a GPU was needed; a skip that says it needs two GPUs is expected on one,
 # as `cargo xtask gpu-check` reads it), SKIP (a check that needs two GPUs on one, or a
-# binary is missing). Exit code: the number of FAIL, TIMEOUT and NO-GPU lines.
+# binary is missing). Exit code: the number of FAIL, TIMEOUT, NOT-RUN and NO-GPU lines of our
+# checks (the torch-* rows are figures: their status is shown, not counted).
 #
 # Time: each check's limit is cut to what is left of run.sh's budget for this command (read
 # from the header of run.sh's summary.txt, else GPU_EXTRA_BUDGET_S seconds from the start,
@@ -95,7 +96,8 @@ fi
 
 row() { # row NAME STATUS RC SECONDS FIGURE
     printf '%-20s %-8s %4s %6s  %s\n' "$1" "$2" "$3" "$4" "$5" | tee -a "$SUMMARY"
-    case $2 in FAIL | TIMEOUT | NO-GPU) BAD=$((BAD + 1)) ;; esac
+    case $1 in torch-*) return ;; esac
+    case $2 in FAIL | TIMEOUT | NOT-RUN | NO-GPU) BAD=$((BAD + 1)) ;; esac
 }
 
 summary() {
@@ -171,7 +173,7 @@ unexpected_skips() {
 
 status() { # status [NEED_GPUS]: the last check's; only expected skips, with fewer GPUs than needed, is SKIP
     if ((NOT_RUN)); then
-        echo TIMEOUT
+        echo NOT-RUN
     elif ((RC == 124 || RC == 137)); then
         echo TIMEOUT
     elif ((RC != 0)); then
