@@ -344,9 +344,10 @@ impl DeviceAffine {
 /// tensors are allocated by libtorch's caching allocator on that stream, and when they are
 /// freed the allocator may hand their memory to the next batch's copies on that stream at
 /// once, while the other stream still reads them (PyTorch's `record_stream` exists for that
-/// pattern; this loader offers none). Taking the next batch before running the current
-/// step (as the `ddp-train` trainer does) puts its copy in the queue ahead of the step, so the
-/// GPU never waits for the host to start it.
+/// pattern; this loader offers none). Taking the next batch before the current step ends
+/// (the `ddp-train` trainer takes it right after the backward pass, while the gradients are
+/// averaged) puts its copy in the queue ahead of the rest of the step, so the GPU does not
+/// wait for the host to start it.
 #[derive(Debug)]
 pub struct Loader<D: Dataset> {
     // Declared first so that it drops (joining the workers, the only threads that wait on
