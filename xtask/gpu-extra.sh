@@ -270,6 +270,7 @@ unit_tests() {
         return
     fi
     check units 180 "$BIN/ddp-train.lib" amp::tests::the_fused_unscale_equals_the_per_parameter_one_in_one_flag_on_cuda \
+        amp::tests::the_fused_unscale_leaves_the_host_free_on_cuda \
         ddp::comm_hook::tests:: ddp::bucket::tests::a_dropped_bucket_keeps_its_memory_until_the_dropping_stream_has_read_it \
         --nocapture --test-threads=1
     row units "$(status 1)" "$RC" "$SECS" "$(why_not "$(tests_figure)")"

@@ -342,6 +342,42 @@ mod tests {
         }
     }
 
+    /// On cuda:0 `unscale` queues its kernels and returns: with a second of matmuls queued
+    /// ahead of it, it returns while they still run (a read of each gradient's check, as the
+    /// per-parameter unscale made, would have waited for them), and [`FoundInf::found`] then
+    /// reads the answer. `cargo xtask gpu-check` runs it; without a GPU it says `skipped:`.
+    #[test]
+    fn the_fused_unscale_leaves_the_host_free_on_cuda() {
+        if !crate::ddp::gpu_tests::gpu() {
+            return;
+        }
+        let device = Device::Cuda(0);
+        let params: Vec<(String, Tensor)> = (0..32)
+            .map(|i| {
+                let p = Tensor::zeros([257], (Kind::Float, device)).set_requires_grad(true);
+                let g = Tensor::full([257], 65536.0 * 4.0, (Kind::Float, device));
+                tch_ext::set_grad(&p, Some(&g)).unwrap();
+                (format!("p{i}"), p)
+            })
+            .collect();
+        let mut s = GradScaler::default();
+        crate::ddp::gpu_tests::keep_busy(1.0);
+        let busy = tch_ext::CudaEvent::new(0).unwrap();
+        busy.record(&tch_ext::CudaStream::current(0).unwrap())
+            .unwrap();
+        let found = s.unscale(&params).unwrap();
+        let host_free = !busy.query().unwrap();
+        assert!(
+            host_free,
+            "unscale waited on the host: the second of work queued before it had finished"
+        );
+        assert!(!found.found().unwrap());
+        for (name, p) in &params {
+            let g = Vec::<f32>::try_from(p.grad().to_device(Device::Cpu)).unwrap();
+            assert!(g.iter().all(|&v| v == 4.0), "{name}: {:?}", &g[..3]);
+        }
+    }
+
     fn fused_unscale_equals_per_parameter(device: Device) {
         let mut s = GradScaler::default();
         let finite =

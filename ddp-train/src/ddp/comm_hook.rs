@@ -259,7 +259,7 @@ pub(crate) mod gpu_tests {
     }
 
     /// Queues about `seconds` of matmuls on the current stream of cuda:0, returns at once.
-    pub(in crate::ddp) fn keep_busy(seconds: f64) {
+    pub(crate) fn keep_busy(seconds: f64) {
         let x = Tensor::randn([4096, 4096], (Kind::Float, Device::Cuda(0))) / 64.0;
         let stream = CudaStream::current(0).unwrap();
         let _ = x.mm(&x);
