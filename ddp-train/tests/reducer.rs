@@ -1,7 +1,8 @@
 //! What the ranks' reducers agree on, with real ranks (2 processes on loopback, this test
 //! binary re-invoked with `--ignored --exact <worker>`): the order of collectives when a rank
 //! skips parameters and backward runs a collective of its own, an error that one rank finds
-//! returned by every rank, one DDP at a time over a set of parameters, and a user's own loop.
+//! returned by every rank, one DDP at a time over a set of parameters, a user's own loop, and
+//! fp16 gradients averaged without overflow.
 
 mod common;
 
@@ -400,5 +401,32 @@ fn a_loop_of_ones_own_averages_only_through_ddp_backward() {
             reported(output, rank),
             format!("none / {:?} / {:.4?}", [1.5f32; 3], [0.7f32; 3])
         );
+    }
+}
+
+/// Each rank's gradient of an fp16 parameter is 40000: the default hook scales each by
+/// 1/world before the sum, as PyTorch's reducer does, so the average is 40000, though the
+/// ranks' plain sum (80000) is past fp16's largest value (65504) and would be inf.
+#[test]
+#[ignore = "a rank of fp16_gradients_are_averaged_without_overflowing_in_their_sum; run by it"]
+fn worker_fp16_average() {
+    let pg = Arc::new(ProcessGroup::from_env().unwrap());
+    let rank = pg.rank();
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let w = vs.root().var("w", &[3], nn::Init::Const(1.0));
+    vs.half();
+    let mut ddp = DistributedDataParallel::new(&vs, pg.clone(), DdpOptions::default()).unwrap();
+    ddp.backward(&(w.sum(Kind::Half) * 40000.0)).unwrap();
+    let grad = w.grad();
+    assert_eq!(grad.kind(), Kind::Half);
+    let grad = Vec::<f32>::try_from(&grad.to_kind(Kind::Float)).unwrap();
+    println!("rank {rank} reports: {grad:?}");
+}
+
+#[test]
+fn fp16_gradients_are_averaged_without_overflowing_in_their_sum() {
+    let outputs = run_ranks("worker_fp16_average", "");
+    for (rank, output) in outputs.iter().enumerate() {
+        assert_eq!(reported(output, rank), format!("{:?}", [40000f32; 3]));
     }
 }

@@ -102,7 +102,9 @@ pub trait CommHook: Send + Sync + std::fmt::Debug {
 )]
 #[serde(rename_all = "snake_case")]
 pub enum BuiltinHook {
-    /// All-reduce the bucket with `Avg` (the default; PyTorch's `allreduce_hook`).
+    /// Scale the bucket by `1/world size`, then all-reduce (sum): the default, what PyTorch's
+    /// reducer does without a hook. Scaled first, fp16 gradients whose average fits do not
+    /// overflow in their sum, and the rounding is PyTorch's.
     #[default]
     Allreduce,
     /// Cast the bucket to bfloat16, divide by the world size, all-reduce (sum), copy back
@@ -148,14 +150,20 @@ impl FromStr for BuiltinHook {
 
 impl CommHook for BuiltinHook {
     fn start(&self, pg: &Arc<ProcessGroup>, bucket: &GradBucket<'_>) -> HookWork {
+        let world = pg.world_size() as f64;
         let kind = match self {
             BuiltinHook::Allreduce => {
-                return HookWork::new(pg.all_reduce_async(bucket.buffer(), ReduceOp::Avg))
+                // In place, on the stream where the hook runs, before the collective's ready
+                // event: PyTorch's `copy_grad_to_bucket` multiplies by `1/div_factor` alike.
+                let mut buffer = bucket.buffer().shallow_clone();
+                tch::no_grad(|| {
+                    let _ = buffer.g_mul_scalar_(1.0 / world);
+                });
+                return HookWork::new(pg.all_reduce_async(&buffer, ReduceOp::Sum));
             }
             BuiltinHook::Bf16Compress => Kind::BFloat16,
             BuiltinHook::Fp16Compress => Kind::Half,
         };
-        let world = pg.world_size() as f64;
         let compressed = tch::no_grad(|| {
             let mut c = bucket.buffer().to_kind(kind);
             let _ = c.g_div_scalar_(world);

@@ -176,7 +176,7 @@ type Named = Vec<(String, Tensor)>;
 /// - During backward, as PyTorch's `Reducer` does: each parameter's hook copies its gradient
 ///   into its flat bucket (at most [`DdpOptions::bucket_cap_bytes`], the first at most
 ///   [`DdpOptions::first_bucket_cap_bytes`]); a complete bucket is handed to the
-///   communication hook ([`CommHook`], by default an `Avg` all-reduce), which starts an
+///   communication hook ([`CommHook`], by default scaled by `1/world size` and summed), which starts an
 ///   asynchronous collective and returns at once, so communication runs while backward
 ///   computes the remaining gradients. Buckets are launched strictly in bucket order, so
 ///   every rank issues the same collectives in the same order. With
@@ -1151,7 +1151,7 @@ mod tests {
         assert_eq!(Vec::<f32>::try_from(&b.grad()).unwrap(), [1.0; 3]);
     }
 
-    /// What a [`Probe`] does when a bucket starts: returns the follow-up of its `Avg`
+    /// What a [`Probe`] does when a bucket starts: returns the follow-up of its averaging
     /// all-reduce.
     type Start = dyn Fn(&GradBucket<'_>) -> Box<dyn FnOnce() + Send> + Send + Sync;
 
