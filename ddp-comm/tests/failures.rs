@@ -729,40 +729,61 @@ fn groups_with_different_secrets_cannot_rendezvous() {
     );
 }
 
+/// Two ranks that call different collectives fail, naming both: all-reduces of 10 and 11
+/// floats; and `all_gather_bytes` beside a gather of one `i64` from each rank, whose first
+/// exchange (the lengths, 8 bytes from each rank) must not pass for that gather.
 #[test]
 fn mismatched_collectives_are_reported_not_corrupted() {
     if worker() {
         let group = ProcessGroup::from_env().unwrap();
         let (rank, _) = rank_world();
-        let mut t = Tensor::zeros([10 + rank as i64], (Kind::Float, tch::Device::Cpu));
-        let err = group.all_reduce(&mut t, ReduceOp::Sum).unwrap_err();
+        let err = if std::env::var("DDP_TEST_CASE").unwrap() == "gather" {
+            match rank {
+                0 => group.all_gather_bytes(b"abc").map(drop).unwrap_err(),
+                _ => group.all_gather(&Tensor::from(7i64)).map(drop).unwrap_err(),
+            }
+        } else {
+            let mut t = Tensor::zeros([10 + rank as i64], (Kind::Float, tch::Device::Cpu));
+            group.all_reduce(&mut t, ReduceOp::Sum).unwrap_err()
+        };
         println!("ERROR: {err}");
         return;
     }
-    for transport in ["auto", "tcp"] {
-        let port = free_port();
-        let test = "mismatched_collectives_are_reported_not_corrupted";
-        let extra = env(&[("DDP_TRANSPORT", transport)]);
-        let outs = wait_all(
-            (0..2)
-                .map(|r| spawn_rank(test, r, 2, port, &extra))
-                .collect(),
-            LIMIT,
-        );
-        let errors: Vec<String> = outs
-            .iter()
-            .map(|o| {
-                assert!(o.status.success(), "{transport}: {}", show(o));
-                lines_with(o, "ERROR: ").join("")
-            })
-            .collect();
-        assert!(
-            errors
+    let cases = [
+        (
+            "reduce",
+            "all_reduce Sum of 10 x f32",
+            "all_reduce Sum of 11 x f32",
+        ),
+        (
+            "gather",
+            "all_gather_bytes's exchange of lengths",
+            "all_gather of 8 bytes from each rank",
+        ),
+    ];
+    for (case, one, other) in cases {
+        for transport in ["auto", "tcp"] {
+            let port = free_port();
+            let test = "mismatched_collectives_are_reported_not_corrupted";
+            let extra = env(&[("DDP_TRANSPORT", transport), ("DDP_TEST_CASE", case)]);
+            let outs = wait_all(
+                (0..2)
+                    .map(|r| spawn_rank(test, r, 2, port, &extra))
+                    .collect(),
+                LIMIT,
+            );
+            let errors: Vec<String> = outs
                 .iter()
-                .any(|e| e.contains("all_reduce Sum of 10 x f32")
-                    && e.contains("all_reduce Sum of 11 x f32")),
-            "{transport}: {errors:?}"
-        );
+                .map(|o| {
+                    assert!(o.status.success(), "{case}, {transport}: {}", show(o));
+                    lines_with(o, "ERROR: ").join("")
+                })
+                .collect();
+            assert!(
+                errors.iter().any(|e| e.contains(one) && e.contains(other)),
+                "{case}, {transport}: {errors:?}"
+            );
+        }
     }
 }
 
@@ -1106,28 +1127,13 @@ fn a_stranger_without_the_secret_cannot_attach_to_shared_memory() {
         two_rank_sum(&group);
         return;
     }
-    use std::os::linux::net::SocketAddrExt;
-    use std::os::unix::net::{SocketAddr, UnixStream};
+    use std::os::unix::net::UnixStream;
     let test = "a_stranger_without_the_secret_cannot_attach_to_shared_memory";
     let port = free_port();
     let rank0 = spawn_rank(test, 0, 2, port, &[]);
-    // Abstract Unix sockets are visible to everyone in /proc/net/unix: find rank 0's.
-    let prefix = format!("@ddp-comm/{}/0/", rank0.id());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let name = loop {
-        let table = std::fs::read_to_string("/proc/net/unix").unwrap();
-        if let Some(name) = table.split_whitespace().find(|w| w.starts_with(&prefix)) {
-            break name[1..].to_string();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "rank 0 never listened on {prefix}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let addr = ring_socket_of_rank_0(&rank0);
     // Queued before rank 1 exists, so rank 0 judges it first: the right protocol without
     // the secret, offering a descriptor with its (wrong) proof as a real sender does.
-    let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
     let stranger = UnixStream::connect_addr(&addr).unwrap();
     stranger
         .set_read_timeout(Some(Duration::from_secs(50)))
@@ -1176,6 +1182,61 @@ fn a_stranger_without_the_secret_cannot_attach_to_shared_memory() {
             std::process::id()
         )),
         "rank 0's log:\n{log}"
+    );
+}
+
+/// The abstract Unix socket on which rank 0 (process `rank0`, of a world whose links are
+/// shared memory) accepts its ring link: abstract sockets are visible to everyone in
+/// /proc/net/unix.
+fn ring_socket_of_rank_0(rank0: &std::process::Child) -> std::os::unix::net::SocketAddr {
+    use std::os::linux::net::SocketAddrExt;
+    let prefix = format!("@ddp-comm/{}/0/", rank0.id());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let name = loop {
+        let table = std::fs::read_to_string("/proc/net/unix").unwrap();
+        if let Some(name) = table.split_whitespace().find(|w| w.starts_with(&prefix)) {
+            break name[1..].to_string();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rank 0 never listened on {prefix}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap()
+}
+
+/// Rank 0's shared-memory listener is busy judging as many handshakes as it takes at once
+/// (strangers that connect and say nothing, until its 10 s handshake limit ends them): it
+/// closes rank 1's connection at accept, and rank 1 connects again until it gets through,
+/// as over TCP, instead of failing at once as if the secrets differed.
+#[test]
+fn a_rank_turned_away_by_a_busy_shared_memory_listener_connects_again() {
+    if worker() {
+        let group = ProcessGroup::from_env().unwrap();
+        assert_eq!(group.ring_layout().to_next, Some(LinkKind::SharedMemory));
+        two_rank_sum(&group);
+        return;
+    }
+    let test = "a_rank_turned_away_by_a_busy_shared_memory_listener_connects_again";
+    let port = free_port();
+    let rank0 = spawn_rank(test, 0, 2, port, &[]);
+    let addr = ring_socket_of_rank_0(&rank0);
+    // As many as rank 0 judges at once (MAX_JUDGED in ring/connect.rs).
+    let strangers: Vec<_> = (0..32)
+        .map(|_| std::os::unix::net::UnixStream::connect_addr(&addr).unwrap())
+        .collect();
+    let rank1 = spawn_rank(test, 1, 2, port, &[]);
+    let outs = wait_all(vec![rank0, rank1], LIMIT);
+    drop(strangers);
+    for (rank, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "rank {rank}:\n{}", show(out));
+        assert_eq!(lines_with(out, &format!("rank {rank}: ")), ["ok"]);
+    }
+    let log = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(
+        log.contains("32 handshakes already in progress"),
+        "rank 0 never turned rank 1 away:\n{log}"
     );
 }
 

@@ -319,7 +319,21 @@ fn connect_tcp_once(
 
 /// Connects to the successor's abstract socket, proves the secret both ways (the bell goes
 /// with this side's proof) and maps the ring it sends back.
+/// A successor busy judging other connections turns this one away before its challenge:
+/// connected again until the deadline, as over TCP.
 fn connect_local(
+    plan: &RingPlan<'_>,
+    next: &PeerInfo,
+    bell: &Bell,
+    cancel: &Cancel,
+) -> Result<ShmSender, CommError> {
+    auth::handshake_retrying(plan.deadline, || {
+        cancel.check(&format!("connecting to rank {}", next.rank))?;
+        connect_local_once(plan, next, bell, cancel)
+    })
+}
+
+fn connect_local_once(
     plan: &RingPlan<'_>,
     next: &PeerInfo,
     bell: &Bell,
@@ -360,11 +374,17 @@ fn connect_local_over(
         )
         .into_error(peer())
     };
+    // A hang-up before the challenge: the successor turned the connection away (judging
+    // too many handshakes at once).
+    let turned_away = |e: io::Error| {
+        let waited = deadline.saturating_duration_since(start);
+        Failed::before_challenge(auth::timed_out(e), plan.secret, waited).into_error(peer())
+    };
     let client = auth::Client::new(plan.secret, LOCAL_MAGIC, plan.rank as u32)
         .map_err(|e| CommError::io("starting a handshake", e))?;
-    auth::write_by(&stream, &client.hello(), deadline).map_err(fail)?;
+    auth::write_by(&stream, &client.hello(), deadline).map_err(turned_away)?;
     let mut challenge = [0u8; auth::CHALLENGE_LEN];
-    auth::read_by(&stream, &mut challenge, deadline).map_err(fail)?;
+    auth::read_by(&stream, &mut challenge, deadline).map_err(turned_away)?;
     let proof = client
         .answer(&challenge)
         .ok_or_else(|| Failed::unproven(plan.secret).into_error(peer()))?;
@@ -390,11 +410,11 @@ fn connect_local_over(
         .set_timeouts(None)
         .map_err(|e| local_error("shared-memory socket", e))?;
     let pid = peer_pid(&stream);
-    ShmSender::open(&segment, Peer::new(stream, pid, bell)).map_err(|detail| {
-        CommError::Rendezvous {
-            addr: format!("shared-memory socket @{name}"),
-            detail: format!("rank {} sent an unusable ring: {detail}", next.rank),
-        }
+    let opened = shm::check_bell(&bell)
+        .and_then(|()| ShmSender::open(&segment, Peer::new(stream, pid, bell)));
+    opened.map_err(|detail| CommError::Rendezvous {
+        addr: format!("shared-memory socket @{name}"),
+        detail: format!("rank {} sent an unusable ring: {detail}", next.rank),
     })
 }
 
@@ -580,6 +600,9 @@ fn check_local(
     }
     if fds.len() != 1 {
         return Ok(Err(format!("expected 1 descriptor, got {}", fds.len())));
+    }
+    if let Err(why) = shm::check_bell(&fds[0]) {
+        return Ok(Err(why));
     }
     Ok(Ok((server.number(), fds.remove(0))))
 }

@@ -24,7 +24,9 @@ use std::time::{Duration, Instant};
 
 use crate::element::{self, as_bytes_mut, DType, ReduceOp};
 use crate::error::CommError;
-use crate::ring::header::{describe, dtype_code, header, op_code, Kind, HEADER};
+use crate::ring::header::{
+    describe, dtype_code, header, op_code, Kind, GATHER_BYTES, GATHER_EQUAL, GATHER_LENGTHS, HEADER,
+};
 use crate::ring::link::{EndError, Link, LinkKind, RecvEnd};
 use crate::ring::schedule::{split_even, Recv, Schedule, Span};
 use crate::store::heartbeat::Heartbeat;
@@ -299,6 +301,13 @@ impl CpuBackend {
     /// All-gather whose contribution is already in place: this rank's `out.len() / world`
     /// bytes at `rank * out.len() / world` of `out`.
     pub(crate) fn all_gather_in_place(&mut self, out: &mut [u8]) -> Result<(), CommError> {
+        self.gather_equal(out, GATHER_EQUAL)
+    }
+
+    /// [`Self::all_gather_in_place`] under header tag `tag` (the header's dtype byte): a
+    /// gather of lengths for [`Self::all_gather_bytes`] must not pair with a user's gather
+    /// of 8 bytes per rank on another rank.
+    fn gather_equal(&mut self, out: &mut [u8], tag: u8) -> Result<(), CommError> {
         self.check()?;
         let len = out.len() / self.world;
         assert_eq!(out.len(), len * self.world, "all_gather output size");
@@ -311,7 +320,7 @@ impl CpuBackend {
         self.pieces = pieces;
         self.schedule
             .all_gather(&self.by_position, self.ring.pos, self.segment);
-        let head = header(Kind::AllGather, 0, 0, len);
+        let head = header(Kind::AllGather, tag, 0, len);
         self.run("all_gather", head, out, None, false)
     }
 
@@ -324,7 +333,8 @@ impl CpuBackend {
         self.check()?;
         let n = self.world;
         let mut lens = vec![0u8; 8 * n];
-        self.all_gather(&(input.len() as u64).to_le_bytes(), &mut lens)?;
+        lens[self.rank * 8..][..8].copy_from_slice(&(input.len() as u64).to_le_bytes());
+        self.gather_equal(&mut lens, GATHER_LENGTHS)?;
         // Every rank holds the same lengths, so a total over the limit fails every rank
         // here alike, and the group stays usable.
         let (pieces, off) = gather_layout(OP, &lens, self.max_gather)?;
@@ -334,7 +344,7 @@ impl CpuBackend {
             self.position_pieces(&pieces);
             self.schedule
                 .all_gather(&self.by_position, self.ring.pos, self.segment);
-            let head = header(Kind::AllGather, 1, 0, off);
+            let head = header(Kind::AllGather, GATHER_BYTES, 0, off);
             self.run(OP, head, &mut out, None, false)?;
         }
         Ok(pieces
@@ -601,6 +611,17 @@ fn drive(link: &mut Link, job: Job<'_>, work: &mut [u8], tmp: &mut [u8]) -> Resu
         let now = Instant::now();
         let want_send = !send_done && (head_sent < head_out_len || sends[send_i].after <= recv_i);
         let want_recv = !recv_done;
+        // What the receive end must hold to go on: a shared-memory reduction takes whole
+        // elements, and its sender may have published part of one.
+        let recv_need = match (&link.recv, reduce) {
+            (RecvEnd::Shm(_), Some((dtype, _)))
+                if head_received == head_in_len
+                    && recvs.get(recv_i).is_some_and(|r| r.recv != Recv::Copy) =>
+            {
+                dtype.size()
+            }
+            _ => 1,
+        };
         if now >= deadline {
             // The successor counts only when it holds up a send that is ready (no room);
             // sends that wait for a receive wait for the predecessor.
@@ -622,7 +643,7 @@ fn drive(link: &mut Link, job: Job<'_>, work: &mut [u8], tmp: &mut [u8]) -> Resu
         if want_send && link.send.gone() {
             return Err(send_error(link, EndError::Closed));
         }
-        if want_recv && link.recv.gone() {
+        if want_recv && link.recv.gone(recv_need) {
             return Err(recv_error(link, EndError::Closed));
         }
         if spins && now.duration_since(*idle_since.get_or_insert(now)) < spin {
@@ -631,7 +652,7 @@ fn drive(link: &mut Link, job: Job<'_>, work: &mut [u8], tmp: &mut [u8]) -> Resu
             std::thread::yield_now();
             continue;
         }
-        link.wait(want_send, want_recv, deadline - now)
+        link.wait(want_send, want_recv.then_some(recv_need), deadline - now)
             .map_err(|e| CommError::io("poll", e))?;
     }
 }
@@ -778,7 +799,7 @@ mod tests {
         }
 
         fn lengths_header(len: u64) -> Vec<u8> {
-            let mut bytes = header(Kind::AllGather, 0, 0, 8).to_vec();
+            let mut bytes = header(Kind::AllGather, GATHER_LENGTHS, 0, 8).to_vec();
             bytes.extend_from_slice(&len.to_le_bytes());
             bytes
         }
@@ -817,7 +838,7 @@ mod tests {
                 let mine = b"mine";
                 let total = len.saturating_add(mine.len() as u64);
                 let mut bytes = lengths_header(len);
-                bytes.extend_from_slice(&header(Kind::AllGather, 1, 0, total as usize));
+                bytes.extend_from_slice(&header(Kind::AllGather, GATHER_BYTES, 0, total as usize));
                 bytes.extend_from_slice(&tail);
                 match with_peer_sending(&bytes, |b| b.all_gather_bytes(mine)) {
                     Ok(pieces) => {

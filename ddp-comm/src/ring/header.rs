@@ -17,6 +17,14 @@ pub(crate) enum Kind {
     Barrier = 4,
 }
 
+/// An all-gather header's tag (its dtype byte): the same number of bytes from each rank.
+pub(crate) const GATHER_EQUAL: u8 = 0;
+/// The tag of an all-gather of contributions of any length (its length, the total).
+pub(crate) const GATHER_BYTES: u8 = 1;
+/// The tag of the exchange of lengths before a [`GATHER_BYTES`] gather: 8 bytes from each
+/// rank, as a gather of one `i64` is, but never paired with one.
+pub(crate) const GATHER_LENGTHS: u8 = 2;
+
 /// The header of a collective of `kind` on `len` bytes.
 pub(crate) fn header(kind: Kind, dtype: u8, arg: u32, len: usize) -> [u8; HEADER] {
     let mut h = [0u8; HEADER];
@@ -37,8 +45,11 @@ pub(crate) fn describe(h: &[u8]) -> String {
         _ if !known => None,
         (1, code, op) => all_reduce_words(code, op, len),
         (2, 0, root) => Some(format!("broadcast from rank {root} of {len} bytes")),
-        (3, 0, 0) => Some(format!("all_gather of {len} bytes from each rank")),
-        (3, 1, 0) => Some(format!("all_gather of {len} bytes in all")),
+        (3, GATHER_EQUAL, 0) => Some(format!("all_gather of {len} bytes from each rank")),
+        (3, GATHER_BYTES, 0) => Some(format!("all_gather of {len} bytes in all")),
+        (3, GATHER_LENGTHS, 0) if len == 8 => {
+            Some("all_gather_bytes's exchange of lengths".to_string())
+        }
         (4, 0, 0) if len == 1 => Some("barrier".to_string()),
         _ => None,
     };
@@ -116,6 +127,10 @@ mod tests {
         assert_eq!(
             words(header(Kind::AllGather, 1, 0, 40)),
             "all_gather of 40 bytes in all"
+        );
+        assert_eq!(
+            words(header(Kind::AllGather, GATHER_LENGTHS, 0, 8)),
+            "all_gather_bytes's exchange of lengths"
         );
         assert_eq!(words(header(Kind::Barrier, 0, 0, 1)), "barrier");
         let mut stray = header(Kind::Barrier, 0, 0, 1);

@@ -251,16 +251,16 @@ impl RecvEnd {
         }
     }
 
-    /// Whether a shared-memory peer is known to be gone with nothing left to read (TCP
-    /// reports it through I/O, after the last byte). A ring the peer broke is not "gone":
-    /// the next read reports it.
-    pub(crate) fn gone(&self) -> bool {
+    /// Whether a shared-memory peer is known to be gone with less than `need` bytes left to
+    /// read, which the reader cannot use (TCP reports it through I/O, after the last byte).
+    /// A ring the peer broke is not "gone": the next read reports it.
+    pub(crate) fn gone(&self, need: usize) -> bool {
         match self {
             RecvEnd::Tcp { .. } => false,
             // The peer's last writes happen before it closes, so data published before the
             // close is seen here and read first.
             RecvEnd::Shm(r) => {
-                (r.peer.hung_up || r.peer_closed()) && r.available().is_ok_and(|n| n == 0)
+                (r.peer.hung_up || r.peer_closed()) && r.available().is_ok_and(|n| n < need.max(1))
             }
         }
     }
@@ -311,15 +311,18 @@ impl Link {
         self.recv.shutdown();
     }
 
-    /// Sleeps until the send end can take data (`want_send`), the receive end has data
-    /// (`want_recv`), a shared-memory peer hangs up, or `limit` passes (at most a second).
-    /// Errors and hang-ups of TCP ends surface through the next read or write.
+    /// Sleeps until the send end can take data (`want_send`), the receive end has the bytes
+    /// the reader needs to go on (`recv_need`: `Some(n)` for a shared-memory reduction's
+    /// whole element, 1 otherwise; `None` when it waits for no data), a shared-memory peer
+    /// hangs up, or `limit` passes (at most a second). Errors and hang-ups of TCP ends
+    /// surface through the next read or write.
     pub(crate) fn wait(
         &mut self,
         want_send: bool,
-        want_recv: bool,
+        recv_need: Option<usize>,
         limit: Duration,
     ) -> io::Result<()> {
+        let want_recv = recv_need.is_some();
         // Announce the sleep on shared-memory ends first; an end that can move already
         // makes the wait pointless.
         let send_armed = match &self.send {
@@ -333,7 +336,7 @@ impl Link {
         };
         let recv_armed = match &self.recv {
             RecvEnd::Shm(r) if want_recv => {
-                if !r.arm() {
+                if !r.arm(recv_need.unwrap_or(1)) {
                     if let SendEnd::Shm(s) = &self.send {
                         s.disarm();
                     }

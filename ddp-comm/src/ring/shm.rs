@@ -203,15 +203,16 @@ impl Ring {
 
     /// Maps a segment received from the peer, after checking that it is one.
     fn open(fd: &OwnedFd) -> Result<Ring, String> {
+        // The seals first: the size read after them cannot change any more.
+        let seals = fcntl_get_seals(fd).map_err(|e| format!("reading seals: {e}"))?;
+        if !seals.contains(SealFlags::SHRINK | SealFlags::GROW) {
+            return Err("segment is not sealed against resizing".into());
+        }
         let len = fstat(fd).map_err(|e| format!("fstat: {e}"))?.st_size;
         let len = usize::try_from(len).map_err(|_| format!("segment size {len}"))?;
         let capacity = len.saturating_sub(CONTROL_BYTES);
         if !capacity.is_power_of_two() || !(MIN_CAPACITY..=MAX_CAPACITY).contains(&capacity) {
             return Err(format!("segment of {len} bytes is not a ring"));
-        }
-        let seals = fcntl_get_seals(fd).map_err(|e| format!("reading seals: {e}"))?;
-        if !seals.contains(SealFlags::SHRINK | SealFlags::GROW) {
-            return Err("segment is not sealed against resizing".into());
         }
         let map = Mapping::new(fd.as_fd(), len).map_err(|e| format!("mmap: {e}"))?;
         let control = map.control();
@@ -272,6 +273,17 @@ impl Bell {
     pub(crate) fn fd(&self) -> BorrowedFd<'_> {
         self.0.as_fd()
     }
+}
+
+/// Checks a descriptor the peer sent as its bell: ringing it is a write, which on a
+/// descriptor in blocking mode (a full pipe) could hang every wake-up, a `Drop` included.
+pub(crate) fn check_bell(fd: impl AsFd) -> Result<(), String> {
+    let flags =
+        rustix::fs::fcntl_getfl(fd).map_err(|e| format!("reading the bell's flags: {e}"))?;
+    if !flags.contains(rustix::fs::OFlags::NONBLOCK) {
+        return Err("its bell is a descriptor in blocking mode, not its eventfd".into());
+    }
+    Ok(())
 }
 
 fn ring_bell(fd: &OwnedFd) {
@@ -525,12 +537,13 @@ impl ShmReceiver {
         Ok(n)
     }
 
-    /// Announces that this side is about to sleep until data arrives; false if data is
-    /// there already (or the peer left, or broke the protocol, which the next read
-    /// reports), in which case nothing was armed.
-    pub(crate) fn arm(&self) -> bool {
+    /// Announces that this side is about to sleep until at least `need` bytes are there (a
+    /// reduction takes whole elements; the sender may have published part of one); false
+    /// if they are there already (or the peer left, or broke the protocol, which the next
+    /// read reports), in which case nothing was armed.
+    pub(crate) fn arm(&self, need: usize) -> bool {
         arm(&self.ring.control().reader_waiting, || {
-            self.available().map_or(true, |n| n > 0) || self.peer_closed()
+            self.available().map_or(true, |n| n >= need.max(1)) || self.peer_closed()
         })
     }
 
@@ -794,9 +807,9 @@ mod tests {
         );
         // With data present the reader does not arm; once it has read everything it does,
         // and the next write rings its bell once.
-        assert!(!rx.arm());
+        assert!(!rx.arm(1));
         rx.read(&mut [0u8; 3]).unwrap();
-        assert!(rx.arm());
+        assert!(rx.arm(1));
         tx.write(&[4]).unwrap();
         tx.write(&[5]).unwrap();
         assert_eq!(rustix::io::read(rx_bell.fd(), &mut count).unwrap(), 8);
@@ -809,13 +822,50 @@ mod tests {
         assert_eq!(u64::from_ne_bytes(count), 1);
     }
 
+    /// Part of an element published (a sender whose room ended mid-element): a reduction,
+    /// which needs a whole one, may sleep until the rest comes; a copy may not.
+    #[test]
+    fn a_reader_that_needs_a_whole_element_sleeps_on_part_of_one() {
+        let (mut tx, mut rx) = pair(MIN_CAPACITY);
+        tx.write(&[1, 2, 3]).unwrap();
+        let mut sum = [0u8; 4];
+        assert_eq!(rx.reduce_into(&mut sum, DType::F32, ReduceOp::Sum), Ok(0));
+        assert!(
+            rx.arm(4),
+            "3 bytes of a 4-byte element kept the reader awake"
+        );
+        rx.disarm();
+        assert!(!rx.arm(1));
+        tx.write(&[4]).unwrap();
+        assert!(!rx.arm(4));
+        assert_eq!(rx.reduce_into(&mut sum, DType::F32, ReduceOp::Sum), Ok(4));
+        // A sender that leaves with part of an element published is gone for a reduction,
+        // which can never use it, and not yet for a copy.
+        tx.write(&[5, 6]).unwrap();
+        drop(tx);
+        let end = crate::ring::link::RecvEnd::Shm(rx);
+        assert!(end.gone(4));
+        assert!(!end.gone(1));
+    }
+
+    #[test]
+    fn a_bell_that_could_block_is_refused() {
+        assert_eq!(check_bell(Bell::new().unwrap().fd()), Ok(()));
+        let (reader, _writer) = std::io::pipe().unwrap();
+        let blocking = OwnedFd::from(reader);
+        assert_eq!(
+            check_bell(&blocking),
+            Err("its bell is a descriptor in blocking mode, not its eventfd".to_string())
+        );
+    }
+
     #[test]
     fn closing_is_seen_by_the_other_side() {
         let (tx, rx) = pair(MIN_CAPACITY);
         assert!(!rx.peer_closed());
         drop(tx);
         assert!(rx.peer_closed());
-        assert!(!rx.arm(), "a closed ring must not put the reader to sleep");
+        assert!(!rx.arm(1), "a closed ring must not put the reader to sleep");
     }
 
     #[test]
@@ -831,8 +881,11 @@ mod tests {
         fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
         let err = Ring::open(&fd).unwrap_err();
         assert!(err.contains("magic 0x0"), "{err}");
-        let small = memfd_create("small", MemfdFlags::CLOEXEC).unwrap();
+        // Sealed, and the size read only then: too small for a ring.
+        let small = memfd_create("small", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
         ftruncate(&small, 100).unwrap();
+        assert!(Ring::open(&small).unwrap_err().contains("not sealed"));
+        fcntl_add_seals(&small, SealFlags::SHRINK | SealFlags::GROW).unwrap();
         assert!(Ring::open(&small).unwrap_err().contains("not a ring"));
     }
 
@@ -857,7 +910,7 @@ mod tests {
             rx.reduce_into(&mut sink, DType::F32, ReduceOp::Sum),
             Err(RingFault::Head { .. })
         ));
-        assert!(!rx.arm(), "a broken ring must not put the reader to sleep");
+        assert!(!rx.arm(1), "a broken ring must not put the reader to sleep");
         // The "receiver" moves its tail past the head: the sender must not see free room.
         tx.ring
             .control()

@@ -332,6 +332,15 @@ impl Failed {
         }
     }
 
+    /// [`Failed::from_io`] for an error before the server's challenge, where a hang-up
+    /// refuses no proof: the server turned the connection away.
+    pub(crate) fn before_challenge(e: io::Error, secret: &Secret, waited: Duration) -> Self {
+        match Failed::from_io(e, secret, waited) {
+            Failed::Auth(AuthFailure::Refused { .. }) => Failed::TurnedAway,
+            other => other,
+        }
+    }
+
     /// The server's proof was wrong.
     pub(crate) fn unproven(secret: &Secret) -> Self {
         Failed::Auth(AuthFailure::Unproven {
@@ -364,11 +373,8 @@ pub(crate) fn tcp_client(
 ) -> Result<u8, Failed> {
     let start = Instant::now();
     let fail = |e| Failed::from_io(e, secret, deadline.saturating_duration_since(start));
-    // A hang-up before the challenge refuses no proof: the peer turned the connection away.
-    let turned_away = |e: io::Error| match fail(e) {
-        Failed::Auth(AuthFailure::Refused { .. }) => Failed::TurnedAway,
-        other => other,
-    };
+    let turned_away =
+        |e| Failed::before_challenge(e, secret, deadline.saturating_duration_since(start));
     let client = Client::new(secret, magic, number).map_err(Failed::Io)?;
     write_by(stream, &client.hello(), deadline).map_err(turned_away)?;
     let mut challenge = [0u8; CHALLENGE_LEN];
