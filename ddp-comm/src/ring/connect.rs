@@ -410,8 +410,8 @@ fn connect_local_over(
         .set_timeouts(None)
         .map_err(|e| local_error("shared-memory socket", e))?;
     let pid = peer_pid(&stream);
-    let opened = shm::check_bell(&bell)
-        .and_then(|()| ShmSender::open(&segment, Peer::new(stream, pid, bell)));
+    let opened =
+        check_bell(&bell).and_then(|()| ShmSender::open(&segment, Peer::new(stream, pid, bell)));
     opened.map_err(|detail| CommError::Rendezvous {
         addr: format!("shared-memory socket @{name}"),
         detail: format!("rank {} sent an unusable ring: {detail}", next.rank),
@@ -601,10 +601,21 @@ fn check_local(
     if fds.len() != 1 {
         return Ok(Err(format!("expected 1 descriptor, got {}", fds.len())));
     }
-    if let Err(why) = shm::check_bell(&fds[0]) {
+    if let Err(why) = check_bell(&fds[0]) {
         return Ok(Err(why));
     }
     Ok(Ok((server.number(), fds.remove(0))))
+}
+
+/// Checks a descriptor the peer sent as its bell: ringing it is a write, which on a
+/// descriptor in blocking mode (a full pipe) could hang every wake-up, a `Drop` included.
+fn check_bell(fd: impl AsFd) -> Result<(), String> {
+    let flags =
+        rustix::fs::fcntl_getfl(fd).map_err(|e| format!("reading the bell's flags: {e}"))?;
+    if !flags.contains(rustix::fs::OFlags::NONBLOCK) {
+        return Err("its bell is a descriptor in blocking mode, not its eventfd".into());
+    }
+    Ok(())
 }
 
 fn accept_local(
@@ -659,6 +670,17 @@ mod tests {
     use crate::error::AuthFailure;
     use std::io::Read;
     use std::sync::{mpsc, Condvar, Mutex};
+
+    #[test]
+    fn a_bell_that_could_block_is_refused() {
+        assert_eq!(check_bell(Bell::new().unwrap().fd()), Ok(()));
+        let (reader, _writer) = std::io::pipe().unwrap();
+        let blocking = OwnedFd::from(reader);
+        assert_eq!(
+            check_bell(&blocking),
+            Err("its bell is a descriptor in blocking mode, not its eventfd".to_string())
+        );
+    }
 
     fn secret() -> Secret {
         Secret::from_hex(&"ab".repeat(16)).unwrap()

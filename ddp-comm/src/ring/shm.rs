@@ -275,17 +275,6 @@ impl Bell {
     }
 }
 
-/// Checks a descriptor the peer sent as its bell: ringing it is a write, which on a
-/// descriptor in blocking mode (a full pipe) could hang every wake-up, a `Drop` included.
-pub(crate) fn check_bell(fd: impl AsFd) -> Result<(), String> {
-    let flags =
-        rustix::fs::fcntl_getfl(fd).map_err(|e| format!("reading the bell's flags: {e}"))?;
-    if !flags.contains(rustix::fs::OFlags::NONBLOCK) {
-        return Err("its bell is a descriptor in blocking mode, not its eventfd".into());
-    }
-    Ok(())
-}
-
 fn ring_bell(fd: &OwnedFd) {
     // An eventfd adds the written value to its counter; a full counter (2^64 - 2) only means
     // the peer is already due to wake, so the error is ignored.
@@ -846,17 +835,6 @@ mod tests {
         let end = crate::ring::link::RecvEnd::Shm(rx);
         assert!(end.gone(4));
         assert!(!end.gone(1));
-    }
-
-    #[test]
-    fn a_bell_that_could_block_is_refused() {
-        assert_eq!(check_bell(Bell::new().unwrap().fd()), Ok(()));
-        let (reader, _writer) = std::io::pipe().unwrap();
-        let blocking = OwnedFd::from(reader);
-        assert_eq!(
-            check_bell(&blocking),
-            Err("its bell is a descriptor in blocking mode, not its eventfd".to_string())
-        );
     }
 
     #[test]
