@@ -180,6 +180,22 @@ extern "C" {
     ) -> *mut c_char;
 }
 
+/// Hands a call-back's error `message` to the shim's `sink` (the call's `std::string`). The
+/// shim takes an empty message for a panic, so an empty one is given words.
+///
+/// # Safety
+///
+/// `sink` must be the shim's message sink of the call in progress.
+pub(crate) unsafe fn set_error(sink: *mut c_void, message: &str) {
+    let message = if message.is_empty() {
+        "(an error without a message)"
+    } else {
+        message
+    };
+    // SAFETY: `sink` is the call's sink (the caller's contract); the shim copies the bytes.
+    unsafe { tch_ext_message_set(sink, message.as_ptr().cast(), message.len()) };
+}
+
 /// Runs `f` for a call-back of the shim, stopping any panic: `None` when it panicked. The
 /// panic's payload is dropped here as well, under a second `catch_unwind`, because its
 /// destructor may panic too (`panic_any` of a value whose `Drop` panics), and a panic must not

@@ -86,8 +86,8 @@ where
             true
         }
         Some(Err(message)) => {
-            // SAFETY: `error` is the shim's `std::string` for this call; it copies the bytes.
-            unsafe { ffi::tch_ext_message_set(error, message.as_ptr().cast(), message.len()) };
+            // SAFETY: `error` is the shim's `std::string` for this call.
+            unsafe { ffi::set_error(error, &message) };
             false
         }
         None => false,

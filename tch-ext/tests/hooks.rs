@@ -189,6 +189,16 @@ fn a_hook_that_returns_an_error_fails_the_backward_pass_with_its_message() {
     assert_eq!(values(&w.grad()), [8.0, 10.0, -12.0]);
 }
 
+/// An error without words is not taken for a panic.
+#[test]
+fn a_hook_error_without_a_message_is_not_reported_as_a_panic() {
+    let (w, x) = leaf();
+    set_fallible_post_accumulate_grad_hook(&w, |_| Err(String::new())).unwrap();
+    let err = loss(&w, &x).f_backward().unwrap_err().to_string();
+    assert!(err.contains("(an error without a message)"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 /// A panic payload whose destructor panics as well.
 struct PanicsOnDrop;
 
