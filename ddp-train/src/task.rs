@@ -251,6 +251,14 @@ pub trait Task {
         &[]
     }
 
+    /// Of the [`Task::location_keys`], those whose presence changes the data: one given
+    /// where the run had none, or dropped, is a change a resume or an evaluation warns of
+    /// (ODIR's `val_data`: without it, validation is split from the training data). All of
+    /// them by default.
+    fn presence_keys(&self) -> &[&str] {
+        self.location_keys()
+    }
+
     /// What the data is beyond its sizes, for the ranks to compare at start: named parts
     /// (`labels`, say), each a SHA-256 of what it covers, the same on every rank that opened
     /// the same data. The Trainer refuses to train when a part differs between ranks, naming

@@ -28,11 +28,13 @@ fn settings(out: &Path, epochs: u64) -> Settings {
 }
 
 /// The regression task with its validation samples fixed whatever the seed (`seeded` false),
-/// and the keys of its description that name where the data lies.
+/// the keys of its description that name where the data lies, and those of them whose
+/// presence changes the data (`None`: all, the default).
 struct Placed {
     inner: Regression,
     seeded: bool,
     locations: &'static [&'static str],
+    presence: Option<&'static [&'static str]>,
 }
 
 impl Task for Placed {
@@ -66,6 +68,9 @@ impl Task for Placed {
     }
     fn location_keys(&self) -> &[&str] {
         self.locations
+    }
+    fn presence_keys(&self) -> &[&str] {
+        self.presence.unwrap_or(self.locations)
     }
 }
 
@@ -127,7 +132,10 @@ fn a_resume_warns_of_each_setting_and_task_key_it_changes() {
     first.freeze.unfreeze_at = Some(3);
     train(task(json!({ "image_size": 32 })), first);
 
-    let again = resumed(settings(&run, 2), 2);
+    let mut again = resumed(settings(&run, 2), 2);
+    // DDP's overlap and bucket views give the same bytes either way: no change.
+    again.ddp.overlap = !again.ddp.overlap;
+    again.ddp.gradient_as_bucket_view = !again.ddp.gradient_as_bucket_view;
     train(task(json!({ "image_size": 64 })), again);
     let log = log_of(&run);
     assert_eq!(
@@ -202,6 +210,7 @@ fn a_resume_compares_no_location_of_the_data() {
         inner: task(json!({ "data": data, "image_size": size, "tmp": data })),
         seeded: true,
         locations: &["data"],
+        presence: None,
     };
     train(placed("/data/odir", 32), settings(&run, 1));
     train(placed("/tmp/job-7/odir", 32), resumed(settings(&run, 2), 2));
@@ -228,6 +237,7 @@ fn a_resume_warns_of_a_location_given_or_dropped() {
         inner: task(json!({ "val_data": val_data })),
         seeded: true,
         locations: &["val_data"],
+        presence: None,
     };
     train(placed(json!("/data/offsite")), settings(&run, 1));
     train(placed(Value::Null), resumed(settings(&run, 2), 2));
@@ -243,6 +253,29 @@ fn a_resume_warns_of_a_location_given_or_dropped() {
     );
 }
 
+/// A location that is not a presence key (ODIR's `image_dir`: another folder, or none, with
+/// the same images) may be given at a resume where the run had none: no change.
+#[test]
+fn a_resume_warns_of_no_location_given_whose_presence_changes_nothing() {
+    let _generator = hold_generator();
+    let tmp = common::temp_dir("ddp-train-resume-image-dir");
+    let run = tmp.path().join("run");
+    let placed = |image_dir: Value| Placed {
+        inner: task(json!({ "val_data": null, "image_dir": image_dir })),
+        seeded: true,
+        locations: &["val_data", "image_dir"],
+        presence: Some(&["val_data"]),
+    };
+    train(placed(Value::Null), settings(&run, 1));
+    train(
+        placed(json!("/scratch/job-7/images")),
+        resumed(settings(&run, 2), 2),
+    );
+    let log = log_of(&run);
+    assert!(log.contains("resumed from"), "{log}");
+    assert_eq!(changes(&log), Vec::<&str>::new(), "{log}");
+}
+
 /// A task whose validation samples do not depend on the seed evaluates a model trained with
 /// seed 3 with seed 0; one whose samples do (the default) is refused.
 #[test]
@@ -254,6 +287,7 @@ fn an_evaluation_takes_another_seed_when_the_validation_set_is_fixed() {
         inner: task(json!({ "val_data": "/data/offsite" })),
         seeded,
         locations: &[],
+        presence: None,
     };
     train(placed(false), settings(&run, 1));
     let evaluation = |seeded, out: &str| {
@@ -321,6 +355,7 @@ fn odir_lists_its_locations_and_a_fixed_validation_set() {
     assert!(differ
         .iter()
         .all(|k| linked.location_keys().contains(&k.as_str())));
+    assert_eq!(linked.presence_keys(), ["val_data"]);
 }
 
 /// Checks that an evaluation with seed 0 of each model file, whose run was trained with seed 3,
@@ -583,7 +618,8 @@ fn a_step_checkpoint_without_its_norm_sum_resumes_at_its_step() {
 
 /// A run started from initial weights and resumed without them keeps its start's record of
 /// them in `config.json` (a resume loads none), and adds where it resumed from; with a
-/// plateau scheduler its learning rate is the one in effect, not the one given.
+/// plateau scheduler its learning rate and the scheduler's settings are those in effect
+/// (the checkpoint's), not those given.
 #[test]
 fn a_resumed_runs_config_keeps_its_initial_weights_and_the_lr_in_effect() {
     let _generator = hold_generator();
@@ -598,7 +634,10 @@ fn a_resumed_runs_config_keeps_its_initial_weights_and_the_lr_in_effect() {
     first.checkpoint.init_from = Some(init.clone());
     train(task(Value::Null), first);
 
-    let mut again = plateau(resumed(settings(&run, 2), 2));
+    let mut again = resumed(settings(&run, 2), 2);
+    let mut other = Plateau::default();
+    other.config.factor = 0.9;
+    again = again.lr_schedule(LrSchedule::Plateau(other));
     let ddp_train::optim::OptimizerConfig::Adam(adam) = &mut again.optimizer else {
         panic!("the default optimizer is Adam");
     };
@@ -619,6 +658,32 @@ fn a_resumed_runs_config_keeps_its_initial_weights_and_the_lr_in_effect() {
             .unwrap()
     );
     assert_eq!(config["settings"]["optimizer"]["lr"], 1e-3);
+    assert_eq!(
+        config["settings"]["lr_schedule"]["config"]["factor"],
+        Plateau::default().config.factor
+    );
+}
+
+/// A resume on CPU ranks with another number of intra-op threads is warned of (the weights
+/// leave an uninterrupted run's in the last bits); the thread count is read from the
+/// checkpoint.
+#[test]
+fn a_resume_with_another_thread_count_is_warned_of() {
+    let _generator = hold_generator();
+    let tmp = common::temp_dir("ddp-train-resume-threads");
+    let run = tmp.path().join("run");
+    train(task(Value::Null), settings(&run, 1));
+    let mut again = resumed(settings(&run, 2), 2);
+    again.runtime.threads = Some(2);
+    train(task(Value::Null), again);
+    let log = log_of(&run);
+    assert!(
+        log.contains(
+            "the run trained with 1 intra-op thread(s) per rank and continues with 2: \
+             libtorch's CPU results differ in the last bits with the thread count"
+        ),
+        "{log}"
+    );
 }
 
 /// A resume for more epochs plans per-step schedules from where the run stands: 2 epochs of

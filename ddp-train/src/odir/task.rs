@@ -258,6 +258,12 @@ impl Task for OdirTask {
         &["data", "val_data", "image_dir", "skipped_images"]
     }
 
+    /// Only `--val-data`: another `--image-dir`, or none, holds the same images (their
+    /// list is compared), and the images `--skip-corrupt` leaves out follow that flag.
+    fn presence_keys(&self) -> &[&str] {
+        &["val_data"]
+    }
+
     /// `files`: the images (patient and file name, in order of both, wherever the folder
     /// lies), `split`: which of them train and which validate, `labels`: each image's labels
     /// and its patient's.

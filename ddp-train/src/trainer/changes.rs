@@ -12,8 +12,9 @@ pub(super) type Change = (String, Value, Value);
 
 /// The settings a resume warns of elsewhere or may change freely: where the checkpoints go
 /// and how the ranks run (`checkpoint.*`, `runtime.*`, `out`), the seed (refused), the
-/// allocation (its own warning), the number of epochs (the plan's warning), and with a
-/// plateau scheduler its learning rate and settings (which the checkpoint's state keeps).
+/// allocation (its own warning), the number of epochs (the plan's warning), DDP's overlap
+/// and bucket views (the same bytes either way), and with a plateau scheduler its learning
+/// rate and settings (which the checkpoint's state keeps).
 fn warned_elsewhere(path: &str, plateau: bool) -> bool {
     let under = |prefix: &str| prefix_matches(prefix, path);
     [
@@ -24,6 +25,8 @@ fn warned_elsewhere(path: &str, plateau: bool) -> bool {
         "batch_size",
         "accumulate",
         "epochs",
+        "ddp.overlap",
+        "ddp.gradient_as_bucket_view",
     ]
     .iter()
     .any(|p| under(p))
@@ -58,11 +61,19 @@ fn regroup(settings: &Value) -> Value {
     settings
 }
 
+/// A task's [`Task::location_keys`](crate::Task::location_keys) and, of them, its
+/// [`Task::presence_keys`](crate::Task::presence_keys).
+pub(super) type Locations<'a> = (&'a [&'a str], &'a [&'a str]);
+
 /// The leaves of the task's description `now` that differ from the run's record `record`
-/// (none without one), by `task.` paths, leaving out its `locations` keys but where one was
-/// given or dropped. A task record beside ungrouped settings held the training flags too:
-/// of it, only the keys `now` has count.
-pub(super) fn task_changes(record: &Value, now: &Value, locations: &[&str]) -> Vec<Change> {
+/// (none without one), by `task.` paths, leaving out its location keys but where one of
+/// its presence keys was given or dropped. A task record beside ungrouped settings held the
+/// training flags too: of it, only the keys `now` has count.
+pub(super) fn task_changes(
+    record: &Value,
+    now: &Value,
+    (locations, presence): Locations<'_>,
+) -> Vec<Change> {
     let mut changes = Vec::new();
     let recorded = &record["task"];
     if !recorded.is_null() {
@@ -73,7 +84,7 @@ pub(super) fn task_changes(record: &Value, now: &Value, locations: &[&str]) -> V
         let key = path.strip_prefix("task.").unwrap_or(path);
         // Data given at another place is no change; data given where there was none, or
         // no longer given (ODIR's `--val-data`: then validation is split from `--data`), is.
-        let given_or_dropped = locations.contains(&key) && was.is_null() != is.is_null();
+        let given_or_dropped = presence.contains(&key) && was.is_null() != is.is_null();
         given_or_dropped || !locations.iter().any(|l| prefix_matches(l, key))
     });
     changes
@@ -85,7 +96,7 @@ pub(super) fn task_changes(record: &Value, now: &Value, locations: &[&str]) -> V
 pub(super) fn changed_settings(
     st: &TrainState,
     s: &Settings,
-    (task, locations): (&Value, &[&str]),
+    (task, locations): (&Value, Locations<'_>),
 ) -> Vec<String> {
     let plateau = |v: &Value| v["lr_schedule"]["kind"] == "plateau";
     let now = serde_json::to_value(s).unwrap_or_default();
@@ -207,7 +218,7 @@ mod tests {
     fn a_resume_of_ungrouped_settings_warns_only_of_what_changed() {
         let now: Settings = serde_json::from_str(GROUPED).unwrap();
         let task: Value = serde_json::from_str(TASK).unwrap();
-        let warnings = changed_settings(&state(UNGROUPED), &now, (&task, &["data"]));
+        let warnings = changed_settings(&state(UNGROUPED), &now, (&task, (&["data"], &["data"])));
         assert_eq!(
             warnings,
             [
@@ -219,7 +230,7 @@ mod tests {
         let mut other = now.clone();
         other.early_stopping.patience = Some(3);
         other.lr_schedule = crate::lr_schedule::LrSchedule::Constant { warmup: 0 };
-        let warnings = changed_settings(&state(UNGROUPED), &other, (&task, &["data"]));
+        let warnings = changed_settings(&state(UNGROUPED), &other, (&task, (&["data"], &["data"])));
         let mut paths: Vec<&str> = warnings
             .iter()
             .map(|w| w.split(' ').next().unwrap())
@@ -240,7 +251,11 @@ mod tests {
     #[test]
     fn a_grouped_record_still_warns_of_a_task_key_now_missing() {
         let record = serde_json::json!({"settings": {"runtime": {}}, "task": {"val_data": "v"}});
-        let changes = task_changes(&record, &serde_json::json!({}), &["val_data"]);
+        let changes = task_changes(
+            &record,
+            &serde_json::json!({}),
+            (&["val_data"], &["val_data"]),
+        );
         let expected = ("task.val_data".to_string(), Value::from("v"), Value::Null);
         assert_eq!(changes, [expected]);
     }

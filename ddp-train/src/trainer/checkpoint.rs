@@ -15,6 +15,7 @@ use crate::amp::GradScaler;
 use crate::error::{SettingError, TrainError};
 use crate::lr_schedule::LrSchedule;
 use crate::optim::OptimizerConfig;
+use crate::scheduler::PlateauConfig;
 use crate::settings::{Settings, MAX_COUNT};
 use crate::state::{self, Position, TrainState};
 use crate::stop::{SignalWatch, StopReason};
@@ -185,8 +186,19 @@ impl<T: Task> Trainer<T> {
             frozen: self.frozen.clone(),
             bucket_order: self.ddp.bucket_order(),
             allocation_change: None,
-            config: self.run_config(),
+            config: self.state_config(),
         }
+    }
+
+    /// The run's settings and task as its checkpoints record them, and how its ranks ran
+    /// (as `config.json` records it too): a resume on CPU ranks compares the threads
+    /// ([`threads_warning`]).
+    fn state_config(&self) -> serde_json::Value {
+        let mut config = self.run_config();
+        config["world_size"] = self.pg.world_size().into();
+        config["device"] = format!("{:?}", self.device).into();
+        config["intra_op_threads"] = self.threads.into();
+        config
     }
 
     /// The run's settings and task, as its checkpoints and `config.json` record them.
@@ -336,7 +348,8 @@ pub(super) fn check_evaluated<T: Task>(
         }
     }
     let now = task.describe();
-    let mut changes = changes::task_changes(&recorded.record, &now, task.location_keys());
+    let locations = (task.location_keys(), task.presence_keys());
+    let mut changes = changes::task_changes(&recorded.record, &now, locations);
     // A key the task leaves out now (a training-only one) is not read by the evaluation.
     changes.retain(|(path, _, _)| {
         let key = path.strip_prefix("task.").unwrap_or(path);
@@ -362,13 +375,14 @@ pub(super) fn check_evaluated<T: Task>(
 /// `config.json`'s record `json` of a run resumed from `from`, which replaces `previous`:
 /// keeps what the run's start recorded of its initial weights (`init_weights` and
 /// `settings.checkpoint.init_*`; a resume loads none, so needs none given), adds `resumed_from`,
-/// and with a plateau scheduler records the learning rate in effect, `lr` (the checkpoint's,
-/// which wins over the one given).
+/// and with a plateau scheduler records the learning rate in effect, `lr`, and the
+/// scheduler's settings in effect, `plateau` (the checkpoint's, which win over those given).
 pub(super) fn keep_start_record(
     json: &mut serde_json::Value,
     previous: &Path,
     from: &Path,
     lr: f64,
+    plateau: Option<PlateauConfig>,
 ) {
     let before = std::fs::read_to_string(previous)
         .ok()
@@ -385,6 +399,9 @@ pub(super) fn keep_start_record(
     json["resumed_from"] = from.to_string_lossy().into();
     if json["settings"]["lr_schedule"]["kind"] == "plateau" {
         json["settings"]["optimizer"]["lr"] = lr.into();
+        if let Some(config) = plateau.and_then(|c| serde_json::to_value(c).ok()) {
+            json["settings"]["lr_schedule"]["config"] = config;
+        }
     }
 }
 
@@ -397,7 +414,10 @@ pub(super) fn resume_warnings<T: Task>(
     task: &T,
     train_samples: usize,
 ) -> Vec<String> {
-    let task = (&task.describe(), task.location_keys());
+    let task = (
+        &task.describe(),
+        (task.location_keys(), task.presence_keys()),
+    );
     let mut warnings = changes::changed_settings(st, s, task);
     if let (None, Some(was)) = (st.position, st.train_samples) {
         if was != train_samples {

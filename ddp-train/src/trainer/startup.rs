@@ -310,7 +310,9 @@ impl<T: Task> Trainer<T> {
             return Ok(());
         }
         if let Some(from) = resumed {
-            super::checkpoint::keep_start_record(&mut json, &file, from, self.optimizer.lr());
+            let plateau = self.scheduler.as_ref().map(|r| r.config);
+            let lr = self.optimizer.lr();
+            super::checkpoint::keep_start_record(&mut json, &file, from, lr, plateau);
         }
         json[RUN_ID_KEY] = run_id.into();
         let text = serde_json::to_string_pretty(&json).context(|| "encoding config.json".into())?;
