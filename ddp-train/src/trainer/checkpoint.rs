@@ -40,9 +40,9 @@ impl<T: Task> Trainer<T> {
                 .every
                 .is_some_and(|n| self.attempted_steps().is_multiple_of(n));
         // Whether anything may differ between ranks, and so needs their agreement.
-        let agree = signals.is_some()
-            || s.runtime.time_limit_secs.is_some()
-            || s.checkpoint.minutes.is_some();
+        let checks = self.stop_checks(signals)?;
+        let agree = checks.signals || checks.time_limit || checks.timed;
+        let s = &self.settings;
         let (stop, checkpoint) = if agree {
             let stop_wish = signals
                 .and_then(SignalWatch::received)

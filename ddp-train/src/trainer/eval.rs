@@ -94,8 +94,8 @@ impl<T: Task> Trainer<T> {
         signals: Option<&SignalWatch>,
     ) -> Result<Option<(f64, T::Stats)>, TrainError> {
         // The same on every rank: whether they agree before each round.
-        let agree =
-            signals.is_some() || (end.is_some() && self.settings.runtime.time_limit_secs.is_some());
+        let checks = self.stop_checks(signals)?;
+        let agree = checks.signals || (end.is_some() && checks.time_limit);
         let (Some(set), Some(sampler)) = (&self.val_set, &self.val_sampler) else {
             return Ok(None);
         };
@@ -163,5 +163,48 @@ impl<T: Task> Trainer<T> {
             stats.set_rows(all);
         }
         Ok(Some((totals[0] / totals[1].max(1.0), stats)))
+    }
+}
+
+/// Which checks for a stop or a timed checkpoint the ranks make together. Each rank's
+/// runtime settings are its own (never compared at start), so whether some rank watches
+/// signals, has a time limit or checkpoints every so many minutes is agreed once, as the
+/// maximum over the ranks: every rank then takes part in the same collectives, and a rank
+/// that asks for a stop stops every rank.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct StopChecks {
+    /// Some rank watches stop signals.
+    pub(super) signals: bool,
+    /// Some rank has a time limit.
+    pub(super) time_limit: bool,
+    /// Some rank checkpoints every so many minutes.
+    pub(super) timed: bool,
+}
+
+impl<T: Task> Trainer<T> {
+    /// [`StopChecks`]: agreed at the first call (one all-reduce, at the first step's or the
+    /// first evaluation's check, where every rank is), then kept.
+    pub(super) fn stop_checks(
+        &mut self,
+        signals: Option<&SignalWatch>,
+    ) -> Result<StopChecks, TrainError> {
+        if let Some(checks) = self.stop_checks {
+            return Ok(checks);
+        }
+        let s = &self.settings;
+        let mut flags = [
+            signals.is_some(),
+            s.runtime.time_limit_secs.is_some(),
+            s.checkpoint.minutes.is_some(),
+        ]
+        .map(i64::from);
+        self.pg.all_reduce_slice(&mut flags, ReduceOp::Max)?;
+        let checks = StopChecks {
+            signals: flags[0] == 1,
+            time_limit: flags[1] == 1,
+            timed: flags[2] == 1,
+        };
+        self.stop_checks = Some(checks);
+        Ok(checks)
     }
 }

@@ -64,8 +64,9 @@ pub(crate) use startup::default_run_dir;
 /// [`Task`].
 ///
 /// Per epoch, on every rank, the collectives come in this fixed order. For each optimizer
-/// step: one all-reduce of two flags that agree on a stop or a checkpoint (when stop
-/// signals, a time limit or timed checkpoints are on, as by default); rank 0's buffer
+/// step: one all-reduce of two flags that agree on a stop or a checkpoint (when some rank
+/// watches stop signals, has a time limit or timed checkpoints, as by default: agreed by one
+/// all-reduce at the run's first such check, as each rank's runtime settings are its own); rank 0's buffer
 /// broadcast before the step's first micro-batch (with `broadcast_buffers`); during and
 /// after the last micro-batch's backward, one all-reduce per gradient bucket, then one of
 /// the parameters' use counts (at the end of the first step, also one broadcast of the
@@ -128,6 +129,8 @@ pub struct Trainer<T: Task> {
     /// at the first step, as one asked for later. `run` takes it; `evaluate` uses it, and
     /// leaves it to a later `run`.
     signals: Option<crate::stop::SignalWatch>,
+    /// Which stop checks every rank takes part in, agreed at the first one.
+    stop_checks: Option<eval::StopChecks>,
     last_checkpoint: Instant,
     /// Why, where (epoch and its steps done) and with which checkpoint the run stopped, once
     /// `run` returned `TrainError::Stopped`: a later `run` refuses.

@@ -234,6 +234,7 @@ impl<T: Task> Trainer<T> {
             allocation_change: m.allocation_change,
             budget: Budget::new(started, s_time_limit, val_batches, checkpoint_bytes),
             signals,
+            stop_checks: None,
             last_checkpoint: Instant::now(),
             stopped: None,
             failed_in: None,
