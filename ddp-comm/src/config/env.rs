@@ -215,7 +215,7 @@ impl EnvConfig {
                 let rank = number("RANK")?.ok_or_else(|| missing("RANK", "WORLD_SIZE is set"))?;
                 let world =
                     number("WORLD_SIZE")?.ok_or_else(|| missing("WORLD_SIZE", "RANK is set"))?;
-                let (local_rank, local_world) = local_place(rank, number, &get)?;
+                let (local_rank, local_world) = local_place(rank, world, number, &get)?;
                 (EnvSource::Torchrun, rank, world, local_rank, local_world)
             } else if get("SLURM_PROCID").is_some() {
                 let rank = number("SLURM_PROCID")?.unwrap_or(0);
@@ -251,7 +251,10 @@ impl EnvConfig {
                 (EnvSource::Single, 0, 1, 0, Some(1))
             };
         let local_rank_given = match source {
-            EnvSource::Torchrun => get("LOCAL_RANK").is_some() || get("SLURM_LOCALID").is_some(),
+            EnvSource::Torchrun => {
+                get("LOCAL_RANK").is_some()
+                    || (get("SLURM_LOCALID").is_some() && own_slurm_task(rank, world_size, &get))
+            }
             EnvSource::Slurm => get("SLURM_LOCALID").is_some(),
             EnvSource::Single | EnvSource::Code => false,
         };
@@ -413,14 +416,16 @@ impl EnvConfig {
 /// rank `rank`, which has `RANK` and `WORLD_SIZE`, in this order of precedence:
 ///
 /// 1. `LOCAL_RANK` (torchrun, `ddp-run`), with `LOCAL_WORLD_SIZE`, else `None`;
-/// 2. `SLURM_LOCALID` (torchrun's variables set by hand inside an `srun` task), with
-///    `LOCAL_WORLD_SIZE`, else SLURM's tasks per node, else `None`;
+/// 2. `SLURM_LOCALID` (torchrun's variables set by hand inside an `srun` task that is this
+///    rank: [`own_slurm_task`]), with `LOCAL_WORLD_SIZE`, else SLURM's tasks per node, else
+///    `None`;
 /// 3. `LOCAL_WORLD_SIZE` alone: ranks fill the hosts in order, `rank % LOCAL_WORLD_SIZE`;
 /// 4. none of them (a Kubeflow `PyTorchJob` pod, which gets `RANK`, `WORLD_SIZE`,
 ///    `MASTER_ADDR` and `MASTER_PORT` only): one rank per host, local rank 0 of 1, so that a
 ///    single-GPU pod's rank uses `cuda:0` and all of the pod's cores.
 fn local_place<G: Fn(&str) -> Option<String>>(
     rank: usize,
+    world: usize,
     number: impl Fn(&str) -> Result<Option<usize>, CommError>,
     get: &G,
 ) -> Result<(usize, Option<usize>), CommError> {
@@ -428,7 +433,11 @@ fn local_place<G: Fn(&str) -> Option<String>>(
     if let Some(local_rank) = number("LOCAL_RANK")? {
         return Ok((local_rank, local_world));
     }
-    if let Some(local_rank) = number("SLURM_LOCALID")? {
+    let local_id = match own_slurm_task(rank, world, get) {
+        true => number("SLURM_LOCALID")?,
+        false => None,
+    };
+    if let Some(local_rank) = local_id {
         let per_node = match local_world {
             Some(n) => Some(n),
             None => slurm_tasks_per_node(get)?,
@@ -440,6 +449,17 @@ fn local_place<G: Fn(&str) -> Option<String>>(
         Some(n) => Ok((rank % n, Some(n))),
         None => Ok((0, Some(1))),
     }
+}
+
+/// Whether this process is `srun`'s task for rank `rank` of `world`: in a step, with the
+/// rank as its `SLURM_PROCID` and the world as the step's tasks. Only then is
+/// `SLURM_LOCALID` the rank's own: the processes of a batch script, or several that one task
+/// starts, inherit one `SLURM_LOCALID` alike.
+fn own_slurm_task<G: Fn(&str) -> Option<String>>(rank: usize, world: usize, get: &G) -> bool {
+    let count = |name: &str| get(name).and_then(|v| v.trim().parse::<usize>().ok());
+    get("SLURM_STEP_ID").is_some()
+        && count("SLURM_PROCID") == Some(rank)
+        && count("SLURM_STEP_NUM_TASKS").or_else(|| count("SLURM_NTASKS")) == Some(world)
 }
 
 /// A local rank inside its node, the node no larger than the world: each refusal names the
@@ -903,7 +923,14 @@ mod tests {
         // DeepSpeed's launcher: `LOCAL_RANK` and its own `LOCAL_SIZE`.
         let deepspeed = [("LOCAL_RANK", "1"), ("LOCAL_SIZE", "2")];
         assert_eq!(place(&deepspeed), (1, 4, true));
-        assert_eq!(place(&[("SLURM_LOCALID", "3")]), (3, 4, true));
+        // srun's task for rank 3 of 4.
+        let task = [
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+        ];
+        let in_task = |vars: &[(&str, &str)]| place(&[&task[..], vars].concat());
+        assert_eq!(in_task(&[("SLURM_LOCALID", "3")]), (3, 4, true));
         // A count, even of the whole world, is no guess.
         for (vars, want) in [
             (
@@ -912,7 +939,13 @@ mod tests {
             ),
             (&[("LOCAL_RANK", "3"), ("LOCAL_WORLD_SIZE", "4")], (3, 4)),
             (
-                &[("SLURM_LOCALID", "1"), ("SLURM_TASKS_PER_NODE", "2(x2)")],
+                &[
+                    ("SLURM_LOCALID", "1"),
+                    ("SLURM_TASKS_PER_NODE", "2(x2)"),
+                    ("SLURM_STEP_ID", "0"),
+                    ("SLURM_PROCID", "3"),
+                    ("SLURM_NTASKS", "4"),
+                ],
                 (1, 2),
             ),
             (&[("LOCAL_WORLD_SIZE", "2")], (1, 2)),
@@ -951,7 +984,19 @@ mod tests {
             (c.local_rank, c.local_rank_given)
         };
         assert_eq!(given(&[("LOCAL_RANK", "1")]), (1, true));
-        assert_eq!(given(&[("SLURM_LOCALID", "1")]), (1, true));
+        let task = [("SLURM_STEP_ID", "0"), ("SLURM_NTASKS", "2")];
+        let own = [&task[..], &[("SLURM_PROCID", "1"), ("SLURM_LOCALID", "1")]].concat();
+        assert_eq!(given(&own), (1, true));
+        // Not this rank's own srun task: a batch script's processes (no step), or several
+        // that task 0 started, inherit its SLURM_LOCALID, which is then not theirs.
+        assert_eq!(
+            given(&[("SLURM_PROCID", "0"), ("SLURM_LOCALID", "0")]),
+            (0, false)
+        );
+        let started = [&task[..], &[("SLURM_PROCID", "0"), ("SLURM_LOCALID", "0")]].concat();
+        assert_eq!(given(&started), (0, false));
+        let batch = [("SLURM_LOCALID", "0"), ("LOCAL_WORLD_SIZE", "2")];
+        assert_eq!(given(&batch), (1, false));
         assert_eq!(given(&[("LOCAL_WORLD_SIZE", "2")]), (1, false));
         assert_eq!(given(&[("LOCAL_RANK", " ")]), (0, false));
         assert_eq!(given(&[]), (0, false));
@@ -988,7 +1033,13 @@ mod tests {
             place(&[("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")]),
             (1, 2)
         );
-        // Inside an srun task: SLURM's local id and tasks per node.
+        // Inside srun's task for this rank: SLURM's local id and tasks per node.
+        let task = [
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+        ];
+        let place = |vars: &[(&str, &str)]| place(&[&task[..], vars].concat());
         assert_eq!(
             place(&[("SLURM_LOCALID", "1"), ("SLURM_TASKS_PER_NODE", "2(x2)")]),
             (1, 2)
@@ -1012,6 +1063,9 @@ mod tests {
             ("SLURM_LOCALID", "0"),
             ("SLURM_TASKS_PER_NODE", "3(x2),2"),
             ("SLURM_NODEID", "3"),
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "8"),
         ]) {
             Err(CommError::MalformedEnv { var, .. }) => assert_eq!(var, "SLURM_NODEID"),
             other => panic!("{other:?}"),
