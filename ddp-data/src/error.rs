@@ -105,7 +105,9 @@ pub enum DataError {
     /// Rows whose image file does not exist; the message names the first ten, and
     /// [`DataError::MissingImages::files`] holds every one.
     #[error(
-        "{} image(s) listed in '{}' are missing from '{}': {}{}",
+        "{} image(s) listed in '{}' are missing from '{}': {}{} (check that this is the \
+         images' folder, or give theirs with --image-dir; else remove the rows of the missing \
+         images from the annotation file)",
         .files.len(),
         .annotations.display(),
         .image_dir.display(),
@@ -182,12 +184,14 @@ pub enum DataError {
 
     /// A folder of unlabelled images holds files that are not named as the challenge's test
     /// images; every one is listed.
-    #[error("'{}' holds {} file(s) not named <id>_left.jpg or <id>_right.jpg: {}; an unlabelled folder holds only the challenge's test images (for a labelled ODIR folder, use `evaluate`)", .dir.display(), .files.len(), .files.join(", "))]
+    #[error("'{}' holds {} file(s) not named <id>_left.jpg or <id>_right.jpg: {}; an unlabelled folder holds only the challenge's test images ({})", .dir.display(), .files.len(), .files.join(", "), unlabelled_advice(.test_images.as_deref(), "for a labelled ODIR folder, use `evaluate`"))]
     UnexpectedFiles {
         /// The folder.
         dir: PathBuf,
         /// Every file that does not fit.
         files: Vec<String>,
+        /// A folder below `dir` whose path says "test" and that holds test images.
+        test_images: Option<PathBuf>,
     },
 
     /// A synthetic sample was to be written into a folder that already holds files.
@@ -198,10 +202,12 @@ pub enum DataError {
     },
 
     /// A folder of unlabelled images holds none.
-    #[error("'{}' holds no images named <id>_left.jpg or <id>_right.jpg", .dir.display())]
+    #[error("'{}' holds no images named <id>_left.jpg or <id>_right.jpg ({})", .dir.display(), unlabelled_advice(.test_images.as_deref(), "give the folder of the challenge's test images"))]
     NoImages {
         /// The folder.
         dir: PathBuf,
+        /// A folder below `dir` whose path says "test" and that holds test images.
+        test_images: Option<PathBuf>,
     },
 
     /// A folder could not be listed.
@@ -404,6 +410,15 @@ impl DataError {
             },
             e => e,
         }
+    }
+}
+
+/// What an unlabelled folder's error advises: the folder of test images below it, if any,
+/// else `otherwise`.
+fn unlabelled_advice(test_images: Option<&Path>, otherwise: &str) -> String {
+    match test_images {
+        Some(folder) => format!("did you mean --data '{}'?", folder.display()),
+        None => otherwise.to_string(),
     }
 }
 

@@ -241,6 +241,11 @@ fn unparsable_patient_id_is_an_invalid_cell() {
     );
 }
 
+/// What a missing-images error advises, after the names.
+const ADVICE: &str = " (check that this is the images' folder, or give theirs with \
+                      --image-dir; else remove the rows of the missing images from the \
+                      annotation file)";
+
 #[test]
 fn every_missing_image_is_listed() {
     let dir = tempfile::tempdir().unwrap();
@@ -258,7 +263,7 @@ fn every_missing_image_is_listed() {
     let msg = e.to_string();
     assert!(msg.starts_with("3 image(s) listed in"), "{msg}");
     assert!(
-        msg.ends_with("1_right.jpg, 3_left.jpg, 4_right.jpg"),
+        msg.ends_with(&format!("1_right.jpg, 3_left.jpg, 4_right.jpg{ADVICE}")),
         "{msg}"
     );
     // Thousands of missing images (a wrong folder) make a message of ten names and a count;
@@ -272,7 +277,8 @@ fn every_missing_image_is_listed() {
     assert_eq!(files.len(), 8);
     let msg = e.to_string();
     assert!(
-        msg.starts_with("8 image(s) listed in") && msg.ends_with("4_left.jpg, 4_right.jpg"),
+        msg.starts_with("8 image(s) listed in")
+            && msg.ends_with(&format!("4_left.jpg, 4_right.jpg{ADVICE}")),
         "{msg}"
     );
     let names = valid_csv_layout(dir.path(), 6);
@@ -282,7 +288,7 @@ fn every_missing_image_is_listed() {
     let msg = e.to_string();
     assert!(
         msg.starts_with("12 image(s)")
-            && msg.ends_with(&format!("{}, {} and 2 more", names[8], names[9])),
+            && msg.ends_with(&format!("{}, {} and 2 more{ADVICE}", names[8], names[9])),
         "{msg}"
     );
 }

@@ -196,7 +196,8 @@ fn oia_odir_sets_open_with_their_annotation_folder_and_images() {
 
 /// `--data` one level off: an images folder names its data folder, an OIA-ODIR root its
 /// `Training Set` (its annotations come first of the three sets'), and a Kaggle download's
-/// `ODIR-5K/` the download (its `full_df.csv` before the workbook in `ODIR-5K/ODIR-5K/`).
+/// `ODIR-5K/` the download (its `full_df.csv` before the workbook in `ODIR-5K/ODIR-5K/`);
+/// the challenge's `Testing Images` names no labelled folder.
 #[test]
 fn a_data_folder_one_level_off_names_the_one_meant() {
     let message = |root: &Path| {
@@ -230,6 +231,19 @@ fn a_data_folder_one_level_off_names_the_one_meant() {
             kaggle.display()
         )
     );
+
+    // The challenge's test images beside its workbook: the workbook labels the training
+    // images, so it is not suggested; the folder is for `predict`.
+    let challenge = dir.path().join("ODIR-5K");
+    let testing = challenge.join("Testing Images");
+    std::fs::create_dir_all(&testing).unwrap();
+    common::write_xlsx(
+        &challenge.join("data.xlsx"),
+        &[(1, "1_left.jpg", "1_right.jpg", [1, 0, 0, 0, 0, 0, 0, 0])],
+    );
+    let refused = message(&testing);
+    assert!(!refused.contains("did you mean"), "{refused}");
+    assert!(refused.contains("`ddp-train predict`"), "{refused}");
 
     let oia = dir.path().join("OIA-ODIR");
     for (set, workbook) in [

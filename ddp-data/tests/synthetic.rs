@@ -207,8 +207,50 @@ fn an_unlabelled_folder_names_every_file_that_is_not_a_test_image() {
     let empty = tempfile::tempdir().unwrap();
     assert!(matches!(
         OdirDataset::open_unlabelled(empty.path()),
-        Err(ddp_data::DataError::NoImages { .. })
+        Err(ddp_data::DataError::NoImages {
+            test_images: None,
+            ..
+        })
     ));
+}
+
+/// A dataset's top folder given where test images are expected names the folder of test
+/// images below it: the challenge's `Testing Images` beside its workbook (not `Training
+/// Images`, whose names look the same), and Kaggle's, two levels down beside no file.
+#[test]
+fn a_datasets_top_folder_names_its_test_images() {
+    let top = tempfile::tempdir().unwrap();
+    let challenge = top.path().join("ODIR-5K");
+    for folder in ["Training Images", "Testing Images"] {
+        std::fs::create_dir_all(challenge.join(folder)).unwrap();
+        std::fs::write(challenge.join(folder).join("1_left.jpg"), b"x").unwrap();
+    }
+    std::fs::write(challenge.join("data.xlsx"), b"x").unwrap();
+    let err = OdirDataset::open_unlabelled(&challenge).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "'{}' holds 1 file(s) not named <id>_left.jpg or <id>_right.jpg: data.xlsx; an \
+             unlabelled folder holds only the challenge's test images (did you mean --data \
+             '{}'?)",
+            challenge.display(),
+            challenge.join("Testing Images").display()
+        )
+    );
+    let kaggle = top.path().join("kaggle");
+    let nested = kaggle.join("ODIR-5K/ODIR-5K/Testing Images");
+    std::fs::create_dir_all(&nested).unwrap();
+    std::fs::write(nested.join("7_right.jpg"), b"x").unwrap();
+    let err = OdirDataset::open_unlabelled(&kaggle).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "'{}' holds no images named <id>_left.jpg or <id>_right.jpg (did you mean --data \
+             '{}'?)",
+            kaggle.display(),
+            nested.display()
+        )
+    );
 }
 
 /// A second sample is not written over a first: the folder must be new or empty, and the

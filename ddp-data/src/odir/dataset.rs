@@ -140,23 +140,36 @@ fn find_annotations(root: &Path) -> Option<(usize, PathBuf)> {
 }
 
 /// A folder next to `root` that [`find_annotations`] accepts, for a `root` it does not: the
-/// parent (an images folder given for its data folder), else the subfolder whose annotation
-/// file comes first in the search order, then by name (OIA-ODIR's `Training Set` in its root).
+/// parent where `root` is named as a layout's image folders are, or a folder on their way
+/// (an images folder given for its data folder; not the challenge's `Testing Images`, whose
+/// parent's labels are the training set's), else the subfolder whose annotation file comes first in the search order, then by
+/// name (OIA-ODIR's `Training Set` in its root).
 fn nearby_data_folder(root: &Path) -> Option<PathBuf> {
-    let parent = match root.components().next_back() {
-        Some(std::path::Component::Normal(_)) => root
-            .parent()
-            .map(|p| {
+    let (parent, name) = match root.components().next_back() {
+        Some(std::path::Component::Normal(name)) => {
+            let parent = root.parent().map(|p| {
                 if p.as_os_str().is_empty() {
                     Path::new(".")
                 } else {
                     p
                 }
-            })
-            .map(Path::to_path_buf),
+            });
+            (parent.map(Path::to_path_buf), Some(name.to_os_string()))
+        }
         // `.`, `..` or `/`: the parent only the file system knows.
-        _ => root.canonicalize().ok()?.parent().map(Path::to_path_buf),
+        _ => {
+            let real = root.canonicalize().ok()?;
+            (
+                real.parent().map(Path::to_path_buf),
+                real.file_name().map(Into::into),
+            )
+        }
     };
+    let image_folder = |name: &std::ffi::OsStr| {
+        (CSV_IMAGE_DIRS.iter().chain(&XLSX_IMAGE_DIRS))
+            .any(|d| Path::new(d).components().any(|c| c.as_os_str() == name))
+    };
+    let parent = parent.filter(|_| name.as_deref().is_some_and(image_folder));
     let mut children: Vec<PathBuf> = std::fs::read_dir(root)
         .ok()?
         .filter_map(Result::ok)

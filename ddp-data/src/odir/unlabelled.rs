@@ -1,7 +1,7 @@
 //! Folders of unlabelled fundus photos named as the challenge's test set: `<id>_left.jpg`
 //! and `<id>_right.jpg`, a patient's `ID` and the eye, with no annotation file.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::error::DataError;
 
@@ -95,12 +95,52 @@ pub(super) fn list_images(dir: &Path) -> Result<Vec<(String, u64, Eye)>, DataErr
         return Err(DataError::UnexpectedFiles {
             dir: dir.to_path_buf(),
             files: unexpected,
+            test_images: test_images_below(dir),
         });
     }
     if images.is_empty() {
         return Err(DataError::NoImages {
             dir: dir.to_path_buf(),
+            test_images: test_images_below(dir),
         });
     }
     Ok(images)
+}
+
+/// A folder below `dir` (at most three levels down, by level, then by name) whose path
+/// below `dir` says "test" (any case) and that holds an image named as a test image: what
+/// was meant when a dataset's top folder was given (the challenge's `Testing Images`,
+/// Kaggle's `ODIR-5K/ODIR-5K/Testing Images`).
+fn test_images_below(dir: &Path) -> Option<PathBuf> {
+    let subfolders = |folder: &Path| -> Vec<PathBuf> {
+        let Ok(entries) = std::fs::read_dir(folder) else {
+            return Vec::new();
+        };
+        let mut found: Vec<PathBuf> = entries
+            .filter_map(Result::ok)
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .map(|e| e.path())
+            .collect();
+        found.sort();
+        found
+    };
+    let holds_test_image = |folder: &Path| {
+        std::fs::read_dir(folder).is_ok_and(|mut entries| {
+            entries.any(|e| {
+                e.is_ok_and(|e| parse_image_name(&e.file_name().to_string_lossy()).is_some())
+            })
+        })
+    };
+    let mut level = vec![dir.to_path_buf()];
+    for _ in 0..3 {
+        level = level.iter().flat_map(|f| subfolders(f)).collect();
+        let says_test = |f: &&PathBuf| {
+            let below = f.strip_prefix(dir).unwrap_or(f);
+            below.to_string_lossy().to_lowercase().contains("test")
+        };
+        if let Some(found) = level.iter().filter(says_test).find(|f| holds_test_image(f)) {
+            return Some(found.clone());
+        }
+    }
+    None
 }

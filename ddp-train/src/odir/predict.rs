@@ -261,7 +261,7 @@ pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
     let c = &args.config;
     c.validate()?;
     utf8_paths([("--checkpoint", Some(args.model.checkpoint.as_path()))])?;
-    let set = OdirDataset::open(&c.data, &rank_data_options(c)?)?;
+    let set = super::task::open_labelled(&c.data, &rank_data_options(c)?, c.labels)?;
     // A folder whose every image --skip-corrupt left out has nothing to score (its metrics
     // would be NaN): refused as training refuses it, naming the folder and the first image.
     ddp_data::odir::all_indices(&set)?;

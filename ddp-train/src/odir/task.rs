@@ -63,18 +63,7 @@ impl OdirTask {
             if dir != c.data {
                 options.image_dir = None;
             }
-            OdirDataset::open(dir, &options)
-                .map_err(|e| match &e {
-                    DataError::MissingColumn { column, .. }
-                        if column == "target" && c.labels == Labels::Eye =>
-                    {
-                        TrainError::Invalid(format!(
-                            "{e}: --labels eye needs per-eye labels; --labels patient (or \
-                             auto) takes the patient columns N..O"
-                        ))
-                    }
-                    _ => TrainError::from(e),
-                })
+            open_labelled(dir, &options, c.labels)
                 .map(Arc::new)
                 .context(|| format!("loading ODIR data from {}", dir.display()))
         };
@@ -357,6 +346,24 @@ pub(super) fn eval_transform(c: &TrainConfig) -> Result<Transform, TrainError> {
 /// `--eval-resize`'s default for crops of `image_size`: 8/7 of it (256 for 224).
 pub(super) fn default_eval_resize(image_size: u32) -> u32 {
     u32::try_from(u64::from(image_size) * 8 / 7).unwrap_or(u32::MAX)
+}
+
+/// Opens a labelled folder with `options`; a folder without per-eye labels under `--labels
+/// eye` is told to take the patient columns.
+pub(super) fn open_labelled(
+    dir: &Path,
+    options: &OdirOptions,
+    labels: Labels,
+) -> Result<OdirDataset, TrainError> {
+    OdirDataset::open(dir, options).map_err(|e| match &e {
+        DataError::MissingColumn { column, .. } if column == "target" && labels == Labels::Eye => {
+            TrainError::Invalid(format!(
+                "{e}: --labels eye needs per-eye labels; --labels patient (or auto) takes the \
+                 patient columns N..O"
+            ))
+        }
+        _ => TrainError::from(e),
+    })
 }
 
 /// How `--data` is opened: the labels and `--skip-corrupt` as given, its scan on the
