@@ -18,6 +18,7 @@ use tch::{Kind, Tensor};
 pub struct GradBucket<'a> {
     pub(crate) index: usize,
     pub(crate) count: usize,
+    pub(crate) scaled: bool,
     pub(crate) buffer: &'a Tensor,
     pub(crate) names: Vec<&'a str>,
 }
@@ -37,6 +38,13 @@ impl GradBucket<'_> {
     /// must leave the average in it by the time its [`HookWork`] has been waited for.
     pub fn buffer(&self) -> &Tensor {
         self.buffer
+    }
+
+    /// Whether the buffer holds the gradients times `1/world size` already (the hook asked
+    /// for it: [`CommHook::scaled_on_copy`]), so that their sum over the ranks is the
+    /// average.
+    pub fn is_scaled(&self) -> bool {
+        self.scaled
     }
 
     /// The names of the parameters whose gradients the buffer holds, in buffer order.
@@ -94,6 +102,14 @@ impl HookWork {
 pub trait CommHook: Send + Sync + std::fmt::Debug {
     /// Starts averaging `bucket`'s buffer over `pg`'s ranks.
     fn start(&self, pg: &Arc<ProcessGroup>, bucket: &GradBucket<'_>) -> HookWork;
+
+    /// Whether DDP should scale each gradient by `1/world size` as it copies it into its
+    /// bucket ([`GradBucket::is_scaled`]): one pass over the gradients instead of a copy and
+    /// a scaling, what PyTorch's reducer does when no hook is registered. `false` by
+    /// default: the buffer holds the rank's own gradients.
+    fn scaled_on_copy(&self) -> bool {
+        false
+    }
 }
 
 /// The built-in hooks.
@@ -102,7 +118,8 @@ pub trait CommHook: Send + Sync + std::fmt::Debug {
 )]
 #[serde(rename_all = "snake_case")]
 pub enum BuiltinHook {
-    /// Scale the bucket by `1/world size`, then all-reduce (sum): the default, what PyTorch's
+    /// Each gradient times `1/world size` (as DDP copies it into the bucket:
+    /// [`CommHook::scaled_on_copy`]), then all-reduced (sum): the default, what PyTorch's
     /// reducer does without a hook. Scaled first, fp16 gradients whose average fits do not
     /// overflow in their sum, and the rounding is PyTorch's.
     #[default]
@@ -149,17 +166,24 @@ impl FromStr for BuiltinHook {
 }
 
 impl CommHook for BuiltinHook {
+    /// Only the plain all-reduce: the compressing hooks divide their compressed copy.
+    fn scaled_on_copy(&self) -> bool {
+        *self == BuiltinHook::Allreduce
+    }
+
     fn start(&self, pg: &Arc<ProcessGroup>, bucket: &GradBucket<'_>) -> HookWork {
         let world = pg.world_size() as f64;
         let kind = match self {
             BuiltinHook::Allreduce => {
-                // In place, on the stream where the hook runs, before the collective's ready
-                // event: PyTorch's `copy_grad_to_bucket` multiplies by `1/div_factor` alike.
-                let mut buffer = bucket.buffer().shallow_clone();
-                tch::no_grad(|| {
-                    let _ = buffer.g_mul_scalar_(1.0 / world);
-                });
-                return HookWork::new(pg.all_reduce_async(&buffer, ReduceOp::Sum));
+                if !bucket.is_scaled() {
+                    // In place, on the stream where the hook runs, before the collective's
+                    // ready event (a hook of a user's that calls this one).
+                    let mut buffer = bucket.buffer().shallow_clone();
+                    tch::no_grad(|| {
+                        let _ = buffer.g_mul_scalar_(1.0 / world);
+                    });
+                }
+                return HookWork::new(pg.all_reduce_async(bucket.buffer(), ReduceOp::Sum));
             }
             BuiltinHook::Bf16Compress => Kind::BFloat16,
             BuiltinHook::Fp16Compress => Kind::Half,
@@ -214,6 +238,7 @@ mod tests {
         let bucket = GradBucket {
             index: 0,
             count: 1,
+            scaled: false,
             buffer: &buffer,
             names: vec!["w"],
         };

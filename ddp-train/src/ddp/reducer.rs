@@ -207,7 +207,7 @@ impl Reducer {
         self.order.push(k);
         let (b, _, _) = self.locate[k];
         if self.options.overlap {
-            tch::no_grad(|| self.copy_in(k));
+            tch::no_grad(|| self.copy_in(k, self.share()));
         }
         self.pending[b] -= 1;
         if self.launching() {
@@ -221,7 +221,7 @@ impl Reducer {
     fn mark_unused(&mut self, k: usize) {
         let (b, offset, numel) = self.locate[k];
         if self.params[k].1.grad().defined() {
-            self.copy_in(k);
+            self.copy_in(k, self.share());
         } else {
             let _ = self.buckets[b].slot(offset, numel).zero_();
         }
@@ -229,11 +229,20 @@ impl Reducer {
         self.pending[b] -= 1;
     }
 
-    /// Copies parameter `k`'s gradient into its bucket, unless it already is a view of it;
-    /// with `gradient_as_bucket_view` the gradient then becomes that view. A sparse gradient
-    /// (an embedding's with `sparse: true`) becomes dense first: ddp-comm has no sparse
-    /// collectives, and the dense average holds the values of PyTorch's sparse one.
-    fn copy_in(&self, k: usize) {
+    /// The factor gradients are scaled by on their way into a bucket: `1/world size` where
+    /// the hook asks for it ([`CommHook::scaled_on_copy`]), as PyTorch's reducer divides
+    /// while it copies when no hook is registered.
+    fn share(&self) -> Option<f64> {
+        let world = self.pg.world_size() as f64;
+        self.hook.scaled_on_copy().then(|| 1.0 / world)
+    }
+
+    /// Copies parameter `k`'s gradient into its bucket, times `scale` if given (in place
+    /// when it already is a view of it); with `gradient_as_bucket_view` the gradient then
+    /// becomes that view. A sparse gradient (an embedding's with `sparse: true`) becomes
+    /// dense first: ddp-comm has no sparse collectives, and the dense average holds the
+    /// values of PyTorch's sparse one.
+    fn copy_in(&self, k: usize, scale: Option<f64>) {
         let (b, offset, numel) = self.locate[k];
         let p = &self.params[k].1;
         let mut slot = self.buckets[b].slot(offset, numel);
@@ -246,9 +255,18 @@ impl Reducer {
             }
         }
         if is_view_of(&grad, &slot) {
+            if let Some(scale) = scale {
+                let _ = slot.g_mul_scalar_(scale);
+            }
             return;
         }
-        slot.copy_(&grad.reshape([-1]));
+        match scale {
+            // One pass: read the gradient, write its share.
+            Some(scale) => {
+                let _ = grad.reshape([-1]).mul_scalar_out(&slot, scale);
+            }
+            None => slot.copy_(&grad.reshape([-1])),
+        }
         if self.options.gradient_as_bucket_view {
             // Same dtype, device and shape as the parameter: set_grad cannot refuse it.
             let _ = tch_ext::set_grad(p, Some(&slot.view_as(p)));
@@ -263,6 +281,7 @@ impl Reducer {
             let grad_bucket = GradBucket {
                 index: b,
                 count: self.buckets.len(),
+                scaled: self.hook.scaled_on_copy(),
                 buffer: &bucket.flat,
                 names: bucket
                     .members
@@ -353,7 +372,7 @@ impl Reducer {
                     if !self.ready[k] {
                         self.mark_unused(k);
                     } else if self.used[k] && !self.options.overlap {
-                        self.copy_in(k);
+                        self.copy_in(k, self.share());
                     }
                 }
                 self.launch_ready(b + 1);
@@ -487,7 +506,8 @@ impl Reducer {
             tch::no_grad(|| {
                 for k in 0..self.params.len() {
                     if self.params[k].1.grad().defined() {
-                        self.copy_in(k);
+                        // Averaged already: moved as they are.
+                        self.copy_in(k, None);
                     }
                 }
             });
