@@ -489,6 +489,8 @@ fn dtype_of(kind: Kind) -> Option<Dtype> {
         Kind::Int8 => Dtype::I8,
         Kind::Uint8 => Dtype::U8,
         Kind::Bool => Dtype::BOOL,
+        Kind::Float8e4m3fn => Dtype::F8_E4M3,
+        Kind::Float8e5m2 => Dtype::F8_E5M2,
         _ => return None,
     })
 }
@@ -505,6 +507,9 @@ pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
         Dtype::I8 => Kind::Int8,
         Dtype::U8 => Kind::Uint8,
         Dtype::BOOL => Kind::Bool,
+        // safetensors' names of PyTorch's float8_e4m3fn and float8_e5m2.
+        Dtype::F8_E4M3 => Kind::Float8e4m3fn,
+        Dtype::F8_E5M2 => Kind::Float8e5m2,
         _ => return None,
     })
 }
@@ -512,6 +517,24 @@ pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// float8 tensors (safetensors' `F8_E4M3` and `F8_E5M2`, as PyTorch's `save_file`
+    /// writes them) are written and read back with their kind and values.
+    #[test]
+    fn float8_tensors_round_trip() {
+        let tmp = ddp_testkit::temp_dir("ddp-model-float8");
+        let file = tmp.path().join("f8.safetensors");
+        let values = Tensor::from_slice(&[1.0f32, -2.0, 0.5]);
+        let kinds = [Kind::Float8e4m3fn, Kind::Float8e5m2];
+        let tensors = kinds.map(|k| (format!("{k:?}"), values.to_kind(k)));
+        write_tensors(tensors, &HashMap::new(), &file).unwrap();
+        let back = read_tensors(&file).unwrap();
+        for kind in kinds {
+            let t = &back.tensors[&format!("{kind:?}")];
+            assert_eq!(t.kind(), kind);
+            assert!(t.to_kind(Kind::Float).equal(&values), "{kind:?}");
+        }
+    }
 
     /// Metadata of several keys is written in key order, so that the same tensors and
     /// metadata give the same bytes in every process; the file reads back whole.

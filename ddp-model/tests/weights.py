@@ -29,6 +29,7 @@ Writes into DIR:
   resnet18-legacy.pth  the same state_dict without its num_batches_tracked counters, as
                    torchvision's ImageNet ResNet files were saved
   neg-conj.pth     tensors saved with their lazy neg or conj bit: {'neg': True} metadata
+  expanded-neg.pth {"w": torch.ones(1).expand(2**33)._neg_view()}: 2**33 elements, one stored
   deep.pth         a torch.save archive whose data.pkl is a tuple nested 1 000 000 deep
   many-entries.pth {"entry0": 0, ..., "entry19": 19}
   namespace.pth    {"model": convnet8, "args": argparse.Namespace(lr=0.1)}, as the
@@ -196,6 +197,16 @@ def neg_conj(path):
     assert back["conj"].resolve_conj().tolist() == [1 - 2j, 3 + 4j]
 
 
+def expanded_neg(path):
+    # One stored element viewed 2**33 times (stride 0), negated lazily: torch.load allocates
+    # nothing for it.
+    t = torch.ones(1).expand(2**33)._neg_view()
+    assert t.is_neg() and t.stride() == (0,)
+    torch.save({"w": t}, path)
+    back = torch.load(path, weights_only=True)
+    assert back["w"].is_neg() and back["w"].shape == (2**33,)
+
+
 def assert_loads_as(path, sd, **kwargs):
     back = torch.load(path, weights_only=True, **kwargs)
     back = back.get("model", back)
@@ -324,6 +335,7 @@ def main(out, marker, python_marker):
                            if not k.endswith("num_batches_tracked")),
                os.path.join(out, "resnet18-legacy.pth"))
     neg_conj(os.path.join(out, "neg-conj.pth"))
+    expanded_neg(os.path.join(out, "expanded-neg.pth"))
     deep = os.path.join(out, "deep.pth")
     torch.save({"t": torch.zeros(1)}, deep)
     rewrite(deep, {"deep/data.pkl": b"\x80\x02)" + b"\x85" * 1_000_000 + b"."})

@@ -661,6 +661,22 @@ fn the_neg_and_conj_bits_of_saved_views_are_applied() {
     assert_eq!(f64s(&conj.view_as_real()), [1.0, -2.0, 3.0, 4.0]);
 }
 
+/// A negated view of 2**33 elements over one stored element would take 32 GiB to apply:
+/// refused, naming the tensor, as the file holds no such values.
+#[test]
+fn a_negated_view_larger_than_its_storage_is_refused() {
+    let err = weights::read_state_dict(file("expanded-neg.pth")).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains(
+            "its view of [8589934592] elements over 1 stored ones is negated, conjugated or \
+             cast, which would copy it whole"
+        ),
+        "{msg}"
+    );
+    assert!(msg.contains("'w'"), "{msg}");
+}
+
 #[test]
 fn a_safetensors_header_of_640_bytes_is_not_taken_for_a_legacy_pickle() {
     // 640 = 0x280: the file starts `80 02`, as a pickle of protocol 2 does.

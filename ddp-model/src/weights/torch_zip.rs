@@ -360,6 +360,17 @@ impl<R: Read + Seek> Storages<'_, R> {
             }
         };
         check_view(t, numel).map_err(bad)?;
+        // Negation, conjugation and a cast make a copy of the view: one larger than its
+        // storage (an expanded tensor, stride 0) would take memory the file does not hold.
+        let copied = t.neg || (t.conj && super::is_complex(kind)) || t.cast.is_some();
+        let elements = t.size.iter().try_fold(1i64, |n, &d| n.checked_mul(d));
+        if copied && elements.is_none_or(|n| n > numel) {
+            return Err(bad(format!(
+                "its view of {:?} elements over {numel} stored ones is negated, conjugated or \
+                 cast, which would copy it whole",
+                t.size
+            )));
+        }
         let storage = self.storage(name, &t.storage, kind, numel)?;
         let view = storage.f_as_strided(&t.size, &t.stride, Some(t.offset));
         // The storage holds the values before the lazy conjugation (a no-op on real numbers)
