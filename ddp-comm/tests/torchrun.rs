@@ -6,26 +6,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{free_port, lines_with, show, wait_all, worker, WORKER_ENV};
 use ddp_comm::{CommError, Options, ProcessGroup, ReduceOp, Secret};
-
-/// The setup's torchrun: `cargo xtask setup` installs it, so its absence fails the test
-/// rather than skipping the only tests of the agent store.
-fn torchrun() -> PathBuf {
-    let deps =
-        std::env::var_os("DDP_DEPS_DIR").expect("cargo sets DDP_DEPS_DIR (.cargo/config.toml)");
-    let path = PathBuf::from(deps).join("venv/bin/torchrun");
-    assert!(
-        path.exists(),
-        "{} not found: run cargo xtask setup",
-        path.display()
-    );
-    path
-}
 
 #[test]
 fn ranks_started_by_torchrun_meet_through_the_agent_store() {
@@ -63,10 +49,10 @@ fn ranks_started_by_torchrun_meet_through_the_agent_store() {
         println!("TORCHRUN rank {rank} of {n} ok");
         return;
     }
-    let torchrun = torchrun();
     let config = ddp_testkit::temp_dir("torchrun-config");
+    let tmp = ddp_testkit::temp_dir("torchrun-tmp");
     let mut cmd = torchrun_of(
-        &torchrun,
+        tmp.path(),
         "ranks_started_by_torchrun_meet_through_the_agent_store",
     );
     cmd.env("DDP_RDZV_TIMEOUT_S", "60")
@@ -88,10 +74,11 @@ fn ranks_started_by_torchrun_meet_through_the_agent_store() {
     assert!(key_file.is_file(), "no key file was made:\n{}", show(&out));
 }
 
-/// torchrun starting three ranks of `test` of this binary on a free port, with piped
-/// output.
-fn torchrun_of(torchrun: &Path, test: &str) -> Command {
-    let mut cmd = Command::new(torchrun);
+/// The setup's torchrun (`cargo xtask setup` installs it, so its absence fails the test
+/// rather than skipping the only tests of the agent store) starting three ranks of `test` of
+/// this binary on a free port, with piped output and temporary files in `tmp`.
+fn torchrun_of(tmp: &Path, test: &str) -> Command {
+    let mut cmd = ddp_testkit::torchrun(tmp);
     cmd.args([
         "--nnodes",
         "1",
@@ -136,8 +123,8 @@ fn a_rank_with_another_secret_stops_every_rank_under_the_agent_store() {
         assert!(waited < Duration::from_secs(30), "rank {rank}: {waited:?}");
         return;
     }
-    let torchrun = torchrun();
-    let mut cmd = torchrun_of(&torchrun, TEST);
+    let tmp = ddp_testkit::temp_dir("torchrun-tmp");
+    let mut cmd = torchrun_of(tmp.path(), TEST);
     cmd.env("DDP_SECRET", "a".repeat(32))
         .env("DDP_RDZV_TIMEOUT_S", "120")
         .env("DDP_TRANSPORT", "tcp");

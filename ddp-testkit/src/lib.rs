@@ -60,6 +60,16 @@ pub fn setup_python() -> Command {
     venv_python(&python)
 }
 
+/// The setup's torchrun: `python -m torch.distributed.run` of `.deps/venv` (its `torchrun`
+/// script's first line names the venv's path when it was made, which a moved checkout no
+/// longer has), with torchrun's own temporary folders (`torchelastic_*`, never removed) in
+/// `tmp`, which the ranks it starts get as their `TMPDIR` too.
+pub fn torchrun(tmp: &Path) -> Command {
+    let mut cmd = setup_python();
+    cmd.args(["-m", "torch.distributed.run"]).env("TMPDIR", tmp);
+    cmd
+}
+
 /// A port on 127.0.0.1 that was free a moment ago, below the ephemeral range, so that the
 /// outgoing connections of tests running meanwhile cannot take it.
 pub fn free_port() -> u16 {

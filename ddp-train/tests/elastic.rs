@@ -703,19 +703,11 @@ fn agent(
     dir: &Path,
     env: &[(&str, &str)],
 ) -> std::process::Child {
-    let deps =
-        std::env::var_os("DDP_DEPS_DIR").expect("cargo sets DDP_DEPS_DIR (.cargo/config.toml)");
-    let torchrun = Path::new(&deps).join("venv/bin/torchrun");
-    assert!(
-        torchrun.exists(),
-        "{} not found: run cargo xtask setup",
-        torchrun.display()
-    );
     let conf = format!(
         "is_host={host},join_timeout=120,last_call_timeout={last_call},keep_alive_interval=1,\
          keep_alive_max_attempt=5"
     );
-    Command::new(torchrun)
+    ddp_testkit::torchrun(dir)
         .args([
             "--nnodes",
             "1:2",

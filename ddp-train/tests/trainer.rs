@@ -538,20 +538,12 @@ fn bad_input_fails_on_every_rank_before_training() {
 
 #[test]
 fn torchrun_starts_ddp_train_ranks_that_train_together() {
-    let deps =
-        std::env::var_os("DDP_DEPS_DIR").expect("cargo sets DDP_DEPS_DIR (.cargo/config.toml)");
-    let torchrun = PathBuf::from(deps).join("venv/bin/torchrun");
-    assert!(
-        torchrun.exists(),
-        "{} not found: run cargo xtask setup",
-        torchrun.display()
-    );
     let tmp = temp_dir("torchrun");
     let dir = tmp.path();
     let data = data(dir, 24);
     let out = dir.join("run");
     let port = free_port().to_string();
-    let child = Command::new(torchrun)
+    let child = ddp_testkit::torchrun(dir)
         .args([
             "--nnodes",
             "1",
