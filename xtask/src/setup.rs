@@ -702,9 +702,14 @@ mod tests {
         fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// The Python setup makes its venv with (`DDP_PYTHON`, else `python3`).
+    fn base_python() -> String {
+        find_python().expect("setup's Python (DDP_PYTHON, else python3)")
+    }
+
     /// A venv (without pip) in `deps`.
     fn make_venv(deps: &Deps) {
-        let made = venv_python(Path::new("python3"))
+        let made = venv_python(Path::new(&base_python()))
             .args(["-m", "venv", "--without-pip"])
             .arg(deps.venv())
             .status()
@@ -739,7 +744,8 @@ mod tests {
             "import importlib.metadata, os, sys\n\
              try:\n    found = importlib.metadata.version('torch')\n\
              except importlib.metadata.PackageNotFoundError:\n    found = None\n\
-             elsewhere = [v for v in ('PIP_TARGET', 'PIP_PREFIX', 'PIP_USER') if v in os.environ]\n\
+             elsewhere = [v for v in ('PIP_TARGET', 'PIP_PREFIX') if v in os.environ]\n\
+             elsewhere += [] if os.environ.get('PIP_USER', '0') == '0' else ['PIP_USER']\n\
              open({record:?}, 'a').write(f'{{sys.argv[1]}} {{found}} {{elsewhere}}\\n')\n"
         );
         fs::write(site.join("pip/__main__.py"), main).unwrap();
@@ -942,7 +948,7 @@ mod tests {
             std::os::unix::fs::symlink("/nonexistent/python3", bin.join(name)).unwrap();
         }
         assert!(!venv_usable(&deps.python()));
-        match prepare_venv(&deps, "python3") {
+        match prepare_venv(&deps, &base_python()) {
             Ok(()) => assert!(venv_usable(&deps.python())),
             // No ensurepip on this machine: the error names the way out.
             Err(e) => assert!(format!("{e:#}").contains("--reinstall"), "{e:#}"),

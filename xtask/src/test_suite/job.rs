@@ -164,9 +164,14 @@ pub fn run_job(
 
 /// Runs `cmd` in a process group of its own and returns its output, or kills the group once
 /// `limit` has passed and says so, naming the command: for the runner's own steps (listing a
-/// binary's tests, the doctests), so that one of them that hangs cannot hang the whole run.
-/// Its stderr goes where `cmd` says.
-pub fn output_within(cmd: &mut Command, limit: Duration) -> Result<Output> {
+/// binary's tests, the doctests), so that one of them that hangs cannot hang the whole run;
+/// killed too, and an error, once `interrupted` names a signal the runner received (the
+/// group is out of the terminal's reach). Its stderr goes where `cmd` says.
+pub fn output_within(
+    cmd: &mut Command,
+    limit: Duration,
+    interrupted: &dyn Fn() -> Option<i32>,
+) -> Result<Output> {
     cmd.stdin(Stdio::null()).stdout(Stdio::piped());
     let mut group = Group::spawn(cmd).with_context(|| format!("cannot start {cmd:?}"))?;
     let stdout = group.child.stdout.take().context("no stdout")?;
@@ -190,6 +195,10 @@ pub fn output_within(cmd: &mut Command, limit: Duration) -> Result<Output> {
                      started",
                     limit.as_secs_f64()
                 );
+            }
+            if let Some(signal) = interrupted() {
+                // Its group is out of the terminal's reach: dropped, it is killed.
+                bail!("{cmd:?} was stopped: interrupted by signal {signal}");
             }
             status = group.try_wait()?;
             if status.is_some() {
@@ -329,7 +338,7 @@ mod tests {
         cmd.args(["-c", "sleep 300 & echo $! > \"$0\"; wait"])
             .arg(&pid_file);
         let start = Instant::now();
-        let err = output_within(&mut cmd, Duration::from_secs(1)).unwrap_err();
+        let err = output_within(&mut cmd, Duration::from_secs(1), &|| None).unwrap_err();
         assert!(
             start.elapsed() < Duration::from_secs(10),
             "{:?}",
@@ -340,23 +349,51 @@ mod tests {
             text.contains("did not end within 1 s") && text.contains("sleep 300"),
             "{text}"
         );
-        let pid = std::fs::read_to_string(&pid_file).unwrap();
+        // The sleeper it started is gone too.
+        assert_gone(&pid_file);
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo listed; exit 3"]);
+        let out = output_within(&mut cmd, Duration::from_secs(30), &|| None).unwrap();
+        assert_eq!(
+            (out.stdout.as_slice(), out.status.code()),
+            (&b"listed\n"[..], Some(3))
+        );
+    }
+
+    /// A step in a process group of its own, which the terminal's Ctrl-C does not reach, is
+    /// stopped when the runner is interrupted, with the processes it started.
+    #[test]
+    fn an_interrupted_step_is_stopped_with_its_processes() {
+        let dir = tempdir("interrupted-step");
+        let pid_file = dir.join("sleeper");
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "sleep 300 & echo $! > \"$0\"; wait"])
+            .arg(&pid_file);
+        let start = Instant::now();
+        let asked = || (start.elapsed() > Duration::from_millis(300)).then_some(libc::SIGINT);
+        let err = output_within(&mut cmd, Duration::from_secs(300), &asked).unwrap_err();
+        assert!(
+            err.to_string()
+                .ends_with("was stopped: interrupted by signal 2"),
+            "{err}"
+        );
+        assert_gone(&pid_file);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Asserts that the process whose pid `pid_file` holds is gone within 5 s (or a zombie
+    /// until init reaps it).
+    fn assert_gone(pid_file: &Path) {
+        let pid = std::fs::read_to_string(pid_file).unwrap();
         let stat = format!("/proc/{}/stat", pid.trim());
-        // The sleeper it started is gone too (or a zombie until init reaps it).
         let gone = || std::fs::read_to_string(&stat).map_or(true, |s| s.contains(") Z"));
         let until = Instant::now() + Duration::from_secs(5);
         while !gone() && Instant::now() < until {
             std::thread::sleep(POLL);
         }
         assert!(gone(), "the sleeper {} outlived its step", pid.trim());
-
-        let mut cmd = Command::new("sh");
-        cmd.args(["-c", "echo listed; exit 3"]);
-        let out = output_within(&mut cmd, Duration::from_secs(30)).unwrap();
-        assert_eq!(
-            (out.stdout.as_slice(), out.status.code()),
-            (&b"listed\n"[..], Some(3))
-        );
     }
 
     /// A temporary folder of this test's own.

@@ -55,6 +55,7 @@ const RANK_BINARIES: &[(&str, &str)] = &[
     ("ddp-train", "pytorch"),
     ("ddp-train", "reducer"),
     ("ddp-train", "self_launch"),
+    ("ddp-train", "stop_checks"),
     ("ddp-train", "sync_batchnorm"),
     ("ddp-train", "trainer"),
     ("xtask", "chaos"),
@@ -158,9 +159,13 @@ pub fn run(root: &Path) -> Result<()> {
     mark("build", &mut phases);
     let history_file = crate::target_dir(root).join("xtask/test-times.json");
     let history = load_history(&history_file);
+    // The listings, the jobs and the doctests run in process groups of their own, out of
+    // reach of the terminal's Ctrl-C: these signals are passed on to them instead.
+    let watch = ddp_run::SignalWatch::start(&[libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
+    let interrupted = || watch.received();
     let mut jobs = Vec::new();
     for (index, bin) in binaries.iter().enumerate() {
-        let tests = list(bin, &programs)?;
+        let tests = list(bin, &programs, &interrupted)?;
         if tests.is_empty() {
             continue;
         }
@@ -192,10 +197,6 @@ pub fn run(root: &Path) -> Result<()> {
     );
     let logs = crate::target_dir(root).join("xtask/test-logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("cannot create {}", logs.display()))?;
-    // The jobs run in process groups of their own, out of reach of the terminal's Ctrl-C:
-    // these signals are passed on to them instead.
-    let watch = ddp_run::SignalWatch::start(&[libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
-    let interrupted = || watch.received();
     let finished = schedule::run(jobs, slots, |job| {
         if let Some(signal) = interrupted() {
             bail!("not started: interrupted by signal {signal}");
@@ -211,7 +212,6 @@ pub fn run(root: &Path) -> Result<()> {
         )
     });
     let signal = watch.received();
-    drop(watch);
     mark("test binaries", &mut phases);
 
     let mut results: Vec<(String, TestResult)> = Vec::new();
@@ -251,7 +251,10 @@ pub fn run(root: &Path) -> Result<()> {
     }
     save_history(&history_file, &history);
 
-    let doctests = doctests(root);
+    let doctests = doctests(root, &interrupted);
+    if let Some(signal) = watch.received() {
+        bail!("interrupted by signal {signal}");
+    }
     mark("doctests", &mut phases);
     let count = |o| results.iter().filter(|(_, r)| r.outcome == o).count();
     let (mut passed, failed, ignored) = (
@@ -423,11 +426,15 @@ fn command(bin: &Binary, programs: &Programs) -> Command {
     cmd
 }
 
-fn list(bin: &Binary, programs: &Programs) -> Result<Vec<String>> {
+fn list(
+    bin: &Binary,
+    programs: &Programs,
+    interrupted: &dyn Fn() -> Option<i32>,
+) -> Result<Vec<String>> {
     let mut cmd = command(bin, programs);
     cmd.args(["--list", "--format", "terse"])
         .stderr(Stdio::inherit());
-    let out = job::output_within(&mut cmd, LIST_LIMIT)?;
+    let out = job::output_within(&mut cmd, LIST_LIMIT, interrupted)?;
     if !out.status.success() {
         bail!("{} --list failed ({})", bin.exe.display(), out.status);
     }
@@ -468,13 +475,20 @@ fn failure_summary(
 }
 
 /// `cargo test --doc` for the workspace: (passed, failed) from its `test result:` lines.
-fn doctests(root: &Path) -> Result<(usize, usize)> {
+fn doctests(root: &Path, interrupted: &dyn Fn() -> Option<i32>) -> Result<(usize, usize)> {
     let mut cmd = crate::cargo();
     cmd.current_dir(root)
-        .args(["test", "--workspace", "--doc", "--features", TEST_FEATURES])
+        .args([
+            "test",
+            "--workspace",
+            "--doc",
+            "--no-fail-fast",
+            "--features",
+        ])
+        .arg(TEST_FEATURES)
         .stderr(Stdio::inherit());
     println!("xtask: {cmd:?}");
-    let out = job::output_within(&mut cmd, DOCTEST_LIMIT)?;
+    let out = job::output_within(&mut cmd, DOCTEST_LIMIT, interrupted)?;
     let text = String::from_utf8_lossy(&out.stdout);
     print!("{text}");
     let _ = std::io::stdout().flush();
