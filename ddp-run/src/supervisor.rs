@@ -376,8 +376,9 @@ impl Attempt<'_> {
             }
             if ranks.iter().all(|r| r.exit.is_some()) {
                 // What a finished rank left running (an upload, a writer) is left to finish,
-                // as torchrun leaves it; its output reaches the terminal until it is quiet
-                // for 2 s, when the launcher ends (its later writes find the pipe closed).
+                // as torchrun leaves it; its output reaches the terminal for a while
+                // (`pump::drain`), then the launcher ends (its later writes find the pipe
+                // closed).
                 reap(ranks);
                 if ranks
                     .iter()

@@ -81,8 +81,8 @@ impl fmt::Display for RankFailure {
         match self.exit {
             Exit::Signal(libc::SIGKILL) if self.stopped_by_launcher => write!(
                 f,
-                ": the launcher's, sent when the rank had not ended within the shutdown \
-                 timeout of the attempt's stop"
+                ": the launcher's, sent when the rank had not ended by the end of the \
+                 attempt's stop (the shutdown timeout, or a second signal)"
             ),
             Exit::Signal(_) if self.stopped_by_launcher => {
                 write!(f, ": the launcher's, sent to stop the attempt")
@@ -231,7 +231,8 @@ mod tests {
         assert_eq!(
             late.to_string(),
             "rank 5 was killed by signal 9 (SIGKILL): the launcher's, sent when the rank had \
-             not ended within the shutdown timeout of the attempt's stop"
+             not ended by the end of the attempt's stop (the shutdown timeout, or a second \
+             signal)"
         );
         let stopped = RankFailure {
             exit: Exit::Signal(15),

@@ -19,6 +19,10 @@ pub(super) enum Stream {
 /// before the launcher stops waiting for them: a process that left the rank's group (a
 /// helper started with `setsid`) can hold a pipe open for as long as it runs.
 const IDLE_AFTER_EXIT: Duration = Duration::from_secs(2);
+/// The longest the launcher passes on output that keeps arriving once every rank has ended
+/// (a helper a rank left running that prints every second), unless a line is being written
+/// to a terminal that does not take it yet.
+const OUTPUT_AFTER_EXIT: Duration = Duration::from_secs(10);
 
 /// Copies one output stream of a rank, line by line, to its log as it is, to the launcher's
 /// own stream of the same kind (rank 0's bytes as they are, other ranks' lines prefixed) and,
@@ -106,28 +110,42 @@ fn echo(to: &mut impl Write, rank: usize, line: &[u8], newline: bool) -> std::io
 }
 
 /// Waits for the output threads of ranks that have all ended to pass on what the ranks
-/// wrote: for as long as any is writing or has read something within [`IDLE_AFTER_EXIT`]
-/// (a terminal that reads slowly delays the launcher's end, as it delays torchrun's), then
-/// leaves those that are still waiting for a pipe that a process outside the ranks' groups
-/// keeps open.
+/// wrote: while one is writing a line (a terminal that reads slowly delays the launcher's
+/// end, as it delays torchrun's), and while output arrives, until it has been quiet for
+/// [`IDLE_AFTER_EXIT`] or has kept coming for [`OUTPUT_AFTER_EXIT`]; then leaves those
+/// that still wait for a pipe that a process the ranks left running keeps open. A signal
+/// the launcher receives meanwhile ends the wait.
 pub(super) fn drain(pumps: Vec<Pumping>) {
-    drain_within(pumps, IDLE_AFTER_EXIT);
+    let signals = crate::signals::received_total();
+    let signalled = || crate::signals::received_total() != signals;
+    drain_within(pumps, IDLE_AFTER_EXIT, OUTPUT_AFTER_EXIT, &signalled);
 }
 
-fn drain_within(mut pumps: Vec<Pumping>, idle: Duration) {
+fn drain_within(
+    mut pumps: Vec<Pumping>,
+    idle: Duration,
+    most: Duration,
+    signalled: &dyn Fn() -> bool,
+) {
     let count =
         |p: &[Pumping]| -> Vec<u64> { p.iter().map(|p| p.lines.load(Ordering::SeqCst)).collect() };
     let mut seen = count(&pumps);
-    let mut quiet_since = Instant::now();
+    let started = Instant::now();
+    let mut quiet_since = started;
     loop {
         pumps.retain(|p| !p.thread.is_finished());
-        if pumps.is_empty() {
+        if pumps.is_empty() || signalled() {
             return;
         }
         let now = count(&pumps);
         let busy = now.iter().any(|n| n % 2 == 1);
-        if busy || now.len() != seen.len() || now != seen {
+        if busy {
             quiet_since = Instant::now();
+        } else if now.len() != seen.len() || now != seen {
+            quiet_since = Instant::now();
+            if started.elapsed() >= most {
+                return;
+            }
         } else if quiet_since.elapsed() >= idle {
             return;
         }
@@ -195,7 +213,12 @@ mod tests {
             }
         });
         let lines = Arc::clone(&p.lines);
-        drain_within(vec![p], Duration::from_secs(1));
+        drain_within(
+            vec![p],
+            Duration::from_secs(1),
+            Duration::from_secs(60),
+            &|| false,
+        );
         assert!(started.elapsed() >= Duration::from_millis(1100));
         assert_eq!(lines.load(Ordering::SeqCst), 120);
     }
@@ -208,10 +231,41 @@ mod tests {
             let _ = stop_rx.recv();
         });
         let started = Instant::now();
-        drain_within(vec![p], Duration::from_millis(100));
+        drain_within(
+            vec![p],
+            Duration::from_millis(100),
+            Duration::from_secs(60),
+            &|| false,
+        );
         let waited = started.elapsed();
         drop(stop_tx);
         assert!(waited >= Duration::from_millis(100), "{waited:?}");
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
+    }
+
+    /// Output that keeps coming (a helper a rank left running, printing every 20 ms) is
+    /// passed on for at most the limit; a signal ends the wait at once.
+    #[test]
+    fn drain_ends_output_that_never_stops_and_at_a_signal() {
+        let chatty = || {
+            pumping(|mut w| {
+                while w.write_all(b"tick\n").is_ok() {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })
+        };
+        let started = Instant::now();
+        let most = Duration::from_millis(300);
+        drain_within(vec![chatty()], Duration::from_secs(1), most, &|| false);
+        let waited = started.elapsed();
+        assert!(waited >= most, "{waited:?}");
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
+        let started = Instant::now();
+        let signal_at = started + Duration::from_millis(100);
+        let signalled = || Instant::now() >= signal_at;
+        let most = Duration::from_secs(60);
+        drain_within(vec![chatty()], Duration::from_secs(1), most, &signalled);
+        let waited = started.elapsed();
         assert!(waited < Duration::from_secs(5), "{waited:?}");
     }
 }
