@@ -11,8 +11,9 @@
 //! cargo bench -p ddp-comm --bench collectives -- --filter "25 MiB"  # rows whose label has it
 //! ```
 //!
-//! All-reduce sums (`ReduceOp::Sum`), and from 4 MiB up also averages (`ReduceOp::Avg`, DDP's
-//! default, rows labelled `Avg`; Gloo has no average, so those rows have no reference).
+//! All-reduce sums (`ReduceOp::Sum`, what DDP's default hook runs on gradients it scaled
+//! while copying them into their bucket), and from 4 MiB up also averages (`ReduceOp::Avg`,
+//! rows labelled `Avg`; Gloo has no average, so those rows have no reference).
 //! All-reduce: `busbw = algbw * 2(n-1)/n` with `algbw = bytes / median time`; all-gather of
 //! `bytes` per rank: `busbw = n * bytes / time * (n-1)/n` (nccl-tests' definitions).
 //!

@@ -650,7 +650,8 @@ fn worker(args: &Args) -> Result<()> {
         pg.barrier()?;
         for call in 0..args.allreduce_calls + 5 {
             let t = Instant::now();
-            pg.all_reduce(&mut flat, ReduceOp::Avg)?;
+            // DDP's default: gradients scaled as they are copied in, then summed.
+            pg.all_reduce(&mut flat, ReduceOp::Sum)?;
             if call >= 5 {
                 allreduce.push(t.elapsed().as_secs_f64());
             }

@@ -190,7 +190,9 @@ impl CommHook for BuiltinHook {
         };
         let compressed = tch::no_grad(|| {
             let mut c = bucket.buffer().to_kind(kind);
-            let _ = c.g_div_scalar_(world);
+            if !bucket.is_scaled() {
+                let _ = c.g_div_scalar_(world);
+            }
             c
         });
         let work = pg.all_reduce_async(&compressed, ReduceOp::Sum);
