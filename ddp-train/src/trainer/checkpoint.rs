@@ -190,10 +190,10 @@ impl<T: Task> Trainer<T> {
         }
     }
 
-    /// The run's settings and task as its checkpoints record them, and how its ranks ran
-    /// (as `config.json` records it too): a resume on CPU ranks compares the threads
-    /// ([`threads_warning`]).
-    fn state_config(&self) -> serde_json::Value {
+    /// The run's settings and task as its checkpoints record them, and how its ranks ran:
+    /// a resume on CPU ranks compares the threads ([`threads_warning`]). `config.json`
+    /// starts from it.
+    pub(super) fn state_config(&self) -> serde_json::Value {
         let mut config = self.run_config();
         config["world_size"] = self.pg.world_size().into();
         config["device"] = format!("{:?}", self.device).into();

@@ -283,15 +283,11 @@ impl<T: Task> Trainer<T> {
             self.pg.world_size(),
             self.out.display()
         ));
-        // Settings::validate refused the paths that are not UTF-8, the one way this fails.
-        let settings = serde_json::to_value(s).context(|| "encoding config.json".into())?;
-        let mut json = serde_json::json!({
-            "settings": settings,
-            "task": self.task.describe(),
-            "world_size": self.pg.world_size(),
+        // What the checkpoints record of the run (settings, task, world size, device,
+        // threads), and the rest.
+        let mut json = self.state_config();
+        let rest = serde_json::json!({
             "backend": format!("{:?}", self.pg.backend()),
-            "device": format!("{:?}", self.device),
-            "intra_op_threads": self.threads,
             "train_samples": self.train_set.len(),
             "allocation": self.allocation,
             "planned_optimizer_steps": self.plan.optimizer_steps,
@@ -300,6 +296,9 @@ impl<T: Task> Trainer<T> {
             "init_weights": init_weights,
             "run_dir": self.out.to_string_lossy(),
         });
+        if let (Some(all), serde_json::Value::Object(rest)) = (json.as_object_mut(), rest) {
+            all.extend(rest);
+        }
         let file = self.out.join("config.json");
         if s.checkpoint.eval_only && file.exists() {
             // An evaluation in a run's directory leaves that run's record, and the job id a
