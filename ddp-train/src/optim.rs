@@ -28,17 +28,16 @@
 //! param -= lr * b   (or lr * g without momentum)
 //! ```
 //!
-//! Both are written with the same fused operations as PyTorch's single-tensor code paths
-//! (`add_(.., alpha)`, `lerp_`, `addcmul_(.., value)`, `addcdiv_(.., value)`, the first,
-//! third and fourth through `tch-ext`), so they round as PyTorch does and allocate no
-//! temporary per parameter for the update.
+//! Both step as PyTorch's foreach code paths do (`_multi_tensor_adam`, `_multi_tensor_sgd`:
+//! one `_foreach_*` kernel per operation over all parameters, through `tch-ext`), whose
+//! arithmetic per element is that of the single-tensor paths, so they round as PyTorch does.
 //!
 //! [`Optimizer`] is either, as the Trainer holds it.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-use tch::Tensor;
+use tch::{Device, Kind, Tensor};
 
 /// A checkpointed optimizer state that does not fit the parameters.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -409,26 +408,44 @@ impl Optimizer {
 
 /// Scales the gradients of `params` so that their global 2-norm is at most `max_norm`, and
 /// returns the norm before scaling (`torch.nn.utils.clip_grad_norm_`: every gradient times
-/// `min(1, max_norm / (norm + 1e-6))`; parameters without a gradient are left out). After
-/// DDP's average the gradients are the same on every rank, and so are the norm and the
-/// scaling. A non-finite norm leaves non-finite gradients (the fp16 scaler skips that step).
+/// `min(1, max_norm / (norm + 1e-6))`; parameters without a gradient are left out). As
+/// PyTorch's, with its foreach kernels: the gradients grouped by device and dtype (in order
+/// of first appearance), each group's norms one `_foreach_norm`, the total the norm of them
+/// all stacked, and each group scaled by one `_foreach_mul_`. On CUDA that is a few kernels
+/// instead of two per parameter, and the same sums as PyTorch's. After DDP's average the
+/// gradients are the same on every rank, and so are the norm and the scaling. A non-finite
+/// norm leaves non-finite gradients (the fp16 scaler skips that step).
 pub fn clip_grad_norm(params: &[(String, Tensor)], max_norm: f64) -> f64 {
     tch::no_grad(|| {
-        let grads: Vec<Tensor> = params
-            .iter()
-            .map(|(_, p)| p.grad())
-            .filter(Tensor::defined)
-            .collect();
-        if grads.is_empty() {
-            return 0.0;
+        let mut groups: Vec<((Device, Kind), Vec<Tensor>)> = Vec::new();
+        for g in params.iter().map(|(_, p)| p.grad()).filter(Tensor::defined) {
+            let key = (g.device(), g.kind());
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, group)) => group.push(g),
+                None => groups.push((key, vec![g])),
+            }
         }
-        let norms: Vec<Tensor> = grads.iter().map(|g| g.norm()).collect();
-        let total = Tensor::stack(&norms, 0).norm();
+        let Some(((first_device, _), _)) = groups.first() else {
+            return 0.0;
+        };
+        let first_device = *first_device;
+        let norms: Vec<Tensor> = groups
+            .iter()
+            .map(|(_, group)| {
+                let mut norms = Tensor::new();
+                fused(tch_ext::foreach_norm_stacked(group, 2.0).map(|n| norms = n));
+                norms.to_device(first_device)
+            })
+            .collect();
+        let total = Tensor::cat(&norms, 0).norm();
         // PyTorch's `max_norm / (total + 1e-6)` is `reciprocal(total + 1e-6) * max_norm`
         // (`Tensor.__rtruediv__`); tch's `f64 / Tensor` rounds differently.
         let coef = ((&total + 1e-6).reciprocal() * max_norm).clamp_max(1.0);
-        for g in &grads {
-            let _ = g.shallow_clone().g_mul_(&coef);
+        for ((device, _), group) in &mut groups {
+            fused(tch_ext::foreach_mul_tensor_(
+                group,
+                &coef.to_device(*device),
+            ));
         }
         total.double_value(&[])
     })
@@ -445,8 +462,9 @@ fn with_weight_decay(grad: Tensor, param: &Tensor, weight_decay: f64) -> Tensor 
     decayed
 }
 
-/// The fused in-place operations of the steps act on a parameter and tensors made from it
-/// (same shape, dtype and device), which libtorch cannot refuse; a failure would be a bug.
+/// The fused operations of the steps and of clipping act on parameters and tensors made from
+/// them (same shape, dtype and device; clipping's grouped by device and dtype), which
+/// libtorch cannot refuse; a failure would be a bug.
 fn fused(result: Result<(), tch_ext::TchExtError>) {
     if let Err(e) = result {
         panic!("optimizer step: {e}");
@@ -683,8 +701,8 @@ impl Adam {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tch::nn;
     use tch::nn::OptimizerConfig as _;
-    use tch::{nn, Device, Kind};
 
     #[test]
     fn clipping_scales_the_global_norm_down_to_the_limit_only() {
@@ -710,6 +728,34 @@ mod tests {
         let again = clip_grad_norm(&params, 100.0);
         assert!((again - 6.5).abs() < 1e-4, "{again}");
         assert!((f32::try_from(&b.grad()).unwrap() - 12.0 * coef as f32).abs() < 1e-5);
+    }
+
+    /// Gradients of two dtypes are two groups, whose norms are taken together, and each keeps
+    /// its dtype.
+    #[test]
+    fn clipping_takes_the_norm_over_gradients_of_every_dtype() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let a = vs.root().zeros("a", &[2]);
+        let b = Tensor::zeros([1], (Kind::Double, Device::Cpu)).set_requires_grad(true);
+        ((&a * Tensor::from_slice(&[3.0f32, 4.0])).sum(Kind::Float)
+            + (&b * 12.0).sum(Kind::Double).to_kind(Kind::Float))
+        .backward();
+        let params = vec![
+            ("a".to_string(), a.shallow_clone()),
+            ("b".to_string(), b.shallow_clone()),
+        ];
+        let norm = clip_grad_norm(&params, 1.3);
+        assert!((norm - 13.0).abs() < 1e-5, "{norm}");
+        assert_eq!(b.grad().kind(), Kind::Double);
+        let (ga, gb) = (
+            Vec::<f32>::try_from(&a.grad()).unwrap(),
+            f64::try_from(&b.grad()).unwrap(),
+        );
+        assert!(
+            (ga[0] - 0.3).abs() < 1e-6 && (ga[1] - 0.4).abs() < 1e-6,
+            "{ga:?}"
+        );
+        assert!((gb - 1.2).abs() < 1e-6, "{gb}");
     }
 
     /// `torch.nn.utils.clip_grad_norm_([a, b], 5.0)` in torch 2.13 gives exactly these

@@ -2,9 +2,9 @@
 // `self.add_(other, alpha)`, `self.addcmul_(a, b, value)`, `self.addcdiv_(a, b, value)`.
 // PyTorch's optimizers are written with them; the fused kernels round once and need no
 // temporary tensor. And GradScaler's fused unscale over a list of gradients, which tch
-// binds for one tensor at a time only, and Adam's and SGD's steps over lists of tensors (the
-// foreach kernels, which tch does not bind). And a storage's reference count, which tch does not
-// expose.
+// binds for one tensor at a time only, and Adam's and SGD's steps, clipping's norms and
+// scaling over lists of tensors (the foreach kernels, which tch does not bind). And a
+// storage's reference count, which tch does not expose.
 
 #include <ATen/ATen.h>
 
@@ -102,6 +102,24 @@ char* tch_ext_foreach_sgd_(const at::Tensor* const* params, const at::Tensor* co
       g = b;
     }
     at::_foreach_add_(p, g, -lr);
+  });
+}
+
+// The 2-norms (or `ord`-norms) of `n` tensors, stacked into one 1-D tensor in their order:
+// `torch.stack(torch._foreach_norm(tensors, ord))`, one multi-tensor kernel on CUDA.
+char* tch_ext_foreach_norm_stacked(const at::Tensor* const* tensors, size_t n, double ord,
+                                   at::Tensor* out) {
+  return tch_ext::guarded(
+      [&] { *out = at::stack(at::_foreach_norm(tensor_list(tensors, n), ord)); });
+}
+
+// Each of `n` tensors times the one-element tensor `factor`, in place:
+// `torch._foreach_mul_(tensors, factor)`.
+char* tch_ext_foreach_mul_tensor_(const at::Tensor* const* tensors, size_t n,
+                                  const at::Tensor* factor) {
+  return tch_ext::guarded([&] {
+    auto list = tensor_list(tensors, n);
+    at::_foreach_mul_(list, *factor);
   });
 }
 

@@ -96,6 +96,18 @@ extern "C" {
         weight_decay: f64,
     ) -> *mut c_char;
 
+    pub(crate) fn tch_ext_foreach_norm_stacked(
+        tensors: *const *const c_void,
+        n: usize,
+        ord: f64,
+        out: *mut c_void,
+    ) -> *mut c_char;
+    pub(crate) fn tch_ext_foreach_mul_tensor_(
+        tensors: *const *const c_void,
+        n: usize,
+        factor: *const c_void,
+    ) -> *mut c_char;
+
     pub(crate) fn tch_ext_storage_use_count(t: *const c_void, out: *mut usize) -> *mut c_char;
 
     pub(crate) fn tch_ext_autocast_state(

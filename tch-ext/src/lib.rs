@@ -18,7 +18,7 @@
 //!   fused kernels PyTorch's optimizers are written with;
 //!   [`amp_foreach_non_finite_check_and_unscale_`], `GradScaler`'s fused unscale of a list
 //!   of gradients; [`foreach_adam_`] and [`foreach_sgd_`], optimizer steps over lists of
-//!   tensors.
+//!   tensors; [`foreach_norm_stacked`] and [`foreach_mul_tensor_`], gradient clipping's.
 //! - [`torch_version`]: the libtorch version it is compiled against, for processes to compare.
 //!
 //! The C++ side (`csrc/`) is a narrow `extern "C"` surface: every entry point catches all
@@ -79,7 +79,7 @@ pub use hooks::{
 };
 pub use ops::{
     add_, addcdiv_, addcmul_, amp_foreach_non_finite_check_and_unscale_, foreach_adam_,
-    foreach_sgd_, storage_use_count, AdamHyper,
+    foreach_mul_tensor_, foreach_norm_stacked, foreach_sgd_, storage_use_count, AdamHyper,
 };
 
 /// The version of the libtorch this crate was compiled against, as its headers name it

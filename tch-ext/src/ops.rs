@@ -2,7 +2,8 @@
 //! `addcmul_` and `addcdiv_` take no `alpha` / `value`): the fused kernels PyTorch's
 //! optimizers use, one rounding and no temporary tensor per call. And the fused unscale of
 //! PyTorch's `GradScaler` over a whole list of gradients (tch binds it for one tensor), and
-//! Adam's step over lists of tensors with the `_foreach_*` kernels (tch binds none).
+//! Adam's and SGD's steps and clipping's norms and scaling over lists of tensors with the
+//! `_foreach_*` kernels (tch binds none).
 
 use tch::Tensor;
 
@@ -236,6 +237,49 @@ pub fn foreach_sgd_(
     ffi::check(message, "foreach_sgd_")
 }
 
+/// The `ord`-norm of each tensor, stacked into one 1-D tensor in their order:
+/// `torch.stack(torch._foreach_norm(tensors, ord))`, which `clip_grad_norm_` takes on devices
+/// with foreach kernels (CUDA's is one multi-tensor kernel, whose sums round differently from
+/// one `norm()` per tensor; the CPU's is `linalg_vector_norm` per tensor). The tensors must
+/// share a device.
+///
+/// # Errors
+///
+/// [`TchExtError::Torch`] for an empty list, or when libtorch refuses the tensors.
+pub fn foreach_norm_stacked(tensors: &[Tensor], ord: f64) -> Result<Tensor, TchExtError> {
+    let handles: Vec<*const std::ffi::c_void> = tensors.iter().map(|t| t.as_ptr().cast()).collect();
+    let mut out = Tensor::new();
+    // SAFETY: every pointer is a live tch tensor borrowed for the call, `handles` holds
+    // `tensors.len()` of them, and `out` is a tensor of our own that the shim assigns.
+    let message = unsafe {
+        ffi::tch_ext_foreach_norm_stacked(
+            handles.as_ptr(),
+            handles.len(),
+            ord,
+            out.as_mut_ptr().cast(),
+        )
+    };
+    ffi::check(message, "foreach_norm_stacked")?;
+    Ok(out)
+}
+
+/// Each tensor times the 0-dimensional tensor `factor`, in place: `torch._foreach_mul_(tensors,
+/// factor)`, as `clip_grad_norm_` scales the gradients. The result of each is `mul_`'s.
+///
+/// # Errors
+///
+/// [`TchExtError::Torch`] when libtorch refuses the tensors (devices or dtypes that do not
+/// fit, a `factor` that is not 0-dimensional).
+pub fn foreach_mul_tensor_(tensors: &mut [Tensor], factor: &Tensor) -> Result<(), TchExtError> {
+    let handles: Vec<*const std::ffi::c_void> = tensors.iter().map(|t| t.as_ptr().cast()).collect();
+    // SAFETY: every pointer is a live tch tensor borrowed for the call (the `&mut` borrow keeps
+    // the written handles from being used meanwhile), and `handles` holds `tensors.len()`.
+    let message = unsafe {
+        ffi::tch_ext_foreach_mul_tensor_(handles.as_ptr(), handles.len(), factor.as_ptr().cast())
+    };
+    ffi::check(message, "foreach_mul_tensor_")
+}
+
 /// How many tensors hold `t`'s storage: `t` itself, each view of it (`narrow`, `view`,
 /// slices), and each tensor autograd saved for a backward pass; `shallow_clone`s share one
 /// count. 0 for an undefined tensor. A buffer whose count is 1 in its owner's hands is
@@ -313,6 +357,37 @@ mod tests {
         assert!(
             matches!(err, TchExtError::Torch(ref m)
                 if m.starts_with("_amp_foreach_non_finite_check_and_unscale_: ")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn foreach_norms_and_scaling_are_the_per_tensor_ones() {
+        let mut ts = vec![
+            Tensor::from_slice(&[3.0f32, 4.0]),
+            Tensor::from_slice(&[1.0f32, -2.0, 2.0]).view([3, 1]),
+        ];
+        let norms = foreach_norm_stacked(&ts, 2.0).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&norms).unwrap(), [5.0, 3.0]);
+        let l1 = foreach_norm_stacked(&ts, 1.0).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&l1).unwrap(), [7.0, 5.0]);
+        let before = ts[1].data_ptr();
+        foreach_mul_tensor_(&mut ts, &Tensor::from(0.5f32)).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&ts[0]).unwrap(), [1.5, 2.0]);
+        assert_eq!(
+            Vec::<f32>::try_from(ts[1].flatten(0, -1)).unwrap(),
+            [0.5, -1.0, 1.0]
+        );
+        assert_eq!(ts[1].data_ptr(), before, "the scaling must work in place");
+        let err = foreach_norm_stacked(&[], 2.0).unwrap_err();
+        assert!(
+            matches!(err, TchExtError::Torch(ref m) if m.starts_with("foreach_norm_stacked: ")),
+            "{err}"
+        );
+        let two = Tensor::from_slice(&[1.0f32, 2.0]);
+        let err = foreach_mul_tensor_(&mut ts, &two).unwrap_err();
+        assert!(
+            matches!(err, TchExtError::Torch(ref m) if m.starts_with("foreach_mul_tensor_: ")),
             "{err}"
         );
     }
