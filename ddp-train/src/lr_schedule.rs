@@ -11,14 +11,15 @@
 //! | `constant` | `t / w` during warmup, then 1 | `get_constant_schedule_with_warmup` |
 //! | `linear` | `t / w`, then `(T - t) / (T - w)`, down to 0 | `get_linear_schedule_with_warmup` |
 //! | `cosine` | `t / w`, then `(1 + cos(pi p)) / 2` with `p = (t - w) / (T - w)` | `get_cosine_schedule_with_warmup` |
-//! | `step` | `t / w`, then `gamma^floor((t - w) / every)` | `torch.optim.lr_scheduler.StepLR` |
+//! | `step` | `t / w`, then times `gamma` every `every` steps | `torch.optim.lr_scheduler.StepLR` |
 //! | `one-cycle` | cosine from `1 / div` up to 1 over `pct_start * T` steps, then cosine down to `1 / (div * final_div)` | `torch.optim.lr_scheduler.OneCycleLR` (`anneal_strategy='cos'`, `cycle_momentum=False`) |
 //! | `plateau` | 1, times `factor` after each `patience` epochs without improvement | `torch.optim.lr_scheduler.ReduceLROnPlateau` |
 //!
 //! The warmup and decay formulas are Hugging Face's `transformers` schedules (which take the
-//! step count `t` as above), the step and one-cycle ones PyTorch's. A per-step factor is a
-//! pure function of the optimizer's step count, which checkpoints keep, so a resumed run
-//! continues the schedule exactly; the plateau scheduler's history is in the checkpoint too.
+//! step count `t` as above), the step and one-cycle ones PyTorch's, each rounded as its
+//! source computes it ([`LrSchedule::lr`]). A per-step rate is a pure function of the
+//! optimizer's step count, which checkpoints keep, so a resumed run continues the schedule
+//! exactly; the plateau scheduler's history is in the checkpoint too.
 
 use std::f64::consts::PI;
 
@@ -27,6 +28,11 @@ use serde::{Deserialize, Serialize};
 use crate::error::SettingError;
 use crate::metrics::Goal;
 use crate::scheduler::PlateauConfig;
+
+/// Decays of `step` taken one multiplication each, as PyTorch's `StepLR` does; past them (a
+/// decay every few steps of a very long run) `gamma` is raised to the power instead, which
+/// keeps the rate a quick function of `t`.
+const MAX_REPEATED_DECAYS: u64 = 1 << 16;
 
 /// How the learning rate changes over the run. The default, `Constant` without warmup, keeps
 /// the optimizer's learning rate throughout.
@@ -198,26 +204,36 @@ impl LrSchedule {
         }
     }
 
-    /// The factor of the base learning rate at optimizer step `t` of `total` (1 for
-    /// `Plateau`, whose changes come from the epochs' metrics instead).
-    pub fn factor(&self, t: u64, total: u64) -> f64 {
+    /// The learning rate at optimizer step `t` of `total`, for the base rate `base` (`base`
+    /// for `Plateau`, whose changes come from the epochs' metrics instead), rounded as
+    /// PyTorch computes it: `base * factor` for the warmup and the `transformers` schedules
+    /// (`LambdaLR`); `base` times `gamma` once per decay for `step` (`StepLR` multiplies the
+    /// current rate, up to 65536 decays, then `base * gamma^k`); and the one-cycle curve
+    /// between absolute rates (`OneCycleLR`'s `max_lr / div_factor`, and that over
+    /// `final_div_factor`).
+    pub fn lr(&self, base: f64, t: u64, total: u64) -> f64 {
         let warmup = self.warmup();
         if t < warmup {
-            return t as f64 / warmup.max(1) as f64;
+            return base * (t as f64 / warmup.max(1) as f64);
         }
         let after = (t - warmup) as f64;
         let decay_steps = total.saturating_sub(warmup).max(1) as f64;
         match *self {
-            LrSchedule::Constant { .. } | LrSchedule::Plateau(_) => 1.0,
-            LrSchedule::Linear { .. } => ((decay_steps - after) / decay_steps).max(0.0),
+            LrSchedule::Constant { .. } | LrSchedule::Plateau(_) => base,
+            LrSchedule::Linear { .. } => base * ((decay_steps - after) / decay_steps).max(0.0),
             LrSchedule::Cosine { .. } => {
                 // Past the planned total (a run resumed on a smaller global batch takes more
                 // steps) the rate stays at the curve's end instead of rising again.
                 let progress = (after / decay_steps).min(1.0);
-                (0.5 * (1.0 + (PI * progress).cos())).max(0.0)
+                base * (0.5 * (1.0 + (PI * progress).cos())).max(0.0)
             }
             LrSchedule::Step { every, gamma, .. } => {
-                gamma.powf((after as u64 / every.max(1)) as f64)
+                let decays = (t - warmup) / every.max(1);
+                if decays <= MAX_REPEATED_DECAYS {
+                    (0..decays).fold(base, |lr, _| lr * gamma)
+                } else {
+                    base * gamma.powf(decays as f64)
+                }
             }
             LrSchedule::OneCycle {
                 pct_start,
@@ -225,7 +241,7 @@ impl LrSchedule {
                 final_div_factor,
             } => {
                 // PyTorch's phase ends: pct_start * total - 1, then total - 1.
-                let initial = 1.0 / div_factor;
+                let initial = base / div_factor;
                 let last = initial / final_div_factor;
                 let rise_end = pct_start * total as f64 - 1.0;
                 let end = total as f64 - 1.0;
@@ -234,10 +250,10 @@ impl LrSchedule {
                 };
                 let t = t as f64;
                 if t <= rise_end {
-                    cos_anneal(initial, 1.0, t / rise_end.max(f64::MIN_POSITIVE))
+                    cos_anneal(initial, base, t / rise_end.max(f64::MIN_POSITIVE))
                 } else {
                     let pct = ((t - rise_end) / (end - rise_end).max(f64::MIN_POSITIVE)).min(1.0);
-                    cos_anneal(1.0, last, pct)
+                    cos_anneal(base, last, pct)
                 }
             }
         }
@@ -326,36 +342,39 @@ mod tests {
         let linear = LrSchedule::Linear { warmup: 10 };
         let f: Vec<f64> = [0, 5, 10, 55, 100, 120]
             .iter()
-            .map(|&t| linear.factor(t, 100))
+            .map(|&t| linear.lr(1.0, t, 100))
             .collect();
         assert_eq!(f, [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]);
         let cosine = LrSchedule::Cosine { warmup: 10 };
-        assert!(close(cosine.factor(10, 110), 1.0));
-        assert!(close(cosine.factor(60, 110), 0.5));
-        assert!(close(cosine.factor(110, 110), 0.0));
+        assert!(close(cosine.lr(1.0, 10, 110), 1.0));
+        assert!(close(cosine.lr(1.0, 60, 110), 0.5));
+        assert!(close(cosine.lr(1.0, 110, 110), 0.0));
         // Past the planned total (more steps than planned after a resume) it stays at 0.
-        assert!(close(cosine.factor(160, 110), 0.0));
+        assert!(close(cosine.lr(1.0, 160, 110), 0.0));
         let constant = LrSchedule::Constant { warmup: 4 };
-        assert_eq!(constant.factor(1, 100), 0.25);
-        assert_eq!(constant.factor(99, 100), 1.0);
+        assert_eq!(constant.lr(1.0, 1, 100), 0.25);
+        assert_eq!(constant.lr(1.0, 99, 100), 1.0);
         let step = LrSchedule::Step {
             warmup: 0,
             every: 30,
             gamma: 0.1,
         };
-        assert!(close(step.factor(29, 100), 1.0));
-        assert!(close(step.factor(30, 100), 0.1));
-        assert!(close(step.factor(65, 100), 0.01));
+        assert_eq!(step.lr(1e-3, 29, 100), 1e-3);
+        assert_eq!(step.lr(1e-3, 30, 100), 1e-4);
+        // StepLR's `lr * gamma` per decay: 1e-5 exactly, where `1e-3 * 0.1^2` is 1 ulp more.
+        assert_eq!(step.lr(1e-3, 65, 100), 1e-5);
+        assert_ne!(1e-3 * 0.1f64.powi(2), 1e-5);
     }
 
     /// The values of `torch.optim.lr_scheduler.OneCycleLR(max_lr=1, total_steps=100)` (its
-    /// defaults, cosine annealing), printed by PyTorch 2.13 for steps 0, 15, 29, 30, 64, 99.
+    /// defaults, cosine annealing), printed by PyTorch 2.13 for steps 0, 15, 29, 30, 64, 99,
+    /// then those of `max_lr=2e-3`.
     #[test]
     fn one_cycle_matches_pytorch() {
         let s = LrSchedule::one_cycle();
         let got: Vec<f64> = [0, 15, 29, 30, 64, 99]
             .iter()
-            .map(|&t| s.factor(t, 100))
+            .map(|&t| s.lr(1.0, t, 100))
             .collect();
         let want = [
             0.040000000000000036,
@@ -368,6 +387,21 @@ mod tests {
         for (g, w) in got.iter().zip(want) {
             assert!((g - w).abs() < 1e-9, "{got:?} vs {want:?}");
         }
+        // With `max_lr=2e-3`, bit for bit: PyTorch anneals between absolute rates, so
+        // `2e-3 * factor` would round differently.
+        let got: Vec<f64> = [0, 15, 29, 30, 64, 99]
+            .iter()
+            .map(|&t| s.lr(2e-3, t, 100))
+            .collect();
+        let want = [
+            7.999999999999999e-05,
+            0.0010919733522420007,
+            0.002,
+            0.0019989930705690486,
+            0.0010000039999999999,
+            8e-09,
+        ];
+        assert_eq!(got, want);
     }
 
     #[test]
@@ -391,8 +425,8 @@ mod tests {
                 schedule
             );
         }
-        assert_eq!(LrSchedule::default().factor(7, 10), 1.0);
-        assert_eq!(LrSchedule::Plateau(Plateau::max("f1")).factor(0, 10), 1.0);
+        assert_eq!(LrSchedule::default().lr(1.0, 7, 10), 1.0);
+        assert_eq!(LrSchedule::Plateau(Plateau::max("f1")).lr(1.0, 0, 10), 1.0);
     }
 
     #[test]

@@ -638,7 +638,7 @@ fn two_ranks_stopped_inside_an_epoch_continue_on_three_with_every_sample_once() 
     let schedule = LrSchedule::Cosine { warmup: WARMUP };
     let want: Vec<f64> = [5, 10, 15]
         .iter()
-        .map(|&t| 1e-3 * schedule.factor(t, 24))
+        .map(|&t| schedule.lr(1e-3, t, 24))
         .collect();
     for (got, want) in column(&m, "lr").iter().zip(&want) {
         assert!((got - want).abs() < 1e-12, "{m:?} vs {want:?}");

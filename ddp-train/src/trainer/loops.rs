@@ -380,7 +380,7 @@ impl<T: Task> Trainer<T> {
                 let total = self.plan.optimizer_steps;
                 let t = self.attempted_steps();
                 self.optimizer
-                    .set_lr(s.optimizer.lr() * schedule.factor(t, total));
+                    .set_lr(schedule.lr(s.optimizer.lr(), t, total));
             }
             self.optimizer.zero_grad();
             let (mut step_loss, mut finite_micro) = (0.0, 0usize);
