@@ -199,8 +199,11 @@ pub trait Task {
     /// resume), with what the load copied: gives what a partial load left out (a new
     /// classification head) the initialisation fine-tuning wants where it differs from the
     /// model's own, as PyTorch code that replaces a pretrained model's head with a new
-    /// `nn.Linear` does. Does nothing by default.
-    fn init_unloaded(&self, _model: &Self::Model, _report: &LoadReport) {}
+    /// `nn.Linear` does. Returns the names of the tensors it drew anew, which rank 0's log and
+    /// `config.json` (`init_weights.reinitialised`) list. Does nothing by default.
+    fn init_unloaded(&self, _model: &Self::Model, _report: &LoadReport) -> Vec<String> {
+        Vec::new()
+    }
 
     /// The training samples (the sampler shards `0..len()` across ranks).
     fn train_data(&self) -> Self::Data;

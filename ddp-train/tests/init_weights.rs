@@ -299,7 +299,19 @@ fn an_efficientnet_fine_tuned_from_a_1000_class_file_gets_a_new_linear_head() {
     let mut partial = args(data.to_str().unwrap(), out.to_str().unwrap(), "1");
     partial.extend(["--model", "efficientnet_b0"]);
     partial.extend(["--init-from", file.to_str().unwrap(), "--init-partial"]);
-    assert_all_ok(&run_ranks(1, &partial));
+    let outputs = run_ranks(1, &partial);
+    assert_all_ok(&outputs);
+    let log = text(&outputs[0]);
+    assert!(
+        log.contains("; initialised anew by the task: classifier.1.weight, classifier.1.bias"),
+        "{log}"
+    );
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        config["init_weights"]["reinitialised"],
+        serde_json::json!(["classifier.1.weight", "classifier.1.bias"])
+    );
     let saved = checkpoint::read_tensors(out.join("checkpoints/epoch-0001.safetensors")).unwrap();
     let bound = 1.0 / 1280f64.sqrt();
     for name in ["classifier.1.weight", "classifier.1.bias"] {

@@ -189,8 +189,8 @@ impl Task for OdirTask {
         odir_model(root, &self.options)
     }
 
-    fn init_unloaded(&self, model: &Model, report: &LoadReport) {
-        model.init_unloaded(report);
+    fn init_unloaded(&self, model: &Model, report: &LoadReport) -> Vec<String> {
+        model.init_unloaded(report)
     }
 
     fn train_data(&self) -> Self::Data {

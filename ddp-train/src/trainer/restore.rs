@@ -378,12 +378,12 @@ fn resolve_again(gathered: &[Vec<u8>]) -> Result<Option<String>, TrainError> {
 /// group exists: a bad file fails on every rank alike), unless the run resumes from
 /// `resume_from`, which takes precedence, then hands what was loaded to `init_unloaded`
 /// ([`Task::init_unloaded`]). Returns rank 0's log line and `config.json`'s record of what
-/// was loaded.
+/// was loaded and what the task drew anew.
 fn init_weights(
     vs: &nn::VarStore,
     s: &Settings,
     resume_from: Option<&Path>,
-    init_unloaded: impl FnOnce(&LoadReport),
+    init_unloaded: impl FnOnce(&LoadReport) -> Vec<String>,
 ) -> Result<(Option<String>, serde_json::Value), TrainError> {
     let Some(file) = &s.checkpoint.init_from else {
         return Ok((None, serde_json::Value::Null));
@@ -461,8 +461,14 @@ fn init_weights(
         .setting("checkpoint.init_key")
         .into());
     }
-    init_unloaded(&report);
-    let note = format!("initial weights from {}: {report}", file.display());
+    let reinitialised = init_unloaded(&report);
+    let mut note = format!("initial weights from {}: {report}", file.display());
+    if !reinitialised.is_empty() {
+        note.push_str(&format!(
+            "; initialised anew by the task: {}",
+            reinitialised.join(", ")
+        ));
+    }
     let mismatched: Vec<_> = report
         .mismatched
         .iter()
@@ -487,6 +493,7 @@ fn init_weights(
         "unexpected": report.unexpected,
         "mismatched": mismatched,
         "kind_mismatched": kind_mismatched,
+        "reinitialised": reinitialised,
     });
     Ok((Some(note), record))
 }
