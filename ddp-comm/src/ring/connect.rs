@@ -35,8 +35,7 @@ use crate::ring::link::{Link, LinkKind, RecvEnd, SendEnd};
 use crate::ring::shm::{self, Bell, Peer, PendingRing, ShmSender};
 use crate::security::auth::{self, Failed, Timeouts};
 use crate::security::secret::Secret;
-use crate::security::throttle::Pending;
-use crate::security::throttle::{more, Throttle};
+use crate::security::throttle::{more, Closer, Handshakes, Room, Throttle};
 use crate::tcp;
 
 mod cancel;
@@ -418,8 +417,9 @@ fn connect_local_over(
     })
 }
 
-/// Handshakes judged at once on one ring listener; connections beyond it are closed at
-/// accept (strangers cannot pile up threads; each has [`auth::HANDSHAKE_TIMEOUT`]).
+/// Handshakes judged at once on one ring listener ([`Handshakes`]): one more closes the
+/// oldest (strangers cannot pile up threads, nor hold every slot; each has
+/// [`auth::HANDSHAKE_TIMEOUT`]).
 const MAX_JUDGED: usize = 32;
 
 /// Warnings about connections turned away on the ring listeners: a burst, then counts.
@@ -427,7 +427,8 @@ static TURNED_AWAY: Throttle = Throttle::new(Duration::from_secs(10), 20);
 
 /// Accepts connections until one proves the secret and claims `prev`'s rank (`check` runs
 /// the accepting side of the handshake, with the job's secret and the handshake's deadline,
-/// and judges it); drops, logs and counts the others. Each connection is judged on a
+/// and judges it); drops, logs and counts the others. `accept` gives each connection with
+/// what shuts it down, should its slot be needed. Each connection is judged on a
 /// thread of its own, so a stranger that stalls its handshake does not hold the
 /// predecessor back. Gives up when `cancel` is set (the connecting half failed), when
 /// `poll` fails (every [`ABORT_POLL`]: another rank aborted), or at the deadline, with a
@@ -436,7 +437,7 @@ fn accept_from<S, T, C>(
     plan: &RingPlan<'_>,
     what: &str,
     prev: usize,
-    mut accept: impl FnMut() -> io::Result<(S, String)>,
+    mut accept: impl FnMut() -> io::Result<(S, String, Closer)>,
     check: C,
     cancel: &Cancel,
     poll: &mut dyn FnMut() -> Result<(), CommError>,
@@ -450,7 +451,7 @@ where
         + 'static,
 {
     let (found, judged) = std::sync::mpsc::channel::<(S, T)>();
-    let in_flight = Arc::new(AtomicUsize::new(0));
+    let in_flight = Handshakes::new(MAX_JUDGED);
     let turned_away = Arc::new(AtomicUsize::new(0));
     let rank = plan.rank;
     let mut next_poll = Instant::now() + ABORT_POLL;
@@ -464,14 +465,19 @@ where
             next_poll = Instant::now() + ABORT_POLL;
         }
         match accept() {
-            Ok((mut stream, from)) => {
-                let Some(slot) = Pending::take(&in_flight, MAX_JUDGED) else {
+            Ok((mut stream, from, close)) => {
+                let Some((slot, room)) = in_flight.admit(close) else {
                     turned_away.fetch_add(1, Ordering::Relaxed);
                     if let Some(n) = TURNED_AWAY.admit() {
-                        tracing::warn!("ddp-comm: rank {rank} closed a connection from {from}: {MAX_JUDGED} handshakes already in progress{}", more(n));
+                        tracing::warn!("ddp-comm: rank {rank} closed a connection from {from}: {MAX_JUDGED} handshakes already in progress, and as many closed ones not yet gone{}", more(n));
                     }
                     continue;
                 };
+                if room == Room::ClosedOldest {
+                    if let Some(n) = TURNED_AWAY.admit() {
+                        tracing::warn!("ddp-comm: rank {rank} closed the oldest of {MAX_JUDGED} handshakes in progress to judge a connection from {from}{}", more(n));
+                    }
+                }
                 let (found, check, refused) = (found.clone(), check.clone(), turned_away.clone());
                 let (secret, deadline) = (plan.secret.clone(), plan.handshake_deadline());
                 let spawned = std::thread::Builder::new()
@@ -479,6 +485,7 @@ where
                     .spawn(move || {
                         let why = match check(&mut stream, &secret, deadline) {
                             Ok(Ok((r, extra))) if r as usize == prev => {
+                                slot.proven();
                                 let _ = found.send((stream, extra));
                                 None
                             }
@@ -540,7 +547,14 @@ fn accept_tcp(
         plan,
         &what,
         prev.rank,
-        || listener.accept().map(|(s, from)| (s, from.to_string())),
+        || {
+            let (s, from) = listener.accept()?;
+            let to_close = s.try_clone()?;
+            let close: Closer = Box::new(move || {
+                let _ = to_close.shutdown(std::net::Shutdown::Both);
+            });
+            Ok((s, from.to_string(), close))
+        },
         |stream: &mut TcpStream, secret: &Secret, deadline: Instant| {
             stream.set_nonblocking(false)?;
             Ok(auth::tcp_server(stream, secret, PEER_MAGIC, deadline).map(|r| (r, ())))
@@ -636,10 +650,13 @@ fn accept_local(
         &what,
         prev.rank,
         || {
-            listener.accept().map(|(s, _)| {
-                let from = format!("pid {} (shared memory)", peer_pid(&s));
-                (s, from)
-            })
+            let (s, _) = listener.accept()?;
+            let from = format!("pid {} (shared memory)", peer_pid(&s));
+            let to_close = s.try_clone()?;
+            let close: Closer = Box::new(move || {
+                let _ = to_close.shutdown(std::net::Shutdown::Both);
+            });
+            Ok((s, from, close))
         },
         check_local,
         cancel,
@@ -714,7 +731,7 @@ mod tests {
             let n = next;
             next += 1;
             match n {
-                0 | 1 => Ok((n, format!("peer {n}"))),
+                0 | 1 => Ok((n, format!("peer {n}"), Box::new(|| {}) as Closer)),
                 _ => Err(io::ErrorKind::WouldBlock.into()),
             }
         };
@@ -762,7 +779,7 @@ mod tests {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
             strangers -= 1;
-            Ok(((), "a stranger".to_string()))
+            Ok(((), "a stranger".to_string(), Box::new(|| {}) as Closer))
         };
         let check = |_: &mut (), _: &Secret, _: Instant| Ok(Err::<(u32, ()), _>("no".into()));
         let got = accept_from(

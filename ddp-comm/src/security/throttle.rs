@@ -1,8 +1,8 @@
 //! Bounds on what strangers can cost: warnings at a bounded rate, so that a flood of connections
 //! does not become a flood of log lines (a full disk, or a rank blocked on a full stderr pipe),
-//! and counted slots for the handshakes in progress on a listener.
+//! and slots for the handshakes in progress on a listener, the oldest closed to make room.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -74,24 +74,99 @@ pub(crate) fn more(dropped: u64) -> String {
     }
 }
 
-/// One of at most `max` handshakes in progress on a listener, counted in `count` until it
-/// is dropped, however its handshake ends (a panic included).
-pub(crate) struct Pending(Arc<AtomicUsize>);
+/// What ends a connection's handshake early: shuts its socket down, so that the thread
+/// judging it fails at once.
+pub(crate) type Closer = Box<dyn FnOnce() + Send>;
 
-impl Pending {
-    /// A slot, or `None` when `max` are taken.
-    pub(crate) fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Self> {
-        if count.fetch_add(1, Ordering::SeqCst) >= max {
-            count.fetch_sub(1, Ordering::SeqCst);
+/// The handshakes in progress on one listener, at most `max`. A connection beyond them
+/// closes the oldest one, whose deadline would otherwise hold its slot for seconds: strangers
+/// who connect and stay silent cannot keep the job's own ranks out, since a rank proves the
+/// secret within a round trip, and a stranger would have to connect `max` times within it
+/// to close it. A closed handshake keeps its slot until its thread lets go; with `max` such
+/// as well, a newcomer is refused (and connects again).
+pub(crate) struct Handshakes {
+    max: usize,
+    state: Mutex<InProgress>,
+}
+
+#[derive(Default)]
+struct InProgress {
+    /// The next slot's number.
+    next: u64,
+    /// The handshakes that may still be closed, oldest first.
+    open: VecDeque<(u64, Closer)>,
+    /// Slots held: those in `open`, and closed or finished ones whose thread has not let go.
+    held: usize,
+}
+
+/// What [`Handshakes::admit`] did to make room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Room {
+    /// A slot was free.
+    Free,
+    /// The oldest handshake was closed.
+    ClosedOldest,
+}
+
+impl Handshakes {
+    /// At most `max` handshakes in progress.
+    pub(crate) fn new(max: usize) -> Arc<Self> {
+        Arc::new(Self {
+            max,
+            state: Mutex::new(InProgress::default()),
+        })
+    }
+
+    /// A slot for a new connection, which `close` ends early if the slot is needed before
+    /// the handshake is done; `None` when even closing the oldest would leave more than
+    /// `2 * max` slots held.
+    pub(crate) fn admit(self: &Arc<Self>, close: Closer) -> Option<(Slot, Room)> {
+        let mut state = lock(&self.state);
+        if state.held >= 2 * self.max {
             return None;
         }
-        Some(Pending(count.clone()))
+        let mut room = Room::Free;
+        if state.open.len() >= self.max {
+            if let Some((_, oldest)) = state.open.pop_front() {
+                oldest();
+                room = Room::ClosedOldest;
+            }
+        }
+        let id = state.next;
+        state.next += 1;
+        state.open.push_back((id, close));
+        state.held += 1;
+        Some((
+            Slot {
+                pool: self.clone(),
+                id,
+            },
+            room,
+        ))
     }
 }
 
-impl Drop for Pending {
+/// A connection's place among the handshakes in progress, held until it is dropped however
+/// its handshake ends (a panic included).
+pub(crate) struct Slot {
+    pool: Arc<Handshakes>,
+    id: u64,
+}
+
+impl Slot {
+    /// The handshake succeeded: the connection can no longer be closed to make room.
+    pub(crate) fn proven(&self) {
+        let mut state = lock(&self.pool.state);
+        if let Some(at) = state.open.iter().position(|(id, _)| *id == self.id) {
+            state.open.remove(at);
+        }
+    }
+}
+
+impl Drop for Slot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.proven();
+        lock(&self.pool.state).held -= 1;
     }
 }
 
@@ -114,5 +189,46 @@ mod tests {
         assert_eq!(t.admit_at(at(25)), Some(1));
         assert_eq!(more(0), "");
         assert_eq!(more(3), " (3 more like it were not logged)");
+    }
+
+    /// Connection `n`'s closer, which records `n` in `closed`.
+    fn closer(closed: &Arc<Mutex<Vec<u32>>>, n: u32) -> Closer {
+        let closed = closed.clone();
+        Box::new(move || closed.lock().unwrap().push(n))
+    }
+
+    #[test]
+    fn a_handshake_beyond_the_limit_closes_the_oldest_still_unproven() {
+        let closed = Arc::new(Mutex::new(Vec::new()));
+        let pool = Handshakes::new(2);
+        let (a, room) = pool.admit(closer(&closed, 0)).unwrap();
+        assert_eq!(room, Room::Free);
+        let (b, _) = pool.admit(closer(&closed, 1)).unwrap();
+        // Connection 0 has proven the secret: 1 is the oldest that can be closed.
+        a.proven();
+        let (c, room) = pool.admit(closer(&closed, 2)).unwrap();
+        assert_eq!((room, closed.lock().unwrap().clone()), (Room::Free, vec![]));
+        let (d, room) = pool.admit(closer(&closed, 3)).unwrap();
+        assert_eq!(
+            (room, closed.lock().unwrap().clone()),
+            (Room::ClosedOldest, vec![1])
+        );
+        // Four slots are held (0 proven, 1 closed, 2 and 3 in progress): the most, twice
+        // the limit, until a thread lets go of its slot.
+        assert!(pool.admit(closer(&closed, 4)).is_none());
+        drop(b);
+        let (_e, room) = pool.admit(closer(&closed, 5)).unwrap();
+        assert_eq!(
+            (room, closed.lock().unwrap().clone()),
+            (Room::ClosedOldest, vec![1, 2])
+        );
+        // A slot dropped in its handshake is no longer closed for room.
+        drop(d);
+        drop((a, c));
+        let (_f, room) = pool.admit(closer(&closed, 6)).unwrap();
+        assert_eq!(
+            (room, closed.lock().unwrap().clone()),
+            (Room::Free, vec![1, 2])
+        );
     }
 }

@@ -31,8 +31,7 @@ use crate::security::auth::{self, Timeouts};
 use crate::security::secret::Secret;
 use crate::tcp::Connection;
 
-use crate::security::throttle::Pending;
-use crate::security::throttle::{more, Throttle};
+use crate::security::throttle::{more, Handshakes, Room, Slot, Throttle};
 
 /// Warnings about refused and dropped connections: a burst, then counts (a flood of
 /// strangers must not become a flood of log lines).
@@ -48,10 +47,11 @@ const STATUS_OK: u8 = 0;
 const STATUS_MISSING: u8 = 1;
 const STATUS_ERROR: u8 = 2;
 
-/// Connections that may be in their handshake at once; more are closed at accept, so that
-/// strangers cannot pile up threads and descriptors before proving anything (each has
-/// [`auth::HANDSHAKE_TIMEOUT`] to prove the secret). A job's own ranks connect twice each
-/// (rendezvous, then heartbeat), a client that is turned away connects again.
+/// Connections that may be in their handshake at once ([`Handshakes`]): one more closes the
+/// oldest, so that strangers cannot pile up threads and descriptors before proving anything
+/// (each has [`auth::HANDSHAKE_TIMEOUT`] to prove the secret), nor keep the job's ranks out
+/// by holding every slot. A job's own ranks connect twice each (rendezvous, then heartbeat),
+/// a client that is turned away connects again.
 pub(crate) const MAX_PENDING_HANDSHAKES: usize = 64;
 
 /// A pause after a failed accept (out of descriptors, say), so that the loop does not spin.
@@ -273,7 +273,7 @@ struct Served {
 
 fn accept_loop(listener: TcpListener, server: Served, stop: Arc<AtomicBool>, clients: Clients) {
     let server = Arc::new(server);
-    let pending = Arc::new(AtomicUsize::new(0));
+    let handshakes = Handshakes::new(MAX_PENDING_HANDSHAKES);
     for (id, stream) in (0u64..).zip(listener.incoming()) {
         if stop.load(Ordering::SeqCst) {
             return;
@@ -291,20 +291,32 @@ fn accept_loop(listener: TcpListener, server: Served, stop: Arc<AtomicBool>, cli
                 continue;
             }
         };
-        let Some(guard) = Pending::take(&pending, MAX_PENDING_HANDSHAKES) else {
+        let peer = stream
+            .peer_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let to_close = stream.clone();
+        let close = Box::new(move || {
+            let _ = to_close.shutdown(Shutdown::Both);
+        });
+        let admitted = handshakes.admit(close);
+        if admitted
+            .as_ref()
+            .is_none_or(|(_, room)| *room == Room::ClosedOldest)
+        {
             if let Some(dropped) = REFUSED.admit() {
-                let peer = stream
-                    .peer_addr()
-                    .map(|a| a.to_string())
-                    .unwrap_or_default();
+                let did = match admitted {
+                    None => "refused a connection from",
+                    Some(_) => "closed the oldest handshake to judge a connection from",
+                };
                 tracing::warn!(
-                    "ddp-comm: store refused a connection from {peer}: {MAX_PENDING_HANDSHAKES} \
-                     handshakes already in progress{}",
+                    "ddp-comm: store {did} {peer}: {MAX_PENDING_HANDSHAKES} handshakes in \
+                     progress{}",
                     more(dropped)
                 );
             }
-            continue;
-        };
+        }
+        let Some((guard, _)) = admitted else { continue };
         #[cfg(test)]
         tests::pause_before_listing(&listener);
         // One descriptor per connection, shared by the server's list and its thread.
@@ -318,10 +330,6 @@ fn accept_loop(listener: TcpListener, server: Served, stop: Arc<AtomicBool>, cli
             }
             map.insert(id, stream.clone());
         }
-        let peer = stream
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_default();
         let (server, clients_of_thread, from) = (server.clone(), clients.clone(), peer.clone());
         let spawned = std::thread::Builder::new()
             .name("ddp-store-conn".into())
@@ -385,7 +393,7 @@ fn accept_failure(e: &io::Error) -> String {
 /// Serves one client until it disconnects; its handshake's slot in `pending` is given back
 /// once the client has proven the secret, and a failed handshake is counted in
 /// `server.turned_away`. Errors are reasons to drop the connection.
-fn serve(stream: &TcpStream, server: &Served, pending: &mut Option<Pending>) -> Result<(), String> {
+fn serve(stream: &TcpStream, server: &Served, pending: &mut Option<Slot>) -> Result<(), String> {
     let _ = stream.set_nodelay(true);
     let deadline = Instant::now() + auth::store_handshake_timeout();
     auth::tcp_server(stream, &server.secret, STORE_MAGIC, deadline).map_err(|why| {
@@ -1067,33 +1075,38 @@ mod tests {
     }
 
     #[test]
-    fn strangers_holding_handshakes_open_cannot_pile_up_and_their_slots_come_back() {
+    fn strangers_holding_handshakes_open_cannot_pile_up_nor_keep_a_rank_out() {
         let server = server();
         let key = secret("a");
-        // As many silent connections as may be in their handshake at once.
-        let idle: Vec<TcpStream> = (0..MAX_PENDING_HANDSHAKES)
+        // Three times as many silent connections as may be in their handshake at once.
+        let mut idle: Vec<TcpStream> = (0..3 * MAX_PENDING_HANDSHAKES)
             .map(|_| TcpStream::connect(server.local_addr()).unwrap())
             .collect();
-        // One more, even a rank with the secret, is closed at accept while they wait: it
-        // connects again until its deadline, and then says it was turned away, not that the
-        // secrets differ.
-        let soon = Instant::now() + Duration::from_millis(500);
-        match StoreClient::connect(&[server.local_addr()], &key, soon, Duration::from_secs(2)) {
-            Err(CommError::Handshake {
-                failure: AuthFailure::TurnedAway { times },
-                ..
-            }) => assert!(times > 1, "connected {times} time(s)"),
-            other => panic!("expected TurnedAway, got {other:?}"),
-        }
-        // Once they go, their slots are free again, and a rank still connecting gets in.
-        let release = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(300));
-            drop(idle);
-        });
-        let waited = client(&server, &key);
-        release.join().unwrap();
-        assert!(waited.is_ok(), "{waited:?}");
+        // A rank with the secret still gets in at once, closing the oldest stranger (its
+        // deadline is long before the strangers' 10 s handshake limit).
+        let soon = Instant::now() + Duration::from_secs(5);
+        let rank = StoreClient::connect(&[server.local_addr()], &key, soon, Duration::from_secs(2));
+        assert!(rank.is_ok(), "{rank:?}");
         assert_serves(&server);
+        // The server holds at most MAX_PENDING_HANDSHAKES of them: the others were closed
+        // (oldest first) or refused, and read as closed here.
+        // (Each was accepted before the rank was, and closed then or never.)
+        std::thread::sleep(Duration::from_millis(100));
+        let open: Vec<bool> = idle
+            .iter_mut()
+            .map(|s| {
+                s.set_nonblocking(true).unwrap();
+                let read = s.read(&mut [0u8; 1]);
+                matches!(read, Err(ref e) if e.kind() == io::ErrorKind::WouldBlock)
+            })
+            .collect();
+        let still = open.iter().filter(|&&o| o).count();
+        // The oldest went first; the rank's own connection closed one more of the newest.
+        assert!(!open[0], "the oldest stranger is still open");
+        assert!(
+            (1..MAX_PENDING_HANDSHAKES).contains(&still),
+            "{still} strangers still open"
+        );
     }
 
     /// Requests as the table handler reads them: arbitrary bytes, and well-formed requests
