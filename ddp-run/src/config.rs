@@ -18,7 +18,8 @@ pub const MAX_RUN_ID_LEN: usize = 256;
 /// A job on this node: `nproc_per_node` ranks of `program` with `args`.
 ///
 /// [`LaunchConfig::new`] fills in torchrun's defaults; change the public fields to taste.
-#[derive(Debug, Clone, PartialEq)]
+/// Its `Debug` shows `DDP_SECRET`'s value in [`env`](Self::env) as `<redacted>`.
+#[derive(Clone, PartialEq)]
 pub struct LaunchConfig {
     /// The program each rank runs (a path, or a name looked up in `PATH`).
     pub program: OsString,
@@ -272,6 +273,55 @@ impl LaunchConfig {
     }
 }
 
+impl std::fmt::Debug for LaunchConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Every field by name: a new one fails to compile here until it is shown.
+        let LaunchConfig {
+            program,
+            args,
+            env,
+            nproc_per_node,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            max_restarts,
+            role,
+            run_id,
+            log_dir,
+            shutdown_timeout,
+            monitor_interval,
+            omp_num_threads,
+            echo,
+            tail_lines,
+        } = self;
+        let redacted = OsString::from("<redacted>");
+        let env: Vec<(&OsString, &OsString)> = env
+            .iter()
+            .map(|(k, v)| (k, if k == DDP_SECRET { &redacted } else { v }))
+            .collect();
+        f.debug_struct("LaunchConfig")
+            .field("program", program)
+            .field("args", args)
+            .field("env", &env)
+            .field("nproc_per_node", nproc_per_node)
+            .field("nnodes", nnodes)
+            .field("node_rank", node_rank)
+            .field("master_addr", master_addr)
+            .field("master_port", master_port)
+            .field("max_restarts", max_restarts)
+            .field("role", role)
+            .field("run_id", run_id)
+            .field("log_dir", log_dir)
+            .field("shutdown_timeout", shutdown_timeout)
+            .field("monitor_interval", monitor_interval)
+            .field("omp_num_threads", omp_num_threads)
+            .field("echo", echo)
+            .field("tail_lines", tail_lines)
+            .finish()
+    }
+}
+
 /// Whether a run id is blank, which the ranks count as none.
 fn blank(id: &str) -> bool {
     id.trim().is_empty()
@@ -280,6 +330,20 @@ fn blank(id: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_hides_the_secret_and_shows_the_rest() {
+        let mut c = LaunchConfig::new("prog", 2);
+        c.env.push(("DDP_SECRET".into(), "00ff00ff00ff00ff".into()));
+        c.env.push(("OTHER".into(), "visible".into()));
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("00ff00ff00ff00ff"), "{shown}");
+        assert!(
+            shown.contains(r#"("DDP_SECRET", "<redacted>"), ("OTHER", "visible")"#),
+            "{shown}"
+        );
+        assert!(shown.contains("nproc_per_node: 2"), "{shown}");
+    }
 
     #[test]
     fn several_nodes_without_a_secret_are_warned_about_the_key_file() {
