@@ -27,9 +27,7 @@ use crate::group::tensor::{
 use crate::group::work::{panic_text, Op, Queue, Work};
 use crate::nccl::inflight::Aborted;
 use crate::nccl::{NcclComm, NcclOp};
-use crate::ring::cpu::CpuBackend;
-use crate::ring::link::LinkKind;
-use crate::ring::shm;
+use crate::ring::{cpu::CpuBackend, link::LinkKind, shm};
 use crate::security::secret::Secret;
 use crate::store::heartbeat::{self, Heartbeat, StoreInfo};
 use crate::store::{Store, StoreServer};
@@ -551,9 +549,14 @@ impl ProcessGroup {
     }
 
     /// The CPU ring, for `op`; once the NCCL communicator was aborted, the abort's error,
-    /// having failed the ring with it (its links shut, so that the neighbours fail too).
+    /// having failed the ring with it (its links shut, so that the neighbours fail too), as
+    /// after a panic that may have left a collective half-way (stale bytes in flight).
     fn ring(&self, op: &str) -> Result<MutexGuard<'_, CpuBackend>, CommError> {
-        let mut cpu = lock(&self.cpu);
+        let mut cpu = self.cpu.lock().unwrap_or_else(|p| {
+            let mut cpu = p.into_inner();
+            cpu.fail("a thread panicked during a collective on the CPU ring".into());
+            cpu
+        });
         if let Err(e) = self.nccl_usable(op) {
             cpu.fail(crate::error::with_causes(&e));
             return Err(e);
@@ -703,6 +706,29 @@ mod tests {
     fn a_group_can_be_shared_between_threads() {
         fn assert_send_sync<T: Send + Sync>() {}
         assert_send_sync::<ProcessGroup>();
+    }
+
+    /// A panic while a thread held the CPU ring (a collective left half-way through) fails
+    /// the ring: the next collective is refused instead of pairing with stale bytes.
+    #[test]
+    fn a_panic_holding_the_ring_fails_the_collectives_after_it() {
+        let group =
+            ProcessGroup::new(Options::new(0, 1, "127.0.0.1", 0).backend(Backend::Cpu)).unwrap();
+        let mut v = [1.0f32, 2.0];
+        group.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap();
+        std::thread::scope(|s| {
+            let held = s.spawn(|| {
+                let _ring = group.cpu.lock();
+                panic!("a collective panicked");
+            });
+            assert!(held.join().is_err());
+        });
+        match group.all_reduce_slice(&mut v, ReduceOp::Sum) {
+            Err(CommError::Poisoned(why)) => {
+                assert_eq!(why, "a thread panicked during a collective on the CPU ring")
+            }
+            other => panic!("expected Poisoned, got {other:?}"),
+        }
     }
 
     #[test]
