@@ -441,9 +441,15 @@ impl DistributedDataParallel {
     /// `names` is exactly this model's trainable parameters (each once) and buckets are
     /// rebuilt at all; returns whether it did. Every rank must give the same order (a
     /// checkpoint's).
-    pub fn restore_bucket_order(&mut self, names: &[String]) -> bool {
+    ///
+    /// # Errors
+    ///
+    /// [`DdpError::SyncMissed`] after a synced backward that no `sync_gradients` followed:
+    /// its buckets may still be in flight, and laying them out anew would lose them.
+    pub fn restore_bucket_order(&mut self, names: &[String]) -> Result<bool, DdpError> {
+        lock(&self.reducer).check_finished()?;
         if self.options.find_unused_parameters || names.len() != self.params.len() {
-            return false;
+            return Ok(false);
         }
         let index: std::collections::HashMap<&str, usize> = self
             .params
@@ -456,14 +462,14 @@ impl DistributedDataParallel {
             .map(|n| index.get(n.as_str()).copied())
             .collect();
         let Some(order) = order else {
-            return false;
+            return Ok(false);
         };
         let mut seen = vec![false; order.len()];
         if order.iter().any(|&k| std::mem::replace(&mut seen[k], true)) {
-            return false;
+            return Ok(false);
         }
         lock(&self.reducer).restore_order(&order);
-        true
+        Ok(true)
     }
 
     /// The parameter names of each gradient bucket, in reduction order.
@@ -727,11 +733,14 @@ mod tests {
         let vs = model();
         let mut resumed = DistributedDataParallel::new(&vs, pg, options).unwrap();
         let wrong = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
-        assert!(!resumed.restore_bucket_order(&wrong(&["a", "b"])));
-        assert!(!resumed.restore_bucket_order(&wrong(&["a", "a", "c"])));
-        assert!(!resumed.restore_bucket_order(&wrong(&["a", "b", "x"])));
+        for bad in [&["a", "b"][..], &["a", "a", "c"], &["a", "b", "x"]] {
+            assert!(
+                !resumed.restore_bucket_order(&wrong(bad)).unwrap(),
+                "{bad:?}"
+            );
+        }
         assert_eq!(resumed.bucket_parameters(), one_each(["c", "b", "a"]));
-        assert!(resumed.restore_bucket_order(&order));
+        assert!(resumed.restore_bucket_order(&order).unwrap());
         assert_eq!(resumed.bucket_parameters(), one_each(["a", "b", "c"]));
         assert_eq!(resumed.bucket_order().unwrap(), order);
     }
@@ -793,8 +802,11 @@ mod tests {
         let mut opt = tch::nn::OptimizerConfig::build(tch::nn::Sgd::default(), &vs, 0.5).unwrap();
         let loss = || a.sum(tch::Kind::Float) * 2.0;
         type Call = fn(&mut DistributedDataParallel, &VarStore, &Tensor) -> Result<(), DdpError>;
-        let calls: [(&str, Call); 4] = [
+        let calls: [(&str, Call); 5] = [
             ("broadcast_buffers", |d, _, _| d.broadcast_buffers()),
+            ("restore_bucket_order", |d, _, _| {
+                d.restore_bucket_order(&["a".to_string()]).map(|_| ())
+            }),
             ("prepare_for_backward", |d, _, l| d.prepare_for_backward(l)),
             ("rebuild", |d, vs, _| d.rebuild(vs)),
             ("backward", |d, _, l| d.backward(l)),

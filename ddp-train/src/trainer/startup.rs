@@ -171,7 +171,7 @@ impl<T: Task> Trainer<T> {
         let mut ddp = DistributedDataParallel::new(&m.vs, pg.clone(), s.ddp)?;
         if let Some(order) = &m.bucket_order {
             // The buckets the run reduced in; another set of parameters keeps the default.
-            ddp.restore_bucket_order(order);
+            ddp.restore_bucket_order(order)?;
         }
         let sync_bn = s.sync_batchnorm.then(|| {
             let reducer = Arc::new(GroupReducer::new(pg.clone()));
