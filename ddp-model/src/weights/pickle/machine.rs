@@ -5,11 +5,17 @@ use std::rc::Rc;
 
 use super::globals::resolve_global;
 use super::rebuild::{persistent_load, reduce};
-use super::{Arena, Fault, PickleError, Tuple, Value, Work, MAX_DEPTH};
+use super::{Arena, Fault, PickleError, Tuple, Value, Work, MAX_DEPTH, MAX_HELD};
 
 /// Runs `bytes` to its `STOP`: the top value, and the arena its lists and dicts live in.
 pub(super) fn run(bytes: &[u8]) -> Result<(Value, Arena)> {
+    run_holding(bytes, MAX_HELD)
+}
+
+/// [`run`], holding at most `max_held` values at once.
+pub(super) fn run_holding(bytes: &[u8], max_held: usize) -> Result<(Value, Arena)> {
     let mut m = Machine {
+        max_held,
         bytes,
         pos: 0,
         op_at: 0,
@@ -24,6 +30,8 @@ pub(super) fn run(bytes: &[u8]) -> Result<(Value, Arena)> {
 }
 
 struct Machine<'a> {
+    /// Values the stack, marks and memo may hold together.
+    max_held: usize,
     bytes: &'a [u8],
     pos: usize,
     op_at: usize,
@@ -167,6 +175,14 @@ impl<'a> Machine<'a> {
     fn run(&mut self) -> Result<Value> {
         loop {
             self.op_at = self.pos;
+            // Each entry costs tens of bytes for the one byte of its opcode.
+            let held = self.stack.len() + self.marks.len() + self.memo.len();
+            if held > self.max_held {
+                return self.malformed(format!(
+                    "holds more than {} values on its stack, marks and memo",
+                    self.max_held
+                ));
+            }
             let op = self.u8()?;
             match op {
                 // PROTO, FRAME: nothing to do beyond their arguments.

@@ -79,6 +79,10 @@ pub enum PickleError {
 /// and its derived `Debug` (about 1 MiB; for tests). A dict key's hash walks 64 values.
 const MAX_DEPTH: usize = 1000;
 
+/// Values a stream may hold at once on its stack, marks and memo: a model of a million
+/// tensors uses a few million; each costs tens of bytes, for one byte of the stream.
+const MAX_HELD: usize = 1 << 24;
+
 /// Values a stream may copy and bytes it may hash, per byte of its own.
 const WORK_PER_BYTE: u64 = 4;
 
@@ -454,6 +458,25 @@ mod tests {
         assert_eq!(err, PickleError::Forbidden("torch.load".into()));
         let err = unpickle(b"\x80\x02ctorch._utils\n_rebuild_qtensor\n.").unwrap_err();
         assert!(matches!(err, PickleError::Unsupported(s) if s.contains("_rebuild_qtensor")));
+    }
+
+    /// One byte of the stream per value held (`N`, `(`, `MEMOIZE`), each costing tens of
+    /// bytes: a stream that holds more than the limit is refused at the value past it.
+    #[test]
+    fn a_stream_holding_too_many_values_is_refused() {
+        for op in [b'N', b'(', 0x94] {
+            let mut p = b"\x80\x02N".to_vec();
+            p.extend(std::iter::repeat_n(op, 20));
+            p.push(b'.');
+            match machine::run_holding(&p, 10) {
+                Err(PickleError::Malformed { at, reason }) => assert_eq!(
+                    (at, reason.as_str()),
+                    (13, "holds more than 10 values on its stack, marks and memo"),
+                    "{op}"
+                ),
+                other => panic!("{op}: expected Malformed, got {other:?}"),
+            }
+        }
     }
 
     #[test]
