@@ -30,6 +30,9 @@ Writes into DIR:
                    torchvision's ImageNet ResNet files were saved
   neg-conj.pth     tensors saved with their lazy neg or conj bit: {'neg': True} metadata
   expanded-neg.pth {"w": torch.ones(1).expand(2**33)._neg_view()}: 2**33 elements, one stored
+  resized-storage.pth {"a": ones(1), "b": ones(2)}, b's storage renamed to a's and said
+                   to hold 2**31 - 1 elements
+  many-negations.pth ten lazily negated views of one 20 MiB storage
   deep.pth         a torch.save archive whose data.pkl is a tuple nested 1 000 000 deep
   many-entries.pth {"entry0": 0, ..., "entry19": 19}
   namespace.pth    {"model": convnet8, "args": argparse.Namespace(lr=0.1)}, as the
@@ -207,6 +210,26 @@ def expanded_neg(path):
     assert back["w"].is_neg() and back["w"].shape == (2**33,)
 
 
+def resized_storage(path):
+    # Two tensors, then the second's storage renamed to the first's with 2**31 - 1 elements
+    # declared: one record named with two sizes.
+    torch.save({"a": torch.ones(1), "b": torch.ones(2)}, path)
+    with zipfile.ZipFile(path) as z:
+        pkl = z.read("resized-storage/data.pkl")
+    assert pkl.count(b"X\x01\x00\x00\x001") == 1 and pkl.count(b"K\x02t") == 1, pkl
+    pkl = pkl.replace(b"X\x01\x00\x00\x001", b"X\x01\x00\x00\x000")
+    rewrite(path, {"resized-storage/data.pkl": pkl.replace(b"K\x02t", b"J\xff\xff\xff\x7ft")})
+
+
+def many_negations(path):
+    # Ten lazily negated views of one 20 MiB storage: torch.load copies nothing, a loader
+    # that applies each would copy 200 MiB.
+    base = torch.zeros(5 << 20)
+    torch.save({f"n{i}": base._neg_view() for i in range(10)}, path)
+    with zipfile.ZipFile(path) as z:
+        assert sum(n.startswith("many-negations/data/") for n in z.namelist()) == 1
+
+
 def assert_loads_as(path, sd, **kwargs):
     back = torch.load(path, weights_only=True, **kwargs)
     back = back.get("model", back)
@@ -336,6 +359,8 @@ def main(out, marker, python_marker):
                os.path.join(out, "resnet18-legacy.pth"))
     neg_conj(os.path.join(out, "neg-conj.pth"))
     expanded_neg(os.path.join(out, "expanded-neg.pth"))
+    resized_storage(os.path.join(out, "resized-storage.pth"))
+    many_negations(os.path.join(out, "many-negations.pth"))
     deep = os.path.join(out, "deep.pth")
     torch.save({"t": torch.zeros(1)}, deep)
     rewrite(deep, {"deep/data.pkl": b"\x80\x02)" + b"\x85" * 1_000_000 + b"."})

@@ -677,6 +677,32 @@ fn a_negated_view_larger_than_its_storage_is_refused() {
     assert!(msg.contains("'w'"), "{msg}");
 }
 
+/// A storage that a second tensor names with 2**31 - 1 elements, where its record and
+/// the first tensor's say 1: the second is refused, as its checks went by the size it names.
+#[test]
+fn a_storage_named_with_two_sizes_is_refused() {
+    let err = weights::read_state_dict(file("resized-storage.pth")).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::BadTensor { name, reason, .. } if name == "b"
+            && reason == "its storage '0' has 2147483647 Float elements here and 1 where \
+                another tensor names it"),
+        "{err}"
+    );
+}
+
+/// Ten negated views of one 20 MiB storage would copy 200 MiB: past the load's budget (4
+/// times the file's records and 64 MiB more), the seventh is refused.
+#[test]
+fn copies_past_the_load_budget_are_refused() {
+    let err = weights::read_state_dict(file("many-negations.pth")).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::BadTensor { name, reason, .. } if name == "n6"
+            && reason.contains("(4 times the file's records, and 64 MiB more): records read \
+                more than once, or copies of negated, conjugated or cast views")),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_safetensors_header_of_640_bytes_is_not_taken_for_a_legacy_pickle() {
     // 640 = 0x280: the file starts `80 02`, as a pickle of protocol 2 does.

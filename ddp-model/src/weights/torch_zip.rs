@@ -73,12 +73,18 @@ pub(super) fn read(path: &Path, key: Option<&str>) -> Result<StateDict, WeightsE
         });
     };
     let (entry, entries) = choose_entry(path, &unpickled, top, key)?;
+    let budget = archive
+        .central_directory_start()
+        .saturating_mul(LOAD_BUDGET_TIMES)
+        .saturating_add(LOAD_BUDGET_FLOOR);
     let mut storages = Storages {
         archive,
         path,
         prefix,
         big_endian,
         loaded: HashMap::new(),
+        budget,
+        budget_total: budget,
     };
     let mut tensors = Vec::with_capacity(entries.len());
     for (name, t) in entries {
@@ -327,7 +333,16 @@ struct Storages<'a, R: Read + Seek> {
     prefix: String,
     big_endian: bool,
     loaded: HashMap<(String, Kind), Tensor>,
+    /// Bytes the records read and the copies made may still take ([`Storages::spend`]).
+    budget: u64,
+    /// What the budget was at the start.
+    budget_total: u64,
 }
+
+/// A file's load may take this many times the bytes of its records ...
+const LOAD_BUDGET_TIMES: u64 = 4;
+/// ... and this many bytes more.
+const LOAD_BUDGET_FLOOR: u64 = 64 << 20;
 
 impl<R: Read + Seek> Storages<'_, R> {
     fn tensor(&mut self, name: &str, t: &Rc<TensorRef>) -> Result<Tensor, WeightsError> {
@@ -372,6 +387,14 @@ impl<R: Read + Seek> Storages<'_, R> {
             )));
         }
         let storage = self.storage(name, &t.storage, kind, numel)?;
+        if copied {
+            let to = match &t.cast {
+                Some(Element::Kind(to)) => *to,
+                _ => kind,
+            };
+            let n = elements.unwrap_or(0).max(0) as u64;
+            self.spend(name, n.saturating_mul(to.elt_size_in_bytes() as u64))?;
+        }
         let view = storage.f_as_strided(&t.size, &t.stride, Some(t.offset));
         // The storage holds the values before the lazy conjugation (a no-op on real numbers)
         // and negation that the metadata records: applied here, into a copy.
@@ -391,6 +414,29 @@ impl<R: Read + Seek> Storages<'_, R> {
         view.map_err(|e| bad(e.to_string()))
     }
 
+    /// Takes `bytes` from the budget for `name`'s record or copy, or refuses the tensor: a
+    /// hostile file could name one record under many keys or dtypes, or negate a view of a
+    /// large storage once per name, and make a small file take terabytes.
+    fn spend(&mut self, name: &str, bytes: u64) -> Result<(), WeightsError> {
+        match self.budget.checked_sub(bytes) {
+            Some(left) => {
+                self.budget = left;
+                Ok(())
+            }
+            None => Err(WeightsError::BadTensor {
+                path: self.path.to_owned(),
+                name: name.to_string(),
+                reason: format!(
+                    "loading it would take more than {} bytes in all ({LOAD_BUDGET_TIMES} times \
+                     the file's records, and {} MiB more): records read more than once, or \
+                     copies of negated, conjugated or cast views",
+                    self.budget_total,
+                    LOAD_BUDGET_FLOOR >> 20
+                ),
+            }),
+        }
+    }
+
     fn storage(
         &mut self,
         name: &str,
@@ -400,6 +446,20 @@ impl<R: Read + Seek> Storages<'_, R> {
     ) -> Result<Tensor, WeightsError> {
         let id = (s.key.clone(), kind);
         if let Some(t) = self.loaded.get(&id) {
+            // Another tensor named this storage with another size: the checks of this one's
+            // view and copy went by the size it names.
+            if t.numel() as i64 != numel {
+                return Err(WeightsError::BadTensor {
+                    path: self.path.to_owned(),
+                    name: name.to_string(),
+                    reason: format!(
+                        "its storage '{}' has {numel} {kind:?} elements here and {} where \
+                         another tensor names it",
+                        s.key,
+                        t.numel()
+                    ),
+                });
+            }
             return Ok(t.shallow_clone());
         }
         let record_name = format!("{}data/{}", self.prefix, s.key);
@@ -417,6 +477,7 @@ impl<R: Read + Seek> Storages<'_, R> {
                 ),
             });
         }
+        self.spend(name, size)?;
         let mut bytes = read_record(&mut self.archive, self.path, &record_name, index, size)?;
         if self.big_endian {
             // Complex numbers are two floats, each swapped on its own.
