@@ -212,6 +212,14 @@ impl Decoder {
             path: path.to_path_buf(),
             source,
         };
+        // A FIFO would block the open or the read forever, a device (/dev/zero) fill memory.
+        if !std::fs::metadata(path).map_err(read_error)?.is_file() {
+            let why = "not a regular file (a device, FIFO or socket): give an image file";
+            return Err(read_error(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                why,
+            )));
+        }
         let mut f = std::fs::File::open(path).map_err(read_error)?;
         self.file.clear();
         f.read_to_end(&mut self.file).map_err(read_error)?;
@@ -334,6 +342,27 @@ mod tests {
         // No scan at all, or no EOI: not a complete image.
         assert!(!has_end_marker(&[0xFF, 0xD8, 0xFF, 0xD9]));
         assert!(!has_end_marker(&scan(10)));
+    }
+
+    /// A link to a device that never ends is refused before it is read, naming the file.
+    #[test]
+    fn a_file_that_is_not_regular_is_refused_unread() {
+        let dir = tempfile::tempdir().unwrap();
+        let link = dir.path().join("1_left.jpg");
+        std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
+        match Decoder::new().decode_file(&link) {
+            Err(e @ DataError::ReadImage { .. }) => {
+                let chain = format!("{e}: {}", std::error::Error::source(&e).unwrap());
+                assert!(
+                    chain.ends_with(
+                        "1_left.jpg': not a regular file (a device, FIFO or socket): give an \
+                         image file"
+                    ),
+                    "{chain}"
+                );
+            }
+            other => panic!("expected ReadImage, got {:?}", other.map(|_| ())),
+        }
     }
 
     #[test]
