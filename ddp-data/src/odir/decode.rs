@@ -170,6 +170,11 @@ impl Decoder {
             .then_some((u32::from(info.width), u32::from(info.height)))
     }
 
+    /// The image the last successful decode wrote.
+    pub(crate) fn decoded(&self) -> RgbView<'_> {
+        self.view()
+    }
+
     /// Decodes the loaded file in full (see [`Self::decode_file`]).
     pub(crate) fn decode_loaded_file(&mut self, path: &Path) -> Result<RgbView<'_>, DataError> {
         self.decode_loaded(path)?;

@@ -398,12 +398,15 @@ impl Pipeline {
                 // full decode), then decode only what it needs, as small as it allows.
                 let placement = transform.placement(height, width, rng);
                 let denom = dct_reduction(placement.region, size, factor);
-                if denom > 1 {
-                    let (image, region) =
-                        self.decoder
-                            .decode_jpeg_part(path, denom, placement.region)?;
-                    (image, placement, region)
+                let part = (denom > 1)
+                    .then(|| self.decoder.decode_jpeg_part(path, denom, placement.region))
+                    .map(|decoded| decoded.map(|(_, region)| region));
+                if let Some(Ok(region)) = part {
+                    (self.decoder.decoded(), placement, region)
                 } else {
+                    // libjpeg refuses what the full decoder takes (a warning, such as an
+                    // unknown JFIF revision, is an error there): the file, not the crop
+                    // drawn, decides whether it decodes.
                     let image = self.decoder.decode_loaded_file(path)?;
                     (image, placement, placement.region)
                 }
