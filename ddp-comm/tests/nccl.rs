@@ -693,7 +693,9 @@ fn nccl_enqueue_time_of_a_small_all_reduce_async() {
     }
     let n = skip_without_gpu!();
     let outputs = run_world("nccl_enqueue_time_of_a_small_all_reduce_async", n, &[]);
-    for line in lines_with(&outputs[0], "FIGURE ") {
+    let figures = lines_with(&outputs[0], "FIGURE ");
+    assert_eq!(figures.len(), 1, "rank 0 printed no figure");
+    for line in figures {
         println!("{line} (rank 0 of {n})");
     }
 }

@@ -154,6 +154,8 @@ fn predict_writes_the_same_submission_on_1_and_2_ranks_in_the_challenges_format(
     }
     // No tuned thresholds beside the model: decisions at 0.5.
     let decisions = std::fs::read_to_string(runs[0].join("decisions.csv")).unwrap();
+    assert_eq!(decisions.lines().next(), Some("ID,N,D,G,C,A,H,M,O"));
+    assert_eq!(decisions.lines().count(), 7, "{decisions}");
     for (d, s) in decisions.lines().zip(submission.lines()).skip(1) {
         let want: Vec<String> = s
             .split(',')

@@ -86,9 +86,10 @@ fn cudart_loads_and_device_count_answers() {
     // SAFETY: `count` is a valid out-pointer. Without a GPU the call fails with an error
     // code (no device / no driver) rather than crashing.
     let rc = unsafe { (cudart.cudaGetDeviceCount)(&mut count) };
+    // (The runtime answers success only with at least one device.)
     if rc != nccl_sys::cudaError_t::cudaSuccess {
-        println!("no GPU: cudaGetDeviceCount returned {}", rc.0);
+        println!("skipped: no GPU: cudaGetDeviceCount returned {}", rc.0);
     } else {
-        assert!(count >= 0);
+        assert!(count >= 1, "{count} devices");
     }
 }

@@ -620,10 +620,27 @@ mod tests {
 
     #[test]
     fn invalid_parameters_are_rejected() {
-        assert!(Transform::eval(200, 224).is_err());
-        assert!(Transform::random_resized_crop(0, DEFAULT_SCALE, DEFAULT_RATIO).is_err());
-        assert!(Transform::random_resized_crop(8, (0.5, 0.2), DEFAULT_RATIO).is_err());
-        assert!(Transform::random_resized_crop(8, DEFAULT_SCALE, (0.0, 1.0)).is_err());
+        let refused = |r: Result<Transform, DataError>| match r {
+            Err(DataError::InvalidParameter { name, value, .. }) => (name, value),
+            other => panic!("expected InvalidParameter, got {:?}", other.map(|_| ())),
+        };
+        assert_eq!(
+            refused(Transform::eval(200, 224)),
+            ("evaluation resize/crop", "(200, 224)".to_string())
+        );
+        let crop = |size, scale, ratio| refused(Transform::random_resized_crop(size, scale, ratio));
+        assert_eq!(
+            crop(0, DEFAULT_SCALE, DEFAULT_RATIO),
+            ("crop size", "0".to_string())
+        );
+        assert_eq!(
+            crop(8, (0.5, 0.2), DEFAULT_RATIO),
+            ("crop scale", "(0.5, 0.2)".to_string())
+        );
+        assert_eq!(
+            crop(8, DEFAULT_SCALE, (0.0, 1.0)),
+            ("crop ratio", "(0.0, 1.0)".to_string())
+        );
     }
 
     #[test]
