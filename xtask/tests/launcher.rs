@@ -9,7 +9,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use ddp_testkit::{kill, procs, temp_dir, text, wait_bounded, wait_for, wait_for_text};
@@ -31,10 +31,9 @@ fn killing_a_rank_ends_the_job_naming_it_and_leaves_no_process() {
     );
     let victim = ranks.iter().copied().find(|&p| rank_of(p) == 1).unwrap();
     kill(victim, libc::SIGKILL);
-    let killed_at = Instant::now();
-    // Bound: the configured collective timeout (10 s) plus the grace period, with margin.
+    // It ends (by the configured collective timeout, 10 s, plus the grace period): past 60 s
+    // `wait_bounded` kills it and fails.
     let output = wait_bounded(child, Duration::from_secs(60));
-    let took = killed_at.elapsed();
     assert!(!output.status.success());
     let t = text(&output);
     assert!(t.contains("rank 1 was killed by signal 9"), "{t}");
@@ -42,10 +41,6 @@ fn killing_a_rank_ends_the_job_naming_it_and_leaves_no_process() {
     for p in ranks {
         assert!(!procs::alive(p), "rank process {p} survived the job");
     }
-    assert!(
-        took < Duration::from_secs(40),
-        "the job took {took:?} to end"
-    );
 }
 
 /// An executable `rank.sh` in `dir` that runs `body` with `sh`, for `--bin`.
@@ -703,9 +698,9 @@ fn a_stopped_rank_fails_the_job_within_the_collective_timeout_naming_it() {
         "injected failure (STOP)",
         Duration::from_secs(180),
     );
-    let stopped_at = Instant::now();
+    // It ends (the timeout, the diagnosis and the grace period): past 120 s `wait_bounded`
+    // kills it and fails.
     let output = wait_bounded(child, Duration::from_secs(120));
-    let took = stopped_at.elapsed();
     let t = text(&output);
     assert_eq!(output.status.code(), Some(1), "{t}");
     // Rank 0 gave up after --collective-timeout 10 naming rank 1.
@@ -720,12 +715,6 @@ fn a_stopped_rank_fails_the_job_within_the_collective_timeout_naming_it() {
     for p in ranks {
         assert!(!procs::alive(p), "rank process {p} survived the job");
     }
-    // The timeout, the diagnosis and the grace period, with a wide margin for a loaded
-    // machine: the point is that it ends, not how fast.
-    assert!(
-        took < Duration::from_secs(90),
-        "the job took {took:?} to end"
-    );
 }
 
 /// The launcher flags of node `node` of two on this machine, with `cpus` ranks, meeting at
@@ -850,10 +839,10 @@ fn a_node_that_dies_takes_the_other_node_down() {
     );
     // The whole of node 1 dies at once: its launcher by SIGKILL, its ranks with it.
     node1.kill().unwrap();
-    let killed_at = Instant::now();
     node1.wait().unwrap();
+    // Node 0 ends (the collective timeout, 10 s, plus the grace period): past 120 s
+    // `wait_bounded` kills it and fails.
     let output = wait_bounded(node0, Duration::from_secs(120));
-    let took = killed_at.elapsed();
     assert_eq!(output.status.code(), Some(1), "{}", text(&output));
     for p in node0_ranks {
         assert!(
@@ -861,11 +850,6 @@ fn a_node_that_dies_takes_the_other_node_down() {
             "rank process {p} of node 0 survived the job"
         );
     }
-    // Bound: the collective timeout (10 s) plus the grace period, with a wide margin.
-    assert!(
-        took < Duration::from_secs(60),
-        "node 0 took {took:?} to end"
-    );
 }
 
 /// Two nodes of one rank each. Rank 1 dies while rank 0 writes epoch 2's checkpoint; node
