@@ -63,7 +63,7 @@ fn comm_rows(
         let theirs = gloo.iter().find(|(l, _, _)| l == label);
         let median_note = || {
             format!(
-                "median call {} ours, {} Gloo",
+                "median call {} ours, {} Gloo (loopback TCP: Gloo has no shared memory)",
                 Unit::Seconds.show(*secs),
                 theirs.map_or("-".to_string(), |t| Unit::Seconds.show(t.1))
             )
@@ -81,7 +81,7 @@ fn comm_rows(
                     Unit::Seconds,
                 )
                 .pair(Some(*secs), theirs.map(|t| t.1))
-                .note("vs Gloo; ratio = Gloo time / ours");
+                .note("vs Gloo over loopback TCP; ratio = Gloo time / ours");
                 if targets {
                     row = row.target(targets::ALLREDUCE_LATENCY);
                 }
@@ -117,7 +117,7 @@ fn comm_rows(
                     Unit::Seconds,
                 )
                 .pair(Some(*secs), theirs.map(|t| t.1))
-                .note("median per broadcast, vs Gloo"),
+                .note("median per broadcast, vs Gloo over loopback TCP"),
             );
         }
     }

@@ -52,6 +52,16 @@ pub(super) fn incomplete(results: &Results) -> Option<String> {
     if !skipped.is_empty() {
         return Some(format!("it skipped {}", skipped.join("; ")));
     }
+    // A side that printed no figure leaves its row's target unjudged, and off the count.
+    let unjudged: Vec<String> = results
+        .rows
+        .iter()
+        .filter(|r| r.target.is_some() && r.meets_target().is_none())
+        .map(|r| format!("{} {}", r.group.name(), r.name))
+        .collect();
+    if !unjudged.is_empty() {
+        return Some(format!("no figure to judge {}", unjudged.join("; ")));
+    }
     None
 }
 
@@ -100,7 +110,9 @@ pub(super) fn render(results: &Results) -> String {
          Ours is this workspace; the reference is PyTorch {torch} doing the same work in the \
          same run (`DistributedSampler`, torchvision, Gloo, `DistributedDataParallel`; each \
          row's note names it). The ratio is higher when ours is better: the speed-up for \
-         times, ours / reference for rates and bandwidths. A target applies to the ratio \
+         times, ours / reference for rates and bandwidths. Times are medians; a training \
+         run's rate is its images over the timed steps' wall time, on both sides. A target \
+         applies to the ratio \
          (`>= 2x`) or to our own figure (`>= 0.95`, `<= 500.0 us`). What each group measures: \
          `xtask/src/bench/` and the crates' READMEs.\n\n\
          | group | benchmark | ours | reference | ratio | target | met | note |\n\
@@ -151,7 +163,7 @@ pub(super) fn render(results: &Results) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::report::Unit;
+    use super::super::report::{Target, Unit};
     use super::super::results::tests::sample;
     use super::*;
 
@@ -220,6 +232,16 @@ mod tests {
             .rows
             .push(Row::new(Group::Comm, Row::DID_NOT_RUN, Unit::Fraction).note("no python"));
         assert_eq!(incomplete(&results).as_deref(), Some("comm failed"));
+        results.rows.pop();
+        // A targeted row whose reference printed nothing.
+        let no_reference = Row::new(Group::Comm, "latency", Unit::Seconds)
+            .pair(Some(1e-6), None)
+            .target(Target::Ratio(1.0));
+        results.rows.push(no_reference);
+        assert_eq!(
+            incomplete(&results).as_deref(),
+            Some("no figure to judge comm latency")
+        );
         results.rows.pop();
         // The capped overlap rows that a machine without `tc` rights skips.
         results.rows.push(Row::skipped(

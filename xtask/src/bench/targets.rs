@@ -31,8 +31,9 @@ targets! {
          torchvision's pixels (full decode): at least 2x torchvision's images/s.",
         "ddp-data's goal for decoding (ddp-data/README.md, Speed)";
     DECODE_VS_PIL_DRAFT = Target::Ratio(1.3),
-        "The same pipeline decoding JPEGs at a reduced size (`--dct-upsampling 2`): at least \
-         1.3x torchvision's images/s with PIL's `draft`, which does the same.",
+        "The same pipeline decoding JPEGs at a reduced size (`--dct-upsampling 2`: the crop's \
+         region at a DCT scale chosen per crop): at least 1.3x torchvision's images/s with \
+         PIL's `draft` (the whole image at a reduced scale).",
         "ddp-data's goal for decoding against PIL's reduced-size decode (ddp-data/README.md, Speed)";
     LOADER_HANDOFF = Target::OursAtMost(0.0005),
         "The training thread's hand-off of a ready 64x224 batch as tensors on the CPU \

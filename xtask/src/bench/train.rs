@@ -208,7 +208,7 @@ pub(super) fn train(ctx: &Ctx, with_ddp: bool) -> Result<Vec<Row>> {
             let phases = |r: Option<&Run>| {
                 r.map_or("-".to_string(), |r| {
                     format!(
-                        "step {:.2} s = data {:.2} + compute {:.2}",
+                        "median step {:.2} s, of which data {:.2}, compute {:.2}",
                         r.rank0("step_median_s").unwrap_or(f64::NAN),
                         r.rank0("data_median_s").unwrap_or(f64::NAN),
                         r.rank0("compute_median_s").unwrap_or(f64::NAN)
