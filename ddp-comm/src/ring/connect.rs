@@ -35,7 +35,7 @@ use crate::ring::link::{Link, LinkKind, RecvEnd, SendEnd};
 use crate::ring::shm::{self, Bell, Peer, PendingRing, ShmSender};
 use crate::security::auth::{self, Failed, Timeouts};
 use crate::security::secret::Secret;
-use crate::security::throttle::{more, Closer, Handshakes, Room, Throttle};
+use crate::security::throttle::{closer, more, Closer, Handshakes, Room, Throttle};
 use crate::tcp;
 
 mod cancel;
@@ -549,10 +549,7 @@ fn accept_tcp(
         prev.rank,
         || {
             let (s, from) = listener.accept()?;
-            let to_close = s.try_clone()?;
-            let close: Closer = Box::new(move || {
-                let _ = to_close.shutdown(std::net::Shutdown::Both);
-            });
+            let close = closer(s.try_clone()?, TcpStream::shutdown);
             Ok((s, from.to_string(), close))
         },
         |stream: &mut TcpStream, secret: &Secret, deadline: Instant| {
@@ -652,10 +649,7 @@ fn accept_local(
         || {
             let (s, _) = listener.accept()?;
             let from = format!("pid {} (shared memory)", peer_pid(&s));
-            let to_close = s.try_clone()?;
-            let close: Closer = Box::new(move || {
-                let _ = to_close.shutdown(std::net::Shutdown::Both);
-            });
+            let close = closer(s.try_clone()?, UnixStream::shutdown);
             Ok((s, from, close))
         },
         check_local,

@@ -78,6 +78,17 @@ pub(crate) fn more(dropped: u64) -> String {
 /// judging it fails at once.
 pub(crate) type Closer = Box<dyn FnOnce() + Send>;
 
+/// The [`Closer`] of a handle to a connection's socket (a clone of the stream, or an `Arc`
+/// of it) and its `shutdown`.
+pub(crate) fn closer<S: Send + 'static>(
+    handle: S,
+    shutdown: fn(&S, std::net::Shutdown) -> std::io::Result<()>,
+) -> Closer {
+    Box::new(move || {
+        let _ = shutdown(&handle, std::net::Shutdown::Both);
+    })
+}
+
 /// The handshakes in progress on one listener, at most `max`. A connection beyond them
 /// closes the oldest one, whose deadline would otherwise hold its slot for seconds: strangers
 /// who connect and stay silent cannot keep the job's own ranks out, since a rank proves the
@@ -146,6 +157,15 @@ impl Handshakes {
     }
 }
 
+impl Handshakes {
+    /// Takes slot `id` off the handshakes that may be closed.
+    fn forget(&self, state: &mut InProgress, id: u64) {
+        if let Some(at) = state.open.iter().position(|(open, _)| *open == id) {
+            state.open.remove(at);
+        }
+    }
+}
+
 /// A connection's place among the handshakes in progress, held until it is dropped however
 /// its handshake ends (a panic included).
 pub(crate) struct Slot {
@@ -156,17 +176,15 @@ pub(crate) struct Slot {
 impl Slot {
     /// The handshake succeeded: the connection can no longer be closed to make room.
     pub(crate) fn proven(&self) {
-        let mut state = lock(&self.pool.state);
-        if let Some(at) = state.open.iter().position(|(id, _)| *id == self.id) {
-            state.open.remove(at);
-        }
+        self.pool.forget(&mut lock(&self.pool.state), self.id);
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.proven();
-        lock(&self.pool.state).held -= 1;
+        let mut state = lock(&self.pool.state);
+        self.pool.forget(&mut state, self.id);
+        state.held -= 1;
     }
 }
 

@@ -31,7 +31,7 @@ use crate::security::auth::{self, Timeouts};
 use crate::security::secret::Secret;
 use crate::tcp::Connection;
 
-use crate::security::throttle::{more, Handshakes, Room, Slot, Throttle};
+use crate::security::throttle::{closer, more, Handshakes, Room, Slot, Throttle};
 
 /// Warnings about refused and dropped connections: a burst, then counts (a flood of
 /// strangers must not become a flood of log lines).
@@ -295,10 +295,7 @@ fn accept_loop(listener: TcpListener, server: Served, stop: Arc<AtomicBool>, cli
             .peer_addr()
             .map(|a| a.to_string())
             .unwrap_or_default();
-        let to_close = stream.clone();
-        let close = Box::new(move || {
-            let _ = to_close.shutdown(Shutdown::Both);
-        });
+        let close = closer(stream.clone(), |s: &Arc<TcpStream>, how| s.shutdown(how));
         let admitted = handshakes.admit(close);
         if admitted
             .as_ref()

@@ -398,10 +398,15 @@ impl Pipeline {
                 // full decode), then decode only what it needs, as small as it allows.
                 let placement = transform.placement(height, width, rng);
                 let denom = dct_reduction(placement.region, size, factor);
-                let part = (denom > 1)
-                    .then(|| self.decoder.decode_jpeg_part(path, denom, placement.region))
-                    .map(|decoded| decoded.map(|(_, region)| region));
-                if let Some(Ok(region)) = part {
+                let part = match denom {
+                    1 => None,
+                    _ => self
+                        .decoder
+                        .decode_jpeg_part(path, denom, placement.region)
+                        .ok()
+                        .map(|(_, region)| region),
+                };
+                if let Some(region) = part {
                     (self.decoder.decoded(), placement, region)
                 } else {
                     // libjpeg refuses what the full decoder takes (a warning, such as an

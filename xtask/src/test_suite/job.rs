@@ -330,13 +330,19 @@ mod tests {
     use super::*;
     use crate::test_suite::schedule::Group;
 
+    /// A step that starts a 300 s sleeper, writes its pid to `pid_file`, and waits for it.
+    fn sleeper(pid_file: &Path) -> Command {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "sleep 300 & echo $! > \"$0\"; wait"])
+            .arg(pid_file);
+        cmd
+    }
+
     #[test]
     fn a_step_that_hangs_is_killed_with_its_processes_naming_it() {
         let dir = tempdir("hang");
         let pid_file = dir.join("sleeper");
-        let mut cmd = Command::new("sh");
-        cmd.args(["-c", "sleep 300 & echo $! > \"$0\"; wait"])
-            .arg(&pid_file);
+        let mut cmd = sleeper(&pid_file);
         let start = Instant::now();
         let err = output_within(&mut cmd, Duration::from_secs(1), &|| None).unwrap_err();
         assert!(
@@ -368,9 +374,7 @@ mod tests {
     fn an_interrupted_step_is_stopped_with_its_processes() {
         let dir = tempdir("interrupted-step");
         let pid_file = dir.join("sleeper");
-        let mut cmd = Command::new("sh");
-        cmd.args(["-c", "sleep 300 & echo $! > \"$0\"; wait"])
-            .arg(&pid_file);
+        let mut cmd = sleeper(&pid_file);
         let start = Instant::now();
         let asked = || (start.elapsed() > Duration::from_millis(300)).then_some(libc::SIGINT);
         let err = output_within(&mut cmd, Duration::from_secs(300), &asked).unwrap_err();
