@@ -408,14 +408,16 @@ impl Optimizer {
 
 /// Scales the gradients of `params` so that their global 2-norm is at most `max_norm`, and
 /// returns the norm before scaling (`torch.nn.utils.clip_grad_norm_`: every gradient times
-/// `min(1, max_norm / (norm + 1e-6))`; parameters without a gradient are left out). As
+/// `min(1, max_norm / (norm + 1e-6))`; parameters without a gradient are left out). The
+/// norm is a 0-dim tensor on the first gradient's device, as PyTorch's, so that nothing
+/// waits for the device until it is read (0 on the CPU when no parameter has one). As
 /// PyTorch's, with its foreach kernels: the gradients grouped by device and dtype (in order
 /// of first appearance), each group's norms one `_foreach_norm`, the total the norm of them
 /// all stacked, and each group scaled by one `_foreach_mul_`. On CUDA that is a few kernels
 /// instead of two per parameter, and the same sums as PyTorch's. After DDP's average the
 /// gradients are the same on every rank, and so are the norm and the scaling. A non-finite
 /// norm leaves non-finite gradients (the fp16 scaler skips that step).
-pub fn clip_grad_norm(params: &[(String, Tensor)], max_norm: f64) -> f64 {
+pub fn clip_grad_norm(params: &[(String, Tensor)], max_norm: f64) -> Tensor {
     tch::no_grad(|| {
         let mut groups: Vec<((Device, Kind), Vec<Tensor>)> = Vec::new();
         for g in params.iter().map(|(_, p)| p.grad()).filter(Tensor::defined) {
@@ -426,7 +428,7 @@ pub fn clip_grad_norm(params: &[(String, Tensor)], max_norm: f64) -> f64 {
             }
         }
         let Some(((first_device, _), _)) = groups.first() else {
-            return 0.0;
+            return Tensor::from(0.0f32);
         };
         let first_device = *first_device;
         let norms: Vec<Tensor> = groups
@@ -447,7 +449,7 @@ pub fn clip_grad_norm(params: &[(String, Tensor)], max_norm: f64) -> f64 {
                 &coef.to_device(*device),
             ));
         }
-        total.double_value(&[])
+        total
     })
 }
 
@@ -718,14 +720,14 @@ mod tests {
         // Gradients (3, 4) and (12): global norm 13.
         ((&a * Tensor::from_slice(&[3.0f32, 4.0])).sum(Kind::Float) + (&b * 12.0).sum(Kind::Float))
             .backward();
-        let norm = clip_grad_norm(&params, 6.5);
+        let norm = clip_grad_norm(&params, 6.5).double_value(&[]);
         assert!((norm - 13.0).abs() < 1e-5, "{norm}");
         let scaled: Vec<f32> = Vec::try_from(&a.grad()).unwrap();
         let coef = 6.5 / (13.0 + 1e-6);
         assert!((scaled[0] - 3.0 * coef as f32).abs() < 1e-6, "{scaled:?}");
         assert!((f32::try_from(&b.grad()).unwrap() - 12.0 * coef as f32).abs() < 1e-5);
         // Below the limit nothing changes.
-        let again = clip_grad_norm(&params, 100.0);
+        let again = clip_grad_norm(&params, 100.0).double_value(&[]);
         assert!((again - 6.5).abs() < 1e-4, "{again}");
         assert!((f32::try_from(&b.grad()).unwrap() - 12.0 * coef as f32).abs() < 1e-5);
     }
@@ -744,7 +746,7 @@ mod tests {
             ("a".to_string(), a.shallow_clone()),
             ("b".to_string(), b.shallow_clone()),
         ];
-        let norm = clip_grad_norm(&params, 1.3);
+        let norm = clip_grad_norm(&params, 1.3).double_value(&[]);
         assert!((norm - 13.0).abs() < 1e-5, "{norm}");
         assert_eq!(b.grad().kind(), Kind::Double);
         let (ga, gb) = (
@@ -774,7 +776,7 @@ mod tests {
             ("a".to_string(), a.shallow_clone()),
             ("b".to_string(), b.shallow_clone()),
         ];
-        clip_grad_norm(&params, 5.0);
+        let _norm = clip_grad_norm(&params, 5.0);
         let (ca, cb): (Vec<f32>, Vec<f32>) = (
             Vec::try_from(&a.grad()).unwrap(),
             Vec::try_from(&b.grad()).unwrap(),

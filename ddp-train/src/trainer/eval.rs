@@ -109,7 +109,7 @@ impl<T: Task> Trainer<T> {
         self.ddp.broadcast_buffers()?;
         let mut loader = self.loader(set, false, epoch, indices)?;
         let mut stats = self.task.new_stats();
-        let (mut loss_sum, mut samples) = (0.0f64, 0usize);
+        let (mut loss_sum, mut samples): (Option<Tensor>, usize) = (None, 0);
         tch::no_grad(|| -> Result<(), TrainError> {
             let mut upcoming = loader.next();
             let mut round_started: Option<Instant> = None;
@@ -147,11 +147,20 @@ impl<T: Task> Trainer<T> {
                     "Task::eval_batch",
                     "the sum of the per-sample losses (Reduction::Sum)",
                 )?;
-                loss_sum += loss.f_double_value(&[])?;
+                // Summed on the device in f64, as the host would, and read once at the end.
+                let loss = loss.detach().f_reshape([])?.f_to_kind(Kind::Double)?;
+                loss_sum = Some(match loss_sum.take() {
+                    Some(sum) => sum.f_add(&loss)?,
+                    None => loss,
+                });
                 samples += batch.len();
             }
             Ok(())
         })?;
+        let loss_sum = match loss_sum {
+            Some(sum) => sum.f_to_device(tch::Device::Cpu)?.f_double_value(&[])?,
+            None => 0.0,
+        };
         let mut sums = vec![loss_sum, samples as f64];
         sums.extend(stats.to_sums());
         let mut t = Tensor::from_slice(&sums).to_kind(Kind::Double);

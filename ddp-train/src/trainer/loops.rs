@@ -10,8 +10,9 @@ use serde_json::Map;
 use tch::Tensor;
 
 use super::faults::{fail_if_injected, hold_if_injected, Point};
-use super::non_finite::{gradients_finite, poison};
+use super::non_finite::{non_finite_check, poison};
 use super::progress::Progress;
+use super::reads::DeviceReads;
 use super::{EpochReport, Trainer};
 use crate::allocation::EpochRest;
 use crate::error::{Context, TrainError};
@@ -449,24 +450,43 @@ impl<T: Task> Trainer<T> {
             self.ddp.sync_gradients()?;
             // The averaged gradients are the same bytes on every rank, so every rank finds
             // the same inf/NaN, the same norm, and skips the same steps (or stops at the
-            // same step).
-            let found_inf = match &mut self.scaler {
-                Some(scaler) => scaler.unscale(self.ddp.parameters())?.found()?,
-                None => false,
+            // same step). Their checks, the norm and the losses stay on the device until
+            // one read.
+            let mut reads = DeviceReads::default();
+            let params = self.ddp.parameters();
+            // The scaler's flags, or without one and without clipping, the same check at
+            // scale 1 (the clipped norm is that check otherwise).
+            let check = match &mut self.scaler {
+                Some(scaler) => Some(scaler.unscale(params)?),
+                None if s.clip_grad_norm.is_none() => Some(non_finite_check(params)?),
+                None => None,
             };
-            // A step the scaler skips is not clipped: its norm is inf or NaN, and the
-            // gradients are thrown away.
-            let grad_norm = s
-                .clip_grad_norm
-                .filter(|_| !found_inf)
-                .map(|max| crate::optim::clip_grad_norm(self.ddp.parameters(), max));
+            let flags_at = match &check {
+                Some(found) => Some(reads.add(&Tensor::f_cat(found.flags(), 0)?)?),
+                None => None,
+            };
+            // Clipped even on a step the scaler then skips, as PyTorch's loop does: that
+            // norm is inf or NaN, and those gradients are thrown away.
+            let norm_at = match s.clip_grad_norm {
+                Some(max) => Some(reads.add_one(&crate::optim::clip_grad_norm(params, max))?),
+                None => None,
+            };
+            let losses_at = micro_losses
+                .iter()
+                .map(|(loss, _)| reads.add_one(loss))
+                .collect::<Result<Vec<_>, _>>()?;
+            // The one wait for the device in a step.
+            let values = reads.read()?;
+            let found = flags_at.is_some_and(|at| values[at].iter().any(|&f| f != 0.0));
+            let found_inf = self.scaler.is_some() && found;
+            let grad_norm = norm_at.map(|at| values[at]).filter(|_| !found_inf);
             let finite = match (&self.scaler, grad_norm) {
                 (Some(_), _) => true,
                 (None, Some(norm)) => norm.is_finite(),
-                (None, None) => gradients_finite(self.ddp.parameters())?,
+                (None, None) => !found,
             };
-            // The device has finished the losses by now: one more read.
-            for ((_, len), value) in micro_losses.iter().zip(read_losses(&micro_losses)?) {
+            let losses = losses_at.into_iter().map(|at| values[at]);
+            for ((_, len), value) in micro_losses.iter().zip(losses) {
                 if value.is_finite() {
                     step_loss += value;
                     finite_micro += 1;
@@ -581,21 +601,6 @@ pub(super) fn check_loss(loss: &Tensor, what: &str, wanted: &str) -> Result<(), 
         "{what} returned a loss of shape {:?}: return {wanted}, a scalar",
         loss.size()
     )))
-}
-
-/// The values of a step's micro-batch losses (one-element tensors, as backward needs), in
-/// one copy to the host.
-fn read_losses(losses: &[(Tensor, usize)]) -> Result<Vec<f64>, TrainError> {
-    Ok(match losses {
-        [(loss, _)] => vec![loss.f_double_value(&[])?],
-        _ => {
-            let all: Vec<Tensor> = losses
-                .iter()
-                .map(|(loss, _)| loss.reshape([-1]).to_kind(tch::Kind::Double))
-                .collect();
-            Vec::<f64>::try_from(&Tensor::cat(&all, 0))?
-        }
-    })
 }
 
 fn take_batch(next: Option<Result<Batch, ddp_data::DataError>>) -> Result<Batch, TrainError> {

@@ -49,6 +49,7 @@ mod mounts;
 mod non_finite;
 mod outputs;
 mod progress;
+mod reads;
 mod restore;
 mod run_dir;
 mod startup;

@@ -8,7 +8,7 @@
 //!
 //! - with fp16's scaler, its unscale finds the NaN: every rank skips the step and backs off
 //!   the scale, as PyTorch's `GradScaler` does for the inf gradients such a loss gives;
-//! - without one, [`gradients_finite`] (or the clipped norm) finds it, and the ranks learn
+//! - without one, [`non_finite_check`] (or the clipped norm) finds it, and the ranks learn
 //!   which of them saw a non-finite loss ([`Trainer::stop_on_non_finite_loss`], one small
 //!   all-reduce on that path only): every rank returns the same
 //!   [`TrainError::NonFiniteLoss`] before the optimizer step.
@@ -19,7 +19,7 @@ use ddp_comm::ReduceOp;
 use tch::Tensor;
 
 use super::Trainer;
-use crate::amp::{GradScaler, ScalerState};
+use crate::amp::{FoundInf, GradScaler, ScalerState};
 use crate::error::TrainError;
 use crate::task::Task;
 
@@ -31,17 +31,17 @@ pub(super) fn poison(loss: &Tensor) -> Tensor {
     loss.detach() * 0.0 + 1.0
 }
 
-/// Whether every gradient of `params` is finite: the scaler's fused check at scale 1 (a
-/// multiplication by 1, which leaves the gradients as they were), one per device and dtype,
-/// and one read per device.
-pub(super) fn gradients_finite(params: &[(String, Tensor)]) -> Result<bool, TrainError> {
+/// Whether some gradient of `params` holds an inf or NaN, still on the device: the scaler's
+/// fused check at scale 1 (a multiplication by 1, which leaves the gradients as they were),
+/// one per device and dtype.
+pub(super) fn non_finite_check(params: &[(String, Tensor)]) -> Result<FoundInf, TrainError> {
     let mut unit = GradScaler::default();
     unit.set_state(ScalerState {
         scale: 1.0,
         growth_tracker: 0,
         skipped_steps: 0,
     });
-    Ok(!unit.unscale(params)?.found()?)
+    unit.unscale(params)
 }
 
 impl<T: Task> Trainer<T> {
@@ -132,14 +132,15 @@ mod tests {
             ("p".to_string(), p)
         };
         let ok = [param(&[1e30, -3.5]), param(&[f32::MIN_POSITIVE])];
-        assert!(gradients_finite(&ok).unwrap());
+        assert!(!non_finite_check(&ok).unwrap().found().unwrap());
         assert_eq!(Vec::<f32>::try_from(&ok[0].1.grad()).unwrap(), [1e30, -3.5]);
         assert_eq!(
             Vec::<f32>::try_from(&ok[1].1.grad()).unwrap(),
             [f32::MIN_POSITIVE]
         );
         for bad in [f32::INFINITY, f32::NAN] {
-            assert!(!gradients_finite(&[param(&[1.0]), param(&[2.0, bad])]).unwrap());
+            let bad = non_finite_check(&[param(&[1.0]), param(&[2.0, bad])]).unwrap();
+            assert!(bad.found().unwrap());
         }
     }
 }
