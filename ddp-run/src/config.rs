@@ -4,7 +4,10 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::env::{DDP_RUN_ID, DDP_SECRET, OMP_NUM_THREADS, TORCH_NCCL_ASYNC_ERROR_HANDLING};
+use crate::env::{
+    DDP_RUN_ID, DDP_SECRET, OMP_NUM_THREADS, TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
+    TORCH_NCCL_ASYNC_ERROR_HANDLING,
+};
 use crate::LaunchError;
 
 /// The longest [`LaunchConfig::shutdown_timeout`] and [`LaunchConfig::monitor_interval`]
@@ -14,6 +17,8 @@ pub const MAX_WAIT: Duration = Duration::from_secs(1_000_000_000);
 /// The longest [`LaunchConfig::run_id`] (bytes, without the white space around it): the
 /// longest that the ranks accept (ddp-comm's bound).
 pub const MAX_RUN_ID_LEN: usize = 256;
+/// The most ranks a job may have, [`LaunchConfig::world_size`] (ddp-comm's bound, `2^24 - 1`).
+pub const MAX_WORLD_SIZE: usize = (1 << 24) - 1;
 
 /// A job on this node: `nproc_per_node` ranks of `program` with `args`.
 ///
@@ -117,6 +122,14 @@ impl LaunchConfig {
         if self.nnodes == 0 {
             return Err(LaunchError::NoNodes);
         }
+        let world = self.nproc_per_node.checked_mul(self.nnodes);
+        if world.is_none_or(|w| w > MAX_WORLD_SIZE) {
+            return Err(LaunchError::Invalid(format!(
+                "--nnodes {} times --nproc-per-node {} is more than {MAX_WORLD_SIZE} ranks, \
+                 the most a job can have: give fewer nodes or ranks per node",
+                self.nnodes, self.nproc_per_node
+            )));
+        }
         if self.node_rank >= self.nnodes {
             return Err(LaunchError::NodeRankOutOfRange {
                 node_rank: self.node_rank,
@@ -178,6 +191,33 @@ impl LaunchConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The same job with torchrun's shutdown timeout for a launcher given none:
+    /// `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` (whole seconds) where it is set, else
+    /// [`shutdown_timeout`](Self::shutdown_timeout) as it was.
+    ///
+    /// # Errors
+    ///
+    /// [`LaunchError::Invalid`] naming the variable when its value is not a whole number of
+    /// seconds up to [`MAX_WAIT`].
+    pub fn torchrun_shutdown_timeout(mut self) -> Result<Self, LaunchError> {
+        let var = TORCH_ELASTIC_SHUTDOWN_TIMEOUT;
+        let Some(value) = std::env::var_os(var) else {
+            return Ok(self);
+        };
+        let value = value.to_string_lossy();
+        let secs = value.trim().parse::<u64>().map_err(|_| {
+            LaunchError::Invalid(format!("{var}={value} is not a whole number of seconds"))
+        })?;
+        if secs > MAX_WAIT.as_secs() {
+            return Err(LaunchError::Invalid(format!(
+                "{var}={value} is over the limit of {} seconds (about 31 years)",
+                MAX_WAIT.as_secs()
+            )));
+        }
+        self.shutdown_timeout = Duration::from_secs(secs);
+        Ok(self)
     }
 
     /// The host the ranks get as `MASTER_ADDR`: [`master_addr`](Self::master_addr) without
@@ -419,6 +459,23 @@ mod tests {
                     ..ok.clone()
                 },
                 "--node-rank 2 must be below --nnodes 2 (nodes are numbered from 0)",
+            ),
+            (
+                LaunchConfig {
+                    nnodes: 4096,
+                    nproc_per_node: 4096,
+                    ..ok.clone()
+                },
+                "--nnodes 4096 times --nproc-per-node 4096 is more than 16777215 ranks, the \
+                 most a job can have: give fewer nodes or ranks per node",
+            ),
+            (
+                LaunchConfig {
+                    nnodes: usize::MAX,
+                    ..ok.clone()
+                },
+                "--nnodes 18446744073709551615 times --nproc-per-node 2 is more than 16777215 \
+                 ranks, the most a job can have: give fewer nodes or ranks per node",
             ),
             (
                 LaunchConfig {

@@ -47,6 +47,9 @@ pub const TORCHELASTIC_ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
 pub const TORCHELASTIC_USE_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
 /// Passed on from the launcher's environment, else `1`, as torchrun does.
 pub const TORCH_NCCL_ASYNC_ERROR_HANDLING: &str = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
+/// Read by launchers, not written for the ranks: torchrun's shutdown timeout (seconds) when
+/// no flag gives one ([`crate::LaunchConfig::torchrun_shutdown_timeout`]).
+pub const TORCH_ELASTIC_SHUTDOWN_TIMEOUT: &str = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT";
 /// Threads of OpenMP (and of libtorch's intra-op pool) in each rank.
 pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
 pub use crate::job_start::DDP_JOB_STARTED;

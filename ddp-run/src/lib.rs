@@ -75,7 +75,7 @@ mod secret;
 mod signals;
 mod supervisor;
 
-pub use config::{LaunchConfig, MAX_RUN_ID_LEN, MAX_WAIT};
+pub use config::{LaunchConfig, MAX_RUN_ID_LEN, MAX_WAIT, MAX_WORLD_SIZE};
 pub use devices::{available_cores, refuse_more_ranks_than_gpus, visible_gpus, NprocPerNode};
 pub use error::{join_causes, LaunchError};
 pub use error_file::record_error;

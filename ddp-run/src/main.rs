@@ -45,8 +45,9 @@ struct Cli {
     node: NodeArgs,
 
     /// A single node whose ranks meet on a free local port (torchrun's --standalone): the
-    /// rendezvous flags' `PET_*` variables are ignored.
-    #[arg(long)]
+    /// rendezvous flags' `PET_*` variables are ignored. `PET_STANDALONE` other than 0 (or
+    /// empty, `false`, `no`, `off`) sets it, as torchrun's non-zero number does.
+    #[arg(long, env = "PET_STANDALONE", value_parser = clap::builder::FalseyValueParser::new())]
     standalone: bool,
 
     /// torchrun's rendezvous backend: only `static`, its default (every node is told where
@@ -125,10 +126,7 @@ struct Cli {
     command: Vec<OsString>,
 }
 
-/// torchrun's variable for the shutdown timeout when no flag gives it.
-const SHUTDOWN_TIMEOUT_ENV: &str = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT";
-
-/// `--shutdown-timeout` (and its variables): whole seconds, at most [`MAX_WAIT`]; or what
+/// `--shutdown-timeout` (and its variable): whole seconds, at most [`MAX_WAIT`]; or what
 /// the value is instead, to follow "VALUE is".
 fn parse_timeout(value: &str) -> Result<u64, String> {
     let secs = value.trim().parse::<u64>();
@@ -164,7 +162,9 @@ fn within_max_wait(secs: f64) -> Result<(), String> {
 fn main() -> ExitCode {
     let (mut cli, matches) =
         ddp_run::cli::try_parse_from::<Cli>(std::env::args_os()).unwrap_or_else(|e| e.exit());
-    let config = standalone(&mut cli, &matches).and_then(|()| launch_config(&cli, &matches));
+    let config = standalone(&mut cli, &matches)
+        .map_err(|message| by_variable(&message, &matches))
+        .and_then(|()| launch_config(&cli, &matches));
     let config = config.unwrap_or_else(|message| {
         // Exit status 2 and the usage line, as for the command lines clap refuses.
         Cli::command()
@@ -299,26 +299,52 @@ fn launch_config(cli: &Cli, matches: &ArgMatches) -> Result<LaunchConfig, String
     config.run_id = cli.rdzv_id.clone();
     config.log_dir = cli.log_dir.clone();
     // torchrun's launcher falls back on TORCH_ELASTIC_SHUTDOWN_TIMEOUT, then 30 s.
-    let shutdown_timeout = match (cli.shutdown_timeout, std::env::var(SHUTDOWN_TIMEOUT_ENV)) {
-        (Some(secs), _) => secs,
-        (None, Ok(v)) => {
-            parse_timeout(&v).map_err(|why| format!("{SHUTDOWN_TIMEOUT_ENV}={v} is {why}"))?
-        }
-        (None, Err(_)) => 30,
+    config = match cli.shutdown_timeout {
+        Some(secs) => LaunchConfig {
+            shutdown_timeout: Duration::from_secs(secs),
+            ..config
+        },
+        None => config
+            .torchrun_shutdown_timeout()
+            .map_err(|e| e.to_string())?,
     };
-    config.shutdown_timeout = Duration::from_secs(shutdown_timeout);
     config.monitor_interval = cli.monitor_interval;
-    config.validate().map_err(|e| {
-        // A refused run id names where it came from, as clap's refusals of `PET_*` values do.
-        let message = e.to_string();
-        match matches.value_source("rdzv_id") {
-            Some(ValueSource::EnvVariable) if message.starts_with("--rdzv-id ") => {
-                message.replacen("--rdzv-id ", "PET_RDZV_ID ", 1)
-            }
-            _ => message,
-        }
-    })?;
+    config
+        .validate()
+        .map_err(|e| by_variable(&e.to_string(), matches))?;
     Ok(config)
+}
+
+/// `message` with each flag it names whose value came from its `PET_*` variable named by
+/// that variable instead, as clap's refusals of those variables' values name them.
+fn by_variable(message: &str, matches: &ArgMatches) -> String {
+    let mut message = message.to_string();
+    for arg in Cli::command().get_arguments() {
+        let (Some(long), Some(var)) = (arg.get_long(), arg.get_env()) else {
+            continue;
+        };
+        if matches.value_source(arg.get_id().as_str()) != Some(ValueSource::EnvVariable) {
+            continue;
+        }
+        let flag = format!("--{long}");
+        let var = var.to_string_lossy();
+        // Whole flags only: `--node-rank`, not the start of a longer one.
+        let mut out = String::with_capacity(message.len());
+        let mut rest = message.as_str();
+        while let Some(at) = rest.find(&flag) {
+            let after = &rest[at + flag.len()..];
+            out.push_str(&rest[..at]);
+            if after.starts_with(|c: char| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+                out.push_str(&flag);
+            } else {
+                out.push_str(&var);
+            }
+            rest = after;
+        }
+        out.push_str(rest);
+        message = out;
+    }
+    message
 }
 
 /// `HOST:PORT` (or `[IPv6]:PORT`) as host and port; `None` without a port.

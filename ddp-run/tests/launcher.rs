@@ -1286,6 +1286,59 @@ fn standalone_replaces_the_rendezvous_of_pet_variables() {
     );
 }
 
+/// A `PET_*` variable's value that the launcher refuses (beyond what its flag's parser
+/// checks) is named by the variable, and `PET_STANDALONE` is `--standalone`, as in torchrun.
+#[test]
+fn settings_from_pet_variables_are_named_by_them() {
+    let refused = |cmd: &mut Command| {
+        let out = wait_bounded(cmd.spawn().unwrap(), LIMIT);
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        stderr(&out).lines().next().unwrap_or_default().to_string()
+    };
+    assert_eq!(
+        refused(
+            ddp_run(&["true"])
+                .env("PET_NNODES", "2")
+                .env("PET_NODE_RANK", "2")
+        ),
+        "error: PET_NODE_RANK 2 must be below PET_NNODES 2 (nodes are numbered from 0)"
+    );
+    assert_eq!(
+        refused(ddp_run(&["--nnodes", "2", "true"]).env("PET_NODE_RANK", "2")),
+        "error: PET_NODE_RANK 2 must be below --nnodes 2 (nodes are numbered from 0)"
+    );
+    assert_eq!(
+        refused(ddp_run(&["true"]).env("PET_NPROC_PER_NODE", "0")),
+        "error: the number of ranks per node (PET_NPROC_PER_NODE) must be at least 1"
+    );
+    assert_eq!(
+        refused(
+            ddp_run(&["--nnodes", "2", "--master-addr", "h", "true"]).env("PET_MASTER_PORT", "0")
+        ),
+        "error: PET_MASTER_PORT 0 is not a port the other ranks can reach; give a port from 1 \
+         to 65535, or none on a single node"
+    );
+    assert_eq!(
+        refused(ddp_run(&["--master-addr", "x", "true"]).env("PET_STANDALONE", "1")),
+        "error: PET_STANDALONE cannot be used with --master-addr: a standalone node meets on a \
+         free local port of its own"
+    );
+    let script = r#"echo "at $MASTER_ADDR rank $RANK""#;
+    let out = wait_bounded(
+        ddp_run(&["sh", "-c", script])
+            .env("PET_STANDALONE", "1")
+            .env("PET_MASTER_ADDR", "x")
+            .spawn()
+            .unwrap(),
+        LIMIT,
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "at 127.0.0.1 rank 0"
+    );
+}
+
 #[test]
 fn torchruns_single_node_flags_are_accepted() {
     let out = run(&[

@@ -33,11 +33,13 @@ pub(super) fn start_ranks(
     let chosen = out.is_none().then_some(run_dir.as_path());
     let argv: Vec<OsString> = std::env::args_os().collect();
     let given = argv.get(1..).unwrap_or_default();
+    // torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, as ddp-run reads it.
     let config = LaunchConfig {
         log_dir: Some(run_dir.join("logs")),
         run_id,
         ..LaunchConfig::new(&exe, ranks).args(rank_args(given, chosen))
-    };
+    }
+    .torchrun_shutdown_timeout()?;
     let name = exe
         .file_name()
         .map_or_else(|| "launcher".into(), |n| n.to_string_lossy());
@@ -52,8 +54,9 @@ pub(super) fn start_ranks(
 fn wording(config: &LaunchConfig, argv: &[OsString], chosen: Option<&Path>) -> Wording {
     Wording {
         longer_shutdown: format!(
-            "the launcher's shutdown timeout ({} s with --nproc-per-node): start the ranks \
-             with `ddp-run --shutdown-timeout SECONDS`",
+            "the launcher's shutdown timeout ({} s with --nproc-per-node): set \
+             TORCH_ELASTIC_SHUTDOWN_TIMEOUT=SECONDS, or start the ranks with `ddp-run \
+             --shutdown-timeout SECONDS`",
             config.shutdown_timeout.as_secs()
         ),
         // A start without --out makes a new run directory: the command that returns to this
