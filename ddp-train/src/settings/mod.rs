@@ -441,6 +441,16 @@ impl Settings {
         }
         self.check_checkpoints()?;
         self.freeze.validate()?;
+        if let Some(t) = self
+            .runtime
+            .collective_timeout_secs
+            .filter(|&t| t > MAX_SECONDS)
+        {
+            return Err(SettingError::new(
+                "runtime.collective_timeout_secs",
+                format!(" {t} must be at most {MAX_SECONDS} seconds (about 31 years)"),
+            ));
+        }
         match self.runtime.time_limit_secs {
             Some(0) => {
                 return Err(SettingError::new(
@@ -877,6 +887,20 @@ mod tests {
             );
         }
         assert!(limit(MAX_SECONDS).validate().is_ok());
+        let timeout = |secs| {
+            Settings::default()
+                .runtime(RuntimeSettings::default().collective_timeout_secs(Some(secs)))
+        };
+        assert_eq!(
+            refused(timeout(MAX_SECONDS + 1)),
+            (
+                vec!["runtime.collective_timeout_secs"],
+                "runtime.collective_timeout_secs 1000000001 must be at most 1000000000 seconds \
+                 (about 31 years)"
+                    .to_string()
+            )
+        );
+        assert!(timeout(MAX_SECONDS).validate().is_ok());
         let minutes =
             |m| Settings::default().checkpoint(CheckpointSettings::default().minutes(Some(m)));
         for m in [1e300, 3e17, f64::INFINITY, f64::NAN, 0.0, -1.0] {
