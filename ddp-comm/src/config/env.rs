@@ -273,8 +273,17 @@ impl EnvConfig {
         // then bind every interface, and rank 0's address must be given.
         let spans_hosts =
             world_size > 1 && (local_world_size < world_size || local_world_size_guessed);
+        // srun places task 0 on the step's first node, but for `-m arbitrary` (a host file).
+        let arbitrary = get("SLURM_DISTRIBUTION").is_some_and(|d| d.starts_with("arbitrary"));
         let master_addr = match (get("MASTER_ADDR"), source) {
             (Some(addr), _) => unbracketed(&addr)?,
+            (None, EnvSource::Slurm) if arbitrary && spans_hosts => {
+                return Err(missing(
+                    "MASTER_ADDR",
+                    "srun's arbitrary distribution may start task 0 on any node of the step: \
+                     export MASTER_ADDR, the host of task 0",
+                ));
+            }
             (None, EnvSource::Slurm) => {
                 // The step's nodes: a step may run on some of the job's.
                 let list = [
@@ -906,6 +915,24 @@ mod tests {
         .unwrap();
         assert_eq!(c.master_addr, "gpu08");
         assert_eq!(c.source, EnvSource::Slurm);
+        // A host file's order (`-m arbitrary`) may put task 0 on any node: not guessed.
+        let arbitrary = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_TASKS_PER_NODE", "1(x2)"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_STEP_NODELIST", "gpu[08,11]"),
+            ("SLURM_DISTRIBUTION", "arbitrary"),
+            ("SLURM_JOB_ID", "7"),
+            ("SLURM_STEP_ID", "1"),
+        ];
+        assert_eq!(
+            read(&arbitrary).unwrap_err().to_string(),
+            "environment variable MASTER_ADDR is not set (srun's arbitrary distribution may \
+             start task 0 on any node of the step: export MASTER_ADDR, the host of task 0)"
+        );
+        let given = read(&[&arbitrary[..], &[("MASTER_ADDR", "gpu11")]].concat()).unwrap();
+        assert_eq!(given.master_addr, "gpu11");
     }
 
     #[test]
