@@ -407,16 +407,14 @@ impl Optimizer {
 }
 
 /// Scales the gradients of `params` so that their global 2-norm is at most `max_norm`, and
-/// returns the norm before scaling (`torch.nn.utils.clip_grad_norm_`: every gradient times
-/// `min(1, max_norm / (norm + 1e-6))`; parameters without a gradient are left out). The
-/// norm is a 0-dim tensor on the first gradient's device, as PyTorch's, so that nothing
-/// waits for the device until it is read (0 on the CPU when no parameter has one). As
-/// PyTorch's, with its foreach kernels: the gradients grouped by device and dtype (in order
-/// of first appearance), each group's norms one `_foreach_norm`, the total the norm of them
-/// all stacked, and each group scaled by one `_foreach_mul_`. On CUDA that is a few kernels
-/// instead of two per parameter, and the same sums as PyTorch's. After DDP's average the
-/// gradients are the same on every rank, and so are the norm and the scaling. A non-finite
-/// norm leaves non-finite gradients (the fp16 scaler skips that step).
+/// returns the norm before scaling, unread: a 0-dim tensor on the first gradient's device
+/// (0 on the CPU without gradients). As `torch.nn.utils.clip_grad_norm_`: every gradient
+/// times `min(1, max_norm / (norm + 1e-6))`, parameters without one left out; grouped by
+/// device and dtype (in order of first appearance), each group's norms one `_foreach_norm`,
+/// the total the norm of them all stacked, each group scaled by one `_foreach_mul_`: on
+/// CUDA a few kernels, not two per parameter, and PyTorch's sums. After DDP's average the
+/// gradients, the norm and the scaling are the same on every rank. A non-finite norm leaves
+/// non-finite gradients (the fp16 scaler skips that step).
 pub fn clip_grad_norm(params: &[(String, Tensor)], max_norm: f64) -> Tensor {
     tch::no_grad(|| {
         let mut groups: Vec<((Device, Kind), Vec<Tensor>)> = Vec::new();
