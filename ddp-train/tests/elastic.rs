@@ -36,7 +36,10 @@ const TRAIN_PAUSE_ENV: &str = "ELASTIC_TEST_TRAIN_PAUSE_MS";
 const EVAL_PAUSE_ENV: &str = "ELASTIC_TEST_EVAL_PAUSE_MS";
 const MAX_STEPS_ENV: &str = "ELASTIC_TEST_MAX_STEPS";
 const NO_SIGNALS_ENV: &str = "ELASTIC_TEST_NO_SIGNALS";
-/// 256 training points: 8 steps of 32 samples per epoch.
+const POINTS_ENV: &str = "ELASTIC_TEST_POINTS";
+const ACCUMULATE_ENV: &str = "ELASTIC_TEST_ACCUMULATE";
+/// 256 training points (unless `ELASTIC_TEST_POINTS` says otherwise): 8 steps of 32 samples
+/// per epoch.
 const POINTS: i64 = 256;
 const EPOCHS: u64 = 3;
 const WARMUP: u64 = 3;
@@ -52,8 +55,9 @@ const WARMUP: u64 = 3;
 /// per epoch, `ELASTIC_TEST_TRAIN_PAUSE_MS` and `ELASTIC_TEST_EVAL_PAUSE_MS` how much longer
 /// each trained and each evaluated batch takes, and
 /// `ELASTIC_TEST_SLEEP_BEFORE_TRAINER_MS` how long it takes before `Trainer::new` (a task
-/// opening its data); with `ELASTIC_TEST_NO_SIGNALS` set it leaves the stop signals alone. On
-/// an error it says how long after it started it ended.
+/// opening its data); with `ELASTIC_TEST_NO_SIGNALS` set it leaves the stop signals alone.
+/// `ELASTIC_TEST_POINTS` and `ELASTIC_TEST_ACCUMULATE` replace the 256 training points and
+/// the one micro-batch per step. On an error it says how long after it started it ended.
 #[test]
 #[ignore = "a rank of the tests in this file, started by them"]
 fn rank_worker() {
@@ -83,7 +87,9 @@ fn rank_worker() {
     settings.runtime.time_limit_secs = number(TIME_LIMIT_ENV);
     settings.max_steps_per_epoch = number(MAX_STEPS_ENV).map(|n| n as usize);
     settings.runtime.stop_on_signals = std::env::var_os(NO_SIGNALS_ENV).is_none();
-    let mut task = Regression::new(points(POINTS, 1), points(60, 2));
+    settings.accumulate = number(ACCUMULATE_ENV).map_or(1, |n| n as usize);
+    let train_points = number(POINTS_ENV).map_or(POINTS, |n| n as i64);
+    let mut task = Regression::new(points(train_points, 1), points(60, 2));
     let evaluate = std::env::var(EVALUATE_ENV).ok();
     if evaluate.is_some() {
         task.eval_pause = Duration::from_millis(200);
@@ -643,6 +649,59 @@ fn two_ranks_stopped_inside_an_epoch_continue_on_three_with_every_sample_once() 
     for (got, want) in column(&m, "lr").iter().zip(&want) {
         assert!((got - want).abs() < 1e-12, "{m:?} vs {want:?}");
     }
+}
+
+/// 200 samples, 2 ranks x 16 x accumulate 2 (3 steps of 64 per epoch: positions 0..192 of
+/// the epoch's order, the last 8 left out), stopped after epoch 1's first step, continue on
+/// 3 x 16 x 2: the 128 positions left take 2 steps of 96, filled past the epoch's end with
+/// positions 192..256, which wrap to the order's start (position p is sample
+/// `order[p % 200]`, the sampler's padding). So epoch 1 trains exactly positions 0..256 of
+/// its order, its left-out tail included, and no sample else.
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn a_change_with_accumulation_and_a_partial_epoch_trains_the_positions_it_had_left() {
+    let tmp = common::temp_dir("ddp-train-elastic-uneven");
+    let run = tmp.path().join("run");
+    let (first_log, second_log) = (tmp.path().join("first"), tmp.path().join("second"));
+    std::fs::create_dir_all(&first_log).unwrap();
+    std::fs::create_dir_all(&second_log).unwrap();
+    let shape = [(POINTS_ENV, "200"), (ACCUMULATE_ENV, "2")];
+    let mut env = stop_at(1, 0).to_vec();
+    env.push(("DDP_TRAIN_LOG_INDICES", first_log.to_string_lossy().into()));
+    env.extend(shape.map(|(k, v)| (k, v.to_string())));
+    assert_codes(&start(Launcher::Torchrun, 2, 16, &run, &pairs(&env)), 75);
+    let log = second_log.to_string_lossy().into_owned();
+    let second_env = [&shape[..], &[("DDP_TRAIN_LOG_INDICES", log.as_str())]].concat();
+    let outputs = start(Launcher::Torchrun, 3, 16, &run, &second_env);
+    assert_codes(&outputs, 0);
+
+    let mut trained = Vec::new();
+    for (_, steps) in index_logs(&first_log) {
+        assert_eq!(steps.keys().copied().collect::<Vec<_>>(), [(1, 0)]);
+        trained.extend(steps.values().flatten().copied());
+    }
+    let second = index_logs(&second_log);
+    assert_eq!(second.len(), 3, "one log per rank of the second start");
+    for (_, steps) in &second {
+        let epoch1: Vec<usize> = steps.keys().filter(|k| k.0 == 1).map(|k| k.1).collect();
+        assert_eq!(epoch1, [1, 2]);
+        for ((epoch, _), indices) in steps {
+            assert_eq!(indices.len(), 32, "two micro-batches of 16");
+            if *epoch == 1 {
+                trained.extend(indices.iter().copied());
+            }
+        }
+    }
+    let order = ddp_sampler::permutation(200, 7, 1);
+    let mut want: Vec<usize> = (0..256).map(|p| order[p % 200]).collect();
+    want.sort_unstable();
+    trained.sort_unstable();
+    assert_eq!(trained, want);
+    // Later epochs: 200 samples over 3 ranks, 67 each, 2 steps of 32.
+    assert_eq!(column(&metrics(&run), "steps"), [3.0, 2.0, 2.0]);
 }
 
 /// A checkpoint of a Trainer that did not record its allocation resumes on its own world
