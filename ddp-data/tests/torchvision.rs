@@ -14,7 +14,8 @@ use std::path::Path;
 use ddp_data::crop::CropBox;
 use ddp_data::odir::decode::Decoder;
 use ddp_data::odir::transform::{
-    Augment, AugmentDraw, ColorOp, Pipeline, Placement, Transform, DEFAULT_RATIO,
+    Augment, AugmentDraw, ColorOp, Pipeline, Placement, Transform, DEFAULT_RATIO, IMAGENET_MEAN,
+    IMAGENET_STD,
 };
 use ddp_data::rng::SampleRng;
 
@@ -232,6 +233,90 @@ fn transforms_equal_torchvision_within_one_level() {
     }
 
     compare_with_torchvision(&image, &cases, tmp.path(), RESIZE);
+}
+
+/// On a portrait image the evaluation transform's resize fixes the width, and `CenterCrop`
+/// rounds its top offset as torchvision does (`int(round(11.5))` is 12 in Python).
+#[test]
+fn the_evaluation_transform_equals_torchvision_on_a_portrait_image() {
+    let tmp = tempfile::tempdir().unwrap();
+    let image = tmp.path().join("portrait.png");
+    // Resize(64): 64 x 87, a top offset of 11.5; Resize(73): 73 x 99, 17.5.
+    write_image(&image, 221, 301);
+    let mut pipeline = Pipeline::new();
+    let cases: Vec<Case> = [(64, 64), (73, 64), (64, 48)]
+        .into_iter()
+        .map(|(resize, crop)| {
+            let t = Transform::eval(resize, crop).unwrap();
+            let mut ours = vec![0u8; t.sample_len()];
+            let mut rng = SampleRng::new(0, 0, 0);
+            pipeline.run_u8(&t, &image, &mut rng, &mut ours).unwrap();
+            Case {
+                name: format!("eval_{resize}_{crop}"),
+                ops: format!("resize_centre_crop {resize} {crop}"),
+                ours,
+            }
+        })
+        .collect();
+    compare_with_torchvision(&image, &cases, tmp.path(), RESIZE);
+}
+
+/// The normalised floats of the pipeline (`Normalize` folded into one multiply-add per
+/// byte) equal `Normalize(mean, std)(ToTensor()(img))` on the same bytes within 2e-6.
+#[test]
+fn normalised_floats_equal_torchvisions_to_tensor_and_normalize() {
+    let tmp = tempfile::tempdir().unwrap();
+    let image = tmp.path().join("image.png");
+    write_image(&image, 300, 220);
+    let t = Transform::eval(73, 64)
+        .unwrap()
+        .with_normalization(IMAGENET_MEAN, IMAGENET_STD)
+        .unwrap();
+    let mut pipeline = Pipeline::new();
+    let mut bytes = vec![0u8; t.sample_len()];
+    let mut floats = vec![0f32; t.sample_len()];
+    pipeline
+        .run_u8(&t, &image, &mut SampleRng::new(0, 0, 0), &mut bytes)
+        .unwrap();
+    pipeline
+        .run(&t, &image, &mut SampleRng::new(0, 0, 0), &mut floats)
+        .unwrap();
+    let raw = tmp.path().join("crop.input");
+    std::fs::write(&raw, &bytes).unwrap();
+    let numbers = |v: [f32; 3]| v.map(|x| x.to_string()).join(" ");
+    let ops = format!(
+        "raw {} 64 | to_tensor_normalize {} {}",
+        raw.display(),
+        numbers(IMAGENET_MEAN),
+        numbers(IMAGENET_STD)
+    );
+    let list = tmp.path().join("cases.txt");
+    std::fs::write(&list, format!("normalized {ops}\n")).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/torchvision_reference.py");
+    run_python(&[
+        script.as_os_str(),
+        image.as_os_str(),
+        list.as_os_str(),
+        tmp.path().as_os_str(),
+    ]);
+    let theirs: Vec<f32> = std::fs::read(tmp.path().join("normalized.bin"))
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert_eq!(theirs.len(), floats.len());
+    let worst = floats
+        .iter()
+        .zip(&theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst <= 2e-6, "largest difference {worst}");
+    // Channel order and constants: the first value of each channel plane.
+    let plane = 64 * 64;
+    for c in 0..3 {
+        let want = (f32::from(bytes[c * plane]) / 255.0 - IMAGENET_MEAN[c]) / IMAGENET_STD[c];
+        assert!((floats[c * plane] - want).abs() <= 2e-6, "channel {c}");
+    }
 }
 
 /// How far a case that resizes may be from torchvision's, per byte at most and on average

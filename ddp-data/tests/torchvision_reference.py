@@ -11,11 +11,13 @@ CASES has one case per line: `name op args... | op args... | ...`, with the ops
   hflip | vflip                         F.hflip, F.vflip
   rotate DEGREES                        F.rotate (nearest, no expand, fill 0), RandomRotation's
   brightness F | contrast F | saturation F   F.adjust_*
+  to_tensor_normalize M0 M1 M2 S0 S1 S2 ToTensor + Normalize(mean, std): written as float32
 """
 
 import sys
 
 import numpy as np
+import torch
 import torchvision.transforms as T
 import torchvision.transforms.functional as F
 from PIL import Image
@@ -47,6 +49,9 @@ def apply(img, op, args):
         return F.adjust_contrast(img, float(args[0]))
     if op == "saturation":
         return F.adjust_saturation(img, float(args[0]))
+    if op == "to_tensor_normalize":
+        mean, std = [float(a) for a in args[:3]], [float(a) for a in args[3:6]]
+        return T.Normalize(mean, std)(T.ToTensor()(img))
     raise ValueError(f"unknown op {op}")
 
 
@@ -59,9 +64,13 @@ def main():
         for step in rest.split("|"):
             words = step.split()
             img = apply(img, words[0], words[1:])
-        chw = np.ascontiguousarray(np.asarray(img, dtype=np.uint8).transpose(2, 0, 1))
+        if isinstance(img, torch.Tensor):
+            data = img.numpy().astype("<f4").tobytes()
+        else:
+            chw = np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)
+            data = np.ascontiguousarray(chw).tobytes()
         with open(f"{out}/{name}.bin", "wb") as f:
-            f.write(chw.tobytes())
+            f.write(data)
     print("ok")
 
 
