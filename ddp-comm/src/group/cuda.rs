@@ -32,10 +32,15 @@ impl ProcessGroup {
     }
 
     /// Fails once the group failed on either backend (one failure domain): the
-    /// communicator's abort error, or the CPU ring's failure. Never takes a lock. New CUDA
-    /// collectives and `barrier` check it; a wait on a collective already queued checks the
-    /// abort only, as NCCL still completes or aborts that collective.
-    pub(super) fn usable(&self, op: &str) -> Result<(), CommError> {
+    /// communicator's abort error, or the CPU ring's failure, naming `op`. Never takes a
+    /// lock. New CUDA collectives and `barrier` check it; a wait on a collective already
+    /// queued checks the abort only, as NCCL still completes or aborts that collective.
+    ///
+    /// A collective waited for on a stream ([`Work::wait_stream`]) reports nothing to the
+    /// host: once the host has waited for that stream past it (a read of a result), this
+    /// says whether the result is valid. An aborted collective's kernel ends early, and
+    /// what it wrote is half-reduced; the abort flag is set before the kernels are stopped.
+    pub fn usable(&self, op: &str) -> Result<(), CommError> {
         self.nccl_usable(op)?;
         match self.ring_failed.get() {
             Some(why) => Err(CommError::Poisoned(format!(

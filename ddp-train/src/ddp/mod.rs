@@ -566,6 +566,11 @@ impl DistributedDataParallel {
     /// Completes the averaging of every parameter's gradient over all ranks. Call after the
     /// backward that ran with gradient sync on, before the optimizer step.
     ///
+    /// With NCCL the gradients' stream waits for the all-reduces; the host does not. A
+    /// communicator aborted meanwhile (a hung peer) leaves them half-reduced: after reading
+    /// something that follows them (a loss, a norm), call the process group's `usable`
+    /// before the optimizer step, as the Trainer does.
+    ///
     /// # Errors
     ///
     /// [`DdpError::ModelChanged`] on every rank when the store changed on one since this DDP

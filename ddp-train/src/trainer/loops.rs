@@ -477,6 +477,9 @@ impl<T: Task> Trainer<T> {
                 .collect::<Result<Vec<_>, _>>()?;
             // The one wait for the device in a step.
             let values = reads.read()?;
+            // NCCL's buckets were waited for on the stream: a communicator aborted meanwhile
+            // (a hung peer) left these gradients half-reduced, which no step may take.
+            self.pg.usable("the step's gradient all-reduce")?;
             let found = flags_at.is_some_and(|at| values[at].iter().any(|&f| f != 0.0));
             let found_inf = self.scaler.is_some() && found;
             let grad_norm = norm_at.map(|at| values[at]).filter(|_| !found_inf);
