@@ -210,13 +210,15 @@ impl LrSchedule {
     /// (`LambdaLR`); `base` times `gamma` once per decay for `step` (`StepLR` multiplies the
     /// current rate, up to 65536 decays, then `base * gamma^k`); and the one-cycle curve
     /// between absolute rates (`OneCycleLR`'s `max_lr / div_factor`, and that over
-    /// `final_div_factor`).
-    pub fn lr(&self, base: f64, t: u64, total: u64) -> f64 {
+    /// `final_div_factor`). `t` is a whole number of steps but after a change of the global
+    /// batch, whose steps count by their share of the planned one (see
+    /// [`crate::allocation::Plan`]).
+    pub fn lr(&self, base: f64, t: f64, total: u64) -> f64 {
         let warmup = self.warmup();
-        if t < warmup {
-            return base * (t as f64 / warmup.max(1) as f64);
+        if t < warmup as f64 {
+            return base * (t / warmup.max(1) as f64);
         }
-        let after = (t - warmup) as f64;
+        let after = t - warmup as f64;
         let decay_steps = total.saturating_sub(warmup).max(1) as f64;
         match *self {
             LrSchedule::Constant { .. } | LrSchedule::Plateau(_) => base,
@@ -228,7 +230,9 @@ impl LrSchedule {
                 base * (0.5 * (1.0 + (PI * progress).cos())).max(0.0)
             }
             LrSchedule::Step { every, gamma, .. } => {
-                let decays = (t - warmup) / every.max(1);
+                // Exact for whole steps: below 2^40 steps, `after / every` is never rounded
+                // up to the next whole number.
+                let decays = (after / every.max(1) as f64).floor() as u64;
                 if decays <= MAX_REPEATED_DECAYS {
                     (0..decays).fold(base, |lr, _| lr * gamma)
                 } else {
@@ -248,7 +252,6 @@ impl LrSchedule {
                 let cos_anneal = |from: f64, to: f64, pct: f64| {
                     to + (from - to) / 2.0 * ((PI * pct).cos() + 1.0)
                 };
-                let t = t as f64;
                 if t <= rise_end {
                     cos_anneal(initial, base, t / rise_end.max(f64::MIN_POSITIVE))
                 } else {
@@ -340,30 +343,37 @@ mod tests {
     #[test]
     fn warmup_then_decay_as_transformers_defines_it() {
         let linear = LrSchedule::Linear { warmup: 10 };
-        let f: Vec<f64> = [0, 5, 10, 55, 100, 120]
+        let f: Vec<f64> = [0.0, 5.0, 10.0, 55.0, 100.0, 120.0]
             .iter()
             .map(|&t| linear.lr(1.0, t, 100))
             .collect();
         assert_eq!(f, [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]);
         let cosine = LrSchedule::Cosine { warmup: 10 };
-        assert!(close(cosine.lr(1.0, 10, 110), 1.0));
-        assert!(close(cosine.lr(1.0, 60, 110), 0.5));
-        assert!(close(cosine.lr(1.0, 110, 110), 0.0));
+        assert!(close(cosine.lr(1.0, 10.0, 110), 1.0));
+        assert!(close(cosine.lr(1.0, 60.0, 110), 0.5));
+        assert!(close(cosine.lr(1.0, 110.0, 110), 0.0));
         // Past the planned total (more steps than planned after a resume) it stays at 0.
-        assert!(close(cosine.lr(1.0, 160, 110), 0.0));
+        assert!(close(cosine.lr(1.0, 160.0, 110), 0.0));
         let constant = LrSchedule::Constant { warmup: 4 };
-        assert_eq!(constant.lr(1.0, 1, 100), 0.25);
-        assert_eq!(constant.lr(1.0, 99, 100), 1.0);
+        assert_eq!(constant.lr(1.0, 1.0, 100), 0.25);
+        assert_eq!(constant.lr(1.0, 99.0, 100), 1.0);
         let step = LrSchedule::Step {
             warmup: 0,
             every: 30,
             gamma: 0.1,
         };
-        assert_eq!(step.lr(1e-3, 29, 100), 1e-3);
-        assert_eq!(step.lr(1e-3, 30, 100), 1e-4);
+        assert_eq!(step.lr(1e-3, 29.0, 100), 1e-3);
+        assert_eq!(step.lr(1e-3, 30.0, 100), 1e-4);
         // StepLR's `lr * gamma` per decay: 1e-5 exactly, where `1e-3 * 0.1^2` is 1 ulp more.
-        assert_eq!(step.lr(1e-3, 65, 100), 1e-5);
+        assert_eq!(step.lr(1e-3, 65.0, 100), 1e-5);
         assert_ne!(1e-3 * 0.1f64.powi(2), 1e-5);
+        // Steps of a larger global batch count by their share: 29.5 is before the decay,
+        // 30 at it; a warmup of 4 at 1.5 is 3/8 of the way.
+        assert_eq!(step.lr(1e-3, 29.5, 100), 1e-3);
+        assert_eq!(step.lr(1e-3, 30.0, 100), 1e-4);
+        assert_eq!(constant.lr(1.0, 1.5, 100), 0.375);
+        let between = 0.5 * (1.0 + (PI * 25.5 / 100.0).cos());
+        assert!(close(cosine.lr(1.0, 35.5, 110), between));
     }
 
     /// The values of `torch.optim.lr_scheduler.OneCycleLR(max_lr=1, total_steps=100)` (its
@@ -372,7 +382,7 @@ mod tests {
     #[test]
     fn one_cycle_matches_pytorch() {
         let s = LrSchedule::one_cycle();
-        let got: Vec<f64> = [0, 15, 29, 30, 64, 99]
+        let got: Vec<f64> = [0.0, 15.0, 29.0, 30.0, 64.0, 99.0]
             .iter()
             .map(|&t| s.lr(1.0, t, 100))
             .collect();
@@ -389,7 +399,7 @@ mod tests {
         }
         // With `max_lr=2e-3`, bit for bit: PyTorch anneals between absolute rates, so
         // `2e-3 * factor` would round differently.
-        let got: Vec<f64> = [0, 15, 29, 30, 64, 99]
+        let got: Vec<f64> = [0.0, 15.0, 29.0, 30.0, 64.0, 99.0]
             .iter()
             .map(|&t| s.lr(2e-3, t, 100))
             .collect();
@@ -425,8 +435,11 @@ mod tests {
                 schedule
             );
         }
-        assert_eq!(LrSchedule::default().lr(1.0, 7, 10), 1.0);
-        assert_eq!(LrSchedule::Plateau(Plateau::max("f1")).lr(1.0, 0, 10), 1.0);
+        assert_eq!(LrSchedule::default().lr(1.0, 7.0, 10), 1.0);
+        assert_eq!(
+            LrSchedule::Plateau(Plateau::max("f1")).lr(1.0, 0.0, 10),
+            1.0
+        );
     }
 
     #[test]

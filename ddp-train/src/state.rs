@@ -121,6 +121,12 @@ pub struct TrainState {
     /// `None` in checkpoints written before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<Plan>,
+    /// Samples of the optimizer steps attempted since the run began (each step's global
+    /// batch, taken or skipped): per-step schedules stand at this over the plan's global
+    /// batch. `None` in checkpoints written before it was recorded: the steps attempted
+    /// times the plan's global batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduled_samples: Option<u64>,
     /// The parameters that were frozen ([`crate::FreezeSettings`]) when the checkpoint was
     /// written, which the optimizer's state leaves out; empty when none was.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -144,6 +150,27 @@ impl TrainState {
     pub fn skipped_steps(&self) -> u64 {
         let scaler = self.grad_scaler.map_or(0, |s| s.skipped_steps);
         self.skipped_steps.unwrap_or(scaler)
+    }
+
+    /// The global batch of the plan's steps: recorded, else that of the allocation the
+    /// checkpoint was written on, else `now` (a checkpoint that recorded neither resumes only
+    /// on its own allocation).
+    pub fn plan_global_batch(&self, now: usize) -> usize {
+        self.plan
+            .and_then(|p| p.global_batch)
+            .or(self.allocation.map(|a| a.global_batch()))
+            .unwrap_or(now)
+    }
+
+    /// [`TrainState::scheduled_samples`] as recorded, else the optimizer steps attempted
+    /// (taken and skipped) times `global_batch`, the plan's.
+    pub fn scheduled_samples(&self, global_batch: usize) -> u64 {
+        self.scheduled_samples.unwrap_or_else(|| {
+            let attempted = u64::try_from(self.optimizer_steps).unwrap_or(0);
+            attempted
+                .saturating_add(self.skipped_steps())
+                .saturating_mul(global_batch as u64)
+        })
     }
 }
 
@@ -431,6 +458,15 @@ pub fn check_state(state: &TrainState, file: &Path) -> Result<(), TrainError> {
     }
     if state.skipped_steps.is_some_and(|n| n >= MAX) {
         problems.push(format!("{} skipped steps", state.skipped_steps()));
+    }
+    if let Some(g) = state.plan.and_then(|p| p.global_batch) {
+        if g == 0 || g as u64 >= MAX {
+            problems.push(format!("a plan in steps of {g} samples"));
+        }
+    }
+    // Exact as the f64 that schedules divide.
+    if state.scheduled_samples.is_some_and(|n| n >= 1 << 53) {
+        problems.push(format!("{} samples stepped", state.scheduled_samples(0)));
     }
     if let Some(r) = &state.scheduler {
         // The cooldown only counts down from the configured one, which may be any u32.
@@ -724,6 +760,7 @@ mod tests {
             train_samples: None,
             allocation: None,
             plan: None,
+            scheduled_samples: None,
             frozen: Vec::new(),
             bucket_order: None,
             allocation_change: None,
@@ -766,6 +803,7 @@ mod tests {
             train_samples: None,
             allocation: None,
             plan: None,
+            scheduled_samples: None,
             frozen: Vec::new(),
             bucket_order: None,
             allocation_change: None,

@@ -577,8 +577,8 @@ fn index_logs(dir: &Path) -> Vec<(String, StepIndices)> {
 
 /// 2 ranks x 16 stopped after 2 of epoch 1's 8 steps continue on 3 ranks x 16: the 192
 /// samples left take 4 steps of 48, and the samples trained in epoch 1 by both starts are
-/// every sample once. The cosine schedule keeps its planned 24 steps, although the run now
-/// takes 6 + 5 + 5.
+/// every sample once. The cosine schedule keeps its planned 24 steps of 32 samples and
+/// follows the samples trained, although the run now takes 6 + 5 + 5 steps.
 #[test]
 #[cfg_attr(
     not(feature = "fault-injection"),
@@ -607,7 +607,8 @@ fn two_ranks_stopped_inside_an_epoch_continue_on_three_with_every_sample_once() 
         text0.contains(
             "the global batch changes from 32 to 48, so epochs take 5 optimizer steps instead \
              of 8; the rest of epoch 1 (192 samples) takes 4 step(s); the learning rate is not \
-             changed, and per-step schedules keep their planned 24 optimizer steps"
+             changed, and per-step schedules keep their planned 24 optimizer steps of 32 \
+             samples, which a step of 48 advances by 48/32 (they follow the samples trained)"
         ),
         "{text0}"
     );
@@ -640,9 +641,12 @@ fn two_ranks_stopped_inside_an_epoch_continue_on_three_with_every_sample_once() 
     assert_eq!(column(&m, "steps"), [6.0, 5.0, 5.0]);
     assert_eq!(column(&m, "world_size"), [3.0, 3.0, 3.0]);
     assert_eq!(m[0]["allocation_change"]["global_batch"]["to"], 48);
-    // Each epoch reports the rate of its last step, on the curve of the planned 24 steps.
+    // Each epoch reports the rate of its last step, on the curve of the planned 24 steps of
+    // 32 samples, which each step of 48 advances by 1.5: before epoch 1's last step 64 + 3 x
+    // 48 samples were stepped, 6.5 planned steps; epoch 2's, 14; epoch 3's, 21.5 (the run
+    // ends at 23, where 24 x 32 would have been 768 samples and the epochs of 48 hold 240).
     let schedule = LrSchedule::Cosine { warmup: WARMUP };
-    let want: Vec<f64> = [5, 10, 15]
+    let want: Vec<f64> = [6.5, 14.0, 21.5]
         .iter()
         .map(|&t| schedule.lr(1e-3, t, 24))
         .collect();

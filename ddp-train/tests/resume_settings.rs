@@ -712,5 +712,10 @@ fn a_resume_for_more_epochs_plans_from_the_steps_taken() {
             .unwrap();
     let st: Value = serde_json::from_str(&state.metadata["train_state"]).unwrap();
     assert_eq!(st["optimizer_steps"], 12);
-    assert_eq!(st["plan"], json!({ "epochs": 4, "optimizer_steps": 12 }));
+    assert_eq!(
+        st["plan"],
+        json!({ "epochs": 4, "optimizer_steps": 12, "global_batch": 16 })
+    );
+    // Every step attempted, 12 of 16 samples.
+    assert_eq!(st["scheduled_samples"], 192);
 }

@@ -676,7 +676,7 @@ fn a_resumed_run_continues_a_per_step_schedule_exactly() {
         .map(|m| m["lr"].as_f64().unwrap())
         .collect();
     let want: Vec<f64> = (1..=3u64)
-        .map(|e| schedule.lr(1e-3, 4 * e - 1, 12))
+        .map(|e| schedule.lr(1e-3, (4 * e - 1) as f64, 12))
         .collect();
     assert_eq!(lrs.len(), 3);
     for (got, want) in lrs.iter().zip(&want) {

@@ -183,6 +183,7 @@ impl<T: Task> Trainer<T> {
             train_samples: Some(self.train_set.len()),
             allocation: Some(self.allocation),
             plan: Some(self.plan),
+            scheduled_samples: Some(self.scheduled_samples),
             frozen: self.frozen.clone(),
             bucket_order: self.ddp.bucket_order(),
             allocation_change: None,
@@ -508,32 +509,38 @@ pub(super) fn continue_at(
 /// its first step: that has no curve to keep, and the plan is this allocation's, as after a
 /// kill then). With other epochs, or without a recorded plan, it plans from where it stands:
 /// the steps it took (on whatever allocations), the rest of the epoch in progress, then
-/// whole epochs on `now`. Past its last epoch it continues with nothing, so it warns of no
-/// change (`run` says nothing is left).
+/// whole epochs on `now`, all in steps of `now`'s global batch (those taken counted by the
+/// `scheduled` samples they trained). Past its last epoch it continues with nothing, so it
+/// warns of no change (`run` says nothing is left).
 pub(super) fn resumed_plan(
     st: &TrainState,
     rest: Option<&EpochRest>,
     s: &Settings,
     now: Allocation,
-    steps_now: usize,
+    (steps_now, scheduled): (usize, u64),
 ) -> Result<(Plan, Option<String>), SettingError> {
     let stepped = st.optimizer_steps > 0 || st.skipped_steps() > 0;
     if let Some(saved) = st.plan.filter(|p| p.epochs == s.epochs && stepped) {
-        return Ok((saved, None));
+        let global_batch = Some(st.plan_global_batch(now.global_batch()));
+        return Ok((
+            Plan {
+                global_batch,
+                ..saved
+            },
+            None,
+        ));
     }
-    let taken = u64::try_from(st.optimizer_steps).unwrap_or(0);
+    let unit = now.global_batch().max(1) as u64;
+    let taken = scheduled.saturating_add(unit / 2) / unit;
     let left = rest.map(|r| r.steps_left(now, s.max_steps_per_epoch));
     // The epoch the run continues with, and the epochs begun before (that one if inside it).
     let next = st.position.map_or(st.epoch + 1, |p| p.epoch);
     let begun = next - u64::from(left.is_none());
-    let so_far = (
-        taken.saturating_add(st.skipped_steps()),
-        begun,
-        left.unwrap_or(0),
-    );
+    let so_far = (taken, begun, left.unwrap_or(0));
     let plan = Plan {
         epochs: s.epochs,
         optimizer_steps: planned_steps(s, steps_now, so_far)?,
+        global_batch: Some(now.global_batch()),
     };
     let changed = st.plan.filter(|p| p.epochs != s.epochs && next <= s.epochs);
     let warning = changed.map(|saved| {
@@ -580,12 +587,21 @@ pub(super) fn describe_change(
     (spe_before, spe_now): (usize, usize),
     (plan, max_steps): (Plan, Option<usize>),
 ) -> String {
+    let unit = plan.global_batch.unwrap_or(before.global_batch());
     let finish = |mut line: String| {
         line.push_str(&format!(
             "; the learning rate is not changed, and per-step schedules keep their planned {} \
              optimizer steps",
             plan.optimizer_steps
         ));
+        if now.global_batch() != unit {
+            line.push_str(&format!(
+                " of {unit} samples, which a step of {} advances by {}/{unit} (they follow \
+                 the samples trained)",
+                now.global_batch(),
+                now.global_batch()
+            ));
+        }
         line
     };
     let mut line = format!("resuming on {now}; the checkpoint was written on {before}: ");
@@ -703,6 +719,7 @@ mod tests {
         let plan = Plan {
             epochs: 1,
             optimizer_steps: 31,
+            global_batch: Some(32),
         };
         let rest = |end| EpochRest {
             first_step: 30,
@@ -760,6 +777,7 @@ mod tests {
         let plan = Plan {
             epochs: 1,
             optimizer_steps: 10,
+            global_batch: Some(64),
         };
         let line = describe_change(
             on(4),
@@ -790,8 +808,12 @@ mod tests {
             two.steps_per_epoch(10, None),
         );
         assert_eq!(spe, (2, 1));
+        let same = Plan {
+            global_batch: Some(6),
+            ..plan
+        };
         assert_eq!(
-            describe_change(three, two, (2, 10), None, spe, (plan, None)),
+            describe_change(three, two, (2, 10), None, spe, (same, None)),
             format!(
                 "resuming on {two}; the checkpoint was written on {three}: the global batch is \
                  the same, but epochs take 1 optimizer steps instead of 2 (each rank's share of \
@@ -800,10 +822,15 @@ mod tests {
                  optimizer steps"
             )
         );
-        // Without the cap the rest takes its 10 steps.
+        // Without the cap the rest takes its 10 steps, each half a planned one.
         let line = describe_change(on(4), on(2), (1, 1024), Some(&rest), (32, 64), (plan, None));
         assert!(
-            line.contains("the rest of epoch 1 (320 samples) takes 10 step(s); the learning"),
+            line.ends_with(
+                "the rest of epoch 1 (320 samples) takes 10 step(s); the learning rate is not \
+                 changed, and per-step schedules keep their planned 10 optimizer steps of 64 \
+                 samples, which a step of 32 advances by 32/64 (they follow the samples \
+                 trained)"
+            ),
             "{line}"
         );
     }

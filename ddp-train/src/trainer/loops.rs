@@ -376,10 +376,11 @@ impl<T: Task> Trainer<T> {
             tch::manual_seed(mix(s.seed, epoch, step as u64, rank as u64));
             if s.lr_schedule.per_step() {
                 let schedule = &s.lr_schedule;
-                // Over the run's planned total, recorded at its start: a resume on another
-                // allocation does not move the curve.
+                // Over the run's planned total, recorded at its start, in steps of its
+                // global batch: a step of another counts by its samples.
                 let total = self.plan.optimizer_steps;
-                let t = self.attempted_steps();
+                let unit = self.plan.global_batch.unwrap_or(global).max(1);
+                let t = self.scheduled_samples as f64 / unit as f64;
                 self.optimizer
                     .set_lr(schedule.lr(s.optimizer.lr(), t, total));
             }
@@ -523,6 +524,7 @@ impl<T: Task> Trainer<T> {
             } else {
                 self.optimizer.step();
             }
+            self.scheduled_samples = self.scheduled_samples.saturating_add(global as u64);
             if let Some(scaler) = &mut self.scaler {
                 scaler.update(found_inf);
             }

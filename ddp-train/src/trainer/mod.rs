@@ -111,6 +111,9 @@ pub struct Trainer<T: Task> {
     /// Optimizer steps the scaler skipped since the run began, kept apart from it: a run
     /// resumed in another precision keeps counting them.
     skipped_steps: u64,
+    /// Samples of the optimizer steps attempted since the run began: where per-step
+    /// schedules stand, over the plan's global batch.
+    scheduled_samples: u64,
     /// Early stopping's count (`None` without early stopping).
     early: Option<EarlyStopState>,
     scheduler: Option<ReduceLrOnPlateau>,

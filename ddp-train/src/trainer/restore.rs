@@ -53,6 +53,9 @@ pub(super) struct Restored<M> {
     pub scheduler: Option<ReduceLrOnPlateau>,
     pub scaler: Option<GradScaler>,
     pub skipped_steps: u64,
+    /// Samples of the steps attempted since the run began (see
+    /// [`TrainState::scheduled_samples`]).
+    pub scheduled_samples: u64,
     pub early: Option<EarlyStopState>,
     pub allocation: Allocation,
     pub plan: Plan,
@@ -110,12 +113,14 @@ impl<T: Task> Start<'_, T> {
         let mut plan = Plan {
             epochs: s.epochs,
             optimizer_steps: super::checkpoint::planned_steps(s, steps_now, (0, 0, 0))?,
+            global_batch: Some(now.global_batch()),
         };
         let mut allocation_change = None;
         let (mut start_epoch, mut bests) = (1, BTreeMap::new());
         let mut start_position = None;
         let mut scaler = (s.precision == Precision::Fp16).then(GradScaler::default);
         let mut skipped_steps = 0;
+        let mut scheduled_samples = 0;
         let mut early = s.early_stopping.patience.map(|_| EarlyStopState::default());
         let mut restored = None;
         let mut bucket_order = None;
@@ -237,8 +242,14 @@ impl<T: Task> Start<'_, T> {
                 ),
                 None => None,
             };
-            let (resumed, warning) =
-                super::checkpoint::resumed_plan(&st, rest.as_ref(), s, now, steps_now)?;
+            scheduled_samples = st.scheduled_samples(st.plan_global_batch(now.global_batch()));
+            let (resumed, warning) = super::checkpoint::resumed_plan(
+                &st,
+                rest.as_ref(),
+                s,
+                now,
+                (steps_now, scheduled_samples),
+            )?;
             plan = resumed;
             fallback_warnings.extend(warning);
             // An earlier start's change inside this epoch, unless this start changes again.
@@ -294,6 +305,7 @@ impl<T: Task> Start<'_, T> {
             scheduler,
             scaler,
             skipped_steps,
+            scheduled_samples,
             early,
             allocation: now,
             plan,
