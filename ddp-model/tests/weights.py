@@ -12,6 +12,8 @@ Writes into DIR:
   convnet8.pth     the ConvNet of interop.py (8 classes), seeded; also convnet8.safetensors
                    saved under the extension `.bin` (convnet8.bin)
   convnet8-ddp.pth the same state_dict with DDP's `module.` prefix
+  convnet8-compiled-ddp.pth  the state_dict of torch.compile(convnet8) (names `_orig_mod.`)
+                   with DDP's prefix, as DDP(torch.compile(model)).state_dict() names them
   convnet1000.pth  the ConvNet with a 1000-class head
   wrong.pth        convnet8 with features.0.weight of shape [16, 3, 3, 3] and an extra name
   evil.pth         a torch.save archive whose data.pkl calls os.system('touch MARKER');
@@ -318,6 +320,10 @@ def main(out, marker, python_marker):
     save_file(sd, os.path.join(out, "convnet8.bin"))
     torch.save(OrderedDict((f"module.{k}", v) for k, v in sd.items()),
                os.path.join(out, "convnet8-ddp.pth"))
+    compiled = torch.compile(model).state_dict()
+    assert next(iter(compiled)) == "_orig_mod.features.0.weight", next(iter(compiled))
+    torch.save(OrderedDict((f"module.{k}", v) for k, v in compiled.items()),
+               os.path.join(out, "convnet8-compiled-ddp.pth"))
     wrong = OrderedDict(sd)
     wrong["features.0.weight"] = torch.zeros(16, 3, 3, 3)
     wrong["extra.bias"] = torch.zeros(3)

@@ -179,12 +179,22 @@ fn big_endian_records_are_swapped_and_locations_are_ignored() {
 fn a_convnet_loads_from_pth_ddp_pth_and_safetensors_named_bin() {
     let reference = weights::read_state_dict(file("convnet8.pth")).unwrap();
     assert_eq!(reference.len(), 26);
-    for name in ["convnet8.pth", "convnet8-ddp.pth", "convnet8.bin"] {
+    for name in [
+        "convnet8.pth",
+        "convnet8-ddp.pth",
+        "convnet8.bin",
+        "convnet8-compiled-ddp.pth",
+    ] {
         let (vs, _net) = convnet(8);
         let report = weights::load(&vs, file(name), None, Strictness::Strict).unwrap();
         assert!(report.is_complete(), "{name}: {report}");
         assert_eq!(report.loaded.len(), 26, "{name}");
-        assert_eq!(report.stripped_module_prefix, name == "convnet8-ddp.pth");
+        let stripped = match name {
+            "convnet8-ddp.pth" => Some("module."),
+            "convnet8-compiled-ddp.pth" => Some("module._orig_mod."),
+            _ => None,
+        };
+        assert_eq!(report.stripped_prefix.as_deref(), stripped, "{name}");
         for (n, t) in reference.tensors() {
             assert!(var(&vs, n).equal(t), "{name}: {n} differs from the file");
         }
@@ -192,6 +202,11 @@ fn a_convnet_loads_from_pth_ddp_pth_and_safetensors_named_bin() {
     // The DDP file's names as saved, before loading strips them.
     let ddp = weights::read_state_dict(file("convnet8-ddp.pth")).unwrap();
     assert_eq!(ddp.names().next(), Some("module.features.0.weight"));
+    let compiled = weights::read_state_dict(file("convnet8-compiled-ddp.pth")).unwrap();
+    assert_eq!(
+        compiled.names().next(),
+        Some("module._orig_mod.features.0.weight")
+    );
 }
 
 #[test]

@@ -57,7 +57,7 @@
 //! assert_eq!(report.loaded, ["fc.bias"]);
 //! assert_eq!(report.unexpected, ["extra"]);
 //! assert_eq!(report.mismatched[0].name, "fc.weight");
-//! assert!(report.stripped_module_prefix);
+//! assert_eq!(report.stripped_prefix.as_deref(), Some("module."));
 //! assert_eq!(Vec::<f32>::try_from(&linear.bs.unwrap())?, [1.5, -2.0]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -82,6 +82,8 @@ pub use report::{KindMismatch, LoadReport, ShapeMismatch};
 
 /// The prefix `DistributedDataParallel` puts in front of every name of the model it wraps.
 pub const DDP_PREFIX: &str = "module.";
+/// The prefix of every name of a model `torch.compile` wraps (its `OptimizedModule`).
+pub const COMPILE_PREFIX: &str = "_orig_mod.";
 
 /// Why weights could not be read or loaded. Every message names the file.
 #[derive(Debug, thiserror::Error)]
@@ -479,8 +481,9 @@ fn read_safetensors(path: &Path) -> Result<StateDict, WeightsError> {
 }
 
 /// Copies `state` into the model's variables, by name, as PyTorch's `load_state_dict` does:
-/// a `module.` prefix on every file name is stripped first (unless the model's names have it
-/// too), values are converted to the variable's dtype and moved to its device, and no
+/// the prefixes of wrappers on every file name are stripped first (DDP's `module.`,
+/// `torch.compile`'s `_orig_mod.`, in any order and number; not one the model's names all
+/// have too), values are converted to the variable's dtype and moved to its device, and no
 /// gradient is recorded. See [`Strictness`] for what happens to names and shapes that differ.
 /// A BatchNorm's `num_batches_tracked` that the file lacks while it holds the layer's
 /// `running_mean` keeps the model's value and is not missing, as in PyTorch.
@@ -490,26 +493,23 @@ pub fn load_state_dict(
     strictness: Strictness,
 ) -> Result<LoadReport, WeightsError> {
     let model = checkpoint::named_tensors(vs);
-    let model_has_prefix =
-        !model.is_empty() && model.iter().all(|(n, _)| n.starts_with(DDP_PREFIX));
-    let strip =
-        !state.is_empty() && !model_has_prefix && state.names().all(|n| n.starts_with(DDP_PREFIX));
+    let mut stripped = String::new();
+    while let Some(wrapper) = [DDP_PREFIX, COMPILE_PREFIX].into_iter().find(|wrapper| {
+        let prefix = format!("{stripped}{wrapper}");
+        let model_has_it = !model.is_empty() && model.iter().all(|(n, _)| n.starts_with(&prefix));
+        !state.is_empty() && !model_has_it && state.names().all(|n| n.starts_with(&prefix))
+    }) {
+        stripped.push_str(wrapper);
+    }
     let file: Vec<(&str, &Tensor)> = state
         .tensors
         .iter()
-        .map(|(n, t)| {
-            let n = if strip {
-                &n[DDP_PREFIX.len()..]
-            } else {
-                n.as_str()
-            };
-            (n, t)
-        })
+        .map(|(n, t)| (&n[stripped.len()..], t))
         .collect();
     let find = |name: &str| file.iter().rev().find(|(n, _)| *n == name).map(|(_, t)| *t);
 
     let mut report = LoadReport {
-        stripped_module_prefix: strip,
+        stripped_prefix: (!stripped.is_empty()).then_some(stripped),
         entry: state.entry.clone(),
         ..Default::default()
     };

@@ -4,12 +4,10 @@ use std::fmt;
 
 use tch::Kind;
 
-use super::DDP_PREFIX;
-
 /// A model tensor and a file tensor of the same name with different shapes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShapeMismatch {
-    /// The name (after stripping the `module.` prefix).
+    /// The name (after stripping the wrappers' prefix).
     pub name: String,
     /// The model's shape.
     pub expected: Vec<i64>,
@@ -22,7 +20,7 @@ pub struct ShapeMismatch {
 /// converted, as `load_state_dict` does).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KindMismatch {
-    /// The name (after stripping the `module.` prefix).
+    /// The name (after stripping the wrappers' prefix).
     pub name: String,
     /// The model's dtype.
     pub expected: Kind,
@@ -45,8 +43,9 @@ pub struct LoadReport {
     /// Names in both, of one shape, whose file values are complex and the model's real (the
     /// model keeps its values), in the model's order.
     pub kind_mismatched: Vec<KindMismatch>,
-    /// Whether the file's names all began with `module.`, which was stripped.
-    pub stripped_module_prefix: bool,
+    /// The wrappers' prefix that every name of the file began with, stripped (`module.`,
+    /// `_orig_mod.`, or several of them, as `module._orig_mod.`).
+    pub stripped_prefix: Option<String>,
     /// The entry of the file that held the state_dict
     /// ([`StateDict::entry`](super::StateDict::entry)).
     pub entry: Option<String>,
@@ -71,8 +70,8 @@ impl fmt::Display for LoadReport {
         if let Some(entry) = &self.entry {
             write!(f, " of its entry '{entry}'")?;
         }
-        if self.stripped_module_prefix {
-            write!(f, " (names without their '{DDP_PREFIX}' prefix)")?;
+        if let Some(prefix) = &self.stripped_prefix {
+            write!(f, " (names without their '{prefix}' prefix)")?;
         }
         let kept = self.missing.len() + self.mismatched.len() + self.kind_mismatched.len();
         if kept > 0 {

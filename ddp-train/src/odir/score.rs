@@ -42,8 +42,9 @@ pub struct LoadedCheckpoint {
 /// Reads the model's weights from `model.checkpoint` into `vs` (on the CPU): a model file of
 /// ours (`best-*.safetensors`, a `checkpoints/epoch-*.safetensors` of a run), PyTorch's
 /// `torch.save(model.state_dict())`, a training checkpoint holding it (its entry
-/// `model.key`, or its one state_dict) or `safetensors.torch.save_file` of the same model (a
-/// DDP `module.` prefix is stripped), or a run directory, whose latest checkpoint is read.
+/// `model.key`, or its one state_dict) or `safetensors.torch.save_file` of the same model
+/// (`module.` and `_orig_mod.` prefixes stripped), or a run directory, whose latest
+/// checkpoint is read.
 /// Every name and shape is checked before anything is loaded (strictly, as
 /// `--init-from`). The weights and the epoch come from one read of the file.
 pub fn load_checkpoint(

@@ -80,8 +80,9 @@ pub struct CheckpointSettings {
     )]
     pub minutes: Option<f64>,
     /// Initial weights for the model: a PyTorch `torch.save` state_dict (`.pth`, `.pt`,
-    /// `.bin`; a DDP model's `module.` prefix is stripped), a training checkpoint holding one
-    /// (`{"epoch": 3, "model": state_dict, ...}`: see `init_key`), or a safetensors file,
+    /// `.bin`; DDP's `module.` and `torch.compile`'s `_orig_mod.` prefixes are stripped), a
+    /// training checkpoint holding one (`{"epoch": 3, "model": state_dict, ...}`: see
+    /// `init_key`), or a safetensors file,
     /// read with [`ddp_model::weights`]. Every rank loads it right after building the model, before
     /// DDP's broadcast; a resume (`resume`, or a restart that continues the run) takes
     /// precedence, and the file is then not read.
@@ -92,7 +93,8 @@ pub struct CheckpointSettings {
             long = "init-from",
             value_name = "FILE",
             help = "Start from these weights: a PyTorch torch.save state_dict (.pth, .pt, .bin; \
-                    a DDP `module.` prefix is stripped), a training checkpoint's state_dict \
+                    DDP's `module.` and torch.compile's `_orig_mod.` prefixes are stripped), a \
+                    training checkpoint's state_dict \
                     entry (see --init-key), or a safetensors file. Every name and shape must \
                     match the model (see --init-partial). Ignored, with a note in the log, \
                     when the run resumes from a checkpoint"

@@ -500,7 +500,7 @@ fn init_weights(
         "partial": s.checkpoint.init_partial,
         "entry": report.entry,
         "tensors_loaded": report.loaded.len(),
-        "stripped_module_prefix": report.stripped_module_prefix,
+        "stripped_prefix": report.stripped_prefix,
         "missing": report.missing,
         "unexpected": report.unexpected,
         "mismatched": mismatched,
