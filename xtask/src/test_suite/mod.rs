@@ -164,8 +164,10 @@ pub fn run(root: &Path) -> Result<()> {
     let watch = ddp_run::SignalWatch::start(&[libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
     let interrupted = || watch.received();
     let mut jobs = Vec::new();
+    let mut helpers = 0;
     for (index, bin) in binaries.iter().enumerate() {
-        let tests = list(bin, &programs, &interrupted)?;
+        let (tests, ignored) = list(bin, &programs, &interrupted)?;
+        helpers += ignored;
         if tests.is_empty() {
             continue;
         }
@@ -191,7 +193,8 @@ pub fn run(root: &Path) -> Result<()> {
     }
     let slots = std::thread::available_parallelism().map_or(2, |n| n.get());
     println!(
-        "xtask: {} tests in {} binaries on {slots} cores",
+        "xtask: {} tests in {} binaries on {slots} cores ({helpers} #[ignore] tests left out: \
+         helpers that other tests start)",
         jobs.iter().map(|j| j.tests.len()).sum::<usize>(),
         jobs.len()
     );
@@ -419,6 +422,19 @@ fn command(bin: &Binary, programs: &Programs) -> Command {
         )
         .env("CARGO_MANIFEST_DIR", &bin.manifest_dir)
         .env("CARGO_PKG_NAME", &bin.package);
+    // libtest's own settings from the user's shell would change what the suite parses
+    // (uncaptured output hides a run-time `skipped:`) or how it runs.
+    for var in [
+        "RUST_TEST_NOCAPTURE",
+        "RUST_TEST_SHUFFLE",
+        "RUST_TEST_SHUFFLE_SEED",
+        "RUST_TEST_THREADS",
+        "RUST_TEST_TIME_UNIT",
+        "RUST_TEST_TIME_INTEGRATION",
+        "RUST_TEST_TIME_DOCTEST",
+    ] {
+        cmd.env_remove(var);
+    }
     for (name, path) in programs {
         let var = format!("DDP_TEST_BIN_{}", name.replace('-', "_").to_uppercase());
         cmd.env(var, path);
@@ -426,19 +442,32 @@ fn command(bin: &Binary, programs: &Programs) -> Command {
     cmd
 }
 
+/// The tests of `bin` to run, and how many it marks `#[ignore]`: those are left out (in
+/// this workspace, each is a helper that another test starts as a process of its own).
 fn list(
     bin: &Binary,
     programs: &Programs,
     interrupted: &dyn Fn() -> Option<i32>,
-) -> Result<Vec<String>> {
-    let mut cmd = command(bin, programs);
-    cmd.args(["--list", "--format", "terse"])
-        .stderr(Stdio::inherit());
-    let out = job::output_within(&mut cmd, LIST_LIMIT, interrupted)?;
-    if !out.status.success() {
-        bail!("{} --list failed ({})", bin.exe.display(), out.status);
-    }
-    Ok(libtest::listed_tests(&String::from_utf8_lossy(&out.stdout)))
+) -> Result<(Vec<String>, usize)> {
+    let listing = |only_ignored: bool| -> Result<Vec<String>> {
+        let mut cmd = command(bin, programs);
+        cmd.args(["--list", "--format", "terse"])
+            .stderr(Stdio::inherit());
+        if only_ignored {
+            cmd.arg("--ignored");
+        }
+        let out = job::output_within(&mut cmd, LIST_LIMIT, interrupted)?;
+        if !out.status.success() {
+            bail!("{} --list failed ({})", bin.exe.display(), out.status);
+        }
+        Ok(libtest::listed_tests(&String::from_utf8_lossy(&out.stdout)))
+    };
+    let ignored = listing(true)?;
+    let tests: Vec<String> = listing(false)?
+        .into_iter()
+        .filter(|t| !ignored.contains(t))
+        .collect();
+    Ok((tests, ignored.len()))
 }
 
 /// What failed, in words, or `None` when nothing did: `failed` tests of the binaries and
