@@ -179,8 +179,9 @@ impl CommHook for BuiltinHook {
                     // In place, on the stream where the hook runs, before the collective's
                     // ready event (a hook of a user's that calls this one).
                     let mut buffer = bucket.buffer().shallow_clone();
+                    // `allreduce_hook`'s `tensor.div_(world_size)`.
                     tch::no_grad(|| {
-                        let _ = buffer.g_mul_scalar_(1.0 / world);
+                        let _ = buffer.g_div_scalar_(world);
                     });
                 }
                 return HookWork::new(pg.all_reduce_async(bucket.buffer(), ReduceOp::Sum));

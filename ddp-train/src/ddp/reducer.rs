@@ -229,20 +229,21 @@ impl Reducer {
         self.pending[b] -= 1;
     }
 
-    /// The factor gradients are scaled by on their way into a bucket: `1/world size` where
-    /// the hook asks for it ([`CommHook::scaled_on_copy`]), as PyTorch's reducer divides
-    /// while it copies when no hook is registered.
+    /// What gradients are divided by on their way into a bucket: the world size where the
+    /// hook asks for it ([`CommHook::scaled_on_copy`]), as PyTorch's reducer divides while
+    /// it copies when no hook is registered.
     fn share(&self) -> Option<f64> {
         let world = self.pg.world_size() as f64;
-        self.hook.scaled_on_copy().then(|| 1.0 / world)
+        self.hook.scaled_on_copy().then_some(world)
     }
 
-    /// Copies parameter `k`'s gradient into its bucket, times `scale` if given (in place
-    /// when it already is a view of it); with `gradient_as_bucket_view` the gradient then
+    /// Copies parameter `k`'s gradient into its bucket, its share of `divisor` if given (as
+    /// PyTorch's reducer: times `1 / divisor` on the copy, divided in place when it already
+    /// is a view of the bucket); with `gradient_as_bucket_view` the gradient then
     /// becomes that view. A sparse gradient (an embedding's with `sparse: true`) becomes
     /// dense first: ddp-comm has no sparse collectives, and the dense average holds the
     /// values of PyTorch's sparse one.
-    fn copy_in(&self, k: usize, scale: Option<f64>) {
+    fn copy_in(&self, k: usize, divisor: Option<f64>) {
         let (b, offset, numel) = self.locate[k];
         let p = &self.params[k].1;
         let mut slot = self.buckets[b].slot(offset, numel);
@@ -255,18 +256,20 @@ impl Reducer {
             }
         }
         if is_view_of(&grad, &slot) {
-            if let Some(scale) = scale {
-                let _ = slot.g_mul_scalar_(scale);
+            if let Some(divisor) = divisor {
+                let _ = slot.g_div_scalar_(divisor);
             }
             return;
         }
-        match scale {
+        match divisor {
             // One pass: read the gradient, write its share. The scale is a 0-dim tensor, as
             // PyTorch's reducer passes it: `mul.out`. tch's `mul_scalar_out` is ATen's
             // `mul.Scalar_out`, which computes into a new tensor and copies that, 8 times
             // slower for a large gradient.
-            Some(scale) => {
-                let _ = grad.reshape([-1]).mul_out(&slot, &Tensor::from(scale));
+            Some(divisor) => {
+                let _ = grad
+                    .reshape([-1])
+                    .mul_out(&slot, &Tensor::from(1.0 / divisor));
             }
             None => slot.copy_(&grad.reshape([-1])),
         }
