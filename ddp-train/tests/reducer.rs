@@ -388,7 +388,9 @@ fn a_loop_of_ones_own_averages_only_through_ddp_backward() {
                  optimizer step, or DistributedDataParallel::backward(&loss), which runs both \
                  (tch's Optimizer::backward_step cannot be used with DDP: zero_grad, \
                  DistributedDataParallel::backward, then step); accumulate micro-batches with \
-                 gradient sync off (DistributedDataParallel::no_sync) / {:?} / {:.4?}",
+                 gradient sync off (DistributedDataParallel::no_sync); a reentrant backward, \
+                 which gives a parameter a second gradient within one backward, is refused so \
+                 too, as PyTorch's DDP refuses it without static_graph / {:?} / {:.4?}",
                 [rank as f32 + 1.0; 3],
                 [own; 3]
             )

@@ -172,7 +172,9 @@ pub(super) const SYNC_MISSED_HINT: &str = "each rank trains a replica of its own
     sync_gradients after every backward with gradient sync on, before the optimizer step, or \
     DistributedDataParallel::backward(&loss), which runs both (tch's Optimizer::backward_step \
     cannot be used with DDP: zero_grad, DistributedDataParallel::backward, then step); \
-    accumulate micro-batches with gradient sync off (DistributedDataParallel::no_sync)";
+    accumulate micro-batches with gradient sync off (DistributedDataParallel::no_sync); a \
+    reentrant backward, which gives a parameter a second gradient within one backward, is \
+    refused so too, as PyTorch's DDP refuses it without static_graph";
 
 /// [`DdpError::GradientTwice`]'s message.
 fn describe_twice(rank: usize, parameter: Option<&str>, ranks: &[usize]) -> String {
