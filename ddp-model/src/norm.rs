@@ -263,24 +263,30 @@ impl BatchNorm2d {
         factor: f64,
     ) -> Result<Tensor, TchError> {
         let c = self.channels;
-        let xf = x.to_kind(Kind::Float);
+        // PyTorch's `batch_norm_stats` accumulate type: f64 for f64, else f32.
+        let acc = if x.kind() == Kind::Double {
+            Kind::Double
+        } else {
+            Kind::Float
+        };
+        let xf = x.to_kind(acc);
         let dims: Vec<i64> = (0..xf.dim() as i64).filter(|&d| d != 1).collect();
         let mut shape = vec![1i64; xf.dim()];
         shape[1] = c;
         let count = (xf.numel() as i64 / c.max(1)) as f64;
-        let opts = (Kind::Float, xf.device());
+        let opts = (acc, xf.device());
         // An empty batch sends zeros with a count of 0, which drop out of the sums below (the
         // mean of nothing would be NaN for every rank), as PyTorch's SyncBatchNorm does. The
         // zeros are sums over the empty input, so that they stay in the graph and this rank
         // joins the backward all-reduce of the statistics with the others.
         let (mean, m2) = if count > 0.0 {
-            let mean = xf.mean_dim(dims.as_slice(), false, Kind::Float);
+            let mean = xf.mean_dim(dims.as_slice(), false, acc);
             let m2 = (&xf - mean.view(shape.as_slice()))
                 .square()
-                .sum_dim_intlist(dims.as_slice(), false, Kind::Float);
+                .sum_dim_intlist(dims.as_slice(), false, acc);
             (mean, m2)
         } else {
-            let nothing = xf.sum_dim_intlist(dims.as_slice(), false, Kind::Float);
+            let nothing = xf.sum_dim_intlist(dims.as_slice(), false, acc);
             (nothing.shallow_clone(), nothing)
         };
         let width = 2 * c + 1;
@@ -300,12 +306,12 @@ impl BatchNorm2d {
         let means = table.f_narrow(1, 0, c)?;
         let m2s = table.f_narrow(1, c, c)?;
         let counts = table.f_narrow(1, 2 * c, 1)?;
-        let total = counts.sum(Kind::Float);
+        let total = counts.sum(acc);
         // Every rank empty: no statistics (0, not 0/0), and the running ones stay as they are.
         let samples = total.clamp_min(1.0);
-        let mean = (&means * &counts).sum_dim_intlist(0, false, Kind::Float) / &samples;
-        let m2 = m2s.sum_dim_intlist(0, false, Kind::Float)
-            + (&counts * (&means - &mean).square()).sum_dim_intlist(0, false, Kind::Float);
+        let mean = (&means * &counts).sum_dim_intlist(0, false, acc) / &samples;
+        let m2 = m2s.sum_dim_intlist(0, false, acc)
+            + (&counts * (&means - &mean).square()).sum_dim_intlist(0, false, acc);
         let var = &m2 / &samples;
         tch::no_grad(|| {
             let unbiased = &m2 / (&total - 1.0).clamp_min(1.0);
@@ -478,6 +484,31 @@ mod tests {
             assert_close(&va[name].grad(), &vb[name].grad(), 1e-4, name);
         }
         assert_eq!(vb["bn.num_batches_tracked"].int64_value(&[]), 1);
+    }
+
+    /// A double-precision layer keeps its statistics in double, as PyTorch's does: on one
+    /// rank they equal libtorch's batch norm in f64 to 1e-12.
+    #[test]
+    fn double_statistics_stay_double() {
+        let make = || {
+            let mut vs = nn::VarStore::new(Device::Cpu);
+            let bn = BatchNorm2d::new(vs.root() / "bn", 3);
+            vs.double();
+            (vs, bn)
+        };
+        let (vs_a, a) = make();
+        let (vs_b, b) = make();
+        let x = Tensor::randn([4, 3, 5, 6], (Kind::Double, Device::Cpu)) * 1e3 + 1e4;
+        let ya = a.forward_t(&x, true);
+        let yb = b.synchronised(&x, &Alone, 0.1).unwrap();
+        assert_eq!(yb.kind(), Kind::Double);
+        assert_close(&ya, &yb, 1e-9, "output");
+        let (va, vb) = (vs_a.variables(), vs_b.variables());
+        for name in ["bn.running_mean", "bn.running_var"] {
+            assert_eq!(vb[name].kind(), Kind::Double);
+            let scale = va[name].abs().max().double_value(&[]);
+            assert_close(&va[name], &vb[name], 1e-12 * scale, name);
+        }
     }
 
     /// Rank `rank` of two whose peer's row of the table is `peer`; keeps what it sent.
