@@ -192,6 +192,11 @@ fn an_unlabelled_folder_names_every_file_that_is_not_a_test_image() {
         std::fs::write(dir.path().join(name), b"x").unwrap();
     }
     std::fs::write(dir.path().join("1_LEFT.jpeg"), b"x").unwrap();
+    // Beside the test images, a folder of more: their patients would be left out.
+    std::fs::create_dir(dir.path().join("batch2")).unwrap();
+    std::fs::write(dir.path().join("batch2/5_left.jpg"), b"x").unwrap();
+    std::fs::create_dir(dir.path().join("other")).unwrap();
+    std::fs::write(dir.path().join("other/readme.txt"), b"x").unwrap();
     let err = OdirDataset::open_unlabelled(dir.path()).unwrap_err();
     match &err {
         ddp_data::DataError::UnexpectedFiles { files, .. } => assert_eq!(
@@ -199,6 +204,8 @@ fn an_unlabelled_folder_names_every_file_that_is_not_a_test_image() {
             &[
                 "1_left.jpg (a second left eye of patient 1, besides 1_LEFT.jpeg)",
                 "2_middle.jpg",
+                "batch2/ (a folder of more test images, which are not read: move them up, or \
+                 give that folder on its own)",
                 "notes.txt"
             ]
         ),

@@ -58,8 +58,9 @@ pub fn parse_image_name(name: &str) -> Option<(u64, Eye)> {
 
 /// The images of `dir` as `(file name, ID, eye)`, ordered by ID, left eye first. Hidden files
 /// (`.name`) and sub-folders are not images; any other file that is not named as a test
-/// image is an error that lists every such file, and so is a patient with two files for one
-/// eye.
+/// image is an error that lists every such file, and so are a patient with two files for one
+/// eye and, beside test images, a sub-folder that holds more (whose patients would be left
+/// out).
 pub(super) fn list_images(dir: &Path) -> Result<Vec<(String, u64, Eye)>, DataError> {
     let list_error = |source| DataError::ListDir {
         dir: dir.to_path_buf(),
@@ -67,16 +68,31 @@ pub(super) fn list_images(dir: &Path) -> Result<Vec<(String, u64, Eye)>, DataErr
     };
     let mut images = Vec::new();
     let mut unexpected = Vec::new();
+    let mut image_folders = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(list_error)? {
         let entry = entry.map_err(list_error)?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') || entry.path().is_dir() {
+        if name.starts_with('.') {
+            continue;
+        }
+        if entry.path().is_dir() {
+            if holds_test_image(&entry.path()) {
+                image_folders.push(name);
+            }
             continue;
         }
         match parse_image_name(&name) {
             Some((id, eye)) => images.push((name, id, eye)),
             None => unexpected.push(name),
         }
+    }
+    if !images.is_empty() {
+        unexpected.extend(image_folders.into_iter().map(|name| {
+            format!(
+                "{name}/ (a folder of more test images, which are not read: move them up, or \
+                 give that folder on its own)"
+            )
+        }));
     }
     images.sort_by(|a, b| (a.1, a.2, &a.0).cmp(&(b.1, b.2, &b.0)));
     for pair in images.windows(2) {
@@ -107,6 +123,19 @@ pub(super) fn list_images(dir: &Path) -> Result<Vec<(String, u64, Eye)>, DataErr
     Ok(images)
 }
 
+/// Whether `folder` holds a file named as a test image.
+fn holds_test_image(folder: &Path) -> bool {
+    std::fs::read_dir(folder).is_ok_and(|mut entries| {
+        entries.any(|e| {
+            e.is_ok_and(|e| {
+                let name = e.file_name();
+                parse_image_name(&name.to_string_lossy()).is_some()
+                    && e.file_type().is_ok_and(|t| !t.is_dir())
+            })
+        })
+    })
+}
+
 /// A folder below `dir` (at most three levels down, by level, then by name) whose path
 /// below `dir` says "test" (any case) and that holds an image named as a test image: what
 /// was meant when a dataset's top folder was given (the challenge's `Testing Images`,
@@ -123,13 +152,6 @@ fn test_images_below(dir: &Path) -> Option<PathBuf> {
             .collect();
         found.sort();
         found
-    };
-    let holds_test_image = |folder: &Path| {
-        std::fs::read_dir(folder).is_ok_and(|mut entries| {
-            entries.any(|e| {
-                e.is_ok_and(|e| parse_image_name(&e.file_name().to_string_lossy()).is_some())
-            })
-        })
     };
     let mut level = vec![dir.to_path_buf()];
     for _ in 0..3 {
