@@ -165,10 +165,7 @@ fn predict(args: &ddp_train::odir::PredictArgs) -> Result<()> {
             None => "0.5".to_string(),
         };
         let files: Vec<String> = p.files.iter().map(|f| f.display().to_string()).collect();
-        let model = match &p.checkpoint_entry {
-            Some(entry) => format!(" with the model of the checkpoint's entry '{entry}'"),
-            None => String::new(),
-        };
+        let model = model_words(&p.model, p.checkpoint_entry.as_deref());
         print_line(format_args!(
             "predict: {} images of {} patients ({} from one eye) on {} rank(s){model}; \
              decisions at {thresholds}; wrote {}",
@@ -182,15 +179,29 @@ fn predict(args: &ddp_train::odir::PredictArgs) -> Result<()> {
     Ok(())
 }
 
+/// ` with FILE (epoch E)` and the entry of a training checkpoint that held the model: what a
+/// summary line says was scored.
+fn model_words((file, epoch): &(std::path::PathBuf, Option<u64>), entry: Option<&str>) -> String {
+    let mut words = format!(" with {}", file.display());
+    if let Some(epoch) = epoch {
+        words.push_str(&format!(" (epoch {epoch})"));
+    }
+    if let Some(entry) = entry {
+        words.push_str(&format!(", its entry '{entry}'"));
+    }
+    words
+}
+
 fn evaluate(args: &ddp_train::odir::EvaluateArgs) -> Result<()> {
     let e = ddp_train::odir::evaluate(args)?;
     if e.rank0 {
         let num = |k: &str| e.report.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
         print_line(format_args!(
-            "evaluate: {} images of {} patients: challenge score {:.4} (kappa {:.4}, F1 {:.4}, \
-             AUC {:.4}); per image macro-F1 {:.4}, micro-F1 {:.4}; wrote {}",
+            "evaluate: {} images of {} patients{}: challenge score {:.4} (kappa {:.4}, F1 \
+             {:.4}, AUC {:.4}); per image macro-F1 {:.4}, micro-F1 {:.4}; wrote {}",
             num("images"),
             num("odir_patients"),
+            model_words(&e.model, e.checkpoint_entry.as_deref()),
             num("odir_score"),
             num("odir_kappa"),
             num("odir_f1"),

@@ -318,7 +318,10 @@ fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
         }
         let stdout = String::from_utf8_lossy(&outputs[0].stdout).into_owned();
         assert!(
-            stdout.contains("evaluate: 11 images of 6 patients: challenge score"),
+            stdout.contains(&format!(
+                "evaluate: 11 images of 6 patients with {}: challenge score",
+                model.display()
+            )),
             "{stdout}"
         );
         let written: Value =
@@ -334,6 +337,9 @@ fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
             / 3.0;
         assert!((score - mean).abs() < 1e-12, "{written}");
         assert_eq!(written["world_size"], world);
+        // The file the weights came from; it records no epoch.
+        assert_eq!(written["model_file"], model.to_string_lossy().as_ref());
+        assert_eq!(written["model_epoch"], Value::Null);
         printed.as_object_mut().unwrap().remove("world_size");
         reports.push(printed);
     }
@@ -370,7 +376,9 @@ fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
         "{}",
         text(&refused)
     );
-    reports[0].as_object_mut().unwrap().remove("checkpoint");
+    for field in ["checkpoint", "model_file"] {
+        reports[0].as_object_mut().unwrap().remove(field);
+    }
     for scored in [
         evaluate_pth(&two, &["--checkpoint-key", "model"]),
         evaluate_pth(&one, &[]),
@@ -380,7 +388,7 @@ fn evaluate_scores_a_labelled_folder_on_2_ranks_as_on_1() {
         let mut printed: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
         assert_eq!(printed["checkpoint_entry"], "model");
         let report = printed.as_object_mut().unwrap();
-        for field in ["world_size", "checkpoint_entry", "checkpoint"] {
+        for field in ["world_size", "checkpoint_entry", "checkpoint", "model_file"] {
             report.remove(field);
         }
         assert_eq!(printed, reports[0]);

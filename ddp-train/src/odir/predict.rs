@@ -139,6 +139,8 @@ pub struct Prediction {
     /// The entry of the checkpoint's file that held the model (a PyTorch training
     /// checkpoint's).
     pub checkpoint_entry: Option<String>,
+    /// The model file read and its epoch ([`Scored::model`]).
+    pub model: (PathBuf, Option<u64>),
     /// The thresholds of decisions.csv, and the file they came from (`None`: 0.5).
     pub thresholds: ([f64; 8], Option<PathBuf>),
     /// The files written (rank 0 only; empty on the other ranks).
@@ -237,6 +239,7 @@ pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
         patients: patients.rows.len(),
         one_eye: patients.one_eye,
         checkpoint_entry: scored.checkpoint_entry,
+        model: scored.model,
         thresholds,
         files,
         world_size: scored.world_size,
@@ -252,6 +255,11 @@ pub struct Evaluation {
     pub report: Map<String, Value>,
     /// Where rank 0 wrote it.
     pub file: PathBuf,
+    /// The model file read and its epoch ([`Scored::model`]).
+    pub model: (PathBuf, Option<u64>),
+    /// The entry of the checkpoint's file that held the model (a PyTorch training
+    /// checkpoint's).
+    pub checkpoint_entry: Option<String>,
     /// Whether this is rank 0.
     pub rank0: bool,
 }
@@ -277,6 +285,9 @@ pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
     if let Some(entry) = &scored.checkpoint_entry {
         report.insert("checkpoint_entry".into(), json!(entry));
     }
+    let (model_file, model_epoch) = &scored.model;
+    report.insert("model_file".into(), json!(model_file.to_string_lossy()));
+    report.insert("model_epoch".into(), json!(model_epoch));
     report.insert("data".into(), json!(c.data.to_string_lossy()));
     report.insert("images".into(), json!(scored.set.len()));
     if c.skip_corrupt {
@@ -300,6 +311,8 @@ pub fn evaluate(args: &EvaluateArgs) -> Result<Evaluation, TrainError> {
         report,
         file,
         rank0: scored.rank == 0,
+        model: scored.model,
+        checkpoint_entry: scored.checkpoint_entry,
     })
 }
 

@@ -217,6 +217,10 @@ pub struct Scored {
     /// The entry of the checkpoint's file that held the model, for a PyTorch training
     /// checkpoint ([`LoadReport::entry`]).
     pub checkpoint_entry: Option<String>,
+    /// The file the weights came from (the latest checkpoint when `--checkpoint` named a run
+    /// directory) and the epoch it records: this rank's read, which on rank 0 is the model
+    /// every rank scored.
+    pub model: (PathBuf, Option<u64>),
     /// The run directory every rank agreed on (rank 0's), created.
     pub out: PathBuf,
     /// This rank.
@@ -373,6 +377,7 @@ pub fn score(
         stats,
         set,
         checkpoint_entry: loaded.report.entry,
+        model: (loaded.file, loaded.epoch),
         out,
         rank,
         world_size: world,
