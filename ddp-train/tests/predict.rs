@@ -714,3 +714,28 @@ fn evaluate_reads_the_images_of_image_dir() {
             .unwrap();
     assert_eq!(report["images"], 24, "{report}");
 }
+
+/// An `--out` that cannot be a run directory (a file is there) fails every rank before any
+/// image is scored, naming rank 0's reason.
+#[test]
+fn an_out_that_cannot_be_made_fails_every_rank_before_scoring() {
+    let tmp = common::temp_dir("ddp-train-predict-bad-out");
+    let dir = tmp.path();
+    let (data, model) = setup(dir);
+    let out = dir.join("taken");
+    std::fs::write(&out, b"a file").unwrap();
+    let outputs = predict(2, &data.join("test/preprocessed_images"), &model, &out);
+    for (r, o) in outputs.iter().enumerate() {
+        assert!(!o.status.success(), "rank {r} succeeded:\n{}", text(o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains(&format!(
+                "rank 0 cannot create run directory {}:",
+                out.display()
+            )),
+            "rank {r}:\n{err}"
+        );
+        assert!(!err.contains("images"), "rank {r} scored:\n{err}");
+    }
+    assert_eq!(std::fs::read(&out).unwrap(), b"a file");
+}

@@ -306,6 +306,21 @@ pub fn score(
         .unwrap_or_else(crate::trainer::default_run_dir);
     let gathered = pg.all_gather_bytes(proposed.to_string_lossy().as_bytes())?;
     let out = PathBuf::from(String::from_utf8_lossy(&gathered[0]).into_owned());
+    // Rank 0 makes the run directory before the scoring, not after it: a bad --out fails
+    // every rank now, with rank 0's reason.
+    let made = match rank {
+        0 => std::fs::create_dir_all(&out)
+            .err()
+            .map(|e| format!("cannot create run directory {}: {e}", out.display())),
+        _ => None,
+    };
+    let made = pg.all_gather_bytes(made.unwrap_or_default().as_bytes())?;
+    if !made[0].is_empty() {
+        return Err(TrainError::Invalid(format!(
+            "rank 0 {}",
+            String::from_utf8_lossy(&made[0])
+        )));
+    }
 
     let batch = settings.batch_size;
     let mine: Vec<usize> = all
@@ -367,11 +382,6 @@ pub fn score(
             images.len(),
             checkpoint.display()
         )));
-    }
-    if rank == 0 {
-        std::fs::create_dir_all(&out).map_err(|e| {
-            TrainError::io(format!("cannot create run directory {}", out.display()), e)
-        })?;
     }
     Ok(Scored {
         stats,
