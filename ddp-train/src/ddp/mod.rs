@@ -80,7 +80,9 @@ pub struct DdpOptions {
     /// libtorch does not run it when the gradient reaching the parameter is undefined (a
     /// backward function returned none for that input), where PyTorch's DDP, hooked into the
     /// autograd engine, counts the parameter as used all the same: such a parameter is
-    /// unused here.
+    /// unused here, and its bucket waits for `sync_gradients`. Where another rank's
+    /// gradient for it is defined and backward runs collectives itself, the ranks'
+    /// collectives cross and fail at the timeout: return a zero gradient, not none.
     #[cfg_attr(
         feature = "cli",
         arg(
