@@ -152,14 +152,11 @@ impl TrainState {
         self.skipped_steps.unwrap_or(scaler)
     }
 
-    /// The global batch of the plan's steps: recorded, else that of the allocation the
-    /// checkpoint was written on, else `now` (a checkpoint that recorded neither resumes only
-    /// on its own allocation).
+    /// The global batch of the plan's steps: recorded, else `now`'s, so that a plan written
+    /// before it was recorded counts whole steps from here as its run did (whatever
+    /// allocations it took them on).
     pub fn plan_global_batch(&self, now: usize) -> usize {
-        self.plan
-            .and_then(|p| p.global_batch)
-            .or(self.allocation.map(|a| a.global_batch()))
-            .unwrap_or(now)
+        self.plan.and_then(|p| p.global_batch).unwrap_or(now)
     }
 
     /// [`TrainState::scheduled_samples`] as recorded, else the optimizer steps attempted

@@ -708,6 +708,36 @@ fn a_change_with_accumulation_and_a_partial_epoch_trains_the_positions_it_had_le
     assert_eq!(column(&metrics(&run), "steps"), [3.0, 2.0, 2.0]);
 }
 
+/// Under a binding `--max-steps-per-epoch` (3 steps of epochs of 8 on 2 x 16, of 4 on
+/// 4 x 16) an epoch is 3 steps on either allocation, and the schedule counts steps, not
+/// samples: stopped after epoch 1's first step (32 of its 96 positions) and continued on
+/// 4 x 16, the rest of epoch 1 takes one step of 64, and the epochs' last steps stand at
+/// steps 1, 4 and 7 of the planned 9 (counting samples, 64 would advance it by 2: 1, 7, 13).
+#[test]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "injects faults: needs the fault-injection feature (cargo xtask test)"
+)]
+fn a_capped_epoch_counts_steps_on_another_global_batch() {
+    let tmp = common::temp_dir("ddp-train-elastic-capped");
+    let run = tmp.path().join("run");
+    let mut env = stop_at(1, 0).to_vec();
+    env.push((MAX_STEPS_ENV, "3".to_string()));
+    assert_codes(&start(Launcher::Torchrun, 2, 16, &run, &pairs(&env)), 75);
+    let outputs = start(Launcher::Torchrun, 4, 16, &run, &[(MAX_STEPS_ENV, "3")]);
+    assert_codes(&outputs, 0);
+    let m = metrics(&run);
+    assert_eq!(column(&m, "steps"), [2.0, 3.0, 3.0]);
+    let schedule = LrSchedule::Cosine { warmup: WARMUP };
+    let want: Vec<f64> = [1.0, 4.0, 7.0]
+        .iter()
+        .map(|&t| schedule.lr(1e-3, t, 9))
+        .collect();
+    for (got, want) in column(&m, "lr").iter().zip(&want) {
+        assert!((got - want).abs() < 1e-12, "{m:?} vs {want:?}");
+    }
+}
+
 /// A checkpoint of a Trainer that did not record its allocation resumes on its own world
 /// size and is refused on another, naming both.
 #[test]

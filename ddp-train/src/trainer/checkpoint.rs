@@ -588,13 +588,15 @@ pub(super) fn describe_change(
     (plan, max_steps): (Plan, Option<usize>),
 ) -> String {
     let unit = plan.global_batch.unwrap_or(before.global_batch());
+    // Under a binding cap schedules count steps (see the training loop).
+    let capped = max_steps.is_some_and(|m| now.steps_per_epoch(train_len, None) > m);
     let finish = |mut line: String| {
         line.push_str(&format!(
             "; the learning rate is not changed, and per-step schedules keep their planned {} \
              optimizer steps",
             plan.optimizer_steps
         ));
-        if now.global_batch() != unit {
+        if now.global_batch() != unit && !capped {
             line.push_str(&format!(
                 " of {unit} samples, which a step of {} advances by {}/{unit} (they follow \
                  the samples trained)",

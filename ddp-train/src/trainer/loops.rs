@@ -297,6 +297,15 @@ impl<T: Task> Trainer<T> {
         // The trainer advances the sampler itself: no one can forget set_epoch.
         self.train_sampler.set_epoch(epoch);
         let global = self.allocation.global_batch();
+        // Per-step schedules count samples, in steps of the plan's global batch; but under a
+        // binding --max-steps-per-epoch an epoch is so many steps whatever its batch, and
+        // they count steps.
+        let unit = self.plan.global_batch.unwrap_or(global).max(1);
+        let capped = self.steps_per_epoch()
+            < self
+                .allocation
+                .steps_per_epoch(self.train_sampler.dataset_len(), None);
+        let advance = if capped { unit } else { global } as u64;
         let rest = resumed.map_or_else(
             || EpochRest::fresh(self.steps_per_epoch(), self.allocation),
             |(_, rest)| rest,
@@ -377,9 +386,8 @@ impl<T: Task> Trainer<T> {
             if s.lr_schedule.per_step() {
                 let schedule = &s.lr_schedule;
                 // Over the run's planned total, recorded at its start, in steps of its
-                // global batch: a step of another counts by its samples.
+                // global batch: a step of another counts by its samples (see `advance`).
                 let total = self.plan.optimizer_steps;
-                let unit = self.plan.global_batch.unwrap_or(global).max(1);
                 let t = self.scheduled_samples as f64 / unit as f64;
                 self.optimizer
                     .set_lr(schedule.lr(s.optimizer.lr(), t, total));
@@ -462,9 +470,12 @@ impl<T: Task> Trainer<T> {
                 None if s.clip_grad_norm.is_none() => Some(non_finite_check(params)?),
                 None => None,
             };
+            // No flag where no parameter has a gradient: nothing is inf or NaN.
             let flags_at = match &check {
-                Some(found) => Some(reads.add(&Tensor::f_cat(found.flags(), 0)?)?),
-                None => None,
+                Some(found) if !found.flags().is_empty() => {
+                    Some(reads.add(&Tensor::f_cat(found.flags(), 0)?)?)
+                }
+                _ => None,
             };
             // Clipped even on a step the scaler then skips, as PyTorch's loop does: that
             // norm is inf or NaN, and those gradients are thrown away.
@@ -524,7 +535,7 @@ impl<T: Task> Trainer<T> {
             } else {
                 self.optimizer.step();
             }
-            self.scheduled_samples = self.scheduled_samples.saturating_add(global as u64);
+            self.scheduled_samples = self.scheduled_samples.saturating_add(advance);
             if let Some(scaler) = &mut self.scaler {
                 scaler.update(found_inf);
             }
