@@ -199,6 +199,25 @@ fn a_convnet_loads_from_pth_ddp_pth_and_safetensors_named_bin() {
             assert!(var(&vs, n).equal(t), "{name}: {n} differs from the file");
         }
     }
+    // A model whose own names begin with `module.` keeps them: only the compiler's
+    // wrapper is stripped, and so is DDP's around a model without that prefix.
+    for (model_name, file_name, stripped) in [
+        ("module.a", "_orig_mod.module.a", "_orig_mod."),
+        ("a", "module._orig_mod.a", "module._orig_mod."),
+    ] {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _a = match model_name.split_once('.') {
+            Some((outer, name)) => (vs.root() / outer).zeros(name, &[2]),
+            None => vs.root().zeros(model_name, &[2]),
+        };
+        let file = StateDict::new(
+            "w.pth",
+            vec![(file_name.to_string(), Tensor::from_slice(&[1.0f32, 2.0]))],
+        );
+        let report = weights::load_state_dict(&vs, &file, Strictness::Strict).unwrap();
+        assert_eq!(report.loaded, [model_name], "{file_name}");
+        assert_eq!(report.stripped_prefix.as_deref(), Some(stripped));
+    }
     // The DDP file's names as saved, before loading strips them.
     let ddp = weights::read_state_dict(file("convnet8-ddp.pth")).unwrap();
     assert_eq!(ddp.names().next(), Some("module.features.0.weight"));

@@ -494,9 +494,11 @@ pub fn load_state_dict(
 ) -> Result<LoadReport, WeightsError> {
     let model = checkpoint::named_tensors(vs);
     let mut stripped = String::new();
+    // The file's names, once stripped, are compared with the model's: a wrapper whose
+    // prefix every model name has too (a submodule named `module`) is the model's own.
     while let Some(wrapper) = [DDP_PREFIX, COMPILE_PREFIX].into_iter().find(|wrapper| {
         let prefix = format!("{stripped}{wrapper}");
-        let model_has_it = !model.is_empty() && model.iter().all(|(n, _)| n.starts_with(&prefix));
+        let model_has_it = !model.is_empty() && model.iter().all(|(n, _)| n.starts_with(wrapper));
         !state.is_empty() && !model_has_it && state.names().all(|n| n.starts_with(&prefix))
     }) {
         stripped.push_str(wrapper);
