@@ -289,8 +289,8 @@ impl OdirDataset {
     /// Opens a folder of unlabelled images named as the challenge's test set
     /// (`<id>_left.jpg`, `<id>_right.jpg`), in ID order, left eye first. The samples' labels
     /// are zeros and they have no patient labels; the annotation file is the folder itself.
-    /// Any other file in the folder is an error naming it (hidden files and sub-folders are
-    /// left alone); images are decoded when the loader reaches them, so an undecodable one
+    /// Any other file in the folder is an error naming it, and so is a sub-folder of more test
+    /// images beside them (hidden files and other sub-folders are left alone); images are decoded when the loader reaches them, so an undecodable one
     /// stops the loader with its name.
     pub fn open_unlabelled(dir: &Path) -> Result<Self, DataError> {
         let samples = super::unlabelled::list_images(dir)?
