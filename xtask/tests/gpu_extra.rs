@@ -203,12 +203,21 @@ fn stub_bundle(bin: &Path) {
 /// Runs gpu-extra.sh on stubs (`stub_bundle`) with `budget_s` seconds; returns its run, its
 /// summary's rows (name, status), the summary and the stubs' calls.
 fn run_on_stubs(budget_s: u32) -> (std::process::Output, Vec<(String, String)>, String, String) {
+    run_on_stubs_with(budget_s, |_| {})
+}
+
+/// [`run_on_stubs`] with `change` applied to the stubs' folder first.
+fn run_on_stubs_with(
+    budget_s: u32,
+    change: impl FnOnce(&Path),
+) -> (std::process::Output, Vec<(String, String)>, String, String) {
     let dir = ddp_testkit::temp_dir("xtask-gpu-extra-run");
     let [bin, out, work, sample] = ["bin", "out", "work", "sample"].map(|d| dir.path().join(d));
     for d in [&bin, &out, &work, &sample] {
         std::fs::create_dir(d).unwrap();
     }
     stub_bundle(&bin);
+    change(&bin);
     let calls = dir.path().join("calls.txt");
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
     let child = Command::new("bash")
@@ -325,4 +334,20 @@ fn checks_the_budget_leaves_no_time_for_are_not_run_and_counted() {
     );
     assert_eq!(run.status.code(), Some(13), "{}", ddp_testkit::text(&run));
     assert_eq!(calls, "", "a check ran");
+}
+
+/// A test binary whose filters name no test runs none and says `ok`: its row fails, so that
+/// a renamed test cannot pass the GPU check unseen.
+#[test]
+fn a_filter_that_runs_no_test_fails_its_row() {
+    let (_, rows, _, _) = run_on_stubs_with(600, |bin| {
+        ddp_testkit::script(
+            &bin.join("ddp-train.lib"),
+            "#!/bin/sh\necho 'test result: ok. 0 passed; 0 failed; 0 ignored'\n",
+        );
+    });
+    let units = rows.iter().find(|(name, _)| name == "units").unwrap();
+    assert_eq!(units.1, "FAIL", "{rows:?}");
+    let comm = rows.iter().find(|(name, _)| name == "comm-29").unwrap();
+    assert_eq!(comm.1, "ok", "{rows:?}");
 }
