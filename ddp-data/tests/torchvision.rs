@@ -14,8 +14,8 @@ use std::path::Path;
 use ddp_data::crop::CropBox;
 use ddp_data::odir::decode::Decoder;
 use ddp_data::odir::transform::{
-    Augment, AugmentDraw, ColorOp, Pipeline, Placement, Transform, DEFAULT_RATIO, IMAGENET_MEAN,
-    IMAGENET_STD,
+    Augment, AugmentDraw, ColorOp, Interpolation, Pipeline, Placement, Transform, DEFAULT_RATIO,
+    IMAGENET_MEAN, IMAGENET_STD,
 };
 use ddp_data::rng::SampleRng;
 
@@ -235,29 +235,52 @@ fn transforms_equal_torchvision_within_one_level() {
     compare_with_torchvision(&image, &cases, tmp.path(), RESIZE);
 }
 
+/// The evaluation transform's cases of `sizes` on `image`, bilinear and bicubic.
+fn eval_cases(image: &Path, sizes: &[(u32, u32)]) -> Vec<Case> {
+    let mut pipeline = Pipeline::new();
+    let mut cases = Vec::new();
+    for &(resize, crop) in sizes {
+        for (interpolation, name) in [
+            (Interpolation::Bilinear, ""),
+            (Interpolation::Bicubic, " bicubic"),
+        ] {
+            let t = Transform::eval(resize, crop)
+                .unwrap()
+                .with_interpolation(interpolation);
+            let mut ours = vec![0u8; t.sample_len()];
+            let mut rng = SampleRng::new(0, 0, 0);
+            pipeline.run_u8(&t, image, &mut rng, &mut ours).unwrap();
+            cases.push(Case {
+                name: format!("eval_{resize}_{crop}{}", name.replace(' ', "_")),
+                ops: format!("resize_centre_crop {resize} {crop}{name}"),
+                ours,
+            });
+        }
+    }
+    cases
+}
+
 /// On a portrait image the evaluation transform's resize fixes the width, and `CenterCrop`
-/// rounds its top offset as torchvision does (`int(round(11.5))` is 12 in Python).
+/// rounds its top offset as torchvision does (`int(round(11.5))` is 12 in Python); bilinear
+/// and bicubic (`Resize(r, BICUBIC)`, as EfficientNet's weights evaluate) alike.
 #[test]
 fn the_evaluation_transform_equals_torchvision_on_a_portrait_image() {
     let tmp = tempfile::tempdir().unwrap();
     let image = tmp.path().join("portrait.png");
     // Resize(64): 64 x 87, a top offset of 11.5; Resize(73): 73 x 99, 17.5.
     write_image(&image, 221, 301);
-    let mut pipeline = Pipeline::new();
-    let cases: Vec<Case> = [(64, 64), (73, 64), (64, 48)]
-        .into_iter()
-        .map(|(resize, crop)| {
-            let t = Transform::eval(resize, crop).unwrap();
-            let mut ours = vec![0u8; t.sample_len()];
-            let mut rng = SampleRng::new(0, 0, 0);
-            pipeline.run_u8(&t, &image, &mut rng, &mut ours).unwrap();
-            Case {
-                name: format!("eval_{resize}_{crop}"),
-                ops: format!("resize_centre_crop {resize} {crop}"),
-                ours,
-            }
-        })
-        .collect();
+    let cases = eval_cases(&image, &[(64, 64), (73, 64), (64, 48)]);
+    compare_with_torchvision(&image, &cases, tmp.path(), RESIZE);
+}
+
+/// Bicubic as torchvision's `Resize(r, BICUBIC)` on a landscape image, shrinking a lot and a
+/// little.
+#[test]
+fn the_bicubic_evaluation_transform_equals_torchvisions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let image = tmp.path().join("image.png");
+    write_image(&image, 300, 220);
+    let cases = eval_cases(&image, &[(64, 64), (200, 180), (256, 224)]);
     compare_with_torchvision(&image, &cases, tmp.path(), RESIZE);
 }
 

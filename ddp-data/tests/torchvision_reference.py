@@ -6,7 +6,8 @@ with given parameters to an image and writes each result as raw CHW bytes.
 CASES has one case per line: `name op args... | op args... | ...`, with the ops
   raw FILE SIZE                         start from FILE's SIZE x SIZE CHW bytes instead
   decoded                               the image as PIL decodes it, untransformed
-  resize_centre_crop RESIZE CROP        Resize(RESIZE) + CenterCrop(CROP)
+  resize_centre_crop RESIZE CROP [bicubic]  Resize(RESIZE) + CenterCrop(CROP), bilinear unless
+                                        `bicubic` follows
   resized_crop TOP LEFT H W SIZE        F.resized_crop (bilinear, antialias)
   hflip | vflip                         F.hflip, F.vflip
   rotate DEGREES                        F.rotate (nearest, no expand, fill 0), RandomRotation's
@@ -32,7 +33,8 @@ def apply(img, op, args):
         return img
     if op == "resize_centre_crop":
         resize, crop = int(args[0]), int(args[1])
-        return T.Compose([T.Resize(resize), T.CenterCrop(crop)])(img)
+        mode = T.InterpolationMode.BICUBIC if args[2:] == ["bicubic"] else T.InterpolationMode.BILINEAR
+        return T.Compose([T.Resize(resize, interpolation=mode), T.CenterCrop(crop)])(img)
     if op == "resized_crop":
         top, left, h, w, size = map(int, args)
         return F.resized_crop(img, top, left, h, w, [size, size],

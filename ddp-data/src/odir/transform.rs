@@ -36,7 +36,31 @@ pub enum Geometry {
         resize: u32,
         /// Output side in pixels.
         crop: u32,
+        /// `Resize`'s interpolation (antialiased, as PIL's).
+        interpolation: Interpolation,
     },
+}
+
+/// The resampling filter of the evaluation transform's `Resize`, as torchvision's
+/// `InterpolationMode` on PIL images (antialiased: the filter widens when shrinking).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Interpolation {
+    /// `InterpolationMode.BILINEAR`, torchvision's default.
+    #[default]
+    Bilinear,
+    /// `InterpolationMode.BICUBIC` (PIL's cubic, `a = -0.5`), as the ImageNet weights of
+    /// EfficientNet and ViT evaluate.
+    Bicubic,
+}
+
+impl Interpolation {
+    fn filter(self) -> FilterType {
+        match self {
+            Interpolation::Bilinear => FilterType::Bilinear,
+            // Catmull-Rom is the cubic of a = -0.5, PIL's BICUBIC.
+            Interpolation::Bicubic => FilterType::CatmullRom,
+        }
+    }
 }
 
 /// A training or evaluation transform from an image file to a `[3, size, size]` f32 tensor.
@@ -137,7 +161,20 @@ impl Transform {
         Ok(Self::with_geometry(Geometry::ResizeCentreCrop {
             resize,
             crop,
+            interpolation: Interpolation::Bilinear,
         }))
+    }
+
+    /// The evaluation transform with `Resize`'s `interpolation` (bilinear unless set); the
+    /// training transform resizes bilinearly, and ignores it.
+    pub fn with_interpolation(mut self, interpolation: Interpolation) -> Self {
+        if let Geometry::ResizeCentreCrop {
+            interpolation: i, ..
+        } = &mut self.geometry
+        {
+            *i = interpolation;
+        }
+        self
     }
 
     /// Adds (or removes) a horizontal flip with probability 1/2 after the random crop; the
@@ -286,7 +323,7 @@ impl Transform {
                     augment: self.augment.draw(rng),
                 }
             }
-            Geometry::ResizeCentreCrop { resize, crop } => Placement {
+            Geometry::ResizeCentreCrop { resize, crop, .. } => Placement {
                 region: resize_centre_crop_region(height, width, resize, crop).0,
                 flip: false,
                 augment: AugmentDraw::default(),
@@ -354,13 +391,13 @@ impl Pipeline {
     ) -> Result<(), DataError> {
         let image = self.decoder.decode_file(path)?;
         let size = transform.output_size();
-        let edges = transform.edges();
+        let resampling = transform.resampling();
         resize_region(
             &mut self.resizer,
             &mut self.resized,
             &mut self.cropped,
             image,
-            (placement.region, edges),
+            (placement.region, resampling),
             size,
             path,
         )?;
@@ -427,7 +464,7 @@ impl Pipeline {
             &mut self.resized,
             &mut self.cropped,
             image,
-            (region, transform.edges()),
+            (region, transform.resampling()),
             size,
             path,
         )?;
@@ -462,23 +499,27 @@ enum Edges {
 }
 
 impl Transform {
-    fn edges(&self) -> Edges {
+    /// Where the resize's filter stops, and which filter it is.
+    fn resampling(&self) -> (Edges, FilterType) {
         match self.geometry {
-            Geometry::RandomResizedCrop { .. } => Edges::Region,
-            Geometry::ResizeCentreCrop { .. } => Edges::Image,
+            Geometry::RandomResizedCrop { .. } => (Edges::Region, FilterType::Bilinear),
+            Geometry::ResizeCentreCrop { interpolation, .. } => {
+                (Edges::Image, interpolation.filter())
+            }
         }
     }
 }
 
-/// Resizes `region` of `image` to `size x size` in one pass (bilinear with antialiasing, as
-/// PIL's `resize(..., BILINEAR)` that torchvision calls). With [`Edges::Region`] the region's
-/// whole pixels are first copied into `cropped`, so that no filter reaches past them.
+/// Resizes `region` of `image` to `size x size` in one pass with `filter` and antialiasing,
+/// as PIL's `resize(..., BILINEAR)` (or `BICUBIC`) that torchvision calls. With
+/// [`Edges::Region`] the region's whole pixels are first copied into `cropped`, so that no
+/// filter reaches past them.
 fn resize_region(
     resizer: &mut Resizer,
     resized: &mut Vec<u8>,
     cropped: &mut Vec<u8>,
     image: RgbView<'_>,
-    (region, edges): (SourceRegion, Edges),
+    (region, (edges, filter)): (SourceRegion, (Edges, FilterType)),
     size: u32,
     path: &Path,
 ) -> Result<(), DataError> {
@@ -497,7 +538,7 @@ fn resize_region(
     let mut dst = Image::from_slice_u8(size, size, &mut resized[..], PixelType::U8x3)
         .map_err(|e| fail(&e))?;
     let options = ResizeOptions::new()
-        .resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))
+        .resize_alg(ResizeAlg::Convolution(filter))
         .crop(region.left, region.top, region.width, region.height);
     resizer
         .resize(&src, &mut dst, &options)
@@ -674,7 +715,7 @@ mod tests {
                 &mut out,
                 &mut Vec::new(),
                 view,
-                (region, edges),
+                (region, (edges, FilterType::Bilinear)),
                 8,
                 Path::new("x"),
             )

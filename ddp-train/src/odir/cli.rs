@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use ddp_model::ModelKind;
 
 use super::challenge::EyeCombine;
-use super::options::{Normalize, PosWeight};
+use super::options::{EvalInterpolation, Normalize, PosWeight};
 use crate::cli::{Defaults, TrainArgs};
 use crate::error::TrainError;
 use crate::lr_schedule::{LrSchedule, Plateau};
@@ -148,6 +148,13 @@ pub struct TrainConfig {
     #[arg(long, value_name = "PIXELS")]
     #[serde(default)]
     pub eval_resize: Option<u32>,
+
+    /// The evaluation transform's Resize filter: bilinear (torchvision's default, its ResNet
+    /// weights' transforms) or bicubic (EfficientNet-B0's ImageNet weights evaluate with
+    /// Resize(256, BICUBIC): give --eval-resize 256 --eval-interpolation bicubic).
+    #[arg(long, value_enum, value_name = "bilinear|bicubic", default_value_t = EvalInterpolation::Bilinear)]
+    #[serde(default)]
+    pub eval_interpolation: EvalInterpolation,
 
     /// BCE's pos_weight per class: auto (negatives / positives over the training split,
     /// recorded in config.json) or W1,...,W8 in N D G C A H M O order.

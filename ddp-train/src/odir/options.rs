@@ -1,11 +1,43 @@
-//! The values of the ODIR flags that are more than a number: `--normalize` and
-//! `--pos-weight`.
+//! The values of the ODIR flags that are more than a number: `--normalize`,
+//! `--eval-interpolation` and `--pos-weight`.
 
 use std::fmt;
 use std::str::FromStr;
 
-use ddp_data::odir::transform::{IMAGENET_MEAN, IMAGENET_STD};
+use clap::ValueEnum;
+use ddp_data::odir::transform::{Interpolation, IMAGENET_MEAN, IMAGENET_STD};
 use serde::{Deserialize, Serialize};
+
+/// `--eval-interpolation`: the evaluation transform's `Resize` filter, torchvision's
+/// `InterpolationMode` on PIL images.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EvalInterpolation {
+    /// `BILINEAR`, torchvision's default (and its ResNet weights' transforms).
+    #[default]
+    Bilinear,
+    /// `BICUBIC`, as `EfficientNet_B0_Weights.IMAGENET1K_V1.transforms()` resizes.
+    Bicubic,
+}
+
+impl EvalInterpolation {
+    /// ddp-data's filter of the same name.
+    pub fn interpolation(self) -> Interpolation {
+        match self {
+            EvalInterpolation::Bilinear => Interpolation::Bilinear,
+            EvalInterpolation::Bicubic => Interpolation::Bicubic,
+        }
+    }
+}
+
+impl fmt::Display for EvalInterpolation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            EvalInterpolation::Bilinear => "bilinear",
+            EvalInterpolation::Bicubic => "bicubic",
+        })
+    }
+}
 
 /// `--normalize`: `Normalize(mean, std)` after `ToTensor`, or none.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]

@@ -78,6 +78,7 @@ pub const PREDICT_FLAGS: &[&str] = &[
     "image_size",
     "normalize",
     "eval_resize",
+    "eval_interpolation",
     "model",
     "dropout",
     "eye_combine",

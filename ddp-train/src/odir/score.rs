@@ -15,7 +15,7 @@ use tch::{nn, Device, Kind, Tensor};
 
 use super::challenge::EyeCombine;
 use super::cli::TrainConfig;
-use super::options::Normalize;
+use super::options::{EvalInterpolation, Normalize};
 use super::predict::ModelFile;
 use super::stats::{OdirStats, Patients};
 use super::task::{default_eval_resize, eval_transform, odir_model};
@@ -186,6 +186,11 @@ fn training_differences(c: &TrainConfig, source: &str, record: &serde_json::Valu
             .eval_resize
             .unwrap_or_else(|| default_eval_resize(c.image_size));
         differs("--eval-resize", then.to_string(), now.to_string());
+    }
+    let interpolation = trained("eval_interpolation");
+    if let Some(Ok(then)) = interpolation.map(serde_json::from_value::<EvalInterpolation>) {
+        let now = c.eval_interpolation.to_string();
+        differs("--eval-interpolation", then.to_string(), now);
     }
     // The eyes' combination gives the patients' scores the run reported, and evaluation ran
     // in the training's precision.
@@ -627,6 +632,28 @@ mod tests {
                 "{lines:?}"
             );
         }
+    }
+
+    /// `--eval-interpolation` compares with the run's; an older run that recorded none is
+    /// not compared.
+    #[test]
+    fn eval_interpolations_compare_with_the_runs() {
+        let task = r#""image_size": 32, "normalize": "none", "eval_resize": null"#;
+        let config = format!(r#"{{"task": {{{task}, "eval_interpolation": "bicubic"}}}}"#);
+        let lines = differences(&config, &[]);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(
+            lines[0].starts_with("the model was trained with --eval-interpolation bicubic (")
+                && lines[0].ends_with(
+                    ") and is scored with bilinear: give --eval-interpolation bicubic to score \
+                     it on what it learnt from"
+                ),
+            "{lines:?}"
+        );
+        let given = ["--eval-interpolation", "bicubic"];
+        assert_eq!(differences(&config, &given), Vec::<String>::new());
+        let older = format!(r#"{{"task": {{{task}}}}}"#);
+        assert_eq!(differences(&older, &given), Vec::<String>::new());
     }
 
     /// The eyes' combination and the precision the run recorded are compared as the

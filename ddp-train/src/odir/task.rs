@@ -331,12 +331,14 @@ pub(super) fn skipped_json(skipped: &[SkippedImage]) -> Value {
 }
 
 /// The evaluation transform (`Resize` to `--eval-resize`, by default 8/7 of `--image-size`,
-/// then `CenterCrop`, then `--normalize`), for validation, `predict` and `evaluate` alike.
+/// with `--eval-interpolation`, then `CenterCrop`, then `--normalize`), for validation,
+/// `predict` and `evaluate` alike.
 pub(super) fn eval_transform(c: &TrainConfig) -> Result<Transform, TrainError> {
     let resize = c
         .eval_resize
         .unwrap_or_else(|| default_eval_resize(c.image_size));
-    let eval = Transform::eval(resize, c.image_size)?;
+    let eval = Transform::eval(resize, c.image_size)?
+        .with_interpolation(c.eval_interpolation.interpolation());
     Ok(match c.normalize.mean_std() {
         Some((mean, std)) => eval.with_normalization(mean, std)?,
         None => eval,
