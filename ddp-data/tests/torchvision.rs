@@ -260,28 +260,29 @@ fn eval_cases(image: &Path, sizes: &[(u32, u32)]) -> Vec<Case> {
     cases
 }
 
+/// The test image of `width x height` through [`eval_cases`] of `sizes`, against torchvision.
+fn eval_against_torchvision((width, height): (u32, u32), sizes: &[(u32, u32)]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let image = tmp.path().join("image.png");
+    write_image(&image, width, height);
+    let cases = eval_cases(&image, sizes);
+    compare_with_torchvision(&image, &cases, tmp.path(), RESIZE);
+}
+
 /// On a portrait image the evaluation transform's resize fixes the width, and `CenterCrop`
 /// rounds its top offset as torchvision does (`int(round(11.5))` is 12 in Python); bilinear
 /// and bicubic (`Resize(r, BICUBIC)`, as EfficientNet's weights evaluate) alike.
 #[test]
 fn the_evaluation_transform_equals_torchvision_on_a_portrait_image() {
-    let tmp = tempfile::tempdir().unwrap();
-    let image = tmp.path().join("portrait.png");
     // Resize(64): 64 x 87, a top offset of 11.5; Resize(73): 73 x 99, 17.5.
-    write_image(&image, 221, 301);
-    let cases = eval_cases(&image, &[(64, 64), (73, 64), (64, 48)]);
-    compare_with_torchvision(&image, &cases, tmp.path(), RESIZE);
+    eval_against_torchvision((221, 301), &[(64, 64), (73, 64), (64, 48)]);
 }
 
 /// Bicubic as torchvision's `Resize(r, BICUBIC)` on a landscape image, shrinking a lot and a
 /// little.
 #[test]
 fn the_bicubic_evaluation_transform_equals_torchvisions() {
-    let tmp = tempfile::tempdir().unwrap();
-    let image = tmp.path().join("image.png");
-    write_image(&image, 300, 220);
-    let cases = eval_cases(&image, &[(64, 64), (200, 180), (256, 224)]);
-    compare_with_torchvision(&image, &cases, tmp.path(), RESIZE);
+    eval_against_torchvision((300, 220), &[(64, 64), (200, 180), (256, 224)]);
 }
 
 /// The normalised floats of the pipeline (`Normalize` folded into one multiply-add per
