@@ -21,7 +21,7 @@ use crate::element::{as_bytes_mut, Element, ReduceOp};
 use crate::error::CommError;
 use crate::group::rendezvous::Plan;
 use crate::group::tensor::{
-    bool_op, cpu_bytes, cpu_dtype, cuda_buffer, device_of, gather_in_place, unsupported_device,
+    bool_op, cpu_bytes, cpu_dtype, cuda_buffer, device_of, gather_source, unsupported_device,
     Collective,
 };
 use crate::group::work::{panic_text, Op, Queue, Work};
@@ -404,11 +404,10 @@ impl ProcessGroup {
     /// device holding `world_size` times as many elements (any shape): rank `r`'s elements
     /// land at `r * input.numel()` in order. The counterpart of PyTorch's
     /// `all_gather_into_tensor`; reusing `output` saves an allocation per call. As there,
-    /// `input` may be this rank's chunk of `output` (in place); any other overlap of the two
-    /// is refused ([`CommError::InvalidArgument`]).
+    /// `input` may be this rank's chunk of `output` (in place); one overlapping it elsewhere
+    /// is gathered from a copy of its values at the call.
     pub fn all_gather_into(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
         self.drain();
-        self.heartbeat.enter();
         device_of(input)?;
         device_of(output)?;
         if output.kind() != input.kind()
@@ -428,9 +427,10 @@ impl ProcessGroup {
                 input.numel()
             )));
         }
-        let in_place = gather_in_place(input, output, self.rank)?;
+        let (copy, in_place) = gather_source(input, output, self.rank)?;
+        self.heartbeat.enter(); // a refused call has not entered
         self.run(Collective::AllGather {
-            input,
+            input: copy.as_ref().unwrap_or(input),
             output,
             in_place,
         })

@@ -17,7 +17,7 @@ pub(crate) enum Collective<'a> {
     /// In place, from rank `root`.
     Broadcast(&'a mut Tensor, usize),
     /// Into `output`: same dtype and device, `world_size` times the input's elements;
-    /// `in_place` when `input` is this rank's chunk of `output` ([`gather_in_place`]).
+    /// `in_place` when `input` is this rank's chunk of `output` ([`gather_source`]).
     AllGather {
         input: &'a Tensor,
         output: &'a mut Tensor,
@@ -129,36 +129,55 @@ pub(crate) fn bool_op(t: &Tensor, op: ReduceOp) -> Result<ReduceOp, CommError> {
 }
 
 /// Where an all-gather's `input` lies in its `output` (of one dtype and device, `output`
-/// holding `world_size` times the input's elements): `true` when it is exactly rank
-/// `rank`'s chunk (PyTorch's in-place all-gather, `input = output.narrow(0, rank * n, n)`),
-/// `false` when they share no byte. Any other overlap is refused: the output would be
-/// written while the input is read. Tensors that are not dense and contiguous are left to
-/// the backends' checks.
-pub(crate) fn gather_in_place(
+/// holding `world_size` times the input's elements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GatherInput {
+    /// Exactly rank `rank`'s chunk (PyTorch's in-place all-gather, `input =
+    /// output.narrow(0, rank * n, n)`).
+    InPlace,
+    /// They share no byte (or a tensor is not dense and contiguous: the backends' checks
+    /// refuse it).
+    Apart,
+    /// Any other overlap: the output would be written while the input is read.
+    Overlapping,
+}
+
+/// What rank `rank`'s all-gather of `input` into `output` reads: `input` itself (`None`),
+/// or a copy of its values where it overlaps `output` elsewhere than at this rank's chunk
+/// (every rank then gathers alike); and whether it gathers in place.
+pub(crate) fn gather_source(
     input: &Tensor,
     output: &Tensor,
     rank: usize,
-) -> Result<bool, CommError> {
+) -> Result<(Option<Tensor>, bool), CommError> {
+    Ok(match gather_input(input, output, rank) {
+        GatherInput::InPlace => (None, true),
+        GatherInput::Apart => (None, false),
+        GatherInput::Overlapping => {
+            let copy = input.f_detach_copy().map_err(|e| CommError::Tensor {
+                backend: "any",
+                detail: format!("copying the input, which overlaps the output: {e}"),
+            })?;
+            (Some(copy), false)
+        }
+    })
+}
+
+/// Where `input` lies in `output` for rank `rank` ([`GatherInput`]).
+fn gather_input(input: &Tensor, output: &Tensor, rank: usize) -> GatherInput {
     if check_layout(input, "any").is_err() || check_layout(output, "any").is_err() {
-        return Ok(false);
+        return GatherInput::Apart;
     }
     let element = output.kind().elt_size_in_bytes();
     let (len, out_len) = (input.numel() * element, output.numel() * element);
     let (start, out) = (input.data_ptr() as usize, output.data_ptr() as usize);
     if len == 0 || start >= out + out_len || out >= start + len {
-        return Ok(false);
+        GatherInput::Apart
+    } else if start == out + rank * len {
+        GatherInput::InPlace
+    } else {
+        GatherInput::Overlapping
     }
-    if start == out + rank * len {
-        return Ok(true);
-    }
-    Err(CommError::InvalidArgument(format!(
-        "all_gather_into: the input overlaps the output at byte offset {} of the output, \
-         but rank {rank}'s place there is at byte {}: gather into a tensor that does not \
-         share the input's memory, or make the input this rank's chunk of the output \
-         (output.narrow(0, {rank} * n, n) for a one-dimensional output of n per rank)",
-        start as i128 - out as i128,
-        rank * len
-    )))
 }
 
 /// Fails unless `t` is defined, dense (strided) and contiguous (`backend` names the refusing
