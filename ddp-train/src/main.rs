@@ -284,9 +284,26 @@ fn run(config: &TrainConfig, trainer: &mut Option<Trainer<OdirTask>>) -> Result<
         .run()
         .map_err(|e| with_skip_hint(anyhow::Error::new(e), config))?;
     if let (Some(last), true) = (reports.last(), rank0) {
+        // The best models' epochs, as the tutorials end: `best macro f1 ... in epoch ...`.
+        let bests: Vec<String> = config
+            .settings()
+            .monitors
+            .iter()
+            .filter_map(|m| {
+                let best = trainer.bests().get(&m.file)?;
+                Some(format!(
+                    "{} {:.3} at epoch {} ({})",
+                    m.metric, best.value, best.epoch, m.file
+                ))
+            })
+            .collect();
+        let bests = match bests.is_empty() {
+            true => String::new(),
+            false => format!("; best {}", bests.join(", ")),
+        };
         print_line(format_args!(
             "done: {} epochs, final validation macro-F1 {:.3}, micro-F1 {:.3}, challenge score \
-             {:.3}; run directory {}",
+             {:.3}{bests}; run directory {}",
             last.epoch,
             last.metric("val_macro_f1").unwrap_or(f64::NAN),
             last.metric("val_micro_f1").unwrap_or(f64::NAN),

@@ -205,13 +205,14 @@ pub struct Settings {
     #[cfg_attr(feature = "cli", arg(long, default_value_t = Settings::default().accumulate))]
     pub accumulate: usize,
     /// Seed of everything random: the model's initialisation, the sampling order, the
-    /// augmentations and dropout.
+    /// augmentations and dropout (and a task's own draws, such as ODIR's validation split).
     #[cfg_attr(
         feature = "cli",
         arg(
             long,
             default_value_t = Settings::default().seed,
-            help = "Seed of everything random: model init, sampling order, augmentation, dropout"
+            help = "Seed of everything random: model init, sampling order, augmentation, dropout \
+                    (and ODIR's validation split)"
         )
     )]
     pub seed: u64,

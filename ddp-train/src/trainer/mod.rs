@@ -192,4 +192,10 @@ impl<T: Task> Trainer<T> {
     pub fn device(&self) -> Device {
         self.device
     }
+
+    /// The best value so far of each best-model monitor (`Settings::monitors`), by its
+    /// model file's name; a monitor whose metric was never finite has none.
+    pub fn bests(&self) -> &BTreeMap<String, Best> {
+        &self.bests
+    }
 }

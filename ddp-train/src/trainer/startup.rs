@@ -284,6 +284,24 @@ impl<T: Task> Trainer<T> {
             self.pg.world_size(),
             self.out.display()
         ));
+        // The tutorials print the model; its size tells that the intended one was built.
+        let vars = self.vs.variables();
+        let numel = |names: &[String]| -> usize {
+            names
+                .iter()
+                .filter_map(|n| vars.get(n))
+                .map(Tensor::numel)
+                .sum()
+        };
+        let frozen = match numel(&self.frozen) {
+            0 => String::new(),
+            n => format!(" ({n} frozen)"),
+        };
+        self.log.say(&format!(
+            "model: {} parameters in {} tensors{frozen}",
+            numel(&self.parameters),
+            self.parameters.len()
+        ));
         // What the checkpoints record of the run (settings, task, world size, device,
         // threads), and the rest.
         let mut json = self.state_config();
