@@ -5,7 +5,8 @@
 pub enum ReduceOp {
     /// Sum over ranks.
     Sum,
-    /// Sum over ranks divided by the world size (integer types: truncated toward zero, as
+    /// Sum over ranks divided by the world size (integer types: truncated toward zero; f16
+    /// and bf16: each rank's values divided first, so that the sum does not overflow; as
     /// NCCL's `ncclAvg`).
     Avg,
     /// Element-wise maximum; on the CPU links a NaN from any rank wins, as in

@@ -506,6 +506,9 @@ fn avg_body() {
             };
             let mut sum = mine.copy();
             group.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+            // Half precision divides each rank's values first (NCCL's ncclAvg), in f32.
+            let mut divided_first = (mine.to_kind(Kind::Float) / n as f64).to_kind(kind);
+            group.all_reduce(&mut divided_first, ReduceOp::Sum).unwrap();
             let mut avg = mine;
             group.all_reduce(&mut avg, ReduceOp::Avg).unwrap();
             let floats = |t: &Tensor| Vec::<f32>::try_from(&t.to_kind(Kind::Float)).unwrap();
@@ -532,21 +535,13 @@ fn avg_body() {
                     )
                 }
                 Kind::BFloat16 | Kind::Half => {
-                    // Rounded to the type, nearest even: the f32 values are exact in it.
+                    // The f32 values are exact in the type.
                     let bits = |v: f32| match kind {
                         Kind::Half => half::f16::from_f32(v).to_bits(),
                         _ => half::bf16::from_f32(v).to_bits(),
                     };
-                    (
-                        floats(&sum)
-                            .into_iter()
-                            .map(|s| u64::from(bits(divided(s))))
-                            .collect(),
-                        floats(&avg)
-                            .into_iter()
-                            .map(|a| u64::from(bits(a)))
-                            .collect(),
-                    )
+                    let bits_of = |t: &Tensor| floats(t).into_iter().map(|v| u64::from(bits(v)));
+                    (bits_of(&divided_first).collect(), bits_of(&avg).collect())
                 }
                 _ => {
                     let i = |t: &Tensor| Vec::<i64>::try_from(t).unwrap();
@@ -565,6 +560,11 @@ fn avg_body() {
             }
         }
     }
+    // Every rank's 40000 in f16: the sum (80000 on 2 ranks) is past f16's range, the average
+    // is not.
+    let mut big = Tensor::from_slice(&[40000.0f32]).to_kind(Kind::Half);
+    group.all_reduce(&mut big, ReduceOp::Avg).unwrap();
+    assert_eq!(f32::try_from(&big.to_kind(Kind::Float)).unwrap(), 40000.0);
     println!("rank {rank}: avg ok");
 }
 

@@ -226,6 +226,15 @@ impl CpuBackend {
             return Ok(());
         }
         let head = header(Kind::AllReduce, dtype_code(dtype), op_code(op), buf.len());
+        // A half-precision average divides first, as NCCL's ncclAvg does for those types: a
+        // sum rounded to half at each step would overflow where the average does not.
+        let op = match (op, dtype) {
+            (ReduceOp::Avg, DType::F16 | DType::BF16) => {
+                element::finish_avg(dtype, buf, n);
+                ReduceOp::Sum
+            }
+            _ => op,
+        };
         let elem = dtype.size();
         if buf.len() * (n - 1) <= self.small {
             // Latency path: gather every rank's buffer, then reduce in rank order.
