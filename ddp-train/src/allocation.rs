@@ -69,8 +69,9 @@ impl std::fmt::Display for Allocation {
 /// The run's planned length, recorded when it starts: per-step schedules run over
 /// `optimizer_steps` steps of `global_batch` samples. A step of another global batch (after a
 /// resume on another allocation) advances them by its share, `G' / global_batch`, so that the
-/// curve follows the samples trained and ends where the planned samples do. A resume for
-/// another number of epochs plans again ([`Plan::steps_from`]), in steps of its allocation.
+/// curve follows the samples trained and ends where the planned samples do; but under a
+/// `max_steps_per_epoch` that binds, by one step. A resume for another number of epochs
+/// plans again ([`Plan::steps_from`]), in steps of its allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Plan {
     /// The epochs the run was started (or last resumed) for.
@@ -79,7 +80,8 @@ pub struct Plan {
     /// epochs, the steps taken then plus the rest on the resumed allocation.
     pub optimizer_steps: u64,
     /// The global batch of those steps; `None` in checkpoints written before it was
-    /// recorded (their allocation's is taken).
+    /// recorded (the allocation resumed on is taken: such a plan counts whole steps, as its
+    /// run did).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub global_batch: Option<usize>,
 }

@@ -122,7 +122,8 @@ pub struct TrainState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<Plan>,
     /// Samples of the optimizer steps attempted since the run began (each step's global
-    /// batch, taken or skipped): per-step schedules stand at this over the plan's global
+    /// batch, taken or skipped; the plan's global batch for a step under a binding
+    /// `max_steps_per_epoch`): per-step schedules stand at this over the plan's global
     /// batch. `None` in checkpoints written before it was recorded: the steps attempted
     /// times the plan's global batch.
     #[serde(default, skip_serializing_if = "Option::is_none")]

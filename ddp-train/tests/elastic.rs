@@ -38,6 +38,8 @@ const MAX_STEPS_ENV: &str = "ELASTIC_TEST_MAX_STEPS";
 const NO_SIGNALS_ENV: &str = "ELASTIC_TEST_NO_SIGNALS";
 const POINTS_ENV: &str = "ELASTIC_TEST_POINTS";
 const ACCUMULATE_ENV: &str = "ELASTIC_TEST_ACCUMULATE";
+const EPOCHS_ENV: &str = "ELASTIC_TEST_EPOCHS";
+const RESUME_ENV: &str = "ELASTIC_TEST_RESUME";
 /// 256 training points (unless `ELASTIC_TEST_POINTS` says otherwise): 8 steps of 32 samples
 /// per epoch.
 const POINTS: i64 = 256;
@@ -56,8 +58,9 @@ const WARMUP: u64 = 3;
 /// each trained and each evaluated batch takes, and
 /// `ELASTIC_TEST_SLEEP_BEFORE_TRAINER_MS` how long it takes before `Trainer::new` (a task
 /// opening its data); with `ELASTIC_TEST_NO_SIGNALS` set it leaves the stop signals alone.
-/// `ELASTIC_TEST_POINTS` and `ELASTIC_TEST_ACCUMULATE` replace the 256 training points and
-/// the one micro-batch per step. On an error it says how long after it started it ended.
+/// `ELASTIC_TEST_POINTS`, `ELASTIC_TEST_ACCUMULATE` and `ELASTIC_TEST_EPOCHS` replace the
+/// 256 training points, the one micro-batch per step and the 3 epochs;
+/// `ELASTIC_TEST_RESUME` is `--resume`. On an error it says how long after it started it ended.
 #[test]
 #[ignore = "a rank of the tests in this file, started by them"]
 fn rank_worker() {
@@ -74,7 +77,7 @@ fn rank_worker() {
         .parse()
         .expect("a number");
     let mut settings = Settings::default()
-        .epochs(EPOCHS)
+        .epochs(number(EPOCHS_ENV).unwrap_or(EPOCHS))
         .batch_size(batch)
         .seed(7)
         .out(Some(out.into()))
@@ -88,6 +91,7 @@ fn rank_worker() {
     settings.max_steps_per_epoch = number(MAX_STEPS_ENV).map(|n| n as usize);
     settings.runtime.stop_on_signals = std::env::var_os(NO_SIGNALS_ENV).is_none();
     settings.accumulate = number(ACCUMULATE_ENV).map_or(1, |n| n as usize);
+    settings.checkpoint.resume = std::env::var(RESUME_ENV).ok();
     let train_points = number(POINTS_ENV).map_or(POINTS, |n| n as i64);
     let mut task = Regression::new(points(train_points, 1), points(60, 2));
     let evaluate = std::env::var(EVALUATE_ENV).ok();
@@ -736,6 +740,34 @@ fn a_capped_epoch_counts_steps_on_another_global_batch() {
     for (got, want) in column(&m, "lr").iter().zip(&want) {
         assert!((got - want).abs() < 1e-12, "{m:?} vs {want:?}");
     }
+    // Continued for 4 epochs, still on 4 x 16: planned again from the 8 steps taken (not
+    // their 256 samples, 4 steps of 64), 8 + 3 = 11 steps, and epoch 4's last step stands at
+    // step 10.
+    let outputs = start(
+        Launcher::Torchrun,
+        4,
+        16,
+        &run,
+        &[
+            (MAX_STEPS_ENV, "3"),
+            (EPOCHS_ENV, "4"),
+            (RESUME_ENV, "latest"),
+        ],
+    );
+    assert_codes(&outputs, 0);
+    assert!(
+        text(&outputs[0]).contains(
+            "the run was planned for 3 epochs and continues for 4: per-step schedules now run \
+             over 11 optimizer steps instead of 9"
+        ),
+        "{}",
+        text(&outputs[0])
+    );
+    let m = metrics(&run);
+    assert_eq!(column(&m, "epoch"), [1.0, 2.0, 3.0, 4.0]);
+    let last = column(&m, "lr")[3];
+    let want = schedule.lr(1e-3, 10.0, 11);
+    assert!((last - want).abs() < 1e-12, "{last} vs {want}");
 }
 
 /// A checkpoint of a Trainer that did not record its allocation resumes on its own world

@@ -510,28 +510,38 @@ pub(super) fn continue_at(
 /// kill then). With other epochs, or without a recorded plan, it plans from where it stands:
 /// the steps it took (on whatever allocations), the rest of the epoch in progress, then
 /// whole epochs on `now`, all in steps of `now`'s global batch (those taken counted by the
-/// `scheduled` samples they trained). Past its last epoch it continues with nothing, so it
-/// warns of no change (`run` says nothing is left).
+/// `scheduled` samples they trained, or, under a cap that binds on `now` (`capped`), as the
+/// steps they were). Past its last epoch it continues with nothing, so it warns of no
+/// change (`run` says nothing is left). Returns the plan, the warning, and `scheduled` in
+/// the plan's unit.
 pub(super) fn resumed_plan(
     st: &TrainState,
     rest: Option<&EpochRest>,
     s: &Settings,
     now: Allocation,
-    (steps_now, scheduled): (usize, u64),
-) -> Result<(Plan, Option<String>), SettingError> {
+    (steps_now, scheduled, capped): (usize, u64, bool),
+) -> Result<(Plan, Option<String>, u64), SettingError> {
     let stepped = st.optimizer_steps > 0 || st.skipped_steps() > 0;
+    let old_unit = st.plan_global_batch(now.global_batch()).max(1) as u64;
     if let Some(saved) = st.plan.filter(|p| p.epochs == s.epochs && stepped) {
-        let global_batch = Some(st.plan_global_batch(now.global_batch()));
+        let global_batch = Some(old_unit as usize);
         return Ok((
             Plan {
                 global_batch,
                 ..saved
             },
             None,
+            scheduled,
         ));
     }
     let unit = now.global_batch().max(1) as u64;
-    let taken = scheduled.saturating_add(unit / 2) / unit;
+    // Under a binding cap the schedules count steps: those taken, in the old unit.
+    let (taken, scheduled) = if capped {
+        let steps = scheduled.saturating_add(old_unit / 2) / old_unit;
+        (steps, steps.saturating_mul(unit))
+    } else {
+        (scheduled.saturating_add(unit / 2) / unit, scheduled)
+    };
     let left = rest.map(|r| r.steps_left(now, s.max_steps_per_epoch));
     // The epoch the run continues with, and the epochs begun before (that one if inside it).
     let next = st.position.map_or(st.epoch + 1, |p| p.epoch);
@@ -550,7 +560,7 @@ pub(super) fn resumed_plan(
             saved.epochs, s.epochs, plan.optimizer_steps, saved.optimizer_steps
         )
     });
-    Ok((plan, warning))
+    Ok((plan, warning, scheduled))
 }
 
 /// The optimizer steps of `s.epochs` epochs of `steps_per_epoch` from where the run stands,

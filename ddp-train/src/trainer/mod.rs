@@ -111,8 +111,9 @@ pub struct Trainer<T: Task> {
     /// Optimizer steps the scaler skipped since the run began, kept apart from it: a run
     /// resumed in another precision keeps counting them.
     skipped_steps: u64,
-    /// Samples of the optimizer steps attempted since the run began: where per-step
-    /// schedules stand, over the plan's global batch.
+    /// Samples of the optimizer steps attempted since the run began (the plan's global batch
+    /// per step under a binding cap): where per-step schedules stand, over the plan's global
+    /// batch.
     scheduled_samples: u64,
     /// Early stopping's count (`None` without early stopping).
     early: Option<EarlyStopState>,

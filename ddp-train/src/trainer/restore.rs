@@ -242,15 +242,17 @@ impl<T: Task> Start<'_, T> {
                 ),
                 None => None,
             };
-            scheduled_samples = st.scheduled_samples(st.plan_global_batch(now.global_batch()));
-            let (resumed, warning) = super::checkpoint::resumed_plan(
+            let scheduled = st.scheduled_samples(st.plan_global_batch(now.global_batch()));
+            let capped = steps_now < now.steps_per_epoch(self.train_len, None);
+            let (resumed, warning, scheduled) = super::checkpoint::resumed_plan(
                 &st,
                 rest.as_ref(),
                 s,
                 now,
-                (steps_now, scheduled_samples),
+                (steps_now, scheduled, capped),
             )?;
             plan = resumed;
+            scheduled_samples = scheduled;
             fallback_warnings.extend(warning);
             // An earlier start's change inside this epoch, unless this start changes again.
             allocation_change = st.allocation_change.clone();
