@@ -5,9 +5,9 @@
 pub enum ReduceOp {
     /// Sum over ranks.
     Sum,
-    /// Sum over ranks divided by the world size (integer types: truncated toward zero; f16
-    /// and bf16: each rank's values divided first, so that the sum does not overflow; as
-    /// NCCL's `ncclAvg`).
+    /// Sum over ranks divided by the world size (integer types: truncated toward zero, as
+    /// NCCL's `ncclAvg`; on the CPU links f16 and bf16 divide each rank's values first, in
+    /// f32, so that the sum does not overflow, as NCCL divides those types first).
     Avg,
     /// Element-wise maximum; on the CPU links a NaN from any rank wins, as in
     /// `torch.maximum` (NCCL's `fmaxf` drops it).

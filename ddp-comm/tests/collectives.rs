@@ -320,12 +320,12 @@ world_tests! {
     barrier_waits_for_the_slowest_rank_tcp: 3, barrier_body, "tcp";
     max_and_min_keep_nan_world_2_shm: 2, nan_body, "auto";
     max_and_min_keep_nan_world_3_tcp: 3, nan_body, "tcp";
-    avg_is_sum_divided_world_2_shm: 2, avg_body, "auto";
-    avg_is_sum_divided_world_3_shm: 3, avg_body, "auto";
-    avg_is_sum_divided_world_5_shm: 5, avg_body, "auto";
-    avg_is_sum_divided_world_2_tcp: 2, avg_body, "tcp";
-    avg_is_sum_divided_world_3_tcp: 3, avg_body, "tcp";
-    avg_is_sum_divided_world_5_tcp: 5, avg_body, "tcp";
+    avg_is_sum_divided_or_sum_of_divided_world_2_shm: 2, avg_body, "auto";
+    avg_is_sum_divided_or_sum_of_divided_world_3_shm: 3, avg_body, "auto";
+    avg_is_sum_divided_or_sum_of_divided_world_5_shm: 5, avg_body, "auto";
+    avg_is_sum_divided_or_sum_of_divided_world_2_tcp: 2, avg_body, "tcp";
+    avg_is_sum_divided_or_sum_of_divided_world_3_tcp: 3, avg_body, "tcp";
+    avg_is_sum_divided_or_sum_of_divided_world_5_tcp: 5, avg_body, "tcp";
 }
 
 fn check_broadcast<T: TestElem>(group: &ProcessGroup, sizes: &[usize]) {
@@ -422,8 +422,20 @@ fn all_gather_body() {
     let got: Vec<f32> = Vec::try_from(&out).unwrap();
     let want: Vec<f32> = (0..n).flat_map(|r| [r as f32, 7.0, 8.0]).collect();
     assert_eq!(got, want, "rank {rank}: all_gather_into in place");
-    // An input that overlaps the output elsewhere (here rank 0's chunk on rank 0, a place
-    // past its own on the others) is gathered from its values at the call, on every rank.
+    // The output's first chunk as every rank's input: in place on rank 0, overlapping the
+    // output elsewhere on the others, which gather from a copy; every rank meets alike.
+    let mut out = Tensor::full([n as i64 * 3], -1.0, f32_cpu);
+    let mut first = out.narrow(0, 0, 3);
+    first.copy_(&Tensor::from_slice(&[rank as f32, 2.0, 3.0]));
+    group.all_gather_into(&first, &mut out).unwrap();
+    let got: Vec<f32> = Vec::try_from(&out).unwrap();
+    let want: Vec<f32> = (0..n).flat_map(|r| [r as f32, 2.0, 3.0]).collect();
+    assert_eq!(
+        got, want,
+        "rank {rank}: all_gather_into from the first chunk"
+    );
+    // An input that overlaps the output at no rank's place is gathered from its values at
+    // the call, on every rank.
     let base = Tensor::zeros([n as i64 * 3 + 1], f32_cpu);
     let mut out = base.narrow(0, 0, n as i64 * 3);
     let mut input = base.narrow(0, 1, 3);
@@ -474,9 +486,10 @@ fn scrambled(r: usize, i: usize) -> u64 {
     x ^ (x >> 29)
 }
 
-/// `Avg` gives, bit for bit, what `Sum` gives divided by the world size element by element:
-/// floats divided in their type, bf16 and f16 through `f32` rounded to nearest even, integers
-/// (wrapped sums) truncated toward zero. Lengths are odd and take both paths: the latency
+/// `Avg` gives, bit for bit, what `Sum` gives divided by the world size element by element
+/// (floats divided in their type, integers' wrapped sums truncated toward zero), and for
+/// bf16 and f16 the `Sum` of every rank's values divided first (through `f32`, as NCCL
+/// divides those types first), so that it does not overflow. Lengths are odd and take both paths: the latency
 /// path (1, 7, 1001 elements), the ring (300,007: over `SMALL_BYTES` in every dtype and
 /// world) and, in f32, a buffer over the 16 MiB from which the ring receives with streaming
 /// stores (4,194,311 elements).
@@ -554,7 +567,7 @@ fn avg_body() {
             assert_eq!(got.len(), size);
             if let Some(at) = (0..size).find(|&i| got[i] != want[i]) {
                 panic!(
-                    "{kind:?} size {size} world {n} rank {rank}: Avg element {at} has bits {:#x}, Sum / {n} {:#x}",
+                    "{kind:?} size {size} world {n} rank {rank}: Avg element {at} has bits {:#x}, expected {:#x}",
                     got[at], want[at]
                 );
             }
