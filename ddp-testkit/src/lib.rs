@@ -687,6 +687,10 @@ mod tests {
             .spawn()
             .unwrap();
         let pid = child.id();
+        // The limit starts once sh has started its sleep: on a loaded machine sh may not
+        // have run that far within the limit.
+        let written = || std::fs::read_to_string(&pid_file).is_ok_and(|t| t.ends_with('\n'));
+        wait_for("sh to start its sleep", Duration::from_secs(30), written);
         let late = wait_or_kill(vec![child], Duration::from_secs(1)).unwrap_err();
         let text = std::fs::read_to_string(&pid_file).unwrap();
         let sleeper: u32 = text.trim().parse().unwrap();
