@@ -269,10 +269,14 @@ fn run_gpu_tests(root: &Path, package: &str, tests: &[&str], gpus: usize) -> Res
 
 /// Runs GPU tests with `cmd`, echoing their output, and fails when a test said `skipped:`
 /// although this machine has what it needs (CUDA not loadable, say): on a GPU machine a
-/// skipped GPU test must not pass for a run one.
+/// skipped GPU test must not pass for a run one; and when a test binary ran none (its
+/// filters name no test, and libtest says ok).
 fn run_gpu_command(root: &Path, cmd: Command, gpus: usize) -> Result<()> {
     let line = format!("{cmd:?}");
     let output = run_echoed(root, cmd)?;
+    if output.lines().any(|l| l.contains(". 0 passed;")) {
+        bail!("{line}: a test binary ran no test: its filters name none");
+    }
     let skipped = unexpected_skips(&output, gpus);
     if !skipped.is_empty() {
         bail!(
@@ -424,6 +428,31 @@ mod tests {
             assert!(
                 script.contains(&format!(" {filter} ")),
                 "gpu-extra.sh does not run ddp-train's `{filter}`"
+            );
+        }
+        assert!(
+            script.contains(". 0 passed'"),
+            "gpu-extra.sh ignores an empty run"
+        );
+    }
+
+    /// Each filter names a test (or a test module) of ddp-train's source: a renamed test
+    /// would leave its filter running nothing on the GPU machine.
+    #[test]
+    fn the_gpu_unit_test_filters_name_tests_that_exist() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ddp-train/src");
+        for filter in DDP_TRAIN_GPU_UNIT_TESTS {
+            let (module, test) = filter.split_once("::tests::").unwrap();
+            let file = src.join(format!("{}.rs", module.replace("::", "/")));
+            let text = std::fs::read_to_string(&file).unwrap();
+            let wanted = match test {
+                "" => "mod tests {".to_string(),
+                name => format!("fn {name}()"),
+            };
+            assert!(
+                text.contains(&wanted),
+                "{}: no `{wanted}` for the filter {filter}",
+                file.display()
             );
         }
     }
