@@ -740,12 +740,12 @@ fn a_capped_epoch_counts_steps_on_another_global_batch() {
     for (got, want) in column(&m, "lr").iter().zip(&want) {
         assert!((got - want).abs() < 1e-12, "{m:?} vs {want:?}");
     }
-    // Continued for 4 epochs, still on 4 x 16: planned again from the 8 steps taken (not
-    // their 256 samples, 4 steps of 64), 8 + 3 = 11 steps, and epoch 4's last step stands at
-    // step 10.
+    // Continued for 4 epochs on 8 x 16, where an epoch is 2 steps and the cap binds no
+    // more: planned again from the 8 steps taken under the cap (not their 256 counted
+    // samples, 2 steps of 128), 8 + 2 = 10 steps, and epoch 4's last step stands at step 9.
     let outputs = start(
         Launcher::Torchrun,
-        4,
+        8,
         16,
         &run,
         &[
@@ -758,7 +758,7 @@ fn a_capped_epoch_counts_steps_on_another_global_batch() {
     assert!(
         text(&outputs[0]).contains(
             "the run was planned for 3 epochs and continues for 4: per-step schedules now run \
-             over 11 optimizer steps instead of 9"
+             over 10 optimizer steps instead of 9"
         ),
         "{}",
         text(&outputs[0])
@@ -766,7 +766,7 @@ fn a_capped_epoch_counts_steps_on_another_global_batch() {
     let m = metrics(&run);
     assert_eq!(column(&m, "epoch"), [1.0, 2.0, 3.0, 4.0]);
     let last = column(&m, "lr")[3];
-    let want = schedule.lr(1e-3, 10.0, 11);
+    let want = schedule.lr(1e-3, 9.0, 10);
     assert!((last - want).abs() < 1e-12, "{last} vs {want}");
 }
 

@@ -510,8 +510,8 @@ pub(super) fn continue_at(
 /// kill then). With other epochs, or without a recorded plan, it plans from where it stands:
 /// the steps it took (on whatever allocations), the rest of the epoch in progress, then
 /// whole epochs on `now`, all in steps of `now`'s global batch (those taken counted by the
-/// `scheduled` samples they trained, or, under a cap that binds on `now` (`capped`), as the
-/// steps they were). Past its last epoch it continues with nothing, so it warns of no
+/// `scheduled` samples they trained, or, under a cap that binds on `now` or bound where the
+/// checkpoint trained (`capped`), as the steps they were). Past its last epoch it continues with nothing, so it warns of no
 /// change (`run` says nothing is left). Returns the plan, the warning, and `scheduled` in
 /// the plan's unit.
 pub(super) fn resumed_plan(

@@ -243,7 +243,13 @@ impl<T: Task> Start<'_, T> {
                 None => None,
             };
             let scheduled = st.scheduled_samples(st.plan_global_batch(now.global_batch()));
-            let capped = steps_now < now.steps_per_epoch(self.train_len, None);
+            // Where the cap binds (here, or where the checkpoint trained), the schedules
+            // counted steps: those are restated, not the samples.
+            let binds = |a: Allocation| {
+                a.steps_per_epoch(self.train_len, s.max_steps_per_epoch)
+                    < a.steps_per_epoch(self.train_len, None)
+            };
+            let capped = binds(now) || st.allocation.is_some_and(binds);
             let (resumed, warning, scheduled) = super::checkpoint::resumed_plan(
                 &st,
                 rest.as_ref(),
