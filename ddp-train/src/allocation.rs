@@ -51,6 +51,13 @@ impl Allocation {
             .unwrap_or(0);
         max_steps.map_or(whole, |m| m.min(whole))
     }
+
+    /// Whether `max_steps` cuts this allocation's epochs of `dataset_len` samples short:
+    /// there an epoch is so many steps whatever the global batch, and per-step schedules
+    /// count steps, not samples ([`Plan`]).
+    pub fn cap_binds(&self, dataset_len: usize, max_steps: Option<usize>) -> bool {
+        self.steps_per_epoch(dataset_len, max_steps) < self.steps_per_epoch(dataset_len, None)
+    }
 }
 
 impl std::fmt::Display for Allocation {

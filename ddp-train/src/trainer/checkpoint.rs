@@ -599,7 +599,7 @@ pub(super) fn describe_change(
 ) -> String {
     let unit = plan.global_batch.unwrap_or(before.global_batch());
     // Under a binding cap schedules count steps (see the training loop).
-    let capped = max_steps.is_some_and(|m| now.steps_per_epoch(train_len, None) > m);
+    let capped = now.cap_binds(train_len, max_steps);
     let finish = |mut line: String| {
         line.push_str(&format!(
             "; the learning rate is not changed, and per-step schedules keep their planned {} \

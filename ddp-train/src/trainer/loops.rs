@@ -301,10 +301,9 @@ impl<T: Task> Trainer<T> {
         // binding --max-steps-per-epoch an epoch is so many steps whatever its batch, and
         // they count steps.
         let unit = self.plan.global_batch.unwrap_or(global).max(1);
-        let capped = self.steps_per_epoch()
-            < self
-                .allocation
-                .steps_per_epoch(self.train_sampler.dataset_len(), None);
+        let capped = self
+            .allocation
+            .cap_binds(self.train_sampler.dataset_len(), s.max_steps_per_epoch);
         let advance = if capped { unit } else { global } as u64;
         let rest = resumed.map_or_else(
             || EpochRest::fresh(self.steps_per_epoch(), self.allocation),

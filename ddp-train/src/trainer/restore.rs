@@ -245,10 +245,7 @@ impl<T: Task> Start<'_, T> {
             let scheduled = st.scheduled_samples(st.plan_global_batch(now.global_batch()));
             // Where the cap binds (here, or where the checkpoint trained), the schedules
             // counted steps: those are restated, not the samples.
-            let binds = |a: Allocation| {
-                a.steps_per_epoch(self.train_len, s.max_steps_per_epoch)
-                    < a.steps_per_epoch(self.train_len, None)
-            };
+            let binds = |a: Allocation| a.cap_binds(self.train_len, s.max_steps_per_epoch);
             let capped = binds(now) || st.allocation.is_some_and(binds);
             let (resumed, warning, scheduled) = super::checkpoint::resumed_plan(
                 &st,
