@@ -573,6 +573,27 @@ fn thresholds_beside_a_best_model_are_that_models() {
         assert_eq!(tuned["epoch"], 1, "{best}: {tuned}");
         assert_eq!(tuned["thresholds"].as_array().unwrap().len(), 8);
     }
+    // The model without its thresholds (a copy, or a save cut short between the two files):
+    // decided at 0.5, with a warning that names where the tuned ones are kept.
+    let copied = dir.join("copied.safetensors");
+    std::fs::copy(run.join("best-macro.safetensors"), &copied).unwrap();
+    let outputs = predict(
+        1,
+        &data.join("test/preprocessed_images"),
+        &copied,
+        &dir.join("p"),
+    );
+    let t = text(&outputs[0]);
+    assert!(outputs[0].status.success(), "{t}");
+    assert!(
+        t.contains(&format!(
+            "warning: the model's run tuned thresholds (--tune-thresholds), and none are \
+             beside {} ({} is not there), so the patients are decided at 0.5",
+            copied.display(),
+            dir.join("copied.json").display()
+        )) && t.contains("checkpoints/epoch-NNNN.<model>.json"),
+        "{t}"
+    );
     train("3", &["--resume", "latest"]);
     let mut replaced = 0;
     for best in bests {

@@ -177,6 +177,17 @@ pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
     if let (Some(why), 0) = (&unchecked, scored.rank) {
         tracing::warn!("warning: {why}");
     }
+    if thresholds.1.is_none() && scored.trained_tuned_thresholds && scored.rank == 0 {
+        // A best model saved while its thresholds were being replaced, or a copy of it.
+        tracing::warn!(
+            "warning: the model's run tuned thresholds (--tune-thresholds), and none are \
+             beside {} ({} is not there), so the patients are decided at 0.5; give \
+             --thresholds FILE (the run's checkpoints/epoch-NNNN.<model>.json keep the tuned \
+             ones of each best epoch)",
+            args.model.checkpoint.display(),
+            args.model.checkpoint.with_extension("json").display()
+        );
+    }
     let combine = c.eye_combine.as_str();
     // Thresholds tuned with the combination the model's run recorded (those beside its best
     // model) are named by score's warning already, which gives the same flag.

@@ -235,6 +235,9 @@ pub struct Scored {
     /// On rank 0, the `--eye-combine` the model's run recorded, of which [`score`] warned
     /// when the one given differs (`None`: another rank, no run, or one that recorded none).
     pub(super) trained_eye_combine: Option<EyeCombine>,
+    /// On rank 0, whether the model's run recorded `--tune-thresholds` (`false`: another
+    /// rank, no run, or one that tuned none).
+    pub(super) trained_tuned_thresholds: bool,
 }
 
 /// Runs `loaded`, the model of `model_file`, on every image of `set` through the evaluation
@@ -397,6 +400,10 @@ pub fn score(
         rank,
         world_size: world,
         trained_eye_combine: record.as_ref().and_then(|(_, r)| recorded_eye_combine(r)),
+        trained_tuned_thresholds: record.as_ref().is_some_and(|(_, r)| {
+            let task = r.get("task");
+            task.and_then(|t| t.get("tune_thresholds")) == Some(&serde_json::Value::Bool(true))
+        }),
     })
 }
 

@@ -594,7 +594,8 @@ fn move_aside(dir: &Path, stem: &str, later: &[String], aside: &Path) -> Result<
 /// of the recorded best's epoch (epoch-end checkpoints are never pruned), or moved into the
 /// start's folder `aside` where there is none. Either way the file and the document beside
 /// it (`<file>.json`, thresholds tuned for it; first) go into that folder before anything
-/// replaces them. Only for rank 0, which claimed the run directory. Returns a line for the log
+/// replaces them. The file of the recorded best without its document gets it back from that
+/// epoch's copy. Only for rank 0, which claimed the run directory. Returns a line for the log
 /// per file changed.
 fn align_best_models(
     run: &Path,
@@ -632,7 +633,17 @@ fn align_best_models(
         let recorded = ddp_model::checkpoint::read_tensors(&model)
             .ok()
             .and_then(|f| f.metadata.get("epoch")?.parse::<u64>().ok());
-        if recorded.is_some() && recorded == best {
+        if let (Some(epoch), true) = (best, recorded == best) {
+            // A crash in the save of a best model (after its old document went, before the
+            // new one came) leaves the model of the run's best without the thresholds tuned
+            // for it: they come back from that epoch's copy.
+            if !doc.exists() && best_files::restore_document(run, file, epoch, &doc)? {
+                notes.push(format!(
+                    "{} had no thresholds beside it: restored epoch {epoch}'s from {}",
+                    model.display(),
+                    best_files::document_copy(run, epoch, file).display()
+                ));
+            }
             continue;
         }
         let was = recorded.map_or_else(
@@ -1128,6 +1139,32 @@ mod tests {
                 .unwrap()
                 .is_empty()
         );
+        // A crash in a later best's save, after the document went and before the new model
+        // came, leaves epoch 8's model alone: its thresholds come back too.
+        std::fs::remove_file(out.join("best-score.json")).unwrap();
+        let notes =
+            align_best_models(out, &resumed, &monitors, &bests, &AsideDir::new(out)).unwrap();
+        assert_eq!(
+            notes,
+            [format!(
+                "{} had no thresholds beside it: restored epoch 8's from {}",
+                out.join("best-score.safetensors").display(),
+                copy.display()
+            )]
+        );
+        assert_eq!(
+            std::fs::read_to_string(out.join("best-score.json")).unwrap(),
+            tuned
+        );
+        // Without a copy (a run that tuned none), nothing to restore.
+        std::fs::remove_file(out.join("best-score.json")).unwrap();
+        std::fs::remove_file(&copy).unwrap();
+        assert!(
+            align_best_models(out, &resumed, &monitors, &bests, &AsideDir::new(out))
+                .unwrap()
+                .is_empty()
+        );
+        assert!(!out.join("best-score.json").exists());
     }
 
     /// Another run's checkpoint resumed into a run directory records the other run's bests:
