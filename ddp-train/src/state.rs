@@ -324,8 +324,7 @@ pub(crate) fn remove_if_present(path: &Path) -> Result<(), TrainError> {
 pub(crate) fn create_checkpoint_dir(run: &Path) -> Result<PathBuf, TrainError> {
     let dir = checkpoint_dir(run);
     if !dir.is_dir() {
-        std::fs::create_dir_all(&dir)
-            .and_then(|()| checkpoint::sync_entries(run))
+        checkpoint::create_dir_all_synced(&dir)
             .map_err(|e| TrainError::io(format!("cannot create {}", dir.display()), e))?;
     }
     Ok(dir)

@@ -317,7 +317,7 @@ pub fn score(
     // Rank 0 makes the run directory before the scoring, not after it: a bad --out fails
     // every rank now, with rank 0's reason.
     let made = match rank {
-        0 => std::fs::create_dir_all(&out)
+        0 => ddp_model::checkpoint::create_dir_all_synced(&out)
             .err()
             .map(|e| format!("cannot create run directory {}: {e}", out.display())),
         _ => None,

@@ -138,7 +138,7 @@ impl<T: Task> Trainer<T> {
         let proposed = s.out.clone().unwrap_or_else(default_run_dir);
         let gathered = pg.all_gather_bytes(proposed.to_string_lossy().as_bytes())?;
         let out = PathBuf::from(String::from_utf8_lossy(&gathered[0]).into_owned());
-        std::fs::create_dir_all(out.join("logs")).map_err(|e| {
+        ddp_model::checkpoint::create_dir_all_synced(&out.join("logs")).map_err(|e| {
             TrainError::io(format!("cannot create run directory {}", out.display()), e)
         })?;
         let (run_lock, unlocked) = run_dir::claim_run_dir(&pg, &out)?;
