@@ -817,21 +817,45 @@ fn a_damaged_latest_checkpoint_falls_back_to_the_previous_one_with_a_warning() {
     let set_aside = std::fs::read(aside[0].join("epoch-0002.state.safetensors")).unwrap();
     assert_eq!(set_aside, bytes[..bytes.len() / 2]);
 
-    // With every checkpoint damaged, the error says what is left to do, and why the latest
-    // (a folder in its state file's place) cannot be read: the OS error, once.
+    // A file that cannot be read for a reason that is no damage (a folder in the latest
+    // state file's place here; no permission, a stale NFS handle) is refused as it is,
+    // naming the OS error once: a fallback would set the intact checkpoint aside.
     let dir = Path::new(out).join("checkpoints");
+    let latest = dir.join("epoch-0003.state.safetensors");
+    let intact = std::fs::read(&latest).unwrap();
+    std::fs::remove_file(&latest).unwrap();
+    std::fs::create_dir(&latest).unwrap();
+    let (a, b) = both_fail(&again);
+    for t in [&a, &b] {
+        assert_eq!(t.matches("Is a directory").count(), 1, "{t}");
+        assert!(
+            t.contains(&format!(
+                "cannot resume from {}, for a reason that is no damage of the file, so the \
+                 run's older checkpoints were not tried",
+                dir.join("epoch-0003.safetensors").display()
+            )),
+            "{t}"
+        );
+    }
+    // Nothing was set aside or rewound.
+    assert!(dir.join("epoch-0003.safetensors").is_file());
+    assert_eq!(
+        std::fs::read_to_string(dir.join("latest")).unwrap(),
+        "epoch-0003\n"
+    );
+    std::fs::remove_dir(&latest).unwrap();
+    std::fs::write(&latest, intact).unwrap();
+
+    // With every checkpoint damaged, the error says what is left to do, and why the latest
+    // cannot be read.
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
         if path.to_string_lossy().ends_with(".state.safetensors") {
             std::fs::write(&path, b"damaged").unwrap();
         }
     }
-    let latest = dir.join("epoch-0003.state.safetensors");
-    std::fs::remove_file(&latest).unwrap();
-    std::fs::create_dir(&latest).unwrap();
     let (a, b) = both_fail(&again);
     for t in [&a, &b] {
-        assert_eq!(t.matches("Is a directory").count(), 1, "{t}");
         assert!(
             t.contains(
                 "; none of the 2 older checkpoint(s) of the run could be read either: to \

@@ -169,6 +169,18 @@ impl<T: Task> Start<'_, T> {
                         frozen = was_frozen;
                         break;
                     }
+                    Err(e) if !is_damage(&e) => {
+                        return Err(TrainError::context(
+                            format!(
+                                "cannot resume from {}, for a reason that is no damage of the \
+                                 file, so the run's older checkpoints were not tried (resuming \
+                                 one would set this one aside): make it readable and start \
+                                 again",
+                                path.display()
+                            ),
+                            e,
+                        ))
+                    }
                     Err(e) => {
                         fallback_warnings.push(format!(
                             "cannot resume from {}: {}; trying the previous checkpoint",
@@ -534,6 +546,23 @@ fn no_batchnorm_to_synchronise(vs: &nn::VarStore) -> SettingError {
         )
     };
     SettingError::new("sync_batchnorm", format!(" is set, but {found}"))
+}
+
+/// Whether `e`, met reading a checkpoint to resume, shows the file damaged (cut short,
+/// corrupt, half of it missing), which the run's previous checkpoint gets past. An I/O
+/// failure of another kind (no permission, a stale NFS handle, too many open files) says
+/// nothing of the file: falling back would set an intact checkpoint aside and retrain it.
+fn is_damage(e: &TrainError) -> bool {
+    use std::io::ErrorKind;
+    let source = match e {
+        TrainError::Checkpoint(checkpoint::CheckpointError::Io { source, .. })
+        | TrainError::Io { source, .. } => source,
+        _ => return true,
+    };
+    matches!(
+        source.kind(),
+        ErrorKind::NotFound | ErrorKind::UnexpectedEof | ErrorKind::InvalidData
+    ) || source.raw_os_error() == Some(libc::EIO)
 }
 
 #[cfg(test)]
