@@ -472,6 +472,20 @@ fn bad_input_fails_on_every_rank_before_training() {
         assert!(t.contains("--image-size 8 is too small"), "{t}");
     }
 
+    // Ranks a launcher restarts need --out: each start would make its own run directory, and
+    // a restart would train from epoch 1 again. Refused at the first start.
+    let args = ["--data", data_s, "--image-size", "32", "--batch-size", "4"];
+    let (a, b) = both_fail_with(&args, &[("TORCHELASTIC_MAX_RESTARTS", "2")]);
+    for t in [&a, &b] {
+        assert!(
+            t.contains(
+                "--out is not set, and the launcher restarts failed ranks (--max-restarts 2): \
+                 each start would make a run directory of its own"
+            ),
+            "{t}"
+        );
+    }
+
     let (a, b) = both_fail(&["--data", data_s, "--batch-size", "64", "--out", out_s]);
     for t in [&a, &b] {
         assert!(t.contains("fewer than one step of --batch-size 64"), "{t}");

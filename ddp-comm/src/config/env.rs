@@ -97,6 +97,8 @@ pub struct EnvConfig {
     pub agent_store: bool,
     /// `TORCHELASTIC_RESTART_COUNT` (0 when unset): keeps keys of restarted workers apart.
     pub restart_count: u64,
+    /// `TORCHELASTIC_MAX_RESTARTS` (0 when unset): how often the launcher restarts the job.
+    pub max_restarts: u64,
     /// `DDP_LAUNCHER_ATTEMPT`, if set: the rendezvous waits for rank 0 of this attempt.
     pub launcher_attempt: Option<u64>,
     /// How long rendezvous may take: `DDP_RDZV_TIMEOUT_S`, if set (`None`:
@@ -150,6 +152,7 @@ impl EnvConfig {
             secret_file: None,
             agent_store: false,
             restart_count: 0,
+            max_restarts: 0,
             launcher_attempt: None,
             rendezvous_timeout: None,
             op_timeout: None,
@@ -385,6 +388,7 @@ impl EnvConfig {
             }
         };
         let restart_count = number("TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0) as u64;
+        let max_restarts = number("TORCHELASTIC_MAX_RESTARTS")?.unwrap_or(0) as u64;
         let launcher_attempt = number(LAUNCHER_ATTEMPT_ENV)?.map(|n| n as u64);
         let transport = get(TRANSPORT_ENV)
             .map(|v| {
@@ -411,6 +415,7 @@ impl EnvConfig {
             secret_file: get(SECRET_FILE_ENV).map(PathBuf::from),
             agent_store,
             restart_count,
+            max_restarts,
             launcher_attempt,
             rendezvous_timeout: timeout(RDZV_TIMEOUT_ENV)?,
             op_timeout: timeout(OP_TIMEOUT_ENV)?,
@@ -751,6 +756,7 @@ mod tests {
             ("TORCHELASTIC_RUN_ID", "job9"),
             ("TORCHELASTIC_USE_AGENT_STORE", "True"),
             ("TORCHELASTIC_RESTART_COUNT", "2"),
+            ("TORCHELASTIC_MAX_RESTARTS", "3"),
             ("DDP_OP_TIMEOUT_S", "1.5"),
             ("DDP_TRANSPORT", "TCP"),
             ("DDP_HOST_ID", "rack4-node2"),
@@ -764,7 +770,7 @@ mod tests {
         assert_eq!(c.run_id, "job9");
         assert!(c.names_a_job());
         assert!(c.agent_store);
-        assert_eq!(c.restart_count, 2);
+        assert_eq!((c.restart_count, c.max_restarts), (2, 3));
         assert_eq!(c.op_timeout, Some(Duration::from_millis(1500)));
         assert_eq!(c.transport, Some(Transport::Tcp));
         assert_eq!(c.host_id.as_deref(), Some("rack4-node2"));

@@ -73,6 +73,19 @@ impl<T: Task> Trainer<T> {
                 .context(|| "joining the process group".into())?;
         }
         let s = &settings;
+        if let (None, false, Some(restarts)) = (&s.out, s.checkpoint.eval_only, restarts(env)) {
+            // Each start would name its own run directory: a restart would start over.
+            return Err(SettingError::new(
+                "out",
+                format!(
+                    " is not set, and {restarts}: each start would make a run directory of \
+                     its own, so a restarted rank would train from epoch 1 again; set it, the \
+                     same on every start, and a restart continues from the run's latest \
+                     checkpoint"
+                ),
+            )
+            .into());
+        }
         let batches = s.batch_size * s.accumulate;
         let train_sampler = DistributedSampler::builder(train_set.len(), env.world_size, env.rank)
             .seed(s.seed)
@@ -347,6 +360,23 @@ pub(super) fn trainable(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
 }
 
 /// The default run directory: `runs/YYYYMMDD-HHMMSS-PID` (UTC), as every tool names it.
+/// What says that the launcher restarts the ranks, if anything does.
+fn restarts(env: &EnvConfig) -> Option<String> {
+    if env.restart_count > 0 {
+        Some(format!(
+            "this rank was restarted (TORCHELASTIC_RESTART_COUNT={})",
+            env.restart_count
+        ))
+    } else if env.max_restarts > 0 {
+        Some(format!(
+            "the launcher restarts failed ranks (--max-restarts {})",
+            env.max_restarts
+        ))
+    } else {
+        None
+    }
+}
+
 pub(crate) fn default_run_dir() -> PathBuf {
     ddp_run::default_run_dir(Path::new("runs"))
 }
