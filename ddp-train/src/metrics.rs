@@ -403,8 +403,18 @@ impl RegressionStats {
             )));
         }
         let diff = (predictions.to_kind(Kind::Double) - targets.to_kind(Kind::Double)).detach();
-        self.squared += diff.square().sum(Kind::Double).double_value(&[]);
-        self.absolute += diff.abs().sum(Kind::Double).double_value(&[]);
+        // Both sums in one transfer (one wait for the device).
+        let sums = Tensor::stack(
+            &[
+                diff.square().sum(Kind::Double),
+                diff.abs().sum(Kind::Double),
+            ],
+            0,
+        );
+        if let [squared, absolute] = Vec::<f64>::try_from(sums.to_device(tch::Device::Cpu))?[..] {
+            self.squared += squared;
+            self.absolute += absolute;
+        }
         self.count += diff.numel() as f64;
         Ok(())
     }
