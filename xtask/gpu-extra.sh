@@ -20,7 +20,8 @@
 #   peers      a group dropped with a collective pending is aborted (two GPUs; SKIP on one)
 #   units      ddp-train's unit tests with a CUDA variant (ddp-train.lib, filtered as
 #              DDP_TRAIN_GPU_UNIT_TESTS in gpu_check.rs): the fused fp16 unscale on cuda:0
-#              equals the per-parameter one; neither a compress hook's copy nor a dropped
+#              equals the per-parameter one; clipping equals the CPU's; a step's values
+#              come back from cuda:0 in one read; neither a compress hook's copy nor a dropped
 #              bucket is reused before the syncing stream has read it
 #   streams    DDP on a pool stream behind queued work against the default stream (one rank
 #              per GPU; with one GPU the path runs, and sync_gradients must return while
@@ -274,6 +275,8 @@ unit_tests() {
     fi
     check units 180 "$BIN/ddp-train.lib" amp::tests::the_fused_unscale_equals_the_per_parameter_one_in_one_flag_on_cuda \
         amp::tests::the_fused_unscale_leaves_the_host_free_on_cuda \
+        optim::tests::clipping_on_cuda_equals_clipping_on_the_cpu \
+        trainer::reads::tests::values_of_every_shape_and_kind_come_back_in_order_on_cuda \
         ddp::comm_hook::tests:: ddp::bucket::tests::a_dropped_bucket_keeps_its_memory_until_the_dropping_stream_has_read_it \
         --nocapture --test-threads=1
     row units "$(status 1)" "$RC" "$SECS" "$(why_not "$(tests_figure)")"

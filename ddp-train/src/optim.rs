@@ -758,6 +758,50 @@ mod tests {
         assert!((gb - 1.2).abs() < 1e-6, "{gb}");
     }
 
+    /// On cuda:0, where `_foreach_norm` and `_foreach_mul_` are CUDA's multi-tensor kernels:
+    /// gradients of two dtypes (two groups), clipped as on the CPU, each keeping its dtype and
+    /// device. `cargo xtask gpu-check` runs it; without a GPU it says `skipped:`.
+    #[test]
+    fn clipping_on_cuda_equals_clipping_on_the_cpu() {
+        if !crate::ddp::gpu_tests::gpu() {
+            return;
+        }
+        let clip = |device: Device| {
+            let a = Tensor::zeros([3], (Kind::Float, device)).set_requires_grad(true);
+            let b = Tensor::zeros([2], (Kind::Double, device)).set_requires_grad(true);
+            let ga = Tensor::from_slice(&[-4.1957865f32, 1.2100406, 2.514079]).to_device(device);
+            let gb = Tensor::from_slice(&[-2.1577728f64, -1.2100306]).to_device(device);
+            ((&a * ga).sum(Kind::Double) + (&b * gb).sum(Kind::Double)).backward();
+            let params = vec![
+                ("a".to_string(), a.shallow_clone()),
+                ("b".to_string(), b.shallow_clone()),
+            ];
+            let norm = clip_grad_norm(&params, 5.0);
+            assert_eq!(norm.device(), device);
+            assert_eq!(
+                (a.grad().kind(), b.grad().kind(), b.grad().device()),
+                (Kind::Float, Kind::Double, device)
+            );
+            let grads: Vec<f64> = Vec::try_from(
+                Tensor::cat(&[a.grad().to_kind(Kind::Double), b.grad()], 0).to_device(Device::Cpu),
+            )
+            .unwrap();
+            (norm.double_value(&[]), grads)
+        };
+        let (cpu_norm, cpu) = clip(Device::Cpu);
+        let (cuda_norm, cuda) = clip(Device::Cuda(0));
+        assert!(
+            (cuda_norm - cpu_norm).abs() < 1e-6,
+            "{cuda_norm} {cpu_norm}"
+        );
+        for (g, want) in cuda.iter().zip(&cpu) {
+            assert!((g - want).abs() < 1e-6, "{cuda:?} against {cpu:?}");
+        }
+        // Clipped: the norm is now 5.
+        let clipped = cpu.iter().map(|g| g * g).sum::<f64>().sqrt();
+        assert!((clipped - 5.0).abs() < 1e-5, "{clipped}");
+    }
+
     /// `torch.nn.utils.clip_grad_norm_([a, b], 5.0)` in torch 2.13 gives exactly these
     /// gradients (a coefficient of `5 / (norm + 1e-6)` rounded another way is 1 ulp off).
     #[test]

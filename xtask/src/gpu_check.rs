@@ -20,7 +20,8 @@
 //!    with one GPU the whole path runs, but a world of one reduces nothing, so only errors
 //!    show), where SyncBatchNorm's all-reduces must also leave the host free; and the CUDA
 //!    variants of ddp-train's unit tests ([`DDP_TRAIN_GPU_UNIT_TESTS`]: the fused fp16
-//!    unscale on cuda:0 equals the per-parameter one; neither a compress hook's copy nor a
+//!    unscale on cuda:0 equals the per-parameter one; clipping equals the CPU's; a step's
+//!    values come back from cuda:0 in one read; neither a compress hook's copy nor a
 //!    dropped bucket is reused before the syncing stream has read it),
 //! 4. ddp-data's CUDA tests and its ring tests: batches on `cuda:0` equal the CPU path's, also
 //!    with a pool stream current (`cuda_batches_follow_the_current_stream`), and a consumer
@@ -244,9 +245,11 @@ fn gpu_test_command(package: &str, tests: &[&str]) -> Command {
 
 /// The unit tests of ddp-train that have a CUDA variant (libtest filters; each says
 /// `skipped:` without a GPU). gpu-extra.sh runs the same filters.
-const DDP_TRAIN_GPU_UNIT_TESTS: [&str; 4] = [
+const DDP_TRAIN_GPU_UNIT_TESTS: [&str; 6] = [
     "amp::tests::the_fused_unscale_equals_the_per_parameter_one_in_one_flag_on_cuda",
     "amp::tests::the_fused_unscale_leaves_the_host_free_on_cuda",
+    "optim::tests::clipping_on_cuda_equals_clipping_on_the_cpu",
+    "trainer::reads::tests::values_of_every_shape_and_kind_come_back_in_order_on_cuda",
     "ddp::comm_hook::tests::",
     "ddp::bucket::tests::a_dropped_bucket_keeps_its_memory_until_the_dropping_stream_has_read_it",
 ];

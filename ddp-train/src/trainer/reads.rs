@@ -56,17 +56,38 @@ mod tests {
 
     #[test]
     fn values_of_every_shape_and_kind_come_back_in_order() {
+        read_in_order(Device::Cpu, Device::Cpu);
+    }
+
+    /// The same with the values on cuda:0 (a half-precision loss among them) and one on the
+    /// CPU, as a training step on a GPU adds them. `cargo xtask gpu-check` runs it; without
+    /// a GPU it says `skipped:`.
+    #[test]
+    fn values_of_every_shape_and_kind_come_back_in_order_on_cuda() {
+        if crate::ddp::gpu_tests::gpu() {
+            read_in_order(Device::Cuda(0), Device::Cpu);
+        }
+    }
+
+    /// Values of every shape and kind on `device`, the count on `other`, read in order.
+    fn read_in_order(device: Device, other: Device) {
+        let on = |t: Tensor| t.to_device(device);
         let mut reads = DeviceReads::default();
-        let flags = reads.add(&Tensor::from_slice(&[0.0f32, 1.0])).unwrap();
-        let norm = reads.add_one(&Tensor::from(2.5f32)).unwrap();
+        let flags = reads.add(&on(Tensor::from_slice(&[0.0f32, 1.0]))).unwrap();
+        let norm = reads.add_one(&on(Tensor::from(2.5f32))).unwrap();
         let loss = reads
-            .add_one(&Tensor::from_slice(&[0.1f32]).reshape([1, 1]))
+            .add_one(&on(Tensor::from_slice(&[0.1f32]).reshape([1, 1])))
             .unwrap();
-        let count = reads.add_one(&Tensor::from(7i64)).unwrap();
-        let nan = reads.add_one(&Tensor::from(f32::NAN)).unwrap();
-        assert_eq!((flags, norm, loss, count, nan), (0..2, 2, 3, 4, 5));
+        let count = reads.add_one(&Tensor::from(7i64).to_device(other)).unwrap();
+        let nan = reads.add_one(&on(Tensor::from(f32::NAN))).unwrap();
+        let half = reads
+            .add_one(&on(Tensor::from(0.1f32).to_kind(Kind::Half)))
+            .unwrap();
+        assert_eq!((flags, norm, loss, count, nan, half), (0..2, 2, 3, 4, 5, 6));
         let values = reads.read().unwrap();
-        assert_eq!(values.len(), 6);
+        assert_eq!(values.len(), 7);
+        // Half's nearest value to 0.1, exactly.
+        assert_eq!(values[half], 0.0999755859375);
         assert_eq!(&values[..3], [0.0, 1.0, 2.5]);
         // The f32 value widened exactly, not 0.1 as an f64.
         assert_eq!(values[loss], f64::from(0.1f32));
