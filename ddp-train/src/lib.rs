@@ -6,7 +6,7 @@
 //!   all-reduces after backward (PyTorch's `DistributedDataParallel`).
 //! - [`Trainer`] trains any [`Task`] (a tch model, a [`ddp_data::Dataset`], a loss and
 //!   evaluation [`Stats`] that add up across ranks): rank-sharded sampling with the epoch
-//!   advanced by the trainer, gradient accumulation, Adam or SGD with checkpointable state,
+//!   advanced by the trainer, gradient accumulation, Adam, AdamW or SGD with checkpointable state,
 //!   exact distributed evaluation, `ReduceLROnPlateau`, best-model files, atomic checkpoints
 //!   and exact resume (also after a launcher's restart), and a run directory with
 //!   `metrics.jsonl`, `curves.png` (`plot` feature; a build without it says at start-up that

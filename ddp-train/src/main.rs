@@ -4,7 +4,7 @@
 //!
 //! Start N of these with torchrun's environment (`ddp-run` and `cargo xtask train` do it, and
 //! so do `torchrun --no-python` and `srun`), or let it start its own with
-//! `--nproc-per-node N|gpu|cpu` (`ddp_train::cli::run`); see `ddp-train --help`. A launcher's
+//! `--nproc-per-node N|gpu|cpu|auto` (`ddp_train::cli::run`); see `ddp-train --help`. A launcher's
 //! restart resumes from the run's latest checkpoint by itself (the Trainer's
 //! `resume_after_restart`).
 
