@@ -480,7 +480,8 @@ fn bad_input_fails_on_every_rank_before_training() {
         assert!(
             t.contains(
                 "--out is not set, and the launcher restarts failed ranks (--max-restarts 2): \
-                 each start would make a run directory of its own"
+                 each start would make a run directory of its own, so a restarted rank would \
+                 start over in a new one"
             ),
             "{t}"
         );

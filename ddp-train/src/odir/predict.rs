@@ -177,7 +177,8 @@ pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
     if let (Some(why), 0) = (&unchecked, scored.rank) {
         tracing::warn!("warning: {why}");
     }
-    if thresholds.1.is_none() && scored.trained_tuned_thresholds && scored.rank == 0 {
+    let beside = args.model.checkpoint.with_extension("json");
+    if thresholds.1.is_none() && scored.trained_tuned_thresholds && !beside.exists() {
         // A best model saved while its thresholds were being replaced, or a copy of it.
         tracing::warn!(
             "warning: the model's run tuned thresholds (--tune-thresholds), and none are \
@@ -185,7 +186,7 @@ pub fn predict(args: &PredictArgs) -> Result<Prediction, TrainError> {
              --thresholds FILE (the run's checkpoints/epoch-NNNN.<model>.json keep the tuned \
              ones of each best epoch)",
             args.model.checkpoint.display(),
-            args.model.checkpoint.with_extension("json").display()
+            beside.display()
         );
     }
     let combine = c.eye_combine.as_str();

@@ -145,7 +145,7 @@ impl<T: Task> Start<'_, T> {
             }
             let mut first_error = None;
             let candidates_tried = candidates.len();
-            for path in candidates {
+            for (tried, path) in candidates.into_iter().enumerate() {
                 // Loaded on the CPU first, then moved with the model to the rank's device;
                 // the optimizer over the parameters that were not frozen then.
                 let saved = state::read(&path);
@@ -170,16 +170,24 @@ impl<T: Task> Start<'_, T> {
                         break;
                     }
                     Err(e) if !is_damage(&e) => {
+                        let older = match candidates_tried - 1 - tried {
+                            0 => String::new(),
+                            _ => ", so the run's older checkpoints were not tried (resuming \
+                                  one would set this one aside)"
+                                .into(),
+                        };
+                        let before = fallback_warnings
+                            .iter()
+                            .map(|w| format!(" (after: {w})"))
+                            .collect::<String>();
                         return Err(TrainError::context(
                             format!(
                                 "cannot resume from {}, for a reason that is no damage of the \
-                                 file, so the run's older checkpoints were not tried (resuming \
-                                 one would set this one aside): make it readable and start \
-                                 again",
+                                 file{older}: make it readable and start again{before}",
                                 path.display()
                             ),
                             e,
-                        ))
+                        ));
                     }
                     Err(e) => {
                         fallback_warnings.push(format!(
@@ -549,9 +557,10 @@ fn no_batchnorm_to_synchronise(vs: &nn::VarStore) -> SettingError {
 }
 
 /// Whether `e`, met reading a checkpoint to resume, shows the file damaged (cut short,
-/// corrupt, half of it missing), which the run's previous checkpoint gets past. An I/O
-/// failure of another kind (no permission, a stale NFS handle, too many open files) says
-/// nothing of the file: falling back would set an intact checkpoint aside and retrain it.
+/// corrupt, half of it missing, unreadable from the disk), which the run's previous
+/// checkpoint gets past. An I/O failure of another kind (no permission, a stale NFS handle,
+/// too many open files) says nothing of the file: falling back would set an intact
+/// checkpoint aside and retrain it.
 fn is_damage(e: &TrainError) -> bool {
     use std::io::ErrorKind;
     let source = match e {
@@ -559,10 +568,11 @@ fn is_damage(e: &TrainError) -> bool {
         | TrainError::Io { source, .. } => source,
         _ => return true,
     };
-    matches!(
-        source.kind(),
-        ErrorKind::NotFound | ErrorKind::UnexpectedEof | ErrorKind::InvalidData
-    ) || source.raw_os_error() == Some(libc::EIO)
+    // EIO: a read failed on the medium; EUCLEAN and EBADMSG: ext4's and XFS's corruption.
+    source.kind() == ErrorKind::NotFound
+        || [libc::EIO, libc::EUCLEAN, libc::EBADMSG]
+            .into_iter()
+            .any(|code| source.raw_os_error() == Some(code))
 }
 
 #[cfg(test)]

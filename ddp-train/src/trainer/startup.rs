@@ -73,13 +73,14 @@ impl<T: Task> Trainer<T> {
                 .context(|| "joining the process group".into())?;
         }
         let s = &settings;
-        if let (None, false, Some(restarts)) = (&s.out, s.checkpoint.eval_only, restarts(env)) {
+        let continues = s.checkpoint.resume_after_restart && !s.checkpoint.eval_only;
+        if let (None, true, Some(restarts)) = (&s.out, continues, restarts(env)) {
             // Each start would name its own run directory: a restart would start over.
             return Err(SettingError::new(
                 "out",
                 format!(
                     " is not set, and {restarts}: each start would make a run directory of \
-                     its own, so a restarted rank would train from epoch 1 again; set it, the \
+                     its own, so a restarted rank would start over in a new one; set it, the \
                      same on every start, and a restart continues from the run's latest \
                      checkpoint"
                 ),
@@ -359,7 +360,6 @@ pub(super) fn trainable(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
     crate::ddp::trainable_parameters(vs)
 }
 
-/// The default run directory: `runs/YYYYMMDD-HHMMSS-PID` (UTC), as every tool names it.
 /// What says that the launcher restarts the ranks, if anything does.
 fn restarts(env: &EnvConfig) -> Option<String> {
     if env.restart_count > 0 {
@@ -377,6 +377,7 @@ fn restarts(env: &EnvConfig) -> Option<String> {
     }
 }
 
+/// The default run directory: `runs/YYYYMMDD-HHMMSS-PID` (UTC), as every tool names it.
 pub(crate) fn default_run_dir() -> PathBuf {
     ddp_run::default_run_dir(Path::new("runs"))
 }
