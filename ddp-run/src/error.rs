@@ -99,7 +99,15 @@ pub enum LaunchError {
         source: std::io::Error,
     },
     /// A rank's process could not be watched (waitid failed).
-    #[error("cannot watch rank {rank} (pid {pid})")]
+    #[error(
+        "cannot watch rank {rank} (pid {pid}){}",
+        if source.raw_os_error() == Some(libc::ECHILD) {
+            ": it is no longer the launcher's child, something else in its process reaped \
+             it (a wait for any child, or SIGCHLD ignored while the ranks run)"
+        } else {
+            ""
+        }
+    )]
     Wait {
         /// The global rank.
         rank: usize,
@@ -110,7 +118,7 @@ pub enum LaunchError {
         source: std::io::Error,
     },
     /// The signal handlers that forward SIGINT, SIGTERM, SIGHUP, SIGQUIT and SIGUSR1 to the ranks
-    /// could not be installed.
+    /// could not be installed, or an ignored SIGCHLD could not be set back to its default.
     #[error("cannot install the handler of signal {signal}")]
     Signals {
         /// The signal number.

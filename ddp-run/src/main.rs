@@ -14,8 +14,8 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, Parser};
-use ddp_run::cli::{launch_and_report, NodeArgs};
-use ddp_run::{LaunchConfig, NprocPerNode, MAX_WAIT};
+use ddp_run::cli::{exit_status, launch_and_report_outcome, NodeArgs, Wording};
+use ddp_run::{LaunchConfig, NprocPerNode, Outcome, MAX_WAIT};
 
 /// Start N ranks of PROGRAM on this node with torchrun's environment (RANK, WORLD_SIZE,
 /// LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...) and supervise them: the first rank to fail ends
@@ -26,8 +26,10 @@ use ddp_run::{LaunchConfig, NprocPerNode, MAX_WAIT};
     after_help = "Exit status: 0 when every rank succeeded; 1 when a rank failed after \
     the restarts, or the ranks could not be started; 75 when the ranks stopped at a \
     checkpoint on request (one or more exited 75, after a forwarded SIGTERM/SIGUSR1 or at a \
-    time limit, the others 0: start the job again to continue); 128+N when signal N stopped \
-    the launcher and its ranks without that; 2 for a bad command line."
+    time limit, the others 0: start the job again to continue); when signal N stopped the \
+    launcher and its ranks without that, the launcher ends by signal N itself, as the user \
+    asked (128+N where the signal cannot end it, as the first process of a container); 2 for \
+    a bad command line."
 )]
 struct Cli {
     /// Ranks on this node: a number, `gpu` (one per visible GPU), `cpu` (one per core) or
@@ -407,5 +409,25 @@ fn run(nproc: NprocPerNode, mut config: LaunchConfig) -> Result<ExitCode> {
             config.nproc_per_node, config.nnodes
         );
     }
-    Ok(launch_and_report(&config, "ddp-run")?)
+    let outcome = launch_and_report_outcome(&config, "ddp-run", &Wording::default())?;
+    if let Outcome::Interrupted { signal, .. } = outcome {
+        die_of(signal);
+    }
+    Ok(ExitCode::from(exit_status(&outcome)))
+}
+
+/// Ends this process by `signal`, which the launcher handled, as the signal's default action
+/// would have: a shell then sees a program the user stopped (`while :; do ddp-run ...; done`
+/// ends at a Ctrl-C, as it would with the program run alone). Returns where the signal does
+/// not end the process (the first process of a pid namespace, which the kernel's default
+/// actions spare), for the caller to exit with 128 + `signal` instead.
+fn die_of(signal: i32) {
+    use std::io::Write;
+    // What a rank printed last, which the process's end would not flush.
+    let _ = std::io::stdout().flush();
+    // SAFETY: signal(2) with SIG_DFL and raise(3), on this process; no memory is involved.
+    unsafe {
+        libc::signal(signal, libc::SIG_DFL);
+        libc::raise(signal);
+    }
 }

@@ -125,10 +125,55 @@ impl Drop for SignalWatch {
     }
 }
 
-/// How many watched signals this process has received in all (for noticing a second one
-/// while ranks are being stopped).
+/// How many watched signals this process has received in all (for noticing one while the
+/// ranks' output is passed on after they ended).
 pub(crate) fn received_total() -> u64 {
-    RECEIVED.iter().map(|r| r.load(Ordering::SeqCst)).sum()
+    received_other_than(0)
+}
+
+/// How many watched signals other than `signal` this process has received in all (for
+/// noticing a second signal while ranks are being stopped).
+pub(crate) fn received_other_than(signal: i32) -> u64 {
+    let others = RECEIVED
+        .iter()
+        .enumerate()
+        .filter(|&(s, _)| s != signal as usize);
+    others.map(|(_, r)| r.load(Ordering::SeqCst)).sum()
+}
+
+/// How often `signal`, a number a watch may name, has arrived while watched.
+pub(crate) fn received_count(signal: i32) -> u64 {
+    RECEIVED
+        .get(signal as usize)
+        .map_or(0, |r| r.load(Ordering::SeqCst))
+}
+
+/// Makes this process's children waitable again where SIGCHLD was ignored (`SIG_IGN`, or
+/// `SA_NOCLDWAIT`: both survive `exec`, so a parent can pass them on): the kernel would reap
+/// each rank as it exits, and the launcher could not see how it ended (waitid fails with
+/// ECHILD). `SIG_IGN` becomes the default (which ignores SIGCHLD too, but keeps children
+/// waitable); a handler the program installed stays, without `SA_NOCLDWAIT`.
+pub(crate) fn keep_children_waitable() -> std::io::Result<()> {
+    // SAFETY: sigaction(2) on SIGCHLD, reading into a zeroed sigaction (a valid
+    // out-parameter), then setting it back with only its handler or flags changed.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGCHLD, std::ptr::null(), &mut action) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let ignored = action.sa_sigaction == libc::SIG_IGN;
+        if !ignored && action.sa_flags & libc::SA_NOCLDWAIT == 0 {
+            return Ok(());
+        }
+        if ignored {
+            action.sa_sigaction = libc::SIG_DFL;
+        }
+        action.sa_flags &= !libc::SA_NOCLDWAIT;
+        if libc::sigaction(libc::SIGCHLD, &action, std::ptr::null_mut()) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 /// Whether `signal` is a number a watch may name and signal-hook would register (it

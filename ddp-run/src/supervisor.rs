@@ -28,10 +28,12 @@ use crate::{LaunchConfig, LaunchError};
 mod group;
 mod outcome;
 mod pump;
+mod stop;
 mod wait;
 
 use group::kill_group;
 use pump::{Pump, Pumping, Stream};
+use stop::{Cause, Stopped};
 use wait::{peek_exit, wait_exit};
 
 pub use outcome::{Event, Exit, Outcome, RankFailure, EXIT_STOPPED};
@@ -41,7 +43,10 @@ pub use outcome::{Event, Exit, Outcome, RankFailure, EXIT_STOPPED};
 /// (the others get SIGTERM, then SIGKILL after `shutdown_timeout`), restarting the whole
 /// group up to `max_restarts` times. SIGINT, SIGTERM, SIGHUP, SIGQUIT and SIGUSR1 received
 /// meanwhile are forwarded to every rank, which then get `shutdown_timeout` to end (a rank
-/// that stops at a checkpoint exits with [`EXIT_STOPPED`], see [`Outcome::Stopped`]).
+/// that stops at a checkpoint exits with [`EXIT_STOPPED`], see [`Outcome::Stopped`]); no new
+/// generation of ranks starts after one. A SIGCHLD that this process ignores (inherited
+/// `SIG_IGN` or `SA_NOCLDWAIT`) is set back to its default first, so that the ranks' exits
+/// can be seen.
 ///
 /// `on_event` hears of each attempt, failure and restart, in order. Returns how the job
 /// ended; an `Err` is a failure of the launcher itself (bad settings, a program that cannot
@@ -51,6 +56,10 @@ pub fn launch(
     mut on_event: impl FnMut(&Event<'_>),
 ) -> Result<Outcome, LaunchError> {
     config.validate()?;
+    crate::signals::keep_children_waitable().map_err(|source| LaunchError::Signals {
+        signal: libc::SIGCHLD,
+        source,
+    })?;
     // Every attempt's ranks count their time limit from here, as the scheduler's counts (or
     // from an earlier start this launcher inherited).
     let (job_started, stale) = crate::job_start::launcher_start(std::time::SystemTime::now());
@@ -80,6 +89,17 @@ pub fn launch(
     let watch = SignalWatch::start(&FORWARDED)?;
     let mut restarts = 0;
     loop {
+        // No new generation of ranks starts after the user asked to stop.
+        if let Some(signal) = watch.received() {
+            return Ok(Outcome::Interrupted {
+                signal,
+                killed: Vec::new(),
+                leftovers: Vec::new(),
+                second_signal: false,
+                failed: Vec::new(),
+                after_failure: None,
+            });
+        }
         let master_port = match (config.master_port, config.nnodes) {
             (Some(port), _) => port,
             (None, 1) => crate::free_port().map_err(|source| LaunchError::NoFreePort {
@@ -110,17 +130,15 @@ pub fn launch(
             job_started,
             errors: errors.as_ref(),
         };
-        match attempt.run(&watch)? {
+        match attempt.run(&watch, &mut on_event)? {
             End::Succeeded => return Ok(Outcome::Succeeded { restarts }),
             End::Interrupted(outcome) => return Ok(outcome),
             End::Stopped(signal) => return Ok(Outcome::Stopped { signal, restarts }),
             End::Failed(failure, stopped) => {
                 on_event(&Event::RankFailed(&failure));
-                if restarts >= config.max_restarts {
-                    return Ok(Outcome::Failed { failure, restarts });
-                }
                 // A signal that arrived while the failed attempt was being stopped ends the
-                // job: no new generation of ranks starts after the user asked to stop.
+                // job as interrupted, with restarts left or not: no new generation of ranks
+                // starts after the user asked to stop.
                 if let Some(signal) = watch.received() {
                     return Ok(Outcome::Interrupted {
                         signal,
@@ -130,6 +148,9 @@ pub fn launch(
                         failed: Vec::new(),
                         after_failure: Some(failure),
                     });
+                }
+                if restarts >= config.max_restarts {
+                    return Ok(Outcome::Failed { failure, restarts });
                 }
                 restarts += 1;
                 on_event(&Event::Restarting {
@@ -180,6 +201,9 @@ struct Rank {
     rank: usize,
     child: Child,
     exit: Option<Exit>,
+    /// Why the rank's exit cannot be seen, once waitid failed (ECHILD: something else in
+    /// this process reaped it).
+    lost: Option<std::io::Error>,
     /// When and how the rank exited, as its waiter thread saw it, until `watch` takes it.
     exited: Arc<Mutex<Option<Noted>>>,
     /// When the rank exited, once `watch` took it from `exited`.
@@ -213,15 +237,20 @@ impl Rank {
     }
 
     /// Whether the rank's own process has exited; reaps it then (its group keeps its
-    /// number from reuse while anything is left in the group).
+    /// number from reuse while anything is left in the group). A rank whose exit cannot be
+    /// seen (`lost`) has ended too, how is not known: it is not this process's child any
+    /// more.
     fn exited(&mut self) -> bool {
-        if self.exit.is_none() {
-            self.exit = peek_exit(self.child.id()).ok().flatten();
+        if self.exit.is_none() && self.lost.is_none() {
+            match peek_exit(self.child.id()) {
+                Ok(exit) => self.exit = exit,
+                Err(e) => self.lost = Some(e),
+            }
         }
         if self.exit.is_some() {
             self.reap();
         }
-        self.exit.is_some()
+        self.exit.is_some() || self.lost.is_some()
     }
 
     /// How this rank, which has ended, failed: its exit and last lines (whether the signal
@@ -286,34 +315,47 @@ impl Rank {
     }
 }
 
+/// What hears of the launcher's events: [`launch`]'s `on_event`.
+type OnEvent<'e> = dyn FnMut(&Event<'_>) + 'e;
+
 impl Attempt<'_> {
-    fn run(&self, watch: &SignalWatch) -> Result<End, LaunchError> {
+    /// Starts the ranks and watches them; every rank it started has been stopped when it
+    /// returns.
+    fn run(&self, watch: &SignalWatch, on_event: &mut OnEvent<'_>) -> Result<End, LaunchError> {
         let mut ranks: Vec<Rank> = Vec::with_capacity(self.config.nproc_per_node);
         for (local_rank, rank) in self.config.ranks().enumerate() {
+            // After a signal, no more ranks start: `watch` stops those started.
+            if watch.received().is_some() {
+                break;
+            }
             let error_file = self.errors.map(|e| e.path(rank));
             match self.spawn(rank, local_rank, error_file) {
                 Ok(r) => ranks.push(r),
                 Err(e) => {
-                    stop(&mut ranks, libc::SIGTERM, self.config.shutdown_timeout);
+                    let _ = self.stop(&mut ranks, Cause::Launcher, on_event);
                     return Err(e);
                 }
             }
         }
-        let end = self.watch(&mut ranks, watch);
-        if end.is_err() {
-            stop(&mut ranks, libc::SIGTERM, self.config.shutdown_timeout);
-        }
-        end
+        self.watch(&mut ranks, watch, on_event)
     }
 
-    fn watch(&self, ranks: &mut [Rank], watch: &SignalWatch) -> Result<End, LaunchError> {
+    /// Watches the ranks until the attempt ends: each has ended, or been stopped, when it
+    /// returns.
+    fn watch(
+        &self,
+        ranks: &mut [Rank],
+        watch: &SignalWatch,
+        on_event: &mut OnEvent<'_>,
+    ) -> Result<End, LaunchError> {
         loop {
             if let Some(signal) = watch.received() {
                 let Stopped {
                     killed,
                     leftovers,
                     second_signal,
-                } = stop(ranks, signal, self.config.shutdown_timeout);
+                    ..
+                } = self.stop(ranks, Cause::Signal(signal), on_event)?;
                 // Stopped at a checkpoint: some ranks stopped so and the others succeeded
                 // (ranks that had nothing left to do), as without a signal.
                 let stopped = |r: &Rank| r.exit == Some(Exit::Code(i32::from(EXIT_STOPPED)));
@@ -352,12 +394,14 @@ impl Attempt<'_> {
                 let Some((at, exit)) = noted else {
                     continue;
                 };
-                let pid = r.child.id();
-                let exit = exit.map_err(|source| LaunchError::Wait {
-                    rank: r.rank,
-                    pid,
-                    source,
-                })?;
+                let exit = match exit {
+                    Ok(exit) => exit,
+                    Err(source) => {
+                        let (rank, pid) = (r.rank, r.child.id());
+                        let _ = self.stop(ranks, Cause::Launcher, on_event);
+                        return Err(LaunchError::Wait { rank, pid, source });
+                    }
+                };
                 (r.exit, r.exited_at) = (Some(exit), Some(at));
                 if !exit.success() && exit != Exit::Code(i32::from(EXIT_STOPPED)) {
                     failed.push((at, !matches!(exit, Exit::Signal(_)), k));
@@ -368,7 +412,7 @@ impl Attempt<'_> {
             failed.sort();
             if let Some(&(_, _, k)) = failed.first() {
                 let signalled = Instant::now();
-                let stopped = stop(ranks, libc::SIGTERM, self.config.shutdown_timeout);
+                let stopped = self.stop(ranks, Cause::Launcher, on_event)?;
                 let k = first_failed(ranks, k, signalled, &stopped.killed);
                 let mut failure = ranks[k].failure();
                 failure.stopped_by_launcher = ranks[k].signal_was_ours(signalled, &stopped.killed);
@@ -538,6 +582,7 @@ impl Attempt<'_> {
             rank,
             child,
             exit: None,
+            lost: None,
             exited,
             exited_at: None,
             error_file,
@@ -615,73 +660,6 @@ fn first_failed(ranks: &mut [Rank], detected: usize, at: Instant, killed: &[usiz
     order.sort_by_key(|&k| k != detected);
     let failed: Vec<_> = order.iter().map(|&k| ranks[k].failed(at, killed)).collect();
     crate::error_file::first_failure(&failed).map_or(detected, |i| order[i])
-}
-
-/// What [`stop`] killed: ranks whose own process still ran, and ranks whose process had
-/// exited with processes left running in its group; whether a second signal, not the
-/// timeout, had them killed.
-struct Stopped {
-    killed: Vec<usize>,
-    leftovers: Vec<usize>,
-    second_signal: bool,
-}
-
-/// Ends an attempt: `signal` to every rank's process group, then SIGCONT (a stopped rank,
-/// SIGSTOP or a debugger's, acts on the signal only once continued, as a shell's `kill`
-/// does for stopped jobs), SIGKILL to what is left after `timeout` (or at once when every
-/// rank's process has exited and nothing but zombies is left in its group, a wrapper's
-/// program included, or when another signal arrives meanwhile: a second Ctrl-C escalates),
-/// then reaps the ranks and lets their output threads finish. A group whose rank exited on
-/// a signal that background jobs ignore gets SIGTERM, as torchrun's stop sends, for the
-/// helpers left in it.
-fn stop(ranks: &mut [Rank], signal: i32, timeout: Duration) -> Stopped {
-    // A signal that arrives while the ranks are given time to end (a second Ctrl-C) ends the
-    // wait: they are killed at once.
-    let signals_before = crate::signals::received_total();
-    for r in ranks.iter() {
-        kill_group(r.child.id(), signal);
-        kill_group(r.child.id(), libc::SIGCONT);
-    }
-    // (No deadline where it would not fit in an `Instant`: `validate` bounds the timeout.)
-    let deadline = Instant::now().checked_add(timeout);
-    // Each rank's processes left running in its group, once its own process has exited.
-    let mut left: Vec<Option<usize>> = vec![None; ranks.len()];
-    let escalated = loop {
-        for (r, left) in ranks.iter_mut().zip(left.iter_mut()) {
-            if *left == Some(0) || !r.exited() {
-                continue;
-            }
-            let running = group::running(r.child.id());
-            if running > 0 && left.is_none() && group::IGNORED_IN_BACKGROUND.contains(&signal) {
-                kill_group(r.child.id(), libc::SIGTERM);
-            }
-            *left = Some(running);
-        }
-        let again = crate::signals::received_total() != signals_before;
-        let late = deadline.is_some_and(|d| Instant::now() >= d);
-        let all_ended = left.iter().all(|&l| l == Some(0));
-        if all_ended || late || again {
-            // A second signal in the poll in which the last rank ended killed nothing.
-            break again && !late && !all_ended;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let with = |f: fn(Option<usize>) -> bool| {
-        let ranks = ranks.iter().zip(&left).filter(move |(_, &l)| f(l));
-        ranks.map(|(r, _)| r.rank).collect::<Vec<_>>()
-    };
-    let stopped = Stopped {
-        killed: with(|l| l.is_none()),
-        leftovers: with(|l| l.is_some_and(|n| n > 0)),
-        second_signal: escalated,
-    };
-    // Rank processes still running, and whatever the ranks started in their groups (a group
-    // once empty is not signalled: its number may be another's now).
-    for (r, _) in ranks.iter().zip(&left).filter(|(_, &l)| l != Some(0)) {
-        kill_group(r.child.id(), libc::SIGKILL);
-    }
-    reap(ranks);
-    stopped
 }
 
 /// Reaps the ranks, which have exited or been killed, and lets their output threads pass on

@@ -87,6 +87,18 @@ pub fn launch_and_report_with(
     name: &str,
     wording: &Wording,
 ) -> Result<ExitCode, LaunchError> {
+    let outcome = launch_and_report_outcome(config, name, wording)?;
+    Ok(ExitCode::from(exit_status(&outcome)))
+}
+
+/// [`launch_and_report_with`], returning how the job ended rather than the exit status
+/// ([`exit_status`]), for a launcher that ends in its own way: `ddp-run` dies of the signal
+/// that interrupted it, as a shell expects of a program the user stopped.
+pub fn launch_and_report_outcome(
+    config: &LaunchConfig,
+    name: &str,
+    wording: &Wording,
+) -> Result<Outcome, LaunchError> {
     config.validate()?;
     let omp_chosen = config.omp_num_threads.is_none()
         && std::env::var_os(crate::env::OMP_NUM_THREADS).is_none()
@@ -122,7 +134,7 @@ pub fn launch_and_report_with(
     for line in lines {
         eprint_line(line);
     }
-    Ok(ExitCode::from(exit_status(&outcome)))
+    Ok(outcome)
 }
 
 /// The lines that tell of `event`, each prefixed with `name: `, but for a failed rank's
@@ -315,7 +327,7 @@ pub fn shell_command<S: AsRef<str>>(words: &[S]) -> String {
 }
 
 /// [`Outcome::exit_code`] as a process's exit status (1 for anything out of range).
-fn exit_status(outcome: &Outcome) -> u8 {
+pub fn exit_status(outcome: &Outcome) -> u8 {
     u8::try_from(outcome.exit_code()).unwrap_or(1)
 }
 

@@ -1,6 +1,8 @@
 //! What is left of a rank's process group once the rank's own process has exited: a
 //! wrapper's program still writing its checkpoint, a helper it started, or only zombies.
 
+use std::time::{Duration, Instant};
+
 /// The signals that a non-interactive shell's background jobs ignore (POSIX: an
 /// asynchronous list's SIGINT and SIGQUIT): what such a helper left in a rank's group did
 /// not get, so that it needs SIGTERM to stop.
@@ -46,6 +48,24 @@ pub(super) fn running(group: u32) -> usize {
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|&pid| state_and_group(pid).is_some_and(|(s, g)| g == group && s != 'Z'))
         .count()
+}
+
+/// Waits, at most `most`, until nothing is left running ([`running`]) in any of `groups`,
+/// whose leaders have exited and been reaped; the groups where something still runs then,
+/// each with how many.
+pub(super) fn left_after(groups: &[u32], most: Duration) -> Vec<(u32, usize)> {
+    let deadline = Instant::now().checked_add(most);
+    loop {
+        let left: Vec<(u32, usize)> = groups
+            .iter()
+            .map(|&g| (g, running(g)))
+            .filter(|&(_, n)| n > 0)
+            .collect();
+        if left.is_empty() || deadline.is_some_and(|d| Instant::now() >= d) {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Whether `/proc` numbers processes as this process does (it may be mounted for an outer
@@ -124,6 +144,30 @@ mod tests {
             assert!(Instant::now() < deadline, "{:?}", members(group));
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// A group whose process runs on is named after the wait; once its process is killed,
+    /// the wait lasts until it is gone (dead: a zombie does not count).
+    #[test]
+    fn the_wait_for_a_group_ends_once_it_is_empty() {
+        let mut sleep = Command::new("sleep")
+            .arg("600")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let group = sleep.id();
+        assert_eq!(
+            left_after(&[group], Duration::from_millis(100)),
+            [(group, 1)]
+        );
+        // SAFETY: kill(2) on this test's own child, unreaped: its pid is still its own.
+        assert_eq!(
+            unsafe { libc::kill(group as libc::pid_t, libc::SIGKILL) },
+            0
+        );
+        assert_eq!(left_after(&[group], Duration::from_secs(60)), Vec::new());
+        // Reaped by `running` (this test's child, in the group), or a zombie until here.
+        let _ = sleep.wait();
     }
 
     #[test]
