@@ -1,6 +1,6 @@
-// The one copy of how a folder's entries are flushed to the disk, `include!`d by ddp-model
-// (`checkpoint.rs`), ddp-data (`odir/synthetic.rs`) and xtask (`folder_sync.rs`, which tests
-// it): they share no crate that could hold it without a heavy dependency (xtask builds before
+// The one copy of how a folder's entries are flushed to the disk and how folders are made
+// durable, `include!`d by ddp-model (`checkpoint.rs`), ddp-data (`odir/synthetic.rs`), ddp-run
+// (`supervisor.rs`) and xtask (`folder_sync.rs`, which tests it): they share no crate that could hold it without a heavy dependency (xtask builds before
 // libtorch and without ddp-data; ddp-data without tch links no ddp-model).
 
 /// Flushes folder `dir`'s entries (a file renamed or created in it) to the disk. A file
@@ -24,5 +24,31 @@ fn folder_synced(result: std::io::Result<()>) -> std::io::Result<()> {
             Ok(())
         }
         other => other,
+    }
+}
+
+/// Creates folder `dir` and the folders above it that are missing, as `create_dir_all` does,
+/// and flushes each new folder's entry in its parent: a file written into it and synced then
+/// survives a crash with the folders it lies in.
+pub(crate) fn create_folders_synced(dir: &std::path::Path) -> std::io::Result<()> {
+    if dir.as_os_str().is_empty() || dir.is_dir() {
+        return Ok(());
+    }
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let made = match std::fs::create_dir(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            create_folders_synced(parent)?;
+            std::fs::create_dir(dir)
+        }
+        made => made,
+    };
+    match made {
+        // Made meanwhile by another process: its maker syncs it.
+        Err(_) if dir.is_dir() => Ok(()),
+        Err(e) => Err(e),
+        Ok(()) => sync_folder(parent),
     }
 }

@@ -428,26 +428,7 @@ pub fn sync_entries(dir: &Path) -> std::io::Result<()> {
 /// [`fs::create_dir_all`] does, and flushes each new folder's entry in its parent: a file
 /// written into it with [`write_atomic`] then survives a crash with the folders it lies in.
 pub fn create_dir_all_synced(dir: &Path) -> std::io::Result<()> {
-    if dir.as_os_str().is_empty() || dir.is_dir() {
-        return Ok(());
-    }
-    let parent = dir
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let made = match fs::create_dir(dir) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            create_dir_all_synced(parent)?;
-            fs::create_dir(dir)
-        }
-        made => made,
-    };
-    match made {
-        // Made meanwhile by another process: its maker syncs it.
-        Err(_) if dir.is_dir() => Ok(()),
-        Err(e) => Err(e),
-        Ok(()) => sync_folder(parent),
-    }
+    create_folders_synced(dir)
 }
 
 /// Creates [`write_atomic`]'s temporary `tmp`, which must be new: never a file or a link
@@ -544,8 +525,6 @@ pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
 mod tests {
     use super::*;
 
-    /// float8 tensors (safetensors' `F8_E4M3` and `F8_E5M2`, as PyTorch's `save_file`
-    /// writes them) are written and read back with their kind and values.
     /// Missing folders are made, the innermost last; one there is left be; a file in the way
     /// is an error.
     #[test]
@@ -561,6 +540,8 @@ mod tests {
         assert!(create_dir_all_synced(&tmp.path().join("file")).is_err());
     }
 
+    /// float8 tensors (safetensors' `F8_E4M3` and `F8_E5M2`, as PyTorch's `save_file`
+    /// writes them) are written and read back with their kind and values.
     #[test]
     fn float8_tensors_round_trip() {
         let tmp = ddp_testkit::temp_dir("ddp-model-float8");

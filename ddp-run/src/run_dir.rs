@@ -1,6 +1,7 @@
 //! The name of a job's run directory, the one format every tool of the workspace uses:
 //! `YYYYMMDD-HHMMSS-PID`, the UTC time the job started and the starting process's id (two
-//! jobs started in the same second on one machine get different folders).
+//! jobs started in the same second on one machine get different folders), and folders made
+//! durable ([`create_folders_synced`]).
 
 use std::path::{Path, PathBuf};
 
@@ -25,6 +26,11 @@ pub fn default_run_dir(root: &Path) -> PathBuf {
         std::process::id(),
     ))
 }
+
+// `create_folders_synced`: the log folder (a run directory's `logs/` under `cargo xtask train`
+// and `--nproc-per-node`) is made durable with the folders above it, as the ranks' checkpoints
+// are.
+include!("../../shared-src/folder_sync.rs");
 
 #[cfg(test)]
 mod tests {

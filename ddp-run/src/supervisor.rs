@@ -73,7 +73,7 @@ pub fn launch(
                 log_dir_flag: LOG_DIR_FLAG.into(),
             });
         }
-        std::fs::create_dir_all(dir).map_err(|source| LaunchError::Log {
+        crate::run_dir::create_folders_synced(dir).map_err(|source| LaunchError::Log {
             path: dir.clone(),
             log_dir_flag: LOG_DIR_FLAG.into(),
             source,

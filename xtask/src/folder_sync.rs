@@ -1,4 +1,5 @@
-//! `sync_folder`: flushing a folder's entries to the disk, as ddp-model and ddp-data do.
+//! `sync_folder`: flushing a folder's entries to the disk, and `create_folders_synced`, as
+//! ddp-model, ddp-data and ddp-run do.
 
 include!("../../shared-src/folder_sync.rs");
 

@@ -538,7 +538,8 @@ fn synthetic_sample(root: &Path, cache: &Path, bin: Option<&Path>) -> Result<Pat
     if is_complete(&dir) {
         return Ok(dir);
     }
-    std::fs::create_dir_all(cache).with_context(|| format!("cannot create {}", cache.display()))?;
+    crate::folder_sync::create_folders_synced(cache)
+        .with_context(|| format!("cannot create {}", cache.display()))?;
     let tmp = RemoveOnDrop(temporary(cache));
     print_line(format_args!(
         "xtask: generating the synthetic ODIR sample (once) into {}",

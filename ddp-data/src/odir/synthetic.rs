@@ -197,7 +197,7 @@ fn write_folder(
     images: usize,
 ) -> Result<SyntheticSummary, DataError> {
     let image_dir = out_dir.join("preprocessed_images");
-    std::fs::create_dir_all(&image_dir).map_err(|e| write_error(&image_dir, e))?;
+    create_folders_synced(&image_dir).map_err(|e| write_error(&image_dir, e))?;
 
     let n_patients = images.div_ceil(2);
     let patients: Vec<Patient> = (first_id..first_id + n_patients)
