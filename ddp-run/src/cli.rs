@@ -10,8 +10,9 @@
 mod report;
 
 pub use report::{
-    eprint_line, error_message, exit_status, failure_lines, interruption_lines, launch_and_report,
-    launch_and_report_outcome, launch_and_report_with, print_line, shell_command, Wording,
+    die_of_interruption, eprint_line, error_message, exit_status, failure_lines,
+    interruption_lines, launch_and_report, launch_and_report_outcome, launch_and_report_with,
+    print_line, shell_command, Wording,
 };
 
 use std::ffi::OsString;

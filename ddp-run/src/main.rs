@@ -14,8 +14,10 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, Parser};
-use ddp_run::cli::{exit_status, launch_and_report_outcome, NodeArgs, Wording};
-use ddp_run::{LaunchConfig, NprocPerNode, Outcome, MAX_WAIT};
+use ddp_run::cli::{
+    die_of_interruption, exit_status, launch_and_report_outcome, NodeArgs, Wording,
+};
+use ddp_run::{LaunchConfig, NprocPerNode, MAX_WAIT};
 
 /// Start N ranks of PROGRAM on this node with torchrun's environment (RANK, WORLD_SIZE,
 /// LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...) and supervise them: the first rank to fail ends
@@ -410,24 +412,6 @@ fn run(nproc: NprocPerNode, mut config: LaunchConfig) -> Result<ExitCode> {
         );
     }
     let outcome = launch_and_report_outcome(&config, "ddp-run", &Wording::default())?;
-    if let Outcome::Interrupted { signal, .. } = outcome {
-        die_of(signal);
-    }
+    die_of_interruption(&outcome);
     Ok(ExitCode::from(exit_status(&outcome)))
-}
-
-/// Ends this process by `signal`, which the launcher handled, as the signal's default action
-/// would have: a shell then sees a program the user stopped (`while :; do ddp-run ...; done`
-/// ends at a Ctrl-C, as it would with the program run alone). Returns where the signal does
-/// not end the process (the first process of a pid namespace, which the kernel's default
-/// actions spare), for the caller to exit with 128 + `signal` instead.
-fn die_of(signal: i32) {
-    use std::io::Write;
-    // What a rank printed last, which the process's end would not flush.
-    let _ = std::io::stdout().flush();
-    // SAFETY: signal(2) with SIG_DFL and raise(3), on this process; no memory is involved.
-    unsafe {
-        libc::signal(signal, libc::SIG_DFL);
-        libc::raise(signal);
-    }
 }

@@ -74,7 +74,8 @@ impl Wording {
 ///
 /// Returns the launcher's exit status: 0 when every rank succeeded, 1 when a rank failed
 /// (after the restarts), 75 ([`crate::EXIT_STOPPED`]) when the ranks stopped at a checkpoint
-/// on request ([`crate::Outcome::Stopped`]), 128+N after signal N. An `Err` is the
+/// on request ([`crate::Outcome::Stopped`]), 128+N after signal N (a launcher's `main` dies
+/// of it first: [`die_of_interruption`]). An `Err` is the
 /// launcher's own failure (bad settings, a program that cannot be started), for the caller to
 /// print.
 pub fn launch_and_report(config: &LaunchConfig, name: &str) -> Result<ExitCode, LaunchError> {
@@ -329,6 +330,27 @@ pub fn shell_command<S: AsRef<str>>(words: &[S]) -> String {
 /// [`Outcome::exit_code`] as a process's exit status (1 for anything out of range).
 pub fn exit_status(outcome: &Outcome) -> u8 {
     u8::try_from(outcome.exit_code()).unwrap_or(1)
+}
+
+/// Where a signal interrupted the job ([`Outcome::Interrupted`]), ends this process by it, as
+/// the signal's default action would have: a shell then sees a program the user stopped
+/// (`while :; do ddp-run ...; done` ends at a Ctrl-C, as it would with the program run
+/// alone). Returns otherwise, and where the signal does not end the process (the first
+/// process of a pid namespace, which the kernel's default actions spare), for the caller to
+/// exit with [`exit_status`] (128 + the signal) instead. For a launcher's `main`: the
+/// process ends here.
+pub fn die_of_interruption(outcome: &Outcome) {
+    use std::io::Write;
+    let Outcome::Interrupted { signal, .. } = *outcome else {
+        return;
+    };
+    // What a rank printed last, which the process's end would not flush.
+    let _ = std::io::stdout().flush();
+    // SAFETY: signal(2) with SIG_DFL and raise(3), on this process; no memory is involved.
+    unsafe {
+        libc::signal(signal, libc::SIG_DFL);
+        libc::raise(signal);
+    }
 }
 
 /// `println!` for a program's messages (ddp-run's, xtask's, the `ddp-train` binary's): a
