@@ -102,6 +102,51 @@ fn reduced_path_reports_truncated_and_corrupt_files() {
     }
 }
 
+/// Damage in the last rows of a baseline file fails every crop as a full decode does, also a
+/// crop that ends far above it: the reduced decode reads the image to its end, whatever the
+/// rows it keeps.
+#[test]
+fn damage_below_the_crop_fails_as_in_a_full_decode() {
+    let dir = tempfile::tempdir().unwrap();
+    let side = 1024;
+    let mut jpeg = common::gradient_jpeg(side, side);
+    let end = jpeg.len() - 2;
+    assert_eq!(jpeg[end..], [0xFF, 0xD9]);
+    // Markers in the last 1/100 of the entropy-coded data: its bottom row of MCUs, at most.
+    for (k, b) in jpeg[end - end / 100..end].iter_mut().enumerate() {
+        *b = if k % 2 == 0 { 0xFF } else { 0xC4 };
+    }
+    let bad = write(dir.path(), "bottom.jpg", &jpeg);
+    let full = Transform::train(64);
+    let mut p = Pipeline::new();
+    let mut out = vec![0f32; full.sample_len()];
+    let want = p
+        .run(&full, &bad, &mut SampleRng::new(0, 0, 0), &mut out)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        want.contains("bottom.jpg' cannot be decoded: corrupt JPEG data: "),
+        "{want}"
+    );
+    let t = full.with_dct_upsampling(1.0).unwrap();
+    // Crops that end above three quarters of the height (at least 400 pixels a side, so
+    // decoded at 1/4 or 1/8 scale).
+    let above: Vec<u64> = (0..1000)
+        .filter(|&i| {
+            let r = t.placement(side, side, &mut SampleRng::new(0, 0, i)).region;
+            r.top + r.height < 0.75 * f64::from(side)
+        })
+        .take(4)
+        .collect();
+    assert_eq!(above.len(), 4);
+    for i in above {
+        let e = p
+            .run(&t, &bad, &mut SampleRng::new(0, 0, i), &mut out)
+            .map(|()| "decoded".to_string());
+        assert_eq!(e.unwrap_or_else(|e| e.to_string()), want, "sample {i}");
+    }
+}
+
 /// A JPEG that libjpeg warns about (JFIF major version 2) but the full decoder takes: the
 /// reduced path falls back to the full decode, so the file trains whatever the crop, with
 /// the full pipeline's values.

@@ -1,6 +1,7 @@
 //! Reduced-size decoding of part of a JPEG through libjpeg-turbo (vendored by `mozjpeg-sys`):
 //! the IDCT runs at 1/2, 1/4 or 1/8 scale, only the columns of the crop are reconstructed,
-//! the rows above it are skipped and decoding stops after its last row. This is where a
+//! and the rows above and below it are skipped (entropy-decoded, so that damage anywhere in
+//! a baseline file is found whatever the crop, but not transformed). This is where a
 //! 2-3k pixel ODIR original becomes a 224-pixel crop several times faster than a full
 //! decode. This file holds the crate's unsafe code for decoding (libjpeg's C interface).
 
@@ -9,10 +10,10 @@ use std::mem::MaybeUninit;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use mozjpeg_sys::{
-    boolean, jpeg_abort_decompress, jpeg_common_struct, jpeg_create_decompress, jpeg_crop_scanline,
-    jpeg_decompress_struct, jpeg_destroy_decompress, jpeg_error_mgr, jpeg_mem_src,
-    jpeg_read_header, jpeg_read_scanlines, jpeg_skip_scanlines, jpeg_start_decompress,
-    jpeg_std_error, JDIMENSION, J_COLOR_SPACE,
+    boolean, jpeg_common_struct, jpeg_create_decompress, jpeg_crop_scanline,
+    jpeg_decompress_struct, jpeg_destroy_decompress, jpeg_error_mgr, jpeg_finish_decompress,
+    jpeg_mem_src, jpeg_read_header, jpeg_read_scanlines, jpeg_skip_scanlines,
+    jpeg_start_decompress, jpeg_std_error, JDIMENSION, J_COLOR_SPACE,
 };
 
 use crate::crop::SourceRegion;
@@ -168,8 +169,28 @@ unsafe fn decode_into(
             }
             done += got;
         }
-        // The rest of the image is not needed.
-        jpeg_abort_decompress(cinfo);
+        // The rows below are not needed, but their entropy-coded data must still be read:
+        // otherwise damage there would fail only the epochs whose crop reaches it. Skipping
+        // whole iMCU rows Huffman-decodes them (no IDCT, no colour conversion), but a skip to
+        // the end of the image returns without decoding anything: skip to the last row, and
+        // read that one. (A progressive file was read whole by `jpeg_start_decompress`.)
+        let last = out_h - 1;
+        if y1 <= last {
+            if y1 < last {
+                jpeg_skip_scanlines(cinfo, last - y1);
+            }
+            let len = out.len();
+            out.resize(len + stride, 0);
+            let mut row = out[len..].as_mut_ptr();
+            if jpeg_read_scanlines(cinfo, &mut row, 1) == 0 {
+                resume_unwind(Box::new(Failure(
+                    "libjpeg returned no scanline".to_string(),
+                )));
+            }
+            out.truncate(len);
+        }
+        // Reads on to the end-of-image marker, reporting what it finds on the way.
+        jpeg_finish_decompress(cinfo);
         DecodedPart {
             width,
             height: rows,
