@@ -222,6 +222,78 @@ fn a_jpeg_padded_after_its_end_decodes_as_without() {
     assert_eq!(img.pixels, &plain[..]);
 }
 
+/// A trailer that holds an end marker and then a scan marker (a motion photo's video holds
+/// any bytes) does not make the file look truncated: what follows the image's end marker is
+/// not read.
+#[test]
+fn a_jpeg_with_a_binary_trailer_decodes_as_without() {
+    let bytes = common::gradient_jpeg(64, 64);
+    let video = [
+        &[0, 0, 0, 0x18][..],
+        b"ftypmp42",
+        &[0x12, 0xFF, 0xD9, 0x34, 0x56],
+        b"mdat",
+        &[0xFF, 0xDA, 0x00, 0x0C, 0x9A],
+    ]
+    .concat();
+    let with_video = [&bytes[..], &video].concat();
+    let mut d = Decoder::new();
+    let plain = d
+        .decode_bytes(&bytes, Path::new("a.jpg"))
+        .unwrap()
+        .pixels
+        .to_vec();
+    let img = d
+        .decode_bytes(&with_video, Path::new("motion.jpg"))
+        .unwrap();
+    assert_eq!((img.width, img.height), (64, 64));
+    assert_eq!(img.pixels, &plain[..]);
+}
+
+/// A progressive JPEG (PIL's: ten scans, Huffman tables between them) is complete at its
+/// end marker and decodes; cut after any of its scans it is truncated.
+#[test]
+fn a_progressive_jpeg_decodes_and_is_truncated_when_cut() {
+    let bytes = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/progressive.jpg"
+    ))
+    .unwrap();
+    assert_eq!(bytes[..2], [0xFF, 0xD8]);
+    let markers = |code: u8| bytes.windows(2).filter(|w| *w == [0xFF, code]).count();
+    assert_eq!(
+        (markers(0xC2), markers(0xDA)),
+        (1, 10),
+        "SOF2 and ten scans"
+    );
+    let mut d = Decoder::new();
+    let img = d.decode_bytes(&bytes, Path::new("p.jpg")).unwrap();
+    assert_eq!((img.width, img.height), (64, 48));
+    // Red, green, blue and white quadrants.
+    let want = [
+        ((8, 8), [255, 0, 0]),
+        ((56, 8), [0, 255, 0]),
+        ((8, 40), [0, 0, 255]),
+        ((56, 40), [255, 255, 255]),
+    ];
+    for ((x, y), colour) in want {
+        let got = pixel(img.pixels, 64, x, y);
+        assert!(close(got, colour, 12), "({x}, {y}): {got:?}");
+    }
+    let last_scan = bytes.windows(2).rposition(|w| w == [0xFF, 0xDA]).unwrap();
+    for cut in [bytes.len() - 2, last_scan, last_scan - 1, bytes.len() / 2] {
+        let e = d
+            .decode_bytes(&bytes[..cut], Path::new("p.jpg"))
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("image 'p.jpg' cannot be decoded: truncated JPEG"),
+            "cut at {cut}: {e}"
+        );
+    }
+}
+
 #[test]
 fn corrupt_jpeg_and_png_are_errors_naming_the_file() {
     let mut d = Decoder::new();

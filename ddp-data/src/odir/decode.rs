@@ -79,17 +79,78 @@ fn is_jpeg(bytes: &[u8]) -> bool {
     bytes.len() >= 3 && bytes[0] == 0xFF && bytes[1] == 0xD8 && bytes[2] == 0xFF
 }
 
-/// Whether a JPEG is complete: its last scan (SOS, 0xFF 0xDA) is followed by the EOI marker
-/// (0xFF 0xD9), whatever follows that (cameras and editors pad or append trailers; PIL reads
-/// such files). Entropy-coded data stuffs every 0xFF with 0x00, so both pairs can only be
-/// markers there; an EXIF thumbnail's EOI comes before the image's first scan, so a file cut
-/// inside its scan has a scan start after its last EOI.
+/// Whether a JPEG is complete: walking its marker segments from the start-of-image marker by
+/// their lengths, and the entropy-coded data after each scan (SOS, 0xFFDA) to the marker that
+/// ends it, reaches the end-of-image marker (EOI, 0xFFD9) after a scan. Nothing after that EOI
+/// is read: cameras and editors pad files or append trailers (a motion photo's video, which
+/// may hold any bytes), and PIL reads such files. Entropy-coded data stuffs every 0xFF byte
+/// with 0x00 and may hold restart markers (0xFFD0-0xFFD7) and fill bytes (0xFF), which are
+/// read over; a progressive file has tables between its scans, and an EXIF thumbnail's own
+/// markers lie inside a segment that is skipped whole.
+///
+/// After a scan, a marker whose segment cannot be one (it runs past the end of the file or
+/// is not followed by a marker; a scan header of the wrong size) is damage in the
+/// entropy-coded data, read over: such a file is left to the decoder to call corrupt.
 fn has_end_marker(bytes: &[u8]) -> bool {
-    const SOS: [u8; 2] = [0xFF, 0xDA];
-    let Some(eoi) = bytes.windows(2).rposition(|w| w == [0xFF, 0xD9]) else {
+    const EOI: u8 = 0xD9;
+    const SOS: u8 = 0xDA;
+    if !bytes.starts_with(&[0xFF, 0xD8]) {
         return false;
-    };
-    bytes[..eoi].windows(2).any(|w| w == SOS) && !bytes[eoi..].windows(2).any(|w| w == SOS)
+    }
+    let mut scanned = false;
+    let mut from = 2;
+    while let Some((at, code)) = next_marker(bytes, from) {
+        from = at + 2;
+        match code {
+            EOI => return scanned,
+            // Markers without a segment: TEM, restarts, SOI.
+            0x01 | 0xD0..=0xD8 => {}
+            _ => match segment_end(bytes, at) {
+                Some(end) if !scanned || plausible_after_scan(bytes, at, end) => {
+                    scanned |= code == SOS;
+                    from = end;
+                }
+                // The file ends inside a header segment (or its length is broken).
+                None if !scanned => return false,
+                _ => {}
+            },
+        }
+    }
+    false
+}
+
+/// The first marker at or after `from`: its offset and code, past stuffed bytes (0xFF00),
+/// restart markers and fill bytes.
+fn next_marker(bytes: &[u8], mut from: usize) -> Option<(usize, u8)> {
+    loop {
+        let at = from + bytes.get(from..)?.iter().position(|&b| b == 0xFF)?;
+        match *bytes.get(at + 1)? {
+            0x00 | 0xD0..=0xD7 => from = at + 2,
+            0xFF => from = at + 1,
+            code => return Some((at, code)),
+        }
+    }
+}
+
+/// Where the segment of the marker at `at` ends, by its length field; `None` past the end of
+/// the file.
+fn segment_end(bytes: &[u8], at: usize) -> Option<usize> {
+    let len = bytes.get(at + 2..at + 4)?;
+    let len = usize::from(u16::from_be_bytes([len[0], len[1]]));
+    let end = at + 2 + len;
+    (len >= 2 && end <= bytes.len()).then_some(end)
+}
+
+/// Whether the segment of the marker at `at`, ending at `end`, can be one after a scan: a scan
+/// header's length matches its component count (1-4), any other segment is followed by a
+/// marker.
+fn plausible_after_scan(bytes: &[u8], at: usize, end: usize) -> bool {
+    if bytes[at + 1] == 0xDA {
+        let components = bytes.get(at + 4).map_or(0, |&n| usize::from(n));
+        (1..=4).contains(&components) && end - at - 2 == 6 + 2 * components
+    } else {
+        bytes.get(end) == Some(&0xFF)
+    }
 }
 
 impl Decoder {
@@ -327,26 +388,120 @@ impl Decoder {
 mod tests {
     use super::*;
 
+    /// A marker segment: the marker, its length (counting itself) and `payload`.
+    fn segment(code: u8, payload: &[u8]) -> Vec<u8> {
+        let len = u16::try_from(payload.len() + 2).unwrap().to_be_bytes();
+        [&[0xFF, code, len[0], len[1]][..], payload].concat()
+    }
+
+    /// A scan header for `components` components, then entropy-coded data holding a stuffed
+    /// 0xFF, a restart marker and fill bytes.
+    fn scan(components: u8) -> Vec<u8> {
+        let mut header = vec![components];
+        for c in 0..components {
+            header.extend([c + 1, 0x00]);
+        }
+        header.extend([0, 63, 0]);
+        let data = [
+            0x12, 0xFF, 0x00, 0x34, 0xFF, 0xD0, 0x56, 0xFF, 0xFF, 0xFF, 0xD1, 0x78,
+        ];
+        [segment(0xDA, &header), data.to_vec()].concat()
+    }
+
+    const SOI: [u8; 2] = [0xFF, 0xD8];
+    const EOI: [u8; 2] = [0xFF, 0xD9];
+
+    /// SOI, an EXIF segment holding a complete thumbnail (whose EOI comes before the image's
+    /// scan), the tables and the frame header.
+    fn headers() -> Vec<u8> {
+        let thumbnail = [&SOI[..], &scan(3), &EOI].concat();
+        let exif = [&b"Exif\0\0"[..], &thumbnail].concat();
+        [
+            SOI.to_vec(),
+            segment(0xE1, &exif),
+            segment(0xDB, &[0; 65]),
+            segment(0xC0, &[8, 0, 16, 0, 16, 1, 1, 0x11, 0]),
+            segment(0xC4, &[0; 17]),
+        ]
+        .concat()
+    }
+
     #[test]
-    fn the_end_marker_must_follow_the_last_scan() {
-        let scan = |len| {
-            let mut s = vec![0xFF, 0xDA];
-            s.extend(std::iter::repeat_n(0x11, len));
-            s
-        };
-        // A thumbnail's EOI, then the image's scan, cut: truncated.
-        let thumbnail = [0xFF, 0xD8, 0xFF, 0xDA, 0x22, 0xFF, 0xD9];
-        let mut bytes = [&thumbnail[..], &scan(100)].concat();
-        assert!(!has_end_marker(&bytes));
-        // Complete, then padded or followed by a trailer: complete.
-        bytes.extend([0xFF, 0xD9]);
-        assert!(has_end_marker(&bytes));
-        bytes.extend(std::iter::repeat_n(0, 200));
-        bytes.extend(b"trailer");
-        assert!(has_end_marker(&bytes));
-        // No scan at all, or no EOI: not a complete image.
-        assert!(!has_end_marker(&[0xFF, 0xD8, 0xFF, 0xD9]));
-        assert!(!has_end_marker(&scan(10)));
+    fn a_baseline_file_is_complete_at_its_end_marker_and_truncated_before() {
+        let file = [headers(), scan(1), EOI.to_vec()].concat();
+        assert!(has_end_marker(&file));
+        // Cut anywhere, in the headers, the thumbnail or the scan: truncated.
+        for cut in 0..file.len() {
+            assert!(
+                !has_end_marker(&file[..cut]),
+                "cut at {cut} of {}",
+                file.len()
+            );
+        }
+        // No scan, or no start-of-image marker: not a complete image.
+        assert!(!has_end_marker(&[SOI, EOI].concat()));
+        assert!(!has_end_marker(&file[2..]));
+    }
+
+    /// Whatever follows the end marker is not read: a trailer with a scan marker after an end
+    /// marker (as a motion photo's video may hold) leaves the file complete.
+    #[test]
+    fn bytes_after_the_end_marker_are_not_read() {
+        let file = [headers(), scan(1), EOI.to_vec()].concat();
+        let trailer = [
+            &[0, 0, 0, 0x18][..],
+            b"ftypmp42",
+            &EOI,
+            b"mdat",
+            &[0xFF, 0xDA, 7],
+        ];
+        let with_trailer = [&file[..], &trailer.concat()].concat();
+        assert!(has_end_marker(&with_trailer));
+        let padded = [&file[..], &[0; 300]].concat();
+        assert!(has_end_marker(&padded));
+    }
+
+    /// A progressive file has several scans with tables between them: complete only at the
+    /// end marker after the last one.
+    #[test]
+    fn a_progressive_file_is_complete_after_its_last_scan() {
+        let first = [headers(), scan(3)].concat();
+        let file = [
+            first.clone(),
+            segment(0xC4, &[0x10; 17]),
+            scan(1),
+            segment(0xFE, b"a comment"),
+            scan(1),
+            EOI.to_vec(),
+        ]
+        .concat();
+        assert!(has_end_marker(&file));
+        for cut in first.len()..file.len() {
+            assert!(
+                !has_end_marker(&file[..cut]),
+                "cut at {cut} of {}",
+                file.len()
+            );
+        }
+    }
+
+    /// Markers that damage put in the entropy-coded data (segments that cannot be segments)
+    /// are read over: the file's end marker is found, and the decoder reports the damage.
+    #[test]
+    fn damage_in_the_scan_is_left_to_the_decoder() {
+        let damage = [
+            0xFF, 0xC4, 0xFF, 0xC4, 0x00, 0x05, 0x11, 0xFF, 0xDA, 0x00, 0x08, 0x01,
+        ];
+        let file = [
+            headers(),
+            scan(1),
+            damage.to_vec(),
+            vec![0x22; 40],
+            EOI.to_vec(),
+        ]
+        .concat();
+        assert!(has_end_marker(&file));
+        assert!(!has_end_marker(&file[..file.len() - 2]));
     }
 
     /// A link to a device that never ends is refused before it is read, naming the file.
