@@ -102,10 +102,7 @@ fn claim<D>(shared: &Shared<D>) -> Option<(usize, Arc<dyn BatchMemory>)> {
         Ok(Some(s)) => Some((position, Arc::clone(&state.slots[s].memory))),
         Ok(None) => None,
         Err(e) => {
-            state.fatal.get_or_insert(e);
-            state.stop = true;
-            ring.work.notify_all();
-            ring.ready.notify_all();
+            ring.fail(&mut state, batch, e);
             None
         }
     }
@@ -113,24 +110,23 @@ fn claim<D>(shared: &Shared<D>) -> Option<(usize, Arc<dyn BatchMemory>)> {
 
 fn worker_loop<D: Dataset>(shared: Arc<Shared<D>>, worker: usize) {
     let ring = Arc::clone(&shared.ring);
-    // The sample index in hand, for a panic that escapes `work`'s own catch (in a data set's
-    // `describe`, say).
+    // The sample in hand (its position and index), for a panic that escapes `work`'s own
+    // catch (in a data set's `describe`, say).
     let current = Cell::new(None);
     let escaped = catch_unwind(AssertUnwindSafe(|| work(&shared, worker, &current)));
     let mut st = ring.lock();
     if let Err(panic) = escaped {
-        // Its claimed sample will never be finished: stop the loader with the error rather
-        // than leave the consumer waiting for it.
-        let sample = match current.get() {
-            Some(index) => format!("sample index {index}"),
-            None => "no sample".to_string(),
+        // Its claimed sample will never be finished: stop the loader with the error, from
+        // that sample's batch on, rather than leave the consumer waiting for it.
+        let (sample, batch) = match current.get() {
+            Some((position, index)) => (
+                format!("sample index {index}"),
+                position / shared.batch_size,
+            ),
+            None => ("no sample".to_string(), st.next / shared.batch_size),
         };
-        st.fatal.get_or_insert(DataError::WorkerPanicked {
-            worker,
-            sample: format!("{sample} ({})", panic_message(&*panic)),
-        });
-        st.stop = true;
-        ring.work.notify_all();
+        let sample = format!("{sample} ({})", panic_message(&*panic));
+        ring.fail(&mut st, batch, DataError::WorkerPanicked { worker, sample });
     }
     st.live_workers -= 1;
     ring.ready.notify_all();
@@ -138,27 +134,31 @@ fn worker_loop<D: Dataset>(shared: Arc<Shared<D>>, worker: usize) {
 
 /// A worker's loop: claims positions and writes their samples until none is left or the
 /// loader stops. Panics in the data set's `worker` and `write` are caught here.
-fn work<D: Dataset>(shared: &Shared<D>, worker: usize, current: &Cell<Option<usize>>) {
+fn work<D: Dataset>(shared: &Shared<D>, worker: usize, current: &Cell<Option<(usize, usize)>>) {
     let ring = &shared.ring;
     let request = &ring.request;
     let layout = &request.layout;
     // A data set whose `worker` panics cannot load with this thread: the loader stops with
-    // `sample` (what it was about) and that panic's message, rather than leave the samples
-    // to the other workers, or to nobody.
-    let start = |sample: &dyn Fn(&str) -> String| {
+    // `sample` (what it was about) and that panic's message, from `batch` on (without one,
+    // from the first batch not wholly claimed), rather than leave the samples to the other
+    // workers, or to nobody. The error's text is returned.
+    let start = |batch: Option<usize>, sample: &dyn Fn(&str) -> String| {
         catch_unwind(AssertUnwindSafe(|| shared.dataset.worker())).map_err(|panic| {
+            let sample = sample(panic_message(&*panic));
             let mut st = ring.lock();
-            st.fatal.get_or_insert(DataError::WorkerPanicked {
+            let batch = batch.unwrap_or(st.next / shared.batch_size);
+            let error = DataError::WorkerPanicked {
                 worker,
-                sample: sample(panic_message(&*panic)),
-            });
-            st.stop = true;
-            ring.work.notify_all();
-            ring.ready.notify_all();
+                sample: sample.clone(),
+            };
+            ring.fail(&mut st, batch, error);
+            sample
         })
     };
-    let mut state =
-        start(&|m| format!("no sample: the data set's worker state panicked ({m})")).ok();
+    let mut state = start(None, &|m| {
+        format!("no sample: the data set's worker state panicked ({m})")
+    })
+    .ok();
     while let Some(worker_state) = state.as_mut() {
         current.set(None);
         let Some((position, memory)) = claim(shared) else {
@@ -166,7 +166,7 @@ fn work<D: Dataset>(shared: &Shared<D>, worker: usize, current: &Cell<Option<usi
         };
         let k = position % shared.batch_size;
         let index = ring.indices[position];
-        current.set(Some(index));
+        current.set(Some((position, index)));
         let outcome = catch_unwind(AssertUnwindSafe(|| {
             // SAFETY: `memory` holds a whole batch (`BatchMemory`'s contract, sized by
             // `request`); sample `k` of it is written by this worker alone, because each
@@ -204,16 +204,17 @@ fn work<D: Dataset>(shared: &Shared<D>, worker: usize, current: &Cell<Option<usi
         let result = match outcome {
             Ok(r) => r,
             Err(panic) => {
-                let sample = format!(
+                let mut sample = format!(
                     "{} ({})",
                     shared.dataset.describe(index),
                     panic_message(&*panic)
                 );
-                // The per-thread state may be half-updated: start afresh.
-                state = start(&|m| {
+                // The per-thread state may be half-updated: start afresh. If that fails too,
+                // the sample's error says so, as the loader-wide one does.
+                let made = start(Some(position / shared.batch_size), &|m| {
                     format!("{sample}; its worker state, made again, panicked too ({m})")
-                })
-                .ok();
+                });
+                state = made.map_err(|both| sample = both).ok();
                 Err(DataError::WorkerPanicked { worker, sample })
             }
         };
@@ -388,7 +389,8 @@ fn finish_sample(
 ///
 /// **Determinism.** Sample `i`'s random draws come from `(seed, epoch, i)` alone, so the values
 /// do not depend on the number of workers or on their timing. Batches, and errors, come in
-/// index order: a later batch's error waits until that batch is due. Dropping the loader
+/// index order: a later batch's error waits until that batch is due, also one that stops the
+/// whole loader (a slot that cannot be allocated, a worker that dies). Dropping the loader
 /// stops the workers after the sample each one is writing.
 pub struct HostLoader<D: Dataset> {
     shared: Arc<Shared<D>>,
@@ -568,40 +570,46 @@ impl<D: Dataset> HostLoader<D> {
         let batch = state.handed;
         let start = batch * b;
         if start >= shared.total {
+            // Every batch came out: an error that kept none from finishing (a worker that
+            // died with nothing left to claim) is the last item.
+            let fatal = state.fatal.take();
             drop(state);
             self.finished = true;
-            return None;
+            return fatal.map(|(_, e)| Err(e));
         }
-        let slot = loop {
-            if let Some(e) = state.fatal.take() {
-                drop(state);
-                self.stop();
-                return Some(Err(e));
-            }
+        // A finished batch comes out before any loader-wide error: that error waits until the
+        // batch it stopped is due, or until every worker has gone with this one unfinished.
+        let waited = loop {
             if let Some(&s) = state.filling.get(&batch) {
                 if state.slots[s].remaining == 0 {
-                    break s;
+                    break Ok(s);
                 }
             }
+            if state.fatal.as_ref().is_some_and(|&(from, _)| from <= batch) {
+                break Err(state.fatal.take().map(|(_, e)| e));
+            }
             if state.live_workers == 0 {
-                // Every worker has gone with this batch unfinished: its own error if one of
-                // its samples failed, else the batch's first sample.
-                let own = match state.filling.get(&batch).copied() {
-                    Some(s) => state.slots[s].error.take(),
-                    None => None,
-                };
-                let e = own.map_or_else(
-                    || DataError::WorkerPanicked {
-                        worker: 0,
-                        sample: shared.dataset.describe(ring.indices[start]),
-                    },
-                    |(_, e)| e,
-                );
-                drop(state);
-                self.stop();
-                return Some(Err(e));
+                // This batch will never finish: its own error if one of its samples failed,
+                // else the loader-wide error that stopped the workers.
+                let own = state.filling.get(&batch).copied();
+                let own = own.and_then(|s| state.slots[s].error.take());
+                let fatal = || state.fatal.take().map(|(_, e)| e);
+                break Err(own.map(|(_, e)| e).or_else(fatal));
             }
             state = ring.ready.wait(state).unwrap_or_else(|e| e.into_inner());
+        };
+        let slot = match waited {
+            Ok(slot) => slot,
+            Err(e) => {
+                drop(state);
+                self.stop();
+                // Without either error, the workers went without one: the batch's first sample.
+                let e = e.unwrap_or_else(|| DataError::WorkerPanicked {
+                    worker: 0,
+                    sample: shared.dataset.describe(ring.indices[start]),
+                });
+                return Some(Err(e));
+            }
         };
         state.filling.remove(&batch);
         if let Some((_, e)) = state.slots[slot].error.take() {

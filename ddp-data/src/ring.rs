@@ -99,8 +99,9 @@ pub(crate) struct State {
     /// Batch number -> slot, for batches being filled or finished but not handed out.
     pub(crate) filling: HashMap<usize, usize>,
     /// An error that ends the epoch wherever it happens (a slot that cannot be allocated or
-    /// made reusable).
-    pub(crate) fatal: Option<DataError>,
+    /// made reusable, a worker that died), with the first batch it keeps from finishing: the
+    /// batches before that one still come out first ([`Ring::fail`]).
+    pub(crate) fatal: Option<(usize, DataError)>,
     pub(crate) live_workers: usize,
 }
 
@@ -147,6 +148,18 @@ impl Ring {
 
     fn wait<'a>(&self, state: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         self.work.wait(state).unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops the loader with `error`, a failure from batch `batch` on: the workers stop
+    /// claiming, and the consumer gets the error once that batch (or a later one) is due, or
+    /// the batch it waits for can no longer finish. Of several, the earliest batch's is kept.
+    pub(crate) fn fail(&self, state: &mut State, batch: usize, error: DataError) {
+        if state.fatal.as_ref().is_none_or(|&(from, _)| batch < from) {
+            state.fatal = Some((batch, error));
+        }
+        state.stop = true;
+        self.work.notify_all();
+        self.ready.notify_all();
     }
 
     /// Returns `slot` to the back of the free list, with `hook` to run before it is written

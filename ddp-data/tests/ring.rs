@@ -404,6 +404,93 @@ fn a_failed_allocation_falls_back_to_a_hooked_free_slot() {
     assert!(at("hook 0") < at("write 2"), "{seen:?}");
 }
 
+/// A worker's state that says when its thread is done with it (the thread has stopped).
+struct Farewell(mpsc::Sender<()>);
+
+impl Drop for Farewell {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
+}
+
+/// Sample `i` is the value `i`; each worker's state says when its thread stops.
+struct Waving {
+    len: usize,
+    stopped: Mutex<mpsc::Sender<()>>,
+}
+
+impl Dataset for Waving {
+    type Worker = Farewell;
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn layout(&self) -> SampleLayout {
+        SampleLayout::new([1], [1])
+    }
+
+    fn worker(&self) -> Farewell {
+        Farewell(self.stopped.lock().unwrap().clone())
+    }
+
+    fn write(
+        &self,
+        _: &mut Farewell,
+        index: usize,
+        _: &mut SampleRng,
+        out: SampleOut<'_>,
+    ) -> Result<(), DataError> {
+        out.input.f32()?[0] = index as f32;
+        out.targets.f32()?[0] = index as f32;
+        Ok(())
+    }
+}
+
+/// A slot that cannot be allocated stops the whole loader, but the batches finished before
+/// the one it was for still come out first, in index order: the error waits until that
+/// batch is due.
+#[test]
+fn a_failed_allocation_waits_for_the_batches_finished_before_it() {
+    let (stopped, worker_stopped) = mpsc::channel();
+    let data = Waving {
+        len: 8,
+        stopped: Mutex::new(stopped),
+    };
+    let allocator = Arc::new(FailingAllocator {
+        calls: Mutex::new(0),
+        fail_on: 3,
+        panics: false,
+        log: Log::default(),
+    });
+    // One worker, three batches ahead: it finishes batches 0 and 1, fails to get a slot for
+    // batch 2 and stops, all before the consumer asks for a batch.
+    let loader = HostLoader::with_storage(
+        data,
+        (0..8).collect(),
+        &one_per_batch(1, 3),
+        Storage::F32,
+        allocator,
+    )
+    .unwrap();
+    worker_stopped
+        .recv_timeout(LIMIT)
+        .expect("the worker stops after the failed allocation");
+    assert!(loader.is_next_ready());
+    let seen = bounded("the epoch", move || {
+        loader
+            .map(|b| match b {
+                Ok(b) => b.input_f32().unwrap()[0].to_string(),
+                Err(e) => e.to_string(),
+            })
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(
+        seen,
+        ["0", "1", "CUDA call cudaHostRegister failed: out of memory"]
+    );
+}
+
 /// Runs `f` on a thread of its own and returns what it returned; fails the test, instead of
 /// hanging it, when `f` panics or takes longer than [`LIMIT`].
 fn bounded<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -660,11 +747,9 @@ fn a_panicking_data_set_is_reported_with_its_message_and_its_sample() {
         error,
         "loader worker thread 0 panicked while loading sample 5 (sample 5 is broken)"
     );
+    // The loader stops at sample 5, but the batches before it are finished first.
     let (values, error) = moody_epoch(moody(Some(5), 1));
-    assert_eq!(
-        values,
-        (0..values.len()).map(|v| v as f32).collect::<Vec<_>>()
-    );
+    assert_eq!(values, [0.0, 1.0, 2.0, 3.0, 4.0]);
     assert_eq!(
         error,
         "loader worker thread 0 panicked while loading sample 5 (sample 5 is broken); \
