@@ -340,14 +340,14 @@ pub fn exit_status(outcome: &Outcome) -> u8 {
 /// exit with [`exit_status`] (128 + the signal) instead. For a launcher's `main`: the
 /// process ends here.
 pub fn die_of_interruption(outcome: &Outcome) {
-    use std::io::Write;
     let Outcome::Interrupted { signal, .. } = *outcome else {
         return;
     };
-    // What a rank printed last, which the process's end would not flush.
-    let _ = std::io::stdout().flush();
-    // SAFETY: signal(2) with SIG_DFL and raise(3), on this process; no memory is involved.
+    // SAFETY: prctl(2), signal(2) with SIG_DFL and raise(3), on this process; no memory is
+    // involved. Not dumpable: SIGQUIT's default action (Ctrl-\\) would leave a core of the
+    // launcher, which no user asked for.
     unsafe {
+        libc::prctl(libc::PR_SET_DUMPABLE, 0);
         libc::signal(signal, libc::SIG_DFL);
         libc::raise(signal);
     }

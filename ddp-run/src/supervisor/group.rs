@@ -55,10 +55,12 @@ pub(super) fn running(group: u32) -> usize {
 /// each with how many.
 pub(super) fn left_after(groups: &[u32], most: Duration) -> Vec<(u32, usize)> {
     let deadline = Instant::now().checked_add(most);
+    let mut left: Vec<(u32, usize)> = groups.iter().map(|&g| (g, 0)).collect();
     loop {
-        let left: Vec<(u32, usize)> = groups
-            .iter()
-            .map(|&g| (g, running(g)))
+        // A group found empty is done with: its number may be reused by another group.
+        left = left
+            .into_iter()
+            .map(|(g, _)| (g, running(g)))
             .filter(|&(_, n)| n > 0)
             .collect();
         if left.is_empty() || deadline.is_some_and(|d| Instant::now() >= d) {

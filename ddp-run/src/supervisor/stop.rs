@@ -175,6 +175,8 @@ struct SecondSignal {
     /// How often the other watched signals had arrived when the stop began.
     others: u64,
     began: Instant,
+    /// When [`SecondSignal::arrived`] last looked.
+    polled: Instant,
 }
 
 impl SecondSignal {
@@ -183,10 +185,12 @@ impl SecondSignal {
             Cause::Signal(signal) => Some((signal, received_count(signal))),
             Cause::Launcher => None,
         };
+        let began = Instant::now();
         Self {
             first,
             others: received_other_than(first.map_or(0, |(s, _)| s)),
-            began: Instant::now(),
+            began,
+            polled: began,
         }
     }
 
@@ -199,8 +203,11 @@ impl SecondSignal {
             return false;
         };
         let now = received_count(*signal);
+        // The repeat arrived after the previous poll: within the window if that poll was (a
+        // loaded machine's polls may lag the signal).
+        let previous = std::mem::replace(&mut self.polled, Instant::now());
         if now != *seen {
-            if self.began.elapsed() >= REPEAT_WINDOW {
+            if previous.duration_since(self.began) >= REPEAT_WINDOW {
                 return true;
             }
             // The same request delivered again: from now on, only a later repeat counts.
