@@ -60,7 +60,7 @@
 //! `ddp-run --nproc-per-node N my-trainer ...` in one command, with the same supervision and
 //! messages: the first rank to fail ends the job, signals are forwarded to every rank, the
 //! exit status is `ddp-run`'s (0, 1 after a failed rank, 75 when every rank stopped at a
-//! checkpoint; after signal N, death by it), the ranks meet on a free loopback port, and each rank's
+//! checkpoint, 128+N after signal N), the ranks meet on a free loopback port, and each rank's
 //! output goes to the terminal and to `<run directory>/logs/rank-<r>.out`, next to the
 //! Trainer's `rank-<r>.log` (without `--out`, the launching process chooses the run directory
 //! and passes it to the ranks as `--out`). Several nodes, `--max-restarts` and the other

@@ -44,10 +44,9 @@ pub(super) fn start_ranks(
         .file_name()
         .map_or_else(|| "launcher".into(), |n| n.to_string_lossy());
     let wording = wording(&config, &argv, chosen);
-    let outcome = ddp_run::cli::launch_and_report_outcome(&config, &name, &wording)?;
-    // Stopped by a signal: this program ends by it too, as ddp-run does.
-    ddp_run::cli::die_of_interruption(&outcome);
-    Ok(ExitCode::from(ddp_run::cli::exit_status(&outcome)))
+    Ok(ddp_run::cli::launch_and_report_with(
+        &config, &name, &wording,
+    )?)
 }
 
 /// The advice of `ddp-run`'s messages in this program's words, for the job of `config`
