@@ -83,7 +83,7 @@ fn claim<D>(shared: &Shared<D>) -> Option<(usize, Arc<dyn BatchMemory>)> {
     let ring = &shared.ring;
     let mut state = ring.lock();
     loop {
-        if state.stop || state.next >= shared.total {
+        if state.next >= shared.total || state.stops(state.next / shared.batch_size) {
             return None;
         }
         if state.next < state.limit {
@@ -123,7 +123,7 @@ fn worker_loop<D: Dataset>(shared: Arc<Shared<D>>, worker: usize) {
                 format!("sample index {index}"),
                 position / shared.batch_size,
             ),
-            None => ("no sample".to_string(), st.next / shared.batch_size),
+            None => ("no sample".to_string(), st.next.div_ceil(shared.batch_size)),
         };
         let sample = format!("{sample} ({})", panic_message(&*panic));
         ring.fail(&mut st, batch, DataError::WorkerPanicked { worker, sample });
@@ -140,13 +140,13 @@ fn work<D: Dataset>(shared: &Shared<D>, worker: usize, current: &Cell<Option<(us
     let layout = &request.layout;
     // A data set whose `worker` panics cannot load with this thread: the loader stops with
     // `sample` (what it was about) and that panic's message, from `batch` on (without one,
-    // from the first batch not wholly claimed), rather than leave the samples to the other
+    // from the first batch of which nothing is claimed), rather than leave the samples to the other
     // workers, or to nobody. The error's text is returned.
     let start = |batch: Option<usize>, sample: &dyn Fn(&str) -> String| {
         catch_unwind(AssertUnwindSafe(|| shared.dataset.worker())).map_err(|panic| {
             let sample = sample(panic_message(&*panic));
             let mut st = ring.lock();
-            let batch = batch.unwrap_or(st.next / shared.batch_size);
+            let batch = batch.unwrap_or(st.next.div_ceil(shared.batch_size));
             let error = DataError::WorkerPanicked {
                 worker,
                 sample: sample.clone(),

@@ -106,6 +106,13 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// Whether workers must leave batch `batch` alone: the consumer stopped, or a loader-wide
+    /// error stopped that batch or an earlier one (the batches before it still finish, and
+    /// come out first).
+    pub(crate) fn stops(&self, batch: usize) -> bool {
+        self.stop || self.fatal.as_ref().is_some_and(|&(from, _)| from <= batch)
+    }
+
     /// The state before the first claim: positions below `limit` may be claimed.
     pub(crate) fn new(limit: usize, workers: usize) -> Self {
         Self {
@@ -150,14 +157,14 @@ impl Ring {
         self.work.wait(state).unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Stops the loader with `error`, a failure from batch `batch` on: the workers stop
-    /// claiming, and the consumer gets the error once that batch (or a later one) is due, or
-    /// the batch it waits for can no longer finish. Of several, the earliest batch's is kept.
+    /// Stops the loader with `error`, a failure from batch `batch` on: the workers finish the
+    /// batches before it and claim nothing of it or later ([`State::stops`]), and the consumer
+    /// gets the error once that batch (or a later one) is due, or the batch it waits for can
+    /// no longer finish. Of several, the earliest batch's is kept.
     pub(crate) fn fail(&self, state: &mut State, batch: usize, error: DataError) {
         if state.fatal.as_ref().is_none_or(|&(from, _)| batch < from) {
             state.fatal = Some((batch, error));
         }
-        state.stop = true;
         self.work.notify_all();
         self.ready.notify_all();
     }
@@ -187,7 +194,7 @@ impl Ring {
         allocator: &dyn SlotAllocator,
     ) -> (MutexGuard<'a, State>, Result<Option<usize>, DataError>) {
         loop {
-            if state.stop {
+            if state.stops(batch) {
                 return (state, Ok(None));
             }
             if let Some(&s) = state.filling.get(&batch) {
