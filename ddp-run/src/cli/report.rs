@@ -347,7 +347,7 @@ pub fn die_of_interruption(outcome: &Outcome) {
     // involved. Not dumpable: SIGQUIT's default action (Ctrl-\\) would leave a core of the
     // launcher, which no user asked for.
     unsafe {
-        libc::prctl(libc::PR_SET_DUMPABLE, 0);
+        libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong);
         libc::signal(signal, libc::SIG_DFL);
         libc::raise(signal);
     }

@@ -202,10 +202,10 @@ impl SecondSignal {
         let Some((signal, seen)) = &mut self.first else {
             return false;
         };
-        let now = received_count(*signal);
         // The repeat arrived after the previous poll: within the window if that poll was (a
         // loaded machine's polls may lag the signal).
         let previous = std::mem::replace(&mut self.polled, Instant::now());
+        let now = received_count(*signal);
         if now != *seen {
             if previous.duration_since(self.began) >= REPEAT_WINDOW {
                 return true;
