@@ -1,7 +1,8 @@
 // The one copy of how a folder's entries are flushed to the disk and how folders are made
-// durable, `include!`d by ddp-model (`checkpoint.rs`), ddp-data (`odir/synthetic.rs`), ddp-run
-// (`supervisor.rs`) and xtask (`folder_sync.rs`, which tests it): they share no crate that could hold it without a heavy dependency (xtask builds before
-// libtorch and without ddp-data; ddp-data without tch links no ddp-model).
+// durable, `include!`d by ddp-model (`checkpoint.rs`), ddp-data (`odir/synthetic.rs`),
+// ddp-run (`run_dir.rs`) and xtask (`folder_sync.rs`, which tests it): they share no crate
+// that could hold it without a heavy dependency (xtask builds before libtorch and without
+// ddp-data; ddp-data without tch links no ddp-model).
 
 /// Flushes folder `dir`'s entries (a file renamed or created in it) to the disk. A file
 /// system whose folders cannot be synced (VirtualBox shared folders, older CIFS, some FUSE

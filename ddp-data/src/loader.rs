@@ -123,7 +123,10 @@ fn worker_loop<D: Dataset>(shared: Arc<Shared<D>>, worker: usize) {
                 format!("sample index {index}"),
                 position / shared.batch_size,
             ),
-            None => ("no sample".to_string(), st.next.div_ceil(shared.batch_size)),
+            None => (
+                "no sample".to_string(),
+                st.first_unclaimed_batch(shared.batch_size),
+            ),
         };
         let sample = format!("{sample} ({})", panic_message(&*panic));
         ring.fail(&mut st, batch, DataError::WorkerPanicked { worker, sample });
@@ -140,13 +143,13 @@ fn work<D: Dataset>(shared: &Shared<D>, worker: usize, current: &Cell<Option<(us
     let layout = &request.layout;
     // A data set whose `worker` panics cannot load with this thread: the loader stops with
     // `sample` (what it was about) and that panic's message, from `batch` on (without one,
-    // from the first batch of which nothing is claimed), rather than leave the samples to the other
-    // workers, or to nobody. The error's text is returned.
+    // from the first batch of which nothing is claimed), rather than leave the samples to
+    // the other workers, or to nobody. The error's text is returned.
     let start = |batch: Option<usize>, sample: &dyn Fn(&str) -> String| {
         catch_unwind(AssertUnwindSafe(|| shared.dataset.worker())).map_err(|panic| {
             let sample = sample(panic_message(&*panic));
             let mut st = ring.lock();
-            let batch = batch.unwrap_or(st.next.div_ceil(shared.batch_size));
+            let batch = batch.unwrap_or(st.first_unclaimed_batch(shared.batch_size));
             let error = DataError::WorkerPanicked {
                 worker,
                 sample: sample.clone(),

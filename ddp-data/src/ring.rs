@@ -113,6 +113,12 @@ impl State {
         self.stop || self.fatal.as_ref().is_some_and(|&(from, _)| from <= batch)
     }
 
+    /// The first batch of which nothing is claimed yet, of batches of `batch_size`: the one
+    /// a failure that concerns no sample in hand stops (those claimed still finish).
+    pub(crate) fn first_unclaimed_batch(&self, batch_size: usize) -> usize {
+        self.next.div_ceil(batch_size)
+    }
+
     /// The state before the first claim: positions below `limit` may be claimed.
     pub(crate) fn new(limit: usize, workers: usize) -> Self {
         Self {

@@ -758,9 +758,10 @@ mod tests {
         assert!((gb - 1.2).abs() < 1e-6, "{gb}");
     }
 
-    /// On cuda:0, where `_foreach_norm` and `_foreach_mul_` run CUDA's kernels: gradients of
-    /// two dtypes (two groups, scaled by the f64 total's coefficient, as PyTorch's are),
-    /// clipped as on the CPU, each keeping its dtype and device. `cargo xtask gpu-check` runs it; without a GPU it says `skipped:`.
+    /// On cuda:0, where `_foreach_norm` and `_foreach_mul_` run CUDA's kernels: gradients
+    /// of two dtypes (two groups, scaled by the f64 total's coefficient, as PyTorch's are),
+    /// clipped as on the CPU, each keeping its dtype and device. `cargo xtask gpu-check`
+    /// runs it; without a GPU it says `skipped:`.
     #[test]
     fn clipping_on_cuda_equals_clipping_on_the_cpu() {
         if !crate::ddp::gpu_tests::gpu() {

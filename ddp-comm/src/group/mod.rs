@@ -57,14 +57,14 @@ pub struct RingLayout {
 /// timeout. Methods take `&self`
 /// and serialise internally; the group is `Send + Sync`.
 ///
-/// The group is one failure domain, as PyTorch's: after a collective failed on either
-/// backend (a peer lost, a timeout, a mismatch, an aborted NCCL communicator), every later
-/// collective fails with [`CommError::Poisoned`] naming the failure, CPU and CUDA alike,
-/// and the neighbours' collectives fail too (the CPU ring's links are shut). Refusals before any communication (a tensor, root or output the call cannot
-/// take; [`ProcessGroup::all_gather_bytes`]' [`CommError::TooLarge`]) leave the group
-/// usable, and so does NCCL's initialisation failing (every later CUDA collective fails
-/// with it, the CPU ring carries on). A wait on a CUDA collective queued before a CPU
-/// failure still gets NCCL's answer.
+/// The group is one failure domain, as PyTorch's: after a collective failed on either backend (a
+/// peer lost, a timeout, a mismatch, an aborted NCCL communicator), every later collective fails
+/// with [`CommError::Poisoned`] naming the failure, CPU and CUDA alike, and the neighbours'
+/// collectives fail too (the CPU ring's links are shut). Refusals before any communication (a
+/// tensor, root or output the call cannot take; [`ProcessGroup::all_gather_bytes`]'
+/// [`CommError::TooLarge`]) leave the group usable, and so does NCCL's initialisation failing
+/// (every later CUDA collective fails with it, the CPU ring carries on). A wait on a CUDA
+/// collective queued before a CPU failure still gets NCCL's answer.
 pub struct ProcessGroup {
     rank: usize,
     world_size: usize,
@@ -565,10 +565,10 @@ impl ProcessGroup {
     }
 
     /// Sets the most bytes [`ProcessGroup::all_gather_bytes`] allocates for all ranks'
-    /// contributions together (default [`DEFAULT_MAX_GATHER_BYTES`](crate::DEFAULT_MAX_GATHER_BYTES), 1 GiB). The
-    /// lengths come from the peers: a larger total fails with [`CommError::TooLarge`],
-    /// naming the rank, before anything is allocated. Every rank sees the same lengths, so
-    /// give every rank the same limit.
+    /// contributions together (default
+    /// [`DEFAULT_MAX_GATHER_BYTES`](crate::DEFAULT_MAX_GATHER_BYTES), 1 GiB). The lengths come from
+    /// the peers: a larger total fails with [`CommError::TooLarge`], naming the rank, before
+    /// anything is allocated. Every rank sees the same lengths, so give every rank the same limit.
     pub fn set_max_gather_bytes(&self, bytes: u64) {
         lock(&self.cpu).set_max_gather(bytes);
     }

@@ -142,8 +142,8 @@ fn find_annotations(root: &Path) -> Option<(usize, PathBuf)> {
 /// A folder next to `root` that [`find_annotations`] accepts, for a `root` it does not: the
 /// parent where `root` is named as a layout's image folders are, or a folder on their way
 /// (an images folder given for its data folder; not the challenge's `Testing Images`, whose
-/// parent's labels are the training set's), else the subfolder whose annotation file comes first in the search order, then by
-/// name (OIA-ODIR's `Training Set` in its root).
+/// parent's labels are the training set's), else the subfolder whose annotation file comes
+/// first in the search order, then by name (OIA-ODIR's `Training Set` in its root).
 fn nearby_data_folder(root: &Path) -> Option<PathBuf> {
     let (parent, name) = match root.components().next_back() {
         Some(std::path::Component::Normal(name)) => {
@@ -287,11 +287,12 @@ impl OdirDataset {
     }
 
     /// Opens a folder of unlabelled images named as the challenge's test set
-    /// (`<id>_left.jpg`, `<id>_right.jpg`), in ID order, left eye first. The samples' labels
-    /// are zeros and they have no patient labels; the annotation file is the folder itself.
-    /// Any other file in the folder is an error naming it, and so is a sub-folder of more test
-    /// images beside them (hidden files and other sub-folders are left alone); images are decoded when the loader reaches them, so an undecodable one
-    /// stops the loader with its name.
+    /// (`<id>_left.jpg`, `<id>_right.jpg`), in ID order, left eye first. The samples'
+    /// labels are zeros and they have no patient labels; the annotation file is the folder
+    /// itself. Any other file in the folder is an error naming it, and so is a sub-folder
+    /// of more test images beside them (hidden files and other sub-folders are left alone);
+    /// images are decoded when the loader reaches them, so an undecodable one stops the
+    /// loader with its name.
     pub fn open_unlabelled(dir: &Path) -> Result<Self, DataError> {
         let samples = super::unlabelled::list_images(dir)?
             .into_iter()

@@ -401,8 +401,7 @@ pub fn score(
         world_size: world,
         trained_eye_combine: record.as_ref().and_then(|(_, r)| recorded_eye_combine(r)),
         trained_tuned_thresholds: record.as_ref().is_some_and(|(_, r)| {
-            let task = r.get("task");
-            task.and_then(|t| t.get("tune_thresholds")) == Some(&serde_json::Value::Bool(true))
+            r.pointer("/task/tune_thresholds") == Some(&serde_json::Value::Bool(true))
         }),
     })
 }

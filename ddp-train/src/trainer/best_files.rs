@@ -27,29 +27,29 @@ pub(super) fn restore(
     let model = run.join(file);
     let bytes = std::fs::read(source).map_err(|e| io(source, e))?;
     ddp_model::checkpoint::write_atomic(&model, &bytes).map_err(|e| io(&model, e))?;
-    Ok(if restore_document(run, file, epoch, doc)? {
-        "with its thresholds"
-    } else {
-        "without thresholds"
+    Ok(match restore_document(run, file, epoch, doc)? {
+        Some(_) => "with its thresholds",
+        None => "without thresholds",
     })
 }
 
 /// Writes `doc`, the document beside best-model file `file` of `run`, from epoch `epoch`'s
-/// copy; `false` where there is no copy (the run tuned no thresholds then).
+/// copy, and returns the copy's path; `None` where there is no copy (the run tuned no
+/// thresholds then).
 pub(super) fn restore_document(
     run: &Path,
     file: &str,
     epoch: u64,
     doc: &Path,
-) -> Result<bool, TrainError> {
+) -> Result<Option<PathBuf>, TrainError> {
     let io = |what: &Path, e| TrainError::io(format!("cannot replace {}", what.display()), e);
     let copy = document_copy(run, epoch, file);
     match std::fs::read(&copy) {
         Ok(text) => {
             ddp_model::checkpoint::write_atomic(doc, &text).map_err(|e| io(doc, e))?;
-            Ok(true)
+            Ok(Some(copy))
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(io(&copy, e)),
     }
 }

@@ -507,13 +507,13 @@ pub(super) fn continue_at(
 ///
 /// With the epochs it was started for, the run keeps its plan (but for one recorded before
 /// its first step: that has no curve to keep, and the plan is this allocation's, as after a
-/// kill then). With other epochs, or without a recorded plan, it plans from where it stands:
-/// the steps it took (on whatever allocations), the rest of the epoch in progress, then
-/// whole epochs on `now`, all in steps of `now`'s global batch (those taken counted by the
-/// `scheduled` samples they trained, or, under a cap that binds on `now` or bound where the
-/// checkpoint trained (`capped`), as the steps they were). Past its last epoch it continues with nothing, so it warns of no
-/// change (`run` says nothing is left). Returns the plan, the warning, and `scheduled` in
-/// the plan's unit.
+/// kill then). With other epochs, or without a recorded plan, it plans from where it
+/// stands: the steps it took (on whatever allocations), the rest of the epoch in progress,
+/// then whole epochs on `now`, all in steps of `now`'s global batch (those taken counted by
+/// the `scheduled` samples they trained, or, under a cap that binds on `now` or bound where
+/// the checkpoint trained (`capped`), as the steps they were). Past its last epoch it
+/// continues with nothing, so it warns of no change (`run` says nothing is left). Returns
+/// the plan, the warning, and `scheduled` in the plan's unit.
 pub(super) fn resumed_plan(
     st: &TrainState,
     rest: Option<&EpochRest>,

@@ -637,11 +637,16 @@ fn align_best_models(
             // A crash in the save of a best model (after its old document went, before the
             // new one came) leaves the model of the run's best without the thresholds tuned
             // for it: they come back from that epoch's copy.
-            if !doc.exists() && best_files::restore_document(run, file, epoch, &doc)? {
+            let restored = if doc.exists() {
+                None
+            } else {
+                best_files::restore_document(run, file, epoch, &doc)?
+            };
+            if let Some(copy) = restored {
                 notes.push(format!(
                     "{} had no thresholds beside it: restored epoch {epoch}'s from {}",
                     model.display(),
-                    best_files::document_copy(run, epoch, file).display()
+                    copy.display()
                 ));
             }
             continue;
