@@ -6,23 +6,41 @@ use std::str::FromStr;
 /// GPUs this process may use: those `nvidia-smi --list-gpus` lists, narrowed by
 /// `CUDA_VISIBLE_DEVICES` (an empty value hides them all). 0 without `nvidia-smi`.
 pub fn visible_gpus() -> usize {
-    let listed = Command::new("nvidia-smi")
-        .arg("--list-gpus")
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map_or(0, |o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .filter(|l| l.starts_with("GPU "))
-                .count()
-        });
     narrow_by_visible_devices(
-        listed,
+        listed_gpus(),
         std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
     )
+}
+
+/// The GPUs `nvidia-smi --list-gpus` lists; 0 where it cannot run or fails. In a process
+/// that ignores SIGCHLD (a parent's `SIG_IGN` survives exec) the kernel reaps nvidia-smi
+/// itself and its exit cannot be waited for (ECHILD): its listing then counts as it is.
+fn listed_gpus() -> usize {
+    let Ok(mut child) = Command::new("nvidia-smi")
+        .arg("--list-gpus")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+    else {
+        return 0;
+    };
+    let mut listing = Vec::new();
+    let read = child
+        .stdout
+        .take()
+        .map(|mut out| std::io::Read::read_to_end(&mut out, &mut listing));
+    let succeeded = match child.wait() {
+        Ok(status) => status.success(),
+        Err(e) => e.raw_os_error() == Some(libc::ECHILD),
+    };
+    if !succeeded || !matches!(read, Some(Ok(_))) {
+        return 0;
+    }
+    String::from_utf8_lossy(&listing)
+        .lines()
+        .filter(|l| l.starts_with("GPU "))
+        .count()
 }
 
 /// `listed` GPUs as seen through `CUDA_VISIBLE_DEVICES` = `visible` (None: unset). As CUDA

@@ -811,6 +811,51 @@ fn a_launcher_started_with_sigchld_ignored_sees_how_its_ranks_end() {
     }
 }
 
+/// `--nproc-per-node gpu` asks nvidia-smi before any rank starts: with SIGCHLD ignored its
+/// exit cannot be waited for, and its listing still counts (a fake nvidia-smi lists two).
+#[test]
+fn gpus_are_counted_with_sigchld_ignored() {
+    let dir = temp_dir("ddp-run-sigchld-gpus");
+    let tools = dir.path().join("tools");
+    std::fs::create_dir_all(&tools).unwrap();
+    ddp_testkit::script(
+        &tools.join("nvidia-smi"),
+        "#!/bin/sh\necho 'GPU 0: Fake GPU (UUID: GPU-0)'\necho 'GPU 1: Fake GPU (UUID: GPU-1)'\n",
+    );
+    let path = format!(
+        "{}:{}",
+        tools.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let logs = dir.path().join("logs");
+    let mut launcher = ddp_run(&[
+        "--nproc-per-node",
+        "gpu",
+        "--log-dir",
+        logs.to_str().unwrap(),
+        "sh",
+        "-c",
+        "exit 0",
+    ]);
+    launcher
+        .env("PATH", path)
+        .env_remove("CUDA_VISIBLE_DEVICES");
+    // SAFETY: signal(2) is async-signal-safe and allocates nothing.
+    unsafe {
+        launcher.pre_exec(|| {
+            libc::signal(libc::SIGCHLD, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let out = wait_bounded(launcher.spawn().unwrap(), LIMIT);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        stderr(&out).contains("ddp-run: all 2 rank(s) finished\n"),
+        "{}",
+        text(&out)
+    );
+}
+
 /// Asserts that the launcher got `signal`, and every rank and what it started then stopped.
 fn assert_all_stopped_after(out: &Output, signal: i32) {
     assert_eq!(out.status.signal(), Some(signal), "{}", text(out));
