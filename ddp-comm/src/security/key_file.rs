@@ -85,7 +85,8 @@ enum ReadError {
 }
 
 /// Reads and checks an existing key file: a regular file of this user, readable by no one
-/// else, holding hexadecimal digits for a number of bytes in `accept`. Errors never quote the contents.
+/// else, holding hexadecimal digits for a number of bytes in `accept`. Errors never quote
+/// the contents.
 fn read(path: &Path, accept: &RangeInclusive<usize>) -> Result<Vec<u8>, ReadError> {
     // Without blocking: opening a FIFO for reading waits for a writer, and a terminal could
     // become the controlling one. A regular file reads the same either way; anything else

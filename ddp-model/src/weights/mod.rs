@@ -7,9 +7,10 @@
 //!   offset, views sharing a storage, the storage location such as `cuda:0` ignored as
 //!   `map_location="cpu"` does, a big-endian `byteorder` swapped, a view's lazy `neg` or
 //!   `conj` bit applied); a file that starts with a JSON header is safetensors; a bare pickle
-//!   is `torch.save`'s legacy format, refused with how to re-save it. A training checkpoint saved by `torch.save` (`{"epoch": 3, "model":
-//!   model.state_dict(), "optimizer": ...}`) is read from its one entry that is a
-//!   state_dict; [`read_state_dict_entry`] names the entry where there are several.
+//!   is `torch.save`'s legacy format, refused with how to re-save it. A training checkpoint
+//!   saved by `torch.save` (`{"epoch": 3, "model": model.state_dict(), "optimizer": ...}`)
+//!   is read from its one entry that is a state_dict; [`read_state_dict_entry`] names the
+//!   entry where there are several.
 //! - [`load_state_dict`]: copies a [`StateDict`] into the model's variables (parameters and
 //!   buffers) with dtype conversion and no gradient, as PyTorch's `load_state_dict` does,
 //!   after stripping a `module.` prefix that every name has (a file saved from a DDP model,

@@ -348,9 +348,9 @@ struct ThresholdFile {
 ///
 /// Thresholds found beside the model must be its: the training records the epoch in both
 /// files, and a file of another epoch than `model_epoch` (that of the model read from
-/// `checkpoint`) is refused (another model of the run had it). Where either file records no epoch (thresholds written by hand, a model from
-/// elsewhere) they are used with a warning. `given` files are the user's choice, and not
-/// checked.
+/// `checkpoint`) is refused (another model of the run had it). Where either file records no
+/// epoch (thresholds written by hand, a model from elsewhere) they are used with a warning.
+/// `given` files are the user's choice, and not checked.
 fn read_thresholds(
     given: Option<&Path>,
     checkpoint: &Path,

@@ -75,8 +75,9 @@ pub(crate) fn check_tail(
 }
 
 /// The tail a receiver publishes: its own, but for the multi-process test of a peer that
-/// writes an impossible one (`ddp-comm/tests/corrupt_ring.rs`): with the `fault-injection` feature only, and
-/// `DDP_COMM_TEST_FORGE_TAIL` set, a tail 1 GiB past it, which no sender can have written.
+/// writes an impossible one (`ddp-comm/tests/corrupt_ring.rs`): with the `fault-injection`
+/// feature only, and `DDP_COMM_TEST_FORGE_TAIL` set, a tail 1 GiB past it, which no sender
+/// can have written.
 pub(super) fn published_tail(tail: u32) -> u32 {
     static FORGE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let forge = cfg!(feature = "fault-injection")
