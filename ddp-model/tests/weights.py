@@ -19,10 +19,14 @@ Writes into DIR:
   evil.pth         a torch.save archive whose data.pkl calls os.system('touch MARKER');
                    Python's own pickle runs the same payload on PYTHON_MARKER first, to
                    show that the file does what it says
-  legacy.pt        the legacy (non-zip) format
+  legacy.pt        the legacy (non-zip) format; legacy-p0.pt and legacy-p1.pt with pickle
+                   protocols 0 and 1 (no PROTO opcode)
+  float8-e8m0.pth  {"e8": a float8_e8m0fnu tensor}: a dtype tch has no kind for
   checkpoint.pth   a training checkpoint of convnet8: {"epoch": 3, "model": state_dict,
                    "optimizer": an SGD state_dict with momentum buffers}
   two-models.pth   {"model": convnet8, "ema": convnet8 with its floats doubled, "epoch": 3}
+  averaged.pth     the state_dict of AveragedModel(ConvNet()) with random parameters: its
+                   names under `module.`, and `n_averaged` without it
   not-a-state-dict.pth  {"epoch": 3, "weights": [a tensor]}: no entry is a state_dict
   short-record.pth a tensor of 4 floats whose storage record holds 2
   past-storage.pth a tensor of 4 floats whose storage claims 2 elements
@@ -334,6 +338,12 @@ def main(out, marker, python_marker):
     evil(os.path.join(out, "evil.pth"), marker, python_marker)
     torch.save({"a": torch.ones(2)}, os.path.join(out, "legacy.pt"),
                _use_new_zipfile_serialization=False)
+    for protocol in (0, 1):
+        torch.save({"a": torch.ones(2)}, os.path.join(out, f"legacy-p{protocol}.pt"),
+                   _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+    torch.save({"e8": torch.ones(3).to(torch.float8_e8m0fnu)},
+               os.path.join(out, "float8-e8m0.pth"))
+    torch.load(os.path.join(out, "float8-e8m0.pth"), weights_only=True)
     # state_dict() shares the model's storages: keep convnet8's values before the step.
     sd = OrderedDict((k, v.clone()) for k, v in sd.items())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -344,6 +354,15 @@ def main(out, marker, python_marker):
                os.path.join(out, "checkpoint.pth"))
     ema = OrderedDict((k, v * 2 if v.is_floating_point() else v) for k, v in sd.items())
     torch.save({"model": sd, "ema": ema, "epoch": 3}, os.path.join(out, "two-models.pth"))
+    # torchvision's reference training saves `--model-ema` weights as an AveragedModel's
+    # state_dict: the model's names under `module.`, and `n_averaged` beside them.
+    averaged = torch.optim.swa_utils.AveragedModel(ConvNet())
+    with torch.no_grad():
+        for p in averaged.module.parameters():
+            p.copy_(torch.rand_like(p))
+    averaged_sd = averaged.state_dict()
+    assert "n_averaged" in averaged_sd and "module.features.0.weight" in averaged_sd, averaged_sd.keys()
+    torch.save(averaged_sd, os.path.join(out, "averaged.pth"))
     torch.save({"epoch": 3, "weights": [torch.ones(2)]}, os.path.join(out, "not-a-state-dict.pth"))
     short = os.path.join(out, "short-record.pth")
     torch.save({"t": torch.zeros(4)}, short)

@@ -218,6 +218,15 @@ fn a_convnet_loads_from_pth_ddp_pth_and_safetensors_named_bin() {
         assert_eq!(report.loaded, [model_name], "{file_name}");
         assert_eq!(report.stripped_prefix.as_deref(), Some(stripped));
     }
+    // A model whose names only some begin with `module.` keeps them too.
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _a = (vs.root() / "module").zeros("a", &[2]);
+    let _b = (vs.root() / "head").zeros("b", &[2]);
+    let both = |n: &str| (n.to_string(), Tensor::from_slice(&[1.0f32, 2.0]));
+    let sd = StateDict::new("w.pth", vec![both("module.a"), both("head.b")]);
+    let report = weights::load_state_dict(&vs, &sd, Strictness::Strict).unwrap();
+    assert_eq!(report.loaded, ["head.b", "module.a"]);
+    assert_eq!(report.stripped_prefix, None);
     // The DDP file's names as saved, before loading strips them.
     let ddp = weights::read_state_dict(file("convnet8-ddp.pth")).unwrap();
     assert_eq!(ddp.names().next(), Some("module.features.0.weight"));
@@ -226,6 +235,31 @@ fn a_convnet_loads_from_pth_ddp_pth_and_safetensors_named_bin() {
         compiled.names().next(),
         Some("module._orig_mod.features.0.weight")
     );
+}
+
+/// An `AveragedModel`'s state_dict (torchvision's `--model-ema` weights) has the model's
+/// names under `module.` and its `n_averaged` without: the prefix goes from the names that
+/// have it, as `consume_prefix_in_state_dict_if_present` does, and `n_averaged` is left over.
+#[test]
+fn an_averaged_models_weights_load_beside_its_counter() {
+    let averaged = weights::read_state_dict(file("averaged.pth")).unwrap();
+    assert_eq!(averaged.len(), 27);
+    let (vs, _net) = convnet(8);
+    let err = weights::load(&vs, file("averaged.pth"), None, Strictness::Strict).unwrap_err();
+    assert!(
+        err.to_string().contains("n_averaged") && !err.to_string().contains("missing"),
+        "{err}"
+    );
+    let report = weights::load(&vs, file("averaged.pth"), None, Strictness::Partial).unwrap();
+    assert_eq!(report.stripped_prefix.as_deref(), Some("module."));
+    assert_eq!(report.loaded.len(), 26, "{report}");
+    assert_eq!(report.unexpected, ["n_averaged"]);
+    assert!(report.missing.is_empty(), "{report}");
+    for (n, t) in averaged.tensors() {
+        if let Some(name) = n.strip_prefix("module.") {
+            assert!(var(&vs, name).equal(t), "{name} differs from the file");
+        }
+    }
 }
 
 #[test]
@@ -456,9 +490,21 @@ fn dtype_conversion_follows_copy() {
 
 #[test]
 fn the_legacy_format_and_other_files_are_refused_with_what_to_do() {
-    let err = weights::read_state_dict(file("legacy.pt")).unwrap_err();
-    assert!(matches!(err, WeightsError::LegacyFormat { .. }), "{err:?}");
-    assert!(err.to_string().contains("re-save it"), "{err}");
+    for name in ["legacy.pt", "legacy-p0.pt", "legacy-p1.pt"] {
+        let err = weights::read_state_dict(file(name)).unwrap_err();
+        assert!(
+            matches!(err, WeightsError::LegacyFormat { .. }),
+            "{name}: {err:?}"
+        );
+        assert!(err.to_string().contains("re-save it"), "{name}: {err}");
+    }
+    // A dtype tch lacks is unsupported, not a forbidden global that re-saving would mend.
+    let err = weights::read_state_dict(file("float8-e8m0.pth")).unwrap_err();
+    assert!(
+        matches!(&err, WeightsError::UnsupportedDtype { name, dtype, .. }
+            if name == "e8" && dtype == "float8_e8m0fnu"),
+        "{err:?}"
+    );
 
     let dir = &files().0;
     let text = dir.join("notes.pth");

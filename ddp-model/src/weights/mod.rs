@@ -13,8 +13,8 @@
 //!   entry where there are several.
 //! - [`load_state_dict`]: copies a [`StateDict`] into the model's variables (parameters and
 //!   buffers) with dtype conversion and no gradient, as PyTorch's `load_state_dict` does,
-//!   after stripping a `module.` prefix that every name has (a file saved from a DDP model,
-//!   as `consume_prefix_in_state_dict_if_present` does). [`Strictness::Strict`] copies
+//!   after stripping a `module.` prefix from the names that have it (a file saved from a
+//!   DDP model or an `AveragedModel`, as `consume_prefix_in_state_dict_if_present` does). [`Strictness::Strict`] copies
 //!   nothing unless every name and shape matches and lists every difference in one error;
 //!   [`Strictness::Partial`] copies what matches and reports the rest in its [`LoadReport`].
 //! - [`load`]: reads a file, then loads it.
@@ -412,8 +412,10 @@ fn read_state_dict_at(path: &Path, key: Option<&str>) -> Result<StateDict, Weigh
         }
         return read_safetensors(path);
     }
-    // A pickle's PROTO opcode: the legacy format starts with a pickled magic number.
-    if head.len() >= 2 && head[0] == 0x80 && (2..=5).contains(&head[1]) {
+    // The legacy format starts with a pickled magic number: after a PROTO opcode (protocols
+    // 2 to 5), or as protocols 0 and 1 write it, a LONG in text (`L119547037146038801333356L`).
+    let proto = head.len() >= 2 && head[0] == 0x80 && (2..=5).contains(&head[1]);
+    if proto || head.starts_with(b"L11954703") {
         return Err(WeightsError::LegacyFormat {
             path: path.to_owned(),
         });
@@ -481,11 +483,27 @@ fn read_safetensors(path: &Path) -> Result<StateDict, WeightsError> {
     Ok(StateDict::new(path, tensors).with_metadata(metadata))
 }
 
+/// `name` without the leading wrapper prefixes of `stripped` (their concatenation, in
+/// order) that it has: all of them where the file's every name has them.
+fn strip_wrappers<'a>(mut name: &'a str, stripped: &str) -> &'a str {
+    let mut rest = stripped;
+    while let Some(wrapper) = [DDP_PREFIX, COMPILE_PREFIX]
+        .into_iter()
+        .find(|w| rest.starts_with(w))
+    {
+        rest = &rest[wrapper.len()..];
+        name = name.strip_prefix(wrapper).unwrap_or(name);
+    }
+    name
+}
+
 /// Copies `state` into the model's variables, by name, as PyTorch's `load_state_dict` does:
-/// the prefixes of wrappers on every file name are stripped first (DDP's `module.`,
-/// `torch.compile`'s `_orig_mod.`, in any order and number; not one the model's names all
-/// have too), values are converted to the variable's dtype and moved to its device, and no
-/// gradient is recorded. See [`Strictness`] for what happens to names and shapes that differ.
+/// the prefixes of wrappers are stripped first (DDP's `module.`, `torch.compile`'s
+/// `_orig_mod.`, in any order and number), from every file name that has them, as
+/// `consume_prefix_in_state_dict_if_present` does; a prefix the model's names have too is
+/// the model's own, and stays. Values are converted to the variable's dtype and moved to
+/// its device, and no gradient is recorded. See [`Strictness`] for what happens to names
+/// and shapes that differ.
 /// A BatchNorm's `num_batches_tracked` that the file lacks while it holds the layer's
 /// `running_mean` keeps the model's value and is not missing, as in PyTorch.
 pub fn load_state_dict(
@@ -495,19 +513,24 @@ pub fn load_state_dict(
 ) -> Result<LoadReport, WeightsError> {
     let model = checkpoint::named_tensors(vs);
     let mut stripped = String::new();
-    // The file's names, once stripped, are compared with the model's: a wrapper whose
-    // prefix every model name has too (a submodule named `module`) is the model's own.
+    // The file's names, once stripped, are compared with the model's. A wrapper's prefix
+    // that every file name has is stripped unless every model name has it too (a submodule
+    // named `module`); one that only some file names have (`AveragedModel`'s, beside its
+    // `n_averaged`), from those names, where no model name starts with it.
     while let Some(wrapper) = [DDP_PREFIX, COMPILE_PREFIX].into_iter().find(|wrapper| {
         let prefix = format!("{stripped}{wrapper}");
-        let model_has_it = !model.is_empty() && model.iter().all(|(n, _)| n.starts_with(wrapper));
-        !state.is_empty() && !model_has_it && state.names().all(|n| n.starts_with(&prefix))
+        let model_all = !model.is_empty() && model.iter().all(|(n, _)| n.starts_with(wrapper));
+        let model_any = model.iter().any(|(n, _)| n.starts_with(wrapper));
+        let file_all = !state.is_empty() && state.names().all(|n| n.starts_with(&prefix));
+        let file_any = state.names().any(|n| n.starts_with(&prefix));
+        (file_all && !model_all) || (file_any && !model_any)
     }) {
         stripped.push_str(wrapper);
     }
     let file: Vec<(&str, &Tensor)> = state
         .tensors
         .iter()
-        .map(|(n, t)| (&n[stripped.len()..], t))
+        .map(|(n, t)| (strip_wrappers(n, &stripped), t))
         .collect();
     let find = |name: &str| file.iter().rev().find(|(n, _)| *n == name).map(|(_, t)| *t);
 

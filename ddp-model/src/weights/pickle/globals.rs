@@ -5,8 +5,10 @@ use tch::Kind;
 
 use super::{Element, Global, PickleError};
 
-/// The storage classes and dtypes by name, with the tch kind where there is one.
-const ELEMENTS: [(&str, &str, Option<Kind>); 25] = [
+/// The storage classes and dtypes by name, with the tch kind where there is one: every
+/// dtype of torch 2.13, so that a tensor of one tch lacks is refused as unsupported, not as
+/// a forbidden global (which re-saving the file would not mend).
+const ELEMENTS: [(&str, &str, Option<Kind>); 46] = [
     ("FloatStorage", "float32", Some(Kind::Float)),
     ("DoubleStorage", "float64", Some(Kind::Double)),
     ("HalfStorage", "float16", Some(Kind::Half)),
@@ -36,10 +38,31 @@ const ELEMENTS: [(&str, &str, Option<Kind>); 25] = [
     ("", "uint16", None),
     ("", "uint32", None),
     ("", "uint64", None),
+    ("", "float8_e8m0fnu", None),
+    ("", "float4_e2m1fn_x2", None),
+    ("", "int1", None),
+    ("", "int2", None),
+    ("", "int3", None),
+    ("", "int4", None),
+    ("", "int5", None),
+    ("", "int6", None),
+    ("", "int7", None),
+    ("", "uint1", None),
+    ("", "uint2", None),
+    ("", "uint3", None),
+    ("", "uint4", None),
+    ("", "uint5", None),
+    ("", "uint6", None),
+    ("", "uint7", None),
+    ("", "bits1x8", None),
+    ("", "bits2x4", None),
+    ("", "bits4x2", None),
+    ("", "bits8", None),
+    ("", "bits16", None),
 ];
 
 /// Other spellings of torch's dtypes (`torch.float` is `torch.float32`).
-const DTYPE_ALIASES: [(&str, &str); 9] = [
+const DTYPE_ALIASES: [(&str, &str); 10] = [
     ("float", "float32"),
     ("double", "float64"),
     ("half", "float16"),
@@ -49,6 +72,7 @@ const DTYPE_ALIASES: [(&str, &str); 9] = [
     ("cfloat", "complex64"),
     ("cdouble", "complex128"),
     ("chalf", "complex32"),
+    ("bit", "uint1"),
 ];
 
 /// Globals that `torch.load(weights_only=True)` allows but a state_dict of dense tensors
