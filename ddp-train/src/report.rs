@@ -76,6 +76,34 @@ pub struct EvalReport {
     pub world_size: usize,
 }
 
+/// The fields of [`EpochReport`] and [`EvalReport`] beside the task's metrics, which a
+/// metric must not be named as: the line would hold the name twice, and not read back.
+const REPORT_FIELDS: [&str; 11] = [
+    "epoch",
+    "train_loss",
+    "val_loss",
+    "lr",
+    "grad_norm",
+    "skipped_steps",
+    "images_per_sec",
+    "epoch_seconds",
+    "steps",
+    "world_size",
+    "allocation_change",
+];
+
+/// Refuses task metrics (a fresh [`Stats::report`]) named as a field of the reports.
+pub(crate) fn check_metric_names(metrics: &Map<String, Value>) -> Result<(), TrainError> {
+    match metrics.keys().find(|k| REPORT_FIELDS.contains(&k.as_str())) {
+        Some(name) => Err(TrainError::Invalid(format!(
+            "the task's Stats::report names a metric '{name}', which every epoch's report \
+             (a line of metrics.jsonl) has already: rename it (the report's own fields are {})",
+            REPORT_FIELDS.join(", ")
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// The names of the numbers of an epoch's report, which the plateau scheduler, early
 /// stopping and best-model monitors may watch ([`EpochReport::metric`]): `train_loss`, `lr`,
 /// `grad_norm` when clipping, and with validation data `val_loss` and the numbers of the
@@ -118,6 +146,48 @@ pub(crate) fn watched(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every field a report writes is a name no metric may take, and a metric that takes one
+    /// is refused, naming it.
+    #[test]
+    fn metrics_named_as_a_reports_field_are_refused() {
+        let full = EpochReport {
+            epoch: 1,
+            train_loss: 0.5,
+            val_loss: Some(0.6),
+            metrics: Map::new(),
+            lr: 0.1,
+            grad_norm: Some(1.0),
+            skipped_steps: Some(0),
+            images_per_sec: 1.0,
+            epoch_seconds: 1.0,
+            steps: 1,
+            world_size: 1,
+            allocation_change: Some(Value::Null),
+        };
+        let eval = EvalReport {
+            val_loss: 0.6,
+            metrics: Map::new(),
+            world_size: 1,
+        };
+        for report in [
+            serde_json::to_value(full).unwrap(),
+            serde_json::to_value(eval).unwrap(),
+        ] {
+            for field in report.as_object().unwrap().keys() {
+                assert!(REPORT_FIELDS.contains(&field.as_str()), "{field}");
+            }
+        }
+        let mut metrics = Map::new();
+        metrics.insert("val_mse".into(), 0.5.into());
+        assert!(check_metric_names(&metrics).is_ok());
+        metrics.insert("val_loss".into(), 0.5.into());
+        let err = check_metric_names(&metrics).unwrap_err().to_string();
+        assert!(
+            err.contains("names a metric 'val_loss', which every epoch's report"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn reports_round_trip_and_name_their_numbers() {

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use ddp_model::checkpoint;
 use ddp_train::lr_schedule::LrSchedule;
-use ddp_train::{Settings, Trainer};
+use ddp_train::{Monitor, Settings, Trainer};
 use serde_json::Value;
 use tch::Tensor;
 
@@ -40,6 +40,7 @@ const POINTS_ENV: &str = "ELASTIC_TEST_POINTS";
 const ACCUMULATE_ENV: &str = "ELASTIC_TEST_ACCUMULATE";
 const EPOCHS_ENV: &str = "ELASTIC_TEST_EPOCHS";
 const RESUME_ENV: &str = "ELASTIC_TEST_RESUME";
+const MONITOR_ENV: &str = "ELASTIC_TEST_MONITOR";
 /// 256 training points (unless `ELASTIC_TEST_POINTS` says otherwise): 8 steps of 32 samples
 /// per epoch.
 const POINTS: i64 = 256;
@@ -60,7 +61,9 @@ const WARMUP: u64 = 3;
 /// opening its data); with `ELASTIC_TEST_NO_SIGNALS` set it leaves the stop signals alone.
 /// `ELASTIC_TEST_POINTS`, `ELASTIC_TEST_ACCUMULATE` and `ELASTIC_TEST_EPOCHS` replace the
 /// 256 training points, the one micro-batch per step and the 3 epochs;
-/// `ELASTIC_TEST_RESUME` is `--resume`. On an error it says how long after it started it ended.
+/// `ELASTIC_TEST_RESUME` is `--resume`. With `ELASTIC_TEST_MONITOR` set it keeps the best
+/// model by `val_mse` and, after a run, prints `bests: ` and its `Trainer::bests` as JSON. On
+/// an error it says how long after it started it ended.
 #[test]
 #[ignore = "a rank of the tests in this file, started by them"]
 fn rank_worker() {
@@ -92,6 +95,10 @@ fn rank_worker() {
     settings.runtime.stop_on_signals = std::env::var_os(NO_SIGNALS_ENV).is_none();
     settings.accumulate = number(ACCUMULATE_ENV).map_or(1, |n| n as usize);
     settings.checkpoint.resume = std::env::var(RESUME_ENV).ok();
+    let monitor = std::env::var_os(MONITOR_ENV).is_some();
+    if monitor {
+        settings = settings.monitor(Monitor::min("val_mse", "best.safetensors"));
+    }
     let train_points = number(POINTS_ENV).map_or(POINTS, |n| n as i64);
     let mut task = Regression::new(points(train_points, 1), points(60, 2));
     let evaluate = std::env::var(EVALUATE_ENV).ok();
@@ -113,7 +120,11 @@ fn rank_worker() {
     let code = match trainer.and_then(|mut t| match evaluate.as_deref() {
         Some("only") => t.evaluate().map(drop),
         Some("first") => t.evaluate().and_then(|_| t.run()).map(drop),
-        None => t.run().map(drop),
+        None => t.run().map(|_| {
+            if monitor {
+                eprintln!("bests: {}", serde_json::to_string(t.bests()).unwrap());
+            }
+        }),
         Some(other) => panic!("{EVALUATE_ENV}={other}: only or first"),
     }) {
         Ok(_) => 0,
@@ -405,6 +416,41 @@ fn a_stop_during_an_epochs_evaluation_checkpoints_its_end_and_continues_exactly(
     let (a, b) = (metrics_without_timing(&full), metrics_without_timing(&cut));
     assert_eq!(column(&a, "steps"), [8.0, 8.0, 8.0]);
     assert_eq!(a, b);
+}
+
+/// Every rank knows the bests (the metrics are all-reduced), not only rank 0, which saves
+/// the best models.
+#[test]
+fn every_rank_knows_the_bests() {
+    let tmp = common::temp_dir("ddp-train-elastic-bests");
+    let out = tmp.path().join("run");
+    let outputs = start(
+        Launcher::Torchrun,
+        2,
+        16,
+        &out,
+        &[(MONITOR_ENV, "1"), (EPOCHS_ENV, "2")],
+    );
+    assert_codes(&outputs, 0);
+    let bests: Vec<Value> = outputs
+        .iter()
+        .map(|o| {
+            let t = text(o);
+            let line = t.lines().find_map(|l| l.strip_prefix("bests: "));
+            serde_json::from_str(line.unwrap_or_else(|| panic!("no bests: {t}"))).unwrap()
+        })
+        .collect();
+    let best = &bests[0]["best.safetensors"];
+    assert!(
+        best["epoch"].as_u64().is_some_and(|e| (1..=2).contains(&e)),
+        "{best}"
+    );
+    let mse = column(&metrics(&out), "val_mse");
+    assert_eq!(
+        best["value"].as_f64(),
+        Some(mse.iter().copied().fold(f64::INFINITY, f64::min))
+    );
+    assert_eq!(bests[1], bests[0]);
 }
 
 /// The seconds after `marker` in `log`'s first line that has it.

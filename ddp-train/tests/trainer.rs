@@ -1267,7 +1267,8 @@ fn a_new_start_over_a_finished_run_is_refused_and_writes_nothing() {
 /// On a file system without `flock` (Lustre mounted `noflock` answers `ENOSYS`, injected
 /// here), rank 0 warns once that nothing keeps a second job out, and still rewinds a run
 /// that resumes an older checkpoint of its own: `latest` names it, the later checkpoints are
-/// set aside, `metrics.jsonl` is cut back (the resumed start fails at its first step).
+/// set aside, `metrics.jsonl` is cut back and the curves redrawn (the resumed start fails at
+/// its first step).
 #[test]
 #[cfg_attr(
     not(feature = "fault-injection"),
@@ -1283,6 +1284,7 @@ fn a_rewind_on_a_file_system_without_locks_sets_the_later_history_aside() {
     let checkpoints = out.join("checkpoints");
     let epoch = |e: u64| std::fs::read(checkpoints.join(format!("epoch-000{e}.safetensors")));
     let (third, fourth) = (epoch(3).unwrap(), epoch(4).unwrap());
+    let curves = std::fs::read(out.join("curves.png")).unwrap();
 
     let resumed = checkpoints.join("epoch-0002.safetensors");
     args.extend(["--resume", resumed.to_str().unwrap()]);
@@ -1318,6 +1320,10 @@ fn a_rewind_on_a_file_system_without_locks_sets_the_later_history_aside() {
         assert_eq!(std::fs::read(set_aside).unwrap(), model, "epoch {e}");
     }
     assert_eq!(metrics_without_timing(&out).len(), 2);
+    // The curves of four epochs went with the later ones; the start drew the two kept.
+    assert_eq!(std::fs::read(aside[0].join("curves.png")).unwrap(), curves);
+    let redrawn = std::fs::read(out.join("curves.png")).unwrap();
+    assert!(redrawn.starts_with(b"\x89PNG") && redrawn != curves);
 }
 
 /// On a `hard` NFS mount whose lock manager does not answer, `flock` blocks in the kernel

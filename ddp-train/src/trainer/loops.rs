@@ -190,9 +190,10 @@ impl<T: Task> Trainer<T> {
                 }
                 _ => None,
             };
+            let improved = self.update_bests(&report)?;
             if self.pg.rank() == 0 {
                 let saving = Instant::now();
-                self.finish_epoch(&report, &summary, beside_best.as_ref())?;
+                self.finish_epoch(&report, &summary, beside_best.as_ref(), &improved)?;
                 self.budget.save_took(saving.elapsed());
             }
             self.last_checkpoint = Instant::now();

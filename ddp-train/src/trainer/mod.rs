@@ -195,7 +195,8 @@ impl<T: Task> Trainer<T> {
     }
 
     /// The best value so far of each best-model monitor (`Settings::monitors`), by its
-    /// model file's name; a monitor whose metric was never finite has none.
+    /// model file's name, the same on every rank; a monitor whose metric was never finite has
+    /// none.
     pub fn bests(&self) -> &BTreeMap<String, Best> {
         &self.bests
     }

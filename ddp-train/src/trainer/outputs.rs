@@ -16,12 +16,31 @@ use crate::state::{self, Best, TrainState};
 use crate::task::Task;
 
 impl<T: Task> Trainer<T> {
-    /// Rank 0's end of an epoch: metrics line, curves, best models, checkpoint.
+    /// Every rank's record of the bests after the epoch `m` (all ranks see the same
+    /// all-reduced metrics): the model files of the monitors it improved, which rank 0 saves.
+    pub(super) fn update_bests(&mut self, m: &EpochReport) -> Result<Vec<String>, TrainError> {
+        let mut improved = Vec::new();
+        for monitor in &self.settings.monitors {
+            let value = watched(m, &monitor.metric, "a best-model monitor")?;
+            let previous = self.bests.get(&monitor.file);
+            if Best::replaced(previous, value, |new, old| monitor.goal.improves(new, old)) {
+                let epoch = m.epoch;
+                self.bests
+                    .insert(monitor.file.clone(), Best { value, epoch });
+                improved.push(monitor.file.clone());
+            }
+        }
+        Ok(improved)
+    }
+
+    /// Rank 0's end of an epoch: metrics line, curves, the best models of the monitors
+    /// `improved` ([`Self::update_bests`]), checkpoint.
     pub(super) fn finish_epoch(
         &mut self,
         m: &EpochReport,
         summary: &str,
         beside_best: Option<&serde_json::Value>,
+        improved: &[String],
     ) -> Result<(), TrainError> {
         let val = match m.val_loss {
             Some(v) => format!("  val loss {v:.4}"),
@@ -59,16 +78,7 @@ impl<T: Task> Trainer<T> {
         ]);
         let mut best_notes = Vec::new();
         for monitor in &self.settings.monitors {
-            let value = watched(m, &monitor.metric, "a best-model monitor")?;
-            let previous = self.bests.get(&monitor.file);
-            if Best::replaced(previous, value, |new, old| monitor.goal.improves(new, old)) {
-                self.bests.insert(
-                    monitor.file.clone(),
-                    Best {
-                        value,
-                        epoch: m.epoch,
-                    },
-                );
+            if improved.contains(&monitor.file) {
                 self.save_best(&monitor.file, m.epoch, &meta, beside_best)?;
             }
             if let Some(b) = self.bests.get(&monitor.file) {
@@ -164,7 +174,7 @@ impl<T: Task> Trainer<T> {
     }
 
     /// Redraws `curves.png` (a failure is a warning: the run goes on).
-    fn draw_curves(&self) {
+    pub(super) fn draw_curves(&self) {
         #[cfg(feature = "plot")]
         if self.settings.runtime.plot {
             let metrics: Vec<String> = self
@@ -184,7 +194,8 @@ impl<T: Task> Trainer<T> {
 
 /// The epochs before `start` from an earlier `metrics.jsonl` (a resumed run keeps them and
 /// sets any line of an epoch that will be trained again aside, in `metrics.jsonl` of the
-/// start's folder `aside`), and a warning when its last line was cut short.
+/// start's folder `aside`, with `curves.png`, which drew it), and a warning when its last
+/// line was cut short.
 ///
 /// An epoch's line is appended before its checkpoint is written, so a write cut short (a full
 /// disk, a lost machine) leaves an unfinished last line of an epoch the resumed run trains
@@ -245,7 +256,20 @@ pub(super) fn read_history(
         }
     }
     if !dropped.is_empty() {
-        write_file(&aside.get()?.join("metrics.jsonl"), dropped.as_bytes())?;
+        let folder = aside.get()?;
+        write_file(&folder.join("metrics.jsonl"), dropped.as_bytes())?;
+        // The curves drew those epochs too: they go with them, and the start redraws the
+        // epochs kept.
+        let curves = out.join("curves.png");
+        match std::fs::rename(&curves, folder.join("curves.png")) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(TrainError::io(
+                    format!("cannot set {} aside", curves.display()),
+                    e,
+                ))
+            }
+            _ => {}
+        }
     }
     let mut body = kept_lines.join("\n");
     if !body.is_empty() {
@@ -686,7 +710,8 @@ mod tests {
     }
 
     /// A rewind keeps the lines of the epochs before it and sets the others aside, with the
-    /// checkpoints it sets aside, where they stay as they were (ODIR's tuned thresholds); a
+    /// curves and the checkpoints it sets aside, where they stay as they were (ODIR's tuned
+    /// thresholds); a
     /// second start's rewind (a second `Trainer::new` of one process) sets its own aside.
     #[test]
     fn the_lines_a_rewind_drops_are_set_aside() {
@@ -694,6 +719,8 @@ mod tests {
         let path = dir.path().join("metrics.jsonl");
         let lines: Vec<String> = (1..=5).map(line).collect();
         std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+        let curves = dir.path().join("curves.png");
+        std::fs::write(&curves, "epochs 1 to 5").unwrap();
         let first = AsideDir::new(dir.path());
         let (kept, warning) = read_history(dir.path(), 3, &first).unwrap();
         assert_eq!(kept.iter().map(|m| m.epoch).collect::<Vec<_>>(), [1, 2]);
@@ -702,6 +729,10 @@ mod tests {
             std::fs::read_to_string(&path).unwrap(),
             format!("{}\n{}\n", lines[0], lines[1])
         );
+        // The curves that drew the epochs set aside go with them (the start redraws).
+        assert!(!curves.exists());
+        let moved = first.get().unwrap().join("curves.png");
+        assert_eq!(std::fs::read_to_string(moved).unwrap(), "epochs 1 to 5");
         let first = first.get().unwrap().join("metrics.jsonl");
         let expected = format!("{}\n{}\n{}\n", lines[2], lines[3], lines[4]);
         assert_eq!(std::fs::read_to_string(&first).unwrap(), expected);

@@ -61,10 +61,13 @@ impl<T: Task> Trainer<T> {
             .place(env.local_rank, env.local_world_size)?;
         let train_set = task.train_data();
         let val_set = task.val_data();
+        let stats = val_set
+            .as_ref()
+            .map(|_| task.new_stats().report().into_map());
+        if let Some(metrics) = &stats {
+            crate::report::check_metric_names(metrics)?;
+        }
         if !settings.checkpoint.eval_only {
-            let stats = val_set
-                .as_ref()
-                .map(|_| task.new_stats().report().into_map());
             settings.check_watched(stats.as_ref())?;
         }
         if env.rank >= env.world_size {
@@ -262,6 +265,10 @@ impl<T: Task> Trainer<T> {
             val_sampler,
         };
         trainer.describe(m.init.1, &env.run_id, m.resumed_file.as_deref())?;
+        // Curves set aside with the epochs they drew show those kept.
+        if !trainer.history.is_empty() && !trainer.out.join("curves.png").exists() {
+            trainer.draw_curves();
+        }
         Ok(trainer)
     }
 
