@@ -157,3 +157,93 @@ fn a_rank_with_another_secret_stops_every_rank_under_the_agent_store() {
         "{errors:?}"
     );
 }
+
+/// Set for the ranks of the two-node test: the file the failing rank writes.
+const FAILED_ONCE_ENV: &str = "DDP_COMM_TEST_FAILED_ONCE";
+
+/// Two torchrun agents (`--nnodes 2`, one rank each, c10d rendezvous, the store they share
+/// with their ranks): node 1's rank fails once after the group formed. Its agent restarts
+/// it (restart count 1); node 0's agent ends its healthy rank for the new round and starts
+/// it again without counting a restart (count 0). The ranks of the second round meet in the
+/// store that still holds the first round's keys, though their counts differ, and the job
+/// ends with the one restart the failure cost.
+#[test]
+fn ranks_of_two_nodes_meet_again_after_one_nodes_restart() {
+    const TEST: &str = "ranks_of_two_nodes_meet_again_after_one_nodes_restart";
+    if worker() {
+        let failed_once = std::path::PathBuf::from(std::env::var(FAILED_ONCE_ENV).unwrap());
+        let second_round = failed_once.exists();
+        let group = ProcessGroup::from_env().unwrap();
+        let rank = group.rank();
+        if !second_round {
+            if rank == 1 {
+                std::fs::write(&failed_once, "").unwrap();
+                println!("NODES rank 1 fails");
+                std::process::exit(1);
+            }
+            // Healthy: its agent ends it for the next round.
+            std::thread::sleep(Duration::from_secs(100));
+            panic!("rank 0 of the first round was not restarted");
+        }
+        let mut v = [rank as i64 + 1];
+        group.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, [3]);
+        let count = std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap();
+        println!("NODES rank {rank} met again at restart count {count}");
+        return;
+    }
+    let tmp = ddp_testkit::temp_dir("torchrun-nodes");
+    let failed_once = tmp.path().join("failed-once");
+    let port = free_port().to_string();
+    let agent = |host: bool| {
+        let mut cmd = ddp_testkit::torchrun(tmp.path());
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "1",
+        ])
+        .args(["--rdzv-backend", "c10d", "--rdzv-id", "two-nodes"])
+        .args(["--rdzv-endpoint", &format!("127.0.0.1:{port}")])
+        .args(["--rdzv-conf", &format!("is_host={host}"), "--no-python"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", TEST, "--nocapture", "--test-threads", "1"])
+        .env(WORKER_ENV, "1")
+        .env(FAILED_ONCE_ENV, &failed_once)
+        .env("DDP_SECRET", "c".repeat(32))
+        .env("DDP_RDZV_TIMEOUT_S", "60")
+        .env_remove("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+        cmd.spawn().unwrap()
+    };
+    // Node 0 hosts the rendezvous; its rank is rank 0.
+    let first = agent(true);
+    std::thread::sleep(Duration::from_millis(500));
+    let second = agent(false);
+    let outs = wait_all(vec![first, second], Duration::from_secs(150));
+    for out in &outs {
+        assert!(out.status.success(), "an agent failed:\n{}", show(out));
+    }
+    let said: Vec<String> = outs
+        .iter()
+        .flat_map(|o| lines_with(o, "NODES rank "))
+        .collect();
+    assert!(said.contains(&"1 fails".to_string()), "{said:?}");
+    // Which node's rank is rank 0 is the rendezvous's choice; the counts differ.
+    let mut met: Vec<(&str, &str)> = said
+        .iter()
+        .filter_map(|l| l.split_once(" met again at restart count "))
+        .collect();
+    met.sort_unstable();
+    let mut counts: Vec<&str> = met.iter().map(|(_, c)| *c).collect();
+    counts.sort_unstable();
+    let ranks: Vec<&str> = met.iter().map(|(r, _)| *r).collect();
+    assert_eq!(
+        (ranks, counts),
+        (vec!["0", "1"], vec!["0", "1"]),
+        "{said:?}"
+    );
+}

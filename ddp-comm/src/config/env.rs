@@ -14,8 +14,8 @@ use crate::security::secret::{Secret, SECRET_ENV};
 pub const RUN_ID_ENV: &str = "DDP_RUN_ID";
 /// Environment variable with the attempt of a launcher whose nodes restart their ranks each
 /// on their own (`ddp-run` sets it; torchrun's agents meet in a rendezvous round first, and
-/// a job across hosts sets `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` so that rank 0 hosts a new
-/// store each round): ranks then meet only rank 0 of their own attempt.
+/// in their shared store the ranks meet under a generation: `group/rendezvous/generation.rs`):
+/// ranks then meet only rank 0 of their own attempt.
 pub const LAUNCHER_ATTEMPT_ENV: &str = "DDP_LAUNCHER_ATTEMPT";
 /// Environment variable overriding the rendezvous timeout, in seconds.
 pub const RDZV_TIMEOUT_ENV: &str = "DDP_RDZV_TIMEOUT_S";

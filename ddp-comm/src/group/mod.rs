@@ -181,7 +181,7 @@ impl ProcessGroup {
             master_port: env.master_port,
             secret,
             agent_store: env.agent_store,
-            key_prefix: key_prefix(env.agent_store, &env.run_id, env.restart_count),
+            key_prefix: key_prefix(env.agent_store, &env.run_id),
             timeout: rendezvous_timeout,
             socket_buffer: opts.socket_buffer,
             transport: env.transport.unwrap_or_default(),
@@ -653,16 +653,16 @@ fn default_cuda_device(
 
 /// The prefix of a group's keys in the store. Rank 0's own store is new for each group, but
 /// torchrun's agent store outlives them: there each group of the process gets a number, in
-/// the order formed (every rank forms the same groups in the same order), as c10d names
-/// its groups by a count (`_process_group_name`), so that a second group does not find
-/// the first one's `join/<rank>` and take its rank for a duplicate.
-fn key_prefix(agent_store: bool, run_id: &str, restart_count: u64) -> String {
+/// the order formed (every rank forms the same groups in the same order), as c10d names its
+/// groups by a count (`_process_group_name`), and each start of the ranks a generation
+/// under it (`rendezvous/generation.rs`), so that no group finds another's `join/<rank>`.
+fn key_prefix(agent_store: bool, run_id: &str) -> String {
     static AGENT_STORE_GROUPS: AtomicU64 = AtomicU64::new(0);
     if agent_store {
         let n = AGENT_STORE_GROUPS.fetch_add(1, Ordering::Relaxed);
-        format!("/ddp-comm/{run_id}/{restart_count}/{n}/")
+        format!("/ddp-comm/{run_id}/{n}/")
     } else {
-        format!("/ddp-comm/{run_id}/{restart_count}/")
+        format!("/ddp-comm/{run_id}/")
     }
 }
 
@@ -688,7 +688,7 @@ fn start_heartbeat(plan: &Plan, op_timeout: Duration, met: &rendezvous::Met) -> 
         served_by_rank0: !plan.agent_store,
     };
     let timeout = heartbeat::store_timeout(heartbeat::interval_for(op_timeout));
-    match rendezvous::connector(plan, met.server.as_ref(), timeout) {
+    match rendezvous::connector(plan, met, timeout) {
         Ok(connect) => Heartbeat::start(rank, world, op_timeout, info, connect),
         Err(e) => {
             let e = crate::error::with_causes(&e);

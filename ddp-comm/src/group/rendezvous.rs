@@ -36,6 +36,8 @@ use crate::store::heartbeat::Connector;
 use crate::store::signed::Signed;
 use crate::store::{resolve, resolve_until, Store, StoreClient, StoreServer};
 
+mod generation;
+
 const ABORT_KEY: &str = "abort";
 /// How long rank 0 keeps its store up after a failed rendezvous.
 const ABORT_LINGER: Duration = Duration::from_millis(500);
@@ -70,9 +72,11 @@ pub(crate) struct Plan {
     pub attempt: Option<u64>,
 }
 
-/// The result: the store connection (kept for NCCL ids), rank 0's server, the ring.
+/// The result: the store connection (kept for NCCL ids) and the prefix of its keys (the
+/// generation's, under torchrun's agent store), rank 0's server, the ring.
 pub(crate) struct Met {
     pub store: Option<Box<dyn Store>>,
+    pub key_prefix: String,
     pub server: Option<StoreServer>,
     pub link: Option<Link>,
     pub ring: RingOrder,
@@ -244,16 +248,15 @@ fn open_store(
 /// Opens further connections to the store this rank met at (rank 0's own server, or
 /// torchrun's agent store), each within `timeout` and with every request limited to it:
 /// the heartbeat's, which must never wait for the group's connection or for long.
-pub(crate) fn connector(
-    plan: &Plan,
-    server: Option<&StoreServer>,
-    timeout: Duration,
-) -> Result<Connector, CommError> {
-    let addrs = match server {
+pub(crate) fn connector(plan: &Plan, met: &Met, timeout: Duration) -> Result<Connector, CommError> {
+    let addrs = match &met.server {
         Some(server) => vec![server.local_addr()],
         None => resolve_until(&plan.master_addr, plan.master_port, deadline_after(timeout))?,
     };
-    let plan = plan.clone();
+    let plan = Plan {
+        key_prefix: met.key_prefix.clone(),
+        ..plan.clone()
+    };
     Ok(Box::new(move || {
         open_store(&plan, &addrs, deadline_after(timeout), timeout)
     }))
@@ -269,7 +272,19 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
             timeout: plan.timeout.min(Duration::from_secs(5)),
             ..plan.clone()
         };
-        if let Ok(mut store) = connect_store(&quick, deadline_after(quick.timeout), &None) {
+        let quick_deadline = deadline_after(quick.timeout);
+        let generation = if plan.agent_store {
+            generation::join(
+                &quick,
+                quick_deadline,
+                store_connector(&quick, quick_deadline),
+            )
+            .ok()
+            .map(|(plan, _)| plan)
+        } else {
+            Some(quick)
+        };
+        if let Some(Ok(mut store)) = generation.map(|p| connect_store(&p, quick_deadline, &None)) {
             let _ = abort(
                 store.as_mut(),
                 CommError::RankOutOfRange {
@@ -286,6 +301,7 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     if world == 1 {
         return Ok(Met {
             store: None,
+            key_prefix: plan.key_prefix.clone(),
             server: None,
             link: None,
             ring: RingOrder {
@@ -304,8 +320,25 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     } else {
         None
     };
-    let store = store_of_this_attempt(plan, deadline, &server)?;
-    meet_at(plan, store, server, deadline)
+    // Under torchrun's agent store, the keys of this start's generation; rank 0 shows it
+    // alive until the rendezvous ends.
+    let (plan, _ticker) = if plan.agent_store {
+        generation::join(plan, deadline, store_connector(plan, deadline))?
+    } else {
+        (plan.clone(), None)
+    };
+    let store = store_of_this_attempt(&plan, deadline, &server)?;
+    meet_at(&plan, store, server, deadline)
+}
+
+/// Opens a connection to torchrun's agent store under `plan`'s prefix, at each call, until
+/// `deadline`.
+fn store_connector(
+    plan: &Plan,
+    deadline: Instant,
+) -> impl Fn() -> Result<Box<dyn Store>, CommError> + Send + 'static {
+    let plan = plan.clone();
+    move || connect_store(&plan, deadline, &None)
 }
 
 /// Steps 2 to 4 of the rendezvous over a connected store (and, on rank 0, its server); a
@@ -322,6 +355,7 @@ fn meet_at(
     match join(plan, store.as_mut(), deadline, &mut listeners) {
         Ok(joined) => Ok(Met {
             store: Some(store),
+            key_prefix: plan.key_prefix.clone(),
             server,
             link: Some(joined.link),
             ring: joined.ring,

@@ -6,8 +6,9 @@
 //! `TCPStoreLibUvBackend.cpp`): a one-byte query type, then native-endian (little-endian)
 //! `u64`-length-prefixed keys and values; a new connection first sends `VALIDATE` with the
 //! magic number `0x3C85F7CE`, and `PING` echoes a `u32` nonce back. Keys are placed under
-//! `/ddp-comm/<run id>/<restart count>/` so they never meet the agent's own keys or those of
-//! an earlier restart. The store has no authentication: rendezvous wraps this client in
+//! `/ddp-comm/<run id>/<group>/g<generation>/` so they never meet the agent's own keys,
+//! another group's, or those of an earlier start of the ranks (`group/rendezvous/
+//! generation.rs`). The store has no authentication: rendezvous wraps this client in
 //! `signed.rs`, which tags every value with the job's secret.
 
 use std::cell::Cell;

@@ -8,16 +8,16 @@
 //! stored value = value | HMAC-SHA256(secret, "ddp-comm store value" | prefix | key | value)
 //! ```
 //!
-//! with the context, the key prefix (run id, restart count and group: `/ddp-comm/<run
-//! id>/<restart>/<group>/`) and the key each preceded by its length as a `u64` (LE), so no
-//! tag is good for another key, group, restart or run id. (Jobs that share a run id, such as
+//! with the context, the key prefix (run id, group and generation: `/ddp-comm/<run
+//! id>/<group>/g<generation>/`) and the key each preceded by its length as a `u64` (LE), so
+//! no tag is good for another key, group, start of the ranks or run id. (Jobs that share a run id, such as
 //! torchrun's default `none`, and take their secret from the same key file share the secret
 //! too, and so accept each other's tags.) A value without a good tag is an error naming its
 //! key: a stranger cannot redirect a rank to an address of its own, pass itself off as a
 //! host, hand over an NCCL unique id, or forge an `abort` reason. What a
 //! stranger still can: delete keys or replay a key's earlier value of the same group (the
-//! heartbeats), add to the counters (`join/<rank>`, not tagged, being the store's own
-//! arithmetic), or write garbage, each of which stops the rendezvous or misleads a
+//! heartbeats), add to the counters (`join/<rank>`, `generation`, `alive/<g>`: not tagged,
+//! being the store's own arithmetic), or write garbage, each of which stops the rendezvous or misleads a
 //! diagnosis, never joins it.
 
 use std::net::IpAddr;
