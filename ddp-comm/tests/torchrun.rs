@@ -247,3 +247,81 @@ fn ranks_of_two_nodes_meet_again_after_one_nodes_restart() {
         "{said:?}"
     );
 }
+
+/// Two torchrun agents of a static rendezvous (`--node-rank`, two ranks each): each agent
+/// restarts its own node's ranks alone. Node 1's rank 3 fails before it meets, once rank 2
+/// claimed its place; node 1's agent restarts both, while node 0's ranks still wait in that
+/// first start's rendezvous. The restarted rank 2 finds its number claimed there and
+/// supersedes it, and all four ranks meet in a newer generation: node 0's ranks without a
+/// restart, node 1's with the one the failure cost.
+#[test]
+fn a_static_rendezvous_meets_again_when_one_node_restarts_while_the_other_waits() {
+    const TEST: &str =
+        "a_static_rendezvous_meets_again_when_one_node_restarts_while_the_other_waits";
+    if worker() {
+        let failed_once = std::path::PathBuf::from(std::env::var(FAILED_ONCE_ENV).unwrap());
+        let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+        if rank == 3 && !failed_once.exists() {
+            // Rank 2 joins the first start meanwhile.
+            std::thread::sleep(Duration::from_secs(3));
+            std::fs::write(&failed_once, "").unwrap();
+            println!("STATIC rank 3 fails");
+            std::process::exit(1);
+        }
+        let group = ProcessGroup::from_env().unwrap();
+        let mut v = [rank as i64 + 1];
+        group.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, [10]);
+        let count = std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap();
+        println!("STATIC rank {rank} met at restart count {count}");
+        return;
+    }
+    let tmp = ddp_testkit::temp_dir("torchrun-static");
+    let failed_once = tmp.path().join("failed-once");
+    let port = free_port().to_string();
+    let agent = |node: &str| {
+        let mut cmd = ddp_testkit::torchrun(tmp.path());
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--node-rank",
+            node,
+            "--nproc-per-node",
+            "2",
+        ])
+        .args(["--max-restarts", "1", "--rdzv-backend", "static"])
+        .args(["--master-addr", "127.0.0.1", "--master-port", &port])
+        .arg("--no-python")
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", TEST, "--nocapture", "--test-threads", "1"])
+        .env(WORKER_ENV, "1")
+        .env(FAILED_ONCE_ENV, &failed_once)
+        .env("DDP_SECRET", "d".repeat(32))
+        .env("DDP_RDZV_TIMEOUT_S", "60")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+        cmd.spawn().unwrap()
+    };
+    let outs = wait_all(vec![agent("0"), agent("1")], Duration::from_secs(150));
+    for out in &outs {
+        assert!(out.status.success(), "an agent failed:\n{}", show(out));
+    }
+    let mut said: Vec<String> = outs
+        .iter()
+        .flat_map(|o| lines_with(o, "STATIC rank "))
+        .collect();
+    said.sort();
+    assert_eq!(
+        said,
+        [
+            "0 met at restart count 0",
+            "1 met at restart count 0",
+            "2 met at restart count 1",
+            "3 fails",
+            "3 met at restart count 1"
+        ],
+        "{}\n{}",
+        show(&outs[0]),
+        show(&outs[1])
+    );
+}

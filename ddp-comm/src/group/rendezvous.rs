@@ -273,25 +273,14 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
             ..plan.clone()
         };
         let quick_deadline = deadline_after(quick.timeout);
-        let generation = if plan.agent_store {
-            generation::join(
-                &quick,
-                quick_deadline,
-                store_connector(&quick, quick_deadline),
-            )
-            .ok()
-            .map(|(plan, _)| plan)
-        } else {
-            Some(quick)
+        let out_of_range = CommError::RankOutOfRange {
+            rank,
+            world_size: world,
         };
-        if let Some(Ok(mut store)) = generation.map(|p| connect_store(&p, quick_deadline, &None)) {
-            let _ = abort(
-                store.as_mut(),
-                CommError::RankOutOfRange {
-                    rank,
-                    world_size: world,
-                },
-            );
+        if plan.agent_store {
+            generation::abort_latest(&quick, quick_deadline, out_of_range);
+        } else if let Ok(mut store) = connect_store(&quick, quick_deadline, &None) {
+            let _ = abort(store.as_mut(), out_of_range);
         }
         return Err(CommError::RankOutOfRange {
             rank,
@@ -320,25 +309,11 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     } else {
         None
     };
-    // Under torchrun's agent store, the keys of this start's generation; rank 0 shows it
-    // alive until the rendezvous ends.
-    let (plan, _ticker) = if plan.agent_store {
-        generation::join(plan, deadline, store_connector(plan, deadline))?
-    } else {
-        (plan.clone(), None)
-    };
-    let store = store_of_this_attempt(&plan, deadline, &server)?;
-    meet_at(&plan, store, server, deadline)
-}
-
-/// Opens a connection to torchrun's agent store under `plan`'s prefix, at each call, until
-/// `deadline`.
-fn store_connector(
-    plan: &Plan,
-    deadline: Instant,
-) -> impl Fn() -> Result<Box<dyn Store>, CommError> + Send + 'static {
-    let plan = plan.clone();
-    move || connect_store(&plan, deadline, &None)
+    if plan.agent_store {
+        return generation::meet(plan, deadline);
+    }
+    let store = store_of_this_attempt(plan, deadline, &server)?;
+    meet_at(plan, store, server, deadline)
 }
 
 /// Steps 2 to 4 of the rendezvous over a connected store (and, on rank 0, its server); a
@@ -472,6 +447,9 @@ fn join(
     let addr = s.addr().to_string();
 
     if s.add(&format!("join/{rank}"), 1)? > 1 {
+        if plan.agent_store {
+            return Err(generation::claimed(s, rank));
+        }
         let detail = format!("rank {rank} was started twice (two processes have RANK={rank})");
         return Err(CommError::Rendezvous { addr, detail });
     }

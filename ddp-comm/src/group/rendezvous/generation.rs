@@ -9,57 +9,170 @@
 //!
 //! So rank 0 of every start opens a generation: `add("generation", 1)` gives it a number no
 //! earlier start had, and until its rendezvous ends a thread of it counts `alive/<g>` up
-//! every [`TICK`]. Every other rank joins the latest generation it sees counting. An earlier
-//! round's never counts again (its rank 0 is gone: an agent starts a round's ranks only once
-//! every rank of the previous round has ended), and a generation that its rank 0 has not
-//! opened yet is waited for. The group's keys then go under `<prefix>g<g>/`. Counters carry
-//! no tag (`store/signed.rs`): a stranger who adds to them can delay a start, not join it.
+//! every [`TICK`]. Every other rank joins the latest generation it sees counting, and the
+//! group's keys go under `<prefix>g<g>/`. Under a dynamic rendezvous (c10d, etcd) an earlier
+//! round's generation never counts again: an agent starts a round's ranks only once every
+//! rank of the previous round has ended. Under torchrun's static rendezvous each agent
+//! restarts its own node's ranks alone, while the other nodes' ranks may still be meeting:
+//! a restarted rank then finds its number claimed in the generation it sees counting. It
+//! supersedes that generation (its `superseded` key and `abort` say so), and every rank of
+//! it meets again in a newer one: rank 0 opens it, and tells the previous generation it is
+//! superseded too (a rank still waiting there from an earlier start comes over). A rank whose
+//! rendezvous failed otherwise looks for `superseded` for [`GRACE`] first, since a failure
+//! that the restarted ranks caused (a link to a rank of the earlier start that has ended)
+//! can come before it; and no rank leaves its generation until every rank connected its ring
+//! (`met/<rank>`). A generation that its rank 0 has not opened yet is waited for. Counters
+//! carry no tag (`store/signed.rs`): a stranger who adds to them can delay a start, not join
+//! it. A true duplicate (two processes with one RANK) supersedes each generation until the
+//! rendezvous deadline, and the timeout or the claim names it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::Plan;
+use super::{Met, Plan};
 use crate::error::CommError;
 use crate::store::Store;
 
 /// The counter of generations opened under a group's prefix.
 const GENERATION_KEY: &str = "generation";
 /// How often rank 0 counts its generation up, and how often the others look.
-pub(super) const TICK: Duration = Duration::from_millis(50);
+const TICK: Duration = Duration::from_millis(50);
+/// What every error of a superseded generation says, and how it is told from others.
+const SUPERSEDED: &str = "superseded by a newer start of the ranks";
+/// The key that says a generation is superseded, and why.
+const SUPERSEDED_KEY: &str = "superseded";
+/// How long a rank whose rendezvous failed looks for its generation's `superseded`.
+const GRACE: Duration = Duration::from_secs(2);
 
 fn alive_key(generation: i64) -> String {
     format!("alive/{generation}")
 }
 
-/// `plan` with the key prefix of this rank's generation, and on rank 0 the thread that
-/// shows the generation alive (to be kept until the rendezvous ends). `connect` opens a
-/// connection to the store under `plan`'s own prefix: it is called once here, and on rank
-/// 0 once more, by the thread.
-pub(super) fn join(
-    plan: &Plan,
-    deadline: Instant,
-    connect: impl Fn() -> Result<Box<dyn Store>, CommError> + Send + 'static,
-) -> Result<(Plan, Option<Ticker>), CommError> {
-    let mut store = connect()?;
-    let (generation, ticker) = if plan.rank == 0 {
-        let generation = store.add(GENERATION_KEY, 1)?;
-        (generation, Some(Ticker::start(generation, connect)))
-    } else {
-        (latest_alive(store.as_mut(), deadline, plan.timeout)?, None)
-    };
-    let plan = Plan {
+/// `plan` in generation `generation`.
+fn in_generation(plan: &Plan, generation: i64) -> Plan {
+    Plan {
         key_prefix: format!("{}g{generation}/", plan.key_prefix),
         ..plan.clone()
-    };
-    Ok((plan, ticker))
+    }
 }
 
-/// The latest generation whose `alive/<g>` is seen to change, waiting for one until
-/// `deadline`: a timeout names rank 0, which never opened one.
+/// The rendezvous of `plan`'s rank under torchrun's agent store (`plan`'s prefix is the
+/// group's): in this start's generation, and again in a newer one each time a generation
+/// is superseded, until `deadline`.
+pub(super) fn meet(plan: &Plan, deadline: Instant) -> Result<Met, CommError> {
+    let mut base = super::connect_store(plan, deadline, &None)?;
+    // Generations up to this one are over.
+    let mut over = 0;
+    loop {
+        let (generation, _ticker) = if plan.rank == 0 {
+            let generation = base.add(GENERATION_KEY, 1)?;
+            if generation > 1 {
+                // Ranks of an earlier start still meeting there (a static rendezvous's
+                // other nodes) come over; one that cannot be told waits until its deadline.
+                let earlier = in_generation(plan, generation - 1);
+                if let Ok(mut store) = super::connect_store(&earlier, deadline, &None) {
+                    let why = format!("generation {} {SUPERSEDED}", generation - 1);
+                    let _ = store.set(SUPERSEDED_KEY, why.as_bytes());
+                    let _ = store.set(super::ABORT_KEY, why.as_bytes());
+                }
+            }
+            let group = plan.clone();
+            let connect = move || super::connect_store(&group, deadline, &None);
+            (generation, Some(Ticker::start(generation, connect)))
+        } else {
+            let generation = latest_alive(base.as_mut(), over, deadline, plan.timeout)?;
+            (generation, None)
+        };
+        let plan = in_generation(plan, generation);
+        let met = super::connect_store(&plan, deadline, &None)
+            .and_then(|store| super::meet_at(&plan, store, None, deadline))
+            .and_then(|met| all_met(&plan, met, deadline));
+        match met {
+            Err(e) if Instant::now() < deadline && superseded(&e, &plan, deadline) => {
+                over = generation;
+            }
+            met => return met,
+        }
+    }
+}
+
+/// Waits until every rank of the generation connected its ring (`met/<rank>`), so that no
+/// rank leaves with a group that another rank's failure broke (a neighbour's link to a rank
+/// of an earlier start that has ended): that rank's `abort` reaches it here.
+fn all_met(plan: &Plan, mut met: Met, deadline: Instant) -> Result<Met, CommError> {
+    let Some(store) = met.store.as_mut() else {
+        return Ok(met);
+    };
+    let waited = store
+        .set(&format!("met/{}", plan.rank), b"")
+        .and_then(|()| {
+            let keys: Vec<String> = (0..plan.world_size).map(|r| format!("met/{r}")).collect();
+            super::wait_keys(store.as_mut(), &keys, deadline, plan.timeout, |k| {
+                k.strip_prefix("met/")?.parse().ok()
+            })
+        });
+    match waited {
+        Ok(()) => Ok(met),
+        Err(e) => Err(super::tell_the_others(store.as_mut(), plan.rank, e)),
+    }
+}
+
+/// Whether this rank's failure `err` in the generation of `plan` is that generation's
+/// being superseded: its own claim's, or, within [`GRACE`], the generation's
+/// `superseded` key (a failure that a restarted rank's arrival caused may come first).
+fn superseded(err: &CommError, plan: &Plan, deadline: Instant) -> bool {
+    if matches!(err, CommError::Rendezvous { detail, .. } if detail.contains(SUPERSEDED)) {
+        return true;
+    }
+    let until = deadline.min(Instant::now() + GRACE);
+    let Ok(mut store) = super::connect_store(plan, until, &None) else {
+        return false;
+    };
+    loop {
+        match store.check(&[SUPERSEDED_KEY.to_string()]) {
+            Ok(true) => return true,
+            Ok(false) if Instant::now() < until => std::thread::sleep(TICK),
+            _ => return false,
+        }
+    }
+}
+
+/// Writes `why` as the `abort` of the latest generation seen alive before `deadline`, if
+/// one is (`plan`'s prefix is the group's).
+pub(super) fn abort_latest(plan: &Plan, deadline: Instant, why: CommError) {
+    let Ok(mut base) = super::connect_store(plan, deadline, &None) else {
+        return;
+    };
+    if let Ok(generation) = latest_alive(base.as_mut(), 0, deadline, plan.timeout) {
+        let plan = in_generation(plan, generation);
+        if let Ok(mut store) = super::connect_store(&plan, deadline, &None) {
+            let _ = super::abort(store.as_mut(), why);
+        }
+    }
+}
+
+/// The error of a rank whose number another process claimed in its generation, under
+/// torchrun's agent store (a rank of an earlier start that still meets there, or a
+/// duplicated rank), after telling the generation in `store` that it is superseded.
+pub(super) fn claimed(store: &mut dyn Store, rank: usize) -> CommError {
+    let detail = format!(
+        "rank {rank} of this generation is claimed by another process (a rank {rank} of an \
+         earlier start still meeting, or two processes with RANK={rank}): {SUPERSEDED}"
+    );
+    let _ = store.set(SUPERSEDED_KEY, detail.as_bytes());
+    CommError::Rendezvous {
+        addr: store.addr().to_string(),
+        detail,
+    }
+}
+
+/// The latest generation after `over` whose `alive/<g>` is seen to change, waiting for one
+/// until `deadline`: a timeout names rank 0, which never opened one.
 fn latest_alive(
     store: &mut dyn Store,
+    over: i64,
     deadline: Instant,
     timeout: Duration,
 ) -> Result<i64, CommError> {
@@ -67,7 +180,7 @@ fn latest_alive(
     let mut seen: Option<(i64, i64)> = None;
     loop {
         let generation = store.add(GENERATION_KEY, 0)?;
-        if generation > 0 {
+        if generation > over {
             let count = store.add(&alive_key(generation), 0)?;
             match seen {
                 Some((g, first)) if g == generation && first != count => return Ok(generation),
@@ -88,15 +201,17 @@ fn latest_alive(
 }
 
 /// Rank 0's thread that counts its generation's `alive/<g>` up, until dropped.
-pub(super) struct Ticker {
+struct Ticker {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Ticker {
+    /// Counts `generation` up through the connection `connect` opens (under the group's
+    /// prefix).
     fn start(
         generation: i64,
-        connect: impl Fn() -> Result<Box<dyn Store>, CommError> + Send + 'static,
+        connect: impl FnOnce() -> Result<Box<dyn Store>, CommError> + Send + 'static,
     ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
@@ -157,7 +272,7 @@ mod tests {
         assert_eq!(store.add(GENERATION_KEY, 2).unwrap(), 2);
         assert_eq!(store.add(&alive_key(2), 7).unwrap(), 7);
         let soon = Instant::now() + Duration::from_millis(300);
-        match latest_alive(store.as_mut(), soon, Duration::from_millis(300)) {
+        match latest_alive(store.as_mut(), 0, soon, Duration::from_millis(300)) {
             Err(CommError::RendezvousTimeout { missing, .. }) => assert_eq!(missing, [0]),
             other => panic!("{other:?}"),
         }
@@ -181,7 +296,7 @@ mod tests {
             generation
         });
         let deadline = Instant::now() + Duration::from_secs(10);
-        let found = latest_alive(store.as_mut(), deadline, Duration::from_secs(10)).unwrap();
+        let found = latest_alive(store.as_mut(), 0, deadline, Duration::from_secs(10)).unwrap();
         assert_eq!(found, 3);
         assert_eq!(opener.join().unwrap(), 3);
         // Once its rank 0 stopped counting, the generation is an earlier start's.
