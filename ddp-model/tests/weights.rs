@@ -227,6 +227,19 @@ fn a_convnet_loads_from_pth_ddp_pth_and_safetensors_named_bin() {
     let report = weights::load_state_dict(&vs, &sd, Strictness::Strict).unwrap();
     assert_eq!(report.loaded, ["head.b", "module.a"]);
     assert_eq!(report.stripped_prefix, None);
+    // An AveragedModel of that model: its names under `module.`, its counter without.
+    let sd = StateDict::new(
+        "ema.pth",
+        vec![
+            both("module.module.a"),
+            both("module.head.b"),
+            ("n_averaged".to_string(), Tensor::from_slice(&[3i64])),
+        ],
+    );
+    let report = weights::load_state_dict(&vs, &sd, Strictness::Partial).unwrap();
+    assert_eq!(report.loaded, ["head.b", "module.a"]);
+    assert_eq!(report.unexpected, ["n_averaged"]);
+    assert_eq!(report.stripped_prefix.as_deref(), Some("module."));
     // The DDP file's names as saved, before loading strips them.
     let ddp = weights::read_state_dict(file("convnet8-ddp.pth")).unwrap();
     assert_eq!(ddp.names().next(), Some("module.features.0.weight"));

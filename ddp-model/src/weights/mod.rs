@@ -513,17 +513,24 @@ pub fn load_state_dict(
 ) -> Result<LoadReport, WeightsError> {
     let model = checkpoint::named_tensors(vs);
     let mut stripped = String::new();
+    let names: std::collections::HashSet<&str> = model.iter().map(|(n, _)| n.as_str()).collect();
+    // File names that are model names once the wrappers of `prefix` are stripped.
+    let hits = |prefix: &str| {
+        state
+            .names()
+            .filter(|n| names.contains(strip_wrappers(n, prefix)))
+            .count()
+    };
     // The file's names, once stripped, are compared with the model's. A wrapper's prefix
     // that every file name has is stripped unless every model name has it too (a submodule
     // named `module`); one that only some file names have (`AveragedModel`'s, beside its
-    // `n_averaged`), from those names, where no model name starts with it.
+    // `n_averaged`), from those names, where more of them are model names without it.
     while let Some(wrapper) = [DDP_PREFIX, COMPILE_PREFIX].into_iter().find(|wrapper| {
         let prefix = format!("{stripped}{wrapper}");
         let model_all = !model.is_empty() && model.iter().all(|(n, _)| n.starts_with(wrapper));
-        let model_any = model.iter().any(|(n, _)| n.starts_with(wrapper));
         let file_all = !state.is_empty() && state.names().all(|n| n.starts_with(&prefix));
         let file_any = state.names().any(|n| n.starts_with(&prefix));
-        (file_all && !model_all) || (file_any && !model_any)
+        (file_all && !model_all) || (file_any && hits(&prefix) > hits(&stripped))
     }) {
         stripped.push_str(wrapper);
     }
