@@ -76,9 +76,9 @@ pub struct EvalReport {
     pub world_size: usize,
 }
 
-/// The fields of [`EpochReport`] and [`EvalReport`] beside the task's metrics, which a
-/// metric must not be named as: the line would hold the name twice, and not read back.
-const REPORT_FIELDS: [&str; 11] = [
+/// The fields of [`EpochReport`] beside the task's metrics, which a metric must not be
+/// named as: the line would hold the name twice, and not read back.
+const EPOCH_FIELDS: [&str; 11] = [
     "epoch",
     "train_loss",
     "val_loss",
@@ -91,17 +91,42 @@ const REPORT_FIELDS: [&str; 11] = [
     "world_size",
     "allocation_change",
 ];
+/// The fields of [`EvalReport`] beside the task's metrics and details.
+const EVAL_FIELDS: [&str; 2] = ["val_loss", "world_size"];
 
-/// Refuses task metrics (a fresh [`Stats::report`]) named as a field of the reports.
-pub(crate) fn check_metric_names(metrics: &Map<String, Value>) -> Result<(), TrainError> {
-    match metrics.keys().find(|k| REPORT_FIELDS.contains(&k.as_str())) {
-        Some(name) => Err(TrainError::Invalid(format!(
-            "the task's Stats::report names a metric '{name}', which every epoch's report \
-             (a line of metrics.jsonl) has already: rename it (the report's own fields are {})",
-            REPORT_FIELDS.join(", ")
-        ))),
-        None => Ok(()),
-    }
+/// Refuses task metrics named as a field of the reports they go into: a fresh
+/// [`Stats::report`]'s (`report`), in every epoch's report unless the run only evaluates,
+/// and in the evaluation's; and its [`Stats::details`] (`details`), in the evaluation's.
+pub(crate) fn check_metric_names(
+    report: &Map<String, Value>,
+    details: &Map<String, Value>,
+    eval_only: bool,
+) -> Result<(), TrainError> {
+    let fields: &[&str] = if eval_only {
+        &EVAL_FIELDS
+    } else {
+        &EPOCH_FIELDS
+    };
+    let taken = |names: &Map<String, Value>, fields: &[&str]| {
+        names
+            .keys()
+            .find(|k| fields.contains(&k.as_str()))
+            .map(|k| (k.clone(), fields.join(", ")))
+    };
+    let (which, (name, fields)) = match (taken(report, fields), taken(details, &EVAL_FIELDS)) {
+        (Some(found), _) => ("Stats::report", found),
+        (None, Some(found)) => ("Stats::details", found),
+        (None, None) => return Ok(()),
+    };
+    let report = if eval_only || which == "Stats::details" {
+        "the evaluation's report"
+    } else {
+        "every epoch's report (a line of metrics.jsonl)"
+    };
+    Err(TrainError::Invalid(format!(
+        "the task's {which} names a metric '{name}', which {report} has already: rename it \
+         (the report's own fields are {fields})"
+    )))
 }
 
 /// The names of the numbers of an epoch's report, which the plateau scheduler, early
@@ -165,26 +190,44 @@ mod tests {
             world_size: 1,
             allocation_change: Some(Value::Null),
         };
+        let fields = |v: Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+        let sorted = |f: &[&str]| {
+            let mut f: Vec<String> = f.iter().map(|n| n.to_string()).collect();
+            f.sort();
+            f
+        };
+        assert_eq!(
+            fields(serde_json::to_value(full).unwrap()),
+            sorted(&EPOCH_FIELDS)
+        );
         let eval = EvalReport {
             val_loss: 0.6,
             metrics: Map::new(),
             world_size: 1,
         };
-        for report in [
-            serde_json::to_value(full).unwrap(),
-            serde_json::to_value(eval).unwrap(),
-        ] {
-            for field in report.as_object().unwrap().keys() {
-                assert!(REPORT_FIELDS.contains(&field.as_str()), "{field}");
-            }
-        }
-        let mut metrics = Map::new();
-        metrics.insert("val_mse".into(), 0.5.into());
-        assert!(check_metric_names(&metrics).is_ok());
-        metrics.insert("val_loss".into(), 0.5.into());
-        let err = check_metric_names(&metrics).unwrap_err().to_string();
+        assert_eq!(
+            fields(serde_json::to_value(eval).unwrap()),
+            sorted(&EVAL_FIELDS)
+        );
+        let named = |names: &[&str]| -> Map<String, Value> {
+            names.iter().map(|n| (n.to_string(), 0.5.into())).collect()
+        };
+        let none = Map::new();
+        assert!(check_metric_names(&named(&["val_mse"]), &none, false).is_ok());
+        let err = check_metric_names(&named(&["val_mse", "steps"]), &none, false)
+            .unwrap_err()
+            .to_string();
         assert!(
-            err.contains("names a metric 'val_loss', which every epoch's report"),
+            err.contains("Stats::report names a metric 'steps', which every epoch's report"),
+            "{err}"
+        );
+        // An evaluation has no steps; its details go into its report too.
+        assert!(check_metric_names(&named(&["steps"]), &none, true).is_ok());
+        let err = check_metric_names(&none, &named(&["world_size"]), true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("Stats::details names a metric 'world_size', which the evaluation's"),
             "{err}"
         );
     }
