@@ -379,9 +379,10 @@ pub enum DataError {
         source: std::io::Error,
     },
 
-    /// Converting a batch to tch tensors failed.
+    /// A libtorch operation failed: converting a batch to tensors, or one of a data set's
+    /// own (named by its sample, when the loader was writing one).
     #[cfg(feature = "tch")]
-    #[error("cannot convert batch to tensors")]
+    #[error("a libtorch operation failed")]
     Tensor(#[from] tch::TchError),
 }
 
@@ -400,15 +401,25 @@ impl DataError {
     }
 
     /// This error of a data set's `write`, naming `sample` when it does not already:
-    /// [`DataError::Other`] and [`DataError::InvalidParameter`] become [`DataError::Sample`];
-    /// the others name their sample or file themselves and stay as they are.
+    /// [`DataError::Other`], [`DataError::InvalidParameter`], [`DataError::IndexOutOfRange`]
+    /// and a libtorch error (`?` on a tch call in the data set) become
+    /// [`DataError::Sample`]; the others name their sample or file themselves and stay as
+    /// they are.
     pub(crate) fn of_sample(self, sample: impl FnOnce() -> String) -> Self {
         match self {
-            e @ (Self::Other(_) | Self::InvalidParameter { .. }) => Self::Sample {
-                sample: sample(),
-                source: Box::new(e),
-            },
+            e @ (Self::Other(_) | Self::InvalidParameter { .. } | Self::IndexOutOfRange { .. }) => {
+                e.in_sample(sample)
+            }
+            #[cfg(feature = "tch")]
+            e @ Self::Tensor(_) => e.in_sample(sample),
             e => e,
+        }
+    }
+
+    fn in_sample(self, sample: impl FnOnce() -> String) -> Self {
+        Self::Sample {
+            sample: sample(),
+            source: Box::new(self),
         }
     }
 }
@@ -487,7 +498,7 @@ mod tests {
         #[cfg(feature = "tch")]
         errors.push((
             DataError::from(tch::TchError::Torch("out of memory".into())),
-            "cannot convert batch to tensors",
+            "a libtorch operation failed",
         ));
         for (err, expected) in &errors {
             let cause = err.source().expect("a source").to_string();
@@ -497,5 +508,14 @@ mod tests {
             assert_eq!(text, format!("{expected}: {cause}"));
             assert_eq!(text.matches(&cause).count(), 1, "{text}");
         }
+        // A data set's own tch call that failed, named by its sample.
+        #[cfg(feature = "tch")]
+        assert_eq!(
+            chain(
+                &DataError::from(tch::TchError::Torch("cannot read x.npy".into()))
+                    .of_sample(|| "sample 7".into())
+            ),
+            "sample 7: a libtorch operation failed: Internal torch error: cannot read x.npy"
+        );
     }
 }

@@ -198,7 +198,8 @@ pub trait MapDataset: Send + Sync + 'static {
         self.len() == 0
     }
 
-    /// The shape and kinds every sample has.
+    /// The shape and kinds every sample has: asked when a loader is made and once by each
+    /// of its workers, and the same each time.
     fn layout(&self) -> SampleLayout;
 
     /// Sample `index`, taking its random draws from `rng`.
@@ -211,7 +212,8 @@ pub trait MapDataset: Send + Sync + 'static {
 }
 
 impl<M: MapDataset> Dataset for M {
-    type Worker = ();
+    /// The layout, asked of the data set once per worker rather than once per sample.
+    type Worker = SampleLayout;
 
     fn len(&self) -> usize {
         MapDataset::len(self)
@@ -221,19 +223,20 @@ impl<M: MapDataset> Dataset for M {
         MapDataset::layout(self)
     }
 
-    fn worker(&self) {}
+    fn worker(&self) -> SampleLayout {
+        MapDataset::layout(self)
+    }
 
     fn write(
         &self,
-        _: &mut (),
+        layout: &mut SampleLayout,
         index: usize,
         rng: &mut SampleRng,
         out: SampleOut<'_>,
     ) -> Result<(), DataError> {
         let item = self.get(index, rng)?;
-        let layout = MapDataset::layout(self);
         let sample = || MapDataset::describe(self, index);
-        write_input(&layout, item.input.view(), out.input, out.length, sample)?;
+        write_input(layout, item.input.view(), out.input, out.length, sample)?;
         write_targets(item.target.view(), out.targets, sample)
     }
 

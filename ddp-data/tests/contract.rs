@@ -2,8 +2,8 @@
 //! reported with the sample they concern, and as many samples in flight as there are workers,
 //! whatever the batch size.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use ddp_data::rng::SampleRng;
@@ -106,6 +106,40 @@ fn first_error<D: Dataset>(loader: HostLoader<D>) -> DataError {
         .filter_map(Result::err)
         .next()
         .expect("the epoch ends with an error")
+}
+
+/// 64 samples whose layout counts how often it is asked for.
+struct Counted(Arc<AtomicUsize>);
+
+impl MapDataset for Counted {
+    fn len(&self) -> usize {
+        64
+    }
+
+    fn layout(&self) -> SampleLayout {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        SampleLayout::new([1], [])
+    }
+
+    fn get(&self, i: usize, _: &mut SampleRng) -> Result<Item, DataError> {
+        Ok(Item::new(vec![i as f32], i as f32))
+    }
+}
+
+/// A map-style data set's layout is asked for when the loader is made and by each worker,
+/// not for every sample (a layout may take work: the longest of a corpus's texts).
+#[test]
+fn a_map_data_sets_layout_is_asked_once_per_worker() {
+    let config = LoaderConfig {
+        workers: 2,
+        ..LoaderConfig::new(4)
+    };
+    let asked = Arc::new(AtomicUsize::new(0));
+    let data = Counted(asked.clone());
+    let loader = HostLoader::new(data, (0..64).collect(), &config).unwrap();
+    assert_eq!(loader.map(Result::unwrap).count(), 16);
+    // Twice by the loader (the storage it needs, the slots' layout), once by each worker.
+    assert_eq!(asked.load(Ordering::Relaxed), 2 + 2);
 }
 
 /// A data set's own error (`DataError::other`) ends the epoch naming the sample, as the data
