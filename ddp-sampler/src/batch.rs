@@ -177,5 +177,13 @@ mod tests {
             "batch_size 4 is larger than the smallest shard (3 samples), so drop_last would \
              leave no batches; use a batch_size of at most 3"
         );
+        // Exact shards of more ranks than samples: some are empty, and no size fits them.
+        let empty = Batches::new(vec![0], 1, true, 1, 0).unwrap_err();
+        assert_eq!(
+            empty.to_string(),
+            "batch_size 1 is larger than the smallest shard (0 samples), so drop_last would \
+             leave no batches; some ranks have no sample (more ranks than samples): use \
+             drop_last = false"
+        );
     }
 }

@@ -55,7 +55,8 @@ pub enum SamplerError {
     /// yield zero batches and the epoch would do nothing.
     #[error(
         "batch_size {batch_size} is larger than the smallest shard ({shard_len} samples), so \
-         drop_last would leave no batches; use a batch_size of at most {shard_len}"
+         drop_last would leave no batches; {}",
+        fit_advice(*shard_len)
     )]
     BatchLargerThanShard {
         /// The batch size that was asked for.
@@ -97,4 +98,15 @@ pub enum SamplerError {
         /// The partition rule in force, in words.
         partition: &'static str,
     },
+}
+
+/// What fits a batch into a shard of `shard_len` samples.
+fn fit_advice(shard_len: usize) -> String {
+    match shard_len {
+        // Exact shards of more ranks than samples: no batch size fits the empty ones.
+        0 => {
+            "some ranks have no sample (more ranks than samples): use drop_last = false".to_string()
+        }
+        n => format!("use a batch_size of at most {n}"),
+    }
 }
