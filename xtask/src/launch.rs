@@ -446,7 +446,7 @@ fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
         .next_back()
 }
 
-/// Builds binary `name` with `cargo build --release --quiet ARGS` and returns a hard link (a
+/// Builds binary `name` with `cargo build --release ARGS` and returns a hard link (a
 /// copy where there can be none) of this process's own to it, in a folder of the target
 /// folder's `xtask/bin/` that the guard removes. Nodes that share a checkout build in one
 /// target folder, which cargo does not lock on NFS: xtask's own lock takes their builds in
@@ -458,7 +458,7 @@ pub fn build_release(root: &Path, name: &str, args: &[&str]) -> Result<Built> {
         "xtask: another build in this target folder (another node's?) runs; waiting for it",
     )?;
     print_line(format_args!("xtask: building {name} (release)"));
-    let mut all = vec!["build", "--release", "--quiet"];
+    let mut all = vec!["build", "--release"];
     all.extend(args);
     let built = crate::artifact::build(root, &all, "bin", name)?;
     let links = crate::target_dir(root).join("xtask/bin");

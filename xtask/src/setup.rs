@@ -149,7 +149,7 @@ pub fn run(project_root: &Path, args: &SetupArgs) -> Result<Deps> {
     }
 
     let python = find_python()?;
-    prepare_venv(&deps, &python)?;
+    prepare_venv(&deps, &python, std::env::var_os("DDP_PYTHON").is_some())?;
 
     let site = site_packages(&deps)?;
     let torch = site.join("torch");
@@ -295,18 +295,14 @@ fn pip_install_with_tmpdir(deps: &Deps, what: &str, tmpdir: Option<OsString>) ->
         _ => (deps.root.join("tmp"), true),
     };
     let mut pip = venv_python(&deps.python());
-    pip.args([
-        "-m",
-        "pip",
-        "install",
-        "--disable-pip-version-check",
-        "--quiet",
-    ])
-    .arg(format!("torch=={TORCH_VERSION}"))
-    .args(EXTRA_PACKAGES)
-    .env("TMPDIR", &tmp)
-    .stderr(Stdio::piped());
+    pip.args(["-m", "pip", "install", "--disable-pip-version-check"])
+        .arg(format!("torch=={TORCH_VERSION}"))
+        .args(EXTRA_PACKAGES)
+        .env("TMPDIR", &tmp)
+        .stderr(Stdio::piped());
     if own {
+        // What an earlier pip left there when its terminal was lost (no cleanup on SIGHUP).
+        let _ = fs::remove_dir_all(&tmp);
         fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     }
     let ran = run_pip(pip);
@@ -324,10 +320,11 @@ fn pip_install_with_tmpdir(deps: &Deps, what: &str, tmpdir: Option<OsString>) ->
         };
         bail!(
             "pip could not install {what} into {} ({status}); its last words:\n{}\nfix what \
-             it names (the torch wheel needs the Python package index and about 6 GB of disk, \
-             half of it for pip's downloads in {tmp}: set TMPDIR to a folder with room), \
-             then run `cargo xtask setup` again, or `cargo xtask setup --reinstall` to start \
-             from a new virtual environment",
+             it names (the torch wheel needs the Python package index and about 8 GB of disk: \
+             5 GB installed, and 2.6 GB of downloads in {tmp}, where TMPDIR can point to a \
+             folder with room; pip also keeps them in ~/.cache/pip unless \
+             PIP_NO_CACHE_DIR=1), then run `cargo xtask setup` again, or `cargo xtask setup \
+             --reinstall` to start from a new virtual environment",
             deps.venv().display(),
             said.join("\n")
         );
@@ -383,13 +380,26 @@ fn venv_usable(python: &Path) -> bool {
 }
 
 /// Makes `.deps/venv` a virtual environment with a working pip, from `python`: one without
-/// (see [`venv_usable`]) is removed and created again.
-fn prepare_venv(deps: &Deps, python: &str) -> Result<()> {
+/// (see [`venv_usable`]) is removed and created again, and so is one of another Python
+/// version than `python` where the user `chose` it (DDP_PYTHON: a failed setup's venv of a
+/// Python that torch has no wheel for).
+fn prepare_venv(deps: &Deps, python: &str, chose: bool) -> Result<()> {
     let venv = deps.venv();
-    if venv_usable(&deps.python()) {
+    let version = |p: &Path| {
+        let out = Command::new(p).arg("--version").output().ok()?;
+        python_version(&String::from_utf8_lossy(&out.stdout))
+    };
+    let other = chose && version(&deps.python()) != version(Path::new(python));
+    if venv_usable(&deps.python()) && !other {
         return Ok(());
     }
-    if venv.symlink_metadata().is_ok() {
+    if other {
+        println!(
+            "setup: {} runs another Python than DDP_PYTHON's {python}; creating it again",
+            venv.display()
+        );
+        remove_install(deps, &venv, clear_tree)?;
+    } else if venv.symlink_metadata().is_ok() {
         println!(
             "setup: {} has no working pip (an interrupted or failed setup?); creating it again",
             venv.display()
@@ -509,6 +519,11 @@ fn check_python(python: String) -> Result<String> {
         String::from_utf8_lossy(&out.stderr)
     );
     match python_version(&said) {
+        // torchvision's Requires-Python leaves this one out.
+        Some(_) if said.trim() == "Python 3.14.1" => bail!(
+            "`{python}` is Python 3.14.1, which torchvision (installed beside torch) does not \
+             support; install another Python 3.10 or newer and point DDP_PYTHON at it"
+        ),
         Some(version) if version >= (3, 10) => Ok(python),
         _ => bail!(
             "`{python}` is {}, but torch {TORCH_VERSION} needs Python 3.10 or newer; install \
@@ -948,11 +963,36 @@ mod tests {
             std::os::unix::fs::symlink("/nonexistent/python3", bin.join(name)).unwrap();
         }
         assert!(!venv_usable(&deps.python()));
-        match prepare_venv(&deps, &base_python()) {
+        match prepare_venv(&deps, &base_python(), false) {
             Ok(()) => assert!(venv_usable(&deps.python())),
             // No ensurepip on this machine: the error names the way out.
             Err(e) => assert!(format!("{e:#}").contains("--reinstall"), "{e:#}"),
         }
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A venv that a failed setup made with a Python torch has no wheel for stays unless the
+    /// user chose another Python with DDP_PYTHON, which replaces it.
+    #[test]
+    fn a_venv_of_another_python_than_ddp_pythons_is_made_again() {
+        let dir = tempdir();
+        let deps = Deps { root: dir.clone() };
+        fs::create_dir_all(deps.venv().join("bin")).unwrap();
+        // A working venv (pip answers) of Python 3.14.1.
+        let fake = "#!/bin/sh\n[ \"$1\" = --version ] && echo 'Python 3.14.1'\nexit 0\n";
+        ddp_testkit::script(&deps.python(), fake);
+        assert!(venv_usable(&deps.python()));
+        prepare_venv(&deps, &base_python(), false).unwrap();
+        assert_eq!(fs::read_to_string(deps.python()).unwrap(), fake);
+        match prepare_venv(&deps, &base_python(), true) {
+            Ok(()) => assert!(venv_usable(&deps.python())),
+            // No ensurepip on this machine: the error names the way out.
+            Err(e) => assert!(format!("{e:#}").contains("--reinstall"), "{e:#}"),
+        }
+        assert_ne!(
+            fs::read_to_string(deps.python()).ok().as_deref(),
+            Some(fake)
+        );
         fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -961,16 +1001,20 @@ mod tests {
         let dir = tempdir();
         let deps = Deps { root: dir.clone() };
         let record = dir.join("tmpdir");
-        // A pip that records its TMPDIR (and whether it exists), then fails as on a full disk.
+        // A pip that records its TMPDIR (whether it exists, and holds an earlier pip's
+        // leftovers), then fails as on a full disk.
         let script = format!(
-            "#!/bin/sh\nprintf '%s %s' \"$TMPDIR\" \"$(test -d \"$TMPDIR\" && echo made)\" \
-             > '{}'\necho 'ERROR: [Errno 28] No space left on device' >&2\nexit 1\n",
+            "#!/bin/sh\nprintf '%s %s%s' \"$TMPDIR\" \"$(test -d \"$TMPDIR\" && echo made)\" \
+             \"$(test -e \"$TMPDIR/pip-unpack-1\" && echo ' stale')\" > '{}'\n\
+             echo 'ERROR: [Errno 28] No space left on device' >&2\nexit 1\n",
             record.display()
         );
         fs::create_dir_all(deps.venv().join("bin")).unwrap();
         ddp_testkit::script(&deps.python(), &script);
         let own = dir.join("tmp");
         for unset in [None, Some(OsString::new())] {
+            // An earlier pip killed with its terminal left its downloads.
+            fs::create_dir_all(own.join("pip-unpack-1")).unwrap();
             let err = format!(
                 "{:#}",
                 pip_install_with_tmpdir(&deps, "x", unset).unwrap_err()
@@ -982,7 +1026,10 @@ mod tests {
             assert!(!own.exists(), "{} is left behind", own.display());
             assert!(err.contains("No space left on device"), "{err}");
             assert!(
-                err.contains(&format!("pip's downloads in {}: set TMPDIR", own.display())),
+                err.contains(&format!(
+                    "2.6 GB of downloads in {}, where TMPDIR can point",
+                    own.display()
+                )),
                 "{err}"
             );
         }
@@ -1000,7 +1047,7 @@ mod tests {
         assert!(theirs.exists() && !own.exists());
         assert!(
             err.contains(&format!(
-                "pip's downloads in $TMPDIR ({})",
+                "2.6 GB of downloads in $TMPDIR ({})",
                 theirs.display()
             )),
             "{err}"
@@ -1021,6 +1068,16 @@ mod tests {
         let new = dir.join("python3.10");
         ddp_testkit::script(&new, "#!/bin/sh\necho 'Python 3.10.0rc1'\n");
         assert!(check_python(new.to_string_lossy().into_owned()).is_ok());
+        // torchvision leaves 3.14.1 out.
+        let excluded = dir.join("python3.14");
+        ddp_testkit::script(&excluded, "#!/bin/sh\necho 'Python 3.14.1'\n");
+        let err = check_python(excluded.to_string_lossy().into_owned())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("is Python 3.14.1, which torchvision") && err.contains("DDP_PYTHON"),
+            "{err}"
+        );
         assert_eq!(python_version("Python 3.13.1\n"), Some((3, 13)));
         assert_eq!(python_version("Python 2.7.18"), Some((2, 7)));
         assert_eq!(python_version("python"), None);
