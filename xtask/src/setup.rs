@@ -385,11 +385,13 @@ fn venv_usable(python: &Path) -> bool {
 /// Python that torch has no wheel for).
 fn prepare_venv(deps: &Deps, python: &str, chose: bool) -> Result<()> {
     let venv = deps.venv();
+    // The whole `Python X.Y.Z`: torch's and torchvision's wheels may leave out a patch.
     let version = |p: &Path| {
         let out = Command::new(p).arg("--version").output().ok()?;
-        python_version(&String::from_utf8_lossy(&out.stdout))
+        Some(String::from_utf8_lossy(&out.stdout).trim().to_string())
     };
-    let other = chose && version(&deps.python()) != version(Path::new(python));
+    let made = venv.symlink_metadata().is_ok();
+    let other = chose && made && version(&deps.python()) != version(Path::new(python));
     if venv_usable(&deps.python()) && !other {
         return Ok(());
     }
@@ -399,7 +401,7 @@ fn prepare_venv(deps: &Deps, python: &str, chose: bool) -> Result<()> {
             venv.display()
         );
         remove_install(deps, &venv, clear_tree)?;
-    } else if venv.symlink_metadata().is_ok() {
+    } else if made {
         println!(
             "setup: {} has no working pip (an interrupted or failed setup?); creating it again",
             venv.display()
@@ -977,8 +979,14 @@ mod tests {
     fn a_venv_of_another_python_than_ddp_pythons_is_made_again() {
         let dir = tempdir();
         let deps = Deps { root: dir.clone() };
-        fs::create_dir_all(deps.venv().join("bin")).unwrap();
+        // None yet: DDP_PYTHON's makes it.
+        match prepare_venv(&deps, &base_python(), true) {
+            Ok(()) => assert!(venv_usable(&deps.python())),
+            Err(e) => assert!(format!("{e:#}").contains("--reinstall"), "{e:#}"),
+        }
+        let _ = fs::remove_dir_all(deps.venv());
         // A working venv (pip answers) of Python 3.14.1.
+        fs::create_dir_all(deps.venv().join("bin")).unwrap();
         let fake = "#!/bin/sh\n[ \"$1\" = --version ] && echo 'Python 3.14.1'\nexit 0\n";
         ddp_testkit::script(&deps.python(), fake);
         assert!(venv_usable(&deps.python()));
