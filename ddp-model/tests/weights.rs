@@ -240,6 +240,19 @@ fn a_convnet_loads_from_pth_ddp_pth_and_safetensors_named_bin() {
     assert_eq!(report.loaded, ["head.b", "module.a"]);
     assert_eq!(report.unexpected, ["n_averaged"]);
     assert_eq!(report.stripped_prefix.as_deref(), Some("module."));
+    // An AveragedModel of a DDP or a compiled model: both wrappers go.
+    for (wrapped, stripped) in [
+        ("module.module.a", "module.module."),
+        ("module._orig_mod.a", "module._orig_mod."),
+    ] {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _a = vs.root().zeros("a", &[2]);
+        let counter = ("n_averaged".to_string(), Tensor::from_slice(&[3i64]));
+        let sd = StateDict::new("ema.pth", vec![both(wrapped), counter]);
+        let report = weights::load_state_dict(&vs, &sd, Strictness::Partial).unwrap();
+        assert_eq!(report.loaded, ["a"], "{wrapped}");
+        assert_eq!(report.stripped_prefix.as_deref(), Some(stripped));
+    }
     // The DDP file's names as saved, before loading strips them.
     let ddp = weights::read_state_dict(file("convnet8-ddp.pth")).unwrap();
     assert_eq!(ddp.names().next(), Some("module.features.0.weight"));

@@ -524,13 +524,15 @@ pub fn load_state_dict(
     // The file's names, once stripped, are compared with the model's. A wrapper's prefix
     // that every file name has is stripped unless every model name has it too (a submodule
     // named `module`); one that only some file names have (`AveragedModel`'s, beside its
-    // `n_averaged`), from those names, where more of them are model names without it.
+    // `n_averaged`), from those names, where no model name starts with it or more of them
+    // are model names without it.
     while let Some(wrapper) = [DDP_PREFIX, COMPILE_PREFIX].into_iter().find(|wrapper| {
         let prefix = format!("{stripped}{wrapper}");
         let model_all = !model.is_empty() && model.iter().all(|(n, _)| n.starts_with(wrapper));
         let file_all = !state.is_empty() && state.names().all(|n| n.starts_with(&prefix));
         let file_any = state.names().any(|n| n.starts_with(&prefix));
-        (file_all && !model_all) || (file_any && hits(&prefix) > hits(&stripped))
+        let model_any = model.iter().any(|(n, _)| n.starts_with(wrapper));
+        (file_all && !model_all) || (file_any && (!model_any || hits(&prefix) > hits(&stripped)))
     }) {
         stripped.push_str(wrapper);
     }
