@@ -248,6 +248,15 @@ fn ranks_of_two_nodes_meet_again_after_one_nodes_restart() {
     );
 }
 
+/// Waits (60 s at most) in torchrun's agent store for rank 2's claim of its place in the
+/// first generation of the first group of run `static-test`: c10d's Python client puts `/`
+/// before its keys, as ddp-comm's prefix begins.
+const WAIT_FOR_RANK_2: &str = "import datetime, os\n\
+import torch.distributed as d\n\
+s = d.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False, \
+timeout=datetime.timedelta(seconds=60))\n\
+s.wait(['ddp-comm/static-test/0/g1/join/2'])\n";
+
 /// Two torchrun agents of a static rendezvous (`--node-rank`, two ranks each): each agent
 /// restarts its own node's ranks alone. Node 1's rank 3 fails before it meets, once rank 2
 /// claimed its place; node 1's agent restarts both, while node 0's ranks still wait in that
@@ -262,8 +271,12 @@ fn a_static_rendezvous_meets_again_when_one_node_restarts_while_the_other_waits(
         let failed_once = std::path::PathBuf::from(std::env::var(FAILED_ONCE_ENV).unwrap());
         let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
         if rank == 3 && !failed_once.exists() {
-            // Rank 2 joins the first start meanwhile.
-            std::thread::sleep(Duration::from_secs(3));
+            // Once rank 2 claimed its place in the first start's generation.
+            let claimed = ddp_testkit::setup_python()
+                .args(["-c", WAIT_FOR_RANK_2])
+                .status()
+                .unwrap();
+            assert!(claimed.success(), "rank 2 never claimed its place");
             std::fs::write(&failed_once, "").unwrap();
             println!("STATIC rank 3 fails");
             std::process::exit(1);
@@ -297,6 +310,7 @@ fn a_static_rendezvous_meets_again_when_one_node_restarts_while_the_other_waits(
         .env(WORKER_ENV, "1")
         .env(FAILED_ONCE_ENV, &failed_once)
         .env("DDP_SECRET", "d".repeat(32))
+        .env("DDP_RUN_ID", "static-test")
         .env("DDP_RDZV_TIMEOUT_S", "60")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
@@ -305,6 +319,18 @@ fn a_static_rendezvous_meets_again_when_one_node_restarts_while_the_other_waits(
     let outs = wait_all(vec![agent("0"), agent("1")], Duration::from_secs(150));
     for out in &outs {
         assert!(out.status.success(), "an agent failed:\n{}", show(out));
+    }
+    // Node 0's ranks met again, in a newer generation than the first.
+    let again = "was superseded by a newer start of the ranks (a rank restarted while the \
+                 others met); meeting again";
+    let node0 = String::from_utf8_lossy(&outs[0].stderr);
+    for rank in [0, 1] {
+        let said = format!("ddp-comm: rank {rank}: generation 1 of the ranks' meeting");
+        assert!(
+            node0.contains(&said) && node0.contains(again),
+            "{}",
+            show(&outs[0])
+        );
     }
     let mut said: Vec<String> = outs
         .iter()

@@ -134,8 +134,7 @@ impl ProcessGroup {
         Self::new(Options::from_env()?)
     }
 
-    /// Joins the group described by `opts` (blocks until every rank has arrived, or the
-    /// rendezvous timeout).
+    /// Joins the group `opts` describes (blocks until every rank arrives, or the timeout).
     pub fn new(opts: Options) -> Result<Self, CommError> {
         let env = &opts.env;
         if env.world_size == 0 {
@@ -188,6 +187,7 @@ impl ProcessGroup {
             host_id: env.host_id.clone(),
             shm_capacity: ring_bytes,
             attempt: env.launcher_attempt,
+            retry: false,
         };
         let met = rendezvous::meet(&plan)?;
         let heartbeat = Arc::new(start_heartbeat(&plan, op_timeout, &met));

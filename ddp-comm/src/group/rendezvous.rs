@@ -70,6 +70,9 @@ pub(crate) struct Plan {
     /// The launcher's attempt that started this rank, where its nodes restart their ranks
     /// each on their own (`DDP_LAUNCHER_ATTEMPT`).
     pub attempt: Option<u64>,
+    /// Whether this rank meets again, in a newer generation of torchrun's agent store, after
+    /// one it met in was superseded (`rendezvous/generation.rs`).
+    pub retry: bool,
 }
 
 /// The result: the store connection (kept for NCCL ids) and the prefix of its keys (the
@@ -447,7 +450,7 @@ fn join(
     let addr = s.addr().to_string();
 
     if s.add(&format!("join/{rank}"), 1)? > 1 {
-        if plan.agent_store {
+        if plan.agent_store && generation::supersedes(s, plan)? {
             return Err(generation::claimed(s, rank));
         }
         let detail = format!("rank {rank} was started twice (two processes have RANK={rank})");
@@ -683,6 +686,7 @@ mod tests {
             host_id: Some("test".into()),
             shm_capacity: crate::ring::shm::DEFAULT_CAPACITY,
             attempt: None,
+            retry: false,
         }
     }
 

@@ -15,16 +15,17 @@
 //! rank of the previous round has ended. Under torchrun's static rendezvous each agent
 //! restarts its own node's ranks alone, while the other nodes' ranks may still be meeting:
 //! a restarted rank then finds its number claimed in the generation it sees counting. It
-//! supersedes that generation (its `superseded` key and `abort` say so), and every rank of
-//! it meets again in a newer one: rank 0 opens it, and tells the previous generation it is
-//! superseded too (a rank still waiting there from an earlier start comes over). A rank whose
-//! rendezvous failed otherwise looks for `superseded` for [`GRACE`] first, since a failure
-//! that the restarted ranks caused (a link to a rank of the earlier start that has ended)
-//! can come before it; and no rank leaves its generation until every rank connected its ring
-//! (`met/<rank>`). A generation that its rank 0 has not opened yet is waited for. Counters
-//! carry no tag (`store/signed.rs`): a stranger who adds to them can delay a start, not join
-//! it. A true duplicate (two processes with one RANK) supersedes each generation until the
-//! rendezvous deadline, and the timeout or the claim names it.
+//! supersedes that generation, and every rank of it meets again in a newer one: rank 0
+//! opens it, and on its first try tells the previous generation it is superseded too (a
+//! rank still waiting there from an earlier start comes over). A failure that the restarted
+//! ranks caused can come before the claim (a link to a rank of the earlier start that has
+//! ended): a rank whose rendezvous failed looks for `superseded` for [`GRACE`], and each
+//! generation has one verdict, `superseded` or `stood`, decided by the first rank to ask
+//! (`add("verdict", 1)`), so that no rank gives up while the others meet again. No rank
+//! leaves its generation until every rank connected its ring (`met/<rank>`). A claimed
+//! number on a retry is a duplicated rank, and so is a second rank 0: both fail naming it.
+//! A generation that its rank 0 has not opened yet is waited for. Counters carry no tag
+//! (`store/signed.rs`): a stranger who adds to them can delay a start, not join it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -43,6 +44,10 @@ const TICK: Duration = Duration::from_millis(50);
 const SUPERSEDED: &str = "superseded by a newer start of the ranks";
 /// The key that says a generation is superseded, and why.
 const SUPERSEDED_KEY: &str = "superseded";
+/// The key that says a generation's failure stands: no newer start supersedes it.
+const STOOD_KEY: &str = "stood";
+/// The counter whose first `add` decides between the two, once for every rank.
+const VERDICT_KEY: &str = "verdict";
 /// How long a rank whose rendezvous failed looks for its generation's `superseded`.
 const GRACE: Duration = Duration::from_secs(2);
 
@@ -68,14 +73,26 @@ pub(super) fn meet(plan: &Plan, deadline: Instant) -> Result<Met, CommError> {
     loop {
         let (generation, _ticker) = if plan.rank == 0 {
             let generation = base.add(GENERATION_KEY, 1)?;
-            if generation > 1 {
+            if over > 0 && generation != over + 1 {
+                // Another rank 0 opened the generations between.
+                return Err(CommError::Rendezvous {
+                    addr: base.addr().to_string(),
+                    detail: format!(
+                        "generation {} was opened by another rank 0 while this one met in \
+                         generation {over} (two processes have RANK=0)",
+                        over + 1
+                    ),
+                });
+            }
+            if generation > 1 && over == 0 {
                 // Ranks of an earlier start still meeting there (a static rendezvous's
                 // other nodes) come over; one that cannot be told waits until its deadline.
                 let earlier = in_generation(plan, generation - 1);
                 if let Ok(mut store) = super::connect_store(&earlier, deadline, &None) {
                     let why = format!("generation {} {SUPERSEDED}", generation - 1);
-                    let _ = store.set(SUPERSEDED_KEY, why.as_bytes());
-                    let _ = store.set(super::ABORT_KEY, why.as_bytes());
+                    if let Ok(true) = verdict(store.as_mut(), true, &why, deadline) {
+                        let _ = store.set(super::ABORT_KEY, why.as_bytes());
+                    }
                 }
             }
             let group = plan.clone();
@@ -85,12 +102,21 @@ pub(super) fn meet(plan: &Plan, deadline: Instant) -> Result<Met, CommError> {
             let generation = latest_alive(base.as_mut(), over, deadline, plan.timeout)?;
             (generation, None)
         };
-        let plan = in_generation(plan, generation);
+        let plan = Plan {
+            retry: over > 0,
+            ..in_generation(plan, generation)
+        };
         let met = super::connect_store(&plan, deadline, &None)
             .and_then(|store| super::meet_at(&plan, store, None, deadline))
             .and_then(|met| all_met(&plan, met, deadline));
         match met {
             Err(e) if Instant::now() < deadline && superseded(&e, &plan, deadline) => {
+                tracing::warn!(
+                    "ddp-comm: rank {}: generation {generation} of the ranks' meeting in \
+                     torchrun's agent store was {SUPERSEDED} (a rank restarted while the \
+                     others met); meeting again",
+                    plan.rank
+                );
                 over = generation;
             }
             met => return met,
@@ -120,8 +146,10 @@ fn all_met(plan: &Plan, mut met: Met, deadline: Instant) -> Result<Met, CommErro
 }
 
 /// Whether this rank's failure `err` in the generation of `plan` is that generation's
-/// being superseded: its own claim's, or, within [`GRACE`], the generation's
-/// `superseded` key (a failure that a restarted rank's arrival caused may come first).
+/// being superseded: its own claim's, or another rank's `abort` that says so, or the
+/// generation's verdict. A failure that a restarted rank's arrival caused may come before
+/// its claim: the verdict waits [`GRACE`] for it, and the first rank to decide decides for
+/// all (no rank stands while the others meet again).
 fn superseded(err: &CommError, plan: &Plan, deadline: Instant) -> bool {
     if matches!(err, CommError::Rendezvous { detail, .. } if detail.contains(SUPERSEDED)) {
         return true;
@@ -134,9 +162,57 @@ fn superseded(err: &CommError, plan: &Plan, deadline: Instant) -> bool {
         match store.check(&[SUPERSEDED_KEY.to_string()]) {
             Ok(true) => return true,
             Ok(false) if Instant::now() < until => std::thread::sleep(TICK),
-            _ => return false,
+            Ok(false) => {
+                let why = "the rendezvous failed, and no newer start of the ranks came";
+                return verdict(store.as_mut(), false, why, deadline).unwrap_or(false);
+            }
+            Err(_) => return false,
         }
     }
+}
+
+/// The generation's one verdict, in `store`: whether it is superseded. The first rank to
+/// ask decides it (`supersede`, with `why`); the others follow it.
+fn verdict(
+    store: &mut dyn Store,
+    supersede: bool,
+    why: &str,
+    deadline: Instant,
+) -> Result<bool, CommError> {
+    if store.add(VERDICT_KEY, 1)? == 1 {
+        let key = if supersede { SUPERSEDED_KEY } else { STOOD_KEY };
+        store.set(key, why.as_bytes())?;
+        return Ok(supersede);
+    }
+    loop {
+        if store.check(&[SUPERSEDED_KEY.to_string()])? {
+            return Ok(true);
+        }
+        if store.check(&[STOOD_KEY.to_string()])? || Instant::now() >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(TICK.min(deadline.saturating_duration_since(Instant::now())));
+    }
+}
+
+/// Whether a rank whose number another process claimed in its generation (in `store`)
+/// supersedes that generation: on its first (a rank of an earlier start that still meets
+/// there, from an agent that restarted only its own node's ranks), unless the generation's
+/// verdict stood already. On a retry, or where the verdict stood, it is a duplicated rank.
+pub(super) fn supersedes(store: &mut dyn Store, plan: &Plan) -> Result<bool, CommError> {
+    if plan.retry {
+        return Ok(false);
+    }
+    let why = claim_detail(plan.rank);
+    let deadline = Instant::now() + plan.timeout.min(GRACE * 5);
+    verdict(store, true, &why, deadline)
+}
+
+fn claim_detail(rank: usize) -> String {
+    format!(
+        "rank {rank} of this generation is claimed by a rank {rank} of an earlier start that \
+         still meets: {SUPERSEDED}"
+    )
 }
 
 /// Writes `why` as the `abort` of the latest generation seen alive before `deadline`, if
@@ -153,18 +229,11 @@ pub(super) fn abort_latest(plan: &Plan, deadline: Instant, why: CommError) {
     }
 }
 
-/// The error of a rank whose number another process claimed in its generation, under
-/// torchrun's agent store (a rank of an earlier start that still meets there, or a
-/// duplicated rank), after telling the generation in `store` that it is superseded.
-pub(super) fn claimed(store: &mut dyn Store, rank: usize) -> CommError {
-    let detail = format!(
-        "rank {rank} of this generation is claimed by another process (a rank {rank} of an \
-         earlier start still meeting, or two processes with RANK={rank}): {SUPERSEDED}"
-    );
-    let _ = store.set(SUPERSEDED_KEY, detail.as_bytes());
+/// The error of rank `rank`, whose claim superseded its generation ([`supersedes`]).
+pub(super) fn claimed(store: &dyn Store, rank: usize) -> CommError {
     CommError::Rendezvous {
         addr: store.addr().to_string(),
-        detail,
+        detail: claim_detail(rank),
     }
 }
 
@@ -260,6 +329,23 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(10);
         let addr = [server.local_addr()];
         Box::new(StoreClient::connect(&addr, secret, deadline, Duration::from_secs(10)).unwrap())
+    }
+
+    /// A generation's verdict is its first asker's, and every later one follows it.
+    #[test]
+    fn the_first_verdict_stands_for_every_rank() {
+        let soon = || Instant::now() + Duration::from_secs(5);
+        for first in [true, false] {
+            let (server, secret) = server();
+            let mut a = client(&server, &secret);
+            let mut b = client(&server, &secret);
+            assert_eq!(verdict(a.as_mut(), first, "first", soon()).unwrap(), first);
+            for later in [true, false] {
+                assert_eq!(verdict(b.as_mut(), later, "later", soon()).unwrap(), first);
+            }
+            let key = if first { SUPERSEDED_KEY } else { STOOD_KEY };
+            assert_eq!(b.get(key).unwrap().as_deref(), Some(&b"first"[..]));
+        }
     }
 
     /// An earlier start's generation, whose count no longer changes, is passed over; the
