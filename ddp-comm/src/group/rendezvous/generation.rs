@@ -25,7 +25,7 @@
 //! leaves its generation until every rank connected its ring (`met/<rank>`). A claimed
 //! number on a retry is a duplicated rank, and so is a second rank 0: both fail naming it.
 //! A generation that its rank 0 has not opened yet is waited for. Counters carry no tag
-//! (`store/signed.rs`): a stranger who adds to them can delay a start, not join it.
+//! (`store/signed.rs`): a stranger who adds to them can delay or fail a start, not join it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -72,25 +72,31 @@ pub(super) fn meet(plan: &Plan, deadline: Instant) -> Result<Met, CommError> {
     let mut over = 0;
     loop {
         let (generation, _ticker) = if plan.rank == 0 {
-            let generation = base.add(GENERATION_KEY, 1)?;
-            if over > 0 && generation != over + 1 {
-                // Another rank 0 opened the generations between.
-                return Err(CommError::Rendezvous {
+            let latest = base.add(GENERATION_KEY, 0)?;
+            if over > 0 && latest != over {
+                // Another rank 0 opened a generation since: the ranks waiting in it learn why.
+                let err = CommError::Rendezvous {
                     addr: base.addr().to_string(),
                     detail: format!(
-                        "generation {} was opened by another rank 0 while this one met in \
-                         generation {over} (two processes have RANK=0)",
-                        over + 1
+                        "generation {latest} was opened by another rank 0 while this one met \
+                         in generation {over} (two processes have RANK=0)"
                     ),
+                };
+                let theirs = in_generation(plan, latest);
+                return Err(match super::connect_store(&theirs, deadline, &None) {
+                    Ok(mut store) => super::abort(store.as_mut(), err),
+                    Err(_) => err,
                 });
             }
+            let generation = base.add(GENERATION_KEY, 1)?;
             if generation > 1 && over == 0 {
                 // Ranks of an earlier start still meeting there (a static rendezvous's
                 // other nodes) come over; one that cannot be told waits until its deadline.
                 let earlier = in_generation(plan, generation - 1);
-                if let Ok(mut store) = super::connect_store(&earlier, deadline, &None) {
+                let soon = deadline.min(Instant::now() + GRACE);
+                if let Ok(mut store) = super::connect_store(&earlier, soon, &None) {
                     let why = format!("generation {} {SUPERSEDED}", generation - 1);
-                    if let Ok(true) = verdict(store.as_mut(), true, &why, deadline) {
+                    if let Ok(Some(true)) = verdict(store.as_mut(), true, &why, soon) {
                         let _ = store.set(super::ABORT_KEY, why.as_bytes());
                     }
                 }
@@ -164,7 +170,10 @@ fn superseded(err: &CommError, plan: &Plan, deadline: Instant) -> bool {
             Ok(false) if Instant::now() < until => std::thread::sleep(TICK),
             Ok(false) => {
                 let why = "the rendezvous failed, and no newer start of the ranks came";
-                return verdict(store.as_mut(), false, why, deadline).unwrap_or(false);
+                return matches!(
+                    verdict(store.as_mut(), false, why, deadline),
+                    Ok(Some(true))
+                );
             }
             Err(_) => return false,
         }
@@ -172,24 +181,28 @@ fn superseded(err: &CommError, plan: &Plan, deadline: Instant) -> bool {
 }
 
 /// The generation's one verdict, in `store`: whether it is superseded. The first rank to
-/// ask decides it (`supersede`, with `why`); the others follow it.
+/// ask decides it (`supersede`, with `why`); the others follow it, until `deadline`: `None`
+/// where the first one never wrote it (it died between its `add` and its `set`).
 fn verdict(
     store: &mut dyn Store,
     supersede: bool,
     why: &str,
     deadline: Instant,
-) -> Result<bool, CommError> {
+) -> Result<Option<bool>, CommError> {
     if store.add(VERDICT_KEY, 1)? == 1 {
         let key = if supersede { SUPERSEDED_KEY } else { STOOD_KEY };
         store.set(key, why.as_bytes())?;
-        return Ok(supersede);
+        return Ok(Some(supersede));
     }
     loop {
         if store.check(&[SUPERSEDED_KEY.to_string()])? {
-            return Ok(true);
+            return Ok(Some(true));
         }
-        if store.check(&[STOOD_KEY.to_string()])? || Instant::now() >= deadline {
-            return Ok(false);
+        if store.check(&[STOOD_KEY.to_string()])? {
+            return Ok(Some(false));
+        }
+        if Instant::now() >= deadline {
+            return Ok(None);
         }
         std::thread::sleep(TICK.min(deadline.saturating_duration_since(Instant::now())));
     }
@@ -198,14 +211,15 @@ fn verdict(
 /// Whether a rank whose number another process claimed in its generation (in `store`)
 /// supersedes that generation: on its first (a rank of an earlier start that still meets
 /// there, from an agent that restarted only its own node's ranks), unless the generation's
-/// verdict stood already. On a retry, or where the verdict stood, it is a duplicated rank.
+/// verdict stood already (a verdict never written counts as this one). On a retry, or where
+/// the verdict stood, it is a duplicated rank.
 pub(super) fn supersedes(store: &mut dyn Store, plan: &Plan) -> Result<bool, CommError> {
     if plan.retry {
         return Ok(false);
     }
     let why = claim_detail(plan.rank);
-    let deadline = Instant::now() + plan.timeout.min(GRACE * 5);
-    verdict(store, true, &why, deadline)
+    let deadline = Instant::now() + plan.timeout.min(GRACE);
+    Ok(verdict(store, true, &why, deadline)? != Some(false))
 }
 
 fn claim_detail(rank: usize) -> String {
@@ -339,13 +353,23 @@ mod tests {
             let (server, secret) = server();
             let mut a = client(&server, &secret);
             let mut b = client(&server, &secret);
-            assert_eq!(verdict(a.as_mut(), first, "first", soon()).unwrap(), first);
+            assert_eq!(
+                verdict(a.as_mut(), first, "first", soon()).unwrap(),
+                Some(first)
+            );
             for later in [true, false] {
-                assert_eq!(verdict(b.as_mut(), later, "later", soon()).unwrap(), first);
+                let followed = verdict(b.as_mut(), later, "later", soon()).unwrap();
+                assert_eq!(followed, Some(first));
             }
             let key = if first { SUPERSEDED_KEY } else { STOOD_KEY };
             assert_eq!(b.get(key).unwrap().as_deref(), Some(&b"first"[..]));
         }
+        // A first asker that died before it wrote its verdict leaves none, until the deadline.
+        let (server, secret) = server();
+        let mut a = client(&server, &secret);
+        assert_eq!(a.add(VERDICT_KEY, 1).unwrap(), 1);
+        let shortly = Instant::now() + Duration::from_millis(200);
+        assert_eq!(verdict(a.as_mut(), true, "late", shortly).unwrap(), None);
     }
 
     /// An earlier start's generation, whose count no longer changes, is passed over; the
