@@ -7,7 +7,7 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::{free_port, lines_with, show, wait_all, worker, WORKER_ENV};
@@ -196,28 +196,16 @@ fn ranks_of_two_nodes_meet_again_after_one_nodes_restart() {
     let failed_once = tmp.path().join("failed-once");
     let port = free_port().to_string();
     let agent = |host: bool| {
-        let mut cmd = ddp_testkit::torchrun(tmp.path());
-        cmd.args([
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-            "--max-restarts",
-            "1",
-        ])
-        .args(["--rdzv-backend", "c10d", "--rdzv-id", "two-nodes"])
-        .args(["--rdzv-endpoint", &format!("127.0.0.1:{port}")])
-        .args(["--rdzv-conf", &format!("is_host={host}"), "--no-python"])
-        .arg(std::env::current_exe().unwrap())
-        .args(["--exact", TEST, "--nocapture", "--test-threads", "1"])
-        .env(WORKER_ENV, "1")
-        .env(FAILED_ONCE_ENV, &failed_once)
-        .env("DDP_SECRET", "c".repeat(32))
-        .env("DDP_RDZV_TIMEOUT_S", "60")
-        .env_remove("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-        cmd.spawn().unwrap()
+        let endpoint = format!("127.0.0.1:{port}");
+        let conf = format!("is_host={host}");
+        let args = ["--nproc-per-node", "1", "--rdzv-backend", "c10d"];
+        let rdzv = ["--rdzv-id", "two-nodes", "--rdzv-endpoint", &endpoint];
+        node_agent(
+            tmp.path(),
+            TEST,
+            &failed_once,
+            &[&args[..], &rdzv, &["--rdzv-conf", &conf]],
+        )
     };
     // Node 0 hosts the rendezvous; its rank is rank 0.
     let first = agent(true);
@@ -249,13 +237,13 @@ fn ranks_of_two_nodes_meet_again_after_one_nodes_restart() {
 }
 
 /// Waits (60 s at most) in torchrun's agent store for rank 2's claim of its place in the
-/// first generation of the first group of run `static-test`: c10d's Python client puts `/`
+/// first generation of the first group of run `two-nodes`: c10d's Python client puts `/`
 /// before its keys, as ddp-comm's prefix begins.
 const WAIT_FOR_RANK_2: &str = "import datetime, os\n\
 import torch.distributed as d\n\
 s = d.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False, \
 timeout=datetime.timedelta(seconds=60))\n\
-s.wait(['ddp-comm/static-test/0/g1/join/2'])\n";
+s.wait(['ddp-comm/two-nodes/0/g1/join/2'])\n";
 
 /// Two torchrun agents of a static rendezvous (`--node-rank`, two ranks each): each agent
 /// restarts its own node's ranks alone. Node 1's rank 3 fails before it meets, once rank 2
@@ -293,28 +281,16 @@ fn a_static_rendezvous_meets_again_when_one_node_restarts_while_the_other_waits(
     let failed_once = tmp.path().join("failed-once");
     let port = free_port().to_string();
     let agent = |node: &str| {
-        let mut cmd = ddp_testkit::torchrun(tmp.path());
-        cmd.args([
-            "--nnodes",
-            "2",
+        let args = [
             "--node-rank",
             node,
             "--nproc-per-node",
             "2",
-        ])
-        .args(["--max-restarts", "1", "--rdzv-backend", "static"])
-        .args(["--master-addr", "127.0.0.1", "--master-port", &port])
-        .arg("--no-python")
-        .arg(std::env::current_exe().unwrap())
-        .args(["--exact", TEST, "--nocapture", "--test-threads", "1"])
-        .env(WORKER_ENV, "1")
-        .env(FAILED_ONCE_ENV, &failed_once)
-        .env("DDP_SECRET", "d".repeat(32))
-        .env("DDP_RUN_ID", "static-test")
-        .env("DDP_RDZV_TIMEOUT_S", "60")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-        cmd.spawn().unwrap()
+            "--rdzv-backend",
+            "static",
+        ];
+        let master = ["--master-addr", "127.0.0.1", "--master-port", &port];
+        node_agent(tmp.path(), TEST, &failed_once, &[&args[..], &master])
     };
     let outs = wait_all(vec![agent("0"), agent("1")], Duration::from_secs(150));
     for out in &outs {
@@ -350,4 +326,25 @@ fn a_static_rendezvous_meets_again_when_one_node_restarts_while_the_other_waits(
         show(&outs[0]),
         show(&outs[1])
     );
+}
+
+/// One torchrun agent of the two-node tests (`--nnodes 2 --max-restarts 1`, then `args`)
+/// running `test` of this binary as run `two-nodes`, in the store the agents share with
+/// their ranks; the rank that fails once marks it in `failed_once`.
+fn node_agent(tmp: &Path, test: &str, failed_once: &Path, args: &[&[&str]]) -> Child {
+    let mut cmd = ddp_testkit::torchrun(tmp);
+    cmd.args(["--nnodes", "2", "--max-restarts", "1"])
+        .args(args.concat())
+        .arg("--no-python")
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads", "1"])
+        .env(WORKER_ENV, "1")
+        .env(FAILED_ONCE_ENV, failed_once)
+        .env("DDP_SECRET", "c".repeat(32))
+        .env("DDP_RUN_ID", "two-nodes")
+        .env("DDP_RDZV_TIMEOUT_S", "60")
+        .env_remove("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    cmd.spawn().unwrap()
 }

@@ -102,27 +102,23 @@ pub(crate) fn check_metric_names(
     details: &Map<String, Value>,
     eval_only: bool,
 ) -> Result<(), TrainError> {
-    let fields: &[&str] = if eval_only {
-        &EVAL_FIELDS
+    const EPOCH: &str = "every epoch's report (a line of metrics.jsonl)";
+    const EVAL: &str = "the evaluation's report";
+    let (fields, into): (&[&str], _) = if eval_only {
+        (&EVAL_FIELDS, EVAL)
     } else {
-        &EPOCH_FIELDS
+        (&EPOCH_FIELDS, EPOCH)
     };
     let taken = |names: &Map<String, Value>, fields: &[&str]| {
-        names
-            .keys()
-            .find(|k| fields.contains(&k.as_str()))
-            .map(|k| (k.clone(), fields.join(", ")))
+        names.keys().find(|k| fields.contains(&k.as_str())).cloned()
     };
-    let (which, (name, fields)) = match (taken(report, fields), taken(details, &EVAL_FIELDS)) {
-        (Some(found), _) => ("Stats::report", found),
-        (None, Some(found)) => ("Stats::details", found),
+    let (which, name, fields, report) = match (taken(report, fields), taken(details, &EVAL_FIELDS))
+    {
+        (Some(name), _) => ("Stats::report", name, fields, into),
+        (None, Some(name)) => ("Stats::details", name, &EVAL_FIELDS[..], EVAL),
         (None, None) => return Ok(()),
     };
-    let report = if eval_only || which == "Stats::details" {
-        "the evaluation's report"
-    } else {
-        "every epoch's report (a line of metrics.jsonl)"
-    };
+    let fields = fields.join(", ");
     Err(TrainError::Invalid(format!(
         "the task's {which} names a metric '{name}', which {report} has already: rename it \
          (the report's own fields are {fields})"

@@ -302,7 +302,10 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
             },
         });
     }
-    let server = if rank == 0 && !plan.agent_store {
+    if plan.agent_store {
+        return generation::meet(plan, deadline);
+    }
+    let server = if rank == 0 {
         // Where it cannot be raised, a failed accept names the limit.
         let _ = crate::tcp::raise_open_file_limit(world);
         Some(StoreServer::bind(
@@ -312,9 +315,6 @@ pub(crate) fn meet(plan: &Plan) -> Result<Met, CommError> {
     } else {
         None
     };
-    if plan.agent_store {
-        return generation::meet(plan, deadline);
-    }
     let store = store_of_this_attempt(plan, deadline, &server)?;
     meet_at(plan, store, server, deadline)
 }

@@ -14,9 +14,10 @@
 //! - [`load_state_dict`]: copies a [`StateDict`] into the model's variables (parameters and
 //!   buffers) with dtype conversion and no gradient, as PyTorch's `load_state_dict` does,
 //!   after stripping a `module.` prefix from the names that have it (a file saved from a
-//!   DDP model or an `AveragedModel`, as `consume_prefix_in_state_dict_if_present` does). [`Strictness::Strict`] copies
-//!   nothing unless every name and shape matches and lists every difference in one error;
-//!   [`Strictness::Partial`] copies what matches and reports the rest in its [`LoadReport`].
+//!   DDP model or an `AveragedModel`, as `consume_prefix_in_state_dict_if_present` does).
+//!   [`Strictness::Strict`] copies nothing unless every name and shape matches and lists
+//!   every difference in one error; [`Strictness::Partial`] copies what matches and reports
+//!   the rest in its [`LoadReport`].
 //! - [`load`]: reads a file, then loads it.
 //!
 //! ## The pickle is read by `torch.load(weights_only=True)`'s rule

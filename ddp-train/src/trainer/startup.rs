@@ -61,12 +61,12 @@ impl<T: Task> Trainer<T> {
             .place(env.local_rank, env.local_world_size)?;
         let train_set = task.train_data();
         let val_set = task.val_data();
-        let stats = val_set.as_ref().map(|_| task.new_stats());
-        if let Some(fresh) = &stats {
-            let (report, details) = (fresh.report().into_map(), fresh.details().into_map());
-            crate::report::check_metric_names(&report, &details, settings.checkpoint.eval_only)?;
+        let fresh = val_set.as_ref().map(|_| task.new_stats());
+        let stats = fresh.as_ref().map(|f| f.report().into_map());
+        if let (Some(fresh), Some(report)) = (&fresh, &stats) {
+            let details = fresh.details().into_map();
+            crate::report::check_metric_names(report, &details, settings.checkpoint.eval_only)?;
         }
-        let stats = stats.map(|fresh| fresh.report().into_map());
         if !settings.checkpoint.eval_only {
             settings.check_watched(stats.as_ref())?;
         }
